@@ -1,0 +1,31 @@
+# meshplan: `make demo` runs the main job, `make test` the test suite, `make bench` the benchmarks.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall when the project metadata changes; torch is pinned first so pip takes the CPU wheel.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch>=2.5,<2.14"
+	$(PY) -m pip install -q -e ".[dev,hf]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/meshplan demo --out-dir demo-out
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+
+bench: $(STAMP)
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache build *.egg-info

@@ -1,0 +1,10 @@
+"""`meshplan profile` (being built)."""
+from planner.errors import MeshplanError
+
+
+def add_arguments(parser):
+    parser.add_argument("rest", nargs="*", help="arguments")
+
+
+def run(args) -> int:
+    raise MeshplanError("meshplan profile is not available in this build yet")

@@ -1,0 +1,209 @@
+"""The layer graph every later stage reads: `ModelGraph` of frozen `LayerProfile`s.
+
+All per-layer quantities are for ONE sample (batch 1) at the graph's sequence length, in the
+graph's dtype; multiply by the micro-batch size for a micro-batch. FLOPs count a multiply-add as 2.
+
+Activation bytes are split by how parallelism treats them (Korthikanti et al., "Reducing
+Activation Recomputation in Large Transformer Models", 2022):
+
+- `act_tp_sharded_bytes`: saved tensors inside the tensor-parallel region (q/k/v, MLP
+  intermediate, attention output before the row Linear): divided by t under TP.
+- `act_tp_replicated_bytes`: saved tensors outside it (LayerNorm inputs, residual-stream tensors,
+  dropout masks of the residual): replicated across TP ranks, divided by t only with sequence
+  parallelism.
+- `act_attn_score_bytes`: the s x s attention scores, softmax output and dropout mask (math
+  attention only; zero under flash attention): divided by t under TP, and dropped by selective
+  recomputation.
+- `input_bytes`: the layer input, which full recomputation keeps instead of everything above.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import networkx as nx
+
+LayerKind = Literal["embedding", "block", "head", "other"]
+TPSplitKind = Literal["block", "vocab", "none"]
+LAYER_KINDS = ("embedding", "block", "head", "other")
+TP_SPLIT_KINDS = ("block", "vocab", "none")
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How a layer can be split for tensor parallelism.
+
+    kind "block": Megatron attention + MLP. `column_linears` are split on their output dim,
+    `row_linears` on their input dim; each row Linear ends with one all-reduce of the hidden-size
+    output in forward (and one in backward before the column Linears), so
+    `num_allreduce_per_pass` = number of row Linears (2 for a transformer block). The TP degree
+    must divide `num_heads` and `num_kv_heads`.
+    kind "vocab": vocab-parallel embedding or output head; TP degree must divide `vocab_size`.
+    kind "none": not splittable; replicated on every TP rank.
+    """
+
+    kind: TPSplitKind = "none"
+    column_linears: tuple[str, ...] = ()
+    row_linears: tuple[str, ...] = ()
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    vocab_size: int = 0
+    num_allreduce_per_pass: int = 0
+
+    def __post_init__(self):
+        if self.kind not in TP_SPLIT_KINDS:
+            raise ValueError(f"TPSplit.kind must be one of {TP_SPLIT_KINDS}, got {self.kind!r}")
+        for name in ("num_heads", "num_kv_heads", "vocab_size", "num_allreduce_per_pass"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TPSplit.{name} must be >= 0, got {getattr(self, name)}")
+
+    def max_degree_ok(self, tp: int) -> bool:
+        """Whether this layer can be split `tp` ways."""
+        if tp == 1 or self.kind == "none":
+            return True
+        if self.kind == "block":
+            return self.num_heads % tp == 0 and (self.num_kv_heads or self.num_heads) % tp == 0
+        return self.vocab_size % tp == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer of the model, for one sample at the profiled sequence length."""
+
+    name: str
+    kind: LayerKind
+    fwd_flops: int
+    bwd_flops: int
+    num_params: int
+    param_bytes: int
+    act_tp_sharded_bytes: int
+    act_tp_replicated_bytes: int
+    act_attn_score_bytes: int
+    input_bytes: int
+    output_bytes: int
+    tp_split: TPSplit = field(default_factory=TPSplit)
+    repeat_of: str | None = None
+    causal_fwd_flops: int = 0
+    # Parameters this layer uses but another layer owns (tied embedding in the head): counted
+    # there, but their gradient must be reduced between the two stages that hold copies.
+    shared_params: int = 0
+
+    def __post_init__(self):
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"layer {self.name!r}: kind must be one of {LAYER_KINDS}, got {self.kind!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"layer {self.name!r}: {f.name} must be >= 0, got {value}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes autograd saves for backward, without parallelism or recomputation."""
+        return self.act_tp_sharded_bytes + self.act_tp_replicated_bytes + self.act_attn_score_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.fwd_flops + self.bwd_flops
+
+    def to_json(self, batch: int = 1) -> dict[str, Any]:
+        """JSON view for `meshplan profile --json`, scaled to `batch` samples."""
+        per_sample = ("fwd_flops", "bwd_flops", "causal_fwd_flops", "act_tp_sharded_bytes",
+                      "act_tp_replicated_bytes", "act_attn_score_bytes", "input_bytes", "output_bytes")
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "tp_split":
+                value = value.to_json()
+            elif f.name in per_sample:
+                value = value * batch
+            out[f.name] = value
+        out["params"] = self.num_params
+        out["activation_bytes"] = self.activation_bytes * batch
+        return out
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Architecture facts the cost model and the solver need beyond the per-layer numbers."""
+
+    family: str  # "gpt", "llama", "file", "hf"
+    num_layers: int = 0  # transformer blocks
+    hidden: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    ffn: int = 0
+    vocab: int = 0  # as published
+    padded_vocab: int = 0  # as built (padded to a multiple of 128 for tp=1)
+    tied_embeddings: bool = False
+    max_positions: int = 0
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """Layers in execution order, with the networkx DiGraph whose edges carry boundary bytes.
+
+    `graph` nodes are layer names with attribute `profile` (the LayerProfile); edge (u, v) has
+    attribute `bytes` = bytes per sample flowing from u to v.
+    """
+
+    spec: str
+    seq: int
+    dtype: str
+    attention: str
+    layers: tuple[LayerProfile, ...]
+    info: ModelInfo
+    graph: nx.DiGraph = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError(f"model {self.spec!r} has no layers")
+        if self.seq <= 0:
+            raise ValueError(f"sequence length must be positive, got {self.seq}")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.spec!r} has duplicate layer names")
+        if self.graph is None:
+            object.__setattr__(self, "graph", build_chain_graph(self.layers))
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(layer.bwd_flops for layer in self.layers)
+
+    def layer(self, name: str) -> LayerProfile:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    def repeat_groups(self) -> list[tuple[str, list[int]]]:
+        """Runs of identical consecutive layers: [(type name, [indices])] in order."""
+        groups: list[tuple[str, list[int]]] = []
+        for index, layer in enumerate(self.layers):
+            key = layer.repeat_of or layer.name
+            if groups and groups[-1][0] == key:
+                groups[-1][1].append(index)
+            else:
+                groups.append((key, [index]))
+        return groups
+
+
+def build_chain_graph(layers: tuple[LayerProfile, ...]) -> nx.DiGraph:
+    """The execution-order chain: each layer feeds the next with its output bytes."""
+    graph = nx.DiGraph()
+    for layer in layers:
+        graph.add_node(layer.name, profile=layer)
+    for prev, nxt in zip(layers, layers[1:]):
+        graph.add_edge(prev.name, nxt.name, bytes=prev.output_bytes)
+    return graph

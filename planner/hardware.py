@@ -1,0 +1,281 @@
+"""Cluster profiles: hardware numbers as data (`profiles/*.toml`), loaded into frozen dataclasses.
+
+A profile file looks like:
+
+    schema_version = 1
+    name = "h100-sxm"
+    description = "DGX H100 nodes"
+    source = "NVIDIA H100 datasheet; DGX H100 user guide"
+
+    [device]
+    name = "H100 SXM5 80GB"
+    memory_bytes = 85899345920
+    memory_bw_bytes_per_s = 3.35e12
+    peak_flops_per_s = { bf16 = 989e12, fp16 = 989e12, fp32 = 67e12, tf32 = 494e12 }
+    matmul_efficiency = 0.80            # achieved fraction of peak for large GEMMs
+    matmul_half_efficiency_flops = 2e9  # GEMM size (FLOPs) at which efficiency is half of that
+    memory_efficiency = 0.85            # achieved fraction of memory bandwidth
+    kernel_overhead_s = 5e-6            # fixed cost per layer kernel sequence (dispatch/launch)
+    reserved_memory_bytes = 3e9         # CUDA context, allocator fragmentation, NCCL buffers
+
+    [topology]
+    gpus_per_node = 8
+    max_nodes = 4096
+
+    [topology.intra_node]   # NVLink/NVSwitch
+    bw_bytes_per_s = 450e9  # per GPU, one direction
+    latency_s = 5e-6
+    efficiency = 0.8        # achieved fraction of bw for large collectives
+
+    [topology.inter_node]   # InfiniBand
+    ...
+
+Every number should carry its source in a comment or a `source` field. Unknown keys, missing
+fields, wrong types and non-positive values are errors naming the file and the field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from planner.errors import MeshplanError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover
+    import tomli as tomllib  # type: ignore[no-redef]
+
+SCHEMA_VERSION = 1
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
+
+
+def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One level of the network: NVLink inside a node, or the inter-node fabric."""
+
+    bw_bytes_per_s: float  # per GPU, one direction (bus bandwidth a ring collective can use)
+    latency_s: float  # per message hop (alpha)
+    efficiency: float = 1.0  # achieved fraction of bw for large collectives
+    source: str = ""
+
+    def __post_init__(self):
+        _check_positive("link", "bw_bytes_per_s", self.bw_bytes_per_s)
+        _check_positive("link", "latency_s", self.latency_s, allow_zero=True)
+        _check_positive("link", "efficiency", self.efficiency)
+        if self.efficiency > 1:
+            raise ValueError(f"link.efficiency is a fraction in (0, 1], got {self.efficiency}")
+
+    @property
+    def effective_bw_bytes_per_s(self) -> float:
+        return self.bw_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator (or, for the `cpu` profile, one local training process)."""
+
+    name: str
+    memory_bytes: float
+    memory_bw_bytes_per_s: float
+    peak_flops_per_s: dict[str, float]
+    matmul_efficiency: float = 0.8
+    matmul_half_efficiency_flops: float = 0.0
+    memory_efficiency: float = 0.8
+    kernel_overhead_s: float = 0.0
+    reserved_memory_bytes: float = 0.0
+    supports_bf16: bool = True
+    source: str = ""
+
+    def __post_init__(self):
+        _check_positive("device", "memory_bytes", self.memory_bytes)
+        _check_positive("device", "memory_bw_bytes_per_s", self.memory_bw_bytes_per_s)
+        if not self.peak_flops_per_s:
+            raise ValueError("device.peak_flops_per_s needs at least one dtype, e.g. { fp32 = 1e12 }")
+        for dtype, value in self.peak_flops_per_s.items():
+            if dtype not in DTYPES:
+                raise ValueError(f"device.peak_flops_per_s has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+            _check_positive("device.peak_flops_per_s", dtype, value)
+        for name in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            _check_positive("device", name, value)
+            if value > 1:
+                raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
+        for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes"):
+            _check_positive("device", name, getattr(self, name), allow_zero=True)
+        if self.reserved_memory_bytes >= self.memory_bytes:
+            raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "
+                             f"memory_bytes ({self.memory_bytes:.3g})")
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype, falling back to the closest one listed."""
+        for candidate in (dtype, "bf16" if dtype == "fp16" else "fp16", "tf32" if dtype == "fp32" else "fp32", "fp32"):
+            if candidate in self.peak_flops_per_s:
+                return self.peak_flops_per_s[candidate]
+        return max(self.peak_flops_per_s.values())
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_memory_bytes
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """A homogeneous cluster: one device type, nodes of `gpus_per_node`, two network levels."""
+
+    name: str
+    device: DeviceProfile
+    gpus_per_node: int
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+    max_nodes: int = 1_000_000
+    description: str = ""
+    source: str = ""
+    schema_version: int = SCHEMA_VERSION
+    # Per-step costs of one optimizer step: AdamW reads/writes ~ this many bytes per parameter
+    # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
+    optimizer_bytes_per_param: float = 16.0
+
+    def __post_init__(self):
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node <= 0:
+            raise ValueError(f"topology.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes <= 0:
+            raise ValueError(f"topology.max_nodes must be a positive integer, got {self.max_nodes!r}")
+        if self.schema_version > SCHEMA_VERSION or self.schema_version < 1:
+            raise ValueError(f"schema_version {self.schema_version} is not supported (this meshplan reads 1..{SCHEMA_VERSION})")
+        _check_positive("cluster", "optimizer_bytes_per_param", self.optimizer_bytes_per_param)
+
+    def link_for_group(self, group_size: int, stride: int = 1) -> LinkProfile:
+        """The slowest link a collective over `group_size` ranks spaced `stride` apart crosses."""
+        span = (group_size - 1) * stride + 1
+        return self.intra_node if span <= self.gpus_per_node else self.inter_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """The TOML-shaped dict (round-trips through `cluster_from_dict`)."""
+        return {
+            "schema_version": self.schema_version, "name": self.name, "description": self.description,
+            "source": self.source, "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
+            "device": asdict(self.device),
+            "topology": {"gpus_per_node": self.gpus_per_node, "max_nodes": self.max_nodes,
+                         "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node)},
+        }
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"[{where}] must be a table, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown field {where}.{unknown[0]}; known fields: {', '.join(sorted(known))}")
+    required = [f.name for f in fields(cls) if f.default is f.default_factory is __import__("dataclasses").MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ValueError(f"missing field {where}.{missing[0]}")
+    for name, value in data.items():
+        expected = known[name].type
+        if "float" in str(expected) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{where}.{name} must be a number, got {value!r}")
+        if str(expected) == "str" and not isinstance(value, str):
+            raise ValueError(f"{where}.{name} must be a string, got {value!r}")
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
+    """Validate and build a ClusterProfile from the TOML-shaped dict."""
+    data = dict(data)
+    topology = dict(data.pop("topology", None) or {})
+    if "device" not in data:
+        raise ValueError("missing table [device]")
+    if not topology:
+        raise ValueError("missing table [topology]")
+    device = _build(DeviceProfile, data.pop("device"), "device")
+    links = {}
+    for level in ("intra_node", "inter_node"):
+        if level not in topology:
+            raise ValueError(f"missing table [topology.{level}]")
+        links[level] = _build(LinkProfile, topology.pop(level), f"topology.{level}")
+    unknown = sorted(set(topology) - {"gpus_per_node", "max_nodes"})
+    if unknown:
+        raise ValueError(f"unknown field topology.{unknown[0]}; known: gpus_per_node, max_nodes, intra_node, inter_node")
+    if "gpus_per_node" not in topology:
+        raise ValueError("missing field topology.gpus_per_node")
+    top_known = {"schema_version", "name", "description", "source", "optimizer_bytes_per_param"}
+    unknown = sorted(set(data) - top_known)
+    if unknown:
+        raise ValueError(f"unknown top-level field {unknown[0]}; known: {', '.join(sorted(top_known))}, [device], [topology]")
+    if "name" not in data:
+        raise ValueError("missing field name")
+    try:
+        return ClusterProfile(device=device, gpus_per_node=topology["gpus_per_node"],
+                              max_nodes=topology.get("max_nodes", 1_000_000), **links, **data)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(path.stem for path in PROFILES_DIR.glob("*.toml"))
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterProfile:
+    """Load a built-in profile by name (`h100-sxm`) or a TOML file by path."""
+    text_name = str(name_or_path)
+    path = Path(text_name)
+    if not (text_name.endswith(".toml") or path.exists()):
+        path = PROFILES_DIR / f"{text_name}.toml"
+        if not path.exists():
+            raise MeshplanError(f"unknown cluster profile {text_name!r}; built-in profiles: "
+                                f"{', '.join(builtin_profiles())}, or pass a path to a .toml file")
+    if not path.exists():
+        raise MeshplanError(f"cluster profile file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise MeshplanError(f"{path}: not valid TOML ({exc})") from None
+    try:
+        return cluster_from_dict(data)
+    except ValueError as exc:
+        raise MeshplanError(f"{path}: {exc}") from None
+
+
+def dump_cluster_toml(cluster: ClusterProfile) -> str:
+    """Serialise a profile to TOML text (the subset of TOML the profiles use)."""
+    data = cluster.to_dict()
+    lines: list[str] = []
+    _emit_table(lines, [], data)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _emit_table(lines: list[str], prefix: list[str], data: dict[str, Any]) -> None:
+    tables = {k: v for k, v in data.items() if isinstance(v, dict) and k != "peak_flops_per_s"}
+    for key, value in data.items():
+        if key not in tables:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in tables.items():
+        lines.append("")
+        lines.append(f"[{'.'.join(prefix + [key])}]")
+        _emit_table(lines, prefix + [key], value)

@@ -1,0 +1,227 @@
+"""Decoder-only transformers (GPT and Llama families) in plain PyTorch, meta-device friendly.
+
+Module boundaries are the ones parallelism needs (torchtitan's layout):
+  `embed`  -> one node / the first pipeline stage's entry (vocab-parallel under TP),
+  `blocks` -> nn.ModuleList of identical blocks (attention q/k/v/o Linears, MLP column->row pair),
+  `head`   -> final norm + output Linear (vocab-parallel under TP); the loss is `lm_loss`.
+Attention infers its local head count from the projection width, so it keeps working after
+tensor parallelism shards q/k/v by heads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    family: str  # "gpt" or "llama"
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab: int
+    ffn: int = 0  # 0: 4 * hidden
+    num_kv_heads: int = 0  # 0: num_heads
+    max_positions: int = 1024  # learned positions (GPT); ignored by Llama (RoPE)
+    tied_embeddings: bool = True
+    vocab_multiple: int = 128  # Megatron-LM pads the vocabulary to a multiple of 128 * tp
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden", "num_heads", "vocab", "max_positions", "vocab_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.family not in ("gpt", "llama"):
+            raise ValueError(f"family must be 'gpt' or 'llama', got {self.family!r}")
+        if self.hidden % self.num_heads:
+            raise ValueError(f"heads ({self.num_heads}) must divide hidden ({self.hidden})")
+        if self.ffn < 0 or self.num_kv_heads < 0:
+            raise ValueError("ffn and kv_heads must be >= 0")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.num_heads})")
+        if self.family == "llama" and (self.hidden // self.num_heads) % 2:
+            raise ValueError(f"RoPE needs an even head dim, got hidden/heads = {self.hidden // self.num_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        multiple = self.vocab_multiple * tp
+        return -(-self.vocab // multiple) * multiple
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def _norm(cfg: TransformerConfig) -> nn.Module:
+    if cfg.family == "gpt":
+        return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+    return RMSNorm(cfg.hidden, cfg.norm_eps)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq, head_dim / 2), computed on the fly (no buffers to shard)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]); x is (batch, heads, seq, head_dim)."""
+    x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
+    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        bias = cfg.family == "gpt"
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta if cfg.family == "llama" else 0.0
+        self.q = nn.Linear(cfg.hidden, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.v = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # (batch, seq, local_heads * head_dim) -> (batch, local_heads, seq, head_dim)
+        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.rope_theta:
+            cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, device=x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head across a group
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """GELU MLP (GPT: fc -> proj) or SwiGLU (Llama: gate, up -> down). Column Linears first."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.swiglu = cfg.family == "llama"
+        bias = cfg.family == "gpt"
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.hidden, cfg.ffn_dim, bias=False)
+        self.up = nn.Linear(cfg.hidden, cfg.ffn_dim, bias=bias)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: TransformerConfig, padded_vocab: int):
+        super().__init__()
+        self.tok = nn.Embedding(padded_vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.max_positions, cfg.hidden) if cfg.family == "gpt" else None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(tokens.shape[-1], device=tokens.device))
+        return h
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: TransformerConfig, padded_vocab: int):
+        super().__init__()
+        self.norm = _norm(cfg)
+        self.proj = nn.Linear(cfg.hidden, padded_vocab, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(h))
+
+
+class CausalLM(nn.Module):
+    """embed -> blocks -> head; `forward(tokens) -> logits` of shape (batch, seq, padded_vocab)."""
+
+    def __init__(self, cfg: TransformerConfig, tp: int = 1):
+        super().__init__()
+        self.cfg = cfg
+        self.padded_vocab = cfg.padded_vocab(tp)
+        self.embed = Embedding(cfg, self.padded_vocab)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.head = Head(cfg, self.padded_vocab)
+        if cfg.tied_embeddings:
+            self.head.proj.weight = self.embed.tok.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32 (targets are already shifted)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic init from `seed`, by parameter name order, independent of the device.
+
+    Linears and embeddings ~ N(0, std) (output projections scaled by 1/sqrt(2 * layers) as in
+    GPT-2), biases 0, norm weights 1. Values are drawn on CPU so every rank and the single-process
+    reference get identical full tensors for the same seed.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_layers = len(getattr(model, "blocks", [])) or 1
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        if name.endswith("bias"):
+            values = torch.zeros(param.shape)
+        elif "norm" in name:
+            values = torch.ones(param.shape)
+        else:
+            scale = std / math.sqrt(2 * num_layers) if name.endswith(("o.weight", "down.weight")) else std
+            values = torch.randn(param.shape, generator=generator) * scale
+        param.copy_(values.to(dtype=param.dtype, device=param.device))
