@@ -9,10 +9,10 @@ STAMP := $(VENV)/.installed
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall when the project metadata changes; torch is pinned first so pip takes the CPU wheel.
+# Reinstall when the project metadata changes. torch 2.13.0 first: on a CPU machine that is the
+# CPU wheel, while a looser range may resolve to a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch>=2.5,<2.14"
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.5,<2.14"
 	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $(STAMP)
 
