@@ -210,6 +210,17 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     GPT-2), biases 0, norm weights 1. Values are drawn on CPU so every rank and the single-process
     reference get identical full tensors for the same seed.
     """
+    for _, param, values in iter_init_values(model, seed, std):
+        param.copy_(values.to(dtype=param.dtype, device=param.device))
+
+
+@torch.no_grad()
+def iter_init_values(model: nn.Module, seed: int, std: float = 0.02):
+    """Yield (name, param, full fp32 CPU values) in `init_weights` order, one parameter at a time.
+
+    The model may live on the meta device: a sharded executor draws every value in the same
+    order and keeps only its own slices, so it never holds more than one full parameter.
+    """
     generator = torch.Generator().manual_seed(seed)
     num_layers = len(getattr(model, "blocks", [])) or 1
     seen: set[int] = set()
@@ -224,4 +235,4 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
         else:
             scale = std / math.sqrt(2 * num_layers) if name.endswith(("o.weight", "down.weight")) else std
             values = torch.randn(param.shape, generator=generator) * scale
-        param.copy_(values.to(dtype=param.dtype, device=param.device))
+        yield name, param, values
