@@ -1,0 +1,129 @@
+"""Pipeline schedules: the ordered compute actions each pipeline rank runs in one training step.
+
+The orders are the ones torch 2.13's `torch.distributed.pipelining` schedules execute (the
+executor runs `ScheduleGPipe`, `Schedule1F1B` and `ScheduleInterleaved1F1B`); a multi-process
+test records what those classes actually call and compares. They are generated directly, in
+O(pp * microbatches * virtual_stages), without importing torch: building torch's own interleaved
+table for large pipelines takes seconds, far too slow for a planner that simulates many plans.
+
+Notation: p = pipeline ranks, m = micro-batches, v = virtual stages (model chunks per rank).
+Model chunk c runs on rank `c % p` as its virtual stage `c // p` (Megatron-LM's interleaving).
+
+- GPipe (`ScheduleGPipe._step_microbatches`): all m forwards, then all m backwards, in order.
+- 1F1B (`Schedule1F1B._step_microbatches`): rank k runs w = min(m, p - k) warm-up forwards,
+  then alternates one backward and one forward until the forwards run out, then drains the
+  backwards. At most w micro-batches are in flight on rank k.
+- Interleaved 1F1B (`ScheduleInterleaved1F1B._calculate_single_rank_operations`, Narayanan et
+  al. 2021): micro-batches go round in groups of `r = m // max(1, m // p)`; rank k runs
+  w = min((v - 1) * r + 2 * (p - 1 - k), m * v) warm-up forwards (chunk of step s: (s // r) % v),
+  then forward/backward pairs (backward chunk of step s: v - 1 - ((s - w) // r) % v, deepest
+  chunk first), then the remaining w backwards.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+
+
+class Action(NamedTuple):
+    """One compute action: the forward or (full) backward of one micro-batch of one model chunk."""
+
+    kind: str  # "F" or "B"
+    chunk: int  # model chunk index = virtual_stage * pp + rank
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.chunk}{self.kind}{self.microbatch}"
+
+
+def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULE_NAMES)}")
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("virtual_stages", virtual_stages)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if not 0 <= rank < num_stages:
+        raise ValueError(f"rank {rank} is outside the pipeline of {num_stages} stages")
+    if schedule != "interleaved" and virtual_stages != 1:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank; {virtual_stages} virtual stages "
+                         "need the interleaved schedule")
+    if schedule == "1f1b" and num_microbatches < num_stages:
+        raise ValueError(f"1F1B needs at least as many micro-batches ({num_microbatches}) as stages ({num_stages})")
+    if schedule == "interleaved":
+        rounds = max(1, num_microbatches // num_stages)
+        if num_microbatches % rounds:
+            raise ValueError(f"interleaved 1F1B needs the micro-batch count ({num_microbatches}) to be a multiple "
+                             f"of the number of rounds ({rounds}); use a multiple of pp={num_stages}")
+
+
+def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+                 rank: int) -> list[Action]:
+    """The compute actions pipeline rank `rank` runs, in execution order."""
+    _check(schedule, num_stages, num_microbatches, virtual_stages, rank)
+    if schedule == "gpipe":
+        return ([Action("F", rank, mb) for mb in range(num_microbatches)]
+                + [Action("B", rank, mb) for mb in range(num_microbatches)])
+    if schedule == "1f1b":
+        return _one_f_one_b(num_stages, num_microbatches, rank)
+    return _interleaved(num_stages, num_microbatches, virtual_stages, rank)
+
+
+def _one_f_one_b(num_stages: int, num_microbatches: int, rank: int) -> list[Action]:
+    warmup = min(num_microbatches, num_stages - rank)
+    actions = [Action("F", rank, mb) for mb in range(warmup)]
+    next_fwd, next_bwd = warmup, 0
+    while True:  # steady state: one backward, then one forward
+        actions.append(Action("B", rank, next_bwd))
+        next_bwd += 1
+        if next_fwd == num_microbatches:
+            break
+        actions.append(Action("F", rank, next_fwd))
+        next_fwd += 1
+    actions.extend(Action("B", rank, mb) for mb in range(next_bwd, num_microbatches))
+    return actions
+
+
+def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list[Action]:
+    per_round = num_microbatches // max(1, num_microbatches // num_stages)
+    total = num_microbatches * virtual_stages
+    warmup = min((virtual_stages - 1) * per_round + 2 * (num_stages - 1 - rank), total)
+    next_fwd_mb = [0] * virtual_stages
+    next_bwd_mb = [0] * virtual_stages
+    actions: list[Action] = []
+
+    def forward(step: int) -> None:
+        local = (step // per_round) % virtual_stages
+        actions.append(Action("F", local * num_stages + rank, next_fwd_mb[local]))
+        next_fwd_mb[local] += 1
+
+    def backward(step: int) -> None:
+        local = virtual_stages - 1 - ((step - warmup) // per_round) % virtual_stages
+        actions.append(Action("B", local * num_stages + rank, next_bwd_mb[local]))
+        next_bwd_mb[local] += 1
+
+    for step in range(warmup):
+        forward(step)
+    for step in range(warmup, total):  # steady state: one forward, then one backward
+        forward(step)
+        backward(step)
+    for step in range(total, total + warmup):
+        backward(step)
+    return actions
+
+
+def schedule_actions(schedule: str, num_stages: int, num_microbatches: int,
+                     virtual_stages: int = 1) -> tuple[tuple[Action, ...], ...]:
+    """`rank_actions` for every pipeline rank, indexed by rank."""
+    return tuple(tuple(rank_actions(schedule, num_stages, num_microbatches, virtual_stages, rank))
+                 for rank in range(num_stages))
+
+
+def max_in_flight(actions: list[Action] | tuple[Action, ...]) -> int:
+    """Most micro-batch chunks whose forward ran and whose backward has not (activations held)."""
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
