@@ -183,10 +183,14 @@ def _build(cls, data: dict[str, Any], where: str):
         raise ValueError(f"missing field {where}.{missing[0]}")
     for name, value in data.items():
         expected = known[name].type
-        if "float" in str(expected) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if str(expected) == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{where}.{name} must be a number, got {value!r}")
         if str(expected) == "str" and not isinstance(value, str):
             raise ValueError(f"{where}.{name} must be a string, got {value!r}")
+        if str(expected).startswith("dict") and not isinstance(value, dict):
+            raise ValueError(f"{where}.{name} must be a table such as {{ bf16 = 1e12 }}, got {value!r}")
+        if str(expected) == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
     try:
         return cls(**data)
     except ValueError as exc:

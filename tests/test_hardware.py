@@ -1,0 +1,63 @@
+"""Cluster profiles: every shipped profile loads, round-trips, and bad files fail clearly."""
+import tomllib
+
+import pytest
+
+from planner.errors import MeshplanError
+from planner.hardware import builtin_profiles, cluster_from_dict, dump_cluster_toml, load_cluster
+
+
+def test_shipped_profiles_load_and_round_trip():
+    names = builtin_profiles()
+    assert {"a100-40g", "a100-80g", "h100-sxm", "h200", "cpu"} <= set(names)
+    for name in names:
+        cluster = load_cluster(name)
+        assert cluster.name == name
+        assert cluster.device.source and cluster.intra_node.source and cluster.inter_node.source
+        assert cluster_from_dict(tomllib.loads(dump_cluster_toml(cluster))) == cluster
+
+
+def test_datasheet_numbers():
+    h100 = load_cluster("h100-sxm")
+    assert h100.device.peak_flops("bf16") == 989e12
+    assert h100.gpus_per_node == 8 and h100.intra_node.bw_bytes_per_s == 450e9 and h100.inter_node.bw_bytes_per_s == 50e9
+    a100 = load_cluster("a100-40g")
+    assert a100.device.peak_flops("bf16") == 312e12 and a100.inter_node.bw_bytes_per_s == 25e9
+    assert load_cluster("h200").device.memory_bytes == 141e9
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    return path
+
+
+def _base_text():
+    return dump_cluster_toml(load_cluster("a100-80g"))
+
+
+def test_unknown_field_names_file_and_field(tmp_path):
+    path = _write(tmp_path, _base_text().replace("[device]\n", "[device]\nwarp_drive = 1\n"))
+    with pytest.raises(MeshplanError, match=r"p\.toml.*device\.warp_drive"):
+        load_cluster(path)
+
+
+def test_missing_and_negative_fields(tmp_path):
+    text = "\n".join(line for line in _base_text().splitlines() if not line.startswith("memory_bytes"))
+    with pytest.raises(MeshplanError, match="missing field device.memory_bytes"):
+        load_cluster(_write(tmp_path, text))
+    bad = _base_text().replace("memory_bw_bytes_per_s = ", "memory_bw_bytes_per_s = -")
+    with pytest.raises(MeshplanError, match="memory_bw_bytes_per_s"):
+        load_cluster(_write(tmp_path, bad))
+
+
+def test_older_schema_version_loads_and_newer_is_refused(tmp_path):
+    text = _base_text()
+    assert load_cluster(_write(tmp_path, text)).schema_version == 1
+    with pytest.raises(MeshplanError, match="schema_version 99"):
+        load_cluster(_write(tmp_path, text.replace("schema_version = 1", "schema_version = 99")))
+
+
+def test_unknown_builtin_lists_the_known_ones():
+    with pytest.raises(MeshplanError, match="a100-80g"):
+        load_cluster("tpu-v9")
