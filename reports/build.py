@@ -1,0 +1,68 @@
+"""Assemble a report: read inputs, get the step timeline, build every section, wrap it in a page."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from planner.errors import MeshplanError
+from planner.plan import Plan, load_plan
+from reports.alternatives import alternatives_section
+from reports.compare import Measurement, compare, load_measurement
+from reports.html import page
+from reports.measured import measured_section
+from reports.sections import breakdown_section, layers_section, memory_section, summary_section, timeline_section
+from reports.timeline import load_trace, simulate_timeline, with_idle
+
+
+def _as_plan(plan) -> tuple[Plan, str]:
+    if isinstance(plan, Plan):
+        return plan, f"(plan {plan.digest})"
+    return load_plan(plan), Path(plan).name
+
+
+def _as_measurements(measurements: Sequence) -> list[Measurement]:
+    return [m if isinstance(m, Measurement) else load_measurement(m) for m in measurements]
+
+
+def _timeline(plan: Plan, trace) -> tuple[list, Sequence, dict[str, Any] | None, str]:
+    """(intervals, memory timeline, simulated prediction or None, where they came from)."""
+    if trace is not None:
+        if isinstance(trace, (str, Path)):
+            return load_trace(trace), (), None, f"trace file {Path(trace).name}"
+        return list(trace), (), None, "timeline given by the caller"
+    try:
+        simulated = simulate_timeline(plan)
+    except (MeshplanError, ValueError) as exc:
+        return [], (), None, f"the simulator could not re-play this plan ({exc})"
+    if simulated is None:
+        return [], (), None, "the simulator is not available in this installation; pass --trace"
+    return list(simulated.timeline), simulated.memory_timeline, simulated.to_json(), "the simulator re-playing the plan"
+
+
+def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None) -> str:
+    plan, source_name = _as_plan(plan)
+    runs = _as_measurements(measurements)
+    intervals, memory_timeline, simulated, source_note = _timeline(plan, trace)
+    prediction = plan.prediction or simulated
+    if not prediction or "step_time_s" not in prediction:
+        raise MeshplanError("the plan carries no prediction and the simulator could not make one; "
+                            "create the plan with `meshplan plan`")
+    if plan.prediction is None:
+        plan = plan.with_prediction(prediction)
+    intervals = with_idle(intervals, float(prediction["step_time_s"]))
+    sections = [
+        summary_section(plan, prediction, source_name),
+        layers_section(plan),
+        memory_section(plan, prediction, memory_timeline),
+        timeline_section(intervals, prediction, source_note),
+        breakdown_section(plan, prediction),
+        alternatives_section(plan),
+    ]
+    if runs:
+        sections.append(measured_section(compare(plan, runs), runs))
+    import plotly.offline
+
+    heading = title or f"meshplan report: {plan.model.spec} on {plan.config.gpus} x {plan.cluster.device.name}"
+    subtitle = (f"{plan.cluster.name}, mesh pp={plan.config.pp} dp={plan.config.dp} tp={plan.config.tp}, "
+                f"plan {plan.digest}")
+    return page(heading, subtitle, sections, plotly.offline.get_plotlyjs())

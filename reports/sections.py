@@ -1,0 +1,187 @@
+"""Report sections about the plan itself: summary, per-layer plan, memory, timeline, step time.
+
+Each `*_section` returns a `Section` whose HTML is already escaped. The prediction is the plan's
+`prediction` dict (the keys of `estimate --json`).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from reports import figures
+from reports.html import (Cell, Section, esc, figure_div, fmt_gib, fmt_ms, fmt_pct, key_values, paragraph,
+                          table)
+from reports.timeline import idle_fraction_per_rank
+
+# The mixed-precision recipes (ZeRO paper, Rajbhandari et al. 2020, section 3.1): bytes per
+# parameter for (parameters, gradients, optimizer states) before any ZeRO sharding.
+PRECISION_BYTES_PER_PARAM = {
+    "bf16-mixed": (2, 2, 12, "bf16 parameters and gradients; fp32 master weights plus Adam's two fp32 "
+                             "moments (4 + 4 + 4 bytes)"),
+    "fp32": (4, 4, 8, "fp32 parameters and gradients; Adam's two fp32 moments (4 + 4 bytes)"),
+}
+
+
+def _mesh_text(config) -> str:
+    return f"pp={config.pp} x dp={config.dp} x tp={config.tp}"
+
+
+def _schedule_text(config) -> str:
+    text = f"{config.schedule}, {config.num_microbatches} micro-batches of {config.microbatch_size}"
+    if config.virtual_stages > 1:
+        text += f", {config.virtual_stages} virtual stages"
+    return text
+
+
+def summary_section(plan, prediction: dict[str, Any], source_name: str) -> Section:
+    cfg, device = plan.config, plan.cluster.device
+    peak = float(prediction.get("peak_memory_bytes", 0.0))
+    pairs = [
+        ("plan file", source_name),
+        ("model", f"{plan.model.spec} (sequence {plan.model.seq}, {plan.model.dtype}, "
+                  f"{plan.model.attention} attention)"),
+        ("cluster", f"{plan.cluster.name}: {cfg.gpus} x {device.name}, {plan.cluster.gpus_per_node} per node"),
+        ("global batch", f"{cfg.global_batch} sequences = {cfg.global_batch * plan.model.seq:,} tokens per step"),
+        ("mesh", _mesh_text(cfg)),
+        ("schedule", _schedule_text(cfg)),
+        ("ZeRO stage / sequence parallel / precision", f"{cfg.zero} / {'on' if cfg.sp else 'off'} / {cfg.precision}"),
+        ("predicted step time", fmt_ms(prediction.get("step_time_s"))),
+        ("tokens/s (whole job)", f"{prediction.get('tokens_per_s', 0.0):,.0f}"),
+        ("model TFLOP/s per GPU (MFU convention)", f"{prediction.get('model_tflops_per_gpu', 0.0):,.2f}"),
+        ("hardware TFLOP/s per GPU (with recomputation)", f"{prediction.get('hw_tflops_per_gpu', 0.0):,.2f}"),
+        ("MFU", fmt_pct(prediction.get("mfu"))),
+        ("peak memory vs capacity", f"{fmt_gib(peak)} of {fmt_gib(device.memory_bytes)} "
+                                    f"({fmt_pct(peak / device.memory_bytes)}; usable "
+                                    f"{fmt_gib(device.usable_memory_bytes)})"),
+        ("pipeline bubble", fmt_pct(prediction.get("bubble_fraction"))),
+        ("fits", "yes" if prediction.get("fits", True) else "NO"),
+        ("plan digest", plan.digest),
+    ]
+    body = key_values(pairs)
+    if not prediction.get("fits", True):
+        body = paragraph("This plan does not fit in device memory: see the memory section.", "warn") + body
+    if not plan.executable:
+        body = paragraph(f"Not executable by meshplan train: {plan.not_executable_reason}", "warn") + body
+    return Section("summary", "Summary", body)
+
+
+def _layer_compute_s(layer) -> float:
+    return layer.fwd_time_s + layer.bwd_time_s
+
+
+def layers_section(plan) -> Section:
+    layers = plan.layers
+    fig = figures.layer_strip([l.name for l in layers], [l.stage for l in layers], [l.recompute for l in layers],
+                              [_layer_compute_s(l) for l in layers], [l.comm_time_s for l in layers],
+                              [l.mem_bytes for l in layers])
+    rows = []
+    for index, layer in enumerate(layers):
+        colour = figures.STAGE_COLOURS[layer.stage % len(figures.STAGE_COLOURS)]
+        recompute_cls = "" if layer.recompute == "none" else "flag"
+        rows.append([index, layer.name, Cell(layer.stage, background=colour + "55"), layer.virtual_stage,
+                     layer.tp, layer.dp, Cell(layer.recompute, recompute_cls), fmt_ms(layer.fwd_time_s),
+                     fmt_ms(layer.bwd_time_s), fmt_ms(layer.comm_time_s), fmt_gib(layer.mem_bytes)])
+    detail = table(["#", "layer", "stage", "virtual stage", "TP", "DP", "recompute", "forward", "backward",
+                    "communication", "memory"], rows)
+    body = (paragraph(f"{len(layers)} layers in {plan.config.num_model_chunks} pipeline chunk(s). Times are per "
+                      "micro-batch on one rank; memory is what the layer holds on its rank at the peak.")
+            + f'<div class="fig">{figure_div(fig, "fig-layers")}</div>'
+            + f"<details><summary>Per-layer table ({len(layers)} rows)</summary>{detail}</details>")
+    return Section("layers", "Plan per layer", body)
+
+
+def _states_bytes_per_param(precision: str, zero: int, dp: int) -> tuple[float, float, float, str]:
+    params, grads, optimizer, recipe = PRECISION_BYTES_PER_PARAM[precision]
+    return (params / (dp if zero >= 3 else 1), grads / (dp if zero >= 2 else 1),
+            optimizer / (dp if zero >= 1 else 1), recipe)
+
+
+def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence = ()) -> Section:
+    device, cfg = plan.cluster.device, plan.config
+    per_rank = list(prediction.get("memory_bytes") or [])
+    body = []
+    if per_rank:
+        fig = figures.memory_bars(per_rank, device.memory_bytes, device.usable_memory_bytes)
+        body.append(f'<div class="fig">{figure_div(fig, "fig-memory")}</div>')
+        rows = []
+        for rank, mem in enumerate(per_rank):
+            model_states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+            residual = sum(mem.get(k, 0.0) for k in ("activations", "buffers"))
+            total = mem.get("total", model_states + residual)
+            over = total > device.usable_memory_bytes
+            rows.append([f"stage {rank}", *(fmt_gib(mem.get(k, 0.0)) for k in figures.MEMORY_KINDS),
+                         fmt_gib(model_states), fmt_gib(residual),
+                         Cell(fmt_gib(total), "flag" if over else "ok",
+                              title="over the usable memory" if over else "fits")])
+        body.append(table(["pipeline rank", *figures.MEMORY_KINDS, "model states", "residual states", "total"], rows))
+    else:
+        body.append(paragraph("The plan carries no per-rank memory prediction.", "warn"))
+    params, grads, optimizer, recipe = _states_bytes_per_param(cfg.precision, cfg.zero, cfg.dp)
+    body.append(paragraph(
+        f"Model states are the parameters, gradients and optimizer states; residual states are activations "
+        f"saved for backward plus temporary buffers (communication buffers, gathered ZeRO-3 parameters, the "
+        f"recomputation working set). Precision recipe {cfg.precision}: {recipe}. With ZeRO stage {cfg.zero} "
+        f"over dp={cfg.dp}, each rank holds {params:g} + {grads:g} + {optimizer:g} = "
+        f"{params + grads + optimizer:g} bytes of model states per parameter of its stage."))
+    body.append(paragraph(f"Device: {device.name}, {fmt_gib(device.memory_bytes)} of which "
+                          f"{fmt_gib(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
+                          "communication buffers).", "note"))
+    if memory_timeline and any(memory_timeline):
+        fig = figures.memory_over_time(memory_timeline, device.memory_bytes)
+        body.append(f'<div class="fig">{figure_div(fig, "fig-memory-time")}</div>')
+    return Section("memory", "Memory per stage", "".join(body))
+
+
+def timeline_section(intervals: Sequence, prediction: dict[str, Any], source_note: str) -> Section:
+    if not intervals:
+        return Section("timeline", "Timeline of one step",
+                       paragraph(f"No timeline: {source_note}", "warn"))
+    step_time_s = float(prediction.get("step_time_s") or max(i.end_s for i in intervals))
+    fig = figures.timeline_gantt(intervals, step_time_s)
+    idle = idle_fraction_per_rank(list(intervals))
+    rows = [[f"rank {rank}", fmt_pct(fraction)] for rank, fraction in idle.items()]
+    body = (paragraph(f"Source: {source_note}. Each row is one pipeline rank's stream; grey spans on the compute "
+                      f"stream are idle time: the fill and drain of the pipeline (the bubble, "
+                      f"{fmt_pct(prediction.get('bubble_fraction'))} of the step on the busiest rank) and waits "
+                      "for blocking communication.")
+            + f'<div class="fig">{figure_div(fig, "fig-timeline")}</div>'
+            + table(["rank", "compute stream idle"], rows))
+    return Section("timeline", "Timeline of one step", body)
+
+
+def stage_totals(plan) -> tuple[list[float], list[float], list[int]]:
+    """Per pipeline rank: compute and communication time per micro-batch, and its layer count."""
+    num_stages = plan.config.pp
+    compute, comm, count = [0.0] * num_stages, [0.0] * num_stages, [0] * num_stages
+    for layer in plan.layers:
+        compute[layer.stage] += _layer_compute_s(layer)
+        comm[layer.stage] += layer.comm_time_s
+        count[layer.stage] += 1
+    return compute, comm, count
+
+
+def breakdown_section(plan, prediction: dict[str, Any]) -> Section:
+    step_time_s = float(prediction.get("step_time_s") or 0.0)
+    breakdown = {k: float(v) for k, v in (prediction.get("breakdown") or {}).items()}
+    body = []
+    if breakdown and step_time_s > 0:
+        fig = figures.breakdown_bar(breakdown, step_time_s)
+        body.append(f'<div class="fig">{figure_div(fig, "fig-breakdown")}</div>')
+        accounted = sum(breakdown.values())
+        rows = [[cause, fmt_ms(value), fmt_pct(value / step_time_s)] for cause, value in breakdown.items()]
+        rows.append([Cell("sum", "winner"), fmt_ms(accounted), fmt_pct(accounted / step_time_s)])
+        body.append(table(["cause (exposed time, busiest rank)", "time", "share of step"], rows))
+    else:
+        body.append(paragraph("The prediction carries no step-time breakdown.", "warn"))
+    compute, comm, count = stage_totals(plan)
+    if plan.config.pp > 1:
+        per_stage = [c + m for c, m in zip(compute, comm)]
+        mean = sum(per_stage) / len(per_stage)
+        slowest = max(range(len(per_stage)), key=per_stage.__getitem__)
+        body.append(paragraph(
+            f"Load balance: the slowest stage (stage {slowest}, {fmt_ms(per_stage[slowest])} per micro-batch) "
+            f"sets the pipeline's pace; it is {per_stage[slowest] / mean:.2f}x the mean stage "
+            f"({fmt_ms(mean)}). Stages may hold different layer counts to even this out (the embedding and the "
+            "head weigh differently from a block)."))
+    fig = figures.stage_balance(compute, comm, count)
+    body.append(f'<div class="fig">{figure_div(fig, "fig-balance")}</div>')
+    return Section("breakdown", "Step-time breakdown", "".join(body))
