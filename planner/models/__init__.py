@@ -1,19 +1,18 @@
 """Model specs: built-in presets, parametric `gpt:`/`llama:` specs, `file.py:fn` and `hf:config.json`.
 
 `build_model(spec, seq, tp=1, device="meta") -> BuiltModel` is the one way every command and the
-executor turn a spec string into a module.
+executor turn a spec string into a module. `build_for_profile` builds the same model with its
+repeated blocks collapsed to one of each type, which is all the profiler needs. Importing this
+package does not import torch.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable
 
 from planner.errors import MeshplanError
-from planner.graph import ModelInfo
-from planner.models.transformer import TransformerConfig
+from planner.graph import ModelInfo, TPSplit
+from planner.models.config import TransformerConfig
 
 # Published shapes: GPT-2 (Radford et al. 2019, HF configs); Llama 2 (Touvron et al. 2023,
 # Table 1 + params.json); Llama 3 / 3.1 (Dubey et al. 2024, Table 3).
@@ -51,6 +50,49 @@ class BuiltModel:
     loss_fn: Callable | None = None  # loss_fn(output, inputs) -> scalar; None: cannot train
     config: TransformerConfig | None = None  # zoo models only
     targets: Any = None  # zoo: next-token targets for the example tokens
+    # forward_fn(module, example_inputs) -> output; None: module(*example_inputs).
+    forward_fn: Callable | None = None
+    # What the profiler measures, in execution order; empty: one group per layer_modules entry
+    # (file models: the profiler chooses the grouping).
+    layer_groups: tuple[LayerGroup, ...] = ()
+
+    def run_forward(self):
+        """The model's output for its example inputs (what `loss_fn` takes)."""
+        if self.forward_fn is not None:
+            return self.forward_fn(self.module, self.example_inputs)
+        return self.module(*self.example_inputs)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """One layer as the profiler sees it: the modules whose calls make it up, in call order.
+
+    The layer starts when its first module is called and lasts until the next layer's first
+    module is called, so glue between modules (residual adds, the loss after the head) counts
+    in the layer that ran last. `tp_split` names its Linears relative to `modules[0]`.
+    """
+
+    name: str
+    kind: str
+    modules: tuple[Any, ...]
+    tp_split: TPSplit = field(default_factory=TPSplit)
+
+    def __post_init__(self):
+        if not self.modules:
+            raise ValueError(f"layer group {self.name!r} has no modules")
+
+
+@dataclass(frozen=True)
+class ProfileModel:
+    """A model built for profiling: distinct layers only, and the full layer layout they expand to.
+
+    `layout` lists every layer of the real model as (name, kind, measured group name), e.g.
+    ("blocks.7", "block", "blocks.0") when all blocks share one structure; empty when every
+    layer is measured (file models, whose grouping the profiler chooses).
+    """
+
+    built: BuiltModel
+    layout: tuple[tuple[str, str, str], ...]
 
 
 def known_models() -> list[str]:
@@ -106,7 +148,7 @@ def build_model(spec: str, seq: int, tp: int = 1, device: str = "meta", dtype=No
     cfg = parse_spec(spec, seq)
     if cfg is not None:
         return _build_zoo(spec, cfg, seq, tp, device, dtype)
-    if ":" in spec and (spec.split(":")[0].endswith(".py") or "/" in spec or spec.endswith(".py")):
+    if spec.partition(":")[0].endswith(".py"):
         from planner.models.filemodel import build_file_model
         return build_file_model(spec, device=device, dtype=dtype)
     raise MeshplanError(f"unknown model {spec!r}; known models: {', '.join(known_models())}; or a parametric "
@@ -133,6 +175,54 @@ def _build_zoo(spec: str, cfg: TransformerConfig, seq: int, tp: int, device: str
     layers = [("embed", "embedding", module.embed)]
     layers += [(f"blocks.{i}", "block", block) for i, block in enumerate(module.blocks)]
     layers.append(("head", "head", module.head))
+    splits = zoo_tp_splits(cfg, module.padded_vocab)
+    groups = tuple(LayerGroup(name, kind, (mod,), splits[kind]) for name, kind, mod in layers)
     return BuiltModel(module=module, example_inputs=(tokens,), info=info, layer_modules=tuple(layers),
                       loss_fn=lambda logits, inputs: lm_loss(logits, inputs[-1] if len(inputs) > 1 else inputs[0]),
-                      config=cfg, targets=tokens)
+                      config=cfg, targets=tokens, layer_groups=groups)
+
+
+def zoo_tp_splits(cfg: TransformerConfig, padded_vocab: int) -> dict[str, TPSplit]:
+    """Megatron splits of the zoo's layers by kind; Linear names are relative to the layer module."""
+    column = ("attn.q", "attn.k", "attn.v") + (("mlp.gate",) if cfg.family == "llama" else ()) + ("mlp.up",)
+    block = TPSplit(kind="block", column_linears=column, row_linears=("attn.o", "mlp.down"),
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, num_allreduce_per_pass=2)
+    vocab = TPSplit(kind="vocab", vocab_size=padded_vocab)
+    return {"embedding": vocab, "block": block, "head": vocab}
+
+
+def default_seq(spec: str, wanted: int = 2048) -> int:
+    """`wanted`, capped by the learned positions of a GPT preset or an HF config (no torch import)."""
+    if spec.startswith("hf:"):
+        from planner.models.hf import hf_max_positions
+        limit = hf_max_positions(spec[3:])
+        return min(wanted, limit) if limit else wanted
+    try:
+        cfg = parse_spec(spec, wanted)
+    except MeshplanError:
+        return wanted  # the build reports the malformed spec
+    if cfg is not None and cfg.family == "gpt":
+        return min(wanted, cfg.max_positions)
+    return wanted
+
+
+def build_for_profile(spec: str, seq: int, dtype=None) -> ProfileModel:
+    """The model on the meta device with identical blocks collapsed to one, plus the full layout.
+
+    Zoo blocks are identical by construction, and HF decoder layers when the config gives them
+    one type, so one block is built instead of all of them (a 126-block model costs one block).
+    File models are built whole: only their forward knows how the children connect.
+    """
+    if not isinstance(seq, int) or seq <= 0:
+        raise MeshplanError(f"sequence length must be a positive integer, got {seq!r}")
+    if spec.startswith("hf:"):
+        from planner.models.hf import build_hf_for_profile
+        return build_hf_for_profile(spec[3:], seq, dtype=dtype)
+    cfg = parse_spec(spec, seq)
+    if cfg is None:
+        return ProfileModel(build_model(spec, seq, device="meta", dtype=dtype), ())
+    built = _build_zoo(spec, replace(cfg, num_layers=1), seq, 1, "meta", dtype)
+    built = replace(built, info=replace(built.info, num_layers=cfg.num_layers), config=cfg)
+    layout = (("embed", "embedding", "embed"),) + tuple(
+        (f"blocks.{i}", "block", "blocks.0") for i in range(cfg.num_layers)) + (("head", "head", "head"),)
+    return ProfileModel(built, layout)
