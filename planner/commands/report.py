@@ -1,10 +1,19 @@
-"""`meshplan report` (being built)."""
-from planner.errors import MeshplanError
+"""`meshplan report`: one self-contained HTML strategy report for a plan (and its measured runs)."""
+from __future__ import annotations
 
 
 def add_arguments(parser):
-    parser.add_argument("rest", nargs="*", help="arguments")
+    parser.add_argument("--plan", required=True, help="plan.json written by `meshplan plan`")
+    parser.add_argument("--measured", nargs="+", action="extend", default=[], metavar="MEASURED_JSON",
+                        help="measured.json from `meshplan train` (several: repeated runs of this plan)")
+    parser.add_argument("--trace", help="trace.json from `meshplan simulate --trace` (default: re-simulate the plan)")
+    parser.add_argument("--out", required=True, help="where to write the HTML report")
+    parser.add_argument("--title", help="page title (default: model and cluster)")
 
 
 def run(args) -> int:
-    raise MeshplanError("meshplan report is not available in this build yet")
+    from reports import write_report  # plotly is imported only for this command
+
+    out = write_report(args.plan, measurements=args.measured, trace=args.trace, out=args.out, title=args.title)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,183 @@
+"""The HTML report: self-contained, every section, measured error figures, escaping, inputs."""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import pytest
+
+from planner.errors import MeshplanError
+from planner.plan import save_plan
+from reports import build_report, write_report
+from reports.alternatives import candidates, why_lost
+from reports.compare import compare, measurement_from_json
+from reports.timeline import idle_fraction_per_rank, intervals_from_trace, with_idle
+from tests.report_fixtures import GIB, gpipe_intervals, make_plan, measured
+
+SECTION_IDS = ("summary", "layers", "memory", "timeline", "breakdown", "alternatives")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan()
+
+
+@pytest.fixture(scope="module")
+def report_html(plan):
+    return build_report(plan, trace=gpipe_intervals(2, 8, 1e-3, 2e-3))
+
+
+def test_report_is_self_contained(report_html, tmp_path, plan):
+    import plotly.offline
+
+    # plotly.js inlined exactly once, and nothing loaded from elsewhere.
+    assert report_html.count(plotly.offline.get_plotlyjs()) == 1
+    assert not re.search(r"<script[^>]*\bsrc\s*=", report_html, re.I)
+    assert not re.search(r"<link[^>]*\bhref\s*=", report_html, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?https?:", report_html, re.I)
+    assert not re.search(r"<(img|iframe)[^>]*\bsrc\s*=\s*['\"]?https?:", report_html, re.I)
+    out = write_report(plan, trace=gpipe_intervals(2, 8, 1e-3, 2e-3), out=tmp_path / "r" / "report.html")
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["report.html"]
+    assert out.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_report_has_every_section(report_html, plan):
+    for anchor in SECTION_IDS:
+        assert f'<section id="{anchor}">' in report_html
+    assert '<section id="measured">' not in report_html  # only with --measured
+    # One plotly div per figure: layers, memory, timeline, breakdown, stage balance, alternatives.
+    for div_id in ("fig-layers", "fig-memory", "fig-timeline", "fig-breakdown", "fig-balance", "fig-alternatives"):
+        assert f'id="{div_id}"' in report_html
+    # Summary figures come from the plan: step time, MFU, peak vs capacity.
+    assert "500.00 ms" in report_html and "24.0%" in report_html
+    peak_gib = plan.prediction["peak_memory_bytes"] / GIB
+    assert f"{peak_gib:,.2f} GiB of 80.00 GiB" in report_html
+    # Memory section speaks of model vs residual states and the precision recipe (2 + 2 + 12 bytes).
+    assert "model states" in report_html and "residual states" in report_html
+    assert "each rank holds 2 + 2 + 12 = 16 bytes" in report_html
+    # Per-layer table lists every layer.
+    for layer in plan.layers:
+        assert f"<td>{layer.name}</td>" in report_html
+
+
+def test_zero_sharding_in_memory_recipe():
+    plan = make_plan(pp=1, dp=4, tp=1, with_alternatives=False)
+    from dataclasses import replace
+    html = build_report(replace(plan, config=replace(plan.config, zero=3)), trace=[])
+    # ZeRO-3 over dp=4 shards all three: 2/4 + 2/4 + 12/4 = 4 bytes per parameter.
+    assert "each rank holds 0.5 + 0.5 + 3 = 4 bytes" in html
+    assert "No timeline" in html
+
+
+def test_alternatives_explain_why_they_lost(plan):
+    found = candidates(plan)
+    assert [c.winner for c in found] == [True, False, False]
+    usable = plan.cluster.device.usable_memory_bytes
+    assert why_lost(found[1], found[0], usable).startswith("does not fit: needs 164.50 GiB")
+    slower = why_lost(found[2], found[0], usable)
+    # 1.3 x 500 ms = 650 ms: 150 ms slower (+30.0%); the largest breakdown increase is the bubble.
+    assert slower.startswith("slower by 150.00 ms (+30.0%), mostly more bubble")
+
+
+def _measured_report(plan, tmp_path, step_times_s, peak_scale=1.0, name="measured.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(measured(plan, step_times_s, warmup_steps=1, peak_scale=peak_scale)))
+    return build_report(plan, measurements=[path], trace=gpipe_intervals(2, 8, 1e-3, 2e-3))
+
+
+def test_measured_error_is_shown_and_flagged(plan, tmp_path):
+    steps = [2.0, 0.61, 0.60, 0.59, 0.62]  # first step is warm-up: excluded
+    html = _measured_report(plan, tmp_path, steps, peak_scale=1.0 / 0.8)
+    median = statistics.median(steps[1:])
+    error = (0.5 - median) / median  # -17.4%: over the 15% threshold
+    assert '<section id="measured">' in html and 'id="fig-measured-steps"' in html
+    assert f'<td class="flag error-pct">{error * 100:+.1f}%  over threshold</td>' in html
+    assert "more than the 15%" in html
+    # Memory: measured = predicted / 0.8, so the error is 0.8 - 1 = -20.0% on every rank, flagged.
+    assert html.count('<td class="flag error-pct">-20.0%  over threshold</td>') == plan.config.gpus
+
+
+def test_measured_within_threshold_is_not_flagged(plan, tmp_path):
+    html = _measured_report(plan, tmp_path, [1.0, 0.52, 0.51, 0.53])
+    assert f'<td class="ok error-pct">{(0.5 - 0.52) / 0.52 * 100:+.1f}%</td>' in html
+    assert "over threshold" not in html
+
+
+def test_compare_numbers(plan):
+    run_a = measurement_from_json(measured(plan, [9.0, 0.4, 0.6]), "a.json")
+    run_b = measurement_from_json(measured(plan, [9.0, 0.5, 0.7], peak_scale=0.5), "b.json")
+    result = compare(plan, [run_a, run_b])
+    assert result.measured_median_s == pytest.approx(statistics.median([0.4, 0.6, 0.5, 0.7]))
+    assert (result.measured_min_s, result.measured_max_s) == (0.4, 0.7)
+    assert result.per_run_median_s == pytest.approx((0.5, 0.6))
+    assert result.error_fraction == pytest.approx((0.5 - 0.55) / 0.55)
+    # Global rank r is on pipeline rank r // (dp * tp) = r // 4; memory is the last run's.
+    assert [m.pipeline_rank for m in result.memory] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert all(m.error_fraction == pytest.approx(1.0) for m in result.memory)
+
+
+def test_measured_for_another_plan_is_refused(plan, tmp_path):
+    data = measured(plan, [1.0, 0.5])
+    with pytest.raises(MeshplanError, match="measured for plan"):
+        compare(plan, [measurement_from_json({**data, "plan_digest": "0" * 16}, "m.json")])
+    with pytest.raises(MeshplanError, match="measured on 4 process"):
+        compare(plan, [measurement_from_json({**data, "world_size": 4, "peak_memory_bytes_per_rank": []}, "m.json")])
+    with pytest.raises(ValueError, match="warm-up"):
+        measurement_from_json({**data, "warmup_steps": 2}, "m.json")
+
+
+def test_user_text_is_escaped(tmp_path):
+    evil = 'gpt:<script>alert("x")</script>&<b>'
+    plan = make_plan(spec=evil)
+    path = tmp_path / "<b>run&1.json"
+    path.write_text(json.dumps(measured(plan, [1.0, 0.5, 0.5])))
+    html = build_report(plan, measurements=[path], trace=[])
+    assert evil not in html and "<script>alert" not in html and "<b>run" not in html
+    assert "gpt:&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&amp;&lt;b&gt;" in html
+    assert "&lt;b&gt;run&amp;1.json" in html
+    assert "&lt;testhost&gt;" in html  # host names too
+
+
+def test_gantt_idle_matches_gpipe_bubble():
+    pp, num_microbatches, fwd_s, bwd_s = 2, 8, 1e-3, 2e-3
+    step_s = (pp - 1 + num_microbatches) * (fwd_s + bwd_s)
+    intervals = with_idle(gpipe_intervals(pp, num_microbatches, fwd_s, bwd_s), step_s)
+    # GPipe's bubble: (pp - 1) / (pp - 1 + m) of the step on every rank.
+    expected = (pp - 1) / (pp - 1 + num_microbatches)
+    assert idle_fraction_per_rank(intervals) == pytest.approx({0: expected, 1: expected})
+
+
+def test_chrome_trace_is_read():
+    events = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+        {"ph": "X", "name": "forward", "ts": 0, "dur": 1000, "pid": 0, "tid": "compute", "args": {"microbatch": 0}},
+        {"ph": "X", "name": "F0", "cat": "send", "ts": 1000, "dur": 50, "pid": 1, "tid": "p2p"},
+    ]}
+    intervals = intervals_from_trace(events)
+    assert [(i.rank, i.stream, i.kind, i.microbatch) for i in intervals] == [(0, "compute", "forward", 0),
+                                                                          (1, "p2p", "send", -1)]
+    assert intervals[1].end_s == pytest.approx(1.05e-3)
+
+
+def test_eighty_layer_plan_renders():
+    plan = make_plan(num_blocks=80, pp=4, dp=2, tp=1)
+    html = build_report(plan, trace=[])
+    assert html.count("<tr><td>") >= 82  # every layer in the table
+
+
+def test_cli_report(tmp_path, run_cli, plan):
+    plan_path, trace_path = tmp_path / "plan.json", tmp_path / "trace.json"
+    save_plan(plan, plan_path)
+    trace_path.write_text(json.dumps({"timeline": [i.__dict__ for i in gpipe_intervals(2, 8, 1e-3, 2e-3)]}))
+    (tmp_path / "m.json").write_text(json.dumps(measured(plan, [1.0, 0.5, 0.5])))
+    code, out, err = run_cli("report", "--plan", plan_path, "--measured", tmp_path / "m.json", "--trace", trace_path,
+                             "--out", tmp_path / "report.html")
+    assert code == 0, err
+    html = (tmp_path / "report.html").read_text()
+    assert "trace file trace.json" in html and '<section id="measured">' in html
+    code, _, err = run_cli("report", "--plan", tmp_path / "nope.json", "--out", tmp_path / "x.html")
+    assert code == 2 and "plan file not found" in err
+    code, _, err = run_cli("report", "--plan", plan_path, "--measured", tmp_path / "none.json",
+                           "--out", tmp_path / "x.html")
+    assert code == 2 and "measured file not found" in err
