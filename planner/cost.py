@@ -125,7 +125,7 @@ def infer_seq(layer: LayerProfile, info: ModelInfo, dtype: str) -> int:
     return round(layer.input_bytes / (info.hidden * DTYPE_BYTES.get(dtype, 2)))
 
 
-def _selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) -> float:
+def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) -> float:
     """Forward FLOPs of the attention core (QK^T, softmax x V) per sample: 4 s^2 h (Korthikanti).
 
     Only math attention stores the scores that selective recomputation drops; flash attention
@@ -167,7 +167,7 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     if strategy.recompute == "full":
         recompute_s = fwd_s
     elif strategy.recompute == "selective":
-        flops = _selective_recompute_flops(layer, info, profile_dtype or dtype) * mbs / shard
+        flops = selective_recompute_flops(layer, info, profile_dtype or dtype) * mbs / shard
         recompute_s = compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype) if flops else 0.0
     else:
         recompute_s = 0.0
