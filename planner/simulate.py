@@ -23,14 +23,16 @@ STREAMS = ("compute", "tp", "p2p", "dp")
 
 def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
                     chunk_of_layer: Sequence[int] | None = None, recompute_of_layer: Sequence[str] | None = None,
-                    timeline: bool = False) -> Prediction:
-    """Simulate one step of `graph` on `cluster` under a uniform configuration.
+                    timeline: bool = False, degrees_of_layer: Sequence[tuple[int, int]] | None = None) -> Prediction:
+    """Simulate one step of `graph` on `cluster` under a configuration.
 
     `chunk_of_layer`: model chunk (virtual_stage * pp + stage) of each layer; None balances the
     layers with `cost.balanced_layer_chunks`. `recompute_of_layer`: none|selective|full per layer;
     None applies `config.recompute` to the transformer blocks (`cost.default_recompute`).
+    `degrees_of_layer`: (tp, dp) per layer for layer-wise plans; None uses the mesh's.
     """
-    return simulate_step(step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer), timeline=timeline)
+    costs = step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer, degrees_of_layer)
+    return simulate_step(costs, timeline=timeline)
 
 
 def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True) -> Prediction:
@@ -111,7 +113,8 @@ def chrome_trace(prediction: Prediction) -> dict[str, Any]:
         events.append({"ph": "X", "name": label, "cat": interval.kind, "pid": interval.rank,
                        "tid": STREAMS.index(interval.stream) if interval.stream in STREAMS else len(STREAMS),
                        "ts": interval.start_s * 1e6, "dur": (interval.end_s - interval.start_s) * 1e6,
-                       "args": {"chunk": interval.chunk, "microbatch": interval.microbatch}})
+                       "args": {"kind": interval.kind, "stream": interval.stream, "rank": interval.rank,
+                                "chunk": interval.chunk, "microbatch": interval.microbatch}})
     for rank, curve in enumerate(prediction.memory_timeline):
         for time_s, live_bytes in curve:
             events.append({"ph": "C", "name": "memory (GiB)", "pid": rank, "tid": 0, "ts": time_s * 1e6,
