@@ -1,0 +1,491 @@
+r"""The stage-assignment ILP for one outer candidate, and the public `plan(...)` entry point.
+
+The outer search (`planner.search`) fixes the mesh (pp, dp, tp), the schedule with its
+micro-batch count m and virtual stages v, the ZeRO stage and SP; `planner.cost_tables` turns that
+into a `CostTable`. This module chooses, per layer, its model chunk and its option (recomputation;
+with `--layerwise` also tp/dp) by an integer linear program.
+
+Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank c mod p)::
+
+    layers l = 0..L-1, options o in O(l) with per-micro-batch time f_lo + b_lo, resident bytes
+    s_lo, activation bytes a_lo, transient buffer u_lo, per-step DP reduction d_lo, ZeRO
+    gather + optimizer q_lo; P = one boundary transfer; live_k(c) = micro-batches chunk c holds
+    at the k-th memory peak of its rank under the schedule (planner.schedules).
+
+    per-layer formulation           x_lco in {0,1}:  sum_co x_lco = 1                  (assign_l)
+                                     k_l = sum_co c x_lco,  0 <= k_{l+1} - k_l <= 1     (contig_l)
+                                     k_0 = 0,  k_{L-1} = C - 1      (first/last layer, every chunk used)
+    compact formulation (one run R of N identical layers between an optional first layer e and
+    an optional last layer h; e is pinned to chunk 0 and h to chunk C-1, so contiguity holds by
+    construction and only counts matter):
+                                     n_co in Z>=0:  sum_co n_co = N                     (run_total)
+                                     sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
+    chunk time      t_c = sum f+b of its layers + P ([c > 0] + [c < C-1])
+    rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
+    exposed DP      E_r >= D_r - B_r,  E_r >= 0  (D_r: gradient reduction of the rank's layers;
+                    B_r: its backward of the last micro-batch, which the reduction overlaps)
+                    Tail >= E_r + Q_r                                                   (tail_r)
+    memory          M_rk = S_r + sum_{c on r} live_k(c) A_c + U_r <= limit              (mem_r_k)
+                    U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
+    minimise        (m - 1/v) T_max + (1/v) sum_r T_r + Tail
+                    (v = 1: (m-1) slowest stage + sum of stages, the 1F1B/GPipe closed form;
+                     uniform stages: m T + (p-1) T / v, Megatron-LM's interleaved bubble)
+
+T_max, E_r and Tail are epigraph variables of a minimisation, so the max() terms are exact. With
+`objective="memory"` the same model minimises the peak M instead (M >= M_rk, no limit), which is
+how an infeasible request learns the smallest per-GPU memory that would work.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from planner.cost_tables import CostTable
+
+FORMULATIONS = ("auto", "compact", "per-layer")
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """The pipeline the layers are cut for."""
+
+    num_stages: int
+    num_microbatches: int
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+
+    def __post_init__(self):
+        for name in ("num_stages", "num_microbatches", "virtual_stages"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_stages * self.virtual_stages
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    """One candidate's ILP: its cost table, pipeline, memory limit and solver options."""
+
+    table: CostTable
+    shape: PipelineShape
+    mem_limit_bytes: float | None = None  # per rank; None: unconstrained
+    objective: str = "time"  # "time" or "memory"
+    time_limit_s: float = 20.0
+    formulation: str = "auto"
+    overlap_dp: bool = True  # gradient reduction overlaps the last micro-batch's backward
+    backend: str = "highs"  # "highs" or "cbc"
+
+    def __post_init__(self):
+        if self.objective not in ("time", "memory"):
+            raise ValueError(f"objective must be 'time' or 'memory', got {self.objective!r}")
+        if self.formulation not in FORMULATIONS:
+            raise ValueError(f"formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
+        if self.shape.num_chunks > self.table.num_layers:
+            raise ValueError(f"{self.shape.num_chunks} pipeline chunks need at least as many layers; "
+                             f"the model has {self.table.num_layers}")
+
+
+@dataclass(frozen=True)
+class StageSolution:
+    """What the ILP chose, with the real solver status and gap."""
+
+    status: str  # "optimal", "time_limit" (feasible, gap may be > 0), "infeasible", "no_solution"
+    objective_s: float = float("inf")  # time objective; with objective="memory": peak bytes
+    gap: float = 0.0  # relative MIP gap at exit
+    chunk_of_layer: tuple[int, ...] = ()
+    option_of_layer: tuple[int, ...] = ()
+    chunk_time_s: tuple[float, ...] = ()
+    rank_mem_bytes: tuple[float, ...] = ()
+    formulation: str = ""
+    backend: str = ""
+    solve_time_s: float = field(default=0.0, compare=False)
+    binding: tuple[str, ...] = ()  # constraints at their limit (tight memory ranks)
+
+    @property
+    def feasible(self) -> bool:
+        return self.status in ("optimal", "time_limit")
+
+
+# --------------------------------------------------------------------------------------------
+# Closed-form evaluation of one assignment (the ILP's objective, computed directly)
+
+
+def live_vectors(shape: PipelineShape, rank: int) -> list[tuple[int, ...]]:
+    """Per-virtual-stage live micro-batch counts at each memory peak of `rank` (dominated removed)."""
+    from planner.schedules import rank_actions
+
+    actions = rank_actions(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank)
+    live = [0] * shape.virtual_stages
+    peaks: set[tuple[int, ...]] = set()
+    for index, action in enumerate(actions):
+        local = action.chunk // shape.num_stages
+        live[local] += 1 if action.kind == "F" else -1
+        nxt = actions[index + 1] if index + 1 < len(actions) else None
+        if action.kind == "F" and (nxt is None or nxt.kind == "B"):
+            peaks.add(tuple(live))
+    return sorted(v for v in peaks
+                  if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in peaks))
+
+
+def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer):
+    """(objective_s, chunk_time_s, rank_mem_bytes) of one assignment, by the formulas above."""
+    table, shape = problem.table, problem.shape
+    pp, num_chunks, v, m = shape.num_stages, shape.num_chunks, shape.virtual_stages, shape.num_microbatches
+    chunk_time = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
+    chunk_act = [0.0] * num_chunks
+    static, buffer, grad_comm, bwd, tail = ([0.0] * pp for _ in range(5))
+    for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
+        option = table.option(layer, index)
+        rank = chunk % pp
+        chunk_time[chunk] += option.time_s + _reshard(table, layer, chunk_of_layer, option_of_layer)
+        chunk_act[chunk] += option.act_bytes
+        static[rank] += option.static_bytes
+        buffer[rank] = max(buffer[rank], option.buffer_bytes)
+        grad_comm[rank] += option.dp_comm_s
+        bwd[rank] += option.bwd_s
+        tail[rank] += option.param_gather_s + option.optimizer_s
+    rank_time = [sum(chunk_time[c] for c in range(r, num_chunks, pp)) for r in range(pp)]
+    exposed = [max(0.0, grad_comm[r] - (bwd[r] if problem.overlap_dp else 0.0)) + tail[r] for r in range(pp)]
+    objective = (m - 1 / v) * max(rank_time) + sum(rank_time) / v + max(exposed)
+    rank_mem = []
+    for r in range(pp):
+        act = max(sum(live[j] * chunk_act[j * pp + r] for j in range(v)) for live in live_vectors(shape, r))
+        rank_mem.append(static[r] + act + buffer[r])
+    return objective, tuple(chunk_time), tuple(rank_mem)
+
+
+def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> float:
+    """Resharding before `layer` when its (tp, dp) differs from the previous layer's in its chunk."""
+    if layer == 0 or chunk_of_layer[layer - 1] != chunk_of_layer[layer] or not table.reshard_s:
+        return 0.0
+    here, before = table.option(layer, option_of_layer[layer]), table.option(layer - 1, option_of_layer[layer - 1])
+    return 2 * table.reshard_s if (here.tp, here.dp) != (before.tp, before.dp) else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# The ILP
+
+
+def compact_structure(table: CostTable) -> tuple[int, int, int] | None:
+    """(first run layer, run length, run type) if the model is [one layer] run [one layer], else None."""
+    runs = table.runs()
+    long_runs = [run for run in runs if run[2] > 1]
+    if len(long_runs) != 1 or len(runs) > 3:
+        return None
+    type_index, first, count = long_runs[0]
+    if first > 1 or table.num_layers - (first + count) > 1:
+        return None
+    return first, count, type_index
+
+
+GIB = float(2 ** 30)  # memory rows in GiB keep the ILP's coefficients within a few orders
+
+
+class _Model:
+    """The pulp problem of one candidate plus the expressions its constraint families share."""
+
+    def __init__(self, problem: StageProblem):
+        import pulp
+
+        self.pulp = pulp
+        self.problem = problem
+        self.lp = pulp.LpProblem("meshplan_stages", pulp.LpMinimize)
+        shape = problem.shape
+        self.num_chunks, self.pp = shape.num_chunks, shape.num_stages
+        zero = pulp.LpAffineExpression
+        self.chunk_time = [zero() for _ in range(self.num_chunks)]
+        self.chunk_act = [zero() for _ in range(self.num_chunks)]
+        self.rank_static, self.rank_grad_comm, self.rank_bwd, self.rank_tail = (
+            [zero() for _ in range(self.pp)] for _ in range(4))
+        self.rank_buffer: list[list[tuple[float, object]]] = [[] for _ in range(self.pp)]
+        self.decoders: list = []  # callables filling (chunks, options) from the solved values
+
+    def add_option_terms(self, chunk: int, option, amount) -> None:
+        """Account `amount` (a variable, expression or number) layers of `option` in `chunk`."""
+        rank = chunk % self.pp
+        self.chunk_time[chunk] += option.time_s * amount
+        self.chunk_act[chunk] += (option.act_bytes / GIB) * amount
+        self.rank_static[rank] += (option.static_bytes / GIB) * amount
+        self.rank_grad_comm[rank] += option.dp_comm_s * amount
+        self.rank_bwd[rank] += option.bwd_s * amount
+        self.rank_tail[rank] += (option.param_gather_s + option.optimizer_s) * amount
+
+    def assignment(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        num_layers = self.problem.table.num_layers
+        chunks, options = [0] * num_layers, [0] * num_layers
+        for decode in self.decoders:
+            decode(chunks, options)
+        return tuple(chunks), tuple(options)
+
+
+def _value(var) -> int:
+    return int(round(var.varValue or 0.0))
+
+
+def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
+    """A layer whose chunk is fixed (embedding in chunk 0, head in the last): choose its option."""
+    table, pulp = model.problem.table, model.pulp
+    options = table.types[table.layer_type[layer]].options
+    pick = [pulp.LpVariable(f"w_{layer}_{o}", cat="Binary") for o in range(len(options))]
+    model.lp += pulp.lpSum(pick) == 1, f"assign_{layer}"
+    for option, var in zip(options, pick):
+        model.add_option_terms(chunk, option, var)
+        if option.buffer_bytes:
+            model.rank_buffer[chunk % model.pp].append((option.buffer_bytes / GIB, var))
+
+    def decode(chunks, chosen):
+        chunks[layer] = chunk
+        chosen[layer] = next(o for o, var in enumerate(pick) if _value(var))
+    model.decoders.append(decode)
+
+
+def _add_run_count_constraints(model: _Model, first: int, count: int, type_index: int) -> None:
+    """Compact run: n[c, o] layers of option o in chunk c; totals, non-empty chunks, buffers."""
+    table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
+    options = table.types[type_index].options
+    counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count, cat="Integer")
+               for o in range(len(options))] for c in range(num_chunks)]
+    model.lp += pulp.lpSum(v for row in counts for v in row) == count, "run_total"
+    has_first, has_last = first == 1, first + count < table.num_layers
+    for c in range(num_chunks):
+        if not ((c == 0 and has_first) or (c == num_chunks - 1 and has_last)):
+            model.lp += pulp.lpSum(counts[c]) >= 1, f"nonempty_{c}"
+        for o, option in enumerate(options):
+            model.add_option_terms(c, option, counts[c][o])
+            if option.buffer_bytes:
+                used = pulp.LpVariable(f"y_{c}_{o}", cat="Binary")
+                model.lp += counts[c][o] <= count * used, f"buf_use_{c}_{o}"
+                model.rank_buffer[c % model.pp].append((option.buffer_bytes / GIB, used))
+    _add_run_reshard_terms(model, counts, options, count)
+
+    def decode(chunks, chosen):
+        layer = first
+        for c in range(num_chunks):  # options grouped, in option order, inside each chunk
+            for o in range(len(options)):
+                for _ in range(_value(counts[c][o])):
+                    chunks[layer], chosen[layer] = c, o
+                    layer += 1
+        assert layer == first + count, f"decoded {layer - first} of {count} run layers"
+    model.decoders.append(decode)
+
+
+def _add_run_reshard_terms(model: _Model, counts, options, count: int) -> None:
+    """Layerwise: each extra (tp, dp) mesh used in a chunk costs one resharding each way."""
+    meshes = sorted({(o.tp, o.dp) for o in options})
+    reshard_s = model.problem.table.reshard_s
+    if len(meshes) < 2 or not reshard_s:
+        return
+    pulp = model.pulp
+    for c, row in enumerate(counts):
+        used = {mesh: pulp.LpVariable(f"mesh_{c}_{i}", cat="Binary") for i, mesh in enumerate(meshes)}
+        for o, option in enumerate(options):
+            model.lp += row[o] <= count * used[(option.tp, option.dp)], f"mesh_use_{c}_{o}"
+        extra = pulp.LpVariable(f"reshards_{c}", lowBound=0)
+        model.lp += extra >= pulp.lpSum(used.values()) - 1, f"reshard_count_{c}"
+        model.chunk_time[c] += 2 * reshard_s * extra
+
+
+def _add_layer_assignment_constraints(model: _Model) -> None:
+    """Per-layer formulation: x[l, c, o] binaries, contiguous non-decreasing chunks, all used."""
+    table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
+    num_layers = table.num_layers
+    x: dict[tuple[int, int, int], object] = {}
+    chunk_index = []
+    for layer in range(num_layers):
+        options = table.types[table.layer_type[layer]].options
+        # Chunk c needs c layers before it and C-1-c after it.
+        reachable = range(max(0, num_chunks - num_layers + layer), min(layer, num_chunks - 1) + 1)
+        for c in reachable:
+            for o, option in enumerate(options):
+                var = x[layer, c, o] = pulp.LpVariable(f"x_{layer}_{c}_{o}", cat="Binary")
+                model.add_option_terms(c, option, var)
+        model.lp += pulp.lpSum(x[layer, c, o] for c in reachable for o in range(len(options))) == 1, \
+            f"assign_{layer}"
+        chunk_index.append(pulp.lpSum(c * x[layer, c, o] for c in reachable for o in range(len(options))))
+        for r in range(model.pp):
+            for o, option in enumerate(options):
+                on_rank = [x[layer, c, o] for c in reachable if c % model.pp == r]
+                if option.buffer_bytes and on_rank:
+                    model.rank_buffer[r].append((option.buffer_bytes / GIB, pulp.lpSum(on_rank)))
+    model.lp += chunk_index[0] == 0, "first_layer_chunk"
+    model.lp += chunk_index[-1] == num_chunks - 1, "last_layer_chunk"
+    for layer in range(num_layers - 1):
+        step = chunk_index[layer + 1] - chunk_index[layer]
+        model.lp += step >= 0, f"contig_order_{layer}"
+        model.lp += step <= 1, f"contig_step_{layer}"
+    _add_layer_reshard_terms(model, x)
+
+    def decode(chunks, chosen):
+        for (layer, c, o), var in x.items():
+            if _value(var):
+                chunks[layer], chosen[layer] = c, o
+    model.decoders.append(decode)
+
+
+def _add_layer_reshard_terms(model: _Model, x) -> None:
+    """Layerwise per-layer formulation: resharding between consecutive layers of one chunk."""
+    table, pulp = model.problem.table, model.pulp
+    if not table.reshard_s:
+        return
+    for layer in range(1, table.num_layers):
+        for c in range(model.num_chunks):
+            def by_mesh(l):
+                out: dict[tuple[int, int], list] = {}
+                for o, option in enumerate(table.types[table.layer_type[l]].options):
+                    if (l, c, o) in x:
+                        out.setdefault((option.tp, option.dp), []).append(x[l, c, o])
+                return out
+            before, here = by_mesh(layer - 1), by_mesh(layer)
+            if len(set(before) | set(here)) < 2:
+                continue
+            moved = pulp.LpVariable(f"reshard_{layer}_{c}", lowBound=0)
+            for mesh, vars_before in before.items():
+                others = [v for m, vs in here.items() if m != mesh for v in vs]
+                model.lp += moved >= pulp.lpSum(vars_before) + pulp.lpSum(others) - 1, \
+                    f"reshard_{layer}_{c}_{mesh[0]}x{mesh[1]}"
+            model.chunk_time[c] += 2 * table.reshard_s * moved
+
+
+def _add_pipeline_time_constraints(model: _Model):
+    """Epigraph of the slowest rank and of the exposed per-step tail; returns the objective."""
+    problem, pulp = model.problem, model.pulp
+    shape, p2p_s = problem.shape, problem.table.p2p_s
+    for c in range(model.num_chunks):
+        model.chunk_time[c] += p2p_s * ((c > 0) + (c < model.num_chunks - 1))
+    rank_time = [pulp.lpSum(model.chunk_time[c] for c in range(r, model.num_chunks, model.pp))
+                 for r in range(model.pp)]
+    slowest = pulp.LpVariable("t_max", lowBound=0)
+    tail = pulp.LpVariable("tail", lowBound=0)
+    for r in range(model.pp):
+        model.lp += slowest >= rank_time[r], f"tmax_{r}"
+        exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
+        overlap = model.rank_bwd[r] if problem.overlap_dp else 0
+        model.lp += exposed >= model.rank_grad_comm[r] - overlap, f"exposed_dp_{r}"
+        model.lp += tail >= exposed + model.rank_tail[r], f"tail_{r}"
+    v, m = shape.virtual_stages, shape.num_microbatches
+    return (m - 1 / v) * slowest + (1 / v) * pulp.lpSum(rank_time) + tail
+
+
+def _add_memory_constraints(model: _Model):
+    """Per rank and per memory peak of the schedule: resident + live activations + buffer."""
+    problem, pulp = model.problem, model.pulp
+    peak = pulp.LpVariable("mem_peak", lowBound=0) if problem.objective == "memory" else None
+    if peak is None and problem.mem_limit_bytes is None:
+        return None
+    for r in range(model.pp):
+        buffer = pulp.LpVariable(f"buffer_{r}", lowBound=0)
+        for i, (size, used) in enumerate(model.rank_buffer[r]):
+            model.lp += buffer >= size * used, f"buf_{r}_{i}"
+        for k, live in enumerate(live_vectors(problem.shape, r)):
+            total = model.rank_static[r] + buffer + pulp.lpSum(
+                live[j] * model.chunk_act[j * model.pp + r] for j in range(problem.shape.virtual_stages))
+            if peak is not None:
+                model.lp += peak >= total, f"mem_peak_{r}_{k}"
+            else:
+                model.lp += total <= problem.mem_limit_bytes / GIB, f"mem_{r}_{k}"
+    return peak
+
+
+def _build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -> _Model:
+    model = _Model(problem)
+    table = problem.table
+    if structure is None:
+        _add_layer_assignment_constraints(model)
+    else:
+        first, count, type_index = structure
+        if first == 1:
+            _add_pinned_layer(model, 0, 0)
+        _add_run_count_constraints(model, first, count, type_index)
+        if first + count < table.num_layers:
+            _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)
+    time_objective = _add_pipeline_time_constraints(model)
+    peak = _add_memory_constraints(model)
+    model.lp += (peak if peak is not None else time_objective), "objective"
+    return model
+
+
+def solve_stages(problem: StageProblem) -> StageSolution:
+    """Build and solve one candidate's ILP; never raises for infeasibility (status says it)."""
+    started = time.perf_counter()
+    structure = compact_structure(problem.table)
+    use_compact = structure is not None and problem.formulation != "per-layer"
+    if problem.formulation == "compact" and structure is None:
+        raise ValueError("the compact formulation needs one run of identical layers between at most one "
+                         "first and one last layer")
+    model = _build_model(problem, structure if use_compact else None)
+    status, gap, backend = _run_solver(model.lp, problem)
+    formulation = "compact" if use_compact else "per-layer"
+    if status not in ("optimal", "time_limit"):
+        return StageSolution(status=status, formulation=formulation, backend=backend,
+                             solve_time_s=time.perf_counter() - started)
+    chunks, options = model.assignment()
+    objective, chunk_time, rank_mem = evaluate_assignment(problem, chunks, options)
+    if problem.objective == "memory":
+        objective = max(rank_mem)
+    binding = tuple(name for name, constraint in model.lp.constraints.items()
+                    if name.startswith("mem_") and problem.mem_limit_bytes is not None
+                    and abs(constraint.slack or 0.0) <= 1e-4)  # GiB rows: within ~100 KiB of the limit
+    return StageSolution(status=status, objective_s=objective, gap=gap, chunk_of_layer=chunks,
+                         option_of_layer=options, chunk_time_s=chunk_time, rank_mem_bytes=rank_mem,
+                         formulation=formulation, backend=backend,
+                         solve_time_s=time.perf_counter() - started, binding=binding)
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Point file descriptor 1 at /dev/null (C-level prints included), then restore it."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _run_solver(lp, problem: StageProblem) -> tuple[str, float, str]:
+    """Solve with HiGHS (highspy, in process) or CBC; return (real status, relative gap, backend)."""
+    import pulp
+
+    highs = pulp.HiGHS(msg=False, timeLimit=problem.time_limit_s, threads=1, gapRel=1e-6)
+    if problem.backend == "highs" and highs.available():
+        with _quiet_stdout():  # HiGHS prints its banner on stdout once per process, despite msg=False
+            lp.solve(highs)
+        info = lp.solverModel.getInfo()
+        model_status = lp.solverModel.getModelStatus()
+        import highspy
+
+        if model_status == highspy.HighsModelStatus.kOptimal:
+            return "optimal", max(0.0, float(info.mip_gap)) if info.mip_gap < 1e30 else 0.0, "highs"
+        if model_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+            return "infeasible", 0.0, "highs"
+        if lp.sol_status == pulp.LpSolutionIntegerFeasible:
+            return "time_limit", float(info.mip_gap), "highs"
+        return "no_solution", 0.0, "highs"
+    with tempfile.TemporaryDirectory(prefix="meshplan-ilp-") as tmp:
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=problem.time_limit_s, gapRel=1e-6, keepFiles=False)
+        cbc.tmpDir = tmp
+        lp.solve(cbc)
+    if lp.sol_status == pulp.LpSolutionOptimal:
+        return "optimal", 0.0, "cbc"
+    if lp.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "time_limit", float("nan"), "cbc"  # CBC through pulp does not report its bound
+    if lp.status == pulp.LpStatusInfeasible or lp.sol_status == pulp.LpSolutionInfeasible:
+        return "infeasible", 0.0, "cbc"
+    return "no_solution", 0.0, "cbc"
+
+
+def plan(spec, cluster, gpus, global_batch, seq=None, **kwargs):
+    """The fastest plan that fits: see `planner.search.search_plan` for the arguments."""
+    from planner.search import search_plan
+
+    return search_plan(spec, cluster, gpus, global_batch, seq, **kwargs)
