@@ -13,7 +13,7 @@ from typing import Any
 from reports import figures
 from reports.html import Cell, Section, figure_div, fmt_gib, fmt_ms, fmt_pct, paragraph, table
 
-_REASON_KEYS = ("reason", "why", "lost_because", "note")
+_REASON_KEYS = ("why_not", "reason", "why")
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,14 @@ def config_label(data: dict[str, Any]) -> str:
     if data.get("sp"):
         text += ", SP"
     recompute = data.get("recompute")
-    if recompute is None and isinstance(data.get("layers"), list):
-        levels = sorted({layer.get("recompute", "none") for layer in data["layers"]})
-        recompute = "/".join(levels)
+    summary = data.get("recompute_summary")
+    if isinstance(summary, dict) and sum(1 for v in summary.values() if v) > 1:
+        recompute = " + ".join(f"{count} {level}" for level, count in summary.items() if count)
+    elif isinstance(data.get("layers"), list):
+        levels = [layer.get("recompute", "none") for layer in data["layers"]]
+        recompute = " + ".join(f"{levels.count(r)} {r}" for r in ("none", "selective", "full") if r in levels)
+        if len(set(levels)) == 1:
+            recompute = levels[0]
     return text + f", recompute {recompute or 'none'}"
 
 
@@ -81,9 +86,11 @@ def candidates(plan) -> list[Candidate]:
 
 
 def why_lost(candidate: Candidate, winner: Candidate, usable_bytes: float) -> str:
-    """A one-line reason computed from the two predictions (plus the planner's own, if it gave one)."""
+    """Why a runner-up lost: the planner's own reason if it gave one, else computed from the predictions."""
     if candidate.winner:
         return "chosen: fastest predicted step that fits"
+    if candidate.stated_reason:
+        return candidate.stated_reason
     parts = []
     if not candidate.fits or candidate.peak_memory_bytes > usable_bytes:
         parts.append(f"does not fit: needs {fmt_gib(candidate.peak_memory_bytes)} per GPU, "
@@ -99,13 +106,11 @@ def why_lost(candidate: Candidate, winner: Candidate, usable_bytes: float) -> st
         if delta_s <= 0:
             text = "as fast or faster but ranked lower by the simulator's re-ranking"
         parts.append(text)
-    if candidate.stated_reason:
-        parts.append(f"planner: {candidate.stated_reason}")
     return "; ".join(parts)
 
 
 def alternatives_section(plan) -> Section:
-    usable = plan.cluster.device.usable_memory_bytes
+    usable = float(plan.solver.get("usable_memory_bytes") or plan.cluster.device.usable_memory_bytes)
     found = candidates(plan)
     winner = found[0]
     if len(found) == 1:

@@ -28,7 +28,8 @@ def _timeline(plan: Plan, trace) -> tuple[list, Sequence, dict[str, Any] | None,
     """(intervals, memory timeline, simulated prediction or None, where they came from)."""
     if trace is not None:
         if isinstance(trace, (str, Path)):
-            return load_trace(trace), (), None, f"trace file {Path(trace).name}"
+            intervals, memory_timeline = load_trace(trace)
+            return intervals, memory_timeline, None, f"trace file {Path(trace).name}"
         return list(trace), (), None, "timeline given by the caller"
     try:
         simulated = simulate_timeline(plan)

@@ -56,6 +56,11 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str) -> Secti
         ("fits", "yes" if prediction.get("fits", True) else "NO"),
         ("plan digest", plan.digest),
     ]
+    solver = plan.solver or {}
+    if "num_candidates" in solver:
+        pairs.append(("search", f"{solver['num_candidates']} candidate configurations, "
+                                f"{solver.get('num_solved', '?')} solved by the ILP ({solver.get('backend', '?')}, "
+                                f"status {solver.get('status', '?')}, gap {100 * float(solver.get('gap', 0.0)):.2g}%)"))
     body = key_values(pairs)
     if not prediction.get("fits", True):
         body = paragraph("This plan does not fit in device memory: see the memory section.", "warn") + body

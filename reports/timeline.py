@@ -15,6 +15,7 @@ from planner.errors import MeshplanError
 from planner.prediction import INTERVAL_KINDS, Interval
 
 _US = 1e-6
+_GIB = 2**30  # the simulator's memory counter is in GiB
 
 
 def _event_kind(event: dict[str, Any]) -> str | None:
@@ -35,21 +36,41 @@ def _event_rank(event: dict[str, Any]) -> int:
     raise ValueError(f"trace event {event.get('name')!r} does not say which rank it ran on (pid or args.rank)")
 
 
+def _thread_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
+    """(pid, tid) -> stream name, from the `thread_name` metadata events."""
+    return {(e.get("pid"), e.get("tid")): str((e.get("args") or {}).get("name"))
+            for e in events if isinstance(e, dict) and e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
 def _from_chrome_events(events: list[dict[str, Any]]) -> list[Interval]:
+    threads = _thread_names(events)
     out = []
     for event in events:
         if not isinstance(event, dict) or event.get("ph") != "X":
-            continue  # metadata (process names) and instant events
+            continue  # metadata, counters and instant events
         kind = _event_kind(event)
         if kind is None:
             continue
         args = event.get("args") or {}
-        stream = args.get("stream") or (event.get("tid") if isinstance(event.get("tid"), str) else "compute")
+        tid = event.get("tid")
+        stream = args.get("stream") or threads.get((event.get("pid"), tid)) or (
+            tid if isinstance(tid, str) else "compute")
         start_s = float(event["ts"]) * _US
         out.append(Interval(rank=_event_rank(event), stream=str(stream), kind=kind, start_s=start_s,
                             end_s=start_s + float(event.get("dur", 0.0)) * _US,
                             microbatch=int(args.get("microbatch", -1)), chunk=int(args.get("chunk", -1))))
     return out
+
+
+def memory_from_trace(data: Any) -> list[list[tuple[float, float]]]:
+    """Per rank [(time_s, live bytes)] from the trace's memory counter events (GiB), if any."""
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    curves: dict[int, list[tuple[float, float]]] = {}
+    for event in events or ():
+        if isinstance(event, dict) and event.get("ph") == "C" and "live" in (event.get("args") or {}):
+            curves.setdefault(_event_rank(event), []).append((float(event["ts"]) * _US,
+                                                              float(event["args"]["live"]) * _GIB))
+    return [sorted(curves.get(rank, [])) for rank in range(max(curves) + 1)] if curves else []
 
 
 def intervals_from_trace(data: Any) -> list[Interval]:
@@ -67,7 +88,8 @@ def intervals_from_trace(data: Any) -> list[Interval]:
         raise ValueError(f"malformed timeline entry ({exc})") from None
 
 
-def load_trace(path: str | Path) -> list[Interval]:
+def load_trace(path: str | Path) -> tuple[list[Interval], list[list[tuple[float, float]]]]:
+    """(intervals, per-rank memory curve) from a trace file."""
     path = Path(path)
     if not path.exists():
         raise MeshplanError(f"trace file not found: {path}; write one with `meshplan simulate --plan plan.json "
@@ -82,7 +104,7 @@ def load_trace(path: str | Path) -> list[Interval]:
         raise MeshplanError(f"{path}: {exc}") from None
     if not intervals:
         raise MeshplanError(f"{path} holds no timeline intervals; write it with `meshplan simulate --trace`")
-    return intervals
+    return intervals, memory_from_trace(data)
 
 
 def simulate_timeline(plan):

@@ -181,3 +181,22 @@ def test_cli_report(tmp_path, run_cli, plan):
     code, _, err = run_cli("report", "--plan", plan_path, "--measured", tmp_path / "none.json",
                            "--out", tmp_path / "x.html")
     assert code == 2 and "measured file not found" in err
+
+
+def test_simulator_chrome_trace_round_trips():
+    from planner.prediction import MemoryBreakdown, Prediction
+    from planner.simulate import chrome_trace
+    from reports.timeline import memory_from_trace
+
+    intervals = gpipe_intervals(2, 4, 1e-3, 2e-3)
+    curve = (((0.0, 1.0 * GIB), (4e-3, 3.0 * GIB)), ((0.0, 2.0 * GIB),))
+    prediction = Prediction(step_time_s=0.015, tokens_per_s=1.0, model_tflops_per_gpu=1.0, hw_tflops_per_gpu=1.0,
+                            mfu=0.1, peak_memory_bytes=3 * GIB, memory=(MemoryBreakdown(), MemoryBreakdown()),
+                            bubble_fraction=0.2, fits=True, timeline=tuple(intervals), memory_timeline=curve)
+    trace = json.loads(json.dumps(chrome_trace(prediction)))
+    parsed = intervals_from_trace(trace)
+    assert [(i.rank, i.stream, i.kind, i.microbatch) for i in parsed] == \
+        [(i.rank, i.stream, i.kind, i.microbatch) for i in intervals]
+    # Microsecond round trip: 1e-12 s absolute is far below anything the report shows.
+    assert [i.end_s for i in parsed] == pytest.approx([i.end_s for i in intervals], abs=1e-12)
+    assert memory_from_trace(trace) == pytest.approx([list(c) for c in curve])
