@@ -145,3 +145,15 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
                 alternatives=tuple(alternatives), seed=seed, executable=executable,
                 not_executable_reason="" if executable else NOT_EXECUTABLE, solver=solver)
+
+
+def configuration_rows(plan_json: dict) -> list[dict]:
+    """The winner (from the plan's own fields) followed by the alternatives, in one shape."""
+    recomputes = [layer["recompute"] for layer in plan_json["layers"]]
+    winner = {
+        "mesh": plan_json["mesh"], "zero": plan_json["zero"], "sp": plan_json["sp"],
+        "schedule": plan_json["schedule"], "prediction": plan_json["prediction"],
+        "recompute_summary": {r: recomputes.count(r) for r in RECOMPUTE},
+        "ilp_objective_s": plan_json.get("solver", {}).get("ilp_objective_s", float("nan")),
+    }
+    return [winner] + list(plan_json.get("alternatives") or [])

@@ -27,6 +27,9 @@ from planner.errors import MeshplanError
 from planner.solve import PipelineShape, StageProblem, StageSolution, solve_stages
 
 MAX_VIRTUAL_STAGES = 8
+# Candidates solved between two pruning decisions: fixed, so the result does not depend on the
+# number of worker processes.
+SOLVE_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ def solve_candidates(problems: list[tuple[Candidate, float, StageProblem]], *, n
     order = sorted(problems, key=lambda item: (item[1], item[0].sort_key))
     results: list[Solved] = []
     best: list[float] = []  # sorted objectives of feasible solutions
-    batch_size = max(1, 2 * workers)
+    batch_size = SOLVE_BATCH
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context()) if workers > 1 else None
     try:
         index = 0
@@ -258,7 +261,8 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
                 num_rerank: int | None = None, max_mbs: int = 16, progress: bool = False, graph=None,
                 **pin_kwargs):
     """The fastest plan that fits; see the module docstring. Pins may be given as keywords."""
-    from planner.estimate import default_precision, default_seq
+    from planner.estimate import DEFAULT_SEQ, default_precision
+    from planner.models import default_seq
     from planner.hardware import load_cluster
     from planner.plan_build import build_plan
 
@@ -271,7 +275,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     if graph is None:
         from planner.profile import profile
         dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
-        graph = profile(spec, seq or default_seq(spec), batch=1, dtype=dtype, attention=attention)
+        graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, max_mbs)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, cluster, gpus, global_batch, pins))
