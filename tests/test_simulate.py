@@ -375,3 +375,31 @@ def test_command_rejects_bad_input(run_cli, tmp_path):
     (tmp_path / "bad.json").write_text("{")
     code, _, err = run_cli("simulate", "--plan", tmp_path / "bad.json")
     assert code == 2 and "not valid JSON" in err
+
+
+@pytest.mark.timeout(120)
+def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
+    """A real plan for a small GPT on the `cpu` profile: the command profiles the model itself."""
+    import json
+
+    pytest.importorskip("planner.profile")
+    from planner import cost
+    from planner.hardware import load_cluster
+    from planner.plan import LayerAssignment, ModelRef, Plan, save_plan
+    from planner.profile import profile
+
+    spec, seq = "gpt:layers=4,hidden=64,heads=4,vocab=512", 32
+    graph = profile(spec, seq, dtype="fp32", attention="math")
+    cluster = load_cluster("cpu")
+    cfg = ParallelConfig(gpus=2, global_batch=8, pp=2, microbatch_size=2, precision="fp32")
+    chunks = cost.balanced_layer_chunks(graph, cluster, cfg)
+    layers = tuple(LayerAssignment(name=l.name, stage=c, tp=1, dp=1) for l, c in zip(graph.layers, chunks))
+    plan = Plan(model=ModelRef(spec=spec, seq=seq, dtype="fp32", attention="math"), cluster=cluster, config=cfg,
+                layers=layers)
+    save_plan(plan, tmp_path / "plan.json")
+    code, out, err = run_cli("simulate", "--plan", tmp_path / "plan.json", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    expected = simulate_config(graph, cluster, cfg, chunk_of_layer=chunks, recompute_of_layer=["none"] * len(chunks))
+    assert data["step_time_s"] == pytest.approx(expected.step_time_s, rel=REL)
+    assert data["mfu"] == pytest.approx(expected.mfu, rel=REL)
