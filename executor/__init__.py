@@ -1,0 +1,53 @@
+"""The executor: run a Plan for real with torch.distributed and measure it.
+
+`train(plan, ...)` checks the plan, launches one worker per rank with torchrun, and returns the
+`Measurement` rank 0 wrote. torch is imported only inside the workers and where needed.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from executor.measure import Measurement, load_measurement
+
+__all__ = ["train", "Measurement", "load_measurement"]
+
+
+def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str | Path = "measured.json",
+          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+          max_restarts: int = 0, data: str = "synthetic", seed: int | None = None,
+          run_dir: str | Path | None = None, timeout_s: float | None = None, echo: bool = False) -> Measurement:
+    """Train `steps` optimizer steps of a plan on this node and return what was measured.
+
+    Refuses (MeshplanError) before launching anything the executor cannot run as planned.
+    `run_dir` receives per-rank heartbeats (`rank{R}.json`: pid, completed steps) and error files;
+    `timeout_s` bounds the whole launch (None: no limit); `echo` streams the workers' output.
+    """
+    from executor.data import make_source
+    from executor.launch import launch_jobs
+    from executor.validate import check_plan_runnable
+    from executor.worker import Job
+    from planner.models import parse_spec
+    from planner.plan import Plan, load_plan, save_plan
+
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix="meshplan-train-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(plan_path_or_plan, Plan):
+        plan, plan_path = plan_path_or_plan, run_dir / "plan.json"
+        save_plan(plan, plan_path)
+    else:
+        plan_path = Path(plan_path_or_plan).resolve()
+        plan = load_plan(plan_path)
+    nproc = plan.config.gpus if nproc is None else nproc
+    check_plan_runnable(plan, nproc)
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    job = Job(plan_path=str(plan_path), steps=steps, out=str(Path(out).resolve()),
+              checkpoint_dir=str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None,
+              checkpoint_every=checkpoint_every, resume=resume, data=data, seed=seed, run_dir=str(run_dir))
+    source_seed = plan.seed if seed is None else seed
+    make_source(data, parse_spec(plan.model.spec, plan.model.seq).vocab, plan.model.seq, source_seed)
+    if Path(out).exists():
+        Path(out).unlink()  # never report a previous run's figures as this one's
+    launch_jobs([job.to_json()], nproc, run_dir, max_restarts=max_restarts, timeout_s=timeout_s, echo=echo)
+    return load_measurement(out)

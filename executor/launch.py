@@ -1,0 +1,136 @@
+"""Launch the workers with torchrun (`torch.distributed.run`) in a subprocess, one per rank.
+
+The launcher runs in its own process group (session), so that whatever happens (a worker
+crash, the agent being killed, a timeout, Ctrl-C) the whole group is killed before returning
+and no worker outlives the run. Restarts use a fresh rendezvous store per attempt
+(`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): with the shared store, restarted gloo workers find
+stale addresses and fail to connect (pytorch#135712).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.errors import MeshplanError
+
+TAIL_LINES = 400
+KILL_GRACE_S = 5.0
+
+
+class TrainingFailed(MeshplanError):
+    """A worker failed; the message names the rank and what it reported."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    exit_code: int
+    output_tail: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5", "-m", "executor.worker", *worker_args]
+
+
+def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts: int = 0,
+                timeout_s: float | None = None, echo: bool = False) -> LaunchResult:
+    """Run `jobs` (Job fields as dicts) one after another in one torchrun launch of `nproc` workers.
+
+    Raises TrainingFailed naming the failed rank when the launch does not succeed.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    jobs_path = run_dir / "jobs.json"
+    jobs_path.write_text(json.dumps([{**job, "run_dir": job.get("run_dir") or str(run_dir)} for job in jobs]))
+    command = torchrun_command(nproc, max_restarts, ["--jobs", str(jobs_path)], free_port())
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    result = _run_in_own_group(command, env, timeout_s, echo)
+    if result.exit_code != 0:
+        raise TrainingFailed(describe_failure(result, run_dir, timeout_s))
+    return result
+
+
+def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, echo: bool) -> LaunchResult:
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+
+    def pump():
+        for line in process.stdout:
+            tail.append(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        exit_code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        exit_code = -int(signal.SIGKILL)
+        tail.append(f"meshplan: the run exceeded its {timeout_s:.0f} s limit and was stopped\n")
+    finally:  # whatever happened, nothing of this launch survives it
+        _kill_group(process)
+    reader.join(timeout=KILL_GRACE_S)
+    return LaunchResult(exit_code=exit_code, output_tail="".join(tail))
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            try:  # the agent is gone; make sure its workers are too
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+
+
+def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | None) -> str:
+    """One line: which rank failed first, how, and the error it recorded."""
+    text = result.output_tail
+    root = text.split("Root Cause", 1)[1] if "Root Cause" in text else text
+    rank = re.search(r"rank\s*:\s*(\d+)", root)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    parts = []
+    if rank:
+        how = ""
+        if code:
+            value = int(code.group(1))
+            how = f" (killed by {signal.Signals(-value).name})" if value < 0 and -value in signal.valid_signals() \
+                else f" with exit code {value}"
+        parts.append(f"rank {rank.group(1)} failed{how}")
+    errors = sorted(run_dir.glob("error_rank*.txt"))
+    chosen = [p for p in errors if rank and p.name == f"error_rank{rank.group(1)}.txt"] or errors[:1]
+    if chosen:
+        parts.append(chosen[0].read_text().strip())
+    elif "exceeded its" in text:
+        parts.append(text.strip().splitlines()[-1])
+    if not parts:
+        last = [line for line in text.strip().splitlines() if line.strip()][-3:]
+        parts.append("training failed: " + " | ".join(last) if last else "training failed with no output")
+    return "; ".join(parts)

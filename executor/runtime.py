@@ -1,0 +1,296 @@
+"""One rank's training machinery for a plan: mesh, stage modules, schedule, optimizer, one step.
+
+`build_runtime` applies the plan (see `parallelize` for the order); `train_step` runs one
+optimizer step: forward/backward over the plan's micro-batches (through the pipeline schedule
+when pp > 1), the tied-embedding all-reduce between first and last stage, global-norm clipping
+across every shard, the learning rate of the step, and AdamW.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executor.parallelize import (apply_dp, apply_recompute, apply_tp, dp_method, materialize,
+                                  split_stages)
+from planner.plan import Plan
+
+TIED_NAMES = ("embed.tok.weight", "head.proj.weight")
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """AdamW with linear warm-up then cosine decay to `min_lr_ratio * lr` at the last step."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_fraction: float = 0.1  # warm-up steps = max(1, round(fraction * steps))
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.max_grad_norm <= 0:
+            raise ValueError(f"lr ({self.lr}) and max_grad_norm ({self.max_grad_norm}) must be positive")
+        if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.warmup_fraction <= 1:
+            raise ValueError(f"min_lr_ratio ({self.min_lr_ratio}) and warmup_fraction "
+                             f"({self.warmup_fraction}) are fractions in [0, 1]")
+
+
+def lr_at(step: int, total_steps: int, hp: Hyperparameters) -> float:
+    """Learning rate of 0-based step `step` of a `total_steps` run."""
+    warmup = max(1, round(hp.warmup_fraction * total_steps))
+    if step < warmup:
+        return hp.lr * (step + 1) / warmup
+    decay_steps = max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    min_lr = hp.lr * hp.min_lr_ratio
+    return min_lr + 0.5 * (hp.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class Runtime:
+    """What one rank holds for a plan (mutable: modules and optimizers change as it trains)."""
+
+    plan: Plan
+    device: torch.device
+    mesh: Any
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    chunk_ids: list[int]
+    stages: list  # StageModule per chunk
+    modules: list  # what runs: the StageModule, or its DDP wrapper
+    optimizers: list
+    dp_method: str
+    schedule: Any = None
+    tied_group: Any = None
+    norm_weights: list = field(default_factory=list)  # (param, 1 / how many ranks hold the same values)
+
+    @property
+    def holds_last_chunk(self) -> bool:
+        return self.plan.config.num_model_chunks - 1 in self.chunk_ids
+
+    @property
+    def holds_first_chunk(self) -> bool:
+        return 0 in self.chunk_ids
+
+    def parameters(self):
+        seen = set()
+        for stage in self.stages:
+            for param in stage.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
+
+
+def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int) -> Runtime:
+    """Build this rank's part of `plan` from the meta device up, weights from `seed`; collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner.models import build_model
+
+    cfg = plan.config
+    mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
+    tied = bool(built.config.tied_embeddings)
+    chunk_ids = list(range(pp_rank, cfg.num_model_chunks, cfg.pp))
+    layer_names = [layer.name for layer in plan.layers]
+    stages = split_stages(built.module, layer_names, plan.chunks(), chunk_ids)
+    if cfg.tp > 1:
+        for stage in stages:
+            apply_tp(stage, mesh["tp"], cfg.sp)
+    template = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta").module
+    materialize(stages, template, seed, device, tied)
+    recompute = {layer.name: layer.recompute for layer in plan.layers}
+    for stage in stages:
+        for name in stage.layer_names:
+            apply_recompute(stage.layer(name), recompute[name])
+    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
+    mixed = cfg.precision == "bf16-mixed"
+    mp_policy = None
+    if mixed and method in ("fsdp", "replicate"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for stage in stages:
+        stage.autocast_dtype = torch.bfloat16 if mixed and mp_policy is None else None
+    modules = [apply_dp(stage, mesh["dp"], cfg.zero, method, mp_policy) for stage in stages]
+    runtime = Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
+                      chunk_ids=chunk_ids, stages=stages, modules=modules, optimizers=[], dp_method=method)
+    runtime.optimizers = [_adamw(stage, hp) for stage in stages]
+    runtime.norm_weights = _norm_weights(runtime, tied)
+    if cfg.pp > 1:
+        runtime.schedule = _pipeline_schedule(runtime, built.loss_fn)
+        if tied:
+            runtime.tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp)
+    return runtime
+
+
+def _adamw(stage, hp: Hyperparameters):
+    from torch.distributed.tensor import DTensor
+
+    params = list(stage.parameters())
+    # foreach kernels cannot mix DTensors of different meshes (TP 2-D vs FSDP 1-D parameters).
+    foreach = False if any(isinstance(p, DTensor) for p in params) else None
+    return torch.optim.AdamW(params, lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                             weight_decay=hp.weight_decay, foreach=foreach)
+
+
+def _norm_weights(runtime: Runtime, tied: bool) -> list:
+    """Per parameter, 1 / (number of ranks holding a copy of the same gradient values).
+
+    Summing local squared-gradient sums times this weight over the whole world counts every
+    gradient element exactly once: DTensor shards are distinct, replicated copies (plain
+    tensors, Replicate placements, DDP) are shared by dp * tp / (number of shards) ranks, and a
+    tied embedding split across pipeline stages appears on the first and the last stage.
+    """
+    from torch.distributed.tensor import DTensor
+
+    cfg = runtime.plan.config
+    names = {}
+    for stage in runtime.stages:
+        for name, param in stage.named_parameters():
+            names[id(param)] = name
+    weights = []
+    for param in runtime.parameters():
+        num_shards = 1
+        if isinstance(param, DTensor):
+            for dim, placement in enumerate(param.placements):
+                if placement.is_shard():
+                    num_shards *= param.device_mesh.size(dim)
+        copies = cfg.dp * cfg.tp / num_shards
+        if tied and cfg.pp > 1 and names.get(id(param)) in TIED_NAMES:
+            copies *= 2
+        weights.append((param, 1.0 / copies))
+    return weights
+
+
+def _tied_group(mesh, pp: int, dp: int, tp: int):
+    """The two-rank group (first stage, last stage) at this rank's (dp, tp) coordinate."""
+    ranks = mesh.mesh
+    mine = None
+    for dp_index in range(dp):  # every rank creates every group, in the same order
+        for tp_index in range(tp):
+            pair = [int(ranks[0, dp_index, tp_index]), int(ranks[pp - 1, dp_index, tp_index])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+    return mine
+
+
+def _pipeline_schedule(runtime: Runtime, loss_fn):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
+                                                        ScheduleInterleaved1F1B)
+
+    cfg = runtime.plan.config
+    group = runtime.mesh["pp"].get_group()
+    stages = [PipelineStage(module, stage_index=chunk, num_stages=cfg.num_model_chunks, device=runtime.device,
+                            group=group) for module, chunk in zip(runtime.modules, runtime.chunk_ids)]
+
+    def stage_loss(logits, targets):
+        return loss_fn(logits, (targets,))
+
+    if cfg.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
+    return schedule_class(stages[0], n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
+
+
+def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, hp: Hyperparameters):
+    """One optimizer step on this replica's (inputs, targets); returns the mean micro-batch loss
+    on ranks that hold the last chunk (None elsewhere) and the global gradient norm."""
+    for optimizer in runtime.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    if runtime.schedule is not None:
+        loss = _pipeline_forward_backward(runtime, inputs, targets)
+    else:
+        loss = _forward_backward(runtime, inputs, targets)
+    if runtime.tied_group is not None:
+        _all_reduce_tied_grads(runtime)
+    grad_norm = clip_grad_norm(runtime, hp.max_grad_norm)
+    lr = lr_at(step, total_steps, hp)
+    for optimizer in runtime.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    return loss, grad_norm
+
+
+def _pipeline_forward_backward(runtime: Runtime, inputs, targets):
+    losses: list = []
+    args = (inputs.to(runtime.device),) if runtime.holds_first_chunk else ()
+    if runtime.holds_last_chunk:
+        runtime.schedule.step(*args, target=targets.to(runtime.device), losses=losses)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+    runtime.schedule.step(*args)
+    return None
+
+
+def _forward_backward(runtime: Runtime, inputs, targets):
+    """Gradient accumulation over the plan's micro-batches (no pipeline)."""
+    from planner.models.transformer import lm_loss
+
+    module = runtime.modules[0]
+    num_microbatches = runtime.plan.config.num_microbatches
+    # ZeRO-0/1: reduce gradients once, after the last micro-batch; ZeRO-2/3: after each one.
+    defer_sync = runtime.plan.config.zero <= 1
+    total = torch.zeros((), device=runtime.device)
+    for index, (x, y) in enumerate(zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches))):
+        last = index == num_microbatches - 1
+        with _gradient_sync(runtime, module, sync=last or not defer_sync):
+            loss = lm_loss(module(x.to(runtime.device)), y.to(runtime.device))
+            (loss / num_microbatches).backward()
+        total += loss.detach().float()
+    return total / num_microbatches
+
+
+def _gradient_sync(runtime: Runtime, module, sync: bool):
+    if runtime.dp_method == "ddp":
+        return nullcontext() if sync else module.no_sync()
+    if runtime.dp_method in ("fsdp", "replicate"):
+        module.set_requires_gradient_sync(sync)
+    return nullcontext()
+
+
+def _all_reduce_tied_grads(runtime: Runtime) -> None:
+    """Megatron-LM: the embedding's gradient is the sum of its first- and last-stage parts."""
+    from torch.distributed.tensor import DTensor
+
+    for stage in runtime.stages:
+        for name, param in stage.named_parameters():
+            if name in TIED_NAMES and param.grad is not None:
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=runtime.tied_group)
+
+
+def clip_grad_norm(runtime: Runtime, max_norm: float) -> float:
+    """Scale gradients so their global L2 norm (over every TP, PP and DP shard) is <= max_norm.
+
+    Same rule as `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), capped at 1.
+    """
+    from torch.distributed.tensor import DTensor
+
+    sum_squares = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    grads = []
+    for param, weight in runtime.norm_weights:
+        if param.grad is None:
+            continue
+        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grads.append(local)
+        sum_squares += local.double().pow(2).sum() * weight
+    dist.all_reduce(sum_squares)
+    total_norm = float(sum_squares.sqrt())
+    coefficient = min(1.0, max_norm / (total_norm + 1e-6))
+    if coefficient < 1.0:
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total_norm

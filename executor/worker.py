@@ -1,0 +1,253 @@
+"""The per-rank entry point: `python -m executor.worker` under torchrun.
+
+    torchrun --nproc-per-node N -m executor.worker --plan plan.json --steps 20 --out measured.json
+
+or `--jobs jobs.json` (a list of job objects with the same keys) to run several plans one after
+another in one launch (the tests group configurations this way: each launch costs seconds).
+Each job: check the plan, build this rank's runtime, resume from the newest complete checkpoint
+when asked (or when torchrun restarted the workers), train, checkpoint every K steps, and have
+rank 0 write measured.json. Teardown is a barrier, then `destroy_process_group`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run of one plan (what `meshplan train` asks for)."""
+
+    plan_path: str
+    steps: int = 20
+    out: str = "measured.json"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    data: str = "synthetic"
+    seed: int | None = None
+    run_dir: str | None = None  # heartbeats (pid, step per rank) and per-rank error files
+    timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout: a hung collective fails instead
+    lr: float | None = None  # None: Hyperparameters' default
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def job_from_json(data: dict) -> Job:
+    known = {f.name for f in fields(Job)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown job field {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    return Job(**data)
+
+
+def run_job(job: Job, device) -> None:
+    """Train one job on the already initialised default process group (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.checkpoint import load_checkpoint, newest_complete, save_checkpoint
+    from executor.data import global_batch, make_source, replica_slice
+    from executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
+    from executor.runtime import Hyperparameters, build_runtime, train_step
+    from executor.validate import check_plan_runnable
+    from planner.plan import load_plan
+
+    plan = load_plan(job.plan_path)
+    check_plan_runnable(plan, dist.get_world_size())
+    cfg = plan.config
+    seed = plan.seed if job.seed is None else job.seed
+    hp = Hyperparameters() if job.lr is None else Hyperparameters(lr=job.lr)
+    runtime = build_runtime(plan, device, hp, seed)
+    source = make_source(job.data, _vocab_of(plan), plan.model.seq, seed)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    start_step, losses, times = 0, [], []
+    newest = newest_complete(job.checkpoint_dir) if (job.resume or restarted) else None
+    if newest is not None:
+        start_step, history = load_checkpoint(runtime, newest[1])
+        losses, times = [h[0] for h in history], [h[1] for h in history]
+    rank = dist.get_rank()
+    memory_step = min(start_step + 1, job.steps - 1)
+    peak_bytes, memory_source = 0, "none"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(start_step, job.steps):
+        inputs, targets = global_batch(source, step, cfg.global_batch)
+        inputs, targets = replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
+        started = time.perf_counter()
+        if step == memory_step and device.type == "cpu":
+            loss, peak_bytes = _tracked_step(runtime, step, job.steps, inputs, targets, hp)
+            memory_source = "torch.distributed._tools.mem_tracker.MemTracker (live tensor bytes)"
+        else:
+            loss, _ = train_step(runtime, step, job.steps, inputs, targets, hp)
+        loss_value, step_time_s = _agree(runtime, loss, time.perf_counter() - started)
+        losses.append(loss_value)
+        times.append(step_time_s)
+        _heartbeat(job.run_dir, rank, step + 1)
+        if rank == 0:
+            print(f"step {step + 1}/{job.steps} loss {loss_value:.6f} time {step_time_s * 1e3:.1f} ms", flush=True)
+        if job.checkpoint_every and (step + 1) % job.checkpoint_every == 0:
+            save_checkpoint(runtime, job.checkpoint_dir, step + 1, list(zip(losses, times)))
+    if device.type == "cuda":
+        peak_bytes, memory_source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    peaks = _gather_ints(runtime, peak_bytes)
+    warmup = min(2, len(times) - 1) if len(times) > 1 else 0
+    tokens_per_step = cfg.global_batch * plan.model.seq
+    measurement = Measurement(
+        world_size=dist.get_world_size(), plan_digest=plan.digest, step_times_s=tuple(times), warmup_steps=warmup,
+        peak_memory_bytes_per_rank=tuple(peaks), losses=tuple(losses),
+        tokens_per_s=tokens_per_s(times, warmup, tokens_per_step), tokens_per_step=tokens_per_step,
+        memory_source=memory_source, precision=cfg.precision, backend=dist.get_backend(), device=str(device.type),
+        resumed_from_step=start_step, host=host_info(), versions=software_versions())
+    if rank == 0:
+        Path(job.out).parent.mkdir(parents=True, exist_ok=True)
+        save_measurement(measurement, job.out)
+    dist.barrier()
+
+
+def _vocab_of(plan) -> int:
+    from planner.models import parse_spec
+
+    return parse_spec(plan.model.spec, plan.model.seq).vocab
+
+
+def _tracked_step(runtime, step, total_steps, inputs, targets, hp):
+    """One step under MemTracker: the peak of live tensor bytes on this rank (CPU has no allocator stats)."""
+    from executor.memory import StepMemTracker
+    from executor.runtime import train_step
+
+    tracker = StepMemTracker()
+    tracker.track_external(*runtime.stages, *runtime.optimizers)
+    with tracker:
+        loss, _ = train_step(runtime, step, total_steps, inputs, targets, hp)
+    return loss, tracker.peak_bytes()
+
+
+def _agree(runtime, loss, elapsed_s: float) -> tuple[float, float]:
+    """All ranks agree on the step's loss (mean over replicas) and time (slowest rank): one all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    values = torch.zeros(2 * world, dtype=torch.float64, device=runtime.device)
+    if loss is not None and runtime.tp_rank == 0:
+        values[rank] = float(loss) / runtime.plan.config.dp
+    values[world + rank] = elapsed_s
+    dist.all_reduce(values)
+    return float(values[:world].sum()), float(values[world:].max())
+
+
+def _gather_ints(runtime, value: int) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=runtime.device)
+    values[dist.get_rank()] = value
+    dist.all_reduce(values)
+    return [int(v) for v in values.tolist()]
+
+
+def _heartbeat(run_dir: str | None, rank: int, step: int) -> None:
+    """`run_dir/rank{R}.json`: pid and completed steps, for progress and for fault-injection tests."""
+    if not run_dir:
+        return
+    path = Path(run_dir) / f"rank{rank}.json"
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"pid": os.getpid(), "step": step,
+                                     "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}))
+    os.replace(temporary, path)
+
+
+def _exit_with_parent() -> None:
+    """If the torchrun agent dies (even by SIGKILL), its workers must not linger: poll the parent."""
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def parse_args(argv: list[str] | None = None) -> list[Job]:
+    parser = argparse.ArgumentParser(prog="python -m executor.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", help="JSON file with a list of jobs (instead of --plan ...)")
+    parser.add_argument("--plan")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default="measured.json")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--run-dir")
+    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    if args.jobs:
+        return [job_from_json(item) for item in json.loads(Path(args.jobs).read_text())]
+    if not args.plan:
+        parser.error("give --plan plan.json or --jobs jobs.json")
+    return [Job(plan_path=args.plan, steps=args.steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
+                checkpoint_every=args.checkpoint_every, resume=args.resume, data=args.data, seed=args.seed,
+                run_dir=args.run_dir, timeout_s=args.timeout_s)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    jobs = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    _exit_with_parent()
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=max(j.timeout_s for j in jobs)))
+    try:
+        for job in jobs:
+            if job.run_dir:
+                Path(job.run_dir).mkdir(parents=True, exist_ok=True)
+            run_job(job, device)
+    except BaseException as exc:
+        _record_error(jobs, exc)
+        raise
+    # A bare destroy_process_group() sometimes aborts after a good run on gloo: barrier first.
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _record_error(jobs: list[Job], exc: BaseException) -> None:
+    run_dir = next((job.run_dir for job in jobs if job.run_dir), None)
+    if run_dir:
+        rank = os.environ.get("RANK", "0")
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        Path(run_dir, f"error_rank{rank}.txt").write_text(message[:2000] + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
