@@ -279,7 +279,8 @@ def test_simulator_agrees_with_closed_form_on_balanced_stages(cluster, schedule,
     for rank in range(cfg.pp):
         mine = [c for c, chunk in zip(costs.layer_costs, costs.chunk_of_layer) if chunk % cfg.pp == rank]
         stages.append(cost.StageTimes(
-            compute_s=sum(c.fwd_compute_s + c.bwd_compute_s for c in mine), recompute_s=sum(c.recompute_s for c in mine),
+            compute_s=sum(c.fwd_compute_s + c.bwd_compute_s for c in mine),
+            recompute_s=sum(c.recompute_s for c in mine),
             tp_comm_s=sum(c.tp_fwd_comm_s + c.tp_bwd_comm_s for c in mine), zero3_exposed_s=0.0, p2p_s=0.0,
             optimizer_s=sum(c.optimizer_step_s for c in mine)))
     closed = cost.pipeline_closed_form(stages, cfg.num_microbatches, schedule, vpp)
@@ -403,3 +404,28 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
     expected = simulate_config(graph, cluster, cfg, chunk_of_layer=chunks, recompute_of_layer=["none"] * len(chunks))
     assert data["step_time_s"] == pytest.approx(expected.step_time_s, rel=REL)
     assert data["mfu"] == pytest.approx(expected.mfu, rel=REL)
+
+
+@pytest.mark.timeout(60)
+def test_random_pipelines_match_dag_longest_path():
+    """Property check over random schedules, shapes and costs (30 examples, ~1 s)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=30, deadline=None, derandomize=True)
+    @given(st.sampled_from(["gpipe", "1f1b", "interleaved"]), st.integers(1, 4), st.integers(1, 3),
+           st.integers(1, 3), st.randoms(use_true_random=False))
+    def check(schedule, pp, rounds, vpp, rng):
+        if schedule != "interleaved" or pp == 1:
+            schedule, vpp = ("1f1b" if schedule == "interleaved" else schedule), 1
+        cfg = config(pp, pp * rounds, schedule, vpp)
+        num_chunks = cfg.num_model_chunks
+        costs = tuple(layer(fwd=rng.uniform(0.1, 2), bwd=rng.uniform(0.1, 4)) for _ in range(num_chunks))
+        step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=tuple(range(num_chunks)),
+                         p2p_time_s=tuple(rng.uniform(0, 1) for _ in range(num_chunks - 1)))
+        pred = simulate_step(step)
+        assert pred.step_time_s == pytest.approx(_longest_path_step(step), rel=REL)
+        assert sum(pred.breakdown.values()) == pytest.approx(pred.step_time_s, rel=REL)
+        assert 0.0 <= pred.bubble_fraction < 1.0
+
+    check()
