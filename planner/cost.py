@@ -5,7 +5,7 @@ read. Add fields freely; do not rename.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
 from planner.graph import LayerProfile, ModelInfo
@@ -118,6 +118,12 @@ def compute_time_s(flops: float, num_gemms: int, cluster: ClusterProfile, dtype:
     return flops / (device.peak_flops(dtype) * efficiency) + overhead_s
 
 
+def memory_time_s(traffic_bytes: float, cluster: ClusterProfile) -> float:
+    """Time to stream `traffic_bytes` through device memory at the achieved bandwidth."""
+    device = cluster.device
+    return traffic_bytes / (device.memory_bw_bytes_per_s * device.memory_efficiency)
+
+
 def infer_seq(layer: LayerProfile, info: ModelInfo, dtype: str) -> int:
     """Sequence length of a block from its input (batch 1, seq, hidden) in the profile dtype."""
     if not info.hidden:
@@ -162,13 +168,19 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
 
     fwd_flops = layer.fwd_flops * mbs * vocab_scale / shard
     bwd_flops = layer.bwd_flops * mbs * vocab_scale / shard
-    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype)
-    bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
+    # Non-GEMM kernels are memory-bound: their traffic scales with the bytes the layer saves.
+    traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
+    saved_bytes, _ = _activation_bytes(layer, replace(strategy, recompute="none"), act_scale * vocab_scale)
+    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
+    bwd_s = (compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
+             + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster))
     if strategy.recompute == "full":
         recompute_s = fwd_s
     elif strategy.recompute == "selective":
         flops = selective_recompute_flops(layer, info, profile_dtype or dtype) * mbs / shard
-        recompute_s = compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype) if flops else 0.0
+        score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
+        recompute_s = (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+                       + memory_time_s(traffic_per_act_byte * score_bytes, cluster)) if flops else 0.0
     else:
         recompute_s = 0.0
 
@@ -327,14 +339,15 @@ class StageTimes:
     recompute_s: float
     tp_comm_s: float  # blocking TP collectives, forward and backward
     zero3_exposed_s: float  # ZeRO-3 gathers not hidden behind the previous layer's compute
-    p2p_s: float  # boundary sends/receives: activation forward, its gradient backward
+    p2p_s: float  # boundary sends of this rank: activations forward, their gradients backward
     dp_exposed_s: float = 0.0  # per step: gradient reduction not hidden behind the last backward
     param_gather_s: float = 0.0  # per step: ZeRO-1/2 parameter all-gather after the optimizer
     optimizer_s: float = 0.0  # per step
 
     @property
     def per_microbatch_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.tp_comm_s + self.zero3_exposed_s + self.p2p_s
+        """Busy time of the compute stream (p2p runs on its own stream: see pipeline_closed_form)."""
+        return self.compute_s + self.recompute_s + self.tp_comm_s + self.zero3_exposed_s
 
     @property
     def tail_s(self) -> float:
@@ -361,8 +374,9 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
     the slowest stage sets the pace. With balanced stages this is (m + p - 1) T, so the bubble is
     (p - 1) / (m + p - 1) of the pipeline. Interleaved 1F1B with v chunks per rank fills with
     chunks 1/v the size: (m - 1/v) max_i T_i + sum_i T_i / v, i.e. (m + (p - 1)/v) T balanced
-    (Narayanan et al. 2021). Then the slowest rank's tail (exposed DP communication, ZeRO
-    parameter gathers, optimizer) follows.
+    (Narayanan et al. 2021). Sends and receives are asynchronous: in the steady state they hide
+    behind compute, but the fill and drain wait for them once per boundary (sum_i p2p_i / v).
+    Then the slowest rank's tail (exposed DP communication, ZeRO parameter gathers, optimizer).
     """
     if not stages:
         raise ValueError("a pipeline needs at least one stage")
@@ -371,17 +385,18 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
     per_mb = [stage.per_microbatch_s for stage in stages]
     slowest = max(per_mb)
     chunks = virtual_stages if schedule == "interleaved" else 1
-    pipeline_s = (num_microbatches - 1 / chunks) * slowest + sum(per_mb) / chunks
+    p2p_path_s = sum(stage.p2p_s for stage in stages) / chunks
+    pipeline_s = (num_microbatches - 1 / chunks) * slowest + sum(per_mb) / chunks + p2p_path_s
     busiest = per_mb.index(slowest)
     tail_rank = max(range(len(stages)), key=lambda i: stages[i].tail_s)
     tail = stages[tail_rank]
     step_s = pipeline_s + tail.tail_s
-    bubble_s = max(0.0, pipeline_s - num_microbatches * slowest)
+    bubble_s = max(0.0, pipeline_s - p2p_path_s - num_microbatches * slowest)
     busy = stages[busiest]
     m = num_microbatches
     breakdown = {
         "compute": m * busy.compute_s, "recompute": m * busy.recompute_s,
-        "tp_comm": m * busy.tp_comm_s, "pp_comm": m * busy.p2p_s,
+        "tp_comm": m * busy.tp_comm_s, "pp_comm": p2p_path_s,
         "dp_comm": m * busy.zero3_exposed_s + tail.dp_exposed_s + tail.param_gather_s,
         "bubble": bubble_s, "optimizer": tail.optimizer_s,
     }

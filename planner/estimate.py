@@ -29,6 +29,32 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
                 mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                 vpp: int = 1, precision: str = "bf16-mixed") -> ParallelConfig:
     """Validate a configuration against the model and the cluster; MeshplanError says why not."""
+    check_mesh(cluster, gpus, tp, pp)
+    for layer in graph.layers:
+        if not layer.tp_split.max_degree_ok(tp):
+            split = layer.tp_split
+            raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {split.num_heads} heads, "
+                                f"{split.num_kv_heads or split.num_heads} KV heads, vocab {split.vocab_size}; "
+                                f"pick a tp that divides them")
+    chunks = pp * (vpp if schedule == "interleaved" else 1)
+    if chunks > len(graph.layers):
+        raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
+                            f"the model has {len(graph.layers)}")
+    return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision)
+
+
+def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision) -> ParallelConfig:
+    """ParallelConfig with DP = gpus / (tp * pp); its validation errors become MeshplanError."""
+    try:
+        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=gpus // (tp * pp),
+                              microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
+                              virtual_stages=vpp, precision=precision)
+    except ValueError as exc:
+        raise MeshplanError(str(exc)) from None
+
+
+def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int) -> None:
+    """The checks that need no model: degrees divide the GPUs, TP fits in a node, GPUs exist."""
     for name, value in (("gpus", gpus), ("tp", tp), ("pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
@@ -42,22 +68,6 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
     if gpus > max_gpus:
         raise MeshplanError(f"--gpus {gpus} exceeds the {max_gpus} GPUs profile {cluster.name!r} allows "
                             f"({cluster.max_nodes} nodes of {cluster.gpus_per_node})")
-    for layer in graph.layers:
-        if not layer.tp_split.max_degree_ok(tp):
-            split = layer.tp_split
-            raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {split.num_heads} heads, "
-                                f"{split.num_kv_heads or split.num_heads} KV heads, vocab {split.vocab_size}; "
-                                f"pick a tp that divides them")
-    chunks = pp * (vpp if schedule == "interleaved" else 1)
-    if chunks > len(graph.layers):
-        raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
-                            f"the model has {len(graph.layers)}")
-    try:
-        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=gpus // (tp * pp),
-                              microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
-                              virtual_stages=vpp, precision=precision)
-    except ValueError as exc:
-        raise MeshplanError(str(exc)) from None
 
 
 def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: int, seq: int | None = None,
@@ -65,25 +75,18 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
              attention: str = "flash") -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration."""
+    from planner.models import default_seq
     from planner.profile import profile
 
     cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
     precision = precision or default_precision(cluster)
+    check_mesh(cluster, gpus, tp, pp)
+    parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision)  # fail fast
     dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
-    graph = profile(spec, seq or default_seq(spec), batch=1, dtype=dtype, attention=attention)
+    graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
     config = make_config(graph, cluster, gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp,
                          precision)
     return predict(graph, cluster, config)
-
-
-def default_seq(spec: str) -> int:
-    """2048, or fewer when a preset has fewer learned positions (GPT-2: 1024)."""
-    from planner.models import PRESETS
-
-    cfg = PRESETS.get(spec)
-    if cfg is not None and cfg.family == "gpt":
-        return min(DEFAULT_SEQ, cfg.max_positions)
-    return DEFAULT_SEQ
 
 
 def predict(graph, cluster: ClusterProfile, config: ParallelConfig, chunk_of_layer=None,
@@ -125,14 +128,13 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
     zero3 = sum(max(0.0, costs[i].zero3_gather_s - costs[i].fwd_compute_s)
                 + max(0.0, costs[i].zero3_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s) for i in mine)
-    # Each chunk boundary crossed costs a send of the activation and, in backward, of its gradient.
+    # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
+    # input backward.
     p2p = 0.0
     for i in mine:
-        last_of_chunk = i + 1 < len(chunks) and chunks[i + 1] != chunks[i]
-        first_of_chunk = i > 0 and chunks[i - 1] != chunks[i]
-        if last_of_chunk:
+        if i + 1 < len(chunks) and chunks[i + 1] != chunks[i]:
             p2p += p2p_time_s(costs[i].output_bytes, config, cluster)
-        if first_of_chunk:
+        if i > 0 and chunks[i - 1] != chunks[i]:
             p2p += p2p_time_s(costs[i - 1].output_bytes, config, cluster)
     # DP gradient reduction overlaps the last micro-batch's backward, except for the gradients
     # produced last (the stage's first layer), which nothing follows.

@@ -17,6 +17,7 @@ A profile file looks like:
     memory_efficiency = 0.85            # achieved fraction of memory bandwidth
     kernel_overhead_s = 5e-6            # fixed cost per layer kernel sequence (dispatch/launch)
     reserved_memory_bytes = 3e9         # CUDA context, allocator fragmentation, NCCL buffers
+    elementwise_bytes_per_activation_byte = 3.0  # norm/GELU/softmax traffic per saved byte
 
     [topology]
     gpus_per_node = 8
@@ -93,6 +94,9 @@ class DeviceProfile:
     memory_efficiency: float = 0.8
     kernel_overhead_s: float = 0.0
     reserved_memory_bytes: float = 0.0
+    # Memory traffic of a layer's non-GEMM kernels (norms, activations, softmax, residual adds),
+    # in bytes per byte the forward saves for backward; backward moves twice as much. 0: ignore.
+    elementwise_bytes_per_activation_byte: float = 0.0
     supports_bf16: bool = True
     source: str = ""
 
@@ -110,7 +114,8 @@ class DeviceProfile:
             _check_positive("device", name, value)
             if value > 1:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
-        for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes"):
+        for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",
+                     "elementwise_bytes_per_activation_byte"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "

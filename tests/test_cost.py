@@ -140,12 +140,16 @@ def test_bubble_equals_p_minus_1_over_m_plus_p_minus_1(p, m):
     stages = [StageTimes(compute_s=0.3, recompute_s=0.05, tp_comm_s=0.02, zero3_exposed_s=0.0, p2p_s=0.01)] * p
     for schedule in ("1f1b", "gpipe"):
         step = pipeline_closed_form(stages, m, schedule)
-        assert step.bubble_s / step.pipeline_time_s == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+        # p2p is asynchronous: it adds its fill/drain path once (pp_comm), outside the bubble
+        busy_s = step.pipeline_time_s - step.breakdown["pp_comm"]
+        assert step.breakdown["pp_comm"] == pytest.approx(p * 0.01)
+        assert step.bubble_s / busy_s == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
         assert step.step_time_s == pytest.approx(step.pipeline_time_s)  # no tail given
         assert sum(step.breakdown.values()) == pytest.approx(step.step_time_s)
     v = 4
     step = pipeline_closed_form(stages, m, "interleaved", v)
-    assert step.bubble_s / step.pipeline_time_s == pytest.approx((p - 1) / v / (m + (p - 1) / v), rel=1e-12)
+    busy_s = step.pipeline_time_s - step.breakdown["pp_comm"]
+    assert step.bubble_s / busy_s == pytest.approx((p - 1) / v / (m + (p - 1) / v), rel=1e-12)
 
 
 def test_slowest_stage_sets_the_pace_and_tail_adds():
