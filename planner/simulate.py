@@ -23,16 +23,27 @@ STREAMS = ("compute", "tp", "p2p", "dp")
 
 def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
                     chunk_of_layer: Sequence[int] | None = None, recompute_of_layer: Sequence[str] | None = None,
-                    timeline: bool = False, degrees_of_layer: Sequence[tuple[int, int]] | None = None) -> Prediction:
+                    timeline: bool = False, degrees_of_layer: Sequence[tuple[int, int]] | None = None,
+                    grad_sync: str | None = None) -> Prediction:
     """Simulate one step of `graph` on `cluster` under a configuration.
 
     `chunk_of_layer`: model chunk (virtual_stage * pp + stage) of each layer; None balances the
     layers with `cost.balanced_layer_chunks`. `recompute_of_layer`: none|selective|full per layer;
     None applies `config.recompute` to the transformer blocks (`cost.default_recompute`).
     `degrees_of_layer`: (tp, dp) per layer for layer-wise plans; None uses the mesh's.
+    `grad_sync`: when gradients are reduced ("overlap" or "after_chunk", see `StepCosts`); None
+    follows the executor (`executor_grad_sync`).
     """
-    costs = step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer, degrees_of_layer)
+    costs = step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer, degrees_of_layer, grad_sync)
     return simulate_step(costs, timeline=timeline)
+
+
+def executor_grad_sync(config: ParallelConfig) -> str:
+    """When meshplan's executor reduces gradients: with pipelining it wraps each chunk in FSDP or
+    replicate, and torch's schedules reduce a chunk's gradients only after its last backward
+    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the last
+    micro-batch's backward."""
+    return "after_chunk" if config.pp > 1 and config.dp > 1 else "overlap"
 
 
 def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True) -> Prediction:
@@ -50,11 +61,12 @@ def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True)
 
 def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
                chunk_of_layer: Sequence[int] | None = None, recompute_of_layer: Sequence[str] | None = None,
-               degrees_of_layer: Sequence[tuple[int, int]] | None = None) -> StepCosts:
+               degrees_of_layer: Sequence[tuple[int, int]] | None = None,
+               grad_sync: str | None = None) -> StepCosts:
     """Cost every layer and collect what the event engine needs (see `StepCosts`).
 
     `degrees_of_layer`: (tp, dp) per layer for non-executable layer-wise plans; None uses the
-    mesh's degrees for every layer.
+    mesh's degrees for every layer. `grad_sync` None follows the executor (`executor_grad_sync`).
     """
     num_layers = len(graph.layers)
     chunks = tuple(cost.balanced_layer_chunks(graph, cluster, config) if chunk_of_layer is None else chunk_of_layer)
@@ -83,7 +95,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         tokens_per_step=float(config.global_batch * graph.seq), model_flops_per_step=float(model_flops),
         hw_flops_per_step=float(model_flops + recompute_flops),
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
-        usable_memory_bytes=cluster.device.usable_memory_bytes)
+        usable_memory_bytes=cluster.device.usable_memory_bytes,
+        grad_sync=grad_sync or executor_grad_sync(config))
 
 
 def _recompute_flops_per_sample(layer: LayerProfile, recompute: str, graph: ModelGraph) -> float:

@@ -14,10 +14,13 @@ Per pipeline rank:
   arrives `p2p_time_s` later; the receiver's action cannot start before it arrives. Transfers
   overlap compute; links are not shared between transfers (1F1B keeps at most one transfer per
   direction in flight per link).
-- dp stream: a chunk's gradients are reduced in DDP-style buckets (reverse layer order, about
-  `grad_bucket_bytes` each); a bucket starts when the last micro-batch's backward has finished
-  all its layers and the stream is free. The rank then runs the optimizer and, with ZeRO-1/2,
-  all-gathers the updated parameters. The step ends when the slowest rank does.
+- dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in DDP-style buckets
+  (reverse layer order, about `grad_bucket_bytes` each); a bucket starts when the last
+  micro-batch's backward has finished all its layers and the stream is free.
+  `grad_sync="after_chunk"` (torch pipelining with FSDP/replicate): a chunk's whole reduction
+  starts after its last backward and the rank's next compute waits for it. The rank then runs
+  the optimizer and, with ZeRO-1/2, all-gathers the updated parameters. The step ends when the
+  slowest rank does.
 - memory: parameters, gradients and optimizer states are resident; a chunk's saved activations
   are allocated when its forward starts and freed when its backward ends; the largest transient
   buffer of the rank's layers is added at the peak.
@@ -26,14 +29,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from planner.config import ParallelConfig
 from planner.cost import LayerCost
 from planner.prediction import Interval, MemoryBreakdown, Prediction
-from planner.schedules import schedule_actions
+from planner.schedules import Action, schedule_actions
 
 # torch DDP's default gradient bucket (`bucket_cap_mb=25`): a framework default, not hardware.
 DDP_BUCKET_BYTES = 25 * 2**20
+# When gradient reduction runs (see StepCosts.grad_sync).
+GRAD_SYNC_MODES = ("overlap", "after_chunk")
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,15 @@ class StepCosts:
     peak_flops_per_s: float = 0.0
     usable_memory_bytes: float = math.inf
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
+    # "overlap": DDP-style buckets launched during the last micro-batch's backward (DDP, FSDP
+    # without pipelining, Megatron-LM's overlapped reduction). "after_chunk": torch pipelining
+    # with FSDP/replicate: a chunk's whole reduction starts after its last backward
+    # (`perform_reduce_grad`) and the rank's next compute waits for it.
+    grad_sync: str = "overlap"
 
     def __post_init__(self):
+        if self.grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {self.grad_sync!r}")
         num_chunks = self.config.num_model_chunks
         if len(self.layer_costs) != len(self.chunk_of_layer):
             raise ValueError(f"{len(self.layer_costs)} layer costs but {len(self.chunk_of_layer)} chunk indices")
@@ -88,6 +101,7 @@ class _Chunk:
     bwd_tp_s: float
     bwd_zero_s: float
     activation_bytes: float
+    grad_reduce_s: float  # per step: the whole chunk's gradient reduction
     # DP buckets of this chunk: (end offset within the chunk's last backward, reduction seconds)
     buckets: tuple[tuple[float, float], ...] = field(default=())
 
@@ -137,6 +151,7 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
             bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
             bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
             activation_bytes=sum(c.activation_bytes for c in layers),
+            grad_reduce_s=sum(c.dp_grad_comm_s for c in layers),
             buckets=_buckets(backward, bwd_ends, costs)))
     return chunks
 
@@ -157,25 +172,41 @@ def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts)
     return tuple(buckets)
 
 
+class _Run(NamedTuple):
+    """One played action; the wait before it, split by cause."""
+
+    action: Action
+    start_s: float
+    end_s: float
+    bubble_s: float  # waiting for another rank's compute
+    pp_wait_s: float  # waiting for the boundary transfer
+    dp_wait_s: float  # compute held back by a gradient reduction (grad_sync "after_chunk")
+
+
 @dataclass(frozen=True)
 class _Played:
-    """Start and end of every action, per rank in schedule order, with its wait split by cause."""
+    """Every rank's played actions in schedule order, and reductions launched during the play."""
 
-    actions: tuple[tuple, ...]  # per rank: tuple of (Action, start_s, end_s, bubble_s, pp_wait_s)
+    runs: tuple[tuple[_Run, ...], ...]  # per rank
     fwd_end: tuple[tuple[float, ...], ...]  # [chunk][microbatch]
     bwd_end: tuple[tuple[float, ...], ...]
+    dp_intervals: tuple[tuple[tuple[float, float], ...], ...]  # per rank ("after_chunk" only)
 
 
 def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
     """Run every rank's action list; an action starts when its rank is free and its input is in."""
     cfg = costs.config
     num_mb, num_chunks, last = cfg.num_microbatches, cfg.num_model_chunks, cfg.num_model_chunks - 1
-    orders = schedule_actions(cfg.schedule, cfg.pp, num_mb, cfg.virtual_stages)
+    # Without pipelining the executor accumulates gradients forward, backward, forward, ...
+    # (1F1B's order for one stage) whatever schedule the plan names.
+    schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
+    orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages)
     transfer = list(costs.p2p_time_s) or [0.0] * (num_chunks - 1)
     fwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
     bwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
-    played: list[list[tuple]] = [[] for _ in range(cfg.pp)]
-    position, free_at = [0] * cfg.pp, [0.0] * cfg.pp
+    runs: list[list[_Run]] = [[] for _ in range(cfg.pp)]
+    dp_intervals: list[list[tuple[float, float]]] = [[] for _ in range(cfg.pp)]
+    position, free_at, blocked_until = [0] * cfg.pp, [0.0] * cfg.pp, [0.0] * cfg.pp
     remaining = sum(len(order) for order in orders)
     while remaining:
         progressed = False
@@ -185,26 +216,29 @@ def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
                 chunk, mb = action.chunk, action.microbatch
                 if action.kind == "F":
                     dep_end, link_s = (fwd_end[chunk - 1][mb], transfer[chunk - 1]) if chunk else (0.0, 0.0)
-                    duration = chunks[chunk].fwd_s
                 else:
                     dep_end, link_s = (bwd_end[chunk + 1][mb], transfer[chunk]) if chunk < last else (0.0, 0.0)
-                    duration = chunks[chunk].bwd_s
                 if dep_end < 0:
                     break  # input not produced yet: another rank must move first
-                ready = dep_end + link_s
-                start = max(free_at[rank], ready)
-                bubble_s = max(0.0, dep_end - free_at[rank])
-                pp_wait_s = max(0.0, start - max(free_at[rank], dep_end))
-                end = start + duration
+                free = max(free_at[rank], blocked_until[rank])
+                start = max(free, dep_end + link_s)
+                end = start + (chunks[chunk].fwd_s if action.kind == "F" else chunks[chunk].bwd_s)
+                runs[rank].append(_Run(action, start, end, bubble_s=max(0.0, dep_end - free),
+                                       pp_wait_s=max(0.0, start - max(free, dep_end)),
+                                       dp_wait_s=free - free_at[rank]))
                 (fwd_end if action.kind == "F" else bwd_end)[chunk][mb] = end
-                played[rank].append((action, start, end, bubble_s, pp_wait_s))
                 free_at[rank] = end
+                if costs.grad_sync == "after_chunk" and action.kind == "B" and mb == num_mb - 1:
+                    reduce_start = max(end, dp_intervals[rank][-1][1] if dp_intervals[rank] else 0.0)
+                    dp_intervals[rank].append((reduce_start, reduce_start + chunks[chunk].grad_reduce_s))
+                    blocked_until[rank] = reduce_start + chunks[chunk].grad_reduce_s
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:  # a schedule bug, not a user error
             raise AssertionError(f"pipeline schedule deadlocked with {remaining} actions left")
-    return _Played(tuple(map(tuple, played)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)))
+    return _Played(tuple(map(tuple, runs)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)),
+                   tuple(map(tuple, dp_intervals)))
 
 
 @dataclass(frozen=True)
@@ -232,19 +266,21 @@ def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list
         gather_s[chunks[chunk].rank] += cost.dp_param_gather_s
     tails = []
     for rank in range(cfg.pp):
-        ready = []
-        for index, chunk in enumerate(chunks):
-            if chunk.rank != rank:
-                continue
-            last_bwd_start = played.bwd_end[index][last_mb] - chunk.bwd_s
-            ready.extend((last_bwd_start + offset_s, comm_s) for offset_s, comm_s in chunk.buckets)
-        intervals, free_at = [], 0.0
-        for ready_s, comm_s in sorted(ready):
-            start = max(free_at, ready_s)
-            free_at = start + comm_s
-            intervals.append((start, free_at))
-        compute_end = played.actions[rank][-1][2]
-        tails.append(_RankTail(compute_end, tuple(intervals), free_at, optimizer_s[rank], gather_s[rank]))
+        intervals = list(played.dp_intervals[rank])
+        if costs.grad_sync == "overlap":
+            ready = []
+            for index, chunk in enumerate(chunks):
+                if chunk.rank == rank:
+                    last_bwd_start = played.bwd_end[index][last_mb] - chunk.bwd_s
+                    ready.extend((last_bwd_start + offset_s, comm_s) for offset_s, comm_s in chunk.buckets)
+            free_at = 0.0
+            for ready_s, comm_s in sorted(ready):
+                start = max(free_at, ready_s)
+                free_at = start + comm_s
+                intervals.append((start, free_at))
+        dp_end = intervals[-1][1] if intervals else 0.0
+        compute_end = played.runs[rank][-1].end_s
+        tails.append(_RankTail(compute_end, tuple(intervals), dp_end, optimizer_s[rank], gather_s[rank]))
     return tails
 
 
@@ -264,15 +300,15 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
         base = sum(resident[rank])
         live = peak = 0.0
         curve = [(0.0, base)]
-        for action, start, end, _, _ in played.actions[rank]:
-            size = chunks[action.chunk].activation_bytes
-            if action.kind == "F":  # saved activations grow while the forward runs
+        for run in played.runs[rank]:
+            size = chunks[run.action.chunk].activation_bytes
+            if run.action.kind == "F":  # saved activations grow while the forward runs
                 live += size
                 peak = max(peak, live)
-                curve.append((start, base + live))
+                curve.append((run.start_s, base + live))
             else:
                 live -= size
-                curve.append((end, base + live))
+                curve.append((run.end_s, base + live))
         params, grads, optimizer = resident[rank]
         breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
                                           activations=peak, buffers=buffers[rank]))
@@ -288,9 +324,9 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     step_s = max(tail.end_s for tail in tails)
     memory, curves = _memory(costs, chunks, played)
     peak_bytes = max(m.total for m in memory)
-    busy = [sum(end - start for _, start, end, _, _ in actions) for actions in played.actions]
+    busy = [sum(run.end_s - run.start_s for run in runs) for runs in played.runs]
     busiest = busy.index(max(busy))
-    breakdown = _breakdown(chunks, played.actions[busiest], tails[busiest], step_s)
+    breakdown = _breakdown(chunks, played.runs[busiest], tails[busiest], step_s)
     gpus = costs.config.gpus
     model_flops_per_gpu_s = costs.model_flops_per_step / step_s / gpus if step_s > 0 else 0.0
     return Prediction(
@@ -309,12 +345,12 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     )
 
 
-def _breakdown(chunks: list[_Chunk], actions: tuple, tail: _RankTail, step_s: float) -> dict[str, float]:
+def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:
     """Exposed seconds of the busiest rank's step by cause; they add up to the step time."""
     out = dict.fromkeys(("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"), 0.0)
-    for action, _, _, bubble_s, pp_wait_s in actions:
-        chunk = chunks[action.chunk]
-        if action.kind == "F":
+    for run in runs:
+        chunk = chunks[run.action.chunk]
+        if run.action.kind == "F":
             out["compute"] += chunk.fwd_compute_s
             out["tp_comm"] += chunk.fwd_tp_s
             out["dp_comm"] += chunk.fwd_zero_s
@@ -323,8 +359,9 @@ def _breakdown(chunks: list[_Chunk], actions: tuple, tail: _RankTail, step_s: fl
             out["recompute"] += chunk.recompute_s
             out["tp_comm"] += chunk.bwd_tp_s
             out["dp_comm"] += chunk.bwd_zero_s
-        out["bubble"] += bubble_s
-        out["pp_comm"] += pp_wait_s
+        out["bubble"] += run.bubble_s
+        out["pp_comm"] += run.pp_wait_s
+        out["dp_comm"] += run.dp_wait_s
     out["dp_comm"] += max(0.0, tail.dp_end_s - tail.compute_end_s) + tail.param_gather_s
     out["optimizer"] += tail.optimizer_s
     out["bubble"] += step_s - tail.end_s  # waiting for slower ranks to finish the step
@@ -336,8 +373,8 @@ def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: l
     out: list[Interval] = []
     last = costs.config.num_model_chunks - 1
     transfer = list(costs.p2p_time_s) or [0.0] * last
-    for rank, actions in enumerate(played.actions):
-        for action, start, end, _, _ in actions:
+    for rank, runs in enumerate(played.runs):
+        for action, start, end, *_ in runs:
             chunk = chunks[action.chunk]
             if action.kind == "F":
                 pieces = (("dp", "zero_gather", chunk.fwd_zero_s), ("compute", "forward", chunk.fwd_compute_s),

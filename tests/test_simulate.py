@@ -151,7 +151,32 @@ def _longest_path_step(step: StepCosts) -> float:
                 dag.add_edge(("end", ("F", chunk - 1, mb)), ("start", action), weight=step.p2p_time_s[chunk - 1])
             if action.kind == "B" and chunk < cfg.num_model_chunks - 1:
                 dag.add_edge(("end", ("B", chunk + 1, mb)), ("start", action), weight=step.p2p_time_s[chunk])
+    if step.grad_sync == "after_chunk":
+        _add_reductions(dag, step, chunk_time)
     return nx.dag_longest_path_length(dag)
+
+
+def _add_reductions(dag, step: StepCosts, chunk_time) -> None:
+    """A chunk's reduction follows its last backward, runs serially on the rank's dp stream, and
+    holds back the rank's next action."""
+    cfg = step.config
+    reduce_s = {}
+    for cost, chunk in zip(step.layer_costs, step.chunk_of_layer):
+        reduce_s[chunk] = reduce_s.get(chunk, 0.0) + cost.dp_grad_comm_s
+    last_mb = cfg.num_microbatches - 1
+    for order in schedule_actions(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages):
+        previous = None
+        for position, action in enumerate(order):
+            if action.kind != "B" or action.microbatch != last_mb:
+                continue
+            node = ("reduce", action.chunk)
+            dag.add_edge(("end", action), ("rstart", node), weight=0.0)
+            dag.add_edge(("rstart", node), ("rend", node), weight=reduce_s[action.chunk])
+            if previous is not None:
+                dag.add_edge(("rend", previous), ("rstart", node), weight=0.0)
+            if position + 1 < len(order):
+                dag.add_edge(("rend", node), ("start", order[position + 1]), weight=0.0)
+            previous = node
 
 
 @pytest.mark.parametrize("schedule,pp,num_mb,vpp", [("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 3, 1),
@@ -429,3 +454,31 @@ def test_random_pipelines_match_dag_longest_path():
         assert 0.0 <= pred.bubble_fraction < 1.0
 
     check()
+
+
+@pytest.mark.parametrize("schedule,pp,num_mb,vpp", [("1f1b", 2, 4, 1), ("gpipe", 3, 3, 1), ("interleaved", 2, 4, 2),
+                                                     ("interleaved", 3, 6, 3)])
+def test_reduction_after_each_chunk_blocks_the_rank(schedule, pp, num_mb, vpp):
+    """torch pipelining with FSDP reduces a chunk's gradients after its last backward and the
+    rank's next compute waits: check against the DAG with reduction nodes."""
+    rng = random.Random(7 * pp + vpp)
+    cfg = config(pp, num_mb, schedule, vpp, dp=2)
+    num_chunks = cfg.num_model_chunks
+    costs = tuple(layer(fwd=rng.uniform(0.5, 2), bwd=rng.uniform(1, 3), dp_grad_comm_s=rng.uniform(0.5, 3),
+                        grad_bytes=1e9) for _ in range(num_chunks))
+    step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=tuple(range(num_chunks)),
+                     p2p_time_s=tuple(rng.uniform(0, 0.3) for _ in range(num_chunks - 1)), grad_sync="after_chunk")
+    pred = simulate_step(step, timeline=True)
+    assert pred.step_time_s == pytest.approx(_longest_path_step(step), rel=REL)
+    assert sum(pred.breakdown.values()) == pytest.approx(pred.step_time_s, rel=REL)
+    overlapped = simulate_step(StepCosts(**{**step.__dict__, "grad_sync": "overlap"}))
+    assert overlapped.step_time_s <= pred.step_time_s + 1e-12
+    assert len([i for i in pred.timeline if i.kind == "dp_comm"]) == num_chunks
+
+
+def test_executor_grad_sync_follows_the_mesh():
+    from planner.simulate import executor_grad_sync
+
+    assert executor_grad_sync(config(2, 4, dp=2)) == "after_chunk"
+    assert executor_grad_sync(config(1, 4, dp=2)) == "overlap"
+    assert executor_grad_sync(config(2, 4, dp=1)) == "overlap"
