@@ -58,13 +58,13 @@ def megatron_step_s(layers, hidden, gpus, gbs, tflops_per_gpu) -> float:
     return flops / (gpus * tflops_per_gpu * 1e12)
 
 
-# (layers, hidden, heads, tp, pp, gpus, gbs, mbs, layers per virtual stage or 0, TFLOP/s per GPU)
+# (name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, layers per virtual stage or 0, TFLOP/s per GPU)
 NARAYANAN_TABLE_1 = [
-    (24, 2304, 24, 1, 1, 32, 512, 16, 0, 137), (30, 3072, 32, 2, 1, 64, 512, 16, 0, 138),
-    (36, 4096, 32, 4, 1, 128, 512, 16, 0, 142), (40, 6144, 48, 8, 1, 256, 1024, 8, 0, 135),
-    (48, 8192, 64, 8, 2, 512, 1536, 4, 0, 138), (60, 10240, 80, 8, 4, 1024, 1792, 2, 5, 140),
-    (80, 12288, 96, 8, 8, 1536, 2304, 2, 5, 148), (96, 16384, 128, 8, 16, 1920, 2160, 1, 3, 155),
-    (105, 20480, 128, 8, 35, 2520, 2520, 1, 1, 163), (128, 25600, 160, 8, 64, 3072, 3072, 1, 0, 163),
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 0, 137), ("3.6B", 30, 3072, 32, 2, 1, 64, 512, 16, 0, 138),
+    ("7.5B", 36, 4096, 32, 4, 1, 128, 512, 16, 0, 142), ("18.4B", 40, 6144, 48, 8, 1, 256, 1024, 8, 0, 135),
+    ("39.1B", 48, 8192, 64, 8, 2, 512, 1536, 4, 0, 138), ("76.1B", 60, 10240, 80, 8, 4, 1024, 1792, 2, 5, 140),
+    ("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 2, 5, 148), ("310.1B", 96, 16384, 128, 8, 16, 1920, 2160, 1, 3, 155),
+    ("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 1, 1, 163), ("1T", 128, 25600, 160, 8, 64, 3072, 3072, 1, 0, 163),
 ]
 # (name, layers, hidden, heads, tp, pp, gpus, gbs, full-recompute s, SP + selective s)
 KORTHIKANTI_TABLE_5 = [
@@ -75,26 +75,24 @@ KORTHIKANTI_TABLE_5 = [
 
 def rows() -> list[Row]:
     out = []
-    for layers, hidden, heads, tp, pp, gpus, gbs, mbs, per_vstage, tflops in NARAYANAN_TABLE_1:
+    for name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, per_vstage, tflops in NARAYANAN_TABLE_1:
         # Megatron's layers per virtual stage -> virtual stages per rank (embedding and head are
         # extra layers here, so a chunk may hold one more).
         vpp = layers // (pp * per_vstage) if per_vstage else 1
-        out.append(Row(f"Narayanan21 T1 {gpt_size(layers, hidden)}", gpt(layers, hidden, heads), "a100-80g", gpus,
+        out.append(Row(f"Narayanan21 T1 {name}", gpt(layers, hidden, heads), "a100-80g", gpus,
                        gbs, tp, pp, mbs, "full", megatron_step_s(layers, hidden, gpus, gbs, tflops), vpp=vpp))
     for name, layers, hidden, heads, tp, pp, gpus, gbs, full_s, selective_s in KORTHIKANTI_TABLE_5:
         out.append(Row(f"Korthikanti22 T5 {name} full", gpt(layers, hidden, heads), "a100-80g", gpus, gbs, tp, pp,
                        1, "full", full_s))
         out.append(Row(f"Korthikanti22 T5 {name} sp+sel", gpt(layers, hidden, heads), "a100-80g", gpus, gbs, tp,
                        pp, 1, "selective", selective_s, sp=True))
-    for gpus, tflops in ((8192, 430), (16384, 400)):  # 16M tokens = 2048 sequences of 8192
+    # 16M tokens = 2048 sequences of 8192. FSDP without resharding parameters ~ ZeRO-1 here. The
+    # paper does not publish the virtual stages of its interleaved schedule; we assume 4 (the
+    # 8 layers of a rank in chunks of 2) for both rows.
+    for gpus, tflops in ((8192, 430), (16384, 400)):
         out.append(Row(f"Llama3 T4 405B {gpus} GPUs", "llama3-405b", "h100-sxm", gpus, 2048, 8, 16, 1, "none",
-                       0.0, sp=True, vpp=2, seq=8192, zero=1, attention="flash", published_model_tflops=tflops))
+                       0.0, sp=True, vpp=4, seq=8192, zero=1, attention="flash", published_model_tflops=tflops))
     return out
-
-
-def gpt_size(layers: int, hidden: int) -> str:
-    params = 12 * layers * hidden**2 + VOCAB * hidden
-    return f"{params / 1e9:.1f}B"
 
 
 def predict(row: Row):
