@@ -54,9 +54,10 @@ DTYPES = ("bf16", "fp16", "fp32", "tf32")
 
 
 def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok:
-        bound = ">= 0" if allow_zero else "> 0"
+    bound = ">= 0" if allow_zero else "> 0"
+    # Type first: comparing a string or table with 0 would raise TypeError, not name the field.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= 0 if allow_zero else value > 0):
         raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
 
 
@@ -155,8 +156,13 @@ class ClusterProfile:
             raise ValueError(f"topology.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
         if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes <= 0:
             raise ValueError(f"topology.max_nodes must be a positive integer, got {self.max_nodes!r}")
-        if self.schema_version > SCHEMA_VERSION or self.schema_version < 1:
-            raise ValueError(f"schema_version {self.schema_version} is not supported (this meshplan reads 1..{SCHEMA_VERSION})")
+        for name in ("name", "description", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if isinstance(self.schema_version, bool) or not isinstance(self.schema_version, int) \
+                or not 1 <= self.schema_version <= SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version!r} is not supported (this meshplan reads the "
+                             f"integer versions 1..{SCHEMA_VERSION})")
         _check_positive("cluster", "optimizer_bytes_per_param", self.optimizer_bytes_per_param)
 
     def link_for_group(self, group_size: int, stride: int = 1) -> LinkProfile:
@@ -205,7 +211,10 @@ def _build(cls, data: dict[str, Any], where: str):
 def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
     """Validate and build a ClusterProfile from the TOML-shaped dict."""
     data = dict(data)
-    topology = dict(data.pop("topology", None) or {})
+    topology = data.pop("topology", None) or {}
+    if not isinstance(topology, dict):
+        raise ValueError(f"[topology] must be a table, got {type(topology).__name__}")
+    topology = dict(topology)
     if "device" not in data:
         raise ValueError("missing table [device]")
     if not topology:
@@ -250,7 +259,10 @@ def load_cluster(name_or_path: str | Path) -> ClusterProfile:
     if not path.exists():
         raise MeshplanError(f"cluster profile file not found: {path}")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise MeshplanError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); "
+                            "a cluster profile is TOML text") from None
     except tomllib.TOMLDecodeError as exc:
         raise MeshplanError(f"{path}: not valid TOML ({exc})") from None
     try:
