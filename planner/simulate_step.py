@@ -28,6 +28,7 @@ Per pipeline rank:
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -207,36 +208,42 @@ def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
     runs: list[list[_Run]] = [[] for _ in range(cfg.pp)]
     dp_intervals: list[list[tuple[float, float]]] = [[] for _ in range(cfg.pp)]
     position, free_at, blocked_until = [0] * cfg.pp, [0.0] * cfg.pp, [0.0] * cfg.pp
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for rank, order in enumerate(orders):
-            while position[rank] < len(order):
-                action = order[position[rank]]
-                chunk, mb = action.chunk, action.microbatch
-                if action.kind == "F":
-                    dep_end, link_s = (fwd_end[chunk - 1][mb], transfer[chunk - 1]) if chunk else (0.0, 0.0)
-                else:
-                    dep_end, link_s = (bwd_end[chunk + 1][mb], transfer[chunk]) if chunk < last else (0.0, 0.0)
-                if dep_end < 0:
-                    break  # input not produced yet: another rank must move first
-                free = max(free_at[rank], blocked_until[rank])
-                start = max(free, dep_end + link_s)
-                end = start + (chunks[chunk].fwd_s if action.kind == "F" else chunks[chunk].bwd_s)
-                runs[rank].append(_Run(action, start, end, bubble_s=max(0.0, dep_end - free),
-                                       pp_wait_s=max(0.0, start - max(free, dep_end)),
-                                       dp_wait_s=free - free_at[rank]))
-                (fwd_end if action.kind == "F" else bwd_end)[chunk][mb] = end
-                free_at[rank] = end
-                if costs.grad_sync == "after_chunk" and action.kind == "B" and mb == num_mb - 1:
-                    reduce_start = max(end, dp_intervals[rank][-1][1] if dp_intervals[rank] else 0.0)
-                    dp_intervals[rank].append((reduce_start, reduce_start + chunks[chunk].grad_reduce_s))
-                    blocked_until[rank] = reduce_start + chunks[chunk].grad_reduce_s
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # a schedule bug, not a user error
-            raise AssertionError(f"pipeline schedule deadlocked with {remaining} actions left")
+    # Worklist: a rank runs until its next action's input is missing, then parks on the action
+    # that produces it and is woken when that action is played: O(actions) in all.
+    waiting_for: dict[tuple[str, int, int], int] = {}
+    ready_ranks = deque(range(cfg.pp))
+    while ready_ranks:
+        rank = ready_ranks.popleft()
+        order = orders[rank]
+        while position[rank] < len(order):
+            action = order[position[rank]]
+            chunk, mb = action.chunk, action.microbatch
+            if action.kind == "F":
+                dep_key, link_s = ("F", chunk - 1, mb), (transfer[chunk - 1] if chunk else 0.0)
+                dep_end = fwd_end[chunk - 1][mb] if chunk else 0.0
+            else:
+                dep_key, link_s = ("B", chunk + 1, mb), (transfer[chunk] if chunk < last else 0.0)
+                dep_end = bwd_end[chunk + 1][mb] if chunk < last else 0.0
+            if dep_end < 0:
+                waiting_for[dep_key] = rank  # input not produced yet: another rank must move first
+                break
+            free = max(free_at[rank], blocked_until[rank])
+            start = max(free, dep_end + link_s)
+            end = start + (chunks[chunk].fwd_s if action.kind == "F" else chunks[chunk].bwd_s)
+            runs[rank].append(_Run(action, start, end, max(0.0, dep_end - free),
+                                   max(0.0, start - max(free, dep_end)), free - free_at[rank]))
+            (fwd_end if action.kind == "F" else bwd_end)[chunk][mb] = end
+            free_at[rank] = end
+            if costs.grad_sync == "after_chunk" and action.kind == "B" and mb == num_mb - 1:
+                reduce_start = max(end, dp_intervals[rank][-1][1] if dp_intervals[rank] else 0.0)
+                dp_intervals[rank].append((reduce_start, reduce_start + chunks[chunk].grad_reduce_s))
+                blocked_until[rank] = reduce_start + chunks[chunk].grad_reduce_s
+            position[rank] += 1
+            woken = waiting_for.pop((action.kind, chunk, mb), None)
+            if woken is not None:
+                ready_ranks.append(woken)
+    if any(position[rank] < len(order) for rank, order in enumerate(orders)):  # a schedule bug
+        raise AssertionError(f"pipeline schedule deadlocked at positions {position}")
     return _Played(tuple(map(tuple, runs)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)),
                    tuple(map(tuple, dp_intervals)))
 
