@@ -121,6 +121,11 @@ def parse_spec(spec: str, seq: int) -> TransformerConfig | None:
     missing = sorted(required - set(values))
     if missing:
         raise MeshplanError(f"malformed model spec {spec!r}: missing {', '.join(missing)}")
+    for key, value in values.items():
+        if key == "tied" and value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise MeshplanError(f"malformed model spec {spec!r}: tied must be true or false, got {value!r}")
+        if key not in ("tied", "rope_theta") and not value.lstrip("+-").isdigit():
+            raise MeshplanError(f"malformed model spec {spec!r}: {key} must be an integer, got {value!r}")
     try:
         ints = {k: int(v) for k, v in values.items() if k not in ("tied", "rope_theta")}
         kwargs: dict[str, Any] = dict(
