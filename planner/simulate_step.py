@@ -22,8 +22,9 @@ Per pipeline rank:
   the optimizer and, with ZeRO-1/2, all-gathers the updated parameters. The step ends when the
   slowest rank does.
 - memory: parameters, gradients and optimizer states are resident; a chunk's saved activations
-  are allocated when its forward starts and freed when its backward ends; the largest transient
-  buffer of the rank's layers is added at the peak.
+  (and its boundary output, which the pipeline stage keeps for the backward) are allocated when
+  its forward starts and freed when its backward ends; the largest transient buffer of the
+  rank's layers is added at the peak.
 """
 from __future__ import annotations
 
@@ -151,7 +152,10 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
             fwd_zero_s=fwd_end - sum(fwd_busy),
             bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
             bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
-            activation_bytes=sum(c.activation_bytes for c in layers),
+            # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
+            # the next stage (another rank) saves it as its input, so it is this rank's cost too.
+            activation_bytes=sum(c.activation_bytes for c in layers) + (
+                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 else 0.0),
             grad_reduce_s=sum(c.dp_grad_comm_s for c in layers),
             buckets=_buckets(backward, bwd_ends, costs)))
     return chunks
