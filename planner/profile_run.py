@@ -80,7 +80,7 @@ def _user_call(built: Any, what: str, fn: Callable):
         return fn()
     except MeshplanError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure inside the user's model is bad input
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure (even sys.exit) is bad input
         message = " ".join(str(exc).split())[:300]
         raise MeshplanError(f"the model cannot run its {what} on the meta device "
                             f"({type(exc).__name__}: {message}); profiling needs a model whose forward "

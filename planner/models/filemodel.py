@@ -42,7 +42,7 @@ def build_file_model(spec: str, device: str = "meta", dtype=None):
             result = fn()
     except MeshplanError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure of the user's function is bad input
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - even sys.exit: the user's bug
         raise MeshplanError(f"{path}:{fn_name}() raised {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
     module, inputs = _check_result(result, f"{path}:{fn_name}")
     loss_fn = namespace.get("loss_fn")
@@ -74,7 +74,7 @@ def _load_file(path: Path) -> dict[str, Any]:
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
         import_spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - errors in the user's file are bad input
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - even sys.exit: the user's bug
         raise MeshplanError(f"importing {path} failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
     finally:
         sys.modules.pop(module_name, None)
