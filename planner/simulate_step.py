@@ -351,7 +351,7 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
         bubble_fraction=breakdown["bubble"] / step_s if step_s > 0 else 0.0,
         fits=peak_bytes <= costs.usable_memory_bytes,
         breakdown=breakdown,
-        timeline=_intervals(costs, chunks, played, tails) if timeline else (),
+        timeline=_intervals(costs, chunks, played, tails, step_s) if timeline else (),
         memory_timeline=curves if timeline else (),
     )
 
@@ -379,37 +379,52 @@ def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, st
     return out
 
 
-def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: list[_RankTail]):
-    """The timeline: compute pieces of each action in order, transfers, reductions, optimizer."""
+def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: list[_RankTail], step_s: float):
+    """The timeline: each action's pieces in order, transfers, reductions, optimizer, and idle
+    spans where the compute stream waits between actions or for the end of the step."""
     out: list[Interval] = []
     last = costs.config.num_model_chunks - 1
     transfer = list(costs.p2p_time_s) or [0.0] * last
     for rank, runs in enumerate(played.runs):
-        for action, start, end, *_ in runs:
-            chunk = chunks[action.chunk]
-            if action.kind == "F":
-                pieces = (("dp", "zero_gather", chunk.fwd_zero_s), ("compute", "forward", chunk.fwd_compute_s),
-                          ("tp", "tp_comm", chunk.fwd_tp_s))
-                peer = action.chunk + 1 if action.chunk < last else None
-            else:
-                pieces = (("dp", "zero_gather", chunk.bwd_zero_s), ("compute", "recompute", chunk.recompute_s),
-                          ("compute", "backward", chunk.bwd_compute_s), ("tp", "tp_comm", chunk.bwd_tp_s))
-                peer = action.chunk - 1 if action.chunk > 0 else None
-            at = start
-            for stream, kind, seconds in pieces:
-                if seconds > 0:
-                    out.append(Interval(rank, stream, kind, at, at + seconds, action.microbatch, action.chunk))
-                    at += seconds
-            if peer is not None and chunks[peer].rank != rank:
-                link_s = transfer[min(peer, action.chunk)]
-                out.append(Interval(rank, "p2p", "send", end, end + link_s, action.microbatch, action.chunk))
-                out.append(Interval(chunks[peer].rank, "p2p", "recv", end, end + link_s, action.microbatch, peer))
+        previous_end = 0.0
+        for run in runs:
+            if run.start_s > previous_end:
+                out.append(Interval(rank, "compute", "idle", previous_end, run.start_s))
+            out.extend(_action_intervals(rank, run, chunks, transfer, last))
+            previous_end = run.end_s
         tail = tails[rank]
         out.extend(Interval(rank, "dp", "dp_comm", s, e) for s, e in tail.dp_intervals)
         opt_start = max(tail.compute_end_s, tail.dp_end_s)
+        if opt_start > previous_end:
+            out.append(Interval(rank, "compute", "idle", previous_end, opt_start))
         if tail.optimizer_s > 0:
             out.append(Interval(rank, "compute", "optimizer", opt_start, opt_start + tail.optimizer_s))
         if tail.param_gather_s > 0:
             gather_start = opt_start + tail.optimizer_s
             out.append(Interval(rank, "dp", "dp_comm", gather_start, gather_start + tail.param_gather_s))
+        if step_s > tail.end_s:
+            out.append(Interval(rank, "compute", "idle", tail.end_s, step_s))
     return tuple(out)
+
+
+def _action_intervals(rank: int, run: _Run, chunks: list[_Chunk], transfer: list[float], last: int) -> list[Interval]:
+    """One action's pieces (exposed ZeRO-3 gather, compute, TP collectives) and its transfer."""
+    action, chunk = run.action, chunks[run.action.chunk]
+    if action.kind == "F":
+        pieces = (("dp", "zero_gather", chunk.fwd_zero_s), ("compute", "forward", chunk.fwd_compute_s),
+                  ("tp", "tp_comm", chunk.fwd_tp_s))
+        peer = action.chunk + 1 if action.chunk < last else None
+    else:
+        pieces = (("dp", "zero_gather", chunk.bwd_zero_s), ("compute", "recompute", chunk.recompute_s),
+                  ("compute", "backward", chunk.bwd_compute_s), ("tp", "tp_comm", chunk.bwd_tp_s))
+        peer = action.chunk - 1 if action.chunk > 0 else None
+    out, at = [], run.start_s
+    for stream, kind, seconds in pieces:
+        if seconds > 0:
+            out.append(Interval(rank, stream, kind, at, at + seconds, action.microbatch, action.chunk))
+            at += seconds
+    if peer is not None and chunks[peer].rank != rank:
+        link_s = transfer[min(peer, action.chunk)]
+        out.append(Interval(rank, "p2p", "send", run.end_s, run.end_s + link_s, action.microbatch, action.chunk))
+        out.append(Interval(chunks[peer].rank, "p2p", "recv", run.end_s, run.end_s + link_s, action.microbatch, peer))
+    return out

@@ -487,3 +487,17 @@ def test_executor_grad_sync_follows_the_mesh():
     assert executor_grad_sync(config(2, 4, dp=2)) == "after_chunk"
     assert executor_grad_sync(config(1, 4, dp=2)) == "overlap"
     assert executor_grad_sync(config(2, 4, dp=1)) == "overlap"
+
+
+@pytest.mark.parametrize("schedule,vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_idle_intervals_are_the_bubble(schedule, vpp):
+    pp, num_mb = 4, 8
+    pred = simulate_step(uniform(config(pp, num_mb, schedule, vpp), fwd=1.0 / vpp, bwd=2.0 / vpp), timeline=True)
+    for rank in range(pp):
+        idle = sum(i.end_s - i.start_s for i in pred.timeline if i.rank == rank and i.kind == "idle")
+        busy = sum(i.end_s - i.start_s for i in pred.timeline
+                   if i.rank == rank and i.stream == "compute" and i.kind != "idle")
+        # Balanced stages, no communication: every rank idles exactly the bubble, and its compute
+        # stream is covered from 0 to the step's end.
+        assert idle == pytest.approx(pred.bubble_fraction * pred.step_time_s, rel=REL)
+        assert idle + busy == pytest.approx(pred.step_time_s, rel=REL)
