@@ -90,7 +90,7 @@ def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
             output_layouts=Replicate(), desired_output_layouts=Shard(1)))
     if sp and stage.head is not None:
         parallelize_module(stage.head, tp_mesh, PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
 
 
 @torch.no_grad()
@@ -106,6 +106,8 @@ def materialize(stages: list[StageModule], template: nn.Module, seed: int, devic
     local = {}
     for stage in stages:
         stage.to_empty(device=device)
+        if tied_embeddings and stage.embed is not None and stage.head is not None:
+            stage.head.proj.weight = stage.embed.tok.weight  # to_empty from meta unties shared parameters
         local.update(dict(stage.named_parameters(remove_duplicate=True)))
     written = set()
     for name, _, values in iter_init_values(template, seed):

@@ -38,6 +38,7 @@ class Job:
     run_dir: str | None = None  # heartbeats (pid, step per rank) and per-rank error files
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout: a hung collective fails instead
     lr: float | None = None  # None: Hyperparameters' default
+    measure_memory: bool = True  # track live tensors during the second step (CPU; slows that step)
 
     def __post_init__(self):
         if self.steps < 1:
@@ -95,7 +96,7 @@ def run_job(job: Job, device) -> None:
         inputs, targets = global_batch(source, step, cfg.global_batch)
         inputs, targets = replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
         started = time.perf_counter()
-        if step == memory_step and device.type == "cpu":
+        if step == memory_step and device.type == "cpu" and job.measure_memory:
             loss, peak_bytes = _tracked_step(runtime, step, job.steps, inputs, targets, hp)
             memory_source = "torch.distributed._tools.mem_tracker.MemTracker (live tensor bytes)"
         else:
