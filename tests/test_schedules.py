@@ -136,6 +136,8 @@ def _free_port() -> int:
 def test_orders_match_what_torch_executes(tmp_path):
     """Run torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B on 4 gloo ranks and
     compare each rank's recorded forward/backward calls with our generated order, exactly."""
+    import torch.distributed.pipelining  # noqa: F401  imported once here, inherited by the forks
+
     context = multiprocessing.get_context("fork")
     port = _free_port()
     procs = [context.Process(target=_record_worker, args=(rank, port, str(tmp_path / f"r{rank}.json")))
