@@ -1,10 +1,44 @@
-"""`meshplan calibrate` (being built)."""
-from planner.errors import MeshplanError
+"""`meshplan calibrate`: measure this machine into a cluster profile TOML the other commands accept."""
+from __future__ import annotations
+
+from pathlib import Path
 
 
-def add_arguments(parser):
-    parser.add_argument("rest", nargs="*", help="arguments")
+def add_arguments(parser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="processes to measure with (one per GPU; CPU: local processes)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="gloo (CPU processes) or nccl (CUDA GPUs); default nccl when CUDA is available")
+    parser.add_argument("--out", required=True, help="TOML file to write")
+    parser.add_argument("--name", default=None, help="profile name (default: the file's stem)")
+    parser.add_argument("--base", default=None,
+                        help="profile whose peaks and unmeasured fields to start from (default cpu / matching GPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a rough profile in seconds)")
 
 
 def run(args) -> int:
-    raise MeshplanError("meshplan calibrate is not available in this build yet")
+    from planner.calibrate import calibrate
+    from planner.errors import MeshplanError
+    from planner.hardware import dump_cluster_toml, load_cluster
+
+    out = Path(args.out)
+    if out.suffix != ".toml":
+        raise MeshplanError(f"--out must name a .toml file, got {args.out!r}")
+    if not out.parent.exists():
+        raise MeshplanError(f"directory {out.parent} does not exist; create it or pick another --out")
+    backend = args.backend
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    profile = calibrate(nproc=args.nproc, backend=backend, quick=args.quick, name=args.name or out.stem,
+                        base=args.base)
+    out.write_text("# Written by meshplan calibrate; every measured field's source says how.\n" + dump_cluster_toml(profile))
+    load_cluster(out)  # what we wrote must load
+    device, link = profile.device, profile.intra_node
+    print(f"wrote {out}: {args.nproc} x {device.name}")
+    print(f"  matmul     {device.peak_flops(next(iter(device.peak_flops_per_s))) * device.matmul_efficiency / 1e9:10.1f} "
+          f"GFLOP/s large, half efficiency at {device.matmul_half_efficiency_flops / 1e6:.2f} MFLOP")
+    print(f"  memory     {device.memory_bw_bytes_per_s / 1e9:10.1f} GB/s, {device.memory_bytes / 2**30:.1f} GiB per process")
+    print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead")
+    print(f"  link       {link.bw_bytes_per_s / 1e9:10.2f} GB/s, latency {link.latency_s * 1e6:.1f} us")
+    return 0

@@ -1,0 +1,268 @@
+"""`calibrate`: measure this machine with the processes it will train with, into a ClusterProfile.
+
+`calibrate(nproc, backend)` spawns `nproc` processes (torch.multiprocessing, file rendezvous)
+that, all at once as in training:
+
+- time square matmuls at several sizes and fit time = f / R + f_half / R (the cost model's
+  efficiency curve: a GEMM of f FLOPs runs at R f / (f + f_half)); R / peak becomes
+  `matmul_efficiency`, f_half `matmul_half_efficiency_flops`;
+- time a large copy (memory bandwidth) and one tiny transformer block forward (the fixed
+  per-layer dispatch cost, `kernel_overhead_s`);
+- time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
+  alpha-beta model of `planner.comm` jointly: t = volume(S, n) / B + hops(n) * alpha.
+
+The CPU convention: one "GPU" is one local process; memory_bytes = this machine's RAM / nproc.
+On GPUs the backend is NCCL and times come from CUDA events. Peak FLOP/s, the elementwise
+traffic factor and anything not measured come from a base profile (`cpu` for gloo; the shipped
+GPU profile whose device name matches, else `h100-sxm`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from planner.errors import MeshplanError
+from planner.hardware import ClusterProfile, LinkProfile, builtin_profiles, load_cluster
+
+FULL_SIZES = {"matmul_n": (64, 128, 256, 512, 1024), "comm_bytes": (2**12, 2**16, 2**20, 2**22, 2**24),
+              "copy_bytes": 2**28, "reps": 10}
+QUICK_SIZES = {"matmul_n": (64, 128, 256, 512), "comm_bytes": (2**12, 2**16, 2**20, 2**22),
+               "copy_bytes": 2**26, "reps": 4}
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, name: str = "calibrated",
+              base: str | None = None) -> ClusterProfile:
+    """Measure this machine with `nproc` processes and return the fitted cluster profile."""
+    import torch
+    import torch.multiprocessing as mp
+
+    if backend not in ("gloo", "nccl"):
+        raise MeshplanError(f"--backend must be gloo or nccl, got {backend!r}")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
+        raise MeshplanError(f"--nproc must be at least 2 (collectives need two processes), got {nproc!r}")
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < nproc):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise MeshplanError(f"--backend nccl needs {nproc} CUDA devices, found {found}; use --backend gloo on CPU")
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as workdir:
+        # fork is instant (torch is already imported here); CUDA needs fresh processes
+        mp.start_processes(_worker, args=(nproc, backend, sizes, workdir), nprocs=nproc, join=True,
+                           start_method="spawn" if backend == "nccl" else "fork")
+        measured = json.loads((Path(workdir) / "rank0.json").read_text())
+    return build_profile(measured, nproc, backend, name, base)
+
+
+def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=nproc)
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        timer = _Timer(cuda, torch.get_num_threads())
+        result = {"dtype": "bf16" if cuda else "fp32", "threads": torch.get_num_threads(),
+                  "matmul": _measure_matmul(torch, device, sizes, timer, cuda),
+                  "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer),
+                  "block_overhead_s": _measure_block(torch, device, timer)}
+        dist.barrier()
+        result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
+        if cuda:
+            props = torch.cuda.get_device_properties(rank)
+            result.update(device_name=props.name, memory_bytes=props.total_memory)
+        if rank == 0:
+            (Path(workdir) / "rank0.json").write_text(json.dumps(result))
+            if os.environ.get("MESHPLAN_CALIBRATE_DEBUG"):
+                print(json.dumps(result, indent=1))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class _Timer:
+    """Fastest of `reps` timings of `fn()`: the least disturbed by other work on a shared machine,
+    which is what the device itself can do. GPUs: CUDA events. CPU compute (`cpu_time=True`):
+    this process's CPU seconds per thread, which preemption by other processes does not inflate;
+    collectives wait on peers, so they take wall time."""
+
+    def __init__(self, cuda: bool, threads: int = 1):
+        self.cuda = cuda
+        self.threads = threads
+
+    def __call__(self, fn, reps: int, cpu_time: bool = False) -> float:
+        import torch
+
+        fn()  # warm-up (allocations, algorithm selection, connection setup)
+        samples = []
+        for _ in range(reps):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            elif cpu_time:
+                begin = time.process_time()
+                fn()
+                samples.append((time.process_time() - begin) / self.threads)
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - begin)
+        return min(samples)
+
+
+def _measure_matmul(torch, device, sizes, timer, cuda) -> list[tuple[float, float]]:
+    """[(FLOPs, seconds)] of one n x n x n matmul per size, in the training dtype."""
+    dtype = torch.bfloat16 if cuda else torch.float32
+    points = []
+    for n in sizes["matmul_n"]:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        inner = max(1, int(2e8 // (2 * n**3)) if not cuda else 10)  # ~0.2 GFLOP per sample on CPU
+        seconds = timer(lambda: [torch.mm(a, b) for _ in range(inner)], sizes["reps"], cpu_time=True) / inner
+        points.append((2.0 * n**3, seconds))
+    return points
+
+
+def _measure_copy(torch, device, sizes, timer) -> float:
+    src = torch.ones(sizes["copy_bytes"] // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = timer(lambda: dst.copy_(src), max(2, sizes["reps"] // 2), cpu_time=True)
+    return 2.0 * sizes["copy_bytes"] / seconds  # read + write
+
+
+def _measure_block(torch, device, timer) -> float:
+    """Forward of one tiny transformer block: all dispatch and launch, almost no FLOPs."""
+    from planner.models.transformer import Block, TransformerConfig
+
+    block = Block(TransformerConfig("gpt", 1, 64, 4, 128)).to(device)
+    x = torch.randn(1, 8, 64, device=device)
+    with torch.no_grad():
+        return timer(lambda: block(x), 20, cpu_time=True)
+
+
+def _measure_collectives(torch, dist, device, rank, nproc, sizes, timer) -> list[tuple[str, int, float]]:
+    """[(kind, bytes of the full tensor, seconds)]; every rank runs the same calls."""
+    out = []
+    for size in sizes["comm_bytes"]:
+        numel = max(nproc, size // 4 // nproc * nproc)
+        full = torch.ones(numel, device=device)
+        shard = torch.empty(numel // nproc, device=device)
+        # torch >= 2.13 names the flat-tensor collectives *_single; older ones *_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: all_gather(full, shard),
+            "reduce_scatter": lambda: reduce_scatter(shard, full),
+            "send_recv": lambda: _ping(dist, rank, full),
+        }
+        for kind in COLLECTIVE_KINDS:
+            dist.barrier()
+            seconds = timer(calls[kind], sizes["reps"])
+            if kind == "send_recv":
+                seconds /= 2  # a ping-pong is two transfers
+            out.append((kind, numel * 4, seconds))
+    return out
+
+
+def _ping(dist, rank, tensor) -> None:
+    """Rank 0 <-> rank 1 ping-pong; other ranks idle."""
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    elif rank == 1:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)
+
+
+def fit_matmul(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(asymptotic FLOP/s R, half-efficiency FLOPs f_half) from t = (f + f_half) / R.
+
+    Least squares on relative error (each row divided by its time), so small and large GEMMs
+    count alike; f_half is clipped at 0.
+    """
+    rows = [(f / t, 1.0 / t) for f, t in points]  # (f/t) * a + (1/t) * b = 1
+    a, b = _lstsq2(rows, [1.0] * len(rows))
+    if a <= 0:
+        raise MeshplanError("matmul timings did not grow with size; rerun calibrate on an idle machine")
+    return 1.0 / a, max(0.0, b / a)
+
+
+def fit_alpha_beta(samples: list[tuple[str, int, float]], nproc: int) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the ring model fitted to all collectives at once."""
+    volume = {"all_reduce": 2 * (nproc - 1) / nproc, "all_gather": (nproc - 1) / nproc,
+              "reduce_scatter": (nproc - 1) / nproc, "send_recv": 1.0}
+    hops = {"all_reduce": 2 * (nproc - 1), "all_gather": nproc - 1, "reduce_scatter": nproc - 1, "send_recv": 1}
+    rows = [(volume[kind] * size / t, hops[kind] / t) for kind, size, t in samples]
+    inv_bw, alpha = _lstsq2(rows, [1.0] * len(rows))
+    if inv_bw <= 0:
+        raise MeshplanError("collective timings did not grow with size; rerun calibrate on an idle machine")
+    return 1.0 / inv_bw, max(0.0, alpha)
+
+
+def _lstsq2(rows: list[tuple[float, float]], rhs: list[float]) -> tuple[float, float]:
+    """Two-unknown least squares by the normal equations (no numpy needed)."""
+    s11 = sum(x * x for x, _ in rows)
+    s12 = sum(x * y for x, y in rows)
+    s22 = sum(y * y for _, y in rows)
+    r1 = sum(x * r for (x, _), r in zip(rows, rhs))
+    r2 = sum(y * r for (_, y), r in zip(rows, rhs))
+    det = s11 * s22 - s12 * s12
+    if det == 0:
+        raise MeshplanError("calibration measurements are degenerate (need at least two sizes)")
+    return (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
+
+
+def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterProfile:
+    if base:
+        return load_cluster(base)
+    if backend == "gloo":
+        return load_cluster("cpu")
+    for candidate in builtin_profiles():
+        profile = load_cluster(candidate)
+        if profile.device.name.split()[0].lower() in device_name.lower():
+            return profile
+    return load_cluster("h100-sxm")
+
+
+def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str | None = None) -> ClusterProfile:
+    """Turn rank 0's measurements into a ClusterProfile (peaks and factors from the base)."""
+    base_profile = _base_profile(base, backend, measured.get("device_name", ""))
+    rate, half_flops = fit_matmul([tuple(p) for p in measured["matmul"]])
+    bw, alpha = fit_alpha_beta([tuple(s) for s in measured["collectives"]], nproc)
+    threads = measured["threads"] if backend == "gloo" else 1
+    peaks = {dtype: value * threads for dtype, value in base_profile.device.peak_flops_per_s.items()}
+    efficiency = rate / peaks[measured["dtype"]] if measured["dtype"] in peaks else 1.0
+    if efficiency > 1.0:  # faster than the base's peak: the measured rate becomes the peak
+        peaks = {dtype: value * efficiency for dtype, value in peaks.items()}
+        efficiency = 1.0
+    if backend == "gloo":
+        memory_bytes = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc
+    else:
+        memory_bytes = float(measured["memory_bytes"])
+    source = f"meshplan calibrate --nproc {nproc} --backend {backend} on {time.strftime('%Y-%m-%d')}"
+    device = replace(base_profile.device, name=measured.get("device_name", base_profile.device.name),
+                     memory_bytes=memory_bytes, memory_bw_bytes_per_s=measured["copy_bw_bytes_per_s"],
+                     memory_efficiency=1.0, peak_flops_per_s=peaks, matmul_efficiency=efficiency,
+                     matmul_half_efficiency_flops=half_flops, kernel_overhead_s=measured["block_overhead_s"],
+                     reserved_memory_bytes=min(base_profile.device.reserved_memory_bytes, memory_bytes / 4),
+                     source=f"{source}; peaks scaled from {base_profile.name}: {base_profile.device.source}")
+    link = LinkProfile(bw_bytes_per_s=bw, latency_s=alpha, efficiency=1.0,
+                       source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv")
+    inter = link if backend == "gloo" else base_profile.inter_node
+    return replace(base_profile, name=name, device=device, gpus_per_node=nproc, intra_node=link, inter_node=inter,
+                   max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,
+                   description=f"measured with {nproc} {backend} processes"
+                   + ("" if backend == "gloo" else f"; inter-node link from {base_profile.name}"))
