@@ -6,14 +6,16 @@ replicas of a pipeline stage run the same thing at the same time, so one rank pe
 is simulated.
 
 Per pipeline rank:
-- compute stream: the schedule's forward/backward actions in order (`planner.schedules`). An
+- compute stream: the schedule's forward/backward actions in order (`planner.schedules`; without
+  pipelining, forward and backward alternate per micro-batch as the executor accumulates). An
   action's duration is its chunk's compute plus the TP collectives, which block compute, plus
   the ZeRO-3 all-gathers that one-layer-ahead prefetch cannot hide (see `_pass_end_times`).
   Durations are precomputed per chunk, so the cost is O(pp * microbatches * virtual_stages).
 - p2p stream: a boundary activation (gradient) leaves when its forward (backward) ends and
   arrives `p2p_time_s` later; the receiver's action cannot start before it arrives. Transfers
   overlap compute; links are not shared between transfers (1F1B keeps at most one transfer per
-  direction in flight per link).
+  direction in flight per link). torch's `Schedule1F1B` waits for a send together with the next
+  receive; in steady state both complete when the peer finishes, so this is not modelled.
 - dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in DDP-style buckets
   (reverse layer order, about `grad_bucket_bytes` each); a bucket starts when the last
   micro-batch's backward has finished all its layers and the stream is free.
@@ -34,12 +36,10 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from planner.config import ParallelConfig
-from planner.cost import LayerCost
+from planner.cost import DDP_BUCKET_BYTES, LayerCost
 from planner.prediction import Interval, MemoryBreakdown, Prediction
 from planner.schedules import Action, schedule_actions
 
-# torch DDP's default gradient bucket (`bucket_cap_mb=25`): a framework default, not hardware.
-DDP_BUCKET_BYTES = 25 * 2**20
 # When gradient reduction runs (see StepCosts.grad_sync).
 GRAD_SYNC_MODES = ("overlap", "after_chunk")
 
