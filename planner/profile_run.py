@@ -148,6 +148,7 @@ class _Recorder:
         self.stack: list[Any] = []
         self.score_shape: tuple | None = None  # (s_q, s_kv) while inside math SDPA
         self.muted = 0  # > 0 while inside SDPA under attention="flash"
+        self.alive: list[Any] = []  # recorded tensors (meta: no memory), see `record`
         self.roles = self._linear_roles()
 
     def _linear_roles(self) -> dict[int, str]:
@@ -222,6 +223,10 @@ class _Recorder:
     def record(self, tensor, kind: str, key=None, nbytes: int = 0) -> None:
         if key is None:
             key, nbytes = _storage_key(tensor)
+            # Storage identities are addresses: keep every recorded tensor alive so that a
+            # storage freed later (flash mode records q, k, v that the math path does not keep)
+            # cannot be reused under the same key by another tensor.
+            self.alive.append(tensor)
         if key in self.param_keys:
             return
         self.saved[self.current].setdefault(key, (kind, nbytes))
