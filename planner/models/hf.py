@@ -44,11 +44,11 @@ def hf_max_positions(path_text: str) -> int:
 
 
 def _make_config(path_text: str, num_layers: int | None = None):
+    data = read_config(path_text)
     try:
         import transformers
     except ImportError:
         raise MeshplanError("hf: model specs need the optional transformers extra: pip install 'meshplan[hf]'") from None
-    data = read_config(path_text)
     try:
         config = transformers.AutoConfig.for_model(**data)
     except (ValueError, KeyError, TypeError) as exc:
