@@ -172,14 +172,22 @@ def lower_bound_s(table: CostTable, candidate: Candidate, num_microbatches: int)
     """
     pp, v = candidate.pp, candidate.vpp
     chunks = pp * v
-    total = table.min_total_time_s() + table.p2p_s * 2 * (chunks - 1)
-    tail = sum(min(o.param_gather_s + o.optimizer_s for o in table.types[t].options) for t in table.layer_type)
+    counts = _type_counts(table)
+    total = sum(n * table.types[t].min_time_s() for t, n in counts.items()) + table.p2p_s * 2 * (chunks - 1)
+    tail = sum(n * min(o.param_gather_s + o.optimizer_s for o in table.types[t].options) for t, n in counts.items())
     return (num_microbatches - 1 / v) * total / pp + total / v + tail / pp
+
+
+def _type_counts(table: CostTable) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for t in table.layer_type:
+        counts[t] = counts.get(t, 0) + 1
+    return counts
 
 
 def min_static_bytes(table: CostTable, pp: int) -> float:
     """Resident bytes of the least loaded rank can be no less than the average."""
-    return sum(min(o.static_bytes for o in table.types[t].options) for t in table.layer_type) / pp
+    return sum(n * min(o.static_bytes for o in table.types[t].options) for t, n in _type_counts(table).items()) / pp
 
 
 @dataclass(frozen=True)
@@ -214,7 +222,9 @@ def solve_candidates(problems: list[tuple[Candidate, float, StageProblem]], *, n
                 else:
                     batch.append((candidate, bound, problem))
             mapper = pool.map if pool is not None else map
-            for (candidate, bound, _), solution in zip(batch, mapper(solve_stages, [b[2] for b in batch])):
+            cutoff = threshold if math.isfinite(threshold) else None
+            todo = [replace(b[2], cutoff_s=cutoff) for b in batch]
+            for (candidate, bound, _), solution in zip(batch, mapper(solve_stages, todo)):
                 results.append(Solved(candidate, bound, solution))
                 if solution.feasible:
                     best = sorted(best + [solution.objective_s])
@@ -257,7 +267,7 @@ class Ranked:
 
 def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, pins: Pins | None = None,
                 top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
-                layerwise: bool = False, time_limit_s: float = 20.0, seed: int = 0, workers: int = 2,
+                layerwise: bool = False, time_limit_s: float = 10.0, seed: int = 0, workers: int = 2,
                 num_rerank: int | None = None, max_mbs: int = 16, progress: bool = False, graph=None,
                 **pin_kwargs):
     """The fastest plan that fits; see the module docstring. Pins may be given as keywords."""
@@ -304,7 +314,8 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
              "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
              "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
-             "num_infeasible": sum(s.solution is not None and not s.solution.feasible for s in solved),
+             "num_cutoff": sum(s.solution is not None and s.solution.status == "cutoff" for s in solved),
+             "num_infeasible": sum(s.solution is not None and s.solution.status == "infeasible" for s in solved),
              "max_gap": max(s.solution.gap for s in feasible[:num_keep]),
              "search_time_s": time.perf_counter() - started}
     return build_plan(graph, cluster, ranked[:top_k], stats, seed=seed, layerwise=layerwise, limit_bytes=limit)

@@ -80,6 +80,13 @@ class StageProblem:
     formulation: str = "auto"
     overlap_dp: bool = True  # gradient reduction overlaps the last micro-batch's backward
     backend: str = "highs"  # "highs" or "cbc"
+    # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
+    # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator
+    # re-ranks the top candidates anyway.
+    mip_rel_gap: float = 1e-3
+    # Stop as soon as no assignment can have an objective below this (the outer search passes
+    # the objective a candidate must beat to matter); status "cutoff" then.
+    cutoff_s: float | None = None
 
     def __post_init__(self):
         if self.objective not in ("time", "memory"):
@@ -95,7 +102,7 @@ class StageProblem:
 class StageSolution:
     """What the ILP chose, with the real solver status and gap."""
 
-    status: str  # "optimal", "time_limit" (feasible, gap may be > 0), "infeasible", "no_solution"
+    status: str  # "optimal", "time_limit" (feasible, gap may be > 0), "infeasible", "cutoff", "no_solution"
     objective_s: float = float("inf")  # time objective; with objective="memory": peak bytes
     gap: float = 0.0  # relative MIP gap at exit
     chunk_of_layer: tuple[int, ...] = ()
@@ -106,6 +113,7 @@ class StageSolution:
     backend: str = ""
     solve_time_s: float = field(default=0.0, compare=False)
     binding: tuple[str, ...] = ()  # constraints at their limit (tight memory ranks)
+    model_objective: float = float("nan")  # the ILP's own objective value (memory: GiB)
 
     @property
     def feasible(self) -> bool:
@@ -434,7 +442,8 @@ def solve_stages(problem: StageProblem) -> StageSolution:
     return StageSolution(status=status, objective_s=objective, gap=gap, chunk_of_layer=chunks,
                          option_of_layer=options, chunk_time_s=chunk_time, rank_mem_bytes=rank_mem,
                          formulation=formulation, backend=backend,
-                         solve_time_s=time.perf_counter() - started, binding=binding)
+                         solve_time_s=time.perf_counter() - started, binding=binding,
+                         model_objective=float(model.lp.objective.value()))
 
 
 @contextlib.contextmanager
@@ -456,7 +465,8 @@ def _run_solver(lp, problem: StageProblem) -> tuple[str, float, str]:
     """Solve with HiGHS (highspy, in process) or CBC; return (real status, relative gap, backend)."""
     import pulp
 
-    highs = pulp.HiGHS(msg=False, timeLimit=problem.time_limit_s, threads=1, gapRel=1e-6)
+    options = {} if problem.cutoff_s is None else {"objective_bound": float(problem.cutoff_s)}
+    highs = pulp.HiGHS(msg=False, timeLimit=problem.time_limit_s, threads=1, gapRel=problem.mip_rel_gap, **options)
     if problem.backend == "highs" and highs.available():
         with _quiet_stdout():  # HiGHS prints its banner on stdout once per process, despite msg=False
             lp.solve(highs)
@@ -466,13 +476,15 @@ def _run_solver(lp, problem: StageProblem) -> tuple[str, float, str]:
 
         if model_status == highspy.HighsModelStatus.kOptimal:
             return "optimal", max(0.0, float(info.mip_gap)) if info.mip_gap < 1e30 else 0.0, "highs"
-        if model_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
-            return "infeasible", 0.0, "highs"
+        if model_status in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible,
+                            highspy.HighsModelStatus.kObjectiveBound):
+            # With a cutoff, "infeasible" means nothing beats the cutoff.
+            return ("infeasible" if problem.cutoff_s is None else "cutoff"), 0.0, "highs"
         if lp.sol_status == pulp.LpSolutionIntegerFeasible:
             return "time_limit", float(info.mip_gap), "highs"
         return "no_solution", 0.0, "highs"
     with tempfile.TemporaryDirectory(prefix="meshplan-ilp-") as tmp:
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=problem.time_limit_s, gapRel=1e-6, keepFiles=False)
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=problem.time_limit_s, gapRel=problem.mip_rel_gap, keepFiles=False)
         cbc.tmpDir = tmp
         lp.solve(cbc)
     if lp.sol_status == pulp.LpSolutionOptimal:
