@@ -116,7 +116,7 @@ def closed_form_prediction(graph, cluster: ClusterProfile, config: ParallelConfi
                                 profile_dtype=graph.dtype, holds_shared=holds_shared))
     stages = [_stage_times(graph, cluster, config, costs, chunks, stage_of, rank) for rank in range(config.pp)]
     step = pipeline_closed_form(stages, config.num_microbatches, config.schedule, config.virtual_stages)
-    memory = tuple(_stage_memory(config, costs, stage_of, rank) for rank in range(config.pp))
+    memory = tuple(_stage_memory(config, costs, chunks, stage_of, rank) for rank in range(config.pp))
     return _prediction(graph, cluster, config, recomputes, step, memory)
 
 
@@ -160,8 +160,12 @@ def microbatches_in_flight(config: ParallelConfig, rank: int) -> float:
     return float(min(m, p - rank))
 
 
-def _stage_memory(config, costs, stage_of, rank) -> MemoryBreakdown:
+def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
+    """Resident states plus, per micro-batch in flight, the saved activations and each chunk's
+    boundary output (the pipeline stage keeps it as the root of that chunk's backward)."""
     mine = [costs[i] for i, stage in enumerate(stage_of) if stage == rank]
+    boundary = sum(costs[i].output_bytes for i, stage in enumerate(stage_of)
+                   if stage == rank and i + 1 < len(chunks) and chunks[i + 1] != chunks[i])
     buffers = max((c.buffer_bytes for c in mine), default=0.0)
     if config.dp > 1 and config.zero < 3:
         buffers += DDP_BUCKET_BYTES  # one gradient bucket in flight beyond the gradients themselves
@@ -169,7 +173,8 @@ def _stage_memory(config, costs, stage_of, rank) -> MemoryBreakdown:
         buffers += 2 * max((c.output_bytes for c in mine), default=0.0)  # send and receive buffers
     return MemoryBreakdown(params=sum(c.param_bytes for c in mine), grads=sum(c.grad_bytes for c in mine),
                            optimizer=sum(c.optimizer_bytes for c in mine),
-                           activations=sum(c.activation_bytes for c in mine) * microbatches_in_flight(config, rank),
+                           activations=(sum(c.activation_bytes for c in mine) + boundary)
+                           * microbatches_in_flight(config, rank),
                            buffers=buffers)
 
 

@@ -91,6 +91,22 @@ def test_compute_time_follows_the_efficiency_curve():
     assert small > 2 * large  # 1 MFLOP GEMMs run far below peak
 
 
+def test_memory_bound_time_follows_saved_bytes():
+    from dataclasses import replace
+
+    graph = gpt_layers(2, 2048, 16, 51200, 1024)
+    block, tp = graph.layers[1], 4
+    device = A100.device
+    plain = replace(A100, device=replace(device, elementwise_bytes_per_activation_byte=0.0))
+    base = layer_cost(block, Strategy(tp=tp, sp=True), plain, graph.info)
+    with_traffic = layer_cost(block, Strategy(tp=tp, sp=True), A100, graph.info)
+    # saved bytes per rank with TP+SP: (24 + 8) s h / t + 2 a s^2 / t, all / t
+    saved = (block.act_tp_sharded_bytes + block.act_tp_replicated_bytes + block.act_attn_score_bytes) / tp
+    per_byte_s = device.elementwise_bytes_per_activation_byte / (device.memory_bw_bytes_per_s * device.memory_efficiency)
+    assert with_traffic.fwd_compute_s - base.fwd_compute_s == pytest.approx(saved * per_byte_s, rel=1e-9)
+    assert with_traffic.bwd_compute_s - base.bwd_compute_s == pytest.approx(2 * saved * per_byte_s, rel=1e-9)
+
+
 def test_tp_collectives_megatron_pattern_and_recompute():
     s, h = 2048, 8192
     graph = gpt_layers(2, h, 64, 51200, s)

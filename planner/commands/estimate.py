@@ -58,9 +58,28 @@ def format_prediction(prediction, args) -> str:
               f"MFU              {prediction.mfu:10.1%}", f"bubble           {prediction.bubble_fraction:10.1%}",
               "", "memory per rank (GiB)",
               f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"]
-    for rank, mem in enumerate(prediction.memory):
+    for rank in _ranks_to_show(prediction):
+        if rank is None:
+            lines.append(f"  {'...':>5}")
+            continue
+        mem = prediction.memory[rank]
         lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
                      f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}")
     verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
     lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB   fits: {verdict}"]
     return "\n".join(lines)
+
+
+def _ranks_to_show(prediction, limit: int = 8) -> list:
+    """Every pipeline rank when few; else the first two, the largest, the last two (None = gap)."""
+    count = len(prediction.memory)
+    if count <= limit:
+        return list(range(count))
+    largest = max(range(count), key=lambda r: prediction.memory[r].total)
+    shown = sorted({0, 1, largest, count - 2, count - 1})
+    out: list = []
+    for rank in shown:
+        if out and rank != out[-1] + 1:
+            out.append(None)
+        out.append(rank)
+    return out
