@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GIB = 2**30
+GIB, MIB = 2**30, 2**20
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")
 
 
@@ -49,20 +49,22 @@ def summary(plan, prediction) -> str:
         f"step time        {prediction.step_time_s * 1e3:,.1f} ms",
         f"bubble           {prediction.bubble_fraction * 100:.1f} %",
         f"tokens/s         {prediction.tokens_per_s:,.0f}",
-        f"TFLOP/s per GPU  {prediction.model_tflops_per_gpu:.1f} model, {prediction.hw_tflops_per_gpu:.1f} hardware",
+        f"TFLOP/s per GPU  {prediction.model_tflops_per_gpu:.4g} model, {prediction.hw_tflops_per_gpu:.4g} hardware",
         f"MFU              {prediction.mfu * 100:.1f} %",
         "",
         "busiest rank's step (exposed ms): " + ", ".join(
             f"{name} {seconds * 1e3:,.1f}" for name, seconds in prediction.breakdown.items()),
         "",
-        "memory per pipeline rank (GiB):",
-        "rank " + "".join(f"{kind:>12}" for kind in MEMORY_KINDS),
     ]
+    # GiB for real models; MiB keeps the small models of a CPU run readable.
+    unit, scale = ("GiB", GIB) if prediction.peak_memory_bytes >= GIB else ("MiB", MIB)
+    lines.append(f"memory per pipeline rank ({unit}):")
+    lines.append("rank " + "".join(f"{kind:>12}" for kind in MEMORY_KINDS))
     for rank, memory in enumerate(prediction.memory):
         values = memory.to_json()
-        lines.append(f"{rank:>4} " + "".join(f"{values[kind] / GIB:>12.2f}" for kind in MEMORY_KINDS))
+        lines.append(f"{rank:>4} " + "".join(f"{values[kind] / scale:>12.2f}" for kind in MEMORY_KINDS))
     usable_gib = plan.cluster.device.usable_memory_bytes / GIB
     verdict = "yes" if prediction.fits else "NO"
-    lines.append(f"fits: {verdict} (peak {prediction.peak_memory_bytes / GIB:.2f} GiB of {usable_gib:.2f} GiB "
+    lines.append(f"fits: {verdict} (peak {prediction.peak_memory_bytes / scale:.2f} {unit} of {usable_gib:.2f} GiB "
                  f"usable per {plan.cluster.device.name})")
     return "\n".join(lines)
