@@ -191,3 +191,129 @@ def test_pins_and_bad_input_raise_meshplan_errors():
         Pins(tp=0)
     with pytest.raises(ValueError, match="chunks"):
         StageProblem(random_table(random.Random(1), 2), PipelineShape(4, 4, 2, "interleaved"))
+
+
+# --------------------------------------------------------------------------------------------
+# The whole planner on a small GPT, real cost model and simulator
+
+SPEC = "gpt:layers=8,hidden=1024,heads=16,vocab=32000"
+SEQ = 1024
+
+
+@pytest.fixture(scope="module")
+def small_graph():
+    from planner.profile import profile
+
+    return profile(SPEC, SEQ, batch=1, dtype="bf16", attention="flash")
+
+
+def cluster_with_memory(mem_bytes: float | None = None, name: str = "a100-80g"):
+    from planner.hardware import load_cluster
+
+    cluster = load_cluster(name)
+    if mem_bytes is None:
+        return cluster
+    device = replace(cluster.device, memory_bytes=mem_bytes + cluster.device.reserved_memory_bytes)
+    return replace(cluster, device=device, name=f"{name}-{mem_bytes / 2**30:.2f}GiB")
+
+
+def run_plan(graph, cluster, gpus=8, gbs=32, **kwargs):
+    from planner.solve import plan
+
+    kwargs.setdefault("workers", 1)
+    return plan(SPEC, cluster, gpus, gbs, SEQ, graph=graph, **kwargs)
+
+
+def test_winner_is_the_best_simulated_of_the_top_k(small_graph):
+    result = run_plan(small_graph, cluster_with_memory(), top_k=4)
+    assert result.prediction["fits"]
+    assert len(result.alternatives) == 3
+    for alt in result.alternatives:
+        assert alt["why_not"]
+        assert result.prediction["step_time_s"] <= alt["prediction"]["step_time_s"] or not alt["prediction"]["fits"]
+    # The recorded prediction is what simulating the written plan gives.
+    from planner.simulate import simulate
+
+    again = simulate(result, graph=small_graph, timeline=False)
+    assert again.step_time_s == pytest.approx(result.prediction["step_time_s"], rel=1e-9)
+
+
+def test_tight_memory_needs_zero_recompute_or_pipeline_loose_memory_plain_dp(small_graph):
+    loose = run_plan(small_graph, cluster_with_memory(1e15), top_k=2)
+    cfg = loose.config
+    assert (cfg.pp, cfg.tp, cfg.dp) == (1, 1, 8)  # plain data parallelism
+    assert all(layer.recompute == "none" for layer in loose.layers)
+    # Half of what the loose winner needs: it no longer fits, so the planner must trade time for memory.
+    tight_bytes = 0.5 * loose.prediction["peak_memory_bytes"]
+    tight = run_plan(small_graph, cluster_with_memory(tight_bytes), top_k=2)
+    t = tight.config
+    assert tight.prediction["fits"] and tight.prediction["peak_memory_bytes"] <= tight_bytes
+    recomputed = sum(layer.recompute != "none" for layer in tight.layers)
+    assert t.zero > cfg.zero or recomputed or t.pp > 1 or t.tp > 1 or t.microbatch_size < cfg.microbatch_size
+    assert tight.prediction["step_time_s"] >= loose.prediction["step_time_s"] * (1 - 1e-9)
+
+
+def test_pins_are_respected(small_graph):
+    pins = dict(tp=2, pp=2, zero=1, schedule="interleaved", vpp=2, mbs=2, recompute="selective")
+    result = run_plan(small_graph, cluster_with_memory(), top_k=3, **pins)
+    for entry in [result.to_json()] + list(result.alternatives):
+        assert entry["mesh"]["tp"] == 2 and entry["mesh"]["pp"] == 2 and entry["zero"] == 1
+        assert entry["schedule"]["name"] == "interleaved" and entry["schedule"]["virtual_stages"] == 2
+        assert entry["schedule"]["microbatch_size"] == 2
+    assert {layer.recompute for layer in result.layers if layer.name.startswith("blocks")} == {"selective"}
+
+
+def test_same_inputs_same_plan(small_graph):
+    from planner.plan_build import WALL_CLOCK_KEYS
+
+    def strip(plan):
+        data = plan.to_json()
+        data["solver"] = {k: v for k, v in data["solver"].items() if k not in WALL_CLOCK_KEYS}
+        return data
+    first = run_plan(small_graph, cluster_with_memory(8 * 2**30), workers=1)
+    second = run_plan(small_graph, cluster_with_memory(8 * 2**30), workers=2)
+    assert strip(first) == strip(second)
+    assert first.digest == second.digest
+
+
+def test_infeasible_request_says_what_would_work(small_graph):
+    from planner.search import Pins, enumerate_candidates, min_memory_bytes
+
+    cluster = cluster_with_memory()
+    lean_2 = min_memory_bytes(small_graph, cluster, enumerate_candidates(small_graph, cluster, 2, 8), 8,
+                              "bf16-mixed", Pins())
+    with pytest.raises(MeshplanError) as err:
+        run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=2, gbs=8)
+    message = str(err.value)
+    # Both answers: the memory that would do on 2 GPUs (printed to 0.1 GiB), and a GPU count.
+    needed_gib = float(message.split("needs ")[1].split(" GiB")[0])
+    assert needed_gib == pytest.approx(lean_2 / 2**30, abs=0.051)
+    more_gpus = int(message.split("--gpus ")[1].split(")")[0])
+    assert more_gpus in (4, 8)
+    # Both really work.
+    assert run_plan(small_graph, cluster_with_memory(lean_2 * 1.001), gpus=2, gbs=8, top_k=1).prediction["fits"]
+    assert run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=more_gpus, gbs=8, top_k=1).prediction["fits"]
+
+
+def test_lower_bound_never_exceeds_the_ilp_objective(small_graph):
+    from planner.search import (Pins, _problems, enumerate_candidates, lower_bound_s, solve_candidates)
+
+    cluster = cluster_with_memory()
+    candidates = enumerate_candidates(small_graph, cluster, 8, 32, Pins(zero=1, sp=False))[::5]
+    problems, _, _ = _problems(small_graph, cluster, candidates, 32, "bf16-mixed", Pins(), 1e15, False, 10.0)
+    solved = solve_candidates(problems, num_keep=len(problems) + 1, workers=1)
+    assert len(solved) == len(problems) > 5
+    for item in solved:
+        assert item.solution.feasible
+        assert item.lower_bound_s <= item.solution.objective_s * (1 + 1e-9)
+    del lower_bound_s
+
+
+def test_layerwise_plan_is_marked_not_executable(small_graph):
+    result = run_plan(small_graph, cluster_with_memory(), layerwise=True, top_k=2, pp=1)
+    per_stage = result.config.tp * result.config.dp
+    assert all(layer.tp * layer.dp == per_stage for layer in result.layers)
+    if any((layer.tp, layer.dp) != (result.config.tp, result.config.dp) for layer in result.layers):
+        assert not result.executable and "layerwise" in result.not_executable_reason
+    else:
+        assert result.executable
