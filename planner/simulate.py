@@ -31,8 +31,8 @@ def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: Parallel
     layers with `cost.balanced_layer_chunks`. `recompute_of_layer`: none|selective|full per layer;
     None applies `config.recompute` to the transformer blocks (`cost.default_recompute`).
     `degrees_of_layer`: (tp, dp) per layer for layer-wise plans; None uses the mesh's.
-    `grad_sync`: when gradients are reduced ("overlap" or "after_chunk", see `StepCosts`); None
-    follows the executor (`executor_grad_sync`).
+    `grad_sync`: when gradients are reduced (see `StepCosts.grad_sync`); None follows the
+    executor (`executor_grad_sync`).
     """
     costs = step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer, degrees_of_layer, grad_sync)
     return simulate_step(costs, timeline=timeline)
@@ -41,9 +41,12 @@ def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: Parallel
 def executor_grad_sync(config: ParallelConfig) -> str:
     """When meshplan's executor reduces gradients: with pipelining it wraps each chunk in FSDP or
     replicate, and torch's schedules reduce a chunk's gradients only after its last backward
-    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the last
-    micro-batch's backward."""
-    return "after_chunk" if config.pp > 1 and config.dp > 1 else "overlap"
+    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the
+    backward, of the last micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3
+    (which keep gradients sharded while accumulating)."""
+    if config.pp > 1 and config.dp > 1:
+        return "after_chunk"
+    return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
 
 
 def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True) -> Prediction:

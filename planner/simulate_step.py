@@ -19,6 +19,8 @@ Per pipeline rank:
 - dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in DDP-style buckets
   (reverse layer order, about `grad_bucket_bytes` each); a bucket starts when the last
   micro-batch's backward has finished all its layers and the stream is free.
+  `"overlap_every_microbatch"`: the same after every micro-batch's backward (ZeRO-2/3 keeping
+  gradients sharded while accumulating), each reduction costing the per-step time.
   `grad_sync="after_chunk"` (torch pipelining with FSDP/replicate): a chunk's whole reduction
   starts after its last backward and the rank's next compute waits for it. The rank then runs
   the optimizer and, with ZeRO-1/2, all-gathers the updated parameters. The step ends when the
@@ -41,7 +43,7 @@ from planner.prediction import Interval, MemoryBreakdown, Prediction
 from planner.schedules import Action, schedule_actions
 
 # When gradient reduction runs (see StepCosts.grad_sync).
-GRAD_SYNC_MODES = ("overlap", "after_chunk")
+GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,9 @@ class StepCosts:
     usable_memory_bytes: float = math.inf
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
     # "overlap": DDP-style buckets launched during the last micro-batch's backward (DDP, FSDP
-    # without pipelining, Megatron-LM's overlapped reduction). "after_chunk": torch pipelining
+    # without pipelining, Megatron-LM's overlapped reduction). "overlap_every_microbatch": the
+    # same during every micro-batch's backward (FSDP syncing each micro-batch to keep gradients
+    # sharded). "after_chunk": torch pipelining
     # with FSDP/replicate: a chunk's whole reduction starts after its last backward
     # (`perform_reduce_grad`) and the rank's next compute waits for it.
     grad_sync: str = "overlap"
@@ -269,7 +273,8 @@ class _RankTail:
 
 def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list[_RankTail]:
     cfg = costs.config
-    last_mb = cfg.num_microbatches - 1
+    every = costs.grad_sync == "overlap_every_microbatch"
+    microbatches = range(cfg.num_microbatches) if every else [cfg.num_microbatches - 1]
     optimizer_s = [0.0] * cfg.pp
     gather_s = [0.0] * cfg.pp
     for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
@@ -278,12 +283,14 @@ def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list
     tails = []
     for rank in range(cfg.pp):
         intervals = list(played.dp_intervals[rank])
-        if costs.grad_sync == "overlap":
+        if costs.grad_sync != "after_chunk":
             ready = []
             for index, chunk in enumerate(chunks):
-                if chunk.rank == rank:
-                    last_bwd_start = played.bwd_end[index][last_mb] - chunk.bwd_s
-                    ready.extend((last_bwd_start + offset_s, comm_s) for offset_s, comm_s in chunk.buckets)
+                if chunk.rank != rank:
+                    continue
+                for mb in microbatches:
+                    bwd_start = played.bwd_end[index][mb] - chunk.bwd_s
+                    ready.extend((bwd_start + offset_s, comm_s) for offset_s, comm_s in chunk.buckets)
             free_at = 0.0
             for ready_s, comm_s in sorted(ready):
                 start = max(free_at, ready_s)

@@ -487,6 +487,21 @@ def test_executor_grad_sync_follows_the_mesh():
     assert executor_grad_sync(config(2, 4, dp=2)) == "after_chunk"
     assert executor_grad_sync(config(1, 4, dp=2)) == "overlap"
     assert executor_grad_sync(config(2, 4, dp=1)) == "overlap"
+    assert executor_grad_sync(config(1, 4, dp=2, zero=2)) == "overlap_every_microbatch"
+    assert executor_grad_sync(config(1, 4, dp=2, zero=1)) == "overlap"
+
+
+def test_reduction_every_microbatch_queues_when_slower_than_a_microbatch():
+    # One layer, one bucket: micro-batch i's reduction (4 s) is ready at i * (f + b) = 3 i s;
+    # reductions longer than a micro-batch queue up, so the last ends at 3 + m * 4.
+    num_mb = 5
+    cfg = config(1, num_mb, dp=2, zero=2)
+    costs = (layer(fwd=1.0, bwd=2.0, dp_grad_comm_s=4.0, grad_bytes=1.0),)
+    step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=(0,), grad_sync="overlap_every_microbatch")
+    assert simulate_step(step).step_time_s == pytest.approx(3.0 + num_mb * 4.0, rel=REL)
+    # Shorter than a micro-batch: each hides behind the next micro-batch, the last is exposed.
+    short = StepCosts(**{**step.__dict__, "layer_costs": (layer(fwd=1.0, bwd=2.0, dp_grad_comm_s=0.5, grad_bytes=1.0),)})
+    assert simulate_step(short).step_time_s == pytest.approx(num_mb * 3.0 + 0.5, rel=REL)
 
 
 @pytest.mark.parametrize("schedule,vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
