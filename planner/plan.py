@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,10 @@ class ModelRef:
     attention: str = "flash"
 
     def __post_init__(self):
-        if self.seq <= 0:
-            raise ValueError(f"model.seq must be positive, got {self.seq}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"model.spec must be a model SPEC string, got {self.spec!r}")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq <= 0:
+            raise ValueError(f"model.seq must be a positive integer, got {self.seq!r}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,18 @@ class LayerAssignment:
     mem_bytes: float = 0.0
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise ValueError(f"layer name must be a string, got {self.name!r}")
+        for name in ("stage", "virtual_stage", "tp", "dp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"layer {self.name!r}: {name} must be an integer, got {value!r}")
+        for name in ("fwd_time_s", "bwd_time_s", "comm_time_s", "mem_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"layer {self.name!r}: {name} must be a number, got {value!r}")
+        if self.tp <= 0 or self.dp <= 0:
+            raise ValueError(f"layer {self.name!r}: tp and dp must be positive, got tp={self.tp}, dp={self.dp}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"layer {self.name!r}: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.stage < 0 or self.virtual_stage < 0:
@@ -157,28 +171,79 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         raise ValueError(f"plan schema_version is {version!r}; this meshplan reads version {PLAN_SCHEMA_VERSION}. "
                          "Re-create the plan with `meshplan plan`")
     try:
-        schedule = data["schedule"]
-        mesh = data["mesh"]
-        cluster = cluster_from_dict(data["cluster"]["embedded"])
-        gpus = int(data["cluster"]["gpus"])
+        schedule, mesh = _table(data, "schedule"), _table(data, "mesh")
+        cluster = cluster_from_dict(_table(_table(data, "cluster"), "embedded", "cluster."))
+        gpus = _integer(data["cluster"], "gpus", "cluster.")
         config = ParallelConfig(
-            gpus=gpus, global_batch=int(data["global_batch"]), tp=int(mesh["tp"]), pp=int(mesh["pp"]),
-            dp=int(mesh["dp"]), microbatch_size=int(schedule["microbatch_size"]), zero=int(data["zero"]),
-            recompute=data.get("recompute", "none"), sp=bool(data["sp"]), schedule=schedule["name"],
-            virtual_stages=int(schedule["virtual_stages"]), precision=data["precision"])
-        if int(schedule["microbatches"]) != config.num_microbatches:
+            gpus=gpus, global_batch=_integer(data, "global_batch"), tp=_integer(mesh, "tp", "mesh."),
+            pp=_integer(mesh, "pp", "mesh."), dp=_integer(mesh, "dp", "mesh."),
+            microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
+            recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
+            virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"])
+        if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "
                              f"microbatch_size) = {config.num_microbatches}")
-        layers = tuple(LayerAssignment(**layer) for layer in data["layers"])
-        return Plan(model=ModelRef(**data["model"]), cluster=cluster, config=config, layers=layers,
-                    prediction=data.get("prediction"), alternatives=tuple(data.get("alternatives") or ()),
-                    seed=int(data.get("seed", 0)), executable=bool(data.get("executable", True)),
+        layers = _layers(data["layers"])
+        prediction, alternatives = data.get("prediction"), data.get("alternatives") or []
+        if prediction is not None and not isinstance(prediction, dict):
+            raise ValueError(f"plan field 'prediction' must be an object or null, got {_kind(prediction)}")
+        if not isinstance(alternatives, list) or not all(isinstance(a, dict) for a in alternatives):
+            raise ValueError("plan field 'alternatives' must be a list of objects (runnable configurations)")
+        return Plan(model=_build(ModelRef, _table(data, "model"), "model"), cluster=cluster, config=config,
+                    layers=layers, prediction=prediction, alternatives=tuple(alternatives),
+                    seed=_integer(data, "seed", default=0), executable=_boolean(data, "executable", default=True),
                     not_executable_reason=data.get("not_executable_reason", ""),
                     solver=data.get("solver") or {}, schema_version=version)
     except KeyError as exc:
         raise ValueError(f"plan is missing the field {exc.args[0]!r}") from None
     except TypeError as exc:
         raise ValueError(f"plan has a malformed entry: {exc}") from None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), repr(value))
+
+
+def _table(data: dict, key: str, where: str = "") -> dict:
+    value = data[key]
+    if not isinstance(value, dict):
+        raise ValueError(f"plan field {where}{key!r} must be an object, got {_kind(value)}")
+    return value
+
+
+def _integer(data: dict, key: str, where: str = "", default: int | None = None) -> int:
+    """An integer field; a float, string or boolean is refused instead of being truncated."""
+    value = data[key] if default is None else data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"plan field {where}{key} must be an integer, got {value!r}")
+    return value
+
+
+def _boolean(data: dict, key: str, default: bool | None = None) -> bool:
+    value = data[key] if default is None else data.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"plan field {key} must be true or false, got {value!r}")
+    return value
+
+
+def _build(cls, item: Any, where: str):
+    """A dataclass from a JSON object, naming unknown fields instead of a bare TypeError."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object, got {_kind(item)}")
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(item) - set(known))
+    if unknown:
+        raise ValueError(f"{where} has unknown field {unknown[0]!r}; known: {', '.join(known)}")
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in item]
+    if missing:
+        raise ValueError(f"{where} is missing the field {missing[0]!r}")
+    return cls(**item)
+
+
+def _layers(items: Any) -> tuple[LayerAssignment, ...]:
+    if not isinstance(items, list):
+        raise ValueError(f"plan field 'layers' must be a list of layer objects, got {_kind(items)}")
+    return tuple(_build(LayerAssignment, item, f"layers[{index}]") for index, item in enumerate(items))
 
 
 def load_plan(path: str | Path) -> Plan:
