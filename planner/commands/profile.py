@@ -94,16 +94,19 @@ def format_table(graph, batch: int) -> str:
             "fwd GFLOP": f"{layer.fwd_flops * batch / 1e9:,.1f}",
             "bwd GFLOP": f"{layer.bwd_flops * batch / 1e9:,.1f}",
             "act MiB": f"{layer.activation_bytes * batch / MIB:,.1f}",
-            "(tp-shard/repl/scores)": "/".join(f"{b * batch / MIB:,.0f}" for b in (
-                layer.act_tp_sharded_bytes, layer.act_tp_replicated_bytes, layer.act_attn_score_bytes)),
+            "TP-sharded": f"{layer.act_tp_sharded_bytes * batch / MIB:,.1f}",
+            "replicated": f"{layer.act_tp_replicated_bytes * batch / MIB:,.1f}",
+            "scores": f"{layer.act_attn_score_bytes * batch / MIB:,.1f}",
             "out MiB": f"{layer.output_bytes * batch / MIB:,.1f}",
             "tp split": layer.tp_split.kind,
         })
     table = pd.DataFrame(records).to_string(index=False)
     total_act = sum(layer.activation_bytes for layer in graph.layers) * batch
     header = (f"model {graph.spec}  seq {graph.seq}  batch {batch}  dtype {graph.dtype}  "
-              f"attention {graph.attention}  (figures per layer; repeated layers collapsed)")
-    totals = (f"total: {graph.total_params:,} params ({graph.total_params / 1e9:,.2f} B), "
+              f"attention {graph.attention}  (figures per layer; repeated layers collapsed; act = activation bytes "
+              "saved for backward = TP-sharded + replicated + attention scores)")
+    scale = (1e9, "B") if graph.total_params >= 1e9 else (1e6, "M")
+    totals = (f"total: {graph.total_params:,} params ({graph.total_params / scale[0]:,.2f} {scale[1]}), "
               f"forward {graph.fwd_flops * batch / 1e9:,.1f} GFLOP, backward {graph.bwd_flops * batch / 1e9:,.1f} GFLOP, "
               f"activations {total_act / GIB:,.2f} GiB (no recomputation, no parallelism)")
     return f"{header}\n{table}\n{totals}"
