@@ -1,0 +1,80 @@
+"""`meshplan plan` end to end through the CLI entry point (in process)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+SPEC = "gpt:layers=4,hidden=256,heads=4,vocab=1024"
+BASE = ("plan", "--model", SPEC, "--cluster", "a100-80g", "--gpus", "4", "--gbs", "16", "--seq", "256")
+
+
+def test_table_explanation_and_progress(run_cli):
+    code, out, err = run_cli(*BASE, "--top", "3", "--train-tokens", "1e9")
+    assert code == 0, err
+    assert "pp x dp x tp" in out and "step ms" in out and "peak GiB" in out
+    assert "meshplan picks" in out and "runner-up" in out
+    assert "GPU-hours" in out and "training on 1e+09 tokens" in out
+    assert "candidate" in err  # the progress bar goes to stderr
+    rows = [line for line in out.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 3
+
+
+def test_json_prints_only_the_plan_and_out_writes_it(run_cli, tmp_path):
+    from planner.plan import load_plan
+
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli(*BASE, "--json", "--out", path)
+    assert code == 0, err
+    data = json.loads(out)
+    for key in ("schema_version", "seed", "precision", "model", "cluster", "global_batch", "mesh", "zero", "sp",
+                "schedule", "layers", "prediction", "alternatives", "solver"):
+        assert key in data
+    assert data["mesh"]["pp"] * data["mesh"]["dp"] * data["mesh"]["tp"] == 4
+    assert data["prediction"]["fits"] and data["executable"]
+    assert data["solver"]["status"] in ("optimal", "time_limit") and data["solver"]["backend"] in ("highs", "cbc")
+    plan = load_plan(path)
+    assert plan.to_json()["layers"] == data["layers"]
+    for alt in data["alternatives"]:
+        assert {"mesh", "zero", "sp", "schedule", "chunk_of_layer", "recompute_of_layer", "prediction",
+                "why_not"} <= set(alt)
+        assert len(alt["chunk_of_layer"]) == len(data["layers"])
+
+
+def test_cli_pins(run_cli):
+    code, out, err = run_cli(*BASE, "--json", "--tp", "2", "--pp", "2", "--zero", "2", "--mbs", "1",
+                             "--schedule", "gpipe", "--top", "2")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert data["zero"] == 2 and data["schedule"]["name"] == "gpipe" and data["schedule"]["microbatch_size"] == 1
+
+
+def test_impossible_pins_exit_2(run_cli):
+    code, out, err = run_cli(*BASE, "--tp", "3")
+    assert code == 2 and out == ""
+    assert "no parallel configuration" in err and "relax a pin" in err
+
+
+def test_infeasible_cluster_exits_2_with_what_would_work(run_cli, tmp_path):
+    from planner.hardware import dump_cluster_toml, load_cluster
+
+    cluster = load_cluster("a100-80g")
+    # 3 MiB usable per GPU: nothing of this 4-layer model fits on 4 GPUs.
+    device = replace(cluster.device, memory_bytes=cluster.device.reserved_memory_bytes + 3 * 2**20)
+    path = tmp_path / "tiny.toml"
+    path.write_text(dump_cluster_toml(replace(cluster, device=device, name="tiny")))
+    code, out, err = run_cli(*BASE[:4], str(path), *BASE[5:])
+    assert code == 2 and out == ""
+    message = err.strip().splitlines()[-1]  # after the progress bar
+    assert message.startswith("meshplan plan: error: no plan of") and "GiB per GPU" in message
+    assert "--gpus" in message
+
+
+@pytest.mark.parametrize("flag,value", [("--gpus", "0"), ("--gbs", "-1"), ("--top", "0")])
+def test_bad_numbers_exit_2(run_cli, flag, value):
+    argv = list(BASE) + ["--top", "2"]
+    argv[argv.index(flag) + 1] = value
+    code, _, err = run_cli(*argv)
+    assert code == 2 and flag in err
