@@ -1,7 +1,8 @@
 """Predicted vs measured: load `measured.json` files and compare them with a plan's prediction.
 
 A measured file (written by `meshplan train`) holds `world_size`, `plan_digest`, `step_times_s`
-(every step, warm-up included), `warmup_steps` (how many leading steps to ignore),
+(every step, warm-up included; the slowest rank's wall time), `warmup_steps` (how many
+leading steps to ignore),
 `peak_memory_bytes_per_rank` (indexed by global rank), `losses`, `tokens_per_s`, plus host and
 versions. Global ranks follow the mesh order (pp, dp, tp) with tp innermost, so global rank r sits
 on pipeline rank r // (dp * tp).
@@ -41,7 +42,9 @@ class Measurement:
             raise ValueError(f"{self.source}: world_size must be positive, got {self.world_size}")
         if self.warmup_steps < 0:
             raise ValueError(f"{self.source}: warmup_steps must be >= 0, got {self.warmup_steps}")
-        if len(self.step_times_s) <= self.warmup_steps:
+        if not self.step_times_s:
+            raise ValueError(f"{self.source}: no step times; train at least one step (meshplan train --steps N)")
+        if len(self.step_times_s) < self.warmup_steps:
             raise ValueError(f"{self.source}: {len(self.step_times_s)} step time(s) but {self.warmup_steps} "
                              "warm-up step(s); train more steps (meshplan train --steps N)")
         if any(t <= 0 for t in self.step_times_s):
@@ -52,8 +55,8 @@ class Measurement:
 
     @property
     def timed_steps_s(self) -> tuple[float, ...]:
-        """Step times after warm-up."""
-        return self.step_times_s[self.warmup_steps:]
+        """Step times after warm-up (all of them if every step was warm-up, as `meshplan train` does)."""
+        return self.step_times_s[self.warmup_steps:] or self.step_times_s
 
     @property
     def median_step_time_s(self) -> float:

@@ -124,7 +124,8 @@ def test_measured_for_another_plan_is_refused(plan, tmp_path):
     with pytest.raises(MeshplanError, match="measured on 4 process"):
         compare(plan, [measurement_from_json({**data, "world_size": 4, "peak_memory_bytes_per_rank": []}, "m.json")])
     with pytest.raises(ValueError, match="warm-up"):
-        measurement_from_json({**data, "warmup_steps": 2}, "m.json")
+        measurement_from_json({**data, "warmup_steps": 3}, "m.json")
+    assert measurement_from_json({**data, "warmup_steps": 2}, "m.json").timed_steps_s == (1.0, 0.5)
 
 
 def test_user_text_is_escaped(tmp_path):
