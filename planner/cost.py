@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from planner.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
 from planner.graph import LayerProfile, ModelInfo
 from planner.hardware import ClusterProfile
+from planner.state_memory import grad_wire_bytes_per_param, state_bytes
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Strategy:
     microbatch_size: int = 1
     precision: str = "bf16-mixed"  # bf16-mixed | fp32
     pp: int = 1  # only for which link pipeline transfers cross
+    # Where model states live: "executor" (what `meshplan train` allocates) or "zero-paper"
+    # (Rajbhandari et al.'s 2 + 2 + 12 bytes per parameter); see planner.state_memory.
+    state_recipe: str = "executor"
 
 
 @dataclass(frozen=True)
@@ -192,10 +196,12 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     if holds_shared:
         num_params += layer.shared_params
     params_per_rank = num_params / shard
-    memory = model_state_bytes(params_per_rank, dp, strategy.zero, strategy.precision)
+    memory = model_state_bytes(params_per_rank, dp, strategy.zero, strategy.precision, strategy.state_recipe,
+                               tp, strategy.pp)
     grad_comm_s, gather_s, zero3_s = _dp_comm_s(params_per_rank, strategy, cluster)
     if holds_shared and layer.shared_params and strategy.pp > 1:
-        shared_bytes = layer.shared_params / shard * recipe(strategy.precision)["grad"]
+        shared_bytes = layer.shared_params / shard * grad_wire_bytes_per_param(strategy.precision,
+                                                                                strategy.state_recipe)
         link = cluster.link_for_group(2, strategy.dp * strategy.tp * (strategy.pp - 1))
         grad_comm_s += all_reduce_time_s(shared_bytes, 2, link)
     owned_params = params_per_rank / (dp if strategy.zero >= 1 else 1)
@@ -216,21 +222,16 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     )
 
 
-def model_state_bytes(num_params: float, dp: int, zero: int, precision: str) -> dict[str, float]:
+def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",
+                      tp: int = 1, pp: int = 1) -> dict[str, float]:
     """Resident params / grads / optimizer bytes per rank for `num_params` (already / tp).
 
     ZeRO (Rajbhandari et al. 2020) shards over the dp ranks: stage 1 the optimizer states,
     stage 2 also the gradients, stage 3 also the parameters. With bf16-mixed that gives
-    (2+2+12)P, 4P + 12P/d, 2P + 14P/d and 16P/d bytes for stages 0-3.
+    (2+2+12)P, 4P + 12P/d, 2P + 14P/d and 16P/d bytes for stages 0-3. `recipe="executor"`
+    gives what the executor's DDP / FSDP2 realisation allocates (planner.state_memory).
     """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-    per_param = recipe(precision)
-    return {
-        "params": num_params * per_param["param"] / (dp if zero >= 3 else 1),
-        "grads": num_params * per_param["grad"] / (dp if zero >= 2 else 1),
-        "optimizer": num_params * per_param["optimizer"] / (dp if zero >= 1 else 1),
-    }
+    return state_bytes(num_params, dp, zero, precision, recipe, tp, pp)
 
 
 def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, act_scale: float) -> tuple[float, float]:
@@ -279,8 +280,8 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfi
         return 0.0, 0.0, 0.0
     link = cluster.link_for_group(dp, strategy.tp)
     per_param = recipe(strategy.precision)
-    grad_bytes = params_per_rank * per_param["grad"]
-    param_bytes = params_per_rank * per_param["param"]
+    grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
+    param_bytes = params_per_rank * per_param["param"]  # gathered in the compute dtype
     if strategy.zero == 0:
         return all_reduce_time_s(grad_bytes, dp, link), 0.0, 0.0
     if strategy.zero == 1:

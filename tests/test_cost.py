@@ -53,9 +53,36 @@ def test_zero_accounting_through_layer_cost_and_tp():
     graph = gpt_layers(4, 1024, 16, 51200, 512)
     block = graph.layers[1]
     for zero, per_param in ((0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)):
-        cost = layer_cost(block, Strategy(tp=2, dp=8, zero=zero), A100, graph.info)
+        cost = layer_cost(block, Strategy(tp=2, dp=8, zero=zero, state_recipe="zero-paper"), A100, graph.info)
         states = cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes
         assert states == pytest.approx(per_param * block.num_params / 2, rel=1e-12)  # TP splits the block
+        assert cost.grad_bytes == pytest.approx(block.num_params / 2 * 2 / (8 if zero >= 2 else 1))
+
+
+@pytest.mark.parametrize("dp", [2, 8])
+def test_executor_realisation_of_each_zero_stage(dp):
+    """What DDP / FSDP2 allocate (planner.state_memory): fp32 sharded masters and gradients, a
+    bf16 unsharded compute copy while parameters stay gathered, ZeRO-1's full fp32 accumulation."""
+    psi = 1e9
+    expected = {  # (zero, tp, pp): (params, grads, optimizer) bytes per parameter
+        (0, 1, 1): (4, 4, 8),  # DDP with autocast
+        (0, 2, 1): (4 + 2, 4, 8),  # FSDP2 replicate keeps a bf16 copy
+        (1, 1, 1): (4 / dp + 2, 4, 8 / dp),
+        (2, 1, 1): (4 / dp + 2, 4 / dp, 8 / dp),
+        (3, 1, 1): (4 / dp, 4 / dp, 8 / dp),
+    }
+    for (zero, tp, pp), (param, grad, optimizer) in expected.items():
+        got = model_state_bytes(psi, dp, zero, "bf16-mixed", "executor", tp, pp)
+        assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((param * psi, grad * psi, optimizer * psi))
+    assert sum(model_state_bytes(psi, dp, 3, "bf16-mixed", "executor").values()) == pytest.approx(16 * psi / dp)
+    # the executor reduces gradients in fp32: twice the paper's bf16 bytes on the wire
+    graph = gpt_layers(2, 1024, 16, 51200, 512)
+    block = graph.layers[1]
+    ex = layer_cost(block, Strategy(dp=dp), A100, graph.info)
+    paper = layer_cost(block, Strategy(dp=dp, state_recipe="zero-paper"), A100, graph.info)
+    link = A100.link_for_group(dp, 1)
+    assert ex.dp_grad_comm_s == pytest.approx(all_reduce_time_s(4 * block.num_params, dp, link))
+    assert paper.dp_grad_comm_s == pytest.approx(all_reduce_time_s(2 * block.num_params, dp, link))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -130,8 +157,9 @@ def test_dp_communication_per_zero_stage():
     block, dp, tp = graph.layers[1], 16, 8
     link = A100.link_for_group(dp, tp)
     assert link is A100.inter_node  # dp ranks 8 apart cross nodes
-    grads = block.num_params / tp * 2
-    costs = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z), A100, graph.info) for z in range(4)}
+    grads = block.num_params / tp * 2  # bf16 gradients in the paper's recipe
+    costs = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z, state_recipe="zero-paper"), A100, graph.info)
+             for z in range(4)}
     assert costs[0].dp_grad_comm_s == pytest.approx(all_reduce_time_s(grads, dp, link))
     assert costs[0].dp_param_gather_s == 0
     assert costs[2].dp_grad_comm_s == pytest.approx(reduce_scatter_time_s(grads, dp, link))
@@ -148,7 +176,7 @@ def test_vocab_padding_grows_the_embedding_with_tp():
     tp = 8  # pads to a multiple of 1024: 51200 rows
     cost = layer_cost(embed, Strategy(tp=tp), A100, info)
     expected_params = (embed.num_params + (51200 - 50304) * 1024) / tp
-    assert cost.param_bytes == pytest.approx(2 * expected_params)
+    assert cost.param_bytes == pytest.approx(4 * expected_params)  # fp32 parameters without DP (executor)
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (8, 32), (16, 16)])
