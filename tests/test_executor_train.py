@@ -17,7 +17,7 @@ from planner.plan import save_plan
 
 # Big enough that a step takes a visible fraction of a second on one core, so the test can kill
 # a worker between two steps; small enough to start quickly.
-RESUME_SPEC = "gpt:layers=2,hidden=256,heads=4,vocab=256"
+RESUME_SPEC = "gpt:layers=2,hidden=128,heads=4,vocab=256"
 MEASURED_KEYS = {"world_size", "plan_digest", "step_times_s", "warmup_steps", "peak_memory_bytes_per_rank",
                  "losses", "tokens_per_s", "host", "versions"}
 
@@ -68,28 +68,58 @@ def test_killed_worker_restarts_and_resumes_with_identical_losses(tmp_path):
     assert markers == ["step_10", "step_2", "step_4", "step_6", "step_8"]
 
 
+def _cpu_profile_for(tmp_path, num_processes: int):
+    """The cpu profile with enough (virtual) nodes for `num_processes` local processes."""
+    from dataclasses import replace
+
+    from planner.hardware import dump_cluster_toml
+
+    cpu = load_cluster("cpu")
+    nodes = -(-num_processes // cpu.gpus_per_node)
+    path = tmp_path / "cpu.toml"
+    path.write_text(dump_cluster_toml(replace(cpu, max_nodes=max(cpu.max_nodes, nodes))))
+    return path
+
+
 @pytest.mark.multiproc
-@pytest.mark.timeout(200)
-def test_cli_trains_a_plan_and_a_killed_rank_is_named(tmp_path, run_cli):
-    plan = uniform_plan("gpt:layers=2,hidden=32,heads=2,vocab=256", 16, 4, load_cluster("cpu"), pp=2,
-                        microbatch_size=1, schedule="gpipe", seed=1)
-    save_plan(plan, tmp_path / "plan.json")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("num_processes,pins", [(2, ["--pp", "2", "--schedule", "gpipe"]),
+                                                (4, ["--tp", "2", "--dp", "2", "--zero", "1"])])
+def test_meshplan_plan_then_train(tmp_path, run_cli, num_processes, pins):
+    cluster = _cpu_profile_for(tmp_path, num_processes)
+    code, _, err = run_cli("plan", "--model", "gpt:layers=2,hidden=32,heads=2,vocab=256", "--seq", 16,
+                           "--cluster", cluster, "--gpus", num_processes, "--gbs", 4, *pins,
+                           "--out", tmp_path / "plan.json")
+    assert code == 0, err
     code, out, err = run_cli("train", "--plan", tmp_path / "plan.json", "--steps", 4, "--out", tmp_path / "m.json")
     assert code == 0, err
     measured = json.loads((tmp_path / "m.json").read_text())
+    plan = json.loads((tmp_path / "plan.json").read_text())
     assert MEASURED_KEYS <= set(measured)
-    assert measured["world_size"] == 2 and measured["plan_digest"] == plan.digest
+    assert measured["world_size"] == num_processes
     assert len(measured["losses"]) == len(measured["step_times_s"]) == 4
+    assert len(measured["peak_memory_bytes_per_rank"]) == num_processes
     assert all(value > 0 for value in measured["peak_memory_bytes_per_rank"])
-    # tokens/s from the timed steps: global batch 4 x 16 tokens per step
+    # tokens/s over the timed steps: global batch x sequence length per step
     timed = measured["step_times_s"][measured["warmup_steps"]:]
-    assert measured["tokens_per_s"] == pytest.approx(64 * len(timed) / sum(timed), rel=1e-9)
+    tokens_per_step = plan["global_batch"] * plan["model"]["seq"]
+    assert measured["tokens_per_s"] == pytest.approx(tokens_per_step * len(timed) / sum(timed), rel=1e-9)
+    from planner.plan import load_plan
 
+    assert measured["plan_digest"] == load_plan(tmp_path / "plan.json").digest
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_a_killed_rank_is_named_and_no_worker_survives(tmp_path):
+    plan = uniform_plan("gpt:layers=2,hidden=32,heads=2,vocab=256", 16, 4, load_cluster("cpu"), dp=2,
+                        microbatch_size=2, seed=1)
     killed: dict = {}
     watcher = _kill_when(tmp_path / "failing", rank=1, at_step=1, killed=killed)
     with pytest.raises(TrainingFailed, match=r"rank 1 failed \(killed by SIGKILL\)"):
-        train(plan, steps=400, out=tmp_path / "never.json", run_dir=tmp_path / "failing")
+        train(plan, steps=2000, out=tmp_path / "never.json", run_dir=tmp_path / "failing")
     watcher.join(timeout=5)
+    assert killed
     beat = json.loads((tmp_path / "failing" / "rank0.json").read_text())
     with pytest.raises(ProcessLookupError):  # no worker outlives a failed run
         os.kill(beat["pid"], 0)
