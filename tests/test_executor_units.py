@@ -1,0 +1,190 @@
+"""Executor pieces that need no second process: schedule, data, checkpoints, refusals, stages."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from executor.checkpoint import MARKER, newest_complete
+from executor.data import DataSource, global_batch, make_source, replica_slice
+from executor.launch import LaunchResult, describe_failure
+from executor.measure import Measurement, load_measurement, save_measurement, tokens_per_s
+from executor.parallelize import dp_method
+from executor.plans import uniform_plan
+from executor.runtime import Hyperparameters, lr_at
+from executor.validate import check_plan_runnable
+from planner.errors import MeshplanError
+from planner.hardware import load_cluster
+from planner.plan import ModelRef, save_plan
+
+SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return load_cluster("cpu")
+
+
+def test_learning_rate_warms_up_linearly_then_follows_the_cosine():
+    hp = Hyperparameters(lr=1e-3, min_lr_ratio=0.1, warmup_fraction=0.2)
+    total = 10  # warm-up = round(0.2 * 10) = 2 steps
+    assert lr_at(0, total, hp) == pytest.approx(0.5e-3)
+    assert lr_at(1, total, hp) == pytest.approx(1e-3)
+    for step in range(2, total):
+        progress = (step - 2) / 8
+        expected = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * progress))
+        assert lr_at(step, total, hp) == pytest.approx(expected, rel=1e-12)
+    assert lr_at(total - 1, total, hp) > 1e-4  # never below the floor
+
+
+def test_synthetic_batches_depend_only_on_seed_and_step():
+    source = DataSource(vocab=256, seq=8, seed=1)
+    inputs, targets = global_batch(source, 3, 4)
+    again, _ = global_batch(source, 3, 4)
+    other, _ = global_batch(source, 4, 4)
+    assert inputs.shape == targets.shape == (4, 8)
+    assert inputs.equal(again) and not inputs.equal(other)
+    assert inputs[:, 1:].equal(targets[:, :-1])  # targets are the next tokens
+    assert int(inputs.max()) < 256
+    first, _ = replica_slice(inputs, targets, 1, 2)
+    assert first.equal(inputs[2:4])
+
+
+def test_text_data_is_byte_tokens_in_consecutive_windows(tmp_path):
+    text = bytes(range(200)) * 3
+    (tmp_path / "t.txt").write_bytes(text)
+    source = make_source(str(tmp_path / "t.txt"), vocab=256, seq=10, seed=0)
+    inputs, targets = global_batch(source, 1, 3)
+    span = len(text) - 11
+    for row in range(3):
+        start = ((1 * 3 + row) * 10) % span
+        assert inputs[row].tolist() == list(text[start:start + 10])
+        assert targets[row].tolist() == list(text[start + 1:start + 11])
+
+
+def test_data_arguments_are_checked(tmp_path):
+    with pytest.raises(MeshplanError, match="neither 'synthetic' nor a readable"):
+        make_source(str(tmp_path / "missing.txt"), 256, 8, 0)
+    (tmp_path / "t.txt").write_text("hello world, some text")
+    with pytest.raises(MeshplanError, match="vocabulary of at least 256"):
+        make_source(str(tmp_path / "t.txt"), 100, 8, 0)
+    with pytest.raises(MeshplanError, match="too short"):
+        make_source(str(tmp_path / "t.txt"), 256, 64, 0)
+
+
+def test_newest_complete_checkpoint_ignores_unfinished_saves(tmp_path):
+    assert newest_complete(tmp_path) is None
+    for step, complete in ((2, True), (4, True), (6, False)):
+        (tmp_path / f"step_{step}").mkdir()
+        if complete:
+            (tmp_path / f"step_{step}" / MARKER).write_text("{}")
+    (tmp_path / "step_x").mkdir()
+    assert newest_complete(tmp_path) == (4, tmp_path / "step_4")
+
+
+def test_plans_the_executor_cannot_run_are_refused_before_launch(cluster):
+    plan = uniform_plan(SPEC, 16, 8, cluster, dp=2, microbatch_size=2)
+    with pytest.raises(MeshplanError, match="needs 2 processes.*--nproc 2"):
+        check_plan_runnable(plan, 4)
+    with pytest.raises(MeshplanError, match="not executable"):
+        check_plan_runnable(replace(plan, executable=False, not_executable_reason="layerwise"), 2)
+    with pytest.raises(MeshplanError, match="does not place layer"):
+        check_plan_runnable(replace(plan, model=ModelRef(spec=SPEC.replace("layers=4", "layers=6"), seq=16)), 2)
+    odd_heads = uniform_plan("gpt:layers=2,hidden=48,heads=3,vocab=256", 16, 4, cluster, tp=2)
+    with pytest.raises(MeshplanError, match="tp=2 does not divide the model's attention heads"):
+        check_plan_runnable(odd_heads, 2)
+    odd_seq = uniform_plan(SPEC, 15, 4, cluster, tp=2, sp=True)
+    with pytest.raises(MeshplanError, match="sequence length divisible by 2"):
+        check_plan_runnable(odd_seq, 2)
+    check_plan_runnable(plan, 2)
+
+
+def test_cli_refuses_bad_requests_with_exit_code_2(tmp_path, cluster, run_cli):
+    save_plan(uniform_plan(SPEC, 16, 8, cluster, dp=2, microbatch_size=2), tmp_path / "plan.json")
+    code, _, err = run_cli("train", "--plan", tmp_path / "plan.json", "--nproc", 3)
+    assert code == 2 and "needs 2 processes" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli("train", "--plan", tmp_path / "plan.json", "--resume")
+    assert code == 2 and "--checkpoint-dir" in err
+    code, _, err = run_cli("train", "--plan", tmp_path / "missing.json")
+    assert code == 2 and "not found" in err
+
+
+def test_data_parallel_wrapper_per_zero_stage_and_mesh():
+    assert dp_method(zero=0, dp=1, tp=2, pp=2) == "none"
+    assert dp_method(zero=0, dp=2, tp=1, pp=1) == "ddp"
+    assert dp_method(zero=0, dp=2, tp=2, pp=1) == "replicate"  # DDP fails on DTensor TP
+    assert dp_method(zero=0, dp=2, tp=1, pp=2) == "replicate"  # DDP under PP only with 1F1B
+    assert {dp_method(zero=z, dp=2, tp=1, pp=1) for z in (1, 2, 3)} == {"fsdp"}
+
+
+def test_uniform_plan_interleaves_chunks_over_pipeline_ranks(cluster):
+    plan = uniform_plan(SPEC, 16, 8, cluster, pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2)
+    # 6 layers in 4 chunks: 2, 2, 1, 1; chunk j on rank j % 2, virtual stage j // 2
+    assert [(layer.stage, layer.virtual_stage) for layer in plan.layers] == [
+        (0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (1, 1)]
+    assert plan.chunks() == [[0, 1], [2, 3], [4], [5]]
+
+
+def test_failure_description_names_the_first_failed_rank(tmp_path):
+    output = ("...\nRoot Cause (first observed failure):\n[0]:\n  time      : 2026\n  host      : h\n"
+              "  rank      : 3 (local_rank: 3)\n  exitcode  : -9 (pid: 123)\n")
+    (tmp_path / "error_rank0.txt").write_text("RuntimeError: peer closed\n")
+    message = describe_failure(LaunchResult(exit_code=1, output_tail=output), tmp_path, None)
+    assert message.startswith("rank 3 failed (killed by SIGKILL)")
+    (tmp_path / "error_rank3.txt").write_text("ValueError: bad shard\n")
+    message = describe_failure(LaunchResult(exit_code=1, output_tail=output), tmp_path, None)
+    assert message == "rank 3 failed (killed by SIGKILL); ValueError: bad shard"
+
+
+def test_measurement_round_trips_and_validates(tmp_path):
+    times = [2.0, 1.0, 0.5, 0.5]
+    measurement = Measurement(world_size=2, plan_digest="abc", step_times_s=tuple(times), warmup_steps=2,
+                              peak_memory_bytes_per_rank=(10, 20), losses=(4.0, 3.0, 2.0, 1.0),
+                              tokens_per_s=tokens_per_s(times, 2, 100), tokens_per_step=100, memory_source="x",
+                              precision="fp32", backend="gloo", device="cpu")
+    assert measurement.tokens_per_s == pytest.approx(200.0)  # 2 timed steps x 100 tokens / 1.0 s
+    assert measurement.mean_step_time_s == pytest.approx(0.5)
+    save_measurement(measurement, tmp_path / "m.json")
+    assert load_measurement(tmp_path / "m.json") == measurement
+    assert json.loads((tmp_path / "m.json").read_text())["mean_step_time_s"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="3 losses but 4 step times"):
+        replace(measurement, losses=(1.0, 2.0, 3.0))
+    with pytest.raises(ValueError, match="1 memory figures for world size 2"):
+        replace(measurement, peak_memory_bytes_per_rank=(1,))
+
+
+def test_stages_chain_to_the_full_model_and_recompute_keeps_gradients():
+    """Pipeline chunks keep full-model names and compose to the same function; checkpointed
+    layers (full and selective) give bitwise the same loss and gradients as plain ones."""
+    import torch
+
+    from executor.parallelize import apply_recompute, materialize, split_stages
+    from planner.models import build_model
+    from planner.models.transformer import init_weights, lm_loss
+
+    reference = build_model(SPEC, 16, device="cpu").module
+    init_weights(reference, 7)
+    names = ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for mode in ("none", "full", "selective"):
+        meta = build_model(SPEC, 16, device="meta").module
+        stages = split_stages(meta, names, [[0, 1, 2], [3, 4, 5]], [0, 1])
+        template = build_model(SPEC, 16, device="meta").module
+        materialize(stages, template, 7, torch.device("cpu"), tied_embeddings=True)
+        assert {n for s in stages for n, _ in s.named_parameters()} == \
+            {n for n, _ in reference.named_parameters()} | {"head.proj.weight"}
+        for stage in stages:
+            for name in stage.layer_names:
+                apply_recompute(stage.layer(name), mode)
+        loss = lm_loss(stages[1](stages[0](tokens)), tokens)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(stages[0].blocks["1"].mlp.up.weight.grad.clone())
+    expected = lm_loss(reference(tokens), tokens)
+    assert losses[0] == pytest.approx(expected.item(), rel=1e-6)  # same weights, same function
+    assert losses[1] == losses[0] == losses[2]
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
