@@ -269,11 +269,13 @@ def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
 def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfile) -> tuple[float, float, float]:
     """(gradient reduction per step, parameter all-gather per step, ZeRO-3 gather per pass).
 
-    What the executor does per ZeRO stage: 0 all-reduces gradients (DDP); 1 all-reduces them
-    (DDP) and the sharded optimizer then re-gathers the updated parameters (all-gather volume);
-    2 reduce-scatters gradients and all-gathers parameters after the step; 3 reduce-scatters
-    gradients once per step (gradient sync deferred to the last micro-batch) and all-gathers
-    each layer's parameters before its forward and again before its backward.
+    ZeRO-0 all-reduces gradients once per step (DDP / FSDP2 replicate, sync deferred to the last
+    micro-batch). ZeRO-1: the paper's DDP + sharded optimizer all-reduces and then re-gathers the
+    updated parameters; the executor's FSDP2 reduce-scatters (deferred) and gathers. ZeRO-2
+    reduce-scatters gradients and all-gathers the updated parameters. ZeRO-3 reduce-scatters
+    gradients and all-gathers each layer's parameters before its forward and again before its
+    backward. Gradient reductions are counted once per step (see the notes on ZeRO-2/3 in
+    planner.state_memory); gathers move the compute dtype.
     """
     dp = strategy.dp
     if dp == 1:
@@ -285,7 +287,8 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfi
     if strategy.zero == 0:
         return all_reduce_time_s(grad_bytes, dp, link), 0.0, 0.0
     if strategy.zero == 1:
-        return all_reduce_time_s(grad_bytes, dp, link), all_gather_time_s(param_bytes, dp, link), 0.0
+        reduce = reduce_scatter_time_s if strategy.state_recipe == "executor" else all_reduce_time_s
+        return reduce(grad_bytes, dp, link), all_gather_time_s(param_bytes, dp, link), 0.0
     if strategy.zero == 2:
         return reduce_scatter_time_s(grad_bytes, dp, link), all_gather_time_s(param_bytes, dp, link), 0.0
     return reduce_scatter_time_s(grad_bytes, dp, link), 0.0, all_gather_time_s(param_bytes, dp, link)

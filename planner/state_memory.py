@@ -19,6 +19,11 @@ stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters o
   6P + 12P/d, 2P + 16P/d, 16P/d. Under fp32 the unsharded copy is fp32 (+4).
 Gradients are reduced in fp32 by the executor (DDP on fp32 gradients; FSDP2 reduce dtype fp32),
 4 bytes per parameter on the wire, as Megatron-LM does by default.
+
+Communication the cost model counts once per step although the executor repeats it per
+micro-batch: ZeRO-2/3 reduce-scatter after every micro-batch's backward (gradients stay
+sharded), and FSDP2 re-gathers ZeRO-1/2 parameters before every micro-batch's forward unless
+resharding after backward is turned off during gradient accumulation.
 """
 from __future__ import annotations
 
