@@ -235,14 +235,16 @@ class _Recorder:
         """"score" (s x s attention), "sharded" (inside the TP region) or "replicated".
 
         Block layers: a column Linear saves its (replicated) input; a row Linear and everything
-        inside attention/MLP save sharded tensors; norms and residual glue are replicated. Head:
+        inside attention/MLP save sharded tensors; norms and residual glue are replicated. Layers
+        that cannot be split ("none") keep everything but attention scores replicated. Head:
         saved inside its modules (norm, output Linear input) is replicated, the loss on the
         vocab-sharded logits after them is sharded. Everything else is replicated.
         """
-        if self.score_shape is not None:
-            is_score = tensor.dim() >= 2 and tuple(tensor.shape[-2:]) == self.score_shape
-            return "score" if is_score else "sharded"
         group = self.groups[self.current]
+        if self.score_shape is not None:
+            if tensor.dim() >= 2 and tuple(tensor.shape[-2:]) == self.score_shape:
+                return "score"
+            return "sharded" if group.tp_split.kind == "block" else "replicated"
         if group.tp_split.kind == "block":
             for module in reversed(self.stack):
                 role = self.roles.get(id(module))
@@ -282,10 +284,11 @@ class _Recorder:
             self.causal[self.current] += flops * (seq_q - 1) // (2 * seq_q)
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value))
         if flash and needs_grad and torch.is_grad_enabled() and not self.in_backward:
+            kind = "sharded" if self.groups[self.current].tp_split.kind == "block" else "replicated"
             for tensor in (query, key, value, out):
-                self.record(tensor, "sharded")
+                self.record(tensor, kind)
             # log-sum-exp: one fp32 value per (batch, head, query position)
-            self.record(None, "sharded", key=("lse", id(out)), nbytes=4 * query.numel() // query.shape[-1])
+            self.record(None, kind, key=("lse", id(out)), nbytes=4 * query.numel() // query.shape[-1])
         return out
 
     def results(self) -> list[LayerMeasurement]:

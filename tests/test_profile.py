@@ -292,3 +292,18 @@ def test_file_spec_cache_follows_file_content(tmp_path):
     path.write_text(textwrap.dedent(_CNN_FILE).replace("nn.Linear(32, 10)", "nn.Linear(32, 20)"))
     after = profile(f"{path}:build", 32)
     assert after.total_params == before.total_params + 10 * 33
+
+
+def test_hf_gpt2_config_blocks_cannot_be_split(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                "vocab_size": 300, "n_positions": 128}))
+    graph = profile(f"hf:{path}", 32, cache=False)
+    block = graph.layer("blocks.0")
+    # GPT-2's fused c_attn Conv1D is not a q/k/v Linear triple: not split, nothing TP-sharded.
+    assert block.tp_split.kind == "none" and block.act_tp_sharded_bytes == 0
+    assert block.act_tp_replicated_bytes > 0
+    # wpe is outside every group: it goes to the first layer; the tied head owns no weight.
+    assert graph.layer("embed").num_params == (300 + 128) * 64
+    assert graph.layer("head").shared_params == 300 * 64
