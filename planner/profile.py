@@ -138,25 +138,38 @@ def _param_ownership(module, groups, order) -> list[tuple[int, int, int]]:
 
 
 def choose_file_groups(built) -> tuple:
-    """Top-level children as layers; a child with most of the forward FLOPs is split into its
-    children (repeatedly, up to MAX_REFINE_DEPTH levels), so a model whose body is one
-    Sequential of blocks is profiled block by block. Groups come back in first-call order."""
+    """Top-level children as layers; a child the forward never calls (an nn.ModuleList it
+    iterates over) is replaced by its children, and a child with most of the forward FLOPs is
+    split into its children (up to MAX_REFINE_DEPTH levels), so a model whose body is one
+    Sequential or ModuleList of blocks is profiled block by block. Groups come back in
+    first-call order."""
     from planner.models import LayerGroup
     from planner.profile_run import measure_layers
 
     entries = list(built.module.named_children()) or [("model", built.module)]
-    for _ in range(MAX_REFINE_DEPTH + 1):
+    for _ in range(2 * MAX_REFINE_DEPTH + 1):
         groups = tuple(LayerGroup(name, "other", (mod,)) for name, mod in entries)
         measurements, order = measure_layers(built, groups, backward=False)
+        # Containers the forward iterates over (nn.ModuleList) are never called themselves:
+        # their children are the layers.
+        containers = [i for i, m in enumerate(measurements) if not m.called and any(entries[i][1].children())]
+        if containers:
+            entries = [item for i, entry in enumerate(entries) for item in
+                       (_children_of(entry) if i in containers else [entry])]
+            continue
         total = sum(m.fwd_flops for m in measurements)
         top = max(range(len(groups)), key=lambda i: measurements[i].fwd_flops)
-        children = list(entries[top][1].named_children())
-        if total == 0 or measurements[top].fwd_flops <= DOMINANT_FLOP_SHARE * total or len(children) < 2:
+        if total == 0 or measurements[top].fwd_flops <= DOMINANT_FLOP_SHARE * total \
+                or len(_children_of(entries[top])) < 2:
             break
-        name = entries[top][0]
-        entries[top:top + 1] = [(f"{name}.{child}", mod) for child, mod in children]
+        entries[top:top + 1] = _children_of(entries[top])
     ranked = list(order) + [i for i in range(len(groups)) if i not in order]
     return tuple(groups[i] for i in ranked)
+
+
+def _children_of(entry: tuple[str, object]) -> list[tuple[str, object]]:
+    name, module = entry
+    return [(f"{name}.{child}", mod) for child, mod in module.named_children()]
 
 
 def structure_key(group) -> str:

@@ -191,6 +191,32 @@ def build():
 '''
 
 
+_MODULELIST_FILE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, dim=32, depth=3):
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.ReLU())
+                                    for _ in range(depth))
+        self.out = nn.Linear(dim, 2)
+        self.scale = nn.Parameter(torch.ones(dim))  # on the root: owned by the first layer
+
+    def forward(self, x):
+        h = self.inp(x) * self.scale
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.out(h)
+
+
+def build():
+    return Net(), torch.randn(1, 16, 8)
+'''
+
+
 def _direct_counts(path, fn_name):
     """FlopCounterMode and sum(numel) run directly on the module the file builds (CPU, fp32)."""
     import importlib.util
@@ -218,6 +244,7 @@ def _direct_counts(path, fn_name):
     (_CNN_FILE, ["features.0", "features.1", "features.2", "features.3", "features.4", "features.5",
                  "features.6", "classifier"]),
     (_MIXER_FILE, ["stem", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]),
+    (_MODULELIST_FILE, ["inp", "layers.0", "layers.1", "layers.2", "out"]),
 ])
 def test_file_model_totals_equal_direct_flop_counter(tmp_path, source, expected_names):
     path = tmp_path / "model.py"
