@@ -9,7 +9,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports.html import GIB, esc
+from reports.html import bytes_unit, esc
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 # Model states (blues) vs residual states (oranges), as in the ZeRO paper's vocabulary.
@@ -33,6 +33,7 @@ def layer_strip(names: Sequence[str], stages: Sequence[int], recompute: Sequence
                 compute_s: Sequence[float], comm_s: Sequence[float], mem_bytes: Sequence[float]) -> go.Figure:
     """One column per layer, one coloured row per attribute: scannable at 80+ layers."""
     labels = [esc(n) for n in names]
+    mem_div, mem_unit = bytes_unit(max(mem_bytes, default=0.0))
     fig = make_subplots(rows=5, cols=1, shared_xaxes=True, vertical_spacing=0.02)
     num_stages = max(stages) + 1
     stage_scale = [[i / max(num_stages - 1, 1), STAGE_COLOURS[i % len(STAGE_COLOURS)]] for i in range(num_stages)]
@@ -44,7 +45,8 @@ def layer_strip(names: Sequence[str], stages: Sequence[int], recompute: Sequence
          [[0, "#f0f0f0"], [0.5, "#ffc000"], [1, "#c00000"]], list(recompute)),
         ("compute ms", [t * 1e3 for t in compute_s], "Blues", [f"{t * 1e3:.3f} ms" for t in compute_s]),
         ("comm ms", [t * 1e3 for t in comm_s], "Purples", [f"{t * 1e3:.3f} ms" for t in comm_s]),
-        ("memory GiB", [b / GIB for b in mem_bytes], "Oranges", [f"{b / GIB:.3f} GiB" for b in mem_bytes]),
+        (f"memory {mem_unit}", [b / mem_div for b in mem_bytes], "Oranges",
+         [f"{b / mem_div:.3f} {mem_unit}" for b in mem_bytes]),
     ]
     for row, (label, values, scale, text) in enumerate(rows, start=1):
         zmax = {"stage": max(num_stages - 1, 1), "recompute": 2}.get(label)
@@ -59,19 +61,27 @@ def layer_strip(names: Sequence[str], stages: Sequence[int], recompute: Sequence
 def memory_bars(per_rank: Sequence[dict], capacity_bytes: float, usable_bytes: float) -> go.Figure:
     """Stacked bars of each pipeline rank's peak memory by kind, against the device capacity."""
     x = [f"stage {rank}" for rank in range(len(per_rank))]
+    peak_bytes = max((sum(m.get(k, 0.0) for k in MEMORY_KINDS) for m in per_rank), default=0.0)
+    # A capacity far above the peak would squash the bars flat: then it is named, not drawn.
+    draw_capacity = peak_bytes > 0.05 * capacity_bytes
+    div, unit = bytes_unit(max(peak_bytes, capacity_bytes) if draw_capacity else peak_bytes)
     fig = go.Figure()
     for kind in MEMORY_KINDS:
         group = "model states" if kind in ("params", "grads", "optimizer") else "residual states"
-        fig.add_trace(go.Bar(name=f"{kind} ({group})", x=x, y=[m.get(kind, 0.0) / GIB for m in per_rank],
+        fig.add_trace(go.Bar(name=f"{kind} ({group})", x=x, y=[m.get(kind, 0.0) / div for m in per_rank],
                              marker_color=MEMORY_COLOURS[kind],
-                             hovertemplate="%{x}: %{y:.2f} GiB<extra>" + kind + "</extra>"))
-    fig.add_hline(y=capacity_bytes / GIB, line_color="#c00000", line_dash="solid",
-                  annotation_text=f"device capacity {capacity_bytes / GIB:.1f} GiB", annotation_position="top left")
-    if usable_bytes < capacity_bytes:
-        fig.add_hline(y=usable_bytes / GIB, line_color="#c00000", line_dash="dot",
-                      annotation_text=f"usable {usable_bytes / GIB:.1f} GiB", annotation_position="bottom left")
-    return _layout(fig, "Peak memory per pipeline stage (each rank of a stage holds the same)", 420,
-                   barmode="stack", yaxis_title="GiB", legend_orientation="h", legend_y=-0.15)
+                             hovertemplate="%{x}: %{y:.2f} " + unit + "<extra>" + kind + "</extra>"))
+    title = "Peak memory per pipeline stage (each rank of a stage holds the same)"
+    if draw_capacity:
+        fig.add_hline(y=capacity_bytes / div, line_color="#c00000", line_dash="solid",
+                      annotation_text=f"device capacity {capacity_bytes / div:.1f} {unit}",
+                      annotation_position="top left")
+        if usable_bytes < capacity_bytes:
+            fig.add_hline(y=usable_bytes / div, line_color="#c00000", line_dash="dot",
+                          annotation_text=f"usable {usable_bytes / div:.1f} {unit}", annotation_position="bottom left")
+    else:
+        title += f"; capacity {capacity_bytes / 2**30:.1f} GiB is off the scale"
+    return _layout(fig, title, 420, barmode="stack", yaxis_title=unit, legend_orientation="h", legend_y=-0.15)
 
 
 def timeline_gantt(intervals: Sequence, step_time_s: float) -> go.Figure:
@@ -102,12 +112,17 @@ def timeline_gantt(intervals: Sequence, step_time_s: float) -> go.Figure:
 def memory_over_time(memory_timeline: Sequence[Sequence[Sequence[float]]], capacity_bytes: float) -> go.Figure:
     """Live bytes on each pipeline rank over the simulated step."""
     fig = go.Figure()
+    peak_bytes = max((p[1] for points in memory_timeline for p in points), default=0.0)
+    draw_capacity = peak_bytes > 0.05 * capacity_bytes
+    div, unit = bytes_unit(max(peak_bytes, capacity_bytes) if draw_capacity else peak_bytes)
     for rank, points in enumerate(memory_timeline):
         if points:
-            fig.add_trace(go.Scatter(x=[p[0] * 1e3 for p in points], y=[p[1] / GIB for p in points],
+            fig.add_trace(go.Scatter(x=[p[0] * 1e3 for p in points], y=[p[1] / div for p in points],
                                      mode="lines", line_shape="hv", name=f"stage {rank}"))
-    fig.add_hline(y=capacity_bytes / GIB, line_color="#c00000", annotation_text="device capacity")
-    return _layout(fig, "Live memory over the step", 320, xaxis_title="ms", yaxis_title="GiB")
+    if draw_capacity:
+        fig.add_hline(y=capacity_bytes / div, line_color="#c00000", annotation_text="device capacity")
+    return _layout(fig, "Live memory over the step (what the simulator tracks)", 320, xaxis_title="ms",
+                   yaxis_title=unit)
 
 
 def breakdown_bar(breakdown: dict[str, float], step_time_s: float) -> go.Figure:
@@ -144,6 +159,7 @@ def alternatives_scatter(points: Sequence[dict], capacity_bytes: float) -> go.Fi
     Each point: label, step_time_s, peak_memory_bytes, fits, winner.
     """
     fig = go.Figure()
+    div, unit = bytes_unit(max([p["peak_memory_bytes"] for p in points] + [capacity_bytes]))
     groups = (("chosen plan", lambda p: p["winner"], "star", "#0969da", 18),
               ("fits", lambda p: not p["winner"] and p["fits"], "circle", "#59a14f", 10),
               ("does not fit", lambda p: not p["winner"] and not p["fits"], "x", "#c00000", 10))
@@ -151,13 +167,13 @@ def alternatives_scatter(points: Sequence[dict], capacity_bytes: float) -> go.Fi
         chosen = [p for p in points if keep(p)]
         if chosen:
             fig.add_trace(go.Scatter(
-                name=name, mode="markers", x=[p["peak_memory_bytes"] / GIB for p in chosen],
+                name=name, mode="markers", x=[p["peak_memory_bytes"] / div for p in chosen],
                 y=[p["step_time_s"] * 1e3 for p in chosen], text=[esc(p["label"]) for p in chosen],
                 marker=dict(symbol=symbol, color=colour, size=size),
-                hovertemplate="%{text}<br>%{y:.2f} ms, %{x:.2f} GiB<extra></extra>"))
-    fig.add_vline(x=capacity_bytes / GIB, line_color="#c00000", annotation_text="capacity")
+                hovertemplate="%{text}<br>%{y:.2f} ms, %{x:.3f} " + unit + "<extra></extra>"))
+    fig.add_vline(x=capacity_bytes / div, line_color="#c00000", annotation_text="capacity")
     return _layout(fig, "Configurations considered: step time vs peak memory", 400,
-                   xaxis_title="peak memory per GPU (GiB)", yaxis_title="predicted step time (ms)")
+                   xaxis_title=f"peak memory per GPU ({unit})", yaxis_title="predicted step time (ms)")
 
 
 def measured_steps(runs: Sequence[tuple[str, Sequence[float], int]], predicted_s: float,
@@ -180,6 +196,7 @@ def measured_steps(runs: Sequence[tuple[str, Sequence[float], int]], predicted_s
 def measured_memory(ranks: Sequence[int], predicted_bytes: Sequence[float],
                     measured_bytes: Sequence[float]) -> go.Figure:
     x = [f"rank {r}" for r in ranks]
-    fig = go.Figure([go.Bar(name="predicted", x=x, y=[b / GIB for b in predicted_bytes], marker_color="#9dc3e6"),
-                     go.Bar(name="measured", x=x, y=[b / GIB for b in measured_bytes], marker_color="#ed7d31")])
-    return _layout(fig, "Peak memory per rank: predicted vs measured", 340, barmode="group", yaxis_title="GiB")
+    div, unit = bytes_unit(max(list(predicted_bytes) + list(measured_bytes), default=0.0))
+    fig = go.Figure([go.Bar(name="predicted", x=x, y=[b / div for b in predicted_bytes], marker_color="#9dc3e6"),
+                     go.Bar(name="measured", x=x, y=[b / div for b in measured_bytes], marker_color="#ed7d31")])
+    return _layout(fig, "Peak memory per rank: predicted vs measured", 340, barmode="group", yaxis_title=unit)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 GIB = 1024**3
+MIB = 1024**2
 
 
 def esc(value: Any) -> str:
@@ -23,7 +24,15 @@ def fmt_ms(time_s: float | None) -> str:
 
 
 def fmt_gib(num_bytes: float | None) -> str:
-    return "n/a" if num_bytes is None else f"{num_bytes / GIB:,.2f} GiB"
+    """GiB from 1 GiB up, MiB below (small models on CPU would all read 0.00 GiB)."""
+    if num_bytes is None:
+        return "n/a"
+    return f"{num_bytes / GIB:,.2f} GiB" if abs(num_bytes) >= GIB else f"{num_bytes / MIB:,.1f} MiB"
+
+
+def bytes_unit(largest_bytes: float) -> tuple[float, str]:
+    """(divisor, label) for an axis whose largest value is `largest_bytes`."""
+    return (GIB, "GiB") if largest_bytes >= GIB else (MIB, "MiB")
 
 
 def fmt_pct(fraction: float | None, signed: bool = False) -> str:
