@@ -22,14 +22,21 @@ Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank 
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + P ([c > 0] + [c < C-1])
     rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
-    exposed DP      E_r >= D_r - B_r,  E_r >= 0  (D_r: gradient reduction of the rank's layers;
-                    B_r: its backward of the last micro-batch, which the reduction overlaps)
+                    v > 1: T_max >= v t_c (tmax_chunk_c): the interleaved steady state runs
+                    one chunk of each rank after another, so a chunk longer than T_max / v
+                    stalls its neighbours like a slower rank would
+    exposed DP      E_r >= D_r - B_r,  E_r >= d_first(r)  (D_r: gradient reduction of the rank's
+                    layers; B_r: its backward of the last micro-batch, which the reduction
+                    overlaps; the rank's first layer produces its gradients last, so its own
+                    reduction is never hidden: per-layer E_r >= d_l (X_lr - X_{l-1,r}) with
+                    X_lc = sum_o x_lco; compact: the run's d, or the first/last layer's)
                     Tail >= E_r + Q_r                                                   (tail_r)
     memory          M_rk = S_r + sum_{c on r} live_k(c) A_c + U_r <= limit              (mem_r_k)
                     U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
-    minimise        (m - 1/v) T_max + (1/v) sum_r T_r + Tail
-                    (v = 1: (m-1) slowest stage + sum of stages, the 1F1B/GPipe closed form;
-                     uniform stages: m T + (p-1) T / v, Megatron-LM's interleaved bubble)
+    minimise        (F - p/v) T_max + (1/v) sum_r T_r + Tail
+                    F = m + (p-1)/v by default: (m-1) slowest stage + sum of stages for 1F1B/GPipe,
+                    m T + (p-1) T / v for balanced interleaved stages (Megatron-LM); the search
+                    passes F as torch's schedule really plays (`pipeline_factor`).
 
 T_max, E_r and Tail are epigraph variables of a minimisation, so the max() terms are exact. With
 `objective="memory"` the same model minimises the peak M instead (M >= M_rk, no limit), which is
@@ -57,15 +64,53 @@ class PipelineShape:
     num_microbatches: int
     virtual_stages: int = 1
     schedule: str = "1f1b"
+    # Balanced step time over one rank's per-micro-batch time, as the schedule really plays
+    # (`pipeline_factor`); None: the textbook m + (p - 1) / v.
+    step_factor: float | None = None
 
     def __post_init__(self):
         for name in ("num_stages", "num_microbatches", "virtual_stages"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.step_factor is not None and self.step_factor < self.num_stages / self.virtual_stages:
+            raise ValueError(f"step_factor {self.step_factor} is below p / v = {self.num_stages}/{self.virtual_stages}")
 
     @property
     def num_chunks(self) -> int:
         return self.num_stages * self.virtual_stages
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        """(weight of the slowest rank, weight of the sum of ranks) in the pipeline time."""
+        v, m = self.virtual_stages, self.num_microbatches
+        if self.step_factor is None:
+            return m - 1 / v, 1 / v
+        return self.step_factor - self.num_stages / v, 1 / v
+
+
+def pipeline_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Step time of balanced stages in units of one rank's per-micro-batch time, as simulated.
+
+    The textbook interleaved bubble (p - 1) / v assumes Megatron-LM's schedule with many
+    micro-batches; torch's interleaved 1F1B with m close to p runs most forwards before any
+    backward and idles far longer. Playing the real schedule once with unit costs (forward 1,
+    backward 2 per chunk, nothing else) gives the factor F, and the ILP uses
+    (F - p/v) T_max + sum_r T_r / v, which is exact for balanced stages and reduces to the
+    textbook form where the schedule achieves it.
+    """
+    from planner.config import ParallelConfig
+    from planner.cost import LayerCost
+    from planner.simulate_step import StepCosts, simulate_step
+
+    config = ParallelConfig(gpus=num_stages, global_batch=num_microbatches, pp=num_stages, schedule=schedule,
+                            virtual_stages=virtual_stages)
+    unit = LayerCost(fwd_compute_s=1.0, bwd_compute_s=2.0, recompute_s=0.0, tp_fwd_comm_s=0.0, tp_bwd_comm_s=0.0,
+                     zero3_gather_s=0.0, dp_grad_comm_s=0.0, dp_param_gather_s=0.0, optimizer_step_s=0.0,
+                     param_bytes=0.0, grad_bytes=0.0, optimizer_bytes=0.0, activation_bytes=0.0, buffer_bytes=0.0,
+                     output_bytes=0.0)
+    num_chunks = num_stages * virtual_stages
+    costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)))
+    return simulate_step(costs).step_time_s / (3.0 * virtual_stages)
 
 
 @dataclass(frozen=True)
@@ -159,8 +204,13 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer):
         bwd[rank] += option.bwd_s
         tail[rank] += option.param_gather_s + option.optimizer_s
     rank_time = [sum(chunk_time[c] for c in range(r, num_chunks, pp)) for r in range(pp)]
-    exposed = [max(0.0, grad_comm[r] - (bwd[r] if problem.overlap_dp else 0.0)) + tail[r] for r in range(pp)]
-    objective = (m - 1 / v) * max(rank_time) + sum(rank_time) / v + max(exposed)
+    first = [chunk_of_layer.index(r) for r in range(pp)]  # a rank's first layer: its last gradients
+    never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
+    exposed = [max(never_hidden[r], grad_comm[r] - (bwd[r] if problem.overlap_dp else 0.0)) + tail[r]
+               for r in range(pp)]
+    slowest_weight, sum_weight = shape.weights
+    slowest = max(max(rank_time), v * max(chunk_time))
+    objective = slowest_weight * slowest + sum_weight * sum(rank_time) + max(exposed)
     rank_mem = []
     for r in range(pp):
         act = max(sum(live[j] * chunk_act[j * pp + r] for j in range(v)) for live in live_vectors(shape, r))
@@ -212,6 +262,9 @@ class _Model:
         self.rank_static, self.rank_grad_comm, self.rank_bwd, self.rank_tail = (
             [zero() for _ in range(self.pp)] for _ in range(4))
         self.rank_buffer: list[list[tuple[float, object]]] = [[] for _ in range(self.pp)]
+        # Lower bounds on each rank's exposed gradient reduction, one row per group of
+        # (seconds, indicator expression) terms.
+        self.rank_first_dp: list[list[list[tuple[float, object]]]] = [[] for _ in range(self.pp)]
         self.decoders: list = []  # callables filling (chunks, options) from the solved values
 
     def add_option_terms(self, chunk: int, option, amount) -> None:
@@ -246,6 +299,8 @@ def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
         model.add_option_terms(chunk, option, var)
         if option.buffer_bytes:
             model.rank_buffer[chunk % model.pp].append((option.buffer_bytes / GIB, var))
+    if layer == 0:  # the first layer of chunk 0
+        model.rank_first_dp[0].append([(min(o.dp_comm_s for o in options), 1)])
 
     def decode(chunks, chosen):
         chunks[layer] = chunk
@@ -271,6 +326,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                 model.lp += counts[c][o] <= count * used, f"buf_use_{c}_{o}"
                 model.rank_buffer[c % model.pp].append((option.buffer_bytes / GIB, used))
     _add_run_reshard_terms(model, counts, options, count)
+    _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
 
     def decode(chunks, chosen):
         layer = first
@@ -281,6 +337,24 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                     layer += 1
         assert layer == first + count, f"decoded {layer - first} of {count} run layers"
     model.decoders.append(decode)
+
+
+def _add_run_first_layer_terms(model: _Model, counts, options, count: int, has_first: bool, has_last: bool):
+    """The first layer of each rank's first chunk is a run layer, except in chunk 0 after the
+    pinned first layer, and in a last chunk holding only the pinned last layer."""
+    pulp, table = model.pulp, model.problem.table
+    run_dp = min(o.dp_comm_s for o in options)
+    for r in range(model.pp):
+        if r == 0 and has_first:
+            continue
+        if r == model.num_chunks - 1 and has_last:
+            last_options = table.types[table.layer_type[-1]].options
+            used = pulp.LpVariable(f"first_is_run_{r}", cat="Binary")
+            model.lp += pulp.lpSum(counts[r]) <= count * used, f"first_run_up_{r}"
+            model.lp += pulp.lpSum(counts[r]) >= used, f"first_run_down_{r}"
+            model.rank_first_dp[r].append([(run_dp, used), (min(o.dp_comm_s for o in last_options), 1 - used)])
+        else:
+            model.rank_first_dp[r].append([(run_dp, 1)])
 
 
 def _add_run_reshard_terms(model: _Model, counts, options, count: int) -> None:
@@ -328,6 +402,15 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
         model.lp += step >= 0, f"contig_order_{layer}"
         model.lp += step <= 1, f"contig_step_{layer}"
     _add_layer_reshard_terms(model, x)
+    in_chunk: dict[tuple[int, int], list] = {}
+    for (layer, c, _), var in x.items():
+        in_chunk.setdefault((layer, c), []).append(var)
+    for layer in range(num_layers):
+        dp_s = min(o.dp_comm_s for o in table.types[table.layer_type[layer]].options)
+        for r in range(model.pp):  # layer is first in chunk r iff it is in r and its predecessor is not
+            if (layer, r) in in_chunk:
+                here = pulp.lpSum(in_chunk[layer, r]) - pulp.lpSum(in_chunk.get((layer - 1, r), []))
+                model.rank_first_dp[r].append([(dp_s, here)])
 
     def decode(chunks, chosen):
         for (layer, c, o), var in x.items():
@@ -372,12 +455,18 @@ def _add_pipeline_time_constraints(model: _Model):
     tail = pulp.LpVariable("tail", lowBound=0)
     for r in range(model.pp):
         model.lp += slowest >= rank_time[r], f"tmax_{r}"
+    if shape.virtual_stages > 1:  # the interleaved steady state needs equal chunks (see the maths)
+        for c in range(model.num_chunks):
+            model.lp += slowest >= shape.virtual_stages * model.chunk_time[c], f"tmax_chunk_{c}"
+    for r in range(model.pp):
         exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
         overlap = model.rank_bwd[r] if problem.overlap_dp else 0
         model.lp += exposed >= model.rank_grad_comm[r] - overlap, f"exposed_dp_{r}"
+        for k, group in enumerate(model.rank_first_dp[r]):
+            model.lp += exposed >= pulp.lpSum(dp_s * indicator for dp_s, indicator in group), f"exposed_first_{r}_{k}"
         model.lp += tail >= exposed + model.rank_tail[r], f"tail_{r}"
-    v, m = shape.virtual_stages, shape.num_microbatches
-    return (m - 1 / v) * slowest + (1 / v) * pulp.lpSum(rank_time) + tail
+    slowest_weight, sum_weight = shape.weights
+    return slowest_weight * slowest + sum_weight * pulp.lpSum(rank_time) + tail
 
 
 def _add_memory_constraints(model: _Model):

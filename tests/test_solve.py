@@ -25,9 +25,11 @@ REL_TOL = 1e-6
 
 def random_table(rng: random.Random, num_blocks: int, p2p_s: float = 0.0) -> CostTable:
     """Embedding + identical blocks (three recompute options) + head, with random costs."""
+    grad_s = {}  # gradient reduction depends on the parameters, not on recomputation
+
     def option(recompute, time_s, act, static, buffer=0.0):
         return OptionCost(recompute=recompute, fwd_s=time_s / 3, bwd_s=2 * time_s / 3, static_bytes=static,
-                          act_bytes=act, buffer_bytes=buffer, dp_comm_s=rng.uniform(0, 0.5),
+                          act_bytes=act, buffer_bytes=buffer, dp_comm_s=grad_s.setdefault(static, rng.uniform(0, 1.5)),
                           param_gather_s=rng.uniform(0, 0.05), optimizer_s=rng.uniform(0, 0.05))
     base_s, act = rng.uniform(0.5, 1.5), rng.uniform(1, 3) * 2**30
     static = rng.uniform(0.5, 2) * 2**30
@@ -54,9 +56,11 @@ def brute_force_cost(problem: StageProblem, chunks, options, actions=None):
     tails = []
     for r in range(pp):
         mine = [op for op, c in zip(layer_opts, chunks) if c % pp == r]
-        exposed = max(0.0, sum(op.dp_comm_s for op in mine) - sum(op.bwd_s for op in mine))
+        first = layer_opts[list(chunks).index(r)]  # its gradients come last: never hidden
+        exposed = max(first.dp_comm_s, sum(op.dp_comm_s for op in mine) - sum(op.bwd_s for op in mine))
         tails.append(exposed + sum(op.param_gather_s + op.optimizer_s for op in mine))
-    objective = (m - 1 / v) * max(rank_time) + sum(rank_time) / v + max(tails)
+    slowest = max(max(rank_time), v * max(chunk_time))  # interleaved: chunks of T_max / v at most
+    objective = (m - 1 / v) * slowest + sum(rank_time) / v + max(tails)
     peaks = []
     for r in range(pp):
         mine = [(op, c) for op, c in zip(layer_opts, chunks) if c % pp == r]
