@@ -1,0 +1,114 @@
+"""Executor overhead: `meshplan train` step time against a minimal hand-written torch DDP loop.
+
+Same model, weights, data, global batch, AdamW, gradient clipping, 2 CPU processes (gloo).
+Each side runs twice, alternating, to average out other load on the machine; the figure is
+the ratio of mean step times after warm-up (target: within 5%).
+
+    python benchmarks/bench_executor.py [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SPEC = "gpt:layers=4,hidden=256,heads=4,vocab=1024"
+SEQ, GLOBAL_BATCH, NUM_PROCESSES, SEED, WARMUP_STEPS = 128, 8, 2, 0, 2
+
+
+def executor_step_time_s(steps: int, work_dir: Path) -> float:
+    from executor import train
+    from executor.plans import uniform_plan
+    from planner.hardware import load_cluster
+
+    plan = uniform_plan(SPEC, SEQ, GLOBAL_BATCH, load_cluster("cpu"), dp=NUM_PROCESSES,
+                        microbatch_size=GLOBAL_BATCH // NUM_PROCESSES, seed=SEED)
+    measured = train(plan, steps=steps, out=work_dir / "measured.json", run_dir=work_dir / "run")
+    timed = measured.step_times_s[WARMUP_STEPS:]
+    return sum(timed) / len(timed)
+
+
+def ddp_step_time_s(steps: int, work_dir: Path) -> float:
+    from executor.launch import free_port
+
+    out = work_dir / "ddp.json"
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NUM_PROCESSES}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__,
+               "--ddp-worker", "--steps", str(steps), "--out", str(out)]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    timed = json.loads(out.read_text())[WARMUP_STEPS:]
+    return sum(timed) / len(timed)
+
+
+def ddp_worker(steps: int, out: str) -> None:
+    """The hand-written baseline: what a user would write without meshplan."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from executor.data import DataSource, global_batch
+    from planner.models import build_model
+    from planner.models.transformer import init_weights, lm_loss
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(SPEC, SEQ, device="cpu").module
+    init_weights(model, SEED)
+    model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    source = DataSource(vocab=1024, seq=SEQ, seed=SEED)
+    per_rank = GLOBAL_BATCH // world
+    times = []
+    for step in range(steps):
+        inputs, targets = global_batch(source, step, GLOBAL_BATCH)
+        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.ddp_worker:
+        ddp_worker(args.steps, args.out)
+        return
+    executor_times, ddp_times = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for attempt in range(2):
+            work = Path(tmp, str(attempt))
+            work.mkdir()
+            executor_times.append(executor_step_time_s(args.steps, work))
+            ddp_times.append(ddp_step_time_s(args.steps, work))
+    executor_s, ddp_s = sum(executor_times) / 2, sum(ddp_times) / 2
+    print(f"model {SPEC}, seq {SEQ}, global batch {GLOBAL_BATCH}, {NUM_PROCESSES} CPU processes (gloo), "
+          f"{args.steps} steps ({WARMUP_STEPS} warm-up)")
+    print(f"executor (meshplan train, DDP plan): {executor_s * 1e3:8.2f} ms/step  runs: "
+          + ", ".join(f"{t * 1e3:.2f}" for t in executor_times))
+    print(f"hand-written torch DDP loop:         {ddp_s * 1e3:8.2f} ms/step  runs: "
+          + ", ".join(f"{t * 1e3:.2f}" for t in ddp_times))
+    print(f"ratio executor / DDP: {executor_s / ddp_s:.3f} (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
