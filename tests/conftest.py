@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Profiles are cached on disk; tests use a cache of their own so they never read a stale user
+# cache nor write into the user's home.
+os.environ["MESHPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshplan-test-cache-")
 
 
 @pytest.fixture
