@@ -59,9 +59,10 @@ class DemoResult:
 
 
 def _run_step(name: str, argv: Sequence[str], cli_main: CliMain, result: DemoResult, say) -> None:
+    argv = [str(a) for a in argv]
     say(f"[demo] {name}: meshplan {' '.join(argv)}")
     start_s = time.perf_counter()
-    code = cli_main([str(a) for a in argv])
+    code = cli_main(argv)
     result.step_times_s[name] = time.perf_counter() - start_s
     if code != 0:
         raise MeshplanError(f"demo step '{name}' failed (exit {code}); the message above says why")
