@@ -8,6 +8,9 @@ that, all at once as in training:
   `matmul_efficiency`, f_half `matmul_half_efficiency_flops`;
 - time a large copy (memory bandwidth) and one tiny transformer block forward (the fixed
   per-layer dispatch cost, `kernel_overhead_s`);
+- time a mid-size GPT block forward, count its FLOPs (FlopCounterMode) and the bytes autograd
+  saves; what the GEMM curve and the overhead do not explain is memory-bound traffic:
+  `elementwise_bytes_per_activation_byte` = leftover time x bandwidth / saved bytes;
 - time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
   alpha-beta model of `planner.comm` jointly: t = volume(S, n) / B + hops(n) * alpha.
 
@@ -73,7 +76,8 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
         result = {"dtype": "bf16" if cuda else "fp32", "threads": torch.get_num_threads(),
                   "matmul": _measure_matmul(torch, device, sizes, timer, cuda),
                   "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer),
-                  "block_overhead_s": _measure_block(torch, device, timer)}
+                  "block_overhead_s": _measure_block(torch, device, timer),
+                  "block": _measure_block_traffic(torch, device, timer, cuda)}
         dist.barrier()
         result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
         if cuda:
@@ -152,6 +156,28 @@ def _measure_block(torch, device, timer) -> float:
         return timer(lambda: block(x), 20, cpu_time=True)
 
 
+def _measure_block_traffic(torch, device, timer, cuda) -> dict[str, float]:
+    """A GPT block (hidden 256, seq 256): forward seconds, forward FLOPs, bytes saved for backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from planner.models.transformer import Block, TransformerConfig
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    block = Block(TransformerConfig("gpt", 1, 256, 4, 1024)).to(device=device, dtype=dtype)
+    x = torch.randn(1, 256, 256, device=device, dtype=dtype, requires_grad=True)
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with FlopCounterMode(display=False) as counter:
+            block(x)
+    seconds = timer(lambda: block(x), 10, cpu_time=True)
+    return {"fwd_s": seconds, "fwd_flops": float(counter.get_total_flops()), "saved_bytes": float(sum(storages.values()))}
+
+
 def _measure_collectives(torch, dist, device, rank, nproc, sizes, timer) -> list[tuple[str, int, float]]:
     """[(kind, bytes of the full tensor, seconds)]; every rank runs the same calls."""
     out = []
@@ -225,6 +251,22 @@ def _lstsq2(rows: list[tuple[float, float]], rhs: list[float]) -> tuple[float, f
     return (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
 
 
+def fit_elementwise_traffic(block: dict[str, float], device, dtype: str) -> float:
+    """Bytes of memory traffic per saved byte that explain the block's time beyond its GEMMs.
+
+    The GEMM time uses the fitted efficiency curve the cost model applies to a GPT block (its
+    6 Linears and 2 attention matmuls as equal GEMMs) plus `kernel_overhead_s`; never negative.
+    """
+    from planner.cost import compute_time_s
+    from planner.hardware import ClusterProfile
+
+    probe = ClusterProfile(name="probe", device=replace(device, elementwise_bytes_per_activation_byte=0.0),
+                           gpus_per_node=1, intra_node=LinkProfile(1.0, 0.0), inter_node=LinkProfile(1.0, 0.0))
+    gemm_s = compute_time_s(block["fwd_flops"], 8, probe, dtype)
+    leftover_s = max(0.0, block["fwd_s"] - gemm_s)
+    return leftover_s * device.memory_bw_bytes_per_s * device.memory_efficiency / max(block["saved_bytes"], 1.0)
+
+
 def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterProfile:
     if base:
         return load_cluster(base)
@@ -259,6 +301,8 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                      matmul_half_efficiency_flops=half_flops, kernel_overhead_s=measured["block_overhead_s"],
                      reserved_memory_bytes=min(base_profile.device.reserved_memory_bytes, memory_bytes / 4),
                      source=f"{source}; peaks scaled from {base_profile.name}: {base_profile.device.source}")
+    device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
+        measured["block"], device, measured["dtype"]))
     link = LinkProfile(bw_bytes_per_s=bw, latency_s=alpha, efficiency=1.0,
                        source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv")
     inter = link if backend == "gloo" else base_profile.inter_node

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from planner.calibrate import build_profile, fit_alpha_beta, fit_matmul
+from planner.calibrate import build_profile, fit_alpha_beta, fit_elementwise_traffic, fit_matmul
 from planner.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
 from planner.cost import compute_time_s
 from planner.hardware import LinkProfile, load_cluster
@@ -37,9 +37,22 @@ def test_alpha_beta_fit_recovers_the_ring_model(nproc):
     assert bw == pytest.approx(3e9, rel=1e-9) and alpha == pytest.approx(4e-5, rel=1e-9)
 
 
+def test_elementwise_traffic_fit_recovers_the_leftover():
+    cluster = load_cluster("cpu")
+    device = replace(cluster.device, elementwise_bytes_per_activation_byte=5.0)
+    # a block whose time the cost model itself predicts with factor 5: the fit must return 5
+    flops, saved = 4e8, 7e6
+    fwd_s = (compute_time_s(flops, 8, replace(cluster, device=device), "fp32")
+             + 5.0 * saved / (device.memory_bw_bytes_per_s * device.memory_efficiency))
+    got = fit_elementwise_traffic({"fwd_s": fwd_s, "fwd_flops": flops, "saved_bytes": saved}, device, "fp32")
+    assert got == pytest.approx(5.0, rel=1e-9)
+    assert fit_elementwise_traffic({"fwd_s": 0.0, "fwd_flops": flops, "saved_bytes": saved}, device, "fp32") == 0.0
+
+
 def test_build_profile_cpu_semantics():
     measured = {"dtype": "fp32", "threads": 1, "matmul": [[2e6, 1e-4], [2e8, 3e-3]],
                 "copy_bw_bytes_per_s": 2e10, "block_overhead_s": 1.5e-4,
+                "block": {"fwd_s": 1e-2, "fwd_flops": 4e8, "saved_bytes": 7e6},
                 "collectives": [["all_reduce", 4096, 1e-4], ["all_reduce", 2**22, 5e-3], ["send_recv", 2**20, 1e-3]]}
     profile = build_profile(measured, 2, "gloo", "here")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

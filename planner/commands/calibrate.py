@@ -39,6 +39,7 @@ def run(args) -> int:
     print(f"  matmul     {device.peak_flops(next(iter(device.peak_flops_per_s))) * device.matmul_efficiency / 1e9:10.1f} "
           f"GFLOP/s large, half efficiency at {device.matmul_half_efficiency_flops / 1e6:.2f} MFLOP")
     print(f"  memory     {device.memory_bw_bytes_per_s / 1e9:10.1f} GB/s, {device.memory_bytes / 2**30:.1f} GiB per process")
-    print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead")
+    print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead, "
+          f"{device.elementwise_bytes_per_activation_byte:.1f} bytes of elementwise traffic per saved byte")
     print(f"  link       {link.bw_bytes_per_s / 1e9:10.2f} GB/s, latency {link.latency_s * 1e6:.1f} us")
     return 0
