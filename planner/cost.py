@@ -168,25 +168,8 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     split = _is_split(layer, tp)
     shard = tp if split else 1
     vocab_scale = _vocab_scale(layer, tp, info)
-    gemms = _num_gemms(layer)
-
-    fwd_flops = layer.fwd_flops * mbs * vocab_scale / shard
-    bwd_flops = layer.bwd_flops * mbs * vocab_scale / shard
-    # Non-GEMM kernels are memory-bound: their traffic scales with the bytes the layer saves.
-    traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
-    saved_bytes, _ = _activation_bytes(layer, replace(strategy, recompute="none"), act_scale * vocab_scale)
-    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
-    bwd_s = (compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
-             + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster))
-    if strategy.recompute == "full":
-        recompute_s = fwd_s
-    elif strategy.recompute == "selective":
-        flops = selective_recompute_flops(layer, info, profile_dtype or dtype) * mbs / shard
-        score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
-        recompute_s = (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
-                       + memory_time_s(traffic_per_act_byte * score_bytes, cluster)) if flops else 0.0
-    else:
-        recompute_s = 0.0
+    fwd_s, bwd_s, recompute_s = _compute_times_s(layer, strategy, cluster, info, act_scale, vocab_scale,
+                                                 profile_dtype or dtype)
 
     tp_fwd_s, tp_bwd_s = _tp_comm_s(layer, strategy, cluster, act_scale)
     if strategy.recompute == "full":
@@ -220,6 +203,36 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         activation_bytes=activation_bytes, buffer_bytes=buffer_bytes,
         output_bytes=layer.output_bytes * mbs * act_scale / out_shard,
     )
+
+
+def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+                     act_scale: float, vocab_scale: float, profile_dtype: str) -> tuple[float, float, float]:
+    """(forward, backward, recomputation) seconds of one micro-batch on one rank.
+
+    GEMM time from the efficiency curve (the layer's FLOPs as `_num_gemms` equal GEMMs, backward
+    twice as many); memory-bound time of the non-GEMM kernels from the bytes the layer saves
+    (`elementwise_bytes_per_activation_byte`, backward twice). Full recomputation repeats the
+    forward; selective repeats the attention core (QK^T, softmax, x V) when scores were saved.
+    """
+    dtype = COMPUTE_DTYPE[strategy.precision]
+    shard = strategy.tp if _is_split(layer, strategy.tp) else 1
+    mbs, gemms = strategy.microbatch_size, _num_gemms(layer)
+    traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
+    saved_bytes, _ = _activation_bytes(layer, replace(strategy, recompute="none"), act_scale * vocab_scale)
+    fwd_flops = layer.fwd_flops * mbs * vocab_scale / shard
+    bwd_flops = layer.bwd_flops * mbs * vocab_scale / shard
+    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
+    bwd_s = (compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
+             + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster))
+    if strategy.recompute == "full":
+        return fwd_s, bwd_s, fwd_s
+    if strategy.recompute == "selective":
+        flops = selective_recompute_flops(layer, info, profile_dtype) * mbs / shard
+        if flops:
+            score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
+            return fwd_s, bwd_s, (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+                                  + memory_time_s(traffic_per_act_byte * score_bytes, cluster))
+    return fwd_s, bwd_s, 0.0
 
 
 def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",
