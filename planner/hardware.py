@@ -205,6 +205,10 @@ def _build(cls, data: dict[str, Any], where: str):
     try:
         return cls(**data)
     except ValueError as exc:
+        # The dataclasses name fields as `device.x` / `link.x`; say where in the file instead.
+        owner, dot, rest = str(exc).partition(".")
+        if dot and owner in ("device", "link"):
+            raise ValueError(f"{where}.{rest}") from None
         raise ValueError(f"{where}: {exc}") from None
 
 

@@ -1,0 +1,548 @@
+"""Bad input to every command: exit 0 or exit 2 with one line on stderr, never a traceback or exit 1.
+
+Property tests (hypothesis) generate cluster TOML files, parametric model specs and plan files,
+valid and broken, and run the commands in-process through `planner.cli.main` (a subprocess per
+example would cost seconds). Where a generated input is broken by construction (a required field
+deleted, a bandwidth set to zero, a layer assigned twice) the test also demands exit 2 and a message
+naming the problem; where it is valid by construction it demands exit 0. `train` runs with the
+launcher replaced by a stub, so a plan that must be refused is shown to be refused before any
+process starts, and a valid one is shown to reach the launch.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.hardware import PROFILES_DIR
+from planner.models import known_models
+
+SMALL = "gpt:layers=2,hidden=64,heads=4,vocab=128"
+SEQ = 32
+
+
+def fast(num_examples: int) -> settings:
+    """Few examples, no per-example deadline (the first one profiles the model); function-scoped
+    fixtures (run_cli, tmp_path) are shared across examples on purpose: each example overwrites
+    the files it uses."""
+    return settings(max_examples=num_examples, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _private_cache(tmp_path_factory):
+    """A profile cache of this module's own, so no other test's cache entries are read."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+def assert_clean(command: str, code: int, err: str) -> None:
+    """Exit 0, or exit 2 with exactly one `meshplan CMD: error: ...` line; never exit 1."""
+    assert "Traceback" not in err, err
+    assert code in (0, 2), f"exit {code}: {err}"
+    if code == 2:
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+        assert lines[0].startswith(f"meshplan {command}: error: "), lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster TOML files
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        # JSON escapes control characters as TOML does, except DEL; astral characters stay raw
+        # (JSON's surrogate pairs are not valid TOML escapes).
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+
+
+def toml_text(data: dict, prefix: tuple[str, ...] = ()) -> str:
+    """TOML for a profile-shaped dict: scalars first, then sub-tables; peak FLOP/s inline."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) or k == "peak_flops_per_s"]
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "peak_flops_per_s":
+            lines += ["", f"[{'.'.join(prefix + (key,))}]", toml_text(value, prefix + (key,))]
+    return "\n".join(lines)
+
+
+def _base_cluster() -> dict:
+    import tomllib
+
+    return tomllib.loads((PROFILES_DIR / "cpu.toml").read_text())
+
+
+def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for key, value in data.items():
+        out.append(prefix + (key,))
+        if isinstance(value, dict):
+            out += _leaf_paths(value, prefix + (key,))
+    return out
+
+
+CLUSTER_PATHS = _leaf_paths(_base_cluster())
+# Fields without a default: deleting one must be refused, naming it.
+REQUIRED = {("name",), ("device",), ("topology",), ("device", "name"), ("device", "memory_bytes"),
+            ("device", "memory_bw_bytes_per_s"), ("device", "peak_flops_per_s"), ("topology", "gpus_per_node"),
+            ("topology", "intra_node"), ("topology", "inter_node")}
+REQUIRED |= {("topology", level, key) for level in ("intra_node", "inter_node")
+             for key in ("bw_bytes_per_s", "latency_s")}
+# Numbers that must be finite and > 0: anything else (0, negative, text, true, a list) is refused.
+POSITIVE = {("device", "memory_bytes"), ("device", "memory_bw_bytes_per_s"), ("device", "matmul_efficiency"),
+            ("device", "memory_efficiency"), ("topology", "gpus_per_node"), ("topology", "max_nodes"),
+            ("optimizer_bytes_per_param",)}
+POSITIVE |= {("device", "peak_flops_per_s", dtype) for dtype in ("fp32", "bf16")}
+POSITIVE |= {("topology", level, "bw_bytes_per_s") for level in ("intra_node", "inter_node")}
+
+ANY_VALUE = st.one_of(st.integers(-3, 3), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+                      st.booleans(), st.lists(st.integers(0, 2), max_size=2), st.builds(dict))
+MUTATION = st.one_of(
+    st.tuples(st.just("set"), st.sampled_from(CLUSTER_PATHS), ANY_VALUE),
+    st.tuples(st.just("delete"), st.sampled_from(CLUSTER_PATHS), st.none()),
+    st.tuples(st.just("unknown"), st.sampled_from([(), ("device",), ("topology",), ("topology", "inter_node")]),
+              st.sampled_from(["bandwidth", "gpus", "memory_gib", "flops"])),
+)
+
+
+def _is_bad_positive(value) -> bool:
+    return (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0)
+
+
+def _apply(data: dict, mutation) -> tuple[str, bool]:
+    """Apply one mutation; return (the field name it touched, whether it must be refused)."""
+    action, path, value = mutation
+    parent = data
+    for key in path[:-1] if action != "unknown" else path:
+        if not isinstance(parent.get(key), dict):
+            return "", False  # an earlier mutation removed or replaced this table
+        parent = parent[key]
+    if action == "unknown":
+        parent[value] = 1.0
+        return value, True
+    if path[-1] not in parent:
+        return "", False
+    if action == "delete":
+        del parent[path[-1]]
+        return path[-1], path in REQUIRED
+    parent[path[-1]] = value
+    must_fail = path in POSITIVE and _is_bad_positive(value)
+    return path[-1], must_fail
+
+
+@fast(40)
+@given(mutations=st.lists(MUTATION, min_size=1, max_size=3))
+def test_broken_cluster_files_exit_2_naming_file_and_field(run_cli, tmp_path, mutations):
+    data = _base_cluster()
+    touched = [_apply(data, mutation) for mutation in mutations]
+    path = tmp_path / "cluster.toml"
+    path.write_text(toml_text(data))
+    code, out, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", path, "--gpus", 1,
+                             "--gbs", 2, "--json")
+    assert_clean("estimate", code, err)
+    if any(must_fail for _, must_fail in touched):
+        assert code == 2, f"{mutations} was accepted"
+        assert str(path) in err
+        assert any(name and name in err for name, _ in touched), err
+        assert re.search(r"must|missing|unknown|not supported|fraction", err), err
+    if code == 0:
+        assert json.loads(out)["step_time_s"] > 0
+
+
+@fast(25)
+@given(memory_gib=st.floats(2.0, 1024.0), bw=st.floats(1e6, 1e13), flops=st.floats(1e9, 1e16),
+       efficiency=st.floats(0.05, 1.0), latency_s=st.floats(0.0, 1e-3), gpus_per_node=st.integers(1, 16))
+def test_valid_cluster_files_are_accepted(run_cli, tmp_path, memory_gib, bw, flops, efficiency, latency_s,
+                                          gpus_per_node):
+    data = _base_cluster()
+    device, topology = data["device"], data["topology"]
+    device.update(memory_bytes=memory_gib * 2**30, memory_bw_bytes_per_s=bw, matmul_efficiency=efficiency,
+                  peak_flops_per_s={"fp32": flops, "bf16": flops / 4})
+    topology.update(gpus_per_node=gpus_per_node, max_nodes=1)
+    for level in ("intra_node", "inter_node"):
+        topology[level].update(bw_bytes_per_s=bw, latency_s=latency_s, efficiency=efficiency)
+    path = tmp_path / "cluster.toml"
+    path.write_text(toml_text(data))
+    code, out, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", path, "--gpus", 1,
+                             "--gbs", 2, "--json")
+    assert code == 0, err
+    assert json.loads(out)["step_time_s"] > 0
+
+
+@fast(25)
+@given(data=st.data())
+def test_corrupted_cluster_text_never_crashes(run_cli, tmp_path, data):
+    text = (PROFILES_DIR / "cpu.toml").read_text()
+    start = data.draw(st.integers(0, len(text)), label="start")
+    end = data.draw(st.integers(start, min(len(text), start + 40)), label="end")
+    insert = data.draw(st.text(alphabet="[]={}\"'.,#=\n 0-1aZ", max_size=6), label="insert")
+    path = tmp_path / "cluster.toml"
+    path.write_text(text[:start] + insert + text[end:])
+    code, _, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", path, "--gpus", 1, "--gbs", 2)
+    assert_clean("estimate", code, err)
+    if code == 2:
+        assert str(path) in err
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def mutate(data):
+        for key in path[:-1]:
+            data = data[key]
+        data[path[-1]] = value
+    return mutate
+
+
+CLUSTER_ERRORS = [
+    (_set("topology", "intra_node", "bw_bytes_per_s", 0),
+     "topology.intra_node.bw_bytes_per_s must be a finite number > 0, got 0"),
+    (_set("device", "peak_flops_per_s", "fp32", "fast"),
+     "device.peak_flops_per_s.fp32 must be a finite number > 0, got 'fast'"),
+    (_set("device", "memory_bytes", -1), "device.memory_bytes must be a finite number > 0, got -1"),
+    (_set("device", "colour", 1), "unknown field device.colour; known fields: "),
+    (_set("topology", "gpus_per_node", "2"), "topology.gpus_per_node must be a positive integer, got '2'"),
+    (_set("schema_version", "1"), "schema_version '1' is not supported"),
+    (lambda data: data["device"].pop("memory_bw_bytes_per_s"), "missing field device.memory_bw_bytes_per_s"),
+]
+
+
+@pytest.mark.parametrize("mutate,expected", CLUSTER_ERRORS)
+def test_cluster_file_errors_name_file_field_and_expectation(run_cli, tmp_path, mutate, expected):
+    data = _base_cluster()
+    mutate(data)
+    path = tmp_path / "c.toml"
+    path.write_text(toml_text(data))
+    code, _, err = run_cli("estimate", "--model", SMALL, "--cluster", path, "--gpus", 1, "--gbs", 2)
+    assert code == 2 and f"{path}: {expected}" in err, err
+
+
+def test_unreadable_cluster_files(run_cli, tmp_path):
+    path = tmp_path / "c.toml"
+    for content, expected in ((b"[device\n", "not valid TOML"), (b'name = "x\xff"\n', "not a UTF-8 text file")):
+        path.write_bytes(content)
+        code, _, err = run_cli("estimate", "--model", SMALL, "--cluster", path, "--gpus", 1, "--gbs", 2)
+        assert code == 2 and f"{path}: {expected}" in err, err
+    code, _, err = run_cli("estimate", "--model", SMALL, "--cluster", "no-such-cluster", "--gpus", 1, "--gbs", 2)
+    assert code == 2 and "built-in profiles: a100-40g" in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Model specs
+
+SPEC_VALUE = st.one_of(st.integers(-2, 130).map(str), st.sampled_from(["x", "2.5", "", "1e3", " 4", "0"]))
+
+
+@st.composite
+def parametric_specs(draw):
+    """A valid gpt:/llama: spec about half the time, else one with a single corruption."""
+    family = draw(st.sampled_from(["gpt", "llama"]))
+    heads = draw(st.sampled_from([1, 2, 4]))
+    values = {"layers": str(draw(st.integers(1, 3))), "hidden": str(heads * draw(st.sampled_from([2, 4, 8, 16]))),
+              "heads": str(heads), "vocab": str(draw(st.sampled_from([1, 64, 130])))}
+    if family == "llama" and draw(st.booleans()):
+        values["kv_heads"] = str(draw(st.sampled_from([d for d in (0, 1, 2, 4) if d == 0 or heads % d == 0])))
+    if family == "gpt" and draw(st.booleans()):
+        values["positions"] = str(draw(st.sampled_from([8, 16, 64])))
+    items = None
+    corruption = draw(st.sampled_from(["none", "none", "none", "value", "delete", "unknown", "item", "odd"]))
+    if corruption == "value":
+        values[draw(st.sampled_from(sorted(values)))] = draw(SPEC_VALUE)
+    elif corruption == "delete":
+        del values[draw(st.sampled_from(sorted(values)))]
+    elif corruption == "unknown":
+        values[draw(st.sampled_from(["tied", "bogus", "ffn_mult"]))] = draw(st.sampled_from(["1", "true", "maybe"]))
+    elif corruption == "odd":  # heads no longer divide hidden, or an odd RoPE head dim
+        values["hidden"] = str(int(values["hidden"]) + draw(st.sampled_from([1, heads])))
+    items = [f"{k}={v}" for k, v in values.items()]
+    if corruption == "item":
+        items.insert(draw(st.integers(0, len(items))), draw(st.sampled_from(["layers", "=3", "hidden:64"])))
+    return f"{family}:" + ",".join(items)
+
+
+def expected_layers(spec: str, seq: int) -> int | None:
+    """The layer count a valid spec gives (blocks + embedding + head); None when it must be refused.
+
+    The rules from the spec grammar and the model shapes, written out independently of the parser.
+    """
+    family, _, rest = spec.partition(":")
+    allowed = {"gpt": {"layers", "hidden", "heads", "vocab", "positions", "tied"},
+               "llama": {"layers", "hidden", "heads", "vocab", "kv_heads", "tied"}}[family]
+    values = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not value.strip() or key not in allowed:
+            return None
+        values[key] = value.strip()
+    if values.get("tied", "1") not in ("1", "0", "true"):
+        return None
+    ints = {}
+    for key, value in values.items():
+        if key == "tied":
+            continue
+        if not re.fullmatch(r"[+-]?\d+", value):
+            return None
+        ints[key] = int(value)
+    if not {"layers", "hidden", "heads", "vocab"} <= set(ints):
+        return None
+    if min(ints["layers"], ints["hidden"], ints["heads"], ints["vocab"], ints.get("positions", seq)) <= 0:
+        return None
+    kv_heads = ints.get("kv_heads", 0)
+    if kv_heads < 0 or ints["hidden"] % ints["heads"] or ints["heads"] % (kv_heads or ints["heads"]):
+        return None
+    if family == "llama" and (ints["hidden"] // ints["heads"]) % 2:
+        return None  # RoPE rotates pairs of channels
+    if ints.get("positions", seq) < seq:
+        return None
+    return ints["layers"] + 2
+
+
+@fast(40)
+@given(spec=parametric_specs())
+def test_parametric_specs_profile_or_exit_2(run_cli, spec):
+    code, out, err = run_cli("profile", "--model", spec, "--seq", 16, "--json")
+    assert_clean("profile", code, err)
+    layers = expected_layers(spec, 16)
+    if layers is None:
+        assert code == 2, f"{spec!r} was accepted"
+        assert spec in err, err
+    else:
+        assert code == 0, err
+        assert len(json.loads(out)["layers"]) == layers
+
+
+@fast(15)
+@given(name=st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=12))
+def test_unknown_model_names_list_the_known_ones(run_cli, name):
+    code, _, err = run_cli("profile", "--model", name)
+    if name in known_models():
+        assert code == 0, err
+        return
+    assert code == 2, err
+    assert f"unknown model {name!r}" in err or "malformed file model spec" in err, err
+    if "unknown model" in err:
+        assert all(known in err for known in known_models())
+
+
+FILE_MODELS = {
+    "raises": ("def fn():\n    raise RuntimeError('no weights here')\n", "raised RuntimeError: no weights here"),
+    "wrong_type": ("def fn():\n    return 42\n", "must return (nn.Module, example_inputs)"),
+    "module_only": ("import torch\ndef fn():\n    return torch.nn.Linear(4, 4)\n", "must return (nn.Module"),
+    "not_meta": ("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.lin = torch.nn.Linear(4, 4)\n    def forward(self, x):\n"
+                 "        return self.lin(x) if x.sum().item() > 0 else x\n"
+                 "def fn():\n    return M(), torch.zeros(1, 4)\n", "cannot run its forward on the meta device"),
+    "exits": ("import sys\ndef fn():\n    sys.exit(3)\n", "raised SystemExit"),
+    "syntax": ("def fn(:\n", "SyntaxError"),
+    "missing_fn": ("def other():\n    pass\n", "has no function 'fn'; it defines: other"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILE_MODELS))
+def test_broken_file_models_exit_2_with_one_line(run_cli, tmp_path, case):
+    source, expected = FILE_MODELS[case]
+    path = tmp_path / f"{case}.py"
+    path.write_text(source)
+    code, _, err = run_cli("profile", "--model", f"{path}:fn", "--no-cache")
+    assert_clean("profile", code, err)
+    assert code == 2 and expected in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan files
+
+@pytest.fixture(scope="module")
+def base_plan(tmp_path_factory, _private_cache) -> dict:
+    """A real plan from `meshplan plan` for two processes, pp=2 (pins keep the search short)."""
+    from planner.cli import main
+
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    code = main(["plan", "--model", SMALL, "--seq", str(SEQ), "--cluster", "cpu", "--gpus", "2", "--gbs", "4",
+                 "--pp", "2", "--tp", "1", "--zero", "0", "--schedule", "1f1b", "--mbs", "1", "--json",
+                 "--out", str(out)])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Replace the torchrun launch by a stub that records the call and stops there (exit 2)."""
+    import executor.launch
+    from planner.errors import MeshplanError
+
+    calls = []
+
+    def stub(jobs, nproc, *args, **kwargs):
+        calls.append(nproc)
+        raise MeshplanError("stopped at the launch by the test stub")
+
+    monkeypatch.setattr(executor.launch, "launch_jobs", stub)
+    return calls
+
+
+def _drop(d, i):
+    d["layers"].pop(i % len(d["layers"]))
+
+
+def _duplicate(d, i):
+    d["layers"].insert(i % len(d["layers"]), dict(d["layers"][i % len(d["layers"])]))
+
+
+def _rename(d, i):
+    d["layers"][i % len(d["layers"])]["name"] = "blocks.99"
+
+
+def _swap(d, i):
+    layers = d["layers"]
+    j = i % (len(layers) - 1)
+    layers[j], layers[j + 1] = layers[j + 1], layers[j]
+
+
+def _extra_block(d, i):
+    d["layers"].insert(len(d["layers"]) - 1, dict(d["layers"][-2], name=f"blocks.{len(d['layers']) - 2}"))
+
+
+# Each breaks the plan by construction: simulate and train must refuse it (exit 2).
+STRUCTURAL = {
+    "drop a layer": _drop, "assign a layer twice": _duplicate, "rename a layer": _rename,
+    "swap two layers": _swap, "add a block the model lacks": _extra_block,
+    "degrees not multiplying to the world size": lambda d, i: d["mesh"].update(dp=1 + (i % 3) + 1),
+    "gpus not matching the mesh": lambda d, i: d["cluster"].update(gpus=3 + i % 5),
+    "wrong schema_version": lambda d, i: d.update(schema_version=[0, 2, "1", None][i % 4]),
+    "unknown model": lambda d, i: d["model"].update(spec=f"gpt-{i}"),
+    "model with more layers": lambda d, i: d["model"].update(spec=SMALL.replace("layers=2", f"layers={3 + i % 3}")),
+    "fractional degree": lambda d, i: d["mesh"].update(pp=2.5),
+}
+
+
+@fast(25)
+@given(kind=st.sampled_from(sorted(STRUCTURAL)), index=st.integers(0, 50))
+def test_broken_plans_are_refused_before_anything_launches(run_cli, tmp_path, base_plan, no_launch, kind, index):
+    plan = copy.deepcopy(base_plan)
+    STRUCTURAL[kind](plan, index)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    for command in (["simulate", "--plan", path], ["train", "--plan", path, "--steps", 1]):
+        code, _, err = run_cli(*command)
+        assert_clean(command[0], code, err)
+        assert code == 2, f"{kind}: {command[0]} accepted the plan"
+    assert no_launch == [], f"{kind}: train launched processes"
+
+
+def _json_paths(value, prefix=()):
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out += _json_paths(item, prefix + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value[:2]):
+            out += _json_paths(item, prefix + (index,))
+    return out
+
+
+JSON_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2, 5), st.floats(-1, 3), st.text(max_size=4),
+                       st.builds(list), st.builds(dict))
+
+
+@fast(30)
+@given(data=st.data())
+def test_any_field_changed_or_removed_never_crashes(run_cli, tmp_path, base_plan, no_launch, data):
+    plan = copy.deepcopy(base_plan)
+    paths = _json_paths(plan)
+    target = data.draw(st.sampled_from(paths), label="field")
+    parent = plan
+    for key in target[:-1]:
+        parent = parent[key]
+    if data.draw(st.booleans(), label="delete") and isinstance(parent, dict):
+        del parent[target[-1]]
+    else:
+        parent[target[-1]] = data.draw(JSON_VALUE, label="value")
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    code, out, err = run_cli("simulate", "--plan", path, "--json")
+    assert_clean("simulate", code, err)
+    if code == 0:
+        assert json.loads(out)["step_time_s"] > 0
+    code, _, err = run_cli("train", "--plan", path, "--steps", 1)
+    assert_clean("train", code, err)
+    # Whatever train accepted reached the launch with the plan's world size; nothing else did.
+    assert all(nproc == 2 for nproc in no_launch)
+
+
+def test_a_valid_plan_reaches_the_launch_and_nproc_must_match(run_cli, tmp_path, base_plan, no_launch):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(base_plan))
+    code, _, err = run_cli("train", "--plan", path, "--steps", 1)
+    assert code == 2 and "stopped at the launch by the test stub" in err, err
+    assert no_launch == [2]
+    for nproc in (1, 3, 4):
+        code, _, err = run_cli("train", "--plan", path, "--steps", 1, "--nproc", nproc)
+        assert code == 2 and "use --nproc 2" in err, err
+    not_executable = dict(base_plan, executable=False, not_executable_reason="per-layer tp")
+    path.write_text(json.dumps(not_executable))
+    code, _, err = run_cli("train", "--plan", path, "--steps", 1)
+    assert code == 2 and "not executable" in err, err
+    assert no_launch == [2]  # only the valid plan launched
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("{not json", "is not valid JSON"), ("", "is not valid JSON"), ("[1, 2]", "must be a JSON object"),
+    ('{"schema_version": 7}', "schema_version is 7"),
+])
+@pytest.mark.parametrize("command", ["simulate", "report", "train"])
+def test_unreadable_plan_files(run_cli, tmp_path, no_launch, content, expected, command):
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    extra = {"report": ["--out", tmp_path / "r.html"], "train": ["--steps", 1]}.get(command, [])
+    code, _, err = run_cli(command, "--plan", path, *extra)
+    assert_clean(command, code, err)
+    assert code == 2 and expected in err and str(path) in err, err
+    assert not (tmp_path / "r.html").exists() and no_launch == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests with no solution
+
+def test_no_plan_fits_explains_memory_and_what_would_work(run_cli, tmp_path):
+    """A 0.47 GiB device: the message names the memory limit, the need, and a device that fits."""
+    data = _base_cluster()
+    data["device"].update(memory_bytes=1.5e9, reserved_memory_bytes=1e9)
+    path = tmp_path / "tiny.toml"
+    path.write_text(toml_text(data))
+    model = "gpt:layers=4,hidden=1024,heads=16,vocab=50257"  # ~100M params: ~1.6 GB of fp32 Adam state
+    code, _, err = run_cli("plan", "--model", model, "--seq", 128, "--cluster", path, "--gpus", 2, "--gbs", 2, "--json")
+    assert_clean("plan", code, err)
+    assert code == 2, err
+    usable = re.search(r"\(([\d.]+) GiB usable per GPU\)", err)
+    need = re.search(r"the leanest plan needs ([\d.]+) GiB per GPU", err)
+    fits = re.search(r"devices with at least ([\d.]+) GiB", err)
+    assert usable and need and fits, err
+    assert float(usable.group(1)) == pytest.approx(0.5e9 / 2**30, abs=1e-3)  # 1.5e9 - 1e9 reserved
+    assert float(need.group(1)) > float(usable.group(1))
+    assert float(fits.group(1)) >= float(need.group(1))
+
+
+def test_impossible_pins_say_what_to_relax(run_cli):
+    code, _, err = run_cli("plan", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 2, "--gbs", 4,
+                           "--tp", 3, "--json")
+    assert_clean("plan", code, err)
+    assert code == 2 and "relax a pin" in err, err
+    code, _, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 2,
+                           "--gbs", 4, "--pp", 2, "--schedule", "interleaved", "--vpp", 3)
+    assert code == 2 and "need at least 6 layers; the model has 4" in err, err
