@@ -546,3 +546,40 @@ def test_impossible_pins_say_what_to_relax(run_cli):
     code, _, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 2,
                            "--gbs", 4, "--pp", 2, "--schedule", "interleaved", "--vpp", 3)
     assert code == 2 and "need at least 6 layers; the model has 4" in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Command-line values
+
+SMALL_INT = st.integers(-1, 5)
+
+
+@fast(40)
+@given(gpus=SMALL_INT, gbs=st.integers(-1, 9), tp=SMALL_INT, pp=SMALL_INT, mbs=SMALL_INT, vpp=SMALL_INT,
+       schedule=st.sampled_from(["1f1b", "gpipe", "interleaved"]), zero=st.integers(0, 3), sp=st.booleans(),
+       seq=st.sampled_from([-1, 0, 16, 32]))
+def test_estimate_any_configuration(run_cli, gpus, gbs, tp, pp, mbs, vpp, schedule, zero, sp, seq):
+    argv = ["estimate", "--model", SMALL, "--cluster", "cpu", "--gpus", gpus, "--gbs", gbs, "--tp", tp, "--pp", pp,
+            "--mbs", mbs, "--vpp", vpp, "--schedule", schedule, "--zero", zero, "--seq", seq, "--json"]
+    code, out, err = run_cli(*argv, *(["--sp"] if sp else []))
+    assert_clean("estimate", code, err)
+    if min(gpus, gbs, tp, pp, mbs, vpp, seq) <= 0:
+        assert code == 2, f"{argv} was accepted"
+    if code == 0:
+        prediction = json.loads(out)
+        assert prediction["step_time_s"] > 0 and len(prediction["memory_bytes"]) == pp
+
+
+@fast(10)
+@given(gpus=st.integers(0, 3), gbs=st.integers(0, 6), pin=st.sampled_from(["--tp", "--pp", "--dp", "--mbs", "--vpp"]),
+       value=SMALL_INT)
+def test_plan_any_pin(run_cli, gpus, gbs, pin, value):
+    code, out, err = run_cli("plan", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", gpus,
+                             "--gbs", gbs, pin, value, "--time-limit", 5, "--json")
+    assert_clean("plan", code, err)
+    if min(gpus, gbs, value) <= 0:
+        assert code == 2
+    if code == 0:
+        plan = json.loads(out)
+        mesh = plan["mesh"]
+        assert mesh["pp"] * mesh["dp"] * mesh["tp"] == gpus and plan["executable"]
