@@ -37,11 +37,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(prediction.to_json()))
         return 0
-    print(format_prediction(prediction, args))
+    from planner.hardware import load_cluster
+
+    print(format_prediction(prediction, args, load_cluster(args.cluster).device.usable_memory_bytes))
     return 0
 
 
-def format_prediction(prediction, args) -> str:
+def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
     step = prediction.step_time_s
     dp = args.gpus // (args.tp * args.pp)
@@ -66,7 +68,8 @@ def format_prediction(prediction, args) -> str:
         lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
                      f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}")
     verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
-    lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB   fits: {verdict}"]
+    lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
+              f"GiB usable   fits: {verdict}"]
     return "\n".join(lines)
 
 
