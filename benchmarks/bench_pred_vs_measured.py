@@ -1,0 +1,97 @@
+"""Predicted vs measured step time of small plans on local CPU processes (gloo).
+
+    python benchmarks/bench_pred_vs_measured.py [--profile cpu.toml] [--steps 10] [--skip-4]
+
+Calibrates this machine (`meshplan calibrate --nproc 2 --backend gloo`) unless a profile is given,
+then for each configuration plans a small GPT with the mesh pinned (`planner.plan`), trains it for
+real (`executor.train`) and prints the predicted step time, the measured median (after warm-up),
+the error and the predicted breakdown, so a large error points at the cost-model term to fix.
+2-process plans (DP, TP, PP) should be within 20%; 4-process plans oversubscribe a 2-core
+machine and are reported without a bound.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_FRACTION = 0.20  # the issue's bound for 2-process plans
+MODEL = "gpt:layers=4,hidden=256,heads=4,vocab=4096"
+SEQ, GLOBAL_BATCH = 128, 8
+TWO_PROCESS = (("DP", dict(dp=2, tp=1, pp=1)), ("TP", dict(tp=2, dp=1, pp=1)),
+               ("PP", dict(pp=2, dp=1, tp=1, schedule="1f1b")))
+FOUR_PROCESS = (("DP4", dict(dp=4, tp=1, pp=1)), ("DP2xTP2", dict(dp=2, tp=2, pp=1)),
+                ("PP2xDP2", dict(pp=2, dp=2, tp=1, schedule="1f1b")), ("PP2xTP2", dict(pp=2, tp=2, dp=1, schedule="1f1b")))
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
+
+
+def calibrate(out: Path) -> Path:
+    from planner.cli import main
+
+    print(f"calibrating this machine into {out} ...", flush=True)
+    if main(["calibrate", "--nproc", "2", "--backend", "gloo", "--out", str(out)]) != 0:
+        sys.exit("calibration failed")
+    return out
+
+
+def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, steps: int) -> dict:
+    from executor import train
+    from planner.hardware import load_cluster
+    from planner.plan import save_plan
+    from planner.solve import plan as make_plan
+
+    cluster = load_cluster(profile)
+    plan = make_plan(MODEL, cluster, gpus, GLOBAL_BATCH, seq=SEQ, **pins)
+    plan_path = work / f"plan-{name}.json"
+    save_plan(plan, plan_path)
+    measured = train(plan_path, nproc=gpus, steps=steps, out=work / f"measured-{name}.json")
+    timed = measured.step_times_s[measured.warmup_steps:] or measured.step_times_s
+    predicted_s, measured_s = plan.prediction["step_time_s"], statistics.median(timed)
+    cfg = plan.config
+    return {"name": name, "gpus": gpus, "mesh": f"pp{cfg.pp} dp{cfg.dp} tp{cfg.tp} mbs{cfg.microbatch_size} "
+                                               f"m{cfg.num_microbatches} z{cfg.zero}",
+            "predicted_s": predicted_s, "measured_s": measured_s, "spread_s": (min(timed), max(timed)),
+            "error": (predicted_s - measured_s) / measured_s, "breakdown": plan.prediction.get("breakdown") or {}}
+
+
+def print_rows(rows: list[dict], bounded: bool) -> None:
+    print(f"{'config':<9} {'mesh':<24} {'predicted ms':>12} {'measured ms':>12} {'min..max ms':>17} {'error':>8}  "
+          + " ".join(f"{k:>9}" for k in BREAKDOWN_KEYS))
+    for row in rows:
+        flag = "" if not bounded else ("  ok" if abs(row["error"]) <= TARGET_FRACTION else "  OVER 20%")
+        low, high = row["spread_s"]
+        print(f"{row['name']:<9} {row['mesh']:<24} {row['predicted_s'] * 1e3:>12.1f} {row['measured_s'] * 1e3:>12.1f} "
+              f"{low * 1e3:>8.1f}..{high * 1e3:<8.1f} {row['error'] * 100:>+7.1f}%  "
+              + " ".join(f"{row['breakdown'].get(k, 0.0) * 1e3:>9.1f}" for k in BREAKDOWN_KEYS) + flag)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, help="a calibrated profile (default: calibrate now)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per configuration")
+    parser.add_argument("--skip-4", action="store_true", help="only the 2-process configurations")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="meshplan-bench-") as tmp:
+        work = Path(tmp)
+        profile = args.profile or calibrate(work / "cpu-calibrated.toml")
+        start_s = time.perf_counter()
+        print(f"\n{MODEL}, seq {SEQ}, global batch {GLOBAL_BATCH}, {args.steps} steps each; "
+              "predicted breakdown columns in ms (busiest rank)")
+        print("\n2 processes (target: |error| <= 20%)")
+        rows2 = [run_config(name, pins, 2, profile, work, args.steps) for name, pins in TWO_PROCESS]
+        print_rows(rows2, bounded=True)
+        if not args.skip_4:
+            print("\n4 processes on this machine (oversubscribed: reported, no bound)")
+            rows4 = [run_config(name, pins, 4, profile, work, args.steps) for name, pins in FOUR_PROCESS]
+            print_rows(rows4, bounded=False)
+        worst = max(abs(r["error"]) for r in rows2)
+        print(f"\nworst 2-process error {worst * 100:.1f}% (target {TARGET_FRACTION:.0%}); "
+              f"benchmark took {time.perf_counter() - start_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
