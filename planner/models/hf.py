@@ -51,8 +51,11 @@ def _make_config(path_text: str, num_layers: int | None = None):
         raise MeshplanError("hf: model specs need the optional transformers extra: pip install 'meshplan[hf]'") from None
     try:
         config = transformers.AutoConfig.for_model(**data)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation errors are not ValueErrors
         raise MeshplanError(f"HF config {path_text!r}: transformers cannot read it: {exc}") from None
+    layers = getattr(config, "num_hidden_layers", None)
+    if num_layers is None and isinstance(layers, int) and layers <= 0:
+        raise MeshplanError(f"HF config {path_text!r}: num_hidden_layers must be at least 1, got {layers}")
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if isinstance(getattr(config, "layer_types", None), list):
@@ -79,7 +82,7 @@ def build_hf_model(path_text: str, seq: int, device: str = "meta", dtype=None, n
 
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure to build from the user's config is bad input
         raise MeshplanError(f"HF config {path_text!r}: cannot build a causal LM from it: {exc}") from None
     base = model.base_model
     decoder_layers = _decoder_layers(base, path_text)
