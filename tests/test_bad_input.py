@@ -364,6 +364,31 @@ def test_broken_file_models_exit_2_with_one_line(run_cli, tmp_path, case):
     assert code == 2 and expected in err, err
 
 
+HF_SHAPE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "intermediate_size": 128, "vocab_size": 100}
+HF_CONFIGS = {
+    "not_json": ("{not json", "is not valid JSON"),
+    "no_model_type": ("[1]", 'has no "model_type"'),
+    # transformers words these itself (and may reword them): check only meshplan's part
+    "heads_not_dividing": (json.dumps(dict(HF_SHAPE, num_attention_heads=3)), "transformers cannot read it"),
+    "string_width": (json.dumps(dict(HF_SHAPE, hidden_size="x")), "transformers cannot read it"),
+    "zero_layers": (json.dumps(dict(HF_SHAPE, num_hidden_layers=0)), "num_hidden_layers must be at least 1, got 0"),
+    "unknown_architecture": (json.dumps(dict(HF_SHAPE, model_type="no_such_arch")), "transformers cannot read it"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HF_CONFIGS))
+def test_broken_hf_configs_exit_2(run_cli, tmp_path, case):
+    content, expected = HF_CONFIGS[case]
+    if case not in ("not_json", "no_model_type"):  # these are refused before transformers is imported
+        pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    code, _, err = run_cli("profile", "--model", f"hf:{path}", "--seq", 16, "--no-cache")
+    assert_clean("profile", code, err)
+    assert code == 2 and expected in err and str(path) in err, err
+
+
 # ---------------------------------------------------------------------------------------------
 # Plan files
 
