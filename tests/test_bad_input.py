@@ -369,9 +369,10 @@ HF_SHAPE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, 
 HF_CONFIGS = {
     "not_json": ("{not json", "is not valid JSON"),
     "no_model_type": ("[1]", 'has no "model_type"'),
-    # transformers words these itself (and may reword them): check only meshplan's part
-    "heads_not_dividing": (json.dumps(dict(HF_SHAPE, num_attention_heads=3)), "transformers cannot read it"),
-    "string_width": (json.dumps(dict(HF_SHAPE, hidden_size="x")), "transformers cannot read it"),
+    # Refused by transformers' config validation or, in versions without it, by the model build;
+    # transformers words the reason itself, so only meshplan's part is checked.
+    "heads_not_dividing": (json.dumps(dict(HF_SHAPE, num_attention_heads=3)), "HF config '"),
+    "string_width": (json.dumps(dict(HF_SHAPE, hidden_size="x")), "HF config '"),
     "zero_layers": (json.dumps(dict(HF_SHAPE, num_hidden_layers=0)), "num_hidden_layers must be at least 1, got 0"),
     "unknown_architecture": (json.dumps(dict(HF_SHAPE, model_type="no_such_arch")), "transformers cannot read it"),
 }
