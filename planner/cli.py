@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(_command_module(args.command).run(args) or 0)
-    except (MeshplanError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (MeshplanError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError,
+            PermissionError) as exc:
         if debug:
             raise
         print(f"meshplan {args.command}: error: {_one_line(exc)}", file=sys.stderr)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc) if str(exc) else type(exc).__name__
-    if isinstance(exc, (FileNotFoundError, IsADirectoryError, PermissionError)) and exc.filename:
+    if isinstance(exc, OSError) and exc.filename:
         text = f"{exc.strerror}: {exc.filename}"
     return " ".join(text.split())
 

@@ -44,6 +44,8 @@ def run(args) -> int:
 
     if args.train_tokens is not None and args.train_tokens <= 0:
         raise MeshplanError(f"--train-tokens must be positive, got {args.train_tokens}")
+    if not args.time_limit > 0:
+        raise MeshplanError(f"--time-limit is seconds per candidate ILP and must be positive, got {args.time_limit}")
     result = plan(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
                   precision=args.precision, attention=args.attention, layerwise=args.layerwise,
                   time_limit_s=args.time_limit, seed=args.seed, progress=not args.json,
