@@ -609,3 +609,24 @@ def test_plan_any_pin(run_cli, gpus, gbs, pin, value):
         plan = json.loads(out)
         mesh = plan["mesh"]
         assert mesh["pp"] * mesh["dp"] * mesh["tp"] == gpus and plan["executable"]
+
+
+@pytest.mark.parametrize("command", ["profile", "plan", "simulate", "report", "demo"])
+def test_outputs_under_a_file_or_onto_a_directory_exit_2(run_cli, tmp_path, base_plan, command):
+    """Output paths that cannot be written: a directory given as a file, a file used as a directory."""
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(base_plan))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for target in (tmp_path, blocker / "out.x"):
+        argv = {
+            "profile": ["profile", "--model", SMALL, "--seq", SEQ, "--csv", target],
+            "plan": ["plan", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 1, "--gbs", 2,
+                     "--out", target, "--json"],
+            "simulate": ["simulate", "--plan", plan_path, "--trace", target, "--json"],
+            "report": ["report", "--plan", plan_path, "--out", target],
+            "demo": ["demo", "--out-dir", blocker],
+        }[command]
+        code, _, err = run_cli(*argv)
+        assert_clean(command, code, err)
+        assert code == 2, err
