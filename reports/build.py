@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from planner.errors import MeshplanError
 from planner.plan import Plan, load_plan
 from reports.alternatives import alternatives_section
-from reports.compare import Measurement, compare, load_measurement
+from reports.compare import Measurement, check_measurements, compare, load_measurement
 from reports.html import page
 from reports.measured import measured_section
 from reports.sections import breakdown_section, layers_section, memory_section, summary_section, timeline_section
@@ -43,6 +43,7 @@ def _timeline(plan: Plan, trace) -> tuple[list, Sequence, dict[str, Any] | None,
 def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None) -> str:
     plan, source_name = _as_plan(plan)
     runs = _as_measurements(measurements)
+    check_measurements(plan, runs)  # before the (slower) simulation: a wrong file fails fast
     intervals, memory_timeline, simulated, source_note = _timeline(plan, trace)
     prediction = plan.prediction or simulated
     if not prediction or "step_time_s" not in prediction:
@@ -51,16 +52,17 @@ def build_report(plan, measurements: Sequence = (), trace=None, title: str | Non
     if plan.prediction is None:
         plan = plan.with_prediction(prediction)
     intervals = with_idle(intervals, float(prediction["step_time_s"]))
+    comparison = compare(plan, runs) if runs else None
     sections = [
-        summary_section(plan, prediction, source_name),
+        summary_section(plan, prediction, source_name, comparison),
         layers_section(plan),
         memory_section(plan, prediction, memory_timeline),
         timeline_section(intervals, prediction, source_note),
         breakdown_section(plan, prediction),
         alternatives_section(plan),
     ]
-    if runs:
-        sections.append(measured_section(compare(plan, runs), runs))
+    if comparison is not None:
+        sections.append(measured_section(comparison, runs))
     import plotly.offline
 
     heading = title or f"meshplan report: {plan.model.spec} on {plan.config.gpus} x {plan.cluster.device.name}"

@@ -32,7 +32,7 @@ def _schedule_text(config) -> str:
     return text
 
 
-def summary_section(plan, prediction: dict[str, Any], source_name: str) -> Section:
+def summary_section(plan, prediction: dict[str, Any], source_name: str, comparison=None) -> Section:
     cfg, device = plan.config, plan.cluster.device
     peak = float(prediction.get("peak_memory_bytes", 0.0))
     pairs = [
@@ -56,6 +56,10 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str) -> Secti
         ("fits", "yes" if prediction.get("fits", True) else "NO"),
         ("plan digest", plan.digest),
     ]
+    if comparison is not None:
+        flag = "  (over the threshold: see Predicted vs measured)" if comparison.flagged else ""
+        pairs.insert(8, ("measured step time (median)", f"{fmt_ms(comparison.measured_median_s)}, error "
+                                                        f"{fmt_pct(comparison.error_fraction, signed=True)}{flag}"))
     solver = plan.solver or {}
     if "num_candidates" in solver:
         pairs.append(("search", f"{solver['num_candidates']} candidate configurations, "

@@ -94,6 +94,7 @@ def test_measured_error_is_shown_and_flagged(plan, tmp_path):
     assert '<section id="measured">' in html and 'id="fig-measured-steps"' in html
     assert f'<td class="flag error-pct">{error * 100:+.1f}%  over threshold</td>' in html
     assert "more than the 15%" in html
+    assert f"605.00 ms, error {error * 100:+.1f}%  (over the threshold" in html  # summary row (median)
     # Memory: measured = predicted / 0.8, so the error is 0.8 - 1 = -20.0% on every rank, flagged.
     assert html.count('<td class="flag error-pct">-20.0%  over threshold</td>') == plan.config.gpus
 
