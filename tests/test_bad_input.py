@@ -630,3 +630,18 @@ def test_outputs_under_a_file_or_onto_a_directory_exit_2(run_cli, tmp_path, base
         code, _, err = run_cli(*argv)
         assert_clean(command, code, err)
         assert code == 2, err
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(120)
+def test_a_torchrun_world_size_other_than_the_plans_is_refused_by_the_workers(tmp_path, base_plan):
+    """Launched by hand with the wrong process count, every worker refuses the plan before training."""
+    from executor.launch import TrainingFailed, launch_jobs
+    from executor.worker import Job
+
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(base_plan))
+    job = Job(plan_path=str(plan_path), steps=1, out=str(tmp_path / "m.json"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(TrainingFailed, match=r"rank 0 failed.*needs 2 processes.*but 1 were asked for"):
+        launch_jobs([job.to_json()], 1, tmp_path / "run", timeout_s=100)
+    assert not (tmp_path / "m.json").exists()

@@ -61,6 +61,28 @@ def run_fresh_process(argv_list: list[list[str]], cache_dir: Path) -> list[str]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+PLAN_ARGV = ["plan", "--model", LLAMA, "--seq", "256", "--cluster", "h100-sxm", "--gpus", "16", "--gbs", "64",
+             "--top", "4"]
+
+
+def _profile_argvs(model_file: Path) -> list[list[str]]:
+    return [["profile", "--model", spec, "--seq", "64", "--json", "--no-cache"]
+            for spec in (SMALL, LLAMA, f"{model_file}:make")]
+
+
+@pytest.fixture(scope="module")
+def fresh_outputs(tmp_path_factory) -> tuple[Path, list[str], Path]:
+    """One fresh interpreter profiles the three models and plans once: (model file, profile
+    outputs, plan file). One process for both tests: an interpreter start with torch costs seconds."""
+    root = tmp_path_factory.mktemp("fresh")
+    model_file = root / "net.py"
+    model_file.write_text(FILE_MODEL)
+    plan_file = root / "there.json"
+    outputs = run_fresh_process(_profile_argvs(model_file) + [PLAN_ARGV + ["--out", str(plan_file)]],
+                                root / "cache-there")
+    return model_file, outputs[:3], plan_file
+
+
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "cache-here"
@@ -69,26 +91,23 @@ def private_cache(tmp_path, monkeypatch) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_profile_json_is_identical_across_processes_and_cache(run_cli, tmp_path, private_cache):
-    model_file = tmp_path / "net.py"
-    model_file.write_text(FILE_MODEL)
-    specs = [SMALL, LLAMA, f"{model_file}:make"]
-    argvs = [["profile", "--model", spec, "--seq", "64", "--json", "--no-cache"] for spec in specs]
+def test_profile_json_is_identical_across_processes_and_cache(run_cli, private_cache, fresh_outputs):
+    model_file, fresh, _ = fresh_outputs
+    argvs = _profile_argvs(model_file)
     here = []
     for argv in argvs:
         code, out, err = run_cli(*argv)
         assert code == 0, err
         here.append(out)
-    fresh = run_fresh_process(argvs, tmp_path / "cache-there")
-    for spec, ours, theirs in zip(specs, here, fresh):
-        assert ours == theirs, f"profile of {spec} differs between two processes"
+    for argv, ours, theirs in zip(argvs, here, fresh):
+        assert ours == theirs, f"profile of {argv[2]} differs between two processes"
     # The on-disk cache gives back exactly what profiling gave: first call stores, second reads.
     for argv, expected in zip(argvs, here):
         cached_argv = [a for a in argv if a != "--no-cache"]
         for _ in range(2):
             code, out, err = run_cli(*cached_argv)
             assert code == 0 and out == expected, err
-    assert len(list((private_cache / "profiles").glob("*.json"))) == len(specs)
+    assert len(list((private_cache / "profiles").glob("*.json"))) == len(argvs)
     # The file model's repeated blocks were recognised, so the comparison covers repeat marking.
     layers = json.loads(here[2])["layers"]
     assert sum(1 for layer in layers if layer.get("repeat_of")) == 2, [layer["name"] for layer in layers]
@@ -100,18 +119,13 @@ def _mask_wall_clock(text: str) -> tuple[str, int]:
 
 
 @pytest.mark.timeout(300)
-def test_plan_json_is_byte_identical_apart_from_wall_clock(run_cli, tmp_path, private_cache):
-    argv = ["plan", "--model", LLAMA, "--seq", "256", "--cluster", "h100-sxm", "--gpus", "16", "--gbs", "64",
-            "--top", "4"]
-    code, _, err = run_cli(*argv, "--out", tmp_path / "here.json")
+def test_plan_json_is_byte_identical_apart_from_wall_clock(run_cli, tmp_path, private_cache, fresh_outputs):
+    code, _, err = run_cli(*PLAN_ARGV, "--out", tmp_path / "here.json")
     assert code == 0, err
-    code, printed, err = run_cli(*argv, "--json")
+    code, printed, err = run_cli(*PLAN_ARGV, "--json")
     assert code == 0, err
-    fresh = run_fresh_process([argv + ["--out", str(tmp_path / "there.json")]], tmp_path / "cache-there")
-    assert fresh
-
     here, masked_here = _mask_wall_clock((tmp_path / "here.json").read_text())
-    there, masked_there = _mask_wall_clock((tmp_path / "there.json").read_text())
+    there, masked_there = _mask_wall_clock(fresh_outputs[2].read_text())
     assert masked_here == masked_there >= 2  # the search time and the winner's ILP time were masked
     assert here == there
     # `--json` prints the same document as `--out` writes (compact instead of indented).
@@ -123,20 +137,27 @@ def test_plan_json_is_byte_identical_apart_from_wall_clock(run_cli, tmp_path, pr
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
 def test_same_seed_gives_the_same_losses(tmp_path):
-    """Two single-process runs of one plan and seed: bit-identical per-step losses.
+    """Two runs of one plan and seed: bit-identical per-step losses.
 
-    One process with one thread runs the same kernels in the same order, so exact equality is
-    the right expectation (no tolerance). Layouts that differ are compared against a
-    single-process reference in test_executor_parity.py, and a resumed run against a clean one in
-    test_executor_train.py.
+    Both run in one launch, one after the other (a launch costs seconds), so this also shows that
+    nothing of the first run leaks into the second. One process with one thread runs the same
+    kernels in the same order, so exact equality is the right expectation (no tolerance). Other
+    layouts are compared with a single-process reference in test_executor_parity.py, and a
+    resumed run with a clean one in test_executor_train.py.
     """
-    from executor import train
+    from executor.launch import launch_jobs
+    from executor.measure import load_measurement
     from executor.plans import uniform_plan
+    from executor.worker import Job
     from planner.hardware import load_cluster
+    from planner.plan import save_plan
 
     plan = uniform_plan("gpt:layers=2,hidden=32,heads=2,vocab=256", 16, 2, load_cluster("cpu"), seed=3)
-    first = train(plan, steps=3, out=tmp_path / "first.json", run_dir=tmp_path / "first")
-    second = train(plan, steps=3, out=tmp_path / "second.json", run_dir=tmp_path / "second")
+    save_plan(plan, tmp_path / "plan.json")
+    jobs = [Job(plan_path=str(tmp_path / "plan.json"), steps=3, out=str(tmp_path / f"{name}.json"),
+                run_dir=str(tmp_path / "run"), measure_memory=False).to_json() for name in ("first", "second")]
+    launch_jobs(jobs, 1, tmp_path / "run", timeout_s=250)
+    first, second = (load_measurement(tmp_path / f"{name}.json") for name in ("first", "second"))
     assert len(first.losses) == 3
     assert first.losses == second.losses
     assert len(set(first.losses)) > 1, "the loss should move while training"
