@@ -1,91 +1,29 @@
 """Bad input to every command: exit 0 or exit 2 with one line on stderr, never a traceback or exit 1.
 
-Property tests (hypothesis) generate cluster TOML files, parametric model specs and plan files,
-valid and broken, and run the commands in-process through `planner.cli.main` (a subprocess per
-example would cost seconds). Where a generated input is broken by construction (a required field
-deleted, a bandwidth set to zero, a layer assigned twice) the test also demands exit 2 and a message
-naming the problem; where it is valid by construction it demands exit 0. `train` runs with the
-launcher replaced by a stub, so a plan that must be refused is shown to be refused before any
-process starts, and a valid one is shown to reach the launch.
+Property tests (hypothesis) generate cluster TOML files, parametric model specs and command-line
+values, valid and broken, and run the commands in-process through `planner.cli.main` (a
+subprocess per example would cost seconds). Where a generated input is broken by construction
+(a required field deleted, a bandwidth set to zero, heads not dividing hidden) the test also
+demands exit 2 and a message naming the problem; where it is valid by construction, exit 0.
+Plan files are in test_bad_plans.py.
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from planner.hardware import PROFILES_DIR
 from planner.models import known_models
-
-SMALL = "gpt:layers=2,hidden=64,heads=4,vocab=128"
-SEQ = 32
-
-
-def fast(num_examples: int) -> settings:
-    """Few examples, no per-example deadline (the first one profiles the model); function-scoped
-    fixtures (run_cli, tmp_path) are shared across examples on purpose: each example overwrites
-    the files it uses."""
-    return settings(max_examples=num_examples, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _private_cache(tmp_path_factory):
-    """A profile cache of this module's own, so no other test's cache entries are read."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
-def assert_clean(command: str, code: int, err: str) -> None:
-    """Exit 0, or exit 2 with exactly one `meshplan CMD: error: ...` line; never exit 1."""
-    assert "Traceback" not in err, err
-    assert code in (0, 2), f"exit {code}: {err}"
-    if code == 2:
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert len(lines) == 1, f"expected one line on stderr, got {lines}"
-        assert lines[0].startswith(f"meshplan {command}: error: "), lines[0]
+from tests.bad_input_helpers import SEQ, SMALL, assert_clean, base_cluster, fast, private_cache, toml_text  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
 # Cluster TOML files
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        # JSON escapes control characters as TOML does, except DEL; astral characters stay raw
-        # (JSON's surrogate pairs are not valid TOML escapes).
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-
-
-def toml_text(data: dict, prefix: tuple[str, ...] = ()) -> str:
-    """TOML for a profile-shaped dict: scalars first, then sub-tables; peak FLOP/s inline."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) or k == "peak_flops_per_s"]
-    for key, value in data.items():
-        if isinstance(value, dict) and key != "peak_flops_per_s":
-            lines += ["", f"[{'.'.join(prefix + (key,))}]", toml_text(value, prefix + (key,))]
-    return "\n".join(lines)
-
-
-def _base_cluster() -> dict:
-    import tomllib
-
-    return tomllib.loads((PROFILES_DIR / "cpu.toml").read_text())
-
 
 def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     out = []
@@ -96,7 +34,7 @@ def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...
     return out
 
 
-CLUSTER_PATHS = _leaf_paths(_base_cluster())
+CLUSTER_PATHS = _leaf_paths(base_cluster())
 # Fields without a default: deleting one must be refused, naming it.
 REQUIRED = {("name",), ("device",), ("topology",), ("device", "name"), ("device", "memory_bytes"),
             ("device", "memory_bw_bytes_per_s"), ("device", "peak_flops_per_s"), ("topology", "gpus_per_node"),
@@ -149,7 +87,7 @@ def _apply(data: dict, mutation) -> tuple[str, bool]:
 @fast(40)
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=3))
 def test_broken_cluster_files_exit_2_naming_file_and_field(run_cli, tmp_path, mutations):
-    data = _base_cluster()
+    data = base_cluster()
     touched = [_apply(data, mutation) for mutation in mutations]
     path = tmp_path / "cluster.toml"
     path.write_text(toml_text(data))
@@ -170,7 +108,7 @@ def test_broken_cluster_files_exit_2_naming_file_and_field(run_cli, tmp_path, mu
        efficiency=st.floats(0.05, 1.0), latency_s=st.floats(0.0, 1e-3), gpus_per_node=st.integers(1, 16))
 def test_valid_cluster_files_are_accepted(run_cli, tmp_path, memory_gib, bw, flops, efficiency, latency_s,
                                           gpus_per_node):
-    data = _base_cluster()
+    data = base_cluster()
     device, topology = data["device"], data["topology"]
     device.update(memory_bytes=memory_gib * 2**30, memory_bw_bytes_per_s=bw, matmul_efficiency=efficiency,
                   peak_flops_per_s={"fp32": flops, "bf16": flops / 4})
@@ -225,7 +163,7 @@ CLUSTER_ERRORS = [
 
 @pytest.mark.parametrize("mutate,expected", CLUSTER_ERRORS)
 def test_cluster_file_errors_name_file_field_and_expectation(run_cli, tmp_path, mutate, expected):
-    data = _base_cluster()
+    data = base_cluster()
     mutate(data)
     path = tmp_path / "c.toml"
     path.write_text(toml_text(data))
@@ -391,190 +329,6 @@ def test_broken_hf_configs_exit_2(run_cli, tmp_path, case):
 
 
 # ---------------------------------------------------------------------------------------------
-# Plan files
-
-@pytest.fixture(scope="module")
-def base_plan(tmp_path_factory, _private_cache) -> dict:
-    """A real plan from `meshplan plan` for two processes, pp=2 (pins keep the search short)."""
-    from planner.cli import main
-
-    out = tmp_path_factory.mktemp("plan") / "plan.json"
-    code = main(["plan", "--model", SMALL, "--seq", str(SEQ), "--cluster", "cpu", "--gpus", "2", "--gbs", "4",
-                 "--pp", "2", "--tp", "1", "--zero", "0", "--schedule", "1f1b", "--mbs", "1", "--json",
-                 "--out", str(out)])
-    assert code == 0
-    return json.loads(out.read_text())
-
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Replace the torchrun launch by a stub that records the call and stops there (exit 2)."""
-    import executor.launch
-    from planner.errors import MeshplanError
-
-    calls = []
-
-    def stub(jobs, nproc, *args, **kwargs):
-        calls.append(nproc)
-        raise MeshplanError("stopped at the launch by the test stub")
-
-    monkeypatch.setattr(executor.launch, "launch_jobs", stub)
-    return calls
-
-
-def _drop(d, i):
-    d["layers"].pop(i % len(d["layers"]))
-
-
-def _duplicate(d, i):
-    d["layers"].insert(i % len(d["layers"]), dict(d["layers"][i % len(d["layers"])]))
-
-
-def _rename(d, i):
-    d["layers"][i % len(d["layers"])]["name"] = "blocks.99"
-
-
-def _swap(d, i):
-    layers = d["layers"]
-    j = i % (len(layers) - 1)
-    layers[j], layers[j + 1] = layers[j + 1], layers[j]
-
-
-def _extra_block(d, i):
-    d["layers"].insert(len(d["layers"]) - 1, dict(d["layers"][-2], name=f"blocks.{len(d['layers']) - 2}"))
-
-
-# Each breaks the plan by construction: simulate and train must refuse it (exit 2).
-STRUCTURAL = {
-    "drop a layer": _drop, "assign a layer twice": _duplicate, "rename a layer": _rename,
-    "swap two layers": _swap, "add a block the model lacks": _extra_block,
-    "degrees not multiplying to the world size": lambda d, i: d["mesh"].update(dp=1 + (i % 3) + 1),
-    "gpus not matching the mesh": lambda d, i: d["cluster"].update(gpus=3 + i % 5),
-    "wrong schema_version": lambda d, i: d.update(schema_version=[0, 2, "1", None][i % 4]),
-    "unknown model": lambda d, i: d["model"].update(spec=f"gpt-{i}"),
-    "model with more layers": lambda d, i: d["model"].update(spec=SMALL.replace("layers=2", f"layers={3 + i % 3}")),
-    "fractional degree": lambda d, i: d["mesh"].update(pp=2.5),
-}
-
-
-@fast(25)
-@given(kind=st.sampled_from(sorted(STRUCTURAL)), index=st.integers(0, 50))
-def test_broken_plans_are_refused_before_anything_launches(run_cli, tmp_path, base_plan, no_launch, kind, index):
-    plan = copy.deepcopy(base_plan)
-    STRUCTURAL[kind](plan, index)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
-    for command in (["simulate", "--plan", path], ["train", "--plan", path, "--steps", 1]):
-        code, _, err = run_cli(*command)
-        assert_clean(command[0], code, err)
-        assert code == 2, f"{kind}: {command[0]} accepted the plan"
-    assert no_launch == [], f"{kind}: train launched processes"
-
-
-def _json_paths(value, prefix=()):
-    out = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            out += _json_paths(item, prefix + (key,))
-    elif isinstance(value, list):
-        for index, item in enumerate(value[:2]):
-            out += _json_paths(item, prefix + (index,))
-    return out
-
-
-JSON_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2, 5), st.floats(-1, 3), st.text(max_size=4),
-                       st.builds(list), st.builds(dict))
-
-
-@fast(30)
-@given(data=st.data())
-def test_any_field_changed_or_removed_never_crashes(run_cli, tmp_path, base_plan, no_launch, data):
-    plan = copy.deepcopy(base_plan)
-    paths = _json_paths(plan)
-    target = data.draw(st.sampled_from(paths), label="field")
-    parent = plan
-    for key in target[:-1]:
-        parent = parent[key]
-    if data.draw(st.booleans(), label="delete") and isinstance(parent, dict):
-        del parent[target[-1]]
-    else:
-        parent[target[-1]] = data.draw(JSON_VALUE, label="value")
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(plan))
-    code, out, err = run_cli("simulate", "--plan", path, "--json")
-    assert_clean("simulate", code, err)
-    if code == 0:
-        assert json.loads(out)["step_time_s"] > 0
-    code, _, err = run_cli("train", "--plan", path, "--steps", 1)
-    assert_clean("train", code, err)
-    # Whatever train accepted reached the launch with the plan's world size; nothing else did.
-    assert all(nproc == 2 for nproc in no_launch)
-
-
-def test_a_valid_plan_reaches_the_launch_and_nproc_must_match(run_cli, tmp_path, base_plan, no_launch):
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(base_plan))
-    code, _, err = run_cli("train", "--plan", path, "--steps", 1)
-    assert code == 2 and "stopped at the launch by the test stub" in err, err
-    assert no_launch == [2]
-    for nproc in (1, 3, 4):
-        code, _, err = run_cli("train", "--plan", path, "--steps", 1, "--nproc", nproc)
-        assert code == 2 and "use --nproc 2" in err, err
-    not_executable = dict(base_plan, executable=False, not_executable_reason="per-layer tp")
-    path.write_text(json.dumps(not_executable))
-    code, _, err = run_cli("train", "--plan", path, "--steps", 1)
-    assert code == 2 and "not executable" in err, err
-    assert no_launch == [2]  # only the valid plan launched
-
-
-@pytest.mark.parametrize("content,expected", [
-    ("{not json", "is not valid JSON"), ("", "is not valid JSON"), ("[1, 2]", "must be a JSON object"),
-    ('{"schema_version": 7}', "schema_version is 7"),
-])
-@pytest.mark.parametrize("command", ["simulate", "report", "train"])
-def test_unreadable_plan_files(run_cli, tmp_path, no_launch, content, expected, command):
-    path = tmp_path / "plan.json"
-    path.write_text(content)
-    extra = {"report": ["--out", tmp_path / "r.html"], "train": ["--steps", 1]}.get(command, [])
-    code, _, err = run_cli(command, "--plan", path, *extra)
-    assert_clean(command, code, err)
-    assert code == 2 and expected in err and str(path) in err, err
-    assert not (tmp_path / "r.html").exists() and no_launch == []
-
-
-# ---------------------------------------------------------------------------------------------
-# Requests with no solution
-
-def test_no_plan_fits_explains_memory_and_what_would_work(run_cli, tmp_path):
-    """A 0.47 GiB device: the message names the memory limit, the need, and a device that fits."""
-    data = _base_cluster()
-    data["device"].update(memory_bytes=1.5e9, reserved_memory_bytes=1e9)
-    path = tmp_path / "tiny.toml"
-    path.write_text(toml_text(data))
-    model = "gpt:layers=4,hidden=1024,heads=16,vocab=50257"  # ~100M params: ~1.6 GB of fp32 Adam state
-    code, _, err = run_cli("plan", "--model", model, "--seq", 128, "--cluster", path, "--gpus", 2, "--gbs", 2, "--json")
-    assert_clean("plan", code, err)
-    assert code == 2, err
-    usable = re.search(r"\(([\d.]+) GiB usable per GPU\)", err)
-    need = re.search(r"the leanest plan needs ([\d.]+) GiB per GPU", err)
-    fits = re.search(r"devices with at least ([\d.]+) GiB", err)
-    assert usable and need and fits, err
-    assert float(usable.group(1)) == pytest.approx(0.5e9 / 2**30, abs=1e-3)  # 1.5e9 - 1e9 reserved
-    assert float(need.group(1)) > float(usable.group(1))
-    assert float(fits.group(1)) >= float(need.group(1))
-
-
-def test_impossible_pins_say_what_to_relax(run_cli):
-    code, _, err = run_cli("plan", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 2, "--gbs", 4,
-                           "--tp", 3, "--json")
-    assert_clean("plan", code, err)
-    assert code == 2 and "relax a pin" in err, err
-    code, _, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 2,
-                           "--gbs", 4, "--pp", 2, "--schedule", "interleaved", "--vpp", 3)
-    assert code == 2 and "need at least 6 layers; the model has 4" in err, err
-
-
-# ---------------------------------------------------------------------------------------------
 # Command-line values
 
 SMALL_INT = st.integers(-1, 5)
@@ -609,39 +363,3 @@ def test_plan_any_pin(run_cli, gpus, gbs, pin, value):
         plan = json.loads(out)
         mesh = plan["mesh"]
         assert mesh["pp"] * mesh["dp"] * mesh["tp"] == gpus and plan["executable"]
-
-
-@pytest.mark.parametrize("command", ["profile", "plan", "simulate", "report", "demo"])
-def test_outputs_under_a_file_or_onto_a_directory_exit_2(run_cli, tmp_path, base_plan, command):
-    """Output paths that cannot be written: a directory given as a file, a file used as a directory."""
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(json.dumps(base_plan))
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    for target in (tmp_path, blocker / "out.x"):
-        argv = {
-            "profile": ["profile", "--model", SMALL, "--seq", SEQ, "--csv", target],
-            "plan": ["plan", "--model", SMALL, "--seq", SEQ, "--cluster", "cpu", "--gpus", 1, "--gbs", 2,
-                     "--out", target, "--json"],
-            "simulate": ["simulate", "--plan", plan_path, "--trace", target, "--json"],
-            "report": ["report", "--plan", plan_path, "--out", target],
-            "demo": ["demo", "--out-dir", blocker],
-        }[command]
-        code, _, err = run_cli(*argv)
-        assert_clean(command, code, err)
-        assert code == 2, err
-
-
-@pytest.mark.multiproc
-@pytest.mark.timeout(120)
-def test_a_torchrun_world_size_other_than_the_plans_is_refused_by_the_workers(tmp_path, base_plan):
-    """Launched by hand with the wrong process count, every worker refuses the plan before training."""
-    from executor.launch import TrainingFailed, launch_jobs
-    from executor.worker import Job
-
-    plan_path = tmp_path / "plan.json"
-    plan_path.write_text(json.dumps(base_plan))
-    job = Job(plan_path=str(plan_path), steps=1, out=str(tmp_path / "m.json"), run_dir=str(tmp_path / "run"))
-    with pytest.raises(TrainingFailed, match=r"rank 0 failed.*needs 2 processes.*but 1 were asked for"):
-        launch_jobs([job.to_json()], 1, tmp_path / "run", timeout_s=100)
-    assert not (tmp_path / "m.json").exists()
