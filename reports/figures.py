@@ -159,7 +159,9 @@ def alternatives_scatter(points: Sequence[dict], capacity_bytes: float) -> go.Fi
     Each point: label, step_time_s, peak_memory_bytes, fits, winner.
     """
     fig = go.Figure()
-    div, unit = bytes_unit(max([p["peak_memory_bytes"] for p in points] + [capacity_bytes]))
+    peak_bytes = max((p["peak_memory_bytes"] for p in points), default=0.0)
+    draw_capacity = peak_bytes > 0.05 * capacity_bytes  # else the points would squash into one column
+    div, unit = bytes_unit(max(peak_bytes, capacity_bytes) if draw_capacity else peak_bytes)
     groups = (("chosen plan", lambda p: p["winner"], "star", "#0969da", 18),
               ("fits", lambda p: not p["winner"] and p["fits"], "circle", "#59a14f", 10),
               ("does not fit", lambda p: not p["winner"] and not p["fits"], "x", "#c00000", 10))
@@ -171,8 +173,12 @@ def alternatives_scatter(points: Sequence[dict], capacity_bytes: float) -> go.Fi
                 y=[p["step_time_s"] * 1e3 for p in chosen], text=[esc(p["label"]) for p in chosen],
                 marker=dict(symbol=symbol, color=colour, size=size),
                 hovertemplate="%{text}<br>%{y:.2f} ms, %{x:.3f} " + unit + "<extra></extra>"))
-    fig.add_vline(x=capacity_bytes / div, line_color="#c00000", annotation_text="capacity")
-    return _layout(fig, "Configurations considered: step time vs peak memory", 400,
+    title = "Configurations considered: step time vs peak memory"
+    if draw_capacity:
+        fig.add_vline(x=capacity_bytes / div, line_color="#c00000", annotation_text="capacity")
+    else:
+        title += f" (capacity {capacity_bytes / 2**30:.1f} GiB is off the scale)"
+    return _layout(fig, title, 400,
                    xaxis_title=f"peak memory per GPU ({unit})", yaxis_title="predicted step time (ms)")
 
 
