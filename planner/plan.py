@@ -277,3 +277,8 @@ def check_plan_matches_model(plan: Plan, layer_names: list[str]) -> None:
     if extra:
         raise MeshplanError(f"plan places layer(s) {extra[:5]} that model {plan.model.spec!r} does not have")
     raise MeshplanError(f"plan lists the layers of {plan.model.spec!r} out of execution order")
+
+
+from planner import make_callable_module  # noqa: E402  (planner.plan(...) calls the function)
+
+make_callable_module(__name__)
