@@ -125,9 +125,14 @@ def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | Non
                 else f" with exit code {value}"
         parts.append(f"rank {rank.group(1)} failed{how}")
     errors = sorted(run_dir.glob("error_rank*.txt"))
-    chosen = [p for p in errors if rank and p.name == f"error_rank{rank.group(1)}.txt"] or errors[:1]
-    if chosen:
-        parts.append(chosen[0].read_text().strip())
+    own = [p for p in errors if rank and p.name == f"error_rank{rank.group(1)}.txt"]
+    aborted = re.findall(r"what\(\):\s*(.+)", text)  # a C++ exception that killed a worker (SIGABRT)
+    if own:
+        parts.append(own[0].read_text().strip())
+    elif aborted:
+        parts.append(aborted[0].strip())
+    elif errors:
+        parts.append(f"{errors[0].stem.replace('error_', '')} reported: {errors[0].read_text().strip()}")
     elif "exceeded its" in text:
         parts.append(text.strip().splitlines()[-1])
     if not parts:

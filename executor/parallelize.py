@@ -31,6 +31,7 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({index: model.blocks[int(index)] for index in indices})
         self.head = model.head if "head" in layer_names else None
         self.layer_names = list(layer_names)
+        self.tied_embeddings = bool(getattr(model.cfg, "tied_embeddings", False))
         self.autocast_dtype: torch.dtype | None = None  # set when autocast (not FSDP) does mixed precision
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -63,11 +64,13 @@ def split_stages(model: nn.Module, layer_names: list[str], chunks: list[list[int
 
 
 def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
-    """Megatron-LM TP on every block: column-parallel q/k/v/gate/up, row-parallel o/down.
+    """Megatron-LM TP: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
+    embedding (row-wise: each rank holds 1/tp of the vocabulary rows, outputs are summed) and
+    head (column-wise over the vocabulary, logits gathered so the loss sees the full softmax).
 
-    Embedding and head stay replicated on the TP ranks (each computes the full vocabulary); with
-    sequence parallelism the residual stream between blocks is sharded along the sequence, norms
-    run as `SequenceParallel`, and the embedding output / head input are converted at the edges.
+    With sequence parallelism the residual stream between blocks is sharded along the sequence,
+    norms run as `SequenceParallel`, and the embedding output / head input are converted at the
+    edges. A tied embedding stays tied: both weights are (vocab, hidden) sharded on dim 0.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -85,12 +88,22 @@ def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
             block_plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
                                "attn": gather, "mlp": gather})
         parallelize_module(block, tp_mesh, block_plan)
-    if sp and stage.embed is not None:
-        parallelize_module(stage.embed, tp_mesh, PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1)))
-    if sp and stage.head is not None:
-        parallelize_module(stage.head, tp_mesh, PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+    if stage.embed is not None:
+        # GPT adds learned positions after the token lookup, so the lookup's output is replicated
+        # and the sequence split (SP) happens at the embedding's output.
+        parallelize_module(stage.embed, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Replicate())})
+        if sp:
+            parallelize_module(stage.embed, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+    if stage.head is not None:
+        head_plan = {"proj": ColwiseParallel(output_layouts=Replicate())}
+        if sp:
+            head_plan["norm"] = SequenceParallel()
+            head_plan["proj"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        parallelize_module(stage.head, tp_mesh, head_plan)
+    if stage.embed is not None and stage.head is not None and stage.tied_embeddings:
+        stage.head.proj.weight = stage.embed.tok.weight  # distributing the weights untied them
 
 
 @torch.no_grad()

@@ -111,8 +111,11 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     materialize(stages, template, seed, device, tied)
     recompute = {layer.name: layer.recompute for layer in plan.layers}
     for stage in stages:
+        # The embedding keeps only token ids for backward, so recomputing it saves nothing; and
+        # a vocab-parallel lookup cannot be replayed (its output mask lives in the forward).
         for name in stage.layer_names:
-            apply_recompute(stage.layer(name), recompute[name])
+            if name != "embed":
+                apply_recompute(stage.layer(name), recompute[name])
     method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
     mixed = cfg.precision == "bf16-mixed"
     mp_policy = None
@@ -164,7 +167,8 @@ def _norm_weights(runtime: Runtime, tied: bool) -> list:
         num_shards = 1
         if isinstance(param, DTensor):
             for dim, placement in enumerate(param.placements):
-                if placement.is_shard():
+                # Shard or FSDP-over-TP's _StridedShard (whose is_shard() is False): distinct pieces
+                if not (placement.is_replicate() or placement.is_partial()):
                     num_shards *= param.device_mesh.size(dim)
         copies = cfg.dp * cfg.tp / num_shards
         if tied and cfg.pp > 1 and names.get(id(param)) in TIED_NAMES:
@@ -214,6 +218,7 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
         loss = _pipeline_forward_backward(runtime, inputs, targets)
     else:
         loss = _forward_backward(runtime, inputs, targets)
+    _align_grad_placements(runtime)
     if runtime.tied_group is not None:
         _all_reduce_tied_grads(runtime)
     grad_norm = clip_grad_norm(runtime, hp.max_grad_norm)
@@ -259,6 +264,19 @@ def _gradient_sync(runtime: Runtime, module, sync: bool):
     if runtime.dp_method in ("fsdp", "replicate"):
         module.set_requires_gradient_sync(sync)
     return nullcontext()
+
+
+def _align_grad_placements(runtime: Runtime) -> None:
+    """Give every DTensor gradient its parameter's placement before the norm, the tied-embedding
+    exchange and the update. Sequence-parallel norm weights (replicated, but each rank saw only
+    its sequence shard) get Partial(sum) gradients: all-reduced here; the vocab-parallel
+    embedding gets a Replicate gradient of the whole table: each rank keeps its rows."""
+    from torch.distributed.tensor import DTensor
+
+    for param in runtime.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 def _all_reduce_tied_grads(runtime: Runtime) -> None:

@@ -34,6 +34,7 @@ TWO_PROCESS = {
     "dp2-ddp": dict(dp=2, microbatch_size=2),
     "tp2": dict(tp=2, microbatch_size=4),
     "tp2-sp-llama": dict(tp=2, sp=True, microbatch_size=4, spec=LLAMA),
+    "tp2-sp": dict(tp=2, sp=True, microbatch_size=4),
     "pp2-1f1b": dict(pp=2, microbatch_size=2, schedule="1f1b"),
     "pp2-gpipe": dict(pp=2, microbatch_size=2, schedule="gpipe"),
     "pp2-interleaved": dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
@@ -49,6 +50,8 @@ FOUR_PROCESS = {
     "pp2-dp2": dict(pp=2, dp=2, microbatch_size=2),
     "pp2-dp2-zero2-gpipe": dict(pp=2, dp=2, microbatch_size=2, zero=2, schedule="gpipe"),
     "pp2-tp2": dict(pp=2, tp=2, microbatch_size=2),
+    "pp2-tp2-sp": dict(pp=2, tp=2, microbatch_size=2, sp=True),
+    "dp2-tp2-sp-zero2": dict(dp=2, tp=2, microbatch_size=2, sp=True, zero=2),
     # every schedule meets every data-parallel wrapper at least once
     "pp2-dp2-zero0-gpipe": dict(pp=2, dp=2, microbatch_size=2, schedule="gpipe"),
     "pp2-dp2-zero1-interleaved": dict(pp=2, dp=2, microbatch_size=2, zero=1, schedule="interleaved",
