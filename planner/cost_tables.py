@@ -147,6 +147,29 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
         comm_s=cost.tp_fwd_comm_s + cost.tp_bwd_comm_s + fwd_gather_s + bwd_gather_s)
 
 
+def _no_worse(a: OptionCost, b: OptionCost) -> bool:
+    """a is at least as good as b in every quantity the solver reads."""
+    return ((a.tp, a.dp) == (b.tp, b.dp) and a.fwd_s <= b.fwd_s and a.bwd_s <= b.bwd_s
+            and all(getattr(a, f) <= getattr(b, f) for f in ("static_bytes", "act_bytes", "buffer_bytes",
+                                                              "dp_comm_s", "param_gather_s", "optimizer_s")))
+
+
+def drop_dominated(options: list[OptionCost]) -> tuple[OptionCost, ...]:
+    """Options no better than an earlier one (or worse than a later one) are never needed.
+
+    Example: with flash attention there are no attention scores to drop, so selective
+    recomputation costs exactly what no recomputation does; keeping both only gives the ILP
+    interchangeable copies of every solution.
+    """
+    kept: list[OptionCost] = []
+    for index, option in enumerate(options):
+        earlier = any(_no_worse(other, option) for other in options[:index])
+        later = any(_no_worse(other, option) and not _no_worse(option, other) for other in options[index + 1:])
+        if not (earlier or later):
+            kept.append(option)
+    return tuple(kept)
+
+
 def layer_type_keys(graph) -> tuple[list[str], list[int]]:
     """Distinct layer types of a ModelGraph (repeated blocks share one) and each layer's type."""
     keys: list[str] = []
@@ -195,7 +218,7 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                 options.append(option_from_layer_cost(recompute, cost, tp, dp))
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
-        types.append(LayerType(key=key, options=tuple(options)))
+        types.append(LayerType(key=key, options=drop_dominated(options)))
     boundary_bytes = max(max(o.output_bytes for o in t.options) for t in types)
     p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
     return CostTable(layer_names=tuple(layer.name for layer in graph.layers), layer_type=tuple(layer_type),

@@ -266,6 +266,10 @@ class _Model:
         # (seconds, indicator expression) terms.
         self.rank_first_dp: list[list[list[tuple[float, object]]]] = [[] for _ in range(self.pp)]
         self.decoders: list = []  # callables filling (chunks, options) from the solved values
+        # Integrality cuts: (K, t, c) with K >= layers of a run in any chunk, so T_max >= v (K t + c).
+        self.count_cuts: list[tuple[object, float, float]] = []
+        # Tail cuts: (R, s, slack) with R >= run layers on any rank, so Tail >= R s + slack.
+        self.tail_cuts: list[tuple[object, float, float]] = []
 
     def add_option_terms(self, chunk: int, option, amount) -> None:
         """Account `amount` (a variable, expression or number) layers of `option` in `chunk`."""
@@ -325,8 +329,18 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                 used = pulp.LpVariable(f"y_{c}_{o}", cat="Binary")
                 model.lp += counts[c][o] <= count * used, f"buf_use_{c}_{o}"
                 model.rank_buffer[c % model.pp].append((option.buffer_bytes / GIB, used))
+    # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
+    # option's time, so T_max >= v K t_min. Valid for every integer solution; the LP relaxation
+    # alone would spread fractional layers evenly, and branching on one K closes that gap.
+    fullest = pulp.LpVariable("run_max_per_chunk", lowBound=0, upBound=count, cat="Integer")
+    for c in range(num_chunks):
+        model.lp += pulp.lpSum(counts[c]) <= fullest, f"run_fullest_{c}"
+    chunk_const = _chunk_constants(model, has_first, has_last)
+    model.count_cuts.append((fullest, min(o.time_s for o in options), min(chunk_const)))
+    _add_run_rank_count_cuts(model, counts, options, count, chunk_const)
     _add_run_reshard_terms(model, counts, options, count)
     _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
+    _add_run_symmetry_constraints(model, has_first, has_last)
 
     def decode(chunks, chosen):
         layer = first
@@ -337,6 +351,61 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                     layer += 1
         assert layer == first + count, f"decoded {layer - first} of {count} run layers"
     model.decoders.append(decode)
+
+
+def _chunk_constants(model: _Model, has_first: bool, has_last: bool) -> list[float]:
+    """Least time of each chunk besides its run layers: transfers and the pinned layers."""
+    table, num_chunks = model.problem.table, model.num_chunks
+    out = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
+    if has_first:
+        out[0] += table.types[table.layer_type[0]].min_time_s()
+    if has_last:
+        out[-1] += table.types[table.layer_type[-1]].min_time_s()
+    return out
+
+
+def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_const: list[float]) -> None:
+    """The busiest rank holds R >= ceil(N / p) run layers: T_max >= R t_min, and its per-step
+    tail is at least R times a run layer's least exposed reduction plus optimizer work."""
+    pulp, table = model.pulp, model.problem.table
+    busiest = pulp.LpVariable("run_max_per_rank", lowBound=0, upBound=count, cat="Integer")
+    for r in range(model.pp):
+        model.lp += pulp.lpSum(v for c in range(r, model.num_chunks, model.pp) for v in counts[c]) <= busiest, \
+            f"run_busiest_{r}"
+    v = model.problem.shape.virtual_stages
+    rank_const = min(sum(chunk_const[r::model.pp]) for r in range(model.pp))
+    model.count_cuts.append((busiest, min(o.time_s for o in options) / v, rank_const / v))
+    overlap = model.problem.overlap_dp
+    per_layer = min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) + o.param_gather_s + o.optimizer_s for o in options)
+    pinned = [table.types[t] for i, t in enumerate(table.layer_type) if table.layer_type.count(t) == 1]
+    # Pinned layers may lower the busiest rank's sum (their reduction may be shorter than their
+    # backward); subtract the most they can.
+    slack = sum(min(0.0, min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) for o in lt.options)) for lt in pinned)
+    model.tail_cuts.append((busiest, per_layer, slack))
+
+
+def _add_run_symmetry_constraints(model: _Model, has_first: bool, has_last: bool) -> None:
+    """Interleaved: order the activations of a rank's chunks against their live micro-batches.
+
+    The contents of two chunks of one rank (neither holding a pinned layer) can be swapped
+    without changing any time, resident memory or buffer; only the activation term
+    sum_j live_k(j) A_j changes. If chunk a holds at least as many live micro-batches as chunk b
+    at every memory peak, putting the smaller activations in a is never worse (rearrangement
+    inequality), so A_a <= A_b loses no optimum and removes the permuted copies of each solution.
+    """
+    shape = model.problem.shape
+    if shape.virtual_stages == 1:
+        return
+    for r in range(model.pp):
+        peaks = live_vectors(shape, r)
+        free = [j for j in range(shape.virtual_stages)
+                if not (j * model.pp + r == 0 and has_first)
+                and not (j * model.pp + r == model.num_chunks - 1 and has_last)]
+        free.sort(key=lambda j: tuple(-live[j] for live in peaks))
+        for a, b in zip(free, free[1:]):
+            if all(live[a] >= live[b] for live in peaks):
+                model.lp += model.chunk_act[a * model.pp + r] <= model.chunk_act[b * model.pp + r], \
+                    f"symmetry_{r}_{a}_{b}"
 
 
 def _add_run_first_layer_terms(model: _Model, counts, options, count: int, has_first: bool, has_last: bool):
@@ -458,6 +527,11 @@ def _add_pipeline_time_constraints(model: _Model):
     if shape.virtual_stages > 1:  # the interleaved steady state needs equal chunks (see the maths)
         for c in range(model.num_chunks):
             model.lp += slowest >= shape.virtual_stages * model.chunk_time[c], f"tmax_chunk_{c}"
+    for k, (fullest, time_s, const_s) in enumerate(model.count_cuts):
+        model.lp += slowest >= shape.virtual_stages * (time_s * fullest + const_s), f"granularity_{k}"
+    for k, (busiest, per_layer_s, slack_s) in enumerate(model.tail_cuts):
+        if per_layer_s > 0:
+            model.lp += tail >= per_layer_s * busiest + slack_s, f"tail_granularity_{k}"
     for r in range(model.pp):
         exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
         overlap = model.rank_bwd[r] if problem.overlap_dp else 0
