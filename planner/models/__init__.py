@@ -33,6 +33,10 @@ PRESETS: dict[str, TransformerConfig] = {
                                      tied_embeddings=False, rope_theta=500000.0),
 }
 
+# More blocks than any published model by far; beyond it the per-layer graph alone would not fit
+# in memory, so such a spec is refused rather than left to fail with a MemoryError.
+MAX_PARAMETRIC_LAYERS = 100_000
+
 _PARAMETRIC_KEYS = {
     "gpt": {"layers", "hidden", "heads", "vocab", "ffn", "tied", "positions"},
     "llama": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "rope_theta"},
@@ -126,6 +130,10 @@ def parse_spec(spec: str, seq: int) -> TransformerConfig | None:
             raise MeshplanError(f"malformed model spec {spec!r}: tied must be true or false, got {value!r}")
         if key not in ("tied", "rope_theta") and not value.lstrip("+-").isdigit():
             raise MeshplanError(f"malformed model spec {spec!r}: {key} must be an integer, got {value!r}")
+    significant = values["layers"].lstrip("+-").lstrip("0")
+    if len(significant) > len(str(MAX_PARAMETRIC_LAYERS)) or int(significant or 0) > MAX_PARAMETRIC_LAYERS:
+        raise MeshplanError(f"malformed model spec {spec!r}: layers={values['layers'][:20]} is more than "
+                            f"meshplan lays out (at most {MAX_PARAMETRIC_LAYERS:,})")
     try:
         ints = {k: int(v) for k, v in values.items() if k not in ("tied", "rope_theta")}
         kwargs: dict[str, Any] = dict(
