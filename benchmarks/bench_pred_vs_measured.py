@@ -6,6 +6,8 @@ Calibrates this machine (`meshplan calibrate --nproc 2 --backend gloo`) unless a
 then for each configuration plans a small GPT with the mesh pinned (`planner.plan`), trains it for
 real (`executor.train`) and prints the predicted step time, the measured median (after warm-up),
 the error and the predicted breakdown, so a large error points at the cost-model term to fix.
+First, a single-process term check times forward+backward and the AdamW step in plain torch
+against the cost model's compute and optimizer terms.
 2-process plans (DP, TP, PP) should be within 20%; 4-process plans oversubscribe a 2-core
 machine and are reported without a bound.
 """
@@ -57,6 +59,61 @@ def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, step
             "error": (predicted_s - measured_s) / measured_s, "breakdown": plan.prediction.get("breakdown") or {}}
 
 
+def _best_and_median_s(fn, reps: int) -> tuple[float, float]:
+    times = []
+    for _ in range(reps):
+        start_s = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start_s)
+    return min(times), statistics.median(times)
+
+
+def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
+    """One process, no parallelism: the cost model's compute and optimizer terms vs plain torch.
+
+    A concurrent matmul measures how much of the calibrated speed this process gets right now (other
+    jobs on the machine slow everything alike), so a term off by more than that factor is the term
+    to fix.
+    """
+    import torch
+
+    from planner.config import ParallelConfig
+    from planner.hardware import load_cluster
+    from planner.models import build_model
+    from planner.profile import profile as profile_model
+    from planner.simulate import simulate_config
+
+    torch.set_num_threads(1)
+    cluster = load_cluster(profile)
+    graph = profile_model(MODEL, SEQ, dtype="fp32")
+    config = ParallelConfig(gpus=1, global_batch=microbatch_size, microbatch_size=microbatch_size, precision="fp32")
+    predicted = simulate_config(graph, cluster, config).breakdown
+    built = build_model(MODEL, SEQ, tp=1, device="cpu")
+    model, tokens = built.module, built.example_inputs[0].repeat(microbatch_size, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def forward_backward():
+        built.loss_fn(model(tokens), (tokens,)).backward()
+
+    forward_backward()
+    optimizer.step()
+    fwd_bwd_best_s, fwd_bwd_median_s = _best_and_median_s(forward_backward, reps)
+    opt_best_s, opt_median_s = _best_and_median_s(optimizer.step, reps)
+    size = 512
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    matmul_best_s, _ = _best_and_median_s(lambda: a @ b, 20)
+    calibrated_flops = cluster.device.peak_flops("fp32") * cluster.device.matmul_efficiency
+    share = 2 * size**3 / matmul_best_s / calibrated_flops
+    print(f"\nterm check, 1 process, micro-batch {microbatch_size}: this process gets {share:.0%} of the "
+          f"calibrated matmul speed right now")
+    print(f"{'term':<22} {'predicted ms':>12} {'best ms':>9} {'median ms':>10} {'best/predicted':>15}")
+    for term, predicted_s, best_s, median_s in (
+            ("forward+backward", predicted.get("compute", 0.0), fwd_bwd_best_s, fwd_bwd_median_s),
+            ("optimizer (AdamW)", predicted.get("optimizer", 0.0), opt_best_s, opt_median_s)):
+        ratio = best_s / predicted_s if predicted_s > 0 else float("inf")
+        print(f"{term:<22} {predicted_s * 1e3:>12.1f} {best_s * 1e3:>9.1f} {median_s * 1e3:>10.1f} {ratio:>14.1f}x")
+
+
 def print_rows(rows: list[dict], bounded: bool) -> None:
     print(f"{'config':<9} {'mesh':<24} {'predicted ms':>12} {'measured ms':>12} {'min..max ms':>17} {'error':>8}  "
           + " ".join(f"{k:>9}" for k in BREAKDOWN_KEYS))
@@ -73,11 +130,15 @@ def main() -> int:
     parser.add_argument("--profile", type=Path, help="a calibrated profile (default: calibrate now)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per configuration")
     parser.add_argument("--skip-4", action="store_true", help="only the 2-process configurations")
+    parser.add_argument("--terms-only", action="store_true", help="only the single-process term check")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshplan-bench-") as tmp:
         work = Path(tmp)
         profile = args.profile or calibrate(work / "cpu-calibrated.toml")
         start_s = time.perf_counter()
+        term_check(profile)
+        if args.terms_only:
+            return 0
         print(f"\n{MODEL}, seq {SEQ}, global batch {GLOBAL_BATCH}, {args.steps} steps each; "
               "predicted breakdown columns in ms (busiest rank)")
         print("\n2 processes (target: |error| <= 20%)")
