@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reports import figures
-from reports.html import Cell, Section, figure_div, fmt_gib, fmt_ms, fmt_pct, paragraph, table
+from reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
 
 _REASON_KEYS = ("why_not", "reason", "why")
 
@@ -93,8 +93,8 @@ def why_lost(candidate: Candidate, winner: Candidate, usable_bytes: float) -> st
         return candidate.stated_reason
     parts = []
     if not candidate.fits or candidate.peak_memory_bytes > usable_bytes:
-        parts.append(f"does not fit: needs {fmt_gib(candidate.peak_memory_bytes)} per GPU, "
-                     f"{fmt_gib(usable_bytes)} usable")
+        parts.append(f"does not fit: needs {fmt_bytes(candidate.peak_memory_bytes)} per GPU, "
+                     f"{fmt_bytes(usable_bytes)} usable")
     else:
         delta_s = candidate.step_time_s - winner.step_time_s
         text = f"slower by {fmt_ms(delta_s)} ({fmt_pct(delta_s / winner.step_time_s, signed=True)})"
@@ -119,7 +119,7 @@ def alternatives_section(plan) -> Section:
         body = ""
     ranked = [winner] + sorted(found[1:], key=lambda c: (not c.fits, c.step_time_s))
     rows = [[Cell(c.label, "winner" if c.winner else ""), fmt_ms(c.step_time_s),
-             fmt_gib(c.peak_memory_bytes), Cell("yes" if c.fits else "no", "ok" if c.fits else "flag"),
+             fmt_bytes(c.peak_memory_bytes), Cell("yes" if c.fits else "no", "ok" if c.fits else "flag"),
              why_lost(c, winner, usable)] for c in ranked]
     body += table(["configuration", "predicted step", "peak memory per GPU", "fits", "why"], rows)
     points = [dict(label=c.label, step_time_s=c.step_time_s, peak_memory_bytes=c.peak_memory_bytes,

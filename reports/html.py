@@ -23,7 +23,7 @@ def fmt_ms(time_s: float | None) -> str:
     return "n/a" if time_s is None else f"{time_s * 1e3:,.2f} ms"
 
 
-def fmt_gib(num_bytes: float | None) -> str:
+def fmt_bytes(num_bytes: float | None) -> str:
     """GiB from 1 GiB up, MiB below (small models on CPU would all read 0.00 GiB)."""
     if num_bytes is None:
         return "n/a"

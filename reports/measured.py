@@ -6,7 +6,7 @@ from typing import Sequence
 
 from reports import figures
 from reports.compare import Comparison, Measurement
-from reports.html import Cell, Section, figure_div, fmt_gib, fmt_ms, fmt_pct, paragraph, table
+from reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
 
 
 def _error_cell(fraction: float, flagged: bool) -> Cell:
@@ -41,7 +41,7 @@ def measured_section(comparison: Comparison, measurements: Sequence[Measurement]
         fig = figures.measured_memory([r.rank for r in comparison.memory], [r.predicted_bytes for r in comparison.memory],
                                       [r.measured_bytes for r in comparison.memory])
         body.append(f'<div class="fig">{figure_div(fig, "fig-measured-memory")}</div>')
-        rows = [[f"rank {r.rank}", r.pipeline_rank, fmt_gib(r.predicted_bytes), fmt_gib(r.measured_bytes),
+        rows = [[f"rank {r.rank}", r.pipeline_rank, fmt_bytes(r.predicted_bytes), fmt_bytes(r.measured_bytes),
                  _error_cell(r.error_fraction, comparison.memory_flagged(r))] for r in comparison.memory]
         body.append(table(["rank", "pipeline stage", "predicted peak", "measured peak", "error"], rows))
     else:

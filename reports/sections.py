@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from reports import figures
-from reports.html import (Cell, Section, esc, figure_div, fmt_gib, fmt_ms, fmt_pct, key_values, paragraph,
+from reports.html import (Cell, Section, esc, figure_div, fmt_bytes, fmt_ms, fmt_pct, key_values, paragraph,
                           table)
 from reports.timeline import idle_fraction_per_rank
 
@@ -49,9 +49,9 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str, comparis
         ("model TFLOP/s per GPU (MFU convention)", f"{prediction.get('model_tflops_per_gpu', 0.0):,.2f}"),
         ("hardware TFLOP/s per GPU (with recomputation)", f"{prediction.get('hw_tflops_per_gpu', 0.0):,.2f}"),
         ("MFU", fmt_pct(prediction.get("mfu"))),
-        ("peak memory vs capacity", f"{fmt_gib(peak)} of {fmt_gib(device.memory_bytes)} "
+        ("peak memory vs capacity", f"{fmt_bytes(peak)} of {fmt_bytes(device.memory_bytes)} "
                                     f"({fmt_pct(peak / device.memory_bytes)}; usable "
-                                    f"{fmt_gib(device.usable_memory_bytes)})"),
+                                    f"{fmt_bytes(device.usable_memory_bytes)})"),
         ("pipeline bubble", fmt_pct(prediction.get("bubble_fraction"))),
         ("fits", "yes" if prediction.get("fits", True) else "NO"),
         ("plan digest", plan.digest),
@@ -88,7 +88,7 @@ def layers_section(plan) -> Section:
         recompute_cls = "" if layer.recompute == "none" else "flag"
         rows.append([index, layer.name, Cell(layer.stage, background=colour + "55"), layer.virtual_stage,
                      layer.tp, layer.dp, Cell(layer.recompute, recompute_cls), fmt_ms(layer.fwd_time_s),
-                     fmt_ms(layer.bwd_time_s), fmt_ms(layer.comm_time_s), fmt_gib(layer.mem_bytes)])
+                     fmt_ms(layer.bwd_time_s), fmt_ms(layer.comm_time_s), fmt_bytes(layer.mem_bytes)])
     detail = table(["#", "layer", "stage", "virtual stage", "TP", "DP", "recompute", "forward", "backward",
                     "communication", "memory"], rows)
     body = (paragraph(f"{len(layers)} layers in {plan.config.num_model_chunks} pipeline chunk(s). Times are per "
@@ -117,9 +117,9 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
             residual = sum(mem.get(k, 0.0) for k in ("activations", "buffers"))
             total = mem.get("total", model_states + residual)
             over = total > device.usable_memory_bytes
-            rows.append([f"stage {rank}", *(fmt_gib(mem.get(k, 0.0)) for k in figures.MEMORY_KINDS),
-                         fmt_gib(model_states), fmt_gib(residual),
-                         Cell(fmt_gib(total), "flag" if over else "ok",
+            rows.append([f"stage {rank}", *(fmt_bytes(mem.get(k, 0.0)) for k in figures.MEMORY_KINDS),
+                         fmt_bytes(model_states), fmt_bytes(residual),
+                         Cell(fmt_bytes(total), "flag" if over else "ok",
                               title="over the usable memory" if over else "fits")])
         body.append(table(["pipeline rank", *figures.MEMORY_KINDS, "model states", "residual states", "total"], rows))
     else:
@@ -131,8 +131,8 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
         f"recomputation working set). Precision recipe {cfg.precision}: {recipe}. With ZeRO stage {cfg.zero} "
         f"over dp={cfg.dp}, each rank holds {params:g} + {grads:g} + {optimizer:g} = "
         f"{params + grads + optimizer:g} bytes of model states per parameter of its stage."))
-    body.append(paragraph(f"Device: {device.name}, {fmt_gib(device.memory_bytes)} of which "
-                          f"{fmt_gib(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
+    body.append(paragraph(f"Device: {device.name}, {fmt_bytes(device.memory_bytes)} of which "
+                          f"{fmt_bytes(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
                           "communication buffers).", "note"))
     if memory_timeline and any(memory_timeline):
         fig = figures.memory_over_time(memory_timeline, device.memory_bytes)
