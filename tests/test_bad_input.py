@@ -320,7 +320,8 @@ HF_CONFIGS = {
     # transformers words the reason itself, so only meshplan's part is checked.
     "heads_not_dividing": (json.dumps(dict(HF_SHAPE, num_attention_heads=3)), "HF config '"),
     "string_width": (json.dumps(dict(HF_SHAPE, hidden_size="x")), "HF config '"),
-    "zero_layers": (json.dumps(dict(HF_SHAPE, num_hidden_layers=0)), "num_hidden_layers must be at least 1, got 0"),
+    "zero_layers": (json.dumps(dict(HF_SHAPE, num_hidden_layers=0)), "num_hidden_layers must be between 1 and"),
+    "absurd_layers": (json.dumps(dict(HF_SHAPE, num_hidden_layers=10**12)), "num_hidden_layers must be between 1 and"),
     "unknown_architecture": (json.dumps(dict(HF_SHAPE, model_type="no_such_arch")), "transformers cannot read it"),
 }
 

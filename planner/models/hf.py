@@ -53,9 +53,12 @@ def _make_config(path_text: str, num_layers: int | None = None):
         config = transformers.AutoConfig.for_model(**data)
     except Exception as exc:  # noqa: BLE001 - transformers' own validation errors are not ValueErrors
         raise MeshplanError(f"HF config {path_text!r}: transformers cannot read it: {exc}") from None
+    from planner.models import MAX_PARAMETRIC_LAYERS
+
     layers = getattr(config, "num_hidden_layers", None)
-    if num_layers is None and isinstance(layers, int) and layers <= 0:
-        raise MeshplanError(f"HF config {path_text!r}: num_hidden_layers must be at least 1, got {layers}")
+    if num_layers is None and isinstance(layers, int) and not 1 <= layers <= MAX_PARAMETRIC_LAYERS:
+        raise MeshplanError(f"HF config {path_text!r}: num_hidden_layers must be between 1 and "
+                            f"{MAX_PARAMETRIC_LAYERS:,}, got {layers}")
     if num_layers is not None:
         config.num_hidden_layers = num_layers
         if isinstance(getattr(config, "layer_types", None), list):
