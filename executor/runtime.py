@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,9 +54,10 @@ def lr_at(step: int, total_steps: int, hp: Hyperparameters) -> float:
     return min_lr + 0.5 * (hp.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Runtime:
-    """What one rank holds for a plan (mutable: modules and optimizers change as it trains)."""
+    """What one rank holds for a plan. Frozen: the modules and optimizers inside change as it
+    trains, the set of them does not."""
 
     plan: Plan
     device: torch.device
@@ -64,14 +65,14 @@ class Runtime:
     pp_rank: int
     dp_rank: int
     tp_rank: int
-    chunk_ids: list[int]
-    stages: list  # StageModule per chunk
-    modules: list  # what runs: the StageModule, or its DDP wrapper
-    optimizers: list
+    chunk_ids: tuple[int, ...]
+    stages: tuple  # StageModule per chunk
+    modules: tuple  # what runs: the StageModule, or its DDP wrapper
+    optimizers: tuple
     dp_method: str
-    schedule: Any = None
-    tied_group: Any = None
-    norm_weights: list = field(default_factory=list)  # (param, 1 / how many ranks hold the same values)
+    norm_weights: tuple  # (param, 1 / how many ranks hold the same gradient values)
+    schedule: Any = None  # pipeline schedule when pp > 1
+    tied_group: Any = None  # (first stage, last stage) group for a tied embedding split by PP
 
     @property
     def holds_last_chunk(self) -> bool:
@@ -101,9 +102,8 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     tied = bool(built.config.tied_embeddings)
-    chunk_ids = list(range(pp_rank, cfg.num_model_chunks, cfg.pp))
-    layer_names = [layer.name for layer in plan.layers]
-    stages = split_stages(built.module, layer_names, plan.chunks(), chunk_ids)
+    chunk_ids = tuple(range(pp_rank, cfg.num_model_chunks, cfg.pp))
+    stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
     if cfg.tp > 1:
         for stage in stages:
             apply_tp(stage, mesh["tp"], cfg.sp)
@@ -117,24 +117,31 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
             if name != "embed":
                 apply_recompute(stage.layer(name), recompute[name])
     method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
-    mixed = cfg.precision == "bf16-mixed"
-    mp_policy = None
-    if mixed and method in ("fsdp", "replicate"):
+    mp_policy = _mixed_precision(stages, cfg.precision, method)
+    modules = tuple(apply_dp(stage, mesh["dp"], cfg.zero, method, mp_policy) for stage in stages)
+    schedule = tied_group = None
+    if cfg.pp > 1:
+        schedule = _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, built.loss_fn)
+        if tied:
+            tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp)
+    return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
+                   chunk_ids=chunk_ids, stages=tuple(stages), modules=modules,
+                   optimizers=tuple(_adamw(stage, hp) for stage in stages), dp_method=method,
+                   norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group)
+
+
+def _mixed_precision(stages, precision: str, method: str):
+    """bf16-mixed: FSDP2's policy (bf16 compute and gathers, fp32 gradient reduction, fp32
+    master weights) where FSDP or replicate wraps the chunk, autocast otherwise."""
+    if precision != "bf16-mixed":
+        return None
+    if method in ("fsdp", "replicate"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for stage in stages:
-        stage.autocast_dtype = torch.bfloat16 if mixed and mp_policy is None else None
-    modules = [apply_dp(stage, mesh["dp"], cfg.zero, method, mp_policy) for stage in stages]
-    runtime = Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
-                      chunk_ids=chunk_ids, stages=stages, modules=modules, optimizers=[], dp_method=method)
-    runtime.optimizers = [_adamw(stage, hp) for stage in stages]
-    runtime.norm_weights = _norm_weights(runtime, tied)
-    if cfg.pp > 1:
-        runtime.schedule = _pipeline_schedule(runtime, built.loss_fn)
-        if tied:
-            runtime.tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp)
-    return runtime
+        stage.autocast_dtype = torch.bfloat16
+    return None
 
 
 def _adamw(stage, hp: Hyperparameters):
@@ -147,7 +154,7 @@ def _adamw(stage, hp: Hyperparameters):
                              weight_decay=hp.weight_decay, foreach=foreach)
 
 
-def _norm_weights(runtime: Runtime, tied: bool) -> list:
+def _norm_weights(stages, cfg, tied: bool) -> tuple:
     """Per parameter, 1 / (number of ranks holding a copy of the same gradient values).
 
     Summing local squared-gradient sums times this weight over the whole world counts every
@@ -157,13 +164,13 @@ def _norm_weights(runtime: Runtime, tied: bool) -> list:
     """
     from torch.distributed.tensor import DTensor
 
-    cfg = runtime.plan.config
     names = {}
-    for stage in runtime.stages:
+    for stage in stages:
         for name, param in stage.named_parameters():
-            names[id(param)] = name
+            names.setdefault(id(param), name)
     weights = []
-    for param in runtime.parameters():
+    params = {id(p): p for stage in stages for p in stage.parameters()}
+    for param in params.values():
         num_shards = 1
         if isinstance(param, DTensor):
             for dim, placement in enumerate(param.placements):
@@ -174,7 +181,7 @@ def _norm_weights(runtime: Runtime, tied: bool) -> list:
         if tied and cfg.pp > 1 and names.get(id(param)) in TIED_NAMES:
             copies *= 2
         weights.append((param, 1.0 / copies))
-    return weights
+    return tuple(weights)
 
 
 def _tied_group(mesh, pp: int, dp: int, tp: int):
@@ -190,15 +197,14 @@ def _tied_group(mesh, pp: int, dp: int, tp: int):
     return mine
 
 
-def _pipeline_schedule(runtime: Runtime, loss_fn):
+def _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
                                                         ScheduleInterleaved1F1B)
 
-    cfg = runtime.plan.config
-    group = runtime.mesh["pp"].get_group()
-    stages = [PipelineStage(module, stage_index=chunk, num_stages=cfg.num_model_chunks, device=runtime.device,
-                            group=group) for module, chunk in zip(runtime.modules, runtime.chunk_ids)]
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(module, stage_index=chunk, num_stages=cfg.num_model_chunks, device=device,
+                            group=group) for module, chunk in zip(modules, chunk_ids)]
 
     def stage_loss(logits, targets):
         return loss_fn(logits, (targets,))

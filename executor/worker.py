@@ -64,30 +64,40 @@ def job_from_json(data: dict) -> Job:
 
 def run_job(job: Job, device) -> None:
     """Train one job on the already initialised default process group (collective)."""
-    import torch
     import torch.distributed as dist
 
-    from executor.checkpoint import load_checkpoint, newest_complete, save_checkpoint
-    from executor.data import global_batch, make_source, replica_slice
-    from executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
-    from executor.runtime import Hyperparameters, build_runtime, train_step
+    from executor.checkpoint import load_checkpoint, newest_complete
+    from executor.data import make_source
+    from executor.runtime import Hyperparameters, build_runtime
     from executor.validate import check_plan_runnable
     from planner.plan import load_plan
 
     plan = load_plan(job.plan_path)
     check_plan_runnable(plan, dist.get_world_size())
-    cfg = plan.config
     seed = plan.seed if job.seed is None else job.seed
     hp = Hyperparameters() if job.lr is None else Hyperparameters(lr=job.lr)
     runtime = build_runtime(plan, device, hp, seed)
     source = make_source(job.data, _vocab_of(plan), plan.model.seq, seed)
+    # torchrun restarted the workers after a failure: continue from the newest complete checkpoint
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    start_step, losses, times = 0, [], []
     newest = newest_complete(job.checkpoint_dir) if (job.resume or restarted) else None
-    if newest is not None:
-        start_step, history = load_checkpoint(runtime, newest[1])
-        losses, times = [h[0] for h in history], [h[1] for h in history]
-    rank = dist.get_rank()
+    start_step, history = load_checkpoint(runtime, newest[1]) if newest is not None else (0, [])
+    history, peak_bytes, memory_source = _train_loop(job, runtime, source, hp, start_step, [tuple(h) for h in history])
+    _write_measurement(job, runtime, history, peak_bytes, memory_source, start_step)
+
+
+def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tuple[float, float]]):
+    """Steps start_step..steps-1; returns (loss, time) of every step and this rank's peak memory."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.checkpoint import save_checkpoint
+    from executor.data import global_batch, replica_slice
+    from executor.runtime import train_step
+
+    cfg, device, rank = runtime.plan.config, runtime.device, dist.get_rank()
+    # Live-tensor tracking slows its step, so it runs on the second step of the attempt (a
+    # warm-up step in a fresh run) once optimizer states exist.
     memory_step = min(start_step + 1, job.steps - 1)
     peak_bytes, memory_source = 0, "none"
     if device.type == "cuda":
@@ -102,15 +112,24 @@ def run_job(job: Job, device) -> None:
         else:
             loss, _ = train_step(runtime, step, job.steps, inputs, targets, hp)
         loss_value, step_time_s = _agree(runtime, loss, time.perf_counter() - started)
-        losses.append(loss_value)
-        times.append(step_time_s)
+        history.append((loss_value, step_time_s))
         _heartbeat(job.run_dir, rank, step + 1)
         if rank == 0:
             print(f"step {step + 1}/{job.steps} loss {loss_value:.6f} time {step_time_s * 1e3:.1f} ms", flush=True)
         if job.checkpoint_every and (step + 1) % job.checkpoint_every == 0:
-            save_checkpoint(runtime, job.checkpoint_dir, step + 1, list(zip(losses, times)))
+            save_checkpoint(runtime, job.checkpoint_dir, step + 1, history)
     if device.type == "cuda":
         peak_bytes, memory_source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    return history, peak_bytes, memory_source
+
+
+def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_source: str, start_step: int) -> None:
+    import torch.distributed as dist
+
+    from executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
+
+    plan, cfg = runtime.plan, runtime.plan.config
+    losses, times = [h[0] for h in history], [h[1] for h in history]
     peaks = _gather_ints(runtime, peak_bytes)
     warmup = min(2, len(times) - 1) if len(times) > 1 else 0
     tokens_per_step = cfg.global_batch * plan.model.seq
@@ -118,9 +137,9 @@ def run_job(job: Job, device) -> None:
         world_size=dist.get_world_size(), plan_digest=plan.digest, step_times_s=tuple(times), warmup_steps=warmup,
         peak_memory_bytes_per_rank=tuple(peaks), losses=tuple(losses),
         tokens_per_s=tokens_per_s(times, warmup, tokens_per_step), tokens_per_step=tokens_per_step,
-        memory_source=memory_source, precision=cfg.precision, backend=dist.get_backend(), device=str(device.type),
-        resumed_from_step=start_step, host=host_info(), versions=software_versions())
-    if rank == 0:
+        memory_source=memory_source, precision=cfg.precision, backend=dist.get_backend(),
+        device=runtime.device.type, resumed_from_step=start_step, host=host_info(), versions=software_versions())
+    if dist.get_rank() == 0:
         Path(job.out).parent.mkdir(parents=True, exist_ok=True)
         save_measurement(measurement, job.out)
     dist.barrier()
