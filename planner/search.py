@@ -26,10 +26,13 @@ from planner.cost_tables import CostTable, build_cost_table
 from planner.errors import MeshplanError
 from planner.solve import PipelineShape, StageProblem, StageSolution, solve_stages
 
-MAX_VIRTUAL_STAGES = 8
+# Interleaving deeper than this rarely pays (each extra virtual stage adds transfers) and its
+# ILPs, with up to pp*v chunks, are the slowest to prove optimal. Pin --vpp for more.
+MAX_VIRTUAL_STAGES = 4
 # Candidates solved between two pruning decisions: fixed, so the result does not depend on the
 # number of worker processes.
 SOLVE_BATCH = 4
+MEMORY_MARGIN = 1e-3
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,8 @@ def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, 
         out.append(("gpipe", 1))
     rounds = max(1, m // pp)
     if wanted in (None, "interleaved") and m % pp == 0 and m % rounds == 0:
-        for vpp in range(2, MAX_VIRTUAL_STAGES + 1):
-            if pp * vpp <= num_layers and (pins.vpp is None or vpp == pins.vpp):
+        for vpp in range(2, max(MAX_VIRTUAL_STAGES, pins.vpp or 0) + 1):
+            if pp * vpp <= num_layers and (vpp == pins.vpp or (pins.vpp is None and vpp <= MAX_VIRTUAL_STAGES)):
                 out.append(("interleaved", vpp))
     return out
 
@@ -267,7 +270,7 @@ class Ranked:
 
 def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, pins: Pins | None = None,
                 top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
-                layerwise: bool = False, time_limit_s: float = 10.0, seed: int = 0, workers: int = 2,
+                layerwise: bool = False, time_limit_s: float = 4.0, seed: int = 0, workers: int = 2,
                 num_rerank: int | None = None, max_mbs: int = 16, progress: bool = False, graph=None,
                 **pin_kwargs):
     """The fastest plan that fits; see the module docstring. Pins may be given as keywords."""
@@ -289,7 +292,9 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, max_mbs)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, cluster, gpus, global_batch, pins))
-    limit = usable_memory_bytes(cluster)
+    # The ILP plans against a hair less than the usable memory, so the simulator's replay of the
+    # same plan (its own rounding of buffers and timing) still fits.
+    limit = usable_memory_bytes(cluster) * (1 - MEMORY_MARGIN)
     problems, memory_pruned, tables = _problems(graph, cluster, candidates, global_batch, precision, pins,
                                                  limit, layerwise, time_limit_s)
     num_keep = num_rerank or max(2 * top_k, 6)
