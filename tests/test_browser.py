@@ -63,6 +63,7 @@ def _png_gray_pixels(png: bytes) -> list[int]:
 
 @pytest.fixture(scope="module")
 def driver():
+    pytest.importorskip("selenium", reason="selenium is in the dev extra: pip install -e '.[dev]'")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
