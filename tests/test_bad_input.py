@@ -63,41 +63,52 @@ def _is_bad_positive(value) -> bool:
             or value <= 0)
 
 
-def _apply(data: dict, mutation) -> tuple[str, bool]:
-    """Apply one mutation; return (the field name it touched, whether it must be refused)."""
+def _apply(data: dict, mutation) -> tuple[tuple[str, ...], bool]:
+    """Apply one mutation; return (the path it changed, () if none, and whether it must be refused)."""
     action, path, value = mutation
     parent = data
     for key in path[:-1] if action != "unknown" else path:
         if not isinstance(parent.get(key), dict):
-            return "", False  # an earlier mutation removed or replaced this table
+            return (), False  # an earlier mutation removed or replaced this table
         parent = parent[key]
     if action == "unknown":
         parent[value] = 1.0
-        return value, True
+        return path + (value,), True
     if path[-1] not in parent:
-        return "", False
+        return (), False
     if action == "delete":
         del parent[path[-1]]
-        return path[-1], path in REQUIRED
+        return path, path in REQUIRED
     parent[path[-1]] = value
-    must_fail = path in POSITIVE and _is_bad_positive(value)
-    return path[-1], must_fail
+    return path, path in POSITIVE and _is_bad_positive(value)
+
+
+def _apply_all(data: dict, mutations) -> dict[tuple[str, ...], bool]:
+    """Apply mutations in order; {changed path: must be refused} for the changes still in the file
+    (a later change to the same field or to a table above it replaces an earlier one)."""
+    effective: dict[tuple[str, ...], bool] = {}
+    for mutation in mutations:
+        path, must_fail = _apply(data, mutation)
+        if path:
+            effective = {p: fail for p, fail in effective.items() if p[:len(path)] != path}
+            effective[path] = must_fail
+    return effective
 
 
 @fast(40)
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=3))
 def test_broken_cluster_files_exit_2_naming_file_and_field(run_cli, tmp_path, mutations):
     data = base_cluster()
-    touched = [_apply(data, mutation) for mutation in mutations]
+    effective = _apply_all(data, mutations)
     path = tmp_path / "cluster.toml"
     path.write_text(toml_text(data))
     code, out, err = run_cli("estimate", "--model", SMALL, "--seq", SEQ, "--cluster", path, "--gpus", 1,
                              "--gbs", 2, "--json")
     assert_clean("estimate", code, err)
-    if any(must_fail for _, must_fail in touched):
+    if any(effective.values()):
         assert code == 2, f"{mutations} was accepted"
         assert str(path) in err
-        assert any(name and name in err for name, _ in touched), err
+        assert any(changed[-1] in err for changed in effective), err
         assert re.search(r"must|missing|unknown|not supported|fraction", err), err
     if code == 0:
         assert json.loads(out)["step_time_s"] > 0
