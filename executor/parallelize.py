@@ -66,7 +66,7 @@ def split_stages(model: nn.Module, layer_names: list[str], chunks: list[list[int
 def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
     """Megatron-LM TP: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
     embedding (row-wise: each rank holds 1/tp of the vocabulary rows, outputs are summed) and
-    head (column-wise over the vocabulary, logits gathered so the loss sees the full softmax).
+    head (column-wise over the vocabulary) with a vocab-parallel loss: logits are never gathered.
 
     With sequence parallelism the residual stream between blocks is sharded along the sequence,
     norms run as `SequenceParallel`, and the embedding output / head input are converted at the
@@ -97,10 +97,12 @@ def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
             parallelize_module(stage.embed, tp_mesh, PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1)))
     if stage.head is not None:
-        head_plan = {"proj": ColwiseParallel(output_layouts=Replicate())}
+        # Logits stay sharded over the vocabulary (a DTensor); the loss runs under `loss_parallel`.
+        head_plan = {"proj": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
         if sp:
             head_plan["norm"] = SequenceParallel()
-            head_plan["proj"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+            head_plan["proj"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                use_local_output=False)
         parallelize_module(stage.head, tp_mesh, head_plan)
     if stage.embed is not None and stage.head is not None and stage.tied_embeddings:
         stage.head.proj.weight = stage.embed.tok.weight  # distributing the weights untied them

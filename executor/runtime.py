@@ -236,13 +236,31 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
     return loss, grad_norm
 
 
+def _loss_context(runtime: Runtime):
+    """Under TP the logits are sharded over the vocabulary: cross entropy (forward and backward)
+    must run inside `loss_parallel`, which reduces the softmax statistics across TP ranks."""
+    if runtime.plan.config.tp == 1:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _scalar(loss) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+
+
 def _pipeline_forward_backward(runtime: Runtime, inputs, targets):
     losses: list = []
     args = (inputs.to(runtime.device),) if runtime.holds_first_chunk else ()
-    if runtime.holds_last_chunk:
-        runtime.schedule.step(*args, target=targets.to(runtime.device), losses=losses)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
-    runtime.schedule.step(*args)
+    with _loss_context(runtime):
+        if runtime.holds_last_chunk:
+            runtime.schedule.step(*args, target=targets.to(runtime.device), losses=losses)
+            return torch.stack([_scalar(loss) for loss in losses]).mean()
+        runtime.schedule.step(*args)
     return None
 
 
@@ -257,10 +275,10 @@ def _forward_backward(runtime: Runtime, inputs, targets):
     total = torch.zeros((), device=runtime.device)
     for index, (x, y) in enumerate(zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches))):
         last = index == num_microbatches - 1
-        with _gradient_sync(runtime, module, sync=last or not defer_sync):
+        with _gradient_sync(runtime, module, sync=last or not defer_sync), _loss_context(runtime):
             loss = lm_loss(module(x.to(runtime.device)), y.to(runtime.device))
             (loss / num_microbatches).backward()
-        total += loss.detach().float()
+        total += _scalar(loss)
     return total / num_microbatches
 
 
