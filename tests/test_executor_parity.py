@@ -51,6 +51,8 @@ FOUR_PROCESS = {
     "pp2-dp2-zero2-gpipe": dict(pp=2, dp=2, microbatch_size=2, zero=2, schedule="gpipe"),
     "pp2-tp2": dict(pp=2, tp=2, microbatch_size=2),
     "pp2-tp2-sp": dict(pp=2, tp=2, microbatch_size=2, sp=True),
+    "pp2-tp2-interleaved-selective": dict(pp=2, tp=2, microbatch_size=2, schedule="interleaved",
+                                          virtual_stages=2, recompute="selective"),
     "dp2-tp2-sp-zero2": dict(dp=2, tp=2, microbatch_size=2, sp=True, zero=2),
     # every schedule meets every data-parallel wrapper at least once
     "pp2-dp2-zero0-gpipe": dict(pp=2, dp=2, microbatch_size=2, schedule="gpipe"),
