@@ -59,21 +59,19 @@ def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, step
             "error": (predicted_s - measured_s) / measured_s, "breakdown": plan.prediction.get("breakdown") or {}}
 
 
-def _best_and_median_s(fn, reps: int) -> tuple[float, float]:
-    times = []
-    for _ in range(reps):
-        start_s = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start_s)
-    return min(times), statistics.median(times)
+def _timed_s(fn) -> float:
+    start_s = time.perf_counter()
+    fn()
+    return time.perf_counter() - start_s
 
 
 def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     """One process, no parallelism: the cost model's compute and optimizer terms vs plain torch.
 
-    A concurrent matmul measures how much of the calibrated speed this process gets right now (other
-    jobs on the machine slow everything alike), so a term off by more than that factor is the term
-    to fix.
+    Other jobs on a shared machine slow everything alike, so each repetition also times a block
+    of 512x512 matmuls worth ~50 ms at the calibrated speed, right after the terms: its slowdown
+    is the share of the CPU this process had. `load-normalised` = measured / predicted x that
+    share; a term whose normalised ratio is far from 1 is the cost-model term to fix.
     """
     import torch
 
@@ -90,28 +88,39 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     predicted = simulate_config(graph, cluster, config).breakdown
     built = build_model(MODEL, SEQ, tp=1, device="cpu")
     model, tokens = built.module, built.example_inputs[0].repeat(microbatch_size, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # as the executor builds it (unfused)
+    size = 512
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    calibrated_flops = cluster.device.peak_flops("fp32") * cluster.device.matmul_efficiency
+    num_matmuls = max(1, round(0.05 * calibrated_flops / (2 * size**3)))
+    block_calibrated_s = num_matmuls * 2 * size**3 / calibrated_flops
 
     def forward_backward():
         built.loss_fn(model(tokens), (tokens,)).backward()
 
+    def matmul_block():
+        for _ in range(num_matmuls):
+            a @ b
+
     forward_backward()
     optimizer.step()
-    fwd_bwd_best_s, fwd_bwd_median_s = _best_and_median_s(forward_backward, reps)
-    opt_best_s, opt_median_s = _best_and_median_s(optimizer.step, reps)
-    size = 512
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    matmul_best_s, _ = _best_and_median_s(lambda: a @ b, 20)
-    calibrated_flops = cluster.device.peak_flops("fp32") * cluster.device.matmul_efficiency
-    share = 2 * size**3 / matmul_best_s / calibrated_flops
-    print(f"\nterm check, 1 process, micro-batch {microbatch_size}: this process gets {share:.0%} of the "
-          f"calibrated matmul speed right now")
-    print(f"{'term':<22} {'predicted ms':>12} {'best ms':>9} {'median ms':>10} {'best/predicted':>15}")
-    for term, predicted_s, best_s, median_s in (
-            ("forward+backward", predicted.get("compute", 0.0), fwd_bwd_best_s, fwd_bwd_median_s),
-            ("optimizer (AdamW)", predicted.get("optimizer", 0.0), opt_best_s, opt_median_s)):
-        ratio = best_s / predicted_s if predicted_s > 0 else float("inf")
-        print(f"{term:<22} {predicted_s * 1e3:>12.1f} {best_s * 1e3:>9.1f} {median_s * 1e3:>10.1f} {ratio:>14.1f}x")
+    samples = {"forward+backward": [], "optimizer (AdamW)": []}
+    shares = []
+    for _ in range(reps):
+        fwd_bwd_s, opt_s = _timed_s(forward_backward), _timed_s(optimizer.step)
+        share = min(1.0, block_calibrated_s / _timed_s(matmul_block))
+        shares.append(share)
+        samples["forward+backward"].append((fwd_bwd_s, share))
+        samples["optimizer (AdamW)"].append((opt_s, share))
+    print(f"\nterm check, 1 process, micro-batch {microbatch_size}: this process had "
+          f"{min(shares):.0%}..{max(shares):.0%} of the calibrated matmul speed")
+    print(f"{'term':<20} {'predicted ms':>12} {'median ms':>10} {'measured/predicted':>19} {'load-normalised':>16}")
+    for term, key in (("forward+backward", "compute"), ("optimizer (AdamW)", "optimizer")):
+        predicted_s = predicted.get(key, 0.0)
+        measured_s = statistics.median(t for t, _ in samples[term])
+        normalised = statistics.median(t * share / predicted_s for t, share in samples[term]) if predicted_s else 0.0
+        print(f"{term:<20} {predicted_s * 1e3:>12.1f} {measured_s * 1e3:>10.1f} {measured_s / predicted_s:>18.1f}x "
+              f"{normalised:>15.1f}x")
 
 
 def print_rows(rows: list[dict], bounded: bool) -> None:

@@ -104,9 +104,12 @@ def timeline_gantt(intervals: Sequence, step_time_s: float) -> go.Figure:
                   annotation_text=f"step {step_time_s * 1e3:.2f} ms")
     order = [labels[rs] for rs in rows]
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(order)))
-    return _layout(fig, "Simulated timeline of one step (grey = idle: pipeline bubble and waits)",
-                   max(260, 40 + 26 * len(rows)), barmode="overlay", xaxis_title="ms",
-                   legend_orientation="h", legend_y=-0.2)
+    _layout(fig, "Simulated timeline of one step (grey = idle: pipeline bubble and waits)",
+            max(300, 120 + 26 * len(rows)), barmode="overlay", xaxis_title="time in the step (ms)")
+    # The legend goes above the plot: below it, it would collide with the axis title.
+    fig.update_layout(legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0),
+                      margin=dict(t=80))
+    return fig
 
 
 def memory_over_time(memory_timeline: Sequence[Sequence[Sequence[float]]], capacity_bytes: float) -> go.Figure:
