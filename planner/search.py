@@ -443,10 +443,12 @@ def infeasible_message(graph, cluster, gpus, global_batch, precision, pins, cand
     need = min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins)
     gib = 2.0 ** 30
     text = (f"no plan of {graph.spec!r} fits on {gpus} x {cluster.device.name} "
-            f"({limit / gib:.3g} GiB usable per GPU) with global batch {global_batch}")
+            f"({limit / gib:.3f} GiB usable per GPU) with global batch {global_batch}")
     if math.isfinite(need):
-        text += (f"; the leanest plan needs {need / gib:.3g} GiB per GPU, i.e. devices with at least "
-                 f"{(need + reserved) / gib:.3g} GiB of memory")
+        need /= 1 - MEMORY_MARGIN  # what the planner must be given to accept that plan
+        # Rounded up, so the figure printed is itself enough.
+        text += (f"; the leanest plan needs {math.ceil(need / gib * 1000) / 1000:.3f} GiB per GPU, i.e. devices "
+                 f"with at least {math.ceil((need + reserved) / gib * 1000) / 1000:.3f} GiB of memory")
     more = _smallest_gpu_count(graph, cluster, gpus, global_batch, precision, pins, max_mbs, limit)
     if more:
         text += f"; or use at least {more} GPUs (--gpus {more})"

@@ -128,7 +128,7 @@ class StageProblem:
     # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
     # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator
     # re-ranks the top candidates anyway.
-    mip_rel_gap: float = 1e-3
+    mip_rel_gap: float = 2e-3
     # Stop as soon as no assignment can have an objective below this (the outer search passes
     # the objective a candidate must beat to matter); status "cutoff" then.
     cutoff_s: float | None = None
@@ -186,8 +186,10 @@ def live_vectors(shape: PipelineShape, rank: int) -> list[tuple[int, ...]]:
                   if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in peaks))
 
 
-def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer):
-    """(objective_s, chunk_time_s, rank_mem_bytes) of one assignment, by the formulas above."""
+def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
+    """(objective_s, chunk_time_s, rank_mem_bytes) of one assignment, by the formulas above.
+
+    `peaks`: `live_vectors` of every rank, if already computed."""
     table, shape = problem.table, problem.shape
     pp, num_chunks, v, m = shape.num_stages, shape.num_chunks, shape.virtual_stages, shape.num_microbatches
     chunk_time = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
@@ -213,7 +215,8 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer):
     objective = slowest_weight * slowest + sum_weight * sum(rank_time) + max(exposed)
     rank_mem = []
     for r in range(pp):
-        act = max(sum(live[j] * chunk_act[j * pp + r] for j in range(v)) for live in live_vectors(shape, r))
+        rank_peaks = peaks[r] if peaks is not None else live_vectors(shape, r)
+        act = max(sum(live[j] * chunk_act[j * pp + r] for j in range(v)) for live in rank_peaks)
         rank_mem.append(static[r] + act + buffer[r])
     return objective, tuple(chunk_time), tuple(rank_mem)
 
@@ -336,7 +339,9 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     for c in range(num_chunks):
         model.lp += pulp.lpSum(counts[c]) <= fullest, f"run_fullest_{c}"
     chunk_const = _chunk_constants(model, has_first, has_last)
-    model.count_cuts.append((fullest, min(o.time_s for o in options), min(chunk_const)))
+    fastest_s = min(o.time_s for o in options)
+    model.count_cuts.append((fullest, fastest_s, min(chunk_const)))
+    model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
     _add_run_rank_count_cuts(model, counts, options, count, chunk_const)
     _add_run_reshard_terms(model, counts, options, count)
     _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
@@ -351,6 +356,17 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                     layer += 1
         assert layer == first + count, f"decoded {layer - first} of {count} run layers"
     model.decoders.append(decode)
+
+
+def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float]) -> float:
+    """A constant no chunk maximum can beat: with K0 = ceil(N / C), either some chunk holds
+    K0 + 1 run layers, or at least N - C (K0 - 1) chunks hold K0, the costliest of which has at
+    least the (N - C (K0 - 1))-th smallest fixed time."""
+    num_chunks = len(chunk_const)
+    base = -(-count // num_chunks)
+    at_base = count - num_chunks * (base - 1)
+    ordered = sorted(chunk_const)
+    return min(base * fastest_s + ordered[at_base - 1], (base + 1) * fastest_s + ordered[0])
 
 
 def _chunk_constants(model: _Model, has_first: bool, has_last: bool) -> list[float]:
@@ -590,7 +606,11 @@ def solve_stages(problem: StageProblem) -> StageSolution:
         raise ValueError("the compact formulation needs one run of identical layers between at most one "
                          "first and one last layer")
     model = _build_model(problem, structure if use_compact else None)
-    status, gap, backend = _run_solver(model.lp, problem)
+    start = None
+    if use_compact and problem.objective == "time":
+        found = heuristic_start(problem, structure)
+        start = _start_values(model.lp, found) if found is not None else None
+    status, gap, backend = _run_solver(model.lp, problem, start)
     formulation = "compact" if use_compact else "per-layer"
     if status not in ("optimal", "time_limit"):
         return StageSolution(status=status, formulation=formulation, backend=backend,
@@ -609,6 +629,82 @@ def solve_stages(problem: StageProblem) -> StageSolution:
                          model_objective=float(model.lp.objective.value()))
 
 
+def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
+    """A feasible compact assignment to start the MIP from, or None: run layers spread so chunk
+    times are even (fastest option), then, rank by rank while over the memory limit, the layer
+    in the chunk with the most live micro-batches switched to the leanest option."""
+    table, shape = problem.table, problem.shape
+    first, count, type_index = structure
+    options = table.types[type_index].options
+    fast = min(range(len(options)), key=lambda o: (options[o].time_s, o))
+    lean = min(range(len(options)), key=lambda o: (options[o].act_bytes, options[o].time_s, o))
+    num_chunks, pp = shape.num_chunks, shape.num_stages
+    const = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
+    if first == 1:
+        const[0] += table.types[table.layer_type[0]].min_time_s()
+    if first + count < table.num_layers:
+        const[-1] += table.types[table.layer_type[-1]].min_time_s()
+    pinned = {0} if first == 1 else set()
+    pinned |= {num_chunks - 1} if first + count < table.num_layers else set()
+    peaks = [live_vectors(shape, r) for r in range(pp)]
+    weight = [max(live[c // pp] for live in peaks[c % pp]) for c in range(num_chunks)]
+    counts = [[0] * len(options) for _ in range(num_chunks)]
+    for c in range(num_chunks):
+        if c not in pinned:
+            counts[c][fast] = 1
+    if sum(map(sum, counts)) > count:
+        return None
+
+    def chunk_s(c):
+        return const[c] + sum(n * options[o].time_s for o, n in enumerate(counts[c]))
+    for _ in range(count - sum(map(sum, counts))):  # extra layers where they hold fewest micro-batches
+        c = min(range(num_chunks), key=lambda c: (chunk_s(c) + options[fast].time_s, weight[c], c))
+        counts[c][fast] += 1
+    pinned_options = {layer: min(range(len(table.types[table.layer_type[layer]].options)),
+                                 key=lambda o: table.types[table.layer_type[layer]].options[o].act_bytes)
+                      for layer in range(table.num_layers) if not first <= layer < first + count}
+    for _ in range(count + 1):
+        chunks, chosen = _expand(counts, first, table.num_layers, num_chunks, pinned_options)
+        _, _, memory = evaluate_assignment(problem, chunks, chosen, peaks)
+        over = [r for r in range(pp) if problem.mem_limit_bytes is not None and memory[r] > problem.mem_limit_bytes]
+        if not over:
+            return counts, pinned_options
+        movable = [c for c in range(over[0], num_chunks, pp) if any(counts[c][o] for o in range(len(options)) if o != lean)]
+        if not movable:
+            return None
+        slowest = max(chunk_s(c) for c in range(num_chunks))
+        extra = options[lean].time_s - options[fast].time_s
+        # Prefer chunks with room below the slowest, then the most live micro-batches.
+        c = min(movable, key=lambda c: (chunk_s(c) + extra > slowest, -weight[c], c))
+        o = next(o for o in range(len(options)) if o != lean and counts[c][o])
+        counts[c][o] -= 1
+        counts[c][lean] += 1
+    return None
+
+
+def _expand(counts, first: int, num_layers: int, num_chunks: int, pinned_options: dict[int, int]):
+    chunks, chosen = [0] * num_layers, [0] * num_layers
+    for layer, option in pinned_options.items():
+        chunks[layer], chosen[layer] = (0 if layer < first else num_chunks - 1), option
+    layer = first
+    for c, row in enumerate(counts):
+        for o, n in enumerate(row):
+            for _ in range(n):
+                chunks[layer], chosen[layer] = c, o
+                layer += 1
+    return chunks, chosen
+
+
+def _start_values(lp, start) -> dict[str, float]:
+    """Variable name -> value of a heuristic start (integer decisions only; HiGHS completes it)."""
+    counts, pinned_options = start
+    values = {f"n_{c}_{o}": float(n) for c, row in enumerate(counts) for o, n in enumerate(row)}
+    for layer, option in pinned_options.items():
+        names = [name for name in lp.variablesDict() if name.startswith(f"w_{layer}_")]
+        values.update({name: float(name == f"w_{layer}_{option}") for name in names})
+    return values
+
+
 @contextlib.contextmanager
 def _quiet_stdout():
     """Point file descriptor 1 at /dev/null (C-level prints included), then restore it."""
@@ -624,12 +720,26 @@ def _quiet_stdout():
         os.close(devnull)
 
 
-def _run_solver(lp, problem: StageProblem) -> tuple[str, float, str]:
-    """Solve with HiGHS (highspy, in process) or CBC; return (real status, relative gap, backend)."""
+def _run_solver(lp, problem: StageProblem, start: dict[str, float] | None = None) -> tuple[str, float, str]:
+    """Solve with HiGHS (highspy, in process) or CBC; return (real status, relative gap, backend).
+
+    `start`: values of some integer variables by name, handed to HiGHS as a partial solution."""
     import pulp
 
+    class _HighsWithStart(pulp.HiGHS):
+        def callSolver(self, lp_):
+            if start:
+                import numpy as np
+
+                index = {var.name: var.index for var in lp_.variables()}
+                names = [name for name in start if name in index]
+                lp_.solverModel.setSolution(len(names), np.array([index[n] for n in names], dtype=np.int32),
+                                            np.array([start[n] for n in names], dtype=np.float64))
+            super().callSolver(lp_)
+
     options = {} if problem.cutoff_s is None else {"objective_bound": float(problem.cutoff_s)}
-    highs = pulp.HiGHS(msg=False, timeLimit=problem.time_limit_s, threads=1, gapRel=problem.mip_rel_gap, **options)
+    highs = _HighsWithStart(msg=False, timeLimit=problem.time_limit_s, threads=1, gapRel=problem.mip_rel_gap,
+                            **options)
     if problem.backend == "highs" and highs.available():
         with _quiet_stdout():  # HiGHS prints its banner on stdout once per process, despite msg=False
             lp.solve(highs)

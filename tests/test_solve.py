@@ -180,7 +180,8 @@ def test_compact_formulation_plans_80_blocks_quickly():
     problem = StageProblem(table, PipelineShape(8, 64), formulation="compact")
     lean = solve_stages(replace(problem, objective="memory")).objective_s
     solution = solve_stages(replace(problem, mem_limit_bytes=lean * 1.5))
-    assert solution.status == "optimal" and solution.formulation == "compact" and solution.gap <= 1e-3
+    assert solution.status == "optimal" and solution.formulation == "compact"
+    assert solution.gap <= problem.mip_rel_gap + 1e-12
     assert solution.solve_time_s < 10.0  # measured ~2 s; generous for a shared 2-core machine
     assert sorted(set(solution.chunk_of_layer)) == list(range(8))
     assert max(solution.rank_mem_bytes) <= lean * 1.5 * (1 + 1e-6)
@@ -289,13 +290,13 @@ def test_infeasible_request_says_what_would_work(small_graph):
     with pytest.raises(MeshplanError) as err:
         run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=2, gbs=8)
     message = str(err.value)
-    # Both answers: the memory that would do on 2 GPUs (printed to 3 digits), and a GPU count.
+    # Both answers: the memory that would do on 2 GPUs (rounded up to 1/1000 GiB), and a GPU count.
     needed_gib = float(message.split("needs ")[1].split(" GiB")[0])
-    assert needed_gib == pytest.approx(lean_2 / 2**30, rel=5e-3)
+    assert needed_gib == pytest.approx(lean_2 / 2**30, rel=2e-3)  # the planner's 0.1% margin, rounding
     more_gpus = int(message.split("--gpus ")[1].split(")")[0])
     assert more_gpus in (4, 8)
-    # Both really work.
-    assert run_plan(small_graph, cluster_with_memory(lean_2 * 1.001), gpus=2, gbs=8, top_k=1).prediction["fits"]
+    # Both really work, with exactly the memory printed.
+    assert run_plan(small_graph, cluster_with_memory(needed_gib * 2**30), gpus=2, gbs=8, top_k=1).prediction["fits"]
     assert run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=more_gpus, gbs=8, top_k=1).prediction["fits"]
 
 
