@@ -116,6 +116,9 @@ def run_demo(config: DemoConfig = DemoConfig(), cli_main: CliMain | None = None,
     if cli_main is None:
         from planner.cli import main as cli_main
     result = DemoResult()
+    say(f"[demo] meshplan demo into {config.out_dir}: calibrate, profile, plan, train and report "
+        f"{config.small_model} on {config.num_local_processes} local processes, then plan {config.large_model} "
+        f"on {config.large_gpus} GPUs of {config.large_cluster} (a few minutes)")
     start_s = time.perf_counter()
     result.small_report = run_local_loop(config, cli_main, result, say)
     result.large_report = run_large_plan(config, cli_main, result, say)
