@@ -82,6 +82,9 @@ def run_job(job: Job, device) -> None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     newest = newest_complete(job.checkpoint_dir) if (job.resume or restarted) else None
     start_step, history = load_checkpoint(runtime, newest[1]) if newest is not None else (0, [])
+    if dist.get_rank() == 0 and job.checkpoint_dir and (job.resume or restarted):
+        print(f"resuming after step {start_step} from {newest[1]}" if newest is not None else
+              f"no complete checkpoint in {job.checkpoint_dir}: starting from step 0", flush=True)
     history, peak_bytes, memory_source = _train_loop(job, runtime, source, hp, start_step, [tuple(h) for h in history])
     _write_measurement(job, runtime, history, peak_bytes, memory_source, start_step)
 
