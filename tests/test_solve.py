@@ -322,3 +322,12 @@ def test_layerwise_plan_is_marked_not_executable(small_graph):
         assert not result.executable and "layerwise" in result.not_executable_reason
     else:
         assert result.executable
+
+
+@pytest.mark.parametrize("schedule,pp,m,vpp", [("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1), ("interleaved", 4, 8, 2),
+                                                ("interleaved", 4, 16, 4), ("interleaved", 8, 8, 4)])
+def test_objective_bubble_is_what_the_simulator_plays(schedule, pp, m, vpp):
+    """For balanced stages the ILP's (m - 1/v) T + p T / v equals the simulated schedule exactly."""
+    from planner.solve import pipeline_factor
+
+    assert pipeline_factor(schedule, pp, m, vpp) == pytest.approx(m + (pp - 1) / vpp, rel=1e-12)
