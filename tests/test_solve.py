@@ -331,3 +331,13 @@ def test_objective_bubble_is_what_the_simulator_plays(schedule, pp, m, vpp):
     from planner.solve import pipeline_factor
 
     assert pipeline_factor(schedule, pp, m, vpp) == pytest.approx(m + (pp - 1) / vpp, rel=1e-12)
+
+
+def test_cbc_fallback_agrees_with_highs():
+    table = random_table(random.Random(21), num_blocks=5)
+    problem = StageProblem(table, PipelineShape(2, 4), formulation="per-layer", mip_rel_gap=1e-9)
+    limit = solve_stages(replace(problem, objective="memory")).objective_s * 1.3
+    highs = solve_stages(replace(problem, mem_limit_bytes=limit))
+    cbc = solve_stages(replace(problem, mem_limit_bytes=limit, backend="cbc"))
+    assert cbc.backend == "cbc" and cbc.status == "optimal"
+    assert cbc.objective_s == pytest.approx(highs.objective_s, rel=REL_TOL)
