@@ -39,7 +39,7 @@ def prediction(step_time_s: float, pp: int, fits: bool = True, params_gib: float
 def make_plan(spec: str = "gpt:layers=4,hidden=64,heads=4,vocab=128", num_blocks: int = 4, pp: int = 2,
               dp: int = 2, tp: int = 2, step_time_s: float = 0.5, with_alternatives: bool = True) -> Plan:
     config = ParallelConfig(gpus=pp * dp * tp, global_batch=16, tp=tp, pp=pp, dp=dp, microbatch_size=1)
-    names = ["embedding"] + [f"block.{i}" for i in range(num_blocks)] + ["head"]
+    names = ["embed"] + [f"blocks.{i}" for i in range(num_blocks)] + ["head"]  # the zoo's layer names
     per_stage = -(-len(names) // pp)
     layers = tuple(LayerAssignment(name=name, stage=min(i // per_stage, pp - 1), tp=tp, dp=dp,
                                    recompute="full" if i % 3 == 1 else "none",

@@ -92,11 +92,13 @@ def test_broken_plans_are_refused_before_anything_launches(run_cli, tmp_path, ba
     STRUCTURAL[kind](plan, index)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(plan))
-    for command in (["simulate", "--plan", path], ["train", "--plan", path, "--steps", 1]):
+    for command in (["simulate", "--plan", path], ["train", "--plan", path, "--steps", 1],
+                    ["report", "--plan", path, "--out", tmp_path / "r.html"]):
         code, _, err = run_cli(*command)
         assert_clean(command[0], code, err)
         assert code == 2, f"{kind}: {command[0]} accepted the plan"
     assert no_launch == [], f"{kind}: train launched processes"
+    assert not (tmp_path / "r.html").exists()
 
 
 def _json_paths(value, prefix=()):

@@ -12,8 +12,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from planner.plan import load_plan
+    from planner.validate import check_plan_model
     from reports import write_report  # plotly is imported only for this command
 
+    check_plan_model(load_plan(args.plan))  # a report of layers the model does not have would mislead
     out = write_report(args.plan, measurements=args.measured, trace=args.trace, out=args.out, title=args.title)
     print(f"wrote {out}")
     return 0
