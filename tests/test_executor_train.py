@@ -124,3 +124,49 @@ def test_a_killed_rank_is_named_and_no_worker_survives(tmp_path):
     with pytest.raises(ProcessLookupError):  # no worker outlives a failed run
         os.kill(beat["pid"], 0)
     assert not (tmp_path / "never.json").exists()
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_workers_exit_by_themselves_when_the_torchrun_agent_dies(tmp_path):
+    import subprocess
+
+    from executor.launch import free_port, torchrun_command
+
+    plan = uniform_plan("gpt:layers=2,hidden=32,heads=2,vocab=256", 16, 4, load_cluster("cpu"), dp=2,
+                        microbatch_size=2, seed=1)
+    save_plan(plan, tmp_path / "plan.json")
+    run_dir = tmp_path / "run"
+    command = torchrun_command(2, 0, ["--plan", str(tmp_path / "plan.json"), "--steps", "100000", "--out",
+                                      str(tmp_path / "m.json"), "--run-dir", str(run_dir)], free_port())
+    agent = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    try:
+        deadline = time.monotonic() + 150
+        pids = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            try:
+                pids = [json.loads((run_dir / f"rank{r}.json").read_text())["pid"] for r in range(2)]
+            except (FileNotFoundError, json.JSONDecodeError):
+                time.sleep(0.05)
+        assert len(pids) == 2, "workers never reported a step"
+        agent.kill()  # SIGKILL: the agent cannot clean up after itself
+        agent.wait()
+        deadline = time.monotonic() + 15  # workers poll their parent every second
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), "a worker outlived its torchrun agent"
+    finally:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
