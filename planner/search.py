@@ -105,9 +105,10 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     num_layers = len(graph.layers)
     out = []
     for tp in _divisors(gpus):
-        if tp > cluster.gpus_per_node or (pins.tp and tp != pins.tp):
+        # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
+        if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
             continue
-        if not all(split.max_degree_ok(tp) for split in split_layers if split.kind == "block"):
+        if not all(split.max_degree_ok(tp) for split in split_layers):
             continue
         if info.num_heads and (info.num_heads % tp or (info.num_kv_heads or info.num_heads) % tp):
             continue
