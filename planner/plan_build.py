@@ -107,7 +107,8 @@ def explain(plan_json: dict) -> str:
     recomputed = sum(layer["recompute"] != "none" for layer in plan_json["layers"])
     text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
             f"{sched['name']}{' x' + str(sched['virtual_stages']) if sched['virtual_stages'] > 1 else ''} with "
-            f"{sched['microbatches']} micro-batches of {sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
+            f"{sched['microbatches']} micro-batch{'es' if sched['microbatches'] != 1 else ''} of "
+            f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
             f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
             f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
