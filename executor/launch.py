@@ -1,8 +1,9 @@
 """Launch the workers with torchrun (`torch.distributed.run`) in a subprocess, one per rank.
 
-The launcher runs in its own process group (session), so that whatever happens (a worker
-crash, the agent being killed, a timeout, Ctrl-C) the whole group is killed before returning
-and no worker outlives the run. Restarts use a fresh rendezvous store per attempt
+The agent runs in its own process group (session), killed as a whole before returning whatever
+happened (a worker crash, a timeout, Ctrl-C); torchrun puts each worker in a session of its own,
+so the launcher also kills any worker still alive from the heartbeats they write at start-up,
+and workers exit by themselves when their agent dies. No worker outlives the run. Restarts use a fresh rendezvous store per attempt
 (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): with the shared store, restarted gloo workers find
 stale addresses and fail to connect (pytorch#135712).
 """
@@ -62,6 +63,8 @@ def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts:
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     result = _run_in_own_group(command, env, timeout_s, echo)
+    for directory in {Path(job.get("run_dir") or run_dir) for job in jobs}:
+        _kill_leftover_workers(directory)
     if result.exit_code != 0:
         raise TrainingFailed(describe_failure(result, run_dir, timeout_s))
     return result
@@ -108,6 +111,24 @@ def _kill_group(process: subprocess.Popen) -> None:
             except ProcessLookupError:
                 pass
             return
+
+
+def _kill_leftover_workers(run_dir: Path) -> None:
+    """torchrun starts each worker in its own session, out of reach of the launcher's process
+    group kill: SIGKILL any worker whose heartbeat (written at start-up) names a live process.
+    The workers also exit by themselves once their agent is gone (see executor.worker)."""
+    for beat in run_dir.glob("rank*.json"):
+        try:
+            pid = int(json.loads(beat.read_text())["pid"])
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                is_worker = b"executor.worker" in cmdline.read()
+        except (OSError, ValueError, KeyError):
+            continue  # no such process (or no /proc): nothing left to stop
+        if is_worker:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | None) -> str:

@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     _exit_with_parent()
+    for run_dir in {job.run_dir for job in jobs if job.run_dir}:  # pid known before anything can hang
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        _heartbeat(run_dir, int(os.environ.get("RANK", "0")), 0)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
