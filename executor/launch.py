@@ -145,6 +145,8 @@ def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | Non
             how = f" (killed by {signal.Signals(-value).name})" if value < 0 and -value in signal.valid_signals() \
                 else f" with exit code {value}"
         parts.append(f"rank {rank.group(1)} failed{how}")
+    elif result.exit_code < 0 and -result.exit_code in signal.valid_signals() and "exceeded its" not in text:
+        parts.append(f"the torchrun agent was killed by {signal.Signals(-result.exit_code).name}")
     errors = sorted(run_dir.glob("error_rank*.txt"))
     own = [p for p in errors if rank and p.name == f"error_rank{rank.group(1)}.txt"]
     aborted = re.findall(r"what\(\):\s*(.+)", text)  # a C++ exception that killed a worker (SIGABRT)

@@ -137,6 +137,8 @@ def test_failure_description_names_the_first_failed_rank(tmp_path):
     (tmp_path / "error_rank3.txt").write_text("ValueError: bad shard\n")
     message = describe_failure(LaunchResult(exit_code=1, output_tail=output), tmp_path, None)
     assert message == "rank 3 failed (killed by SIGKILL); ValueError: bad shard"
+    agent_gone = describe_failure(LaunchResult(exit_code=-9, output_tail="step 3/9 loss 5.5\n"), tmp_path / "x", None)
+    assert agent_gone == "the torchrun agent was killed by SIGKILL"
 
 
 def test_measurement_round_trips_and_validates(tmp_path):
