@@ -80,6 +80,8 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
                   "block": _measure_block_traffic(torch, device, timer, cuda)}
         dist.barrier()
         result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
+        if not cuda:
+            result.update(_measure_fixed_costs(torch, dist, nproc, sizes, timer))
         if cuda:
             props = torch.cuda.get_device_properties(rank)
             result.update(device_name=props.name, memory_bytes=props.total_memory)
@@ -90,6 +92,20 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _measure_fixed_costs(torch, dist, nproc: int, sizes: dict, timer) -> dict:
+    """CPU processes: core share under contention, optimizer, TP/FSDP and pipeline overheads."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planner import calibrate_fixed as fixed
+
+    mesh = init_device_mesh("cpu", (nproc,))
+    reps = sizes["reps"]
+    return {"cpu_share": fixed.measure_cpu_share(torch, dist),
+            "optimizer": fixed.measure_optimizer(torch, dist, timer, mesh, reps),
+            "block_fixed": fixed.measure_block_overheads(torch, dist, mesh, nproc, reps),
+            "pipeline": fixed.measure_pipeline(torch, dist, nproc, reps)}
 
 
 class _Timer:
@@ -279,6 +295,21 @@ def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterPr
     return load_cluster("h100-sxm")
 
 
+def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: float, device) -> dict[str, float]:
+    """The profile fields of `planner.fixed_costs` from the workers' measurements."""
+    from planner import calibrate_fixed as fixed
+
+    plain_tensor_s, plain_param_s = fixed.fit_optimizer([tuple(s) for s in measured["optimizer"]["plain"]])
+    dtensor_tensor_s, _ = fixed.fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
+    tp_s, dp_unit_s = fixed.fit_block_overheads(measured["block_fixed"], nproc, link)
+    out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
+           "tp_layer_overhead_s": tp_s, "dp_unit_overhead_s": dp_unit_s,
+           "pipeline_action_overhead_s": fixed.fit_pipeline_action(measured["pipeline"], nproc, link)}
+    if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
+        out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
+    return out
+
+
 def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str | None = None) -> ClusterProfile:
     """Turn rank 0's measurements into a ClusterProfile (peaks and factors from the base)."""
     base_profile = _base_profile(base, backend, measured.get("device_name", ""))
@@ -301,10 +332,23 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                      matmul_half_efficiency_flops=half_flops, kernel_overhead_s=measured["block_overhead_s"],
                      reserved_memory_bytes=min(base_profile.device.reserved_memory_bytes, memory_bytes / 4),
                      source=f"{source}; peaks scaled from {base_profile.name}: {base_profile.device.source}")
-    device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
-        measured["block"], device, measured["dtype"]))
     link = LinkProfile(bw_bytes_per_s=bw, latency_s=alpha, efficiency=1.0,
                        source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv")
+    share = float(measured.get("cpu_share", 1.0))
+    block = dict(measured["block"])
+    if share < 1.0:  # every process runs at this share of a core: CPU-time rates slow down by it
+        device = replace(device, peak_flops_per_s={k: v * share for k, v in device.peak_flops_per_s.items()},
+                         memory_bw_bytes_per_s=device.memory_bw_bytes_per_s * share,
+                         kernel_overhead_s=device.kernel_overhead_s / share,
+                         source=f"{device.source}; rates scaled by the {share:.2f} core share each of the {nproc} "
+                                "processes got while all computed")
+        block["fwd_s"] = block["fwd_s"] / share
+    device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
+        block, device, measured["dtype"]))
+    extra = _fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
+    device = replace(device, **{k: v for k, v in extra.items() if k != "optimizer_bytes_per_param"})
+    if "optimizer_bytes_per_param" in extra:
+        base_profile = replace(base_profile, optimizer_bytes_per_param=extra["optimizer_bytes_per_param"])
     inter = link if backend == "gloo" else base_profile.inter_node
     return replace(base_profile, name=name, device=device, gpus_per_node=nproc, intra_node=link, inter_node=inter,
                    max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,

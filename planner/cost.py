@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from planner import fixed_costs
 from planner.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
 from planner.graph import LayerProfile, ModelInfo
 from planner.hardware import ClusterProfile
@@ -172,6 +173,12 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
                                                  profile_dtype or dtype)
 
     tp_fwd_s, tp_bwd_s = _tp_comm_s(layer, strategy, cluster, act_scale)
+    if split:  # DTensor dispatch around the parallel Linears, every pass (see planner.fixed_costs)
+        tp_fwd_s += cluster.device.tp_layer_overhead_s
+        tp_bwd_s += cluster.device.tp_layer_overhead_s
+    if fixed_costs.dp_wrapped(tp, dp, strategy.zero, strategy.pp):  # FSDP / replicate hooks per pass
+        fwd_s += cluster.device.dp_unit_overhead_s
+        bwd_s += cluster.device.dp_unit_overhead_s
     if strategy.recompute == "full":
         tp_bwd_s += tp_fwd_s  # the recomputed forward repeats its collectives
 
@@ -188,8 +195,11 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         link = cluster.link_for_group(2, strategy.dp * strategy.tp * (strategy.pp - 1))
         grad_comm_s += all_reduce_time_s(shared_bytes, 2, link)
     owned_params = params_per_rank / (dp if strategy.zero >= 1 else 1)
+    # AdamW streams its states through memory, and pays a fixed cost per parameter tensor
     optimizer_s = owned_params * cluster.optimizer_bytes_per_param / (
-        cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency)
+        cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency) + fixed_costs.optimizer_fixed_s(
+        fixed_costs.num_param_tensors(layer, info, holds_shared),
+        fixed_costs.holds_dtensors(split, tp, dp, strategy.zero, strategy.pp), cluster)
 
     activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale)
     if strategy.zero == 3:  # the gathered full parameters of this layer live during its fwd/bwd

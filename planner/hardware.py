@@ -18,6 +18,12 @@ A profile file looks like:
     kernel_overhead_s = 5e-6            # fixed cost per layer kernel sequence (dispatch/launch)
     reserved_memory_bytes = 3e9         # CUDA context, allocator fragmentation, NCCL buffers
     elementwise_bytes_per_activation_byte = 3.0  # norm/GELU/softmax traffic per saved byte
+    # optional fixed costs, 0 unless measured (`meshplan calibrate` measures them):
+    optimizer_per_tensor_s = 0.0          # per parameter tensor per optimizer step (plain tensors)
+    dtensor_optimizer_per_tensor_s = 0.0  # the same for DTensor parameters (TP, FSDP, replicate)
+    tp_layer_overhead_s = 0.0             # per tensor-parallel layer per pass (DTensor dispatch)
+    pipeline_action_overhead_s = 0.0      # per forward/backward action of a pipeline stage
+    dp_unit_overhead_s = 0.0              # per FSDP/replicate-wrapped layer per pass
 
     [topology]
     gpus_per_node = 8
@@ -98,6 +104,21 @@ class DeviceProfile:
     # Memory traffic of a layer's non-GEMM kernels (norms, activations, softmax, residual adds),
     # in bytes per byte the forward saves for backward; backward moves twice as much. 0: ignore.
     elementwise_bytes_per_activation_byte: float = 0.0
+    # Fixed costs that dominate small layers (0: ignore). Per parameter tensor per optimizer
+    # step: the executor's AdamW steps CPU tensors one at a time (about a dozen kernels each) and
+    # its gradient clipping adds a norm per tensor; DTensor parameters (TP, FSDP, replicate) go
+    # through DTensor dispatch on every one of those kernels.
+    optimizer_per_tensor_s: float = 0.0
+    dtensor_optimizer_per_tensor_s: float = 0.0
+    # Per tensor-parallel layer per pass: DTensor redistribution and dispatch of its parallel
+    # Linears (beyond the collectives, which the link's latency and bandwidth cost).
+    tp_layer_overhead_s: float = 0.0
+    # Per forward or backward action of a pipeline stage (torch pipelining's per-action work:
+    # posting receives and sends, shape checks, stage bookkeeping).
+    pipeline_action_overhead_s: float = 0.0
+    # Per data-parallel unit (each FSDP/replicate-wrapped block) per pass: hooks, parameter
+    # views and the collective calls' own dispatch (beyond the link's latency and bandwidth).
+    dp_unit_overhead_s: float = 0.0
     supports_bf16: bool = True
     source: str = ""
 
@@ -116,7 +137,9 @@ class DeviceProfile:
             if value > 1:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
         for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",
-                     "elementwise_bytes_per_activation_byte"):
+                     "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
+                     "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "pipeline_action_overhead_s",
+                     "dp_unit_overhead_s"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "

@@ -87,6 +87,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         holds_shared = bool(layer.shared_params) and chunk % config.pp != owner_rank
         layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype,
                                            holds_shared=holds_shared))
+    layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
     last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
     p2p = tuple(cost.p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
                 for c in range(config.num_model_chunks - 1))
@@ -100,6 +101,30 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
         grad_sync=grad_sync or executor_grad_sync(config))
+
+
+def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: ClusterProfile,
+                             config: ParallelConfig) -> list:
+    """Per-chunk and per-rank fixed costs (`planner.fixed_costs`): torch pipelining's work per
+    forward and backward action, charged to each chunk's first layer, and the gradient norm's
+    all-reduce, charged to the optimizer step of each pipeline rank's first layer."""
+    from dataclasses import replace
+
+    from planner.fixed_costs import grad_norm_all_reduce_s
+
+    action_s = cluster.device.pipeline_action_overhead_s if config.pp > 1 else 0.0
+    norm_s = grad_norm_all_reduce_s(config.gpus, cluster)
+    out, seen_chunks, seen_ranks = list(layer_costs), set(), set()
+    for index, chunk in enumerate(chunks):
+        first_of_rank = chunk % config.pp not in seen_ranks
+        if chunk in seen_chunks:
+            continue
+        seen_chunks.add(chunk)
+        seen_ranks.add(chunk % config.pp)
+        c = out[index]
+        out[index] = replace(c, fwd_compute_s=c.fwd_compute_s + action_s, bwd_compute_s=c.bwd_compute_s + action_s,
+                             optimizer_step_s=c.optimizer_step_s + (norm_s if first_of_rank else 0.0))
+    return out
 
 
 def _recompute_flops_per_sample(layer: LayerProfile, recompute: str, graph: ModelGraph) -> float:

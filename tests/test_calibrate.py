@@ -84,3 +84,66 @@ def test_calibrate_refuses_bad_requests(run_cli, tmp_path):
     assert code == 2 and "at least 2" in err
     code, _, err = run_cli("calibrate", "--backend", "gloo", "--out", tmp_path / "x.json")
     assert code == 2 and ".toml" in err
+
+
+def test_optimizer_fit_recovers_per_tensor_and_per_parameter_costs():
+    from planner.calibrate_fixed import OPTIMIZER_SETS, fit_optimizer
+
+    per_tensor_s, per_param_s = 1.3e-4, 4e-9
+    samples = [(count, count * numel, count * per_tensor_s + count * numel * per_param_s)
+               for count, numel in OPTIMIZER_SETS]
+    got_tensor_s, got_param_s = fit_optimizer(samples)
+    # exact data, two unknowns, three equations: least squares returns them to float precision
+    assert got_tensor_s == pytest.approx(per_tensor_s, rel=1e-9) and got_param_s == pytest.approx(per_param_s, rel=1e-9)
+
+
+def test_block_and_pipeline_overhead_fits_remove_the_alpha_beta_cost():
+    from planner.calibrate_fixed import fit_block_overheads, fit_pipeline_action
+
+    link = LinkProfile(bw_bytes_per_s=2e9, latency_s=1e-4)
+    seq, hidden, params = 8.0, 64.0, 5e4
+    tp_o, fsdp_o, plain_s = 1.5e-3, 7e-4, 2e-3
+    # Times built from the model the fit inverts: plain block + collectives + 2 passes of overhead.
+    tp_s = plain_s + 4 * all_reduce_time_s(seq * hidden * 4, 2, link) + 2 * tp_o
+    fsdp_s = plain_s + 2 * all_gather_time_s(params * 4, 2, link) + reduce_scatter_time_s(params * 4, 2, link) + 2 * fsdp_o
+    block = {"plain_s": plain_s, "tp_s": tp_s, "fsdp_s": fsdp_s, "seq": seq, "hidden": hidden, "block_params": params}
+    assert fit_block_overheads(block, 2, link) == pytest.approx((tp_o, fsdp_o), rel=1e-9)
+    # a 2-stage 1F1B step of m micro-batches with only overhead o: 2 (m + 1) actions, 2 transfers
+    m, o = 8, 6e-4
+    step_s = 2 * (m + 1) * o + 2 * send_recv_time_s(64, link)
+    assert fit_pipeline_action({"step_s": step_s, "microbatches": m, "boundary_bytes": 64}, 2, link) == pytest.approx(o)
+    # faster than the collectives alone: no negative overhead
+    assert fit_block_overheads({**block, "tp_s": plain_s, "fsdp_s": plain_s}, 2, link) == (0.0, 0.0)
+
+
+def _measured_with_fixed_costs(share: float) -> dict:
+    plain = [(count, count * numel, count * 1e-4 + count * numel * 5e-9) for count, numel in ((64, 1024), (4, 2**18))]
+    dtensor = [(count, elements, t + count * 3e-4) for count, elements, t in plain]
+    return {"dtype": "fp32", "threads": 1, "matmul": [[2e6, 1e-4], [2e8, 3e-3]],
+            "copy_bw_bytes_per_s": 2e10, "block_overhead_s": 1.5e-4,
+            "block": {"fwd_s": 1e-2, "fwd_flops": 4e8, "saved_bytes": 7e6},
+            "collectives": [["all_reduce", 4096, 1e-4], ["all_reduce", 2**22, 5e-3], ["send_recv", 2**20, 1e-3]],
+            "cpu_share": share, "optimizer": {"plain": plain, "dtensor": dtensor},
+            "block_fixed": {"plain_s": 1e-3, "tp_s": 1e-2, "fsdp_s": 5e-3, "seq": 8.0, "hidden": 64.0,
+                            "block_params": 5e4},
+            "pipeline": {"step_s": 2e-2, "microbatches": 8.0, "boundary_bytes": 64.0}}
+
+
+def test_build_profile_carries_the_fixed_costs_and_the_core_share():
+    full = build_profile(_measured_with_fixed_costs(1.0), 2, "gloo", "here")
+    device = full.device
+    assert device.optimizer_per_tensor_s == pytest.approx(1e-4, rel=1e-9)
+    assert device.dtensor_optimizer_per_tensor_s == pytest.approx(4e-4, rel=1e-9)
+    # 5 ns per parameter at the measured 20 GB/s is 100 bytes per parameter of AdamW traffic
+    assert full.optimizer_bytes_per_param == pytest.approx(5e-9 * 2e10, rel=1e-9)
+    assert device.tp_layer_overhead_s > 0 and device.dp_unit_overhead_s > 0 and device.pipeline_action_overhead_s > 0
+    # Half a core each (4 processes on 2 cores): every CPU-time rate halves, every CPU-time
+    # fixed cost doubles; wall-clock fixed costs already saw the sharing and stay as measured.
+    half = build_profile(_measured_with_fixed_costs(0.5), 4, "gloo", "here")
+    assert half.device.memory_bw_bytes_per_s == pytest.approx(device.memory_bw_bytes_per_s / 2)
+    assert half.device.peak_flops("fp32") * half.device.matmul_efficiency == pytest.approx(
+        device.peak_flops("fp32") * device.matmul_efficiency / 2)
+    assert half.device.kernel_overhead_s == pytest.approx(2 * device.kernel_overhead_s)
+    assert half.device.optimizer_per_tensor_s == pytest.approx(2 * device.optimizer_per_tensor_s)
+    assert half.optimizer_bytes_per_param == pytest.approx(full.optimizer_bytes_per_param)
+    assert half.device.elementwise_bytes_per_activation_byte == pytest.approx(device.elementwise_bytes_per_activation_byte)

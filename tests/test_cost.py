@@ -267,3 +267,74 @@ def test_profiled_gpt_block_against_korthikanti(tmp_path, monkeypatch):
     assert act(4, sp=True) == pytest.approx(act(1) / 4, rel=1e-12)  # TP+SP shards everything
     assert act(4, sp=True, recompute="full") == pytest.approx(2 * sbh / 4, rel=1e-12)
     assert act(1, recompute="full") == pytest.approx(2 * sbh, rel=1e-12)
+
+
+CPU = load_cluster("cpu")
+
+
+def _with_fixed_costs(cluster, **fields):
+    from dataclasses import replace
+
+    return replace(cluster, device=replace(cluster.device, **fields))
+
+
+@pytest.mark.parametrize("spec", ["gpt:layers=3,hidden=64,heads=4,vocab=512",
+                                  "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=512"])
+def test_parameter_tensor_count_matches_the_built_model(spec):
+    from planner.fixed_costs import num_param_tensors
+    from planner.models import build_model
+    from planner.profile import profile
+
+    graph = profile(spec, 32, dtype="fp32")
+    built = build_model(spec, 32, device="meta").module
+    assert sum(num_param_tensors(layer, graph.info) for layer in graph.layers) == len(list(built.parameters()))
+    head = graph.layers[-1]
+    if head.shared_params:  # a tied head on another stage holds its own copy of the weight
+        assert num_param_tensors(head, graph.info, holds_shared=True) == num_param_tensors(head, graph.info) + 1
+
+
+def test_fixed_costs_are_charged_where_the_executor_incurs_them():
+    graph = gpt_layers(2, 256, 4, 4096, 128)
+    block = graph.layers[1]
+    fields = dict(optimizer_per_tensor_s=1e-4, dtensor_optimizer_per_tensor_s=5e-4, tp_layer_overhead_s=2e-3,
+                  dp_unit_overhead_s=7e-4)
+    zero_fields = {name: 0.0 for name in fields}
+    with_fixed, without = _with_fixed_costs(CPU, **fields), _with_fixed_costs(CPU, **zero_fields)
+
+    def delta(strategy):
+        a, b = (layer_cost(block, strategy, c, graph.info) for c in (with_fixed, without))
+        return (a.optimizer_step_s - b.optimizer_step_s, a.tp_fwd_comm_s - b.tp_fwd_comm_s,
+                a.tp_bwd_comm_s - b.tp_bwd_comm_s, a.fwd_compute_s - b.fwd_compute_s)
+
+    tensors = 16  # a GPT block: 6 Linears and 2 LayerNorms, each with weight and bias
+    # plain tensors: single process and DDP (ZeRO-0 data parallelism, no TP, no PP)
+    assert delta(Strategy()) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    assert delta(Strategy(dp=2)) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    # TP: DTensor parameters, DTensor dispatch per pass
+    assert delta(Strategy(tp=2)) == pytest.approx((tensors * 5e-4, 2e-3, 2e-3, 0))
+    # full recomputation repeats the forward's dispatch in backward
+    assert delta(Strategy(tp=2, recompute="full"))[2] == pytest.approx(4e-3)
+    # FSDP (ZeRO-3) and replicate (ZeRO-0 under PP): DTensor parameters, hooks per pass
+    assert delta(Strategy(dp=2, zero=3)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
+    assert delta(Strategy(dp=2, pp=2)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
+
+
+@pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("gpipe", 6)])
+def test_pipeline_action_overhead_lengthens_the_critical_path(schedule, m):
+    from planner.fixed_costs import grad_norm_all_reduce_s
+    from planner.simulate import simulate_config
+
+    graph = gpt_layers(4, 256, 4, 4096, 128)
+    config = ParallelConfig(gpus=2, pp=2, global_batch=m, microbatch_size=1, schedule=schedule, precision="fp32")
+    o = 3e-3
+    base = simulate_config(graph, _with_fixed_costs(CPU, pipeline_action_overhead_s=0.0), config).step_time_s
+    slow = simulate_config(graph, _with_fixed_costs(CPU, pipeline_action_overhead_s=o), config).step_time_s
+    # (m - 1) max_i T_i + sum_i T_i (see pipeline_closed_form): 2o more per stage and micro-batch
+    # makes 2 o (m + p - 1); the simulator plays the schedule, so allow float error only.
+    assert slow - base == pytest.approx(2 * o * (m + 1), rel=1e-6)
+    # the global gradient norm: one scalar all-reduce over both ranks per step, in the optimizer
+    single = simulate_config(graph, CPU, ParallelConfig(gpus=1, global_batch=m, microbatch_size=1,
+                                                        precision="fp32"))
+    plain = simulate_config(graph, _with_fixed_costs(CPU, optimizer_per_tensor_s=0.0), config)
+    assert single.breakdown["optimizer"] > 0 and grad_norm_all_reduce_s(1, CPU) == 0.0
+    assert plain.breakdown["optimizer"] >= grad_norm_all_reduce_s(2, CPU) > 0

@@ -1,0 +1,75 @@
+"""Fixed per-call costs of a training step, beyond FLOPs, bytes and link bandwidth.
+
+Small models (and small layers on any device) spend much of a step in costs that do not scale
+with the work: dispatching the optimizer's kernels one parameter tensor at a time, DTensor's
+redistribution around tensor-parallel Linears, FSDP's hooks per wrapped layer, torch
+pipelining's bookkeeping per schedule action, and the latency of the per-step collectives
+(the global gradient norm). Each is a named, calibrated field of the device profile
+(`planner.hardware.DeviceProfile`, measured by `meshplan calibrate`; 0 means ignore) and is
+charged here the way meshplan's executor incurs it:
+
+- optimizer: AdamW plus the gradient-norm computation touch every parameter tensor the rank
+  owns: `optimizer_per_tensor_s` each, or `dtensor_optimizer_per_tensor_s` when the executor
+  holds DTensors (tensor-parallel layers, FSDP / replicate wrapping), which it steps without
+  foreach kernels;
+- `tp_layer_overhead_s` once per pass of every tensor-parallel layer;
+- `dp_unit_overhead_s` once per pass of every layer FSDP / replicate wraps;
+- `pipeline_action_overhead_s` once per forward and once per backward action of a pipeline chunk;
+- one all-reduce of the squared gradient norm over the whole world per step.
+"""
+from __future__ import annotations
+
+from planner.comm import all_reduce_time_s
+from planner.graph import LayerProfile, ModelInfo
+from planner.hardware import ClusterProfile
+
+# Bytes of the gradient-norm all-reduce (one float64 scalar).
+GRAD_NORM_BYTES = 8
+
+
+def num_param_tensors(layer: LayerProfile, info: ModelInfo, holds_shared: bool = False) -> int:
+    """Parameter tensors a layer owns, from its structure (the zoo's GPT and Llama layouts).
+
+    GPT Linears and LayerNorms carry a bias, Llama's do not; a GPT embedding adds learned
+    positions; a head whose weight is tied to the embedding owns only its norm, unless this rank
+    holds a copy of the shared weight. Other layers: a weight and a bias.
+    """
+    biased = info.family == "gpt"
+    per_linear = 2 if biased else 1
+    per_norm = 2 if biased else 1
+    if layer.num_params == 0 and not (holds_shared and layer.shared_params):
+        return 0
+    if layer.kind == "block" and layer.tp_split.kind == "block":
+        linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
+        return linears * per_linear + 2 * per_norm
+    if layer.kind == "embedding":
+        return 2 if biased else 1
+    if layer.kind == "head":
+        owns_weight = not layer.shared_params or holds_shared
+        return per_norm + (1 if owns_weight else 0)
+    return 2
+
+
+def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:
+    """Whether the executor holds this layer's parameters as DTensors: split by TP, or wrapped
+    by FSDP / replicate (every data-parallel layout except plain DDP: dp > 1 with ZeRO-0, no TP,
+    no PP; see `executor.parallelize.dp_method`)."""
+    return (tp > 1 and tp_split) or dp_wrapped(tp, dp, zero, pp)
+
+
+def dp_wrapped(tp: int, dp: int, zero: int, pp: int) -> bool:
+    """FSDP or replicate wraps each layer (not DDP, not single replica)."""
+    return dp > 1 and not (zero == 0 and tp == 1 and pp == 1)
+
+
+def optimizer_fixed_s(num_tensors: int, dtensors: bool, cluster: ClusterProfile) -> float:
+    """Per-step fixed cost of updating `num_tensors` parameter tensors (AdamW + gradient norm)."""
+    device = cluster.device
+    per_tensor = device.dtensor_optimizer_per_tensor_s if dtensors else device.optimizer_per_tensor_s
+    return num_tensors * per_tensor
+
+
+def grad_norm_all_reduce_s(world_size: int, cluster: ClusterProfile) -> float:
+    """The global gradient norm's all-reduce of one scalar over every rank, once per step."""
+    link = cluster.link_for_group(world_size, 1)
+    return all_reduce_time_s(GRAD_NORM_BYTES, world_size, link)
