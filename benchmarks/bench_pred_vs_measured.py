@@ -14,10 +14,12 @@ machine and are reported without a bound.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 TARGET_FRACTION = 0.20  # the issue's bound for 2-process plans
@@ -27,6 +29,8 @@ TWO_PROCESS = (("DP", dict(dp=2, tp=1, pp=1)), ("TP", dict(tp=2, dp=1, pp=1)),
                ("PP", dict(pp=2, dp=1, tp=1, schedule="1f1b")))
 FOUR_PROCESS = (("DP4", dict(dp=4, tp=1, pp=1)), ("DP2xTP2", dict(dp=2, tp=2, pp=1)),
                 ("PP2xDP2", dict(pp=2, dp=2, tp=1, schedule="1f1b")), ("PP2xTP2", dict(pp=2, tp=2, dp=1, schedule="1f1b")))
+FIXED_COST_FIELDS = ("optimizer_per_tensor_s", "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s",
+                     "dp_unit_overhead_s", "pipeline_action_overhead_s")
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
 
 
@@ -43,6 +47,7 @@ def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, step
     from executor import train
     from planner.hardware import load_cluster
     from planner.plan import save_plan
+    from planner.simulate import simulate
     from planner.solve import plan as make_plan
 
     cluster = load_cluster(profile)
@@ -53,10 +58,30 @@ def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, step
     timed = measured.step_times_s[measured.warmup_steps:] or measured.step_times_s
     predicted_s, measured_s = plan.prediction["step_time_s"], statistics.median(timed)
     cfg = plan.config
+    without_s = simulate(replace(plan, cluster=without_fixed_costs(cluster))).step_time_s
     return {"name": name, "gpus": gpus, "mesh": f"pp{cfg.pp} dp{cfg.dp} tp{cfg.tp} mbs{cfg.microbatch_size} "
                                                f"m{cfg.num_microbatches} z{cfg.zero}",
             "predicted_s": predicted_s, "measured_s": measured_s, "spread_s": (min(timed), max(timed)),
-            "error": (predicted_s - measured_s) / measured_s, "breakdown": plan.prediction.get("breakdown") or {}}
+            "error": (predicted_s - measured_s) / measured_s, "breakdown": plan.prediction.get("breakdown") or {},
+            "without_fixed_s": without_s, "load": os.getloadavg()[0]}
+
+
+def without_fixed_costs(cluster):
+    """The same profile with every `planner.fixed_costs` term zeroed and the optimizer at 16 bytes
+    per parameter: the cost model before the fixed costs were calibrated, for comparison."""
+    device = replace(cluster.device, **{name: 0.0 for name in FIXED_COST_FIELDS})
+    return replace(cluster, device=device, optimizer_bytes_per_param=16.0)
+
+
+def print_fixed_costs(profile: Path) -> None:
+    from planner.hardware import load_cluster
+
+    cluster = load_cluster(profile)
+    device = cluster.device
+    print(f"fixed costs of {profile.name}: " + ", ".join(f"{name} {getattr(device, name) * 1e6:.0f} us"
+                                                         for name in FIXED_COST_FIELDS + ("kernel_overhead_s",))
+          + f", optimizer {cluster.optimizer_bytes_per_param:.0f} bytes/param, "
+            f"link latency {cluster.intra_node.latency_s * 1e6:.0f} us")
 
 
 def _timed_s(fn) -> float:
@@ -75,6 +100,7 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     """
     import torch
 
+    from planner.calibrate_fixed import ADAMW
     from planner.config import ParallelConfig
     from planner.hardware import load_cluster
     from planner.models import build_model
@@ -88,7 +114,16 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     predicted = simulate_config(graph, cluster, config).breakdown
     built = build_model(MODEL, SEQ, tp=1, device="cpu")
     model, tokens = built.module, built.example_inputs[0].repeat(microbatch_size, 1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # as the executor builds it (unfused)
+    # as the executor builds it (executor.runtime: unfused on CPU) and runs it after its clipping
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+
+    def update():
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = sum(grad.double().pow(2).sum() for grad in grads).sqrt()
+        coefficient = min(1.0, 1.0 / (float(norm) + 1e-6))
+        for grad in grads:
+            grad.mul_(coefficient)
+        optimizer.step()
     size = 512
     a, b = torch.randn(size, size), torch.randn(size, size)
     calibrated_flops = cluster.device.peak_flops("fp32") * cluster.device.matmul_efficiency
@@ -103,11 +138,11 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
             a @ b
 
     forward_backward()
-    optimizer.step()
+    update()
     samples = {"forward+backward": [], "optimizer (AdamW)": []}
     shares = []
     for _ in range(reps):
-        fwd_bwd_s, opt_s = _timed_s(forward_backward), _timed_s(optimizer.step)
+        fwd_bwd_s, opt_s = _timed_s(forward_backward), _timed_s(update)
         share = min(1.0, block_calibrated_s / _timed_s(matmul_block))
         shares.append(share)
         samples["forward+backward"].append((fwd_bwd_s, share))
@@ -115,7 +150,7 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     print(f"\nterm check, 1 process, micro-batch {microbatch_size}: this process had "
           f"{min(shares):.0%}..{max(shares):.0%} of the calibrated matmul speed")
     print(f"{'term':<20} {'predicted ms':>12} {'median ms':>10} {'measured/predicted':>19} {'load-normalised':>16}")
-    for term, key in (("forward+backward", "compute"), ("optimizer (AdamW)", "optimizer")):
+    for term, key in (("forward+backward", "compute"), ("optimizer (AdamW)", "optimizer")):  # clip + AdamW
         predicted_s = predicted.get(key, 0.0)
         measured_s = statistics.median(t for t, _ in samples[term])
         normalised = statistics.median(t * share / predicted_s for t, share in samples[term]) if predicted_s else 0.0
@@ -124,13 +159,15 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
 
 
 def print_rows(rows: list[dict], bounded: bool) -> None:
-    print(f"{'config':<9} {'mesh':<24} {'predicted ms':>12} {'measured ms':>12} {'min..max ms':>17} {'error':>8}  "
-          + " ".join(f"{k:>9}" for k in BREAKDOWN_KEYS))
+    print(f"{'config':<9} {'mesh':<24} {'predicted ms':>12} {'measured ms':>12} {'min..max ms':>17} {'error':>8} "
+          f"{'no-fixed ms':>11} {'error':>7} {'load':>5}  " + " ".join(f"{k:>9}" for k in BREAKDOWN_KEYS))
     for row in rows:
         flag = "" if not bounded else ("  ok" if abs(row["error"]) <= TARGET_FRACTION else "  OVER 20%")
         low, high = row["spread_s"]
         print(f"{row['name']:<9} {row['mesh']:<24} {row['predicted_s'] * 1e3:>12.1f} {row['measured_s'] * 1e3:>12.1f} "
-              f"{low * 1e3:>8.1f}..{high * 1e3:<8.1f} {row['error'] * 100:>+7.1f}%  "
+              f"{low * 1e3:>8.1f}..{high * 1e3:<8.1f} {row['error'] * 100:>+7.1f}% "
+              f"{row['without_fixed_s'] * 1e3:>11.1f} "
+              f"{(row['without_fixed_s'] - row['measured_s']) / row['measured_s'] * 100:>+6.1f}% {row['load']:>5.1f}  "
               + " ".join(f"{row['breakdown'].get(k, 0.0) * 1e3:>9.1f}" for k in BREAKDOWN_KEYS) + flag)
 
 
@@ -146,6 +183,8 @@ def main() -> int:
         work = Path(tmp)
         profile = args.profile or calibrate(work / "cpu-calibrated.toml", 2)
         start_s = time.perf_counter()
+        print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print_fixed_costs(profile)
         term_check(profile)
         if args.terms_only:
             return 0
@@ -157,6 +196,7 @@ def main() -> int:
         if not args.skip_4:
             # Calibrated with 4 processes, so the profile carries the oversubscription it measured.
             profile4 = args.profile_4 or calibrate(work / "cpu-calibrated-4.toml", 4)
+            print_fixed_costs(profile4)
             print("\n4 processes on this machine (oversubscribed: reported, no bound)")
             rows4 = [run_config(name, pins, 4, profile4, work, args.steps) for name, pins in FOUR_PROCESS]
             print_rows(rows4, bounded=False)
