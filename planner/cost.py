@@ -200,6 +200,8 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency) + fixed_costs.optimizer_fixed_s(
         fixed_costs.num_param_tensors(layer, info, holds_shared),
         fixed_costs.holds_dtensors(split, tp, dp, strategy.zero, strategy.pp), cluster)
+    if split:
+        optimizer_s += fixed_costs.tp_norm_grad_sync_s(layer, info, tp, cluster)
 
     activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale)
     if strategy.zero == 3:  # the gathered full parameters of this layer live during its fwd/bwd

@@ -15,6 +15,7 @@ charged here the way meshplan's executor incurs it:
 - `tp_layer_overhead_s` once per pass of every tensor-parallel layer;
 - `dp_unit_overhead_s` once per pass of every layer FSDP / replicate wraps;
 - `pipeline_action_overhead_s` once per forward and once per backward action of a pipeline chunk;
+- under TP, one all-reduce per norm tensor per step (their gradients are partial sums);
 - one all-reduce of the squared gradient norm over the whole world per step.
 """
 from __future__ import annotations
@@ -48,6 +49,25 @@ def num_param_tensors(layer: LayerProfile, info: ModelInfo, holds_shared: bool =
         owns_weight = not layer.shared_params or holds_shared
         return per_norm + (1 if owns_weight else 0)
     return 2
+
+
+def num_norm_tensors(layer: LayerProfile, info: ModelInfo) -> int:
+    """Norm weights (and GPT biases) of a block (two norms) or a head (the final norm)."""
+    per_norm = 2 if info.family == "gpt" else 1
+    if layer.kind == "block" and layer.tp_split.kind == "block":
+        return 2 * per_norm
+    return per_norm if layer.kind == "head" else 0
+
+
+def tp_norm_grad_sync_s(layer: LayerProfile, info: ModelInfo, tp: int, cluster: ClusterProfile) -> float:
+    """Per step under TP: the norms are replicated, but their gradients come back as partial sums
+    (their outputs feed column-parallel Linears), and the executor all-reduces each of them
+    before the update (`executor.runtime._align_grad_placements`): one small all-reduce per
+    norm tensor, latency-bound."""
+    if tp <= 1 or not info.hidden:
+        return 0.0
+    link = cluster.link_for_group(tp, 1)
+    return num_norm_tensors(layer, info) * all_reduce_time_s(info.hidden * 4, tp, link)
 
 
 def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:
