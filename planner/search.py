@@ -33,6 +33,10 @@ MAX_VIRTUAL_STAGES = 4
 # number of worker processes.
 SOLVE_BATCH = 4
 MEMORY_MARGIN = 1e-3
+# Time-limited solves among the re-ranked candidates, if further than this from optimal, get
+# this many times the limit once more.
+POLISH_GAP = 0.01
+POLISH_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -271,7 +275,7 @@ class Ranked:
 
 def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, pins: Pins | None = None,
                 top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
-                layerwise: bool = False, time_limit_s: float = 4.0, seed: int = 0, workers: int = 2,
+                layerwise: bool = False, time_limit_s: float = 2.5, seed: int = 0, workers: int = 2,
                 num_rerank: int | None = None, max_mbs: int = 16, progress: bool = False, graph=None,
                 **pin_kwargs):
     """The fastest plan that fits; see the module docstring. Pins may be given as keywords."""
@@ -313,6 +317,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     if not feasible:
         raise MeshplanError(infeasible_message(graph, cluster, gpus, global_batch, precision, pins,
                                                candidates, max_mbs))
+    feasible = _polish(feasible, num_keep, {c: p for c, _, p in problems}, workers)
     ranked = [_simulate(graph, cluster, s, tables[s.candidate], gpus, global_batch, precision)
               for s in feasible[:num_keep]]
     ranked.sort(key=lambda r: (not r.prediction.fits, r.prediction.step_time_s, r.solution.objective_s,
@@ -325,6 +330,24 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
              "max_gap": max(s.solution.gap for s in feasible[:num_keep]),
              "search_time_s": time.perf_counter() - started}
     return build_plan(graph, cluster, ranked[:top_k], stats, seed=seed, layerwise=layerwise, limit_bytes=limit)
+
+
+def _polish(feasible: list[Solved], num_keep: int, problems: dict, workers: int) -> list[Solved]:
+    """Re-solve the candidates that will be re-ranked but stopped at the time limit further than
+    POLISH_GAP from optimal, with POLISH_FACTOR times the limit and no cutoff."""
+    stopped = [s for s in feasible[:num_keep] if s.solution.status == "time_limit" and s.solution.gap > POLISH_GAP]
+    if not stopped:
+        return feasible
+    again = [(s.candidate, s.lower_bound_s,
+              replace(problems[s.candidate], time_limit_s=problems[s.candidate].time_limit_s * POLISH_FACTOR))
+             for s in stopped]
+    better = {s.candidate: s for s in solve_candidates(again, num_keep=len(again) + 1, workers=workers)}
+    out = []
+    for item in feasible:
+        new = better.get(item.candidate)
+        keep_new = new is not None and new.solution.feasible and new.solution.objective_s <= item.solution.objective_s
+        out.append(new if keep_new else item)
+    return sorted(out, key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
 
 
 def _check_request(cluster, gpus: int, global_batch: int, top_k: int) -> None:
