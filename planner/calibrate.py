@@ -12,7 +12,11 @@ that, all at once as in training:
   saves; what the GEMM curve and the overhead do not explain is memory-bound traffic:
   `elementwise_bytes_per_activation_byte` = leftover time x bandwidth / saved bytes;
 - time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
-  alpha-beta model of `planner.comm` jointly: t = volume(S, n) / B + hops(n) * alpha.
+  alpha-beta model of `planner.comm` jointly: t = volume(S, n) / B + hops(n) * alpha;
+- on CPU processes, the fixed costs of `planner.fixed_costs` (optimizer per tensor and per
+  parameter, TP and FSDP per layer pass, pipeline per action) and the share of a core each
+  process gets when all compute at once (`planner.calibrate_fixed`), which scales every rate
+  measured in CPU time, so that more processes than cores are costed as they run.
 
 The CPU convention: one "GPU" is one local process; memory_bytes = this machine's RAM / nproc.
 On GPUs the backend is NCCL and times come from CUDA events. Peak FLOP/s, the elementwise

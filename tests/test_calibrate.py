@@ -72,6 +72,11 @@ def test_quick_calibration_writes_a_profile_estimate_accepts(run_cli, tmp_path, 
     profile = load_cluster(out)
     assert profile.name == "here" and profile.gpus_per_node == 2
     assert 0 < profile.device.matmul_efficiency <= 1 and profile.intra_node.bw_bytes_per_s > 0
+    # the fixed costs were measured: every tensor the optimizer touches and every pipeline
+    # action costs something, and DTensor dispatch costs more than a plain tensor's
+    device = profile.device
+    assert device.optimizer_per_tensor_s > 0 and device.pipeline_action_overhead_s > 0
+    assert device.dtensor_optimizer_per_tensor_s > device.optimizer_per_tensor_s
     code, stdout, err = run_cli("estimate", "--model", "gpt:layers=2,hidden=128,heads=4,vocab=1024", "--cluster", out,
                                 "--gpus", "2", "--gbs", "8", "--seq", "128", "--pp", "2", "--json")
     assert code == 0, err

@@ -42,4 +42,8 @@ def run(args) -> int:
     print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead, "
           f"{device.elementwise_bytes_per_activation_byte:.1f} bytes of elementwise traffic per saved byte")
     print(f"  link       {link.bw_bytes_per_s / 1e9:10.2f} GB/s, latency {link.latency_s * 1e6:.1f} us")
+    print(f"  optimizer  {profile.optimizer_bytes_per_param:10.1f} bytes/param, {device.optimizer_per_tensor_s * 1e6:.0f} us "
+          f"per tensor ({device.dtensor_optimizer_per_tensor_s * 1e6:.0f} us as DTensor)")
+    print(f"  fixed      {device.tp_layer_overhead_s * 1e6:10.0f} us per TP layer pass, {device.dp_unit_overhead_s * 1e6:.0f} us "
+          f"per FSDP layer pass, {device.pipeline_action_overhead_s * 1e6:.0f} us per pipeline action")
     return 0
