@@ -317,22 +317,24 @@ def _all_reduce_tied_grads(runtime: Runtime) -> None:
 def clip_grad_norm(runtime: Runtime, max_norm: float) -> float:
     """Scale gradients so their global L2 norm (over every TP, PP and DP shard) is <= max_norm.
 
-    Same rule as `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), capped at 1.
+    Same rule as `torch.nn.utils.clip_grad_norm_`: coefficient max_norm / (norm + 1e-6), capped at
+    1. Per-tensor norms use the same fused kernel; their weighted squares are summed in float64
+    and all-reduced once over the world.
     """
     from torch.distributed.tensor import DTensor
 
-    sum_squares = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    grads = []
+    grads, weights = [], []
     for param, weight in runtime.norm_weights:
-        if param.grad is None:
-            continue
-        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        grads.append(local)
-        sum_squares += local.double().pow(2).sum() * weight
+        if param.grad is not None:
+            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+            weights.append(weight)
+    sum_squares = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads)).double()
+        sum_squares += (norms.square() * torch.tensor(weights, dtype=torch.float64, device=norms.device)).sum()
     dist.all_reduce(sum_squares)
     total_norm = float(sum_squares.sqrt())
     coefficient = min(1.0, max_norm / (total_norm + 1e-6))
-    if coefficient < 1.0:
-        for grad in grads:
-            grad.mul_(coefficient)
+    if coefficient < 1.0 and grads:
+        torch._foreach_mul_(grads, coefficient)
     return total_norm
