@@ -304,6 +304,8 @@ def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: flo
     from planner import calibrate_fixed as fixed
 
     plain_tensor_s, plain_param_s = fixed.fit_optimizer([tuple(s) for s in measured["optimizer"]["plain"]])
+    if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
+        plain_param_s = fixed.fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
     dtensor_tensor_s, _ = fixed.fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
     tp_s, dp_unit_s = fixed.fit_block_overheads(measured["block_fixed"], nproc, link)
     out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,

@@ -27,6 +27,8 @@ ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # (number of tensors, elements each): per-tensor dominated, mixed, and bandwidth dominated, at the
 # sizes of small models' biases, norms and Linears.
 OPTIMIZER_SETS = ((64, 1024), (16, 2**16), (4, 2**18))
+# A small model whose update the per-parameter cost is taken from (see _time_model_update).
+OPTIMIZER_MODEL, OPTIMIZER_MODEL_SEQ = "gpt:layers=2,hidden=256,heads=4,vocab=4096", 64
 TINY_BLOCK = {"hidden_per_head": 16, "ffn_factor": 4, "seq": 8}
 # Repetitions of the wall-clock fixed-cost timings (tiny, so cheap): their minimum is the least
 # disturbed by other processes.
@@ -70,7 +72,8 @@ def measure_cpu_share(torch, dist, reps: int = 5) -> float:
 
 
 def measure_optimizer(torch, dist, timer, mesh, reps: int) -> dict[str, list[tuple[int, int, float]]]:
-    """{"plain"|"dtensor": [(tensors, local elements in all, seconds)]} of norm + clip + AdamW."""
+    """{"plain"|"dtensor": [(tensors, local elements in all, seconds)]} of norm + clip + AdamW on
+    sets of equal tensors, and {"model": [...]}: the same for a small GPT's parameters."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     out: dict[str, list[tuple[int, int, float]]] = {"plain": [], "dtensor": []}
@@ -95,7 +98,43 @@ def measure_optimizer(torch, dist, timer, mesh, reps: int) -> dict[str, list[tup
                 optimizer.step()
 
             out[kind].append((count, count * numel, timer(update, reps, cpu_time=True)))
+    out["model"] = [_time_model_update(torch, reps)]
     return out
+
+
+def _time_model_update(torch, reps: int) -> tuple[int, int, float]:
+    """(tensors, elements, CPU seconds) of the update of a small GPT's parameters, each timed
+    right after a forward and backward as in training: the activations' allocations and frees
+    in between decide whether the optimizer's temporaries reuse memory or fault fresh pages,
+    which the bare tensor sets do not show."""
+    from planner.models import build_model
+
+    built = build_model(OPTIMIZER_MODEL, OPTIMIZER_MODEL_SEQ, device="cpu")
+    model, tokens = built.module, built.example_inputs[0].repeat(2, 1)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, **ADAMW)
+    best = float("inf")
+    for rep in range(reps + 1):  # the first one creates the optimizer state
+        optimizer.zero_grad(set_to_none=True)
+        built.loss_fn(model(tokens), (tokens,)).backward()
+        begin = time.process_time()
+        total = torch.zeros((), dtype=torch.float64)
+        for param in params:
+            total += param.grad.double().pow(2).sum()
+        for param in params:
+            param.grad.mul_(0.999)
+        optimizer.step()
+        if rep:
+            best = min(best, (time.process_time() - begin) / torch.get_num_threads())
+    return len(params), sum(p.numel() for p in params), best
+
+
+def fit_model_update(per_tensor_s: float, model: tuple[int, int, float], fallback_s: float) -> float:
+    """Seconds per parameter of a real model's update beyond its per-tensor cost (`fallback_s`,
+    the tensor sets' fit, when the model's update is all per-tensor cost)."""
+    tensors, elements, seconds = model
+    leftover = seconds - tensors * per_tensor_s
+    return leftover / elements if leftover > 0 else fallback_s
 
 
 def fit_optimizer(samples: list[tuple[int, int, float]]) -> tuple[float, float]:

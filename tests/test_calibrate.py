@@ -128,7 +128,8 @@ def _measured_with_fixed_costs(share: float) -> dict:
             "copy_bw_bytes_per_s": 2e10, "block_overhead_s": 1.5e-4,
             "block": {"fwd_s": 1e-2, "fwd_flops": 4e8, "saved_bytes": 7e6},
             "collectives": [["all_reduce", 4096, 1e-4], ["all_reduce", 2**22, 5e-3], ["send_recv", 2**20, 1e-3]],
-            "cpu_share": share, "optimizer": {"plain": plain, "dtensor": dtensor},
+            "cpu_share": share, "optimizer": {"plain": plain, "dtensor": dtensor,
+                                              "model": [(68, 4e6, 68 * 1e-4 + 4e6 * 8e-9)]},
             "block_fixed": {"plain_s": 1e-3, "tp_s": 1e-2, "fsdp_s": 5e-3, "seq": 8.0, "hidden": 64.0,
                             "block_params": 5e4},
             "pipeline": {"step_s": 2e-2, "microbatches": 8.0, "boundary_bytes": 64.0}}
@@ -139,8 +140,9 @@ def test_build_profile_carries_the_fixed_costs_and_the_core_share():
     device = full.device
     assert device.optimizer_per_tensor_s == pytest.approx(1e-4, rel=1e-9)
     assert device.dtensor_optimizer_per_tensor_s == pytest.approx(4e-4, rel=1e-9)
-    # 5 ns per parameter at the measured 20 GB/s is 100 bytes per parameter of AdamW traffic
-    assert full.optimizer_bytes_per_param == pytest.approx(5e-9 * 2e10, rel=1e-9)
+    # The real model's update, less its 68 tensors' fixed cost, sets the per-parameter cost (the
+    # equal-tensor sets said 5 ns): 8 ns at the measured 20 GB/s is 160 bytes per parameter.
+    assert full.optimizer_bytes_per_param == pytest.approx(8e-9 * 2e10, rel=1e-9)
     assert device.tp_layer_overhead_s > 0 and device.dp_unit_overhead_s > 0 and device.pipeline_action_overhead_s > 0
     # Half a core each (4 processes on 2 cores): every CPU-time rate halves, every CPU-time
     # fixed cost doubles; wall-clock fixed costs already saw the sharing and stay as measured.
@@ -152,3 +154,10 @@ def test_build_profile_carries_the_fixed_costs_and_the_core_share():
     assert half.device.optimizer_per_tensor_s == pytest.approx(2 * device.optimizer_per_tensor_s)
     assert half.optimizer_bytes_per_param == pytest.approx(full.optimizer_bytes_per_param)
     assert half.device.elementwise_bytes_per_activation_byte == pytest.approx(device.elementwise_bytes_per_activation_byte)
+
+
+def test_model_update_fit_falls_back_when_all_of_it_is_per_tensor():
+    from planner.calibrate_fixed import fit_model_update
+
+    assert fit_model_update(1e-4, (10, 1e6, 10 * 1e-4 + 1e6 * 3e-9), 1e-9) == pytest.approx(3e-9, rel=1e-9)
+    assert fit_model_update(1e-4, (10, 1e6, 5e-4), 1e-9) == 1e-9  # faster than its tensors' fixed cost
