@@ -16,17 +16,21 @@ __all__ = ["train", "Measurement", "load_measurement"]
 def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str | Path = "measured.json",
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
           max_restarts: int = 0, data: str = "synthetic", seed: int | None = None,
-          run_dir: str | Path | None = None, timeout_s: float | None = None, echo: bool = False) -> Measurement:
+          run_dir: str | Path | None = None, timeout_s: float | None = None, run_limit_s: float | None = None,
+          echo: bool = False) -> Measurement:
     """Train `steps` optimizer steps of a plan on this node and return what was measured.
 
     Refuses (MeshplanError) before launching anything the executor cannot run as planned.
     `run_dir` receives per-rank heartbeats (`rank{R}.json`: pid, completed steps) and error files;
-    `timeout_s` bounds the whole launch (None: no limit); `echo` streams the workers' output.
+    `timeout_s` is the collective timeout: a rank waiting longer than that for the others (a hung
+    peer) fails the run, which names the rank it waited for (None: 600 s); `run_limit_s` bounds
+    the whole launch (None: no limit); `echo` streams the workers' output.
     """
     from executor.data import make_source
+    from executor import preflight
     from executor.launch import launch_jobs
     from executor.validate import check_plan_runnable
-    from executor.worker import Job
+    from executor.worker import DEFAULT_TIMEOUT_S, Job
     from planner.models import parse_spec
     from planner.plan import Plan, load_plan, save_plan
 
@@ -39,15 +43,24 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
         plan_path = Path(plan_path_or_plan).resolve()
         plan = load_plan(plan_path)
     nproc = plan.config.gpus if nproc is None else nproc
+    preflight.check_nproc(nproc, plan.config.gpus)
     check_plan_runnable(plan, nproc)
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    preflight.check_timeout(timeout_s)
+    preflight.check_timeout(run_limit_s, "the run limit")
+    preflight.check_output_file(out)
     job = Job(plan_path=str(plan_path), steps=steps, out=str(Path(out).resolve()),
               checkpoint_dir=str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None,
-              checkpoint_every=checkpoint_every, resume=resume, data=data, seed=seed, run_dir=str(run_dir))
+              checkpoint_every=checkpoint_every, resume=resume, data=data, seed=seed, run_dir=str(run_dir),
+              timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     source_seed = plan.seed if seed is None else seed
     make_source(data, parse_spec(plan.model.spec, plan.model.seq).vocab, plan.model.seq, source_seed)
+    if checkpoint_dir:  # writable even when only resuming: a restart may save there
+        one_bytes = preflight.checkpoint_size_bytes(preflight.count_parameters(plan.model.spec, plan.model.seq))
+        num_saves = steps // checkpoint_every if checkpoint_every else 0
+        preflight.check_checkpoint_dir(checkpoint_dir, one_bytes if num_saves else 0, num_saves)
     if Path(out).exists():
         Path(out).unlink()  # never report a previous run's figures as this one's
-    launch_jobs([job.to_json()], nproc, run_dir, max_restarts=max_restarts, timeout_s=timeout_s, echo=echo)
+    launch_jobs([job.to_json()], nproc, run_dir, max_restarts=max_restarts, timeout_s=run_limit_s, echo=echo)
     return load_measurement(out)

@@ -14,6 +14,10 @@ from pathlib import Path
 MARKER = "COMPLETE"
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """Writing a checkpoint failed (disk full, unwritable); earlier checkpoints are untouched."""
+
+
 def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step_{step}"
 
@@ -58,13 +62,22 @@ def save_checkpoint(runtime, directory: str | Path, step: int, history: list[tup
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from executor import faults
+
     path = checkpoint_path(directory, step)
-    model_state, optim_state, _ = _model_and_optim_state(runtime)
     rank = dist.get_rank()
+    if rank == 0 and (path / MARKER).exists():
+        (path / MARKER).unlink()  # a marker left by an earlier run must not vouch for this save
+    dist.barrier()
+    model_state, optim_state, _ = _model_and_optim_state(runtime)
     state = {"model": model_state, "optim": optim_state,
              "train": {"step": step, "history_json": json.dumps(history)},
              f"rng_rank{rank}": torch.get_rng_state()}
-    dcp.save(state, checkpoint_id=str(path))
+    try:
+        dcp.save(state, storage_writer=faults.storage_writer(str(path), rank, step))
+    except (Exception, dcp.api.CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointSaveFailed(_save_failure(path, step, exc)) from None
+    faults.inside_save(rank, step)
     dist.barrier()
     if rank == 0:
         marker = {"step": step, "world_size": dist.get_world_size(), "plan_digest": runtime.plan.digest}
@@ -73,6 +86,22 @@ def save_checkpoint(runtime, directory: str | Path, step: int, history: list[tup
         os.replace(temporary, path / MARKER)  # atomic: the marker is either absent or whole
     dist.barrier()
     return path
+
+
+def _save_failure(path: Path, step: int, exc: BaseException) -> str:
+    """One line: the first underlying error (DCP wraps every rank's in one long traceback) and
+    what is still safe."""
+    failures = getattr(exc, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else exc
+    if isinstance(cause, OSError) and cause.strerror:
+        reason = cause.strerror
+    else:
+        reason = f"{type(cause).__name__}: {cause}"
+    previous = newest_complete(path.parent)
+    kept = f"the newest complete checkpoint, {previous[1]}, is intact" if previous else \
+        "no earlier complete checkpoint exists"
+    return (f"saving checkpoint step_{step} to {path} failed ({reason}); {kept}; free disk space or use "
+            f"another --checkpoint-dir, then --resume")
 
 
 def load_checkpoint(runtime, path: Path) -> tuple[int, list[list[float]]]:

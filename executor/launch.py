@@ -57,6 +57,9 @@ def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts:
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    for directory in {Path(job.get("run_dir") or run_dir) for job in jobs}:  # a fresh launch: no stale failures
+        for stale in (*directory.glob("error_rank*.txt"), directory / "fatal.txt"):
+            stale.unlink(missing_ok=True)
     jobs_path = run_dir / "jobs.json"
     jobs_path.write_text(json.dumps([{**job, "run_dir": job.get("run_dir") or str(run_dir)} for job in jobs]))
     command = torchrun_command(nproc, max_restarts, ["--jobs", str(jobs_path)], free_port())
@@ -131,8 +134,44 @@ def _kill_leftover_workers(run_dir: Path) -> None:
                 pass
 
 
+TIMED_OUT = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
+
+
+def describe_hang(run_dir: Path) -> str | None:
+    """When every rank that recorded an error timed out in a collective, the ranks that recorded
+    nothing are the ones they waited for: name them (with the step they were in), or None.
+
+    Exact when the waiting ranks all time out before the launcher stops them (two ranks, or ranks
+    that all wait on the stuck one); otherwise the stopped bystanders are named as well."""
+    errors = {}
+    for path in run_dir.glob("error_rank*.txt"):
+        suffix = path.stem[len("error_rank"):]
+        if suffix.isdigit():
+            errors[int(suffix)] = path.read_text().strip()
+    if not errors or not all(TIMED_OUT.search(text) for text in errors.values()):
+        return None
+    steps = {}
+    for path in run_dir.glob("rank*.json"):
+        suffix = path.stem[len("rank"):]
+        try:
+            steps[int(suffix)] = int(json.loads(path.read_text())["step"])
+        except (ValueError, KeyError, OSError):
+            continue
+    silent = sorted(set(steps) - set(errors))
+    if not silent:
+        return None
+    names = ", ".join(f"{rank} (in step {steps[rank] + 1})" for rank in silent)
+    waiting = ", ".join(str(rank) for rank in sorted(errors))
+    first = errors[min(errors)]
+    return (f"rank {names} stopped responding: rank {waiting} timed out waiting for it in a collective "
+            f"(--timeout-s) and the launcher stopped the rest; rank {min(errors)} reported: {first[:300]}")
+
+
 def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | None) -> str:
     """One line: which rank failed first, how, and the error it recorded."""
+    hang = describe_hang(run_dir)
+    if hang:
+        return hang
     text = result.output_tail
     root = text.split("Root Cause", 1)[1] if "Root Cause" in text else text
     rank = re.search(r"rank\s*:\s*(\d+)", root)

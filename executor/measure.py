@@ -36,6 +36,7 @@ class Measurement:
     resumed_from_step: int = 0
     host: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
+    stopped: str = ""  # why the run stopped before its last step (non-finite loss); "" when it finished
     schema_version: int = MEASUREMENT_SCHEMA_VERSION
 
     def __post_init__(self):

@@ -217,7 +217,8 @@ def _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
 
 def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, hp: Hyperparameters):
     """One optimizer step on this replica's (inputs, targets); returns the mean micro-batch loss
-    on ranks that hold the last chunk (None elsewhere) and the global gradient norm."""
+    on ranks that hold the last chunk (None elsewhere) and the global gradient norm. A
+    non-finite norm (the same on every rank) skips the update."""
     for optimizer in runtime.optimizers:
         optimizer.zero_grad(set_to_none=True)
     if runtime.schedule is not None:
@@ -228,6 +229,8 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
     if runtime.tied_group is not None:
         _all_reduce_tied_grads(runtime)
     grad_norm = clip_grad_norm(runtime, hp.max_grad_norm)
+    if not math.isfinite(grad_norm):
+        return loss, grad_norm  # NaN/inf gradients would poison the weights: leave them as they were
     lr = lr_at(step, total_steps, hp)
     for optimizer in runtime.optimizers:
         for group in optimizer.param_groups:

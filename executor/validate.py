@@ -14,7 +14,8 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
                             "space; re-plan without --layerwise")
     if world_size != cfg.gpus:
         raise MeshplanError(f"the plan needs {cfg.gpus} processes (pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp}) but "
-                            f"{world_size} were asked for; use --nproc {cfg.gpus} or re-plan with --gpus {world_size}")
+                            f"{world_size} were asked for; use --nproc {cfg.gpus}"
+                            + (f" or re-plan with --gpus {world_size}" if world_size > 0 else ""))
     from planner.models import build_model
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 DEFAULT_TIMEOUT_S = 600.0
+FATAL_FILE = "fatal.txt"  # in run_dir: an error that restarting the workers cannot fix
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Job:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
-        if self.timeout_s <= 0:
+        if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
     def to_json(self) -> dict:
@@ -85,15 +87,35 @@ def run_job(job: Job, device) -> None:
     if dist.get_rank() == 0 and job.checkpoint_dir and (job.resume or restarted):
         print(f"resuming after step {start_step} from {newest[1]}" if newest is not None else
               f"no complete checkpoint in {job.checkpoint_dir}: starting from step 0", flush=True)
-    history, peak_bytes, memory_source = _train_loop(job, runtime, source, hp, start_step, [tuple(h) for h in history])
-    _write_measurement(job, runtime, history, peak_bytes, memory_source, start_step)
+    history, peak_bytes, memory_source, stopped = _train_loop(job, runtime, source, hp, start_step,
+                                                              [tuple(h) for h in history])
+    if history:  # a stopped run still reports its good steps
+        _write_measurement(job, runtime, history, peak_bytes, memory_source, start_step, stopped)
+    if stopped:
+        raise NonFiniteLoss(stopped)
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite: training stopped before the update."""
+
+
+def _non_finite(job: Job, step: int, loss_value: float, grad_norm: float, num_good: int) -> str:
+    from executor.checkpoint import newest_complete
+
+    newest = newest_complete(job.checkpoint_dir) if job.checkpoint_every else None
+    kept = f"the last good checkpoint is {newest[1]}" if newest else "no checkpoint was saved"
+    measured = f"{job.out} holds the {num_good} good step(s)" if num_good else "no step finished"
+    return (f"the loss became {loss_value} at step {step} (gradient norm {grad_norm}): training stopped before "
+            f"updating the weights; {kept}; {measured}; lower the learning rate or start from that checkpoint")
 
 
 def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tuple[float, float]]):
-    """Steps start_step..steps-1; returns (loss, time) of every step and this rank's peak memory."""
+    """Steps start_step..steps-1; returns (loss, time) of every good step, this rank's peak memory
+    and, when the loss or gradient norm stopped being finite, the message saying so."""
     import torch
     import torch.distributed as dist
 
+    from executor import faults
     from executor.checkpoint import save_checkpoint
     from executor.data import global_batch, replica_slice
     from executor.runtime import train_step
@@ -102,19 +124,24 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
     # Live-tensor tracking slows its step, so it runs on the second step of the attempt (a
     # warm-up step in a fresh run) once optimizer states exist.
     memory_step = min(start_step + 1, job.steps - 1)
-    peak_bytes, memory_source = 0, "none"
+    peak_bytes, memory_source, stopped = 0, "none", ""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step, job.steps):
         inputs, targets = global_batch(source, step, cfg.global_batch)
         inputs, targets = replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
+        faults.before_step(runtime, rank, step + 1)
         started = time.perf_counter()
         if step == memory_step and device.type == "cpu" and job.measure_memory:
-            loss, peak_bytes = _tracked_step(runtime, step, job.steps, inputs, targets, hp)
+            loss, grad_norm, peak_bytes = _tracked_step(runtime, step, job.steps, inputs, targets, hp)
             memory_source = "torch.distributed._tools.mem_tracker.MemTracker (live tensor bytes)"
         else:
-            loss, _ = train_step(runtime, step, job.steps, inputs, targets, hp)
+            loss, grad_norm = train_step(runtime, step, job.steps, inputs, targets, hp)
         loss_value, step_time_s = _agree(runtime, loss, time.perf_counter() - started)
+        # Every rank sees the same agreed loss and global norm, so every rank stops at the same step.
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            stopped = _non_finite(job, step + 1, loss_value, grad_norm, len(history))
+            break
         history.append((loss_value, step_time_s))
         _heartbeat(job.run_dir, rank, step + 1)
         if rank == 0:
@@ -123,10 +150,11 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
             save_checkpoint(runtime, job.checkpoint_dir, step + 1, history)
     if device.type == "cuda":
         peak_bytes, memory_source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
-    return history, peak_bytes, memory_source
+    return history, peak_bytes, memory_source, stopped
 
 
-def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_source: str, start_step: int) -> None:
+def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_source: str, start_step: int,
+                       stopped: str = "") -> None:
     import torch.distributed as dist
 
     from executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
@@ -141,7 +169,8 @@ def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_sourc
         peak_memory_bytes_per_rank=tuple(peaks), losses=tuple(losses),
         tokens_per_s=tokens_per_s(times, warmup, tokens_per_step), tokens_per_step=tokens_per_step,
         memory_source=memory_source, precision=cfg.precision, backend=dist.get_backend(),
-        device=runtime.device.type, resumed_from_step=start_step, host=host_info(), versions=software_versions())
+        device=runtime.device.type, resumed_from_step=start_step, host=host_info(), versions=software_versions(),
+        stopped=stopped)
     if dist.get_rank() == 0:
         Path(job.out).parent.mkdir(parents=True, exist_ok=True)
         save_measurement(measurement, job.out)
@@ -162,8 +191,8 @@ def _tracked_step(runtime, step, total_steps, inputs, targets, hp):
     tracker = StepMemTracker()
     tracker.track_external(*runtime.stages, *runtime.optimizers)
     with tracker:
-        loss, _ = train_step(runtime, step, total_steps, inputs, targets, hp)
-    return loss, tracker.peak_bytes()
+        loss, grad_norm = train_step(runtime, step, total_steps, inputs, targets, hp)
+    return loss, grad_norm, tracker.peak_bytes()
 
 
 def _agree(runtime, loss, elapsed_s: float) -> tuple[float, float]:
@@ -243,9 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     _exit_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
     for run_dir in {job.run_dir for job in jobs if job.run_dir}:  # pid known before anything can hang
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        _heartbeat(run_dir, int(os.environ.get("RANK", "0")), 0)
+        Path(run_dir, f"error_rank{rank}.txt").unlink(missing_ok=True)  # only this attempt's errors count
+        _heartbeat(run_dir, rank, 0)
+        fatal = Path(run_dir, FATAL_FILE)
+        if fatal.is_file():  # a restart cannot cure a diverged run: report it again and stop at once
+            _record_error(jobs, NonFiniteLoss(fatal.read_text().strip()))
+            return 1
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -260,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             run_job(job, device)
     except BaseException as exc:
         _record_error(jobs, exc)
+        if isinstance(exc, NonFiniteLoss) and jobs[0].run_dir:  # every rank: the first to exit gets the rest killed
+            temporary = Path(jobs[0].run_dir, f"{FATAL_FILE}.rank{rank}")
+            temporary.write_text(str(exc) + "\n")
+            os.replace(temporary, Path(jobs[0].run_dir, FATAL_FILE))
         raise
     # A bare destroy_process_group() sometimes aborts after a good run on gloo: barrier first.
     dist.barrier()

@@ -10,6 +10,7 @@ on pipeline rank r // (dp * tp).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,9 +64,27 @@ class Measurement:
         return statistics.median(self.timed_steps_s)
 
 
+def _check_field_types(data: dict[str, Any], source: str) -> None:
+    """JSON types as `meshplan train` writes them: a text world size or a null loss list is a
+    broken file, not something to coerce."""
+    if "world_size" in data and (not isinstance(data["world_size"], int) or isinstance(data["world_size"], bool)):
+        raise ValueError(f"{source}: world_size must be a whole number, got {data['world_size']!r}")
+    for key in ("step_times_s", "losses", "peak_memory_bytes_per_rank"):
+        if key in data and not isinstance(data[key], list):
+            raise ValueError(f"{source}: {key} must be a list of numbers, got {data[key]!r}")
+    for key in ("step_times_s", "losses", "peak_memory_bytes_per_rank"):
+        for value in data.get(key) or ():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{source}: {key} must hold finite numbers, found {value!r}")
+    tokens = data.get("tokens_per_s", 0.0)
+    if isinstance(tokens, bool) or not isinstance(tokens, (int, float)) or not 0 <= tokens < math.inf:
+        raise ValueError(f"{source}: tokens_per_s must be a finite number >= 0, got {tokens!r}")
+
+
 def measurement_from_json(data: dict[str, Any], source: str) -> Measurement:
     if not isinstance(data, dict):
         raise ValueError(f"{source}: a measured file must be a JSON object")
+    _check_field_types(data, source)
     try:
         return Measurement(
             source=source, world_size=int(data["world_size"]), plan_digest=str(data.get("plan_digest", "")),

@@ -13,7 +13,9 @@ def add_arguments(parser):
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
     parser.add_argument("--data", default="synthetic", help="'synthetic' (default) or a text file (byte tokens)")
     parser.add_argument("--seed", type=int, help="weights and data seed (default: the plan's)")
-    parser.add_argument("--timeout-s", type=float, help="stop the whole run after this many seconds")
+    parser.add_argument("--timeout-s", type=float,
+                        help="collective timeout: a rank that waits longer for the others (a hung worker) fails the "
+                             "run, which names the rank it waited for (default 600)")
 
 
 def run(args) -> int:
