@@ -82,8 +82,11 @@ def save_checkpoint(runtime, directory: str | Path, step: int, history: list[tup
     if rank == 0:
         marker = {"step": step, "world_size": dist.get_world_size(), "plan_digest": runtime.plan.digest}
         temporary = path / f".{MARKER}.tmp"
-        temporary.write_text(json.dumps(marker))
-        os.replace(temporary, path / MARKER)  # atomic: the marker is either absent or whole
+        try:
+            temporary.write_text(json.dumps(marker))
+            os.replace(temporary, path / MARKER)  # atomic: the marker is either absent or whole
+        except OSError as exc:
+            raise CheckpointSaveFailed(_save_failure(path, step, exc)) from None
     dist.barrier()
     return path
 

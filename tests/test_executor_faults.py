@@ -216,3 +216,16 @@ def test_report_refuses_broken_measured_files(tmp_path, changes, message):
     assert message in str(info.value)
     (tmp_path / "ok.json").write_text(json.dumps(_measured()))
     assert load_measurement(tmp_path / "ok.json").losses == (5.0, 4.0, 3.0)
+
+
+def test_hang_description_names_the_ranks_that_recorded_nothing(tmp_path):
+    from executor.launch import describe_hang
+
+    for rank, step in ((0, 4), (1, 4), (2, 2)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"pid": 1, "step": step, "restart": 0}))
+    (tmp_path / "error_rank0.txt").write_text("RuntimeError: Timed out waiting 4000ms for recv operation\n")
+    (tmp_path / "error_rank1.txt").write_text("DistBackendError: watchdog caught collective operation timeout\n")
+    message = describe_hang(tmp_path)
+    assert message.startswith("rank 2 (in step 3) stopped responding: rank 0, 1 timed out")
+    (tmp_path / "error_rank1.txt").write_text("ValueError: bad shard\n")  # a real error, not a wait
+    assert describe_hang(tmp_path) is None
