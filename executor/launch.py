@@ -163,8 +163,12 @@ def describe_hang(run_dir: Path) -> str | None:
     names = ", ".join(f"{rank} (in step {steps[rank] + 1})" for rank in silent)
     waiting = ", ".join(str(rank) for rank in sorted(errors))
     first = errors[min(errors)]
-    return (f"rank {names} stopped responding: rank {waiting} timed out waiting for it in a collective "
-            f"(--timeout-s) and the launcher stopped the rest; rank {min(errors)} reported: {first[:300]}")
+    return (f"{_ranks(silent)} {names} stopped responding: {_ranks(errors)} {waiting} timed out waiting in a "
+            f"collective (--timeout-s) and the launcher stopped the rest; rank {min(errors)} reported: {first[:300]}")
+
+
+def _ranks(ranks) -> str:
+    return "rank" if len(ranks) == 1 else "ranks"
 
 
 def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | None) -> str:

@@ -226,6 +226,6 @@ def test_hang_description_names_the_ranks_that_recorded_nothing(tmp_path):
     (tmp_path / "error_rank0.txt").write_text("RuntimeError: Timed out waiting 4000ms for recv operation\n")
     (tmp_path / "error_rank1.txt").write_text("DistBackendError: watchdog caught collective operation timeout\n")
     message = describe_hang(tmp_path)
-    assert message.startswith("rank 2 (in step 3) stopped responding: rank 0, 1 timed out")
+    assert message.startswith("rank 2 (in step 3) stopped responding: ranks 0, 1 timed out")
     (tmp_path / "error_rank1.txt").write_text("ValueError: bad shard\n")  # a real error, not a wait
     assert describe_hang(tmp_path) is None
