@@ -135,20 +135,24 @@ def _kill_leftover_workers(run_dir: Path) -> None:
 
 
 TIMED_OUT = re.compile(r"timed?[ _-]?out|timeout", re.IGNORECASE)
+PEER_GONE = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
 
 
 def describe_hang(run_dir: Path) -> str | None:
-    """When every rank that recorded an error timed out in a collective, the ranks that recorded
-    nothing are the ones they waited for: name them (with the step they were in), or None.
+    """When ranks timed out in a collective (and any other recorded error is a peer that went away),
+    the ranks that recorded nothing are the ones they waited for: name them (with the step they
+    were in), or None.
 
-    Exact when the waiting ranks all time out before the launcher stops them (two ranks, or ranks
-    that all wait on the stuck one); otherwise the stopped bystanders are named as well."""
+    Exact when every waiting rank times out, or sees a timed-out peer go, before the launcher
+    stops it; otherwise the stopped bystanders are named as well."""
     errors = {}
     for path in run_dir.glob("error_rank*.txt"):
         suffix = path.stem[len("error_rank"):]
         if suffix.isdigit():
             errors[int(suffix)] = path.read_text().strip()
-    if not errors or not all(TIMED_OUT.search(text) for text in errors.values()):
+    timed_out = [rank for rank, text in errors.items() if TIMED_OUT.search(text)]
+    # Once a waiting rank gives up and exits, its peers may see it go rather than time out.
+    if not timed_out or not all(rank in timed_out or PEER_GONE.search(text) for rank, text in errors.items()):
         return None
     steps = {}
     for path in run_dir.glob("rank*.json"):
@@ -161,10 +165,11 @@ def describe_hang(run_dir: Path) -> str | None:
     if not silent:
         return None
     names = ", ".join(f"{rank} (in step {steps[rank] + 1})" for rank in silent)
-    waiting = ", ".join(str(rank) for rank in sorted(errors))
-    first = errors[min(errors)]
-    return (f"{_ranks(silent)} {names} stopped responding: {_ranks(errors)} {waiting} timed out waiting in a "
-            f"collective (--timeout-s) and the launcher stopped the rest; rank {min(errors)} reported: {first[:300]}")
+    waiting = ", ".join(str(rank) for rank in sorted(timed_out))
+    first = errors[min(timed_out)]
+    return (f"{_ranks(silent)} {names} stopped responding: {_ranks(timed_out)} {waiting} timed out waiting in a "
+            f"collective (--timeout-s) and the launcher stopped the rest; rank {min(timed_out)} reported: "
+            f"{first[:300]}")
 
 
 def _ranks(ranks) -> str:

@@ -80,11 +80,14 @@ def test_kill_during_a_save_resumes_from_the_previous_complete_checkpoint(plan_p
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
-def test_a_hung_worker_is_named_within_the_timeout_and_stopped(plan_path, tmp_path, monkeypatch):
+def test_a_hung_worker_is_named_within_the_timeout_and_stopped(tmp_path, monkeypatch):
+    # Three ranks: some wait on the stuck one directly, some on a peer that gave up.
+    plan = uniform_plan(SPEC, 16, 3, load_cluster("cpu"), dp=3, microbatch_size=1, seed=3)
     monkeypatch.setenv("MESHPLAN_FAULT", "hang:rank=1,step=3")
     started = time.monotonic()
-    with pytest.raises(TrainingFailed, match=r"rank 1 \(in step 3\) stopped responding: rank 0 timed out") as info:
-        train(plan_path, steps=STEPS, out=tmp_path / "m.json", run_dir=tmp_path / "run", timeout_s=4)
+    with pytest.raises(TrainingFailed, match=r"^rank 1 \(in step 3\) stopped responding: ranks? [0-9, ]+ timed out") \
+            as info:
+        train(plan, steps=STEPS, out=tmp_path / "m.json", run_dir=tmp_path / "run", timeout_s=4)
     elapsed_s = time.monotonic() - started
     # Start-up (~5-20 s on a loaded 2-core machine) + 2 steps + the 4 s timeout + torchrun's
     # stop; without the timeout it would wait forever (the test's own 200 s limit).
@@ -227,5 +230,10 @@ def test_hang_description_names_the_ranks_that_recorded_nothing(tmp_path):
     (tmp_path / "error_rank1.txt").write_text("DistBackendError: watchdog caught collective operation timeout\n")
     message = describe_hang(tmp_path)
     assert message.startswith("rank 2 (in step 3) stopped responding: ranks 0, 1 timed out")
+    (tmp_path / "error_rank1.txt").write_text("RuntimeError: Connection closed by peer [127.0.0.1]:5797\n")
+    assert describe_hang(tmp_path).startswith("rank 2 (in step 3) stopped responding: rank 0 timed out")
     (tmp_path / "error_rank1.txt").write_text("ValueError: bad shard\n")  # a real error, not a wait
+    assert describe_hang(tmp_path) is None
+    (tmp_path / "error_rank0.txt").write_text("RuntimeError: Connection reset by peer\n")  # a killed rank
+    (tmp_path / "error_rank1.txt").unlink()
     assert describe_hang(tmp_path) is None
