@@ -3,7 +3,10 @@
 Layout: `DIR/step_N/` (N = completed optimizer steps) holds the sharded model and optimizer
 state under their full-model parameter names (so a checkpoint loads into another layout), the
 step, the loss history and each rank's RNG state; `DIR/step_N/COMPLETE` is written last, after
-every rank has finished writing, so a crash mid-save never leaves a checkpoint that looks whole.
+every rank has finished writing, so a crash mid-save never leaves a checkpoint that looks whole
+(a marker left in `step_N/` by an earlier run is removed before the save starts). A failed write
+(disk full, unwritable) raises `CheckpointSaveFailed` in one line; earlier checkpoints are never
+touched.
 """
 from __future__ import annotations
 

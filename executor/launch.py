@@ -5,7 +5,8 @@ happened (a worker crash, a timeout, Ctrl-C); torchrun puts each worker in a ses
 so the launcher also kills any worker still alive from the heartbeats they write at start-up,
 and workers exit by themselves when their agent dies. No worker outlives the run. Restarts use a fresh rendezvous store per attempt
 (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): with the shared store, restarted gloo workers find
-stale addresses and fail to connect (pytorch#135712).
+stale addresses and fail to connect (pytorch#135712). When ranks time out waiting in a
+collective, the failure names the rank(s) they waited for (`describe_hang`).
 """
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ another in one launch (the tests group configurations this way: each launch cost
 Each job: check the plan, build this rank's runtime, resume from the newest complete checkpoint
 when asked (or when torchrun restarted the workers), train, checkpoint every K steps, and have
 rank 0 write measured.json. Teardown is a barrier, then `destroy_process_group`.
+
+A collective that waits longer than the job's `timeout_s` fails (a hung peer); a NaN or infinite
+loss or gradient norm stops every rank at the same step, before the update and before any save,
+with measured.json holding the good steps; restarts after that stop at once (`fatal.txt`).
 """
 from __future__ import annotations
 
