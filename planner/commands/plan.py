@@ -3,15 +3,11 @@ from __future__ import annotations
 
 import json
 
-GIB = 2**30
+from planner.commands.common import GIB, add_job_arguments
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="model SPEC (built-in name, gpt:/llama: spec, file.py:fn, hf:config.json)")
-    parser.add_argument("--cluster", required=True, help="cluster profile name (a100-80g, h100-sxm, ...) or .toml path")
-    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (cpu profile: local processes)")
-    parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples per optimizer step")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, GPT-2 presets 1024)")
+    add_job_arguments(parser)
     parser.add_argument("--out", default=None, help="write the plan JSON here (e.g. plan.json)")
     parser.add_argument("--top", type=int, default=5, help="how many candidates to show and keep (default 5)")
     parser.add_argument("--json", action="store_true", help="print the plan JSON only")
