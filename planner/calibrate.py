@@ -310,6 +310,7 @@ def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: flo
     tp_s, dp_unit_s = fixed.fit_block_overheads(measured["block_fixed"], nproc, link)
     out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
            "tp_layer_overhead_s": tp_s, "dp_unit_overhead_s": dp_unit_s,
+           "dtensor_redistribute_s": fixed.fit_redistribute(measured["block_fixed"], nproc, link),
            "pipeline_action_overhead_s": fixed.fit_pipeline_action(measured["pipeline"], nproc, link)}
     if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
         out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s

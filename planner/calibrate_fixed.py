@@ -9,6 +9,8 @@ Run inside every calibration worker, all ranks at once (as in training):
   hyperparameters, foreach left to torch for plain tensors and off for DTensors, after a
   global-norm clip that touches every gradient) on parameter sets of many small and a few
   large tensors, plain and DTensor: fitted to t = tensors x per_tensor_s + params x per_param_s;
+- a small partial DTensor redistributed to a replicated one (what the executor does to each TP
+  norm gradient per step);
 - a tiny transformer block, forward + backward, plain, tensor-parallel over all ranks (the
   executor's Megatron plan through `parallelize_module`) and FSDP-wrapped over all ranks: what
   the plain block and the collectives' alpha-beta cost do not explain is the per-pass overhead
@@ -160,6 +162,7 @@ def _tiny_block(nproc: int):
 def measure_block_overheads(torch, dist, mesh, nproc: int, reps: int) -> dict[str, float]:
     """Wall seconds of a tiny block's forward + backward: plain, TP over all ranks, FSDP over all."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
@@ -180,6 +183,8 @@ def measure_block_overheads(torch, dist, mesh, nproc: int, reps: int) -> dict[st
     fully_shard(fsdp_block, mesh=mesh, reshard_after_forward=True)
     result["fsdp_s"] = wall_min_s(dist, run(fsdp_block), reps)
     result["block_params"] = float(sum(p.numel() for p in plain.parameters()))
+    partial = DTensor.from_local(torch.randn(hidden), mesh, [Partial()])
+    result["redistribute_s"] = wall_min_s(dist, lambda: partial.redistribute(mesh, [Replicate()]).to_local(), reps)
     return result
 
 
@@ -220,6 +225,13 @@ def fit_block_overheads(block: dict[str, float], nproc: int, link) -> tuple[floa
     tp_s = max(0.0, (block["tp_s"] - block["plain_s"] - tp_comm_s) / 2)
     fsdp_s = max(0.0, (block["fsdp_s"] - block["plain_s"] - fsdp_comm_s) / 2)
     return tp_s, fsdp_s
+
+
+def fit_redistribute(block: dict[str, float], nproc: int, link) -> float:
+    """A small Partial -> Replicate redistribution beyond its all-reduce; never negative."""
+    if "redistribute_s" not in block:
+        return 0.0
+    return max(0.0, block["redistribute_s"] - all_reduce_time_s(block["hidden"] * 4, nproc, link))
 
 
 def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link) -> float:

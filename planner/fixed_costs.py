@@ -15,7 +15,8 @@ charged here the way meshplan's executor incurs it:
 - `tp_layer_overhead_s` once per pass of every tensor-parallel layer;
 - `dp_unit_overhead_s` once per pass of every layer FSDP / replicate wraps;
 - `pipeline_action_overhead_s` once per forward and once per backward action of a pipeline chunk;
-- under TP, one all-reduce per norm tensor per step (their gradients are partial sums);
+- under TP, one DTensor redistribution (`dtensor_redistribute_s`) and all-reduce per norm
+  tensor per step (their gradients are partial sums);
 - one all-reduce of the squared gradient norm over the whole world per step.
 """
 from __future__ import annotations
@@ -67,7 +68,8 @@ def tp_norm_grad_sync_s(layer: LayerProfile, info: ModelInfo, tp: int, cluster: 
     if tp <= 1 or not info.hidden:
         return 0.0
     link = cluster.link_for_group(tp, 1)
-    return num_norm_tensors(layer, info) * all_reduce_time_s(info.hidden * 4, tp, link)
+    one_s = all_reduce_time_s(info.hidden * 4, tp, link) + cluster.device.dtensor_redistribute_s
+    return num_norm_tensors(layer, info) * one_s
 
 
 def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:

@@ -24,6 +24,7 @@ A profile file looks like:
     tp_layer_overhead_s = 0.0             # per tensor-parallel layer per pass (DTensor dispatch)
     pipeline_action_overhead_s = 0.0      # per forward/backward action of a pipeline stage
     dp_unit_overhead_s = 0.0              # per FSDP/replicate-wrapped layer per pass
+    dtensor_redistribute_s = 0.0          # per small Partial -> Replicate DTensor redistribution
 
     [topology]
     gpus_per_node = 8
@@ -119,6 +120,9 @@ class DeviceProfile:
     # Per data-parallel unit (each FSDP/replicate-wrapped block) per pass: hooks, parameter
     # views and the collective calls' own dispatch (beyond the link's latency and bandwidth).
     dp_unit_overhead_s: float = 0.0
+    # Per DTensor redistribution of a small partial gradient to a replicated one (beyond its
+    # all-reduce): the executor does one per TP norm tensor per step.
+    dtensor_redistribute_s: float = 0.0
     supports_bf16: bool = True
     source: str = ""
 
@@ -139,7 +143,7 @@ class DeviceProfile:
         for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",
                      "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
                      "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "pipeline_action_overhead_s",
-                     "dp_unit_overhead_s"):
+                     "dp_unit_overhead_s", "dtensor_redistribute_s"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "

@@ -131,7 +131,7 @@ def _measured_with_fixed_costs(share: float) -> dict:
             "cpu_share": share, "optimizer": {"plain": plain, "dtensor": dtensor,
                                               "model": [(68, 4e6, 68 * 1e-4 + 4e6 * 8e-9)]},
             "block_fixed": {"plain_s": 1e-3, "tp_s": 1e-2, "fsdp_s": 5e-3, "seq": 8.0, "hidden": 64.0,
-                            "block_params": 5e4},
+                            "block_params": 5e4, "redistribute_s": 2e-3},
             "pipeline": {"step_s": 2e-2, "microbatches": 8.0, "boundary_bytes": 64.0}}
 
 
@@ -144,6 +144,8 @@ def test_build_profile_carries_the_fixed_costs_and_the_core_share():
     # equal-tensor sets said 5 ns): 8 ns at the measured 20 GB/s is 160 bytes per parameter.
     assert full.optimizer_bytes_per_param == pytest.approx(8e-9 * 2e10, rel=1e-9)
     assert device.tp_layer_overhead_s > 0 and device.dp_unit_overhead_s > 0 and device.pipeline_action_overhead_s > 0
+    # the redistribution less the alpha-beta cost of its all-reduce of 64 fp32 values
+    assert device.dtensor_redistribute_s == pytest.approx(2e-3 - all_reduce_time_s(64 * 4, 2, full.intra_node))
     # Half a core each (4 processes on 2 cores): every CPU-time rate halves, every CPU-time
     # fixed cost doubles; wall-clock fixed costs already saw the sharing and stay as measured.
     half = build_profile(_measured_with_fixed_costs(0.5), 4, "gloo", "here")

@@ -303,7 +303,7 @@ def test_fixed_costs_are_charged_where_the_executor_incurs_them():
     graph = gpt_layers(2, 256, 4, 4096, 128)
     block = graph.layers[1]
     fields = dict(optimizer_per_tensor_s=1e-4, dtensor_optimizer_per_tensor_s=5e-4, tp_layer_overhead_s=2e-3,
-                  dp_unit_overhead_s=7e-4)
+                  dp_unit_overhead_s=7e-4, dtensor_redistribute_s=0.0)
     zero_fields = {name: 0.0 for name in fields}
     with_fixed, without = _with_fixed_costs(CPU, **fields), _with_fixed_costs(CPU, **zero_fields)
 
@@ -323,6 +323,10 @@ def test_fixed_costs_are_charged_where_the_executor_incurs_them():
     assert (layer_cost(block, Strategy(tp=2), without, graph.info).optimizer_step_s
             - layer_cost(block, Strategy(tp=1), without, graph.info).optimizer_step_s * 0.5
             == pytest.approx(norm_sync_s, rel=1e-9))
+    # each of those 4 redistributions also pays DTensor's own cost
+    redistributing = _with_fixed_costs(without, dtensor_redistribute_s=1e-3)
+    assert (layer_cost(block, Strategy(tp=2), redistributing, graph.info).optimizer_step_s
+            - layer_cost(block, Strategy(tp=2), without, graph.info).optimizer_step_s == pytest.approx(4e-3))
     # full recomputation repeats the forward's dispatch in backward
     assert delta(Strategy(tp=2, recompute="full"))[2] == pytest.approx(4e-3)
     # FSDP (ZeRO-3) and replicate (ZeRO-0 under PP): DTensor parameters, hooks per pass
