@@ -35,6 +35,8 @@ TINY_BLOCK = {"hidden_per_head": 16, "ffn_factor": 4, "seq": 8}
 # Repetitions of the wall-clock fixed-cost timings (tiny, so cheap): their minimum is the least
 # disturbed by other processes.
 MIN_WALL_REPS = 8
+# 256 x 256 matmuls in one burst of measure_cpu_share: ~0.2 s of one core.
+BURST_MATMULS = 400
 PIPELINE_MICROBATCHES_PER_STAGE = 4
 
 
@@ -51,12 +53,15 @@ def wall_min_s(dist, fn, reps: int) -> float:
     return best
 
 
-def measure_cpu_share(torch, dist, reps: int = 5) -> float:
+def measure_cpu_share(torch, dist, reps: int = 3) -> float:
     """The share of a core each process gets while all compute at once.
 
-    Measured as the best ratio of CPU time to wall time of a matmul burst run by all ranks
-    together, but never below cores / (processes x threads): other jobs on a shared machine
-    lower the measurement for a while, and the profile should describe the machine, not them.
+    Measured as the ratio of CPU time to wall time of a ~0.2 s matmul burst run by all ranks
+    together (several scheduler time slices, so no rank can finish before the others start),
+    the best of `reps` per rank, averaged over the ranks (a rank scheduled first sees more than
+    its share, the last one less); but never below cores / (processes x threads): other jobs on
+    a shared machine lower the measurement for a while, and the profile should describe the
+    machine, not them.
     """
     import os
 
@@ -67,10 +72,12 @@ def measure_cpu_share(torch, dist, reps: int = 5) -> float:
     for _ in range(reps):
         dist.barrier()
         wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(40):  # ~35 ms of one core
+        for _ in range(BURST_MATMULS):
             a @ a
         best = max(best, (time.process_time() - cpu) / (torch.get_num_threads() * (time.perf_counter() - wall)))
-    return min(1.0, max(best, expected))
+    mean = torch.tensor([best], dtype=torch.float64)
+    dist.all_reduce(mean)
+    return min(1.0, max(float(mean) / dist.get_world_size(), expected))
 
 
 def measure_optimizer(torch, dist, timer, mesh, reps: int) -> dict[str, list[tuple[int, int, float]]]:
