@@ -98,10 +98,12 @@ def layers_section(plan) -> Section:
     return Section("layers", "Plan per layer", body)
 
 
-def _states_bytes_per_param(precision: str, zero: int, dp: int) -> tuple[float, float, float, str]:
-    params, grads, optimizer, recipe = PRECISION_BYTES_PER_PARAM[precision]
-    return (params / (dp if zero >= 3 else 1), grads / (dp if zero >= 2 else 1),
-            optimizer / (dp if zero >= 1 else 1), recipe)
+def _states_bytes_per_param(config) -> tuple[dict[str, float], dict[str, float]]:
+    """Model-state bytes per parameter of a stage: (as the executor allocates, as the ZeRO paper counts)."""
+    from planner.state_memory import executor_state_bytes, paper_state_bytes
+
+    return (executor_state_bytes(1.0, config.dp, config.zero, config.precision, config.tp, config.pp),
+            paper_state_bytes(1.0, config.dp, config.zero, config.precision))
 
 
 def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence = ()) -> Section:
@@ -124,13 +126,20 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
         body.append(table(["pipeline rank", *figures.MEMORY_KINDS, "model states", "residual states", "total"], rows))
     else:
         body.append(paragraph("The plan carries no per-rank memory prediction.", "warn"))
-    params, grads, optimizer, recipe = _states_bytes_per_param(cfg.precision, cfg.zero, cfg.dp)
+    executor_bytes, paper_bytes = _states_bytes_per_param(cfg)
+    recipe = PRECISION_BYTES_PER_PARAM[cfg.precision][3]
+
+    def _sum_text(parts: dict[str, float]) -> str:
+        values = [parts[k] for k in ("params", "grads", "optimizer")]
+        return " + ".join(f"{v:g}" for v in values) + f" = {sum(values):g}"
+
     body.append(paragraph(
         f"Model states are the parameters, gradients and optimizer states; residual states are activations "
         f"saved for backward plus temporary buffers (communication buffers, gathered ZeRO-3 parameters, the "
         f"recomputation working set). Precision recipe {cfg.precision}: {recipe}. With ZeRO stage {cfg.zero} "
-        f"over dp={cfg.dp}, each rank holds {params:g} + {grads:g} + {optimizer:g} = "
-        f"{params + grads + optimizer:g} bytes of model states per parameter of its stage."))
+        f"over dp={cfg.dp}, the ZeRO paper counts {_sum_text(paper_bytes)} bytes of model states (params + "
+        f"grads + optimizer) per parameter of a stage; the figures above are what the executor allocates: "
+        f"{_sum_text(executor_bytes)} bytes (see planner/state_memory.py for why they differ)."))
     body.append(paragraph(f"Device: {device.name}, {fmt_bytes(device.memory_bytes)} of which "
                           f"{fmt_bytes(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
                           "communication buffers).", "note"))

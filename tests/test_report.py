@@ -55,7 +55,7 @@ def test_report_has_every_section(report_html, plan):
     assert f"{peak_gib:,.2f} GiB of 80.00 GiB" in report_html
     # Memory section speaks of model vs residual states and the precision recipe (2 + 2 + 12 bytes).
     assert "model states" in report_html and "residual states" in report_html
-    assert "each rank holds 2 + 2 + 12 = 16 bytes" in report_html
+    assert "the ZeRO paper counts 2 + 2 + 12 = 16 bytes" in report_html
     # Per-layer table lists every layer.
     for layer in plan.layers:
         assert f"<td>{layer.name}</td>" in report_html
@@ -65,8 +65,10 @@ def test_zero_sharding_in_memory_recipe():
     plan = make_plan(pp=1, dp=4, tp=1, with_alternatives=False)
     from dataclasses import replace
     html = build_report(replace(plan, config=replace(plan.config, zero=3)), trace=[])
-    # ZeRO-3 over dp=4 shards all three: 2/4 + 2/4 + 12/4 = 4 bytes per parameter.
-    assert "each rank holds 0.5 + 0.5 + 3 = 4 bytes" in html
+    # ZeRO-3 over dp=4 shards all three: 2/4 + 2/4 + 12/4 = 4 bytes per parameter (paper); the
+    # executor's fully_shard keeps fp32 params, fp32 grads and two fp32 moments sharded: 4/4 + 4/4 + 8/4.
+    assert "the ZeRO paper counts 0.5 + 0.5 + 3 = 4 bytes" in html
+    assert "the executor allocates: 1 + 1 + 2 = 4 bytes" in html
     assert "No timeline" in html
 
 
