@@ -307,9 +307,12 @@ def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: flo
     if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
         plain_param_s = fixed.fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
     dtensor_tensor_s, _ = fixed.fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
-    tp_s, dp_unit_s = fixed.fit_block_overheads(measured["block_fixed"], nproc, link)
+    _, dp_unit_s = fixed.fit_block_overheads(measured["block_fixed"], nproc, link)
+    tp_s, tp_per_byte_s = fixed.fit_tp_overheads(measured["block_fixed"], nproc, link)
+    sp_s, loss_s = fixed.fit_sp_and_loss(measured["block_fixed"], nproc, link)
     out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
-           "tp_layer_overhead_s": tp_s, "dp_unit_overhead_s": dp_unit_s,
+           "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
+           "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
            "dtensor_redistribute_s": fixed.fit_redistribute(measured["block_fixed"], nproc, link),
            "pipeline_action_overhead_s": fixed.fit_pipeline_action(measured["pipeline"], nproc, link)}
     if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth

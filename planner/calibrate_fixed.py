@@ -14,7 +14,9 @@ Run inside every calibration worker, all ranks at once (as in training):
 - a tiny transformer block, forward + backward, plain, tensor-parallel over all ranks (the
   executor's Megatron plan through `parallelize_module`) and FSDP-wrapped over all ranks: what
   the plain block and the collectives' alpha-beta cost do not explain is the per-pass overhead
-  of TP and of the data-parallel wrapper;
+  of TP and of the data-parallel wrapper; TP is also timed on a block of a small real model's
+  shape, each against the local shard one rank computes, which splits TP's overhead into a
+  fixed part and a part per byte of the activations;
 - a pipeline of one tiny Linear per rank under torch's 1F1B schedule: its step time over the
   number of actions on the critical path is the per-action overhead.
 """
@@ -31,7 +33,10 @@ ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 OPTIMIZER_SETS = ((64, 1024), (16, 2**16), (4, 2**18))
 # A small model whose update the per-parameter cost is taken from (see _time_model_update).
 OPTIMIZER_MODEL, OPTIMIZER_MODEL_SEQ = "gpt:layers=2,hidden=256,heads=4,vocab=4096", 64
-TINY_BLOCK = {"hidden_per_head": 16, "ffn_factor": 4, "seq": 8}
+TINY_BLOCK = {"heads": 4, "hidden_per_head": 16, "ffn_factor": 4, "seq": 8}
+# A block of the shape class of the small GPTs meshplan trains on CPU (hidden 256, seq 128, a
+# micro-batch of 8, a 4096 vocabulary): DTensor's overhead there grows with the activations.
+REAL_BLOCK = {"heads": 4, "hidden_per_head": 64, "ffn_factor": 4, "seq": 128, "batch": 8, "vocab": 4096}
 # Repetitions of the wall-clock fixed-cost timings (tiny, so cheap): their minimum is the least
 # disturbed by other processes.
 MIN_WALL_REPS = 8
@@ -158,41 +163,108 @@ def fit_optimizer(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
     return max(0.0, per_tensor), per_param
 
 
-def _tiny_block(nproc: int):
+def _block(nproc: int, shape: dict, local: bool = False):
+    """A GPT block of `shape`; `local`: the shard one rank of a TP group computes (its heads and
+    its slice of the MLP, full hidden), so TP block minus local block is DTensor's overhead."""
+    from torch import nn
+
     from planner.models.transformer import Block, TransformerConfig
 
-    heads = max(4, nproc)
-    hidden = heads * TINY_BLOCK["hidden_per_head"]
-    return Block(TransformerConfig("gpt", 1, hidden, heads, 128, ffn=TINY_BLOCK["ffn_factor"] * hidden)), hidden
+    heads = nproc * -(-shape["heads"] // nproc)  # at least shape's heads, a multiple of nproc
+    hidden = heads * shape["hidden_per_head"]
+    ffn = shape["ffn_factor"] * hidden
+    block = Block(TransformerConfig("gpt", 1, hidden, heads, 128, ffn=ffn))
+    if local:
+        for name in ("q", "k", "v"):
+            setattr(block.attn, name, nn.Linear(hidden, hidden // nproc))
+        block.attn.o = nn.Linear(hidden // nproc, hidden)
+        block.mlp.up, block.mlp.down = nn.Linear(hidden, ffn // nproc), nn.Linear(ffn // nproc, hidden)
+    return block, hidden
+
+
+def _tp_block(mesh, nproc: int, shape: dict, sp: bool = False):
+    """The executor's Megatron plan (`executor.parallelize.apply_tp`), with or without sequence
+    parallelism."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    block, _ = _block(nproc, shape)
+    row_output = Shard(1) if sp else Replicate()
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=row_output),
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=row_output)}
+    if sp:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather, "mlp": gather})
+    parallelize_module(block, mesh, plan)
+    return block
 
 
 def measure_block_overheads(torch, dist, mesh, nproc: int, reps: int) -> dict[str, float]:
-    """Wall seconds of a tiny block's forward + backward: plain, TP over all ranks, FSDP over all."""
+    """Wall seconds of a block's forward + backward: plain, TP over all ranks, FSDP over all,
+    for the tiny block, and local shard vs TP for the tiny and the real-shape block."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
     seq = TINY_BLOCK["seq"]
-    plain, hidden = _tiny_block(nproc)
+    plain, hidden = _block(nproc, TINY_BLOCK)
     x = torch.randn(1, seq, hidden, requires_grad=True)
 
-    def run(block):
-        return lambda: block(x).sum().backward()
+    def run(block, inputs=x):
+        return lambda: block(inputs).sum().backward()
 
     result = {"plain_s": wall_min_s(dist, run(plain), reps), "hidden": float(hidden), "seq": float(seq)}
-    tp_block, _ = _tiny_block(nproc)
-    parallelize_module(tp_block, mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-                                        "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
-                                        "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
-    result["tp_s"] = wall_min_s(dist, run(tp_block), reps)
-    fsdp_block, _ = _tiny_block(nproc)
+    result["tp_s"] = wall_min_s(dist, run(_tp_block(mesh, nproc, TINY_BLOCK)), reps)
+    result["local_s"] = wall_min_s(dist, run(_block(nproc, TINY_BLOCK, local=True)[0]), reps)
+    fsdp_block, _ = _block(nproc, TINY_BLOCK)
     fully_shard(fsdp_block, mesh=mesh, reshard_after_forward=True)
     result["fsdp_s"] = wall_min_s(dist, run(fsdp_block), reps)
     result["block_params"] = float(sum(p.numel() for p in plain.parameters()))
     partial = DTensor.from_local(torch.randn(hidden), mesh, [Partial()])
     result["redistribute_s"] = wall_min_s(dist, lambda: partial.redistribute(mesh, [Replicate()]).to_local(), reps)
+    result.update(_measure_real_shape_tp(torch, dist, mesh, nproc, reps))
     return result
+
+
+def _measure_real_shape_tp(torch, dist, mesh, nproc: int, reps: int) -> dict[str, float]:
+    """Local shard vs TP block (with and without sequence parallelism) at a small real model's
+    shape: DTensor's cost that grows with the activations, which the tiny block cannot show;
+    and the vocab-parallel loss (`loss_parallel` cross entropy) on that shape's logits."""
+    shape = REAL_BLOCK
+    local, hidden = _block(nproc, shape, local=True)
+    x = torch.randn(shape["batch"], shape["seq"], hidden, requires_grad=True)
+    x_sp = torch.randn(shape["batch"], shape["seq"] // nproc, hidden, requires_grad=True)
+    tp_block, sp_block = _tp_block(mesh, nproc, shape), _tp_block(mesh, nproc, shape, sp=True)
+    out = {"real_local_s": wall_min_s(dist, lambda: local(x).sum().backward(), reps),
+           "real_tp_s": wall_min_s(dist, lambda: tp_block(x).sum().backward(), reps),
+           "real_sp_s": wall_min_s(dist, lambda: sp_block(x_sp).sum().backward(), reps),
+           "real_stream_bytes": float(x.numel() * x.element_size())}
+    out.update(_measure_vocab_parallel_loss(torch, dist, mesh, nproc, reps))
+    return out
+
+
+def _measure_vocab_parallel_loss(torch, dist, mesh, nproc: int, reps: int) -> dict[str, float]:
+    """Cross entropy forward + backward on vocab-sharded logits under `loss_parallel` (as the
+    executor's TP head runs it) and on the local shard alone (the same compute, no DTensor)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    shape = REAL_BLOCK
+    tokens = shape["batch"] * shape["seq"]
+    local_logits = torch.randn(tokens, shape["vocab"] // nproc, requires_grad=True)
+    local_targets = torch.randint(0, shape["vocab"] // nproc, (tokens,))
+    targets = torch.randint(0, shape["vocab"], (tokens,))  # replicated, over the whole vocabulary
+    sharded = DTensor.from_local(torch.randn(tokens, shape["vocab"] // nproc), mesh, [Shard(1)]).requires_grad_()
+
+    def parallel():
+        with loss_parallel():
+            F.cross_entropy(sharded, targets).backward()
+
+    return {"loss_local_s": wall_min_s(dist, lambda: F.cross_entropy(local_logits, local_targets).backward(), reps),
+            "loss_parallel_s": wall_min_s(dist, parallel, reps), "loss_tokens": float(tokens)}
 
 
 def measure_pipeline(torch, dist, nproc: int, reps: int) -> dict[str, float]:
@@ -232,6 +304,41 @@ def fit_block_overheads(block: dict[str, float], nproc: int, link) -> tuple[floa
     tp_s = max(0.0, (block["tp_s"] - block["plain_s"] - tp_comm_s) / 2)
     fsdp_s = max(0.0, (block["fsdp_s"] - block["plain_s"] - fsdp_comm_s) / 2)
     return tp_s, fsdp_s
+
+
+def fit_tp_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
+    """(TP overhead per layer per pass, and per byte of its residual-stream input), never negative.
+
+    At each of the two block shapes, the TP block's forward + backward less the local shard's
+    (the same compute without DTensor) and less its four all-reduces of the stream (Megatron:
+    two per pass) is two passes' overhead; a line through the two points splits it into a fixed
+    and a per-byte part. Without the local and real-shape timings: the tiny block less the
+    plain one, all of it fixed."""
+    tiny_bytes = block["seq"] * block["hidden"] * 4
+    reference_s = block.get("local_s", block["plain_s"])
+    tiny_s = (block["tp_s"] - reference_s - 4 * all_reduce_time_s(tiny_bytes, nproc, link)) / 2
+    if "real_tp_s" not in block:
+        return max(0.0, tiny_s), 0.0
+    real_bytes = block["real_stream_bytes"]
+    real_s = (block["real_tp_s"] - block["real_local_s"] - 4 * all_reduce_time_s(real_bytes, nproc, link)) / 2
+    per_byte_s = max(0.0, (real_s - tiny_s) / (real_bytes - tiny_bytes))
+    return max(0.0, tiny_s - per_byte_s * tiny_bytes), per_byte_s
+
+
+def fit_sp_and_loss(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
+    """(Sequence parallelism's extra overhead per block pass, the vocab-parallel loss's overhead
+    per micro-batch), never negative; 0 without the real-shape timings.
+
+    SP's all-gathers and reduce-scatters move what TP's all-reduces move, so the SP block less
+    the TP block is DTensor's extra work (norms and residual glue as DTensors), over two passes.
+    The loss: `loss_parallel` cross entropy less the local shard's and less its three all-reduces
+    of one value per token (max, sum of exponentials, target logit)."""
+    if "real_sp_s" not in block:
+        return 0.0, 0.0
+    sp_s = max(0.0, (block["real_sp_s"] - block["real_tp_s"]) / 2)
+    reductions_s = 3 * all_reduce_time_s(block["loss_tokens"] * 4, nproc, link)
+    loss_s = max(0.0, block["loss_parallel_s"] - block["loss_local_s"] - reductions_s)
+    return sp_s, loss_s
 
 
 def fit_redistribute(block: dict[str, float], nproc: int, link) -> float:

@@ -174,8 +174,10 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
 
     tp_fwd_s, tp_bwd_s = _tp_comm_s(layer, strategy, cluster, act_scale)
     if split:  # DTensor dispatch around the parallel Linears, every pass (see planner.fixed_costs)
-        tp_fwd_s += cluster.device.tp_layer_overhead_s
-        tp_bwd_s += cluster.device.tp_layer_overhead_s
+        # the (mbs, seq, hidden) residual stream: an embedding's output, any other layer's input
+        stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)
+        pass_s = fixed_costs.tp_pass_overhead_s(layer, stream_bytes, strategy.sp, cluster)
+        tp_fwd_s, tp_bwd_s = tp_fwd_s + pass_s, tp_bwd_s + pass_s
     if fixed_costs.dp_wrapped(tp, dp, strategy.zero, strategy.pp):  # FSDP / replicate hooks per pass
         fwd_s += cluster.device.dp_unit_overhead_s
         bwd_s += cluster.device.dp_unit_overhead_s

@@ -12,7 +12,11 @@ charged here the way meshplan's executor incurs it:
   owns: `optimizer_per_tensor_s` each, or `dtensor_optimizer_per_tensor_s` when the executor
   holds DTensors (tensor-parallel layers, FSDP / replicate wrapping), which it steps without
   foreach kernels;
-- `tp_layer_overhead_s` once per pass of every tensor-parallel layer;
+- `tp_layer_overhead_s` once per pass of every tensor-parallel layer, plus
+  `tp_overhead_s_per_stream_byte` per byte of the (micro-batch, seq, hidden) tensor it takes in
+  (DTensor's work that grows with the activations), plus `sp_layer_overhead_s` per block pass
+  under sequence parallelism, plus `tp_loss_overhead_s` per micro-batch for the head's
+  vocab-parallel loss;
 - `dp_unit_overhead_s` once per pass of every layer FSDP / replicate wraps;
 - `pipeline_action_overhead_s` once per forward and once per backward action of a pipeline chunk;
 - under TP, one DTensor redistribution (`dtensor_redistribute_s`) and all-reduce per norm
@@ -70,6 +74,21 @@ def tp_norm_grad_sync_s(layer: LayerProfile, info: ModelInfo, tp: int, cluster: 
     link = cluster.link_for_group(tp, 1)
     one_s = all_reduce_time_s(info.hidden * 4, tp, link) + cluster.device.dtensor_redistribute_s
     return num_norm_tensors(layer, info) * one_s
+
+
+def tp_pass_overhead_s(layer: LayerProfile, stream_bytes: float, sp: bool, cluster: ClusterProfile) -> float:
+    """One pass of a tensor-parallel layer beyond its collectives and local compute: a fixed
+    DTensor dispatch cost plus a cost per byte of its residual-stream input `stream_bytes`
+    (micro-batch x seq x hidden x element size); a block under sequence parallelism adds
+    `sp_layer_overhead_s`; a head adds half the vocab-parallel loss's overhead (its forward
+    and its backward)."""
+    device = cluster.device
+    time_s = device.tp_layer_overhead_s + device.tp_overhead_s_per_stream_byte * stream_bytes
+    if sp and layer.tp_split.kind == "block":
+        time_s += device.sp_layer_overhead_s
+    if layer.kind == "head":
+        time_s += device.tp_loss_overhead_s / 2
+    return time_s
 
 
 def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:

@@ -22,6 +22,9 @@ A profile file looks like:
     optimizer_per_tensor_s = 0.0          # per parameter tensor per optimizer step (plain tensors)
     dtensor_optimizer_per_tensor_s = 0.0  # the same for DTensor parameters (TP, FSDP, replicate)
     tp_layer_overhead_s = 0.0             # per tensor-parallel layer per pass (DTensor dispatch)
+    tp_overhead_s_per_stream_byte = 0.0   # the same per byte of its (mbs, seq, hidden) input
+    sp_layer_overhead_s = 0.0             # per TP block pass, extra under sequence parallelism
+    tp_loss_overhead_s = 0.0              # per micro-batch, the vocab-parallel loss (loss_parallel)
     pipeline_action_overhead_s = 0.0      # per forward/backward action of a pipeline stage
     dp_unit_overhead_s = 0.0              # per FSDP/replicate-wrapped layer per pass
     dtensor_redistribute_s = 0.0          # per small Partial -> Replicate DTensor redistribution
@@ -114,6 +117,17 @@ class DeviceProfile:
     # Per tensor-parallel layer per pass: DTensor redistribution and dispatch of its parallel
     # Linears (beyond the collectives, which the link's latency and bandwidth cost).
     tp_layer_overhead_s: float = 0.0
+    # Per tensor-parallel layer per pass, per byte of the residual-stream activation it takes in
+    # (micro-batch x seq x hidden x element size): DTensor's work that grows with the tensors
+    # (redistributing inputs and gradients, copies around the parallel Linears), beyond the
+    # collectives and the local shard's own compute. Measured on a block of a real model's shape.
+    tp_overhead_s_per_stream_byte: float = 0.0
+    # Per tensor-parallel block per pass under sequence parallelism, beyond the above: its norms
+    # and the gathers around attention and MLP run as DTensor ops.
+    sp_layer_overhead_s: float = 0.0
+    # Per micro-batch under TP (forward + backward): the vocab-parallel cross entropy
+    # (`loss_parallel`) beyond its local compute and its per-token all-reduces.
+    tp_loss_overhead_s: float = 0.0
     # Per forward or backward action of a pipeline stage (torch pipelining's per-action work:
     # posting receives and sends, shape checks, stage bookkeeping).
     pipeline_action_overhead_s: float = 0.0
@@ -142,7 +156,8 @@ class DeviceProfile:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
         for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",
                      "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
-                     "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "pipeline_action_overhead_s",
+                     "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",
+                     "sp_layer_overhead_s", "tp_loss_overhead_s", "pipeline_action_overhead_s",
                      "dp_unit_overhead_s", "dtensor_redistribute_s"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:

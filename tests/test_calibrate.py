@@ -163,3 +163,31 @@ def test_model_update_fit_falls_back_when_all_of_it_is_per_tensor():
 
     assert fit_model_update(1e-4, (10, 1e6, 10 * 1e-4 + 1e6 * 3e-9), 1e-9) == pytest.approx(3e-9, rel=1e-9)
     assert fit_model_update(1e-4, (10, 1e6, 5e-4), 1e-9) == 1e-9  # faster than its tensors' fixed cost
+
+
+def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
+    from planner.calibrate_fixed import fit_sp_and_loss, fit_tp_overheads
+
+    link = LinkProfile(bw_bytes_per_s=2e9, latency_s=1e-4)
+    fixed_s, per_byte_s, sp_s, loss_s = 3e-3, 5e-9, 1.5e-3, 9e-3
+    tiny_bytes, real_bytes = 8 * 64 * 4, 8 * 128 * 256 * 4
+    # Times built from the model the fits invert: local shard + 4 all-reduces + 2 passes of overhead.
+
+    def tp_time_s(local_s, stream_bytes):
+        return local_s + 4 * all_reduce_time_s(stream_bytes, 2, link) + 2 * (fixed_s + per_byte_s * stream_bytes)
+
+    block = {"plain_s": 1e-3, "local_s": 6e-4, "tp_s": tp_time_s(6e-4, tiny_bytes), "seq": 8.0, "hidden": 64.0,
+             "real_local_s": 5e-2, "real_tp_s": tp_time_s(5e-2, real_bytes), "real_stream_bytes": float(real_bytes),
+             "loss_tokens": 1024.0, "loss_local_s": 6e-3}
+    block["real_sp_s"] = block["real_tp_s"] + 2 * sp_s
+    block["loss_parallel_s"] = 6e-3 + 3 * all_reduce_time_s(1024 * 4, 2, link) + loss_s
+    assert fit_tp_overheads(block, 2, link) == pytest.approx((fixed_s, per_byte_s), rel=1e-9)
+    assert fit_sp_and_loss(block, 2, link) == pytest.approx((sp_s, loss_s), rel=1e-9)
+    # without the real-shape timings: all fixed, from the tiny block less the plain one; no SP, no loss
+    old = {k: block[k] for k in ("plain_s", "tp_s", "seq", "hidden")}
+    expected_s = (block["tp_s"] - 1e-3 - 4 * all_reduce_time_s(tiny_bytes, 2, link)) / 2
+    assert fit_tp_overheads(old, 2, link) == pytest.approx((expected_s, 0.0), rel=1e-9)
+    assert fit_sp_and_loss(old, 2, link) == (0.0, 0.0)
+    # a real block with less overhead than the tiny one: no negative per-byte cost
+    cheap = {**block, "real_tp_s": tp_time_s(5e-2, real_bytes) - 2 * per_byte_s * real_bytes - 1e-3}
+    assert fit_tp_overheads(cheap, 2, link)[1] == 0.0

@@ -353,3 +353,36 @@ def test_pipeline_action_overhead_lengthens_the_critical_path(schedule, m):
     plain = simulate_config(graph, _with_fixed_costs(CPU, optimizer_per_tensor_s=0.0), config)
     assert single.breakdown["optimizer"] > 0 and grad_norm_all_reduce_s(1, CPU) == 0.0
     assert plain.breakdown["optimizer"] >= grad_norm_all_reduce_s(2, CPU) > 0
+
+
+def test_tp_overhead_grows_with_the_stream_and_adds_sequence_parallel_and_loss_terms():
+    """Per pass of a TP layer: fixed + per byte of its (mbs, seq, hidden) stream; SP adds its own
+    per block pass; the vocab-parallel loss adds half its per-micro-batch cost to each pass of the
+    head. Expected values are the profile numbers times byte counts computed by hand."""
+    seq, hidden = 128, 256
+    graph = gpt_layers(2, hidden, 4, 4096, seq)
+    embed, block, head = graph.layers[0], graph.layers[1], graph.layers[-1]
+    fixed_s, per_byte_s, sp_s, loss_s = 2e-3, 3e-9, 1e-3, 8e-3
+    base = _with_fixed_costs(CPU, tp_layer_overhead_s=0.0, tp_overhead_s_per_stream_byte=0.0,
+                             sp_layer_overhead_s=0.0, tp_loss_overhead_s=0.0)
+    costed = _with_fixed_costs(base, tp_layer_overhead_s=fixed_s, tp_overhead_s_per_stream_byte=per_byte_s,
+                               sp_layer_overhead_s=sp_s, tp_loss_overhead_s=loss_s)
+
+    def delta(layer, strategy):
+        a, b = (layer_cost(layer, strategy, c, graph.info) for c in (costed, base))
+        return a.tp_fwd_comm_s - b.tp_fwd_comm_s, a.tp_bwd_comm_s - b.tp_bwd_comm_s
+
+    stream_bytes = 4 * seq * hidden * 2  # micro-batch 4 of bf16 (seq, hidden), as gpt_layers profiles
+    one_pass = fixed_s + per_byte_s * stream_bytes
+    assert delta(block, Strategy(tp=2, microbatch_size=4)) == pytest.approx((one_pass, one_pass), rel=1e-12)
+    # the embedding's stream is its output; the head's is its input, plus half the loss per pass
+    assert delta(embed, Strategy(tp=2, microbatch_size=4)) == pytest.approx((one_pass, one_pass), rel=1e-12)
+    with_loss = one_pass + loss_s / 2
+    assert delta(head, Strategy(tp=2, microbatch_size=4)) == pytest.approx((with_loss, with_loss), rel=1e-12)
+    # sequence parallelism: blocks only
+    assert delta(block, Strategy(tp=2, microbatch_size=4, sp=True)) == pytest.approx(
+        (one_pass + sp_s, one_pass + sp_s), rel=1e-12)
+    assert delta(embed, Strategy(tp=2, microbatch_size=4, sp=True)) == pytest.approx((one_pass, one_pass), rel=1e-12)
+    # no TP, no DTensor work
+    assert delta(block, Strategy(microbatch_size=4)) == (0.0, 0.0)
+    assert delta(head, Strategy(dp=2, microbatch_size=4)) == (0.0, 0.0)
