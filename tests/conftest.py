@@ -23,3 +23,20 @@ def run_cli(capsys):
         return code, captured.out, captured.err
 
     return _run
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Replace the torchrun launch by a stub that records the call and stops there (exit 2)."""
+    import executor.launch
+    from planner.errors import MeshplanError
+
+    calls = []
+
+    def stub(jobs, nproc, *args, **kwargs):
+        calls.append(nproc)
+        raise MeshplanError("stopped at the launch by the test stub")
+
+    monkeypatch.setattr(executor.launch, "launch_jobs", stub)
+    return calls
+

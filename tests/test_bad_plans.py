@@ -34,22 +34,6 @@ def base_plan(tmp_path_factory, private_cache) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Replace the torchrun launch by a stub that records the call and stops there (exit 2)."""
-    import executor.launch
-    from planner.errors import MeshplanError
-
-    calls = []
-
-    def stub(jobs, nproc, *args, **kwargs):
-        calls.append(nproc)
-        raise MeshplanError("stopped at the launch by the test stub")
-
-    monkeypatch.setattr(executor.launch, "launch_jobs", stub)
-    return calls
-
-
 def _drop(d, i):
     d["layers"].pop(i % len(d["layers"]))
 

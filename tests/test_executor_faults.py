@@ -13,6 +13,8 @@ from collections import namedtuple
 
 import pytest
 
+from tests.process_helpers import process_alive
+
 from executor import train
 from executor.launch import TrainingFailed
 from executor.plans import uniform_plan
@@ -47,18 +49,10 @@ def _same_losses(got, expected):
         assert a == pytest.approx(b, rel=1e-6), f"step {step}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _assert_no_worker_left(run_dir):
     pids = [json.loads(path.read_text())["pid"] for path in run_dir.glob("rank*.json")]
     assert pids, "no heartbeat: the workers never started"
-    assert not [pid for pid in pids if _alive(pid)], "a worker outlived the failed run"
+    assert not [pid for pid in pids if process_alive(pid)], "a worker outlived the failed run"
 
 
 def _complete(directory):
@@ -138,20 +132,6 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(plan_
 
 
 # ---- refused before launch (no worker starts) ----
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    import executor.launch
-
-    calls = []
-
-    def stub(jobs, nproc, *args, **kwargs):
-        calls.append(nproc)
-        raise MeshplanError("stopped at the launch by the test stub")
-
-    monkeypatch.setattr(executor.launch, "launch_jobs", stub)
-    return calls
-
 
 @pytest.mark.parametrize("extra,message", [
     (["--checkpoint-dir", "/proc/x", "--checkpoint-every", "1"], "--checkpoint-dir /proc/x cannot be created"),

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.process_helpers import process_alive
+
 from executor import train
 from executor.launch import TrainingFailed
 from executor.plans import uniform_plan
@@ -126,15 +128,6 @@ def test_a_killed_rank_is_named_and_no_worker_survives(tmp_path):
     assert not (tmp_path / "never.json").exists()
 
 
-def _alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 def test_workers_exit_by_themselves_when_the_torchrun_agent_dies(tmp_path):
@@ -162,9 +155,9 @@ def test_workers_exit_by_themselves_when_the_torchrun_agent_dies(tmp_path):
         agent.kill()  # SIGKILL: the agent cannot clean up after itself
         agent.wait()
         deadline = time.monotonic() + 15  # workers poll their parent every second
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
             time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids), "a worker outlived its torchrun agent"
+        assert not any(process_alive(pid) for pid in pids), "a worker outlived its torchrun agent"
     finally:
         try:
             os.killpg(agent.pid, signal.SIGKILL)
