@@ -46,4 +46,7 @@ def run(args) -> int:
           f"per tensor ({device.dtensor_optimizer_per_tensor_s * 1e6:.0f} us as DTensor)")
     print(f"  fixed      {device.tp_layer_overhead_s * 1e6:10.0f} us per TP layer pass, {device.dp_unit_overhead_s * 1e6:.0f} us "
           f"per FSDP layer pass, {device.pipeline_action_overhead_s * 1e6:.0f} us per pipeline action")
+    print(f"  TP extra   {device.tp_overhead_s_per_stream_byte * 1e9:10.2f} ns per residual-stream byte, "
+          f"{device.sp_layer_overhead_s * 1e6:.0f} us per sequence-parallel block pass, "
+          f"{device.tp_loss_overhead_s * 1e6:.0f} us per vocab-parallel loss")
     return 0
