@@ -55,7 +55,13 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
               checkpoint_every=checkpoint_every, resume=resume, data=data, seed=seed, run_dir=str(run_dir),
               timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     source_seed = plan.seed if seed is None else seed
-    make_source(data, parse_spec(plan.model.spec, plan.model.seq).vocab, plan.model.seq, source_seed)
+    model_cfg = parse_spec(plan.model.spec, plan.model.seq)
+    if model_cfg is None:  # a file model (check_plan_runnable refused the rest): synthetic batches
+        from executor.filemodel import check_file_data
+
+        check_file_data(data)
+    else:
+        make_source(data, model_cfg.vocab, plan.model.seq, source_seed)
     if checkpoint_dir:  # writable even when only resuming: a restart may save there
         one_bytes = preflight.checkpoint_size_bytes(preflight.count_parameters(plan.model.spec, plan.model.seq))
         num_saves = steps // checkpoint_every if checkpoint_every else 0

@@ -73,6 +73,7 @@ class Runtime:
     norm_weights: tuple  # (param, 1 / how many ranks hold the same gradient values)
     schedule: Any = None  # pipeline schedule when pp > 1
     tied_group: Any = None  # (first stage, last stage) group for a tied embedding split by PP
+    loss_fn: Any = None  # file models: loss_fn(output, inputs); None: the zoo's next-token loss
 
     @property
     def holds_last_chunk(self) -> bool:
@@ -101,6 +102,8 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
+    if built.config is None:
+        return _build_file_runtime(plan, device, hp, seed, mesh)
     tied = bool(built.config.tied_embeddings)
     chunk_ids = tuple(range(pp_rank, cfg.num_model_chunks, cfg.pp))
     stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
@@ -128,6 +131,27 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                    chunk_ids=chunk_ids, stages=tuple(stages), modules=modules,
                    optimizers=tuple(_adamw(stage, hp) for stage in stages), dp_method=method,
                    norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group)
+
+
+def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh) -> Runtime:
+    """A file model whole on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
+    from executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded
+
+    cfg = plan.config
+    built = build_seeded(plan, seed)
+    module = built.module.to(device)
+    apply_file_recompute(plan, built)
+    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
+    mp_policy = None
+    if cfg.precision == "bf16-mixed" and method == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    wrapped = apply_file_dp(module, built, mesh["dp"], cfg.zero, method, mp_policy)
+    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
+                   chunk_ids=(0,), stages=(module,), modules=(wrapped,), optimizers=(_adamw(module, hp),),
+                   dp_method=method, norm_weights=_norm_weights([module], cfg, False), loss_fn=built.loss_fn)
 
 
 def _mixed_precision(stages, precision: str, method: str):
@@ -223,6 +247,8 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
         optimizer.zero_grad(set_to_none=True)
     if runtime.schedule is not None:
         loss = _pipeline_forward_backward(runtime, inputs, targets)
+    elif runtime.loss_fn is not None:
+        loss = _file_forward_backward(runtime, inputs)
     else:
         loss = _forward_backward(runtime, inputs, targets)
     _align_grad_placements(runtime)
@@ -281,6 +307,29 @@ def _forward_backward(runtime: Runtime, inputs, targets):
         with _gradient_sync(runtime, module, sync=last or not defer_sync), _loss_context(runtime):
             loss = lm_loss(module(x.to(runtime.device)), y.to(runtime.device))
             (loss / num_microbatches).backward()
+        total += _scalar(loss)
+    return total / num_microbatches
+
+
+def _file_forward_backward(runtime: Runtime, inputs: tuple):
+    """A file model: gradient accumulation over micro-batches of a tuple of inputs, its own loss_fn."""
+    module = runtime.modules[0]
+    cfg = runtime.plan.config
+    num_microbatches = cfg.num_microbatches
+    defer_sync = cfg.zero <= 1
+    # bf16-mixed without FSDP's policy: autocast (fp32 master weights and gradients).
+    autocast = cfg.precision == "bf16-mixed" and runtime.dp_method != "fsdp"
+    total = torch.zeros((), device=runtime.device)
+    pieces = [x.chunk(num_microbatches) for x in inputs]
+    for index in range(num_microbatches):
+        micro = tuple(piece[index].to(runtime.device) for piece in pieces)
+        last = index == num_microbatches - 1
+        precision = (torch.autocast(device_type=runtime.device.type, dtype=torch.bfloat16) if autocast
+                     else nullcontext())
+        with _gradient_sync(runtime, module, sync=last or not defer_sync):
+            with precision:
+                loss = runtime.loss_fn(module(*micro), micro)
+            (loss.float() / num_microbatches).backward()
         total += _scalar(loss)
     return total / num_microbatches
 

@@ -20,8 +20,11 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     if built.config is None:
-        raise MeshplanError(f"the executor trains the built-in GPT/Llama models (gpt:..., llama:..., presets); "
-                            f"{plan.model.spec!r} is a file or Hugging Face model it cannot split into stages")
+        from executor.filemodel import check_file_plan
+
+        check_file_plan(plan, built)
+        check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
+        return
     check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
     _check_tp(plan, built.config)
 

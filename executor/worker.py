@@ -73,7 +73,6 @@ def run_job(job: Job, device) -> None:
     import torch.distributed as dist
 
     from executor.checkpoint import load_checkpoint, newest_complete
-    from executor.data import make_source
     from executor.runtime import Hyperparameters, build_runtime
     from executor.validate import check_plan_runnable
     from planner.plan import load_plan
@@ -83,7 +82,7 @@ def run_job(job: Job, device) -> None:
     seed = plan.seed if job.seed is None else job.seed
     hp = Hyperparameters() if job.lr is None else Hyperparameters(lr=job.lr)
     runtime = build_runtime(plan, device, hp, seed)
-    source = make_source(job.data, _vocab_of(plan), plan.model.seq, seed)
+    source = _data_source(job, plan, seed)
     # torchrun restarted the workers after a failure: continue from the newest complete checkpoint
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     newest = newest_complete(job.checkpoint_dir) if (job.resume or restarted) else None
@@ -121,7 +120,6 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
 
     from executor import faults
     from executor.checkpoint import save_checkpoint
-    from executor.data import global_batch, replica_slice
     from executor.runtime import train_step
 
     cfg, device, rank = runtime.plan.config, runtime.device, dist.get_rank()
@@ -132,8 +130,7 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step, job.steps):
-        inputs, targets = global_batch(source, step, cfg.global_batch)
-        inputs, targets = replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
+        inputs, targets = _replica_batch(runtime, source, step)
         faults.before_step(runtime, rank, step + 1)
         started = time.perf_counter()
         if step == memory_step and device.type == "cpu" and job.measure_memory:
@@ -179,6 +176,31 @@ def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_sourc
         Path(job.out).parent.mkdir(parents=True, exist_ok=True)
         save_measurement(measurement, job.out)
     dist.barrier()
+
+
+def _data_source(job: Job, plan, seed: int):
+    """Token batches for the zoo; synthetic batches shaped like the example inputs for file models."""
+    from executor.data import make_source
+    from planner.models import parse_spec
+
+    if parse_spec(plan.model.spec, plan.model.seq) is not None:
+        return make_source(job.data, _vocab_of(plan), plan.model.seq, seed)
+    from executor import filemodel
+
+    filemodel.check_file_data(job.data)
+    return filemodel.data_source(filemodel.build_seeded(plan, seed), seed)
+
+
+def _replica_batch(runtime, source, step: int):
+    """This replica's (inputs, targets) of the step's global batch (file models: (inputs tuple, None))."""
+    from executor import data, filemodel
+
+    cfg = runtime.plan.config
+    if isinstance(source, filemodel.FileDataSource):
+        batch = filemodel.global_batch(source, step, cfg.global_batch)
+        return filemodel.replica_slice(batch, runtime.dp_rank, cfg.dp), None
+    inputs, targets = data.global_batch(source, step, cfg.global_batch)
+    return data.replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
 
 
 def _vocab_of(plan) -> int:

@@ -97,6 +97,10 @@ class Candidate:
                 f"mbs {self.mbs}, ZeRO-{self.zero}")
 
 
+# Model families the executor runs whole on every rank (pp = tp = 1).
+WHOLE_MODEL_FAMILIES = ("file", "hf")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -107,6 +111,9 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     info = graph.info
     split_layers = [layer.tp_split for layer in graph.layers]
     num_layers = len(graph.layers)
+    # File and Hugging Face models run whole on every rank (data parallelism only): the executor
+    # can split neither their layers into stages nor their Linears over TP ranks.
+    whole_model_only = info.family in WHOLE_MODEL_FAMILIES
     out = []
     for tp in _divisors(gpus):
         # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
@@ -116,9 +123,11 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
             continue
         if info.num_heads and (info.num_heads % tp or (info.num_kv_heads or info.num_heads) % tp):
             continue
+        if whole_model_only and tp > 1:
+            continue
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
+            if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
                 continue
             if global_batch % dp:
                 continue
@@ -273,6 +282,18 @@ class Ranked:
     table: CostTable | None = field(default=None, compare=False, repr=False)
 
 
+def _check_executor_pins(graph, pins: Pins) -> None:
+    """A pp or tp pin the executor cannot run for this model family is a user error."""
+    if graph.info.family not in WHOLE_MODEL_FAMILIES:
+        return
+    for name in ("pp", "tp"):
+        value = getattr(pins, name)
+        if value not in (None, 1):
+            raise MeshplanError(f"--{name} {value}: {graph.info.family} models train with data parallelism only "
+                                f"(the executor cannot split them into pipeline stages or tensor-parallel "
+                                f"shards); drop --{name} or use --{name} 1")
+
+
 def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, pins: Pins | None = None,
                 top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
                 layerwise: bool = False, time_limit_s: float = 2.5, seed: int = 0, workers: int = 2,
@@ -294,6 +315,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
         from planner.profile import profile
         dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
         graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
+    _check_executor_pins(graph, pins)
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, max_mbs)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, cluster, gpus, global_batch, pins))

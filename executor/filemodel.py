@@ -1,0 +1,138 @@
+"""Training a `path/model.py:fn` model: the whole module on every rank, data parallelism only.
+
+The module is built on the CPU under `torch.manual_seed(seed)` (every rank the same weights as a
+single process with that seed), recomputation is applied per planned layer (a top-level child),
+then DDP (ZeRO-0) or `fully_shard` per top-level child and on the whole module (ZeRO-1/2/3).
+
+Batches are synthetic, shaped like the example inputs with the batch dimension replaced: floats
+~ N(0, 1), integers uniform in [0, max(example) + 1) (at least [0, 2)), all drawn from one
+generator per (seed, step) for the whole global batch, so the data never depends on the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.errors import MeshplanError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One positional input: per-sample shape, dtype, and the upper bound of integer values."""
+
+    shape: tuple[int, ...]  # without the batch dimension
+    dtype: object  # torch.dtype
+    high: int  # integers are drawn in [0, high); unused for floats
+
+    def __post_init__(self):
+        if self.high < 1:
+            raise ValueError(f"integer inputs need an upper bound >= 1, got {self.high}")
+
+
+@dataclass(frozen=True)
+class FileDataSource:
+    """Synthetic batches for a file model, deterministic from (seed, step)."""
+
+    inputs: tuple[InputSpec, ...]
+    seed: int
+
+
+def check_file_plan(plan, built) -> None:
+    """Refuse a file-model plan outside what the executor runs (one line naming the fix)."""
+    import torch
+
+    cfg, spec = plan.config, plan.model.spec
+    if built.info.family != "file":
+        raise MeshplanError(f"the executor trains the built-in GPT/Llama models and file models; {spec!r} is a "
+                            "Hugging Face model it cannot train yet; plan and estimate it, or train a file model")
+    if built.loss_fn is None:
+        path = spec.rpartition(":")[0]
+        raise MeshplanError(f"{spec!r} has no loss function: define loss_fn(output, inputs) in {path} to train it")
+    if cfg.pp > 1 or cfg.tp > 1:
+        raise MeshplanError(f"file models train with data parallelism only, this plan has pp={cfg.pp} tp={cfg.tp}; "
+                            "re-plan it (meshplan plan keeps file models at pp=1 tp=1)")
+    if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
+        raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
+
+
+def check_file_data(data: str) -> None:
+    if data != "synthetic":
+        raise MeshplanError(f"--data {data}: file models train on synthetic batches shaped like their example "
+                            "inputs; use --data synthetic")
+
+
+def data_source(built, seed: int) -> FileDataSource:
+    """Input specs from the example inputs (built on the CPU: integer bounds come from values)."""
+    specs = []
+    for x in built.example_inputs:
+        high = 1
+        if not x.is_floating_point() and x.numel():
+            high = int(x.max()) + 1
+        specs.append(InputSpec(tuple(x.shape[1:]), x.dtype, max(2, high)))
+    return FileDataSource(tuple(specs), seed)
+
+
+def global_batch(source: FileDataSource, step: int, num_samples: int) -> tuple:
+    """The step's whole batch: one tensor per input, batch dimension `num_samples`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(source.seed * 1_000_003 + step)
+    out = []
+    for spec in source.inputs:
+        shape = (num_samples, *spec.shape)
+        if spec.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=generator, dtype=torch.float32).to(spec.dtype))
+        elif spec.dtype == torch.bool:
+            out.append(torch.randint(0, 2, shape, generator=generator).bool())
+        else:
+            out.append(torch.randint(0, spec.high, shape, generator=generator, dtype=torch.int64).to(spec.dtype))
+    return tuple(out)
+
+
+def replica_slice(batch: tuple, dp_rank: int, dp: int) -> tuple:
+    """The contiguous block of samples data-parallel replica `dp_rank` trains on."""
+    per_replica = batch[0].shape[0] // dp
+    return tuple(x[dp_rank * per_replica:(dp_rank + 1) * per_replica] for x in batch)
+
+
+def build_seeded(plan, seed: int):
+    """The file model's BuiltModel on the CPU, its weights those `torch.manual_seed(seed)` gives."""
+    import torch
+
+    from planner.models import build_model
+
+    torch.manual_seed(seed)
+    return build_model(plan.model.spec, plan.model.seq, device="cpu")
+
+
+def apply_file_recompute(plan, built) -> None:
+    """Checkpoint each planned layer that asks for it; layers are the module's top-level children."""
+    from executor.parallelize import apply_recompute
+
+    layers = {name: module for name, _, module in built.layer_modules}
+    for layer in plan.layers:
+        if layer.recompute == "none":
+            continue
+        if layer.name not in layers:
+            raise MeshplanError(f"layer {layer.name!r} of the plan is not a top-level child of {plan.model.spec!r}; "
+                                "re-plan it with --recompute none")
+        apply_recompute(layers[layer.name], layer.recompute)
+
+
+def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None):
+    """DDP for ZeRO-0, `fully_shard` per top-level child then on the whole module for ZeRO-1/2/3."""
+    if method == "none":
+        return module
+    if method == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=dp_mesh.get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero == 3}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for _, _, child in built.layer_modules:
+        if child is not module and any(True for _ in child.parameters()):
+            fully_shard(child, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
