@@ -78,3 +78,19 @@ def test_bad_numbers_exit_2(run_cli, flag, value):
     argv[argv.index(flag) + 1] = value
     code, _, err = run_cli(*argv)
     assert code == 2 and flag in err
+
+
+def test_time_to_train_equals_tokens_over_throughput(run_cli, tmp_path):
+    """The printed days and GPU-hours follow from the winner's predicted tokens/s alone."""
+    import re
+
+    out_path = tmp_path / "plan.json"
+    code, out, err = run_cli(*BASE, "--top", "2", "--train-tokens", "3e11", "--out", out_path)
+    assert code == 0, err
+    prediction = json.loads(out_path.read_text())["prediction"]
+    seconds = 3e11 / prediction["tokens_per_s"]  # independent of the table's per-step route
+    match = re.search(r"training on 3e\+11 tokens: ([0-9.]+) days, ([0-9,]+) GPU-hours", out)
+    assert match, out
+    # The CLI rounds days to 0.01 and GPU-hours to an integer.
+    assert float(match.group(1)) == pytest.approx(seconds / 86400, abs=0.006)
+    assert int(match.group(2).replace(",", "")) == pytest.approx(seconds * 4 / 3600, abs=0.6)
