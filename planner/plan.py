@@ -247,14 +247,10 @@ def _layers(items: Any) -> tuple[LayerAssignment, ...]:
 
 
 def load_plan(path: str | Path) -> Plan:
+    from planner.jsonfile import read_json_file
+
     path = Path(path)
-    if not path.exists():
-        raise MeshplanError(f"plan file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MeshplanError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
-                            "create a plan with `meshplan plan --out plan.json`") from None
+    data = read_json_file(path, "plan", "create a plan with `meshplan plan --out plan.json`")
     try:
         return plan_from_json(data)
     except ValueError as exc:

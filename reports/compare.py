@@ -9,7 +9,6 @@ on pipeline rank r // (dp * tp).
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -104,13 +103,10 @@ def measurement_from_json(data: dict[str, Any], source: str) -> Measurement:
 
 
 def load_measurement(path: str | Path) -> Measurement:
+    from planner.jsonfile import read_json_file
+
     path = Path(path)
-    if not path.exists():
-        raise MeshplanError(f"measured file not found: {path}; write one with `meshplan train --out {path}`")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MeshplanError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_json_file(path, "measured", f"write one with `meshplan train --out {path}`")
     try:
         return measurement_from_json(data, path.name)
     except ValueError as exc:
