@@ -8,6 +8,7 @@ anything else is an internal error (exit 1). `--debug` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import import_module
 
@@ -21,6 +22,9 @@ COMMANDS = {
     "report": "write a self-contained HTML strategy report",
     "demo": "the whole loop on this machine: calibrate, profile, plan, train, report",
 }
+# Commands that hold no processes, sockets or temporary files once they return: they leave
+# without the interpreter's teardown of torch's modules, which costs 0.6-0.9 s per command.
+FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,5 +87,17 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
+def console_main() -> None:
+    """The `meshplan` executable: `main`, then a fast exit for the analysis commands."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command in FAST_EXIT_COMMANDS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

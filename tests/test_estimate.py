@@ -127,3 +127,20 @@ def test_json_has_the_design_keys(run_cli, tmp_path, monkeypatch):
     code, out, _ = run_cli("estimate", "--model", TINY, "--cluster", "a100-80g", "--gpus", "8", "--gbs", "16",
                            "--seq", "64", "--tp", "2", "--pp", "2")
     assert code == 0 and "step time" in out and "MFU" in out and "fits" in out
+
+
+def test_executable_fast_exit_keeps_output_and_exit_codes(tmp_path):
+    """The executable leaves the analysis commands with os._exit: whatever it printed through a
+    pipe must be complete (valid JSON), and the exit codes must stay 0 and 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MESHPLAN_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "planner.cli", "estimate", "--model", TINY, "--cluster", "a100-80g",
+            "--gbs", "8", "--seq", "64", "--tp", "1", "--pp", "1"]
+    good = subprocess.run([*base, "--gpus", "2", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["tokens_per_s"] > 0
+    bad = subprocess.run([*base, "--gpus", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
