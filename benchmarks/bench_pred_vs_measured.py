@@ -158,15 +158,20 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
               f"{normalised:>15.1f}x")
 
 
-def run_repeated(name: str, pins: dict, gpus: int, profile: Path, work: Path, steps: int, repeats: int) -> dict:
-    """Train the configuration `repeats` times, one after the other, and keep the run with the
-    lowest median: on a shared machine the least disturbed run is the one that measures the
-    plan rather than the other jobs (every run's median is printed)."""
-    runs = [run_config(name, pins, gpus, profile, work, steps) for _ in range(repeats)]
+def run_repeated(configs, gpus: int, profile: Path, work: Path, steps: int, repeats: int) -> list[dict]:
+    """Train every configuration `repeats` times, in interleaved rounds (DP, TP, PP, DP, TP, PP,
+    ...) so that a slow spell of the shared machine hits every configuration alike, and keep
+    each configuration's run with the lowest median: the least disturbed run is the one that
+    measures the plan rather than the other jobs (every run's median is printed)."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    for _ in range(repeats):
+        for name, pins in configs:
+            runs[name].append(run_config(name, pins, gpus, profile, work, steps))
     if repeats > 1:
-        print(f"  {name}: medians of {repeats} runs " + ", ".join(f"{r['measured_s'] * 1e3:.1f} ms (load {r['load']:.1f})"
-                                                         for r in runs), flush=True)
-    return min(runs, key=lambda r: r["measured_s"])
+        for name, _ in configs:
+            print(f"  {name}: medians of {repeats} runs " + ", ".join(
+                f"{r['measured_s'] * 1e3:.1f} ms (load {r['load']:.1f})" for r in runs[name]), flush=True)
+    return [min(runs[name], key=lambda r: r["measured_s"]) for name, _ in configs]
 
 
 def print_rows(rows: list[dict], bounded: bool) -> None:
@@ -203,14 +208,14 @@ def main() -> int:
         print(f"\n{MODEL}, seq {SEQ}, global batch {GLOBAL_BATCH}, {args.steps} steps each; "
               "predicted breakdown columns in ms (busiest rank)")
         print("\n2 processes (target: |error| <= 20%)")
-        rows2 = [run_repeated(name, pins, 2, profile, work, args.steps, args.repeats) for name, pins in TWO_PROCESS]
+        rows2 = run_repeated(TWO_PROCESS, 2, profile, work, args.steps, args.repeats)
         print_rows(rows2, bounded=True)
         if not args.skip_4:
             # Calibrated with 4 processes, so the profile carries the oversubscription it measured.
             profile4 = args.profile_4 or calibrate(work / "cpu-calibrated-4.toml", 4)
             print_fixed_costs(profile4)
             print("\n4 processes on this machine (oversubscribed: reported, no bound)")
-            rows4 = [run_repeated(name, pins, 4, profile4, work, args.steps, args.repeats) for name, pins in FOUR_PROCESS]
+            rows4 = run_repeated(FOUR_PROCESS, 4, profile4, work, args.steps, args.repeats)
             print_rows(rows4, bounded=False)
         worst = max(abs(r["error"]) for r in rows2)
         print(f"\nworst 2-process error {worst * 100:.1f}% (target {TARGET_FRACTION:.0%}); "

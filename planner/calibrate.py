@@ -8,9 +8,9 @@ that, all at once as in training:
   `matmul_efficiency`, f_half `matmul_half_efficiency_flops`;
 - time a large copy (memory bandwidth) and one tiny transformer block forward (the fixed
   per-layer dispatch cost, `kernel_overhead_s`);
-- time a mid-size GPT block forward, count its FLOPs (FlopCounterMode) and the bytes autograd
-  saves; what the GEMM curve and the overhead do not explain is memory-bound traffic:
-  `elementwise_bytes_per_activation_byte` = leftover time x bandwidth / saved bytes;
+- time a GPT block's forward + backward at several shapes, count its FLOPs (FlopCounterMode) and
+  the bytes autograd saves; what the GEMM curve and the overhead do not explain is memory-bound
+  traffic: `elementwise_bytes_per_activation_byte` is fitted to that leftover over all shapes;
 - time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
   alpha-beta model of `planner.comm` jointly: t = volume(S, n) / B + hops(n) * alpha;
 - on CPU processes, the fixed costs of `planner.fixed_costs` (optimizer per tensor and per
@@ -176,26 +176,32 @@ def _measure_block(torch, device, timer) -> float:
         return timer(lambda: block(x), 20, cpu_time=True)
 
 
-def _measure_block_traffic(torch, device, timer, cuda) -> dict[str, float]:
-    """A GPT block (hidden 256, seq 256): forward seconds, forward FLOPs, bytes saved for backward."""
-    from torch.utils.flop_counter import FlopCounterMode
+# (batch, seq) of the GPT block (hidden 256) timed forward + backward for the elementwise fit:
+# the shapes of the small models meshplan trains on CPU, and one twice as long.
+TRAFFIC_SHAPES = ((1, 128), (2, 128), (4, 128), (1, 256))
 
+
+def _measure_block_traffic(torch, device, timer, cuda) -> list[dict[str, float]]:
+    """A GPT block (hidden 256) at each `TRAFFIC_SHAPES` shape: forward + backward seconds, with
+    the forward and backward FLOPs and activation bytes the profiler gives that block, so that
+    the fitted factor explains exactly what the cost model leaves out for a profiled layer."""
     from planner.models.transformer import Block, TransformerConfig
+    from planner.profile import profile
 
+    dtype_name = "bf16" if cuda else "fp32"
     dtype = torch.bfloat16 if cuda else torch.float32
     block = Block(TransformerConfig("gpt", 1, 256, 4, 1024)).to(device=device, dtype=dtype)
-    x = torch.randn(1, 256, 256, device=device, dtype=dtype, requires_grad=True)
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with FlopCounterMode(display=False) as counter:
-            block(x)
-    seconds = timer(lambda: block(x), 10, cpu_time=True)
-    return {"fwd_s": seconds, "fwd_flops": float(counter.get_total_flops()), "saved_bytes": float(sum(storages.values()))}
+    samples = []
+    for batch, seq in TRAFFIC_SHAPES:
+        graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq,
+                        dtype=dtype_name, cache=False)
+        layer = next(layer for layer in graph.layers if layer.kind == "block")
+        x = torch.randn(batch, seq, 256, device=device, dtype=dtype, requires_grad=True)
+        seconds = timer(lambda: block(x).sum().backward(), 7, cpu_time=True)
+        samples.append({"fwd_bwd_s": seconds, "fwd_flops": float(layer.fwd_flops * batch),
+                        "bwd_flops": float(layer.bwd_flops * batch),
+                        "saved_bytes": float(layer.activation_bytes * batch)})
+    return samples
 
 
 def _measure_collectives(torch, dist, device, rank, nproc, sizes, timer) -> list[tuple[str, int, float]]:
@@ -271,20 +277,43 @@ def _lstsq2(rows: list[tuple[float, float]], rhs: list[float]) -> tuple[float, f
     return (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
 
 
-def fit_elementwise_traffic(block: dict[str, float], device, dtype: str) -> float:
-    """Bytes of memory traffic per saved byte that explain the block's time beyond its GEMMs.
+def fit_elementwise_traffic(samples: list[dict[str, float]], device, dtype: str) -> float:
+    """Bytes of memory traffic per saved byte that explain the block's forward + backward time
+    beyond its GEMMs, fitted over all measured shapes.
 
-    The GEMM time uses the fitted efficiency curve the cost model applies to a GPT block (its
-    6 Linears and 2 attention matmuls as equal GEMMs) plus `kernel_overhead_s`; never negative.
+    The GEMM time is what the cost model charges a GPT block (`planner.cost._compute_times_s`:
+    the forward as 8 equal GEMMs, the backward as 16 with two launches) with the fitted curve and
+    `kernel_overhead_s`; the elementwise traffic is k x saved bytes forward and 2k backward. k is
+    the least-squares fit on relative error, over several shapes, so one disturbed timing moves
+    it less than a single-shape difference would; never negative.
     """
-    from planner.cost import compute_time_s
-    from planner.hardware import ClusterProfile
+    from planner.cost import memory_time_s
 
-    probe = ClusterProfile(name="probe", device=replace(device, elementwise_bytes_per_activation_byte=0.0),
-                           gpus_per_node=1, intra_node=LinkProfile(1.0, 0.0), inter_node=LinkProfile(1.0, 0.0))
-    gemm_s = compute_time_s(block["fwd_flops"], 8, probe, dtype)
-    leftover_s = max(0.0, block["fwd_s"] - gemm_s)
-    return leftover_s * device.memory_bw_bytes_per_s * device.memory_efficiency / max(block["saved_bytes"], 1.0)
+    probe = _probe(replace(device, elementwise_bytes_per_activation_byte=0.0))
+    numerator = denominator = 0.0
+    for sample in samples:
+        leftover_s = sample["fwd_bwd_s"] - block_time_s(sample, probe, dtype)
+        per_k_s = memory_time_s(3.0 * sample["saved_bytes"], probe)  # forward once, backward twice
+        weight = 1.0 / sample["fwd_bwd_s"] ** 2
+        numerator += weight * leftover_s * per_k_s
+        denominator += weight * per_k_s**2
+    return max(0.0, numerator / denominator) if denominator > 0 else 0.0
+
+
+def _probe(device) -> ClusterProfile:
+    return ClusterProfile(name="probe", device=device, gpus_per_node=1, intra_node=LinkProfile(1.0, 0.0),
+                          inter_node=LinkProfile(1.0, 0.0))
+
+
+def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) -> float:
+    """The cost model's forward + backward seconds of a measured GPT block sample (as
+    `planner.cost._compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
+    backward, elementwise traffic once forward and twice backward)."""
+    from planner.cost import compute_time_s, memory_time_s
+
+    traffic = 3.0 * cluster.device.elementwise_bytes_per_activation_byte * sample["saved_bytes"]
+    return (compute_time_s(sample["fwd_flops"], 8, cluster, dtype)
+            + compute_time_s(sample["bwd_flops"], 16, cluster, dtype, num_launches=2) + memory_time_s(traffic, cluster))
 
 
 def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterProfile:
@@ -314,7 +343,8 @@ def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: flo
            "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
            "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
            "dtensor_redistribute_s": fixed.fit_redistribute(measured["block_fixed"], nproc, link),
-           "pipeline_action_overhead_s": fixed.fit_pipeline_action(measured["pipeline"], nproc, link)}
+           "pipeline_action_overhead_s": fixed.fit_pipeline_action(
+               measured["pipeline"], nproc, link, block_time_s(measured["block"][0], _probe(device), measured["dtype"]))}
     if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
         out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
     return out
@@ -345,14 +375,15 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
     link = LinkProfile(bw_bytes_per_s=bw, latency_s=alpha, efficiency=1.0,
                        source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv")
     share = float(measured.get("cpu_share", 1.0))
-    block = dict(measured["block"])
+    block = [dict(sample) for sample in measured["block"]]
     if share < 1.0:  # every process runs at this share of a core: CPU-time rates slow down by it
         device = replace(device, peak_flops_per_s={k: v * share for k, v in device.peak_flops_per_s.items()},
                          memory_bw_bytes_per_s=device.memory_bw_bytes_per_s * share,
                          kernel_overhead_s=device.kernel_overhead_s / share,
                          source=f"{device.source}; rates scaled by the {share:.2f} core share each of the {nproc} "
                                 "processes got while all computed")
-        block["fwd_s"] = block["fwd_s"] / share
+        for sample in block:
+            sample["fwd_bwd_s"] /= share
     device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
         block, device, measured["dtype"]))
     extra = _fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}

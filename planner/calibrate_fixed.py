@@ -17,8 +17,9 @@ Run inside every calibration worker, all ranks at once (as in training):
   of TP and of the data-parallel wrapper; TP is also timed on a block of a small real model's
   shape, each against the local shard one rank computes, which splits TP's overhead into a
   fixed part and a part per byte of the activations;
-- a pipeline of one tiny Linear per rank under torch's 1F1B schedule: its step time over the
-  number of actions on the critical path is the per-action overhead.
+- a pipeline of one GPT block per rank under torch's 1F1B schedule: its step time less the
+  cost model's compute of the blocks on the critical path, over the number of actions on it,
+  is the per-action overhead (hand-offs, stage bookkeeping, waits on real activations).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ MIN_WALL_REPS = 8
 # 256 x 256 matmuls in one burst of measure_cpu_share: ~0.2 s of one core.
 BURST_MATMULS = 400
 PIPELINE_MICROBATCHES_PER_STAGE = 4
+PIPELINE_BLOCK_SEQ = 128  # = calibrate.TRAFFIC_SHAPES[0]: the block's compute is costed from that sample
 
 
 def wall_min_s(dist, fn, reps: int) -> float:
@@ -268,16 +270,20 @@ def _measure_vocab_parallel_loss(torch, dist, mesh, nproc: int, reps: int) -> di
 
 
 def measure_pipeline(torch, dist, nproc: int, reps: int) -> dict[str, float]:
-    """Wall seconds of one 1F1B step of a pipeline with one tiny Linear per rank."""
+    """Wall seconds of one 1F1B step of a pipeline with one GPT block (hidden 256, micro-batches
+    of one 128-token sample) per rank: the shape of the small models meshplan trains here, so
+    the per-action cost includes what torch's stages do with real activations."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B
 
-    width, microbatches = 16, PIPELINE_MICROBATCHES_PER_STAGE * nproc
+    from planner.models.transformer import Block, TransformerConfig
+
+    seq, hidden, microbatches = PIPELINE_BLOCK_SEQ, 256, PIPELINE_MICROBATCHES_PER_STAGE * nproc
     rank = dist.get_rank()
-    stage = PipelineStage(torch.nn.Linear(width, width), stage_index=rank, num_stages=nproc,
-                          device=torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda out, target: (out - target).pow(2).mean())
-    batch = torch.randn(microbatches, width)
+    stage = PipelineStage(Block(TransformerConfig("gpt", 1, hidden, 4, 1024)), stage_index=rank,
+                          num_stages=nproc, device=torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda out, target: (out * target).mean())
+    batch = torch.randn(microbatches, seq, hidden)
 
     def step():
         if rank == 0:
@@ -288,7 +294,7 @@ def measure_pipeline(torch, dist, nproc: int, reps: int) -> dict[str, float]:
             schedule.step()
 
     return {"step_s": wall_min_s(dist, step, reps), "microbatches": float(microbatches),
-            "boundary_bytes": float(width * 4)}
+            "boundary_bytes": float(seq * hidden * 4)}
 
 
 def fit_block_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
@@ -348,9 +354,11 @@ def fit_redistribute(block: dict[str, float], nproc: int, link) -> float:
     return max(0.0, block["redistribute_s"] - all_reduce_time_s(block["hidden"] * 4, nproc, link))
 
 
-def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link) -> float:
-    """Per-action overhead: 1F1B's critical path is 2 (m + p - 1) actions and 2 (p - 1)
-    boundary transfers (the tiny Linear's own compute is part of the overhead)."""
+def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link, stage_compute_s: float = 0.0) -> float:
+    """Per-action overhead: 1F1B's critical path is (m + p - 1) forward + backward pairs of one
+    stage (`stage_compute_s`, the cost model's time for the measured stage), 2 (m + p - 1)
+    actions and 2 (p - 1) boundary transfers; what they do not explain, per action."""
     m, p = pipeline["microbatches"], nproc
     transfers_s = 2 * (p - 1) * send_recv_time_s(pipeline["boundary_bytes"], link)
-    return max(0.0, (pipeline["step_s"] - transfers_s) / (2 * (m + p - 1)))
+    compute_s = (m + p - 1) * stage_compute_s
+    return max(0.0, (pipeline["step_s"] - transfers_s - compute_s) / (2 * (m + p - 1)))

@@ -40,19 +40,29 @@ def test_alpha_beta_fit_recovers_the_ring_model(nproc):
 def test_elementwise_traffic_fit_recovers_the_leftover():
     cluster = load_cluster("cpu")
     device = replace(cluster.device, elementwise_bytes_per_activation_byte=5.0)
-    # a block whose time the cost model itself predicts with factor 5: the fit must return 5
-    flops, saved = 4e8, 7e6
-    fwd_s = (compute_time_s(flops, 8, replace(cluster, device=device), "fp32")
-             + 5.0 * saved / (device.memory_bw_bytes_per_s * device.memory_efficiency))
-    got = fit_elementwise_traffic({"fwd_s": fwd_s, "fwd_flops": flops, "saved_bytes": saved}, device, "fp32")
-    assert got == pytest.approx(5.0, rel=1e-9)
-    assert fit_elementwise_traffic({"fwd_s": 0.0, "fwd_flops": flops, "saved_bytes": saved}, device, "fp32") == 0.0
+    probe = replace(cluster, device=device)
+    bw_bytes_per_s = device.memory_bw_bytes_per_s * device.memory_efficiency
+
+    def sample(batch, factor):
+        # a block whose forward + backward the cost model itself prices with `factor`
+        fwd_flops, bwd_flops, saved = 4e8 * batch, 8e8 * batch, 7e6 * batch
+        seconds = (compute_time_s(fwd_flops, 8, probe, "fp32") + compute_time_s(bwd_flops, 16, probe, "fp32", 2)
+                   + 3 * factor * saved / bw_bytes_per_s)
+        return {"fwd_bwd_s": seconds, "fwd_flops": fwd_flops, "bwd_flops": bwd_flops, "saved_bytes": saved}
+
+    exact = [sample(batch, 5.0) for batch in (1, 2, 4)]
+    assert fit_elementwise_traffic(exact, device, "fp32") == pytest.approx(5.0, rel=1e-9)
+    # one shape disturbed (factor 8 instead of 5) moves the fit, but less than halfway
+    disturbed = fit_elementwise_traffic([*exact[:2], sample(4, 8.0)], device, "fp32")
+    assert 5.0 < disturbed < 6.5
+    fast = [{**s, "fwd_bwd_s": 1e-6} for s in exact]  # faster than the GEMMs alone: not negative
+    assert fit_elementwise_traffic(fast, device, "fp32") == 0.0
 
 
 def test_build_profile_cpu_semantics():
     measured = {"dtype": "fp32", "threads": 1, "matmul": [[2e6, 1e-4], [2e8, 3e-3]],
                 "copy_bw_bytes_per_s": 2e10, "block_overhead_s": 1.5e-4,
-                "block": {"fwd_s": 1e-2, "fwd_flops": 4e8, "saved_bytes": 7e6},
+                "block": [{"fwd_bwd_s": 3e-2, "fwd_flops": 4e8, "bwd_flops": 8e8, "saved_bytes": 7e6}],
                 "collectives": [["all_reduce", 4096, 1e-4], ["all_reduce", 2**22, 5e-3], ["send_recv", 2**20, 1e-3]]}
     profile = build_profile(measured, 2, "gloo", "here")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -113,10 +123,13 @@ def test_block_and_pipeline_overhead_fits_remove_the_alpha_beta_cost():
     fsdp_s = plain_s + 2 * all_gather_time_s(params * 4, 2, link) + reduce_scatter_time_s(params * 4, 2, link) + 2 * fsdp_o
     block = {"plain_s": plain_s, "tp_s": tp_s, "fsdp_s": fsdp_s, "seq": seq, "hidden": hidden, "block_params": params}
     assert fit_block_overheads(block, 2, link) == pytest.approx((tp_o, fsdp_o), rel=1e-9)
-    # a 2-stage 1F1B step of m micro-batches with only overhead o: 2 (m + 1) actions, 2 transfers
-    m, o = 8, 6e-4
-    step_s = 2 * (m + 1) * o + 2 * send_recv_time_s(64, link)
-    assert fit_pipeline_action({"step_s": step_s, "microbatches": m, "boundary_bytes": 64}, 2, link) == pytest.approx(o)
+    # a 2-stage 1F1B step of m micro-batches: (m + 1) forward + backward pairs of one stage
+    # (12 ms each), 2 (m + 1) actions of overhead o, 2 transfers of the 128 KiB boundary
+    m, o, stage_s, boundary = 8, 6e-4, 1.2e-2, 128 * 256 * 4
+    step_s = (m + 1) * stage_s + 2 * (m + 1) * o + 2 * send_recv_time_s(boundary, link)
+    pipeline = {"step_s": step_s, "microbatches": m, "boundary_bytes": boundary}
+    assert fit_pipeline_action(pipeline, 2, link, stage_s) == pytest.approx(o)
+    assert fit_pipeline_action(pipeline, 2, link, 2 * stage_s) == 0.0  # compute explains it all
     # faster than the collectives alone: no negative overhead
     assert fit_block_overheads({**block, "tp_s": plain_s, "fsdp_s": plain_s}, 2, link) == (0.0, 0.0)
 
@@ -126,13 +139,13 @@ def _measured_with_fixed_costs(share: float) -> dict:
     dtensor = [(count, elements, t + count * 3e-4) for count, elements, t in plain]
     return {"dtype": "fp32", "threads": 1, "matmul": [[2e6, 1e-4], [2e8, 3e-3]],
             "copy_bw_bytes_per_s": 2e10, "block_overhead_s": 1.5e-4,
-            "block": {"fwd_s": 1e-2, "fwd_flops": 4e8, "saved_bytes": 7e6},
+            "block": [{"fwd_bwd_s": 3e-2, "fwd_flops": 4e8, "bwd_flops": 8e8, "saved_bytes": 7e6}],
             "collectives": [["all_reduce", 4096, 1e-4], ["all_reduce", 2**22, 5e-3], ["send_recv", 2**20, 1e-3]],
             "cpu_share": share, "optimizer": {"plain": plain, "dtensor": dtensor,
                                               "model": [(68, 4e6, 68 * 1e-4 + 4e6 * 8e-9)]},
             "block_fixed": {"plain_s": 1e-3, "tp_s": 1e-2, "fsdp_s": 5e-3, "seq": 8.0, "hidden": 64.0,
                             "block_params": 5e4, "redistribute_s": 2e-3},
-            "pipeline": {"step_s": 2e-2, "microbatches": 8.0, "boundary_bytes": 64.0}}
+            "pipeline": {"step_s": 0.3, "microbatches": 8.0, "boundary_bytes": 64.0}}
 
 
 def test_build_profile_carries_the_fixed_costs_and_the_core_share():
