@@ -1,11 +1,17 @@
-"""Executor overhead: `meshplan train` step time against a minimal hand-written torch DDP loop.
+"""Executor overhead: meshplan's training step against a minimal hand-written torch DDP loop.
 
 Same model, weights, data, global batch, AdamW, gradient clipping, 2 CPU processes (gloo).
-Each side runs three times, alternating which goes first, and each run is summarised by its
-median step time after warm-up; the figure is the ratio of the best (least disturbed) runs,
-with the ratio of the means of the runs alongside (target: within 5%).
 
-    python benchmarks/bench_executor.py [--steps 20]
+Paired (the figure): one torchrun launch builds both, the executor's runtime from a DDP plan
+(`executor.runtime.build_runtime`, the step `meshplan train` times) and the hand-written DDP
+model, and alternates their steps: executor, DDP, executor, DDP, ... Each pair ran within a
+second of each other on the same processes, so a slow spell of a shared machine slows both;
+the figure is the median of the per-pair ratios (target: <= 1.05), with its spread.
+
+Separate (`--separate-runs`): whole `meshplan train` runs against separate DDP launches,
+three each, alternating which goes first; on a shared machine single runs vary by +-20%.
+
+    python benchmarks/bench_executor.py [--steps 40] [--separate-runs]
 """
 from __future__ import annotations
 
@@ -84,14 +90,99 @@ def ddp_worker(steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def paired_worker(steps: int, out: str) -> None:
+    """Alternate the executor's step and the hand-written DDP step on the same processes."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from executor.data import DataSource, global_batch
+    from executor.plans import uniform_plan
+    from executor.runtime import Hyperparameters, build_runtime, train_step
+    from planner.hardware import load_cluster
+    from planner.models import build_model
+    from planner.models.transformer import init_weights, lm_loss
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = uniform_plan(SPEC, SEQ, GLOBAL_BATCH, load_cluster("cpu"), dp=world,
+                        microbatch_size=GLOBAL_BATCH // world, seed=SEED)
+    hp = Hyperparameters()
+    runtime = build_runtime(plan, torch.device("cpu"), hp, SEED)
+    model = build_model(SPEC, SEQ, device="cpu").module
+    init_weights(model, SEED)
+    model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), weight_decay=hp.weight_decay)
+    source = DataSource(vocab=1024, seq=SEQ, seed=SEED)
+    per_rank = GLOBAL_BATCH // world
+
+    def ddp_step(inputs, targets):
+        optimizer.zero_grad(set_to_none=True)
+        lm_loss(model(inputs), targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
+        optimizer.step()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    pairs = []
+    for step in range(steps):
+        inputs, targets = global_batch(source, step, GLOBAL_BATCH)
+        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
+        first, second = (("executor", "ddp") if step % 2 == 0 else ("ddp", "executor"))
+        runs = {"executor": lambda: train_step(runtime, step, steps, inputs, targets, hp),
+                "ddp": lambda: ddp_step(inputs, targets)}
+        times = {first: timed(runs[first]), second: timed(runs[second])}
+        pairs.append((times["executor"], times["ddp"]))
+    if rank == 0:
+        Path(out).write_text(json.dumps(pairs))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def paired(steps: int) -> None:
+    from executor.launch import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "pairs.json")
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NUM_PROCESSES}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__,
+                   "--paired-worker", "--steps", str(steps), "--out", str(out)]
+        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pairs = json.loads(out.read_text())[WARMUP_STEPS:]
+    ratios = sorted(executor_s / ddp_s for executor_s, ddp_s in pairs)
+    quartiles = statistics.quantiles(ratios, n=4)
+    print(f"model {SPEC}, seq {SEQ}, global batch {GLOBAL_BATCH}, {NUM_PROCESSES} CPU processes (gloo), "
+          f"{len(pairs)} paired steps after {WARMUP_STEPS} warm-up, order alternating")
+    print(f"executor step  median {statistics.median(p[0] for p in pairs) * 1e3:8.2f} ms")
+    print(f"DDP step       median {statistics.median(p[1] for p in pairs) * 1e3:8.2f} ms")
+    print(f"ratio executor / DDP per pair: median {statistics.median(ratios):.3f} "
+          f"(quartiles {quartiles[0]:.3f}..{quartiles[2]:.3f}; target <= 1.05)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--separate-runs", action="store_true", help="whole meshplan train runs vs DDP launches")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--paired-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ddp_worker:
         ddp_worker(args.steps, args.out)
+        return
+    if args.paired_worker:
+        paired_worker(args.steps, args.out)
+        return
+    if not args.separate_runs:
+        paired(args.steps)
         return
     executor_times, ddp_times = [], []
     with tempfile.TemporaryDirectory() as tmp:
