@@ -60,6 +60,23 @@ def wall_min_s(dist, fn, reps: int) -> float:
     return best
 
 
+def wall_min_interleaved_s(dist, fns: dict, reps: int) -> dict[str, float]:
+    """`wall_min_s` of several collective functions measured in alternation (a, b, c, a, b, c,
+    ...): the overheads are differences of these minima, and alternating keeps a slow spell of
+    a shared machine from landing on one side of a difference only."""
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(max(reps, MIN_WALL_REPS)):
+        for name, fn in fns.items():
+            dist.barrier()
+            begin = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - begin)
+    return best
+
+
 def measure_cpu_share(torch, dist, reps: int = 3) -> float:
     """The share of a core each process gets while all compute at once.
 
@@ -217,13 +234,12 @@ def measure_block_overheads(torch, dist, mesh, nproc: int, reps: int) -> dict[st
     def run(block, inputs=x):
         return lambda: block(inputs).sum().backward()
 
-    result = {"plain_s": wall_min_s(dist, run(plain), reps), "hidden": float(hidden), "seq": float(seq)}
-    result["tp_s"] = wall_min_s(dist, run(_tp_block(mesh, nproc, TINY_BLOCK)), reps)
-    result["local_s"] = wall_min_s(dist, run(_block(nproc, TINY_BLOCK, local=True)[0]), reps)
     fsdp_block, _ = _block(nproc, TINY_BLOCK)
     fully_shard(fsdp_block, mesh=mesh, reshard_after_forward=True)
-    result["fsdp_s"] = wall_min_s(dist, run(fsdp_block), reps)
-    result["block_params"] = float(sum(p.numel() for p in plain.parameters()))
+    result = wall_min_interleaved_s(dist, {
+        "plain_s": run(plain), "tp_s": run(_tp_block(mesh, nproc, TINY_BLOCK)),
+        "local_s": run(_block(nproc, TINY_BLOCK, local=True)[0]), "fsdp_s": run(fsdp_block)}, 2 * reps)
+    result.update(hidden=float(hidden), seq=float(seq), block_params=float(sum(p.numel() for p in plain.parameters())))
     partial = DTensor.from_local(torch.randn(hidden), mesh, [Partial()])
     result["redistribute_s"] = wall_min_s(dist, lambda: partial.redistribute(mesh, [Replicate()]).to_local(), reps)
     result.update(_measure_real_shape_tp(torch, dist, mesh, nproc, reps))
@@ -239,10 +255,10 @@ def _measure_real_shape_tp(torch, dist, mesh, nproc: int, reps: int) -> dict[str
     x = torch.randn(shape["batch"], shape["seq"], hidden, requires_grad=True)
     x_sp = torch.randn(shape["batch"], shape["seq"] // nproc, hidden, requires_grad=True)
     tp_block, sp_block = _tp_block(mesh, nproc, shape), _tp_block(mesh, nproc, shape, sp=True)
-    out = {"real_local_s": wall_min_s(dist, lambda: local(x).sum().backward(), reps),
-           "real_tp_s": wall_min_s(dist, lambda: tp_block(x).sum().backward(), reps),
-           "real_sp_s": wall_min_s(dist, lambda: sp_block(x_sp).sum().backward(), reps),
-           "real_stream_bytes": float(x.numel() * x.element_size())}
+    out = wall_min_interleaved_s(dist, {"real_local_s": lambda: local(x).sum().backward(),
+                                        "real_tp_s": lambda: tp_block(x).sum().backward(),
+                                        "real_sp_s": lambda: sp_block(x_sp).sum().backward()}, reps)
+    out["real_stream_bytes"] = float(x.numel() * x.element_size())
     out.update(_measure_vocab_parallel_loss(torch, dist, mesh, nproc, reps))
     return out
 
@@ -265,8 +281,9 @@ def _measure_vocab_parallel_loss(torch, dist, mesh, nproc: int, reps: int) -> di
         with loss_parallel():
             F.cross_entropy(sharded, targets).backward()
 
-    return {"loss_local_s": wall_min_s(dist, lambda: F.cross_entropy(local_logits, local_targets).backward(), reps),
-            "loss_parallel_s": wall_min_s(dist, parallel, reps), "loss_tokens": float(tokens)}
+    out = wall_min_interleaved_s(dist, {"loss_local_s": lambda: F.cross_entropy(local_logits, local_targets).backward(),
+                                        "loss_parallel_s": parallel}, reps)
+    return {**out, "loss_tokens": float(tokens)}
 
 
 def measure_pipeline(torch, dist, nproc: int, reps: int) -> dict[str, float]:
