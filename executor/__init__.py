@@ -26,12 +26,11 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
     peer) fails the run, which names the rank it waited for (None: 600 s); `run_limit_s` bounds
     the whole launch (None: no limit); `echo` streams the workers' output.
     """
-    from executor.data import make_source
+    from executor.data import make_source, token_vocab
     from executor import preflight
     from executor.launch import launch_jobs
     from executor.validate import check_plan_runnable
     from executor.worker import DEFAULT_TIMEOUT_S, Job
-    from planner.models import parse_spec
     from planner.plan import Plan, load_plan, save_plan
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="meshplan-train-"))
@@ -55,13 +54,13 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
               checkpoint_every=checkpoint_every, resume=resume, data=data, seed=seed, run_dir=str(run_dir),
               timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     source_seed = plan.seed if seed is None else seed
-    model_cfg = parse_spec(plan.model.spec, plan.model.seq)
-    if model_cfg is None:  # a file model (check_plan_runnable refused the rest): synthetic batches
+    vocab = token_vocab(plan.model.spec, plan.model.seq)
+    if vocab is None:  # a file model: synthetic batches shaped like its example inputs
         from executor.filemodel import check_file_data
 
         check_file_data(data)
     else:
-        make_source(data, model_cfg.vocab, plan.model.seq, source_seed)
+        make_source(data, vocab, plan.model.seq, source_seed)
     if checkpoint_dir:  # writable even when only resuming: a restart may save there
         one_bytes = preflight.checkpoint_size_bytes(preflight.count_parameters(plan.model.spec, plan.model.seq))
         num_saves = steps // checkpoint_every if checkpoint_every else 0

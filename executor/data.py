@@ -28,6 +28,19 @@ class DataSource:
             raise ValueError(f"vocab ({self.vocab}) and seq ({self.seq}) must be positive")
 
 
+def token_vocab(spec: str, seq: int) -> int | None:
+    """The vocabulary token batches are drawn from: the zoo's (as published) or a Hugging Face
+    config's; None for file models, which train on batches shaped like their example inputs."""
+    from planner.models import build_model, parse_spec
+
+    config = parse_spec(spec, seq)
+    if config is not None:
+        return config.vocab
+    if spec.startswith("hf:"):
+        return build_model(spec, seq, device="meta").info.vocab
+    return None
+
+
 def make_source(data: str, vocab: int, seq: int, seed: int) -> DataSource:
     """Check a `--data` argument before any process starts."""
     if data == "synthetic":

@@ -1,12 +1,16 @@
-"""Training a `path/model.py:fn` model: the whole module on every rank, data parallelism only.
+"""Training a `path/model.py:fn` or `hf:config.json` model: the whole module on every rank, data
+parallelism only.
 
 The module is built on the CPU under `torch.manual_seed(seed)` (every rank the same weights as a
 single process with that seed), recomputation is applied per planned layer (a top-level child),
 then DDP (ZeRO-0) or `fully_shard` per top-level child and on the whole module (ZeRO-1/2/3).
 
-Batches are synthetic, shaped like the example inputs with the batch dimension replaced: floats
-~ N(0, 1), integers uniform in [0, max(example) + 1) (at least [0, 2)), all drawn from one
-generator per (seed, step) for the whole global batch, so the data never depends on the layout.
+File-model batches are synthetic, shaped like the example inputs with the batch dimension
+replaced: floats ~ N(0, 1), integers uniform in [0, max(example) + 1) (at least [0, 2)), all
+drawn from one generator per (seed, step) for the whole global batch, so the data never depends
+on the layout. Hugging Face causal LMs train on token batches like the zoo's (`executor.data`:
+synthetic, or a text file's bytes) with the next-token loss; their weights are transformers'
+own initialisation from its config under the seed.
 """
 from __future__ import annotations
 
@@ -41,15 +45,12 @@ def check_file_plan(plan, built) -> None:
     import torch
 
     cfg, spec = plan.config, plan.model.spec
-    if built.info.family != "file":
-        raise MeshplanError(f"the executor trains the built-in GPT/Llama models and file models; {spec!r} is a "
-                            "Hugging Face model it cannot train yet; plan and estimate it, or train a file model")
     if built.loss_fn is None:
         path = spec.rpartition(":")[0]
         raise MeshplanError(f"{spec!r} has no loss function: define loss_fn(output, inputs) in {path} to train it")
     if cfg.pp > 1 or cfg.tp > 1:
-        raise MeshplanError(f"file models train with data parallelism only, this plan has pp={cfg.pp} tp={cfg.tp}; "
-                            "re-plan it (meshplan plan keeps file models at pp=1 tp=1)")
+        raise MeshplanError(f"file and Hugging Face models train with data parallelism only, this plan has "
+                            f"pp={cfg.pp} tp={cfg.tp}; re-plan it (meshplan plan keeps them at pp=1 tp=1)")
     if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
         raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
 
@@ -104,18 +105,42 @@ def build_seeded(plan, seed: int):
     return build_model(plan.model.spec, plan.model.seq, device="cpu")
 
 
+def is_hf(built) -> bool:
+    return built.info.family == "hf"
+
+
+def training_fns(built):
+    """(forward(module, micro), loss(output, micro)) for one micro-batch tuple: a file model's
+    own inputs and `loss_fn`; for a Hugging Face model (tokens, next-token targets)."""
+    if not is_hf(built):
+        return (lambda module, micro: module(*micro)), built.loss_fn
+    from planner.models.transformer import lm_loss
+
+    return (lambda module, micro: built.forward_fn(module, micro[:1])), (lambda logits, micro: lm_loss(logits, micro[1]))
+
+
+def _layer_parts(built) -> dict:
+    """Layer name -> the modules it is made of (a Hugging Face head is its norm and its output
+    Linear, which the model calls one by one)."""
+    if built.layer_groups:
+        return {group.name: group.modules for group in built.layer_groups}
+    return {name: (module,) for name, _, module in built.layer_modules}
+
+
 def apply_file_recompute(plan, built) -> None:
-    """Checkpoint each planned layer that asks for it; layers are the module's top-level children."""
+    """Checkpoint each planned layer that asks for it; layers are the module's top-level children
+    (Hugging Face: the embedding, each decoder layer, the head's modules)."""
     from executor.parallelize import apply_recompute
 
-    layers = {name: module for name, _, module in built.layer_modules}
+    layers = _layer_parts(built)
     for layer in plan.layers:
         if layer.recompute == "none":
             continue
         if layer.name not in layers:
             raise MeshplanError(f"layer {layer.name!r} of the plan is not a top-level child of {plan.model.spec!r}; "
                                 "re-plan it with --recompute none")
-        apply_recompute(layers[layer.name], layer.recompute)
+        for module in layers[layer.name]:
+            apply_recompute(module, layer.recompute)
 
 
 def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None):
@@ -131,7 +156,11 @@ def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero == 3}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for _, _, child in built.layer_modules:
+    # Hugging Face: each decoder layer is its own FSDP unit; the embedding and the head (which may
+    # share one weight) stay with the root.
+    children = ([child for name, kind, child in built.layer_modules if kind == "block"] if is_hf(built)
+                else [child for _, _, child in built.layer_modules])
+    for child in children:
         if child is not module and any(True for _ in child.parameters()):
             fully_shard(child, **kwargs)
     fully_shard(module, **kwargs)

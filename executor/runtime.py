@@ -73,7 +73,8 @@ class Runtime:
     norm_weights: tuple  # (param, 1 / how many ranks hold the same gradient values)
     schedule: Any = None  # pipeline schedule when pp > 1
     tied_group: Any = None  # (first stage, last stage) group for a tied embedding split by PP
-    loss_fn: Any = None  # file models: loss_fn(output, inputs); None: the zoo's next-token loss
+    loss_fn: Any = None  # file and HF models: loss_fn(output, micro); None: the zoo's next-token loss
+    forward_fn: Any = None  # file and HF models: forward_fn(module, micro) -> output
 
     @property
     def holds_last_chunk(self) -> bool:
@@ -134,8 +135,8 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
 
 
 def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh) -> Runtime:
-    """A file model whole on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
-    from executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded
+    """A file or HF model whole on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
+    from executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded, training_fns
 
     cfg = plan.config
     built = build_seeded(plan, seed)
@@ -149,9 +150,11 @@ def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, s
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     wrapped = apply_file_dp(module, built, mesh["dp"], cfg.zero, method, mp_policy)
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    forward_fn, loss_fn = training_fns(built)
     return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
                    chunk_ids=(0,), stages=(module,), modules=(wrapped,), optimizers=(_adamw(module, hp),),
-                   dp_method=method, norm_weights=_norm_weights([module], cfg, False), loss_fn=built.loss_fn)
+                   dp_method=method, norm_weights=_norm_weights([module], cfg, False), loss_fn=loss_fn,
+                   forward_fn=forward_fn)
 
 
 def _mixed_precision(stages, precision: str, method: str):
@@ -247,8 +250,8 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
         optimizer.zero_grad(set_to_none=True)
     if runtime.schedule is not None:
         loss = _pipeline_forward_backward(runtime, inputs, targets)
-    elif runtime.loss_fn is not None:
-        loss = _file_forward_backward(runtime, inputs)
+    elif runtime.loss_fn is not None:  # file models: a tuple of inputs; HF: tokens and targets
+        loss = _file_forward_backward(runtime, inputs if targets is None else (inputs, targets))
     else:
         loss = _forward_backward(runtime, inputs, targets)
     _align_grad_placements(runtime)
@@ -312,7 +315,8 @@ def _forward_backward(runtime: Runtime, inputs, targets):
 
 
 def _file_forward_backward(runtime: Runtime, inputs: tuple):
-    """A file model: gradient accumulation over micro-batches of a tuple of inputs, its own loss_fn."""
+    """A file or HF model: gradient accumulation over micro-batches of a tuple of inputs (HF:
+    tokens and targets), the runtime's forward and loss."""
     module = runtime.modules[0]
     cfg = runtime.plan.config
     num_microbatches = cfg.num_microbatches
@@ -328,7 +332,7 @@ def _file_forward_backward(runtime: Runtime, inputs: tuple):
                      else nullcontext())
         with _gradient_sync(runtime, module, sync=last or not defer_sync):
             with precision:
-                loss = runtime.loss_fn(module(*micro), micro)
+                loss = runtime.loss_fn(runtime.forward_fn(module, micro), micro)
             (loss.float() / num_microbatches).backward()
         total += _scalar(loss)
     return total / num_microbatches

@@ -122,7 +122,7 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
     from executor.checkpoint import save_checkpoint
     from executor.runtime import train_step
 
-    cfg, device, rank = runtime.plan.config, runtime.device, dist.get_rank()
+    device, rank = runtime.device, dist.get_rank()
     # Live-tensor tracking slows its step, so it runs on the second step of the attempt (a
     # warm-up step in a fresh run) once optimizer states exist.
     memory_step = min(start_step + 1, job.steps - 1)
@@ -179,12 +179,13 @@ def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_sourc
 
 
 def _data_source(job: Job, plan, seed: int):
-    """Token batches for the zoo; synthetic batches shaped like the example inputs for file models."""
-    from executor.data import make_source
-    from planner.models import parse_spec
+    """Token batches for the zoo and HF models; synthetic batches shaped like the example inputs
+    for file models."""
+    from executor.data import make_source, token_vocab
 
-    if parse_spec(plan.model.spec, plan.model.seq) is not None:
-        return make_source(job.data, _vocab_of(plan), plan.model.seq, seed)
+    vocab = token_vocab(plan.model.spec, plan.model.seq)
+    if vocab is not None:
+        return make_source(job.data, vocab, plan.model.seq, seed)
     from executor import filemodel
 
     filemodel.check_file_data(job.data)
@@ -201,12 +202,6 @@ def _replica_batch(runtime, source, step: int):
         return filemodel.replica_slice(batch, runtime.dp_rank, cfg.dp), None
     inputs, targets = data.global_batch(source, step, cfg.global_batch)
     return data.replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
-
-
-def _vocab_of(plan) -> int:
-    from planner.models import parse_spec
-
-    return parse_spec(plan.model.spec, plan.model.seq).vocab
 
 
 def _tracked_step(runtime, step, total_steps, inputs, targets, hp):
