@@ -40,17 +40,21 @@ def executor_step_time_s(steps: int, work_dir: Path) -> float:
     return statistics.median(measured.step_times_s[WARMUP_STEPS:])
 
 
-def ddp_step_time_s(steps: int, work_dir: Path) -> float:
+def run_workers(mode: str, steps: int, out: Path) -> list:
+    """This script under torchrun with `--<mode>` on NUM_PROCESSES processes; rank 0's JSON."""
     from executor.launch import free_port
 
-    out = work_dir / "ddp.json"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NUM_PROCESSES}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__,
-               "--ddp-worker", "--steps", str(steps), "--out", str(out)]
+               f"--{mode}", "--steps", str(steps), "--out", str(out)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return statistics.median(json.loads(out.read_text())[WARMUP_STEPS:])
+    return json.loads(out.read_text())
+
+
+def ddp_step_time_s(steps: int, work_dir: Path) -> float:
+    return statistics.median(run_workers("ddp-worker", steps, work_dir / "ddp.json")[WARMUP_STEPS:])
 
 
 def ddp_worker(steps: int, out: str) -> None:
@@ -146,17 +150,8 @@ def paired_worker(steps: int, out: str) -> None:
 
 
 def paired(steps: int) -> None:
-    from executor.launch import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "pairs.json")
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NUM_PROCESSES}",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__,
-                   "--paired-worker", "--steps", str(steps), "--out", str(out)]
-        env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        pairs = json.loads(out.read_text())[WARMUP_STEPS:]
+        pairs = run_workers("paired-worker", steps, Path(tmp, "pairs.json"))[WARMUP_STEPS:]
     ratios = sorted(executor_s / ddp_s for executor_s, ddp_s in pairs)
     quartiles = statistics.quantiles(ratios, n=4)
     print(f"model {SPEC}, seq {SEQ}, global batch {GLOBAL_BATCH}, {NUM_PROCESSES} CPU processes (gloo), "
