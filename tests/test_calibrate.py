@@ -204,3 +204,22 @@ def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
     # a real block with less overhead than the tiny one: no negative per-byte cost
     cheap = {**block, "real_tp_s": tp_time_s(5e-2, real_bytes) - 2 * per_byte_s * real_bytes - 1e-3}
     assert fit_tp_overheads(cheap, 2, link)[1] == 0.0
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 128), (4, 128), (1, 256)])
+def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
+    """The elementwise factor is fitted against `block_time_s`; it must price the calibration
+    block exactly as `planner.cost` prices that profiled block in a plan (same GEMM split,
+    launches and traffic), or a fitted factor would not transfer to predictions."""
+    from planner.calibrate import _block_figures, TRAFFIC_SHAPES, _probe, block_time_s
+    from planner.cost import Strategy, layer_cost
+    from planner.profile import profile
+
+    cluster = load_cluster("cpu")
+    figures = dict(zip(TRAFFIC_SHAPES, _block_figures(cuda=False)))
+    sample = {name: value * batch for name, value in figures[(1, seq)].items()}
+    graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="fp32", cache=False)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    cost = layer_cost(block, Strategy(microbatch_size=batch, precision="fp32"), cluster, graph.info, profile_dtype="fp32")
+    assert block_time_s(sample, _probe(cluster.device), "fp32") == pytest.approx(
+        cost.fwd_compute_s + cost.bwd_compute_s, rel=1e-12)
