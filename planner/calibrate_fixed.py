@@ -49,22 +49,14 @@ PIPELINE_BLOCK_SEQ = 128  # = calibrate.TRAFFIC_SHAPES[0]: the block's compute i
 
 def wall_min_s(dist, fn, reps: int) -> float:
     """Fastest of `reps` wall-clock runs of a collective `fn`, every rank starting together."""
-    for _ in range(2):  # warm-up: allocations, connections, DTensor sharding caches
-        fn()
-    best = float("inf")
-    for _ in range(max(reps, MIN_WALL_REPS)):
-        dist.barrier()
-        begin = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - begin)
-    return best
+    return wall_min_interleaved_s(dist, {"fn": fn}, reps)["fn"]
 
 
 def wall_min_interleaved_s(dist, fns: dict, reps: int) -> dict[str, float]:
     """`wall_min_s` of several collective functions measured in alternation (a, b, c, a, b, c,
     ...): the overheads are differences of these minima, and alternating keeps a slow spell of
     a shared machine from landing on one side of a difference only."""
-    for _ in range(2):
+    for _ in range(2):  # warm-up: allocations, connections, DTensor sharding caches
         for fn in fns.values():
             fn()
     best = {name: float("inf") for name in fns}
