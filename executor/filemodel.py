@@ -158,7 +158,7 @@ def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None
         kwargs["mp_policy"] = mp_policy
     # Hugging Face: each decoder layer is its own FSDP unit; the embedding and the head (which may
     # share one weight) stay with the root.
-    children = ([child for name, kind, child in built.layer_modules if kind == "block"] if is_hf(built)
+    children = ([child for _, kind, child in built.layer_modules if kind == "block"] if is_hf(built)
                 else [child for _, _, child in built.layer_modules])
     for child in children:
         if child is not module and any(True for _ in child.parameters()):
