@@ -223,3 +223,11 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
     cost = layer_cost(block, Strategy(microbatch_size=batch, precision="fp32"), cluster, graph.info, profile_dtype="fp32")
     assert block_time_s(sample, _probe(cluster.device), "fp32") == pytest.approx(
         cost.fwd_compute_s + cost.bwd_compute_s, rel=1e-12)
+
+
+def test_pipeline_block_is_costed_from_the_matching_traffic_sample():
+    # build_profile costs the measured pipeline's stage with the first traffic sample's figures
+    from planner.calibrate import TRAFFIC_SHAPES
+    from planner.calibrate_fixed import PIPELINE_BLOCK_SEQ
+
+    assert TRAFFIC_SHAPES[0] == (1, PIPELINE_BLOCK_SEQ)
