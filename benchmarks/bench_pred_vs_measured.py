@@ -1,6 +1,6 @@
 """Predicted vs measured step time of small plans on local CPU processes (gloo).
 
-    python benchmarks/bench_pred_vs_measured.py [--profile cpu.toml] [--steps 10] [--skip-4] [--repeats R]
+    python benchmarks/bench_pred_vs_measured.py [--profile cpu.toml] [--steps 10] [--skip-4] [--repeats 2]
 
 Calibrates this machine (`meshplan calibrate --nproc 2 --backend gloo`) unless a profile is given,
 then for each configuration plans a small GPT with the mesh pinned (`planner.plan`), trains it for
@@ -193,7 +193,7 @@ def main() -> int:
     parser.add_argument("--profile-4", type=Path, help="a 4-process calibrated profile (default: calibrate now)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per configuration")
     parser.add_argument("--skip-4", action="store_true", help="only the 2-process configurations")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration; the least disturbed is kept")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, in interleaved rounds; the least disturbed is kept")
     parser.add_argument("--terms-only", action="store_true", help="only the single-process term check")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="meshplan-bench-") as tmp:
