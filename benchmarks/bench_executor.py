@@ -57,55 +57,82 @@ def ddp_step_time_s(steps: int, work_dir: Path) -> float:
     return statistics.median(run_workers("ddp-worker", steps, work_dir / "ddp.json")[WARMUP_STEPS:])
 
 
-def ddp_worker(steps: int, out: str) -> None:
-    """The hand-written baseline: what a user would write without meshplan."""
+def _hand_written_ddp(world: int):
+    """The baseline, what a user would write without meshplan: the model under DDP with the
+    executor's AdamW and clipping settings. Returns step(inputs, targets)."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from executor.data import DataSource, global_batch
+    from executor.runtime import Hyperparameters
     from planner.models import build_model
     from planner.models.transformer import init_weights, lm_loss
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    hp = Hyperparameters()
     model = build_model(SPEC, SEQ, device="cpu").module
     init_weights(model, SEED)
     model = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    source = DataSource(vocab=1024, seq=SEQ, seed=SEED)
-    per_rank = GLOBAL_BATCH // world
-    times = []
-    for step in range(steps):
-        inputs, targets = global_batch(source, step, GLOBAL_BATCH)
-        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
-        started = time.perf_counter()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), weight_decay=hp.weight_decay)
+
+    def step(inputs, targets):
         optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        lm_loss(model(inputs), targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
         optimizer.step()
-        elapsed = torch.tensor([time.perf_counter() - started])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+
+    return step
+
+
+def _replica_batch(step: int, rank: int, world: int):
+    from executor.data import DataSource, global_batch, replica_slice
+
+    source = DataSource(vocab=1024, seq=SEQ, seed=SEED)
+    return replica_slice(*global_batch(source, step, GLOBAL_BATCH), rank, world)
+
+
+def _timed_s(fn) -> float:
+    """Wall seconds of `fn()` on the slowest rank, every rank starting together."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _finish(rank: int, out: str, result) -> None:
+    import torch.distributed as dist
+
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def ddp_worker(steps: int, out: str) -> None:
+    """The hand-written DDP loop alone: its step time per step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ddp_step = _hand_written_ddp(world)
+    times = []
+    for step in range(steps):
+        inputs, targets = _replica_batch(step, rank, world)
+        times.append(_timed_s(lambda: ddp_step(inputs, targets)))
+    _finish(rank, out, times)
 
 
 def paired_worker(steps: int, out: str) -> None:
     """Alternate the executor's step and the hand-written DDP step on the same processes."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from executor.data import DataSource, global_batch
     from executor.plans import uniform_plan
     from executor.runtime import Hyperparameters, build_runtime, train_step
     from planner.hardware import load_cluster
-    from planner.models import build_model
-    from planner.models.transformer import init_weights, lm_loss
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,40 +140,16 @@ def paired_worker(steps: int, out: str) -> None:
                         microbatch_size=GLOBAL_BATCH // world, seed=SEED)
     hp = Hyperparameters()
     runtime = build_runtime(plan, torch.device("cpu"), hp, SEED)
-    model = build_model(SPEC, SEQ, device="cpu").module
-    init_weights(model, SEED)
-    model = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), weight_decay=hp.weight_decay)
-    source = DataSource(vocab=1024, seq=SEQ, seed=SEED)
-    per_rank = GLOBAL_BATCH // world
-
-    def ddp_step(inputs, targets):
-        optimizer.zero_grad(set_to_none=True)
-        lm_loss(model(inputs), targets).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
-        optimizer.step()
-
-    def timed(fn) -> float:
-        dist.barrier()
-        started = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - started])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
-
+    ddp_step = _hand_written_ddp(world)
     pairs = []
     for step in range(steps):
-        inputs, targets = global_batch(source, step, GLOBAL_BATCH)
-        inputs, targets = inputs[rank * per_rank:(rank + 1) * per_rank], targets[rank * per_rank:(rank + 1) * per_rank]
-        first, second = (("executor", "ddp") if step % 2 == 0 else ("ddp", "executor"))
+        inputs, targets = _replica_batch(step, rank, world)
         runs = {"executor": lambda: train_step(runtime, step, steps, inputs, targets, hp),
                 "ddp": lambda: ddp_step(inputs, targets)}
-        times = {first: timed(runs[first]), second: timed(runs[second])}
+        order = ("executor", "ddp") if step % 2 == 0 else ("ddp", "executor")
+        times = {name: _timed_s(runs[name]) for name in order}
         pairs.append((times["executor"], times["ddp"]))
-    if rank == 0:
-        Path(out).write_text(json.dumps(pairs))
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish(rank, out, pairs)
 
 
 def paired(steps: int) -> None:

@@ -31,13 +31,14 @@ class DataSource:
 def token_vocab(spec: str, seq: int) -> int | None:
     """The vocabulary token batches are drawn from: the zoo's (as published) or a Hugging Face
     config's; None for file models, which train on batches shaped like their example inputs."""
-    from planner.models import build_model, parse_spec
+    from planner.models import parse_spec
+    from planner.models.hf import hf_vocab
 
     config = parse_spec(spec, seq)
     if config is not None:
         return config.vocab
-    if spec.startswith("hf:"):
-        return build_model(spec, seq, device="meta").info.vocab
+    if spec.startswith("hf:"):  # the config alone: building the model here would be work thrown away
+        return hf_vocab(spec[len("hf:"):])
     return None
 
 

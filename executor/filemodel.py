@@ -3,7 +3,7 @@ parallelism only.
 
 The module is built on the CPU under `torch.manual_seed(seed)` (every rank the same weights as a
 single process with that seed), recomputation is applied per planned layer (a top-level child),
-then DDP (ZeRO-0) or `fully_shard` per top-level child and on the whole module (ZeRO-1/2/3).
+then DDP (ZeRO-0) or `fully_shard` per layer and on the whole module (ZeRO-1/2/3).
 
 File-model batches are synthetic, shaped like the example inputs with the batch dimension
 replaced: floats ~ N(0, 1), integers uniform in [0, max(example) + 1) (at least [0, 2)), all
@@ -144,7 +144,7 @@ def apply_file_recompute(plan, built) -> None:
 
 
 def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None):
-    """DDP for ZeRO-0, `fully_shard` per top-level child then on the whole module for ZeRO-1/2/3."""
+    """DDP for ZeRO-0, `fully_shard` per layer (`_fsdp_units`) then on the whole module for ZeRO-1/2/3."""
     if method == "none":
         return module
     if method == "ddp":
@@ -156,12 +156,20 @@ def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None
     kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero == 3}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    # Hugging Face: each decoder layer is its own FSDP unit; the embedding and the head (which may
-    # share one weight) stay with the root.
-    children = ([child for _, kind, child in built.layer_modules if kind == "block"] if is_hf(built)
-                else [child for _, _, child in built.layer_modules])
-    for child in children:
-        if child is not module and any(True for _ in child.parameters()):
-            fully_shard(child, **kwargs)
+    for unit in _fsdp_units(built, module):
+        fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def _fsdp_units(built, root) -> list:
+    """The modules of every layer that own parameters no other layer uses: each its own FSDP
+    unit. A weight two layers share (a tied embedding and head) cannot live in two units, so
+    those layers stay with the root."""
+    parts = [m for modules in _layer_parts(built).values() for m in modules if m is not root]
+    users: dict[int, int] = {}
+    for part in parts:
+        for param in part.parameters():
+            users[id(param)] = users.get(id(param), 0) + 1
+    return [part for part in parts if any(True for _ in part.parameters())
+            and all(users[id(param)] == 1 for param in part.parameters())]

@@ -363,7 +363,7 @@ def fit_redistribute(block: dict[str, float], nproc: int, link) -> float:
     return max(0.0, block["redistribute_s"] - all_reduce_time_s(block["hidden"] * 4, nproc, link))
 
 
-def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link, stage_compute_s: float = 0.0) -> float:
+def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link, stage_compute_s: float) -> float:
     """Per-action overhead: 1F1B's critical path is (m + p - 1) forward + backward pairs of one
     stage (`stage_compute_s`, the cost model's time for the measured stage), 2 (m + p - 1)
     actions and 2 (p - 1) boundary transfers; what they do not explain, per action."""

@@ -43,6 +43,11 @@ def hf_max_positions(path_text: str) -> int:
     return value if isinstance(value, int) and value > 0 else 0
 
 
+def hf_vocab(path_text: str) -> int:
+    """The vocabulary size transformers reads from the config (no model is built)."""
+    return int(_make_config(path_text).vocab_size)
+
+
 def _make_config(path_text: str, num_layers: int | None = None):
     data = read_config(path_text)
     try:
