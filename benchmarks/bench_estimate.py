@@ -1,6 +1,6 @@
 """Speed of `estimate` for a 1T-parameter GPT on 3072 A100s (Narayanan et al. 2021's largest run).
 
-Prints the in-process time of `planner.estimate.estimate` (profile cache warm, then the
+Prints the in-process time of `planner.simulation.estimator.estimate` (profile cache warm, then the
 configuration check, the cost model and the event-driven simulation of 64 stages x 512
 micro-batches, forward and backward) and the wall time of the whole `meshplan estimate` command in a fresh
 process, cold (empty profile cache) and warm. Targets: under 1 s in-process, under 5 s per
@@ -21,7 +21,7 @@ ARGS = ["--model", SPEC, "--cluster", "a100-80g", "--gpus", "3072", "--gbs", "30
 
 def command_s(env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "planner.cli", "estimate", *ARGS], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "meshplan.cli", "estimate", *ARGS], env=env, check=True,
                    stdout=subprocess.DEVNULL)
     return time.perf_counter() - start
 
@@ -32,7 +32,7 @@ def main() -> int:
         cold_s = command_s(env)
         warm_s = command_s(env)
         os.environ["MESHPLAN_CACHE_DIR"] = cache
-        from planner.estimate import estimate
+        from meshplan.planner.simulation.estimator import estimate
 
         runs = []
         for _ in range(3):

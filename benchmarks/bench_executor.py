@@ -30,9 +30,9 @@ SEQ, GLOBAL_BATCH, NUM_PROCESSES, SEED, WARMUP_STEPS = 128, 8, 2, 0, 2
 
 
 def executor_step_time_s(steps: int, work_dir: Path) -> float:
-    from executor import train
-    from executor.plans import uniform_plan
-    from planner.hardware import load_cluster
+    from meshplan.executor import train
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
 
     plan = uniform_plan(SPEC, SEQ, GLOBAL_BATCH, load_cluster("cpu"), dp=NUM_PROCESSES,
                         microbatch_size=GLOBAL_BATCH // NUM_PROCESSES, seed=SEED)
@@ -42,7 +42,7 @@ def executor_step_time_s(steps: int, work_dir: Path) -> float:
 
 def run_workers(mode: str, steps: int, out: Path) -> list:
     """This script under torchrun with `--<mode>` on NUM_PROCESSES processes; rank 0's JSON."""
-    from executor.launch import free_port
+    from meshplan.executor.launch import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NUM_PROCESSES}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__,
@@ -63,9 +63,9 @@ def _hand_written_ddp(world: int):
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from executor.runtime import Hyperparameters
-    from planner.models import build_model
-    from planner.models.transformer import init_weights, lm_loss
+    from meshplan.executor.runtime import Hyperparameters
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import init_weights, lm_loss
 
     hp = Hyperparameters()
     model = build_model(SPEC, SEQ, device="cpu").module
@@ -83,7 +83,7 @@ def _hand_written_ddp(world: int):
 
 
 def _replica_batch(step: int, rank: int, world: int):
-    from executor.data import DataSource, global_batch, replica_slice
+    from meshplan.executor.data import DataSource, global_batch, replica_slice
 
     source = DataSource(vocab=1024, seq=SEQ, seed=SEED)
     return replica_slice(*global_batch(source, step, GLOBAL_BATCH), rank, world)
@@ -130,9 +130,9 @@ def paired_worker(steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from executor.plans import uniform_plan
-    from executor.runtime import Hyperparameters, build_runtime, train_step
-    from planner.hardware import load_cluster
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.executor.runtime import Hyperparameters, build_runtime, train_step
+    from meshplan.planner.costing.hardware import load_cluster
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -96,7 +96,7 @@ def rows() -> list[Row]:
 
 
 def predict(row: Row):
-    from planner.estimate import estimate
+    from meshplan.planner.simulation.estimator import estimate
 
     return estimate(row.spec, row.cluster, gpus=row.gpus, global_batch=row.gbs, seq=row.seq, tp=row.tp, pp=row.pp,
                     mbs=row.mbs, zero=row.zero, recompute=row.recompute, sp=row.sp,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from planner.hardware import load_cluster
-from planner.profile import profile
-from planner.solve import plan
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.profiling.profiler import profile
+from meshplan import plan
 
 CASES = [  # (model, gpus, global batch, sequence, target seconds)
     ("llama3-70b", 1024, 1024, 8192, 10.0),

@@ -1,6 +1,6 @@
 """Plan quality: published hand-tuned configurations vs meshplan's plan, both predicted here.
 
-Published layouts (evaluated with `planner.estimate.estimate`, best recomputation / ZeRO variant
+Published layouts (evaluated with `planner.simulation.estimator.estimate`, best recomputation / ZeRO variant
 that fits):
 - Megatron-LM GPT scaling, Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training
   on GPU Clusters Using Megatron-LM"), Table 1: seq 2048, vocab 51200, A100 80GB.
@@ -14,11 +14,11 @@ from __future__ import annotations
 import sys
 import time
 
-from planner.errors import MeshplanError
-from planner.estimate import estimate
-from planner.hardware import load_cluster
-from planner.profile import profile
-from planner.solve import plan
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.simulation.estimator import estimate
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.profiling.profiler import profile
+from meshplan import plan
 
 # name, spec, cluster, gpus, global batch, seq, published (tp, pp), schedule variants to try
 GPT = "gpt:layers={},hidden={},heads={},vocab=51200,positions=2048"

@@ -3,7 +3,7 @@
     python benchmarks/bench_pred_vs_measured.py [--profile cpu.toml] [--steps 10] [--skip-4] [--repeats 2]
 
 Calibrates this machine (`meshplan calibrate --nproc 2 --backend gloo`) unless a profile is given,
-then for each configuration plans a small GPT with the mesh pinned (`planner.plan`), trains it for
+then for each configuration plans a small GPT with the mesh pinned (`planner.contracts.plan`), trains it for
 real (`executor.train`) and prints the predicted step time, the measured median (after warm-up),
 the error and the predicted breakdown, so a large error points at the cost-model term to fix.
 First, a single-process term check times forward+backward and the AdamW step in plain torch
@@ -35,7 +35,7 @@ BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubb
 
 
 def calibrate(out: Path, nproc: int) -> Path:
-    from planner.cli import main
+    from meshplan.cli import main
 
     print(f"calibrating this machine with {nproc} processes into {out} ...", flush=True)
     if main(["calibrate", "--nproc", str(nproc), "--backend", "gloo", "--out", str(out)]) != 0:
@@ -44,11 +44,11 @@ def calibrate(out: Path, nproc: int) -> Path:
 
 
 def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, steps: int) -> dict:
-    from executor import train
-    from planner.hardware import load_cluster
-    from planner.plan import save_plan
-    from planner.simulate import simulate
-    from planner.solve import plan as make_plan
+    from meshplan.executor import train
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.contracts.plan import save_plan
+    from meshplan.planner.simulation.simulator import simulate
+    from meshplan import plan as make_plan
 
     cluster = load_cluster(profile)
     plan = make_plan(MODEL, cluster, gpus, GLOBAL_BATCH, seq=SEQ, **pins)
@@ -67,14 +67,14 @@ def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, step
 
 
 def without_fixed_costs(cluster):
-    """The same profile with every `planner.fixed_costs` term zeroed and the optimizer at 16 bytes
+    """The same profile with every `planner.costing.fixed_costs` term zeroed and the optimizer at 16 bytes
     per parameter: the cost model before the fixed costs were calibrated, for comparison."""
     device = replace(cluster.device, **{name: 0.0 for name in FIXED_COST_FIELDS})
     return replace(cluster, device=device, optimizer_bytes_per_param=16.0)
 
 
 def print_fixed_costs(profile: Path) -> None:
-    from planner.hardware import load_cluster
+    from meshplan.planner.costing.hardware import load_cluster
 
     cluster = load_cluster(profile)
     device = cluster.device
@@ -100,12 +100,12 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     """
     import torch
 
-    from planner.calibrate_fixed import ADAMW
-    from planner.config import ParallelConfig
-    from planner.hardware import load_cluster
-    from planner.models import build_model
-    from planner.profile import profile as profile_model
-    from planner.simulate import simulate_config
+    from meshplan.planner.calibration.microbench import ADAMW
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.profiling.profiler import profile as profile_model
+    from meshplan.planner.simulation.simulator import simulate_config
 
     torch.set_num_threads(1)
     cluster = load_cluster(profile)

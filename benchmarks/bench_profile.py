@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    argv = [sys.executable, "-m", "planner.cli", "profile", "--model", args.model, "--seq", str(args.seq)]
+    argv = [sys.executable, "-m", "meshplan.cli", "profile", "--model", args.model, "--seq", str(args.seq)]
     cache = tempfile.mkdtemp(prefix="meshplan-bench-cache-")
     env = {**os.environ, "MESHPLAN_CACHE_DIR": cache}
     print(f"meshplan profile --model {args.model} --seq {args.seq}  (load average {os.getloadavg()[0]:.1f},"

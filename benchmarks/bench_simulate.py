@@ -33,13 +33,13 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=4096)
     args = parser.parse_args()
 
-    from planner import cost
-    from planner.config import ParallelConfig
-    from planner.hardware import load_cluster
-    from planner.plan import LayerAssignment, ModelRef, Plan, save_plan
-    from planner.profile import profile
-    from planner.simulate import simulate_config, step_costs
-    from planner.simulate_step import simulate_step
+    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, save_plan
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.simulation.simulator import simulate_config, step_costs
+    from meshplan.planner.simulation.engine import simulate_step
 
     cluster = load_cluster(args.cluster)
     start = time.perf_counter()
@@ -65,7 +65,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         plan_path = Path(tmp) / "plan.json"
         save_plan(plan, plan_path)
-        command = [sys.executable, "-m", "planner.cli", "simulate", "--plan", str(plan_path), "--json"]
+        command = [sys.executable, "-m", "meshplan.cli", "simulate", "--plan", str(plan_path), "--json"]
         start = time.perf_counter()
         subprocess.run(command, check=True, capture_output=True)
         whole = time.perf_counter() - start

@@ -8,7 +8,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from executor.measure import Measurement, load_measurement
+from meshplan.executor.measure import Measurement, load_measurement
 
 __all__ = ["train", "Measurement", "load_measurement"]
 
@@ -26,12 +26,12 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
     peer) fails the run, which names the rank it waited for (None: 600 s); `run_limit_s` bounds
     the whole launch (None: no limit); `echo` streams the workers' output.
     """
-    from executor.data import make_source, token_vocab
-    from executor import preflight
-    from executor.launch import launch_jobs
-    from executor.validate import check_plan_runnable
-    from executor.worker import DEFAULT_TIMEOUT_S, Job
-    from planner.plan import Plan, load_plan, save_plan
+    from meshplan.executor.data import make_source, token_vocab
+    from meshplan.executor import preflight
+    from meshplan.executor.launch import launch_jobs
+    from meshplan.executor.checks import check_plan_runnable
+    from meshplan.executor.worker import DEFAULT_TIMEOUT_S, Job
+    from meshplan.planner.contracts.plan import Plan, load_plan, save_plan
 
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="meshplan-train-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
     source_seed = plan.seed if seed is None else seed
     vocab = token_vocab(plan.model.spec, plan.model.seq)
     if vocab is None:  # a file model: synthetic batches shaped like its example inputs
-        from executor.filemodel import check_file_data
+        from meshplan.executor.filemodel import check_file_data
 
         check_file_data(data)
     else:

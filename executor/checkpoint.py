@@ -65,7 +65,7 @@ def save_checkpoint(runtime, directory: str | Path, step: int, history: list[tup
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from executor import faults
+    from meshplan.executor import faults
 
     path = checkpoint_path(directory, step)
     rank = dist.get_rank()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError
 
 BYTE_VOCAB = 256  # the byte tokenizer: token = byte value
 
@@ -31,8 +31,8 @@ class DataSource:
 def token_vocab(spec: str, seq: int) -> int | None:
     """The vocabulary token batches are drawn from: the zoo's (as published) or a Hugging Face
     config's; None for file models, which train on batches shaped like their example inputs."""
-    from planner.models import parse_spec
-    from planner.models.hf import hf_vocab
+    from meshplan.planner.models.registry import parse_spec
+    from meshplan.planner.models.hf import hf_vocab
 
     config = parse_spec(spec, seq)
     if config is not None:

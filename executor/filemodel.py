@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def build_seeded(plan, seed: int):
     """The file model's BuiltModel on the CPU, its weights those `torch.manual_seed(seed)` gives."""
     import torch
 
-    from planner.models import build_model
+    from meshplan.planner.models.registry import build_model
 
     torch.manual_seed(seed)
     return build_model(plan.model.spec, plan.model.seq, device="cpu")
@@ -114,7 +114,7 @@ def training_fns(built):
     own inputs and `loss_fn`; for a Hugging Face model (tokens, next-token targets)."""
     if not is_hf(built):
         return (lambda module, micro: module(*micro)), built.loss_fn
-    from planner.models.transformer import lm_loss
+    from meshplan.planner.models.transformer import lm_loss
 
     return (lambda module, micro: built.forward_fn(module, micro[:1])), (lambda logits, micro: lm_loss(logits, micro[1]))
 
@@ -130,7 +130,7 @@ def _layer_parts(built) -> dict:
 def apply_file_recompute(plan, built) -> None:
     """Checkpoint each planned layer that asks for it; layers are the module's top-level children
     (Hugging Face: the embedding, each decoder layer, the head's modules)."""
-    from executor.parallelize import apply_recompute
+    from meshplan.executor.parallel.apply import apply_recompute
 
     layers = _layer_parts(built)
     for layer in plan.layers:

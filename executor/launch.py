@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError
 
 TAIL_LINES = 400
 KILL_GRACE_S = 5.0
@@ -47,7 +47,7 @@ def free_port() -> int:
 def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], port: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", "-m", "executor.worker", *worker_args]
+            "--monitor-interval=0.5", "-m", "meshplan.executor.worker", *worker_args]
 
 
 def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts: int = 0,
@@ -125,7 +125,7 @@ def _kill_leftover_workers(run_dir: Path) -> None:
         try:
             pid = int(json.loads(beat.read_text())["pid"])
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                is_worker = b"executor.worker" in cmdline.read()
+                is_worker = b"meshplan.executor.worker" in cmdline.read()
         except (OSError, ValueError, KeyError):
             continue  # no such process (or no /proc): nothing left to stop
         if is_worker:

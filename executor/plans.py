@@ -1,8 +1,8 @@
 """Hand-written plans: a uniform `Plan` for a mesh, without the solver (tests, benchmarks, notebooks)."""
 from __future__ import annotations
 
-from planner.config import ParallelConfig
-from planner.plan import LayerAssignment, ModelRef, Plan
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
 
 
 def uniform_plan(spec: str, seq: int, global_batch: int, cluster, *, tp: int = 1, pp: int = 1, dp: int = 1,
@@ -10,7 +10,7 @@ def uniform_plan(spec: str, seq: int, global_batch: int, cluster, *, tp: int = 1
                  recompute: str = "none", sp: bool = False, precision: str = "fp32", seed: int = 0) -> Plan:
     """Layers cut into pp * virtual_stages contiguous chunks of near-equal size (earlier chunks
     take the remainder), every layer with the same recomputation."""
-    from planner.models import build_model
+    from meshplan.planner.models.registry import build_model
 
     config = ParallelConfig(gpus=tp * pp * dp, global_batch=global_batch, tp=tp, pp=pp, dp=dp,
                             microbatch_size=microbatch_size, zero=zero, recompute=recompute, sp=sp,

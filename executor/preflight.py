@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from planner.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError
 
 # DCP stores fp32 weights and AdamW's two fp32 moments (both precisions keep fp32 masters).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
@@ -64,7 +64,7 @@ def check_checkpoint_dir(directory: str | Path, one_checkpoint_bytes: int, num_s
 
 def count_parameters(spec: str, seq: int) -> int:
     """Parameters of the whole model (a tied embedding counted once), built on the meta device."""
-    from planner.models import build_model
+    from meshplan.planner.models.registry import build_model
 
     module = build_model(spec, seq, device="meta").module
     return sum(param.numel() for param in module.parameters())

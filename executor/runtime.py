@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor.parallelize import (apply_dp, apply_recompute, apply_tp, dp_method, materialize,
+from meshplan.executor.parallel.apply import (apply_dp, apply_recompute, apply_tp, dp_method, materialize,
                                   split_stages)
-from planner.plan import Plan
+from meshplan.planner.contracts.plan import Plan
 
 TIED_NAMES = ("embed.tok.weight", "head.proj.weight")
 
@@ -97,7 +97,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     """Build this rank's part of `plan` from the meta device up, weights from `seed`; collective."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from planner.models import build_model
+    from meshplan.planner.models.registry import build_model
 
     cfg = plan.config
     mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -136,7 +136,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
 
 def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh) -> Runtime:
     """A file or HF model whole on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
-    from executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded, training_fns
+    from meshplan.executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded, training_fns
 
     cfg = plan.config
     built = build_seeded(plan, seed)
@@ -298,7 +298,7 @@ def _pipeline_forward_backward(runtime: Runtime, inputs, targets):
 
 def _forward_backward(runtime: Runtime, inputs, targets):
     """Gradient accumulation over the plan's micro-batches (no pipeline)."""
-    from planner.models.transformer import lm_loss
+    from meshplan.planner.models.transformer import lm_loss
 
     module = runtime.modules[0]
     num_microbatches = runtime.plan.config.num_microbatches

@@ -72,10 +72,10 @@ def run_job(job: Job, device) -> None:
     """Train one job on the already initialised default process group (collective)."""
     import torch.distributed as dist
 
-    from executor.checkpoint import load_checkpoint, newest_complete
-    from executor.runtime import Hyperparameters, build_runtime
-    from executor.validate import check_plan_runnable
-    from planner.plan import load_plan
+    from meshplan.executor.checkpoint import load_checkpoint, newest_complete
+    from meshplan.executor.runtime import Hyperparameters, build_runtime
+    from meshplan.executor.checks import check_plan_runnable
+    from meshplan.planner.contracts.plan import load_plan
 
     plan = load_plan(job.plan_path)
     check_plan_runnable(plan, dist.get_world_size())
@@ -103,7 +103,7 @@ class NonFiniteLoss(RuntimeError):
 
 
 def _non_finite(job: Job, step: int, loss_value: float, grad_norm: float, num_good: int) -> str:
-    from executor.checkpoint import newest_complete
+    from meshplan.executor.checkpoint import newest_complete
 
     newest = newest_complete(job.checkpoint_dir) if job.checkpoint_every else None
     kept = f"the last good checkpoint is {newest[1]}" if newest else "no checkpoint was saved"
@@ -118,9 +118,9 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
     import torch
     import torch.distributed as dist
 
-    from executor import faults
-    from executor.checkpoint import save_checkpoint
-    from executor.runtime import train_step
+    from meshplan.executor import faults
+    from meshplan.executor.checkpoint import save_checkpoint
+    from meshplan.executor.runtime import train_step
 
     device, rank = runtime.device, dist.get_rank()
     # Live-tensor tracking slows its step, so it runs on the second step of the attempt (a
@@ -158,7 +158,7 @@ def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_sourc
                        stopped: str = "") -> None:
     import torch.distributed as dist
 
-    from executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
+    from meshplan.executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
 
     plan, cfg = runtime.plan, runtime.plan.config
     losses, times = [h[0] for h in history], [h[1] for h in history]
@@ -181,12 +181,12 @@ def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_sourc
 def _data_source(job: Job, plan, seed: int):
     """Token batches for the zoo and HF models; synthetic batches shaped like the example inputs
     for file models."""
-    from executor.data import make_source, token_vocab
+    from meshplan.executor.data import make_source, token_vocab
 
     vocab = token_vocab(plan.model.spec, plan.model.seq)
     if vocab is not None:
         return make_source(job.data, vocab, plan.model.seq, seed)
-    from executor import filemodel
+    from meshplan.executor import filemodel
 
     filemodel.check_file_data(job.data)
     return filemodel.data_source(filemodel.build_seeded(plan, seed), seed)
@@ -194,7 +194,7 @@ def _data_source(job: Job, plan, seed: int):
 
 def _replica_batch(runtime, source, step: int):
     """This replica's (inputs, targets) of the step's global batch (file models: (inputs tuple, None))."""
-    from executor import data, filemodel
+    from meshplan.executor import data, filemodel
 
     cfg = runtime.plan.config
     if isinstance(source, filemodel.FileDataSource):
@@ -206,8 +206,8 @@ def _replica_batch(runtime, source, step: int):
 
 def _tracked_step(runtime, step, total_steps, inputs, targets, hp):
     """One step under MemTracker: the peak of live tensor bytes on this rank (CPU has no allocator stats)."""
-    from executor.memory import StepMemTracker
-    from executor.runtime import train_step
+    from meshplan.executor.memory import StepMemTracker
+    from meshplan.executor.runtime import train_step
 
     tracker = StepMemTracker()
     tracker.track_external(*runtime.stages, *runtime.optimizers)

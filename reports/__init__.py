@@ -1,6 +1,6 @@
 """meshplan reports: one self-contained HTML file per plan (plotly.js inlined once, opens offline).
 
-    from reports import write_report
+    from meshplan.reports import write_report
     write_report("plan.json", measurements=["measured.json"], out="report.html")
 
 `plan` is a `Plan` or a path; `measurements` are `Measurement`s or paths to `meshplan train`
@@ -15,7 +15,7 @@ from typing import Sequence
 
 def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None) -> str:
     """The report's HTML text."""
-    from reports.build import build_report as _build
+    from meshplan.reports.build import build_report as _build
 
     return _build(plan, measurements, trace, title)
 

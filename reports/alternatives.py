@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from reports import figures
-from reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
+from meshplan.reports import figures
+from meshplan.reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
 
 _REASON_KEYS = ("why_not", "reason", "why")
 

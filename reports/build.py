@@ -4,14 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from planner.errors import MeshplanError
-from planner.plan import Plan, load_plan
-from reports.alternatives import alternatives_section
-from reports.compare import Measurement, check_measurements, compare, load_measurement
-from reports.html import page
-from reports.measured import measured_section
-from reports.sections import breakdown_section, layers_section, memory_section, summary_section, timeline_section
-from reports.timeline import load_trace, simulate_timeline, with_idle
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.plan import Plan, load_plan
+from meshplan.reports.alternatives import alternatives_section
+from meshplan.reports.compare import Measurement, check_measurements, compare, load_measurement
+from meshplan.reports.html import page
+from meshplan.reports.measured import measured_section
+from meshplan.reports.sections import breakdown_section, layers_section, memory_section, summary_section, timeline_section
+from meshplan.reports.timeline import load_trace, simulate_timeline, with_idle
 
 
 def _as_plan(plan) -> tuple[Plan, str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from planner.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError
 
 # Above this relative error of the median step time (or of a rank's peak memory) the report
 # flags the prediction as off (the acceptance threshold).
@@ -103,7 +103,7 @@ def measurement_from_json(data: dict[str, Any], source: str) -> Measurement:
 
 
 def load_measurement(path: str | Path) -> Measurement:
-    from planner.jsonfile import read_json_file
+    from meshplan.planner.contracts.jsonfile import read_json_file
 
     path = Path(path)
     data = read_json_file(path, "measured", f"write one with `meshplan train --out {path}`")

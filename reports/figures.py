@@ -9,7 +9,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from reports.html import bytes_unit, esc
+from meshplan.reports.html import bytes_unit, esc
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 # Model states (blues) vs residual states (oranges), as in the ZeRO paper's vocabulary.

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from reports import figures
-from reports.compare import Comparison, Measurement
-from reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
+from meshplan.reports import figures
+from meshplan.reports.compare import Comparison, Measurement
+from meshplan.reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
 
 
 def _error_cell(fraction: float, flagged: bool) -> Cell:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from reports import figures
-from reports.html import (Cell, Section, esc, figure_div, fmt_bytes, fmt_ms, fmt_pct, key_values, paragraph,
+from meshplan.reports import figures
+from meshplan.reports.html import (Cell, Section, esc, figure_div, fmt_bytes, fmt_ms, fmt_pct, key_values, paragraph,
                           table)
-from reports.timeline import idle_fraction_per_rank
+from meshplan.reports.timeline import idle_fraction_per_rank
 
 # The mixed-precision recipes (ZeRO paper, Rajbhandari et al. 2020, section 3.1): bytes per
 # parameter for (parameters, gradients, optimizer states) before any ZeRO sharding.
@@ -100,7 +100,7 @@ def layers_section(plan) -> Section:
 
 def _states_bytes_per_param(config) -> tuple[dict[str, float], dict[str, float]]:
     """Model-state bytes per parameter of a stage: (as the executor allocates, as the ZeRO paper counts)."""
-    from planner.state_memory import executor_state_bytes, paper_state_bytes
+    from meshplan.planner.costing.state_memory import executor_state_bytes, paper_state_bytes
 
     return (executor_state_bytes(1.0, config.dp, config.zero, config.precision, config.tp, config.pp),
             paper_state_bytes(1.0, config.dp, config.zero, config.precision))

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from planner.errors import MeshplanError
-from planner.prediction import INTERVAL_KINDS, Interval
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.prediction import INTERVAL_KINDS, Interval
 
 _US = 1e-6
 _GIB = 2**30  # the simulator's memory counter is in GiB
@@ -111,7 +111,7 @@ def simulate_timeline(plan):
     """Re-play the plan in the simulator; returns its Prediction (with timeline) or None if the
     simulator is not installed in this build."""
     try:
-        from planner.simulate import simulate
+        from meshplan.planner.simulation.simulator import simulate
     except ImportError:
         return None
     return simulate(plan, timeline=True)

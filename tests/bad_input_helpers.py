@@ -8,7 +8,7 @@ import tomllib
 import pytest
 from hypothesis import HealthCheck, settings
 
-from planner.hardware import PROFILES_DIR
+from meshplan.planner.costing.hardware import PROFILES_DIR
 
 SMALL = "gpt:layers=2,hidden=64,heads=4,vocab=128"
 SEQ = 32

@@ -15,7 +15,7 @@ os.environ["MESHPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshplan-test-cache-
 @pytest.fixture
 def run_cli(capsys):
     """run_cli(*argv) -> (exit_code, stdout, stderr), through the CLI's entry function."""
-    from planner.cli import main
+    from meshplan.cli import main
 
     def _run(*argv: str):
         code = main([str(a) for a in argv])
@@ -28,8 +28,8 @@ def run_cli(capsys):
 @pytest.fixture
 def no_launch(monkeypatch):
     """Replace the torchrun launch by a stub that records the call and stops there (exit 2)."""
-    import executor.launch
-    from planner.errors import MeshplanError
+    from meshplan.executor import launch
+    from meshplan.planner.contracts.errors import MeshplanError
 
     calls = []
 
@@ -37,6 +37,6 @@ def no_launch(monkeypatch):
         calls.append(nproc)
         raise MeshplanError("stopped at the launch by the test stub")
 
-    monkeypatch.setattr(executor.launch, "launch_jobs", stub)
+    monkeypatch.setattr(launch, "launch_jobs", stub)
     return calls
 

@@ -1,10 +1,10 @@
 """Synthetic plans, predictions and measured runs for the report tests (no profiler or solver)."""
 from __future__ import annotations
 
-from planner.config import ParallelConfig
-from planner.hardware import ClusterProfile, DeviceProfile, LinkProfile
-from planner.plan import LayerAssignment, ModelRef, Plan
-from planner.prediction import Interval
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.cluster import ClusterProfile, DeviceProfile, LinkProfile
+from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
+from meshplan.planner.contracts.prediction import Interval
 
 GIB = 1024**3
 

@@ -1,7 +1,7 @@
 """Bad input to every command: exit 0 or exit 2 with one line on stderr, never a traceback or exit 1.
 
 Property tests (hypothesis) generate cluster TOML files, parametric model specs and command-line
-values, valid and broken, and run the commands in-process through `planner.cli.main` (a
+values, valid and broken, and run the commands in-process through `meshplan.cli.main` (a
 subprocess per example would cost seconds). Where a generated input is broken by construction
 (a required field deleted, a bandwidth set to zero, heads not dividing hidden) the test also
 demands exit 2 and a message naming the problem; where it is valid by construction, exit 0.
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.hardware import PROFILES_DIR
-from planner.models import known_models
+from meshplan.planner.costing.hardware import PROFILES_DIR
+from meshplan.planner.models.registry import known_models
 from tests.bad_input_helpers import SEQ, SMALL, assert_clean, base_cluster, fast, private_cache, toml_text  # noqa: F401
 
 

@@ -24,7 +24,7 @@ from tests.bad_input_helpers import SEQ, SMALL, assert_clean, base_cluster, fast
 @pytest.fixture(scope="module")
 def base_plan(tmp_path_factory, private_cache) -> dict:
     """A real plan from `meshplan plan` for two processes, pp=2 (pins keep the search short)."""
-    from planner.cli import main
+    from meshplan.cli import main
 
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     code = main(["plan", "--model", SMALL, "--seq", str(SEQ), "--cluster", "cpu", "--gpus", "2", "--gbs", "4",
@@ -213,8 +213,8 @@ def test_outputs_under_a_file_or_onto_a_directory_exit_2(run_cli, tmp_path, base
 @pytest.mark.timeout(120)
 def test_a_torchrun_world_size_other_than_the_plans_is_refused_by_the_workers(tmp_path, base_plan):
     """Launched by hand with the wrong process count, every worker refuses the plan before training."""
-    from executor.launch import TrainingFailed, launch_jobs
-    from executor.worker import Job
+    from meshplan.executor.launch import TrainingFailed, launch_jobs
+    from meshplan.executor.worker import Job
 
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(json.dumps(base_plan))

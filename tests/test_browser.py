@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reports import write_report
+from meshplan.reports import write_report
 from tests.report_fixtures import gpipe_intervals, make_plan, measured
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -6,10 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from planner.calibrate import build_profile, fit_alpha_beta, fit_elementwise_traffic, fit_matmul
-from planner.comm import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
-from planner.cost import compute_time_s
-from planner.hardware import LinkProfile, load_cluster
+from meshplan.planner.calibration.fits import fit_alpha_beta, fit_elementwise_traffic, fit_matmul
+from meshplan.planner.calibration.runner import build_profile
+from meshplan.planner.costing.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
+from meshplan.planner.costing.layer_costs import compute_time_s
+from meshplan.planner.contracts.cluster import LinkProfile
+from meshplan.planner.costing.hardware import load_cluster
 
 
 def test_matmul_fit_recovers_the_cost_models_efficiency_curve():
@@ -102,7 +104,8 @@ def test_calibrate_refuses_bad_requests(run_cli, tmp_path):
 
 
 def test_optimizer_fit_recovers_per_tensor_and_per_parameter_costs():
-    from planner.calibrate_fixed import OPTIMIZER_SETS, fit_optimizer
+    from meshplan.planner.calibration.fits import fit_optimizer
+    from meshplan.planner.calibration.microbench import OPTIMIZER_SETS
 
     per_tensor_s, per_param_s = 1.3e-4, 4e-9
     samples = [(count, count * numel, count * per_tensor_s + count * numel * per_param_s)
@@ -113,7 +116,7 @@ def test_optimizer_fit_recovers_per_tensor_and_per_parameter_costs():
 
 
 def test_block_and_pipeline_overhead_fits_remove_the_alpha_beta_cost():
-    from planner.calibrate_fixed import fit_block_overheads, fit_pipeline_action
+    from meshplan.planner.calibration.fits import fit_block_overheads, fit_pipeline_action
 
     link = LinkProfile(bw_bytes_per_s=2e9, latency_s=1e-4)
     seq, hidden, params = 8.0, 64.0, 5e4
@@ -172,14 +175,14 @@ def test_build_profile_carries_the_fixed_costs_and_the_core_share():
 
 
 def test_model_update_fit_falls_back_when_all_of_it_is_per_tensor():
-    from planner.calibrate_fixed import fit_model_update
+    from meshplan.planner.calibration.fits import fit_model_update
 
     assert fit_model_update(1e-4, (10, 1e6, 10 * 1e-4 + 1e6 * 3e-9), 1e-9) == pytest.approx(3e-9, rel=1e-9)
     assert fit_model_update(1e-4, (10, 1e6, 5e-4), 1e-9) == 1e-9  # faster than its tensors' fixed cost
 
 
 def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
-    from planner.calibrate_fixed import fit_sp_and_loss, fit_tp_overheads
+    from meshplan.planner.calibration.fits import fit_sp_and_loss, fit_tp_overheads
 
     link = LinkProfile(bw_bytes_per_s=2e9, latency_s=1e-4)
     fixed_s, per_byte_s, sp_s, loss_s = 3e-3, 5e-9, 1.5e-3, 9e-3
@@ -209,11 +212,12 @@ def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
 @pytest.mark.parametrize("batch,seq", [(1, 128), (4, 128), (1, 256)])
 def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
     """The elementwise factor is fitted against `block_time_s`; it must price the calibration
-    block exactly as `planner.cost` prices that profiled block in a plan (same GEMM split,
+    block exactly as `planner.costing.layer_costs` prices that profiled block in a plan (same GEMM split,
     launches and traffic), or a fitted factor would not transfer to predictions."""
-    from planner.calibrate import _block_figures, TRAFFIC_SHAPES, _probe, block_time_s
-    from planner.cost import Strategy, layer_cost
-    from planner.profile import profile
+    from meshplan.planner.calibration.fits import block_time_s, probe_profile as _probe
+    from meshplan.planner.calibration.runner import TRAFFIC_SHAPES, _block_figures
+    from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+    from meshplan.planner.profiling.profiler import profile
 
     cluster = load_cluster("cpu")
     figures = dict(zip(TRAFFIC_SHAPES, _block_figures(cuda=False)))
@@ -227,7 +231,7 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
 
 def test_pipeline_block_is_costed_from_the_matching_traffic_sample():
     # build_profile costs the measured pipeline's stage with the first traffic sample's figures
-    from planner.calibrate import TRAFFIC_SHAPES
-    from planner.calibrate_fixed import PIPELINE_BLOCK_SEQ
+    from meshplan.planner.calibration.runner import TRAFFIC_SHAPES
+    from meshplan.planner.calibration.microbench import PIPELINE_BLOCK_SEQ
 
     assert TRAFFIC_SHAPES[0] == (1, PIPELINE_BLOCK_SEQ)

@@ -3,9 +3,10 @@ import math
 
 import pytest
 
-from planner.comm import (all_gather_time_s, all_reduce_time_s, broadcast_time_s, collective_time_s,
+from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, broadcast_time_s, collective_time_s,
                           reduce_scatter_time_s, send_recv_time_s)
-from planner.hardware import LinkProfile, load_cluster
+from meshplan.planner.contracts.cluster import LinkProfile
+from meshplan.planner.costing.hardware import load_cluster
 
 LINK = LinkProfile(bw_bytes_per_s=100e9, latency_s=5e-6, efficiency=0.8)
 BW = 100e9 * 0.8

@@ -4,12 +4,12 @@ import itertools
 
 import pytest
 
-from planner.comm import all_reduce_time_s, all_gather_time_s, reduce_scatter_time_s
-from planner.cost import (Strategy, StageTimes, balanced_layer_chunks, compute_time_s, layer_cost,
+from meshplan.planner.costing.collectives import all_reduce_time_s, all_gather_time_s, reduce_scatter_time_s
+from meshplan.planner.costing.layer_costs import (Strategy, StageTimes, balanced_layer_chunks, compute_time_s, layer_cost,
                           model_state_bytes, p2p_time_s, pipeline_closed_form)
-from planner.config import ParallelConfig
-from planner.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
-from planner.hardware import load_cluster
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
+from meshplan.planner.costing.hardware import load_cluster
 
 
 def gpt_layers(num_layers, hidden, heads, vocab, seq, attention="math"):
@@ -61,7 +61,7 @@ def test_zero_accounting_through_layer_cost_and_tp():
 
 @pytest.mark.parametrize("dp", [2, 8])
 def test_executor_realisation_of_each_zero_stage(dp):
-    """What DDP / FSDP2 allocate (planner.state_memory): fp32 sharded masters and gradients, a
+    """What DDP / FSDP2 allocate (planner.costing.state_memory): fp32 sharded masters and gradients, a
     bf16 unsharded compute copy while parameters stay gathered, ZeRO-1's full fp32 accumulation."""
     psi = 1e9
     expected = {  # (zero, tp, pp): (params, grads, optimizer) bytes per parameter
@@ -167,8 +167,8 @@ def test_dp_communication_per_zero_stage():
     assert costs[3].zero3_gather_s == pytest.approx(all_gather_time_s(grads, dp, link))
     assert costs[3].buffer_bytes >= grads  # the gathered layer lives during its pass
     # ZeRO-1 shards the optimizer's bytes; the TP norms' per-step gradient all-reduces are not
-    # sharded (planner.fixed_costs), and this profile has no per-tensor optimizer cost
-    from planner.fixed_costs import tp_norm_grad_sync_s
+    # sharded (planner.costing.fixed_costs), and this profile has no per-tensor optimizer cost
+    from meshplan.planner.costing.fixed_costs import tp_norm_grad_sync_s
 
     norm_sync_s = tp_norm_grad_sync_s(block, graph.info, tp, A100)
     assert A100.device.optimizer_per_tensor_s == A100.device.dtensor_optimizer_per_tensor_s == 0
@@ -252,7 +252,7 @@ def test_bad_strategy_is_rejected():
 def test_profiled_gpt_block_against_korthikanti(tmp_path, monkeypatch):
     """The real profiler's GPT block (flash attention, no dropout) against Korthikanti et al."""
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
-    from planner.profile import profile
+    from meshplan.planner.profiling.profiler import profile
 
     s, h, a, b = 1024, 512, 8, 2
     graph = profile(f"gpt:layers=2,hidden={h},heads={a},vocab=4096", s, dtype="bf16", attention="flash")
@@ -287,9 +287,9 @@ def _with_fixed_costs(cluster, **fields):
 @pytest.mark.parametrize("spec", ["gpt:layers=3,hidden=64,heads=4,vocab=512",
                                   "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=512"])
 def test_parameter_tensor_count_matches_the_built_model(spec):
-    from planner.fixed_costs import num_param_tensors
-    from planner.models import build_model
-    from planner.profile import profile
+    from meshplan.planner.costing.fixed_costs import num_param_tensors
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.profiling.profiler import profile
 
     graph = profile(spec, 32, dtype="fp32")
     built = build_model(spec, 32, device="meta").module
@@ -336,8 +336,8 @@ def test_fixed_costs_are_charged_where_the_executor_incurs_them():
 
 @pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("gpipe", 6)])
 def test_pipeline_action_overhead_lengthens_the_critical_path(schedule, m):
-    from planner.fixed_costs import grad_norm_all_reduce_s
-    from planner.simulate import simulate_config
+    from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s
+    from meshplan.planner.simulation.simulator import simulate_config
 
     graph = gpt_layers(4, 256, 4, 4096, 128)
     config = ParallelConfig(gpus=2, pp=2, global_batch=m, microbatch_size=1, schedule=schedule, precision="fp32")

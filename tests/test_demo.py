@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planner.demo import DemoConfig, DemoResult, run_demo, run_large_plan
-from planner.errors import MeshplanError
+from meshplan.demo import DemoConfig, DemoResult, run_demo, run_large_plan
+from meshplan.planner.contracts.errors import MeshplanError
 
 
 def test_demo_runs_the_loop_in_order_and_names_the_failing_step(tmp_path):
@@ -41,7 +41,7 @@ def test_large_plan_half_writes_a_real_report(tmp_path):
     config = DemoConfig(out_dir=tmp_path, large_model="gpt:layers=4,hidden=256,heads=4,vocab=4096",
                         large_gpus=8, large_global_batch=16, large_seq=128)
     result = DemoResult()
-    from planner.cli import main
+    from meshplan.cli import main
 
     report = run_large_plan(config, cli_main=main,
                             result=result, say=lambda _: None)

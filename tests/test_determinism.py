@@ -50,7 +50,7 @@ FILE_MODEL = textwrap.dedent("""
 
 def run_fresh_process(argv_list: list[list[str]], cache_dir: Path) -> list[str]:
     """stdout of each `meshplan` argv, run in one new interpreter (another hash seed, empty cache)."""
-    script = ("import contextlib, io, json, sys\nfrom planner.cli import main\nouts = []\n"
+    script = ("import contextlib, io, json, sys\nfrom meshplan.cli import main\nouts = []\n"
               "for argv in json.loads(sys.argv[1]):\n    buf = io.StringIO()\n"
               "    with contextlib.redirect_stdout(buf):\n        assert main(argv) == 0, argv\n"
               "    outs.append(buf.getvalue())\nprint(json.dumps(outs))\n")
@@ -145,12 +145,12 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     layouts are compared with a single-process reference in test_executor_parity.py, and a
     resumed run with a clean one in test_executor_train.py.
     """
-    from executor.launch import launch_jobs
-    from executor.measure import load_measurement
-    from executor.plans import uniform_plan
-    from executor.worker import Job
-    from planner.hardware import load_cluster
-    from planner.plan import save_plan
+    from meshplan.executor.launch import launch_jobs
+    from meshplan.executor.measure import load_measurement
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.executor.worker import Job
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.contracts.plan import save_plan
 
     plan = uniform_plan("gpt:layers=2,hidden=32,heads=2,vocab=256", 16, 2, load_cluster("cpu"), seed=3)
     save_plan(plan, tmp_path / "plan.json")

@@ -5,11 +5,11 @@ from dataclasses import replace
 
 import pytest
 
-from planner.config import ParallelConfig
-from planner.estimate import (closed_form_prediction, default_precision, make_config, microbatches_in_flight,
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.simulation.estimator import (closed_form_prediction, default_precision, make_config, microbatches_in_flight,
                               predict)
-from planner.graph import ModelGraph
-from planner.hardware import load_cluster
+from meshplan.planner.contracts.graph import ModelGraph
+from meshplan.planner.costing.hardware import load_cluster
 from test_cost import gpt_layers
 
 A100 = load_cluster("a100-80g")
@@ -137,7 +137,7 @@ def test_executable_fast_exit_keeps_output_and_exit_codes(tmp_path):
     import sys
 
     env = {**os.environ, "MESHPLAN_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "planner.cli", "estimate", "--model", TINY, "--cluster", "a100-80g",
+    base = [sys.executable, "-m", "meshplan.cli", "estimate", "--model", TINY, "--cluster", "a100-80g",
             "--gbs", "8", "--seq", "64", "--tp", "1", "--pp", "1"]
     good = subprocess.run([*base, "--gpus", "2", "--json"], env=env, capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr

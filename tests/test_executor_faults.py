@@ -15,12 +15,12 @@ import pytest
 
 from tests.process_helpers import process_alive
 
-from executor import train
-from executor.launch import TrainingFailed
-from executor.plans import uniform_plan
-from planner.errors import MeshplanError
-from planner.hardware import load_cluster
-from planner.plan import save_plan
+from meshplan.executor import train
+from meshplan.executor.launch import TrainingFailed
+from meshplan.executor.plans import uniform_plan
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.contracts.plan import save_plan
 
 # Tiny, so each launch costs little more than starting two processes.
 SPEC = "gpt:layers=2,hidden=32,heads=2,vocab=256"
@@ -150,8 +150,8 @@ def test_train_refuses_bad_requests_before_launch(plan_path, run_cli, no_launch,
 
 def test_train_refuses_a_checkpoint_dir_without_room_for_one_checkpoint(plan_path, run_cli, no_launch, tmp_path,
                                                                         monkeypatch):
-    import executor.preflight as preflight
-    from planner.models import build_model
+    import meshplan.executor.preflight as preflight
+    from meshplan.planner.models.registry import build_model
 
     module = build_model(SPEC, 16, device="meta").module
     needed = sum(p.numel() for p in module.parameters()) * 12  # fp32 weights + two fp32 AdamW moments
@@ -191,7 +191,7 @@ def _measured(**changes):
     ({"losses": [5.0, math.inf, 3.0]}, "losses must hold finite numbers, found inf"),
 ])
 def test_report_refuses_broken_measured_files(tmp_path, changes, message):
-    from reports.compare import load_measurement
+    from meshplan.reports.compare import load_measurement
 
     (tmp_path / "m.json").write_text(json.dumps(_measured(**changes)))  # NaN/Infinity as Python's json writes them
     with pytest.raises(MeshplanError) as info:
@@ -202,7 +202,7 @@ def test_report_refuses_broken_measured_files(tmp_path, changes, message):
 
 
 def test_hang_description_names_the_ranks_that_recorded_nothing(tmp_path):
-    from executor.launch import describe_hang
+    from meshplan.executor.launch import describe_hang
 
     for rank, step in ((0, 4), (1, 4), (2, 2)):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({"pid": 1, "step": step, "restart": 0}))

@@ -18,12 +18,12 @@ import math
 
 import pytest
 
-from executor.data import DataSource, global_batch
-from executor.launch import launch_jobs
-from executor.plans import uniform_plan
-from executor.runtime import Hyperparameters
-from planner.hardware import load_cluster
-from planner.plan import save_plan
+from meshplan.executor.data import DataSource, global_batch
+from meshplan.executor.launch import launch_jobs
+from meshplan.executor.plans import uniform_plan
+from meshplan.executor.runtime import Hyperparameters
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.contracts.plan import save_plan
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=256"
 LLAMA = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=256"
@@ -77,8 +77,8 @@ def reference_losses(spec: str, tp: int) -> list[float]:
     """Single-process fp32 training of the same model, seed, data and global batch."""
     import torch
 
-    from planner.models import build_model
-    from planner.models.transformer import init_weights, lm_loss
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import init_weights, lm_loss
 
     hp = Hyperparameters(lr=LR)
     model = build_model(spec, SEQ, tp=tp, device="cpu").module  # tp only pads the vocabulary

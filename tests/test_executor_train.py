@@ -11,11 +11,11 @@ import pytest
 
 from tests.process_helpers import process_alive
 
-from executor import train
-from executor.launch import TrainingFailed
-from executor.plans import uniform_plan
-from planner.hardware import load_cluster
-from planner.plan import save_plan
+from meshplan.executor import train
+from meshplan.executor.launch import TrainingFailed
+from meshplan.executor.plans import uniform_plan
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.contracts.plan import save_plan
 
 # Big enough that a step takes a visible fraction of a second on one core, so the test can kill
 # a worker between two steps; small enough to start quickly.
@@ -74,7 +74,7 @@ def _cpu_profile_for(tmp_path, num_processes: int):
     """The cpu profile with enough (virtual) nodes for `num_processes` local processes."""
     from dataclasses import replace
 
-    from planner.hardware import dump_cluster_toml
+    from meshplan.planner.contracts.cluster import dump_cluster_toml
 
     cpu = load_cluster("cpu")
     nodes = -(-num_processes // cpu.gpus_per_node)
@@ -106,7 +106,7 @@ def test_meshplan_plan_then_train(tmp_path, run_cli, num_processes, pins):
     timed = measured["step_times_s"][measured["warmup_steps"]:]
     tokens_per_step = plan["global_batch"] * plan["model"]["seq"]
     assert measured["tokens_per_s"] == pytest.approx(tokens_per_step * len(timed) / sum(timed), rel=1e-9)
-    from planner.plan import load_plan
+    from meshplan.planner.contracts.plan import load_plan
 
     assert measured["plan_digest"] == load_plan(tmp_path / "plan.json").digest
 
@@ -133,7 +133,7 @@ def test_a_killed_rank_is_named_and_no_worker_survives(tmp_path):
 def test_workers_exit_by_themselves_when_the_torchrun_agent_dies(tmp_path):
     import subprocess
 
-    from executor.launch import free_port, torchrun_command
+    from meshplan.executor.launch import free_port, torchrun_command
 
     plan = uniform_plan("gpt:layers=2,hidden=32,heads=2,vocab=256", 16, 4, load_cluster("cpu"), dp=2,
                         microbatch_size=2, seed=1)

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from executor.checkpoint import MARKER, newest_complete
-from executor.data import DataSource, global_batch, make_source, replica_slice
-from executor.launch import LaunchResult, describe_failure
-from executor.measure import Measurement, load_measurement, save_measurement, tokens_per_s
-from executor.parallelize import dp_method
-from executor.plans import uniform_plan
-from executor.runtime import Hyperparameters, lr_at
-from executor.validate import check_plan_runnable
-from planner.errors import MeshplanError
-from planner.hardware import load_cluster
-from planner.plan import ModelRef, save_plan
+from meshplan.executor.checkpoint import MARKER, newest_complete
+from meshplan.executor.data import DataSource, global_batch, make_source, replica_slice
+from meshplan.executor.launch import LaunchResult, describe_failure
+from meshplan.executor.measure import Measurement, load_measurement, save_measurement, tokens_per_s
+from meshplan.executor.parallel.apply import dp_method
+from meshplan.executor.plans import uniform_plan
+from meshplan.executor.runtime import Hyperparameters, lr_at
+from meshplan.executor.checks import check_plan_runnable
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.contracts.plan import ModelRef, save_plan
 
 SPEC = "gpt:layers=4,hidden=64,heads=4,vocab=256"
 
@@ -163,9 +163,9 @@ def test_stages_chain_to_the_full_model_and_recompute_keeps_gradients():
     layers (full and selective) give bitwise the same loss and gradients as plain ones."""
     import torch
 
-    from executor.parallelize import apply_recompute, materialize, split_stages
-    from planner.models import build_model
-    from planner.models.transformer import init_weights, lm_loss
+    from meshplan.executor.parallel.apply import apply_recompute, materialize, split_stages
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import init_weights, lm_loss
 
     reference = build_model(SPEC, 16, device="cpu").module
     init_weights(reference, 7)

@@ -46,7 +46,7 @@ def _write_model(tmp_path, with_loss: bool = True) -> str:
 
 
 def _plan(run_cli, tmp_path, spec: str):
-    from planner.plan import load_plan
+    from meshplan.planner.contracts.plan import load_plan
 
     out = tmp_path / "plan.json"
     # mbs 1: each replica accumulates 2 micro-batches, so accumulation is part of what is compared.
@@ -60,7 +60,7 @@ def _reference_losses(model_path, seed: int) -> list[float]:
     """Single-process training on the whole global batch (one sample per micro-batch)."""
     import torch
 
-    from executor.runtime import Hyperparameters, lr_at
+    from meshplan.executor.runtime import Hyperparameters, lr_at
 
     loaded = importlib.util.spec_from_file_location("reference_mlp", model_path)
     namespace = importlib.util.module_from_spec(loaded)
@@ -110,7 +110,7 @@ def test_killed_file_model_run_resumes_from_its_checkpoint(run_cli, tmp_path, mo
     """Rank 1 dies inside the save of step_4 (after its shards, before COMPLETE); torchrun
     restarts the workers, which load step_2 (model, optimizer, RNG, data position, losses) and
     finish: the losses of all 4 steps equal the single-process reference."""
-    from executor import train
+    from meshplan.executor import train
 
     spec = _write_model(tmp_path)
     plan_path, plan = _plan(run_cli, tmp_path, spec)
@@ -124,9 +124,9 @@ def test_killed_file_model_run_resumes_from_its_checkpoint(run_cli, tmp_path, mo
 
 
 def test_default_search_stays_at_pp1_tp1(tmp_path):
-    from planner.search import enumerate_candidates, Pins
-    from planner.hardware import load_cluster
-    from planner.profile import profile
+    from meshplan.planner.search.driver import enumerate_candidates, Pins
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.profiling.profiler import profile
 
     spec = _write_model(tmp_path)
     graph = profile(spec, 1, batch=1, dtype="fp32")
@@ -144,10 +144,10 @@ def test_pp_pin_refused(run_cli, tmp_path):
 
 
 def test_train_refuses_without_loss_fn_and_with_pp(run_cli, tmp_path):
-    from executor.filemodel import check_file_plan
-    from executor.validate import check_plan_runnable
-    from planner.errors import MeshplanError
-    from planner.models import build_model
+    from meshplan.executor.filemodel import check_file_plan
+    from meshplan.executor.checks import check_plan_runnable
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.models.registry import build_model
 
     spec = _write_model(tmp_path)
     _, plan = _plan(run_cli, tmp_path, spec)

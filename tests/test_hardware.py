@@ -3,8 +3,9 @@ import tomllib
 
 import pytest
 
-from planner.errors import MeshplanError
-from planner.hardware import builtin_profiles, cluster_from_dict, dump_cluster_toml, load_cluster
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.cluster import cluster_from_dict, dump_cluster_toml
+from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
 
 
 def test_shipped_profiles_load_and_round_trip():

@@ -32,10 +32,10 @@ def _config(tmp_path, tied: bool) -> str:
 def _reference_losses(spec: str, seed: int) -> list[float]:
     import torch
 
-    from executor.data import global_batch, make_source
-    from executor.runtime import Hyperparameters, lr_at
-    from planner.models import build_model
-    from planner.models.transformer import lm_loss
+    from meshplan.executor.data import global_batch, make_source
+    from meshplan.executor.runtime import Hyperparameters, lr_at
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import lm_loss
 
     torch.manual_seed(seed)
     built = build_model(spec, SEQ, device="cpu")
@@ -61,8 +61,8 @@ def _reference_losses(spec: str, seed: int) -> list[float]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
 def test_hf_llama_trains_with_ddp_and_fsdp_like_one_process(run_cli, tmp_path):
-    from executor.launch import launch_jobs
-    from planner.plan import load_plan
+    from meshplan.executor.launch import launch_jobs
+    from meshplan.planner.contracts.plan import load_plan
 
     cases = {"ddp": (False, 0), "zero3": (False, 3), "tied-zero2": (True, 2)}
     jobs, plans = [], {}

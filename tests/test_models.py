@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from planner.errors import MeshplanError
-from planner.models import PRESETS, build_for_profile, build_model, default_seq, parse_spec
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.models.registry import PRESETS, build_for_profile, build_model, default_seq, parse_spec
 
 # Published parameter counts (Touvron et al. 2023 / Meta's model cards and params.json; the
 # Llama 3 numbers are the safetensors totals of the released checkpoints).
@@ -103,7 +103,7 @@ def test_bad_specs_raise_meshplan_error(spec, match):
 
 
 def test_importing_the_zoo_specs_does_not_import_torch():
-    code = "import sys, planner.models as m; m.parse_spec('llama3-8b', 8); print('torch' in sys.modules)"
+    code = "import sys, planner.models.registry as m; m.parse_spec('llama3-8b', 8); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

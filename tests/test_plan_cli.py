@@ -22,7 +22,7 @@ def test_table_explanation_and_progress(run_cli):
 
 
 def test_json_prints_only_the_plan_and_out_writes_it(run_cli, tmp_path):
-    from planner.plan import load_plan
+    from meshplan.planner.contracts.plan import load_plan
 
     path = tmp_path / "plan.json"
     code, out, err = run_cli(*BASE, "--json", "--out", path)
@@ -58,7 +58,8 @@ def test_impossible_pins_exit_2(run_cli):
 
 
 def test_infeasible_cluster_exits_2_with_what_would_work(run_cli, tmp_path):
-    from planner.hardware import dump_cluster_toml, load_cluster
+    from meshplan.planner.contracts.cluster import dump_cluster_toml
+    from meshplan.planner.costing.hardware import load_cluster
 
     cluster = load_cluster("a100-80g")
     # 3 MiB usable per GPU: nothing of this 4-layer model fits on 4 GPUs.

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from planner.profile import profile
+from meshplan.planner.profiling.profiler import profile
 
 GPT_SPEC = "gpt:layers=2,hidden=256,heads=4,vocab=1000"
 SEQ, HIDDEN, HEADS = 128, 256, 4
@@ -33,7 +33,7 @@ def test_gpt_block_flops_match_megatron_formula():
 
 
 def _gpt_block_saved_bytes(s: int, h: int, a: int, attention: str, p: int = 2) -> dict[str, int]:
-    """What autograd saves in one GPT block of planner.models.transformer, per sample, in bf16
+    """What autograd saves in one GPT block of planner.models.registry.transformer, per sample, in bf16
     (p = 2 bytes), derived tensor by tensor (no dropout: the zoo has none).
 
     Replicated across TP ranks (outside the column->row region):
@@ -96,7 +96,7 @@ def test_head_holds_fp32_logits_and_tied_weight_is_owned_by_embedding():
 
 
 def test_per_layer_params_sum_to_model_params_and_blocks_repeat():
-    from planner.models import build_model
+    from meshplan.planner.models.registry import build_model
 
     graph = profile(GPT_SPEC, SEQ, cache=False)
     module = build_model(GPT_SPEC, SEQ).module
@@ -301,7 +301,7 @@ def test_hf_llama_config(tmp_path, tied):
 
 
 def test_cache_round_trip_and_corrupt_entry(tmp_path):
-    from planner.profile import _cache_path
+    from meshplan.planner.profiling.profiler import _cache_path
 
     first = profile(GPT_SPEC, 64)
     path = _cache_path(GPT_SPEC, 64, "bf16", "flash")

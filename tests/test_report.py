@@ -7,12 +7,12 @@ import statistics
 
 import pytest
 
-from planner.errors import MeshplanError
-from planner.plan import save_plan
-from reports import build_report, write_report
-from reports.alternatives import candidates, why_lost
-from reports.compare import compare, measurement_from_json
-from reports.timeline import idle_fraction_per_rank, intervals_from_trace, with_idle
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.plan import save_plan
+from meshplan.reports import build_report, write_report
+from meshplan.reports.alternatives import candidates, why_lost
+from meshplan.reports.compare import compare, measurement_from_json
+from meshplan.reports.timeline import idle_fraction_per_rank, intervals_from_trace, with_idle
 from tests.report_fixtures import GIB, gpipe_intervals, make_plan, measured
 
 SECTION_IDS = ("summary", "layers", "memory", "timeline", "breakdown", "alternatives")
@@ -188,9 +188,9 @@ def test_cli_report(tmp_path, run_cli, plan):
 
 
 def test_simulator_chrome_trace_round_trips():
-    from planner.prediction import MemoryBreakdown, Prediction
-    from planner.simulate import chrome_trace
-    from reports.timeline import memory_from_trace
+    from meshplan.planner.contracts.prediction import MemoryBreakdown, Prediction
+    from meshplan.planner.simulation.simulator import chrome_trace
+    from meshplan.reports.timeline import memory_from_trace
 
     intervals = gpipe_intervals(2, 4, 1e-3, 2e-3)
     curve = (((0.0, 1.0 * GIB), (4e-3, 3.0 * GIB)), ((0.0, 2.0 * GIB),))

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from planner.schedules import Action, max_in_flight, rank_actions, schedule_actions
+from meshplan.planner.simulation.schedules import Action, max_in_flight, rank_actions, schedule_actions
 
 # Small cases (p <= 4, m <= 8, v <= 2) that torch 2.13 runs in the recording test below.
 SINGLE_CASES = [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]

@@ -7,10 +7,10 @@ import random
 import networkx as nx
 import pytest
 
-from planner.config import ParallelConfig
-from planner.cost import LayerCost
-from planner.schedules import schedule_actions
-from planner.simulate_step import StepCosts, _pass_end_times, simulate_step
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.costing.layer_costs import LayerCost
+from meshplan.planner.simulation.schedules import schedule_actions
+from meshplan.planner.simulation.engine import StepCosts, _pass_end_times, simulate_step
 
 # Float sums of a few hundred durations: relative error well under 1e-9.
 REL = 1e-9

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from planner.config import ParallelConfig
-from planner.simulate import simulate, simulate_config
-from planner.simulate_step import StepCosts, simulate_step
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.simulation.simulator import simulate, simulate_config
+from meshplan.planner.simulation.engine import StepCosts, simulate_step
 
 # Float sums of a few hundred durations: relative error well under 1e-9.
 REL = 1e-9
@@ -17,7 +17,7 @@ def config(pp, num_mb, dp=1, zero=0) -> ParallelConfig:
 
 def synthetic_graph(num_blocks=8, hidden=1024, seq=512, heads=16, vocab=32000, with_ends=True):
     """A Llama-like layer graph written from the usual formulas (independent of the profiler)."""
-    from planner.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
+    from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
 
     elem = 2  # bf16
     num_params = 4 * hidden * hidden + 3 * hidden * 4 * hidden
@@ -50,7 +50,7 @@ def synthetic_graph(num_blocks=8, hidden=1024, seq=512, heads=16, vocab=32000, w
 
 @pytest.fixture(scope="module")
 def cluster():
-    from planner.hardware import load_cluster
+    from meshplan.planner.costing.hardware import load_cluster
 
     return load_cluster("h100-sxm")
 
@@ -59,8 +59,8 @@ def cluster():
 def test_simulator_agrees_with_closed_form_on_balanced_stages(cluster, schedule, vpp):
     """Identical blocks, equal stages, no DP: the engine and cost.pipeline_closed_form must agree
     (with transfers set to zero, which the closed form charges serially and the simulator overlaps)."""
-    from planner import cost
-    from planner.simulate import step_costs
+    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.simulation.simulator import step_costs
 
     graph = synthetic_graph(num_blocks=16, with_ends=False)
     cfg = ParallelConfig(gpus=32, global_batch=16, tp=8, pp=4, schedule=schedule, virtual_stages=vpp,
@@ -105,8 +105,8 @@ def test_simulate_config_on_a_model(cluster):
 
 
 def _plan_for(graph, cluster, cfg, recompute="none"):
-    from planner import cost
-    from planner.plan import LayerAssignment, ModelRef, Plan
+    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
 
     chunks = cost.balanced_layer_chunks(graph, cluster, cfg)
     layers = tuple(LayerAssignment(name=l.name, stage=c % cfg.pp, virtual_stage=c // cfg.pp, tp=cfg.tp, dp=cfg.dp,
@@ -132,8 +132,8 @@ def plan_file(tmp_path, cluster, monkeypatch):
     """A plan on disk, simulated against the synthetic graph (the profiler is another module)."""
     import functools
 
-    import planner.simulate as simulate_module
-    from planner.plan import save_plan
+    import meshplan.planner.simulation.simulator as simulate_module
+    from meshplan.planner.contracts.plan import save_plan
 
     graph = synthetic_graph()
     cfg = ParallelConfig(gpus=32, global_batch=32, tp=4, pp=4, dp=2, zero=1, sp=True)
@@ -176,11 +176,11 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
     """A real plan for a small GPT on the `cpu` profile: the command profiles the model itself."""
     import json
 
-    pytest.importorskip("planner.profile")
-    from planner import cost
-    from planner.hardware import load_cluster
-    from planner.plan import LayerAssignment, ModelRef, Plan, save_plan
-    from planner.profile import profile
+    pytest.importorskip("meshplan.planner.profiling.profiler")
+    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, save_plan
+    from meshplan.planner.profiling.profiler import profile
 
     spec, seq = "gpt:layers=4,hidden=64,heads=4,vocab=512", 32
     graph = profile(spec, seq, dtype="fp32", attention="math")
@@ -200,7 +200,7 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
 
 
 def test_executor_grad_sync_follows_the_mesh():
-    from planner.simulate import executor_grad_sync
+    from meshplan.planner.simulation.simulator import executor_grad_sync
 
     assert executor_grad_sync(config(2, 4, dp=2)) == "after_chunk"
     assert executor_grad_sync(config(1, 4, dp=2)) == "overlap"

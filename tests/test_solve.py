@@ -2,7 +2,7 @@
 
 Brute force enumerates every contiguous cut of the layers into chunks and every option of every
 layer, and scores each with the objective and memory written out here from the maths (memory
-peaks found by replaying the schedule's actions), independently of `planner.solve`.
+peaks found by replaying the schedule's actions), independently of `planner.search.ilp.formulation`.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import pytest
 
-from planner.cost_tables import CostTable, LayerType, OptionCost
-from planner.errors import MeshplanError
-from planner.schedules import rank_actions
-from planner.solve import PipelineShape, StageProblem, evaluate_assignment, solve_stages
+from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.simulation.schedules import rank_actions
+from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, evaluate_assignment, solve_stages
 
 # HiGHS solves to a relative gap of 1e-6 and its feasibility tolerance is 1e-7 on GiB-scaled
 # rows; the brute force is exact, so objectives must agree to 1e-6 relative.
@@ -188,7 +188,7 @@ def test_compact_formulation_plans_80_blocks_quickly():
 
 
 def test_pins_and_bad_input_raise_meshplan_errors():
-    from planner.search import Pins
+    from meshplan.planner.search.driver import Pins
 
     with pytest.raises(MeshplanError, match="--zero"):
         Pins(zero=5)
@@ -207,13 +207,13 @@ SEQ = 1024
 
 @pytest.fixture(scope="module")
 def small_graph():
-    from planner.profile import profile
+    from meshplan.planner.profiling.profiler import profile
 
     return profile(SPEC, SEQ, batch=1, dtype="bf16", attention="flash")
 
 
 def cluster_with_memory(mem_bytes: float | None = None, name: str = "a100-80g"):
-    from planner.hardware import load_cluster
+    from meshplan.planner.costing.hardware import load_cluster
 
     cluster = load_cluster(name)
     if mem_bytes is None:
@@ -223,7 +223,7 @@ def cluster_with_memory(mem_bytes: float | None = None, name: str = "a100-80g"):
 
 
 def run_plan(graph, cluster, gpus=8, gbs=32, **kwargs):
-    from planner.solve import plan
+    from meshplan import plan
 
     kwargs.setdefault("workers", 1)
     return plan(SPEC, cluster, gpus, gbs, SEQ, graph=graph, **kwargs)
@@ -237,7 +237,7 @@ def test_winner_is_the_best_simulated_of_the_top_k(small_graph):
         assert alt["why_not"]
         assert result.prediction["step_time_s"] <= alt["prediction"]["step_time_s"] or not alt["prediction"]["fits"]
     # The recorded prediction is what simulating the written plan gives.
-    from planner.simulate import simulate
+    from meshplan.planner.simulation.simulator import simulate
 
     again = simulate(result, graph=small_graph, timeline=False)
     assert again.step_time_s == pytest.approx(result.prediction["step_time_s"], rel=1e-9)
@@ -269,7 +269,7 @@ def test_pins_are_respected(small_graph):
 
 
 def test_same_inputs_same_plan(small_graph):
-    from planner.plan_build import WALL_CLOCK_KEYS
+    from meshplan.planner.search.assembly import WALL_CLOCK_KEYS
 
     def strip(plan):
         data = plan.to_json()
@@ -282,7 +282,7 @@ def test_same_inputs_same_plan(small_graph):
 
 
 def test_infeasible_request_says_what_would_work(small_graph):
-    from planner.search import Pins, enumerate_candidates, min_memory_bytes
+    from meshplan.planner.search.driver import Pins, enumerate_candidates, min_memory_bytes
 
     cluster = cluster_with_memory()
     lean_2 = min_memory_bytes(small_graph, cluster, enumerate_candidates(small_graph, cluster, 2, 8), 8,
@@ -301,7 +301,7 @@ def test_infeasible_request_says_what_would_work(small_graph):
 
 
 def test_lower_bound_never_exceeds_the_ilp_objective(small_graph):
-    from planner.search import (Pins, _problems, enumerate_candidates, lower_bound_s, solve_candidates)
+    from meshplan.planner.search.driver import (Pins, _problems, enumerate_candidates, lower_bound_s, solve_candidates)
 
     cluster = cluster_with_memory()
     candidates = enumerate_candidates(small_graph, cluster, 8, 32, Pins(zero=1, sp=False))[::5]
@@ -328,7 +328,7 @@ def test_layerwise_plan_is_marked_not_executable(small_graph):
                                                 ("interleaved", 4, 16, 4), ("interleaved", 8, 8, 4)])
 def test_objective_bubble_is_what_the_simulator_plays(schedule, pp, m, vpp):
     """For balanced stages the ILP's (m - 1/v) T + p T / v equals the simulated schedule exactly."""
-    from planner.solve import pipeline_factor
+    from meshplan.planner.search.ilp.formulation import pipeline_factor
 
     assert pipeline_factor(schedule, pp, m, vpp) == pytest.approx(m + (pp - 1) / vpp, rel=1e-12)
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from planner.errors import MeshplanError
-from planner.graph import ModelInfo
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import ModelInfo
 
 
 def parse_file_spec(spec: str) -> tuple[Path, str]:
@@ -29,7 +29,7 @@ def parse_file_spec(spec: str) -> tuple[Path, str]:
 def build_file_model(spec: str, device: str = "meta", dtype=None):
     import torch
 
-    from planner.models import BuiltModel, LayerGroup
+    from meshplan.planner.models.built import BuiltModel, LayerGroup
 
     path, fn_name = parse_file_spec(spec)
     namespace = _load_file(path)

@@ -11,8 +11,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from planner.errors import MeshplanError
-from planner.graph import ModelInfo, TPSplit
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import ModelInfo, TPSplit
 
 # Megatron column/row Linears of a Llama-style decoder layer, relative to the layer.
 _COLUMN_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -58,7 +58,7 @@ def _make_config(path_text: str, num_layers: int | None = None):
         config = transformers.AutoConfig.for_model(**data)
     except Exception as exc:  # noqa: BLE001 - transformers' own validation errors are not ValueErrors
         raise MeshplanError(f"HF config {path_text!r}: transformers cannot read it: {exc}") from None
-    from planner.models import MAX_PARAMETRIC_LAYERS
+    from meshplan.planner.models.built import MAX_PARAMETRIC_LAYERS
 
     layers = getattr(config, "num_hidden_layers", None)
     if num_layers is None and isinstance(layers, int) and not 1 <= layers <= MAX_PARAMETRIC_LAYERS:
@@ -81,8 +81,8 @@ def build_hf_model(path_text: str, seq: int, device: str = "meta", dtype=None, n
     """The whole model (or its first `num_layers` decoder layers) from the config file."""
     import torch
 
-    from planner.models import BuiltModel, LayerGroup
-    from planner.models.transformer import lm_loss
+    from meshplan.planner.models.built import BuiltModel, LayerGroup
+    from meshplan.planner.models.transformer import lm_loss
 
     config = _make_config(path_text, num_layers)
     try:
@@ -116,7 +116,7 @@ def build_hf_model(path_text: str, seq: int, device: str = "meta", dtype=None, n
 
 def build_hf_for_profile(path_text: str, seq: int, dtype=None):
     """One decoder layer stands for all when the config gives them one type."""
-    from planner.models import ProfileModel
+    from meshplan.planner.models.built import ProfileModel
 
     config = _make_config(path_text)
     if not _uniform_layers(config):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from planner.models.config import TransformerConfig  # noqa: F401  (re-exported: callers import it from here)
+from meshplan.planner.models.config import TransformerConfig  # noqa: F401  (re-exported: callers import it from here)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,1 @@
+"""One module per parallelism technique the executor applies to a model."""

@@ -1,0 +1,103 @@
+"""The `meshplan` command line: argparse front end over the public functions.
+
+Each subcommand lives in `planner/commands/<name>.py` and exposes `add_arguments(parser)` and
+`run(args) -> int`. Modules are imported only for the command that runs, so `--help` stays fast.
+User errors (`MeshplanError`, `ValueError`, missing files) exit with code 2 and one line on stderr;
+anything else is an internal error (exit 1). `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import import_module
+
+COMMANDS = {
+    "profile": "trace a model on the meta device into a per-layer graph of FLOPs and bytes",
+    "estimate": "predict step time and memory of one hand-written parallel configuration",
+    "plan": "search the fastest plan that fits (ILP over layers, simulator re-ranks)",
+    "simulate": "play one training step of a plan event by event",
+    "calibrate": "measure this machine (matmul, memory, collectives) into a cluster profile",
+    "train": "run a plan for real with torch.distributed and measure it",
+    "report": "write a self-contained HTML strategy report",
+    "demo": "the whole loop on this machine: calibrate, profile, plan, train, report",
+}
+# Commands that hold no processes, sockets or temporary files once they return: they leave
+# without the interpreter's teardown of torch's modules, which costs 0.6-0.9 s per command.
+FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan"})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshplan",
+        description="meshplan: how to parallelize a PyTorch model on a cluster, how fast it goes, "
+        "how much memory each GPU needs, and then run it.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        cmd_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                help="show tracebacks for errors")
+        _command_module(name).add_arguments(cmd_parser)
+    return parser
+
+
+def _command_module(name: str):
+    return import_module(f"meshplan.commands.{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code (also used in-process by tests)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage errors exit 2 with one usage line already printed
+        return int(exc.code or 0)
+    if not args.command:
+        parser.print_help()
+        return 2
+    debug = getattr(args, "debug", False)
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    try:
+        return int(_command_module(args.command).run(args) or 0)
+    except (MeshplanError, ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError,
+            PermissionError) as exc:
+        if debug:
+            raise
+        print(f"meshplan {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"meshplan {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an internal error: say so, and how to see more
+        if debug:
+            raise
+        print(f"meshplan {args.command}: internal error ({type(exc).__name__}): {_one_line(exc)}; "
+              "rerun with --debug for the traceback", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) if str(exc) else type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename:
+        text = f"{exc.strerror}: {exc.filename}"
+    return " ".join(text.split())
+
+
+def console_main() -> None:
+    """The `meshplan` executable: `main`, then a fast exit for the analysis commands."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command in FAST_EXIT_COMMANDS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,84 @@
+"""`meshplan estimate`: predict one hand-written configuration (DP = gpus / (tp * pp))."""
+from __future__ import annotations
+
+import json
+
+from meshplan.commands.common import GIB, add_job_arguments
+
+
+def add_arguments(parser) -> None:
+    add_job_arguments(parser)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (inside one node)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
+    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                        help="activation recomputation of the transformer blocks")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule")
+    parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved)")
+    parser.add_argument("--precision", default=None, choices=("bf16-mixed", "fp32"),
+                        help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile)")
+    parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (DESIGN.md keys)")
+
+
+def run(args) -> int:
+    from meshplan.planner.simulation.estimator import estimate
+
+    prediction = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
+                          tp=args.tp, pp=args.pp, mbs=args.mbs, zero=args.zero, recompute=args.recompute,
+                          sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
+                          attention=args.attention)
+    if args.json:
+        print(json.dumps(prediction.to_json()))
+        return 0
+    from meshplan.planner.costing.hardware import load_cluster
+
+    print(format_prediction(prediction, args, load_cluster(args.cluster).device.usable_memory_bytes))
+    return 0
+
+
+def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
+    """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
+    step = prediction.step_time_s
+    dp = args.gpus // (args.tp * args.pp)
+    lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp} mbs={args.mbs} "
+             f"zero={args.zero} recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
+             + (f" vpp={args.vpp}" if args.schedule == "interleaved" else ""),
+             "", f"step time        {step * 1e3:10.1f} ms"]
+    for kind, seconds in prediction.breakdown.items():
+        if seconds > 0:
+            lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
+    lines += ["", f"tokens/s         {prediction.tokens_per_s:12,.0f}",
+              f"model TFLOP/s    {prediction.model_tflops_per_gpu:10.1f} per GPU",
+              f"hw TFLOP/s       {prediction.hw_tflops_per_gpu:10.1f} per GPU",
+              f"MFU              {prediction.mfu:10.1%}", f"bubble           {prediction.bubble_fraction:10.1%}",
+              "", "memory per rank (GiB)",
+              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"]
+    for rank in _ranks_to_show(prediction):
+        if rank is None:
+            lines.append(f"  {'...':>5}")
+            continue
+        mem = prediction.memory[rank]
+        lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
+                     f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}")
+    verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
+    lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
+              f"GiB usable   fits: {verdict}"]
+    return "\n".join(lines)
+
+
+def _ranks_to_show(prediction, limit: int = 8) -> list:
+    """Every pipeline rank when few; else the first two, the largest, the last two (None = gap)."""
+    count = len(prediction.memory)
+    if count <= limit:
+        return list(range(count))
+    largest = max(range(count), key=lambda r: prediction.memory[r].total)
+    shown = sorted({0, 1, largest, count - 2, count - 1})
+    out: list = []
+    for rank in shown:
+        if out and rank != out[-1] + 1:
+            out.append(None)
+        out.append(rank)
+    return out

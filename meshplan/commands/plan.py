@@ -1,0 +1,112 @@
+"""`meshplan plan`: search the fastest plan that fits, print the top candidates and why the winner wins."""
+from __future__ import annotations
+
+import json
+
+from meshplan.commands.common import GIB, add_job_arguments
+
+
+def add_arguments(parser) -> None:
+    add_job_arguments(parser)
+    parser.add_argument("--out", default=None, help="write the plan JSON here (e.g. plan.json)")
+    parser.add_argument("--top", type=int, default=5, help="how many candidates to show and keep (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the plan JSON only")
+    pins = parser.add_argument_group("pins (fix a choice; everything else is searched)")
+    pins.add_argument("--tp", type=int, default=None, help="tensor-parallel degree")
+    pins.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
+    pins.add_argument("--dp", type=int, default=None, help="data-parallel degree")
+    pins.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
+    pins.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
+                      help="recomputation of every transformer block")
+    pins.add_argument("--sp", action="store_true", default=None, help="sequence parallelism on")
+    pins.add_argument("--schedule", default=None, choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule")
+    pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved)")
+    pins.add_argument("--mbs", type=int, default=None, help="micro-batch size")
+    parser.add_argument("--train-tokens", type=float, default=None,
+                        help="also print time to train on this many tokens and the GPU-hours")
+    parser.add_argument("--layerwise", action="store_true",
+                        help="per-layer tp/dp inside a stage (analysis only: the plan is marked not executable)")
+    parser.add_argument("--precision", default=None, choices=("bf16-mixed", "fp32"),
+                        help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile)")
+    parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    parser.add_argument("--time-limit", type=float, default=2.5,
+                        help="seconds per candidate ILP (default 2.5; the re-ranked ones get twice that again if needed)")
+    parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
+
+
+def run(args) -> int:
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.contracts.plan import save_plan
+    from meshplan.planner.search.driver import search_plan as plan
+
+    if args.train_tokens is not None and args.train_tokens <= 0:
+        raise MeshplanError(f"--train-tokens must be positive, got {args.train_tokens}")
+    if not args.time_limit > 0:
+        raise MeshplanError(f"--time-limit is seconds per candidate ILP and must be positive, got {args.time_limit}")
+    result = plan(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
+                  precision=args.precision, attention=args.attention, layerwise=args.layerwise,
+                  time_limit_s=args.time_limit, seed=args.seed, progress=not args.json,
+                  tp=args.tp, pp=args.pp, dp=args.dp, zero=args.zero, recompute=args.recompute, sp=args.sp,
+                  schedule=args.schedule, vpp=args.vpp, mbs=args.mbs)
+    data = result.to_json()
+    if args.out:
+        save_plan(result, args.out)
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(format_plan(data, args))
+    return 0
+
+
+def candidates_table(data: dict, train_tokens: float | None = None):
+    """pandas DataFrame of the winner and the alternatives, one row each."""
+    import pandas as pd
+
+    from meshplan.planner.search.assembly import configuration_rows
+
+    rows = []
+    tokens_per_step = data["global_batch"] * data["model"]["seq"]
+    gpus = data["cluster"]["gpus"]
+    for rank, entry in enumerate(configuration_rows(data), start=1):
+        pred, sched = entry["prediction"], entry["schedule"]
+        row = {
+            "#": rank,
+            "pp x dp x tp": f"{entry['mesh']['pp']}x{entry['mesh']['dp']}x{entry['mesh']['tp']}",
+            "sp": "on" if entry["sp"] else "",
+            "schedule": sched["name"] + (f" x{sched['virtual_stages']}" if sched["virtual_stages"] > 1 else ""),
+            "mbs": sched["microbatch_size"], "m": sched["microbatches"], "zero": entry["zero"],
+            "recompute": ", ".join(f"{k} {v}" for k, v in entry["recompute_summary"].items() if v) or "none",
+            "step ms": round(pred["step_time_s"] * 1e3, 1),
+            "ILP ms": round(entry["ilp_objective_s"] * 1e3, 1),
+            "MFU %": round(100 * pred["mfu"], 1),
+            "bubble %": round(100 * pred["bubble_fraction"], 1),
+            "peak GiB": round(pred["peak_memory_bytes"] / GIB, 1),
+        }
+        if train_tokens:
+            seconds = train_tokens / tokens_per_step * pred["step_time_s"]
+            row["train days"] = round(seconds / 86400, 2)
+            row["GPU-hours"] = round(seconds * gpus / 3600)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("#")
+
+
+def format_plan(data: dict, args) -> str:
+    import pandas as pd
+
+    from meshplan.planner.search.assembly import explain
+
+    table = candidates_table(data, args.train_tokens)
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        text = table.to_string()
+    head = (f"{data['model']['spec']} (seq {data['model']['seq']}) on {data['cluster']['gpus']} x "
+            f"{data['cluster']['profile']}, global batch {data['global_batch']}, {data['precision']}")
+    lines = [head, "", text, "", explain(data)]
+    if not data["executable"]:
+        lines += ["", f"NOT EXECUTABLE: {data['not_executable_reason']}"]
+    if args.train_tokens:
+        best = table.iloc[0]
+        lines += ["", f"training on {args.train_tokens:.3g} tokens: {best['train days']} days, "
+                      f"{best['GPU-hours']:,} GPU-hours with the winner"]
+    if args.out:
+        lines += ["", f"plan written to {args.out}"]
+    return "\n".join(lines)

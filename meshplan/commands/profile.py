@@ -1,0 +1,112 @@
+"""`meshplan profile`: per-layer FLOPs, parameters and activation bytes of a model (meta device)."""
+from __future__ import annotations
+
+import json
+import re
+
+from meshplan.planner.contracts.errors import MeshplanError
+
+DEFAULT_SEQ = 2048
+GIB = 2**30
+MIB = 2**20
+
+
+def add_arguments(parser):
+    parser.add_argument("--model", required=True, metavar="SPEC",
+                        help="gpt2 | llama3-8b | ... | gpt:layers=..,hidden=..,heads=..,vocab=.. | "
+                             "llama:... | path/model.py:fn | hf:path/config.json")
+    parser.add_argument("--seq", type=int, default=None, metavar="N",
+                        help=f"sequence length (default {DEFAULT_SEQ}, capped at the learned positions of a "
+                             "GPT-2 preset or an HF config; file models take shapes from their example inputs)")
+    parser.add_argument("--batch", type=int, default=1, metavar="B",
+                        help="samples per micro-batch; scales the printed per-layer figures (default 1)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="parameter and activation dtype (default bf16)")
+    parser.add_argument("--attention", choices=("flash", "math"), default="flash",
+                        help="saved tensors of a fused attention kernel (flash, default) or of the math "
+                             "path with its s x s scores (math)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    parser.add_argument("--csv", metavar="FILE", help="also write the per-layer table to FILE as CSV")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="profile afresh and do not touch the on-disk profile cache")
+
+
+def run(args) -> int:
+    from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.profiling.profiler import profile
+
+    if args.seq is not None and args.seq <= 0:
+        raise MeshplanError(f"--seq must be a positive integer, got {args.seq}")
+    if args.batch <= 0:
+        raise MeshplanError(f"--batch must be a positive integer, got {args.batch}")
+    seq = args.seq if args.seq is not None else default_seq(args.model, DEFAULT_SEQ)
+    graph = profile(args.model, seq, batch=args.batch, dtype=args.dtype, attention=args.attention,
+                    cache=not args.no_cache)
+    rows = [layer.to_json(args.batch) for layer in graph.layers]
+    if args.csv:
+        _write_csv(rows, args.csv)
+    if args.json:
+        print(json.dumps({"model": graph.spec, "seq": graph.seq, "batch": args.batch, "dtype": graph.dtype,
+                          "attention": graph.attention, "total_params": graph.total_params,
+                          "fwd_flops": graph.fwd_flops * args.batch, "bwd_flops": graph.bwd_flops * args.batch,
+                          "layers": rows}))
+    else:
+        print(format_table(graph, args.batch))
+    return 0
+
+
+def _write_csv(rows: list[dict], path: str) -> None:
+    import pandas as pd
+
+    flat = []
+    for row in rows:
+        item = {k: v for k, v in row.items() if k != "tp_split"}
+        item["tp_split"] = row["tp_split"]["kind"]
+        flat.append(item)
+    try:
+        pd.DataFrame(flat).to_csv(path, index=False)
+    except OSError as exc:
+        raise MeshplanError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
+
+
+def _group_name(names: list[str]) -> str:
+    """`blocks.0-125 (x126)` for a run of numbered layers, else `first..last (xN)`."""
+    if len(names) == 1:
+        return names[0]
+    first = re.fullmatch(r"(.*\.)(\d+)", names[0])
+    last = re.fullmatch(r"(.*\.)(\d+)", names[-1])
+    if first and last and first.group(1) == last.group(1):
+        return f"{first.group(1)}{first.group(2)}-{last.group(2)} (x{len(names)})"
+    return f"{names[0]}..{names[-1]} (x{len(names)})"
+
+
+def format_table(graph, batch: int) -> str:
+    """Per-layer table (runs of identical layers collapsed to one row, figures per layer) and totals."""
+    import pandas as pd
+
+    records = []
+    for _, indices in graph.repeat_groups():
+        layer = graph.layers[indices[0]]
+        records.append({
+            "layer": _group_name([graph.layers[i].name for i in indices]),
+            "kind": layer.kind,
+            "params": f"{layer.num_params:,}",
+            "fwd GFLOP": f"{layer.fwd_flops * batch / 1e9:,.1f}",
+            "bwd GFLOP": f"{layer.bwd_flops * batch / 1e9:,.1f}",
+            "act MiB": f"{layer.activation_bytes * batch / MIB:,.1f}",
+            "TP-sharded": f"{layer.act_tp_sharded_bytes * batch / MIB:,.1f}",
+            "replicated": f"{layer.act_tp_replicated_bytes * batch / MIB:,.1f}",
+            "scores": f"{layer.act_attn_score_bytes * batch / MIB:,.1f}",
+            "out MiB": f"{layer.output_bytes * batch / MIB:,.1f}",
+            "tp split": layer.tp_split.kind,
+        })
+    table = pd.DataFrame(records).to_string(index=False)
+    total_act = sum(layer.activation_bytes for layer in graph.layers) * batch
+    header = (f"model {graph.spec}  seq {graph.seq}  batch {batch}  dtype {graph.dtype}  "
+              f"attention {graph.attention}  (figures per layer; repeated layers collapsed; act = activation bytes "
+              "saved for backward = TP-sharded + replicated + attention scores)")
+    scale = (1e9, "B") if graph.total_params >= 1e9 else (1e6, "M")
+    totals = (f"total: {graph.total_params:,} params ({graph.total_params / scale[0]:,.2f} {scale[1]}), "
+              f"forward {graph.fwd_flops * batch / 1e9:,.1f} GFLOP, backward {graph.bwd_flops * batch / 1e9:,.1f} GFLOP, "
+              f"activations {total_act / GIB:,.2f} GiB (no recomputation, no parallelism)")
+    return f"{header}\n{table}\n{totals}"

@@ -1,0 +1,22 @@
+"""`meshplan report`: one self-contained HTML strategy report for a plan (and its measured runs)."""
+from __future__ import annotations
+
+
+def add_arguments(parser):
+    parser.add_argument("--plan", required=True, help="plan.json written by `meshplan plan`")
+    parser.add_argument("--measured", nargs="+", action="extend", default=[], metavar="MEASURED_JSON",
+                        help="measured.json from `meshplan train` (several: repeated runs of this plan)")
+    parser.add_argument("--trace", help="trace.json from `meshplan simulate --trace` (default: re-simulate the plan)")
+    parser.add_argument("--out", required=True, help="where to write the HTML report")
+    parser.add_argument("--title", help="page title (default: model and cluster)")
+
+
+def run(args) -> int:
+    from meshplan.planner.contracts.plan import load_plan
+    from meshplan.planner.models.plan_check import check_plan_model
+    from meshplan.reports import write_report  # plotly is imported only for this command
+
+    check_plan_model(load_plan(args.plan))  # a report of layers the model does not have would mislead
+    out = write_report(args.plan, measurements=args.measured, trace=args.trace, out=args.out, title=args.title)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,70 @@
+"""`meshplan simulate --plan plan.json [--json] [--trace trace.json]`: play one step of a plan."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GIB, MIB = 2**30, 2**20
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")
+
+
+def add_arguments(parser):
+    parser.add_argument("--plan", required=True, help="plan JSON written by `meshplan plan --out`")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (the keys of `estimate --json`) and nothing else")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write the step's timeline as Chrome trace-event JSON (open in Perfetto)")
+
+
+def run(args) -> int:
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.contracts.plan import load_plan
+    from meshplan.planner.simulation.simulator import chrome_trace, simulate
+
+    plan = load_plan(args.plan)
+    if args.trace and Path(args.trace).is_dir():
+        raise MeshplanError(f"--trace {args.trace} is a directory; give a file name such as trace.json")
+    prediction = simulate(plan, timeline=bool(args.trace))
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(chrome_trace(prediction)))
+    if args.json:
+        print(json.dumps(prediction.to_json()))
+    else:
+        print(summary(plan, prediction))
+        if args.trace:
+            print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def summary(plan, prediction) -> str:
+    """Human-readable report of one simulated step."""
+    cfg = plan.config
+    schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule == "interleaved" else "")
+    lines = [
+        f"{plan.model.spec} (seq {plan.model.seq}) on {cfg.gpus} x {plan.cluster.name}: "
+        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{', sp' if cfg.sp else ''}, {cfg.precision}",
+        f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
+        f"global batch {cfg.global_batch}",
+        "",
+        f"step time        {prediction.step_time_s * 1e3:,.1f} ms",
+        f"bubble           {prediction.bubble_fraction * 100:.1f} %",
+        f"tokens/s         {prediction.tokens_per_s:,.0f}",
+        f"TFLOP/s per GPU  {prediction.model_tflops_per_gpu:.4g} model, {prediction.hw_tflops_per_gpu:.4g} hardware",
+        f"MFU              {prediction.mfu * 100:.1f} %",
+        "",
+        "busiest rank's step (exposed ms): " + ", ".join(
+            f"{name} {seconds * 1e3:,.1f}" for name, seconds in prediction.breakdown.items()),
+        "",
+    ]
+    # GiB for real models; MiB keeps the small models of a CPU run readable.
+    unit, scale = ("GiB", GIB) if prediction.peak_memory_bytes >= GIB else ("MiB", MIB)
+    lines.append(f"memory per pipeline rank ({unit}):")
+    lines.append("rank " + "".join(f"{kind:>12}" for kind in MEMORY_KINDS))
+    for rank, memory in enumerate(prediction.memory):
+        values = memory.to_json()
+        lines.append(f"{rank:>4} " + "".join(f"{values[kind] / scale:>12.2f}" for kind in MEMORY_KINDS))
+    usable_gib = plan.cluster.device.usable_memory_bytes / GIB
+    verdict = "yes" if prediction.fits else "NO"
+    lines.append(f"fits: {verdict} (peak {prediction.peak_memory_bytes / scale:.2f} {unit} of {usable_gib:.2f} GiB "
+                 f"usable per {plan.cluster.device.name})")
+    return "\n".join(lines)

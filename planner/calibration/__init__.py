@@ -1,0 +1,1 @@
+"""Measure the machine meshplan runs on (`runner`, `microbench`) and fit profile fields (`fits`)."""

@@ -1,0 +1,188 @@
+"""Pure fits of `meshplan calibrate`: measurements in, profile fields out (no torch, no timing).
+
+Each fit says what it models; the measuring lives in `runner` (compute, collectives) and
+`microbench` (the fixed costs of `costing.fixed_costs`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s,
+                                                   send_recv_time_s)
+
+
+def fit_matmul(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(asymptotic FLOP/s R, half-efficiency FLOPs f_half) from t = (f + f_half) / R.
+
+    Least squares on relative error (each row divided by its time), so small and large GEMMs
+    count alike; f_half is clipped at 0.
+    """
+    rows = [(f / t, 1.0 / t) for f, t in points]  # (f/t) * a + (1/t) * b = 1
+    a, b = lstsq2(rows, [1.0] * len(rows))
+    if a <= 0:
+        raise MeshplanError("matmul timings did not grow with size; rerun calibrate on an idle machine")
+    return 1.0 / a, max(0.0, b / a)
+
+
+
+def fit_alpha_beta(samples: list[tuple[str, int, float]], nproc: int) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of the ring model fitted to all collectives at once."""
+    volume = {"all_reduce": 2 * (nproc - 1) / nproc, "all_gather": (nproc - 1) / nproc,
+              "reduce_scatter": (nproc - 1) / nproc, "send_recv": 1.0}
+    hops = {"all_reduce": 2 * (nproc - 1), "all_gather": nproc - 1, "reduce_scatter": nproc - 1, "send_recv": 1}
+    rows = [(volume[kind] * size / t, hops[kind] / t) for kind, size, t in samples]
+    inv_bw, alpha = lstsq2(rows, [1.0] * len(rows))
+    if inv_bw <= 0:
+        raise MeshplanError("collective timings did not grow with size; rerun calibrate on an idle machine")
+    return 1.0 / inv_bw, max(0.0, alpha)
+
+
+
+def lstsq2(rows: list[tuple[float, float]], rhs: list[float]) -> tuple[float, float]:
+    """Two-unknown least squares by the normal equations (no numpy needed)."""
+    s11 = sum(x * x for x, _ in rows)
+    s12 = sum(x * y for x, y in rows)
+    s22 = sum(y * y for _, y in rows)
+    r1 = sum(x * r for (x, _), r in zip(rows, rhs))
+    r2 = sum(y * r for (_, y), r in zip(rows, rhs))
+    det = s11 * s22 - s12 * s12
+    if det == 0:
+        raise MeshplanError("calibration measurements are degenerate (need at least two sizes)")
+    return (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
+
+
+
+def fit_elementwise_traffic(samples: list[dict[str, float]], device, dtype: str) -> float:
+    """Bytes of memory traffic per saved byte that explain the block's forward + backward time
+    beyond its GEMMs, fitted over all measured shapes.
+
+    The GEMM time is what the cost model charges a GPT block (`planner.costing.layer_costs._compute_times_s`:
+    the forward as 8 equal GEMMs, the backward as 16 with two launches) with the fitted curve and
+    `kernel_overhead_s`; the elementwise traffic is k x saved bytes forward and 2k backward. k is
+    the least-squares fit on relative error, over several shapes, so one disturbed timing moves
+    it less than a single-shape difference would; never negative.
+    """
+    from meshplan.planner.costing.layer_costs import memory_time_s
+
+    probe = probe_profile(replace(device, elementwise_bytes_per_activation_byte=0.0))
+    numerator = denominator = 0.0
+    for sample in samples:
+        leftover_s = sample["fwd_bwd_s"] - block_time_s(sample, probe, dtype)
+        per_k_s = memory_time_s(3.0 * sample["saved_bytes"], probe)  # forward once, backward twice
+        weight = 1.0 / sample["fwd_bwd_s"] ** 2
+        numerator += weight * leftover_s * per_k_s
+        denominator += weight * per_k_s**2
+    return max(0.0, numerator / denominator) if denominator > 0 else 0.0
+
+
+
+def probe_profile(device) -> ClusterProfile:
+    """A one-device profile with ideal links: what `block_time_s` charges on `device` alone."""
+    return ClusterProfile(name="probe", device=device, gpus_per_node=1, intra_node=LinkProfile(1.0, 0.0),
+                          inter_node=LinkProfile(1.0, 0.0))
+
+
+
+def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) -> float:
+    """The cost model's forward + backward seconds of a measured GPT block sample (as
+    `planner.costing.layer_costs._compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
+    backward, elementwise traffic once forward and twice backward)."""
+    from meshplan.planner.costing.layer_costs import compute_time_s, memory_time_s
+
+    traffic = 3.0 * cluster.device.elementwise_bytes_per_activation_byte * sample["saved_bytes"]
+    return (compute_time_s(sample["fwd_flops"], 8, cluster, dtype)
+            + compute_time_s(sample["bwd_flops"], 16, cluster, dtype, num_launches=2) + memory_time_s(traffic, cluster))
+
+
+def fit_model_update(per_tensor_s: float, model: tuple[int, int, float], fallback_s: float) -> float:
+    """Seconds per parameter of a real model's update beyond its per-tensor cost (`fallback_s`,
+    the tensor sets' fit, when the model's update is all per-tensor cost)."""
+    tensors, elements, seconds = model
+    leftover = seconds - tensors * per_tensor_s
+    return leftover / elements if leftover > 0 else fallback_s
+
+
+
+def fit_optimizer(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """(seconds per tensor, seconds per element) from t = tensors * a + elements * b (relative
+    least squares, both clipped at 0)."""
+
+    rows = [(count / t, numel / t) for count, numel, t in samples]
+    per_tensor, per_param = lstsq2(rows, [1.0] * len(rows))
+    if per_param <= 0:  # no bandwidth signal: all of it is per tensor
+        return max(t / count for count, _, t in samples), 0.0
+    return max(0.0, per_tensor), per_param
+
+
+
+def fit_block_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
+    """(TP overhead per layer per pass, FSDP overhead per layer per pass), never negative.
+
+    TP: two all-reduces of the (1, seq, hidden) fp32 output per pass (Megatron); FSDP (ZeRO-3):
+    an all-gather of the parameters per pass and a reduce-scatter of the gradients in backward.
+    """
+    out_bytes = block["seq"] * block["hidden"] * 4
+    param_bytes = block["block_params"] * 4
+    tp_comm_s = 4 * all_reduce_time_s(out_bytes, nproc, link)
+    fsdp_comm_s = 2 * all_gather_time_s(param_bytes, nproc, link) + reduce_scatter_time_s(param_bytes, nproc, link)
+    tp_s = max(0.0, (block["tp_s"] - block["plain_s"] - tp_comm_s) / 2)
+    fsdp_s = max(0.0, (block["fsdp_s"] - block["plain_s"] - fsdp_comm_s) / 2)
+    return tp_s, fsdp_s
+
+
+
+def fit_tp_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
+    """(TP overhead per layer per pass, and per byte of its residual-stream input), never negative.
+
+    At each of the two block shapes, the TP block's forward + backward less the local shard's
+    (the same compute without DTensor) and less its four all-reduces of the stream (Megatron:
+    two per pass) is two passes' overhead; a line through the two points splits it into a fixed
+    and a per-byte part. Without the local and real-shape timings: the tiny block less the
+    plain one, all of it fixed."""
+    tiny_bytes = block["seq"] * block["hidden"] * 4
+    reference_s = block.get("local_s", block["plain_s"])
+    tiny_s = (block["tp_s"] - reference_s - 4 * all_reduce_time_s(tiny_bytes, nproc, link)) / 2
+    if "real_tp_s" not in block:
+        return max(0.0, tiny_s), 0.0
+    real_bytes = block["real_stream_bytes"]
+    real_s = (block["real_tp_s"] - block["real_local_s"] - 4 * all_reduce_time_s(real_bytes, nproc, link)) / 2
+    per_byte_s = max(0.0, (real_s - tiny_s) / (real_bytes - tiny_bytes))
+    return max(0.0, tiny_s - per_byte_s * tiny_bytes), per_byte_s
+
+
+
+def fit_sp_and_loss(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
+    """(Sequence parallelism's extra overhead per block pass, the vocab-parallel loss's overhead
+    per micro-batch), never negative; 0 without the real-shape timings.
+
+    SP's all-gathers and reduce-scatters move what TP's all-reduces move, so the SP block less
+    the TP block is DTensor's extra work (norms and residual glue as DTensors), over two passes.
+    The loss: `loss_parallel` cross entropy less the local shard's and less its three all-reduces
+    of one value per token (max, sum of exponentials, target logit)."""
+    if "real_sp_s" not in block:
+        return 0.0, 0.0
+    sp_s = max(0.0, (block["real_sp_s"] - block["real_tp_s"]) / 2)
+    reductions_s = 3 * all_reduce_time_s(block["loss_tokens"] * 4, nproc, link)
+    loss_s = max(0.0, block["loss_parallel_s"] - block["loss_local_s"] - reductions_s)
+    return sp_s, loss_s
+
+
+
+def fit_redistribute(block: dict[str, float], nproc: int, link) -> float:
+    """A small Partial -> Replicate redistribution beyond its all-reduce; never negative."""
+    if "redistribute_s" not in block:
+        return 0.0
+    return max(0.0, block["redistribute_s"] - all_reduce_time_s(block["hidden"] * 4, nproc, link))
+
+
+
+def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link, stage_compute_s: float) -> float:
+    """Per-action overhead: 1F1B's critical path is (m + p - 1) forward + backward pairs of one
+    stage (`stage_compute_s`, the cost model's time for the measured stage), 2 (m + p - 1)
+    actions and 2 (p - 1) boundary transfers; what they do not explain, per action."""
+    m, p = pipeline["microbatches"], nproc
+    transfers_s = 2 * (p - 1) * send_recv_time_s(pipeline["boundary_bytes"], link)
+    compute_s = (m + p - 1) * stage_compute_s
+    return max(0.0, (pipeline["step_s"] - transfers_s - compute_s) / (2 * (m + p - 1)))

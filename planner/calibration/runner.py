@@ -1,0 +1,340 @@
+"""`calibrate`: measure this machine with the processes it will train with, into a ClusterProfile.
+
+`calibrate(nproc, backend)` spawns `nproc` processes (torch.multiprocessing, file rendezvous)
+that, all at once as in training:
+
+- time square matmuls at several sizes and fit time = f / R + f_half / R (the cost model's
+  efficiency curve: a GEMM of f FLOPs runs at R f / (f + f_half)); R / peak becomes
+  `matmul_efficiency`, f_half `matmul_half_efficiency_flops`;
+- time a large copy (memory bandwidth) and one tiny transformer block forward (the fixed
+  per-layer dispatch cost, `kernel_overhead_s`);
+- time a GPT block's forward + backward at several shapes, count its FLOPs (FlopCounterMode) and
+  the bytes autograd saves; what the GEMM curve and the overhead do not explain is memory-bound
+  traffic: `elementwise_bytes_per_activation_byte` is fitted to that leftover over all shapes;
+- time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
+  alpha-beta model of `planner.costing.collectives` jointly: t = volume(S, n) / B + hops(n) * alpha;
+- on CPU processes, the fixed costs of `planner.costing.fixed_costs` (optimizer per tensor and per
+  parameter, TP and FSDP per layer pass, pipeline per action) and the share of a core each
+  process gets when all compute at once (`planner.calibration.microbench`), which scales every rate
+  measured in CPU time, so that more processes than cores are costed as they run.
+
+The CPU convention: one "GPU" is one local process; memory_bytes = this machine's RAM / nproc.
+On GPUs the backend is NCCL and times come from CUDA events. Peak FLOP/s, the elementwise
+traffic factor and anything not measured come from a base profile (`cpu` for gloo; the shipped
+GPU profile whose device name matches, else `h100-sxm`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
+from meshplan.planner.calibration import fits
+from meshplan.planner.calibration.fits import block_time_s, fit_alpha_beta, fit_elementwise_traffic, fit_matmul, probe_profile
+from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
+
+FULL_SIZES = {"matmul_n": (64, 128, 256, 512, 1024), "comm_bytes": (2**12, 2**16, 2**20, 2**22, 2**24),
+              "copy_bytes": 2**28, "reps": 10}
+QUICK_SIZES = {"matmul_n": (64, 128, 256, 512), "comm_bytes": (2**12, 2**16, 2**20, 2**22),
+               "copy_bytes": 2**26, "reps": 4}
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, name: str = "calibrated",
+              base: str | None = None) -> ClusterProfile:
+    """Measure this machine with `nproc` processes and return the fitted cluster profile."""
+    import torch
+    import torch.multiprocessing as mp
+
+    if backend not in ("gloo", "nccl"):
+        raise MeshplanError(f"--backend must be gloo or nccl, got {backend!r}")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
+        raise MeshplanError(f"--nproc must be at least 2 (collectives need two processes), got {nproc!r}")
+    if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < nproc):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise MeshplanError(f"--backend nccl needs {nproc} CUDA devices, found {found}; use --backend gloo on CPU")
+    sizes = QUICK_SIZES if quick else FULL_SIZES
+    with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as workdir:
+        # fork is instant (torch is already imported here); CUDA needs fresh processes
+        mp.start_processes(_worker, args=(nproc, backend, sizes, workdir), nprocs=nproc, join=True,
+                           start_method="spawn" if backend == "nccl" else "fork")
+        measured = json.loads((Path(workdir) / "rank0.json").read_text())
+    return build_profile(measured, nproc, backend, name, base)
+
+
+def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=nproc)
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        timer = _Timer(cuda, torch.get_num_threads())
+        result = {"dtype": "bf16" if cuda else "fp32", "threads": torch.get_num_threads(),
+                  "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer),
+                  **_measure_compute(torch, device, sizes, timer, cuda)}
+        dist.barrier()
+        result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
+        if not cuda:
+            result.update(_measure_fixed_costs(torch, dist, nproc, sizes, timer))
+        if cuda:
+            props = torch.cuda.get_device_properties(rank)
+            result.update(device_name=props.name, memory_bytes=props.total_memory)
+        if rank == 0:
+            (Path(workdir) / "rank0.json").write_text(json.dumps(result))
+            if os.environ.get("MESHPLAN_CALIBRATE_DEBUG"):
+                print(json.dumps(result, indent=1))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_fixed_costs(torch, dist, nproc: int, sizes: dict, timer) -> dict:
+    """CPU processes: core share under contention, optimizer, TP/FSDP and pipeline overheads."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshplan.planner.calibration import microbench as fixed
+
+    mesh = init_device_mesh("cpu", (nproc,))
+    reps = sizes["reps"]
+    return {"cpu_share": fixed.measure_cpu_share(torch, dist),
+            "optimizer": fixed.measure_optimizer(torch, dist, timer, mesh, reps),
+            "block_fixed": fixed.measure_block_overheads(torch, dist, mesh, nproc, reps),
+            "pipeline": fixed.measure_pipeline(torch, dist, nproc, reps)}
+
+
+class _Timer:
+    """Fastest of `reps` timings of `fn()`: the least disturbed by other work on a shared machine,
+    which is what the device itself can do. GPUs: CUDA events. CPU compute (`cpu_time=True`):
+    this process's CPU seconds per thread, which preemption by other processes does not inflate;
+    collectives wait on peers, so they take wall time."""
+
+    def __init__(self, cuda: bool, threads: int = 1):
+        self.cuda = cuda
+        self.threads = threads
+
+    def __call__(self, fn, reps: int, cpu_time: bool = False) -> float:
+        import torch
+
+        fn()  # warm-up (allocations, algorithm selection, connection setup)
+        samples = []
+        for _ in range(reps):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            elif cpu_time:
+                begin = time.process_time()
+                fn()
+                samples.append((time.process_time() - begin) / self.threads)
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - begin)
+        return min(samples)
+
+
+def _measure_matmul(torch, device, sizes, timer, cuda) -> list[tuple[float, float]]:
+    """[(FLOPs, seconds)] of one n x n x n matmul per size, in the training dtype."""
+    dtype = torch.bfloat16 if cuda else torch.float32
+    points = []
+    for n in sizes["matmul_n"]:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        inner = max(1, int(2e8 // (2 * n**3)) if not cuda else 10)  # ~0.2 GFLOP per sample on CPU
+        seconds = timer(lambda: [torch.mm(a, b) for _ in range(inner)], sizes["reps"], cpu_time=True) / inner
+        points.append((2.0 * n**3, seconds))
+    return points
+
+
+def _measure_copy(torch, device, sizes, timer) -> float:
+    src = torch.ones(sizes["copy_bytes"] // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = timer(lambda: dst.copy_(src), max(2, sizes["reps"] // 2), cpu_time=True)
+    return 2.0 * sizes["copy_bytes"] / seconds  # read + write
+
+
+def _measure_block(torch, device, timer) -> float:
+    """Forward of one tiny transformer block: all dispatch and launch, almost no FLOPs."""
+    from meshplan.planner.models.transformer import Block, TransformerConfig
+
+    block = Block(TransformerConfig("gpt", 1, 64, 4, 128)).to(device)
+    x = torch.randn(1, 8, 64, device=device)
+    with torch.no_grad():
+        return timer(lambda: block(x), 20, cpu_time=True)
+
+
+# (batch, seq) of the GPT block (hidden 256) timed forward + backward for the elementwise fit:
+# the shapes of the small models meshplan trains on CPU, and one twice as long.
+TRAFFIC_SHAPES = ((1, 128), (2, 128), (4, 128), (1, 256))
+COMPUTE_ROUNDS = 3
+
+
+def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
+    """The matmul sweep, the block shapes and the tiny block's dispatch overhead, in
+    `COMPUTE_ROUNDS` alternating rounds, each figure the fastest of its rounds. The elementwise
+    factor is fitted to the block's time less the other two, so all three must see the same
+    machine: a slow spell of a shared host during one of them only reads as a wrong factor
+    (0, or twice the truth)."""
+    rounds = [(_measure_matmul(torch, device, sizes, timer, cuda), _time_block_shapes(torch, device, timer, cuda),
+               _measure_block(torch, device, timer)) for _ in range(COMPUTE_ROUNDS)]
+    matmul = [(flops, min(r[0][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][0])]
+    block_s = [min(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
+    return {"matmul": matmul, "block_overhead_s": min(r[2] for r in rounds),
+            "block": [{**figures, "fwd_bwd_s": seconds} for figures, seconds in zip(_block_figures(cuda), block_s)]}
+
+
+def _time_block_shapes(torch, device, timer, cuda) -> list[float]:
+    """Forward + backward seconds of a GPT block (hidden 256) at each `TRAFFIC_SHAPES` shape."""
+    from meshplan.planner.models.transformer import Block, TransformerConfig
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    block = Block(TransformerConfig("gpt", 1, 256, 4, 1024)).to(device=device, dtype=dtype)
+    out = []
+    for batch, seq in TRAFFIC_SHAPES:
+        x = torch.randn(batch, seq, 256, device=device, dtype=dtype, requires_grad=True)
+        out.append(timer(lambda: block(x).sum().backward(), 5, cpu_time=True))
+    return out
+
+
+def _block_figures(cuda: bool) -> list[dict[str, float]]:
+    """The forward and backward FLOPs and activation bytes the profiler gives that block at each
+    shape, so that the fitted factor explains exactly what the cost model leaves out for a
+    profiled layer."""
+    from meshplan.planner.profiling.profiler import profile
+
+    figures = []
+    for batch, seq in TRAFFIC_SHAPES:
+        graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="bf16" if cuda else "fp32",
+                        cache=False)
+        layer = next(layer for layer in graph.layers if layer.kind == "block")
+        figures.append({"fwd_flops": float(layer.fwd_flops * batch), "bwd_flops": float(layer.bwd_flops * batch),
+                        "saved_bytes": float(layer.activation_bytes * batch)})
+    return figures
+
+
+def _measure_collectives(torch, dist, device, rank, nproc, sizes, timer) -> list[tuple[str, int, float]]:
+    """[(kind, bytes of the full tensor, seconds)]; every rank runs the same calls."""
+    out = []
+    for size in sizes["comm_bytes"]:
+        numel = max(nproc, size // 4 // nproc * nproc)
+        full = torch.ones(numel, device=device)
+        shard = torch.empty(numel // nproc, device=device)
+        # torch >= 2.13 names the flat-tensor collectives *_single; older ones *_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: all_gather(full, shard),
+            "reduce_scatter": lambda: reduce_scatter(shard, full),
+            "send_recv": lambda: _ping(dist, rank, full),
+        }
+        for kind in COLLECTIVE_KINDS:
+            dist.barrier()
+            seconds = timer(calls[kind], sizes["reps"])
+            if kind == "send_recv":
+                seconds /= 2  # a ping-pong is two transfers
+            out.append((kind, numel * 4, seconds))
+    return out
+
+
+def _ping(dist, rank, tensor) -> None:
+    """Rank 0 <-> rank 1 ping-pong; other ranks idle."""
+    if rank == 0:
+        dist.send(tensor, 1)
+        dist.recv(tensor, 1)
+    elif rank == 1:
+        dist.recv(tensor, 0)
+        dist.send(tensor, 0)
+
+
+def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterProfile:
+    if base:
+        return load_cluster(base)
+    if backend == "gloo":
+        return load_cluster("cpu")
+    for candidate in builtin_profiles():
+        profile = load_cluster(candidate)
+        if profile.device.name.split()[0].lower() in device_name.lower():
+            return profile
+    return load_cluster("h100-sxm")
+
+
+def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: float, device) -> dict[str, float]:
+    """The profile fields of `planner.costing.fixed_costs` from the workers' measurements."""
+    plain_tensor_s, plain_param_s = fits.fit_optimizer([tuple(s) for s in measured["optimizer"]["plain"]])
+    if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
+        plain_param_s = fits.fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
+    dtensor_tensor_s, _ = fits.fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
+    _, dp_unit_s = fits.fit_block_overheads(measured["block_fixed"], nproc, link)
+    tp_s, tp_per_byte_s = fits.fit_tp_overheads(measured["block_fixed"], nproc, link)
+    sp_s, loss_s = fits.fit_sp_and_loss(measured["block_fixed"], nproc, link)
+    out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
+           "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
+           "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
+           "dtensor_redistribute_s": fits.fit_redistribute(measured["block_fixed"], nproc, link),
+           "pipeline_action_overhead_s": fits.fit_pipeline_action(
+               measured["pipeline"], nproc, link, block_time_s(measured["block"][0], probe_profile(device), measured["dtype"]))}
+    if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
+        out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
+    return out
+
+
+def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str | None = None) -> ClusterProfile:
+    """Turn rank 0's measurements into a ClusterProfile (peaks and factors from the base)."""
+    base_profile = _base_profile(base, backend, measured.get("device_name", ""))
+    rate, half_flops = fit_matmul([tuple(p) for p in measured["matmul"]])
+    bw, alpha = fit_alpha_beta([tuple(s) for s in measured["collectives"]], nproc)
+    threads = measured["threads"] if backend == "gloo" else 1
+    peaks = {dtype: value * threads for dtype, value in base_profile.device.peak_flops_per_s.items()}
+    efficiency = rate / peaks[measured["dtype"]] if measured["dtype"] in peaks else 1.0
+    if efficiency > 1.0:  # faster than the base's peak: the measured rate becomes the peak
+        peaks = {dtype: value * efficiency for dtype, value in peaks.items()}
+        efficiency = 1.0
+    if backend == "gloo":
+        memory_bytes = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc
+    else:
+        memory_bytes = float(measured["memory_bytes"])
+    source = f"meshplan calibrate --nproc {nproc} --backend {backend} on {time.strftime('%Y-%m-%d')}"
+    device = replace(base_profile.device, name=measured.get("device_name", base_profile.device.name),
+                     memory_bytes=memory_bytes, memory_bw_bytes_per_s=measured["copy_bw_bytes_per_s"],
+                     memory_efficiency=1.0, peak_flops_per_s=peaks, matmul_efficiency=efficiency,
+                     matmul_half_efficiency_flops=half_flops, kernel_overhead_s=measured["block_overhead_s"],
+                     reserved_memory_bytes=min(base_profile.device.reserved_memory_bytes, memory_bytes / 4),
+                     source=f"{source}; peaks scaled from {base_profile.name}: {base_profile.device.source}")
+    link = LinkProfile(bw_bytes_per_s=bw, latency_s=alpha, efficiency=1.0,
+                       source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv")
+    share = float(measured.get("cpu_share", 1.0))
+    block = [dict(sample) for sample in measured["block"]]
+    if share < 1.0:  # every process runs at this share of a core: CPU-time rates slow down by it
+        device = replace(device, peak_flops_per_s={k: v * share for k, v in device.peak_flops_per_s.items()},
+                         memory_bw_bytes_per_s=device.memory_bw_bytes_per_s * share,
+                         kernel_overhead_s=device.kernel_overhead_s / share,
+                         source=f"{device.source}; rates scaled by the {share:.2f} core share each of the {nproc} "
+                                "processes got while all computed")
+        for sample in block:
+            sample["fwd_bwd_s"] /= share
+    device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
+        block, device, measured["dtype"]))
+    extra = _fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
+    device = replace(device, **{k: v for k, v in extra.items() if k != "optimizer_bytes_per_param"})
+    if "optimizer_bytes_per_param" in extra:
+        base_profile = replace(base_profile, optimizer_bytes_per_param=extra["optimizer_bytes_per_param"])
+    inter = link if backend == "gloo" else base_profile.inter_node
+    return replace(base_profile, name=name, device=device, gpus_per_node=nproc, intra_node=link, inter_node=inter,
+                   max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,
+                   description=f"measured with {nproc} {backend} processes"
+                   + ("" if backend == "gloo" else f"; inter-node link from {base_profile.name}"))

@@ -1,0 +1,312 @@
+"""Cluster profiles: hardware numbers as data (`profiles/*.toml`), loaded into frozen dataclasses.
+
+A profile file looks like:
+
+    schema_version = 1
+    name = "h100-sxm"
+    description = "DGX H100 nodes"
+    source = "NVIDIA H100 datasheet; DGX H100 user guide"
+
+    [device]
+    name = "H100 SXM5 80GB"
+    memory_bytes = 85899345920
+    memory_bw_bytes_per_s = 3.35e12
+    peak_flops_per_s = { bf16 = 989e12, fp16 = 989e12, fp32 = 67e12, tf32 = 494e12 }
+    matmul_efficiency = 0.80            # achieved fraction of peak for large GEMMs
+    matmul_half_efficiency_flops = 2e9  # GEMM size (FLOPs) at which efficiency is half of that
+    memory_efficiency = 0.85            # achieved fraction of memory bandwidth
+    kernel_overhead_s = 5e-6            # fixed cost per layer kernel sequence (dispatch/launch)
+    reserved_memory_bytes = 3e9         # CUDA context, allocator fragmentation, NCCL buffers
+    elementwise_bytes_per_activation_byte = 3.0  # norm/GELU/softmax traffic per saved byte
+    # optional fixed costs, 0 unless measured (`meshplan calibrate` measures them):
+    optimizer_per_tensor_s = 0.0          # per parameter tensor per optimizer step (plain tensors)
+    dtensor_optimizer_per_tensor_s = 0.0  # the same for DTensor parameters (TP, FSDP, replicate)
+    tp_layer_overhead_s = 0.0             # per tensor-parallel layer per pass (DTensor dispatch)
+    tp_overhead_s_per_stream_byte = 0.0   # the same per byte of its (mbs, seq, hidden) input
+    sp_layer_overhead_s = 0.0             # per TP block pass, extra under sequence parallelism
+    tp_loss_overhead_s = 0.0              # per micro-batch, the vocab-parallel loss (loss_parallel)
+    pipeline_action_overhead_s = 0.0      # per forward/backward action of a pipeline stage
+    dp_unit_overhead_s = 0.0              # per FSDP/replicate-wrapped layer per pass
+    dtensor_redistribute_s = 0.0          # per small Partial -> Replicate DTensor redistribution
+
+    [topology]
+    gpus_per_node = 8
+    max_nodes = 4096
+
+    [topology.intra_node]   # NVLink/NVSwitch
+    bw_bytes_per_s = 450e9  # per GPU, one direction
+    latency_s = 5e-6
+    efficiency = 0.8        # achieved fraction of bw for large collectives
+
+    [topology.inter_node]   # InfiniBand
+    ...
+
+Every number should carry its source in a comment or a `source` field. Unknown keys, missing
+fields, wrong types and non-positive values are errors naming the file and the field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+SCHEMA_VERSION = 1
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
+
+
+def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
+    bound = ">= 0" if allow_zero else "> 0"
+    # Type first: comparing a string or table with 0 would raise TypeError, not name the field.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (value >= 0 if allow_zero else value > 0):
+        raise ValueError(f"{owner}.{name} must be a finite number {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """One level of the network: NVLink inside a node, or the inter-node fabric."""
+
+    bw_bytes_per_s: float  # per GPU, one direction (bus bandwidth a ring collective can use)
+    latency_s: float  # per message hop (alpha)
+    efficiency: float = 1.0  # achieved fraction of bw for large collectives
+    source: str = ""
+
+    def __post_init__(self):
+        _check_positive("link", "bw_bytes_per_s", self.bw_bytes_per_s)
+        _check_positive("link", "latency_s", self.latency_s, allow_zero=True)
+        _check_positive("link", "efficiency", self.efficiency)
+        if self.efficiency > 1:
+            raise ValueError(f"link.efficiency is a fraction in (0, 1], got {self.efficiency}")
+
+    @property
+    def effective_bw_bytes_per_s(self) -> float:
+        return self.bw_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator (or, for the `cpu` profile, one local training process)."""
+
+    name: str
+    memory_bytes: float
+    memory_bw_bytes_per_s: float
+    peak_flops_per_s: dict[str, float]
+    matmul_efficiency: float = 0.8
+    matmul_half_efficiency_flops: float = 0.0
+    memory_efficiency: float = 0.8
+    kernel_overhead_s: float = 0.0
+    reserved_memory_bytes: float = 0.0
+    # Memory traffic of a layer's non-GEMM kernels (norms, activations, softmax, residual adds),
+    # in bytes per byte the forward saves for backward; backward moves twice as much. 0: ignore.
+    elementwise_bytes_per_activation_byte: float = 0.0
+    # Fixed costs that dominate small layers (0: ignore). Per parameter tensor per optimizer
+    # step: the executor's AdamW steps CPU tensors one at a time (about a dozen kernels each) and
+    # its gradient clipping adds a norm per tensor; DTensor parameters (TP, FSDP, replicate) go
+    # through DTensor dispatch on every one of those kernels.
+    optimizer_per_tensor_s: float = 0.0
+    dtensor_optimizer_per_tensor_s: float = 0.0
+    # Per tensor-parallel layer per pass: DTensor redistribution and dispatch of its parallel
+    # Linears (beyond the collectives, which the link's latency and bandwidth cost).
+    tp_layer_overhead_s: float = 0.0
+    # Per tensor-parallel layer per pass, per byte of the residual-stream activation it takes in
+    # (micro-batch x seq x hidden x element size): DTensor's work that grows with the tensors
+    # (redistributing inputs and gradients, copies around the parallel Linears), beyond the
+    # collectives and the local shard's own compute. Measured on a block of a real model's shape.
+    tp_overhead_s_per_stream_byte: float = 0.0
+    # Per tensor-parallel block per pass under sequence parallelism, beyond the above: its norms
+    # and the gathers around attention and MLP run as DTensor ops.
+    sp_layer_overhead_s: float = 0.0
+    # Per micro-batch under TP (forward + backward): the vocab-parallel cross entropy
+    # (`loss_parallel`) beyond its local compute and its per-token all-reduces.
+    tp_loss_overhead_s: float = 0.0
+    # Per forward or backward action of a pipeline stage (torch pipelining's per-action work:
+    # posting receives and sends, shape checks, stage bookkeeping).
+    pipeline_action_overhead_s: float = 0.0
+    # Per data-parallel unit (each FSDP/replicate-wrapped block) per pass: hooks, parameter
+    # views and the collective calls' own dispatch (beyond the link's latency and bandwidth).
+    dp_unit_overhead_s: float = 0.0
+    # Per DTensor redistribution of a small partial gradient to a replicated one (beyond its
+    # all-reduce): the executor does one per TP norm tensor per step.
+    dtensor_redistribute_s: float = 0.0
+    supports_bf16: bool = True
+    source: str = ""
+
+    def __post_init__(self):
+        _check_positive("device", "memory_bytes", self.memory_bytes)
+        _check_positive("device", "memory_bw_bytes_per_s", self.memory_bw_bytes_per_s)
+        if not self.peak_flops_per_s:
+            raise ValueError("device.peak_flops_per_s needs at least one dtype, e.g. { fp32 = 1e12 }")
+        for dtype, value in self.peak_flops_per_s.items():
+            if dtype not in DTYPES:
+                raise ValueError(f"device.peak_flops_per_s has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+            _check_positive("device.peak_flops_per_s", dtype, value)
+        for name in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            _check_positive("device", name, value)
+            if value > 1:
+                raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
+        for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",
+                     "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
+                     "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",
+                     "sp_layer_overhead_s", "tp_loss_overhead_s", "pipeline_action_overhead_s",
+                     "dp_unit_overhead_s", "dtensor_redistribute_s"):
+            _check_positive("device", name, getattr(self, name), allow_zero=True)
+        if self.reserved_memory_bytes >= self.memory_bytes:
+            raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "
+                             f"memory_bytes ({self.memory_bytes:.3g})")
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype, falling back to the closest one listed."""
+        for candidate in (dtype, "bf16" if dtype == "fp16" else "fp16", "tf32" if dtype == "fp32" else "fp32", "fp32"):
+            if candidate in self.peak_flops_per_s:
+                return self.peak_flops_per_s[candidate]
+        return max(self.peak_flops_per_s.values())
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_memory_bytes
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """A homogeneous cluster: one device type, nodes of `gpus_per_node`, two network levels."""
+
+    name: str
+    device: DeviceProfile
+    gpus_per_node: int
+    intra_node: LinkProfile
+    inter_node: LinkProfile
+    max_nodes: int = 1_000_000
+    description: str = ""
+    source: str = ""
+    schema_version: int = SCHEMA_VERSION
+    # Per-step costs of one optimizer step: AdamW reads/writes ~ this many bytes per parameter
+    # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
+    optimizer_bytes_per_param: float = 16.0
+
+    def __post_init__(self):
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node <= 0:
+            raise ValueError(f"topology.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes <= 0:
+            raise ValueError(f"topology.max_nodes must be a positive integer, got {self.max_nodes!r}")
+        for name in ("name", "description", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if isinstance(self.schema_version, bool) or not isinstance(self.schema_version, int) \
+                or not 1 <= self.schema_version <= SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version!r} is not supported (this meshplan reads the "
+                             f"integer versions 1..{SCHEMA_VERSION})")
+        _check_positive("cluster", "optimizer_bytes_per_param", self.optimizer_bytes_per_param)
+
+    def link_for_group(self, group_size: int, stride: int = 1) -> LinkProfile:
+        """The slowest link a collective over `group_size` ranks spaced `stride` apart crosses."""
+        span = (group_size - 1) * stride + 1
+        return self.intra_node if span <= self.gpus_per_node else self.inter_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """The TOML-shaped dict (round-trips through `cluster_from_dict`)."""
+        return {
+            "schema_version": self.schema_version, "name": self.name, "description": self.description,
+            "source": self.source, "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
+            "device": asdict(self.device),
+            "topology": {"gpus_per_node": self.gpus_per_node, "max_nodes": self.max_nodes,
+                         "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node)},
+        }
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"[{where}] must be a table, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown field {where}.{unknown[0]}; known fields: {', '.join(sorted(known))}")
+    required = [f.name for f in fields(cls) if f.default is f.default_factory is __import__("dataclasses").MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise ValueError(f"missing field {where}.{missing[0]}")
+    for name, value in data.items():
+        expected = known[name].type
+        if str(expected) == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{where}.{name} must be a number, got {value!r}")
+        if str(expected) == "str" and not isinstance(value, str):
+            raise ValueError(f"{where}.{name} must be a string, got {value!r}")
+        if str(expected).startswith("dict") and not isinstance(value, dict):
+            raise ValueError(f"{where}.{name} must be a table such as {{ bf16 = 1e12 }}, got {value!r}")
+        if str(expected) == "bool" and not isinstance(value, bool):
+            raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        # The dataclasses name fields as `device.x` / `link.x`; say where in the file instead.
+        owner, dot, rest = str(exc).partition(".")
+        if dot and owner in ("device", "link"):
+            raise ValueError(f"{where}.{rest}") from None
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
+    """Validate and build a ClusterProfile from the TOML-shaped dict."""
+    data = dict(data)
+    topology = data.pop("topology", None) or {}
+    if not isinstance(topology, dict):
+        raise ValueError(f"[topology] must be a table, got {type(topology).__name__}")
+    topology = dict(topology)
+    if "device" not in data:
+        raise ValueError("missing table [device]")
+    if not topology:
+        raise ValueError("missing table [topology]")
+    device = _build(DeviceProfile, data.pop("device"), "device")
+    links = {}
+    for level in ("intra_node", "inter_node"):
+        if level not in topology:
+            raise ValueError(f"missing table [topology.{level}]")
+        links[level] = _build(LinkProfile, topology.pop(level), f"topology.{level}")
+    unknown = sorted(set(topology) - {"gpus_per_node", "max_nodes"})
+    if unknown:
+        raise ValueError(f"unknown field topology.{unknown[0]}; known: gpus_per_node, max_nodes, intra_node, inter_node")
+    if "gpus_per_node" not in topology:
+        raise ValueError("missing field topology.gpus_per_node")
+    top_known = {"schema_version", "name", "description", "source", "optimizer_bytes_per_param"}
+    unknown = sorted(set(data) - top_known)
+    if unknown:
+        raise ValueError(f"unknown top-level field {unknown[0]}; known: {', '.join(sorted(top_known))}, [device], [topology]")
+    if "name" not in data:
+        raise ValueError("missing field name")
+    try:
+        return ClusterProfile(device=device, gpus_per_node=topology["gpus_per_node"],
+                              max_nodes=topology.get("max_nodes", 1_000_000), **links, **data)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def dump_cluster_toml(cluster: ClusterProfile) -> str:
+    """Serialise a profile to TOML text (the subset of TOML the profiles use)."""
+    data = cluster.to_dict()
+    lines: list[str] = []
+    _emit_table(lines, [], data)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _emit_table(lines: list[str], prefix: list[str], data: dict[str, Any]) -> None:
+    tables = {k: v for k, v in data.items() if isinstance(v, dict) and k != "peak_flops_per_s"}
+    for key, value in data.items():
+        if key not in tables:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for key, value in tables.items():
+        lines.append("")
+        lines.append(f"[{'.'.join(prefix + [key])}]")
+        _emit_table(lines, prefix + [key], value)

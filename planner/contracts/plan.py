@@ -1,0 +1,275 @@
+"""The Plan: the JSON document the planner writes and the executor, simulator and reports read.
+
+Layer placement. Layers are cut into `pp * virtual_stages` contiguous chunks in execution order.
+Chunk j runs on pipeline rank `j % pp` as its virtual stage `j // pp` (Megatron-LM's
+interleaving); without interleaving chunk j is simply stage j. Each layer records its `stage`
+(pipeline rank) and `virtual_stage`, so `chunk_index = virtual_stage * pp + stage` must be
+non-decreasing along the layers, and every chunk non-empty.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What model the plan is for: enough to rebuild and re-profile it."""
+
+    spec: str
+    seq: int
+    dtype: str = "bf16"
+    attention: str = "flash"
+
+    def __post_init__(self):
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"model.spec must be a model SPEC string, got {self.spec!r}")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq <= 0:
+            raise ValueError(f"model.seq must be a positive integer, got {self.seq!r}")
+
+
+@dataclass(frozen=True)
+class LayerAssignment:
+    """Where one layer runs and how, with the prediction that chose it (per micro-batch)."""
+
+    name: str
+    stage: int
+    virtual_stage: int = 0
+    tp: int = 1
+    dp: int = 1
+    recompute: str = "none"
+    fwd_time_s: float = 0.0
+    bwd_time_s: float = 0.0
+    comm_time_s: float = 0.0
+    mem_bytes: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise ValueError(f"layer name must be a string, got {self.name!r}")
+        for name in ("stage", "virtual_stage", "tp", "dp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"layer {self.name!r}: {name} must be an integer, got {value!r}")
+        for name in ("fwd_time_s", "bwd_time_s", "comm_time_s", "mem_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"layer {self.name!r}: {name} must be a number, got {value!r}")
+        if self.tp <= 0 or self.dp <= 0:
+            raise ValueError(f"layer {self.name!r}: tp and dp must be positive, got tp={self.tp}, dp={self.dp}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"layer {self.name!r}: recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.stage < 0 or self.virtual_stage < 0:
+            raise ValueError(f"layer {self.name!r}: stage and virtual_stage must be >= 0")
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelRef
+    cluster: ClusterProfile
+    config: ParallelConfig
+    layers: tuple[LayerAssignment, ...]
+    prediction: dict[str, Any] | None = None
+    alternatives: tuple[dict[str, Any], ...] = ()
+    seed: int = 0
+    executable: bool = True
+    not_executable_reason: str = ""
+    solver: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    def __post_init__(self):
+        cfg = self.config
+        if not self.layers:
+            raise ValueError("plan has no layers")
+        previous_chunk = 0
+        chunks_seen = set()
+        for layer in self.layers:
+            if layer.stage >= cfg.pp:
+                raise ValueError(f"layer {layer.name!r} is on stage {layer.stage} but the plan has pp={cfg.pp}")
+            if layer.virtual_stage >= cfg.virtual_stages:
+                raise ValueError(f"layer {layer.name!r} has virtual_stage {layer.virtual_stage} but the plan has "
+                                 f"{cfg.virtual_stages} virtual stages")
+            chunk = self.chunk_of(layer)
+            if chunk < previous_chunk:
+                raise ValueError(f"layer {layer.name!r} (chunk {chunk}) comes after chunk {previous_chunk}: "
+                                 "stages must hold contiguous layers in order")
+            previous_chunk = chunk
+            chunks_seen.add(chunk)
+            if self.executable and (layer.tp != cfg.tp or layer.dp != cfg.dp):
+                raise ValueError(f"layer {layer.name!r} has tp={layer.tp}, dp={layer.dp} but the mesh is "
+                                 f"tp={cfg.tp}, dp={cfg.dp}; per-layer degrees are only allowed in "
+                                 "non-executable (--layerwise) plans")
+        if len(chunks_seen) != cfg.num_model_chunks:
+            missing = sorted(set(range(cfg.num_model_chunks)) - chunks_seen)
+            raise ValueError(f"pipeline chunks {missing} hold no layers; every stage needs at least one layer")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"layer {dup!r} is assigned more than once")
+
+    def chunk_of(self, layer: LayerAssignment) -> int:
+        return layer.virtual_stage * self.config.pp + layer.stage
+
+    def chunks(self) -> list[list[int]]:
+        """Layer indices of each pipeline chunk, in chunk order."""
+        out: list[list[int]] = [[] for _ in range(self.config.num_model_chunks)]
+        for index, layer in enumerate(self.layers):
+            out[self.chunk_of(layer)].append(index)
+        return out
+
+    @property
+    def digest(self) -> str:
+        """Hash of everything that decides what runs (not predictions or solve times)."""
+        core = {k: v for k, v in self.to_json().items()
+                if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "sp",
+                         "schedule", "global_batch")}
+        core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
+                          for layer in self.to_json()["layers"]]
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "schema_version": self.schema_version,
+            "seed": self.seed,
+            "precision": cfg.precision,
+            "model": asdict(self.model),
+            "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
+            "global_batch": cfg.global_batch,
+            "mesh": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
+            "zero": cfg.zero,
+            "sp": cfg.sp,
+            "recompute": cfg.recompute,
+            "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
+                         "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
+            "executable": self.executable,
+            "not_executable_reason": self.not_executable_reason,
+            "layers": [asdict(layer) for layer in self.layers],
+            "prediction": self.prediction,
+            "alternatives": list(self.alternatives),
+            "solver": self.solver,
+        }
+
+    def with_prediction(self, prediction: dict[str, Any]) -> "Plan":
+        return replace(self, prediction=prediction)
+
+
+def plan_from_json(data: dict[str, Any]) -> Plan:
+    """Build and validate a Plan from its JSON document."""
+    if not isinstance(data, dict):
+        raise ValueError("a plan must be a JSON object")
+    version = data.get("schema_version")
+    if version != PLAN_SCHEMA_VERSION:
+        raise ValueError(f"plan schema_version is {version!r}; this meshplan reads version {PLAN_SCHEMA_VERSION}. "
+                         "Re-create the plan with `meshplan plan`")
+    try:
+        schedule, mesh = _table(data, "schedule"), _table(data, "mesh")
+        cluster = cluster_from_dict(_table(_table(data, "cluster"), "embedded", "cluster."))
+        gpus = _integer(data["cluster"], "gpus", "cluster.")
+        config = ParallelConfig(
+            gpus=gpus, global_batch=_integer(data, "global_batch"), tp=_integer(mesh, "tp", "mesh."),
+            pp=_integer(mesh, "pp", "mesh."), dp=_integer(mesh, "dp", "mesh."),
+            microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
+            recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
+            virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"])
+        if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
+            raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "
+                             f"microbatch_size) = {config.num_microbatches}")
+        layers = _layers(data["layers"])
+        prediction, alternatives = data.get("prediction"), data.get("alternatives") or []
+        if prediction is not None and not isinstance(prediction, dict):
+            raise ValueError(f"plan field 'prediction' must be an object or null, got {_kind(prediction)}")
+        if not isinstance(alternatives, list) or not all(isinstance(a, dict) for a in alternatives):
+            raise ValueError("plan field 'alternatives' must be a list of objects (runnable configurations)")
+        return Plan(model=_build(ModelRef, _table(data, "model"), "model"), cluster=cluster, config=config,
+                    layers=layers, prediction=prediction, alternatives=tuple(alternatives),
+                    seed=_integer(data, "seed", default=0), executable=_boolean(data, "executable", default=True),
+                    not_executable_reason=data.get("not_executable_reason", ""),
+                    solver=data.get("solver") or {}, schema_version=version)
+    except KeyError as exc:
+        raise ValueError(f"plan is missing the field {exc.args[0]!r}") from None
+    except TypeError as exc:
+        raise ValueError(f"plan has a malformed entry: {exc}") from None
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), repr(value))
+
+
+def _table(data: dict, key: str, where: str = "") -> dict:
+    value = data[key]
+    if not isinstance(value, dict):
+        raise ValueError(f"plan field {where}{key!r} must be an object, got {_kind(value)}")
+    return value
+
+
+def _integer(data: dict, key: str, where: str = "", default: int | None = None) -> int:
+    """An integer field; a float, string or boolean is refused instead of being truncated."""
+    value = data[key] if default is None else data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"plan field {where}{key} must be an integer, got {value!r}")
+    return value
+
+
+def _boolean(data: dict, key: str, default: bool | None = None) -> bool:
+    value = data[key] if default is None else data.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"plan field {key} must be true or false, got {value!r}")
+    return value
+
+
+def _build(cls, item: Any, where: str):
+    """A dataclass from a JSON object, naming unknown fields instead of a bare TypeError."""
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object, got {_kind(item)}")
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(item) - set(known))
+    if unknown:
+        raise ValueError(f"{where} has unknown field {unknown[0]!r}; known: {', '.join(known)}")
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in item]
+    if missing:
+        raise ValueError(f"{where} is missing the field {missing[0]!r}")
+    return cls(**item)
+
+
+def _layers(items: Any) -> tuple[LayerAssignment, ...]:
+    if not isinstance(items, list):
+        raise ValueError(f"plan field 'layers' must be a list of layer objects, got {_kind(items)}")
+    return tuple(_build(LayerAssignment, item, f"layers[{index}]") for index, item in enumerate(items))
+
+
+def load_plan(path: str | Path) -> Plan:
+    from meshplan.planner.contracts.jsonfile import read_json_file
+
+    path = Path(path)
+    data = read_json_file(path, "plan", "create a plan with `meshplan plan --out plan.json`")
+    try:
+        return plan_from_json(data)
+    except ValueError as exc:
+        raise MeshplanError(f"{path}: {exc}") from None
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(plan.to_json(), indent=2, sort_keys=False) + "\n")
+
+
+def check_plan_matches_model(plan: Plan, layer_names: list[str]) -> None:
+    """Refuse a plan whose layers are not exactly the model's layers, in order."""
+    planned = [layer.name for layer in plan.layers]
+    if planned == layer_names:
+        return
+    missing = [n for n in layer_names if n not in planned]
+    extra = [n for n in planned if n not in layer_names]
+    if missing:
+        raise MeshplanError(f"plan does not place layer(s) {missing[:5]} of model {plan.model.spec!r}")
+    if extra:
+        raise MeshplanError(f"plan places layer(s) {extra[:5]} that model {plan.model.spec!r} does not have")
+    raise MeshplanError(f"plan lists the layers of {plan.model.spec!r} out of execution order")

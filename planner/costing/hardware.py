@@ -1,0 +1,45 @@
+"""Load cluster profiles: the built-in `profiles/*.toml` (package data of `meshplan.profiles`) or a
+TOML file by path, into the `ClusterProfile` contract."""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
+from meshplan.planner.contracts.errors import MeshplanError
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover
+    import tomli as tomllib  # type: ignore[no-redef]
+
+# The built-in profiles ship as package data; installed or editable, they are real files.
+PROFILES_DIR = Path(str(resources.files("meshplan.profiles")))
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(path.stem for path in PROFILES_DIR.glob("*.toml"))
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterProfile:
+    """Load a built-in profile by name (`h100-sxm`) or a TOML file by path."""
+    text_name = str(name_or_path)
+    path = Path(text_name)
+    if not (text_name.endswith(".toml") or path.exists()):
+        path = PROFILES_DIR / f"{text_name}.toml"
+        if not path.exists():
+            raise MeshplanError(f"unknown cluster profile {text_name!r}; built-in profiles: "
+                                f"{', '.join(builtin_profiles())}, or pass a path to a .toml file")
+    if not path.exists():
+        raise MeshplanError(f"cluster profile file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise MeshplanError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); "
+                            "a cluster profile is TOML text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise MeshplanError(f"{path}: not valid TOML ({exc})") from None
+    try:
+        return cluster_from_dict(data)
+    except ValueError as exc:
+        raise MeshplanError(f"{path}: {exc}") from None

@@ -1,0 +1,226 @@
+"""Cost tables: what the ILP needs about one outer candidate, built from `planner.costing.layer_costs.layer_cost`.
+
+For one uniform strategy (tp, dp, ZeRO stage, SP, micro-batch size, precision, pp) the layers of a
+model collapse into a few *layer types* (the embedding, the repeated transformer block, the head),
+and each type has a handful of *options* (recomputation none / selective / full; with
+`--layerwise` also the per-layer tp and dp degrees). The solver only ever reads these tables, so
+it can be tested on synthetic tables and planning a 126-block model costs three types, not 126
+layers.
+
+All times are seconds on one rank. `fwd_s` and `bwd_s` are per micro-batch and include the blocking
+TP collectives and ZeRO-3 gathers; `bwd_s` includes the recomputed forward. `dp_comm_s` (gradient
+reduction), `param_gather_s` (ZeRO-1/2 all-gather after the optimizer) and `optimizer_s` are per
+optimizer step. Bytes are per rank: `static_bytes` (parameters, gradients, optimizer states) are
+resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is a transient peak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from meshplan.planner.contracts.config import RECOMPUTE
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """One layer type run one way (recompute, and for layerwise plans its own tp/dp), on one rank."""
+
+    recompute: str
+    fwd_s: float
+    bwd_s: float
+    static_bytes: float
+    act_bytes: float
+    buffer_bytes: float = 0.0
+    dp_comm_s: float = 0.0
+    param_gather_s: float = 0.0
+    optimizer_s: float = 0.0
+    output_bytes: float = 0.0
+    tp: int = 1
+    dp: int = 1
+    # Split of the times and memory, kept for the plan's per-layer report.
+    comm_s: float = 0.0
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "buffer_bytes", "dp_comm_s",
+                     "param_gather_s", "optimizer_s", "output_bytes", "comm_s"):
+            value = getattr(self, name)
+            if not value >= 0:  # also rejects NaN
+                raise ValueError(f"option cost {name} must be >= 0, got {value!r}")
+
+    @property
+    def time_s(self) -> float:
+        """Forward plus backward of one micro-batch."""
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def tail_s(self) -> float:
+        """Per-step work after the pipeline drains if nothing overlaps it."""
+        return self.dp_comm_s + self.param_gather_s + self.optimizer_s
+
+
+@dataclass(frozen=True)
+class LayerType:
+    """A kind of layer and its cost under each option (options in a fixed, deterministic order)."""
+
+    key: str
+    options: tuple[OptionCost, ...]
+
+    def __post_init__(self):
+        if not self.options:
+            raise ValueError(f"layer type {self.key!r} has no options")
+
+    def min_time_s(self) -> float:
+        return min(option.time_s for option in self.options)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-layer type index into `types`, the types' option costs, and the pipeline transfer time.
+
+    `p2p_s` is the time of one boundary transfer (one micro-batch's activation forward, or its
+    gradient backward) between neighbouring pipeline ranks.
+    """
+
+    layer_names: tuple[str, ...]
+    layer_type: tuple[int, ...]
+    types: tuple[LayerType, ...]
+    p2p_s: float = 0.0
+    # Layerwise plans: one resharding of the boundary activation between layers of different
+    # (tp, dp) inside a stage, per micro-batch and direction.
+    reshard_s: float = 0.0
+
+    def __post_init__(self):
+        if len(self.layer_names) != len(self.layer_type) or not self.layer_names:
+            raise ValueError(f"cost table has {len(self.layer_names)} names but {len(self.layer_type)} types")
+        bad = [t for t in self.layer_type if not 0 <= t < len(self.types)]
+        if bad:
+            raise ValueError(f"cost table refers to layer type {bad[0]} but has {len(self.types)} types")
+        for name in ("p2p_s", "reshard_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_type)
+
+    def option(self, layer: int, index: int) -> OptionCost:
+        return self.types[self.layer_type[layer]].options[index]
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Maximal runs of consecutive layers of one type: [(type, first layer, count)]."""
+        out: list[tuple[int, int, int]] = []
+        for index, type_index in enumerate(self.layer_type):
+            if out and out[-1][0] == type_index and out[-1][1] + out[-1][2] == index:
+                out[-1] = (type_index, out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((type_index, index, 1))
+        return out
+
+    def min_total_time_s(self) -> float:
+        """Sum over layers of the fastest option: no pipeline can do one micro-batch faster."""
+        return sum(self.types[t].min_time_s() for t in self.layer_type)
+
+
+def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> OptionCost:
+    """Fold a `planner.costing.layer_costs.LayerCost` into the quantities the ILP uses.
+
+    ZeRO-3 gathers are prefetched one layer ahead, so only what the layer's own compute cannot
+    hide is exposed (identical consecutive layers make "the previous layer" this one).
+    """
+    bwd_compute_s = cost.bwd_compute_s + cost.recompute_s
+    fwd_gather_s = max(0.0, cost.zero3_gather_s - cost.fwd_compute_s)
+    bwd_gather_s = max(0.0, cost.zero3_gather_s - bwd_compute_s)
+    return OptionCost(
+        recompute=recompute,
+        fwd_s=cost.fwd_compute_s + cost.tp_fwd_comm_s + fwd_gather_s,
+        bwd_s=bwd_compute_s + cost.tp_bwd_comm_s + bwd_gather_s,
+        static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
+        act_bytes=cost.activation_bytes,
+        buffer_bytes=cost.buffer_bytes,
+        dp_comm_s=cost.dp_grad_comm_s,
+        param_gather_s=cost.dp_param_gather_s,
+        optimizer_s=cost.optimizer_step_s,
+        output_bytes=cost.output_bytes,
+        tp=tp, dp=dp,
+        comm_s=cost.tp_fwd_comm_s + cost.tp_bwd_comm_s + fwd_gather_s + bwd_gather_s)
+
+
+def _no_worse(a: OptionCost, b: OptionCost) -> bool:
+    """a is at least as good as b in every quantity the solver reads."""
+    return ((a.tp, a.dp) == (b.tp, b.dp) and a.fwd_s <= b.fwd_s and a.bwd_s <= b.bwd_s
+            and all(getattr(a, f) <= getattr(b, f) for f in ("static_bytes", "act_bytes", "buffer_bytes",
+                                                              "dp_comm_s", "param_gather_s", "optimizer_s")))
+
+
+def drop_dominated(options: list[OptionCost]) -> tuple[OptionCost, ...]:
+    """Options no better than an earlier one (or worse than a later one) are never needed.
+
+    Example: with flash attention there are no attention scores to drop, so selective
+    recomputation costs exactly what no recomputation does; keeping both only gives the ILP
+    interchangeable copies of every solution.
+    """
+    kept: list[OptionCost] = []
+    for index, option in enumerate(options):
+        earlier = any(_no_worse(other, option) for other in options[:index])
+        later = any(_no_worse(other, option) and not _no_worse(option, other) for other in options[index + 1:])
+        if not (earlier or later):
+            kept.append(option)
+    return tuple(kept)
+
+
+def layer_type_keys(graph) -> tuple[list[str], list[int]]:
+    """Distinct layer types of a ModelGraph (repeated blocks share one) and each layer's type."""
+    keys: list[str] = []
+    layer_type: list[int] = []
+    for layer in graph.layers:
+        key = layer.repeat_of or layer.name
+        if key not in keys:
+            keys.append(key)
+        layer_type.append(keys.index(key))
+    return keys, layer_type
+
+
+def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
+                     layerwise_meshes: tuple[tuple[int, int], ...] = (),
+                     layer_cost: Callable | None = None, p2p_time: Callable | None = None) -> CostTable:
+    """The cost table of `graph` under `strategy` (a `planner.costing.layer_costs.Strategy`) on `cluster`.
+
+    `layerwise_meshes`: extra (tp, dp) pairs each layer may pick (same tp*dp as the strategy's);
+    the micro-batch is then split `dp` ways inside the stage instead of `strategy.dp` ways.
+    `layer_cost` and `p2p_time` default to the cost model's; tests may pass others.
+    """
+    from dataclasses import replace
+
+    if layer_cost is None or p2p_time is None:
+        from meshplan.planner.costing import layer_costs as cost_model
+        layer_cost = layer_cost or cost_model.layer_cost
+        p2p_time = p2p_time or cost_model.p2p_time_s
+    keys, layer_type = layer_type_keys(graph)
+    first_of_type = {t: graph.layers[i] for i, t in reversed(list(enumerate(layer_type)))}
+    meshes = [(strategy.tp, strategy.dp)] + [m for m in layerwise_meshes if m != (strategy.tp, strategy.dp)]
+    samples_per_stage = strategy.microbatch_size * strategy.dp
+    types = []
+    for type_index, key in enumerate(keys):
+        layer = first_of_type[type_index]
+        options = []
+        for tp, dp in meshes:
+            if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
+                continue
+            local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
+                            sp=strategy.sp and tp > 1)
+            # Recomputation is for blocks; the embedding and head always keep their activations.
+            for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
+                cost = layer_cost(layer, replace(local, recompute=recompute), cluster, graph.info,
+                                  profile_dtype=graph.dtype,
+                                  holds_shared=bool(layer.shared_params) and strategy.pp > 1)
+                options.append(option_from_layer_cost(recompute, cost, tp, dp))
+        if not options:
+            raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
+        types.append(LayerType(key=key, options=drop_dominated(options)))
+    boundary_bytes = max(max(o.output_bytes for o in t.options) for t in types)
+    p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
+    return CostTable(layer_names=tuple(layer.name for layer in graph.layers), layer_type=tuple(layer_type),
+                     types=tuple(types), p2p_s=p2p_s)
+

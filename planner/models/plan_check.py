@@ -1,0 +1,36 @@
+"""Plan checks that need the model but not torch: the layers of built-in and parametric specs.
+
+`load_plan` validates a plan on its own (schema, types, mesh, stage order). Whether its layers are
+the model's layers needs the model: for built-in and parametric specs the names follow from the
+spec alone (`embed`, `blocks.0` .. `blocks.{n-1}`, `head`, as `build_model` names them), so they
+are checked here without importing torch. File and Hugging Face models are checked by the
+commands that build them (`simulate`, `train`): where a plan is only read, their files may
+legitimately be absent.
+"""
+from __future__ import annotations
+
+from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+
+
+def zoo_layer_names(spec: str, seq: int) -> list[str] | None:
+    """The layer names of a built-in or parametric spec; None for file and HF specs.
+
+    An unknown or malformed spec raises MeshplanError (for an unknown name the message lists the
+    known models).
+    """
+    from meshplan.planner.models.registry import build_model, parse_spec
+
+    if spec.startswith("hf:") or spec.partition(":")[0].endswith(".py"):
+        return None
+    config = parse_spec(spec, seq)
+    if config is None:
+        build_model(spec, seq)  # an unknown name: raises before importing torch
+        raise AssertionError(f"build_model accepted the unknown spec {spec!r}")
+    return ["embed"] + [f"blocks.{index}" for index in range(config.num_layers)] + ["head"]
+
+
+def check_plan_model(plan: Plan) -> None:
+    """Refuse (MeshplanError) a plan whose model is unknown or whose layers are not that model's."""
+    names = zoo_layer_names(plan.model.spec, plan.model.seq)
+    if names is not None:
+        check_plan_matches_model(plan, names)

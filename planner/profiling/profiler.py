@@ -1,0 +1,277 @@
+"""The profiler: a model spec -> `ModelGraph` of per-layer FLOPs, parameters and saved bytes.
+
+Everything runs on the meta device (no memory, no weights). The measurement itself is in
+`planner.profiling.tracing`; this module decides what to measure and assembles the graph:
+
+- zoo and HF models are built with their identical blocks collapsed to one (`build_for_profile`),
+  measured once, and expanded back with `repeat_of` = the first block's name;
+- file models (`path/model.py:fn`) are measured whole; their layers are the top-level children,
+  refined into the children of any child that holds most of the forward FLOPs; identical layers
+  (same structure hash, same measured figures) get `repeat_of`;
+- parameters belong to the first layer (in execution order) that holds them; a later layer that
+  uses the same parameter (tied head) records it as `shared_params`; parameters no layer holds
+  (attributes of the root module) belong to the first layer, so per-layer counts sum to
+  `sum(p.numel())`.
+
+Graphs are cached on disk as JSON under `$MESHPLAN_CACHE_DIR` (default `~/.cache/meshplan`),
+keyed by spec (with the file's content hash for file and HF specs), seq, dtype, attention and the
+meshplan, torch and profiler-source versions; a cache hit does not import torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
+
+DTYPES = ("bf16", "fp16", "fp32")
+ATTENTION_KINDS = ("flash", "math")
+# A child holding more than this share of the forward FLOPs is split into its own children.
+DOMINANT_FLOP_SHARE = 0.5
+MAX_REFINE_DEPTH = 4
+CACHE_FORMAT = 1
+_SOURCE_FILES = ("profile.py", "profile_run.py", "graph.py", "models/__init__.py", "models/transformer.py",
+                 "models/config.py", "models/hf.py", "models/filemodel.py")
+
+
+def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
+            cache: bool = True) -> ModelGraph:
+    """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
+
+    `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
+    take their shapes from their example inputs, so `seq` only labels their graph.
+    """
+    _check_args(seq, batch, dtype, attention)
+    path = _cache_path(spec, seq, dtype, attention) if cache else None
+    if path is not None:
+        cached = _load_cached(path)
+        if cached is not None:
+            return cached
+    graph = _profile_uncached(spec, seq, dtype, attention)
+    if path is not None:
+        _store_cached(path, graph)
+    return graph
+
+
+def _check_args(seq, batch, dtype, attention) -> None:
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
+        raise MeshplanError(f"sequence length must be a positive integer, got {seq!r}")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+        raise MeshplanError(f"batch must be a positive integer, got {batch!r}")
+    if dtype not in DTYPES:
+        raise MeshplanError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if attention not in ATTENTION_KINDS:
+        raise MeshplanError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_KINDS)}")
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _profile_uncached(spec: str, seq: int, dtype: str, attention: str) -> ModelGraph:
+    from meshplan.planner.models.registry import build_for_profile
+    from meshplan.planner.profiling.tracing import measure_layers
+
+    target = build_for_profile(spec, seq, dtype=torch_dtype(dtype))
+    built = target.built
+    groups = built.layer_groups
+    if built.info.family == "file":
+        groups = choose_file_groups(built)
+    measurements, order = measure_layers(built, groups, attention)
+    measured = _measured_profiles(built, groups, measurements, order)
+    if target.layout:
+        by_name = {layer.name: layer for layer in measured}
+        layers = tuple(replace(by_name[source], name=name, kind=kind, repeat_of=None if name == source else source)
+                       for name, kind, source in target.layout)
+    else:
+        layers = _mark_repeats(measured, groups, measurements, order)
+    return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=layers, info=built.info)
+
+
+def _measured_profiles(built, groups, measurements, order) -> list[LayerProfile]:
+    """One LayerProfile per group (in group order), parameters attributed by ownership."""
+    params = _param_ownership(built.module, groups, order)
+    profiles = []
+    for group, meas, (num_params, param_bytes, shared) in zip(groups, measurements, params):
+        profiles.append(LayerProfile(
+            name=group.name, kind=group.kind if group.kind in ("embedding", "block", "head") else "other",
+            fwd_flops=meas.fwd_flops, bwd_flops=meas.bwd_flops, num_params=num_params, param_bytes=param_bytes,
+            act_tp_sharded_bytes=meas.act_tp_sharded_bytes, act_tp_replicated_bytes=meas.act_tp_replicated_bytes,
+            act_attn_score_bytes=meas.act_attn_score_bytes, input_bytes=meas.input_bytes,
+            output_bytes=meas.output_bytes, tp_split=group.tp_split,
+            causal_fwd_flops=meas.fwd_flops - meas.causal_saving_flops, shared_params=shared))
+    return profiles
+
+
+def _param_ownership(module, groups, order) -> list[tuple[int, int, int]]:
+    """(num_params, param_bytes, shared_params) per group; the first group in execution order
+    that holds a parameter owns it; parameters outside every group go to the first group."""
+    ranked = list(order) + [i for i in range(len(groups)) if i not in order]
+    owner: dict[int, int] = {}
+    totals = [[0, 0, 0] for _ in groups]
+    for index in ranked:
+        seen: set[int] = set()
+        for root in groups[index].modules:
+            for param in root.parameters():
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if id(param) in owner:
+                    totals[index][2] += param.numel()
+                else:
+                    owner[id(param)] = index
+                    totals[index][0] += param.numel()
+                    totals[index][1] += param.numel() * param.element_size()
+    seen_orphans: set[int] = set()
+    for param in module.parameters():
+        if id(param) not in owner and id(param) not in seen_orphans:
+            seen_orphans.add(id(param))
+            totals[ranked[0]][0] += param.numel()
+            totals[ranked[0]][1] += param.numel() * param.element_size()
+    return [tuple(t) for t in totals]
+
+
+def choose_file_groups(built) -> tuple:
+    """Top-level children as layers; a child the forward never calls (an nn.ModuleList it
+    iterates over) is replaced by its children, and a child with most of the forward FLOPs is
+    split into its children (up to MAX_REFINE_DEPTH levels), so a model whose body is one
+    Sequential or ModuleList of blocks is profiled block by block. Groups come back in
+    first-call order."""
+    from meshplan.planner.models.registry import LayerGroup
+    from meshplan.planner.profiling.tracing import measure_layers
+
+    entries = list(built.module.named_children()) or [("model", built.module)]
+    for _ in range(2 * MAX_REFINE_DEPTH + 1):
+        groups = tuple(LayerGroup(name, "other", (mod,)) for name, mod in entries)
+        measurements, order = measure_layers(built, groups, backward=False)
+        # Containers the forward iterates over (nn.ModuleList) are never called themselves:
+        # their children are the layers.
+        containers = [i for i, m in enumerate(measurements) if not m.called and any(entries[i][1].children())]
+        if containers:
+            entries = [item for i, entry in enumerate(entries) for item in
+                       (_children_of(entry) if i in containers else [entry])]
+            continue
+        total = sum(m.fwd_flops for m in measurements)
+        top = max(range(len(groups)), key=lambda i: measurements[i].fwd_flops)
+        if total == 0 or measurements[top].fwd_flops <= DOMINANT_FLOP_SHARE * total \
+                or len(_children_of(entries[top])) < 2:
+            break
+        entries[top:top + 1] = _children_of(entries[top])
+    ranked = list(order) + [i for i in range(len(groups)) if i not in order]
+    return tuple(groups[i] for i in ranked)
+
+
+def _children_of(entry: tuple[str, object]) -> list[tuple[str, object]]:
+    name, module = entry
+    return [(f"{name}.{child}", mod) for child, mod in module.named_children()]
+
+
+def structure_key(group) -> str:
+    """Hash of a layer's structure: module types and settings, parameter and buffer shapes."""
+    parts = []
+    for root in group.modules:
+        for name, sub in root.named_modules():
+            tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in sub.named_parameters(recurse=False)]
+            tensors += [(n, tuple(t.shape), str(t.dtype)) for n, t in sub.named_buffers(recurse=False)]
+            parts.append((name, type(sub).__qualname__, sub.extra_repr(), tuple(tensors)))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _mark_repeats(layers, groups, measurements, order) -> tuple[LayerProfile, ...]:
+    """Layers in execution order; each identical to an earlier one (same structure and inputs,
+    same measured figures) gets repeat_of = the first such layer's name."""
+    ranked = list(order) + [i for i in range(len(groups)) if i not in order]
+    first: dict[tuple, LayerProfile] = {}
+    out = []
+    for index in ranked:
+        layer = layers[index]
+        key = (structure_key(groups[index]), measurements[index].input_shapes)
+        earlier = first.get(key)
+        if earlier is not None and replace(earlier, name=layer.name) == layer:
+            layer = replace(layer, repeat_of=earlier.name)
+        else:
+            first.setdefault(key, layer)
+        out.append(layer)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# On-disk cache
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MESHPLAN_CACHE_DIR") or Path.home() / ".cache" / "meshplan")
+
+
+def _cache_path(spec: str, seq: int, dtype: str, attention: str) -> Path | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def _version(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "unknown"
+
+    here = Path(__file__).parent
+    code = hashlib.sha256()
+    for name in _SOURCE_FILES:
+        source = here / name
+        code.update(source.read_bytes() if source.exists() else b"")
+    key = {"format": CACHE_FORMAT, "spec": spec, "source": _spec_source_hash(spec), "seq": seq, "dtype": dtype,
+           "attention": attention, "meshplan": _version("meshplan"), "torch": _version("torch"),
+           "code": code.hexdigest()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def _spec_source_hash(spec: str) -> str:
+    """Content hash of the file a file or HF spec names (so edits invalidate the cache)."""
+    if spec.startswith("hf:"):
+        path = Path(spec[3:])
+    elif spec.partition(":")[0].endswith(".py"):
+        path = Path(spec.rpartition(":")[0] if ":" in spec else spec)
+    else:
+        return ""
+    try:
+        return str(path.resolve()) + ":" + hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return "missing"  # the build reports it
+
+
+def _load_cached(path: Path) -> ModelGraph | None:
+    """The cached graph, or None when absent or unreadable (a corrupt entry is rewritten)."""
+    try:
+        return graph_from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_cached(path: Path, graph: ModelGraph) -> None:
+    """Write atomically; an unwritable cache directory only costs the next run's time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(graph_to_json(graph)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def graph_to_json(graph: ModelGraph) -> dict:
+    return {"spec": graph.spec, "seq": graph.seq, "dtype": graph.dtype, "attention": graph.attention,
+            "info": asdict(graph.info), "layers": [asdict(layer) for layer in graph.layers]}
+
+
+def graph_from_json(data: dict) -> ModelGraph:
+    layers = []
+    for item in data["layers"]:
+        split = {k: tuple(v) if isinstance(v, list) else v for k, v in item["tp_split"].items()}
+        layers.append(LayerProfile(**{**item, "tp_split": TPSplit(**split)}))
+    return ModelGraph(spec=data["spec"], seq=data["seq"], dtype=data["dtype"], attention=data["attention"],
+                      layers=tuple(layers), info=ModelInfo(**data["info"]))

@@ -1,0 +1,331 @@
+"""One instrumented training step on the meta device: FLOPs and saved bytes per layer.
+
+How each figure is measured (no formulas):
+
+- FLOPs: one `FlopCounterMode` around forward + backward. Layer boundaries read its running
+  total: a layer's forward starts when its first module is called (forward pre-hook), its
+  backward ends when the gradient of its input is ready (tensor hook on that input). Every op
+  lands in exactly one layer, so per-layer sums equal the counter's total; backward FLOPs are
+  thereby (forward + backward count) minus the forward count, per layer.
+- Activation bytes: `saved_tensors_hooks` sees every tensor autograd keeps for backward. Bytes
+  are counted once per storage per layer (q, k and v Linears all save the same normed input),
+  parameters and buffers excluded, and classified by where they were saved (see `_classify`).
+- Attention: SDPA on the meta device runs torch's math path, which saves fp32 copies of q, k, v
+  and the fp32 softmax of shape (heads, s, s). With attention="flash" those saved tensors are
+  replaced by what a fused kernel keeps: q, k, v, the output and an fp32 log-sum-exp of shape
+  (heads, s). FlopCounterMode counts SDPA in full (non-causal), the model-FLOPs convention; the
+  causal saving is reported separately.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from meshplan.planner.contracts.errors import MeshplanError
+
+_ATTENTION_ARG_NAMES = ("query", "key", "value")
+
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    """What one step of one layer group costs, per sample (the example inputs hold one sample)."""
+
+    fwd_flops: int
+    bwd_flops: int
+    causal_saving_flops: int  # forward FLOPs a causal attention kernel skips
+    act_tp_sharded_bytes: int
+    act_tp_replicated_bytes: int
+    act_attn_score_bytes: int
+    input_bytes: int
+    output_bytes: int
+    input_shapes: tuple  # shapes and dtypes of the positional tensor inputs (structure key)
+    called: bool  # False: the module never ran in forward
+
+
+def measure_layers(built: Any, groups: tuple, attention: str = "flash",
+                   backward: bool = True) -> tuple[list[LayerMeasurement], list[int]]:
+    """Run forward (+ loss + backward) of `built` once; return per-group measurements and the
+    group indices in the order they were first called."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    recorder = _Recorder(groups, attention, _storage_keys(built.module))
+    handles = recorder.install()
+    try:
+        with FlopCounterMode(display=False) as counter, _AttentionMode(recorder), \
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
+            recorder.counter = counter
+            output = _user_call(built, "forward", built.run_forward)
+            roots = _backward_roots(built, output) if backward else []
+            recorder.start_backward()
+            if roots:
+                _user_call(built, "backward", lambda: torch.autograd.backward(
+                    roots, [torch.ones_like(root) for root in roots]))
+            recorder.switch(recorder.current)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorder.results(), list(recorder.order)
+
+
+def _unpack(tensor):
+    return tensor
+
+
+def _user_call(built: Any, what: str, fn: Callable):
+    """Run user-supplied model code; its failures are the user's to fix (exit 2, one line)."""
+    if built.info.family not in ("file", "hf"):
+        return fn()
+    try:
+        return fn()
+    except MeshplanError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure (even sys.exit) is bad input
+        message = " ".join(str(exc).split())[:300]
+        raise MeshplanError(f"the model cannot run its {what} on the meta device "
+                            f"({type(exc).__name__}: {message}); profiling needs a model whose forward "
+                            "uses only tensor ops (no .item(), no data-dependent Python branches)") from None
+
+
+def _backward_roots(built: Any, output) -> list:
+    """The loss when the model has one, else every float output (backward with ones)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    if built.loss_fn is not None:
+        loss = _user_call(built, "loss_fn", lambda: built.loss_fn(output, built.example_inputs))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise MeshplanError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        return [loss] if loss.requires_grad else []
+    return [leaf for leaf in tree_leaves(output)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]
+
+
+def _storage_key(tensor) -> tuple[Any, int]:
+    """(identity of the storage, its bytes): views of one storage count once."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse or storage-less subclass
+        return ("tensor", id(tensor)), tensor.numel() * tensor.element_size()
+
+
+def _storage_keys(module) -> set:
+    keys = {_storage_key(p)[0] for p in module.parameters()}
+    return keys | {_storage_key(b)[0] for b in module.buffers()}
+
+
+def _tensor_bytes(value) -> tuple[int, tuple]:
+    """Bytes and (shape, dtype) signature of the tensors in a value, each storage once."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    seen, total, sig = set(), 0, []
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            sig.append((tuple(leaf.shape), str(leaf.dtype)))
+            key = _storage_key(leaf)[0]
+            if key not in seen:
+                seen.add(key)
+                total += leaf.numel() * leaf.element_size()
+    return total, tuple(sig)
+
+
+class _Recorder:
+    """Mutable state of one measurement run (lives only inside `measure_layers`)."""
+
+    def __init__(self, groups: tuple, attention: str, param_keys: set):
+        count = len(groups)
+        self.groups, self.attention, self.param_keys = groups, attention, param_keys
+        self.counter = None
+        self.current, self.mark, self.in_backward = 0, 0, False
+        self.fwd, self.bwd, self.causal = [0] * count, [0] * count, [0] * count
+        self.saved: list[dict] = [{} for _ in range(count)]
+        self.inputs: list[tuple[int, tuple]] = [(0, ())] * count
+        self.outputs = [0] * count
+        self.order: list[int] = []
+        self.stack: list[Any] = []
+        self.score_shape: tuple | None = None  # (s_q, s_kv) while inside math SDPA
+        self.muted = 0  # > 0 while inside SDPA under attention="flash"
+        self.alive: list[Any] = []  # recorded tensors (meta: no memory), see `record`
+        self.roles = self._linear_roles()
+
+    def _linear_roles(self) -> dict[int, str]:
+        """id(module) -> "column" | "row" | "region" for the Linears a block split names."""
+        roles: dict[int, str] = {}
+        for group in self.groups:
+            split, root = group.tp_split, group.modules[0]
+            if split.kind != "block":
+                continue
+            for role, names in (("column", split.column_linears), ("row", split.row_linears)):
+                for name in names:
+                    roles[id(root.get_submodule(name))] = role
+                    parent = name.rpartition(".")[0]
+                    if parent:
+                        roles.setdefault(id(root.get_submodule(parent)), "region")
+        return roles
+
+    def install(self) -> list:
+        handles = []
+        for index, group in enumerate(self.groups):
+            for root in group.modules:
+                handles.append(root.register_forward_pre_hook(self._boundary_hook(index)))
+                handles.append(root.register_forward_hook(self._output_hook(index)))
+                for sub in root.modules():
+                    handles.append(sub.register_forward_pre_hook(self._push))
+                    handles.append(sub.register_forward_hook(self._pop, always_call=True))
+        return handles
+
+    def switch(self, index: int) -> None:
+        """Close the running layer's FLOP interval at the counter's total; `index` runs next."""
+        total = self.counter.get_total_flops() if self.counter is not None else 0
+        (self.bwd if self.in_backward else self.fwd)[self.current] += total - self.mark
+        self.mark, self.current = total, index
+
+    def start_backward(self) -> None:
+        self.switch(self.current)
+        self.in_backward = True
+
+    def _boundary_hook(self, index: int):
+        import torch
+
+        def hook(module, args):
+            previous, first_call = self.current, index not in self.order
+            if previous != index or first_call:
+                self.switch(index)
+                grad_input = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+                if grad_input is not None and torch.is_grad_enabled():
+                    # Its gradient is complete once this layer's backward is done.
+                    grad_input.register_hook(lambda grad: self.switch(previous))
+            if first_call:
+                self.order.append(index)
+                self.inputs[index] = _tensor_bytes(args)
+        return hook
+
+    def _output_hook(self, index: int):
+        def hook(module, args, output):
+            self.outputs[index] = _tensor_bytes(output)[0]
+        return hook
+
+    def _push(self, module, args):
+        self.stack.append(module)
+
+    def _pop(self, module, args, output):
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def pack(self, tensor):
+        if not self.in_backward and not self.muted:
+            self.record(tensor, self._classify(tensor))
+        return tensor
+
+    def record(self, tensor, kind: str, key=None, nbytes: int = 0) -> None:
+        if key is None:
+            key, nbytes = _storage_key(tensor)
+            # Storage identities are addresses: keep every recorded tensor alive so that a
+            # storage freed later (flash mode records q, k, v that the math path does not keep)
+            # cannot be reused under the same key by another tensor.
+            self.alive.append(tensor)
+        if key in self.param_keys:
+            return
+        self.saved[self.current].setdefault(key, (kind, nbytes))
+
+    def _classify(self, tensor) -> str:
+        """"score" (s x s attention), "sharded" (inside the TP region) or "replicated".
+
+        Block layers: a column Linear saves its (replicated) input; a row Linear and everything
+        inside attention/MLP save sharded tensors; norms and residual glue are replicated. Layers
+        that cannot be split ("none") keep everything but attention scores replicated. Head:
+        saved inside its modules (norm, output Linear input) is replicated, the loss on the
+        vocab-sharded logits after them is sharded. Everything else is replicated.
+        """
+        group = self.groups[self.current]
+        if self.score_shape is not None:
+            if tensor.dim() >= 2 and tuple(tensor.shape[-2:]) == self.score_shape:
+                return "score"
+            return "sharded" if group.tp_split.kind == "block" else "replicated"
+        if group.tp_split.kind == "block":
+            for module in reversed(self.stack):
+                role = self.roles.get(id(module))
+                if role == "column":
+                    return "replicated"
+                if role is not None:
+                    return "sharded"
+            return "replicated"
+        if group.tp_split.kind == "vocab" and group.kind == "head" and not self.stack:
+            return "sharded"
+        return "replicated"
+
+    def attention_call(self, func, args, kwargs):
+        import torch
+
+        named = [kwargs[name] for name in _ATTENTION_ARG_NAMES if name in kwargs]
+        query, key, value = (tuple(args) + tuple(named))[:3]
+        is_causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+        start = self.counter.get_total_flops() if self.counter is not None else 0
+        flash = self.attention == "flash"
+        if flash:
+            self.muted += 1
+        else:
+            self.score_shape = (query.shape[-2], key.shape[-2])
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            if flash:
+                self.muted -= 1
+            else:
+                self.score_shape = None
+        flops = (self.counter.get_total_flops() if self.counter is not None else 0) - start
+        seq_q = query.shape[-2]
+        # torch's math SDPA under a causal mask still computes all s x s products; a causal
+        # kernel computes s(s+1)/2 of the s^2 entries.
+        if is_causal and seq_q:
+            self.causal[self.current] += flops * (seq_q - 1) // (2 * seq_q)
+        needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value))
+        if flash and needs_grad and torch.is_grad_enabled() and not self.in_backward:
+            kind = "sharded" if self.groups[self.current].tp_split.kind == "block" else "replicated"
+            for tensor in (query, key, value, out):
+                self.record(tensor, kind)
+            # log-sum-exp: one fp32 value per (batch, head, query position)
+            self.record(None, kind, key=("lse", id(out)), nbytes=4 * query.numel() // query.shape[-1])
+        return out
+
+    def results(self) -> list[LayerMeasurement]:
+        out = []
+        for index in range(len(self.groups)):
+            by_kind = {"sharded": 0, "replicated": 0, "score": 0}
+            for kind, nbytes in self.saved[index].values():
+                by_kind[kind] += nbytes
+            out.append(LayerMeasurement(
+                fwd_flops=self.fwd[index], bwd_flops=self.bwd[index], causal_saving_flops=self.causal[index],
+                act_tp_sharded_bytes=by_kind["sharded"], act_tp_replicated_bytes=by_kind["replicated"],
+                act_attn_score_bytes=by_kind["score"], input_bytes=self.inputs[index][0],
+                output_bytes=self.outputs[index], input_shapes=self.inputs[index][1],
+                called=index in self.order))
+        return out
+
+
+def _attention_mode_class():
+    from torch.overrides import TorchFunctionMode
+
+    class AttentionMode(TorchFunctionMode):
+        """Routes F.scaled_dot_product_attention through the recorder; everything else as is."""
+
+        def __init__(self, recorder: _Recorder):
+            super().__init__()
+            self.recorder = recorder
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            import torch.nn.functional as F
+
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                return self.recorder.attention_call(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    return AttentionMode
+
+
+def _AttentionMode(recorder: _Recorder):  # noqa: N802 - reads as the context manager it returns
+    return _attention_mode_class()(recorder)

@@ -1,0 +1,160 @@
+"""Turn the planner's ranked candidates into a `Plan`: layer assignments, alternatives, and why.
+
+The winner's per-layer choices become `LayerAssignment`s; each runner-up becomes a complete,
+runnable configuration dict (mesh, ZeRO, SP, schedule, per-layer chunk and recomputation) with
+its prediction and a short `why_not` naming what limits it against the winner: memory, the
+pipeline bubble, communication, recomputation or compute.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshplan.planner.contracts.config import RECOMPUTE
+from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
+
+GIB = 2.0 ** 30
+# Solver fields that measure wall-clock time: they differ between identical runs.
+WALL_CLOCK_KEYS = ("ilp_solve_time_s", "search_time_s")
+CAUSES = {
+    "bubble": "the pipeline bubble",
+    "dp_comm": "data-parallel communication",
+    "tp_comm": "tensor-parallel communication",
+    "pp_comm": "pipeline transfers",
+    "recompute": "recomputation",
+    "compute": "slower compute (smaller GEMMs)",
+    "optimizer": "the optimizer step",
+}
+NOT_EXECUTABLE = ("layerwise plan: layers use their own tensor/data-parallel degrees inside a stage, "
+                  "which the executor does not run yet; plan without --layerwise for a runnable plan")
+
+
+def absolute_spec(spec: str) -> str:
+    """File specs (`path/model.py:fn`, `hf:path/config.json`) with their paths made absolute."""
+    if spec.startswith("hf:"):
+        return "hf:" + str(Path(spec[3:]).resolve())
+    path, sep, fn = spec.rpartition(":")
+    if sep and path.endswith(".py"):
+        return f"{Path(path).resolve()}:{fn}"
+    return spec
+
+
+def layer_assignments(graph, ranked) -> tuple[LayerAssignment, ...]:
+    table, solution, pp = ranked.table, ranked.solution, ranked.config.pp
+    out = []
+    for index, (layer, chunk) in enumerate(zip(graph.layers, solution.chunk_of_layer)):
+        option = table.option(index, solution.option_of_layer[index])
+        out.append(LayerAssignment(
+            name=layer.name, stage=chunk % pp, virtual_stage=chunk // pp, tp=option.tp, dp=option.dp,
+            recompute=option.recompute, fwd_time_s=option.fwd_s, bwd_time_s=option.bwd_s,
+            comm_time_s=option.comm_s, mem_bytes=option.static_bytes + option.act_bytes))
+    return tuple(out)
+
+
+def configuration(ranked) -> dict:
+    """A runnable configuration: everything `meshplan train` needs besides model and cluster."""
+    cfg, solution = ranked.config, ranked.solution
+    per_chunk = [0] * cfg.num_model_chunks
+    for chunk in solution.chunk_of_layer:
+        per_chunk[chunk] += 1
+    return {
+        "label": ranked.candidate.label(),
+        "mesh": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
+        "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
+        "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
+                     "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
+        "recompute": cfg.recompute,
+        "recompute_summary": {r: ranked.recompute_of_layer.count(r) for r in RECOMPUTE},
+        "layers_per_chunk": per_chunk,
+        "chunk_of_layer": list(solution.chunk_of_layer),
+        "recompute_of_layer": list(ranked.recompute_of_layer),
+        "ilp_objective_s": solution.objective_s,
+    }
+
+
+def why_not(alt, winner, limit_bytes: float) -> str:
+    """What limits a runner-up against the winner, in a short phrase."""
+    pa, pw = alt.prediction, winner.prediction
+    if not pa.fits:
+        return (f"does not fit: peak {pa.peak_memory_bytes / GIB:.1f} GiB > {limit_bytes / GIB:.1f} GiB usable")
+    slower = pa.step_time_s - pw.step_time_s
+    cause, delta = _main_cause(pa.breakdown, pw.breakdown)
+    text = f"{_pct(slower, pw.step_time_s)} slower"
+    if cause:
+        text += f", mostly {CAUSES.get(cause, cause)} (+{delta * 1e3:.1f} ms/step)"
+    recomputed = sum(r != "none" for r in alt.recompute_of_layer)
+    if recomputed and cause in ("recompute", None):
+        text += f"; memory forces recomputation of {recomputed} layers"
+    if pa.peak_memory_bytes > 0.95 * limit_bytes:
+        text += f"; memory nearly full ({pa.peak_memory_bytes / GIB:.1f} of {limit_bytes / GIB:.1f} GiB)"
+    return text
+
+
+def _main_cause(alt: dict, winner: dict) -> tuple[str | None, float]:
+    deltas = {key: alt.get(key, 0.0) - winner.get(key, 0.0) for key in CAUSES}
+    key = max(sorted(deltas), key=lambda k: deltas[k])
+    return (key, deltas[key]) if deltas[key] > 0 else (None, 0.0)
+
+
+def _pct(delta: float, base: float) -> str:
+    return f"{100 * delta / base:.1f}%" if base > 0 else f"{delta * 1e3:.1f} ms"
+
+
+def explain(plan_json: dict) -> str:
+    """One paragraph: why the winner wins and what limits the runner-up."""
+    pred, solver = plan_json["prediction"], plan_json.get("solver", {})
+    mesh, sched = plan_json["mesh"], plan_json["schedule"]
+    limit = solver.get("usable_memory_bytes", 0.0)
+    recomputed = sum(layer["recompute"] != "none" for layer in plan_json["layers"])
+    text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
+            f"{sched['name']}{' x' + str(sched['virtual_stages']) if sched['virtual_stages'] > 1 else ''} with "
+            f"{sched['microbatches']} micro-batch{'es' if sched['microbatches'] != 1 else ''} of "
+            f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
+            f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
+            f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
+            f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
+            f"{limit / GIB:.1f} GiB.")
+    alternatives = plan_json.get("alternatives") or []
+    if alternatives:
+        alt = alternatives[0]
+        text += f" The runner-up ({alt['label']}) is {alt['why_not']}."
+    text += (f" Of {solver.get('num_candidates', 0)} candidates, {solver.get('num_solved', 0)} were solved by "
+             f"the ILP, {solver.get('num_pruned_bound', 0)} pruned by the compute bound and "
+             f"{solver.get('num_pruned_memory', 0)} by memory; the winner's ILP status is "
+             f"{solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
+    return text
+
+
+def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwise: bool,
+               limit_bytes: float) -> Plan:
+    """The Plan of the winner (ranked[0]) with the others as alternatives."""
+    winner = ranked[0]
+    layers = layer_assignments(graph, winner)
+    uniform = all(layer.tp == winner.config.tp and layer.dp == winner.config.dp for layer in layers)
+    executable = not layerwise or uniform
+    alternatives = []
+    for alt in ranked[1:]:
+        entry = configuration(alt)
+        entry["prediction"] = alt.prediction.to_json()
+        entry["why_not"] = why_not(alt, winner, limit_bytes)
+        alternatives.append(entry)
+    solution = winner.solution
+    solver = {"backend": solution.backend, "status": solution.status, "gap": solution.gap,
+              "formulation": solution.formulation, "ilp_objective_s": solution.objective_s,
+              "usable_memory_bytes": limit_bytes, "ilp_solve_time_s": solution.solve_time_s, **stats}
+    model = ModelRef(spec=absolute_spec(graph.spec), seq=graph.seq, dtype=graph.dtype, attention=graph.attention)
+    prediction = winner.prediction.to_json()
+    return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
+                alternatives=tuple(alternatives), seed=seed, executable=executable,
+                not_executable_reason="" if executable else NOT_EXECUTABLE, solver=solver)
+
+
+def configuration_rows(plan_json: dict) -> list[dict]:
+    """The winner (from the plan's own fields) followed by the alternatives, in one shape."""
+    recomputes = [layer["recompute"] for layer in plan_json["layers"]]
+    winner = {
+        "mesh": plan_json["mesh"], "zero": plan_json["zero"], "sp": plan_json["sp"],
+        "schedule": plan_json["schedule"], "prediction": plan_json["prediction"],
+        "recompute_summary": {r: recomputes.count(r) for r in RECOMPUTE},
+        "ilp_objective_s": plan_json.get("solver", {}).get("ilp_objective_s", float("nan")),
+    }
+    return [winner] + list(plan_json.get("alternatives") or [])

@@ -1,0 +1,367 @@
+"""The constraint families of the stage-assignment ILP written out in `planner.search.ilp.formulation`'s
+docstring, one function per family, every row named after the family (assign_l, contig_l,
+run_total, nonempty_c, tmax_r, tmax_chunk_c, tail_r, mem_r_k, buf_*) so that an infeasible
+request can say which family binds. `build_model` assembles them for one candidate.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshplan.planner.search.ilp.evaluation import live_vectors
+
+if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
+    from meshplan.planner.search.ilp.formulation import StageProblem
+
+
+GIB = float(2 ** 30)  # memory rows in GiB keep the ILP's coefficients within a few orders
+
+
+class _Model:
+    """The pulp problem of one candidate plus the expressions its constraint families share."""
+
+    def __init__(self, problem: StageProblem):
+        import pulp
+
+        self.pulp = pulp
+        self.problem = problem
+        self.lp = pulp.LpProblem("meshplan_stages", pulp.LpMinimize)
+        shape = problem.shape
+        self.num_chunks, self.pp = shape.num_chunks, shape.num_stages
+        zero = pulp.LpAffineExpression
+        self.chunk_time = [zero() for _ in range(self.num_chunks)]
+        self.chunk_act = [zero() for _ in range(self.num_chunks)]
+        self.rank_static, self.rank_grad_comm, self.rank_bwd, self.rank_tail = (
+            [zero() for _ in range(self.pp)] for _ in range(4))
+        self.rank_buffer: list[list[tuple[float, object]]] = [[] for _ in range(self.pp)]
+        # Lower bounds on each rank's exposed gradient reduction, one row per group of
+        # (seconds, indicator expression) terms.
+        self.rank_first_dp: list[list[list[tuple[float, object]]]] = [[] for _ in range(self.pp)]
+        self.decoders: list = []  # callables filling (chunks, options) from the solved values
+        # Integrality cuts: (K, t, c) with K >= layers of a run in any chunk, so T_max >= v (K t + c).
+        self.count_cuts: list[tuple[object, float, float]] = []
+        # Tail cuts: (R, s, slack) with R >= run layers on any rank, so Tail >= R s + slack.
+        self.tail_cuts: list[tuple[object, float, float]] = []
+
+    def add_option_terms(self, chunk: int, option, amount) -> None:
+        """Account `amount` (a variable, expression or number) layers of `option` in `chunk`."""
+        rank = chunk % self.pp
+        self.chunk_time[chunk] += option.time_s * amount
+        self.chunk_act[chunk] += (option.act_bytes / GIB) * amount
+        self.rank_static[rank] += (option.static_bytes / GIB) * amount
+        self.rank_grad_comm[rank] += option.dp_comm_s * amount
+        self.rank_bwd[rank] += option.bwd_s * amount
+        self.rank_tail[rank] += (option.param_gather_s + option.optimizer_s) * amount
+
+    def assignment(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        num_layers = self.problem.table.num_layers
+        chunks, options = [0] * num_layers, [0] * num_layers
+        for decode in self.decoders:
+            decode(chunks, options)
+        return tuple(chunks), tuple(options)
+
+
+def _value(var) -> int:
+    return int(round(var.varValue or 0.0))
+
+
+def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
+    """A layer whose chunk is fixed (embedding in chunk 0, head in the last): choose its option."""
+    table, pulp = model.problem.table, model.pulp
+    options = table.types[table.layer_type[layer]].options
+    pick = [pulp.LpVariable(f"w_{layer}_{o}", cat="Binary") for o in range(len(options))]
+    model.lp += pulp.lpSum(pick) == 1, f"assign_{layer}"
+    for option, var in zip(options, pick):
+        model.add_option_terms(chunk, option, var)
+        if option.buffer_bytes:
+            model.rank_buffer[chunk % model.pp].append((option.buffer_bytes / GIB, var))
+    if layer == 0:  # the first layer of chunk 0
+        model.rank_first_dp[0].append([(min(o.dp_comm_s for o in options), 1)])
+
+    def decode(chunks, chosen):
+        chunks[layer] = chunk
+        chosen[layer] = next(o for o, var in enumerate(pick) if _value(var))
+    model.decoders.append(decode)
+
+
+def _add_run_count_constraints(model: _Model, first: int, count: int, type_index: int) -> None:
+    """Compact run: n[c, o] layers of option o in chunk c; totals, non-empty chunks, buffers."""
+    table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
+    options = table.types[type_index].options
+    counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count, cat="Integer")
+               for o in range(len(options))] for c in range(num_chunks)]
+    model.lp += pulp.lpSum(v for row in counts for v in row) == count, "run_total"
+    has_first, has_last = first == 1, first + count < table.num_layers
+    for c in range(num_chunks):
+        if not ((c == 0 and has_first) or (c == num_chunks - 1 and has_last)):
+            model.lp += pulp.lpSum(counts[c]) >= 1, f"nonempty_{c}"
+        for o, option in enumerate(options):
+            model.add_option_terms(c, option, counts[c][o])
+            if option.buffer_bytes:
+                used = pulp.LpVariable(f"y_{c}_{o}", cat="Binary")
+                model.lp += counts[c][o] <= count * used, f"buf_use_{c}_{o}"
+                model.rank_buffer[c % model.pp].append((option.buffer_bytes / GIB, used))
+    # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
+    # option's time, so T_max >= v K t_min. Valid for every integer solution; the LP relaxation
+    # alone would spread fractional layers evenly, and branching on one K closes that gap.
+    fullest = pulp.LpVariable("run_max_per_chunk", lowBound=0, upBound=count, cat="Integer")
+    for c in range(num_chunks):
+        model.lp += pulp.lpSum(counts[c]) <= fullest, f"run_fullest_{c}"
+    chunk_const = _chunk_constants(model, has_first, has_last)
+    fastest_s = min(o.time_s for o in options)
+    model.count_cuts.append((fullest, fastest_s, min(chunk_const)))
+    model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
+    _add_run_rank_count_cuts(model, counts, options, count, chunk_const)
+    _add_run_reshard_terms(model, counts, options, count)
+    _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
+    _add_run_symmetry_constraints(model, has_first, has_last)
+
+    def decode(chunks, chosen):
+        layer = first
+        for c in range(num_chunks):  # options grouped, in option order, inside each chunk
+            for o in range(len(options)):
+                for _ in range(_value(counts[c][o])):
+                    chunks[layer], chosen[layer] = c, o
+                    layer += 1
+        assert layer == first + count, f"decoded {layer - first} of {count} run layers"
+    model.decoders.append(decode)
+
+
+def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float]) -> float:
+    """A constant no chunk maximum can beat: with K0 = ceil(N / C), either some chunk holds
+    K0 + 1 run layers, or at least N - C (K0 - 1) chunks hold K0, the costliest of which has at
+    least the (N - C (K0 - 1))-th smallest fixed time."""
+    num_chunks = len(chunk_const)
+    base = -(-count // num_chunks)
+    at_base = count - num_chunks * (base - 1)
+    ordered = sorted(chunk_const)
+    return min(base * fastest_s + ordered[at_base - 1], (base + 1) * fastest_s + ordered[0])
+
+
+def _chunk_constants(model: _Model, has_first: bool, has_last: bool) -> list[float]:
+    """Least time of each chunk besides its run layers: transfers and the pinned layers."""
+    table, num_chunks = model.problem.table, model.num_chunks
+    out = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
+    if has_first:
+        out[0] += table.types[table.layer_type[0]].min_time_s()
+    if has_last:
+        out[-1] += table.types[table.layer_type[-1]].min_time_s()
+    return out
+
+
+def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_const: list[float]) -> None:
+    """The busiest rank holds R >= ceil(N / p) run layers: T_max >= R t_min, and its per-step
+    tail is at least R times a run layer's least exposed reduction plus optimizer work."""
+    pulp, table = model.pulp, model.problem.table
+    busiest = pulp.LpVariable("run_max_per_rank", lowBound=0, upBound=count, cat="Integer")
+    for r in range(model.pp):
+        model.lp += pulp.lpSum(v for c in range(r, model.num_chunks, model.pp) for v in counts[c]) <= busiest, \
+            f"run_busiest_{r}"
+    v = model.problem.shape.virtual_stages
+    rank_const = min(sum(chunk_const[r::model.pp]) for r in range(model.pp))
+    model.count_cuts.append((busiest, min(o.time_s for o in options) / v, rank_const / v))
+    overlap = model.problem.overlap_dp
+    per_layer = min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) + o.param_gather_s + o.optimizer_s for o in options)
+    pinned = [table.types[t] for i, t in enumerate(table.layer_type) if table.layer_type.count(t) == 1]
+    # Pinned layers may lower the busiest rank's sum (their reduction may be shorter than their
+    # backward); subtract the most they can.
+    slack = sum(min(0.0, min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) for o in lt.options)) for lt in pinned)
+    model.tail_cuts.append((busiest, per_layer, slack))
+
+
+def _add_run_symmetry_constraints(model: _Model, has_first: bool, has_last: bool) -> None:
+    """Interleaved: order the activations of a rank's chunks against their live micro-batches.
+
+    The contents of two chunks of one rank (neither holding a pinned layer) can be swapped
+    without changing any time, resident memory or buffer; only the activation term
+    sum_j live_k(j) A_j changes. If chunk a holds at least as many live micro-batches as chunk b
+    at every memory peak, putting the smaller activations in a is never worse (rearrangement
+    inequality), so A_a <= A_b loses no optimum and removes the permuted copies of each solution.
+    """
+    shape = model.problem.shape
+    if shape.virtual_stages == 1:
+        return
+    for r in range(model.pp):
+        peaks = live_vectors(shape, r)
+        free = [j for j in range(shape.virtual_stages)
+                if not (j * model.pp + r == 0 and has_first)
+                and not (j * model.pp + r == model.num_chunks - 1 and has_last)]
+        free.sort(key=lambda j: tuple(-live[j] for live in peaks))
+        for a, b in zip(free, free[1:]):
+            if all(live[a] >= live[b] for live in peaks):
+                model.lp += model.chunk_act[a * model.pp + r] <= model.chunk_act[b * model.pp + r], \
+                    f"symmetry_{r}_{a}_{b}"
+
+
+def _add_run_first_layer_terms(model: _Model, counts, options, count: int, has_first: bool, has_last: bool):
+    """The first layer of each rank's first chunk is a run layer, except in chunk 0 after the
+    pinned first layer, and in a last chunk holding only the pinned last layer."""
+    pulp, table = model.pulp, model.problem.table
+    run_dp = min(o.dp_comm_s for o in options)
+    for r in range(model.pp):
+        if r == 0 and has_first:
+            continue
+        if r == model.num_chunks - 1 and has_last:
+            last_options = table.types[table.layer_type[-1]].options
+            used = pulp.LpVariable(f"first_is_run_{r}", cat="Binary")
+            model.lp += pulp.lpSum(counts[r]) <= count * used, f"first_run_up_{r}"
+            model.lp += pulp.lpSum(counts[r]) >= used, f"first_run_down_{r}"
+            model.rank_first_dp[r].append([(run_dp, used), (min(o.dp_comm_s for o in last_options), 1 - used)])
+        else:
+            model.rank_first_dp[r].append([(run_dp, 1)])
+
+
+def _add_run_reshard_terms(model: _Model, counts, options, count: int) -> None:
+    """Layerwise: each extra (tp, dp) mesh used in a chunk costs one resharding each way."""
+    meshes = sorted({(o.tp, o.dp) for o in options})
+    reshard_s = model.problem.table.reshard_s
+    if len(meshes) < 2 or not reshard_s:
+        return
+    pulp = model.pulp
+    for c, row in enumerate(counts):
+        used = {mesh: pulp.LpVariable(f"mesh_{c}_{i}", cat="Binary") for i, mesh in enumerate(meshes)}
+        for o, option in enumerate(options):
+            model.lp += row[o] <= count * used[(option.tp, option.dp)], f"mesh_use_{c}_{o}"
+        extra = pulp.LpVariable(f"reshards_{c}", lowBound=0)
+        model.lp += extra >= pulp.lpSum(used.values()) - 1, f"reshard_count_{c}"
+        model.chunk_time[c] += 2 * reshard_s * extra
+
+
+def _add_layer_assignment_constraints(model: _Model) -> None:
+    """Per-layer formulation: x[l, c, o] binaries, contiguous non-decreasing chunks, all used."""
+    table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
+    num_layers = table.num_layers
+    x: dict[tuple[int, int, int], object] = {}
+    chunk_index = []
+    for layer in range(num_layers):
+        options = table.types[table.layer_type[layer]].options
+        # Chunk c needs c layers before it and C-1-c after it.
+        reachable = range(max(0, num_chunks - num_layers + layer), min(layer, num_chunks - 1) + 1)
+        for c in reachable:
+            for o, option in enumerate(options):
+                var = x[layer, c, o] = pulp.LpVariable(f"x_{layer}_{c}_{o}", cat="Binary")
+                model.add_option_terms(c, option, var)
+        model.lp += pulp.lpSum(x[layer, c, o] for c in reachable for o in range(len(options))) == 1, \
+            f"assign_{layer}"
+        chunk_index.append(pulp.lpSum(c * x[layer, c, o] for c in reachable for o in range(len(options))))
+        for r in range(model.pp):
+            for o, option in enumerate(options):
+                on_rank = [x[layer, c, o] for c in reachable if c % model.pp == r]
+                if option.buffer_bytes and on_rank:
+                    model.rank_buffer[r].append((option.buffer_bytes / GIB, pulp.lpSum(on_rank)))
+    model.lp += chunk_index[0] == 0, "first_layer_chunk"
+    model.lp += chunk_index[-1] == num_chunks - 1, "last_layer_chunk"
+    for layer in range(num_layers - 1):
+        step = chunk_index[layer + 1] - chunk_index[layer]
+        model.lp += step >= 0, f"contig_order_{layer}"
+        model.lp += step <= 1, f"contig_step_{layer}"
+    _add_layer_reshard_terms(model, x)
+    in_chunk: dict[tuple[int, int], list] = {}
+    for (layer, c, _), var in x.items():
+        in_chunk.setdefault((layer, c), []).append(var)
+    for layer in range(num_layers):
+        dp_s = min(o.dp_comm_s for o in table.types[table.layer_type[layer]].options)
+        for r in range(model.pp):  # layer is first in chunk r iff it is in r and its predecessor is not
+            if (layer, r) in in_chunk:
+                here = pulp.lpSum(in_chunk[layer, r]) - pulp.lpSum(in_chunk.get((layer - 1, r), []))
+                model.rank_first_dp[r].append([(dp_s, here)])
+
+    def decode(chunks, chosen):
+        for (layer, c, o), var in x.items():
+            if _value(var):
+                chunks[layer], chosen[layer] = c, o
+    model.decoders.append(decode)
+
+
+def _add_layer_reshard_terms(model: _Model, x) -> None:
+    """Layerwise per-layer formulation: resharding between consecutive layers of one chunk."""
+    table, pulp = model.problem.table, model.pulp
+    if not table.reshard_s:
+        return
+    for layer in range(1, table.num_layers):
+        for c in range(model.num_chunks):
+            def by_mesh(l):
+                out: dict[tuple[int, int], list] = {}
+                for o, option in enumerate(table.types[table.layer_type[l]].options):
+                    if (l, c, o) in x:
+                        out.setdefault((option.tp, option.dp), []).append(x[l, c, o])
+                return out
+            before, here = by_mesh(layer - 1), by_mesh(layer)
+            if len(set(before) | set(here)) < 2:
+                continue
+            moved = pulp.LpVariable(f"reshard_{layer}_{c}", lowBound=0)
+            for mesh, vars_before in before.items():
+                others = [v for m, vs in here.items() if m != mesh for v in vs]
+                model.lp += moved >= pulp.lpSum(vars_before) + pulp.lpSum(others) - 1, \
+                    f"reshard_{layer}_{c}_{mesh[0]}x{mesh[1]}"
+            model.chunk_time[c] += 2 * table.reshard_s * moved
+
+
+def _add_pipeline_time_constraints(model: _Model):
+    """Epigraph of the slowest rank and of the exposed per-step tail; returns the objective."""
+    problem, pulp = model.problem, model.pulp
+    shape, p2p_s = problem.shape, problem.table.p2p_s
+    for c in range(model.num_chunks):
+        model.chunk_time[c] += p2p_s * ((c > 0) + (c < model.num_chunks - 1))
+    rank_time = [pulp.lpSum(model.chunk_time[c] for c in range(r, model.num_chunks, model.pp))
+                 for r in range(model.pp)]
+    slowest = pulp.LpVariable("t_max", lowBound=0)
+    tail = pulp.LpVariable("tail", lowBound=0)
+    for r in range(model.pp):
+        model.lp += slowest >= rank_time[r], f"tmax_{r}"
+    if shape.virtual_stages > 1:  # the interleaved steady state needs equal chunks (see the maths)
+        for c in range(model.num_chunks):
+            model.lp += slowest >= shape.virtual_stages * model.chunk_time[c], f"tmax_chunk_{c}"
+    for k, (fullest, time_s, const_s) in enumerate(model.count_cuts):
+        model.lp += slowest >= shape.virtual_stages * (time_s * fullest + const_s), f"granularity_{k}"
+    for k, (busiest, per_layer_s, slack_s) in enumerate(model.tail_cuts):
+        if per_layer_s > 0:
+            model.lp += tail >= per_layer_s * busiest + slack_s, f"tail_granularity_{k}"
+    for r in range(model.pp):
+        exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
+        overlap = model.rank_bwd[r] if problem.overlap_dp else 0
+        model.lp += exposed >= model.rank_grad_comm[r] - overlap, f"exposed_dp_{r}"
+        for k, group in enumerate(model.rank_first_dp[r]):
+            model.lp += exposed >= pulp.lpSum(dp_s * indicator for dp_s, indicator in group), f"exposed_first_{r}_{k}"
+        model.lp += tail >= exposed + model.rank_tail[r], f"tail_{r}"
+    slowest_weight, sum_weight = shape.weights
+    return slowest_weight * slowest + sum_weight * pulp.lpSum(rank_time) + tail
+
+
+def _add_memory_constraints(model: _Model):
+    """Per rank and per memory peak of the schedule: resident + live activations + buffer."""
+    problem, pulp = model.problem, model.pulp
+    peak = pulp.LpVariable("mem_peak", lowBound=0) if problem.objective == "memory" else None
+    if peak is None and problem.mem_limit_bytes is None:
+        return None
+    for r in range(model.pp):
+        buffer = pulp.LpVariable(f"buffer_{r}", lowBound=0)
+        for i, (size, used) in enumerate(model.rank_buffer[r]):
+            model.lp += buffer >= size * used, f"buf_{r}_{i}"
+        for k, live in enumerate(live_vectors(problem.shape, r)):
+            total = model.rank_static[r] + buffer + pulp.lpSum(
+                live[j] * model.chunk_act[j * model.pp + r] for j in range(problem.shape.virtual_stages))
+            if peak is not None:
+                model.lp += peak >= total, f"mem_peak_{r}_{k}"
+            else:
+                model.lp += total <= problem.mem_limit_bytes / GIB, f"mem_{r}_{k}"
+    return peak
+
+
+def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -> _Model:
+    """The pulp problem of one candidate: the per-layer or (with `structure`) the compact
+    formulation, the pipeline-time and memory families, and the objective."""
+    model = _Model(problem)
+    table = problem.table
+    if structure is None:
+        _add_layer_assignment_constraints(model)
+    else:
+        first, count, type_index = structure
+        if first == 1:
+            _add_pinned_layer(model, 0, 0)
+        _add_run_count_constraints(model, first, count, type_index)
+        if first + count < table.num_layers:
+            _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)
+    time_objective = _add_pipeline_time_constraints(model)
+    peak = _add_memory_constraints(model)
+    model.lp += (peak if peak is not None else time_objective), "objective"
+    return model

@@ -1,0 +1,191 @@
+r"""The stage-assignment ILP for one outer candidate, and the public `plan(...)` entry point.
+
+The outer search (`planner.search.driver`) fixes the mesh (pp, dp, tp), the schedule with its
+micro-batch count m and virtual stages v, the ZeRO stage and SP; `planner.costing.tables` turns that
+into a `CostTable`. This module chooses, per layer, its model chunk and its option (recomputation;
+with `--layerwise` also tp/dp) by an integer linear program.
+
+Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank c mod p)::
+
+    layers l = 0..L-1, options o in O(l) with per-micro-batch time f_lo + b_lo, resident bytes
+    s_lo, activation bytes a_lo, transient buffer u_lo, per-step DP reduction d_lo, ZeRO
+    gather + optimizer q_lo; P = one boundary transfer; live_k(c) = micro-batches chunk c holds
+    at the k-th memory peak of its rank under the schedule (planner.simulation.schedules).
+
+    per-layer formulation           x_lco in {0,1}:  sum_co x_lco = 1                  (assign_l)
+                                     k_l = sum_co c x_lco,  0 <= k_{l+1} - k_l <= 1     (contig_l)
+                                     k_0 = 0,  k_{L-1} = C - 1      (first/last layer, every chunk used)
+    compact formulation (one run R of N identical layers between an optional first layer e and
+    an optional last layer h; e is pinned to chunk 0 and h to chunk C-1, so contiguity holds by
+    construction and only counts matter):
+                                     n_co in Z>=0:  sum_co n_co = N                     (run_total)
+                                     sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
+    chunk time      t_c = sum f+b of its layers + P ([c > 0] + [c < C-1])
+    rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
+                    v > 1: T_max >= v t_c (tmax_chunk_c): the interleaved steady state runs
+                    one chunk of each rank after another, so a chunk longer than T_max / v
+                    stalls its neighbours like a slower rank would
+    exposed DP      E_r >= D_r - B_r,  E_r >= d_first(r)  (D_r: gradient reduction of the rank's
+                    layers; B_r: its backward of the last micro-batch, which the reduction
+                    overlaps; the rank's first layer produces its gradients last, so its own
+                    reduction is never hidden: per-layer E_r >= d_l (X_lr - X_{l-1,r}) with
+                    X_lc = sum_o x_lco; compact: the run's d, or the first/last layer's)
+                    Tail >= E_r + Q_r                                                   (tail_r)
+    memory          M_rk = S_r + sum_{c on r} live_k(c) A_c + U_r <= limit              (mem_r_k)
+                    U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
+    minimise        (F - p/v) T_max + (1/v) sum_r T_r + Tail
+                    F = m + (p-1)/v by default: (m-1) slowest stage + sum of stages for 1F1B/GPipe,
+                    m T + (p-1) T / v for balanced interleaved stages (Megatron-LM); the search
+                    passes F as torch's schedule really plays (`pipeline_factor`).
+
+T_max, E_r and Tail are epigraph variables of a minimisation, so the max() terms are exact. With
+`objective="memory"` the same model minimises the peak M instead (M >= M_rk, no limit), which is
+how an infeasible request learns the smallest per-GPU memory that would work.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from meshplan.planner.costing.tables import CostTable
+from meshplan.planner.search.ilp.backend import run_solver, start_values
+from meshplan.planner.search.ilp.constraints import build_model
+from meshplan.planner.search.ilp.evaluation import evaluate_assignment, heuristic_start, live_vectors, pipeline_factor
+
+__all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure", "evaluate_assignment",
+           "heuristic_start", "live_vectors", "pipeline_factor", "solve_stages"]
+
+FORMULATIONS = ("auto", "compact", "per-layer")
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """The pipeline the layers are cut for."""
+
+    num_stages: int
+    num_microbatches: int
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    # Balanced step time over one rank's per-micro-batch time, as the schedule really plays
+    # (`pipeline_factor`); None: the textbook m + (p - 1) / v.
+    step_factor: float | None = None
+
+    def __post_init__(self):
+        for name in ("num_stages", "num_microbatches", "virtual_stages"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.step_factor is not None and self.step_factor < self.num_stages / self.virtual_stages:
+            raise ValueError(f"step_factor {self.step_factor} is below p / v = {self.num_stages}/{self.virtual_stages}")
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_stages * self.virtual_stages
+
+    @property
+    def weights(self) -> tuple[float, float]:
+        """(weight of the slowest rank, weight of the sum of ranks) in the pipeline time."""
+        v, m = self.virtual_stages, self.num_microbatches
+        if self.step_factor is None:
+            return m - 1 / v, 1 / v
+        return self.step_factor - self.num_stages / v, 1 / v
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    """One candidate's ILP: its cost table, pipeline, memory limit and solver options."""
+
+    table: CostTable
+    shape: PipelineShape
+    mem_limit_bytes: float | None = None  # per rank; None: unconstrained
+    objective: str = "time"  # "time" or "memory"
+    time_limit_s: float = 20.0
+    formulation: str = "auto"
+    overlap_dp: bool = True  # gradient reduction overlaps the last micro-batch's backward
+    backend: str = "highs"  # "highs" or "cbc"
+    # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
+    # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator
+    # re-ranks the top candidates anyway.
+    mip_rel_gap: float = 2e-3
+    # Stop as soon as no assignment can have an objective below this (the outer search passes
+    # the objective a candidate must beat to matter); status "cutoff" then.
+    cutoff_s: float | None = None
+
+    def __post_init__(self):
+        if self.objective not in ("time", "memory"):
+            raise ValueError(f"objective must be 'time' or 'memory', got {self.objective!r}")
+        if self.formulation not in FORMULATIONS:
+            raise ValueError(f"formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
+        if self.shape.num_chunks > self.table.num_layers:
+            raise ValueError(f"{self.shape.num_chunks} pipeline chunks need at least as many layers; "
+                             f"the model has {self.table.num_layers}")
+
+
+@dataclass(frozen=True)
+class StageSolution:
+    """What the ILP chose, with the real solver status and gap."""
+
+    status: str  # "optimal", "time_limit" (feasible, gap may be > 0), "infeasible", "cutoff", "no_solution"
+    objective_s: float = float("inf")  # time objective; with objective="memory": peak bytes
+    gap: float = 0.0  # relative MIP gap at exit
+    chunk_of_layer: tuple[int, ...] = ()
+    option_of_layer: tuple[int, ...] = ()
+    chunk_time_s: tuple[float, ...] = ()
+    rank_mem_bytes: tuple[float, ...] = ()
+    formulation: str = ""
+    backend: str = ""
+    solve_time_s: float = field(default=0.0, compare=False)
+    binding: tuple[str, ...] = ()  # constraints at their limit (tight memory ranks)
+    model_objective: float = float("nan")  # the ILP's own objective value (memory: GiB)
+
+    @property
+    def feasible(self) -> bool:
+        return self.status in ("optimal", "time_limit")
+
+
+# --------------------------------------------------------------------------------------------
+# The ILP
+
+
+def compact_structure(table: CostTable) -> tuple[int, int, int] | None:
+    """(first run layer, run length, run type) if the model is [one layer] run [one layer], else None."""
+    runs = table.runs()
+    long_runs = [run for run in runs if run[2] > 1]
+    if len(long_runs) != 1 or len(runs) > 3:
+        return None
+    type_index, first, count = long_runs[0]
+    if first > 1 or table.num_layers - (first + count) > 1:
+        return None
+    return first, count, type_index
+
+
+def solve_stages(problem: StageProblem) -> StageSolution:
+    """Build and solve one candidate's ILP; never raises for infeasibility (status says it)."""
+    started = time.perf_counter()
+    structure = compact_structure(problem.table)
+    use_compact = structure is not None and problem.formulation != "per-layer"
+    if problem.formulation == "compact" and structure is None:
+        raise ValueError("the compact formulation needs one run of identical layers between at most one "
+                         "first and one last layer")
+    model = build_model(problem, structure if use_compact else None)
+    start = None
+    if use_compact and problem.objective == "time":
+        found = heuristic_start(problem, structure)
+        start = start_values(model.lp, found) if found is not None else None
+    status, gap, backend = run_solver(model.lp, problem, start)
+    formulation = "compact" if use_compact else "per-layer"
+    if status not in ("optimal", "time_limit"):
+        return StageSolution(status=status, formulation=formulation, backend=backend,
+                             solve_time_s=time.perf_counter() - started)
+    chunks, options = model.assignment()
+    objective, chunk_time, rank_mem = evaluate_assignment(problem, chunks, options)
+    if problem.objective == "memory":
+        objective = max(rank_mem)
+    binding = tuple(name for name, constraint in model.lp.constraints.items()
+                    if name.startswith("mem_") and problem.mem_limit_bytes is not None
+                    and abs(constraint.slack or 0.0) <= 1e-4)  # GiB rows: within ~100 KiB of the limit
+    return StageSolution(status=status, objective_s=objective, gap=gap, chunk_of_layer=chunks,
+                         option_of_layer=options, chunk_time_s=chunk_time, rank_mem_bytes=rank_mem,
+                         formulation=formulation, backend=backend,
+                         solve_time_s=time.perf_counter() - started, binding=binding,
+                         model_objective=float(model.lp.objective.value()))
+

@@ -1,0 +1,437 @@
+"""The event engine behind `meshplan simulate`: one training step played action by action.
+
+Input is already costed (`StepCosts`: one `LayerCost` per layer and the chunk each layer sits in);
+`planner.simulation.simulator` builds it from a model graph and a cluster. All data- and tensor-parallel
+replicas of a pipeline stage run the same thing at the same time, so one rank per pipeline stage
+is simulated.
+
+Per pipeline rank:
+- compute stream: the schedule's forward/backward actions in order (`planner.simulation.schedules`; without
+  pipelining, forward and backward alternate per micro-batch as the executor accumulates). An
+  action's duration is its chunk's compute plus the TP collectives, which block compute, plus
+  the ZeRO-3 all-gathers that one-layer-ahead prefetch cannot hide (see `_pass_end_times`).
+  Durations are precomputed per chunk, so the cost is O(pp * microbatches * virtual_stages).
+- p2p stream: a boundary activation (gradient) leaves when its forward (backward) ends and
+  arrives `p2p_time_s` later; the receiver's action cannot start before it arrives. Transfers
+  overlap compute; links are not shared between transfers (1F1B keeps at most one transfer per
+  direction in flight per link). torch's `Schedule1F1B` waits for a send together with the next
+  receive; in steady state both complete when the peer finishes, so this is not modelled.
+- dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in DDP-style buckets
+  (reverse layer order, about `grad_bucket_bytes` each); a bucket starts when the last
+  micro-batch's backward has finished all its layers and the stream is free.
+  `"overlap_every_microbatch"`: the same after every micro-batch's backward (ZeRO-2/3 keeping
+  gradients sharded while accumulating), each reduction costing the per-step time.
+  `grad_sync="after_chunk"` (torch pipelining with FSDP/replicate): a chunk's whole reduction
+  starts after its last backward and the rank's next compute waits for it. The rank then runs
+  the optimizer and, with ZeRO-1/2, all-gathers the updated parameters. The step ends when the
+  slowest rank does.
+- memory: parameters, gradients and optimizer states are resident; a chunk's saved activations
+  (and its boundary output, which the pipeline stage keeps for the backward) are allocated when
+  its forward starts and freed when its backward ends; the largest transient buffer of the
+  rank's layers is added at the peak.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
+from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
+from meshplan.planner.simulation.schedules import Action, schedule_actions
+
+# When gradient reduction runs (see StepCosts.grad_sync).
+GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A costed configuration, ready to simulate.
+
+    `p2p_time_s[c]` is the time to move one micro-batch's boundary tensor from chunk c to chunk
+    c + 1 (and its gradient back); empty means free. FLOPs and tokens are whole-job totals per
+    step; `peak_flops_per_s` is one device's peak for the precision (0: MFU reported as 0).
+    """
+
+    config: ParallelConfig
+    layer_costs: tuple[LayerCost, ...]
+    chunk_of_layer: tuple[int, ...]
+    p2p_time_s: tuple[float, ...] = ()
+    tokens_per_step: float = 0.0
+    model_flops_per_step: float = 0.0
+    hw_flops_per_step: float = 0.0
+    peak_flops_per_s: float = 0.0
+    usable_memory_bytes: float = math.inf
+    grad_bucket_bytes: float = DDP_BUCKET_BYTES
+    # "overlap": DDP-style buckets launched during the last micro-batch's backward (DDP, FSDP
+    # without pipelining, Megatron-LM's overlapped reduction). "overlap_every_microbatch": the
+    # same during every micro-batch's backward (FSDP syncing each micro-batch to keep gradients
+    # sharded). "after_chunk": torch pipelining
+    # with FSDP/replicate: a chunk's whole reduction starts after its last backward
+    # (`perform_reduce_grad`) and the rank's next compute waits for it.
+    grad_sync: str = "overlap"
+
+    def __post_init__(self):
+        if self.grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {self.grad_sync!r}")
+        num_chunks = self.config.num_model_chunks
+        if len(self.layer_costs) != len(self.chunk_of_layer):
+            raise ValueError(f"{len(self.layer_costs)} layer costs but {len(self.chunk_of_layer)} chunk indices")
+        if list(self.chunk_of_layer) != sorted(self.chunk_of_layer):
+            raise ValueError("chunk_of_layer must be non-decreasing: chunks hold contiguous layers in order")
+        if set(self.chunk_of_layer) != set(range(num_chunks)):
+            missing = sorted(set(range(num_chunks)) - set(self.chunk_of_layer))
+            raise ValueError(f"every one of the {num_chunks} pipeline chunks needs a layer; "
+                             f"chunks {missing[:5]} are empty or indices are out of range")
+        if self.p2p_time_s and len(self.p2p_time_s) != num_chunks - 1:
+            raise ValueError(f"p2p_time_s needs one entry per chunk boundary ({num_chunks - 1}), "
+                             f"got {len(self.p2p_time_s)}")
+        if any(t < 0 for t in self.p2p_time_s):
+            raise ValueError(f"p2p times must be >= 0, got {min(self.p2p_time_s)}")
+        if self.grad_bucket_bytes <= 0:
+            raise ValueError(f"grad_bucket_bytes must be positive, got {self.grad_bucket_bytes}")
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Per-micro-batch durations of one model chunk, split by cause, and its per-layer detail."""
+
+    rank: int
+    fwd_compute_s: float
+    fwd_tp_s: float
+    fwd_zero_s: float  # exposed ZeRO-3 gather time in forward
+    bwd_compute_s: float
+    recompute_s: float
+    bwd_tp_s: float
+    bwd_zero_s: float
+    activation_bytes: float
+    grad_reduce_s: float  # per step: the whole chunk's gradient reduction
+    # DP buckets of this chunk: (end offset within the chunk's last backward, reduction seconds)
+    buckets: tuple[tuple[float, float], ...] = field(default=())
+
+    @property
+    def fwd_s(self) -> float:
+        return self.fwd_compute_s + self.fwd_tp_s + self.fwd_zero_s
+
+    @property
+    def bwd_s(self) -> float:
+        return self.bwd_compute_s + self.recompute_s + self.bwd_tp_s + self.bwd_zero_s
+
+
+def _pass_end_times(compute_s: list[float], gather_s: list[float]) -> list[float]:
+    """End time of each layer's compute in one pass, with ZeRO-3 gathers prefetched one layer ahead.
+
+    Gather i starts once gather i-1 is done and layer i-1 has started (so at most two layers'
+    gathered parameters are live); layer i computes once layer i-1 is done and gather i is.
+    Without gathers this is the running sum of `compute_s`.
+    """
+    ends: list[float] = []
+    gather_end = compute_end = prev_compute_start = 0.0
+    for compute, gather in zip(compute_s, gather_s):
+        gather_end = max(gather_end, prev_compute_start) + gather
+        start = max(compute_end, gather_end)
+        compute_end = start + compute
+        prev_compute_start = start
+        ends.append(compute_end)
+    return ends
+
+
+def _build_chunks(costs: StepCosts) -> list[_Chunk]:
+    cfg = costs.config
+    by_chunk: list[list[LayerCost]] = [[] for _ in range(cfg.num_model_chunks)]
+    for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
+        by_chunk[chunk].append(cost)
+    chunks = []
+    for index, layers in enumerate(by_chunk):
+        fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s for c in layers]
+        fwd_end = _pass_end_times(fwd_busy, [c.zero3_gather_s for c in layers])[-1]
+        backward = layers[::-1]
+        bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s for c in backward]
+        bwd_ends = _pass_end_times(bwd_busy, [c.zero3_gather_s for c in backward])
+        chunks.append(_Chunk(
+            rank=index % cfg.pp,
+            fwd_compute_s=sum(c.fwd_compute_s for c in layers), fwd_tp_s=sum(c.tp_fwd_comm_s for c in layers),
+            fwd_zero_s=fwd_end - sum(fwd_busy),
+            bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
+            bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
+            # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
+            # the next stage (another rank) saves it as its input, so it is this rank's cost too.
+            activation_bytes=sum(c.activation_bytes for c in layers) + (
+                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 else 0.0),
+            grad_reduce_s=sum(c.dp_grad_comm_s for c in layers),
+            buckets=_buckets(backward, bwd_ends, costs)))
+    return chunks
+
+
+def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts) -> tuple[tuple[float, float], ...]:
+    """Group layers (backward order) into gradient buckets of about `grad_bucket_bytes`."""
+    # ZeRO-2/3 keep only a 1/dp shard of the gradients, but the bucket holds the full gradient
+    # before its reduce-scatter.
+    full = costs.config.dp if costs.config.zero >= 2 else 1
+    buckets, filled_bytes, comm_s = [], 0.0, 0.0
+    for position, (cost, end_s) in enumerate(zip(backward, bwd_ends)):
+        filled_bytes += cost.grad_bytes * full
+        comm_s += cost.dp_grad_comm_s
+        if filled_bytes >= costs.grad_bucket_bytes or position == len(backward) - 1:
+            if comm_s > 0:
+                buckets.append((end_s, comm_s))
+            filled_bytes, comm_s = 0.0, 0.0
+    return tuple(buckets)
+
+
+class _Run(NamedTuple):
+    """One played action; the wait before it, split by cause."""
+
+    action: Action
+    start_s: float
+    end_s: float
+    bubble_s: float  # waiting for another rank's compute
+    pp_wait_s: float  # waiting for the boundary transfer
+    dp_wait_s: float  # compute held back by a gradient reduction (grad_sync "after_chunk")
+
+
+@dataclass(frozen=True)
+class _Played:
+    """Every rank's played actions in schedule order, and reductions launched during the play."""
+
+    runs: tuple[tuple[_Run, ...], ...]  # per rank
+    fwd_end: tuple[tuple[float, ...], ...]  # [chunk][microbatch]
+    bwd_end: tuple[tuple[float, ...], ...]
+    dp_intervals: tuple[tuple[tuple[float, float], ...], ...]  # per rank ("after_chunk" only)
+
+
+def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
+    """Run every rank's action list; an action starts when its rank is free and its input is in."""
+    cfg = costs.config
+    num_mb, num_chunks, last = cfg.num_microbatches, cfg.num_model_chunks, cfg.num_model_chunks - 1
+    # Without pipelining the executor accumulates gradients forward, backward, forward, ...
+    # (1F1B's order for one stage) whatever schedule the plan names.
+    schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
+    orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages)
+    transfer = list(costs.p2p_time_s) or [0.0] * (num_chunks - 1)
+    fwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
+    bwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
+    runs: list[list[_Run]] = [[] for _ in range(cfg.pp)]
+    dp_intervals: list[list[tuple[float, float]]] = [[] for _ in range(cfg.pp)]
+    position, free_at, blocked_until = [0] * cfg.pp, [0.0] * cfg.pp, [0.0] * cfg.pp
+    # Worklist: a rank runs until its next action's input is missing, then parks on the action
+    # that produces it and is woken when that action is played: O(actions) in all.
+    waiting_for: dict[tuple[str, int, int], int] = {}
+    ready_ranks = deque(range(cfg.pp))
+    while ready_ranks:
+        rank = ready_ranks.popleft()
+        order = orders[rank]
+        while position[rank] < len(order):
+            action = order[position[rank]]
+            chunk, mb = action.chunk, action.microbatch
+            if action.kind == "F":
+                dep_key, link_s = ("F", chunk - 1, mb), (transfer[chunk - 1] if chunk else 0.0)
+                dep_end = fwd_end[chunk - 1][mb] if chunk else 0.0
+            else:
+                dep_key, link_s = ("B", chunk + 1, mb), (transfer[chunk] if chunk < last else 0.0)
+                dep_end = bwd_end[chunk + 1][mb] if chunk < last else 0.0
+            if dep_end < 0:
+                waiting_for[dep_key] = rank  # input not produced yet: another rank must move first
+                break
+            free = max(free_at[rank], blocked_until[rank])
+            start = max(free, dep_end + link_s)
+            end = start + (chunks[chunk].fwd_s if action.kind == "F" else chunks[chunk].bwd_s)
+            runs[rank].append(_Run(action, start, end, max(0.0, dep_end - free),
+                                   max(0.0, start - max(free, dep_end)), free - free_at[rank]))
+            (fwd_end if action.kind == "F" else bwd_end)[chunk][mb] = end
+            free_at[rank] = end
+            if costs.grad_sync == "after_chunk" and action.kind == "B" and mb == num_mb - 1:
+                reduce_start = max(end, dp_intervals[rank][-1][1] if dp_intervals[rank] else 0.0)
+                dp_intervals[rank].append((reduce_start, reduce_start + chunks[chunk].grad_reduce_s))
+                blocked_until[rank] = reduce_start + chunks[chunk].grad_reduce_s
+            position[rank] += 1
+            woken = waiting_for.pop((action.kind, chunk, mb), None)
+            if woken is not None:
+                ready_ranks.append(woken)
+    if any(position[rank] < len(order) for rank, order in enumerate(orders)):  # a schedule bug
+        raise AssertionError(f"pipeline schedule deadlocked at positions {position}")
+    return _Played(tuple(map(tuple, runs)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)),
+                   tuple(map(tuple, dp_intervals)))
+
+
+@dataclass(frozen=True)
+class _RankTail:
+    """What happens on one rank after its compute: DP reduction, optimizer, parameter gather."""
+
+    compute_end_s: float
+    dp_intervals: tuple[tuple[float, float], ...]
+    dp_end_s: float
+    optimizer_s: float
+    param_gather_s: float
+
+    @property
+    def end_s(self) -> float:
+        return max(self.compute_end_s, self.dp_end_s) + self.optimizer_s + self.param_gather_s
+
+
+def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list[_RankTail]:
+    cfg = costs.config
+    every = costs.grad_sync == "overlap_every_microbatch"
+    microbatches = range(cfg.num_microbatches) if every else [cfg.num_microbatches - 1]
+    optimizer_s = [0.0] * cfg.pp
+    gather_s = [0.0] * cfg.pp
+    for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
+        optimizer_s[chunks[chunk].rank] += cost.optimizer_step_s
+        gather_s[chunks[chunk].rank] += cost.dp_param_gather_s
+    tails = []
+    for rank in range(cfg.pp):
+        intervals = list(played.dp_intervals[rank])
+        if costs.grad_sync != "after_chunk":
+            ready = []
+            for index, chunk in enumerate(chunks):
+                if chunk.rank != rank:
+                    continue
+                for mb in microbatches:
+                    bwd_start = played.bwd_end[index][mb] - chunk.bwd_s
+                    ready.extend((bwd_start + offset_s, comm_s) for offset_s, comm_s in chunk.buckets)
+            free_at = 0.0
+            for ready_s, comm_s in sorted(ready):
+                start = max(free_at, ready_s)
+                free_at = start + comm_s
+                intervals.append((start, free_at))
+        dp_end = intervals[-1][1] if intervals else 0.0
+        compute_end = played.runs[rank][-1].end_s
+        tails.append(_RankTail(compute_end, tuple(intervals), dp_end, optimizer_s[rank], gather_s[rank]))
+    return tails
+
+
+def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
+    """Per rank: breakdown at the peak, and the (time, live bytes) curve over the step."""
+    cfg = costs.config
+    resident = [[0.0, 0.0, 0.0] for _ in range(cfg.pp)]
+    buffers = [0.0] * cfg.pp
+    for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
+        rank = chunks[chunk].rank
+        resident[rank][0] += cost.param_bytes
+        resident[rank][1] += cost.grad_bytes
+        resident[rank][2] += cost.optimizer_bytes
+        buffers[rank] = max(buffers[rank], cost.buffer_bytes)
+    breakdowns, curves = [], []
+    for rank in range(cfg.pp):
+        base = sum(resident[rank])
+        live = peak = 0.0
+        curve = [(0.0, base)]
+        for run in played.runs[rank]:
+            size = chunks[run.action.chunk].activation_bytes
+            if run.action.kind == "F":  # saved activations grow while the forward runs
+                live += size
+                peak = max(peak, live)
+                curve.append((run.start_s, base + live))
+            else:
+                live -= size
+                curve.append((run.end_s, base + live))
+        params, grads, optimizer = resident[rank]
+        breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
+                                          activations=peak, buffers=buffers[rank]))
+        curves.append(tuple(curve))
+    return tuple(breakdowns), tuple(curves)
+
+
+def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
+    """Play one optimizer step of a costed configuration; see the module docstring for the model."""
+    chunks = _build_chunks(costs)
+    played = _play(costs, chunks)
+    tails = _rank_tails(costs, chunks, played)
+    step_s = max(tail.end_s for tail in tails)
+    memory, curves = _memory(costs, chunks, played)
+    peak_bytes = max(m.total for m in memory)
+    busy = [sum(run.end_s - run.start_s for run in runs) for runs in played.runs]
+    busiest = busy.index(max(busy))
+    breakdown = _breakdown(chunks, played.runs[busiest], tails[busiest], step_s)
+    gpus = costs.config.gpus
+    model_flops_per_gpu_s = costs.model_flops_per_step / step_s / gpus if step_s > 0 else 0.0
+    return Prediction(
+        step_time_s=step_s,
+        tokens_per_s=costs.tokens_per_step / step_s if step_s > 0 else 0.0,
+        model_tflops_per_gpu=model_flops_per_gpu_s / 1e12,
+        hw_tflops_per_gpu=(costs.hw_flops_per_step / step_s / gpus / 1e12) if step_s > 0 else 0.0,
+        mfu=model_flops_per_gpu_s / costs.peak_flops_per_s if costs.peak_flops_per_s > 0 else 0.0,
+        peak_memory_bytes=peak_bytes,
+        memory=memory,
+        bubble_fraction=breakdown["bubble"] / step_s if step_s > 0 else 0.0,
+        fits=peak_bytes <= costs.usable_memory_bytes,
+        breakdown=breakdown,
+        timeline=_intervals(costs, chunks, played, tails, step_s) if timeline else (),
+        memory_timeline=curves if timeline else (),
+    )
+
+
+def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:
+    """Exposed seconds of the busiest rank's step by cause; they add up to the step time."""
+    out = dict.fromkeys(("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"), 0.0)
+    for run in runs:
+        chunk = chunks[run.action.chunk]
+        if run.action.kind == "F":
+            out["compute"] += chunk.fwd_compute_s
+            out["tp_comm"] += chunk.fwd_tp_s
+            out["dp_comm"] += chunk.fwd_zero_s
+        else:
+            out["compute"] += chunk.bwd_compute_s
+            out["recompute"] += chunk.recompute_s
+            out["tp_comm"] += chunk.bwd_tp_s
+            out["dp_comm"] += chunk.bwd_zero_s
+        out["bubble"] += run.bubble_s
+        out["pp_comm"] += run.pp_wait_s
+        out["dp_comm"] += run.dp_wait_s
+    out["dp_comm"] += max(0.0, tail.dp_end_s - tail.compute_end_s) + tail.param_gather_s
+    out["optimizer"] += tail.optimizer_s
+    out["bubble"] += step_s - tail.end_s  # waiting for slower ranks to finish the step
+    return out
+
+
+def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: list[_RankTail], step_s: float):
+    """The timeline: each action's pieces in order, transfers, reductions, optimizer, and idle
+    spans where the compute stream waits between actions or for the end of the step."""
+    out: list[Interval] = []
+    last = costs.config.num_model_chunks - 1
+    transfer = list(costs.p2p_time_s) or [0.0] * last
+    for rank, runs in enumerate(played.runs):
+        previous_end = 0.0
+        for run in runs:
+            if run.start_s > previous_end:
+                out.append(Interval(rank, "compute", "idle", previous_end, run.start_s))
+            out.extend(_action_intervals(rank, run, chunks, transfer, last))
+            previous_end = run.end_s
+        tail = tails[rank]
+        out.extend(Interval(rank, "dp", "dp_comm", s, e) for s, e in tail.dp_intervals)
+        opt_start = max(tail.compute_end_s, tail.dp_end_s)
+        if opt_start > previous_end:
+            out.append(Interval(rank, "compute", "idle", previous_end, opt_start))
+        if tail.optimizer_s > 0:
+            out.append(Interval(rank, "compute", "optimizer", opt_start, opt_start + tail.optimizer_s))
+        if tail.param_gather_s > 0:
+            gather_start = opt_start + tail.optimizer_s
+            out.append(Interval(rank, "dp", "dp_comm", gather_start, gather_start + tail.param_gather_s))
+        if step_s > tail.end_s:
+            out.append(Interval(rank, "compute", "idle", tail.end_s, step_s))
+    return tuple(out)
+
+
+def _action_intervals(rank: int, run: _Run, chunks: list[_Chunk], transfer: list[float], last: int) -> list[Interval]:
+    """One action's pieces (exposed ZeRO-3 gather, compute, TP collectives) and its transfer."""
+    action, chunk = run.action, chunks[run.action.chunk]
+    if action.kind == "F":
+        pieces = (("dp", "zero_gather", chunk.fwd_zero_s), ("compute", "forward", chunk.fwd_compute_s),
+                  ("tp", "tp_comm", chunk.fwd_tp_s))
+        peer = action.chunk + 1 if action.chunk < last else None
+    else:
+        pieces = (("dp", "zero_gather", chunk.bwd_zero_s), ("compute", "recompute", chunk.recompute_s),
+                  ("compute", "backward", chunk.bwd_compute_s), ("tp", "tp_comm", chunk.bwd_tp_s))
+        peer = action.chunk - 1 if action.chunk > 0 else None
+    out, at = [], run.start_s
+    for stream, kind, seconds in pieces:
+        if seconds > 0:
+            out.append(Interval(rank, stream, kind, at, at + seconds, action.microbatch, action.chunk))
+            at += seconds
+    if peer is not None and chunks[peer].rank != rank:
+        link_s = transfer[min(peer, action.chunk)]
+        out.append(Interval(rank, "p2p", "send", run.end_s, run.end_s + link_s, action.microbatch, action.chunk))
+        out.append(Interval(chunks[peer].rank, "p2p", "recv", run.end_s, run.end_s + link_s, action.microbatch, peer))
+    return out

@@ -1,0 +1,210 @@
+"""`estimate`: predict one hand-written parallel configuration (what `meshplan estimate` prints).
+
+    estimate(spec, cluster, gpus, global_batch, seq, tp, pp, ...) -> Prediction
+
+profiles the model (`planner.profiling.profiler.profile`), validates the configuration against the model
+and the cluster, then asks the event-driven simulator (`planner.simulation.simulator.simulate_config`) for
+the step; `closed_form_prediction` is the cost model's own closed form of the same step (the
+planner's objective), used where the simulator is not available and tested against it.
+"""
+from __future__ import annotations
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.costing.layer_costs import (DDP_BUCKET_BYTES, StageTimes, balanced_layer_chunks, default_recompute, layer_cost,
+                          p2p_time_s, pipeline_closed_form, selective_recompute_flops, strategy_for)
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.contracts.prediction import MemoryBreakdown, Prediction
+
+DEFAULT_SEQ = 2048
+
+
+def default_precision(cluster: ClusterProfile) -> str:
+    """bf16-mixed where the device computes bf16 faster than fp32 (GPUs), else fp32 (CPUs)."""
+    peaks = cluster.device.peak_flops_per_s
+    return "bf16-mixed" if peaks.get("bf16", 0.0) > peaks.get("fp32", 0.0) else "fp32"
+
+
+def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
+                mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
+                vpp: int = 1, precision: str = "bf16-mixed") -> ParallelConfig:
+    """Validate a configuration against the model and the cluster; MeshplanError says why not."""
+    check_mesh(cluster, gpus, tp, pp)
+    for layer in graph.layers:
+        if not layer.tp_split.max_degree_ok(tp):
+            split = layer.tp_split
+            raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {split.num_heads} heads, "
+                                f"{split.num_kv_heads or split.num_heads} KV heads, vocab {split.vocab_size}; "
+                                f"pick a tp that divides them")
+    chunks = pp * (vpp if schedule == "interleaved" else 1)
+    if chunks > len(graph.layers):
+        raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
+                            f"the model has {len(graph.layers)}")
+    return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision)
+
+
+def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision) -> ParallelConfig:
+    """ParallelConfig with DP = gpus / (tp * pp); its validation errors become MeshplanError."""
+    try:
+        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=gpus // (tp * pp),
+                              microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
+                              virtual_stages=vpp, precision=precision)
+    except ValueError as exc:
+        raise MeshplanError(str(exc)) from None
+
+
+def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int) -> None:
+    """The checks that need no model: degrees divide the GPUs, TP fits in a node, GPUs exist."""
+    for name, value in (("gpus", gpus), ("tp", tp), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
+    if gpus % (tp * pp):
+        raise MeshplanError(f"--gpus {gpus} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
+                            f"use a multiple of {tp * pp} GPUs or other degrees")
+    if tp > cluster.gpus_per_node or cluster.gpus_per_node % tp:
+        raise MeshplanError(f"--tp {tp} must divide the {cluster.gpus_per_node} GPUs of one node of "
+                            f"{cluster.name!r} (tensor parallelism stays inside a node)")
+    max_gpus = cluster.gpus_per_node * cluster.max_nodes
+    if gpus > max_gpus:
+        raise MeshplanError(f"--gpus {gpus} exceeds the {max_gpus} GPUs profile {cluster.name!r} allows "
+                            f"({cluster.max_nodes} nodes of {cluster.gpus_per_node})")
+
+
+def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: int, seq: int | None = None,
+             tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
+             schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
+             attention: str = "flash") -> Prediction:
+    """Predict step time, memory per pipeline rank, throughput and MFU of one configuration."""
+    from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.profiling.profiler import profile
+
+    cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
+    precision = precision or default_precision(cluster)
+    check_mesh(cluster, gpus, tp, pp)
+    parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision)  # fail fast
+    dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
+    graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
+    config = make_config(graph, cluster, gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp,
+                         precision)
+    return predict(graph, cluster, config)
+
+
+def predict(graph, cluster: ClusterProfile, config: ParallelConfig, chunk_of_layer=None,
+            recompute_of_layer=None) -> Prediction:
+    """The simulator's prediction where it exists (one source of truth), else the closed form."""
+    try:
+        from meshplan.planner.simulation.simulator import simulate_config
+    except ImportError:
+        return closed_form_prediction(graph, cluster, config, chunk_of_layer, recompute_of_layer)
+    return simulate_config(graph, cluster, config, chunk_of_layer=chunk_of_layer,
+                           recompute_of_layer=recompute_of_layer, timeline=False)
+
+
+def closed_form_prediction(graph, cluster: ClusterProfile, config: ParallelConfig, chunk_of_layer=None,
+                           recompute_of_layer=None) -> Prediction:
+    """The cost model's closed-form step (pipeline_closed_form) and memory per pipeline rank."""
+    chunks = tuple(chunk_of_layer) if chunk_of_layer is not None else balanced_layer_chunks(graph, cluster, config)
+    recomputes = tuple(recompute_of_layer) if recompute_of_layer is not None else default_recompute(graph, config)
+    if len(chunks) != len(graph.layers) or len(recomputes) != len(graph.layers):
+        raise ValueError(f"chunk_of_layer and recompute_of_layer need one entry per layer ({len(graph.layers)})")
+    stage_of = [chunk % config.pp for chunk in chunks]
+    embed_stage = next((stage_of[i] for i, layer in enumerate(graph.layers) if layer.kind == "embedding"), None)
+    costs = []
+    for index, (layer, recompute) in enumerate(zip(graph.layers, recomputes)):
+        holds_shared = bool(layer.shared_params) and embed_stage is not None and stage_of[index] != embed_stage
+        costs.append(layer_cost(layer, strategy_for(config, recompute), cluster, graph.info,
+                                profile_dtype=graph.dtype, holds_shared=holds_shared))
+    stages = [_stage_times(graph, cluster, config, costs, chunks, stage_of, rank) for rank in range(config.pp)]
+    step = pipeline_closed_form(stages, config.num_microbatches, config.schedule, config.virtual_stages)
+    memory = tuple(_stage_memory(config, costs, chunks, stage_of, rank) for rank in range(config.pp))
+    return _prediction(graph, cluster, config, recomputes, step, memory)
+
+
+def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> StageTimes:
+    mine = [i for i, stage in enumerate(stage_of) if stage == rank]
+    compute = sum(costs[i].fwd_compute_s + costs[i].bwd_compute_s for i in mine)
+    recompute = sum(costs[i].recompute_s for i in mine)
+    tp_comm = sum(costs[i].tp_fwd_comm_s + costs[i].tp_bwd_comm_s for i in mine)
+    # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
+    zero3 = sum(max(0.0, costs[i].zero3_gather_s - costs[i].fwd_compute_s)
+                + max(0.0, costs[i].zero3_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s) for i in mine)
+    # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
+    # input backward.
+    p2p = 0.0
+    for i in mine:
+        if i + 1 < len(chunks) and chunks[i + 1] != chunks[i]:
+            p2p += p2p_time_s(costs[i].output_bytes, config, cluster)
+        if i > 0 and chunks[i - 1] != chunks[i]:
+            p2p += p2p_time_s(costs[i - 1].output_bytes, config, cluster)
+    # DP gradient reduction overlaps the last micro-batch's backward, except for the gradients
+    # produced last (the stage's first layer), which nothing follows.
+    grad_comm = sum(costs[i].dp_grad_comm_s for i in mine)
+    window = sum(costs[i].bwd_compute_s + costs[i].recompute_s + costs[i].tp_bwd_comm_s for i in mine)
+    exposed = max(grad_comm - window, costs[mine[0]].dp_grad_comm_s if mine else 0.0)
+    return StageTimes(compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, zero3_exposed_s=zero3,
+                      p2p_s=p2p, dp_exposed_s=exposed,
+                      param_gather_s=sum(costs[i].dp_param_gather_s for i in mine),
+                      optimizer_s=sum(costs[i].optimizer_step_s for i in mine))
+
+
+def microbatches_in_flight(config: ParallelConfig, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of the
+    whole stage's activations: GPipe m; 1F1B min(m, p - rank); interleaved 1F1B (Megatron's
+    warm-up) min(m v, 2 (p - rank - 1) + (v - 1) p + 1) chunk-micro-batches, each 1/v of the stage."""
+    m, p = config.num_microbatches, config.pp
+    if config.schedule == "gpipe":
+        return float(m)
+    if config.schedule == "interleaved":
+        v = config.virtual_stages
+        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
+    return float(min(m, p - rank))
+
+
+def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
+    """Resident states plus, per micro-batch in flight, the saved activations and each chunk's
+    boundary output (the pipeline stage keeps it as the root of that chunk's backward)."""
+    mine = [costs[i] for i, stage in enumerate(stage_of) if stage == rank]
+    boundary = sum(costs[i].output_bytes for i, stage in enumerate(stage_of)
+                   if stage == rank and i + 1 < len(chunks) and chunks[i + 1] != chunks[i])
+    buffers = max((c.buffer_bytes for c in mine), default=0.0)
+    if config.dp > 1 and config.zero < 3:
+        buffers += DDP_BUCKET_BYTES  # one gradient bucket in flight beyond the gradients themselves
+    if config.pp > 1:
+        buffers += 2 * max((c.output_bytes for c in mine), default=0.0)  # send and receive buffers
+    return MemoryBreakdown(params=sum(c.param_bytes for c in mine), grads=sum(c.grad_bytes for c in mine),
+                           optimizer=sum(c.optimizer_bytes for c in mine),
+                           activations=(sum(c.activation_bytes for c in mine) + boundary)
+                           * microbatches_in_flight(config, rank),
+                           buffers=buffers)
+
+
+def model_flops_per_step(graph, config: ParallelConfig) -> float:
+    """Model FLOPs of one step (MFU convention: no recomputation)."""
+    return float(graph.fwd_flops + graph.bwd_flops) * config.global_batch
+
+
+def recompute_flops_per_step(graph, config: ParallelConfig, recomputes) -> float:
+    """FLOPs recomputation adds: the forward again (full) or the attention core (selective)."""
+    extra = 0.0
+    for layer, recompute in zip(graph.layers, recomputes):
+        if recompute == "full":
+            extra += layer.fwd_flops
+        elif recompute == "selective":
+            extra += selective_recompute_flops(layer, graph.info, graph.dtype)
+    return extra * config.global_batch
+
+
+def _prediction(graph, cluster, config, recomputes, step, memory) -> Prediction:
+    step_s = step.step_time_s
+    model_flops = model_flops_per_step(graph, config)
+    hw_flops = model_flops + recompute_flops_per_step(graph, config, recomputes)
+    peak = cluster.device.peak_flops("bf16" if config.precision == "bf16-mixed" else "fp32")
+    model_tflops = model_flops / step_s / config.gpus / 1e12
+    peak_memory = max(m.total for m in memory)
+    return Prediction(
+        step_time_s=step_s, tokens_per_s=config.global_batch * graph.seq / step_s,
+        model_tflops_per_gpu=model_tflops, hw_tflops_per_gpu=hw_flops / step_s / config.gpus / 1e12,
+        mfu=model_tflops * 1e12 / peak, peak_memory_bytes=peak_memory, memory=memory,
+        bubble_fraction=step.bubble_fraction, fits=peak_memory <= cluster.device.usable_memory_bytes,
+        breakdown=dict(step.breakdown))

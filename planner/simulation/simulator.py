@@ -1,0 +1,164 @@
+"""`simulate(plan) -> Prediction`: one training step of a plan, played event by event.
+
+This module costs every layer with the cost model (`planner.costing.layer_costs.layer_cost`) and hands the
+result to the event engine (`planner.simulation.engine`), which plays the pipeline schedule the
+executor runs with compute, TP, p2p and DP streams and tracks memory over time. `estimate` and
+the planner's re-ranking call `simulate_config`; `meshplan simulate` calls `simulate`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from meshplan.planner.costing import layer_costs as cost
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+from meshplan.planner.contracts.prediction import Prediction
+from meshplan.planner.simulation.engine import StepCosts, simulate_step
+
+STREAMS = ("compute", "tp", "p2p", "dp")
+
+
+def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
+                    chunk_of_layer: Sequence[int] | None = None, recompute_of_layer: Sequence[str] | None = None,
+                    timeline: bool = False, degrees_of_layer: Sequence[tuple[int, int]] | None = None,
+                    grad_sync: str | None = None) -> Prediction:
+    """Simulate one step of `graph` on `cluster` under a configuration.
+
+    `chunk_of_layer`: model chunk (virtual_stage * pp + stage) of each layer; None balances the
+    layers with `cost.balanced_layer_chunks`. `recompute_of_layer`: none|selective|full per layer;
+    None applies `config.recompute` to the transformer blocks (`cost.default_recompute`).
+    `degrees_of_layer`: (tp, dp) per layer for layer-wise plans; None uses the mesh's.
+    `grad_sync`: when gradients are reduced (see `StepCosts.grad_sync`); None follows the
+    executor (`executor_grad_sync`).
+    """
+    costs = step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer, degrees_of_layer, grad_sync)
+    return simulate_step(costs, timeline=timeline)
+
+
+def executor_grad_sync(config: ParallelConfig) -> str:
+    """When meshplan's executor reduces gradients: with pipelining it wraps each chunk in FSDP or
+    replicate, and torch's schedules reduce a chunk's gradients only after its last backward
+    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the
+    backward, of the last micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3
+    (which keep gradients sharded while accumulating)."""
+    if config.pp > 1 and config.dp > 1:
+        return "after_chunk"
+    return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
+
+
+def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True) -> Prediction:
+    """Simulate one step of a Plan. `graph` None profiles `plan.model` (on the meta device)."""
+    if graph is None:
+        from meshplan.planner.profiling.profiler import profile
+
+        graph = profile(plan.model.spec, plan.model.seq, dtype=plan.model.dtype, attention=plan.model.attention)
+    check_plan_matches_model(plan, [layer.name for layer in graph.layers])
+    degrees = [(layer.tp, layer.dp) for layer in plan.layers]
+    costs = step_costs(graph, plan.cluster, plan.config, [plan.chunk_of(layer) for layer in plan.layers],
+                       [layer.recompute for layer in plan.layers], degrees_of_layer=degrees)
+    return simulate_step(costs, timeline=timeline)
+
+
+def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
+               chunk_of_layer: Sequence[int] | None = None, recompute_of_layer: Sequence[str] | None = None,
+               degrees_of_layer: Sequence[tuple[int, int]] | None = None,
+               grad_sync: str | None = None) -> StepCosts:
+    """Cost every layer and collect what the event engine needs (see `StepCosts`).
+
+    `degrees_of_layer`: (tp, dp) per layer for non-executable layer-wise plans; None uses the
+    mesh's degrees for every layer. `grad_sync` None follows the executor (`executor_grad_sync`).
+    """
+    num_layers = len(graph.layers)
+    chunks = tuple(cost.balanced_layer_chunks(graph, cluster, config) if chunk_of_layer is None else chunk_of_layer)
+    recomputes = tuple(cost.default_recompute(graph, config) if recompute_of_layer is None else recompute_of_layer)
+    degrees = tuple(degrees_of_layer or [(config.tp, config.dp)] * num_layers)
+    for name, values in (("chunk_of_layer", chunks), ("recompute_of_layer", recomputes),
+                         ("degrees_of_layer", degrees)):
+        if len(values) != num_layers:
+            raise ValueError(f"{name} has {len(values)} entries but the model has {num_layers} layers")
+    owner_rank = chunks[0] % config.pp  # tied weights are owned by the first layer's stage
+    layer_costs = []
+    for layer, chunk, recompute, (tp, dp) in zip(graph.layers, chunks, recomputes, degrees):
+        strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp,
+                                 microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp)
+        holds_shared = bool(layer.shared_params) and chunk % config.pp != owner_rank
+        layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype,
+                                           holds_shared=holds_shared))
+    layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
+    last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
+    p2p = tuple(cost.p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
+                for c in range(config.num_model_chunks - 1))
+    model_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in graph.layers) * config.global_batch
+    recompute_flops = sum(_recompute_flops_per_sample(layer, recompute, graph)
+                          for layer, recompute in zip(graph.layers, recomputes)) * config.global_batch
+    return StepCosts(
+        config=config, layer_costs=tuple(layer_costs), chunk_of_layer=chunks, p2p_time_s=p2p,
+        tokens_per_step=float(config.global_batch * graph.seq), model_flops_per_step=float(model_flops),
+        hw_flops_per_step=float(model_flops + recompute_flops),
+        peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
+        usable_memory_bytes=cluster.device.usable_memory_bytes,
+        grad_sync=grad_sync or executor_grad_sync(config))
+
+
+def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: ClusterProfile,
+                             config: ParallelConfig) -> list:
+    """Per-chunk and per-rank fixed costs (`planner.costing.fixed_costs`): torch pipelining's work per
+    forward and backward action, charged to each chunk's first layer, and the gradient norm's
+    all-reduce, charged to the optimizer step of each pipeline rank's first layer."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s
+
+    action_s = cluster.device.pipeline_action_overhead_s if config.pp > 1 else 0.0
+    norm_s = grad_norm_all_reduce_s(config.gpus, cluster)
+    out, seen_chunks, seen_ranks = list(layer_costs), set(), set()
+    for index, chunk in enumerate(chunks):
+        first_of_rank = chunk % config.pp not in seen_ranks
+        if chunk in seen_chunks:
+            continue
+        seen_chunks.add(chunk)
+        seen_ranks.add(chunk % config.pp)
+        c = out[index]
+        out[index] = replace(c, fwd_compute_s=c.fwd_compute_s + action_s, bwd_compute_s=c.bwd_compute_s + action_s,
+                             optimizer_step_s=c.optimizer_step_s + (norm_s if first_of_rank else 0.0))
+    return out
+
+
+def _recompute_flops_per_sample(layer: LayerProfile, recompute: str, graph: ModelGraph) -> float:
+    """Forward FLOPs run again during backward: all of them (full), the attention core (selective)."""
+    if recompute == "full":
+        return float(layer.fwd_flops)
+    if recompute == "selective":
+        return cost.selective_recompute_flops(layer, graph.info, graph.dtype)
+    return 0.0
+
+
+def chrome_trace(prediction: Prediction) -> dict[str, Any]:
+    """The timeline as Chrome trace-event JSON (Perfetto, chrome://tracing): one process per
+    pipeline rank, one thread per stream, times in microseconds, memory as a counter track."""
+    events: list[dict[str, Any]] = []
+    ranks = sorted({interval.rank for interval in prediction.timeline} | set(range(len(prediction.memory))))
+    for rank in ranks:
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                       "args": {"name": f"pipeline rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
+        for tid, stream in enumerate(STREAMS):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": stream}})
+    for interval in prediction.timeline:
+        label = interval.kind
+        if interval.microbatch >= 0:
+            label += f" c{interval.chunk} mb{interval.microbatch}"
+        events.append({"ph": "X", "name": label, "cat": interval.kind, "pid": interval.rank,
+                       "tid": STREAMS.index(interval.stream) if interval.stream in STREAMS else len(STREAMS),
+                       "ts": interval.start_s * 1e6, "dur": (interval.end_s - interval.start_s) * 1e6,
+                       "args": {"kind": interval.kind, "stream": interval.stream, "rank": interval.rank,
+                                "chunk": interval.chunk, "microbatch": interval.microbatch}})
+    for rank, curve in enumerate(prediction.memory_timeline):
+        for time_s, live_bytes in curve:
+            events.append({"ph": "C", "name": "memory (GiB)", "pid": rank, "tid": 0, "ts": time_s * 1e6,
+                           "args": {"live": live_bytes / 2**30}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"step_time_s": prediction.step_time_s, "bubble_fraction": prediction.bubble_fraction}}
