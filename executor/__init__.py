@@ -8,7 +8,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from meshplan.executor.measure import Measurement, load_measurement
+from meshplan.planner.contracts.measurement import Measurement, load_measurement
 
 __all__ = ["train", "Measurement", "load_measurement"]
 
@@ -27,9 +27,8 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
     the whole launch (None: no limit); `echo` streams the workers' output.
     """
     from meshplan.executor.data import make_source, token_vocab
-    from meshplan.executor import preflight
+    from meshplan.executor import checks
     from meshplan.executor.launch import launch_jobs
-    from meshplan.executor.checks import check_plan_runnable
     from meshplan.executor.worker import DEFAULT_TIMEOUT_S, Job
     from meshplan.planner.contracts.plan import Plan, load_plan, save_plan
 
@@ -42,13 +41,13 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
         plan_path = Path(plan_path_or_plan).resolve()
         plan = load_plan(plan_path)
     nproc = plan.config.gpus if nproc is None else nproc
-    preflight.check_nproc(nproc, plan.config.gpus)
-    check_plan_runnable(plan, nproc)
+    checks.check_nproc(nproc, plan.config.gpus)
+    checks.check_plan_runnable(plan, nproc)
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-    preflight.check_timeout(timeout_s)
-    preflight.check_timeout(run_limit_s, "the run limit")
-    preflight.check_output_file(out)
+    checks.check_timeout(timeout_s)
+    checks.check_timeout(run_limit_s, "the run limit")
+    checks.check_output_file(out)
     job = Job(plan_path=str(plan_path), steps=steps, out=str(Path(out).resolve()),
               checkpoint_dir=str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None,
               checkpoint_every=checkpoint_every, resume=resume, data=data, seed=seed, run_dir=str(run_dir),
@@ -56,15 +55,13 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
     source_seed = plan.seed if seed is None else seed
     vocab = token_vocab(plan.model.spec, plan.model.seq)
     if vocab is None:  # a file model: synthetic batches shaped like its example inputs
-        from meshplan.executor.filemodel import check_file_data
-
-        check_file_data(data)
+        checks.check_file_data(data)
     else:
         make_source(data, vocab, plan.model.seq, source_seed)
     if checkpoint_dir:  # writable even when only resuming: a restart may save there
-        one_bytes = preflight.checkpoint_size_bytes(preflight.count_parameters(plan.model.spec, plan.model.seq))
+        one_bytes = checks.checkpoint_size_bytes(checks.count_parameters(plan.model.spec, plan.model.seq))
         num_saves = steps // checkpoint_every if checkpoint_every else 0
-        preflight.check_checkpoint_dir(checkpoint_dir, one_bytes if num_saves else 0, num_saves)
+        checks.check_checkpoint_dir(checkpoint_dir, one_bytes if num_saves else 0, num_saves)
     if Path(out).exists():
         Path(out).unlink()  # never report a previous run's figures as this one's
     launch_jobs([job.to_json()], nproc, run_dir, max_restarts=max_restarts, timeout_s=run_limit_s, echo=echo)

@@ -1,8 +1,19 @@
-"""Refuse, before any process starts, a plan the executor cannot run as planned."""
+"""Every check `train` makes before a process starts: the plan is one the executor runs as planned
+(mesh, model, file models), and the request around it is sound (process count, timeouts, output
+file, room for checkpoints)."""
 from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+
+# DCP stores fp32 weights and AdamW's two fp32 moments (both precisions keep fp32 masters).
+CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
 
 
 def check_plan_runnable(plan: Plan, world_size: int) -> None:
@@ -20,8 +31,6 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     if built.config is None:
-        from meshplan.executor.filemodel import check_file_plan
-
         check_file_plan(plan, built)
         check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
         return
@@ -40,3 +49,79 @@ def _check_tp(plan: Plan, model_cfg) -> None:
     if plan.config.sp and plan.model.seq % tp:
         raise MeshplanError(f"sequence parallelism splits the sequence ({plan.model.seq} tokens) over tp={tp} "
                             f"ranks; use a sequence length divisible by {tp} or turn --sp off")
+
+
+def check_file_plan(plan, built) -> None:
+    """Refuse a file-model plan outside what the executor runs (one line naming the fix)."""
+    import torch
+
+    cfg, spec = plan.config, plan.model.spec
+    if built.loss_fn is None:
+        path = spec.rpartition(":")[0]
+        raise MeshplanError(f"{spec!r} has no loss function: define loss_fn(output, inputs) in {path} to train it")
+    if cfg.pp > 1 or cfg.tp > 1:
+        raise MeshplanError(f"file and Hugging Face models train with data parallelism only, this plan has "
+                            f"pp={cfg.pp} tp={cfg.tp}; re-plan it (meshplan plan keeps them at pp=1 tp=1)")
+    if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
+        raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
+
+
+
+def check_file_data(data: str) -> None:
+    if data != "synthetic":
+        raise MeshplanError(f"--data {data}: file models train on synthetic batches shaped like their example "
+                            "inputs; use --data synthetic")
+
+
+
+def check_nproc(nproc: int, plan_gpus: int) -> None:
+    if nproc < 1:
+        raise MeshplanError(f"--nproc must be at least 1, got {nproc}; this plan needs --nproc {plan_gpus}")
+
+
+def check_timeout(timeout_s: float | None, option: str = "--timeout-s") -> None:
+    if timeout_s is not None and not 0 < timeout_s < math.inf:
+        raise MeshplanError(f"{option} must be a positive number of seconds, got {timeout_s}")
+
+
+def check_output_file(out: str | Path) -> None:
+    """measured.json goes into an existing, writable directory and is not a directory itself."""
+    path = Path(out)
+    parent = path.resolve().parent
+    if path.is_dir():
+        raise MeshplanError(f"--out {out} is a directory; give a file name such as {path / 'measured.json'}")
+    if not parent.is_dir():
+        raise MeshplanError(f"--out {out}: directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise MeshplanError(f"--out {out}: directory {parent} is not writable; choose another path")
+
+
+def checkpoint_size_bytes(num_params: int) -> int:
+    """Estimate of one checkpoint on disk: weights and optimizer moments (metadata is small)."""
+    return num_params * CHECKPOINT_BYTES_PER_PARAM
+
+
+def check_checkpoint_dir(directory: str | Path, one_checkpoint_bytes: int, num_saves: int) -> None:
+    """The directory can be created and written, and its file system holds one checkpoint."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".meshplan-write-test-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise MeshplanError(f"--checkpoint-dir {directory} cannot be created or written ({reason}); "
+                            "choose a writable directory") from None
+    free_bytes = shutil.disk_usage(path).free
+    if free_bytes < one_checkpoint_bytes:
+        raise MeshplanError(f"--checkpoint-dir {directory} has {free_bytes / 2**20:.1f} MiB free but one checkpoint "
+                            f"needs about {one_checkpoint_bytes / 2**20:.1f} MiB ({num_saves} planned); free space "
+                            "or choose another directory")
+
+
+def count_parameters(spec: str, seq: int) -> int:
+    """Parameters of the whole model (a tied embedding counted once), built on the meta device."""
+    from meshplan.planner.models.registry import build_model
+
+    module = build_model(spec, seq, device="meta").module
+    return sum(param.numel() for param in module.parameters())

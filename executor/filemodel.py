@@ -40,27 +40,6 @@ class FileDataSource:
     seed: int
 
 
-def check_file_plan(plan, built) -> None:
-    """Refuse a file-model plan outside what the executor runs (one line naming the fix)."""
-    import torch
-
-    cfg, spec = plan.config, plan.model.spec
-    if built.loss_fn is None:
-        path = spec.rpartition(":")[0]
-        raise MeshplanError(f"{spec!r} has no loss function: define loss_fn(output, inputs) in {path} to train it")
-    if cfg.pp > 1 or cfg.tp > 1:
-        raise MeshplanError(f"file and Hugging Face models train with data parallelism only, this plan has "
-                            f"pp={cfg.pp} tp={cfg.tp}; re-plan it (meshplan plan keeps them at pp=1 tp=1)")
-    if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
-        raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
-
-
-def check_file_data(data: str) -> None:
-    if data != "synthetic":
-        raise MeshplanError(f"--data {data}: file models train on synthetic batches shaped like their example "
-                            "inputs; use --data synthetic")
-
-
 def data_source(built, seed: int) -> FileDataSource:
     """Input specs from the example inputs (built on the CPU: integer bounds come from values)."""
     specs = []
@@ -130,7 +109,7 @@ def _layer_parts(built) -> dict:
 def apply_file_recompute(plan, built) -> None:
     """Checkpoint each planned layer that asks for it; layers are the module's top-level children
     (Hugging Face: the embedding, each decoder layer, the head's modules)."""
-    from meshplan.executor.parallel.apply import apply_recompute
+    from meshplan.executor.parallel.recompute import apply_recompute
 
     layers = _layer_parts(built)
     for layer in plan.layers:

@@ -1,6 +1,6 @@
 """One rank's training machinery for a plan: mesh, stage modules, schedule, optimizer, one step.
 
-`build_runtime` applies the plan (see `parallelize` for the order); `train_step` runs one
+`build_runtime` applies the plan (see `executor.parallel` for the order); `train_step` runs one
 optimizer step: forward/backward over the plan's micro-batches (through the pipeline schedule
 when pp > 1), the tied-embedding all-reduce between first and last stage, global-norm clipping
 across every shard, the learning rate of the step, and AdamW.
@@ -15,8 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshplan.executor.parallel.apply import (apply_dp, apply_recompute, apply_tp, dp_method, materialize,
-                                  split_stages)
+from meshplan.executor.parallel.data import apply_dp
+from meshplan.executor.parallel.recompute import apply_recompute
+from meshplan.executor.parallel.stages import materialize, split_stages
+from meshplan.executor.parallel.tensor import apply_tp
+from meshplan.planner.costing.state_memory import dp_method
 from meshplan.planner.contracts.plan import Plan
 
 TIED_NAMES = ("embed.tok.weight", "head.proj.weight")

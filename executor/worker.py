@@ -158,7 +158,8 @@ def _write_measurement(job: Job, runtime, history, peak_bytes: int, memory_sourc
                        stopped: str = "") -> None:
     import torch.distributed as dist
 
-    from meshplan.executor.measure import Measurement, host_info, save_measurement, software_versions, tokens_per_s
+    from meshplan.executor.measure import host_info, software_versions, tokens_per_s
+    from meshplan.planner.contracts.measurement import Measurement, save_measurement
 
     plan, cfg = runtime.plan, runtime.plan.config
     losses, times = [h[0] for h in history], [h[1] for h in history]
@@ -186,9 +187,9 @@ def _data_source(job: Job, plan, seed: int):
     vocab = token_vocab(plan.model.spec, plan.model.seq)
     if vocab is not None:
         return make_source(job.data, vocab, plan.model.seq, seed)
-    from meshplan.executor import filemodel
+    from meshplan.executor import checks, filemodel
 
-    filemodel.check_file_data(job.data)
+    checks.check_file_data(job.data)
     return filemodel.data_source(filemodel.build_seeded(plan, seed), seed)
 
 

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.plan import Plan, load_plan
 from meshplan.reports.alternatives import alternatives_section
-from meshplan.reports.compare import Measurement, check_measurements, compare, load_measurement
+from meshplan.planner.contracts.measurement import Measurement, load_measurement
+from meshplan.reports.compare import check_measurements, compare
 from meshplan.reports.html import page
 from meshplan.reports.measured import measured_section
 from meshplan.reports.sections import breakdown_section, layers_section, memory_section, summary_section, timeline_section

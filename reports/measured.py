@@ -5,7 +5,8 @@ import json
 from typing import Sequence
 
 from meshplan.reports import figures
-from meshplan.reports.compare import Comparison, Measurement
+from meshplan.planner.contracts.measurement import Measurement
+from meshplan.reports.compare import Comparison
 from meshplan.reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
 
 

@@ -146,7 +146,7 @@ def test_same_seed_gives_the_same_losses(tmp_path):
     resumed run with a clean one in test_executor_train.py.
     """
     from meshplan.executor.launch import launch_jobs
-    from meshplan.executor.measure import load_measurement
+    from meshplan.planner.contracts.measurement import load_measurement
     from meshplan.executor.plans import uniform_plan
     from meshplan.executor.worker import Job
     from meshplan.planner.costing.hardware import load_cluster

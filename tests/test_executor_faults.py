@@ -150,7 +150,7 @@ def test_train_refuses_bad_requests_before_launch(plan_path, run_cli, no_launch,
 
 def test_train_refuses_a_checkpoint_dir_without_room_for_one_checkpoint(plan_path, run_cli, no_launch, tmp_path,
                                                                         monkeypatch):
-    import meshplan.executor.preflight as preflight
+    from meshplan.executor import checks as preflight
     from meshplan.planner.models.registry import build_model
 
     module = build_model(SPEC, 16, device="meta").module
@@ -191,7 +191,7 @@ def _measured(**changes):
     ({"losses": [5.0, math.inf, 3.0]}, "losses must hold finite numbers, found inf"),
 ])
 def test_report_refuses_broken_measured_files(tmp_path, changes, message):
-    from meshplan.reports.compare import load_measurement
+    from meshplan.planner.contracts.measurement import load_measurement
 
     (tmp_path / "m.json").write_text(json.dumps(_measured(**changes)))  # NaN/Infinity as Python's json writes them
     with pytest.raises(MeshplanError) as info:

@@ -11,8 +11,9 @@ import pytest
 from meshplan.executor.checkpoint import MARKER, newest_complete
 from meshplan.executor.data import DataSource, global_batch, make_source, replica_slice
 from meshplan.executor.launch import LaunchResult, describe_failure
-from meshplan.executor.measure import Measurement, load_measurement, save_measurement, tokens_per_s
-from meshplan.executor.parallel.apply import dp_method
+from meshplan.executor.measure import tokens_per_s
+from meshplan.planner.contracts.measurement import Measurement, load_measurement, save_measurement
+from meshplan.planner.costing.state_memory import dp_method
 from meshplan.executor.plans import uniform_plan
 from meshplan.executor.runtime import Hyperparameters, lr_at
 from meshplan.executor.checks import check_plan_runnable
@@ -154,7 +155,7 @@ def test_measurement_round_trips_and_validates(tmp_path):
     assert json.loads((tmp_path / "m.json").read_text())["mean_step_time_s"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="3 losses but 4 step times"):
         replace(measurement, losses=(1.0, 2.0, 3.0))
-    with pytest.raises(ValueError, match="1 memory figures for world size 2"):
+    with pytest.raises(ValueError, match="1 peak memory value\(s\) for world_size 2"):
         replace(measurement, peak_memory_bytes_per_rank=(1,))
 
 
@@ -163,7 +164,8 @@ def test_stages_chain_to_the_full_model_and_recompute_keeps_gradients():
     layers (full and selective) give bitwise the same loss and gradients as plain ones."""
     import torch
 
-    from meshplan.executor.parallel.apply import apply_recompute, materialize, split_stages
+    from meshplan.executor.parallel.recompute import apply_recompute
+    from meshplan.executor.parallel.stages import materialize, split_stages
     from meshplan.planner.models.registry import build_model
     from meshplan.planner.models.transformer import init_weights, lm_loss
 

@@ -144,7 +144,7 @@ def test_pp_pin_refused(run_cli, tmp_path):
 
 
 def test_train_refuses_without_loss_fn_and_with_pp(run_cli, tmp_path):
-    from meshplan.executor.filemodel import check_file_plan
+    from meshplan.executor.checks import check_file_plan
     from meshplan.executor.checks import check_plan_runnable
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.models.registry import build_model

@@ -11,7 +11,8 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.plan import save_plan
 from meshplan.reports import build_report, write_report
 from meshplan.reports.alternatives import candidates, why_lost
-from meshplan.reports.compare import compare, measurement_from_json
+from meshplan.planner.contracts.measurement import measurement_from_json
+from meshplan.reports.compare import compare
 from meshplan.reports.timeline import idle_fraction_per_rank, intervals_from_trace, with_idle
 from tests.report_fixtures import GIB, gpipe_intervals, make_plan, measured
 

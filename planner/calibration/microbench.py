@@ -173,21 +173,14 @@ def _block(nproc: int, shape: dict, local: bool = False):
 
 
 def _tp_block(mesh, nproc: int, shape: dict, sp: bool = False):
-    """The executor's Megatron plan (`executor.parallel.apply.apply_tp`), with or without sequence
+    """The executor's Megatron layout (`planner.models.tensor_parallel`), with or without sequence
     parallelism."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshplan.planner.models.tensor_parallel import block_tp_plan
 
     block, _ = _block(nproc, shape)
-    row_output = Shard(1) if sp else Replicate()
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(output_layouts=row_output),
-            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=row_output)}
-    if sp:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather, "mlp": gather})
-    parallelize_module(block, mesh, plan)
+    parallelize_module(block, mesh, block_tp_plan(block, sp))
     return block
 
 

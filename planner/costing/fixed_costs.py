@@ -94,7 +94,7 @@ def tp_pass_overhead_s(layer: LayerProfile, stream_bytes: float, sp: bool, clust
 def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:
     """Whether the executor holds this layer's parameters as DTensors: split by TP, or wrapped
     by FSDP / replicate (every data-parallel layout except plain DDP: dp > 1 with ZeRO-0, no TP,
-    no PP; see `executor.parallel.apply.dp_method`)."""
+    no PP; see `planner.costing.state_memory.dp_method`)."""
     return (tp > 1 and tp_split) or dp_wrapped(tp, dp, zero, pp)
 
 

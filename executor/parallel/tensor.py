@@ -1,0 +1,41 @@
+"""Tensor (and sequence) parallelism: the Megatron-LM layout of `planner.models.tensor_parallel`
+applied with DTensor `parallelize_module`."""
+from __future__ import annotations
+
+from meshplan.executor.parallel.stages import StageModule
+from meshplan.planner.models.tensor_parallel import block_tp_plan
+
+
+def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
+    """Megatron-LM TP: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
+    embedding (row-wise: each rank holds 1/tp of the vocabulary rows, outputs are summed) and
+    head (column-wise over the vocabulary) with a vocab-parallel loss: logits are never gathered.
+
+    With sequence parallelism the residual stream between blocks is sharded along the sequence,
+    norms run as `SequenceParallel`, and the embedding output / head input are converted at the
+    edges. A tied embedding stays tied: both weights are (vocab, hidden) sharded on dim 0.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    for block in stage.blocks.values():
+        parallelize_module(block, tp_mesh, block_tp_plan(block, sp))
+    if stage.embed is not None:
+        # GPT adds learned positions after the token lookup, so the lookup's output is replicated
+        # and the sequence split (SP) happens at the embedding's output.
+        parallelize_module(stage.embed, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=Replicate())})
+        if sp:
+            parallelize_module(stage.embed, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1)))
+    if stage.head is not None:
+        # Logits stay sharded over the vocabulary (a DTensor); the loss runs under `loss_parallel`.
+        head_plan = {"proj": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        if sp:
+            head_plan["norm"] = SequenceParallel()
+            head_plan["proj"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                use_local_output=False)
+        parallelize_module(stage.head, tp_mesh, head_plan)
+    if stage.embed is not None and stage.head is not None and stage.tied_embeddings:
+        stage.head.proj.weight = stage.embed.tok.weight  # distributing the weights untied them
