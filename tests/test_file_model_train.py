@@ -124,7 +124,7 @@ def test_killed_file_model_run_resumes_from_its_checkpoint(run_cli, tmp_path, mo
 
 
 def test_default_search_stays_at_pp1_tp1(tmp_path):
-    from meshplan.planner.search.driver import enumerate_candidates, Pins
+    from meshplan.planner.search.candidates import Pins, enumerate_candidates
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.profiling.profiler import profile
 

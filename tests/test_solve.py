@@ -188,7 +188,7 @@ def test_compact_formulation_plans_80_blocks_quickly():
 
 
 def test_pins_and_bad_input_raise_meshplan_errors():
-    from meshplan.planner.search.driver import Pins
+    from meshplan.planner.search.candidates import Pins
 
     with pytest.raises(MeshplanError, match="--zero"):
         Pins(zero=5)
@@ -282,7 +282,8 @@ def test_same_inputs_same_plan(small_graph):
 
 
 def test_infeasible_request_says_what_would_work(small_graph):
-    from meshplan.planner.search.driver import Pins, enumerate_candidates, min_memory_bytes
+    from meshplan.planner.search.candidates import Pins, enumerate_candidates
+    from meshplan.planner.search.infeasible import min_memory_bytes
 
     cluster = cluster_with_memory()
     lean_2 = min_memory_bytes(small_graph, cluster, enumerate_candidates(small_graph, cluster, 2, 8), 8,
@@ -301,11 +302,12 @@ def test_infeasible_request_says_what_would_work(small_graph):
 
 
 def test_lower_bound_never_exceeds_the_ilp_objective(small_graph):
-    from meshplan.planner.search.driver import (Pins, _problems, enumerate_candidates, lower_bound_s, solve_candidates)
+    from meshplan.planner.search.candidates import Pins, enumerate_candidates
+    from meshplan.planner.search.solving import build_problems, lower_bound_s, solve_candidates
 
     cluster = cluster_with_memory()
     candidates = enumerate_candidates(small_graph, cluster, 8, 32, Pins(zero=1, sp=False))[::5]
-    problems, _, _ = _problems(small_graph, cluster, candidates, 32, "bf16-mixed", Pins(), 1e15, False, 10.0)
+    problems, _, _ = build_problems(small_graph, cluster, candidates, 32, "bf16-mixed", Pins(), 1e15, False, 10.0)
     solved = solve_candidates(problems, num_keep=len(problems) + 1, workers=1)
     assert len(solved) == len(problems) > 5
     for item in solved:

@@ -1,6 +1,6 @@
 """`ParallelConfig`: the uniform choices of one plan (what `estimate` takes and `plan` searches).
 
-DESIGN.md's executable plan space: one mesh (pp, dp, tp) for the whole model, one ZeRO stage,
+The executable plan space (docs/architecture.md): one mesh (pp, dp, tp) for the whole model, one ZeRO stage,
 one sequence-parallel switch, one precision recipe, one schedule; per-layer stage and
 recomputation live in the Plan's layer assignments.
 """
@@ -82,6 +82,17 @@ class ParallelConfig:
     def num_model_chunks(self) -> int:
         """Pipeline chunks the layers are cut into (pp * virtual stages)."""
         return self.pp * self.virtual_stages
+
+    @property
+    def sort_key(self) -> tuple:
+        """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
+        return (self.pp, self.tp, self.dp, self.microbatch_size, self.zero, self.sp, self.schedule,
+                self.virtual_stages)
+
+    def label(self) -> str:
+        sched = f"interleaved x{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp}{' +sp' if self.sp else ''}, {sched}, "
+                f"mbs {self.microbatch_size}, ZeRO-{self.zero}")
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,0 +1,136 @@
+"""The outer candidates of the search: every uniform `ParallelConfig` of the executable plan space
+that the user's pins allow.
+
+Mesh (pp, dp, tp) with tp inside a node and dividing the heads, micro-batch size (its count
+m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
+the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
+sequence parallelism when tp > 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.errors import MeshplanError
+
+
+# Interleaving deeper than this rarely pays (each extra virtual stage adds transfers) and its
+# ILPs, with up to pp*v chunks, are the slowest to prove optimal. Pin --vpp for more.
+MAX_VIRTUAL_STAGES = 4
+
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Choices the user fixed (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
+    sp: bool | None = None
+    schedule: str | None = None
+    vpp: int | None = None
+    mbs: int | None = None
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "vpp", "mbs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise MeshplanError(f"--zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise MeshplanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise MeshplanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+
+
+# Model families the executor runs whole on every rank (pp = tp = 1).
+WHOLE_MODEL_FAMILIES = ("file", "hf")
+
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+
+def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pins = Pins(),
+                         max_mbs: int = 16, precision: str = "bf16-mixed") -> list[ParallelConfig]:
+    """Every outer candidate of the executable plan space that satisfies the pins, sorted.
+
+    A candidate is a `ParallelConfig` with recompute "none": the ILP then picks each layer's
+    recomputation and stage.
+    """
+    info = graph.info
+    split_layers = [layer.tp_split for layer in graph.layers]
+    num_layers = len(graph.layers)
+    # File and Hugging Face models run whole on every rank (data parallelism only): the executor
+    # can split neither their layers into stages nor their Linears over TP ranks.
+    whole_model_only = info.family in WHOLE_MODEL_FAMILIES
+    out = []
+    for tp in divisors(gpus):
+        # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
+        if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
+            continue
+        if not all(split.max_degree_ok(tp) for split in split_layers):
+            continue
+        if info.num_heads and (info.num_heads % tp or (info.num_kv_heads or info.num_heads) % tp):
+            continue
+        if whole_model_only and tp > 1:
+            continue
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
+                continue
+            if global_batch % dp:
+                continue
+            for mbs in divisors(global_batch // dp):
+                if (mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
+                    continue
+                m = global_batch // (dp * mbs)
+                if pp > 1 and m < pp:
+                    continue
+                for schedule, vpp in _schedules(pp, m, num_layers, pins):
+                    for zero in (0, 1, 2, 3):
+                        if pins.zero is not None and zero != pins.zero:
+                            continue
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            if pins.sp is not None and sp != pins.sp:
+                                continue
+                            out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, microbatch_size=mbs, zero=zero,
+                                                      sp=sp, schedule=schedule, virtual_stages=vpp,
+                                                      precision=precision))
+    return sorted(out, key=lambda c: c.sort_key)
+
+
+
+def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:
+    if pp == 1:
+        ok = pins.schedule in (None, "1f1b", "gpipe") and pins.vpp in (None, 1)
+        return [(pins.schedule or "1f1b", 1)] if ok else []
+    wanted = pins.schedule or ("interleaved" if pins.vpp and pins.vpp > 1 else None)
+    out = []
+    if wanted in (None, "1f1b") and pins.vpp in (None, 1):
+        out.append(("1f1b", 1))
+    if wanted == "gpipe" and pins.vpp in (None, 1):
+        out.append(("gpipe", 1))
+    rounds = max(1, m // pp)
+    if wanted in (None, "interleaved") and m % pp == 0 and m % rounds == 0:
+        for vpp in range(2, max(MAX_VIRTUAL_STAGES, pins.vpp or 0) + 1):
+            if pp * vpp <= num_layers and (vpp == pins.vpp or (pins.vpp is None and vpp <= MAX_VIRTUAL_STAGES)):
+                out.append(("interleaved", vpp))
+    return out
+
+
+
+# The ILP plans against a hair less than the usable memory, so that the simulator's replay of the
+# winner (a different summation order) fits too.
+MEMORY_MARGIN = 1e-3
+
+
+def usable_memory_bytes(cluster) -> float:
+    return cluster.device.usable_memory_bytes
