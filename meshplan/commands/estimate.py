@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default=None, choices=("bf16-mixed", "fp32"),
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
-    parser.add_argument("--json", action="store_true", help="print one JSON object (DESIGN.md keys)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
 
 def run(args) -> int:

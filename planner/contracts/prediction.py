@@ -1,6 +1,6 @@
 """`Prediction`: what the simulator (and so `estimate`) says about one training step of a plan.
 
-`to_json()` gives the keys DESIGN.md fixes for `estimate --json` and `simulate --json`.
+`to_json()` gives the keys (docs/architecture.md) of `estimate --json` and `simulate --json`.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class LayerCost:
 # ---------------------------------------------------------------------------------------------
 
 
-# Bytes per parameter of each precision recipe (DESIGN.md: the ZeRO paper's mixed-precision
+# Bytes per parameter of each precision recipe (the ZeRO paper's mixed-precision
 # Adam; plain fp32 Adam needs no master copy: 4 param + 4 grad + 2 x 4 moments).
 PRECISION_RECIPES: dict[str, dict[str, float]] = {
     "bf16-mixed": {"param": 2.0, "grad": 2.0, "optimizer": 12.0},

@@ -2,7 +2,7 @@
 
 Two recipes, named by `Strategy.state_recipe`:
 
-"zero-paper" (Rajbhandari et al. 2020, DESIGN.md's bf16-mixed recipe): bf16 parameters and
+"zero-paper" (Rajbhandari et al. 2020, the bf16-mixed recipe): bf16 parameters and
 gradients, fp32 master weights and two fp32 Adam moments, 2 + 2 + 12 bytes per parameter;
 stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters over dp ranks:
 16P, 4P + 12P/d, 2P + 14P/d, 16P/d. fp32: 4 + 4 + 8.
