@@ -1,6 +1,6 @@
-"""The per-rank entry point: `python -m executor.worker` under torchrun.
+"""The per-rank entry point: `python -m meshplan.executor.worker` under torchrun.
 
-    torchrun --nproc-per-node N -m executor.worker --plan plan.json --steps 20 --out measured.json
+    torchrun --nproc-per-node N -m meshplan.executor.worker --plan plan.json --steps 20 --out measured.json
 
 or `--jobs jobs.json` (a list of job objects with the same keys) to run several plans one after
 another in one launch (the tests group configurations this way: each launch costs seconds).
@@ -266,7 +266,7 @@ def _exit_with_parent() -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> list[Job]:
-    parser = argparse.ArgumentParser(prog="python -m executor.worker", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshplan.executor.worker", description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", help="JSON file with a list of jobs (instead of --plan ...)")
     parser.add_argument("--plan")
     parser.add_argument("--steps", type=int, default=20)
