@@ -2,13 +2,14 @@
 exist, the built-in profiles ship as package data, and the console entry point answers --help."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
 
 import pytest
 
-from tests.layout.import_graph import ROOT
+from tests.layout.import_graph import PACKAGE_DIRS, ROOT
 
 # `python -S`: no site-packages, so neither this checkout's editable install nor its dependencies
 # are visible; only the installed wheel (on sys.path by hand) and the standard library.
@@ -37,9 +38,16 @@ except SystemExit as exc:
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """The wheel `pip install .` would install, unpacked into a target folder."""
+    # Built from a copy: setuptools keeps a build/ folder beside the sources, and one left in the
+    # checkout could ship modules that no longer exist.
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    for folder in PACKAGE_DIRS.values():
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+                            "-w", str(out), str(source)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next(out.glob("meshplan-*.whl"))
     target = tmp_path_factory.mktemp("site")
