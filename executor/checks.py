@@ -27,6 +27,10 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
         raise MeshplanError(f"the plan needs {cfg.gpus} processes (pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp}) but "
                             f"{world_size} were asked for; use --nproc {cfg.gpus}"
                             + (f" or re-plan with --gpus {world_size}" if world_size > 0 else ""))
+    if cfg.pp > 1 and cfg.dp > 1 and cfg.zero >= 2:
+        raise MeshplanError(f"ZeRO-{cfg.zero} with pipeline parallelism (pp {cfg.pp}, dp {cfg.dp}) runs as ZeRO-1: "
+                            "torch's pipeline schedules defer gradient sync and resharding to the last "
+                            "micro-batch; set zero to 1 (meshplan plan no longer offers this combination)")
     from meshplan.planner.models.registry import build_model
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")

@@ -53,7 +53,8 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     lines += ["", f"tokens/s         {prediction.tokens_per_s:12,.0f}",
               f"model TFLOP/s    {prediction.model_tflops_per_gpu:10.1f} per GPU",
               f"hw TFLOP/s       {prediction.hw_tflops_per_gpu:10.1f} per GPU",
-              f"MFU              {prediction.mfu:10.1%}", f"bubble           {prediction.bubble_fraction:10.1%}",
+              f"MFU              {prediction.mfu:10.1%}   (attention counted in full; step time uses causal FLOPs)",
+              f"bubble           {prediction.bubble_fraction:10.1%}",
               "", "memory per rank (GiB)",
               f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"]
     for rank in _ranks_to_show(prediction):
@@ -63,6 +64,9 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
         mem = prediction.memory[rank]
         lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
                      f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}")
+    if args.pp > 1 and dp > 1 and args.zero >= 2:
+        lines += ["", f"note: ZeRO-{args.zero} with pp > 1 runs as ZeRO-1 in torch's pipeline schedules (gradient sync "
+                      "and resharding wait for the last micro-batch); priced as executed"]
     verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
     lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
               f"GiB usable   fits: {verdict}"]

@@ -214,6 +214,7 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
     """The forward and backward FLOPs and activation bytes the profiler gives that block at each
     shape, so that the fitted factor explains exactly what the cost model leaves out for a
     profiled layer."""
+    from meshplan.planner.costing.layer_costs import causal_skipped_flops
     from meshplan.planner.profiling.profiler import profile
 
     figures = []
@@ -221,7 +222,9 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
         graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="bf16" if cuda else "fp32",
                         cache=False)
         layer = next(layer for layer in graph.layers if layer.kind == "block")
-        figures.append({"fwd_flops": float(layer.fwd_flops * batch), "bwd_flops": float(layer.bwd_flops * batch),
+        skipped = causal_skipped_flops(layer, graph.attention)  # the flash kernel skips the masked half
+        figures.append({"fwd_flops": float((layer.fwd_flops - skipped) * batch),
+                        "bwd_flops": float((layer.bwd_flops - 2 * skipped) * batch),
                         "saved_bytes": float(layer.activation_bytes * batch)})
     return figures
 

@@ -91,6 +91,11 @@ def tp_pass_overhead_s(layer: LayerProfile, stream_bytes: float, sp: bool, clust
     return time_s
 
 
+def pipeline_action_s(pp: int, cluster: ClusterProfile) -> float:
+    """torch pipelining's fixed work per forward or backward action of a chunk (0 without PP)."""
+    return cluster.device.pipeline_action_overhead_s if pp > 1 else 0.0
+
+
 def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:
     """Whether the executor holds this layer's parameters as DTensors: split by TP, or wrapped
     by FSDP / replicate (every data-parallel layout except plain DDP: dp > 1 with ZeRO-0, no TP,

@@ -11,7 +11,7 @@ from meshplan.planner.costing import fixed_costs
 from meshplan.planner.costing.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
+from meshplan.planner.costing.state_memory import executed_zero, grad_wire_bytes_per_param, state_bytes
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,10 @@ class LayerCost:
     recompute_s: float  # extra forward compute during backward (0 without recomputation)
     tp_fwd_comm_s: float  # blocking TP collectives in forward
     tp_bwd_comm_s: float  # blocking TP collectives in backward (incl. the recomputed forward's)
-    zero3_gather_s: float  # ZeRO-3 parameter all-gather, once before forward and once before backward
+    fwd_gather_s: float  # parameter all-gather before each micro-batch's forward (ZeRO-3; FSDP2's ZeRO-1/2)
+    bwd_gather_s: float  # parameter all-gather before each micro-batch's backward (ZeRO-3)
     dp_grad_comm_s: float  # per step: this layer's gradient reduction (all-reduce or reduce-scatter)
-    dp_param_gather_s: float  # per step: ZeRO-1/2 all-gather of updated parameters after the optimizer
+    dp_param_gather_s: float  # per step: all-gather of the updated parameters, once (see `_dp_comm_s`)
     optimizer_step_s: float  # per step: this layer's share of the optimizer step
     param_bytes: float  # resident, per rank
     grad_bytes: float  # resident, per rank
@@ -149,13 +150,16 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
 
 
 def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
-               *, profile_dtype: str | None = None, holds_shared: bool = False) -> LayerCost:
+               *, profile_dtype: str | None = None, holds_shared: bool = False,
+               attention: str = "flash") -> LayerCost:
     """Time and memory of `layer` on one rank under `strategy` (see LayerCost for units).
 
     `profile_dtype`: dtype the profile's byte counts were taken in (default: the precision's
     compute dtype); activations scale by the element-size ratio. `holds_shared`: this rank holds a
     copy of parameters another stage owns (a tied head on the last stage), with its gradient and
-    optimizer state, and all-reduces that gradient with the owner once per step.
+    optimizer state, and all-reduces that gradient with the owner once per step. `attention`:
+    the graph's attention kernel; a flash kernel skips the masked half of causal attention, so
+    step time uses the causal FLOPs (MFU keeps counting attention in full, as Megatron-LM does).
     """
     tp, dp, mbs = strategy.tp, strategy.dp, strategy.microbatch_size
     if not layer.tp_split.max_degree_ok(tp):
@@ -170,7 +174,7 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     shard = tp if split else 1
     vocab_scale = _vocab_scale(layer, tp, info)
     fwd_s, bwd_s, recompute_s = _compute_times_s(layer, strategy, cluster, info, act_scale, vocab_scale,
-                                                 profile_dtype or dtype)
+                                                 profile_dtype or dtype, attention)
 
     tp_fwd_s, tp_bwd_s = _tp_comm_s(layer, strategy, cluster, act_scale)
     if split:  # DTensor dispatch around the parallel Linears, every pass (see planner.costing.fixed_costs)
@@ -190,13 +194,13 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     params_per_rank = num_params / shard
     memory = model_state_bytes(params_per_rank, dp, strategy.zero, strategy.precision, strategy.state_recipe,
                                tp, strategy.pp)
-    grad_comm_s, gather_s, zero3_s = _dp_comm_s(params_per_rank, strategy, cluster)
+    grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = _dp_comm_s(params_per_rank, strategy, cluster)
     if holds_shared and layer.shared_params and strategy.pp > 1:
         shared_bytes = layer.shared_params / shard * grad_wire_bytes_per_param(strategy.precision,
                                                                                 strategy.state_recipe)
         link = cluster.link_for_group(2, strategy.dp * strategy.tp * (strategy.pp - 1))
         grad_comm_s += all_reduce_time_s(shared_bytes, 2, link)
-    owned_params = params_per_rank / (dp if strategy.zero >= 1 else 1)
+    owned_params = params_per_rank / (dp if strategy.zero >= 1 else 1)  # optimizer states are sharded
     # AdamW streams its states through memory, and pays a fixed cost per parameter tensor
     optimizer_s = owned_params * cluster.optimizer_bytes_per_param / (
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency) + fixed_costs.optimizer_fixed_s(
@@ -206,12 +210,12 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         optimizer_s += fixed_costs.tp_norm_grad_sync_s(layer, info, tp, cluster)
 
     activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale)
-    if strategy.zero == 3:  # the gathered full parameters of this layer live during its fwd/bwd
+    if executed_zero(strategy.zero, dp, strategy.pp) == 3:  # gathered full parameters live during fwd/bwd
         buffer_bytes += params_per_rank * recipe(strategy.precision)["param"]
     out_shard = tp if strategy.sp and split else 1
     return LayerCost(
         fwd_compute_s=fwd_s, bwd_compute_s=bwd_s, recompute_s=recompute_s,
-        tp_fwd_comm_s=tp_fwd_s, tp_bwd_comm_s=tp_bwd_s, zero3_gather_s=zero3_s,
+        tp_fwd_comm_s=tp_fwd_s, tp_bwd_comm_s=tp_bwd_s, fwd_gather_s=fwd_gather_s, bwd_gather_s=bwd_gather_s,
         dp_grad_comm_s=grad_comm_s, dp_param_gather_s=gather_s, optimizer_step_s=optimizer_s,
         param_bytes=memory["params"], grad_bytes=memory["grads"], optimizer_bytes=memory["optimizer"],
         activation_bytes=activation_bytes, buffer_bytes=buffer_bytes,
@@ -219,8 +223,17 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     )
 
 
+def causal_skipped_flops(layer: LayerProfile, attention: str) -> float:
+    """Forward FLOPs per sample a causal flash kernel skips (the masked half of QK^T and x V);
+    its backward skips twice as many. Math attention computes every product."""
+    if attention != "flash" or not 0 < layer.causal_fwd_flops < layer.fwd_flops:
+        return 0.0
+    return float(layer.fwd_flops - layer.causal_fwd_flops)
+
+
 def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
-                     act_scale: float, vocab_scale: float, profile_dtype: str) -> tuple[float, float, float]:
+                     act_scale: float, vocab_scale: float, profile_dtype: str,
+                     attention: str = "flash") -> tuple[float, float, float]:
     """(forward, backward, recomputation) seconds of one micro-batch on one rank.
 
     GEMM time from the efficiency curve (the layer's FLOPs as `_num_gemms` equal GEMMs, backward
@@ -233,8 +246,9 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     mbs, gemms = strategy.microbatch_size, _num_gemms(layer)
     traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
     saved_bytes, _ = _activation_bytes(layer, replace(strategy, recompute="none"), act_scale * vocab_scale)
-    fwd_flops = layer.fwd_flops * mbs * vocab_scale / shard
-    bwd_flops = layer.bwd_flops * mbs * vocab_scale / shard
+    skipped = causal_skipped_flops(layer, attention)
+    fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
+    bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
     fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
     bwd_s = (compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
              + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster))
@@ -293,32 +307,42 @@ def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     return 0.0, all_reduce_time_s(size, tp, link)
 
 
-def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfile) -> tuple[float, float, float]:
-    """(gradient reduction per step, parameter all-gather per step, ZeRO-3 gather per pass).
+def _dp_comm_s(params_per_rank: float, strategy: Strategy,
+               cluster: ClusterProfile) -> tuple[float, float, float, float]:
+    """(gradient reduction per step, parameter all-gather per step, all-gather before each
+    micro-batch's forward, all-gather before each micro-batch's backward).
 
     ZeRO-0 all-reduces gradients once per step (DDP / FSDP2 replicate, sync deferred to the last
-    micro-batch). ZeRO-1: the paper's DDP + sharded optimizer all-reduces and then re-gathers the
-    updated parameters; the executor's FSDP2 reduce-scatters (deferred) and gathers. ZeRO-2
-    reduce-scatters gradients and all-gathers the updated parameters. ZeRO-3 reduce-scatters
-    gradients and all-gathers each layer's parameters before its forward and again before its
-    backward. Gradient reductions are counted once per step (see the notes on ZeRO-2/3 in
-    planner.costing.state_memory); gathers move the compute dtype.
+    micro-batch). ZeRO-1/2/3 reduce-scatter. Parameter gathers follow the recipe:
+    - "zero-paper" (Megatron-LM's distributed optimizer): ZeRO-1/2 all-gather the updated
+      parameters once after the optimizer; ZeRO-3 gathers before every forward and backward;
+    - "executor" (FSDP2 as `meshplan train` runs it): without pipelining, FSDP2 reshards after
+      every backward, so ZeRO-1/2 (`reshard_after_forward=False`) gather once per micro-batch,
+      before its forward, and ZeRO-3 before its forward and again before its backward. Under
+      torch pipelining resharding after backward is off until the last micro-batch, so the
+      parameters are gathered once per step (and ZeRO-2/3 run as ZeRO-1: `executed_zero`).
+    Gradient reductions are counted once per step here; the simulator repeats them per
+    micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype.
     """
     dp = strategy.dp
     if dp == 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
+    zero = executed_zero(strategy.zero, strategy.dp, strategy.pp)
     link = cluster.link_for_group(dp, strategy.tp)
     per_param = recipe(strategy.precision)
     grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
     param_bytes = params_per_rank * per_param["param"]  # gathered in the compute dtype
-    if strategy.zero == 0:
-        return all_reduce_time_s(grad_bytes, dp, link), 0.0, 0.0
-    if strategy.zero == 1:
-        reduce = reduce_scatter_time_s if strategy.state_recipe == "executor" else all_reduce_time_s
-        return reduce(grad_bytes, dp, link), all_gather_time_s(param_bytes, dp, link), 0.0
-    if strategy.zero == 2:
-        return reduce_scatter_time_s(grad_bytes, dp, link), all_gather_time_s(param_bytes, dp, link), 0.0
-    return reduce_scatter_time_s(grad_bytes, dp, link), 0.0, all_gather_time_s(param_bytes, dp, link)
+    if zero == 0:
+        return all_reduce_time_s(grad_bytes, dp, link), 0.0, 0.0, 0.0
+    gather_s = all_gather_time_s(param_bytes, dp, link)
+    paper = strategy.state_recipe == "zero-paper"
+    reduce = all_reduce_time_s if zero == 1 and paper else reduce_scatter_time_s
+    grad_s = reduce(grad_bytes, dp, link)
+    if zero == 3:
+        return grad_s, 0.0, gather_s, gather_s
+    if paper or strategy.pp > 1:
+        return grad_s, gather_s, 0.0, 0.0
+    return grad_s, 0.0, gather_s, 0.0
 
 
 def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float) -> tuple[float, float]:
@@ -459,7 +483,8 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
         raise ValueError(f"{num_chunks} pipeline chunks (pp {config.pp} x virtual stages {config.virtual_stages}) "
                          f"need at least that many layers; the model has {len(graph.layers)}")
     recomputes = default_recompute(graph, config)
-    weights = [_layer_time_s(layer_cost(layer, strategy_for(config, r), cluster, graph.info, profile_dtype=graph.dtype))
+    weights = [_layer_time_s(layer_cost(layer, strategy_for(config, r), cluster, graph.info, profile_dtype=graph.dtype,
+                                           attention=graph.attention))
                for layer, r in zip(graph.layers, recomputes)]
     low, high = max(weights), sum(weights)
     for _ in range(100):

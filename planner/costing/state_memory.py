@@ -20,10 +20,9 @@ stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters o
 Gradients are reduced in fp32 by the executor (DDP on fp32 gradients; FSDP2 reduce dtype fp32),
 4 bytes per parameter on the wire, as Megatron-LM does by default.
 
-Communication the cost model counts once per step although the executor repeats it per
-micro-batch: ZeRO-2/3 reduce-scatter after every micro-batch's backward (gradients stay
-sharded), and FSDP2 re-gathers ZeRO-1/2 parameters before every micro-batch's forward unless
-resharding after backward is turned off during gradient accumulation.
+Under torch pipelining ZeRO-2/3 execute as ZeRO-1 (`executed_zero`). Without pipelining ZeRO-2/3
+reduce-scatter after every micro-batch's backward (the simulator plays that), and FSDP2
+re-gathers ZeRO-1/2 parameters before every micro-batch's forward (`layer_costs._dp_comm_s`).
 """
 from __future__ import annotations
 
@@ -46,6 +45,28 @@ def dp_method(zero: int, dp: int, tp: int, pp: int) -> str:
     return "fsdp"
 
 
+def executed_zero(zero: int, dp: int, pp: int) -> int:
+    """The ZeRO stage the executor really runs: under torch pipelining (pp > 1) every
+    micro-batch's backward runs with gradient sync and resharding off, and the stage's FSDP
+    units reduce-scatter and reshard once, after the last one (`PipelineStage.backward_maybe_with_nosync`,
+    `perform_reduce_grad`). ZeRO-2 then keeps full gradients during the step and ZeRO-3 keeps
+    the gathered parameters too: both run as ZeRO-1, which the planner therefore offers alone."""
+    if pp > 1 and dp > 1 and zero >= 2:
+        return 1
+    return zero
+
+
+def grad_sync_mode(config) -> str:
+    """When meshplan's executor reduces gradients (`simulation.engine.StepCosts.grad_sync`; the
+    ILP models the same). With pipelining it wraps each chunk in FSDP or replicate, and torch's schedules reduce a chunk's gradients only after its last backward
+    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the
+    backward, of the last micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3
+    (which keep gradients sharded while accumulating)."""
+    if config.pp > 1 and config.dp > 1:
+        return "after_chunk"
+    return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
+
+
 def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str) -> dict[str, float]:
     param, grad, optimizer = _paper(precision)
     return {"params": num_params * param / (dp if zero >= 3 else 1),
@@ -56,6 +77,7 @@ def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str) -> 
 def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, tp: int = 1,
                          pp: int = 1) -> dict[str, float]:
     _paper(precision)
+    zero = executed_zero(zero, dp, pp)
     method = dp_method(zero, dp, tp, pp)
     compute_copy = 2.0 if precision == "bf16-mixed" else 4.0  # unsharded parameters FSDP2 gathers
     if method in ("none", "ddp"):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
+from meshplan.planner.costing import fixed_costs
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,20 @@ class CostTable:
     """Per-layer type index into `types`, the types' option costs, and the pipeline transfer time.
 
     `p2p_s` is the time of one boundary transfer (one micro-batch's activation forward, or its
-    gradient backward) between neighbouring pipeline ranks.
+    gradient backward) between neighbouring pipeline ranks; `boundary_bytes` is that tensor (the
+    output of a layer that ends a chunk: the hidden stream, never the head's logits), which every
+    chunk but the last also keeps per micro-batch in flight. `chunk_overhead_s` is fixed work per
+    chunk and micro-batch (torch pipelining's forward and backward actions), `rank_fixed_s` fixed
+    work per rank and step (the gradient norm's all-reduce).
     """
 
     layer_names: tuple[str, ...]
     layer_type: tuple[int, ...]
     types: tuple[LayerType, ...]
     p2p_s: float = 0.0
+    boundary_bytes: float = 0.0
+    chunk_overhead_s: float = 0.0
+    rank_fixed_s: float = 0.0
     # Layerwise plans: one resharding of the boundary activation between layers of different
     # (tp, dp) inside a stage, per micro-batch and direction.
     reshard_s: float = 0.0
@@ -97,7 +105,7 @@ class CostTable:
         bad = [t for t in self.layer_type if not 0 <= t < len(self.types)]
         if bad:
             raise ValueError(f"cost table refers to layer type {bad[0]} but has {len(self.types)} types")
-        for name in ("p2p_s", "reshard_s"):
+        for name in ("p2p_s", "reshard_s", "boundary_bytes", "chunk_overhead_s", "rank_fixed_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -126,12 +134,13 @@ class CostTable:
 def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> OptionCost:
     """Fold a `planner.costing.layer_costs.LayerCost` into the quantities the ILP uses.
 
-    ZeRO-3 gathers are prefetched one layer ahead, so only what the layer's own compute cannot
-    hide is exposed (identical consecutive layers make "the previous layer" this one).
+    Parameter gathers (ZeRO-3; FSDP2's ZeRO-1/2 forward) are prefetched one layer ahead, so only
+    what the layer's own compute cannot hide is exposed (identical consecutive layers make "the
+    previous layer" this one).
     """
     bwd_compute_s = cost.bwd_compute_s + cost.recompute_s
-    fwd_gather_s = max(0.0, cost.zero3_gather_s - cost.fwd_compute_s)
-    bwd_gather_s = max(0.0, cost.zero3_gather_s - bwd_compute_s)
+    fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s)
+    bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s)
     return OptionCost(
         recompute=recompute,
         fwd_s=cost.fwd_compute_s + cost.tp_fwd_comm_s + fwd_gather_s,
@@ -213,14 +222,19 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
                 cost = layer_cost(layer, replace(local, recompute=recompute), cluster, graph.info,
-                                  profile_dtype=graph.dtype,
+                                  profile_dtype=graph.dtype, attention=graph.attention,
                                   holds_shared=bool(layer.shared_params) and strategy.pp > 1)
                 options.append(option_from_layer_cost(recompute, cost, tp, dp))
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
         types.append(LayerType(key=key, options=drop_dominated(options)))
-    boundary_bytes = max(max(o.output_bytes for o in t.options) for t in types)
+    # A chunk ends after any layer but the last: the tensor it hands on is the largest output of
+    # those layers at the strategy's own mesh (the first option of each type).
+    boundary_bytes = max(types[t].options[0].output_bytes for t in set(layer_type[:-1])) if strategy.pp > 1 else 0.0
     p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
+    gpus = strategy.tp * strategy.dp * strategy.pp
     return CostTable(layer_names=tuple(layer.name for layer in graph.layers), layer_type=tuple(layer_type),
-                     types=tuple(types), p2p_s=p2p_s)
+                     types=tuple(types), p2p_s=p2p_s, boundary_bytes=boundary_bytes,
+                     chunk_overhead_s=2 * fixed_costs.pipeline_action_s(strategy.pp, cluster),
+                     rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(gpus, cluster))
 

@@ -6,6 +6,22 @@ Module boundaries are the ones parallelism needs (torchtitan's layout):
   `head`   -> final norm + output Linear (vocab-parallel under TP); the loss is `lm_loss`.
 Attention infers its local head count from the projection width, so it keeps working after
 tensor parallelism shards q/k/v by heads.
+
+The Llama block runs as real engines run it: grouped-query attention inside SDPA
+(`enable_gqa`, K and V never expanded to all heads), RMSNorm as one fused op that keeps its input
+and an fp32 rstd (statistics in fp32, output in the compute dtype), RoPE in the compute dtype.
+What one block saves for backward, per token, in bf16 with flash attention (h hidden, a heads,
+d = h/a, d_kv = kv_heads * d, f the SwiGLU width): outside the TP region each norm's input (2h)
+and rstd (4) and the common input of the Linears after it (2h): 8h + 8; inside it RoPE's bf16
+cos/sin tables (2d), the attention kernel's q (2h), k and v (4 d_kv), output (2h) and fp32
+log-sum-exp (4a), the o Linear's input (2h), and SwiGLU's gate, silu(gate), up and product
+(8f): 14h + 4 d_kv + 8f + 4a + 2d + 8 bytes in all. Korthikanti et al. (2022) give
+34*s*b*h + 5*a*s^2*b for a GPT block (math attention, fp16, dropout), 34*s*b*h with flash
+attention (the profiler measures the zoo's GPT block at 34h + 4a + 16 per token). Measured by the
+profiler at s = 8192: llama3-8b 176,520 bytes per token per layer (43.1*s*b*h; it was 254,600 =
+62.2*s*b*h with fp32 norm/RoPE and expanded K/V), llama3-405b 660,232 (40.3*s*b*h; was 984,072 =
+60.1*s*b*h). The remainder over GPT's 34 comes from SwiGLU: 8f = 28h (8b) and 26h (405b)
+against GELU's 16h, partly offset by GQA's 4 d_kv = h/4 and h/16 against MHA's 4h.
 """
 from __future__ import annotations
 
@@ -18,6 +34,41 @@ from torch import nn
 from meshplan.planner.models.config import TransformerConfig  # noqa: F401  (re-exported: callers import it from here)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """y = x * rsqrt(mean(x^2) + eps) * weight, computed like a fused kernel.
+
+    It keeps for backward what fused kernels keep (torch's CUDA `_fused_rms_norm`, Megatron/TE,
+    apex): the input in its own dtype and one fp32 rstd per row. Written as plain ops, autograd
+    also keeps fp32 copies of x: 10 bytes per element of x in bf16 against 2 (measured);
+    `F.rms_norm` is such a composition on CPU and meta (8 bytes per element), so it saves more.
+    Statistics and the backward are computed in fp32; the forward output is bitwise the
+    plain-ops formula's (`(x.float() * rstd).type_as(x) * weight`) in every dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x_fp32 = x.float()
+        rstd = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, weight)
+        return (x_fp32 * rstd).type_as(x) * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad_out.float() * weight.float()
+            # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)) along the normalised dim
+            grad_x = (rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).type_as(x)
+        if ctx.needs_input_grad[1]:
+            # the forward multiplied the weight by normed rounded to x's dtype: differentiate that
+            rounded = normed.type_as(x).float()
+            grad_w = (grad_out.float() * rounded).sum(tuple(range(x.dim() - 1))).type_as(weight)
+        return grad_x, grad_w, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -25,8 +76,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _FusedRMSNorm.apply(x, self.weight, self.eps)
 
 
 def _norm(cfg: TransformerConfig) -> nn.Module:
@@ -43,10 +93,14 @@ def rope_tables(seq: int, head_dim: int, theta: float, device=None) -> tuple[tor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., 2i], x[..., 2i+1]); x is (batch, heads, seq, head_dim)."""
-    x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) in x's dtype; x is (batch, heads, seq, head_dim).
+
+    The tables are cast to x's dtype (a no-op when the caller already did): the rotation then
+    saves only the tables for backward, in the compute dtype, and no fp32 copy of x.
+    """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1).flatten(-2)
 
 
 class Attention(nn.Module):
@@ -67,12 +121,14 @@ class Attention(nn.Module):
         k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if self.rope_theta:
-            cos, sin = rope_tables(seq, self.head_dim, self.rope_theta, device=x.device)
+            # Angles in fp32 (positions up to 1e5+ need its mantissa), cast once so that q and k
+            # share one saved pair of tables in the compute dtype.
+            cos, sin = (t.to(q.dtype) for t in rope_tables(seq, self.head_dim, self.rope_theta, device=x.device))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each KV head across a group
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: the kernel maps each group of q heads onto its shared KV head,
+        # so K and V stay at kv heads (no expanded copies saved). The local counts come from the
+        # projection widths, so the ratio holds after TP shards q, k and v by heads.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -14,8 +14,10 @@ Everything runs on the meta device (no memory, no weights). The measurement itse
   `sum(p.numel())`.
 
 Graphs are cached on disk as JSON under `$MESHPLAN_CACHE_DIR` (default `~/.cache/meshplan`),
-keyed by spec (with the file's content hash for file and HF specs), seq, dtype, attention and the
-meshplan, torch and profiler-source versions; a cache hit does not import torch.
+keyed by spec (with the file's content hash for file and HF specs), seq, dtype, attention, the
+meshplan and torch versions (transformers' too for HF specs) and a hash of the model and profiling
+source (`_code_hash`), so an edit of the zoo's block is never answered with its old graph. A file
+spec's hash covers the named file only, not modules it imports. A cache hit does not import torch.
 """
 from __future__ import annotations
 
@@ -34,8 +36,11 @@ ATTENTION_KINDS = ("flash", "math")
 DOMINANT_FLOP_SHARE = 0.5
 MAX_REFINE_DEPTH = 4
 CACHE_FORMAT = 1
-_SOURCE_FILES = ("profile.py", "profile_run.py", "graph.py", "models/__init__.py", "models/transformer.py",
-                 "models/config.py", "models/hf.py", "models/filemodel.py")
+# The code a cached graph depends on, relative to the planner package: the model builders (zoo
+# blocks, presets, HF and file loaders, TP splits), the measurement, and the graph schema.
+# Whole folders, so a module added to or moved into them is covered without editing this list.
+_SOURCE_DIRS = ("models", "profiling")
+_SOURCE_FILES = ("contracts/graph.py",)
 
 
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
@@ -218,16 +223,36 @@ def _cache_path(spec: str, seq: int, dtype: str, attention: str) -> Path | None:
         except PackageNotFoundError:
             return "unknown"
 
-    here = Path(__file__).parent
-    code = hashlib.sha256()
-    for name in _SOURCE_FILES:
-        source = here / name
-        code.update(source.read_bytes() if source.exists() else b"")
     key = {"format": CACHE_FORMAT, "spec": spec, "source": _spec_source_hash(spec), "seq": seq, "dtype": dtype,
            "attention": attention, "meshplan": _version("meshplan"), "torch": _version("torch"),
-           "code": code.hexdigest()}
+           "code": _code_hash()}
+    if spec.startswith("hf:"):  # the block's code is transformers' (e.g. how it calls SDPA)
+        key["transformers"] = _version("transformers")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return cache_dir() / "profiles" / f"{digest}.json"
+
+
+def _code_files(root: Path | None = None) -> list[Path]:
+    """The source files `_code_hash` reads, in a fixed order (`root`: the planner package)."""
+    root = Path(__file__).resolve().parent.parent if root is None else root
+    files = [path for folder in _SOURCE_DIRS for path in sorted((root / folder).glob("*.py"))]
+    return files + [root / name for name in _SOURCE_FILES]
+
+
+def _code_hash(root: Path | None = None) -> str:
+    """Hash of the profiling and model code (file names and contents): the meshplan version
+    does not change with an edit of an installed-editable checkout, so without this a cached
+    graph of a zoo model would outlive a change to its block."""
+    root = Path(__file__).resolve().parent.parent if root is None else root
+    code = hashlib.sha256()
+    for path in _code_files(root):
+        code.update(path.relative_to(root).as_posix().encode() + b"\0")
+        try:
+            code.update(path.read_bytes())
+        except OSError:
+            code.update(b"<missing>")  # a key like any other; tests check the list is current
+        code.update(b"\0")
+    return code.hexdigest()
 
 
 def _spec_source_hash(spec: str) -> str:

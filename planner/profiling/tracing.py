@@ -12,9 +12,12 @@ How each figure is measured (no formulas):
   parameters and buffers excluded, and classified by where they were saved (see `_classify`).
 - Attention: SDPA on the meta device runs torch's math path, which saves fp32 copies of q, k, v
   and the fp32 softmax of shape (heads, s, s). With attention="flash" those saved tensors are
-  replaced by what a fused kernel keeps: q, k, v, the output and an fp32 log-sum-exp of shape
-  (heads, s). FlopCounterMode counts SDPA in full (non-causal), the model-FLOPs convention; the
-  causal saving is reported separately.
+  replaced by what a fused kernel keeps: q, k, v as passed, the output and an fp32 log-sum-exp
+  of shape (heads, s). Under grouped-query attention (`enable_gqa=True`) K and V are passed,
+  and so counted, at kv heads; the math path expands them to q heads inside and is measured
+  with that expansion. FlopCounterMode counts SDPA in full (non-causal), the model-FLOPs
+  convention, at q heads with or without `enable_gqa` (4 * b * s^2 * heads * head_dim forward:
+  the math path's matmuls run on the expanded K and V); the causal saving is reported separately.
 """
 from __future__ import annotations
 

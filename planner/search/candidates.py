@@ -4,7 +4,9 @@ that the user's pins allow.
 Mesh (pp, dp, tp) with tp inside a node and dividing the heads, micro-batch size (its count
 m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
 the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
-sequence parallelism when tp > 1.
+sequence parallelism when tp > 1. ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
+schedules defer gradient sync and resharding to the last micro-batch, so they run as ZeRO-1
+(`costing.state_memory.executed_zero`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.costing.state_memory import executed_zero
 
 
 # Interleaving deeper than this rarely pays (each extra virtual stage adds transfers) and its
@@ -97,6 +100,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                 for schedule, vpp in _schedules(pp, m, num_layers, pins):
                     for zero in (0, 1, 2, 3):
                         if pins.zero is not None and zero != pins.zero:
+                            continue
+                        if executed_zero(zero, dp, pp) != zero:  # runs as ZeRO-1: buys nothing
                             continue
                         for sp in ((False, True) if tp > 1 else (False,)):
                             if pins.sp is not None and sp != pins.sp:

@@ -149,8 +149,9 @@ def _no_candidate_message(graph, cluster, gpus, global_batch, pins: Pins) -> str
     return (f"no parallel configuration of {gpus} GPUs matches global batch {global_batch}, "
             f"{len(graph.layers)} layers, {cluster.gpus_per_node} GPUs per node and the pins "
             f"{ {k: v for k, v in vars(pins).items() if v is not None} }: tp must divide the heads and "
-            f"stay inside a node, pp <= layers, dp must divide the batch and micro-batches >= pp; "
-            "relax a pin or change --gpus/--gbs")
+            f"stay inside a node, pp <= layers, dp must divide the batch and micro-batches >= pp, and "
+            f"ZeRO-2/3 do not combine with pp > 1 and dp > 1 (torch's pipeline schedules run them as "
+            f"ZeRO-1); relax a pin or change --gpus/--gbs")
 
 
 def _progress_bar(total: int, enabled: bool):

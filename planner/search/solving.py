@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.layer_costs import strategy_for
+from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.costing.tables import CostTable, build_cost_table
 from meshplan.planner.search.candidates import divisors
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, StageSolution, solve_stages
@@ -19,19 +20,32 @@ SOLVE_BATCH = 4
 
 
 
-def lower_bound_s(table: CostTable, candidate: ParallelConfig, num_microbatches: int) -> float:
+def lower_bound_s(table: CostTable, shape: PipelineShape) -> float:
     """No assignment of `table` to this pipeline can have a smaller ILP objective.
 
-    sum_r T_r >= S (every layer at its fastest option, plus the transfers), T_max >= S / p, and the
-    tail is at least the average per-rank optimizer + gather time.
+    With S the sum over layers of the fastest option plus the chunks' fixed work, sum_r T_r >= S
+    and T_max >= S / p, so the pipeline term is at least F S / p; the transfers add G P, and
+    the tail is at least the average per-rank optimizer + gather time plus the fixed work.
     """
-    pp, v = candidate.pp, candidate.virtual_stages
-    chunks = pp * v
     counts = _type_counts(table)
-    total = sum(n * table.types[t].min_time_s() for t, n in counts.items()) + table.p2p_s * 2 * (chunks - 1)
+    total = sum(n * table.types[t].min_time_s() for t, n in counts.items()) + table.chunk_overhead_s * shape.num_chunks
     tail = sum(n * min(o.param_gather_s + o.optimizer_s for o in table.types[t].options) for t, n in counts.items())
-    return (num_microbatches - 1 / v) * total / pp + total / v + tail / pp
+    slowest_weight, sum_weight = shape.weights
+    pp = shape.num_stages
+    return ((slowest_weight / pp + sum_weight) * total + shape.transfers_on_path * table.p2p_s
+            + tail / pp + table.rank_fixed_s)
 
+
+def pipeline_shape(candidate: ParallelConfig) -> PipelineShape:
+    """The candidate's pipeline with the step factor its schedule really plays (1F1B and GPipe:
+    m + p - 1; torch's interleaved 1F1B as the simulator plays it, see `simulation.factors`)."""
+    from meshplan.planner.simulation.factors import step_factor
+
+    m, v = candidate.num_microbatches, candidate.virtual_stages
+    if candidate.schedule != "interleaved":
+        return PipelineShape(candidate.pp, m, v, candidate.schedule)
+    factor = step_factor(candidate.schedule, candidate.pp, m, v)
+    return PipelineShape(candidate.pp, m, v, candidate.schedule, step_factor=max(factor, candidate.pp / v))
 
 
 def _type_counts(table: CostTable) -> dict[int, int]:
@@ -124,14 +138,14 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
                 table = replace(table, reshard_s=_reshard_s(table, candidate, cluster))
             table_cache[strategy] = table
         table = tables[candidate] = table_cache[strategy]
-        m = candidate.num_microbatches
-        bound = lower_bound_s(table, candidate, m)
+        shape = pipeline_shape(candidate)
+        bound = lower_bound_s(table, shape)
         if min_static_bytes(table, candidate.pp) > limit:
             pruned.append(Solved(candidate, bound, pruned="memory"))
             continue
-        shape = PipelineShape(candidate.pp, m, candidate.virtual_stages, candidate.schedule)
         problems.append((candidate, bound, StageProblem(table, shape, mem_limit_bytes=limit,
-                                                        time_limit_s=time_limit_s)))
+                                                        time_limit_s=time_limit_s,
+                                                        grad_sync=grad_sync_mode(candidate))))
     return problems, pruned, tables
 
 

@@ -101,7 +101,7 @@ class _Chunk:
     rank: int
     fwd_compute_s: float
     fwd_tp_s: float
-    fwd_zero_s: float  # exposed ZeRO-3 gather time in forward
+    fwd_zero_s: float  # exposed parameter-gather time in forward (ZeRO-3; FSDP2's ZeRO-1/2)
     bwd_compute_s: float
     recompute_s: float
     bwd_tp_s: float
@@ -146,10 +146,10 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
     chunks = []
     for index, layers in enumerate(by_chunk):
         fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s for c in layers]
-        fwd_end = _pass_end_times(fwd_busy, [c.zero3_gather_s for c in layers])[-1]
+        fwd_end = _pass_end_times(fwd_busy, [c.fwd_gather_s for c in layers])[-1]
         backward = layers[::-1]
         bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s for c in backward]
-        bwd_ends = _pass_end_times(bwd_busy, [c.zero3_gather_s for c in backward])
+        bwd_ends = _pass_end_times(bwd_busy, [c.bwd_gather_s for c in backward])
         chunks.append(_Chunk(
             rank=index % cfg.pp,
             fwd_compute_s=sum(c.fwd_compute_s for c in layers), fwd_tp_s=sum(c.tp_fwd_comm_s for c in layers),

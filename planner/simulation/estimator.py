@@ -114,7 +114,8 @@ def closed_form_prediction(graph, cluster: ClusterProfile, config: ParallelConfi
     for index, (layer, recompute) in enumerate(zip(graph.layers, recomputes)):
         holds_shared = bool(layer.shared_params) and embed_stage is not None and stage_of[index] != embed_stage
         costs.append(layer_cost(layer, strategy_for(config, recompute), cluster, graph.info,
-                                profile_dtype=graph.dtype, holds_shared=holds_shared))
+                                profile_dtype=graph.dtype, holds_shared=holds_shared,
+                                attention=graph.attention))
     stages = [_stage_times(graph, cluster, config, costs, chunks, stage_of, rank) for rank in range(config.pp)]
     step = pipeline_closed_form(stages, config.num_microbatches, config.schedule, config.virtual_stages)
     memory = tuple(_stage_memory(config, costs, chunks, stage_of, rank) for rank in range(config.pp))
@@ -127,8 +128,8 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     recompute = sum(costs[i].recompute_s for i in mine)
     tp_comm = sum(costs[i].tp_fwd_comm_s + costs[i].tp_bwd_comm_s for i in mine)
     # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
-    zero3 = sum(max(0.0, costs[i].zero3_gather_s - costs[i].fwd_compute_s)
-                + max(0.0, costs[i].zero3_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s) for i in mine)
+    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s)
+                + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s) for i in mine)
     # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
     # input backward.
     p2p = 0.0

@@ -21,6 +21,7 @@ Model chunk c runs on rank `c % p` as its virtual stage `c // p` (Megatron-LM's 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
@@ -113,9 +114,11 @@ def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, ra
     return actions
 
 
+@lru_cache(maxsize=256)
 def schedule_actions(schedule: str, num_stages: int, num_microbatches: int,
                      virtual_stages: int = 1) -> tuple[tuple[Action, ...], ...]:
-    """`rank_actions` for every pipeline rank, indexed by rank."""
+    """`rank_actions` for every pipeline rank, indexed by rank (cached: the planner replays the
+    same few schedules for every candidate it solves)."""
     return tuple(tuple(rank_actions(schedule, num_stages, num_microbatches, virtual_stages, rank))
                  for rank in range(num_stages))
 

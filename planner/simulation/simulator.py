@@ -16,6 +16,7 @@ from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.contracts.prediction import Prediction
+from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.engine import StepCosts, simulate_step
 
 STREAMS = ("compute", "tp", "p2p", "dp")
@@ -32,21 +33,10 @@ def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: Parallel
     None applies `config.recompute` to the transformer blocks (`cost.default_recompute`).
     `degrees_of_layer`: (tp, dp) per layer for layer-wise plans; None uses the mesh's.
     `grad_sync`: when gradients are reduced (see `StepCosts.grad_sync`); None follows the
-    executor (`executor_grad_sync`).
+    executor (`costing.state_memory.grad_sync_mode`).
     """
     costs = step_costs(graph, cluster, config, chunk_of_layer, recompute_of_layer, degrees_of_layer, grad_sync)
     return simulate_step(costs, timeline=timeline)
-
-
-def executor_grad_sync(config: ParallelConfig) -> str:
-    """When meshplan's executor reduces gradients: with pipelining it wraps each chunk in FSDP or
-    replicate, and torch's schedules reduce a chunk's gradients only after its last backward
-    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the
-    backward, of the last micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3
-    (which keep gradients sharded while accumulating)."""
-    if config.pp > 1 and config.dp > 1:
-        return "after_chunk"
-    return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
 
 
 def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True) -> Prediction:
@@ -69,7 +59,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
     """Cost every layer and collect what the event engine needs (see `StepCosts`).
 
     `degrees_of_layer`: (tp, dp) per layer for non-executable layer-wise plans; None uses the
-    mesh's degrees for every layer. `grad_sync` None follows the executor (`executor_grad_sync`).
+    mesh's degrees for every layer. `grad_sync` None follows the executor (`costing.state_memory.grad_sync_mode`).
     """
     num_layers = len(graph.layers)
     chunks = tuple(cost.balanced_layer_chunks(graph, cluster, config) if chunk_of_layer is None else chunk_of_layer)
@@ -85,7 +75,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp,
                                  microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp)
         holds_shared = bool(layer.shared_params) and chunk % config.pp != owner_rank
-        layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype,
+        layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
                                            holds_shared=holds_shared))
     layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
     last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
@@ -100,7 +90,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         hw_flops_per_step=float(model_flops + recompute_flops),
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
-        grad_sync=grad_sync or executor_grad_sync(config))
+        grad_sync=grad_sync or grad_sync_mode(config))
 
 
 def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: ClusterProfile,
@@ -110,9 +100,9 @@ def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: 
     all-reduce, charged to the optimizer step of each pipeline rank's first layer."""
     from dataclasses import replace
 
-    from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s
+    from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s, pipeline_action_s
 
-    action_s = cluster.device.pipeline_action_overhead_s if config.pp > 1 else 0.0
+    action_s = pipeline_action_s(config.pp, cluster)
     norm_s = grad_norm_all_reduce_s(config.gpus, cluster)
     out, seen_chunks, seen_ranks = list(layer_costs), set(), set()
     for index, chunk in enumerate(chunks):

@@ -200,7 +200,7 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
 
 
 def test_executor_grad_sync_follows_the_mesh():
-    from meshplan.planner.simulation.simulator import executor_grad_sync
+    from meshplan.planner.costing.state_memory import grad_sync_mode as executor_grad_sync
 
     assert executor_grad_sync(config(2, 4, dp=2)) == "after_chunk"
     assert executor_grad_sync(config(1, 4, dp=2)) == "overlap"

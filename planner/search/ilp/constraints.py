@@ -1,13 +1,13 @@
 """The constraint families of the stage-assignment ILP written out in `planner.search.ilp.formulation`'s
 docstring, one function per family, every row named after the family (assign_l, contig_l,
-run_total, nonempty_c, tmax_r, tmax_chunk_c, tail_r, mem_r_k, buf_*) so that an infeasible
+run_total, nonempty_c, tmax_r, tmax_chunk_c, cycle_r, tail_r, mem_r_k, buf_*) so that an infeasible
 request can say which family binds. `build_model` assembles them for one candidate.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshplan.planner.search.ilp.evaluation import live_vectors
+from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
     from meshplan.planner.search.ilp.formulation import StageProblem
@@ -30,14 +30,15 @@ class _Model:
         zero = pulp.LpAffineExpression
         self.chunk_time = [zero() for _ in range(self.num_chunks)]
         self.chunk_act = [zero() for _ in range(self.num_chunks)]
-        self.rank_static, self.rank_grad_comm, self.rank_bwd, self.rank_tail = (
-            [zero() for _ in range(self.pp)] for _ in range(4))
+        self.rank_static, self.rank_grad_comm, self.rank_fwd, self.rank_bwd, self.rank_tail = (
+            [zero() for _ in range(self.pp)] for _ in range(5))
         self.rank_buffer: list[list[tuple[float, object]]] = [[] for _ in range(self.pp)]
         # Lower bounds on each rank's exposed gradient reduction, one row per group of
         # (seconds, indicator expression) terms.
         self.rank_first_dp: list[list[list[tuple[float, object]]]] = [[] for _ in range(self.pp)]
         self.decoders: list = []  # callables filling (chunks, options) from the solved values
-        # Integrality cuts: (K, t, c) with K >= layers of a run in any chunk, so T_max >= v (K t + c).
+        # Integrality cuts: (K, t, c) with K >= layers of a run in a chunk (v = 1) or on a rank
+        # (times 1/v), so T_max >= v (K t + c).
         self.count_cuts: list[tuple[object, float, float]] = []
         # Tail cuts: (R, s, slack) with R >= run layers on any rank, so Tail >= R s + slack.
         self.tail_cuts: list[tuple[object, float, float]] = []
@@ -49,6 +50,7 @@ class _Model:
         self.chunk_act[chunk] += (option.act_bytes / GIB) * amount
         self.rank_static[rank] += (option.static_bytes / GIB) * amount
         self.rank_grad_comm[rank] += option.dp_comm_s * amount
+        self.rank_fwd[rank] += option.fwd_s * amount
         self.rank_bwd[rank] += option.bwd_s * amount
         self.rank_tail[rank] += (option.param_gather_s + option.optimizer_s) * amount
 
@@ -101,15 +103,20 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                 model.lp += counts[c][o] <= count * used, f"buf_use_{c}_{o}"
                 model.rank_buffer[c % model.pp].append((option.buffer_bytes / GIB, used))
     # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
-    # option's time, so T_max >= v K t_min. Valid for every integer solution; the LP relaxation
+    # option's time, so T_max >= v K t_min (tmax_chunk_c). Valid for every integer solution; the LP relaxation
     # alone would spread fractional layers evenly, and branching on one K closes that gap.
-    fullest = pulp.LpVariable("run_max_per_chunk", lowBound=0, upBound=count, cat="Integer")
-    for c in range(num_chunks):
-        model.lp += pulp.lpSum(counts[c]) <= fullest, f"run_fullest_{c}"
     chunk_const = _chunk_constants(model, has_first, has_last)
     fastest_s = min(o.time_s for o in options)
-    model.count_cuts.append((fullest, fastest_s, min(chunk_const)))
-    model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
+    # With v > 1, T_max >= v t_c holds for the chunks between the first and the last only.
+    interleaved = model.problem.shape.virtual_stages > 1
+    bounded = [c for c in range(num_chunks) if not interleaved or 0 < c < num_chunks - 1]
+    fullest = pulp.LpVariable("run_max_per_chunk", lowBound=0, upBound=count, cat="Integer")
+    for c in bounded:
+        model.lp += pulp.lpSum(counts[c]) <= fullest, f"run_fullest_{c}"
+    if bounded:
+        model.count_cuts.append((fullest, fastest_s, min(chunk_const[c] for c in bounded)))
+    if not interleaved:
+        model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
     _add_run_rank_count_cuts(model, counts, options, count, chunk_const)
     _add_run_reshard_terms(model, counts, options, count)
     _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
@@ -138,9 +145,9 @@ def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float])
 
 
 def _chunk_constants(model: _Model, has_first: bool, has_last: bool) -> list[float]:
-    """Least time of each chunk besides its run layers: transfers and the pinned layers."""
+    """Least time of each chunk besides its run layers: fixed pipelining work and the pinned layers."""
     table, num_chunks = model.problem.table, model.num_chunks
-    out = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
+    out = chunk_fixed_s(table, num_chunks)
     if has_first:
         out[0] += table.types[table.layer_type[0]].min_time_s()
     if has_last:
@@ -159,7 +166,7 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_c
     v = model.problem.shape.virtual_stages
     rank_const = min(sum(chunk_const[r::model.pp]) for r in range(model.pp))
     model.count_cuts.append((busiest, min(o.time_s for o in options) / v, rank_const / v))
-    overlap = model.problem.overlap_dp
+    overlap = model.problem.grad_sync != "after_chunk"
     per_layer = min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) + o.param_gather_s + o.optimizer_s for o in options)
     pinned = [table.types[t] for i, t in enumerate(table.layer_type) if table.layer_type.count(t) == 1]
     # Pinned layers may lower the busiest rank's sum (their reduction may be shorter than their
@@ -299,9 +306,9 @@ def _add_layer_reshard_terms(model: _Model, x) -> None:
 def _add_pipeline_time_constraints(model: _Model):
     """Epigraph of the slowest rank and of the exposed per-step tail; returns the objective."""
     problem, pulp = model.problem, model.pulp
-    shape, p2p_s = problem.shape, problem.table.p2p_s
-    for c in range(model.num_chunks):
-        model.chunk_time[c] += p2p_s * ((c > 0) + (c < model.num_chunks - 1))
+    shape, table = problem.shape, problem.table
+    for c, fixed_s in enumerate(chunk_fixed_s(table, model.num_chunks)):
+        model.chunk_time[c] += fixed_s
     rank_time = [pulp.lpSum(model.chunk_time[c] for c in range(r, model.num_chunks, model.pp))
                  for r in range(model.pp)]
     slowest = pulp.LpVariable("t_max", lowBound=0)
@@ -310,21 +317,31 @@ def _add_pipeline_time_constraints(model: _Model):
         model.lp += slowest >= rank_time[r], f"tmax_{r}"
     if shape.virtual_stages > 1:  # the interleaved steady state needs equal chunks (see the maths)
         for c in range(model.num_chunks):
-            model.lp += slowest >= shape.virtual_stages * model.chunk_time[c], f"tmax_chunk_{c}"
+            if 0 < c < model.num_chunks - 1:  # the first and last chunks hold the embedding and head
+                model.lp += slowest >= shape.virtual_stages * model.chunk_time[c], f"tmax_chunk_{c}"
+    if shape.transfer_cycle and table.p2p_s > 0:  # 1F1B waits 2P per micro-batch but on the bottleneck
+        excused = [pulp.LpVariable(f"bottleneck_{r}", cat="Binary") for r in range(model.pp)]
+        model.lp += pulp.lpSum(excused) == 1, "bottleneck_one"
+        for r in range(model.pp):
+            model.lp += slowest >= rank_time[r] + 2 * table.p2p_s * (1 - excused[r]), f"cycle_{r}"
     for k, (fullest, time_s, const_s) in enumerate(model.count_cuts):
         model.lp += slowest >= shape.virtual_stages * (time_s * fullest + const_s), f"granularity_{k}"
     for k, (busiest, per_layer_s, slack_s) in enumerate(model.tail_cuts):
         if per_layer_s > 0:
             model.lp += tail >= per_layer_s * busiest + slack_s, f"tail_granularity_{k}"
+    m, blocking = shape.num_microbatches, problem.grad_sync == "after_chunk"
     for r in range(model.pp):
         exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
-        overlap = model.rank_bwd[r] if problem.overlap_dp else 0
-        model.lp += exposed >= model.rank_grad_comm[r] - overlap, f"exposed_dp_{r}"
+        model.lp += exposed >= model.rank_grad_comm[r] - (0 if blocking else model.rank_bwd[r]), f"exposed_dp_{r}"
+        if problem.grad_sync == "overlap_every_microbatch":  # every micro-batch reduces all gradients
+            model.lp += exposed >= m * model.rank_grad_comm[r] - (m - 1) * model.rank_fwd[r] \
+                - m * model.rank_bwd[r], f"exposed_dp_every_{r}"
         for k, group in enumerate(model.rank_first_dp[r]):
             model.lp += exposed >= pulp.lpSum(dp_s * indicator for dp_s, indicator in group), f"exposed_first_{r}_{k}"
-        model.lp += tail >= exposed + model.rank_tail[r], f"tail_{r}"
+        model.lp += tail >= exposed + model.rank_tail[r] + table.rank_fixed_s, f"tail_{r}"
     slowest_weight, sum_weight = shape.weights
-    return slowest_weight * slowest + sum_weight * pulp.lpSum(rank_time) + tail
+    return (slowest_weight * slowest + sum_weight * pulp.lpSum(rank_time) + shape.transfers_on_path * table.p2p_s
+            + tail)
 
 
 def _add_memory_constraints(model: _Model):
@@ -337,9 +354,11 @@ def _add_memory_constraints(model: _Model):
         buffer = pulp.LpVariable(f"buffer_{r}", lowBound=0)
         for i, (size, used) in enumerate(model.rank_buffer[r]):
             model.lp += buffer >= size * used, f"buf_{r}_{i}"
+        fixed_bytes = chunk_fixed_bytes(problem.table, model.num_chunks)
         for k, live in enumerate(live_vectors(problem.shape, r)):
-            total = model.rank_static[r] + buffer + pulp.lpSum(
-                live[j] * model.chunk_act[j * model.pp + r] for j in range(problem.shape.virtual_stages))
+            chunks = [j * model.pp + r for j in range(problem.shape.virtual_stages)]
+            total = model.rank_static[r] + buffer + pulp.lpSum(live[j] * model.chunk_act[c] for j, c in enumerate(chunks)) \
+                + sum(live[j] * fixed_bytes[c] for j, c in enumerate(chunks)) / GIB
             if peak is not None:
                 model.lp += peak >= total, f"mem_peak_{r}_{k}"
             else:

@@ -2,11 +2,11 @@
 
 `evaluate_assignment` computes the objective and per-rank memory that `planner.search.ilp.formulation`'s ILP
 models, directly from an assignment (the ILP's answer is re-scored with it, and tests compare the
-two). `pipeline_factor` plays a schedule with unit costs in the simulator to check the textbook
-bubble. `heuristic_start` builds a feasible compact assignment for the MIP to start from.
+two). `pipeline_factor` is the simulated step factor of a schedule. `heuristic_start` builds a feasible compact assignment for the MIP to start from.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
@@ -15,19 +15,46 @@ if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports th
 
 def live_vectors(shape: PipelineShape, rank: int) -> list[tuple[int, ...]]:
     """Per-virtual-stage live micro-batch counts at each memory peak of `rank` (dominated removed)."""
+    return list(_live_vectors(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank))
+
+
+@lru_cache(maxsize=4096)
+def _live_vectors(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+                  rank: int) -> tuple[tuple[int, ...], ...]:
     from meshplan.planner.simulation.schedules import rank_actions
 
-    actions = rank_actions(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank)
-    live = [0] * shape.virtual_stages
+    actions = rank_actions(schedule, num_stages, num_microbatches, virtual_stages, rank)
+    live = [0] * virtual_stages
     peaks: set[tuple[int, ...]] = set()
     for index, action in enumerate(actions):
-        local = action.chunk // shape.num_stages
+        local = action.chunk // num_stages
         live[local] += 1 if action.kind == "F" else -1
         nxt = actions[index + 1] if index + 1 < len(actions) else None
         if action.kind == "F" and (nxt is None or nxt.kind == "B"):
             peaks.add(tuple(live))
-    return sorted(v for v in peaks
-                  if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in peaks))
+    return tuple(sorted(v for v in peaks
+                        if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in peaks)))
+
+
+def chunk_fixed_s(table: CostTable, num_chunks: int) -> list[float]:
+    """Per-micro-batch time every chunk pays besides its layers (torch pipelining's actions)."""
+    return [table.chunk_overhead_s if num_chunks > 1 else 0.0] * num_chunks
+
+
+def chunk_fixed_bytes(table: CostTable, num_chunks: int) -> list[float]:
+    """Per-micro-batch bytes every chunk holds besides its layers' activations: the boundary
+    output of every chunk but the last."""
+    return [table.boundary_bytes if c < num_chunks - 1 else 0.0 for c in range(num_chunks)]
+
+
+def exposed_dp_s(grad_sync: str, grad_comm_s: float, first_s: float, fwd_s: float, bwd_s: float, m: int) -> float:
+    """Per-step gradient reduction of one rank that compute does not hide (the maths above)."""
+    if grad_sync == "after_chunk":  # torch pipelining: a chunk's reduction blocks the rank
+        return max(first_s, grad_comm_s)
+    exposed = max(first_s, grad_comm_s - bwd_s)
+    if grad_sync == "overlap_every_microbatch":
+        exposed = max(exposed, m * grad_comm_s - (m - 1) * fwd_s - m * bwd_s)
+    return exposed
 
 
 def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
@@ -36,9 +63,9 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     `peaks`: `live_vectors` of every rank, if already computed."""
     table, shape = problem.table, problem.shape
     pp, num_chunks, v, m = shape.num_stages, shape.num_chunks, shape.virtual_stages, shape.num_microbatches
-    chunk_time = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
-    chunk_act = [0.0] * num_chunks
-    static, buffer, grad_comm, bwd, tail = ([0.0] * pp for _ in range(5))
+    chunk_time = chunk_fixed_s(table, num_chunks)
+    chunk_act = chunk_fixed_bytes(table, num_chunks)
+    static, buffer, grad_comm, fwd, bwd, tail = ([0.0] * pp for _ in range(6))
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
         option = table.option(layer, index)
         rank = chunk % pp
@@ -47,22 +74,44 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
         static[rank] += option.static_bytes
         buffer[rank] = max(buffer[rank], option.buffer_bytes)
         grad_comm[rank] += option.dp_comm_s
+        fwd[rank] += option.fwd_s
         bwd[rank] += option.bwd_s
         tail[rank] += option.param_gather_s + option.optimizer_s
     rank_time = [sum(chunk_time[c] for c in range(r, num_chunks, pp)) for r in range(pp)]
     first = [chunk_of_layer.index(r) for r in range(pp)]  # a rank's first layer: its last gradients
     never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
-    exposed = [max(never_hidden[r], grad_comm[r] - (bwd[r] if problem.overlap_dp else 0.0)) + tail[r]
-               for r in range(pp)]
+    exposed = [exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r], bwd[r], m)
+               + tail[r] + table.rank_fixed_s for r in range(pp)]
+    # Interleaved: T_max >= v t_c for the chunks between the first and the last (those hold the
+    # embedding and the head, whose extra work the played schedule absorbs).
+    slowest = max(max(rank_time), v * max(chunk_time[1:-1] or chunk_time[:1]))
+    if shape.transfer_cycle and table.p2p_s > 0:  # every rank but the bottleneck waits 2P per micro-batch
+        bottleneck = rank_time.index(max(rank_time))
+        slowest = max([slowest] + [t + 2 * table.p2p_s for r, t in enumerate(rank_time) if r != bottleneck])
     slowest_weight, sum_weight = shape.weights
-    slowest = max(max(rank_time), v * max(chunk_time))
-    objective = slowest_weight * slowest + sum_weight * sum(rank_time) + max(exposed)
+    objective = (slowest_weight * slowest + sum_weight * sum(rank_time) + shape.transfers_on_path * table.p2p_s
+                 + max(exposed))
+    return objective, tuple(chunk_time), memory_of_assignment(problem, chunk_of_layer, option_of_layer, peaks)
+
+
+def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None) -> tuple:
+    """Per-rank memory of one assignment: resident states, the largest transient buffer, and the
+    activations (and boundary outputs) of the micro-batches live at each of the schedule's peaks."""
+    table, shape = problem.table, problem.shape
+    pp, num_chunks, v = shape.num_stages, shape.num_chunks, shape.virtual_stages
+    chunk_act = chunk_fixed_bytes(table, num_chunks)
+    static, buffer = [0.0] * pp, [0.0] * pp
+    for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
+        option = table.option(layer, index)
+        chunk_act[chunk] += option.act_bytes
+        static[chunk % pp] += option.static_bytes
+        buffer[chunk % pp] = max(buffer[chunk % pp], option.buffer_bytes)
     rank_mem = []
     for r in range(pp):
         rank_peaks = peaks[r] if peaks is not None else live_vectors(shape, r)
         act = max(sum(live[j] * chunk_act[j * pp + r] for j in range(v)) for live in rank_peaks)
         rank_mem.append(static[r] + act + buffer[r])
-    return objective, tuple(chunk_time), tuple(rank_mem)
+    return tuple(rank_mem)
 
 
 def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> float:
@@ -74,28 +123,11 @@ def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> f
 
 
 def pipeline_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Step time of balanced stages in units of one rank's per-micro-batch time, as simulated.
+    """Step time of balanced stages in units of one rank's per-micro-batch time, as simulated
+    (`simulation.factors.step_factor`, forward 1 and backward 2 per chunk)."""
+    from meshplan.planner.simulation.factors import step_factor
 
-    The textbook interleaved bubble (p - 1) / v assumes Megatron-LM's schedule with many
-    micro-batches; torch's interleaved 1F1B with m close to p runs most forwards before any
-    backward and idles far longer. Playing the real schedule once with unit costs (forward 1,
-    backward 2 per chunk, nothing else) gives the factor F, and the ILP uses
-    (F - p/v) T_max + sum_r T_r / v, which is exact for balanced stages and reduces to the
-    textbook form where the schedule achieves it.
-    """
-    from meshplan.planner.contracts.config import ParallelConfig
-    from meshplan.planner.costing.layer_costs import LayerCost
-    from meshplan.planner.simulation.engine import StepCosts, simulate_step
-
-    config = ParallelConfig(gpus=num_stages, global_batch=num_microbatches, pp=num_stages, schedule=schedule,
-                            virtual_stages=virtual_stages)
-    unit = LayerCost(fwd_compute_s=1.0, bwd_compute_s=2.0, recompute_s=0.0, tp_fwd_comm_s=0.0, tp_bwd_comm_s=0.0,
-                     zero3_gather_s=0.0, dp_grad_comm_s=0.0, dp_param_gather_s=0.0, optimizer_step_s=0.0,
-                     param_bytes=0.0, grad_bytes=0.0, optimizer_bytes=0.0, activation_bytes=0.0, buffer_bytes=0.0,
-                     output_bytes=0.0)
-    num_chunks = num_stages * virtual_stages
-    costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)))
-    return simulate_step(costs).step_time_s / (3.0 * virtual_stages)
+    return step_factor(schedule, num_stages, num_microbatches, virtual_stages)
 
 
 def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
@@ -108,7 +140,7 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     fast = min(range(len(options)), key=lambda o: (options[o].time_s, o))
     lean = min(range(len(options)), key=lambda o: (options[o].act_bytes, options[o].time_s, o))
     num_chunks, pp = shape.num_chunks, shape.num_stages
-    const = [table.p2p_s * ((c > 0) + (c < num_chunks - 1)) for c in range(num_chunks)]
+    const = chunk_fixed_s(table, num_chunks)
     if first == 1:
         const[0] += table.types[table.layer_type[0]].min_time_s()
     if first + count < table.num_layers:
@@ -134,7 +166,7 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
                       for layer in range(table.num_layers) if not first <= layer < first + count}
     for _ in range(count + 1):
         chunks, chosen = _expand(counts, first, table.num_layers, num_chunks, pinned_options)
-        _, _, memory = evaluate_assignment(problem, chunks, chosen, peaks)
+        memory = memory_of_assignment(problem, chunks, chosen, peaks)
         over = [r for r in range(pp) if problem.mem_limit_bytes is not None and memory[r] > problem.mem_limit_bytes]
         if not over:
             return counts, pinned_options

@@ -1,4 +1,4 @@
-r"""The stage-assignment ILP for one outer candidate, and the public `plan(...)` entry point.
+r"""The stage-assignment ILP for one outer candidate.
 
 The outer search (`planner.search.driver`) fixes the mesh (pp, dp, tp), the schedule with its
 micro-batch count m and virtual stages v, the ZeRO stage and SP; `planner.costing.tables` turns that
@@ -20,23 +20,33 @@ Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank 
     construction and only counts matter):
                                      n_co in Z>=0:  sum_co n_co = N                     (run_total)
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
-    chunk time      t_c = sum f+b of its layers + P ([c > 0] + [c < C-1])
+    chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
     rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
-                    v > 1: T_max >= v t_c (tmax_chunk_c): the interleaved steady state runs
-                    one chunk of each rank after another, so a chunk longer than T_max / v
-                    stalls its neighbours like a slower rank would
-    exposed DP      E_r >= D_r - B_r,  E_r >= d_first(r)  (D_r: gradient reduction of the rank's
-                    layers; B_r: its backward of the last micro-batch, which the reduction
-                    overlaps; the rank's first layer produces its gradients last, so its own
-                    reduction is never hidden: per-layer E_r >= d_l (X_lr - X_{l-1,r}) with
-                    X_lc = sum_o x_lco; compact: the run's d, or the first/last layer's)
-                    Tail >= E_r + Q_r                                                   (tail_r)
-    memory          M_rk = S_r + sum_{c on r} live_k(c) A_c + U_r <= limit              (mem_r_k)
+                    v > 1: T_max >= v t_c (tmax_chunk_c) for 0 < c < C-1: the interleaved steady
+                    state runs one chunk of each rank after another, so a chunk longer than
+                    T_max / v stalls like a slower rank (the first and last chunks, which hold
+                    the embedding and the head, are absorbed by the played schedule)
+                    1F1B: T_max >= T_r + 2 P (1 - z_r), sum_r z_r = 1, z binary (cycle_r): its
+                    steady state waits 2 P per micro-batch on every rank but the bottleneck
+    exposed DP      E_r >= d_first(r): the rank's first layer produces its gradients last, so its
+                    own reduction is never hidden (per-layer E_r >= d_l (X_lr - X_{l-1,r}) with
+                    X_lc = sum_o x_lco; compact: the run's d, or the first/last layer's); and by
+                    the executor's grad sync (D_r: reduction of the rank's layers, B_r / F_r: its
+                    backward / forward of one micro-batch):
+                      overlap (during the last backward)       E_r >= D_r - B_r
+                      overlap_every_microbatch (pp = 1)        E_r >= D_r - B_r, E_r >= m D_r - (m-1) F_r - m B_r
+                      after_chunk (pipelining, blocking)       E_r >= D_r
+                    Tail >= E_r + Q_r + n_r  (n_r: per-rank fixed work, the gradient norm) (tail_r)
+    memory          M_rk = S_r + sum_{c on r} live_k(c) (A_c + [c < C-1] Y) + U_r <= limit   (mem_r_k)
+                    (Y: the boundary output torch's PipelineStage keeps per micro-batch in flight)
                     U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
-    minimise        (F - p/v) T_max + (1/v) sum_r T_r + Tail
+    minimise        (F - p/v) T_max + (1/v) sum_r T_r + G P + Tail
                     F = m + (p-1)/v by default: (m-1) slowest stage + sum of stages for 1F1B/GPipe,
                     m T + (p-1) T / v for balanced interleaved stages (Megatron-LM); the search
-                    passes F as torch's schedule really plays (`pipeline_factor`).
+                    passes F for torch's interleaved schedule as the simulator plays it
+                    (`simulation.factors`); G = 2 (C-1) transfers in fill and drain. For balanced
+                    stages this is the simulated step (tests/planner/search hold the two to 2% on
+                    profiled models); stages that differ, with few micro-batches, it overestimates.
 
 T_max, E_r and Tail are epigraph variables of a minimisation, so the max() terms are exact. With
 `objective="memory"` the same model minimises the peak M instead (M >= M_rk, no limit), which is
@@ -56,6 +66,7 @@ __all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure"
            "heuristic_start", "live_vectors", "pipeline_factor", "solve_stages"]
 
 FORMULATIONS = ("auto", "compact", "per-layer")
+GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,10 @@ class PipelineShape:
     virtual_stages: int = 1
     schedule: str = "1f1b"
     # Balanced step time over one rank's per-micro-batch time, as the schedule really plays
-    # (`pipeline_factor`); None: the textbook m + (p - 1) / v.
+    # (`simulation.factors.schedule_factors`); None: the textbook m + (p - 1) / v.
     step_factor: float | None = None
+    # Boundary transfers on the critical path in fill and drain: 2 (C - 1) (see
+    # `simulation.factors`); 1F1B's steady-state waits are the `transfer_cycle` rows.
 
     def __post_init__(self):
         for name in ("num_stages", "num_microbatches", "virtual_stages"):
@@ -80,6 +93,16 @@ class PipelineShape:
     @property
     def num_chunks(self) -> int:
         return self.num_stages * self.virtual_stages
+
+    @property
+    def transfers_on_path(self) -> float:
+        """G: boundary transfers the step waits for in fill and drain."""
+        return 2.0 * (self.num_chunks - 1)
+
+    @property
+    def transfer_cycle(self) -> bool:
+        """1F1B's steady state waits for transfers unless one rank is the bottleneck."""
+        return self.schedule == "1f1b" and self.num_stages > 1 and self.num_microbatches > 1
 
     @property
     def weights(self) -> tuple[float, float]:
@@ -100,7 +123,10 @@ class StageProblem:
     objective: str = "time"  # "time" or "memory"
     time_limit_s: float = 20.0
     formulation: str = "auto"
-    overlap_dp: bool = True  # gradient reduction overlaps the last micro-batch's backward
+    # When gradients are reduced, as the executor does it (`costing.state_memory.grad_sync_mode`):
+    # "overlap" (during the last micro-batch's backward), "overlap_every_microbatch" (during every
+    # micro-batch's backward) or "after_chunk" (after a chunk's last backward, blocking).
+    grad_sync: str = "overlap"
     backend: str = "highs"  # "highs" or "cbc"
     # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
     # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator
@@ -113,6 +139,8 @@ class StageProblem:
     def __post_init__(self):
         if self.objective not in ("time", "memory"):
             raise ValueError(f"objective must be 'time' or 'memory', got {self.objective!r}")
+        if self.grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {self.grad_sync!r}")
         if self.formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
         if self.shape.num_chunks > self.table.num_layers:
@@ -171,6 +199,7 @@ def solve_stages(problem: StageProblem) -> StageSolution:
     if use_compact and problem.objective == "time":
         found = heuristic_start(problem, structure)
         start = start_values(model.lp, found) if found is not None else None
+    formulation = "compact" if use_compact else "per-layer"
     status, gap, backend = run_solver(model.lp, problem, start)
     formulation = "compact" if use_compact else "per-layer"
     if status not in ("optimal", "time_limit"):

@@ -164,7 +164,16 @@ def test_dp_communication_per_zero_stage():
     assert costs[0].dp_param_gather_s == 0
     assert costs[2].dp_grad_comm_s == pytest.approx(reduce_scatter_time_s(grads, dp, link))
     assert costs[2].dp_param_gather_s == pytest.approx(all_gather_time_s(grads, dp, link))  # bf16 params = bf16 grads
-    assert costs[3].zero3_gather_s == pytest.approx(all_gather_time_s(grads, dp, link))
+    assert costs[3].fwd_gather_s == costs[3].bwd_gather_s == pytest.approx(all_gather_time_s(grads, dp, link))
+    # FSDP2 as the executor runs it: ZeRO-1/2 gather before every micro-batch's forward, not once
+    # after the optimizer; under torch pipelining once per step, and ZeRO-2/3 run as ZeRO-1.
+    fsdp = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z), A100, graph.info) for z in (1, 2)}
+    gather = all_gather_time_s(grads, dp, link)
+    assert fsdp[1].fwd_gather_s == fsdp[2].fwd_gather_s == pytest.approx(gather)
+    assert fsdp[1].dp_param_gather_s == fsdp[1].bwd_gather_s == 0
+    piped = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z, pp=4), A100, graph.info) for z in (1, 2, 3)}
+    assert piped[1].dp_param_gather_s == pytest.approx(gather) and piped[1].fwd_gather_s == 0
+    assert piped[2] == piped[3] == piped[1]
     assert costs[3].buffer_bytes >= grads  # the gathered layer lives during its pass
     # ZeRO-1 shards the optimizer's bytes; the TP norms' per-step gradient all-reduces are not
     # sharded (planner.costing.fixed_costs), and this profile has no per-tensor optimizer cost

@@ -111,3 +111,169 @@ def test_importing_the_zoo_specs_does_not_import_torch():
 def test_presets_have_published_shapes():
     cfg = PRESETS["llama3-405b"]
     assert (cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.kv_heads, cfg.ffn_dim) == (126, 16384, 128, 8, 53248)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Llama block as engines run it (GQA inside SDPA, fused RMSNorm, RoPE in the compute dtype)
+# against the formulation it replaced.
+
+SMALL_LLAMA = dict(family="llama", num_layers=1, hidden=128, num_heads=8, vocab=256, ffn=352, num_kv_heads=2)
+
+
+def _old_block_forward(block, x):
+    """The block as written before (the reference): RMSNorm and RoPE computed in fp32 (`x.float()`)
+    and cast back, K and V expanded to all heads with `repeat_interleave` before SDPA. The MLP is
+    unchanged and is called as is."""
+    import torch
+    import torch.nn.functional as F
+
+    def rms_norm(norm, x):
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+        return normed.type_as(x) * norm.weight
+
+    def rope(x, cos, sin):
+        x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
+        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return rotated.flatten(-2).type_as(x)
+
+    def attention(attn, x):
+        batch, seq, _ = x.shape
+        dim = attn.head_dim
+        q = attn.q(x).view(batch, seq, -1, dim).transpose(1, 2)
+        k = attn.k(x).view(batch, seq, -1, dim).transpose(1, 2)
+        v = attn.v(x).view(batch, seq, -1, dim).transpose(1, 2)
+        inv_freq = 1.0 / (attn.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+        q, k = rope(q, angles.cos(), angles.sin()), rope(k, angles.cos(), angles.sin())
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attn.o(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    x = x + attention(block.attn, rms_norm(block.attn_norm, x))
+    return x + block.mlp(rms_norm(block.mlp_norm, x))
+
+
+def _outputs_and_grads(forward, dtype):
+    """Block output and the gradients of (x, every parameter) for one fixed block, input and
+    upstream gradient (drawn in fp32 from a fixed seed, then cast to `dtype`)."""
+    import torch
+
+    from meshplan.planner.models.transformer import Block, TransformerConfig
+
+    generator = torch.Generator().manual_seed(0)
+    block = Block(TransformerConfig(**SMALL_LLAMA))
+    with torch.no_grad():
+        for name, param in block.named_parameters():  # norm weights away from 1: their gradient matters
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    x = torch.randn(2, 64, SMALL_LLAMA["hidden"], generator=generator)
+    upstream = torch.randn(x.shape, generator=generator)
+    block = block.to(dtype)
+    x = x.to(dtype).requires_grad_()
+    out = forward(block, x)
+    grads = torch.autograd.grad(out, [x, *block.parameters()], upstream.to(dtype))
+    names = ["output", "grad x"] + [f"grad {name}" for name, _ in block.named_parameters()]
+    return dict(zip(names, [out.detach(), *grads]))
+
+
+def _rel_error(got, want) -> float:
+    """Norm-wise relative error (in float64)."""
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def test_llama_block_fp32_equals_old_formulation():
+    """fp32: the fused RMSNorm's forward and RoPE are the old ops (the casts are no-ops), so the
+    output can differ only by SDPA summing over a KV group without the expanded copies; the
+    gradients differ in summation order (RMSNorm's analytic fp32 backward instead of autograd's
+    chain; the kernel's sum over each KV group instead of repeat_interleave's backward). Measured:
+    output bitwise equal, gradients within 3e-7 relative. 1e-5 (with an absolute floor of 1e-5 of
+    each tensor's largest entry, for gradient entries that cancel to ~0) is 30x that and far below
+    what a wrong formula gives (a wrong RMSNorm gradient or a mis-grouped KV head is O(1))."""
+    import torch
+
+    new = _outputs_and_grads(lambda block, x: block(x), torch.float32)
+    old = _outputs_and_grads(_old_block_forward, torch.float32)
+    assert new.keys() == old.keys() and len(new) == 2 + 9  # 2 norms, q k v o, gate up down
+    for name, want in old.items():
+        torch.testing.assert_close(new[name], want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), msg=name)
+
+
+def test_llama_block_bf16_close_to_old_formulation_and_as_accurate():
+    """bf16 keeps 8 significant bits, so each rounding moves a value by up to 2^-9 = 2e-3
+    relative. The two formulations round at different points: RoPE rounds after each of its
+    three bf16 ops (before: once, from fp32) and its tables are bf16; the fused RMSNorm's
+    backward runs in fp32 where autograd's chain rounded to bf16 in between. Measured norm-wise
+    relative differences: <= 8e-3 (a few roundings); tolerance 2e-2. Closeness alone would
+    allow the new block to be worse, so both are also compared with float64 (the old
+    formulation, exact up to 1e-16): the new block's error is measured within 3% of the old
+    one's (tolerance: 25% more)."""
+    import torch
+
+    new = _outputs_and_grads(lambda block, x: block(x), torch.bfloat16)
+    old = _outputs_and_grads(_old_block_forward, torch.bfloat16)
+    exact = _outputs_and_grads(_old_block_forward, torch.float64)
+    for name, want in old.items():
+        assert new[name].dtype == torch.bfloat16, name
+        assert _rel_error(new[name], want) <= 2e-2, name
+        assert _rel_error(new[name], exact[name]) <= 1.25 * _rel_error(want, exact[name]), name
+
+
+def test_rms_norm_forward_is_the_fp32_formula_and_saves_input_and_rstd():
+    """The fused RMSNorm's output is bitwise the plain-ops formula's in bf16 and fp32; autograd
+    keeps the bf16 input itself and one fp32 rstd per row (no fp32 copy of x)."""
+    import torch
+
+    from meshplan.planner.models.transformer import RMSNorm
+
+    generator = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = RMSNorm(64, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(64, generator=generator))
+        x = torch.randn(3, 5, 64, generator=generator).to(dtype).requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = norm(x)
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.equal(out, (x.float() * rstd).type_as(x) * norm.weight)
+        assert saved[0] is x and saved[2] is norm.weight
+        assert saved[1].shape == (3, 5, 1) and saved[1].dtype == torch.float32 and len(saved) == 3
+
+
+def test_gqa_attention_sharded_by_heads_like_tensor_parallelism():
+    """tp=2 as ColwiseParallel/RowwiseParallel shard it: each rank keeps a contiguous half of
+    the q heads and of the KV heads (q/k/v rows, o columns), infers its local heads (2 q heads
+    per KV head here, as unsharded) from the projection widths, and the row-parallel o outputs
+    sum to the unsharded attention's output."""
+    import torch
+    from torch import nn
+
+    from meshplan.planner.models.transformer import Attention, TransformerConfig
+
+    cfg = TransformerConfig("llama", 1, 64, 4, 256, num_kv_heads=2)
+    tp, dim = 2, cfg.head_dim
+    generator = torch.Generator().manual_seed(2)
+    full = Attention(cfg)
+    with torch.no_grad():
+        for param in full.parameters():
+            param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    x = torch.randn(2, 16, cfg.hidden, generator=generator)
+
+    def linear(weight):
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        layer.weight = nn.Parameter(weight.clone())
+        return layer
+
+    total = torch.zeros_like(x)
+    for rank in range(tp):
+        local = Attention(cfg)
+        q_rows = slice(rank * cfg.num_heads * dim // tp, (rank + 1) * cfg.num_heads * dim // tp)
+        kv_rows = slice(rank * cfg.kv_heads * dim // tp, (rank + 1) * cfg.kv_heads * dim // tp)
+        local.q, local.o = linear(full.q.weight[q_rows]), linear(full.o.weight[:, q_rows])
+        local.k, local.v = linear(full.k.weight[kv_rows]), linear(full.v.weight[kv_rows])
+        out = local(x)
+        assert out.shape == x.shape
+        total += out
+    torch.testing.assert_close(total, full(x), rtol=1e-5, atol=1e-6)

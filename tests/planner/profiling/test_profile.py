@@ -84,6 +84,71 @@ def test_gpt_block_activation_bytes_match_derivation(attention):
         assert ours - korthikanti == 6 * s * h - 2 * s * h + 4 * a * s * s - 5 * a * s * s + 16 * s
 
 
+def _llama_block_saved_bytes_per_token(h: int, a: int, kv_heads: int, f: int, p: int = 2) -> dict[str, int]:
+    """What autograd saves in one Llama block of planner.models.transformer per token, in bf16
+    (p = 2 bytes) with flash attention, derived tensor by tensor (d = h/a head dim, d_kv =
+    kv_heads * d, f the SwiGLU width; no dropout, no biases).
+
+    Replicated across TP ranks (outside the column->row region):
+      each of the two RMSNorms (one fused op) saves its input (p*h) and an fp32 rstd (4);
+      the q, k and v Linears save their common input, the attention norm's output, once (p*h);
+      the gate and up Linears likewise the MLP norm's output (p*h).
+    TP-sharded:
+      RoPE saves its cos and sin tables, (s, d/2) each in bf16 and shared by q and k (2 * p*d/2);
+      the fused kernel keeps q (p*h), k and v at kv heads (2 p*d_kv: GQA, not expanded), its
+      output (p*h) and an fp32 log-sum-exp per head (4a);
+      the o Linear saves a contiguous copy of the transposed attention output (p*h);
+      SwiGLU: silu saves its input, the gate output (p*f); the product saves silu's output and
+      the up output (2 p*f); the down Linear saves the product (p*f).
+    In all (p = 2): 14h + 4 d_kv + 8f + 4a + 2d + 8.
+    """
+    d = h // a
+    replicated = 2 * (p * h + 4 + p * h)
+    sharded = p * d + 2 * p * h + 2 * p * kv_heads * d + 4 * a + p * h + 4 * p * f
+    return {"replicated": replicated, "sharded": sharded, "score": 0}
+
+
+@pytest.mark.parametrize("spec,h,a,kv_heads,f", [
+    ("llama:layers=1,hidden=256,heads=8,kv_heads=2,ffn=896,vocab=512", 256, 8, 2, 896),
+    ("llama3-8b", 4096, 32, 8, 14336),
+    ("llama3-405b", 16384, 128, 8, 53248),
+])
+def test_llama_block_activation_bytes_match_derivation(spec, h, a, kv_heads, f):
+    s = 128
+    block = profile(spec, s, dtype="bf16", attention="flash", cache=False).layer("blocks.0")
+    derived = _llama_block_saved_bytes_per_token(h, a, kv_heads, f)
+    # Exact: every saved tensor is accounted for (the fp32 norm copies and expanded K/V of the
+    # old block would add 16h + 4(h - d_kv) + 2d per token).
+    assert block.act_tp_replicated_bytes == s * derived["replicated"]
+    assert block.act_tp_sharded_bytes == s * derived["sharded"]
+    assert block.act_attn_score_bytes == 0
+
+    # Against the GPT block at the same hidden size and heads (34h + 16 + 4a per token, see
+    # _gpt_block_saved_bytes): the measured ratio is the derived one.
+    gpt = profile(f"gpt:layers=1,hidden={h},heads={a},vocab=512", s, dtype="bf16", attention="flash",
+                  cache=False).layer("blocks.0")
+    gpt_per_token = sum(_gpt_block_saved_bytes(s, h, a, "flash").values()) // s
+    assert gpt_per_token == 34 * h + 16 + 4 * a
+    assert gpt.activation_bytes == s * gpt_per_token
+    d_kv = kv_heads * (h // a)
+    llama_per_token = 14 * h + 4 * d_kv + 8 * f + 4 * a + 2 * (h // a) + 8
+    assert sum(derived.values()) == llama_per_token
+    assert block.activation_bytes / gpt.activation_bytes == pytest.approx(llama_per_token / gpt_per_token,
+                                                                           rel=1e-12)
+
+
+def test_llama_gqa_flops_count_attention_at_query_heads():
+    """SDPA with enable_gqa: the model-FLOPs convention counts QK^T and attn @ V in full
+    (non-causal) at the q heads, 4 s^2 h forward, as the expanded-K/V block did; backward twice."""
+    s, h, kv_dim, ffn = 128, 256, 2 * 32, 896
+    block = profile("llama:layers=1,hidden=256,heads=8,kv_heads=2,ffn=896,vocab=512", s,
+                    cache=False).layer("blocks.0")
+    matmuls = 4 * s * h * h + 4 * s * h * kv_dim + 6 * s * h * ffn
+    assert block.fwd_flops == matmuls + 4 * s * s * h
+    assert block.bwd_flops == 2 * block.fwd_flops
+    assert block.causal_fwd_flops == block.fwd_flops - 4 * s * s * h * (s - 1) // (2 * s)
+
+
 def test_head_holds_fp32_logits_and_tied_weight_is_owned_by_embedding():
     graph = profile(GPT_SPEC, SEQ, cache=False)
     embed, head = graph.layer("embed"), graph.layer("head")
@@ -310,6 +375,42 @@ def test_cache_round_trip_and_corrupt_entry(tmp_path):
     path.write_text("{not json")
     assert profile(GPT_SPEC, 64) == first  # corrupt entry ignored ...
     assert json.loads(path.read_text())["spec"] == GPT_SPEC  # ... and rewritten
+
+
+def test_cache_key_follows_model_and_profiler_source(tmp_path, monkeypatch):
+    """Zoo specs have no file of their own: the key hashes the model and profiling code, so an
+    edit of the block (this module's files, not a stale list of old paths) is never answered
+    with the graph cached before it."""
+    import inspect
+    import shutil
+    from pathlib import Path
+
+    import meshplan.planner.models.registry as registry
+    import meshplan.planner.models.transformer as transformer
+    import meshplan.planner.profiling.tracing as tracing
+    from meshplan.planner.contracts import graph
+    from meshplan.planner.profiling import profiler
+
+    hashed = profiler._code_files()
+    assert all(path.is_file() for path in hashed)
+    for module in (transformer, registry, tracing, profiler, graph):
+        assert Path(inspect.getsourcefile(module)).resolve() in {path.resolve() for path in hashed}
+
+    root = Path(transformer.__file__).resolve().parent.parent
+    copy = tmp_path / "planner"
+    for path in hashed:
+        target = copy / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+    before = profiler._code_hash(copy)
+    assert before == profiler._code_hash(root)  # names relative to the package, not absolute
+    block = copy / "models" / "transformer.py"
+    block.write_text(block.read_text().replace("enable_gqa=", "enable_gqa=False and "))
+    assert profiler._code_hash(copy) != before
+
+    key = profiler._cache_path(GPT_SPEC, 64, "bf16", "flash")
+    monkeypatch.setattr(profiler, "_code_hash", lambda: "edited")
+    assert profiler._cache_path(GPT_SPEC, 64, "bf16", "flash") != key
 
 
 def test_file_spec_cache_follows_file_content(tmp_path):

@@ -50,8 +50,7 @@ def brute_force_cost(problem: StageProblem, chunks, options, actions=None):
     actions = actions or schedule_actions(shape)
     pp, v, m, num_chunks = shape.num_stages, shape.virtual_stages, shape.num_microbatches, shape.num_chunks
     layer_opts = [table.option(i, o) for i, o in enumerate(options)]
-    chunk_time = [sum(op.fwd_s + op.bwd_s for op, c in zip(layer_opts, chunks) if c == j)
-                  + table.p2p_s * ((j > 0) + (j < num_chunks - 1)) for j in range(num_chunks)]
+    chunk_time = [sum(op.fwd_s + op.bwd_s for op, c in zip(layer_opts, chunks) if c == j) for j in range(num_chunks)]
     rank_time = [sum(chunk_time[j] for j in range(num_chunks) if j % pp == r) for r in range(pp)]
     tails = []
     for r in range(pp):
@@ -59,8 +58,14 @@ def brute_force_cost(problem: StageProblem, chunks, options, actions=None):
         first = layer_opts[list(chunks).index(r)]  # its gradients come last: never hidden
         exposed = max(first.dp_comm_s, sum(op.dp_comm_s for op in mine) - sum(op.bwd_s for op in mine))
         tails.append(exposed + sum(op.param_gather_s + op.optimizer_s for op in mine))
-    slowest = max(max(rank_time), v * max(chunk_time))  # interleaved: chunks of T_max / v at most
-    objective = (m - 1 / v) * slowest + sum(rank_time) / v + max(tails)
+    # Interleaved: chunks of T_max / v at most, but for the first and last (embedding, head).
+    even = list(range(1, num_chunks - 1)) or [0]
+    slowest = max(max(rank_time), v * max(chunk_time[j] for j in even))
+    if shape.schedule == "1f1b" and pp > 1 and m > 1 and table.p2p_s:  # 2P per micro-batch but on the bottleneck
+        bottleneck = rank_time.index(max(rank_time))
+        slowest = max([slowest] + [t + 2 * table.p2p_s for r, t in enumerate(rank_time) if r != bottleneck])
+    # Transfers wait once each way per boundary in fill and drain.
+    objective = (m - 1 / v) * slowest + sum(rank_time) / v + 2 * (num_chunks - 1) * table.p2p_s * (pp > 1) + max(tails)
     peaks = []
     for r in range(pp):
         mine = [(op, c) for op, c in zip(layer_opts, chunks) if c % pp == r]

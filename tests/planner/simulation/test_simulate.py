@@ -18,7 +18,7 @@ REL = 1e-9
 
 def layer(fwd=1.0, bwd=2.0, **kwargs) -> LayerCost:
     values = dict(fwd_compute_s=fwd, bwd_compute_s=bwd, recompute_s=0.0, tp_fwd_comm_s=0.0, tp_bwd_comm_s=0.0,
-                  zero3_gather_s=0.0, dp_grad_comm_s=0.0, dp_param_gather_s=0.0, optimizer_step_s=0.0,
+                  fwd_gather_s=0.0, bwd_gather_s=0.0, dp_grad_comm_s=0.0, dp_param_gather_s=0.0, optimizer_step_s=0.0,
                   param_bytes=0.0, grad_bytes=0.0, optimizer_bytes=0.0, activation_bytes=0.0,
                   buffer_bytes=0.0, output_bytes=0.0)
     values.update(kwargs)

@@ -1,0 +1,41 @@
+"""How a pipeline schedule scales per-micro-batch work into step time, as the simulator plays it.
+
+The stage-assignment ILP is linear: it cannot replay a schedule. Two numbers describe how the
+event engine plays (schedule, p, m, v) with balanced unit chunks:
+
+- the step factor F: step time over one rank's per-micro-batch time T (F = m + p - 1 for GPipe
+  and 1F1B; torch's interleaved 1F1B idles more than Megatron-LM's (p - 1) / v when m is close
+  to p);
+- the transfer factor G: d step / d P for a boundary transfer time P. GPipe and interleaved 1F1B
+  wait for each boundary once each way in fill and drain, G = 2 (C - 1). 1F1B with balanced
+  stages also waits about 2 P every micro-batch: a rank's backward needs the gradient its
+  successor produced one transfer earlier. A rank slower than the others by more than 2 P
+  absorbs that wait, so the ILP models 1F1B's steady state as a cycle
+  max(T_max, T_r + 2 P for every rank but the slowest) instead (see `ilp.formulation`).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=4096)
+def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                bwd_over_fwd: float = 2.0) -> float:
+    """F of the schedule with chunks of forward 1 and backward `bwd_over_fwd` (see above)."""
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing.layer_costs import LayerCost
+    from meshplan.planner.simulation.engine import StepCosts, simulate_step
+
+    if bwd_over_fwd <= 0:
+        raise ValueError(f"bwd_over_fwd must be positive, got {bwd_over_fwd}")
+    if num_stages == 1:
+        return float(num_microbatches)
+    config = ParallelConfig(gpus=num_stages, global_batch=num_microbatches, pp=num_stages, schedule=schedule,
+                            virtual_stages=virtual_stages)
+    unit = LayerCost(fwd_compute_s=1.0, bwd_compute_s=bwd_over_fwd, recompute_s=0.0, tp_fwd_comm_s=0.0,
+                     tp_bwd_comm_s=0.0, fwd_gather_s=0.0, bwd_gather_s=0.0, dp_grad_comm_s=0.0,
+                     dp_param_gather_s=0.0, optimizer_step_s=0.0, param_bytes=0.0, grad_bytes=0.0,
+                     optimizer_bytes=0.0, activation_bytes=0.0, buffer_bytes=0.0, output_bytes=0.0)
+    num_chunks = num_stages * virtual_stages
+    costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)))
+    return simulate_step(costs).step_time_s / (virtual_stages * (1.0 + bwd_over_fwd))
