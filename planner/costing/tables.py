@@ -139,8 +139,9 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
     previous layer" this one).
     """
     bwd_compute_s = cost.bwd_compute_s + cost.recompute_s
-    fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s)
-    bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s)
+    # Hidden behind the layer's busy time, compute and TP collectives (as the event engine plays it).
+    fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s - cost.tp_fwd_comm_s)
+    bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s - cost.tp_bwd_comm_s)
     return OptionCost(
         recompute=recompute,
         fwd_s=cost.fwd_compute_s + cost.tp_fwd_comm_s + fwd_gather_s,

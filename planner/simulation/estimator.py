@@ -128,8 +128,9 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     recompute = sum(costs[i].recompute_s for i in mine)
     tp_comm = sum(costs[i].tp_fwd_comm_s + costs[i].tp_bwd_comm_s for i in mine)
     # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
-    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s)
-                + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s) for i in mine)
+    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s - costs[i].tp_fwd_comm_s)
+                + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s
+                      - costs[i].tp_bwd_comm_s) for i in mine)
     # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
     # input backward.
     p2p = 0.0

@@ -30,6 +30,9 @@ class _Model:
         zero = pulp.LpAffineExpression
         self.chunk_time = [zero() for _ in range(self.num_chunks)]
         self.chunk_act = [zero() for _ in range(self.num_chunks)]
+        # Time of the model's first and last layer (the embedding and the head), which the
+        # interleaved even-chunk rule leaves out of the first and last chunks.
+        self.edge_time = [zero() for _ in range(self.num_chunks)]
         self.rank_static, self.rank_grad_comm, self.rank_fwd, self.rank_bwd, self.rank_tail = (
             [zero() for _ in range(self.pp)] for _ in range(5))
         self.rank_buffer: list[list[tuple[float, object]]] = [[] for _ in range(self.pp)]
@@ -42,6 +45,12 @@ class _Model:
         self.count_cuts: list[tuple[object, float, float]] = []
         # Tail cuts: (R, s, slack) with R >= run layers on any rank, so Tail >= R s + slack.
         self.tail_cuts: list[tuple[object, float, float]] = []
+
+    def add_edge_terms(self, layer: int, chunk: int, option, amount) -> None:
+        """Mark the first or last layer's time in the first or last chunk (see `edge_time`)."""
+        last_layer = self.problem.table.num_layers - 1
+        if (layer == 0 and chunk == 0) or (layer == last_layer and chunk == self.num_chunks - 1):
+            self.edge_time[chunk] += option.time_s * amount
 
     def add_option_terms(self, chunk: int, option, amount) -> None:
         """Account `amount` (a variable, expression or number) layers of `option` in `chunk`."""
@@ -74,6 +83,7 @@ def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
     model.lp += pulp.lpSum(pick) == 1, f"assign_{layer}"
     for option, var in zip(options, pick):
         model.add_option_terms(chunk, option, var)
+        model.add_edge_terms(layer, chunk, option, var)
         if option.buffer_bytes:
             model.rank_buffer[chunk % model.pp].append((option.buffer_bytes / GIB, var))
     if layer == 0:  # the first layer of chunk 0
@@ -107,14 +117,19 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     # alone would spread fractional layers evenly, and branching on one K closes that gap.
     chunk_const = _chunk_constants(model, has_first, has_last)
     fastest_s = min(o.time_s for o in options)
-    # With v > 1, T_max >= v t_c holds for the chunks between the first and the last only.
+    # T_max >= v t_c holds for every chunk, less the pinned first and last layers' own time.
     interleaved = model.problem.shape.virtual_stages > 1
-    bounded = [c for c in range(num_chunks) if not interleaved or 0 < c < num_chunks - 1]
+    bounded = list(range(num_chunks))
     fullest = pulp.LpVariable("run_max_per_chunk", lowBound=0, upBound=count, cat="Integer")
     for c in bounded:
         model.lp += pulp.lpSum(counts[c]) <= fullest, f"run_fullest_{c}"
     if bounded:
-        model.count_cuts.append((fullest, fastest_s, min(chunk_const[c] for c in bounded)))
+        pinned_s = [0.0] * num_chunks  # the pinned layers' least time, which tmax_chunk leaves out
+        if has_first:
+            pinned_s[0] = table.types[table.layer_type[0]].min_time_s()
+        if has_last:
+            pinned_s[-1] = table.types[table.layer_type[-1]].min_time_s()
+        model.count_cuts.append((fullest, fastest_s, min(chunk_const[c] - pinned_s[c] for c in bounded)))
     if not interleaved:
         model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
     _add_run_rank_count_cuts(model, counts, options, count, chunk_const)
@@ -247,6 +262,7 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
             for o, option in enumerate(options):
                 var = x[layer, c, o] = pulp.LpVariable(f"x_{layer}_{c}_{o}", cat="Binary")
                 model.add_option_terms(c, option, var)
+                model.add_edge_terms(layer, c, option, var)
         model.lp += pulp.lpSum(x[layer, c, o] for c in reachable for o in range(len(options))) == 1, \
             f"assign_{layer}"
         chunk_index.append(pulp.lpSum(c * x[layer, c, o] for c in reachable for o in range(len(options))))
@@ -316,9 +332,9 @@ def _add_pipeline_time_constraints(model: _Model):
     for r in range(model.pp):
         model.lp += slowest >= rank_time[r], f"tmax_{r}"
     if shape.virtual_stages > 1:  # the interleaved steady state needs equal chunks (see the maths)
-        for c in range(model.num_chunks):
-            if 0 < c < model.num_chunks - 1:  # the first and last chunks hold the embedding and head
-                model.lp += slowest >= shape.virtual_stages * model.chunk_time[c], f"tmax_chunk_{c}"
+        for c in range(model.num_chunks):  # less the embedding's and the head's own time
+            model.lp += slowest >= shape.virtual_stages * (model.chunk_time[c] - model.edge_time[c]), \
+                f"tmax_chunk_{c}"
     if shape.transfer_cycle and table.p2p_s > 0:  # 1F1B waits 2P per micro-batch but on the bottleneck
         excused = [pulp.LpVariable(f"bottleneck_{r}", cat="Binary") for r in range(model.pp)]
         model.lp += pulp.lpSum(excused) == 1, "bottleneck_one"

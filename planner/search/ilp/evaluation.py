@@ -82,9 +82,15 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
     exposed = [exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r], bwd[r], m)
                + tail[r] + table.rank_fixed_s for r in range(pp)]
-    # Interleaved: T_max >= v t_c for the chunks between the first and the last (those hold the
-    # embedding and the head, whose extra work the played schedule absorbs).
-    slowest = max(max(rank_time), v * max(chunk_time[1:-1] or chunk_time[:1]))
+    # Interleaved: T_max >= v t_c, less the first layer's time in the first chunk and the last
+    # layer's in the last (the embedding and the head: the played schedule absorbs them).
+    even = list(chunk_time)
+    last = len(chunk_of_layer) - 1
+    if chunk_of_layer[0] == 0:
+        even[0] -= table.option(0, option_of_layer[0]).time_s
+    if chunk_of_layer[last] == num_chunks - 1:
+        even[-1] -= table.option(last, option_of_layer[last]).time_s
+    slowest = max(max(rank_time), v * max(even))
     if shape.transfer_cycle and table.p2p_s > 0:  # every rank but the bottleneck waits 2P per micro-batch
         bottleneck = rank_time.index(max(rank_time))
         slowest = max([slowest] + [t + 2 * table.p2p_s for r, t in enumerate(rank_time) if r != bottleneck])

@@ -22,10 +22,10 @@ Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank 
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
     rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
-                    v > 1: T_max >= v t_c (tmax_chunk_c) for 0 < c < C-1: the interleaved steady
-                    state runs one chunk of each rank after another, so a chunk longer than
-                    T_max / v stalls like a slower rank (the first and last chunks, which hold
-                    the embedding and the head, are absorbed by the played schedule)
+                    v > 1: T_max >= v (t_c - e_c) (tmax_chunk_c): the interleaved steady state
+                    runs one chunk of each rank after another, so a chunk longer than T_max / v
+                    stalls like a slower rank; e_c is the first layer's time in chunk 0 and the
+                    last layer's in chunk C-1 (embedding, head: the played schedule absorbs them)
                     1F1B: T_max >= T_r + 2 P (1 - z_r), sum_r z_r = 1, z binary (cycle_r): its
                     steady state waits 2 P per micro-batch on every rank but the bottleneck
     exposed DP      E_r >= d_first(r): the rank's first layer produces its gradients last, so its

@@ -58,9 +58,11 @@ def brute_force_cost(problem: StageProblem, chunks, options, actions=None):
         first = layer_opts[list(chunks).index(r)]  # its gradients come last: never hidden
         exposed = max(first.dp_comm_s, sum(op.dp_comm_s for op in mine) - sum(op.bwd_s for op in mine))
         tails.append(exposed + sum(op.param_gather_s + op.optimizer_s for op in mine))
-    # Interleaved: chunks of T_max / v at most, but for the first and last (embedding, head).
-    even = list(range(1, num_chunks - 1)) or [0]
-    slowest = max(max(rank_time), v * max(chunk_time[j] for j in even))
+    # Interleaved: chunks of T_max / v at most, not counting the first and last layer's time.
+    even = list(chunk_time)
+    even[0] -= layer_opts[0].fwd_s + layer_opts[0].bwd_s
+    even[-1] -= layer_opts[-1].fwd_s + layer_opts[-1].bwd_s
+    slowest = max(max(rank_time), v * max(even))
     if shape.schedule == "1f1b" and pp > 1 and m > 1 and table.p2p_s:  # 2P per micro-batch but on the bottleneck
         bottleneck = rank_time.index(max(rank_time))
         slowest = max([slowest] + [t + 2 * table.p2p_s for r, t in enumerate(rank_time) if r != bottleneck])
