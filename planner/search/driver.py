@@ -103,10 +103,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
         raise MeshplanError(infeasible_message(graph, cluster, gpus, global_batch, precision, pins,
                                                candidates, max_mbs))
     feasible = _polish(feasible, num_keep, {c: p for c, _, p in problems}, workers)
-    ranked = [_simulate(graph, cluster, s, tables[s.candidate], gpus, global_batch, precision)
-              for s in feasible[:num_keep]]
-    ranked.sort(key=lambda r: (not r.prediction.fits, r.prediction.step_time_s, r.solution.objective_s,
-                               r.candidate.sort_key))
+    ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision)
     stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
              "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
              "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
@@ -115,6 +112,31 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
              "max_gap": max(s.solution.gap for s in feasible[:num_keep]),
              "search_time_s": time.perf_counter() - started}
     return build_plan(graph, cluster, ranked[:top_k], stats, seed=seed, layerwise=layerwise, limit_bytes=limit)
+
+
+def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int, gpus, global_batch,
+                  precision) -> list[Ranked]:
+    """Simulate the best solutions in ILP order and rank them, fitting ones first by simulated step
+    time. A plan is only written if the simulator says it fits: while none of the simulated ones
+    does, the next `num_keep` are simulated too; if none fits at all, the request is refused,
+    naming the binding limit."""
+    ranked: list[Ranked] = []
+    for start in range(0, len(feasible), num_keep):
+        ranked += [_simulate(graph, cluster, s, tables[s.candidate], gpus, global_batch, precision)
+                   for s in feasible[start:start + num_keep]]
+        if any(r.prediction.fits for r in ranked):
+            break
+    ranked.sort(key=lambda r: (not r.prediction.fits, r.prediction.step_time_s, r.solution.objective_s,
+                               r.candidate.sort_key))
+    if not ranked[0].prediction.fits:
+        leanest = min(ranked, key=lambda r: r.prediction.peak_memory_bytes)
+        gib = 2.0 ** 30
+        raise MeshplanError(
+            f"no plan of {graph.spec!r} that the ILP accepted fits when simulated: the leanest needs "
+            f"{leanest.prediction.peak_memory_bytes / gib:.2f} GiB per GPU against "
+            f"{cluster.device.usable_memory_bytes / gib:.2f} GiB usable on {cluster.device.name} (binding: "
+            "memory per GPU); use more GPUs, a larger device, or pin --recompute full")
+    return ranked
 
 
 def _polish(feasible: list[Solved], num_keep: int, problems: dict, workers: int) -> list[Solved]:
