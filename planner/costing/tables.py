@@ -180,6 +180,13 @@ def drop_dominated(options: list[OptionCost]) -> tuple[OptionCost, ...]:
     return tuple(kept)
 
 
+def stream_bytes(types, layer_type) -> float:
+    """The tensor one layer hands the next, per micro-batch: the largest output of any layer but
+    the last (the hidden stream, never the head's logits), at the strategy's own mesh (the first
+    option of each type). What a pipeline boundary sends and a layerwise plan reshards."""
+    return max(types[t].options[0].output_bytes for t in set(layer_type[:-1] or layer_type))
+
+
 def layer_type_keys(graph) -> tuple[list[str], list[int]]:
     """Distinct layer types of a ModelGraph (repeated blocks share one) and each layer's type."""
     keys: list[str] = []
@@ -229,9 +236,7 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
         types.append(LayerType(key=key, options=drop_dominated(options)))
-    # A chunk ends after any layer but the last: the tensor it hands on is the largest output of
-    # those layers at the strategy's own mesh (the first option of each type).
-    boundary_bytes = max(types[t].options[0].output_bytes for t in set(layer_type[:-1])) if strategy.pp > 1 else 0.0
+    boundary_bytes = stream_bytes(types, layer_type) if strategy.pp > 1 else 0.0
     p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
     gpus = strategy.tp * strategy.dp * strategy.pp
     return CostTable(layer_names=tuple(layer.name for layer in graph.layers), layer_type=tuple(layer_type),

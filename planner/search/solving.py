@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.layer_costs import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
-from meshplan.planner.costing.tables import CostTable, build_cost_table
+from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_bytes
 from meshplan.planner.search.candidates import divisors
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, StageSolution, solve_stages
 
@@ -132,7 +132,7 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     for candidate in candidates:
         strategy = strategy_for(candidate)
         if strategy not in table_cache:
-            meshes = _layerwise_meshes(candidate, graph) if layerwise else ()
+            meshes = _layerwise_meshes(candidate, cluster) if layerwise else ()
             table = build_cost_table(graph, cluster, strategy, recompute_options, layerwise_meshes=meshes)
             if meshes:
                 table = replace(table, reshard_s=_reshard_s(table, candidate, cluster))
@@ -150,11 +150,12 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
 
 
 
-def _layerwise_meshes(candidate: ParallelConfig, graph) -> tuple[tuple[int, int], ...]:
-    """(tp, dp) pairs with the candidate's tp * dp that a layer may use in a layerwise plan."""
+def _layerwise_meshes(candidate: ParallelConfig, cluster) -> tuple[tuple[int, int], ...]:
+    """(tp, dp) pairs with the candidate's tp * dp that a layer may use in a layerwise plan; TP
+    groups stay inside a node, as everywhere else."""
     per_stage = candidate.tp * candidate.dp
-    return tuple((tp, per_stage // tp) for tp in divisors(per_stage) if tp <= candidate.tp * 8)
-
+    return tuple((tp, per_stage // tp) for tp in divisors(per_stage)
+                 if tp <= candidate.tp * 8 and cluster.gpus_per_node % tp == 0)
 
 
 def _reshard_s(table: CostTable, candidate: ParallelConfig, cluster) -> float:
@@ -164,5 +165,4 @@ def _reshard_s(table: CostTable, candidate: ParallelConfig, cluster) -> float:
     group = candidate.tp * candidate.dp
     if group == 1:
         return 0.0
-    size = max(o.output_bytes for t in table.types for o in t.options)
-    return all_gather_time_s(size, group, cluster.link_for_group(group))
+    return all_gather_time_s(stream_bytes(table.types, table.layer_type), group, cluster.link_for_group(group))

@@ -72,8 +72,14 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
     owner_rank = chunks[0] % config.pp  # tied weights are owned by the first layer's stage
     layer_costs = []
     for layer, chunk, recompute, (tp, dp) in zip(graph.layers, chunks, recomputes, degrees):
-        strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp,
-                                 microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp)
+        # A layer of a layerwise plan splits the stage's samples its own dp ways (as the ILP's
+        # cost table does): its micro-batch is the stage's samples over its dp.
+        if (config.microbatch_size * config.dp) % dp:
+            raise ValueError(f"layer {layer.name!r} has dp={dp}, which does not divide the stage's "
+                             f"{config.microbatch_size * config.dp} samples per micro-batch")
+        mbs = config.microbatch_size * config.dp // dp
+        strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp and tp > 1,
+                                 microbatch_size=mbs, precision=config.precision, pp=config.pp)
         holds_shared = bool(layer.shared_params) and chunk % config.pp != owner_rank
         layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
                                            holds_shared=holds_shared))
