@@ -183,7 +183,7 @@ class ClusterProfile:
     schema_version: int = SCHEMA_VERSION
     # Per-step costs of one optimizer step: AdamW reads/writes ~ this many bytes per parameter
     # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
-    optimizer_bytes_per_param: float = 16.0
+    optimizer_bytes_per_param: float = 28.0  # fused AdamW: read master, grad, 2 moments; write 3 (fp32)
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node <= 0:

@@ -109,7 +109,7 @@ def test_broken_cluster_files_exit_2_naming_file_and_field(run_cli, tmp_path, mu
         assert code == 2, f"{mutations} was accepted"
         assert str(path) in err
         assert any(changed[-1] in err for changed in effective), err
-        assert re.search(r"must|missing|unknown|not supported|fraction", err), err
+        assert re.search(r"must|missing|unknown|not supported|fraction|needs", err), err
     if code == 0:
         assert json.loads(out)["step_time_s"] > 0
 
