@@ -395,3 +395,22 @@ def test_tp_overhead_grows_with_the_stream_and_adds_sequence_parallel_and_loss_t
     # no TP, no DTensor work
     assert delta(block, Strategy(microbatch_size=4)) == (0.0, 0.0)
     assert delta(head, Strategy(dp=2, microbatch_size=4)) == (0.0, 0.0)
+
+
+def test_causal_flash_attention_time_skips_the_masked_half():
+    """A causal flash kernel skips the masked half of QK^T and x V: forward 4 s^2 h per sample
+    counted in full (the MFU convention), of which 2 s h (s - 1) are skipped (all products above
+    the diagonal), twice as many in backward. Math attention computes them all."""
+    from meshplan.planner.costing.layer_costs import causal_skipped_flops
+    from meshplan.planner.profiling.profiler import profile
+
+    seq, hidden = 2048, 1024
+    graph = profile(f"gpt:layers=2,hidden={hidden},heads=16,vocab=50304", seq)  # flash attention
+    block = graph.layers[1]
+    assert causal_skipped_flops(block, "flash") == 2 * seq * hidden * (seq - 1)
+    assert causal_skipped_flops(block, "math") == 0.0
+    flash = layer_cost(block, Strategy(), A100, graph.info, attention="flash")
+    math_ = layer_cost(block, Strategy(), A100, graph.info, attention="math")
+    assert flash.fwd_compute_s < math_.fwd_compute_s and flash.bwd_compute_s < math_.bwd_compute_s
+    # The step gets faster; the model FLOPs (MFU's numerator) still count attention in full.
+    assert block.fwd_flops >= 24 * seq * hidden ** 2 + 4 * seq ** 2 * hidden
