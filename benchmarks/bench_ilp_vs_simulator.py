@@ -16,6 +16,7 @@ from meshplan.planner.search.candidates import Pins  # noqa: E402
 from tests.planner.search.test_ilp_vs_simulator import CASES, _solved  # noqa: E402
 
 KNOWN_GAPS = {
+    "llama3-70b-interleaved": ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=4, schedule="interleaved"), 6),
     "llama3-405b-interleaved (m = p)": ("llama3-405b", 8192, "h100-sxm", 2048, 512,
                                         Pins(tp=8, pp=16, schedule="interleaved"), 6),
     "small-gpt-interleaved": ("gpt:layers=24,hidden=1024,heads=16,vocab=32000", 1024, "a100-80g", 16, 256,

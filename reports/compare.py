@@ -9,9 +9,12 @@ from typing import Sequence
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.measurement import Measurement
 
-# Above this relative error of the median step time (or of a rank's peak memory) the report
-# flags the prediction as off (the issue's acceptance threshold).
+# Above this relative error of the median step time the report flags the prediction as off
+# (the issue's acceptance threshold).
 DEFAULT_FLAG_FRACTION = 0.15
+# Above this relative error of a rank's peak memory (the memory model's target on CPU processes,
+# tests/executor/test_memory_prediction.py).
+MEMORY_FLAG_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class Comparison:
     per_run_median_s: tuple[float, ...]
     memory: tuple[RankMemory, ...]
     flag_fraction: float = DEFAULT_FLAG_FRACTION
+    memory_flag_fraction: float = MEMORY_FLAG_FRACTION
+    memory_source: str = ""  # how the last run measured its peaks (Measurement.memory_source)
 
     @property
     def error_fraction(self) -> float:
@@ -51,7 +56,7 @@ class Comparison:
         return abs(self.error_fraction) > self.flag_fraction
 
     def memory_flagged(self, rank_memory: RankMemory) -> bool:
-        return abs(rank_memory.error_fraction) > self.flag_fraction
+        return abs(rank_memory.error_fraction) > self.memory_flag_fraction
 
 
 def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
@@ -68,8 +73,11 @@ def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
 
 
 def compare(plan, measurements: Sequence[Measurement],
-            flag_fraction: float = DEFAULT_FLAG_FRACTION) -> Comparison:
-    """Compare a plan's prediction with its measured runs."""
+            flag_fraction: float = DEFAULT_FLAG_FRACTION,
+            memory_flag_fraction: float = MEMORY_FLAG_FRACTION) -> Comparison:
+    """Compare a plan's prediction with its measured runs. Memory: each global rank's measured
+    peak against the predicted peak of its pipeline stage (rank r is on stage r // (dp * tp):
+    the mesh is (pp, dp, tp), tp innermost, as the executor builds it)."""
     if not measurements:
         raise ValueError("compare needs at least one measurement")
     check_measurements(plan, measurements)
@@ -90,4 +98,5 @@ def compare(plan, measurements: Sequence[Measurement],
         measured_min_s=min(steps), measured_max_s=max(steps),
         measured_stdev_s=statistics.stdev(steps) if len(steps) > 1 else 0.0,
         per_run_median_s=tuple(run.median_step_time_s for run in measurements),
-        memory=tuple(memory), flag_fraction=flag_fraction)
+        memory=tuple(memory), flag_fraction=flag_fraction, memory_flag_fraction=memory_flag_fraction,
+        memory_source=last.memory_source or "")

@@ -45,6 +45,11 @@ def measured_section(comparison: Comparison, measurements: Sequence[Measurement]
         rows = [[f"rank {r.rank}", r.pipeline_rank, fmt_bytes(r.predicted_bytes), fmt_bytes(r.measured_bytes),
                  _error_cell(r.error_fraction, comparison.memory_flagged(r))] for r in comparison.memory]
         body.append(table(["rank", "pipeline stage", "predicted peak", "measured peak", "error"], rows))
+        source = f" Measured by {comparison.memory_source}." if comparison.memory_source else ""
+        body.append(paragraph(
+            f"Per global rank: the measured peak of the last run against the predicted peak of the rank's "
+            f"pipeline stage (rank r runs stage r // (dp x tp)). Error = (predicted - measured) / measured; "
+            f"flagged above {comparison.memory_flag_fraction:.0%}.{source}", "note"))
     else:
         body.append(paragraph("The measured runs carry no per-rank peak memory.", "note"))
     return Section("measured", "Predicted vs measured", "".join(body))

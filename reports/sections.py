@@ -191,9 +191,12 @@ def breakdown_section(plan, prediction: dict[str, Any]) -> Section:
     else:
         body.append(paragraph("The prediction carries no step-time breakdown.", "warn"))
     compute, comm, count = stage_totals(plan)
-    if plan.config.pp > 1:
-        per_stage = [c + m for c, m in zip(compute, comm)]
-        mean = sum(per_stage) / len(per_stage)
+    per_stage = [c + m for c, m in zip(compute, comm)]
+    mean = sum(per_stage) / len(per_stage)
+    if plan.config.pp > 1 and mean <= 0:  # a hand-written plan (executor.plans): no per-layer times
+        body.append(paragraph("The plan's layers carry no per-layer times (a hand-written plan, not one from "
+                              "`meshplan plan`), so stage balance is not shown.", "note"))
+    elif plan.config.pp > 1:
         slowest = max(range(len(per_stage)), key=per_stage.__getitem__)
         body.append(paragraph(
             f"Load balance: the slowest stage (stage {slowest}, {fmt_ms(per_stage[slowest])} per micro-batch) "

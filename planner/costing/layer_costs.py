@@ -209,9 +209,18 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     if split:
         optimizer_s += fixed_costs.tp_norm_grad_sync_s(layer, info, tp, cluster)
 
-    activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale)
-    if executed_zero(strategy.zero, dp, strategy.pp) == 3:  # gathered full parameters live during fwd/bwd
-        buffer_bytes += params_per_rank * recipe(strategy.precision)["param"]
+    executor = strategy.state_recipe == "executor"
+    activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale, executor=executor)
+    zero = executed_zero(strategy.zero, dp, strategy.pp)
+    gathered_bytes = params_per_rank * recipe(strategy.precision)["param"]  # one unsharded copy, compute dtype
+    fsdp_root = executor and layer.kind in ("embedding", "head")  # the stage's own FSDP unit, not a block's
+    if zero == 3 and not (fsdp_root and dp > 1):  # gathered full parameters live during fwd/bwd
+        buffer_bytes += gathered_bytes
+    if executor:
+        extra_params, extra_grads, extra_buffer = _executor_memory_extras(
+            layer, strategy, info, zero, gathered_bytes, fsdp_root, split, vocab_scale, profile_dtype or dtype)
+        memory = {**memory, "params": memory["params"] + extra_params, "grads": memory["grads"] + extra_grads}
+        buffer_bytes += extra_buffer
     out_shard = tp if strategy.sp and split else 1
     return LayerCost(
         fwd_compute_s=fwd_s, bwd_compute_s=bwd_s, recompute_s=recompute_s,
@@ -345,26 +354,116 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy,
     return grad_s, 0.0, gather_s, 0.0
 
 
-def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float) -> tuple[float, float]:
+def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
+                      executor: bool = False) -> tuple[float, float]:
     """(bytes saved for backward per micro-batch, transient recompute working set).
 
     Korthikanti et al. 2022: TP divides the sharded and score bytes by t, SP also the replicated
     bytes; selective recomputation drops the scores; full recomputation keeps only the input
     (/t with SP) and rebuilds the rest, one layer at a time, during backward.
+
+    `executor=True`: what `meshplan train` keeps (state recipe "executor"), measured on CPU with
+    `executor.memory.StepMemTracker` (tests/executor/test_memory_prediction.py):
+
+    - SP: DTensor's `PrepareModuleInput` all-gathers the sequence-sharded input of each
+      column-parallel region (a block's attention and MLP, the head's output Linear) and the
+      Linears save that gathered (mbs, s, h) tensor, whole on every TP rank (Megatron-LM saves
+      the shard and gathers again in backward). Those inputs (one per row-parallel output of a
+      block, `num_allreduce_per_pass`; one for the head) are not divided by t. Measured (llama,
+      tp 2): +2 mbs*s*h*4 bytes per block, as this rule says.
+    - bf16-mixed by autocast (the executor's choice when no FSDP wrapper casts the parameters:
+      `state_memory.dp_method` "none" or "ddp"): the norms and the residual stream stay fp32,
+      so a block's or head's replicated bytes other than its Linears' inputs (the norm inputs)
+      take 4 bytes per value; autocast caches only casts of parameters, so every column Linear
+      (q, k, v, up, gate) saves its own bf16 copy of the norm's output instead of one shared
+      tensor; and each Linear saves the bf16 copy of its weight that autocast made for that
+      forward: 2 bytes per parameter of the layer per micro-batch in flight (the head's tied
+      weight included; the embedding is no autocast op). Measured: 1.004 MiB per GPT block
+      (h 128, s 64, mbs 2), where the bf16 profile says 0.535 and this rule 1.040 (the
+      profile's copy of the attention output, a view on CPU, is the difference).
+
+    The time model's memory traffic (`_compute_times_s`) keeps the default accounting.
     """
+    from meshplan.planner.costing.state_memory import dp_method
+
     mbs = strategy.microbatch_size
     split = _is_split(layer, strategy.tp)
     tp = strategy.tp if split else 1
     sp_tp = tp if strategy.sp else 1
     sharded = layer.act_tp_sharded_bytes / tp
     replicated = layer.act_tp_replicated_bytes / sp_tp
+    weight_copies = 0.0
+    autocast = executor and strategy.precision == "bf16-mixed" and dp_method(
+        strategy.zero, strategy.dp, strategy.tp, strategy.pp) in ("none", "ddp")
+    if executor and layer.kind in ("block", "head"):
+        regions = layer.tp_split.num_allreduce_per_pass if layer.kind == "block" else 1
+        linear_inputs = min(layer.input_bytes * regions, layer.act_tp_replicated_bytes)
+        norm_inputs = layer.act_tp_replicated_bytes - linear_inputs
+        gathered = split and strategy.sp  # SP: the Linears' inputs are gathered whole
+        copies = 1.0
+        if autocast:
+            column_linears = len(layer.tp_split.column_linears) if layer.kind == "block" else 1
+            copies = max(1.0, column_linears / max(1, regions))
+        replicated = (norm_inputs * (2.0 if autocast else 1.0) / sp_tp
+                      + linear_inputs * copies / (1 if gathered else sp_tp))
+    if autocast and layer.kind != "embedding":
+        weights = layer.num_params + (layer.shared_params if layer.kind == "head" else 0)
+        weight_copies = 2.0 * weights / tp
     scores = layer.act_attn_score_bytes / tp
-    full = (sharded + replicated + scores) * mbs * scale
+    full = (sharded + replicated + scores) * mbs * scale + weight_copies
     if strategy.recompute == "full":
         return layer.input_bytes / sp_tp * mbs * scale, full
     if strategy.recompute == "selective":
-        return (sharded + replicated) * mbs * scale, scores * mbs * scale
+        return (sharded + replicated) * mbs * scale + weight_copies, scores * mbs * scale
     return full, 0.0
+
+
+LOSS_FP32_COPIES = 2  # nll_loss's dense gradient and log_softmax's backward output
+LOSS_PARALLEL_FP32_COPIES = 3  # loss_parallel's backward: one-hot mask, exp(log-probs), their sum
+
+
+def _executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: ModelInfo, zero: int,
+                            gathered_bytes: float, fsdp_root: bool, split: bool, vocab_scale: float,
+                            profile_dtype: str) -> tuple[float, float, float]:
+    """(params, grads, transient buffer) bytes that `meshplan train` allocates beyond the model
+    states of `state_memory` and the saved activations, per rank. Each was measured on CPU with
+    `executor.memory.StepMemTracker` (tests/executor/test_memory_prediction.py):
+
+    - the loss (head): its backward materialises fp32 tensors of the micro-batch's (local)
+      logits at once: nll_loss's dense gradient and log_softmax's backward output
+      (`LOSS_FP32_COPIES`); under TP, `loss_parallel`'s backward builds the one-hot mask,
+      exp(log-probs) and their sum (`LOSS_PARALLEL_FP32_COPIES`). A transient of the backward's
+      first step, while every activation of the micro-batch is still live;
+    - a vocab-parallel embedding under TP whose weight is not tied to a head on the same rank:
+      its gradient comes back as a Replicate DTensor of the whole (vocab, hidden) table and is
+      sharded only after the last micro-batch (`executor.runtime._align_grad_placements`), so
+      the step holds the whole table's fp32 gradient, not 1/t of it. (Tied to the head on the
+      rank, the sum with the head's sharded gradient stays sharded: measured);
+    - FSDP2 (ZeRO 1-3, dp > 1) without pipelining: each unit's all-gather output stays alive
+      until the next unit's all-gather (`comm_ctx.all_gather_state`, kept so the copy-in buffer
+      is not reused early): one more unsharded copy of a unit's parameters, transient, during
+      every micro-batch's forward (and ZeRO-3's backward). Under torch pipelining the units
+      are gathered once per step, in the first micro-batch's forward, when few activations
+      are live: measured, it never reaches the peak, so it is not added;
+    - ZeRO-3: the stage's root FSDP unit (embedding, head: everything outside the blocks) is
+      not resharded after forward (FSDP2 keeps the root gathered for the backward that
+      follows), so its unsharded copy is live through forward and backward, like parameters.
+    """
+    extra_params = extra_grads = extra_buffer = 0.0
+    tp, dp, mbs = strategy.tp, strategy.dp, strategy.microbatch_size
+    if layer.kind == "head" and layer.tp_split.kind == "vocab":
+        logits = layer.output_bytes / DTYPE_BYTES.get(profile_dtype, 2) * mbs * vocab_scale / (tp if split else 1)
+        extra_buffer += 4.0 * logits * (LOSS_PARALLEL_FP32_COPIES if split else LOSS_FP32_COPIES)
+    if layer.kind == "embedding" and split and info.hidden and info.padded_vocab \
+            and not (info.tied_embeddings and strategy.pp == 1):
+        table = info.padded_vocab * vocab_scale * info.hidden
+        extra_grads += 4.0 * table * (1 - 1 / tp)
+    if dp > 1 and zero >= 1:
+        if strategy.pp == 1:  # under pipelining a unit is gathered once per step, in the first
+            extra_buffer += gathered_bytes  # micro-batch's forward, far from the peak: not added
+        if zero == 3 and fsdp_root:
+            extra_params += gathered_bytes
+    return extra_params, extra_grads, extra_buffer
 
 
 def p2p_time_s(size_bytes: float, mesh, cluster) -> float:
@@ -380,142 +479,3 @@ def p2p_time_s(size_bytes: float, mesh, cluster) -> float:
         return 0.0
     link = cluster.link_for_group(2, mesh.dp * mesh.tp)
     return send_recv_time_s(size_bytes, link)
-
-
-# ---------------------------------------------------------------------------------------------
-# A whole configuration: stages, the pipeline in closed form, memory per pipeline rank.
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StageTimes:
-    """One pipeline rank. Per micro-batch (all its chunks) unless marked per step."""
-
-    compute_s: float  # forward + backward compute
-    recompute_s: float
-    tp_comm_s: float  # blocking TP collectives, forward and backward
-    zero3_exposed_s: float  # ZeRO-3 gathers not hidden behind the previous layer's compute
-    p2p_s: float  # boundary sends of this rank: activations forward, their gradients backward
-    dp_exposed_s: float = 0.0  # per step: gradient reduction not hidden behind the last backward
-    param_gather_s: float = 0.0  # per step: ZeRO-1/2 parameter all-gather after the optimizer
-    optimizer_s: float = 0.0  # per step
-
-    @property
-    def per_microbatch_s(self) -> float:
-        """Busy time of the compute stream (p2p runs on its own stream: see pipeline_closed_form)."""
-        return self.compute_s + self.recompute_s + self.tp_comm_s + self.zero3_exposed_s
-
-    @property
-    def tail_s(self) -> float:
-        return self.dp_exposed_s + self.param_gather_s + self.optimizer_s
-
-
-@dataclass(frozen=True)
-class StepEstimate:
-    """The closed-form step: pipeline (fill, steady state, drain) then the per-step tail."""
-
-    step_time_s: float
-    pipeline_time_s: float
-    bubble_s: float  # idle time of the busiest rank in fill and drain
-    bubble_fraction: float  # bubble_s / step_time_s
-    busiest_rank: int
-    breakdown: dict[str, float]  # compute, recompute, tp_comm, pp_comm, dp_comm, bubble, optimizer
-
-
-def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_microbatches: int,
-                         schedule: str = "1f1b", virtual_stages: int = 1) -> StepEstimate:
-    """Step time of m micro-batches through p stages with per-micro-batch times T_i.
-
-    GPipe and 1F1B: (m - 1) max_i T_i + sum_i T_i: the first micro-batch crosses every stage, then
-    the slowest stage sets the pace. With balanced stages this is (m + p - 1) T, so the bubble is
-    (p - 1) / (m + p - 1) of the pipeline. Interleaved 1F1B with v chunks per rank fills with
-    chunks 1/v the size: (m - 1/v) max_i T_i + sum_i T_i / v, i.e. (m + (p - 1)/v) T balanced
-    (Narayanan et al. 2021). Sends and receives are asynchronous: in the steady state they hide
-    behind compute, but the fill and drain wait for them once per boundary (sum_i p2p_i / v).
-    Then the slowest rank's tail (exposed DP communication, ZeRO parameter gathers, optimizer).
-    """
-    if not stages:
-        raise ValueError("a pipeline needs at least one stage")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    per_mb = [stage.per_microbatch_s for stage in stages]
-    slowest = max(per_mb)
-    chunks = virtual_stages if schedule == "interleaved" else 1
-    p2p_path_s = sum(stage.p2p_s for stage in stages) / chunks
-    pipeline_s = (num_microbatches - 1 / chunks) * slowest + sum(per_mb) / chunks + p2p_path_s
-    busiest = per_mb.index(slowest)
-    tail_rank = max(range(len(stages)), key=lambda i: stages[i].tail_s)
-    tail = stages[tail_rank]
-    step_s = pipeline_s + tail.tail_s
-    bubble_s = max(0.0, pipeline_s - p2p_path_s - num_microbatches * slowest)
-    busy = stages[busiest]
-    m = num_microbatches
-    breakdown = {
-        "compute": m * busy.compute_s, "recompute": m * busy.recompute_s,
-        "tp_comm": m * busy.tp_comm_s, "pp_comm": p2p_path_s,
-        "dp_comm": m * busy.zero3_exposed_s + tail.dp_exposed_s + tail.param_gather_s,
-        "bubble": bubble_s, "optimizer": tail.optimizer_s,
-    }
-    return StepEstimate(step_time_s=step_s, pipeline_time_s=pipeline_s, bubble_s=bubble_s,
-                        bubble_fraction=bubble_s / step_s if step_s > 0 else 0.0,
-                        busiest_rank=busiest, breakdown=breakdown)
-
-
-def strategy_for(config, recompute: str | None = None) -> Strategy:
-    """The Strategy every layer of a uniform ParallelConfig runs under."""
-    return Strategy(tp=config.tp, dp=config.dp, zero=config.zero, recompute=recompute or config.recompute,
-                    sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp)
-
-
-def default_recompute(graph, config) -> tuple[str, ...]:
-    """Recomputation applies to transformer blocks (and unknown layers), not embedding or head."""
-    return tuple("none" if layer.kind in ("embedding", "head") else config.recompute for layer in graph.layers)
-
-
-def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, ...]:
-    """Chunk index per layer: pp * virtual_stages contiguous non-empty chunks, slowest minimal.
-
-    A layer weighs its per-micro-batch time (compute, recomputation, TP collectives). The optimal
-    bottleneck is found by bisection on a greedy feasibility test (a chunk closes when the next
-    layer would exceed the bound); the result is exact to 1e-9 relative.
-    """
-    num_chunks = config.num_model_chunks
-    if num_chunks > len(graph.layers):
-        raise ValueError(f"{num_chunks} pipeline chunks (pp {config.pp} x virtual stages {config.virtual_stages}) "
-                         f"need at least that many layers; the model has {len(graph.layers)}")
-    recomputes = default_recompute(graph, config)
-    weights = [_layer_time_s(layer_cost(layer, strategy_for(config, r), cluster, graph.info, profile_dtype=graph.dtype,
-                                           attention=graph.attention))
-               for layer, r in zip(graph.layers, recomputes)]
-    low, high = max(weights), sum(weights)
-    for _ in range(100):
-        if high - low <= 1e-9 * high:
-            break
-        mid = (low + high) / 2
-        if _greedy_chunks(weights, mid, num_chunks) is None:
-            low = mid
-        else:
-            high = mid
-    chunks = _greedy_chunks(weights, high, num_chunks)
-    assert chunks is not None
-    return chunks
-
-
-def _layer_time_s(cost: LayerCost) -> float:
-    return cost.fwd_compute_s + cost.bwd_compute_s + cost.recompute_s + cost.tp_fwd_comm_s + cost.tp_bwd_comm_s
-
-
-def _greedy_chunks(weights: list[float], bound: float, num_chunks: int) -> tuple[int, ...] | None:
-    """Pack layers left to right under `bound`; open a new chunk early when the layers left are
-    just enough to give every later chunk one. None if some chunk must exceed `bound`."""
-    chunks: list[int] = []
-    chunk, load = 0, 0.0
-    for index, weight in enumerate(weights):
-        layers_left = len(weights) - index  # including this one
-        later_chunks = num_chunks - 1 - chunk
-        if index and later_chunks and (load + weight > bound or layers_left == later_chunks):
-            chunk, load = chunk + 1, 0.0
-        if load + weight > bound * (1 + 1e-12):
-            return None
-        chunks.append(chunk)
-        load += weight
-    return tuple(chunks) if chunk == num_chunks - 1 else None

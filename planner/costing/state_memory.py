@@ -8,9 +8,15 @@ stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters o
 16P, 4P + 12P/d, 2P + 14P/d, 16P/d. fp32: 4 + 4 + 8.
 
 "executor" (what `meshplan train` allocates; its data-parallel wrapper per `dp_method`):
-- no DP or DDP (ZeRO-0 on plain data parallelism): fp32 parameters and gradients, bf16 autocast
-  for compute: 4 + 4 + 8 (the same 16P as the paper, split differently);
-- FSDP2 `replicate` (ZeRO-0 with TP or PP): as DDP, plus the bf16 compute copy of every
+- no DP: fp32 parameters and gradients, bf16 autocast for compute: 4 + 4 + 8 (the same 16P as
+  the paper, split differently; autocast's bf16 weight copies live per micro-batch with the
+  activations: `layer_costs._activation_bytes`);
+- DDP (ZeRO-0 on plain data parallelism): as no DP, plus DDP's gradient buckets: the Reducer
+  keeps one flat fp32 bucket tensor per bucket covering every parameter and copies each
+  gradient into it to all-reduce (`gradient_as_bucket_view=False`, the default the executor
+  uses), so every gradient is held twice: 4 + (4 + 4) + 8 (measured on CPU: the rebuilt
+  buckets of the second iteration sum to exactly the gradient bytes);
+- FSDP2 `replicate` (ZeRO-0 with TP or PP): as no DP, plus the bf16 compute copy of every
   parameter the mixed-precision policy keeps unsharded: 6 + 4 + 8;
 - FSDP2 `fully_shard`: fp32 sharded parameters (4/d), fp32 sharded gradients (4/d; the
   reduce dtype) and Adam moments (8/d). ZeRO-1/2 (`reshard_after_forward=False`) also hold the
@@ -30,6 +36,8 @@ STATE_RECIPES = ("executor", "zero-paper")
 
 # bytes per parameter of the ZeRO paper's recipes: (param, grad, optimizer)
 _PAPER = {"bf16-mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+# DDP's flat bucket copy of each fp32 gradient, bytes per parameter (executor recipe)
+DDP_BUCKET_COPY_BYTES = 4.0
 
 
 def dp_method(zero: int, dp: int, tp: int, pp: int) -> str:
@@ -80,8 +88,11 @@ def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, 
     zero = executed_zero(zero, dp, pp)
     method = dp_method(zero, dp, tp, pp)
     compute_copy = 2.0 if precision == "bf16-mixed" else 4.0  # unsharded parameters FSDP2 gathers
-    if method in ("none", "ddp"):
+    if method == "none":
         return {"params": 4.0 * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
+    if method == "ddp":  # .grad plus its copy in DDP's flat bucket (see the module docstring)
+        return {"params": 4.0 * num_params, "grads": (4.0 + DDP_BUCKET_COPY_BYTES) * num_params,
+                "optimizer": 8.0 * num_params}
     if method == "replicate":
         extra = compute_copy if precision == "bf16-mixed" else 0.0  # fp32 needs no cast copy
         return {"params": (4.0 + extra) * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}

@@ -7,7 +7,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
-from meshplan.planner.costing.layer_costs import strategy_for
+from meshplan.planner.costing.pipeline import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_bytes
 from meshplan.planner.search.candidates import divisors

@@ -10,8 +10,9 @@ planner's objective), used where the simulator is not available and tested again
 from __future__ import annotations
 
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.costing.layer_costs import (DDP_BUCKET_BYTES, StageTimes, balanced_layer_chunks, default_recompute, layer_cost,
-                          p2p_time_s, pipeline_closed_form, selective_recompute_flops, strategy_for)
+from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, layer_cost, p2p_time_s, selective_recompute_flops
+from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
+                                               pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.costing.hardware import load_cluster

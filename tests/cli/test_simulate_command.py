@@ -57,9 +57,9 @@ def cluster():
 
 @pytest.mark.parametrize("schedule,vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_simulator_agrees_with_closed_form_on_balanced_stages(cluster, schedule, vpp):
-    """Identical blocks, equal stages, no DP: the engine and cost.pipeline_closed_form must agree
+    """Identical blocks, equal stages, no DP: the engine and pipeline.pipeline_closed_form must agree
     (with transfers set to zero, which the closed form charges serially and the simulator overlaps)."""
-    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.costing import layer_costs as cost, pipeline
     from meshplan.planner.simulation.simulator import step_costs
 
     graph = synthetic_graph(num_blocks=16, with_ends=False)
@@ -71,12 +71,12 @@ def test_simulator_agrees_with_closed_form_on_balanced_stages(cluster, schedule,
     stages = []
     for rank in range(cfg.pp):
         mine = [c for c, chunk in zip(costs.layer_costs, costs.chunk_of_layer) if chunk % cfg.pp == rank]
-        stages.append(cost.StageTimes(
+        stages.append(pipeline.StageTimes(
             compute_s=sum(c.fwd_compute_s + c.bwd_compute_s for c in mine),
             recompute_s=sum(c.recompute_s for c in mine),
             tp_comm_s=sum(c.tp_fwd_comm_s + c.tp_bwd_comm_s for c in mine), zero3_exposed_s=0.0, p2p_s=0.0,
             optimizer_s=sum(c.optimizer_step_s for c in mine)))
-    closed = cost.pipeline_closed_form(stages, cfg.num_microbatches, schedule, vpp)
+    closed = pipeline.pipeline_closed_form(stages, cfg.num_microbatches, schedule, vpp)
     assert pred.step_time_s == pytest.approx(closed.step_time_s, rel=1e-9)
     assert pred.bubble_fraction == pytest.approx(closed.bubble_fraction, rel=1e-6)
 
@@ -105,10 +105,10 @@ def test_simulate_config_on_a_model(cluster):
 
 
 def _plan_for(graph, cluster, cfg, recompute="none"):
-    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.costing import layer_costs as cost, pipeline
     from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
 
-    chunks = cost.balanced_layer_chunks(graph, cluster, cfg)
+    chunks = pipeline.balanced_layer_chunks(graph, cluster, cfg)
     layers = tuple(LayerAssignment(name=l.name, stage=c % cfg.pp, virtual_stage=c // cfg.pp, tp=cfg.tp, dp=cfg.dp,
                                    recompute=recompute if l.kind == "block" else "none")
                    for l, c in zip(graph.layers, chunks))
@@ -177,7 +177,7 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
     import json
 
     pytest.importorskip("meshplan.planner.profiling.profiler")
-    from meshplan.planner.costing import layer_costs as cost
+    from meshplan.planner.costing import layer_costs as cost, pipeline
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, save_plan
     from meshplan.planner.profiling.profiler import profile
@@ -186,7 +186,7 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
     graph = profile(spec, seq, dtype="fp32", attention="math")
     cluster = load_cluster("cpu")
     cfg = ParallelConfig(gpus=2, global_batch=8, pp=2, microbatch_size=2, precision="fp32")
-    chunks = cost.balanced_layer_chunks(graph, cluster, cfg)
+    chunks = pipeline.balanced_layer_chunks(graph, cluster, cfg)
     layers = tuple(LayerAssignment(name=l.name, stage=c, tp=1, dp=1) for l, c in zip(graph.layers, chunks))
     plan = Plan(model=ModelRef(spec=spec, seq=seq, dtype="fp32", attention="math"), cluster=cluster, config=cfg,
                 layers=layers)

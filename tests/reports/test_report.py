@@ -208,3 +208,22 @@ def test_simulator_chrome_trace_round_trips():
     assert [len(c) for c in parsed_curve] == [2, 1]
     flat = [value for c in parsed_curve for point in c for value in point]
     assert flat == pytest.approx([value for c in curve for point in c for value in point], rel=1e-9)
+
+
+def test_hand_written_pipeline_plan_reports_memory_per_rank(tmp_path):
+    """A `uniform_plan` under PP carries no per-layer times: the report still renders (stage balance
+    left out) and compares every rank's measured peak with its pipeline stage's prediction."""
+    from meshplan import simulate
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+
+    plan = uniform_plan("gpt:layers=2,hidden=64,heads=4,vocab=256", 32, 4, load_cluster("cpu"), pp=2,
+                        microbatch_size=1)
+    plan = plan.with_prediction(simulate(plan, timeline=False).to_json())
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({**measured(plan, [1.0, 0.5], peak_scale=1.25),
+                                "memory_source": "torch.distributed._tools.mem_tracker.MemTracker"}))
+    html = build_report(plan, measurements=[path])
+    assert "no per-layer times" in html
+    assert html.count('<td class="flag error-pct">-20.0%  over threshold</td>') == 2  # both ranks, 10% bound
+    assert "Measured by torch.distributed._tools.mem_tracker.MemTracker" in html

@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from meshplan.planner.costing.collectives import all_reduce_time_s, all_gather_time_s, reduce_scatter_time_s
-from meshplan.planner.costing.layer_costs import (Strategy, StageTimes, balanced_layer_chunks, compute_time_s, layer_cost,
-                          model_state_bytes, p2p_time_s, pipeline_closed_form)
+from meshplan.planner.costing.layer_costs import Strategy, compute_time_s, layer_cost, model_state_bytes, p2p_time_s
+from meshplan.planner.costing.pipeline import StageTimes, balanced_layer_chunks, pipeline_closed_form
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
 from meshplan.planner.costing.hardware import load_cluster
@@ -62,10 +62,11 @@ def test_zero_accounting_through_layer_cost_and_tp():
 @pytest.mark.parametrize("dp", [2, 8])
 def test_executor_realisation_of_each_zero_stage(dp):
     """What DDP / FSDP2 allocate (planner.costing.state_memory): fp32 sharded masters and gradients, a
-    bf16 unsharded compute copy while parameters stay gathered, ZeRO-1's full fp32 accumulation."""
+    bf16 unsharded compute copy while parameters stay gathered, ZeRO-1's full fp32 accumulation,
+    DDP's flat bucket copy of every gradient."""
     psi = 1e9
     expected = {  # (zero, tp, pp): (params, grads, optimizer) bytes per parameter
-        (0, 1, 1): (4, 4, 8),  # DDP with autocast
+        (0, 1, 1): (4, 4 + 4, 8),  # DDP with autocast: .grad and its bucket copy
         (0, 2, 1): (4 + 2, 4, 8),  # FSDP2 replicate keeps a bf16 copy
         (1, 1, 1): (4 / dp + 2, 4, 8 / dp),
         (2, 1, 1): (4 / dp + 2, 4 / dp, 8 / dp),
@@ -93,10 +94,13 @@ def test_block_activations_match_korthikanti_without_dropout(tp):
     sbh = s * b * h
 
     def act(**kw):
-        return layer_cost(block, Strategy(tp=tp, microbatch_size=b, **kw), A100, graph.info).activation_bytes
+        strategy = Strategy(tp=tp, microbatch_size=b, state_recipe="zero-paper", **kw)
+        return layer_cost(block, strategy, A100, graph.info).activation_bytes
 
     # Korthikanti's formulas with the dropout terms removed (see gpt_layers): 34 -> 32, 10 -> 8,
     # 5as/h -> 2as/h. Exact: the cost model applies the division rules to exact byte counts.
+    # Megatron-LM's realisation (recipe "zero-paper"); `meshplan train` keeps more under autocast
+    # and SP (test_executor_activation_rules).
     assert act() == pytest.approx(sbh * (8 + 24 / tp + 2 * a * s / (h * tp)), rel=1e-12)
     if tp == 1:
         assert act() == pytest.approx(sbh * (32 + 2 * a * s / h), rel=1e-12)
@@ -268,8 +272,9 @@ def test_profiled_gpt_block_against_korthikanti(tmp_path, monkeypatch):
     block = graph.layers[1]
     sbh = s * b * h
 
-    def act(tp, **kw):
-        return layer_cost(block, Strategy(tp=tp, microbatch_size=b, **kw), A100, graph.info).activation_bytes
+    def act(tp, **kw):  # Megatron-LM's realisation, which Korthikanti et al. measure
+        strategy = Strategy(tp=tp, microbatch_size=b, state_recipe="zero-paper", **kw)
+        return layer_cost(block, strategy, A100, graph.info).activation_bytes
 
     # Without dropout Korthikanti's 34 sbh is 32 sbh; flash attention also keeps its own output
     # and log-sum-exp next to the o-projection's input (~2 sbh), hence 10%.
@@ -414,3 +419,60 @@ def test_causal_flash_attention_time_skips_the_masked_half():
     assert flash.fwd_compute_s < math_.fwd_compute_s and flash.bwd_compute_s < math_.bwd_compute_s
     # The step gets faster; the model FLOPs (MFU's numerator) still count attention in full.
     assert block.fwd_flops >= 24 * seq * hidden ** 2 + 4 * seq ** 2 * hidden
+
+
+def test_executor_activation_rules():
+    """What `meshplan train` keeps beyond Megatron-LM's accounting (`_activation_bytes`, measured in
+    tests/executor/test_memory_prediction.py): autocast's fp32 norm inputs, one bf16 copy of the
+    norm output per column Linear and the bf16 weight copies; SP's gathered Linear inputs."""
+    s, h, a, b = 1024, 1024, 16, 2
+    graph = gpt_layers(2, h, a, 51200, s)
+    block = graph.layers[1]
+    sh = s * h
+
+    def act(**kw):
+        strategy = Strategy(microbatch_size=b, **kw)
+        return layer_cost(block, strategy, A100, graph.info, profile_dtype=graph.dtype).activation_bytes
+
+    scores = 2 * a * s * s
+    paper = b * (32 * sh + scores)
+    assert act(state_recipe="zero-paper") == pytest.approx(paper)
+    # autocast (bf16-mixed, no FSDP): LayerNorm inputs 2 x 4sh, q/k/v/up inputs 4 x 2sh, weights 2P
+    assert act() == pytest.approx(b * (24 * sh + 8 * sh + 8 * sh + scores) + 2 * block.num_params)
+    assert act(dp=2) == pytest.approx(act()) and act(dp=2, zero=1) == pytest.approx(paper)  # FSDP: bf16 params
+    # SP (fp32: twice the bf16 profile): the two gathered (s, h) Linear inputs stay whole on every rank
+    tp = 4
+    assert act(tp=tp, sp=True, precision="fp32") == pytest.approx(
+        2 * b * (24 * sh / tp + 4 * sh / tp + 4 * sh + scores / tp))
+    assert act(tp=tp, sp=True, precision="fp32", state_recipe="zero-paper") == pytest.approx(2 * paper / tp)
+
+
+def test_executor_memory_extras(tmp_path, monkeypatch):
+    """`_executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
+    whole-table gradient, FSDP2's retained all-gather output and ZeRO-3's gathered root unit."""
+    monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
+    from meshplan.planner.profiling.profiler import profile
+
+    seq, b, vocab, hidden = 32, 2, 512, 64
+    gpt = profile(f"gpt:layers=2,hidden={hidden},heads=4,vocab={vocab}", seq, dtype="fp32")
+    llama = profile(f"llama:layers=2,hidden={hidden},heads=4,kv_heads=2,ffn=128,vocab={vocab}", seq, dtype="fp32")
+
+    def cost(graph, index, **kw):
+        strategy = Strategy(microbatch_size=b, precision="fp32", **kw)
+        return layer_cost(graph.layers[index], strategy, CPU, graph.info, profile_dtype="fp32")
+
+    logits = b * seq * vocab
+    assert cost(gpt, -1).buffer_bytes == pytest.approx(2 * 4 * logits)  # nll_loss + log_softmax backward
+    assert cost(gpt, -1, tp=2).buffer_bytes == pytest.approx(3 * 4 * logits / 2)  # loss_parallel
+    assert cost(gpt, -1, state_recipe="zero-paper").buffer_bytes == 0
+    # an untied vocab-parallel embedding accumulates the whole table's gradient; tied, it stays sharded
+    embed = cost(llama, 0, tp=2)
+    assert embed.grad_bytes == pytest.approx(4 * vocab * hidden)
+    assert cost(gpt, 0, tp=2).grad_bytes == pytest.approx(4 * gpt.layers[0].num_params / 2)  # tied: no extra
+    block = gpt.layers[1]
+    full = 4 * block.num_params  # one unsharded fp32 copy of the block
+    assert cost(gpt, 1, dp=2, zero=3).buffer_bytes == pytest.approx(2 * full)  # gathered + retained output
+    assert cost(gpt, 1, dp=2, zero=1).buffer_bytes == pytest.approx(full)
+    assert cost(gpt, 1, dp=2, zero=1, pp=2).buffer_bytes == 0  # gathered once per step under pipelining
+    root = cost(gpt, 0, dp=2, zero=3)
+    assert root.param_bytes == pytest.approx(4 * gpt.layers[0].num_params * (1 / 2 + 1))  # shard + gathered

@@ -1,0 +1,186 @@
+"""Predicted vs measured peak memory per rank, on CPU processes (gloo): within 10% on every rank.
+
+Each plan is a `uniform_plan` trained for 3 steps; the executor measures each rank's peak of live
+tensor bytes during the second step (`executor.memory.StepMemTracker`, once optimizer states
+exist) and the simulator predicts the peak of each pipeline rank (`meshplan.simulate(plan)`);
+global rank r runs pipeline rank r // (dp * tp), as `reports.compare` maps them. Configurations
+share two torchrun launches (2 and 4 processes, `executor.launch.launch_jobs`, the API `train`
+calls, here with several jobs per launch): a launch costs seconds, a small plan a second or two.
+
+What the numbers rest on (each rule is documented where it lives):
+- model states per data-parallel wrapper, `planner.costing.state_memory` (DDP's bucket copy of
+  the gradients; FSDP2's bf16 or fp32 unsharded copies, ZeRO-1's full fp32 accumulation);
+- saved activations, `planner.costing.layer_costs._activation_bytes` (autocast's fp32 norms,
+  per-Linear casts and weight copies; SP's gathered Linear inputs);
+- transients and extras, `layer_costs._executor_memory_extras` (the loss's fp32 copies of the
+  logits, loss_parallel's three; the TP embedding's whole-table gradient; FSDP2's retained
+  all-gather output and ZeRO-3's gathered root unit).
+
+Not in the planner's memory model, and why:
+- torch pipelining's per-micro-batch buffers. Every `PipelineStage` allocates a receive buffer
+  per micro-batch for its input (all chunks but the first) and for its output's gradient (all
+  but the last) and keeps them; the schedule keeps the last chunk's output (the logits) of every
+  micro-batch in `output_chunks` until the step ends. All scale with the number of
+  micro-batches m, which per-layer costs do not carry, and the simulator, the ILP and the closed
+  form must keep one memory model (the ILP is held to the simulator within 1%), so the rule has
+  to land in all three at once. Until then this test adds them explicitly
+  (`pipeline_buffer_bytes`: 2 m boundary tensors per inner chunk boundary, m logits on the last
+  chunk's rank) and prints the model's own error next to it. (`Schedule.step(...,
+  return_outputs=False)` in the executor would remove the kept logits altogether.)
+- selective recomputation: the executor's policy (`executor.parallel.recompute`) saves the
+  output of every op outside attention (MUST_SAVE), not what autograd would save, and with flash
+  attention recomputes nothing that was not kept anyway: measured +12% per GPT block and +75% per
+  Llama block (RoPE and RMSNorm intermediates) over no recomputation. The profiler measures what
+  autograd saves, not every op's output, so no cost-model rule can price it; only full
+  recomputation is asserted here (`benchmarks/bench_memory.py` prints selective).
+
+Residual differences, inside the tolerance (measured -3.4% to +1.6% without pipelining, -3.2% to
++5.4% with the pipeline buffers added): the profile counts a copy of the attention output before
+the o Linear that the CPU flash kernel's layout makes a view for GPT (0.06 MiB per block and
+micro-batch here, predicted but not allocated); the model keeps no per-layer backward working set
+(weight-gradient temporaries while accumulating, a tied embedding's pending gradient: up to
+~0.8 MiB here, allocated but not predicted); and the last chunk's kept outputs are counted for all
+m micro-batches, where an interleaved rank peaks before the last of them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+GPT = "gpt:layers=4,hidden=128,heads=4,vocab=512"
+LLAMA = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,vocab=512"
+SEQ, GLOBAL_BATCH, STEPS, SEED = 64, 8, 3, 0
+TOLERANCE = 0.10
+MIB = 2**20
+
+TWO_PROCESS = {
+    "dp2-ddp": dict(dp=2, microbatch_size=2),
+    "dp2-zero1": dict(dp=2, microbatch_size=2, zero=1),
+    "dp2-zero2": dict(dp=2, microbatch_size=2, zero=2),
+    "dp2-zero3": dict(dp=2, microbatch_size=2, zero=3),
+    "tp2": dict(tp=2, microbatch_size=4),
+    "tp2-sp-llama": dict(tp=2, sp=True, microbatch_size=4, spec=LLAMA),
+    "pp2-1f1b": dict(pp=2, microbatch_size=2, schedule="1f1b"),
+    "pp2-interleaved": dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
+    "dp2-recompute-full": dict(dp=2, microbatch_size=2, recompute="full"),
+    # bf16-mixed: autocast under DDP / TP (fp32 masters, bf16 casts per forward), FSDP2's
+    # mixed-precision policy under ZeRO (bf16 unsharded copies, fp32 sharded masters)
+    "dp2-ddp-bf16": dict(dp=2, microbatch_size=2, precision="bf16-mixed"),
+    "tp2-bf16": dict(tp=2, microbatch_size=4, precision="bf16-mixed"),
+    "dp2-zero1-bf16": dict(dp=2, microbatch_size=2, zero=1, precision="bf16-mixed"),
+}
+FOUR_PROCESS = {
+    "pp2-dp2-zero1": dict(pp=2, dp=2, microbatch_size=1, zero=1),
+    "dp2-tp2-zero3-llama": dict(dp=2, tp=2, microbatch_size=2, zero=3, spec=LLAMA),
+}
+
+
+def make_plan(options: dict):
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+
+    options = dict(options)
+    spec = options.pop("spec", GPT)
+    return uniform_plan(spec, SEQ, GLOBAL_BATCH, load_cluster("cpu"), seed=SEED, **options)
+
+
+def train_group(configs: dict, nproc: int, work: Path, steps: int = STEPS, timeout_s: float = 600) -> dict:
+    """Train every configuration, one after another in one torchrun launch; measured.json by name."""
+    from meshplan.executor.launch import launch_jobs
+    from meshplan.planner.contracts.plan import save_plan
+
+    work.mkdir(parents=True, exist_ok=True)
+    plans, jobs = {}, []
+    for name, options in configs.items():
+        plan = make_plan(options)
+        assert plan.config.gpus == nproc, name
+        save_plan(plan, work / f"{name}.plan.json")
+        plans[name] = plan
+        jobs.append({"plan_path": str(work / f"{name}.plan.json"), "steps": steps,
+                     "out": str(work / f"{name}.measured.json")})
+    launch_jobs(jobs, nproc, work / "run", timeout_s=timeout_s)
+    return {name: (plans[name], json.loads((work / f"{name}.measured.json").read_text())) for name in configs}
+
+
+def pipeline_buffer_bytes(plan, graph) -> list[float]:
+    """Per pipeline rank: torch pipelining's buffers that scale with the micro-batch count m (see
+    the module docstring): m input receive buffers per chunk but the first, m gradient receive
+    buffers per chunk but the last, each the boundary tensor, and the last chunk's m outputs."""
+    from meshplan.planner.simulation.simulator import step_costs
+
+    cfg = plan.config
+    if cfg.pp == 1:
+        return [0.0]
+    costs = step_costs(graph, plan.cluster, cfg, [plan.chunk_of(layer) for layer in plan.layers],
+                       [layer.recompute for layer in plan.layers],
+                       degrees_of_layer=[(layer.tp, layer.dp) for layer in plan.layers])
+    last_of_chunk = {}
+    for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
+        last_of_chunk[chunk] = cost
+    m, last = cfg.num_microbatches, cfg.num_model_chunks - 1
+    out = [0.0] * cfg.pp
+    for chunk in range(last + 1):
+        if chunk > 0:
+            out[chunk % cfg.pp] += m * last_of_chunk[chunk - 1].output_bytes
+        if chunk < last:
+            out[chunk % cfg.pp] += m * last_of_chunk[chunk].output_bytes
+    out[last % cfg.pp] += m * last_of_chunk[last].output_bytes
+    return out
+
+
+def memory_rows(plan, measured: dict) -> list[dict]:
+    """One row per global rank: the prediction for its pipeline rank, the pipeline buffers the
+    model lacks, the measured peak and both errors."""
+    from meshplan import simulate
+    from meshplan.planner.profiling.profiler import profile
+
+    graph = profile(plan.model.spec, plan.model.seq, dtype=plan.model.dtype, attention=plan.model.attention)
+    prediction = simulate(plan, graph, timeline=False)
+    extra = pipeline_buffer_bytes(plan, graph)
+    per_stage = plan.config.dp * plan.config.tp
+    rows = []
+    for rank, measured_bytes in enumerate(measured["peak_memory_bytes_per_rank"]):
+        stage = rank // per_stage
+        predicted = prediction.memory[stage].total
+        expected = predicted + extra[stage]
+        rows.append({"rank": rank, "stage": stage, "predicted": predicted, "pipeline": extra[stage],
+                     "measured": float(measured_bytes), "breakdown": prediction.memory[stage],
+                     "model_error": (predicted - measured_bytes) / measured_bytes,
+                     "error": (expected - measured_bytes) / measured_bytes})
+    return rows
+
+
+def format_row(name: str, row: dict) -> str:
+    b = row["breakdown"]
+    return (f"{name:<22} rank {row['rank']} stage {row['stage']}: predicted {row['predicted'] / MIB:7.2f} MiB"
+            f" + pipeline {row['pipeline'] / MIB:5.2f}, measured {row['measured'] / MIB:7.2f} MiB, "
+            f"error {row['error'] * 100:+5.1f}% (model alone {row['model_error'] * 100:+5.1f}%)  "
+            f"[params {b.params / MIB:.2f} grads {b.grads / MIB:.2f} optimizer {b.optimizer / MIB:.2f} "
+            f"activations {b.activations / MIB:.2f} buffers {b.buffers / MIB:.2f}]")
+
+
+def _check(results: dict) -> None:
+    failures = []
+    for name, (plan, measured) in results.items():
+        assert measured["memory_source"].startswith("torch.distributed._tools.mem_tracker"), name
+        assert len(measured["peak_memory_bytes_per_rank"]) == plan.config.gpus
+        for row in memory_rows(plan, measured):
+            line = format_row(name, row)
+            print(line)
+            if abs(row["error"]) > TOLERANCE:
+                failures.append(line)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_two_process_memory_within_ten_percent(tmp_path):
+    _check(train_group(TWO_PROCESS, 2, tmp_path))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_four_process_memory_within_ten_percent(tmp_path):
+    _check(train_group(FOUR_PROCESS, 4, tmp_path))
