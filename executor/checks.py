@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+from meshplan.planner.costing.state_memory import executed_zero
 
 # DCP stores fp32 weights and AdamW's two fp32 moments (both precisions keep fp32 masters).
 CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
@@ -27,7 +28,7 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
         raise MeshplanError(f"the plan needs {cfg.gpus} processes (pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp}) but "
                             f"{world_size} were asked for; use --nproc {cfg.gpus}"
                             + (f" or re-plan with --gpus {world_size}" if world_size > 0 else ""))
-    if cfg.pp > 1 and cfg.dp > 1 and cfg.zero >= 2:
+    if executed_zero(cfg.zero, cfg.dp, cfg.pp) != cfg.zero:
         raise MeshplanError(f"ZeRO-{cfg.zero} with pipeline parallelism (pp {cfg.pp}, dp {cfg.dp}) runs as ZeRO-1: "
                             "torch's pipeline schedules defer gradient sync and resharding to the last "
                             "micro-batch; set zero to 1 (meshplan plan no longer offers this combination)")

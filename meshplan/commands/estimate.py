@@ -64,7 +64,9 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
         mem = prediction.memory[rank]
         lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
                      f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}")
-    if args.pp > 1 and dp > 1 and args.zero >= 2:
+    from meshplan.planner.costing.state_memory import executed_zero
+
+    if executed_zero(args.zero, dp, args.pp) != args.zero:
         lines += ["", f"note: ZeRO-{args.zero} with pp > 1 runs as ZeRO-1 in torch's pipeline schedules (gradient sync "
                       "and resharding wait for the last micro-batch); priced as executed"]
     verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"

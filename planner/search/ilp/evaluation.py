@@ -64,15 +64,11 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     table, shape = problem.table, problem.shape
     pp, num_chunks, v, m = shape.num_stages, shape.num_chunks, shape.virtual_stages, shape.num_microbatches
     chunk_time = chunk_fixed_s(table, num_chunks)
-    chunk_act = chunk_fixed_bytes(table, num_chunks)
-    static, buffer, grad_comm, fwd, bwd, tail = ([0.0] * pp for _ in range(6))
+    grad_comm, fwd, bwd, tail = ([0.0] * pp for _ in range(4))
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
         option = table.option(layer, index)
         rank = chunk % pp
         chunk_time[chunk] += option.time_s + _reshard(table, layer, chunk_of_layer, option_of_layer)
-        chunk_act[chunk] += option.act_bytes
-        static[rank] += option.static_bytes
-        buffer[rank] = max(buffer[rank], option.buffer_bytes)
         grad_comm[rank] += option.dp_comm_s
         fwd[rank] += option.fwd_s
         bwd[rank] += option.bwd_s
