@@ -1,4 +1,5 @@
-"""`meshplan profile`: per-layer FLOPs, parameters and activation bytes of a model (meta device)."""
+"""`meshplan profile`: per-layer FLOPs, parameters and activation bytes of a model (closed form for
+the zoo's transformers, else traced on the meta device)."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,9 @@ def add_arguments(parser):
     parser.add_argument("--csv", metavar="FILE", help="also write the per-layer table to FILE as CSV")
     parser.add_argument("--no-cache", action="store_true",
                         help="profile afresh and do not touch the on-disk profile cache")
+    parser.add_argument("--trace", action="store_true",
+                        help="trace a preset or gpt:/llama: spec on the meta device instead of computing its "
+                             "graph in closed form (the two are equal; file and hf: models are always traced)")
 
 
 def run(args) -> int:
@@ -41,7 +45,7 @@ def run(args) -> int:
         raise MeshplanError(f"--batch must be a positive integer, got {args.batch}")
     seq = args.seq if args.seq is not None else default_seq(args.model, DEFAULT_SEQ)
     graph = profile(args.model, seq, batch=args.batch, dtype=args.dtype, attention=args.attention,
-                    cache=not args.no_cache)
+                    cache=not args.no_cache, trace=args.trace)
     rows = [layer.to_json(args.batch) for layer in graph.layers]
     if args.csv:
         _write_csv(rows, args.csv)

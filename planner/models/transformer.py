@@ -14,14 +14,14 @@ What one block saves for backward, per token, in bf16 with flash attention (h hi
 d = h/a, d_kv = kv_heads * d, f the SwiGLU width): outside the TP region each norm's input (2h)
 and rstd (4) and the common input of the Linears after it (2h): 8h + 8; inside it RoPE's bf16
 cos/sin tables (2d), the attention kernel's q (2h), k and v (4 d_kv), output (2h) and fp32
-log-sum-exp (4a), the o Linear's input (2h), and SwiGLU's gate, silu(gate), up and product
-(8f): 14h + 4 d_kv + 8f + 4a + 2d + 8 bytes in all. Korthikanti et al. (2022) give
-34*s*b*h + 5*a*s^2*b for a GPT block (math attention, fp16, dropout), 34*s*b*h with flash
+log-sum-exp (4a), the o Linear's input (2h), and the fused SwiGLU's gate and up outputs and the
+down Linear's input (6f): 14h + 4 d_kv + 6f + 4a + 2d + 8 bytes in all. Korthikanti et al. (2022)
+give 34*s*b*h + 5*a*s^2*b for a GPT block (math attention, fp16, dropout), 34*s*b*h with flash
 attention (the profiler measures the zoo's GPT block at 34h + 4a + 16 per token). Measured by the
-profiler at s = 8192: llama3-8b 176,520 bytes per token per layer (43.1*s*b*h; it was 254,600 =
-62.2*s*b*h with fp32 norm/RoPE and expanded K/V), llama3-405b 660,232 (40.3*s*b*h; was 984,072 =
-60.1*s*b*h). The remainder over GPT's 34 comes from SwiGLU: 8f = 28h (8b) and 26h (405b)
-against GELU's 16h, partly offset by GQA's 4 d_kv = h/4 and h/16 against MHA's 4h.
+profiler at s = 8192: llama3-8b 147,848 bytes per token per layer (36.1*s*b*h; 254,600 = 62.2*s*b*h
+with fp32 norm/RoPE, expanded K/V and unfused SwiGLU), llama3-405b 553,736 (33.8*s*b*h; was
+984,072 = 60.1*s*b*h). Against GPT's 34: SwiGLU's 6f = 21h (8b) and 19.5h (405b) against GELU's
+16h, offset by GQA's 4 d_kv = h/4 and h/16 against MHA's 4h.
 """
 from __future__ import annotations
 
@@ -132,6 +132,33 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+class _FusedSwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping for backward only its two inputs (as fused kernels do).
+
+    Plain ops keep gate, silu(gate) and up (the product's input is kept by the down Linear
+    anyway); Megatron's and Transformer Engine's fused SwiGLU keep the two inputs and recompute
+    silu in backward, a few elementwise FLOPs for one f-wide tensor less per token. Backward
+    works in fp32 and rounds once, like the fused kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        gate_fp32, grad_fp32 = gate.float(), grad_out.float()
+        sig = torch.sigmoid(gate_fp32)
+        silu = gate_fp32 * sig
+        grad_up = (grad_fp32 * silu).type_as(up)
+        # d silu(g)/dg = sig * (1 + g * (1 - sig))
+        grad_gate = (grad_fp32 * up.float() * sig * (1 + gate_fp32 * (1 - sig))).type_as(gate)
+        return grad_gate, grad_up
+
+
 class MLP(nn.Module):
     """GELU MLP (GPT: fc -> proj) or SwiGLU (Llama: gate, up -> down). Column Linears first."""
 
@@ -146,7 +173,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
+            return self.down(_FusedSwiGLU.apply(self.gate(x), self.up(x)))
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 

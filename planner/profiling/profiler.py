@@ -1,6 +1,10 @@
 """The profiler: a model spec -> `ModelGraph` of per-layer FLOPs, parameters and saved bytes.
 
-Everything runs on the meta device (no memory, no weights). The measurement itself is in
+Presets and parametric `gpt:`/`llama:` specs get their graph in closed form
+(`planner.profiling.analytic`: no torch, no trace, no cache, microseconds); tests hold it equal to
+the traced graph. `trace=True` traces them like any other model.
+
+Tracing runs on the meta device (no memory, no weights). The measurement itself is in
 `planner.profiling.tracing`; this module decides what to measure and assembles the graph:
 
 - zoo and HF models are built with their identical blocks collapsed to one (`build_for_profile`),
@@ -44,13 +48,24 @@ _SOURCE_FILES = ("contracts/graph.py",)
 
 
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
-            cache: bool = True) -> ModelGraph:
+            cache: bool = True, trace: bool = False) -> ModelGraph:
     """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
-    take their shapes from their example inputs, so `seq` only labels their graph.
+    take their shapes from their example inputs, so `seq` only labels their graph. Zoo specs
+    (presets, `gpt:`, `llama:`) are computed in closed form unless `trace` is set; `cache` only
+    concerns traced graphs.
     """
     _check_args(seq, batch, dtype, attention)
+    if not trace:
+        from meshplan.planner.models.registry import parse_spec
+
+        cfg = parse_spec(spec, seq)
+        if cfg is not None:
+            from meshplan.planner.profiling.analytic import FAMILIES, analytic_graph
+
+            if cfg.family in FAMILIES:
+                return analytic_graph(spec, cfg, seq, dtype, attention)
     path = _cache_path(spec, seq, dtype, attention) if cache else None
     if path is not None:
         cached = _load_cached(path)

@@ -66,7 +66,8 @@ PLAN_ARGV = ["plan", "--model", LLAMA, "--seq", "256", "--cluster", "h100-sxm", 
 
 
 def _profile_argvs(model_file: Path) -> list[list[str]]:
-    return [["profile", "--model", spec, "--seq", "64", "--json", "--no-cache"]
+    # --trace: the zoo specs are traced and cached like the file model, not computed in closed form.
+    return [["profile", "--model", spec, "--seq", "64", "--json", "--no-cache", "--trace"]
             for spec in (SMALL, LLAMA, f"{model_file}:make")]
 
 

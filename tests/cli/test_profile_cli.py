@@ -112,7 +112,9 @@ def test_bad_options_exit_2(run_cli, args):
 @pytest.mark.timeout(120)
 def test_warm_cache_command_does_not_import_torch(tmp_path):
     env = {**os.environ, "MESHPLAN_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    code = ("import sys; from meshplan.cli import main; rc = main(['profile', '--model', %r, '--seq', '64', '--json']);"
+    # --trace: a zoo spec is otherwise computed in closed form, without torch and without the cache.
+    code = ("import sys; from meshplan.cli import main; rc = main(['profile', '--model', %r, '--seq', '64', '--json',"
+            " '--trace']);"
             " print('TORCH' if 'torch' in sys.modules else 'NOTORCH', file=sys.stderr); sys.exit(rc)") % SPEC
     cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -1,0 +1,224 @@
+"""The zoo's layer graph in closed form: what tracing measures, from the shapes alone, no torch.
+
+`analytic_graph(spec, cfg, seq, dtype, attention)` returns the `ModelGraph` that tracing the
+`CausalLM` of `planner.models.transformer` (GPT and Llama families) on the meta device yields,
+field by field: the same integers, derived from what the model code runs and what autograd keeps
+for it. Tests hold the two equal over a grid of shapes, dtypes, attention kinds and vocabulary
+paddings; a change to the zoo's code that changes what it saves fails them until this module
+follows.
+
+Conventions are the profiler's (`planner.profiling.tracing`): per sample (batch 1) at sequence
+length s; a multiply-add is 2 FLOPs and only matrix products count (FlopCounterMode counts mm,
+addmm, bmm and attention, no elementwise op); attention is counted in full at the q heads, and
+`causal_fwd_flops` drops the s(s-1)/2 masked score entries a causal kernel skips; saved bytes are
+the storages autograd keeps for backward, each once per layer, parameters excluded, classified
+as the tracer does (inside the column->row region: TP-sharded; norms and the Linear inputs before
+it: replicated; the s x s softmax of math attention: scores; the loss after the head's modules:
+sharded, as its logits are vocab-parallel).
+
+Notation below: h hidden, a heads, d = h / a, d_kv = kv_heads * d, f the MLP width, V the
+padded vocabulary, p the bytes of one element of the profiled dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo
+from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.registry import zoo_tp_splits
+
+FAMILIES = ("gpt", "llama")  # the zoo families whose code the rules below follow
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32_BYTES = 4  # norm statistics, log-sum-exp, math attention's upcast q/k/v and softmax, the loss
+INDEX_BYTES = 8  # int64 token ids, positions and targets
+
+
+def analytic_graph(spec: str, cfg: TransformerConfig, seq: int, dtype: str = "bf16",
+                   attention: str = "flash", tp: int = 1) -> ModelGraph:
+    """The layer graph of the zoo model `cfg` at sequence length `seq`, as tracing measures it.
+
+    `tp` pads the vocabulary as `CausalLM(cfg, tp)` does (the profiler builds with tp = 1).
+    """
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"no closed form for the {cfg.family!r} family; trace it (families: {', '.join(FAMILIES)})")
+    if cfg.family == "gpt" and seq > cfg.max_positions:  # the same refusal as building the model
+        raise MeshplanError(f"sequence length {seq} exceeds the {cfg.max_positions} learned positions of {spec!r}; "
+                            f"use --seq <= {cfg.max_positions} or a parametric gpt: spec")
+    elem_bytes = ELEMENT_BYTES[dtype]
+    padded_vocab = cfg.padded_vocab(tp)
+    splits = zoo_tp_splits(cfg, padded_vocab)
+    embed = _embedding_layer(cfg, seq, elem_bytes, padded_vocab, splits["embedding"])
+    # Every block is the same module shape, so the same profile; later ones repeat the first.
+    first_block = _block_layer(cfg, seq, elem_bytes, attention, splits["block"])
+    blocks = [first_block] + [replace(first_block, name=f"blocks.{index}", repeat_of=first_block.name)
+                              for index in range(1, cfg.num_layers)]
+    head = _head_layer(cfg, seq, elem_bytes, padded_vocab, splits["head"])
+    info = ModelInfo(family=cfg.family, num_layers=cfg.num_layers, hidden=cfg.hidden, num_heads=cfg.num_heads,
+                     num_kv_heads=cfg.kv_heads, ffn=cfg.ffn_dim, vocab=cfg.vocab, padded_vocab=padded_vocab,
+                     tied_embeddings=cfg.tied_embeddings,
+                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0)
+    return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=(embed, *blocks, head),
+                      info=info)
+
+
+def _linear_flops(tokens: int, in_dim: int, out_dim: int) -> tuple[int, int]:
+    """(forward, backward) FLOPs of one Linear: one matmul forward; backward one for the input's
+    gradient and one for the weight's (every Linear input needs a gradient: the embedding's
+    output already does). Bias gradients are sums, which the counter does not count."""
+    fwd = 2 * tokens * in_dim * out_dim
+    return fwd, 2 * fwd
+
+
+def _norm_stats_bytes(cfg: TransformerConfig) -> int:
+    """Per token, what a norm keeps besides its input: LayerNorm an fp32 mean and rstd
+    (native_layer_norm), the fused RMSNorm one fp32 rstd (`_FusedRMSNorm.forward`)."""
+    return 2 * FP32_BYTES if cfg.family == "gpt" else FP32_BYTES
+
+
+def _norm_params(cfg: TransformerConfig) -> int:
+    """LayerNorm: weight and bias; RMSNorm: weight only."""
+    return 2 * cfg.hidden if cfg.family == "gpt" else cfg.hidden
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding
+
+
+def _embedding_layer(cfg, seq: int, elem_bytes: int, padded_vocab: int, split) -> LayerProfile:
+    """Token table (V x h) and, for GPT, learned positions (max_positions x h). An embedding
+    lookup is no matmul (0 FLOPs both ways); its backward keeps only the int64 indices: the
+    tokens, and GPT's position `arange`, a second storage."""
+    num_params = padded_vocab * cfg.hidden
+    index_tensors = 1
+    if cfg.family == "gpt":
+        num_params += cfg.max_positions * cfg.hidden
+        index_tensors = 2
+    return LayerProfile(
+        name="embed", kind="embedding", fwd_flops=0, bwd_flops=0, num_params=num_params,
+        param_bytes=num_params * elem_bytes, act_tp_sharded_bytes=0,
+        act_tp_replicated_bytes=index_tensors * INDEX_BYTES * seq, act_attn_score_bytes=0,
+        input_bytes=INDEX_BYTES * seq, output_bytes=elem_bytes * seq * cfg.hidden, tp_split=split)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformer block
+
+
+def _block_params(cfg: TransformerConfig) -> int:
+    """Two norms; q, k, v, o (k and v at kv heads; biases in GPT); the MLP: GPT up and down with
+    biases, Llama gate, up and down without."""
+    hidden, kv_dim, ffn = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
+    attention = 2 * hidden * hidden + 2 * hidden * kv_dim
+    if cfg.family == "gpt":
+        attention += 2 * hidden + 2 * kv_dim
+        mlp = 2 * hidden * ffn + ffn + hidden
+    else:
+        mlp = 3 * hidden * ffn
+    return 2 * _norm_params(cfg) + attention + mlp
+
+
+def _block_flops(cfg: TransformerConfig, seq: int) -> tuple[int, int, int]:
+    """(forward, backward, causal saving) FLOPs of one block.
+
+    Linears: q and o (h x h), k and v (h x d_kv), the MLP's column Linears (GPT up, Llama gate
+    and up) and its down Linear (each h x f). Attention: QK^T and attn @ V, each 2 s^2 d per q
+    head (the meta device runs the math path, which expands GQA's K and V to the q heads before
+    its matmuls), 4 s^2 h forward, twice that backward (both operands of both products need
+    gradients). A causal kernel skips s(s-1)/2 of the s^2 entries of both products.
+    """
+    hidden, kv_dim, ffn = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
+    column_mlp = 2 if cfg.family == "llama" else 1
+    shapes = [(hidden, hidden), (hidden, kv_dim), (hidden, kv_dim), (hidden, hidden)]
+    shapes += [(hidden, ffn)] * column_mlp + [(ffn, hidden)]
+    fwd = bwd = 0
+    for in_dim, out_dim in shapes:
+        linear_fwd, linear_bwd = _linear_flops(seq, in_dim, out_dim)
+        fwd, bwd = fwd + linear_fwd, bwd + linear_bwd
+    attention_fwd = 4 * seq * seq * hidden
+    # The tracer's rounding: forward attention FLOPs * (s - 1) // (2 s).
+    causal_saving = attention_fwd * (seq - 1) // (2 * seq)
+    return fwd + attention_fwd, bwd + 2 * attention_fwd, causal_saving
+
+
+def _block_replicated_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -> int:
+    """Outside the TP region, per norm (before attention, before the MLP): the norm keeps its
+    input and its fp32 statistics, and the column Linears after it (q, k, v; up, and Llama's
+    gate) keep the norm's output, one storage for all of them."""
+    per_token = 2 * elem_bytes * cfg.hidden + _norm_stats_bytes(cfg)
+    return 2 * seq * per_token
+
+
+def _attention_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int, attention: str) -> tuple[int, int]:
+    """(TP-sharded, scores) bytes Attention keeps from RoPE to the o Linear's input.
+
+    Llama's RoPE multiplies q and k by cos and sin tables of shape (s, d/2), cast once to the
+    compute dtype and shared by q and k: p * s * d in all.
+    flash: what a fused kernel keeps: q (s x h) and k, v at kv heads (s x d_kv each), as passed
+    (GQA's K and V are not expanded), its output (s x h) and an fp32 log-sum-exp per head and
+    position.
+    math: torch's math path upcasts to fp32 and keeps the scaled q, the scaled K^T and V, each at
+    the q heads (GQA expands K and V; in fp32 V is kept as passed, the same size), and the fp32
+    softmax of shape (a, s, s), the score tensor both its backward and attn @ V use.
+    The o Linear keeps its input, `out.transpose(1, 2).reshape(...)`: a copy of the kernel's
+    output unless that reshape is a view (one head or one position), in which case it is the
+    output's storage, already kept by a flash kernel.
+    """
+    hidden, heads = cfg.hidden, cfg.num_heads
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    sharded = elem_bytes * seq * cfg.head_dim if cfg.family == "llama" else 0
+    reshape_copies = heads > 1 and seq > 1
+    if attention == "flash":
+        sharded += elem_bytes * seq * (2 * hidden + 2 * kv_dim) + FP32_BYTES * heads * seq
+        o_input = elem_bytes * seq * hidden if reshape_copies else 0
+        return sharded + o_input, 0
+    sharded += 3 * FP32_BYTES * seq * hidden + elem_bytes * seq * hidden
+    return sharded, FP32_BYTES * heads * seq * seq
+
+
+def _mlp_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -> int:
+    """TP-sharded bytes of the MLP after its column Linears: GPT's tanh GELU keeps its input (the
+    up output) and the down Linear its output; Llama's fused SwiGLU keeps its two inputs (gate
+    and up outputs; silu is recomputed in backward) and the down Linear the product."""
+    tensors = 3 if cfg.family == "llama" else 2
+    return tensors * elem_bytes * seq * cfg.ffn_dim
+
+
+def _block_layer(cfg, seq: int, elem_bytes: int, attention: str, split) -> LayerProfile:
+    """`blocks.0`: the block's FLOPs, parameters and saved bytes (rules in the functions above)."""
+    fwd, bwd, causal_saving = _block_flops(cfg, seq)
+    attention_sharded, scores = _attention_saved_bytes(cfg, seq, elem_bytes, attention)
+    num_params = _block_params(cfg)
+    hidden_bytes = elem_bytes * seq * cfg.hidden  # the residual stream in and out
+    return LayerProfile(
+        name="blocks.0", kind="block", fwd_flops=fwd, bwd_flops=bwd, num_params=num_params,
+        param_bytes=num_params * elem_bytes,
+        act_tp_sharded_bytes=attention_sharded + _mlp_saved_bytes(cfg, seq, elem_bytes),
+        act_tp_replicated_bytes=_block_replicated_bytes(cfg, seq, elem_bytes), act_attn_score_bytes=scores,
+        input_bytes=hidden_bytes, output_bytes=hidden_bytes, tp_split=split, causal_fwd_flops=fwd - causal_saving)
+
+
+# ---------------------------------------------------------------------------------------------
+# Head and loss
+
+
+def _head_layer(cfg, seq: int, elem_bytes: int, padded_vocab: int, split) -> LayerProfile:
+    """Final norm, output Linear (h x V) and the loss, which runs after the head's modules.
+
+    Replicated: the norm's input and statistics, the output Linear's input (the norm's output).
+    Sharded (the loss on vocab-parallel logits): `lm_loss` upcasts the logits to fp32 (a no-op
+    in fp32) and cross entropy keeps its fp32 log-softmax (s x V), the int64 targets and the
+    loss's fp32 total weight (one scalar). A tied output weight is the embedding's: counted
+    there, `shared_params` here.
+    """
+    fwd, bwd = _linear_flops(seq, cfg.hidden, padded_vocab)
+    table = padded_vocab * cfg.hidden
+    num_params = _norm_params(cfg) + (0 if cfg.tied_embeddings else table)
+    replicated = seq * (2 * elem_bytes * cfg.hidden + _norm_stats_bytes(cfg))
+    sharded = FP32_BYTES * seq * padded_vocab + INDEX_BYTES * seq + FP32_BYTES
+    return LayerProfile(
+        name="head", kind="head", fwd_flops=fwd, bwd_flops=bwd, num_params=num_params,
+        param_bytes=num_params * elem_bytes, act_tp_sharded_bytes=sharded, act_tp_replicated_bytes=replicated,
+        act_attn_score_bytes=0, input_bytes=elem_bytes * seq * cfg.hidden,
+        output_bytes=elem_bytes * seq * padded_vocab, tp_split=split, causal_fwd_flops=fwd,
+        shared_params=table if cfg.tied_embeddings else 0)
