@@ -1,4 +1,6 @@
-"""`meshplan calibrate`: measure this machine into a cluster profile TOML the other commands accept."""
+"""`meshplan calibrate`: measure this machine into a cluster profile TOML the other commands accept,
+with the topology the user states (nodes, GPUs and NICs per node) and the inter-node fabric fitted
+to imported nccl-tests runs."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,10 +15,25 @@ def add_arguments(parser) -> None:
     parser.add_argument("--base", default=None,
                         help="profile whose peaks and unmeasured fields to start from (default cpu / matching GPU)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (a rough profile in seconds)")
+    topology = parser.add_argument_group(
+        "the cluster you have", "calibrate measures one node; state the rest, and import nccl-tests runs across nodes "
+        "for the fabric between them")
+    topology.add_argument("--nodes", type=int, default=None, help="nodes in the cluster (the profile's max_nodes)")
+    topology.add_argument("--gpus-per-node", type=int, default=None,
+                          help="GPUs per node (default: --nproc, the processes measured on this node)")
+    topology.add_argument("--nics-per-node", type=int, default=None,
+                          help="inter-node NICs (rails) per node, e.g. 8 on DGX A100/H100 (default: the base's)")
+    topology.add_argument("--nccl-tests", action="append", default=[], metavar="FILE",
+                          help="stdout of nccl-tests' all_reduce_perf / all_gather_perf / reduce_scatter_perf run "
+                               "across 2 or more nodes (repeatable): the inter-node NIC bandwidth and latency are "
+                               "fitted to its table; 3+ nodes or NCCL_ALGO=Ring give the fabric's own figure")
+    topology.add_argument("--no-measure", action="store_true",
+                          help="measure nothing here: start from --base and apply only the topology and imports")
 
 
 def run(args) -> int:
-    from meshplan.planner.calibration.runner import calibrate
+    from meshplan.planner.calibration.fabric import apply_topology, check_topology, import_nccl_tests
+    from meshplan.planner.calibration.nccl_tests import read_nccl_tests
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.cluster import dump_cluster_toml
     from meshplan.planner.costing.hardware import load_cluster
@@ -26,23 +43,53 @@ def run(args) -> int:
         raise MeshplanError(f"--out must name a .toml file, got {args.out!r}")
     if not out.parent.exists():
         raise MeshplanError(f"directory {out.parent} does not exist; create it or pick another --out")
+    # Refuse a bad topology or a malformed nccl-tests file before minutes of measuring.
+    measured_ranks = None if args.no_measure else args.nproc
+    check_topology(args.nodes, args.gpus_per_node, args.nics_per_node, measured_ranks)
+    runs = [read_nccl_tests(path) for path in args.nccl_tests]
+    profile = _measured_or_base(args, out.stem)
+    profile = apply_topology(profile, args.nodes, args.gpus_per_node, args.nics_per_node, measured_ranks)
+    notes: list[str] = []
+    if runs:
+        profile, notes = import_nccl_tests(profile, runs, stated_nodes=args.nodes)
+    out.write_text("# Written by meshplan calibrate; every measured field's source says how.\n" + dump_cluster_toml(profile))
+    load_cluster(out)  # what we wrote must load
+    _print_summary(out, profile, args, notes)
+    return 0
+
+
+def _measured_or_base(args, stem: str):
+    from meshplan.planner.calibration.runner import calibrate
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.costing.hardware import load_cluster
+
+    if args.no_measure:
+        if not args.base:
+            raise MeshplanError("--no-measure starts from --base: name the profile to start from, e.g. --base h100-sxm")
+        from dataclasses import replace
+
+        return replace(load_cluster(args.base), name=args.name or stem)
     backend = args.backend
     if backend is None:
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    profile = calibrate(nproc=args.nproc, backend=backend, quick=args.quick, name=args.name or out.stem,
-                        base=args.base)
-    out.write_text("# Written by meshplan calibrate; every measured field's source says how.\n" + dump_cluster_toml(profile))
-    load_cluster(out)  # what we wrote must load
-    device, link = profile.device, profile.intra_node
-    print(f"wrote {out}: {args.nproc} x {device.name}")
+    return calibrate(nproc=args.nproc, backend=backend, quick=args.quick, name=args.name or stem, base=args.base)
+
+
+def _print_summary(out, profile, args, notes: list[str]) -> None:
+    device, link, fabric = profile.device, profile.intra_node, profile.inter_node
+    processes = "profile" if args.no_measure else f"{args.nproc} x"
+    print(f"wrote {out}: {processes} {device.name}; {profile.max_nodes} nodes x {profile.gpus_per_node} GPUs, "
+          f"{profile.nics_per_node} NICs per node")
     print(f"  matmul     {device.peak_flops(next(iter(device.peak_flops_per_s))) * device.matmul_efficiency / 1e9:10.1f} "
           f"GFLOP/s large, half efficiency at {device.matmul_half_efficiency_flops / 1e6:.2f} MFLOP")
     print(f"  memory     {device.memory_bw_bytes_per_s / 1e9:10.1f} GB/s, {device.memory_bytes / 2**30:.1f} GiB per process")
     print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead, "
           f"{device.elementwise_bytes_per_activation_byte:.1f} bytes of elementwise traffic per saved byte")
     print(f"  link       {link.bw_bytes_per_s / 1e9:10.2f} GB/s, latency {link.latency_s * 1e6:.1f} us")
+    print(f"  per NIC    {fabric.bw_bytes_per_s * fabric.efficiency / 1e9:10.2f} GB/s, latency "
+          f"{fabric.latency_s * 1e6:.1f} us ({'fitted to nccl-tests' if args.nccl_tests else 'from the base profile'})")
     print(f"  optimizer  {profile.optimizer_bytes_per_param:10.1f} bytes/param, {device.optimizer_per_tensor_s * 1e6:.0f} us "
           f"per tensor ({device.dtensor_optimizer_per_tensor_s * 1e6:.0f} us as DTensor)")
     print(f"  fixed      {device.tp_layer_overhead_s * 1e6:10.0f} us per TP layer pass, {device.dp_unit_overhead_s * 1e6:.0f} us "
@@ -50,4 +97,5 @@ def run(args) -> int:
     print(f"  TP extra   {device.tp_overhead_s_per_stream_byte * 1e9:10.2f} ns per residual-stream byte, "
           f"{device.sp_layer_overhead_s * 1e6:.0f} us per sequence-parallel block pass, "
           f"{device.tp_loss_overhead_s * 1e6:.0f} us per vocab-parallel loss")
-    return 0
+    for note in notes:
+        print(f"  note: {note}")

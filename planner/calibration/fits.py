@@ -9,7 +9,8 @@ from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s,
+from meshplan.planner.costing.collectives import (Placement, all_gather_time_s, all_reduce_time_s,
+                                                   bus_bandwidth_factor, reduce_scatter_time_s, ring_steps,
                                                    send_recv_time_s)
 
 
@@ -38,6 +39,30 @@ def fit_alpha_beta(samples: list[tuple[str, int, float]], nproc: int) -> tuple[f
         raise MeshplanError("collective timings did not grow with size; rerun calibrate on an idle machine")
     return 1.0 / inv_bw, max(0.0, alpha)
 
+
+
+def fit_inter_node_link(runs: list[tuple[str, float, float, Placement]], cluster: ClusterProfile) -> tuple[float, float]:
+    """(bandwidth of one NIC in bytes/s, inter-node latency s) from multi-node collective timings.
+
+    `runs` are (kind, size bytes, seconds, placement) samples of rings over nodes (nccl-tests'
+    all_reduce_perf / all_gather_perf). The model is the ring of `planner.costing.collectives`:
+    t = factor(n) S / (m b) + (steps - inter_steps) alpha_nv + inter_steps alpha_net, with m rails
+    each at b; NVLink's latency alpha_nv comes from `cluster`. It assumes the NICs, not NVLink,
+    limit the ring (true when rails x NIC is below a GPU's NVLink port, as on DGX A100/H100).
+    Least squares on relative error, like `fit_alpha_beta`.
+    """
+    rows, rhs = [], []
+    for kind, size, seconds, placement in runs:
+        rails = min(placement.ranks_per_node, cluster.nics_per_node)
+        steps, inter_steps = ring_steps(kind, placement)
+        volume = bus_bandwidth_factor(kind, placement.num_ranks) * size
+        rows.append((volume / rails / seconds, inter_steps / seconds))
+        rhs.append(1.0 - (steps - inter_steps) * cluster.intra_node.latency_s / seconds)
+    inv_bw, alpha = lstsq2(rows, rhs)
+    if inv_bw <= 0:
+        raise MeshplanError("the nccl-tests times did not grow with the message size; pass a run that spans "
+                            "small and large sizes (e.g. -b 1M -e 8G -f 2)")
+    return 1.0 / inv_bw, max(0.0, alpha)
 
 
 def lstsq2(rows: list[tuple[float, float]], rhs: list[float]) -> tuple[float, float]:

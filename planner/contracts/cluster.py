@@ -32,14 +32,23 @@ A profile file looks like:
     [topology]
     gpus_per_node = 8
     max_nodes = 4096
+    nics_per_node = 8       # network rails; optional, default 1 (every group shares one NIC)
 
     [topology.intra_node]   # NVLink/NVSwitch
     bw_bytes_per_s = 450e9  # per GPU, one direction
     latency_s = 5e-6
     efficiency = 0.8        # achieved fraction of bw for large collectives
 
-    [topology.inter_node]   # InfiniBand
+    [topology.inter_node]   # one NIC (rail): InfiniBand / RoCE
+    bw_bytes_per_s = 50e9   # per NIC, one direction
     ...
+
+    [topology.nvls]         # optional: NVLink SHARP (reduction in the NVSwitch), default off
+    enabled = true
+    efficiency = 0.61       # achieved fraction of intra_node.bw_bytes_per_s in an NVLS all-reduce
+
+    [topology.sharp]        # optional: in-network reduction in the IB switches, default off
+    enabled = false
 
 Every number should carry its source in a comment or a `source` field. Unknown keys, missing
 fields, wrong types and non-positive values are errors naming the file and the field.
@@ -47,7 +56,7 @@ fields, wrong types and non-positive values are errors naming the file and the f
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -65,9 +74,10 @@ def _check_positive(owner: str, name: str, value: float, allow_zero: bool = Fals
 
 @dataclass(frozen=True)
 class LinkProfile:
-    """One level of the network: NVLink inside a node, or the inter-node fabric."""
+    """One level of the network: a GPU's NVLink port inside a node, or one NIC (rail) of the
+    inter-node fabric."""
 
-    bw_bytes_per_s: float  # per GPU, one direction (bus bandwidth a ring collective can use)
+    bw_bytes_per_s: float  # per GPU port (NVLink) or per NIC, one direction
     latency_s: float  # per message hop (alpha)
     efficiency: float = 1.0  # achieved fraction of bw for large collectives
     source: str = ""
@@ -82,6 +92,26 @@ class LinkProfile:
     @property
     def effective_bw_bytes_per_s(self) -> float:
         return self.bw_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class InNetworkReduction:
+    """Reduction done by the switches instead of the GPUs: NVLink SHARP (NVLS) in a node's
+    NVSwitch, or SHARP in the InfiniBand switches across nodes. Each rank then sends its data
+    once and receives the sum once, instead of the ring's 2 (n-1)/n of it."""
+
+    enabled: bool = False
+    # Achieved fraction of the link's nominal bandwidth (intra_node for NVLS, one NIC for
+    # SHARP) while the switch reduces; it also absorbs the switch's own limits.
+    efficiency: float = 1.0
+    source: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"reduction.enabled must be true or false, got {self.enabled!r}")
+        _check_positive("reduction", "efficiency", self.efficiency)
+        if self.efficiency > 1:
+            raise ValueError(f"reduction.efficiency is a fraction in (0, 1], got {self.efficiency}")
 
 
 @dataclass(frozen=True)
@@ -170,7 +200,13 @@ class DeviceProfile:
 
 @dataclass(frozen=True)
 class ClusterProfile:
-    """A homogeneous cluster: one device type, nodes of `gpus_per_node`, two network levels."""
+    """A homogeneous cluster: one device type, nodes of `gpus_per_node`, two network levels.
+
+    `intra_node` is one GPU's NVLink/NVSwitch port; `inter_node` is one NIC (a rail), and each
+    node has `nics_per_node` of them, so a group with several ranks per node can spread its
+    inter-node traffic over several rails (`planner.costing.collectives`). `nvls` and `sharp`
+    say whether the switches can reduce (inside a node, across nodes).
+    """
 
     name: str
     device: DeviceProfile
@@ -178,6 +214,11 @@ class ClusterProfile:
     intra_node: LinkProfile
     inter_node: LinkProfile
     max_nodes: int = 1_000_000
+    # Default 1: every group's inter-node traffic leaves a node through one NIC, the model of
+    # profiles written before rails were described.
+    nics_per_node: int = 1
+    nvls: InNetworkReduction = field(default_factory=InNetworkReduction)
+    sharp: InNetworkReduction = field(default_factory=InNetworkReduction)
     description: str = ""
     source: str = ""
     schema_version: int = SCHEMA_VERSION
@@ -190,6 +231,12 @@ class ClusterProfile:
             raise ValueError(f"topology.gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
         if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or self.max_nodes <= 0:
             raise ValueError(f"topology.max_nodes must be a positive integer, got {self.max_nodes!r}")
+        if isinstance(self.nics_per_node, bool) or not isinstance(self.nics_per_node, int) or self.nics_per_node <= 0:
+            raise ValueError(f"topology.nics_per_node must be a positive integer, got {self.nics_per_node!r}")
+        for name in ("nvls", "sharp"):
+            if not isinstance(getattr(self, name), InNetworkReduction):
+                raise ValueError(f"topology.{name} must be a table such as {{ enabled = true, efficiency = 0.6 }}, "
+                                 f"got {getattr(self, name)!r}")
         for name in ("name", "description", "source"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -211,7 +258,9 @@ class ClusterProfile:
             "source": self.source, "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
             "device": asdict(self.device),
             "topology": {"gpus_per_node": self.gpus_per_node, "max_nodes": self.max_nodes,
-                         "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node)},
+                         "nics_per_node": self.nics_per_node,
+                         "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
+                         "nvls": asdict(self.nvls), "sharp": asdict(self.sharp)},
         }
 
 
@@ -241,7 +290,7 @@ def _build(cls, data: dict[str, Any], where: str):
     except ValueError as exc:
         # The dataclasses name fields as `device.x` / `link.x`; say where in the file instead.
         owner, dot, rest = str(exc).partition(".")
-        if dot and owner in ("device", "link"):
+        if dot and owner in ("device", "link", "reduction"):
             raise ValueError(f"{where}.{rest}") from None
         raise ValueError(f"{where}: {exc}") from None
 
@@ -263,9 +312,14 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
         if level not in topology:
             raise ValueError(f"missing table [topology.{level}]")
         links[level] = _build(LinkProfile, topology.pop(level), f"topology.{level}")
-    unknown = sorted(set(topology) - {"gpus_per_node", "max_nodes"})
+    for level in ("nvls", "sharp"):  # optional: older profiles have no in-network reduction
+        if level in topology:
+            links[level] = _build(InNetworkReduction, topology.pop(level), f"topology.{level}")
+    scalars = ("gpus_per_node", "max_nodes", "nics_per_node")
+    unknown = sorted(set(topology) - set(scalars))
     if unknown:
-        raise ValueError(f"unknown field topology.{unknown[0]}; known: gpus_per_node, max_nodes, intra_node, inter_node")
+        raise ValueError(f"unknown field topology.{unknown[0]}; known: {', '.join(scalars)}, intra_node, inter_node, "
+                         "nvls, sharp")
     if "gpus_per_node" not in topology:
         raise ValueError("missing field topology.gpus_per_node")
     top_known = {"schema_version", "name", "description", "source", "optimizer_bytes_per_param"}
@@ -276,7 +330,8 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
         raise ValueError("missing field name")
     try:
         return ClusterProfile(device=device, gpus_per_node=topology["gpus_per_node"],
-                              max_nodes=topology.get("max_nodes", 1_000_000), **links, **data)
+                              max_nodes=topology.get("max_nodes", 1_000_000),
+                              nics_per_node=topology.get("nics_per_node", 1), **links, **data)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
 
