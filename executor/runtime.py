@@ -98,16 +98,14 @@ class Runtime:
 
 def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int) -> Runtime:
     """Build this rank's part of `plan` from the meta device up, weights from `seed`; collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from meshplan.planner.models.registry import build_model
 
     cfg = plan.config
-    mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    mesh, dp_mesh = _device_meshes(device, cfg)
+    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(name) for name in ("pp", "dp", "tp"))
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     if built.config is None:
-        return _build_file_runtime(plan, device, hp, seed, mesh)
+        return _build_file_runtime(plan, device, hp, seed, mesh, dp_mesh)
     tied = bool(built.config.tied_embeddings)
     chunk_ids = tuple(range(pp_rank, cfg.num_model_chunks, cfg.pp))
     stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
@@ -125,7 +123,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                 apply_recompute(stage.layer(name), recompute[name])
     method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
     mp_policy = _mixed_precision(stages, cfg.precision, method)
-    modules = tuple(apply_dp(stage, mesh["dp"], cfg.zero, method, mp_policy) for stage in stages)
+    modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)
     schedule = tied_group = None
     if cfg.pp > 1:
         schedule = _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, built.loss_fn)
@@ -137,7 +135,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                    norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group)
 
 
-def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh) -> Runtime:
+def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh, dp_mesh) -> Runtime:
     """A file or HF model whole on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
     from meshplan.executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded, training_fns
 
@@ -151,8 +149,8 @@ def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, s
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = apply_file_dp(module, built, mesh["dp"], cfg.zero, method, mp_policy)
-    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    wrapped = apply_file_dp(module, built, dp_mesh, cfg.zero, method, mp_policy)
+    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(name) for name in ("pp", "dp", "tp"))
     forward_fn, loss_fn = training_fns(built)
     return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
                    chunk_ids=(0,), stages=(module,), modules=(wrapped,), optimizers=(_adamw(module, hp),),
@@ -214,9 +212,28 @@ def _norm_weights(stages, cfg, tied: bool) -> tuple:
     return tuple(weights)
 
 
+def _device_meshes(device: torch.device, cfg):
+    """(the (pp, dp, tp) mesh, the mesh data parallelism shards over).
+
+    HSDP splits dp into (dp_replicate, dp_shard), shard innermost so that a shard group is
+    consecutive data-parallel ranks (inside a node when shard * tp fits one); FSDP2 takes that
+    2-D mesh and shards over its last dimension, replicating over the first. The flattened "dp"
+    dimension keeps every other use (data order, tied-weight groups) unchanged.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not cfg.shard_group:
+        mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+        return mesh, mesh["dp"]
+    shape = (cfg.pp, cfg.dp // cfg.shard_group, cfg.shard_group, cfg.tp)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    return mesh, mesh[("dp_replicate", "dp_shard")]
+
+
 def _tied_group(mesh, pp: int, dp: int, tp: int):
     """The two-rank group (first stage, last stage) at this rank's (dp, tp) coordinate."""
-    ranks = mesh.mesh
+    ranks = mesh.mesh.reshape(pp, dp, tp)
     mine = None
     for dp_index in range(dp):  # every rank creates every group, in the same order
         for tp_index in range(tp):

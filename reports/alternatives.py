@@ -54,6 +54,8 @@ def config_label(data: dict[str, Any]) -> str:
     if vpp and int(vpp) > 1:
         text += f" vpp{vpp}"
     text += f", ZeRO-{data.get('zero', 0)}"
+    if data.get("shard_group"):
+        text += f" HSDP shard {data['shard_group']}"
     if data.get("sp"):
         text += ", SP"
     recompute = data.get("recompute")

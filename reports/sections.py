@@ -43,7 +43,9 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str, comparis
         ("global batch", f"{cfg.global_batch} sequences = {cfg.global_batch * plan.model.seq:,} tokens per step"),
         ("mesh", _mesh_text(cfg)),
         ("schedule", _schedule_text(cfg)),
-        ("ZeRO stage / sequence parallel / precision", f"{cfg.zero} / {'on' if cfg.sp else 'off'} / {cfg.precision}"),
+        ("ZeRO stage / sequence parallel / precision",
+         f"{cfg.zero}{f' (HSDP: sharded over {cfg.shard_group}, replicated x{cfg.dp // cfg.shard_group})' if cfg.shard_group else ''}"
+         f" / {'on' if cfg.sp else 'off'} / {cfg.precision}"),
         ("predicted step time", fmt_ms(prediction.get("step_time_s"))),
         ("tokens/s (whole job)", f"{prediction.get('tokens_per_s', 0.0):,.0f}"),
         ("model TFLOP/s per GPU (MFU convention)", f"{prediction.get('model_tflops_per_gpu', 0.0):,.2f}"),
@@ -102,8 +104,9 @@ def _states_bytes_per_param(config) -> tuple[dict[str, float], dict[str, float]]
     """Model-state bytes per parameter of a stage: (as the executor allocates, as the ZeRO paper counts)."""
     from meshplan.planner.costing.state_memory import executor_state_bytes, paper_state_bytes
 
-    return (executor_state_bytes(1.0, config.dp, config.zero, config.precision, config.tp, config.pp),
-            paper_state_bytes(1.0, config.dp, config.zero, config.precision))
+    return (executor_state_bytes(1.0, config.dp, config.zero, config.precision, config.tp, config.pp,
+                                 config.shard_group),
+            paper_state_bytes(1.0, config.dp, config.zero, config.precision, config.shard_group))
 
 
 def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence = ()) -> Section:
@@ -133,13 +136,14 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
         values = [parts[k] for k in ("params", "grads", "optimizer")]
         return " + ".join(f"{v:g}" for v in values) + f" = {sum(values):g}"
 
+    sharded_over = f"shard groups of {cfg.shard_group} (HSDP, dp={cfg.dp})" if cfg.shard_group else f"dp={cfg.dp}"
     body.append(paragraph(
         f"Model states are the parameters, gradients and optimizer states; residual states are activations "
         f"saved for backward plus temporary buffers (communication buffers, gathered ZeRO-3 parameters, the "
         f"recomputation working set). Precision recipe {cfg.precision}: {recipe}. With ZeRO stage {cfg.zero} "
-        f"over dp={cfg.dp}, the ZeRO paper counts {_sum_text(paper_bytes)} bytes of model states (params + "
+        f"over {sharded_over}, the ZeRO paper counts {_sum_text(paper_bytes)} bytes of model states (params + "
         f"grads + optimizer) per parameter of a stage; the figures above are what the executor allocates: "
-        f"{_sum_text(executor_bytes)} bytes (see planner/state_memory.py for why they differ)."))
+        f"{_sum_text(executor_bytes)} bytes (meshplan.planner.costing.state_memory says why they differ)."))
     body.append(paragraph(f"Device: {device.name}, {fmt_bytes(device.memory_bytes)} of which "
                           f"{fmt_bytes(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
                           "communication buffers).", "note"))

@@ -42,7 +42,7 @@ def summary(plan, prediction) -> str:
     schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule == "interleaved" else "")
     lines = [
         f"{plan.model.spec} (seq {plan.model.seq}) on {cfg.gpus} x {plan.cluster.name}: "
-        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{', sp' if cfg.sp else ''}, {cfg.precision}",
+        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}",
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
         f"global batch {cfg.global_batch}",
         "",

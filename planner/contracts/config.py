@@ -1,6 +1,7 @@
 """`ParallelConfig`: the uniform choices of one plan (what `estimate` takes and `plan` searches).
 
-The executable plan space (docs/architecture.md): one mesh (pp, dp, tp) for the whole model, one ZeRO stage,
+The executable plan space (docs/architecture.md): one mesh (pp, dp, tp) for the whole model, one ZeRO stage
+(optionally hybrid: sharded over `shard_group` data-parallel ranks, replicated across the rest),
 one sequence-parallel switch, one precision recipe, one schedule; per-layer stage and
 recomputation live in the Plan's layer assignments.
 """
@@ -36,6 +37,9 @@ class ParallelConfig:
     schedule: Schedule = "1f1b"
     virtual_stages: int = 1
     precision: str = "bf16-mixed"
+    # HSDP: ZeRO shards over groups of `shard_group` consecutive data-parallel ranks and replicates
+    # across the dp / shard_group groups; None shards over all dp ranks (plain ZeRO / FSDP).
+    shard_group: int | None = None
 
     def __post_init__(self):
         for name in ("gpus", "global_batch", "tp", "pp", "dp", "microbatch_size", "virtual_stages"):
@@ -47,6 +51,7 @@ class ParallelConfig:
                              f"must equal the number of GPUs ({self.gpus})")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        self._check_shard_group()
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.schedule not in SCHEDULES:
@@ -74,6 +79,23 @@ class ParallelConfig:
             raise ValueError(f"the interleaved schedule needs the micro-batch count ({self.num_microbatches}) "
                              f"to be a multiple of pp ({self.pp})")
 
+    def _check_shard_group(self) -> None:
+        group = self.shard_group
+        if group is None:
+            return
+        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+            raise ValueError(f"shard_group must be a positive integer, got {group!r}")
+        if self.zero == 0:
+            raise ValueError(f"shard_group {group} (HSDP) shards ZeRO state: it needs --zero 1, 2 or 3, got zero 0")
+        if self.dp % group or group == 1:
+            raise ValueError(f"shard_group {group} must divide dp={self.dp} and be > 1 (state is sharded over "
+                             f"the group and replicated across the dp / {group} groups)")
+
+    @property
+    def shard_degree(self) -> int:
+        """Data-parallel ranks that share one copy of the sharded states (dp without HSDP)."""
+        return self.shard_group or self.dp
+
     @property
     def num_microbatches(self) -> int:
         return self.global_batch // (self.dp * self.microbatch_size)
@@ -87,12 +109,13 @@ class ParallelConfig:
     def sort_key(self) -> tuple:
         """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
         return (self.pp, self.tp, self.dp, self.microbatch_size, self.zero, self.sp, self.schedule,
-                self.virtual_stages)
+                self.virtual_stages, -(self.shard_group or self.dp))
 
     def label(self) -> str:
         sched = f"interleaved x{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
         return (f"pp={self.pp} dp={self.dp} tp={self.tp}{' +sp' if self.sp else ''}, {sched}, "
-                f"mbs {self.microbatch_size}, ZeRO-{self.zero}")
+                f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
+                + (f" HSDP shard {self.shard_group}" if self.shard_group else ""))
 
     def to_json(self) -> dict:
         return asdict(self)

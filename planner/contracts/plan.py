@@ -129,7 +129,7 @@ class Plan:
     def digest(self) -> str:
         """Hash of everything that decides what runs (not predictions or solve times)."""
         core = {k: v for k, v in self.to_json().items()
-                if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "sp",
+                if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
                          "schedule", "global_batch")}
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
@@ -156,6 +156,8 @@ class Plan:
             "prediction": self.prediction,
             "alternatives": list(self.alternatives),
             "solver": self.solver,
+            # HSDP only: older readers ignore the key, plans without it shard over all of dp
+            **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
         }
 
     def with_prediction(self, prediction: dict[str, Any]) -> "Plan":
@@ -179,7 +181,8 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             pp=_integer(mesh, "pp", "mesh."), dp=_integer(mesh, "dp", "mesh."),
             microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
-            virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"])
+            virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],
+            shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))
         if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "
                              f"microbatch_size) = {config.num_microbatches}")

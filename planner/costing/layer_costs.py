@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.planner.costing import fixed_costs
-from meshplan.planner.costing.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
+from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
+                                                  reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.costing.state_memory import executed_zero, grad_wire_bytes_per_param, state_bytes
@@ -33,6 +34,9 @@ class Strategy:
     # Where model states live: "executor" (what `meshplan train` allocates) or "zero-paper"
     # (Rajbhandari et al.'s 2 + 2 + 12 bytes per parameter); see planner.costing.state_memory.
     state_recipe: str = "executor"
+    # HSDP: ZeRO shards over groups of this many consecutive dp ranks (stride tp) and replicates
+    # across dp / shard_group of them; None shards over all dp ranks.
+    shard_group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,14 +197,14 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         num_params += layer.shared_params
     params_per_rank = num_params / shard
     memory = model_state_bytes(params_per_rank, dp, strategy.zero, strategy.precision, strategy.state_recipe,
-                               tp, strategy.pp)
+                               tp, strategy.pp, strategy.shard_group)
     grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = _dp_comm_s(params_per_rank, strategy, cluster)
     if holds_shared and layer.shared_params and strategy.pp > 1:
         shared_bytes = layer.shared_params / shard * grad_wire_bytes_per_param(strategy.precision,
                                                                                 strategy.state_recipe)
         link = cluster.link_for_group(2, strategy.dp * strategy.tp * (strategy.pp - 1))
         grad_comm_s += all_reduce_time_s(shared_bytes, 2, link)
-    owned_params = params_per_rank / (dp if strategy.zero >= 1 else 1)  # optimizer states are sharded
+    owned_params = params_per_rank / ((strategy.shard_group or dp) if strategy.zero >= 1 else 1)  # sharded states
     # AdamW streams its states through memory, and pays a fixed cost per parameter tensor
     optimizer_s = owned_params * cluster.optimizer_bytes_per_param / (
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency) + fixed_costs.optimizer_fixed_s(
@@ -273,7 +277,7 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
 
 
 def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",
-                      tp: int = 1, pp: int = 1) -> dict[str, float]:
+                      tp: int = 1, pp: int = 1, shard: int | None = None) -> dict[str, float]:
     """Resident params / grads / optimizer bytes per rank for `num_params` (already / tp).
 
     ZeRO (Rajbhandari et al. 2020) shards over the dp ranks: stage 1 the optimizer states,
@@ -281,7 +285,7 @@ def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, rec
     (2+2+12)P, 4P + 12P/d, 2P + 14P/d and 16P/d bytes for stages 0-3. `recipe="executor"`
     gives what the executor's DDP / FSDP2 realisation allocates (planner.costing.state_memory).
     """
-    return state_bytes(num_params, dp, zero, precision, recipe, tp, pp)
+    return state_bytes(num_params, dp, zero, precision, recipe, tp, pp, shard)
 
 
 def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, act_scale: float) -> tuple[float, float]:
@@ -337,16 +341,21 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy,
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0
     zero = executed_zero(strategy.zero, strategy.dp, strategy.pp)
-    link = cluster.link_for_group(dp, strategy.tp)
     per_param = recipe(strategy.precision)
     grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
     param_bytes = params_per_rank * per_param["param"]  # gathered in the compute dtype
     if zero == 0:
-        return all_reduce_time_s(grad_bytes, dp, link), 0.0, 0.0, 0.0
-    gather_s = all_gather_time_s(param_bytes, dp, link)
+        return collective_time_s("all_reduce", grad_bytes, dp, cluster, strategy.tp), 0.0, 0.0, 0.0
+    # ZeRO shards over `shard` ranks spaced tp apart (all of dp, or HSDP's shard group); HSDP then
+    # all-reduces each rank's 1/shard of the reduced gradient across the dp/shard replicas, whose
+    # ranks are shard*tp apart (FSDP2's HSDP: reduce-scatter, then all-reduce of the shard).
+    shard = strategy.shard_group or dp
+    gather_s = collective_time_s("all_gather", param_bytes, shard, cluster, strategy.tp)
     paper = strategy.state_recipe == "zero-paper"
-    reduce = all_reduce_time_s if zero == 1 and paper else reduce_scatter_time_s
-    grad_s = reduce(grad_bytes, dp, link)
+    reduce = "all_reduce" if zero == 1 and paper else "reduce_scatter"
+    grad_s = collective_time_s(reduce, grad_bytes, shard, cluster, strategy.tp)
+    if shard < dp:
+        grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, strategy.tp * shard)
     if zero == 3:
         return grad_s, 0.0, gather_s, gather_s
     if paper or strategy.pp > 1:

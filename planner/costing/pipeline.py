@@ -88,7 +88,8 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
 def strategy_for(config, recompute: str | None = None) -> Strategy:
     """The Strategy every layer of a uniform ParallelConfig runs under."""
     return Strategy(tp=config.tp, dp=config.dp, zero=config.zero, recompute=recompute or config.recompute,
-                    sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp)
+                    sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp,
+                    shard_group=config.shard_group)
 
 
 

@@ -26,6 +26,9 @@ stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters o
 Gradients are reduced in fp32 by the executor (DDP on fp32 gradients; FSDP2 reduce dtype fp32),
 4 bytes per parameter on the wire, as Megatron-LM does by default.
 
+HSDP (`shard_group` N < dp): every "/d" above becomes "/N": states are sharded over the N ranks
+of a shard group and replicated across the dp/N groups (FSDP2 on a 2-D mesh).
+
 Under torch pipelining ZeRO-2/3 execute as ZeRO-1 (`executed_zero`). Without pipelining ZeRO-2/3
 reduce-scatter after every micro-batch's backward (the simulator plays that), and FSDP2
 re-gathers ZeRO-1/2 parameters before every micro-batch's forward (`layer_costs._dp_comm_s`).
@@ -75,15 +78,20 @@ def grad_sync_mode(config) -> str:
     return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
 
 
-def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str) -> dict[str, float]:
+def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str,
+                      shard: int | None = None) -> dict[str, float]:
+    """`shard`: the ranks ZeRO shards over (HSDP's shard group; all dp ranks by default)."""
     param, grad, optimizer = _paper(precision)
-    return {"params": num_params * param / (dp if zero >= 3 else 1),
-            "grads": num_params * grad / (dp if zero >= 2 else 1),
-            "optimizer": num_params * optimizer / (dp if zero >= 1 else 1)}
+    d = shard or dp
+    return {"params": num_params * param / (d if zero >= 3 else 1),
+            "grads": num_params * grad / (d if zero >= 2 else 1),
+            "optimizer": num_params * optimizer / (d if zero >= 1 else 1)}
 
 
 def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, tp: int = 1,
-                         pp: int = 1) -> dict[str, float]:
+                         pp: int = 1, shard: int | None = None) -> dict[str, float]:
+    """`shard`: HSDP's shard group (FSDP2 on a 2-D (replicate, shard) mesh keeps 1/shard of each
+    parameter, gradient and moment); all dp ranks by default."""
     _paper(precision)
     zero = executed_zero(zero, dp, pp)
     method = dp_method(zero, dp, tp, pp)
@@ -97,20 +105,24 @@ def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, 
         extra = compute_copy if precision == "bf16-mixed" else 0.0  # fp32 needs no cast copy
         return {"params": (4.0 + extra) * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
     unsharded = compute_copy if zero <= 2 else 0.0
-    return {"params": num_params * (4.0 / dp + unsharded),
-            "grads": num_params * (4.0 if zero == 1 else 4.0 / dp),
-            "optimizer": num_params * 8.0 / dp}
+    d = shard or dp
+    return {"params": num_params * (4.0 / d + unsharded),
+            "grads": num_params * (4.0 if zero == 1 else 4.0 / d),
+            "optimizer": num_params * 8.0 / d}
 
 
 def state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",
-                tp: int = 1, pp: int = 1) -> dict[str, float]:
-    """Resident params / grads / optimizer bytes per rank for `num_params` (already / tp)."""
+                tp: int = 1, pp: int = 1, shard: int | None = None) -> dict[str, float]:
+    """Resident params / grads / optimizer bytes per rank for `num_params` (already / tp);
+    `shard` is HSDP's shard group (None: ZeRO shards over all `dp` ranks)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if shard is not None and (shard < 1 or dp % shard):
+        raise ValueError(f"shard group {shard} must divide dp={dp}")
     if recipe == "zero-paper":
-        return paper_state_bytes(num_params, dp, zero, precision)
+        return paper_state_bytes(num_params, dp, zero, precision, shard)
     if recipe == "executor":
-        return executor_state_bytes(num_params, dp, zero, precision, tp, pp)
+        return executor_state_bytes(num_params, dp, zero, precision, tp, pp, shard)
     raise ValueError(f"state recipe must be one of {', '.join(STATE_RECIPES)}, got {recipe!r}")
 
 

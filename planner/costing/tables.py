@@ -226,7 +226,8 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
             if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
                 continue
             local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
-                            sp=strategy.sp and tp > 1)
+                            sp=strategy.sp and tp > 1,  # HSDP groups belong to the candidate's own dp
+                            shard_group=strategy.shard_group if dp == strategy.dp else None)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
                 cost = layer_cost(layer, replace(local, recompute=recompute), cluster, graph.info,

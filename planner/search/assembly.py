@@ -60,6 +60,7 @@ def configuration(ranked) -> dict:
         "label": ranked.candidate.label(),
         "mesh": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
         "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
+        **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
         "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
                      "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
         "recompute": cfg.recompute,
@@ -109,7 +110,9 @@ def explain(plan_json: dict) -> str:
             f"{sched['name']}{' x' + str(sched['virtual_stages']) if sched['virtual_stages'] > 1 else ''} with "
             f"{sched['microbatches']} micro-batch{'es' if sched['microbatches'] != 1 else ''} of "
             f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
-            f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
+            + (f" HSDP (shard over {plan_json['shard_group']}, replicate across {mesh['dp'] // plan_json['shard_group']})"
+               if plan_json.get("shard_group") else "")
+            + f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
             f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
             f"{limit / GIB:.1f} GiB.")
@@ -153,6 +156,7 @@ def configuration_rows(plan_json: dict) -> list[dict]:
     recomputes = [layer["recompute"] for layer in plan_json["layers"]]
     winner = {
         "mesh": plan_json["mesh"], "zero": plan_json["zero"], "sp": plan_json["sp"],
+        **({"shard_group": plan_json["shard_group"]} if plan_json.get("shard_group") else {}),
         "schedule": plan_json["schedule"], "prediction": plan_json["prediction"],
         "recompute_summary": {r: recomputes.count(r) for r in RECOMPUTE},
         "ilp_objective_s": plan_json.get("solver", {}).get("ilp_objective_s", float("nan")),

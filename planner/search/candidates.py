@@ -4,7 +4,7 @@ that the user's pins allow.
 Mesh (pp, dp, tp) with tp inside a node and dividing the heads, micro-batch size (its count
 m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
 the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
-sequence parallelism when tp > 1. ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
+sequence parallelism when tp > 1, and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes. ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
 schedules defer gradient sync and resharding to the last micro-batch, so they run as ZeRO-1
 (`costing.state_memory.executed_zero`).
 """
@@ -36,9 +36,10 @@ class Pins:
     schedule: str | None = None
     vpp: int | None = None
     mbs: int | None = None
+    shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "vpp", "mbs"):
+        for name in ("tp", "pp", "dp", "vpp", "mbs", "shard_group"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
@@ -48,6 +49,8 @@ class Pins:
             raise MeshplanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise MeshplanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.shard_group is not None and self.zero == 0:
+            raise MeshplanError(f"--shard-group {self.shard_group} (HSDP) shards ZeRO state: pin --zero 1, 2 or 3")
 
 
 
@@ -106,11 +109,31 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                         for sp in ((False, True) if tp > 1 else (False,)):
                             if pins.sp is not None and sp != pins.sp:
                                 continue
-                            out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, microbatch_size=mbs, zero=zero,
-                                                      sp=sp, schedule=schedule, virtual_stages=vpp,
-                                                      precision=precision))
+                            for group in shard_groups(dp, tp, zero, cluster.gpus_per_node, pins.shard_group):
+                                out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, microbatch_size=mbs,
+                                                          zero=zero, sp=sp, schedule=schedule, virtual_stages=vpp,
+                                                          precision=precision, shard_group=group))
     return sorted(out, key=lambda c: c.sort_key)
 
+
+
+# HSDP shard groups the search offers span this many whole nodes (NCCL's fast intra-node or
+# few-node reduce-scatter, one cross-replica all-reduce of 1/N of the gradient). Pin others.
+HSDP_NODES = (1, 2, 4)
+
+
+def shard_groups(dp: int, tp: int, zero: int, gpus_per_node: int, pinned: int | None) -> list[int | None]:
+    """HSDP options of one mesh: None (shard over all dp ranks) and shard groups of whole nodes."""
+    if pinned is not None:
+        return [None] if pinned == dp else ([pinned] if zero >= 1 and dp % pinned == 0 and pinned > 1 else [])
+    out: list[int | None] = [None]
+    if zero == 0 or dp == 1:
+        return out
+    for nodes in HSDP_NODES:
+        group, rest = divmod(nodes * gpus_per_node, tp)
+        if not rest and 1 < group < dp and dp % group == 0:
+            out.append(group)
+    return out
 
 
 def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:

@@ -29,7 +29,7 @@ def default_precision(cluster: ClusterProfile) -> str:
 
 def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
                 mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
-                vpp: int = 1, precision: str = "bf16-mixed") -> ParallelConfig:
+                vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None) -> ParallelConfig:
     """Validate a configuration against the model and the cluster; MeshplanError says why not."""
     check_mesh(cluster, gpus, tp, pp)
     for layer in graph.layers:
@@ -42,17 +42,22 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
     if chunks > len(graph.layers):
         raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
                             f"the model has {len(graph.layers)}")
-    return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision)
+    return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
+                           shard_group)
 
 
-def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision) -> ParallelConfig:
+def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
+                    shard_group: int | None = None) -> ParallelConfig:
     """ParallelConfig with DP = gpus / (tp * pp); its validation errors become MeshplanError."""
+    dp = gpus // (tp * pp)
+    if shard_group == dp:  # sharding over every dp rank is plain ZeRO
+        shard_group = None
     try:
-        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=gpus // (tp * pp),
+        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp,
                               microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
-                              virtual_stages=vpp, precision=precision)
+                              virtual_stages=vpp, precision=precision, shard_group=shard_group)
     except ValueError as exc:
-        raise MeshplanError(str(exc)) from None
+        raise MeshplanError(str(exc).replace("shard_group", "--shard-group")) from None
 
 
 def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int) -> None:
@@ -75,19 +80,21 @@ def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int) -> None:
 def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: int, seq: int | None = None,
              tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
-             attention: str = "flash") -> Prediction:
-    """Predict step time, memory per pipeline rank, throughput and MFU of one configuration."""
+             attention: str = "flash", shard_group: int | None = None) -> Prediction:
+    """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
+    `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
     cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
     precision = precision or default_precision(cluster)
     check_mesh(cluster, gpus, tp, pp)
-    parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision)  # fail fast
+    parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
+                    shard_group)  # fail fast
     dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
     graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
     config = make_config(graph, cluster, gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp,
-                         precision)
+                         precision, shard_group)
     return predict(graph, cluster, config)
 
 

@@ -80,7 +80,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
                              f"{config.microbatch_size * config.dp} samples per micro-batch")
         mbs = config.microbatch_size * config.dp // dp
         strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp and tp > 1,
-                                 microbatch_size=mbs, precision=config.precision, pp=config.pp)
+                                 microbatch_size=mbs, precision=config.precision, pp=config.pp,
+                                 shard_group=config.shard_group if dp == config.dp else None)
         holds_shared = bool(layer.shared_params) and chunk % config.pp != owner_rank
         layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
                                            holds_shared=holds_shared))

@@ -71,6 +71,9 @@ FOUR_PROCESS = {
                                       virtual_stages=2, spec=LLAMA.replace("layers=3", "layers=4")),
     # ZeRO-2/3 with pp > 1 run as ZeRO-1 under torch pipelining, so train refuses them
     "pp2-dp2-zero1-1f1b": dict(pp=2, dp=2, microbatch_size=2, zero=1),
+    # HSDP: 2 shard groups of 2 (FSDP2 on a 2-D (replicate, shard) mesh)
+    "dp4-hsdp2-zero3": dict(dp=4, microbatch_size=2, zero=3, shard_group=2),
+    "dp4-hsdp2-zero2-llama": dict(dp=4, microbatch_size=1, zero=2, shard_group=2, spec=LLAMA),
 }
 
 

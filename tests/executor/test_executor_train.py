@@ -47,9 +47,11 @@ def _kill_when(run_dir, rank: int, at_step: int, killed: dict, timeout_s: float 
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(300)
-def test_killed_worker_restarts_and_resumes_with_identical_losses(tmp_path):
-    plan = uniform_plan(RESUME_SPEC, 64, 8, load_cluster("cpu"), dp=2, microbatch_size=2, zero=3, seed=5)
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=4, shard_group=2)], ids=["zero3", "hsdp-2x2"])
+def test_killed_worker_restarts_and_resumes_with_identical_losses(tmp_path, layout):
+    plan = uniform_plan(RESUME_SPEC, 64, 8, load_cluster("cpu"), microbatch_size=2, zero=3,
+                        seed=5, **layout)
     save_plan(plan, tmp_path / "plan.json")
     clean = train(tmp_path / "plan.json", steps=10, out=tmp_path / "clean.json", run_dir=tmp_path / "clean")
 

@@ -98,12 +98,16 @@ def test_layerwise_plans_simulate_each_layer_at_its_own_degrees():
     """A layerwise plan's layers run at their own (tp, dp): the simulator gives each its own
     micro-batch (the stage's samples over its dp), as the ILP's table does, so the two stay close
     (a uniform micro-batch once made the simulator 3.2x faster than the ILP); TP stays in a node.
-    10%: the simulator does not play the resharding between layouts that the ILP charges."""
+    10%: the simulator does not play the resharding between layouts that the ILP charges. One NIC
+    per node and plain DDP (no HSDP to keep traffic inside nodes) make data parallelism across
+    nodes dear enough that a mix of layouts wins."""
+    from dataclasses import replace
+
     from meshplan import plan as make_plan
 
-    cluster = load_cluster("a100-80g")
+    cluster = replace(load_cluster("a100-80g"), nics_per_node=1)
     plan = make_plan("gpt:layers=8,hidden=4096,heads=32,vocab=50304", cluster, 32, 64, 2048, layerwise=True,
-                     workers=1, top_k=1)
+                     workers=1, top_k=1, zero=0)
     assert len({(layer.tp, layer.dp) for layer in plan.layers}) > 1  # really layerwise
     assert all(cluster.gpus_per_node % layer.tp == 0 for layer in plan.layers)
     assert plan.solver["ilp_objective_s"] == pytest.approx(plan.prediction["step_time_s"], rel=0.10)
