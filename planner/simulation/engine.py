@@ -13,7 +13,7 @@ Per pipeline rank:
   Durations are precomputed per chunk, so the cost is O(pp * microbatches * virtual_stages).
 - p2p stream: a boundary activation (gradient) leaves when its forward (backward) ends and
   arrives `p2p_time_s` later; the receiver's action cannot start before it arrives. Transfers
-  overlap compute; links are not shared between transfers (1F1B keeps at most one transfer per
+  overlap compute; transfers do not share a link with each other (1F1B keeps at most one transfer per
   direction in flight per link). torch's `Schedule1F1B` waits for a send together with the next
   receive; in steady state both complete when the peer finishes, so this is not modelled.
 - dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in DDP-style buckets
@@ -25,6 +25,9 @@ Per pipeline rank:
   starts after its last backward and the rank's next compute waits for it. The rank then runs
   the optimizer and, with ZeRO-1/2, all-gathers the updated parameters. The step ends when the
   slowest rank does.
+- contention: streams sharing a link (the reduction with TP collectives on NVLink, or with the
+  rank's boundary transfers) split its bandwidth; `planner.simulation.contention` charges the
+  fair-share delays to the rank's compute and reduction ends.
 - memory: parameters, gradients and optimizer states are resident; a chunk's saved activations
   (and its boundary output, which the pipeline stage keeps for the backward) are allocated when
   its forward starts and freed when its backward ends; the largest transient buffer of the
@@ -40,6 +43,7 @@ from typing import NamedTuple
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
+from meshplan.planner.simulation.contention import rank_delays
 from meshplan.planner.simulation.schedules import Action, schedule_actions
 
 # When gradient reduction runs (see StepCosts.grad_sync).
@@ -72,6 +76,10 @@ class StepCosts:
     # with FSDP/replicate: a chunk's whole reduction starts after its last backward
     # (`perform_reduce_grad`) and the rank's next compute waits for it.
     grad_sync: str = "overlap"
+    # Links the data-parallel reduction and the pipeline transfers leave a GPU on ("nvlink",
+    # "nic", or "" for none): streams on one link share it (`planner.simulation.contention`).
+    dp_link: str = ""
+    pp_link: str = ""
 
     def __post_init__(self):
         if self.grad_sync not in GRAD_SYNC_MODES:
@@ -265,10 +273,14 @@ class _RankTail:
     dp_end_s: float
     optimizer_s: float
     param_gather_s: float
+    # fair-share delays of concurrent traffic (planner.simulation.contention)
+    compute_delay_s: float = 0.0
+    dp_delay_s: float = 0.0
 
     @property
     def end_s(self) -> float:
-        return max(self.compute_end_s, self.dp_end_s) + self.optimizer_s + self.param_gather_s
+        return (max(self.compute_end_s + self.compute_delay_s, self.dp_end_s + self.dp_delay_s)
+                + self.optimizer_s + self.param_gather_s)
 
 
 def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list[_RankTail]:
@@ -298,8 +310,25 @@ def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list
                 intervals.append((start, free_at))
         dp_end = intervals[-1][1] if intervals else 0.0
         compute_end = played.runs[rank][-1].end_s
-        tails.append(_RankTail(compute_end, tuple(intervals), dp_end, optimizer_s[rank], gather_s[rank]))
+        delays = rank_delays(intervals, played.runs[rank], chunks, _transfers_of(rank, costs, chunks, played),
+                             costs.dp_link, costs.pp_link)
+        tails.append(_RankTail(compute_end, tuple(intervals), dp_end, optimizer_s[rank], gather_s[rank],
+                               delays.compute_s, delays.dp_s))
     return tails
+
+
+def _transfers_of(rank: int, costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list[tuple[float, float]]:
+    """(start, end) of the boundary transfers this rank sends or receives."""
+    if not costs.p2p_time_s or not costs.pp_link:
+        return []
+    out = []
+    for chunk in range(len(chunks) - 1):
+        if rank not in (chunks[chunk].rank, chunks[chunk + 1].rank):
+            continue
+        link_s = costs.p2p_time_s[chunk]
+        out.extend((end, end + link_s) for end in played.fwd_end[chunk])  # activations forward
+        out.extend((end, end + link_s) for end in played.bwd_end[chunk + 1])  # gradients back
+    return out
 
 
 def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
@@ -380,7 +409,9 @@ def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, st
         out["bubble"] += run.bubble_s
         out["pp_comm"] += run.pp_wait_s
         out["dp_comm"] += run.dp_wait_s
-    out["dp_comm"] += max(0.0, tail.dp_end_s - tail.compute_end_s) + tail.param_gather_s
+    out["tp_comm"] += tail.compute_delay_s  # TP collectives slowed by a concurrent reduction
+    compute_end = tail.compute_end_s + tail.compute_delay_s
+    out["dp_comm"] += max(0.0, tail.dp_end_s + tail.dp_delay_s - compute_end) + tail.param_gather_s
     out["optimizer"] += tail.optimizer_s
     out["bubble"] += step_s - tail.end_s  # waiting for slower ranks to finish the step
     return out
@@ -401,7 +432,12 @@ def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: l
             previous_end = run.end_s
         tail = tails[rank]
         out.extend(Interval(rank, "dp", "dp_comm", s, e) for s, e in tail.dp_intervals)
-        opt_start = max(tail.compute_end_s, tail.dp_end_s)
+        if tail.dp_delay_s > 0:  # the reduction's fair-share slowdown, shown where it ends
+            out.append(Interval(rank, "dp", "dp_comm", tail.dp_end_s, tail.dp_end_s + tail.dp_delay_s))
+        if tail.compute_delay_s > 0:
+            out.append(Interval(rank, "tp", "tp_comm", previous_end, previous_end + tail.compute_delay_s))
+            previous_end += tail.compute_delay_s
+        opt_start = max(tail.compute_end_s + tail.compute_delay_s, tail.dp_end_s + tail.dp_delay_s)
         if opt_start > previous_end:
             out.append(Interval(rank, "compute", "idle", previous_end, opt_start))
         if tail.optimizer_s > 0:

@@ -18,6 +18,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.state_memory import grad_sync_mode
+from meshplan.planner.simulation.contention import link_kind
 from meshplan.planner.simulation.engine import StepCosts, simulate_step
 
 STREAMS = ("compute", "tp", "p2p", "dp")
@@ -98,7 +99,9 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         hw_flops_per_step=float(model_flops + recompute_flops),
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
-        grad_sync=grad_sync or grad_sync_mode(config))
+        grad_sync=grad_sync or grad_sync_mode(config),
+        dp_link=link_kind(config.dp, config.tp, cluster.gpus_per_node),
+        pp_link=link_kind(2, config.dp * config.tp, cluster.gpus_per_node) if config.pp > 1 else "")
 
 
 def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: ClusterProfile,
