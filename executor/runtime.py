@@ -109,12 +109,12 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     tied = bool(built.config.tied_embeddings)
     chunk_ids = tuple(range(pp_rank, cfg.num_model_chunks, cfg.pp))
     stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
+    recompute = {layer.name: layer.recompute for layer in plan.layers}
     if cfg.tp > 1:
         for stage in stages:
-            apply_tp(stage, mesh["tp"], cfg.sp)
+            apply_tp(stage, mesh["tp"], cfg.sp, recompute)
     template = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta").module
     materialize(stages, template, seed, device, tied)
-    recompute = {layer.name: layer.recompute for layer in plan.layers}
     for stage in stages:
         # The embedding keeps only token ids for backward, so recomputing it saves nothing; and
         # a vocab-parallel lookup cannot be replayed (its output mask lives in the forward).

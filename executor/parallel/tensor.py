@@ -6,7 +6,7 @@ from meshplan.executor.parallel.stages import StageModule
 from meshplan.planner.models.tensor_parallel import block_tp_plan
 
 
-def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
+def apply_tp(stage: StageModule, tp_mesh, sp: bool, recompute: dict[str, str] | None = None) -> None:
     """Megatron-LM TP: column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel
     embedding (row-wise: each rank holds 1/tp of the vocabulary rows, outputs are summed) and
     head (column-wise over the vocabulary) with a vocab-parallel loss: logits are never gathered.
@@ -14,13 +14,17 @@ def apply_tp(stage: StageModule, tp_mesh, sp: bool) -> None:
     With sequence parallelism the residual stream between blocks is sharded along the sequence,
     norms run as `SequenceParallel`, and the embedding output / head input are converted at the
     edges. A tied embedding stays tied: both weights are (vocab, hidden) sharded on dim 0.
+    Blocks without recomputation (`recompute`: layer name -> mode) keep only the sequence shard
+    of each region's input for backward and gather it again there, as Megatron-LM does.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    for block in stage.blocks.values():
-        parallelize_module(block, tp_mesh, block_tp_plan(block, sp))
+    recompute = recompute or {}
+    for name, block in stage.blocks.items():
+        keep_shard = recompute.get(f"blocks.{name}", "none") == "none"
+        parallelize_module(block, tp_mesh, block_tp_plan(block, sp, keep_shard=keep_shard))
     if stage.embed is not None:
         # GPT adds learned positions after the token lookup, so the lookup's output is replicated
         # and the sequence split (SP) happens at the embedding's output.

@@ -292,7 +292,9 @@ def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern.
 
     Block: `num_allreduce_per_pass` all-reduces of the (b, s, h) output per pass; with SP each
-    becomes an all-gather + reduce-scatter of the same tensor (same ring volume). Vocab-parallel
+    becomes an all-gather + reduce-scatter of the same tensor (same ring volume), and a block
+    without recomputation all-gathers each region's input once more in backward (it kept the
+    shard). Vocab-parallel
     embedding: one all-reduce (SP: reduce-scatter) of its output in forward. Vocab-parallel head:
     its column-parallel input gradient is all-reduced in backward (SP: all-gather of the input in
     forward, reduce-scatter of its gradient in backward); the loss's tiny per-token reductions
@@ -305,12 +307,15 @@ def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     mbs = strategy.microbatch_size
     if layer.tp_split.kind == "block":
         size = layer.output_bytes * mbs * act_scale
+        regather = 0.0
         if strategy.sp:
             one = all_gather_time_s(size, tp, link) + reduce_scatter_time_s(size, tp, link)
+            if strategy.recompute == "none":  # the kept shard is gathered again for the weight gradients
+                regather = all_gather_time_s(size, tp, link)
         else:
             one = all_reduce_time_s(size, tp, link)
         count = layer.tp_split.num_allreduce_per_pass
-        return count * one, count * one
+        return count * one, count * (one + regather)
     if layer.kind == "embedding":
         size = layer.output_bytes * mbs * act_scale
         return (reduce_scatter_time_s(size, tp, link) if strategy.sp else all_reduce_time_s(size, tp, link)), 0.0
@@ -374,12 +379,14 @@ def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
     `executor=True`: what `meshplan train` keeps (state recipe "executor"), measured on CPU with
     `executor.memory.StepMemTracker` (tests/executor/test_memory_prediction.py):
 
-    - SP: DTensor's `PrepareModuleInput` all-gathers the sequence-sharded input of each
-      column-parallel region (a block's attention and MLP, the head's output Linear) and the
-      Linears save that gathered (mbs, s, h) tensor, whole on every TP rank (Megatron-LM saves
-      the shard and gathers again in backward). Those inputs (one per row-parallel output of a
-      block, `num_allreduce_per_pass`; one for the head) are not divided by t. Measured (llama,
-      tp 2): +2 mbs*s*h*4 bytes per block, as this rule says.
+    - SP: each column-parallel region (a block's attention and MLP, the head's output Linear)
+      all-gathers its sequence-sharded input. A block without recomputation keeps only the
+      shard and gathers again in backward, as Megatron-LM does (`models.tensor_parallel.
+      GatherKeepShard`), so its bytes are /t like the rest. The head's Linear, and the blocks
+      under selective recomputation (whose checkpoint caches the gather's output), save the
+      gathered (mbs, s, h) tensor whole on every TP rank: one per region
+      (`num_allreduce_per_pass` for a block, one for the head), not divided by t. Measured
+      (llama, tp 2, before the shard was kept): +2 mbs*s*h*4 bytes per block, as this rule says.
     - bf16-mixed by autocast (the executor's choice when no FSDP wrapper casts the parameters:
       `state_memory.dp_method` "none" or "ddp"): the norms and the residual stream stay fp32,
       so a block's or head's replicated bytes other than its Linears' inputs (the norm inputs)
@@ -408,7 +415,8 @@ def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
         regions = layer.tp_split.num_allreduce_per_pass if layer.kind == "block" else 1
         linear_inputs = min(layer.input_bytes * regions, layer.act_tp_replicated_bytes)
         norm_inputs = layer.act_tp_replicated_bytes - linear_inputs
-        gathered = split and strategy.sp  # SP: the Linears' inputs are gathered whole
+        # SP: the Linears' inputs are kept gathered, whole (see above)
+        gathered = split and strategy.sp and (layer.kind == "head" or strategy.recompute == "selective")
         copies = 1.0
         if autocast:
             column_linears = len(layer.tp_split.column_linears) if layer.kind == "block" else 1

@@ -5,12 +5,23 @@ calibration times the same layout (`planner.calibration.microbench`), so the ove
 calibrate measures is the overhead of the plans `train` runs. Column-parallel q/k/v (and gate/up),
 row-parallel o/down; with sequence parallelism the residual stream is sharded along the sequence,
 the norms run as `SequenceParallel` and attention/MLP inputs are all-gathered.
+
+Sequence parallelism as Megatron-LM runs it: the column Linears of a region need the gathered
+(b, s, h) input for their weight gradients, but keeping it would cost t times the shard that SP
+exists to keep. `GatherKeepShard` gathers the input, lets the Linears save only a reference to
+the shard (saved-tensor hooks), and gathers it again, once per region, when the backward first
+needs it: one extra all-gather per region in backward for (t-1)/t of the region's input memory.
 """
 from __future__ import annotations
 
 
-def block_tp_plan(block, sp: bool) -> dict:
-    """`parallelize_module` plan (module path -> ParallelStyle) of one `transformer.Block`."""
+def block_tp_plan(block, sp: bool, keep_shard: bool = True) -> dict:
+    """`parallelize_module` plan (module path -> ParallelStyle) of one `transformer.Block`.
+
+    `keep_shard` (with `sp`): the regions save the sequence shard and re-gather it in backward
+    (`GatherKeepShard`); off for blocks under activation checkpointing, whose recomputation
+    keeps nothing across the forward anyway (full) or caches the gathered input (selective).
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -22,6 +33,80 @@ def block_tp_plan(block, sp: bool) -> dict:
     if getattr(block.mlp, "swiglu", False):
         plan["mlp.gate"] = ColwiseParallel()
     if sp:
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        gather = (gather_keep_shard_style() if keep_shard
+                  else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gather, "mlp": gather})
     return plan
+
+
+class _Region:
+    """One forward of one column-parallel region: the gathered input's storage and its shard."""
+
+    def __init__(self, shard, storage_ptr: int, mesh):
+        self.shard, self.storage_ptr, self.mesh = shard, storage_ptr, mesh
+        self.pending = 0  # saved references not yet unpacked
+        self.full = None  # the re-gathered input, shared by the region's Linears in backward
+
+    def pack(self, tensor):
+        from torch.distributed.tensor import DTensor
+
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if local.untyped_storage().data_ptr() != self.storage_ptr:
+            return tensor
+        self.pending += 1
+        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
+        return (self, local.shape, local.stride(), local.storage_offset(), spec)
+
+    def unpack(self, packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] is self):
+            return packed
+        _, shape, stride, offset, spec = packed
+        if self.full is None:
+            import torch.distributed._functional_collectives as funcol
+
+            # functional all-gather concatenates along dim 0: gather (s/t, b, h) slabs, then put
+            # the sequence back in dim 1 in the forward's contiguous layout
+            slabs = funcol.all_gather_single(self.shard.movedim(1, 0).contiguous(), 0, self.mesh)
+            self.full = funcol.wait_tensor(slabs).movedim(0, 1).contiguous()
+        view = self.full.as_strided(shape, stride, offset)
+        self.pending -= 1
+        if self.pending == 0:
+            self.full = None  # the last Linear of the region has it: free the gathered copy
+        if spec is None:
+            return view
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, global_shape, global_stride = spec
+        return DTensor.from_local(view, mesh, placements, run_check=False, shape=global_shape, stride=global_stride)
+
+
+def gather_keep_shard_style():
+    """A ParallelStyle: all-gather a region's sequence-sharded input; its Linears save the shard."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class GatherKeepShard(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            def enter(mod, args):
+                x = args[0]
+                if not isinstance(x, DTensor):
+                    x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+                full = x.redistribute(device_mesh, (Replicate(),))
+                region = _Region(x._local_tensor.detach(), full._local_tensor.untyped_storage().data_ptr(),
+                                 device_mesh)
+                hooks = torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
+                hooks.__enter__()
+                mod._meshplan_saved_hooks = hooks
+                return (full,) + tuple(args[1:])
+
+            def leave(mod, args, output):
+                mod._meshplan_saved_hooks.__exit__(None, None, None)
+                del mod._meshplan_saved_hooks
+                return output
+
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+            return module
+
+    return GatherKeepShard()

@@ -442,10 +442,13 @@ def test_executor_activation_rules():
     # autocast (bf16-mixed, no FSDP): LayerNorm inputs 2 x 4sh, q/k/v/up inputs 4 x 2sh, weights 2P
     assert act() == pytest.approx(b * (24 * sh + 8 * sh + 8 * sh + scores) + 2 * block.num_params)
     assert act(dp=2) == pytest.approx(act()) and act(dp=2, zero=1) == pytest.approx(paper)  # FSDP: bf16 params
-    # SP (fp32: twice the bf16 profile): the two gathered (s, h) Linear inputs stay whole on every rank
+    # SP (fp32: twice the bf16 profile): a block keeps each region's input shard and gathers it
+    # again in backward, so everything is /t; under selective recomputation the checkpoint caches
+    # the two gathered (s, h) Linear inputs, whole on every rank (the scores are recomputed)
     tp = 4
-    assert act(tp=tp, sp=True, precision="fp32") == pytest.approx(
-        2 * b * (24 * sh / tp + 4 * sh / tp + 4 * sh + scores / tp))
+    assert act(tp=tp, sp=True, precision="fp32") == pytest.approx(2 * b * (24 * sh + 8 * sh + scores) / tp)
+    assert act(tp=tp, sp=True, precision="fp32", recompute="selective") == pytest.approx(
+        2 * b * (24 * sh / tp + 4 * sh / tp + 4 * sh))
     assert act(tp=tp, sp=True, precision="fp32", state_recipe="zero-paper") == pytest.approx(2 * paper / tp)
 
 
