@@ -13,18 +13,19 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "profile": "trace a model on the meta device into a per-layer graph of FLOPs and bytes",
+    "profile": "a model's per-layer graph of FLOPs and bytes (closed form for built-in transformers, else traced)",
     "estimate": "predict step time and memory of one hand-written parallel configuration",
     "plan": "search the fastest plan that fits (ILP over layers, simulator re-ranks)",
     "simulate": "play one training step of a plan event by event",
     "calibrate": "measure this machine (matmul, memory, collectives) into a cluster profile",
     "train": "run a plan for real with torch.distributed and measure it",
     "report": "write a self-contained HTML strategy report",
+    "export": "write a plan as a torchtitan TOML, Megatron-LM arguments or a DeepSpeed JSON",
     "demo": "the whole loop on this machine: calibrate, profile, plan, train, report",
 }
 # Commands that hold no processes, sockets or temporary files once they return: they leave
 # without the interpreter's teardown of torch's modules, which costs 0.6-0.9 s per command.
-FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan"})
+FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan", "export"})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,16 +2,28 @@
 from __future__ import annotations
 
 import json
+import sys
 
-from meshplan.commands.common import GIB, add_job_arguments
+from meshplan.commands.common import GIB, add_job_arguments, moe_notes
 
 
 def add_arguments(parser) -> None:
     add_job_arguments(parser)
+    # --from FILE fills the job from an engine config, so the job arguments are checked in run()
+    for action in parser._actions:
+        if action.dest in ("model", "cluster", "gpus", "gbs"):
+            action.required = False
+    parser.add_argument("--from", dest="from_file", default=None, metavar="FILE",
+                        help="predict an engine config (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)")
+    parser.add_argument("--engine", default=None, choices=("torchtitan", "megatron", "deepspeed"),
+                        help="engine of --from FILE (default: guessed from the file)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (inside one node)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
+    parser.add_argument("--shard-group", type=int, default=None, metavar="N",
+                        help="HSDP: shard ZeRO state over groups of N data-parallel ranks and replicate across "
+                             "them (needs --zero 1-3; default: shard over all of dp)")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                         help="activation recomputation of the transformer blocks")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
@@ -24,12 +36,24 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.simulation.estimator import estimate
 
+    if args.from_file:
+        from meshplan.commands.export import estimate_from
+
+        return estimate_from(args, format_prediction)
+    missing = [f"--{name}" for name in ("model", "cluster", "gpus", "gbs") if getattr(args, name) is None]
+    if missing:
+        raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
+
+    notes = moe_notes(args.model, args.moe_imbalance)
     prediction = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                           tp=args.tp, pp=args.pp, mbs=args.mbs, zero=args.zero, recompute=args.recompute,
                           sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                          attention=args.attention)
+                          attention=args.attention, shard_group=args.shard_group)
+    if notes:
+        print("\n".join(notes), file=sys.stderr)
     if args.json:
         print(json.dumps(prediction.to_json()))
         return 0
@@ -44,7 +68,8 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     step = prediction.step_time_s
     dp = args.gpus // (args.tp * args.pp)
     lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp} mbs={args.mbs} "
-             f"zero={args.zero} recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
+             f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
+             + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
              + (f" vpp={args.vpp}" if args.schedule == "interleaved" else ""),
              "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import sys
 
-from meshplan.commands.common import GIB, add_job_arguments
+from meshplan.commands.common import GIB, add_job_arguments, moe_notes
 
 
 def add_arguments(parser) -> None:
@@ -16,6 +17,8 @@ def add_arguments(parser) -> None:
     pins.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     pins.add_argument("--dp", type=int, default=None, help="data-parallel degree")
     pins.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
+    pins.add_argument("--shard-group", type=int, default=None, metavar="N",
+                      help="HSDP: shard ZeRO state over groups of N data-parallel ranks, replicate across them")
     pins.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
                       help="recomputation of every transformer block")
     pins.add_argument("--sp", action="store_true", default=None, help="sequence parallelism on")
@@ -32,6 +35,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--time-limit", type=float, default=2.5,
                         help="seconds per candidate ILP (default 2.5; the re-ranked ones get twice that again if needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
+    from meshplan.commands import sizing
+
+    sizing.add_arguments(parser)
 
 
 def run(args) -> int:
@@ -43,18 +49,34 @@ def run(args) -> int:
         raise MeshplanError(f"--train-tokens must be positive, got {args.train_tokens}")
     if not args.time_limit > 0:
         raise MeshplanError(f"--time-limit is seconds per candidate ILP and must be positive, got {args.time_limit}")
-    result = plan(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
-                  precision=args.precision, attention=args.attention, layerwise=args.layerwise,
-                  time_limit_s=args.time_limit, seed=args.seed, progress=not args.json,
-                  tp=args.tp, pp=args.pp, dp=args.dp, zero=args.zero, recompute=args.recompute, sp=args.sp,
-                  schedule=args.schedule, vpp=args.vpp, mbs=args.mbs)
+    from meshplan.commands import sizing
+
+    sizing.check(args)
+    pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
+    notes = moe_notes(args.model, args.moe_imbalance)
+    if notes:
+        print("\n".join(notes), file=sys.stderr)
+
+    def plan_at(gpus: int, progress: bool = False):
+        return plan(args.model, args.cluster, gpus, args.gbs, args.seq, top_k=args.top,
+                    precision=args.precision, attention=args.attention, layerwise=args.layerwise,
+                    time_limit_s=args.time_limit, seed=args.seed, progress=progress, **pins)
+
+    result = plan_at(args.gpus, progress=not args.json)
+    sized, sizing_lines = None, []
+    if args.train_tokens is not None:  # time, GPU-hours, cost; with --deadline-days the size that meets it
+        result, sized, sizing_lines = sizing.size(args, result, plan_at)
     data = result.to_json()
+    if sized is not None:
+        data["sizing"] = sized.to_json()
     if args.out:
         save_plan(result, args.out)
+        if sized is not None:
+            sizing.write_plan_json(data, args.out)
     if args.json:
         print(json.dumps(data))
         return 0
-    print(format_plan(data, args))
+    print("\n".join([format_plan(data, args)] + sizing_lines))
     return 0
 
 
@@ -74,7 +96,8 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             "pp x dp x tp": f"{entry['mesh']['pp']}x{entry['mesh']['dp']}x{entry['mesh']['tp']}",
             "sp": "on" if entry["sp"] else "",
             "schedule": sched["name"] + (f" x{sched['virtual_stages']}" if sched["virtual_stages"] > 1 else ""),
-            "mbs": sched["microbatch_size"], "m": sched["microbatches"], "zero": entry["zero"],
+            "mbs": sched["microbatch_size"], "m": sched["microbatches"],
+            "zero": f"{entry['zero']}" + (f" /{entry['shard_group']}" if entry.get("shard_group") else ""),
             "recompute": ", ".join(f"{k} {v}" for k, v in entry["recompute_summary"].items() if v) or "none",
             "step ms": round(pred["step_time_s"] * 1e3, 1),
             "ILP ms": round(entry["ilp_objective_s"] * 1e3, 1),

@@ -1,0 +1,70 @@
+"""`meshplan export`: write a plan as a torchtitan TOML, Megatron-LM arguments or a DeepSpeed JSON;
+and `meshplan estimate --from FILE`, the way back: predict an engine's config."""
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+ENGINES = ("torchtitan", "megatron", "deepspeed")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--plan", required=True, help="plan JSON written by `meshplan plan --out`")
+    parser.add_argument("--to", required=True, choices=ENGINES, help="engine to write the plan for")
+    parser.add_argument("--out", default=None,
+                        help="file to write (default: standard output); approximations go to standard error")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from meshplan.planner.contracts.plan import load_plan
+    from meshplan.planner.engines.bridge import export_plan
+
+    exported = export_plan(load_plan(args.plan), args.to)
+    for note in exported.notes:
+        print(f"meshplan export: approximated: {note}", file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(exported.text, encoding="utf-8")
+        print(f"{args.to} config written to {args.out}", file=sys.stderr)
+    else:
+        sys.stdout.write(exported.text)
+    return 0
+
+
+def estimate_from(args, format_prediction) -> int:
+    """`meshplan estimate --from FILE`: price an engine config, notes on stderr, printed by
+    `format_prediction` (estimate's, passed in: this module does not import the estimate command)."""
+    from meshplan.planner.engines.bridge import predict_job, read_engine_file
+
+    job = read_engine_file(args.from_file, args.engine)
+    result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
+                         attention=args.attention)
+    for note in result.notes:
+        print(f"meshplan estimate: not mapped: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.prediction.to_json()))
+        return 0
+    from meshplan.planner.costing.hardware import load_cluster
+
+    cfg = result.config
+    shown = SimpleNamespace(model=result.spec, cluster=args.cluster, gpus=cfg.gpus, tp=cfg.tp, pp=cfg.pp,
+                            mbs=cfg.microbatch_size, zero=cfg.zero, recompute=_recompute_text(result), sp=cfg.sp,
+                            schedule=cfg.schedule, vpp=cfg.virtual_stages)
+    print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
+    print(format_prediction(result.prediction, shown, load_cluster(args.cluster).device.usable_memory_bytes))
+    return 0
+
+
+def _recompute_text(result) -> str:
+    modes = [mode for mode, layer_is_block in zip(result.recompute_of_layer, _blocks(result)) if layer_is_block]
+    kinds = sorted(set(modes))
+    if len(kinds) == 1:
+        return kinds[0]
+    return "/".join(f"{kind} {modes.count(kind)}" for kind in ("none", "selective", "full") if modes.count(kind))
+
+
+def _blocks(result) -> list[bool]:
+    count = len(result.recompute_of_layer)
+    return [0 < index < count - 1 for index in range(count)]

@@ -1,0 +1,97 @@
+"""`meshplan plan` extras: `--like FILE` (pins from an engine config) and `--train-tokens N`
+with `--deadline-days D` / `--usd-per-gpu-hour P` (time, GPU-hours, cost; GPU count for a deadline)."""
+from __future__ import annotations
+
+import sys
+
+PIN_NAMES = ("tp", "pp", "dp", "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--deadline-days", type=float, default=None,
+                        help="with --train-tokens: plan node multiples up to --gpus and keep the cheapest that "
+                             "trains within this many days")
+    parser.add_argument("--usd-per-gpu-hour", type=float, default=None,
+                        help="with --train-tokens: price of one GPU-hour, to print the cost")
+    parser.add_argument("--like", default=None, metavar="FILE",
+                        help="pin what an engine config fixes (torchtitan TOML, Megatron-LM arguments, DeepSpeed "
+                             "JSON); command-line pins win")
+
+
+def pins_from(args) -> dict:
+    """The command line's pins, completed by `--like FILE` where the command line leaves one open."""
+    pins = {name: getattr(args, name) for name in PIN_NAMES if hasattr(args, name)}
+    if not args.like:
+        return pins
+    from meshplan.planner.engines.bridge import job_pins, read_engine_file
+
+    job = read_engine_file(args.like)
+    for note in job.notes:
+        print(f"meshplan plan: --like: not mapped: {note}", file=sys.stderr)
+    for name, value in job_pins(job).items():
+        if pins.get(name) is None:
+            pins[name] = value
+    return pins
+
+
+def write_plan_json(data: dict, path) -> None:
+    """The plan JSON with its `sizing` key (loaders ignore the key)."""
+    import json
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def check(args) -> None:
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    for flag, value in (("--deadline-days", args.deadline_days), ("--usd-per-gpu-hour", args.usd_per_gpu_hour)):
+        if value is not None and args.train_tokens is None:
+            raise MeshplanError(f"{flag} needs --train-tokens N (the tokens to train on)")
+        if value is not None and not value > 0:
+            raise MeshplanError(f"{flag} must be positive, got {value}")
+
+
+def size(args, result, plan_at):
+    """(plan to keep, Sizing or None, lines to print). `plan_at(gpus)` searches at another size."""
+    from meshplan.planner.engines.sizing import Sizing, size_cluster, sweep_counts, training_cost
+
+    plans = {result.config.gpus: result}
+
+    def cost_at(gpus: int):
+        if gpus not in plans:
+            plans[gpus] = plan_at(gpus)
+        found = plans[gpus]
+        pred = found.prediction
+        return training_cost(gpus, args.train_tokens, pred["tokens_per_s"], pred["step_time_s"],
+                             args.usd_per_gpu_hour, found.config.label())
+
+    if args.deadline_days is None:
+        sizing = Sizing(rows=(cost_at(result.config.gpus),))
+        return result, sizing, _lines(sizing, args)
+    counts = sweep_counts(result.cluster.gpus_per_node, args.gpus)
+    sizing = size_cluster(counts, cost_at, args.deadline_days)
+    chosen = plans[sizing.chosen.gpus] if sizing.chosen else result
+    return chosen, sizing, _lines(sizing, args)
+
+
+def _lines(sizing, args) -> list[str]:
+    usd = args.usd_per_gpu_hour
+    lines = ["", f"training on {args.train_tokens:.3g} tokens"
+             + (f", deadline {sizing.deadline_days:g} days" if sizing.deadline_days else "")
+             + (f", ${usd:g} per GPU-hour" if usd else "")]
+    lines.append(f"  {'GPUs':>6} {'tokens/s':>14} {'days':>9} {'GPU-hours':>14}" + (f" {'cost USD':>16}" if usd else "")
+                 + "  configuration")
+    for row in sizing.rows:
+        mark = " <" if sizing.chosen is not None and row.gpus == sizing.chosen.gpus else ""
+        lines.append(f"  {row.gpus:>6} {row.tokens_per_s:>14,.0f} {row.days:>9.2f} {row.gpu_hours:>14,.0f}"
+                     + (f" {row.usd:>16,.0f}" if usd else "") + f"  {row.label}{mark}")
+    lines += [f"  skipped {reason}" for reason in sizing.skipped]
+    if sizing.deadline_days is not None:
+        if sizing.chosen is None:
+            lines.append(f"no size up to {args.gpus} GPUs meets {sizing.deadline_days:g} days; raise --gpus")
+        else:
+            row = sizing.chosen
+            lines.append(f"chosen: {row.gpus} GPUs, {row.days:.2f} days, {row.gpu_hours:,.0f} GPU-hours"
+                         + (f", ${row.usd:,.0f}" if usd else "") + " (the plan shown and written is this size's)")
+    return lines

@@ -1,0 +1,179 @@
+"""Dispatch between the engines: export a plan, read a config, predict it, pin a search to it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.prediction import Prediction
+from meshplan.planner.engines import ENGINES
+from meshplan.planner.engines.job import EngineJob, chunks_from_counts, dominant_recompute, resolve_recompute
+
+SUFFIXES = {"torchtitan": ".toml", "megatron": ".args", "deepspeed": ".json"}
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A plan in one engine's terms, and what had to be approximated (one line each)."""
+
+    engine: str
+    text: str
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise MeshplanError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+
+
+@dataclass(frozen=True)
+class JobEstimate:
+    """An engine config priced by the simulator: what ran, and what was not mapped."""
+
+    job: EngineJob
+    spec: str
+    seq: int
+    config: ParallelConfig
+    chunk_of_layer: tuple[int, ...]
+    recompute_of_layer: tuple[str, ...]
+    prediction: Prediction
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if len(self.chunk_of_layer) != len(self.recompute_of_layer):
+            raise ValueError("chunk_of_layer and recompute_of_layer must cover the same layers")
+
+
+def export_plan(plan, engine: str) -> Exported:
+    """`plan` written for `engine` (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)."""
+    if engine == "torchtitan":
+        from meshplan.planner.engines.torchtitan import export_torchtitan as write
+    elif engine == "megatron":
+        from meshplan.planner.engines.megatron import export_megatron as write
+    elif engine == "deepspeed":
+        from meshplan.planner.engines.deepspeed import export_deepspeed as write
+    else:
+        raise MeshplanError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if not plan.executable:
+        raise MeshplanError(f"the plan is not executable ({plan.not_executable_reason}); engines run one mesh for "
+                            "the whole model: re-plan without --layerwise")
+    text, notes = write(plan)
+    return Exported(engine=engine, text=text, notes=tuple(notes))
+
+
+def guess_engine(path: Path, text: str) -> str:
+    """The engine a config file is for: by suffix, else by content."""
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        return "torchtitan"
+    if suffix == ".json":
+        return "deepspeed"
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        return "deepspeed"
+    if "[parallelism]" in text or "[training]" in text:
+        return "torchtitan"
+    if "--" in text:
+        return "megatron"
+    raise MeshplanError(f"cannot tell which engine {path} is for; pass --engine torchtitan|megatron|deepspeed")
+
+
+def read_engine_text(text: str, engine: str) -> EngineJob:
+    if engine == "torchtitan":
+        from meshplan.planner.engines.torchtitan import read_torchtitan
+        return read_torchtitan(text)
+    if engine == "megatron":
+        from meshplan.planner.engines.megatron import read_megatron
+        return read_megatron(text)
+    if engine == "deepspeed":
+        from meshplan.planner.engines.deepspeed import read_deepspeed
+        return read_deepspeed(text)
+    raise MeshplanError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+
+
+def read_engine_file(path, engine: str | None = None) -> EngineJob:
+    """The EngineJob of a torchtitan TOML, Megatron-LM argument file or script, or DeepSpeed JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise MeshplanError(f"engine config {path} does not exist; give the path of a torchtitan .toml, a Megatron-LM "
+                            "argument file or a DeepSpeed .json")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return read_engine_text(text, engine or guess_engine(path, text))
+
+
+def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None = None,
+                global_batch: int | None = None, seq: int | None = None, attention: str = "flash") -> JobEstimate:
+    """Price an engine config with the simulator and the engine's own memory recipe.
+
+    Command-line values (`model`, `gpus`, `global_batch`, `seq`) fill what the config leaves open
+    and override what it says; a cluster must be given (no engine config names its GPUs)."""
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.costing.pipeline import balanced_layer_chunks
+    from meshplan.planner.engines.deepspeed import uniform_split
+    from meshplan.planner.engines.memory import with_engine_memory
+    from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.simulation.estimator import DEFAULT_SEQ, default_precision, make_config, predict
+
+    spec = model or job.model
+    if not spec:
+        raise MeshplanError(f"the {job.engine} config does not name a model meshplan knows; pass --model SPEC")
+    if cluster is None:
+        raise MeshplanError(f"the {job.engine} config does not say which GPUs it runs on; pass --cluster PROFILE")
+    cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    notes = list(job.notes)
+    gpus, global_batch = _job_size(job, gpus, global_batch, notes)
+    seq = seq or job.seq or default_seq(spec, DEFAULT_SEQ)
+    precision = job.precision or default_precision(cluster)
+    graph = profile(spec, seq, batch=1, dtype="bf16" if precision == "bf16-mixed" else "fp32", attention=attention)
+    block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
+    config = make_config(graph, cluster, gpus, global_batch, job.tp, job.pp, job.microbatch_size, job.zero,
+                         dominant_recompute([m for m in block_modes]), job.sp, job.schedule, job.vpp, precision)
+    if job.layers_per_chunk is not None:
+        chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
+    elif job.uniform_split:
+        chunks = chunks_from_counts(uniform_split(len(graph.layers), config.num_model_chunks), len(graph.layers))
+    else:
+        chunks = tuple(balanced_layer_chunks(graph, cluster, config))
+    recomputes = resolve_recompute(job, [layer.name for layer in graph.layers], chunks)
+    prediction = predict(graph, cluster, config, chunks, recomputes)
+    prediction = with_engine_memory(prediction, job.engine, graph, cluster, config, chunks)
+    return JobEstimate(job=job, spec=spec, seq=seq, config=config, chunk_of_layer=chunks,
+                       recompute_of_layer=recomputes, prediction=prediction, notes=tuple(notes))
+
+
+def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes: list[str]) -> tuple[int, int]:
+    """(GPUs, global batch): the command line's, else the config's; context-parallel ranks are
+    priced as data-parallel ranks (same GPUs, same tokens per GPU)."""
+    fixed = job.world_size()
+    if gpus is not None and fixed is not None and job.dp is not None and gpus != fixed:
+        raise MeshplanError(f"the {job.engine} config fixes {fixed} GPUs (dp {job.dp} x tp {job.tp} x pp {job.pp} x "
+                            f"cp {job.cp}) but --gpus is {gpus}; drop --gpus or change the config")
+    gpus = gpus or fixed
+    if gpus is None:
+        raise MeshplanError(f"the {job.engine} config does not fix the number of GPUs; pass --gpus N")
+    global_batch = global_batch or job.global_batch
+    if global_batch is None:
+        dp = gpus // (job.tp * job.pp)
+        global_batch = job.microbatch_size * dp
+        notes.append(f"no global batch in the config: one micro-batch per data-parallel rank ({global_batch} samples)")
+    if job.cp > 1:
+        notes.append(f"context parallelism {job.cp}: meshplan does not model it yet; its ranks priced as "
+                     "data-parallel ranks")
+    if job.ep > 1:
+        notes.append(f"expert parallelism {job.ep}: meshplan does not model it yet; priced without it")
+    return gpus, global_batch
+
+
+def job_pins(job: EngineJob) -> dict:
+    """What an engine config fixes, as `search_plan` pins (the rest is searched)."""
+    # ZeRO-2/3 under pipelining run as ZeRO-1 (`costing.state_memory.executed_zero`); the search offers ZeRO-1
+    zero = 1 if job.pp > 1 and job.zero >= 2 else job.zero
+    pins = {"tp": job.tp, "pp": job.pp, "zero": zero, "sp": job.sp if job.tp > 1 else None,
+            "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
+            "vpp": job.vpp if job.schedule == "interleaved" else None}
+    if job.dp is not None:
+        pins["dp"] = job.dp * job.cp
+    if job.recompute_first_per_chunk is None and job.recompute_every == 1:
+        pins["recompute"] = job.recompute
+    return {key: value for key, value in pins.items() if value is not None}

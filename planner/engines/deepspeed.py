@@ -1,0 +1,142 @@
+"""DeepSpeed: a plan as a `ds_config.json`, and a `ds_config.json` back into an `EngineJob`.
+
+`train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp`, so the
+config fixes the data-parallel degree; `pipeline.stages` (Megatron-DeepSpeed's PipelineModule) and
+`tensor_parallel.autotp_size` give the pipeline and tensor degrees, and the world size follows.
+The pipeline engine splits layers uniformly by count or by parameters and checkpoints every
+`pipeline.activation_checkpoint_interval` layers whole (full recomputation); its schedule is
+1F1B-like, without interleaving, and it supports ZeRO-1 only. The model is the user's code, so
+the model SPEC and the sequence length come from the command line.
+"""
+from __future__ import annotations
+
+import json
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.engines import job as layout
+from meshplan.planner.engines.job import EngineJob
+
+# ds_config keys that change speed or memory in ways meshplan does not price
+UNPRICED = ("offload_optimizer", "offload_param", "zero_quantized_weights", "zero_quantized_gradients",
+            "zero_hpz_partition_size")
+
+
+def export_deepspeed(plan) -> tuple[str, list[str]]:
+    """(ds_config.json text, approximation notes) for `plan`."""
+    cfg, notes = plan.config, []
+    config: dict = {
+        "train_batch_size": cfg.global_batch,
+        "train_micro_batch_size_per_gpu": cfg.microbatch_size,
+        "gradient_accumulation_steps": cfg.num_microbatches,
+        "bf16": {"enabled": cfg.precision == "bf16-mixed"},
+        "zero_optimization": {"stage": cfg.zero},
+        "gradient_clipping": 1.0,
+    }
+    if cfg.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": cfg.tp}
+        if cfg.sp:
+            notes.append("sequence parallelism: not a ds_config key; pass --sequence-parallel to Megatron-DeepSpeed")
+    interval = _checkpoint_interval(plan, notes)
+    config["pipeline"] = {"stages": cfg.pp, "partition": "uniform", "activation_checkpoint_interval": interval}
+    if cfg.pp > 1:
+        _note_pipeline(plan, notes)
+    elif interval:
+        notes.append("without pipelining DeepSpeed leaves checkpointing to the model code (deepspeed.checkpointing "
+                     "around each block); the interval is recorded under pipeline")
+    for axis in ("cp", "ep"):
+        if getattr(cfg, axis, 1) > 1:
+            notes.append(f"{axis} = {getattr(cfg, axis)}: set it in Megatron-DeepSpeed's arguments; ds_config has no key")
+    return json.dumps(config, indent=2) + "\n", notes
+
+
+def _checkpoint_interval(plan, notes: list[str]) -> int:
+    modes = layout.block_recompute(plan)
+    if all(mode == "full" for mode in modes):
+        return 1
+    if all(mode == "none" for mode in modes):
+        return 0
+    full = modes.count("full") + modes.count("selective")
+    interval = 1 if 2 * full >= len(modes) else 0
+    notes.append(f"per-layer recomputation (none {modes.count('none')}, selective {modes.count('selective')}, full "
+                 f"{modes.count('full')}): DeepSpeed checkpoints whole layers at one interval; exported as "
+                 f"{'full recomputation of every layer' if interval else 'no recomputation'}")
+    return interval
+
+
+def _note_pipeline(plan, notes: list[str]) -> None:
+    cfg = plan.config
+    if cfg.schedule != "1f1b":
+        notes.append(f"schedule {cfg.schedule}: DeepSpeed's pipeline engine runs 1F1B without virtual stages")
+    if cfg.zero >= 2:
+        notes.append(f"ZeRO-{cfg.zero} with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only")
+    counts = layout.layers_per_chunk(plan)
+    if len(counts) == cfg.pp and counts != uniform_split(sum(counts), cfg.pp):
+        notes.append(f"pipeline split {list(counts)} (layers per stage, embedding and head included): exported as "
+                     f"DeepSpeed's uniform split {list(uniform_split(sum(counts), cfg.pp))}")
+
+
+def uniform_split(num_layers: int, parts: int) -> tuple[int, ...]:
+    """DeepSpeed's `partition_uniform`: equal counts, the remainder on the last parts."""
+    base, extra = divmod(num_layers, parts)
+    return tuple(base + (1 if part >= parts - extra else 0) for part in range(parts))
+
+
+def read_deepspeed(text: str) -> EngineJob:
+    """An EngineJob from a ds_config.json."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MeshplanError(f"not a valid DeepSpeed JSON config: {exc}") from None
+    if not isinstance(data, dict):
+        raise MeshplanError("a DeepSpeed config must be a JSON object")
+    notes = [f"{key}: not modelled by meshplan; priced without it" for key in UNPRICED
+             if data.get("zero_optimization", {}).get(key)]
+    pipe = data.get("pipeline", {})
+    pp = _int(pipe, "stages", 1) if pipe.get("stages", "auto") != "auto" else 1
+    tp = _int(data.get("tensor_parallel", {}), "autotp_size", 0) or 1
+    mbs, accumulation, dp = _batch(data)
+    interval = _int(pipe, "activation_checkpoint_interval", 0)
+    if interval > 1:
+        notes.append(f"activation_checkpoint_interval {interval}: checkpoints groups of {interval} layers; priced "
+                     "as full recomputation of every layer")
+    bf16, fp16 = _enabled(data, "bf16"), _enabled(data, "fp16")
+    if fp16:
+        notes.append("fp16: priced as bf16-mixed (same bytes and peak FLOP/s; no loss scaling)")
+    uniform = pp > 1 and pipe.get("partition", "best") == "uniform"
+    if pp > 1 and not uniform:
+        notes.append(f"pipeline partition {pipe.get('partition', 'best')!r}: priced as meshplan's balanced split")
+    return EngineJob(engine="deepspeed", global_batch=mbs * accumulation * dp if dp else None, microbatch_size=mbs,
+                     tp=tp, pp=pp, dp=dp, zero=_int(data.get("zero_optimization", {}), "stage", 0),
+                     recompute="full" if interval else "none", precision="bf16-mixed" if bf16 or fp16 else "fp32",
+                     uniform_split=uniform, notes=tuple(notes))
+
+
+def _batch(data: dict) -> tuple[int, int, int | None]:
+    """(micro-batch, accumulation steps, dp) from the three batch keys, any two of which fix the third."""
+    total = data.get("train_batch_size")
+    mbs = _int(data, "train_micro_batch_size_per_gpu", 0) or None
+    accumulation = _int(data, "gradient_accumulation_steps", 0) or None
+    if total is not None:
+        total = _int(data, "train_batch_size", 0)
+    if mbs is None:
+        raise MeshplanError("the DeepSpeed config has no train_micro_batch_size_per_gpu; set it (meshplan needs the "
+                            "micro-batch size)")
+    accumulation = accumulation or 1
+    if total is None:
+        return mbs, accumulation, None
+    if total % (mbs * accumulation):
+        raise MeshplanError(f"DeepSpeed train_batch_size {total} is not micro-batch {mbs} x accumulation "
+                            f"{accumulation} x data-parallel ranks; fix one of the three")
+    return mbs, accumulation, total // (mbs * accumulation)
+
+
+def _int(table, key: str, default: int) -> int:
+    value = table.get(key, default) if isinstance(table, dict) else default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MeshplanError(f"DeepSpeed key {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _enabled(data: dict, key: str) -> bool:
+    section = data.get(key, {})
+    return bool(section.get("enabled", False)) if isinstance(section, dict) else False

@@ -1,0 +1,329 @@
+"""Megatron-LM: a plan as `pretrain_gpt.py` arguments, and arguments (a file or a launch script)
+back into an `EngineJob`.
+
+Megatron places the embedding on the first pipeline stage and the output layer on the last, and
+counts only transformer layers in its split: uniform (`--num-layers` / (pp * vpp) per chunk), or
+uneven first and last stages (`--decoder-first-pipeline-num-layers`,
+`--decoder-last-pipeline-num-layers`) with the rest spread evenly. Recomputation is one rule for
+the whole model: selective (the attention core), or full for the first N layers of every chunk
+(`--recompute-method block`) or for every layer (`uniform`). Its pipeline schedule is 1F1B, or
+interleaved 1F1B with virtual stages. `--use-distributed-optimizer` shards the optimizer states
+over the data-parallel ranks (ZeRO-1); with `--bf16` gradients accumulate and reduce in fp32.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.engines import job as layout
+from meshplan.planner.engines.job import EngineJob
+from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
+from meshplan.planner.models.config import TransformerConfig
+
+HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
+# torchrun's arguments that fix the world size when a launch script is read
+LAUNCHER_SIZE_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--nnodes")
+
+
+def export_megatron(plan) -> tuple[str, list[str]]:
+    """(argument file text, approximation notes) for `plan`."""
+    cfg, notes = plan.config, []
+    args: list[tuple[str, object]] = []
+    args += _model_args(plan, notes)
+    args += [("--tensor-model-parallel-size", cfg.tp), ("--pipeline-model-parallel-size", cfg.pp)]
+    if cfg.schedule == "interleaved":
+        args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
+    elif cfg.schedule == "gpipe" and cfg.pp > 1:
+        notes.append("schedule gpipe: Megatron-LM runs 1F1B (same step without overlap differences, fewer "
+                     "activations in flight)")
+    args += _split_args(plan, notes)
+    if cfg.sp:
+        args.append(("--sequence-parallel", None))
+    for axis, flag in (("cp", "--context-parallel-size"), ("ep", "--expert-model-parallel-size")):
+        if getattr(cfg, axis, 1) > 1:
+            args.append((flag, getattr(cfg, axis)))
+    args += _recompute_args(plan, notes)
+    args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
+             ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
+    if cfg.zero >= 1:
+        args.append(("--use-distributed-optimizer", None))
+    if cfg.zero >= 2 and cfg.pp == 1:  # Megatron FSDP also shards the gradients (and the parameters)
+        args += [("--use-megatron-fsdp", None),
+                 ("--data-parallel-sharding-strategy", "optim_grads_params" if cfg.zero == 3 else "optim_grads")]
+    elif cfg.zero >= 2:
+        notes.append(f"ZeRO-{cfg.zero} with pipelining: exported as Megatron-LM's distributed optimizer (ZeRO-1), "
+                     "as meshplan also runs it")
+    if cfg.precision == "bf16-mixed":
+        args.append(("--bf16", None))
+    head = f"{HEADER} gpus={cfg.gpus} model={plan.model.spec}"
+    lines = [head, "# pretrain_gpt.py arguments written by meshplan export; pass them after the script name"]
+    lines += [flag if value is None else f"{flag} {value}" for flag, value in args]
+    return "\n".join(lines) + "\n", notes
+
+
+def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
+    cfg = zoo_shape(plan.model.spec, plan.model.seq)
+    if cfg is None:
+        notes.append(f"model {plan.model.spec}: not a zoo transformer; write its Megatron-LM model arguments by hand")
+        return []
+    args: list[tuple[str, object]] = [
+        ("--num-layers", cfg.num_layers), ("--hidden-size", cfg.hidden), ("--ffn-hidden-size", cfg.ffn_dim),
+        ("--num-attention-heads", cfg.num_heads), ("--vocab-size", cfg.vocab)]
+    if cfg.family == "llama":
+        args += [("--swiglu", None), ("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"),
+                 ("--rotary-base", int(cfg.rope_theta)), ("--disable-bias-linear", None)]
+        if cfg.kv_heads != cfg.num_heads:
+            args += [("--group-query-attention", None), ("--num-query-groups", cfg.kv_heads)]
+    else:
+        args.append(("--position-embedding-type", "learned_absolute"))
+    if not cfg.tied_embeddings:
+        args.append(("--untie-embeddings-and-output-weights", None))
+    return args
+
+
+def _split_args(plan, notes: list[str]) -> list[tuple[str, object]]:
+    """Uneven first/last stages when the plan's cut is expressible (or nearest), none when even."""
+    cfg, blocks = plan.config, layout.blocks_per_chunk(plan)
+    if cfg.pp == 1 or len(set(blocks)) == 1:
+        return []
+    total = sum(blocks)
+    if cfg.virtual_stages > 1:
+        notes.append(f"pipeline split {blocks} (transformer layers per chunk): Megatron-LM splits interleaved "
+                     f"chunks evenly ({total} / {len(blocks)} each)")
+        return []
+    first, last, middle = max(1, blocks[0]), max(1, blocks[-1]), blocks[1:-1]
+    rest = total - first - last
+    if middle and (len(set(middle)) > 1 or rest % len(middle)):
+        per = max(1, round(rest / len(middle)))
+        last = max(1, total - first - per * len(middle))
+        rest = total - first - last
+        notes.append(f"pipeline split {blocks} (transformer layers per stage): Megatron-LM spreads the middle "
+                     f"stages evenly; exported as first {first}, middle {per} each, last {last}")
+    elif first != blocks[0] or last != blocks[-1]:
+        notes.append(f"pipeline split {blocks}: a stage holding only the embedding or the head is not "
+                     f"expressible; exported as first {first}, last {last}")
+    if middle and rest != sum(middle):
+        notes.append("the middle stages' layers changed to keep the total")
+    return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
+
+
+def _recompute_args(plan, notes: list[str]) -> list[tuple[str, object]]:
+    modes = layout.block_recompute(plan)
+    if all(mode == "none" for mode in modes):
+        return []
+    if all(mode == "selective" for mode in modes):
+        return [("--recompute-granularity", "selective")]
+    if all(mode == "full" for mode in modes):
+        return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
+    first = layout.first_n_full_per_chunk(plan)
+    if first is not None:
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", first)]
+    full_per_chunk = [sum(plan.layers[i].recompute == "full" for i in chunk) for chunk in plan.chunks()]
+    if any(full_per_chunk):
+        count = max(1, round(sum(full_per_chunk) / len(full_per_chunk)))
+        notes.append(f"per-layer recomputation ({_summary(modes)}): Megatron-LM recomputes the first N layers of "
+                     f"each chunk; exported as full recomputation of the first {count}")
+        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", count)]
+    notes.append(f"per-layer recomputation ({_summary(modes)}): Megatron-LM's selective recomputation applies to "
+                 "every layer; exported as selective for all")
+    return [("--recompute-granularity", "selective")]
+
+
+def _summary(modes: list[str]) -> str:
+    return ", ".join(f"{mode} {modes.count(mode)}" for mode in ("none", "selective", "full") if modes.count(mode))
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+
+
+def parse_arguments(text: str) -> dict[str, str | None]:
+    """Megatron flags and their values from an argument list or a launch script.
+
+    Scripts: `NAME=value` assignments are substituted for `$NAME`, `${NAME}` and `${NAME:-default}`;
+    every `--flag [value]` token in the file counts (array bodies included); the last one wins.
+    """
+    variables = _assignments(text)
+    tokens: list[str] = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        try:
+            parts = shlex.split(_substitute(line, variables), comments=True)
+        except ValueError:
+            parts = _substitute(line, variables).split()
+        for part in parts:
+            tokens.extend(part.split() if part.startswith("--") else [part])
+    flags: dict[str, str | None] = {}
+    for index, token in enumerate(tokens):
+        if not token.startswith("--") or token == "--":
+            continue
+        name, eq, value = token.partition("=")
+        if eq:
+            flags[name] = value
+            continue
+        following = tokens[index + 1] if index + 1 < len(tokens) else None
+        flags[name] = None if following is None or following.startswith("--") or following in ("(", ")") \
+            else following
+    return flags
+
+
+_ASSIGN = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(\S*)\s*(?:#.*)?$")
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _assignments(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        match = _ASSIGN.match(line)
+        if match and not match.group(2).startswith("("):
+            out[match.group(1)] = _substitute(match.group(2).strip("\"'"), out)
+    return out
+
+
+def _substitute(text: str, variables: dict[str, str]) -> str:
+    def value(match: re.Match) -> str:
+        name = match.group(1) or match.group(3)
+        default = match.group(2)
+        return variables.get(name, default if default is not None else match.group(0))
+    return _VAR.sub(value, text)
+
+
+def header_fields(text: str) -> dict[str, str]:
+    """key=value pairs of the `# meshplan:` line meshplan export writes."""
+    for line in text.splitlines():
+        if line.startswith(HEADER):
+            return dict(item.split("=", 1) for item in line[len(HEADER):].split() if "=" in item)
+    return {}
+
+
+def read_megatron(text: str) -> EngineJob:
+    """An EngineJob from Megatron-LM arguments (see `parse_arguments`)."""
+    flags, header, notes = parse_arguments(text), header_fields(text), []
+    get = _IntReader(flags)
+    tp, pp = get("--tensor-model-parallel-size", 1), get("--pipeline-model-parallel-size", 1)
+    num_layers = get("--num-layers", None)
+    vpp = _virtual_stages(get, pp, num_layers)
+    sp = "--sequence-parallel" in flags
+    if sp and tp == 1:
+        notes.append("--sequence-parallel with tensor parallelism 1 has no effect; ignored")
+        sp = False
+    gpus = int(header["gpus"]) if header.get("gpus", "").isdigit() else _launcher_world_size(get)
+    recompute, first_per_chunk = _read_recompute(flags, get, notes)
+    precision = _read_precision(flags, notes)
+    job = dict(
+        engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
+        seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
+        microbatch_size=get("--micro-batch-size", 1), tp=tp, pp=pp, cp=get("--context-parallel-size", 1),
+        ep=get("--expert-model-parallel-size", 1), zero=_read_zero(flags, notes), sp=sp, recompute=recompute,
+        recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
+        precision=precision, layers_per_chunk=_read_split(get, pp, vpp, num_layers))
+    for flag in ("--fp8-format", "--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload", "--num-experts"):
+        if flag in flags:
+            notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
+    return EngineJob(**job, notes=tuple(notes))
+
+
+class _IntReader:
+    def __init__(self, flags: dict[str, str | None]):
+        self.flags = flags
+
+    def __call__(self, flag: str, default):
+        if flag not in self.flags:
+            return default
+        value = self.flags[flag]
+        if value is None or not value.lstrip("+").isdigit():
+            raise MeshplanError(f"Megatron-LM argument {flag} needs a positive integer, got {value!r}; "
+                                "substitute the script's variables or pass the expanded arguments")
+        return int(value)
+
+
+def _virtual_stages(get, pp: int, num_layers: int | None) -> int:
+    vpp = get("--num-virtual-stages-per-pipeline-rank", None)
+    per_chunk = get("--num-layers-per-virtual-pipeline-stage", None)
+    if vpp is None and per_chunk is not None:
+        if num_layers is None or num_layers % (pp * per_chunk):
+            raise MeshplanError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} needs --num-layers divisible "
+                                f"by pp * {per_chunk}; got --num-layers {num_layers}")
+        vpp = num_layers // (pp * per_chunk)
+    return vpp or 1
+
+
+def _launcher_world_size(get) -> int | None:
+    per_node = get("--nproc_per_node", None) or get("--nproc-per-node", None)
+    return per_node * get("--nnodes", 1) if per_node else None
+
+
+def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None]:
+    granularity = flags.get("--recompute-granularity") or ("selective" if "--recompute-activations" in flags else None)
+    if granularity in (None, "selective"):
+        return granularity or "none", None
+    if granularity != "full":
+        raise MeshplanError(f"--recompute-granularity must be full or selective, got {granularity!r}")
+    method, count = flags.get("--recompute-method"), get("--recompute-num-layers", 1)
+    if method == "block":
+        return "none", count
+    if method != "uniform":
+        notes.append(f"--recompute-granularity full without --recompute-method ({method}): priced as uniform")
+    if count > 1:
+        notes.append(f"--recompute-method uniform --recompute-num-layers {count}: checkpoints groups of {count} "
+                     "layers; priced as full recomputation of every layer (its input kept per layer)")
+    return "full", None
+
+
+def _read_precision(flags, notes: list[str]) -> str:
+    if "--fp16" in flags:
+        notes.append("--fp16: priced as bf16-mixed (same bytes and peak FLOP/s; no loss scaling)")
+        return "bf16-mixed"
+    return "bf16-mixed" if "--bf16" in flags else "fp32"
+
+
+def _read_zero(flags, notes: list[str]) -> int:
+    if any(flag in flags for flag in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--use-custom-fsdp")):
+        strategy = flags.get("--data-parallel-sharding-strategy") or "optim_grads_params"
+        stages = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}
+        if strategy not in stages:
+            notes.append(f"--data-parallel-sharding-strategy {strategy}: unknown; priced as ZeRO-3")
+        return stages.get(strategy, 3)
+    return 1 if "--use-distributed-optimizer" in flags else 0
+
+
+def _read_split(get, pp: int, vpp: int, num_layers: int | None) -> tuple[int, ...] | None:
+    """Layers per chunk (embedding on the first, head on the last) as Megatron-LM splits them."""
+    if num_layers is None or pp * vpp == 1:
+        return None
+    first, last = get("--decoder-first-pipeline-num-layers", None), get("--decoder-last-pipeline-num-layers", None)
+    chunks = pp * vpp
+    fixed = [count for count in (first, last) if count is not None]
+    rest, others = num_layers - sum(fixed), chunks - len(fixed)
+    if others < 0 or rest < others or (others and rest % others) or (not others and rest):
+        raise MeshplanError(f"Megatron-LM cannot split {num_layers} layers over {chunks} pipeline chunks with first "
+                            f"{first} and last {last}; the remaining layers must divide evenly")
+    per = rest // others if others else 0
+    blocks = [per] * chunks
+    if first is not None:
+        blocks[0] = first
+    if last is not None:
+        blocks[-1] = last
+    blocks[0] += 1  # the embedding
+    blocks[-1] += 1  # the output layer
+    return tuple(blocks)
+
+
+def _model_spec(flags, get, notes: list[str]) -> str | None:
+    """A meshplan SPEC from the model-shape arguments; None when they are absent."""
+    layers, hidden, heads = get("--num-layers", None), get("--hidden-size", None), get("--num-attention-heads", None)
+    vocab = get("--vocab-size", None)
+    if None in (layers, hidden, heads):
+        return None
+    if vocab is None:
+        notes.append("--vocab-size not given (the tokenizer decides it): assumed 128256 (Llama 3)")
+        vocab = 128256
+    llama = "--swiglu" in flags or flags.get("--position-embedding-type") == "rope"
+    kv_heads = get("--num-query-groups", heads) if "--group-query-attention" in flags else heads
+    ffn = get("--ffn-hidden-size", 4 * hidden)
+    cfg = TransformerConfig("llama" if llama else "gpt", layers, hidden, heads, vocab, ffn=ffn, num_kv_heads=kv_heads,
+                            max_positions=get("--max-position-embeddings", 1024),
+                            tied_embeddings="--untie-embeddings-and-output-weights" not in flags)
+    return spec_for_shape(cfg)

@@ -1,0 +1,45 @@
+"""Model shapes between meshplan SPECs and the engines' model descriptions.
+
+torchtitan names a model by (name, flavour); Megatron-LM by its shape arguments; DeepSpeed not at
+all (the model is the user's code). A shape that matches a meshplan preset gets the preset's name,
+any other zoo shape a parametric `llama:`/`gpt:` spec.
+"""
+from __future__ import annotations
+
+from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.registry import PRESETS, parse_spec
+
+# torchtitan's Llama 3 flavours (torchtitan/models/llama3/__init__.py) and meshplan's presets of
+# the same shape.
+TORCHTITAN_FLAVOURS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
+                       ("llama3", "405B"): "llama3-405b"}
+
+
+def zoo_shape(spec: str, seq: int) -> TransformerConfig | None:
+    """The TransformerConfig of a preset or parametric spec; None for file and hf: models."""
+    return parse_spec(spec, seq)
+
+
+def _key(cfg: TransformerConfig) -> tuple:
+    return (cfg.family, cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.kv_heads, cfg.ffn_dim, cfg.vocab,
+            cfg.tied_embeddings)
+
+
+def spec_for_shape(cfg: TransformerConfig) -> str:
+    """The preset with this shape (rope base and norm epsilon aside: they cost nothing), else a
+    parametric spec."""
+    for name, preset in PRESETS.items():
+        if _key(preset) == _key(cfg):
+            return name
+    keys = f"layers={cfg.num_layers},hidden={cfg.hidden},heads={cfg.num_heads},vocab={cfg.vocab},ffn={cfg.ffn_dim}"
+    if cfg.family == "llama":
+        return f"llama:{keys},kv_heads={cfg.kv_heads},tied={int(cfg.tied_embeddings)}"
+    return f"gpt:{keys},tied={int(cfg.tied_embeddings)},positions={cfg.max_positions}"
+
+
+def torchtitan_flavour(spec: str) -> tuple[str, str] | None:
+    """(name, flavour) of the torchtitan model with this preset's shape, if there is one."""
+    for key, preset in TORCHTITAN_FLAVOURS.items():
+        if preset == spec:
+            return key
+    return None

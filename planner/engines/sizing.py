@@ -1,0 +1,105 @@
+"""Sizing: how long and how much a training run takes, and how many GPUs meet a deadline.
+
+    days      = tokens / tokens_per_s / 86400          (tokens_per_s of the whole job)
+    GPU-hours = days * 24 * gpus
+    cost      = GPU-hours * usd_per_gpu_hour
+
+The sweep plans node-sized multiples (one node, two, four, ... up to the largest count asked
+for) in increasing order and stops one size past the first that meets the deadline: a larger
+cluster only adds scaling loss (more communication, more bubble), so the cheapest plan that
+meets the deadline is among the smallest that do.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from meshplan.planner.contracts.errors import MeshplanError
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class TrainingCost:
+    """One cluster size: its step and what training on `tokens` costs with it."""
+
+    gpus: int
+    tokens: float
+    step_time_s: float
+    tokens_per_s: float
+    days: float
+    gpu_hours: float
+    usd: float | None = None
+    label: str = ""  # the plan's configuration
+
+    def __post_init__(self):
+        if self.gpus <= 0 or self.tokens <= 0 or self.tokens_per_s <= 0:
+            raise ValueError(f"gpus, tokens and tokens/s must be positive: {self.gpus}, {self.tokens}, "
+                             f"{self.tokens_per_s}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The sizes tried (the time/cost frontier) and the one chosen for the deadline."""
+
+    rows: tuple[TrainingCost, ...]
+    deadline_days: float | None = None
+    chosen: TrainingCost | None = None
+    skipped: tuple[str, ...] = ()  # sizes that had no plan, with why
+
+    def __post_init__(self):
+        if self.chosen is not None and self.chosen not in self.rows:
+            raise ValueError(f"the chosen size ({self.chosen.gpus} GPUs) must be one of the sizes tried")
+
+    def to_json(self) -> dict:
+        return {"deadline_days": self.deadline_days, "chosen_gpus": self.chosen.gpus if self.chosen else None,
+                "frontier": [row.to_json() for row in self.rows], "skipped": list(self.skipped)}
+
+
+def training_cost(gpus: int, tokens: float, tokens_per_s: float, step_time_s: float,
+                  usd_per_gpu_hour: float | None = None, label: str = "") -> TrainingCost:
+    if not tokens > 0:
+        raise MeshplanError(f"--train-tokens must be positive, got {tokens}")
+    if usd_per_gpu_hour is not None and not usd_per_gpu_hour > 0:
+        raise MeshplanError(f"--usd-per-gpu-hour must be positive, got {usd_per_gpu_hour}")
+    days = tokens / tokens_per_s / SECONDS_PER_DAY
+    gpu_hours = days * 24.0 * gpus
+    usd = gpu_hours * usd_per_gpu_hour if usd_per_gpu_hour is not None else None
+    return TrainingCost(gpus=gpus, tokens=tokens, step_time_s=step_time_s, tokens_per_s=tokens_per_s, days=days,
+                        gpu_hours=gpu_hours, usd=usd, label=label)
+
+
+def sweep_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
+    """One node, two, four, ... up to `max_gpus`, and `max_gpus` itself; below one node, `max_gpus` alone."""
+    if max_gpus <= gpus_per_node:
+        return [max_gpus]
+    counts, count = [], gpus_per_node
+    while count < max_gpus:
+        counts.append(count)
+        count *= 2
+    return counts + [max_gpus]
+
+
+def size_cluster(counts: list[int], cost_at: Callable[[int], TrainingCost], deadline_days: float) -> Sizing:
+    """Cost each count in increasing order (`cost_at` raises MeshplanError when a count has no
+    plan) until one size past the first that meets the deadline; the cheapest that meets it wins."""
+    if not deadline_days > 0:
+        raise MeshplanError(f"--deadline-days must be positive, got {deadline_days}")
+    rows, skipped, met_at = [], [], None
+    for index, count in enumerate(sorted(set(counts))):
+        if met_at is not None and index > met_at + 1:
+            break
+        try:
+            row = cost_at(count)
+        except MeshplanError as exc:
+            skipped.append(f"{count} GPUs: {exc}")
+            continue
+        rows.append(row)
+        if met_at is None and row.days <= deadline_days:
+            met_at = index
+    meeting = [row for row in rows if row.days <= deadline_days]
+    chosen = min(meeting, key=lambda row: (row.gpu_hours, row.gpus)) if meeting else None
+    return Sizing(rows=tuple(rows), deadline_days=deadline_days, chosen=chosen, skipped=tuple(skipped))

@@ -1,0 +1,244 @@
+"""torchtitan: a plan as a job TOML (its `JobConfig` sections), and a job TOML back into an `EngineJob`.
+
+torchtitan's data parallelism is FSDP2 (`data_parallel_shard_degree`) and/or replication
+(`data_parallel_replicate_degree`); `fsdp_reshard_after_forward` "never" keeps the gathered
+parameters through the step (ZeRO-2), "always" frees them after the forward (ZeRO-3). It has no
+optimizer-only sharding with deferred gradient sync (ZeRO-1). Its tensor parallelism always shards
+the sequence around the norms (SP). Without pipelining a step runs `global_batch_size /
+(local_batch_size * dp)` accumulation steps of `local_batch_size` samples; with pipelining
+`local_batch_size` is the replica's batch, cut into micro-batches of
+`pipeline_parallel_microbatch_size`. `module_fqns_per_model_part` lists the modules of each
+pipeline chunk exactly. Activation checkpointing: "none", "full", or "selective" with option
+"op" (per-op policy, priced as meshplan's selective) or an integer N (full checkpointing of every
+N-th block).
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.engines import job as layout
+from meshplan.planner.engines.job import EngineJob
+from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flavour
+
+SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
+DESCRIPTION_PREFIX = "meshplan: "  # job.description carries the meshplan SPEC for models with no flavour
+# torchtitan's [parallelism] keys (JobConfig.Parallelism)
+PARALLELISM_KEYS = (
+    "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel", "pipeline_parallel_degree",
+    "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size", "pipeline_parallel_expert_parallel_overlap",
+    "context_parallel_degree", "context_parallel_load_balancer", "context_parallel_rotate_method",
+    "expert_parallel_degree", "expert_tensor_parallel_degree", "expert_parallel_comm_backend")
+# keys that change speed or memory in ways meshplan does not price
+UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "enable_cpu_offload"),
+                 ("training", "compile"), ("compile", "enable"), ("model", "converters"),
+                 ("parallelism", "pipeline_parallel_layers_per_stage"),
+                 ("parallelism", "pipeline_parallel_schedule_csv")}
+
+
+def export_torchtitan(plan) -> tuple[str, list[str]]:
+    """(job TOML text, approximation notes) for `plan`."""
+    cfg, notes = plan.config, []
+    flavour = torchtitan_flavour(plan.model.spec)
+    if flavour is None:
+        notes.append(f"model {plan.model.spec}: not a torchtitan flavour; [model] names llama3 'custom' and the "
+                     "SPEC is kept in job.description")
+    name, flavor = flavour or ("llama3", "custom")
+    sections = {
+        "job": {"description": DESCRIPTION_PREFIX + plan.model.spec},
+        "model": {"name": name, "flavor": flavor},
+        "training": _training(plan),
+        "parallelism": _parallelism(plan, notes),
+        "activation_checkpoint": _checkpointing(plan, notes),
+    }
+    if cfg.tp > 1 and not cfg.sp:
+        notes.append("sequence parallelism off: torchtitan's tensor parallelism always shards the sequence "
+                     "around the norms (SP on)")
+    lines = ["# torchtitan job config written by meshplan export", f"# {cfg.label()} on {cfg.gpus} GPUs"]
+    for section, values in sections.items():
+        lines += ["", f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n", notes
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # ints, strings and lists of strings read the same in TOML
+
+
+def _training(plan) -> dict:
+    cfg = plan.config
+    local = cfg.global_batch // cfg.dp if cfg.pp > 1 else cfg.microbatch_size
+    return {"local_batch_size": local, "global_batch_size": cfg.global_batch, "seq_len": plan.model.seq,
+            "mixed_precision_param": "bfloat16" if cfg.precision == "bf16-mixed" else "float32",
+            "mixed_precision_reduce": "float32"}
+
+
+def _parallelism(plan, notes: list[str]) -> dict:
+    cfg = plan.config
+    sharded = cfg.zero >= 1 and cfg.dp > 1
+    group = getattr(cfg, "shard_group", None) or cfg.dp  # HSDP: shard within groups, replicate across them
+    out = {"data_parallel_replicate_degree": cfg.dp // group if sharded else cfg.dp,
+           "data_parallel_shard_degree": group if sharded else 1,
+           "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
+           "tensor_parallel_degree": cfg.tp, "pipeline_parallel_degree": cfg.pp,
+           "context_parallel_degree": getattr(cfg, "cp", 1), "expert_parallel_degree": getattr(cfg, "ep", 1)}
+    if cfg.zero == 1 and cfg.dp > 1:
+        notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
+                     "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
+    if cfg.pp > 1:
+        out["pipeline_parallel_schedule"] = SCHEDULE_NAMES[cfg.schedule]
+        out["pipeline_parallel_microbatch_size"] = cfg.microbatch_size
+        out["module_fqns_per_model_part"] = [_fqns(plan, chunk) for chunk in plan.chunks()]
+    return out
+
+
+def _fqns(plan, chunk: list[int]) -> list[str]:
+    """torchtitan's module names of one chunk's layers (embed, blocks.i, head)."""
+    out: list[str] = []
+    for index in chunk:
+        name = plan.layers[index].name
+        out += {"embed": ["tok_embeddings"], "head": ["norm", "output"]}.get(name, [name.replace("blocks.", "layers.")])
+    return out
+
+
+def _checkpointing(plan, notes: list[str]) -> dict:
+    modes = layout.block_recompute(plan)
+    if all(mode == "none" for mode in modes):
+        return {"mode": "none"}
+    if all(mode == "full" for mode in modes):
+        return {"mode": "full"}
+    if all(mode == "selective" for mode in modes):
+        return {"mode": "selective", "selective_ac_option": "op"}
+    every = layout.every_nth_full(modes)
+    if every is None:
+        full = modes.count("full")
+        every = max(1, round(len(modes) / full)) if full else None
+        what = f"full checkpointing of every {every}-th block" if every else "per-op selective checkpointing"
+        notes.append(f"per-layer recomputation (none {modes.count('none')}, selective {modes.count('selective')}, "
+                     f"full {full}): torchtitan applies one rule to all blocks; exported as {what}")
+    return {"mode": "selective", "selective_ac_option": str(every) if every else "op"}
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+
+
+def read_torchtitan(text: str) -> EngineJob:
+    """An EngineJob from a torchtitan job TOML."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise MeshplanError(f"not a valid torchtitan TOML: {exc}") from None
+    notes = _unpriced(data)
+    par, train = data.get("parallelism", {}), data.get("training", {})
+    tp, pp = _int(par, "tensor_parallel_degree", 1), _int(par, "pipeline_parallel_degree", 1)
+    cp = _int(par, "context_parallel_degree", 1)
+    replicate, shard = _int(par, "data_parallel_replicate_degree", 1), _int(par, "data_parallel_shard_degree", -1)
+    fqns = par.get("module_fqns_per_model_part")
+    vpp = len(fqns) // pp if fqns and pp > 1 else 1
+    schedule = _schedule(par.get("pipeline_parallel_schedule", "1F1B"), pp, vpp, notes)
+    dp = replicate * shard if shard > 0 else None
+    local = _int(train, "local_batch_size", _int(train, "batch_size", 8))
+    global_batch = _int(train, "global_batch_size", -1)
+    mbs = _int(par, "pipeline_parallel_microbatch_size", 1) if pp > 1 else local
+    recompute, every = _read_checkpointing(data.get("activation_checkpoint", {}), notes)
+    precision = "bf16-mixed" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
+    return EngineJob(
+        engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
+        global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
+        tp=tp, pp=pp, dp=dp, cp=cp, ep=_int(par, "expert_parallel_degree", 1),
+        zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, notes), sp=tp > 1,
+        recompute=recompute, recompute_every=every, schedule=schedule, vpp=vpp if schedule == "interleaved" else 1,
+        precision=precision, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))
+
+
+def _int(table: dict, key: str, default: int) -> int:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MeshplanError(f"torchtitan key {key} must be an integer, got {value!r}")
+    return value
+
+
+def _unpriced(data: dict) -> list[str]:
+    """One note per key that changes speed or memory unpriced, or that torchtitan does not know."""
+    notes = []
+    for section, key in sorted(UNPRICED_KEYS):
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if value not in (None, False, [], "", 0):
+            notes.append(f"[{section}] {key} = {value!r}: not modelled by meshplan; priced without it")
+    for key in data.get("parallelism", {}):
+        if key not in PARALLELISM_KEYS:
+            notes.append(f"[parallelism] {key}: not a torchtitan parallelism key; ignored")
+    return notes
+
+
+def _model(data: dict, notes: list[str]) -> str | None:
+    model = data.get("model", {})
+    key = (model.get("name", "llama3"), str(model.get("flavor", "")))
+    if key in TORCHTITAN_FLAVOURS:
+        return TORCHTITAN_FLAVOURS[key]
+    description = str(data.get("job", {}).get("description", ""))
+    if description.startswith(DESCRIPTION_PREFIX):
+        return description[len(DESCRIPTION_PREFIX):].strip()
+    notes.append(f"model {key[0]} flavour {key[1] or '?'}: no meshplan preset of that shape; pass --model")
+    return None
+
+
+def _schedule(name: str, pp: int, vpp: int, notes: list[str]) -> str:
+    if pp == 1:
+        return "1f1b"
+    known = {value.lower(): key for key, value in SCHEDULE_NAMES.items()}
+    schedule = known.get(name.lower())
+    if schedule is None:
+        schedule = "interleaved" if vpp > 1 else "1f1b"
+        notes.append(f"pipeline schedule {name}: not modelled; priced as {SCHEDULE_NAMES[schedule]}")
+    return schedule
+
+
+def _zero(replicate: int, shard: int, reshard: str, pp: int, notes: list[str]) -> int:
+    if shard == 1:
+        return 0
+    if replicate > 1:
+        notes.append(f"HSDP (replicate {replicate} x shard {shard}): priced as ZeRO over all data-parallel ranks")
+    if reshard == "never" or (reshard == "default" and pp > 1):
+        return 2
+    return 3
+
+
+def _read_checkpointing(table: dict, notes: list[str]) -> tuple[str, int]:
+    mode = table.get("mode", "selective")
+    if mode in ("none", "full"):
+        return mode, 1
+    if mode == "memory_budget":
+        notes.append("activation_checkpoint mode memory_budget: priced as selective (per-op)")
+        return "selective", 1
+    if mode != "selective":
+        raise MeshplanError(f"torchtitan activation_checkpoint.mode must be none, selective, full or memory_budget, "
+                            f"got {mode!r}")
+    option = str(table.get("selective_ac_option", "2"))
+    if option == "op":
+        return "selective", 1
+    if not option.isdigit() or int(option) <= 0:
+        raise MeshplanError(f"torchtitan selective_ac_option must be 'op' or a positive integer, got {option!r}")
+    return "full", int(option)
+
+
+def _chunks(fqns, pp: int, notes: list[str]) -> tuple[int, ...] | None:
+    """meshplan layers per chunk: tok_embeddings -> embed, layers.i -> blocks.i, norm/output -> head."""
+    if pp == 1:
+        return None
+    if not fqns:
+        notes.append("no module_fqns_per_model_part: torchtitan's automatic split priced as meshplan's balanced split")
+        return None
+    counts = []
+    for part in fqns:
+        names = {"embed" if fqn == "tok_embeddings" else "head" if fqn in ("norm", "output") else fqn
+                 for fqn in part}
+        counts.append(len(names))
+    return tuple(counts)

@@ -1,0 +1,27 @@
+"""Plans for the engine tests, built without the solver (uniform cuts, then edited)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.executor.plans import uniform_plan
+from meshplan.planner.costing.hardware import load_cluster
+
+SPEC = "llama:layers=6,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=1024"
+SEQ = 128
+
+
+def make_plan(*, tp=2, pp=2, dp=2, mbs=2, zero=1, sp=True, schedule="1f1b", vpp=1, recompute="none",
+              counts=None, modes=None, gbs=32):
+    """A bf16 plan on a100-80g; `counts` re-cuts the chunks (layers per chunk), `modes` sets each
+    block's recomputation (embedding and head stay none)."""
+    plan = uniform_plan(SPEC, SEQ, gbs, load_cluster("a100-80g"), tp=tp, pp=pp, dp=dp, microbatch_size=mbs,
+                        zero=zero, schedule=schedule, virtual_stages=vpp, recompute="none", sp=sp,
+                        precision="bf16-mixed")
+    layers = list(plan.layers)
+    if counts is not None:
+        chunk_of = [chunk for chunk, count in enumerate(counts) for _ in range(count)]
+        layers = [replace(layer, stage=chunk % pp, virtual_stage=chunk // pp) for layer, chunk in zip(layers, chunk_of)]
+    block_modes = iter(modes or [recompute] * (len(layers) - 2))
+    layers = [layer if layer.name in ("embed", "head") else replace(layer, recompute=next(block_modes))
+              for layer in layers]
+    return replace(plan, layers=tuple(layers))

@@ -1,0 +1,115 @@
+"""Each export parsed by the engine's own loader (where installed) or checked against the engine's
+argument names; the approximations are named."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tomllib
+import types
+
+import pytest
+
+from meshplan.planner.engines.bridge import export_plan
+from meshplan.planner.engines.megatron import parse_arguments
+from meshplan.planner.engines.torchtitan import PARALLELISM_KEYS
+from tests.planner.engines.helpers import make_plan
+
+# Megatron-LM's argument names that meshplan writes, as megatron/training/arguments.py defines them
+# (NVIDIA/Megatron-LM, commit 307dcf37f03d44da131ba21999278abe4112d2ad); megatron.training is not
+# installable from PyPI (megatron-core ships megatron.core only).
+MEGATRON_ARGUMENTS = {
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--vocab-size", "--swiglu",
+    "--normalization", "--position-embedding-type", "--rotary-base", "--disable-bias-linear",
+    "--group-query-attention", "--num-query-groups", "--untie-embeddings-and-output-weights",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
+    "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--sequence-parallel",
+    "--context-parallel-size", "--expert-model-parallel-size", "--recompute-granularity", "--recompute-method",
+    "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length",
+    "--max-position-embeddings", "--use-distributed-optimizer", "--bf16", "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+}
+
+
+def _torchtitan_config_manager():
+    """torchtitan's ConfigManager without the package's __init__ (which imports GPU kernels)."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None:
+        pytest.skip("torchtitan is not installed")
+    if "torchtitan" not in sys.modules:
+        package = types.ModuleType("torchtitan")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["torchtitan"] = package
+    try:
+        from torchtitan.config import ConfigManager
+    except ImportError as exc:
+        pytest.skip(f"torchtitan's config loader cannot be imported here: {exc}")
+    return ConfigManager
+
+
+def test_torchtitan_export_loads_in_torchtitan(tmp_path):
+    plan = make_plan(zero=3, pp=2, modes=["none", "full", "none", "full", "none", "full"])
+    exported = export_plan(plan, "torchtitan")
+    data = tomllib.loads(exported.text)
+    assert set(data["parallelism"]) <= set(PARALLELISM_KEYS)
+    assert data["parallelism"]["module_fqns_per_model_part"][0][0] == "tok_embeddings"
+    assert data["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+    path = tmp_path / "job.toml"
+    path.write_text(exported.text)
+    job = _torchtitan_config_manager()().parse_args(["--job.config_file", str(path)])
+    assert job.parallelism.tensor_parallel_degree == 2 and job.parallelism.pipeline_parallel_degree == 2
+    assert job.parallelism.data_parallel_shard_degree == 2
+    assert job.training.local_batch_size == 16 and job.training.global_batch_size == 32
+    assert job.parallelism.pipeline_parallel_microbatch_size == 2
+
+
+def test_megatron_export_uses_megatron_argument_names():
+    plan = make_plan(counts=[3, 5], modes=["full", "none", "full", "none", "none", "none"])
+    exported = export_plan(plan, "megatron")
+    flags = parse_arguments(exported.text)
+    assert set(flags) <= MEGATRON_ARGUMENTS
+    assert flags["--decoder-first-pipeline-num-layers"] == "2" and flags["--decoder-last-pipeline-num-layers"] == "4"
+    assert flags["--recompute-method"] == "block" and flags["--recompute-num-layers"] == "1"
+    assert exported.notes == ()
+
+
+def test_megatron_export_of_zero3_is_megatron_fsdp():
+    flags = parse_arguments(export_plan(make_plan(zero=3, pp=1, dp=4), "megatron").text)
+    assert set(flags) <= MEGATRON_ARGUMENTS
+    assert "--use-megatron-fsdp" in flags and flags["--data-parallel-sharding-strategy"] == "optim_grads_params"
+
+
+def test_megatron_export_names_what_it_approximates():
+    plan = make_plan(zero=1, schedule="interleaved", vpp=2, counts=[1, 3, 2, 2], gbs=32)
+    notes = export_plan(plan, "megatron").notes
+    assert len(notes) == 1 and "splits interleaved chunks evenly" in notes[0]
+
+
+def test_deepspeed_export_loads_in_deepspeed(monkeypatch):
+    plan = make_plan(pp=2, zero=1, recompute="full", sp=False)
+    exported = export_plan(plan, "deepspeed")
+    data = json.loads(exported.text)
+    assert data["train_batch_size"] == 32 and data["gradient_accumulation_steps"] == 8
+    assert data["pipeline"]["stages"] == 2 and data["pipeline"]["activation_checkpoint_interval"] == 1
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime import config as ds_config
+
+    class DataParallel:  # the data-parallel size DeepSpeed checks the batch keys against
+        @staticmethod
+        def get_data_parallel_world_size():
+            return plan.config.dp
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
+    loaded = ds_config.DeepSpeedConfig(data, mpu=DataParallel())
+    assert loaded.train_batch_size == 32 and loaded.zero_optimization_stage == 1
+    assert loaded.bfloat16_config.enabled and loaded.pipeline["stages"] == 2
+
+
+def test_every_engine_refuses_a_layerwise_plan():
+    from dataclasses import replace
+
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    plan = replace(make_plan(), executable=False, not_executable_reason="per-layer degrees")
+    with pytest.raises(MeshplanError, match="not executable"):
+        export_plan(plan, "megatron")

@@ -1,0 +1,80 @@
+"""export -> import gives back the plan's configuration, and predicts the plan's own step time
+(the simulator on the same cluster) within 1% where nothing was approximated."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshplan.planner.engines.bridge import export_plan, predict_job, read_engine_file, read_engine_text
+from meshplan.planner.simulation.simulator import simulate
+from tests.planner.engines.helpers import make_plan
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+CASES = {
+    # engine: a plan every setting of which the engine expresses exactly
+    "torchtitan": dict(zero=0, pp=2, counts=[4, 4], modes=["none", "full", "none", "full", "none", "full"]),
+    "megatron": dict(zero=1, pp=2, counts=[3, 5], modes=["full", "none", "full", "none", "none", "none"]),
+    "deepspeed": dict(zero=1, pp=2, sp=False, recompute="full"),
+}
+
+
+@pytest.mark.parametrize("engine", sorted(CASES))
+def test_round_trip_keeps_the_configuration_and_the_step(engine):
+    plan = make_plan(**CASES[engine])
+    exported = export_plan(plan, engine)
+    assert all("flavour" in note for note in exported.notes)  # the test model is no torchtitan flavour
+    job = read_engine_text(exported.text, engine)
+    estimate = predict_job(job, plan.model.spec, plan.cluster, seq=plan.model.seq)
+    cfg = estimate.config
+    assert (cfg.gpus, cfg.tp, cfg.pp, cfg.dp, cfg.zero, cfg.sp, cfg.microbatch_size, cfg.global_batch) == (
+        plan.config.gpus, plan.config.tp, plan.config.pp, plan.config.dp, plan.config.zero, plan.config.sp,
+        plan.config.microbatch_size, plan.config.global_batch)
+    assert estimate.chunk_of_layer == tuple(plan.chunk_of(layer) for layer in plan.layers)
+    assert estimate.recompute_of_layer == tuple(layer.recompute for layer in plan.layers)
+    step = simulate(plan, timeline=False).step_time_s
+    assert estimate.prediction.step_time_s == pytest.approx(step, rel=0.01)
+
+
+def test_an_approximation_is_named_and_moves_the_configuration():
+    plan = make_plan(zero=1, pp=1, dp=4, counts=None)
+    exported = export_plan(plan, "torchtitan")
+    assert any("ZeRO-1" in note for note in exported.notes)
+    job = read_engine_text(exported.text, "torchtitan")
+    assert job.zero == 2
+
+
+def test_engine_memory_recipes():
+    """Megatron's distributed optimizer (2 + 4 + 12/d bytes per parameter) and DeepSpeed's ZeRO-1
+    (2 + 2 + 12/d) on the same configuration: the gradients differ by 2 bytes per parameter."""
+    plan = make_plan(zero=1, pp=1, dp=4, tp=2, sp=False)
+    megatron = predict_job(read_engine_text(export_plan(plan, "megatron").text, "megatron"), plan.model.spec,
+                           plan.cluster, seq=plan.model.seq).prediction.memory[0]
+    deepspeed = predict_job(read_engine_text(export_plan(plan, "deepspeed").text, "deepspeed"), plan.model.spec,
+                            plan.cluster, seq=plan.model.seq).prediction.memory[0]
+    assert megatron.params == pytest.approx(deepspeed.params)
+    assert megatron.grads == pytest.approx(2 * deepspeed.grads)
+    assert megatron.optimizer == pytest.approx(deepspeed.optimizer)
+    assert megatron.optimizer == pytest.approx(megatron.params * 6 / plan.config.dp)
+
+
+def test_torchtitan_llama3_recipes():
+    job = read_engine_file(FIXTURES / "torchtitan_llama3_70b.toml")
+    assert (job.model, job.tp, job.zero, job.recompute, job.seq, job.microbatch_size) == (
+        "llama3-70b", 8, 3, "full", 8192, 8)
+    job = read_engine_file(FIXTURES / "torchtitan_llama3_8b.toml")
+    result = predict_job(job, None, "a100-80g", gpus=64)
+    assert result.config.dp == 64 and result.config.global_batch == 64
+    assert set(result.recompute_of_layer[1:-1]) == {"selective"}
+    assert result.prediction.step_time_s > 0 and result.prediction.peak_memory_bytes > 0
+
+
+def test_megatron_llama3_script():
+    job = read_engine_file(FIXTURES / "megatron_llama3_8b.sh")
+    assert (job.model, job.gpus, job.global_batch, job.seq, job.zero, job.precision) == (
+        "llama3-8b", 8, 128, 8192, 1, "bf16-mixed")
+    assert any("--fp8-format" in note for note in job.notes)
+    assert any("--sequence-parallel" in note for note in job.notes)
+    result = predict_job(job, None, "h100-sxm")
+    assert result.config.dp == 8 and result.config.num_microbatches == 16
