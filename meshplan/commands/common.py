@@ -12,3 +12,31 @@ def add_job_arguments(parser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (cpu profile: local processes)")
     parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples per optimizer step")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, GPT-2 presets 1024)")
+    add_moe_imbalance_argument(parser)
+
+
+def add_moe_imbalance_argument(parser) -> None:
+    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                        help="mixture of experts: the busiest expert receives F times the balanced tokens * top_k / "
+                             "experts (>= 1.0, default 1.0 = balanced); recorded in the profile, not yet applied "
+                             "by the cost model")
+
+
+def moe_notes(spec: str | None, moe_imbalance: float) -> list[str]:
+    """Checks --moe-imbalance; for a mixture of experts, what estimate and plan do not model yet."""
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.models.registry import is_moe_spec
+
+    if not 1.0 <= moe_imbalance < float("inf"):
+        raise MeshplanError(f"--moe-imbalance must be >= 1.0 (1.0: balanced routing), got {moe_imbalance}")
+    if spec is None:
+        return []
+    if not is_moe_spec(spec):
+        if moe_imbalance != 1.0:
+            raise MeshplanError(f"--moe-imbalance needs a mixture-of-experts model; {spec!r} has no experts")
+        return []
+    notes = ["note: mixture of experts, profiled with balanced routing; no expert parallelism yet: the experts "
+             "are costed as ordinary parameters (replicated, or sharded by ZeRO and TP, like the rest)"]
+    if moe_imbalance != 1.0:
+        notes.append(f"note: --moe-imbalance {moe_imbalance:g} is recorded but not yet applied by the cost model")
+    return notes

@@ -33,6 +33,9 @@ def add_arguments(parser):
     parser.add_argument("--trace", action="store_true",
                         help="trace a preset or gpt:/llama: spec on the meta device instead of computing its "
                              "graph in closed form (the two are equal; file and hf: models are always traced)")
+    from meshplan.commands.common import add_moe_imbalance_argument
+
+    add_moe_imbalance_argument(parser)
 
 
 def run(args) -> int:
@@ -45,18 +48,28 @@ def run(args) -> int:
         raise MeshplanError(f"--batch must be a positive integer, got {args.batch}")
     seq = args.seq if args.seq is not None else default_seq(args.model, DEFAULT_SEQ)
     graph = profile(args.model, seq, batch=args.batch, dtype=args.dtype, attention=args.attention,
-                    cache=not args.no_cache, trace=args.trace)
+                    cache=not args.no_cache, trace=args.trace, moe_imbalance=args.moe_imbalance)
     rows = [layer.to_json(args.batch) for layer in graph.layers]
     if args.csv:
         _write_csv(rows, args.csv)
     if args.json:
         print(json.dumps({"model": graph.spec, "seq": graph.seq, "batch": args.batch, "dtype": graph.dtype,
                           "attention": graph.attention, "total_params": graph.total_params,
+                          **_moe_json(graph),
                           "fwd_flops": graph.fwd_flops * args.batch, "bwd_flops": graph.bwd_flops * args.batch,
                           "layers": rows}))
     else:
         print(format_table(graph, args.batch))
     return 0
+
+
+def _moe_json(graph) -> dict:
+    """`active_params` and the routing facts of a mixture of experts (nothing for dense models)."""
+    info = graph.info
+    if not info.is_moe:
+        return {}
+    return {"active_params": graph.active_params, "num_experts": info.num_experts, "top_k": info.top_k,
+            "routing": "balanced", "moe_imbalance": info.moe_imbalance}
 
 
 def _write_csv(rows: list[dict], path: str) -> None:
@@ -113,4 +126,19 @@ def format_table(graph, batch: int) -> str:
     totals = (f"total: {graph.total_params:,} params ({graph.total_params / scale[0]:,.2f} {scale[1]}), "
               f"forward {graph.fwd_flops * batch / 1e9:,.1f} GFLOP, backward {graph.bwd_flops * batch / 1e9:,.1f} GFLOP, "
               f"activations {total_act / GIB:,.2f} GiB (no recomputation, no parallelism)")
-    return f"{header}\n{table}\n{totals}"
+    return f"{header}\n{table}\n{totals}" + _moe_summary(graph)
+
+
+def _moe_summary(graph) -> str:
+    """Active parameters and the routing assumption of a mixture of experts ("" for dense models)."""
+    info = graph.info
+    if not info.is_moe:
+        return ""
+    active = graph.active_params
+    scale = (1e9, "B") if graph.total_params >= 1e9 else (1e6, "M")
+    balanced = f"each expert gets tokens x {info.top_k} / {info.num_experts}"
+    skew = (f"; imbalance {info.moe_imbalance:g} recorded: the busiest expert gets {info.moe_imbalance:g}x that"
+            if info.moe_imbalance != 1.0 else "")
+    return (f"\nmixture of experts: {graph.total_params / scale[0]:,.1f} {scale[1]} total, {active / scale[0]:,.1f} "
+            f"{scale[1]} active per token ({active:,}; {info.num_experts} experts, top-{info.top_k}); "
+            f"profiled with balanced routing ({balanced}){skew}")

@@ -15,6 +15,15 @@ Activation Recomputation in Large Transformer Models", 2022):
   attention only; zero under flash attention): divided by t under TP, and dropped by selective
   recomputation.
 - `input_bytes`: the layer input, which full recomputation keeps instead of everything above.
+
+Mixture-of-experts blocks (zero elsewhere, so dense graphs are unchanged) add what expert
+parallelism and routing imbalance act on, each already included in the totals above: the routed
+experts' parameters (`expert_params`) and the share one token uses (`active_expert_params` =
+expert_params * top_k / experts), their GEMM FLOPs (`expert_fwd_flops`, `expert_bwd_flops`), the
+bytes saved inside them (`expert_act_bytes`), and `dispatch_bytes`, the routed copies of the
+tokens the dispatch hands to the experts (tokens * top_k * hidden elements; the combine returns
+as many). They are measured under balanced routing: every expert receives tokens * top_k /
+experts copies (`ModelInfo.moe_imbalance` records how much more the busiest one gets).
 """
 from __future__ import annotations
 
@@ -92,6 +101,13 @@ class LayerProfile:
     # Parameters this layer uses but another layer owns (tied embedding in the head): counted
     # there, but their gradient must be reduced between the two stages that hold copies.
     shared_params: int = 0
+    # Mixture of experts (module docstring): parts of num_params, fwd/bwd FLOPs and activations.
+    expert_params: int = 0
+    active_expert_params: int = 0
+    expert_fwd_flops: int = 0
+    expert_bwd_flops: int = 0
+    expert_act_bytes: int = 0
+    dispatch_bytes: int = 0
 
     def __post_init__(self):
         if self.kind not in LAYER_KINDS:
@@ -100,6 +116,16 @@ class LayerProfile:
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"layer {self.name!r}: {f.name} must be >= 0, got {value}")
+        for part, whole in (("expert_params", "num_params"), ("active_expert_params", "expert_params"),
+                            ("expert_fwd_flops", "fwd_flops"), ("expert_bwd_flops", "bwd_flops")):
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(f"layer {self.name!r}: {part} ({getattr(self, part)}) exceeds {whole} "
+                                 f"({getattr(self, whole)})")
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        return self.num_params - self.expert_params + self.active_expert_params
 
     @property
     def activation_bytes(self) -> int:
@@ -113,7 +139,8 @@ class LayerProfile:
     def to_json(self, batch: int = 1) -> dict[str, Any]:
         """JSON view for `meshplan profile --json`, scaled to `batch` samples."""
         per_sample = ("fwd_flops", "bwd_flops", "causal_fwd_flops", "act_tp_sharded_bytes",
-                      "act_tp_replicated_bytes", "act_attn_score_bytes", "input_bytes", "output_bytes")
+                      "act_tp_replicated_bytes", "act_attn_score_bytes", "input_bytes", "output_bytes",
+                      "expert_fwd_flops", "expert_bwd_flops", "expert_act_bytes", "dispatch_bytes")
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
@@ -141,6 +168,27 @@ class ModelInfo:
     padded_vocab: int = 0  # as built (padded to a multiple of 128 for tp=1)
     tied_embeddings: bool = False
     max_positions: int = 0
+    # Mixture of experts (0 for dense models): routed experts per MoE block, experts per token,
+    # one routed expert's SwiGLU width, shared experts and their summed width, leading dense blocks.
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    num_shared_experts: int = 0
+    shared_ffn: int = 0
+    dense_layers: int = 0
+    # Routing assumption: the busiest expert receives moe_imbalance times the balanced
+    # tokens * top_k / num_experts (1.0: balanced, as profiled).
+    moe_imbalance: float = 1.0
+
+    def __post_init__(self):
+        if not self.moe_imbalance >= 1.0 or self.moe_imbalance == float("inf"):
+            raise ValueError(f"moe_imbalance must be a finite number >= 1.0, got {self.moe_imbalance}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +227,11 @@ class ModelGraph:
     @property
     def total_params(self) -> int:
         return sum(layer.num_params for layer in self.layers)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (equal to total_params for dense models)."""
+        return sum(layer.active_params for layer in self.layers)
 
     @property
     def fwd_flops(self) -> int:

@@ -42,13 +42,16 @@ class LayerGroup:
 
     The layer starts when its first module is called and lasts until the next layer's first
     module is called, so glue between modules (residual adds, the loss after the head) counts
-    in the layer that ran last. `tp_split` names its Linears relative to `modules[0]`.
+    in the layer that ran last. `tp_split` names its Linears relative to `modules[0]`, and
+    `expert_modules` the routed experts of a mixture-of-experts block (called with the dispatched
+    tokens, returning the expert outputs), whose share of the figures the profiler also records.
     """
 
     name: str
     kind: str
     modules: tuple[Any, ...]
     tp_split: TPSplit = field(default_factory=TPSplit)
+    expert_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.modules:

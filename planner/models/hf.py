@@ -4,6 +4,14 @@ Needs the optional `transformers` extra; nothing is downloaded and no weights ex
 built from its config on the meta device. Layers: the input embedding, each decoder layer, and
 the final norm + output head (+ the loss). transformers' own mask code calls `.item()`, which
 the meta device cannot do, so the forward passes a ready 4-D boolean causal mask.
+
+Mixture-of-experts configs (`mixtral`, `qwen2_moe`, `qwen3_moe`) are not built through
+transformers: `hf_moe_config` maps them onto meshplan's `moe` family (`planner.models.moe`), so
+they profile under its balanced-routing assumption with exactly their parameters (Qwen3's q/k norms
+and head_dim, Qwen2-MoE's q/k/v biases and gated shared expert included). Not carried over, as they
+change no shape: routing-weight renormalisation (`norm_topk_prob`; meshplan renormalises), the
+auxiliary-loss settings, and sliding windows (profiled as full causal attention). Other MoE
+types (`deepseek_v3`, ...) are refused with what meshplan lacks for them.
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import ModelInfo, TPSplit
+from meshplan.planner.models.config import TransformerConfig
 
 # Megatron column/row Linears of a Llama-style decoder layer, relative to the layer.
 _COLUMN_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -45,7 +54,82 @@ def hf_max_positions(path_text: str) -> int:
 
 def hf_vocab(path_text: str) -> int:
     """The vocabulary size transformers reads from the config (no model is built)."""
+    moe = hf_moe_config(path_text)
+    if moe is not None:
+        return moe.vocab
     return int(_make_config(path_text).vocab_size)
+
+
+# MoE model types meshplan maps onto its moe family, and those it cannot (with what is missing).
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_UNMODELLED_MOE = {
+    "deepseek_v3": "multi-head latent attention (kv_lora_rank / q_lora_rank projections) and DeepSeek's "
+                   "grouped sigmoid routing are not modelled",
+    "deepseek_v2": "multi-head latent attention (kv_lora_rank / q_lora_rank projections) is not modelled",
+}
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+# Config key of each MoE field, by model type (intermediate_size is each expert's width in Mixtral).
+_EXPERT_FIELDS = {
+    "mixtral": {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok", "expert_ffn": "intermediate_size"},
+    "qwen2_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok", "expert_ffn": "moe_intermediate_size"},
+    "qwen3_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok", "expert_ffn": "moe_intermediate_size"},
+}
+
+
+def hf_moe_config(path_text: str) -> TransformerConfig | None:
+    """The meshplan `moe` config of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json; None for
+    configs without experts; MeshplanError for MoE types meshplan does not model."""
+    data = read_config(path_text)
+    model_type = data["model_type"]
+    if model_type not in _MOE_TYPES:
+        if model_type in _UNMODELLED_MOE or any(data.get(key) for key in _EXPERT_KEYS):
+            reason = _UNMODELLED_MOE.get(model_type, "its expert layout is not one meshplan maps")
+            raise MeshplanError(f"HF config {path_text!r}: model_type {model_type!r} is a mixture of experts that "
+                                f"meshplan cannot profile: {reason}; supported MoE types: {', '.join(_MOE_TYPES)}")
+        return None
+    wanted = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") + tuple(
+        _EXPERT_FIELDS[model_type].values())
+    missing = [key for key in wanted if not isinstance(data.get(key), int)]
+    if missing:
+        raise MeshplanError(f"HF config {path_text!r} ({model_type}): missing or non-integer {', '.join(missing)}")
+    fields = dict(family="moe", num_layers=data["num_hidden_layers"], hidden=data["hidden_size"],
+                  num_heads=data["num_attention_heads"], vocab=data["vocab_size"],
+                  num_kv_heads=data.get("num_key_value_heads") or 0,
+                  tied_embeddings=bool(data.get("tie_word_embeddings", False)),
+                  norm_eps=float(data.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(data),
+                  attn_head_dim=data.get("head_dim") or 0,
+                  **{name: data[key] for name, key in _EXPERT_FIELDS[model_type].items()})
+    if model_type != "mixtral":
+        fields.update(_qwen_moe_fields(data, model_type, path_text))
+    try:
+        return TransformerConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise MeshplanError(f"HF config {path_text!r} ({model_type}): {exc}") from None
+
+
+def _rope_theta(data: dict) -> float:
+    parameters = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    return float(data.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
+
+
+def _qwen_moe_fields(data: dict, model_type: str, path_text: str) -> dict:
+    """Qwen2-MoE: q/k/v biases, one gated shared expert; Qwen3-MoE: q/k norms. Both: dense blocks
+    at `mlp_only_layers` and off the `decoder_sparse_step` grid, which meshplan needs to lead."""
+    layers, step = data["num_hidden_layers"], data.get("decoder_sparse_step", 1) or 1
+    only_dense = set(data.get("mlp_only_layers") or ())
+    dense = [i for i in range(layers) if i in only_dense or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        raise MeshplanError(f"HF config {path_text!r} ({model_type}): dense blocks at layers {dense[:8]} "
+                            "(mlp_only_layers / decoder_sparse_step); meshplan's moe family puts dense blocks first")
+    fields = {"dense_layers": len(dense), "ffn": data.get("intermediate_size", 0) if dense else 0}
+    if model_type == "qwen3_moe":
+        if data.get("attention_bias"):
+            raise MeshplanError(f"HF config {path_text!r} (qwen3_moe): attention_bias (an o_proj bias too) is not "
+                                "modelled")
+        return {**fields, "qk_norm": True}
+    shared = data.get("shared_expert_intermediate_size", 0) or 0
+    return {**fields, "qkv_bias": bool(data.get("qkv_bias", True)), "num_shared_experts": 1 if shared else 0,
+            "shared_expert_ffn": shared, "shared_expert_gate": bool(shared)}
 
 
 def _make_config(path_text: str, num_layers: int | None = None):

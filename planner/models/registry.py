@@ -1,4 +1,4 @@
-"""Model specs: built-in presets, parametric `gpt:`/`llama:` specs, `file.py:fn` and `hf:config.json`.
+"""Model specs: built-in presets, parametric `gpt:`/`llama:`/`moe:` specs, `file.py:fn` and `hf:config.json`.
 
 `build_model(spec, seq, tp=1, device="meta") -> BuiltModel` is the one way every command and the
 executor turn a spec string into a module. `build_for_profile` builds the same model with its
@@ -32,12 +32,47 @@ PRESETS: dict[str, TransformerConfig] = {
                                     tied_embeddings=False, rope_theta=500000.0),
     "llama3-405b": TransformerConfig("llama", 126, 16384, 128, 128256, ffn=53248, num_kv_heads=8,
                                      tied_embeddings=False, rope_theta=500000.0),
+    # Mixtures of experts, from the Hugging Face config.json of each release. Mixtral
+    # (mistralai/Mixtral-8x7B-v0.1, mistralai/Mixtral-8x22B-v0.1): hidden_size, num_hidden_layers,
+    # num_attention_heads, num_key_value_heads, num_local_experts, num_experts_per_tok,
+    # intermediate_size (each expert), vocab_size, rope_theta 1e6, untied; published 46.7B total /
+    # 12.9B active and 141B / 39B. Qwen3 (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B): head_dim 128
+    # whatever hidden / heads, q/k RMSNorm (both modelled), num_experts 128, num_experts_per_tok 8,
+    # moe_intermediate_size, no shared experts, mlp_only_layers [] (no dense block; intermediate_size
+    # is unused), rms_norm_eps 1e-6; published 30.5B / 3.3B and 235B / 22B.
+    "mixtral-8x7b": TransformerConfig("moe", 32, 4096, 32, 32000, num_kv_heads=8, tied_embeddings=False,
+                                      rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=14336),
+    "mixtral-8x22b": TransformerConfig("moe", 56, 6144, 48, 32768, num_kv_heads=8, tied_embeddings=False,
+                                       rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=16384),
+    "qwen3-30b-a3b": TransformerConfig("moe", 48, 2048, 32, 151936, num_kv_heads=4, tied_embeddings=False,
+                                       norm_eps=1e-6, rope_theta=1e6, attn_head_dim=128, qk_norm=True,
+                                       num_experts=128, top_k=8, expert_ffn=768),
+    "qwen3-235b-a22b": TransformerConfig("moe", 94, 4096, 64, 151936, num_kv_heads=4, tied_embeddings=False,
+                                         norm_eps=1e-6, rope_theta=1e6, attn_head_dim=128, qk_norm=True,
+                                         num_experts=128, top_k=8, expert_ffn=1536),
+}
+
+# Published models meshplan does not build, and why (asked for by name, they get this reason).
+NOT_MODELLED = {
+    "deepseek-v3": "DeepSeek-V3 uses multi-head latent attention (low-rank compressed K/V), which meshplan "
+                   "does not model; its MoE part alone can be written as a moe: spec",
+    "deepseek-v2": "DeepSeek-V2 uses multi-head latent attention (low-rank compressed K/V), which meshplan "
+                   "does not model; its MoE part alone can be written as a moe: spec",
 }
 
 _PARAMETRIC_KEYS = {
     "gpt": {"layers", "hidden", "heads", "vocab", "ffn", "tied", "positions"},
     "llama": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "rope_theta"},
+    "moe": {"layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab", "shared_experts",
+            "dense_layers", "ffn", "tied", "rope_theta", "head_dim", "qk_norm"},
 }
+_REQUIRED_KEYS = {"gpt": ("layers", "hidden", "heads", "vocab"), "llama": ("layers", "hidden", "heads", "vocab"),
+                  "moe": ("layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab")}
+_BOOL_KEYS = ("tied", "qk_norm")
+_FLOAT_KEYS = ("rope_theta",)
+_EXAMPLES = {"gpt": "gpt:layers=12,hidden=768,heads=12,vocab=50257",
+             "llama": "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256",
+             "moe": "moe:layers=32,hidden=4096,heads=32,kv_heads=8,experts=8,top_k=2,expert_ffn=14336,vocab=32000"}
 
 
 def known_models() -> list[str]:
@@ -48,58 +83,71 @@ def parse_spec(spec: str, seq: int) -> TransformerConfig | None:
     """A TransformerConfig for a preset or parametric spec; None for file/hf specs."""
     if spec in PRESETS:
         return PRESETS[spec]
+    if spec in NOT_MODELLED:
+        raise MeshplanError(f"model {spec!r} is not available: {NOT_MODELLED[spec]}")
     family, sep, rest = spec.partition(":")
     if not sep or family not in _PARAMETRIC_KEYS:
         return None
+    values = _spec_values(spec, family, rest)
+    significant = values["layers"].lstrip("+-").lstrip("0")
+    if len(significant) > len(str(MAX_PARAMETRIC_LAYERS)) or int(significant or 0) > MAX_PARAMETRIC_LAYERS:
+        raise MeshplanError(f"malformed model spec {spec!r}: layers={values['layers'][:20]} is more than "
+                            f"meshplan lays out (at most {MAX_PARAMETRIC_LAYERS:,})")
+    try:
+        ints = {k: int(v) for k, v in values.items() if k not in _BOOL_KEYS + _FLOAT_KEYS}
+        flags = {k: values[k].lower() in ("1", "true", "yes") for k in _BOOL_KEYS if k in values}
+        kwargs: dict[str, Any] = dict(
+            family=family, num_layers=ints["layers"], hidden=ints["hidden"], num_heads=ints["heads"],
+            vocab=ints["vocab"], ffn=ints.get("ffn", 0), num_kv_heads=ints.get("kv_heads", 0))
+        if family == "gpt":
+            kwargs["max_positions"] = ints.get("positions", seq)
+            kwargs["tied_embeddings"] = flags.get("tied", True)
+        else:
+            kwargs["tied_embeddings"] = flags.get("tied", False)
+            if "rope_theta" in values:
+                kwargs["rope_theta"] = float(values["rope_theta"])
+        if family == "moe":
+            kwargs.update(num_experts=ints["experts"], top_k=ints["top_k"], expert_ffn=ints["expert_ffn"],
+                          num_shared_experts=ints.get("shared_experts", 0), dense_layers=ints.get("dense_layers", 0),
+                          attn_head_dim=ints.get("head_dim", 0), qk_norm=flags.get("qk_norm", False))
+        return TransformerConfig(**kwargs)
+    except ValueError as exc:
+        raise MeshplanError(f"malformed model spec {spec!r}: {exc}") from None
+
+
+def _spec_values(spec: str, family: str, rest: str) -> dict[str, str]:
+    """key -> value text of a parametric spec, keys known, required ones present, types checked."""
     values: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or not value.strip():
             raise MeshplanError(f"malformed model spec {spec!r}: expected key=value, got {item!r}; "
-                                f"e.g. gpt:layers=12,hidden=768,heads=12,vocab=50257")
+                                f"e.g. {_EXAMPLES[family]}")
         if key not in _PARAMETRIC_KEYS[family]:
             raise MeshplanError(f"malformed model spec {spec!r}: unknown key {key!r}; "
                                 f"{family} specs take {', '.join(sorted(_PARAMETRIC_KEYS[family]))}")
         values[key] = value.strip()
-    required = {"layers", "hidden", "heads", "vocab"}
-    missing = sorted(required - set(values))
+    missing = [key for key in _REQUIRED_KEYS[family] if key not in values]
     if missing:
         raise MeshplanError(f"malformed model spec {spec!r}: missing {', '.join(missing)}")
     for key, value in values.items():
-        if key == "tied" and value.lower() not in ("1", "true", "yes", "0", "false", "no"):
-            raise MeshplanError(f"malformed model spec {spec!r}: tied must be true or false, got {value!r}")
-        if key not in ("tied", "rope_theta") and not value.lstrip("+-").isdigit():
+        if key in _BOOL_KEYS and value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise MeshplanError(f"malformed model spec {spec!r}: {key} must be true or false, got {value!r}")
+        if key not in _BOOL_KEYS + _FLOAT_KEYS and not value.lstrip("+-").isdigit():
             raise MeshplanError(f"malformed model spec {spec!r}: {key} must be an integer, got {value!r}")
-    significant = values["layers"].lstrip("+-").lstrip("0")
-    if len(significant) > len(str(MAX_PARAMETRIC_LAYERS)) or int(significant or 0) > MAX_PARAMETRIC_LAYERS:
-        raise MeshplanError(f"malformed model spec {spec!r}: layers={values['layers'][:20]} is more than "
-                            f"meshplan lays out (at most {MAX_PARAMETRIC_LAYERS:,})")
-    try:
-        ints = {k: int(v) for k, v in values.items() if k not in ("tied", "rope_theta")}
-        kwargs: dict[str, Any] = dict(
-            family=family, num_layers=ints["layers"], hidden=ints["hidden"], num_heads=ints["heads"],
-            vocab=ints["vocab"], ffn=ints.get("ffn", 0), num_kv_heads=ints.get("kv_heads", 0))
-        if family == "gpt":
-            kwargs["max_positions"] = ints.get("positions", seq)
-            kwargs["tied_embeddings"] = values.get("tied", "1").lower() in ("1", "true", "yes")
-        else:
-            kwargs["tied_embeddings"] = values.get("tied", "0").lower() in ("1", "true", "yes")
-            if "rope_theta" in values:
-                kwargs["rope_theta"] = float(values["rope_theta"])
-        return TransformerConfig(**kwargs)
-    except ValueError as exc:
-        raise MeshplanError(f"malformed model spec {spec!r}: {exc}") from None
+    return values
 
 
 def build_model(spec: str, seq: int, tp: int = 1, device: str = "meta", dtype=None) -> BuiltModel:
     """Build the model a spec names, on `device` (meta by default: no memory, no weights)."""
     if not isinstance(seq, int) or seq <= 0:
         raise MeshplanError(f"sequence length must be a positive integer, got {seq!r}")
-    if spec.startswith("hf:"):
+    cfg = _hf_moe_config(spec)
+    if spec.startswith("hf:") and cfg is None:
         from meshplan.planner.models.hf import build_hf_model
         return build_hf_model(spec[3:], seq, device=device, dtype=dtype)
-    cfg = parse_spec(spec, seq)
+    cfg = cfg or parse_spec(spec, seq)
     if cfg is not None:
         return _build_zoo(spec, cfg, seq, tp, device, dtype)
     if spec.partition(":")[0].endswith(".py"):
@@ -118,31 +166,88 @@ def _build_zoo(spec: str, cfg: TransformerConfig, seq: int, tp: int, device: str
         raise MeshplanError(f"sequence length {seq} exceeds the {cfg.max_positions} learned positions of {spec!r}; "
                             f"use --seq <= {cfg.max_positions} or a parametric gpt: spec")
     with torch.device(device):
-        module = CausalLM(cfg, tp=tp)
+        if cfg.family == "moe":
+            from meshplan.planner.models.moe import MoECausalLM
+
+            module = MoECausalLM(cfg, tp=tp)
+        else:
+            module = CausalLM(cfg, tp=tp)
     if dtype is not None:
         module = module.to(dtype)
     tokens = torch.zeros(1, seq, dtype=torch.long, device=device)
     info = ModelInfo(family=cfg.family, num_layers=cfg.num_layers, hidden=cfg.hidden, num_heads=cfg.num_heads,
                      num_kv_heads=cfg.kv_heads, ffn=cfg.ffn_dim, vocab=cfg.vocab,
                      padded_vocab=module.padded_vocab, tied_embeddings=cfg.tied_embeddings,
-                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0)
+                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0, **moe_info(cfg))
     layers = [("embed", "embedding", module.embed)]
     layers += [(f"blocks.{i}", "block", block) for i, block in enumerate(module.blocks)]
     layers.append(("head", "head", module.head))
     splits = zoo_tp_splits(cfg, module.padded_vocab)
-    groups = tuple(LayerGroup(name, kind, (mod,), splits[kind]) for name, kind, mod in layers)
+    groups = tuple(LayerGroup(name, kind, (mod,), splits[_split_key(cfg, name, kind)],
+                              _expert_modules(cfg, name, kind)) for name, kind, mod in layers)
     return BuiltModel(module=module, example_inputs=(tokens,), info=info, layer_modules=tuple(layers),
                       loss_fn=lambda logits, inputs: lm_loss(logits, inputs[-1] if len(inputs) > 1 else inputs[0]),
                       config=cfg, targets=tokens, layer_groups=groups)
 
 
 def zoo_tp_splits(cfg: TransformerConfig, padded_vocab: int) -> dict[str, TPSplit]:
-    """Megatron splits of the zoo's layers by kind; Linear names are relative to the layer module."""
-    column = ("attn.q", "attn.k", "attn.v") + (("mlp.gate",) if cfg.family == "llama" else ()) + ("mlp.up",)
+    """Megatron splits of the zoo's layers by kind; Linear names are relative to the layer module.
+
+    A moe config adds "moe_block": attention as in the dense block; the routed experts' stacked
+    gate/up column-parallel and down row-parallel (Megatron's expert TP = TP), as the shared
+    experts; one all-reduce for the MoE output (routed + shared) as for a dense MLP. The router
+    is replicated.
+    """
+    column = ("attn.q", "attn.k", "attn.v") + (("mlp.gate",) if cfg.family != "gpt" else ()) + ("mlp.up",)
     block = TPSplit(kind="block", column_linears=column, row_linears=("attn.o", "mlp.down"),
                     num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, num_allreduce_per_pass=2)
     vocab = TPSplit(kind="vocab", vocab_size=padded_vocab)
-    return {"embedding": vocab, "block": block, "head": vocab}
+    splits = {"embedding": vocab, "block": block, "head": vocab}
+    if cfg.family == "moe":
+        shared = cfg.num_shared_experts > 0
+        column = ("attn.q", "attn.k", "attn.v", "moe.experts.gate", "moe.experts.up") + (
+            ("moe.shared.gate", "moe.shared.up") if shared else ())
+        row = ("attn.o", "moe.experts.down") + (("moe.shared.down",) if shared else ())
+        splits["moe_block"] = TPSplit(kind="block", column_linears=column, row_linears=row, num_heads=cfg.num_heads,
+                                      num_kv_heads=cfg.kv_heads, num_allreduce_per_pass=2)
+    return splits
+
+
+def _split_key(cfg: TransformerConfig, name: str, kind: str) -> str:
+    return "moe_block" if kind == "block" and _is_moe_block(cfg, name) else kind
+
+
+def _is_moe_block(cfg: TransformerConfig, name: str) -> bool:
+    return cfg.family == "moe" and name.startswith("blocks.") and int(name.split(".")[1]) >= cfg.dense_layers
+
+
+def _expert_modules(cfg: TransformerConfig, name: str, kind: str) -> tuple[str, ...]:
+    """The routed experts of a MoE block, relative to the block."""
+    return ("moe.experts",) if kind == "block" and _is_moe_block(cfg, name) else ()
+
+
+def moe_info(cfg: TransformerConfig) -> dict[str, Any]:
+    """The MoE fields of ModelInfo for a zoo config (empty for dense families)."""
+    if cfg.family != "moe":
+        return {}
+    return dict(num_experts=cfg.num_experts, top_k=cfg.top_k, expert_ffn=cfg.expert_ffn,
+                num_shared_experts=cfg.num_shared_experts, shared_ffn=cfg.shared_ffn_dim,
+                dense_layers=cfg.dense_layers)
+
+
+def is_moe_spec(spec: str, seq: int = 2048) -> bool:
+    """Whether a spec names a mixture of experts (no torch, no model built; False for file specs)."""
+    cfg = _hf_moe_config(spec) if spec.startswith("hf:") else parse_spec(spec, seq)
+    return cfg is not None and cfg.family == "moe"
+
+
+def _hf_moe_config(spec: str) -> TransformerConfig | None:
+    """The meshplan MoE config an `hf:` MoE config maps onto (None for other specs)."""
+    if not spec.startswith("hf:"):
+        return None
+    from meshplan.planner.models.hf import hf_moe_config
+
+    return hf_moe_config(spec[3:])
 
 
 def default_seq(spec: str, wanted: int = 2048) -> int:
@@ -169,14 +274,21 @@ def build_for_profile(spec: str, seq: int, dtype=None) -> ProfileModel:
     """
     if not isinstance(seq, int) or seq <= 0:
         raise MeshplanError(f"sequence length must be a positive integer, got {seq!r}")
-    if spec.startswith("hf:"):
+    cfg = _hf_moe_config(spec)
+    if spec.startswith("hf:") and cfg is None:
         from meshplan.planner.models.hf import build_hf_for_profile
         return build_hf_for_profile(spec[3:], seq, dtype=dtype)
-    cfg = parse_spec(spec, seq)
+    cfg = cfg or parse_spec(spec, seq)
     if cfg is None:
         return ProfileModel(build_model(spec, seq, device="meta", dtype=dtype), ())
-    built = _build_zoo(spec, replace(cfg, num_layers=1), seq, 1, "meta", dtype)
-    built = replace(built, info=replace(built.info, num_layers=cfg.num_layers), config=cfg)
+    # One block of each type: a dense one if any, then a MoE one if any.
+    dense = cfg.dense_layers if cfg.family == "moe" else cfg.num_layers
+    kept = min(dense, 1) + min(cfg.num_layers - dense, 1)
+    built = _build_zoo(spec, replace(cfg, num_layers=kept, dense_layers=min(dense, 1) if cfg.family == "moe" else 0),
+                       seq, 1, "meta", dtype)
+    built = replace(built, info=replace(built.info, num_layers=cfg.num_layers, dense_layers=cfg.dense_layers),
+                    config=cfg)
+    source = {index: "blocks.0" if index < dense else f"blocks.{kept - 1}" for index in range(cfg.num_layers)}
     layout = (("embed", "embedding", "embed"),) + tuple(
-        (f"blocks.{i}", "block", "blocks.0") for i in range(cfg.num_layers)) + (("head", "head", "head"),)
+        (f"blocks.{i}", "block", source[i]) for i in range(cfg.num_layers)) + (("head", "head", "head"),)
     return ProfileModel(built, layout)

@@ -107,12 +107,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         bias = cfg.family == "gpt"
+        qkv_bias = bias or cfg.qkv_bias
         self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta if cfg.family == "llama" else 0.0
-        self.q = nn.Linear(cfg.hidden, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.v = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.rope_theta = cfg.rope_theta if cfg.family != "gpt" else 0.0
+        self.q = nn.Linear(cfg.hidden, cfg.num_heads * cfg.head_dim, bias=qkv_bias)
+        self.k = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
         self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden, bias=bias)
+        # Qwen3: RMSNorm over each head of q and k (one head_dim weight each), before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -120,6 +124,8 @@ class Attention(nn.Module):
         q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta:
             # Angles in fp32 (positions up to 1e5+ need its mantissa), cast once so that q and k
             # share one saved pair of tables in the compute dtype.
@@ -164,7 +170,7 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.swiglu = cfg.family == "llama"
+        self.swiglu = cfg.family != "gpt"
         bias = cfg.family == "gpt"
         if self.swiglu:
             self.gate = nn.Linear(cfg.hidden, cfg.ffn_dim, bias=False)

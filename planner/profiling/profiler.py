@@ -48,15 +48,34 @@ _SOURCE_FILES = ("contracts/graph.py",)
 
 
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
-            cache: bool = True, trace: bool = False) -> ModelGraph:
+            cache: bool = True, trace: bool = False, moe_imbalance: float = 1.0) -> ModelGraph:
     """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
     take their shapes from their example inputs, so `seq` only labels their graph. Zoo specs
-    (presets, `gpt:`, `llama:`) are computed in closed form unless `trace` is set; `cache` only
-    concerns traced graphs.
+    (presets, `gpt:`, `llama:`) are computed in closed form unless `trace` is set; `moe:` specs
+    and MoE `hf:` configs are traced under balanced routing; `cache` only concerns traced graphs.
+    `moe_imbalance` (>= 1, MoE models only) is recorded in `graph.info`: the busiest expert gets
+    that many times the balanced tokens; the measured figures stay balanced.
     """
     _check_args(seq, batch, dtype, attention)
+    _check_imbalance(moe_imbalance)
+    graph = _profile(spec, seq, dtype, attention, cache, trace)
+    if moe_imbalance == 1.0:
+        return graph
+    if not graph.info.is_moe:
+        raise MeshplanError(f"--moe-imbalance {moe_imbalance} needs a mixture-of-experts model; "
+                            f"{spec!r} has no experts")
+    return replace(graph, info=replace(graph.info, moe_imbalance=float(moe_imbalance)))
+
+
+def _check_imbalance(moe_imbalance) -> None:
+    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, (int, float)) \
+            or not 1.0 <= moe_imbalance < float("inf"):
+        raise MeshplanError(f"moe imbalance must be a number >= 1.0 (1.0: balanced routing), got {moe_imbalance!r}")
+
+
+def _profile(spec: str, seq: int, dtype: str, attention: str, cache: bool, trace: bool) -> ModelGraph:
     if not trace:
         from meshplan.planner.models.registry import parse_spec
 
@@ -119,14 +138,25 @@ def _measured_profiles(built, groups, measurements, order) -> list[LayerProfile]
     params = _param_ownership(built.module, groups, order)
     profiles = []
     for group, meas, (num_params, param_bytes, shared) in zip(groups, measurements, params):
+        expert_params = _expert_params(group)
         profiles.append(LayerProfile(
             name=group.name, kind=group.kind if group.kind in ("embedding", "block", "head") else "other",
             fwd_flops=meas.fwd_flops, bwd_flops=meas.bwd_flops, num_params=num_params, param_bytes=param_bytes,
             act_tp_sharded_bytes=meas.act_tp_sharded_bytes, act_tp_replicated_bytes=meas.act_tp_replicated_bytes,
             act_attn_score_bytes=meas.act_attn_score_bytes, input_bytes=meas.input_bytes,
             output_bytes=meas.output_bytes, tp_split=group.tp_split,
-            causal_fwd_flops=meas.fwd_flops - meas.causal_saving_flops, shared_params=shared))
+            causal_fwd_flops=meas.fwd_flops - meas.causal_saving_flops, shared_params=shared,
+            expert_params=expert_params,
+            active_expert_params=expert_params * built.info.top_k // built.info.num_experts if expert_params else 0,
+            expert_fwd_flops=meas.expert_fwd_flops, expert_bwd_flops=meas.expert_bwd_flops,
+            expert_act_bytes=meas.expert_act_bytes, dispatch_bytes=meas.dispatch_bytes))
     return profiles
+
+
+def _expert_params(group) -> int:
+    """Parameters of a group's routed experts (each expert holds 1 / num_experts of them)."""
+    root = group.modules[0]
+    return sum(p.numel() for name in group.expert_modules for p in root.get_submodule(name).parameters())
 
 
 def _param_ownership(module, groups, order) -> list[tuple[int, int, int]]:

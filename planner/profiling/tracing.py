@@ -18,6 +18,10 @@ How each figure is measured (no formulas):
   with that expansion. FlopCounterMode counts SDPA in full (non-causal), the model-FLOPs
   convention, at q heads with or without `enable_gqa` (4 * b * s^2 * heads * head_dim forward:
   the math path's matmuls run on the expanded K and V); the causal saving is reported separately.
+- Routed experts (a group's `expert_modules`): their forward FLOPs run from the module's call to
+  its return, their backward FLOPs from the gradient of its output to the gradient of its input
+  (autograd runs a chain's nodes in reverse creation order, so nothing else runs in between); the
+  bytes saved while they run, and the bytes of the dispatched tokens they are called with.
 """
 from __future__ import annotations
 
@@ -43,6 +47,10 @@ class LayerMeasurement:
     output_bytes: int
     input_shapes: tuple  # shapes and dtypes of the positional tensor inputs (structure key)
     called: bool  # False: the module never ran in forward
+    expert_fwd_flops: int = 0  # routed experts' share of fwd_flops
+    expert_bwd_flops: int = 0  # and of bwd_flops
+    expert_act_bytes: int = 0  # bytes saved inside the routed experts (part of the three kinds above)
+    dispatch_bytes: int = 0  # the dispatched tokens the routed experts are called with
 
 
 def measure_layers(built: Any, groups: tuple, attention: str = "flash",
@@ -153,6 +161,12 @@ class _Recorder:
         self.muted = 0  # > 0 while inside SDPA under attention="flash"
         self.alive: list[Any] = []  # recorded tensors (meta: no memory), see `record`
         self.roles = self._linear_roles()
+        # Routed experts: id(module) of each group's, and per group FLOPs, saved storages, dispatch bytes.
+        self.expert_ids = {id(group.modules[0].get_submodule(name))
+                           for group in groups for name in group.expert_modules}
+        self.expert_fwd, self.expert_bwd, self.dispatch = [0] * count, [0] * count, [0] * count
+        self.expert_saved: list[set] = [set() for _ in range(count)]
+        self.expert_mark = 0
 
     def _linear_roles(self) -> dict[int, str]:
         """id(module) -> "column" | "row" | "region" for the Linears a block split names."""
@@ -178,7 +192,41 @@ class _Recorder:
                 for sub in root.modules():
                     handles.append(sub.register_forward_pre_hook(self._push))
                     handles.append(sub.register_forward_hook(self._pop, always_call=True))
+            for name in group.expert_modules:
+                experts = group.modules[0].get_submodule(name)
+                handles.append(experts.register_forward_pre_hook(self._expert_start(index)))
+                handles.append(experts.register_forward_hook(self._expert_end(index)))
         return handles
+
+    def _total(self) -> int:
+        return self.counter.get_total_flops() if self.counter is not None else 0
+
+    def _expert_start(self, index: int):
+        import torch
+
+        def hook(module, args):
+            self.expert_mark = self._total()
+            self.dispatch[index] += _tensor_bytes(args)[0]
+            tokens = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if tokens is not None and torch.is_grad_enabled():
+                # backward through the experts ends when the dispatched tokens' gradient is ready
+                tokens.register_hook(lambda grad: self._add_expert_bwd(index))
+        return hook
+
+    def _expert_end(self, index: int):
+        import torch
+
+        def hook(module, args, output):
+            self.expert_fwd[index] += self._total() - self.expert_mark
+            if isinstance(output, torch.Tensor) and output.requires_grad and torch.is_grad_enabled():
+                output.register_hook(self._mark_expert_bwd)
+        return hook
+
+    def _mark_expert_bwd(self, grad) -> None:
+        self.expert_mark = self._total()
+
+    def _add_expert_bwd(self, index: int) -> None:
+        self.expert_bwd[index] += self._total() - self.expert_mark
 
     def switch(self, index: int) -> None:
         """Close the running layer's FLOP interval at the counter's total; `index` runs next."""
@@ -232,7 +280,12 @@ class _Recorder:
             self.alive.append(tensor)
         if key in self.param_keys:
             return
-        self.saved[self.current].setdefault(key, (kind, nbytes))
+        saved = self.saved[self.current]
+        if key in saved:
+            return
+        saved[key] = (kind, nbytes)
+        if self.expert_ids and any(id(module) in self.expert_ids for module in self.stack):
+            self.expert_saved[self.current].add(key)
 
     def _classify(self, tensor) -> str:
         """"score" (s x s attention), "sharded" (inside the TP region) or "replicated".
@@ -305,7 +358,9 @@ class _Recorder:
                 act_tp_sharded_bytes=by_kind["sharded"], act_tp_replicated_bytes=by_kind["replicated"],
                 act_attn_score_bytes=by_kind["score"], input_bytes=self.inputs[index][0],
                 output_bytes=self.outputs[index], input_shapes=self.inputs[index][1],
-                called=index in self.order))
+                called=index in self.order, expert_fwd_flops=self.expert_fwd[index],
+                expert_bwd_flops=self.expert_bwd[index], dispatch_bytes=self.dispatch[index],
+                expert_act_bytes=sum(self.saved[index][key][1] for key in self.expert_saved[index])))
         return out
 
 
