@@ -1,132 +1,186 @@
-"""How close `estimate` comes to published, measured training throughput.
+"""How close `estimate` comes to published, measured training runs: fit sets and held-out apart.
 
-Every row is a configuration someone ran and reported, with its exact parallel layout:
+The runs and their sources are in `published_runs.py`. The efficiency fields of the GPU profiles
+are fitted on the fit sets only (`fit_efficiency.py`: Narayanan et al. 2021 Table 1 for A100,
+Llama 3 Table 4 for H100, NVIDIA's nccl-tests figures for the NICs); the held-out runs
+(Korthikanti et al. 2022 Table 5, MosaicML's MPT benchmarks, torchtitan's FSDP2 runs) never
+tuned anything. No run has its own correction.
 
-- Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters using
-  Megatron-LM" (SC21), Table 1: GPT 1.7B ... 1T on DGX A100 80GB (Selene), seq 2048, vocab
-  51200, full activation recomputation; micro-batch sizes and interleaving from the paper's
-  reproduction script (Megatron-LM examples/sc21/run_table_1.sh). The paper reports achieved
-  TFLOP/s per GPU counting recomputation, 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step; the
-  published step time is that over (GPUs x TFLOP/s).
-- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  Tables 3 and 5: 22B, 175B, 530B, 1T with sequence parallelism + selective recomputation, and
-  with full recomputation, measured iteration times on DGX A100 80GB.
-- Dubey et al. 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B on H100 (TP 8, PP 16,
-  DP 64 / 128, seq 8192, 16M tokens per batch), 430 / 400 model TFLOP/s per GPU (BF16 MFU 43% /
-  41%); the published step time is model FLOPs over (GPUs x TFLOP/s).
+Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [SUBSTRING]
 
-Run: python benchmarks/bench_fidelity.py. It prints predicted vs published step time and the
-error per row, and the mean absolute error. The efficiency fields of profiles/*.toml are the
-only knobs (documented there); no row has its own correction.
+For the fit sets and the held-out set, each grouped by source, it prints predicted vs published
+step time and the error per run (a run whose virtual-stage count is unpublished prints the
+spread over the options and is scored at their geometric mean), then mean and max |error| and
+the Spearman rank correlation of predicted against published throughput, per GPU in tokens/s and
+as MFU (the MFU ranking is the harder one: model size does not order it). Last, unless
+`--no-cv`, a cross-validated figure: each fit set split in two halves (alternate rows), fitted
+on one, scored on the other, both ways, averaged. `--brief` prints the summaries only.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
-SEQ, VOCAB = 2048, 51200
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
+from published_runs import (HELD_OUT, KORTHIKANTI_2022, LLAMA3_2024, MPT_SOURCE, NARAYANAN_2021,  # noqa: E402
+                            TORCHTITAN_A100, Run, all_runs, fit_runs)
 
 
 @dataclass(frozen=True)
-class Row:
-    source: str
-    spec: str
-    cluster: str
-    gpus: int
-    gbs: int
-    tp: int
-    pp: int
-    mbs: int
-    recompute: str
-    published_step_s: float  # 0: derive it from published_model_tflops
-    sp: bool = False
-    vpp: int = 1
-    seq: int = SEQ
-    zero: int = 0
-    attention: str = "math"  # Megatron-LM 2021/2022 ran unfused (non-flash) attention
-    published_model_tflops: float = 0.0  # per GPU, MFU convention
+class Scored:
+    run: Run
+    published_s: float
+    predicted_s: tuple[float, ...]   # one per virtual-stage option
+    fits: bool
+
+    @property
+    def error(self) -> float:
+        """Relative step-time error at the geometric mean over the options."""
+        logs = [math.log(p / self.published_s) for p in self.predicted_s]
+        return math.exp(sum(logs) / len(logs)) - 1
+
+    @property
+    def predicted_mean_s(self) -> float:
+        return self.published_s * (1 + self.error)
 
 
-def gpt(layers: int, hidden: int, heads: int) -> str:
-    return f"gpt:layers={layers},hidden={hidden},heads={heads},vocab={VOCAB}"
-
-
-def megatron_step_s(layers, hidden, gpus, gbs, tflops_per_gpu) -> float:
-    """Narayanan et al. eq. (3): FLOPs per step with full recomputation, over the achieved rate."""
-    flops = 96 * gbs * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
-    return flops / (gpus * tflops_per_gpu * 1e12)
-
-
-# (name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, layers per virtual stage or 0, TFLOP/s per GPU)
-NARAYANAN_TABLE_1 = [
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 0, 137), ("3.6B", 30, 3072, 32, 2, 1, 64, 512, 16, 0, 138),
-    ("7.5B", 36, 4096, 32, 4, 1, 128, 512, 16, 0, 142), ("18.4B", 40, 6144, 48, 8, 1, 256, 1024, 8, 0, 135),
-    ("39.1B", 48, 8192, 64, 8, 2, 512, 1536, 4, 0, 138), ("76.1B", 60, 10240, 80, 8, 4, 1024, 1792, 2, 5, 140),
-    ("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 2, 5, 148), ("310.1B", 96, 16384, 128, 8, 16, 1920, 2160, 1, 3, 155),
-    ("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 1, 1, 163), ("1T", 128, 25600, 160, 8, 64, 3072, 3072, 1, 0, 163),
-]
-# (name, layers, hidden, heads, tp, pp, gpus, gbs, full-recompute s, SP + selective s)
-KORTHIKANTI_TABLE_5 = [
-    ("22B", 48, 6144, 64, 8, 1, 8, 4, 1.42, 1.10), ("175B", 96, 12288, 96, 8, 8, 64, 64, 18.13, 13.75),
-    ("530B", 105, 20480, 128, 8, 35, 280, 280, 49.05, 37.83), ("1T", 128, 25600, 160, 8, 64, 512, 512, 94.42, 71.49),
-]
-
-
-def rows() -> list[Row]:
+def score(runs: Sequence[Run], clusters: dict[str, object]) -> list[Scored]:
     out = []
-    for name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, per_vstage, tflops in NARAYANAN_TABLE_1:
-        # Megatron's layers per virtual stage -> virtual stages per rank (embedding and head are
-        # extra layers here, so a chunk may hold one more).
-        vpp = layers // (pp * per_vstage) if per_vstage else 1
-        out.append(Row(f"Narayanan21 T1 {name}", gpt(layers, hidden, heads), "a100-80g", gpus,
-                       gbs, tp, pp, mbs, "full", megatron_step_s(layers, hidden, gpus, gbs, tflops), vpp=vpp))
-    for name, layers, hidden, heads, tp, pp, gpus, gbs, full_s, selective_s in KORTHIKANTI_TABLE_5:
-        out.append(Row(f"Korthikanti22 T5 {name} full", gpt(layers, hidden, heads), "a100-80g", gpus, gbs, tp, pp,
-                       1, "full", full_s))
-        out.append(Row(f"Korthikanti22 T5 {name} sp+sel", gpt(layers, hidden, heads), "a100-80g", gpus, gbs, tp,
-                       pp, 1, "selective", selective_s, sp=True))
-    # 16M tokens = 2048 sequences of 8192. FSDP without resharding parameters ~ ZeRO-1 here. The
-    # paper does not publish the virtual stages of its interleaved schedule; we assume 4 (the
-    # 8 layers of a rank in chunks of 2) for both rows.
-    for gpus, tflops in ((8192, 430), (16384, 400)):
-        out.append(Row(f"Llama3 T4 405B {gpus} GPUs", "llama3-405b", "h100-sxm", gpus, 2048, 8, 16, 1, "none",
-                       0.0, sp=True, vpp=4, seq=8192, zero=1, attention="flash", published_model_tflops=tflops))
+    for run in runs:
+        predictions = [predict(run, clusters[run.cluster], vpp) for vpp in run.vpp_options]
+        out.append(Scored(run, published_step_s(run), tuple(p.step_time_s for p in predictions),
+                          all(p.fits for p in predictions)))
     return out
 
 
-def predict(row: Row):
-    from meshplan.planner.simulation.estimator import estimate
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rho: Pearson's correlation of the ranks (ties share their mean rank)."""
+    def ranks(values):
+        values = np.asarray(values, dtype=float)
+        order = np.argsort(values, kind="stable")
+        rank = np.empty(len(values))
+        rank[order] = np.arange(len(values), dtype=float)
+        for value in np.unique(values):
+            tied = values == value
+            rank[tied] = rank[tied].mean()
+        return rank
+    if len(a) < 3:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
 
-    return estimate(row.spec, row.cluster, gpus=row.gpus, global_batch=row.gbs, seq=row.seq, tp=row.tp, pp=row.pp,
-                    mbs=row.mbs, zero=row.zero, recompute=row.recompute, sp=row.sp,
-                    schedule="interleaved" if row.vpp > 1 else "1f1b", vpp=row.vpp, attention=row.attention)
+
+def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
+    errors = [abs(s.error) for s in scored]
+    per_gpu_published = [s.run.tokens_per_step / s.published_s / s.run.gpus for s in scored]
+    per_gpu_predicted = [s.run.tokens_per_step / s.predicted_mean_s / s.run.gpus for s in scored]
+    # MFU = model FLOPs / (step x GPUs x peak); the FLOPs cancel in the ratio but not across runs.
+    def mfu(s: Scored, step_s: float) -> float:
+        graph = graph_of(s.run.spec, s.run.seq, s.run.attention)
+        peak = clusters[s.run.cluster].device.peak_flops("bf16")
+        return float(graph.fwd_flops + graph.bwd_flops) * s.run.global_batch / (step_s * s.run.gpus * peak)
+    mfu_published = [mfu(s, s.published_s) for s in scored]
+    mfu_predicted = [mfu(s, s.predicted_mean_s) for s in scored]
+    def rho(a, b) -> str:
+        value = spearman(a, b)
+        return "n/a (under 3 runs)" if math.isnan(value) else f"{value:.2f}"
+    return (f"{len(scored)} runs: mean |error| {np.mean(errors):.1%}, max {max(errors):.1%}, mean signed "
+            f"{np.mean([s.error for s in scored]):+.1%}; rank correlation tokens/s/GPU "
+            f"{rho(per_gpu_predicted, per_gpu_published)}, MFU {rho(mfu_predicted, mfu_published)}")
 
 
-def published_step_s(row: Row, prediction) -> float:
-    """Rows that publish model TFLOP/s per GPU: step = model FLOPs / (GPUs x rate)."""
-    if row.published_model_tflops:
-        model_flops = prediction.model_tflops_per_gpu * 1e12 * row.gpus * prediction.step_time_s
-        return model_flops / (row.gpus * row.published_model_tflops * 1e12)
-    return row.published_step_s
+def print_rows(scored: Sequence[Scored]) -> None:
+    print(f"  {'run':<44} {'gpus':>6} {'published s':>12} {'predicted s':>12} {'error':>8}  fits")
+    for s in scored:
+        spread = ""
+        if len(s.predicted_s) > 1:
+            options = ", ".join(f"vpp {v} {p / s.published_s - 1:+.1%}" for v, p in zip(s.run.vpp_options, s.predicted_s))
+            spread = f"  ({options})"
+        print(f"  {s.run.name:<44} {s.run.gpus:>6} {s.published_s:>12.3f} {s.predicted_mean_s:>12.3f} "
+              f"{s.error:>+8.1%}  {'yes' if s.fits else 'NO '}{spread}")
+
+
+SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "Llama 3 Table 4",
+                 KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
+                 TORCHTITAN_A100: "torchtitan FSDP2, 64 A100"}
+
+
+def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_cluster: bool = False) -> None:
+    print(f"\n== {title} ==")
+    groups: dict[str, list[Scored]] = {}
+    for s in scored:
+        key = SOURCE_LABELS[s.run.source] + (f" on {s.run.cluster}" if by_cluster else "")
+        groups.setdefault(key, []).append(s)
+    for key, members in groups.items():
+        print(f"{key}:")
+        if not brief:
+            print_rows(members)
+        print(f"  {summary(members, clusters)}")
+    if len(groups) > 1:
+        print(f"all {title}: {summary(scored, clusters)}")
+
+
+def cross_validated() -> None:
+    """Each fit set in two halves (alternate rows): fit on one, score the other, both ways. The
+    nccl-tests link fits are shared (they use no run); the H100 folds take A100's full fit."""
+    from dataclasses import replace
+
+    links = fit_links()
+    a100_runs, h100_runs = fit_runs("a100"), fit_runs("h100")
+    a100_full = fit_a100(a100_runs, links)
+    print("\n== cross-validated (fit on one half of a fit set, scored on the other, both ways) ==")
+    pooled = []
+    for label, runs in (("a100", a100_runs), ("h100", h100_runs)):
+        halves = (runs[0::2], runs[1::2])
+        errors = []
+        for train, test in (halves, halves[::-1]):
+            base = base_clusters(links)
+            if label == "a100":
+                values = fit_a100(train, links)
+                name = "a100-80g"
+            else:
+                values = fit_h100(train, links, a100_full)
+                name = "h100-sxm"
+            base[name] = replace(base[name], device=replace(base[name].device, **values))
+            errors += [abs(s.error) for s in score(test, base)]
+        pooled += errors
+        print(f"fit set {label}: held-out half mean |error| {np.mean(errors):.1%}, max {max(errors):.1%} "
+              f"over {len(errors)} runs")
+    print(f"both fit sets: mean |error| {np.mean(pooled):.1%}")
 
 
 def main(argv: list[str]) -> int:
-    only = argv[0] if argv else ""
-    errors = []
-    print(f"{'configuration':<34} {'gpus':>6} {'published s':>12} {'predicted s':>12} {'error':>8}  fits")
-    for row in rows():
-        if only and only not in row.source:
-            continue
-        start = time.perf_counter()
-        prediction = predict(row)
-        published = published_step_s(row, prediction)
-        error = prediction.step_time_s / published - 1
-        errors.append(abs(error))
-        print(f"{row.source:<34} {row.gpus:>6} {published:>12.3f} {prediction.step_time_s:>12.3f} {error:>+8.1%}  "
-              f"{'yes' if prediction.fits else 'NO'}   ({time.perf_counter() - start:.1f} s)", flush=True)
-    print(f"mean absolute step-time error over {len(errors)} rows: {sum(errors) / len(errors):.1%}; "
-          f"max {max(errors):.1%}")
+    from meshplan.planner.costing.hardware import load_cluster
+
+    brief, no_cv = "--brief" in argv, "--no-cv" in argv
+    only = next((a for a in argv if not a.startswith("--")), "")
+    start = time.perf_counter()
+    runs = [r for r in all_runs() if only in r.name]
+    clusters = {name: load_cluster(name) for name in sorted({r.cluster for r in runs})}
+    for fit_set in ("a100", "h100"):
+        members = [r for r in runs if r.group == fit_set]
+        if members:
+            report(f"fit set {fit_set} (tunes the profiles)", score(members, clusters), clusters, brief)
+    held = [r for r in runs if r.group == HELD_OUT]
+    if held:
+        scored = score(held, clusters)
+        report("held out (never tuned on)", scored, clusters, brief, by_cluster=True)
+        for family in ("a100", "h100"):
+            members = [s for s in scored if s.run.cluster.startswith(family)]
+            if members:
+                print(f"held out on {family.upper()}: {summary(members, clusters)}")
+    if not no_cv and not only:
+        cross_validated()
+    print(f"\n({time.perf_counter() - start:.0f} s)")
     return 0
 
 

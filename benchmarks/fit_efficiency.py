@@ -1,0 +1,325 @@
+"""Fit the efficiency fields of the GPU profiles on the named fit sets, and only on them.
+
+    python benchmarks/fit_efficiency.py            # print the fitted values
+    python benchmarks/fit_efficiency.py --write    # and write them into profiles/*.toml
+
+What is fitted, on what (the runs are in `published_runs.py`):
+
+- `[topology.inter_node] efficiency` of a100-80g and h100-sxm: on NVIDIA's published nccl-tests
+  all-reduce bus bandwidths (the `fabric` set), one figure each, solved exactly.
+- a100-80g `matmul_efficiency`, `matmul_half_efficiency_flops`,
+  `elementwise_bytes_per_activation_byte`: on Narayanan et al. 2021 Table 1 (fit set `a100`).
+- h100-sxm `matmul_efficiency`: on Llama 3 Table 4 (fit set `h100`), every unpublished
+  virtual-stage count weighed equally (two runs cannot carry more than one parameter).
+  Its `elementwise_bytes_per_activation_byte` is A100's (bytes the non-GEMM kernels move per
+  byte saved: a property of the kernels, not of the silicon) and its
+  `matmul_half_efficiency_flops` is A100's scaled by the ratio of bf16 peaks (the same fixed
+  time per GEMM on a faster device is worth proportionally more FLOPs).
+
+The objective is the sum of squared log step-time errors, log(predicted / published), over the
+fit set, minimised by a bounded Levenberg-Marquardt in [0, 1]-scaled coordinates (log-scaled for
+`matmul_half_efficiency_flops`) with a forward-difference Jacobian. Deterministic; the
+predictions go through the same simulator as `meshplan estimate`, with each model's graph
+computed once.
+
+Copies: a100-40g takes a100-80g's fitted fields (the same A100 silicon and DGX fabric; only the
+HBM differs, which the profile's own bandwidth figure carries); h200 takes h100-sxm's (H100
+silicon with more, faster HBM; same NICs).
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from published_runs import FABRIC_RUNS, FabricRun, Run, fit_runs  # noqa: E402
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+FIT_NOTE = "fitted on {what} by benchmarks/fit_efficiency.py"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One fitted field: `section` "device" or "inter_node", bounded, optionally log-scaled;
+    `start` is where the solver begins (fixed, so a fit does not depend on the shipped value)."""
+
+    field: str
+    lower: float
+    upper: float
+    start: float
+    section: str = "device"
+    log: bool = False
+
+    def to_unit(self, value: float) -> float:
+        if self.log:
+            return (math.log(value) - math.log(self.lower)) / (math.log(self.upper) - math.log(self.lower))
+        return (value - self.lower) / (self.upper - self.lower)
+
+    def from_unit(self, unit: float) -> float:
+        unit = min(1.0, max(0.0, unit))
+        if self.log:
+            return math.exp(math.log(self.lower) + unit * (math.log(self.upper) - math.log(self.lower)))
+        return self.lower + unit * (self.upper - self.lower)
+
+
+A100_PARAMS = (Param("matmul_efficiency", 0.4, 0.95, 0.7),
+               Param("matmul_half_efficiency_flops", 1e8, 3e10, 3e9, log=True),
+               Param("elementwise_bytes_per_activation_byte", 0.5, 6.0, 2.0))
+H100_PARAMS = (Param("matmul_efficiency", 0.3, 0.95, 0.6),)
+LINK_PARAM = Param("efficiency", 0.5, 1.0, 0.9, section="inter_node")
+
+
+def with_values(cluster, values: dict[Param, float]):
+    """The cluster with `values` set (device fields or the inter-node link)."""
+    device = {p.field: v for p, v in values.items() if p.section == "device"}
+    link = {p.field: v for p, v in values.items() if p.section == "inter_node"}
+    if device:
+        cluster = replace(cluster, device=replace(cluster.device, **device))
+    if link:
+        cluster = replace(cluster, inter_node=replace(cluster.inter_node, **link))
+    return cluster
+
+
+# ------------------------------------------------------------------------------------------------
+# Predictions
+
+
+@lru_cache(maxsize=None)
+def graph_of(spec: str, seq: int, attention: str):
+    from meshplan.planner.profiling.profiler import profile
+
+    return profile(spec, seq, batch=1, dtype="bf16", attention=attention)
+
+
+def predict(run: Run, cluster, vpp: int):
+    """The simulator's prediction of `run` on `cluster` with `vpp` virtual stages."""
+    from meshplan.planner.simulation.estimator import make_config
+    from meshplan.planner.simulation.estimator import predict as predict_config
+
+    graph = graph_of(run.spec, run.seq, run.attention)
+    config = make_config(graph, cluster, run.gpus, run.global_batch, tp=run.tp, pp=run.pp, mbs=run.mbs,
+                         zero=run.zero, recompute=run.recompute, sp=run.sp,
+                         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision="bf16-mixed")
+    return predict_config(graph, cluster, config)
+
+
+def published_step_s(run: Run) -> float:
+    """The published step time, or the one its published throughput implies."""
+    if run.published_step_s:
+        return run.published_step_s
+    if run.published_tokens_per_s:
+        return run.tokens_per_step / run.published_tokens_per_s
+    graph = graph_of(run.spec, run.seq, run.attention)
+    model_flops = float(graph.fwd_flops + graph.bwd_flops) * run.global_batch
+    return model_flops / (run.gpus * run.published_model_tflops_per_gpu * 1e12)
+
+
+def log_errors(run: Run, cluster) -> list[float]:
+    """log(predicted / published) step time, one per virtual-stage option."""
+    published = published_step_s(run)
+    return [math.log(predict(run, cluster, vpp).step_time_s / published) for vpp in run.vpp_options]
+
+
+def residuals(runs: Sequence[Run], clusters: dict[str, object]) -> np.ndarray:
+    """Every run's log errors, a run with k options weighed 1/sqrt(k) per option (1 in total)."""
+    out = []
+    for run in runs:
+        errors = log_errors(run, clusters[run.cluster])
+        out.extend(error / math.sqrt(len(errors)) for error in errors)
+    return np.asarray(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Solver
+
+
+def least_squares(residual_fn: Callable[[np.ndarray], np.ndarray], start: np.ndarray, max_iter: int = 25,
+                  step: float = 1e-2, tol: float = 1e-7) -> np.ndarray:
+    """Bounded Levenberg-Marquardt on [0, 1]^n: minimise |residual_fn(u)|^2, u clipped to the box.
+    Forward differences of `step` (backward at the upper bound)."""
+    unit = np.clip(np.asarray(start, dtype=float), 0.0, 1.0)
+    res = residual_fn(unit)
+    cost, damping = float(res @ res), 1e-3
+    for _ in range(max_iter):
+        jac = np.empty((res.size, unit.size))
+        for j in range(unit.size):
+            delta = step if unit[j] + step <= 1.0 else -step
+            moved = unit.copy()
+            moved[j] += delta
+            jac[:, j] = (residual_fn(moved) - res) / delta
+        gradient, normal = jac.T @ res, jac.T @ jac
+        improved = False
+        while damping < 1e8:
+            lhs = normal + damping * np.diag(np.diag(normal) + 1e-9)
+            trial = np.clip(unit - np.linalg.solve(lhs, gradient), 0.0, 1.0)
+            trial_res = residual_fn(trial)
+            trial_cost = float(trial_res @ trial_res)
+            if trial_cost < cost:
+                improved, gain = True, cost - trial_cost
+                unit, res, cost, damping = trial, trial_res, trial_cost, max(damping / 3, 1e-9)
+                break
+            damping *= 4
+        if not improved or gain < tol * max(cost, 1e-12):
+            break
+    return unit
+
+
+def fit_params(runs: Sequence[Run], base: dict[str, object], params: Sequence[Param], cluster_name: str,
+               start: dict[Param, float] | None = None) -> dict[Param, float]:
+    """Values of `params` on `cluster_name` minimising the squared log errors of `runs`, from
+    `start` (default: each Param's own)."""
+    start = start or {p: p.start for p in params}
+    def residual_fn(unit: np.ndarray) -> np.ndarray:
+        values = {p: p.from_unit(u) for p, u in zip(params, unit)}
+        return residuals(runs, {**base, cluster_name: with_values(base[cluster_name], values)})
+
+    unit = least_squares(residual_fn, np.array([p.to_unit(start[p]) for p in params]))
+    return {p: p.from_unit(u) for p, u in zip(params, unit)}
+
+
+def fit_link(fabric: FabricRun, cluster) -> float:
+    """Inter-node efficiency at which the model's all-reduce reads the published bus bandwidth
+    (bisection: bus bandwidth rises with the efficiency)."""
+    from meshplan.planner.costing.collectives import bus_bandwidth_factor, collective_time_s
+
+    def busbw_gb_s(efficiency: float) -> float:
+        trial = with_values(cluster, {LINK_PARAM: efficiency})
+        seconds = collective_time_s("all_reduce", fabric.size_bytes, fabric.group, trial, stride=fabric.stride)
+        return bus_bandwidth_factor("all_reduce", fabric.group) * fabric.size_bytes / seconds / 1e9
+
+    low, high = LINK_PARAM.lower, LINK_PARAM.upper
+    if not busbw_gb_s(low) < fabric.busbw_gb_s < busbw_gb_s(high):
+        raise ValueError(f"{fabric.source}: {fabric.busbw_gb_s} GB/s is outside what efficiencies {low}-{high} "
+                         f"give ({busbw_gb_s(low):.0f}-{busbw_gb_s(high):.0f} GB/s); the figure does not identify it")
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if busbw_gb_s(mid) < fabric.busbw_gb_s else (low, mid)
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class FitResult:
+    link_efficiency: dict[str, float]      # profile -> inter_node efficiency
+    a100: dict[str, float]                 # device field -> value
+    h100: dict[str, float]
+
+
+def base_clusters(link_efficiency: dict[str, float]) -> dict[str, object]:
+    """a100-80g and h100-sxm as shipped, with the given inter-node efficiencies."""
+    from meshplan.planner.costing.hardware import load_cluster
+
+    return {name: with_values(load_cluster(name), {LINK_PARAM: link_efficiency[name]})
+            for name in ("a100-80g", "h100-sxm")}
+
+
+def fit_links() -> dict[str, float]:
+    from meshplan.planner.costing.hardware import load_cluster
+
+    return {f.cluster: fit_link(f, load_cluster(f.cluster)) for f in FABRIC_RUNS}
+
+
+def fit_a100(runs: Sequence[Run], link_efficiency: dict[str, float]) -> dict[str, float]:
+    base = base_clusters(link_efficiency)
+    return {p.field: v for p, v in fit_params(runs, base, A100_PARAMS, "a100-80g").items()}
+
+
+def fit_h100(runs: Sequence[Run], link_efficiency: dict[str, float], a100: dict[str, float]) -> dict[str, float]:
+    base = base_clusters(link_efficiency)
+    peak_ratio = base["h100-sxm"].device.peak_flops("bf16") / base["a100-80g"].device.peak_flops("bf16")
+    fixed = {"elementwise_bytes_per_activation_byte": a100["elementwise_bytes_per_activation_byte"],
+             "matmul_half_efficiency_flops": a100["matmul_half_efficiency_flops"] * peak_ratio}
+    base["h100-sxm"] = replace(base["h100-sxm"], device=replace(base["h100-sxm"].device, **fixed))
+    fitted = fit_params(runs, base, H100_PARAMS, "h100-sxm")
+    return {**fixed, **{p.field: v for p, v in fitted.items()}}
+
+
+def fit_all() -> FitResult:
+    """The whole fit on the fit sets: fabric, then A100, then H100 (which takes A100's values)."""
+    links = fit_links()
+    a100 = fit_a100(fit_runs("a100"), links)
+    return FitResult(links, a100, fit_h100(fit_runs("h100"), links, a100))
+
+
+def rounded(result: FitResult) -> FitResult:
+    """Values as written to the profiles (3 significant digits)."""
+    def r3(value: float) -> float:
+        return float(f"{value:.3g}")
+    return FitResult({k: r3(v) for k, v in result.link_efficiency.items()},
+                     {k: r3(v) for k, v in result.a100.items()}, {k: r3(v) for k, v in result.h100.items()})
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing the profiles
+
+A100_NOTE = "Narayanan 2021 T1"
+H100_NOTE = "Llama 3 T4"
+
+
+def format_value(value: float) -> str:
+    text = f"{value:.3g}"
+    mantissa, e, exponent = text.partition("e")
+    return f"{mantissa}e{int(exponent)}" if e else text
+
+
+def set_field(text: str, section: str, key: str, value: float, comment: str) -> str:
+    """`text` (a profile's TOML) with `key = value  # comment` in table `[section]`."""
+    header = re.search(rf"^\[{re.escape(section)}\]\s*$", text, flags=re.M)
+    if header is None:
+        raise ValueError(f"no [{section}] table")
+    end = re.search(r"^\[", text[header.end():], flags=re.M)
+    stop = header.end() + (end.start() if end else len(text) - header.end())
+    body = text[header.end():stop]
+    pattern = re.compile(rf"^{re.escape(key)}\s*=.*$", flags=re.M)
+    if not pattern.search(body):
+        raise ValueError(f"no {key} in [{section}]")
+    line = f"{key} = {format_value(value)}"
+    line = f"{line:<37} # {comment}"
+    return text[:header.end()] + pattern.sub(lambda _: line, body, count=1) + text[stop:]
+
+
+def write_profiles(result: FitResult, profiles_dir: Path = PROFILES_DIR) -> None:
+    """Fitted values into the four GPU profiles; each line's comment names its fit set. The
+    comment blocks above them (sources, copies) are the profiles' own."""
+    plans = {"a100-80g": ("a100-80g", result.a100), "a100-40g": ("a100-80g", result.a100),
+             "h100-sxm": ("h100-sxm", result.h100), "h200": ("h100-sxm", result.h100)}
+    for name, (source, device) in plans.items():
+        path = profiles_dir / f"{name}.toml"
+        text = path.read_text()
+        for key, value in device.items():
+            what = A100_NOTE if source == "a100-80g" or key != "matmul_efficiency" else H100_NOTE
+            text = set_field(text, "device", key, value, FIT_NOTE.format(what=what))
+        text = set_field(text, "topology.inter_node", "efficiency", result.link_efficiency[source],
+                         FIT_NOTE.format(what="nccl-tests"))
+        path.write_text(text)
+
+
+def describe(result: FitResult) -> str:
+    lines = ["inter-node link efficiency (fabric set): "
+             + ", ".join(f"{k} {v:.3f}" for k, v in result.link_efficiency.items())]
+    for label, values in (("a100-80g (fit set a100)", result.a100), ("h100-sxm (fit set h100)", result.h100)):
+        lines.append(f"{label}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    import time
+
+    start = time.perf_counter()
+    result = fit_all()
+    print(describe(result))
+    print(f"({time.perf_counter() - start:.0f} s)")
+    if "--write" in argv:
+        write_profiles(rounded(result))
+        print(f"written to {', '.join(f'{n}.toml' for n in ('a100-80g', 'a100-40g', 'h100-sxm', 'h200'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,267 @@
+"""Published, measured training runs meshplan is judged on, split into fit sets and a held-out set.
+
+Only the fit sets may tune the efficiency fields of `profiles/*.toml` (`fit_efficiency.py`); the
+held-out runs are never looked at by a fit. Every run carries its source and the settings its
+source does not publish, as assumptions.
+
+Fit sets:
+- `a100`: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+  Using Megatron-LM" (SC21, arXiv:2104.04473), Table 1.
+- `h100`: Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4, the two
+  rows without context parallelism. The Megatron-LM README's H100 weak-scaling table (GPT 2B to
+  462B on up to 6144 H100s) would belong here, but the README publishes it only as an image
+  (`images/model_table.png`); its per-model settings and TFLOP/s could not be transcribed from
+  a text source reliably, so it is not used.
+- `fabric`: NVIDIA's published nccl-tests all-reduce bus bandwidths (one row per profile), which
+  fit each profile's inter-node link efficiency.
+
+Held out:
+- Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (arXiv:2205.05198), Table 5 (A100 80GB).
+- MosaicML llm-foundry's MPT training benchmarks (`data/mpt_llm_foundry.csv`): FSDP (ZeRO-3)
+  on A100 40GB, A100 80GB and H100 80GB, every BF16 row.
+- torchtitan's Llama 2 / Llama 3 FSDP2 figures on 64 A100 80GB (`docs/performance.md`), the rows
+  whose activation checkpointing meshplan expresses (none or full).
+
+Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
+torchtitan's H100 tables (H100 96 GB HBM2e at a 500 W power cap, whose peak torchtitan itself
+does not know, plus Float8 / torch.compile in most rows); torchtitan's "selective op" and
+"selective layer" checkpointing (not meshplan's selective recomputation); MPT FP8 rows.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+FIT_SETS = ("a100", "h100")
+HELD_OUT = "held-out"
+
+NARAYANAN_2021 = ("Narayanan et al. 2021 (SC21, arXiv:2104.04473), Table 1; micro-batch sizes and "
+                  "interleaving from Megatron-LM examples/sc21/run_table_1.sh")
+KORTHIKANTI_2022 = "Korthikanti et al. 2022 (arXiv:2205.05198), Table 5"
+LLAMA3_2024 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
+MPT_SOURCE = ("MosaicML llm-foundry scripts/train/benchmarking/README.md "
+              "(commit 061f2c7ce64e655100286584a7629e2a09f827ba)")
+TORCHTITAN_A100 = ("torchtitan docs/performance.md, Llama 2 / Llama 3 on 64 A100 80GB with FSDP2 "
+                   "(commit 041336434916bdc0f88c1f89fda176fd3c2092e4)")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published configuration and what it measured.
+
+    Exactly one of `published_step_s`, `published_tokens_per_s` (whole job) and
+    `published_model_tflops_per_gpu` (MFU convention, attention counted in full) is set.
+    `vpp_options`: the virtual stages per rank; more than one when the source does not publish
+    it, and then a fit weighs every option equally and the benchmark prints the spread.
+    """
+
+    name: str
+    group: str                 # "a100" or "h100" (fit sets) or HELD_OUT
+    source: str
+    cluster: str
+    spec: str
+    gpus: int
+    global_batch: int
+    seq: int
+    tp: int = 1
+    pp: int = 1
+    mbs: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sp: bool = False
+    vpp_options: tuple[int, ...] = (1,)
+    attention: str = "flash"
+    published_step_s: float = 0.0
+    published_tokens_per_s: float = 0.0
+    published_model_tflops_per_gpu: float = 0.0
+    assumptions: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
+        if sum(value > 0 for value in published) != 1:
+            raise ValueError(f"{self.name}: set exactly one published figure, got {published}")
+        if not self.source:
+            raise ValueError(f"{self.name}: every run needs its source")
+        if self.group not in FIT_SETS + (HELD_OUT,):
+            raise ValueError(f"{self.name}: group {self.group!r} is none of {FIT_SETS + (HELD_OUT,)}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+
+@dataclass(frozen=True)
+class FabricRun:
+    """A published nccl-tests all-reduce: `busbw_gb_s` over `group` ranks `stride` apart."""
+
+    cluster: str
+    size_bytes: float
+    group: int
+    stride: int
+    busbw_gb_s: float
+    source: str
+
+
+# ------------------------------------------------------------------------------------------------
+# Fit set a100: Narayanan et al. 2021 Table 1 (DGX A100 80GB, Selene; seq 2048, vocab 51200,
+# full recomputation). The paper reports TFLOP/s per GPU counting recomputation,
+# 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs per step (its eq. 3); the step time is that over
+# (GPUs x TFLOP/s).
+SEQ_2048, VOCAB_51200 = 2048, 51200
+# (name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, layers per virtual stage or 0, TFLOP/s per GPU)
+NARAYANAN_TABLE_1 = [
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 0, 137), ("3.6B", 30, 3072, 32, 2, 1, 64, 512, 16, 0, 138),
+    ("7.5B", 36, 4096, 32, 4, 1, 128, 512, 16, 0, 142), ("18.4B", 40, 6144, 48, 8, 1, 256, 1024, 8, 0, 135),
+    ("39.1B", 48, 8192, 64, 8, 2, 512, 1536, 4, 0, 138), ("76.1B", 60, 10240, 80, 8, 4, 1024, 1792, 2, 5, 140),
+    ("145.6B", 80, 12288, 96, 8, 8, 1536, 2304, 2, 5, 148), ("310.1B", 96, 16384, 128, 8, 16, 1920, 2160, 1, 3, 155),
+    ("529.6B", 105, 20480, 128, 8, 35, 2520, 2520, 1, 1, 163), ("1T", 128, 25600, 160, 8, 64, 3072, 3072, 1, 0, 163),
+]
+MEGATRON_2021_ASSUMPTIONS = (
+    "unfused (math) attention, as Megatron-LM ran in 2021-2022",
+    "ZeRO 0: plain data parallelism with the gradient all-reduce",
+    "GPT-3 shape: learned positions, tied embedding, vocab 51200",
+)
+# (name, layers, hidden, heads, tp, pp, gpus, gbs, full-recompute s, SP + selective s)
+KORTHIKANTI_TABLE_5 = [
+    ("22B", 48, 6144, 64, 8, 1, 8, 4, 1.42, 1.10), ("175B", 96, 12288, 96, 8, 8, 64, 64, 18.13, 13.75),
+    ("530B", 105, 20480, 128, 8, 35, 280, 280, 49.05, 37.83), ("1T", 128, 25600, 160, 8, 64, 512, 512, 94.42, 71.49),
+]
+
+
+def gpt_spec(layers: int, hidden: int, heads: int, vocab: int = VOCAB_51200) -> str:
+    return f"gpt:layers={layers},hidden={hidden},heads={heads},vocab={vocab}"
+
+
+def megatron_step_s(layers: int, hidden: int, gpus: int, gbs: int, tflops_per_gpu: float) -> float:
+    """Narayanan et al. eq. (3): FLOPs per step with full recomputation, over the achieved rate."""
+    seq, vocab = SEQ_2048, VOCAB_51200
+    flops = 96 * gbs * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return flops / (gpus * tflops_per_gpu * 1e12)
+
+
+def narayanan_runs() -> list[Run]:
+    runs = []
+    for name, layers, hidden, heads, tp, pp, gpus, gbs, mbs, per_vstage, tflops in NARAYANAN_TABLE_1:
+        # Megatron's layers per virtual stage -> virtual stages per rank (embedding and head are
+        # extra layers here, so a chunk may hold one more).
+        vpp = layers // (pp * per_vstage) if per_vstage else 1
+        runs.append(Run(f"Narayanan21 T1 {name}", "a100", NARAYANAN_2021, "a100-80g", gpt_spec(layers, hidden, heads),
+                        gpus, gbs, SEQ_2048, tp=tp, pp=pp, mbs=mbs, recompute="full", vpp_options=(vpp,),
+                        attention="math", published_step_s=megatron_step_s(layers, hidden, gpus, gbs, tflops),
+                        assumptions=MEGATRON_2021_ASSUMPTIONS))
+    return runs
+
+
+def korthikanti_runs() -> list[Run]:
+    assumptions = MEGATRON_2021_ASSUMPTIONS + (
+        "micro-batch 1 and no interleaving (Table 5 does not publish them)",
+        "published figure: the measured iteration time",
+    )
+    runs = []
+    for name, layers, hidden, heads, tp, pp, gpus, gbs, full_s, selective_s in KORTHIKANTI_TABLE_5:
+        spec = gpt_spec(layers, hidden, heads)
+        runs.append(Run(f"Korthikanti22 T5 {name} full", HELD_OUT, KORTHIKANTI_2022, "a100-80g", spec, gpus, gbs,
+                        SEQ_2048, tp=tp, pp=pp, recompute="full", attention="math", published_step_s=full_s,
+                        assumptions=assumptions))
+        runs.append(Run(f"Korthikanti22 T5 {name} sp+sel", HELD_OUT, KORTHIKANTI_2022, "a100-80g", spec, gpus, gbs,
+                        SEQ_2048, tp=tp, pp=pp, recompute="selective", sp=True, attention="math",
+                        published_step_s=selective_s, assumptions=assumptions))
+    return runs
+
+
+def llama3_runs() -> list[Run]:
+    """Table 4: TP 8, PP 16, seq 8192, 16M tokens per step (2048 sequences), BF16."""
+    assumptions = (
+        "interleaved 1F1B with 2, 4 or 8 virtual stages per rank (the paper uses an interleaved "
+        "schedule but does not publish the count; meshplan's 128 layers give 8 per rank, so those "
+        "are the even splits); fits weigh the three equally",
+        "micro-batch 1 (the paper's 'batch size per DP' is micro-batches per replica)",
+        "Meta's FSDP without resharding parameters ~ ZeRO-1 under pipelining",
+        "model TFLOP/s in meshplan's MFU convention (attention counted in full)",
+    )
+    return [Run(f"Llama3 T4 405B {gpus} GPUs", "h100", LLAMA3_2024, "h100-sxm", "llama3-405b", gpus, 2048, 8192,
+                tp=8, pp=16, zero=1, sp=True, vpp_options=(2, 4, 8), published_model_tflops_per_gpu=tflops,
+                assumptions=assumptions)
+            for gpus, tflops in ((8192, 430.0), (16384, 400.0))]
+
+
+# MPT shapes from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (layers, d_model, heads);
+# GPT-style blocks (no biases, ALiBi instead of learned positions, tied embedding, vocab 50368).
+# The `gpt:` spec keeps biases and a learned position table: its parameter count is within 0.1%
+# of the NumParams the tables print.
+MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
+              "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 56),
+              "70b": (80, 8192, 64)}
+MPT_VOCAB = 50368
+MPT_CLUSTERS = {"h100_80gb": "h100-sxm", "a100_80gb": "a100-80g", "a100_40gb": "a100-40g"}
+
+
+def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv") -> list[Run]:
+    assumptions = (
+        "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing = full recomputation",
+        "flash attention (llm-foundry's triton kernel), causal",
+        "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",
+    )
+    runs = []
+    with path.open() as handle:
+        for row in csv.DictReader(line for line in handle if not line.startswith("#")):
+            layers, hidden, heads = MPT_SHAPES[row["model"]]
+            gpus, mbs, accum, gbs = (int(row[k]) for k in ("gpus", "mbs", "grad_accum", "gbs"))
+            if gbs != gpus * mbs * accum:
+                raise ValueError(f"{path}: {row} has global batch {gbs} != gpus x mbs x accumulation")
+            name = f"MPT {row['model']} {row['table']} s{row['seq']} x{gpus} mbs{mbs}"
+            runs.append(Run(name, HELD_OUT, MPT_SOURCE, MPT_CLUSTERS[row["table"]],
+                            gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
+                            recompute="full" if row["activation_checkpointing"] == "True" else "none",
+                            published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions))
+    return runs
+
+
+LLAMA2_13B = "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000"
+LLAMA2_70B = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000"
+
+
+def torchtitan_runs() -> list[Run]:
+    """64 A100 80GB, FSDP2 (ZeRO-3) over all 64, local batch = micro-batch (no accumulation).
+    WPS is tokens per second per GPU."""
+    assumptions = (
+        "FSDP2 fully_shard = ZeRO-3 over the 64 GPUs, no gradient accumulation",
+        "Meta's A100 fabric costed as DGX A100 (8 x 200 Gb/s rails per node)",
+        "SDPA flash attention, causal; no torch.compile",
+    )
+    rows = [("Llama3 70B bs1 full", "llama3-70b", 8192, 1, "full", 331.0),
+            ("Llama2 13B bs2 none", LLAMA2_13B, 4096, 2, "none", 2162.0),
+            ("Llama2 70B bs2 full", LLAMA2_70B, 4096, 2, "full", 353.0)]
+    return [Run(f"torchtitan {name}", HELD_OUT, TORCHTITAN_A100, "a100-80g", spec, 64, 64 * mbs, seq, mbs=mbs,
+                zero=3, recompute=recompute, published_tokens_per_s=wps * 64, assumptions=assumptions)
+            for name, spec, seq, mbs, recompute, wps in rows]
+
+
+# Fabric fit set: NVIDIA's NCCL team's published all-reduce bus bandwidths at large sizes.
+FABRIC_RUNS = [
+    # "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure 192GB/s AllReduce
+    # BusBW" (github.com/NVIDIA/nccl/issues/812, 2023-03-31): 4 nodes, 8 GiB.
+    FabricRun("a100-80g", 2**33, 32, 1, 192.0, "github.com/NVIDIA/nccl/issues/812"),
+    # "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (github.com/NVIDIA/nccl-tests/issues/290,
+    # 2025-03-03): a per-NIC figure, so it is fitted as what one NIC carries, a group of one GPU
+    # per node (8 nodes, stride 8) at 47 GB/s. (A full-node group's ring is capped by NVLink's
+    # 360 GB/s in meshplan's model, below 8 x 47, so it cannot identify the NIC's efficiency.)
+    FabricRun("h100-sxm", 2**33, 8, 8, 47.0, "github.com/NVIDIA/nccl-tests/issues/290"),
+]
+
+
+def all_runs() -> list[Run]:
+    return narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs()
+
+
+def fit_runs(fit_set: str) -> list[Run]:
+    if fit_set not in FIT_SETS:
+        raise ValueError(f"unknown fit set {fit_set!r}; known: {', '.join(FIT_SETS)}")
+    return [run for run in all_runs() if run.group == fit_set]
+
+
+def held_out_runs() -> list[Run]:
+    return [run for run in all_runs() if run.group == HELD_OUT]

@@ -1,0 +1,117 @@
+"""The published runs behind the accuracy figures, and the efficiency fit, without the benchmark.
+
+`benchmarks/published_runs.py` keeps the fit sets (the only runs that may tune a profile) apart
+from the held-out runs; `benchmarks/fit_efficiency.py` fits the profiles on them. These tests
+check the data's bookkeeping and that the fit's objective and solver recover an efficiency that
+a synthetic case was generated with; the full fit and `bench_fidelity.py` are benchmarks.
+"""
+import importlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def modules():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("published_runs"), importlib.import_module("fit_efficiency")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def configuration(run):
+    return (run.spec, run.cluster, run.gpus, run.global_batch, run.seq, run.tp, run.pp, run.mbs, run.zero,
+            run.recompute, run.sp, run.vpp_options)
+
+
+def test_fit_sets_and_held_out_are_disjoint(modules):
+    data, _ = modules
+    fit = data.fit_runs("a100") + data.fit_runs("h100")
+    held = data.held_out_runs()
+    assert len(fit) == 12 and len(held) > 100
+    assert not {r.name for r in fit} & {r.name for r in held}
+    assert not {configuration(r) for r in fit} & {configuration(r) for r in held}
+    assert not {r.source for r in fit} & {r.source for r in held}  # no source is split between them
+    assert len({r.name for r in fit + held}) == len(fit + held)  # names identify runs
+
+
+def test_every_run_has_a_source_a_profile_and_one_published_figure(modules):
+    data, _ = modules
+    profiles = set(builtin_profiles())
+    for run in data.all_runs():
+        assert run.source and run.assumptions, run.name
+        assert run.cluster in profiles, run.name
+        figures = [run.published_step_s, run.published_tokens_per_s, run.published_model_tflops_per_gpu]
+        assert sum(f > 0 for f in figures) == 1, run.name
+    for fabric in data.FABRIC_RUNS:
+        assert fabric.source and fabric.cluster in profiles and fabric.busbw_gb_s > 0
+
+
+def test_a_run_without_source_or_with_two_figures_is_refused(modules):
+    data, _ = modules
+    kwargs = dict(name="x", group=data.HELD_OUT, source="somewhere", cluster="a100-80g", spec="gpt2", gpus=8,
+                  global_batch=8, seq=1024, published_step_s=1.0)
+    data.Run(**kwargs)
+    with pytest.raises(ValueError, match="source"):
+        data.Run(**{**kwargs, "source": ""})
+    with pytest.raises(ValueError, match="exactly one"):
+        data.Run(**kwargs, published_tokens_per_s=5.0)
+    with pytest.raises(ValueError, match="group"):
+        data.Run(**{**kwargs, "group": "mpt"})
+
+
+def test_mpt_table_transcription_is_consistent(modules):
+    """Every transcribed MPT row: global batch = GPUs x micro-batch x accumulation (the loader
+    refuses others) and the shapes give the parameter count the tables print (0.1%)."""
+    data, fit = modules
+    runs = data.mpt_runs()
+    assert len(runs) == 191
+    graph = fit.graph_of(data.gpt_spec(80, 8192, 64, data.MPT_VOCAB), 2048, "flash")
+    assert sum(layer.num_params for layer in graph.layers) == pytest.approx(64862437376, rel=1e-3)
+
+
+def test_least_squares_recovers_a_box_constrained_minimum(modules):
+    _, fit = modules
+    unit = fit.least_squares(lambda u: np.array([u[0] - 0.3, 2 * (u[1] - 0.7)]), np.array([0.9, 0.1]))
+    assert unit == pytest.approx([0.3, 0.7], abs=1e-4)
+    clipped = fit.least_squares(lambda u: np.array([u[0] - 1.5]), np.array([0.5]))  # optimum outside
+    assert clipped == pytest.approx([1.0])
+
+
+def test_fit_recovers_a_known_matmul_efficiency(modules):
+    """Published step times generated with matmul_efficiency 0.6 (and elementwise 3.0): the fit,
+    started from the shipped values, finds them again from the log step-time errors."""
+    data, fit = modules
+    truth = {fit.A100_PARAMS[0]: 0.6, fit.A100_PARAMS[2]: 3.0}
+    true_cluster = fit.with_values(load_cluster("a100-80g"), truth)
+    runs = []
+    for layers, hidden, heads, tp, mbs in ((4, 1024, 16, 1, 4), (4, 2048, 16, 2, 2), (2, 4096, 32, 8, 1)):
+        run = data.Run(f"synthetic {hidden}", "a100", "synthetic", "a100-80g", data.gpt_spec(layers, hidden, heads),
+                       16, 64, 1024, tp=tp, mbs=mbs, recompute="full", published_step_s=1.0)
+        runs.append(replace(run, published_step_s=fit.predict(run, true_cluster, 1).step_time_s))
+    base = {"a100-80g": load_cluster("a100-80g")}
+    params = (fit.A100_PARAMS[0], fit.A100_PARAMS[2])
+    start = {p: getattr(base["a100-80g"].device, p.field) for p in params}
+    fitted = fit.fit_params(runs, base, params, "a100-80g", start)
+    assert fitted[params[0]] == pytest.approx(0.6, rel=1e-3)
+    assert fitted[params[1]] == pytest.approx(3.0, rel=1e-2)
+    assert np.abs(fit.residuals(runs, {"a100-80g": fit.with_values(base["a100-80g"], fitted)})).max() < 1e-3
+
+
+def test_set_field_rewrites_one_value_in_its_table(modules):
+    _, fit = modules
+    text = "[device]\nmatmul_efficiency = 0.7   # old\n\n[topology.inter_node]\nefficiency = 0.85\n"
+    out = fit.set_field(text, "topology.inter_node", "efficiency", 0.9661, "fitted")
+    assert "efficiency = 0.966" in out and "matmul_efficiency = 0.7   # old" in out
+    out = fit.set_field(out, "device", "matmul_efficiency", 4.25e9, "fitted")
+    assert "matmul_efficiency = 4.25e9" in out and out.count("# fitted") == 2
+    with pytest.raises(ValueError, match="no bogus"):
+        fit.set_field(text, "device", "bogus", 1.0, "x")
