@@ -25,22 +25,34 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
         raise MeshplanError(f"this plan is not executable{reason}: it uses per-layer degrees outside the executor's "
                             "space; re-plan without --layerwise")
     if world_size != cfg.gpus:
-        raise MeshplanError(f"the plan needs {cfg.gpus} processes (pp {cfg.pp} x dp {cfg.dp} x tp {cfg.tp}) but "
+        raise MeshplanError(f"the plan needs {cfg.gpus} processes (pp {cfg.pp} x dp {cfg.dp}"
+                            f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x tp {cfg.tp}) but "
                             f"{world_size} were asked for; use --nproc {cfg.gpus}"
                             + (f" or re-plan with --gpus {world_size}" if world_size > 0 else ""))
-    if executed_zero(cfg.zero, cfg.dp, cfg.pp) != cfg.zero:
+    if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp) != cfg.zero:
         raise MeshplanError(f"ZeRO-{cfg.zero} with pipeline parallelism (pp {cfg.pp}, dp {cfg.dp}) runs as ZeRO-1: "
                             "torch's pipeline schedules defer gradient sync and resharding to the last "
                             "micro-batch; set zero to 1 (meshplan plan no longer offers this combination)")
     from meshplan.planner.models.registry import build_model
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
+    if cfg.cp > 1:
+        _check_cp(plan, built)
     if built.config is None:
         check_file_plan(plan, built)
         check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
         return
     check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
     _check_tp(plan, built.config)
+
+
+def _check_cp(plan: Plan, built) -> None:
+    if built.config is None:
+        raise MeshplanError(f"context parallelism (cp {plan.config.cp}) needs a zoo transformer whose attention "
+                            "meshplan can split over the sequence; file and Hugging Face models train with cp 1")
+    if plan.model.seq % (2 * plan.config.cp):
+        raise MeshplanError(f"cp {plan.config.cp} cuts each sequence into {2 * plan.config.cp} chunks; sequence "
+                            f"length {plan.model.seq} is not divisible by {2 * plan.config.cp}")
 
 
 def _check_tp(plan: Plan, model_cfg) -> None:

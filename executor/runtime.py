@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshplan.executor.parallel.context import apply_cp
 from meshplan.executor.parallel.data import apply_dp
 from meshplan.executor.parallel.recompute import apply_recompute
 from meshplan.executor.parallel.stages import materialize, split_stages
@@ -76,8 +77,10 @@ class Runtime:
     norm_weights: tuple  # (param, 1 / how many ranks hold the same gradient values)
     schedule: Any = None  # pipeline schedule when pp > 1
     tied_group: Any = None  # (first stage, last stage) group for a tied embedding split by PP
+    tied_local: bool = False  # a tied embedding's two copies both on this rank (V-shaped pipelines)
     loss_fn: Any = None  # file and HF models: loss_fn(output, micro); None: the zoo's next-token loss
     forward_fn: Any = None  # file and HF models: forward_fn(module, micro) -> output
+    cp_rank: int = 0  # context-parallel rank: which chunks of every sequence this rank holds
 
     @property
     def holds_last_chunk(self) -> bool:
@@ -103,16 +106,20 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     cfg = plan.config
     mesh, dp_mesh = _device_meshes(device, cfg)
     pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(name) for name in ("pp", "dp", "tp"))
+    cp_rank = mesh.get_local_rank("cp") if cfg.cp > 1 else 0
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     if built.config is None:
         return _build_file_runtime(plan, device, hp, seed, mesh, dp_mesh)
     tied = bool(built.config.tied_embeddings)
-    chunk_ids = tuple(range(pp_rank, cfg.num_model_chunks, cfg.pp))
+    chunk_ids = cfg.chunks_of_rank(pp_rank)  # V-shaped schedules: (rank, 2 pp - 1 - rank)
     stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
     recompute = {layer.name: layer.recompute for layer in plan.layers}
     if cfg.tp > 1:
         for stage in stages:
             apply_tp(stage, mesh["tp"], cfg.sp, recompute)
+    if cfg.cp > 1:
+        for stage in stages:
+            apply_cp(stage, mesh["cp"], plan.model.seq)
     template = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta").module
     materialize(stages, template, seed, device, tied)
     for stage in stages:
@@ -121,18 +128,20 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
         for name in stage.layer_names:
             if name != "embed":
                 apply_recompute(stage.layer(name), recompute[name])
-    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
+    method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
     mp_policy = _mixed_precision(stages, cfg.precision, method)
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)
     schedule = tied_group = None
     if cfg.pp > 1:
         schedule = _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, built.loss_fn)
-        if tied:
-            tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp)
+        if tied and cfg.rank_of_chunk(cfg.num_model_chunks - 1) != 0:  # a V keeps both copies on rank 0
+            tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.cp * cfg.tp)
     return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
                    chunk_ids=chunk_ids, stages=tuple(stages), modules=modules,
                    optimizers=tuple(_adamw(stage, hp) for stage in stages), dp_method=method,
-                   norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group)
+                   norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group,
+                   tied_local=tied and {0, cfg.num_model_chunks - 1} <= set(chunk_ids) and cfg.pp > 1,
+                   cp_rank=cp_rank)
 
 
 def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh, dp_mesh) -> Runtime:
@@ -205,7 +214,7 @@ def _norm_weights(stages, cfg, tied: bool) -> tuple:
                 # Shard or FSDP-over-TP's _StridedShard (whose is_shard() is False): distinct pieces
                 if not (placement.is_replicate() or placement.is_partial()):
                     num_shards *= param.device_mesh.size(dim)
-        copies = cfg.dp * cfg.tp / num_shards
+        copies = cfg.dp * cfg.cp * cfg.tp / num_shards
         if tied and cfg.pp > 1 and names.get(id(param)) in TIED_NAMES:
             copies *= 2
         weights.append((param, 1.0 / copies))
@@ -213,7 +222,7 @@ def _norm_weights(stages, cfg, tied: bool) -> tuple:
 
 
 def _device_meshes(device: torch.device, cfg):
-    """(the (pp, dp, tp) mesh, the mesh data parallelism shards over).
+    """(the (pp, dp, [cp,] tp) mesh, the mesh data parallelism reduces and shards over).
 
     HSDP splits dp into (dp_replicate, dp_shard), shard innermost so that a shard group is
     consecutive data-parallel ranks (inside a node when shard * tp fits one); FSDP2 takes that
@@ -223,16 +232,24 @@ def _device_meshes(device: torch.device, cfg):
     from torch.distributed.device_mesh import init_device_mesh
 
     if not cfg.shard_group:
-        mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
-        return mesh, mesh["dp"]
-    shape = (cfg.pp, cfg.dp // cfg.shard_group, cfg.shard_group, cfg.tp)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        if cfg.cp == 1:
+            mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+            return mesh, mesh["dp"]
+        # data parallelism (gradients, ZeRO) spans dp x cp, as in torchtitan's dp_shard_cp
+        mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        return mesh, mesh[("dp", "cp")]._flatten("dp_cp")
+    shape = (cfg.pp, cfg.dp // cfg.shard_group, cfg.shard_group, cfg.cp, cfg.tp)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    return mesh, mesh[("dp_replicate", "dp_shard")]
+    if cfg.cp == 1:
+        return mesh, mesh[("dp_replicate", "dp_shard")]
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    return mesh, mesh[("dp_replicate", "dp_shard_cp")]
 
 
 def _tied_group(mesh, pp: int, dp: int, tp: int):
-    """The two-rank group (first stage, last stage) at this rank's (dp, tp) coordinate."""
+    """The two-rank group (first stage, last stage) at this rank's (dp, tp) coordinate; `tp`
+    counts every rank inside a stage's data-parallel slot (cp x tp under context parallelism)."""
     ranks = mesh.mesh.reshape(pp, dp, tp)
     mine = None
     for dp_index in range(dp):  # every rank creates every group, in the same order
@@ -246,8 +263,9 @@ def _tied_group(mesh, pp: int, dp: int, tp: int):
 
 def _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
-                                                        ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                                        ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                        ScheduleZBVZeroBubble)
 
     group = mesh["pp"].get_group()
     stages = [PipelineStage(module, stage_index=chunk, num_stages=cfg.num_model_chunks, device=device,
@@ -256,8 +274,10 @@ def _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
     def stage_loss(logits, targets):
         return loss_fn(logits, (targets,))
 
-    if cfg.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
+    multi_chunk = {"interleaved": ScheduleInterleaved1F1B, "zb-interleaved": ScheduleInterleavedZeroBubble,
+                   "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
+    if cfg.schedule in multi_chunk:  # the V-shaped classes place chunks in a V themselves
+        return multi_chunk[cfg.schedule](stages, n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
     schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
     return schedule_class(stages[0], n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
 
@@ -277,6 +297,8 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
     _align_grad_placements(runtime)
     if runtime.tied_group is not None:
         _all_reduce_tied_grads(runtime)
+    elif runtime.tied_local:
+        _sum_local_tied_grads(runtime)
     grad_norm = clip_grad_norm(runtime, hp.max_grad_norm)
     if not math.isfinite(grad_norm):
         return loss, grad_norm  # NaN/inf gradients would poison the weights: leave them as they were
@@ -388,6 +410,21 @@ def _all_reduce_tied_grads(runtime: Runtime) -> None:
             if name in TIED_NAMES and param.grad is not None:
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                 dist.all_reduce(grad, group=runtime.tied_group)
+
+
+def _sum_local_tied_grads(runtime: Runtime) -> None:
+    """A V-shaped pipeline runs the first and the last chunk on rank 0: the tied embedding's two
+    copies are both here, and each gets the sum of their gradients."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [param.grad for stage in runtime.stages for name, param in stage.named_parameters()
+             if name in TIED_NAMES and param.grad is not None]
+    if len(grads) != 2:
+        return
+    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    total = local[0] + local[1]  # same shape and sharding: embedding and head are [vocab, hidden]
+    for grad in local:
+        grad.copy_(total)
 
 
 def clip_grad_norm(runtime: Runtime, max_norm: float) -> float:

@@ -202,7 +202,12 @@ def _replica_batch(runtime, source, step: int):
         batch = filemodel.global_batch(source, step, cfg.global_batch)
         return filemodel.replica_slice(batch, runtime.dp_rank, cfg.dp), None
     inputs, targets = data.global_batch(source, step, cfg.global_batch)
-    return data.replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
+    inputs, targets = data.replica_slice(inputs, targets, runtime.dp_rank, cfg.dp)
+    if cfg.cp > 1:  # this rank's load-balanced chunks of every sequence
+        from meshplan.executor.parallel.context import shard_sequence
+
+        inputs, targets = (shard_sequence(t, cfg.cp, runtime.cp_rank) for t in (inputs, targets))
+    return inputs, targets
 
 
 def _tracked_step(runtime, step, total_steps, inputs, targets, hp):
@@ -224,8 +229,8 @@ def _agree(runtime, loss, elapsed_s: float) -> tuple[float, float]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     values = torch.zeros(2 * world, dtype=torch.float64, device=runtime.device)
-    if loss is not None and runtime.tp_rank == 0:
-        values[rank] = float(loss) / runtime.plan.config.dp
+    if loss is not None and runtime.tp_rank == 0:  # CP ranks hold equal token counts: mean of means
+        values[rank] = float(loss) / runtime.plan.config.data_ranks
     values[world + rank] = elapsed_s
     dist.all_reduce(values)
     return float(values[:world].sum()), float(values[world:].max())

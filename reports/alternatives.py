@@ -47,7 +47,8 @@ def config_label(data: dict[str, Any]) -> str:
     else:
         name, mbs = schedule or "?", data.get("microbatch_size", "?")
         count, vpp = data.get("num_microbatches"), data.get("virtual_stages", 1)
-    text = f"pp{mesh.get('pp', '?')} dp{mesh.get('dp', '?')} tp{mesh.get('tp', '?')}, {name}"
+    cp = f" cp{mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
+    text = f"pp{mesh.get('pp', '?')} dp{mesh.get('dp', '?')}{cp} tp{mesh.get('tp', '?')}, {name}"
     if count:
         text += f" x{count}"
     text += f" (mbs {mbs})"

@@ -22,7 +22,8 @@ PRECISION_BYTES_PER_PARAM = {
 
 
 def _mesh_text(config) -> str:
-    return f"pp={config.pp} x dp={config.dp} x tp={config.tp}"
+    cp = f" x cp={config.cp} (each rank holds 1/{config.cp} of every sequence)" if config.cp > 1 else ""
+    return f"pp={config.pp} x dp={config.dp}{cp} x tp={config.tp}"
 
 
 def _schedule_text(config) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from meshplan.planner.contracts.config import SCHEDULES
 from meshplan.commands.common import GIB, add_job_arguments, moe_notes
 
 
@@ -19,6 +20,8 @@ def add_arguments(parser) -> None:
                         help="engine of --from FILE (default: guessed from the file)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (inside one node)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree: each of cp ranks holds 1/cp of every sequence")
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     parser.add_argument("--shard-group", type=int, default=None, metavar="N",
@@ -27,8 +30,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                         help="activation recomputation of the transformer blocks")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule")
-    parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--precision", default=None, choices=("bf16-mixed", "fp32"),
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
@@ -51,7 +54,7 @@ def run(args) -> int:
     prediction = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                           tp=args.tp, pp=args.pp, mbs=args.mbs, zero=args.zero, recompute=args.recompute,
                           sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                          attention=args.attention, shard_group=args.shard_group)
+                          attention=args.attention, shard_group=args.shard_group, cp=args.cp)
     if notes:
         print("\n".join(notes), file=sys.stderr)
     if args.json:
@@ -66,11 +69,13 @@ def run(args) -> int:
 def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
     step = prediction.step_time_s
-    dp = args.gpus // (args.tp * args.pp)
-    lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp} mbs={args.mbs} "
+    cp = getattr(args, "cp", 1)
+    dp = args.gpus // (args.tp * args.pp * cp)
+    lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp}"
+             + (f" cp={cp}" if cp > 1 else "") + f" mbs={args.mbs} "
              f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
              + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
-             + (f" vpp={args.vpp}" if args.schedule == "interleaved" else ""),
+             + (f" vpp={args.vpp}" if args.schedule in ("interleaved", "zb-interleaved") else ""),
              "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
+from meshplan.planner.contracts.config import SCHEDULES
 from meshplan.commands.common import GIB, add_job_arguments, moe_notes
 
 
@@ -16,14 +17,15 @@ def add_arguments(parser) -> None:
     pins.add_argument("--tp", type=int, default=None, help="tensor-parallel degree")
     pins.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     pins.add_argument("--dp", type=int, default=None, help="data-parallel degree")
+    pins.add_argument("--cp", type=int, default=None, help="context-parallel degree")
     pins.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
     pins.add_argument("--shard-group", type=int, default=None, metavar="N",
                       help="HSDP: shard ZeRO state over groups of N data-parallel ranks, replicate across them")
     pins.add_argument("--recompute", default=None, choices=("none", "selective", "full"),
                       help="recomputation of every transformer block")
     pins.add_argument("--sp", action="store_true", default=None, help="sequence parallelism on")
-    pins.add_argument("--schedule", default=None, choices=("1f1b", "gpipe", "interleaved"), help="pipeline schedule")
-    pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved)")
+    pins.add_argument("--schedule", default=None, choices=SCHEDULES, help="pipeline schedule")
+    pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     pins.add_argument("--mbs", type=int, default=None, help="micro-batch size")
     parser.add_argument("--train-tokens", type=float, default=None,
                         help="also print time to train on this many tokens and the GPU-hours")
@@ -93,7 +95,8 @@ def candidates_table(data: dict, train_tokens: float | None = None):
         pred, sched = entry["prediction"], entry["schedule"]
         row = {
             "#": rank,
-            "pp x dp x tp": f"{entry['mesh']['pp']}x{entry['mesh']['dp']}x{entry['mesh']['tp']}",
+            "pp x dp x cp x tp": (f"{entry['mesh']['pp']}x{entry['mesh']['dp']}x{entry['mesh'].get('cp', 1)}"
+                                  f"x{entry['mesh']['tp']}"),
             "sp": "on" if entry["sp"] else "",
             "schedule": sched["name"] + (f" x{sched['virtual_stages']}" if sched["virtual_stages"] > 1 else ""),
             "mbs": sched["microbatch_size"], "m": sched["microbatches"],

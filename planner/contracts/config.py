@@ -10,16 +10,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev")
+# Schedules that run several model chunks per rank (--vpp). The V-shaped ones run exactly two:
+# chunk c < pp on rank c, chunk c >= pp mirrored back onto rank 2 pp - 1 - c (torch's style "v").
+MULTI_CHUNK_SCHEDULES = ("interleaved", "zb-interleaved", "zbv", "dualpipev")
+V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16-mixed", "fp32")
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev"]
 Recompute = Literal["none", "selective", "full"]
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Mesh, batch split and uniform switches. `gpus = pp * dp * tp`.
+    """Mesh, batch split and uniform switches. `gpus = pp * dp * cp * tp`.
+
+    Mesh order (pp, dp, cp, tp), tp innermost: a context-parallel group is `cp` ranks `tp` apart,
+    each holding 1/cp of every sequence; data parallelism and ZeRO span dp * cp ranks.
 
     global_batch = dp * microbatch_size * num_microbatches (samples per optimizer step).
     `recompute` is the default for every layer; a Plan may override it per layer.
@@ -31,6 +38,7 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     microbatch_size: int = 1
+    cp: int = 1
     zero: int = 0
     recompute: Recompute = "none"
     sp: bool = False
@@ -42,13 +50,13 @@ class ParallelConfig:
     shard_group: int | None = None
 
     def __post_init__(self):
-        for name in ("gpus", "global_batch", "tp", "pp", "dp", "microbatch_size", "virtual_stages"):
+        for name in ("gpus", "global_batch", "tp", "pp", "dp", "cp", "microbatch_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.tp * self.pp * self.dp != self.gpus:
-            raise ValueError(f"tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.tp * self.pp * self.dp} "
-                             f"must equal the number of GPUs ({self.gpus})")
+        if self.tp * self.pp * self.dp * self.cp != self.gpus:
+            raise ValueError(f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = "
+                             f"{self.tp * self.pp * self.dp * self.cp} must equal the number of GPUs ({self.gpus})")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         self._check_shard_group()
@@ -67,17 +75,43 @@ class ParallelConfig:
         if samples_per_replica % self.microbatch_size:
             raise ValueError(f"micro-batch size {self.microbatch_size} does not divide the {samples_per_replica} "
                              f"samples per data-parallel replica (global batch {self.global_batch} / dp {self.dp})")
-        if self.schedule == "interleaved":
-            if self.pp == 1:
-                raise ValueError("the interleaved schedule needs pipeline parallelism: set --pp > 1")
-        elif self.virtual_stages != 1:
-            raise ValueError(f"virtual stages ({self.virtual_stages}) need --schedule interleaved")
         if self.pp > 1 and self.num_microbatches < self.pp:
             raise ValueError(f"{self.num_microbatches} micro-batches is fewer than the {self.pp} pipeline stages; "
                              f"lower --mbs or raise --gbs to at least {self.pp * self.dp * self.microbatch_size}")
-        if self.schedule == "interleaved" and self.num_microbatches % self.pp:
-            raise ValueError(f"the interleaved schedule needs the micro-batch count ({self.num_microbatches}) "
-                             f"to be a multiple of pp ({self.pp})")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """The rules torch 2.13's schedule classes enforce (and interleaved's m % pp, see candidates)."""
+        name, m, pp, v = self.schedule, self.num_microbatches, self.pp, self.virtual_stages
+        if name not in MULTI_CHUNK_SCHEDULES:
+            if v != 1:
+                raise ValueError(f"virtual stages ({v}) need --schedule interleaved or zb-interleaved")
+            return
+        if pp == 1:
+            raise ValueError(f"the {name} schedule needs pipeline parallelism: set --pp > 1")
+        if name in V_SHAPED_SCHEDULES and v != 2:
+            raise ValueError(f"the {name} schedule is V-shaped: exactly 2 model chunks per rank (--vpp 2), got {v}")
+        if name == "interleaved" and m % pp:
+            raise ValueError(f"the interleaved schedule needs the micro-batch count ({m}) to be a multiple of pp ({pp})")
+        rounds = max(1, m // pp)
+        if name == "zb-interleaved" and m % rounds:
+            raise ValueError(f"the zb-interleaved schedule needs the micro-batch count ({m}) to be a multiple of "
+                             f"its rounds (m // pp = {rounds}); use a multiple of pp ({pp})")
+        if name == "dualpipev" and m < 2 * pp:
+            raise ValueError(f"the dualpipev schedule needs at least as many micro-batches ({m}) as model chunks "
+                             f"(2 x pp = {2 * pp}); raise --gbs or lower --mbs")
+
+    def rank_of_chunk(self, chunk: int) -> int:
+        """Pipeline rank that runs model chunk `chunk` (see `chunk_rank`)."""
+        return chunk_rank(self.schedule, self.pp, chunk)
+
+    def chunk_at(self, stage: int, virtual_stage: int) -> int:
+        """Model chunk that pipeline rank `stage` runs as its virtual stage `virtual_stage`."""
+        return chunk_index(self.schedule, self.pp, stage, virtual_stage)
+
+    def chunks_of_rank(self, rank: int) -> tuple[int, ...]:
+        """Model chunks pipeline rank `rank` runs, by virtual stage."""
+        return tuple(self.chunk_at(rank, local) for local in range(self.virtual_stages))
 
     def _check_shard_group(self) -> None:
         group = self.shard_group
@@ -93,8 +127,13 @@ class ParallelConfig:
 
     @property
     def shard_degree(self) -> int:
-        """Data-parallel ranks that share one copy of the sharded states (dp without HSDP)."""
-        return self.shard_group or self.dp
+        """Ranks that share one copy of the sharded states: (HSDP's shard group or dp) x cp."""
+        return (self.shard_group or self.dp) * self.cp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks over which gradients are averaged: every data-parallel and context-parallel rank."""
+        return self.dp * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -108,14 +147,32 @@ class ParallelConfig:
     @property
     def sort_key(self) -> tuple:
         """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
-        return (self.pp, self.tp, self.dp, self.microbatch_size, self.zero, self.sp, self.schedule,
+        return (self.pp, self.tp, self.cp, self.dp, self.microbatch_size, self.zero, self.sp, self.schedule,
                 self.virtual_stages, -(self.shard_group or self.dp))
 
     def label(self) -> str:
-        sched = f"interleaved x{self.virtual_stages}" if self.schedule == "interleaved" else self.schedule
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp}{' +sp' if self.sp else ''}, {sched}, "
+        interleaving = self.schedule in ("interleaved", "zb-interleaved")
+        sched = f"{self.schedule} x{self.virtual_stages}" if interleaving else self.schedule
+        return (f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp}"
+                f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
                 + (f" HSDP shard {self.shard_group}" if self.shard_group else ""))
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def chunk_rank(schedule: str, pp: int, chunk: int) -> int:
+    """Pipeline rank of model chunk `chunk`: chunk mod pp (loop placement: Megatron-LM's and torch's
+    interleaving), or for the V-shaped schedules chunk c on rank c for c < pp and on rank
+    2 pp - 1 - c for the mirrored second half (so the first and last chunks share rank 0)."""
+    if schedule in V_SHAPED_SCHEDULES and chunk >= pp:
+        return 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def chunk_index(schedule: str, pp: int, stage: int, virtual_stage: int) -> int:
+    """Inverse of `chunk_rank`: the chunk rank `stage` runs as its virtual stage (chunk // pp)."""
+    if schedule in V_SHAPED_SCHEDULES and virtual_stage == 1:
+        return 2 * pp - 1 - stage
+    return virtual_stage * pp + stage

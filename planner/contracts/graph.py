@@ -168,6 +168,7 @@ class ModelInfo:
     padded_vocab: int = 0  # as built (padded to a multiple of 128 for tp=1)
     tied_embeddings: bool = False
     max_positions: int = 0
+    head_dim: int = 0  # attention head width; 0: hidden / num_heads
     # Mixture of experts (0 for dense models): routed experts per MoE block, experts per token,
     # one routed expert's SwiGLU width, shared experts and their summed width, leading dense blocks.
     num_experts: int = 0

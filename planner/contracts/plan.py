@@ -2,8 +2,9 @@
 
 Layer placement. Layers are cut into `pp * virtual_stages` contiguous chunks in execution order.
 Chunk j runs on pipeline rank `j % pp` as its virtual stage `j // pp` (Megatron-LM's
-interleaving); without interleaving chunk j is simply stage j. Each layer records its `stage`
-(pipeline rank) and `virtual_stage`, so `chunk_index = virtual_stage * pp + stage` must be
+interleaving; the V-shaped schedules mirror the second half back, chunk j >= pp on rank
+2 pp - 1 - j: `ParallelConfig.chunk_at`); without interleaving chunk j is simply stage j. Each layer records its `stage`
+(pipeline rank) and `virtual_stage`, so their chunk index (`chunk_at(stage, virtual_stage)`) must be
 non-decreasing along the layers, and every chunk non-empty.
 """
 from __future__ import annotations
@@ -18,7 +19,9 @@ from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
 
-PLAN_SCHEMA_VERSION = 1
+# 2: context parallelism (`mesh.cp`); version-1 plans (no cp) still load, as cp = 1.
+PLAN_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class Plan:
             raise ValueError(f"layer {dup!r} is assigned more than once")
 
     def chunk_of(self, layer: LayerAssignment) -> int:
-        return layer.virtual_stage * self.config.pp + layer.stage
+        return self.config.chunk_at(layer.stage, layer.virtual_stage)
 
     def chunks(self) -> list[list[int]]:
         """Layer indices of each pipeline chunk, in chunk order."""
@@ -144,7 +147,7 @@ class Plan:
             "model": asdict(self.model),
             "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
             "global_batch": cfg.global_batch,
-            "mesh": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
+            "mesh": mesh_json(cfg),
             "zero": cfg.zero,
             "sp": cfg.sp,
             "recompute": cfg.recompute,
@@ -164,13 +167,19 @@ class Plan:
         return replace(self, prediction=prediction)
 
 
+def mesh_json(cfg: ParallelConfig) -> dict[str, int]:
+    """The plan's `mesh` table: pp, dp, tp, and cp when context parallelism is on."""
+    return {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, **({"cp": cfg.cp} if cfg.cp > 1 else {})}
+
+
 def plan_from_json(data: dict[str, Any]) -> Plan:
     """Build and validate a Plan from its JSON document."""
     if not isinstance(data, dict):
         raise ValueError("a plan must be a JSON object")
     version = data.get("schema_version")
-    if version != PLAN_SCHEMA_VERSION:
-        raise ValueError(f"plan schema_version is {version!r}; this meshplan reads version {PLAN_SCHEMA_VERSION}. "
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise ValueError(f"plan schema_version is {version!r}; this meshplan reads versions "
+                         f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}. "
                          "Re-create the plan with `meshplan plan`")
     try:
         schedule, mesh = _table(data, "schedule"), _table(data, "mesh")
@@ -179,6 +188,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         config = ParallelConfig(
             gpus=gpus, global_batch=_integer(data, "global_batch"), tp=_integer(mesh, "tp", "mesh."),
             pp=_integer(mesh, "pp", "mesh."), dp=_integer(mesh, "dp", "mesh."),
+            cp=_integer(mesh, "cp", "mesh.", default=1),
             microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],

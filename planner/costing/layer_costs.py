@@ -37,6 +37,8 @@ class Strategy:
     # HSDP: ZeRO shards over groups of this many consecutive dp ranks (stride tp) and replicates
     # across dp / shard_group of them; None shards over all dp ranks.
     shard_group: int | None = None
+    # Context parallelism: each of `cp` ranks (tp apart) holds 1/cp of every sequence.
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class LayerCost:
     activation_bytes: float  # saved for backward, per in-flight micro-batch
     buffer_bytes: float  # transient peak (gathered ZeRO-3 params, comm buffers, recompute working set)
     output_bytes: float  # boundary tensor sent to the next stage, per micro-batch (after SP sharding)
+    cp_fwd_comm_s: float = 0.0  # blocking context-parallel K/V all-gather in forward
+    cp_bwd_comm_s: float = 0.0  # blocking reduce-scatter of the K/V gradients in backward (+ re-gather)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +169,9 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     the graph's attention kernel; a flash kernel skips the masked half of causal attention, so
     step time uses the causal FLOPs (MFU keeps counting attention in full, as Megatron-LM does).
     """
+    if strategy.cp > 1:
+        return _context_parallel_cost(layer, strategy, cluster, info, profile_dtype=profile_dtype,
+                                      holds_shared=holds_shared, attention=attention)
     tp, dp, mbs = strategy.tp, strategy.dp, strategy.microbatch_size
     if not layer.tp_split.max_degree_ok(tp):
         raise ValueError(f"layer {layer.name!r} cannot be split tp={tp} ways (heads {layer.tp_split.num_heads}, "
@@ -486,13 +493,30 @@ def _executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: Model
 def p2p_time_s(size_bytes: float, mesh, cluster) -> float:
     """One pipeline boundary transfer of `size_bytes` between neighbouring stages.
 
-    `mesh` is anything with tp, dp, pp (a Strategy or a ParallelConfig); neighbours are dp*tp ranks
-    apart, so they share a node only when dp*tp < gpus_per_node. (The arguments may also be
+    `mesh` is anything with tp, dp, pp (a Strategy or a ParallelConfig); neighbours are dp*cp*tp ranks
+    apart, so they share a node only when dp*cp*tp < gpus_per_node. (The arguments may also be
     given as (size_bytes, cluster, mesh).)
     """
     if isinstance(mesh, ClusterProfile):
         mesh, cluster = cluster, mesh
     if mesh.pp <= 1:
         return 0.0
-    link = cluster.link_for_group(2, mesh.dp * mesh.tp)
+    link = cluster.link_for_group(2, mesh.dp * getattr(mesh, "cp", 1) * mesh.tp)
     return send_recv_time_s(size_bytes, link)
+
+
+def _context_parallel_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+                           *, profile_dtype: str | None, holds_shared: bool, attention: str) -> LayerCost:
+    """`layer_cost` under context parallelism (planner.costing.context_parallel): the layer's
+    per-token work at mbs/cp, data parallelism over dp*cp, plus the K/V exchange and the
+    gathered K/V that attention's backward keeps."""
+    from meshplan.planner.costing import context_parallel as cpm
+
+    local = layer_cost(layer, cpm.data_view(strategy), cluster, info, profile_dtype=profile_dtype,
+                       holds_shared=holds_shared, attention=attention)
+    dtype = COMPUTE_DTYPE[strategy.precision]
+    gathered = cpm.kv_gather_bytes(layer, strategy, info, profile_dtype or dtype, dtype)
+    fwd_s, bwd_s = cpm.cp_comm_s(gathered, strategy, cluster)
+    kept = gathered * (1 - 1 / strategy.cp) if strategy.recompute != "full" else 0.0
+    return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
 from meshplan.planner.costing.layer_costs import LayerCost, Strategy, layer_cost
 
 
@@ -56,6 +57,7 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
     (Narayanan et al. 2021). Sends and receives are asynchronous: in the steady state they hide
     behind compute, but the fill and drain wait for them once per boundary (sum_i p2p_i / v).
     Then the slowest rank's tail (exposed DP communication, ZeRO parameter gathers, optimizer).
+    The zero-bubble schedules fill with a smaller share of T (`fill_share`).
     """
     if not stages:
         raise ValueError("a pipeline needs at least one stage")
@@ -63,9 +65,10 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     per_mb = [stage.per_microbatch_s for stage in stages]
     slowest = max(per_mb)
-    chunks = virtual_stages if schedule == "interleaved" else 1
+    chunks = virtual_stages if schedule in MULTI_CHUNK_SCHEDULES else 1
     p2p_path_s = sum(stage.p2p_s for stage in stages) / chunks
-    pipeline_s = (num_microbatches - 1 / chunks) * slowest + sum(per_mb) / chunks + p2p_path_s
+    fill = fill_share(schedule, chunks)
+    pipeline_s = (num_microbatches - fill) * slowest + sum(per_mb) * fill + p2p_path_s
     busiest = per_mb.index(slowest)
     tail_rank = max(range(len(stages)), key=lambda i: stages[i].tail_s)
     tail = stages[tail_rank]
@@ -85,11 +88,29 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
 
 
 
+def fill_share(schedule: str, virtual_stages: int = 1) -> float:
+    """f in pipeline = (m - f) max_i T_i + f sum_i T_i: the bubble of balanced stages is (p - 1) f T.
+
+    1F1B and GPipe f = 1, interleaved 1F1B 1/v. The split-backward schedules, from their published
+    analysis with F = I = W = T/3 (B = I + W, a Linear-dominated block): ZB1P's bubble is
+    (p - 1)(F + I - W) (Qi et al. 2023), 1/v of it interleaved, so f = 1/(3v); ZB-V, one
+    synchronous step, keeps only the fill of a half-size chunk, (p - 1) F/2 (its published 0 needs
+    steps to overlap, which the gradient-norm all-reduce prevents), f = 1/6; DualPipeV's bubble
+    is (p - 1)(F&B + B - 3W) in chunk times (DeepSeek-AI 2024), with torch running F&B as F + B,
+    (p - 1) T/3, f = 1/3. tests/planner/simulation holds these against the event simulator.
+    """
+    if schedule == "interleaved":
+        return 1.0 / virtual_stages
+    if schedule == "zb-interleaved":
+        return 1.0 / (3.0 * virtual_stages)
+    return {"zbv": 1.0 / 6.0, "dualpipev": 1.0 / 3.0}.get(schedule, 1.0)
+
+
 def strategy_for(config, recompute: str | None = None) -> Strategy:
     """The Strategy every layer of a uniform ParallelConfig runs under."""
     return Strategy(tp=config.tp, dp=config.dp, zero=config.zero, recompute=recompute or config.recompute,
                     sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp,
-                    shard_group=config.shard_group)
+                    shard_group=config.shard_group, cp=config.cp)
 
 
 
@@ -130,7 +151,8 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
 
 
 def _layer_time_s(cost: LayerCost) -> float:
-    return cost.fwd_compute_s + cost.bwd_compute_s + cost.recompute_s + cost.tp_fwd_comm_s + cost.tp_bwd_comm_s
+    return (cost.fwd_compute_s + cost.bwd_compute_s + cost.recompute_s + cost.tp_fwd_comm_s + cost.tp_bwd_comm_s
+            + cost.cp_fwd_comm_s + cost.cp_bwd_comm_s)
 
 
 

@@ -73,7 +73,7 @@ def grad_sync_mode(config) -> str:
     (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the
     backward, of the last micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3
     (which keep gradients sharded while accumulating)."""
-    if config.pp > 1 and config.dp > 1:
+    if config.pp > 1 and config.dp * getattr(config, "cp", 1) > 1:
         return "after_chunk"
     return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
 

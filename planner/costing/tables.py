@@ -140,12 +140,14 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
     """
     bwd_compute_s = cost.bwd_compute_s + cost.recompute_s
     # Hidden behind the layer's busy time, compute and TP collectives (as the event engine plays it).
-    fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s - cost.tp_fwd_comm_s)
-    bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s - cost.tp_bwd_comm_s)
+    # Context-parallel K/V collectives block compute like TP's (counted with them here).
+    fwd_comm_s, bwd_comm_s = cost.tp_fwd_comm_s + cost.cp_fwd_comm_s, cost.tp_bwd_comm_s + cost.cp_bwd_comm_s
+    fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s - fwd_comm_s)
+    bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s - bwd_comm_s)
     return OptionCost(
         recompute=recompute,
-        fwd_s=cost.fwd_compute_s + cost.tp_fwd_comm_s + fwd_gather_s,
-        bwd_s=bwd_compute_s + cost.tp_bwd_comm_s + bwd_gather_s,
+        fwd_s=cost.fwd_compute_s + fwd_comm_s + fwd_gather_s,
+        bwd_s=bwd_compute_s + bwd_comm_s + bwd_gather_s,
         static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
         act_bytes=cost.activation_bytes,
         buffer_bytes=cost.buffer_bytes,
@@ -154,7 +156,7 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
         optimizer_s=cost.optimizer_step_s,
         output_bytes=cost.output_bytes,
         tp=tp, dp=dp,
-        comm_s=cost.tp_fwd_comm_s + cost.tp_bwd_comm_s + fwd_gather_s + bwd_gather_s)
+        comm_s=fwd_comm_s + bwd_comm_s + fwd_gather_s + bwd_gather_s)
 
 
 def _no_worse(a: OptionCost, b: OptionCost) -> bool:

@@ -178,7 +178,8 @@ def _build_zoo(spec: str, cfg: TransformerConfig, seq: int, tp: int, device: str
     info = ModelInfo(family=cfg.family, num_layers=cfg.num_layers, hidden=cfg.hidden, num_heads=cfg.num_heads,
                      num_kv_heads=cfg.kv_heads, ffn=cfg.ffn_dim, vocab=cfg.vocab,
                      padded_vocab=module.padded_vocab, tied_embeddings=cfg.tied_embeddings,
-                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0, **moe_info(cfg))
+                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0, head_dim=cfg.head_dim,
+                     **moe_info(cfg))
     layers = [("embed", "embedding", module.embed)]
     layers += [(f"blocks.{i}", "block", block) for i, block in enumerate(module.blocks)]
     layers.append(("head", "head", module.head))

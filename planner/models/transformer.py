@@ -85,10 +85,14 @@ def _norm(cfg: TransformerConfig) -> nn.Module:
     return RMSNorm(cfg.hidden, cfg.norm_eps)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq, head_dim / 2), computed on the fly (no buffers to shard)."""
+def rope_tables(seq: int, head_dim: int, theta: float, device=None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq, head_dim / 2), computed on the fly (no buffers to shard), for
+    positions 0..seq-1 or the given `positions` (a context-parallel rank's tokens)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq, device=device)
+    angles = torch.outer(positions.to(device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -104,6 +108,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    # Context parallelism (`executor.parallel.context.SequenceShard`, set by the executor): this
+    # rank's token positions, and `exchange(k, v) -> (k, v, kv_positions)` returning the whole
+    # sequence's keys and values. None: the module holds whole sequences.
+    context = None
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         bias = cfg.family == "gpt"
@@ -129,12 +138,19 @@ class Attention(nn.Module):
         if self.rope_theta:
             # Angles in fp32 (positions up to 1e5+ need its mantissa), cast once so that q and k
             # share one saved pair of tables in the compute dtype.
-            cos, sin = (t.to(q.dtype) for t in rope_tables(seq, self.head_dim, self.rope_theta, device=x.device))
+            positions = self.context.positions if self.context is not None else None
+            cos, sin = (t.to(q.dtype) for t in rope_tables(seq, self.head_dim, self.rope_theta, device=x.device,
+                                                           positions=positions))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention: the kernel maps each group of q heads onto its shared KV head,
         # so K and V stay at kv heads (no expanded copies saved). The local counts come from the
         # projection widths, so the ratio holds after TP shards q, k and v by heads.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if self.context is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        else:  # local queries against the whole sequence's keys, causal by position
+            k, v, kv_positions = self.context.exchange(k, v)
+            mask = self.context.positions.to(x.device)[:, None] >= kv_positions.to(x.device)[None, :]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -205,6 +221,8 @@ def _embedding(num: int, dim: int) -> nn.Embedding:
 
 
 class Embedding(nn.Module):
+    context = None  # as Attention.context: learned positions follow the rank's token positions
+
     def __init__(self, cfg: TransformerConfig, padded_vocab: int):
         super().__init__()
         self.tok = _embedding(padded_vocab, cfg.hidden)
@@ -213,7 +231,9 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok(tokens)
         if self.pos is not None:
-            h = h + self.pos(torch.arange(tokens.shape[-1], device=tokens.device))
+            positions = (self.context.positions.to(tokens.device) if self.context is not None
+                         else torch.arange(tokens.shape[-1], device=tokens.device))
+            h = h + self.pos(positions)
         return h
 
 

@@ -57,7 +57,7 @@ def analytic_graph(spec: str, cfg: TransformerConfig, seq: int, dtype: str = "bf
     info = ModelInfo(family=cfg.family, num_layers=cfg.num_layers, hidden=cfg.hidden, num_heads=cfg.num_heads,
                      num_kv_heads=cfg.kv_heads, ffn=cfg.ffn_dim, vocab=cfg.vocab, padded_vocab=padded_vocab,
                      tied_embeddings=cfg.tied_embeddings,
-                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0)
+                     max_positions=cfg.max_positions if cfg.family == "gpt" else 0, head_dim=cfg.head_dim)
     return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=(embed, *blocks, head),
                       info=info)
 

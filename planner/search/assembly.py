@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshplan.planner.contracts.config import RECOMPUTE
-from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
+from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, mesh_json
 
 GIB = 2.0 ** 30
 # Solver fields that measure wall-clock time: they differ between identical runs.
@@ -44,7 +44,7 @@ def layer_assignments(graph, ranked) -> tuple[LayerAssignment, ...]:
     for index, (layer, chunk) in enumerate(zip(graph.layers, solution.chunk_of_layer)):
         option = table.option(index, solution.option_of_layer[index])
         out.append(LayerAssignment(
-            name=layer.name, stage=chunk % pp, virtual_stage=chunk // pp, tp=option.tp, dp=option.dp,
+            name=layer.name, stage=ranked.config.rank_of_chunk(chunk), virtual_stage=chunk // pp, tp=option.tp, dp=option.dp,
             recompute=option.recompute, fwd_time_s=option.fwd_s, bwd_time_s=option.bwd_s,
             comm_time_s=option.comm_s, mem_bytes=option.static_bytes + option.act_bytes))
     return tuple(out)
@@ -58,7 +58,7 @@ def configuration(ranked) -> dict:
         per_chunk[chunk] += 1
     return {
         "label": ranked.candidate.label(),
-        "mesh": {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp},
+        "mesh": mesh_json(cfg),
         "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
         **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
         "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
@@ -106,7 +106,8 @@ def explain(plan_json: dict) -> str:
     mesh, sched = plan_json["mesh"], plan_json["schedule"]
     limit = solver.get("usable_memory_bytes", 0.0)
     recomputed = sum(layer["recompute"] != "none" for layer in plan_json["layers"])
-    text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
+    cp = f" cp={mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
+    text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']}{cp} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
             f"{sched['name']}{' x' + str(sched['virtual_stages']) if sched['virtual_stages'] > 1 else ''} with "
             f"{sched['microbatches']} micro-batch{'es' if sched['microbatches'] != 1 else ''} of "
             f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"

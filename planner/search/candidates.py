@@ -1,7 +1,8 @@
 """The outer candidates of the search: every uniform `ParallelConfig` of the executable plan space
 that the user's pins allow.
 
-Mesh (pp, dp, tp) with tp inside a node and dividing the heads, micro-batch size (its count
+Mesh (pp, dp, cp, tp) with tp inside a node and dividing the heads, cp (context parallelism) for
+sequences long enough to split (`context_parallel_degrees`), micro-batch size (its count
 m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
 the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
 sequence parallelism when tp > 1, and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes. ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
@@ -30,6 +31,7 @@ class Pins:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    cp: int | None = None
     zero: int | None = None
     recompute: str | None = None
     sp: bool | None = None
@@ -39,7 +41,7 @@ class Pins:
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "vpp", "mbs", "shard_group"):
+        for name in ("tp", "pp", "dp", "cp", "vpp", "mbs", "shard_group"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
@@ -88,8 +90,9 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
             continue
         if whole_model_only and tp > 1:
             continue
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
+        for pp, cp in ((pp, cp) for pp in divisors(gpus // tp) for cp in context_parallel_degrees(
+                graph, gpus // (tp * pp), pins.cp, whole_model_only)):
+            dp = gpus // (tp * pp * cp)
             if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
                 continue
             if global_batch % dp:
@@ -104,13 +107,14 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                     for zero in (0, 1, 2, 3):
                         if pins.zero is not None and zero != pins.zero:
                             continue
-                        if executed_zero(zero, dp, pp) != zero:  # runs as ZeRO-1: buys nothing
+                        if executed_zero(zero, dp * cp, pp) != zero:  # runs as ZeRO-1: buys nothing
                             continue
                         for sp in ((False, True) if tp > 1 else (False,)):
                             if pins.sp is not None and sp != pins.sp:
                                 continue
-                            for group in shard_groups(dp, tp, zero, cluster.gpus_per_node, pins.shard_group):
-                                out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, microbatch_size=mbs,
+                            for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
+                                out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
+                                                          microbatch_size=mbs,
                                                           zero=zero, sp=sp, schedule=schedule, virtual_stages=vpp,
                                                           precision=precision, shard_group=group))
     return sorted(out, key=lambda c: c.sort_key)
@@ -136,6 +140,29 @@ def shard_groups(dp: int, tp: int, zero: int, gpus_per_node: int, pinned: int | 
     return out
 
 
+# Context parallelism pays a K/V exchange per layer for attention over shorter local sequences;
+# below this many tokens per rank the exchange outweighs what it saves, so the search does not
+# offer it (pin --cp to evaluate one anyway).
+MIN_TOKENS_PER_CP_RANK = 2048
+
+
+def context_parallel_degrees(graph, ranks: int, pinned: int | None, whole_model_only: bool) -> list[int]:
+    """CP degrees for `ranks` = gpus / (tp * pp): 1, and powers of two that divide ranks, cut
+    every sequence into 2*cp equal chunks and leave each rank MIN_TOKENS_PER_CP_RANK tokens."""
+    if pinned is not None:
+        ok = ranks % pinned == 0 and (pinned == 1 or (graph.seq % (2 * pinned) == 0 and graph.info.num_heads
+                                                       and not whole_model_only))
+        return [pinned] if ok else []
+    out = [1]
+    if whole_model_only or not graph.info.num_heads:
+        return out
+    cp = 2
+    while ranks % cp == 0 and graph.seq % (2 * cp) == 0 and graph.seq // cp >= MIN_TOKENS_PER_CP_RANK:
+        out.append(cp)
+        cp *= 2
+    return out
+
+
 def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:
     if pp == 1:
         ok = pins.schedule in (None, "1f1b", "gpipe") and pins.vpp in (None, 1)
@@ -151,6 +178,22 @@ def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, 
         for vpp in range(2, max(MAX_VIRTUAL_STAGES, pins.vpp or 0) + 1):
             if pp * vpp <= num_layers and (vpp == pins.vpp or (pins.vpp is None and vpp <= MAX_VIRTUAL_STAGES)):
                 out.append(("interleaved", vpp))
+    return out + _zero_bubble_schedules(pp, m, num_layers, pins)
+
+
+def _zero_bubble_schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:
+    """zb-interleaved with v = 1..MAX_VIRTUAL_STAGES where torch's rounds divide m; ZB-V once m
+    fills its V (m >= 2 pp - 1; torch drops the padding micro-batches of shorter runs, which only
+    idles); DualPipeV where torch accepts it (m >= 2 pp). Each pp * v <= the layer count."""
+    wanted = pins.schedule
+    out = []
+    if wanted in (None, "zb-interleaved") and m % max(1, m // pp) == 0:
+        for vpp in range(1, max(MAX_VIRTUAL_STAGES, pins.vpp or 0) + 1):
+            if pp * vpp <= num_layers and pins.vpp in (None, vpp):
+                out.append(("zb-interleaved", vpp))
+    for name, least_m in (("zbv", 2 * pp - 1), ("dualpipev", 2 * pp)):
+        if wanted in (None, name) and pins.vpp in (None, 2) and 2 * pp <= num_layers and m >= least_m:
+            out.append((name, 2))
     return out
 
 

@@ -10,6 +10,7 @@ from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.pipeline import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_bytes
+from meshplan.planner.simulation.split_backward import model_weight_share
 from meshplan.planner.search.candidates import divisors
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, StageSolution, solve_stages
 
@@ -36,15 +37,16 @@ def lower_bound_s(table: CostTable, shape: PipelineShape) -> float:
             + tail / pp + table.rank_fixed_s)
 
 
-def pipeline_shape(candidate: ParallelConfig) -> PipelineShape:
+def pipeline_shape(candidate: ParallelConfig, weight_share: float = 0.5) -> PipelineShape:
     """The candidate's pipeline with the step factor its schedule really plays (1F1B and GPipe:
-    m + p - 1; torch's interleaved 1F1B as the simulator plays it, see `simulation.factors`)."""
+    m + p - 1; torch's interleaved and zero-bubble schedules as the simulator plays them, see
+    `simulation.factors`, the latter with the model's W share of the backward)."""
     from meshplan.planner.simulation.factors import step_factor
 
     m, v = candidate.num_microbatches, candidate.virtual_stages
-    if candidate.schedule != "interleaved":
+    if candidate.schedule in ("1f1b", "gpipe"):
         return PipelineShape(candidate.pp, m, v, candidate.schedule)
-    factor = step_factor(candidate.schedule, candidate.pp, m, v)
+    factor = step_factor(candidate.schedule, candidate.pp, m, v, weight_share=weight_share)
     return PipelineShape(candidate.pp, m, v, candidate.schedule, step_factor=max(factor, candidate.pp / v))
 
 
@@ -129,16 +131,18 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     table_cache: dict = {}
     tables: dict[ParallelConfig, CostTable] = {}
     problems, pruned = [], []
+    weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
     for candidate in candidates:
         strategy = strategy_for(candidate)
         if strategy not in table_cache:
-            meshes = _layerwise_meshes(candidate, cluster) if layerwise else ()
+            # per-layer degrees are for analysis of (tp, dp) meshes; context-parallel candidates keep theirs
+            meshes = _layerwise_meshes(candidate, cluster) if layerwise and candidate.cp == 1 else ()
             table = build_cost_table(graph, cluster, strategy, recompute_options, layerwise_meshes=meshes)
             if meshes:
                 table = replace(table, reshard_s=_reshard_s(table, candidate, cluster))
             table_cache[strategy] = table
         table = tables[candidate] = table_cache[strategy]
-        shape = pipeline_shape(candidate)
+        shape = pipeline_shape(candidate, weight_share)
         bound = lower_bound_s(table, shape)
         if min_static_bytes(table, candidate.pp) > limit:
             pruned.append(Solved(candidate, bound, pruned="memory"))

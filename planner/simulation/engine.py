@@ -30,8 +30,10 @@ Per pipeline rank:
   fair-share delays to the rank's compute and reduction ends.
 - memory: parameters, gradients and optimizer states are resident; a chunk's saved activations
   (and its boundary output, which the pipeline stage keeps for the backward) are allocated when
-  its forward starts and freed when its backward ends; the largest transient buffer of the
-  rank's layers is added at the peak.
+  its forward starts and freed when its backward (B, or W of a split backward) ends; the largest
+  transient buffer of the rank's layers is added at the peak.
+- split backward (zero-bubble schedules): I and W are the parts of B that
+  `planner.simulation.split_backward` assigns them; a V's tip hands tensors over locally.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
 from meshplan.planner.simulation.schedules import Action, schedule_actions
+from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
 
 # When gradient reduction runs (see StepCosts.grad_sync).
 GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
@@ -80,6 +83,9 @@ class StepCosts:
     # "nic", or "" for none): streams on one link share it (`planner.simulation.contention`).
     dp_link: str = ""
     pp_link: str = ""
+    # Per layer: the weight-gradient (W) share of its backward compute, for schedules that split
+    # the backward (`planner.simulation.split_backward`); empty: DEFAULT_WEIGHT_SHARE everywhere.
+    weight_grad_share: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.grad_sync not in GRAD_SYNC_MODES:
@@ -100,6 +106,9 @@ class StepCosts:
             raise ValueError(f"p2p times must be >= 0, got {min(self.p2p_time_s)}")
         if self.grad_bucket_bytes <= 0:
             raise ValueError(f"grad_bucket_bytes must be positive, got {self.grad_bucket_bytes}")
+        if self.weight_grad_share and (len(self.weight_grad_share) != len(self.layer_costs)
+                                       or not all(0.0 <= w <= 1.0 for w in self.weight_grad_share)):
+            raise ValueError("weight_grad_share needs one fraction in [0, 1] per layer")
 
 
 @dataclass(frozen=True)
@@ -118,14 +127,17 @@ class _Chunk:
     grad_reduce_s: float  # per step: the whole chunk's gradient reduction
     # DP buckets of this chunk: (end offset within the chunk's last backward, reduction seconds)
     buckets: tuple[tuple[float, float], ...] = field(default=())
+    fwd_cp_s: float = 0.0  # context-parallel K/V all-gathers in forward (blocking)
+    bwd_cp_s: float = 0.0  # their gradients' reduce-scatters in backward
+    bwd_weight_s: float = 0.0  # the weight-gradient (W) part of bwd_compute_s
 
     @property
     def fwd_s(self) -> float:
-        return self.fwd_compute_s + self.fwd_tp_s + self.fwd_zero_s
+        return self.fwd_compute_s + self.fwd_tp_s + self.fwd_zero_s + self.fwd_cp_s
 
     @property
     def bwd_s(self) -> float:
-        return self.bwd_compute_s + self.recompute_s + self.bwd_tp_s + self.bwd_zero_s
+        return self.bwd_compute_s + self.recompute_s + self.bwd_tp_s + self.bwd_zero_s + self.bwd_cp_s
 
 
 def _pass_end_times(compute_s: list[float], gather_s: list[float]) -> list[float]:
@@ -153,15 +165,16 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
         by_chunk[chunk].append(cost)
     chunks = []
     for index, layers in enumerate(by_chunk):
-        fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s for c in layers]
+        fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s + c.cp_fwd_comm_s for c in layers]
         fwd_end = _pass_end_times(fwd_busy, [c.fwd_gather_s for c in layers])[-1]
         backward = layers[::-1]
-        bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s for c in backward]
+        bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s + c.cp_bwd_comm_s for c in backward]
         bwd_ends = _pass_end_times(bwd_busy, [c.bwd_gather_s for c in backward])
         chunks.append(_Chunk(
-            rank=index % cfg.pp,
+            rank=cfg.rank_of_chunk(index),
             fwd_compute_s=sum(c.fwd_compute_s for c in layers), fwd_tp_s=sum(c.tp_fwd_comm_s for c in layers),
             fwd_zero_s=fwd_end - sum(fwd_busy),
+            fwd_cp_s=sum(c.cp_fwd_comm_s for c in layers), bwd_cp_s=sum(c.cp_bwd_comm_s for c in layers),
             bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
             bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
             # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
@@ -177,7 +190,7 @@ def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts)
     """Group layers (backward order) into gradient buckets of about `grad_bucket_bytes`."""
     # ZeRO-2/3 keep only a 1/dp shard of the gradients, but the bucket holds the full gradient
     # before its reduce-scatter.
-    full = costs.config.dp if costs.config.zero >= 2 else 1
+    full = costs.config.dp * costs.config.cp if costs.config.zero >= 2 else 1
     buckets, filled_bytes, comm_s = [], 0.0, 0.0
     for position, (cost, end_s) in enumerate(zip(backward, bwd_ends)):
         filled_bytes += cost.grad_bytes * full
@@ -210,22 +223,45 @@ class _Played:
     dp_intervals: tuple[tuple[tuple[float, float], ...], ...]  # per rank ("after_chunk" only)
 
 
+def _input(action: Action, chunks: list[_Chunk], fwd_end, bwd_end, transfer: list[float]):
+    """(key of the action that produces this action's input, when it is in (-1: not yet), link
+    seconds). F reads the previous chunk's output, B and I the next chunk's input gradient; W
+    only its own I, which comes earlier on the same rank. A neighbour on the same rank (the tip
+    of a V) hands its tensor over without a transfer."""
+    chunk, mb = action.chunk, action.microbatch
+    if action.kind == "F" and chunk > 0:
+        producer, link_s, ready = chunk - 1, transfer[chunk - 1], fwd_end[chunk - 1][mb]
+    elif action.kind in ("B", "I") and chunk < len(chunks) - 1:
+        producer, link_s, ready = chunk + 1, transfer[chunk], bwd_end[chunk + 1][mb]
+    else:
+        return None, 0.0, 0.0
+    same_rank = chunks[producer].rank == chunks[chunk].rank
+    return ("F" if action.kind == "F" else "B", producer, mb), (0.0 if same_rank else link_s), ready
+
+
 def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
-    """Run every rank's action list; an action starts when its rank is free and its input is in."""
+    """Run every rank's action list; an action starts when its rank is free and its input is in.
+
+    Split backwards: I publishes the input gradient (as B does), W depends on nothing remote. A
+    DualPipeV "F;B" pair runs its two actions back to back and its forward's output is only sent
+    when the pair ends (torch posts both sends after the pair)."""
     cfg = costs.config
-    num_mb, num_chunks, last = cfg.num_microbatches, cfg.num_model_chunks, cfg.num_model_chunks - 1
+    num_mb, num_chunks = cfg.num_microbatches, cfg.num_model_chunks
     # Without pipelining the executor accumulates gradients forward, backward, forward, ...
     # (1F1B's order for one stage) whatever schedule the plan names.
     schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
     orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages)
     transfer = list(costs.p2p_time_s) or [0.0] * (num_chunks - 1)
+    seconds = {(c, kind): (action_part(chunk, kind).fwd_s if kind == "F" else action_part(chunk, kind).bwd_s)
+               for c, chunk in enumerate(chunks) for kind in "FBIW"}
     fwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
     bwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
     runs: list[list[_Run]] = [[] for _ in range(cfg.pp)]
     dp_intervals: list[list[tuple[float, float]]] = [[] for _ in range(cfg.pp)]
     position, free_at, blocked_until = [0] * cfg.pp, [0.0] * cfg.pp, [0.0] * cfg.pp
+    held: list[Action | None] = [None] * cfg.pp  # the forward of an "F;B" pair, not yet sent
     # Worklist: a rank runs until its next action's input is missing, then parks on the action
-    # that produces it and is woken when that action is played: O(actions) in all.
+    # that produces it and is woken when that action is published: O(actions) in all.
     waiting_for: dict[tuple[str, int, int], int] = {}
     ready_ranks = deque(range(cfg.pp))
     while ready_ranks:
@@ -234,30 +270,32 @@ def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
         while position[rank] < len(order):
             action = order[position[rank]]
             chunk, mb = action.chunk, action.microbatch
-            if action.kind == "F":
-                dep_key, link_s = ("F", chunk - 1, mb), (transfer[chunk - 1] if chunk else 0.0)
-                dep_end = fwd_end[chunk - 1][mb] if chunk else 0.0
-            else:
-                dep_key, link_s = ("B", chunk + 1, mb), (transfer[chunk] if chunk < last else 0.0)
-                dep_end = bwd_end[chunk + 1][mb] if chunk < last else 0.0
+            dep_key, link_s, dep_end = _input(action, chunks, fwd_end, bwd_end, transfer)
             if dep_end < 0:
                 waiting_for[dep_key] = rank  # input not produced yet: another rank must move first
                 break
             free = max(free_at[rank], blocked_until[rank])
             start = max(free, dep_end + link_s)
-            end = start + (chunks[chunk].fwd_s if action.kind == "F" else chunks[chunk].bwd_s)
+            end = start + seconds[chunk, action.kind]
             runs[rank].append(_Run(action, start, end, max(0.0, dep_end - free),
                                    max(0.0, start - max(free, dep_end)), free - free_at[rank]))
-            (fwd_end if action.kind == "F" else bwd_end)[chunk][mb] = end
             free_at[rank] = end
-            if costs.grad_sync == "after_chunk" and action.kind == "B" and mb == num_mb - 1:
+            if costs.grad_sync == "after_chunk" and action.frees_activations and mb == num_mb - 1:
                 reduce_start = max(end, dp_intervals[rank][-1][1] if dp_intervals[rank] else 0.0)
                 dp_intervals[rank].append((reduce_start, reduce_start + chunks[chunk].grad_reduce_s))
                 blocked_until[rank] = reduce_start + chunks[chunk].grad_reduce_s
             position[rank] += 1
-            woken = waiting_for.pop((action.kind, chunk, mb), None)
-            if woken is not None:
-                ready_ranks.append(woken)
+            published = [action] if action.kind != "W" else []
+            if held[rank] is not None:  # the pair ends here: its forward's output leaves now
+                published.append(held[rank])
+                held[rank] = None
+            if action.overlap:
+                held[rank], published = action, []
+            for done in published:
+                (fwd_end if done.kind == "F" else bwd_end)[done.chunk][done.microbatch] = end
+                woken = waiting_for.pop(("F" if done.kind == "F" else "B", done.chunk, done.microbatch), None)
+                if woken is not None:
+                    ready_ranks.append(woken)
     if any(position[rank] < len(order) for rank, order in enumerate(orders)):  # a schedule bug
         raise AssertionError(f"pipeline schedule deadlocked at positions {position}")
     return _Played(tuple(map(tuple, runs)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)),
@@ -323,8 +361,8 @@ def _transfers_of(rank: int, costs: StepCosts, chunks: list[_Chunk], played: _Pl
         return []
     out = []
     for chunk in range(len(chunks) - 1):
-        if rank not in (chunks[chunk].rank, chunks[chunk + 1].rank):
-            continue
+        if rank not in (chunks[chunk].rank, chunks[chunk + 1].rank) or chunks[chunk].rank == chunks[chunk + 1].rank:
+            continue  # not this rank's boundary, or the tip of a V (no transfer)
         link_s = costs.p2p_time_s[chunk]
         out.extend((end, end + link_s) for end in played.fwd_end[chunk])  # activations forward
         out.extend((end, end + link_s) for end in played.bwd_end[chunk + 1])  # gradients back
@@ -353,7 +391,7 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
                 live += size
                 peak = max(peak, live)
                 curve.append((run.start_s, base + live))
-            else:
+            elif run.action.frees_activations:  # B, or W after a split backward (I keeps them)
                 live -= size
                 curve.append((run.end_s, base + live))
         params, grads, optimizer = resident[rank]
@@ -365,7 +403,7 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
 
 def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     """Play one optimizer step of a costed configuration; see the module docstring for the model."""
-    chunks = _build_chunks(costs)
+    chunks = with_weight_grad(costs, _build_chunks(costs))
     played = _play(costs, chunks)
     tails = _rank_tails(costs, chunks, played)
     step_s = max(tail.end_s for tail in tails)
@@ -394,17 +432,20 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
 
 def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:
     """Exposed seconds of the busiest rank's step by cause; they add up to the step time."""
-    out = dict.fromkeys(("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"), 0.0)
+    out = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"),
+                        0.0)
     for run in runs:
-        chunk = chunks[run.action.chunk]
+        chunk = action_part(chunks[run.action.chunk], run.action.kind)  # I and W: their part of B
         if run.action.kind == "F":
             out["compute"] += chunk.fwd_compute_s
             out["tp_comm"] += chunk.fwd_tp_s
+            out["cp_comm"] += chunk.fwd_cp_s
             out["dp_comm"] += chunk.fwd_zero_s
         else:
             out["compute"] += chunk.bwd_compute_s
             out["recompute"] += chunk.recompute_s
             out["tp_comm"] += chunk.bwd_tp_s
+            out["cp_comm"] += chunk.bwd_cp_s
             out["dp_comm"] += chunk.bwd_zero_s
         out["bubble"] += run.bubble_s
         out["pp_comm"] += run.pp_wait_s
@@ -452,15 +493,16 @@ def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: l
 
 def _action_intervals(rank: int, run: _Run, chunks: list[_Chunk], transfer: list[float], last: int) -> list[Interval]:
     """One action's pieces (exposed ZeRO-3 gather, compute, TP collectives) and its transfer."""
-    action, chunk = run.action, chunks[run.action.chunk]
+    action, chunk = run.action, action_part(chunks[run.action.chunk], run.action.kind)
     if action.kind == "F":
         pieces = (("dp", "zero_gather", chunk.fwd_zero_s), ("compute", "forward", chunk.fwd_compute_s),
-                  ("tp", "tp_comm", chunk.fwd_tp_s))
+                  ("tp", "tp_comm", chunk.fwd_tp_s), ("cp", "cp_comm", chunk.fwd_cp_s))
         peer = action.chunk + 1 if action.chunk < last else None
     else:
         pieces = (("dp", "zero_gather", chunk.bwd_zero_s), ("compute", "recompute", chunk.recompute_s),
-                  ("compute", "backward", chunk.bwd_compute_s), ("tp", "tp_comm", chunk.bwd_tp_s))
-        peer = action.chunk - 1 if action.chunk > 0 else None
+                  ("compute", "backward", chunk.bwd_compute_s), ("tp", "tp_comm", chunk.bwd_tp_s),
+                  ("cp", "cp_comm", chunk.bwd_cp_s))
+        peer = action.chunk - 1 if action.chunk > 0 and action.kind != "W" else None  # W sends nothing
     out, at = [], run.start_s
     for stream, kind, seconds in pieces:
         if seconds > 0:

@@ -9,7 +9,7 @@ planner's objective), used where the simulator is not available and tested again
 """
 from __future__ import annotations
 
-from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
 from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, layer_cost, p2p_time_s, selective_recompute_flops
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
                                                pipeline_closed_form, strategy_for)
@@ -17,6 +17,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.contracts.prediction import MemoryBreakdown, Prediction
+from meshplan.planner.simulation.schedules import SPLIT_BACKWARD_SCHEDULES, max_in_flight, rank_actions
 
 DEFAULT_SEQ = 2048
 
@@ -29,45 +30,65 @@ def default_precision(cluster: ClusterProfile) -> str:
 
 def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
                 mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
-                vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None) -> ParallelConfig:
+                vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None,
+                cp: int = 1) -> ParallelConfig:
     """Validate a configuration against the model and the cluster; MeshplanError says why not."""
-    check_mesh(cluster, gpus, tp, pp)
+    check_mesh(cluster, gpus, tp, pp, cp)
+    check_context_parallel(graph, cp)
     for layer in graph.layers:
         if not layer.tp_split.max_degree_ok(tp):
             split = layer.tp_split
             raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {split.num_heads} heads, "
                                 f"{split.num_kv_heads or split.num_heads} KV heads, vocab {split.vocab_size}; "
                                 f"pick a tp that divides them")
-    chunks = pp * (vpp if schedule == "interleaved" else 1)
+    if schedule in V_SHAPED_SCHEDULES and vpp == 1:
+        vpp = 2  # a V always holds two chunks per rank: --vpp 2 is implied
+    chunks = pp * (vpp if schedule in MULTI_CHUNK_SCHEDULES else 1)
     if chunks > len(graph.layers):
         raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
                             f"the model has {len(graph.layers)}")
     return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
-                           shard_group)
+                           shard_group, cp)
+
+
+def check_context_parallel(graph, cp: int) -> None:
+    """CP cuts every sequence into 2*cp chunks (load-balanced causal attention) and needs
+    attention to cut: transformer blocks with heads."""
+    if cp == 1:
+        return
+    if not graph.info.num_heads:
+        raise MeshplanError(f"--cp {cp}: context parallelism splits attention over the sequence, and "
+                            f"{graph.spec!r} has no attention meshplan can split; use --cp 1")
+    if graph.seq % (2 * cp):
+        raise MeshplanError(f"--cp {cp} cuts each sequence into 2*cp = {2 * cp} equal chunks; seq {graph.seq} "
+                            f"is not divisible by {2 * cp}: use a sequence length that is")
 
 
 def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
-                    shard_group: int | None = None) -> ParallelConfig:
-    """ParallelConfig with DP = gpus / (tp * pp); its validation errors become MeshplanError."""
-    dp = gpus // (tp * pp)
+                    shard_group: int | None = None, cp: int = 1) -> ParallelConfig:
+    """ParallelConfig with DP = gpus / (tp * pp * cp); its validation errors become MeshplanError."""
+    dp = gpus // (tp * pp * cp)
+    if schedule in V_SHAPED_SCHEDULES and vpp == 1:
+        vpp = 2  # a V always holds two chunks per rank: --vpp 2 is implied
     if shard_group == dp:  # sharding over every dp rank is plain ZeRO
         shard_group = None
     try:
-        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp,
+        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
                               microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
                               virtual_stages=vpp, precision=precision, shard_group=shard_group)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group")) from None
 
 
-def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int) -> None:
+def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int, cp: int = 1) -> None:
     """The checks that need no model: degrees divide the GPUs, TP fits in a node, GPUs exist."""
-    for name, value in (("gpus", gpus), ("tp", tp), ("pp", pp)):
+    for name, value in (("gpus", gpus), ("tp", tp), ("pp", pp), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
-    if gpus % (tp * pp):
-        raise MeshplanError(f"--gpus {gpus} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}; "
-                            f"use a multiple of {tp * pp} GPUs or other degrees")
+    if gpus % (tp * pp * cp):
+        names, values = ("tp*pp*cp", f"{tp}*{pp}*{cp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
+        raise MeshplanError(f"--gpus {gpus} is not divisible by {names} = {values} = {tp * pp * cp}; "
+                            f"use a multiple of {tp * pp * cp} GPUs or other degrees")
     if tp > cluster.gpus_per_node or cluster.gpus_per_node % tp:
         raise MeshplanError(f"--tp {tp} must divide the {cluster.gpus_per_node} GPUs of one node of "
                             f"{cluster.name!r} (tensor parallelism stays inside a node)")
@@ -80,21 +101,22 @@ def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int) -> None:
 def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: int, seq: int | None = None,
              tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
-             attention: str = "flash", shard_group: int | None = None) -> Prediction:
+             attention: str = "flash", shard_group: int | None = None, cp: int = 1) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
-    `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them)."""
+    `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
+    `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
     cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
     precision = precision or default_precision(cluster)
-    check_mesh(cluster, gpus, tp, pp)
+    check_mesh(cluster, gpus, tp, pp, cp)
     parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
-                    shard_group)  # fail fast
+                    shard_group, cp)  # fail fast
     dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
     graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
     config = make_config(graph, cluster, gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp,
-                         precision, shard_group)
+                         precision, shard_group, cp)
     return predict(graph, cluster, config)
 
 
@@ -116,7 +138,7 @@ def closed_form_prediction(graph, cluster: ClusterProfile, config: ParallelConfi
     recomputes = tuple(recompute_of_layer) if recompute_of_layer is not None else default_recompute(graph, config)
     if len(chunks) != len(graph.layers) or len(recomputes) != len(graph.layers):
         raise ValueError(f"chunk_of_layer and recompute_of_layer need one entry per layer ({len(graph.layers)})")
-    stage_of = [chunk % config.pp for chunk in chunks]
+    stage_of = [config.rank_of_chunk(chunk) for chunk in chunks]
     embed_stage = next((stage_of[i] for i, layer in enumerate(graph.layers) if layer.kind == "embedding"), None)
     costs = []
     for index, (layer, recompute) in enumerate(zip(graph.layers, recomputes)):
@@ -134,11 +156,14 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     mine = [i for i, stage in enumerate(stage_of) if stage == rank]
     compute = sum(costs[i].fwd_compute_s + costs[i].bwd_compute_s for i in mine)
     recompute = sum(costs[i].recompute_s for i in mine)
-    tp_comm = sum(costs[i].tp_fwd_comm_s + costs[i].tp_bwd_comm_s for i in mine)
+    # blocking model-parallel collectives: TP's and context parallelism's K/V exchange
+    tp_comm = sum(costs[i].tp_fwd_comm_s + costs[i].tp_bwd_comm_s + costs[i].cp_fwd_comm_s
+                  + costs[i].cp_bwd_comm_s for i in mine)
     # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
-    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s - costs[i].tp_fwd_comm_s)
+    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s - costs[i].tp_fwd_comm_s
+                    - costs[i].cp_fwd_comm_s)
                 + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s
-                      - costs[i].tp_bwd_comm_s) for i in mine)
+                      - costs[i].tp_bwd_comm_s - costs[i].cp_bwd_comm_s) for i in mine)
     # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
     # input backward.
     p2p = 0.0
@@ -150,7 +175,8 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     # DP gradient reduction overlaps the last micro-batch's backward, except for the gradients
     # produced last (the stage's first layer), which nothing follows.
     grad_comm = sum(costs[i].dp_grad_comm_s for i in mine)
-    window = sum(costs[i].bwd_compute_s + costs[i].recompute_s + costs[i].tp_bwd_comm_s for i in mine)
+    window = sum(costs[i].bwd_compute_s + costs[i].recompute_s + costs[i].tp_bwd_comm_s + costs[i].cp_bwd_comm_s
+                 for i in mine)
     exposed = max(grad_comm - window, costs[mine[0]].dp_grad_comm_s if mine else 0.0)
     return StageTimes(compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, zero3_exposed_s=zero3,
                       p2p_s=p2p, dp_exposed_s=exposed,
@@ -163,6 +189,9 @@ def microbatches_in_flight(config: ParallelConfig, rank: int) -> float:
     whole stage's activations: GPipe m; 1F1B min(m, p - rank); interleaved 1F1B (Megatron's
     warm-up) min(m v, 2 (p - rank - 1) + (v - 1) p + 1) chunk-micro-batches, each 1/v of the stage."""
     m, p = config.num_microbatches, config.pp
+    if config.schedule in SPLIT_BACKWARD_SCHEDULES:  # read off torch's order (I keeps them until W)
+        actions = rank_actions(config.schedule, p, m, config.virtual_stages, rank)
+        return max_in_flight(actions) / config.virtual_stages
     if config.schedule == "gpipe":
         return float(m)
     if config.schedule == "interleaved":
@@ -178,7 +207,7 @@ def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
     boundary = sum(costs[i].output_bytes for i, stage in enumerate(stage_of)
                    if stage == rank and i + 1 < len(chunks) and chunks[i + 1] != chunks[i])
     buffers = max((c.buffer_bytes for c in mine), default=0.0)
-    if config.dp > 1 and config.zero < 3:
+    if config.dp * config.cp > 1 and config.zero < 3:
         buffers += DDP_BUCKET_BYTES  # one gradient bucket in flight beyond the gradients themselves
     if config.pp > 1:
         buffers += 2 * max((c.output_bytes for c in mine), default=0.0)  # send and receive buffers

@@ -5,7 +5,7 @@ event engine plays (schedule, p, m, v) with balanced unit chunks:
 
 - the step factor F: step time over one rank's per-micro-batch time T (F = m + p - 1 for GPipe
   and 1F1B; torch's interleaved 1F1B idles more than Megatron-LM's (p - 1) / v when m is close
-  to p);
+  to p; the zero-bubble schedules fill with W, which depends on the backward's W share);
 - the transfer factor G: d step / d P for a boundary transfer time P. GPipe and interleaved 1F1B
   wait for each boundary once each way in fill and drain, G = 2 (C - 1). 1F1B with balanced
   stages also waits about 2 P every micro-batch: a rank's backward needs the gradient its
@@ -20,8 +20,9 @@ from functools import lru_cache
 
 @lru_cache(maxsize=4096)
 def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
-                bwd_over_fwd: float = 2.0) -> float:
-    """F of the schedule with chunks of forward 1 and backward `bwd_over_fwd` (see above)."""
+                bwd_over_fwd: float = 2.0, weight_share: float = 0.5) -> float:
+    """F of the schedule with chunks of forward 1 and backward `bwd_over_fwd`, of which the
+    zero-bubble schedules run `weight_share` as W (see above)."""
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.layer_costs import LayerCost
     from meshplan.planner.simulation.engine import StepCosts, simulate_step
@@ -37,5 +38,6 @@ def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_s
                      dp_param_gather_s=0.0, optimizer_step_s=0.0, param_bytes=0.0, grad_bytes=0.0,
                      optimizer_bytes=0.0, activation_bytes=0.0, buffer_bytes=0.0, output_bytes=0.0)
     num_chunks = num_stages * virtual_stages
-    costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)))
+    costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)),
+                      weight_grad_share=(weight_share,) * num_chunks)
     return simulate_step(costs).step_time_s / (virtual_stages * (1.0 + bwd_over_fwd))

@@ -1,13 +1,15 @@
 """Pipeline schedules: the ordered compute actions each pipeline rank runs in one training step.
 
 The orders are the ones torch 2.13's `torch.distributed.pipelining` schedules execute (the
-executor runs `ScheduleGPipe`, `Schedule1F1B` and `ScheduleInterleaved1F1B`); a multi-process
-test records what those classes actually call and compares. They are generated directly, in
+executor runs `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, and the zero-bubble and
+V-shaped schedules of `planner.simulation.zero_bubble`); a multi-process test records what those
+classes actually call and compares, another compares with their `pipeline_order`. They are generated directly, in
 O(pp * microbatches * virtual_stages), without importing torch: building torch's own interleaved
 table for large pipelines takes seconds, far too slow for a planner that simulates many plans.
 
 Notation: p = pipeline ranks, m = micro-batches, v = virtual stages (model chunks per rank).
-Model chunk c runs on rank `c % p` as its virtual stage `c // p` (Megatron-LM's interleaving).
+Model chunk c runs on rank `c % p` as its virtual stage `c // p` (Megatron-LM's interleaving),
+except under the V-shaped schedules (`contracts.config.chunk_rank`).
 
 - GPipe (`ScheduleGPipe._step_microbatches`): all m forwards, then all m backwards, in order.
 - 1F1B (`Schedule1F1B._step_microbatches`): rank k runs w = min(m, p - k) warm-up forwards,
@@ -24,18 +26,30 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev")
+# Schedules that run split backwards (I then W) for some or all micro-batches.
+SPLIT_BACKWARD_SCHEDULES = ("zb-interleaved", "zbv", "dualpipev")
 
 
 class Action(NamedTuple):
-    """One compute action: the forward or (full) backward of one micro-batch of one model chunk."""
+    """One compute action of one micro-batch of one model chunk: its forward (F), full backward
+    (B), or a backward split into the input gradient (I) and, later, the weight gradient (W)."""
 
-    kind: str  # "F" or "B"
-    chunk: int  # model chunk index = virtual_stage * pp + rank
+    kind: str  # "F", "B", "I" or "W"
+    chunk: int  # model chunk index (torch's stage index; its rank: contracts.config.chunk_rank)
     microbatch: int
+    # True on the forward of a DualPipeV "F;B" pair: the next action (its backward) runs right
+    # after it, and both outputs are sent when the pair ends.
+    overlap: bool = False
 
     def __str__(self) -> str:
         return f"{self.chunk}{self.kind}{self.microbatch}"
+
+    @property
+    def frees_activations(self) -> bool:
+        """The chunk's saved activations of this micro-batch are released when this action ends:
+        the full backward, or W (torch's I keeps the whole autograd graph, retain_graph=True)."""
+        return self.kind in ("B", "W")
 
 
 def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:
@@ -47,15 +61,20 @@ def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages
             raise ValueError(f"{name} must be positive, got {value}")
     if not 0 <= rank < num_stages:
         raise ValueError(f"rank {rank} is outside the pipeline of {num_stages} stages")
-    if schedule != "interleaved" and virtual_stages != 1:
+    if schedule in ("zbv", "dualpipev") and virtual_stages != 2:
+        raise ValueError(f"schedule {schedule!r} is V-shaped: exactly 2 virtual stages, got {virtual_stages}")
+    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
         raise ValueError(f"schedule {schedule!r} runs one stage per rank; {virtual_stages} virtual stages "
                          "need the interleaved schedule")
+    if schedule == "dualpipev" and num_microbatches < 2 * num_stages:
+        raise ValueError(f"dualpipev needs at least as many micro-batches ({num_microbatches}) as chunks "
+                         f"({2 * num_stages})")
     if schedule == "1f1b" and num_microbatches < num_stages:
         raise ValueError(f"1F1B needs at least as many micro-batches ({num_microbatches}) as stages ({num_stages})")
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "zb-interleaved"):
         rounds = max(1, num_microbatches // num_stages)
         if num_microbatches % rounds:
-            raise ValueError(f"interleaved 1F1B needs the micro-batch count ({num_microbatches}) to be a multiple "
+            raise ValueError(f"{schedule} needs the micro-batch count ({num_microbatches}) to be a multiple "
                              f"of the number of rounds ({rounds}); use a multiple of pp={num_stages}")
 
 
@@ -68,7 +87,13 @@ def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_
                 + [Action("B", rank, mb) for mb in range(num_microbatches)])
     if schedule == "1f1b":
         return _one_f_one_b(num_stages, num_microbatches, rank)
-    return _interleaved(num_stages, num_microbatches, virtual_stages, rank)
+    if schedule == "interleaved":
+        return _interleaved(num_stages, num_microbatches, virtual_stages, rank)
+    from meshplan.planner.simulation import zero_bubble
+
+    if schedule == "zb-interleaved":
+        return zero_bubble.zb_interleaved(num_stages, num_microbatches, virtual_stages, rank)
+    return getattr(zero_bubble, schedule)(num_stages, num_microbatches, rank)
 
 
 def _one_f_one_b(num_stages: int, num_microbatches: int, rank: int) -> list[Action]:
@@ -124,9 +149,9 @@ def schedule_actions(schedule: str, num_stages: int, num_microbatches: int,
 
 
 def max_in_flight(actions: list[Action] | tuple[Action, ...]) -> int:
-    """Most micro-batch chunks whose forward ran and whose backward has not (activations held)."""
+    """Most micro-batch chunks whose forward ran and whose B or W has not (activations held)."""
     live = peak = 0
     for action in actions:
-        live += 1 if action.kind == "F" else -1
+        live += 1 if action.kind == "F" else (-1 if action.frees_activations else 0)
         peak = max(peak, live)
     return peak

@@ -20,8 +20,9 @@ from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import link_kind
 from meshplan.planner.simulation.engine import StepCosts, simulate_step
+from meshplan.planner.simulation.split_backward import weight_grad_share
 
-STREAMS = ("compute", "tp", "p2p", "dp")
+STREAMS = ("compute", "tp", "cp", "p2p", "dp")
 
 
 def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
@@ -71,7 +72,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
                          ("degrees_of_layer", degrees)):
         if len(values) != num_layers:
             raise ValueError(f"{name} has {len(values)} entries but the model has {num_layers} layers")
-    owner_rank = chunks[0] % config.pp  # tied weights are owned by the first layer's stage
+    owner_rank = config.rank_of_chunk(chunks[0])  # tied weights are owned by the first layer's stage
     layer_costs = []
     for layer, chunk, recompute, (tp, dp) in zip(graph.layers, chunks, recomputes, degrees):
         # A layer of a layerwise plan splits the stage's samples its own dp ways (as the ILP's
@@ -82,8 +83,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         mbs = config.microbatch_size * config.dp // dp
         strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp and tp > 1,
                                  microbatch_size=mbs, precision=config.precision, pp=config.pp,
-                                 shard_group=config.shard_group if dp == config.dp else None)
-        holds_shared = bool(layer.shared_params) and chunk % config.pp != owner_rank
+                                 shard_group=config.shard_group if dp == config.dp else None, cp=config.cp)
+        holds_shared = bool(layer.shared_params) and config.rank_of_chunk(chunk) != owner_rank
         layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
                                            holds_shared=holds_shared))
     layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
@@ -100,8 +101,9 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
         grad_sync=grad_sync or grad_sync_mode(config),
-        dp_link=link_kind(config.dp, config.tp, cluster.gpus_per_node),
-        pp_link=link_kind(2, config.dp * config.tp, cluster.gpus_per_node) if config.pp > 1 else "")
+        dp_link=link_kind(config.dp * config.cp, config.tp, cluster.gpus_per_node),
+        pp_link=link_kind(2, config.dp * config.cp * config.tp, cluster.gpus_per_node) if config.pp > 1 else "",
+        weight_grad_share=tuple(weight_grad_share(layer, graph.seq, graph.attention) for layer in graph.layers))
 
 
 def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: ClusterProfile,
@@ -117,11 +119,11 @@ def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: 
     norm_s = grad_norm_all_reduce_s(config.gpus, cluster)
     out, seen_chunks, seen_ranks = list(layer_costs), set(), set()
     for index, chunk in enumerate(chunks):
-        first_of_rank = chunk % config.pp not in seen_ranks
+        first_of_rank = config.rank_of_chunk(chunk) not in seen_ranks
         if chunk in seen_chunks:
             continue
         seen_chunks.add(chunk)
-        seen_ranks.add(chunk % config.pp)
+        seen_ranks.add(config.rank_of_chunk(chunk))
         c = out[index]
         out[index] = replace(c, fwd_compute_s=c.fwd_compute_s + action_s, bwd_compute_s=c.bwd_compute_s + action_s,
                              optimizer_step_s=c.optimizer_step_s + (norm_s if first_of_rank else 0.0))

@@ -62,7 +62,7 @@ STRUCTURAL = {
     "swap two layers": _swap, "add a block the model lacks": _extra_block,
     "degrees not multiplying to the world size": lambda d, i: d["mesh"].update(dp=1 + (i % 3) + 1),
     "gpus not matching the mesh": lambda d, i: d["cluster"].update(gpus=3 + i % 5),
-    "wrong schema_version": lambda d, i: d.update(schema_version=[0, 2, "1", None][i % 4]),
+    "wrong schema_version": lambda d, i: d.update(schema_version=[0, 3, "1", None][i % 4]),
     "unknown model": lambda d, i: d["model"].update(spec=f"gpt-{i}"),
     "model with more layers": lambda d, i: d["model"].update(spec=SMALL.replace("layers=2", f"layers={3 + i % 3}")),
     "fractional degree": lambda d, i: d["mesh"].update(pp=2.5),

@@ -13,7 +13,7 @@ BASE = ("plan", "--model", SPEC, "--cluster", "a100-80g", "--gpus", "4", "--gbs"
 def test_table_explanation_and_progress(run_cli):
     code, out, err = run_cli(*BASE, "--top", "3", "--train-tokens", "1e9")
     assert code == 0, err
-    assert "pp x dp x tp" in out and "step ms" in out and "peak GiB" in out
+    assert "pp x dp x cp x tp" in out and "step ms" in out and "peak GiB" in out
     assert "meshplan picks" in out and "runner-up" in out
     assert "GPU-hours" in out and "training on 1e+09 tokens" in out
     assert "candidate" in err  # the progress bar goes to stderr

@@ -54,6 +54,14 @@ TWO_PROCESS = {
     "dp2-ddp-bf16": dict(dp=2, microbatch_size=2, precision="bf16-mixed", rtol=BF16_RTOL),
     "tp2-bf16": dict(tp=2, microbatch_size=4, precision="bf16-mixed", rtol=BF16_RTOL),
     "pp2-1f1b-bf16": dict(pp=2, microbatch_size=2, schedule="1f1b", precision="bf16-mixed", rtol=BF16_RTOL),
+    # split backward (I then W through torch's PipelineStage); the V puts embedding and tied head on rank 0
+    "pp2-zb-interleaved": dict(pp=2, microbatch_size=2, schedule="zb-interleaved", virtual_stages=2),
+    "pp2-zbv": dict(pp=2, microbatch_size=2, schedule="zbv", virtual_stages=2),
+    "pp2-dualpipev-full": dict(pp=2, microbatch_size=2, schedule="dualpipev", virtual_stages=2, recompute="full"),
+    # context parallelism: load-balanced sequence chunks, K/V all-gathered, causal by position
+    # (RoPE for Llama, learned positions for GPT)
+    "cp2-llama": dict(cp=2, microbatch_size=4, spec=LLAMA),
+    "cp2-gpt": dict(cp=2, microbatch_size=2),
 }
 FOUR_PROCESS = {
     "dp2-tp2": dict(dp=2, tp=2, microbatch_size=2),
@@ -74,6 +82,18 @@ FOUR_PROCESS = {
     # HSDP: 2 shard groups of 2 (FSDP2 on a 2-D (replicate, shard) mesh)
     "dp4-hsdp2-zero3": dict(dp=4, microbatch_size=2, zero=3, shard_group=2),
     "dp4-hsdp2-zero2-llama": dict(dp=4, microbatch_size=1, zero=2, shard_group=2, spec=LLAMA),
+    # zero-bubble and V-shaped schedules with replicate (ZeRO-0) and fully_shard (ZeRO-1)
+    "pp2-dp2-zero0-zbv": dict(pp=2, dp=2, microbatch_size=1, schedule="zbv", virtual_stages=2),
+    "pp2-dp2-zero1-zbv": dict(pp=2, dp=2, microbatch_size=1, zero=1, schedule="zbv", virtual_stages=2),
+    "pp2-dp2-zero1-zb-interleaved": dict(pp=2, dp=2, microbatch_size=1, zero=1, schedule="zb-interleaved",
+                                         virtual_stages=2),
+    "pp2-dp2-zero0-dualpipev": dict(pp=2, dp=2, microbatch_size=1, schedule="dualpipev", virtual_stages=2),
+    "pp2-dp2-zero1-dualpipev": dict(pp=2, dp=2, microbatch_size=1, zero=1, schedule="dualpipev", virtual_stages=2),
+    # context parallelism with data parallelism (gradients and ZeRO over dp x cp), TP + SP, PP
+    "cp2-dp2-zero1-llama": dict(cp=2, dp=2, microbatch_size=2, zero=1, spec=LLAMA),
+    "cp2-dp2-ddp": dict(cp=2, dp=2, microbatch_size=4),
+    "cp2-tp2-sp-llama": dict(cp=2, tp=2, sp=True, microbatch_size=4, spec=LLAMA),
+    "cp2-pp2-llama": dict(cp=2, pp=2, microbatch_size=2, spec=LLAMA),
 }
 
 

@@ -48,7 +48,8 @@ def _kill_when(run_dir, rank: int, at_step: int, killed: dict, timeout_s: float 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=4, shard_group=2)], ids=["zero3", "hsdp-2x2"])
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=4, shard_group=2), dict(cp=2)],
+                         ids=["zero3", "hsdp-2x2", "cp2"])
 def test_killed_worker_restarts_and_resumes_with_identical_losses(tmp_path, layout):
     plan = uniform_plan(RESUME_SPEC, 64, 8, load_cluster("cpu"), microbatch_size=2, zero=3,
                         seed=5, **layout)

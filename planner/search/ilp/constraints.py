@@ -54,7 +54,7 @@ class _Model:
 
     def add_option_terms(self, chunk: int, option, amount) -> None:
         """Account `amount` (a variable, expression or number) layers of `option` in `chunk`."""
-        rank = chunk % self.pp
+        rank = self.problem.shape.rank_of(chunk)
         self.chunk_time[chunk] += option.time_s * amount
         self.chunk_act[chunk] += (option.act_bytes / GIB) * amount
         self.rank_static[rank] += (option.static_bytes / GIB) * amount
@@ -85,7 +85,7 @@ def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
         model.add_option_terms(chunk, option, var)
         model.add_edge_terms(layer, chunk, option, var)
         if option.buffer_bytes:
-            model.rank_buffer[chunk % model.pp].append((option.buffer_bytes / GIB, var))
+            model.rank_buffer[model.problem.shape.rank_of(chunk)].append((option.buffer_bytes / GIB, var))
     if layer == 0:  # the first layer of chunk 0
         model.rank_first_dp[0].append([(min(o.dp_comm_s for o in options), 1)])
 
@@ -111,7 +111,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
             if option.buffer_bytes:
                 used = pulp.LpVariable(f"y_{c}_{o}", cat="Binary")
                 model.lp += counts[c][o] <= count * used, f"buf_use_{c}_{o}"
-                model.rank_buffer[c % model.pp].append((option.buffer_bytes / GIB, used))
+                model.rank_buffer[model.problem.shape.rank_of(c)].append((option.buffer_bytes / GIB, used))
     # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
     # option's time, so T_max >= v K t_min (tmax_chunk_c). Valid for every integer solution; the LP relaxation
     # alone would spread fractional layers evenly, and branching on one K closes that gap.
@@ -176,10 +176,10 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_c
     pulp, table = model.pulp, model.problem.table
     busiest = pulp.LpVariable("run_max_per_rank", lowBound=0, upBound=count, cat="Integer")
     for r in range(model.pp):
-        model.lp += pulp.lpSum(v for c in range(r, model.num_chunks, model.pp) for v in counts[c]) <= busiest, \
+        model.lp += pulp.lpSum(v for c in model.problem.shape.chunks_on(r) for v in counts[c]) <= busiest, \
             f"run_busiest_{r}"
     v = model.problem.shape.virtual_stages
-    rank_const = min(sum(chunk_const[r::model.pp]) for r in range(model.pp))
+    rank_const = min(sum(chunk_const[c] for c in model.problem.shape.chunks_on(r)) for r in range(model.pp))
     model.count_cuts.append((busiest, min(o.time_s for o in options) / v, rank_const / v))
     overlap = model.problem.grad_sync != "after_chunk"
     per_layer = min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) + o.param_gather_s + o.optimizer_s for o in options)
@@ -205,12 +205,12 @@ def _add_run_symmetry_constraints(model: _Model, has_first: bool, has_last: bool
     for r in range(model.pp):
         peaks = live_vectors(shape, r)
         free = [j for j in range(shape.virtual_stages)
-                if not (j * model.pp + r == 0 and has_first)
-                and not (j * model.pp + r == model.num_chunks - 1 and has_last)]
+                if not (shape.chunks_on(r)[j] == 0 and has_first)
+                and not (shape.chunks_on(r)[j] == model.num_chunks - 1 and has_last)]
         free.sort(key=lambda j: tuple(-live[j] for live in peaks))
         for a, b in zip(free, free[1:]):
             if all(live[a] >= live[b] for live in peaks):
-                model.lp += model.chunk_act[a * model.pp + r] <= model.chunk_act[b * model.pp + r], \
+                model.lp += model.chunk_act[shape.chunks_on(r)[a]] <= model.chunk_act[shape.chunks_on(r)[b]], \
                     f"symmetry_{r}_{a}_{b}"
 
 
@@ -268,7 +268,7 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
         chunk_index.append(pulp.lpSum(c * x[layer, c, o] for c in reachable for o in range(len(options))))
         for r in range(model.pp):
             for o, option in enumerate(options):
-                on_rank = [x[layer, c, o] for c in reachable if c % model.pp == r]
+                on_rank = [x[layer, c, o] for c in reachable if model.problem.shape.rank_of(c) == r]
                 if option.buffer_bytes and on_rank:
                     model.rank_buffer[r].append((option.buffer_bytes / GIB, pulp.lpSum(on_rank)))
     model.lp += chunk_index[0] == 0, "first_layer_chunk"
@@ -325,7 +325,7 @@ def _add_pipeline_time_constraints(model: _Model):
     shape, table = problem.shape, problem.table
     for c, fixed_s in enumerate(chunk_fixed_s(table, model.num_chunks)):
         model.chunk_time[c] += fixed_s
-    rank_time = [pulp.lpSum(model.chunk_time[c] for c in range(r, model.num_chunks, model.pp))
+    rank_time = [pulp.lpSum(model.chunk_time[c] for c in model.problem.shape.chunks_on(r))
                  for r in range(model.pp)]
     slowest = pulp.LpVariable("t_max", lowBound=0)
     tail = pulp.LpVariable("tail", lowBound=0)
@@ -372,7 +372,7 @@ def _add_memory_constraints(model: _Model):
             model.lp += buffer >= size * used, f"buf_{r}_{i}"
         fixed_bytes = chunk_fixed_bytes(problem.table, model.num_chunks)
         for k, live in enumerate(live_vectors(problem.shape, r)):
-            chunks = [j * model.pp + r for j in range(problem.shape.virtual_stages)]
+            chunks = problem.shape.chunks_on(r)
             total = model.rank_static[r] + buffer + pulp.lpSum(live[j] * model.chunk_act[c] for j, c in enumerate(chunks)) \
                 + sum(live[j] * fixed_bytes[c] for j, c in enumerate(chunks)) / GIB
             if peak is not None:

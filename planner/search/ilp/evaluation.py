@@ -27,10 +27,10 @@ def _live_vectors(schedule: str, num_stages: int, num_microbatches: int, virtual
     live = [0] * virtual_stages
     peaks: set[tuple[int, ...]] = set()
     for index, action in enumerate(actions):
-        local = action.chunk // num_stages
-        live[local] += 1 if action.kind == "F" else -1
+        local = action.chunk // num_stages  # the virtual stage, in both placements
+        live[local] += 1 if action.kind == "F" else (-1 if action.frees_activations else 0)
         nxt = actions[index + 1] if index + 1 < len(actions) else None
-        if action.kind == "F" and (nxt is None or nxt.kind == "B"):
+        if action.kind == "F" and (nxt is None or nxt.kind != "F"):
             peaks.add(tuple(live))
     return tuple(sorted(v for v in peaks
                         if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in peaks)))
@@ -67,13 +67,13 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     grad_comm, fwd, bwd, tail = ([0.0] * pp for _ in range(4))
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
         option = table.option(layer, index)
-        rank = chunk % pp
+        rank = shape.rank_of(chunk)
         chunk_time[chunk] += option.time_s + _reshard(table, layer, chunk_of_layer, option_of_layer)
         grad_comm[rank] += option.dp_comm_s
         fwd[rank] += option.fwd_s
         bwd[rank] += option.bwd_s
         tail[rank] += option.param_gather_s + option.optimizer_s
-    rank_time = [sum(chunk_time[c] for c in range(r, num_chunks, pp)) for r in range(pp)]
+    rank_time = [sum(chunk_time[c] for c in shape.chunks_on(r)) for r in range(pp)]
     first = [chunk_of_layer.index(r) for r in range(pp)]  # a rank's first layer: its last gradients
     never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
     exposed = [exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r], bwd[r], m)
@@ -106,12 +106,12 @@ def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer,
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
         option = table.option(layer, index)
         chunk_act[chunk] += option.act_bytes
-        static[chunk % pp] += option.static_bytes
-        buffer[chunk % pp] = max(buffer[chunk % pp], option.buffer_bytes)
+        static[shape.rank_of(chunk)] += option.static_bytes
+        buffer[shape.rank_of(chunk)] = max(buffer[shape.rank_of(chunk)], option.buffer_bytes)
     rank_mem = []
     for r in range(pp):
         rank_peaks = peaks[r] if peaks is not None else live_vectors(shape, r)
-        act = max(sum(live[j] * chunk_act[j * pp + r] for j in range(v)) for live in rank_peaks)
+        act = max(sum(live[j] * chunk_act[c] for j, c in enumerate(shape.chunks_on(r))) for live in rank_peaks)
         rank_mem.append(static[r] + act + buffer[r])
     return tuple(rank_mem)
 
@@ -124,12 +124,13 @@ def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> f
     return 2 * table.reshard_s if (here.tp, here.dp) != (before.tp, before.dp) else 0.0
 
 
-def pipeline_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+def pipeline_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                    weight_share: float = 0.5) -> float:
     """Step time of balanced stages in units of one rank's per-micro-batch time, as simulated
-    (`simulation.factors.step_factor`, forward 1 and backward 2 per chunk)."""
+    (`simulation.factors.step_factor`, forward 1 and backward 2 per chunk, W `weight_share` of it)."""
     from meshplan.planner.simulation.factors import step_factor
 
-    return step_factor(schedule, num_stages, num_microbatches, virtual_stages)
+    return step_factor(schedule, num_stages, num_microbatches, virtual_stages, weight_share=weight_share)
 
 
 def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
@@ -150,7 +151,7 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     pinned = {0} if first == 1 else set()
     pinned |= {num_chunks - 1} if first + count < table.num_layers else set()
     peaks = [live_vectors(shape, r) for r in range(pp)]
-    weight = [max(live[c // pp] for live in peaks[c % pp]) for c in range(num_chunks)]
+    weight = [max(live[c // pp] for live in peaks[shape.rank_of(c)]) for c in range(num_chunks)]
     counts = [[0] * len(options) for _ in range(num_chunks)]
     for c in range(num_chunks):
         if c not in pinned:
@@ -172,7 +173,7 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
         over = [r for r in range(pp) if problem.mem_limit_bytes is not None and memory[r] > problem.mem_limit_bytes]
         if not over:
             return counts, pinned_options
-        movable = [c for c in range(over[0], num_chunks, pp) if any(counts[c][o] for o in range(len(options)) if o != lean)]
+        movable = [c for c in shape.chunks_on(over[0]) if any(counts[c][o] for o in range(len(options)) if o != lean)]
         if not movable:
             return None
         slowest = max(chunk_s(c) for c in range(num_chunks))

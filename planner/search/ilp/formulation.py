@@ -5,7 +5,8 @@ micro-batch count m and virtual stages v, the ZeRO stage and SP; `planner.costin
 into a `CostTable`. This module chooses, per layer, its model chunk and its option (recomputation;
 with `--layerwise` also tp/dp) by an integer linear program.
 
-Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank c mod p)::
+Model (p pipeline ranks, v virtual stages, C = p v chunks; chunk c runs on rank c mod p, or for
+the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.rank_of`)::
 
     layers l = 0..L-1, options o in O(l) with per-micro-batch time f_lo + b_lo, resident bytes
     s_lo, activation bytes a_lo, transient buffer u_lo, per-step DP reduction d_lo, ZeRO
@@ -57,6 +58,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from meshplan.planner.contracts.config import chunk_index, chunk_rank
 from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
@@ -93,6 +95,14 @@ class PipelineShape:
     @property
     def num_chunks(self) -> int:
         return self.num_stages * self.virtual_stages
+
+    def rank_of(self, chunk: int) -> int:
+        """Pipeline rank of a chunk (mod p, or mirrored for the V-shaped schedules)."""
+        return chunk_rank(self.schedule, self.num_stages, chunk)
+
+    def chunks_on(self, rank: int) -> list[int]:
+        """The chunks a rank runs, by virtual stage."""
+        return [chunk_index(self.schedule, self.num_stages, rank, local) for local in range(self.virtual_stages)]
 
     @property
     def transfers_on_path(self) -> float:

@@ -12,6 +12,9 @@ from meshplan.planner.simulation.schedules import Action, max_in_flight, rank_ac
 # Small cases (p <= 4, m <= 8, v <= 2) that torch 2.13 runs in the recording test below.
 SINGLE_CASES = [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]
 INTERLEAVED_CASES = [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8)]
+# Split-backward schedules (name, p, m, v), run by torch with V placement where it applies.
+ZERO_BUBBLE_CASES = [("zb-interleaved", 2, 4, 2), ("zb-interleaved", 4, 8, 1), ("zbv", 2, 4, 2), ("zbv", 4, 5, 2),
+                     ("dualpipev", 2, 4, 2), ("dualpipev", 4, 8, 2)]
 WORLD_SIZE = 4
 
 
@@ -79,31 +82,38 @@ def _record_worker(rank: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining.schedules import (ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+                                                        ScheduleZBVZeroBubble)
+
+    from meshplan.planner.contracts.config import chunk_index
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     groups = {p: dist.new_group(ranks=list(range(p))) for p in (2, 3, 4)}
     cases = ([(name, p, m, 1) for name in ("gpipe", "1f1b") for p, m in SINGLE_CASES]
-             + [("interleaved", p, m, 2) for p, m in INTERLEAVED_CASES])
+             + [("interleaved", p, m, 2) for p, m in INTERLEAVED_CASES] + ZERO_BUBBLE_CASES)
+    multi = {"interleaved": ScheduleInterleaved1F1B, "zb-interleaved": ScheduleInterleavedZeroBubble,
+             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
     recorded = {}
     for name, num_stages, num_mb, num_virtual in cases:
         if rank < num_stages:
             calls: list[str] = []
             stages = []
             for local in range(num_virtual):
-                index = local * num_stages + rank
+                index = chunk_index(name, num_stages, rank, local)
                 stage = PipelineStage(torch.nn.Linear(4, 4), index, num_stages * num_virtual,
                                       torch.device("cpu"), group=groups[num_stages])
                 _instrument(stage, index, calls)
                 stages.append(stage)
             loss_fn = lambda output, target: ((output - target) ** 2).sum()  # noqa: E731
-            if name == "interleaved":
-                schedule = ScheduleInterleaved1F1B(stages, num_mb, loss_fn=loss_fn)
+            if name in multi:
+                schedule = multi[name](stages, num_mb, loss_fn=loss_fn)
             else:
                 cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
                 schedule = cls(stages[0], num_mb, loss_fn=loss_fn)
             inputs = torch.randn(num_mb, 4)
-            kwargs = {"target": torch.zeros(num_mb, 4)} if rank == num_stages - 1 else {}
+            holds_last = any(stage.stage_index == num_stages * num_virtual - 1 for stage in stages)  # V: rank 0
+            kwargs = {"target": torch.zeros(num_mb, 4)} if holds_last else {}
             schedule.step(*((inputs,) if rank == 0 else ()), **kwargs)
             recorded[f"{name}/{num_stages}/{num_mb}/{num_virtual}"] = calls
         dist.barrier()
@@ -113,17 +123,22 @@ def _record_worker(rank: int, port: int, out_path: str) -> None:
 
 
 def _instrument(stage, index: int, calls: list[str]) -> None:
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
     def forward_one_chunk(mb, *args, **kwargs):
         calls.append(f"{index}F{mb}")
         return forward(mb, *args, **kwargs)
 
     def backward_one_chunk(mb, *args, **kwargs):
-        calls.append(f"{index}B{mb}")
+        calls.append(f"{index}{'B' if kwargs.get('full_backward', True) else 'I'}{mb}")
         return backward(mb, *args, **kwargs)
 
+    def backward_weight_one_chunk(mb, *args, **kwargs):
+        calls.append(f"{index}W{mb}")
+        return weight(mb, *args, **kwargs)
+
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 def _free_port() -> int:
@@ -134,7 +149,7 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(120)
 def test_orders_match_what_torch_executes(tmp_path):
-    """Run torch's ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B on 4 gloo ranks and
+    """Run torch's GPipe, 1F1B, interleaved, zero-bubble and V-shaped schedules on 4 gloo ranks and
     compare each rank's recorded forward/backward calls with our generated order, exactly."""
     import torch.distributed.pipelining  # noqa: F401  imported once here, inherited by the forks
 
@@ -155,4 +170,5 @@ def test_orders_match_what_torch_executes(tmp_path):
             ours = rank_actions(name, int(num_stages), int(num_mb), int(num_virtual), rank)
             assert [str(a) for a in ours] == calls, f"{key} rank {rank}"
             compared += 1
-    assert compared == sum(p for p, _ in SINGLE_CASES) * 2 + sum(p for p, _ in INTERLEAVED_CASES)
+    assert compared == (sum(p for p, _ in SINGLE_CASES) * 2 + sum(p for p, _ in INTERLEAVED_CASES)
+                        + sum(p for _, p, _, _ in ZERO_BUBBLE_CASES))

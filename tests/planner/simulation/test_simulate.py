@@ -136,25 +136,39 @@ def test_zero3_prefetch_hides_all_but_the_first_gather():
 
 def _longest_path_step(step: StepCosts) -> float:
     """Independent reference: the step is the longest path through the DAG of actions, whose edges
-    are each rank's order (weight 0) and data dependencies (weight = p2p time)."""
+    are each rank's order (weight 0) and data dependencies (weight = p2p time, 0 between chunks on
+    one rank). I and W take their share of the backward; W waits only for its rank's order; the
+    output of the forward of an "F;B" pair leaves when the pair ends."""
     cfg = step.config
+    shares = step.weight_grad_share or (0.5,) * len(step.layer_costs)
     chunk_time = {}
-    for cost, chunk in zip(step.layer_costs, step.chunk_of_layer):
-        fwd, bwd = chunk_time.get(chunk, (0.0, 0.0))
+    for cost, chunk, share in zip(step.layer_costs, step.chunk_of_layer, shares):
+        fwd, bwd, weight = chunk_time.get(chunk, (0.0, 0.0, 0.0))
         chunk_time[chunk] = (fwd + cost.fwd_compute_s + cost.tp_fwd_comm_s,
-                             bwd + cost.bwd_compute_s + cost.recompute_s + cost.tp_bwd_comm_s)
+                             bwd + cost.bwd_compute_s + cost.recompute_s + cost.tp_bwd_comm_s,
+                             weight + share * cost.bwd_compute_s)
+    orders = schedule_actions(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
     dag = nx.DiGraph()
-    for order in schedule_actions(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages):
+    output_of = {}  # (F or B, chunk, mb) -> node at which its output is available
+    for order in orders:
         for prev, nxt in zip(order, order[1:]):
             dag.add_edge(("end", prev), ("start", nxt), weight=0.0)
-        for action in order:
-            duration = chunk_time[action.chunk][0 if action.kind == "F" else 1]
+        for index, action in enumerate(order):
+            fwd, bwd, weight = chunk_time[action.chunk]
+            duration = {"F": fwd, "B": bwd, "I": bwd - weight, "W": weight}[action.kind]
             dag.add_edge(("start", action), ("end", action), weight=duration)
+            if action.kind != "W":
+                sender = order[index + 1] if action.overlap else action
+                output_of["F" if action.kind == "F" else "B", action.chunk, action.microbatch] = ("end", sender)
+    for order in orders:
+        for action in order:
             chunk, mb = action.chunk, action.microbatch
-            if action.kind == "F" and chunk > 0:
-                dag.add_edge(("end", ("F", chunk - 1, mb)), ("start", action), weight=step.p2p_time_s[chunk - 1])
-            if action.kind == "B" and chunk < cfg.num_model_chunks - 1:
-                dag.add_edge(("end", ("B", chunk + 1, mb)), ("start", action), weight=step.p2p_time_s[chunk])
+            producer = chunk - 1 if action.kind == "F" else chunk + 1
+            if action.kind == "W" or not 0 <= producer < cfg.num_model_chunks:
+                continue
+            boundary = min(chunk, producer)
+            link = 0.0 if cfg.rank_of_chunk(producer) == cfg.rank_of_chunk(chunk) else step.p2p_time_s[boundary]
+            dag.add_edge(output_of["F" if action.kind == "F" else "B", producer, mb], ("start", action), weight=link)
     if step.grad_sync == "after_chunk":
         _add_reductions(dag, step, chunk_time)
     return nx.dag_longest_path_length(dag)
@@ -171,7 +185,7 @@ def _add_reductions(dag, step: StepCosts, chunk_time) -> None:
     for order in schedule_actions(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages):
         previous = None
         for position, action in enumerate(order):
-            if action.kind != "B" or action.microbatch != last_mb:
+            if action.kind not in ("B", "W") or action.microbatch != last_mb:
                 continue
             node = ("reduce", action.chunk)
             dag.add_edge(("end", action), ("rstart", node), weight=0.0)
@@ -184,7 +198,10 @@ def _add_reductions(dag, step: StepCosts, chunk_time) -> None:
 
 
 @pytest.mark.parametrize("schedule,pp,num_mb,vpp", [("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 3, 1),
-                                                     ("interleaved", 2, 4, 2), ("interleaved", 3, 6, 2)])
+                                                     ("interleaved", 2, 4, 2), ("interleaved", 3, 6, 2),
+                                                     ("zb-interleaved", 3, 6, 2), ("zb-interleaved", 4, 5, 1),
+                                                     ("zbv", 3, 7, 2), ("zbv", 4, 5, 2), ("dualpipev", 3, 8, 2),
+                                                     ("dualpipev", 2, 4, 2)])
 def test_uneven_stages_and_transfers_match_dag_longest_path(schedule, pp, num_mb, vpp):
     rng = random.Random(pp * 100 + num_mb)
     cfg = config(pp, num_mb, schedule, vpp)
@@ -199,7 +216,8 @@ def test_uneven_stages_and_transfers_match_dag_longest_path(schedule, pp, num_mb
         if chunk < cfg.num_model_chunks - 1 and chunk_of.count(chunk) == chunk % 3 + 1:
             chunk += 1
     p2p = tuple(rng.uniform(0, 1.0) for _ in range(cfg.num_model_chunks - 1))
-    step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=tuple(chunk_of), p2p_time_s=p2p)
+    step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=tuple(chunk_of), p2p_time_s=p2p,
+                     weight_grad_share=tuple(rng.uniform(0.2, 0.6) for _ in costs))
     pred = simulate_step(step)
     assert pred.step_time_s == pytest.approx(_longest_path_step(step), rel=REL)
     # The breakdown accounts for every second of the busiest rank's step.

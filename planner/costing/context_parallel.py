@@ -1,0 +1,68 @@
+"""Context parallelism (CP): each of `cp` ranks holds 1/cp of every sequence.
+
+Layout (the executor's, `executor.parallel.context`): the sequence is cut into 2*cp chunks and
+rank i holds chunks i and 2cp-1-i, so that under a causal mask every rank does the same
+attention work. Each rank computes its queries against the whole sequence's keys: before
+attention it all-gathers K and V over the CP group (as Llama 3 was trained), and in backward
+reduce-scatters their gradients. Only the K/V heads travel, so grouped-query attention moves
+kv_heads/heads of what full K/V would.
+
+Per rank and micro-batch, against the same layer without CP:
+- every per-token quantity (FLOPs, saved activations, TP collectives, boundary transfers,
+  logits) is 1/cp: the rank holds mbs*s/cp tokens; causal attention work is 1/cp too with the
+  load-balanced layout (`attention_work_share`; without balancing the last rank would do
+  (2cp-1)/cp^2 of it, nearly twice its share);
+- the gathered K and V of the whole sequence are saved for the attention backward:
+  (1 - 1/cp) of the full K/V bytes beyond the rank's own share;
+- communication: all-gather of K/V (full size F = 2 * mbs * s * kv_heads/tp * head_dim * bytes)
+  in forward, reduce-scatter of dK/dV (F) in backward, both blocking; full recomputation gathers
+  again;
+- gradients are averaged, and ZeRO shards, over the dp * cp ranks (tp apart): data
+  parallelism sees dp*cp ranks of mbs/cp samples each.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.costing.collectives import collective_time_s
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def attention_work_share(cp: int, balanced: bool = True) -> float:
+    """The busiest CP rank's share of causal attention work: 1/cp with the 2*cp-chunk layout
+    (rank i: chunks i and 2cp-1-i, (i + 1/2) + (2cp-1-i + 1/2) = 2cp of the 2cp^2 chunk-pair
+    units), else (2cp-1)/cp^2 for the rank holding the last contiguous 1/cp of the sequence."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    return 1.0 / cp if balanced else (2 * cp - 1) / cp**2
+
+
+def data_view(strategy):
+    """The CP-free strategy a CP rank runs its per-token work under: mbs/cp samples' worth of
+    tokens, gradients and ZeRO over dp*cp ranks (HSDP's shard group times cp)."""
+    return replace(strategy, cp=1, microbatch_size=strategy.microbatch_size / strategy.cp,
+                   dp=strategy.dp * strategy.cp,
+                   shard_group=strategy.shard_group * strategy.cp if strategy.shard_group else None)
+
+
+def kv_gather_bytes(layer, strategy, info, profile_dtype: str, compute_dtype: str) -> float:
+    """F: the whole sequence's K and V for one micro-batch on one TP rank, in the compute dtype."""
+    if layer.kind != "block" or not info.num_heads or not info.hidden:
+        return 0.0
+    tokens = layer.input_bytes / (info.hidden * DTYPE_BYTES.get(profile_dtype, 2))  # per sample
+    kv_heads = info.num_kv_heads or info.num_heads
+    local_kv_heads = kv_heads / strategy.tp if kv_heads % strategy.tp == 0 else kv_heads
+    head_dim = info.head_dim or info.hidden // info.num_heads
+    return 2 * strategy.microbatch_size * tokens * local_kv_heads * head_dim * DTYPE_BYTES[compute_dtype]
+
+
+def cp_comm_s(gather_bytes: float, strategy, cluster) -> tuple[float, float]:
+    """(forward, backward) blocking CP collectives of one micro-batch."""
+    if gather_bytes <= 0 or strategy.cp == 1:
+        return 0.0, 0.0
+    fwd = collective_time_s("all_gather", gather_bytes, strategy.cp, cluster, strategy.tp)
+    bwd = collective_time_s("reduce_scatter", gather_bytes, strategy.cp, cluster, strategy.tp)
+    if strategy.recompute == "full":
+        bwd += fwd  # the recomputed forward gathers K/V again
+    return fwd, bwd
