@@ -25,6 +25,9 @@ Recompute = Literal["none", "selective", "full"]
 class ParallelConfig:
     """Mesh, batch split and uniform switches. `gpus = pp * dp * cp * tp`.
 
+    Expert parallelism `ep` divides dp * cp: the data ranks are regrouped as (dp * cp / ep, ep),
+    the inner ep consecutive data ranks splitting each MoE layer's routed experts.
+
     Mesh order (pp, dp, cp, tp), tp innermost: a context-parallel group is `cp` ranks `tp` apart,
     each holding 1/cp of every sequence; data parallelism and ZeRO span dp * cp ranks.
 
@@ -48,9 +51,12 @@ class ParallelConfig:
     # HSDP: ZeRO shards over groups of `shard_group` consecutive data-parallel ranks and replicates
     # across the dp / shard_group groups; None shards over all dp ranks (plain ZeRO / FSDP).
     shard_group: int | None = None
+    # Expert parallelism: each MoE layer's routed experts are split over groups of `ep` data ranks
+    # (carved out of dp x cp, Megatron-LM's and torchtitan's layout); ep does not multiply gpus.
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("gpus", "global_batch", "tp", "pp", "dp", "cp", "microbatch_size", "virtual_stages"):
+        for name in ("gpus", "global_batch", "tp", "pp", "dp", "cp", "microbatch_size", "virtual_stages", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -59,6 +65,9 @@ class ParallelConfig:
                              f"{self.tp * self.pp * self.dp * self.cp} must equal the number of GPUs ({self.gpus})")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.data_ranks % self.ep:
+            raise ValueError(f"expert parallelism ep={self.ep} must divide the data ranks dp*cp = "
+                             f"{self.dp}*{self.cp} = {self.data_ranks}")
         self._check_shard_group()
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
@@ -136,6 +145,11 @@ class ParallelConfig:
         return self.dp * self.cp
 
     @property
+    def expert_data_ranks(self) -> int:
+        """Ranks over which routed-expert gradients are averaged: dp * cp / ep (each holds the same experts)."""
+        return self.data_ranks // self.ep
+
+    @property
     def num_microbatches(self) -> int:
         return self.global_batch // (self.dp * self.microbatch_size)
 
@@ -148,12 +162,13 @@ class ParallelConfig:
     def sort_key(self) -> tuple:
         """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
         return (self.pp, self.tp, self.cp, self.dp, self.microbatch_size, self.zero, self.sp, self.schedule,
-                self.virtual_stages, -(self.shard_group or self.dp))
+                self.virtual_stages, -(self.shard_group or self.dp), self.ep)
 
     def label(self) -> str:
         interleaving = self.schedule in ("interleaved", "zb-interleaved")
         sched = f"{self.schedule} x{self.virtual_stages}" if interleaving else self.schedule
         return (f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp}"
+                f"{f' ep={self.ep}' if self.ep > 1 else ''}"
                 f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
                 + (f" HSDP shard {self.shard_group}" if self.shard_group else ""))

@@ -20,6 +20,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
 
 # 2: context parallelism (`mesh.cp`); version-1 plans (no cp) still load, as cp = 1.
+# `mesh.ep` (expert parallelism) is optional within version 2: written only when ep > 1, read as 1 when absent.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 
@@ -168,8 +169,9 @@ class Plan:
 
 
 def mesh_json(cfg: ParallelConfig) -> dict[str, int]:
-    """The plan's `mesh` table: pp, dp, tp, and cp when context parallelism is on."""
-    return {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, **({"cp": cfg.cp} if cfg.cp > 1 else {})}
+    """The plan's `mesh` table: pp, dp, tp, cp when context parallelism is on, ep when expert parallelism is."""
+    return {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
+            **({"ep": cfg.ep} if cfg.ep > 1 else {})}
 
 
 def plan_from_json(data: dict[str, Any]) -> Plan:
@@ -188,7 +190,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         config = ParallelConfig(
             gpus=gpus, global_batch=_integer(data, "global_batch"), tp=_integer(mesh, "tp", "mesh."),
             pp=_integer(mesh, "pp", "mesh."), dp=_integer(mesh, "dp", "mesh."),
-            cp=_integer(mesh, "cp", "mesh.", default=1),
+            cp=_integer(mesh, "cp", "mesh.", default=1), ep=_integer(mesh, "ep", "mesh.", default=1),
             microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],
