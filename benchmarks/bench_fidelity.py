@@ -4,7 +4,8 @@ The runs and their sources are in `published_runs.py`. The efficiency fields of 
 are fitted on the fit sets only (`fit_efficiency.py`: Narayanan et al. 2021 Table 1 for A100,
 Llama 3 Table 4 for H100, NVIDIA's nccl-tests figures for the NICs); the held-out runs
 (Korthikanti et al. 2022 Table 5, MosaicML's MPT benchmarks, torchtitan's FSDP2 runs) never
-tuned anything. No run has its own correction.
+tuned anything. No run has its own correction. MosaicML's FP8 runs are held out too and
+reported in a section of their own ("FP8 (held out)"), costed with `--precision fp8`.
 
 Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [SUBSTRING]
 
@@ -29,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
-from published_runs import (HELD_OUT, KORTHIKANTI_2022, LLAMA3_2024, MPT_SOURCE, NARAYANAN_2021,  # noqa: E402
+from published_runs import (HELD_OUT, HELD_OUT_FP8, KORTHIKANTI_2022, LLAMA3_2024, MPT_SOURCE, NARAYANAN_2021,  # noqa: E402
                             TORCHTITAN_A100, Run, all_runs, fit_runs)
 
 
@@ -129,6 +130,24 @@ def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_clust
         print(f"all {title}: {summary(scored, clusters)}")
 
 
+def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
+    """FP8 over BF16 throughput where the source publishes both for one model, sequence length and
+    GPU count (their batch splits may differ): the fp8 rule's own error, apart from the step's."""
+    pairs = [(f, b) for f in fp8 for b in bf16 if b.source == f.source and b.cluster == f.cluster
+             and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
+    if not pairs:
+        return
+    print("FP8 over BF16 throughput, same model, sequence and GPUs:")
+    errors = []
+    for f, b in pairs:
+        (sf, sb) = score([f, b], clusters)
+        published = (f.tokens_per_step / sf.published_s) / (b.tokens_per_step / sb.published_s)
+        predicted = (f.tokens_per_step / sf.predicted_mean_s) / (b.tokens_per_step / sb.predicted_mean_s)
+        errors.append(predicted / published - 1)
+        print(f"  {f.name:<44} published {published:.2f}x predicted {predicted:.2f}x ({errors[-1]:+.1%})")
+    print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}")
+
+
 def cross_validated() -> None:
     """Each fit set in two halves (alternate rows): fit on one, score the other, both ways. The
     nccl-tests link fits are shared (they use no run); the H100 folds take A100's full fit."""
@@ -178,6 +197,11 @@ def main(argv: list[str]) -> int:
             members = [s for s in scored if s.run.cluster.startswith(family)]
             if members:
                 print(f"held out on {family.upper()}: {summary(members, clusters)}")
+    fp8 = [r for r in runs if r.group == HELD_OUT_FP8]
+    if fp8:  # apart: the fp8 recipe's efficiency is not fitted, and these runs tuned nothing
+        report("FP8 (held out; --precision fp8, fp8_matmul_efficiency not fitted)", score(fp8, clusters), clusters,
+               brief, by_cluster=True)
+        fp8_speedups(fp8, [r for r in all_runs() if r.group == HELD_OUT], clusters)
     if not no_cv and not only:
         cross_validated()
     print(f"\n({time.perf_counter() - start:.0f} s)")

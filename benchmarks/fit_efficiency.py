@@ -106,7 +106,7 @@ def predict(run: Run, cluster, vpp: int):
     graph = graph_of(run.spec, run.seq, run.attention)
     config = make_config(graph, cluster, run.gpus, run.global_batch, tp=run.tp, pp=run.pp, mbs=run.mbs,
                          zero=run.zero, recompute=run.recompute, sp=run.sp,
-                         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision="bf16-mixed")
+                         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision)
     return predict_config(graph, cluster, config)
 
 

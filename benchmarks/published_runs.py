@@ -23,10 +23,13 @@ Held out:
 - torchtitan's Llama 2 / Llama 3 FSDP2 figures on 64 A100 80GB (`docs/performance.md`), the rows
   whose activation checkpointing meshplan expresses (none or full).
 
+Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
+FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe.
+
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
 torchtitan's H100 tables (H100 96 GB HBM2e at a 500 W power cap, whose peak torchtitan itself
 does not know, plus Float8 / torch.compile in most rows); torchtitan's "selective op" and
-"selective layer" checkpointing (not meshplan's selective recomputation); MPT FP8 rows.
+"selective layer" checkpointing (not meshplan's selective recomputation).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from pathlib import Path
 DATA_DIR = Path(__file__).parent / "data"
 FIT_SETS = ("a100", "h100")
 HELD_OUT = "held-out"
+HELD_OUT_FP8 = "held-out-fp8"  # FP8 runs: held out, and scored apart from the BF16 ones
 
 NARAYANAN_2021 = ("Narayanan et al. 2021 (SC21, arXiv:2104.04473), Table 1; micro-batch sizes and "
                   "interleaving from Megatron-LM examples/sc21/run_table_1.sh")
@@ -78,6 +82,7 @@ class Run:
     published_tokens_per_s: float = 0.0
     published_model_tflops_per_gpu: float = 0.0
     assumptions: tuple[str, ...] = field(default=())
+    precision: str = "bf16-mixed"
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -85,8 +90,8 @@ class Run:
             raise ValueError(f"{self.name}: set exactly one published figure, got {published}")
         if not self.source:
             raise ValueError(f"{self.name}: every run needs its source")
-        if self.group not in FIT_SETS + (HELD_OUT,):
-            raise ValueError(f"{self.name}: group {self.group!r} is none of {FIT_SETS + (HELD_OUT,)}")
+        if self.group not in FIT_SETS + (HELD_OUT, HELD_OUT_FP8):
+            raise ValueError(f"{self.name}: group {self.group!r} is none of {FIT_SETS + (HELD_OUT, HELD_OUT_FP8)}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -199,12 +204,19 @@ MPT_VOCAB = 50368
 MPT_CLUSTERS = {"h100_80gb": "h100-sxm", "a100_80gb": "a100-80g", "a100_40gb": "a100-40g"}
 
 
-def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv") -> list[Run]:
+MPT_FP8_ASSUMPTIONS = (
+    "amp_fp8 (Transformer Engine Linears, delayed scaling, FSDP1 gathering bf16 weights) costed as meshplan's "
+    "fp8 recipe (torchao tensorwise current scaling, float8 all-gather)",
+)
+
+
+def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OUT,
+             precision: str = "bf16-mixed") -> list[Run]:
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing = full recomputation",
         "flash attention (llm-foundry's triton kernel), causal",
         "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",
-    )
+    ) + (MPT_FP8_ASSUMPTIONS if precision == "fp8" else ())
     runs = []
     with path.open() as handle:
         for row in csv.DictReader(line for line in handle if not line.startswith("#")):
@@ -212,12 +224,17 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv") -> list[Run]:
             gpus, mbs, accum, gbs = (int(row[k]) for k in ("gpus", "mbs", "grad_accum", "gbs"))
             if gbs != gpus * mbs * accum:
                 raise ValueError(f"{path}: {row} has global batch {gbs} != gpus x mbs x accumulation")
-            name = f"MPT {row['model']} {row['table']} s{row['seq']} x{gpus} mbs{mbs}"
-            runs.append(Run(name, HELD_OUT, MPT_SOURCE, MPT_CLUSTERS[row["table"]],
+            name = f"MPT {row['model']} {row['table']}{' fp8' if precision == 'fp8' else ''} s{row['seq']} x{gpus} mbs{mbs}"
+            runs.append(Run(name, group, MPT_SOURCE, MPT_CLUSTERS[row["table"]],
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
-                            published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions))
+                            published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
+                            precision=precision))
     return runs
+
+
+def mpt_fp8_runs() -> list[Run]:
+    return mpt_runs(DATA_DIR / "mpt_llm_foundry_fp8.csv", HELD_OUT_FP8, "fp8")
 
 
 LLAMA2_13B = "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000"
@@ -254,7 +271,7 @@ FABRIC_RUNS = [
 
 
 def all_runs() -> list[Run]:
-    return narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs()
+    return narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
 
 
 def fit_runs(fit_set: str) -> list[Run]:

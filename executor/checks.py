@@ -33,6 +33,7 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
         raise MeshplanError(f"ZeRO-{cfg.zero} with pipeline parallelism (pp {cfg.pp}, dp {cfg.dp}) runs as ZeRO-1: "
                             "torch's pipeline schedules defer gradient sync and resharding to the last "
                             "micro-batch; set zero to 1 (meshplan plan no longer offers this combination)")
+    check_precision_runnable(cfg.precision)
     from meshplan.planner.models.registry import build_model
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
@@ -44,6 +45,35 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
         return
     check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
     _check_tp(plan, built.config)
+
+
+def check_precision_runnable(precision: str, device: str | None = None) -> None:
+    """FP8 plans are planned, not executed: refuse them naming the device. `device`: what the
+    workers would run on (default: this machine's first CUDA device, else cpu)."""
+    from meshplan.planner.costing.fp8 import is_fp8
+
+    if not is_fp8(precision):
+        return
+    device = device or _device_description()
+    if device == "cpu" or "compute capability" in device and _capability(device) < (8, 9):
+        raise MeshplanError(f"FP8 plans need a GPU with FP8 tensor cores (compute capability >= 8.9) and torchao; "
+                            f"this device is {device}")
+    raise MeshplanError(f"meshplan's executor does not run FP8 plans yet (FP8 Linears are planned, not executed); "
+                        f"this device is {device}: re-plan with --precision bf16-mixed to train")
+
+
+def _device_description() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{torch.cuda.get_device_name(0)} (compute capability {major}.{minor})"
+
+
+def _capability(device: str) -> tuple[int, int]:
+    major, minor = device.rsplit("compute capability ", 1)[1].rstrip(")").split(".")
+    return int(major), int(minor)
 
 
 def _check_cp(plan: Plan, built) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import SCHEDULES
-from meshplan.commands.common import GIB, add_job_arguments, moe_notes
+from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
+from meshplan.commands.common import GIB, add_job_arguments, check_seq, moe_notes, throughput_line
 
 
 def add_arguments(parser) -> None:
@@ -22,6 +22,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel degree: each of cp ranks holds 1/cp of every sequence")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree (mixtures of experts): routed experts split over ep of the "
+                             "dp*cp data ranks")
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     parser.add_argument("--shard-group", type=int, default=None, metavar="N",
@@ -32,8 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
-    parser.add_argument("--precision", default=None, choices=("bf16-mixed", "fp32"),
-                        help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile)")
+    parser.add_argument("--precision", default=None, choices=PRECISIONS,
+                        help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
@@ -42,6 +45,7 @@ def run(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.simulation.estimator import estimate
 
+    check_seq(args.seq)
     if args.from_file:
         from meshplan.commands.export import estimate_from
 
@@ -54,7 +58,8 @@ def run(args) -> int:
     prediction = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                           tp=args.tp, pp=args.pp, mbs=args.mbs, zero=args.zero, recompute=args.recompute,
                           sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                          attention=args.attention, shard_group=args.shard_group, cp=args.cp)
+                          attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
+                          moe_imbalance=args.moe_imbalance)
     if notes:
         print("\n".join(notes), file=sys.stderr)
     if args.json:
@@ -69,10 +74,12 @@ def run(args) -> int:
 def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
     step = prediction.step_time_s
+    moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
     cp = getattr(args, "cp", 1)
     dp = args.gpus // (args.tp * args.pp * cp)
     lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp}"
-             + (f" cp={cp}" if cp > 1 else "") + f" mbs={args.mbs} "
+             + (f" cp={cp}" if cp > 1 else "") + (f" ep={args.ep}" if getattr(args, "ep", 1) > 1 else "")
+             + f" mbs={args.mbs} "
              f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
              + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
              + (f" vpp={args.vpp}" if args.schedule in ("interleaved", "zb-interleaved") else ""),
@@ -80,20 +87,28 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
             lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
-    lines += ["", f"tokens/s         {prediction.tokens_per_s:12,.0f}",
+    from meshplan.reports.plans import is_sequence_model
+
+    sequence_model = is_sequence_model(args.model)
+    seq = getattr(args, "seq", None) or _default_seq(args.model)
+    lines += ["", throughput_line(args.model, prediction.tokens_per_s, seq),
               f"model TFLOP/s    {prediction.model_tflops_per_gpu:10.1f} per GPU",
               f"hw TFLOP/s       {prediction.hw_tflops_per_gpu:10.1f} per GPU",
-              f"MFU              {prediction.mfu:10.1%}   (attention counted in full; step time uses causal FLOPs)",
+              f"MFU              {prediction.mfu:10.1%}"
+              + ("   (attention counted in full; step time uses causal FLOPs)" if sequence_model else ""),
               f"bubble           {prediction.bubble_fraction:10.1%}",
-              "", "memory per rank (GiB)",
-              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"]
+              "", "memory per rank (GiB)" + ("; experts: the routed experts' part of params + grads + optim"
+                                            if moe else ""),
+              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"
+              + (f" {'experts':>8}" if moe else "")]
     for rank in _ranks_to_show(prediction):
         if rank is None:
             lines.append(f"  {'...':>5}")
             continue
         mem = prediction.memory[rank]
         lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
-                     f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}")
+                     f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}"
+                     + (f" {mem.experts / GIB:8.2f}" if moe else ""))
     from meshplan.planner.costing.state_memory import executed_zero
 
     if executed_zero(args.zero, dp, args.pp) != args.zero:
@@ -103,6 +118,13 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
               f"GiB usable   fits: {verdict}"]
     return "\n".join(lines)
+
+
+def _default_seq(spec: str) -> int:
+    from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.simulation.estimator import DEFAULT_SEQ
+
+    return default_seq(spec, DEFAULT_SEQ)
 
 
 def _ranks_to_show(prediction, limit: int = 8) -> list:

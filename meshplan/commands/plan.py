@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import SCHEDULES
-from meshplan.commands.common import GIB, add_job_arguments, moe_notes
+from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
+from meshplan.commands.common import GIB, add_job_arguments, check_seq, moe_notes
 
 
 def add_arguments(parser) -> None:
@@ -18,6 +18,8 @@ def add_arguments(parser) -> None:
     pins.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     pins.add_argument("--dp", type=int, default=None, help="data-parallel degree")
     pins.add_argument("--cp", type=int, default=None, help="context-parallel degree")
+    pins.add_argument("--ep", type=int, default=None,
+                      help="expert-parallel degree (mixtures of experts; divides dp*cp and the expert count)")
     pins.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
     pins.add_argument("--shard-group", type=int, default=None, metavar="N",
                       help="HSDP: shard ZeRO state over groups of N data-parallel ranks, replicate across them")
@@ -31,12 +33,15 @@ def add_arguments(parser) -> None:
                         help="also print time to train on this many tokens and the GPU-hours")
     parser.add_argument("--layerwise", action="store_true",
                         help="per-layer tp/dp inside a stage (analysis only: the plan is marked not executable)")
-    parser.add_argument("--precision", default=None, choices=("bf16-mixed", "fp32"),
-                        help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile)")
+    parser.add_argument("--precision", default=None, choices=PRECISIONS,
+                        help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
     parser.add_argument("--time-limit", type=float, default=2.5,
                         help="seconds per candidate ILP (default 2.5; the re-ranked ones get twice that again if needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
+    parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
+                        help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes (default 0: the "
+                             "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin)")
     from meshplan.commands import sizing
 
     sizing.add_arguments(parser)
@@ -54,6 +59,7 @@ def run(args) -> int:
     from meshplan.commands import sizing
 
     sizing.check(args)
+    check_seq(args.seq)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     notes = moe_notes(args.model, args.moe_imbalance)
     if notes:
@@ -62,7 +68,8 @@ def run(args) -> int:
     def plan_at(gpus: int, progress: bool = False):
         return plan(args.model, args.cluster, gpus, args.gbs, args.seq, top_k=args.top,
                     precision=args.precision, attention=args.attention, layerwise=args.layerwise,
-                    time_limit_s=args.time_limit, seed=args.seed, progress=progress, **pins)
+                    time_limit_s=args.time_limit, seed=args.seed, progress=progress,
+                    moe_imbalance=args.moe_imbalance, memory_headroom_bytes=args.memory_headroom * GIB, **pins)
 
     result = plan_at(args.gpus, progress=not args.json)
     sized, sizing_lines = None, []
@@ -91,12 +98,14 @@ def candidates_table(data: dict, train_tokens: float | None = None):
     rows = []
     tokens_per_step = data["global_batch"] * data["model"]["seq"]
     gpus = data["cluster"]["gpus"]
+    moe = _is_moe(data)
     for rank, entry in enumerate(configuration_rows(data), start=1):
         pred, sched = entry["prediction"], entry["schedule"]
         row = {
             "#": rank,
             "pp x dp x cp x tp": (f"{entry['mesh']['pp']}x{entry['mesh']['dp']}x{entry['mesh'].get('cp', 1)}"
                                   f"x{entry['mesh']['tp']}"),
+            **({"ep": entry["mesh"].get("ep", 1)} if moe else {}),
             "sp": "on" if entry["sp"] else "",
             "schedule": sched["name"] + (f" x{sched['virtual_stages']}" if sched["virtual_stages"] > 1 else ""),
             "mbs": sched["microbatch_size"], "m": sched["microbatches"],
@@ -108,12 +117,25 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             "bubble %": round(100 * pred["bubble_fraction"], 1),
             "peak GiB": round(pred["peak_memory_bytes"] / GIB, 1),
         }
+        if moe:  # expert parallelism: the all-to-alls and the experts' states per rank
+            row["a2a ms"] = round(pred["breakdown"].get("ep_comm", 0.0) * 1e3, 1)
+            row["experts GiB"] = round(max((m.get("experts", 0.0) for m in pred["memory_bytes"]), default=0.0) / GIB, 1)
         if train_tokens:
             seconds = train_tokens / tokens_per_step * pred["step_time_s"]
             row["train days"] = round(seconds / 86400, 2)
             row["GPU-hours"] = round(seconds * gpus / 3600)
         rows.append(row)
-    return pd.DataFrame(rows).set_index("#")
+    table = pd.DataFrame(rows)
+    # Configurations that differ only in what the table does not show read as one row: keep the first.
+    table = table.drop_duplicates(subset=[c for c in table.columns if c != "#"]).reset_index(drop=True)
+    table["#"] = range(1, len(table) + 1)
+    return table.set_index("#")
+
+
+def _is_moe(data: dict) -> bool:
+    """A mixture of experts (its routed experts' states are counted apart), or a plan with EP."""
+    memory = (data.get("prediction") or {}).get("memory_bytes") or []
+    return data["mesh"].get("ep", 1) > 1 or any(m.get("experts", 0.0) > 0 for m in memory)
 
 
 def format_plan(data: dict, args) -> str:
@@ -123,8 +145,12 @@ def format_plan(data: dict, args) -> str:
 
     table = candidates_table(data, args.train_tokens)
     with pd.option_context("display.width", 200, "display.max_columns", 30):
-        text = table.to_string()
-    head = (f"{data['model']['spec']} (seq {data['model']['seq']}) on {data['cluster']['gpus']} x "
+        text = table.rename_axis(None).to_string()  # the index unnamed: no row holding only its name
+    text = "#" + text[1:]  # the rank column's heading, on the header row
+    from meshplan.reports.plans import is_sequence_model
+
+    seq = f" (seq {data['model']['seq']})" if is_sequence_model(data["model"]["spec"]) else ""
+    head = (f"{data['model']['spec']}{seq} on {data['cluster']['gpus']} x "
             f"{data['cluster']['profile']}, global batch {data['global_batch']}, {data['precision']}")
     lines = [head, "", text, "", explain(data)]
     if not data["executable"]:

@@ -61,7 +61,7 @@ from typing import Any
 
 
 SCHEMA_VERSION = 1
-DTYPES = ("bf16", "fp16", "fp32", "tf32")
+DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
 
 
 def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
@@ -159,6 +159,9 @@ class DeviceProfile:
     # Per DTensor redistribution of a small partial gradient to a replicated one (beyond its
     # all-reduce): the executor does one per TP norm tensor per step.
     dtensor_redistribute_s: float = 0.0
+    # Achieved fraction of the fp8 peak for large fp8 GEMMs under the `fp8` precision recipe
+    # (planner.costing.fp8); 0: the profile gives none, and `--precision fp8` is refused.
+    fp8_matmul_efficiency: float = 0.0
     supports_bf16: bool = True
     source: str = ""
 
@@ -176,6 +179,9 @@ class DeviceProfile:
             _check_positive("device", name, value)
             if value > 1:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
+        _check_positive("device", "fp8_matmul_efficiency", self.fp8_matmul_efficiency, allow_zero=True)
+        if self.fp8_matmul_efficiency > 1:
+            raise ValueError(f"device.fp8_matmul_efficiency is a fraction in [0, 1], got {self.fp8_matmul_efficiency}")
         for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",
                      "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
                      "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",

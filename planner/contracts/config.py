@@ -16,7 +16,8 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev
 MULTI_CHUNK_SCHEDULES = ("interleaved", "zb-interleaved", "zbv", "dualpipev")
 V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16-mixed", "fp32")
+# fp8: tensorwise-scaled FP8 Linears over bf16-mixed (planner.costing.fp8); planned, not executed.
+PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev"]
 Recompute = Literal["none", "selective", "full"]
 

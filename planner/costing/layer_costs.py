@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from meshplan.planner.costing import fixed_costs
+from meshplan.planner.costing import fixed_costs, fp8
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
@@ -29,7 +29,7 @@ class Strategy:
     recompute: str = "none"  # none | selective | full
     sp: bool = False
     microbatch_size: int = 1
-    precision: str = "bf16-mixed"  # bf16-mixed | fp32
+    precision: str = "bf16-mixed"  # bf16-mixed | fp32 | fp8
     pp: int = 1  # only for which link pipeline transfers cross
     # Where model states live: "executor" (what `meshplan train` allocates) or "zero-paper"
     # (Rajbhandari et al.'s 2 + 2 + 12 bytes per parameter); see planner.costing.state_memory.
@@ -39,6 +39,9 @@ class Strategy:
     shard_group: int | None = None
     # Context parallelism: each of `cp` ranks (tp apart) holds 1/cp of every sequence.
     cp: int = 1
+    # Expert parallelism: MoE blocks' routed experts split over `ep` data ranks (tp apart), carved
+    # out of dp * cp (planner.costing.expert_parallel).
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class LayerCost:
     output_bytes: float  # boundary tensor sent to the next stage, per micro-batch (after SP sharding)
     cp_fwd_comm_s: float = 0.0  # blocking context-parallel K/V all-gather in forward
     cp_bwd_comm_s: float = 0.0  # blocking reduce-scatter of the K/V gradients in backward (+ re-gather)
+    ep_fwd_comm_s: float = 0.0  # blocking expert-parallel all-to-alls in forward (dispatch, combine)
+    ep_bwd_comm_s: float = 0.0  # their mirrors in backward (+ the recomputed forward's)
+    expert_fwd_s: float = 0.0  # the routed experts' part of fwd_compute_s (busiest rank)
+    expert_bwd_s: float = 0.0  # the routed experts' part of bwd_compute_s
+    expert_state_bytes: float = 0.0  # the routed experts' part of param + grad + optimizer bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,8 +83,10 @@ class LayerCost:
 PRECISION_RECIPES: dict[str, dict[str, float]] = {
     "bf16-mixed": {"param": 2.0, "grad": 2.0, "optimizer": 12.0},
     "fp32": {"param": 4.0, "grad": 4.0, "optimizer": 8.0},
+    "fp8": {"param": 2.0, "grad": 2.0, "optimizer": 12.0},  # bf16-mixed's states; see planner.costing.fp8
 }
-COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32"}
+# The dtype of everything but the fp8 Linears' GEMMs (fp8: attention, norms, activations in bf16).
+COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32", "fp8": "bf16"}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25): a software default, not hardware.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -169,6 +179,9 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     the graph's attention kernel; a flash kernel skips the masked half of causal attention, so
     step time uses the causal FLOPs (MFU keeps counting attention in full, as Megatron-LM does).
     """
+    if layer.expert_params and strategy.cp == 1:
+        return _moe_block_cost(layer, strategy, cluster, info, profile_dtype=profile_dtype,
+                               holds_shared=holds_shared, attention=attention)
     if strategy.cp > 1:
         return _context_parallel_cost(layer, strategy, cluster, info, profile_dtype=profile_dtype,
                                       holds_shared=holds_shared, attention=attention)
@@ -205,7 +218,13 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     params_per_rank = num_params / shard
     memory = model_state_bytes(params_per_rank, dp, strategy.zero, strategy.precision, strategy.state_recipe,
                                tp, strategy.pp, strategy.shard_group)
-    grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = _dp_comm_s(params_per_rank, strategy, cluster)
+    zero = executed_zero(strategy.zero, dp, strategy.pp)
+    compute_bytes = recipe(strategy.precision)["param"]
+    # bytes per parameter a gather moves and an unsharded copy holds (fp8: float8 all-gather)
+    gather_bytes = fp8.gather_bytes_per_param(layer, info, strategy.precision, zero, dp, compute_bytes)
+    if strategy.state_recipe == "executor" and zero in (1, 2) and gather_bytes < compute_bytes:
+        memory = {**memory, "params": memory["params"] - params_per_rank * (compute_bytes - gather_bytes)}
+    grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = _dp_comm_s(params_per_rank, strategy, cluster, gather_bytes)
     if holds_shared and layer.shared_params and strategy.pp > 1:
         shared_bytes = layer.shared_params / shard * grad_wire_bytes_per_param(strategy.precision,
                                                                                 strategy.state_recipe)
@@ -222,8 +241,9 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
 
     executor = strategy.state_recipe == "executor"
     activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale, executor=executor)
-    zero = executed_zero(strategy.zero, dp, strategy.pp)
-    gathered_bytes = params_per_rank * recipe(strategy.precision)["param"]  # one unsharded copy, compute dtype
+    activation_bytes, buffer_bytes = fp8.adjust_memory(layer, info, strategy, split, executor, zero, act_scale,
+                                                       activation_bytes, buffer_bytes)
+    gathered_bytes = params_per_rank * gather_bytes  # one unsharded copy, compute dtype (fp8 Linears: fp8)
     fsdp_root = executor and layer.kind in ("embedding", "head")  # the stage's own FSDP unit, not a block's
     if zero == 3 and not (fsdp_root and dp > 1):  # gathered full parameters live during fwd/bwd
         buffer_bytes += gathered_bytes
@@ -269,9 +289,13 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     skipped = causal_skipped_flops(layer, attention)
     fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
     bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
-    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
-    bwd_s = (compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
-             + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster))
+    if fp8.is_fp8(strategy.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
+        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype)
+    else:
+        fwd_gemm_s = compute_time_s(fwd_flops, gemms, cluster, dtype)
+        bwd_gemm_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
+    fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
+    bwd_s = bwd_gemm_s + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster)
     if strategy.recompute == "full":
         return fwd_s, bwd_s, fwd_s
     if strategy.recompute == "selective":
@@ -332,8 +356,8 @@ def _tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     return 0.0, all_reduce_time_s(size, tp, link)
 
 
-def _dp_comm_s(params_per_rank: float, strategy: Strategy,
-               cluster: ClusterProfile) -> tuple[float, float, float, float]:
+def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfile,
+               gather_bytes_per_param: float | None = None) -> tuple[float, float, float, float]:
     """(gradient reduction per step, parameter all-gather per step, all-gather before each
     micro-batch's forward, all-gather before each micro-batch's backward).
 
@@ -347,7 +371,8 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy,
       torch pipelining resharding after backward is off until the last micro-batch, so the
       parameters are gathered once per step (and ZeRO-2/3 run as ZeRO-1: `executed_zero`).
     Gradient reductions are counted once per step here; the simulator repeats them per
-    micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype.
+    micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
+    `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
     """
     dp = strategy.dp
     if dp == 1:
@@ -355,7 +380,7 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy,
     zero = executed_zero(strategy.zero, strategy.dp, strategy.pp)
     per_param = recipe(strategy.precision)
     grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
-    param_bytes = params_per_rank * per_param["param"]  # gathered in the compute dtype
+    param_bytes = params_per_rank * (per_param["param"] if gather_bytes_per_param is None else gather_bytes_per_param)
     if zero == 0:
         return collective_time_s("all_reduce", grad_bytes, dp, cluster, strategy.tp), 0.0, 0.0, 0.0
     # ZeRO shards over `shard` ranks spaced tp apart (all of dp, or HSDP's shard group); HSDP then
@@ -520,3 +545,51 @@ def _context_parallel_cost(layer: LayerProfile, strategy: Strategy, cluster: Clu
     kept = gathered * (1 - 1 / strategy.cp) if strategy.recompute != "full" else 0.0
     return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)
 
+
+
+def _moe_block_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+                    *, profile_dtype: str | None, holds_shared: bool, attention: str) -> LayerCost:
+    """`layer_cost` of a MoE block (planner.costing.expert_parallel): the block without its
+    routed experts as any layer, plus the experts on the busiest rank: GEMMs at the per-expert
+    size, their states over the expert-data group, and the dispatch / combine all-to-alls."""
+    from meshplan.planner.costing import expert_parallel as epm
+
+    dense = layer_cost(epm.dense_part(layer), strategy, cluster, info, profile_dtype=profile_dtype,
+                       holds_shared=holds_shared, attention=attention)
+    dtype = COMPUTE_DTYPE[strategy.precision]
+    act_scale = DTYPE_BYTES[dtype] / DTYPE_BYTES.get(profile_dtype or dtype, 2)
+    split = _is_split(layer, strategy.tp)
+    shard = strategy.tp if split else 1
+    fwd_flops, bwd_flops, gemms = epm.expert_gemm_flops(layer, strategy, info, shard)
+    saved = layer.expert_act_bytes * strategy.microbatch_size * act_scale / shard * epm.load_factor(info)
+    traffic = cluster.device.elementwise_bytes_per_activation_byte * saved
+    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic, cluster)
+    bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2) + memory_time_s(2 * traffic, cluster)
+    ep_fwd_s, ep_bwd_s = epm.ep_comm_s(epm.dispatch_send_bytes(layer, strategy, act_scale, split), strategy,
+                                       cluster, info)
+    # the experts' states: P_e = expert_params / (ep tp) per rank, ZeRO over the expert-data group
+    params = layer.expert_params / strategy.ep / shard
+    group = epm.expert_data_view(strategy)
+    states = model_state_bytes(params, group.dp, strategy.zero, strategy.precision, strategy.state_recipe,
+                               strategy.tp, strategy.pp)
+    grad_s, gather_s, fwd_gather_s, bwd_gather_s = _dp_comm_s(params, group, cluster)
+    zero = executed_zero(strategy.zero, group.dp, strategy.pp)
+    owned = params / (group.dp if zero >= 1 else 1)
+    optimizer_s = owned * cluster.optimizer_bytes_per_param / (
+        cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency)
+    gathered = params * recipe(strategy.precision)["param"]
+    copies = (zero == 3) + (strategy.state_recipe == "executor" and group.dp > 1 and zero >= 1 and strategy.pp == 1)
+    full = strategy.recompute == "full"
+    expert_states = states["params"] + states["grads"] + states["optimizer"]
+    return replace(
+        dense, fwd_compute_s=dense.fwd_compute_s + fwd_s, bwd_compute_s=dense.bwd_compute_s + bwd_s,
+        recompute_s=dense.recompute_s + (fwd_s if full else 0.0),
+        fwd_gather_s=dense.fwd_gather_s + fwd_gather_s, bwd_gather_s=dense.bwd_gather_s + bwd_gather_s,
+        dp_grad_comm_s=dense.dp_grad_comm_s + grad_s, dp_param_gather_s=dense.dp_param_gather_s + gather_s,
+        optimizer_step_s=dense.optimizer_step_s + optimizer_s,
+        param_bytes=dense.param_bytes + states["params"], grad_bytes=dense.grad_bytes + states["grads"],
+        optimizer_bytes=dense.optimizer_bytes + states["optimizer"],
+        activation_bytes=dense.activation_bytes + (0.0 if full else saved),
+        buffer_bytes=dense.buffer_bytes + (saved if full else 0.0) + copies * gathered,
+        ep_fwd_comm_s=ep_fwd_s, ep_bwd_comm_s=ep_bwd_s, expert_fwd_s=fwd_s, expert_bwd_s=bwd_s,
+        expert_state_bytes=expert_states)

@@ -38,7 +38,8 @@ from __future__ import annotations
 STATE_RECIPES = ("executor", "zero-paper")
 
 # bytes per parameter of the ZeRO paper's recipes: (param, grad, optimizer)
-_PAPER = {"bf16-mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+# fp8 keeps bf16-mixed's states (planner.costing.fp8 adds its weight copies and float8 all-gather)
+_PAPER = {"bf16-mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0), "fp8": (2.0, 2.0, 12.0)}
 # DDP's flat bucket copy of each fp32 gradient, bytes per parameter (executor recipe)
 DDP_BUCKET_COPY_BYTES = 4.0
 
@@ -95,14 +96,14 @@ def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, 
     _paper(precision)
     zero = executed_zero(zero, dp, pp)
     method = dp_method(zero, dp, tp, pp)
-    compute_copy = 2.0 if precision == "bf16-mixed" else 4.0  # unsharded parameters FSDP2 gathers
+    compute_copy = 4.0 if precision == "fp32" else 2.0  # unsharded parameters FSDP2 gathers
     if method == "none":
         return {"params": 4.0 * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
     if method == "ddp":  # .grad plus its copy in DDP's flat bucket (see the module docstring)
         return {"params": 4.0 * num_params, "grads": (4.0 + DDP_BUCKET_COPY_BYTES) * num_params,
                 "optimizer": 8.0 * num_params}
     if method == "replicate":
-        extra = compute_copy if precision == "bf16-mixed" else 0.0  # fp32 needs no cast copy
+        extra = 0.0 if precision == "fp32" else compute_copy  # fp32 needs no cast copy
         return {"params": (4.0 + extra) * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
     unsharded = compute_copy if zero <= 2 else 0.0
     d = shard or dp

@@ -60,25 +60,34 @@ def _check_executor_pins(graph, pins: Pins) -> None:
 def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, pins: Pins | None = None,
                 top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
                 layerwise: bool = False, time_limit_s: float = 2.5, seed: int = 0, workers: int = 2,
-                num_rerank: int | None = None, max_mbs: int = 16, progress: bool = False, graph=None,
-                **pin_kwargs):
-    """The fastest plan that fits; see the module docstring. Pins may be given as keywords."""
+                num_rerank: int | None = None, max_mbs: int = 16, progress=False, graph=None,
+                moe_imbalance: float = 1.0, memory_headroom_bytes: float = 0.0, **pin_kwargs):
+    """The fastest plan that fits; see the module docstring. Pins may be given as keywords.
+
+    `progress`: False, True (a bar on stderr when it is a terminal) or fn(done, total) per candidate.
+    `memory_headroom_bytes`: memory each GPU keeps free beyond the profile's `reserved_memory_bytes`.
+    """
     from meshplan.planner.simulation.estimator import DEFAULT_SEQ, default_precision
     from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.costing.fp8 import check_fp8_supported
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.search.assembly import build_plan
 
     started = time.perf_counter()
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
+    cluster = with_memory_headroom(cluster, memory_headroom_bytes)
     pins = pins or Pins(**pin_kwargs)
     _check_request(cluster, gpus, global_batch, top_k)
-    precision = precision or default_precision(cluster)
+    precision = precision or default_precision(cluster)  # fp8 only when asked: it changes numerics
+    check_fp8_supported(cluster, precision)
     if graph is None:
         from meshplan.planner.profiling.profiler import profile
-        dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
-        graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
+        dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
+        graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype, attention=attention,
+                        moe_imbalance=moe_imbalance)
     _check_executor_pins(graph, pins)
+    _check_expert_pin(graph, pins)
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, max_mbs, precision)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, cluster, gpus, global_batch, pins))
@@ -104,13 +113,16 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
                                                candidates, max_mbs))
     feasible = _polish(feasible, num_keep, {c: p for c, _, p in problems}, workers)
     ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision)
+    ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision)
     stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
              "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
              "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
              "num_cutoff": sum(s.solution is not None and s.solution.status == "cutoff" for s in solved),
              "num_infeasible": sum(s.solution is not None and s.solution.status == "infeasible" for s in solved),
              "max_gap": max(s.solution.gap for s in feasible[:num_keep]),
-             "search_time_s": time.perf_counter() - started}
+             **({"ep_rival": ep_rival} if ep_rival else {}),
+             "search_time_s": time.perf_counter() - started,
+             **({"memory_headroom_bytes": memory_headroom_bytes} if memory_headroom_bytes else {})}
     return build_plan(graph, cluster, ranked[:top_k], stats, seed=seed, layerwise=layerwise, limit_bytes=limit)
 
 
@@ -157,6 +169,19 @@ def _polish(feasible: list[Solved], num_keep: int, problems: dict, workers: int)
     return sorted(out, key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
 
 
+def with_memory_headroom(cluster, headroom_bytes: float):
+    """The cluster with `headroom_bytes` more reserved per GPU: the search, the simulator's fit check
+    and the plan's embedded profile then all plan against what is left."""
+    if not headroom_bytes:
+        return cluster
+    usable = cluster.device.usable_memory_bytes
+    if not 0 < headroom_bytes < usable:
+        raise MeshplanError(f"--memory-headroom must be between 0 and the {usable / 2**30:.2f} GiB usable per GPU "
+                            f"on {cluster.device.name}, got {headroom_bytes / 2**30:.3g} GiB")
+    device = replace(cluster.device, reserved_memory_bytes=cluster.device.reserved_memory_bytes + headroom_bytes)
+    return replace(cluster, device=device)
+
+
 def _check_request(cluster, gpus: int, global_batch: int, top_k: int) -> None:
     for name, value in (("--gpus", gpus), ("--gbs", global_batch), ("--top", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -176,12 +201,44 @@ def _no_candidate_message(graph, cluster, gpus, global_batch, pins: Pins) -> str
             f"ZeRO-1); relax a pin or change --gpus/--gbs")
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+def _check_expert_pin(graph, pins: Pins) -> None:
+    """--ep N needs a mixture of experts whose expert count N divides."""
+    from meshplan.planner.costing.expert_parallel import check_expert_parallel
 
-    return tqdm(total=total, desc="meshplan plan", unit="candidate", file=sys.stderr, leave=False)
+    if pins.ep not in (None, 1):
+        try:
+            check_expert_parallel(graph.info, pins.ep, pins.ep)
+        except ValueError as exc:
+            raise MeshplanError(f"--ep {pins.ep}: {exc}") from None
+
+
+def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tables, gpus, global_batch,
+              precision) -> dict | None:
+    """For a mixture of experts: the best fitting plan with another EP degree than the winner's
+    (simulated already, or the ILP's best of the other degrees), for the plan's explanation."""
+    if not graph.info.num_experts:
+        return None
+    ep = ranked[0].config.ep
+    rival = next((r for r in ranked[1:] if r.config.ep != ep and r.prediction.fits), None)
+    if rival is None:
+        other = next((s for s in feasible if s.candidate.ep != ep), None)
+        if other is None:
+            return None
+        rival = _simulate(graph, cluster, other, tables[other.candidate], gpus, global_batch, precision)
+        if not rival.prediction.fits:
+            return None
+    pred = rival.prediction
+    return {"label": rival.candidate.label(), "ep": rival.config.ep, "step_time_s": pred.step_time_s,
+            "ep_comm_s": pred.breakdown.get("ep_comm", 0.0), "compute_s": pred.breakdown.get("compute", 0.0),
+            "expert_bytes": max((m.experts for m in pred.memory), default=0.0),
+            "peak_memory_bytes": pred.peak_memory_bytes}
+
+
+def _progress_bar(total: int, progress):
+    """`progress`: False, True (a bar when stderr is a terminal) or fn(done, total); contracts.progress."""
+    from meshplan.planner.contracts.progress import progress_reporter
+
+    return progress_reporter(progress, total, "meshplan plan", "candidate")
 
 
 def _simulate(graph, cluster, solved: Solved, table: CostTable, gpus, global_batch, precision) -> Ranked:

@@ -10,7 +10,9 @@ planner's objective), used where the simulator is not available and tested again
 from __future__ import annotations
 
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
-from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, layer_cost, p2p_time_s, selective_recompute_flops
+from meshplan.planner.costing.fp8 import check_fp8_supported
+from meshplan.planner.costing.layer_costs import (COMPUTE_DTYPE, DDP_BUCKET_BYTES, layer_cost, p2p_time_s,
+                                                  selective_recompute_flops)
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
                                                pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
@@ -31,10 +33,11 @@ def default_precision(cluster: ClusterProfile) -> str:
 def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
                 mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                 vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None,
-                cp: int = 1) -> ParallelConfig:
+                cp: int = 1, ep: int = 1) -> ParallelConfig:
     """Validate a configuration against the model and the cluster; MeshplanError says why not."""
     check_mesh(cluster, gpus, tp, pp, cp)
     check_context_parallel(graph, cp)
+    check_expert_parallel_request(graph, ep)
     for layer in graph.layers:
         if not layer.tp_split.max_degree_ok(tp):
             split = layer.tp_split
@@ -48,7 +51,17 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
         raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
                             f"the model has {len(graph.layers)}")
     return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
-                           shard_group, cp)
+                           shard_group, cp, ep)
+
+
+def check_expert_parallel_request(graph, ep: int) -> None:
+    """EP needs a mixture of experts whose expert count ep divides (the mesh check is ParallelConfig's)."""
+    from meshplan.planner.costing.expert_parallel import check_expert_parallel
+
+    try:
+        check_expert_parallel(graph.info, ep, ep)
+    except ValueError as exc:
+        raise MeshplanError(f"--ep {ep}: {exc}") from None
 
 
 def check_context_parallel(graph, cp: int) -> None:
@@ -65,7 +78,7 @@ def check_context_parallel(graph, cp: int) -> None:
 
 
 def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
-                    shard_group: int | None = None, cp: int = 1) -> ParallelConfig:
+                    shard_group: int | None = None, cp: int = 1, ep: int = 1) -> ParallelConfig:
     """ParallelConfig with DP = gpus / (tp * pp * cp); its validation errors become MeshplanError."""
     dp = gpus // (tp * pp * cp)
     if schedule in V_SHAPED_SCHEDULES and vpp == 1:
@@ -75,9 +88,10 @@ def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedu
     try:
         return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
                               microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
-                              virtual_stages=vpp, precision=precision, shard_group=shard_group)
+                              virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep)
     except ValueError as exc:
-        raise MeshplanError(str(exc).replace("shard_group", "--shard-group")) from None
+        raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
+            "expert parallelism ep=", "--ep ")) from None
 
 
 def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int, cp: int = 1) -> None:
@@ -101,7 +115,8 @@ def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int, cp: int = 1
 def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: int, seq: int | None = None,
              tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
-             attention: str = "flash", shard_group: int | None = None, cp: int = 1) -> Prediction:
+             attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
+             moe_imbalance: float = 1.0) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence)."""
@@ -110,13 +125,15 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
 
     cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
     precision = precision or default_precision(cluster)
+    check_fp8_supported(cluster, precision)
     check_mesh(cluster, gpus, tp, pp, cp)
     parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
-                    shard_group, cp)  # fail fast
-    dtype = dtype or ("bf16" if precision == "bf16-mixed" else "fp32")
-    graph = profile(spec, seq or default_seq(spec, DEFAULT_SEQ), batch=1, dtype=dtype, attention=attention)
+                    shard_group, cp, ep)  # fail fast
+    dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
+    graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype, attention=attention,
+                    moe_imbalance=moe_imbalance)
     config = make_config(graph, cluster, gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp,
-                         precision, shard_group, cp)
+                         precision, shard_group, cp, ep)
     return predict(graph, cluster, config)
 
 
@@ -156,14 +173,15 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     mine = [i for i, stage in enumerate(stage_of) if stage == rank]
     compute = sum(costs[i].fwd_compute_s + costs[i].bwd_compute_s for i in mine)
     recompute = sum(costs[i].recompute_s for i in mine)
-    # blocking model-parallel collectives: TP's and context parallelism's K/V exchange
-    tp_comm = sum(costs[i].tp_fwd_comm_s + costs[i].tp_bwd_comm_s + costs[i].cp_fwd_comm_s
-                  + costs[i].cp_bwd_comm_s for i in mine)
+    # blocking model-parallel collectives: TP's, context parallelism's K/V exchange and expert
+    # parallelism's all-to-alls
+    fwd_comm = [costs[i].tp_fwd_comm_s + costs[i].cp_fwd_comm_s + costs[i].ep_fwd_comm_s for i in range(len(costs))]
+    bwd_comm = [costs[i].tp_bwd_comm_s + costs[i].cp_bwd_comm_s + costs[i].ep_bwd_comm_s for i in range(len(costs))]
+    tp_comm = sum(fwd_comm[i] + bwd_comm[i] for i in mine)
     # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
-    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s - costs[i].tp_fwd_comm_s
-                    - costs[i].cp_fwd_comm_s)
-                + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s
-                      - costs[i].tp_bwd_comm_s - costs[i].cp_bwd_comm_s) for i in mine)
+    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s - fwd_comm[i])
+                + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s - bwd_comm[i])
+                for i in mine)
     # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
     # input backward.
     p2p = 0.0
@@ -175,8 +193,7 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     # DP gradient reduction overlaps the last micro-batch's backward, except for the gradients
     # produced last (the stage's first layer), which nothing follows.
     grad_comm = sum(costs[i].dp_grad_comm_s for i in mine)
-    window = sum(costs[i].bwd_compute_s + costs[i].recompute_s + costs[i].tp_bwd_comm_s + costs[i].cp_bwd_comm_s
-                 for i in mine)
+    window = sum(costs[i].bwd_compute_s + costs[i].recompute_s + bwd_comm[i] for i in mine)
     exposed = max(grad_comm - window, costs[mine[0]].dp_grad_comm_s if mine else 0.0)
     return StageTimes(compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, zero3_exposed_s=zero3,
                       p2p_s=p2p, dp_exposed_s=exposed,
@@ -215,7 +232,7 @@ def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
                            optimizer=sum(c.optimizer_bytes for c in mine),
                            activations=(sum(c.activation_bytes for c in mine) + boundary)
                            * microbatches_in_flight(config, rank),
-                           buffers=buffers)
+                           buffers=buffers, experts=sum(c.expert_state_bytes for c in mine))
 
 
 def model_flops_per_step(graph, config: ParallelConfig) -> float:
@@ -238,7 +255,7 @@ def _prediction(graph, cluster, config, recomputes, step, memory) -> Prediction:
     step_s = step.step_time_s
     model_flops = model_flops_per_step(graph, config)
     hw_flops = model_flops + recompute_flops_per_step(graph, config, recomputes)
-    peak = cluster.device.peak_flops("bf16" if config.precision == "bf16-mixed" else "fp32")
+    peak = cluster.device.peak_flops(COMPUTE_DTYPE[config.precision])  # fp8: MFU against the bf16 peak
     model_tflops = model_flops / step_s / config.gpus / 1e12
     peak_memory = max(m.total for m in memory)
     return Prediction(

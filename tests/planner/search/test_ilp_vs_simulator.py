@@ -45,15 +45,23 @@ CASES = {
     "llama3-70b-dualpipev": ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=8, schedule="dualpipev", mbs=1), 4),
     "gpt-175b-zb-interleaved": ("gpt:layers=96,hidden=12288,heads=96,vocab=51200", 2048, "a100-80g", 1024, 1536,
                                 Pins(tp=8, pp=8, schedule="zb-interleaved", vpp=2), 4),
+    # FP8 Linears (planner.costing.fp8): the same layer costs feed all three
+    "llama3-70b-fp8-1f1b": ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=8, schedule="1f1b"), 4),
+    "llama3-70b-fp8-zero0-3": ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=1), 6),
 }
+# expert parallelism: the MoE blocks' all-to-alls block compute in all three models
+MOE_SPEC = "moe:layers=8,hidden=1024,heads=16,kv_heads=4,experts=16,top_k=2,expert_ffn=512,vocab=32000"
+CASES["moe-ep-1f1b"] = (MOE_SPEC, 2048, "h100-sxm", 32, 64, Pins(ep=4, pp=2, schedule="1f1b"), 4)
+CASES["moe-ep-dp"] = (MOE_SPEC, 2048, "h100-sxm", 32, 64, Pins(ep=8, pp=1), 4)
+PRECISION = {"llama3-70b-fp8-1f1b": "fp8", "llama3-70b-fp8-zero0-3": "fp8"}  # others: bf16-mixed
 
 
-def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample):
+def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed"):
     cluster = load_cluster(cluster_name)
     graph = profile(spec, seq)
-    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, "bf16-mixed")
+    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision)
     candidates = candidates[::max(1, len(candidates) // sample)][:sample]
-    problems, _, _ = build_problems(graph, cluster, candidates, global_batch, "bf16-mixed", pins, UNLIMITED, False, 10.0)
+    problems, _, _ = build_problems(graph, cluster, candidates, global_batch, precision, pins, UNLIMITED, False, 10.0)
     for candidate, _, problem in problems:
         solution = solve_stages(problem)
         assert solution.feasible, candidate.label()
@@ -69,7 +77,9 @@ def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample):
 def test_ilp_objective_and_memory_equal_the_simulator(case):
     spec, seq, cluster, gpus, global_batch, pins, sample = CASES[case]
     checked = 0
-    for candidate, solution, predicted in _solved(spec, seq, cluster, gpus, global_batch, pins, sample):
+    for candidate, solution, predicted in _solved(spec, seq, cluster, gpus, global_batch, pins, sample,
+                                                  PRECISION.get(case, "bf16-mixed")):
+        assert candidate.precision == PRECISION.get(case, "bf16-mixed")
         assert solution.model_objective == pytest.approx(solution.objective_s, rel=1e-6)  # exact linearisation
         assert solution.objective_s == pytest.approx(predicted.step_time_s, rel=TIME_TOL), candidate.label()
         for ilp_bytes, simulated in zip(solution.rank_mem_bytes, predicted.memory):

@@ -1,0 +1,153 @@
+"""The fp8 precision recipe (planner.costing.fp8) against its written rules: GEMM time at the fp8
+peak x fp8_matmul_efficiency plus bf16 attention plus casts at memory bandwidth; saved Linear
+inputs halved; fp8 weight copies and scales in the buffers; float8 all-gather halving the Linear
+weights' gather bytes; the refusals (no fp8 peak, the executor)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshplan.cli import main
+from meshplan.executor.checks import check_plan_runnable, check_precision_runnable
+from meshplan.executor.plans import uniform_plan
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.costing import fp8
+from meshplan.planner.costing.collectives import collective_time_s
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.costing.layer_costs import (Strategy, causal_skipped_flops, compute_time_s, layer_cost,
+                                                  memory_time_s)
+from meshplan.planner.profiling.profiler import profile
+from meshplan.planner.simulation.estimator import estimate
+
+SEQ = 4096
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_cluster("h100-sxm")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return profile("llama3-8b", SEQ)
+
+
+def _block(graph):
+    return next(layer for layer in graph.layers if layer.kind == "block")
+
+
+def test_hopper_profiles_have_fp8_peaks_and_a100_has_none():
+    for name in ("h100-sxm", "h200"):
+        device = load_cluster(name).device
+        assert device.peak_flops_per_s["fp8"] == 1979e12 and 0 < device.fp8_matmul_efficiency <= 1
+    for name in ("a100-80g", "a100-40g"):
+        with pytest.raises(MeshplanError, match="no FP8 tensor cores"):
+            fp8.check_fp8_supported(load_cluster(name), "fp8")
+
+
+def test_efficiency_reproduces_torchaos_published_linear_speedup(h100):
+    """torchao's float8 README: M, K, N = 4096, 8192, 16384 on H100, Float8Linear 1.39x a bf16
+    Linear (forward + backward, casts included); the profile's value was set from it."""
+    m, k, n = 4096, 8192, 16384
+    flops = 2 * m * k * n
+    bf16_s = 3 * compute_time_s(flops, 1, h100, "bf16", num_launches=0)
+    cast_s = memory_time_s((1 + fp8.BACKWARD_CAST_FACTOR) * (m * k + k * n) * fp8.FP8_CAST_BYTES_PER_VALUE, h100)
+    fp8_s = 3 * fp8.fp8_gemm_time_s(flops, 1, h100) + cast_s
+    assert bf16_s / fp8_s == pytest.approx(1.39, rel=0.01)
+
+
+def test_block_compute_is_fp8_linears_plus_bf16_attention_plus_casts(h100, graph):
+    block, info = _block(graph), graph.info
+    strategy = Strategy(precision="fp8", microbatch_size=2)
+    bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed"), h100, info)
+    got = layer_cost(block, strategy, h100, info)
+    mbs, hidden, ffn = 2, info.hidden, info.ffn
+    attention = 4.0 * SEQ * SEQ * hidden
+    linear_fwd = block.fwd_flops - attention
+    local_fwd = (block.fwd_flops - causal_skipped_flops(block, "flash")) * mbs
+    num_linears = 7  # q, k, v, o, gate, up, down
+    half = h100.device.matmul_half_efficiency_flops * 1979 / 989  # scaled by fp8 peak / bf16 peak
+    per_gemm = linear_fwd * mbs / num_linears
+    fp8_gemm_s = linear_fwd * mbs / (1979e12 * h100.device.fp8_matmul_efficiency * per_gemm / (per_gemm + half))
+    # cast: inputs (2 norm outputs, o's input: s x h each; down's input: s x ffn) and the weights
+    values = (3 * SEQ * hidden + SEQ * ffn) * mbs + (block.num_params - 2 * hidden)
+    cast_s = values * 3 / (h100.device.memory_bw_bytes_per_s * h100.device.memory_efficiency)
+    attention_s = compute_time_s(local_fwd - linear_fwd * mbs, 2, h100, "bf16")
+    elementwise_s = bf16.fwd_compute_s - compute_time_s(local_fwd, num_linears + 2, h100, "bf16")
+    assert got.fwd_compute_s == pytest.approx(attention_s + fp8_gemm_s + cast_s + elementwise_s, rel=1e-9)
+    assert got.fwd_compute_s < 0.8 * bf16.fwd_compute_s and got.bwd_compute_s < 0.8 * bf16.bwd_compute_s
+
+
+def test_saved_linear_inputs_halve_and_weight_copies_are_buffered(h100, graph):
+    block, info = _block(graph), graph.info
+    strategy = Strategy(precision="fp8", microbatch_size=2, state_recipe="zero-paper")
+    bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed"), h100, info)
+    got = layer_cost(block, strategy, h100, info)
+    linear_inputs = 2 * (3 * SEQ * info.hidden + SEQ * info.ffn) * 2  # bf16 bytes x mbs 2
+    assert bf16.activation_bytes - got.activation_bytes == pytest.approx(linear_inputs / 2)
+    copies = (block.num_params - 2 * info.hidden) * 1.0 + 7 * fp8.FP8_SCALE_BYTES_PER_LINEAR
+    assert got.buffer_bytes - bf16.buffer_bytes == pytest.approx(copies)
+    assert (got.param_bytes, got.grad_bytes, got.optimizer_bytes) == (bf16.param_bytes, bf16.grad_bytes,
+                                                                      bf16.optimizer_bytes)
+    full = layer_cost(block, replace(strategy, recompute="full"), h100, info)
+    assert full.activation_bytes == layer_cost(block, replace(strategy, recompute="full", precision="bf16-mixed"),
+                                               h100, info).activation_bytes  # only the block's input is kept
+
+
+def test_zero3_float8_all_gather_halves_the_linear_weights_gather(h100, graph):
+    block, info = _block(graph), graph.info
+    strategy = Strategy(precision="fp8", dp=8, zero=3)
+    bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed"), h100, info)
+    got = layer_cost(block, strategy, h100, info)
+    linear = block.num_params - 2 * info.hidden
+    wire_bytes = 2.0 * block.num_params - linear  # Linear weights 1 byte, norms 2
+    assert fp8.gather_bytes_per_param(block, info, "fp8", 3, 8, 2.0) * block.num_params == pytest.approx(wire_bytes)
+    assert got.fwd_gather_s == pytest.approx(collective_time_s("all_gather", wire_bytes, 8, h100, 1))
+    assert bf16.fwd_gather_s == pytest.approx(collective_time_s("all_gather", 2.0 * block.num_params, 8, h100, 1))
+    # the gathered copy (and FSDP2's next-unit copy) in fp8; no separate cast copy
+    transient = 7 * fp8.FP8_SCALE_BYTES_PER_LINEAR
+    assert bf16.buffer_bytes - got.buffer_bytes == pytest.approx(2 * linear - transient)
+
+
+def test_estimate_fp8_is_faster_and_smaller_on_hopper_and_refused_on_a100():
+    kwargs = dict(spec="llama3-8b", gpus=8, global_batch=16, seq=SEQ, mbs=2, zero=1)
+    bf16 = estimate(cluster="h100-sxm", precision="bf16-mixed", **kwargs)
+    got = estimate(cluster="h100-sxm", precision="fp8", **kwargs)
+    assert got.step_time_s < 0.9 * bf16.step_time_s
+    assert got.peak_memory_bytes < bf16.peak_memory_bytes
+    with pytest.raises(MeshplanError, match="A100.*no FP8 tensor cores"):
+        estimate(cluster="a100-80g", precision="fp8", **kwargs)
+
+
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_cli_refuses_fp8_on_a100_in_one_line(command, capsys):
+    rc = main([command, "--model", "llama3-8b", "--cluster", "a100-80g", "--gpus", "8", "--gbs", "8",
+               "--precision", "fp8"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "no FP8 tensor cores (Hopper and newer" in err
+
+
+def test_train_refuses_fp8_plans_naming_the_device():
+    message = ("FP8 plans need a GPU with FP8 tensor cores (compute capability >= 8.9) and torchao; "
+               "this device is cpu")
+    with pytest.raises(MeshplanError) as refused:
+        check_precision_runnable("fp8", "cpu")
+    assert str(refused.value) == message
+    with pytest.raises(MeshplanError, match="compute capability >= 8.9.*A100"):
+        check_precision_runnable("fp8", "NVIDIA A100-SXM4-80GB (compute capability 8.0)")
+    with pytest.raises(MeshplanError, match="does not run FP8 plans yet.*H100"):
+        check_precision_runnable("fp8", "NVIDIA H100 80GB HBM3 (compute capability 9.0)")
+    check_precision_runnable("bf16-mixed", "cpu")
+
+
+def test_check_plan_runnable_refuses_an_fp8_plan_here():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the cpu message is checked above")
+    plan = uniform_plan("gpt:layers=2,hidden=64,heads=4,vocab=256", 16, 4, load_cluster("cpu"), dp=2,
+                        microbatch_size=2, precision="fp8")
+    with pytest.raises(MeshplanError, match="this device is cpu$"):
+        check_plan_runnable(plan, 2)
