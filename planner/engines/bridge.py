@@ -125,7 +125,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
     seq = seq or job.seq or default_seq(spec, DEFAULT_SEQ)
     precision = job.precision or default_precision(cluster)
-    graph = profile(spec, seq, batch=1, dtype="bf16" if precision == "bf16-mixed" else "fp32", attention=attention)
+    graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
     config = make_config(graph, cluster, gpus, global_batch, job.tp, job.pp, job.microbatch_size, job.zero,
                          dominant_recompute([m for m in block_modes]), job.sp, job.schedule, job.vpp, precision)

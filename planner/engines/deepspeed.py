@@ -24,11 +24,14 @@ UNPRICED = ("offload_optimizer", "offload_param", "zero_quantized_weights", "zer
 def export_deepspeed(plan) -> tuple[str, list[str]]:
     """(ds_config.json text, approximation notes) for `plan`."""
     cfg, notes = plan.config, []
+    if cfg.precision == "fp8":
+        notes.append("fp8: ds_config has no FP8 GEMM recipe (Transformer Engine is set in the model code); "
+                     "exported as bf16")
     config: dict = {
         "train_batch_size": cfg.global_batch,
         "train_micro_batch_size_per_gpu": cfg.microbatch_size,
         "gradient_accumulation_steps": cfg.num_microbatches,
-        "bf16": {"enabled": cfg.precision == "bf16-mixed"},
+        "bf16": {"enabled": cfg.precision in ("bf16-mixed", "fp8")},
         "zero_optimization": {"stage": cfg.zero},
         "gradient_clipping": 1.0,
     }

@@ -54,8 +54,12 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     elif cfg.zero >= 2:
         notes.append(f"ZeRO-{cfg.zero} with pipelining: exported as Megatron-LM's distributed optimizer (ZeRO-1), "
                      "as meshplan also runs it")
-    if cfg.precision == "bf16-mixed":
+    if cfg.precision in ("bf16-mixed", "fp8"):
         args.append(("--bf16", None))
+    if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, tensorwise current scaling
+        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "tensorwise")]
+        if cfg.zero >= 1:
+            args.append(("--fp8-param-gather", None))
     head = f"{HEADER} gpus={cfg.gpus} model={plan.model.spec}"
     lines = [head, "# pretrain_gpt.py arguments written by meshplan export; pass them after the script name"]
     lines += [flag if value is None else f"{flag} {value}" for flag, value in args]
@@ -219,7 +223,7 @@ def read_megatron(text: str) -> EngineJob:
         ep=get("--expert-model-parallel-size", 1), zero=_read_zero(flags, notes), sp=sp, recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
         precision=precision, layers_per_chunk=_read_split(get, pp, vpp, num_layers))
-    for flag in ("--fp8-format", "--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload", "--num-experts"):
+    for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload", "--num-experts"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
     return EngineJob(**job, notes=tuple(notes))
@@ -273,6 +277,11 @@ def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None]:
 
 
 def _read_precision(flags, notes: list[str]) -> str:
+    if "--fp8-format" in flags:
+        recipe = flags.get("--fp8-recipe") or "delayed"
+        if recipe != "tensorwise":
+            notes.append(f"--fp8-recipe {recipe}: priced as meshplan's fp8 recipe (tensorwise current scaling)")
+        return "fp8"
     if "--fp16" in flags:
         notes.append("--fp16: priced as bf16-mixed (same bytes and peak FLOP/s; no loss scaling)")
         return "bf16-mixed"

@@ -7,7 +7,7 @@
 - Megatron-LM (`--bf16`): bf16 parameters (2), fp32 gradient buffer `main_grad` (4; gradients
   accumulate and reduce in fp32), fp32 master weights and two Adam moments (12), the 12 sharded
   over d with `--use-distributed-optimizer`: 18 or 6 + 12/d. Its FSDP (ZeRO-2/3) also shards the
-  gradients, then the parameters. fp32: 4 + 4 + 8.
+  gradients, then the parameters. fp32: 4 + 4 + 8. fp8 (`--fp8-format`) keeps the bf16 layout.
 - DeepSpeed: ZeRO as the paper counts it (Rajbhandari et al. 2020, `state_memory.paper_state_bytes`):
   2 + 2 + 12 with stage 1 sharding the 12, stage 2 also the gradients, stage 3 the parameters.
 
@@ -20,7 +20,9 @@ from dataclasses import replace
 from meshplan.planner.costing.layer_costs import Strategy, layer_cost
 from meshplan.planner.costing.state_memory import executed_zero, paper_state_bytes
 
-_MEGATRON = {"bf16-mixed": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
+# fp8 (Transformer Engine): the same bf16 parameters, fp32 main_grad and optimizer; the fp8 weight
+# copies are transient and counted with the buffers, as for meshplan's own fp8 recipe.
+_MEGATRON = {"bf16-mixed": (2.0, 4.0, 12.0), "fp8": (2.0, 4.0, 12.0), "fp32": (4.0, 4.0, 8.0)}
 
 
 def engine_state_bytes(engine: str, num_params: float, dp: int, zero: int, precision: str) -> dict[str, float] | None:

@@ -34,8 +34,11 @@ PARALLELISM_KEYS = (
     "context_parallel_degree", "context_parallel_load_balancer", "context_parallel_rotate_method",
     "expert_parallel_degree", "expert_tensor_parallel_degree", "expert_parallel_comm_backend")
 # keys that change speed or memory in ways meshplan does not price
+# torchtitan's Float8 converter name and its config section (its float8 docs: `--model.converters
+# float8 --float8.enable_fsdp_float8_all_gather`); other converters are not priced.
+FLOAT8_CONVERTER = "float8"
 UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "enable_cpu_offload"),
-                 ("training", "compile"), ("compile", "enable"), ("model", "converters"),
+                 ("training", "compile"), ("compile", "enable"),
                  ("parallelism", "pipeline_parallel_layers_per_stage"),
                  ("parallelism", "pipeline_parallel_schedule_csv")}
 
@@ -48,13 +51,19 @@ def export_torchtitan(plan) -> tuple[str, list[str]]:
         notes.append(f"model {plan.model.spec}: not a torchtitan flavour; [model] names llama3 'custom' and the "
                      "SPEC is kept in job.description")
     name, flavor = flavour or ("llama3", "custom")
+    model = {"name": name, "flavor": flavor}
+    if cfg.precision == "fp8":  # torchao Float8Linear, tensorwise dynamic scaling (meshplan's fp8 recipe)
+        model["converters"] = [FLOAT8_CONVERTER]
     sections = {
         "job": {"description": DESCRIPTION_PREFIX + plan.model.spec},
-        "model": {"name": name, "flavor": flavor},
+        "model": model,
         "training": _training(plan),
         "parallelism": _parallelism(plan, notes),
         "activation_checkpoint": _checkpointing(plan, notes),
     }
+    if cfg.precision == "fp8":  # fp8 all-gather of FSDP parameters, as meshplan prices ZeRO under fp8
+        sections[FLOAT8_CONVERTER] = {"enable_fsdp_float8_all_gather": cfg.zero >= 1,
+                                      "precompute_float8_dynamic_scale_for_fsdp": cfg.zero >= 1}
     if cfg.tp > 1 and not cfg.sp:
         notes.append("sequence parallelism off: torchtitan's tensor parallelism always shards the sequence "
                      "around the norms (SP on)")
@@ -74,7 +83,7 @@ def _training(plan) -> dict:
     cfg = plan.config
     local = cfg.global_batch // cfg.dp if cfg.pp > 1 else cfg.microbatch_size
     return {"local_batch_size": local, "global_batch_size": cfg.global_batch, "seq_len": plan.model.seq,
-            "mixed_precision_param": "bfloat16" if cfg.precision == "bf16-mixed" else "float32",
+            "mixed_precision_param": "float32" if cfg.precision == "fp32" else "bfloat16",
             "mixed_precision_reduce": "float32"}
 
 
@@ -148,6 +157,8 @@ def read_torchtitan(text: str) -> EngineJob:
     mbs = _int(par, "pipeline_parallel_microbatch_size", 1) if pp > 1 else local
     recompute, every = _read_checkpointing(data.get("activation_checkpoint", {}), notes)
     precision = "bf16-mixed" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
+    if _float8(data):
+        precision = "fp8"
     return EngineJob(
         engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
@@ -164,9 +175,18 @@ def _int(table: dict, key: str, default: int) -> int:
     return value
 
 
+def _float8(data: dict) -> bool:
+    converters = data.get("model", {}).get("converters", [])
+    return FLOAT8_CONVERTER in ([converters] if isinstance(converters, str) else converters)
+
+
 def _unpriced(data: dict) -> list[str]:
     """One note per key that changes speed or memory unpriced, or that torchtitan does not know."""
     notes = []
+    converters = data.get("model", {}).get("converters", [])
+    for converter in [converters] if isinstance(converters, str) else converters:
+        if converter != FLOAT8_CONVERTER:
+            notes.append(f"[model] converters {converter!r}: not modelled by meshplan; priced without it")
     for section, key in sorted(UNPRICED_KEYS):
         table = data.get(section)
         value = table.get(key) if isinstance(table, dict) else None
