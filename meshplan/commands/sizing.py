@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-PIN_NAMES = ("tp", "pp", "dp", "cp", "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs")
+PIN_NAMES = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs")
 
 
 def add_arguments(parser) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-INTERVAL_KINDS = ("forward", "backward", "recompute", "tp_comm", "dp_comm", "zero_gather",
+INTERVAL_KINDS = ("forward", "backward", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "zero_gather",
                   "send", "recv", "optimizer", "idle")
 
 
@@ -16,7 +16,7 @@ class Interval:
     """One busy (or idle) span on one rank's stream."""
 
     rank: int  # pipeline rank
-    stream: str  # "compute", "tp", "dp", "p2p"
+    stream: str  # "compute", "tp", "cp", "ep", "dp", "p2p"
     kind: str  # one of INTERVAL_KINDS
     start_s: float
     end_s: float
@@ -39,6 +39,9 @@ class MemoryBreakdown:
     optimizer: float = 0.0
     activations: float = 0.0
     buffers: float = 0.0
+    # Of params + grads + optimizer: the routed experts' states (mixtures of experts; / ep under
+    # expert parallelism). Not added again to the total.
+    experts: float = 0.0
 
     @property
     def total(self) -> float:

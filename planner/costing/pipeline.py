@@ -110,7 +110,7 @@ def strategy_for(config, recompute: str | None = None) -> Strategy:
     """The Strategy every layer of a uniform ParallelConfig runs under."""
     return Strategy(tp=config.tp, dp=config.dp, zero=config.zero, recompute=recompute or config.recompute,
                     sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp,
-                    shard_group=config.shard_group, cp=config.cp)
+                    shard_group=config.shard_group, cp=config.cp, ep=getattr(config, "ep", 1))
 
 
 
@@ -152,7 +152,7 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
 
 def _layer_time_s(cost: LayerCost) -> float:
     return (cost.fwd_compute_s + cost.bwd_compute_s + cost.recompute_s + cost.tp_fwd_comm_s + cost.tp_bwd_comm_s
-            + cost.cp_fwd_comm_s + cost.cp_bwd_comm_s)
+            + cost.cp_fwd_comm_s + cost.cp_bwd_comm_s + cost.ep_fwd_comm_s + cost.ep_bwd_comm_s)
 
 
 

@@ -140,8 +140,10 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
     """
     bwd_compute_s = cost.bwd_compute_s + cost.recompute_s
     # Hidden behind the layer's busy time, compute and TP collectives (as the event engine plays it).
-    # Context-parallel K/V collectives block compute like TP's (counted with them here).
-    fwd_comm_s, bwd_comm_s = cost.tp_fwd_comm_s + cost.cp_fwd_comm_s, cost.tp_bwd_comm_s + cost.cp_bwd_comm_s
+    # Context-parallel K/V collectives and expert-parallel all-to-alls block compute like TP's
+    # (counted with them here).
+    fwd_comm_s = cost.tp_fwd_comm_s + cost.cp_fwd_comm_s + cost.ep_fwd_comm_s
+    bwd_comm_s = cost.tp_bwd_comm_s + cost.cp_bwd_comm_s + cost.ep_bwd_comm_s
     fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s - fwd_comm_s)
     bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s - bwd_comm_s)
     return OptionCost(

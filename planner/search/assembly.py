@@ -19,6 +19,7 @@ CAUSES = {
     "bubble": "the pipeline bubble",
     "dp_comm": "data-parallel communication",
     "tp_comm": "tensor-parallel communication",
+    "ep_comm": "expert-parallel all-to-alls",
     "pp_comm": "pipeline transfers",
     "recompute": "recomputation",
     "compute": "slower compute (smaller GEMMs)",
@@ -107,6 +108,7 @@ def explain(plan_json: dict) -> str:
     limit = solver.get("usable_memory_bytes", 0.0)
     recomputed = sum(layer["recompute"] != "none" for layer in plan_json["layers"])
     cp = f" cp={mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
+    cp += f" ep={mesh['ep']}" if mesh.get("ep", 1) > 1 else ""
     text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']}{cp} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
             f"{sched['name']}{' x' + str(sched['virtual_stages']) if sched['virtual_stages'] > 1 else ''} with "
             f"{sched['microbatches']} micro-batch{'es' if sched['microbatches'] != 1 else ''} of "
@@ -117,6 +119,8 @@ def explain(plan_json: dict) -> str:
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
             f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
             f"{limit / GIB:.1f} GiB.")
+    if solver.get("ep_rival"):
+        text += " " + _why_ep(plan_json, solver["ep_rival"])
     alternatives = plan_json.get("alternatives") or []
     if alternatives:
         alt = alternatives[0]
@@ -126,6 +130,19 @@ def explain(plan_json: dict) -> str:
              f"{solver.get('num_pruned_memory', 0)} by memory; the winner's ILP status is "
              f"{solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
     return text
+
+
+def _why_ep(plan_json: dict, rival: dict) -> str:
+    """Why this expert-parallel degree: expert states per rank and all-to-all time against the best
+    plan with another degree."""
+    pred, ep = plan_json["prediction"], plan_json["mesh"].get("ep", 1)
+    experts = max((m.get("experts", 0.0) for m in pred["memory_bytes"]), default=0.0)
+    a2a, compute = pred["breakdown"].get("ep_comm", 0.0), pred["breakdown"].get("compute", 0.0)
+    return (f"Expert parallelism {ep}: {experts / GIB:.1f} GiB of expert states and {a2a:.3f} s of all-to-all "
+            f"per rank and step, compute {compute:.3f} s; with ep={rival['ep']} (best: {rival['label']}) "
+            f"{rival['expert_bytes'] / GIB:.1f} GiB of expert states, {rival['ep_comm_s']:.3f} s of all-to-all, "
+            f"compute {rival['compute_s']:.3f} s: {_pct(rival['step_time_s'] - pred['step_time_s'], pred['step_time_s'])} "
+            f"slower per step.")
 
 
 def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwise: bool,
@@ -145,7 +162,10 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
     solver = {"backend": solution.backend, "status": solution.status, "gap": solution.gap,
               "formulation": solution.formulation, "ilp_objective_s": solution.objective_s,
               "usable_memory_bytes": limit_bytes, "ilp_solve_time_s": solution.solve_time_s, **stats}
-    model = ModelRef(spec=absolute_spec(graph.spec), seq=graph.seq, dtype=graph.dtype, attention=graph.attention)
+    from meshplan.planner.models.plan_check import model_digest
+
+    model = ModelRef(spec=absolute_spec(graph.spec), seq=graph.seq, dtype=graph.dtype, attention=graph.attention,
+                     digest=model_digest(graph.spec))
     prediction = winner.prediction.to_json()
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
                 alternatives=tuple(alternatives), seed=seed, executable=executable,

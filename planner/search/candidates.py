@@ -5,7 +5,9 @@ Mesh (pp, dp, cp, tp) with tp inside a node and dividing the heads, cp (context 
 sequences long enough to split (`context_parallel_degrees`), micro-batch size (its count
 m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
 the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
-sequence parallelism when tp > 1, and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes. ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
+sequence parallelism when tp > 1, and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes;
+for mixtures of experts, expert parallelism `ep` over powers of two dividing dp * cp and the
+expert count (`expert_parallel_degrees`). ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
 schedules defer gradient sync and resharding to the last micro-batch, so they run as ZeRO-1
 (`costing.state_memory.executed_zero`).
 """
@@ -39,9 +41,10 @@ class Pins:
     vpp: int | None = None
     mbs: int | None = None
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
+    ep: int | None = None  # expert parallelism (mixtures of experts), carved out of dp * cp
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp", "vpp", "mbs", "shard_group"):
+        for name in ("tp", "pp", "dp", "cp", "vpp", "mbs", "shard_group", "ep"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")
@@ -113,10 +116,11 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
-                                out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
-                                                          microbatch_size=mbs,
-                                                          zero=zero, sp=sp, schedule=schedule, virtual_stages=vpp,
-                                                          precision=precision, shard_group=group))
+                                for ep in expert_parallel_degrees(info, dp * cp, pins.ep):
+                                    out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
+                                                              microbatch_size=mbs, zero=zero, sp=sp,
+                                                              schedule=schedule, virtual_stages=vpp,
+                                                              precision=precision, shard_group=group, ep=ep))
     return sorted(out, key=lambda c: c.sort_key)
 
 
@@ -160,6 +164,21 @@ def context_parallel_degrees(graph, ranks: int, pinned: int | None, whole_model_
     while ranks % cp == 0 and graph.seq % (2 * cp) == 0 and graph.seq // cp >= MIN_TOKENS_PER_CP_RANK:
         out.append(cp)
         cp *= 2
+    return out
+
+
+def expert_parallel_degrees(info, data_ranks: int, pinned: int | None) -> list[int]:
+    """EP degrees for the dp * cp data ranks: 1 for dense models; for a mixture of experts the
+    powers of two that divide both the data ranks and the expert count (other divisors split
+    the experts unevenly over nodes and are rarely used; pin --ep for one)."""
+    if pinned is not None:
+        return [pinned] if data_ranks % pinned == 0 and (pinned == 1 or (
+            info.num_experts and info.num_experts % pinned == 0)) else []
+    out = [1]
+    ep = 2
+    while info.num_experts and data_ranks % ep == 0 and info.num_experts % ep == 0:
+        out.append(ep)
+        ep *= 2
     return out
 
 

@@ -130,14 +130,18 @@ class _Chunk:
     fwd_cp_s: float = 0.0  # context-parallel K/V all-gathers in forward (blocking)
     bwd_cp_s: float = 0.0  # their gradients' reduce-scatters in backward
     bwd_weight_s: float = 0.0  # the weight-gradient (W) part of bwd_compute_s
+    fwd_ep_s: float = 0.0  # expert-parallel all-to-alls in forward (dispatch, combine; blocking)
+    bwd_ep_s: float = 0.0  # their mirrors in backward
+    fwd_expert_s: float = 0.0  # the routed experts' part of fwd_compute_s (between dispatch and combine)
+    bwd_expert_s: float = 0.0  # the routed experts' part of bwd_compute_s
 
     @property
     def fwd_s(self) -> float:
-        return self.fwd_compute_s + self.fwd_tp_s + self.fwd_zero_s + self.fwd_cp_s
+        return self.fwd_compute_s + self.fwd_tp_s + self.fwd_zero_s + self.fwd_cp_s + self.fwd_ep_s
 
     @property
     def bwd_s(self) -> float:
-        return self.bwd_compute_s + self.recompute_s + self.bwd_tp_s + self.bwd_zero_s + self.bwd_cp_s
+        return self.bwd_compute_s + self.recompute_s + self.bwd_tp_s + self.bwd_zero_s + self.bwd_cp_s + self.bwd_ep_s
 
 
 def _pass_end_times(compute_s: list[float], gather_s: list[float]) -> list[float]:
@@ -165,16 +169,19 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
         by_chunk[chunk].append(cost)
     chunks = []
     for index, layers in enumerate(by_chunk):
-        fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s + c.cp_fwd_comm_s for c in layers]
+        fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s + c.cp_fwd_comm_s + c.ep_fwd_comm_s for c in layers]
         fwd_end = _pass_end_times(fwd_busy, [c.fwd_gather_s for c in layers])[-1]
         backward = layers[::-1]
-        bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s + c.cp_bwd_comm_s for c in backward]
+        bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s + c.cp_bwd_comm_s + c.ep_bwd_comm_s
+                    for c in backward]
         bwd_ends = _pass_end_times(bwd_busy, [c.bwd_gather_s for c in backward])
         chunks.append(_Chunk(
             rank=cfg.rank_of_chunk(index),
             fwd_compute_s=sum(c.fwd_compute_s for c in layers), fwd_tp_s=sum(c.tp_fwd_comm_s for c in layers),
             fwd_zero_s=fwd_end - sum(fwd_busy),
             fwd_cp_s=sum(c.cp_fwd_comm_s for c in layers), bwd_cp_s=sum(c.cp_bwd_comm_s for c in layers),
+            fwd_ep_s=sum(c.ep_fwd_comm_s for c in layers), bwd_ep_s=sum(c.ep_bwd_comm_s for c in layers),
+            fwd_expert_s=sum(c.expert_fwd_s for c in layers), bwd_expert_s=sum(c.expert_bwd_s for c in layers),
             bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
             bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
             # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
@@ -374,8 +381,10 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
     cfg = costs.config
     resident = [[0.0, 0.0, 0.0] for _ in range(cfg.pp)]
     buffers = [0.0] * cfg.pp
+    experts = [0.0] * cfg.pp
     for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
         rank = chunks[chunk].rank
+        experts[rank] += cost.expert_state_bytes
         resident[rank][0] += cost.param_bytes
         resident[rank][1] += cost.grad_bytes
         resident[rank][2] += cost.optimizer_bytes
@@ -396,7 +405,7 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
                 curve.append((run.end_s, base + live))
         params, grads, optimizer = resident[rank]
         breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
-                                          activations=peak, buffers=buffers[rank]))
+                                          activations=peak, buffers=buffers[rank], experts=experts[rank]))
         curves.append(tuple(curve))
     return tuple(breakdowns), tuple(curves)
 
@@ -432,20 +441,22 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
 
 def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:
     """Exposed seconds of the busiest rank's step by cause; they add up to the step time."""
-    out = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "dp_comm", "pp_comm", "bubble", "optimizer"),
-                        0.0)
+    out = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "bubble",
+                         "optimizer"), 0.0)
     for run in runs:
         chunk = action_part(chunks[run.action.chunk], run.action.kind)  # I and W: their part of B
         if run.action.kind == "F":
             out["compute"] += chunk.fwd_compute_s
             out["tp_comm"] += chunk.fwd_tp_s
             out["cp_comm"] += chunk.fwd_cp_s
+            out["ep_comm"] += chunk.fwd_ep_s
             out["dp_comm"] += chunk.fwd_zero_s
         else:
             out["compute"] += chunk.bwd_compute_s
             out["recompute"] += chunk.recompute_s
             out["tp_comm"] += chunk.bwd_tp_s
             out["cp_comm"] += chunk.bwd_cp_s
+            out["ep_comm"] += chunk.bwd_ep_s
             out["dp_comm"] += chunk.bwd_zero_s
         out["bubble"] += run.bubble_s
         out["pp_comm"] += run.pp_wait_s
@@ -495,13 +506,18 @@ def _action_intervals(rank: int, run: _Run, chunks: list[_Chunk], transfer: list
     """One action's pieces (exposed ZeRO-3 gather, compute, TP collectives) and its transfer."""
     action, chunk = run.action, action_part(chunks[run.action.chunk], run.action.kind)
     if action.kind == "F":
-        pieces = (("dp", "zero_gather", chunk.fwd_zero_s), ("compute", "forward", chunk.fwd_compute_s),
+        # expert parallelism: dispatch before the expert GEMMs, combine after (each half the pass's all-to-all time)
+        pieces = (("dp", "zero_gather", chunk.fwd_zero_s),
+                  ("compute", "forward", chunk.fwd_compute_s - chunk.fwd_expert_s), ("ep", "ep_comm", chunk.fwd_ep_s / 2),
+                  ("compute", "forward", chunk.fwd_expert_s), ("ep", "ep_comm", chunk.fwd_ep_s / 2),
                   ("tp", "tp_comm", chunk.fwd_tp_s), ("cp", "cp_comm", chunk.fwd_cp_s))
         peer = action.chunk + 1 if action.chunk < last else None
     else:
+        expert_s = min(chunk.bwd_expert_s, chunk.bwd_compute_s)  # W of a split backward keeps only its share
         pieces = (("dp", "zero_gather", chunk.bwd_zero_s), ("compute", "recompute", chunk.recompute_s),
-                  ("compute", "backward", chunk.bwd_compute_s), ("tp", "tp_comm", chunk.bwd_tp_s),
-                  ("cp", "cp_comm", chunk.bwd_cp_s))
+                  ("compute", "backward", chunk.bwd_compute_s - expert_s), ("ep", "ep_comm", chunk.bwd_ep_s / 2),
+                  ("compute", "backward", expert_s), ("ep", "ep_comm", chunk.bwd_ep_s / 2),
+                  ("tp", "tp_comm", chunk.bwd_tp_s), ("cp", "cp_comm", chunk.bwd_cp_s))
         peer = action.chunk - 1 if action.chunk > 0 and action.kind != "W" else None  # W sends nothing
     out, at = [], run.start_s
     for stream, kind, seconds in pieces:

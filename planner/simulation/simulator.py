@@ -22,7 +22,7 @@ from meshplan.planner.simulation.contention import link_kind
 from meshplan.planner.simulation.engine import StepCosts, simulate_step
 from meshplan.planner.simulation.split_backward import weight_grad_share
 
-STREAMS = ("compute", "tp", "cp", "p2p", "dp")
+STREAMS = ("compute", "tp", "cp", "ep", "p2p", "dp")
 
 
 def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,
@@ -83,7 +83,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         mbs = config.microbatch_size * config.dp // dp
         strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp and tp > 1,
                                  microbatch_size=mbs, precision=config.precision, pp=config.pp,
-                                 shard_group=config.shard_group if dp == config.dp else None, cp=config.cp)
+                                 shard_group=config.shard_group if dp == config.dp else None, cp=config.cp,
+                                 ep=config.ep if dp == config.dp else 1)
         holds_shared = bool(layer.shared_params) and config.rank_of_chunk(chunk) != owner_rank
         layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
                                            holds_shared=holds_shared))

@@ -58,7 +58,7 @@ def action_part(chunk, kind: str):
         return replace(chunk, bwd_compute_s=chunk.bwd_compute_s - chunk.bwd_weight_s)
     if kind == "W":
         return replace(chunk, bwd_compute_s=chunk.bwd_weight_s, recompute_s=0.0, bwd_tp_s=0.0, bwd_zero_s=0.0,
-                       bwd_cp_s=0.0)
+                       bwd_cp_s=0.0, bwd_ep_s=0.0)
     raise ValueError(f"unknown action kind {kind!r}")
 
 

@@ -1,0 +1,146 @@
+"""Expert parallelism (EP): each MoE block's routed experts are split over `ep` data ranks.
+
+Layout (Megatron-LM's and torchtitan's): EP is carved out of data (x context) parallelism. The
+dp * cp data ranks (tp apart) are regrouped as (dp * cp / ep, ep): the inner `ep` consecutive data
+ranks, tp apart, form an EP group and each holds E/ep of the E routed experts of every MoE block;
+the dp * cp / ep ranks that hold the same experts (tp * ep apart) form its expert-data-parallel
+group. Attention, the router, the shared experts, the norms and dense blocks are untouched:
+replicated over the data ranks as without EP. Expert tensor parallelism is the mesh's tp: every
+expert's SwiGLU is split tp ways as the block's MLP is (Megatron-LM's default
+expert-tensor-parallel size = tp).
+
+Notation, per rank and micro-batch: T tokens on the rank (mbs * s, / cp under CP), k = top_k,
+E experts, h hidden, b bytes per element of the compute dtype, F the routing imbalance
+(`ModelInfo.moe_imbalance`: the busiest expert receives F times the balanced T k / E copies).
+
+- dispatch: the rank sends its D = T k h b bytes of routed copies (`LayerProfile.dispatch_bytes`;
+  / tp with SP, where a TP rank holds T/tp tokens), of which (ep-1)/ep leave the rank, by one
+  all-to-all over the EP group (`collectives.collective_time_s("all_to_all", ...)`: NVLink inside
+  a node, the rails across nodes). The busiest rank receives F D: the collective is charged at
+  F D. Forward: dispatch, expert GEMMs, combine (the same volume back). Backward mirrors it: the
+  combine's gradient goes out to the experts, their backward runs, the dispatch's gradient comes
+  back: 2 all-to-alls each pass, 4 a2a(F D) per micro-batch, blocking (the expert GEMMs need
+  their tokens; the next layer needs the combined output); full recomputation repeats the
+  forward's two in backward.
+- expert GEMMs: the rank's expert FLOPs are the same as without EP under balanced routing
+  (ep ranks' tokens times E/ep experts: T k / E * ep copies each), times F on the busiest rank.
+  Each of its E/ep experts runs `n_g` GEMMs (3 for a SwiGLU: gate, up, down) of
+      f = expert_fwd_flops * mbs / tp * ep / (n_g E) * F     FLOPs each (forward; backward 2 n_g of them),
+  priced on the device's efficiency curve at f (`layer_costs.compute_time_s`: peak * eff *
+  f / (f + f_half)), not at the whole layer's GEMM size: small per-expert batches run far below
+  peak, and EP makes them ep times larger. The experts' saved bytes (x F) are streamed by the
+  memory-bound kernels as the rest of the layer's are.
+- memory: expert parameters per rank P_e = expert_params / (ep tp); their gradients and
+  optimizer states follow ZeRO over the expert-data-parallel group (dp cp / ep ranks; HSDP's
+  shard group applies to the non-expert parameters only); the experts' saved activations x F.
+- gradient reduction: non-expert gradients over the dp * cp data ranks as before; expert
+  gradients over the dp cp / ep expert-data ranks, tp * ep apart (`expert_data_group`).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.costing.collectives import collective_time_s
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
+SWIGLU_GEMMS = 3
+
+
+def is_expert_linear(name: str) -> bool:
+    """A Linear of the routed experts (`moe.experts.gate`), as the TP split names it."""
+    return "experts" in name.split(".")
+
+
+def has_experts(layer) -> bool:
+    return layer.expert_params > 0
+
+
+def expert_gemms(layer) -> int:
+    """GEMMs each routed expert runs per forward (its Linears in the layer's TP split)."""
+    names = layer.tp_split.column_linears + layer.tp_split.row_linears
+    return sum(map(is_expert_linear, names)) or SWIGLU_GEMMS
+
+
+def dense_part(layer):
+    """The MoE block without its routed experts: attention, router, shared experts, norms, the
+    dispatch and combine permutations. What every data rank runs whatever ep is."""
+    split = layer.tp_split
+    sharded = layer.act_tp_sharded_bytes - min(layer.expert_act_bytes, layer.act_tp_sharded_bytes)
+    replicated = layer.act_tp_replicated_bytes - max(0, layer.expert_act_bytes - layer.act_tp_sharded_bytes)
+    causal = layer.causal_fwd_flops - layer.expert_fwd_flops if layer.causal_fwd_flops else 0
+    num_params = layer.num_params - layer.expert_params
+    return replace(
+        layer, num_params=num_params,
+        param_bytes=round(layer.param_bytes * num_params / layer.num_params) if layer.num_params else 0,
+        fwd_flops=layer.fwd_flops - layer.expert_fwd_flops, bwd_flops=layer.bwd_flops - layer.expert_bwd_flops,
+        causal_fwd_flops=max(0, causal), act_tp_sharded_bytes=sharded, act_tp_replicated_bytes=max(0, replicated),
+        expert_params=0, active_expert_params=0, expert_fwd_flops=0, expert_bwd_flops=0, expert_act_bytes=0,
+        dispatch_bytes=0,
+        tp_split=replace(split, column_linears=tuple(n for n in split.column_linears if not is_expert_linear(n)),
+                         row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n))))
+
+
+def load_factor(info) -> float:
+    """F: the busiest rank's expert work and received tokens over the balanced share."""
+    return float(getattr(info, "moe_imbalance", 1.0) or 1.0)
+
+
+def expert_gemm_flops(layer, strategy, info, tp_shard: int) -> tuple[float, float, int]:
+    """(forward FLOPs, backward FLOPs, forward GEMMs) of the busiest rank's experts, one micro-batch."""
+    ep = strategy.ep
+    scale = strategy.microbatch_size / tp_shard * load_factor(info)
+    num_gemms = expert_gemms(layer) * max(1, info.num_experts // ep)
+    return layer.expert_fwd_flops * scale, layer.expert_bwd_flops * scale, num_gemms
+
+
+def dispatch_send_bytes(layer, strategy, act_scale: float, split: bool) -> float:
+    """D: one rank's routed copies of one micro-batch in the compute dtype (/ tp with SP)."""
+    shard = strategy.tp if strategy.sp and split else 1
+    return layer.dispatch_bytes * strategy.microbatch_size * act_scale / shard
+
+
+def all_to_all_s(send_bytes: float, strategy, cluster, info) -> float:
+    """One dispatch (or combine) all-to-all over the EP group (ep ranks tp apart), at the busiest
+    rank's F D."""
+    if strategy.ep == 1 or send_bytes <= 0:
+        return 0.0
+    return collective_time_s("all_to_all", send_bytes * load_factor(info), strategy.ep, cluster, strategy.tp)
+
+
+def ep_comm_s(send_bytes: float, strategy, cluster, info) -> tuple[float, float]:
+    """(forward, backward) blocking all-to-all seconds of one micro-batch: dispatch + combine each
+    pass, and the recomputed forward's two again under full recomputation."""
+    one = all_to_all_s(send_bytes, strategy, cluster, info)
+    fwd, bwd = 2 * one, 2 * one
+    if strategy.recompute == "full":
+        bwd += fwd
+    return fwd, bwd
+
+
+def expert_data_group(strategy) -> tuple[int, int]:
+    """(ranks, stride) of the expert-data-parallel group: dp / ep data ranks, tp * ep apart
+    (`strategy.dp` already counts the CP ranks here: see `context_parallel.data_view`)."""
+    return strategy.dp // strategy.ep, strategy.tp * strategy.ep
+
+
+def expert_data_view(strategy):
+    """The strategy the experts' gradient reduction and ZeRO run under: the expert-data group as
+    its dp, its stride as tp (the collectives only read tp as the stride), no HSDP group."""
+    ranks, stride = expert_data_group(strategy)
+    return replace(strategy, dp=ranks, tp=stride, shard_group=None, ep=1)
+
+
+def check_expert_parallel(info, ep: int, data_ranks: int) -> None:
+    """ValueError unless ep fits the model and the mesh: a mixture of experts whose expert count
+    ep divides, and ep dividing the dp * cp data ranks."""
+    if ep == 1:
+        return
+    if not info.num_experts:
+        raise ValueError(f"expert parallelism (ep={ep}) needs a mixture-of-experts model; this one has no "
+                         "routed experts: use ep 1")
+    if info.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide the {info.num_experts} routed experts of each MoE block")
+    if data_ranks % ep:
+        raise ValueError(f"ep={ep} must divide the data ranks dp*cp = {data_ranks} (expert parallelism is "
+                         "carved out of data and context parallelism)")

@@ -1,0 +1,189 @@
+"""Expert parallelism in the cost model, the simulator, the plan file, the search and the CLI.
+
+Rules (planner.costing.expert_parallel): dispatch and combine all-to-alls of tokens * top_k *
+hidden bytes over ep ranks tp apart (two each pass), expert states / ep with ZeRO over the
+dp / ep expert-data ranks (tp * ep apart), expert GEMMs priced at the per-expert size, and the
+imbalance factor F on the busiest rank's expert work and received tokens. Each is checked
+against its formula.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.plan import mesh_json, plan_from_json
+from meshplan.planner.costing import expert_parallel as epm
+from meshplan.planner.costing.collectives import collective_time_s
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.costing.layer_costs import Strategy, compute_time_s, layer_cost, model_state_bytes
+from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
+
+H100 = load_cluster("h100-sxm")
+SEQ, HIDDEN, EXPERTS, TOP_K = 1024, 512, 16, 2
+SPEC = (f"moe:layers=4,hidden={HIDDEN},heads=8,kv_heads=4,experts={EXPERTS},top_k={TOP_K},"
+        f"expert_ffn=256,vocab=8000")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    from meshplan.planner.profiling.profiler import profile
+
+    return profile(SPEC, SEQ, dtype="bf16")
+
+
+def _block(graph):
+    return next(layer for layer in graph.layers if layer.expert_params)
+
+
+def _cost(graph, info=None, **kwargs):
+    return layer_cost(_block(graph), Strategy(**kwargs), H100, info or graph.info, profile_dtype="bf16")
+
+
+def test_dispatch_bytes_are_tokens_times_top_k_times_hidden(graph):
+    assert _block(graph).dispatch_bytes == SEQ * TOP_K * HIDDEN * 2
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 2), (16, 1)])
+def test_all_to_alls_are_two_per_pass_over_ep_ranks_tp_apart(graph, ep, tp):
+    mbs = 2
+    cost = _cost(graph, tp=tp, dp=16, ep=ep, microbatch_size=mbs)
+    one = collective_time_s("all_to_all", mbs * SEQ * TOP_K * HIDDEN * 2, ep, H100, tp)
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one, rel=1e-12)
+    assert cost.ep_bwd_comm_s == pytest.approx(2 * one, rel=1e-12)
+    full = _cost(graph, tp=tp, dp=16, ep=ep, microbatch_size=mbs, recompute="full")
+    assert full.ep_bwd_comm_s == pytest.approx(4 * one, rel=1e-12)  # the recomputed forward's two again
+    assert _cost(graph, dp=16).ep_fwd_comm_s == 0.0
+
+
+def test_expert_states_divide_by_ep_and_zero_shards_over_expert_data_ranks(graph):
+    block = _block(graph)
+    plain = _cost(graph, dp=8, zero=0)
+    for ep in (2, 4):  # (ep = dp leaves one expert-data rank: no DDP bucket copy of those gradients)
+        assert _cost(graph, dp=8, ep=ep, zero=0).expert_state_bytes == pytest.approx(
+            plain.expert_state_bytes / ep, rel=1e-12)
+    sharded = _cost(graph, dp=8, ep=4, zero=1)
+    states = model_state_bytes(block.expert_params / 4, 2, 1, "bf16-mixed", "executor", 1, 1)
+    assert sharded.expert_state_bytes == pytest.approx(sum(states.values()), rel=1e-12)
+    # the non-expert parameters are untouched by ep
+    dense = plain.param_bytes + plain.grad_bytes + plain.optimizer_bytes - plain.expert_state_bytes
+    with_ep = _cost(graph, dp=8, ep=4, zero=0)
+    assert with_ep.param_bytes + with_ep.grad_bytes + with_ep.optimizer_bytes - with_ep.expert_state_bytes == \
+        pytest.approx(dense, rel=1e-12)
+
+
+def test_expert_gradients_reduce_over_the_expert_data_group(graph):
+    block, dp, ep, tp = _block(graph), 16, 4, 2
+    dense = layer_cost(epm.dense_part(block), Strategy(tp=tp, dp=dp, ep=ep), H100, graph.info, profile_dtype="bf16")
+    cost = _cost(graph, tp=tp, dp=dp, ep=ep)
+    expert_bytes = block.expert_params / ep / tp * grad_wire_bytes_per_param("bf16-mixed", "executor")
+    expected = collective_time_s("all_reduce", expert_bytes, dp // ep, H100, tp * ep)
+    assert cost.dp_grad_comm_s - dense.dp_grad_comm_s == pytest.approx(expected, rel=1e-9)
+    assert epm.expert_data_group(Strategy(tp=tp, dp=dp, ep=ep)) == (dp // ep, tp * ep)
+
+
+def test_expert_gemms_run_at_the_per_expert_size(graph):
+    block = _block(graph)
+    for ep in (1, 4):
+        cost = _cost(graph, dp=8, ep=ep)
+        gemms = epm.expert_gemms(block) * EXPERTS // ep
+        memory = cost.expert_fwd_s - compute_time_s(block.expert_fwd_flops, gemms, H100, "bf16")
+        assert epm.expert_gemms(block) == 3  # SwiGLU: gate, up, down
+        assert memory >= 0
+    # larger per-expert batches under EP run closer to peak: less time for the same FLOPs
+    assert _cost(graph, dp=8, ep=8).expert_fwd_s < _cost(graph, dp=8, ep=1).expert_fwd_s
+
+
+def test_imbalance_scales_the_busiest_ranks_expert_work_and_received_tokens(graph):
+    factor = 1.5
+    skewed_info = replace(graph.info, moe_imbalance=factor)
+    base = _cost(graph, dp=8, ep=4, microbatch_size=2)
+    skewed = _cost(graph, info=skewed_info, dp=8, ep=4, microbatch_size=2)
+    send = 2 * SEQ * TOP_K * HIDDEN * 2
+    assert skewed.ep_fwd_comm_s == pytest.approx(2 * collective_time_s("all_to_all", factor * send, 4, H100, 1))
+    flops, _, gemms = epm.expert_gemm_flops(_block(graph), Strategy(dp=8, ep=4, microbatch_size=2), skewed_info, 1)
+    assert flops == pytest.approx(factor * 2 * _block(graph).expert_fwd_flops)
+    assert gemms == 3 * EXPERTS // 4
+    assert skewed.expert_fwd_s > base.expert_fwd_s
+    assert skewed.activation_bytes - base.activation_bytes == pytest.approx(
+        (factor - 1) * 2 * _block(graph).expert_act_bytes, rel=1e-9)
+
+
+def test_ep_must_divide_the_data_ranks_and_needs_experts(graph):
+    with pytest.raises(ValueError, match=r"ep=3 must divide the data ranks dp\*cp = 8\*1 = 8"):
+        ParallelConfig(gpus=8, global_batch=8, dp=8, ep=3)
+    config = ParallelConfig(gpus=16, global_batch=16, dp=8, cp=2, ep=16)
+    assert config.expert_data_ranks == 1 and "ep=16" in config.label()
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        epm.check_expert_parallel(replace(graph.info, num_experts=0, top_k=0), 2, 8)
+    with pytest.raises(ValueError, match="divide the 16 routed experts"):
+        epm.check_expert_parallel(graph.info, 32, 32)
+
+
+def test_plan_json_writes_ep_only_when_on():
+    from meshplan.executor.plans import uniform_plan
+
+    assert "ep" not in mesh_json(ParallelConfig(gpus=8, global_batch=8, dp=8))
+    plan = uniform_plan(SPEC, SEQ, 8, H100, dp=8, ep=4, precision="bf16-mixed")
+    data = plan.to_json()
+    assert data["mesh"]["ep"] == 4
+    assert plan_from_json(data).config.ep == 4
+    del data["mesh"]["ep"]
+    assert plan_from_json(data).config.ep == 1  # older plans: no expert parallelism
+
+
+def test_simulator_plays_dispatch_and_combine_around_the_expert_gemms(graph):
+    from meshplan.planner.simulation.simulator import simulate_config
+
+    config = ParallelConfig(gpus=16, global_batch=32, dp=16, ep=8, precision="bf16-mixed")
+    prediction = simulate_config(graph, H100, config, timeline=True)
+    assert prediction.breakdown["ep_comm"] > 0
+    assert prediction.memory[0].experts > 0
+    first = [i for i in prediction.timeline if i.microbatch == 0 and i.stream in ("compute", "ep")
+             and i.kind in ("forward", "ep_comm")]
+    kinds = [i.kind for i in sorted(first, key=lambda i: i.start_s)][:4]
+    assert kinds == ["forward", "ep_comm", "forward", "ep_comm"]  # dense, dispatch, experts, combine
+    from meshplan.planner.simulation.simulator import chrome_trace
+
+    trace = chrome_trace(prediction)
+    names = json.dumps(trace)
+    assert "ep_comm" in names
+
+
+def _meshplan(*args):
+    return subprocess.run([sys.executable, "-m", "meshplan.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_estimate_ep_and_bad_ep():
+    job = ["--model", SPEC, "--cluster", "h100-sxm", "--gpus", "16", "--gbs", "32", "--seq", str(SEQ)]
+    ok = _meshplan("estimate", *job, "--ep", "4", "--json")
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert data["breakdown"]["ep_comm"] > 0 and data["memory_bytes"][0]["experts"] > 0
+    for bad, words in ((["--ep", "3"], "--ep 3"), (["--ep", "32"], "--ep 32")):
+        result = _meshplan("estimate", *job, *bad)
+        assert result.returncode == 2
+        assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr, result.stderr
+    dense = _meshplan("estimate", "--model", "gpt:layers=2,hidden=256,heads=4,vocab=1000", "--cluster", "h100-sxm",
+                      "--gpus", "8", "--gbs", "8", "--seq", "128", "--ep", "2")
+    assert dense.returncode == 2 and "mixture-of-experts" in dense.stderr
+    assert len(dense.stderr.strip().splitlines()) == 1
+    plan = _meshplan("plan", "--model", "gpt:layers=2,hidden=256,heads=4,vocab=1000", "--cluster", "h100-sxm",
+                     "--gpus", "8", "--gbs", "8", "--seq", "128", "--ep", "2")
+    assert plan.returncode == 2 and "mixture-of-experts" in plan.stderr.strip().splitlines()[-1]
+
+
+def test_plan_picks_expert_parallelism_and_says_why(graph):
+    from meshplan.planner.search.assembly import explain
+    from meshplan.planner.search.driver import search_plan
+
+    plan = search_plan(SPEC, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, top_k=3)
+    assert plan.config.ep > 1
+    text = explain(plan.to_json())
+    assert f"Expert parallelism {plan.config.ep}" in text and "all-to-all" in text
+    pinned = search_plan(SPEC, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, ep=2, top_k=2)
+    assert pinned.config.ep == 2
