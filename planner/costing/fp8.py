@@ -41,6 +41,8 @@ from __future__ import annotations
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, compute_time_s,
+                                                  infer_seq, memory_time_s)
 
 FP8_RECIPES = ("fp8",)
 FP8_BYTES = 1.0
@@ -174,8 +176,6 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     fp8. `fwd_flops`/`bwd_flops`: the layer's local FLOPs as bf16 would run them (causal skip,
     micro-batch and TP applied); the fp8 Linears' share goes to `fp8_gemm_time_s`, the rest
     (attention's core, routed experts) to the bf16 curve with attention's two products."""
-    from meshplan.planner.costing.layer_costs import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, compute_time_s,
-                                                      infer_seq, memory_time_s)
 
     lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, infer_seq(layer, info, profile_dtype)))
     num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)

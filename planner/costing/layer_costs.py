@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.planner.costing import fixed_costs, fp8
+from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, compute_time_s,  # noqa: F401
+                                                  infer_seq, memory_time_s)
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
@@ -87,11 +89,8 @@ PRECISION_RECIPES: dict[str, dict[str, float]] = {
 }
 # The dtype of everything but the fp8 Linears' GEMMs (fp8: attention, norms, activations in bf16).
 COMPUTE_DTYPE = {"bf16-mixed": "bf16", "fp32": "fp32", "fp8": "bf16"}
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25): a software default, not hardware.
 DDP_BUCKET_BYTES = 25 * 2**20
-# GEMMs in one transformer block beyond its Linears: QK^T and (softmax) x V.
-ATTENTION_BMMS_PER_BLOCK = 2
 
 
 def recipe(precision: str) -> dict[str, float]:
@@ -124,35 +123,6 @@ def _num_gemms(layer: LayerProfile) -> int:
     if layer.tp_split.kind == "block":
         return len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears) + ATTENTION_BMMS_PER_BLOCK
     return 1
-
-
-def compute_time_s(flops: float, num_gemms: int, cluster: ClusterProfile, dtype: str, num_launches: int = 1) -> float:
-    """Time of `flops` split over `num_gemms` equal GEMMs on one device.
-
-    Achieved throughput per GEMM of f FLOPs: peak * matmul_efficiency * f / (f + f_half): large
-    GEMMs approach `matmul_efficiency` of peak, a GEMM of `matmul_half_efficiency_flops` reaches
-    half of that. Plus `kernel_overhead_s` per kernel sequence (launch/dispatch).
-    """
-    device = cluster.device
-    overhead_s = device.kernel_overhead_s * num_launches
-    if flops <= 0:
-        return overhead_s
-    per_gemm = flops / max(1, num_gemms)
-    efficiency = device.matmul_efficiency * per_gemm / (per_gemm + device.matmul_half_efficiency_flops)
-    return flops / (device.peak_flops(dtype) * efficiency) + overhead_s
-
-
-def memory_time_s(traffic_bytes: float, cluster: ClusterProfile) -> float:
-    """Time to stream `traffic_bytes` through device memory at the achieved bandwidth."""
-    device = cluster.device
-    return traffic_bytes / (device.memory_bw_bytes_per_s * device.memory_efficiency)
-
-
-def infer_seq(layer: LayerProfile, info: ModelInfo, dtype: str) -> int:
-    """Sequence length of a block from its input (batch 1, seq, hidden) in the profile dtype."""
-    if not info.hidden:
-        return 0
-    return round(layer.input_bytes / (info.hidden * DTYPE_BYTES.get(dtype, 2)))
 
 
 def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) -> float:

@@ -24,32 +24,13 @@ except under the V-shaped schedules (`contracts.config.chunk_rank`).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+
+from meshplan.planner.simulation import zero_bubble
+from meshplan.planner.simulation.actions import Action
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev")
 # Schedules that run split backwards (I then W) for some or all micro-batches.
 SPLIT_BACKWARD_SCHEDULES = ("zb-interleaved", "zbv", "dualpipev")
-
-
-class Action(NamedTuple):
-    """One compute action of one micro-batch of one model chunk: its forward (F), full backward
-    (B), or a backward split into the input gradient (I) and, later, the weight gradient (W)."""
-
-    kind: str  # "F", "B", "I" or "W"
-    chunk: int  # model chunk index (torch's stage index; its rank: contracts.config.chunk_rank)
-    microbatch: int
-    # True on the forward of a DualPipeV "F;B" pair: the next action (its backward) runs right
-    # after it, and both outputs are sent when the pair ends.
-    overlap: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.chunk}{self.kind}{self.microbatch}"
-
-    @property
-    def frees_activations(self) -> bool:
-        """The chunk's saved activations of this micro-batch are released when this action ends:
-        the full backward, or W (torch's I keeps the whole autograd graph, retain_graph=True)."""
-        return self.kind in ("B", "W")
 
 
 def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:
@@ -89,8 +70,6 @@ def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_
         return _one_f_one_b(num_stages, num_microbatches, rank)
     if schedule == "interleaved":
         return _interleaved(num_stages, num_microbatches, virtual_stages, rank)
-    from meshplan.planner.simulation import zero_bubble
-
     if schedule == "zb-interleaved":
         return zero_bubble.zb_interleaved(num_stages, num_microbatches, virtual_stages, rank)
     return getattr(zero_bubble, schedule)(num_stages, num_microbatches, rank)

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from meshplan.planner.simulation.actions import Action
 
-def _action(kind: str, chunk: int, microbatch: int, overlap: bool = False):
-    from meshplan.planner.simulation.schedules import Action
 
+def _action(kind: str, chunk: int, microbatch: int, overlap: bool = False) -> Action:
     return Action(kind, chunk, microbatch, overlap)
 
 

@@ -1,0 +1,39 @@
+"""Device time of the work a layer does, and the byte sizes it is counted in: the primitives every
+cost rule (`layer_costs`, `fp8`, `expert_parallel`, ...) builds on, so none of them needs another."""
+from __future__ import annotations
+
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# GEMMs in one transformer block beyond its Linears: QK^T and (softmax) x V.
+ATTENTION_BMMS_PER_BLOCK = 2
+
+
+def compute_time_s(flops: float, num_gemms: int, cluster: ClusterProfile, dtype: str, num_launches: int = 1) -> float:
+    """Time of `flops` split over `num_gemms` equal GEMMs on one device.
+
+    Achieved throughput per GEMM of f FLOPs: peak * matmul_efficiency * f / (f + f_half): large
+    GEMMs approach `matmul_efficiency` of peak, a GEMM of `matmul_half_efficiency_flops` reaches
+    half of that. Plus `kernel_overhead_s` per kernel sequence (launch/dispatch).
+    """
+    device = cluster.device
+    overhead_s = device.kernel_overhead_s * num_launches
+    if flops <= 0:
+        return overhead_s
+    per_gemm = flops / max(1, num_gemms)
+    efficiency = device.matmul_efficiency * per_gemm / (per_gemm + device.matmul_half_efficiency_flops)
+    return flops / (device.peak_flops(dtype) * efficiency) + overhead_s
+
+
+def memory_time_s(traffic_bytes: float, cluster: ClusterProfile) -> float:
+    """Time to stream `traffic_bytes` through device memory at the achieved bandwidth."""
+    device = cluster.device
+    return traffic_bytes / (device.memory_bw_bytes_per_s * device.memory_efficiency)
+
+
+def infer_seq(layer: LayerProfile, info: ModelInfo, dtype: str) -> int:
+    """Sequence length of a block from its input (batch 1, seq, hidden) in the profile dtype."""
+    if not info.hidden:
+        return 0
+    return round(layer.input_bytes / (info.hidden * DTYPE_BYTES.get(dtype, 2)))
