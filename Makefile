@@ -10,10 +10,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Reinstall when the project metadata changes. torch 2.13.0 first: on a CPU machine that is the
-# CPU wheel, while a looser range may resolve to a multi-GB CUDA build.
+# CPU wheel, while a looser range may resolve to a multi-GB CUDA build. The engines extra (the
+# engines' config loaders for the export tests) with torchtitan 0.2.2, the last with TOML job
+# files, installed without its training dependencies (pyproject.toml says why).
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.5,<2.14"
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q -e ".[dev,hf,engines]"
+	$(PY) -m pip install -q --no-deps "torchtitan==0.2.2"
 	touch $(STAMP)
 
 install: $(STAMP)

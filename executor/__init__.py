@@ -17,14 +17,15 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
           max_restarts: int = 0, data: str = "synthetic", seed: int | None = None,
           run_dir: str | Path | None = None, timeout_s: float | None = None, run_limit_s: float | None = None,
-          echo: bool = False) -> Measurement:
+          echo: bool = False, progress=False) -> Measurement:
     """Train `steps` optimizer steps of a plan on this node and return what was measured.
 
     Refuses (MeshplanError) before launching anything the executor cannot run as planned.
     `run_dir` receives per-rank heartbeats (`rank{R}.json`: pid, completed steps) and error files;
     `timeout_s` is the collective timeout: a rank waiting longer than that for the others (a hung
     peer) fails the run, which names the rank it waited for (None: 600 s); `run_limit_s` bounds
-    the whole launch (None: no limit); `echo` streams the workers' output.
+    the whole launch (None: no limit); `echo` streams the workers' output; `progress`: False, True
+    (a bar of completed steps on stderr when it is a terminal) or fn(done, total).
     """
     from meshplan.executor.data import make_source, token_vocab
     from meshplan.executor import checks
@@ -64,5 +65,6 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
         checks.check_checkpoint_dir(checkpoint_dir, one_bytes if num_saves else 0, num_saves)
     if Path(out).exists():
         Path(out).unlink()  # never report a previous run's figures as this one's
-    launch_jobs([job.to_json()], nproc, run_dir, max_restarts=max_restarts, timeout_s=run_limit_s, echo=echo)
+    launch_jobs([job.to_json()], nproc, run_dir, max_restarts=max_restarts, timeout_s=run_limit_s, echo=echo,
+                progress=progress)
     return load_measurement(out)

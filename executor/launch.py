@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +52,11 @@ def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], port
 
 
 def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts: int = 0,
-                timeout_s: float | None = None, echo: bool = False) -> LaunchResult:
+                timeout_s: float | None = None, echo: bool = False, progress=False) -> LaunchResult:
     """Run `jobs` (Job fields as dicts) one after another in one torchrun launch of `nproc` workers.
 
-    Raises TrainingFailed naming the failed rank when the launch does not succeed.
+    Raises TrainingFailed naming the failed rank when the launch does not succeed. `progress`
+    (`planner.contracts.progress`) follows rank 0's completed steps of the jobs.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,15 +68,41 @@ def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts:
     command = torchrun_command(nproc, max_restarts, ["--jobs", str(jobs_path)], free_port())
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    result = _run_in_own_group(command, env, timeout_s, echo)
-    for directory in {Path(job.get("run_dir") or run_dir) for job in jobs}:
-        _kill_leftover_workers(directory)
+    try:
+        result = _run_in_own_group(command, env, timeout_s, echo, _step_watcher(jobs, run_dir, progress))
+    finally:  # also on Ctrl-C: no worker outlives the launch
+        for directory in {Path(job.get("run_dir") or run_dir) for job in jobs}:
+            _kill_leftover_workers(directory)
     if result.exit_code != 0:
         raise TrainingFailed(describe_failure(result, run_dir, timeout_s))
     return result
 
 
-def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, echo: bool) -> LaunchResult:
+def _step_watcher(jobs: list[dict], run_dir: Path, progress):
+    """A function reporting rank 0's completed steps (its heartbeat file) to `progress`, or None."""
+    from meshplan.planner.contracts.progress import progress_reporter
+
+    reporter = progress_reporter(progress, sum(int(job.get("steps") or 0) for job in jobs), "meshplan train", "step")
+    if reporter is None:
+        return None
+    beats = [Path(job.get("run_dir") or run_dir) / "rank0.json" for job in jobs]
+
+    def watch(finished: bool = False) -> None:
+        done = 0
+        for beat in beats:
+            try:
+                done += int(json.loads(beat.read_text())["step"])
+            except (OSError, ValueError, KeyError):
+                pass
+        reporter.advance_to(done)
+        if finished:
+            reporter.close()
+
+    return watch
+
+
+def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, echo: bool,
+                      watch=None) -> LaunchResult:
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
@@ -89,14 +117,31 @@ def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, ec
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
-        exit_code = process.wait(timeout=timeout_s)
+        exit_code = _wait(process, timeout_s, watch)
     except subprocess.TimeoutExpired:
         exit_code = -int(signal.SIGKILL)
         tail.append(f"meshplan: the run exceeded its {timeout_s:.0f} s limit and was stopped\n")
-    finally:  # whatever happened, nothing of this launch survives it
+    finally:  # whatever happened (a Ctrl-C too), nothing of this launch survives it
         _kill_group(process)
+        if watch is not None:
+            watch(finished=True)
     reader.join(timeout=KILL_GRACE_S)
     return LaunchResult(exit_code=exit_code, output_tail="".join(tail))
+
+
+def _wait(process: subprocess.Popen, timeout_s: float | None, watch) -> int:
+    """`process.wait(timeout_s)`, calling `watch()` every half second meanwhile."""
+    if watch is None:
+        return process.wait(timeout=timeout_s)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise subprocess.TimeoutExpired(process.args, timeout_s)
+        try:
+            return process.wait(timeout=0.5 if left is None else min(0.5, left))
+        except subprocess.TimeoutExpired:
+            watch()
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -9,7 +9,9 @@
     meshplan.write_report(plan, [measured], out="report.html")
 
 Each function imports its stage when called, so `import meshplan` (and `meshplan --help`) does
-not pay for torch. The stages live in `meshplan.planner`, `meshplan.executor` and
+not pay for torch. The functions print nothing: `plan` and `train` take `progress=` (default
+False; True draws a bar on stderr when it is a terminal; a function `fn(done, total)` is called
+after each candidate solved or step trained). The stages live in `meshplan.planner`, `meshplan.executor` and
 `meshplan.reports`; `docs/architecture.md` maps them.
 """
 from __future__ import annotations
@@ -31,11 +33,12 @@ def estimate(spec: str, cluster, gpus: int, global_batch: int, seq: int | None =
     return _estimate(spec, cluster, gpus, global_batch, seq, **kwargs)
 
 
-def plan(spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, **kwargs):
-    """The fastest plan that fits (`meshplan.planner.search.driver.search_plan`)."""
+def plan(spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *, progress=False, **kwargs):
+    """The fastest plan that fits (`meshplan.planner.search.driver.search_plan`); `progress`: False,
+    True (a bar when stderr is a terminal) or fn(done, total) per candidate."""
     from meshplan.planner.search.driver import search_plan
 
-    return search_plan(spec, cluster, gpus, global_batch, seq, **kwargs)
+    return search_plan(spec, cluster, gpus, global_batch, seq, progress=progress, **kwargs)
 
 
 def simulate(plan, graph=None, timeline: bool = True):
@@ -45,18 +48,20 @@ def simulate(plan, graph=None, timeline: bool = True):
     return _simulate(plan, graph=graph, timeline=timeline)
 
 
-def train(plan, **kwargs):
-    """Run a plan with torch.distributed on this node and return its `Measurement`."""
+def train(plan, *, progress=False, **kwargs):
+    """Run a plan with torch.distributed on this node and return its `Measurement`; `progress`:
+    False, True (a bar when stderr is a terminal) or fn(done, total) per step."""
     from meshplan.executor import train as _train
 
-    return _train(plan, **kwargs)
+    return _train(plan, progress=progress, **kwargs)
 
 
-def write_report(plan, measurements=(), trace=None, out="report.html", title: str | None = None):
-    """Write the HTML strategy report of a plan (and its measurements) to `out`."""
+def write_report(plan, measurements=(), trace=None, out="report.html", title: str | None = None, **kwargs):
+    """Write the HTML strategy report of a plan (and its measurements) to `out`; `others=[...]`
+    adds plans shown side by side, `sizing=` a time/cost frontier (read from a plan file's own)."""
     from meshplan.reports import write_report as _write_report
 
-    return _write_report(plan, measurements, trace, out, title)
+    return _write_report(plan, measurements, trace, out, title, **kwargs)
 
 
 def load_cluster(name_or_path):

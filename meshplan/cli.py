@@ -3,7 +3,9 @@
 Each subcommand lives in `planner/commands/<name>.py` and exposes `add_arguments(parser)` and
 `run(args) -> int`. Modules are imported only for the command that runs, so `--help` stays fast.
 User errors (`MeshplanError`, `ValueError`, missing files) exit with code 2 and one line on stderr;
-anything else is an internal error (exit 1). `--debug` shows the traceback.
+anything else is an internal error (exit 1). `--debug` shows the traceback. Ctrl-C prints one
+line and exits 130 (worker processes are stopped by the stage that started them); a closed output
+pipe (`meshplan simulate ... | head -1`) ends quietly with exit 0.
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ COMMANDS = {
     "train": "run a plan for real with torch.distributed and measure it",
     "report": "write a self-contained HTML strategy report",
     "export": "write a plan as a torchtitan TOML, Megatron-LM arguments or a DeepSpeed JSON",
+    "compare": "side-by-side table of two or more plans (differences marked)",
     "demo": "the whole loop on this machine: calibrate, profile, plan, train, report",
 }
 # Commands that hold no processes, sockets or temporary files once they return: they leave
 # without the interpreter's teardown of torch's modules, which costs 0.6-0.9 s per command.
-FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan", "export"})
+FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan", "export", "compare"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         "how much memory each GPU needs, and then run it.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--version", action="version", version=f"meshplan {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -44,6 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshplan")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 def _command_module(name: str):
     return import_module(f"meshplan.commands.{name}")
 
@@ -51,6 +64,30 @@ def _command_module(name: str):
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (also used in-process by tests)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also while parsing or importing, before a command runs
+        return _interrupted(next((arg for arg in argv if not arg.startswith("-")), None))
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, and nobody to say it to
+        _silence_stdout()
+        return 0
+
+
+def _interrupted(command: str | None) -> int:
+    print(f"meshplan{f' {command}' if command in COMMANDS else ''}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail on the closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured by tests)
+        pass
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -71,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshplan {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"meshplan {args.command}: interrupted", file=sys.stderr)
-        return 130
+        if debug:
+            raise
+        return _interrupted(args.command)
+    except BrokenPipeError:
+        raise  # handled in main: quiet
     except Exception as exc:  # an internal error: say so, and how to see more
         if debug:
             raise
@@ -93,8 +133,13 @@ def console_main() -> None:
     argv = sys.argv[1:]
     code = main(argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    if command in FAST_EXIT_COMMANDS:
+    try:
         sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    except KeyboardInterrupt:
+        code = _interrupted(command)
+    if command in FAST_EXIT_COMMANDS:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)

@@ -13,20 +13,22 @@ from pathlib import Path
 from typing import Sequence
 
 
-def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None) -> str:
-    """The report's HTML text."""
+def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None,
+                 sizing: dict | None = None, others: Sequence = ()) -> str:
+    """The report's HTML text. `sizing`: the plan JSON's `sizing` (read from the file when `plan` is a
+    path); `others`: more plans (or paths) shown side by side with this one."""
     from meshplan.reports.build import build_report as _build
 
-    return _build(plan, measurements, trace, title)
+    return _build(plan, measurements, trace, title, sizing, others)
 
 
 def write_report(plan, measurements: Sequence = (), trace=None, out: str | Path = "report.html",
-                 title: str | None = None) -> Path:
+                 title: str | None = None, sizing: dict | None = None, others: Sequence = ()) -> Path:
     """Write the report to `out` and return its path."""
     out = Path(out)
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(plan, measurements, trace, title), encoding="utf-8")
+    out.write_text(build_report(plan, measurements, trace, title, sizing, others), encoding="utf-8")
     return out
 
 

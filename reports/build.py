@@ -11,7 +11,9 @@ from meshplan.planner.contracts.measurement import Measurement, load_measurement
 from meshplan.reports.compare import check_measurements, compare
 from meshplan.reports.html import page
 from meshplan.reports.measured import measured_section
-from meshplan.reports.sections import breakdown_section, layers_section, memory_section, summary_section, timeline_section
+from meshplan.reports.plans import as_plans, plans_section
+from meshplan.reports.sections import (breakdown_section, frontier_section, layers_section, memory_section,
+                                       summary_section, timeline_section)
 from meshplan.reports.timeline import load_trace, simulate_timeline, with_idle
 
 
@@ -19,6 +21,17 @@ def _as_plan(plan) -> tuple[Plan, str]:
     if isinstance(plan, Plan):
         return plan, f"(plan {plan.digest})"
     return load_plan(plan), Path(plan).name
+
+
+def _sizing_of(plan) -> dict[str, Any] | None:
+    """The `sizing` key of a plan file (`plan --train-tokens`; `Plan` itself does not keep it)."""
+    if isinstance(plan, Plan):
+        return None
+    from meshplan.planner.contracts.jsonfile import read_json_file
+
+    data = read_json_file(plan, "plan", "create a plan with `meshplan plan --out plan.json`")
+    sizing = data.get("sizing") if isinstance(data, dict) else None
+    return sizing if isinstance(sizing, dict) else None
 
 
 def _as_measurements(measurements: Sequence) -> list[Measurement]:
@@ -41,7 +54,10 @@ def _timeline(plan: Plan, trace) -> tuple[list, Sequence, dict[str, Any] | None,
     return list(simulated.timeline), simulated.memory_timeline, simulated.to_json(), "the simulator re-playing the plan"
 
 
-def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None) -> str:
+def build_report(plan, measurements: Sequence = (), trace=None, title: str | None = None,
+                 sizing: dict[str, Any] | None = None, others: Sequence = ()) -> str:
+    sizing = sizing if sizing is not None else _sizing_of(plan)
+    compared = as_plans([plan, *others]) if others else []
     plan, source_name = _as_plan(plan)
     runs = _as_measurements(measurements)
     check_measurements(plan, runs)  # before the (slower) simulation: a wrong file fails fast
@@ -62,6 +78,10 @@ def build_report(plan, measurements: Sequence = (), trace=None, title: str | Non
         breakdown_section(plan, prediction),
         alternatives_section(plan),
     ]
+    if sizing:
+        sections.insert(1, frontier_section(sizing))
+    if compared:
+        sections.insert(0, plans_section(compared))
     if comparison is not None:
         sections.append(measured_section(comparison, runs))
     import plotly.offline

@@ -209,3 +209,44 @@ def measured_memory(ranks: Sequence[int], predicted_bytes: Sequence[float],
     fig = go.Figure([go.Bar(name="predicted", x=x, y=[b / div for b in predicted_bytes], marker_color="#9dc3e6"),
                      go.Bar(name="measured", x=x, y=[b / div for b in measured_bytes], marker_color="#ed7d31")])
     return _layout(fig, "Peak memory per rank: predicted vs measured", 340, barmode="group", yaxis_title=unit)
+
+
+def frontier_plot(gpus: Sequence[int], tokens_per_s: Sequence[float], days: Sequence[float],
+                  cost: Sequence[float], cost_title: str, deadline_days: float | None = None,
+                  chosen_gpus: int | None = None) -> go.Figure:
+    """Throughput, training days and cost against the GPU count; the dashed line is linear scaling
+    from the smallest size, so the gap to it is the scaling-efficiency loss."""
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("tokens/s", "days to train", cost_title))
+    ideal = [tokens_per_s[0] / gpus[0] * count for count in gpus]
+    fig.add_trace(go.Scatter(x=list(gpus), y=ideal, mode="lines", name="linear scaling",
+                             line=dict(dash="dash", color="#999")), row=1, col=1)
+    marker = dict(size=[14 if count == chosen_gpus else 8 for count in gpus],
+                  symbol=["star" if count == chosen_gpus else "circle" for count in gpus])
+    for col, (name, values, colour) in enumerate((("tokens/s", tokens_per_s, "#2e75b6"), ("days", days, "#70ad47"),
+                                                  (cost_title, cost, "#c00000")), start=1):
+        fig.add_trace(go.Scatter(x=list(gpus), y=list(values), mode="lines+markers", name=name,
+                                 marker=dict(color=colour, **marker), line=dict(color=colour),
+                                 hovertemplate="%{x} GPUs: %{y:,.4g}<extra>" + esc(name) + "</extra>"),
+                      row=1, col=col)
+    if deadline_days is not None:
+        fig.add_hline(y=deadline_days, line_dash="dot", line_color="#c00000", row=1, col=2,
+                      annotation_text=f"deadline {deadline_days:g} days")
+    fig.update_xaxes(type="log", title_text="GPUs", tickvals=list(gpus))
+    return _layout(fig, "Time and cost against cluster size (star: the size chosen for the deadline)", 380,
+                   showlegend=True, legend_orientation="h", legend_y=-0.25)
+
+
+def plans_bars(names: Sequence[str], breakdowns: Sequence[dict[str, float]],
+               peak_bytes: Sequence[float]) -> go.Figure:
+    """Each plan's step time stacked by cause (left) and its peak memory per GPU (right)."""
+    labels = [esc(name) for name in names]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("step time by cause (ms)", "peak memory per GPU"))
+    causes = [c for c in dict.fromkeys(k for b in breakdowns for k in b) if any(b.get(c, 0.0) > 0 for b in breakdowns)]
+    for cause in causes:
+        fig.add_trace(go.Bar(name=cause, x=labels, y=[b.get(cause, 0.0) * 1e3 for b in breakdowns],
+                             marker_color=KIND_COLOURS.get(_cause_kind(cause), "#4e79a7")), row=1, col=1)
+    div, unit = bytes_unit(max(peak_bytes, default=0.0))
+    fig.add_trace(go.Bar(name="peak memory", x=labels, y=[b / div for b in peak_bytes], marker_color="#ed7d31",
+                         showlegend=False, hovertemplate="%{x}: %{y:.2f} " + unit + "<extra></extra>"), row=1, col=2)
+    fig.update_yaxes(title_text=unit, row=1, col=2)
+    return _layout(fig, "Plans compared", 380, barmode="stack", legend_orientation="h", legend_y=-0.2)

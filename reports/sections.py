@@ -211,3 +211,44 @@ def breakdown_section(plan, prediction: dict[str, Any]) -> Section:
     fig = figures.stage_balance(compute, comm, count)
     body.append(f'<div class="fig">{figure_div(fig, "fig-balance")}</div>')
     return Section("breakdown", "Step-time breakdown", "".join(body))
+
+
+def frontier_section(sizing: dict[str, Any]) -> Section:
+    """The time/cost frontier of `plan --train-tokens` (the plan JSON's `sizing`): one row per GPU
+    count planned, with the throughput each GPU keeps relative to the smallest size (scaling loss)."""
+    rows_data = sorted(sizing.get("frontier") or [], key=lambda row: row["gpus"])
+    if not rows_data:
+        return Section("frontier", "Time and cost frontier", paragraph("The sizing holds no planned size.", "warn"))
+    deadline, chosen = sizing.get("deadline_days"), sizing.get("chosen_gpus")
+    base_per_gpu = rows_data[0]["tokens_per_s"] / rows_data[0]["gpus"]
+    with_usd = any(row.get("usd") is not None for row in rows_data)
+    rows = []
+    for row in rows_data:
+        efficiency = row["tokens_per_s"] / row["gpus"] / base_per_gpu
+        css = "winner" if row["gpus"] == chosen else ""
+        meets = "" if deadline is None else Cell("yes" if row["days"] <= deadline else "no",
+                                                 "ok" if row["days"] <= deadline else "flag")
+        rows.append([Cell(row["gpus"], css), f"{row['tokens_per_s']:,.0f}", f"{row['tokens_per_s'] / row['gpus']:,.0f}",
+                     Cell(fmt_pct(efficiency), "" if efficiency >= 0.9 else "flag"), fmt_ms(row["step_time_s"]),
+                     f"{row['days']:,.2f}", f"{row['gpu_hours']:,.0f}",
+                     *([f"{row['usd']:,.0f}" if row.get("usd") is not None else "n/a"] if with_usd else []),
+                     *([meets] if deadline is not None else []), row.get("label", "")])
+    headers = ["GPUs", "tokens/s", "tokens/s per GPU", f"per GPU vs {rows_data[0]['gpus']} GPUs", "step time",
+               "days", "GPU-hours", *(["cost USD"] if with_usd else []),
+               *([f"meets {deadline:g} days"] if deadline is not None else []), "configuration"]
+    tokens = rows_data[0]["tokens"]
+    text = (f"Training on {tokens:.3g} tokens at each cluster size planned. Per GPU vs the smallest size is "
+            "tokens/s per GPU over that of the smallest size: what scaling out loses to communication and the "
+            "pipeline bubble (100% is linear scaling; under 90% is flagged).")
+    if deadline is not None:
+        text += (f" Deadline {deadline:g} days: " + (f"the cheapest size that meets it is {chosen} GPUs (highlighted)."
+                                                     if chosen else "no size planned meets it."))
+    fig = figures.frontier_plot([row["gpus"] for row in rows_data], [row["tokens_per_s"] for row in rows_data],
+                                [row["days"] for row in rows_data],
+                                [row["usd"] if with_usd else row["gpu_hours"] for row in rows_data],
+                                "cost (USD)" if with_usd else "GPU-hours", deadline, chosen)
+    body = (paragraph(text) + f'<div class="fig">{figure_div(fig, "fig-frontier")}</div>' + table(headers, rows))
+    skipped = sizing.get("skipped") or []
+    if skipped:
+        body += paragraph("Sizes with no plan: " + "; ".join(skipped), "note")
+    return Section("frontier", "Time and cost frontier", body)

@@ -74,7 +74,8 @@ def _measured_or_base(args, stem: str):
         import torch
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return calibrate(nproc=args.nproc, backend=backend, quick=args.quick, name=args.name or stem, base=args.base)
+    return calibrate(nproc=args.nproc, backend=backend, quick=args.quick, name=args.name or stem, base=args.base,
+                     progress=True)  # a bar only when stderr is a terminal
 
 
 def _print_summary(out, profile, args, notes: list[str]) -> None:

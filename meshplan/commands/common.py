@@ -15,6 +15,23 @@ def add_job_arguments(parser) -> None:
     add_moe_imbalance_argument(parser)
 
 
+def check_seq(seq: int | None) -> None:
+    """--seq, when given, must be a positive length (0 is not "the default")."""
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    if seq is not None and seq <= 0:
+        raise MeshplanError(f"--seq must be a positive integer, got {seq}")
+
+
+def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:
+    """'tokens/s  N' for sequence models; file models (any nn.Module) are counted in samples."""
+    from meshplan.reports.plans import is_sequence_model
+
+    if is_sequence_model(spec):
+        return f"tokens/s         {tokens_per_s:12,.0f}"
+    return f"samples/s        {tokens_per_s / seq:12,.1f}"
+
+
 def add_moe_imbalance_argument(parser) -> None:
     parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                         help="mixture of experts: the busiest expert receives F times the balanced tokens * top_k / "

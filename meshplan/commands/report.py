@@ -3,7 +3,9 @@ from __future__ import annotations
 
 
 def add_arguments(parser):
-    parser.add_argument("--plan", required=True, help="plan.json written by `meshplan plan`")
+    parser.add_argument("--plan", required=True, action="append", metavar="PLAN_JSON",
+                        help="plan.json written by `meshplan plan`; repeat it to show plans side by side (the "
+                             "first is detailed, and --measured belongs to it)")
     parser.add_argument("--measured", nargs="+", action="extend", default=[], metavar="MEASURED_JSON",
                         help="measured.json from `meshplan train` (several: repeated runs of this plan)")
     parser.add_argument("--trace", help="trace.json from `meshplan simulate --trace` (default: re-simulate the plan)")
@@ -16,7 +18,9 @@ def run(args) -> int:
     from meshplan.planner.models.plan_check import check_plan_model
     from meshplan.reports import write_report  # plotly is imported only for this command
 
-    check_plan_model(load_plan(args.plan))  # a report of layers the model does not have would mislead
-    out = write_report(args.plan, measurements=args.measured, trace=args.trace, out=args.out, title=args.title)
+    for path in args.plan:
+        check_plan_model(load_plan(path))  # a report of layers the model does not have would mislead
+    out = write_report(args.plan[0], measurements=args.measured, trace=args.trace, out=args.out, title=args.title,
+                       others=args.plan[1:])
     print(f"wrote {out}")
     return 0

@@ -24,7 +24,7 @@ def run(args) -> int:
     measurement = train(args.plan, nproc=args.nproc, steps=args.steps, out=args.out,
                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                         resume=args.resume, max_restarts=args.max_restarts, data=args.data, seed=args.seed,
-                        timeout_s=args.timeout_s, echo=True)
+                        timeout_s=args.timeout_s, echo=True, progress=True)  # a bar only on a terminal
     print(f"{len(measurement.losses)} steps on {measurement.world_size} processes: final loss "
           f"{measurement.losses[-1]:.4f}, {measurement.mean_step_time_s * 1e3:.1f} ms/step, "
           f"{measurement.tokens_per_s:.0f} tokens/s, peak memory "

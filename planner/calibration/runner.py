@@ -46,8 +46,11 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, name: str = "calibrated",
-              base: str | None = None) -> ClusterProfile:
-    """Measure this machine with `nproc` processes and return the fitted cluster profile."""
+              base: str | None = None, progress=False) -> ClusterProfile:
+    """Measure this machine with `nproc` processes and return the fitted cluster profile.
+
+    `progress`: False, True (a bar of the measurement phases on stderr when it is a terminal) or
+    fn(done, total)."""
     import torch
     import torch.multiprocessing as mp
 
@@ -61,10 +64,49 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, name: 
     sizes = QUICK_SIZES if quick else FULL_SIZES
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as workdir:
         # fork is instant (torch is already imported here); CUDA needs fresh processes
-        mp.start_processes(_worker, args=(nproc, backend, sizes, workdir), nprocs=nproc, join=True,
-                           start_method="spawn" if backend == "nccl" else "fork")
+        context = mp.start_processes(_worker, args=(nproc, backend, sizes, workdir), nprocs=nproc, join=False,
+                                     start_method="spawn" if backend == "nccl" else "fork")
+        _join(context, Path(workdir), NUM_PHASES[backend], progress)
         measured = json.loads((Path(workdir) / "rank0.json").read_text())
     return build_profile(measured, nproc, backend, name, base)
+
+
+# Phases rank 0 reports (copy, compute, collectives, and on CPU the fixed costs)
+NUM_PHASES = {"gloo": 4, "nccl": 3}
+
+
+def _join(context, workdir: Path, num_phases: int, progress) -> None:
+    """Wait for the measuring processes, reporting rank 0's phases; on Ctrl-C stop them all."""
+    from meshplan.planner.contracts.progress import progress_reporter
+
+    reporter = progress_reporter(progress, num_phases, "meshplan calibrate", "phase")
+    try:
+        while not context.join(timeout=0.5):
+            if reporter is not None:
+                reporter.advance_to(_phases_done(workdir))
+    except KeyboardInterrupt:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(timeout=5)
+        raise
+    finally:
+        if reporter is not None:
+            reporter.advance_to(_phases_done(workdir))
+            reporter.close()
+
+
+def _phases_done(workdir: Path) -> int:
+    try:
+        return int((workdir / "phases").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _phase_done(workdir: str, rank: int, count: int) -> None:
+    if rank == 0:
+        (Path(workdir) / "phases").write_text(str(count))
 
 
 def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> None:
@@ -81,12 +123,16 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         timer = _Timer(cuda, torch.get_num_threads())
         result = {"dtype": "bf16" if cuda else "fp32", "threads": torch.get_num_threads(),
-                  "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer),
-                  **_measure_compute(torch, device, sizes, timer, cuda)}
+                  "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer)}
+        _phase_done(workdir, rank, 1)
+        result.update(_measure_compute(torch, device, sizes, timer, cuda))
+        _phase_done(workdir, rank, 2)
         dist.barrier()
         result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
+        _phase_done(workdir, rank, 3)
         if not cuda:
             result.update(_measure_fixed_costs(torch, dist, nproc, sizes, timer))
+            _phase_done(workdir, rank, 4)
         if cuda:
             props = torch.cuda.get_device_properties(rank)
             result.update(device_name=props.name, memory_bytes=props.total_memory)

@@ -82,7 +82,8 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
     results: list[Solved] = []
     best: list[float] = []  # sorted objectives of feasible solutions
     batch_size = SOLVE_BATCH
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context()) if workers > 1 else None
+    pool = (ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_ignore_interrupt)
+            if workers > 1 else None)
     try:
         index = 0
         while index < len(order):
@@ -104,10 +105,24 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
                 if solution.feasible:
                     best = sorted(best + [solution.objective_s])
                 tick(progress)
+    except KeyboardInterrupt:  # Ctrl-C: stop the workers now rather than wait for their solves
+        if pool is not None:
+            for process in list(getattr(pool, "_processes", {}).values()):
+                process.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
+            pool = None
+        raise
     finally:
         if pool is not None:
             pool.shutdown()
     return results
+
+
+def _ignore_interrupt() -> None:
+    """Workers leave Ctrl-C (SIGINT to the whole process group) to the parent, which stops them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 
