@@ -48,7 +48,12 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
     def to_json(self) -> dict[str, float]:
-        return {**asdict(self), "total": self.total}
+        """The design's keys (params, grads, optimizer, activations, buffers, total), and
+        `experts` for mixtures of experts only."""
+        out = {**asdict(self), "total": self.total}
+        if not self.experts:
+            del out["experts"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,14 @@ class Prediction:
     # Per pipeline rank: [(time_s, live bytes)] steps of the memory curve over the step.
     memory_timeline: tuple[tuple[tuple[float, float], ...], ...] = ()
 
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: executed FLOPs (causal attention as run, recomputation
+        included; `costing.flops`) over the peak, the share of the device the step really uses."""
+        if self.model_tflops_per_gpu <= 0:
+            return 0.0
+        return self.mfu * self.hw_tflops_per_gpu / self.model_tflops_per_gpu
+
     def to_json(self, include_timeline: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
             "step_time_s": self.step_time_s,
@@ -76,6 +89,7 @@ class Prediction:
             "model_tflops_per_gpu": self.model_tflops_per_gpu,
             "hw_tflops_per_gpu": self.hw_tflops_per_gpu,
             "mfu": self.mfu,
+            "hfu": self.hfu,
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_bytes": [m.to_json() for m in self.memory],
             "bubble_fraction": self.bubble_fraction,

@@ -10,6 +10,7 @@ planner's objective), used where the simulator is not available and tested again
 from __future__ import annotations
 
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
+from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.layer_costs import (COMPUTE_DTYPE, DDP_BUCKET_BYTES, layer_cost, p2p_time_s,
                                                   selective_recompute_flops)
@@ -235,26 +236,10 @@ def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
                            buffers=buffers, experts=sum(c.expert_state_bytes for c in mine))
 
 
-def model_flops_per_step(graph, config: ParallelConfig) -> float:
-    """Model FLOPs of one step (MFU convention: no recomputation)."""
-    return float(graph.fwd_flops + graph.bwd_flops) * config.global_batch
-
-
-def recompute_flops_per_step(graph, config: ParallelConfig, recomputes) -> float:
-    """FLOPs recomputation adds: the forward again (full) or the attention core (selective)."""
-    extra = 0.0
-    for layer, recompute in zip(graph.layers, recomputes):
-        if recompute == "full":
-            extra += layer.fwd_flops
-        elif recompute == "selective":
-            extra += selective_recompute_flops(layer, graph.info, graph.dtype)
-    return extra * config.global_batch
-
-
 def _prediction(graph, cluster, config, recomputes, step, memory) -> Prediction:
     step_s = step.step_time_s
-    model_flops = model_flops_per_step(graph, config)
-    hw_flops = model_flops + recompute_flops_per_step(graph, config, recomputes)
+    model_flops = flops.model_flops_per_step(graph, config.global_batch)
+    hw_flops = flops.executed_flops_per_step(graph, config.global_batch, recomputes)
     peak = cluster.device.peak_flops(COMPUTE_DTYPE[config.precision])  # fp8: MFU against the bf16 peak
     model_tflops = model_flops / step_s / config.gpus / 1e12
     peak_memory = max(m.total for m in memory)

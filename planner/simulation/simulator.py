@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshplan.planner.costing import layer_costs as cost
-from meshplan.planner.costing import pipeline
+from meshplan.planner.costing import flops, pipeline
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -92,13 +92,12 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
     last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
     p2p = tuple(cost.p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
                 for c in range(config.num_model_chunks - 1))
-    model_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in graph.layers) * config.global_batch
-    recompute_flops = sum(_recompute_flops_per_sample(layer, recompute, graph)
-                          for layer, recompute in zip(graph.layers, recomputes)) * config.global_batch
+    model_flops = flops.model_flops_per_step(graph, config.global_batch)
+    hw_flops = flops.executed_flops_per_step(graph, config.global_batch, recomputes)
     return StepCosts(
         config=config, layer_costs=tuple(layer_costs), chunk_of_layer=chunks, p2p_time_s=p2p,
         tokens_per_step=float(config.global_batch * graph.seq), model_flops_per_step=float(model_flops),
-        hw_flops_per_step=float(model_flops + recompute_flops),
+        hw_flops_per_step=hw_flops,
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
         grad_sync=grad_sync or grad_sync_mode(config),
@@ -131,25 +130,18 @@ def _charge_step_fixed_costs(layer_costs: list, chunks: Sequence[int], cluster: 
     return out
 
 
-def _recompute_flops_per_sample(layer: LayerProfile, recompute: str, graph: ModelGraph) -> float:
-    """Forward FLOPs run again during backward: all of them (full), the attention core (selective)."""
-    if recompute == "full":
-        return float(layer.fwd_flops)
-    if recompute == "selective":
-        return cost.selective_recompute_flops(layer, graph.info, graph.dtype)
-    return 0.0
-
-
 def chrome_trace(prediction: Prediction) -> dict[str, Any]:
     """The timeline as Chrome trace-event JSON (Perfetto, chrome://tracing): one process per
     pipeline rank, one thread per stream, times in microseconds, memory as a counter track."""
     events: list[dict[str, Any]] = []
     ranks = sorted({interval.rank for interval in prediction.timeline} | set(range(len(prediction.memory))))
+    # name the streams this step uses (a dense model without CP has no cp or ep traffic)
+    used = {interval.stream for interval in prediction.timeline} | {"compute"}
     for rank in ranks:
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"pipeline rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for tid, stream in enumerate(STREAMS):
+        for tid, stream in ((tid, stream) for tid, stream in enumerate(STREAMS) if stream in used):
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": stream}})
     for interval in prediction.timeline:
         label = interval.kind
