@@ -45,6 +45,26 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
         return
     check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
     _check_tp(plan, built.config)
+    _check_ep(plan, built.config)
+
+
+def _check_ep(plan: Plan, model_cfg) -> None:
+    """Expert parallelism runs with data, context and pipeline parallelism and ZeRO 0-3; MoE blocks
+    have no tensor-parallel layout in the executor."""
+    cfg = plan.config
+    if model_cfg.family == "moe" and cfg.tp > 1:
+        raise MeshplanError(f"the executor trains mixture-of-experts models with tp=1 (this plan has tp={cfg.tp}): "
+                            "its MoE blocks have no tensor-parallel layout; re-plan with --tp 1 (use ep instead)")
+    if cfg.ep == 1:
+        return
+    if model_cfg.family != "moe":
+        raise MeshplanError(f"ep={cfg.ep} splits routed experts, and {plan.model.spec!r} has none; re-plan with ep=1")
+    if model_cfg.num_experts % cfg.ep:
+        raise MeshplanError(f"ep={cfg.ep} must divide the model's {model_cfg.num_experts} experts; use an ep that "
+                            "divides it")
+    if cfg.shard_group:
+        raise MeshplanError(f"the executor does not combine expert parallelism (ep={cfg.ep}) with HSDP "
+                            f"(shard_group={cfg.shard_group}); re-plan without --shard-group")
 
 
 def check_precision_runnable(precision: str, device: str | None = None) -> None:
@@ -106,9 +126,10 @@ def check_file_plan(plan, built) -> None:
     if built.loss_fn is None:
         path = spec.rpartition(":")[0]
         raise MeshplanError(f"{spec!r} has no loss function: define loss_fn(output, inputs) in {path} to train it")
-    if cfg.pp > 1 or cfg.tp > 1:
+    if cfg.pp > 1 or cfg.tp > 1 or cfg.ep > 1:
         raise MeshplanError(f"file and Hugging Face models train with data parallelism only, this plan has "
-                            f"pp={cfg.pp} tp={cfg.tp}; re-plan it (meshplan plan keeps them at pp=1 tp=1)")
+                            f"pp={cfg.pp} tp={cfg.tp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''}; re-plan it "
+                            "(meshplan plan keeps them at pp=1 tp=1)")
     if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
         raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
 

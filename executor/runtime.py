@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from meshplan.executor.parallel.context import apply_cp
 from meshplan.executor.parallel.data import apply_dp
+from meshplan.executor.parallel.expert import apply_ep, apply_expert_dp, expert_gradients, expert_meshes
 from meshplan.executor.parallel.recompute import apply_recompute
 from meshplan.executor.parallel.stages import materialize, split_stages
 from meshplan.executor.parallel.tensor import apply_tp
@@ -81,6 +82,7 @@ class Runtime:
     loss_fn: Any = None  # file and HF models: loss_fn(output, micro); None: the zoo's next-token loss
     forward_fn: Any = None  # file and HF models: forward_fn(module, micro) -> output
     cp_rank: int = 0  # context-parallel rank: which chunks of every sequence this rank holds
+    expert_grads: Any = None  # expert parallelism: `expert.ExpertGradients`, finished after the backward
 
     @property
     def holds_last_chunk(self) -> bool:
@@ -120,6 +122,11 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     if cfg.cp > 1:
         for stage in stages:
             apply_cp(stage, mesh["cp"], plan.model.seq)
+    edp_mesh = None
+    if cfg.ep > 1:  # on meta, before materialising: each rank then writes only its experts' rows
+        ep_mesh, edp_mesh = expert_meshes(mesh, cfg)
+        for stage in stages:
+            apply_ep(stage, ep_mesh)
     template = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta").module
     materialize(stages, template, seed, device, tied)
     for stage in stages:
@@ -130,7 +137,11 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                 apply_recompute(stage.layer(name), recompute[name])
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
     mp_policy = _mixed_precision(stages, cfg.precision, method)
-    modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)
+    # experts first: their own FSDP units (ZeRO 1-3), or left out of DDP / replicate (ZeRO-0)
+    left_out = set().union(*(apply_expert_dp(stage, edp_mesh, cfg.zero, method, mp_policy)
+                             for stage in stages)) if cfg.ep > 1 else set()
+    modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy, left_out) for stage in stages)
+    _set_aux_grad_scale(stages, cfg)
     schedule = tied_group = None
     if cfg.pp > 1:
         schedule = _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, built.loss_fn)
@@ -141,7 +152,8 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                    optimizers=tuple(_adamw(stage, hp) for stage in stages), dp_method=method,
                    norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group,
                    tied_local=tied and {0, cfg.num_model_chunks - 1} <= set(chunk_ids) and cfg.pp > 1,
-                   cp_rank=cp_rank)
+                   cp_rank=cp_rank,
+                   expert_grads=expert_gradients(stages, edp_mesh, cfg.data_ranks, left_out) if cfg.ep > 1 else None)
 
 
 def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh, dp_mesh) -> Runtime:
@@ -179,6 +191,18 @@ def _mixed_precision(stages, precision: str, method: str):
     for stage in stages:
         stage.autocast_dtype = torch.bfloat16
     return None
+
+
+def _set_aux_grad_scale(stages, cfg) -> None:
+    """MoE blocks send their load-balancing loss's gradient in themselves: scale it as the loop
+    scales each micro-batch's loss (1 / micro-batches; a pipeline schedule divides the gradients
+    by the micro-batches after the step instead)."""
+    from meshplan.planner.models.moe import MoE
+
+    for stage in stages:
+        for module in stage.modules():
+            if isinstance(module, MoE):
+                module.aux_grad_scale = 1.0 / cfg.num_microbatches if cfg.pp == 1 else 1.0
 
 
 def _adamw(stage, hp: Hyperparameters):
@@ -284,8 +308,9 @@ def _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
 
 def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, hp: Hyperparameters):
     """One optimizer step on this replica's (inputs, targets); returns the mean micro-batch loss
-    on ranks that hold the last chunk (None elsewhere) and the global gradient norm. A
-    non-finite norm (the same on every rank) skips the update."""
+    on ranks that hold the last chunk (None elsewhere) and the global gradient norm. A MoE
+    model's load-balancing loss is added by the rank(s) holding its blocks, so the sum over the
+    pipeline is the objective. A non-finite norm (the same on every rank) skips the update."""
     for optimizer in runtime.optimizers:
         optimizer.zero_grad(set_to_none=True)
     if runtime.schedule is not None:
@@ -294,6 +319,11 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
         loss = _file_forward_backward(runtime, inputs if targets is None else (inputs, targets))
     else:
         loss = _forward_backward(runtime, inputs, targets)
+    aux = _take_aux_loss(runtime)
+    if aux is not None:  # MoE: each rank adds the load-balancing loss of the blocks it holds
+        loss = aux if loss is None else loss + aux
+    if runtime.expert_grads is not None:
+        runtime.expert_grads.finish()
     _align_grad_placements(runtime)
     if runtime.tied_group is not None:
         _all_reduce_tied_grads(runtime)
@@ -308,6 +338,28 @@ def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, h
             group["lr"] = lr
         optimizer.step()
     return loss, grad_norm
+
+
+def _take_aux_loss(runtime: Runtime):
+    """The load-balancing part of the step's loss from this rank's MoE blocks (None without any)."""
+    if runtime.loss_fn is not None:
+        return None
+    from meshplan.planner.models.moe import take_aux_loss
+
+    cfg = runtime.plan.config
+    recompute = {layer.name: layer.recompute for layer in runtime.plan.layers}
+    parts = []
+    for stage in runtime.stages:
+        for index, block in stage.blocks.items():
+            last = None
+            if runtime.schedule is not None:
+                # torch's pipeline stages first run one forward (and backward) on placeholder
+                # tensors to infer shapes: keep the step's own forwards, the last m (2m recomputed)
+                last = cfg.num_microbatches * (2 if recompute.get(f"blocks.{index}") == "full" else 1)
+            part = take_aux_loss(block, last)
+            if part is not None:
+                parts.append(part)
+    return torch.stack(parts).sum().float() if parts else None
 
 
 def _loss_context(runtime: Runtime):

@@ -48,11 +48,22 @@ class SequenceShard:
         v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.cp_mesh)
         return k_all, v_all, self.kv_positions
 
+    def sum_sequence_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums (batch, n) over this rank's tokens -> over the whole sequence, summed
+        over the CP group (all-gathered, autograd-aware: every rank gets every rank's gradient)."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        gathered = all_gather_tensor_autograd(stats.contiguous(), gather_dim=0, group=self.cp_mesh)
+        return gathered.view(self.cp_mesh.size(), *stats.shape).sum(0)
+
 
 def apply_cp(stage, cp_mesh, seq: int) -> None:
-    """Give every attention and embedding module of a stage this rank's sequence shard."""
+    """Give every attention, MoE (its load-balancing statistics) and embedding module of a stage
+    this rank's sequence shard."""
     shard = SequenceShard(seq, cp_mesh)
     for block in stage.blocks.values():
         block.attn.context = shard
+        if hasattr(block, "moe"):
+            block.moe.context = shard
     if stage.embed is not None:
         stage.embed.context = shard

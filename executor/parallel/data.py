@@ -7,19 +7,25 @@ from torch import nn
 from meshplan.executor.parallel.stages import StageModule
 
 
-def apply_dp(stage: StageModule, dp_mesh, zero: int, method: str, mp_policy=None) -> nn.Module:
+def apply_dp(stage: StageModule, dp_mesh, zero: int, method: str, mp_policy=None,
+             ignored_params: set | None = None) -> nn.Module:
     """Data parallelism of one chunk per ZeRO stage; returns the module to run.
 
     ZeRO-1: `fully_shard(reshard_after_forward=False)` with gradients reduce-scattered once, after
     the last micro-batch (full parameters and gradients during the step, optimizer state sharded);
     ZeRO-2: the same with a reduce-scatter per micro-batch (gradients sharded);
     ZeRO-3: `fully_shard(reshard_after_forward=True)` (parameters sharded between uses too).
+    `ignored_params` (ZeRO-0): parameters DDP / replicate leave alone (the experts under expert
+    parallelism, reduced over their own group); ZeRO 1-3 skip parameters an inner unit holds.
     """
     if method == "none":
         return stage
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if ignored_params:
+            names = [name for name, param in stage.named_parameters() if param in ignored_params]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(stage, names)
         return DistributedDataParallel(stage, process_group=dp_mesh.get_group())
     kwargs = {"mesh": dp_mesh}
     if mp_policy is not None:
@@ -27,6 +33,8 @@ def apply_dp(stage: StageModule, dp_mesh, zero: int, method: str, mp_policy=None
     if method == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        if ignored_params:
+            kwargs["ignored_params"] = set(ignored_params)
         for block in stage.blocks.values():
             replicate(block, **kwargs)
         replicate(stage, **kwargs)

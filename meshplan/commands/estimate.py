@@ -96,7 +96,8 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
               f"hw TFLOP/s       {prediction.hw_tflops_per_gpu:10.1f} per GPU",
               f"MFU              {prediction.mfu:10.1%}"
               + ("   (attention counted in full; step time uses causal FLOPs)" if sequence_model else ""),
-              f"HFU              {prediction.hfu:10.1%}   (FLOPs the GPUs execute: causal attention, recomputation)",
+              f"HFU              {prediction.hfu:10.1%}   (FLOPs the GPUs execute: "
+              + ("causal attention, " if sequence_model else "") + "recomputation)",
               f"bubble           {prediction.bubble_fraction:10.1%}",
               "", "memory per rank (GiB)" + ("; experts: the routed experts' part of params + grads + optim"
                                             if moe else ""),

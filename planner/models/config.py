@@ -33,6 +33,10 @@ class TransformerConfig:
     shared_expert_ffn: int = 0  # "moe": width of one shared expert; 0: expert_ffn
     shared_expert_gate: bool = False  # "moe": sigmoid gate Linear(hidden, 1) on the shared output (Qwen2-MoE)
     dense_layers: int = 0  # "moe": leading blocks with a dense SwiGLU of width `ffn` instead of experts
+    # "moe": weight of the load-balancing loss in the training objective (`planner.models.moe`:
+    # loss = cross entropy + aux_loss_coef * mean over MoE blocks of E * sum_e f_e P_e); 0 turns it
+    # off; ignored by gpt and llama
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "vocab", "max_positions", "vocab_multiple"):
@@ -76,6 +80,8 @@ class TransformerConfig:
             raise ValueError(f"dense_layers={self.dense_layers} needs ffn, the dense blocks' SwiGLU width")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("shared_expert_gate needs shared experts")
+        if not isinstance(self.aux_loss_coef, (int, float)) or not 0 <= self.aux_loss_coef < float("inf"):
+            raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef!r}")
 
     @property
     def kv_heads(self) -> int:

@@ -64,12 +64,12 @@ _PARAMETRIC_KEYS = {
     "gpt": {"layers", "hidden", "heads", "vocab", "ffn", "tied", "positions"},
     "llama": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "rope_theta"},
     "moe": {"layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab", "shared_experts",
-            "dense_layers", "ffn", "tied", "rope_theta", "head_dim", "qk_norm"},
+            "dense_layers", "ffn", "tied", "rope_theta", "head_dim", "qk_norm", "aux_loss"},
 }
 _REQUIRED_KEYS = {"gpt": ("layers", "hidden", "heads", "vocab"), "llama": ("layers", "hidden", "heads", "vocab"),
                   "moe": ("layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab")}
 _BOOL_KEYS = ("tied", "qk_norm")
-_FLOAT_KEYS = ("rope_theta",)
+_FLOAT_KEYS = ("rope_theta", "aux_loss")
 _EXAMPLES = {"gpt": "gpt:layers=12,hidden=768,heads=12,vocab=50257",
              "llama": "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256",
              "moe": "moe:layers=32,hidden=4096,heads=32,kv_heads=8,experts=8,top_k=2,expert_ffn=14336,vocab=32000"}
@@ -110,6 +110,8 @@ def parse_spec(spec: str, seq: int) -> TransformerConfig | None:
             kwargs.update(num_experts=ints["experts"], top_k=ints["top_k"], expert_ffn=ints["expert_ffn"],
                           num_shared_experts=ints.get("shared_experts", 0), dense_layers=ints.get("dense_layers", 0),
                           attn_head_dim=ints.get("head_dim", 0), qk_norm=flags.get("qk_norm", False))
+            if "aux_loss" in values:  # the load-balancing loss's coefficient (0 turns it off)
+                kwargs["aux_loss_coef"] = float(values["aux_loss"])
         return TransformerConfig(**kwargs)
     except ValueError as exc:
         raise MeshplanError(f"malformed model spec {spec!r}: {exc}") from None

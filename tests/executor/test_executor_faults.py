@@ -72,6 +72,25 @@ def test_kill_during_a_save_resumes_from_the_previous_complete_checkpoint(plan_p
     assert _complete(tmp_path / "ckpt") == [2, 4, 6]  # step_4 written again, whole this time
 
 
+# Expert parallelism: 2 ranks holding 2 of the 4 experts each (DTensor shards in the checkpoint).
+MOE_SPEC = "moe:layers=2,hidden=32,heads=2,kv_heads=2,experts=4,top_k=2,expert_ffn=32,vocab=256"
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_killed_expert_parallel_run_resumes_with_the_uninterrupted_losses(zero, tmp_path, monkeypatch):
+    plan = uniform_plan(MOE_SPEC, 16, 4, load_cluster("cpu"), dp=2, ep=2, zero=zero, microbatch_size=1, seed=3)
+    save_plan(plan, tmp_path / "plan.json")
+    clean = train(tmp_path / "plan.json", steps=STEPS, out=tmp_path / "clean.json", run_dir=tmp_path / "clean")
+    monkeypatch.setenv("MESHPLAN_FAULT", "kill_in_save:rank=1,step=4")
+    resumed = train(tmp_path / "plan.json", steps=STEPS, out=tmp_path / "m.json", run_dir=tmp_path / "run",
+                    checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, max_restarts=1)
+    assert resumed.resumed_from_step == 2
+    _same_losses(resumed.losses, clean.losses)
+    assert _complete(tmp_path / "ckpt") == [2, 4, 6]
+
+
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 def test_a_hung_worker_is_named_within_the_timeout_and_stopped(tmp_path, monkeypatch):

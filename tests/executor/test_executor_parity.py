@@ -27,6 +27,10 @@ from meshplan.planner.contracts.plan import save_plan
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=256"
 LLAMA = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=256"
+# a dense first block, then three MoE blocks of 4 experts, top-2; the load-balancing loss at 0.1
+# (ten times the default) so that a wrong aux-loss gradient shows in the losses
+MOE = ("moe:layers=4,hidden=64,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=64,vocab=256,dense_layers=1,ffn=96,"
+       "aux_loss=0.1")
 SEQ, GBS, STEPS, SEED, LR = 16, 8, 5, 3, 2e-3
 RTOL = 1e-5
 # bf16 keeps 8 significant bits (rounding 2^-9 = 2e-3 per value), but the loss of ~5.5 is a mean
@@ -62,6 +66,12 @@ TWO_PROCESS = {
     # (RoPE for Llama, learned positions for GPT)
     "cp2-llama": dict(cp=2, microbatch_size=4, spec=LLAMA),
     "cp2-gpt": dict(cp=2, microbatch_size=2),
+    # expert parallelism: each rank keeps 2 of the 4 experts, tokens exchanged with all_to_all;
+    # ZeRO-0 (experts left out of DDP, reduced by hand) and ZeRO-3 (experts' own FSDP units); the
+    # EP group as the CP group (load-balancing statistics summed over the sequence's CP ranks)
+    "ep2-moe": dict(dp=2, ep=2, microbatch_size=2, spec=MOE),
+    "ep2-zero3-moe": dict(dp=2, ep=2, zero=3, microbatch_size=2, spec=MOE),
+    "cp2-ep2-moe": dict(cp=2, ep=2, microbatch_size=4, spec=MOE),
 }
 FOUR_PROCESS = {
     "dp2-tp2": dict(dp=2, tp=2, microbatch_size=2),
@@ -94,6 +104,12 @@ FOUR_PROCESS = {
     "cp2-dp2-ddp": dict(cp=2, dp=2, microbatch_size=4),
     "cp2-tp2-sp-llama": dict(cp=2, tp=2, sp=True, microbatch_size=4, spec=LLAMA),
     "cp2-pp2-llama": dict(cp=2, pp=2, microbatch_size=2, spec=LLAMA),
+    # expert parallelism over 2 of 4 data ranks: 2 expert data-parallel replicas of each expert
+    # (ZeRO-0: all-reduced by hand; ZeRO-2: FSDP over the replicas), and with pipeline stages
+    "dp2-ep2-moe": dict(dp=4, ep=2, microbatch_size=1, spec=MOE),
+    "dp2-ep2-zero2-moe": dict(dp=4, ep=2, zero=2, microbatch_size=1, spec=MOE),
+    "pp2-dp2-ep2-moe": dict(pp=2, dp=2, ep=2, microbatch_size=2, spec=MOE),
+    "pp2-dp2-ep2-zero1-full-moe": dict(pp=2, dp=2, ep=2, zero=1, microbatch_size=2, recompute="full", spec=MOE),
 }
 
 
@@ -101,6 +117,7 @@ def reference_losses(spec: str, tp: int) -> list[float]:
     """Single-process fp32 training of the same model, seed, data and global batch."""
     import torch
 
+    from meshplan.planner.models.moe import take_aux_loss
     from meshplan.planner.models.registry import build_model
     from meshplan.planner.models.transformer import init_weights, lm_loss
 
@@ -126,7 +143,8 @@ def reference_losses(spec: str, tp: int) -> list[float]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        losses.append(loss.item())
+        aux = take_aux_loss(model)  # MoE: the load-balancing part of the objective (None otherwise)
+        losses.append(loss.item() + (0.0 if aux is None else aux.item()))
     return losses
 
 

@@ -107,6 +107,21 @@ def test_plans_the_executor_cannot_run_are_refused_before_launch(cluster):
     check_plan_runnable(plan, 2)
 
 
+def test_expert_parallel_plans_outside_the_executor_are_refused(cluster):
+    moe = "moe:layers=2,hidden=32,heads=2,kv_heads=2,experts=4,top_k=2,expert_ffn=32,vocab=256"
+    with pytest.raises(MeshplanError, match="tp=1 .*no tensor-parallel layout"):
+        check_plan_runnable(uniform_plan(moe, 16, 4, cluster, tp=2, dp=2, ep=2), 4)
+    with pytest.raises(MeshplanError, match="ep=2 splits routed experts.*has none"):
+        check_plan_runnable(uniform_plan(SPEC, 16, 4, cluster, dp=2, ep=2), 2)
+    with pytest.raises(MeshplanError, match="ep=3 must divide the model's 4 experts"):
+        check_plan_runnable(uniform_plan(moe, 16, 6, cluster, dp=3, ep=3), 3)
+    with pytest.raises(MeshplanError, match="expert parallelism .ep=2. with HSDP"):
+        check_plan_runnable(uniform_plan(moe, 16, 4, cluster, dp=4, ep=2, zero=3, shard_group=2), 4)
+    for runnable in (dict(dp=2, ep=2), dict(dp=2, ep=2, zero=3), dict(cp=2, ep=2), dict(pp=2, dp=2, ep=2, zero=1)):
+        plan = uniform_plan(moe, 16, 8, cluster, microbatch_size=2 if "pp" in runnable else 1, **runnable)
+        check_plan_runnable(plan, plan.config.gpus)
+
+
 def test_cli_refuses_bad_requests_with_exit_code_2(tmp_path, cluster, run_cli):
     save_plan(uniform_plan(SPEC, 16, 8, cluster, dp=2, microbatch_size=2), tmp_path / "plan.json")
     code, _, err = run_cli("train", "--plan", tmp_path / "plan.json", "--nproc", 3)
