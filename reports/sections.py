@@ -14,10 +14,12 @@ from meshplan.reports.timeline import idle_fraction_per_rank
 
 # The mixed-precision recipes (ZeRO paper, Rajbhandari et al. 2020, section 3.1): bytes per
 # parameter for (parameters, gradients, optimizer states) before any ZeRO sharding.
-PRECISION_BYTES_PER_PARAM = {
-    "bf16-mixed": (2, 2, 12, "bf16 parameters and gradients; fp32 master weights plus Adam's two fp32 "
-                             "moments (4 + 4 + 4 bytes)"),
-    "fp32": (4, 4, 8, "fp32 parameters and gradients; Adam's two fp32 moments (4 + 4 bytes)"),
+# What each recipe keeps (its byte counts: costing.layer_costs.PRECISION_RECIPES).
+PRECISION_RECIPE_TEXT = {
+    "bf16-mixed": "bf16 parameters and gradients; fp32 master weights plus Adam's two fp32 moments (4 + 4 + 4 bytes)",
+    "fp8": ("bf16-mixed's model states; the blocks' Linears run their GEMMs in fp8 with a transient fp8 copy of "
+            "each weight and save their inputs in fp8 (planned only: the executor does not run fp8)"),
+    "fp32": "fp32 parameters and gradients; Adam's two fp32 moments (4 + 4 bytes)",
 }
 
 
@@ -110,6 +112,17 @@ def _states_bytes_per_param(config) -> tuple[dict[str, float], dict[str, float]]
             paper_state_bytes(1.0, config.dp, config.zero, config.precision, config.shard_group))
 
 
+def _experts_text(cfg, prediction: dict[str, Any]) -> str:
+    """Where the routed experts live and what moving tokens to them costs."""
+    ep = getattr(cfg, "ep", 1)
+    a2a_s = float((prediction.get("breakdown") or {}).get("ep_comm", 0.0))
+    layout = (f"expert parallelism ep={ep}: each rank holds 1/{ep} of every MoE block's routed experts, their "
+              f"gradients reduced over the {cfg.dp * cfg.cp // ep} ranks holding the same experts"
+              if ep > 1 else "no expert parallelism: every data-parallel rank holds every expert")
+    return (f"Routed experts ({layout}). 'of which experts' is their part of the model states. Dispatch and combine "
+            f"all-to-alls take {fmt_ms(a2a_s)} of the step on the busiest rank (ep_comm in the breakdown).")
+
+
 def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence = ()) -> Section:
     device, cfg = plan.cluster.device, plan.config
     per_rank = list(prediction.get("memory_bytes") or [])
@@ -117,21 +130,25 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
     if per_rank:
         fig = figures.memory_bars(per_rank, device.memory_bytes, device.usable_memory_bytes)
         body.append(f'<div class="fig">{figure_div(fig, "fig-memory")}</div>')
-        rows = []
+        rows, moe = [], any(mem.get("experts", 0.0) > 0 for mem in per_rank)
         for rank, mem in enumerate(per_rank):
             model_states = sum(mem.get(k, 0.0) for k in ("params", "grads", "optimizer"))
             residual = sum(mem.get(k, 0.0) for k in ("activations", "buffers"))
             total = mem.get("total", model_states + residual)
             over = total > device.usable_memory_bytes
             rows.append([f"stage {rank}", *(fmt_bytes(mem.get(k, 0.0)) for k in figures.MEMORY_KINDS),
-                         fmt_bytes(model_states), fmt_bytes(residual),
+                         fmt_bytes(model_states), *([fmt_bytes(mem.get("experts", 0.0))] if moe else []),
+                         fmt_bytes(residual),
                          Cell(fmt_bytes(total), "flag" if over else "ok",
                               title="over the usable memory" if over else "fits")])
-        body.append(table(["pipeline rank", *figures.MEMORY_KINDS, "model states", "residual states", "total"], rows))
+        body.append(table(["pipeline rank", *figures.MEMORY_KINDS, "model states",
+                           *(["of which experts"] if moe else []), "residual states", "total"], rows))
+        if moe:
+            body.append(paragraph(_experts_text(cfg, prediction), "note"))
     else:
         body.append(paragraph("The plan carries no per-rank memory prediction.", "warn"))
     executor_bytes, paper_bytes = _states_bytes_per_param(cfg)
-    recipe = PRECISION_BYTES_PER_PARAM[cfg.precision][3]
+    recipe = PRECISION_RECIPE_TEXT.get(cfg.precision, cfg.precision)
 
     def _sum_text(parts: dict[str, float]) -> str:
         values = [parts[k] for k in ("params", "grads", "optimizer")]

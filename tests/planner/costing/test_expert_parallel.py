@@ -187,3 +187,17 @@ def test_plan_picks_expert_parallelism_and_says_why(graph):
     assert f"Expert parallelism {plan.config.ep}" in text and "all-to-all" in text
     pinned = search_plan(SPEC, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, ep=2, top_k=2)
     assert pinned.config.ep == 2
+
+
+def test_report_shows_the_all_to_all_time_and_expert_memory_per_rank():
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.simulation.simulator import simulate
+    from meshplan.reports import build_report
+
+    plan = uniform_plan(SPEC, SEQ, 32, H100, dp=16, ep=8, precision="bf16-mixed")
+    prediction = simulate(plan, timeline=False)
+    html = build_report(plan.with_prediction(prediction.to_json()))
+    assert "of which experts" in html and "expert parallelism ep=8" in html
+    a2a_ms = prediction.breakdown["ep_comm"] * 1e3
+    assert f"{a2a_ms:.2f}"[:4] in html  # the all-to-all time, as the breakdown gives it
+    assert "ep_comm" in html

@@ -151,3 +151,14 @@ def test_check_plan_runnable_refuses_an_fp8_plan_here():
                         microbatch_size=2, precision="fp8")
     with pytest.raises(MeshplanError, match="this device is cpu$"):
         check_plan_runnable(plan, 2)
+
+
+def test_report_of_an_fp8_plan_names_the_recipe():
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.simulation.simulator import simulate
+    from meshplan.reports import build_report
+
+    plan = uniform_plan("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1024,vocab=1024", 512, 8,
+                        load_cluster("h100-sxm"), dp=8, zero=1, precision="fp8")
+    html = build_report(plan.with_prediction(simulate(plan, timeline=False).to_json()))
+    assert "GEMMs in fp8" in html and "the executor does not run fp8" in html
