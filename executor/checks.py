@@ -34,6 +34,11 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
                             "torch's pipeline schedules defer gradient sync and resharding to the last "
                             "micro-batch; set zero to 1 (meshplan plan no longer offers this combination)")
     check_precision_runnable(cfg.precision)
+    from meshplan.planner.models.plan_check import model_changed
+
+    changed = model_changed(plan)
+    if changed:
+        raise MeshplanError(changed)
     from meshplan.planner.models.registry import build_model
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")

@@ -55,12 +55,31 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"model": graph.spec, "seq": graph.seq, "batch": args.batch, "dtype": graph.dtype,
                           "attention": graph.attention, "total_params": graph.total_params,
-                          **_moe_json(graph),
+                          **_moe_json(graph), **_hf_json(graph),
                           "fwd_flops": graph.fwd_flops * args.batch, "bwd_flops": graph.bwd_flops * args.batch,
                           "layers": rows}))
     else:
         print(format_table(graph, args.batch))
     return 0
+
+
+def _hf_json(graph) -> dict:
+    """A traced Hugging Face model: the attention implementation transformers ran, and the notes."""
+    info = graph.info
+    return {**({"attn_implementation": info.attn_implementation} if info.attn_implementation else {}),
+            **({"notes": list(info.notes)} if info.notes else {})}
+
+
+def _hf_summary(graph) -> str:
+    info = graph.info
+    lines = []
+    if info.attn_implementation:
+        why = ("SDPA, which transformers supports for this architecture" if info.attn_implementation == "sdpa" else
+               "transformers' eager attention: it supports no SDPA for this architecture; the s x s scores "
+               "are computed and saved as eager saves them, whatever --attention says")
+        lines.append(f"attention implementation: {info.attn_implementation} ({why})")
+    lines += [f"note: {note}" for note in info.notes]
+    return "".join(f"\n{line}" for line in lines)
 
 
 def _moe_json(graph) -> dict:
@@ -126,7 +145,7 @@ def format_table(graph, batch: int) -> str:
     totals = (f"total: {graph.total_params:,} params ({graph.total_params / scale[0]:,.2f} {scale[1]}), "
               f"forward {graph.fwd_flops * batch / 1e9:,.1f} GFLOP, backward {graph.bwd_flops * batch / 1e9:,.1f} GFLOP, "
               f"activations {total_act / GIB:,.2f} GiB (no recomputation, no parallelism)")
-    return f"{header}\n{table}\n{totals}" + _moe_summary(graph)
+    return f"{header}\n{table}\n{totals}" + _moe_summary(graph) + _hf_summary(graph)
 
 
 def _moe_summary(graph) -> str:

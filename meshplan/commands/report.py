@@ -18,8 +18,15 @@ def run(args) -> int:
     from meshplan.planner.models.plan_check import check_plan_model
     from meshplan.reports import write_report  # plotly is imported only for this command
 
+    import sys
+
+    from meshplan.planner.models.plan_check import model_changed
+
     for path in args.plan:
-        check_plan_model(load_plan(path))  # a report of layers the model does not have would mislead
+        plan = load_plan(path)
+        check_plan_model(plan)  # a report of layers the model does not have would mislead
+        if model_changed(plan):
+            print(f"warning: {path}: {model_changed(plan)}", file=sys.stderr)
     out = write_report(args.plan[0], measurements=args.measured, trace=args.trace, out=args.out, title=args.title,
                        others=args.plan[1:])
     print(f"wrote {out}")

@@ -180,6 +180,11 @@ class ModelInfo:
     # Routing assumption: the busiest expert receives moe_imbalance times the balanced
     # tokens * top_k / num_experts (1.0: balanced, as profiled).
     moe_imbalance: float = 1.0
+    # Traced Hugging Face models: the attention implementation transformers ran ("sdpa" or
+    # "eager"; "" for meshplan's own models), and what the profile should say about the input
+    # (config keys transformers ignores, ...), one line each.
+    attn_implementation: str = ""
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0 or self.moe_imbalance == float("inf"):

@@ -33,6 +33,10 @@ class ModelRef:
     seq: int
     dtype: str = "bf16"
     attention: str = "flash"
+    # sha256 of what defines the model when the plan was made (the spec string for built-in and
+    # parametric specs, the file's bytes for hf: and file specs); "" in plans written before it
+    # existed, which are not checked. `planner.models.plan_check.model_digest` computes it.
+    digest: str = ""
 
     def __post_init__(self):
         if not isinstance(self.spec, str) or not self.spec:
@@ -145,7 +149,7 @@ class Plan:
             "schema_version": self.schema_version,
             "seed": self.seed,
             "precision": cfg.precision,
-            "model": asdict(self.model),
+            "model": {k: v for k, v in asdict(self.model).items() if k != "digest" or v},  # none in old plans
             "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
             "global_batch": cfg.global_batch,
             "mesh": mesh_json(cfg),

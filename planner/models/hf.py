@@ -3,53 +3,54 @@
 Needs the optional `transformers` extra; nothing is downloaded and no weights exist: the model is
 built from its config on the meta device. Layers: the input embedding, each decoder layer, and
 the final norm + output head (+ the loss). transformers' own mask code calls `.item()`, which
-the meta device cannot do, so the forward passes a ready 4-D boolean causal mask.
+the meta device cannot do, so the forward passes a ready 4-D boolean causal mask. The config is
+read and checked first (`planner.models.hf_config`: unknown model types, misspelt keys, --seq
+beyond the config's positions).
 
-Mixture-of-experts configs (`mixtral`, `qwen2_moe`, `qwen3_moe`) are not built through
-transformers: `hf_moe_config` maps them onto meshplan's `moe` family (`planner.models.moe`), so
-they profile under its balanced-routing assumption with exactly their parameters (Qwen3's q/k norms
-and head_dim, Qwen2-MoE's q/k/v biases and gated shared expert included). Not carried over, as they
+Layers as they are built: the whole model is built on the meta device and each decoder layer is
+given a structural signature (module types and settings, parameter and buffer shapes and dtypes,
+the scalar attributes its modules keep, such as a sliding window or a dense-vs-MoE choice, and its
+entry in the config's `layer_types`). Layers with equal signatures are measured once; the first
+layer of each signature stands for the others. No config key (`first_k_dense_replace`,
+`moe_layer_freq`, `mlp_only_layers`, `decoder_sparse_step`, `layer_types`, ...) is assumed to mean
+anything: whatever pattern it produces is read off the built modules.
+
+Attention runs through the implementation transformers supports for the architecture: SDPA where
+the model class supports it, eager where it does not (Gemma-2); `ModelInfo.attn_implementation`
+records which. Experts of transformers' mixture-of-experts layers run through its `grouped_mm`
+experts implementation, whose shapes do not depend on the routing (its eager loop asks
+`nonzero()`, which the meta device cannot answer): every token's top-k expert GEMMs are counted,
+whichever experts the router picks.
+
+Mixture-of-experts configs of type `mixtral`, `qwen2_moe` and `qwen3_moe` whose dense layers (if
+any) lead are not built through transformers: `hf_moe_config` maps them onto meshplan's `moe`
+family (`planner.models.moe`), which profiles them under its balanced-routing assumption with
+exactly their parameters (Qwen3's q/k norms and head_dim, Qwen2-MoE's q/k/v biases and gated
+shared expert included) and gives their experts tensor-parallel splits. Not carried over, as they
 change no shape: routing-weight renormalisation (`norm_topk_prob`; meshplan renormalises), the
-auxiliary-loss settings, and sliding windows (profiled as full causal attention). Other MoE
-types (`deepseek_v3`, ...) are refused with what meshplan lacks for them.
+auxiliary-loss settings, and sliding windows. Other MoE configs (DeepSeek-V3 with its multi-head
+latent attention, Qwen MoE configs with dense layers between MoE layers) are traced through
+transformers' own modules.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import ModelInfo, TPSplit
 from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.hf_config import check_seq_limit, first_line, hf_max_positions, make_config, read_config
+
+__all__ = ["build_hf_for_profile", "build_hf_model", "hf_max_positions", "hf_moe_config", "hf_vocab", "read_config"]
 
 # Megatron column/row Linears of a Llama-style decoder layer, relative to the layer.
 _COLUMN_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW_LINEARS = ("self_attn.o_proj", "mlp.down_proj")
 _FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
-
-
-def read_config(path_text: str) -> dict:
-    path = Path(path_text)
-    if not path.is_file():
-        raise MeshplanError(f"HF config {path_text!r} not found; use hf:path/config.json (a config file, no weights)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MeshplanError(f"HF config {path_text!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise MeshplanError(f"HF config {path_text!r} has no \"model_type\"; it must be a transformers config.json")
-    return data
-
-
-def hf_max_positions(path_text: str) -> int:
-    """The config's position limit (0 when absent or unreadable): caps the default --seq."""
-    try:
-        data = json.loads(Path(path_text).read_text())
-    except (OSError, ValueError):
-        return 0
-    value = data.get("max_position_embeddings", data.get("n_positions", 0)) if isinstance(data, dict) else 0
-    return value if isinstance(value, int) and value > 0 else 0
+# Module attributes that number a layer rather than describe it (left out of its signature).
+_INDEX_ATTRIBUTES = frozenset({"training", "layer_idx", "layer_id", "layer_number", "layer_index", "idx"})
+# Config keys that give the experts per token, by architecture.
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts", "experts_per_token")
 
 
 def hf_vocab(path_text: str) -> int:
@@ -57,17 +58,17 @@ def hf_vocab(path_text: str) -> int:
     moe = hf_moe_config(path_text)
     if moe is not None:
         return moe.vocab
-    return int(_make_config(path_text).vocab_size)
+    return int(_make_config(path_text)[0].vocab_size)
 
 
-# MoE model types meshplan maps onto its moe family, and those it cannot (with what is missing).
+def check_hf_config(path_text: str) -> tuple[str, ...]:
+    """Every check of `hf_config.make_config` (model type, misspelt keys, transformers' own
+    validation); returns the notes on keys transformers ignores."""
+    return _make_config(path_text)[1]
+
+
+# MoE model types meshplan maps onto its moe family (when their dense layers lead).
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
-_UNMODELLED_MOE = {
-    "deepseek_v3": "multi-head latent attention (kv_lora_rank / q_lora_rank projections) and DeepSeek's "
-                   "grouped sigmoid routing are not modelled",
-    "deepseek_v2": "multi-head latent attention (kv_lora_rank / q_lora_rank projections) is not modelled",
-}
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 # Config key of each MoE field, by model type (intermediate_size is each expert's width in Mixtral).
 _EXPERT_FIELDS = {
     "mixtral": {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok", "expert_ffn": "intermediate_size"},
@@ -77,15 +78,12 @@ _EXPERT_FIELDS = {
 
 
 def hf_moe_config(path_text: str) -> TransformerConfig | None:
-    """The meshplan `moe` config of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json; None for
-    configs without experts; MeshplanError for MoE types meshplan does not model."""
+    """The meshplan `moe` config of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json; None for other
+    configs (dense or not, they are traced through transformers) and for Qwen MoE configs whose
+    dense layers do not all lead (the moe family puts them first)."""
     data = read_config(path_text)
     model_type = data["model_type"]
     if model_type not in _MOE_TYPES:
-        if model_type in _UNMODELLED_MOE or any(data.get(key) for key in _EXPERT_KEYS):
-            reason = _UNMODELLED_MOE.get(model_type, "its expert layout is not one meshplan maps")
-            raise MeshplanError(f"HF config {path_text!r}: model_type {model_type!r} is a mixture of experts that "
-                                f"meshplan cannot profile: {reason}; supported MoE types: {', '.join(_MOE_TYPES)}")
         return None
     wanted = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") + tuple(
         _EXPERT_FIELDS[model_type].values())
@@ -100,7 +98,10 @@ def hf_moe_config(path_text: str) -> TransformerConfig | None:
                   attn_head_dim=data.get("head_dim") or 0,
                   **{name: data[key] for name, key in _EXPERT_FIELDS[model_type].items()})
     if model_type != "mixtral":
-        fields.update(_qwen_moe_fields(data, model_type, path_text))
+        qwen = _qwen_moe_fields(data, model_type, path_text)
+        if qwen is None:
+            return None
+        fields.update(qwen)
     try:
         return TransformerConfig(**fields)
     except (TypeError, ValueError) as exc:
@@ -112,20 +113,19 @@ def _rope_theta(data: dict) -> float:
     return float(data.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
 
 
-def _qwen_moe_fields(data: dict, model_type: str, path_text: str) -> dict:
+def _qwen_moe_fields(data: dict, model_type: str, path_text: str) -> dict | None:
     """Qwen2-MoE: q/k/v biases, one gated shared expert; Qwen3-MoE: q/k norms. Both: dense blocks
-    at `mlp_only_layers` and off the `decoder_sparse_step` grid, which meshplan needs to lead."""
+    at `mlp_only_layers` and off the `decoder_sparse_step` grid; None when they do not all lead
+    (then transformers' model is traced as it is)."""
     layers, step = data["num_hidden_layers"], data.get("decoder_sparse_step", 1) or 1
     only_dense = set(data.get("mlp_only_layers") or ())
     dense = [i for i in range(layers) if i in only_dense or (i + 1) % step]
     if dense != list(range(len(dense))):
-        raise MeshplanError(f"HF config {path_text!r} ({model_type}): dense blocks at layers {dense[:8]} "
-                            "(mlp_only_layers / decoder_sparse_step); meshplan's moe family puts dense blocks first")
+        return None
     fields = {"dense_layers": len(dense), "ffn": data.get("intermediate_size", 0) if dense else 0}
     if model_type == "qwen3_moe":
         if data.get("attention_bias"):
-            raise MeshplanError(f"HF config {path_text!r} (qwen3_moe): attention_bias (an o_proj bias too) is not "
-                                "modelled")
+            return None  # an o_proj bias too, which the moe family does not have
         return {**fields, "qk_norm": True}
     shared = data.get("shared_expert_intermediate_size", 0) or 0
     return {**fields, "qkv_bias": bool(data.get("qkv_bias", True)), "num_shared_experts": 1 if shared else 0,
@@ -133,15 +133,8 @@ def _qwen_moe_fields(data: dict, model_type: str, path_text: str) -> dict:
 
 
 def _make_config(path_text: str, num_layers: int | None = None):
-    data = read_config(path_text)
-    try:
-        import transformers
-    except ImportError:
-        raise MeshplanError("hf: model specs need the optional transformers extra: pip install 'meshplan[hf]'") from None
-    try:
-        config = transformers.AutoConfig.for_model(**data)
-    except Exception as exc:  # noqa: BLE001 - transformers' own validation errors are not ValueErrors
-        raise MeshplanError(f"HF config {path_text!r}: transformers cannot read it: {exc}") from None
+    """(transformers config, notes) for the file, optionally cut to its first `num_layers` layers."""
+    config, notes = make_config(path_text)
     from meshplan.planner.models.built import MAX_PARAMETRIC_LAYERS
 
     layers = getattr(config, "num_hidden_layers", None)
@@ -152,80 +145,220 @@ def _make_config(path_text: str, num_layers: int | None = None):
         config.num_hidden_layers = num_layers
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = config.layer_types[:num_layers]
-    return config
+    return config, notes
 
 
-def _uniform_layers(config) -> bool:
-    """Whether all decoder layers share one structure (so one of them stands for all)."""
-    layer_types = getattr(config, "layer_types", None)
-    return not layer_types or len(set(layer_types)) == 1
+def _model_class(path_text: str, config):
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise MeshplanError(f"HF config {path_text!r}: model_type {config.model_type!r} has no causal LM in "
+                            "transformers (AutoModelForCausalLM); meshplan profiles causal LMs only") from None
 
 
-def build_hf_model(path_text: str, seq: int, device: str = "meta", dtype=None, num_layers: int | None = None):
-    """The whole model (or its first `num_layers` decoder layers) from the config file."""
+def attention_implementation(model_class) -> str:
+    """SDPA where transformers supports it for the architecture, else its eager attention."""
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def _from_config(path_text: str, config, device: str, dtype):
+    """transformers' model for the config on `device`, with the attention implementation used."""
     import torch
 
-    from meshplan.planner.models.built import BuiltModel, LayerGroup
-    from meshplan.planner.models.transformer import lm_loss
-
-    config = _make_config(path_text, num_layers)
+    model_class = _model_class(path_text, config)
+    attn = attention_implementation(model_class)
+    kwargs = {"dtype": dtype, "attn_implementation": attn}
+    if device == "meta" and model_class._can_set_experts_implementation():
+        kwargs["experts_implementation"] = "grouped_mm"  # routing-independent shapes (module docstring)
     try:
         import transformers
 
         with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure to build from the user's config is bad input
-        raise MeshplanError(f"HF config {path_text!r}: cannot build a causal LM from it: {exc}") from None
+        raise MeshplanError(f"HF config {path_text!r}: cannot build a causal LM from it: {first_line(exc)}") from exc
+    return model, attn
+
+
+def build_hf_model(path_text: str, seq: int, device: str = "meta", dtype=None, num_layers: int | None = None):
+    """The whole model (or its first `num_layers` decoder layers) from the config file."""
+    return _build(path_text, seq, device, dtype, num_layers, collapse=False)[0]
+
+
+def _build(path_text: str, seq: int, device: str, dtype, num_layers: int | None, collapse: bool):
+    """(BuiltModel, the index of each decoder layer's first structurally equal layer).
+
+    `collapse`: keep one decoder layer per structural signature (module docstring), named by its
+    index in the full model; `BuiltModel.info.num_layers` stays the full count.
+    """
+    check_seq_limit(path_text, seq)
+    config, notes = _make_config(path_text, num_layers)
+    model, attn = _from_config(path_text, config, device, dtype)
     base = model.base_model
-    decoder_layers = _decoder_layers(base, path_text)
-    norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)), None)
-    head_modules = tuple(m for m in (norm, model.get_output_embeddings()) if m is not None)
-    vocab = TPSplit(kind="vocab", vocab_size=config.vocab_size)
-    groups = ((LayerGroup("embed", "embedding", (model.get_input_embeddings(),), vocab),)
-              + tuple(LayerGroup(f"blocks.{i}", "block", (layer,), _block_split(layer, config))
-                      for i, layer in enumerate(decoder_layers))
-              + (LayerGroup("head", "head", head_modules, vocab),))
-    tokens = torch.zeros(1, seq, dtype=torch.long, device=device)
-    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+    layer_list, owner, attribute = _decoder_layers(base, path_text)
+    signatures = [layer_signature(layer, config) for layer in layer_list]
+    first_of: dict[str, int] = {}
+    for index, signature in enumerate(signatures):
+        first_of.setdefault(signature, index)
+    sources = [first_of[signature] for signature in signatures]
+    kept = sorted(set(sources)) if collapse else list(range(len(layer_list)))
+    info = _info(config, attn, notes, [layer_list[i] for i in kept], layer_list)
+    if collapse:
+        _keep_layers(model, config, owner, attribute, layer_list, kept)
+    groups = _layer_groups(model, base, config, {index: layer_list[index] for index in kept})
+    tokens = torch_tokens(seq, device)
+    mask = _causal_mask(seq, device)
 
     def forward(module, inputs):
         return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
 
-    layer_modules = tuple((g.name, g.kind, g.modules[0] if len(g.modules) == 1 else torch.nn.ModuleList(g.modules))
+    from meshplan.planner.models.built import BuiltModel
+    from meshplan.planner.models.transformer import lm_loss
+
+    layer_modules = tuple((g.name, g.kind, g.modules[0] if len(g.modules) == 1 else _module_list(g.modules))
                           for g in groups)
-    return BuiltModel(module=model, example_inputs=(tokens,), info=_info(config), layer_modules=layer_modules,
-                      loss_fn=lambda logits, inputs: lm_loss(logits, inputs[0]), targets=tokens,
-                      forward_fn=forward, layer_groups=groups)
+    built = BuiltModel(module=model, example_inputs=(tokens,), info=info, layer_modules=layer_modules,
+                       loss_fn=lambda logits, inputs: lm_loss(logits, inputs[0]), targets=tokens,
+                       forward_fn=forward, layer_groups=groups)
+    return built, sources
 
 
-def build_hf_for_profile(path_text: str, seq: int, dtype=None):
-    """One decoder layer stands for all when the config gives them one type."""
+def torch_tokens(seq: int, device: str):
+    import torch
+
+    return torch.zeros(1, seq, dtype=torch.long, device=device)
+
+
+def _causal_mask(seq: int, device: str):
+    import torch
+
+    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def _module_list(modules):
+    import torch
+
+    return torch.nn.ModuleList(modules)
+
+
+def _layer_groups(model, base, config, layers: dict) -> tuple:
+    """embed, the given decoder layers (by their index in the full model), head."""
+    import torch
+
+    from meshplan.planner.models.built import LayerGroup
+
+    norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)),
+                None)
+    head_modules = tuple(m for m in (norm, model.get_output_embeddings()) if m is not None)
+    vocab = TPSplit(kind="vocab", vocab_size=config.vocab_size)
+    return ((LayerGroup("embed", "embedding", (model.get_input_embeddings(),), vocab),)
+            + tuple(LayerGroup(f"blocks.{index}", "block", (layer,), _block_split(layer, config),
+                               expert_modules=tuple(expert_modules(layer)))
+                    for index, layer in layers.items())
+            + (LayerGroup("head", "head", head_modules, vocab),))
+
+
+def _keep_layers(model, config, owner, attribute: str, layer_list, kept: list[int]) -> None:
+    """Cut the decoder to the kept layers; `layer_types` keeps its length (layers index it by
+    their own layer_idx) with the kept layers' types first (forwards index it by position)."""
+    import torch
+
+    setattr(owner, attribute, torch.nn.ModuleList([layer_list[i] for i in kept]))
+    for cfg in {id(c): c for c in (config, model.config, getattr(model.base_model, "config", config))}.values():
+        layer_types = getattr(cfg, "layer_types", None)
+        if isinstance(layer_types, list) and len(layer_types) == len(layer_list):
+            cfg.layer_types = [layer_types[i] for i in kept] + layer_types[len(kept):]
+        cfg.num_hidden_layers = len(kept)
+
+
+def build_hf_for_profile(path_text: str, seq: int, dtype=None, collapse: bool = True):
+    """The model with one decoder layer per structural signature, and every layer's source."""
     from meshplan.planner.models.built import ProfileModel
 
-    config = _make_config(path_text)
-    if not _uniform_layers(config):
-        return ProfileModel(build_hf_model(path_text, seq, dtype=dtype), ())
-    total = config.num_hidden_layers
-    built = build_hf_model(path_text, seq, dtype=dtype, num_layers=1)
-    built = replace(built, info=replace(built.info, num_layers=total))
+    built, sources = _build(path_text, seq, "meta", dtype, None, collapse)
+    if not collapse:
+        return ProfileModel(built, ())
     layout = (("embed", "embedding", "embed"),) + tuple(
-        (f"blocks.{i}", "block", "blocks.0") for i in range(total)) + (("head", "head", "head"),)
+        (f"blocks.{i}", "block", f"blocks.{source}") for i, source in enumerate(sources)) + (("head", "head", "head"),)
     return ProfileModel(built, layout)
 
 
-def _decoder_layers(base, path_text: str):
+def layer_signature(layer, config) -> str:
+    """What makes two decoder layers measure alike: for every submodule its type, extra_repr,
+    parameter and buffer shapes and dtypes, and the scalar attributes it keeps (sliding_window,
+    is_sliding, ...), less those that only number the layer; plus the layer's `layer_types` entry."""
+    import hashlib
+
+    parts = []
+    for name, sub in layer.named_modules():
+        tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in sub.named_parameters(recurse=False)]
+        tensors += [(n, tuple(t.shape), str(t.dtype)) for n, t in sub.named_buffers(recurse=False)]
+        scalars = sorted((key, repr(value)) for key, value in vars(sub).items()
+                         if not key.startswith("_") and key not in _INDEX_ATTRIBUTES
+                         and (value is None or isinstance(value, (bool, int, float, str))))
+        parts.append((name, type(sub).__qualname__, sub.extra_repr(), tuple(tensors), tuple(scalars)))
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(layer, "layer_idx", getattr(getattr(layer, "self_attn", None), "layer_idx", None))
+    if isinstance(layer_types, list) and isinstance(index, int) and 0 <= index < len(layer_types):
+        parts.append(("layer_type", layer_types[index]))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def expert_modules(layer) -> list[str]:
+    """Names (relative to the layer) of its routed experts: a module holding only 3-D parameters
+    with one leading expert dimension (transformers' stacked experts), or a ModuleList of two or
+    more same-typed modules named `experts`."""
     import torch
 
-    lists = [m for m in base.children() if isinstance(m, torch.nn.ModuleList)]
+    found: list[str] = []
+    for name, sub in layer.named_modules():
+        if not name or any(name.startswith(prefix + ".") for prefix in found):
+            continue
+        params = list(sub.parameters(recurse=False))
+        stacked = params and all(p.dim() == 3 for p in params) and len({p.shape[0] for p in params}) == 1 \
+            and params[0].shape[0] > 1
+        listed = isinstance(sub, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(sub) > 1 \
+            and len({type(m) for m in sub}) == 1
+        if stacked or listed:
+            found.append(name)
+    return found
+
+
+def _num_experts(layer) -> int:
+    names = expert_modules(layer)
+    if not names:
+        return 0
+    sub = layer.get_submodule(names[0])
+    params = list(sub.parameters(recurse=False))
+    return params[0].shape[0] if params else len(sub)
+
+
+def _top_k(config, layer) -> int:
+    for sub in layer.modules():
+        value = getattr(sub, "top_k", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return next((getattr(config, key) for key in _TOP_K_KEYS if isinstance(getattr(config, key, None), int)), 0)
+
+
+def _decoder_layers(base, path_text: str):
+    """(the decoder layers, the module holding them, its attribute name): the longest ModuleList."""
+    import torch
+
+    lists = [(name, m) for name, m in base.named_children() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
         raise MeshplanError(f"HF config {path_text!r}: the model has no list of decoder layers meshplan can split")
-    return max(lists, key=len)
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    return layers, base, name
 
 
 def _block_split(layer, config) -> TPSplit:
-    """Megatron split when the layer has Llama-style q/k/v/o and gate/up/down Linears."""
+    """Megatron split when the layer has Llama-style q/k/v/o and gate/up/down Linears (and no
+    routed experts, whose stacked weights those names do not cover)."""
     present = {name for name, _ in layer.named_modules()}
-    if not all(name in present for name in _ROW_LINEARS[:1] + _COLUMN_LINEARS[:3]):
+    if not all(name in present for name in _ROW_LINEARS[:1] + _COLUMN_LINEARS[:3]) or expert_modules(layer):
         return TPSplit()
     heads = config.num_attention_heads
     rows = tuple(n for n in _ROW_LINEARS if n in present)
@@ -234,10 +367,16 @@ def _block_split(layer, config) -> TPSplit:
                    num_allreduce_per_pass=len(rows))
 
 
-def _info(config) -> ModelInfo:
+def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_layers) -> ModelInfo:
     heads = getattr(config, "num_attention_heads", 0) or 0
-    return ModelInfo(family="hf", num_layers=getattr(config, "num_hidden_layers", 0) or 0,
+    moe_layer = next((layer for layer in kept_layers if expert_modules(layer)), None)
+    moe = {}
+    if moe_layer is not None:
+        dense = sum(1 for layer in all_layers if not expert_modules(layer))
+        moe = dict(num_experts=_num_experts(moe_layer), top_k=_top_k(config, moe_layer), dense_layers=dense)
+    return ModelInfo(family="hf", num_layers=len(all_layers),
                      hidden=getattr(config, "hidden_size", 0) or 0, num_heads=heads,
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
-                     padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                     padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                     attn_implementation=attn, notes=notes, **moe)

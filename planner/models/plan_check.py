@@ -9,6 +9,9 @@ legitimately be absent.
 """
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 
 
@@ -34,3 +37,39 @@ def check_plan_model(plan: Plan) -> None:
     names = zoo_layer_names(plan.model.spec, plan.model.seq)
     if names is not None:
         check_plan_matches_model(plan, names)
+
+
+def model_digest(spec: str) -> str:
+    """sha256 of what defines a model: the bytes of the file an hf: or file spec names (the
+    config or the Python file; modules it imports are not covered), else the spec string. ""
+    when the file cannot be read (the build reports that)."""
+    path = _spec_file(spec)
+    if path is None:
+        return hashlib.sha256(spec.encode()).hexdigest()
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def model_changed(plan: Plan) -> str:
+    """One line saying the model's definition changed since the plan was made ("" when it did not,
+    or the plan records no digest)."""
+    recorded = plan.model.digest
+    if not recorded:
+        return ""
+    current = model_digest(plan.model.spec)
+    if current == recorded:
+        return ""
+    where = _spec_file(plan.model.spec)
+    what = f"{where} changed" if where and current else (f"{where} cannot be read" if where else "the spec changed")
+    return (f"the model of this plan ({plan.model.spec}) is not the one it was planned for: {what} since "
+            f"(digest {recorded[:12]} in the plan, {current[:12] or 'none'} now); re-plan it")
+
+
+def _spec_file(spec: str) -> str | None:
+    if spec.startswith("hf:"):
+        return spec[3:]
+    if spec.partition(":")[0].endswith(".py"):
+        return spec.rpartition(":")[0]
+    return None

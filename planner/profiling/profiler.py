@@ -60,6 +60,10 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     """
     _check_args(seq, batch, dtype, attention)
     _check_imbalance(moe_imbalance)
+    if spec.startswith("hf:"):
+        from meshplan.planner.models.hf_config import check_seq_limit
+
+        check_seq_limit(spec[3:], seq)
     graph = _profile(spec, seq, dtype, attention, cache, trace)
     if moe_imbalance == 1.0:
         return graph
@@ -117,6 +121,11 @@ def _profile_uncached(spec: str, seq: int, dtype: str, attention: str) -> ModelG
     from meshplan.planner.models.registry import build_for_profile
     from meshplan.planner.profiling.tracing import measure_layers
 
+    notes: tuple[str, ...] = ()
+    if spec.startswith("hf:"):  # misspelt keys, unknown model types: refused before anything is built
+        from meshplan.planner.models.hf import check_hf_config
+
+        notes = check_hf_config(spec[3:])
     target = build_for_profile(spec, seq, dtype=torch_dtype(dtype))
     built = target.built
     groups = built.layer_groups
@@ -130,7 +139,8 @@ def _profile_uncached(spec: str, seq: int, dtype: str, attention: str) -> ModelG
                        for name, kind, source in target.layout)
     else:
         layers = _mark_repeats(measured, groups, measurements, order)
-    return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=layers, info=built.info)
+    info = built.info if built.info.notes or not notes else replace(built.info, notes=notes)
+    return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=layers, info=info)
 
 
 def _measured_profiles(built, groups, measurements, order) -> list[LayerProfile]:
@@ -344,4 +354,4 @@ def graph_from_json(data: dict) -> ModelGraph:
         split = {k: tuple(v) if isinstance(v, list) else v for k, v in item["tp_split"].items()}
         layers.append(LayerProfile(**{**item, "tp_split": TPSplit(**split)}))
     return ModelGraph(spec=data["spec"], seq=data["seq"], dtype=data["dtype"], attention=data["attention"],
-                      layers=tuple(layers), info=ModelInfo(**data["info"]))
+                      layers=tuple(layers), info=ModelInfo(**{**data["info"], "notes": tuple(data["info"].get("notes", ()))}))

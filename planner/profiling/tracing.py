@@ -60,10 +60,13 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from meshplan.planner.profiling.op_audit import flop_formulas, op_audit_mode
+
     recorder = _Recorder(groups, attention, _storage_keys(built.module))
     handles = recorder.install()
     try:
-        with FlopCounterMode(display=False) as counter, _AttentionMode(recorder), \
+        with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter, \
+                op_audit_mode(counter.flop_registry) as audit, _AttentionMode(recorder), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             recorder.counter = counter
             output = _user_call(built, "forward", built.run_forward)
@@ -76,6 +79,11 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     finally:
         for handle in handles:
             handle.remove()
+    if audit.uncounted:
+        ops = ", ".join(sorted(audit.uncounted))
+        raise MeshplanError(f"the model runs {ops}, which meshplan's FLOP counter has no formula for and does not "
+                            "know to be FLOP-free; refusing to count it as zero (register a formula in "
+                            "planner/profiling/op_audit.py, or list it there as FLOP-free if it does no matmul work)")
     return recorder.results(), list(recorder.order)
 
 
@@ -92,10 +100,24 @@ def _user_call(built: Any, what: str, fn: Callable):
     except MeshplanError:
         raise
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure (even sys.exit) is bad input
-        message = " ".join(str(exc).split())[:300]
-        raise MeshplanError(f"the model cannot run its {what} on the meta device "
-                            f"({type(exc).__name__}: {message}); profiling needs a model whose forward "
-                            "uses only tensor ops (no .item(), no data-dependent Python branches)") from None
+        raise MeshplanError(f"the model cannot run its {what} on the meta device ({type(exc).__name__}: "
+                            f"{_first_line(exc)}){_meta_hint(exc)}") from exc
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    lines = str(exc).strip().splitlines()
+    text = " ".join(lines[0].split()) if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _meta_hint(exc: BaseException) -> str:
+    """What to change, when the error says the meta device met a value-dependent operation."""
+    text = str(exc)
+    if any(word in text for word in ("nonzero", "data-dependent", "Cannot copy out of meta tensor",
+                                      "_local_scalar_dense", ".item()", "data dependent")):
+        return ("; the meta device has shapes but no values, so operations whose result depends on values "
+                "(.item(), nonzero(), masks whose size depends on data) cannot run")
+    return ""
 
 
 def _backward_roots(built: Any, output) -> list:

@@ -196,14 +196,21 @@ def test_hf_moe_configs_map_exactly(tmp_path, model_type):
     assert sum(p.numel() for p in ours.module.parameters()) - padding == sum(p.numel() for p in theirs.parameters())
 
 
-def test_hf_deepseek_v3_is_refused(tmp_path):
-    spec = write_config(tmp_path, dict(model_type="deepseek_v3", hidden_size=64, n_routed_experts=8,
-                                       kv_lora_rank=16, num_hidden_layers=2, vocab_size=100))
-    with pytest.raises(MeshplanError, match="deepseek_v3.*multi-head latent attention"):
-        build_model(spec, 16)
+def test_hf_deepseek_v3_is_built_by_transformers(tmp_path):
+    """Multi-head latent attention is transformers' module, traced as it is (not mapped)."""
+    pytest.importorskip("transformers")
+    spec = write_config(tmp_path, dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96,
+                                       moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                                       n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32, num_attention_heads=4,
+                                       num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                       num_hidden_layers=2, first_k_dense_replace=1, vocab_size=100))
+    assert not is_moe_spec(spec)  # not the moe family: transformers' model
+    built = build_model(spec, 16)
+    assert built.info.family == "hf" and (built.info.num_experts, built.info.top_k) == (8, 2)
 
 
-def test_hf_moe_dense_layers_must_lead(tmp_path):
+def test_hf_moe_dense_layers_between_are_traced_not_mapped(tmp_path):
     spec = write_config(tmp_path, {**HF_CONFIGS["qwen3_moe"], "num_hidden_layers": 4, "mlp_only_layers": [2]})
-    with pytest.raises(MeshplanError, match="dense blocks at layers \\[2\\]"):
-        build_model(spec, 16)
+    assert not is_moe_spec(spec)
+    pytest.importorskip("transformers")
+    assert build_model(spec, 16).info.family == "hf"
