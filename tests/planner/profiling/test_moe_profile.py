@@ -122,7 +122,10 @@ def test_estimate_qwen3_30b_a3b_end_to_end(run_cli):
     assert code == 0
     data = json.loads(out)
     assert data["step_time_s"] > 0 and data["memory_bytes"]
-    assert "no expert parallelism yet" in err
-    code, _, err = run_cli("estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100-sxm", "--gpus", "64",
-                           "--gbs", "64", "--seq", "4096", "--zero", "3", "--moe-imbalance", "1.3")
-    assert code == 0 and "not yet applied" in err
+    assert data["breakdown"].get("ep_comm", 0.0) == 0.0  # ep 1: no all-to-all between ranks
+    assert all(rank["experts"] > 0 for rank in data["memory_bytes"])
+    assert "balanced routing" in err  # the routing assumption is stated
+    code, out, err = run_cli("estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100-sxm", "--gpus", "64",
+                             "--gbs", "64", "--seq", "4096", "--zero", "3", "--moe-imbalance", "1.3", "--json")
+    assert code == 0 and "1.3x the balanced share" in err
+    assert json.loads(out)["step_time_s"] > data["step_time_s"]  # the busiest rank's experts take longer
