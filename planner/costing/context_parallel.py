@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
+from meshplan.planner.costing.device_time import DTYPE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def attention_work_share(cp: int, balanced: bool = True) -> float:

@@ -41,8 +41,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
+from meshplan.planner.costing.device_time import DTYPE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
 SWIGLU_GEMMS = 3
 
