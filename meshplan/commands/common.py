@@ -35,12 +35,12 @@ def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:
 def add_moe_imbalance_argument(parser) -> None:
     parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                         help="mixture of experts: the busiest expert receives F times the balanced tokens * top_k / "
-                             "experts (>= 1.0, default 1.0 = balanced); recorded in the profile, not yet applied "
-                             "by the cost model")
+                             "experts (>= 1.0, default 1.0 = balanced); the cost model scales the busiest rank's "
+                             "expert GEMM time, saved expert activations and received all-to-all tokens by F")
 
 
 def moe_notes(spec: str | None, moe_imbalance: float) -> list[str]:
-    """Checks --moe-imbalance; for a mixture of experts, what estimate and plan do not model yet."""
+    """Checks --moe-imbalance; for a mixture of experts, the routing assumption the costs rest on."""
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.models.registry import is_moe_spec
 
@@ -52,8 +52,8 @@ def moe_notes(spec: str | None, moe_imbalance: float) -> list[str]:
         if moe_imbalance != 1.0:
             raise MeshplanError(f"--moe-imbalance needs a mixture-of-experts model; {spec!r} has no experts")
         return []
-    notes = ["note: mixture of experts, profiled with balanced routing; no expert parallelism yet: the experts "
-             "are costed as ordinary parameters (replicated, or sharded by ZeRO and TP, like the rest)"]
     if moe_imbalance != 1.0:
-        notes.append(f"note: --moe-imbalance {moe_imbalance:g} is recorded but not yet applied by the cost model")
-    return notes
+        return [f"note: mixture of experts: the busiest rank's expert GEMMs, saved expert activations and "
+                f"received all-to-all tokens are costed at {moe_imbalance:g}x the balanced share (--moe-imbalance)"]
+    return ["note: mixture of experts, costed under balanced routing (every expert gets tokens * top_k / "
+            "experts); --moe-imbalance F charges the busiest rank F times that"]
