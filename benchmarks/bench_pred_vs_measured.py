@@ -43,7 +43,8 @@ def calibrate(out: Path, nproc: int) -> Path:
     return out
 
 
-def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, steps: int) -> dict:
+def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, steps: int, model: str = MODEL,
+               seq: int = SEQ, global_batch: int = GLOBAL_BATCH) -> dict:
     from meshplan.executor import train
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.contracts.plan import save_plan
@@ -51,7 +52,7 @@ def run_config(name: str, pins: dict, gpus: int, profile: Path, work: Path, step
     from meshplan import plan as make_plan
 
     cluster = load_cluster(profile)
-    plan = make_plan(MODEL, cluster, gpus, GLOBAL_BATCH, seq=SEQ, **pins)
+    plan = make_plan(model, cluster, gpus, global_batch, seq=seq, **pins)
     plan_path = work / f"plan-{name}.json"
     save_plan(plan, plan_path)
     measured = train(plan_path, nproc=gpus, steps=steps, out=work / f"measured-{name}.json")
