@@ -126,9 +126,15 @@ def explain(plan_json: dict) -> str:
         alt = alternatives[0]
         text += f" The runner-up ({alt['label']}) is {alt['why_not']}."
     text += (f" Of {solver.get('num_candidates', 0)} candidates, {solver.get('num_solved', 0)} were solved by "
-             f"the ILP, {solver.get('num_pruned_bound', 0)} pruned by the compute bound and "
-             f"{solver.get('num_pruned_memory', 0)} by memory; the winner's ILP status is "
-             f"{solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
+             f"the ILP, {solver.get('num_pruned_bound', 0)} pruned by the compute bound, "
+             f"{solver.get('num_pruned_memory_bound', 0)} by the memory-aware bound (time once memory forces "
+             f"recomputation) and {solver.get('num_pruned_memory', 0)} because no assignment fits in memory "
+             f"(every bound is below the ILP's optimum, so none of them could have been re-ranked)"
+             + (f", and {solver['num_pruned_expert_degree']} by the rule that solves only the most promising "
+                f"expert-parallel degrees of a configuration (not a bound)" if solver.get("num_pruned_expert_degree")
+                else "")
+             + f"; the winner's "
+             f"ILP status is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
     return text
 
 

@@ -111,12 +111,14 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     if not feasible:
         raise MeshplanError(infeasible_message(graph, cluster, gpus, global_batch, precision, pins,
                                                candidates, max_mbs))
-    feasible = _polish(feasible, num_keep, {c: p for c, _, p in problems}, workers)
+    feasible = _polish(feasible, num_keep, {s.candidate: s.problem for s in solved if s.problem is not None}, workers)
     ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision)
     ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision)
     stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
              "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
              "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
+             "num_pruned_memory_bound": sum(s.pruned == "memory_bound" for s in solved),
+             "num_pruned_expert_degree": sum(s.pruned == "expert_degree" for s in solved),
              "num_cutoff": sum(s.solution is not None and s.solution.status == "cutoff" for s in solved),
              "num_infeasible": sum(s.solution is not None and s.solution.status == "infeasible" for s in solved),
              "max_gap": max(s.solution.gap for s in feasible[:num_keep]),

@@ -2,17 +2,20 @@
 ILP's objective, and the batched, pruned solve over a process pool."""
 from __future__ import annotations
 
+import heapq
 import math
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.pipeline import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_bytes
 from meshplan.planner.simulation.split_backward import model_weight_share
+from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
 from meshplan.planner.search.candidates import divisors
-from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, StageSolution, solve_stages
+from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, compact_structure,
+                                                     solve_stages)
 
 
 # ParallelConfigs solved between two pruning decisions: fixed, so the result does not depend on the
@@ -50,6 +53,15 @@ def pipeline_shape(candidate: ParallelConfig, weight_share: float = 0.5) -> Pipe
     return PipelineShape(candidate.pp, m, v, candidate.schedule, step_factor=max(factor, candidate.pp / v))
 
 
+def floor_shape(candidate: ParallelConfig) -> PipelineShape:
+    """The candidate's pipeline with `bounds.step_factor_floor` for its step factor (no replay)."""
+    m, v = candidate.num_microbatches, candidate.virtual_stages
+    if candidate.schedule in ("1f1b", "gpipe"):
+        return PipelineShape(candidate.pp, m, v, candidate.schedule)
+    return PipelineShape(candidate.pp, m, v, candidate.schedule,
+                         step_factor=step_factor_floor(candidate.schedule, candidate.pp, m, v))
+
+
 def _type_counts(table: CostTable) -> dict[int, int]:
     counts: dict[int, int] = {}
     for t in table.layer_type:
@@ -71,37 +83,68 @@ class Solved:
     candidate: ParallelConfig
     lower_bound_s: float
     solution: StageSolution | None = None
-    pruned: str = ""  # "", "bound", "memory"
+    # "": solved; "bound": the compute bound; "memory_bound": the memory-aware bound (time once
+    # memory forces leaner options); "memory": no assignment fits (`bounds`)
+    pruned: str = ""
+    problem: StageProblem | None = field(default=None, compare=False, repr=False)  # as solved
 
+
+class Pending:
+    """(candidate, lower bound, problem) as `build_problems` hands them to `solve_candidates`.
+
+    Replaying a schedule for its step factor is the costly part of a problem, so it waits: the
+    bound is the compute bound at the floor (`bounds.step_factor_floor`), `floor_problem` carries
+    that floor, and `problem` (the third item) replays the schedule the first time it is read.
+    `solve_candidates` reads the exact problem only once a candidate comes up for solving."""
+
+    __slots__ = ("candidate", "bound_s", "floor_problem", "weight_share", "_exact")
+
+    def __init__(self, candidate: ParallelConfig, bound_s: float, floor_problem: StageProblem,
+                 weight_share: float = 0.5):
+        self.candidate, self.bound_s, self.floor_problem = candidate, bound_s, floor_problem
+        self.weight_share, self._exact = weight_share, None
+
+    @property
+    def problem(self) -> StageProblem:
+        if self._exact is None:
+            self._exact = replace(self.floor_problem, shape=pipeline_shape(self.candidate, self.weight_share))
+        return self._exact
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int):
+        return (self.candidate, self.bound_s, None)[index] if index in (0, 1, -2) else self.problem
+
+    def __iter__(self):
+        return iter((self.candidate, self.bound_s, self.problem))
 
 
 def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]], *, num_keep: int,
                      workers: int = 2, progress=None) -> list[Solved]:
-    """Solve in order of lower bound, pruning against the `num_keep`-th best objective so far."""
-    order = sorted(problems, key=lambda item: (item[1], item[0].sort_key))
+    """Solve in order of lower bound, pruning against the `num_keep`-th best objective so far.
+
+    A heap holds the candidates by bound; one whose bound is still the cheap floor (`Pending`
+    with exact False) is refined when it reaches the top (exact step factor, memory-aware bound)
+    and goes back in. Every bound is a true lower bound on its ILP objective, so once the top of
+    the heap cannot beat the threshold, nothing below it can either."""
     results: list[Solved] = []
     best: list[float] = []  # sorted objectives of feasible solutions
     batch_size = SOLVE_BATCH
     pool = (ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_ignore_interrupt)
             if workers > 1 else None)
+    heap = [(item[1], item[0].sort_key, index, item, 0 if isinstance(item, Pending) else 2, "bound")
+            for index, item in enumerate(problems)]
+    heapq.heapify(heap)
     try:
-        index = 0
-        while index < len(order):
+        while heap:
             threshold = best[num_keep - 1] if len(best) >= num_keep else math.inf
-            batch = []
-            while index < len(order) and len(batch) < batch_size:
-                candidate, bound, problem = order[index]
-                index += 1
-                if bound >= threshold:
-                    results.append(Solved(candidate, bound, pruned="bound"))
-                    tick(progress)
-                else:
-                    batch.append((candidate, bound, problem))
+            batch = _next_batch(heap, threshold, results, progress)
             mapper = pool.map if pool is not None else map
             cutoff = threshold if math.isfinite(threshold) else None
             todo = [replace(b[2], cutoff_s=cutoff) for b in batch]
-            for (candidate, bound, _), solution in zip(batch, mapper(solve_stages, todo)):
-                results.append(Solved(candidate, bound, solution))
+            for (candidate, bound, problem), solution in zip(batch, mapper(solve_stages, todo)):
+                results.append(Solved(candidate, bound, solution, problem=problem))
                 if solution.feasible:
                     best = sorted(best + [solution.objective_s])
                 tick(progress)
@@ -116,6 +159,41 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
         if pool is not None:
             pool.shutdown()
     return results
+
+
+def _next_batch(heap: list, threshold: float, results: list[Solved], progress) -> list[tuple]:
+    """Up to SOLVE_BATCH candidates to solve, in order of bound: candidates whose bound reaches
+    the threshold are pruned (naming the bound), floor bounds are refined on the way."""
+    batch = []
+    while heap and len(batch) < SOLVE_BATCH:
+        bound, key, index, item, level, reason = heapq.heappop(heap)
+        candidate = item[0]
+        if bound >= threshold:
+            results.append(Solved(candidate, bound, pruned=reason))
+            tick(progress)
+        elif level < 2:
+            new_bound, new_reason = _refine(item, level + 1)
+            if math.isinf(new_bound):
+                results.append(Solved(candidate, new_bound, pruned="memory"))
+                tick(progress)
+                continue
+            if new_bound > bound:  # every bound holds: keep the strongest
+                bound, reason = new_bound, new_reason
+            heapq.heappush(heap, (bound, key, index, item, level + 1, reason))
+        else:
+            batch.append((candidate, bound, item[2]))
+    return batch
+
+
+def _refine(item: Pending, level: int) -> tuple[float, str]:
+    """(the candidate's lower bound at `level`, the bound that gives it). Level 1: the memory-aware
+    bound at the floor step factor, replaying no schedule; level 2: the exact step factor and
+    both bounds with the schedule replayed."""
+    problem = item.problem if level >= 2 else item.floor_problem
+    compute_s = compute_bound_s(problem.table, problem.shape, problem.grad_sync)
+    memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
+                              compact_structure(problem.table), problem.grad_sync, replay=level >= 2)
+    return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
 
 
 def _ignore_interrupt() -> None:
@@ -150,22 +228,49 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     for candidate in candidates:
         strategy = strategy_for(candidate)
         if strategy not in table_cache:
-            # per-layer degrees are for analysis of (tp, dp) meshes; context-parallel candidates keep theirs
-            meshes = _layerwise_meshes(candidate, cluster) if layerwise and candidate.cp == 1 else ()
+            # per-layer degrees are for analysis of (tp, dp) meshes; context- and expert-parallel
+            # candidates keep theirs
+            meshes = (_layerwise_meshes(candidate, cluster) if layerwise and candidate.cp == 1 and candidate.ep == 1
+                      else ())
             table = build_cost_table(graph, cluster, strategy, recompute_options, layerwise_meshes=meshes)
             if meshes:
                 table = replace(table, reshard_s=_reshard_s(table, candidate, cluster))
             table_cache[strategy] = table
         table = tables[candidate] = table_cache[strategy]
-        shape = pipeline_shape(candidate, weight_share)
-        bound = lower_bound_s(table, shape)
+        # Replaying a schedule for its step factor is the costly part: until the candidate comes
+        # up for solving, its problem carries the floor and its bound is the compute bound at it.
+        shape = floor_shape(candidate)
+        grad_sync = grad_sync_mode(candidate)
+        bound = compute_bound_s(table, shape, grad_sync)
         if min_static_bytes(table, candidate.pp) > limit:
             pruned.append(Solved(candidate, bound, pruned="memory"))
             continue
-        problems.append((candidate, bound, StageProblem(table, shape, mem_limit_bytes=limit,
-                                                        time_limit_s=time_limit_s,
-                                                        grad_sync=grad_sync_mode(candidate))))
-    return problems, pruned, tables
+        problems.append(Pending(candidate, bound, StageProblem(table, shape, mem_limit_bytes=limit,
+                                                               time_limit_s=time_limit_s, grad_sync=grad_sync),
+                                weight_share=weight_share))
+    problems, dominated = best_expert_degrees(problems)
+    return problems, pruned + dominated, tables
+
+
+# Expert-parallel degrees solved per configuration that differs only in ep: EP changes the MoE
+# blocks' costs alone, so only the degrees with the smallest lower bounds are worth an ILP.
+EXPERT_DEGREES_SOLVED = 1
+
+
+def best_expert_degrees(problems: list) -> tuple[list, list[Solved]]:
+    """Keep, among candidates equal but for ep, the EXPERT_DEGREES_SOLVED with the smallest lower
+    bound (ties: the smaller ep); the others are pruned by the bound."""
+    groups: dict = {}
+    for item in problems:
+        groups.setdefault(replace(item[0], ep=1), []).append(item)
+    kept, dropped = [], []
+    for item in problems:
+        rivals = sorted(groups[replace(item[0], ep=1)], key=lambda other: (other[1], other[0].ep))
+        if any(item is other for other in rivals[:EXPERT_DEGREES_SOLVED]):
+            kept.append(item)
+        else:
+            dropped.append(Solved(item[0], item[1], pruned="expert_degree"))  # a rule, not a bound
+    return kept, dropped
 
 
 

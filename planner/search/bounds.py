@@ -1,0 +1,239 @@
+r"""Lower bounds on a candidate's ILP objective, from cheapest to strongest.
+
+The outer search prunes a candidate once a bound shows it cannot beat the `num_rerank`-th best
+objective found so far; every bound here is at most the objective of every assignment the ILP
+(`ilp.formulation`) accepts, so pruning never removes a plan the re-ranking would have seen.
+With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimises
+
+    (F - p/v) T_max + (1/v) sum_r T_r + G P + Tail,      F: the schedule's step factor.
+
+- `step_factor_floor`: F without replaying the schedule. Every rank runs its m micro-batches
+  of v chunks one after another (3 units each: forward 1, backward 2, however the backward is
+  split), and the last pipeline rank cannot start before the p - 1 forwards ahead of it, so
+  step >= p - 1 + 3 m v units: F >= m + (p - 1) / (3 v). Exact for GPipe and 1F1B.
+- `compute_bound_s` (`solving.lower_bound_s`): sum_r T_r >= S, the sum of every layer's fastest
+  option plus the chunks' fixed work, and T_max >= S / p, so the objective is >= F S / p + G P
+  plus the average tail.
+- `memory_bound_s` (one run of identical layers, as the zoo's models are): memory forces leaner,
+  slower options. Rank r holds, at its fullest peak, at least w_r micro-batches of every chunk it
+  runs (w_r = max over the schedule's peaks of the least live count over its chunks), so a layer
+  of option o costs it s_o + w_r a_o bytes out of a budget B_r (the limit less the pinned
+  embedding/head, boundary outputs and the smallest transient buffer it must hold). Relaxing the
+  layer counts n_ro to reals, g_r(x) = min sum_o n_ro t_o over sum_o n_ro = x within B_r is
+  convex and piecewise linear in x. Then sum_r T_r >= min over x (sum_r x_r = N) of
+  sum_r g_r(x_r) + k_r (cheapest slopes first), and T_max >= T*, the least T at which every
+  rank's layers at most g_r^-1(T - k_r) add up to N. Whole layers add T_max >= min_r g_r(ceil(N/p))
+  + k_r (some rank holds that many) and T_max >= v (ceil(N/C) t_fastest + o) (some chunk does, and
+  the interleaved rule charges a chunk v times); 1F1B's cycle adds T_max >= (sum_r T_r + 2P (p-1))/p.
+  The bound is (F - p/v) T_max + (1/v) sum_r T_r + G P + the average tail at these; infinite when no
+  fractional assignment fits at all.
+"""
+from __future__ import annotations
+
+import math
+
+# Relative slack on the memory limit: HiGHS accepts rows a feasibility tolerance over their
+# limit (GiB-scaled rows, about 1e-7), so the bound relaxes the limit by more than that.
+LIMIT_SLACK = 1e-6
+
+
+def step_factor_floor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int) -> float:
+    """A lower bound on `solving.pipeline_shape`'s step factor that replays nothing (see above)."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if p == 1:
+        return float(m)
+    if schedule in ("1f1b", "gpipe"):
+        return float(m + p - 1)
+    return max(m + (p - 1) / (3.0 * v), p / v)
+
+
+def _type_counts(table) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for t in table.layer_type:
+        counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+def average_tail_s(table, pp: int, grad_sync: str = "overlap") -> float:
+    """The tail is at least the average per-rank optimizer + gather time plus the fixed work, and
+    with a blocking reduction after each chunk (grad_sync "after_chunk") the whole reduction too."""
+    blocking = grad_sync == "after_chunk"
+    tail = sum(n * min(o.param_gather_s + o.optimizer_s + (o.dp_comm_s if blocking else 0.0)
+                       for o in table.types[t].options)
+               for t, n in _type_counts(table).items())
+    return tail / pp + table.rank_fixed_s
+
+
+def compute_bound_s(table, shape, grad_sync: str = "overlap") -> float:
+    """Compute alone: perfectly balanced stages with every layer at its fastest option."""
+    total = (sum(n * table.types[t].min_time_s() for t, n in _type_counts(table).items())
+             + table.chunk_overhead_s * shape.num_chunks)
+    slowest_weight, sum_weight = shape.weights
+    pp = shape.num_stages
+    return ((slowest_weight / pp + sum_weight) * total + shape.transfers_on_path * table.p2p_s
+            + average_tail_s(table, pp, grad_sync))
+
+
+def _lean_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(bytes, seconds) per layer: the lower convex hull from the fastest option down to the
+    leanest, bytes decreasing and seconds increasing."""
+    hull: list[tuple[float, float]] = []
+    for point in sorted(set(points)):  # bytes ascending
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (point[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (point[0] - hull[-2][0])) <= 0:
+            hull.pop()
+        hull.append(point)
+    fastest = min(range(len(hull)), key=lambda i: (hull[i][1], hull[i][0]))
+    return hull[fastest::-1]  # from the fastest (most bytes) to the leanest
+
+
+def _segments(frontier: list[tuple[float, float]], budget: float) -> list[tuple[float, float]]:
+    """g_r as (length in layers, seconds per layer) pieces of increasing slope, for one rank."""
+    if budget < 0:
+        return []
+    bytes0, time0 = frontier[0]
+    if bytes0 <= 0:
+        return [(math.inf, time0)]
+    out = [(budget / bytes0, time0)]
+    for (c_hi, t_hi), (c_lo, t_lo) in zip(frontier, frontier[1:]):
+        # between x = B / c_hi and B / c_lo the rank mixes the two options to fill its budget
+        slope = t_hi + (t_lo - t_hi) * c_hi / (c_hi - c_lo)
+        end = math.inf if c_lo <= 0 else budget / c_lo
+        out.append((end - budget / c_hi, slope))
+    return out
+
+
+def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True):
+    """Per rank: (fixed seconds k_r, frontier of the run's options, byte budget B_r); None when a
+    rank's pinned layers alone cannot fit. `replay` False: no schedule is replayed for its live
+    micro-batches, each chunk counted live once if the rank runs one chunk (its first forward),
+    else not at all."""
+    from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors
+
+    first, count, type_index = structure
+    num_chunks, pp, last = shape.num_chunks, shape.num_stages, table.num_layers - 1
+    chunk_s, boundary = chunk_fixed_s(table, num_chunks), chunk_fixed_bytes(table, num_chunks)
+    run = table.types[type_index].options
+    edges = ([(0, 0)] if first == 1 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
+    out = []
+    for rank in range(pp):
+        chunks = shape.chunks_on(rank)
+        if replay or shape.schedule in ("1f1b", "gpipe"):  # 1F1B and GPipe replay in microseconds
+            live = max(live_vectors(shape, rank), key=lambda vec: (min(vec), sum(vec)))
+        else:
+            live = (1,) if shape.virtual_stages == 1 else (0,) * shape.virtual_stages
+        weight = min(live)
+        fixed_s = sum(chunk_s[c] for c in chunks)
+        fixed_bytes = sum(n * boundary[c] for n, c in zip(live, chunks))
+        # the largest transient buffer is at least that of a layer the rank surely holds: its
+        # pinned edge layers, and a run layer if one of its chunks holds no edge layer
+        held_buffers = []
+        for layer, chunk in edges:
+            if chunk in chunks:
+                options = table.types[table.layer_type[layer]].options
+                held = live[chunks.index(chunk)]
+                fixed_s += min(o.time_s for o in options)
+                fixed_bytes += min(o.static_bytes + held * o.act_bytes for o in options)
+                held_buffers.append(min(o.buffer_bytes for o in options))
+        if any(c not in {chunk for _, chunk in edges} for c in chunks):
+            held_buffers.append(min(o.buffer_bytes for o in run))
+        buffer = max(held_buffers, default=0.0)
+        budget = limit_bytes * (1 + LIMIT_SLACK) - fixed_bytes - buffer
+        if budget < 0:
+            return None
+        out.append((fixed_s, _lean_frontier([(o.static_bytes + weight * o.act_bytes, o.time_s) for o in run]), budget))
+    return out
+
+
+def _piecewise_s(pieces: list[tuple[float, float]], layers: float) -> float:
+    """g_r(layers) from its pieces; infinite past the rank's budget."""
+    total = 0.0
+    for length, slope in pieces:
+        take = min(length, layers)
+        total += take * slope
+        layers -= take
+        if layers <= 0:
+            return total
+    return math.inf
+
+
+def _least_sum_s(segments: list[list[tuple[float, float]]], count: int) -> float:
+    """min sum_r g_r(x_r) over sum_r x_r = count: the cheapest pieces first (g_r convex)."""
+    need, total = float(count), 0.0
+    for length, slope in sorted((piece for rank in segments for piece in rank), key=lambda p: p[1]):
+        take = min(length, need)
+        total += take * slope
+        need -= take
+        if need <= 0:
+            return total
+    return math.inf
+
+
+def _least_slowest_s(fixed_s: list[float], segments: list[list[tuple[float, float]]], count: int) -> float:
+    """T*: the least T with sum_r g_r^-1(T - k_r) >= count. That sum of layers hosted is
+    piecewise linear and increasing in T; find the piece where it reaches `count`."""
+    pieces = []  # (T at which a piece starts, seconds per layer, length in layers)
+    for k, rank_pieces in zip(fixed_s, segments):
+        start_s = k
+        for length, slope in rank_pieces:
+            pieces.append((start_s, slope, length))
+            start_s += length * slope
+
+    def hosted(t: float) -> float:
+        total = 0.0
+        for start, slope, length in pieces:
+            if t >= start:
+                total += length if slope <= 0 else min(length, (t - start) / slope)
+        return total
+    events = sorted({start for start, _, _ in pieces}
+                    | {start + length * slope for start, slope, length in pieces if math.isfinite(length)})
+    low, high = 0, len(events) - 1
+    if hosted(events[high]) < count:  # only pieces of unbounded length grow past the last event
+        rate = sum(1.0 / slope for _, slope, length in pieces if math.isinf(length) and slope > 0)
+        return events[high] + (count - hosted(events[high])) / rate if rate > 0 else math.inf
+    while low < high:  # the first event by which `count` layers are hosted
+        mid = (low + high) // 2
+        if hosted(events[mid]) >= count:
+            high = mid
+        else:
+            low = mid + 1
+    if low == 0:
+        return events[0]
+    before, after = events[low - 1], events[low]
+    have_before, have_after = hosted(before), hosted(after)
+    return before + (count - have_before) * (after - before) / (have_after - have_before)
+
+
+def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync: str = "overlap",
+                   replay: bool = True) -> float:
+    """The memory-aware bound of the module docstring; the compute bound where it does not apply.
+    `replay` False: weaker, replaying no schedule for its live micro-batches (see `_rank_setup`)."""
+    base = compute_bound_s(table, shape, grad_sync)
+    if limit_bytes is None or structure is None:
+        return base
+    ranks = _rank_setup(table, shape, structure, limit_bytes, replay)
+    if ranks is None:
+        return math.inf
+    fixed_s = [k for k, _, _ in ranks]
+    segments = [_segments(frontier, budget) for _, frontier, budget in ranks]
+    count = structure[1]
+    total_s = _least_sum_s(segments, count)
+    if not math.isfinite(total_s):
+        return math.inf
+    pp, sum_s = shape.num_stages, total_s + sum(fixed_s)
+    slowest_s = max(_least_slowest_s(fixed_s, segments, count), sum_s / pp)
+    # Whole layers: some rank holds at least ceil(N / p) of the run, and some chunk ceil(N / C),
+    # which the interleaved rule T_max >= v t_c (edge layers aside) charges v times.
+    most_on_rank, most_in_chunk = -(-count // pp), -(-count // shape.num_chunks)
+    slowest_s = max(slowest_s, min(k + _piecewise_s(pieces, most_on_rank) for k, pieces in zip(fixed_s, segments)))
+    fastest_s = min(o.time_s for o in table.types[structure[2]].options)
+    chunk_s = table.chunk_overhead_s if shape.num_chunks > 1 else 0.0
+    slowest_s = max(slowest_s, shape.virtual_stages * (most_in_chunk * fastest_s + chunk_s))
+    if shape.transfer_cycle and table.p2p_s > 0:
+        # 1F1B's cycle: T_max >= T_r + 2P on every rank but the slowest, so
+        # T_max >= (sum_r T_r - T_max) / (p - 1) + 2P
+        slowest_s = max(slowest_s, (sum_s + 2 * table.p2p_s * (pp - 1)) / pp)
+    slowest_weight, sum_weight = shape.weights
+    bound = (slowest_weight * slowest_s + sum_weight * sum_s + shape.transfers_on_path * table.p2p_s
+             + average_tail_s(table, pp, grad_sync))
+    return max(base, bound)
