@@ -13,6 +13,7 @@ def add_job_arguments(parser) -> None:
     parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples per optimizer step")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, GPT-2 presets 1024)")
     add_moe_imbalance_argument(parser)
+    add_moe_capacity_arguments(parser)
 
 
 def check_seq(seq: int | None) -> None:
@@ -39,21 +40,54 @@ def add_moe_imbalance_argument(parser) -> None:
                              "expert GEMM time, saved expert activations and received all-to-all tokens by F")
 
 
-def moe_notes(spec: str | None, moe_imbalance: float) -> list[str]:
-    """Checks --moe-imbalance; for a mixture of experts, the routing assumption the costs rest on."""
+def add_moe_capacity_arguments(parser) -> None:
+    parser.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
+                        help="mixture of experts: each expert takes at most C times the balanced tokens * top_k / "
+                             "experts, the rest dropped (> 0; default none: nothing dropped); the busiest rank is "
+                             "costed at min(F, C) of the balanced share and the dropped share is reported")
+    parser.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                        help="with --moe-capacity-factor: pad every expert's input to its capacity (Megatron-LM's "
+                             "flag of that name); expert GEMMs and all-to-alls are then costed at C, not min(F, C)")
+
+
+def moe_notes(spec: str | None, moe_imbalance: float, moe_capacity_factor: float | None = None,
+              pad_to_capacity: bool = False) -> list[str]:
+    """Checks --moe-imbalance and --moe-capacity-factor; for a mixture of experts, the routing
+    assumption the costs rest on and, with a capacity factor, the dropped share."""
+    from types import SimpleNamespace
+
     from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.costing import expert_parallel as epm
     from meshplan.planner.models.registry import is_moe_spec
 
     if not 1.0 <= moe_imbalance < float("inf"):
         raise MeshplanError(f"--moe-imbalance must be >= 1.0 (1.0: balanced routing), got {moe_imbalance}")
+    if moe_capacity_factor is not None and not 0.0 < moe_capacity_factor < float("inf"):
+        raise MeshplanError(f"--moe-capacity-factor must be a finite number > 0, got {moe_capacity_factor}")
+    if pad_to_capacity and moe_capacity_factor is None:
+        raise MeshplanError("--moe-pad-expert-input-to-capacity needs --moe-capacity-factor C")
     if spec is None:
         return []
     if not is_moe_spec(spec):
         if moe_imbalance != 1.0:
             raise MeshplanError(f"--moe-imbalance needs a mixture-of-experts model; {spec!r} has no experts")
+        if moe_capacity_factor is not None:
+            raise MeshplanError(f"--moe-capacity-factor needs a mixture-of-experts model; {spec!r} has no experts")
         return []
     if moe_imbalance != 1.0:
-        return [f"note: mixture of experts: the busiest rank's expert GEMMs, saved expert activations and "
-                f"received all-to-all tokens are costed at {moe_imbalance:g}x the balanced share (--moe-imbalance)"]
-    return ["note: mixture of experts, costed under balanced routing (every expert gets tokens * top_k / "
-            "experts); --moe-imbalance F charges the busiest rank F times that"]
+        notes = [f"note: mixture of experts: the busiest rank's expert GEMMs, saved expert activations and "
+                 f"received all-to-all tokens are costed at {moe_imbalance:g}x the balanced share (--moe-imbalance)"]
+    else:
+        notes = ["note: mixture of experts, costed under balanced routing (every expert gets tokens * top_k / "
+                 "experts); --moe-imbalance F charges the busiest rank F times that"]
+    if moe_capacity_factor is None:
+        return notes
+    info = SimpleNamespace(moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
+                           moe_pad_to_capacity=pad_to_capacity, num_experts=0)
+    load = epm.load_factor(info)
+    how = "padded to capacity" if pad_to_capacity else "min(F, C)"
+    line = (f"note: capacity factor {moe_capacity_factor:g}: the busiest rank is costed at {load:g}x the balanced "
+            f"share ({how}); dropped: {epm.dropped_share(info):.1%} of the copies routed to the busiest expert")
+    if moe_imbalance > moe_capacity_factor:
+        line += " (1 - C/F; at least (F - C)/experts of all routed copies in a step)"
+    return notes + [line]

@@ -54,12 +54,14 @@ def run(args) -> int:
     if missing:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
 
-    notes = moe_notes(args.model, args.moe_imbalance)
+    notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
+                      args.moe_pad_expert_input_to_capacity)
     prediction = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                           tp=args.tp, pp=args.pp, mbs=args.mbs, zero=args.zero, recompute=args.recompute,
                           sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
                           attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
-                          moe_imbalance=args.moe_imbalance)
+                          moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
+                          moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
     if notes:
         print("\n".join(notes), file=sys.stderr)
     if args.json:

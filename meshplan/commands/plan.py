@@ -61,7 +61,8 @@ def run(args) -> int:
     sizing.check(args)
     check_seq(args.seq)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
-    notes = moe_notes(args.model, args.moe_imbalance)
+    notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
+                      args.moe_pad_expert_input_to_capacity)
     if notes:
         print("\n".join(notes), file=sys.stderr)
 
@@ -69,7 +70,8 @@ def run(args) -> int:
         return plan(args.model, args.cluster, gpus, args.gbs, args.seq, top_k=args.top,
                     precision=args.precision, attention=args.attention, layerwise=args.layerwise,
                     time_limit_s=args.time_limit, seed=args.seed, progress=progress,
-                    moe_imbalance=args.moe_imbalance, memory_headroom_bytes=args.memory_headroom * GIB, **pins)
+                    moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
+                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, memory_headroom_bytes=args.memory_headroom * GIB, **pins)
 
     result = plan_at(args.gpus, progress=not args.json)
     sized, sizing_lines = None, []

@@ -180,6 +180,11 @@ class ModelInfo:
     # Routing assumption: the busiest expert receives moe_imbalance times the balanced
     # tokens * top_k / num_experts (1.0: balanced, as profiled).
     moe_imbalance: float = 1.0
+    # Capacity: each expert takes at most moe_capacity_factor times the balanced copies, the rest
+    # dropped (0.0: no capacity, none dropped); moe_pad_to_capacity pads every expert's input to
+    # that capacity (planner.costing.expert_parallel has the rules).
+    moe_capacity_factor: float = 0.0
+    moe_pad_to_capacity: bool = False
     # Traced Hugging Face models: the attention implementation transformers ran ("sdpa" or
     # "eager"; "" for meshplan's own models), and what the profile should say about the input
     # (config keys transformers ignores, ...), one line each.
@@ -189,6 +194,10 @@ class ModelInfo:
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0 or self.moe_imbalance == float("inf"):
             raise ValueError(f"moe_imbalance must be a finite number >= 1.0, got {self.moe_imbalance}")
+        if not 0.0 <= self.moe_capacity_factor < float("inf"):
+            raise ValueError(f"moe_capacity_factor must be a finite number > 0 (0: none), got {self.moe_capacity_factor}")
+        if self.moe_pad_to_capacity and not self.moe_capacity_factor:
+            raise ValueError("moe_pad_to_capacity needs a moe_capacity_factor")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
 

@@ -37,8 +37,18 @@ class ModelRef:
     # parametric specs, the file's bytes for hf: and file specs); "" in plans written before it
     # existed, which are not checked. `planner.models.plan_check.model_digest` computes it.
     digest: str = ""
+    # Mixture of experts: the capacity factor the plan was costed under (0.0: none, as in plans
+    # written before it existed) and whether expert inputs were padded to that capacity.
+    moe_capacity_factor: float = 0.0
+    moe_pad_to_capacity: bool = False
 
     def __post_init__(self):
+        if isinstance(self.moe_capacity_factor, bool) or not isinstance(self.moe_capacity_factor, (int, float)) \
+                or not 0.0 <= self.moe_capacity_factor < float("inf"):
+            raise ValueError(f"model.moe_capacity_factor must be a finite number > 0 (0: none), "
+                             f"got {self.moe_capacity_factor!r}")
+        if self.moe_pad_to_capacity and not self.moe_capacity_factor:
+            raise ValueError("model.moe_pad_to_capacity needs a model.moe_capacity_factor")
         if not isinstance(self.spec, str) or not self.spec:
             raise ValueError(f"model.spec must be a model SPEC string, got {self.spec!r}")
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq <= 0:
@@ -149,7 +159,9 @@ class Plan:
             "schema_version": self.schema_version,
             "seed": self.seed,
             "precision": cfg.precision,
-            "model": {k: v for k, v in asdict(self.model).items() if k != "digest" or v},  # none in old plans
+            # digest and the MoE capacity fields only when set: none in old plans
+            "model": {k: v for k, v in asdict(self.model).items()
+                      if k not in ("digest", "moe_capacity_factor", "moe_pad_to_capacity") or v},
             "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
             "global_batch": cfg.global_batch,
             "mesh": mesh_json(cfg),

@@ -35,6 +35,21 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   shard group applies to the non-expert parameters only); the experts' saved activations x F.
 - gradient reduction: non-expert gradients over the dp * cp data ranks as before; expert
   gradients over the dp cp / ep expert-data ranks, tp * ep apart (`expert_data_group`).
+- capacity factor C (`ModelInfo.moe_capacity_factor`, 0: none, nothing dropped): each expert
+  takes at most C T k / E copies per micro-batch; copies routed beyond that are dropped (they skip
+  the expert and reach the combine as zeros, Megatron-LM's and GShard's token dropping). The
+  busiest expert's load factor becomes min(F, C) and, when F > C, it drops the share 1 - C/F of
+  the F T k / E copies routed to it (`dropped_share`). Whole step: the busiest expert's excess
+  alone is (F - C) T k / E copies, so at least (F - C) / E of all T k routed copies are dropped
+  (`dropped_share_lower_bound`); the other experts' loads are not modelled (F names only the
+  busiest), so that is a lower bound, not an estimate of the total. Padding to capacity
+  (`ModelInfo.moe_pad_to_capacity`, Megatron-LM's --moe-pad-expert-input-to-capacity): every
+  expert's input buffer is padded to exactly C T k / E rows, so every expert's GEMMs, saved
+  activations and the all-to-all volume are C times the balanced share whatever the routing: the
+  load factor is C (also when C > F: the padding rows cost as real ones). Padding is modelled as
+  what a capacity factor with that flag does, and is off by default as in Megatron-LM, where a
+  capacity factor without the flag drops without padding (load min(F, C)). `load_factor` is the
+  one place these rules apply: the GEMMs, the saved expert activations and the all-to-alls read it.
 """
 from __future__ import annotations
 
@@ -81,9 +96,47 @@ def dense_part(layer):
                          row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n))))
 
 
+def capacity_factor(info) -> float:
+    """C, the experts' capacity over the balanced T k / E copies; 0.0: no capacity (none dropped)."""
+    return float(getattr(info, "moe_capacity_factor", 0.0) or 0.0)
+
+
 def load_factor(info) -> float:
-    """F: the busiest rank's expert work and received tokens over the balanced share."""
-    return float(getattr(info, "moe_imbalance", 1.0) or 1.0)
+    """The busiest rank's expert work and received tokens over the balanced share: F without a
+    capacity factor, min(F, C) with one, C when expert inputs are padded to capacity."""
+    imbalance = float(getattr(info, "moe_imbalance", 1.0) or 1.0)
+    capacity = capacity_factor(info)
+    if not capacity:
+        return imbalance
+    if getattr(info, "moe_pad_to_capacity", False):
+        return capacity
+    return min(imbalance, capacity)
+
+
+def dropped_share(info) -> float:
+    """Share of the copies routed to the busiest expert that its capacity drops: 1 - C/F when F > C."""
+    imbalance, capacity = float(getattr(info, "moe_imbalance", 1.0) or 1.0), capacity_factor(info)
+    return 1.0 - capacity / imbalance if capacity and imbalance > capacity else 0.0
+
+
+def dropped_share_lower_bound(info) -> float:
+    """Share of all routed copies of a step dropped at least: the busiest expert's excess (F - C) / E."""
+    imbalance, capacity = float(getattr(info, "moe_imbalance", 1.0) or 1.0), capacity_factor(info)
+    if not capacity or imbalance <= capacity or not info.num_experts:
+        return 0.0
+    return (imbalance - capacity) / info.num_experts
+
+
+def check_capacity(capacity_factor_value, pad: bool = False) -> None:
+    """ValueError unless the capacity factor is None/0 (none) or a finite number > 0, and padding
+    comes with a capacity factor."""
+    if capacity_factor_value is None:
+        capacity_factor_value = 0.0
+    if isinstance(capacity_factor_value, bool) or not isinstance(capacity_factor_value, (int, float)) \
+            or not 0.0 <= capacity_factor_value < float("inf"):
+        raise ValueError(f"moe capacity factor must be a finite number > 0, got {capacity_factor_value!r}")
+    if pad and not capacity_factor_value:
+        raise ValueError("padding expert inputs to capacity needs a capacity factor")
 
 
 def expert_gemm_flops(layer, strategy, info, tp_shard: int) -> tuple[float, float, int]:

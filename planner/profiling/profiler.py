@@ -48,7 +48,8 @@ _SOURCE_FILES = ("contracts/graph.py",)
 
 
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
-            cache: bool = True, trace: bool = False, moe_imbalance: float = 1.0) -> ModelGraph:
+            cache: bool = True, trace: bool = False, moe_imbalance: float = 1.0,
+            moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False) -> ModelGraph:
     """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
@@ -56,21 +57,32 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     (presets, `gpt:`, `llama:`) are computed in closed form unless `trace` is set; `moe:` specs
     and MoE `hf:` configs are traced under balanced routing; `cache` only concerns traced graphs.
     `moe_imbalance` (>= 1, MoE models only) is recorded in `graph.info`: the busiest expert gets
-    that many times the balanced tokens; the measured figures stay balanced.
+    that many times the balanced tokens; the measured figures stay balanced. So are
+    `moe_capacity_factor` (> 0: each expert takes at most that many times the balanced tokens,
+    the rest dropped) and `moe_pad_to_capacity` (expert inputs padded to that capacity); the
+    costs they imply are `planner.costing.expert_parallel.load_factor`'s.
     """
     _check_args(seq, batch, dtype, attention)
     _check_imbalance(moe_imbalance)
+    from meshplan.planner.costing.expert_parallel import check_capacity
+
+    try:
+        check_capacity(moe_capacity_factor, moe_pad_to_capacity)
+    except ValueError as err:
+        raise MeshplanError(str(err)) from None
+    capacity = float(moe_capacity_factor or 0.0)
     if spec.startswith("hf:"):
         from meshplan.planner.models.hf_config import check_seq_limit
 
         check_seq_limit(spec[3:], seq)
     graph = _profile(spec, seq, dtype, attention, cache, trace)
-    if moe_imbalance == 1.0:
+    if moe_imbalance == 1.0 and not capacity:
         return graph
     if not graph.info.is_moe:
-        raise MeshplanError(f"--moe-imbalance {moe_imbalance} needs a mixture-of-experts model; "
-                            f"{spec!r} has no experts")
-    return replace(graph, info=replace(graph.info, moe_imbalance=float(moe_imbalance)))
+        what = f"--moe-imbalance {moe_imbalance}" if moe_imbalance != 1.0 else f"--moe-capacity-factor {capacity:g}"
+        raise MeshplanError(f"{what} needs a mixture-of-experts model; {spec!r} has no experts")
+    return replace(graph, info=replace(graph.info, moe_imbalance=float(moe_imbalance), moe_capacity_factor=capacity,
+                                       moe_pad_to_capacity=bool(moe_pad_to_capacity)))
 
 
 def _check_imbalance(moe_imbalance) -> None:

@@ -61,7 +61,8 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
                 top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
                 layerwise: bool = False, time_limit_s: float = 2.5, seed: int = 0, workers: int = 2,
                 num_rerank: int | None = None, max_mbs: int = 16, progress=False, graph=None,
-                moe_imbalance: float = 1.0, memory_headroom_bytes: float = 0.0, **pin_kwargs):
+                moe_imbalance: float = 1.0, memory_headroom_bytes: float = 0.0,
+                moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False, **pin_kwargs):
     """The fastest plan that fits; see the module docstring. Pins may be given as keywords.
 
     `progress`: False, True (a bar on stderr when it is a terminal) or fn(done, total) per candidate.
@@ -85,7 +86,8 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
         from meshplan.planner.profiling.profiler import profile
         dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
         graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype, attention=attention,
-                        moe_imbalance=moe_imbalance)
+                        moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
+                        moe_pad_to_capacity=moe_pad_to_capacity)
     _check_executor_pins(graph, pins)
     _check_expert_pin(graph, pins)
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, max_mbs, precision)

@@ -117,7 +117,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
              attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
-             moe_imbalance: float = 1.0) -> Prediction:
+             moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
+             moe_pad_to_capacity: bool = False) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence)."""
@@ -132,7 +133,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                     shard_group, cp, ep)  # fail fast
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype, attention=attention,
-                    moe_imbalance=moe_imbalance)
+                    moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
+                    moe_pad_to_capacity=moe_pad_to_capacity)
     config = make_config(graph, cluster, gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp,
                          precision, shard_group, cp, ep)
     return predict(graph, cluster, config)
