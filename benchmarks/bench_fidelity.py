@@ -5,7 +5,9 @@ are fitted on the fit sets only (`fit_efficiency.py`: Narayanan et al. 2021 Tabl
 Llama 3 Table 4 for H100, NVIDIA's nccl-tests figures for the NICs); the held-out runs
 (Korthikanti et al. 2022 Table 5, MosaicML's MPT benchmarks, torchtitan's FSDP2 runs) never
 tuned anything. No run has its own correction. MosaicML's FP8 runs are held out too and
-reported in a section of their own ("FP8 (held out)"), costed with `--precision fp8`.
+reported in a section of their own ("FP8 (held out)"), costed with `--precision fp8`; so are
+the published mixture-of-experts runs ("MoE (held out)": Qwen3 on H100 with expert parallelism,
+Megatron-MoE-ModelZoo and Megatron-Bridge), costed under balanced routing.
 
 Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [SUBSTRING]
 
@@ -30,8 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
-from published_runs import (HELD_OUT, HELD_OUT_FP8, KORTHIKANTI_2022, LLAMA3_2024, MPT_SOURCE, NARAYANAN_2021,  # noqa: E402
-                            TORCHTITAN_A100, Run, all_runs, fit_runs)
+from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
+                            MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            Run, all_runs, fit_runs)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,8 @@ def print_rows(scored: Sequence[Scored]) -> None:
 
 SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "Llama 3 Table 4",
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
-                 TORCHTITAN_A100: "torchtitan FSDP2, 64 A100"}
+                 TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
+                 MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100"}
 
 
 def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_cluster: bool = False) -> None:
@@ -202,6 +206,10 @@ def main(argv: list[str]) -> int:
         report("FP8 (held out; --precision fp8, fp8_matmul_efficiency not fitted)", score(fp8, clusters), clusters,
                brief, by_cluster=True)
         fp8_speedups(fp8, [r for r in all_runs() if r.group == HELD_OUT], clusters)
+    moe = [r for r in runs if r.group == HELD_OUT_MOE]
+    if moe:  # apart: expert parallelism's costs are not fitted, and these runs tuned nothing
+        report("MoE (held out; expert parallelism, balanced routing)", score(moe, clusters), clusters, brief,
+               by_cluster=True)
     if not no_cv and not only:
         cross_validated()
     print(f"\n({time.perf_counter() - start:.0f} s)")

@@ -26,6 +26,28 @@ Held out:
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
 FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe.
 
+Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
+parallelism on DGX H100, costed under balanced routing:
+- Megatron-MoE-ModelZoo's Qwen3 best-practice table (`best_practice/Qwen3/readme.md`, 256 H100,
+  BF16, seq 4096, GBS 2048): the intra-node-EP row with Megatron FSDP and full recomputation
+  (17.6 s) and the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), the two whose layouts meshplan
+  expresses.
+- Megatron-Bridge's performance summary (`docs/performance-summary.md`), 25.11 container,
+  DGX-H100: Qwen3-30B-A3B on 16 GPUs, FP8 current scaling, force-balanced and dropless.
+
+Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
+modelled); the ModelZoo's cross-node rows (EP 32 over 16 data ranks) and its PP 32 row (EP 8 over
+4 data ranks): MoE parallel folding, where EP spans tensor and data ranks, which meshplan's EP
+(carved from dp x cp) cannot express; its "+1f1b overlap" row (all-to-all overlapped with
+another micro-batch's compute, not modelled); its long-context table (TFLOP/s only, under an
+unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
+options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
+Qwen3-235B-A22B row (a column is missing in the published table, so its layout is ambiguous),
+its GPT-OSS rows (sliding-window attention with sinks, no preset) and its 25.09 tables (precision
+not stated). Megatron-LM's MoE README (`megatron/core/transformer/moe/README.md`) quotes
+468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
+8x22B layout was found either.
+
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
 torchtitan's H100 tables (H100 96 GB HBM2e at a 500 W power cap, whose peak torchtitan itself
 does not know, plus Float8 / torch.compile in most rows); torchtitan's "selective op" and
@@ -41,6 +63,8 @@ DATA_DIR = Path(__file__).parent / "data"
 FIT_SETS = ("a100", "h100")
 HELD_OUT = "held-out"
 HELD_OUT_FP8 = "held-out-fp8"  # FP8 runs: held out, and scored apart from the BF16 ones
+HELD_OUT_MOE = "held-out-moe"  # mixture-of-experts runs: held out, and scored apart from the dense ones
+GROUPS = FIT_SETS + (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)
 
 NARAYANAN_2021 = ("Narayanan et al. 2021 (SC21, arXiv:2104.04473), Table 1; micro-batch sizes and "
                   "interleaving from Megatron-LM examples/sc21/run_table_1.sh")
@@ -83,6 +107,8 @@ class Run:
     published_model_tflops_per_gpu: float = 0.0
     assumptions: tuple[str, ...] = field(default=())
     precision: str = "bf16-mixed"
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -90,8 +116,8 @@ class Run:
             raise ValueError(f"{self.name}: set exactly one published figure, got {published}")
         if not self.source:
             raise ValueError(f"{self.name}: every run needs its source")
-        if self.group not in FIT_SETS + (HELD_OUT, HELD_OUT_FP8):
-            raise ValueError(f"{self.name}: group {self.group!r} is none of {FIT_SETS + (HELD_OUT, HELD_OUT_FP8)}")
+        if self.group not in GROUPS:
+            raise ValueError(f"{self.name}: group {self.group!r} is none of {GROUPS}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -257,6 +283,50 @@ def torchtitan_runs() -> list[Run]:
             for name, spec, seq, mbs, recompute, wps in rows]
 
 
+# Held out, MoE. Both sources run Megatron-Core MoE (grouped GEMMs, the distributed optimizer)
+# on DGX H100 (8 GPUs per node on NVLink, 8 x 400 Gb/s InfiniBand rails).
+MEGATRON_MOE_QWEN3 = ("Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, Performance Results, 256 H100 "
+                      "(github.com/yanring/Megatron-MoE-ModelZoo, commit c1ad0b5c89f425d60febddc38e7f741a16f08bd1)")
+MEGATRON_BRIDGE_H100 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
+                        "(github.com/NVIDIA-NeMo/Megatron-Bridge, commit 00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
+MEGATRON_MOE_ASSUMPTIONS = (
+    "balanced routing (--moe-imbalance 1), no token dropping",
+    "all-to-all (DeepEP or NCCL) costed as meshplan's all-to-all over the EP group, not overlapped with compute",
+    "sequence parallelism on (Megatron-LM requires it with TP and EP)",
+)
+
+
+def moe_runs() -> list[Run]:
+    """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
+    # Expert TP 1 lets Megatron-LM fold each EP group of 8 into one node; meshplan's expert TP is
+    # the mesh's tp, so its EP group (tp ranks apart) spans tp nodes: most of these runs' error.
+    etp = ("the published expert TP 1 costed as meshplan's expert TP = the mesh's tp: the EP group, tp ranks "
+           "apart, spans tp nodes where Megatron-LM's stays inside one")
+    qwen = MEGATRON_MOE_ASSUMPTIONS + (etp,)
+    runs = [
+        # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
+        Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8,
+            published_step_s=17.6,
+            assumptions=qwen + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks",)),
+        # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
+        Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8,
+            published_step_s=29.0,
+            assumptions=qwen + ("distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 32 chunks "
+                                "as meshplan splits them")),
+        # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
+        Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
+            "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
+            published_tokens_per_s=5275.0 * 16,
+            assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (
+                "no recomputation (not published)", "distributed optimizer costed as ZeRO-1",
+                "FP8-CS (Transformer Engine current scaling) costed as meshplan's fp8 recipe (tensorwise current "
+                "scaling)")),
+    ]
+    return runs
+
+
 # Fabric fit set: NVIDIA's NCCL team's published all-reduce bus bandwidths at large sizes.
 FABRIC_RUNS = [
     # "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and we measure 192GB/s AllReduce
@@ -271,7 +341,8 @@ FABRIC_RUNS = [
 
 
 def all_runs() -> list[Run]:
-    return narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
+    return (narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
+            + moe_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:

@@ -29,7 +29,7 @@ def modules():
 
 def configuration(run):
     return (run.spec, run.cluster, run.gpus, run.global_batch, run.seq, run.tp, run.pp, run.mbs, run.zero,
-            run.recompute, run.sp, run.vpp_options)
+            run.recompute, run.sp, run.vpp_options, run.cp, run.ep)
 
 
 def test_fit_sets_and_held_out_are_disjoint(modules):
@@ -66,6 +66,27 @@ def test_a_run_without_source_or_with_two_figures_is_refused(modules):
         data.Run(**kwargs, published_tokens_per_s=5.0)
     with pytest.raises(ValueError, match="group"):
         data.Run(**{**kwargs, "group": "mpt"})
+
+
+def test_moe_runs_are_held_out_apart_with_sources_and_valid_layouts(modules):
+    """The MoE rows load, cite a repository and commit, are never in a fit set or the dense
+    held-out set, and their layouts build (ep divides dp * cp and the expert count)."""
+    data, fit = modules
+    moe = [run for run in data.all_runs() if run.group == data.HELD_OUT_MOE]
+    assert len(moe) >= 3
+    assert not {r.name for r in moe} & {r.name for r in data.held_out_runs() + data.fit_runs("a100")
+                                         + data.fit_runs("h100")}
+    h100 = load_cluster("h100-sxm")
+    for run in moe:
+        assert "github.com/" in run.source and "commit " in run.source, run.name
+        assert run.assumptions and run.ep > 1 and run.cluster == "h100-sxm", run.name
+        graph = fit.graph_of(run.spec, run.seq, run.attention)
+        assert graph.info.is_moe and graph.info.num_experts % run.ep == 0, run.name
+        assert fit.predict(run, h100, run.vpp_options[0]).step_time_s > 0, run.name
+    assert {r.precision for r in moe} == {"bf16-mixed", "fp8"}
+    # the fit never reads them: fit_runs knows only the fit sets
+    with pytest.raises(ValueError, match="unknown fit set"):
+        data.fit_runs(data.HELD_OUT_MOE)
 
 
 def test_mpt_table_transcription_is_consistent(modules):
