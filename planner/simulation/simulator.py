@@ -47,7 +47,9 @@ def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True)
     if graph is None:
         from meshplan.planner.profiling.profiler import profile
 
-        graph = profile(plan.model.spec, plan.model.seq, dtype=plan.model.dtype, attention=plan.model.attention)
+        model = plan.model  # the capacity factor the plan was costed under, when it records one
+        graph = profile(model.spec, model.seq, dtype=model.dtype, attention=model.attention,
+                        moe_capacity_factor=model.moe_capacity_factor or None, moe_pad_to_capacity=model.moe_pad_to_capacity)
     check_plan_matches_model(plan, [layer.name for layer in graph.layers])
     degrees = [(layer.tp, layer.dp) for layer in plan.layers]
     costs = step_costs(graph, plan.cluster, plan.config, [plan.chunk_of(layer) for layer in plan.layers],

@@ -140,3 +140,16 @@ def test_ilp_objective_equals_the_simulator_with_a_capacity_factor(monkeypatch):
             assert ilp_bytes == pytest.approx(simulated.total, rel=agreement.MEMORY_TOL), candidate.label()
         checked += 1
     assert checked >= 2
+
+
+def test_simulate_profiles_with_the_plans_capacity_factor():
+    """A plan recording padding to capacity 2 is simulated at 2x the balanced expert work."""
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.simulation.simulator import simulate
+
+    plan = uniform_plan(SPEC, SEQ, 8, H100, dp=8, ep=4, precision="bf16-mixed")
+    padded = replace(plan, model=replace(plan.model, moe_capacity_factor=2.0, moe_pad_to_capacity=True))
+    capped = replace(plan, model=replace(plan.model, moe_capacity_factor=2.0))  # balanced: min(1, 2) = 1
+    base_s = simulate(plan, timeline=False).step_time_s
+    assert simulate(capped, timeline=False).step_time_s == pytest.approx(base_s)
+    assert simulate(padded, timeline=False).step_time_s > base_s
