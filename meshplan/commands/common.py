@@ -74,7 +74,10 @@ def moe_notes(spec: str | None, moe_imbalance: float, moe_capacity_factor: float
         if moe_capacity_factor is not None:
             raise MeshplanError(f"--moe-capacity-factor needs a mixture-of-experts model; {spec!r} has no experts")
         return []
-    if moe_imbalance != 1.0:
+    if moe_imbalance != 1.0 and moe_capacity_factor is not None:
+        notes = [f"note: mixture of experts: the busiest expert is routed {moe_imbalance:g}x the balanced share "
+                 "(--moe-imbalance), costed as its capacity allows (below)"]
+    elif moe_imbalance != 1.0:
         notes = [f"note: mixture of experts: the busiest rank's expert GEMMs, saved expert activations and "
                  f"received all-to-all tokens are costed at {moe_imbalance:g}x the balanced share (--moe-imbalance)"]
     else:
