@@ -153,7 +153,7 @@ def test_train_refuses_without_loss_fn_and_with_pp(run_cli, tmp_path):
     _, plan = _plan(run_cli, tmp_path, spec)
     path = spec.rpartition(":")[0]
     # A pp=2 layout (as a hand-edited plan would carry) is refused before any process starts.
-    piped = SimpleNamespace(config=SimpleNamespace(pp=2, tp=1), model=plan.model)
+    piped = SimpleNamespace(config=SimpleNamespace(pp=2, tp=1, ep=1), model=plan.model)
     with pytest.raises(MeshplanError, match="data parallelism only, this plan has pp=2 tp=1"):
         check_file_plan(piped, build_model(spec, 1, device="meta"))
     # The same plan once the file lost its loss function.
