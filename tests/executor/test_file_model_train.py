@@ -156,7 +156,11 @@ def test_train_refuses_without_loss_fn_and_with_pp(run_cli, tmp_path):
     piped = SimpleNamespace(config=SimpleNamespace(pp=2, tp=1, ep=1), model=plan.model)
     with pytest.raises(MeshplanError, match="data parallelism only, this plan has pp=2 tp=1"):
         check_file_plan(piped, build_model(spec, 1, device="meta"))
-    # The same plan once the file lost its loss function.
+    # The file lost its loss function: the old plan no longer matches the file (its digest), and
+    # a plan made from the new file is refused for the missing loss.
     (tmp_path / "mlp.py").write_text(MODEL)
-    with pytest.raises(MeshplanError, match=f"define loss_fn\\(output, inputs\\) in {path} to train it"):
+    with pytest.raises(MeshplanError, match="is not the one it was planned for"):
         check_plan_runnable(plan, 2)
+    _, replanned = _plan(run_cli, tmp_path, spec)
+    with pytest.raises(MeshplanError, match=f"define loss_fn\\(output, inputs\\) in {path} to train it"):
+        check_plan_runnable(replanned, 2)
