@@ -15,20 +15,10 @@ import pytest
 from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
-from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_costs import Strategy, layer_cost
 
-H100 = load_cluster("h100-sxm")
-SEQ, HIDDEN, EXPERTS, TOP_K = 1024, 512, 16, 2
-SPEC = (f"moe:layers=4,hidden={HIDDEN},heads=8,kv_heads=4,experts={EXPERTS},top_k={TOP_K},"
-        f"expert_ffn=256,vocab=8000")
-
-
-@pytest.fixture(scope="module")
-def graph():
-    from meshplan.planner.profiling.profiler import profile
-
-    return profile(SPEC, SEQ, dtype="bf16")
+# the small MoE model and its profile, shared with the EP cost tests
+from tests.planner.costing.test_expert_parallel import EXPERTS, H100, HIDDEN, SEQ, SPEC, TOP_K, graph  # noqa: E402,F401
 
 
 def _info(graph, imbalance, capacity, pad=False):
