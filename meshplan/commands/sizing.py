@@ -70,9 +70,25 @@ def size(args, result, plan_at):
         sizing = Sizing(rows=(cost_at(result.config.gpus),))
         return result, sizing, _lines(sizing, args)
     counts = sweep_counts(result.cluster.gpus_per_node, args.gpus)
-    sizing = size_cluster(counts, cost_at, args.deadline_days)
+    sizing = size_cluster(counts, cost_at, args.deadline_days, _ceiling(result), args.train_tokens)
     chosen = plans[sizing.chosen.gpus] if sizing.chosen else result
     return chosen, sizing, _lines(sizing, args)
+
+
+def _ceiling(plan):
+    """tokens/s no plan of this model can beat on a given GPU count (`sizing.ceiling_tokens_per_s`)."""
+    from meshplan.planner.costing.flops import executed_flops_per_step
+    from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE
+    from meshplan.planner.engines.sizing import ceiling_tokens_per_s
+    from meshplan.planner.profiling.profiler import profile
+
+    device, precision = plan.cluster.device, plan.config.precision
+    graph = profile(plan.model.spec, plan.model.seq, dtype=plan.model.dtype)
+    per_token = executed_flops_per_step(graph, 1, ["none"] * len(graph.layers)) / graph.seq
+    # fp8 GEMMs may run above the bf16 ceiling: bound them by the fp8 peak itself
+    peak = device.peak_flops("fp8") if precision == "fp8" else (
+        device.peak_flops(COMPUTE_DTYPE[precision]) * device.matmul_efficiency)
+    return lambda gpus: ceiling_tokens_per_s(gpus, per_token, peak)
 
 
 def _lines(sizing, args) -> list[str]:

@@ -83,15 +83,32 @@ def sweep_counts(gpus_per_node: int, max_gpus: int) -> list[int]:
     return counts + [max_gpus]
 
 
-def size_cluster(counts: list[int], cost_at: Callable[[int], TrainingCost], deadline_days: float) -> Sizing:
+def ceiling_tokens_per_s(gpus: int, executed_flops_per_token: float, peak_flops_per_s: float) -> float:
+    """No plan on `gpus` GPUs trains faster than this: every executed FLOP (causal attention as
+    run, no recomputation: `costing.flops`) shared perfectly over the GPUs, each at its achievable
+    ceiling (`peak_flops_per_s`: the cost model's peak x matmul_efficiency, which every GEMM's
+    efficiency curve stays below), with no communication, bubble or memory-bound work."""
+    return gpus * peak_flops_per_s / executed_flops_per_token
+
+
+def size_cluster(counts: list[int], cost_at: Callable[[int], TrainingCost], deadline_days: float,
+                 ceiling_at: Callable[[int], float] | None = None, tokens: float = 0.0) -> Sizing:
     """Cost each count in increasing order (`cost_at` raises MeshplanError when a count has no
-    plan) until one size past the first that meets the deadline; the cheapest that meets it wins."""
+    plan) until one size past the first that meets the deadline; the cheapest that meets it wins.
+    `ceiling_at(gpus)`: an upper bound on tokens/s (`ceiling_tokens_per_s`); a count whose ceiling
+    cannot train `tokens` within the deadline is skipped without planning, and said so."""
     if not deadline_days > 0:
         raise MeshplanError(f"--deadline-days must be positive, got {deadline_days}")
     rows, skipped, met_at = [], [], None
     for index, count in enumerate(sorted(set(counts))):
         if met_at is not None and index > met_at + 1:
             break
+        if ceiling_at is not None and tokens > 0:
+            best_days = tokens / ceiling_at(count) / 86400
+            if best_days > deadline_days:
+                skipped.append(f"{count} GPUs: cannot meet the deadline (at least {best_days:.1f} days even at "
+                               f"{ceiling_at(count):,.0f} tokens/s, the device's compute ceiling); not planned")
+                continue
         try:
             row = cost_at(count)
         except MeshplanError as exc:
