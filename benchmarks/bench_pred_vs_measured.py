@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-TARGET_FRACTION = 0.20  # the bound for 2-process plans
+TARGET_FRACTION = 0.20  # the bound meshplan holds its 2-process predictions to
 MODEL = "gpt:layers=4,hidden=256,heads=4,vocab=4096"
 SEQ, GLOBAL_BATCH = 128, 8
 TWO_PROCESS = (("DP", dict(dp=2, tp=1, pp=1)), ("TP", dict(tp=2, dp=1, pp=1)),

@@ -10,7 +10,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.measurement import Measurement
 
 # Above this relative error of the median step time the report flags the prediction as off
-# (the acceptance threshold).
+# (meshplan's accuracy target for predicted step time).
 DEFAULT_FLAG_FRACTION = 0.15
 # Above this relative error of a rank's peak memory (the memory model's target on CPU processes,
 # tests/executor/test_memory_prediction.py).
