@@ -104,10 +104,11 @@ def size_cluster(counts: list[int], cost_at: Callable[[int], TrainingCost], dead
         if met_at is not None and index > met_at + 1:
             break
         if ceiling_at is not None and tokens > 0:
-            best_days = tokens / ceiling_at(count) / 86400
+            ceiling = ceiling_at(count)  # profiles the model: once per count
+            best_days = tokens / ceiling / 86400
             if best_days > deadline_days:
                 skipped.append(f"{count} GPUs: cannot meet the deadline (at least {best_days:.1f} days even at "
-                               f"{ceiling_at(count):,.0f} tokens/s, the device's compute ceiling); not planned")
+                               f"{ceiling:,.0f} tokens/s, the device's compute ceiling); not planned")
                 continue
         try:
             row = cost_at(count)
