@@ -131,13 +131,48 @@ def check_file_plan(plan, built) -> None:
     if built.loss_fn is None:
         path = spec.rpartition(":")[0]
         raise MeshplanError(f"{spec!r} has no loss function: define loss_fn(output, inputs) in {path} to train it")
-    if cfg.pp > 1 or cfg.tp > 1 or cfg.ep > 1:
-        raise MeshplanError(f"file and Hugging Face models train with data parallelism only, this plan has "
+    if built.info.family == "hf":
+        _check_hf_plan(plan, built)
+    elif cfg.pp > 1 or cfg.tp > 1 or cfg.ep > 1:
+        raise MeshplanError(f"file models train with data parallelism only, this plan has "
                             f"pp={cfg.pp} tp={cfg.tp}{f' ep={cfg.ep}' if cfg.ep > 1 else ''}; re-plan it "
                             "(meshplan plan keeps them at pp=1 tp=1)")
     if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
         raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
 
+
+
+def _check_hf_plan(plan, built) -> None:
+    """Hugging Face models train with DP/ZeRO, TP over decoder layers of a known layout
+    (`planner.models.hf_tp`) and PP cut at decoder layers; no SP, EP or CP."""
+    cfg = plan.config
+    if cfg.ep > 1:
+        raise MeshplanError(f"Hugging Face models train without expert parallelism, this plan has ep={cfg.ep}; "
+                            "re-plan it with --ep 1")
+    if cfg.tp > 1 and cfg.sp:
+        raise MeshplanError(f"sequence parallelism is not implemented for Hugging Face models (this plan has "
+                            f"tp={cfg.tp} with sp); re-plan it without --sp")
+    blocks = [group for group in built.layer_groups if group.kind == "block"]
+    for group in blocks if cfg.tp > 1 else ():
+        split = group.tp_split
+        if split.kind == "none":
+            raise MeshplanError(f"layer {group.name!r} cannot be split over tp={cfg.tp} ranks: {split.reason}; "
+                                "re-plan it with --tp 1")
+        if not split.max_degree_ok(cfg.tp):
+            raise MeshplanError(f"tp={cfg.tp} does not divide layer {group.name!r}: {split.num_heads} heads, "
+                                f"{split.num_kv_heads} K/V heads, MLP width {split.mlp_width}; use a tp that "
+                                "divides them")
+    if cfg.pp > 1:
+        from meshplan.planner.models.hf import model_parts
+
+        parts = model_parts(built.module, plan.model.spec)
+        kept = (parts["layers"], parts["embed"], parts["norm"])
+        glue = [name for name, child in built.module.base_model.named_children()
+                if name not in kept and any(True for _ in child.parameters())]
+        if glue:
+            raise MeshplanError(f"{plan.model.spec!r} cannot be cut into pipeline stages: its base model has "
+                                f"parameters outside the embedding, decoder layers and final norm "
+                                f"({', '.join(glue)}); re-plan it with --pp 1")
 
 
 def check_file_data(data: str) -> None:

@@ -111,6 +111,10 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     cp_rank = mesh.get_local_rank("cp") if cfg.cp > 1 else 0
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     if built.config is None:
+        if built.info.family == "hf" and (cfg.tp > 1 or cfg.pp > 1):  # decoder layers split or staged
+            from meshplan.executor.parallel.hf import build_hf_runtime
+
+            return build_hf_runtime(plan, device, hp, seed, mesh, dp_mesh)
         return _build_file_runtime(plan, device, hp, seed, mesh, dp_mesh)
     tied = bool(built.config.tied_embeddings)
     chunk_ids = cfg.chunks_of_rank(pp_rank)  # V-shaped schedules: (rank, 2 pp - 1 - rank)

@@ -49,7 +49,9 @@ class TPSplit:
     `num_allreduce_per_pass` = number of row Linears (2 for a transformer block). The TP degree
     must divide `num_heads` and `num_kv_heads`.
     kind "vocab": vocab-parallel embedding or output head; TP degree must divide `vocab_size`.
-    kind "none": not splittable; replicated on every TP rank.
+    kind "none": not splittable; replicated on every TP rank. `reason` says why (Hugging Face
+    decoder layers whose modules match no known layout: `estimate` and `plan` refuse tp > 1).
+    `mlp_width` (when known): the MLP's inner width, which the TP degree must divide too.
     """
 
     kind: TPSplitKind = "none"
@@ -59,11 +61,13 @@ class TPSplit:
     num_kv_heads: int = 0
     vocab_size: int = 0
     num_allreduce_per_pass: int = 0
+    mlp_width: int = 0
+    reason: str = ""
 
     def __post_init__(self):
         if self.kind not in TP_SPLIT_KINDS:
             raise ValueError(f"TPSplit.kind must be one of {TP_SPLIT_KINDS}, got {self.kind!r}")
-        for name in ("num_heads", "num_kv_heads", "vocab_size", "num_allreduce_per_pass"):
+        for name in ("num_heads", "num_kv_heads", "vocab_size", "num_allreduce_per_pass", "mlp_width"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TPSplit.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -72,7 +76,8 @@ class TPSplit:
         if tp == 1 or self.kind == "none":
             return True
         if self.kind == "block":
-            return self.num_heads % tp == 0 and (self.num_kv_heads or self.num_heads) % tp == 0
+            return (self.num_heads % tp == 0 and (self.num_kv_heads or self.num_heads) % tp == 0
+                    and self.mlp_width % tp == 0)
         return self.vocab_size % tp == 0
 
     def to_json(self) -> dict[str, Any]:

@@ -149,6 +149,9 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     the graph's attention kernel; a flash kernel skips the masked half of causal attention, so
     step time uses the causal FLOPs (MFU keeps counting attention in full, as Megatron-LM does).
     """
+    if strategy.tp > 1 and info.family == "hf" and layer.kind == "block" and layer.tp_split.kind == "none":
+        raise ValueError(f"layer {layer.name!r} cannot be split tp={strategy.tp} ways: "
+                         f"{layer.tp_split.reason or 'no known tensor-parallel layout'}")
     if layer.expert_params and strategy.cp == 1:
         return _moe_block_cost(layer, strategy, cluster, info, profile_dtype=profile_dtype,
                                holds_shared=holds_shared, attention=attention)

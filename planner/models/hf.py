@@ -43,9 +43,6 @@ from meshplan.planner.models.hf_config import check_seq_limit, first_line, hf_ma
 
 __all__ = ["build_hf_for_profile", "build_hf_model", "hf_max_positions", "hf_moe_config", "hf_vocab", "read_config"]
 
-# Megatron column/row Linears of a Llama-style decoder layer, relative to the layer.
-_COLUMN_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROW_LINEARS = ("self_attn.o_proj", "mlp.down_proj")
 _FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 # Module attributes that number a layer rather than describe it (left out of its signature).
 _INDEX_ATTRIBUTES = frozenset({"training", "layer_idx", "layer_id", "layer_number", "layer_index", "idx"})
@@ -252,7 +249,8 @@ def _layer_groups(model, base, config, layers: dict) -> tuple:
     norm = next((getattr(base, n) for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), torch.nn.Module)),
                 None)
     head_modules = tuple(m for m in (norm, model.get_output_embeddings()) if m is not None)
-    vocab = TPSplit(kind="vocab", vocab_size=config.vocab_size)
+    # The executor keeps a Hugging Face model's embedding and head whole on every TP rank.
+    vocab = TPSplit(reason="the embedding and output head are replicated over TP ranks")
     return ((LayerGroup("embed", "embedding", (model.get_input_embeddings(),), vocab),)
             + tuple(LayerGroup(f"blocks.{index}", "block", (layer,), _block_split(layer, config),
                                expert_modules=tuple(expert_modules(layer)))
@@ -355,16 +353,11 @@ def _decoder_layers(base, path_text: str):
 
 
 def _block_split(layer, config) -> TPSplit:
-    """Megatron split when the layer has Llama-style q/k/v/o and gate/up/down Linears (and no
-    routed experts, whose stacked weights those names do not cover)."""
-    present = {name for name, _ in layer.named_modules()}
-    if not all(name in present for name in _ROW_LINEARS[:1] + _COLUMN_LINEARS[:3]) or expert_modules(layer):
-        return TPSplit()
-    heads = config.num_attention_heads
-    rows = tuple(n for n in _ROW_LINEARS if n in present)
-    return TPSplit(kind="block", column_linears=tuple(n for n in _COLUMN_LINEARS if n in present),
-                   row_linears=rows, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   num_allreduce_per_pass=len(rows))
+    """The layer's Megatron split from its modules and weight shapes (`hf_tp`), or kind "none"
+    with the reason (routed experts, Linears of no known layout)."""
+    from meshplan.planner.models.hf_tp import block_split
+
+    return block_split(layer)
 
 
 def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_layers) -> ModelInfo:
@@ -380,3 +373,19 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                      attn_implementation=attn, notes=notes, **moe)
+
+
+def model_parts(model, path_text: str) -> dict:
+    """Attribute names of the pieces a causal LM is cut into for pipeline stages: `base` (the base
+    model's attribute on the causal LM), `layers`, `embed`, `norm` (on the base model; norm None
+    when there is none) and `head` (the output Linear on the causal LM)."""
+    import torch
+
+    base = model.base_model
+    _, _, layers = _decoder_layers(base, path_text)
+    children = dict(base.named_children())
+    embed = next(name for name, m in children.items() if m is model.get_input_embeddings())
+    norm = next((n for n in _FINAL_NORM_NAMES if isinstance(children.get(n), torch.nn.Module)), None)
+    return {"base": next(name for name, m in model.named_children() if m is base), "layers": layers,
+            "embed": embed, "norm": norm,
+            "head": next(name for name, m in model.named_children() if m is model.get_output_embeddings())}

@@ -5,7 +5,7 @@ Mesh (pp, dp, cp, tp) with tp inside a node and dividing the heads, cp (context 
 sequences long enough to split (`context_parallel_degrees`), micro-batch size (its count
 m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
 the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
-sequence parallelism when tp > 1, and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes;
+sequence parallelism when tp > 1 (not for Hugging Face models), and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes;
 for mixtures of experts, expert parallelism `ep` over powers of two dividing dp * cp and the
 expert count (`expert_parallel_degrees`). ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
 schedules defer gradient sync and resharding to the last micro-batch, so they run as ZeRO-1
@@ -60,7 +60,10 @@ class Pins:
 
 
 # Model families the executor runs whole on every rank (pp = tp = 1).
-WHOLE_MODEL_FAMILIES = ("file", "hf")
+WHOLE_MODEL_FAMILIES = ("file",)
+# Families whose sequence the executor does not split: no context parallelism, and no sequence
+# parallelism (Hugging Face models run TP with replicated norms and residual stream).
+NO_SEQUENCE_SPLIT_FAMILIES = ("file", "hf")
 
 
 
@@ -79,9 +82,11 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     info = graph.info
     split_layers = [layer.tp_split for layer in graph.layers]
     num_layers = len(graph.layers)
-    # File and Hugging Face models run whole on every rank (data parallelism only): the executor
-    # can split neither their layers into stages nor their Linears over TP ranks.
+    # File models run whole on every rank (data parallelism only): the executor can split neither
+    # their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
+    # their decoder layers and split the layers whose layout is known (`models.hf_tp`).
     whole_model_only = info.family in WHOLE_MODEL_FAMILIES
+    sequence_split = info.family not in NO_SEQUENCE_SPLIT_FAMILIES
     out = []
     for tp in divisors(gpus):
         # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
@@ -91,10 +96,10 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
             continue
         if info.num_heads and (info.num_heads % tp or (info.num_kv_heads or info.num_heads) % tp):
             continue
-        if whole_model_only and tp > 1:
+        if tp > 1 and (whole_model_only or not all(_tp_splittable(layer, info) for layer in graph.layers)):
             continue
         for pp, cp in ((pp, cp) for pp in divisors(gpus // tp) for cp in context_parallel_degrees(
-                graph, gpus // (tp * pp), pins.cp, whole_model_only)):
+                graph, gpus // (tp * pp), pins.cp, not sequence_split)):
             dp = gpus // (tp * pp * cp)
             if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
                 continue
@@ -112,7 +117,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             continue
                         if executed_zero(zero, dp * cp, pp) != zero:  # runs as ZeRO-1: buys nothing
                             continue
-                        for sp in ((False, True) if tp > 1 else (False,)):
+                        for sp in ((False, True) if tp > 1 and sequence_split else (False,)):
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
@@ -123,6 +128,12 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                                               precision=precision, shard_group=group, ep=ep))
     return sorted(out, key=lambda c: c.sort_key)
 
+
+
+def _tp_splittable(layer, info) -> bool:
+    """A Hugging Face decoder layer splits when `models.hf_tp` recognises its modules (kind
+    "block"); zoo blocks always have a layout."""
+    return info.family != "hf" or layer.kind != "block" or layer.tp_split.kind != "none"
 
 
 # HSDP shard groups the search offers span this many whole nodes (NCCL's fast intra-node or

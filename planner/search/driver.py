@@ -47,6 +47,10 @@ class Ranked:
 
 def _check_executor_pins(graph, pins: Pins) -> None:
     """A pp or tp pin the executor cannot run for this model family is a user error."""
+    if graph.info.family == "hf" and pins.tp not in (None, 1):
+        from meshplan.planner.simulation.estimator import check_tp_splits
+
+        check_tp_splits(graph, pins.tp)  # a decoder layer of no known layout, or heads tp does not divide
     if graph.info.family not in WHOLE_MODEL_FAMILIES:
         return
     for name in ("pp", "tp"):

@@ -39,12 +39,7 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
     check_mesh(cluster, gpus, tp, pp, cp)
     check_context_parallel(graph, cp)
     check_expert_parallel_request(graph, ep)
-    for layer in graph.layers:
-        if not layer.tp_split.max_degree_ok(tp):
-            split = layer.tp_split
-            raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {split.num_heads} heads, "
-                                f"{split.num_kv_heads or split.num_heads} KV heads, vocab {split.vocab_size}; "
-                                f"pick a tp that divides them")
+    check_tp_splits(graph, tp)
     if schedule in V_SHAPED_SCHEDULES and vpp == 1:
         vpp = 2  # a V always holds two chunks per rank: --vpp 2 is implied
     chunks = pp * (vpp if schedule in MULTI_CHUNK_SCHEDULES else 1)
@@ -53,6 +48,24 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
                             f"the model has {len(graph.layers)}")
     return parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedule, vpp, precision,
                            shard_group, cp, ep)
+
+
+def check_tp_splits(graph, tp: int) -> None:
+    """Every layer splits tp ways; a Hugging Face decoder layer of no known layout cannot split at
+    all (modelling it replicated would hide that the executor cannot run it)."""
+    if tp == 1:
+        return
+    for layer in graph.layers:
+        split = layer.tp_split
+        if graph.info.family == "hf" and layer.kind == "block" and split.kind == "none":
+            raise MeshplanError(f"--tp {tp}: layer {layer.name!r} cannot be split over tensor-parallel ranks: "
+                                f"{split.reason or 'no known layout'}; use --tp 1")
+        if not split.max_degree_ok(tp):
+            what = (f"vocab {split.vocab_size}" if split.kind == "vocab" else
+                    f"{split.num_heads} heads, {split.num_kv_heads or split.num_heads} KV heads"
+                    + (f", MLP width {split.mlp_width}" if split.mlp_width else ""))
+            raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {what}; "
+                                f"pick a tp that divides them")
 
 
 def check_expert_parallel_request(graph, ep: int) -> None:

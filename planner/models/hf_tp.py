@@ -1,0 +1,189 @@
+"""Tensor-parallel layouts of Hugging Face decoder layers, read off their modules and weight shapes.
+
+A decoder layer splits Megatron-style when its attention and MLP Linears form one of the layouts
+below; column Linears are split on their output features, row Linears on their input features,
+and each row Linear ends with one all-reduce:
+
+| attention | Linears (relative to the layer's attention module) | fused output rows |
+| --- | --- | --- |
+| `separate` | `q_proj`, `k_proj`, `v_proj` + `o_proj` (Llama, Mistral, Qwen2/3, Gemma-2/3) | - |
+| `blocks` | `qkv_proj` + `o_proj` (Phi-3) | [q | k | v] |
+| `per_head` | `query_key_value` + `dense` (GPT-NeoX, Falcon without multi-query) | [heads, (q, k, v), head_dim] |
+| `grouped` | `query_key_value` + `dense` (Falcon `new_decoder_architecture`) | [kv heads, (q.., k, v), head_dim] |
+| `multi_query` | `query_key_value` + `dense` (Falcon multi-query) | [q heads.., k, v]: one K/V head |
+
+| MLP | Linears (relative to the layer's MLP module) |
+| --- | --- |
+| `gated` | `gate_proj`, `up_proj` + `down_proj` |
+| `fused_gated` | `gate_up_proj` ([gate | up]) + `down_proj` (Phi-3) |
+| `plain` | `up_proj` + `down_proj`, `dense_h_to_4h` + `dense_4h_to_h` (GPT-NeoX, Falcon), `fc1` + `fc2` |
+
+Head counts come from the weight shapes (query rows / head_dim); a tp must divide the heads, the
+K/V heads and the MLP width (`TPSplit.max_degree_ok`). Per-head norms (Gemma-3, Qwen3 q/k norms,
+one weight of head_dim) stay replicated. Anything else (routed experts, multi-head latent
+attention, GPT-2's Conv1D, a parameter sized by the heads) gets kind "none" with the reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.planner.contracts.graph import TPSplit
+
+# attention layout -> (fused or separate q/k/v Linear names, output Linear names)
+_ATTENTION_NAMES = {"separate": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+                    "blocks": (("qkv_proj",), ("o_proj",)),
+                    "query_key_value": (("query_key_value",), ("dense",))}
+_MLP_NAMES = (("gated", ("gate_proj", "up_proj"), "down_proj"), ("fused_gated", ("gate_up_proj",), "down_proj"),
+              ("plain", ("up_proj",), "down_proj"), ("plain", ("dense_h_to_4h",), "dense_4h_to_h"),
+              ("plain", ("fc1",), "fc2"))
+# attributes of an attention module (or its config) that count heads: divided by tp when split
+HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads")
+KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """One decoder layer's TP layout (module paths relative to the layer)."""
+
+    attention: str  # the attention module's path
+    qkv: str  # separate | blocks | per_head | grouped | multi_query
+    mlp: str  # the MLP module's path
+    mlp_kind: str  # gated | fused_gated | plain
+    column_linears: tuple[str, ...]
+    row_linears: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_width: int
+
+    @property
+    def fused_qkv(self) -> str | None:
+        """The fused q/k/v Linear's path (None for separate q/k/v)."""
+        return None if self.qkv == "separate" else self.column_linears[0]
+
+    @property
+    def fused_gate_up(self) -> str | None:
+        """The fused [gate | up] Linear's path (None for other MLPs)."""
+        return self.column_linears[-1] if self.mlp_kind == "fused_gated" else None
+
+    def split(self) -> TPSplit:
+        return TPSplit(kind="block", column_linears=self.column_linears, row_linears=self.row_linears,
+                       num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                       num_allreduce_per_pass=len(self.row_linears), mlp_width=self.mlp_width)
+
+
+def block_split(layer) -> TPSplit:
+    """The layer's `TPSplit`: kind "block" with its Linears and head counts, or "none" with why."""
+    layout = tp_layout(layer)
+    return layout.split() if isinstance(layout, HFLayout) else TPSplit(reason=layout)
+
+
+def tp_layout(layer) -> HFLayout | str:
+    """The layer's layout, or a one-phrase reason why it has none."""
+    import torch
+
+    from meshplan.planner.models.hf import expert_modules
+
+    experts = expert_modules(layer)
+    if experts:
+        return f"routed experts ({experts[0]}) have no tensor-parallel layout in meshplan"
+    linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    attention = _find_attention(layer, linears)
+    if isinstance(attention, str):
+        return attention
+    attn_path, qkv, qkv_names, out_name, heads, kv_heads, head_dim = attention
+    mlp = _find_mlp(linears)
+    if mlp is None:
+        return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h or fc1/fc2 Linears"
+    mlp_path, mlp_kind, mlp_columns, mlp_row, width = mlp
+    columns = tuple(f"{attn_path}.{n}" for n in qkv_names) + tuple(f"{mlp_path}.{n}" for n in mlp_columns)
+    rows = (f"{attn_path}.{out_name}", f"{mlp_path}.{mlp_row}")
+    others = sorted(set(linears) - set(columns) - set(rows))
+    if others:
+        return f"Linears outside a known attention/MLP layout ({', '.join(others[:3])})"
+    sized = _head_sized_parameters(layer, attn_path, columns + rows, heads * head_dim, heads)
+    if sized:
+        return f"parameter {sized} is sized by the heads and meshplan does not shard it"
+    return HFLayout(attention=attn_path, qkv=qkv, mlp=mlp_path, mlp_kind=mlp_kind, column_linears=columns,
+                    row_linears=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, mlp_width=width)
+
+
+def _find_attention(layer, linears: dict):
+    """(path, layout, q/k/v names, output name, heads, kv heads, head_dim), or a reason."""
+    for layout, (inputs, (output,)) in _ATTENTION_NAMES.items():
+        for name in linears:
+            path, _, leaf = name.rpartition(".")
+            if leaf != inputs[0] or not all(_join(path, n) in linears for n in inputs[1:] + (output,)):
+                continue
+            module = layer.get_submodule(path) if path else layer
+            found = _heads(module, [linears[_join(path, n)] for n in inputs], linears[_join(path, output)],
+                           layout)
+            if isinstance(found, str):
+                return found
+            qkv, heads, kv_heads, head_dim = found
+            return path, qkv, inputs, output, heads, kv_heads, head_dim
+    attention = sorted(name for name in linears if "att" in name.rpartition(".")[0])
+    found = f" (its attention Linears: {', '.join(attention[:4])})" if attention else ""
+    return f"no attention of q/k/v/o_proj, qkv_proj/o_proj or query_key_value/dense Linears{found}"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _heads(module, qkv: list, out, layout: str):
+    """(qkv layout, heads, kv heads, head_dim) from the module's head_dim and the weight shapes."""
+    config = getattr(module, "config", None)
+    heads = _first_int(module, HEAD_ATTRIBUTES) or _first_int(config, HEAD_ATTRIBUTES)
+    head_dim = _first_int(module, ("head_dim", "head_size")) or (out.in_features // heads if heads else 0)
+    if not head_dim or out.in_features % head_dim:
+        return "attention head size not readable from the module"
+    heads = out.in_features // head_dim
+    rows = sum(linear.out_features for linear in qkv)
+    if layout == "separate":
+        kv_heads, kind = qkv[1].out_features // head_dim, "separate"
+    elif layout == "blocks":
+        kv_heads, kind = (rows - heads * head_dim) // (2 * head_dim), "blocks"
+    elif getattr(module, "new_decoder_architecture", False):
+        kv_heads, kind = (rows - heads * head_dim) // (2 * head_dim), "grouped"
+    elif getattr(module, "multi_query", False):
+        kv_heads, kind = 1, "multi_query"
+    else:
+        kv_heads, kind = heads, "per_head"
+    if kv_heads < 1 or heads % kv_heads or rows != (heads + 2 * kv_heads) * head_dim:
+        return (f"fused q/k/v rows ({rows}) do not match {heads} heads and {kv_heads} K/V heads of "
+                f"{head_dim}")
+    return kind, heads, kv_heads, head_dim
+
+
+def _first_int(obj, names) -> int:
+    for name in names:
+        value = getattr(obj, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
+def _find_mlp(linears: dict):
+    for kind, columns, row in _MLP_NAMES:
+        for name, linear in linears.items():
+            path, _, leaf = name.rpartition(".")
+            if leaf != row or not all(_join(path, c) in linears for c in columns):
+                continue
+            return path, kind, columns, row, linear.in_features
+    return None
+
+
+def _head_sized_parameters(layer, attn_path: str, split_linears: tuple, attention_width: int, heads: int) -> str:
+    """A parameter of the attention module outside the split Linears with a dimension of the
+    attention width, or a matrix with one of the head count (it would need sharding too); per-head
+    norms of head_dim stay replicated."""
+    covered = tuple(f"{name}." for name in split_linears)
+    attention = layer.get_submodule(attn_path) if attn_path else layer
+    for name, param in attention.named_parameters():
+        full = _join(attn_path, name)
+        if full.startswith(covered):
+            continue
+        if attention_width in param.shape or (param.dim() > 1 and heads in param.shape):
+            return full
+    return ""

@@ -1,0 +1,136 @@
+"""Hugging Face causal LMs (`hf:config.json`) train with tensor and pipeline parallelism like one process.
+
+Each dense family among the published fixtures, shrunk to 2 decoder layers (same structure,
+small widths): Llama 3, Phi-3 (fused qkv_proj and gate_up_proj), GPT-NeoX / Pythia (per-head
+fused query_key_value, parallel residual, partial rotary), Gemma-2 (sliding and global layers,
+eager attention, soft-capping, tied embedding), Qwen3 (q/k norms; a small dense config) and Falcon
+(the 7B config with `new_decoder_architecture` and 2 K/V heads, parallel attention and MLP: the
+grouped fused layout). Every one runs with TP=2 and with PP=2 (1F1B); a few add interleaved and
+V-shaped schedules (a chunk of the embedding alone, one of the head alone, the tied weight on
+two ranks or twice on one) and recomputation. All jobs run in one torchrun launch of 2 gloo
+processes.
+
+The reference is a single-process loop written here (as in test_hf_train.py): transformers'
+weights under `torch.manual_seed(seed)`, the whole global batch in one forward, the next-token
+loss, clipping to norm 1, AdamW and the warm-up + cosine schedule.
+
+Tolerance: 1e-5 relative on every loss. All fp32 on CPU; a layout differs from the reference only
+in summation order (row-parallel matmuls summed by an all-reduce, micro-batch means, the
+float64 norm), a few 1e-7 per step on a loss of ~5.7; a wrong head permutation, a lost head
+count or a missing gradient moves the loss at step 2 by far more than 1e-4.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+FIXTURES = Path(__file__).parents[1] / "planner" / "models" / "hf_configs"
+SEQ, GBS, STEPS, LR, SEED = 16, 4, 4, 2e-3, 0
+RTOL = 1e-5
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+             num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+
+
+def shrunk_config(tmp_path, name: str, **overrides) -> str:
+    """A published config (or a plain one of `model_type` name) with the SMALL widths it has."""
+    path = FIXTURES / f"{name}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"model_type": name, **SMALL}
+    for key in ("bos_token_id", "eos_token_id"):
+        data.pop(key, None)
+    data["pad_token_id"] = None  # published ids lie beyond the small vocabulary
+    data.update({key: value for key, value in SMALL.items() if key in data})
+    data.update(overrides)
+    out = tmp_path / f"{name}.json"
+    out.write_text(json.dumps(data))
+    return f"hf:{out}"
+
+
+def family_specs(tmp_path) -> dict[str, str]:
+    return {
+        "llama": shrunk_config(tmp_path, "llama3_8b"),
+        "phi3": shrunk_config(tmp_path, "phi3_mini_4k"),
+        "neox": shrunk_config(tmp_path, "pythia_160m"),
+        "gemma2": shrunk_config(tmp_path, "gemma2_9b", tie_word_embeddings=True),
+        "qwen3": shrunk_config(tmp_path, "qwen3", tie_word_embeddings=True),
+        "falcon": shrunk_config(tmp_path, "falcon_7b", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                vocab_size=300, new_decoder_architecture=True, multi_query=False, num_kv_heads=2),
+    }
+
+
+LAYOUTS = {
+    "tp2": dict(tp=2, microbatch_size=2),
+    "pp2": dict(pp=2, microbatch_size=1, schedule="1f1b"),
+}
+EXTRA = {  # (family, name): layout
+    ("llama", "pp2-interleaved"): dict(pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2),
+    ("gemma2", "pp2-interleaved"): dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
+    ("gemma2", "pp2-zbv"): dict(pp=2, microbatch_size=1, schedule="zbv", virtual_stages=2),
+    ("phi3", "tp2-full"): dict(tp=2, microbatch_size=2, recompute="full"),
+    ("neox", "pp2-selective"): dict(pp=2, microbatch_size=1, recompute="selective"),
+}
+
+
+def reference_losses(spec: str) -> list[float]:
+    import torch
+
+    from meshplan.executor.data import global_batch, make_source
+    from meshplan.executor.runtime import Hyperparameters, lr_at
+    from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import lm_loss
+
+    torch.manual_seed(SEED)
+    built = build_model(spec, SEQ, device="cpu")
+    model = built.module
+    hp = Hyperparameters(lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                                  weight_decay=hp.weight_decay)
+    source = make_source("synthetic", built.info.vocab, SEQ, SEED)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = global_batch(source, step, GBS)
+        optimizer.zero_grad()
+        loss = lm_loss(built.forward_fn(model, (inputs,)), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, STEPS, hp)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_hf_families_train_with_tp2_and_pp2_like_one_process(tmp_path):
+    from meshplan.executor.launch import launch_jobs
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.contracts.plan import save_plan
+    from meshplan.planner.costing.hardware import load_cluster
+
+    cluster = load_cluster("cpu")
+    specs = family_specs(tmp_path)
+    cases = {(family, layout): options for family in specs for layout, options in LAYOUTS.items()}
+    cases.update(EXTRA)
+    jobs = []
+    for (family, layout), options in cases.items():
+        name = f"{family}-{layout}"
+        plan = uniform_plan(specs[family], SEQ, GBS, cluster, seed=SEED, **options)
+        assert plan.config.gpus == 2, name
+        save_plan(plan, tmp_path / f"{name}.plan.json")
+        jobs.append({"plan_path": str(tmp_path / f"{name}.plan.json"), "steps": STEPS, "lr": LR,
+                     "out": str(tmp_path / f"{name}.measured.json"), "measure_memory": False})
+    launch_jobs(jobs, 2, tmp_path / "run", timeout_s=250)
+    references = {family: reference_losses(spec) for family, spec in specs.items()}
+    failures = []
+    for family, layout in cases:
+        got = json.loads((tmp_path / f"{family}-{layout}.measured.json").read_text())["losses"]
+        expected = references[family]
+        assert len(got) == STEPS and abs(expected[-1] - expected[0]) > 1e-3  # the weights did change
+        worst = max(abs(g - e) / abs(e) for g, e in zip(got, expected))
+        if worst > RTOL:
+            failures.append(f"{family}-{layout}: relative error {worst:.2e}; got {got}, single-process {expected}")
+    assert not failures, "\n".join(failures)
