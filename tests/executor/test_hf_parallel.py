@@ -56,8 +56,9 @@ def family_specs(tmp_path) -> dict[str, str]:
         "neox": shrunk_config(tmp_path, "pythia_160m"),
         "gemma2": shrunk_config(tmp_path, "gemma2_9b", tie_word_embeddings=True),
         "qwen3": shrunk_config(tmp_path, "qwen3", tie_word_embeddings=True),
-        "falcon": shrunk_config(tmp_path, "falcon_7b", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                vocab_size=300, new_decoder_architecture=True, multi_query=False, num_kv_heads=2),
+        # Falcon-7B's 71 heads and single K/V head split no tp ways: the grouped layout with 2 K/V heads
+        "falcon": shrunk_config(tmp_path, "falcon_7b", new_decoder_architecture=True, multi_query=False,
+                                num_kv_heads=2),
     }
 
 
@@ -105,10 +106,10 @@ def reference_losses(spec: str) -> list[float]:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(300)
-def test_hf_families_train_with_tp2_and_pp2_like_one_process(tmp_path):
+def test_hf_families_train_with_tp2_and_pp2_like_one_process(run_cli, tmp_path):
     from meshplan.executor.launch import launch_jobs
     from meshplan.executor.plans import uniform_plan
-    from meshplan.planner.contracts.plan import save_plan
+    from meshplan.planner.contracts.plan import load_plan, save_plan
     from meshplan.planner.costing.hardware import load_cluster
 
     cluster = load_cluster("cpu")
@@ -123,6 +124,15 @@ def test_hf_families_train_with_tp2_and_pp2_like_one_process(tmp_path):
         save_plan(plan, tmp_path / f"{name}.plan.json")
         jobs.append({"plan_path": str(tmp_path / f"{name}.plan.json"), "steps": STEPS, "lr": LR,
                      "out": str(tmp_path / f"{name}.measured.json"), "measure_memory": False})
+    # `plan` on the Llama config accepts a tp pin now, and its plan trains like the others
+    planned = tmp_path / "llama-planned.plan.json"
+    code, _, err = run_cli("plan", "--model", specs["llama"], "--cluster", "cpu", "--gpus", 2, "--gbs", GBS,
+                           "--seq", SEQ, "--tp", 2, "--precision", "fp32", "--out", planned)
+    assert code == 0, err
+    assert load_plan(planned).config.tp == 2 and not load_plan(planned).config.sp
+    cases[("llama", "planned")] = {}
+    jobs.append({"plan_path": str(planned), "steps": STEPS, "lr": LR, "seed": SEED,
+                 "out": str(tmp_path / "llama-planned.measured.json"), "measure_memory": False})
     launch_jobs(jobs, 2, tmp_path / "run", timeout_s=250)
     references = {family: reference_losses(spec) for family, spec in specs.items()}
     failures = []
@@ -134,3 +144,40 @@ def test_hf_families_train_with_tp2_and_pp2_like_one_process(tmp_path):
         if worst > RTOL:
             failures.append(f"{family}-{layout}: relative error {worst:.2e}; got {got}, single-process {expected}")
     assert not failures, "\n".join(failures)
+
+
+def test_fused_rows_are_permuted_so_each_rank_shard_holds_its_heads():
+    import torch
+
+    from meshplan.executor.parallel.hf import _permute_rows
+
+    # Phi-3's qkv_proj: 4 query heads, 2 K/V heads of 2 rows each: [q0..q3 | k0 k1 | v0 v1]
+    linear = torch.nn.Linear(3, 16, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.arange(16.0)[:, None].expand(16, 3))
+        linear.bias.copy_(torch.arange(16.0))
+        _permute_rows(linear, [(0, 8), (8, 4), (12, 4)], 2)
+    rows = linear.weight[:, 0].tolist()
+    # rank 0: q heads 0-1, k head 0, v head 0; rank 1: q heads 2-3, k head 1, v head 1
+    assert rows == [0, 1, 2, 3, 8, 9, 12, 13, 4, 5, 6, 7, 10, 11, 14, 15]
+    assert linear.bias.tolist() == rows
+
+
+def test_train_refuses_hf_plans_it_cannot_run(tmp_path):
+    from meshplan.executor.checks import check_plan_runnable
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.costing.hardware import load_cluster
+
+    cluster = load_cluster("cpu")
+    llama = family_specs(tmp_path)["llama"]
+    with pytest.raises(MeshplanError, match="sequence parallelism is not implemented for Hugging Face models"):
+        check_plan_runnable(uniform_plan(llama, SEQ, GBS, cluster, tp=2, sp=True, microbatch_size=2), 2)
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
+                                "n_positions": 64}))
+    with pytest.raises(MeshplanError, match="layer 'blocks.0' cannot be split over tp=2 ranks: no attention"):
+        check_plan_runnable(uniform_plan(f"hf:{gpt2}", SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)
+    # GPT-2's learned positions live in the base model, outside every stage's layers
+    with pytest.raises(MeshplanError, match=r"cannot be cut into pipeline stages: .* \(wpe\); re-plan it with --pp 1"):
+        check_plan_runnable(uniform_plan(f"hf:{gpt2}", SEQ, GBS, cluster, pp=2), 2)
