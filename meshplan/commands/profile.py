@@ -138,9 +138,13 @@ def format_table(graph, batch: int) -> str:
         })
     table = pd.DataFrame(records).to_string(index=False)
     total_act = sum(layer.activation_bytes for layer in graph.layers) * batch
-    header = (f"model {graph.spec}  seq {graph.seq}  batch {batch}  dtype {graph.dtype}  "
-              f"attention {graph.attention}  (figures per layer; repeated layers collapsed; act = activation bytes "
-              "saved for backward = TP-sharded + replicated + attention scores)")
+    from meshplan.reports.plans import is_sequence_model
+
+    # a file model's shapes come from its example inputs: no sequence length, no attention kernel
+    shape = (f"seq {graph.seq}  batch {batch}  dtype {graph.dtype}  attention {graph.attention}"
+             if is_sequence_model(graph.spec) else f"batch {batch} sample(s)  dtype {graph.dtype}")
+    header = (f"model {graph.spec}  {shape}  (figures per layer; repeated layers collapsed; act = activation "
+              "bytes saved for backward = TP-sharded + replicated + attention scores)")
     scale = (1e9, "B") if graph.total_params >= 1e9 else (1e6, "M")
     totals = (f"total: {graph.total_params:,} params ({graph.total_params / scale[0]:,.2f} {scale[1]}), "
               f"forward {graph.fwd_flops * batch / 1e9:,.1f} GFLOP, backward {graph.bwd_flops * batch / 1e9:,.1f} GFLOP, "

@@ -121,6 +121,10 @@ def test_file_models_are_counted_in_samples(run_cli, tmp_path):
     assert code == 0, err
     head = out.splitlines()[0]
     assert "seq" not in head and "tokens" not in out
+    code, out, err = run_cli("profile", "--model", f"{path}:build", "--dtype", "fp32")
+    assert code == 0, err
+    head = out.splitlines()[0]
+    assert "batch 1 sample(s)" in head and " seq " not in head and "attention flash" not in head
     code, out, err = run_cli("estimate", "--model", SPEC, "--cluster", "cpu", "--gpus", "2", "--gbs", "8")
     assert code == 0 and "tokens/s" in out  # a causal LM keeps its tokens
 
