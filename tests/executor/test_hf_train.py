@@ -1,7 +1,8 @@
 """Hugging Face causal LMs (`hf:config.json`) plan inside the executor's space and train.
 
-Data parallelism only, like file models: DDP (ZeRO-0), and FSDP2 with each decoder layer its own
-unit (ZeRO-3; a tied embedding and head stay with the root). The reference is a single-process
+Data parallelism (pinned with --dp 2: the planner may also pipeline HF models, which
+test_hf_parallel.py covers): DDP (ZeRO-0), and FSDP2 with each decoder layer its own unit
+(ZeRO-3; a tied embedding and head stay with the root). The reference is a single-process
 loop written here from the rules the executor documents: weights from `torch.manual_seed(seed)`
 before transformers builds the model from its config, the zoo's token batches, the next-token
 loss, clipping to a global norm of 1, AdamW and the warm-up + cosine schedule.
@@ -69,7 +70,7 @@ def test_hf_llama_trains_with_ddp_and_fsdp_like_one_process(run_cli, tmp_path):
     for name, (tied, zero) in cases.items():
         spec, out = _config(tmp_path, tied), tmp_path / f"{name}.json"
         code, _, err = run_cli("plan", "--model", spec, "--cluster", "cpu", "--gpus", 2, "--gbs", GBS,
-                               "--seq", SEQ, "--zero", zero, "--mbs", 1, "--out", out)
+                               "--seq", SEQ, "--zero", zero, "--mbs", 1, "--dp", 2, "--out", out)
         assert code == 0, err
         plans[name] = load_plan(out)
         cfg = plans[name].config

@@ -153,3 +153,15 @@ def test_candidates_offer_tp_and_pp_for_hf_llama_but_not_sp_cp_or_falcon_7b_tp(t
     assert not any(c.sp for c in configs) and all(c.cp == 1 for c in configs)
     falcon = profile(f"hf:{FIXTURES / 'falcon_7b.json'}", 2048, cache=False)
     assert {c.tp for c in enumerate_candidates(falcon, cluster, 16, 64, Pins(zero=1, mbs=1))} == {1}
+
+
+def test_estimate_and_plan_commands_refuse_in_one_line(run_cli, tmp_path):
+    cluster, spec = _cluster(tmp_path, 6), _small_llama(tmp_path)
+    code, out, err = run_cli("estimate", "--model", spec, "--cluster", cluster, "--gpus", 6, "--gbs", 6,
+                             "--seq", 16, "--tp", 3)
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert "--tp 3 does not divide layer 'blocks.0': 4 heads, 2 KV heads, MLP width 128" in err
+    code, _, err = run_cli("plan", "--model", f"hf:{FIXTURES / 'falcon_7b.json'}", "--cluster", "h100-sxm",
+                           "--gpus", 8, "--gbs", 8, "--seq", 512, "--tp", 2)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--tp 2 does not divide layer 'blocks.0': 71 heads, 1 KV heads" in err
