@@ -16,6 +16,7 @@ resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
@@ -129,6 +130,36 @@ class CostTable:
     def min_total_time_s(self) -> float:
         """Sum over layers of the fastest option: no pipeline can do one micro-batch faster."""
         return sum(self.types[t].min_time_s() for t in self.layer_type)
+
+    # Aggregates the search reads once per candidate (computed once per table; a table is shared
+    # by every candidate with its strategy).
+    @cached_property
+    def type_counts(self) -> tuple[tuple[int, int], ...]:
+        """(type index, layers of that type), in order of first appearance."""
+        counts: dict[int, int] = {}
+        for t in self.layer_type:
+            counts[t] = counts.get(t, 0) + 1
+        return tuple(counts.items())
+
+    @cached_property
+    def fastest_sum_s(self) -> float:
+        """Sum over layers of the fastest option's time (as `min_total_time_s`, by type)."""
+        return sum(n * self.types[t].min_time_s() for t, n in self.type_counts)
+
+    @cached_property
+    def least_static_bytes(self) -> float:
+        """Sum over layers of the leanest option's resident bytes."""
+        return sum(n * min(o.static_bytes for o in self.types[t].options) for t, n in self.type_counts)
+
+    def least_tail_s(self, blocking: bool) -> float:
+        """Sum over layers of the least per-step tail (gather + optimizer, and with `blocking` the
+        gradient reduction too)."""
+        cache = self.__dict__.setdefault("_least_tail", {})
+        if blocking not in cache:
+            cache[blocking] = sum(n * min(o.param_gather_s + o.optimizer_s + (o.dp_comm_s if blocking else 0.0)
+                                          for o in self.types[t].options)
+                                  for t, n in self.type_counts)
+        return cache[blocking]
 
 
 def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> OptionCost:

@@ -48,26 +48,18 @@ def step_factor_floor(schedule: str, num_stages: int, num_microbatches: int, vir
 
 
 def _type_counts(table) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for t in table.layer_type:
-        counts[t] = counts.get(t, 0) + 1
-    return counts
+    return dict(table.type_counts)
 
 
 def average_tail_s(table, pp: int, grad_sync: str = "overlap") -> float:
     """The tail is at least the average per-rank optimizer + gather time plus the fixed work, and
     with a blocking reduction after each chunk (grad_sync "after_chunk") the whole reduction too."""
-    blocking = grad_sync == "after_chunk"
-    tail = sum(n * min(o.param_gather_s + o.optimizer_s + (o.dp_comm_s if blocking else 0.0)
-                       for o in table.types[t].options)
-               for t, n in _type_counts(table).items())
-    return tail / pp + table.rank_fixed_s
+    return table.least_tail_s(grad_sync == "after_chunk") / pp + table.rank_fixed_s
 
 
 def compute_bound_s(table, shape, grad_sync: str = "overlap") -> float:
     """Compute alone: perfectly balanced stages with every layer at its fastest option."""
-    total = (sum(n * table.types[t].min_time_s() for t, n in _type_counts(table).items())
-             + table.chunk_overhead_s * shape.num_chunks)
+    total = table.fastest_sum_s + table.chunk_overhead_s * shape.num_chunks
     slowest_weight, sum_weight = shape.weights
     pp = shape.num_stages
     return ((slowest_weight / pp + sum_weight) * total + shape.transfers_on_path * table.p2p_s

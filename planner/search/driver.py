@@ -118,7 +118,8 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
         raise MeshplanError(infeasible_message(graph, cluster, gpus, global_batch, precision, pins,
                                                candidates, max_mbs))
     feasible = _polish(feasible, num_keep, {s.candidate: s.problem for s in solved if s.problem is not None}, workers)
-    ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision)
+    ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision,
+                           more=lambda: _solve_more(solved, problems, num_keep, workers))
     ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision)
     stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
              "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
@@ -135,15 +136,23 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
 
 
 def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int, gpus, global_batch,
-                  precision) -> list[Ranked]:
+                  precision, more=None) -> list[Ranked]:
     """Simulate the best solutions in ILP order and rank them, fitting ones first by simulated step
     time. A plan is only written if the simulator says it fits: while none of the simulated ones
-    does, the next `num_keep` are simulated too; if none fits at all, the request is refused,
+    does, the next `num_keep` are simulated too, and once the solved ones run out `more()` solves
+    the next best of the candidates pruned so far; if none fits at all, the request is refused,
     naming the binding limit."""
     ranked: list[Ranked] = []
-    for start in range(0, len(feasible), num_keep):
+    start = 0
+    while True:
+        if start >= len(feasible):
+            extra = more() if more is not None else []
+            if not extra:
+                break
+            feasible = feasible + extra
         ranked += [_simulate(graph, cluster, s, tables[s.candidate], gpus, global_batch, precision)
                    for s in feasible[start:start + num_keep]]
+        start += num_keep
         if any(r.prediction.fits for r in ranked):
             break
     ranked.sort(key=lambda r: (not r.prediction.fits, r.prediction.step_time_s, r.solution.objective_s,
@@ -157,6 +166,25 @@ def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int,
             f"{cluster.device.usable_memory_bytes / gib:.2f} GiB usable on {cluster.device.name} (binding: "
             "memory per GPU); use more GPUs, a larger device, or pin --recompute full")
     return ranked
+
+
+def _solve_more(solved: list[Solved], problems: list, num_keep: int, workers: int) -> list[Solved]:
+    """The next best solutions when none of those solved fits when simulated: the candidates that
+    were pruned against the best objectives (a bound or the ILP's cutoff, not a memory proof) are
+    searched again, pruned against their own `num_keep`-th best. `solved` is updated in place;
+    returns the new feasible solutions in ILP order."""
+    pending = {item[0]: item for item in problems}
+    again = [index for index, s in enumerate(solved)
+             if s.candidate in pending and (s.pruned in ("bound", "memory_bound")
+                                           or (s.solution is not None and s.solution.status == "cutoff"))]
+    if not again:
+        return []
+    new = solve_candidates([pending[solved[index].candidate] for index in again], num_keep=num_keep, workers=workers)
+    by_candidate = {s.candidate: s for s in new}
+    for index in again:
+        solved[index] = by_candidate[solved[index].candidate]
+    return sorted((s for s in new if s.solution is not None and s.solution.feasible),
+                  key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
 
 
 def _polish(feasible: list[Solved], num_keep: int, problems: dict, workers: int) -> list[Solved]:

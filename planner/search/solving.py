@@ -14,6 +14,7 @@ from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_
 from meshplan.planner.simulation.split_backward import model_weight_share
 from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
 from meshplan.planner.search.candidates import divisors
+from meshplan.planner.search.ilp.evaluation import evaluate_assignment, expand_counts, heuristic_start
 from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, compact_structure,
                                                      solve_stages)
 
@@ -31,9 +32,8 @@ def lower_bound_s(table: CostTable, shape: PipelineShape) -> float:
     and T_max >= S / p, so the pipeline term is at least F S / p; the transfers add G P, and
     the tail is at least the average per-rank optimizer + gather time plus the fixed work.
     """
-    counts = _type_counts(table)
-    total = sum(n * table.types[t].min_time_s() for t, n in counts.items()) + table.chunk_overhead_s * shape.num_chunks
-    tail = sum(n * min(o.param_gather_s + o.optimizer_s for o in table.types[t].options) for t, n in counts.items())
+    total = table.fastest_sum_s + table.chunk_overhead_s * shape.num_chunks
+    tail = table.least_tail_s(False)
     slowest_weight, sum_weight = shape.weights
     pp = shape.num_stages
     return ((slowest_weight / pp + sum_weight) * total + shape.transfers_on_path * table.p2p_s
@@ -63,16 +63,13 @@ def floor_shape(candidate: ParallelConfig) -> PipelineShape:
 
 
 def _type_counts(table: CostTable) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for t in table.layer_type:
-        counts[t] = counts.get(t, 0) + 1
-    return counts
+    return dict(table.type_counts)
 
 
 
 def min_static_bytes(table: CostTable, pp: int) -> float:
     """Resident bytes of the least loaded rank can be no less than the average."""
-    return sum(n * min(o.static_bytes for o in table.types[t].options) for t, n in _type_counts(table).items()) / pp
+    return table.least_static_bytes / pp
 
 
 
@@ -121,8 +118,13 @@ class Pending:
 
 
 def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]], *, num_keep: int,
-                     workers: int = 2, progress=None) -> list[Solved]:
+                     workers: int = 2, progress=None, seed: bool = True) -> list[Solved]:
     """Solve in order of lower bound, pruning against the `num_keep`-th best objective so far.
+
+    Before the first batch, `seed` evaluates the heuristic assignment of the candidates with the
+    smallest bounds (`_seed_threshold`): num_keep distinct candidates with feasible assignments
+    of objective at most U prove that the num_keep-th best objective is at most U, so the first
+    batches already prune against U and solve with it as their cutoff.
 
     A heap holds the candidates by bound; one whose bound is still the cheap floor (`Pending`
     with exact False) is refined when it reaches the top (exact step factor, memory-aware bound)
@@ -136,9 +138,10 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
     heap = [(item[1], item[0].sort_key, index, item, 0 if isinstance(item, Pending) else 2, "bound")
             for index, item in enumerate(problems)]
     heapq.heapify(heap)
+    seeded = _seed_threshold(heap, num_keep, results, progress) if seed else math.inf
     try:
         while heap:
-            threshold = best[num_keep - 1] if len(best) >= num_keep else math.inf
+            threshold = min(seeded, best[num_keep - 1] if len(best) >= num_keep else math.inf)
             batch = _next_batch(heap, threshold, results, progress)
             mapper = pool.map if pool is not None else map
             cutoff = threshold if math.isfinite(threshold) else None
@@ -159,6 +162,66 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
         if pool is not None:
             pool.shutdown()
     return results
+
+
+# Candidates whose heuristic assignment `_seed_threshold` evaluates, at most, per kept solution.
+SEED_CANDIDATES_PER_KEPT = 6
+# Relative slack on the seeded threshold: a candidate whose heuristic assignment is already
+# optimal must not be cut off by its own value (HiGHS compares against its cutoff within its
+# tolerances), so it only prunes what is clearly worse.
+SEED_SLACK = 1e-4
+
+
+def heuristic_upper_s(problem: StageProblem) -> float:
+    """The objective of `ilp.evaluation.heuristic_start`'s assignment when it fits, else inf: an
+    upper bound on the problem's ILP optimum (it is one of the ILP's feasible assignments)."""
+    structure = compact_structure(problem.table)
+    if structure is None or problem.objective != "time":
+        return math.inf
+    found = heuristic_start(problem, structure)
+    if found is None:
+        return math.inf
+    counts, pinned = found
+    chunks, options = expand_counts(counts, structure[0], problem.table.num_layers, problem.shape.num_chunks, pinned)
+    objective, _, memory = evaluate_assignment(problem, chunks, options)
+    if problem.mem_limit_bytes is not None and max(memory) > problem.mem_limit_bytes:
+        return math.inf
+    return objective
+
+
+def _seed_threshold(heap: list, num_keep: int, results: list[Solved], progress) -> float:
+    """A valid pruning threshold before anything is solved: walk the heap in bound order (as
+    `_next_batch` does, refining bounds), evaluate each candidate's heuristic assignment, and
+    stop once the next bound reaches the num_keep-th smallest objective found (or after
+    SEED_CANDIDATES_PER_KEPT * num_keep candidates). The
+    num_keep-th smallest of these objectives, one per candidate, is at least the num_keep-th
+    best ILP objective, so whatever bounds at or above it cannot be re-ranked. The candidates
+    looked at go back on the heap with their refined bounds."""
+    looked, uppers = [], []
+    while heap and len(looked) < SEED_CANDIDATES_PER_KEPT * num_keep:
+        if len(uppers) >= num_keep and heap[0][0] >= sorted(uppers)[num_keep - 1]:
+            break  # nothing further can lower the threshold
+        entry = heapq.heappop(heap)
+        bound, key, index, item, level, reason = entry
+        if level < 2:
+            new_bound, new_reason = _refine(item, level + 1)
+            if math.isinf(new_bound):
+                results.append(Solved(item[0], new_bound, pruned="memory"))
+                tick(progress)
+                continue
+            if new_bound > bound:
+                bound, reason = new_bound, new_reason
+            heapq.heappush(heap, (bound, key, index, item, level + 1, reason))
+            continue
+        looked.append(entry)
+        upper = heuristic_upper_s(item[2])
+        if math.isfinite(upper):
+            uppers.append(upper)
+    for entry in looked:
+        heapq.heappush(heap, entry)
+    if len(uppers) < num_keep:
+        return math.inf
+    return sorted(uppers)[num_keep - 1] * (1 + SEED_SLACK)
 
 
 def _next_batch(heap: list, threshold: float, results: list[Solved], progress) -> list[tuple]:
@@ -262,16 +325,26 @@ def best_expert_degrees(problems: list) -> tuple[list, list[Solved]]:
     bound (ties: the smaller ep); the others are pruned by the bound."""
     groups: dict = {}
     for item in problems:
-        groups.setdefault(replace(item[0], ep=1), []).append(item)
+        groups.setdefault(_but_ep(item[0]), []).append(item)
+    chosen = set()
+    for rivals in groups.values():
+        if len(rivals) > 1:
+            rivals.sort(key=lambda other: (other[1], other[0].ep))
+        chosen.update(id(other) for other in rivals[:EXPERT_DEGREES_SOLVED])
     kept, dropped = [], []
     for item in problems:
-        rivals = sorted(groups[replace(item[0], ep=1)], key=lambda other: (other[1], other[0].ep))
-        if any(item is other for other in rivals[:EXPERT_DEGREES_SOLVED]):
+        if id(item) in chosen:
             kept.append(item)
         else:
             dropped.append(Solved(item[0], item[1], pruned="expert_degree"))  # a rule, not a bound
     return kept, dropped
 
+
+
+def _but_ep(c: ParallelConfig) -> tuple:
+    """Every field of a candidate but ep (the group `best_expert_degrees` compares within)."""
+    return (c.gpus, c.global_batch, c.tp, c.pp, c.dp, c.microbatch_size, c.cp, c.zero, c.recompute, c.sp,
+            c.schedule, c.virtual_stages, c.precision, c.shard_group)
 
 
 def _layerwise_meshes(candidate: ParallelConfig, cluster) -> tuple[tuple[int, int], ...]:

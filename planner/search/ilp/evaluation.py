@@ -168,7 +168,7 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
                                  key=lambda o: table.types[table.layer_type[layer]].options[o].act_bytes)
                       for layer in range(table.num_layers) if not first <= layer < first + count}
     for _ in range(count + 1):
-        chunks, chosen = _expand(counts, first, table.num_layers, num_chunks, pinned_options)
+        chunks, chosen = expand_counts(counts, first, table.num_layers, num_chunks, pinned_options)
         memory = memory_of_assignment(problem, chunks, chosen, peaks)
         over = [r for r in range(pp) if problem.mem_limit_bytes is not None and memory[r] > problem.mem_limit_bytes]
         if not over:
@@ -186,7 +186,9 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     return None
 
 
-def _expand(counts, first: int, num_layers: int, num_chunks: int, pinned_options: dict[int, int]):
+def expand_counts(counts, first: int, num_layers: int, num_chunks: int, pinned_options: dict[int, int]):
+    """(chunk_of_layer, option_of_layer) of a compact assignment: per chunk and option, how many
+    run layers, plus the pinned first and last layers' options."""
     chunks, chosen = [0] * num_layers, [0] * num_layers
     for layer, option in pinned_options.items():
         chunks[layer], chosen[layer] = (0 if layer < first else num_chunks - 1), option

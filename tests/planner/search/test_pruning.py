@@ -4,7 +4,8 @@ Brute force solves every candidate's ILP (no cutoff, no pruning); the pruned sea
 hold the same best `num_keep` objectives, every pruned candidate's bound must be at most its
 brute-force objective (or the candidate infeasible), and the plan's accounting must add up.
 Each bound is exercised: the compute bound at the floor step factor, the memory-aware bound
-without and with the schedule replayed, and the "no assignment fits" proof.
+without and with the schedule replayed, the "no assignment fits" proof, and the threshold seeded
+from heuristic assignments before anything is solved (each one an upper bound on its ILP).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from meshplan.planner.search import bounds
 from meshplan.planner.search.candidates import MEMORY_MARGIN, Pins, enumerate_candidates, usable_memory_bytes
 from meshplan.planner.search.driver import search_plan
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, compact_structure, solve_stages
-from meshplan.planner.search.solving import build_problems, solve_candidates
+from meshplan.planner.search.solving import build_problems, heuristic_upper_s, solve_candidates
 from meshplan.planner.simulation.factors import step_factor
 
 from tests.planner.search.test_solve import random_table
@@ -57,7 +58,18 @@ def test_pruned_search_keeps_the_brute_force_best(case):
     ranked = sorted((objective, c.sort_key, c) for c, objective in brute.items() if math.isfinite(objective))
     assert len(ranked) > NUM_KEEP, "the case must leave something to prune"
 
-    solved = solve_candidates(problems, num_keep=NUM_KEEP, workers=1)
+    # the seeded threshold: every heuristic assignment is an upper bound on its ILP's optimum,
+    # so the NUM_KEEP-th smallest of them bounds the NUM_KEEP-th best objective
+    uppers = {}
+    for candidate, _, problem in problems:
+        uppers[candidate] = heuristic_upper_s(problem)
+        if math.isfinite(uppers[candidate]):
+            assert brute[candidate] <= uppers[candidate] * (1 + REL_TOL), candidate.label()
+    finite = sorted(u for u in uppers.values() if math.isfinite(u))
+    if len(finite) >= NUM_KEEP:
+        assert ranked[NUM_KEEP - 1][0] <= finite[NUM_KEEP - 1] * (1 + REL_TOL)
+
+    solved = solve_candidates(problems, num_keep=NUM_KEEP, workers=1)  # seeded (the default)
     assert len(solved) == len(problems)
     reasons = {s.pruned for s in solved}
     assert reasons & {"bound", "memory_bound"}, f"nothing was pruned by a bound in {case}"
