@@ -217,7 +217,10 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     activation_bytes, buffer_bytes = fp8.adjust_memory(layer, info, strategy, split, executor, zero, act_scale,
                                                        activation_bytes, buffer_bytes)
     gathered_bytes = params_per_rank * gather_bytes  # one unsharded copy, compute dtype (fp8 Linears: fp8)
-    fsdp_root = executor and layer.kind in ("embedding", "head")  # the stage's own FSDP unit, not a block's
+    # The zoo's embedding and head belong to the stage's root FSDP unit; a file or HF model's are
+    # units of their own (`executor.filemodel._fsdp_units`) unless a tied weight keeps them in the root.
+    fsdp_root = executor and layer.kind in ("embedding", "head") and (
+        info.family not in ("file", "hf") or info.tied_embeddings)
     if zero == 3 and not (fsdp_root and dp > 1):  # gathered full parameters live during fwd/bwd
         buffer_bytes += gathered_bytes
     if executor:
