@@ -10,10 +10,12 @@ layout (`planner.models.hf_tp`). A fused projection is split by its known layout
 Phi-3's [q | k | v] `qkv_proj` and [gate | up] `gate_up_proj` are permuted so that each rank's
 contiguous shard holds its own q, k and v heads (or gate and up halves); GPT-NeoX's and Falcon's
 `query_key_value` are laid out per head or per K/V group already. The attention module gets
-its local head counts (attributes, and a copy of its config, with heads divided by tp). The
-embedding and the output head stay whole on every rank (replicated, as the cost model prices
-them); sequence parallelism is not implemented. Checkpoints of a TP plan hold the permuted
-fused rows: resume them with the same tp.
+its local head counts (attributes, and a copy of its config, with heads divided by tp). Per-head
+norms (Gemma-3's and Qwen3's q/k norms) see only the local heads, so their replicated weights'
+gradients are summed over the TP ranks. The embedding and the output head stay whole on every
+rank (replicated, as the cost model prices them); sequence parallelism is not implemented.
+Checkpoints hold the layout's own parameter names (a stage's, below) and the permuted fused
+rows: resume them with the same plan.
 
 Pipeline parallelism (`HFStage`): a chunk holds the embedding (first chunk), its decoder layers
 and the final norm + output head (last chunk), named `embed.tok`, `blocks.<index>`, `head.norm`
@@ -28,7 +30,6 @@ not end the model stops after its last layer.
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
 
 import torch
 from torch import nn
