@@ -230,28 +230,13 @@ class _Played:
     dp_intervals: tuple[tuple[tuple[float, float], ...], ...]  # per rank ("after_chunk" only)
 
 
-def _input(action: Action, chunks: list[_Chunk], fwd_end, bwd_end, transfer: list[float]):
-    """(key of the action that produces this action's input, when it is in (-1: not yet), link
-    seconds). F reads the previous chunk's output, B and I the next chunk's input gradient; W
-    only its own I, which comes earlier on the same rank. A neighbour on the same rank (the tip
-    of a V) hands its tensor over without a transfer."""
-    chunk, mb = action.chunk, action.microbatch
-    if action.kind == "F" and chunk > 0:
-        producer, link_s, ready = chunk - 1, transfer[chunk - 1], fwd_end[chunk - 1][mb]
-    elif action.kind in ("B", "I") and chunk < len(chunks) - 1:
-        producer, link_s, ready = chunk + 1, transfer[chunk], bwd_end[chunk + 1][mb]
-    else:
-        return None, 0.0, 0.0
-    same_rank = chunks[producer].rank == chunks[chunk].rank
-    return ("F" if action.kind == "F" else "B", producer, mb), (0.0 if same_rank else link_s), ready
-
-
 def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
     """Run every rank's action list; an action starts when its rank is free and its input is in.
 
     Split backwards: I publishes the input gradient (as B does), W depends on nothing remote. A
     DualPipeV "F;B" pair runs its two actions back to back and its forward's output is only sent
-    when the pair ends (torch posts both sends after the pair)."""
+    when the pair ends (torch posts both sends after the pair). This loop runs once per action
+    of the step, so it is written out flat."""
     cfg = costs.config
     num_mb, num_chunks = cfg.num_microbatches, cfg.num_model_chunks
     # Without pipelining the executor accumulates gradients forward, backward, forward, ...
@@ -259,8 +244,12 @@ def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
     schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
     orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages)
     transfer = list(costs.p2p_time_s) or [0.0] * (num_chunks - 1)
-    seconds = {(c, kind): (action_part(chunk, kind).fwd_s if kind == "F" else action_part(chunk, kind).bwd_s)
-               for c, chunk in enumerate(chunks) for kind in "FBIW"}
+    seconds = {kind: [action_part(chunk, kind).fwd_s if kind == "F" else action_part(chunk, kind).bwd_s
+                      for chunk in chunks] for kind in "FBIW"}
+    chunk_rank = [chunk.rank for chunk in chunks]
+    reduce_s = [chunk.grad_reduce_s for chunk in chunks]
+    last_chunk, last_mb = len(chunks) - 1, num_mb - 1
+    after_chunk = costs.grad_sync == "after_chunk"
     fwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
     bwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
     runs: list[list[_Run]] = [[] for _ in range(cfg.pp)]
@@ -271,38 +260,75 @@ def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
     # that produces it and is woken when that action is published: O(actions) in all.
     waiting_for: dict[tuple[str, int, int], int] = {}
     ready_ranks = deque(range(cfg.pp))
+    run = _Run
     while ready_ranks:
         rank = ready_ranks.popleft()
         order = orders[rank]
-        while position[rank] < len(order):
-            action = order[position[rank]]
-            chunk, mb = action.chunk, action.microbatch
-            dep_key, link_s, dep_end = _input(action, chunks, fwd_end, bwd_end, transfer)
-            if dep_end < 0:
-                waiting_for[dep_key] = rank  # input not produced yet: another rank must move first
-                break
-            free = max(free_at[rank], blocked_until[rank])
-            start = max(free, dep_end + link_s)
-            end = start + seconds[chunk, action.kind]
-            runs[rank].append(_Run(action, start, end, max(0.0, dep_end - free),
-                                   max(0.0, start - max(free, dep_end)), free - free_at[rank]))
-            free_at[rank] = end
-            if costs.grad_sync == "after_chunk" and action.frees_activations and mb == num_mb - 1:
-                reduce_start = max(end, dp_intervals[rank][-1][1] if dp_intervals[rank] else 0.0)
-                dp_intervals[rank].append((reduce_start, reduce_start + chunks[chunk].grad_reduce_s))
-                blocked_until[rank] = reduce_start + chunks[chunk].grad_reduce_s
-            position[rank] += 1
-            published = [action] if action.kind != "W" else []
-            if held[rank] is not None:  # the pair ends here: its forward's output leaves now
-                published.append(held[rank])
-                held[rank] = None
-            if action.overlap:
-                held[rank], published = action, []
-            for done in published:
-                (fwd_end if done.kind == "F" else bwd_end)[done.chunk][done.microbatch] = end
-                woken = waiting_for.pop(("F" if done.kind == "F" else "B", done.chunk, done.microbatch), None)
+        pos, count = position[rank], len(order)
+        rank_runs, rank_free, rank_blocked, rank_held = runs[rank], free_at[rank], blocked_until[rank], held[rank]
+        while pos < count:
+            action = order[pos]
+            kind, chunk, mb, overlap = action
+            # the input: F reads the previous chunk's output, B and I the next chunk's input
+            # gradient (W only its own I, earlier on this rank); a neighbour on the same rank
+            # (the tip of a V) hands its tensor over without a transfer
+            if kind == "F" and chunk > 0:
+                dep_end = fwd_end[chunk - 1][mb]
+                if dep_end < 0:
+                    waiting_for[("F", chunk - 1, mb)] = rank
+                    break
+                link_s = 0.0 if chunk_rank[chunk - 1] == chunk_rank[chunk] else transfer[chunk - 1]
+            elif (kind == "B" or kind == "I") and chunk < last_chunk:
+                dep_end = bwd_end[chunk + 1][mb]
+                if dep_end < 0:
+                    waiting_for[("B", chunk + 1, mb)] = rank
+                    break
+                link_s = 0.0 if chunk_rank[chunk + 1] == chunk_rank[chunk] else transfer[chunk]
+            else:
+                dep_end = link_s = 0.0
+            free = rank_blocked if rank_blocked > rank_free else rank_free
+            arrival = dep_end + link_s
+            start = arrival if arrival > free else free
+            end = start + seconds[kind][chunk]
+            bubble = dep_end - free
+            link_wait = start - (dep_end if dep_end > free else free)
+            rank_runs.append(run(action, start, end, bubble if bubble > 0.0 else 0.0,
+                                 link_wait if link_wait > 0.0 else 0.0, free - rank_free))
+            rank_free = end
+            if after_chunk and (kind == "B" or kind == "W") and mb == last_mb:
+                intervals = dp_intervals[rank]
+                reduce_start = max(end, intervals[-1][1] if intervals else 0.0)
+                intervals.append((reduce_start, reduce_start + reduce_s[chunk]))
+                rank_blocked = reduce_start + reduce_s[chunk]
+            pos += 1
+            if rank_held is None and not overlap:  # the common case: the action publishes itself
+                if kind == "F":
+                    fwd_end[chunk][mb] = end
+                    woken = waiting_for.pop(("F", chunk, mb), None)
+                elif kind == "W":
+                    continue
+                else:
+                    bwd_end[chunk][mb] = end
+                    woken = waiting_for.pop(("B", chunk, mb), None)
                 if woken is not None:
                     ready_ranks.append(woken)
+                continue
+            published = [action] if kind != "W" else []
+            if rank_held is not None:  # the pair ends here: its forward's output leaves now
+                published.append(rank_held)
+                rank_held = None
+            if overlap:
+                rank_held, published = action, []
+            for done in published:
+                if done.kind == "F":
+                    fwd_end[done.chunk][done.microbatch] = end
+                    woken = waiting_for.pop(("F", done.chunk, done.microbatch), None)
+                else:
+                    bwd_end[done.chunk][done.microbatch] = end
+                    woken = waiting_for.pop(("B", done.chunk, done.microbatch), None)
+                if woken is not None:
+                    ready_ranks.append(woken)
+        position[rank], free_at[rank], blocked_until[rank], held[rank] = pos, rank_free, rank_blocked, rank_held
     if any(position[rank] < len(order) for rank, order in enumerate(orders)):  # a schedule bug
         raise AssertionError(f"pipeline schedule deadlocked at positions {position}")
     return _Played(tuple(map(tuple, runs)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)),
@@ -355,8 +381,15 @@ def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list
                 intervals.append((start, free_at))
         dp_end = intervals[-1][1] if intervals else 0.0
         compute_end = played.runs[rank][-1].end_s
-        delays = rank_delays(intervals, played.runs[rank], chunks, _transfers_of(rank, costs, chunks, played),
-                             costs.dp_link, costs.pp_link)
+        if intervals and costs.dp_link:
+            # only what overlaps a reduction can be delayed by it (the rest adds zeros)
+            first_s, last_s = min(start for start, _ in intervals), max(end for _, end in intervals)
+            runs = [run for run in played.runs[rank] if run.end_s > first_s and run.start_s < last_s]
+            transfers = ([(start, end) for start, end in _transfers_of(rank, costs, chunks, played)
+                          if end > first_s and start < last_s] if costs.pp_link == costs.dp_link else [])
+            delays = rank_delays(intervals, runs, chunks, transfers, costs.dp_link, costs.pp_link)
+        else:
+            delays = rank_delays(intervals, played.runs[rank], chunks, [], costs.dp_link, costs.pp_link)
         tails.append(_RankTail(compute_end, tuple(intervals), dp_end, optimizer_s[rank], gather_s[rank],
                                delays.compute_s, delays.dp_s))
     return tails
@@ -376,8 +409,9 @@ def _transfers_of(rank: int, costs: StepCosts, chunks: list[_Chunk], played: _Pl
     return out
 
 
-def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
-    """Per rank: breakdown at the peak, and the (time, live bytes) curve over the step."""
+def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played, curves: bool = True):
+    """Per rank: breakdown at the peak, and the (time, live bytes) curve over the step (empty
+    without `curves`)."""
     cfg = costs.config
     resident = [[0.0, 0.0, 0.0] for _ in range(cfg.pp)]
     buffers = [0.0] * cfg.pp
@@ -389,25 +423,29 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played):
         resident[rank][1] += cost.grad_bytes
         resident[rank][2] += cost.optimizer_bytes
         buffers[rank] = max(buffers[rank], cost.buffer_bytes)
-    breakdowns, curves = [], []
+    sizes = [chunk.activation_bytes for chunk in chunks]
+    breakdowns, out = [], []
     for rank in range(cfg.pp):
         base = sum(resident[rank])
         live = peak = 0.0
         curve = [(0.0, base)]
         for run in played.runs[rank]:
-            size = chunks[run.action.chunk].activation_bytes
-            if run.action.kind == "F":  # saved activations grow while the forward runs
-                live += size
-                peak = max(peak, live)
-                curve.append((run.start_s, base + live))
-            elif run.action.frees_activations:  # B, or W after a split backward (I keeps them)
-                live -= size
-                curve.append((run.end_s, base + live))
+            kind = run.action.kind
+            if kind == "F":  # saved activations grow while the forward runs
+                live += sizes[run.action.chunk]
+                if live > peak:
+                    peak = live
+                if curves:
+                    curve.append((run.start_s, base + live))
+            elif kind == "B" or kind == "W":  # B, or W after a split backward (I keeps them)
+                live -= sizes[run.action.chunk]
+                if curves:
+                    curve.append((run.end_s, base + live))
         params, grads, optimizer = resident[rank]
         breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
                                           activations=peak, buffers=buffers[rank], experts=experts[rank]))
-        curves.append(tuple(curve))
-    return tuple(breakdowns), tuple(curves)
+        out.append(tuple(curve) if curves else ())
+    return tuple(breakdowns), tuple(out)
 
 
 def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
@@ -416,7 +454,7 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     played = _play(costs, chunks)
     tails = _rank_tails(costs, chunks, played)
     step_s = max(tail.end_s for tail in tails)
-    memory, curves = _memory(costs, chunks, played)
+    memory, curves = _memory(costs, chunks, played, curves=timeline)
     peak_bytes = max(m.total for m in memory)
     busy = [sum(run.end_s - run.start_s for run in runs) for runs in played.runs]
     busiest = busy.index(max(busy))

@@ -25,7 +25,8 @@ def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_s
     zero-bubble schedules run `weight_share` as W (see above)."""
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.layer_costs import LayerCost
-    from meshplan.planner.simulation.engine import StepCosts, simulate_step
+    from meshplan.planner.simulation.engine import StepCosts, _build_chunks, _play
+    from meshplan.planner.simulation.split_backward import with_weight_grad
 
     if bwd_over_fwd <= 0:
         raise ValueError(f"bwd_over_fwd must be positive, got {bwd_over_fwd}")
@@ -40,4 +41,8 @@ def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_s
     num_chunks = num_stages * virtual_stages
     costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)),
                       weight_grad_share=(weight_share,) * num_chunks)
-    return simulate_step(costs).step_time_s / (virtual_stages * (1.0 + bwd_over_fwd))
+    # Unit chunks have no reduction, optimizer or memory: the step ends with the last action
+    # (what `simulate_step` reports for them, without its tails, memory and breakdown).
+    played = _play(costs, with_weight_grad(costs, _build_chunks(costs)))
+    step_s = max(runs[-1].end_s for runs in played.runs)
+    return step_s / (virtual_stages * (1.0 + bwd_over_fwd))

@@ -161,29 +161,83 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
 
     def chunk_s(c):
         return const[c] + sum(n * options[o].time_s for o, n in enumerate(counts[c]))
+    times = [chunk_s(c) for c in range(num_chunks)]  # kept equal to chunk_s(c), chunk by chunk
     for _ in range(count - sum(map(sum, counts))):  # extra layers where they hold fewest micro-batches
-        c = min(range(num_chunks), key=lambda c: (chunk_s(c) + options[fast].time_s, weight[c], c))
+        c = min(range(num_chunks), key=lambda c: (times[c] + options[fast].time_s, weight[c], c))
         counts[c][fast] += 1
+        times[c] = chunk_s(c)
     pinned_options = {layer: min(range(len(table.types[table.layer_type[layer]].options)),
                                  key=lambda o: table.types[table.layer_type[layer]].options[o].act_bytes)
                       for layer in range(table.num_layers) if not first <= layer < first + count}
+    limit = problem.mem_limit_bytes
+    if limit is None:
+        return counts, pinned_options
+    state = _CountMemory(problem, counts, first, pinned_options, peaks)
     for _ in range(count + 1):
-        chunks, chosen = expand_counts(counts, first, table.num_layers, num_chunks, pinned_options)
-        memory = memory_of_assignment(problem, chunks, chosen, peaks)
-        over = [r for r in range(pp) if problem.mem_limit_bytes is not None and memory[r] > problem.mem_limit_bytes]
+        memory = state.memory
+        if any(abs(m - limit) <= 1e-9 * limit for m in memory):  # too close to call in another summation order
+            chunks, chosen = expand_counts(counts, first, table.num_layers, num_chunks, pinned_options)
+            memory = memory_of_assignment(problem, chunks, chosen, peaks)
+        over = [r for r in range(pp) if memory[r] > limit]
         if not over:
             return counts, pinned_options
         movable = [c for c in shape.chunks_on(over[0]) if any(counts[c][o] for o in range(len(options)) if o != lean)]
         if not movable:
             return None
-        slowest = max(chunk_s(c) for c in range(num_chunks))
+        slowest = max(times)
         extra = options[lean].time_s - options[fast].time_s
         # Prefer chunks with room below the slowest, then the most live micro-batches.
-        c = min(movable, key=lambda c: (chunk_s(c) + extra > slowest, -weight[c], c))
+        c = min(movable, key=lambda c: (times[c] + extra > slowest, -weight[c], c))
         o = next(o for o in range(len(options)) if o != lean and counts[c][o])
         counts[c][o] -= 1
         counts[c][lean] += 1
+        times[c] = chunk_s(c)
+        state.moved(c, o, lean)
     return None
+
+
+class _CountMemory:
+    """`memory_of_assignment` of a compact assignment kept from its counts as layers change
+    option (equal up to rounding; `heuristic_start` rechecks exactly near the limit)."""
+
+    def __init__(self, problem: StageProblem, counts, first: int, pinned_options: dict[int, int], peaks):
+        table, shape = problem.table, problem.shape
+        self.shape, self.counts, self.peaks = shape, counts, peaks
+        pp, num_chunks = shape.num_stages, shape.num_chunks
+        self.options = table.types[table.layer_type[first]].options
+        self.chunk_act = chunk_fixed_bytes(table, num_chunks)
+        self.static, self.pinned_buffer = [0.0] * pp, [0.0] * pp
+        for layer, index in pinned_options.items():
+            chunk = 0 if layer < first else num_chunks - 1
+            option = table.option(layer, index)
+            rank = shape.rank_of(chunk)
+            self.chunk_act[chunk] += option.act_bytes
+            self.static[rank] += option.static_bytes
+            self.pinned_buffer[rank] = max(self.pinned_buffer[rank], option.buffer_bytes)
+        for c, row in enumerate(counts):
+            rank = shape.rank_of(c)
+            for o, n in enumerate(row):
+                if n:
+                    self.chunk_act[c] += n * self.options[o].act_bytes
+                    self.static[rank] += n * self.options[o].static_bytes
+        self.memory = [self._rank(r) for r in range(pp)]
+
+    def _rank(self, rank: int) -> float:
+        chunks = self.shape.chunks_on(rank)
+        buffer = self.pinned_buffer[rank]
+        for c in chunks:
+            for o, n in enumerate(self.counts[c]):
+                if n:
+                    buffer = max(buffer, self.options[o].buffer_bytes)
+        act = max(sum(live[j] * self.chunk_act[c] for j, c in enumerate(chunks)) for live in self.peaks[rank])
+        return self.static[rank] + act + buffer
+
+    def moved(self, chunk: int, old: int, new: int) -> None:
+        """One layer of `chunk` went from option `old` to `new` (counts already updated)."""
+        rank = self.shape.rank_of(chunk)
+        self.chunk_act[chunk] += self.options[new].act_bytes - self.options[old].act_bytes
+        self.static[rank] += self.options[new].static_bytes - self.options[old].static_bytes
+        self.memory[rank] = self._rank(rank)
 
 
 def expand_counts(counts, first: int, num_layers: int, num_chunks: int, pinned_options: dict[int, int]):
