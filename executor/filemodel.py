@@ -1,5 +1,5 @@
 """Training a `path/model.py:fn` or `hf:config.json` model: the whole module on every rank, data
-parallelism only.
+parallelism only (HF plans with tp > 1 or pp > 1: `executor.parallel.hf`).
 
 The module is built on the CPU under `torch.manual_seed(seed)` (every rank the same weights as a
 single process with that seed), recomputation is applied per planned layer (a top-level child),
@@ -15,6 +15,7 @@ own initialisation from its config under the seed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from meshplan.planner.contracts.errors import MeshplanError
 
@@ -38,6 +39,40 @@ class FileDataSource:
 
     inputs: tuple[InputSpec, ...]
     seed: int
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What a file or HF model contributes to a rank's `runtime.Runtime`."""
+
+    chunk_ids: tuple[int, ...]
+    stages: tuple  # the modules holding the parameters (the model, or its pipeline chunks)
+    modules: tuple  # what runs: the same, wrapped for data parallelism
+    dp_method: str
+    loss_fn: Any  # loss_fn(output, micro)
+    forward_fn: Any = None  # forward_fn(module, micro); None under a pipeline schedule
+    tied: bool = False  # a tied embedding split across pipeline chunks
+
+
+def file_parts(plan, device, seed: int, dp_mesh) -> ModelParts:
+    """The whole model on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
+    import torch
+
+    from meshplan.planner.costing.state_memory import dp_method
+
+    cfg = plan.config
+    built = build_seeded(plan, seed)
+    module = built.module.to(device)
+    apply_file_recompute(plan, built)
+    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
+    mp_policy = None
+    if cfg.precision == "bf16-mixed" and method == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    wrapped = apply_file_dp(module, built, dp_mesh, cfg.zero, method, mp_policy)
+    forward_fn, loss_fn = training_fns(built)
+    return ModelParts((0,), (module,), (wrapped,), method, loss_fn, forward_fn)
 
 
 def data_source(built, seed: int) -> FileDataSource:

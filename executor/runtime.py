@@ -112,10 +112,12 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     if built.config is None:
         if built.info.family == "hf" and (cfg.tp > 1 or cfg.pp > 1):  # decoder layers split or staged
-            from meshplan.executor.parallel.hf import build_hf_runtime
+            from meshplan.executor.parallel.hf import build_hf_parts
 
-            return build_hf_runtime(plan, device, hp, seed, mesh, dp_mesh)
-        return _build_file_runtime(plan, device, hp, seed, mesh, dp_mesh)
+            return _parts_runtime(plan, device, hp, mesh, build_hf_parts(plan, device, seed, mesh, dp_mesh))
+        from meshplan.executor.filemodel import file_parts
+
+        return _parts_runtime(plan, device, hp, mesh, file_parts(plan, device, seed, dp_mesh))
     tied = bool(built.config.tied_embeddings)
     chunk_ids = cfg.chunks_of_rank(pp_rank)  # V-shaped schedules: (rank, 2 pp - 1 - rank)
     stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
@@ -160,27 +162,23 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                    expert_grads=expert_gradients(stages, edp_mesh, cfg.data_ranks, left_out) if cfg.ep > 1 else None)
 
 
-def _build_file_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int, mesh, dp_mesh) -> Runtime:
-    """A file or HF model whole on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
-    from meshplan.executor.filemodel import apply_file_dp, apply_file_recompute, build_seeded, training_fns
-
+def _parts_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, mesh, parts) -> Runtime:
+    """A file or HF model's `filemodel.ModelParts` with the zoo's optimizer, global norm and,
+    when pp > 1, pipeline schedule and tied-embedding exchange."""
     cfg = plan.config
-    built = build_seeded(plan, seed)
-    module = built.module.to(device)
-    apply_file_recompute(plan, built)
-    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
-    mp_policy = None
-    if cfg.precision == "bf16-mixed" and method == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = apply_file_dp(module, built, dp_mesh, cfg.zero, method, mp_policy)
     pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(name) for name in ("pp", "dp", "tp"))
-    forward_fn, loss_fn = training_fns(built)
+    last = cfg.num_model_chunks - 1
+    schedule = tied_group = None
+    if cfg.pp > 1:
+        schedule = _pipeline_schedule(cfg, mesh, parts.modules, parts.chunk_ids, device, parts.loss_fn)
+        if parts.tied and cfg.rank_of_chunk(last) != 0:  # a V keeps both copies on rank 0
+            tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp)
     return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
-                   chunk_ids=(0,), stages=(module,), modules=(wrapped,), optimizers=(_adamw(module, hp),),
-                   dp_method=method, norm_weights=_norm_weights([module], cfg, False), loss_fn=loss_fn,
-                   forward_fn=forward_fn)
+                   chunk_ids=parts.chunk_ids, stages=parts.stages, modules=parts.modules,
+                   optimizers=tuple(_adamw(stage, hp) for stage in parts.stages), dp_method=parts.dp_method,
+                   norm_weights=_norm_weights(parts.stages, cfg, parts.tied), schedule=schedule,
+                   tied_group=tied_group, tied_local=parts.tied and cfg.pp > 1 and {0, last} <= set(parts.chunk_ids),
+                   loss_fn=parts.loss_fn, forward_fn=parts.forward_fn)
 
 
 def _mixed_precision(stages, precision: str, method: str):

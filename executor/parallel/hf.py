@@ -37,14 +37,15 @@ from torch import nn
 from meshplan.planner.contracts.errors import MeshplanError
 
 
-def build_hf_runtime(plan, device, hp, seed: int, mesh, dp_mesh):
-    """This rank's `Runtime` of an HF plan with tp > 1 or pp > 1."""
+def build_hf_parts(plan, device, seed: int, mesh, dp_mesh):
+    """This rank's share of an HF plan with tp > 1 or pp > 1, as `filemodel.ModelParts`
+    (`runtime` adds the optimizer, the schedule and the tied-weight exchange)."""
     from meshplan.executor.filemodel import build_seeded
 
     built = build_seeded(plan, seed)
     if plan.config.pp == 1:
-        return _whole_runtime(plan, built, device, hp, mesh, dp_mesh)
-    return _pipeline_runtime(plan, built, device, hp, mesh, dp_mesh)
+        return _whole_parts(plan, built, device, mesh, dp_mesh)
+    return _pipeline_parts(plan, built, device, mesh, dp_mesh)
 
 
 # ---------------------------------------------------------------------------------- tensor parallel
@@ -55,9 +56,10 @@ def apply_layer_tp(layer, tp_mesh, name: str) -> None:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
+    from meshplan.planner.models.hf import expert_modules
     from meshplan.planner.models.hf_tp import tp_layout
 
-    layout = tp_layout(layer)
+    layout = tp_layout(layer, expert_modules(layer))
     tp = tp_mesh.size()
     if isinstance(layout, str) or not layout.split().max_degree_ok(tp):
         why = layout if isinstance(layout, str) else f"{layout.num_heads} heads, {layout.num_kv_heads} K/V heads"
@@ -119,28 +121,22 @@ def _localise_heads(attention: nn.Module, heads: int, kv_heads: int, tp: int) ->
         localise(attention.config)
 
 
-def _whole_runtime(plan, built, device, hp, mesh, dp_mesh):
+def _whole_parts(plan, built, device, mesh, dp_mesh):
     """pp = 1: the whole model on every rank, its decoder layers tensor-parallel."""
-    from meshplan.executor.filemodel import apply_file_recompute, training_fns
-    from meshplan.executor.runtime import Runtime, _adamw, _norm_weights
+    from meshplan.executor.filemodel import ModelParts, apply_file_recompute, training_fns
     from meshplan.planner.costing.state_memory import dp_method
     from meshplan.planner.models.hf import model_parts
 
     cfg = plan.config
     module = built.module.to(device)
-    parts = model_parts(module, plan.model.spec)
-    layers = getattr(module.base_model, parts["layers"])
+    layers = getattr(module.base_model, model_parts(module, plan.model.spec)["layers"])
     for index, layer in enumerate(layers):
         apply_layer_tp(layer, mesh["tp"], f"blocks.{index}")
     apply_file_recompute(plan, built)
     method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
     wrapped = _whole_dp(module, built, dp_mesh, cfg, method)
     forward_fn, loss_fn = training_fns(built)
-    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(name) for name in ("pp", "dp", "tp"))
-    return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
-                   chunk_ids=(0,), stages=(module,), modules=(wrapped,), optimizers=(_adamw(module, hp),),
-                   dp_method=method, norm_weights=_norm_weights([module], cfg, False), loss_fn=loss_fn,
-                   forward_fn=forward_fn)
+    return ModelParts((0,), (module,), (wrapped,), method, loss_fn, forward_fn)
 
 
 def _whole_dp(module, built, dp_mesh, cfg, method: str):
@@ -274,24 +270,21 @@ def _skeleton(model, parts: dict, layer_list, indices: list[int], last: bool):
     return lm
 
 
-def _pipeline_runtime(plan, built, device, hp, mesh, dp_mesh):
-    """pp > 1: this rank's chunks as `HFStage`s (TP inside each), DP per chunk, torch's schedule."""
+def _pipeline_parts(plan, built, device, mesh, dp_mesh):
+    """pp > 1: this rank's chunks as `HFStage`s (TP inside each), recompute, DP per chunk."""
+    from meshplan.executor.filemodel import ModelParts
     from meshplan.executor.parallel.data import apply_dp
     from meshplan.executor.parallel.recompute import apply_recompute
-    from meshplan.executor.runtime import (Runtime, _adamw, _mixed_precision, _norm_weights, _pipeline_schedule,
-                                           _tied_group)
     from meshplan.planner.costing.state_memory import dp_method
     from meshplan.planner.models.transformer import lm_loss
 
     cfg, model = plan.config, built.module
-    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(name) for name in ("pp", "dp", "tp"))
-    chunk_ids = cfg.chunks_of_rank(pp_rank)
+    chunk_ids = cfg.chunks_of_rank(mesh.get_local_rank("pp"))
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    last = cfg.num_model_chunks - 1
     if tied:  # the head's copy of the tied weight: its own parameter, gradients summed after the backward
         head = model.get_output_embeddings()
         head.weight = nn.Parameter(head.weight.detach().clone())
-    names, chunks = [layer.name for layer in plan.layers], plan.chunks()
+    names, chunks, last = [layer.name for layer in plan.layers], plan.chunks(), cfg.num_model_chunks - 1
     stages = [HFStage(model, [names[i] for i in chunks[c]], plan.model.spec, c == last) for c in chunk_ids]
     del built, model  # layers of other chunks go with them
     recompute = {layer.name: layer.recompute for layer in plan.layers}
@@ -305,15 +298,24 @@ def _pipeline_runtime(plan, built, device, hp, mesh, dp_mesh):
                 for module in stage.layer(name):
                     apply_recompute(module, recompute[name])
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
-    mp_policy = _mixed_precision(stages, cfg.precision, method)
+    mp_policy = _stage_mixed_precision(stages, cfg.precision, method)
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)
+
     def loss_fn(logits, micro):  # micro: (targets,) as the pipeline schedule passes them
         return lm_loss(logits, micro[0])
 
-    schedule = _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn)
-    tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp) if tied and cfg.rank_of_chunk(last) != 0 else None
-    return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
-                   chunk_ids=chunk_ids, stages=tuple(stages), modules=modules,
-                   optimizers=tuple(_adamw(stage, hp) for stage in stages), dp_method=method,
-                   norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group,
-                   tied_local=tied and {0, last} <= set(chunk_ids), loss_fn=loss_fn)
+    return ModelParts(tuple(chunk_ids), tuple(stages), modules, method, loss_fn, tied=tied)
+
+
+def _stage_mixed_precision(stages, precision: str, method: str):
+    """bf16-mixed as the zoo's chunks run it: FSDP2's policy under `fully_shard`/`replicate`,
+    else autocast with fp32 weights."""
+    if precision != "bf16-mixed":
+        return None
+    if method in ("fsdp", "replicate"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for stage in stages:
+        stage.autocast_dtype = torch.bfloat16
+    return None

@@ -357,7 +357,7 @@ def _block_split(layer, config) -> TPSplit:
     with the reason (routed experts, Linears of no known layout)."""
     from meshplan.planner.models.hf_tp import block_split
 
-    return block_split(layer)
+    return block_split(layer, expert_modules(layer))
 
 
 def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_layers) -> ModelInfo:

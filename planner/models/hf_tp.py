@@ -72,19 +72,17 @@ class HFLayout:
                        num_allreduce_per_pass=len(self.row_linears), mlp_width=self.mlp_width)
 
 
-def block_split(layer) -> TPSplit:
-    """The layer's `TPSplit`: kind "block" with its Linears and head counts, or "none" with why."""
-    layout = tp_layout(layer)
+def block_split(layer, experts: list[str] = ()) -> TPSplit:
+    """The layer's `TPSplit`: kind "block" with its Linears and head counts, or "none" with why.
+    `experts`: the layer's routed experts (`hf.expert_modules`), which have no layout."""
+    layout = tp_layout(layer, experts)
     return layout.split() if isinstance(layout, HFLayout) else TPSplit(reason=layout)
 
 
-def tp_layout(layer) -> HFLayout | str:
-    """The layer's layout, or a one-phrase reason why it has none."""
+def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
+    """The layer's layout, or a one-phrase reason why it has none (`experts` as in `block_split`)."""
     import torch
 
-    from meshplan.planner.models.hf import expert_modules
-
-    experts = expert_modules(layer)
     if experts:
         return f"routed experts ({experts[0]}) have no tensor-parallel layout in meshplan"
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -99,11 +99,12 @@ def test_falcon_grouped_layout_and_qk_norms_stay_replicated(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(NO_LAYOUT))
 def test_layers_without_a_layout_say_why(name):
+    from meshplan.planner.models.hf import expert_modules
     from meshplan.planner.models.hf_tp import block_split
 
     # DeepSeek-V3's first layers are dense: its multi-head latent attention has no layout
     _, layer = _first_layer(FIXTURES / f"{name}.json")
-    split = block_split(layer)
+    split = block_split(layer, expert_modules(layer))
     assert split.kind == "none" and NO_LAYOUT[name] in split.reason
 
 
