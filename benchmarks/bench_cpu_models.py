@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -60,10 +61,36 @@ def core_share(seconds: float = 0.3) -> float:
     return statistics.median(rates) / max(rates)
 
 
-def run_row(row, profile: Path, work: Path, steps: int, probe: bool) -> dict:
+def idle_fraction(interval_s: float = 0.5) -> float:
+    """The machine's idle CPU share over `interval_s` (Linux /proc/stat; 1.0 where it cannot tell)."""
+    def counters():
+        fields = [float(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
+
+    try:
+        idle0, total0 = counters()
+        time.sleep(interval_s)
+        idle1, total1 = counters()
+    except (OSError, ValueError, IndexError):
+        return 1.0
+    return (idle1 - idle0) / max(total1 - total0, 1e-9)
+
+
+def wait_for_idle(threshold: float, timeout_s: float) -> float:
+    """Wait (at most `timeout_s`) until the machine is at least `threshold` idle; return the
+    seconds waited. A row measured on a busy machine measures the other jobs."""
+    start = time.perf_counter()
+    while idle_fraction() < threshold and time.perf_counter() - start < timeout_s:
+        time.sleep(1.0)
+    return time.perf_counter() - start
+
+
+def run_row(row, profile: Path, work: Path, steps: int, probe: bool, idle: float = 0.0) -> dict:
     from meshplan.planner.contracts.plan import load_plan
 
     name, spec, seq, pins = row
+    if idle:
+        wait_for_idle(idle, timeout_s=120)
     share = core_share() if probe else None
     result = run_config(name, pins, 2, profile, work, steps, model=spec, seq=seq, global_batch=GLOBAL_BATCH)
     plan = load_plan(work / f"plan-{name}.json")
@@ -80,17 +107,23 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps per configuration")
     parser.add_argument("--repeats", type=int, default=2, help="runs per configuration; the least disturbed is kept")
     parser.add_argument("--probe", action="store_true", help="also print each row's core share before it ran")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="F",
+                        help="before each row, wait (up to 2 min) until the machine is at least F idle (e.g. 0.9)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="meshplan-models-") as tmp:
         work = Path(tmp)
+        if not args.profile and args.wait_idle:
+            wait_for_idle(args.wait_idle, timeout_s=120)
         profile = args.profile or calibrate(work / "cpu-calibrated.toml", 2)
+        if not args.profile:
+            shutil.copy(profile, Path(tempfile.gettempdir()) / "meshplan-cpu-calibrated.toml")  # to reuse with --profile
         start_s = time.perf_counter()
         print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
         runs: dict[str, list[dict]] = {row[0]: [] for row in ROWS}
         for _ in range(args.repeats):
             for row in ROWS:
-                result = run_row(row, profile, work, args.steps, args.probe)
+                result = run_row(row, profile, work, args.steps, args.probe, args.wait_idle)
                 runs[row[0]].append(result)
                 print(f"  {row[0]}: {result['measured_s'] * 1e3:.1f} ms measured, {result['predicted_s'] * 1e3:.1f} "
                       f"ms predicted (load {result['load']:.1f})", flush=True)

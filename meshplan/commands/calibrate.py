@@ -84,7 +84,8 @@ def _print_summary(out, profile, args, notes: list[str]) -> None:
     print(f"wrote {out}: {processes} {device.name}; {profile.max_nodes} nodes x {profile.gpus_per_node} GPUs, "
           f"{profile.nics_per_node} NICs per node")
     print(f"  matmul     {device.peak_flops(next(iter(device.peak_flops_per_s))) * device.matmul_efficiency / 1e9:10.1f} "
-          f"GFLOP/s large, half efficiency at {device.matmul_half_efficiency_flops / 1e6:.2f} MFLOP")
+          f"GFLOP/s large, half efficiency at {device.matmul_half_efficiency_flops / 1e6:.2f} MFLOP; "
+          f"convolutions at {device.conv_efficiency:.2f} of it")
     print(f"  memory     {device.memory_bw_bytes_per_s / 1e9:10.1f} GB/s, {device.memory_bytes / 2**30:.1f} GiB per process")
     print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead, "
           f"{device.elementwise_bytes_per_activation_byte:.1f} bytes of elementwise traffic per saved byte")

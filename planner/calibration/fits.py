@@ -121,6 +121,21 @@ def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) 
             + compute_time_s(sample["bwd_flops"], 16, cluster, dtype, num_launches=2) + memory_time_s(traffic, cluster))
 
 
+def fit_conv_efficiency(samples: list[tuple[float, float, float]], device, dtype: str) -> float:
+    """`conv_efficiency` from [(forward FLOPs, backward FLOPs, seconds)] of timed convolutions: the
+    time the GEMM curve gives those FLOPs (one GEMM forward, two backward, as `layer_costs` charges
+    a convolution) over the measured time, the median over samples, capped at 1."""
+    import statistics
+
+    from meshplan.planner.costing.device_time import compute_time_s
+
+    cluster = probe_profile(device)
+    ratios = [(compute_time_s(fwd, 1, cluster, dtype, num_launches=0)
+               + compute_time_s(bwd, 2, cluster, dtype, num_launches=0)) / seconds
+              for fwd, bwd, seconds in samples if seconds > 0]
+    return min(1.0, statistics.median(ratios)) if ratios else 1.0
+
+
 def fit_model_update(per_tensor_s: float, model: tuple[int, int, float], fallback_s: float) -> float:
     """Seconds per parameter of a real model's update beyond its per-tensor cost (`fallback_s`,
     the tensor sets' fit, when the model's update is all per-tensor cost)."""

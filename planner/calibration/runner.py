@@ -8,6 +8,8 @@ that, all at once as in training:
   `matmul_efficiency`, f_half `matmul_half_efficiency_flops`;
 - time a large copy (memory bandwidth) and one tiny transformer block forward (the fixed
   per-layer dispatch cost, `kernel_overhead_s`);
+- time 3x3 convolutions forward + backward (`CONV_SHAPES`): their throughput against the GEMM
+  curve's for the same FLOPs is `conv_efficiency`;
 - time a GPT block's forward + backward at several shapes, count its FLOPs (FlopCounterMode) and
   the bytes autograd saves; what the GEMM curve and the overhead do not explain is memory-bound
   traffic: `elementwise_bytes_per_activation_byte` is fitted to that leftover over all shapes;
@@ -35,7 +37,8 @@ from pathlib import Path
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
 from meshplan.planner.calibration import fits
-from meshplan.planner.calibration.fits import block_time_s, fit_alpha_beta, fit_elementwise_traffic, fit_matmul, probe_profile
+from meshplan.planner.calibration.fits import (block_time_s, fit_alpha_beta, fit_conv_efficiency, fit_elementwise_traffic,
+                                              fit_matmul, probe_profile)
 from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
 
 FULL_SIZES = {"matmul_n": (64, 128, 256, 512, 1024), "comm_bytes": (2**12, 2**16, 2**20, 2**22, 2**24),
@@ -236,11 +239,32 @@ def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
     machine: a slow spell of a shared host during one of them only reads as a wrong factor
     (0, or twice the truth)."""
     rounds = [(_measure_matmul(torch, device, sizes, timer, cuda), _time_block_shapes(torch, device, timer, cuda),
-               _measure_block(torch, device, timer)) for _ in range(COMPUTE_ROUNDS)]
+               _measure_block(torch, device, timer), _measure_conv(torch, device, timer, cuda))
+              for _ in range(COMPUTE_ROUNDS)]
     matmul = [(flops, min(r[0][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][0])]
     block_s = [min(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
-    return {"matmul": matmul, "block_overhead_s": min(r[2] for r in rounds),
+    conv = [(fwd, bwd, min(r[3][i][2] for r in rounds)) for i, (fwd, bwd, _) in enumerate(rounds[0][3])]
+    return {"matmul": matmul, "block_overhead_s": min(r[2] for r in rounds), "conv": conv,
             "block": [{**figures, "fwd_bwd_s": seconds} for figures, seconds in zip(_block_figures(cuda), block_s)]}
+
+
+# (batch, channels, height = width) of the 3x3 convolutions (padding 1, no bias) timed forward +
+# backward for `conv_efficiency`: a mid-sized image stage and a deeper, smaller one.
+CONV_SHAPES = ((4, 48, 48), (4, 96, 24))
+
+
+def _measure_conv(torch, device, timer, cuda) -> list[tuple[float, float, float]]:
+    """[(forward FLOPs, backward FLOPs, seconds of forward + backward)] per `CONV_SHAPES` entry."""
+    dtype = torch.bfloat16 if cuda else torch.float32
+    out = []
+    for batch, channels, size in CONV_SHAPES:
+        batch = batch * 16 if cuda else batch
+        conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False).to(device=device, dtype=dtype)
+        x = torch.randn(batch, channels, size, size, device=device, dtype=dtype, requires_grad=True)
+        fwd_flops = 2.0 * batch * channels * channels * 9 * size * size
+        seconds = timer(lambda: conv(x).sum().backward(), 5, cpu_time=True)
+        out.append((fwd_flops, 2.0 * fwd_flops, seconds))  # backward: input and weight gradients
+    return out
 
 
 def _time_block_shapes(torch, device, timer, cuda) -> list[float]:
@@ -378,6 +402,9 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
             sample["fwd_bwd_s"] /= share
     device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
         block, device, measured["dtype"]))
+    if measured.get("conv"):
+        device = replace(device, conv_efficiency=fit_conv_efficiency(
+            [(fwd, bwd, seconds / share) for fwd, bwd, seconds in measured["conv"]], device, measured["dtype"]))
     extra = _fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
     device = replace(device, **{k: v for k, v in extra.items() if k != "optimizer_bytes_per_param"})
     if "optimizer_bytes_per_param" in extra:

@@ -162,6 +162,9 @@ class DeviceProfile:
     # Achieved fraction of the fp8 peak for large fp8 GEMMs under the `fp8` precision recipe
     # (planner.costing.fp8); 0: the profile gives none, and `--precision fp8` is refused.
     fp8_matmul_efficiency: float = 0.0
+    # Convolutions' throughput as a fraction of a GEMM's of the same FLOPs (forward and backward
+    # together): direct and Winograd kernels, not one GEMM. 1.0: costed like a GEMM.
+    conv_efficiency: float = 1.0
     supports_bf16: bool = True
     source: str = ""
 
@@ -174,7 +177,7 @@ class DeviceProfile:
             if dtype not in DTYPES:
                 raise ValueError(f"device.peak_flops_per_s has unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
             _check_positive("device.peak_flops_per_s", dtype, value)
-        for name in ("matmul_efficiency", "memory_efficiency"):
+        for name in ("matmul_efficiency", "memory_efficiency", "conv_efficiency"):
             value = getattr(self, name)
             _check_positive("device", name, value)
             if value > 1:

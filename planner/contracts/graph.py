@@ -113,6 +113,10 @@ class LayerProfile:
     expert_bwd_flops: int = 0
     expert_act_bytes: int = 0
     dispatch_bytes: int = 0
+    # Convolutions' part of fwd_flops / bwd_flops (traced models): costed at the device's
+    # `conv_efficiency` rather than as GEMMs.
+    conv_fwd_flops: int = 0
+    conv_bwd_flops: int = 0
 
     def __post_init__(self):
         if self.kind not in LAYER_KINDS:
@@ -122,7 +126,8 @@ class LayerProfile:
             if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"layer {self.name!r}: {f.name} must be >= 0, got {value}")
         for part, whole in (("expert_params", "num_params"), ("active_expert_params", "expert_params"),
-                            ("expert_fwd_flops", "fwd_flops"), ("expert_bwd_flops", "bwd_flops")):
+                            ("expert_fwd_flops", "fwd_flops"), ("expert_bwd_flops", "bwd_flops"),
+                            ("conv_fwd_flops", "fwd_flops"), ("conv_bwd_flops", "bwd_flops")):
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(f"layer {self.name!r}: {part} ({getattr(self, part)}) exceeds {whole} "
                                  f"({getattr(self, whole)})")
@@ -145,7 +150,8 @@ class LayerProfile:
         """JSON view for `meshplan profile --json`, scaled to `batch` samples."""
         per_sample = ("fwd_flops", "bwd_flops", "causal_fwd_flops", "act_tp_sharded_bytes",
                       "act_tp_replicated_bytes", "act_attn_score_bytes", "input_bytes", "output_bytes",
-                      "expert_fwd_flops", "expert_bwd_flops", "expert_act_bytes", "dispatch_bytes")
+                      "expert_fwd_flops", "expert_bwd_flops", "expert_act_bytes", "dispatch_bytes",
+                      "conv_fwd_flops", "conv_bwd_flops")
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -268,8 +268,7 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     if fp8.is_fp8(strategy.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
         fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype)
     else:
-        fwd_gemm_s = compute_time_s(fwd_flops, gemms, cluster, dtype)
-        bwd_gemm_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2)
+        fwd_gemm_s, bwd_gemm_s = _gemm_and_conv_times_s(layer, fwd_flops, bwd_flops, mbs / shard, gemms, cluster, dtype)
     fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
     bwd_s = bwd_gemm_s + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster)
     if strategy.recompute == "full":
@@ -281,6 +280,22 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
             return fwd_s, bwd_s, (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
                                   + memory_time_s(traffic_per_act_byte * score_bytes, cluster))
     return fwd_s, bwd_s, 0.0
+
+
+def _gemm_and_conv_times_s(layer: LayerProfile, fwd_flops: float, bwd_flops: float, scale: float, gemms: int,
+                           cluster: ClusterProfile, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's matmul work: GEMMs on the efficiency curve, and a
+    traced layer's convolutions (`conv_fwd_flops`, `conv_bwd_flops`) at `conv_efficiency` of it."""
+    conv_fwd, conv_bwd = layer.conv_fwd_flops * scale, layer.conv_bwd_flops * scale
+    if not conv_fwd and not conv_bwd:
+        return (compute_time_s(fwd_flops, gemms, cluster, dtype),
+                compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2))
+    efficiency = cluster.device.conv_efficiency
+    fwd_s = (compute_time_s(max(0.0, fwd_flops - conv_fwd), gemms, cluster, dtype)
+             + compute_time_s(conv_fwd, gemms, cluster, dtype, num_launches=0) / efficiency)
+    bwd_s = (compute_time_s(max(0.0, bwd_flops - conv_bwd), 2 * gemms, cluster, dtype, num_launches=2)
+             + compute_time_s(conv_bwd, 2 * gemms, cluster, dtype, num_launches=0) / efficiency)
+    return fwd_s, bwd_s
 
 
 def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",

@@ -115,19 +115,23 @@ def _forward_is_pointwise(name: str) -> bool:
         return False
 
 
-def op_audit_mode(registry: dict):
+def op_audit_mode(registry: dict, counter=None):
     """A dispatch mode (enter it inside the FlopCounterMode) whose `uncounted` collects the names of
-    operations with no formula in `registry` that are not FLOP-free."""
+    operations with no formula in `registry` that are not FLOP-free. With the enclosing `counter`,
+    its `conv_flops` is the running total of the FLOPs convolutions (forward and backward) added
+    to it: the counter sits below this mode, so an op's FLOPs are its total's change across the op."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     grouped_mm = torch.ops.aten._grouped_mm.default
+    convolutions = {torch.ops.aten.convolution, torch.ops.aten.convolution_backward, torch.ops.aten._convolution}
 
     class OpAudit(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.uncounted: dict[str, int] = {}
             self.checked: dict[Any, bool] = {}
+            self.conv_flops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -139,6 +143,11 @@ def op_audit_mode(registry: dict):
                 self.uncounted[name] = self.uncounted.get(name, 0) + 1
             if func is grouped_mm and _meta_non_bf16(args):
                 return _grouped_mm_through_bf16(func, args, kwargs)
+            if counter is not None and func.overloadpacket in convolutions:
+                before = counter.get_total_flops()
+                out = func(*args, **kwargs)
+                self.conv_flops += counter.get_total_flops() - before
+                return out
             return func(*args, **kwargs)
 
     return OpAudit()

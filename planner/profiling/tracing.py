@@ -51,6 +51,8 @@ class LayerMeasurement:
     expert_bwd_flops: int = 0  # and of bwd_flops
     expert_act_bytes: int = 0  # bytes saved inside the routed experts (part of the three kinds above)
     dispatch_bytes: int = 0  # the dispatched tokens the routed experts are called with
+    conv_fwd_flops: int = 0  # convolutions' share of fwd_flops
+    conv_bwd_flops: int = 0  # and of bwd_flops
 
 
 def measure_layers(built: Any, groups: tuple, attention: str = "flash",
@@ -66,9 +68,9 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     handles = recorder.install()
     try:
         with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter, \
-                op_audit_mode(counter.flop_registry) as audit, _AttentionMode(recorder), \
+                op_audit_mode(counter.flop_registry, counter) as audit, _AttentionMode(recorder), \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
-            recorder.counter = counter
+            recorder.counter, recorder.audit = counter, audit
             output = _user_call(built, "forward", built.run_forward)
             roots = _backward_roots(built, output) if backward else []
             recorder.start_backward()
@@ -171,9 +173,10 @@ class _Recorder:
     def __init__(self, groups: tuple, attention: str, param_keys: set):
         count = len(groups)
         self.groups, self.attention, self.param_keys = groups, attention, param_keys
-        self.counter = None
-        self.current, self.mark, self.in_backward = 0, 0, False
+        self.counter = self.audit = None
+        self.current, self.mark, self.conv_mark, self.in_backward = 0, 0, 0, False
         self.fwd, self.bwd, self.causal = [0] * count, [0] * count, [0] * count
+        self.conv_fwd, self.conv_bwd = [0] * count, [0] * count
         self.saved: list[dict] = [{} for _ in range(count)]
         self.inputs: list[tuple[int, tuple]] = [(0, ())] * count
         self.outputs = [0] * count
@@ -253,8 +256,10 @@ class _Recorder:
     def switch(self, index: int) -> None:
         """Close the running layer's FLOP interval at the counter's total; `index` runs next."""
         total = self.counter.get_total_flops() if self.counter is not None else 0
+        conv = self.audit.conv_flops if self.audit is not None else 0
         (self.bwd if self.in_backward else self.fwd)[self.current] += total - self.mark
-        self.mark, self.current = total, index
+        (self.conv_bwd if self.in_backward else self.conv_fwd)[self.current] += conv - self.conv_mark
+        self.mark, self.conv_mark, self.current = total, conv, index
 
     def start_backward(self) -> None:
         self.switch(self.current)
@@ -382,7 +387,8 @@ class _Recorder:
                 output_bytes=self.outputs[index], input_shapes=self.inputs[index][1],
                 called=index in self.order, expert_fwd_flops=self.expert_fwd[index],
                 expert_bwd_flops=self.expert_bwd[index], dispatch_bytes=self.dispatch[index],
-                expert_act_bytes=sum(self.saved[index][key][1] for key in self.expert_saved[index])))
+                expert_act_bytes=sum(self.saved[index][key][1] for key in self.expert_saved[index]),
+                conv_fwd_flops=self.conv_fwd[index], conv_bwd_flops=self.conv_bwd[index]))
         return out
 
 
