@@ -16,7 +16,7 @@ resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
@@ -136,10 +136,7 @@ class CostTable:
     @cached_property
     def type_counts(self) -> tuple[tuple[int, int], ...]:
         """(type index, layers of that type), in order of first appearance."""
-        counts: dict[int, int] = {}
-        for t in self.layer_type:
-            counts[t] = counts.get(t, 0) + 1
-        return tuple(counts.items())
+        return _type_counts(self.layer_type)
 
     @cached_property
     def fastest_sum_s(self) -> float:
@@ -160,6 +157,14 @@ class CostTable:
                                           for o in self.types[t].options)
                                   for t, n in self.type_counts)
         return cache[blocking]
+
+
+@lru_cache(maxsize=64)
+def _type_counts(layer_type: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    counts: dict[int, int] = {}
+    for t in layer_type:
+        counts[t] = counts.get(t, 0) + 1
+    return tuple(counts.items())
 
 
 def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> OptionCost:
@@ -236,12 +241,16 @@ def layer_type_keys(graph) -> tuple[list[str], list[int]]:
 
 def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                      layerwise_meshes: tuple[tuple[int, int], ...] = (),
-                     layer_cost: Callable | None = None, p2p_time: Callable | None = None) -> CostTable:
+                     layer_cost: Callable | None = None, p2p_time: Callable | None = None,
+                     cache: dict | None = None) -> CostTable:
     """The cost table of `graph` under `strategy` (a `planner.costing.layer_costs.Strategy`) on `cluster`.
 
     `layerwise_meshes`: extra (tp, dp) pairs each layer may pick (same tp*dp as the strategy's);
     the micro-batch is then split `dp` ways inside the stage instead of `strategy.dp` ways.
     `layer_cost` and `p2p_time` default to the cost model's; tests may pass others.
+    `cache`: a dict shared by the tables of one graph on one cluster (the search's); a layer's
+    option is costed once per strategy it sees, where a layer without routed experts sees
+    every expert-parallel degree as ep = 1 (expert parallelism splits only routed experts).
     """
     from dataclasses import replace
 
@@ -249,33 +258,51 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
         from meshplan.planner.costing import layer_costs as cost_model
         layer_cost = layer_cost or cost_model.layer_cost
         p2p_time = p2p_time or cost_model.p2p_time_s
-    keys, layer_type = layer_type_keys(graph)
-    first_of_type = {t: graph.layers[i] for i, t in reversed(list(enumerate(layer_type)))}
+    if cache is None:
+        cache = {}
+    shape = cache.get(("graph", id(graph)))
+    if shape is None:
+        keys, layer_type = layer_type_keys(graph)
+        first_of_type = {t: graph.layers[i] for i, t in reversed(list(enumerate(layer_type)))}
+        shape = cache[("graph", id(graph))] = (keys, tuple(layer_type), first_of_type,
+                                               tuple(layer.name for layer in graph.layers), graph)
+    keys, layer_type, first_of_type, layer_names = shape[:4]
     meshes = [(strategy.tp, strategy.dp)] + [m for m in layerwise_meshes if m != (strategy.tp, strategy.dp)]
     samples_per_stage = strategy.microbatch_size * strategy.dp
     types = []
     for type_index, key in enumerate(keys):
         layer = first_of_type[type_index]
         options = []
+        holds_shared = bool(layer.shared_params) and strategy.pp > 1
         for tp, dp in meshes:
             if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
                 continue
-            local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
-                            sp=strategy.sp and tp > 1,  # HSDP groups belong to the candidate's own dp
-                            shard_group=strategy.shard_group if dp == strategy.dp else None)
+            sp = strategy.sp and tp > 1
+            if (tp, dp, sp) == (strategy.tp, strategy.dp, strategy.sp) and samples_per_stage // dp == strategy.microbatch_size:
+                local = strategy
+            else:
+                local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
+                                sp=sp,  # HSDP groups belong to the candidate's own dp
+                                shard_group=strategy.shard_group if dp == strategy.dp else None)
+            if not layer.expert_params and local.ep != 1:
+                local = replace(local, ep=1)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
-                cost = layer_cost(layer, replace(local, recompute=recompute), cluster, graph.info,
-                                  profile_dtype=graph.dtype, attention=graph.attention,
-                                  holds_shared=bool(layer.shared_params) and strategy.pp > 1)
-                options.append(option_from_layer_cost(recompute, cost, tp, dp))
+                index = (id(layer), local, recompute, holds_shared, tp, dp)
+                option = cache.get(index)
+                if option is None:
+                    run = local if local.recompute == recompute else replace(local, recompute=recompute)
+                    cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
+                                      attention=graph.attention, holds_shared=holds_shared)
+                    option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp)
+                options.append(option)
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
         types.append(LayerType(key=key, options=drop_dominated(options)))
     boundary_bytes = stream_bytes(types, layer_type) if strategy.pp > 1 else 0.0
     p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
     gpus = strategy.tp * strategy.dp * strategy.pp
-    return CostTable(layer_names=tuple(layer.name for layer in graph.layers), layer_type=tuple(layer_type),
+    return CostTable(layer_names=layer_names, layer_type=layer_type,
                      types=tuple(types), p2p_s=p2p_s, boundary_bytes=boundary_bytes,
                      chunk_overhead_s=2 * fixed_costs.pipeline_action_s(strategy.pp, cluster),
                      rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(gpus, cluster))

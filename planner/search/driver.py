@@ -101,7 +101,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     # same plan (its own rounding of buffers and timing) still fits.
     limit = usable_memory_bytes(cluster) * (1 - MEMORY_MARGIN)
     problems, memory_pruned, tables = build_problems(graph, cluster, candidates, global_batch, precision, pins,
-                                                 limit, layerwise, time_limit_s)
+                                                     limit, layerwise, time_limit_s, workers=workers)
     num_keep = num_rerank or max(2 * top_k, 6)
     bar = _progress_bar(len(candidates), progress)
     for _ in memory_pruned:

@@ -281,24 +281,17 @@ def tick(progress) -> None:
 
 
 
-def build_problems(graph, cluster, candidates, global_batch, precision, pins, limit, layerwise, time_limit_s):
-    """Cost tables (shared between candidates with the same strategy) and ILP problems."""
+def build_problems(graph, cluster, candidates, global_batch, precision, pins, limit, layerwise, time_limit_s,
+                   workers: int = 1):
+    """Cost tables (shared between candidates with the same strategy) and ILP problems. With
+    `workers` > 1 and many tables, the tables are built over a fork process pool."""
     recompute_options = (pins.recompute,) if pins.recompute else RECOMPUTE
-    table_cache: dict = {}
+    strategies = [strategy_for(candidate) for candidate in candidates]
+    table_cache = _build_tables(graph, cluster, candidates, strategies, recompute_options, layerwise, workers)
     tables: dict[ParallelConfig, CostTable] = {}
     problems, pruned = [], []
     weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
-    for candidate in candidates:
-        strategy = strategy_for(candidate)
-        if strategy not in table_cache:
-            # per-layer degrees are for analysis of (tp, dp) meshes; context- and expert-parallel
-            # candidates keep theirs
-            meshes = (_layerwise_meshes(candidate, cluster) if layerwise and candidate.cp == 1 and candidate.ep == 1
-                      else ())
-            table = build_cost_table(graph, cluster, strategy, recompute_options, layerwise_meshes=meshes)
-            if meshes:
-                table = replace(table, reshard_s=_reshard_s(table, candidate, cluster))
-            table_cache[strategy] = table
+    for candidate, strategy in zip(candidates, strategies):
         table = tables[candidate] = table_cache[strategy]
         # Replaying a schedule for its step factor is the costly part: until the candidate comes
         # up for solving, its problem carries the floor and its bound is the compute bound at it.
@@ -313,6 +306,81 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
                                 weight_share=weight_share))
     problems, dominated = best_expert_degrees(problems)
     return problems, pruned + dominated, tables
+
+
+# Below this many distinct strategies the tables are built in process (a pool costs more).
+PARALLEL_TABLES_MIN = 400
+_TABLE_JOB: tuple | None = None  # (graph, cluster, recompute options), inherited by forked workers
+
+
+def _build_tables(graph, cluster, candidates, strategies, recompute_options, layerwise, workers) -> dict:
+    """strategy -> CostTable for every candidate's strategy (`tables.build_cost_table`)."""
+    global _TABLE_JOB
+    jobs: dict = {}
+    for candidate, strategy in zip(candidates, strategies):
+        if strategy not in jobs:
+            # per-layer degrees are for analysis of (tp, dp) meshes; context- and expert-parallel
+            # candidates keep theirs
+            jobs[strategy] = (_layerwise_meshes(candidate, cluster)
+                              if layerwise and candidate.cp == 1 and candidate.ep == 1 else ())
+    todo = list(jobs.items())
+    _TABLE_JOB = (graph, cluster, recompute_options)
+    try:
+        if workers > 1 and len(todo) >= PARALLEL_TABLES_MIN:
+            # strategies equal but for ep next to each other: they share their dense layers' costs
+            todo.sort(key=lambda job: (replace(job[0], ep=1).__repr__(), job[0].ep))
+            size = -(-len(todo) // (4 * workers))
+            pieces = [todo[start:start + size] for start in range(0, len(todo), size)]
+            shared = build_cost_table(graph, cluster, todo[0][0], recompute_options, layerwise_meshes=todo[0][1])
+            # what differs between tables comes back; names and layer types are the graph's
+            built = [replace(shared, types=types, p2p_s=p2p_s, boundary_bytes=boundary_bytes,
+                             chunk_overhead_s=chunk_s, rank_fixed_s=fixed_s)
+                     for piece in _map_in_pool(_table_parts_of, pieces, workers)
+                     for types, p2p_s, boundary_bytes, chunk_s, fixed_s in piece]
+        else:
+            built = _tables_of(todo)
+    finally:
+        _TABLE_JOB = None
+    out = {}
+    for (strategy, meshes), table in zip(todo, built):
+        if meshes:
+            table = replace(table, reshard_s=_reshard_s(table, _candidate_mesh(strategy), cluster))
+        out[strategy] = table
+    return out
+
+
+def _tables_of(jobs: list) -> list[CostTable]:
+    graph, cluster, recompute_options = _TABLE_JOB
+    cache: dict = {}  # option costs shared between tables (`tables.build_cost_table`)
+    return [build_cost_table(graph, cluster, strategy, recompute_options, layerwise_meshes=meshes, cache=cache)
+            for strategy, meshes in jobs]
+
+
+def _table_parts_of(jobs: list) -> list[tuple]:
+    return [(t.types, t.p2p_s, t.boundary_bytes, t.chunk_overhead_s, t.rank_fixed_s) for t in _tables_of(jobs)]
+
+
+def _candidate_mesh(strategy):
+    """What `_reshard_s` reads of a candidate (tp, dp), from its strategy."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tp=strategy.tp, dp=strategy.dp)
+
+
+def _map_in_pool(fn, items: list, workers: int) -> list:
+    """fn over items in a fork process pool, in order; Ctrl-C stops the workers at once."""
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_ignore_interrupt)
+    try:
+        return list(pool.map(fn, items))
+    except KeyboardInterrupt:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        pool = None
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown()
 
 
 # Expert-parallel degrees solved per configuration that differs only in ep: EP changes the MoE

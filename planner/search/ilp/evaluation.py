@@ -21,9 +21,10 @@ def live_vectors(shape: PipelineShape, rank: int) -> list[tuple[int, ...]]:
 @lru_cache(maxsize=4096)
 def _live_vectors(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
                   rank: int) -> tuple[tuple[int, ...], ...]:
-    from meshplan.planner.simulation.schedules import rank_actions
+    from meshplan.planner.simulation.schedules import schedule_actions
 
-    actions = rank_actions(schedule, num_stages, num_microbatches, virtual_stages, rank)
+    # every rank's order at once, cached and shared with the engine's replay of the schedule
+    actions = schedule_actions(schedule, num_stages, num_microbatches, virtual_stages)[rank]
     live = [0] * virtual_stages
     peaks: set[tuple[int, ...]] = set()
     for index, action in enumerate(actions):
