@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.models.hf import profile_mask
 
 
 def build_hf_parts(plan, device, seed: int, mesh, dp_mesh):
@@ -230,8 +231,7 @@ class HFStage(nn.Module):
             return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[1]
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()[None, None]
+        mask = profile_mask(x.shape[1], x.device)  # none on a real device: transformers builds each layer's
         inputs = {"input_ids": x} if self.embed is not None else {"inputs_embeds": x.detach()}
         self._incoming = None if self.embed is not None else x
         try:

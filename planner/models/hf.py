@@ -3,7 +3,8 @@
 Needs the optional `transformers` extra; nothing is downloaded and no weights exist: the model is
 built from its config on the meta device. Layers: the input embedding, each decoder layer, and
 the final norm + output head (+ the loss). transformers' own mask code calls `.item()`, which
-the meta device cannot do, so the forward passes a ready 4-D boolean causal mask. The config is
+the meta device cannot do, so the forward passes a ready 4-D boolean causal mask there (and no
+mask on a real device: `profile_mask`). The config is
 read and checked first (`planner.models.hf_config`: unknown model types, misspelt keys, --seq
 beyond the config's positions).
 
@@ -206,7 +207,7 @@ def _build(path_text: str, seq: int, device: str, dtype, num_layers: int | None,
         _keep_layers(model, config, owner, attribute, layer_list, kept)
     groups = _layer_groups(model, base, config, {index: layer_list[index] for index in kept})
     tokens = torch_tokens(seq, device)
-    mask = _causal_mask(seq, device)
+    mask = profile_mask(seq, device)
 
     def forward(module, inputs):
         return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
@@ -228,9 +229,17 @@ def torch_tokens(seq: int, device: str):
     return torch.zeros(1, seq, dtype=torch.long, device=device)
 
 
-def _causal_mask(seq: int, device: str):
+def profile_mask(seq: int, device):
+    """The `attention_mask` meshplan passes: on the meta device a ready 4-D causal mask (transformers'
+    own mask code cannot run there); on a real device none, so that transformers builds every
+    layer type's mask itself (a sliding window where the layer has one) and SDPA runs the causal
+    kernel where the mask is purely causal. The profiler costs the first as the second does
+    (`planner.profiling.tracing`: causal attention unless a layer's window is shorter than the
+    sequence)."""
     import torch
 
+    if torch.device(device).type != "meta":
+        return None
     return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
 
 

@@ -345,7 +345,7 @@ class _Recorder:
 
         named = [kwargs[name] for name in _ATTENTION_ARG_NAMES if name in kwargs]
         query, key, value = (tuple(args) + tuple(named))[:3]
-        is_causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+        is_causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)) or self._hf_causal(key)
         start = self.counter.get_total_flops() if self.counter is not None else 0
         flash = self.attention == "flash"
         if flash:
@@ -373,6 +373,20 @@ class _Recorder:
             # log-sum-exp: one fp32 value per (batch, head, query position)
             self.record(None, kind, key=("lse", id(out)), nbytes=4 * query.numel() // query.shape[-1])
         return out
+
+    def _hf_causal(self, key) -> bool:
+        """Whether a transformers attention module called SDPA with the profile's ready causal mask
+        where, on a real device, it passes none and runs the causal kernel
+        (`planner.models.hf.profile_mask`): a causal module whose sliding window (its own
+        attribute, else its config's) does not cut the sequence; a window that does keeps its
+        explicit mask, and SDPA then computes every entry."""
+        module = next((m for m in reversed(self.stack) if type(m).__module__.startswith("transformers.")
+                       and getattr(m, "is_causal", False) is True), None)
+        if module is None:
+            return False
+        window = (module.sliding_window if hasattr(module, "sliding_window")
+                  else getattr(getattr(module, "config", None), "sliding_window", None))
+        return not isinstance(window, int) or key.shape[-2] <= window
 
     def results(self) -> list[LayerMeasurement]:
         out = []

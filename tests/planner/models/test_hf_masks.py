@@ -1,0 +1,70 @@
+"""Attention masks of Hugging Face models as transformers builds them. On a real device meshplan
+passes no mask, so transformers builds each layer's own: a sliding window where the layer has one
+(Phi-3, Gemma-2), an additive float mask for eager attention (Gemma-2), and none for purely causal
+SDPA layers, which then run the causal kernel. (A ready boolean mask, as the meta-device profile
+needs, would give a sliding layer the whole prefix, and eager attention adds a boolean mask to
+its scores as 0/1.) The profile costs what runs: under SDPA the causal half is skipped unless a
+window shorter than the sequence keeps an explicit mask; eager attention computes every entry."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "hf_configs"
+SEQ, WINDOW = 48, 16
+SHRINK = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _shrunk(tmp_path, fixture: str, **extra) -> str:
+    config = json.loads((FIXTURES / fixture).read_text())
+    config.update(SHRINK, **extra)
+    path = tmp_path / fixture
+    path.write_text(json.dumps(config))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("fixture, extra", [
+    ("gemma2_9b.json", dict(head_dim=16, sliding_window=WINDOW, sliding_window_size=WINDOW)),
+    ("phi3_mini_4k.json", dict(sliding_window=WINDOW))])
+def test_forward_on_a_real_device_is_transformers_own(tmp_path, fixture, extra):
+    import torch
+
+    from meshplan.planner.models.registry import build_model
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    built = build_model(_shrunk(tmp_path, fixture, **extra), SEQ, device="cpu")
+    tokens = torch.randint(0, 256, (2, SEQ))
+    with torch.no_grad():
+        ours = built.forward_fn(built.module, (tokens,))
+        theirs = built.module(input_ids=tokens, use_cache=False).logits
+        ready = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None]
+        with_ready_mask = built.module(input_ids=tokens, attention_mask=ready, use_cache=False).logits
+    assert torch.equal(ours, theirs)
+    assert not torch.allclose(with_ready_mask, theirs, atol=1e-4)  # what meshplan used to pass
+
+
+def test_profile_skips_the_causal_half_unless_a_window_cuts_the_sequence(tmp_path):
+    from meshplan.planner.profiling.profiler import profile
+
+    pytest.importorskip("transformers")
+
+    def savings(spec: str, seq: int) -> list[int]:
+        graph = profile(spec, seq, dtype="fp32", cache=False)
+        return [layer.fwd_flops - layer.causal_fwd_flops for layer in graph.layers if layer.kind == "block"]
+
+    def causal_half(seq: int, head_dim: int) -> int:
+        attention_fwd = 4 * seq * seq * 4 * head_dim  # QK^T and x V over 4 heads, 2 FLOPs per multiply-add
+        return attention_fwd * (seq - 1) // (2 * seq)
+
+    phi3 = _shrunk(tmp_path, "phi3_mini_4k.json", sliding_window=WINDOW)  # SDPA, the config's window on every layer
+    assert savings(phi3, SEQ) == [0, 0]  # the window cuts 48 tokens: an explicit mask, every entry computed
+    assert savings(phi3, WINDOW) == [causal_half(WINDOW, 16)] * 2  # it covers 16: the causal kernel
+    llama = _shrunk(tmp_path, "llama3_8b.json")  # no window
+    assert savings(llama, SEQ) == [causal_half(SEQ, 16)] * 2
+    gemma2 = _shrunk(tmp_path, "gemma2_9b.json", head_dim=16, sliding_window=WINDOW, sliding_window_size=WINDOW)
+    assert savings(gemma2, SEQ) == [0, 0]  # eager attention: plain matmuls over all s x s scores
