@@ -124,7 +124,8 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
     Before the first batch, `seed` evaluates the heuristic assignment of the candidates with the
     smallest bounds (`_seed_threshold`): num_keep distinct candidates with feasible assignments
     of objective at most U prove that the num_keep-th best objective is at most U, so the first
-    batches already prune against U and solve with it as their cutoff.
+    batches already prune against U and solve with it as their cutoff. Those num_keep candidates
+    are solved first: their ILPs then lower the threshold to real objectives before the rest.
 
     A heap holds the candidates by bound; one whose bound is still the cheap floor (`Pending`
     with exact False) is refined when it reaches the top (exact step factor, memory-aware bound)
@@ -138,11 +139,19 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
     heap = [(item[1], item[0].sort_key, index, item, 0 if isinstance(item, Pending) else 2, "bound")
             for index, item in enumerate(problems)]
     heapq.heapify(heap)
-    seeded = _seed_threshold(heap, num_keep, results, progress) if seed else math.inf
+    seeded, first = _seed_threshold(heap, num_keep, results, progress) if seed else (math.inf, [])
+    if first:  # the seeding candidates go first: their ILPs settle the threshold soonest
+        chosen = {entry[2] for entry in first}
+        heap = [entry for entry in heap if entry[2] not in chosen]
+        heapq.heapify(heap)
+        first = [(entry[3][0], entry[0], entry[3][2]) for entry in first]
     try:
-        while heap:
+        while heap or first:
             threshold = min(seeded, best[num_keep - 1] if len(best) >= num_keep else math.inf)
-            batch = _next_batch(heap, threshold, results, progress)
+            if first:
+                batch, first = first[:SOLVE_BATCH], first[SOLVE_BATCH:]
+            else:
+                batch = _next_batch(heap, threshold, results, progress)
             mapper = pool.map if pool is not None else map
             cutoff = threshold if math.isfinite(threshold) else None
             todo = [replace(b[2], cutoff_s=cutoff) for b in batch]
@@ -196,10 +205,11 @@ def _seed_threshold(heap: list, num_keep: int, results: list[Solved], progress) 
     SEED_CANDIDATES_PER_KEPT * num_keep candidates). The
     num_keep-th smallest of these objectives, one per candidate, is at least the num_keep-th
     best ILP objective, so whatever bounds at or above it cannot be re-ranked. The candidates
-    looked at go back on the heap with their refined bounds."""
+    looked at go back on the heap with their refined bounds. Returns (the threshold, the heap
+    entries of the num_keep candidates that give it, which `solve_candidates` solves first)."""
     looked, uppers = [], []
     while heap and len(looked) < SEED_CANDIDATES_PER_KEPT * num_keep:
-        if len(uppers) >= num_keep and heap[0][0] >= sorted(uppers)[num_keep - 1]:
+        if len(uppers) >= num_keep and heap[0][0] >= sorted(u for u, _ in uppers)[num_keep - 1]:
             break  # nothing further can lower the threshold
         entry = heapq.heappop(heap)
         bound, key, index, item, level, reason = entry
@@ -216,12 +226,13 @@ def _seed_threshold(heap: list, num_keep: int, results: list[Solved], progress) 
         looked.append(entry)
         upper = heuristic_upper_s(item[2])
         if math.isfinite(upper):
-            uppers.append(upper)
+            uppers.append((upper, len(looked) - 1))
     for entry in looked:
         heapq.heappush(heap, entry)
     if len(uppers) < num_keep:
-        return math.inf
-    return sorted(uppers)[num_keep - 1] * (1 + SEED_SLACK)
+        return math.inf, []
+    uppers.sort()
+    return uppers[num_keep - 1][0] * (1 + SEED_SLACK), [looked[index] for _, index in uppers[:num_keep]]
 
 
 def _next_batch(heap: list, threshold: float, results: list[Solved], progress) -> list[tuple]:
