@@ -119,13 +119,7 @@ class CostTable:
 
     def runs(self) -> list[tuple[int, int, int]]:
         """Maximal runs of consecutive layers of one type: [(type, first layer, count)]."""
-        out: list[tuple[int, int, int]] = []
-        for index, type_index in enumerate(self.layer_type):
-            if out and out[-1][0] == type_index and out[-1][1] + out[-1][2] == index:
-                out[-1] = (type_index, out[-1][1], out[-1][2] + 1)
-            else:
-                out.append((type_index, index, 1))
-        return out
+        return list(_runs(self.layer_type))
 
     def min_total_time_s(self) -> float:
         """Sum over layers of the fastest option: no pipeline can do one micro-batch faster."""
@@ -157,6 +151,17 @@ class CostTable:
                                           for o in self.types[t].options)
                                   for t, n in self.type_counts)
         return cache[blocking]
+
+
+@lru_cache(maxsize=64)
+def _runs(layer_type: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    out: list[tuple[int, int, int]] = []
+    for index, type_index in enumerate(layer_type):
+        if out and out[-1][0] == type_index and out[-1][1] + out[-1][2] == index:
+            out[-1] = (type_index, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((type_index, index, 1))
+    return tuple(out)
 
 
 @lru_cache(maxsize=64)

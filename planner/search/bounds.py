@@ -107,7 +107,7 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     chunk_s, boundary = chunk_fixed_s(table, num_chunks), chunk_fixed_bytes(table, num_chunks)
     run = table.types[type_index].options
     edges = ([(0, 0)] if first == 1 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
-    out = []
+    out, frontiers = [], {}
     for rank in range(pp):
         chunks = shape.chunks_on(rank)
         if replay or shape.schedule in ("1f1b", "gpipe"):  # 1F1B and GPipe replay in microseconds
@@ -133,7 +133,9 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
         budget = limit_bytes * (1 + LIMIT_SLACK) - fixed_bytes - buffer
         if budget < 0:
             return None
-        out.append((fixed_s, _lean_frontier([(o.static_bytes + weight * o.act_bytes, o.time_s) for o in run]), budget))
+        if weight not in frontiers:  # ranks holding as many micro-batches share their frontier
+            frontiers[weight] = _lean_frontier([(o.static_bytes + weight * o.act_bytes, o.time_s) for o in run])
+        out.append((fixed_s, frontiers[weight], budget))
     return out
 
 

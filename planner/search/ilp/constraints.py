@@ -55,13 +55,18 @@ class _Model:
     def add_option_terms(self, chunk: int, option, amount) -> None:
         """Account `amount` (a variable, expression or number) layers of `option` in `chunk`."""
         rank = self.problem.shape.rank_of(chunk)
-        self.chunk_time[chunk] += option.time_s * amount
-        self.chunk_act[chunk] += (option.act_bytes / GIB) * amount
-        self.rank_static[rank] += (option.static_bytes / GIB) * amount
-        self.rank_grad_comm[rank] += option.dp_comm_s * amount
-        self.rank_fwd[rank] += option.fwd_s * amount
-        self.rank_bwd[rank] += option.bwd_s * amount
-        self.rank_tail[rank] += (option.param_gather_s + option.optimizer_s) * amount
+        terms = ((self.chunk_time[chunk], option.time_s), (self.chunk_act[chunk], option.act_bytes / GIB),
+                 (self.rank_static[rank], option.static_bytes / GIB), (self.rank_grad_comm[rank], option.dp_comm_s),
+                 (self.rank_fwd[rank], option.fwd_s), (self.rank_bwd[rank], option.bwd_s),
+                 (self.rank_tail[rank], option.param_gather_s + option.optimizer_s))
+        if isinstance(amount, self.pulp.LpVariable):
+            # what `expression += coefficient * variable` adds, without the temporary expressions
+            for expression, coefficient in terms:
+                if coefficient != 0:
+                    expression.addterm(amount, coefficient)
+            return
+        for expression, coefficient in terms:
+            expression += coefficient * amount
 
     def assignment(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         num_layers = self.problem.table.num_layers

@@ -27,14 +27,23 @@ def _live_vectors(schedule: str, num_stages: int, num_microbatches: int, virtual
     actions = schedule_actions(schedule, num_stages, num_microbatches, virtual_stages)[rank]
     live = [0] * virtual_stages
     peaks: set[tuple[int, ...]] = set()
+    last = len(actions) - 1
     for index, action in enumerate(actions):
+        kind = action.kind
         local = action.chunk // num_stages  # the virtual stage, in both placements
-        live[local] += 1 if action.kind == "F" else (-1 if action.frees_activations else 0)
-        nxt = actions[index + 1] if index + 1 < len(actions) else None
-        if action.kind == "F" and (nxt is None or nxt.kind != "F"):
-            peaks.add(tuple(live))
-    return tuple(sorted(v for v in peaks
-                        if not any(w != v and all(a >= b for a, b in zip(w, v)) for w in peaks)))
+        if kind == "F":
+            live[local] += 1
+            if index == last or actions[index + 1].kind != "F":
+                peaks.add(tuple(live))
+        elif kind == "B" or kind == "W":  # what frees the activations (I keeps them)
+            live[local] -= 1
+    # Non-dominated peaks: a vector dominated by another has a smaller sum, so looking from the
+    # largest sums down, checking against those kept is enough (domination is transitive).
+    kept: list[tuple[int, ...]] = []
+    for v in sorted(peaks, key=lambda vec: -sum(vec)):
+        if not any(all(a >= b for a, b in zip(w, v)) for w in kept):
+            kept.append(v)
+    return tuple(sorted(kept))
 
 
 def chunk_fixed_s(table: CostTable, num_chunks: int) -> list[float]:
