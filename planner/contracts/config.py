@@ -57,10 +57,13 @@ class ParallelConfig:
     ep: int = 1
 
     def __post_init__(self):
-        for name in ("gpus", "global_batch", "tp", "pp", "dp", "cp", "microbatch_size", "virtual_stages", "ep"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        sizes = (self.gpus, self.global_batch, self.tp, self.pp, self.dp, self.cp, self.microbatch_size,
+                 self.virtual_stages, self.ep)
+        if not all(type(value) is int and value > 0 for value in sizes):  # the search builds many: fast path first
+            for name in ("gpus", "global_batch", "tp", "pp", "dp", "cp", "microbatch_size", "virtual_stages", "ep"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.tp * self.pp * self.dp * self.cp != self.gpus:
             raise ValueError(f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = "
                              f"{self.tp * self.pp * self.dp * self.cp} must equal the number of GPUs ({self.gpus})")

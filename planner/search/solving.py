@@ -6,6 +6,7 @@ import heapq
 import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.pipeline import strategy_for
@@ -55,11 +56,14 @@ def pipeline_shape(candidate: ParallelConfig, weight_share: float = 0.5) -> Pipe
 
 def floor_shape(candidate: ParallelConfig) -> PipelineShape:
     """The candidate's pipeline with `bounds.step_factor_floor` for its step factor (no replay)."""
-    m, v = candidate.num_microbatches, candidate.virtual_stages
-    if candidate.schedule in ("1f1b", "gpipe"):
-        return PipelineShape(candidate.pp, m, v, candidate.schedule)
-    return PipelineShape(candidate.pp, m, v, candidate.schedule,
-                         step_factor=step_factor_floor(candidate.schedule, candidate.pp, m, v))
+    return _floor_shape(candidate.schedule, candidate.pp, candidate.num_microbatches, candidate.virtual_stages)
+
+
+@lru_cache(maxsize=4096)
+def _floor_shape(schedule: str, pp: int, m: int, v: int) -> PipelineShape:
+    if schedule in ("1f1b", "gpipe"):
+        return PipelineShape(pp, m, v, schedule)
+    return PipelineShape(pp, m, v, schedule, step_factor=step_factor_floor(schedule, pp, m, v))
 
 
 def _type_counts(table: CostTable) -> dict[int, int]:
@@ -134,8 +138,10 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
     results: list[Solved] = []
     best: list[float] = []  # sorted objectives of feasible solutions
     batch_size = SOLVE_BATCH
-    pool = (ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_ignore_interrupt)
+    pool = (ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_start_solver)
             if workers > 1 else None)
+    if pool is not None:
+        pool.submit(int)  # starts the workers: they load the solver while this process seeds
     heap = [(item[1], item[0].sort_key, index, item, 0 if isinstance(item, Pending) else 2, "bound")
             for index, item in enumerate(problems)]
     heapq.heapify(heap)
@@ -278,6 +284,16 @@ def _ignore_interrupt() -> None:
 
 
 
+def _start_solver() -> None:
+    """A solving worker: leaves Ctrl-C to the parent and loads the ILP solver before its first solve."""
+    _ignore_interrupt()
+    try:
+        import highspy  # noqa: F401
+        import pulp  # noqa: F401
+    except ImportError:  # the backend says which solver is missing, when one is needed
+        pass
+
+
 def _fork_context():
     import multiprocessing
 
@@ -297,7 +313,7 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     """Cost tables (shared between candidates with the same strategy) and ILP problems. With
     `workers` > 1 and many tables, the tables are built over a fork process pool."""
     recompute_options = (pins.recompute,) if pins.recompute else RECOMPUTE
-    strategies = [strategy_for(candidate) for candidate in candidates]
+    strategies = _strategies(candidates)
     table_cache = _build_tables(graph, cluster, candidates, strategies, recompute_options, layerwise, workers)
     tables: dict[ParallelConfig, CostTable] = {}
     problems, pruned = [], []
@@ -317,6 +333,19 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
                                 weight_share=weight_share))
     problems, dominated = best_expert_degrees(problems)
     return problems, pruned + dominated, tables
+
+
+def _strategies(candidates) -> list:
+    """`strategy_for` of every candidate, one Strategy object per distinct strategy."""
+    seen: dict = {}
+    out = []
+    for c in candidates:
+        key = (c.tp, c.dp, c.zero, c.recompute, c.sp, c.microbatch_size, c.precision, c.pp, c.shard_group, c.cp, c.ep)
+        strategy = seen.get(key)
+        if strategy is None:
+            strategy = seen[key] = strategy_for(c)
+        out.append(strategy)
+    return out
 
 
 # Below this many distinct strategies the tables are built in process (a pool costs more).

@@ -230,13 +230,14 @@ class _Played:
     dp_intervals: tuple[tuple[tuple[float, float], ...], ...]  # per rank ("after_chunk" only)
 
 
-def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
+def _play(costs: StepCosts, chunks: list[_Chunk], record: bool = True) -> _Played:
     """Run every rank's action list; an action starts when its rank is free and its input is in.
 
     Split backwards: I publishes the input gradient (as B does), W depends on nothing remote. A
     DualPipeV "F;B" pair runs its two actions back to back and its forward's output is only sent
     when the pair ends (torch posts both sends after the pair). This loop runs once per action
-    of the step, so it is written out flat."""
+    of the step, so it is written out flat. `record` False keeps only each rank's last action in
+    `runs` (what a step time needs)."""
     cfg = costs.config
     num_mb, num_chunks = cfg.num_microbatches, cfg.num_model_chunks
     # Without pipelining the executor accumulates gradients forward, backward, forward, ...
@@ -292,8 +293,9 @@ def _play(costs: StepCosts, chunks: list[_Chunk]) -> _Played:
             end = start + seconds[kind][chunk]
             bubble = dep_end - free
             link_wait = start - (dep_end if dep_end > free else free)
-            rank_runs.append(run(action, start, end, bubble if bubble > 0.0 else 0.0,
-                                 link_wait if link_wait > 0.0 else 0.0, free - rank_free))
+            if record or pos == count - 1:
+                rank_runs.append(run(action, start, end, bubble if bubble > 0.0 else 0.0,
+                                     link_wait if link_wait > 0.0 else 0.0, free - rank_free))
             rank_free = end
             if after_chunk and (kind == "B" or kind == "W") and mb == last_mb:
                 intervals = dp_intervals[rank]

@@ -43,6 +43,6 @@ def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_s
                       weight_grad_share=(weight_share,) * num_chunks)
     # Unit chunks have no reduction, optimizer or memory: the step ends with the last action
     # (what `simulate_step` reports for them, without its tails, memory and breakdown).
-    played = _play(costs, with_weight_grad(costs, _build_chunks(costs)))
+    played = _play(costs, with_weight_grad(costs, _build_chunks(costs)), record=False)
     step_s = max(runs[-1].end_s for runs in played.runs)
     return step_s / (virtual_stages * (1.0 + bwd_over_fwd))
