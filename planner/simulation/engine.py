@@ -228,6 +228,7 @@ class _Played:
     fwd_end: tuple[tuple[float, ...], ...]  # [chunk][microbatch]
     bwd_end: tuple[tuple[float, ...], ...]
     dp_intervals: tuple[tuple[tuple[float, float], ...], ...]  # per rank ("after_chunk" only)
+    busy_s: tuple[float, ...] = ()  # per rank: the sum of its actions' durations, in order
 
 
 def _play(costs: StepCosts, chunks: list[_Chunk], record: bool = True) -> _Played:
@@ -261,12 +262,14 @@ def _play(costs: StepCosts, chunks: list[_Chunk], record: bool = True) -> _Playe
     # that produces it and is woken when that action is published: O(actions) in all.
     waiting_for: dict[tuple[str, int, int], int] = {}
     ready_ranks = deque(range(cfg.pp))
-    run = _Run
+    new, run = tuple.__new__, _Run  # what _Run(...) does, without its Python-level __new__
+    busy = [0] * cfg.pp
     while ready_ranks:
         rank = ready_ranks.popleft()
         order = orders[rank]
         pos, count = position[rank], len(order)
         rank_runs, rank_free, rank_blocked, rank_held = runs[rank], free_at[rank], blocked_until[rank], held[rank]
+        rank_busy = busy[rank]
         while pos < count:
             action = order[pos]
             kind, chunk, mb, overlap = action
@@ -294,8 +297,9 @@ def _play(costs: StepCosts, chunks: list[_Chunk], record: bool = True) -> _Playe
             bubble = dep_end - free
             link_wait = start - (dep_end if dep_end > free else free)
             if record or pos == count - 1:
-                rank_runs.append(run(action, start, end, bubble if bubble > 0.0 else 0.0,
-                                     link_wait if link_wait > 0.0 else 0.0, free - rank_free))
+                rank_runs.append(new(run, (action, start, end, bubble if bubble > 0.0 else 0.0,
+                                           link_wait if link_wait > 0.0 else 0.0, free - rank_free)))
+            rank_busy += end - start
             rank_free = end
             if after_chunk and (kind == "B" or kind == "W") and mb == last_mb:
                 intervals = dp_intervals[rank]
@@ -331,10 +335,11 @@ def _play(costs: StepCosts, chunks: list[_Chunk], record: bool = True) -> _Playe
                 if woken is not None:
                     ready_ranks.append(woken)
         position[rank], free_at[rank], blocked_until[rank], held[rank] = pos, rank_free, rank_blocked, rank_held
+        busy[rank] = rank_busy
     if any(position[rank] < len(order) for rank, order in enumerate(orders)):  # a schedule bug
         raise AssertionError(f"pipeline schedule deadlocked at positions {position}")
     return _Played(tuple(map(tuple, runs)), tuple(map(tuple, fwd_end)), tuple(map(tuple, bwd_end)),
-                   tuple(map(tuple, dp_intervals)))
+                   tuple(map(tuple, dp_intervals)), tuple(busy))
 
 
 @dataclass(frozen=True)
@@ -458,7 +463,7 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     step_s = max(tail.end_s for tail in tails)
     memory, curves = _memory(costs, chunks, played, curves=timeline)
     peak_bytes = max(m.total for m in memory)
-    busy = [sum(run.end_s - run.start_s for run in runs) for runs in played.runs]
+    busy = list(played.busy_s)
     busiest = busy.index(max(busy))
     breakdown = _breakdown(chunks, played.runs[busiest], tails[busiest], step_s)
     gpus = costs.config.gpus
