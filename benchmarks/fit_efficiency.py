@@ -16,6 +16,10 @@ What is fitted, on what (the runs are in `published_runs.py`):
   `matmul_half_efficiency_flops` is A100's scaled by the ratio of bf16 peaks (the same fixed
   time per GEMM on a faster device is worth proportionally more FLOPs).
 
+Not fitted: `attention_efficiency` (flash attention's share of peak) comes from the kernels' own
+published benchmarks (FlashAttention-2 on A100, FlashAttention-3's figure for FlashAttention-2 on
+H100) and is held fixed while the fields above are fitted.
+
 The objective is the sum of squared log step-time errors, log(predicted / published), over the
 fit set, minimised by a bounded Levenberg-Marquardt in [0, 1]-scaled coordinates (log-scaled for
 `matmul_half_efficiency_flops`) with a forward-difference Jacobian. Deterministic; the

@@ -165,6 +165,9 @@ class DeviceProfile:
     # Convolutions' throughput as a fraction of a GEMM's of the same FLOPs (forward and backward
     # together): direct and Winograd kernels, not one GEMM. 1.0: costed like a GEMM.
     conv_efficiency: float = 1.0
+    # Achieved fraction of peak of the flash-attention kernels (the attention core's FLOPs, forward
+    # and backward), from the kernels' own published benchmarks. 0: attention on the GEMM curve.
+    attention_efficiency: float = 0.0
     supports_bf16: bool = True
     source: str = ""
 
@@ -183,6 +186,9 @@ class DeviceProfile:
             if value > 1:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
         _check_positive("device", "fp8_matmul_efficiency", self.fp8_matmul_efficiency, allow_zero=True)
+        _check_positive("device", "attention_efficiency", self.attention_efficiency, allow_zero=True)
+        if self.attention_efficiency > 1:
+            raise ValueError(f"device.attention_efficiency is a fraction in [0, 1], got {self.attention_efficiency}")
         if self.fp8_matmul_efficiency > 1:
             raise ValueError(f"device.fp8_matmul_efficiency is a fraction in [0, 1], got {self.fp8_matmul_efficiency}")
         for name in ("matmul_half_efficiency_flops", "kernel_overhead_s", "reserved_memory_bytes",

@@ -117,6 +117,10 @@ class LayerProfile:
     # `conv_efficiency` rather than as GEMMs.
     conv_fwd_flops: int = 0
     conv_bwd_flops: int = 0
+    # The attention core's part of fwd_flops (QK^T and x V over every entry, before a causal
+    # kernel's skipping; backward does twice as many): under flash attention it runs at the
+    # device's `attention_efficiency`.
+    attn_fwd_flops: int = 0
 
     def __post_init__(self):
         if self.kind not in LAYER_KINDS:
@@ -127,7 +131,8 @@ class LayerProfile:
                 raise ValueError(f"layer {self.name!r}: {f.name} must be >= 0, got {value}")
         for part, whole in (("expert_params", "num_params"), ("active_expert_params", "expert_params"),
                             ("expert_fwd_flops", "fwd_flops"), ("expert_bwd_flops", "bwd_flops"),
-                            ("conv_fwd_flops", "fwd_flops"), ("conv_bwd_flops", "bwd_flops")):
+                            ("conv_fwd_flops", "fwd_flops"), ("conv_bwd_flops", "bwd_flops"),
+                            ("attn_fwd_flops", "fwd_flops")):
             if getattr(self, part) > getattr(self, whole):
                 raise ValueError(f"layer {self.name!r}: {part} ({getattr(self, part)}) exceeds {whole} "
                                  f"({getattr(self, whole)})")
@@ -151,7 +156,7 @@ class LayerProfile:
         per_sample = ("fwd_flops", "bwd_flops", "causal_fwd_flops", "act_tp_sharded_bytes",
                       "act_tp_replicated_bytes", "act_attn_score_bytes", "input_bytes", "output_bytes",
                       "expert_fwd_flops", "expert_bwd_flops", "expert_act_bytes", "dispatch_bytes",
-                      "conv_fwd_flops", "conv_bwd_flops")
+                      "conv_fwd_flops", "conv_bwd_flops", "attn_fwd_flops")
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -26,6 +26,30 @@ def compute_time_s(flops: float, num_gemms: int, cluster: ClusterProfile, dtype:
     return flops / (device.peak_flops(dtype) * efficiency) + overhead_s
 
 
+def causal_skipped_flops(layer: LayerProfile, attention: str) -> float:
+    """Forward FLOPs per sample a causal flash kernel skips (the masked half of QK^T and x V);
+    its backward skips twice as many. Math attention computes every product."""
+    if attention != "flash" or not 0 < layer.causal_fwd_flops < layer.fwd_flops:
+        return 0.0
+    return float(layer.fwd_flops - layer.causal_fwd_flops)
+
+
+def flash_attention_flops(layer: LayerProfile, attention: str, cluster: ClusterProfile) -> float:
+    """Forward FLOPs per sample of a layer's attention core that a flash kernel runs (its causal
+    skipping applied), when the device gives the kernels their own efficiency; else 0 (the core
+    stays on the GEMM curve with the rest). Math attention is batched GEMMs: 0."""
+    if attention != "flash" or cluster.device.attention_efficiency <= 0 or not layer.attn_fwd_flops:
+        return 0.0
+    return float(layer.attn_fwd_flops - causal_skipped_flops(layer, attention))
+
+
+def attention_time_s(flops: float, cluster: ClusterProfile, dtype: str) -> float:
+    """Seconds of `flops` of flash attention at the device's `attention_efficiency` of peak."""
+    if flops <= 0:
+        return 0.0
+    return flops / (cluster.device.peak_flops(dtype) * cluster.device.attention_efficiency)
+
+
 def memory_time_s(traffic_bytes: float, cluster: ClusterProfile) -> float:
     """Time to stream `traffic_bytes` through device memory at the achieved bandwidth."""
     device = cluster.device

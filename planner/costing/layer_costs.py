@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.planner.costing import fixed_costs, fp8
-from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, compute_time_s,  # noqa: F401
-                                                  infer_seq, memory_time_s)
+from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES,  # noqa: F401
+                                                  attention_time_s, causal_skipped_flops, compute_time_s,
+                                                  flash_attention_flops, infer_seq, memory_time_s)
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
@@ -239,14 +240,6 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     )
 
 
-def causal_skipped_flops(layer: LayerProfile, attention: str) -> float:
-    """Forward FLOPs per sample a causal flash kernel skips (the masked half of QK^T and x V);
-    its backward skips twice as many. Math attention computes every product."""
-    if attention != "flash" or not 0 < layer.causal_fwd_flops < layer.fwd_flops:
-        return 0.0
-    return float(layer.fwd_flops - layer.causal_fwd_flops)
-
-
 def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
                      act_scale: float, vocab_scale: float, profile_dtype: str,
                      attention: str = "flash") -> tuple[float, float, float]:
@@ -265,10 +258,13 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     skipped = causal_skipped_flops(layer, attention)
     fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
     bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
+    attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
     if fp8.is_fp8(strategy.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
-        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype)
+        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype,
+                                                  attention_fwd)
     else:
-        fwd_gemm_s, bwd_gemm_s = _gemm_and_conv_times_s(layer, fwd_flops, bwd_flops, mbs / shard, gemms, cluster, dtype)
+        fwd_gemm_s, bwd_gemm_s = _matmul_times_s(layer, fwd_flops, bwd_flops, mbs / shard, gemms, cluster, dtype,
+                                                 attention_fwd)
     fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
     bwd_s = bwd_gemm_s + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster)
     if strategy.recompute == "full":
@@ -282,20 +278,20 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     return fwd_s, bwd_s, 0.0
 
 
-def _gemm_and_conv_times_s(layer: LayerProfile, fwd_flops: float, bwd_flops: float, scale: float, gemms: int,
-                           cluster: ClusterProfile, dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of a layer's matmul work: GEMMs on the efficiency curve, and a
-    traced layer's convolutions (`conv_fwd_flops`, `conv_bwd_flops`) at `conv_efficiency` of it."""
+def _matmul_times_s(layer: LayerProfile, fwd_flops: float, bwd_flops: float, scale: float, gemms: int,
+                    cluster: ClusterProfile, dtype: str, attention_fwd_flops: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's matmul work: GEMMs on the efficiency curve, a
+    traced layer's convolutions (`conv_fwd_flops`, `conv_bwd_flops`) at `conv_efficiency` of it,
+    and `attention_fwd_flops` of flash attention (twice as many backward) at `attention_time_s`."""
     conv_fwd, conv_bwd = layer.conv_fwd_flops * scale, layer.conv_bwd_flops * scale
-    if not conv_fwd and not conv_bwd:
-        return (compute_time_s(fwd_flops, gemms, cluster, dtype),
-                compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2))
-    efficiency = cluster.device.conv_efficiency
-    fwd_s = (compute_time_s(max(0.0, fwd_flops - conv_fwd), gemms, cluster, dtype)
-             + compute_time_s(conv_fwd, gemms, cluster, dtype, num_launches=0) / efficiency)
-    bwd_s = (compute_time_s(max(0.0, bwd_flops - conv_bwd), 2 * gemms, cluster, dtype, num_launches=2)
-             + compute_time_s(conv_bwd, 2 * gemms, cluster, dtype, num_launches=0) / efficiency)
-    return fwd_s, bwd_s
+    attn_fwd, attn_bwd = attention_fwd_flops, 2.0 * attention_fwd_flops
+    fwd_s = compute_time_s(max(0.0, fwd_flops - conv_fwd - attn_fwd), gemms, cluster, dtype)
+    bwd_s = compute_time_s(max(0.0, bwd_flops - conv_bwd - attn_bwd), 2 * gemms, cluster, dtype, num_launches=2)
+    if conv_fwd or conv_bwd:
+        efficiency = cluster.device.conv_efficiency
+        fwd_s += compute_time_s(conv_fwd, gemms, cluster, dtype, num_launches=0) / efficiency
+        bwd_s += compute_time_s(conv_bwd, 2 * gemms, cluster, dtype, num_launches=0) / efficiency
+    return fwd_s + attention_time_s(attn_fwd, cluster, dtype), bwd_s + attention_time_s(attn_bwd, cluster, dtype)
 
 
 def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",

@@ -195,7 +195,8 @@ def _block_layer(cfg, seq: int, elem_bytes: int, attention: str, split) -> Layer
         param_bytes=num_params * elem_bytes,
         act_tp_sharded_bytes=attention_sharded + _mlp_saved_bytes(cfg, seq, elem_bytes),
         act_tp_replicated_bytes=_block_replicated_bytes(cfg, seq, elem_bytes), act_attn_score_bytes=scores,
-        input_bytes=hidden_bytes, output_bytes=hidden_bytes, tp_split=split, causal_fwd_flops=fwd - causal_saving)
+        input_bytes=hidden_bytes, output_bytes=hidden_bytes, tp_split=split, causal_fwd_flops=fwd - causal_saving,
+        attn_fwd_flops=4 * seq * seq * cfg.hidden)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ ATTENTION_KINDS = ("flash", "math")
 # A child holding more than this share of the forward FLOPs is split into its own children.
 DOMINANT_FLOP_SHARE = 0.5
 MAX_REFINE_DEPTH = 4
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 # The code a cached graph depends on, relative to the planner package: the model builders (zoo
 # blocks, presets, HF and file loaders, TP splits), the measurement, and the graph schema.
 # Whole folders, so a module added to or moved into them is covered without editing this list.
@@ -172,7 +172,8 @@ def _measured_profiles(built, groups, measurements, order) -> list[LayerProfile]
             active_expert_params=expert_params * built.info.top_k // built.info.num_experts if expert_params else 0,
             expert_fwd_flops=meas.expert_fwd_flops, expert_bwd_flops=meas.expert_bwd_flops,
             expert_act_bytes=meas.expert_act_bytes, dispatch_bytes=meas.dispatch_bytes,
-            conv_fwd_flops=meas.conv_fwd_flops, conv_bwd_flops=meas.conv_bwd_flops))
+            conv_fwd_flops=meas.conv_fwd_flops, conv_bwd_flops=meas.conv_bwd_flops,
+            attn_fwd_flops=meas.attn_fwd_flops))
     return profiles
 
 

@@ -52,6 +52,7 @@ class LayerMeasurement:
     expert_act_bytes: int = 0  # bytes saved inside the routed experts (part of the three kinds above)
     dispatch_bytes: int = 0  # the dispatched tokens the routed experts are called with
     conv_fwd_flops: int = 0  # convolutions' share of fwd_flops
+    attn_fwd_flops: int = 0  # the attention core's (SDPA's) share of fwd_flops
     conv_bwd_flops: int = 0  # and of bwd_flops
 
 
@@ -176,7 +177,7 @@ class _Recorder:
         self.counter = self.audit = None
         self.current, self.mark, self.conv_mark, self.in_backward = 0, 0, 0, False
         self.fwd, self.bwd, self.causal = [0] * count, [0] * count, [0] * count
-        self.conv_fwd, self.conv_bwd = [0] * count, [0] * count
+        self.conv_fwd, self.conv_bwd, self.attn_fwd = [0] * count, [0] * count, [0] * count
         self.saved: list[dict] = [{} for _ in range(count)]
         self.inputs: list[tuple[int, tuple]] = [(0, ())] * count
         self.outputs = [0] * count
@@ -361,6 +362,8 @@ class _Recorder:
                 self.score_shape = None
         flops = (self.counter.get_total_flops() if self.counter is not None else 0) - start
         seq_q = query.shape[-2]
+        if not self.in_backward:
+            self.attn_fwd[self.current] += flops
         # torch's math SDPA under a causal mask still computes all s x s products; a causal
         # kernel computes s(s+1)/2 of the s^2 entries.
         if is_causal and seq_q:
@@ -402,7 +405,8 @@ class _Recorder:
                 called=index in self.order, expert_fwd_flops=self.expert_fwd[index],
                 expert_bwd_flops=self.expert_bwd[index], dispatch_bytes=self.dispatch[index],
                 expert_act_bytes=sum(self.saved[index][key][1] for key in self.expert_saved[index]),
-                conv_fwd_flops=self.conv_fwd[index], conv_bwd_flops=self.conv_bwd[index]))
+                conv_fwd_flops=self.conv_fwd[index], conv_bwd_flops=self.conv_bwd[index],
+                attn_fwd_flops=self.attn_fwd[index]))
         return out
 
 

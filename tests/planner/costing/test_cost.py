@@ -481,3 +481,35 @@ def test_executor_memory_extras(tmp_path, monkeypatch):
     assert cost(gpt, 1, dp=2, zero=1, pp=2).buffer_bytes == 0  # gathered once per step under pipelining
     root = cost(gpt, 0, dp=2, zero=3)
     assert root.param_bytes == pytest.approx(4 * gpt.layers[0].num_params * (1 / 2 + 1))  # shard + gathered
+
+
+def test_flash_attention_runs_at_the_kernels_efficiency():
+    """Under flash attention the attention core (its causal half skipped) runs at
+    `attention_efficiency` of peak, forward and twice as many FLOPs backward; math attention's
+    batched GEMMs and the Linears stay on the GEMM curve."""
+    from dataclasses import replace as dc_replace
+
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.costing.layer_costs import layer_cost
+    from meshplan.planner.costing.pipeline import strategy_for
+    from meshplan.planner.profiling.profiler import profile
+
+    seq, hidden, mbs = 1024, 512, 2
+    graph = profile(f"llama:layers=2,hidden={hidden},heads=8,kv_heads=4,ffn=1024,vocab=1000", seq)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    assert block.attn_fwd_flops == 4 * seq * seq * hidden
+    base = load_cluster("h100-sxm")
+    strategy = strategy_for(ParallelConfig(gpus=1, global_batch=mbs, microbatch_size=mbs))
+
+    def times(efficiency: float, attention: str = "flash"):
+        cluster = dc_replace(base, device=dc_replace(base.device, attention_efficiency=efficiency))
+        cost = layer_cost(block, strategy, cluster, graph.info, attention=attention)
+        return cost.fwd_compute_s, cost.bwd_compute_s
+
+    causal_core = block.attn_fwd_flops * mbs * (seq + 1) / (2 * seq)  # what a causal kernel computes
+    peak = base.device.peak_flops("bf16")
+    (fwd_a, bwd_a), (fwd_b, bwd_b) = times(0.5), times(0.25)
+    assert fwd_b - fwd_a == pytest.approx(causal_core / (peak * 0.25) - causal_core / (peak * 0.5), rel=1e-3)
+    assert bwd_b - bwd_a == pytest.approx(2 * (causal_core / (peak * 0.25) - causal_core / (peak * 0.5)), rel=1e-3)
+    assert times(0.5, "math") == times(0.25, "math")  # math attention: GEMMs
