@@ -295,6 +295,7 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
         skipped = causal_skipped_flops(layer, graph.attention)  # the flash kernel skips the masked half
         figures.append({"fwd_flops": float((layer.fwd_flops - skipped) * batch),
                         "bwd_flops": float((layer.bwd_flops - 2 * skipped) * batch),
+                        "attn_fwd_flops": float((layer.attn_fwd_flops - skipped) * batch),
                         "saved_bytes": float(layer.activation_bytes * batch)})
     return figures
 
