@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.executor.parallel.context import apply_cp
-from meshplan.executor.parallel.data import apply_dp
+from meshplan.executor.parallel.data import apply_dp, mixed_precision
 from meshplan.executor.parallel.expert import apply_ep, apply_expert_dp, expert_gradients, expert_meshes
 from meshplan.executor.parallel.recompute import apply_recompute
 from meshplan.executor.parallel.stages import materialize, split_stages
@@ -142,7 +142,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
             if name != "embed":
                 apply_recompute(stage.layer(name), recompute[name])
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
-    mp_policy = _mixed_precision(stages, cfg.precision, method)
+    mp_policy = mixed_precision(stages, cfg.precision, method)
     # experts first: their own FSDP units (ZeRO 1-3), or left out of DDP / replicate (ZeRO-0)
     left_out = set().union(*(apply_expert_dp(stage, edp_mesh, cfg.zero, method, mp_policy)
                              for stage in stages)) if cfg.ep > 1 else set()
@@ -181,11 +181,6 @@ def _parts_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, mesh, 
                    loss_fn=parts.loss_fn, forward_fn=parts.forward_fn)
 
 
-def _mixed_precision(stages, precision: str, method: str):
-    """bf16-mixed: FSDP2's policy (bf16 compute and gathers, fp32 gradient reduction, fp32
-    master weights) where FSDP or replicate wraps the chunk, autocast otherwise."""
-    if precision != "bf16-mixed":
-        return None
     if method in ("fsdp", "replicate"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

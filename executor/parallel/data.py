@@ -45,3 +45,20 @@ def apply_dp(stage: StageModule, dp_mesh, zero: int, method: str, mp_policy=None
         fully_shard(block, reshard_after_forward=zero == 3, **kwargs)
     fully_shard(stage, reshard_after_forward=zero == 3, **kwargs)
     return stage
+
+
+def mixed_precision(stages, precision: str, method: str):
+    """bf16-mixed: FSDP2's policy (bf16 compute and gathers, fp32 gradient reduction, fp32
+    master weights) where FSDP or replicate wraps the chunk (returned), autocast with fp32
+    weights otherwise (set on the stages; None returned)."""
+    import torch
+
+    if precision != "bf16-mixed":
+        return None
+    if method in ("fsdp", "replicate"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for stage in stages:
+        stage.autocast_dtype = torch.bfloat16
+    return None

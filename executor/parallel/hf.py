@@ -273,7 +273,7 @@ def _skeleton(model, parts: dict, layer_list, indices: list[int], last: bool):
 def _pipeline_parts(plan, built, device, mesh, dp_mesh):
     """pp > 1: this rank's chunks as `HFStage`s (TP inside each), recompute, DP per chunk."""
     from meshplan.executor.filemodel import ModelParts
-    from meshplan.executor.parallel.data import apply_dp
+    from meshplan.executor.parallel.data import apply_dp, mixed_precision
     from meshplan.executor.parallel.recompute import apply_recompute
     from meshplan.planner.costing.state_memory import dp_method
     from meshplan.planner.models.transformer import lm_loss
@@ -298,7 +298,7 @@ def _pipeline_parts(plan, built, device, mesh, dp_mesh):
                 for module in stage.layer(name):
                     apply_recompute(module, recompute[name])
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
-    mp_policy = _stage_mixed_precision(stages, cfg.precision, method)
+    mp_policy = mixed_precision(stages, cfg.precision, method)
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)
 
     def loss_fn(logits, micro):  # micro: (targets,) as the pipeline schedule passes them
@@ -307,11 +307,6 @@ def _pipeline_parts(plan, built, device, mesh, dp_mesh):
     return ModelParts(tuple(chunk_ids), tuple(stages), modules, method, loss_fn, tied=tied)
 
 
-def _stage_mixed_precision(stages, precision: str, method: str):
-    """bf16-mixed as the zoo's chunks run it: FSDP2's policy under `fully_shard`/`replicate`,
-    else autocast with fp32 weights."""
-    if precision != "bf16-mixed":
-        return None
     if method in ("fsdp", "replicate"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

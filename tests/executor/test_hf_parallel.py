@@ -87,32 +87,9 @@ EXTRA = {  # (family, name): layout
 
 
 def reference_losses(spec: str) -> list[float]:
-    import torch
+    from tests.process_helpers import hf_reference_losses
 
-    from meshplan.executor.data import global_batch, make_source
-    from meshplan.executor.runtime import Hyperparameters, lr_at
-    from meshplan.planner.models.registry import build_model
-    from meshplan.planner.models.transformer import lm_loss
-
-    torch.manual_seed(SEED)
-    built = build_model(spec, SEQ, device="cpu")
-    model = built.module
-    hp = Hyperparameters(lr=LR)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
-                                  weight_decay=hp.weight_decay)
-    source = make_source("synthetic", built.info.vocab, SEQ, SEED)
-    losses = []
-    for step in range(STEPS):
-        inputs, targets = global_batch(source, step, GBS)
-        optimizer.zero_grad()
-        loss = lm_loss(built.forward_fn(model, (inputs,)), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, STEPS, hp)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return hf_reference_losses(spec, SEQ, GBS, STEPS, LR, SEED)
 
 
 @pytest.mark.multiproc
