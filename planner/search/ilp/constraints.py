@@ -378,13 +378,38 @@ def _add_memory_constraints(model: _Model):
         fixed_bytes = chunk_fixed_bytes(problem.table, model.num_chunks)
         for k, live in enumerate(live_vectors(problem.shape, r)):
             chunks = problem.shape.chunks_on(r)
-            total = model.rank_static[r] + buffer + pulp.lpSum(live[j] * model.chunk_act[c] for j, c in enumerate(chunks)) \
+            total = _resident_plus_live(model.rank_static[r], buffer, [(live[j], model.chunk_act[c])
+                                                                       for j, c in enumerate(chunks)]) \
                 + sum(live[j] * fixed_bytes[c] for j, c in enumerate(chunks)) / GIB
             if peak is not None:
                 model.lp += peak >= total, f"mem_peak_{r}_{k}"
             else:
                 model.lp += total <= problem.mem_limit_bytes / GIB, f"mem_{r}_{k}"
     return peak
+
+
+def _resident_plus_live(static, buffer, scaled):
+    """`static + buffer + lpSum(n * act for n, act in scaled)`, term for term and in the same
+    order and arithmetic, without pulp's temporary copy of every scaled expression (a rank of a
+    deep interleaved pipeline has a row per memory peak, each summing all its chunks)."""
+    total = static.copy()
+    total.addterm(buffer, 1)
+    summed: dict = {}
+    constant = 0
+    for n, act in scaled:
+        if n == 0:  # pulp's n * act is then empty
+            continue
+        constant += act.constant * n
+        for var, coefficient in act.items():
+            value = n * coefficient
+            if var in summed:
+                summed[var] += value
+            else:
+                summed[var] = value
+    total.constant += constant
+    for var, coefficient in summed.items():
+        total.addterm(var, coefficient)
+    return total
 
 
 def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -> _Model:
