@@ -120,8 +120,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     feasible = _polish(feasible, num_keep, {s.candidate: s.problem for s in solved if s.problem is not None}, workers)
     ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision,
                            more=lambda: _solve_more(solved, problems, num_keep, workers))
-    ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision,
-                         more=lambda ep: _solve_more(solved, problems, 1, workers, lambda c: c.ep != ep))
+    ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision)
     stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
              "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
              "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
@@ -169,16 +168,15 @@ def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int,
     return ranked
 
 
-def _solve_more(solved: list[Solved], problems: list, num_keep: int, workers: int, wanted=None) -> list[Solved]:
-    """The next best solutions when none of those solved fits when simulated (or, with `wanted`,
-    the best of the candidates it accepts): the candidates that were pruned against the best
-    objectives (a bound or the ILP's cutoff, not a memory proof) are searched again, pruned
-    against their own `num_keep`-th best. `solved` is updated in place; returns the new feasible
-    solutions in ILP order."""
+def _solve_more(solved: list[Solved], problems: list, num_keep: int, workers: int) -> list[Solved]:
+    """The next best solutions when none of those solved fits when simulated: the candidates that
+    were pruned against the best objectives (a bound or the ILP's cutoff, not a memory proof) are
+    searched again, pruned against their own `num_keep`-th best. `solved` is updated in place;
+    returns the new feasible solutions in ILP order."""
     pending = {item[0]: item for item in problems}
     again = [index for index, s in enumerate(solved)
-             if s.candidate in pending and (wanted is None or wanted(s.candidate))
-             and (s.pruned in ("bound", "memory_bound") or (s.solution is not None and s.solution.status == "cutoff"))]
+             if s.candidate in pending and (s.pruned in ("bound", "memory_bound")
+                                           or (s.solution is not None and s.solution.status == "cutoff"))]
     if not again:
         return []
     new = solve_candidates([pending[solved[index].candidate] for index in again], num_keep=num_keep, workers=workers)
@@ -251,18 +249,16 @@ def _check_expert_pin(graph, pins: Pins) -> None:
 
 
 def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tables, gpus, global_batch,
-              precision, more=None) -> dict | None:
+              precision) -> dict | None:
     """For a mixture of experts: the best fitting plan with another EP degree than the winner's
-    (simulated already, or the ILP's best of the other degrees, which `more(ep)` searches for
-    when none was solved), for the plan's explanation."""
+    (simulated already, or the ILP's best of the other degrees that were solved), for the plan's
+    explanation."""
     if not graph.info.num_experts:
         return None
     ep = ranked[0].config.ep
     rival = next((r for r in ranked[1:] if r.config.ep != ep and r.prediction.fits), None)
     if rival is None:
         other = next((s for s in feasible if s.candidate.ep != ep), None)
-        if other is None and more is not None:
-            other = next(iter(more(ep)), None)
         if other is None:
             return None
         rival = _simulate(graph, cluster, other, tables[other.candidate], gpus, global_batch, precision)

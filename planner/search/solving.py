@@ -204,7 +204,7 @@ def heuristic_upper_s(problem: StageProblem) -> float:
     return objective
 
 
-def _seed_threshold(heap: list, num_keep: int, results: list[Solved], progress) -> float:
+def _seed_threshold(heap: list, num_keep: int, results: list[Solved], progress) -> tuple[float, list]:
     """A valid pruning threshold before anything is solved: walk the heap in bound order (as
     `_next_batch` does, refining bounds), evaluate each candidate's heuristic assignment, and
     stop once the next bound reaches the num_keep-th smallest objective found (or after

@@ -59,13 +59,22 @@ def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages
                              f"of the number of rounds ({rounds}); use a multiple of pp={num_stages}")
 
 
+def _new_action(kind: str, chunk: int, microbatch: int) -> Action:
+    """Action(kind, chunk, microbatch) without NamedTuple's Python-level constructor (the planner
+    generates hundreds of thousands)."""
+    return _tuple_new(Action, (kind, chunk, microbatch, False))
+
+
+_tuple_new = tuple.__new__
+
+
 def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
                  rank: int) -> list[Action]:
     """The compute actions pipeline rank `rank` runs, in execution order."""
     _check(schedule, num_stages, num_microbatches, virtual_stages, rank)
     if schedule == "gpipe":
-        return ([Action("F", rank, mb) for mb in range(num_microbatches)]
-                + [Action("B", rank, mb) for mb in range(num_microbatches)])
+        return ([_new_action("F", rank, mb) for mb in range(num_microbatches)]
+                + [_new_action("B", rank, mb) for mb in range(num_microbatches)])
     if schedule == "1f1b":
         return _one_f_one_b(num_stages, num_microbatches, rank)
     if schedule == "interleaved":
@@ -77,16 +86,16 @@ def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_
 
 def _one_f_one_b(num_stages: int, num_microbatches: int, rank: int) -> list[Action]:
     warmup = min(num_microbatches, num_stages - rank)
-    actions = [Action("F", rank, mb) for mb in range(warmup)]
+    actions = [_new_action("F", rank, mb) for mb in range(warmup)]
     next_fwd, next_bwd = warmup, 0
     while True:  # steady state: one backward, then one forward
-        actions.append(Action("B", rank, next_bwd))
+        actions.append(_new_action("B", rank, next_bwd))
         next_bwd += 1
         if next_fwd == num_microbatches:
             break
-        actions.append(Action("F", rank, next_fwd))
+        actions.append(_new_action("F", rank, next_fwd))
         next_fwd += 1
-    actions.extend(Action("B", rank, mb) for mb in range(next_bwd, num_microbatches))
+    actions.extend(_new_action("B", rank, mb) for mb in range(next_bwd, num_microbatches))
     return actions
 
 
@@ -100,12 +109,12 @@ def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, ra
 
     def forward(step: int) -> None:
         local = (step // per_round) % virtual_stages
-        actions.append(Action("F", local * num_stages + rank, next_fwd_mb[local]))
+        actions.append(_new_action("F", local * num_stages + rank, next_fwd_mb[local]))
         next_fwd_mb[local] += 1
 
     def backward(step: int) -> None:
         local = virtual_stages - 1 - ((step - warmup) // per_round) % virtual_stages
-        actions.append(Action("B", local * num_stages + rank, next_bwd_mb[local]))
+        actions.append(_new_action("B", local * num_stages + rank, next_bwd_mb[local]))
         next_bwd_mb[local] += 1
 
     for step in range(warmup):
