@@ -257,18 +257,31 @@ def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tabl
         return None
     ep = ranked[0].config.ep
     rival = next((r for r in ranked[1:] if r.config.ep != ep and r.prediction.fits), None)
+    label = None
     if rival is None:
         other = next((s for s in feasible if s.candidate.ep != ep), None)
-        if other is None:
-            return None
-        rival = _simulate(graph, cluster, other, tables[other.candidate], gpus, global_batch, precision)
-        if not rival.prediction.fits:
+        if other is not None:
+            rival = _simulate(graph, cluster, other, tables[other.candidate], gpus, global_batch, precision)
+        elif ep > 1:  # no other degree was solved (pruned by bound): the winner's own layout at ep 1
+            rival = replace(ranked[0], config=replace(ranked[0].config, ep=1), prediction=_at_expert_degree(
+                graph, cluster, ranked[0], 1))
+            label = f"{replace(ranked[0].candidate, ep=1).label()}, the winner's stages and recomputation"
+        if rival is None or not rival.prediction.fits:
             return None
     pred = rival.prediction
-    return {"label": rival.candidate.label(), "ep": rival.config.ep, "step_time_s": pred.step_time_s,
+    return {"label": label or rival.candidate.label(), "ep": rival.config.ep, "step_time_s": pred.step_time_s,
             "ep_comm_s": pred.breakdown.get("ep_comm", 0.0), "compute_s": pred.breakdown.get("compute", 0.0),
             "expert_bytes": max((m.experts for m in pred.memory), default=0.0),
             "peak_memory_bytes": pred.peak_memory_bytes}
+
+
+def _at_expert_degree(graph, cluster, winner: Ranked, ep: int):
+    """The simulated step of the winner's assignment (stages, recomputation, degrees) at `ep`."""
+    from meshplan.planner.simulation.simulator import simulate_config
+
+    return simulate_config(graph, cluster, replace(winner.config, ep=ep), chunk_of_layer=winner.solution.chunk_of_layer,
+                           recompute_of_layer=winner.recompute_of_layer,
+                           degrees_of_layer=tuple(zip(winner.tp_of_layer, winner.dp_of_layer)) or None)
 
 
 def _progress_bar(total: int, progress):
