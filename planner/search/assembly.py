@@ -138,6 +138,12 @@ def explain(plan_json: dict) -> str:
     return text
 
 
+def _rival_basis(rival: dict) -> str:
+    if rival.get("basis") == "same layout":
+        return f"the winner's stages and recomputation: {rival['label']}"
+    return f"best: {rival['label']}"
+
+
 def _why_ep(plan_json: dict, rival: dict) -> str:
     """Why this expert-parallel degree: expert states per rank and all-to-all time against the best
     plan with another degree."""
@@ -145,7 +151,7 @@ def _why_ep(plan_json: dict, rival: dict) -> str:
     experts = max((m.get("experts", 0.0) for m in pred["memory_bytes"]), default=0.0)
     a2a, compute = pred["breakdown"].get("ep_comm", 0.0), pred["breakdown"].get("compute", 0.0)
     return (f"Expert parallelism {ep}: {experts / GIB:.1f} GiB of expert states and {a2a:.3f} s of all-to-all "
-            f"per rank and step, compute {compute:.3f} s; with ep={rival['ep']} (best: {rival['label']}) "
+            f"per rank and step, compute {compute:.3f} s; with ep={rival['ep']} ({_rival_basis(rival)}) "
             f"{rival['expert_bytes'] / GIB:.1f} GiB of expert states, {rival['ep_comm_s']:.3f} s of all-to-all, "
             f"compute {rival['compute_s']:.3f} s: {_pct(rival['step_time_s'] - pred['step_time_s'], pred['step_time_s'])} "
             f"slower per step.")

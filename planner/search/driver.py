@@ -265,11 +265,12 @@ def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tabl
         elif ep > 1:  # no other degree was solved (pruned by bound): the winner's own layout at ep 1
             rival = replace(ranked[0], config=replace(ranked[0].config, ep=1), prediction=_at_expert_degree(
                 graph, cluster, ranked[0], 1))
-            label = f"{replace(ranked[0].candidate, ep=1).label()}, the winner's stages and recomputation"
+            label = replace(ranked[0].candidate, ep=1).label()
         if rival is None or not rival.prediction.fits:
             return None
     pred = rival.prediction
-    return {"label": label or rival.candidate.label(), "ep": rival.config.ep, "step_time_s": pred.step_time_s,
+    return {"label": label or rival.candidate.label(), "basis": "same layout" if label else "best",
+            "ep": rival.config.ep, "step_time_s": pred.step_time_s,
             "ep_comm_s": pred.breakdown.get("ep_comm", 0.0), "compute_s": pred.breakdown.get("compute", 0.0),
             "expert_bytes": max((m.experts for m in pred.memory), default=0.0),
             "peak_memory_bytes": pred.peak_memory_bytes}
