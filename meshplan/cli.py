@@ -61,9 +61,46 @@ def _command_module(name: str):
     return import_module(f"meshplan.commands.{name}")
 
 
+# Ctrl-C and third-party imports: some libraries import optional pieces under bare `except:`
+# clauses, which swallow a KeyboardInterrupt raised inside them and let the command run on (or
+# fail later on a half-imported module). The SIGINT handler `main` installs therefore does not
+# raise inside an import: it delivers the interrupt again 20 ms later, until the imports are done.
+_INTERRUPTED = {"seen": False}
+_REDELIVER_S = 0.02
+
+
+def _inside_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_sigint(signum, frame):
+    _INTERRUPTED["seen"] = True
+    if _inside_import(frame):
+        import _thread
+        import threading
+
+        threading.Timer(_REDELIVER_S, _thread.interrupt_main).start()
+        return
+    raise KeyboardInterrupt
+
+
+def _install_sigint_handler() -> None:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (also used in-process by tests)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _INTERRUPTED["seen"] = False
+    _install_sigint_handler()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # also while parsing or importing, before a command runs
@@ -105,6 +142,8 @@ def _main(argv: list[str]) -> int:
             PermissionError) as exc:
         if debug:
             raise
+        if _INTERRUPTED["seen"]:
+            return _interrupted(args.command)
         print(f"meshplan {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -116,6 +155,8 @@ def _main(argv: list[str]) -> int:
     except Exception as exc:  # an internal error: say so, and how to see more
         if debug:
             raise
+        if _INTERRUPTED["seen"]:  # the Ctrl-C a library swallowed surfaced as this error
+            return _interrupted(args.command)
         print(f"meshplan {args.command}: internal error ({type(exc).__name__}): {_one_line(exc)}; "
               "rerun with --debug for the traceback", file=sys.stderr)
         return 1

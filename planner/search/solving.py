@@ -2,9 +2,9 @@
 ILP's objective, and the batched, pruned solve over a process pool."""
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -15,6 +15,7 @@ from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_
 from meshplan.planner.simulation.split_backward import model_weight_share
 from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
 from meshplan.planner.search.candidates import divisors
+from meshplan.planner.search.pool import worker_pool
 from meshplan.planner.search.ilp.evaluation import evaluate_assignment, expand_counts, heuristic_start
 from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, compact_structure,
                                                      solve_stages)
@@ -135,13 +136,14 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
     with exact False) is refined when it reaches the top (exact step factor, memory-aware bound)
     and goes back in. Every bound is a true lower bound on its ILP objective, so once the top of
     the heap cannot beat the threshold, nothing below it can either."""
+    with worker_pool(workers, _start_solver) if workers > 1 else contextlib.nullcontext() as pool:
+        # the workers load the solver while this process seeds
+        return _solve_all(problems, num_keep, progress, seed, pool)
+
+
+def _solve_all(problems: list, num_keep: int, progress, seed: bool, pool) -> list[Solved]:
     results: list[Solved] = []
     best: list[float] = []  # sorted objectives of feasible solutions
-    batch_size = SOLVE_BATCH
-    pool = (ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_start_solver)
-            if workers > 1 else None)
-    if pool is not None:
-        pool.submit(int)  # starts the workers: they load the solver while this process seeds
     heap = [(item[1], item[0].sort_key, index, item, 0 if isinstance(item, Pending) else 2, "bound")
             for index, item in enumerate(problems)]
     heapq.heapify(heap)
@@ -151,31 +153,20 @@ def solve_candidates(problems: list[tuple[ParallelConfig, float, StageProblem]],
         heap = [entry for entry in heap if entry[2] not in chosen]
         heapq.heapify(heap)
         first = [(entry[3][0], entry[0], entry[3][2]) for entry in first]
-    try:
-        while heap or first:
-            threshold = min(seeded, best[num_keep - 1] if len(best) >= num_keep else math.inf)
-            if first:
-                batch, first = first[:SOLVE_BATCH], first[SOLVE_BATCH:]
-            else:
-                batch = _next_batch(heap, threshold, results, progress)
-            mapper = pool.map if pool is not None else map
-            cutoff = threshold if math.isfinite(threshold) else None
-            todo = [replace(b[2], cutoff_s=cutoff) for b in batch]
-            for (candidate, bound, problem), solution in zip(batch, mapper(solve_stages, todo)):
-                results.append(Solved(candidate, bound, solution, problem=problem))
-                if solution.feasible:
-                    best = sorted(best + [solution.objective_s])
-                tick(progress)
-    except KeyboardInterrupt:  # Ctrl-C: stop the workers now rather than wait for their solves
-        if pool is not None:
-            for process in list(getattr(pool, "_processes", {}).values()):
-                process.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
-            pool = None
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown()
+    while heap or first:
+        threshold = min(seeded, best[num_keep - 1] if len(best) >= num_keep else math.inf)
+        if first:
+            batch, first = first[:SOLVE_BATCH], first[SOLVE_BATCH:]
+        else:
+            batch = _next_batch(heap, threshold, results, progress)
+        mapper = pool.map if pool is not None else map
+        cutoff = threshold if math.isfinite(threshold) else None
+        todo = [replace(b[2], cutoff_s=cutoff) for b in batch]
+        for (candidate, bound, problem), solution in zip(batch, mapper(solve_stages, todo)):
+            results.append(Solved(candidate, bound, solution, problem=problem))
+            if solution.feasible:
+                best = sorted(best + [solution.objective_s])
+            tick(progress)
     return results
 
 
@@ -276,30 +267,14 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
     return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
 
 
-def _ignore_interrupt() -> None:
-    """Workers leave Ctrl-C (SIGINT to the whole process group) to the parent, which stops them."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-
 def _start_solver() -> None:
-    """A solving worker: leaves Ctrl-C to the parent and loads the ILP solver before its first solve."""
-    _ignore_interrupt()
+    """A solving worker (`pool.worker_pool` leaves Ctrl-C to the parent) loads the ILP solver
+    before its first solve."""
     try:
         import highspy  # noqa: F401
         import pulp  # noqa: F401
     except ImportError:  # the backend says which solver is missing, when one is needed
         pass
-
-
-def _fork_context():
-    import multiprocessing
-
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
-
 
 
 def tick(progress) -> None:
@@ -409,18 +384,8 @@ def _candidate_mesh(strategy):
 
 def _map_in_pool(fn, items: list, workers: int) -> list:
     """fn over items in a fork process pool, in order; Ctrl-C stops the workers at once."""
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(), initializer=_ignore_interrupt)
-    try:
+    with worker_pool(workers) as pool:
         return list(pool.map(fn, items))
-    except KeyboardInterrupt:
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        pool = None
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown()
 
 
 # Expert-parallel degrees solved per configuration that differs only in ep: EP changes the MoE

@@ -65,18 +65,26 @@ def _session_processes(session_id: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds leftover processes through /proc")
-@pytest.mark.parametrize("delay_s", [1.0, 8.0])  # while importing and profiling; inside the search's pool
-def test_ctrl_c_exits_130_with_one_line_and_no_orphans(delay_s):
-    # A search of minutes: the interrupt always lands before it ends.
-    process = subprocess.Popen(_command("plan", "--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "512",
-                                        "--gbs", "512", "--seq", "8192"),
+@pytest.mark.parametrize("when", ["importing", "in the pool"])
+def test_ctrl_c_exits_130_with_one_line_and_no_orphans(when):
+    # A search of many seconds with the expert-parallel axis: the interrupt lands before it ends,
+    # either one second in (imports, profile) or once the search's worker pool has forked.
+    process = subprocess.Popen(_command("plan", "--model", "qwen3-235b-a22b", "--cluster", "h100-sxm", "--gpus",
+                                        "256", "--gbs", "1024", "--seq", "4096"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    time.sleep(delay_s)
+    if when == "importing":
+        time.sleep(1.0)
+    else:
+        deadline = time.monotonic() + 60
+        while len(_session_processes(process.pid)) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert process.poll() is None, process.communicate()
     os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
     out, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
-    assert out == "" and err.splitlines() == ["meshplan plan: interrupted"], err
+    # the request's own notes (an MoE model's routing assumption) may come first; nothing else
+    assert out == "" and [line for line in err.splitlines() if not line.startswith("note: ")] == [
+        "meshplan plan: interrupted"], err
     deadline = time.monotonic() + 10
     while _session_processes(process.pid) and time.monotonic() < deadline:
         time.sleep(0.2)

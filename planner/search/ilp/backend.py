@@ -37,11 +37,26 @@ def _quiet_stdout():
         os.close(devnull)
 
 
+def import_pulp():
+    """`import pulp` with Ctrl-C held back until it is done: pulp probes its solvers under bare
+    `except:` clauses, which would swallow a KeyboardInterrupt and let the command run on."""
+    import signal
+
+    if "pulp" in sys.modules:
+        return sys.modules["pulp"]
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import pulp
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C that waited is raised here
+    return pulp
+
+
 def run_solver(lp, problem: StageProblem, start: dict[str, float] | None = None) -> tuple[str, float, str]:
     """Solve with HiGHS (highspy, in process) or CBC; return (real status, relative gap, backend).
 
     `start`: values of some integer variables by name, handed to HiGHS as a partial solution."""
-    import pulp
+    pulp = import_pulp()
 
     class _HighsWithStart(pulp.HiGHS):
         def callSolver(self, lp_):

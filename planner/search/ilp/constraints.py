@@ -20,8 +20,9 @@ class _Model:
     """The pulp problem of one candidate plus the expressions its constraint families share."""
 
     def __init__(self, problem: StageProblem):
-        import pulp
+        from meshplan.planner.search.ilp.backend import import_pulp
 
+        pulp = import_pulp()
         self.pulp = pulp
         self.problem = problem
         self.lp = pulp.LpProblem("meshplan_stages", pulp.LpMinimize)

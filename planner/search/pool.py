@@ -1,0 +1,58 @@
+"""The search's fork process pool, and Ctrl-C.
+
+A terminal's Ctrl-C sends SIGINT to the whole foreground process group, workers included. The
+workers must leave it to the parent, which stops them and prints one line; but a worker that
+takes the signal between its fork and its initializer (inside the interpreter's at-fork handlers)
+raises KeyboardInterrupt there and prints a traceback. So SIGINT is blocked in the parent while
+the workers fork (a signal that arrives meanwhile waits, and is delivered to the parent once the
+pool is up); the workers inherit the block, set SIGINT to ignored and only then unblock it.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+
+
+def _fork_context():
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else methods[0])
+
+
+def _start_worker(initializer) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if initializer is not None:
+        initializer()
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, initializer=None):
+    """A fork pool of `workers` processes, started now (they fork with SIGINT blocked); on Ctrl-C,
+    also one that waited while they forked, the workers are terminated at once rather than left
+    to finish their tasks."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=_fork_context(),
+                                   initializer=partial(_start_worker, initializer))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+    stopped = False
+    try:
+        pool.submit(int)  # the fork start method starts every worker on the first submit
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C that waited is raised from here on
+        yield pool
+    except KeyboardInterrupt:
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        stopped = True
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if not stopped:
+            pool.shutdown()
