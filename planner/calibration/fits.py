@@ -114,15 +114,13 @@ def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) 
     """The cost model's forward + backward seconds of a measured GPT block sample (as
     `planner.costing.layer_costs._compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
     backward, elementwise traffic once forward and twice backward)."""
-    from meshplan.planner.costing.device_time import attention_time_s, compute_time_s, memory_time_s
+    from meshplan.planner.costing.device_time import gemm_and_attention_times_s, memory_time_s
 
     traffic = 3.0 * cluster.device.elementwise_bytes_per_activation_byte * sample["saved_bytes"]
     # flash attention's core at the device's attention_efficiency, when it gives one (as layer_costs)
     attn = sample.get("attn_fwd_flops", 0.0) if cluster.device.attention_efficiency > 0 else 0.0
-    return (compute_time_s(sample["fwd_flops"] - attn, 8, cluster, dtype)
-            + compute_time_s(sample["bwd_flops"] - 2 * attn, 16, cluster, dtype, num_launches=2)
-            + attention_time_s(attn, cluster, dtype) + attention_time_s(2 * attn, cluster, dtype)
-            + memory_time_s(traffic, cluster))
+    fwd_s, bwd_s = gemm_and_attention_times_s(sample["fwd_flops"], sample["bwd_flops"], attn, 8, cluster, dtype)
+    return fwd_s + bwd_s + memory_time_s(traffic, cluster)
 
 
 def fit_conv_efficiency(samples: list[tuple[float, float, float]], device, dtype: str) -> float:

@@ -50,6 +50,18 @@ def attention_time_s(flops: float, cluster: ClusterProfile, dtype: str) -> float
     return flops / (cluster.device.peak_flops(dtype) * cluster.device.attention_efficiency)
 
 
+def gemm_and_attention_times_s(fwd_flops: float, bwd_flops: float, attention_fwd_flops: float, gemms: int,
+                               cluster: ClusterProfile, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of matmul work: `gemms` equal GEMMs forward on the efficiency
+    curve (twice as many backward, in two launches), except `attention_fwd_flops` of flash
+    attention (twice as many backward), which run at `attention_time_s`."""
+    attn_bwd = 2.0 * attention_fwd_flops
+    fwd_s = compute_time_s(max(0.0, fwd_flops - attention_fwd_flops), gemms, cluster, dtype)
+    bwd_s = compute_time_s(max(0.0, bwd_flops - attn_bwd), 2 * gemms, cluster, dtype, num_launches=2)
+    return (fwd_s + attention_time_s(attention_fwd_flops, cluster, dtype),
+            bwd_s + attention_time_s(attn_bwd, cluster, dtype))
+
+
 def memory_time_s(traffic_bytes: float, cluster: ClusterProfile) -> float:
     """Time to stream `traffic_bytes` through device memory at the achieved bandwidth."""
     device = cluster.device

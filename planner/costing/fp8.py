@@ -41,7 +41,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, attention_time_s, compute_time_s,
+from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
 
 FP8_RECIPES = ("fp8",)
@@ -184,13 +184,10 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
     values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2))
     cast_s = memory_time_s(values * FP8_CAST_BYTES_PER_VALUE, cluster)
-    attn_fwd, attn_bwd = attention_fwd_flops, 2.0 * attention_fwd_flops
-    fwd_s = (compute_time_s(fwd_flops - lin_fwd - attn_fwd, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16")
-             + attention_time_s(attn_fwd, cluster, "bf16") + fp8_gemm_time_s(lin_fwd, num_linears, cluster) + cast_s)
-    bwd_s = (compute_time_s(bwd_flops - lin_bwd - attn_bwd, 2 * ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",
-                            num_launches=2)
-             + attention_time_s(attn_bwd, cluster, "bf16") + fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
-             + BACKWARD_CAST_FACTOR * cast_s)
+    rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(fwd_flops - lin_fwd, bwd_flops - lin_bwd, attention_fwd_flops,
+                                                        ATTENTION_BMMS_PER_BLOCK, cluster, "bf16")
+    fwd_s = rest_fwd_s + fp8_gemm_time_s(lin_fwd, num_linears, cluster) + cast_s
+    bwd_s = rest_bwd_s + fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster) + BACKWARD_CAST_FACTOR * cast_s
     return fwd_s, bwd_s
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 
 from meshplan.planner.costing import fixed_costs, fp8
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES,  # noqa: F401
-                                                  attention_time_s, causal_skipped_flops, compute_time_s,
-                                                  flash_attention_flops, infer_seq, memory_time_s)
+                                                  causal_skipped_flops, compute_time_s, flash_attention_flops,
+                                                  gemm_and_attention_times_s, infer_seq, memory_time_s)
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
@@ -284,14 +284,13 @@ def _matmul_times_s(layer: LayerProfile, fwd_flops: float, bwd_flops: float, sca
     traced layer's convolutions (`conv_fwd_flops`, `conv_bwd_flops`) at `conv_efficiency` of it,
     and `attention_fwd_flops` of flash attention (twice as many backward) at `attention_time_s`."""
     conv_fwd, conv_bwd = layer.conv_fwd_flops * scale, layer.conv_bwd_flops * scale
-    attn_fwd, attn_bwd = attention_fwd_flops, 2.0 * attention_fwd_flops
-    fwd_s = compute_time_s(max(0.0, fwd_flops - conv_fwd - attn_fwd), gemms, cluster, dtype)
-    bwd_s = compute_time_s(max(0.0, bwd_flops - conv_bwd - attn_bwd), 2 * gemms, cluster, dtype, num_launches=2)
+    fwd_s, bwd_s = gemm_and_attention_times_s(fwd_flops - conv_fwd, bwd_flops - conv_bwd, attention_fwd_flops,
+                                              gemms, cluster, dtype)
     if conv_fwd or conv_bwd:
         efficiency = cluster.device.conv_efficiency
         fwd_s += compute_time_s(conv_fwd, gemms, cluster, dtype, num_launches=0) / efficiency
         bwd_s += compute_time_s(conv_bwd, 2 * gemms, cluster, dtype, num_launches=0) / efficiency
-    return fwd_s + attention_time_s(attn_fwd, cluster, dtype), bwd_s + attention_time_s(attn_bwd, cluster, dtype)
+    return fwd_s, bwd_s
 
 
 def model_state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",
