@@ -16,8 +16,12 @@ as the tracer does (inside the column->row region: TP-sharded; norms and the Lin
 it: replicated; the s x s softmax of math attention: scores; the loss after the head's modules:
 sharded, as its logits are vocab-parallel).
 
-Notation below: h hidden, a heads, d = h / a, d_kv = kv_heads * d, f the MLP width, V the
-padded vocabulary, p the bytes of one element of the profiled dtype.
+Notation below: h hidden, a heads, d the head width (h / a unless the config fixes it),
+d_q = a * d (h for GPT and Llama), d_kv = kv_heads * d, f the MLP width, V the padded vocabulary,
+p the bytes of one element of the profiled dtype. The block rules follow `transformer.Block` for
+every config it builds, Llama-style options included (a fixed head width, q/k RMSNorms, q/k/v
+biases, no RoPE when rope_theta is 0): `planner.profiling.analytic_moe` reuses them for the
+attention of MoE blocks and for the dense blocks of the `moe` family.
 """
 from __future__ import annotations
 
@@ -81,6 +85,20 @@ def _norm_params(cfg: TransformerConfig) -> int:
     return 2 * cfg.hidden if cfg.family == "gpt" else cfg.hidden
 
 
+def _q_dim(cfg: TransformerConfig) -> int:
+    """Width of the q Linear's output and the o Linear's input: heads * head_dim."""
+    return cfg.num_heads * cfg.head_dim
+
+
+def _kv_dim(cfg: TransformerConfig) -> int:
+    return cfg.kv_heads * cfg.head_dim
+
+
+def _has_rope(cfg: TransformerConfig) -> bool:
+    """`Attention` rotates q and k unless it is GPT's or rope_theta is 0."""
+    return cfg.family != "gpt" and bool(cfg.rope_theta)
+
+
 # ---------------------------------------------------------------------------------------------
 # Embedding
 
@@ -105,40 +123,64 @@ def _embedding_layer(cfg, seq: int, elem_bytes: int, padded_vocab: int, split) -
 # Transformer block
 
 
-def _block_params(cfg: TransformerConfig) -> int:
-    """Two norms; q, k, v, o (k and v at kv heads; biases in GPT); the MLP: GPT up and down with
-    biases, Llama gate, up and down without."""
-    hidden, kv_dim, ffn = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
-    attention = 2 * hidden * hidden + 2 * hidden * kv_dim
+def _attention_params(cfg: TransformerConfig) -> int:
+    """q, k, v, o (k and v at kv heads); biases on q, k, v in GPT and with qkv_bias, on o in GPT;
+    the q and k RMSNorms (one head_dim weight each) with qk_norm."""
+    hidden, q_dim, kv_dim = cfg.hidden, _q_dim(cfg), _kv_dim(cfg)
+    params = 2 * hidden * q_dim + 2 * hidden * kv_dim
+    if cfg.family == "gpt" or cfg.qkv_bias:
+        params += q_dim + 2 * kv_dim
     if cfg.family == "gpt":
-        attention += 2 * hidden + 2 * kv_dim
-        mlp = 2 * hidden * ffn + ffn + hidden
-    else:
-        mlp = 3 * hidden * ffn
-    return 2 * _norm_params(cfg) + attention + mlp
+        params += hidden
+    return params + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
+def _block_params(cfg: TransformerConfig) -> int:
+    """Two norms; attention; the MLP: GPT up and down with biases, otherwise gate, up and down
+    without."""
+    hidden, ffn = cfg.hidden, cfg.ffn_dim
+    mlp = 2 * hidden * ffn + ffn + hidden if cfg.family == "gpt" else 3 * hidden * ffn
+    return 2 * _norm_params(cfg) + _attention_params(cfg) + mlp
+
+
+def _attention_core_flops(cfg: TransformerConfig, seq: int) -> int:
+    """Forward FLOPs of QK^T and attn @ V, each 2 s^2 d per q head (the meta device runs the math
+    path, which expands GQA's K and V to the q heads before its matmuls): 4 s^2 d_q."""
+    return 4 * seq * seq * _q_dim(cfg)
+
+
+def _attention_flops(cfg: TransformerConfig, seq: int) -> tuple[int, int, int]:
+    """(forward, backward, causal saving) FLOPs of attention: q and o (h x d_q), k and v
+    (h x d_kv), and the core, twice its forward in backward (both operands of both products need
+    gradients). A causal kernel skips s(s-1)/2 of the s^2 entries of both products."""
+    hidden, q_dim, kv_dim = cfg.hidden, _q_dim(cfg), _kv_dim(cfg)
+    fwd, bwd = _linears_flops(seq, [(hidden, q_dim), (hidden, kv_dim), (hidden, kv_dim), (q_dim, hidden)])
+    core = _attention_core_flops(cfg, seq)
+    # The tracer's rounding: forward attention FLOPs * (s - 1) // (2 s).
+    return fwd + core, bwd + 2 * core, core * (seq - 1) // (2 * seq)
+
+
+def _linears_flops(tokens: int, shapes) -> tuple[int, int]:
+    """(forward, backward) FLOPs of Linears of the given (in, out) shapes on `tokens` rows."""
+    fwd = bwd = 0
+    for in_dim, out_dim in shapes:
+        linear_fwd, linear_bwd = _linear_flops(tokens, in_dim, out_dim)
+        fwd, bwd = fwd + linear_fwd, bwd + linear_bwd
+    return fwd, bwd
+
+
+def _mlp_flops(cfg: TransformerConfig, tokens: int, width: int) -> tuple[int, int]:
+    """(forward, backward) FLOPs of an MLP of `width`: its column Linears (GPT up; gate and up
+    otherwise, h x width each) and its down Linear (width x h)."""
+    column = 1 if cfg.family == "gpt" else 2
+    return _linears_flops(tokens, [(cfg.hidden, width)] * column + [(width, cfg.hidden)])
 
 
 def _block_flops(cfg: TransformerConfig, seq: int) -> tuple[int, int, int]:
-    """(forward, backward, causal saving) FLOPs of one block.
-
-    Linears: q and o (h x h), k and v (h x d_kv), the MLP's column Linears (GPT up, Llama gate
-    and up) and its down Linear (each h x f). Attention: QK^T and attn @ V, each 2 s^2 d per q
-    head (the meta device runs the math path, which expands GQA's K and V to the q heads before
-    its matmuls), 4 s^2 h forward, twice that backward (both operands of both products need
-    gradients). A causal kernel skips s(s-1)/2 of the s^2 entries of both products.
-    """
-    hidden, kv_dim, ffn = cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg.ffn_dim
-    column_mlp = 2 if cfg.family == "llama" else 1
-    shapes = [(hidden, hidden), (hidden, kv_dim), (hidden, kv_dim), (hidden, hidden)]
-    shapes += [(hidden, ffn)] * column_mlp + [(ffn, hidden)]
-    fwd = bwd = 0
-    for in_dim, out_dim in shapes:
-        linear_fwd, linear_bwd = _linear_flops(seq, in_dim, out_dim)
-        fwd, bwd = fwd + linear_fwd, bwd + linear_bwd
-    attention_fwd = 4 * seq * seq * hidden
-    # The tracer's rounding: forward attention FLOPs * (s - 1) // (2 s).
-    causal_saving = attention_fwd * (seq - 1) // (2 * seq)
-    return fwd + attention_fwd, bwd + 2 * attention_fwd, causal_saving
+    """(forward, backward, causal saving) FLOPs of one block: attention and the MLP."""
+    attention_fwd, attention_bwd, causal_saving = _attention_flops(cfg, seq)
+    mlp_fwd, mlp_bwd = _mlp_flops(cfg, seq, cfg.ffn_dim)
+    return attention_fwd + mlp_fwd, attention_bwd + mlp_bwd, causal_saving
 
 
 def _block_replicated_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -> int:
@@ -150,12 +192,14 @@ def _block_replicated_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -
 
 
 def _attention_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int, attention: str) -> tuple[int, int]:
-    """(TP-sharded, scores) bytes Attention keeps from RoPE to the o Linear's input.
+    """(TP-sharded, scores) bytes Attention keeps from its q/k norms to the o Linear's input.
 
-    Llama's RoPE multiplies q and k by cos and sin tables of shape (s, d/2), cast once to the
-    compute dtype and shared by q and k: p * s * d in all.
-    flash: what a fused kernel keeps: q (s x h) and k, v at kv heads (s x d_kv each), as passed
-    (GQA's K and V are not expanded), its output (s x h) and an fp32 log-sum-exp per head and
+    With qk_norm, the fused RMSNorms over each head of q and k keep their inputs (the q and k
+    Linears' outputs, s x d_q and s x d_kv) and an fp32 rstd per head and position.
+    RoPE (not GPT's, not with rope_theta 0) multiplies q and k by cos and sin tables of shape
+    (s, d/2), cast once to the compute dtype and shared by q and k: p * s * d in all.
+    flash: what a fused kernel keeps: q (s x d_q) and k, v at kv heads (s x d_kv each), as passed
+    (GQA's K and V are not expanded), its output (s x d_q) and an fp32 log-sum-exp per head and
     position.
     math: torch's math path upcasts to fp32 and keeps the scaled q, the scaled K^T and V, each at
     the q heads (GQA expands K and V; in fp32 V is kept as passed, the same size), and the fp32
@@ -164,23 +208,24 @@ def _attention_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int, at
     output unless that reshape is a view (one head or one position), in which case it is the
     output's storage, already kept by a flash kernel.
     """
-    hidden, heads = cfg.hidden, cfg.num_heads
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    sharded = elem_bytes * seq * cfg.head_dim if cfg.family == "llama" else 0
+    heads, q_dim, kv_dim = cfg.num_heads, _q_dim(cfg), _kv_dim(cfg)
+    sharded = elem_bytes * seq * cfg.head_dim if _has_rope(cfg) else 0
+    if cfg.qk_norm:
+        sharded += elem_bytes * seq * (q_dim + kv_dim) + FP32_BYTES * seq * (heads + cfg.kv_heads)
     reshape_copies = heads > 1 and seq > 1
     if attention == "flash":
-        sharded += elem_bytes * seq * (2 * hidden + 2 * kv_dim) + FP32_BYTES * heads * seq
-        o_input = elem_bytes * seq * hidden if reshape_copies else 0
+        sharded += elem_bytes * seq * (2 * q_dim + 2 * kv_dim) + FP32_BYTES * heads * seq
+        o_input = elem_bytes * seq * q_dim if reshape_copies else 0
         return sharded + o_input, 0
-    sharded += 3 * FP32_BYTES * seq * hidden + elem_bytes * seq * hidden
+    sharded += 3 * FP32_BYTES * seq * q_dim + elem_bytes * seq * q_dim
     return sharded, FP32_BYTES * heads * seq * seq
 
 
 def _mlp_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -> int:
     """TP-sharded bytes of the MLP after its column Linears: GPT's tanh GELU keeps its input (the
-    up output) and the down Linear its output; Llama's fused SwiGLU keeps its two inputs (gate
-    and up outputs; silu is recomputed in backward) and the down Linear the product."""
-    tensors = 3 if cfg.family == "llama" else 2
+    up output) and the down Linear its output; the fused SwiGLU keeps its two inputs (gate and
+    up outputs; silu is recomputed in backward) and the down Linear the product."""
+    tensors = 2 if cfg.family == "gpt" else 3
     return tensors * elem_bytes * seq * cfg.ffn_dim
 
 
@@ -196,7 +241,7 @@ def _block_layer(cfg, seq: int, elem_bytes: int, attention: str, split) -> Layer
         act_tp_sharded_bytes=attention_sharded + _mlp_saved_bytes(cfg, seq, elem_bytes),
         act_tp_replicated_bytes=_block_replicated_bytes(cfg, seq, elem_bytes), act_attn_score_bytes=scores,
         input_bytes=hidden_bytes, output_bytes=hidden_bytes, tp_split=split, causal_fwd_flops=fwd - causal_saving,
-        attn_fwd_flops=4 * seq * seq * cfg.hidden)
+        attn_fwd_flops=_attention_core_flops(cfg, seq))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The profiler: a model spec -> `ModelGraph` of per-layer FLOPs, parameters and saved bytes.
 
-Presets and parametric `gpt:`/`llama:` specs get their graph in closed form
-(`planner.profiling.analytic`: no torch, no trace, no cache, microseconds); tests hold it equal to
-the traced graph. `trace=True` traces them like any other model.
+Presets and parametric `gpt:`/`llama:`/`moe:` specs get their graph in closed form
+(`planner.profiling.analytic`, and `planner.profiling.analytic_moe` for mixtures of experts: no
+torch, no trace, no cache, microseconds); tests hold it equal to the traced graph. `trace=True`
+traces them like any other model; `hf:` configs (MoE ones included) and file models are traced.
 
 Tracing runs on the meta device (no memory, no weights). The measurement itself is in
 `planner.profiling.tracing`; this module decides what to measure and assembles the graph:
@@ -54,8 +55,9 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
     take their shapes from their example inputs, so `seq` only labels their graph. Zoo specs
-    (presets, `gpt:`, `llama:`) are computed in closed form unless `trace` is set; `moe:` specs
-    and MoE `hf:` configs are traced under balanced routing; `cache` only concerns traced graphs.
+    (presets, `gpt:`, `llama:`, `moe:`) are computed in closed form unless `trace` is set, MoE
+    ones as the tracer measures them under balanced routing; `hf:` configs (MoE ones included) and
+    file models are traced; `cache` only concerns traced graphs.
     `moe_imbalance` (>= 1, MoE models only) is recorded in `graph.info`: the busiest expert gets
     that many times the balanced tokens; the measured figures stay balanced. So are
     `moe_capacity_factor` (> 0: each expert takes at most that many times the balanced tokens,
@@ -93,14 +95,9 @@ def _check_imbalance(moe_imbalance) -> None:
 
 def _profile(spec: str, seq: int, dtype: str, attention: str, cache: bool, trace: bool) -> ModelGraph:
     if not trace:
-        from meshplan.planner.models.registry import parse_spec
-
-        cfg = parse_spec(spec, seq)
-        if cfg is not None:
-            from meshplan.planner.profiling.analytic import FAMILIES, analytic_graph
-
-            if cfg.family in FAMILIES:
-                return analytic_graph(spec, cfg, seq, dtype, attention)
+        graph = _closed_form(spec, seq, dtype, attention)
+        if graph is not None:
+            return graph
     path = _cache_path(spec, seq, dtype, attention) if cache else None
     if path is not None:
         cached = _load_cached(path)
@@ -110,6 +107,22 @@ def _profile(spec: str, seq: int, dtype: str, attention: str, cache: bool, trace
     if path is not None:
         _store_cached(path, graph)
     return graph
+
+
+def _closed_form(spec: str, seq: int, dtype: str, attention: str) -> ModelGraph | None:
+    """The graph of a preset or parametric spec without tracing (None: not a zoo spec)."""
+    from meshplan.planner.models.registry import parse_spec
+
+    cfg = parse_spec(spec, seq)
+    if cfg is None:
+        return None
+    from meshplan.planner.profiling import analytic, analytic_moe
+
+    if cfg.family in analytic.FAMILIES:
+        return analytic.analytic_graph(spec, cfg, seq, dtype, attention)
+    if cfg.family in analytic_moe.FAMILIES:
+        return analytic_moe.moe_analytic_graph(spec, cfg, seq, dtype, attention)
+    return None
 
 
 def _check_args(seq, batch, dtype, attention) -> None:
