@@ -29,10 +29,11 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
                             f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} x tp {cfg.tp}) but "
                             f"{world_size} were asked for; use --nproc {cfg.gpus}"
                             + (f" or re-plan with --gpus {world_size}" if world_size > 0 else ""))
-    if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp) != cfg.zero:
-        raise MeshplanError(f"ZeRO-{cfg.zero} with pipeline parallelism (pp {cfg.pp}, dp {cfg.dp}) runs as ZeRO-1: "
-                            "torch's pipeline schedules defer gradient sync and resharding to the last "
-                            "micro-batch; set zero to 1 (meshplan plan no longer offers this combination)")
+    if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule) != cfg.zero:
+        raise MeshplanError(f"ZeRO-{cfg.zero} with the {cfg.schedule} schedule (pp {cfg.pp}, dp {cfg.dp}) runs as "
+                            "ZeRO-1: a split backward defers gradient sync and resharding to the step's end; "
+                            "set zero to 1, or use the 1f1b or interleaved schedule (meshplan plan does not "
+                            "offer this combination)")
     check_precision_runnable(cfg.precision)
     from meshplan.planner.models.plan_check import model_changed
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from meshplan.executor.parallel.context import apply_cp
 from meshplan.executor.parallel.data import apply_dp, mixed_precision
 from meshplan.executor.parallel.expert import apply_ep, apply_expert_dp, expert_gradients, expert_meshes
+from meshplan.executor.parallel.pipeline import pipeline_schedule
 from meshplan.executor.parallel.recompute import apply_recompute
 from meshplan.executor.parallel.stages import materialize, split_stages
 from meshplan.executor.parallel.tensor import apply_tp
@@ -150,7 +151,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     _set_aux_grad_scale(stages, cfg)
     schedule = tied_group = None
     if cfg.pp > 1:
-        schedule = _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, built.loss_fn)
+        schedule = pipeline_schedule(cfg, mesh, modules, chunk_ids, device, built.loss_fn)
         if tied and cfg.rank_of_chunk(cfg.num_model_chunks - 1) != 0:  # a V keeps both copies on rank 0
             tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.cp * cfg.tp)
     return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
@@ -170,7 +171,7 @@ def _parts_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, mesh, 
     last = cfg.num_model_chunks - 1
     schedule = tied_group = None
     if cfg.pp > 1:
-        schedule = _pipeline_schedule(cfg, mesh, parts.modules, parts.chunk_ids, device, parts.loss_fn)
+        schedule = pipeline_schedule(cfg, mesh, parts.modules, parts.chunk_ids, device, parts.loss_fn)
         if parts.tied and cfg.rank_of_chunk(last) != 0:  # a V keeps both copies on rank 0
             tied_group = _tied_group(mesh, cfg.pp, cfg.dp, cfg.tp)
     return Runtime(plan=plan, device=device, mesh=mesh, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
@@ -280,27 +281,6 @@ def _tied_group(mesh, pp: int, dp: int, tp: int):
             if dist.get_rank() in pair:
                 mine = group
     return mine
-
-
-def _pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                                        ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                                        ScheduleZBVZeroBubble)
-
-    group = mesh["pp"].get_group()
-    stages = [PipelineStage(module, stage_index=chunk, num_stages=cfg.num_model_chunks, device=device,
-                            group=group) for module, chunk in zip(modules, chunk_ids)]
-
-    def stage_loss(logits, targets):
-        return loss_fn(logits, (targets,))
-
-    multi_chunk = {"interleaved": ScheduleInterleaved1F1B, "zb-interleaved": ScheduleInterleavedZeroBubble,
-                   "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-    if cfg.schedule in multi_chunk:  # the V-shaped classes place chunks in a V themselves
-        return multi_chunk[cfg.schedule](stages, n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
-    return schedule_class(stages[0], n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
 
 
 def train_step(runtime: Runtime, step: int, total_steps: int, inputs, targets, hp: Hyperparameters):

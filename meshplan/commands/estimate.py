@@ -70,7 +70,36 @@ def run(args) -> int:
     from meshplan.planner.costing.hardware import load_cluster
 
     print(format_prediction(prediction, args, load_cluster(args.cluster).device.usable_memory_bytes))
+    hint = _zero_hint(args, prediction, estimate)
+    if hint:
+        print(hint)
     return 0
+
+
+_SHARDS = {1: "optimizer states", 2: "gradients too", 3: "parameters too"}
+
+
+def _zero_hint(args, prediction, estimate) -> str:
+    """When the configuration does not fit, the first higher ZeRO stage that does (same job)."""
+    dp = args.gpus // (args.tp * args.pp * args.cp)
+    if prediction.fits or dp * args.cp <= 1 or args.zero >= 3:
+        return ""
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    for zero in range(args.zero + 1, 4):
+        try:
+            other = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
+                             tp=args.tp, pp=args.pp, mbs=args.mbs, zero=zero, recompute=args.recompute,
+                             sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
+                             attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
+                             moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
+                             moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+        except MeshplanError:
+            return ""
+        if other.fits:
+            return (f"hint: with --zero {zero} (sharding the {_SHARDS[zero]}) it fits: "
+                    f"{other.peak_memory_bytes / GIB:.2f} GiB per GPU, step {other.step_time_s * 1e3:.1f} ms")
+    return ""
 
 
 def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
@@ -115,9 +144,9 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
                      + (f" {mem.experts / GIB:8.2f}" if moe else ""))
     from meshplan.planner.costing.state_memory import executed_zero
 
-    if executed_zero(args.zero, dp, args.pp) != args.zero:
-        lines += ["", f"note: ZeRO-{args.zero} with pp > 1 runs as ZeRO-1 in torch's pipeline schedules (gradient sync "
-                      "and resharding wait for the last micro-batch); priced as executed"]
+    if executed_zero(args.zero, dp, args.pp, args.schedule) != args.zero:
+        lines += ["", f"note: ZeRO-{args.zero} with the {args.schedule} schedule runs as ZeRO-1 (a split backward "
+                      "defers gradient sync and resharding to the step's end); priced as executed"]
     verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
     lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
               f"GiB usable   fits: {verdict}"]

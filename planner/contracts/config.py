@@ -15,6 +15,9 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev
 # chunk c < pp on rank c, chunk c >= pp mirrored back onto rank 2 pp - 1 - c (torch's style "v").
 MULTI_CHUNK_SCHEDULES = ("interleaved", "zb-interleaved", "zbv", "dualpipev")
 V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
+# Schedules that run split backwards (input gradients, then weight gradients) for some or all
+# micro-batches.
+SPLIT_BACKWARD_SCHEDULES = ("zb-interleaved", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 # fp8: tensorwise-scaled FP8 Linears over bf16-mixed (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")

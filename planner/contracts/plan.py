@@ -53,6 +53,9 @@ class ModelRef:
             raise ValueError(f"model.spec must be a model SPEC string, got {self.spec!r}")
         if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq <= 0:
             raise ValueError(f"model.seq must be a positive integer, got {self.seq!r}")
+        if not isinstance(self.digest, str):
+            raise ValueError(f"model.digest must be the hex string `meshplan plan` wrote (or absent), "
+                             f"got {self.digest!r}")
 
 
 @dataclass(frozen=True)

@@ -311,11 +311,31 @@ def group_collective_time_s(kind: str, size_bytes: float, placement: Placement, 
     return times.get(algorithm, times.get("ring", min(times.values())))
 
 
+# The search costs the same collective for many candidates (a TP all-reduce for every dp and ZeRO
+# stage, a DP reduction for every micro-batch size): answers are kept per cluster object (held by
+# its entry, so its id cannot be reused while cached), cleared when the cache grows past a bound.
+_TIMES: dict[tuple, tuple[ClusterProfile, float]] = {}
+_TIMES_MAX_ENTRIES = 200_000
+
+
 def collective_time_s(kind: str, size_bytes: float, group_size: int, cluster: ClusterProfile,
                       stride: int = 1, algorithm: str = "auto") -> float:
     """Cost of one collective over `group_size` ranks spaced `stride` apart in the rank order,
     placed on the cluster's nodes of `gpus_per_node` (`group_placement`). Send/recv crosses one
     link: NVLink when both ranks share a node, else one NIC."""
+    key = (kind, size_bytes, group_size, id(cluster), stride, algorithm)
+    entry = _TIMES.get(key)
+    if entry is not None and entry[0] is cluster:
+        return entry[1]
+    seconds = _collective_time_s(kind, size_bytes, group_size, cluster, stride, algorithm)
+    if len(_TIMES) >= _TIMES_MAX_ENTRIES:
+        _TIMES.clear()
+    _TIMES[key] = (cluster, seconds)
+    return seconds
+
+
+def _collective_time_s(kind: str, size_bytes: float, group_size: int, cluster: ClusterProfile,
+                       stride: int, algorithm: str) -> float:
     if kind not in COLLECTIVES:
         raise ValueError(f"collective kind must be one of {COLLECTIVES}, got {kind!r}")
     _check(size_bytes, group_size, algorithm, ALGORITHMS)

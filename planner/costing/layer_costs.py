@@ -15,7 +15,7 @@ from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.costing.state_memory import executed_zero, grad_wire_bytes_per_param, state_bytes
+from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     params_per_rank = num_params / shard
     memory = model_state_bytes(params_per_rank, dp, strategy.zero, strategy.precision, strategy.state_recipe,
                                tp, strategy.pp, strategy.shard_group)
-    zero = executed_zero(strategy.zero, dp, strategy.pp)
+    zero = strategy.zero  # the stage the executor runs (`pipeline.strategy_for`: `executed_zero`)
     compute_bytes = recipe(strategy.precision)["param"]
     # bytes per parameter a gather moves and an unsharded copy holds (fp8: float8 all-gather)
     gather_bytes = fp8.gather_bytes_per_param(layer, info, strategy.precision, zero, dp, compute_bytes)
@@ -226,7 +226,8 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         buffer_bytes += gathered_bytes
     if executor:
         extra_params, extra_grads, extra_buffer = _executor_memory_extras(
-            layer, strategy, info, zero, gathered_bytes, fsdp_root, split, vocab_scale, profile_dtype or dtype)
+            layer, strategy, info, zero, gathered_bytes, fsdp_root, split, vocab_scale, profile_dtype or dtype,
+            unit_params=params_per_rank, compute_bytes=compute_bytes)
         memory = {**memory, "params": memory["params"] + extra_params, "grads": memory["grads"] + extra_grads}
         buffer_bytes += extra_buffer
     out_shard = tp if strategy.sp and split else 1
@@ -354,8 +355,10 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfi
     - "executor" (FSDP2 as `meshplan train` runs it): without pipelining, FSDP2 reshards after
       every backward, so ZeRO-1/2 (`reshard_after_forward=False`) gather once per micro-batch,
       before its forward, and ZeRO-3 before its forward and again before its backward. Under
-      torch pipelining resharding after backward is off until the last micro-batch, so the
-      parameters are gathered once per step (and ZeRO-2/3 run as ZeRO-1: `executed_zero`).
+      torch pipelining ZeRO-1/2 do not reshard after backward until the last micro-batch, so
+      their parameters are gathered once per step; ZeRO-3 still gathers twice per micro-batch
+      (`executor.parallel.pipeline`; split-backward schedules run ZeRO-2/3 as ZeRO-1:
+      `executed_zero`).
     Gradient reductions are counted once per step here; the simulator repeats them per
     micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
     `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
@@ -363,7 +366,7 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfi
     dp = strategy.dp
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0
-    zero = executed_zero(strategy.zero, strategy.dp, strategy.pp)
+    zero = strategy.zero
     per_param = recipe(strategy.precision)
     grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
     param_bytes = params_per_rank * (per_param["param"] if gather_bytes_per_param is None else gather_bytes_per_param)
@@ -455,11 +458,13 @@ def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
 
 LOSS_FP32_COPIES = 2  # nll_loss's dense gradient and log_softmax's backward output
 LOSS_PARALLEL_FP32_COPIES = 3  # loss_parallel's backward: one-hot mask, exp(log-probs), their sum
+REDUCE_SCATTER_INPUT_BYTES = 4.0  # FSDP2's reduce-scatter input per parameter (fp32 reduce dtype)
 
 
 def _executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: ModelInfo, zero: int,
                             gathered_bytes: float, fsdp_root: bool, split: bool, vocab_scale: float,
-                            profile_dtype: str) -> tuple[float, float, float]:
+                            profile_dtype: str, unit_params: float = 0.0,
+                            compute_bytes: float = 2.0) -> tuple[float, float, float]:
     """(params, grads, transient buffer) bytes that `meshplan train` allocates beyond the model
     states of `state_memory` and the saved activations, per rank. Each was measured on CPU with
     `executor.memory.StepMemTracker` (tests/executor/test_memory_prediction.py):
@@ -477,12 +482,21 @@ def _executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: Model
     - FSDP2 (ZeRO 1-3, dp > 1) without pipelining: each unit's all-gather output stays alive
       until the next unit's all-gather (`comm_ctx.all_gather_state`, kept so the copy-in buffer
       is not reused early): one more unsharded copy of a unit's parameters, transient, during
-      every micro-batch's forward (and ZeRO-3's backward). Under torch pipelining the units
-      are gathered once per step, in the first micro-batch's forward, when few activations
-      are live: measured, it never reaches the peak, so it is not added;
+      every micro-batch's forward (and ZeRO-3's backward). Under torch pipelining ZeRO-1/2
+      units are gathered once per step, in the first micro-batch's forward, when few
+      activations are live: measured, it never reaches the peak, so it is not added (ZeRO-3
+      gathers in every micro-batch's forward: added);
     - ZeRO-3: the stage's root FSDP unit (embedding, head: everything outside the blocks) is
       not resharded after forward (FSDP2 keeps the root gathered for the backward that
-      follows), so its unsharded copy is live through forward and backward, like parameters.
+      follows), so its unsharded copy is live through forward and backward, like parameters;
+    - ZeRO-2/3 (a reduce-scatter after every micro-batch's backward): while a unit's backward
+      runs, its unsharded gradient (compute dtype) is live next to the previous unit's fp32
+      reduce-scatter input, which FSDP2 keeps until the next reduce-scatter is issued
+      (`set_reduce_scatter_max_input_buffers`, one by default): `REDUCE_TRANSIENT` per
+      parameter of the unit, during backward, when the forward's gathered copy is gone (the
+      larger of the two is the layer's transient). Measured under pipelining, where a backward
+      runs while other micro-batches' activations are live: +1.45 MiB per 2-block fp32 stage,
+      as this rule says.
     """
     extra_params = extra_grads = extra_buffer = 0.0
     tp, dp, mbs = strategy.tp, strategy.dp, strategy.microbatch_size
@@ -494,8 +508,12 @@ def _executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: Model
         table = info.padded_vocab * vocab_scale * info.hidden
         extra_grads += 4.0 * table * (1 - 1 / tp)
     if dp > 1 and zero >= 1:
-        if strategy.pp == 1:  # under pipelining a unit is gathered once per step, in the first
-            extra_buffer += gathered_bytes  # micro-batch's forward, far from the peak: not added
+        # under pipelining a ZeRO-1/2 unit is gathered once per step, in the first micro-batch's
+        # forward, far from the peak: not added; ZeRO-3 gathers in every micro-batch's forward
+        if strategy.pp == 1 or zero == 3:
+            extra_buffer += gathered_bytes
+        if zero >= 2:
+            extra_buffer = max(extra_buffer, unit_params * (compute_bytes + REDUCE_SCATTER_INPUT_BYTES))
         if zero == 3 and fsdp_root:
             extra_params += gathered_bytes
     return extra_params, extra_grads, extra_buffer
@@ -559,12 +577,13 @@ def _moe_block_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterPro
     states = model_state_bytes(params, group.dp, strategy.zero, strategy.precision, strategy.state_recipe,
                                strategy.tp, strategy.pp)
     grad_s, gather_s, fwd_gather_s, bwd_gather_s = _dp_comm_s(params, group, cluster)
-    zero = executed_zero(strategy.zero, group.dp, strategy.pp)
+    zero = strategy.zero
     owned = params / (group.dp if zero >= 1 else 1)
     optimizer_s = owned * cluster.optimizer_bytes_per_param / (
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency)
     gathered = params * recipe(strategy.precision)["param"]
-    copies = (zero == 3) + (strategy.state_recipe == "executor" and group.dp > 1 and zero >= 1 and strategy.pp == 1)
+    copies = (zero == 3) + (strategy.state_recipe == "executor" and group.dp > 1 and zero >= 1
+                            and (strategy.pp == 1 or zero == 3))
     full = strategy.recompute == "full"
     expert_states = states["params"] + states["grads"] + states["optimizer"]
     return replace(

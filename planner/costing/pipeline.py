@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
 from meshplan.planner.costing.layer_costs import LayerCost, Strategy, layer_cost
+from meshplan.planner.costing.state_memory import executed_zero
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,10 @@ def fill_share(schedule: str, virtual_stages: int = 1) -> float:
 
 
 def strategy_for(config, recompute: str | None = None) -> Strategy:
-    """The Strategy every layer of a uniform ParallelConfig runs under."""
-    return Strategy(tp=config.tp, dp=config.dp, zero=config.zero, recompute=recompute or config.recompute,
+    """The Strategy every layer of a uniform ParallelConfig runs under (at the ZeRO stage the
+    executor runs: `state_memory.executed_zero`)."""
+    zero = executed_zero(config.zero, config.dp * config.cp, config.pp, config.schedule)
+    return Strategy(tp=config.tp, dp=config.dp, zero=zero, recompute=recompute or config.recompute,
                     sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp,
                     shard_group=config.shard_group, cp=config.cp, ep=getattr(config, "ep", 1))
 

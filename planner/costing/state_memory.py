@@ -29,11 +29,15 @@ Gradients are reduced in fp32 by the executor (DDP on fp32 gradients; FSDP2 redu
 HSDP (`shard_group` N < dp): every "/d" above becomes "/N": states are sharded over the N ranks
 of a shard group and replicated across the dp/N groups (FSDP2 on a 2-D mesh).
 
-Under torch pipelining ZeRO-2/3 execute as ZeRO-1 (`executed_zero`). Without pipelining ZeRO-2/3
-reduce-scatter after every micro-batch's backward (the simulator plays that), and FSDP2
-re-gathers ZeRO-1/2 parameters before every micro-batch's forward (`layer_costs._dp_comm_s`).
+ZeRO-2/3 reduce-scatter after every micro-batch's backward, pipelined or not (the simulator plays
+that); under a split-backward (zero-bubble) schedule they execute as ZeRO-1 (`executed_zero`).
+Without pipelining FSDP2 re-gathers ZeRO-1/2 parameters before every micro-batch's forward;
+under pipelining they stay gathered from the first forward to the step's end
+(`layer_costs._dp_comm_s`).
 """
 from __future__ import annotations
+
+from meshplan.planner.contracts.config import SPLIT_BACKWARD_SCHEDULES
 
 STATE_RECIPES = ("executor", "zero-paper")
 
@@ -57,26 +61,31 @@ def dp_method(zero: int, dp: int, tp: int, pp: int) -> str:
     return "fsdp"
 
 
-def executed_zero(zero: int, dp: int, pp: int) -> int:
-    """The ZeRO stage the executor really runs: under torch pipelining (pp > 1) every
-    micro-batch's backward runs with gradient sync and resharding off, and the stage's FSDP
-    units reduce-scatter and reshard once, after the last one (`PipelineStage.backward_maybe_with_nosync`,
-    `perform_reduce_grad`). ZeRO-2 then keeps full gradients during the step and ZeRO-3 keeps
-    the gathered parameters too: both run as ZeRO-1, which the planner therefore offers alone."""
-    if pp > 1 and dp > 1 and zero >= 2:
+def executed_zero(zero: int, dp: int, pp: int, schedule: str | None = None) -> int:
+    """The ZeRO stage the executor really runs. Under torch pipelining (pp > 1) meshplan's
+    stages reduce-scatter ZeRO-2/3 gradients after every micro-batch's full backward
+    (`executor.parallel.pipeline.ShardedGradStage`; torch's own stage would defer sync and
+    resharding to the last one). Schedules that split the backward (`SPLIT_BACKWARD_SCHEDULES`)
+    run the input-gradient half first, before any weight gradient exists, so their reduction
+    stays deferred to the step's end: ZeRO-2 would keep full gradients and ZeRO-3 the gathered
+    parameters, both run as ZeRO-1, which the planner therefore offers alone."""
+    if pp > 1 and dp > 1 and zero >= 2 and schedule in SPLIT_BACKWARD_SCHEDULES:
         return 1
     return zero
 
 
 def grad_sync_mode(config) -> str:
     """When meshplan's executor reduces gradients (`simulation.engine.StepCosts.grad_sync`; the
-    ILP models the same). With pipelining it wraps each chunk in FSDP or replicate, and torch's schedules reduce a chunk's gradients only after its last backward
-    (`perform_reduce_grad`); without pipelining DDP/FSDP overlap the reduction with the
-    backward, of the last micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3
-    (which keep gradients sharded while accumulating)."""
-    if config.pp > 1 and config.dp * getattr(config, "cp", 1) > 1:
+    ILP models the same). DDP/FSDP overlap the reduction with the backward, of the last
+    micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3 (which keep gradients sharded
+    while accumulating), pipelined or not. Under pipelining ZeRO-0/1 (and ZeRO-2/3 under a
+    split-backward schedule) leave it to torch, which reduces a chunk's gradients after its
+    last backward (`perform_reduce_grad`), blocking the rank."""
+    data_ranks = config.dp * getattr(config, "cp", 1)
+    zero = executed_zero(config.zero, data_ranks, config.pp, config.schedule)
+    if config.pp > 1 and data_ranks > 1 and zero <= 1:
         return "after_chunk"
-    return "overlap_every_microbatch" if config.zero >= 2 and config.num_microbatches > 1 else "overlap"
+    return "overlap_every_microbatch" if zero >= 2 and config.num_microbatches > 1 else "overlap"
 
 
 def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str,
@@ -90,11 +99,11 @@ def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str,
 
 
 def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, tp: int = 1,
-                         pp: int = 1, shard: int | None = None) -> dict[str, float]:
+                         pp: int = 1, shard: int | None = None, schedule: str | None = None) -> dict[str, float]:
     """`shard`: HSDP's shard group (FSDP2 on a 2-D (replicate, shard) mesh keeps 1/shard of each
     parameter, gradient and moment); all dp ranks by default."""
     _paper(precision)
-    zero = executed_zero(zero, dp, pp)
+    zero = executed_zero(zero, dp, pp, schedule)
     method = dp_method(zero, dp, tp, pp)
     compute_copy = 4.0 if precision == "fp32" else 2.0  # unsharded parameters FSDP2 gathers
     if method == "none":
@@ -113,9 +122,10 @@ def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, 
 
 
 def state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: str = "zero-paper",
-                tp: int = 1, pp: int = 1, shard: int | None = None) -> dict[str, float]:
+                tp: int = 1, pp: int = 1, shard: int | None = None, schedule: str | None = None) -> dict[str, float]:
     """Resident params / grads / optimizer bytes per rank for `num_params` (already / tp);
-    `shard` is HSDP's shard group (None: ZeRO shards over all `dp` ranks)."""
+    `shard` is HSDP's shard group (None: ZeRO shards over all `dp` ranks); `schedule` the
+    pipeline schedule (a split-backward one runs ZeRO-2/3 as ZeRO-1 under pp > 1)."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if shard is not None and (shard < 1 or dp % shard):
@@ -123,7 +133,7 @@ def state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: s
     if recipe == "zero-paper":
         return paper_state_bytes(num_params, dp, zero, precision, shard)
     if recipe == "executor":
-        return executor_state_bytes(num_params, dp, zero, precision, tp, pp, shard)
+        return executor_state_bytes(num_params, dp, zero, precision, tp, pp, shard, schedule)
     raise ValueError(f"state recipe must be one of {', '.join(STATE_RECIPES)}, got {recipe!r}")
 
 

@@ -244,6 +244,17 @@ def layer_type_keys(graph) -> tuple[list[str], list[int]]:
     return keys, layer_type
 
 
+def _pipelined(strategy, cache: dict):
+    """`strategy` at pp = 2, one object per distinct strategy (kept in `cache`)."""
+    from dataclasses import replace
+
+    key = ("pp2", strategy)
+    out = cache.get(key)
+    if out is None:
+        out = cache[key] = replace(strategy, pp=2)
+    return out
+
+
 def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                      layerwise_meshes: tuple[tuple[int, int], ...] = (),
                      layer_cost: Callable | None = None, p2p_time: Callable | None = None,
@@ -291,6 +302,10 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                                 shard_group=strategy.shard_group if dp == strategy.dp else None)
             if not layer.expert_params and local.ep != 1:
                 local = replace(local, ep=1)
+            if local.pp > 2 and not holds_shared:
+                # a layer's cost sees only whether it is pipelined (a tied copy also how far apart
+                # its stages are): every pp > 1 shares the costs costed at pp = 2
+                local = _pipelined(local, cache)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
                 index = (id(layer), local, recompute, holds_shared, tp, dp)

@@ -7,6 +7,7 @@ from pathlib import Path
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
+from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.engines import ENGINES
 from meshplan.planner.engines.job import EngineJob, chunks_from_counts, dominant_recompute, resolve_recompute
 
@@ -167,8 +168,9 @@ def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes:
 
 def job_pins(job: EngineJob) -> dict:
     """What an engine config fixes, as `search_plan` pins (the rest is searched)."""
-    # ZeRO-2/3 under pipelining run as ZeRO-1 (`costing.state_memory.executed_zero`); the search offers ZeRO-1
-    zero = 1 if job.pp > 1 and job.zero >= 2 else job.zero
+    # ZeRO-2/3 under a split-backward schedule run as ZeRO-1 (`costing.state_memory.executed_zero`),
+    # the only stage the search offers there (an unstated dp is searched: taken as > 1)
+    zero = executed_zero(job.zero, job.dp or 2, job.pp, job.schedule)
     pins = {"tp": job.tp, "pp": job.pp, "zero": zero, "sp": job.sp if job.tp > 1 else None,
             "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
             "vpp": job.vpp if job.schedule == "interleaved" else None}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.costing.layer_costs import Strategy, layer_cost
-from meshplan.planner.costing.state_memory import executed_zero, paper_state_bytes
+from meshplan.planner.costing.state_memory import paper_state_bytes
 
 # fp8 (Transformer Engine): the same bf16 parameters, fp32 main_grad and optimizer; the fp8 weight
 # copies are transient and counted with the buffers, as for meshplan's own fp8 recipe.
@@ -52,7 +52,8 @@ def with_engine_memory(prediction, engine: str, graph, cluster, config, chunk_of
     """`prediction` with each rank's model states as `engine` allocates them."""
     if engine_state_bytes(engine, 1.0, config.dp, config.zero, config.precision) is None:
         return prediction
-    zero = executed_zero(config.zero, config.dp, config.pp) if engine == "deepspeed" else config.zero
+    # DeepSpeed's pipeline engine runs ZeRO-1 at most (it refuses ZeRO-2/3 with pipelining)
+    zero = min(config.zero, 1) if engine == "deepspeed" and config.pp > 1 else config.zero
     memory = []
     for rank, num_params in enumerate(params_per_rank(graph, cluster, config, chunk_of_layer)):
         states = engine_state_bytes(engine, num_params, config.dp, zero, config.precision)

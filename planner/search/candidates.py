@@ -7,9 +7,9 @@ m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pin
 the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
 sequence parallelism when tp > 1 (not for Hugging Face models), and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes;
 for mixtures of experts, expert parallelism `ep` over powers of two dividing dp * cp and the
-expert count (`expert_parallel_degrees`). ZeRO-2/3 are not offered with pipelining and dp > 1: torch's
-schedules defer gradient sync and resharding to the last micro-batch, so they run as ZeRO-1
-(`costing.state_memory.executed_zero`).
+expert count (`expert_parallel_degrees`). ZeRO-2/3 are not offered with a split-backward
+(zero-bubble) schedule and dp > 1: its reduction is deferred to the step's end, so they run as
+ZeRO-1 (`costing.state_memory.executed_zero`).
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                     for zero in (0, 1, 2, 3):
                         if pins.zero is not None and zero != pins.zero:
                             continue
-                        if executed_zero(zero, dp * cp, pp) != zero:  # runs as ZeRO-1: buys nothing
+                        if executed_zero(zero, dp * cp, pp, schedule) != zero:  # runs as ZeRO-1: buys nothing
                             continue
                         for sp in ((False, True) if tp > 1 and sequence_split else (False,)):
                             if pins.sp is not None and sp != pins.sp:

@@ -11,6 +11,7 @@ from functools import lru_cache
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.pipeline import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
+from meshplan.planner.simulation.contention import stream_links
 from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_bytes
 from meshplan.planner.simulation.split_backward import model_weight_share
 from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
@@ -99,12 +100,23 @@ class Pending:
     that floor, and `problem` (the third item) replays the schedule the first time it is read.
     `solve_candidates` reads the exact problem only once a candidate comes up for solving."""
 
-    __slots__ = ("candidate", "bound_s", "floor_problem", "weight_share", "_exact")
+    __slots__ = ("candidate", "bound_s", "_floor", "_make_floor", "weight_share", "_exact")
 
-    def __init__(self, candidate: ParallelConfig, bound_s: float, floor_problem: StageProblem,
-                 weight_share: float = 0.5):
-        self.candidate, self.bound_s, self.floor_problem = candidate, bound_s, floor_problem
+    def __init__(self, candidate: ParallelConfig, bound_s: float, floor_problem: StageProblem | None,
+                 weight_share: float = 0.5, make_floor=None):
+        self.candidate, self.bound_s, self._floor, self._make_floor = candidate, bound_s, floor_problem, make_floor
         self.weight_share, self._exact = weight_share, None
+
+    @property
+    def built(self) -> bool:
+        """Whether the cost table exists yet (see `build_problems`: some wait for their turn)."""
+        return self._floor is not None
+
+    @property
+    def floor_problem(self) -> StageProblem:
+        if self._floor is None:
+            self._floor = self._make_floor()
+        return self._floor
 
     @property
     def problem(self) -> StageProblem:
@@ -260,7 +272,11 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
     """(the candidate's lower bound at `level`, the bound that gives it). Level 1: the memory-aware
     bound at the floor step factor, replaying no schedule; level 2: the exact step factor and
     both bounds with the schedule replayed."""
+    late = isinstance(item, Pending) and not item.built
     problem = item.problem if level >= 2 else item.floor_problem
+    if late and problem.mem_limit_bytes is not None \
+            and min_static_bytes(problem.table, item.candidate.pp) > problem.mem_limit_bytes:
+        return math.inf, "memory"  # what `build_problems` checks for the tables it builds at once
     compute_s = compute_bound_s(problem.table, problem.shape, problem.grad_sync)
     memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
                               compact_structure(problem.table), problem.grad_sync, replay=level >= 2)
@@ -289,25 +305,85 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     `workers` > 1 and many tables, the tables are built over a fork process pool."""
     recompute_options = (pins.recompute,) if pins.recompute else RECOMPUTE
     strategies = _strategies(candidates)
-    table_cache = _build_tables(graph, cluster, candidates, strategies, recompute_options, layerwise, workers)
-    tables: dict[ParallelConfig, CostTable] = {}
+    sibling_of = {} if layerwise else _zero1_siblings(strategies)
+    built_now = [(c, st) for c, st in zip(candidates, strategies) if st not in sibling_of]
+    table_cache = _build_tables(graph, cluster, [c for c, _ in built_now], [st for _, st in built_now],
+                                recompute_options, layerwise, workers)
+    late = _LateTables(graph, cluster, recompute_options, table_cache)
+    tables: dict[ParallelConfig, CostTable] = _CandidateTables(late)
     problems, pruned = [], []
     weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
     for candidate, strategy in zip(candidates, strategies):
-        table = tables[candidate] = table_cache[strategy]
         # Replaying a schedule for its step factor is the costly part: until the candidate comes
         # up for solving, its problem carries the floor and its bound is the compute bound at it.
         shape = floor_shape(candidate)
         grad_sync = grad_sync_mode(candidate)
+        dp_link, pp_link = stream_links(candidate, cluster.gpus_per_node)
+
+        def make_floor(strategy=strategy, shape=shape, grad_sync=grad_sync,
+                       shares=bool(pp_link) and dp_link == pp_link):
+            return StageProblem(late[strategy], shape, mem_limit_bytes=limit, time_limit_s=time_limit_s,
+                                grad_sync=grad_sync, dp_shares_pp_link=shares)
+
+        tables.strategy_of[candidate] = strategy
+        if strategy in sibling_of:  # its table waits: the ZeRO-1 sibling's compute bounds it
+            sibling = table_cache[sibling_of[strategy]]
+            bound = compute_bound_s(sibling, shape, "overlap")  # ZeRO-2: the same gathers and optimizer
+            if strategy.zero == 3:  # which gathers in every pass instead of once in the tail
+                bound -= sibling.least_tail_s(False) / candidate.pp
+            problems.append(Pending(candidate, bound, None, weight_share=weight_share, make_floor=make_floor))
+            continue
+        table = table_cache[strategy]
         bound = compute_bound_s(table, shape, grad_sync)
         if min_static_bytes(table, candidate.pp) > limit:
             pruned.append(Solved(candidate, bound, pruned="memory"))
             continue
-        problems.append(Pending(candidate, bound, StageProblem(table, shape, mem_limit_bytes=limit,
-                                                               time_limit_s=time_limit_s, grad_sync=grad_sync),
-                                weight_share=weight_share))
+        problems.append(Pending(candidate, bound, make_floor(), weight_share=weight_share))
     problems, dominated = best_expert_degrees(problems)
     return problems, pruned + dominated, tables
+
+
+def _zero1_siblings(strategies) -> dict:
+    """Pipelined ZeRO-2/3 strategy -> the same strategy at ZeRO-1, where that one is searched too.
+
+    Their layers compute alike and ZeRO-2/3 only add (ZeRO-3: exposed gathers in every pass;
+    both: a reduction every micro-batch, which the compute bound leaves out), so the sibling's
+    compute bound bounds them (ZeRO-2 gathers once per step and runs the same optimizer, so with
+    the sibling's tail; ZeRO-3 without it), and their own tables are built only when the search
+    reaches them: most never are."""
+    present = set(strategies)
+    out = {}
+    for strategy in present:
+        if strategy.pp > 1 and strategy.zero >= 2 and strategy.dp > 1:
+            sibling = replace(strategy, zero=1)
+            if sibling in present:
+                out[strategy] = sibling
+    return out
+
+
+class _LateTables(dict):
+    """strategy -> CostTable: the tables built at once, and the others built on first use."""
+
+    def __init__(self, graph, cluster, recompute_options, built: dict):
+        super().__init__(built)
+        self._job, self._cache = (graph, cluster, recompute_options), {}
+
+    def __missing__(self, strategy):
+        graph, cluster, recompute_options = self._job
+        table = self[strategy] = build_cost_table(graph, cluster, strategy, recompute_options, cache=self._cache)
+        return table
+
+
+class _CandidateTables(dict):
+    """candidate -> its CostTable, looked up (and built, if it waited) on first use."""
+
+    def __init__(self, late: _LateTables):
+        super().__init__()
+        self.late, self.strategy_of = late, {}
+
+    def __missing__(self, candidate):
+        table = self[candidate] = self.late[self.strategy_of[candidate]]
+        return table
 
 
 def _strategies(candidates) -> list:
@@ -342,8 +418,9 @@ def _build_tables(graph, cluster, candidates, strategies, recompute_options, lay
     _TABLE_JOB = (graph, cluster, recompute_options)
     try:
         if workers > 1 and len(todo) >= PARALLEL_TABLES_MIN:
-            # strategies equal but for ep next to each other: they share their dense layers' costs
-            todo.sort(key=lambda job: (replace(job[0], ep=1).__repr__(), job[0].ep))
+            # strategies equal but for ep, or for pp > 1, next to each other: they share their
+            # dense layers' costs, or all their layers' (`tables.build_cost_table`'s cache)
+            todo.sort(key=lambda job: (replace(job[0], ep=1, pp=min(job[0].pp, 2)).__repr__(), job[0].pp, job[0].ep))
             size = -(-len(todo) // (4 * workers))
             pieces = [todo[start:start + size] for start in range(0, len(todo), size)]
             shared = build_cost_table(graph, cluster, todo[0][0], recompute_options, layerwise_meshes=todo[0][1])

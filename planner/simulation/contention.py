@@ -20,6 +20,7 @@ Parameter prefetches of ZeRO-3 are left out (they are small against a whole redu
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import NamedTuple
 
 
@@ -38,18 +39,43 @@ def rank_delays(dp_intervals, runs, chunks, transfers, dp_link: str, pp_link: st
     send and receive intervals; links are "nvlink", "nic" or "" (no such traffic)."""
     if not dp_intervals or not dp_link:
         return Delays(0.0, 0.0)
+    covered = _coverage(dp_intervals)
     o_tp = o_pp = 0.0
-    for dp_start, dp_end in dp_intervals:
-        if dp_link == "nvlink":
-            for run in runs:
-                chunk = chunks[run.action.chunk]
-                duration = run.end_s - run.start_s
-                tp_s = chunk.fwd_tp_s if run.action.kind == "F" else chunk.bwd_tp_s
-                if duration > 0 and tp_s > 0:
-                    o_tp += tp_s / duration * _overlap_s(dp_start, dp_end, run.start_s, run.end_s)
-        if pp_link == dp_link:
-            o_pp += sum(_overlap_s(dp_start, dp_end, start, end) for start, end in transfers)
+    if dp_link == "nvlink":
+        for run in runs:
+            chunk = chunks[run.action.chunk]
+            duration = run.end_s - run.start_s
+            tp_s = chunk.fwd_tp_s if run.action.kind == "F" else chunk.bwd_tp_s
+            if duration > 0 and tp_s > 0:
+                o_tp += tp_s / duration * covered(run.start_s, run.end_s)
+    if pp_link == dp_link:
+        o_pp = sum(covered(start, end) for start, end in transfers)
     return Delays(o_tp / 2, (o_tp + o_pp) / 2)
+
+
+def _coverage(intervals):
+    """A function (a, b) -> the summed overlap of [a, b] with every one of `intervals`.
+
+    The reduction stream's intervals are disjoint (one stream, one reduction at a time), so after
+    sorting, the overlap is the stream's busy time up to b less its busy time up to a: a binary
+    search each, instead of a pass over every interval (a step's m reductions against its 2m
+    transfers per boundary would be quadratic). Overlapping intervals are summed one by one."""
+    ordered = sorted(intervals)
+    if any(ordered[i][1] > ordered[i + 1][0] for i in range(len(ordered) - 1)):
+        return lambda a, b: sum(_overlap_s(start, end, a, b) for start, end in ordered)
+    starts = [start for start, _ in ordered]
+    busy_before = [0.0]  # busy time of the intervals before index i
+    for start, end in ordered:
+        busy_before.append(busy_before[-1] + (end - start))
+
+    def busy_until(t: float) -> float:
+        i = bisect_right(starts, t)  # intervals starting at or before t
+        if i == 0:
+            return 0.0
+        start, end = ordered[i - 1]
+        return busy_before[i - 1] + (min(t, end) - start)
+
+    return lambda a, b: max(0.0, busy_until(b) - busy_until(a)) if b > a else 0.0
 
 
 def link_kind(group_size: int, stride: int, gpus_per_node: int) -> str:
@@ -57,3 +83,12 @@ def link_kind(group_size: int, stride: int, gpus_per_node: int) -> str:
     if group_size <= 1:
         return ""
     return "nvlink" if (group_size - 1) * stride + 1 <= gpus_per_node else "nic"
+
+
+def stream_links(config, gpus_per_node: int) -> tuple[str, str]:
+    """(dp_link, pp_link) of a configuration: the links its data-parallel reduction and its
+    pipeline transfers leave a GPU on (`link_kind`; pipeline neighbours are dp cp tp ranks apart)."""
+    data_ranks = config.dp * getattr(config, "cp", 1)
+    dp_link = link_kind(data_ranks, config.tp, gpus_per_node)
+    pp_link = link_kind(2, data_ranks * config.tp, gpus_per_node) if config.pp > 1 else ""
+    return dp_link, pp_link

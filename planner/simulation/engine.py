@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
+from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
 from meshplan.planner.simulation.schedules import Action, schedule_actions
@@ -197,7 +198,8 @@ def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts)
     """Group layers (backward order) into gradient buckets of about `grad_bucket_bytes`."""
     # ZeRO-2/3 keep only a 1/dp shard of the gradients, but the bucket holds the full gradient
     # before its reduce-scatter.
-    full = costs.config.dp * costs.config.cp if costs.config.zero >= 2 else 1
+    cfg = costs.config
+    full = cfg.dp * cfg.cp if executed_zero(cfg.zero, cfg.dp * cfg.cp, cfg.pp, cfg.schedule) >= 2 else 1
     buckets, filled_bytes, comm_s = [], 0.0, 0.0
     for position, (cost, end_s) in enumerate(zip(backward, bwd_ends)):
         filled_bytes += cost.grad_bytes * full

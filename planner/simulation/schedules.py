@@ -25,12 +25,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from meshplan.planner.contracts.config import SPLIT_BACKWARD_SCHEDULES  # noqa: F401 (re-exported)
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev")
-# Schedules that run split backwards (I then W) for some or all micro-batches.
-SPLIT_BACKWARD_SCHEDULES = ("zb-interleaved", "zbv", "dualpipev")
 
 
 def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:

@@ -17,8 +17,8 @@ from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.contracts.prediction import Prediction
-from meshplan.planner.costing.state_memory import grad_sync_mode
-from meshplan.planner.simulation.contention import link_kind
+from meshplan.planner.costing.state_memory import executed_zero, grad_sync_mode
+from meshplan.planner.simulation.contention import stream_links
 from meshplan.planner.simulation.engine import StepCosts, simulate_step
 from meshplan.planner.simulation.split_backward import weight_grad_share
 
@@ -83,7 +83,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
             raise ValueError(f"layer {layer.name!r} has dp={dp}, which does not divide the stage's "
                              f"{config.microbatch_size * config.dp} samples per micro-batch")
         mbs = config.microbatch_size * config.dp // dp
-        strategy = cost.Strategy(tp=tp, dp=dp, zero=config.zero, recompute=recompute, sp=config.sp and tp > 1,
+        zero = executed_zero(config.zero, dp * config.cp, config.pp, config.schedule)
+        strategy = cost.Strategy(tp=tp, dp=dp, zero=zero, recompute=recompute, sp=config.sp and tp > 1,
                                  microbatch_size=mbs, precision=config.precision, pp=config.pp,
                                  shard_group=config.shard_group if dp == config.dp else None, cp=config.cp,
                                  ep=config.ep if dp == config.dp else 1)
@@ -96,6 +97,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
                 for c in range(config.num_model_chunks - 1))
     model_flops = flops.model_flops_per_step(graph, config.global_batch)
     hw_flops = flops.executed_flops_per_step(graph, config.global_batch, recomputes)
+    links = stream_links(config, cluster.gpus_per_node)
     return StepCosts(
         config=config, layer_costs=tuple(layer_costs), chunk_of_layer=chunks, p2p_time_s=p2p,
         tokens_per_step=float(config.global_batch * graph.seq), model_flops_per_step=float(model_flops),
@@ -103,8 +105,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
         grad_sync=grad_sync or grad_sync_mode(config),
-        dp_link=link_kind(config.dp * config.cp, config.tp, cluster.gpus_per_node),
-        pp_link=link_kind(2, config.dp * config.cp * config.tp, cluster.gpus_per_node) if config.pp > 1 else "",
+        dp_link=links[0], pp_link=links[1],
         weight_grad_share=tuple(weight_grad_share(layer, graph.seq, graph.attention) for layer in graph.layers))
 
 

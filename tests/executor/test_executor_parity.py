@@ -87,8 +87,12 @@ FOUR_PROCESS = {
     "pp2-dp2-zero0-gpipe": dict(pp=2, dp=2, microbatch_size=2, schedule="gpipe"),
     "pp2-dp2-zero1-interleaved": dict(pp=2, dp=2, microbatch_size=2, zero=1, schedule="interleaved",
                                       virtual_stages=2, spec=LLAMA.replace("layers=3", "layers=4")),
-    # ZeRO-2/3 with pp > 1 run as ZeRO-1 under torch pipelining, so train refuses them
     "pp2-dp2-zero1-1f1b": dict(pp=2, dp=2, microbatch_size=2, zero=1),
+    # ZeRO-2/3 under pipelining: a reduce-scatter after every micro-batch's backward
+    # (`executor.parallel.pipeline.ShardedGradStage`); ZeRO-3 also regathers per pass
+    "pp2-dp2-zero2-1f1b": dict(pp=2, dp=2, microbatch_size=1, zero=2),
+    "pp2-dp2-zero3-interleaved": dict(pp=2, dp=2, microbatch_size=1, zero=3, schedule="interleaved",
+                                      virtual_stages=2, spec=LLAMA.replace("layers=3", "layers=4")),
     # HSDP: 2 shard groups of 2 (FSDP2 on a 2-D (replicate, shard) mesh)
     "dp4-hsdp2-zero3": dict(dp=4, microbatch_size=2, zero=3, shard_group=2),
     "dp4-hsdp2-zero2-llama": dict(dp=4, microbatch_size=1, zero=2, shard_group=2, spec=LLAMA),

@@ -94,9 +94,11 @@ def test_plans_the_executor_cannot_run_are_refused_before_launch(cluster):
         check_plan_runnable(replace(plan, executable=False, not_executable_reason="layerwise"), 2)
     with pytest.raises(MeshplanError, match="does not place layer"):
         check_plan_runnable(replace(plan, model=ModelRef(spec=SPEC.replace("layers=4", "layers=6"), seq=16)), 2)
-    for zero in (2, 3):  # torch pipelining runs them as ZeRO-1: refused, not silently downgraded
-        piped = uniform_plan(SPEC, 16, 8, cluster, pp=2, dp=2, microbatch_size=2, zero=zero)
-        with pytest.raises(MeshplanError, match=f"ZeRO-{zero} with pipeline parallelism .* runs as ZeRO-1"):
+    for zero in (2, 3):  # a split backward runs them as ZeRO-1: refused, not silently downgraded
+        check_plan_runnable(uniform_plan(SPEC, 16, 8, cluster, pp=2, dp=2, microbatch_size=2, zero=zero), 4)
+        piped = uniform_plan(SPEC, 16, 8, cluster, pp=2, dp=2, microbatch_size=1, zero=zero, schedule="zbv",
+                             virtual_stages=2)
+        with pytest.raises(MeshplanError, match=f"ZeRO-{zero} with the zbv schedule .* runs as ZeRO-1"):
             check_plan_runnable(piped, 4)
     odd_heads = uniform_plan("gpt:layers=2,hidden=48,heads=3,vocab=256", 16, 4, cluster, tp=2)
     with pytest.raises(MeshplanError, match="tp=2 does not divide the model's attention heads"):

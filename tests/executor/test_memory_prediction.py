@@ -73,6 +73,13 @@ TWO_PROCESS = {
 }
 FOUR_PROCESS = {
     "pp2-dp2-zero1": dict(pp=2, dp=2, microbatch_size=1, zero=1),
+    # ZeRO-2/3 under pipelining: a reduce-scatter after every micro-batch's backward
+    # (`executor.parallel.pipeline.ShardedGradStage`), gradients sharded during the step
+    "pp2-dp2-zero2": dict(pp=2, dp=2, microbatch_size=1, zero=2),
+    "pp2-dp2-zero3": dict(pp=2, dp=2, microbatch_size=1, zero=3),
+    "pp2-dp2-zero2-interleaved": dict(pp=2, dp=2, microbatch_size=1, zero=2, schedule="interleaved",
+                                      virtual_stages=2),
+    "pp2-dp2-zero2-bf16": dict(pp=2, dp=2, microbatch_size=1, zero=2, precision="bf16-mixed"),
     "dp2-tp2-zero3-llama": dict(dp=2, tp=2, microbatch_size=2, zero=3, spec=LLAMA),
 }
 

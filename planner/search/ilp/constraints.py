@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors
+from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s,
+                                                   forwards_after_first_backward, live_vectors,
+                                                   pipelined_every_microbatch, reduction_contention_s)
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
     from meshplan.planner.search.ilp.formulation import StageProblem
@@ -188,11 +190,16 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_c
     rank_const = min(sum(chunk_const[c] for c in model.problem.shape.chunks_on(r)) for r in range(model.pp))
     model.count_cuts.append((busiest, min(o.time_s for o in options) / v, rank_const / v))
     overlap = model.problem.grad_sync != "after_chunk"
-    per_layer = min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) + o.param_gather_s + o.optimizer_s for o in options)
+    # pipelined ZeRO-2/3 count a rank's exposed reduction from its own end: only its optimizer
+    # and gathers are sure to reach the tail
+    reduction = 0.0 if pipelined_every_microbatch(model.problem) else 1.0
+    per_layer = min(reduction * (o.dp_comm_s - (o.bwd_s if overlap else 0.0)) + o.param_gather_s + o.optimizer_s
+                    for o in options)
     pinned = [table.types[t] for i, t in enumerate(table.layer_type) if table.layer_type.count(t) == 1]
     # Pinned layers may lower the busiest rank's sum (their reduction may be shorter than their
     # backward); subtract the most they can.
-    slack = sum(min(0.0, min(o.dp_comm_s - (o.bwd_s if overlap else 0.0) for o in lt.options)) for lt in pinned)
+    slack = sum(min(0.0, min(reduction * (o.dp_comm_s - (o.bwd_s if overlap else 0.0)) for o in lt.options))
+                for lt in pinned)
     model.tail_cuts.append((busiest, per_layer, slack))
 
 
@@ -356,10 +363,16 @@ def _add_pipeline_time_constraints(model: _Model):
         exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
         model.lp += exposed >= model.rank_grad_comm[r] - (0 if blocking else model.rank_bwd[r]), f"exposed_dp_{r}"
         if problem.grad_sync == "overlap_every_microbatch":  # every micro-batch reduces all gradients
-            model.lp += exposed >= m * model.rank_grad_comm[r] - (m - 1) * model.rank_fwd[r] \
-                - m * model.rank_bwd[r], f"exposed_dp_every_{r}"
+            model.lp += exposed >= m * model.rank_grad_comm[r] \
+                - forwards_after_first_backward(problem.shape, r) * model.rank_fwd[r] \
+                - m * model.rank_bwd[r] + reduction_contention_s(problem, r), f"exposed_dp_every_{r}"
         for k, group in enumerate(model.rank_first_dp[r]):
             model.lp += exposed >= pulp.lpSum(dp_s * indicator for dp_s, indicator in group), f"exposed_first_{r}_{k}"
+        if pipelined_every_microbatch(problem) and r > 0:  # counted from the rank's own compute end
+            late = pulp.LpVariable(f"late_dp_{r}", lowBound=0)
+            model.lp += late >= exposed - drain_rank_s(r, model.rank_bwd[r], shape.virtual_stages, table.p2p_s), \
+                f"late_dp_{r}"
+            exposed = late
         model.lp += tail >= exposed + model.rank_tail[r] + table.rank_fixed_s, f"tail_{r}"
     slowest_weight, sum_weight = shape.weights
     return (slowest_weight * slowest + sum_weight * pulp.lpSum(rank_time) + shape.transfers_on_path * table.p2p_s

@@ -57,14 +57,76 @@ def chunk_fixed_bytes(table: CostTable, num_chunks: int) -> list[float]:
     return [table.boundary_bytes if c < num_chunks - 1 else 0.0 for c in range(num_chunks)]
 
 
-def exposed_dp_s(grad_sync: str, grad_comm_s: float, first_s: float, fwd_s: float, bwd_s: float, m: int) -> float:
-    """Per-step gradient reduction of one rank that compute does not hide (the maths above)."""
+def forwards_after_first_backward(shape: PipelineShape, rank: int) -> float:
+    """W_r: the rank's forwards (in whole-rank micro-batch units, chunk forwards / v) that run
+    after its first backward starts: the compute a reduction started by that backward can hide
+    behind. m - 1 without pipelining; fewer on a pipeline rank, whose warm-up runs first."""
+    return _forwards_after_first_backward(shape.schedule, shape.num_stages, shape.num_microbatches,
+                                          shape.virtual_stages, rank)
+
+
+@lru_cache(maxsize=4096)
+def _forwards_after_first_backward(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+                                   rank: int) -> float:
+    from meshplan.planner.simulation.schedules import schedule_actions
+
+    actions = schedule_actions(schedule, num_stages, num_microbatches, virtual_stages)[rank]
+    first = next(i for i, action in enumerate(actions) if action.kind != "F")
+    return sum(action.kind == "F" for action in actions[first:]) / virtual_stages
+
+
+def pipelined_every_microbatch(problem: StageProblem) -> bool:
+    """ZeRO-2/3 under pipelining: every micro-batch's reduction runs beside the pipeline's own
+    transfers and ends on the rank's own clock (`reduction_drain_s`)."""
+    return problem.grad_sync == "overlap_every_microbatch" and problem.shape.num_stages > 1
+
+
+def boundaries_on(shape: PipelineShape, rank: int) -> int:
+    """Chunk boundaries whose transfers this rank sends or receives (a V's tip has none)."""
+    count = 0
+    for c in range(shape.num_chunks - 1):
+        a, b = shape.rank_of(c), shape.rank_of(c + 1)
+        if a != b:
+            count += (a == rank) + (b == rank)
+    return count
+
+
+def reduction_contention_s(problem: StageProblem, rank: int) -> float:
+    """C_r: a reduction stream busy through the step on the link the rank's boundary transfers
+    use shares it with all 2 m transfers of each of its boundaries, fair share, so it ends half
+    their time later (`simulation.contention`): m * boundaries * P."""
+    if not (pipelined_every_microbatch(problem) and problem.dp_shares_pp_link):
+        return 0.0
+    return problem.shape.num_microbatches * boundaries_on(problem.shape, rank) * problem.table.p2p_s
+
+
+def drain_rank_s(rank: int, bwd_s, virtual_stages: int, p2p_s: float):
+    """L_r: rank r's compute ends r backward chunks (and transfers) before rank 0's, which runs
+    the pipeline's last backward; a reduction exposed on rank r counts from its own end."""
+    return rank * (bwd_s * (1.0 / virtual_stages) + p2p_s)
+
+
+def exposed_dp_s(grad_sync: str, grad_comm_s: float, first_s: float, fwd_s: float, bwd_s: float, m: int,
+                 fwd_after: float | None = None, contention_s: float = 0.0) -> float:
+    """Per-step gradient reduction of one rank that compute does not hide (the maths above);
+    `fwd_after`: `forwards_after_first_backward` (m - 1 by default, no pipelining);
+    `contention_s`: `reduction_contention_s`, paid when the reduction stream is the bottleneck."""
     if grad_sync == "after_chunk":  # torch pipelining: a chunk's reduction blocks the rank
         return max(first_s, grad_comm_s)
     exposed = max(first_s, grad_comm_s - bwd_s)
     if grad_sync == "overlap_every_microbatch":
-        exposed = max(exposed, m * grad_comm_s - (m - 1) * fwd_s - m * bwd_s)
+        after = m - 1 if fwd_after is None else fwd_after
+        exposed = max(exposed, m * grad_comm_s - after * fwd_s - m * bwd_s + contention_s)
     return exposed
+
+
+def rank_tail_s(problem: StageProblem, rank: int, exposed_s: float, bwd_s: float, tail_s: float) -> float:
+    """What rank r adds after the pipeline's compute ends: its exposed reduction (counted from its
+    own compute end under pipelined ZeRO-2/3, never below zero), optimizer and gathers, fixed work."""
+    if pipelined_every_microbatch(problem):
+        shape = problem.shape
+        exposed_s = max(0.0, exposed_s - drain_rank_s(rank, bwd_s, shape.virtual_stages, problem.table.p2p_s))
+    return exposed_s + tail_s + problem.table.rank_fixed_s
 
 
 def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
@@ -86,8 +148,10 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     rank_time = [sum(chunk_time[c] for c in shape.chunks_on(r)) for r in range(pp)]
     first = [chunk_of_layer.index(r) for r in range(pp)]  # a rank's first layer: its last gradients
     never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
-    exposed = [exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r], bwd[r], m)
-               + tail[r] + table.rank_fixed_s for r in range(pp)]
+    exposed = [rank_tail_s(problem, r, exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r],
+                                                    bwd[r], m, forwards_after_first_backward(shape, r),
+                                                    reduction_contention_s(problem, r)), bwd[r], tail[r])
+               for r in range(pp)]
     # Interleaved: T_max >= v t_c, less the first layer's time in the first chunk and the last
     # layer's in the last (the embedding and the head: the played schedule absorbs them).
     even = list(chunk_time)

@@ -35,8 +35,14 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                     the executor's grad sync (D_r: reduction of the rank's layers, B_r / F_r: its
                     backward / forward of one micro-batch):
                       overlap (during the last backward)       E_r >= D_r - B_r
-                      overlap_every_microbatch (pp = 1)        E_r >= D_r - B_r, E_r >= m D_r - (m-1) F_r - m B_r
+                      overlap_every_microbatch (ZeRO-2/3)      E_r >= D_r - B_r, E_r >= m D_r - W_r F_r - m B_r
+                      (W_r: the rank's forwards after its first backward, m - 1 without pipelining,
+                      fewer behind a pipeline warm-up: `evaluation.forwards_after_first_backward`)
                       after_chunk (pipelining, blocking)       E_r >= D_r
+                      pipelined ZeRO-2/3 add C_r = m b_r P to the last row when the reduction shares
+                      the transfers' link (b_r: boundaries on the rank; fair share, `simulation.
+                      contention`), and count E_r from the rank's own compute end, L_r = r (B_r / v + P)
+                      before rank 0's: E'_r >= E_r - L_r, E'_r >= 0 (late_dp_r)
                     Tail >= E_r + Q_r + n_r  (n_r: per-rank fixed work, the gradient norm) (tail_r)
     memory          M_rk = S_r + sum_{c on r} live_k(c) (A_c + [c < C-1] Y) + U_r <= limit   (mem_r_k)
                     (Y: the boundary output torch's PipelineStage keeps per micro-batch in flight)
@@ -137,6 +143,8 @@ class StageProblem:
     # "overlap" (during the last micro-batch's backward), "overlap_every_microbatch" (during every
     # micro-batch's backward) or "after_chunk" (after a chunk's last backward, blocking).
     grad_sync: str = "overlap"
+    # The reduction's link is the one the boundary transfers use (they share it: `simulation.contention`).
+    dp_shares_pp_link: bool = False
     backend: str = "highs"  # "highs" or "cbc"
     # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
     # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator

@@ -172,14 +172,19 @@ def test_dp_communication_per_zero_stage():
     assert costs[2].dp_param_gather_s == pytest.approx(all_gather_time_s(grads, dp, link))  # bf16 params = bf16 grads
     assert costs[3].fwd_gather_s == costs[3].bwd_gather_s == pytest.approx(all_gather_time_s(grads, dp, link))
     # FSDP2 as the executor runs it: ZeRO-1/2 gather before every micro-batch's forward, not once
-    # after the optimizer; under torch pipelining once per step, and ZeRO-2/3 run as ZeRO-1.
+    # after the optimizer; under torch pipelining ZeRO-1/2 gather once per step (ZeRO-2 still
+    # reduce-scatters every micro-batch and keeps 1/dp of the gradients), ZeRO-3 per pass.
     fsdp = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z), A100, graph.info) for z in (1, 2)}
     gather = all_gather_time_s(grads, dp, link)
     assert fsdp[1].fwd_gather_s == fsdp[2].fwd_gather_s == pytest.approx(gather)
     assert fsdp[1].dp_param_gather_s == fsdp[1].bwd_gather_s == 0
     piped = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z, pp=4), A100, graph.info) for z in (1, 2, 3)}
     assert piped[1].dp_param_gather_s == pytest.approx(gather) and piped[1].fwd_gather_s == 0
-    assert piped[2] == piped[3] == piped[1]
+    assert piped[2].dp_param_gather_s == pytest.approx(gather) and piped[2].fwd_gather_s == 0
+    assert piped[2].dp_grad_comm_s == piped[1].dp_grad_comm_s
+    assert piped[2].grad_bytes == pytest.approx(piped[1].grad_bytes / dp)  # fp32, sharded over dp
+    assert piped[3].fwd_gather_s == piped[3].bwd_gather_s == pytest.approx(gather)
+    assert piped[3].dp_param_gather_s == 0
     assert costs[3].buffer_bytes >= grads  # the gathered layer lives during its pass
     # ZeRO-1 shards the optimizer's bytes; the TP norms' per-step gradient all-reduces are not
     # sharded (planner.costing.fixed_costs), and this profile has no per-tensor optimizer cost
@@ -476,9 +481,13 @@ def test_executor_memory_extras(tmp_path, monkeypatch):
     assert cost(gpt, 0, tp=2).grad_bytes == pytest.approx(4 * gpt.layers[0].num_params / 2)  # tied: no extra
     block = gpt.layers[1]
     full = 4 * block.num_params  # one unsharded fp32 copy of the block
-    assert cost(gpt, 1, dp=2, zero=3).buffer_bytes == pytest.approx(2 * full)  # gathered + retained output
-    assert cost(gpt, 1, dp=2, zero=1).buffer_bytes == pytest.approx(full)
+    # ZeRO-3: the gathered copy, plus in backward the unit's unsharded gradient and the previous
+    # unit's fp32 reduce-scatter input (larger than forward's retained all-gather output)
+    assert cost(gpt, 1, dp=2, zero=3).buffer_bytes == pytest.approx(3 * full)
+    assert cost(gpt, 1, dp=2, zero=2).buffer_bytes == pytest.approx(2 * full)  # gradient + reduce-scatter input
+    assert cost(gpt, 1, dp=2, zero=1).buffer_bytes == pytest.approx(full)  # retained all-gather output
     assert cost(gpt, 1, dp=2, zero=1, pp=2).buffer_bytes == 0  # gathered once per step under pipelining
+    assert cost(gpt, 1, dp=2, zero=2, pp=2).buffer_bytes == pytest.approx(2 * full)  # reduced every micro-batch
     root = cost(gpt, 0, dp=2, zero=3)
     assert root.param_bytes == pytest.approx(4 * gpt.layers[0].num_params * (1 / 2 + 1))  # shard + gathered
 

@@ -64,3 +64,25 @@ def test_link_kind_follows_the_node_boundary():
     assert link_kind(4, 2, 8) == "nvlink"  # ranks 0, 2, 4, 6
     assert link_kind(2, 8, 8) == "nic"  # pipeline neighbours a node apart
     assert link_kind(16, 1, 8) == "nic"
+
+
+def test_overlap_by_binary_search_equals_the_pairwise_sum():
+    """`_coverage` (prefix sums over the stream's disjoint intervals) gives the summed pairwise
+    overlap exactly, for disjoint and for overlapping interval sets."""
+    import random
+
+    from meshplan.planner.simulation.contention import _coverage, _overlap_s
+
+    rng = random.Random(7)
+    for trial in range(200):
+        t, intervals = 0.0, []
+        for _ in range(rng.randint(1, 12)):
+            t += rng.uniform(0.0, 2.0)
+            length = rng.uniform(0.0, 3.0)
+            intervals.append((t, t + length))
+            t += length if trial % 5 else -rng.uniform(0.0, length)  # every 5th set overlaps
+        covered = _coverage(intervals)
+        for _ in range(20):
+            a = rng.uniform(-1.0, t + 1.0)
+            b = a + rng.uniform(0.0, 4.0)
+            assert covered(a, b) == pytest.approx(sum(_overlap_s(s, e, a, b) for s, e in intervals), abs=1e-9)
