@@ -361,9 +361,11 @@ def _pipeline_forward_backward(runtime: Runtime, inputs, targets):
     args = (inputs.to(runtime.device),) if runtime.holds_first_chunk else ()
     with _loss_context(runtime):
         if runtime.holds_last_chunk:
-            runtime.schedule.step(*args, target=targets.to(runtime.device), losses=losses)
+            # the losses are all this step needs: the last chunk's outputs (the logits of every
+            # micro-batch) are not kept until the step ends
+            runtime.schedule.step(*args, target=targets.to(runtime.device), losses=losses, return_outputs=False)
             return torch.stack([_scalar(loss) for loss in losses]).mean()
-        runtime.schedule.step(*args)
+        runtime.schedule.step(*args, return_outputs=False)
     return None
 
 

@@ -100,14 +100,15 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     rank's pinned layers alone cannot fit. `replay` False: no schedule is replayed for its live
     micro-batches, each chunk counted live once if the rank runs one chunk (its first forward),
     else not at all."""
-    from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors
+    from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors, receive_bytes
 
     first, count, type_index = structure
     num_chunks, pp, last = shape.num_chunks, shape.num_stages, table.num_layers - 1
-    chunk_s, boundary = chunk_fixed_s(table, num_chunks), chunk_fixed_bytes(table, num_chunks)
+    chunk_s, boundary = chunk_fixed_s(table, num_chunks), chunk_fixed_bytes(table, shape)
     run = table.types[type_index].options
     edges = ([(0, 0)] if first == 1 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
     out, frontiers = [], {}
+    received = receive_bytes(table, shape)  # torch pipelining's kept receive buffers
     for rank in range(pp):
         chunks = shape.chunks_on(rank)
         if replay or shape.schedule in ("1f1b", "gpipe"):  # 1F1B and GPipe replay in microseconds
@@ -116,7 +117,7 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
             live = (1,) if shape.virtual_stages == 1 else (0,) * shape.virtual_stages
         weight = min(live)
         fixed_s = sum(chunk_s[c] for c in chunks)
-        fixed_bytes = sum(n * boundary[c] for n, c in zip(live, chunks))
+        fixed_bytes = sum(n * boundary[c] for n, c in zip(live, chunks)) + received[rank]
         # the largest transient buffer is at least that of a layer the rank surely holds: its
         # pinned edge layers, and a run layer if one of its chunks holds no edge layer
         held_buffers = []

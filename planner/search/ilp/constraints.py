@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s,
                                                    forwards_after_first_backward, live_vectors,
-                                                   pipelined_every_microbatch, reduction_contention_s)
+                                                   pipelined_every_microbatch, receive_bytes, reduction_contention_s)
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
     from meshplan.planner.search.ilp.formulation import StageProblem
@@ -385,16 +385,17 @@ def _add_memory_constraints(model: _Model):
     peak = pulp.LpVariable("mem_peak", lowBound=0) if problem.objective == "memory" else None
     if peak is None and problem.mem_limit_bytes is None:
         return None
+    received = receive_bytes(problem.table, problem.shape)  # torch pipelining's kept buffers
     for r in range(model.pp):
         buffer = pulp.LpVariable(f"buffer_{r}", lowBound=0)
         for i, (size, used) in enumerate(model.rank_buffer[r]):
             model.lp += buffer >= size * used, f"buf_{r}_{i}"
-        fixed_bytes = chunk_fixed_bytes(problem.table, model.num_chunks)
+        fixed_bytes = chunk_fixed_bytes(problem.table, problem.shape)
         for k, live in enumerate(live_vectors(problem.shape, r)):
             chunks = problem.shape.chunks_on(r)
             total = _resident_plus_live(model.rank_static[r], buffer, [(live[j], model.chunk_act[c])
                                                                        for j, c in enumerate(chunks)]) \
-                + sum(live[j] * fixed_bytes[c] for j, c in enumerate(chunks)) / GIB
+                + (sum(live[j] * fixed_bytes[c] for j, c in enumerate(chunks)) + received[r]) / GIB
             if peak is not None:
                 model.lp += peak >= total, f"mem_peak_{r}_{k}"
             else:

@@ -51,10 +51,15 @@ def chunk_fixed_s(table: CostTable, num_chunks: int) -> list[float]:
     return [table.chunk_overhead_s if num_chunks > 1 else 0.0] * num_chunks
 
 
-def chunk_fixed_bytes(table: CostTable, num_chunks: int) -> list[float]:
+def chunk_fixed_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
     """Per-micro-batch bytes every chunk holds besides its layers' activations: the boundary
-    output of every chunk but the last."""
-    return [table.boundary_bytes if c < num_chunks - 1 else 0.0 for c in range(num_chunks)]
+    output of every chunk but the last, less its received input, which its first layer saves in
+    torch pipelining's kept receive buffer (`costing.pipeline.received_input_bytes`)."""
+    from meshplan.planner.costing.pipeline import received_input_bytes
+
+    num_chunks = shape.num_chunks
+    received = received_input_bytes(shape.rank_of, [table.boundary_bytes] * (num_chunks - 1))
+    return [(table.boundary_bytes if c < num_chunks - 1 else 0.0) - received[c] for c in range(num_chunks)]
 
 
 def forwards_after_first_backward(shape: PipelineShape, rank: int) -> float:
@@ -92,12 +97,15 @@ def boundaries_on(shape: PipelineShape, rank: int) -> int:
 
 
 def reduction_contention_s(problem: StageProblem, rank: int) -> float:
-    """C_r: a reduction stream busy through the step on the link the rank's boundary transfers
-    use shares it with all 2 m transfers of each of its boundaries, fair share, so it ends half
-    their time later (`simulation.contention`): m * boundaries * P."""
+    """C_r: a reduction stream busy from the rank's first backward on shares the link its
+    boundary transfers use with those that come after (fair share: it ends half their time later,
+    `simulation.contention`). Of a boundary's 2 m transfers, the m gradients and the forwards
+    after the first backward (W_r of m) come after: C_r = b_r P (m + W_r) / 2."""
     if not (pipelined_every_microbatch(problem) and problem.dp_shares_pp_link):
         return 0.0
-    return problem.shape.num_microbatches * boundaries_on(problem.shape, rank) * problem.table.p2p_s
+    shape = problem.shape
+    after = shape.num_microbatches + forwards_after_first_backward(shape, rank)
+    return boundaries_on(shape, rank) * problem.table.p2p_s * after / 2
 
 
 def drain_rank_s(rank: int, bwd_s, virtual_stages: int, p2p_s: float):
@@ -171,23 +179,35 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
 
 
 def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None) -> tuple:
-    """Per-rank memory of one assignment: resident states, the largest transient buffer, and the
-    activations (and boundary outputs) of the micro-batches live at each of the schedule's peaks."""
+    """Per-rank memory of one assignment: resident states, the largest transient buffer, torch
+    pipelining's receive buffers, and the activations (and boundary outputs) of the micro-batches
+    live at each of the schedule's peaks."""
     table, shape = problem.table, problem.shape
     pp, num_chunks, v = shape.num_stages, shape.num_chunks, shape.virtual_stages
-    chunk_act = chunk_fixed_bytes(table, num_chunks)
+    chunk_act = chunk_fixed_bytes(table, shape)
     static, buffer = [0.0] * pp, [0.0] * pp
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
         option = table.option(layer, index)
         chunk_act[chunk] += option.act_bytes
         static[shape.rank_of(chunk)] += option.static_bytes
         buffer[shape.rank_of(chunk)] = max(buffer[shape.rank_of(chunk)], option.buffer_bytes)
+    received = receive_bytes(table, shape)
     rank_mem = []
     for r in range(pp):
         rank_peaks = peaks[r] if peaks is not None else live_vectors(shape, r)
         act = max(sum(live[j] * chunk_act[c] for j, c in enumerate(shape.chunks_on(r))) for live in rank_peaks)
-        rank_mem.append(static[r] + act + buffer[r])
+        rank_mem.append(static[r] + act + buffer[r] + received[r])
     return tuple(rank_mem)
+
+
+def receive_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
+    """Per rank: torch pipelining's kept receive buffers (`costing.pipeline.receive_buffer_bytes`)."""
+    from meshplan.planner.costing.pipeline import receive_buffer_bytes
+
+    if shape.num_stages == 1:
+        return [0.0]
+    return receive_buffer_bytes(shape.rank_of, [table.boundary_bytes] * (shape.num_chunks - 1),
+                                shape.num_microbatches, shape.num_stages)
 
 
 def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> float:
@@ -279,7 +299,7 @@ class _CountMemory:
         self.shape, self.counts, self.peaks = shape, counts, peaks
         pp, num_chunks = shape.num_stages, shape.num_chunks
         self.options = table.types[table.layer_type[first]].options
-        self.chunk_act = chunk_fixed_bytes(table, num_chunks)
+        self.chunk_act = chunk_fixed_bytes(table, shape)
         self.static, self.pinned_buffer = [0.0] * pp, [0.0] * pp
         for layer, index in pinned_options.items():
             chunk = 0 if layer < first else num_chunks - 1

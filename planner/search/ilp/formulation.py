@@ -39,13 +39,15 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                       (W_r: the rank's forwards after its first backward, m - 1 without pipelining,
                       fewer behind a pipeline warm-up: `evaluation.forwards_after_first_backward`)
                       after_chunk (pipelining, blocking)       E_r >= D_r
-                      pipelined ZeRO-2/3 add C_r = m b_r P to the last row when the reduction shares
+                      pipelined ZeRO-2/3 add C_r = b_r P (m + W_r) / 2 to the last row when the reduction shares
                       the transfers' link (b_r: boundaries on the rank; fair share, `simulation.
                       contention`), and count E_r from the rank's own compute end, L_r = r (B_r / v + P)
                       before rank 0's: E'_r >= E_r - L_r, E'_r >= 0 (late_dp_r)
                     Tail >= E_r + Q_r + n_r  (n_r: per-rank fixed work, the gradient norm) (tail_r)
     memory          M_rk = S_r + sum_{c on r} live_k(c) (A_c + [c < C-1] Y) + U_r <= limit   (mem_r_k)
-                    (Y: the boundary output torch's PipelineStage keeps per micro-batch in flight)
+                    (Y: the boundary output torch's PipelineStage keeps per micro-batch in flight;
+                    R_r = m b_r Y, the receive buffers it keeps, one per micro-batch and boundary
+                    direction, is part of S_r: `costing.pipeline.receive_buffer_bytes`)
                     U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
     minimise        (F - p/v) T_max + (1/v) sum_r T_r + G P + Tail
                     F = m + (p-1)/v by default: (m-1) slowest stage + sum of stages for 1F1B/GPipe,

@@ -80,7 +80,11 @@ def test_ilp_objective_and_memory_equal_the_simulator(case):
     for candidate, solution, predicted in _solved(spec, seq, cluster, gpus, global_batch, pins, sample,
                                                   PRECISION.get(case, "bf16-mixed")):
         assert candidate.precision == PRECISION.get(case, "bf16-mixed")
-        assert solution.model_objective == pytest.approx(solution.objective_s, rel=1e-6)  # exact linearisation
+        # exact linearisation: the evaluated objective is the least the ILP's rows allow for the
+        # assignment; an incumbent HiGHS stops at within its MIP gap may leave an auxiliary above
+        # that least value (1F1B's bottleneck binary, say), never by more than the gap
+        assert solution.objective_s <= solution.model_objective * (1 + 1e-6)
+        assert solution.model_objective <= solution.objective_s + solution.gap * solution.model_objective + 1e-9
         assert solution.objective_s == pytest.approx(predicted.step_time_s, rel=TIME_TOL), candidate.label()
         for ilp_bytes, simulated in zip(solution.rank_mem_bytes, predicted.memory):
             assert ilp_bytes == pytest.approx(simulated.total, rel=MEMORY_TOL), candidate.label()
