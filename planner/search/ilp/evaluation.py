@@ -55,11 +55,16 @@ def chunk_fixed_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
     """Per-micro-batch bytes every chunk holds besides its layers' activations: the boundary
     output of every chunk but the last, less its received input, which its first layer saves in
     torch pipelining's kept receive buffer (`costing.pipeline.received_input_bytes`)."""
+    return list(_chunk_fixed_bytes(shape, table.boundary_bytes))
+
+
+@lru_cache(maxsize=4096)
+def _chunk_fixed_bytes(shape: PipelineShape, boundary_bytes: float) -> tuple[float, ...]:
     from meshplan.planner.costing.pipeline import received_input_bytes
 
     num_chunks = shape.num_chunks
-    received = received_input_bytes(shape.rank_of, [table.boundary_bytes] * (num_chunks - 1))
-    return [(table.boundary_bytes if c < num_chunks - 1 else 0.0) - received[c] for c in range(num_chunks)]
+    received = received_input_bytes(shape.rank_of, [boundary_bytes] * (num_chunks - 1))
+    return tuple((boundary_bytes if c < num_chunks - 1 else 0.0) - received[c] for c in range(num_chunks))
 
 
 def forwards_after_first_backward(shape: PipelineShape, rank: int) -> float:
@@ -202,12 +207,17 @@ def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer,
 
 def receive_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
     """Per rank: torch pipelining's kept receive buffers (`costing.pipeline.receive_buffer_bytes`)."""
+    return list(_receive_bytes(shape, table.boundary_bytes))
+
+
+@lru_cache(maxsize=4096)
+def _receive_bytes(shape: PipelineShape, boundary_bytes: float) -> tuple[float, ...]:
     from meshplan.planner.costing.pipeline import receive_buffer_bytes
 
     if shape.num_stages == 1:
-        return [0.0]
-    return receive_buffer_bytes(shape.rank_of, [table.boundary_bytes] * (shape.num_chunks - 1),
-                                shape.num_microbatches, shape.num_stages)
+        return (0.0,)
+    return tuple(receive_buffer_bytes(shape.rank_of, [boundary_bytes] * (shape.num_chunks - 1),
+                                      shape.num_microbatches, shape.num_stages))
 
 
 def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> float:
