@@ -77,7 +77,9 @@ def test_imbalance_is_recorded_and_cache_round_trips():
     assert profile(SPEC, SEQ).info.moe_imbalance == 1.0  # the cached graph stays balanced
 
 
-def test_moe_specs_are_traced_not_closed_form():
+def test_moe_specs_profile_in_closed_form_equal_to_the_trace():
+    """MoE specs get their graph from `analytic_moe` (not the dense closed form's families), and
+    it equals the meta trace (tests/planner/profiling/test_analytic_moe.py covers a grid)."""
     from meshplan.planner.models.registry import parse_spec
     from meshplan.planner.profiling.analytic import FAMILIES
 
