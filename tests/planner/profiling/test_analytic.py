@@ -63,12 +63,20 @@ def _traced(spec: str, seq: int, batch: int, dtype: str, attention: str, tp: int
     the vocabulary padded for tp, measured and assembled by the profiler's functions."""
     if tp == 1:
         return profile(spec, seq, batch=batch, dtype=dtype, attention=attention, cache=False, trace=True)
-    from meshplan.planner.contracts.graph import ModelGraph
     from meshplan.planner.models.registry import build_model
+    from meshplan.planner.profiling import profiler
+
+    return assembled_trace(build_model(spec, seq, tp=tp, dtype=profiler.torch_dtype(dtype)), spec, seq, dtype,
+                           attention)
+
+
+def assembled_trace(built, spec: str, seq: int, dtype: str, attention: str):
+    """A whole built model measured on the meta device and assembled by the profiler's functions
+    (repeats marked by comparing the measured blocks)."""
+    from meshplan.planner.contracts.graph import ModelGraph
     from meshplan.planner.profiling import profiler
     from meshplan.planner.profiling.tracing import measure_layers
 
-    built = build_model(spec, seq, tp=tp, dtype=profiler.torch_dtype(dtype))
     groups = built.layer_groups
     measurements, order = measure_layers(built, groups, attention)
     layers = profiler._mark_repeats(profiler._measured_profiles(built, groups, measurements, order),
@@ -76,7 +84,7 @@ def _traced(spec: str, seq: int, batch: int, dtype: str, attention: str, tp: int
     return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=layers, info=built.info)
 
 
-def _differences(traced, analytic) -> list[str]:
+def differences(traced, analytic) -> list[str]:
     lines = [f"info: traced {traced.info} != analytic {analytic.info}"] if traced.info != analytic.info else []
     if [layer.name for layer in traced.layers] != [layer.name for layer in analytic.layers]:
         return lines + ["layer names differ"]
@@ -94,7 +102,7 @@ def test_analytic_graph_equals_traced_graph(spec, seq, batch, dtype, attention, 
         analytic = profile(spec, seq, batch=batch, dtype=dtype, attention=attention)
     else:
         analytic = analytic_graph(spec, parse_spec(spec, seq), seq, dtype, attention, tp=tp)
-    assert _differences(traced, analytic) == []
+    assert differences(traced, analytic) == []
     assert analytic == traced  # every field, the repeats and the TP splits included
 
 

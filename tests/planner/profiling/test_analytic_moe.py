@@ -12,13 +12,14 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import parse_spec
+from tests.planner.profiling.test_analytic import assembled_trace, differences
 from meshplan.planner.profiling.analytic_moe import moe_analytic_graph
 from meshplan.planner.profiling.profiler import profile
 
@@ -83,34 +84,16 @@ def _private_cache(tmp_path, monkeypatch):
 
 
 def _traced_whole(spec: str, cfg: TransformerConfig, seq: int, dtype: str, attention: str, tp: int):
-    """The whole model built with the vocabulary padded for `tp`, measured and assembled by the
-    profiler's functions (repeats marked by comparing the measured blocks)."""
-    from meshplan.planner.contracts.graph import ModelGraph
+    """The whole model built with the vocabulary padded for `tp`, measured and assembled."""
     from meshplan.planner.models import registry
     from meshplan.planner.profiling import profiler
-    from meshplan.planner.profiling.tracing import measure_layers
 
-    built = registry._build_zoo(spec, cfg, seq, tp, "meta", profiler.torch_dtype(dtype))
-    groups = built.layer_groups
-    measurements, order = measure_layers(built, groups, attention)
-    layers = profiler._mark_repeats(profiler._measured_profiles(built, groups, measurements, order),
-                                    groups, measurements, order)
-    return ModelGraph(spec=spec, seq=seq, dtype=dtype, attention=attention, layers=layers, info=built.info)
-
-
-def _differences(traced, analytic) -> list[str]:
-    lines = [f"info: traced {traced.info} != analytic {analytic.info}"] if traced.info != analytic.info else []
-    if [layer.name for layer in traced.layers] != [layer.name for layer in analytic.layers]:
-        return lines + ["layer names differ"]
-    for measured, derived in zip(traced.layers, analytic.layers):
-        derived_fields = asdict(derived)
-        lines += [f"{measured.name}.{name}: traced {value} != analytic {derived_fields[name]}"
-                  for name, value in asdict(measured).items() if value != derived_fields[name]]
-    return lines
+    return assembled_trace(registry._build_zoo(spec, cfg, seq, tp, "meta", profiler.torch_dtype(dtype)),
+                           spec, seq, dtype, attention)
 
 
 def _assert_equal(traced, analytic) -> None:
-    assert _differences(traced, analytic) == []
+    assert differences(traced, analytic) == []
     assert analytic == traced  # every field, the repeats and the TP splits included
     assert analytic.info.family == "moe" and any(layer.expert_params for layer in analytic.layers)
 
