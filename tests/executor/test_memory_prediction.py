@@ -30,15 +30,13 @@ Not in the planner's memory model, and why:
   autograd saves, not every op's output, so no cost-model rule can price it; only full
   recomputation is asserted here (`benchmarks/bench_memory.py` prints selective).
 
-Residual differences, inside the tolerance (measured -3.4% to +6.6% without pipelining, -7.9% to
+Residual differences, inside the tolerance (measured -4.0% to +1.6% without pipelining, -7.9% to
 +2.0% with it): the profile counts a copy of the attention output before the o Linear that the CPU
 flash kernel's layout makes a view for GPT (0.06 MiB per block and micro-batch here, predicted but
 not allocated); the model keeps no per-layer backward working set (weight-gradient temporaries
 while accumulating, a tied embedding's pending gradient: up to ~0.8 MiB here, allocated but not
-predicted); ZeRO-2/3's backward transient (a unit's gradient next to the previous unit's
-reduce-scatter input) is charged to every micro-batch's backward without pipelining too, where
-the forward's peak usually dominates (dp2-zero2 +6.6%); bf16-mixed ZeRO-2 under pipelining
-allocates ~0.5 MiB per stage more than that transient rule says (-7.9%).
+predicted); bf16-mixed ZeRO-2 under pipelining allocates ~0.5 MiB per stage more than the
+backward's reduce-scatter transient rule says (-7.9%).
 """
 from __future__ import annotations
 
