@@ -43,7 +43,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
-    from meshplan.planner.simulation.estimator import estimate
 
     check_seq(args.seq)
     if args.from_file:
@@ -56,12 +55,7 @@ def run(args) -> int:
 
     notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
                       args.moe_pad_expert_input_to_capacity)
-    prediction = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
-                          tp=args.tp, pp=args.pp, mbs=args.mbs, zero=args.zero, recompute=args.recompute,
-                          sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                          attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
-                          moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
-                          moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+    prediction = _estimate_at(args, args.zero)
     if notes:
         print("\n".join(notes), file=sys.stderr)
     if args.json:
@@ -70,7 +64,7 @@ def run(args) -> int:
     from meshplan.planner.costing.hardware import load_cluster
 
     print(format_prediction(prediction, args, load_cluster(args.cluster).device.usable_memory_bytes))
-    hint = _zero_hint(args, prediction, estimate)
+    hint = _zero_hint(args, prediction)
     if hint:
         print(hint)
     return 0
@@ -79,7 +73,19 @@ def run(args) -> int:
 _SHARDS = {1: "optimizer states", 2: "gradients too", 3: "parameters too"}
 
 
-def _zero_hint(args, prediction, estimate) -> str:
+def _estimate_at(args, zero: int):
+    """The command's job at ZeRO stage `zero`."""
+    from meshplan.planner.simulation.estimator import estimate
+
+    return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
+                    tp=args.tp, pp=args.pp, mbs=args.mbs, zero=zero, recompute=args.recompute,
+                    sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
+                    attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
+                    moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
+                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+
+
+def _zero_hint(args, prediction) -> str:
     """When the configuration does not fit, the first higher ZeRO stage that does (same job)."""
     dp = args.gpus // (args.tp * args.pp * args.cp)
     if prediction.fits or dp * args.cp <= 1 or args.zero >= 3:
@@ -88,12 +94,7 @@ def _zero_hint(args, prediction, estimate) -> str:
 
     for zero in range(args.zero + 1, 4):
         try:
-            other = estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
-                             tp=args.tp, pp=args.pp, mbs=args.mbs, zero=zero, recompute=args.recompute,
-                             sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                             attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
-                             moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
-                             moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+            other = _estimate_at(args, zero)
         except MeshplanError:
             return ""
         if other.fits:

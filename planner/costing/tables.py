@@ -244,14 +244,20 @@ def layer_type_keys(graph) -> tuple[list[str], list[int]]:
     return keys, layer_type
 
 
+def costed_pp(pp: int) -> int:
+    """The pp a layer is costed at: its cost sees only whether it is pipelined (a tied copy also
+    how far apart its stages are, costed at its own pp), so every pp > 1 shares pp = 2's costs."""
+    return min(pp, 2)
+
+
 def _pipelined(strategy, cache: dict):
-    """`strategy` at pp = 2, one object per distinct strategy (kept in `cache`)."""
+    """`strategy` at `costed_pp`, one object per distinct strategy (kept in `cache`)."""
     from dataclasses import replace
 
-    key = ("pp2", strategy)
+    key = ("costed_pp", strategy)
     out = cache.get(key)
     if out is None:
-        out = cache[key] = replace(strategy, pp=2)
+        out = cache[key] = replace(strategy, pp=costed_pp(strategy.pp))
     return out
 
 
@@ -302,9 +308,7 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                                 shard_group=strategy.shard_group if dp == strategy.dp else None)
             if not layer.expert_params and local.ep != 1:
                 local = replace(local, ep=1)
-            if local.pp > 2 and not holds_shared:
-                # a layer's cost sees only whether it is pipelined (a tied copy also how far apart
-                # its stages are): every pp > 1 shares the costs costed at pp = 2
+            if local.pp != costed_pp(local.pp) and not holds_shared:
                 local = _pipelined(local, cache)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):

@@ -12,7 +12,7 @@ from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.costing.pipeline import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
-from meshplan.planner.costing.tables import CostTable, build_cost_table, stream_bytes
+from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_pp, stream_bytes
 from meshplan.planner.simulation.split_backward import model_weight_share
 from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
 from meshplan.planner.search.candidates import divisors
@@ -420,7 +420,8 @@ def _build_tables(graph, cluster, candidates, strategies, recompute_options, lay
         if workers > 1 and len(todo) >= PARALLEL_TABLES_MIN:
             # strategies equal but for ep, or for pp > 1, next to each other: they share their
             # dense layers' costs, or all their layers' (`tables.build_cost_table`'s cache)
-            todo.sort(key=lambda job: (replace(job[0], ep=1, pp=min(job[0].pp, 2)).__repr__(), job[0].pp, job[0].ep))
+            todo.sort(key=lambda job: (replace(job[0], ep=1, pp=costed_pp(job[0].pp)).__repr__(), job[0].pp,
+                                       job[0].ep))
             size = -(-len(todo) // (4 * workers))
             pieces = [todo[start:start + size] for start in range(0, len(todo), size)]
             shared = build_cost_table(graph, cluster, todo[0][0], recompute_options, layerwise_meshes=todo[0][1])

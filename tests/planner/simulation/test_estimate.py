@@ -151,3 +151,19 @@ def test_executable_fast_exit_keeps_output_and_exit_codes(tmp_path):
     assert json.loads(good.stdout)["tokens_per_s"] > 0
     bad = subprocess.run([*base, "--gpus", "3"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_configuration_that_does_not_fit_names_the_first_zero_stage_that_does(run_cli):
+    """The hint's figures are the estimate of the same job at that stage; stages below it do not fit."""
+    from meshplan.planner.simulation.estimator import estimate
+
+    job = dict(spec="llama3-70b", cluster="h100-sxm", gpus=64, global_batch=64, seq=4096, tp=8, recompute="full")
+    assert not estimate(**job, zero=0).fits
+    fitting = estimate(**job, zero=1)
+    assert fitting.fits
+    code, out, err = run_cli("estimate", "--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "64",
+                             "--gbs", "64", "--seq", "4096", "--tp", "8", "--recompute", "full", "--zero", "0")
+    assert code == 0, err
+    hint = out.strip().splitlines()[-1]
+    assert hint == (f"hint: with --zero 1 (sharding the optimizer states) it fits: "
+                    f"{fitting.peak_memory_bytes / 2**30:.2f} GiB per GPU, step {fitting.step_time_s * 1e3:.1f} ms")
