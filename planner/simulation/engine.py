@@ -44,11 +44,11 @@ from typing import NamedTuple
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
-from meshplan.planner.costing.pipeline import receive_buffer_bytes, received_input_bytes
+from meshplan.planner.costing.pipeline import received_input_bytes
 from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
-from meshplan.planner.simulation.schedules import Action, schedule_actions
+from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
 
 # When gradient reduction runs (see StepCosts.grad_sync).
@@ -435,10 +435,11 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played, curves: boo
         resident[rank][1] += cost.grad_bytes
         resident[rank][2] += cost.optimizer_bytes
         buffers[rank] = max(buffers[rank], cost.buffer_bytes)
-    if cfg.pp > 1:  # torch pipelining's receive buffers, m per boundary and direction
+    if cfg.pp > 1:  # torch pipelining's receive buffers (m per boundary and direction), kept sends
         last_of_chunk = {chunk: cost for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer)}
         boundaries = [last_of_chunk[c].output_bytes for c in range(len(chunks) - 1)]
-        kept = receive_buffer_bytes(lambda c: chunks[c].rank, boundaries, cfg.num_microbatches, cfg.pp)
+        kept = held_boundary_bytes(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
+                                   lambda c: chunks[c].rank, boundaries)
         buffers = [b + k for b, k in zip(buffers, kept)]
     sizes = [chunk.activation_bytes for chunk in chunks]
     breakdowns, out = [], []

@@ -14,13 +14,13 @@ from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, selective_recompute_flops
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
-                                               pipeline_closed_form, receive_buffer_bytes, received_input_bytes,
+                                               pipeline_closed_form, received_input_bytes,
                                                strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.contracts.prediction import MemoryBreakdown, Prediction
-from meshplan.planner.simulation.schedules import SPLIT_BACKWARD_SCHEDULES, max_in_flight, rank_actions
+from meshplan.planner.simulation.schedules import SPLIT_BACKWARD_SCHEDULES, held_boundary_bytes, max_in_flight, rank_actions
 
 DEFAULT_SEQ = 2048
 
@@ -243,7 +243,8 @@ def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
     if config.pp > 1:  # torch pipelining's receive buffers (the simulator's and the ILP's rule)
         last_of_chunk = {chunk: i for i, chunk in enumerate(chunks)}
         boundaries = [costs[last_of_chunk[c]].output_bytes for c in range(config.num_model_chunks - 1)]
-        buffers += receive_buffer_bytes(config.rank_of_chunk, boundaries, config.num_microbatches, config.pp)[rank]
+        buffers += held_boundary_bytes(config.schedule, config.pp, config.num_microbatches, config.virtual_stages,
+                                       config.rank_of_chunk, boundaries)[rank]
         received = received_input_bytes(config.rank_of_chunk, boundaries)  # saved as the buffer itself
         boundary -= sum(received[c] for c in range(config.num_model_chunks) if config.rank_of_chunk(c) == rank)
     return MemoryBreakdown(params=sum(c.param_bytes for c in mine), grads=sum(c.grad_bytes for c in mine),

@@ -206,18 +206,19 @@ def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer,
 
 
 def receive_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
-    """Per rank: torch pipelining's kept receive buffers (`costing.pipeline.receive_buffer_bytes`)."""
+    """Per rank: torch pipelining's kept receive buffers and, under the multi-chunk schedules,
+    sends (`simulation.schedules.held_boundary_bytes`)."""
     return list(_receive_bytes(shape, table.boundary_bytes))
 
 
 @lru_cache(maxsize=4096)
 def _receive_bytes(shape: PipelineShape, boundary_bytes: float) -> tuple[float, ...]:
-    from meshplan.planner.costing.pipeline import receive_buffer_bytes
+    from meshplan.planner.simulation.schedules import held_boundary_bytes
 
     if shape.num_stages == 1:
         return (0.0,)
-    return tuple(receive_buffer_bytes(shape.rank_of, [boundary_bytes] * (shape.num_chunks - 1),
-                                      shape.num_microbatches, shape.num_stages))
+    return tuple(held_boundary_bytes(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages,
+                                     shape.rank_of, [boundary_bytes] * (shape.num_chunks - 1)))
 
 
 def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> float:

@@ -47,7 +47,9 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
     memory          M_rk = S_r + sum_{c on r} live_k(c) (A_c + [c < C-1] Y) + U_r <= limit   (mem_r_k)
                     (Y: the boundary output torch's PipelineStage keeps per micro-batch in flight;
                     R_r = m b_r Y, the receive buffers it keeps, one per micro-batch and boundary
-                    direction, is part of S_r: `costing.pipeline.receive_buffer_bytes`)
+                    direction, plus a multi-chunk schedule's sends kept until the step ends (Y per
+                    backward run before the rank's last forward, per remote boundary), is part of
+                    S_r: `simulation.schedules.held_boundary_bytes`)
                     U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
     minimise        (F - p/v) T_max + (1/v) sum_r T_r + G P + Tail
                     F = m + (p-1)/v by default: (m-1) slowest stage + sum of stages for 1F1B/GPipe,

@@ -7,7 +7,8 @@ import socket
 
 import pytest
 
-from meshplan.planner.simulation.schedules import Action, max_in_flight, rank_actions, schedule_actions
+from meshplan.planner.simulation.schedules import (Action, backwards_before_last_forward, held_boundary_bytes,
+                                                   max_in_flight, rank_actions, schedule_actions)
 
 # Small cases (p <= 4, m <= 8, v <= 2) that torch 2.13 runs in the recording test below.
 SINGLE_CASES = [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8)]
@@ -61,6 +62,38 @@ def test_1f1b_order_by_hand():
     # p=3, m=4, rank 1: two warm-up forwards, then B/F pairs, then the drain.
     got = [str(a) for a in rank_actions("1f1b", 3, 4, 1, 1)]
     assert got == ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"]
+
+
+@pytest.mark.parametrize("num_stages,num_microbatches,virtual_stages", [(2, 8, 2), (2, 32, 2), (4, 16, 2), (4, 4, 3)])
+def test_backwards_before_last_forward(num_stages, num_microbatches, virtual_stages):
+    """Counted from the order itself: at the last forward, every chunk's micro-batches are either
+    in flight or done, and the steady state leaves the warm-up's count in flight."""
+    for rank in range(num_stages):
+        actions = rank_actions("interleaved", num_stages, num_microbatches, virtual_stages, rank)
+        last = max(i for i, a in enumerate(actions) if a.kind == "F")
+        done = backwards_before_last_forward("interleaved", num_stages, num_microbatches, virtual_stages, rank)
+        for local in range(virtual_stages):
+            forwards = sum(1 for a in actions[:last + 1] if a.kind == "F" and a.chunk // num_stages == local)
+            frees = sum(1 for a in actions[:last] if a.frees_activations and a.chunk // num_stages == local)
+            assert done[local] == frees <= forwards
+        if num_microbatches <= num_stages:  # every forward before the first backward on rank 0
+            assert rank > 0 or done == (0,) * virtual_stages
+
+
+def test_held_boundary_bytes_by_hand():
+    """pp 2, interleaved x2, 8 micro-batches, one byte per boundary: chunks 0, 2 on rank 0 and
+    1, 3 on rank 1; three remote boundaries, so 8 receive buffers each way per boundary, and
+    the sends of every backward before the last forward (1F1B keeps none)."""
+    rank_of = lambda c: c % 2  # noqa: E731
+    done = [backwards_before_last_forward("interleaved", 2, 8, 2, r) for r in range(2)]
+    held = held_boundary_bytes("interleaved", 2, 8, 2, rank_of, [1.0, 1.0, 1.0])
+    # rank 0 keeps 8 buffers on each of its three boundaries; it sends chunk 0's output, and
+    # chunk 2's output and input gradient
+    assert held[0] == 24 + done[0][0] + 2 * done[0][1]
+    # rank 1: chunk 1 sends its output and its input gradient, chunk 3 (the last) its gradient
+    assert held[1] == 24 + 2 * done[1][0] + done[1][1]
+    assert done[0][0] > 0 and done[1][1] > 0  # 8 micro-batches on 2 ranks: backwards ran by then
+    assert held_boundary_bytes("1f1b", 2, 8, 1, rank_of, [1.0]) == [8.0, 8.0]
 
 
 def test_bad_arguments_are_rejected():
