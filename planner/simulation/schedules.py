@@ -146,31 +146,36 @@ def max_in_flight(actions: list[Action] | tuple[Action, ...]) -> int:
 
 
 @lru_cache(maxsize=4096)
-def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
-                                  rank: int) -> tuple[int, ...]:
-    """Per virtual stage of `rank`: micro-batches whose activations were freed (B, or W after a
+def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatches: int,
+                                  virtual_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank and virtual stage: micro-batches whose activations were freed (B, or W after a
     split backward) before the rank's last forward. Counts only grow, so that moment has the
     most of each at once: a multi-chunk schedule's sends kept until the step ends
     (`costing.pipeline.kept_send_bytes`) weigh most at the rank's last forward peak."""
-    done = [0] * virtual_stages
-    actions = schedule_actions(schedule, num_stages, num_microbatches, virtual_stages)[rank]
-    last_forward = max(i for i, action in enumerate(actions) if action.kind == "F")
-    for action in actions[:last_forward]:
-        if action.frees_activations:
-            done[action.chunk // num_stages] += 1
-    return tuple(done)
+    out = []
+    for actions in schedule_actions(schedule, num_stages, num_microbatches, virtual_stages):
+        done = [0] * virtual_stages
+        last_forward = max(i for i, action in enumerate(actions) if action.kind == "F")
+        for action in actions[:last_forward]:
+            if action.frees_activations:
+                done[action.chunk // num_stages] += 1
+        out.append(tuple(done))
+    return tuple(out)
 
 
 def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank_of_chunk,
-                        boundary_bytes) -> list[float]:
+                        boundary_bytes, kept_sends: bool = True) -> list[float]:
     """Per pipeline rank: the boundary tensors torch pipelining holds besides activations, its
     kept receive buffers and a multi-chunk schedule's kept sends (`costing.pipeline`'s two
-    rules; the simulator, the closed form and the ILP all call this)."""
+    rules; the simulator, the closed form and the ILP all call this). `kept_sends` False: the
+    receive buffers alone, a lower bound that replays no schedule."""
     from meshplan.planner.costing.pipeline import kept_send_bytes, receive_buffer_bytes
 
     received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_microbatches, num_stages)
-    done = [backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages, r)
-            for r in range(num_stages)] if schedule in MULTI_CHUNK_SCHEDULES else None
+    done = (backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages)
+            if kept_sends and schedule in MULTI_CHUNK_SCHEDULES else None)
+    if done is None:
+        return received
     kept = kept_send_bytes(rank_of_chunk, boundary_bytes, lambda c: done[rank_of_chunk(c)][c // num_stages],
                            num_stages, schedule)
     return [a + b for a, b in zip(received, kept)]

@@ -205,20 +205,21 @@ def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer,
     return tuple(rank_mem)
 
 
-def receive_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
+def receive_bytes(table: CostTable, shape: PipelineShape, kept_sends: bool = True) -> list[float]:
     """Per rank: torch pipelining's kept receive buffers and, under the multi-chunk schedules,
-    sends (`simulation.schedules.held_boundary_bytes`)."""
-    return list(_receive_bytes(shape, table.boundary_bytes))
+    sends (`simulation.schedules.held_boundary_bytes`). `kept_sends` False: the buffers alone, a
+    lower bound that replays no schedule (for `bounds`)."""
+    return list(_receive_bytes(shape, table.boundary_bytes, kept_sends))
 
 
 @lru_cache(maxsize=4096)
-def _receive_bytes(shape: PipelineShape, boundary_bytes: float) -> tuple[float, ...]:
+def _receive_bytes(shape: PipelineShape, boundary_bytes: float, kept_sends: bool) -> tuple[float, ...]:
     from meshplan.planner.simulation.schedules import held_boundary_bytes
 
     if shape.num_stages == 1:
         return (0.0,)
     return tuple(held_boundary_bytes(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages,
-                                     shape.rank_of, [boundary_bytes] * (shape.num_chunks - 1)))
+                                     shape.rank_of, [boundary_bytes] * (shape.num_chunks - 1), kept_sends))
 
 
 def _reshard(table: CostTable, layer: int, chunk_of_layer, option_of_layer) -> float:

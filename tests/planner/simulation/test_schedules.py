@@ -71,7 +71,7 @@ def test_backwards_before_last_forward(num_stages, num_microbatches, virtual_sta
     for rank in range(num_stages):
         actions = rank_actions("interleaved", num_stages, num_microbatches, virtual_stages, rank)
         last = max(i for i, a in enumerate(actions) if a.kind == "F")
-        done = backwards_before_last_forward("interleaved", num_stages, num_microbatches, virtual_stages, rank)
+        done = backwards_before_last_forward("interleaved", num_stages, num_microbatches, virtual_stages)[rank]
         for local in range(virtual_stages):
             forwards = sum(1 for a in actions[:last + 1] if a.kind == "F" and a.chunk // num_stages == local)
             frees = sum(1 for a in actions[:last] if a.frees_activations and a.chunk // num_stages == local)
@@ -85,7 +85,7 @@ def test_held_boundary_bytes_by_hand():
     1, 3 on rank 1; three remote boundaries, so 8 receive buffers each way per boundary, and
     the sends of every backward before the last forward (1F1B keeps none)."""
     rank_of = lambda c: c % 2  # noqa: E731
-    done = [backwards_before_last_forward("interleaved", 2, 8, 2, r) for r in range(2)]
+    done = backwards_before_last_forward("interleaved", 2, 8, 2)
     held = held_boundary_bytes("interleaved", 2, 8, 2, rank_of, [1.0, 1.0, 1.0])
     # rank 0 keeps 8 buffers on each of its three boundaries; it sends chunk 0's output, and
     # chunk 2's output and input gradient
