@@ -2,19 +2,19 @@
 
 `torch.distributed._tools.mem_tracker.MemTracker` counts every tensor storage (parameters,
 gradients, optimizer states, activations, temporaries, FSDP's resized all-gather buffers) as it
-is created and freed. It refuses a root module that runs forward twice in one tracked region,
-which is exactly what gradient accumulation and pipeline schedules do (one forward per
-micro-batch); this subclass forgets the root module's per-module statistics before each repeated
-forward instead. Per-module breakdowns are not used, only the global peak, which is unaffected.
+is created and freed. Only the global peak is used, so this subclass runs it without its module
+tracker: torch's ModTracker puts gradient hooks on every module's inputs, closures over autograd
+nodes that keep spent micro-batches' tensors (a pipeline stage's received input, say) alive
+until Python's collector runs, which a run without the tracker does not do. Meta tensors (a released receive
+buffer's placeholder) occupy nothing and are not counted.
 
 MemTracker sees only tensors created inside its context and those of the modules and optimizers
-given to `track_external`. torch pipelining's receive buffers escape both: each `PipelineStage`
-allocates one buffer per micro-batch for its input activation and one for its output's gradient
-in the first step and keeps them; c10d receives fill them (returning no tensor) and autograd
-consumes them, so MemTracker counted one only if some op happened to return a view of it, and
-never before the step touched it, although all of them occupy memory the whole step (a GPU
-allocator counts them). This tracker therefore also counts, on entry, the receive buffers of
-the pipeline stages that run the tracked modules.
+given to `track_external`. A receive buffer a pipeline stage keeps from step to step would
+escape both: c10d receives fill it (returning no tensor) and autograd consumes it. This tracker
+therefore also counts, on entry, the receive buffers the pipeline stages that run the tracked
+modules hold then. meshplan's stages hold none between steps
+(`executor.parallel.pipeline.LeanBuffersStage`): they allocate each buffer when its receive is
+posted, inside the tracked step.
 """
 from __future__ import annotations
 
@@ -23,11 +23,23 @@ import sys
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mod_tracker import ModTracker
+
+
+class _NoModuleHooks(ModTracker):
+    """A ModTracker that installs no module hooks: nothing here reads per-module statistics."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
 
 
 class StepMemTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
+        self._mod_tracker = _NoModuleHooks()
         self._external_modules: list[torch.nn.Module] = []
 
     def track_external(self, *external) -> None:
@@ -51,17 +63,10 @@ class StepMemTracker(MemTracker):
             for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
                 for info in infos:
                     buffer = getattr(info, "buffer", None)
-                    if isinstance(buffer, torch.Tensor):
+                    if isinstance(buffer, torch.Tensor) and buffer.device.type != "meta":
                         self._track(_MemRefType.OTH, buffer)
 
-    def _pre_fw_hook(self, module, inputs):
-        name = self._mod_tracker.get_known_fqn(module)
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:
-            parents = set(self._mod_tracker.parents) - {name}
-            if parents == {"Global"}:  # a root module again: the next micro-batch
-                del self.memory_tracking[module]
-        super()._pre_fw_hook(module, inputs)
-
     def peak_bytes(self) -> int:
-        """Largest total of live tensor bytes seen, summed over devices."""
-        return int(sum(snapshot.get("Total", 0) for snapshot in self.get_tracker_snapshot("peak").values()))
+        """Largest total of live tensor bytes seen, summed over devices (meta tensors occupy none)."""
+        return int(sum(snapshot.get("Total", 0) for device, snapshot in self.get_tracker_snapshot("peak").items()
+                       if torch.device(device).type != "meta"))

@@ -176,19 +176,23 @@ def _greedy_chunks(weights: list[float], bound: float, num_chunks: int) -> tuple
     return tuple(chunks) if chunk == num_chunks - 1 else None
 
 
-def receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_microbatches: int, pp: int) -> list[float]:
-    """Per pipeline rank: the receive buffers torch's `PipelineStage` allocates once for every
-    micro-batch and keeps from step to step (measured on CPU: tests/executor/
-    test_memory_prediction.py). Each boundary c -> c + 1 between two ranks gives its receiving
-    rank m input buffers and its sending rank m buffers for the gradient coming back, each of
-    the boundary tensor's size (`boundary_bytes[c]`); a V's tip, two chunks on one rank, hands
+def receive_buffer_bytes(rank_of_chunk, boundary_bytes, pp: int) -> list[float]:
+    """Per pipeline rank: the receive buffers in transit at its peak. meshplan's stages allocate a
+    receive buffer when its receive is posted and drop it after that micro-batch's backward
+    (`executor.parallel.pipeline.LeanBuffersStage`; torch's own `PipelineStage` keeps m per
+    boundary and direction for the whole run). A received input is meanwhile the saved input of
+    an in-flight micro-batch, which its chunk's first layer counts among its activations; what
+    is left is one buffer per boundary and direction, an input received before its forward runs
+    or a gradient received for the backward that runs next (measured on CPU flat from 8 to 64
+    micro-batches: tests/executor/test_memory_prediction.py). Each boundary c -> c + 1 between
+    two ranks carries tensors of `boundary_bytes[c]`; a V's tip, two chunks on one rank, hands
     its tensors over in place. The same rule in the simulator, the closed form and the ILP."""
     out = [0.0] * pp
     for c, size in enumerate(boundary_bytes):
         sender, receiver = rank_of_chunk(c), rank_of_chunk(c + 1)
         if sender != receiver:
-            out[sender] += num_microbatches * size
-            out[receiver] += num_microbatches * size
+            out[sender] += size
+            out[receiver] += size
     return out
 
 
@@ -211,15 +215,4 @@ def kept_send_bytes(rank_of_chunk, boundary_bytes, done_of_chunk, pp: int, sched
         if sender != receiver:
             out[sender] += done_of_chunk(c) * size  # the activation sent on
             out[receiver] += done_of_chunk(c + 1) * size  # the gradient sent back
-    return out
-
-
-def received_input_bytes(rank_of_chunk, boundary_bytes) -> list[float]:
-    """Per chunk: the bytes of its input that arrive in one of those kept receive buffers (0 for
-    the first chunk and for a V's tip, whose input is handed over in place). The chunk's first
-    layer saves that very tensor for its backward, so an in-flight micro-batch's saved input is
-    the buffer, not a second copy: the simulator, the closed form and the ILP count it once."""
-    out = [0.0]
-    for c, size in enumerate(boundary_bytes):
-        out.append(size if rank_of_chunk(c) != rank_of_chunk(c + 1) else 0.0)
     return out

@@ -44,7 +44,6 @@ from typing import NamedTuple
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
-from meshplan.planner.costing.pipeline import received_input_bytes
 from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
@@ -169,7 +168,6 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
     by_chunk: list[list[LayerCost]] = [[] for _ in range(cfg.num_model_chunks)]
     for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
         by_chunk[chunk].append(cost)
-    received = received_input_bytes(cfg.rank_of_chunk, [layers[-1].output_bytes for layers in by_chunk[:-1]])
     chunks = []
     for index, layers in enumerate(by_chunk):
         fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s + c.cp_fwd_comm_s + c.ep_fwd_comm_s for c in layers]
@@ -189,9 +187,8 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
             bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
             # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
             # the next stage (another rank) saves it as its input, so it is this rank's cost too.
-            # The input it received is its kept receive buffer, counted with those (`_memory`).
             activation_bytes=sum(c.activation_bytes for c in layers) + (
-                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 else 0.0) - received[index],
+                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 else 0.0),
             grad_reduce_s=sum(c.dp_grad_comm_s for c in layers),
             buckets=_buckets(backward, bwd_ends, costs)))
     return chunks
@@ -435,7 +432,7 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played, curves: boo
         resident[rank][1] += cost.grad_bytes
         resident[rank][2] += cost.optimizer_bytes
         buffers[rank] = max(buffers[rank], cost.buffer_bytes)
-    if cfg.pp > 1:  # torch pipelining's receive buffers (m per boundary and direction), kept sends
+    if cfg.pp > 1:  # receive buffers in transit, a multi-chunk schedule's kept sends
         last_of_chunk = {chunk: cost for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer)}
         boundaries = [last_of_chunk[c].output_bytes for c in range(len(chunks) - 1)]
         kept = held_boundary_bytes(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,

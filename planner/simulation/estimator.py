@@ -14,7 +14,7 @@ from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, selective_recompute_flops
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
-                                               pipeline_closed_form, received_input_bytes,
+                                               pipeline_closed_form,
                                                strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -240,13 +240,11 @@ def _stage_memory(config, costs, chunks, stage_of, rank) -> MemoryBreakdown:
     boundary = sum(costs[i].output_bytes for i, stage in enumerate(stage_of)
                    if stage == rank and i + 1 < len(chunks) and chunks[i + 1] != chunks[i])
     buffers = max((c.buffer_bytes for c in mine), default=0.0)
-    if config.pp > 1:  # torch pipelining's receive buffers (the simulator's and the ILP's rule)
+    if config.pp > 1:  # receive buffers in transit, kept sends (the simulator's and the ILP's rule)
         last_of_chunk = {chunk: i for i, chunk in enumerate(chunks)}
         boundaries = [costs[last_of_chunk[c]].output_bytes for c in range(config.num_model_chunks - 1)]
         buffers += held_boundary_bytes(config.schedule, config.pp, config.num_microbatches, config.virtual_stages,
                                        config.rank_of_chunk, boundaries)[rank]
-        received = received_input_bytes(config.rank_of_chunk, boundaries)  # saved as the buffer itself
-        boundary -= sum(received[c] for c in range(config.num_model_chunks) if config.rank_of_chunk(c) == rank)
     return MemoryBreakdown(params=sum(c.param_bytes for c in mine), grads=sum(c.grad_bytes for c in mine),
                            optimizer=sum(c.optimizer_bytes for c in mine),
                            activations=(sum(c.activation_bytes for c in mine) + boundary)

@@ -165,13 +165,13 @@ def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatch
 
 def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank_of_chunk,
                         boundary_bytes, kept_sends: bool = True) -> list[float]:
-    """Per pipeline rank: the boundary tensors torch pipelining holds besides activations, its
-    kept receive buffers and a multi-chunk schedule's kept sends (`costing.pipeline`'s two
+    """Per pipeline rank: the boundary tensors torch pipelining holds besides activations, the
+    receive buffers in transit and a multi-chunk schedule's kept sends (`costing.pipeline`'s two
     rules; the simulator, the closed form and the ILP all call this). `kept_sends` False: the
     receive buffers alone, a lower bound that replays no schedule."""
     from meshplan.planner.costing.pipeline import kept_send_bytes, receive_buffer_bytes
 
-    received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_microbatches, num_stages)
+    received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_stages)
     done = (backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages)
             if kept_sends and schedule in MULTI_CHUNK_SCHEDULES else None)
     if done is None:

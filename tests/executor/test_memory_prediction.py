@@ -16,13 +16,16 @@ What the numbers rest on (each rule is documented where it lives):
   logits, loss_parallel's three; the TP embedding's whole-table gradient; FSDP2's retained
   all-gather output and ZeRO-3's gathered root unit).
 
-torch pipelining's boundary tensors are in the model (`planner.simulation.schedules.
-held_boundary_bytes`, the same rule in the simulator, the closed form and the ILP): every
-`PipelineStage` allocates a receive buffer per micro-batch for its input (all chunks but the
-first) and for its output's gradient (all but the last) and keeps them; the multi-chunk
-schedules also keep every send's tensor until the step ends, which the 32-micro-batch
-interleaved plan shows (without that rule it read -19%). The executor asks the schedule not to
-keep the last chunk's outputs (`return_outputs=False`).
+Pipeline boundary tensors are in the model (`planner.simulation.schedules.held_boundary_bytes`,
+the same rule in the simulator, the closed form and the ILP). torch's `PipelineStage` would keep
+a receive buffer per micro-batch for its input and one for its output's gradient for the whole
+run; the executor's stages (`executor.parallel.pipeline.LeanBuffersStage`) allocate each when
+its receive is posted and free it after that micro-batch's backward, so one per boundary and
+direction is in transit and a received input counts once, as its chunk's saved input (the
+32-micro-batch 1F1B plan reads the same as the 4-micro-batch one). The multi-chunk schedules
+keep every send's tensor until the step ends, which the 32-micro-batch interleaved plan shows
+(without that rule it read -19%). The executor asks the schedule not to keep the last chunk's
+outputs (`return_outputs=False`).
 
 Not in the planner's memory model, and why:
 - selective recomputation: the executor's policy (`executor.parallel.recompute`) saves the
@@ -32,8 +35,8 @@ Not in the planner's memory model, and why:
   autograd saves, not every op's output, so no cost-model rule can price it; only full
   recomputation is asserted here (`benchmarks/bench_memory.py` prints selective).
 
-Residual differences, inside the tolerance (measured -4.0% to +1.6% without pipelining, -7.9% to
-+3.8% with it): the profile counts a copy of the attention output before the o Linear that the CPU
+Residual differences, inside the tolerance (measured -4.0% to +1.6% without pipelining, -7.7% to
++4.4% with it): the profile counts a copy of the attention output before the o Linear that the CPU
 flash kernel's layout makes a view for GPT (0.06 MiB per block and micro-batch here, predicted but
 not allocated); the model keeps no per-layer backward working set (weight-gradient temporaries
 while accumulating, a tied embedding's pending gradient: up to ~0.8 MiB here, allocated but not
@@ -62,7 +65,9 @@ TWO_PROCESS = {
     "tp2-sp-llama": dict(tp=2, sp=True, microbatch_size=4, spec=LLAMA),
     "pp2-1f1b": dict(pp=2, microbatch_size=2, schedule="1f1b"),
     "pp2-interleaved": dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
-    # many micro-batches: the kept receive buffers and sends grow with m
+    # many micro-batches: the stages free their receive buffers (flat in m under 1F1B); the
+    # multi-chunk schedule keeps its sends until the step ends (grows with m)
+    "pp2-1f1b-m32": dict(pp=2, microbatch_size=1, schedule="1f1b", global_batch=32),
     "pp2-interleaved-m32": dict(pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2, global_batch=32),
     "dp2-recompute-full": dict(dp=2, microbatch_size=2, recompute="full"),
     # bf16-mixed: autocast under DDP / TP (fp32 masters, bf16 casts per forward), FSDP2's

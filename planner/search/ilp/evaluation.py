@@ -53,18 +53,14 @@ def chunk_fixed_s(table: CostTable, num_chunks: int) -> list[float]:
 
 def chunk_fixed_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
     """Per-micro-batch bytes every chunk holds besides its layers' activations: the boundary
-    output of every chunk but the last, less its received input, which its first layer saves in
-    torch pipelining's kept receive buffer (`costing.pipeline.received_input_bytes`)."""
+    output of every chunk but the last, which its stage keeps as the root of its backward."""
     return list(_chunk_fixed_bytes(shape, table.boundary_bytes))
 
 
 @lru_cache(maxsize=4096)
 def _chunk_fixed_bytes(shape: PipelineShape, boundary_bytes: float) -> tuple[float, ...]:
-    from meshplan.planner.costing.pipeline import received_input_bytes
-
     num_chunks = shape.num_chunks
-    received = received_input_bytes(shape.rank_of, [boundary_bytes] * (num_chunks - 1))
-    return tuple((boundary_bytes if c < num_chunks - 1 else 0.0) - received[c] for c in range(num_chunks))
+    return tuple(boundary_bytes if c < num_chunks - 1 else 0.0 for c in range(num_chunks))
 
 
 def forwards_after_first_backward(shape: PipelineShape, rank: int) -> float:
@@ -206,8 +202,8 @@ def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer,
 
 
 def receive_bytes(table: CostTable, shape: PipelineShape, kept_sends: bool = True) -> list[float]:
-    """Per rank: torch pipelining's kept receive buffers and, under the multi-chunk schedules,
-    sends (`simulation.schedules.held_boundary_bytes`). `kept_sends` False: the buffers alone, a
+    """Per rank: the receive buffers in transit and, under the multi-chunk schedules, the sends
+    kept (`simulation.schedules.held_boundary_bytes`). `kept_sends` False: the buffers alone, a
     lower bound that replays no schedule (for `bounds`)."""
     return list(_receive_bytes(shape, table.boundary_bytes, kept_sends))
 

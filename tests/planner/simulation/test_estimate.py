@@ -75,11 +75,11 @@ def test_in_flight_microbatches_per_schedule():
     boundary = 2 * 1024 * 2048  # the stage's output, kept for its backward (not on the last stage)
     per_stage, boundary = 2 * per_stage, 2 * boundary
     assert memory[0].activations == pytest.approx(4 * (per_stage + boundary))
-    # the last stage's input is the receive buffer torch keeps for each of the 16 micro-batches
-    # (`costing.pipeline.receive_buffer_bytes`), which its first block saves: counted there once
-    assert memory[3].activations == pytest.approx(per_stage - boundary)
-    # rank 1 receives inputs and gradients (two boundaries), rank 0 only gradients
-    assert memory[1].buffers - memory[0].buffers == pytest.approx(16 * boundary)
+    # the last stage's input, which its first block saves, is counted there, as an activation
+    assert memory[3].activations == pytest.approx(per_stage)
+    # one receive buffer in transit per boundary and direction (`costing.pipeline.
+    # receive_buffer_bytes`): rank 1 receives inputs and gradients, rank 0 only gradients
+    assert memory[1].buffers - memory[0].buffers == pytest.approx(boundary)
 
 
 def test_precision_defaults():
