@@ -11,7 +11,11 @@ reference), as large-scale runs free their stages' inputs once nothing needs the
 input is then the saved input of an in-flight micro-batch and nothing more; what is left in
 transit is the rule in `planner.costing.pipeline.receive_buffer_bytes`. The last stage's loss of
 each micro-batch is detached after its backward: the schedule keeps the losses until the step
-ends, and the spent graph would keep that micro-batch's received input alive through it.
+ends, and the spent graph would keep that micro-batch's received input alive through it. The
+multi-chunk schedules keep every send's work, and its tensor, until the step ends: the stages
+free the storage of an output they sent on once its backward has run (its gradient came back,
+so the next stage has it); the input gradients sent back stay
+(`planner.costing.pipeline.kept_send_bytes`).
 
 ZeRO-2/3. torch's `PipelineStage.backward_maybe_with_nosync` turns gradient sync and resharding
 off for every micro-batch's backward and reduces once, after the stage's last one
@@ -70,17 +74,38 @@ def _lean_stage_class():
                 allocate(self.grad_recv_info[bwd_chunk_id], self.device)
             return super().get_bwd_recv_ops(bwd_chunk_id)
 
+        def get_fwd_send_ops(self, fwd_chunk_id: int):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            if not hasattr(self, "_sent_outputs"):
+                self._sent_outputs = {}
+            self._sent_outputs[fwd_chunk_id] = [op.tensor for op in ops]
+            return ops
+
         def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, **kwargs):
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, **kwargs)
             # autograd, the send of the input's gradient and a split backward's pending weight
             # half hold what they still need by reference; the stage lets go of its own.
             release(self.args_recv_info.get(bwd_chunk_id, ()))
             release(self.grad_recv_info.get(bwd_chunk_id, ()))
+            if full_backward:
+                self._free_sent_output(bwd_chunk_id)
             if full_backward and isinstance(loss, torch.Tensor) and not loss._is_view():
                 # The schedule keeps every micro-batch's loss until the step ends, and with it
                 # the spent graph, whose leaf is this micro-batch's received input (and its
                 # gradient): detached, only the value is kept.
                 loss.detach_()
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            self._free_sent_output(bwd_chunk_id)
+
+        def _free_sent_output(self, chunk_id: int) -> None:
+            """Free the storage of the output this micro-batch sent on. The multi-chunk schedules
+            keep every send's work, and with it its tensor, until the step ends; but the gradient
+            of this output came back, so the next stage has received it, and its backward has
+            run, so nothing else reads it."""
+            for tensor in getattr(self, "_sent_outputs", {}).pop(chunk_id, ()):
+                tensor.untyped_storage().resize_(0)
 
     return LeanBuffersStage
 

@@ -197,22 +197,22 @@ def receive_buffer_bytes(rank_of_chunk, boundary_bytes, pp: int) -> list[float]:
 
 
 def kept_send_bytes(rank_of_chunk, boundary_bytes, done_of_chunk, pp: int, schedule: str) -> list[float]:
-    """Per pipeline rank: the sent tensors a multi-chunk schedule still holds at the rank's last
-    forward. torch's `_PipelineScheduleRuntime` (interleaved, the zero-bubble schedules,
+    """Per pipeline rank: the input gradients a multi-chunk schedule still holds at the rank's
+    last forward. torch's `_PipelineScheduleRuntime` (interleaved, the zero-bubble schedules,
     DualPipeV) waits for its sends only when the step ends, and each send's work keeps its
     tensor (measured on CPU: tests/executor/test_memory_prediction.py, -19% at 32 micro-batches
-    without this rule). A chunk's output sent on is counted among its activations while its
-    micro-batch is in flight; once that micro-batch's backward has run, the send keeps it, and
-    the input gradient sent back too: `done_of_chunk(c)` micro-batches of each
-    (`simulation.schedules.backwards_before_last_forward`, the moment both counts are largest;
+    without this rule). Once a micro-batch's backward has run, the input gradient its chunk sent
+    back stays: `done_of_chunk(c)` of them per chunk c that receives over a boundary
+    (`simulation.schedules.backwards_before_last_forward`, the moment those counts are largest;
     the peak is the largest live set plus these, an upper bound tight when the steady state
-    ends there). `Schedule1F1B` and `ScheduleGPipe` wait for each send by the next one: none."""
+    ends there). The outputs sent on are freed by the executor's stages once their gradient is
+    back (`executor.parallel.pipeline.LeanBuffersStage`). `Schedule1F1B` and `ScheduleGPipe`
+    wait for each send by the next one: none."""
     out = [0.0] * pp
     if schedule not in MULTI_CHUNK_SCHEDULES:
         return out
     for c, size in enumerate(boundary_bytes):
         sender, receiver = rank_of_chunk(c), rank_of_chunk(c + 1)
         if sender != receiver:
-            out[sender] += done_of_chunk(c) * size  # the activation sent on
             out[receiver] += done_of_chunk(c + 1) * size  # the gradient sent back
     return out

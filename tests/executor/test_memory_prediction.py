@@ -23,8 +23,9 @@ run; the executor's stages (`executor.parallel.pipeline.LeanBuffersStage`) alloc
 its receive is posted and free it after that micro-batch's backward, so one per boundary and
 direction is in transit and a received input counts once, as its chunk's saved input (the
 32-micro-batch 1F1B plan reads the same as the 4-micro-batch one). The multi-chunk schedules
-keep every send's tensor until the step ends, which the 32-micro-batch interleaved plan shows
-(without that rule it read -19%). The executor asks the schedule not to keep the last chunk's
+keep every send's tensor until the step ends; the stages free the outputs they sent on once
+their gradient is back, the input gradients sent back stay, which the 32-micro-batch
+interleaved plan shows (counting no sends it read -19%). The executor asks the schedule not to keep the last chunk's
 outputs (`return_outputs=False`).
 
 Not in the planner's memory model, and why:

@@ -83,14 +83,14 @@ def test_backwards_before_last_forward(num_stages, num_microbatches, virtual_sta
 def test_held_boundary_bytes_by_hand():
     """pp 2, interleaved x2, 8 micro-batches, one byte per boundary: chunks 0, 2 on rank 0 and
     1, 3 on rank 1; three remote boundaries, so one receive buffer in transit on each side of
-    each, and the sends of every backward before the last forward (1F1B keeps none)."""
+    each, and the gradient sends of every backward before the last forward (1F1B keeps none)."""
     rank_of = lambda c: c % 2  # noqa: E731
     done = backwards_before_last_forward("interleaved", 2, 8, 2)
     held = held_boundary_bytes("interleaved", 2, 8, 2, rank_of, [1.0, 1.0, 1.0])
-    # rank 0 sends chunk 0's output, and chunk 2's output and input gradient
-    assert held[0] == 3 + done[0][0] + 2 * done[0][1]
-    # rank 1: chunk 1 sends its output and its input gradient, chunk 3 (the last) its gradient
-    assert held[1] == 3 + 2 * done[1][0] + done[1][1]
+    # kept: the input gradients sent back, by chunk 2 on rank 0 and chunks 1 and 3 on rank 1
+    # (outputs sent on are freed once their gradient is back)
+    assert held[0] == 3 + done[0][1]
+    assert held[1] == 3 + done[1][0] + done[1][1]
     assert done[0][0] > 0 and done[1][1] > 0  # 8 micro-batches on 2 ranks: backwards ran by then
     assert held_boundary_bytes("1f1b", 2, 8, 1, rank_of, [1.0]) == [1.0, 1.0]
 
