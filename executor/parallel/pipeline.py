@@ -32,10 +32,13 @@ which the planner and `executor.checks` read).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
 from meshplan.planner.costing.state_memory import executed_zero
 
 
+@lru_cache(maxsize=None)
 def _lean_stage_class():
     import torch
     from torch.distributed.pipelining import PipelineStage
@@ -53,6 +56,10 @@ def _lean_stage_class():
 
     class LeanBuffersStage(PipelineStage):
         """A stage whose receive buffers exist from their receive to their micro-batch's backward."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._sent_outputs: dict[int, list] = {}  # micro-batch -> the outputs its forward sent on
 
         def _prepare_forward_infra(self, *args, **kwargs):
             meta = super()._prepare_forward_infra(*args, **kwargs)
@@ -76,8 +83,6 @@ def _lean_stage_class():
 
         def get_fwd_send_ops(self, fwd_chunk_id: int):
             ops = super().get_fwd_send_ops(fwd_chunk_id)
-            if not hasattr(self, "_sent_outputs"):
-                self._sent_outputs = {}
             self._sent_outputs[fwd_chunk_id] = [op.tensor for op in ops]
             return ops
 
@@ -87,9 +92,10 @@ def _lean_stage_class():
             # half hold what they still need by reference; the stage lets go of its own.
             release(self.args_recv_info.get(bwd_chunk_id, ()))
             release(self.grad_recv_info.get(bwd_chunk_id, ()))
-            if full_backward:
-                self._free_sent_output(bwd_chunk_id)
-            if full_backward and isinstance(loss, torch.Tensor) and not loss._is_view():
+            if not full_backward:  # a split backward: its weight half frees the rest
+                return
+            self._free_sent_output(bwd_chunk_id)
+            if isinstance(loss, torch.Tensor) and not loss._is_view():
                 # The schedule keeps every micro-batch's loss until the step ends, and with it
                 # the spent graph, whose leaf is this micro-batch's received input (and its
                 # gradient): detached, only the value is kept.
@@ -104,12 +110,13 @@ def _lean_stage_class():
             keep every send's work, and with it its tensor, until the step ends; but the gradient
             of this output came back, so the next stage has received it, and its backward has
             run, so nothing else reads it."""
-            for tensor in getattr(self, "_sent_outputs", {}).pop(chunk_id, ()):
+            for tensor in self._sent_outputs.pop(chunk_id, ()):
                 tensor.untyped_storage().resize_(0)
 
     return LeanBuffersStage
 
 
+@lru_cache(maxsize=None)
 def _sharded_grad_stage_class():
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining._backward import stage_backward

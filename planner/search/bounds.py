@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import math
 
-from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
-
 # Relative slack on the memory limit: HiGHS accepts rows a feasibility tolerance over their
 # limit (GiB-scaled rows, about 1e-7), so the bound relaxes the limit by more than that.
 LIMIT_SLACK = 1e-6
@@ -110,9 +108,9 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     run = table.types[type_index].options
     edges = ([(0, 0)] if first == 1 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
     out, frontiers = [], {}
-    # torch pipelining's kept receive buffers; a multi-chunk schedule's kept sends only when its
-    # order is replayed (leaving them out keeps the bound below the memory)
-    received = receive_bytes(table, shape, kept_sends=replay or shape.schedule not in MULTI_CHUNK_SCHEDULES)
+    # receive buffers in transit; a multi-chunk schedule's kept sends only when its order is
+    # replayed (leaving them out keeps the bound below the memory)
+    received = receive_bytes(table, shape, kept_sends=replay)
     for rank in range(pp):
         chunks = shape.chunks_on(rank)
         if replay or shape.schedule in ("1f1b", "gpipe"):  # 1F1B and GPipe replay in microseconds

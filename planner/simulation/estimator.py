@@ -14,13 +14,13 @@ from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, selective_recompute_flops
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
-                                               pipeline_closed_form,
-                                               strategy_for)
+                                               pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.contracts.prediction import MemoryBreakdown, Prediction
-from meshplan.planner.simulation.schedules import SPLIT_BACKWARD_SCHEDULES, held_boundary_bytes, max_in_flight, rank_actions
+from meshplan.planner.simulation.schedules import (SPLIT_BACKWARD_SCHEDULES, held_boundary_bytes, max_in_flight,
+                                                   rank_actions)
 
 DEFAULT_SEQ = 2048
 

@@ -27,6 +27,7 @@ from functools import lru_cache
 
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
 from meshplan.planner.contracts.config import SPLIT_BACKWARD_SCHEDULES  # noqa: F401 (re-exported)
+from meshplan.planner.costing.pipeline import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
 
@@ -169,13 +170,10 @@ def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, v
     receive buffers in transit and a multi-chunk schedule's kept sends (`costing.pipeline`'s two
     rules; the simulator, the closed form and the ILP all call this). `kept_sends` False: the
     receive buffers alone, a lower bound that replays no schedule."""
-    from meshplan.planner.costing.pipeline import kept_send_bytes, receive_buffer_bytes
-
     received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_stages)
-    done = (backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages)
-            if kept_sends and schedule in MULTI_CHUNK_SCHEDULES else None)
-    if done is None:
+    if not kept_sends or schedule not in MULTI_CHUNK_SCHEDULES:
         return received
+    done = backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages)
     kept = kept_send_bytes(rank_of_chunk, boundary_bytes, lambda c: done[rank_of_chunk(c)][c // num_stages],
                            num_stages, schedule)
     return [a + b for a, b in zip(received, kept)]

@@ -46,10 +46,10 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                     Tail >= E_r + Q_r + n_r  (n_r: per-rank fixed work, the gradient norm) (tail_r)
     memory          M_rk = S_r + sum_{c on r} live_k(c) (A_c + [c < C-1] Y) + U_r <= limit   (mem_r_k)
                     (Y: the boundary output torch's PipelineStage keeps per micro-batch in flight;
-                    R_r = m b_r Y, the receive buffers it keeps, one per micro-batch and boundary
-                    direction, plus a multi-chunk schedule's sends kept until the step ends (Y per
-                    backward run before the rank's last forward, per remote boundary), is part of
-                    S_r: `simulation.schedules.held_boundary_bytes`)
+                    R_r = b_r Y, the receive buffers in transit, one per boundary and direction,
+                    plus a multi-chunk schedule's input gradients kept until the step ends (Y per
+                    backward run before the rank's last forward, per boundary it receives on), is
+                    part of S_r: `simulation.schedules.held_boundary_bytes`)
                     U_r >= u_lo y_co, n_co <= N y_co, y binary (largest transient buffer) (buf_*)
     minimise        (F - p/v) T_max + (1/v) sum_r T_r + G P + Tail
                     F = m + (p-1)/v by default: (m-1) slowest stage + sum of stages for 1F1B/GPipe,
