@@ -105,6 +105,7 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import init_weights
     from meshplan.planner.profiling.profiler import profile as profile_model
     from meshplan.planner.simulation.simulator import simulate_config
 
@@ -114,7 +115,10 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     config = ParallelConfig(gpus=1, global_batch=microbatch_size, microbatch_size=microbatch_size, precision="fp32")
     predicted = simulate_config(graph, cluster, config).breakdown
     built = build_model(MODEL, SEQ, tp=1, device="cpu")
-    model, tokens = built.module, built.example_inputs[0].repeat(microbatch_size, 1)
+    model = built.module
+    # the executor's init and random tokens: all-zero tokens make most gradients denormal
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, model.cfg.vocab, (microbatch_size, SEQ), generator=torch.Generator().manual_seed(0))
     # as the executor builds it (executor.runtime: unfused on CPU) and runs it after its clipping
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
 

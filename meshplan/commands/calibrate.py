@@ -89,7 +89,8 @@ def _print_summary(out, profile, args, notes: list[str]) -> None:
     print(f"  memory     {device.memory_bw_bytes_per_s / 1e9:10.1f} GB/s, {device.memory_bytes / 2**30:.1f} GiB per process")
     print(f"  per layer  {device.kernel_overhead_s * 1e6:10.1f} us fixed overhead, "
           f"{device.elementwise_bytes_per_activation_byte:.1f} bytes of elementwise traffic per saved byte")
-    print(f"  link       {link.bw_bytes_per_s / 1e9:10.2f} GB/s, latency {link.latency_s * 1e6:.1f} us")
+    kinds = "".join(f", {kind} x{value:.2f}" for kind, value in sorted(link.kind_efficiency.items()))
+    print(f"  link       {link.bw_bytes_per_s / 1e9:10.2f} GB/s, latency {link.latency_s * 1e6:.1f} us{kinds}")
     print(f"  per NIC    {fabric.bw_bytes_per_s * fabric.efficiency / 1e9:10.2f} GB/s, latency "
           f"{fabric.latency_s * 1e6:.1f} us ({'fitted to nccl-tests' if args.nccl_tests else 'from the base profile'})")
     print(f"  optimizer  {profile.optimizer_bytes_per_param:10.1f} bytes/param, {device.optimizer_per_tensor_s * 1e6:.0f} us "
@@ -99,5 +100,6 @@ def _print_summary(out, profile, args, notes: list[str]) -> None:
     print(f"  TP extra   {device.tp_overhead_s_per_stream_byte * 1e9:10.2f} ns per residual-stream byte, "
           f"{device.sp_layer_overhead_s * 1e6:.0f} us per sequence-parallel block pass, "
           f"{device.tp_loss_overhead_s * 1e6:.0f} us per vocab-parallel loss")
+    print(f"  FSDP extra {device.dp_overhead_s_per_byte * 1e9:10.2f} ns per byte gathered or reduced")
     for note in notes:
         print(f"  note: {note}")

@@ -41,6 +41,25 @@ def fit_alpha_beta(samples: list[tuple[str, int, float]], nproc: int) -> tuple[f
 
 
 
+def fit_kind_bandwidths(samples: list[tuple[str, int, float]], nproc: int, alpha: float) -> dict[str, float]:
+    """{kind: bytes/s} of each measured collective kind on the ring model, its latency held at the
+    joint fit's `alpha` (least squares on relative error): implementations move bytes at their
+    own rates (gloo's all-gather and reduce-scatter copy through staging buffers, its all-reduce
+    and send/recv do not), which one shared bandwidth averages away. A kind whose times do not
+    grow with size is left out."""
+    volume = {"all_reduce": 2 * (nproc - 1) / nproc, "all_gather": (nproc - 1) / nproc,
+              "reduce_scatter": (nproc - 1) / nproc, "send_recv": 1.0}
+    hops = {"all_reduce": 2 * (nproc - 1), "all_gather": nproc - 1, "reduce_scatter": nproc - 1, "send_recv": 1}
+    out = {}
+    for kind in volume:
+        rows = [(volume[kind] * size / t, 1.0 - hops[kind] * alpha / t) for k, size, t in samples if k == kind]
+        denominator = sum(x * x for x, _ in rows)
+        inv_bw = sum(x * r for x, r in rows) / denominator if denominator else 0.0
+        if inv_bw > 0:
+            out[kind] = 1.0 / inv_bw
+    return out
+
+
 def fit_inter_node_link(runs: list[tuple[str, float, float, Placement]], cluster: ClusterProfile) -> tuple[float, float]:
     """(bandwidth of one NIC in bytes/s, inter-node latency s) from multi-node collective timings.
 
@@ -138,6 +157,17 @@ def fit_conv_efficiency(samples: list[tuple[float, float, float]], device, dtype
     return min(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
+def fit_attention_efficiency(samples: list[tuple[float, float]], device, dtype: str) -> float:
+    """`attention_efficiency` from [(FLOPs, seconds)] of timed causal flash attention (forward +
+    backward): the rate R of t = FLOPs / R by least squares on relative error, over peak, capped
+    at 1; 0 (attention stays on the GEMM curve) without samples."""
+    rows = [flops / seconds for flops, seconds in samples if seconds > 0 and flops > 0]
+    if not rows:
+        return 0.0
+    rate = sum(x * x for x in rows) / sum(rows)  # 1/R = sum(x) / sum(x^2) with x = f/t
+    return min(1.0, rate / device.peak_flops(dtype))
+
+
 def fit_model_update(per_tensor_s: float, model: tuple[int, int, float], fallback_s: float) -> float:
     """Seconds per parameter of a real model's update beyond its per-tensor cost (`fallback_s`,
     the tensor sets' fit, when the model's update is all per-tensor cost)."""
@@ -159,20 +189,37 @@ def fit_optimizer(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 
 
-def fit_block_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
-    """(TP overhead per layer per pass, FSDP overhead per layer per pass), never negative.
+def fit_fsdp_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:
+    """(FSDP overhead per layer per pass, per byte gathered or reduced), never negative.
 
-    TP: two all-reduces of the (1, seq, hidden) fp32 output per pass (Megatron); FSDP (ZeRO-3):
-    an all-gather of the parameters per pass and a reduce-scatter of the gradients in backward.
-    """
-    out_bytes = block["seq"] * block["hidden"] * 4
-    param_bytes = block["block_params"] * 4
-    tp_comm_s = 4 * all_reduce_time_s(out_bytes, nproc, link)
-    fsdp_comm_s = 2 * all_gather_time_s(param_bytes, nproc, link) + reduce_scatter_time_s(param_bytes, nproc, link)
-    tp_s = max(0.0, (block["tp_s"] - block["plain_s"] - tp_comm_s) / 2)
-    fsdp_s = max(0.0, (block["fsdp_s"] - block["plain_s"] - fsdp_comm_s) / 2)
-    return tp_s, fsdp_s
+    Three timings of a block's forward + backward under `fully_shard`, each less the plain block
+    and less its collectives (alpha-beta): the tiny block resharding after forward (two
+    all-gathers and one reduce-scatter of its B_t fp32 parameter bytes), the real-shape block
+    keeping its gathered parameters (one all-gather) and resharding them (two). With F the fixed
+    part per pass and c the part per byte:
+        tiny = 2F + 3 B_t c,  kept = 2F + 2 B_r c,  resharded = 2F + 3 B_r c,
+    fitted by least squares on relative error (each row over its block's measured time).
+    Without the real-shape timings: the tiny block's overhead, all of it fixed."""
+    tiny_bytes = block["block_params"] * 4
+    tiny = block["fsdp_s"] - block["plain_s"] - _fsdp_comm_s(tiny_bytes, 2, nproc, link)
+    if "real_fsdp_s" not in block:
+        return max(0.0, tiny / 2), 0.0
+    real_bytes = block["real_block_params"] * 4
+    kept = block["real_fsdp_kept_s"] - block["real_plain_s"] - _fsdp_comm_s(real_bytes, 1, nproc, link)
+    resharded = block["real_fsdp_s"] - block["real_plain_s"] - _fsdp_comm_s(real_bytes, 2, nproc, link)
+    samples = ((tiny, 3 * tiny_bytes, block["fsdp_s"]), (kept, 2 * real_bytes, block["real_fsdp_kept_s"]),
+               (resharded, 3 * real_bytes, block["real_fsdp_s"]))
+    fixed, per_byte = lstsq2([(2 / t, moved / t) for _, moved, t in samples], [o / t for o, _, t in samples])
+    if per_byte < 0:
+        return max(0.0, tiny / 2), 0.0
+    if fixed < 0:  # all of it per byte: the relative least squares through the origin
+        rows = [(moved / t, o / t) for o, moved, t in samples]
+        return 0.0, max(0.0, sum(x * y for x, y in rows) / sum(x * x for x, _ in rows))
+    return fixed, per_byte
 
+
+def _fsdp_comm_s(param_bytes: float, num_gathers: int, nproc: int, link) -> float:
+    return num_gathers * all_gather_time_s(param_bytes, nproc, link) + reduce_scatter_time_s(param_bytes, nproc, link)
 
 
 def fit_tp_overheads(block: dict[str, float], nproc: int, link) -> tuple[float, float]:

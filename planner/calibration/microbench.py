@@ -16,7 +16,9 @@ Run inside every calibration worker, all ranks at once (as in training):
   the plain block and the collectives' alpha-beta cost do not explain is the per-pass overhead
   of TP and of the data-parallel wrapper; TP is also timed on a block of a small real model's
   shape, each against the local shard one rank computes, which splits TP's overhead into a
-  fixed part and a part per byte of the activations;
+  fixed part and a part per byte of the activations; FSDP is timed on that shape too, keeping
+  and resharding its gathered parameters, which splits its overhead into a fixed part and a
+  part per byte gathered or reduced;
 - a pipeline of one GPT block per rank under torch's 1F1B schedule: its step time less the
   cost model's compute of the blocks on the critical path, over the number of actions on it,
   is the per-action overhead (hand-offs, stage bookkeeping, waits on real activations).
@@ -132,9 +134,14 @@ def _time_model_update(torch, reps: int) -> tuple[int, int, float]:
     in between decide whether the optimizer's temporaries reuse memory or fault fresh pages,
     which the bare tensor sets do not show."""
     from meshplan.planner.models.registry import build_model
+    from meshplan.planner.models.transformer import init_weights
 
     built = build_model(OPTIMIZER_MODEL, OPTIMIZER_MODEL_SEQ, device="cpu")
-    model, tokens = built.module, built.example_inputs[0].repeat(2, 1)
+    model = built.module
+    # Weights and tokens as training has them: the default init with all-zero tokens saturates
+    # the softmax, and most gradients come out denormal, which AdamW then updates ~3x slower.
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, model.cfg.vocab, (2, OPTIMIZER_MODEL_SEQ), generator=torch.Generator().manual_seed(0))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, **ADAMW)
     best = float("inf")
@@ -207,7 +214,30 @@ def measure_block_overheads(torch, dist, mesh, nproc: int, reps: int) -> dict[st
     partial = DTensor.from_local(torch.randn(hidden), mesh, [Partial()])
     result["redistribute_s"] = wall_min_s(dist, lambda: partial.redistribute(mesh, [Replicate()]).to_local(), reps)
     result.update(_measure_real_shape_tp(torch, dist, mesh, nproc, reps))
+    result.update(_measure_real_shape_fsdp(torch, dist, mesh, nproc, reps))
     return result
+
+
+def _measure_real_shape_fsdp(torch, dist, mesh, nproc: int, reps: int) -> dict[str, float]:
+    """The real-shape block plain and under `fully_shard` over all ranks, keeping its gathered
+    parameters until backward (ZeRO-1/2: one all-gather and one reduce-scatter) and resharding
+    after forward (ZeRO-3: two all-gathers): with the tiny block's FSDP timing, FSDP2's host work
+    that grows with the parameter bytes (copy-in and copy-out of the flat buffers around each
+    collective), apart for gathers and reductions."""
+    from torch.distributed.fsdp import fully_shard
+
+    shape = REAL_BLOCK
+    plain, hidden = _block(nproc, shape)
+    kept, _ = _block(nproc, shape)
+    resharded, _ = _block(nproc, shape)
+    fully_shard(kept, mesh=mesh, reshard_after_forward=False)
+    fully_shard(resharded, mesh=mesh, reshard_after_forward=True)
+    x = torch.randn(shape["batch"], shape["seq"], hidden, requires_grad=True)
+    out = wall_min_interleaved_s(dist, {"real_plain_s": lambda: plain(x).sum().backward(),
+                                        "real_fsdp_kept_s": lambda: kept(x).sum().backward(),
+                                        "real_fsdp_s": lambda: resharded(x).sum().backward()}, reps)
+    out["real_block_params"] = float(sum(p.numel() for p in plain.parameters()))
+    return out
 
 
 def _measure_real_shape_tp(torch, dist, mesh, nproc: int, reps: int) -> dict[str, float]:

@@ -10,11 +10,16 @@ that, all at once as in training:
   per-layer dispatch cost, `kernel_overhead_s`);
 - time 3x3 convolutions forward + backward (`CONV_SHAPES`): their throughput against the GEMM
   curve's for the same FLOPs is `conv_efficiency`;
+- time causal flash attention (SDPA) forward + backward at several sequence lengths
+  (`ATTENTION_SEQS`): its FLOPs (the causal half) over its time, against peak, is
+  `attention_efficiency`, which takes the attention core off the GEMM curve;
 - time a GPT block's forward + backward at several shapes, count its FLOPs (FlopCounterMode) and
   the bytes autograd saves; what the GEMM curve and the overhead do not explain is memory-bound
   traffic: `elementwise_bytes_per_activation_byte` is fitted to that leftover over all shapes;
 - time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
   alpha-beta model of `planner.costing.collectives` jointly: t = volume(S, n) / B + hops(n) * alpha;
+  then each kind's own bandwidth at that alpha: B is the fastest kind's, the others' fractions
+  of it are the link's `kind_efficiency`;
 - on CPU processes, the fixed costs of `planner.costing.fixed_costs` (optimizer per tensor and per
   parameter, TP and FSDP per layer pass, pipeline per action) and the share of a core each
   process gets when all compute at once (`planner.calibration.microbench`), which scales every rate
@@ -45,7 +50,7 @@ FULL_SIZES = {"matmul_n": (64, 128, 256, 512, 1024), "comm_bytes": (2**12, 2**16
               "copy_bytes": 2**28, "reps": 10}
 QUICK_SIZES = {"matmul_n": (64, 128, 256, 512), "comm_bytes": (2**12, 2**16, 2**20, 2**22),
                "copy_bytes": 2**26, "reps": 4}
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, name: str = "calibrated",
@@ -239,12 +244,14 @@ def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
     machine: a slow spell of a shared host during one of them only reads as a wrong factor
     (0, or twice the truth)."""
     rounds = [(_measure_matmul(torch, device, sizes, timer, cuda), _time_block_shapes(torch, device, timer, cuda),
-               _measure_block(torch, device, timer), _measure_conv(torch, device, timer, cuda))
+               _measure_block(torch, device, timer), _measure_conv(torch, device, timer, cuda),
+               _measure_attention(torch, device, timer, cuda))
               for _ in range(COMPUTE_ROUNDS)]
     matmul = [(flops, min(r[0][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][0])]
     block_s = [min(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
     conv = [(fwd, bwd, min(r[3][i][2] for r in rounds)) for i, (fwd, bwd, _) in enumerate(rounds[0][3])]
-    return {"matmul": matmul, "block_overhead_s": min(r[2] for r in rounds), "conv": conv,
+    attention = [(flops, min(r[4][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][4])]
+    return {"matmul": matmul, "block_overhead_s": min(r[2] for r in rounds), "conv": conv, "attention": attention,
             "block": [{**figures, "fwd_bwd_s": seconds} for figures, seconds in zip(_block_figures(cuda), block_s)]}
 
 
@@ -264,6 +271,29 @@ def _measure_conv(torch, device, timer, cuda) -> list[tuple[float, float, float]
         fwd_flops = 2.0 * batch * channels * channels * 9 * size * size
         seconds = timer(lambda: conv(x).sum().backward(), 5, cpu_time=True)
         out.append((fwd_flops, 2.0 * fwd_flops, seconds))  # backward: input and weight gradients
+    return out
+
+
+# Sequence lengths of the causal flash-attention timings (4 heads of 64, one sequence; 8 on GPUs).
+ATTENTION_SEQS = (256, 1024, 2048)
+ATTENTION_HEADS, ATTENTION_HEAD_DIM = 4, 64
+
+
+def _measure_attention(torch, device, timer, cuda) -> list[tuple[float, float]]:
+    """[(FLOPs, seconds)] of causal SDPA forward + backward per `ATTENTION_SEQS` length: the
+    FLOPs a flash kernel runs (the causal half of QK^T and x V, 2x that backward)."""
+    import torch.nn.functional as F
+
+    dtype = torch.bfloat16 if cuda else torch.float32
+    batch = 8 if cuda else 1
+    out = []
+    for seq in ATTENTION_SEQS:
+        q, k, v = (torch.randn(batch, ATTENTION_HEADS, seq, ATTENTION_HEAD_DIM, device=device, dtype=dtype,
+                               requires_grad=True) for _ in range(3))
+        fwd_flops = 4.0 * batch * ATTENTION_HEADS * seq * seq * ATTENTION_HEAD_DIM / 2
+        seconds = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3,
+                        cpu_time=True)
+        out.append((3.0 * fwd_flops, seconds))
     return out
 
 
@@ -316,7 +346,7 @@ def _measure_collectives(torch, dist, device, rank, nproc, sizes, timer) -> list
             "reduce_scatter": lambda: reduce_scatter(shard, full),
             "send_recv": lambda: _ping(dist, rank, full),
         }
-        for kind in COLLECTIVE_KINDS:
+        for kind in MEASURED_COLLECTIVES:
             dist.barrier()
             seconds = timer(calls[kind], sizes["reps"])
             if kind == "send_recv":
@@ -353,18 +383,30 @@ def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: flo
     if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
         plain_param_s = fits.fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
     dtensor_tensor_s, _ = fits.fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
-    _, dp_unit_s = fits.fit_block_overheads(measured["block_fixed"], nproc, link)
+    dp_unit_s, dp_per_byte_s = fits.fit_fsdp_overheads(measured["block_fixed"], nproc, link)
     tp_s, tp_per_byte_s = fits.fit_tp_overheads(measured["block_fixed"], nproc, link)
     sp_s, loss_s = fits.fit_sp_and_loss(measured["block_fixed"], nproc, link)
     out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
            "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
            "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
+           "dp_overhead_s_per_byte": dp_per_byte_s,
            "dtensor_redistribute_s": fits.fit_redistribute(measured["block_fixed"], nproc, link),
            "pipeline_action_overhead_s": fits.fit_pipeline_action(
                measured["pipeline"], nproc, link, block_time_s(measured["block"][0], probe_profile(device), measured["dtype"]))}
     if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
         out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
     return out
+
+
+def _measured_link(samples, nproc: int, bw: float, alpha: float, source: str) -> LinkProfile:
+    """The link of the joint alpha-beta fit, its bandwidth the fastest kind's, every slower
+    kind's fraction of it in `kind_efficiency` (`fits.fit_kind_bandwidths`)."""
+    kinds = fits.fit_kind_bandwidths([tuple(s) for s in samples], nproc, alpha)
+    top = max(kinds.values(), default=bw)
+    kind_efficiency = {kind: value / top for kind, value in kinds.items() if value / top < 0.995}
+    return LinkProfile(bw_bytes_per_s=top, latency_s=alpha, efficiency=1.0, kind_efficiency=kind_efficiency,
+                       source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv, "
+                              "a bandwidth per kind")
 
 
 def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str | None = None) -> ClusterProfile:
@@ -389,8 +431,7 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                      matmul_half_efficiency_flops=half_flops, kernel_overhead_s=measured["block_overhead_s"],
                      reserved_memory_bytes=min(base_profile.device.reserved_memory_bytes, memory_bytes / 4),
                      source=f"{source}; peaks scaled from {base_profile.name}: {base_profile.device.source}")
-    link = LinkProfile(bw_bytes_per_s=bw, latency_s=alpha, efficiency=1.0,
-                       source=f"{source}: ring alpha-beta fit of all-reduce/all-gather/reduce-scatter/send-recv")
+    link = _measured_link(measured["collectives"], nproc, bw, alpha, source)
     share = float(measured.get("cpu_share", 1.0))
     block = [dict(sample) for sample in measured["block"]]
     if share < 1.0:  # every process runs at this share of a core: CPU-time rates slow down by it
@@ -401,6 +442,9 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                                 "processes got while all computed")
         for sample in block:
             sample["fwd_bwd_s"] /= share
+    if measured.get("attention"):  # before the elementwise fit, which leaves attention to it
+        device = replace(device, attention_efficiency=fits.fit_attention_efficiency(
+            [(flops, seconds / share) for flops, seconds in measured["attention"]], device, measured["dtype"]))
     device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
         block, device, measured["dtype"]))
     if measured.get("conv"):

@@ -27,6 +27,7 @@ A profile file looks like:
     tp_loss_overhead_s = 0.0              # per micro-batch, the vocab-parallel loss (loss_parallel)
     pipeline_action_overhead_s = 0.0      # per forward/backward action of a pipeline stage
     dp_unit_overhead_s = 0.0              # per FSDP/replicate-wrapped layer per pass
+    dp_overhead_s_per_byte = 0.0          # FSDP's host work per byte it gathers or reduces
     dtensor_redistribute_s = 0.0          # per small Partial -> Replicate DTensor redistribution
 
     [topology]
@@ -59,6 +60,9 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+# The collectives the cost model prices (`planner.costing.collectives`).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
 
 SCHEMA_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
@@ -80,6 +84,11 @@ class LinkProfile:
     bw_bytes_per_s: float  # per GPU port (NVLink) or per NIC, one direction
     latency_s: float  # per message hop (alpha)
     efficiency: float = 1.0  # achieved fraction of bw for large collectives
+    # Per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast,
+    # send_recv), a further fraction of the bandwidth that kind's implementation achieves; a kind
+    # not listed gets all of it. `calibrate` fits it where implementations differ (gloo's
+    # all-gather and reduce-scatter copy through intermediate buffers, its all-reduce does not).
+    kind_efficiency: dict[str, float] = field(default_factory=dict)
     source: str = ""
 
     def __post_init__(self):
@@ -88,10 +97,20 @@ class LinkProfile:
         _check_positive("link", "efficiency", self.efficiency)
         if self.efficiency > 1:
             raise ValueError(f"link.efficiency is a fraction in (0, 1], got {self.efficiency}")
+        for kind, value in self.kind_efficiency.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise ValueError(f"link.kind_efficiency has unknown collective {kind!r}; known: "
+                                 f"{', '.join(COLLECTIVE_KINDS)}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(f"link.kind_efficiency.{kind} is a fraction in (0, 1], got {value!r}")
 
     @property
     def effective_bw_bytes_per_s(self) -> float:
         return self.bw_bytes_per_s * self.efficiency
+
+    def bw_for(self, kind: str) -> float:
+        """Bytes/s a collective of `kind` achieves on this link."""
+        return self.bw_bytes_per_s * self.efficiency * self.kind_efficiency.get(kind, 1.0)
 
 
 @dataclass(frozen=True)
@@ -156,6 +175,11 @@ class DeviceProfile:
     # Per data-parallel unit (each FSDP/replicate-wrapped block) per pass: hooks, parameter
     # views and the collective calls' own dispatch (beyond the link's latency and bandwidth).
     dp_unit_overhead_s: float = 0.0
+    # FSDP2's host work per byte of (unsharded, local) parameters each all-gather produces and of
+    # gradients each reduction takes in: copies into and out of the flat collective buffers, the
+    # gradient division, beyond the collectives themselves; it runs on the rank's compute path.
+    # Measured on a block of a real model's shape (`calibrate`), 0 unless measured.
+    dp_overhead_s_per_byte: float = 0.0
     # Per DTensor redistribution of a small partial gradient to a replicated one (beyond its
     # all-reduce): the executor does one per TP norm tensor per step.
     dtensor_redistribute_s: float = 0.0
@@ -195,7 +219,7 @@ class DeviceProfile:
                      "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
                      "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",
                      "sp_layer_overhead_s", "tp_loss_overhead_s", "pipeline_action_overhead_s",
-                     "dp_unit_overhead_s", "dtensor_redistribute_s"):
+                     "dp_unit_overhead_s", "dp_overhead_s_per_byte", "dtensor_redistribute_s"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "

@@ -58,9 +58,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
+from meshplan.planner.contracts.cluster import COLLECTIVE_KINDS, ClusterProfile, LinkProfile
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+COLLECTIVES = COLLECTIVE_KINDS
 ALGORITHMS = ("ring", "tree", "hierarchical", "auto")
 LINK_ALGORITHMS = ("ring", "tree", "auto")
 
@@ -91,7 +91,7 @@ def all_reduce_time_s(size_bytes: float, group_size: int, link: LinkProfile, alg
     _check(size_bytes, group_size, algorithm)
     if group_size == 1 or size_bytes == 0:
         return 0.0
-    n, bw, alpha = group_size, link.effective_bw_bytes_per_s, link.latency_s
+    n, bw, alpha = group_size, link.bw_for("all_reduce"), link.latency_s
     ring = 2 * (n - 1) / n * size_bytes / bw + 2 * (n - 1) * alpha
     tree = 2 * size_bytes / bw + 2 * _log2_ceil(n) * alpha
     return {"ring": ring, "tree": tree, "auto": min(ring, tree)}[algorithm]
@@ -102,13 +102,19 @@ def all_gather_time_s(size_bytes: float, group_size: int, link: LinkProfile, alg
     _check(size_bytes, group_size, algorithm)
     if group_size == 1 or size_bytes == 0:
         return 0.0
-    n = group_size
-    return (n - 1) / n * size_bytes / link.effective_bw_bytes_per_s + (n - 1) * link.latency_s
+    return _scatter_gather_ring_s("all_gather", size_bytes, group_size, link)
 
 
 def reduce_scatter_time_s(size_bytes: float, group_size: int, link: LinkProfile, algorithm: str = "auto") -> float:
     """Time to reduce a `size_bytes` tensor and leave each rank its 1/n shard. Ring only in NCCL."""
-    return all_gather_time_s(size_bytes, group_size, link, algorithm)
+    _check(size_bytes, group_size, algorithm)
+    if group_size == 1 or size_bytes == 0:
+        return 0.0
+    return _scatter_gather_ring_s("reduce_scatter", size_bytes, group_size, link)
+
+
+def _scatter_gather_ring_s(kind: str, size_bytes: float, n: int, link: LinkProfile) -> float:
+    return (n - 1) / n * size_bytes / link.bw_for(kind) + (n - 1) * link.latency_s
 
 
 def all_to_all_time_s(size_bytes: float, group_size: int, link: LinkProfile, algorithm: str = "auto") -> float:
@@ -117,7 +123,7 @@ def all_to_all_time_s(size_bytes: float, group_size: int, link: LinkProfile, alg
     if group_size == 1 or size_bytes == 0:
         return 0.0
     n = group_size
-    return (n - 1) / n * size_bytes / link.effective_bw_bytes_per_s + link.latency_s
+    return (n - 1) / n * size_bytes / link.bw_for("all_to_all") + link.latency_s
 
 
 def broadcast_time_s(size_bytes: float, group_size: int, link: LinkProfile, algorithm: str = "auto") -> float:
@@ -125,7 +131,7 @@ def broadcast_time_s(size_bytes: float, group_size: int, link: LinkProfile, algo
     _check(size_bytes, group_size, algorithm)
     if group_size == 1 or size_bytes == 0:
         return 0.0
-    bw, alpha = link.effective_bw_bytes_per_s, link.latency_s
+    bw, alpha = link.bw_for("broadcast"), link.latency_s
     ring = size_bytes / bw + (group_size - 1) * alpha
     tree = _log2_ceil(group_size) * (alpha + size_bytes / bw)
     return {"ring": ring, "tree": tree, "auto": min(ring, tree)}[algorithm]
@@ -136,7 +142,7 @@ def send_recv_time_s(size_bytes: float, link: LinkProfile) -> float:
     _check(size_bytes, 2, "auto")
     if size_bytes == 0:
         return 0.0
-    return link.latency_s + size_bytes / link.effective_bw_bytes_per_s
+    return link.latency_s + size_bytes / link.bw_for("send_recv")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +213,9 @@ class _Fabric:
     alpha_net: float
 
     @classmethod
-    def of(cls, placement: Placement, cluster: ClusterProfile) -> _Fabric:
+    def of(cls, placement: Placement, cluster: ClusterProfile, kind: str) -> _Fabric:
         k, nodes = placement.ranks_per_node, placement.num_nodes
-        nvlink_bw, nic_bw = cluster.intra_node.effective_bw_bytes_per_s, cluster.inter_node.effective_bw_bytes_per_s
+        nvlink_bw, nic_bw = cluster.intra_node.bw_for(kind), cluster.inter_node.bw_for(kind)
         rails = min(k, cluster.nics_per_node)
         ring_bw = nvlink_bw if nodes == 1 else nic_bw if k == 1 else min(nvlink_bw, rails * nic_bw)
         return cls(nvlink_bw, nic_bw, rails, ring_bw, cluster.intra_node.latency_s, cluster.inter_node.latency_s)
@@ -290,7 +296,7 @@ def algorithm_times_s(kind: str, size_bytes: float, placement: Placement, cluste
         raise ValueError(f"collective kind must be one of {COLLECTIVES[:-1]}, got {kind!r}")
     if placement.num_ranks == 1 or size_bytes == 0:
         return {"ring": 0.0}
-    fabric = _Fabric.of(placement, cluster)
+    fabric = _Fabric.of(placement, cluster, kind)
     if kind == "all_reduce":
         return _all_reduce_times_s(size_bytes, placement, fabric, cluster)
     if kind in ("all_gather", "reduce_scatter"):

@@ -17,7 +17,9 @@ charged here the way meshplan's executor incurs it:
   (DTensor's work that grows with the activations), plus `sp_layer_overhead_s` per block pass
   under sequence parallelism, plus `tp_loss_overhead_s` per micro-batch for the head's
   vocab-parallel loss;
-- `dp_unit_overhead_s` once per pass of every layer FSDP / replicate wraps;
+- `dp_unit_overhead_s` once per pass of every layer FSDP / replicate wraps, plus FSDP's host work
+  `dp_overhead_s_per_byte` per byte of each all-gather and reduction the executor runs
+  (`dp_host_overhead_s`);
 - `pipeline_action_overhead_s` once per forward and once per backward action of a pipeline chunk;
 - under TP, one DTensor redistribution (`dtensor_redistribute_s`) and all-reduce per norm
   tensor per step (their gradients are partial sums);
@@ -106,6 +108,23 @@ def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool
 def dp_wrapped(tp: int, dp: int, zero: int, pp: int) -> bool:
     """FSDP or replicate wraps each layer (not DDP, not single replica)."""
     return dp > 1 and not (zero == 0 and tp == 1 and pp == 1)
+
+
+def dp_host_overhead_s(zero: int, pp: int, param_bytes: float, grad_bytes: float,
+                       cluster: ClusterProfile) -> tuple[float, float, float]:
+    """(per micro-batch forward, per micro-batch backward, per step) host seconds of FSDP's copies
+    around its collectives for a layer whose gathered parameters are `param_bytes` and whose
+    gradients are `grad_bytes`, where meshplan's executor runs them (`costing.layer_costs._dp_comm_s`,
+    `costing.state_memory.grad_sync_mode`; `zero` is the stage executed): ZeRO-3 gathers before
+    every forward and backward, ZeRO-1/2 before every forward, or once per step under pipelining;
+    ZeRO-2/3 reduce after every micro-batch's backward, ZeRO-0/1 once per step. The caller
+    charges it only where FSDP / replicate wraps the layer (`dp_wrapped`)."""
+    gather_s = cluster.device.dp_overhead_s_per_byte * param_bytes
+    reduce_s = cluster.device.dp_overhead_s_per_byte * grad_bytes
+    fwd_s = gather_s if zero == 3 or (zero in (1, 2) and pp == 1) else 0.0
+    bwd_s = (gather_s if zero == 3 else 0.0) + (reduce_s if zero >= 2 else 0.0)
+    step_s = (gather_s if zero in (1, 2) and pp > 1 else 0.0) + (reduce_s if zero <= 1 else 0.0)
+    return fwd_s, bwd_s, step_s
 
 
 def optimizer_fixed_s(num_tensors: int, dtensors: bool, cluster: ClusterProfile) -> float:

@@ -180,7 +180,8 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)
         pass_s = fixed_costs.tp_pass_overhead_s(layer, stream_bytes, strategy.sp, cluster)
         tp_fwd_s, tp_bwd_s = tp_fwd_s + pass_s, tp_bwd_s + pass_s
-    if fixed_costs.dp_wrapped(tp, dp, strategy.zero, strategy.pp):  # FSDP / replicate hooks per pass
+    wrapped = fixed_costs.dp_wrapped(tp, dp, strategy.zero, strategy.pp)
+    if wrapped:  # FSDP / replicate hooks per pass
         fwd_s += cluster.device.dp_unit_overhead_s
         bwd_s += cluster.device.dp_unit_overhead_s
     if strategy.recompute == "full":
@@ -212,6 +213,11 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         fixed_costs.holds_dtensors(split, tp, dp, strategy.zero, strategy.pp), cluster)
     if split:
         optimizer_s += fixed_costs.tp_norm_grad_sync_s(layer, info, tp, cluster)
+    if wrapped:  # FSDP's copies around its collectives, on the compute path
+        host_fwd_s, host_bwd_s, host_step_s = fixed_costs.dp_host_overhead_s(
+            zero, strategy.pp, params_per_rank * gather_bytes,
+            params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe), cluster)
+        fwd_s, bwd_s, optimizer_s = fwd_s + host_fwd_s, bwd_s + host_bwd_s, optimizer_s + host_step_s
 
     executor = strategy.state_recipe == "executor"
     activation_bytes, buffer_bytes = _activation_bytes(layer, strategy, act_scale * vocab_scale, executor=executor)

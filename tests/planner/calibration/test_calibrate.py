@@ -116,7 +116,7 @@ def test_optimizer_fit_recovers_per_tensor_and_per_parameter_costs():
 
 
 def test_block_and_pipeline_overhead_fits_remove_the_alpha_beta_cost():
-    from meshplan.planner.calibration.fits import fit_block_overheads, fit_pipeline_action
+    from meshplan.planner.calibration.fits import fit_fsdp_overheads, fit_pipeline_action, fit_tp_overheads
 
     link = LinkProfile(bw_bytes_per_s=2e9, latency_s=1e-4)
     seq, hidden, params = 8.0, 64.0, 5e4
@@ -125,7 +125,8 @@ def test_block_and_pipeline_overhead_fits_remove_the_alpha_beta_cost():
     tp_s = plain_s + 4 * all_reduce_time_s(seq * hidden * 4, 2, link) + 2 * tp_o
     fsdp_s = plain_s + 2 * all_gather_time_s(params * 4, 2, link) + reduce_scatter_time_s(params * 4, 2, link) + 2 * fsdp_o
     block = {"plain_s": plain_s, "tp_s": tp_s, "fsdp_s": fsdp_s, "seq": seq, "hidden": hidden, "block_params": params}
-    assert fit_block_overheads(block, 2, link) == pytest.approx((tp_o, fsdp_o), rel=1e-9)
+    assert fit_tp_overheads(block, 2, link) == pytest.approx((tp_o, 0.0), rel=1e-9)
+    assert fit_fsdp_overheads(block, 2, link) == pytest.approx((fsdp_o, 0.0), rel=1e-9)
     # a 2-stage 1F1B step of m micro-batches: (m + 1) forward + backward pairs of one stage
     # (12 ms each), 2 (m + 1) actions of overhead o, 2 transfers of the 128 KiB boundary
     m, o, stage_s, boundary = 8, 6e-4, 1.2e-2, 128 * 256 * 4
@@ -134,7 +135,53 @@ def test_block_and_pipeline_overhead_fits_remove_the_alpha_beta_cost():
     assert fit_pipeline_action(pipeline, 2, link, stage_s) == pytest.approx(o)
     assert fit_pipeline_action(pipeline, 2, link, 2 * stage_s) == 0.0  # compute explains it all
     # faster than the collectives alone: no negative overhead
-    assert fit_block_overheads({**block, "tp_s": plain_s, "fsdp_s": plain_s}, 2, link) == (0.0, 0.0)
+    assert fit_tp_overheads({**block, "tp_s": plain_s}, 2, link) == (0.0, 0.0)
+    assert fit_fsdp_overheads({**block, "fsdp_s": plain_s}, 2, link) == (0.0, 0.0)
+
+
+def test_fsdp_overhead_fit_splits_a_fixed_part_from_a_part_per_byte():
+    """Timings built from the model the fit inverts (tiny block resharding: two all-gathers and a
+    reduce-scatter; real block keeping and resharding) give back F and c to float precision."""
+    from meshplan.planner.calibration.fits import fit_fsdp_overheads
+
+    link = LinkProfile(bw_bytes_per_s=2e9, latency_s=1e-4, kind_efficiency={"all_gather": 0.2, "reduce_scatter": 0.1})
+    fixed_s, per_byte_s, tiny_params, real_params = 9e-4, 1.1e-9, 5e4, 8e5
+
+    def timed(plain_s, params, gathers):
+        size = params * 4
+        comm_s = gathers * all_gather_time_s(size, 2, link) + reduce_scatter_time_s(size, 2, link)
+        return plain_s + comm_s + 2 * fixed_s + (gathers + 1) * size * per_byte_s
+
+    block = {"plain_s": 1e-3, "fsdp_s": timed(1e-3, tiny_params, 2), "block_params": tiny_params,
+             "real_plain_s": 6e-2, "real_fsdp_kept_s": timed(6e-2, real_params, 1),
+             "real_fsdp_s": timed(6e-2, real_params, 2), "real_block_params": real_params}
+    assert fit_fsdp_overheads(block, 2, link) == pytest.approx((fixed_s, per_byte_s), rel=1e-9)
+    # no growth with the bytes: all of it fixed; a negative intercept: all of it per byte
+    flat = {**block, "real_fsdp_kept_s": 6e-2 + (block["fsdp_s"] - 1e-3), "real_fsdp_s": 6e-2 + (block["fsdp_s"] - 1e-3)}
+    assert fit_fsdp_overheads(flat, 2, LinkProfile(bw_bytes_per_s=1e15, latency_s=0.0))[1] == 0.0
+
+
+def test_kind_bandwidths_and_attention_efficiency_fits():
+    from meshplan.planner.calibration.fits import fit_attention_efficiency, fit_kind_bandwidths
+    from meshplan.planner.calibration.runner import _measured_link
+
+    alpha, bws = 3e-5, {"all_reduce": 2e9, "all_gather": 1e9, "reduce_scatter": 5e8, "send_recv": 6e9}
+    volume, hops = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "send_recv": 1.0}, \
+        {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "send_recv": 1}
+    samples = [(kind, size, volume[kind] * size / bw + hops[kind] * alpha) for kind, bw in bws.items()
+               for size in (2**12, 2**20, 2**24)]
+    assert fit_kind_bandwidths(samples, 2, alpha) == pytest.approx(bws, rel=1e-9)
+    link = _measured_link(samples, 2, 4e9, alpha, "test")
+    assert link.bw_bytes_per_s == pytest.approx(6e9) and "send_recv" not in link.kind_efficiency
+    assert link.kind_efficiency == pytest.approx({"all_reduce": 1 / 3, "all_gather": 1 / 6, "reduce_scatter": 1 / 12})
+    # the link then costs each kind at its own bandwidth: 16 MiB all-gathered over 2 ranks
+    assert all_gather_time_s(2**24, 2, link) == pytest.approx(0.5 * 2**24 / 1e9 + link.latency_s)
+    assert all_reduce_time_s(2**24, 2, link, "ring") == pytest.approx(2**24 / 2e9 + 2 * link.latency_s)
+    # attention: t = FLOPs / R exactly gives R / peak
+    device = load_cluster("cpu").device
+    rate = 0.4 * device.peak_flops("fp32")
+    assert fit_attention_efficiency([(f, f / rate) for f in (1e8, 1e9, 4e9)], device, "fp32") == pytest.approx(0.4)
+    assert fit_attention_efficiency([], device, "fp32") == 0.0
 
 
 def _measured_with_fixed_costs(share: float) -> dict:

@@ -409,6 +409,33 @@ def test_tp_overhead_grows_with_the_stream_and_adds_sequence_parallel_and_loss_t
     assert delta(head, Strategy(dp=2, microbatch_size=4)) == (0.0, 0.0)
 
 
+def test_fsdp_host_overhead_is_charged_where_the_executor_gathers_and_reduces():
+    """`dp_overhead_s_per_byte` per byte of each all-gather (the block's unsharded fp32
+    parameters) and each reduction (its fp32 gradients), on the compute path: ZeRO-3 gathers
+    before forward and backward and reduces after every micro-batch's backward; ZeRO-1/2 gather
+    before forward (once per step under pipelining, charged with the step's other host work);
+    ZeRO-0/1 reduce once per step. Plain DDP and single replicas pay none."""
+    graph = gpt_layers(2, 256, 4, 4096, 128)
+    block = graph.layers[1]
+    per_byte_s = 2e-9
+    base = _with_fixed_costs(CPU, dp_overhead_s_per_byte=0.0)
+    costed = _with_fixed_costs(CPU, dp_overhead_s_per_byte=per_byte_s)
+    one_s = per_byte_s * block.num_params * 4  # fp32 parameters and gradients, unsharded
+
+    def delta(**fields):
+        strategy = Strategy(dp=2, microbatch_size=2, precision="fp32", **fields)
+        a, b = (layer_cost(block, strategy, c, graph.info, profile_dtype="bf16") for c in (costed, base))
+        return (a.fwd_compute_s - b.fwd_compute_s, a.bwd_compute_s - b.bwd_compute_s,
+                a.optimizer_step_s - b.optimizer_step_s)
+
+    assert delta(zero=3) == pytest.approx((one_s, 2 * one_s, 0.0), rel=1e-12)
+    assert delta(zero=2) == pytest.approx((one_s, one_s, 0.0), rel=1e-12)
+    assert delta(zero=1) == pytest.approx((one_s, 0.0, one_s), rel=1e-12)
+    assert delta(zero=1, pp=2) == pytest.approx((0.0, 0.0, 2 * one_s), rel=1e-12)
+    assert delta(zero=0, tp=2) == pytest.approx((0.0, 0.0, one_s / 2), rel=1e-12)  # replicate, TP halves the block
+    assert delta(zero=0) == (0.0, 0.0, 0.0)  # DDP
+
+
 def test_causal_flash_attention_time_skips_the_masked_half():
     """A causal flash kernel skips the masked half of QK^T and x V: forward 4 s^2 h per sample
     counted in full (the MFU convention), of which 2 s h (s - 1) are skipped (all products above

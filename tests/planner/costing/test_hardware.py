@@ -62,3 +62,19 @@ def test_older_schema_version_loads_and_newer_is_refused(tmp_path):
 def test_unknown_builtin_lists_the_known_ones():
     with pytest.raises(MeshplanError, match="a100-80g"):
         load_cluster("tpu-v9")
+
+
+def test_link_kind_efficiency_round_trips_and_bad_values_fail(tmp_path):
+    from dataclasses import replace
+
+    cpu = load_cluster("cpu")
+    link = replace(cpu.intra_node, kind_efficiency={"all_gather": 0.25, "reduce_scatter": 0.125})
+    cluster = replace(cpu, intra_node=link)
+    path = _write(tmp_path, dump_cluster_toml(cluster))
+    loaded = load_cluster(path)
+    assert loaded == cluster and loaded.intra_node.bw_for("all_gather") == pytest.approx(
+        0.25 * link.bw_bytes_per_s * link.efficiency) and loaded.intra_node.bw_for("all_reduce") == pytest.approx(
+        link.bw_bytes_per_s * link.efficiency)
+    for bad, message in (("all_gather = 0.25", "all_gather = 1.5"), ("all_gather = 0.25", "all_gathr = 0.25")):
+        with pytest.raises(MeshplanError, match=r"topology\.intra_node\.kind_efficiency"):
+            load_cluster(_write(tmp_path, path.read_text().replace(bad, message)))
