@@ -38,6 +38,9 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise MeshplanError(f"unknown recompute mode {mode!r}; use none, selective or full")
+    for sub in module.modules():  # see transformer.Attention.merged_heads_by_reference
+        if hasattr(sub, "merged_heads_by_reference"):
+            sub.merged_heads_by_reference = False
     original = module.forward
     context_fn = (partial(create_selective_checkpoint_contexts, _attention_core_policy)
                   if mode == "selective" else None)

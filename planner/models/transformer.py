@@ -14,14 +14,17 @@ What one block saves for backward, per token, in bf16 with flash attention (h hi
 d = h/a, d_kv = kv_heads * d, f the SwiGLU width): outside the TP region each norm's input (2h)
 and rstd (4) and the common input of the Linears after it (2h): 8h + 8; inside it RoPE's bf16
 cos/sin tables (2d), the attention kernel's q (2h), k and v (4 d_kv), output (2h) and fp32
-log-sum-exp (4a), the o Linear's input (2h), and the fused SwiGLU's gate and up outputs and the
-down Linear's input (6f): 14h + 4 d_kv + 6f + 4a + 2d + 8 bytes in all. Korthikanti et al. (2022)
-give 34*s*b*h + 5*a*s^2*b for a GPT block (math attention, fp16, dropout), 34*s*b*h with flash
-attention (the profiler measures the zoo's GPT block at 34h + 4a + 16 per token). Measured by the
-profiler at s = 8192: llama3-8b 147,848 bytes per token per layer (36.1*s*b*h; 254,600 = 62.2*s*b*h
-with fp32 norm/RoPE, expanded K/V and unfused SwiGLU), llama3-405b 553,736 (33.8*s*b*h; was
-984,072 = 60.1*s*b*h). Against GPT's 34: SwiGLU's 6f = 21h (8b) and 19.5h (405b) against GELU's
-16h, offset by GQA's 4 d_kv = h/4 and h/16 against MHA's 4h.
+log-sum-exp (4a), which the o Linear keeps by reference for its input (`_MergedHeads`: CUDA flash
+kernels write the output heads-last, so merging heads is a view; where a kernel writes it
+heads-major the copy is rebuilt in backward rather than kept), and the fused SwiGLU's gate and up
+outputs and the down Linear's input (6f): 12h + 4 d_kv + 6f + 4a + 2d + 8 bytes in all.
+Korthikanti et al. (2022) give 34*s*b*h + 5*a*s^2*b for a GPT block (math attention, fp16,
+dropout), 34*s*b*h with flash attention; without dropout's two 1-byte masks that is 32, what the
+profiler measures for the zoo's GPT block (32h + 4a + 16 per token). Measured by the profiler at
+s = 8192: llama3-8b 139,656 bytes per token per layer (34.1*s*b*h; 254,600 = 62.2*s*b*h with fp32
+norm/RoPE, expanded K/V, unfused SwiGLU and a kept copy of the merged heads), llama3-405b 520,968
+(31.8*s*b*h; was 984,072 = 60.1*s*b*h). Against GPT's 32: SwiGLU's 6f = 21h (8b) and 19.5h (405b)
+against GELU's 16h, offset by GQA's 4 d_kv = h/4 and h/16 against MHA's 4h.
 """
 from __future__ import annotations
 
@@ -151,7 +154,55 @@ class Attention(nn.Module):
             k, v, kv_positions = self.context.exchange(k, v)
             mask = self.context.positions.to(x.device)[:, None] >= kv_positions.to(x.device)[None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-        return self.o(out.transpose(1, 2).reshape(batch, seq, -1))
+        merged = out.transpose(1, 2).reshape(batch, seq, -1)
+        if not self.merged_heads_by_reference or _storage_id(merged) == _storage_id(out):
+            return self.o(merged)
+        # A copy (CPU kernels return heads-major output; CUDA flash kernels write (b, s, h, d), of
+        # which this is a view): the o Linear keeps a reference to the kernel's output instead,
+        # which the kernel keeps anyway, and merges the heads again when its backward needs them.
+        kept = _MergedHeads(out, merged)
+        with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
+            return self.o(merged)
+
+    # Off under activation checkpointing (`executor.parallel.recompute`), whose recomputation
+    # keeps nothing across the forward; the reference would keep the kernel's output alive.
+    merged_heads_by_reference = True
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    """The identity of a tensor's storage, views included (also on the meta device, where every
+    data pointer is 0)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _MergedHeads:
+    """Saved-tensor hooks for the o Linear: its input, the heads-merged copy of the attention
+    output, is saved as a reference to that output and rebuilt in backward (one copy there)."""
+
+    def __init__(self, out: torch.Tensor, merged: torch.Tensor):
+        self.out, self.shape, self.storage_id = out, merged.shape, _storage_id(merged)
+
+    def pack(self, tensor):
+        from torch.distributed.tensor import DTensor
+
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if _storage_id(local) != self.storage_id:
+            return tensor
+        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
+        return (self, local.shape, local.stride(), local.storage_offset(), spec)
+
+    def unpack(self, packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] is self):
+            return packed
+        _, shape, stride, offset, spec = packed
+        merged = self.out.transpose(1, 2).reshape(self.shape)
+        view = merged.as_strided(shape, stride, offset)
+        if spec is None:
+            return view
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, global_shape, global_stride = spec
+        return DTensor.from_local(view, mesh, placements, run_check=False, shape=global_shape, stride=global_stride)
 
 
 class _FusedSwiGLU(torch.autograd.Function):

@@ -204,19 +204,19 @@ def _attention_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int, at
     math: torch's math path upcasts to fp32 and keeps the scaled q, the scaled K^T and V, each at
     the q heads (GQA expands K and V; in fp32 V is kept as passed, the same size), and the fp32
     softmax of shape (a, s, s), the score tensor both its backward and attn @ V use.
-    The o Linear keeps its input, `out.transpose(1, 2).reshape(...)`: a copy of the kernel's
-    output unless that reshape is a view (one head or one position), in which case it is the
-    output's storage, already kept by a flash kernel.
+    The o Linear's input, `out.transpose(1, 2).reshape(...)`, is kept as a reference to the
+    kernel's output (`transformer.Attention`: a view of it on CUDA flash kernels, a copy that is
+    rebuilt in backward where the kernel returns heads-major output): nothing beyond the output
+    a flash kernel keeps. Math attention does not keep its output, so the reference holds the
+    copy's bytes (s x d_q), counted with the math terms.
     """
     heads, q_dim, kv_dim = cfg.num_heads, _q_dim(cfg), _kv_dim(cfg)
     sharded = elem_bytes * seq * cfg.head_dim if _has_rope(cfg) else 0
     if cfg.qk_norm:
         sharded += elem_bytes * seq * (q_dim + kv_dim) + FP32_BYTES * seq * (heads + cfg.kv_heads)
-    reshape_copies = heads > 1 and seq > 1
     if attention == "flash":
         sharded += elem_bytes * seq * (2 * q_dim + 2 * kv_dim) + FP32_BYTES * heads * seq
-        o_input = elem_bytes * seq * q_dim if reshape_copies else 0
-        return sharded + o_input, 0
+        return sharded, 0
     sharded += 3 * FP32_BYTES * seq * q_dim + elem_bytes * seq * q_dim
     return sharded, FP32_BYTES * heads * seq * seq
 

@@ -67,6 +67,14 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
 
     recorder = _Recorder(groups, attention, _storage_keys(built.module))
     handles = recorder.install()
+    # The zoo's o Linear keeps a reference to the attention output in place of its heads-merged
+    # copy. A flash kernel keeps that output anyway (flash mode records it); torch's math path,
+    # which the meta device runs, does not: there the reference holds the copy's bytes, and the
+    # trace sees them by saving the copy itself.
+    from meshplan.planner.models.transformer import Attention
+
+    by_reference = Attention.merged_heads_by_reference
+    Attention.merged_heads_by_reference = attention == "flash"
     try:
         with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter, \
                 op_audit_mode(counter.flop_registry, counter) as audit, _AttentionMode(recorder), \
@@ -80,6 +88,7 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
                     roots, [torch.ones_like(root) for root in roots]))
             recorder.switch(recorder.current)
     finally:
+        Attention.merged_heads_by_reference = by_reference
         for handle in handles:
             handle.remove()
     if audit.uncounted:

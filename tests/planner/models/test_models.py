@@ -242,6 +242,44 @@ def test_rms_norm_forward_is_the_fp32_formula_and_saves_input_and_rstd():
         assert saved[1].shape == (3, 5, 1) and saved[1].dtype == torch.float32 and len(saved) == 3
 
 
+def test_attention_keeps_its_output_once_with_the_same_gradients():
+    """On CPU the flash kernel writes heads-major output, so merging heads for the o Linear is a
+    copy: with the reference (the default) autograd keeps s x h x 4 bytes less per sample, and the
+    gradients are bitwise those of keeping the copy (the same ops, the copy rebuilt in backward)."""
+    import torch
+
+    from meshplan.planner.models.transformer import Attention, TransformerConfig
+
+    cfg = TransformerConfig("llama", 1, 64, 4, 256, num_kv_heads=2)
+    torch.manual_seed(3)
+    attention = Attention(cfg)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+
+    def run(by_reference: bool):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        attention.merged_heads_by_reference = by_reference
+        tensors = [x, *attention.parameters()]
+        for tensor in tensors:
+            tensor.grad = None
+        tracker = MemTracker()  # live tensor bytes, what the executor's memory figure counts
+        with tracker:
+            kept = attention(x)
+            live_bytes = tracker.get_tracker_snapshot("current")[x.device]["Total"]
+        del kept
+        attention(x).square().sum().backward()
+        grads = [tensor.grad.clone() for tensor in tensors]
+        return live_bytes, grads
+
+    try:
+        kept_bytes, kept_grads = run(False)
+        reference_bytes, reference_grads = run(True)
+    finally:
+        del attention.merged_heads_by_reference
+    assert kept_bytes - reference_bytes == 2 * 16 * 64 * 4
+    assert all(torch.equal(a, b) for a, b in zip(kept_grads, reference_grads))
+
+
 def test_gqa_attention_sharded_by_heads_like_tensor_parallelism():
     """tp=2 as ColwiseParallel/RowwiseParallel shard it: each rank keeps a contiguous half of
     the q heads and of the KV heads (q/k/v rows, o columns), infers its local heads (2 q heads

@@ -46,14 +46,15 @@ def _gpt_block_saved_bytes(s: int, h: int, a: int, attention: str, p: int = 2) -
       math:  torch's math SDPA upcasts to fp32 and saves q*sqrt(scale), k^T*sqrt(scale) and v
              (3 * 4sh); the fp32 softmax (4as^2) is the score tensor (softmax backward and the
              attn @ v matmul share it);
-      the o Linear saves a contiguous copy of the transposed attention output (p*sh);
+      the o Linear's input, the heads-merged attention output: under flash a reference to the
+      kernel's output (nothing more); under math, which does not keep its output, a copy (p*sh);
       GELU saves its input, the up output (p*4sh); the down Linear saves GELU's output (p*4sh).
     """
     replicated = 4 * p * s * h + 16 * s
-    mlp_and_o = p * s * h + 2 * p * 4 * s * h
+    mlp = 2 * p * 4 * s * h
     if attention == "flash":
-        return {"replicated": replicated, "sharded": 4 * p * s * h + 4 * a * s + mlp_and_o, "score": 0}
-    return {"replicated": replicated, "sharded": 12 * s * h + mlp_and_o, "score": 4 * a * s * s}
+        return {"replicated": replicated, "sharded": 4 * p * s * h + 4 * a * s + mlp, "score": 0}
+    return {"replicated": replicated, "sharded": 12 * s * h + p * s * h + mlp, "score": 4 * a * s * s}
 
 
 @pytest.mark.parametrize("attention", ["flash", "math"])
@@ -72,11 +73,11 @@ def test_gpt_block_activation_bytes_match_derivation(attention):
     korthikanti = s * h * (34 + 5 * a * s / h)
     ours = sum(derived.values())
     if attention == "flash":
-        # Same 34sh by coincidence: +2sh for the fused kernel's own output next to the o Linear's
-        # contiguous copy, -2sh for the two 1-byte dropout masks we do not have; the s x s term
-        # is gone (the kernel recomputes scores in backward); fp32 LayerNorm statistics (16s) and
-        # the log-sum-exp (4as) are extra and small.
-        assert ours - korthikanti == 2 * s * h - 2 * s * h - 5 * a * s * s + 16 * s + 4 * a * s
+        # 32sh: Korthikanti's count (the attention output kept once, for the kernel and the o
+        # Linear alike) less the two 1-byte dropout masks we do not have; the s x s term is gone
+        # (the kernel recomputes scores in backward); fp32 LayerNorm statistics (16s) and the
+        # log-sum-exp (4as) are extra and small.
+        assert ours - korthikanti == -2 * s * h - 5 * a * s * s + 16 * s + 4 * a * s
     else:
         # +6sh: the math path keeps q, k, v in fp32 (12sh vs 6sh); -2sh: no dropout masks;
         # scores: one fp32 softmax (4as^2) instead of softmax (2as^2) + dropout mask (as^2) +
@@ -97,14 +98,14 @@ def _llama_block_saved_bytes_per_token(h: int, a: int, kv_heads: int, f: int, p:
       RoPE saves its cos and sin tables, (s, d/2) each in bf16 and shared by q and k (2 * p*d/2);
       the fused kernel keeps q (p*h), k and v at kv heads (2 p*d_kv: GQA, not expanded), its
       output (p*h) and an fp32 log-sum-exp per head (4a);
-      the o Linear saves a contiguous copy of the transposed attention output (p*h);
+      the o Linear keeps a reference to that output (nothing more);
       the fused SwiGLU keeps its inputs, the gate and up outputs (2 p*f; silu is recomputed in
       backward); the down Linear saves the product (p*f).
-    In all (p = 2): 14h + 4 d_kv + 6f + 4a + 2d + 8.
+    In all (p = 2): 12h + 4 d_kv + 6f + 4a + 2d + 8.
     """
     d = h // a
     replicated = 2 * (p * h + 4 + p * h)
-    sharded = p * d + 2 * p * h + 2 * p * kv_heads * d + 4 * a + p * h + 3 * p * f
+    sharded = p * d + 2 * p * h + 2 * p * kv_heads * d + 4 * a + 3 * p * f
     return {"replicated": replicated, "sharded": sharded, "score": 0}
 
 
@@ -123,15 +124,15 @@ def test_llama_block_activation_bytes_match_derivation(spec, h, a, kv_heads, f):
     assert block.act_tp_sharded_bytes == s * derived["sharded"]
     assert block.act_attn_score_bytes == 0
 
-    # Against the GPT block at the same hidden size and heads (34h + 16 + 4a per token, see
+    # Against the GPT block at the same hidden size and heads (32h + 16 + 4a per token, see
     # _gpt_block_saved_bytes): the measured ratio is the derived one.
     gpt = profile(f"gpt:layers=1,hidden={h},heads={a},vocab=512", s, dtype="bf16", attention="flash",
                   cache=False).layer("blocks.0")
     gpt_per_token = sum(_gpt_block_saved_bytes(s, h, a, "flash").values()) // s
-    assert gpt_per_token == 34 * h + 16 + 4 * a
+    assert gpt_per_token == 32 * h + 16 + 4 * a
     assert gpt.activation_bytes == s * gpt_per_token
     d_kv = kv_heads * (h // a)
-    llama_per_token = 14 * h + 4 * d_kv + 6 * f + 4 * a + 2 * (h // a) + 8
+    llama_per_token = 12 * h + 4 * d_kv + 6 * f + 4 * a + 2 * (h // a) + 8
     assert sum(derived.values()) == llama_per_token
     assert block.activation_bytes / gpt.activation_bytes == pytest.approx(llama_per_token / gpt_per_token,
                                                                            rel=1e-12)
