@@ -14,6 +14,8 @@ needs it: one extra all-gather per region in backward for (t-1)/t of the region'
 """
 from __future__ import annotations
 
+from meshplan.planner.models.saved_reference import SavedReference
+
 
 def block_tp_plan(block, sp: bool, keep_shard: bool = True) -> dict:
     """`parallelize_module` plan (module path -> ParallelStyle) of one `transformer.Block`.
@@ -39,28 +41,20 @@ def block_tp_plan(block, sp: bool, keep_shard: bool = True) -> dict:
     return plan
 
 
-class _Region:
-    """One forward of one column-parallel region: the gathered input's storage and its shard."""
+class _Region(SavedReference):
+    """One forward of one column-parallel region: the gathered input (`full`) is saved as a
+    reference and re-gathered from its shard, once, when the region's backward first needs it."""
 
-    def __init__(self, shard, storage_ptr: int, mesh):
-        self.shard, self.storage_ptr, self.mesh = shard, storage_ptr, mesh
+    def __init__(self, shard, full, mesh):
+        super().__init__(full)
+        self.shard, self.mesh = shard, mesh
         self.pending = 0  # saved references not yet unpacked
         self.full = None  # the re-gathered input, shared by the region's Linears in backward
 
-    def pack(self, tensor):
-        from torch.distributed.tensor import DTensor
-
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        if local.untyped_storage().data_ptr() != self.storage_ptr:
-            return tensor
+    def packed(self) -> None:
         self.pending += 1
-        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
-        return (self, local.shape, local.stride(), local.storage_offset(), spec)
 
-    def unpack(self, packed):
-        if not (isinstance(packed, tuple) and packed and packed[0] is self):
-            return packed
-        _, shape, stride, offset, spec = packed
+    def rebuild(self):
         if self.full is None:
             import torch.distributed._functional_collectives as funcol
 
@@ -68,16 +62,12 @@ class _Region:
             # the sequence back in dim 1 in the forward's contiguous layout
             slabs = funcol.all_gather_single(self.shard.movedim(1, 0).contiguous(), 0, self.mesh)
             self.full = funcol.wait_tensor(slabs).movedim(0, 1).contiguous()
-        view = self.full.as_strided(shape, stride, offset)
+        return self.full
+
+    def unpacked(self) -> None:
         self.pending -= 1
         if self.pending == 0:
             self.full = None  # the last Linear of the region has it: free the gathered copy
-        if spec is None:
-            return view
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, global_shape, global_stride = spec
-        return DTensor.from_local(view, mesh, placements, run_check=False, shape=global_shape, stride=global_stride)
 
 
 def gather_keep_shard_style():
@@ -93,8 +83,7 @@ def gather_keep_shard_style():
                 if not isinstance(x, DTensor):
                     x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
                 full = x.redistribute(device_mesh, (Replicate(),))
-                region = _Region(x._local_tensor.detach(), full._local_tensor.untyped_storage().data_ptr(),
-                                 device_mesh)
+                region = _Region(x._local_tensor.detach(), full._local_tensor, device_mesh)
                 hooks = torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
                 hooks.__enter__()
                 mod._meshplan_saved_hooks = hooks

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshplan.planner.models.saved_reference import SavedReference, storage_id
+
 from meshplan.planner.models.config import TransformerConfig  # noqa: F401  (re-exported: callers import it from here)
 
 
@@ -155,7 +157,7 @@ class Attention(nn.Module):
             mask = self.context.positions.to(x.device)[:, None] >= kv_positions.to(x.device)[None, :]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         merged = out.transpose(1, 2).reshape(batch, seq, -1)
-        if not self.merged_heads_by_reference or _storage_id(merged) == _storage_id(out):
+        if not self.merged_heads_by_reference or storage_id(merged) == storage_id(out):
             return self.o(merged)
         # A copy (CPU kernels return heads-major output; CUDA flash kernels write (b, s, h, d), of
         # which this is a view): the o Linear keeps a reference to the kernel's output instead,
@@ -169,40 +171,16 @@ class Attention(nn.Module):
     merged_heads_by_reference = True
 
 
-def _storage_id(tensor: torch.Tensor) -> int:
-    """The identity of a tensor's storage, views included (also on the meta device, where every
-    data pointer is 0)."""
-    return tensor.untyped_storage()._cdata
-
-
-class _MergedHeads:
-    """Saved-tensor hooks for the o Linear: its input, the heads-merged copy of the attention
-    output, is saved as a reference to that output and rebuilt in backward (one copy there)."""
+class _MergedHeads(SavedReference):
+    """The o Linear's input, the heads-merged copy of the attention output, saved as a reference
+    to that output and merged again in backward (one copy there)."""
 
     def __init__(self, out: torch.Tensor, merged: torch.Tensor):
-        self.out, self.shape, self.storage_id = out, merged.shape, _storage_id(merged)
+        super().__init__(merged)
+        self.out, self.shape = out, merged.shape
 
-    def pack(self, tensor):
-        from torch.distributed.tensor import DTensor
-
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        if _storage_id(local) != self.storage_id:
-            return tensor
-        spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
-        return (self, local.shape, local.stride(), local.storage_offset(), spec)
-
-    def unpack(self, packed):
-        if not (isinstance(packed, tuple) and packed and packed[0] is self):
-            return packed
-        _, shape, stride, offset, spec = packed
-        merged = self.out.transpose(1, 2).reshape(self.shape)
-        view = merged.as_strided(shape, stride, offset)
-        if spec is None:
-            return view
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements, global_shape, global_stride = spec
-        return DTensor.from_local(view, mesh, placements, run_check=False, shape=global_shape, stride=global_stride)
+    def rebuild(self) -> torch.Tensor:
+        return self.out.transpose(1, 2).reshape(self.shape)
 
 
 class _FusedSwiGLU(torch.autograd.Function):
