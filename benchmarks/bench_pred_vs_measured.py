@@ -109,7 +109,10 @@ def term_check(profile: Path, microbatch_size: int = 4, reps: int = 7) -> None:
     from meshplan.planner.profiling.profiler import profile as profile_model
     from meshplan.planner.simulation.simulator import simulate_config
 
+    from meshplan.planner.calibration.host import reuse_freed_memory
+
     torch.set_num_threads(1)
+    reuse_freed_memory()  # as the executor's CPU workers run
     cluster = load_cluster(profile)
     graph = profile_model(MODEL, SEQ, dtype="fp32")
     config = ParallelConfig(gpus=1, global_batch=microbatch_size, microbatch_size=microbatch_size, precision="fp32")

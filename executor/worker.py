@@ -313,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
+        from meshplan.planner.calibration.host import reuse_freed_memory
+
         device = torch.device("cpu")
+        reuse_freed_memory()  # as calibrate measured it (planner.calibration.host)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=max(j.timeout_s for j in jobs)))
     try:
         for job in jobs:

@@ -125,7 +125,10 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
     if cuda:
         torch.cuda.set_device(rank)
     else:
+        from meshplan.planner.calibration.host import reuse_freed_memory
+
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+        reuse_freed_memory()  # as `meshplan train` runs on CPU
     dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=nproc)
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -282,3 +282,12 @@ def test_pipeline_block_is_costed_from_the_matching_traffic_sample():
     from meshplan.planner.calibration.microbench import PIPELINE_BLOCK_SEQ
 
     assert TRAFFIC_SHAPES[0] == (1, PIPELINE_BLOCK_SEQ)
+
+
+def test_cpu_processes_keep_freed_memory_for_reuse():
+    """glibc takes the settings (mallopt returns 1 for each); elsewhere the call reports False."""
+    import platform
+
+    from meshplan.planner.calibration.host import reuse_freed_memory
+
+    assert reuse_freed_memory() is (platform.libc_ver()[0] == "glibc")
