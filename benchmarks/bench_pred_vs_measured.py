@@ -30,7 +30,7 @@ TWO_PROCESS = (("DP", dict(dp=2, tp=1, pp=1)), ("TP", dict(tp=2, dp=1, pp=1)),
 FOUR_PROCESS = (("DP4", dict(dp=4, tp=1, pp=1)), ("DP2xTP2", dict(dp=2, tp=2, pp=1)),
                 ("PP2xDP2", dict(pp=2, dp=2, tp=1, schedule="1f1b")), ("PP2xTP2", dict(pp=2, tp=2, dp=1, schedule="1f1b")))
 FIXED_COST_FIELDS = ("optimizer_per_tensor_s", "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s",
-                     "dp_unit_overhead_s", "pipeline_action_overhead_s")
+                     "dp_unit_overhead_s", "dp_overhead_s_per_byte", "pipeline_action_overhead_s")
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "optimizer")
 
 
@@ -79,8 +79,9 @@ def print_fixed_costs(profile: Path) -> None:
 
     cluster = load_cluster(profile)
     device = cluster.device
-    print(f"fixed costs of {profile.name}: " + ", ".join(f"{name} {getattr(device, name) * 1e6:.0f} us"
-                                                         for name in FIXED_COST_FIELDS + ("kernel_overhead_s",))
+    print(f"fixed costs of {profile.name}: " + ", ".join(
+        f"{name} {getattr(device, name) * 1e9:.2f} ns" if name.endswith("_per_byte") else
+        f"{name} {getattr(device, name) * 1e6:.0f} us" for name in FIXED_COST_FIELDS + ("kernel_overhead_s",))
           + f", optimizer {cluster.optimizer_bytes_per_param:.0f} bytes/param, "
             f"link latency {cluster.intra_node.latency_s * 1e6:.0f} us")
 
