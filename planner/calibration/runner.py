@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -172,9 +173,11 @@ def _measure_fixed_costs(torch, dist, nproc: int, sizes: dict, timer) -> dict:
 
 class _Timer:
     """Fastest of `reps` timings of `fn()`: the least disturbed by other work on a shared machine,
-    which is what the device itself can do. GPUs: CUDA events. CPU compute (`cpu_time=True`):
-    this process's CPU seconds per thread, which preemption by other processes does not inflate;
-    collectives wait on peers, so they take wall time."""
+    which is what the device itself can do. GPUs: CUDA events. Collectives wait on peers, so they
+    take wall time. CPU compute (`cpu_time=True`): this process's CPU seconds per thread, which
+    preemption by other processes does not inflate, and their median: what is left varies with
+    the core's clock and the caches the other processes share, as it does while training, whose
+    step time meshplan reports as a median (the fastest sample read 5-15% fast)."""
 
     def __init__(self, cuda: bool, threads: int = 1):
         self.cuda = cuda
@@ -201,7 +204,7 @@ class _Timer:
                 begin = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - begin)
-        return min(samples)
+        return statistics.median(samples) if cpu_time and not self.cuda else min(samples)
 
 
 def _measure_matmul(torch, device, sizes, timer, cuda) -> list[tuple[float, float]]:
@@ -242,7 +245,8 @@ COMPUTE_ROUNDS = 3
 
 def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
     """The matmul sweep, the block shapes and the tiny block's dispatch overhead, in
-    `COMPUTE_ROUNDS` alternating rounds, each figure the fastest of its rounds. The elementwise
+    `COMPUTE_ROUNDS` alternating rounds, each figure the fastest of its rounds on GPUs and their
+    median on CPU (as `_Timer` takes its samples). The elementwise
     factor is fitted to the block's time less the other two, so all three must see the same
     machine: a slow spell of a shared host during one of them only reads as a wrong factor
     (0, or twice the truth)."""
@@ -250,11 +254,12 @@ def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
                _measure_block(torch, device, timer), _measure_conv(torch, device, timer, cuda),
                _measure_attention(torch, device, timer, cuda))
               for _ in range(COMPUTE_ROUNDS)]
-    matmul = [(flops, min(r[0][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][0])]
-    block_s = [min(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
-    conv = [(fwd, bwd, min(r[3][i][2] for r in rounds)) for i, (fwd, bwd, _) in enumerate(rounds[0][3])]
-    attention = [(flops, min(r[4][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][4])]
-    return {"matmul": matmul, "block_overhead_s": min(r[2] for r in rounds), "conv": conv, "attention": attention,
+    pick = min if cuda else statistics.median
+    matmul = [(flops, pick(r[0][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][0])]
+    block_s = [pick(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
+    conv = [(fwd, bwd, pick(r[3][i][2] for r in rounds)) for i, (fwd, bwd, _) in enumerate(rounds[0][3])]
+    attention = [(flops, pick(r[4][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][4])]
+    return {"matmul": matmul, "block_overhead_s": pick(r[2] for r in rounds), "conv": conv, "attention": attention,
             "block": [{**figures, "fwd_bwd_s": seconds} for figures, seconds in zip(_block_figures(cuda), block_s)]}
 
 
