@@ -30,15 +30,16 @@ def fit_matmul(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def fit_alpha_beta(samples: list[tuple[str, int, float]], nproc: int) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of the ring model fitted to all collectives at once."""
-    volume = {"all_reduce": 2 * (nproc - 1) / nproc, "all_gather": (nproc - 1) / nproc,
-              "reduce_scatter": (nproc - 1) / nproc, "send_recv": 1.0}
-    hops = {"all_reduce": 2 * (nproc - 1), "all_gather": nproc - 1, "reduce_scatter": nproc - 1, "send_recv": 1}
-    rows = [(volume[kind] * size / t, hops[kind] / t) for kind, size, t in samples]
+    rows = [(bus_bandwidth_factor(kind, nproc) * size / t, _ring_hops(kind, nproc) / t) for kind, size, t in samples]
     inv_bw, alpha = lstsq2(rows, [1.0] * len(rows))
     if inv_bw <= 0:
         raise MeshplanError("collective timings did not grow with size; rerun calibrate on an idle machine")
     return 1.0 / inv_bw, max(0.0, alpha)
 
+
+def _ring_hops(kind: str, nproc: int) -> int:
+    """Latency terms of one ring collective over `nproc` ranks (one for a send/recv)."""
+    return {"all_reduce": 2 * (nproc - 1), "all_gather": nproc - 1, "reduce_scatter": nproc - 1}.get(kind, 1)
 
 
 def fit_kind_bandwidths(samples: list[tuple[str, int, float]], nproc: int, alpha: float) -> dict[str, float]:
@@ -47,12 +48,10 @@ def fit_kind_bandwidths(samples: list[tuple[str, int, float]], nproc: int, alpha
     own rates (gloo's all-gather and reduce-scatter copy through staging buffers, its all-reduce
     and send/recv do not), which one shared bandwidth averages away. A kind whose times do not
     grow with size is left out."""
-    volume = {"all_reduce": 2 * (nproc - 1) / nproc, "all_gather": (nproc - 1) / nproc,
-              "reduce_scatter": (nproc - 1) / nproc, "send_recv": 1.0}
-    hops = {"all_reduce": 2 * (nproc - 1), "all_gather": nproc - 1, "reduce_scatter": nproc - 1, "send_recv": 1}
     out = {}
-    for kind in volume:
-        rows = [(volume[kind] * size / t, 1.0 - hops[kind] * alpha / t) for k, size, t in samples if k == kind]
+    for kind in sorted({kind for kind, _, _ in samples}):
+        rows = [(bus_bandwidth_factor(kind, nproc) * size / t, 1.0 - _ring_hops(kind, nproc) * alpha / t)
+                for k, size, t in samples if k == kind]
         denominator = sum(x * x for x, _ in rows)
         inv_bw = sum(x * r for x, r in rows) / denominator if denominator else 0.0
         if inv_bw > 0:

@@ -2,12 +2,14 @@
 
 Used where a module's backward needs a tensor that is cheap to make again from something kept
 anyway: sequence parallelism's gathered input (`tensor_parallel._Region`, from the sequence
-shard) and the attention output with its heads merged (`transformer._MergedHeads`, from the
+shard) and the attention output with its heads merged (`transformer.Attention`, from the
 kernel's output). A saved tensor is matched by its storage, so the views autograd saves of it
 (a Linear's 2-D view of its 3-D input, a DTensor around it) all come back as the same views of
 the rebuilt tensor.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -20,21 +22,18 @@ def storage_id(tensor: torch.Tensor) -> int:
 
 class SavedReference:
     """`pack` / `unpack` for `torch.autograd.graph.saved_tensors_hooks`: tensors in the storage of
-    `target` are saved as (shape, stride, offset[, DTensor spec]) and rebuilt from `rebuild()`;
-    everything else is saved as it is. Subclasses say how to rebuild and may count the
-    references (`packed`, `unpacked`)."""
+    `target` are saved as (shape, stride, offset[, DTensor spec]) and rebuilt in backward from
+    `rebuild()`, a tensor with `target`'s layout; everything else is saved as it is. Subclasses
+    may count the references (`packed`, `unpacked`)."""
 
-    def __init__(self, target: torch.Tensor):
-        self.target_id = storage_id(target)
-
-    def rebuild(self) -> torch.Tensor:
-        raise NotImplementedError
+    def __init__(self, target: torch.Tensor, rebuild: Callable[[], torch.Tensor]):
+        self.target_id, self.rebuild = storage_id(target), rebuild
 
     def packed(self) -> None:
-        pass
+        """Called once per reference saved."""
 
     def unpacked(self) -> None:
-        pass
+        """Called once per reference rebuilt."""
 
     def pack(self, tensor):
         from torch.distributed.tensor import DTensor

@@ -46,7 +46,7 @@ class _Region(SavedReference):
     reference and re-gathered from its shard, once, when the region's backward first needs it."""
 
     def __init__(self, shard, full, mesh):
-        super().__init__(full)
+        super().__init__(full, self._regather)
         self.shard, self.mesh = shard, mesh
         self.pending = 0  # saved references not yet unpacked
         self.full = None  # the re-gathered input, shared by the region's Linears in backward
@@ -54,7 +54,7 @@ class _Region(SavedReference):
     def packed(self) -> None:
         self.pending += 1
 
-    def rebuild(self):
+    def _regather(self):
         if self.full is None:
             import torch.distributed._functional_collectives as funcol
 

@@ -14,7 +14,7 @@ What one block saves for backward, per token, in bf16 with flash attention (h hi
 d = h/a, d_kv = kv_heads * d, f the SwiGLU width): outside the TP region each norm's input (2h)
 and rstd (4) and the common input of the Linears after it (2h): 8h + 8; inside it RoPE's bf16
 cos/sin tables (2d), the attention kernel's q (2h), k and v (4 d_kv), output (2h) and fp32
-log-sum-exp (4a), which the o Linear keeps by reference for its input (`_MergedHeads`: CUDA flash
+log-sum-exp (4a), which the o Linear keeps by reference for its input (a `SavedReference`: CUDA flash
 kernels write the output heads-last, so merging heads is a view; where a kernel writes it
 heads-major the copy is rebuilt in backward rather than kept), and the fused SwiGLU's gate and up
 outputs and the down Linear's input (6f): 12h + 4 d_kv + 6f + 4a + 2d + 8 bytes in all.
@@ -162,25 +162,14 @@ class Attention(nn.Module):
         # A copy (CPU kernels return heads-major output; CUDA flash kernels write (b, s, h, d), of
         # which this is a view): the o Linear keeps a reference to the kernel's output instead,
         # which the kernel keeps anyway, and merges the heads again when its backward needs them.
-        kept = _MergedHeads(out, merged)
+        shape = merged.shape
+        kept = SavedReference(merged, lambda: out.transpose(1, 2).reshape(shape))
         with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
             return self.o(merged)
 
     # Off under activation checkpointing (`executor.parallel.recompute`), whose recomputation
     # keeps nothing across the forward; the reference would keep the kernel's output alive.
     merged_heads_by_reference = True
-
-
-class _MergedHeads(SavedReference):
-    """The o Linear's input, the heads-merged copy of the attention output, saved as a reference
-    to that output and merged again in backward (one copy there)."""
-
-    def __init__(self, out: torch.Tensor, merged: torch.Tensor):
-        super().__init__(merged)
-        self.out, self.shape = out, merged.shape
-
-    def rebuild(self) -> torch.Tensor:
-        return self.out.transpose(1, 2).reshape(self.shape)
 
 
 class _FusedSwiGLU(torch.autograd.Function):
