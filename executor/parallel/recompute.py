@@ -38,9 +38,11 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise MeshplanError(f"unknown recompute mode {mode!r}; use none, selective or full")
-    for sub in module.modules():  # see transformer.Attention.merged_heads_by_reference
-        if hasattr(sub, "merged_heads_by_reference"):
-            sub.merged_heads_by_reference = False
+    # see transformer.Attention.merged_heads_by_reference and RMSNorm.output_by_reference
+    for sub in module.modules():
+        for flag in ("merged_heads_by_reference", "output_by_reference"):
+            if hasattr(sub, flag):
+                setattr(sub, flag, False)
     original = module.forward
     context_fn = (partial(create_selective_checkpoint_contexts, _attention_core_policy)
                   if mode == "selective" else None)

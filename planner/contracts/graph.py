@@ -15,6 +15,9 @@ Activation Recomputation in Large Transformer Models", 2022):
   attention only; zero under flash attention): divided by t under TP, and dropped by selective
   recomputation.
 - `input_bytes`: the layer input, which full recomputation keeps instead of everything above.
+- `act_rebuilt_bytes`: tensors a backward needs that are not kept but rebuilt when it needs them
+  (the fused RMSNorm's output, from its kept input): in none of the totals above; the backward
+  repeats the memory-bound kernel that made them. Outside the TP region, like the replicated bytes.
 
 Mixture-of-experts blocks (zero elsewhere, so dense graphs are unchanged) add what expert
 parallelism and routing imbalance act on, each already included in the totals above: the routed
@@ -121,6 +124,7 @@ class LayerProfile:
     # kernel's skipping; backward does twice as many): under flash attention it runs at the
     # device's `attention_efficiency`.
     attn_fwd_flops: int = 0
+    act_rebuilt_bytes: int = 0
 
     def __post_init__(self):
         if self.kind not in LAYER_KINDS:
@@ -156,7 +160,7 @@ class LayerProfile:
         per_sample = ("fwd_flops", "bwd_flops", "causal_fwd_flops", "act_tp_sharded_bytes",
                       "act_tp_replicated_bytes", "act_attn_score_bytes", "input_bytes", "output_bytes",
                       "expert_fwd_flops", "expert_bwd_flops", "expert_act_bytes", "dispatch_bytes",
-                      "conv_fwd_flops", "conv_bwd_flops", "attn_fwd_flops")
+                      "conv_fwd_flops", "conv_bwd_flops", "attn_fwd_flops", "act_rebuilt_bytes")
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)

@@ -119,11 +119,14 @@ def linear_flops(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[float,
 def linear_input_bytes(layer: LayerProfile, info: ModelInfo) -> tuple[float, float]:
     """(replicated, TP-sharded) bytes per sample, in the profile dtype, that the block's fp8
     Linears save as inputs: each region's norm output (q, k, v; up, gate), and inside the TP
-    region o's input (s x h) and, for a dense MLP, down's input (s x ffn)."""
+    region o's input (s x h) and, for a dense MLP, down's input (s x ffn). The norm outputs count
+    whether the profile keeps them or rebuilds them (`act_rebuilt_bytes`): an fp8 Linear keeps
+    its own fp8 cast of its input either way."""
     if not converts(layer):
         return 0.0, 0.0
     regions = layer.tp_split.num_allreduce_per_pass if _dense_mlp(layer) else 1
-    replicated = min(float(layer.input_bytes * regions), float(layer.act_tp_replicated_bytes))
+    replicated = min(float(layer.input_bytes * regions),
+                     float(layer.act_tp_replicated_bytes + layer.act_rebuilt_bytes))
     sharded = float(layer.input_bytes)
     if _dense_mlp(layer) and info.hidden and info.ffn:
         sharded += layer.input_bytes * info.ffn / info.hidden
@@ -133,10 +136,13 @@ def linear_input_bytes(layer: LayerProfile, info: ModelInfo) -> tuple[float, flo
 def saved_bytes_saving(layer: LayerProfile, info: ModelInfo, tp: int, sp: bool, gathered: bool,
                        mbs: int, scale: float) -> float:
     """Bytes per micro-batch the fp8 Linears' saved inputs take less than bf16 ones: half of
-    them (sharded ones /tp, replicated ones /tp under SP unless kept gathered)."""
+    them (sharded ones /tp, replicated ones /tp under SP unless kept gathered), less the fp8
+    casts of norm outputs the bf16 profile rebuilds rather than keeps."""
     replicated, sharded = linear_input_bytes(layer, info)
-    replicated /= 1 if gathered or not sp else tp
-    return (1 - FP8_BYTES / BF16_BYTES) * (replicated + sharded / tp) * mbs * scale
+    rebuilt = min(replicated, float(layer.act_rebuilt_bytes)) if converts(layer) else 0.0
+    shard = 1 if gathered or not sp else tp
+    saving = (1 - FP8_BYTES / BF16_BYTES) * (replicated / shard + sharded / tp) - rebuilt / shard
+    return saving * mbs * scale
 
 
 def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: int, elem_bytes: float) -> float:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from meshplan.planner.costing import fixed_costs, fp8
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES,  # noqa: F401
-                                                  causal_skipped_flops, compute_time_s, flash_attention_flops,
+                                                  attention_time_s, causal_skipped_flops, compute_time_s, flash_attention_flops,
                                                   gemm_and_attention_times_s, infer_seq, memory_time_s)
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
@@ -129,8 +129,9 @@ def _num_gemms(layer: LayerProfile) -> int:
 def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) -> float:
     """Forward FLOPs of the attention core (QK^T, softmax x V) per sample: 4 s^2 h (Korthikanti).
 
-    Only math attention stores the scores that selective recomputation drops; flash attention
-    already recomputes them in its own backward, so selective costs nothing extra there.
+    Only math attention stores the scores that selective recomputation drops. A flash kernel
+    keeps none, but the executor's policy (`executor.parallel.recompute`) still reruns its
+    forward in backward: `_compute_times_s` charges that at the kernels' attention efficiency.
     """
     if layer.tp_split.kind != "block" or layer.act_attn_score_bytes == 0:
         return 0.0
@@ -272,8 +273,15 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     else:
         fwd_gemm_s, bwd_gemm_s = _matmul_times_s(layer, fwd_flops, bwd_flops, mbs / shard, gemms, cluster, dtype,
                                                  attention_fwd)
+    # Norm outputs rebuilt in backward rather than kept are still written by the forward and read
+    # by the backward, as when they were kept (the traffic proxy counts them alike), and the
+    # backward writes them once more (`transformer.normed_call`; not under recomputation, which
+    # keeps them: `_activation_bytes`).
+    rebuilt_bytes = layer.act_rebuilt_bytes * mbs * act_scale / (strategy.tp if strategy.sp and shard > 1 else 1)
+    saved_bytes += rebuilt_bytes
+    bwd_extra = rebuilt_bytes if strategy.recompute == "none" else 0.0
     fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
-    bwd_s = bwd_gemm_s + memory_time_s(2 * traffic_per_act_byte * saved_bytes, cluster)
+    bwd_s = bwd_gemm_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
     if strategy.recompute == "full":
         return fwd_s, bwd_s, fwd_s
     if strategy.recompute == "selective":
@@ -282,6 +290,11 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
             score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
             return fwd_s, bwd_s, (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
                                   + memory_time_s(traffic_per_act_byte * score_bytes, cluster))
+        if attention == "flash" and layer.attn_fwd_flops:  # the policy reruns the flash kernel's forward
+            if attention_fwd:
+                return fwd_s, bwd_s, attention_time_s(attention_fwd, cluster, dtype)
+            core = (layer.attn_fwd_flops - skipped) * mbs / shard
+            return fwd_s, bwd_s, compute_time_s(core, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
     return fwd_s, bwd_s, 0.0
 
 
@@ -397,7 +410,8 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfi
 
 def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
                       executor: bool = False) -> tuple[float, float]:
-    """(bytes saved for backward per micro-batch, transient recompute working set).
+    """(bytes saved for backward per micro-batch, transient working set: what recomputation
+    rebuilds of one layer, or without it one rebuilt norm output).
 
     Korthikanti et al. 2022: TP divides the sharded and score bytes by t, SP also the replicated
     bytes; selective recomputation drops the scores; full recomputation keeps only the input
@@ -434,22 +448,28 @@ def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
     tp = strategy.tp if split else 1
     sp_tp = tp if strategy.sp else 1
     sharded = layer.act_tp_sharded_bytes / tp
-    replicated = layer.act_tp_replicated_bytes / sp_tp
+    # norm outputs rebuilt in backward are kept after all under recomputation (whose checkpoint
+    # the executor does not mix with references: `executor.parallel.recompute`)
+    kept_rebuilt = layer.act_rebuilt_bytes if strategy.recompute == "selective" else 0
+    replicated = (layer.act_tp_replicated_bytes + kept_rebuilt) / sp_tp
     weight_copies = 0.0
     autocast = executor and strategy.precision == "bf16-mixed" and dp_method(
         strategy.zero, strategy.dp, strategy.tp, strategy.pp) in ("none", "ddp")
     if executor and layer.kind in ("block", "head"):
         regions = layer.tp_split.num_allreduce_per_pass if layer.kind == "block" else 1
-        linear_inputs = min(layer.input_bytes * regions, layer.act_tp_replicated_bytes)
-        norm_inputs = layer.act_tp_replicated_bytes - linear_inputs
+        linear_inputs = min(layer.input_bytes * regions, layer.act_tp_replicated_bytes + layer.act_rebuilt_bytes)
+        # the norm outputs, unless the profile has them rebuilt (then not in the replicated bytes)
+        profiled_inputs = linear_inputs if not layer.act_rebuilt_bytes else 0.0
+        norm_inputs = layer.act_tp_replicated_bytes - profiled_inputs
         # SP: the Linears' inputs are kept gathered, whole (see above)
         gathered = split and strategy.sp and (layer.kind == "head" or strategy.recompute == "selective")
         copies = 1.0
-        if autocast:
+        if autocast:  # each Linear keeps its own bf16 cast: no shared output to rebuild
             column_linears = len(layer.tp_split.column_linears) if layer.kind == "block" else 1
             copies = max(1.0, column_linears / max(1, regions))
+        kept_inputs = linear_inputs if (gathered or autocast or kept_rebuilt) else profiled_inputs
         replicated = (norm_inputs * (2.0 if autocast else 1.0) / sp_tp
-                      + linear_inputs * copies / (1 if gathered else sp_tp))
+                      + kept_inputs * copies / (1 if gathered else sp_tp))
     if autocast and layer.kind != "embedding":
         weights = layer.num_params + (layer.shared_params if layer.kind == "head" else 0)
         weight_copies = 2.0 * weights / tp
@@ -459,7 +479,9 @@ def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
         return layer.input_bytes / sp_tp * mbs * scale, full
     if strategy.recompute == "selective":
         return (sharded + replicated) * mbs * scale + weight_copies, scores * mbs * scale
-    return full, 0.0
+    # a norm output rebuilt in backward lives while the Linears after it run theirs: one at a time
+    norms = 2 if layer.kind == "block" else 1
+    return full, layer.act_rebuilt_bytes / norms / sp_tp * mbs * scale
 
 
 LOSS_FP32_COPIES = 2  # nll_loss's dense gradient and log_softmax's backward output

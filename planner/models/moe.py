@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from meshplan.planner.models.config import TransformerConfig
-from meshplan.planner.models.transformer import (MLP, Attention, Block, CausalLM, Embedding, Head, RMSNorm,
+from meshplan.planner.models.transformer import (MLP, Attention, Block, CausalLM, Embedding, Head, RMSNorm, normed_call,
                                                  _FusedSwiGLU)
 
 
@@ -245,8 +245,8 @@ class MoEBlock(nn.Module):
         self.moe = MoE(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.moe(self.moe_norm(x))
+        x = x + normed_call(self.attn_norm, x, self.attn)
+        return x + normed_call(self.moe_norm, x, self.moe)
 
 
 class MoECausalLM(CausalLM):

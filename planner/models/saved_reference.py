@@ -6,9 +6,17 @@ shard) and the attention output with its heads merged (`transformer.Attention`, 
 kernel's output). A saved tensor is matched by its storage, so the views autograd saves of it
 (a Linear's 2-D view of its 3-D input, a DTensor around it) all come back as the same views of
 the rebuilt tensor.
+
+Hooks nest: `SavedReference.saving()` hands every tensor it does not keep by reference to the
+hooks that were active when it was entered (torch's activation checkpointing, the profiler's
+recorder, another reference further out), so a reference inside a checkpointed layer or inside
+another reference's region changes nothing else that is saved. A reference's own source tensor
+can be kept the same way (`SavedOutside`): a sequence-parallel region keeps its shard through a
+reference to the norm that made it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -20,20 +28,79 @@ def storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def _active_hooks():
+    """The (pack, unpack) pair autograd would use now, or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+class _Outer:
+    """A tensor packed by the hooks outside a reference's region."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed):
+        self.packed = packed
+
+
+class SavedOutside:
+    """One tensor kept as the hooks active at construction would save it for backward (a
+    reference rebuilds it, activation checkpointing recomputes it, no hooks: the tensor itself);
+    `get()` gives it back, once or many times."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.hooks = _active_hooks()
+        self.packed = tensor if self.hooks is None else self.hooks[0](tensor)
+        self.tensor = None
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = self.packed if self.hooks is None else self.hooks[1](self.packed)
+        return self.tensor
+
+    def release(self) -> None:
+        """Drop the unpacked tensor (the packed form stays for a later `get`)."""
+        self.tensor = None
+
+
 class SavedReference:
     """`pack` / `unpack` for `torch.autograd.graph.saved_tensors_hooks`: tensors in the storage of
     `target` are saved as (shape, stride, offset[, DTensor spec]) and rebuilt in backward from
     `rebuild()`, a tensor with `target`'s layout; everything else is saved as it is. Subclasses
+    may override `rebuild` (the method, not a function that closes over the instance: such a
+    cycle would keep what the reference holds alive after backward, until Python's collector runs) and
     may count the references (`packed`, `unpacked`)."""
 
-    def __init__(self, target: torch.Tensor, rebuild: Callable[[], torch.Tensor]):
-        self.target_id, self.rebuild = storage_id(target), rebuild
+    def __init__(self, target: torch.Tensor, rebuild: Callable[[], torch.Tensor] | None = None):
+        self.target_id, self._rebuild = storage_id(target), rebuild
+
+    def rebuild(self) -> torch.Tensor:
+        return self._rebuild()
 
     def packed(self) -> None:
         """Called once per reference saved."""
 
     def unpacked(self) -> None:
         """Called once per reference rebuilt."""
+
+    @contextlib.contextmanager
+    def saving(self):
+        """`saved_tensors_hooks` with `pack` / `unpack`, chained to the hooks active outside."""
+        outer = _active_hooks()
+
+        def pack(tensor):
+            packed = self.pack(tensor)
+            if packed is tensor and outer is not None:
+                return _Outer(outer[0](tensor))
+            return packed
+
+        def unpack(packed):
+            if isinstance(packed, _Outer):
+                return outer[1](packed.packed)
+            return self.unpack(packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield self
 
     def pack(self, tensor):
         from torch.distributed.tensor import DTensor

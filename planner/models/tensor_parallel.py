@@ -14,7 +14,7 @@ needs it: one extra all-gather per region in backward for (t-1)/t of the region'
 """
 from __future__ import annotations
 
-from meshplan.planner.models.saved_reference import SavedReference
+from meshplan.planner.models.saved_reference import SavedOutside, SavedReference
 
 
 def block_tp_plan(block, sp: bool, keep_shard: bool = True) -> dict:
@@ -46,21 +46,24 @@ class _Region(SavedReference):
     reference and re-gathered from its shard, once, when the region's backward first needs it."""
 
     def __init__(self, shard, full, mesh):
-        super().__init__(full, self._regather)
-        self.shard, self.mesh = shard, mesh
+        super().__init__(full)
+        # the shard is kept as backward would keep it: by reference where the norm before the
+        # region rebuilds its output (`transformer.RMSNorm`), recomputed under checkpointing
+        self.shard, self.mesh = SavedOutside(shard), mesh
         self.pending = 0  # saved references not yet unpacked
         self.full = None  # the re-gathered input, shared by the region's Linears in backward
 
     def packed(self) -> None:
         self.pending += 1
 
-    def _regather(self):
+    def rebuild(self):
         if self.full is None:
             import torch.distributed._functional_collectives as funcol
 
             # functional all-gather concatenates along dim 0: gather (s/t, b, h) slabs, then put
             # the sequence back in dim 1 in the forward's contiguous layout
-            slabs = funcol.all_gather_single(self.shard.movedim(1, 0).contiguous(), 0, self.mesh)
+            slabs = funcol.all_gather_single(self.shard.get().movedim(1, 0).contiguous(), 0, self.mesh)
+            self.shard.release()
             self.full = funcol.wait_tensor(slabs).movedim(0, 1).contiguous()
         return self.full
 
@@ -84,7 +87,7 @@ def gather_keep_shard_style():
                     x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
                 full = x.redistribute(device_mesh, (Replicate(),))
                 region = _Region(x._local_tensor.detach(), full._local_tensor, device_mesh)
-                hooks = torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack)
+                hooks = region.saving()
                 hooks.__enter__()
                 mod._meshplan_saved_hooks = hooks
                 return (full,) + tuple(args[1:])

@@ -12,19 +12,22 @@ The Llama block runs as real engines run it: grouped-query attention inside SDPA
 and an fp32 rstd (statistics in fp32, output in the compute dtype), RoPE in the compute dtype.
 What one block saves for backward, per token, in bf16 with flash attention (h hidden, a heads,
 d = h/a, d_kv = kv_heads * d, f the SwiGLU width): outside the TP region each norm's input (2h)
-and rstd (4) and the common input of the Linears after it (2h): 8h + 8; inside it RoPE's bf16
-cos/sin tables (2d), the attention kernel's q (2h), k and v (4 d_kv), output (2h) and fp32
-log-sum-exp (4a), which the o Linear keeps by reference for its input (a `SavedReference`: CUDA flash
-kernels write the output heads-last, so merging heads is a view; where a kernel writes it
-heads-major the copy is rebuilt in backward rather than kept), and the fused SwiGLU's gate and up
-outputs and the down Linear's input (6f): 12h + 4 d_kv + 6f + 4a + 2d + 8 bytes in all.
-Korthikanti et al. (2022) give 34*s*b*h + 5*a*s^2*b for a GPT block (math attention, fp16,
-dropout), 34*s*b*h with flash attention; without dropout's two 1-byte masks that is 32, what the
-profiler measures for the zoo's GPT block (32h + 4a + 16 per token). Measured by the profiler at
-s = 8192: llama3-8b 139,656 bytes per token per layer (34.1*s*b*h; 254,600 = 62.2*s*b*h with fp32
-norm/RoPE, expanded K/V, unfused SwiGLU and a kept copy of the merged heads), llama3-405b 520,968
-(31.8*s*b*h; was 984,072 = 60.1*s*b*h). Against GPT's 32: SwiGLU's 6f = 21h (8b) and 19.5h (405b)
-against GELU's 16h, offset by GQA's 4 d_kv = h/4 and h/16 against MHA's 4h.
+and rstd (4), 4h + 8 (the Linears after a norm keep its output as a reference, rebuilt in
+backward from the norm's input: `normed_call`, as Megatron-Core's norm recomputation does);
+inside it RoPE's bf16 cos/sin tables (2d), the attention kernel's q (2h), k and v (4 d_kv),
+output (2h) and fp32 log-sum-exp (4a), which the o Linear keeps by reference for its input (a
+`SavedReference`: CUDA flash kernels write the output heads-last, so merging heads is a view;
+where a kernel writes it heads-major the copy is rebuilt in backward rather than kept), and the
+fused SwiGLU's gate and up outputs and the down Linear's input (6f): 8h + 4 d_kv + 6f + 4a + 2d
++ 8 bytes in all. Korthikanti et al. (2022) give 34*s*b*h + 5*a*s^2*b for a GPT block (math
+attention, fp16, dropout), 34*s*b*h with flash attention; without dropout's two 1-byte masks
+that is 32, what the profiler measures for the zoo's GPT block (32h + 4a + 16 per token; its
+LayerNorms' outputs are kept, as Korthikanti counts them). Measured by the profiler at s = 8192:
+llama3-8b 123,272 bytes per token per layer (30.1*s*b*h; 254,600 = 62.2*s*b*h with fp32
+norm/RoPE, expanded K/V, unfused SwiGLU, kept norm outputs and a kept copy of the merged heads),
+llama3-405b 455,432 (27.8*s*b*h; was 984,072 = 60.1*s*b*h). Against GPT's 32: SwiGLU's 6f = 21h
+(8b) and 19.5h (405b) against GELU's 16h, offset by GQA's 4 d_kv = h/4 and h/16 against MHA's
+4h, and the 4h of norm outputs rebuilt.
 """
 from __future__ import annotations
 
@@ -82,6 +85,69 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FusedRMSNorm.apply(x, self.weight, self.eps)
+
+    @torch.no_grad()
+    def rebuild(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward's output for input `x`, bitwise, as a plain (local) tensor: the same ops
+        on the local shards of `x` and of the weight as the module uses now (under FSDP, in
+        backward, its gathered copy). Called outside the module, so no module hook fires."""
+        x_local, weight = _local(x), _local(self.weight)
+        rstd = torch.rsqrt(x_local.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_local.float() * rstd).type_as(x_local) * weight
+
+    # The output is kept for the Linears after the norm as a reference, rebuilt in backward from
+    # the input the norm keeps anyway (`normed_call`). Off under activation checkpointing
+    # (`executor.parallel.recompute`), whose recomputation keeps nothing across the forward.
+    output_by_reference = True
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard on this rank
+    return tensor if local is None else local
+
+
+def normed_call(norm: nn.Module, x: torch.Tensor, consumer) -> torch.Tensor:
+    """`consumer(norm(x))`, where the consumer's Linears keep the norm's output for backward.
+
+    A norm with `output_by_reference` (the fused RMSNorm) lets them keep a reference instead and
+    rebuilds the output from `x` when their backward first needs it, as Megatron-Core's norm
+    recomputation does (`CheckpointWithoutOutput`): the norm keeps `x` and its rstd anyway, so
+    2 bytes per hidden element per token less for one memory-bound norm in backward.
+    """
+    y = norm(x)
+    if not getattr(norm, "output_by_reference", False):
+        return consumer(y)
+    kept = _NormOutput(_local(y), lambda: norm.rebuild(x))
+    with kept.saving():
+        return consumer(y)
+
+
+class _NormOutput(SavedReference):
+    """The norm's output rebuilt once per backward, shared by the Linears that saved it."""
+
+    # Called with each reference when something saves it (the profiler counts the bytes the
+    # backward rebuilds, `planner.profiling.tracing`).
+    observers: list = []
+
+    def __init__(self, target, rebuild):
+        super().__init__(target, rebuild)
+        self.pending, self.output = 0, None
+        self.nbytes = target.untyped_storage().nbytes()
+
+    def rebuild(self):
+        if self.output is None:
+            self.output = self._rebuild()
+        return self.output
+
+    def packed(self) -> None:
+        self.pending += 1
+        for observe in self.observers:
+            observe(self)
+
+    def unpacked(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.output = None  # the last Linear has it: free the rebuilt copy
 
 
 def _norm(cfg: TransformerConfig) -> nn.Module:
@@ -164,7 +230,7 @@ class Attention(nn.Module):
         # which the kernel keeps anyway, and merges the heads again when its backward needs them.
         shape = merged.shape
         kept = SavedReference(merged, lambda: out.transpose(1, 2).reshape(shape))
-        with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
+        with kept.saving():
             return self.o(merged)
 
     # Off under activation checkpointing (`executor.parallel.recompute`), whose recomputation
@@ -226,8 +292,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + normed_call(self.attn_norm, x, self.attn)
+        return x + normed_call(self.mlp_norm, x, self.mlp)
 
 
 def _embedding(num: int, dim: int) -> nn.Embedding:
@@ -262,7 +328,7 @@ class Head(nn.Module):
         self.proj = nn.Linear(cfg.hidden, padded_vocab, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(h))
+        return normed_call(self.norm, h, self.proj)
 
 
 class CausalLM(nn.Module):

@@ -80,6 +80,20 @@ def _norm_stats_bytes(cfg: TransformerConfig) -> int:
     return 2 * FP32_BYTES if cfg.family == "gpt" else FP32_BYTES
 
 
+def _norm_saved_bytes(cfg: TransformerConfig, elem_bytes: int) -> int:
+    """Per token, what one norm and the Linears after it keep outside the TP region: the norm's
+    input and statistics, and for LayerNorm its output (the Linears' common input, one storage).
+    The fused RMSNorm's output is kept as a reference and rebuilt in backward from its input
+    (`transformer.normed_call`), so it adds nothing."""
+    output = elem_bytes * cfg.hidden if cfg.family == "gpt" else 0
+    return elem_bytes * cfg.hidden + _norm_stats_bytes(cfg) + output
+
+
+def _norm_rebuilt_bytes(cfg: TransformerConfig, elem_bytes: int) -> int:
+    """Per token and norm, the output rebuilt in backward rather than kept (`_norm_saved_bytes`)."""
+    return 0 if cfg.family == "gpt" else elem_bytes * cfg.hidden
+
+
 def _norm_params(cfg: TransformerConfig) -> int:
     """LayerNorm: weight and bias; RMSNorm: weight only."""
     return 2 * cfg.hidden if cfg.family == "gpt" else cfg.hidden
@@ -184,11 +198,14 @@ def _block_flops(cfg: TransformerConfig, seq: int) -> tuple[int, int, int]:
 
 
 def _block_replicated_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -> int:
-    """Outside the TP region, per norm (before attention, before the MLP): the norm keeps its
-    input and its fp32 statistics, and the column Linears after it (q, k, v; up, and Llama's
-    gate) keep the norm's output, one storage for all of them."""
-    per_token = 2 * elem_bytes * cfg.hidden + _norm_stats_bytes(cfg)
-    return 2 * seq * per_token
+    """Outside the TP region, per norm (before attention, before the MLP): `_norm_saved_bytes`
+    (the column Linears after it, q, k, v; up, and Llama's gate, share the norm's output)."""
+    return 2 * seq * _norm_saved_bytes(cfg, elem_bytes)
+
+
+def _block_rebuilt_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int) -> int:
+    """The two norms' outputs, where they are rebuilt in backward rather than kept."""
+    return 2 * seq * _norm_rebuilt_bytes(cfg, elem_bytes)
 
 
 def _attention_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int, attention: str) -> tuple[int, int]:
@@ -241,7 +258,7 @@ def _block_layer(cfg, seq: int, elem_bytes: int, attention: str, split) -> Layer
         act_tp_sharded_bytes=attention_sharded + _mlp_saved_bytes(cfg, seq, elem_bytes),
         act_tp_replicated_bytes=_block_replicated_bytes(cfg, seq, elem_bytes), act_attn_score_bytes=scores,
         input_bytes=hidden_bytes, output_bytes=hidden_bytes, tp_split=split, causal_fwd_flops=fwd - causal_saving,
-        attn_fwd_flops=_attention_core_flops(cfg, seq))
+        attn_fwd_flops=_attention_core_flops(cfg, seq), act_rebuilt_bytes=_block_rebuilt_bytes(cfg, seq, elem_bytes))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,7 +268,8 @@ def _block_layer(cfg, seq: int, elem_bytes: int, attention: str, split) -> Layer
 def _head_layer(cfg, seq: int, elem_bytes: int, padded_vocab: int, split) -> LayerProfile:
     """Final norm, output Linear (h x V) and the loss, which runs after the head's modules.
 
-    Replicated: the norm's input and statistics, the output Linear's input (the norm's output).
+    Replicated: the norm's input and statistics, and the output Linear's input (the norm's
+    output) where it is kept (`_norm_saved_bytes`).
     Sharded (the loss on vocab-parallel logits): `lm_loss` upcasts the logits to fp32 (a no-op
     in fp32) and cross entropy keeps its fp32 log-softmax (s x V), the int64 targets and the
     loss's fp32 total weight (one scalar). A tied output weight is the embedding's: counted
@@ -260,11 +278,12 @@ def _head_layer(cfg, seq: int, elem_bytes: int, padded_vocab: int, split) -> Lay
     fwd, bwd = _linear_flops(seq, cfg.hidden, padded_vocab)
     table = padded_vocab * cfg.hidden
     num_params = _norm_params(cfg) + (0 if cfg.tied_embeddings else table)
-    replicated = seq * (2 * elem_bytes * cfg.hidden + _norm_stats_bytes(cfg))
+    replicated = seq * _norm_saved_bytes(cfg, elem_bytes)
     sharded = FP32_BYTES * seq * padded_vocab + INDEX_BYTES * seq + FP32_BYTES
     return LayerProfile(
         name="head", kind="head", fwd_flops=fwd, bwd_flops=bwd, num_params=num_params,
         param_bytes=num_params * elem_bytes, act_tp_sharded_bytes=sharded, act_tp_replicated_bytes=replicated,
         act_attn_score_bytes=0, input_bytes=elem_bytes * seq * cfg.hidden,
         output_bytes=elem_bytes * seq * padded_vocab, tp_split=split, causal_fwd_flops=fwd,
+        act_rebuilt_bytes=seq * _norm_rebuilt_bytes(cfg, elem_bytes),
         shared_params=table if cfg.tied_embeddings else 0)

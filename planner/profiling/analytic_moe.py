@@ -167,4 +167,5 @@ def _moe_block_layer(cfg: TransformerConfig, seq: int, elem_bytes: int, attentio
         causal_fwd_flops=fwd - causal_saving, expert_params=expert_params,
         active_expert_params=expert_params * cfg.top_k // cfg.num_experts, expert_fwd_flops=expert_fwd,
         expert_bwd_flops=2 * expert_fwd, expert_act_bytes=expert_act,
-        dispatch_bytes=elem_bytes * seq * cfg.top_k * cfg.hidden, attn_fwd_flops=dense._attention_core_flops(cfg, seq))
+        dispatch_bytes=elem_bytes * seq * cfg.top_k * cfg.hidden, attn_fwd_flops=dense._attention_core_flops(cfg, seq),
+        act_rebuilt_bytes=dense._block_rebuilt_bytes(cfg, seq, elem_bytes))

@@ -186,7 +186,7 @@ def _measured_profiles(built, groups, measurements, order) -> list[LayerProfile]
             expert_fwd_flops=meas.expert_fwd_flops, expert_bwd_flops=meas.expert_bwd_flops,
             expert_act_bytes=meas.expert_act_bytes, dispatch_bytes=meas.dispatch_bytes,
             conv_fwd_flops=meas.conv_fwd_flops, conv_bwd_flops=meas.conv_bwd_flops,
-            attn_fwd_flops=meas.attn_fwd_flops))
+            attn_fwd_flops=meas.attn_fwd_flops, act_rebuilt_bytes=meas.act_rebuilt_bytes))
     return profiles
 
 

@@ -54,6 +54,7 @@ class LayerMeasurement:
     conv_fwd_flops: int = 0  # convolutions' share of fwd_flops
     attn_fwd_flops: int = 0  # the attention core's (SDPA's) share of fwd_flops
     conv_bwd_flops: int = 0  # and of bwd_flops
+    act_rebuilt_bytes: int = 0  # saved as references, rebuilt in backward (not in the three kinds)
 
 
 def measure_layers(built: Any, groups: tuple, attention: str = "flash",
@@ -73,8 +74,11 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     # trace sees them by saving the copy itself.
     from meshplan.planner.models.transformer import Attention
 
+    from meshplan.planner.models.transformer import _NormOutput
+
     by_reference = Attention.merged_heads_by_reference
     Attention.merged_heads_by_reference = attention == "flash"
+    _NormOutput.observers.append(recorder.rebuilt)
     try:
         with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter, \
                 op_audit_mode(counter.flop_registry, counter) as audit, _AttentionMode(recorder), \
@@ -89,6 +93,7 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
             recorder.switch(recorder.current)
     finally:
         Attention.merged_heads_by_reference = by_reference
+        _NormOutput.observers.remove(recorder.rebuilt)
         for handle in handles:
             handle.remove()
     if audit.uncounted:
@@ -308,6 +313,11 @@ class _Recorder:
             self.record(tensor, self._classify(tensor))
         return tensor
 
+    def rebuilt(self, reference) -> None:
+        """A saved tensor kept as a reference (`transformer.normed_call`): its bytes, once per layer."""
+        if not self.in_backward and not self.muted:
+            self.record(None, "rebuilt", key=("rebuilt", reference.target_id), nbytes=reference.nbytes)
+
     def record(self, tensor, kind: str, key=None, nbytes: int = 0) -> None:
         if key is None:
             key, nbytes = _storage_key(tensor)
@@ -403,7 +413,7 @@ class _Recorder:
     def results(self) -> list[LayerMeasurement]:
         out = []
         for index in range(len(self.groups)):
-            by_kind = {"sharded": 0, "replicated": 0, "score": 0}
+            by_kind = {"sharded": 0, "replicated": 0, "score": 0, "rebuilt": 0}
             for kind, nbytes in self.saved[index].values():
                 by_kind[kind] += nbytes
             out.append(LayerMeasurement(
@@ -415,7 +425,7 @@ class _Recorder:
                 expert_bwd_flops=self.expert_bwd[index], dispatch_bytes=self.dispatch[index],
                 expert_act_bytes=sum(self.saved[index][key][1] for key in self.expert_saved[index]),
                 conv_fwd_flops=self.conv_fwd[index], conv_bwd_flops=self.conv_bwd[index],
-                attn_fwd_flops=self.attn_fwd[index]))
+                attn_fwd_flops=self.attn_fwd[index], act_rebuilt_bytes=by_kind["rebuilt"]))
         return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 
@@ -27,6 +28,16 @@ def _start_worker(initializer) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if initializer is not None:
         initializer()
+
+
+def _quiet_cancelled_future(previous_hook, args) -> None:
+    """The pool's manager thread, finding its workers terminated, marks every pending future
+    broken, and Python 3.11's raises InvalidStateError on one that the shutdown just cancelled:
+    a race of the stop itself, not an error to print."""
+    from concurrent.futures import InvalidStateError
+
+    if not isinstance(args.exc_value, InvalidStateError):
+        previous_hook(args)
 
 
 @contextlib.contextmanager
@@ -47,9 +58,14 @@ def worker_pool(workers: int, initializer=None):
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C that waited is raised from here on
         yield pool
     except KeyboardInterrupt:
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
+        previous_hook = threading.excepthook
+        threading.excepthook = partial(_quiet_cancelled_future, previous_hook)
+        try:
+            for process in list(getattr(pool, "_processes", {}).values()):
+                process.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)  # joins the pool's manager thread
+        finally:
+            threading.excepthook = previous_hook
         stopped = True
         raise
     finally:

@@ -92,8 +92,9 @@ def _llama_block_saved_bytes_per_token(h: int, a: int, kv_heads: int, f: int, p:
 
     Replicated across TP ranks (outside the column->row region):
       each of the two RMSNorms (one fused op) saves its input (p*h) and an fp32 rstd (4);
-      the q, k and v Linears save their common input, the attention norm's output, once (p*h);
-      the gate and up Linears likewise the MLP norm's output (p*h).
+      the q, k and v Linears' common input, the attention norm's output, and the gate and up
+      Linears' (the MLP norm's output) are references rebuilt in backward from the norms'
+      inputs: nothing kept ("rebuilt": 2 p*h).
     TP-sharded:
       RoPE saves its cos and sin tables, (s, d/2) each in bf16 and shared by q and k (2 * p*d/2);
       the fused kernel keeps q (p*h), k and v at kv heads (2 p*d_kv: GQA, not expanded), its
@@ -101,12 +102,12 @@ def _llama_block_saved_bytes_per_token(h: int, a: int, kv_heads: int, f: int, p:
       the o Linear keeps a reference to that output (nothing more);
       the fused SwiGLU keeps its inputs, the gate and up outputs (2 p*f; silu is recomputed in
       backward); the down Linear saves the product (p*f).
-    In all (p = 2): 12h + 4 d_kv + 6f + 4a + 2d + 8.
+    In all (p = 2): 8h + 4 d_kv + 6f + 4a + 2d + 8 kept, 4h rebuilt.
     """
     d = h // a
-    replicated = 2 * (p * h + 4 + p * h)
+    replicated = 2 * (p * h + 4)
     sharded = p * d + 2 * p * h + 2 * p * kv_heads * d + 4 * a + 3 * p * f
-    return {"replicated": replicated, "sharded": sharded, "score": 0}
+    return {"replicated": replicated, "sharded": sharded, "score": 0, "rebuilt": 2 * p * h}
 
 
 @pytest.mark.parametrize("spec,h,a,kv_heads,f", [
@@ -123,6 +124,7 @@ def test_llama_block_activation_bytes_match_derivation(spec, h, a, kv_heads, f):
     assert block.act_tp_replicated_bytes == s * derived["replicated"]
     assert block.act_tp_sharded_bytes == s * derived["sharded"]
     assert block.act_attn_score_bytes == 0
+    assert block.act_rebuilt_bytes == s * derived["rebuilt"]
 
     # Against the GPT block at the same hidden size and heads (32h + 16 + 4a per token, see
     # _gpt_block_saved_bytes): the measured ratio is the derived one.
@@ -132,8 +134,8 @@ def test_llama_block_activation_bytes_match_derivation(spec, h, a, kv_heads, f):
     assert gpt_per_token == 32 * h + 16 + 4 * a
     assert gpt.activation_bytes == s * gpt_per_token
     d_kv = kv_heads * (h // a)
-    llama_per_token = 12 * h + 4 * d_kv + 6 * f + 4 * a + 2 * (h // a) + 8
-    assert sum(derived.values()) == llama_per_token
+    llama_per_token = 8 * h + 4 * d_kv + 6 * f + 4 * a + 2 * (h // a) + 8
+    assert sum(derived.values()) - derived["rebuilt"] == llama_per_token
     assert block.activation_bytes / gpt.activation_bytes == pytest.approx(llama_per_token / gpt_per_token,
                                                                            rel=1e-12)
 
