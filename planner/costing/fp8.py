@@ -139,7 +139,7 @@ def saved_bytes_saving(layer: LayerProfile, info: ModelInfo, tp: int, sp: bool, 
     them (sharded ones /tp, replicated ones /tp under SP unless kept gathered), less the fp8
     casts of norm outputs the bf16 profile rebuilds rather than keeps."""
     replicated, sharded = linear_input_bytes(layer, info)
-    rebuilt = min(replicated, float(layer.act_rebuilt_bytes)) if converts(layer) else 0.0
+    rebuilt = min(replicated, float(layer.act_rebuilt_bytes))
     shard = 1 if gathered or not sp else tp
     saving = (1 - FP8_BYTES / BF16_BYTES) * (replicated / shard + sharded / tp) - rebuilt / shard
     return saving * mbs * scale

@@ -277,7 +277,7 @@ def _compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     # by the backward, as when they were kept (the traffic proxy counts them alike), and the
     # backward writes them once more (`transformer.normed_call`; not under recomputation, which
     # keeps them: `_activation_bytes`).
-    rebuilt_bytes = layer.act_rebuilt_bytes * mbs * act_scale / (strategy.tp if strategy.sp and shard > 1 else 1)
+    rebuilt_bytes = _rebuilt_bytes(layer, strategy, act_scale)
     saved_bytes += rebuilt_bytes
     bwd_extra = rebuilt_bytes if strategy.recompute == "none" else 0.0
     fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
@@ -408,6 +408,13 @@ def _dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfi
     return grad_s, 0.0, gather_s, 0.0
 
 
+def _rebuilt_bytes(layer: LayerProfile, strategy: Strategy, scale: float) -> float:
+    """A micro-batch's norm outputs rebuilt in backward on one rank (outside the TP region: /t
+    only with SP)."""
+    sp_tp = strategy.tp if strategy.sp and _is_split(layer, strategy.tp) else 1
+    return layer.act_rebuilt_bytes / sp_tp * strategy.microbatch_size * scale
+
+
 def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
                       executor: bool = False) -> tuple[float, float]:
     """(bytes saved for backward per micro-batch, transient working set: what recomputation
@@ -481,7 +488,7 @@ def _activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
         return (sharded + replicated) * mbs * scale + weight_copies, scores * mbs * scale
     # a norm output rebuilt in backward lives while the Linears after it run theirs: one at a time
     norms = 2 if layer.kind == "block" else 1
-    return full, layer.act_rebuilt_bytes / norms / sp_tp * mbs * scale
+    return full, _rebuilt_bytes(layer, strategy, scale) / norms
 
 
 LOSS_FP32_COPIES = 2  # nll_loss's dense gradient and log_softmax's backward output

@@ -28,6 +28,12 @@ def storage_id(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
+
+
 def _active_hooks():
     """The (pack, unpack) pair autograd would use now, or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -65,23 +71,23 @@ class SavedOutside:
 
 class SavedReference:
     """`pack` / `unpack` for `torch.autograd.graph.saved_tensors_hooks`: tensors in the storage of
-    `target` are saved as (shape, stride, offset[, DTensor spec]) and rebuilt in backward from
-    `rebuild()`, a tensor with `target`'s layout; everything else is saved as it is. Subclasses
-    may override `rebuild` (the method, not a function that closes over the instance: such a
-    cycle would keep what the reference holds alive after backward, until Python's collector runs) and
-    may count the references (`packed`, `unpacked`)."""
+    `target` are saved as (shape, stride, offset[, DTensor spec]); everything else is saved as it
+    is. In backward the first reference unpacked calls `make()`, a tensor with `target`'s layout
+    (the `make` function given, or a subclass's method: not a function that closes over the
+    instance, a cycle that would keep what the reference holds alive after backward, until
+    Python's collector runs); every reference saved shares it, and it is dropped once the last
+    one is unpacked. Subclasses may watch the references saved (`packed`)."""
 
-    def __init__(self, target: torch.Tensor, rebuild: Callable[[], torch.Tensor] | None = None):
-        self.target_id, self._rebuild = storage_id(target), rebuild
+    def __init__(self, target: torch.Tensor, make: Callable[[], torch.Tensor] | None = None):
+        self.target_id, self._make = storage_id(target), make
+        self.pending = 0  # references saved and not yet unpacked
+        self.rebuilt = None  # the rebuilt tensor while some are pending
 
-    def rebuild(self) -> torch.Tensor:
-        return self._rebuild()
+    def make(self) -> torch.Tensor:
+        return self._make()
 
     def packed(self) -> None:
         """Called once per reference saved."""
-
-    def unpacked(self) -> None:
-        """Called once per reference rebuilt."""
 
     @contextlib.contextmanager
     def saving(self):
@@ -105,9 +111,10 @@ class SavedReference:
     def pack(self, tensor):
         from torch.distributed.tensor import DTensor
 
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         if storage_id(local) != self.target_id:
             return tensor
+        self.pending += 1
         self.packed()
         spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
         return (self, local.shape, local.stride(), local.storage_offset(), spec)
@@ -116,8 +123,12 @@ class SavedReference:
         if not (isinstance(packed, tuple) and packed and packed[0] is self):
             return packed
         _, shape, stride, offset, spec = packed
-        view = self.rebuild().as_strided(shape, stride, offset)
-        self.unpacked()
+        if self.rebuilt is None:
+            self.rebuilt = self.make()
+        view = self.rebuilt.as_strided(shape, stride, offset)
+        self.pending -= 1
+        if self.pending == 0:
+            self.rebuilt = None  # the last saver has its view: free the shared copy
         if spec is None:
             return view
         from torch.distributed.tensor import DTensor

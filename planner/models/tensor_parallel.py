@@ -50,27 +50,16 @@ class _Region(SavedReference):
         # the shard is kept as backward would keep it: by reference where the norm before the
         # region rebuilds its output (`transformer.RMSNorm`), recomputed under checkpointing
         self.shard, self.mesh = SavedOutside(shard), mesh
-        self.pending = 0  # saved references not yet unpacked
-        self.full = None  # the re-gathered input, shared by the region's Linears in backward
 
-    def packed(self) -> None:
-        self.pending += 1
+    def make(self):
+        """The gathered input, once per backward (`SavedReference` shares it between the Linears)."""
+        import torch.distributed._functional_collectives as funcol
 
-    def rebuild(self):
-        if self.full is None:
-            import torch.distributed._functional_collectives as funcol
-
-            # functional all-gather concatenates along dim 0: gather (s/t, b, h) slabs, then put
-            # the sequence back in dim 1 in the forward's contiguous layout
-            slabs = funcol.all_gather_single(self.shard.get().movedim(1, 0).contiguous(), 0, self.mesh)
-            self.shard.release()
-            self.full = funcol.wait_tensor(slabs).movedim(0, 1).contiguous()
-        return self.full
-
-    def unpacked(self) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            self.full = None  # the last Linear of the region has it: free the gathered copy
+        # functional all-gather concatenates along dim 0: gather (s/t, b, h) slabs, then put
+        # the sequence back in dim 1 in the forward's contiguous layout
+        slabs = funcol.all_gather_single(self.shard.get().movedim(1, 0).contiguous(), 0, self.mesh)
+        self.shard.release()
+        return funcol.wait_tensor(slabs).movedim(0, 1).contiguous()
 
 
 def gather_keep_shard_style():

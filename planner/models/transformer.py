@@ -37,9 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshplan.planner.models.saved_reference import SavedReference, storage_id
+from meshplan.planner.models.saved_reference import SavedReference, local_tensor, storage_id
 
 from meshplan.planner.models.config import TransformerConfig  # noqa: F401  (re-exported: callers import it from here)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, fp32 rstd): statistics in fp32, the output `(x * rstd).type_as(x) * weight`."""
+    x_fp32 = x.float()
+    rstd = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x_fp32 * rstd).type_as(x) * weight, rstd
 
 
 class _FusedRMSNorm(torch.autograd.Function):
@@ -55,10 +62,9 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x_fp32 = x.float()
-        rstd = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, rstd, weight)
-        return (x_fp32 * rstd).type_as(x) * weight
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -91,19 +97,12 @@ class RMSNorm(nn.Module):
         """The forward's output for input `x`, bitwise, as a plain (local) tensor: the same ops
         on the local shards of `x` and of the weight as the module uses now (under FSDP, in
         backward, its gathered copy). Called outside the module, so no module hook fires."""
-        x_local, weight = _local(x), _local(self.weight)
-        rstd = torch.rsqrt(x_local.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x_local.float() * rstd).type_as(x_local) * weight
+        return _rms_norm(local_tensor(x), local_tensor(self.weight), self.eps)[0]
 
     # The output is kept for the Linears after the norm as a reference, rebuilt in backward from
     # the input the norm keeps anyway (`normed_call`). Off under activation checkpointing
     # (`executor.parallel.recompute`), whose recomputation keeps nothing across the forward.
     output_by_reference = True
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard on this rank
-    return tensor if local is None else local
 
 
 def normed_call(norm: nn.Module, x: torch.Tensor, consumer) -> torch.Tensor:
@@ -117,37 +116,25 @@ def normed_call(norm: nn.Module, x: torch.Tensor, consumer) -> torch.Tensor:
     y = norm(x)
     if not getattr(norm, "output_by_reference", False):
         return consumer(y)
-    kept = _NormOutput(_local(y), lambda: norm.rebuild(x))
+    kept = _NormOutput(local_tensor(y), lambda: norm.rebuild(x))
     with kept.saving():
         return consumer(y)
 
 
 class _NormOutput(SavedReference):
-    """The norm's output rebuilt once per backward, shared by the Linears that saved it."""
+    """The norm's output, rebuilt once per backward for the Linears that saved it."""
 
     # Called with each reference when something saves it (the profiler counts the bytes the
     # backward rebuilds, `planner.profiling.tracing`).
     observers: list = []
 
-    def __init__(self, target, rebuild):
-        super().__init__(target, rebuild)
-        self.pending, self.output = 0, None
+    def __init__(self, target, make):
+        super().__init__(target, make)
         self.nbytes = target.untyped_storage().nbytes()
 
-    def rebuild(self):
-        if self.output is None:
-            self.output = self._rebuild()
-        return self.output
-
     def packed(self) -> None:
-        self.pending += 1
         for observe in self.observers:
             observe(self)
-
-    def unpacked(self) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            self.output = None  # the last Linear has it: free the rebuilt copy
 
 
 def _norm(cfg: TransformerConfig) -> nn.Module:

@@ -72,9 +72,7 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     # copy. A flash kernel keeps that output anyway (flash mode records it); torch's math path,
     # which the meta device runs, does not: there the reference holds the copy's bytes, and the
     # trace sees them by saving the copy itself.
-    from meshplan.planner.models.transformer import Attention
-
-    from meshplan.planner.models.transformer import _NormOutput
+    from meshplan.planner.models.transformer import Attention, _NormOutput
 
     by_reference = Attention.merged_heads_by_reference
     Attention.merged_heads_by_reference = attention == "flash"
@@ -316,7 +314,10 @@ class _Recorder:
     def rebuilt(self, reference) -> None:
         """A saved tensor kept as a reference (`transformer.normed_call`): its bytes, once per layer."""
         if not self.in_backward and not self.muted:
-            self.record(None, "rebuilt", key=("rebuilt", reference.target_id), nbytes=reference.nbytes)
+            # keyed by the reference, kept alive: the storage it points to is freed after the
+            # forward, and its address may come back as the next norm's output
+            self.alive.append(reference)
+            self.record(None, "rebuilt", key=("rebuilt", id(reference)), nbytes=reference.nbytes)
 
     def record(self, tensor, kind: str, key=None, nbytes: int = 0) -> None:
         if key is None:

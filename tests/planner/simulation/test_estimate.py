@@ -167,3 +167,31 @@ def test_a_configuration_that_does_not_fit_names_the_first_zero_stage_that_does(
     hint = out.strip().splitlines()[-1]
     assert hint == (f"hint: with --zero 1 (sharding the optimizer states) it fits: "
                     f"{fitting.peak_memory_bytes / 2**30:.2f} GiB per GPU, step {fitting.step_time_s * 1e3:.1f} ms")
+
+
+def test_metas_llama3_405b_layout_fits_with_the_activations_derived_by_hand():
+    """Meta's published Llama 3 405B layout (TP 8, SP, PP 16 interleaved x4, seq 8192, micro-batch
+    1, 16 micro-batches per replica, ZeRO-1) on 80 GB H100s. With as many micro-batches as stages
+    the interleaved warm-up runs every chunk's forward before the first backward, so rank 1
+    (8 blocks in 4 chunks) holds 16 x 8 block activations, each (sharded + replicated) / t with
+    SP, and its 16 x 4 received chunk inputs, s x h / t each: exactly, byte for byte. Its states,
+    as FSDP2 under ZeRO-1 holds them over 128 data ranks: the stage's bf16 parameters gathered
+    whole plus their fp32 shard, the whole fp32 gradient, and the two fp32 Adam moments' shard."""
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.simulation.estimator import estimate
+
+    h100 = load_cluster("h100-sxm")
+    got = estimate("llama3-405b", h100, 16384, 2048, 8192, tp=8, pp=16, mbs=1, zero=1, sp=True,
+                   schedule="interleaved", vpp=4)
+    block = profile("llama3-405b", 8192).layer("blocks.0")
+    tp, microbatches, blocks, chunks = 8, 16, 8, 4
+    activations = (microbatches * blocks * (block.act_tp_sharded_bytes + block.act_tp_replicated_bytes) / tp
+                   + microbatches * chunks * block.input_bytes / tp)
+    rank1 = got.memory[1]
+    assert rank1.activations == activations
+    stage_params = blocks * block.num_params / tp
+    dp = 16384 // (tp * 16)
+    assert rank1.params == pytest.approx((2 + 4 / dp) * stage_params)
+    assert rank1.grads == pytest.approx(4 * stage_params)
+    assert rank1.optimizer == pytest.approx(8 * stage_params / dp)
+    assert got.fits and got.peak_memory_bytes <= h100.device.usable_memory_bytes
