@@ -2,8 +2,9 @@
 
 Used where a module's backward needs a tensor that is cheap to make again from something kept
 anyway: sequence parallelism's gathered input (`tensor_parallel._Region`, from the sequence
-shard) and the attention output with its heads merged (`transformer.Attention`, from the
-kernel's output). A saved tensor is matched by its storage, so the views autograd saves of it
+shard), the attention output with its heads merged (`transformer.Attention`, from the
+kernel's output) and an RMSNorm's output (`transformer.normed_call`, from the norm's input).
+Each is rebuilt once per backward and shared by every module that saved it. A saved tensor is matched by its storage, so the views autograd saves of it
 (a Linear's 2-D view of its 3-D input, a DTensor around it) all come back as the same views of
 the rebuilt tensor.
 
