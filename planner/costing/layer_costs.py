@@ -75,6 +75,51 @@ class LayerCost:
     expert_bwd_s: float = 0.0  # the routed experts' part of bwd_compute_s
     expert_state_bytes: float = 0.0  # the routed experts' part of param + grad + optimizer bytes
 
+    @property
+    def fwd_busy_s(self) -> float:
+        """The forward's compute-stream time: compute and the blocking collectives (TP, context
+        parallelism's K/V exchange, expert parallelism's all-to-alls) that a prefetched gather hides behind."""
+        return self.fwd_compute_s + self.tp_fwd_comm_s + self.cp_fwd_comm_s + self.ep_fwd_comm_s
+
+    @property
+    def bwd_busy_s(self) -> float:
+        """The backward's compute-stream time, the recomputed forward included."""
+        return self.bwd_compute_s + self.recompute_s + self.tp_bwd_comm_s + self.cp_bwd_comm_s + self.ep_bwd_comm_s
+
+    @property
+    def fwd_gather_exposure_s(self) -> tuple[float, float]:
+        """(steady, head) exposure of the forward's parameter gather (`gather_exposure_s`)."""
+        return gather_exposure_s(self.fwd_gather_s, self.fwd_busy_s)
+
+    @property
+    def bwd_gather_exposure_s(self) -> tuple[float, float]:
+        """(steady, head) exposure of the backward's parameter gather (`gather_exposure_s`)."""
+        return gather_exposure_s(self.bwd_gather_s, self.bwd_busy_s)
+
+
+def gather_exposure_s(gather_s: float, busy_s: float) -> tuple[float, float]:
+    """(steady, head): what a layer's parameter all-gather (ZeRO-3; FSDP2's ZeRO-1/2 forward) adds to
+    a pass over a model chunk, as FSDP2 prefetches it one layer ahead.
+
+    Gather i runs while layer i-1 computes, so in a run of identical layers each layer exposes
+    steady = max(0, g - busy). The pass's first layer has no layer before it in its chunk: its
+    gather starts with the pass, and for n identical layers the pass ends at n max(g, busy) +
+    min(g, busy) (n g + busy when gathers are the longer, g + n busy when compute is), so the
+    first layer of every chunk's forward and the last of its backward add head = min(g, busy).
+    The event engine plays the exact recurrence (`simulation.engine._pass_end_times`); the ILP and
+    the closed form charge steady per layer and head per chunk pass, equal to it for identical layers.
+    """
+    return max(0.0, gather_s - busy_s), min(gather_s, busy_s)
+
+
+def after_other_gather_s(gather_s: float, busy_s: float, prev_busy_s: float) -> float:
+    """What a layer's gather adds beyond its steady exposure (negative: saves) when the layer
+    before it in the pass is another kind (the embedding before the first block, the head's
+    backward before the last block's): prefetch hides it behind that layer's busy time, not its
+    own. With it, steady and head per chunk pass equal the engine's recurrence for a run of
+    identical layers between two others."""
+    return max(0.0, gather_s - prev_busy_s) - max(0.0, gather_s - busy_s)
+
 
 # ---------------------------------------------------------------------------------------------
 # The model. Everything below is a pure function of (layer, strategy, cluster, info).

@@ -8,7 +8,9 @@ it can be tested on synthetic tables and planning a 126-block model costs three 
 layers.
 
 All times are seconds on one rank. `fwd_s` and `bwd_s` are per micro-batch and include the blocking
-TP collectives and ZeRO-3 gathers; `bwd_s` includes the recomputed forward. `dp_comm_s` (gradient
+TP collectives and the ZeRO gathers prefetch cannot hide; `bwd_s` includes the recomputed forward.
+`fwd_head_s` / `bwd_head_s` are what the gather adds when the layer opens its chunk's forward (closes
+its backward), which the ILP charges once per chunk pass (`layer_costs.gather_exposure_s`). `dp_comm_s` (gradient
 reduction), `param_gather_s` (ZeRO-1/2 all-gather after the optimizer) and `optimizer_s` are per
 optimizer step. Bytes are per rank: `static_bytes` (parameters, gradients, optimizer states) are
 resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is a transient peak.
@@ -21,6 +23,7 @@ from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
+from meshplan.planner.costing.layer_costs import after_other_gather_s, gather_exposure_s
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,19 @@ class OptionCost:
     dp: int = 1
     # Split of the times and memory, kept for the plan's per-layer report.
     comm_s: float = 0.0
+    # The parameter gathers before the layer's forward and backward and the busy time of each
+    # pass, which prefetch hides the next layer's gather behind (`layer_costs.gather_exposure_s`).
+    fwd_gather_s: float = 0.0
+    bwd_gather_s: float = 0.0
+    fwd_busy_s: float = 0.0
+    bwd_busy_s: float = 0.0
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "buffer_bytes", "dp_comm_s",
-                     "param_gather_s", "optimizer_s", "output_bytes", "comm_s"):
+                     "param_gather_s", "optimizer_s", "output_bytes", "comm_s", "fwd_gather_s", "bwd_gather_s",
+                     "fwd_busy_s", "bwd_busy_s"):
             value = getattr(self, name)
             if not value >= 0:  # also rejects NaN
                 raise ValueError(f"option cost {name} must be >= 0, got {value!r}")
@@ -55,6 +65,16 @@ class OptionCost:
     def time_s(self) -> float:
         """Forward plus backward of one micro-batch."""
         return self.fwd_s + self.bwd_s
+
+    @property
+    def fwd_head_s(self) -> float:
+        """What the gather adds when this layer opens its chunk's forward (no layer before it)."""
+        return gather_exposure_s(self.fwd_gather_s, self.fwd_busy_s)[1]
+
+    @property
+    def bwd_head_s(self) -> float:
+        """What the gather adds when this layer opens its chunk's backward (the chunk's last layer)."""
+        return gather_exposure_s(self.bwd_gather_s, self.bwd_busy_s)[1]
 
     @property
     def tail_s(self) -> float:
@@ -176,21 +196,20 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
     """Fold a `planner.costing.layer_costs.LayerCost` into the quantities the ILP uses.
 
     Parameter gathers (ZeRO-3; FSDP2's ZeRO-1/2 forward) are prefetched one layer ahead, so only
-    what the layer's own compute cannot hide is exposed (identical consecutive layers make "the
-    previous layer" this one).
+    what the previous layer's busy time cannot hide is exposed (identical consecutive layers make
+    "the previous layer" this one); a chunk pass's first layer also waits for its own gather
+    (`fwd_head_s`, `bwd_head_s`: `layer_costs.gather_exposure_s`).
     """
-    bwd_compute_s = cost.bwd_compute_s + cost.recompute_s
-    # Hidden behind the layer's busy time, compute and TP collectives (as the event engine plays it).
     # Context-parallel K/V collectives and expert-parallel all-to-alls block compute like TP's
     # (counted with them here).
     fwd_comm_s = cost.tp_fwd_comm_s + cost.cp_fwd_comm_s + cost.ep_fwd_comm_s
     bwd_comm_s = cost.tp_bwd_comm_s + cost.cp_bwd_comm_s + cost.ep_bwd_comm_s
-    fwd_gather_s = max(0.0, cost.fwd_gather_s - cost.fwd_compute_s - fwd_comm_s)
-    bwd_gather_s = max(0.0, cost.bwd_gather_s - bwd_compute_s - bwd_comm_s)
+    fwd_gather_s = cost.fwd_gather_exposure_s[0]
+    bwd_gather_s = cost.bwd_gather_exposure_s[0]
     return OptionCost(
         recompute=recompute,
-        fwd_s=cost.fwd_compute_s + fwd_comm_s + fwd_gather_s,
-        bwd_s=bwd_compute_s + bwd_comm_s + bwd_gather_s,
+        fwd_s=cost.fwd_busy_s + fwd_gather_s,
+        bwd_s=cost.bwd_busy_s + bwd_gather_s,
         static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
         act_bytes=cost.activation_bytes,
         buffer_bytes=cost.buffer_bytes,
@@ -199,14 +218,17 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
         optimizer_s=cost.optimizer_step_s,
         output_bytes=cost.output_bytes,
         tp=tp, dp=dp,
-        comm_s=fwd_comm_s + bwd_comm_s + fwd_gather_s + bwd_gather_s)
+        comm_s=fwd_comm_s + bwd_comm_s + fwd_gather_s + bwd_gather_s,
+        fwd_gather_s=cost.fwd_gather_s, bwd_gather_s=cost.bwd_gather_s,
+        fwd_busy_s=cost.fwd_busy_s, bwd_busy_s=cost.bwd_busy_s)
 
 
 def _no_worse(a: OptionCost, b: OptionCost) -> bool:
     """a is at least as good as b in every quantity the solver reads."""
+    fields = ("static_bytes", "act_bytes", "buffer_bytes", "dp_comm_s", "param_gather_s", "optimizer_s",
+              "fwd_head_s", "bwd_head_s")
     return ((a.tp, a.dp) == (b.tp, b.dp) and a.fwd_s <= b.fwd_s and a.bwd_s <= b.bwd_s
-            and all(getattr(a, f) <= getattr(b, f) for f in ("static_bytes", "act_bytes", "buffer_bytes",
-                                                              "dp_comm_s", "param_gather_s", "optimizer_s")))
+            and all(getattr(a, f) <= getattr(b, f) for f in fields))
 
 
 def drop_dominated(options: list[OptionCost]) -> tuple[OptionCost, ...]:
@@ -258,6 +280,38 @@ def _pipelined(strategy, cache: dict):
     out = cache.get(key)
     if out is None:
         out = cache[key] = replace(strategy, pp=costed_pp(strategy.pp))
+    return out
+
+
+def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerType]:
+    """A first and a last layer of their own kind (the embedding, the head) always run beside the
+    run of blocks: fold into their options what each pass's gathers change there
+    (`layer_costs.after_other_gather_s`): the first block's forward gather hides behind the
+    embedding's forward, the embedding's backward gather behind the first block's backward, the
+    head's forward gather behind the last block's, the last block's backward gather behind the
+    head's. The block side is its first option (a chunk holding a pinned layer alone is charged
+    as if a block were beside it)."""
+    from dataclasses import replace
+
+    num_layers = len(layer_type)
+    if num_layers < 2:
+        return types
+    out = list(types)
+    for end, beside in ((0, 1), (num_layers - 1, num_layers - 2)):
+        kind = layer_type[end]
+        if layer_type.count(kind) != 1 or layer_type[beside] == kind:
+            continue
+        block = types[layer_type[beside]].options[0]
+        folded = []
+        for option in types[kind].options:
+            if end == 0:  # forward: the block after it; backward: it after the block
+                fwd = after_other_gather_s(block.fwd_gather_s, block.fwd_busy_s, option.fwd_busy_s)
+                bwd = after_other_gather_s(option.bwd_gather_s, option.bwd_busy_s, block.bwd_busy_s)
+            else:  # forward: it after the block; backward: the block after it
+                fwd = after_other_gather_s(option.fwd_gather_s, option.fwd_busy_s, block.fwd_busy_s)
+                bwd = after_other_gather_s(block.bwd_gather_s, block.bwd_busy_s, option.bwd_busy_s)
+            folded.append(replace(option, fwd_s=max(0.0, option.fwd_s + fwd), bwd_s=max(0.0, option.bwd_s + bwd)))
+        out[kind] = replace(types[kind], options=tuple(folded))
     return out
 
 
@@ -323,6 +377,7 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
         types.append(LayerType(key=key, options=drop_dominated(options)))
+    types = _fold_pinned_neighbours(types, layer_type)
     boundary_bytes = stream_bytes(types, layer_type) if strategy.pp > 1 else 0.0
     p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
     gpus = strategy.tp * strategy.dp * strategy.pp

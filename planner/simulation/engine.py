@@ -170,11 +170,10 @@ def _build_chunks(costs: StepCosts) -> list[_Chunk]:
         by_chunk[chunk].append(cost)
     chunks = []
     for index, layers in enumerate(by_chunk):
-        fwd_busy = [c.fwd_compute_s + c.tp_fwd_comm_s + c.cp_fwd_comm_s + c.ep_fwd_comm_s for c in layers]
+        fwd_busy = [c.fwd_busy_s for c in layers]
         fwd_end = _pass_end_times(fwd_busy, [c.fwd_gather_s for c in layers])[-1]
         backward = layers[::-1]
-        bwd_busy = [c.bwd_compute_s + c.recompute_s + c.tp_bwd_comm_s + c.cp_bwd_comm_s + c.ep_bwd_comm_s
-                    for c in backward]
+        bwd_busy = [c.bwd_busy_s for c in backward]
         bwd_ends = _pass_end_times(bwd_busy, [c.bwd_gather_s for c in backward])
         chunks.append(_Chunk(
             rank=cfg.rank_of_chunk(index),

@@ -12,7 +12,8 @@ from __future__ import annotations
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
 from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
-from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, selective_recompute_flops
+from meshplan.planner.costing.layer_costs import (COMPUTE_DTYPE, after_other_gather_s, layer_cost, p2p_time_s,
+                                                  selective_recompute_flops)
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
                                                pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
@@ -185,6 +186,23 @@ def closed_form_prediction(graph, cluster: ClusterProfile, config: ParallelConfi
     return _prediction(graph, cluster, config, recomputes, step, memory)
 
 
+def _exposed_gathers_s(costs, chunks, i: int) -> float:
+    """Layer i's parameter gathers that prefetch one layer ahead cannot hide, forward and backward:
+    its steady share, plus the head where it opens its chunk's pass, or what hiding behind the
+    layer before it in the pass changes (`layer_costs.gather_exposure_s`, `after_other_gather_s`)."""
+    cost = costs[i]
+    exposed = cost.fwd_gather_exposure_s[0] + cost.bwd_gather_exposure_s[0]
+    if i == 0 or chunks[i - 1] != chunks[i]:
+        exposed += cost.fwd_gather_exposure_s[1]
+    else:
+        exposed += after_other_gather_s(cost.fwd_gather_s, cost.fwd_busy_s, costs[i - 1].fwd_busy_s)
+    if i + 1 == len(chunks) or chunks[i + 1] != chunks[i]:
+        exposed += cost.bwd_gather_exposure_s[1]
+    else:
+        exposed += after_other_gather_s(cost.bwd_gather_s, cost.bwd_busy_s, costs[i + 1].bwd_busy_s)
+    return exposed
+
+
 def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> StageTimes:
     mine = [i for i, stage in enumerate(stage_of) if stage == rank]
     compute = sum(costs[i].fwd_compute_s + costs[i].bwd_compute_s for i in mine)
@@ -194,10 +212,7 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     fwd_comm = [costs[i].tp_fwd_comm_s + costs[i].cp_fwd_comm_s + costs[i].ep_fwd_comm_s for i in range(len(costs))]
     bwd_comm = [costs[i].tp_bwd_comm_s + costs[i].cp_bwd_comm_s + costs[i].ep_bwd_comm_s for i in range(len(costs))]
     tp_comm = sum(fwd_comm[i] + bwd_comm[i] for i in mine)
-    # ZeRO-3 prefetch hides a layer's gather behind the compute of the pass it precedes.
-    zero3 = sum(max(0.0, costs[i].fwd_gather_s - costs[i].fwd_compute_s - fwd_comm[i])
-                + max(0.0, costs[i].bwd_gather_s - costs[i].bwd_compute_s - costs[i].recompute_s - bwd_comm[i])
-                for i in mine)
+    zero3 = sum(_exposed_gathers_s(costs, chunks, i) for i in mine)
     # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
     # input backward.
     p2p = 0.0

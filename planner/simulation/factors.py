@@ -18,20 +18,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 
-@lru_cache(maxsize=4096)
-def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
-                bwd_over_fwd: float = 2.0, weight_share: float = 0.5) -> float:
-    """F of the schedule with chunks of forward 1 and backward `bwd_over_fwd`, of which the
-    zero-bubble schedules run `weight_share` as W (see above)."""
+def _unit_play(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+               bwd_over_fwd: float, weight_share: float, record: bool):
+    """The engine's play of balanced unit chunks (forward 1, backward `bwd_over_fwd`)."""
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.layer_costs import LayerCost
     from meshplan.planner.simulation.engine import StepCosts, _build_chunks, _play
     from meshplan.planner.simulation.split_backward import with_weight_grad
 
-    if bwd_over_fwd <= 0:
-        raise ValueError(f"bwd_over_fwd must be positive, got {bwd_over_fwd}")
-    if num_stages == 1:
-        return float(num_microbatches)
     config = ParallelConfig(gpus=num_stages, global_batch=num_microbatches, pp=num_stages, schedule=schedule,
                             virtual_stages=virtual_stages)
     unit = LayerCost(fwd_compute_s=1.0, bwd_compute_s=bwd_over_fwd, recompute_s=0.0, tp_fwd_comm_s=0.0,
@@ -41,8 +35,46 @@ def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_s
     num_chunks = num_stages * virtual_stages
     costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)),
                       weight_grad_share=(weight_share,) * num_chunks)
+    return _play(costs, with_weight_grad(costs, _build_chunks(costs)), record=record)
+
+
+@lru_cache(maxsize=1024)
+def reduction_windows(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                      bwd_over_fwd: float = 2.0) -> tuple[tuple[tuple[float, float, float], ...], ...]:
+    """Per rank, (b, f, i) from each of its backwards to its compute end: the backwards and
+    forwards it runs there and the time it idles, in whole-rank micro-batch units (chunk actions
+    / v; idle over one micro-batch's forward + backward), as the engine plays balanced unit
+    chunks. A reduction released by those backwards has that window to hide in (`ilp.evaluation`)."""
+    if num_stages == 1:  # F B F B ...: the executor's accumulation, no idle
+        return (tuple((float(k), float(k - 1), 0.0) for k in range(1, num_microbatches + 1)),)
+    played = _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, 0.5, True)
+    unit_s = virtual_stages * (1.0 + bwd_over_fwd)
+    out = []
+    for runs in played.runs:
+        end_s, busy_s, backwards, forwards, windows = runs[-1].end_s, 0.0, 0, 0, []
+        for run in reversed(runs):
+            busy_s += run.end_s - run.start_s
+            if run.action.kind == "F":
+                forwards += 1
+                continue
+            backwards += 1
+            windows.append((backwards / virtual_stages, forwards / virtual_stages,
+                            max(0.0, end_s - run.start_s - busy_s) / unit_s))
+        out.append(tuple(windows))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+                bwd_over_fwd: float = 2.0, weight_share: float = 0.5) -> float:
+    """F of the schedule with chunks of forward 1 and backward `bwd_over_fwd`, of which the
+    zero-bubble schedules run `weight_share` as W (see above)."""
+    if bwd_over_fwd <= 0:
+        raise ValueError(f"bwd_over_fwd must be positive, got {bwd_over_fwd}")
+    if num_stages == 1:
+        return float(num_microbatches)
     # Unit chunks have no reduction, optimizer or memory: the step ends with the last action
     # (what `simulate_step` reports for them, without its tails, memory and breakdown).
-    played = _play(costs, with_weight_grad(costs, _build_chunks(costs)), record=False)
+    played = _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, weight_share, False)
     step_s = max(runs[-1].end_s for runs in played.runs)
     return step_s / (virtual_stages * (1.0 + bwd_over_fwd))

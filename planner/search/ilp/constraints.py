@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s,
-                                                   forwards_after_first_backward, live_vectors,
-                                                   pipelined_every_microbatch, receive_bytes, reduction_contention_s)
+from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s, live_vectors,
+                                                   pipelined_every_microbatch, receive_bytes, reduction_contention_s,
+                                                   reduction_windows)
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
     from meshplan.planner.search.ilp.formulation import StageProblem
@@ -43,6 +43,8 @@ class _Model:
         # (seconds, indicator expression) terms.
         self.rank_first_dp: list[list[list[tuple[float, object]]]] = [[] for _ in range(self.pp)]
         self.decoders: list = []  # callables filling (chunks, options) from the solved values
+        self.pinned: dict[int, list[tuple[object, object]]] = {}  # pinned layer -> [(option, pick)]
+        self.run_counts: list[list[object]] = []  # compact formulation: n[c][o]
         # Integrality cuts: (K, t, c) with K >= layers of a run in a chunk (v = 1) or on a rank
         # (times 1/v), so T_max >= v (K t + c).
         self.count_cuts: list[tuple[object, float, float]] = []
@@ -71,6 +73,13 @@ class _Model:
         for expression, coefficient in terms:
             expression += coefficient * amount
 
+    def add_head(self, chunk: int, side: str, amount) -> None:
+        """A gather head (`OptionCost.fwd_head_s`, `bwd_head_s`, times its indicator) on `chunk`'s
+        forward or backward: chunk time, and the rank's forward or backward the reduction rows read."""
+        rank = self.problem.shape.rank_of(chunk)
+        self.chunk_time[chunk] += amount
+        (self.rank_fwd if side == "fwd" else self.rank_bwd)[rank] += amount
+
     def assignment(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         num_layers = self.problem.table.num_layers
         chunks, options = [0] * num_layers, [0] * num_layers
@@ -89,6 +98,7 @@ def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
     options = table.types[table.layer_type[layer]].options
     pick = [pulp.LpVariable(f"w_{layer}_{o}", cat="Binary") for o in range(len(options))]
     model.lp += pulp.lpSum(pick) == 1, f"assign_{layer}"
+    model.pinned[layer] = list(zip(options, pick))
     for option, var in zip(options, pick):
         model.add_option_terms(chunk, option, var)
         model.add_edge_terms(layer, chunk, option, var)
@@ -110,6 +120,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count, cat="Integer")
                for o in range(len(options))] for c in range(num_chunks)]
     model.lp += pulp.lpSum(v for row in counts for v in row) == count, "run_total"
+    model.run_counts = counts
     has_first, has_last = first == 1, first + count < table.num_layers
     for c in range(num_chunks):
         if not ((c == 0 and has_first) or (c == num_chunks - 1 and has_last)):
@@ -200,6 +211,8 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_c
     # backward); subtract the most they can.
     slack = sum(min(0.0, min(reduction * (o.dp_comm_s - (o.bwd_s if overlap else 0.0)) for o in lt.options))
                 for lt in pinned)
+    if overlap:  # each chunk's backward gather head and change beside a pinned layer (each <= one gather)
+        slack -= reduction * 2 * v * max(o.bwd_gather_s for t in table.types for o in t.options)
     model.tail_cuts.append((busiest, per_layer, slack))
 
 
@@ -291,6 +304,7 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
         model.lp += step >= 0, f"contig_order_{layer}"
         model.lp += step <= 1, f"contig_step_{layer}"
     _add_layer_reshard_terms(model, x)
+    _add_layer_head_terms(model, x)
     in_chunk: dict[tuple[int, int], list] = {}
     for (layer, c, _), var in x.items():
         in_chunk.setdefault((layer, c), []).append(var)
@@ -306,6 +320,109 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
             if _value(var):
                 chunks[layer], chosen[layer] = c, o
     model.decoders.append(decode)
+
+
+def _has_gathers(table) -> bool:
+    return any(o.fwd_gather_s > 0 or o.bwd_gather_s > 0 for t in table.types for o in t.options)
+
+
+def _add_layer_head_terms(model: _Model, x) -> None:
+    """Per-layer formulation: the gathers of each chunk pass beyond the layers' steady shares
+    (`evaluation.pass_gather_s`). Layer l opens chunk c's forward iff it is in c and l - 1 is not:
+    head_fwd_l_c >= sum_o h_o x_lco - max_o h_o X_{l-1,c} is that exactly, as the objective holds
+    it down (the backward alike with l + 1), and the rows above it keep it from being more."""
+    table, pulp = model.problem.table, model.pulp
+    if not _has_gathers(table):
+        return
+    in_chunk: dict[tuple[int, int], list[tuple[int, object]]] = {}
+    for (layer, c, o), var in x.items():
+        in_chunk.setdefault((layer, c), []).append((o, var))
+    for (layer, c), chosen in in_chunk.items():
+        options = table.types[table.layer_type[layer]].options
+        for name, neighbour, field in (("fwd", layer - 1, "fwd_head_s"), ("bwd", layer + 1, "bwd_head_s")):
+            heads = [getattr(options[o], field) for o, _ in chosen]
+            beside = in_chunk.get((neighbour, c), [])
+            if max(heads) > 0:
+                opened = pulp.lpSum(head * var for head, (_, var) in zip(heads, chosen))
+                if not beside:  # nothing before it in this chunk: it opens the pass whenever it is here
+                    model.add_head(c, name, opened)
+                else:
+                    # exact both ways: the rows below keep the reduction rows from reading a larger head
+                    head = pulp.LpVariable(f"head_{name}_{layer}_{c}", lowBound=0)
+                    model.lp += head >= opened - max(heads) * pulp.lpSum(var for _, var in beside), \
+                        f"head_{name}_{layer}_{c}"
+                    model.lp += head <= opened, f"head_{name}_{layer}_{c}_up"
+                    model.lp += head <= max(heads) * (1 - pulp.lpSum(var for _, var in beside)), \
+                        f"head_{name}_{layer}_{c}_beside"
+                    model.add_head(c, name, head)
+
+
+def _edges(model: _Model, c: int, used: list, reverse: bool) -> list:
+    """edge_o = [o is the lowest (reverse: highest) used option of chunk c], exact: at least
+    y_o - sum of the options before it, at most y_o and 1 - each of those."""
+    pulp, kind = model.pulp, "close" if reverse else "open"
+    order = list(range(len(used)))[::-1] if reverse else list(range(len(used)))
+    edges = [None] * len(used)
+    for position, o in enumerate(order):
+        before = [used[q] for q in order[:position]]
+        edge = edges[o] = pulp.LpVariable(f"{kind}_{c}_{o}", lowBound=0, upBound=1)
+        model.lp += edge >= used[o] - pulp.lpSum(before), f"{kind}_lo_{c}_{o}"
+        model.lp += edge <= used[o], f"{kind}_up_{c}_{o}"
+        for q, var in enumerate(before):
+            model.lp += edge <= 1 - var, f"{kind}_excl_{c}_{o}_{q}"
+    return edges
+
+
+def _alike_at_edges(options) -> bool:
+    """The run's options have the same gather heads."""
+    return len({(option.fwd_head_s, option.bwd_head_s) for option in options}) == 1
+
+
+def _add_run_head_terms(model: _Model, counts, options, count: int, first: int) -> None:
+    """Compact formulation: the gathers of each chunk pass beyond the layers' steady shares
+    (`evaluation.pass_gather_s`).
+
+    Inside a chunk the run's layers are laid out in option order (`decode`), so its first run
+    layer is its lowest used option (`_edges`, open) and its last the highest (close). Chunk 0's
+    forward opens with the pinned first layer and the last chunk's backward with the pinned last
+    layer; a chunk holding only a pinned layer has that layer's other head too."""
+    table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
+    if not _has_gathers(table):
+        return
+    has_first, has_last = first == 1, first + count < table.num_layers
+    last = table.num_layers - 1
+    if _alike_at_edges(options):
+        # which option opens or closes a chunk changes nothing: one indicator per chunk
+        options, counts = options[:1], [[pulp.lpSum(row)] for row in counts]
+    head_of = {"fwd": [o.fwd_head_s for o in options], "bwd": [o.bwd_head_s for o in options]}
+    for c in range(num_chunks):
+        used = [pulp.LpVariable(f"head_used_{c}_{o}", cat="Binary") for o in range(len(options))]
+        for o, var in enumerate(used):
+            model.lp += counts[c][o] <= count * var, f"head_used_up_{c}_{o}"
+            model.lp += counts[c][o] >= var, f"head_used_down_{c}_{o}"
+        opens, closes = _edges(model, c, used, False), _edges(model, c, used, True)
+        pinned_first = has_first and c == 0
+        pinned_last = has_last and c == num_chunks - 1
+        # (pass, its opening layer pinned?, that layer, the run's edge, the other pinned layer alone)
+        for name, pinned, layer, edges, alone in (("fwd", pinned_first, 0, opens, last if pinned_last else None),
+                                                 ("bwd", pinned_last, last, closes, 0 if pinned_first else None)):
+            field = f"{name}_head_s"
+            if pinned:  # the pinned layer opens the pass
+                model.add_head(c, name, pulp.lpSum(getattr(o, field) * pick for o, pick in model.pinned[layer]))
+                continue
+            for o, edge in enumerate(edges):
+                if head_of[name][o] > 0:
+                    model.add_head(c, name, head_of[name][o] * edge)
+            if alone is not None:  # the chunk may hold only its pinned layer
+                top = max(getattr(o, field) for o, _ in model.pinned[alone])
+                if top > 0:
+                    alone_s = pulp.lpSum(getattr(o, field) * pick for o, pick in model.pinned[alone])
+                    edge = pulp.LpVariable(f"head_{name}_{c}_pinned", lowBound=0)
+                    model.lp += edge >= alone_s - top * pulp.lpSum(used), f"head_{name}_{c}_pinned"
+                    model.lp += edge <= alone_s, f"head_{name}_{c}_pinned_up"
+                    for o, var in enumerate(used):  # exact: no head once a run layer is here
+                        model.lp += edge <= top * (1 - var), f"head_{name}_{c}_pinned_run_{o}"
+                    model.add_head(c, name, edge)
 
 
 def _add_layer_reshard_terms(model: _Model, x) -> None:
@@ -363,9 +480,11 @@ def _add_pipeline_time_constraints(model: _Model):
         exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
         model.lp += exposed >= model.rank_grad_comm[r] - (0 if blocking else model.rank_bwd[r]), f"exposed_dp_{r}"
         if problem.grad_sync == "overlap_every_microbatch":  # every micro-batch reduces all gradients
-            model.lp += exposed >= m * model.rank_grad_comm[r] \
-                - forwards_after_first_backward(problem.shape, r) * model.rank_fwd[r] \
-                - m * model.rank_bwd[r] + reduction_contention_s(problem, r), f"exposed_dp_every_{r}"
+            contention_s = reduction_contention_s(problem, r)
+            for k, (b, f, i) in enumerate(reduction_windows(problem.shape, r)):
+                model.lp += exposed >= b * (model.rank_grad_comm[r] - model.rank_bwd[r]) \
+                    - f * (model.rank_fwd[r] + slowest - rank_time[r]) - i * (model.rank_fwd[r] + model.rank_bwd[r]) \
+                    + contention_s * (b + f), f"exposed_dp_every_{r}_{k}"
         for k, group in enumerate(model.rank_first_dp[r]):
             model.lp += exposed >= pulp.lpSum(dp_s * indicator for dp_s, indicator in group), f"exposed_first_{r}_{k}"
         if pipelined_every_microbatch(problem) and r > 0:  # counted from the rank's own compute end
@@ -441,6 +560,7 @@ def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -
         _add_run_count_constraints(model, first, count, type_index)
         if first + count < table.num_layers:
             _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)
+        _add_run_head_terms(model, model.run_counts, table.types[type_index].options, count, first)
     time_objective = _add_pipeline_time_constraints(model)
     peak = _add_memory_constraints(model)
     model.lp += (peak if peak is not None else time_objective), "objective"

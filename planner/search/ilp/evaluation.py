@@ -63,22 +63,58 @@ def _chunk_fixed_bytes(shape: PipelineShape, boundary_bytes: float) -> tuple[flo
     return tuple(boundary_bytes if c < num_chunks - 1 else 0.0 for c in range(num_chunks))
 
 
+def reduction_windows(shape: PipelineShape, rank: int) -> tuple[tuple[float, float, float], ...]:
+    """(b, f, i) of each window a rank's per-micro-batch reductions must fit in (ZeRO-2/3).
+
+    From any backward of the rank to its compute end the rank runs b backwards and f forwards
+    and idles i (whole-rank units, `simulation.factors.reduction_windows`), and releases b
+    reductions, so the reduction stream ends at least b D - b B - f F - i (F + B) after the
+    compute (D, B, F: the rank's reduction, backward and forward of one micro-batch). Which
+    backward binds depends on D, B and F (the first: the whole step's; in the cool-down, where
+    reductions longer than the backward pile up, the drain's idle decides), so every backward's
+    window is a row, less those another beats for any D >= B (more backwards, no more forwards
+    or idle); the last backward's stays for D < B."""
+    return _reduction_windows(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank)
+
+
+@lru_cache(maxsize=4096)
+def _reduction_windows(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+                       rank: int) -> tuple[tuple[float, float, float], ...]:
+    from meshplan.planner.simulation.factors import reduction_windows as played_windows
+
+    windows = played_windows(schedule, num_stages, num_microbatches, virtual_stages)[rank]
+    kept = [min(windows)]  # the last backward's (fewest backwards): the largest row when D < B
+    for window in sorted(windows, key=lambda w: (-w[0], w[1], w[2])):
+        if not any(k[0] >= window[0] and k[1] <= window[1] and k[2] <= window[2] for k in kept):
+            kept.append(window)
+    return tuple(_drop_collinear(sorted(set(kept))))
+
+
+def _drop_collinear(points: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """Points in order less each one on the segment between its neighbours: a linear function's
+    maximum over a segment is at an end (steady-state windows differ by equal steps)."""
+    out: list[tuple[float, float, float]] = []
+    for point in points:
+        while len(out) >= 2 and _between(out[-2], out[-1], point):
+            out.pop()
+        out.append(point)
+    return out
+
+
+def _between(a, b, c, tol: float = 1e-9) -> bool:
+    """b lies on the segment from a to c."""
+    ab = [y - x for x, y in zip(a, b)]
+    ac = [y - x for x, y in zip(a, c)]
+    cross = (ab[1] * ac[2] - ab[2] * ac[1], ab[2] * ac[0] - ab[0] * ac[2], ab[0] * ac[1] - ab[1] * ac[0])
+    dot, length = sum(x * y for x, y in zip(ab, ac)), sum(x * x for x in ac)
+    return max(map(abs, cross)) <= tol * max(1.0, length) and 0 <= dot <= length
+
+
 def forwards_after_first_backward(shape: PipelineShape, rank: int) -> float:
     """W_r: the rank's forwards (in whole-rank micro-batch units, chunk forwards / v) that run
     after its first backward starts: the compute a reduction started by that backward can hide
     behind. m - 1 without pipelining; fewer on a pipeline rank, whose warm-up runs first."""
-    return _forwards_after_first_backward(shape.schedule, shape.num_stages, shape.num_microbatches,
-                                          shape.virtual_stages, rank)
-
-
-@lru_cache(maxsize=4096)
-def _forwards_after_first_backward(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
-                                   rank: int) -> float:
-    from meshplan.planner.simulation.schedules import schedule_actions
-
-    actions = schedule_actions(schedule, num_stages, num_microbatches, virtual_stages)[rank]
-    first = next(i for i, action in enumerate(actions) if action.kind != "F")
-    return sum(action.kind == "F" for action in actions[first:]) / virtual_stages
+    return max(f for _, f, _ in reduction_windows(shape, rank))
 
 
 def pipelined_every_microbatch(problem: StageProblem) -> bool:
@@ -98,15 +134,14 @@ def boundaries_on(shape: PipelineShape, rank: int) -> int:
 
 
 def reduction_contention_s(problem: StageProblem, rank: int) -> float:
-    """C_r: a reduction stream busy from the rank's first backward on shares the link its
-    boundary transfers use with those that come after (fair share: it ends half their time later,
-    `simulation.contention`). Of a boundary's 2 m transfers, the m gradients and the forwards
-    after the first backward (W_r of m) come after: C_r = b_r P (m + W_r) / 2."""
+    """c_r: per whole-rank action in a reduction window, the fair-share delay a reduction stream
+    sharing the link its boundary transfers use pays (it ends half their time later,
+    `simulation.contention`): every action sends or receives one transfer per boundary, so a
+    window of b backwards and f forwards is delayed c_r (b + f), c_r = b_r P / 2 (b_r: the
+    rank's boundaries)."""
     if not (pipelined_every_microbatch(problem) and problem.dp_shares_pp_link):
         return 0.0
-    shape = problem.shape
-    after = shape.num_microbatches + forwards_after_first_backward(shape, rank)
-    return boundaries_on(shape, rank) * problem.table.p2p_s * after / 2
+    return boundaries_on(problem.shape, rank) * problem.table.p2p_s / 2
 
 
 def drain_rank_s(rank: int, bwd_s, virtual_stages: int, p2p_s: float):
@@ -115,17 +150,19 @@ def drain_rank_s(rank: int, bwd_s, virtual_stages: int, p2p_s: float):
     return rank * (bwd_s * (1.0 / virtual_stages) + p2p_s)
 
 
-def exposed_dp_s(grad_sync: str, grad_comm_s: float, first_s: float, fwd_s: float, bwd_s: float, m: int,
-                 fwd_after: float | None = None, contention_s: float = 0.0) -> float:
+def exposed_dp_s(grad_sync: str, grad_comm_s: float, first_s: float, fwd_s: float, bwd_s: float,
+                 windows: tuple[tuple[float, float, float], ...] = (), contention_s: float = 0.0,
+                 wait_s: float = 0.0) -> float:
     """Per-step gradient reduction of one rank that compute does not hide (the maths above);
-    `fwd_after`: `forwards_after_first_backward` (m - 1 by default, no pipelining);
-    `contention_s`: `reduction_contention_s`, paid when the reduction stream is the bottleneck."""
+    `windows`: `reduction_windows` of the rank (ZeRO-2/3: every micro-batch's reduction);
+    `contention_s`: `reduction_contention_s`, per action of a window; `wait_s`: T_max - T_r, what
+    the rank waits for the slowest every steady-state micro-batch (one per forward of a window)."""
     if grad_sync == "after_chunk":  # torch pipelining: a chunk's reduction blocks the rank
         return max(first_s, grad_comm_s)
     exposed = max(first_s, grad_comm_s - bwd_s)
     if grad_sync == "overlap_every_microbatch":
-        after = m - 1 if fwd_after is None else fwd_after
-        exposed = max(exposed, m * grad_comm_s - after * fwd_s - m * bwd_s + contention_s)
+        exposed = max([exposed] + [b * (grad_comm_s - bwd_s) - f * (fwd_s + wait_s) - i * (fwd_s + bwd_s)
+                                   + contention_s * (b + f) for b, f, i in windows])
     return exposed
 
 
@@ -138,6 +175,22 @@ def rank_tail_s(problem: StageProblem, rank: int, exposed_s: float, bwd_s: float
     return exposed_s + tail_s + problem.table.rank_fixed_s
 
 
+def pass_gather_s(table: CostTable, chunk_of_layer, option_of_layer, num_chunks: int) -> tuple[list[float], list[float]]:
+    """Per chunk, (forward, backward): the gather its forward's first layer and its backward's
+    first (the chunk's last layer) wait for with no layer before them in the chunk to hide it
+    (`OptionCost.fwd_head_s`, `bwd_head_s`; the change beside a pinned first or last layer is in
+    that layer's option: `tables._fold_pinned_neighbours`)."""
+    fwd, bwd = [0.0] * num_chunks, [0.0] * num_chunks
+    last = len(chunk_of_layer) - 1
+    for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
+        option = table.option(layer, index)
+        if layer == 0 or chunk_of_layer[layer - 1] != chunk:
+            fwd[chunk] += option.fwd_head_s
+        if layer == last or chunk_of_layer[layer + 1] != chunk:
+            bwd[chunk] += option.bwd_head_s
+    return fwd, bwd
+
+
 def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
     """(objective_s, chunk_time_s, rank_mem_bytes) of one assignment, by the formulas above.
 
@@ -146,6 +199,10 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     pp, num_chunks, v, m = shape.num_stages, shape.num_chunks, shape.virtual_stages, shape.num_microbatches
     chunk_time = chunk_fixed_s(table, num_chunks)
     grad_comm, fwd, bwd, tail = ([0.0] * pp for _ in range(4))
+    for chunk, heads in enumerate(zip(*pass_gather_s(table, chunk_of_layer, option_of_layer, num_chunks))):
+        chunk_time[chunk] += sum(heads)
+        fwd[shape.rank_of(chunk)] += heads[0]
+        bwd[shape.rank_of(chunk)] += heads[1]
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):
         option = table.option(layer, index)
         rank = shape.rank_of(chunk)
@@ -157,10 +214,22 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     rank_time = [sum(chunk_time[c] for c in shape.chunks_on(r)) for r in range(pp)]
     first = [chunk_of_layer.index(r) for r in range(pp)]  # a rank's first layer: its last gradients
     never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
+    slowest = _slowest_rank_s(problem, chunk_of_layer, option_of_layer, chunk_time, rank_time)
     exposed = [rank_tail_s(problem, r, exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r],
-                                                    bwd[r], m, forwards_after_first_backward(shape, r),
-                                                    reduction_contention_s(problem, r)), bwd[r], tail[r])
+                                                    bwd[r], reduction_windows(shape, r),
+                                                    reduction_contention_s(problem, r), slowest - rank_time[r]),
+                           bwd[r], tail[r])
                for r in range(pp)]
+    slowest_weight, sum_weight = shape.weights
+    objective = (slowest_weight * slowest + sum_weight * sum(rank_time) + shape.transfers_on_path * table.p2p_s
+                 + max(exposed))
+    return objective, tuple(chunk_time), memory_of_assignment(problem, chunk_of_layer, option_of_layer, peaks)
+
+
+def _slowest_rank_s(problem: StageProblem, chunk_of_layer, option_of_layer, chunk_time, rank_time) -> float:
+    """T_max of an assignment: the slowest rank, an interleaved chunk's v t_c, 1F1B's cycle."""
+    table, shape = problem.table, problem.shape
+    num_chunks, v = shape.num_chunks, shape.virtual_stages
     # Interleaved: T_max >= v t_c, less the first layer's time in the first chunk and the last
     # layer's in the last (the embedding and the head: the played schedule absorbs them).
     even = list(chunk_time)
@@ -173,10 +242,7 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     if shape.transfer_cycle and table.p2p_s > 0:  # every rank but the bottleneck waits 2P per micro-batch
         bottleneck = rank_time.index(max(rank_time))
         slowest = max([slowest] + [t + 2 * table.p2p_s for r, t in enumerate(rank_time) if r != bottleneck])
-    slowest_weight, sum_weight = shape.weights
-    objective = (slowest_weight * slowest + sum_weight * sum(rank_time) + shape.transfers_on_path * table.p2p_s
-                 + max(exposed))
-    return objective, tuple(chunk_time), memory_of_assignment(problem, chunk_of_layer, option_of_layer, peaks)
+    return slowest
 
 
 def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None) -> tuple:
