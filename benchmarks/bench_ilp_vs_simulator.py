@@ -1,8 +1,8 @@
 """The ILP against the simulator, candidate by candidate: for sampled candidates of profiled models
 (the cases tests/planner/search/test_ilp_vs_simulator.py asserts within 2%, and the known gaps it
-does not: interleaving with as few micro-batches as stages, a small model whose head outweighs
-several blocks), the ILP's objective and per-rank memory for the assignment it chose against
-the simulator's step time and memory for that assignment. Prints every candidate and the worst
+does not: interleaved chunks of unequal size, when the layers do not divide evenly over the
+chunks), the ILP's objective and per-rank memory for the assignment it chose against the
+simulator's step time and memory for that assignment. Prints every candidate and the worst
 error per case. Run: `python benchmarks/bench_ilp_vs_simulator.py`.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tests.planner.search.test_ilp_vs_simulator import CASES, _solved  # noqa: E
 
 KNOWN_GAPS = {
     "llama3-70b-interleaved": ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=4, schedule="interleaved"), 6),
-    "llama3-405b-interleaved (m = p)": ("llama3-405b", 8192, "h100-sxm", 2048, 512,
-                                        Pins(tp=8, pp=16, schedule="interleaved"), 6),
+    "llama3-405b-interleaved": ("llama3-405b", 8192, "h100-sxm", 2048, 512,
+                                Pins(tp=8, pp=16, schedule="interleaved"), 6),
     "small-gpt-interleaved": ("gpt:layers=24,hidden=1024,heads=16,vocab=32000", 1024, "a100-80g", 16, 256,
                               Pins(pp=4, schedule="interleaved"), 8),
 }

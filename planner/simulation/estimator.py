@@ -12,8 +12,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
 from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
-from meshplan.planner.costing.layer_costs import (COMPUTE_DTYPE, after_other_gather_s, layer_cost, p2p_time_s,
-                                                  selective_recompute_flops)
+from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, after_other_gather_s, layer_cost, p2p_time_s
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
                                                pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError

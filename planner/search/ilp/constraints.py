@@ -475,7 +475,7 @@ def _add_pipeline_time_constraints(model: _Model):
     for k, (busiest, per_layer_s, slack_s) in enumerate(model.tail_cuts):
         if per_layer_s > 0:
             model.lp += tail >= per_layer_s * busiest + slack_s, f"tail_granularity_{k}"
-    m, blocking = shape.num_microbatches, problem.grad_sync == "after_chunk"
+    blocking = problem.grad_sync == "after_chunk"
     for r in range(model.pp):
         exposed = pulp.LpVariable(f"exposed_dp_{r}", lowBound=0)
         model.lp += exposed >= model.rank_grad_comm[r] - (0 if blocking else model.rank_bwd[r]), f"exposed_dp_{r}"

@@ -110,13 +110,6 @@ def _between(a, b, c, tol: float = 1e-9) -> bool:
     return max(map(abs, cross)) <= tol * max(1.0, length) and 0 <= dot <= length
 
 
-def forwards_after_first_backward(shape: PipelineShape, rank: int) -> float:
-    """W_r: the rank's forwards (in whole-rank micro-batch units, chunk forwards / v) that run
-    after its first backward starts: the compute a reduction started by that backward can hide
-    behind. m - 1 without pipelining; fewer on a pipeline rank, whose warm-up runs first."""
-    return max(f for _, f, _ in reduction_windows(shape, rank))
-
-
 def pipelined_every_microbatch(problem: StageProblem) -> bool:
     """ZeRO-2/3 under pipelining: every micro-batch's reduction runs beside the pipeline's own
     transfers and ends on the rank's own clock (`reduction_drain_s`)."""
@@ -196,7 +189,7 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
 
     `peaks`: `live_vectors` of every rank, if already computed."""
     table, shape = problem.table, problem.shape
-    pp, num_chunks, v, m = shape.num_stages, shape.num_chunks, shape.virtual_stages, shape.num_microbatches
+    pp, num_chunks = shape.num_stages, shape.num_chunks
     chunk_time = chunk_fixed_s(table, num_chunks)
     grad_comm, fwd, bwd, tail = ([0.0] * pp for _ in range(4))
     for chunk, heads in enumerate(zip(*pass_gather_s(table, chunk_of_layer, option_of_layer, num_chunks))):
@@ -250,7 +243,7 @@ def memory_of_assignment(problem: StageProblem, chunk_of_layer, option_of_layer,
     pipelining's receive buffers, and the activations (and boundary outputs) of the micro-batches
     live at each of the schedule's peaks."""
     table, shape = problem.table, problem.shape
-    pp, num_chunks, v = shape.num_stages, shape.num_chunks, shape.virtual_stages
+    pp = shape.num_stages
     chunk_act = chunk_fixed_bytes(table, shape)
     static, buffer = [0.0] * pp, [0.0] * pp
     for layer, (chunk, index) in enumerate(zip(chunk_of_layer, option_of_layer)):

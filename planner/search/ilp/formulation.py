@@ -22,6 +22,10 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                                      n_co in Z>=0:  sum_co n_co = N                     (run_total)
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
+                    + h^f(first layer of c) + h^b(last layer of c): a parameter gather that no
+                    layer before it in the pass hides (`layer_costs.gather_exposure_s`; compact:
+                    the lowest and highest option used in c, open_co / close_co exact indicators;
+                    per-layer: head_l_c >= sum_o h_o x_lco - max_o h_o X_{l-1,c}, and at most it)
     rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
                     v > 1: T_max >= v (t_c - e_c) (tmax_chunk_c): the interleaved steady state
                     runs one chunk of each rank after another, so a chunk longer than T_max / v
@@ -35,13 +39,15 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                     the executor's grad sync (D_r: reduction of the rank's layers, B_r / F_r: its
                     backward / forward of one micro-batch):
                       overlap (during the last backward)       E_r >= D_r - B_r
-                      overlap_every_microbatch (ZeRO-2/3)      E_r >= D_r - B_r, E_r >= m D_r - W_r F_r - m B_r
-                      (W_r: the rank's forwards after its first backward, m - 1 without pipelining,
-                      fewer behind a pipeline warm-up: `evaluation.forwards_after_first_backward`)
+                      overlap_every_microbatch (ZeRO-2/3)      E_r >= D_r - B_r, and per window k
+                        E_r >= b_k (D_r - B_r) - f_k (F_r + T_max - T_r) - i_k (F_r + B_r) + c_r (b_k + f_k)
+                      (a window: from one of the rank's backwards to its compute end, b_k backwards
+                      releasing b_k reductions, f_k forwards, each after a wait T_max - T_r for the
+                      slowest, and i_k idle, in whole-rank units: `evaluation.reduction_windows`;
+                      B_r, F_r include the chunk heads; c_r = b_r P / 2 when the reduction shares the
+                      transfers' link, b_r boundaries on the rank: `simulation.contention`)
                       after_chunk (pipelining, blocking)       E_r >= D_r
-                      pipelined ZeRO-2/3 add C_r = b_r P (m + W_r) / 2 to the last row when the reduction shares
-                      the transfers' link (b_r: boundaries on the rank; fair share, `simulation.
-                      contention`), and count E_r from the rank's own compute end, L_r = r (B_r / v + P)
+                      pipelined ZeRO-2/3 count E_r from the rank's own compute end, L_r = r (B_r / v + P)
                       before rank 0's: E'_r >= E_r - L_r, E'_r >= 0 (late_dp_r)
                     Tail >= E_r + Q_r + n_r  (n_r: per-rank fixed work, the gradient norm) (tail_r)
     memory          M_rk = S_r + sum_{c on r} live_k(c) (A_c + [c < C-1] Y) + U_r <= limit   (mem_r_k)

@@ -3,14 +3,15 @@ solves for profiled models, its objective is the simulated step time of the assi
 (within 2%) and its per-rank memory is the simulator's (within 1%).
 
 Tolerance: the ILP is linear where the simulator plays events; times agree to 2% on these
-models (measured: 0.0-0.5% for the large ones, 1.6% for the small GPT); memory is the same sum of the same per-layer
-figures, so 1% only absorbs float summation order. Known gaps, printed by
-`benchmarks/bench_ilp_vs_simulator.py` and not asserted here: interleaved schedules whose chunks
-are not all equal (llama3-70b on 4 stages: up to 3%; llama3-405b with as few micro-batches as
-stages: up to 8%; a small GPT whose head outweighs several blocks: up to 20%); the V-shaped
-schedules with as few micro-batches as they accept (m = 2p: llama3-70b on 8 stages, ZB-V +2.6%,
-DualPipeV +5.2%: the ILP charges every boundary's transfer in fill and drain, the V hides
-some), which is why the cases below pin m = 64 (0.3-1.3%); the search re-ranks by simulation.
+models (measured: 0.0-1.6%); memory is the same sum of the same per-layer figures, so 1% only
+absorbs float summation order. ZeRO-3's gathers (a head per chunk pass) and ZeRO-2/3's
+per-micro-batch reductions (a row per window) are in the cases, interleaved included. Known
+gaps, printed by `benchmarks/bench_ilp_vs_simulator.py` and not asserted here: interleaved
+schedules whose chunks are not all equal (llama3-70b x3 on 4 stages: up to 4.8%; llama3-405b on
+16 stages: up to 8.8%; a small GPT whose chunks hold one or two layers: up to 9.2%); the
+V-shaped schedules with as few micro-batches as they accept (m = 2p: llama3-70b on 8 stages,
+ZB-V +2.6%, DualPipeV +5.2%: the ILP charges every boundary's transfer in fill and drain, the V
+hides some), which is why the cases below pin m = 64 (0.3-1.3%); the search re-ranks by simulation.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ CASES = {
                  Pins(tp=8, pp=16, schedule="1f1b"), 4),
     "gpt-175b-interleaved": ("gpt:layers=96,hidden=12288,heads=96,vocab=51200", 2048, "a100-80g", 1024, 1536,
                              Pins(tp=8, pp=8, schedule="interleaved"), 4),
+    # ZeRO-3 interleaved: every chunk pass opens with an unhidden gather, every micro-batch reduces
+    "llama3-70b-interleaved-zero3": ("llama3-70b", 8192, "h100-sxm", 512, 512,
+                                     Pins(tp=8, pp=4, schedule="interleaved", vpp=2, zero=3), 6),
+    "llama3-70b-1f1b-zero2": ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=8, schedule="1f1b", zero=2), 4),
     "small-gpt-dp": ("gpt:layers=24,hidden=1024,heads=16,vocab=32000", 1024, "a100-80g", 16, 256, Pins(pp=1), 8),
     "small-gpt-1f1b": ("gpt:layers=24,hidden=1024,heads=16,vocab=32000", 1024, "a100-80g", 16, 256,
                        Pins(pp=4, dp=1, schedule="1f1b"), 6),
