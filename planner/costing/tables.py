@@ -9,9 +9,9 @@ layers.
 
 All times are seconds on one rank. `fwd_s` and `bwd_s` are per micro-batch and include the blocking
 TP collectives and the ZeRO gathers prefetch cannot hide; `bwd_s` includes the recomputed forward.
-`fwd_head_s` / `bwd_head_s` are what the gather adds when the layer opens its chunk's forward (closes
-its backward), which the ILP charges once per chunk pass (`layer_costs.gather_exposure_s`). `dp_comm_s` (gradient
-reduction), `param_gather_s` (ZeRO-1/2 all-gather after the optimizer) and `optimizer_s` are per
+`fwd_head_s` / `bwd_head_s` are what the gather adds when the layer opens its chunk's forward
+(closes its backward), which the ILP charges once per chunk pass (`layer_costs.gather_exposure_s`).
+`dp_comm_s` (gradient reduction), `param_gather_s` (ZeRO-1/2 all-gather after the optimizer) and `optimizer_s` are per
 optimizer step. Bytes are per rank: `static_bytes` (parameters, gradients, optimizer states) are
 resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is a transient peak.
 """

@@ -1,7 +1,8 @@
 """The constraint families of the stage-assignment ILP written out in `planner.search.ilp.formulation`'s
 docstring, one function per family, every row named after the family (assign_l, contig_l,
-run_total, nonempty_c, tmax_r, tmax_chunk_c, cycle_r, tail_r, mem_r_k, buf_*) so that an infeasible
-request can say which family binds. `build_model` assembles them for one candidate.
+run_total, nonempty_c, tmax_r, tmax_chunk_c, cycle_r, tail_r, exposed_dp_every_r_k, mem_r_k, buf_*) so
+that an infeasible request can say which family binds; the gather heads' families are in
+`gather_heads`. `build_model` assembles them for one candidate.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s, live_vectors,
                                                    pipelined_every_microbatch, receive_bytes, reduction_contention_s,
                                                    reduction_windows)
+from meshplan.planner.search.ilp.gather_heads import add_layer_head_terms, add_run_head_terms
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
     from meshplan.planner.search.ilp.formulation import StageProblem
@@ -211,8 +213,8 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_c
     # backward); subtract the most they can.
     slack = sum(min(0.0, min(reduction * (o.dp_comm_s - (o.bwd_s if overlap else 0.0)) for o in lt.options))
                 for lt in pinned)
-    if overlap:  # each chunk's backward gather head and change beside a pinned layer (each <= one gather)
-        slack -= reduction * 2 * v * max(o.bwd_gather_s for t in table.types for o in t.options)
+    if overlap:  # the rank's backward also holds a gather head per chunk (`add_head`), each <= one gather
+        slack -= reduction * v * max(o.bwd_gather_s for t in table.types for o in t.options)
     model.tail_cuts.append((busiest, per_layer, slack))
 
 
@@ -304,7 +306,7 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
         model.lp += step >= 0, f"contig_order_{layer}"
         model.lp += step <= 1, f"contig_step_{layer}"
     _add_layer_reshard_terms(model, x)
-    _add_layer_head_terms(model, x)
+    add_layer_head_terms(model, x)
     in_chunk: dict[tuple[int, int], list] = {}
     for (layer, c, _), var in x.items():
         in_chunk.setdefault((layer, c), []).append(var)
@@ -320,109 +322,6 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
             if _value(var):
                 chunks[layer], chosen[layer] = c, o
     model.decoders.append(decode)
-
-
-def _has_gathers(table) -> bool:
-    return any(o.fwd_gather_s > 0 or o.bwd_gather_s > 0 for t in table.types for o in t.options)
-
-
-def _add_layer_head_terms(model: _Model, x) -> None:
-    """Per-layer formulation: the gathers of each chunk pass beyond the layers' steady shares
-    (`evaluation.pass_gather_s`). Layer l opens chunk c's forward iff it is in c and l - 1 is not:
-    head_fwd_l_c >= sum_o h_o x_lco - max_o h_o X_{l-1,c} is that exactly, as the objective holds
-    it down (the backward alike with l + 1), and the rows above it keep it from being more."""
-    table, pulp = model.problem.table, model.pulp
-    if not _has_gathers(table):
-        return
-    in_chunk: dict[tuple[int, int], list[tuple[int, object]]] = {}
-    for (layer, c, o), var in x.items():
-        in_chunk.setdefault((layer, c), []).append((o, var))
-    for (layer, c), chosen in in_chunk.items():
-        options = table.types[table.layer_type[layer]].options
-        for name, neighbour, field in (("fwd", layer - 1, "fwd_head_s"), ("bwd", layer + 1, "bwd_head_s")):
-            heads = [getattr(options[o], field) for o, _ in chosen]
-            beside = in_chunk.get((neighbour, c), [])
-            if max(heads) > 0:
-                opened = pulp.lpSum(head * var for head, (_, var) in zip(heads, chosen))
-                if not beside:  # nothing before it in this chunk: it opens the pass whenever it is here
-                    model.add_head(c, name, opened)
-                else:
-                    # exact both ways: the rows below keep the reduction rows from reading a larger head
-                    head = pulp.LpVariable(f"head_{name}_{layer}_{c}", lowBound=0)
-                    model.lp += head >= opened - max(heads) * pulp.lpSum(var for _, var in beside), \
-                        f"head_{name}_{layer}_{c}"
-                    model.lp += head <= opened, f"head_{name}_{layer}_{c}_up"
-                    model.lp += head <= max(heads) * (1 - pulp.lpSum(var for _, var in beside)), \
-                        f"head_{name}_{layer}_{c}_beside"
-                    model.add_head(c, name, head)
-
-
-def _edges(model: _Model, c: int, used: list, reverse: bool) -> list:
-    """edge_o = [o is the lowest (reverse: highest) used option of chunk c], exact: at least
-    y_o - sum of the options before it, at most y_o and 1 - each of those."""
-    pulp, kind = model.pulp, "close" if reverse else "open"
-    order = list(range(len(used)))[::-1] if reverse else list(range(len(used)))
-    edges = [None] * len(used)
-    for position, o in enumerate(order):
-        before = [used[q] for q in order[:position]]
-        edge = edges[o] = pulp.LpVariable(f"{kind}_{c}_{o}", lowBound=0, upBound=1)
-        model.lp += edge >= used[o] - pulp.lpSum(before), f"{kind}_lo_{c}_{o}"
-        model.lp += edge <= used[o], f"{kind}_up_{c}_{o}"
-        for q, var in enumerate(before):
-            model.lp += edge <= 1 - var, f"{kind}_excl_{c}_{o}_{q}"
-    return edges
-
-
-def _alike_at_edges(options) -> bool:
-    """The run's options have the same gather heads."""
-    return len({(option.fwd_head_s, option.bwd_head_s) for option in options}) == 1
-
-
-def _add_run_head_terms(model: _Model, counts, options, count: int, first: int) -> None:
-    """Compact formulation: the gathers of each chunk pass beyond the layers' steady shares
-    (`evaluation.pass_gather_s`).
-
-    Inside a chunk the run's layers are laid out in option order (`decode`), so its first run
-    layer is its lowest used option (`_edges`, open) and its last the highest (close). Chunk 0's
-    forward opens with the pinned first layer and the last chunk's backward with the pinned last
-    layer; a chunk holding only a pinned layer has that layer's other head too."""
-    table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
-    if not _has_gathers(table):
-        return
-    has_first, has_last = first == 1, first + count < table.num_layers
-    last = table.num_layers - 1
-    if _alike_at_edges(options):
-        # which option opens or closes a chunk changes nothing: one indicator per chunk
-        options, counts = options[:1], [[pulp.lpSum(row)] for row in counts]
-    head_of = {"fwd": [o.fwd_head_s for o in options], "bwd": [o.bwd_head_s for o in options]}
-    for c in range(num_chunks):
-        used = [pulp.LpVariable(f"head_used_{c}_{o}", cat="Binary") for o in range(len(options))]
-        for o, var in enumerate(used):
-            model.lp += counts[c][o] <= count * var, f"head_used_up_{c}_{o}"
-            model.lp += counts[c][o] >= var, f"head_used_down_{c}_{o}"
-        opens, closes = _edges(model, c, used, False), _edges(model, c, used, True)
-        pinned_first = has_first and c == 0
-        pinned_last = has_last and c == num_chunks - 1
-        # (pass, its opening layer pinned?, that layer, the run's edge, the other pinned layer alone)
-        for name, pinned, layer, edges, alone in (("fwd", pinned_first, 0, opens, last if pinned_last else None),
-                                                 ("bwd", pinned_last, last, closes, 0 if pinned_first else None)):
-            field = f"{name}_head_s"
-            if pinned:  # the pinned layer opens the pass
-                model.add_head(c, name, pulp.lpSum(getattr(o, field) * pick for o, pick in model.pinned[layer]))
-                continue
-            for o, edge in enumerate(edges):
-                if head_of[name][o] > 0:
-                    model.add_head(c, name, head_of[name][o] * edge)
-            if alone is not None:  # the chunk may hold only its pinned layer
-                top = max(getattr(o, field) for o, _ in model.pinned[alone])
-                if top > 0:
-                    alone_s = pulp.lpSum(getattr(o, field) * pick for o, pick in model.pinned[alone])
-                    edge = pulp.LpVariable(f"head_{name}_{c}_pinned", lowBound=0)
-                    model.lp += edge >= alone_s - top * pulp.lpSum(used), f"head_{name}_{c}_pinned"
-                    model.lp += edge <= alone_s, f"head_{name}_{c}_pinned_up"
-                    for o, var in enumerate(used):  # exact: no head once a run layer is here
-                        model.lp += edge <= top * (1 - var), f"head_{name}_{c}_pinned_run_{o}"
-                    model.add_head(c, name, edge)
 
 
 def _add_layer_reshard_terms(model: _Model, x) -> None:
@@ -560,7 +459,7 @@ def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -
         _add_run_count_constraints(model, first, count, type_index)
         if first + count < table.num_layers:
             _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)
-        _add_run_head_terms(model, model.run_counts, table.types[type_index].options, count, first)
+        add_run_head_terms(model, model.run_counts, table.types[type_index].options, count, first)
     time_objective = _add_pipeline_time_constraints(model)
     peak = _add_memory_constraints(model)
     model.lp += (peak if peak is not None else time_objective), "objective"

@@ -168,7 +168,8 @@ def rank_tail_s(problem: StageProblem, rank: int, exposed_s: float, bwd_s: float
     return exposed_s + tail_s + problem.table.rank_fixed_s
 
 
-def pass_gather_s(table: CostTable, chunk_of_layer, option_of_layer, num_chunks: int) -> tuple[list[float], list[float]]:
+def pass_gather_s(table: CostTable, chunk_of_layer, option_of_layer,
+                  num_chunks: int) -> tuple[list[float], list[float]]:
     """Per chunk, (forward, backward): the gather its forward's first layer and its backward's
     first (the chunk's last layer) wait for with no layer before them in the chunk to hide it
     (`OptionCost.fwd_head_s`, `bwd_head_s`; the change beside a pinned first or last layer is in
