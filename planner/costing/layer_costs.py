@@ -76,15 +76,25 @@ class LayerCost:
     expert_state_bytes: float = 0.0  # the routed experts' part of param + grad + optimizer bytes
 
     @property
+    def fwd_blocking_comm_s(self) -> float:
+        """The forward's collectives that block compute: TP's, context parallelism's K/V exchange,
+        expert parallelism's all-to-alls."""
+        return self.tp_fwd_comm_s + self.cp_fwd_comm_s + self.ep_fwd_comm_s
+
+    @property
+    def bwd_blocking_comm_s(self) -> float:
+        """The backward's collectives that block compute (the recomputed forward's included)."""
+        return self.tp_bwd_comm_s + self.cp_bwd_comm_s + self.ep_bwd_comm_s
+
+    @property
     def fwd_busy_s(self) -> float:
-        """The forward's compute-stream time: compute and the blocking collectives (TP, context
-        parallelism's K/V exchange, expert parallelism's all-to-alls) that a prefetched gather hides behind."""
-        return self.fwd_compute_s + self.tp_fwd_comm_s + self.cp_fwd_comm_s + self.ep_fwd_comm_s
+        """The forward's compute-stream time, which a prefetched gather hides behind."""
+        return self.fwd_compute_s + self.fwd_blocking_comm_s
 
     @property
     def bwd_busy_s(self) -> float:
         """The backward's compute-stream time, the recomputed forward included."""
-        return self.bwd_compute_s + self.recompute_s + self.tp_bwd_comm_s + self.cp_bwd_comm_s + self.ep_bwd_comm_s
+        return self.bwd_compute_s + self.recompute_s + self.bwd_blocking_comm_s
 
     @property
     def fwd_gather_exposure_s(self) -> tuple[float, float]:
@@ -110,6 +120,18 @@ def gather_exposure_s(gather_s: float, busy_s: float) -> tuple[float, float]:
     the closed form charge steady per layer and head per chunk pass, equal to it for identical layers.
     """
     return max(0.0, gather_s - busy_s), min(gather_s, busy_s)
+
+
+def pass_gather_exposure_s(gather_s, busy_s) -> float:
+    """The gather time one pass over a chunk's layers (in pass order: the backward's is reversed)
+    exposes by these rules: every layer's steady share, the first layer's head, and where a layer
+    follows another kind, what hiding behind that layer changes. Equal to the engine's recurrence
+    for a run of identical layers, alone or between two others."""
+    exposed = 0.0
+    for i, (gather, busy) in enumerate(zip(gather_s, busy_s)):
+        steady, head = gather_exposure_s(gather, busy)
+        exposed += steady + (head if i == 0 else after_other_gather_s(gather, busy, busy_s[i - 1]))
+    return exposed
 
 
 def after_other_gather_s(gather_s: float, busy_s: float, prev_busy_s: float) -> float:

@@ -200,10 +200,7 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
     "the previous layer" this one); a chunk pass's first layer also waits for its own gather
     (`fwd_head_s`, `bwd_head_s`: `layer_costs.gather_exposure_s`).
     """
-    # Context-parallel K/V collectives and expert-parallel all-to-alls block compute like TP's
-    # (counted with them here).
-    fwd_comm_s = cost.tp_fwd_comm_s + cost.cp_fwd_comm_s + cost.ep_fwd_comm_s
-    bwd_comm_s = cost.tp_bwd_comm_s + cost.cp_bwd_comm_s + cost.ep_bwd_comm_s
+    fwd_comm_s, bwd_comm_s = cost.fwd_blocking_comm_s, cost.bwd_blocking_comm_s
     fwd_gather_s = cost.fwd_gather_exposure_s[0]
     bwd_gather_s = cost.bwd_gather_exposure_s[0]
     return OptionCost(

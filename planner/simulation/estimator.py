@@ -12,7 +12,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
 from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
-from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, after_other_gather_s, layer_cost, p2p_time_s
+from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, pass_gather_exposure_s
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
                                                pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError
@@ -185,33 +185,22 @@ def closed_form_prediction(graph, cluster: ClusterProfile, config: ParallelConfi
     return _prediction(graph, cluster, config, recomputes, step, memory)
 
 
-def _exposed_gathers_s(costs, chunks, i: int) -> float:
-    """Layer i's parameter gathers that prefetch one layer ahead cannot hide, forward and backward:
-    its steady share, plus the head where it opens its chunk's pass, or what hiding behind the
-    layer before it in the pass changes (`layer_costs.gather_exposure_s`, `after_other_gather_s`)."""
-    cost = costs[i]
-    exposed = cost.fwd_gather_exposure_s[0] + cost.bwd_gather_exposure_s[0]
-    if i == 0 or chunks[i - 1] != chunks[i]:
-        exposed += cost.fwd_gather_exposure_s[1]
-    else:
-        exposed += after_other_gather_s(cost.fwd_gather_s, cost.fwd_busy_s, costs[i - 1].fwd_busy_s)
-    if i + 1 == len(chunks) or chunks[i + 1] != chunks[i]:
-        exposed += cost.bwd_gather_exposure_s[1]
-    else:
-        exposed += after_other_gather_s(cost.bwd_gather_s, cost.bwd_busy_s, costs[i + 1].bwd_busy_s)
-    return exposed
+def _exposed_gathers_s(costs, chunk_layers) -> float:
+    """Per micro-batch, the parameter gathers of one chunk's forward and backward that prefetch
+    one layer ahead cannot hide (`layer_costs.pass_gather_exposure_s`)."""
+    forward = [costs[i] for i in chunk_layers]
+    backward = forward[::-1]
+    return (pass_gather_exposure_s([c.fwd_gather_s for c in forward], [c.fwd_busy_s for c in forward])
+            + pass_gather_exposure_s([c.bwd_gather_s for c in backward], [c.bwd_busy_s for c in backward]))
 
 
 def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> StageTimes:
     mine = [i for i, stage in enumerate(stage_of) if stage == rank]
     compute = sum(costs[i].fwd_compute_s + costs[i].bwd_compute_s for i in mine)
     recompute = sum(costs[i].recompute_s for i in mine)
-    # blocking model-parallel collectives: TP's, context parallelism's K/V exchange and expert
-    # parallelism's all-to-alls
-    fwd_comm = [costs[i].tp_fwd_comm_s + costs[i].cp_fwd_comm_s + costs[i].ep_fwd_comm_s for i in range(len(costs))]
-    bwd_comm = [costs[i].tp_bwd_comm_s + costs[i].cp_bwd_comm_s + costs[i].ep_bwd_comm_s for i in range(len(costs))]
-    tp_comm = sum(fwd_comm[i] + bwd_comm[i] for i in mine)
-    zero3 = sum(_exposed_gathers_s(costs, chunks, i) for i in mine)
+    tp_comm = sum(costs[i].fwd_blocking_comm_s + costs[i].bwd_blocking_comm_s for i in mine)
+    zero3 = sum(_exposed_gathers_s(costs, [i for i in mine if chunks[i] == chunk])
+                for chunk in dict.fromkeys(chunks[i] for i in mine))
     # Each chunk boundary: this rank sends the activation forward, and the gradient of its own
     # input backward.
     p2p = 0.0
@@ -223,7 +212,7 @@ def _stage_times(graph, cluster, config, costs, chunks, stage_of, rank) -> Stage
     # DP gradient reduction overlaps the last micro-batch's backward, except for the gradients
     # produced last (the stage's first layer), which nothing follows.
     grad_comm = sum(costs[i].dp_grad_comm_s for i in mine)
-    window = sum(costs[i].bwd_compute_s + costs[i].recompute_s + bwd_comm[i] for i in mine)
+    window = sum(costs[i].bwd_busy_s for i in mine)
     exposed = max(grad_comm - window, costs[mine[0]].dp_grad_comm_s if mine else 0.0)
     return StageTimes(compute_s=compute, recompute_s=recompute, tp_comm_s=tp_comm, zero3_exposed_s=zero3,
                       p2p_s=p2p, dp_exposed_s=exposed,

@@ -41,27 +41,56 @@ def _unit_play(schedule: str, num_stages: int, num_microbatches: int, virtual_st
 @lru_cache(maxsize=1024)
 def reduction_windows(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
                       bwd_over_fwd: float = 2.0) -> tuple[tuple[tuple[float, float, float], ...], ...]:
-    """Per rank, (b, f, i) from each of its backwards to its compute end: the backwards and
-    forwards it runs there and the time it idles, in whole-rank micro-batch units (chunk actions
-    / v; idle over one micro-batch's forward + backward), as the engine plays balanced unit
-    chunks. A reduction released by those backwards has that window to hide in (`ilp.evaluation`)."""
+    """Per rank, (b, f, i) from its backwards to its compute end: the backwards and forwards it
+    runs there and the time it idles, in whole-rank micro-batch units (chunk actions / v; idle
+    over one micro-batch's forward + backward), as the engine plays balanced unit chunks. A
+    reduction released by those backwards has that window to hide in (`ilp.evaluation`).
+
+    Only the windows that can bind are kept: one with no more backwards, and no fewer forwards
+    or less idle, than another never binds while D >= B (the last backward's stays for D < B),
+    and one on the segment between its neighbours never beats both (steady-state windows differ
+    by equal steps): 2-7 a rank."""
     if num_stages == 1:  # F B F B ...: the executor's accumulation, no idle
-        return (tuple((float(k), float(k - 1), 0.0) for k in range(1, num_microbatches + 1)),)
-    played = _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, 0.5, True)
-    unit_s = virtual_stages * (1.0 + bwd_over_fwd)
-    out = []
-    for runs in played.runs:
-        end_s, busy_s, backwards, forwards, windows = runs[-1].end_s, 0.0, 0, 0, []
-        for run in reversed(runs):
-            busy_s += run.end_s - run.start_s
-            if run.action.kind == "F":
-                forwards += 1
-                continue
-            backwards += 1
-            windows.append((backwards / virtual_stages, forwards / virtual_stages,
-                            max(0.0, end_s - run.start_s - busy_s) / unit_s))
-        out.append(tuple(windows))
+        every = [tuple((float(k), float(k - 1), 0.0) for k in range(1, num_microbatches + 1))]
+    else:
+        played = _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, 0.5, True)
+        every = [_windows_of(runs, virtual_stages, virtual_stages * (1.0 + bwd_over_fwd)) for runs in played.runs]
+    return tuple(_binding(windows) for windows in every)
+
+
+def _windows_of(runs, virtual_stages: int, unit_s: float) -> tuple[tuple[float, float, float], ...]:
+    end_s, busy_s, backwards, forwards, windows = runs[-1].end_s, 0.0, 0, 0, []
+    for run in reversed(runs):
+        busy_s += run.end_s - run.start_s
+        if run.action.kind == "F":
+            forwards += 1
+            continue
+        backwards += 1
+        windows.append((backwards / virtual_stages, forwards / virtual_stages,
+                        max(0.0, end_s - run.start_s - busy_s) / unit_s))
+    return tuple(windows)
+
+
+def _binding(windows) -> tuple[tuple[float, float, float], ...]:
+    kept = [min(windows)]  # the last backward's (fewest backwards): the largest row when D < B
+    for window in sorted(windows, key=lambda w: (-w[0], w[1], w[2])):
+        if not any(k[0] >= window[0] and k[1] <= window[1] and k[2] <= window[2] for k in kept):
+            kept.append(window)
+    out: list[tuple[float, float, float]] = []
+    for point in sorted(set(kept)):
+        while len(out) >= 2 and _between(out[-2], out[-1], point):
+            out.pop()
+        out.append(point)
     return tuple(out)
+
+
+def _between(a, b, c, tol: float = 1e-9) -> bool:
+    """b lies on the segment from a to c."""
+    ab = [y - x for x, y in zip(a, b)]
+    ac = [y - x for x, y in zip(a, c)]
+    cross = (ab[1] * ac[2] - ab[2] * ac[1], ab[2] * ac[0] - ab[0] * ac[2], ab[0] * ac[1] - ab[1] * ac[0])
+    dot, length = sum(x * y for x, y in zip(ab, ac)), sum(x * x for x in ac)
+    return max(map(abs, cross)) <= tol * max(1.0, length) and 0 <= dot <= length
 
 
 @lru_cache(maxsize=4096)

@@ -46,7 +46,6 @@ class _Model:
         self.rank_first_dp: list[list[list[tuple[float, object]]]] = [[] for _ in range(self.pp)]
         self.decoders: list = []  # callables filling (chunks, options) from the solved values
         self.pinned: dict[int, list[tuple[object, object]]] = {}  # pinned layer -> [(option, pick)]
-        self.run_counts: list[list[object]] = []  # compact formulation: n[c][o]
         # Integrality cuts: (K, t, c) with K >= layers of a run in a chunk (v = 1) or on a rank
         # (times 1/v), so T_max >= v (K t + c).
         self.count_cuts: list[tuple[object, float, float]] = []
@@ -115,14 +114,14 @@ def _add_pinned_layer(model: _Model, layer: int, chunk: int) -> None:
     model.decoders.append(decode)
 
 
-def _add_run_count_constraints(model: _Model, first: int, count: int, type_index: int) -> None:
-    """Compact run: n[c, o] layers of option o in chunk c; totals, non-empty chunks, buffers."""
+def _add_run_count_constraints(model: _Model, first: int, count: int, type_index: int) -> list:
+    """Compact run: n[c, o] layers of option o in chunk c; totals, non-empty chunks, buffers.
+    Returns the counts n[c][o]."""
     table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
     options = table.types[type_index].options
     counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count, cat="Integer")
                for o in range(len(options))] for c in range(num_chunks)]
     model.lp += pulp.lpSum(v for row in counts for v in row) == count, "run_total"
-    model.run_counts = counts
     has_first, has_last = first == 1, first + count < table.num_layers
     for c in range(num_chunks):
         if not ((c == 0 and has_first) or (c == num_chunks - 1 and has_last)):
@@ -167,6 +166,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
                     layer += 1
         assert layer == first + count, f"decoded {layer - first} of {count} run layers"
     model.decoders.append(decode)
+    return counts
 
 
 def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float]) -> float:
@@ -456,10 +456,10 @@ def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -
         first, count, type_index = structure
         if first == 1:
             _add_pinned_layer(model, 0, 0)
-        _add_run_count_constraints(model, first, count, type_index)
+        counts = _add_run_count_constraints(model, first, count, type_index)
         if first + count < table.num_layers:
             _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)
-        add_run_head_terms(model, model.run_counts, table.types[type_index].options, count, first)
+        add_run_head_terms(model, counts, table.types[type_index].options, count, first)
     time_objective = _add_pipeline_time_constraints(model)
     peak = _add_memory_constraints(model)
     model.lp += (peak if peak is not None else time_objective), "objective"

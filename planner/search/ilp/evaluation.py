@@ -67,47 +67,15 @@ def reduction_windows(shape: PipelineShape, rank: int) -> tuple[tuple[float, flo
     """(b, f, i) of each window a rank's per-micro-batch reductions must fit in (ZeRO-2/3).
 
     From any backward of the rank to its compute end the rank runs b backwards and f forwards
-    and idles i (whole-rank units, `simulation.factors.reduction_windows`), and releases b
-    reductions, so the reduction stream ends at least b D - b B - f F - i (F + B) after the
-    compute (D, B, F: the rank's reduction, backward and forward of one micro-batch). Which
-    backward binds depends on D, B and F (the first: the whole step's; in the cool-down, where
-    reductions longer than the backward pile up, the drain's idle decides), so every backward's
-    window is a row, less those another beats for any D >= B (more backwards, no more forwards
-    or idle); the last backward's stays for D < B."""
-    return _reduction_windows(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank)
-
-
-@lru_cache(maxsize=4096)
-def _reduction_windows(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
-                       rank: int) -> tuple[tuple[float, float, float], ...]:
+    and idles i (whole-rank units), and releases b reductions, so the reduction stream ends at
+    least b D - b B - f F - i (F + B) after the compute (D, B, F: the rank's reduction, backward
+    and forward of one micro-batch). Which backward binds depends on D, B and F (the first: the
+    whole step's; in the cool-down, where reductions longer than the backward pile up, the
+    drain's idle decides), so each window that can bind is a row
+    (`simulation.factors.reduction_windows`)."""
     from meshplan.planner.simulation.factors import reduction_windows as played_windows
 
-    windows = played_windows(schedule, num_stages, num_microbatches, virtual_stages)[rank]
-    kept = [min(windows)]  # the last backward's (fewest backwards): the largest row when D < B
-    for window in sorted(windows, key=lambda w: (-w[0], w[1], w[2])):
-        if not any(k[0] >= window[0] and k[1] <= window[1] and k[2] <= window[2] for k in kept):
-            kept.append(window)
-    return tuple(_drop_collinear(sorted(set(kept))))
-
-
-def _drop_collinear(points: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
-    """Points in order less each one on the segment between its neighbours: a linear function's
-    maximum over a segment is at an end (steady-state windows differ by equal steps)."""
-    out: list[tuple[float, float, float]] = []
-    for point in points:
-        while len(out) >= 2 and _between(out[-2], out[-1], point):
-            out.pop()
-        out.append(point)
-    return out
-
-
-def _between(a, b, c, tol: float = 1e-9) -> bool:
-    """b lies on the segment from a to c."""
-    ab = [y - x for x, y in zip(a, b)]
-    ac = [y - x for x, y in zip(a, c)]
-    cross = (ab[1] * ac[2] - ab[2] * ac[1], ab[2] * ac[0] - ab[0] * ac[2], ab[0] * ac[1] - ab[1] * ac[0])
-    dot, length = sum(x * y for x, y in zip(ab, ac)), sum(x * x for x in ac)
-    return max(map(abs, cross)) <= tol * max(1.0, length) and 0 <= dot <= length
+    return played_windows(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages)[rank]
 
 
 def pipelined_every_microbatch(problem: StageProblem) -> bool:
