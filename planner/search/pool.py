@@ -40,6 +40,25 @@ def _quiet_cancelled_future(previous_hook, args) -> None:
         previous_hook(args)
 
 
+def _stop_workers(pool) -> None:
+    """Kill the workers at once and leave the pool's threads nothing to wait for. A worker killed
+    while writing a result leaves half a message in the result pipe, which the manager thread
+    would read forever (the parent holds the pipe's write end too): closing that end gives it
+    the end of the file instead, and it winds the pool down as broken. The call queue's feeder
+    may be blocked writing to the dead workers, so nobody waits for it."""
+    processes = list(getattr(pool, "_processes", {}).values())
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join()
+    call_queue, result_queue = getattr(pool, "_call_queue", None), getattr(pool, "_result_queue", None)
+    if call_queue is not None:
+        call_queue.cancel_join_thread()
+    writer = getattr(result_queue, "_writer", None)
+    if writer is not None:
+        writer.close()
+
+
 @contextlib.contextmanager
 def worker_pool(workers: int, initializer=None):
     """A fork pool of `workers` processes, started now (they fork with SIGINT blocked); on Ctrl-C,
@@ -61,8 +80,7 @@ def worker_pool(workers: int, initializer=None):
         previous_hook = threading.excepthook
         threading.excepthook = partial(_quiet_cancelled_future, previous_hook)
         try:
-            for process in list(getattr(pool, "_processes", {}).values()):
-                process.terminate()
+            _stop_workers(pool)
             pool.shutdown(wait=True, cancel_futures=True)  # joins the pool's manager thread
         finally:
             threading.excepthook = previous_hook
