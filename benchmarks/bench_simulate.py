@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=4096)
     args = parser.parse_args()
 
-    from meshplan.planner.costing import layer_costs as cost, pipeline
+    from meshplan.planner.costing import layer_costs as cost, uniform
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, save_plan
@@ -49,7 +49,7 @@ def main() -> int:
     # Megatron-style 70B layout: tp 8 inside a node, pp 16, dp 8; 128 micro-batches of 1.
     cfg = ParallelConfig(gpus=1024, global_batch=1024, tp=8, pp=16, dp=8, microbatch_size=1, zero=1,
                          recompute="selective", sp=True)
-    chunks = pipeline.balanced_layer_chunks(graph, cluster, cfg)
+    chunks = uniform.balanced_layer_chunks(graph, cluster, cfg)
     elapsed, pred = _best_of(5, lambda: simulate_config(graph, cluster, cfg, chunk_of_layer=chunks))
     print(f"\n70B p={cfg.pp} m={cfg.num_microbatches} on {cfg.gpus} GPUs ({args.cluster}):")
     print(f"  in-process simulate_config, no timeline:  {elapsed * 1e3:8.1f} ms  (target < 1000 ms)")
@@ -82,13 +82,13 @@ def main() -> int:
         dp = max(1, 1024 // (8 * pp))
         grid = ParallelConfig(gpus=8 * pp * dp, global_batch=num_mb * dp, tp=8, pp=pp, dp=dp, zero=1,
                               recompute="selective", sp=True)
-        costs = step_costs(graph, cluster, grid, chunk_of_layer=pipeline.balanced_layer_chunks(graph, cluster, grid))
+        costs = step_costs(graph, cluster, grid, chunk_of_layer=uniform.balanced_layer_chunks(graph, cluster, grid))
         elapsed, _ = _best_of(3, lambda: simulate_step(costs))
         interleaved = "-"
         if 2 * pp <= len(graph.layers):  # every chunk needs a layer
             inter = ParallelConfig(**{**grid.to_json(), "schedule": "interleaved", "virtual_stages": 2})
             inter_costs = step_costs(graph, cluster, inter,
-                                     chunk_of_layer=pipeline.balanced_layer_chunks(graph, cluster, inter))
+                                     chunk_of_layer=uniform.balanced_layer_chunks(graph, cluster, inter))
             interleaved = f"{_best_of(3, lambda: simulate_step(inter_costs))[0] * 1e3:.1f}"
         actions = 2 * pp * num_mb
         print(f"  {pp:>3} {num_mb:>5} {pp * num_mb:>7} {elapsed * 1e3:>10.1f} {elapsed / actions * 1e6:>10.2f} "

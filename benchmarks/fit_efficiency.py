@@ -108,8 +108,8 @@ def predict(run: Run, cluster, vpp: int):
     from meshplan.planner.simulation.estimator import predict as predict_config
 
     graph = graph_of(run.spec, run.seq, run.attention)
-    config = make_config(graph, cluster, run.gpus, run.global_batch, tp=run.tp, pp=run.pp, mbs=run.mbs,
-                         zero=run.zero, recompute=run.recompute, sp=run.sp,
+    config = make_config(graph, cluster, gpus=run.gpus, global_batch=run.global_batch, tp=run.tp, pp=run.pp,
+                         mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                          cp=run.cp, ep=run.ep)
     return predict_config(graph, cluster, config)

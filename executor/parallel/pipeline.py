@@ -9,13 +9,13 @@ meshplan's stages (`LeanBuffersStage`) allocate a buffer when its receive is pos
 after that micro-batch's backward (a split backward's weight half keeps what it needs by
 reference), as large-scale runs free their stages' inputs once nothing needs them. A received
 input is then the saved input of an in-flight micro-batch and nothing more; what is left in
-transit is the rule in `planner.costing.pipeline.receive_buffer_bytes`. The last stage's loss of
+transit is the rule in `planner.costing.boundary_buffers.receive_buffer_bytes`. The last stage's loss of
 each micro-batch is detached after its backward: the schedule keeps the losses until the step
 ends, and the spent graph would keep that micro-batch's received input alive through it. The
 multi-chunk schedules keep every send's work, and its tensor, until the step ends: the stages
 free the storage of an output they sent on once its backward has run (its gradient came back,
 so the next stage has it); the input gradients sent back stay
-(`planner.costing.pipeline.kept_send_bytes`).
+(`planner.costing.boundary_buffers.kept_send_bytes`).
 
 ZeRO-2/3. torch's `PipelineStage.backward_maybe_with_nosync` turns gradient sync and resharding
 off for every micro-batch's backward and reduces once, after the stage's last one

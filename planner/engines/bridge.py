@@ -109,7 +109,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     Command-line values (`model`, `gpus`, `global_batch`, `seq`) fill what the config leaves open
     and override what it says; a cluster must be given (no engine config names its GPUs)."""
     from meshplan.planner.costing.hardware import load_cluster
-    from meshplan.planner.costing.pipeline import balanced_layer_chunks
+    from meshplan.planner.costing.uniform import balanced_layer_chunks
     from meshplan.planner.engines.deepspeed import uniform_split
     from meshplan.planner.engines.memory import with_engine_memory
     from meshplan.planner.models.registry import default_seq
@@ -128,8 +128,9 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     precision = job.precision or default_precision(cluster)
     graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
-    config = make_config(graph, cluster, gpus, global_batch, job.tp, job.pp, job.microbatch_size, job.zero,
-                         dominant_recompute([m for m in block_modes]), job.sp, job.schedule, job.vpp, precision)
+    config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp,
+                         mbs=job.microbatch_size, zero=job.zero, recompute=dominant_recompute([m for m in block_modes]),
+                         sp=job.sp, schedule=job.schedule, vpp=job.vpp, precision=precision)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:

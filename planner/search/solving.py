@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
-from meshplan.planner.costing.pipeline import strategy_for
+from meshplan.planner.costing.uniform import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
 from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_pp, stream_bytes

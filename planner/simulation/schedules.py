@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
 from meshplan.planner.contracts.config import SPLIT_BACKWARD_SCHEDULES  # noqa: F401 (re-exported)
-from meshplan.planner.costing.pipeline import kept_send_bytes, receive_buffer_bytes
+from meshplan.planner.costing.boundary_buffers import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
 
@@ -152,7 +152,7 @@ def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatch
     """Per rank and virtual stage: micro-batches whose activations were freed (B, or W after a
     split backward) before the rank's last forward. Counts only grow, so that moment has the
     most of each at once: a multi-chunk schedule's sends kept until the step ends
-    (`costing.pipeline.kept_send_bytes`) weigh most at the rank's last forward peak."""
+    (`costing.boundary_buffers.kept_send_bytes`) weigh most at the rank's last forward peak."""
     out = []
     for actions in schedule_actions(schedule, num_stages, num_microbatches, virtual_stages):
         done = [0] * virtual_stages
@@ -167,8 +167,8 @@ def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatch
 def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank_of_chunk,
                         boundary_bytes, kept_sends: bool = True) -> list[float]:
     """Per pipeline rank: the boundary tensors torch pipelining holds besides activations, the
-    receive buffers in transit and a multi-chunk schedule's kept sends (`costing.pipeline`'s two
-    rules; the simulator, the closed form and the ILP all call this). `kept_sends` False: the
+    receive buffers in transit and a multi-chunk schedule's kept sends (`costing.boundary_buffers`'
+    two rules; the simulator and the ILP both call this). `kept_sends` False: the
     receive buffers alone, a lower bound that replays no schedule."""
     received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_stages)
     if not kept_sends or schedule not in MULTI_CHUNK_SCHEDULES:

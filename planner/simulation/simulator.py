@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from meshplan.planner.costing import layer_costs as cost
-from meshplan.planner.costing import flops, pipeline
+from meshplan.planner.costing import flops, uniform
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -32,8 +32,8 @@ def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: Parallel
     """Simulate one step of `graph` on `cluster` under a configuration.
 
     `chunk_of_layer`: model chunk (virtual_stage * pp + stage) of each layer; None balances the
-    layers with `pipeline.balanced_layer_chunks`. `recompute_of_layer`: none|selective|full per layer;
-    None applies `config.recompute` to the transformer blocks (`pipeline.default_recompute`).
+    layers with `uniform.balanced_layer_chunks`. `recompute_of_layer`: none|selective|full per layer;
+    None applies `config.recompute` to the transformer blocks (`uniform.default_recompute`).
     `degrees_of_layer`: (tp, dp) per layer for layer-wise plans; None uses the mesh's.
     `grad_sync`: when gradients are reduced (see `StepCosts.grad_sync`); None follows the
     executor (`costing.state_memory.grad_sync_mode`).
@@ -67,8 +67,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
     mesh's degrees for every layer. `grad_sync` None follows the executor (`costing.state_memory.grad_sync_mode`).
     """
     num_layers = len(graph.layers)
-    chunks = tuple(pipeline.balanced_layer_chunks(graph, cluster, config) if chunk_of_layer is None else chunk_of_layer)
-    recomputes = tuple(pipeline.default_recompute(graph, config) if recompute_of_layer is None else recompute_of_layer)
+    chunks = tuple(uniform.balanced_layer_chunks(graph, cluster, config) if chunk_of_layer is None else chunk_of_layer)
+    recomputes = tuple(uniform.default_recompute(graph, config) if recompute_of_layer is None else recompute_of_layer)
     degrees = tuple(degrees_of_layer or [(config.tp, config.dp)] * num_layers)
     for name, values in (("chunk_of_layer", chunks), ("recompute_of_layer", recomputes),
                          ("degrees_of_layer", degrees)):

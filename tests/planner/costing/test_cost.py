@@ -6,7 +6,7 @@ import pytest
 
 from meshplan.planner.costing.collectives import all_reduce_time_s, all_gather_time_s, reduce_scatter_time_s
 from meshplan.planner.costing.layer_costs import Strategy, compute_time_s, layer_cost, model_state_bytes, p2p_time_s
-from meshplan.planner.costing.pipeline import StageTimes, balanced_layer_chunks, pipeline_closed_form
+from meshplan.planner.costing.uniform import balanced_layer_chunks
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
 from meshplan.planner.costing.hardware import load_cluster
@@ -528,7 +528,7 @@ def test_flash_attention_runs_at_the_kernels_efficiency():
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.costing.layer_costs import layer_cost
-    from meshplan.planner.costing.pipeline import strategy_for
+    from meshplan.planner.costing.uniform import strategy_for
     from meshplan.planner.profiling.profiler import profile
 
     seq, hidden, mbs = 1024, 512, 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.pipeline import strategy_for
+from meshplan.planner.costing.uniform import strategy_for
 from meshplan.planner.costing.tables import build_cost_table
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search import solving

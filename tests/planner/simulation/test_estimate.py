@@ -1,15 +1,18 @@
-"""`estimate`: the closed form against the simulator, the bubble and in-flight memory of whole
-predictions, and the CLI's refusals (exit 2) and JSON keys."""
+"""`estimate`: the simulator on the uniform plan. The balanced pipeline's step, bubble and
+in-flight memory against the published formulas worked by hand, the configuration `estimate`
+builds from its keywords, and the CLI's refusals (exit 2) and JSON keys."""
 import json
 from dataclasses import replace
 
 import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.simulation.estimator import (closed_form_prediction, default_precision, make_config, microbatches_in_flight,
-                              predict)
 from meshplan.planner.contracts.graph import ModelGraph
+from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s, pipeline_action_s
 from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.simulation.estimator import default_precision, estimate, make_config, predict
+from meshplan.planner.simulation.simulator import simulate_config
 from tests.planner.costing.test_cost import gpt_layers
 
 A100 = load_cluster("a100-80g")
@@ -27,59 +30,102 @@ def ideal_cluster():
     return replace(A100, intra_node=fast, inter_node=fast, optimizer_bytes_per_param=1e-12)
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 16), (8, 8)])
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_bubble_of_a_balanced_pipeline(p, m, schedule):
+@pytest.mark.parametrize("schedule,p,m,v", [
+    *((schedule, p, m, 1) for schedule in ("1f1b", "gpipe") for p, m in ((2, 4), (4, 4), (4, 16), (8, 8))),
+    ("interleaved", 4, 8, 2), ("interleaved", 2, 8, 4), ("interleaved", 4, 4, 4)])
+def test_step_and_bubble_of_a_balanced_pipeline(schedule, p, m, v):
+    """16 equal blocks, free transfers: GPipe and 1F1B take (m + p - 1) T, interleaved 1F1B with
+    v chunks per rank (m + (p - 1)/v) T (Narayanan et al. 2021), T a rank's busy time per
+    micro-batch worked out here from one block's cost; then the optimizer tail."""
     graph, cluster = blocks_only(16), ideal_cluster()
-    config = ParallelConfig(gpus=p, global_batch=m, pp=p, schedule=schedule)
-    expected = (p - 1) / (m + p - 1)
-    # Closed form: exact up to the 1e-12 optimizer left in; the simulator plays the schedule
-    # event by event and must land on the same fraction (1e-3: float accumulation only).
-    assert closed_form_prediction(graph, cluster, config).bubble_fraction == pytest.approx(expected, rel=1e-6)
-    assert predict(graph, cluster, config).bubble_fraction == pytest.approx(expected, rel=1e-3)
+    config = ParallelConfig(gpus=p, global_batch=m, pp=p, schedule=schedule, virtual_stages=v)
+    block = layer_cost(graph.layers[0], Strategy(pp=p), cluster, graph.info)
+    blocks_per_rank = 16 // p
+    # torch pipelining's fixed work per forward and per backward action, once per chunk
+    busy_s = blocks_per_rank * (block.fwd_compute_s + block.bwd_compute_s) + 2 * v * pipeline_action_s(p, cluster)
+    tail_s = blocks_per_rank * block.optimizer_step_s + grad_norm_all_reduce_s(p, cluster)
+    fill = (p - 1) / v
+    got = predict(graph, cluster, config)
+    # 1e-9: the transfers left (bytes over 1e20 B/s) add ~1e-13 s to a ~0.1 s step; the rest is float
+    assert got.step_time_s == pytest.approx((m + fill) * busy_s + tail_s, rel=1e-9)
+    assert got.bubble_fraction == pytest.approx(fill / (m + fill), rel=1e-9)
 
 
-CASES = [dict(gpus=8, global_batch=64, tp=8), dict(gpus=16, global_batch=64, tp=4, pp=4),
-         dict(gpus=64, global_batch=256, tp=8, pp=2, mbs=2, zero=1),
-         dict(gpus=16, global_batch=64, tp=4, pp=4, schedule="interleaved", vpp=2),
-         dict(gpus=16, global_batch=64, tp=4, pp=4, schedule="gpipe"),
-         dict(gpus=32, global_batch=64, tp=2, pp=4, zero=2, recompute="selective", sp=True)]
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_closed_form_agrees_with_the_simulator(case):
-    graph = gpt_layers(16, 4096, 32, 51200, 2048)
-    config = make_config(graph, A100, **case)
-    closed, simulated = closed_form_prediction(graph, A100, config), predict(graph, A100, config)
-    # 2%: the closed form charges asynchronous p2p and DP reduction by overlap rules (fill/drain
-    # path, last backward window); the simulator plays them on their own streams.
-    assert closed.step_time_s == pytest.approx(simulated.step_time_s, rel=0.02)
-    # memory differs only in transient buffers (2%)
-    assert closed.peak_memory_bytes == pytest.approx(simulated.peak_memory_bytes, rel=0.02)
-    assert closed.model_tflops_per_gpu * closed.step_time_s == pytest.approx(
-        simulated.model_tflops_per_gpu * simulated.step_time_s, rel=1e-9)
-
-
-def test_in_flight_microbatches_per_schedule():
+def test_in_flight_activations_per_schedule():
+    """A rank's peak activations are its micro-batches in flight times a micro-batch's bytes:
+    1F1B min(m, p - rank), GPipe m, interleaved 1F1B (Megatron's warm-up, one more than torch's
+    `_get_1f1b_rank_ops` warm-up) 2 (p - rank - 1) + (v - 1) p + 1 chunk-micro-batches."""
     graph = blocks_only(8)
-    config = ParallelConfig(gpus=4, global_batch=16, pp=4)
-    assert [microbatches_in_flight(config, r) for r in range(4)] == [4, 3, 2, 1]
-    assert microbatches_in_flight(replace(config, schedule="gpipe"), 0) == 16
-    interleaved = ParallelConfig(gpus=4, global_batch=16, pp=4, schedule="interleaved", virtual_stages=2)
-    assert microbatches_in_flight(interleaved, 0) == (2 * 3 + 4 + 1) / 2  # Megatron's warm-up
+    config = ParallelConfig(gpus=4, global_batch=16, pp=4, precision="fp32")
     # fp32: every saved tensor takes twice its bf16 bytes. (bf16-mixed without FSDP runs under
     # autocast, whose fp32 norm inputs and per-Linear bf16 copies Korthikanti's counts lack.)
-    memory = closed_form_prediction(graph, A100, replace(config, precision="fp32")).memory
-    per_stage = 2 * (24 + 8) * 1024 * 2048  # two blocks of (24 + 8) s h bytes + flash-free scores
-    per_stage += 2 * 2 * 16 * 1024 * 1024  # 2 a s^2 per block
-    boundary = 2 * 1024 * 2048  # the stage's output, kept for its backward (not on the last stage)
-    per_stage, boundary = 2 * per_stage, 2 * boundary
-    assert memory[0].activations == pytest.approx(4 * (per_stage + boundary))
+    per_block = 2 * ((24 + 8) * 1024 * 2048 + 2 * 16 * 1024 * 1024)  # (24 + 8) s h + 2 a s^2 bf16 bytes
+    boundary = 2 * 2 * 1024 * 2048  # a chunk's output, kept for its backward (not the last chunk's)
+    per_stage = 2 * per_block
+    memory = predict(graph, A100, config).memory
+    # exact: the simulator allocates and frees these very byte counts
+    for rank in range(3):
+        assert memory[rank].activations == pytest.approx(min(16, 4 - rank) * (per_stage + boundary), rel=1e-12)
     # the last stage's input, which its first block saves, is counted there, as an activation
-    assert memory[3].activations == pytest.approx(per_stage)
-    # one receive buffer in transit per boundary and direction (`costing.pipeline.
+    assert memory[3].activations == pytest.approx(per_stage, rel=1e-12)
+    # one receive buffer in transit per boundary and direction (`costing.boundary_buffers.
     # receive_buffer_bytes`): rank 1 receives inputs and gradients, rank 0 only gradients
-    assert memory[1].buffers - memory[0].buffers == pytest.approx(boundary)
+    assert memory[1].buffers - memory[0].buffers == pytest.approx(boundary, rel=1e-12)
+    gpipe = predict(graph, A100, replace(config, schedule="gpipe")).memory
+    assert gpipe[0].activations == pytest.approx(16 * (per_stage + boundary), rel=1e-12)
+    # interleaved, one block per chunk: every in-flight chunk-micro-batch keeps its boundary
+    # output, the last rank's too (its peak comes when it starts its first chunk's second
+    # round, holding five micro-batches of that chunk and none of the model's last)
+    interleaved = predict(graph, A100, replace(config, schedule="interleaved", virtual_stages=2)).memory
+    for rank in range(4):
+        warm_up = 2 * (4 - rank - 1) + (2 - 1) * 4 + 1
+        assert interleaved[rank].activations == pytest.approx(warm_up * (per_block + boundary), rel=1e-12)
+
+
+# (estimate's keywords, the ParallelConfig they mean, worked out by hand)
+CONFIGS = [
+    (dict(gpus=8, global_batch=64, tp=8), ParallelConfig(gpus=8, global_batch=64, tp=8)),
+    (dict(gpus=64, global_batch=256, tp=8, pp=2, mbs=2, zero=1),
+     ParallelConfig(gpus=64, global_batch=256, tp=8, pp=2, dp=4, microbatch_size=2, zero=1)),
+    (dict(gpus=16, global_batch=64, tp=4, pp=4, schedule="interleaved", vpp=2),
+     ParallelConfig(gpus=16, global_batch=64, tp=4, pp=4, schedule="interleaved", virtual_stages=2)),
+    # a V always holds two chunks per rank: --vpp 2 is implied
+    (dict(gpus=16, global_batch=64, tp=4, pp=2, schedule="zbv"),
+     ParallelConfig(gpus=16, global_batch=64, tp=4, pp=2, dp=2, schedule="zbv", virtual_stages=2)),
+    # sharding over every data rank is plain ZeRO: the shard group drops
+    (dict(gpus=32, global_batch=64, tp=2, pp=4, zero=2, recompute="selective", sp=True, shard_group=4),
+     ParallelConfig(gpus=32, global_batch=64, tp=2, pp=4, dp=4, zero=2, recompute="selective", sp=True)),
+    (dict(gpus=64, global_batch=64, tp=2, pp=2, zero=3, shard_group=4, precision="fp32"),
+     ParallelConfig(gpus=64, global_batch=64, tp=2, pp=2, dp=16, zero=3, shard_group=4, precision="fp32")),
+]
+
+
+@pytest.mark.parametrize("degrees,expected", CONFIGS)
+def test_make_config_builds_the_configuration_the_degrees_mean(degrees, expected):
+    graph = gpt_layers(16, 4096, 32, 51200, 2048)
+    config = make_config(graph, A100, **degrees)
+    assert config == expected
+    got, simulated = predict(graph, A100, config), simulate_config(graph, A100, expected)
+    assert got.step_time_s == simulated.step_time_s and got.memory == simulated.memory
+    # MFU counts 6 N-ish model FLOPs: each layer's forward and backward, every sample
+    model_flops = sum(layer.fwd_flops + layer.bwd_flops for layer in graph.layers) * expected.global_batch
+    assert got.model_tflops_per_gpu == pytest.approx(model_flops / got.step_time_s / expected.gpus / 1e12, rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_estimate_is_the_simulator_on_the_uniform_plan(tmp_path, monkeypatch):
+    """The public keywords end to end: the configuration built once, the model profiled, the
+    step simulated on the balanced cut with the default recomputation."""
+    from meshplan.planner.profiling.profiler import profile
+
+    monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
+    got = estimate(TINY, "a100-80g", gpus=8, global_batch=16, seq=64, tp=2, pp=2, zero=1, schedule="zbv",
+                   shard_group=2, recompute="full")
+    config = ParallelConfig(gpus=8, global_batch=16, tp=2, pp=2, dp=2, zero=1, recompute="full", schedule="zbv",
+                            virtual_stages=2)
+    expected = simulate_config(profile(TINY, 64), A100, config)
+    assert got.step_time_s == expected.step_time_s and got.memory == expected.memory
+    assert got.hw_tflops_per_gpu > got.model_tflops_per_gpu  # the blocks' forward runs twice
 
 
 def test_precision_defaults():
@@ -155,8 +201,6 @@ def test_executable_fast_exit_keeps_output_and_exit_codes(tmp_path):
 
 def test_a_configuration_that_does_not_fit_names_the_first_zero_stage_that_does(run_cli):
     """The hint's figures are the estimate of the same job at that stage; stages below it do not fit."""
-    from meshplan.planner.simulation.estimator import estimate
-
     job = dict(spec="llama3-70b", cluster="h100-sxm", gpus=64, global_batch=64, seq=4096, tp=8, recompute="full")
     assert not estimate(**job, zero=0).fits
     fitting = estimate(**job, zero=1)
@@ -178,7 +222,6 @@ def test_metas_llama3_405b_layout_fits_with_the_activations_derived_by_hand():
     as FSDP2 under ZeRO-1 holds them over 128 data ranks: the stage's bf16 parameters gathered
     whole plus their fp32 shard, the whole fp32 gradient, and the two fp32 Adam moments' shard."""
     from meshplan.planner.profiling.profiler import profile
-    from meshplan.planner.simulation.estimator import estimate
 
     h100 = load_cluster("h100-sxm")
     got = estimate("llama3-405b", h100, 16384, 2048, 8192, tp=8, pp=16, mbs=1, zero=1, sp=True,
