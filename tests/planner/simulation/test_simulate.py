@@ -1,4 +1,4 @@
-"""The step simulator against closed forms, a DAG longest path, and hand-worked cases."""
+"""The step simulator against published formulas, a DAG longest path, and hand-worked cases."""
 from __future__ import annotations
 
 import math
@@ -40,11 +40,23 @@ def uniform(cfg, layers_per_chunk=1, p2p_s=0.0, **layer_kwargs) -> StepCosts:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp,num_mb", [(1, 4), (2, 2), (4, 8), (4, 13), (8, 64)])
-def test_balanced_pipeline_closed_form(schedule, pp, num_mb):
+def test_balanced_pipeline_takes_m_plus_p_minus_1_stage_times(schedule, pp, num_mb):
     fwd, bwd = 1.5, 3.25
     pred = simulate_step(uniform(config(pp, num_mb, schedule), layers_per_chunk=2, fwd=fwd / 2, bwd=bwd / 2))
     assert pred.step_time_s == pytest.approx((num_mb + pp - 1) * (fwd + bwd), rel=REL)
     assert pred.bubble_fraction == pytest.approx((pp - 1) / (num_mb + pp - 1), rel=REL, abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_slowest_stage_sets_the_pace_and_each_rank_adds_its_own_tail(schedule):
+    """Two stages, the last slower: T0 = f0 + b0 = 1/3 + 2/3, T1 = 2/3 + 4/3. Rank 1 never waits
+    (T1 >= T0), so it runs from f0 to f0 + m T1, and rank 0's last backward follows: the pipeline
+    is T0 + m T1 = (m - 1) max T + sum T = 9 for m = 4. Each rank's optimizer runs when its own
+    compute ends: rank 0's 0.5 s after 9, rank 1's 1.0 s after 9 - b0; the step is the later."""
+    cfg = config(2, 4, schedule)
+    costs = (layer(fwd=1 / 3, bwd=2 / 3, optimizer_step_s=0.5), layer(fwd=2 / 3, bwd=4 / 3, optimizer_step_s=1.0))
+    pred = simulate_step(StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=(0, 1), p2p_time_s=(0.0,)))
+    assert pred.step_time_s == pytest.approx(max(9 + 0.5, 9 - 2 / 3 + 1.0), rel=REL)
 
 
 @pytest.mark.parametrize("pp,num_mb,vpp", [(2, 4, 2), (4, 8, 2), (4, 16, 4), (8, 32, 2), (4, 4, 3)])
