@@ -4,7 +4,7 @@
 runs it: the model compiled, FSDP2 with float8 all-gather (`enable_fsdp_float8_all_gather`) and
 the fp8 weight recast in backward (`force_recompute_fp8_weight_in_bwd`), the output Linear (the
 head) left in bf16 (torchtitan's default `filter_fqns = ["output"]`). `layer_costs.layer_cost`
-reads these functions, so the ILP, the closed form and the simulator charge the same thing.
+reads these functions, so the ILP and the simulator charge the same thing.
 
 Compute, per micro-batch on one rank:
 - the dense Linears of a transformer block (q, k, v, o and the MLP's up, gate, down): forward,

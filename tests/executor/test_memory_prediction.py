@@ -17,7 +17,7 @@ What the numbers rest on (each rule is documented where it lives):
   all-gather output and ZeRO-3's gathered root unit).
 
 Pipeline boundary tensors are in the model (`planner.simulation.schedules.held_boundary_bytes`,
-the same rule in the simulator, the closed form and the ILP). torch's `PipelineStage` would keep
+the same rule in the simulator and the ILP). torch's `PipelineStage` would keep
 a receive buffer per micro-batch for its input and one for its output's gradient for the whole
 run; the executor's stages (`executor.parallel.pipeline.LeanBuffersStage`) allocate each when
 its receive is posted and free it after that micro-batch's backward, so one per boundary and
