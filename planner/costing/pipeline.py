@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
+from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.layer_costs import LayerCost, Strategy, layer_cost
 from meshplan.planner.costing.state_memory import executed_zero
 
@@ -66,7 +66,7 @@ def pipeline_closed_form(stages: tuple[StageTimes, ...] | list[StageTimes], num_
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     per_mb = [stage.per_microbatch_s for stage in stages]
     slowest = max(per_mb)
-    chunks = virtual_stages if schedule in MULTI_CHUNK_SCHEDULES else 1
+    chunks = virtual_stages if schedule_spec(schedule).multi_chunk else 1
     p2p_path_s = sum(stage.p2p_s for stage in stages) / chunks
     fill = fill_share(schedule, chunks)
     pipeline_s = (num_microbatches - fill) * slowest + sum(per_mb) * fill + p2p_path_s
@@ -209,7 +209,7 @@ def kept_send_bytes(rank_of_chunk, boundary_bytes, done_of_chunk, pp: int, sched
     back (`executor.parallel.pipeline.LeanBuffersStage`). `Schedule1F1B` and `ScheduleGPipe`
     wait for each send by the next one: none."""
     out = [0.0] * pp
-    if schedule not in MULTI_CHUNK_SCHEDULES:
+    if not schedule_spec(schedule).multi_chunk:
         return out
     for c, size in enumerate(boundary_bytes):
         sender, receiver = rank_of_chunk(c), rank_of_chunk(c + 1)

@@ -9,7 +9,8 @@ planner's objective), used where the simulator is not available and tested again
 """
 from __future__ import annotations
 
-from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, pass_gather_exposure_s
@@ -19,8 +20,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.contracts.prediction import MemoryBreakdown, Prediction
-from meshplan.planner.simulation.schedules import (SPLIT_BACKWARD_SCHEDULES, held_boundary_bytes, max_in_flight,
-                                                   rank_actions)
+from meshplan.planner.simulation.schedules import held_boundary_bytes, max_in_flight, rank_actions
 
 DEFAULT_SEQ = 2048
 
@@ -40,9 +40,9 @@ def make_config(graph, cluster: ClusterProfile, gpus: int, global_batch: int, tp
     check_context_parallel(graph, cp)
     check_expert_parallel_request(graph, ep)
     check_tp_splits(graph, tp)
-    if schedule in V_SHAPED_SCHEDULES and vpp == 1:
-        vpp = 2  # a V always holds two chunks per rank: --vpp 2 is implied
-    chunks = pp * (vpp if schedule in MULTI_CHUNK_SCHEDULES else 1)
+    if schedule in SCHEDULE_SPECS and vpp == 1:
+        vpp = SCHEDULE_SPECS[schedule].least_chunks  # a V always holds two chunks per rank: --vpp 2 is implied
+    chunks = pp * (vpp if schedule in SCHEDULE_SPECS and SCHEDULE_SPECS[schedule].multi_chunk else 1)
     if chunks > len(graph.layers):
         raise MeshplanError(f"pp*vpp = {chunks} pipeline chunks need at least {chunks} layers; "
                             f"the model has {len(graph.layers)}")
@@ -95,8 +95,8 @@ def parallel_config(gpus, global_batch, tp, pp, mbs, zero, recompute, sp, schedu
                     shard_group: int | None = None, cp: int = 1, ep: int = 1) -> ParallelConfig:
     """ParallelConfig with DP = gpus / (tp * pp * cp); its validation errors become MeshplanError."""
     dp = gpus // (tp * pp * cp)
-    if schedule in V_SHAPED_SCHEDULES and vpp == 1:
-        vpp = 2  # a V always holds two chunks per rank: --vpp 2 is implied
+    if schedule in SCHEDULE_SPECS and vpp == 1:
+        vpp = SCHEDULE_SPECS[schedule].least_chunks  # a V always holds two chunks per rank: --vpp 2 is implied
     if shard_group == dp:  # sharding over every dp rank is plain ZeRO
         shard_group = None
     try:
@@ -225,7 +225,7 @@ def microbatches_in_flight(config: ParallelConfig, rank: int) -> float:
     whole stage's activations: GPipe m; 1F1B min(m, p - rank); interleaved 1F1B (Megatron's
     warm-up) min(m v, 2 (p - rank - 1) + (v - 1) p + 1) chunk-micro-batches, each 1/v of the stage."""
     m, p = config.num_microbatches, config.pp
-    if config.schedule in SPLIT_BACKWARD_SCHEDULES:  # read off torch's order (I keeps them until W)
+    if config.schedule_spec.split_backward:  # read off torch's order (I keeps them until W)
         actions = rank_actions(config.schedule, p, m, config.virtual_stages, rank)
         return max_in_flight(actions) / config.virtual_stages
     if config.schedule == "gpipe":
