@@ -40,8 +40,8 @@ class Schedule:
     microbatches_multiple_of_rounds: bool = False
     least_microbatches_per_rank: int = 0
     # The search: enumerated unpinned (else only when --schedule names it), from how many chunks
-    # per rank, and only once m fills all its chunks but one (m >= v pp - 1: torch runs a shorter
-    # run padded with idle slots, never faster).
+    # per rank, and only once m fills all its chunks but one (m >= v pp - 1: for fewer, torch
+    # builds the order of v pp - 1 micro-batches and drops the extra ones' actions, which only idles).
     searched: bool = True
     least_searched_chunks: int = 1
     searched_when_filled: bool = False
@@ -126,7 +126,8 @@ class Schedule:
     def searched_chunks(self, most: int) -> range:
         """The chunk counts per rank the search tries when --vpp is not pinned (at most `most`,
         unless the schedule fixes more)."""
-        return range(self.least_searched_chunks, max(self.least_searched_chunks, min(self.most_chunks or most, most)) + 1)
+        top = most if self.most_chunks is None else min(self.most_chunks, most)
+        return range(self.least_searched_chunks, max(self.least_searched_chunks, top) + 1)
 
     def searched_at(self, pp: int, num_microbatches: int, virtual_stages: int) -> bool:
         """Whether the search offers it unpinned at (pp, m, v), beside `accepts` (its preferences)."""
