@@ -164,3 +164,28 @@ def test_messages_show_the_numbers():
         SCHEDULE_SPECS["dualpipev"].check(4, 7, 2)
     with pytest.raises(ValueError, match="needs pipeline parallelism"):
         SCHEDULE_SPECS["zb-interleaved"].check(1, 8, 1)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_engine_exports_follow_the_description(spec):
+    """torchtitan gets torch's name (and reads it back with the plan's chunks), Megatron-LM its
+    virtual-stage flag or a note, DeepSpeed a note unless it runs the schedule."""
+    import tomllib
+
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.engines.bridge import export_plan, job_pins, read_engine_text
+
+    vpp = spec.least_chunks if not spec.free_chunks else 2
+    plan = uniform_plan("gpt:layers=6,hidden=64,heads=4,vocab=256", 32, 8, load_cluster("a100-80g"), pp=2,
+                        schedule=spec.name, virtual_stages=vpp, precision="bf16-mixed")
+    titan = export_plan(plan, "torchtitan")
+    assert tomllib.loads(titan.text)["parallelism"]["pipeline_parallel_schedule"] == spec.torchtitan_name
+    job = read_engine_text(titan.text, "torchtitan")
+    assert (job.schedule, job.vpp) == (spec.name, vpp)
+    assert job_pins(job)["schedule"] == spec.name and job_pins(job).get("vpp") == (vpp if vpp > 1 else None)
+    megatron = export_plan(plan, "megatron")
+    assert ("--num-virtual-stages-per-pipeline-rank 2" in megatron.text) == (spec.megatron == "interleaved")
+    assert any("Megatron-LM has no such schedule" in note for note in megatron.notes) == (spec.megatron is None)
+    deepspeed = export_plan(plan, "deepspeed")
+    assert any("runs 1F1B without virtual stages" in note for note in deepspeed.notes) == (not spec.deepspeed)
