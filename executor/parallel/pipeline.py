@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
 from meshplan.planner.costing.state_memory import executed_zero
 
 
@@ -156,19 +155,17 @@ def make_stages(cfg, modules, chunk_ids, device, group) -> list:
 
 
 def pipeline_schedule(cfg, mesh, modules, chunk_ids, device, loss_fn):
-    """The torch schedule the plan names, over this rank's stages."""
-    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
-                                                        ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                                        ScheduleZBVZeroBubble)
+    """The torch schedule the plan names (its description's `torch_class`), over this rank's stages."""
+    import torch.distributed.pipelining
+
+    spec = cfg.schedule_spec
+    schedule_class = getattr(torch.distributed.pipelining, spec.torch_class)
 
     stages = make_stages(cfg, modules, chunk_ids, device, mesh["pp"].get_group())
 
     def stage_loss(logits, targets):
         return loss_fn(logits, (targets,))
 
-    multi_chunk = dict(zip(MULTI_CHUNK_SCHEDULES, (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                         ScheduleZBVZeroBubble, ScheduleDualPipeV)))
-    if cfg.schedule in multi_chunk:  # the V-shaped classes place chunks in a V themselves
-        return multi_chunk[cfg.schedule](stages, n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
-    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.schedule]
+    if spec.multi_chunk:  # the V-shaped classes place chunks in a V themselves
+        return schedule_class(stages, n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)
     return schedule_class(stages[0], n_microbatches=cfg.num_microbatches, loss_fn=stage_loss)

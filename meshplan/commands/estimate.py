@@ -5,6 +5,7 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.commands.common import GIB, add_job_arguments, check_seq, moe_notes, throughput_line
 
 
@@ -114,7 +115,7 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
              + f" mbs={args.mbs} "
              f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
              + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
-             + (f" vpp={args.vpp}" if args.schedule in ("interleaved", "zb-interleaved") else ""),
+             + (f" vpp={args.vpp}" if schedule_spec(args.schedule).free_chunks else ""),
              "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:

@@ -39,7 +39,7 @@ def run(args) -> int:
 def summary(plan, prediction) -> str:
     """Human-readable report of one simulated step."""
     cfg = plan.config
-    schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule == "interleaved" else "")
+    schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule_spec.free_chunks else "")
     lines = [
         f"{plan.model.spec} (seq {plan.model.seq}) on {cfg.gpus} x {plan.cluster.name}: "
         f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}",

@@ -10,22 +10,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev")
-# Schedules that run several model chunks per rank (--vpp). The V-shaped ones run exactly two:
-# chunk c < pp on rank c, chunk c >= pp mirrored back onto rank 2 pp - 1 - c (torch's style "v").
-MULTI_CHUNK_SCHEDULES = ("interleaved", "zb-interleaved", "zbv", "dualpipev")
-V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
-# Schedules that run split backwards (input gradients, then weight gradients) for some or all
-# micro-batches.
-SPLIT_BACKWARD_SCHEDULES = ("zb-interleaved", "zbv", "dualpipev")
+from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, schedule_spec
+
 RECOMPUTE = ("none", "selective", "full")
 # fp8: tensorwise-scaled FP8 Linears over bf16-mixed (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")
-Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-interleaved", "zbv", "dualpipev"]
 Recompute = Literal["none", "selective", "full"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Mesh, batch split and uniform switches. `gpus = pp * dp * cp * tp`.
 
@@ -49,7 +42,7 @@ class ParallelConfig:
     zero: int = 0
     recompute: Recompute = "none"
     sp: bool = False
-    schedule: Schedule = "1f1b"
+    schedule: str = "1f1b"  # a name in SCHEDULES; its description: `schedule_spec`
     virtual_stages: int = 1
     precision: str = "bf16-mixed"
     # HSDP: ZeRO shards over groups of `shard_group` consecutive data-parallel ranks and replicates
@@ -94,36 +87,15 @@ class ParallelConfig:
         if self.pp > 1 and self.num_microbatches < self.pp:
             raise ValueError(f"{self.num_microbatches} micro-batches is fewer than the {self.pp} pipeline stages; "
                              f"lower --mbs or raise --gbs to at least {self.pp * self.dp * self.microbatch_size}")
-        self._check_schedule()
-
-    def _check_schedule(self) -> None:
-        """The rules torch 2.13's schedule classes enforce (and interleaved's m % pp, see candidates)."""
-        name, m, pp, v = self.schedule, self.num_microbatches, self.pp, self.virtual_stages
-        if name not in MULTI_CHUNK_SCHEDULES:
-            if v != 1:
-                raise ValueError(f"virtual stages ({v}) need --schedule interleaved or zb-interleaved")
-            return
-        if pp == 1:
-            raise ValueError(f"the {name} schedule needs pipeline parallelism: set --pp > 1")
-        if name in V_SHAPED_SCHEDULES and v != 2:
-            raise ValueError(f"the {name} schedule is V-shaped: exactly 2 model chunks per rank (--vpp 2), got {v}")
-        if name == "interleaved" and m % pp:
-            raise ValueError(f"the interleaved schedule needs the micro-batch count ({m}) to be a multiple of pp ({pp})")
-        rounds = max(1, m // pp)
-        if name == "zb-interleaved" and m % rounds:
-            raise ValueError(f"the zb-interleaved schedule needs the micro-batch count ({m}) to be a multiple of "
-                             f"its rounds (m // pp = {rounds}); use a multiple of pp ({pp})")
-        if name == "dualpipev" and m < 2 * pp:
-            raise ValueError(f"the dualpipev schedule needs at least as many micro-batches ({m}) as model chunks "
-                             f"(2 x pp = {2 * pp}); raise --gbs or lower --mbs")
+        self.schedule_spec.check(self.pp, self.num_microbatches, self.virtual_stages)
 
     def rank_of_chunk(self, chunk: int) -> int:
-        """Pipeline rank that runs model chunk `chunk` (see `chunk_rank`)."""
-        return chunk_rank(self.schedule, self.pp, chunk)
+        """Pipeline rank that runs model chunk `chunk` (`Schedule.chunk_rank`)."""
+        return self.schedule_spec.chunk_rank(self.pp, chunk)
 
     def chunk_at(self, stage: int, virtual_stage: int) -> int:
         """Model chunk that pipeline rank `stage` runs as its virtual stage `virtual_stage`."""
-        return chunk_index(self.schedule, self.pp, stage, virtual_stage)
+        return self.schedule_spec.chunk_index(self.pp, stage, virtual_stage)
 
     def chunks_of_rank(self, rank: int) -> tuple[int, ...]:
         """Model chunks pipeline rank `rank` runs, by virtual stage."""
@@ -140,6 +112,11 @@ class ParallelConfig:
         if self.dp % group or group == 1:
             raise ValueError(f"shard_group {group} must divide dp={self.dp} and be > 1 (state is sharded over "
                              f"the group and replicated across the dp / {group} groups)")
+
+    @property
+    def schedule_spec(self) -> Schedule:
+        """The description of the pipeline schedule (`contracts.schedule`)."""
+        return schedule_spec(self.schedule)
 
     @property
     def shard_degree(self) -> int:
@@ -172,7 +149,7 @@ class ParallelConfig:
                 self.virtual_stages, -(self.shard_group or self.dp), self.ep)
 
     def label(self) -> str:
-        interleaving = self.schedule in ("interleaved", "zb-interleaved")
+        interleaving = self.schedule_spec.free_chunks
         sched = f"{self.schedule} x{self.virtual_stages}" if interleaving else self.schedule
         return (f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp}"
                 f"{f' ep={self.ep}' if self.ep > 1 else ''}"
@@ -185,16 +162,10 @@ class ParallelConfig:
 
 
 def chunk_rank(schedule: str, pp: int, chunk: int) -> int:
-    """Pipeline rank of model chunk `chunk`: chunk mod pp (loop placement: Megatron-LM's and torch's
-    interleaving), or for the V-shaped schedules chunk c on rank c for c < pp and on rank
-    2 pp - 1 - c for the mirrored second half (so the first and last chunks share rank 0)."""
-    if schedule in V_SHAPED_SCHEDULES and chunk >= pp:
-        return 2 * pp - 1 - chunk
-    return chunk % pp
+    """Pipeline rank of model chunk `chunk` under the schedule named `schedule` (`Schedule.chunk_rank`)."""
+    return schedule_spec(schedule).chunk_rank(pp, chunk)
 
 
 def chunk_index(schedule: str, pp: int, stage: int, virtual_stage: int) -> int:
-    """Inverse of `chunk_rank`: the chunk rank `stage` runs as its virtual stage (chunk // pp)."""
-    if schedule in V_SHAPED_SCHEDULES and virtual_stage == 1:
-        return 2 * pp - 1 - stage
-    return virtual_stage * pp + stage
+    """Inverse of `chunk_rank`: the chunk rank `stage` runs as its virtual stage (`Schedule.chunk_index`)."""
+    return schedule_spec(schedule).chunk_index(pp, stage, virtual_stage)

@@ -3,7 +3,7 @@ transit and a multi-chunk schedule's kept input-gradient sends. One rule for the
 the ILP, both through `simulation.schedules.held_boundary_bytes`."""
 from __future__ import annotations
 
-from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
+from meshplan.planner.contracts.schedule import schedule_spec
 
 
 def receive_buffer_bytes(rank_of_chunk, boundary_bytes, pp: int) -> list[float]:
@@ -39,7 +39,7 @@ def kept_send_bytes(rank_of_chunk, boundary_bytes, done_of_chunk, pp: int, sched
     back (`executor.parallel.pipeline.LeanBuffersStage`). `Schedule1F1B` and `ScheduleGPipe`
     wait for each send by the next one: none."""
     out = [0.0] * pp
-    if schedule not in MULTI_CHUNK_SCHEDULES:
+    if not schedule_spec(schedule).multi_chunk:
         return out
     for c, size in enumerate(boundary_bytes):
         sender, receiver = rank_of_chunk(c), rank_of_chunk(c + 1)

@@ -37,7 +37,7 @@ under pipelining they stay gathered from the first forward to the step's end
 """
 from __future__ import annotations
 
-from meshplan.planner.contracts.config import SPLIT_BACKWARD_SCHEDULES
+from meshplan.planner.contracts.schedule import schedule_spec
 
 STATE_RECIPES = ("executor", "zero-paper")
 
@@ -65,11 +65,11 @@ def executed_zero(zero: int, dp: int, pp: int, schedule: str | None = None) -> i
     """The ZeRO stage the executor really runs. Under torch pipelining (pp > 1) meshplan's
     stages reduce-scatter ZeRO-2/3 gradients after every micro-batch's full backward
     (`executor.parallel.pipeline.ShardedGradStage`; torch's own stage would defer sync and
-    resharding to the last one). Schedules that split the backward (`SPLIT_BACKWARD_SCHEDULES`)
+    resharding to the last one). Schedules that split the backward (`Schedule.split_backward`)
     run the input-gradient half first, before any weight gradient exists, so their reduction
     stays deferred to the step's end: ZeRO-2 would keep full gradients and ZeRO-3 the gathered
     parameters, both run as ZeRO-1, which the planner therefore offers alone."""
-    if pp > 1 and dp > 1 and zero >= 2 and schedule in SPLIT_BACKWARD_SCHEDULES:
+    if pp > 1 and dp > 1 and zero >= 2 and schedule is not None and schedule_spec(schedule).split_backward:
         return 1
     return zero
 

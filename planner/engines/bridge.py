@@ -7,6 +7,7 @@ from pathlib import Path
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
+from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.engines import ENGINES
 from meshplan.planner.engines.job import EngineJob, chunks_from_counts, dominant_recompute, resolve_recompute
@@ -174,7 +175,7 @@ def job_pins(job: EngineJob) -> dict:
     zero = executed_zero(job.zero, job.dp or 2, job.pp, job.schedule)
     pins = {"tp": job.tp, "pp": job.pp, "zero": zero, "sp": job.sp if job.tp > 1 else None,
             "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
-            "vpp": job.vpp if job.schedule == "interleaved" else None}
+            "vpp": job.vpp if schedule_spec(job.schedule).multi_chunk and job.vpp > 1 else None}
     if job.dp is not None:
         pins["dp"] = job.dp * job.cp
     if job.recompute_first_per_chunk is None and job.recompute_every == 1:

@@ -68,7 +68,7 @@ def _checkpoint_interval(plan, notes: list[str]) -> int:
 
 def _note_pipeline(plan, notes: list[str]) -> None:
     cfg = plan.config
-    if cfg.schedule != "1f1b":
+    if not cfg.schedule_spec.deepspeed:
         notes.append(f"schedule {cfg.schedule}: DeepSpeed's pipeline engine runs 1F1B without virtual stages")
     if cfg.zero >= 2:
         notes.append(f"ZeRO-{cfg.zero} with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only")

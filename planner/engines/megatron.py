@@ -32,11 +32,12 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     args: list[tuple[str, object]] = []
     args += _model_args(plan, notes)
     args += [("--tensor-model-parallel-size", cfg.tp), ("--pipeline-model-parallel-size", cfg.pp)]
-    if cfg.schedule == "interleaved":
+    megatron_schedule = cfg.schedule_spec.megatron
+    if megatron_schedule == "interleaved":
         args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
-    elif cfg.schedule == "gpipe" and cfg.pp > 1:
-        notes.append("schedule gpipe: Megatron-LM runs 1F1B (same step without overlap differences, fewer "
-                     "activations in flight)")
+    elif megatron_schedule is None and cfg.pp > 1:
+        notes.append(f"schedule {cfg.schedule}: Megatron-LM has no such schedule; exported as its 1F1B "
+                     "(the step and the activations in flight differ)")
     args += _split_args(plan, notes)
     if cfg.sp:
         args.append(("--sequence-parallel", None))

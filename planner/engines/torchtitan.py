@@ -18,11 +18,11 @@ import json
 import tomllib
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.schedule import SCHEDULE_SPECS, schedule_spec
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flavour
 
-SCHEDULE_NAMES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
 DESCRIPTION_PREFIX = "meshplan: "  # job.description carries the meshplan SPEC for models with no flavour
 # torchtitan's [parallelism] keys (JobConfig.Parallelism)
 PARALLELISM_KEYS = (
@@ -100,7 +100,7 @@ def _parallelism(plan, notes: list[str]) -> dict:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
     if cfg.pp > 1:
-        out["pipeline_parallel_schedule"] = SCHEDULE_NAMES[cfg.schedule]
+        out["pipeline_parallel_schedule"] = cfg.schedule_spec.torchtitan_name
         out["pipeline_parallel_microbatch_size"] = cfg.microbatch_size
         out["module_fqns_per_model_part"] = [_fqns(plan, chunk) for chunk in plan.chunks()]
     return out
@@ -164,7 +164,8 @@ def read_torchtitan(text: str) -> EngineJob:
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
         tp=tp, pp=pp, dp=dp, cp=cp, ep=_int(par, "expert_parallel_degree", 1),
         zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, notes), sp=tp > 1,
-        recompute=recompute, recompute_every=every, schedule=schedule, vpp=vpp if schedule == "interleaved" else 1,
+        recompute=recompute, recompute_every=every, schedule=schedule,
+        vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
         precision=precision, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))
 
 
@@ -213,11 +214,11 @@ def _model(data: dict, notes: list[str]) -> str | None:
 def _schedule(name: str, pp: int, vpp: int, notes: list[str]) -> str:
     if pp == 1:
         return "1f1b"
-    known = {value.lower(): key for key, value in SCHEDULE_NAMES.items()}
+    known = {spec.torchtitan_name.lower(): spec.name for spec in SCHEDULE_SPECS.values()}
     schedule = known.get(name.lower())
     if schedule is None:
         schedule = "interleaved" if vpp > 1 else "1f1b"
-        notes.append(f"pipeline schedule {name}: not modelled; priced as {SCHEDULE_NAMES[schedule]}")
+        notes.append(f"pipeline schedule {name}: not modelled; priced as {schedule_spec(schedule).torchtitan_name}")
     return schedule
 
 

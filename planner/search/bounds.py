@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 
+from meshplan.planner.contracts.schedule import schedule_spec
+
 # Relative slack on the memory limit: HiGHS accepts rows a feasibility tolerance over their
 # limit (GiB-scaled rows, about 1e-7), so the bound relaxes the limit by more than that.
 LIMIT_SLACK = 1e-6
@@ -42,7 +44,7 @@ def step_factor_floor(schedule: str, num_stages: int, num_microbatches: int, vir
     p, m, v = num_stages, num_microbatches, virtual_stages
     if p == 1:
         return float(m)
-    if schedule in ("1f1b", "gpipe"):
+    if schedule_spec(schedule).textbook_factor:
         return float(m + p - 1)
     return max(m + (p - 1) / (3.0 * v), p / v)
 
@@ -113,7 +115,7 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     received = receive_bytes(table, shape, kept_sends=replay)
     for rank in range(pp):
         chunks = shape.chunks_on(rank)
-        if replay or shape.schedule in ("1f1b", "gpipe"):  # 1F1B and GPipe replay in microseconds
+        if replay or schedule_spec(shape.schedule).textbook_factor:  # 1F1B and GPipe replay in microseconds
             live = max(live_vectors(shape, rank), key=lambda vec: (min(vec), sum(vec)))
         else:
             live = (1,) if shape.virtual_stages == 1 else (0,) * shape.virtual_stages

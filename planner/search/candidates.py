@@ -3,8 +3,10 @@ that the user's pins allow.
 
 Mesh (pp, dp, cp, tp) with tp inside a node and dividing the heads, cp (context parallelism) for
 sequences long enough to split (`context_parallel_degrees`), micro-batch size (its count
-m >= pp), schedule (1F1B; interleaved with v virtual stages; GPipe only when pinned, since with
-the same layer assignment it is never faster and holds more activations), ZeRO stage 0-3, and
+m >= pp), schedule and virtual stages (what each schedule's description accepts and offers to the
+search, `contracts.schedule`: 1F1B, interleaved with v = 2..4, the zero-bubble schedules; GPipe
+only when pinned, since with the same layer assignment it is never faster and holds more
+activations), ZeRO stage 0-3, and
 sequence parallelism when tp > 1 (not for Hugging Face models), and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes;
 for mixtures of experts, expert parallelism `ep` over powers of two dividing dp * cp and the
 expert count (`expert_parallel_degrees`). ZeRO-2/3 are not offered with a split-backward
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.state_memory import executed_zero
 
@@ -122,8 +125,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
                                 for ep in expert_parallel_degrees(info, dp * cp, pins.ep):
-                                    out.append(ParallelConfig(gpus, global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
-                                                              microbatch_size=mbs, zero=zero, sp=sp,
+                                    out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
+                                                              dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
                                                               precision=precision, shard_group=group, ep=ep))
     return sorted(out, key=lambda c: c.sort_key)
@@ -194,36 +197,21 @@ def expert_parallel_degrees(info, data_ranks: int, pinned: int | None) -> list[i
 
 
 def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:
-    if pp == 1:
-        ok = pins.schedule in (None, "1f1b", "gpipe") and pins.vpp in (None, 1)
-        return [(pins.schedule or "1f1b", 1)] if ok else []
-    wanted = pins.schedule or ("interleaved" if pins.vpp and pins.vpp > 1 else None)
+    """(schedule, virtual stages) pairs for pp ranks and m micro-batches: those the schedule's
+    description accepts (`Schedule.check`) with pp * v <= the layer count, v pinned or over
+    the description's searched chunk counts (up to MAX_VIRTUAL_STAGES); unless --schedule names
+    it, only where the search offers it (`Schedule.searched_at`: GPipe never, interleaved from 2
+    chunks, ZB-V once m >= 2 pp - 1)."""
     out = []
-    if wanted in (None, "1f1b") and pins.vpp in (None, 1):
-        out.append(("1f1b", 1))
-    if wanted == "gpipe" and pins.vpp in (None, 1):
-        out.append(("gpipe", 1))
-    rounds = max(1, m // pp)
-    if wanted in (None, "interleaved") and m % pp == 0 and m % rounds == 0:
-        for vpp in range(2, max(MAX_VIRTUAL_STAGES, pins.vpp or 0) + 1):
-            if pp * vpp <= num_layers and (vpp == pins.vpp or (pins.vpp is None and vpp <= MAX_VIRTUAL_STAGES)):
-                out.append(("interleaved", vpp))
-    return out + _zero_bubble_schedules(pp, m, num_layers, pins)
-
-
-def _zero_bubble_schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:
-    """zb-interleaved with v = 1..MAX_VIRTUAL_STAGES where torch's rounds divide m; ZB-V once m
-    fills its V (m >= 2 pp - 1; torch drops the padding micro-batches of shorter runs, which only
-    idles); DualPipeV where torch accepts it (m >= 2 pp). Each pp * v <= the layer count."""
-    wanted = pins.schedule
-    out = []
-    if wanted in (None, "zb-interleaved") and m % max(1, m // pp) == 0:
-        for vpp in range(1, max(MAX_VIRTUAL_STAGES, pins.vpp or 0) + 1):
-            if pp * vpp <= num_layers and pins.vpp in (None, vpp):
-                out.append(("zb-interleaved", vpp))
-    for name, least_m in (("zbv", 2 * pp - 1), ("dualpipev", 2 * pp)):
-        if wanted in (None, name) and pins.vpp in (None, 2) and 2 * pp <= num_layers and m >= least_m:
-            out.append((name, 2))
+    for spec in SCHEDULE_SPECS.values():
+        pinned = pins.schedule == spec.name
+        if pins.schedule is not None and not pinned:
+            continue
+        chunks = [pins.vpp] if pins.vpp is not None else spec.searched_chunks(MAX_VIRTUAL_STAGES)
+        for vpp in chunks:
+            if (pp * vpp <= num_layers and spec.accepts(pp, m, vpp)
+                    and (pinned or spec.searched_at(pp, m, vpp))):
+                out.append((spec.name, vpp))
     return out
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
+from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.uniform import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
@@ -50,7 +51,7 @@ def pipeline_shape(candidate: ParallelConfig, weight_share: float = 0.5) -> Pipe
     from meshplan.planner.simulation.factors import step_factor
 
     m, v = candidate.num_microbatches, candidate.virtual_stages
-    if candidate.schedule in ("1f1b", "gpipe"):
+    if candidate.schedule_spec.textbook_factor:
         return PipelineShape(candidate.pp, m, v, candidate.schedule)
     factor = step_factor(candidate.schedule, candidate.pp, m, v, weight_share=weight_share)
     return PipelineShape(candidate.pp, m, v, candidate.schedule, step_factor=max(factor, candidate.pp / v))
@@ -63,7 +64,7 @@ def floor_shape(candidate: ParallelConfig) -> PipelineShape:
 
 @lru_cache(maxsize=4096)
 def _floor_shape(schedule: str, pp: int, m: int, v: int) -> PipelineShape:
-    if schedule in ("1f1b", "gpipe"):
+    if schedule_spec(schedule).textbook_factor:
         return PipelineShape(pp, m, v, schedule)
     return PipelineShape(pp, m, v, schedule, step_factor=step_factor_floor(schedule, pp, m, v))
 

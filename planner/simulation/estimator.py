@@ -11,7 +11,8 @@ layers cut into balanced chunks (`planner.simulation.simulator.simulate_config`)
 from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import V_SHAPED_SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -95,8 +96,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
     cluster (`check_mesh`) and by ParallelConfig itself; its errors become MeshplanError."""
     check_mesh(cluster, gpus, tp, pp, cp)
     dp = gpus // (tp * pp * cp)
-    if schedule in V_SHAPED_SCHEDULES and vpp == 1:
-        vpp = 2  # a V always holds two chunks per rank: --vpp 2 is implied
+    if schedule in SCHEDULE_SPECS and vpp == 1:
+        vpp = SCHEDULE_SPECS[schedule].least_chunks  # a V always holds two chunks per rank: --vpp 2 is implied
     if shard_group == dp:  # sharding over every dp rank is plain ZeRO
         shard_group = None
     try:

@@ -9,7 +9,9 @@ table for large pipelines takes seconds, far too slow for a planner that simulat
 
 Notation: p = pipeline ranks, m = micro-batches, v = virtual stages (model chunks per rank).
 Model chunk c runs on rank `c % p` as its virtual stage `c // p` (Megatron-LM's interleaving),
-except under the V-shaped schedules (`contracts.config.chunk_rank`).
+except under the V-shaped schedules (`contracts.schedule.Schedule.chunk_rank`). Which schedules
+exist, and which (p, m, v) each runs, is `contracts.schedule`'s: `rank_actions` checks there and
+picks the generator the description's `actions` names (`GENERATORS`).
 
 - GPipe (`ScheduleGPipe._step_microbatches`): all m forwards, then all m backwards, in order.
 - 1F1B (`Schedule1F1B._step_microbatches`): rank k runs w = min(m, p - k) warm-up forwards,
@@ -25,39 +27,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
-from meshplan.planner.contracts.config import SPLIT_BACKWARD_SCHEDULES  # noqa: F401 (re-exported)
+from meshplan.planner.contracts.schedule import Schedule, schedule_spec
 from meshplan.planner.costing.boundary_buffers import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev")
 
-
-def _check(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:
-    if schedule not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULE_NAMES)}")
+def _check(spec: Schedule, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("virtual_stages", virtual_stages)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if not 0 <= rank < num_stages:
         raise ValueError(f"rank {rank} is outside the pipeline of {num_stages} stages")
-    if schedule in ("zbv", "dualpipev") and virtual_stages != 2:
-        raise ValueError(f"schedule {schedule!r} is V-shaped: exactly 2 virtual stages, got {virtual_stages}")
-    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank; {virtual_stages} virtual stages "
-                         "need the interleaved schedule")
-    if schedule == "dualpipev" and num_microbatches < 2 * num_stages:
-        raise ValueError(f"dualpipev needs at least as many micro-batches ({num_microbatches}) as chunks "
-                         f"({2 * num_stages})")
-    if schedule == "1f1b" and num_microbatches < num_stages:
-        raise ValueError(f"1F1B needs at least as many micro-batches ({num_microbatches}) as stages ({num_stages})")
-    if schedule in ("interleaved", "zb-interleaved"):
-        rounds = max(1, num_microbatches // num_stages)
-        if num_microbatches % rounds:
-            raise ValueError(f"{schedule} needs the micro-batch count ({num_microbatches}) to be a multiple "
-                             f"of the number of rounds ({rounds}); use a multiple of pp={num_stages}")
+    spec.check(num_stages, num_microbatches, virtual_stages)
 
 
 def _new_action(kind: str, chunk: int, microbatch: int) -> Action:
@@ -72,20 +55,17 @@ _tuple_new = tuple.__new__
 def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
                  rank: int) -> list[Action]:
     """The compute actions pipeline rank `rank` runs, in execution order."""
-    _check(schedule, num_stages, num_microbatches, virtual_stages, rank)
-    if schedule == "gpipe":
-        return ([_new_action("F", rank, mb) for mb in range(num_microbatches)]
-                + [_new_action("B", rank, mb) for mb in range(num_microbatches)])
-    if schedule == "1f1b":
-        return _one_f_one_b(num_stages, num_microbatches, rank)
-    if schedule == "interleaved":
-        return _interleaved(num_stages, num_microbatches, virtual_stages, rank)
-    if schedule == "zb-interleaved":
-        return zero_bubble.zb_interleaved(num_stages, num_microbatches, virtual_stages, rank)
-    return getattr(zero_bubble, schedule)(num_stages, num_microbatches, rank)
+    spec = schedule_spec(schedule)
+    _check(spec, num_stages, num_microbatches, virtual_stages, rank)
+    return GENERATORS[spec.actions](num_stages, num_microbatches, virtual_stages, rank)
 
 
-def _one_f_one_b(num_stages: int, num_microbatches: int, rank: int) -> list[Action]:
+def _gpipe(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list[Action]:
+    return ([_new_action("F", rank, mb) for mb in range(num_microbatches)]
+            + [_new_action("B", rank, mb) for mb in range(num_microbatches)])
+
+
+def _one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list[Action]:
     warmup = min(num_microbatches, num_stages - rank)
     actions = [_new_action("F", rank, mb) for mb in range(warmup)]
     next_fwd, next_bwd = warmup, 0
@@ -126,6 +106,17 @@ def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, ra
     for step in range(total, total + warmup):
         backward(step)
     return actions
+
+
+# `Schedule.actions` -> generator(num_stages, num_microbatches, virtual_stages, rank).
+GENERATORS = {
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "interleaved": _interleaved,
+    "zb-interleaved": zero_bubble.zb_interleaved,
+    "zbv": zero_bubble.zbv,
+    "dualpipev": zero_bubble.dualpipev,
+}
 
 
 @lru_cache(maxsize=256)
@@ -171,7 +162,7 @@ def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, v
     two rules; the simulator and the ILP both call this). `kept_sends` False: the
     receive buffers alone, a lower bound that replays no schedule."""
     received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_stages)
-    if not kept_sends or schedule not in MULTI_CHUNK_SCHEDULES:
+    if not kept_sends or not schedule_spec(schedule).multi_chunk:
         return received
     done = backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages)
     kept = kept_send_bytes(rank_of_chunk, boundary_bytes, lambda c: done[rank_of_chunk(c)][c // num_stages],

@@ -79,9 +79,10 @@ def zb_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, 
     return actions
 
 
-def zbv(num_stages: int, num_microbatches: int, rank: int) -> list:
+def zbv(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list:
     """`ScheduleZBVZeroBubble._calculate_single_rank_operations`: warm-up, a steady state of
-    F0 I0 W0 F1 I1 W1, then a cool-down of I's with the W's at the end."""
+    F0 I0 W0 F1 I1 W1, then a cool-down of I's with the W's at the end (`virtual_stages` is the
+    V's 2, checked by the caller)."""
     pp, n_micro = num_stages, max(2 * num_stages - 1, num_microbatches)
     first, second = rank, 2 * pp - 1 - rank
     count = _Counter()
@@ -119,10 +120,10 @@ def zbv(num_stages: int, num_microbatches: int, rank: int) -> list:
     return [a for a in out if a.microbatch < num_microbatches]  # drop the padding micro-batches
 
 
-def dualpipev(num_stages: int, num_microbatches: int, rank: int) -> list:
+def dualpipev(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list:
     """`ScheduleDualPipeV._calculate_single_rank_operations`: eight phases; a full backward B
     counts as both the I and the W of its micro-batch; each I queues its W, which a later
-    "pending weight" slot runs (oldest first)."""
+    "pending weight" slot runs (oldest first). `virtual_stages` is the V's 2, checked by the caller."""
     pp, m = num_stages, num_microbatches
     first, second = rank, 2 * pp - 1 - rank
     count = _Counter()

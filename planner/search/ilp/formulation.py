@@ -75,6 +75,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshplan.planner.contracts.config import chunk_index, chunk_rank
+from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
@@ -128,7 +129,7 @@ class PipelineShape:
     @property
     def transfer_cycle(self) -> bool:
         """1F1B's steady state waits for transfers unless one rank is the bottleneck."""
-        return self.schedule == "1f1b" and self.num_stages > 1 and self.num_microbatches > 1
+        return schedule_spec(self.schedule).transfer_cycle and self.num_stages > 1 and self.num_microbatches > 1
 
     @property
     def weights(self) -> tuple[float, float]:

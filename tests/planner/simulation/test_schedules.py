@@ -112,37 +112,31 @@ def _record_worker(rank: int, port: int, out_path: str) -> None:
     """One gloo rank: run every case with tiny Linear stages, recording the stage calls in order."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-    from torch.distributed.pipelining.schedules import (ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
-                                                        ScheduleZBVZeroBubble)
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
 
-    from meshplan.planner.contracts.config import chunk_index
+    from meshplan.planner.contracts.schedule import schedule_spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
     groups = {p: dist.new_group(ranks=list(range(p))) for p in (2, 3, 4)}
     cases = ([(name, p, m, 1) for name in ("gpipe", "1f1b") for p, m in SINGLE_CASES]
              + [("interleaved", p, m, 2) for p, m in INTERLEAVED_CASES] + ZERO_BUBBLE_CASES)
-    multi = {"interleaved": ScheduleInterleaved1F1B, "zb-interleaved": ScheduleInterleavedZeroBubble,
-             "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
     recorded = {}
     for name, num_stages, num_mb, num_virtual in cases:
         if rank < num_stages:
             calls: list[str] = []
             stages = []
+            spec = schedule_spec(name)
             for local in range(num_virtual):
-                index = chunk_index(name, num_stages, rank, local)
+                index = spec.chunk_index(num_stages, rank, local)
                 stage = PipelineStage(torch.nn.Linear(4, 4), index, num_stages * num_virtual,
                                       torch.device("cpu"), group=groups[num_stages])
                 _instrument(stage, index, calls)
                 stages.append(stage)
             loss_fn = lambda output, target: ((output - target) ** 2).sum()  # noqa: E731
-            if name in multi:
-                schedule = multi[name](stages, num_mb, loss_fn=loss_fn)
-            else:
-                cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-                schedule = cls(stages[0], num_mb, loss_fn=loss_fn)
+            schedule_class = getattr(pipelining, spec.torch_class)
+            schedule = schedule_class(stages if spec.multi_chunk else stages[0], num_mb, loss_fn=loss_fn)
             inputs = torch.randn(num_mb, 4)
             holds_last = any(stage.stage_index == num_stages * num_virtual - 1 for stage in stages)  # V: rank 0
             kwargs = {"target": torch.zeros(num_mb, 4)} if holds_last else {}
