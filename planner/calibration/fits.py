@@ -107,7 +107,7 @@ def fit_elementwise_traffic(samples: list[dict[str, float]], device, dtype: str)
     the least-squares fit on relative error, over several shapes, so one disturbed timing moves
     it less than a single-shape difference would; never negative.
     """
-    from meshplan.planner.costing.layer_costs import memory_time_s
+    from meshplan.planner.costing.device_time import memory_time_s
 
     probe = probe_profile(replace(device, elementwise_bytes_per_activation_byte=0.0))
     numerator = denominator = 0.0

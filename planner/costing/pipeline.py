@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES
-from meshplan.planner.costing.layer_costs import LayerCost, Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import LayerCost, layer_cost
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import executed_zero
 
 

@@ -74,8 +74,13 @@ def executed_zero(zero: int, dp: int, pp: int, schedule: str | None = None) -> i
     return zero
 
 
+# When gradient reduction runs, as `grad_sync_mode` names it (the simulator's
+# `StepCosts.grad_sync` and the ILP's problem validate against it).
+GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
+
+
 def grad_sync_mode(config) -> str:
-    """When meshplan's executor reduces gradients (`simulation.engine.StepCosts.grad_sync`; the
+    """When meshplan's executor reduces gradients (`simulation.step_costs.StepCosts.grad_sync`; the
     ILP models the same). DDP/FSDP overlap the reduction with the backward, of the last
     micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3 (which keep gradients sharded
     while accumulating), pipelined or not. Under pipelining ZeRO-0/1 (and ZeRO-2/3 under a

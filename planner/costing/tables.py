@@ -23,7 +23,7 @@ from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
-from meshplan.planner.costing.layer_costs import after_other_gather_s, gather_exposure_s
+from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
 
 
 @dataclass(frozen=True)
@@ -328,9 +328,10 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
     from dataclasses import replace
 
     if layer_cost is None or p2p_time is None:
-        from meshplan.planner.costing import layer_costs as cost_model
-        layer_cost = layer_cost or cost_model.layer_cost
-        p2p_time = p2p_time or cost_model.p2p_time_s
+        from meshplan.planner.costing.communication import p2p_time_s
+        from meshplan.planner.costing.layer_cost import layer_cost as default_layer_cost
+        layer_cost = layer_cost or default_layer_cost
+        p2p_time = p2p_time or p2p_time_s
     if cache is None:
         cache = {}
     shape = cache.get(("graph", id(graph)))

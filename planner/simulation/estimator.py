@@ -12,7 +12,10 @@ from __future__ import annotations
 from meshplan.planner.contracts.config import MULTI_CHUNK_SCHEDULES, V_SHAPED_SCHEDULES, ParallelConfig
 from meshplan.planner.costing import flops
 from meshplan.planner.costing.fp8 import check_fp8_supported
-from meshplan.planner.costing.layer_costs import COMPUTE_DTYPE, layer_cost, p2p_time_s, pass_gather_exposure_s
+from meshplan.planner.costing.communication import p2p_time_s
+from meshplan.planner.costing.gathers import pass_gather_exposure_s
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE
 from meshplan.planner.costing.pipeline import (StageTimes, balanced_layer_chunks, default_recompute,
                                                pipeline_closed_form, strategy_for)
 from meshplan.planner.contracts.errors import MeshplanError

@@ -5,7 +5,8 @@ import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.simulation.simulator import simulate, simulate_config
-from meshplan.planner.simulation.engine import StepCosts, simulate_step
+from meshplan.planner.simulation.event_engine import simulate_step
+from meshplan.planner.simulation.step_costs import StepCosts
 
 # Float sums of a few hundred durations: relative error well under 1e-9.
 REL = 1e-9
@@ -59,7 +60,7 @@ def cluster():
 def test_simulator_agrees_with_closed_form_on_balanced_stages(cluster, schedule, vpp):
     """Identical blocks, equal stages, no DP: the engine and pipeline.pipeline_closed_form must agree
     (with transfers set to zero, which the closed form charges serially and the simulator overlaps)."""
-    from meshplan.planner.costing import layer_costs as cost, pipeline
+    from meshplan.planner.costing import pipeline
     from meshplan.planner.simulation.simulator import step_costs
 
     graph = synthetic_graph(num_blocks=16, with_ends=False)
@@ -105,7 +106,7 @@ def test_simulate_config_on_a_model(cluster):
 
 
 def _plan_for(graph, cluster, cfg, recompute="none"):
-    from meshplan.planner.costing import layer_costs as cost, pipeline
+    from meshplan.planner.costing import pipeline
     from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan
 
     chunks = pipeline.balanced_layer_chunks(graph, cluster, cfg)
@@ -177,7 +178,7 @@ def test_command_end_to_end_with_the_profiler(run_cli, tmp_path):
     import json
 
     pytest.importorskip("meshplan.planner.profiling.profiler")
-    from meshplan.planner.costing import layer_costs as cost, pipeline
+    from meshplan.planner.costing import pipeline
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, save_plan
     from meshplan.planner.profiling.profiler import profile

@@ -75,6 +75,7 @@ import time
 from dataclasses import dataclass, field
 
 from meshplan.planner.contracts.config import chunk_index, chunk_rank
+from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES
 from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
@@ -84,7 +85,6 @@ __all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure"
            "heuristic_start", "live_vectors", "pipeline_factor", "solve_stages"]
 
 FORMULATIONS = ("auto", "compact", "per-layer")
-GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
 
 
 @dataclass(frozen=True)

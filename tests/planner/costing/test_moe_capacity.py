@@ -15,7 +15,8 @@ import pytest
 from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
-from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
 
 # the small MoE model and its profile, shared with the EP cost tests
 from tests.planner.costing.test_expert_parallel import EXPERTS, H100, HIDDEN, SEQ, SPEC, TOP_K, graph  # noqa: E402,F401
