@@ -49,7 +49,8 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   load factor is C (also when C > F: the padding rows cost as real ones). Padding is modelled as
   what a capacity factor with that flag does, and is off by default as in Megatron-LM, where a
   capacity factor without the flag drops without padding (load min(F, C)). `load_factor` is the
-  one place these rules apply: the GEMMs, the saved expert activations and the all-to-alls read it.
+  one place these rules apply: the GEMMs, the saved expert activations and the all-to-alls read it;
+  `planner.models.config.check_capacity` checks the factor where a model is described.
 """
 from __future__ import annotations
 
@@ -124,18 +125,6 @@ def dropped_share_lower_bound(info) -> float:
     if not capacity or imbalance <= capacity or not info.num_experts:
         return 0.0
     return (imbalance - capacity) / info.num_experts
-
-
-def check_capacity(capacity_factor_value, pad: bool = False) -> None:
-    """ValueError unless the capacity factor is None/0 (none) or a finite number > 0, and padding
-    comes with a capacity factor."""
-    if capacity_factor_value is None:
-        capacity_factor_value = 0.0
-    if isinstance(capacity_factor_value, bool) or not isinstance(capacity_factor_value, (int, float)) \
-            or not 0.0 <= capacity_factor_value < float("inf"):
-        raise ValueError(f"moe capacity factor must be a finite number > 0, got {capacity_factor_value!r}")
-    if pad and not capacity_factor_value:
-        raise ValueError("padding expert inputs to capacity needs a capacity factor")
 
 
 def expert_gemm_flops(layer, strategy, info, tp_shard: int) -> tuple[float, float, int]:

@@ -37,7 +37,7 @@ class LayerCost:
     fwd_gather_s: float  # parameter all-gather before each micro-batch's forward (ZeRO-3; FSDP2's ZeRO-1/2)
     bwd_gather_s: float  # parameter all-gather before each micro-batch's backward (ZeRO-3)
     dp_grad_comm_s: float  # per step: this layer's gradient reduction (all-reduce or reduce-scatter)
-    dp_param_gather_s: float  # per step: all-gather of the updated parameters, once (see `_dp_comm_s`)
+    dp_param_gather_s: float  # per step: all-gather of the updated parameters, once (see `communication.dp_comm_s`)
     optimizer_step_s: float  # per step: this layer's share of the optimizer step
     param_bytes: float  # resident, per rank
     grad_bytes: float  # resident, per rank

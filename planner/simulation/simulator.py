@@ -1,6 +1,6 @@
 """`simulate(plan) -> Prediction`: one training step of a plan, played event by event.
 
-This module costs every layer with the cost model (`planner.costing.layer_costs.layer_cost`) and hands the
+This module costs every layer with the cost model (`planner.costing.layer_cost.layer_cost`) and hands the
 result to the event engine (`planner.simulation.event_engine`), which plays the pipeline schedule the
 executor runs with compute, TP, p2p and DP streams and tracks memory over time. `estimate` and
 the planner's re-ranking call `simulate_config`; `meshplan simulate` calls `simulate`.

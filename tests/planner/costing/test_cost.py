@@ -459,7 +459,7 @@ def test_causal_flash_attention_time_skips_the_masked_half():
 
 
 def test_executor_activation_rules():
-    """What `meshplan train` keeps beyond Megatron-LM's accounting (`_activation_bytes`, measured in
+    """What `meshplan train` keeps beyond Megatron-LM's accounting (`activation_memory.activation_bytes`, measured in
     tests/executor/test_memory_prediction.py): autocast's fp32 norm inputs, one bf16 copy of the
     norm output per column Linear and the bf16 weight copies; SP's gathered Linear inputs."""
     s, h, a, b = 1024, 1024, 16, 2
@@ -488,7 +488,7 @@ def test_executor_activation_rules():
 
 
 def test_executor_memory_extras(tmp_path, monkeypatch):
-    """`_executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
+    """`executor_memory.executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
     whole-table gradient, FSDP2's retained all-gather output and ZeRO-3's gathered root unit."""
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
     from meshplan.planner.profiling.profiler import profile
