@@ -15,6 +15,26 @@ def rebuilt_bytes(layer: LayerProfile, strategy: Strategy, scale: float) -> floa
     return layer.act_rebuilt_bytes / sp_tp * strategy.microbatch_size * scale
 
 
+def _executor_replicated_bytes(layer: LayerProfile, strategy: Strategy, split: bool, sp_tp: int, autocast: bool,
+                               kept_rebuilt: float) -> float:
+    """A block's or head's replicated bytes as `meshplan train` keeps them (`activation_bytes`):
+    the Linears' inputs gathered whole under SP, autocast's fp32 norms and per-Linear casts."""
+    regions = layer.tp_split.num_allreduce_per_pass if layer.kind == "block" else 1
+    linear_inputs = min(layer.input_bytes * regions, layer.act_tp_replicated_bytes + layer.act_rebuilt_bytes)
+    # the norm outputs, unless the profile has them rebuilt (then not in the replicated bytes)
+    profiled_inputs = linear_inputs if not layer.act_rebuilt_bytes else 0.0
+    norm_inputs = layer.act_tp_replicated_bytes - profiled_inputs
+    # SP: the Linears' inputs are kept gathered, whole
+    gathered = split and strategy.sp and (layer.kind == "head" or strategy.recompute == "selective")
+    copies = 1.0
+    if autocast:  # each Linear keeps its own bf16 cast: no shared output to rebuild
+        column_linears = len(layer.tp_split.column_linears) if layer.kind == "block" else 1
+        copies = max(1.0, column_linears / max(1, regions))
+    kept_inputs = linear_inputs if (gathered or autocast or kept_rebuilt) else profiled_inputs
+    return (norm_inputs * (2.0 if autocast else 1.0) / sp_tp
+            + kept_inputs * copies / (1 if gathered else sp_tp))
+
+
 def activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
                      executor: bool = False) -> tuple[float, float]:
     """(bytes saved for backward per micro-batch, transient working set: what recomputation
@@ -61,20 +81,7 @@ def activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
     autocast = executor and strategy.precision == "bf16-mixed" and dp_method(
         strategy.zero, strategy.dp, strategy.tp, strategy.pp) in ("none", "ddp")
     if executor and layer.kind in ("block", "head"):
-        regions = layer.tp_split.num_allreduce_per_pass if layer.kind == "block" else 1
-        linear_inputs = min(layer.input_bytes * regions, layer.act_tp_replicated_bytes + layer.act_rebuilt_bytes)
-        # the norm outputs, unless the profile has them rebuilt (then not in the replicated bytes)
-        profiled_inputs = linear_inputs if not layer.act_rebuilt_bytes else 0.0
-        norm_inputs = layer.act_tp_replicated_bytes - profiled_inputs
-        # SP: the Linears' inputs are kept gathered, whole (see above)
-        gathered = split and strategy.sp and (layer.kind == "head" or strategy.recompute == "selective")
-        copies = 1.0
-        if autocast:  # each Linear keeps its own bf16 cast: no shared output to rebuild
-            column_linears = len(layer.tp_split.column_linears) if layer.kind == "block" else 1
-            copies = max(1.0, column_linears / max(1, regions))
-        kept_inputs = linear_inputs if (gathered or autocast or kept_rebuilt) else profiled_inputs
-        replicated = (norm_inputs * (2.0 if autocast else 1.0) / sp_tp
-                      + kept_inputs * copies / (1 if gathered else sp_tp))
+        replicated = _executor_replicated_bytes(layer, strategy, split, sp_tp, autocast, kept_rebuilt)
     if autocast and layer.kind != "embedding":
         weights = layer.num_params + (layer.shared_params if layer.kind == "head" else 0)
         weight_copies = 2.0 * weights / tp

@@ -316,6 +316,26 @@ def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerTyp
     return out
 
 
+def _mesh_strategy(strategy, layer, tp: int, dp: int, holds_shared: bool, cache: dict):
+    """The strategy `layer` is costed under on a (tp, dp) mesh of the stage: the stage's samples
+    split dp ways, ep = 1 for a layer without routed experts, pp as `costed_pp` prices it."""
+    from dataclasses import replace
+
+    samples_per_stage = strategy.microbatch_size * strategy.dp
+    sp = strategy.sp and tp > 1
+    if (tp, dp, sp) == (strategy.tp, strategy.dp, strategy.sp) and samples_per_stage // dp == strategy.microbatch_size:
+        local = strategy
+    else:
+        local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
+                        sp=sp,  # HSDP groups belong to the candidate's own dp
+                        shard_group=strategy.shard_group if dp == strategy.dp else None)
+    if not layer.expert_params and local.ep != 1:
+        local = replace(local, ep=1)
+    if local.pp != costed_pp(local.pp) and not holds_shared:
+        local = _pipelined(local, cache)
+    return local
+
+
 def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                      layerwise_meshes: tuple[tuple[int, int], ...] = (),
                      layer_cost: Callable | None = None, p2p_time: Callable | None = None,
@@ -355,17 +375,7 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
         for tp, dp in meshes:
             if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
                 continue
-            sp = strategy.sp and tp > 1
-            if (tp, dp, sp) == (strategy.tp, strategy.dp, strategy.sp) and samples_per_stage // dp == strategy.microbatch_size:
-                local = strategy
-            else:
-                local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
-                                sp=sp,  # HSDP groups belong to the candidate's own dp
-                                shard_group=strategy.shard_group if dp == strategy.dp else None)
-            if not layer.expert_params and local.ep != 1:
-                local = replace(local, ep=1)
-            if local.pp != costed_pp(local.pp) and not holds_shared:
-                local = _pipelined(local, cache)
+            local = _mesh_strategy(strategy, layer, tp, dp, holds_shared, cache)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
                 index = (id(layer), local, recompute, holds_shared, tp, dp)
