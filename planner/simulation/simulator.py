@@ -15,7 +15,7 @@ from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.strategy import COMPUTE_DTYPE, Strategy
 from meshplan.planner.costing import flops, pipeline
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
+from meshplan.planner.contracts.graph import ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.contracts.prediction import Prediction
