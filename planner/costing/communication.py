@@ -14,7 +14,8 @@ from meshplan.planner.costing.strategy import Strategy, is_split, recipe
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
-def tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, act_scale: float) -> tuple[float, float]:
+def tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
+              act_scale: float) -> tuple[float, float]:
     """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern.
 
     Block: `num_allreduce_per_pass` all-reduces of the (b, s, h) output per pass; with SP each

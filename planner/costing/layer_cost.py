@@ -168,7 +168,7 @@ def _pass_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfi
     fwd_s, bwd_s, recompute_s = compute_times_s(layer, strategy, cluster, info, act_scale, vocab, profile_dtype,
                                                 attention)
     tp_fwd_s, tp_bwd_s = tp_comm_s(layer, strategy, cluster, act_scale)
-    if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (see planner.costing.fixed_costs)
+    if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (planner.costing.fixed_costs)
         # the (mbs, seq, hidden) residual stream: an embedding's output, any other layer's input
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)
         pass_s = fixed_costs.tp_pass_overhead_s(layer, stream_bytes, strategy.sp, cluster)
