@@ -33,13 +33,13 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=4096)
     args = parser.parse_args()
 
-    from meshplan.planner.costing import layer_costs as cost, uniform
+    from meshplan.planner.costing import uniform
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, save_plan
     from meshplan.planner.profiling.profiler import profile
     from meshplan.planner.simulation.simulator import simulate_config, step_costs
-    from meshplan.planner.simulation.engine import simulate_step
+    from meshplan.planner.simulation.event_engine import simulate_step
 
     cluster = load_cluster(args.cluster)
     start = time.perf_counter()

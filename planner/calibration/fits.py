@@ -101,13 +101,13 @@ def fit_elementwise_traffic(samples: list[dict[str, float]], device, dtype: str)
     """Bytes of memory traffic per saved byte that explain the block's forward + backward time
     beyond its GEMMs, fitted over all measured shapes.
 
-    The GEMM time is what the cost model charges a GPT block (`planner.costing.layer_costs._compute_times_s`:
+    The GEMM time is what the cost model charges a GPT block (`planner.costing.compute_time.compute_times_s`:
     the forward as 8 equal GEMMs, the backward as 16 with two launches) with the fitted curve and
     `kernel_overhead_s`; the elementwise traffic is k x saved bytes forward and 2k backward. k is
     the least-squares fit on relative error, over several shapes, so one disturbed timing moves
     it less than a single-shape difference would; never negative.
     """
-    from meshplan.planner.costing.layer_costs import memory_time_s
+    from meshplan.planner.costing.device_time import memory_time_s
 
     probe = probe_profile(replace(device, elementwise_bytes_per_activation_byte=0.0))
     numerator = denominator = 0.0
@@ -130,7 +130,7 @@ def probe_profile(device) -> ClusterProfile:
 
 def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) -> float:
     """The cost model's forward + backward seconds of a measured GPT block sample (as
-    `planner.costing.layer_costs._compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
+    `planner.costing.compute_time.compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
     backward, elementwise traffic once forward and twice backward)."""
     from meshplan.planner.costing.device_time import gemm_and_attention_times_s, memory_time_s
 
@@ -143,7 +143,7 @@ def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) 
 
 def fit_conv_efficiency(samples: list[tuple[float, float, float]], device, dtype: str) -> float:
     """`conv_efficiency` from [(forward FLOPs, backward FLOPs, seconds)] of timed convolutions: the
-    time the GEMM curve gives those FLOPs (one GEMM forward, two backward, as `layer_costs` charges
+    time the GEMM curve gives those FLOPs (one GEMM forward, two backward, as `compute_time` charges
     a convolution) over the measured time, the median over samples, capped at 1."""
     import statistics
 

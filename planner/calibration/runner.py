@@ -322,7 +322,7 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
     """The forward and backward FLOPs and activation bytes the profiler gives that block at each
     shape, so that the fitted factor explains exactly what the cost model leaves out for a
     profiled layer."""
-    from meshplan.planner.costing.layer_costs import causal_skipped_flops
+    from meshplan.planner.costing.device_time import causal_skipped_flops
     from meshplan.planner.profiling.profiler import profile
 
     figures = []

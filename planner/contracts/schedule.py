@@ -26,7 +26,7 @@ class Schedule:
     actions: str  # the generator of its per-rank order in `planner.simulation.schedules`
     torch_class: str  # its class in `torch.distributed.pipelining` (resolved by the executor)
     # Several model chunks per rank (torch's PipelineScheduleMulti: its runtime keeps every send's
-    # work until the step ends, `costing.pipeline.kept_send_bytes`); needs pp > 1.
+    # work until the step ends, `costing.boundary_buffers.kept_send_bytes`); needs pp > 1.
     multi_chunk: bool = False
     least_chunks: int = 1  # virtual stages per rank it runs: least_chunks .. most_chunks
     most_chunks: int | None = 1  # None: no upper limit

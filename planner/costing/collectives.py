@@ -117,26 +117,6 @@ def _scatter_gather_ring_s(kind: str, size_bytes: float, n: int, link: LinkProfi
     return (n - 1) / n * size_bytes / link.bw_for(kind) + (n - 1) * link.latency_s
 
 
-def all_to_all_time_s(size_bytes: float, group_size: int, link: LinkProfile, algorithm: str = "auto") -> float:
-    """Time for each rank to send 1/n of its `size_bytes` buffer to every other rank."""
-    _check(size_bytes, group_size, algorithm)
-    if group_size == 1 or size_bytes == 0:
-        return 0.0
-    n = group_size
-    return (n - 1) / n * size_bytes / link.bw_for("all_to_all") + link.latency_s
-
-
-def broadcast_time_s(size_bytes: float, group_size: int, link: LinkProfile, algorithm: str = "auto") -> float:
-    """Time to copy `size_bytes` from one rank to all others (pipelined ring or binary tree)."""
-    _check(size_bytes, group_size, algorithm)
-    if group_size == 1 or size_bytes == 0:
-        return 0.0
-    bw, alpha = link.bw_for("broadcast"), link.latency_s
-    ring = size_bytes / bw + (group_size - 1) * alpha
-    tree = _log2_ceil(group_size) * (alpha + size_bytes / bw)
-    return {"ring": ring, "tree": tree, "auto": min(ring, tree)}[algorithm]
-
-
 def send_recv_time_s(size_bytes: float, link: LinkProfile) -> float:
     """Point-to-point transfer of `size_bytes` (pipeline activations or their gradients)."""
     _check(size_bytes, 2, "auto")

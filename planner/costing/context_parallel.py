@@ -26,6 +26,7 @@ from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE
 
 
 
@@ -66,3 +67,13 @@ def cp_comm_s(gather_bytes: float, strategy, cluster) -> tuple[float, float]:
     if strategy.recompute == "full":
         bwd += fwd  # the recomputed forward gathers K/V again
     return fwd, bwd
+
+
+def with_context_parallel(local, layer, strategy, cluster, info, profile_dtype: str | None):
+    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced under
+    `data_view`): plus the K/V exchange and the gathered K/V that attention's backward keeps."""
+    dtype = COMPUTE_DTYPE[strategy.precision]
+    gathered = kv_gather_bytes(layer, strategy, info, profile_dtype or dtype, dtype)
+    fwd_s, bwd_s = cp_comm_s(gathered, strategy, cluster)
+    kept = gathered * (1 - 1 / strategy.cp) if strategy.recompute != "full" else 0.0
+    return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)

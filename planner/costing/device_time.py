@@ -1,5 +1,5 @@
 """Device time of the work a layer does, and the byte sizes it is counted in: the primitives every
-cost rule (`layer_costs`, `fp8`, `expert_parallel`, ...) builds on, so none of them needs another."""
+cost rule (`compute_time`, `fp8`, `expert_parallel`, ...) builds on, so none of them needs another."""
 from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile

@@ -26,7 +26,7 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   (ep ranks' tokens times E/ep experts: T k / E * ep copies each), times F on the busiest rank.
   Each of its E/ep experts runs `n_g` GEMMs (3 for a SwiGLU: gate, up, down) of
       f = expert_fwd_flops * mbs / tp * ep / (n_g E) * F     FLOPs each (forward; backward 2 n_g of them),
-  priced on the device's efficiency curve at f (`layer_costs.compute_time_s`: peak * eff *
+  priced on the device's efficiency curve at f (`device_time.compute_time_s`: peak * eff *
   f / (f + f_half)), not at the whole layer's GEMM size: small per-expert batches run far below
   peak, and EP makes them ep times larger. The experts' saved bytes (x F) are streamed by the
   memory-bound kernels as the rest of the layer's are.
@@ -49,14 +49,18 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   load factor is C (also when C > F: the padding rows cost as real ones). Padding is modelled as
   what a capacity factor with that flag does, and is off by default as in Megatron-LM, where a
   capacity factor without the flag drops without padding (load min(F, C)). `load_factor` is the
-  one place these rules apply: the GEMMs, the saved expert activations and the all-to-alls read it.
+  one place these rules apply: the GEMMs, the saved expert activations and the all-to-alls read it;
+  `planner.models.config.check_capacity` checks the factor where a model is described.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
-from meshplan.planner.costing.device_time import DTYPE_BYTES
+from meshplan.planner.costing.communication import dp_comm_s
+from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
+from meshplan.planner.costing.state_memory import state_bytes
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE, activation_scale, is_split, recipe
 
 # GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
 SWIGLU_GEMMS = 3
@@ -65,10 +69,6 @@ SWIGLU_GEMMS = 3
 def is_expert_linear(name: str) -> bool:
     """A Linear of the routed experts (`moe.experts.gate`), as the TP split names it."""
     return "experts" in name.split(".")
-
-
-def has_experts(layer) -> bool:
-    return layer.expert_params > 0
 
 
 def expert_gemms(layer) -> int:
@@ -125,18 +125,6 @@ def dropped_share_lower_bound(info) -> float:
     if not capacity or imbalance <= capacity or not info.num_experts:
         return 0.0
     return (imbalance - capacity) / info.num_experts
-
-
-def check_capacity(capacity_factor_value, pad: bool = False) -> None:
-    """ValueError unless the capacity factor is None/0 (none) or a finite number > 0, and padding
-    comes with a capacity factor."""
-    if capacity_factor_value is None:
-        capacity_factor_value = 0.0
-    if isinstance(capacity_factor_value, bool) or not isinstance(capacity_factor_value, (int, float)) \
-            or not 0.0 <= capacity_factor_value < float("inf"):
-        raise ValueError(f"moe capacity factor must be a finite number > 0, got {capacity_factor_value!r}")
-    if pad and not capacity_factor_value:
-        raise ValueError("padding expert inputs to capacity needs a capacity factor")
 
 
 def expert_gemm_flops(layer, strategy, info, tp_shard: int) -> tuple[float, float, int]:
@@ -197,3 +185,45 @@ def check_expert_parallel(info, ep: int, data_ranks: int) -> None:
     if data_ranks % ep:
         raise ValueError(f"ep={ep} must divide the data ranks dp*cp = {data_ranks} (expert parallelism is "
                          "carved out of data and context parallelism)")
+
+
+def with_routed_experts(dense, layer, strategy, cluster, info, profile_dtype: str | None):
+    """A MoE block's `LayerCost` from its dense part's (`dense_part`, priced as any layer): plus
+    the experts on the busiest rank: GEMMs at the per-expert size, their states over the
+    expert-data group, and the dispatch / combine all-to-alls."""
+    dtype = COMPUTE_DTYPE[strategy.precision]
+    act_scale = activation_scale(strategy.precision, profile_dtype)
+    split = is_split(layer, strategy.tp)
+    shard = strategy.tp if split else 1
+    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, strategy, info, shard)
+    saved = layer.expert_act_bytes * strategy.microbatch_size * act_scale / shard * load_factor(info)
+    traffic = cluster.device.elementwise_bytes_per_activation_byte * saved
+    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic, cluster)
+    bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2) + memory_time_s(2 * traffic, cluster)
+    ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, strategy, act_scale, split), strategy, cluster, info)
+    # the experts' states: P_e = expert_params / (ep tp) per rank, ZeRO over the expert-data group
+    params = layer.expert_params / strategy.ep / shard
+    group = expert_data_view(strategy)
+    states = state_bytes(params, group.dp, strategy.zero, strategy.precision, strategy.state_recipe,
+                         strategy.tp, strategy.pp)
+    grad_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params, group, cluster)
+    zero = strategy.zero
+    owned = params / (group.dp if zero >= 1 else 1)
+    optimizer_s = owned * cluster.optimizer_bytes_per_param / (
+        cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency)
+    gathered = params * recipe(strategy.precision)["param"]
+    copies = (zero == 3) + (strategy.state_recipe == "executor" and group.dp > 1 and zero >= 1
+                            and (strategy.pp == 1 or zero == 3))
+    full = strategy.recompute == "full"
+    return replace(
+        dense, fwd_compute_s=dense.fwd_compute_s + fwd_s, bwd_compute_s=dense.bwd_compute_s + bwd_s,
+        recompute_s=dense.recompute_s + (fwd_s if full else 0.0),
+        fwd_gather_s=dense.fwd_gather_s + fwd_gather_s, bwd_gather_s=dense.bwd_gather_s + bwd_gather_s,
+        dp_grad_comm_s=dense.dp_grad_comm_s + grad_s, dp_param_gather_s=dense.dp_param_gather_s + gather_s,
+        optimizer_step_s=dense.optimizer_step_s + optimizer_s,
+        param_bytes=dense.param_bytes + states["params"], grad_bytes=dense.grad_bytes + states["grads"],
+        optimizer_bytes=dense.optimizer_bytes + states["optimizer"],
+        activation_bytes=dense.activation_bytes + (0.0 if full else saved),
+        buffer_bytes=dense.buffer_bytes + (saved if full else 0.0) + copies * gathered,
+        ep_fwd_comm_s=ep_fwd_s, ep_bwd_comm_s=ep_bwd_s, expert_fwd_s=fwd_s, expert_bwd_s=bwd_s,
+        expert_state_bytes=states["params"] + states["grads"] + states["optimizer"])

@@ -114,7 +114,7 @@ def dp_host_overhead_s(zero: int, pp: int, param_bytes: float, grad_bytes: float
                        cluster: ClusterProfile) -> tuple[float, float, float]:
     """(per micro-batch forward, per micro-batch backward, per step) host seconds of FSDP's copies
     around its collectives for a layer whose gathered parameters are `param_bytes` and whose
-    gradients are `grad_bytes`, where meshplan's executor runs them (`costing.layer_costs._dp_comm_s`,
+    gradients are `grad_bytes`, where meshplan's executor runs them (`costing.communication.dp_comm_s`,
     `costing.state_memory.grad_sync_mode`; `zero` is the stage executed): ZeRO-3 gathers before
     every forward and backward, ZeRO-1/2 before every forward, or once per step under pipelining;
     ZeRO-2/3 reduce after every micro-batch's backward, ZeRO-0/1 once per step. The caller

@@ -10,7 +10,8 @@
 """
 from __future__ import annotations
 
-from meshplan.planner.costing.layer_costs import causal_skipped_flops, selective_recompute_flops
+from meshplan.planner.costing.compute_time import selective_recompute_flops
+from meshplan.planner.costing.device_time import causal_skipped_flops
 
 
 def executed_flops_per_sample(layer, recompute: str, info, dtype: str, attention: str) -> float:

@@ -3,7 +3,7 @@
 `fp8` is torchao's `Float8Linear` with tensorwise dynamic ("current") scaling, as torchtitan
 runs it: the model compiled, FSDP2 with float8 all-gather (`enable_fsdp_float8_all_gather`) and
 the fp8 weight recast in backward (`force_recompute_fp8_weight_in_bwd`), the output Linear (the
-head) left in bf16 (torchtitan's default `filter_fqns = ["output"]`). `layer_costs.layer_cost`
+head) left in bf16 (torchtitan's default `filter_fqns = ["output"]`). `layer_cost.layer_cost`
 reads these functions, so the ILP and the simulator charge the same thing.
 
 Compute, per micro-batch on one rank:
@@ -205,7 +205,7 @@ def adjust_memory(layer: LayerProfile, info: ModelInfo, strategy, split: bool, e
     if not is_fp8(strategy.precision) or not converts(layer):
         return activation_bytes, buffer_bytes
     tp = strategy.tp if split else 1
-    gathered = executor and split and strategy.sp and strategy.recompute == "selective"  # layer_costs' SP rule
+    gathered = executor and split and strategy.sp and strategy.recompute == "selective"  # activation_memory's SP rule
     saving = saved_bytes_saving(layer, info, tp, strategy.sp, gathered, strategy.microbatch_size, scale)
     if strategy.recompute == "full":
         buffer_bytes -= saving

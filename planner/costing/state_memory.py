@@ -10,7 +10,7 @@ stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters o
 "executor" (what `meshplan train` allocates; its data-parallel wrapper per `dp_method`):
 - no DP: fp32 parameters and gradients, bf16 autocast for compute: 4 + 4 + 8 (the same 16P as
   the paper, split differently; autocast's bf16 weight copies live per micro-batch with the
-  activations: `layer_costs._activation_bytes`);
+  activations: `activation_memory.activation_bytes`);
 - DDP (ZeRO-0 on plain data parallelism): as no DP, plus DDP's gradient buckets: the Reducer
   keeps one flat fp32 bucket tensor per bucket covering every parameter and copies each
   gradient into it to all-reduce (`gradient_as_bucket_view=False`, the default the executor
@@ -33,7 +33,7 @@ ZeRO-2/3 reduce-scatter after every micro-batch's backward, pipelined or not (th
 that); under a split-backward (zero-bubble) schedule they execute as ZeRO-1 (`executed_zero`).
 Without pipelining FSDP2 re-gathers ZeRO-1/2 parameters before every micro-batch's forward;
 under pipelining they stay gathered from the first forward to the step's end
-(`layer_costs._dp_comm_s`).
+(`communication.dp_comm_s`).
 """
 from __future__ import annotations
 
@@ -74,8 +74,13 @@ def executed_zero(zero: int, dp: int, pp: int, schedule: str | None = None) -> i
     return zero
 
 
+# When gradient reduction runs, as `grad_sync_mode` names it (the simulator's
+# `StepCosts.grad_sync` and the ILP's problem validate against it).
+GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
+
+
 def grad_sync_mode(config) -> str:
-    """When meshplan's executor reduces gradients (`simulation.engine.StepCosts.grad_sync`; the
+    """When meshplan's executor reduces gradients (`simulation.step_costs.StepCosts.grad_sync`; the
     ILP models the same). DDP/FSDP overlap the reduction with the backward, of the last
     micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3 (which keep gradients sharded
     while accumulating), pipelined or not. Under pipelining ZeRO-0/1 (and ZeRO-2/3 under a

@@ -1,4 +1,4 @@
-"""Cost tables: what the ILP needs about one outer candidate, built from `planner.costing.layer_costs.layer_cost`.
+"""Cost tables: what the ILP needs about one outer candidate, built from `planner.costing.layer_cost.layer_cost`.
 
 For one uniform strategy (tp, dp, ZeRO stage, SP, micro-batch size, precision, pp) the layers of a
 model collapse into a few *layer types* (the embedding, the repeated transformer block, the head),
@@ -10,7 +10,7 @@ layers.
 All times are seconds on one rank. `fwd_s` and `bwd_s` are per micro-batch and include the blocking
 TP collectives and the ZeRO gathers prefetch cannot hide; `bwd_s` includes the recomputed forward.
 `fwd_head_s` / `bwd_head_s` are what the gather adds when the layer opens its chunk's forward
-(closes its backward), which the ILP charges once per chunk pass (`layer_costs.gather_exposure_s`).
+(closes its backward), which the ILP charges once per chunk pass (`gathers.gather_exposure_s`).
 `dp_comm_s` (gradient reduction), `param_gather_s` (ZeRO-1/2 all-gather after the optimizer) and `optimizer_s` are per
 optimizer step. Bytes are per rank: `static_bytes` (parameters, gradients, optimizer states) are
 resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is a transient peak.
@@ -23,7 +23,7 @@ from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
-from meshplan.planner.costing.layer_costs import after_other_gather_s, gather_exposure_s
+from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class OptionCost:
     # Split of the times and memory, kept for the plan's per-layer report.
     comm_s: float = 0.0
     # The parameter gathers before the layer's forward and backward and the busy time of each
-    # pass, which prefetch hides the next layer's gather behind (`layer_costs.gather_exposure_s`).
+    # pass, which prefetch hides the next layer's gather behind (`gathers.gather_exposure_s`).
     fwd_gather_s: float = 0.0
     bwd_gather_s: float = 0.0
     fwd_busy_s: float = 0.0
@@ -152,6 +152,10 @@ class CostTable:
         """(type index, layers of that type), in order of first appearance."""
         return _type_counts(self.layer_type)
 
+    def layers_by_type(self) -> dict[int, int]:
+        """{type index: layers of that type} (a fresh dict of `type_counts`)."""
+        return dict(self.type_counts)
+
     @cached_property
     def fastest_sum_s(self) -> float:
         """Sum over layers of the fastest option's time (as `min_total_time_s`, by type)."""
@@ -193,12 +197,12 @@ def _type_counts(layer_type: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> OptionCost:
-    """Fold a `planner.costing.layer_costs.LayerCost` into the quantities the ILP uses.
+    """Fold a `planner.costing.layer_cost.LayerCost` into the quantities the ILP uses.
 
     Parameter gathers (ZeRO-3; FSDP2's ZeRO-1/2 forward) are prefetched one layer ahead, so only
     what the previous layer's busy time cannot hide is exposed (identical consecutive layers make
     "the previous layer" this one); a chunk pass's first layer also waits for its own gather
-    (`fwd_head_s`, `bwd_head_s`: `layer_costs.gather_exposure_s`).
+    (`fwd_head_s`, `bwd_head_s`: `gathers.gather_exposure_s`).
     """
     fwd_comm_s, bwd_comm_s = cost.fwd_blocking_comm_s, cost.bwd_blocking_comm_s
     fwd_gather_s = cost.fwd_gather_exposure_s[0]
@@ -283,7 +287,7 @@ def _pipelined(strategy, cache: dict):
 def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerType]:
     """A first and a last layer of their own kind (the embedding, the head) always run beside the
     run of blocks: fold into their options what each pass's gathers change there
-    (`layer_costs.after_other_gather_s`): the first block's forward gather hides behind the
+    (`gathers.after_other_gather_s`): the first block's forward gather hides behind the
     embedding's forward, the embedding's backward gather behind the first block's backward, the
     head's forward gather behind the last block's, the last block's backward gather behind the
     head's. The block side is its first option (a chunk holding a pinned layer alone is charged
@@ -312,11 +316,31 @@ def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerTyp
     return out
 
 
+def _mesh_strategy(strategy, layer, tp: int, dp: int, holds_shared: bool, cache: dict):
+    """The strategy `layer` is costed under on a (tp, dp) mesh of the stage: the stage's samples
+    split dp ways, ep = 1 for a layer without routed experts, pp as `costed_pp` prices it."""
+    from dataclasses import replace
+
+    samples_per_stage = strategy.microbatch_size * strategy.dp
+    sp = strategy.sp and tp > 1
+    if (tp, dp, sp) == (strategy.tp, strategy.dp, strategy.sp) and samples_per_stage // dp == strategy.microbatch_size:
+        local = strategy
+    else:
+        local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
+                        sp=sp,  # HSDP groups belong to the candidate's own dp
+                        shard_group=strategy.shard_group if dp == strategy.dp else None)
+    if not layer.expert_params and local.ep != 1:
+        local = replace(local, ep=1)
+    if local.pp != costed_pp(local.pp) and not holds_shared:
+        local = _pipelined(local, cache)
+    return local
+
+
 def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                      layerwise_meshes: tuple[tuple[int, int], ...] = (),
                      layer_cost: Callable | None = None, p2p_time: Callable | None = None,
                      cache: dict | None = None) -> CostTable:
-    """The cost table of `graph` under `strategy` (a `planner.costing.layer_costs.Strategy`) on `cluster`.
+    """The cost table of `graph` under `strategy` (a `planner.costing.strategy.Strategy`) on `cluster`.
 
     `layerwise_meshes`: extra (tp, dp) pairs each layer may pick (same tp*dp as the strategy's);
     the micro-batch is then split `dp` ways inside the stage instead of `strategy.dp` ways.
@@ -328,9 +352,10 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
     from dataclasses import replace
 
     if layer_cost is None or p2p_time is None:
-        from meshplan.planner.costing import layer_costs as cost_model
-        layer_cost = layer_cost or cost_model.layer_cost
-        p2p_time = p2p_time or cost_model.p2p_time_s
+        from meshplan.planner.costing.communication import p2p_time_s
+        from meshplan.planner.costing.layer_cost import layer_cost as default_layer_cost
+        layer_cost = layer_cost or default_layer_cost
+        p2p_time = p2p_time or p2p_time_s
     if cache is None:
         cache = {}
     shape = cache.get(("graph", id(graph)))
@@ -350,17 +375,7 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
         for tp, dp in meshes:
             if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
                 continue
-            sp = strategy.sp and tp > 1
-            if (tp, dp, sp) == (strategy.tp, strategy.dp, strategy.sp) and samples_per_stage // dp == strategy.microbatch_size:
-                local = strategy
-            else:
-                local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
-                                sp=sp,  # HSDP groups belong to the candidate's own dp
-                                shard_group=strategy.shard_group if dp == strategy.dp else None)
-            if not layer.expert_params and local.ep != 1:
-                local = replace(local, ep=1)
-            if local.pp != costed_pp(local.pp) and not holds_shared:
-                local = _pipelined(local, cache)
+            local = _mesh_strategy(strategy, layer, tp, dp, holds_shared, cache)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
                 index = (id(layer), local, recompute, holds_shared, tp, dp)

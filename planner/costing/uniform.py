@@ -5,7 +5,8 @@ these when no plan gives per-layer choices; the search costs its candidates with
 from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.costing.layer_costs import LayerCost, Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import LayerCost, layer_cost
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import executed_zero
 
 

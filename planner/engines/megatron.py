@@ -22,8 +22,6 @@ from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
-# torchrun's arguments that fix the world size when a launch script is read
-LAUNCHER_SIZE_FLAGS = ("--nproc_per_node", "--nproc-per-node", "--nnodes")
 
 
 def export_megatron(plan) -> tuple[str, list[str]]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import paper_state_bytes
 
 # fp8 (Transformer Engine): the same bf16 parameters, fp32 main_grad and optimizer; the fp8 weight

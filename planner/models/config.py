@@ -103,3 +103,15 @@ class TransformerConfig:
     def padded_vocab(self, tp: int = 1) -> int:
         multiple = self.vocab_multiple * tp
         return -(-self.vocab // multiple) * multiple
+
+
+def check_capacity(capacity_factor_value, pad: bool = False) -> None:
+    """ValueError unless the capacity factor is None/0 (none) or a finite number > 0, and padding
+    comes with a capacity factor."""
+    if capacity_factor_value is None:
+        capacity_factor_value = 0.0
+    if isinstance(capacity_factor_value, bool) or not isinstance(capacity_factor_value, (int, float)) \
+            or not 0.0 <= capacity_factor_value < float("inf"):
+        raise ValueError(f"moe capacity factor must be a finite number > 0, got {capacity_factor_value!r}")
+    if pad and not capacity_factor_value:
+        raise ValueError("padding expert inputs to capacity needs a capacity factor")

@@ -21,7 +21,6 @@ transformers' own errors are cut to their first line (the chained exception, sho
 from __future__ import annotations
 
 import difflib
-import hashlib
 import inspect
 import json
 import re
@@ -47,14 +46,6 @@ def read_config(path_text: str) -> dict:
     if not isinstance(data, dict) or "model_type" not in data:
         raise MeshplanError(f"HF config {path_text!r} has no \"model_type\"; it must be a transformers config.json")
     return data
-
-
-def config_digest(path_text: str) -> str:
-    """sha256 of the config file's bytes ("" when unreadable: the build reports it)."""
-    try:
-        return hashlib.sha256(Path(path_text).read_bytes()).hexdigest()
-    except OSError:
-        return ""
 
 
 def max_positions(data: dict) -> tuple[str, int]:

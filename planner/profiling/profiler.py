@@ -66,7 +66,7 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     """
     _check_args(seq, batch, dtype, attention)
     _check_imbalance(moe_imbalance)
-    from meshplan.planner.costing.expert_parallel import check_capacity
+    from meshplan.planner.models.config import check_capacity
 
     try:
         check_capacity(moe_capacity_factor, moe_pad_to_capacity)

@@ -22,8 +22,9 @@ def _unit_play(schedule: str, num_stages: int, num_microbatches: int, virtual_st
                bwd_over_fwd: float, weight_share: float, record: bool):
     """The engine's play of balanced unit chunks (forward 1, backward `bwd_over_fwd`)."""
     from meshplan.planner.contracts.config import ParallelConfig
-    from meshplan.planner.costing.layer_costs import LayerCost
-    from meshplan.planner.simulation.engine import StepCosts, _build_chunks, _play
+    from meshplan.planner.costing.layer_cost import LayerCost
+    from meshplan.planner.simulation.event_engine import _play
+    from meshplan.planner.simulation.step_costs import StepCosts, build_chunks
     from meshplan.planner.simulation.split_backward import with_weight_grad
 
     config = ParallelConfig(gpus=num_stages, global_batch=num_microbatches, pp=num_stages, schedule=schedule,
@@ -35,7 +36,7 @@ def _unit_play(schedule: str, num_stages: int, num_microbatches: int, virtual_st
     num_chunks = num_stages * virtual_stages
     costs = StepCosts(config=config, layer_costs=(unit,) * num_chunks, chunk_of_layer=tuple(range(num_chunks)),
                       weight_grad_share=(weight_share,) * num_chunks)
-    return _play(costs, with_weight_grad(costs, _build_chunks(costs)), record=record)
+    return _play(costs, with_weight_grad(costs, build_chunks(costs)), record=record)
 
 
 @lru_cache(maxsize=1024)

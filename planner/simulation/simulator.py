@@ -1,7 +1,7 @@
 """`simulate(plan) -> Prediction`: one training step of a plan, played event by event.
 
-This module costs every layer with the cost model (`planner.costing.layer_costs.layer_cost`) and hands the
-result to the event engine (`planner.simulation.engine`), which plays the pipeline schedule the
+This module costs every layer with the cost model (`planner.costing.layer_cost.layer_cost`) and hands the
+result to the event engine (`planner.simulation.event_engine`), which plays the pipeline schedule the
 executor runs with compute, TP, p2p and DP streams and tracks memory over time. `estimate` and
 the planner's re-ranking call `simulate_config`; `meshplan simulate` calls `simulate`.
 """
@@ -10,16 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from meshplan.planner.costing import layer_costs as cost
+from meshplan.planner.costing.communication import p2p_time_s
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE, Strategy
 from meshplan.planner.costing import flops, uniform
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.graph import LayerProfile, ModelGraph
+from meshplan.planner.contracts.graph import ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.state_memory import executed_zero, grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
-from meshplan.planner.simulation.engine import StepCosts, simulate_step
+from meshplan.planner.simulation.event_engine import simulate_step
+from meshplan.planner.simulation.step_costs import StepCosts
 from meshplan.planner.simulation.split_backward import weight_grad_share
 
 STREAMS = ("compute", "tp", "cp", "ep", "p2p", "dp")
@@ -84,16 +87,16 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
                              f"{config.microbatch_size * config.dp} samples per micro-batch")
         mbs = config.microbatch_size * config.dp // dp
         zero = executed_zero(config.zero, dp * config.cp, config.pp, config.schedule)
-        strategy = cost.Strategy(tp=tp, dp=dp, zero=zero, recompute=recompute, sp=config.sp and tp > 1,
+        strategy = Strategy(tp=tp, dp=dp, zero=zero, recompute=recompute, sp=config.sp and tp > 1,
                                  microbatch_size=mbs, precision=config.precision, pp=config.pp,
                                  shard_group=config.shard_group if dp == config.dp else None, cp=config.cp,
                                  ep=config.ep if dp == config.dp else 1)
         holds_shared = bool(layer.shared_params) and config.rank_of_chunk(chunk) != owner_rank
-        layer_costs.append(cost.layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
+        layer_costs.append(layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
                                            holds_shared=holds_shared))
     layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
     last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
-    p2p = tuple(cost.p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
+    p2p = tuple(p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
                 for c in range(config.num_model_chunks - 1))
     model_flops = flops.model_flops_per_step(graph, config.global_batch)
     hw_flops = flops.executed_flops_per_step(graph, config.global_batch, recomputes)
@@ -102,7 +105,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         config=config, layer_costs=tuple(layer_costs), chunk_of_layer=chunks, p2p_time_s=p2p,
         tokens_per_step=float(config.global_batch * graph.seq), model_flops_per_step=float(model_flops),
         hw_flops_per_step=hw_flops,
-        peak_flops_per_s=cluster.device.peak_flops(cost.COMPUTE_DTYPE[config.precision]),
+        peak_flops_per_s=cluster.device.peak_flops(COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
         grad_sync=grad_sync or grad_sync_mode(config),
         dp_link=links[0], pp_link=links[1],

@@ -5,7 +5,8 @@ import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.simulation.simulator import simulate, simulate_config
-from meshplan.planner.simulation.engine import StepCosts, simulate_step
+from meshplan.planner.simulation.event_engine import simulate_step
+from meshplan.planner.simulation.step_costs import StepCosts
 
 # Float sums of a few hundred durations: relative error well under 1e-9.
 REL = 1e-9

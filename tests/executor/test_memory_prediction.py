@@ -10,9 +10,9 @@ calls, here with several jobs per launch): a launch costs seconds, a small plan 
 What the numbers rest on (each rule is documented where it lives):
 - model states per data-parallel wrapper, `planner.costing.state_memory` (DDP's bucket copy of
   the gradients; FSDP2's bf16 or fp32 unsharded copies, ZeRO-1's full fp32 accumulation);
-- saved activations, `planner.costing.layer_costs._activation_bytes` (autocast's fp32 norms,
+- saved activations, `planner.costing.activation_memory.activation_bytes` (autocast's fp32 norms,
   per-Linear casts and weight copies; SP's gathered Linear inputs);
-- transients and extras, `layer_costs._executor_memory_extras` (the loss's fp32 copies of the
+- transients and extras, `executor_memory.executor_memory_extras` (the loss's fp32 copies of the
   logits, loss_parallel's three; the TP embedding's whole-table gradient; FSDP2's retained
   all-gather output and ZeRO-3's gathered root unit).
 

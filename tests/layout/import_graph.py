@@ -1,9 +1,21 @@
 """meshplan's import graph, read from the source with ast (nothing is imported).
 
-A node is a module (`meshplan.planner.costing.layer_costs`); an edge `a -> b` means a's source
-imports b, at module level or inside a function (a lazy import is still a dependency: it runs
-when the function does). Imports under `if TYPE_CHECKING:` are left out: they never run.
-`from pkg import name` points at `pkg.name` when that is a module, else at `pkg`.
+A node is a module (`meshplan.planner.costing.layer_cost`); a package is the module its
+`__init__.py` defines (`meshplan.planner.costing`). An edge `a -> b` means that running a's
+imports runs b:
+
+- a's source imports b, at module level or inside a function (a lazy import is still a
+  dependency: it runs when the function does). Imports under `if TYPE_CHECKING:` are left out:
+  they never run. `from pkg import name` points at `pkg.name` when that is a module, else at
+  `pkg`.
+- `__init__` edges: importing `x.y.z` runs `x/__init__.py` and `x/y/__init__.py` first, so an
+  import of `x.y.z` by `a` is also an edge `a -> x` and `a -> x.y`, for each of those packages
+  that does not contain `a`. (Python loads a module's own packages before the module itself
+  runs, so importing a sibling never runs its own package's `__init__` again.) The package's
+  node carries every import its `__init__.py` makes, lazy ones included, as any module's does.
+
+So a package `__init__` that imports, even lazily, a module that imports anything under that
+package from outside it, closes a cycle the plain import edges do not show.
 """
 from __future__ import annotations
 
@@ -62,7 +74,16 @@ def _imports(tree: ast.AST, module: str, is_package: bool):
                 stack.append(child)
 
 
-def import_graph(root: Path = ROOT) -> nx.DiGraph:
+def packages_run_first(target: str, importer: str) -> list[str]:
+    """The packages whose `__init__` importing `target` runs before it, as seen from `importer`:
+    every package on `target`'s dotted path that does not contain `importer`."""
+    parts = target.split(".")
+    ancestors = (".".join(parts[:k]) for k in range(1, len(parts)))
+    return [p for p in ancestors if not (importer == p or importer.startswith(p + "."))]
+
+
+def import_graph(root: Path = ROOT, init_edges: bool = True) -> nx.DiGraph:
+    """The graph of the module docstring: plain import edges and (`init_edges`) `__init__` edges."""
     files = module_files(root)
     graph = nx.DiGraph()
     graph.add_nodes_from(files)
@@ -71,6 +92,8 @@ def import_graph(root: Path = ROOT) -> nx.DiGraph:
         for base, names in _imports(tree, module, path.name == "__init__.py"):
             targets = [f"{base}.{name}" for name in names if f"{base}.{name}" in files] or [base]
             for target in targets:
-                if target in files and target != module:
-                    graph.add_edge(module, target)
+                run_first = packages_run_first(target, module) if init_edges else []
+                for node in (*run_first, target):
+                    if node in files and node != module:
+                        graph.add_edge(module, node)
     return graph

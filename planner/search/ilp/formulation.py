@@ -23,7 +23,7 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
                     + h^f(first layer of c) + h^b(last layer of c): a parameter gather that no
-                    layer before it in the pass hides (`layer_costs.gather_exposure_s`; compact:
+                    layer before it in the pass hides (`gathers.gather_exposure_s`; compact:
                     the lowest and highest option used in c, open_co / close_co exact indicators;
                     per-layer: head_l_c >= sum_o h_o x_lco - max_o h_o X_{l-1,c}, and at most it)
     rank time       T_r = sum_{c mod p = r} t_c ;   T_max >= T_r                        (tmax_r)
@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 
 from meshplan.planner.contracts.config import chunk_index, chunk_rank
 from meshplan.planner.contracts.schedule import schedule_spec
+from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES
 from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
@@ -85,7 +86,6 @@ __all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure"
            "heuristic_start", "live_vectors", "pipeline_factor", "solve_stages"]
 
 FORMULATIONS = ("auto", "compact", "per-layer")
-GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The gather heads of the stage-assignment ILP (`planner.search.ilp.formulation`'s chunk time):
 each chunk's forward waits for its first layer's parameter gather and its backward for its last
-layer's, which no layer before them in the chunk hides (`layer_costs.gather_exposure_s`). One
+layer's, which no layer before them in the chunk hides (`gathers.gather_exposure_s`). One
 family per formulation, every row named (head_*, open_*, close_*, head_used_*); `constraints`
 calls them while it builds a candidate's model.
 """

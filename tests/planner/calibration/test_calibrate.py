@@ -9,7 +9,7 @@ import pytest
 from meshplan.planner.calibration.fits import fit_alpha_beta, fit_elementwise_traffic, fit_matmul
 from meshplan.planner.calibration.runner import build_profile
 from meshplan.planner.costing.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s, send_recv_time_s
-from meshplan.planner.costing.layer_costs import compute_time_s
+from meshplan.planner.costing.device_time import compute_time_s
 from meshplan.planner.contracts.cluster import LinkProfile
 from meshplan.planner.costing.hardware import load_cluster
 
@@ -259,11 +259,12 @@ def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
 @pytest.mark.parametrize("batch,seq", [(1, 128), (4, 128), (1, 256)])
 def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
     """The elementwise factor is fitted against `block_time_s`; it must price the calibration
-    block exactly as `planner.costing.layer_costs` prices that profiled block in a plan (same GEMM split,
+    block exactly as `planner.costing.layer_cost` prices that profiled block in a plan (same GEMM split,
     launches and traffic), or a fitted factor would not transfer to predictions."""
     from meshplan.planner.calibration.fits import block_time_s, probe_profile as _probe
     from meshplan.planner.calibration.runner import TRAFFIC_SHAPES, _block_figures
-    from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+    from meshplan.planner.costing.layer_cost import layer_cost
+    from meshplan.planner.costing.strategy import Strategy
     from meshplan.planner.profiling.profiler import profile
 
     cluster = load_cluster("cpu")

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, broadcast_time_s, collective_time_s,
+from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                           reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.contracts.cluster import LinkProfile
 from meshplan.planner.costing.hardware import load_cluster
@@ -41,7 +41,6 @@ def test_trivial_groups_and_p2p():
     assert all_reduce_time_s(1e9, 1, LINK) == 0.0
     assert all_gather_time_s(0, 8, LINK) == 0.0
     assert send_recv_time_s(1e6, LINK) == pytest.approx(5e-6 + 1e6 / BW)
-    assert broadcast_time_s(1e9, 8, LINK, "ring") == pytest.approx(1e9 / BW + 7 * 5e-6)
 
 
 def test_group_crossing_nodes_uses_the_slower_link():

@@ -18,7 +18,8 @@ from meshplan.planner.contracts.plan import plan_from_json
 from meshplan.planner.costing import context_parallel as cpm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
 
 H100 = load_cluster("h100-sxm")
 SPEC = "llama:layers=2,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000"

@@ -6,7 +6,11 @@ import itertools
 import pytest
 
 from meshplan.planner.costing.collectives import all_reduce_time_s, all_gather_time_s, reduce_scatter_time_s
-from meshplan.planner.costing.layer_costs import Strategy, compute_time_s, layer_cost, model_state_bytes, p2p_time_s
+from meshplan.planner.costing.communication import p2p_time_s
+from meshplan.planner.costing.device_time import compute_time_s
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.state_memory import state_bytes
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.uniform import balanced_layer_chunks
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
@@ -46,8 +50,8 @@ def test_zero_model_state_matches_zero_paper(dp):
     psi = 7.5e9
     expected = {0: 16 * psi, 1: 4 * psi + 12 * psi / dp, 2: 2 * psi + 14 * psi / dp, 3: 16 * psi / dp}
     for stage, total in expected.items():
-        assert sum(model_state_bytes(psi, dp, stage, "bf16-mixed").values()) == pytest.approx(total, rel=1e-12)
-    assert sum(model_state_bytes(psi, dp, 0, "fp32").values()) == pytest.approx(16 * psi)
+        assert sum(state_bytes(psi, dp, stage, "bf16-mixed").values()) == pytest.approx(total, rel=1e-12)
+    assert sum(state_bytes(psi, dp, 0, "fp32").values()) == pytest.approx(16 * psi)
 
 
 def test_zero_accounting_through_layer_cost_and_tp():
@@ -74,9 +78,9 @@ def test_executor_realisation_of_each_zero_stage(dp):
         (3, 1, 1): (4 / dp, 4 / dp, 8 / dp),
     }
     for (zero, tp, pp), (param, grad, optimizer) in expected.items():
-        got = model_state_bytes(psi, dp, zero, "bf16-mixed", "executor", tp, pp)
+        got = state_bytes(psi, dp, zero, "bf16-mixed", "executor", tp, pp)
         assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((param * psi, grad * psi, optimizer * psi))
-    assert sum(model_state_bytes(psi, dp, 3, "bf16-mixed", "executor").values()) == pytest.approx(16 * psi / dp)
+    assert sum(state_bytes(psi, dp, 3, "bf16-mixed", "executor").values()) == pytest.approx(16 * psi / dp)
     # the executor reduces gradients in fp32: twice the paper's bf16 bytes on the wire
     graph = gpt_layers(2, 1024, 16, 51200, 512)
     block = graph.layers[1]
@@ -232,7 +236,6 @@ def test_p2p_crosses_nodes_only_when_neighbours_are_far_apart():
     near = p2p_time_s(1e8, Strategy(tp=2, dp=2, pp=2), A100)
     far = p2p_time_s(1e8, Strategy(tp=8, dp=1, pp=2), A100)
     assert far > 5 * near
-    assert p2p_time_s(1e8, A100, Strategy(tp=2, dp=2, pp=2)) == near  # either argument order
     assert p2p_time_s(1e8, Strategy(pp=1), A100) == 0.0
 
 
@@ -416,7 +419,7 @@ def test_causal_flash_attention_time_skips_the_masked_half():
     """A causal flash kernel skips the masked half of QK^T and x V: forward 4 s^2 h per sample
     counted in full (the MFU convention), of which 2 s h (s - 1) are skipped (all products above
     the diagonal), twice as many in backward. Math attention computes them all."""
-    from meshplan.planner.costing.layer_costs import causal_skipped_flops
+    from meshplan.planner.costing.device_time import causal_skipped_flops
     from meshplan.planner.profiling.profiler import profile
 
     seq, hidden = 2048, 1024
@@ -432,7 +435,7 @@ def test_causal_flash_attention_time_skips_the_masked_half():
 
 
 def test_executor_activation_rules():
-    """What `meshplan train` keeps beyond Megatron-LM's accounting (`_activation_bytes`, measured in
+    """What `meshplan train` keeps beyond Megatron-LM's accounting (`activation_memory.activation_bytes`, measured in
     tests/executor/test_memory_prediction.py): autocast's fp32 norm inputs, one bf16 copy of the
     norm output per column Linear and the bf16 weight copies; SP's gathered Linear inputs."""
     s, h, a, b = 1024, 1024, 16, 2
@@ -461,7 +464,7 @@ def test_executor_activation_rules():
 
 
 def test_executor_memory_extras(tmp_path, monkeypatch):
-    """`_executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
+    """`executor_memory.executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
     whole-table gradient, FSDP2's retained all-gather output and ZeRO-3's gathered root unit."""
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
     from meshplan.planner.profiling.profiler import profile
@@ -503,7 +506,7 @@ def test_flash_attention_runs_at_the_kernels_efficiency():
 
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.hardware import load_cluster
-    from meshplan.planner.costing.layer_costs import layer_cost
+    from meshplan.planner.costing.layer_cost import layer_cost
     from meshplan.planner.costing.uniform import strategy_for
     from meshplan.planner.profiling.profiler import profile
 

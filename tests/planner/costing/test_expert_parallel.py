@@ -20,7 +20,10 @@ from meshplan.planner.contracts.plan import mesh_json, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.layer_costs import Strategy, compute_time_s, layer_cost, model_state_bytes
+from meshplan.planner.costing.device_time import compute_time_s
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.state_memory import state_bytes
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
 
 H100 = load_cluster("h100-sxm")
@@ -67,7 +70,7 @@ def test_expert_states_divide_by_ep_and_zero_shards_over_expert_data_ranks(graph
         assert _cost(graph, dp=8, ep=ep, zero=0).expert_state_bytes == pytest.approx(
             plain.expert_state_bytes / ep, rel=1e-12)
     sharded = _cost(graph, dp=8, ep=4, zero=1)
-    states = model_state_bytes(block.expert_params / 4, 2, 1, "bf16-mixed", "executor", 1, 1)
+    states = state_bytes(block.expert_params / 4, 2, 1, "bf16-mixed", "executor", 1, 1)
     assert sharded.expert_state_bytes == pytest.approx(sum(states.values()), rel=1e-12)
     # the non-expert parameters are untouched by ep
     dense = plain.param_bytes + plain.grad_bytes + plain.optimizer_bytes - plain.expert_state_bytes

@@ -15,9 +15,9 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing import fp8
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.device_time import attention_time_s
-from meshplan.planner.costing.layer_costs import (Strategy, causal_skipped_flops, compute_time_s, layer_cost,
-                                                  memory_time_s)
+from meshplan.planner.costing.device_time import attention_time_s, causal_skipped_flops, compute_time_s, memory_time_s
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.simulation.estimator import estimate
 

@@ -15,7 +15,8 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.plan import plan_from_json
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import executor_state_bytes, paper_state_bytes
 from meshplan.planner.search.candidates import Pins, shard_groups
 

@@ -15,7 +15,9 @@ import pytest
 from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
-from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
+from meshplan.planner.models.config import check_capacity
 
 # the small MoE model and its profile, shared with the EP cost tests
 from tests.planner.costing.test_expert_parallel import EXPERTS, H100, HIDDEN, SEQ, SPEC, TOP_K, graph  # noqa: E402,F401
@@ -65,11 +67,11 @@ def test_all_to_all_bytes_with_and_without_padding(graph):
 def test_capacity_is_validated():
     for bad in (-1.0, float("inf"), True):
         with pytest.raises(ValueError, match="capacity factor"):
-            epm.check_capacity(bad)
+            check_capacity(bad)
     with pytest.raises(ValueError, match="needs a capacity factor"):
-        epm.check_capacity(None, pad=True)
-    epm.check_capacity(None)
-    epm.check_capacity(1.25, pad=True)
+        check_capacity(None, pad=True)
+    check_capacity(None)
+    check_capacity(1.25, pad=True)
 
 
 def test_plan_json_records_the_capacity_only_when_set(graph):

@@ -58,7 +58,7 @@ def test_convolutions_cost_their_efficiency(tmp_path):
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.device_time import compute_time_s
     from meshplan.planner.costing.hardware import load_cluster
-    from meshplan.planner.costing.layer_costs import layer_cost
+    from meshplan.planner.costing.layer_cost import layer_cost
     from meshplan.planner.costing.uniform import strategy_for
 
     graph = _graph(tmp_path)

@@ -2,7 +2,7 @@
 the event engine they stand in for.
 
 - A chunk pass of identical layers: per-layer steady exposure plus one head per pass is exactly
-  the engine's recurrence (`engine._pass_end_times`), whichever of gather and compute is longer.
+  the engine's recurrence (`step_costs.pass_end_times`), whichever of gather and compute is longer.
 - A pass [other, run x n, other]: with the change beside each other layer
   (`pass_gather_exposure_s`), also exact; and the cost table folds that change into the pinned
   embedding and head, so the ILP's evaluated chunk time equals the engine's chunk duration.
@@ -17,10 +17,12 @@ import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.layer_costs import LayerCost, gather_exposure_s, pass_gather_exposure_s
+from meshplan.planner.costing.gathers import gather_exposure_s, pass_gather_exposure_s
+from meshplan.planner.costing.layer_cost import LayerCost
 from meshplan.planner.search.ilp.evaluation import exposed_dp_s, pass_gather_s, reduction_windows
 from meshplan.planner.search.ilp.formulation import PipelineShape
-from meshplan.planner.simulation.engine import StepCosts, _build_chunks, _pass_end_times, _play, _rank_tails
+from meshplan.planner.simulation.event_engine import _play, _rank_tails
+from meshplan.planner.simulation.step_costs import StepCosts, build_chunks, pass_end_times
 
 REL = 1e-9  # sums of a few dozen durations
 
@@ -29,7 +31,7 @@ REL = 1e-9  # sums of a few dozen durations
 @pytest.mark.parametrize("n", [1, 2, 7])
 def test_identical_layers_steady_plus_one_head_is_the_engine(busy, gather, n):
     steady, head = gather_exposure_s(gather, busy)
-    assert n * (busy + steady) + head == pytest.approx(_pass_end_times([busy] * n, [gather] * n)[-1], rel=REL)
+    assert n * (busy + steady) + head == pytest.approx(pass_end_times([busy] * n, [gather] * n)[-1], rel=REL)
 
 
 def test_a_run_between_two_other_layers_is_exact():
@@ -41,7 +43,7 @@ def test_a_run_between_two_other_layers_is_exact():
         busy = [first[0]] + [run_busy] * n + [last[0]]
         gathers = [first[1]] + [run_gather] * n + [last[1]]
         rule = sum(busy) + pass_gather_exposure_s(gathers, busy)
-        assert rule == pytest.approx(_pass_end_times(busy, gathers)[-1], rel=REL)
+        assert rule == pytest.approx(pass_end_times(busy, gathers)[-1], rel=REL)
 
 
 def _solved_zero3(spec, seq, pins_kwargs, gpus, global_batch):
@@ -60,7 +62,7 @@ def _solved_zero3(spec, seq, pins_kwargs, gpus, global_batch):
     recompute = tuple(problem.table.option(layer, index).recompute
                       for layer, index in enumerate(solution.option_of_layer))
     costs = step_costs(graph, cluster, candidate, chunk_of_layer=solution.chunk_of_layer, recompute_of_layer=recompute)
-    return problem, solution, _build_chunks(costs)
+    return problem, solution, build_chunks(costs)
 
 
 @pytest.mark.timeout(300)
@@ -102,7 +104,7 @@ def test_windows_give_the_engines_exposure_on_balanced_chunks(schedule, pp, num_
     costs = StepCosts(config=cfg, layer_costs=(unit,) * (num_chunks * per_chunk),
                       chunk_of_layer=tuple(i // per_chunk for i in range(num_chunks * per_chunk)),
                       grad_sync="overlap_every_microbatch")
-    chunks = _build_chunks(costs)
+    chunks = build_chunks(costs)
     played = _play(costs, chunks)
     shape = PipelineShape(pp, num_mb, vpp, schedule)
     for rank, tail in enumerate(_rank_tails(costs, chunks, played)):

@@ -102,7 +102,7 @@ def test_the_old_boundary_rule_breaks_agreement():
     tables once did, puts the ILP far from the simulator on llama3-70b: the test above would fail."""
     from dataclasses import replace
 
-    from meshplan.planner.costing.layer_costs import p2p_time_s
+    from meshplan.planner.costing.communication import p2p_time_s
 
     spec, seq, cluster_name, gpus, global_batch, pins, _ = CASES["llama3-70b-1f1b"]
     cluster = load_cluster(cluster_name)

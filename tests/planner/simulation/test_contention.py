@@ -8,7 +8,8 @@ import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.simulation.contention import link_kind
-from meshplan.planner.simulation.engine import StepCosts, simulate_step
+from meshplan.planner.simulation.event_engine import simulate_step
+from meshplan.planner.simulation.step_costs import StepCosts
 from tests.planner.simulation.test_simulate import layer
 
 REL = 1e-9

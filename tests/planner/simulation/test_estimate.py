@@ -10,7 +10,8 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import ModelGraph
 from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s, pipeline_action_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.layer_costs import Strategy, layer_cost
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.simulation.estimator import default_precision, estimate, make_config, predict
 from meshplan.planner.simulation.simulator import simulate_config
 from tests.planner.costing.test_cost import gpt_layers

@@ -8,9 +8,10 @@ import networkx as nx
 import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.costing.layer_costs import LayerCost
+from meshplan.planner.costing.layer_cost import LayerCost
 from meshplan.planner.simulation.schedules import schedule_actions
-from meshplan.planner.simulation.engine import StepCosts, _pass_end_times, simulate_step
+from meshplan.planner.simulation.event_engine import simulate_step
+from meshplan.planner.simulation.step_costs import StepCosts, pass_end_times
 
 # Float sums of a few hundred durations: relative error well under 1e-9.
 REL = 1e-9
@@ -143,11 +144,11 @@ def test_optimizer_and_zero12_param_gather_follow_the_reduction():
 
 def test_zero3_prefetch_hides_all_but_the_first_gather():
     # Gathers shorter than compute: only the first layer's gather is exposed.
-    assert _pass_end_times([2.0] * 4, [0.5] * 4) == [2.5, 4.5, 6.5, 8.5]
+    assert pass_end_times([2.0] * 4, [0.5] * 4) == [2.5, 4.5, 6.5, 8.5]
     # Gathers longer than compute: the pass is gather-bound, one layer ahead: n*g + c.
-    assert _pass_end_times([1.0] * 4, [3.0] * 4)[-1] == pytest.approx(4 * 3.0 + 1.0)
+    assert pass_end_times([1.0] * 4, [3.0] * 4)[-1] == pytest.approx(4 * 3.0 + 1.0)
     # No gathers: running sum.
-    assert _pass_end_times([1.0, 2.0, 3.0], [0.0] * 3) == [1.0, 3.0, 6.0]
+    assert pass_end_times([1.0, 2.0, 3.0], [0.0] * 3) == [1.0, 3.0, 6.0]
 
 
 def _longest_path_step(step: StepCosts) -> float:

@@ -1,6 +1,7 @@
 """The event engine behind `meshplan simulate`: one training step played action by action.
 
-Input is already costed (`StepCosts`: one `LayerCost` per layer and the chunk each layer sits in);
+Input is already costed (`planner.simulation.step_costs.StepCosts`: one `LayerCost` per layer and the
+chunk each layer sits in);
 `planner.simulation.simulator` builds it from a model graph and a cluster. All data- and tensor-parallel
 replicas of a pipeline stage run the same thing at the same time, so one rank per pipeline stage
 is simulated.
@@ -9,8 +10,8 @@ Per pipeline rank:
 - compute stream: the schedule's forward/backward actions in order (`planner.simulation.schedules`; without
   pipelining, forward and backward alternate per micro-batch as the executor accumulates). An
   action's duration is its chunk's compute plus the TP collectives, which block compute, plus
-  the ZeRO-3 all-gathers that one-layer-ahead prefetch cannot hide (see `_pass_end_times`).
-  Durations are precomputed per chunk, so the cost is O(pp * microbatches * virtual_stages).
+  the ZeRO-3 all-gathers that one-layer-ahead prefetch cannot hide (`step_costs.pass_end_times`,
+  precomputed per chunk by `step_costs.build_chunks`).
 - p2p stream: a boundary activation (gradient) leaves when its forward (backward) ends and
   arrives `p2p_time_s` later; the receiver's action cannot start before it arrives. Transfers
   overlap compute; transfers do not share a link with each other (1F1B keeps at most one transfer per
@@ -37,177 +38,15 @@ Per pipeline rank:
 """
 from __future__ import annotations
 
-import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.costing.layer_costs import DDP_BUCKET_BYTES, LayerCost
-from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
 from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
-
-# When gradient reduction runs (see StepCosts.grad_sync).
-GRAD_SYNC_MODES = ("overlap", "overlap_every_microbatch", "after_chunk")
-
-
-@dataclass(frozen=True)
-class StepCosts:
-    """A costed configuration, ready to simulate.
-
-    `p2p_time_s[c]` is the time to move one micro-batch's boundary tensor from chunk c to chunk
-    c + 1 (and its gradient back); empty means free. FLOPs and tokens are whole-job totals per
-    step; `peak_flops_per_s` is one device's peak for the precision (0: MFU reported as 0).
-    """
-
-    config: ParallelConfig
-    layer_costs: tuple[LayerCost, ...]
-    chunk_of_layer: tuple[int, ...]
-    p2p_time_s: tuple[float, ...] = ()
-    tokens_per_step: float = 0.0
-    model_flops_per_step: float = 0.0
-    hw_flops_per_step: float = 0.0
-    peak_flops_per_s: float = 0.0
-    usable_memory_bytes: float = math.inf
-    grad_bucket_bytes: float = DDP_BUCKET_BYTES
-    # "overlap": DDP-style buckets launched during the last micro-batch's backward (DDP, FSDP
-    # without pipelining, Megatron-LM's overlapped reduction). "overlap_every_microbatch": the
-    # same during every micro-batch's backward (FSDP syncing each micro-batch to keep gradients
-    # sharded). "after_chunk": torch pipelining
-    # with FSDP/replicate: a chunk's whole reduction starts after its last backward
-    # (`perform_reduce_grad`) and the rank's next compute waits for it.
-    grad_sync: str = "overlap"
-    # Links the data-parallel reduction and the pipeline transfers leave a GPU on ("nvlink",
-    # "nic", or "" for none): streams on one link share it (`planner.simulation.contention`).
-    dp_link: str = ""
-    pp_link: str = ""
-    # Per layer: the weight-gradient (W) share of its backward compute, for schedules that split
-    # the backward (`planner.simulation.split_backward`); empty: DEFAULT_WEIGHT_SHARE everywhere.
-    weight_grad_share: tuple[float, ...] = ()
-
-    def __post_init__(self):
-        if self.grad_sync not in GRAD_SYNC_MODES:
-            raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {self.grad_sync!r}")
-        num_chunks = self.config.num_model_chunks
-        if len(self.layer_costs) != len(self.chunk_of_layer):
-            raise ValueError(f"{len(self.layer_costs)} layer costs but {len(self.chunk_of_layer)} chunk indices")
-        if list(self.chunk_of_layer) != sorted(self.chunk_of_layer):
-            raise ValueError("chunk_of_layer must be non-decreasing: chunks hold contiguous layers in order")
-        if set(self.chunk_of_layer) != set(range(num_chunks)):
-            missing = sorted(set(range(num_chunks)) - set(self.chunk_of_layer))
-            raise ValueError(f"every one of the {num_chunks} pipeline chunks needs a layer; "
-                             f"chunks {missing[:5]} are empty or indices are out of range")
-        if self.p2p_time_s and len(self.p2p_time_s) != num_chunks - 1:
-            raise ValueError(f"p2p_time_s needs one entry per chunk boundary ({num_chunks - 1}), "
-                             f"got {len(self.p2p_time_s)}")
-        if any(t < 0 for t in self.p2p_time_s):
-            raise ValueError(f"p2p times must be >= 0, got {min(self.p2p_time_s)}")
-        if self.grad_bucket_bytes <= 0:
-            raise ValueError(f"grad_bucket_bytes must be positive, got {self.grad_bucket_bytes}")
-        if self.weight_grad_share and (len(self.weight_grad_share) != len(self.layer_costs)
-                                       or not all(0.0 <= w <= 1.0 for w in self.weight_grad_share)):
-            raise ValueError("weight_grad_share needs one fraction in [0, 1] per layer")
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """Per-micro-batch durations of one model chunk, split by cause, and its per-layer detail."""
-
-    rank: int
-    fwd_compute_s: float
-    fwd_tp_s: float
-    fwd_zero_s: float  # exposed parameter-gather time in forward (ZeRO-3; FSDP2's ZeRO-1/2)
-    bwd_compute_s: float
-    recompute_s: float
-    bwd_tp_s: float
-    bwd_zero_s: float
-    activation_bytes: float
-    grad_reduce_s: float  # per step: the whole chunk's gradient reduction
-    # DP buckets of this chunk: (end offset within the chunk's last backward, reduction seconds)
-    buckets: tuple[tuple[float, float], ...] = field(default=())
-    fwd_cp_s: float = 0.0  # context-parallel K/V all-gathers in forward (blocking)
-    bwd_cp_s: float = 0.0  # their gradients' reduce-scatters in backward
-    bwd_weight_s: float = 0.0  # the weight-gradient (W) part of bwd_compute_s
-    fwd_ep_s: float = 0.0  # expert-parallel all-to-alls in forward (dispatch, combine; blocking)
-    bwd_ep_s: float = 0.0  # their mirrors in backward
-    fwd_expert_s: float = 0.0  # the routed experts' part of fwd_compute_s (between dispatch and combine)
-    bwd_expert_s: float = 0.0  # the routed experts' part of bwd_compute_s
-
-    @property
-    def fwd_s(self) -> float:
-        return self.fwd_compute_s + self.fwd_tp_s + self.fwd_zero_s + self.fwd_cp_s + self.fwd_ep_s
-
-    @property
-    def bwd_s(self) -> float:
-        return self.bwd_compute_s + self.recompute_s + self.bwd_tp_s + self.bwd_zero_s + self.bwd_cp_s + self.bwd_ep_s
-
-
-def _pass_end_times(compute_s: list[float], gather_s: list[float]) -> list[float]:
-    """End time of each layer's compute in one pass, with ZeRO-3 gathers prefetched one layer ahead.
-
-    Gather i starts once gather i-1 is done and layer i-1 has started (so at most two layers'
-    gathered parameters are live); layer i computes once layer i-1 is done and gather i is.
-    Without gathers this is the running sum of `compute_s`.
-    """
-    ends: list[float] = []
-    gather_end = compute_end = prev_compute_start = 0.0
-    for compute, gather in zip(compute_s, gather_s):
-        gather_end = max(gather_end, prev_compute_start) + gather
-        start = max(compute_end, gather_end)
-        compute_end = start + compute
-        prev_compute_start = start
-        ends.append(compute_end)
-    return ends
-
-
-def _build_chunks(costs: StepCosts) -> list[_Chunk]:
-    cfg = costs.config
-    by_chunk: list[list[LayerCost]] = [[] for _ in range(cfg.num_model_chunks)]
-    for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
-        by_chunk[chunk].append(cost)
-    chunks = []
-    for index, layers in enumerate(by_chunk):
-        fwd_busy = [c.fwd_busy_s for c in layers]
-        fwd_end = _pass_end_times(fwd_busy, [c.fwd_gather_s for c in layers])[-1]
-        backward = layers[::-1]
-        bwd_busy = [c.bwd_busy_s for c in backward]
-        bwd_ends = _pass_end_times(bwd_busy, [c.bwd_gather_s for c in backward])
-        chunks.append(_Chunk(
-            rank=cfg.rank_of_chunk(index),
-            fwd_compute_s=sum(c.fwd_compute_s for c in layers), fwd_tp_s=sum(c.tp_fwd_comm_s for c in layers),
-            fwd_zero_s=fwd_end - sum(fwd_busy),
-            fwd_cp_s=sum(c.cp_fwd_comm_s for c in layers), bwd_cp_s=sum(c.cp_bwd_comm_s for c in layers),
-            fwd_ep_s=sum(c.ep_fwd_comm_s for c in layers), bwd_ep_s=sum(c.ep_bwd_comm_s for c in layers),
-            fwd_expert_s=sum(c.expert_fwd_s for c in layers), bwd_expert_s=sum(c.expert_bwd_s for c in layers),
-            bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
-            bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
-            # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
-            # the next stage (another rank) saves it as its input, so it is this rank's cost too.
-            activation_bytes=sum(c.activation_bytes for c in layers) + (
-                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 else 0.0),
-            grad_reduce_s=sum(c.dp_grad_comm_s for c in layers),
-            buckets=_buckets(backward, bwd_ends, costs)))
-    return chunks
-
-
-def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts) -> tuple[tuple[float, float], ...]:
-    """Group layers (backward order) into gradient buckets of about `grad_bucket_bytes`."""
-    # ZeRO-2/3 keep only a 1/dp shard of the gradients, but the bucket holds the full gradient
-    # before its reduce-scatter.
-    cfg = costs.config
-    full = cfg.dp * cfg.cp if executed_zero(cfg.zero, cfg.dp * cfg.cp, cfg.pp, cfg.schedule) >= 2 else 1
-    buckets, filled_bytes, comm_s = [], 0.0, 0.0
-    for position, (cost, end_s) in enumerate(zip(backward, bwd_ends)):
-        filled_bytes += cost.grad_bytes * full
-        comm_s += cost.dp_grad_comm_s
-        if filled_bytes >= costs.grad_bucket_bytes or position == len(backward) - 1:
-            if comm_s > 0:
-                buckets.append((end_s, comm_s))
-            filled_bytes, comm_s = 0.0, 0.0
-    return tuple(buckets)
+from meshplan.planner.simulation.step_costs import Chunk, StepCosts, build_chunks
 
 
 class _Run(NamedTuple):
@@ -232,7 +71,7 @@ class _Played:
     busy_s: tuple[float, ...] = ()  # per rank: the sum of its actions' durations, in order
 
 
-def _play(costs: StepCosts, chunks: list[_Chunk], record: bool = True) -> _Played:
+def _play(costs: StepCosts, chunks: list[Chunk], record: bool = True) -> _Played:
     """Run every rank's action list; an action starts when its rank is free and its input is in.
 
     Split backwards: I publishes the input gradient (as B does), W depends on nothing remote. A
@@ -362,7 +201,7 @@ class _RankTail:
                 + self.optimizer_s + self.param_gather_s)
 
 
-def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list[_RankTail]:
+def _rank_tails(costs: StepCosts, chunks: list[Chunk], played: _Played) -> list[_RankTail]:
     cfg = costs.config
     every = costs.grad_sync == "overlap_every_microbatch"
     microbatches = range(cfg.num_microbatches) if every else [cfg.num_microbatches - 1]
@@ -403,7 +242,7 @@ def _rank_tails(costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list
     return tails
 
 
-def _transfers_of(rank: int, costs: StepCosts, chunks: list[_Chunk], played: _Played) -> list[tuple[float, float]]:
+def _transfers_of(rank: int, costs: StepCosts, chunks: list[Chunk], played: _Played) -> list[tuple[float, float]]:
     """(start, end) of the boundary transfers this rank sends or receives."""
     if not costs.p2p_time_s or not costs.pp_link:
         return []
@@ -417,7 +256,7 @@ def _transfers_of(rank: int, costs: StepCosts, chunks: list[_Chunk], played: _Pl
     return out
 
 
-def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played, curves: bool = True):
+def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool = True):
     """Per rank: breakdown at the peak, and the (time, live bytes) curve over the step (empty
     without `curves`)."""
     cfg = costs.config
@@ -464,7 +303,7 @@ def _memory(costs: StepCosts, chunks: list[_Chunk], played: _Played, curves: boo
 
 def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     """Play one optimizer step of a costed configuration; see the module docstring for the model."""
-    chunks = with_weight_grad(costs, _build_chunks(costs))
+    chunks = with_weight_grad(costs, build_chunks(costs))
     played = _play(costs, chunks)
     tails = _rank_tails(costs, chunks, played)
     step_s = max(tail.end_s for tail in tails)
@@ -491,7 +330,7 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     )
 
 
-def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:
+def _breakdown(chunks: list[Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:
     """Exposed seconds of the busiest rank's step by cause; they add up to the step time."""
     out = dict.fromkeys(("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm", "bubble",
                          "optimizer"), 0.0)
@@ -521,7 +360,7 @@ def _breakdown(chunks: list[_Chunk], runs: tuple[_Run, ...], tail: _RankTail, st
     return out
 
 
-def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: list[_RankTail], step_s: float):
+def _intervals(costs: StepCosts, chunks: list[Chunk], played: _Played, tails: list[_RankTail], step_s: float):
     """The timeline: each action's pieces in order, transfers, reductions, optimizer, and idle
     spans where the compute stream waits between actions or for the end of the step."""
     out: list[Interval] = []
@@ -554,7 +393,7 @@ def _intervals(costs: StepCosts, chunks: list[_Chunk], played: _Played, tails: l
     return tuple(out)
 
 
-def _action_intervals(rank: int, run: _Run, chunks: list[_Chunk], transfer: list[float], last: int) -> list[Interval]:
+def _action_intervals(rank: int, run: _Run, chunks: list[Chunk], transfer: list[float], last: int) -> list[Interval]:
     """One action's pieces (exposed ZeRO-3 gather, compute, TP collectives) and its transfer."""
     action, chunk = run.action, action_part(chunks[run.action.chunk], run.action.kind)
     if action.kind == "F":

@@ -1,0 +1,111 @@
+"""A layer's communication under a strategy: tensor parallelism's blocking collectives, data
+parallelism's gradient reductions and ZeRO's parameter gathers, and pipeline boundary transfers.
+The collectives themselves are priced by `planner.costing.collectives`."""
+from __future__ import annotations
+
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.graph import LayerProfile
+from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
+                                                  reduce_scatter_time_s, send_recv_time_s)
+from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
+from meshplan.planner.costing.strategy import Strategy, is_split, recipe
+
+# PyTorch DDP's default gradient bucket (bucket_cap_mb=25): a software default, not hardware.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
+              act_scale: float) -> tuple[float, float]:
+    """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern.
+
+    Block: `num_allreduce_per_pass` all-reduces of the (b, s, h) output per pass; with SP each
+    becomes an all-gather + reduce-scatter of the same tensor (same ring volume), and a block
+    without recomputation all-gathers each region's input once more in backward (it kept the
+    shard). Vocab-parallel
+    embedding: one all-reduce (SP: reduce-scatter) of its output in forward. Vocab-parallel head:
+    its column-parallel input gradient is all-reduced in backward (SP: all-gather of the input in
+    forward, reduce-scatter of its gradient in backward); the loss's tiny per-token reductions
+    are left out.
+    """
+    tp = strategy.tp
+    if not is_split(layer, tp):
+        return 0.0, 0.0
+    link = cluster.link_for_group(tp, 1)
+    mbs = strategy.microbatch_size
+    if layer.tp_split.kind == "block":
+        size = layer.output_bytes * mbs * act_scale
+        regather = 0.0
+        if strategy.sp:
+            one = all_gather_time_s(size, tp, link) + reduce_scatter_time_s(size, tp, link)
+            if strategy.recompute == "none":  # the kept shard is gathered again for the weight gradients
+                regather = all_gather_time_s(size, tp, link)
+        else:
+            one = all_reduce_time_s(size, tp, link)
+        count = layer.tp_split.num_allreduce_per_pass
+        return count * one, count * (one + regather)
+    if layer.kind == "embedding":
+        size = layer.output_bytes * mbs * act_scale
+        return (reduce_scatter_time_s(size, tp, link) if strategy.sp else all_reduce_time_s(size, tp, link)), 0.0
+    size = layer.input_bytes * mbs * act_scale
+    if strategy.sp:
+        return all_gather_time_s(size, tp, link), reduce_scatter_time_s(size, tp, link)
+    return 0.0, all_reduce_time_s(size, tp, link)
+
+
+def dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfile,
+              gather_bytes_per_param: float | None = None) -> tuple[float, float, float, float]:
+    """(gradient reduction per step, parameter all-gather per step, all-gather before each
+    micro-batch's forward, all-gather before each micro-batch's backward).
+
+    ZeRO-0 all-reduces gradients once per step (DDP / FSDP2 replicate, sync deferred to the last
+    micro-batch). ZeRO-1/2/3 reduce-scatter. Parameter gathers follow the recipe:
+    - "zero-paper" (Megatron-LM's distributed optimizer): ZeRO-1/2 all-gather the updated
+      parameters once after the optimizer; ZeRO-3 gathers before every forward and backward;
+    - "executor" (FSDP2 as `meshplan train` runs it): without pipelining, FSDP2 reshards after
+      every backward, so ZeRO-1/2 (`reshard_after_forward=False`) gather once per micro-batch,
+      before its forward, and ZeRO-3 before its forward and again before its backward. Under
+      torch pipelining ZeRO-1/2 do not reshard after backward until the last micro-batch, so
+      their parameters are gathered once per step; ZeRO-3 still gathers twice per micro-batch
+      (`executor.parallel.pipeline`; split-backward schedules run ZeRO-2/3 as ZeRO-1:
+      `executed_zero`).
+    Gradient reductions are counted once per step here; the simulator repeats them per
+    micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
+    `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
+    """
+    dp = strategy.dp
+    if dp == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    zero = strategy.zero
+    per_param = recipe(strategy.precision)
+    grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
+    param_bytes = params_per_rank * (per_param["param"] if gather_bytes_per_param is None else gather_bytes_per_param)
+    if zero == 0:
+        return collective_time_s("all_reduce", grad_bytes, dp, cluster, strategy.tp), 0.0, 0.0, 0.0
+    # ZeRO shards over `shard` ranks spaced tp apart (all of dp, or HSDP's shard group); HSDP then
+    # all-reduces each rank's 1/shard of the reduced gradient across the dp/shard replicas, whose
+    # ranks are shard*tp apart (FSDP2's HSDP: reduce-scatter, then all-reduce of the shard).
+    shard = strategy.shard_group or dp
+    gather_s = collective_time_s("all_gather", param_bytes, shard, cluster, strategy.tp)
+    paper = strategy.state_recipe == "zero-paper"
+    reduce = "all_reduce" if zero == 1 and paper else "reduce_scatter"
+    grad_s = collective_time_s(reduce, grad_bytes, shard, cluster, strategy.tp)
+    if shard < dp:
+        grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, strategy.tp * shard)
+    if zero == 3:
+        return grad_s, 0.0, gather_s, gather_s
+    if paper or strategy.pp > 1:
+        return grad_s, gather_s, 0.0, 0.0
+    return grad_s, 0.0, gather_s, 0.0
+
+
+
+def p2p_time_s(size_bytes: float, mesh, cluster: ClusterProfile) -> float:
+    """One pipeline boundary transfer of `size_bytes` between neighbouring stages.
+
+    `mesh` is anything with tp, dp, pp (a Strategy or a ParallelConfig); neighbours are dp*cp*tp ranks
+    apart, so they share a node only when dp*cp*tp < gpus_per_node.
+    """
+    if mesh.pp <= 1:
+        return 0.0
+    link = cluster.link_for_group(2, mesh.dp * getattr(mesh, "cp", 1) * mesh.tp)
+    return send_recv_time_s(size_bytes, link)

@@ -1,0 +1,100 @@
+"""Compute time of one layer's micro-batch on one rank: GEMMs on the device's efficiency curve
+(fp8 Linears through `planner.costing.fp8`), traced convolutions, flash attention, the
+memory-bound kernels, and what recomputation repeats in backward."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing import fp8
+from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
+from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
+                                                  compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
+                                                  infer_seq, memory_time_s)
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE, Strategy, is_split
+
+
+def num_gemms(layer: LayerProfile) -> int:
+    if layer.tp_split.kind == "block":
+        return len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears) + ATTENTION_BMMS_PER_BLOCK
+    return 1
+
+
+def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) -> float:
+    """Forward FLOPs of the attention core (QK^T, softmax x V) per sample: 4 s^2 h (Korthikanti).
+
+    Only math attention stores the scores that selective recomputation drops. A flash kernel
+    keeps none, but the executor's policy (`executor.parallel.recompute`) still reruns its
+    forward in backward: `compute_times_s` charges that at the kernels' attention efficiency.
+    """
+    if layer.tp_split.kind != "block" or layer.act_attn_score_bytes == 0:
+        return 0.0
+    seq = infer_seq(layer, info, dtype)
+    return 4.0 * seq * seq * info.hidden
+
+
+def compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+                    act_scale: float, vocab_scale: float, profile_dtype: str,
+                    attention: str = "flash") -> tuple[float, float, float]:
+    """(forward, backward, recomputation) seconds of one micro-batch on one rank.
+
+    GEMM time from the efficiency curve (the layer's FLOPs as `num_gemms` equal GEMMs, backward
+    twice as many); memory-bound time of the non-GEMM kernels from the bytes the layer saves
+    (`elementwise_bytes_per_activation_byte`, backward twice). Full recomputation repeats the
+    forward; selective repeats the attention core (QK^T, softmax, x V) when scores were saved.
+    """
+    dtype = COMPUTE_DTYPE[strategy.precision]
+    shard = strategy.tp if is_split(layer, strategy.tp) else 1
+    mbs, gemms = strategy.microbatch_size, num_gemms(layer)
+    traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
+    saved_bytes, _ = activation_bytes(layer, replace(strategy, recompute="none"), act_scale * vocab_scale)
+    skipped = causal_skipped_flops(layer, attention)
+    fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
+    bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
+    attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
+    if fp8.is_fp8(strategy.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
+        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype,
+                                                  attention_fwd)
+    else:
+        fwd_gemm_s, bwd_gemm_s = matmul_times_s(layer, fwd_flops, bwd_flops, mbs / shard, gemms, cluster, dtype,
+                                                 attention_fwd)
+    # Norm outputs rebuilt in backward rather than kept are still written by the forward and read
+    # by the backward, as when they were kept (the traffic proxy counts them alike), and the
+    # backward writes them once more (`transformer.normed_call`; not under recomputation, which
+    # keeps them: `activation_memory.activation_bytes`).
+    rebuilt = rebuilt_bytes(layer, strategy, act_scale)
+    saved_bytes += rebuilt
+    bwd_extra = rebuilt if strategy.recompute == "none" else 0.0
+    fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
+    bwd_s = bwd_gemm_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
+    if strategy.recompute == "full":
+        return fwd_s, bwd_s, fwd_s
+    if strategy.recompute == "selective":
+        flops = selective_recompute_flops(layer, info, profile_dtype) * mbs / shard
+        if flops:
+            score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
+            return fwd_s, bwd_s, (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+                                  + memory_time_s(traffic_per_act_byte * score_bytes, cluster))
+        if attention == "flash" and layer.attn_fwd_flops:  # the policy reruns the flash kernel's forward
+            if attention_fwd:
+                return fwd_s, bwd_s, attention_time_s(attention_fwd, cluster, dtype)
+            core = (layer.attn_fwd_flops - skipped) * mbs / shard
+            return fwd_s, bwd_s, compute_time_s(core, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+    return fwd_s, bwd_s, 0.0
+
+
+def matmul_times_s(layer: LayerProfile, fwd_flops: float, bwd_flops: float, scale: float, gemms: int,
+                   cluster: ClusterProfile, dtype: str, attention_fwd_flops: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's matmul work: GEMMs on the efficiency curve, a
+    traced layer's convolutions (`conv_fwd_flops`, `conv_bwd_flops`) at `conv_efficiency` of it,
+    and `attention_fwd_flops` of flash attention (twice as many backward) at `attention_time_s`."""
+    conv_fwd, conv_bwd = layer.conv_fwd_flops * scale, layer.conv_bwd_flops * scale
+    fwd_s, bwd_s = gemm_and_attention_times_s(fwd_flops - conv_fwd, bwd_flops - conv_bwd, attention_fwd_flops,
+                                              gemms, cluster, dtype)
+    if conv_fwd or conv_bwd:
+        efficiency = cluster.device.conv_efficiency
+        fwd_s += compute_time_s(conv_fwd, gemms, cluster, dtype, num_launches=0) / efficiency
+        bwd_s += compute_time_s(conv_bwd, 2 * gemms, cluster, dtype, num_launches=0) / efficiency
+    return fwd_s, bwd_s
+
