@@ -161,15 +161,15 @@ def _why_ep(plan_json: dict, rival: dict) -> str:
 
 def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwise: bool,
                limit_bytes: float) -> Plan:
-    """The Plan of the winner (ranked[0]) with the others as alternatives."""
+    """The Plan of the winner (ranked[0]) with the others as alternatives, each marked with
+    whether the executor runs it (only `layerwise` plans can give layers their own degrees)."""
     winner, facts = ranked[0], model_facts(graph)
     layers = layer_assignments(graph, winner)
-    reason = why_not_executable(winner.config, facts, [(layer.tp, layer.dp) for layer in layers])
+    reason = why_not_executable(winner.config, facts, _degrees(layers) if layerwise else ())
     alternatives = []
     for alt in ranked[1:]:
         entry = configuration(alt)
-        alt_reason = why_not_executable(alt.config, facts, [(layer.tp, layer.dp)
-                                                            for layer in layer_assignments(graph, alt)])
+        alt_reason = why_not_executable(alt.config, facts, _degrees(layer_assignments(graph, alt)) if layerwise else ())
         entry["executable"] = alt_reason is None
         if alt_reason:
             entry["not_executable_reason"] = alt_reason
@@ -190,6 +190,10 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
                 alternatives=tuple(alternatives), seed=seed, executable=reason is None,
                 not_executable_reason=reason or "", solver=solver)
+
+
+def _degrees(layers) -> list[tuple[int, int]]:
+    return [(layer.tp, layer.dp) for layer in layers]
 
 
 def configuration_rows(plan_json: dict) -> list[dict]:
