@@ -20,6 +20,7 @@ candidates and the executor all call these two.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from meshplan.planner.contracts.graph import TPSplit
 from meshplan.planner.costing.expert_parallel import check_expert_parallel
@@ -54,6 +55,15 @@ class ModelFacts:
     layers: tuple[tuple[str, str, TPSplit], ...] = ()
     pipeline_cut_problem: str = ""
 
+    @cached_property
+    def distinct_layers(self) -> tuple[tuple[str, str, TPSplit], ...]:
+        """The first layer of each distinct (kind, split), in order: all the split rules need to
+        read (a model's blocks share a handful of splits; the search asks for thousands of meshes)."""
+        first: dict[tuple[str, TPSplit], str] = {}
+        for name, kind, split in self.layers:
+            first.setdefault((kind, split), name)
+        return tuple((name, kind, split) for (kind, split), name in first.items())
+
     def __post_init__(self):
         if self.seq <= 0:
             raise ValueError(f"ModelFacts.seq must be positive, got {self.seq}")
@@ -86,7 +96,7 @@ def tp_split_problem(model: ModelFacts, tp: int, label: str | None = None) -> st
     if tp == 1:
         return None
     label = label or f"tp={tp}"
-    for name, kind, split in model.layers:
+    for name, kind, split in model.distinct_layers:
         if model.family == "hf" and kind == "block" and split.kind == "none":
             return (f"{label}: layer {name!r} cannot be split over tensor-parallel ranks: "
                     f"{split.reason or 'no known layout'}; use --tp 1")
