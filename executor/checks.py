@@ -42,8 +42,7 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
-    cut = _pipeline_cut_problem(plan.model.spec, built) if cfg.pp > 1 and built.info.family == "hf" else ""
-    reason = why_not_executable(cfg, built_model_facts(built, plan.model.spec, plan.model.seq, cut),
+    reason = why_not_executable(cfg, built_model_facts(built, plan.model.spec, plan.model.seq),
                                 [(layer.tp, layer.dp) for layer in plan.layers])
     if reason:
         raise MeshplanError(f"this plan is not executable: {reason}")
@@ -94,21 +93,6 @@ def check_file_plan(plan, built) -> None:
         raise MeshplanError(problem)
     if not all(isinstance(x, torch.Tensor) for x in built.example_inputs):
         raise MeshplanError(f"{spec!r}: the executor feeds tensor inputs only; make every example input a tensor")
-
-
-def _pipeline_cut_problem(spec: str, built) -> str:
-    """Why a Hugging Face model cannot be cut into pipeline stages at its decoder layers ("" when
-    it can): parameters outside the embedding, decoder layers and final norm."""
-    from meshplan.planner.models.hf import model_parts
-
-    parts = model_parts(built.module, spec)
-    kept = (parts["layers"], parts["embed"], parts["norm"])
-    glue = [name for name, child in built.module.base_model.named_children()
-            if name not in kept and any(True for _ in child.parameters())]
-    if glue:
-        return (f"{spec!r} cannot be cut into pipeline stages: its base model has parameters outside the "
-                f"embedding, decoder layers and final norm ({', '.join(glue)}); re-plan it with --pp 1")
-    return ""
 
 
 def check_file_data(data: str) -> None:

@@ -42,9 +42,8 @@ class ModelFacts:
     """What the executability rule reads of a model.
 
     `layers`: (name, kind, TPSplit) of every layer in execution order. `pipeline_cut_problem`:
-    why the executor cannot cut the model into pipeline stages ("" when it can, or when only the
-    built module would tell: Hugging Face base models with parameters outside the embedding,
-    decoder layers and final norm).
+    why the executor cannot cut the model into pipeline stages ("" when it can;
+    `ModelInfo.pipeline_cut_problem`).
     """
 
     spec: str
@@ -77,17 +76,18 @@ def model_facts(graph) -> ModelFacts:
     info = graph.info
     return ModelFacts(spec=graph.spec, family=info.family, seq=graph.seq, num_heads=info.num_heads,
                       num_experts=info.num_experts,
-                      layers=tuple((layer.name, layer.kind, layer.tp_split) for layer in graph.layers))
+                      layers=tuple((layer.name, layer.kind, layer.tp_split) for layer in graph.layers),
+                      pipeline_cut_problem=info.pipeline_cut_problem)
 
 
-def built_model_facts(built, spec: str, seq: int, pipeline_cut_problem: str = "") -> ModelFacts:
+def built_model_facts(built, spec: str, seq: int) -> ModelFacts:
     """The facts of a model built by `models.registry.build_model` (a `BuiltModel`): its layer
     groups' splits, or unsplittable layers where it has none (file models)."""
     layers = (tuple((group.name, group.kind, group.tp_split) for group in built.layer_groups)
               or tuple((name, kind, TPSplit()) for name, kind, _ in built.layer_modules))
     return ModelFacts(spec=spec, family=built.info.family, seq=seq, num_heads=built.info.num_heads,
                       num_experts=built.info.num_experts, layers=layers,
-                      pipeline_cut_problem=pipeline_cut_problem)
+                      pipeline_cut_problem=built.info.pipeline_cut_problem)
 
 
 def tp_split_problem(model: ModelFacts, tp: int, label: str | None = None) -> str | None:

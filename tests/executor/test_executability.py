@@ -50,12 +50,15 @@ REQUESTS = [
 ]
 
 
-def _hf_llama(tmp_path) -> str:
-    path = tmp_path / "llama.json"
-    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "vocab_size": 256, "max_position_embeddings": 128}))
-    return f"hf:{path}"
+def _hf_configs(tmp_path) -> tuple[str, str]:
+    """A small Llama, and a small GPT-2, whose learned positions no pipeline stage holds."""
+    llama, gpt2 = tmp_path / "llama.json", tmp_path / "gpt2.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "vocab_size": 256, "max_position_embeddings": 128}))
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 4, "n_head": 4, "vocab_size": 256,
+                                "n_positions": 128}))
+    return f"hf:{llama}", f"hf:{gpt2}"
 
 
 def _plan(spec: str, gpus: int, global_batch: int, **kwargs) -> Plan:
@@ -107,8 +110,9 @@ def _check_agreement(plan: Plan) -> str:
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     """{request name: [(plan, reason), ...]} over the winner and its alternatives."""
-    hf = _hf_llama(tmp_path_factory.mktemp("hf"))
-    requests = REQUESTS + [("hf llama", hf, 4, 8, {}), ("hf llama pp 2", hf, 4, 8, {"pp": 2})]
+    llama, gpt2 = _hf_configs(tmp_path_factory.mktemp("hf"))
+    requests = REQUESTS + [("hf llama", llama, 4, 8, {}), ("hf llama pp 2", llama, 4, 8, {"pp": 2}),
+                           ("hf gpt2", gpt2, 4, 8, {}), ("hf gpt2 pp 2", gpt2, 4, 8, {"pp": 2})]
     out = {}
     for name, spec, gpus, global_batch, kwargs in requests:
         plan = _plan(spec, gpus, global_batch, **kwargs)
@@ -125,18 +129,21 @@ def test_marked_plans_agree_with_train(swept):
 
 
 def test_the_default_space_is_what_the_executor_runs(swept):
-    for name in ("llama", "gpt", "moe", "moe ep 2", "hsdp", "cp 2", "moe cp 2 ep 2", "hf llama", "hf llama pp 2",
+    for name in ("llama", "gpt", "moe", "moe ep 2", "hsdp", "cp 2", "moe cp 2 ep 2", "hf llama", "hf llama pp 2", "hf gpt2",
                  "zero 3 pp 2", "sp", *[n for n, *_ in REQUESTS if n.startswith("pp 2 ")]):
         assert all(reason == "" for _, reason in swept[name]), name
     assert all(p.config.tp == 1 for p, _ in swept["moe"])  # MoE blocks have no TP layout in the executor
     assert all(p.config.ep == 2 and p.config.cp == 2 for p, _ in swept["moe cp 2 ep 2"])
     assert all(p.config.shard_group == 2 for p, _ in swept["hsdp"])
+    assert all(p.config.pp == p.config.tp == 1 for p, _ in swept["hf gpt2"])  # no stage cut, no TP layout
 
 
 @pytest.mark.parametrize("name,expected", [
     ("moe tp 2", "mixture-of-experts models with tp=1 (this plan has tp=2)"),
     ("moe ep 2 hsdp", "does not combine expert parallelism (ep=2) with HSDP (shard_group=2)"),
     ("fp8", "FP8 plans are planned, not executed"),
+    ("hf gpt2 pp 2", "cannot be cut into pipeline stages: its base model has parameters outside the embedding, "
+                     "decoder layers and final norm (wpe)"),
 ])
 def test_pinned_choices_the_executor_refuses_are_planned_and_marked(swept, name, expected):
     plans = swept[name]
