@@ -211,3 +211,8 @@ def test_pins_that_leave_nothing_runnable_keep_the_pinned_space():
     assert default and all(c.tp == 1 for c in default)
     pinned = enumerate_candidates(graph, cluster, 4, 8, Pins(tp=2))
     assert pinned and all(c.tp == 2 for c in pinned)
+    # EP with HSDP: offered apart, never together unless both are pinned
+    hsdp = enumerate_candidates(graph, cluster, 16, 16, Pins(zero=3, dp=16))  # HSDP over one node of 8
+    assert {c.ep for c in hsdp if c.shard_group} == {1} and {c.ep for c in hsdp if not c.shard_group} > {1}
+    both = enumerate_candidates(graph, load_cluster("cpu"), 8, 16, Pins(zero=3, dp=8, shard_group=2, ep=2))
+    assert both and all(c.ep == 2 and c.shard_group == 2 for c in both)
