@@ -210,6 +210,9 @@ class ModelInfo:
     # (config keys transformers ignores, ...), one line each.
     attn_implementation: str = ""
     notes: tuple[str, ...] = ()
+    # Why the executor cannot cut the model into pipeline stages ("" when it can): Hugging Face
+    # base models with parameters outside the embedding, decoder layers and final norm.
+    pipeline_cut_problem: str = ""
 
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0 or self.moe_imbalance == float("inf"):

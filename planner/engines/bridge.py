@@ -56,11 +56,20 @@ def export_plan(plan, engine: str) -> Exported:
         from meshplan.planner.engines.deepspeed import export_deepspeed as write
     else:
         raise MeshplanError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if not plan.executable:
+    if _per_layer_degrees(plan):  # other refusals are meshplan's executor's, not the engines'
         raise MeshplanError(f"the plan is not executable ({plan.not_executable_reason}); engines run one mesh for "
                             "the whole model: re-plan without --layerwise")
     text, notes = write(plan)
     return Exported(engine=engine, text=text, notes=tuple(notes))
+
+
+def _per_layer_degrees(plan) -> bool:
+    """Whether the plan gives layers their own tp/dp (`--layerwise`), which no engine runs."""
+    from meshplan.planner.costing.executable import LAYERWISE
+
+    cfg = plan.config
+    return (not plan.executable and plan.not_executable_reason == LAYERWISE
+            or any((layer.tp, layer.dp) != (cfg.tp, cfg.dp) for layer in plan.layers))
 
 
 def guess_engine(path: Path, text: str) -> str:

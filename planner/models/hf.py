@@ -202,7 +202,8 @@ def _build(path_text: str, seq: int, device: str, dtype, num_layers: int | None,
         first_of.setdefault(signature, index)
     sources = [first_of[signature] for signature in signatures]
     kept = sorted(set(sources)) if collapse else list(range(len(layer_list)))
-    info = _info(config, attn, notes, [layer_list[i] for i in kept], layer_list)
+    info = replace(_info(config, attn, notes, [layer_list[i] for i in kept], layer_list),
+                   pipeline_cut_problem=pipeline_cut_problem(model, path_text))
     if collapse:
         _keep_layers(model, config, owner, attribute, layer_list, kept)
     groups = _layer_groups(model, base, config, {index: layer_list[index] for index in kept})
@@ -382,6 +383,24 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                      attn_implementation=attn, notes=notes, **moe)
+
+
+def pipeline_cut_problem(model, path_text: str) -> str:
+    """Why the executor cannot cut the model into pipeline stages at its decoder layers ("" when
+    it can): parameters outside the embedding, decoder layers and final norm (GPT-2's learned
+    positions), which no stage would hold."""
+    try:
+        parts = model_parts(model, path_text)
+    except StopIteration:  # no input embedding or output head among the model's children
+        return (f"'hf:{path_text}' cannot be cut into pipeline stages: meshplan finds no input embedding on its "
+                "base model or no output head on the causal LM; re-plan it with --pp 1")
+    kept = (parts["layers"], parts["embed"], parts["norm"])
+    glue = [name for name, child in model.base_model.named_children()
+            if name not in kept and any(True for _ in child.parameters())]
+    if not glue:
+        return ""
+    return (f"'hf:{path_text}' cannot be cut into pipeline stages: its base model has parameters outside the "
+            f"embedding, decoder layers and final norm ({', '.join(glue)}); re-plan it with --pp 1")
 
 
 def model_parts(model, path_text: str) -> dict:

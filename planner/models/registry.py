@@ -204,7 +204,8 @@ def zoo_tp_splits(cfg: TransformerConfig, padded_vocab: int) -> dict[str, TPSpli
     """
     column = ("attn.q", "attn.k", "attn.v") + (("mlp.gate",) if cfg.family != "gpt" else ()) + ("mlp.up",)
     block = TPSplit(kind="block", column_linears=column, row_linears=("attn.o", "mlp.down"),
-                    num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, num_allreduce_per_pass=2)
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.kv_heads, num_allreduce_per_pass=2,
+                    mlp_width=cfg.ffn_dim)
     vocab = TPSplit(kind="vocab", vocab_size=padded_vocab)
     splits = {"embedding": vocab, "block": block, "head": vocab}
     if cfg.family == "moe":

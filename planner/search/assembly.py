@@ -1,9 +1,12 @@
 """Turn the planner's ranked candidates into a `Plan`: layer assignments, alternatives, and why.
 
-The winner's per-layer choices become `LayerAssignment`s; each runner-up becomes a complete,
-runnable configuration dict (mesh, ZeRO, SP, schedule, per-layer chunk and recomputation) with
-its prediction and a short `why_not` naming what limits it against the winner: memory, the
-pipeline bubble, communication, recomputation or compute.
+The winner's per-layer choices become `LayerAssignment`s; each runner-up becomes a complete
+configuration dict (mesh, ZeRO, SP, schedule, per-layer chunk and recomputation) with its
+prediction and a short `why_not` naming what limits it against the winner: memory, the
+pipeline bubble, communication, recomputation or compute. The winner and every runner-up are
+marked with the executor's rule (`costing.executable.why_not_executable`): `Plan.executable` /
+`not_executable_reason`, and each alternative's `executable` (with `not_executable_reason` when
+false).
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from pathlib import Path
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, mesh_json
+from meshplan.planner.costing.executable import model_facts, why_not_executable
 
 GIB = 2.0 ** 30
 # Solver fields that measure wall-clock time: they differ between identical runs.
@@ -25,8 +29,6 @@ CAUSES = {
     "compute": "slower compute (smaller GEMMs)",
     "optimizer": "the optimizer step",
 }
-NOT_EXECUTABLE = ("layerwise plan: layers use their own tensor/data-parallel degrees inside a stage, "
-                  "which the executor does not run yet; plan without --layerwise for a runnable plan")
 
 
 def absolute_spec(spec: str) -> str:
@@ -159,14 +161,18 @@ def _why_ep(plan_json: dict, rival: dict) -> str:
 
 def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwise: bool,
                limit_bytes: float) -> Plan:
-    """The Plan of the winner (ranked[0]) with the others as alternatives."""
-    winner = ranked[0]
+    """The Plan of the winner (ranked[0]) with the others as alternatives, each marked with
+    whether the executor runs it (only `layerwise` plans can give layers their own degrees)."""
+    winner, facts = ranked[0], model_facts(graph)
     layers = layer_assignments(graph, winner)
-    uniform = all(layer.tp == winner.config.tp and layer.dp == winner.config.dp for layer in layers)
-    executable = not layerwise or uniform
+    reason = why_not_executable(winner.config, facts, _degrees(layers) if layerwise else ())
     alternatives = []
     for alt in ranked[1:]:
         entry = configuration(alt)
+        alt_reason = why_not_executable(alt.config, facts, _degrees(layer_assignments(graph, alt)) if layerwise else ())
+        entry["executable"] = alt_reason is None
+        if alt_reason:
+            entry["not_executable_reason"] = alt_reason
         entry["prediction"] = alt.prediction.to_json()
         entry["why_not"] = why_not(alt, winner, limit_bytes)
         alternatives.append(entry)
@@ -182,8 +188,12 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
                      moe_pad_to_capacity=bool(getattr(graph.info, "moe_pad_to_capacity", False)))
     prediction = winner.prediction.to_json()
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
-                alternatives=tuple(alternatives), seed=seed, executable=executable,
-                not_executable_reason="" if executable else NOT_EXECUTABLE, solver=solver)
+                alternatives=tuple(alternatives), seed=seed, executable=reason is None,
+                not_executable_reason=reason or "", solver=solver)
+
+
+def _degrees(layers) -> list[tuple[int, int]]:
+    return [(layer.tp, layer.dp) for layer in layers]
 
 
 def configuration_rows(plan_json: dict) -> list[dict]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
+                                                 model_facts, tp_split_problem, why_not_executable)
 from meshplan.planner.costing.state_memory import executed_zero
 
 
@@ -62,14 +64,6 @@ class Pins:
 
 
 
-# Model families the executor runs whole on every rank (pp = tp = 1).
-WHOLE_MODEL_FAMILIES = ("file",)
-# Families whose sequence the executor does not split: no context parallelism, and no sequence
-# parallelism (Hugging Face models run TP with replicated norms and residual stream).
-NO_SEQUENCE_SPLIT_FAMILIES = ("file", "hf")
-
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -82,8 +76,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     A candidate is a `ParallelConfig` with recompute "none": the ILP then picks each layer's
     recomputation and stage.
     """
-    info = graph.info
-    split_layers = [layer.tp_split for layer in graph.layers]
+    info, facts = graph.info, model_facts(graph)
     num_layers = len(graph.layers)
     # File models run whole on every rank (data parallelism only): the executor can split neither
     # their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
@@ -95,14 +88,10 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
         # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
         if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
             continue
-        if not all(split.max_degree_ok(tp) for split in split_layers):
-            continue
-        if info.num_heads and (info.num_heads % tp or (info.num_kv_heads or info.num_heads) % tp):
-            continue
-        if tp > 1 and (whole_model_only or not all(_tp_splittable(layer, info) for layer in graph.layers)):
+        if tp_split_problem(facts, tp) or (tp > 1 and whole_model_only):
             continue
         for pp, cp in ((pp, cp) for pp in divisors(gpus // tp) for cp in context_parallel_degrees(
-                graph, gpus // (tp * pp), pins.cp, not sequence_split)):
+                facts, gpus // (tp * pp), pins.cp, not sequence_split)):
             dp = gpus // (tp * pp * cp)
             if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
                 continue
@@ -129,14 +118,10 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
                                                               precision=precision, shard_group=group, ep=ep))
-    return sorted(out, key=lambda c: c.sort_key)
-
-
-
-def _tp_splittable(layer, info) -> bool:
-    """A Hugging Face decoder layer splits when `models.hf_tp` recognises its modules (kind
-    "block"); zoo blocks always have a layout."""
-    return info.family != "hf" or layer.kind != "block" or layer.tp_split.kind != "none"
+    # The default space is what the executor runs; only pins that leave nothing else keep the
+    # rest, and the plan then says why `train` refuses it (`costing.executable`).
+    runnable = [c for c in out if why_not_executable(c, facts) is None]
+    return sorted(runnable or out, key=lambda c: c.sort_key)
 
 
 # HSDP shard groups the search offers span this many whole nodes (NCCL's fast intra-node or
@@ -164,18 +149,18 @@ def shard_groups(dp: int, tp: int, zero: int, gpus_per_node: int, pinned: int | 
 MIN_TOKENS_PER_CP_RANK = 2048
 
 
-def context_parallel_degrees(graph, ranks: int, pinned: int | None, whole_model_only: bool) -> list[int]:
-    """CP degrees for `ranks` = gpus / (tp * pp): 1, and powers of two that divide ranks, cut
-    every sequence into 2*cp equal chunks and leave each rank MIN_TOKENS_PER_CP_RANK tokens."""
+def context_parallel_degrees(model, ranks: int, pinned: int | None, whole_model_only: bool) -> list[int]:
+    """CP degrees for `ranks` = gpus / (tp * pp): 1, and powers of two that divide ranks, split
+    `model`'s attention (`costing.executable.cp_split_problem`: every sequence in 2*cp equal
+    chunks) and leave each rank MIN_TOKENS_PER_CP_RANK tokens. `model`: a `ModelFacts`."""
     if pinned is not None:
-        ok = ranks % pinned == 0 and (pinned == 1 or (graph.seq % (2 * pinned) == 0 and graph.info.num_heads
-                                                       and not whole_model_only))
+        ok = ranks % pinned == 0 and (pinned == 1 or (not cp_split_problem(model, pinned) and not whole_model_only))
         return [pinned] if ok else []
     out = [1]
-    if whole_model_only or not graph.info.num_heads:
+    if whole_model_only:
         return out
     cp = 2
-    while ranks % cp == 0 and graph.seq % (2 * cp) == 0 and graph.seq // cp >= MIN_TOKENS_PER_CP_RANK:
+    while ranks % cp == 0 and not cp_split_problem(model, cp) and model.seq // cp >= MIN_TOKENS_PER_CP_RANK:
         out.append(cp)
         cp *= 2
     return out

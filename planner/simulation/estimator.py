@@ -48,21 +48,12 @@ def check_model_fit(graph, config: ParallelConfig) -> None:
 
 
 def check_tp_splits(graph, tp: int) -> None:
-    """Every layer splits tp ways; a Hugging Face decoder layer of no known layout cannot split at
-    all (modelling it replicated would hide that the executor cannot run it)."""
-    if tp == 1:
-        return
-    for layer in graph.layers:
-        split = layer.tp_split
-        if graph.info.family == "hf" and layer.kind == "block" and split.kind == "none":
-            raise MeshplanError(f"--tp {tp}: layer {layer.name!r} cannot be split over tensor-parallel ranks: "
-                                f"{split.reason or 'no known layout'}; use --tp 1")
-        if not split.max_degree_ok(tp):
-            what = (f"vocab {split.vocab_size}" if split.kind == "vocab" else
-                    f"{split.num_heads} heads, {split.num_kv_heads or split.num_heads} KV heads"
-                    + (f", MLP width {split.mlp_width}" if split.mlp_width else ""))
-            raise MeshplanError(f"--tp {tp} does not divide layer {layer.name!r}: {what}; "
-                                f"pick a tp that divides them")
+    """Every layer splits tp ways (`costing.executable.tp_split_problem`, the one rule)."""
+    from meshplan.planner.costing.executable import model_facts, tp_split_problem
+
+    problem = tp_split_problem(model_facts(graph), tp, f"--tp {tp}")
+    if problem:
+        raise MeshplanError(problem)
 
 
 def check_expert_parallel_request(graph, ep: int) -> None:
@@ -76,16 +67,12 @@ def check_expert_parallel_request(graph, ep: int) -> None:
 
 
 def check_context_parallel(graph, cp: int) -> None:
-    """CP cuts every sequence into 2*cp chunks (load-balanced causal attention) and needs
-    attention to cut: transformer blocks with heads."""
-    if cp == 1:
-        return
-    if not graph.info.num_heads:
-        raise MeshplanError(f"--cp {cp}: context parallelism splits attention over the sequence, and "
-                            f"{graph.spec!r} has no attention meshplan can split; use --cp 1")
-    if graph.seq % (2 * cp):
-        raise MeshplanError(f"--cp {cp} cuts each sequence into 2*cp = {2 * cp} equal chunks; seq {graph.seq} "
-                            f"is not divisible by {2 * cp}: use a sequence length that is")
+    """CP splits attention, every sequence in 2*cp chunks (`costing.executable.cp_split_problem`)."""
+    from meshplan.planner.costing.executable import cp_split_problem, model_facts
+
+    problem = cp_split_problem(model_facts(graph), cp, f"--cp {cp}")
+    if problem:
+        raise MeshplanError(problem)
 
 
 def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,

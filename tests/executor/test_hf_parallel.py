@@ -165,9 +165,9 @@ def test_train_refuses_hf_plans_it_cannot_run(tmp_path):
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300,
                                 "n_positions": 64}))
-    with pytest.raises(MeshplanError, match="layer 'blocks.0' cannot be split over tp=2 ranks: no attention"):
+    with pytest.raises(MeshplanError, match="tp=2: layer 'blocks.0' cannot be split over tensor-parallel ranks: no attention"):
         check_plan_runnable(uniform_plan(f"hf:{gpt2}", SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)
     # DeepSeek-V3 (latent attention, routed experts) has no TP layout: refused at its first layer
-    with pytest.raises(MeshplanError, match=r"layer 'blocks.0' cannot be split over tp=2 ranks: no attention of "
-                                            r".*kv_a_proj_with_mqa.*; re-plan it with --tp 1"):
+    with pytest.raises(MeshplanError, match=r"layer 'blocks.0' cannot be split over tensor-parallel ranks: no "
+                                            r"attention of .*kv_a_proj_with_mqa.*; use --tp 1"):
         check_plan_runnable(uniform_plan(deepseek_spec(tmp_path), SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)

@@ -114,7 +114,8 @@ def test_every_engine_refuses_a_layerwise_plan():
     from dataclasses import replace
 
     from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.costing.executable import LAYERWISE
 
-    plan = replace(make_plan(), executable=False, not_executable_reason="per-layer degrees")
+    plan = replace(make_plan(), executable=False, not_executable_reason=LAYERWISE)
     with pytest.raises(MeshplanError, match="not executable"):
         export_plan(plan, "megatron")

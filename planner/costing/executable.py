@@ -1,0 +1,192 @@
+"""What meshplan's executor runs: one rule, read by the search and by `meshplan train`.
+
+    why_not_executable(config, model, layer_degrees=()) -> str | None
+
+None when the executor runs `config` on `model` as planned; else one line naming the problem and
+the fix. The search marks every plan with it (`Plan.executable`, `Plan.not_executable_reason`) and
+leaves out of its default space what it refuses (`search.candidates.enumerate_candidates`);
+`executor.checks.check_plan_runnable` refuses with it. Only the configuration and the model count
+here: the request around a plan (process count, files, timeouts) is the executor's to check.
+
+`model` is a `ModelFacts`: what the rule reads of a model, made from the planner's `ModelGraph`
+(`model_facts`, no torch) or from the model the executor builds (`built_model_facts`).
+
+Two of the rules say whether a model can be split at all, and are the only copy of them:
+`tp_split_problem` (every layer divides tp ways: heads, K/V heads, MLP width, vocabulary;
+Hugging Face decoder layers need a known layout) and `cp_split_problem` (attention to split, and
+every sequence cut into 2*cp equal chunks). The cost model needs them too, so `estimate`, the
+candidates and the executor all call these two.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from meshplan.planner.contracts.graph import TPSplit
+from meshplan.planner.costing.expert_parallel import check_expert_parallel
+from meshplan.planner.costing.fp8 import is_fp8
+from meshplan.planner.costing.state_memory import executed_zero
+
+# Model families the executor runs whole on every rank (data parallelism only).
+WHOLE_MODEL_FAMILIES = ("file",)
+# Families whose sequence the executor does not split: no context parallelism, and no sequence
+# parallelism (Hugging Face models run TP with replicated norms and residual stream).
+NO_SEQUENCE_SPLIT_FAMILIES = ("file", "hf")
+
+LAYERWISE = ("layerwise plan: layers use their own tensor/data-parallel degrees inside a stage, which the "
+             "executor does not run yet; plan without --layerwise for a runnable plan")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the executability rule reads of a model.
+
+    `layers`: (name, kind, TPSplit) of every layer in execution order. `pipeline_cut_problem`:
+    why the executor cannot cut the model into pipeline stages ("" when it can;
+    `ModelInfo.pipeline_cut_problem`).
+    """
+
+    spec: str
+    family: str
+    seq: int
+    num_heads: int = 0
+    num_experts: int = 0
+    layers: tuple[tuple[str, str, TPSplit], ...] = ()
+    pipeline_cut_problem: str = ""
+
+    @cached_property
+    def distinct_layers(self) -> tuple[tuple[str, str, TPSplit], ...]:
+        """The first layer of each distinct (kind, split), in order: all the split rules need to
+        read (a model's blocks share a handful of splits; the search asks for thousands of meshes)."""
+        first: dict[tuple[str, TPSplit], str] = {}
+        for name, kind, split in self.layers:
+            first.setdefault((kind, split), name)
+        return tuple((name, kind, split) for (kind, split), name in first.items())
+
+    def __post_init__(self):
+        if self.seq <= 0:
+            raise ValueError(f"ModelFacts.seq must be positive, got {self.seq}")
+        if self.num_heads < 0 or self.num_experts < 0:
+            raise ValueError(f"ModelFacts.num_heads and num_experts must be >= 0, got {self.num_heads}, "
+                             f"{self.num_experts}")
+
+
+def model_facts(graph) -> ModelFacts:
+    """The facts of a profiled `ModelGraph`."""
+    info = graph.info
+    return ModelFacts(spec=graph.spec, family=info.family, seq=graph.seq, num_heads=info.num_heads,
+                      num_experts=info.num_experts,
+                      layers=tuple((layer.name, layer.kind, layer.tp_split) for layer in graph.layers),
+                      pipeline_cut_problem=info.pipeline_cut_problem)
+
+
+def built_model_facts(built, spec: str, seq: int) -> ModelFacts:
+    """The facts of a model built by `models.registry.build_model` (a `BuiltModel`): its layer
+    groups' splits, or unsplittable layers where it has none (file models)."""
+    layers = (tuple((group.name, group.kind, group.tp_split) for group in built.layer_groups)
+              or tuple((name, kind, TPSplit()) for name, kind, _ in built.layer_modules))
+    return ModelFacts(spec=spec, family=built.info.family, seq=seq, num_heads=built.info.num_heads,
+                      num_experts=built.info.num_experts, layers=layers,
+                      pipeline_cut_problem=built.info.pipeline_cut_problem)
+
+
+def tp_split_problem(model: ModelFacts, tp: int, label: str | None = None) -> str | None:
+    """Why `model` cannot be split `tp` ways (None: it can). `label` names the degree in the
+    message (default "tp=N"; the CLI's checks say "--tp N")."""
+    if tp == 1:
+        return None
+    label = label or f"tp={tp}"
+    for name, kind, split in model.distinct_layers:
+        if model.family == "hf" and kind == "block" and split.kind == "none":
+            return (f"{label}: layer {name!r} cannot be split over tensor-parallel ranks: "
+                    f"{split.reason or 'no known layout'}; use --tp 1")
+        if not split.max_degree_ok(tp):
+            what = (f"vocab {split.vocab_size}" if split.kind == "vocab" else
+                    f"{split.num_heads} heads, {split.num_kv_heads or split.num_heads} KV heads"
+                    + (f", MLP width {split.mlp_width}" if split.mlp_width else ""))
+            return f"{label} does not divide layer {name!r}: {what}; pick a tp that divides them"
+    return None
+
+
+def cp_split_problem(model: ModelFacts, cp: int, label: str | None = None) -> str | None:
+    """Why `model`'s attention cannot be split over `cp` context-parallel ranks (None: it can):
+    CP cuts every sequence into 2*cp chunks (load-balanced causal attention)."""
+    if cp == 1:
+        return None
+    label = label or f"cp={cp}"
+    if not model.num_heads:
+        return (f"{label}: context parallelism splits attention over the sequence, and {model.spec!r} has no "
+                "attention meshplan can split; use --cp 1")
+    if model.seq % (2 * cp):
+        return (f"{label} cuts each sequence into 2*cp = {2 * cp} equal chunks; seq {model.seq} is not divisible "
+                f"by {2 * cp}: use a sequence length that is")
+    return None
+
+
+def whole_model_problem(config) -> str | None:
+    """File models run whole on every rank: pp, tp and ep stay 1 (reads config.pp, tp, ep)."""
+    if config.pp > 1 or config.tp > 1 or config.ep > 1:
+        return (f"file models train with data parallelism only, this plan has pp={config.pp} tp={config.tp}"
+                f"{f' ep={config.ep}' if config.ep > 1 else ''}; re-plan it (meshplan plan keeps them at "
+                "pp=1 tp=1)")
+    return None
+
+
+def why_not_executable(config, model: ModelFacts, layer_degrees=()) -> str | None:
+    """None when the executor runs `config` (a `ParallelConfig`) on `model` as planned, else the
+    problem and its fix in one line. `layer_degrees`: each layer's (tp, dp) where a plan has its
+    own per layer (`--layerwise`)."""
+    if any((tp, dp) != (config.tp, config.dp) for tp, dp in layer_degrees):
+        return LAYERWISE
+    if is_fp8(config.precision):
+        return ("FP8 plans are planned, not executed (meshplan's executor has no FP8 Linears yet); re-plan with "
+                "--precision bf16-mixed to train")
+    if executed_zero(config.zero, config.data_ranks, config.pp, config.schedule) != config.zero:
+        return (f"ZeRO-{config.zero} with the {config.schedule} schedule (pp {config.pp}, dp {config.dp}) runs as "
+                "ZeRO-1: a split backward defers gradient sync and resharding to the step's end; set zero to 1, "
+                "or use the 1f1b or interleaved schedule")
+    if model.family in WHOLE_MODEL_FAMILIES and whole_model_problem(config):
+        return whole_model_problem(config)
+    return (_sequence_problem(config, model) or tp_split_problem(model, config.tp)
+            or _expert_problem(config, model) or _pipeline_problem(config, model))
+
+
+def _sequence_problem(config, model: ModelFacts) -> str | None:
+    """Context and sequence parallelism split the sequence: zoo transformers only."""
+    if config.cp > 1 and model.family in NO_SEQUENCE_SPLIT_FAMILIES:
+        return (f"context parallelism (cp {config.cp}) needs a zoo transformer whose attention meshplan can "
+                "split over the sequence; file and Hugging Face models train with cp 1")
+    if config.sp and model.family in NO_SEQUENCE_SPLIT_FAMILIES:
+        return (f"sequence parallelism is not implemented for Hugging Face models (this plan has tp={config.tp} "
+                "with sp); re-plan it without --sp")
+    if config.sp and model.seq % config.tp:
+        return (f"sequence parallelism splits the sequence ({model.seq} tokens) over tp={config.tp} ranks; use "
+                f"a sequence length divisible by {config.tp} or turn --sp off")
+    return cp_split_problem(model, config.cp)
+
+
+def _expert_problem(config, model: ModelFacts) -> str | None:
+    """Expert parallelism runs with data, context and pipeline parallelism and ZeRO 0-3, on zoo
+    mixtures of experts, whose MoE blocks have no tensor-parallel layout in the executor."""
+    if model.family == "moe" and config.tp > 1:
+        return (f"the executor trains mixture-of-experts models with tp=1 (this plan has tp={config.tp}): its MoE "
+                "blocks have no tensor-parallel layout; re-plan with --tp 1 (use ep instead)")
+    if config.ep == 1:
+        return None
+    if model.family == "hf":
+        return (f"Hugging Face models train without expert parallelism, this plan has ep={config.ep}; re-plan "
+                "it with --ep 1")
+    try:
+        check_expert_parallel(model, config.ep, config.data_ranks)
+    except ValueError as exc:
+        return str(exc)
+    if config.shard_group:
+        return (f"the executor does not combine expert parallelism (ep={config.ep}) with HSDP "
+                f"(shard_group={config.shard_group}); re-plan without --shard-group")
+    return None
+
+
+def _pipeline_problem(config, model: ModelFacts) -> str | None:
+    if config.pp > 1 and model.pipeline_cut_problem:
+        return model.pipeline_cut_problem
+    return None
