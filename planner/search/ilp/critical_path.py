@@ -54,6 +54,7 @@ class CriticalPath:
     compute_end_s: tuple[float, ...]
     reduce_end_s: tuple[float, ...]
     critical_rank: int
+    node_end_s: tuple[float, ...]  # every action's end, in `action_nodes` order
     on_path: tuple[tuple[int, int, int, int], ...]  # per chunk: (F, B, I, W) actions on the path
     transfers_on_path: int
 
@@ -65,6 +66,7 @@ class _Graph:
     rank: tuple[int, ...]
     kind: tuple[int, ...]  # index into "FBIW"
     chunk: tuple[int, ...]
+    microbatch: tuple[int, ...]
     rank_prev: tuple[int, ...]  # previous node of the same rank, -1 for its first
     data_prev: tuple[int, ...]  # the node whose end publishes this node's input, -1 for none
     remote: tuple[bool, ...]  # the input crosses ranks (a transfer)
@@ -114,7 +116,8 @@ def _graph(schedule: str, num_stages: int, num_microbatches: int, virtual_stages
     def renumber(values):
         return tuple(position[v] if v >= 0 else -1 for v in (values[n] for n in order))
     return _Graph(rank=tuple(flat[n][0] for n in order), kind=tuple(_KINDS.index(flat[n][2].kind) for n in order),
-                  chunk=tuple(flat[n][2].chunk for n in order), rank_prev=renumber(rank_prev),
+                  chunk=tuple(flat[n][2].chunk for n in order),
+                  microbatch=tuple(flat[n][2].microbatch for n in order), rank_prev=renumber(rank_prev),
                   data_prev=renumber(data_prev), remote=tuple(remote[n] for n in order),
                   releases=tuple(releases[n] for n in order),
                   last_node=tuple(position[ids[(r, len(o) - 1)]] for r, o in enumerate(orders)))
@@ -148,8 +151,8 @@ def critical_path(schedule: str, num_stages: int, num_microbatches: int, virtual
     `blocking`: each chunk's reduction (`times.reduce_s`) starts after its last micro-batch's
     backward (B, or W of a split backward) once the rank's earlier reductions are done, and the
     rank's next action waits for it. `rank_extra_s[r]`: what rank r adds after its compute ends
-    (its exposed reduction, optimizer, ...); the critical rank is the one whose compute end plus
-    that is latest."""
+    (its exposed reduction, optimizer, ...); the critical rank is the one whose compute end (or
+    blocking reductions' end) plus that is latest."""
     g = _graph(schedule, num_stages, num_microbatches, virtual_stages)
     durations = (times.fwd_s, times.bwd_s, tuple(b - w for b, w in zip(times.bwd_s, times.weight_s)),
                  times.weight_s)
@@ -175,7 +178,7 @@ def critical_path(schedule: str, num_stages: int, num_microbatches: int, virtual
             blocked[rank] = reduce_free[rank]
     compute_end = tuple(end[n] for n in g.last_node)
     extra = rank_extra_s or [0.0] * num_stages
-    critical = max(range(num_stages), key=lambda r: (compute_end[r] + extra[r], -r))
+    critical = max(range(num_stages), key=lambda r: (max(compute_end[r], reduce_free[r]) + extra[r], -r))
     counts = [[0, 0, 0, 0] for _ in times.fwd_s]
     transfers, node = 0, g.last_node[critical]
     while node >= 0:  # back along the causes; a blocking reduction's wait is the rank's own work
@@ -185,4 +188,11 @@ def critical_path(schedule: str, num_stages: int, num_microbatches: int, virtual
             node = g.data_prev[node]
         else:
             node = g.rank_prev[node]
-    return CriticalPath(compute_end, tuple(reduce_free), critical, tuple(map(tuple, counts)), transfers)
+    return CriticalPath(compute_end, tuple(reduce_free), critical, tuple(end), tuple(map(tuple, counts)), transfers)
+
+
+@lru_cache(maxsize=64)
+def action_nodes(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int):
+    """(rank, kind, chunk, microbatch) of every action, in the order of `CriticalPath.node_end_s`."""
+    g = _graph(schedule, num_stages, num_microbatches, virtual_stages)
+    return tuple(zip(g.rank, (_KINDS[k] for k in g.kind), g.chunk, g.microbatch))
