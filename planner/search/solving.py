@@ -321,9 +321,9 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         dp_link, pp_link = stream_links(candidate, cluster.gpus_per_node)
 
         def make_floor(strategy=strategy, shape=shape, grad_sync=grad_sync,
-                       shares=bool(pp_link) and dp_link == pp_link):
+                       shares=bool(pp_link) and dp_link == pp_link, dp_link=dp_link):
             return StageProblem(late[strategy], shape, mem_limit_bytes=limit, time_limit_s=time_limit_s,
-                                grad_sync=grad_sync, dp_shares_pp_link=shares)
+                                grad_sync=grad_sync, dp_shares_pp_link=shares, dp_link=dp_link)
 
         tables.strategy_of[candidate] = strategy
         if strategy in sibling_of:  # its table waits: the ZeRO-1 sibling's compute bounds it

@@ -155,6 +155,9 @@ class StageProblem:
     grad_sync: str = "overlap"
     # The reduction's link is the one the boundary transfers use (they share it: `simulation.contention`).
     dp_shares_pp_link: bool = False
+    # The link the reduction leaves a GPU on ("nvlink", "nic", "" for none): on NVLink it slows the
+    # tensor-parallel collectives (`simulation.contention`), which the exact step charges (`refine`).
+    dp_link: str = ""
     backend: str = "highs"  # "highs" or "cbc"
     # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
     # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator
@@ -169,6 +172,8 @@ class StageProblem:
             raise ValueError(f"objective must be 'time' or 'memory', got {self.objective!r}")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {self.grad_sync!r}")
+        if self.dp_link not in ("", "nvlink", "nic"):
+            raise ValueError(f"dp_link must be 'nvlink', 'nic' or '', got {self.dp_link!r}")
         if self.formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
         if self.shape.num_chunks > self.table.num_layers:

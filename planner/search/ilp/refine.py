@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 from meshplan.planner.search.ilp.critical_path import ChunkTimes, CriticalPath, action_nodes, critical_path
 from meshplan.planner.search.ilp.evaluation import (chunk_fixed_s, memory_of_assignment,
@@ -74,14 +75,35 @@ def exact_step_s(problem, chunk_of_layer, option_of_layer) -> tuple[float, Criti
         ends = [max(path.compute_end_s[r], path.reduce_end_s[r]) + after[r] for r in range(shape.num_stages)]
     else:
         reductions = _reduction_ends(problem, chunk_of_layer, option_of_layer, times, path)
-        ends = [max(path.compute_end_s[r], reductions[r]) + after[r] for r in range(shape.num_stages)]
+        ends = [max(path.compute_end_s[r] + compute_delay_s, reduction_end_s) + after[r]
+                for r, (reduction_end_s, compute_delay_s) in enumerate(reductions)]
     return max(ends), path
 
 
-def _reduction_ends(problem, chunk_of_layer, option_of_layer, times: ChunkTimes, path: CriticalPath) -> list[float]:
-    """Per rank: when its gradient reduction stream ends, with the fair-share delay of the
-    boundary transfers that share its link (`simulation.contention`). A layer's reduction is
-    ready when the layer's backward ends, in the last micro-batch's backward or, under
+class _Pass(NamedTuple):
+    """What `simulation.contention.rank_delays` reads of a played action and of a chunk."""
+
+    action: tuple  # (kind, chunk) as .kind, .chunk
+    start_s: float
+    end_s: float
+
+
+class _Kind(NamedTuple):
+    kind: str
+    chunk: int
+
+
+class _ChunkTp(NamedTuple):
+    fwd_tp_s: float
+    bwd_tp_s: float
+
+
+def _reduction_ends(problem, chunk_of_layer, option_of_layer, times: ChunkTimes,
+                    path: CriticalPath) -> list[tuple[float, float]]:
+    """Per rank: (when its gradient reduction stream ends, how much later its compute ends), with
+    the fair-share delays of the traffic that shares the reduction's link (`simulation.contention`:
+    the boundary transfers on the same link, the TP collectives when it is NVLink). A layer's
+    reduction is ready when the layer's backward ends, in the last micro-batch's backward or, under
     `overlap_every_microbatch`, in every one's; the stream runs them one at a time in that order."""
     from meshplan.planner.simulation.contention import rank_delays
 
@@ -90,20 +112,27 @@ def _reduction_ends(problem, chunk_of_layer, option_of_layer, times: ChunkTimes,
     fixed = chunk_fixed_s(table, shape.num_chunks)
     # per chunk: (offset of each layer's backward end from the backward's start, its reduction)
     offsets: list[list[tuple[float, float]]] = [[] for _ in range(shape.num_chunks)]
-    heads = pass_gather_s(table, chunk_of_layer, option_of_layer, shape.num_chunks)[1]
-    done = list(heads)
+    done = list(pass_gather_s(table, chunk_of_layer, option_of_layer, shape.num_chunks)[1])
+    tp = [[0.0, 0.0] for _ in range(shape.num_chunks)]
     for layer in range(len(chunk_of_layer) - 1, -1, -1):
         chunk, option = chunk_of_layer[layer], table.option(layer, option_of_layer[layer])
         done[chunk] += option.bwd_s
+        tp[chunk][0] += option.fwd_tp_s
+        tp[chunk][1] += option.bwd_tp_s
         at = done[chunk] + (fixed[chunk] / 2 if layer == 0 or chunk_of_layer[layer - 1] != chunk else 0.0)
         if option.dp_comm_s > 0:
             offsets[chunk].append((at, option.dp_comm_s))
     last_mb = shape.num_microbatches - 1
-    ready: list[list[tuple[float, float]]] = [[] for _ in range(shape.num_stages)]
-    sends: list[list[tuple[float, float]]] = [[] for _ in range(shape.num_stages)]
+    pp = shape.num_stages
+    ready: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    sends: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    runs: list[list[_Pass]] = [[] for _ in range(pp)]
     rank_of = [shape.rank_of(c) for c in range(shape.num_chunks)]
-    nodes = action_nodes(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages)
+    nodes = action_nodes(shape.schedule, pp, shape.num_microbatches, shape.virtual_stages)
     shares = problem.dp_shares_pp_link and table.p2p_s > 0
+    on_nvlink = problem.dp_link == "nvlink" and any(f or b for f, b in tp)
+    durations = {"F": times.fwd_s, "B": times.bwd_s, "W": times.weight_s,
+                 "I": [b - w for b, w in zip(times.bwd_s, times.weight_s)]}
     for (rank, kind, chunk, microbatch), end in zip(nodes, path.node_end_s):
         if kind in ("B", "I") and (every or microbatch == last_mb):
             start = end - times.bwd_s[chunk]  # the whole backward's start, as the engine counts it
@@ -114,15 +143,19 @@ def _reduction_ends(problem, chunk_of_layer, option_of_layer, times: ChunkTimes,
                 interval = (end, end + table.p2p_s)
                 sends[rank].append(interval)
                 sends[rank_of[peer]].append(interval)
+        if on_nvlink:
+            runs[rank].append(_Pass(_Kind(kind, chunk), end - durations[kind][chunk], end))
+    chunks_tp = [_ChunkTp(f, b) for f, b in tp]
     out = []
-    for rank in range(shape.num_stages):
+    for rank in range(pp):
         free, intervals = 0.0, []
         for at, comm in sorted(ready[rank]):
             start = max(free, at)
             free = start + comm
             intervals.append((start, free))
-        delay = rank_delays(intervals, (), (), sends[rank], "link", "link").dp_s if shares else 0.0
-        out.append(free + delay)
+        delays = rank_delays(intervals, runs[rank], chunks_tp, sends[rank] if shares else [],
+                             problem.dp_link or "link", problem.dp_link or "link")
+        out.append((free + delays.dp_s, delays.compute_s))
     return out
 
 
