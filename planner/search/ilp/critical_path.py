@@ -79,68 +79,77 @@ def _graph(schedule: str, num_stages: int, num_microbatches: int, virtual_stages
     from meshplan.planner.simulation.schedules import schedule_actions
 
     # One stage plays forward, backward, ... whatever the schedule (the executor accumulates so).
-    orders = schedule_actions("1f1b" if num_stages == 1 else schedule, num_stages, num_microbatches,
-                              virtual_stages)
     place = "1f1b" if num_stages == 1 else schedule
-    ids: dict[tuple[int, int], int] = {}  # (rank, position) -> node
-    flat = [(r, i, a) for r, order in enumerate(orders) for i, a in enumerate(order)]
-    for index, (r, i, _) in enumerate(flat):
-        ids[(r, i)] = index
-    publisher: dict[tuple[str, int, int], int] = {}  # ("F" | "B", chunk, mb) -> node whose end sends it
-    last_mb = num_microbatches - 1
+    orders = schedule_actions(place, num_stages, num_microbatches, virtual_stages)
+    flat = [action for order in orders for action in order]  # node n: rank-major, in rank order
+    rank = [r for r, order in enumerate(orders) for _ in order]
+    first = [0] * (num_stages + 1)  # first node of each rank
     for r, order in enumerate(orders):
-        for i, a in enumerate(order):
-            if a.kind == "F":
-                publisher[("F", a.chunk, a.microbatch)] = ids[(r, i + 1)] if a.overlap else ids[(r, i)]
-            elif a.kind in ("B", "I"):
-                publisher[("B", a.chunk, a.microbatch)] = ids[(r, i)]
-    last_chunk = num_stages * virtual_stages - 1
-    preds: list[list[int]] = []
+        first[r + 1] = first[r] + len(order)
+    num_chunks = num_stages * virtual_stages
+    width = num_microbatches
+    # the node whose end sends F(c, j)'s output / B or I(c, j)'s input gradient, at c * m + j
+    sends_fwd, sends_bwd = [-1] * (num_chunks * width), [-1] * (num_chunks * width)
+    for n, a in enumerate(flat):
+        if a.kind == "F":
+            sends_fwd[a.chunk * width + a.microbatch] = n + 1 if a.overlap else n  # a pair sends when it ends
+        elif a.kind in ("B", "I"):
+            sends_bwd[a.chunk * width + a.microbatch] = n
+    rank_of_chunk = [chunk_rank(place, num_stages, c) for c in range(num_chunks)]
+    last_mb, last_chunk = num_microbatches - 1, num_chunks - 1
     rank_prev, data_prev, remote, releases = [], [], [], []
-    for r, i, a in flat:
-        prev = ids[(r, i - 1)] if i else -1
-        if a.kind == "F" and a.chunk > 0:
-            source, other = publisher[("F", a.chunk - 1, a.microbatch)], a.chunk - 1
-        elif a.kind in ("B", "I") and a.chunk < last_chunk:
-            source, other = publisher[("B", a.chunk + 1, a.microbatch)], a.chunk + 1
+    for n, a in enumerate(flat):
+        kind, chunk = a.kind, a.chunk
+        if kind == "F" and chunk > 0:
+            source, other = sends_fwd[(chunk - 1) * width + a.microbatch], chunk - 1
+        elif (kind == "B" or kind == "I") and chunk < last_chunk:
+            source, other = sends_bwd[(chunk + 1) * width + a.microbatch], chunk + 1
         else:
-            source, other = -1, a.chunk
-        rank_prev.append(prev)
+            source, other = -1, chunk
+        rank_prev.append(n - 1 if n > first[rank[n]] else -1)
         data_prev.append(source)
-        remote.append(source >= 0 and chunk_rank(place, num_stages, other) != chunk_rank(place, num_stages, a.chunk))
-        releases.append(a.kind in ("B", "W") and a.microbatch == last_mb)  # one of the two per micro-batch
-        preds.append([p for p in (prev, source) if p >= 0])
-    order = _topological(preds)
-    position = {node: k for k, node in enumerate(order)}
+        remote.append(source >= 0 and rank_of_chunk[other] != rank_of_chunk[chunk])
+        releases.append((kind == "B" or kind == "W") and a.microbatch == last_mb)  # one of the two per micro-batch
+    order = _topological(rank_prev, data_prev)
+    position = [0] * len(flat)
+    for k, n in enumerate(order):
+        position[n] = k
 
     def renumber(values):
         return tuple(position[v] if v >= 0 else -1 for v in (values[n] for n in order))
-    return _Graph(rank=tuple(flat[n][0] for n in order), kind=tuple(_KINDS.index(flat[n][2].kind) for n in order),
-                  chunk=tuple(flat[n][2].chunk for n in order),
-                  microbatch=tuple(flat[n][2].microbatch for n in order), rank_prev=renumber(rank_prev),
-                  data_prev=renumber(data_prev), remote=tuple(remote[n] for n in order),
-                  releases=tuple(releases[n] for n in order),
-                  last_node=tuple(position[ids[(r, len(o) - 1)]] for r, o in enumerate(orders)))
+    return _Graph(rank=tuple(rank[n] for n in order), kind=tuple(_KINDS.index(flat[n].kind) for n in order),
+                  chunk=tuple(flat[n].chunk for n in order), microbatch=tuple(flat[n].microbatch for n in order),
+                  rank_prev=renumber(rank_prev), data_prev=renumber(data_prev),
+                  remote=tuple(remote[n] for n in order), releases=tuple(releases[n] for n in order),
+                  last_node=tuple(position[first[r + 1] - 1] for r in range(num_stages)))
 
 
-def _topological(preds: list[list[int]]) -> list[int]:
-    """Kahn's order of a DAG given each node's predecessors; a cycle is a schedule bug."""
-    succs: list[list[int]] = [[] for _ in preds]
-    missing = [len(p) for p in preds]
-    for node, ps in enumerate(preds):
-        for p in ps:
-            succs[p].append(node)
-    ready = [node for node, count in enumerate(missing) if count == 0]
+def _topological(rank_prev: list[int], data_prev: list[int]) -> list[int]:
+    """Kahn's order of the DAG whose nodes have these (at most two) predecessors; a cycle is a
+    schedule bug."""
+    count = len(rank_prev)
+    # a node's end publishes its own output and, closing a DualPipeV pair, its forward's too
+    consumers: list[list[int]] = [[] for _ in range(count)]
+    missing = [0] * count
+    for node in range(count):
+        missing[node] = (rank_prev[node] >= 0) + (data_prev[node] >= 0)
+        if data_prev[node] >= 0:
+            consumers[data_prev[node]].append(node)
+    ready = [node for node in range(count) if missing[node] == 0]
     order = []
     while ready:
         node = ready.pop()
         order.append(node)
-        for s in succs[node]:
-            missing[s] -= 1
-            if missing[s] == 0:
-                ready.append(s)
-    if len(order) != len(preds):
-        raise AssertionError(f"the schedule's action graph has a cycle ({len(preds) - len(order)} nodes on it)")
+        if node + 1 < count and rank_prev[node + 1] == node:
+            missing[node + 1] -= 1
+            if missing[node + 1] == 0:
+                ready.append(node + 1)
+        for succ in consumers[node]:
+            missing[succ] -= 1
+            if missing[succ] == 0:
+                ready.append(succ)
+    if len(order) != count:
+        raise AssertionError(f"the schedule's action graph has a cycle ({count - len(order)} nodes on it)")
     return order
 
 

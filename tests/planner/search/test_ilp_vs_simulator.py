@@ -109,8 +109,9 @@ def test_the_search_objective_and_memory_equal_the_simulator(case):
         assert candidate.precision == PRECISION.get(case, "bf16-mixed")
         # exact linearisation: the evaluated objective is the least the ILP's rows allow for the
         # assignment; an incumbent HiGHS stops at within its MIP gap may leave an auxiliary above
-        # that least value (1F1B's bottleneck binary, say), never by more than the gap
-        assert solution.objective_s <= solution.model_objective * (1 + 1e-6)
+        # that least value (1F1B's bottleneck binary, say), never by more than the gap; rows hold
+        # to HiGHS's feasibility tolerance (1e-7 each), a few of them summed in the objective
+        assert solution.objective_s <= solution.model_objective * (1 + 1e-6) + 1e-6
         assert solution.model_objective <= solution.objective_s + solution.gap * solution.model_objective + 1e-9
         if candidate.pp > 1:  # refined: the exact score, never worse than the ILP's assignment's
             from meshplan.planner.search.ilp.refine import exact_step_s
