@@ -77,8 +77,23 @@ PRECISION = {"llama3-70b-fp8-1f1b": "fp8", "llama3-70b-fp8-zero0-3": "fp8"}  # o
 
 
 def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed"):
+    """Per sampled candidate: (candidate, the ILP's solution, the simulated prediction of its assignment)."""
+    graph, cluster = profile(spec, seq), load_cluster(cluster_name)
+    for candidate, problem, solution in _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision):
+        yield candidate, solution, simulate(graph, cluster, candidate, problem, solution)
+
+
+def _refined(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed"):
     """Per sampled candidate: (candidate, problem, the ILP's solution, the refined solution, the
     simulated prediction of the refined assignment)."""
+    graph, cluster = profile(spec, seq), load_cluster(cluster_name)
+    for candidate, problem, solution in _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision):
+        refined = refine_solution(problem, solution, REFINE_BUDGET_S)
+        yield candidate, problem, solution, refined, simulate(graph, cluster, candidate, problem, refined)
+
+
+def _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision):
+    """Per sampled candidate: (candidate, its ILP problem, the ILP's solution)."""
     cluster = load_cluster(cluster_name)
     graph = profile(spec, seq)
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision)
@@ -87,8 +102,7 @@ def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision
     for candidate, _, problem in problems:
         solution = solve_stages(problem)
         assert solution.feasible, candidate.label()
-        refined = refine_solution(problem, solution, REFINE_BUDGET_S)
-        yield candidate, problem, solution, refined, simulate(graph, cluster, candidate, problem, refined)
+        yield candidate, problem, solution
 
 
 def simulate(graph, cluster, candidate, problem, solution):
@@ -104,8 +118,8 @@ def simulate(graph, cluster, candidate, problem, solution):
 def test_the_search_objective_and_memory_equal_the_simulator(case):
     spec, seq, cluster, gpus, global_batch, pins, sample = CASES[case]
     checked = 0
-    for candidate, problem, solution, refined, predicted in _solved(spec, seq, cluster, gpus, global_batch, pins,
-                                                                    sample, PRECISION.get(case, "bf16-mixed")):
+    for candidate, problem, solution, refined, predicted in _refined(spec, seq, cluster, gpus, global_batch, pins,
+                                                                     sample, PRECISION.get(case, "bf16-mixed")):
         assert candidate.precision == PRECISION.get(case, "bf16-mixed")
         # exact linearisation: the evaluated objective is the least the ILP's rows allow for the
         # assignment; an incumbent HiGHS stops at within its MIP gap may leave an auxiliary above
