@@ -62,8 +62,11 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                     m T + (p-1) T / v for balanced interleaved stages (Megatron-LM); the search
                     passes F for torch's interleaved schedule as the simulator plays it
                     (`simulation.factors`); G = 2 (C-1) transfers in fill and drain. For balanced
-                    stages this is the simulated step (tests/planner/search hold the two to 2% on
-                    profiled models); stages that differ, with few micro-batches, it overestimates.
+                    stages this is the simulated step; chunks that differ (interleaved, few
+                    micro-batches, V-shaped) play otherwise, so the search re-scores its best
+                    assignments by the schedule's exact critical path and improves them by moves
+                    along it (`refine`), and tests/planner/search hold that objective to the
+                    simulated step within 2%.
 
 T_max, E_r and Tail are epigraph variables of a minimisation, so the max() terms are exact. With
 `objective="memory"` the same model minimises the peak M instead (M >= M_rk, no limit), which is
