@@ -61,8 +61,10 @@ class CriticalPath:
 
 @dataclass(frozen=True)
 class _Graph:
-    """A schedule's actions in a topological order, with their rank-order and data predecessors."""
+    """A schedule's actions (rank by rank, in each rank's order), a topological order of them,
+    and their rank-order and data predecessors."""
 
+    order: tuple[int, ...]
     rank: tuple[int, ...]
     kind: tuple[int, ...]  # index into "FBIW"
     chunk: tuple[int, ...]
@@ -110,18 +112,11 @@ def _graph(schedule: str, num_stages: int, num_microbatches: int, virtual_stages
         data_prev.append(source)
         remote.append(source >= 0 and rank_of_chunk[other] != rank_of_chunk[chunk])
         releases.append((kind == "B" or kind == "W") and a.microbatch == last_mb)  # one of the two per micro-batch
-    order = _topological(rank_prev, data_prev)
-    position = [0] * len(flat)
-    for k, n in enumerate(order):
-        position[n] = k
-
-    def renumber(values):
-        return tuple(position[v] if v >= 0 else -1 for v in (values[n] for n in order))
-    return _Graph(rank=tuple(rank[n] for n in order), kind=tuple(_KINDS.index(flat[n].kind) for n in order),
-                  chunk=tuple(flat[n].chunk for n in order), microbatch=tuple(flat[n].microbatch for n in order),
-                  rank_prev=renumber(rank_prev), data_prev=renumber(data_prev),
-                  remote=tuple(remote[n] for n in order), releases=tuple(releases[n] for n in order),
-                  last_node=tuple(position[first[r + 1] - 1] for r in range(num_stages)))
+    kinds = [_KINDS.index(a.kind) for a in flat]
+    return _Graph(order=tuple(_topological(rank_prev, data_prev)), rank=tuple(rank), kind=tuple(kinds),
+                  chunk=tuple(a.chunk for a in flat), microbatch=tuple(a.microbatch for a in flat),
+                  rank_prev=tuple(rank_prev), data_prev=tuple(data_prev), remote=tuple(remote),
+                  releases=tuple(releases), last_node=tuple(first[r + 1] - 1 for r in range(num_stages)))
 
 
 def _topological(rank_prev: list[int], data_prev: list[int]) -> list[int]:
@@ -171,7 +166,7 @@ def critical_path(schedule: str, num_stages: int, num_microbatches: int, virtual
     reduce_free = [0.0] * num_stages
     blocked = [0.0] * num_stages
     reduce_s = times.reduce_s
-    for node in range(count):
+    for node in g.order:
         rank, prev, source = g.rank[node], g.rank_prev[node], g.data_prev[node]
         start, why = (end[prev] if prev >= 0 else 0.0), 0
         if blocking and blocked[rank] > start:
@@ -202,6 +197,7 @@ def critical_path(schedule: str, num_stages: int, num_microbatches: int, virtual
 
 @lru_cache(maxsize=64)
 def action_nodes(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int):
-    """(rank, kind, chunk, microbatch) of every action, in the order of `CriticalPath.node_end_s`."""
+    """(rank, kind, chunk, microbatch) of every action, in the order of `CriticalPath.node_end_s`
+    (rank by rank, each in its rank's order)."""
     g = _graph(schedule, num_stages, num_microbatches, virtual_stages)
     return tuple(zip(g.rank, (_KINDS[k] for k in g.kind), g.chunk, g.microbatch))
