@@ -24,6 +24,7 @@ from typing import Callable
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
 from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
+from meshplan.planner.costing.weight_grad import weight_grad_share
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,19 @@ class OptionCost:
     bwd_gather_s: float = 0.0
     fwd_busy_s: float = 0.0
     bwd_busy_s: float = 0.0
+    # The weight-gradient (W) part of the backward, which the zero-bubble schedules run as an
+    # action of its own (`simulation.split_backward`).
+    weight_grad_s: float = 0.0
+    # The tensor-parallel collectives of each pass, which a reduction on NVLink slows (`simulation.contention`).
+    fwd_tp_s: float = 0.0
+    bwd_tp_s: float = 0.0
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "buffer_bytes", "dp_comm_s",
                      "param_gather_s", "optimizer_s", "output_bytes", "comm_s", "fwd_gather_s", "bwd_gather_s",
-                     "fwd_busy_s", "bwd_busy_s"):
+                     "fwd_busy_s", "bwd_busy_s", "weight_grad_s", "fwd_tp_s", "bwd_tp_s"):
             value = getattr(self, name)
             if not value >= 0:  # also rejects NaN
                 raise ValueError(f"option cost {name} must be >= 0, got {value!r}")
@@ -196,7 +203,7 @@ def _type_counts(layer_type: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(counts.items())
 
 
-def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> OptionCost:
+def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1, weight_share: float = 0.0) -> OptionCost:
     """Fold a `planner.costing.layer_cost.LayerCost` into the quantities the ILP uses.
 
     Parameter gathers (ZeRO-3; FSDP2's ZeRO-1/2 forward) are prefetched one layer ahead, so only
@@ -221,7 +228,8 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1) -> Op
         tp=tp, dp=dp,
         comm_s=fwd_comm_s + bwd_comm_s + fwd_gather_s + bwd_gather_s,
         fwd_gather_s=cost.fwd_gather_s, bwd_gather_s=cost.bwd_gather_s,
-        fwd_busy_s=cost.fwd_busy_s, bwd_busy_s=cost.bwd_busy_s)
+        fwd_busy_s=cost.fwd_busy_s, bwd_busy_s=cost.bwd_busy_s, weight_grad_s=weight_share * cost.bwd_compute_s,
+        fwd_tp_s=cost.tp_fwd_comm_s, bwd_tp_s=cost.tp_bwd_comm_s)
 
 
 def _no_worse(a: OptionCost, b: OptionCost) -> bool:
@@ -384,7 +392,8 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
                     run = local if local.recompute == recompute else replace(local, recompute=recompute)
                     cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
                                       attention=graph.attention, holds_shared=holds_shared)
-                    option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp)
+                    share = weight_grad_share(layer, graph.seq, graph.attention)
+                    option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp, share)
                 options.append(option)
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")

@@ -22,6 +22,7 @@ from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.candidates import (MEMORY_MARGIN, WHOLE_MODEL_FAMILIES, Pins, enumerate_candidates,
                                                 usable_memory_bytes)
 from meshplan.planner.search.ilp.formulation import StageSolution
+from meshplan.planner.search.ilp.refine import refine_best
 from meshplan.planner.search.infeasible import infeasible_message
 from meshplan.planner.search.solving import Solved, tick, build_problems, solve_candidates
 
@@ -118,6 +119,7 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
         raise MeshplanError(infeasible_message(graph, cluster, gpus, global_batch, precision, pins,
                                                candidates, max_mbs))
     feasible = _polish(feasible, num_keep, {s.candidate: s.problem for s in solved if s.problem is not None}, workers)
+    feasible = refine_best(feasible, num_keep, budget_s=time_limit_s / 5)  # the exact step of each, improved
     ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision,
                            more=lambda: _solve_more(solved, problems, num_keep, workers))
     ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision)

@@ -14,7 +14,7 @@ from meshplan.planner.costing.uniform import strategy_for
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
 from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_pp, stream_bytes
-from meshplan.planner.simulation.split_backward import model_weight_share
+from meshplan.planner.costing.weight_grad import model_weight_share
 from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
 from meshplan.planner.search.candidates import divisors
 from meshplan.planner.search.pool import worker_pool
@@ -322,9 +322,9 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         dp_link, pp_link = stream_links(candidate, cluster.gpus_per_node)
 
         def make_floor(strategy=strategy, shape=shape, grad_sync=grad_sync,
-                       shares=bool(pp_link) and dp_link == pp_link):
+                       shares=bool(pp_link) and dp_link == pp_link, dp_link=dp_link):
             return StageProblem(late[strategy], shape, mem_limit_bytes=limit, time_limit_s=time_limit_s,
-                                grad_sync=grad_sync, dp_shares_pp_link=shares)
+                                grad_sync=grad_sync, dp_shares_pp_link=shares, dp_link=dp_link)
 
         tables.strategy_of[candidate] = strategy
         if strategy in sibling_of:  # its table waits: the ZeRO-1 sibling's compute bounds it

@@ -1,2 +1,2 @@
-"""One training step played as events (`simulator`, `engine`, `schedules`), and `estimate` of one
+"""One training step played as events (`simulator`, `step_costs`, `event_engine`, `schedules`), and `estimate` of one
 hand-written configuration on it (`estimator`)."""

@@ -23,7 +23,7 @@ from meshplan.planner.costing.state_memory import executed_zero, grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
 from meshplan.planner.simulation.event_engine import simulate_step
 from meshplan.planner.simulation.step_costs import StepCosts
-from meshplan.planner.simulation.split_backward import weight_grad_share
+from meshplan.planner.costing.weight_grad import weight_grad_share
 
 STREAMS = ("compute", "tp", "cp", "ep", "p2p", "dp")
 

@@ -6,6 +6,7 @@ two). `pipeline_factor` is the simulated step factor of a schedule. `heuristic_s
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -153,10 +154,22 @@ def pass_gather_s(table: CostTable, chunk_of_layer, option_of_layer,
     return fwd, bwd
 
 
-def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
-    """(objective_s, chunk_time_s, rank_mem_bytes) of one assignment, by the formulas above.
+@dataclass(frozen=True)
+class RankSums:
+    """Per-chunk and per-rank sums of an assignment that the objective's rows read."""
 
-    `peaks`: `live_vectors` of every rank, if already computed."""
+    chunk_time_s: tuple[float, ...]  # t_c: forward + backward of one micro-batch, heads and fixed work in
+    rank_time_s: tuple[float, ...]  # T_r
+    grad_comm_s: tuple[float, ...]  # D_r
+    fwd_s: tuple[float, ...]  # F_r (heads in)
+    bwd_s: tuple[float, ...]  # B_r (heads in)
+    after_s: tuple[float, ...]  # Q_r: optimizer and parameter gathers
+    never_hidden_s: tuple[float, ...]  # the reduction of the rank's first layer
+    slowest_s: float  # T_max
+
+
+def rank_sums(problem: StageProblem, chunk_of_layer, option_of_layer) -> RankSums:
+    """The sums of `evaluate_assignment`'s formulas for one assignment."""
     table, shape = problem.table, problem.shape
     pp, num_chunks = shape.num_stages, shape.num_chunks
     chunk_time = chunk_fixed_s(table, num_chunks)
@@ -177,15 +190,32 @@ def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, 
     first = [chunk_of_layer.index(r) for r in range(pp)]  # a rank's first layer: its last gradients
     never_hidden = [table.option(first[r], option_of_layer[first[r]]).dp_comm_s for r in range(pp)]
     slowest = _slowest_rank_s(problem, chunk_of_layer, option_of_layer, chunk_time, rank_time)
-    exposed = [rank_tail_s(problem, r, exposed_dp_s(problem.grad_sync, grad_comm[r], never_hidden[r], fwd[r],
-                                                    bwd[r], reduction_windows(shape, r),
-                                                    reduction_contention_s(problem, r), slowest - rank_time[r]),
-                           bwd[r], tail[r])
-               for r in range(pp)]
+    return RankSums(tuple(chunk_time), tuple(rank_time), tuple(grad_comm), tuple(fwd), tuple(bwd), tuple(tail),
+                    tuple(never_hidden), slowest)
+
+
+def exposed_rank_s(problem: StageProblem, sums: RankSums, rank: int) -> float:
+    """E_r: rank r's reduction that its compute does not hide, counted from the pipeline's end
+    (pipelined ZeRO-2/3: from the rank's own end, `rank_tail_s`)."""
+    r = rank
+    return exposed_dp_s(problem.grad_sync, sums.grad_comm_s[r], sums.never_hidden_s[r], sums.fwd_s[r],
+                        sums.bwd_s[r], reduction_windows(problem.shape, r), reduction_contention_s(problem, r),
+                        sums.slowest_s - sums.rank_time_s[r])
+
+
+def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
+    """(objective_s, chunk_time_s, rank_mem_bytes) of one assignment, by the formulas above.
+
+    `peaks`: `live_vectors` of every rank, if already computed."""
+    table, shape = problem.table, problem.shape
+    sums = rank_sums(problem, chunk_of_layer, option_of_layer)
+    exposed = [rank_tail_s(problem, r, exposed_rank_s(problem, sums, r), sums.bwd_s[r], sums.after_s[r])
+               for r in range(shape.num_stages)]
     slowest_weight, sum_weight = shape.weights
-    objective = (slowest_weight * slowest + sum_weight * sum(rank_time) + shape.transfers_on_path * table.p2p_s
-                 + max(exposed))
-    return objective, tuple(chunk_time), memory_of_assignment(problem, chunk_of_layer, option_of_layer, peaks)
+    objective = (slowest_weight * sums.slowest_s + sum_weight * sum(sums.rank_time_s)
+                 + shape.transfers_on_path * table.p2p_s + max(exposed))
+    return (objective, sums.chunk_time_s,
+            memory_of_assignment(problem, chunk_of_layer, option_of_layer, peaks))
 
 
 def _slowest_rank_s(problem: StageProblem, chunk_of_layer, option_of_layer, chunk_time, rank_time) -> float:

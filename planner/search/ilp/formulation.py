@@ -62,8 +62,11 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                     m T + (p-1) T / v for balanced interleaved stages (Megatron-LM); the search
                     passes F for torch's interleaved schedule as the simulator plays it
                     (`simulation.factors`); G = 2 (C-1) transfers in fill and drain. For balanced
-                    stages this is the simulated step (tests/planner/search hold the two to 2% on
-                    profiled models); stages that differ, with few micro-batches, it overestimates.
+                    stages this is the simulated step; chunks that differ (interleaved, few
+                    micro-batches, V-shaped) play otherwise, so the search re-scores its best
+                    assignments by the schedule's exact critical path and improves them by moves
+                    along it (`refine`), and tests/planner/search hold that objective to the
+                    simulated step within 2%.
 
 T_max, E_r and Tail are epigraph variables of a minimisation, so the max() terms are exact. With
 `objective="memory"` the same model minimises the peak M instead (M >= M_rk, no limit), which is
@@ -156,6 +159,9 @@ class StageProblem:
     grad_sync: str = "overlap"
     # The reduction's link is the one the boundary transfers use (they share it: `simulation.contention`).
     dp_shares_pp_link: bool = False
+    # The link the reduction leaves a GPU on ("nvlink", "nic", "" for none): on NVLink it slows the
+    # tensor-parallel collectives (`simulation.contention`), which the exact step charges (`refine`).
+    dp_link: str = ""
     backend: str = "highs"  # "highs" or "cbc"
     # Stop when the incumbent is proven within this fraction of optimal. Near-equal stage
     # balances make proving the last 0.1% slow on long interleaved pipelines, and the simulator
@@ -170,6 +176,8 @@ class StageProblem:
             raise ValueError(f"objective must be 'time' or 'memory', got {self.objective!r}")
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {self.grad_sync!r}")
+        if self.dp_link not in ("", "nvlink", "nic"):
+            raise ValueError(f"dp_link must be 'nvlink', 'nic' or '', got {self.dp_link!r}")
         if self.formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}, got {self.formulation!r}")
         if self.shape.num_chunks > self.table.num_layers:
