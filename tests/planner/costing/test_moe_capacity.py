@@ -117,8 +117,8 @@ def test_plan_cli_records_the_capacity_factor(run_cli, tmp_path):
 
 @pytest.mark.timeout(600)
 def test_ilp_objective_equals_the_simulator_with_a_capacity_factor(monkeypatch):
-    """The moe-ep-1f1b case of test_ilp_vs_simulator, skewed and capped: the ILP reads the same load
-    factor the simulator does."""
+    """The moe-ep-1f1b case of test_ilp_vs_simulator, skewed and capped: the search (the ILP and its
+    exact re-scoring) reads the same load factor the simulator does."""
     from meshplan.planner.profiling.profiler import profile
     from tests.planner.search import test_ilp_vs_simulator as agreement
 
@@ -126,7 +126,8 @@ def test_ilp_objective_equals_the_simulator_with_a_capacity_factor(monkeypatch):
     graph = profile(spec, seq, moe_imbalance=1.5, moe_capacity_factor=1.2)
     monkeypatch.setattr(agreement, "profile", lambda *args, **kwargs: graph)
     checked = 0
-    for candidate, solution, predicted in agreement._solved(spec, seq, cluster, gpus, global_batch, pins, sample):
+    for candidate, _, _, solution, predicted in agreement._refined(spec, seq, cluster, gpus, global_batch, pins,
+                                                                   sample):
         assert solution.objective_s == pytest.approx(predicted.step_time_s, rel=agreement.TIME_TOL), candidate.label()
         for ilp_bytes, simulated in zip(solution.rank_mem_bytes, predicted.memory):
             assert ilp_bytes == pytest.approx(simulated.total, rel=agreement.MEMORY_TOL), candidate.label()

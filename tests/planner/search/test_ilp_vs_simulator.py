@@ -76,13 +76,6 @@ CASES["moe-ep-dp"] = (MOE_SPEC, 2048, "h100-sxm", 32, 256, Pins(ep=8, pp=1), 4) 
 PRECISION = {"llama3-70b-fp8-1f1b": "fp8", "llama3-70b-fp8-zero0-3": "fp8"}  # others: bf16-mixed
 
 
-def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed"):
-    """Per sampled candidate: (candidate, the ILP's solution, the simulated prediction of its assignment)."""
-    graph, cluster = profile(spec, seq), load_cluster(cluster_name)
-    for candidate, problem, solution in _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision):
-        yield candidate, solution, simulate(graph, cluster, candidate, problem, solution)
-
-
 def _refined(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed"):
     """Per sampled candidate: (candidate, problem, the ILP's solution, the refined solution, the
     simulated prediction of the refined assignment)."""
