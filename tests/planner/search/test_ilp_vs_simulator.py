@@ -23,7 +23,7 @@ from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search.candidates import Pins, enumerate_candidates
 from meshplan.planner.search.ilp.formulation import solve_stages
-from meshplan.planner.search.solving import build_problems
+from meshplan.planner.search.problems import build_problems
 from meshplan.planner.simulation.simulator import simulate_config
 
 TIME_TOL, MEMORY_TOL = 0.02, 0.01
@@ -67,7 +67,7 @@ def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision)
     candidates = candidates[::max(1, len(candidates) // sample)][:sample]
     problems, _, _ = build_problems(graph, cluster, candidates, global_batch, precision, pins, UNLIMITED, False, 10.0)
-    for candidate, _, problem in problems:
+    for candidate, problem in ((item.candidate, item.exact_problem()) for item in problems):
         solution = solve_stages(problem)
         assert solution.feasible, candidate.label()
         recompute = tuple(problem.table.option(layer, index).recompute
@@ -108,8 +108,9 @@ def test_the_old_boundary_rule_breaks_agreement():
     cluster = load_cluster(cluster_name)
     graph = profile(spec, seq)
     candidate = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, "bf16-mixed")[0]
-    (_, _, problem), = build_problems(graph, cluster, [candidate], global_batch, "bf16-mixed", pins, UNLIMITED,
-                                      False, 10.0)[0]
+    (pending,) = build_problems(graph, cluster, [candidate], global_batch, "bf16-mixed", pins, UNLIMITED, False,
+                                10.0)[0]
+    problem = pending.exact_problem()
     logits = max(o.output_bytes for t in problem.table.types for o in t.options)
     old = replace(problem, table=replace(problem.table, p2p_s=p2p_time_s(logits, candidate, cluster)))
     solution = solve_stages(old)

@@ -8,7 +8,7 @@ from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.pipeline import strategy_for
 from meshplan.planner.costing.tables import build_cost_table
 from meshplan.planner.profiling.profiler import profile
-from meshplan.planner.search import solving
+from meshplan.planner.search import table_cache
 from meshplan.planner.search.candidates import Pins, enumerate_candidates
 
 # a small mixture of experts with a leading dense block: dense layers, MoE blocks, every EP
@@ -34,9 +34,9 @@ def test_shared_option_costs_change_no_table():
 
 def test_tables_built_over_the_pool_are_the_same(monkeypatch):
     cluster, graph, candidates = _case()
-    monkeypatch.setattr(solving, "PARALLEL_TABLES_MIN", 1)
+    monkeypatch.setattr(table_cache, "PARALLEL_TABLES_MIN", 1)
     strategies = [strategy_for(c) for c in candidates]
-    tables = solving._build_tables(graph, cluster, candidates, strategies, RECOMPUTE, False, 2)
+    tables = table_cache.build_tables(graph, cluster, candidates, strategies, RECOMPUTE, False, 2)
     assert set(tables) == set(strategies)
     for strategy, table in tables.items():
         assert table == build_cost_table(graph, cluster, strategy)
