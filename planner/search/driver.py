@@ -2,11 +2,12 @@
 
 1. Enumerate the uniform choices of the executable plan space (`candidates.enumerate_candidates`);
    pins fix any of them.
-2. Build each candidate's cost table (`planner.costing.tables`) and a lower bound on its ILP
-   objective from compute alone (perfectly balanced stages with every layer at its fastest
-   option) (`problems`, `table_cache`). Candidates are solved in order of that bound, in batches over a process pool; before
-   each batch, every candidate whose bound cannot beat the `num_rerank`-th best objective found so
-   far is pruned without building its ILP (`solving`). Batches keep the result independent of timing.
+2. Build each candidate's cost table (`planner.costing.tables`, `table_cache`) and a lower bound
+   on its ILP objective from compute alone (perfectly balanced stages with every layer at its
+   fastest option) (`problems`). Candidates are solved in order of that bound, in batches over a
+   process pool; before each batch, every candidate whose bound cannot beat the `num_rerank`-th
+   best objective found so far is pruned without building its ILP (`solving`). Batches keep the
+   result independent of timing.
 3. The best `num_rerank` solutions are re-ranked by the simulator (`planner.simulation.simulator`); the
    winner is the fastest simulated plan that fits, the runners-up become the plan's alternatives.
 
@@ -161,7 +162,8 @@ def _rank_fitting(graph, request: PlanRequest, feasible: list[Solved], tables, m
             if not extra:
                 break
             feasible = feasible + extra
-        ranked += [_simulate(graph, cluster, s, tables.table_for(s.candidate)) for s in feasible[start:start + num_keep]]
+        ranked += [_simulate(graph, cluster, s, tables.table_for(s.candidate))
+                   for s in feasible[start:start + num_keep]]
         start += num_keep
         if any(r.prediction.fits for r in ranked):
             break
