@@ -67,7 +67,8 @@ def _solved(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision)
     candidates = candidates[::max(1, len(candidates) // sample)][:sample]
     problems, _, _ = build_problems(graph, cluster, candidates, global_batch, precision, pins, UNLIMITED, False, 10.0)
-    for candidate, problem in ((item.candidate, item.exact_problem()) for item in problems):
+    for item in problems:
+        candidate, problem = item.candidate, item.exact_problem()
         solution = solve_stages(problem)
         assert solution.feasible, candidate.label()
         recompute = tuple(problem.table.option(layer, index).recompute
