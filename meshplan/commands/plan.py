@@ -48,9 +48,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.plan import save_plan
-    from meshplan.planner.search.driver import search_plan as plan
+    from meshplan.planner.search.driver import search
+    from meshplan.planner.search.request import PlanRequest
 
     if args.train_tokens is not None and args.train_tokens <= 0:
         raise MeshplanError(f"--train-tokens must be positive, got {args.train_tokens}")
@@ -66,12 +69,15 @@ def run(args) -> int:
     if notes:
         print("\n".join(notes), file=sys.stderr)
 
+    request = PlanRequest.of(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
+                             precision=args.precision, attention=args.attention, layerwise=args.layerwise,
+                             time_limit_s=args.time_limit, seed=args.seed, moe_imbalance=args.moe_imbalance,
+                             moe_capacity_factor=args.moe_capacity_factor,
+                             moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+                             memory_headroom_bytes=args.memory_headroom * GIB, **pins)
+
     def plan_at(gpus: int, progress: bool = False):
-        return plan(args.model, args.cluster, gpus, args.gbs, args.seq, top_k=args.top,
-                    precision=args.precision, attention=args.attention, layerwise=args.layerwise,
-                    time_limit_s=args.time_limit, seed=args.seed, progress=progress,
-                    moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
-                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, memory_headroom_bytes=args.memory_headroom * GIB, **pins)
+        return search(replace(request, gpus=gpus), progress=progress)
 
     result = plan_at(args.gpus, progress=not args.json)
     sized, sizing_lines = None, []

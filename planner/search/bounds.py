@@ -49,10 +49,6 @@ def step_factor_floor(schedule: str, num_stages: int, num_microbatches: int, vir
     return max(m + (p - 1) / (3.0 * v), p / v)
 
 
-def _type_counts(table) -> dict[int, int]:
-    return dict(table.type_counts)
-
-
 def average_tail_s(table, pp: int, grad_sync: str = "overlap") -> float:
     """The tail is at least the average per-rank optimizer + gather time plus the fixed work, and
     with a blocking reduction after each chunk (grad_sync "after_chunk") the whole reduction too."""

@@ -2,13 +2,17 @@
 
 1. Enumerate the uniform choices of the executable plan space (`candidates.enumerate_candidates`);
    pins fix any of them.
-2. Build each candidate's cost table (`planner.costing.tables`) and a lower bound on its ILP
-   objective from compute alone (perfectly balanced stages with every layer at its fastest
-   option) (`solving`). Candidates are solved in order of that bound, in batches over a process pool; before
-   each batch, every candidate whose bound cannot beat the `num_rerank`-th best objective found so
-   far is pruned without building its ILP. Batches keep the result independent of timing.
+2. Build each candidate's cost table (`planner.costing.tables`, `table_cache`) and a lower bound
+   on its ILP objective from compute alone (perfectly balanced stages with every layer at its
+   fastest option) (`problems`). Candidates are solved in order of that bound, in batches over a
+   process pool; before each batch, every candidate whose bound cannot beat the `num_rerank`-th
+   best objective found so far is pruned without building its ILP (`solving`). Batches keep the
+   result independent of timing.
 3. The best `num_rerank` solutions are re-ranked by the simulator (`planner.simulation.simulator`); the
    winner is the fastest simulated plan that fits, the runners-up become the plan's alternatives.
+
+`search(request)` runs it for a `request.PlanRequest`; `search_plan(spec, cluster, gpus, ...)`
+builds the request from keywords.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ from meshplan.planner.search.candidates import (MEMORY_MARGIN, WHOLE_MODEL_FAMIL
 from meshplan.planner.search.ilp.formulation import StageSolution
 from meshplan.planner.search.ilp.refine import refine_best
 from meshplan.planner.search.infeasible import infeasible_message
-from meshplan.planner.search.solving import Solved, tick, build_problems, solve_candidates
+from meshplan.planner.search.problems import build_problems
+from meshplan.planner.search.request import PlanRequest
+from meshplan.planner.search.solving import Ready, Solved, tick, solve_candidates
 
 # Time-limited solves among the re-ranked candidates, if further than this from optimal, get
 # this many times the limit once more.
@@ -62,53 +68,43 @@ def _check_executor_pins(graph, pins: Pins) -> None:
                                 f"shards); drop --{name} or use --{name} 1")
 
 
-def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, pins: Pins | None = None,
-                top_k: int = 5, precision: str | None = None, dtype: str | None = None, attention: str = "flash",
-                layerwise: bool = False, time_limit_s: float = 2.5, seed: int = 0, workers: int = 2,
-                num_rerank: int | None = None, max_mbs: int = 16, progress=False, graph=None,
-                moe_imbalance: float = 1.0, memory_headroom_bytes: float = 0.0,
-                moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False, **pin_kwargs):
-    """The fastest plan that fits; see the module docstring. Pins may be given as keywords.
+def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = None, *, progress=False,
+                graph=None, **options):
+    """The fastest plan that fits: `search` of `PlanRequest.of(spec, cluster, gpus, global_batch,
+    seq, **options)` (the request's other fields, and pins, by name: `top_k=3, tp=8`)."""
+    return search(PlanRequest.of(spec, cluster, gpus, global_batch, seq, **options), progress=progress, graph=graph)
+
+
+def search(request: PlanRequest, *, progress=False, graph=None):
+    """The fastest plan that fits; see the module docstring. `graph`: the model's profile, when
+    the caller has it already.
 
     `progress`: False, True (a bar on stderr when it is a terminal) or fn(done, total) per candidate.
-    `memory_headroom_bytes`: memory each GPU keeps free beyond the profile's `reserved_memory_bytes`.
     """
-    from meshplan.planner.simulation.estimator import DEFAULT_SEQ, default_precision
-    from meshplan.planner.models.registry import default_seq
-    from meshplan.planner.costing.fp8 import check_fp8_supported
-    from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.search.assembly import build_plan
 
     started = time.perf_counter()
-    if isinstance(cluster, str):
-        cluster = load_cluster(cluster)
-    cluster = with_memory_headroom(cluster, memory_headroom_bytes)
-    pins = pins or Pins(**pin_kwargs)
-    _check_request(cluster, gpus, global_batch, top_k)
-    precision = precision or default_precision(cluster)  # fp8 only when asked: it changes numerics
-    check_fp8_supported(cluster, precision)
+    cluster, pins = request.planning_cluster, request.pins
     if graph is None:
-        from meshplan.planner.profiling.profiler import profile
-        dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
-        graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype, attention=attention,
-                        moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
-                        moe_pad_to_capacity=moe_pad_to_capacity)
+        graph = _profile(request)
     _check_executor_pins(graph, pins)
     _check_expert_pin(graph, pins)
-    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, max_mbs, precision)
+    candidates = enumerate_candidates(graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs,
+                                      request.precision)
     if not candidates:
-        raise MeshplanError(_no_candidate_message(graph, cluster, gpus, global_batch, pins))
+        raise MeshplanError(_no_candidate_message(graph, request))
     # The ILP plans against a hair less than the usable memory, so the simulator's replay of the
     # same plan (its own rounding of buffers and timing) still fits.
     limit = usable_memory_bytes(cluster) * (1 - MEMORY_MARGIN)
-    problems, memory_pruned, tables = build_problems(graph, cluster, candidates, global_batch, precision, pins,
-                                                     limit, layerwise, time_limit_s, workers=workers)
-    num_keep = num_rerank or max(2 * top_k, 6)
+    problems, memory_pruned, tables = build_problems(graph, cluster, candidates, request.global_batch,
+                                                     request.precision, pins, limit, request.layerwise,
+                                                     request.time_limit_s, workers=request.workers)
+    num_keep = request.num_keep
     bar = _progress_bar(len(candidates), progress)
     for _ in memory_pruned:
         tick(bar)
     try:
-        solved = solve_candidates(problems, num_keep=num_keep, workers=workers, progress=bar)
+        solved = solve_candidates(problems, num_keep=num_keep, workers=request.workers, progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -116,34 +112,50 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     feasible = sorted((s for s in solved if s.solution is not None and s.solution.feasible),
                       key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
     if not feasible:
-        raise MeshplanError(infeasible_message(graph, cluster, gpus, global_batch, precision, pins,
-                                               candidates, max_mbs))
-    feasible = _polish(feasible, num_keep, {s.candidate: s.problem for s in solved if s.problem is not None}, workers)
-    feasible = refine_best(feasible, num_keep, budget_s=time_limit_s / 5)  # the exact step of each, improved
-    ranked = _rank_fitting(graph, cluster, feasible, tables, num_keep, gpus, global_batch, precision,
-                           more=lambda: _solve_more(solved, problems, num_keep, workers))
-    ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables, gpus, global_batch, precision)
-    stats = {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
-             "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
-             "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
-             "num_pruned_memory_bound": sum(s.pruned == "memory_bound" for s in solved),
-             "num_pruned_expert_degree": sum(s.pruned == "expert_degree" for s in solved),
-             "num_cutoff": sum(s.solution is not None and s.solution.status == "cutoff" for s in solved),
-             "num_infeasible": sum(s.solution is not None and s.solution.status == "infeasible" for s in solved),
-             "max_gap": max(s.solution.gap for s in feasible[:num_keep]),
-             **({"ep_rival": ep_rival} if ep_rival else {}),
+        raise MeshplanError(infeasible_message(graph, request, candidates))
+    feasible = _polish(feasible, request, {s.candidate: s.problem for s in solved if s.problem is not None})
+    feasible = refine_best(feasible, num_keep, budget_s=request.time_limit_s / 5)  # the exact step of each, improved
+    ranked = _rank_fitting(graph, request, feasible, tables, more=lambda: _solve_more(solved, problems, request))
+    ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables)
+    stats = {**_search_stats(candidates, solved, feasible[:num_keep]), **({"ep_rival": ep_rival} if ep_rival else {}),
              "search_time_s": time.perf_counter() - started,
-             **({"memory_headroom_bytes": memory_headroom_bytes} if memory_headroom_bytes else {})}
-    return build_plan(graph, cluster, ranked[:top_k], stats, seed=seed, layerwise=layerwise, limit_bytes=limit)
+             **({"memory_headroom_bytes": request.memory_headroom_bytes} if request.memory_headroom_bytes else {})}
+    return build_plan(graph, cluster, ranked[:request.top_k], stats, seed=request.seed, layerwise=request.layerwise,
+                      limit_bytes=limit)
 
 
-def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int, gpus, global_batch,
-                  precision, more=None) -> list[Ranked]:
+def _profile(request: PlanRequest):
+    """The request's model profiled at its sequence length (the model's default when none)."""
+    from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.simulation.estimator import DEFAULT_SEQ
+
+    dtype = request.dtype or ("fp32" if request.precision == "fp32" else "bf16")
+    seq = default_seq(request.spec, DEFAULT_SEQ) if request.seq is None else request.seq
+    return profile(request.spec, seq, batch=1, dtype=dtype, attention=request.attention,
+                   moe_imbalance=request.moe_imbalance, moe_capacity_factor=request.moe_capacity_factor,
+                   moe_pad_to_capacity=request.moe_pad_to_capacity)
+
+
+def _search_stats(candidates, solved: list[Solved], reranked: list[Solved]) -> dict:
+    """The plan's solver counts: how each candidate left the search, and the re-ranked ones' largest gap."""
+    return {"num_candidates": len(candidates), "num_solved": sum(s.solution is not None for s in solved),
+            "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
+            "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
+            "num_pruned_memory_bound": sum(s.pruned == "memory_bound" for s in solved),
+            "num_pruned_expert_degree": sum(s.pruned == "expert_degree" for s in solved),
+            "num_cutoff": sum(s.solution is not None and s.solution.status == "cutoff" for s in solved),
+            "num_infeasible": sum(s.solution is not None and s.solution.status == "infeasible" for s in solved),
+            "max_gap": max(s.solution.gap for s in reranked)}
+
+
+def _rank_fitting(graph, request: PlanRequest, feasible: list[Solved], tables, more=None) -> list[Ranked]:
     """Simulate the best solutions in ILP order and rank them, fitting ones first by simulated step
     time. A plan is only written if the simulator says it fits: while none of the simulated ones
     does, the next `num_keep` are simulated too, and once the solved ones run out `more()` solves
     the next best of the candidates pruned so far; if none fits at all, the request is refused,
     naming the binding limit."""
+    cluster, num_keep = request.planning_cluster, request.num_keep
     ranked: list[Ranked] = []
     start = 0
     while True:
@@ -152,7 +164,7 @@ def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int,
             if not extra:
                 break
             feasible = feasible + extra
-        ranked += [_simulate(graph, cluster, s, tables[s.candidate], gpus, global_batch, precision)
+        ranked += [_simulate(graph, cluster, s, tables.table_for(s.candidate))
                    for s in feasible[start:start + num_keep]]
         start += num_keep
         if any(r.prediction.fits for r in ranked):
@@ -170,18 +182,19 @@ def _rank_fitting(graph, cluster, feasible: list[Solved], tables, num_keep: int,
     return ranked
 
 
-def _solve_more(solved: list[Solved], problems: list, num_keep: int, workers: int) -> list[Solved]:
+def _solve_more(solved: list[Solved], problems: list, request: PlanRequest) -> list[Solved]:
     """The next best solutions when none of those solved fits when simulated: the candidates that
     were pruned against the best objectives (a bound or the ILP's cutoff, not a memory proof) are
     searched again, pruned against their own `num_keep`-th best. `solved` is updated in place;
     returns the new feasible solutions in ILP order."""
-    pending = {item[0]: item for item in problems}
+    pending = {item.candidate: item for item in problems}
     again = [index for index, s in enumerate(solved)
              if s.candidate in pending and (s.pruned in ("bound", "memory_bound")
                                            or (s.solution is not None and s.solution.status == "cutoff"))]
     if not again:
         return []
-    new = solve_candidates([pending[solved[index].candidate] for index in again], num_keep=num_keep, workers=workers)
+    new = solve_candidates([pending[solved[index].candidate] for index in again], num_keep=request.num_keep,
+                           workers=request.workers)
     by_candidate = {s.candidate: s for s in new}
     for index in again:
         solved[index] = by_candidate[solved[index].candidate]
@@ -189,16 +202,17 @@ def _solve_more(solved: list[Solved], problems: list, num_keep: int, workers: in
                   key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
 
 
-def _polish(feasible: list[Solved], num_keep: int, problems: dict, workers: int) -> list[Solved]:
+def _polish(feasible: list[Solved], request: PlanRequest, problems: dict) -> list[Solved]:
     """Re-solve the candidates that will be re-ranked but stopped at the time limit further than
     POLISH_GAP from optimal, with POLISH_FACTOR times the limit and no cutoff."""
-    stopped = [s for s in feasible[:num_keep] if s.solution.status == "time_limit" and s.solution.gap > POLISH_GAP]
+    stopped = [s for s in feasible[:request.num_keep]
+               if s.solution.status == "time_limit" and s.solution.gap > POLISH_GAP]
     if not stopped:
         return feasible
-    again = [(s.candidate, s.lower_bound_s,
-              replace(problems[s.candidate], time_limit_s=problems[s.candidate].time_limit_s * POLISH_FACTOR))
+    again = [Ready(s.candidate, s.lower_bound_s,
+                   replace(problems[s.candidate], time_limit_s=problems[s.candidate].time_limit_s * POLISH_FACTOR))
              for s in stopped]
-    better = {s.candidate: s for s in solve_candidates(again, num_keep=len(again) + 1, workers=workers)}
+    better = {s.candidate: s for s in solve_candidates(again, num_keep=len(again) + 1, workers=request.workers)}
     out = []
     for item in feasible:
         new = better.get(item.candidate)
@@ -207,33 +221,11 @@ def _polish(feasible: list[Solved], num_keep: int, problems: dict, workers: int)
     return sorted(out, key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
 
 
-def with_memory_headroom(cluster, headroom_bytes: float):
-    """The cluster with `headroom_bytes` more reserved per GPU: the search, the simulator's fit check
-    and the plan's embedded profile then all plan against what is left."""
-    if not headroom_bytes:
-        return cluster
-    usable = cluster.device.usable_memory_bytes
-    if not 0 < headroom_bytes < usable:
-        raise MeshplanError(f"--memory-headroom must be between 0 and the {usable / 2**30:.2f} GiB usable per GPU "
-                            f"on {cluster.device.name}, got {headroom_bytes / 2**30:.3g} GiB")
-    device = replace(cluster.device, reserved_memory_bytes=cluster.device.reserved_memory_bytes + headroom_bytes)
-    return replace(cluster, device=device)
-
-
-def _check_request(cluster, gpus: int, global_batch: int, top_k: int) -> None:
-    for name, value in (("--gpus", gpus), ("--gbs", global_batch), ("--top", top_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise MeshplanError(f"{name} must be a positive integer, got {value!r}")
-    capacity = cluster.gpus_per_node * cluster.max_nodes
-    if gpus > capacity:
-        raise MeshplanError(f"--gpus {gpus} exceeds the {capacity} GPUs of cluster {cluster.name!r} "
-                            f"({cluster.max_nodes} nodes x {cluster.gpus_per_node}); use at most {capacity}")
-
-
-def _no_candidate_message(graph, cluster, gpus, global_batch, pins: Pins) -> str:
-    return (f"no parallel configuration of {gpus} GPUs matches global batch {global_batch}, "
-            f"{len(graph.layers)} layers, {cluster.gpus_per_node} GPUs per node and the pins "
-            f"{ {k: v for k, v in vars(pins).items() if v is not None} }: tp must divide the heads and "
+def _no_candidate_message(graph, request: PlanRequest) -> str:
+    pins = {k: v for k, v in vars(request.pins).items() if v is not None}
+    return (f"no parallel configuration of {request.gpus} GPUs matches global batch {request.global_batch}, "
+            f"{len(graph.layers)} layers, {request.cluster.gpus_per_node} GPUs per node and the pins "
+            f"{pins}: tp must divide the heads and "
             f"stay inside a node, pp <= layers, dp must divide the batch and micro-batches >= pp, and "
             f"ZeRO-2/3 do not combine with pp > 1 and dp > 1 (torch's pipeline schedules run them as "
             f"ZeRO-1); relax a pin or change --gpus/--gbs")
@@ -250,8 +242,7 @@ def _check_expert_pin(graph, pins: Pins) -> None:
             raise MeshplanError(f"--ep {pins.ep}: {exc}") from None
 
 
-def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tables, gpus, global_batch,
-              precision) -> dict | None:
+def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tables) -> dict | None:
     """For a mixture of experts: the best fitting plan with another EP degree than the winner's
     (simulated already, or the ILP's best of the other degrees that were solved), for the plan's
     explanation."""
@@ -263,7 +254,7 @@ def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tabl
     if rival is None:
         other = next((s for s in feasible if s.candidate.ep != ep), None)
         if other is not None:
-            rival = _simulate(graph, cluster, other, tables[other.candidate], gpus, global_batch, precision)
+            rival = _simulate(graph, cluster, other, tables.table_for(other.candidate))
         elif ep > 1:  # no other degree was solved (pruned by bound): the winner's own layout at ep 1
             rival = replace(ranked[0], config=replace(ranked[0].config, ep=1), prediction=_at_expert_degree(
                 graph, cluster, ranked[0], 1))
@@ -294,7 +285,7 @@ def _progress_bar(total: int, progress):
     return progress_reporter(progress, total, "meshplan plan", "candidate")
 
 
-def _simulate(graph, cluster, solved: Solved, table: CostTable, gpus, global_batch, precision) -> Ranked:
+def _simulate(graph, cluster, solved: Solved, table: CostTable) -> Ranked:
     from meshplan.planner.simulation.simulator import simulate_config
 
     solution = solved.solution

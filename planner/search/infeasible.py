@@ -7,7 +7,9 @@ from dataclasses import replace
 
 from meshplan.planner.search.candidates import enumerate_candidates, usable_memory_bytes
 from meshplan.planner.search.candidates import MEMORY_MARGIN
-from meshplan.planner.search.solving import build_problems, solve_candidates
+from meshplan.planner.search.problems import build_problems
+from meshplan.planner.search.request import PlanRequest
+from meshplan.planner.search.solving import Ready, solve_candidates
 
 
 def min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins, workers=1) -> float:
@@ -25,14 +27,18 @@ def min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins, 
                 lean[key] = c
     chosen = sorted(lean.values(), key=lambda c: c.sort_key)
     problems, _, _ = build_problems(graph, cluster, chosen, global_batch, precision, pins, math.inf, False, 20.0)
-    problems = [(c, b, replace(p, objective="memory", mem_limit_bytes=None)) for c, b, p in problems]
+    problems = [Ready(p.candidate, p.bound_s, replace(p.exact_problem(), objective="memory", mem_limit_bytes=None))
+                for p in problems]
     solved = solve_candidates(problems, num_keep=len(problems) + 1, workers=workers)
     peaks = [s.solution.objective_s for s in solved if s.solution is not None and s.solution.feasible]
     return min(peaks) if peaks else math.inf
 
 
 
-def infeasible_message(graph, cluster, gpus, global_batch, precision, pins, candidates, max_mbs) -> str:
+def infeasible_message(graph, request: PlanRequest, candidates) -> str:
+    """Why no candidate of `request` fits (`request.PlanRequest`), and what would."""
+    cluster, gpus, global_batch = request.planning_cluster, request.gpus, request.global_batch
+    precision, pins = request.precision, request.pins
     limit = usable_memory_bytes(cluster)
     reserved = cluster.device.reserved_memory_bytes
     need = min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins)
@@ -44,7 +50,7 @@ def infeasible_message(graph, cluster, gpus, global_batch, precision, pins, cand
         # Rounded up, so the figure printed is itself enough.
         text += (f"; the leanest plan needs {math.ceil(need / gib * 1000) / 1000:.3f} GiB per GPU, i.e. devices "
                  f"with at least {math.ceil((need + reserved) / gib * 1000) / 1000:.3f} GiB of memory")
-    more = _smallest_gpu_count(graph, cluster, gpus, global_batch, precision, pins, max_mbs, limit)
+    more = _smallest_gpu_count(graph, request, limit)
     if more:
         text += f"; or use at least {more} GPUs (--gpus {more})"
     elif math.isfinite(need):
@@ -53,14 +59,16 @@ def infeasible_message(graph, cluster, gpus, global_batch, precision, pins, cand
 
 
 
-def _smallest_gpu_count(graph, cluster, gpus, global_batch, precision, pins, max_mbs, limit) -> int | None:
-    """The smallest GPU count (doubling from `gpus`, up to the cluster) with a plan that fits."""
+def _smallest_gpu_count(graph, request: PlanRequest, limit: float) -> int | None:
+    """The smallest GPU count (doubling from the request's, up to the cluster) with a plan that fits."""
+    cluster, global_batch, precision, pins = (request.planning_cluster, request.global_batch, request.precision,
+                                              request.pins)
     capacity = cluster.gpus_per_node * cluster.max_nodes
-    count = gpus * 2
+    count = request.gpus * 2
     for _ in range(12):
         if count > capacity:
             return None
-        candidates = enumerate_candidates(graph, cluster, count, global_batch, pins, max_mbs, precision)
+        candidates = enumerate_candidates(graph, cluster, count, global_batch, pins, request.max_mbs, precision)
         if candidates and min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins) <= limit:
             return count
         count *= 2

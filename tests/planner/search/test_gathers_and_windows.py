@@ -50,14 +50,14 @@ def _solved_zero3(spec, seq, pins_kwargs, gpus, global_batch):
     from meshplan.planner.profiling.profiler import profile
     from meshplan.planner.search.candidates import Pins, enumerate_candidates
     from meshplan.planner.search.ilp.formulation import solve_stages
-    from meshplan.planner.search.solving import build_problems
+    from meshplan.planner.search.problems import build_problems
     from meshplan.planner.simulation.simulator import step_costs
 
     cluster, graph = load_cluster("h100-sxm"), profile(spec, seq)
     pins = Pins(**pins_kwargs)
     candidate = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, "bf16-mixed")[0]
-    (_, _, problem), = build_problems(graph, cluster, [candidate], global_batch, "bf16-mixed", pins, 1e18,
-                                      False, 10.0)[0]
+    (pending,) = build_problems(graph, cluster, [candidate], global_batch, "bf16-mixed", pins, 1e18, False, 10.0)[0]
+    problem = pending.exact_problem()
     solution = solve_stages(problem)
     recompute = tuple(problem.table.option(layer, index).recompute
                       for layer, index in enumerate(solution.option_of_layer))

@@ -25,7 +25,7 @@ from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search.candidates import Pins, enumerate_candidates
 from meshplan.planner.search.ilp.formulation import solve_stages
 from meshplan.planner.search.ilp.refine import refine_solution
-from meshplan.planner.search.solving import build_problems
+from meshplan.planner.search.problems import build_problems
 from meshplan.planner.simulation.simulator import simulate_config
 
 TIME_TOL, MEMORY_TOL = 0.02, 0.01
@@ -92,7 +92,8 @@ def _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precisi
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision)
     candidates = candidates[::max(1, len(candidates) // sample)][:sample]
     problems, _, _ = build_problems(graph, cluster, candidates, global_batch, precision, pins, UNLIMITED, False, 10.0)
-    for candidate, _, problem in problems:
+    for item in problems:
+        candidate, problem = item.candidate, item.exact_problem()
         solution = solve_stages(problem)
         assert solution.feasible, candidate.label()
         yield candidate, problem, solution
@@ -145,8 +146,9 @@ def test_the_old_boundary_rule_breaks_agreement():
     cluster = load_cluster(cluster_name)
     graph = profile(spec, seq)
     candidate = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, "bf16-mixed")[0]
-    (_, _, problem), = build_problems(graph, cluster, [candidate], global_batch, "bf16-mixed", pins, UNLIMITED,
-                                      False, 10.0)[0]
+    (pending,) = build_problems(graph, cluster, [candidate], global_batch, "bf16-mixed", pins, UNLIMITED, False,
+                                10.0)[0]
+    problem = pending.exact_problem()
     logits = max(o.output_bytes for t in problem.table.types for o in t.options)
     old = replace(problem, table=replace(problem.table, p2p_s=p2p_time_s(logits, candidate, cluster)))
     solution = solve_stages(old)

@@ -20,7 +20,8 @@ from meshplan.planner.search import bounds
 from meshplan.planner.search.candidates import MEMORY_MARGIN, Pins, enumerate_candidates, usable_memory_bytes
 from meshplan.planner.search.driver import search_plan
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, compact_structure, solve_stages
-from meshplan.planner.search.solving import build_problems, heuristic_upper_s, solve_candidates
+from meshplan.planner.search.problems import build_problems
+from meshplan.planner.search.solving import heuristic_upper_s, solve_candidates
 from meshplan.planner.simulation.factors import step_factor
 
 from tests.planner.search.test_solve import random_table
@@ -52,7 +53,8 @@ def _setup(case):
 def test_pruned_search_keeps_the_brute_force_best(case):
     candidates, problems, memory_pruned = _setup(case)
     brute = {}
-    for candidate, _, problem in problems:  # the exact problem: schedule replayed, no cutoff
+    exact = {item.candidate: item.exact_problem() for item in problems}  # schedule replayed, no cutoff
+    for candidate, problem in exact.items():
         solution = solve_stages(problem)
         brute[candidate] = solution.objective_s if solution.feasible else math.inf
     ranked = sorted((objective, c.sort_key, c) for c, objective in brute.items() if math.isfinite(objective))
@@ -61,7 +63,7 @@ def test_pruned_search_keeps_the_brute_force_best(case):
     # the seeded threshold: every heuristic assignment is an upper bound on its ILP's optimum,
     # so the NUM_KEEP-th smallest of them bounds the NUM_KEEP-th best objective
     uppers = {}
-    for candidate, _, problem in problems:
+    for candidate, problem in exact.items():
         uppers[candidate] = heuristic_upper_s(problem)
         if math.isfinite(uppers[candidate]):
             assert brute[candidate] <= uppers[candidate] * (1 + REL_TOL), candidate.label()

@@ -310,7 +310,8 @@ def test_infeasible_request_says_what_would_work(small_graph):
 
 def test_lower_bound_never_exceeds_the_ilp_objective(small_graph):
     from meshplan.planner.search.candidates import Pins, enumerate_candidates
-    from meshplan.planner.search.solving import build_problems, lower_bound_s, solve_candidates
+    from meshplan.planner.search.problems import build_problems
+    from meshplan.planner.search.solving import lower_bound_s, solve_candidates
 
     cluster = cluster_with_memory()
     candidates = enumerate_candidates(small_graph, cluster, 8, 32, Pins(zero=1, sp=False))[::5]

@@ -8,7 +8,7 @@ from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.uniform import strategy_for
 from meshplan.planner.costing.tables import build_cost_table
 from meshplan.planner.profiling.profiler import profile
-from meshplan.planner.search import solving
+from meshplan.planner.search import table_cache
 from meshplan.planner.search.candidates import Pins, enumerate_candidates
 
 # a small mixture of experts with a leading dense block: dense layers, MoE blocks, every EP
@@ -34,9 +34,34 @@ def test_shared_option_costs_change_no_table():
 
 def test_tables_built_over_the_pool_are_the_same(monkeypatch):
     cluster, graph, candidates = _case()
-    monkeypatch.setattr(solving, "PARALLEL_TABLES_MIN", 1)
+    monkeypatch.setattr(table_cache, "PARALLEL_TABLES_MIN", 1)
     strategies = [strategy_for(c) for c in candidates]
-    tables = solving._build_tables(graph, cluster, candidates, strategies, RECOMPUTE, False, 2)
+    tables = table_cache.build_tables(graph, cluster, candidates, strategies, RECOMPUTE, False, 2)
     assert set(tables) == set(strategies)
     for strategy, table in tables.items():
         assert table == build_cost_table(graph, cluster, strategy)
+
+
+def test_tables_left_for_later_are_built_on_first_use_and_the_same():
+    """Pipelined ZeRO-2/3 candidates with a searched ZeRO-1 sibling get no table up front (the
+    sibling's bounds them); their first floor problem builds it, equal to one built alone, and the
+    cache hands every candidate its strategy's table."""
+    from meshplan.planner.search.problems import build_problems
+
+    cluster = load_cluster("h100-sxm")
+    graph = profile("gpt:layers=4,hidden=256,heads=4,vocab=1024", 512)
+    candidates = enumerate_candidates(graph, cluster, 16, 64, Pins(), 4, "bf16-mixed")
+    problems, pruned, tables = build_problems(graph, cluster, candidates, 64, "bf16-mixed", Pins(), 1e18, False, 10.0)
+    assert len(problems) + len(pruned) == len(candidates)
+    late = [item for item in problems if not item.built]
+    assert late and all(item.candidate.zero >= 2 and item.candidate.pp > 1 and item.candidate.dp > 1 for item in late)
+    item = late[0]
+    strategy = strategy_for(item.candidate)
+    assert not tables.is_built(strategy)
+    problem = item.floor_problem()
+    assert item.built and tables.is_built(strategy)
+    assert problem.table == build_cost_table(graph, cluster, strategy)
+    assert tables.table_for(item.candidate) is problem.table
+    assert item.exact_problem().table is problem.table  # the exact problem replays the schedule on the same table
+    for other in problems[:20]:
+        assert tables.table_for(other.candidate) == build_cost_table(graph, cluster, strategy_for(other.candidate))

@@ -1,0 +1,113 @@
+"""Posing the candidates' problems: each candidate's cost table (`table_cache`), its ILP problem
+and a first lower bound on its objective, as `solving.solve_candidates` takes them (`Pending`);
+candidates proven not to fit, or dominated by a rule, come back solved as pruned."""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
+from meshplan.planner.costing.state_memory import grad_sync_mode
+from meshplan.planner.search.bounds import compute_bound_s
+from meshplan.planner.search.ilp.formulation import StageProblem
+from meshplan.planner.search.solving import Pending, Solved, floor_shape, min_static_bytes
+from meshplan.planner.search.table_cache import TableCache, build_tables, strategies_of
+from meshplan.planner.simulation.contention import stream_links
+from meshplan.planner.costing.weight_grad import model_weight_share
+
+
+def build_problems(graph, cluster, candidates, global_batch, precision, pins, limit, layerwise, time_limit_s,
+                   workers: int = 1) -> tuple[list[Pending], list[Solved], TableCache]:
+    """Cost tables (shared between candidates with the same strategy) and ILP problems: (the
+    problems to solve, the candidates pruned already, the tables). With `workers` > 1 and many
+    tables, the tables are built over a fork process pool."""
+    recompute_options = (pins.recompute,) if pins.recompute else RECOMPUTE
+    strategies = strategies_of(candidates)
+    sibling_of = {} if layerwise else _zero1_siblings(strategies)
+    built_now = [(c, st) for c, st in zip(candidates, strategies) if st not in sibling_of]
+    built = build_tables(graph, cluster, [c for c, _ in built_now], [st for _, st in built_now], recompute_options,
+                         layerwise, workers)
+    tables = TableCache(graph, cluster, recompute_options, built)
+    problems, pruned = [], []
+    weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
+    for candidate, strategy in zip(candidates, strategies):
+        tables.record(candidate, strategy)
+        # Replaying a schedule for its step factor is the costly part: until the candidate comes
+        # up for solving, its problem carries the floor and its bound is the compute bound at it.
+        make_floor = partial(_floor_problem, tables, strategy, candidate, cluster, limit, time_limit_s)
+        shape = floor_shape(candidate)
+        if strategy in sibling_of:  # its table waits: the ZeRO-1 sibling's compute bounds it
+            sibling = built[sibling_of[strategy]]
+            bound = compute_bound_s(sibling, shape, "overlap")  # ZeRO-2: the same gathers and optimizer
+            if strategy.zero == 3:  # which gathers in every pass instead of once in the tail
+                bound -= sibling.least_tail_s(False) / candidate.pp
+            problems.append(Pending(candidate, bound, make_floor, weight_share=weight_share))
+            continue
+        table = built[strategy]
+        bound = compute_bound_s(table, shape, grad_sync_mode(candidate))
+        if min_static_bytes(table, candidate.pp) > limit:
+            pruned.append(Solved(candidate, bound, pruned="memory"))
+            continue
+        problems.append(Pending(candidate, bound, make_floor, weight_share=weight_share, floor_problem=make_floor()))
+    problems, dominated = best_expert_degrees(problems)
+    return problems, pruned + dominated, tables
+
+
+def _floor_problem(tables: TableCache, strategy, candidate: ParallelConfig, cluster, limit: float,
+                   time_limit_s: float) -> StageProblem:
+    """The candidate's problem at its floor step factor, its table read (or built) now. A
+    `partial` of it waits in each `Pending`: two small objects per candidate, where a closure's
+    cells made the garbage collector run twice as often over the search's 20k+ candidates."""
+    dp_link, pp_link = stream_links(candidate, cluster.gpus_per_node)
+    return StageProblem(tables.get(strategy), floor_shape(candidate), mem_limit_bytes=limit, time_limit_s=time_limit_s,
+                        grad_sync=grad_sync_mode(candidate), dp_shares_pp_link=bool(pp_link) and dp_link == pp_link,
+                        dp_link=dp_link)
+
+
+def _zero1_siblings(strategies) -> dict:
+    """Pipelined ZeRO-2/3 strategy -> the same strategy at ZeRO-1, where that one is searched too.
+
+    Their layers compute alike and ZeRO-2/3 only add (ZeRO-3: exposed gathers in every pass;
+    both: a reduction every micro-batch, which the compute bound leaves out), so the sibling's
+    compute bound bounds them (ZeRO-2 gathers once per step and runs the same optimizer, so with
+    the sibling's tail; ZeRO-3 without it), and their own tables are built only when the search
+    reaches them: most never are."""
+    present = set(strategies)
+    out = {}
+    for strategy in present:
+        if strategy.pp > 1 and strategy.zero >= 2 and strategy.dp > 1:
+            sibling = replace(strategy, zero=1)
+            if sibling in present:
+                out[strategy] = sibling
+    return out
+
+
+# Expert-parallel degrees solved per configuration that differs only in ep: EP changes the MoE
+# blocks' costs alone, so only the degrees with the smallest lower bounds are worth an ILP.
+EXPERT_DEGREES_SOLVED = 1
+
+
+def best_expert_degrees(problems: list[Pending]) -> tuple[list[Pending], list[Solved]]:
+    """Keep, among candidates equal but for ep, the EXPERT_DEGREES_SOLVED with the smallest lower
+    bound (ties: the smaller ep); the others are pruned by the bound."""
+    groups: dict = {}
+    for item in problems:
+        groups.setdefault(_but_ep(item.candidate), []).append(item)
+    chosen = set()
+    for rivals in groups.values():
+        if len(rivals) > 1:
+            rivals.sort(key=lambda other: (other.bound_s, other.candidate.ep))
+        chosen.update(id(other) for other in rivals[:EXPERT_DEGREES_SOLVED])
+    kept, dropped = [], []
+    for item in problems:
+        if id(item) in chosen:
+            kept.append(item)
+        else:
+            dropped.append(Solved(item.candidate, item.bound_s, pruned="expert_degree"))  # a rule, not a bound
+    return kept, dropped
+
+
+def _but_ep(c: ParallelConfig) -> tuple:
+    """Every field of a candidate but ep (the group `best_expert_degrees` compares within)."""
+    return (c.gpus, c.global_batch, c.tp, c.pp, c.dp, c.microbatch_size, c.cp, c.zero, c.recompute, c.sp,
+            c.schedule, c.virtual_stages, c.precision, c.shard_group)

@@ -1,0 +1,86 @@
+"""What `meshplan plan` is asked (`PlanRequest`): the model, the cluster and the sizes, the pins,
+how many plans to keep and how long to search. Validated once, here; the search reads it whole."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
+
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.search.candidates import Pins
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """One search's request. `PlanRequest.of` builds it the way `meshplan.plan` is called (a
+    cluster by name, a default precision, pins as keywords)."""
+
+    spec: str
+    cluster: ClusterProfile  # as loaded: `planning_cluster` adds the headroom
+    gpus: int
+    global_batch: int
+    precision: str  # a recipe of contracts.config.PRECISIONS
+    seq: int | None = None  # None: the model's default (`registry.default_seq`)
+    pins: Pins = field(default_factory=Pins)
+    top_k: int = 5
+    dtype: str | None = None  # of the profile; None: fp32 for fp32 training, else bf16
+    attention: str = "flash"
+    layerwise: bool = False
+    time_limit_s: float = 2.5  # per candidate ILP
+    seed: int = 0  # recorded in the plan (training data order)
+    workers: int = 2
+    num_rerank: int | None = None  # None: max(2 top_k, 6)
+    max_mbs: int = 16
+    moe_imbalance: float = 1.0
+    moe_capacity_factor: float | None = None
+    moe_pad_to_capacity: bool = False
+    memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
+
+    def __post_init__(self):
+        from meshplan.planner.costing.fp8 import check_fp8_supported
+
+        headroom, usable = self.memory_headroom_bytes, self.cluster.device.usable_memory_bytes
+        if headroom and not 0 < headroom < usable:
+            raise MeshplanError(f"--memory-headroom must be between 0 and the {usable / 2**30:.2f} GiB usable per GPU "
+                                f"on {self.cluster.device.name}, got {headroom / 2**30:.3g} GiB")
+        for name, value in (("--gpus", self.gpus), ("--gbs", self.global_batch), ("--top", self.top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise MeshplanError(f"{name} must be a positive integer, got {value!r}")
+        cluster = self.cluster
+        capacity = cluster.gpus_per_node * cluster.max_nodes
+        if self.gpus > capacity:
+            raise MeshplanError(f"--gpus {self.gpus} exceeds the {capacity} GPUs of cluster {cluster.name!r} "
+                                f"({cluster.max_nodes} nodes x {cluster.gpus_per_node}); use at most {capacity}")
+        check_fp8_supported(cluster, self.precision)
+
+    @classmethod
+    def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,
+           pins: Pins | None = None, precision: str | None = None, **options) -> PlanRequest:
+        """The request of `search_plan`'s arguments: `cluster` a profile or its name (or TOML
+        path), `precision` None for the cluster's default (fp8 only when asked: it changes
+        numerics), `options` the other fields by name and, without `pins`, the pins by name."""
+        from meshplan.planner.costing.hardware import load_cluster
+        from meshplan.planner.simulation.estimator import default_precision
+
+        if isinstance(cluster, str):
+            cluster = load_cluster(cluster)
+        names = {f.name for f in fields(cls)}
+        settings = {name: value for name, value in options.items() if name in names}
+        pin_kwargs = {name: value for name, value in options.items() if name not in names}
+        return cls(spec=spec, cluster=cluster, gpus=gpus, global_batch=global_batch, seq=seq,
+                   pins=pins or Pins(**pin_kwargs), precision=precision or default_precision(cluster), **settings)
+
+    @property
+    def num_keep(self) -> int:
+        """Solutions re-ranked by the simulator (the pruning keeps this many best objectives)."""
+        return self.num_rerank or max(2 * self.top_k, 6)
+
+    @cached_property
+    def planning_cluster(self) -> ClusterProfile:
+        """The cluster with `memory_headroom_bytes` more reserved per GPU: the search, the
+        simulator's fit check and the plan's embedded profile all plan against what is left."""
+        if not self.memory_headroom_bytes:
+            return self.cluster
+        device = self.cluster.device
+        device = replace(device, reserved_memory_bytes=device.reserved_memory_bytes + self.memory_headroom_bytes)
+        return replace(self.cluster, device=device)
