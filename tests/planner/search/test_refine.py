@@ -12,7 +12,7 @@ from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search.candidates import Pins, enumerate_candidates
 from meshplan.planner.search.ilp.formulation import solve_stages
 from meshplan.planner.search.ilp.refine import exact_step_s, refine_assignment, refine_solution
-from meshplan.planner.search.solving import build_problems
+from meshplan.planner.search.problems import build_problems
 from meshplan.planner.simulation.simulator import simulate_config
 
 SPEC = "gpt:layers=24,hidden=1024,heads=16,vocab=32000"
@@ -23,7 +23,8 @@ def small_gpt():
     cluster, graph = load_cluster("a100-80g"), profile(SPEC, 1024)
     pins = Pins(pp=4, dp=4, tp=1, mbs=1, vpp=2, zero=0, schedule="interleaved")
     candidate, = enumerate_candidates(graph, cluster, 16, 256, pins, 16, "bf16-mixed")
-    (_, _, problem), = build_problems(graph, cluster, [candidate], 256, "bf16-mixed", pins, 1e18, False, 10.0)[0]
+    (pending,) = build_problems(graph, cluster, [candidate], 256, "bf16-mixed", pins, 1e18, False, 10.0)[0]
+    problem = pending.exact_problem()
     return graph, cluster, candidate, problem
 
 
