@@ -88,7 +88,7 @@ def test_cp_shows_in_estimate_and_breakdown_adds_up():
 
 
 def test_cp_configuration_errors_name_the_numbers():
-    with pytest.raises(ValueError, match=r"tp\*pp\*dp\*cp = 1\*1\*4\*2 = 8 must equal the number of GPUs \(4\)"):
+    with pytest.raises(ValueError, match=r"pp\*dp\*cp\*tp = 1\*4\*2\*1 = 8 must equal the number of GPUs \(4\)"):
         ParallelConfig(gpus=4, global_batch=8, dp=4, cp=2)
     run = subprocess.run([sys.executable, "-m", "meshplan.cli", "estimate", "--model", SPEC, "--cluster", "h100-sxm",
                           "--gpus", "8", "--gbs", "8", "--seq", "1000", "--cp", "8"], capture_output=True, text=True)
