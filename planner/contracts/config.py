@@ -136,6 +136,12 @@ class ParallelConfig:
         return self.dp * self.cp
 
     @property
+    def rank_microbatch(self) -> int | float:
+        """Samples' worth of tokens of a micro-batch one rank holds: mbs, or mbs / cp under
+        context parallelism (each rank holds 1/cp of every sequence)."""
+        return self.microbatch_size if self.cp == 1 else self.microbatch_size / self.cp
+
+    @property
     def expert_data_ranks(self) -> int:
         """Ranks over which routed-expert gradients are averaged: dp * cp / ep (each holds the same experts)."""
         return self.data_ranks // self.ep

@@ -1,6 +1,6 @@
 """Model-state bytes per rank (parameters, gradients, optimizer states) under each ZeRO stage.
 
-Two recipes, named by `Strategy.state_recipe`:
+Two recipes, named by `layer_cost`'s `state_recipe`:
 
 "zero-paper" (Rajbhandari et al. 2020, the bf16-mixed recipe): bf16 parameters and
 gradients, fp32 master weights and two fp32 Adam moments, 2 + 2 + 12 bytes per parameter;

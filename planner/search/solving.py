@@ -10,10 +10,10 @@ from functools import lru_cache
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.contracts.schedule import schedule_spec
-from meshplan.planner.costing.uniform import strategy_for
+from meshplan.planner.costing.uniform import cost_config
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
-from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_pp, stream_bytes
+from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_config, stream_bytes
 from meshplan.planner.simulation.split_backward import model_weight_share
 from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
 from meshplan.planner.search.candidates import divisors
@@ -388,14 +388,14 @@ class _CandidateTables(dict):
 
 
 def _strategies(candidates) -> list:
-    """`strategy_for` of every candidate, one Strategy object per distinct strategy."""
+    """`cost_config` of every candidate, one object per distinct cost."""
     seen: dict = {}
     out = []
     for c in candidates:
         key = (c.tp, c.dp, c.zero, c.recompute, c.sp, c.microbatch_size, c.precision, c.pp, c.shard_group, c.cp, c.ep)
         strategy = seen.get(key)
         if strategy is None:
-            strategy = seen[key] = strategy_for(c)
+            strategy = seen[key] = cost_config(c)
         out.append(strategy)
     return out
 
@@ -421,7 +421,7 @@ def _build_tables(graph, cluster, candidates, strategies, recompute_options, lay
         if workers > 1 and len(todo) >= PARALLEL_TABLES_MIN:
             # strategies equal but for ep, or for pp > 1, next to each other: they share their
             # dense layers' costs, or all their layers' (`tables.build_cost_table`'s cache)
-            todo.sort(key=lambda job: (replace(job[0], ep=1, pp=costed_pp(job[0].pp)).__repr__(), job[0].pp,
+            todo.sort(key=lambda job: (replace(costed_config(job[0]), ep=1).__repr__(), job[0].pp,
                                        job[0].ep))
             size = -(-len(todo) // (4 * workers))
             pieces = [todo[start:start + size] for start in range(0, len(todo), size)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.uniform import strategy_for
+from meshplan.planner.costing.uniform import cost_config
 from meshplan.planner.costing.tables import build_cost_table
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search import solving
@@ -25,7 +25,7 @@ def _case():
 
 def test_shared_option_costs_change_no_table():
     cluster, graph, candidates = _case()
-    strategies = sorted({strategy_for(c) for c in candidates}, key=repr)
+    strategies = sorted({cost_config(c) for c in candidates}, key=repr)
     assert {s.ep for s in strategies} > {1} and {s.cp for s in strategies} > {1}
     cache: dict = {}
     for strategy in strategies:
@@ -35,7 +35,7 @@ def test_shared_option_costs_change_no_table():
 def test_tables_built_over_the_pool_are_the_same(monkeypatch):
     cluster, graph, candidates = _case()
     monkeypatch.setattr(solving, "PARALLEL_TABLES_MIN", 1)
-    strategies = [strategy_for(c) for c in candidates]
+    strategies = [cost_config(c) for c in candidates]
     tables = solving._build_tables(graph, cluster, candidates, strategies, RECOMPUTE, False, 2)
     assert set(tables) == set(strategies)
     for strategy, table in tables.items():
