@@ -22,7 +22,7 @@ class Axis:
     """One parallel axis.
 
     `name` is the `ParallelConfig` field and the plan.json `mesh` key; `flag` the CLI option of
-    `estimate` and `plan`; `title` the words a report or an error uses. A mesh axis
+    `estimate` and `plan`, `help` its help text; `title` the words a report or an error uses. A mesh axis
     (`multiplies_gpus`) has a place in the mesh order; a folded axis is carved out of the ranks
     `ParallelConfig.<carved_from>` counts and must divide them. `optional`: added after the first
     plan schema, so plan.json's `mesh` and `label()` show it only when it is on (> 1), and a plan
@@ -36,6 +36,7 @@ class Axis:
     multiplies_gpus: bool
     optional: bool
     tie_break: int
+    help: str
     carved_from: str | None = None  # a ParallelConfig property naming the ranks a folded axis splits
 
     def __post_init__(self):
@@ -59,14 +60,20 @@ class Axis:
 
 # Outermost first. tp innermost keeps tensor-parallel groups inside a node.
 MESH_AXES: tuple[Axis, ...] = (
-    Axis("pp", "--pp", "pipeline parallelism", multiplies_gpus=True, optional=False, tie_break=0),
-    Axis("dp", "--dp", "data parallelism", multiplies_gpus=True, optional=False, tie_break=3),
-    Axis("cp", "--cp", "context parallelism", multiplies_gpus=True, optional=True, tie_break=2),
-    Axis("tp", "--tp", "tensor parallelism", multiplies_gpus=True, optional=False, tie_break=1),
+    Axis("pp", "--pp", "pipeline parallelism", multiplies_gpus=True, optional=False, tie_break=0,
+         help="pipeline-parallel degree"),
+    Axis("dp", "--dp", "data parallelism", multiplies_gpus=True, optional=False, tie_break=3,
+         help="data-parallel degree"),
+    Axis("cp", "--cp", "context parallelism", multiplies_gpus=True, optional=True, tie_break=2,
+         help="context-parallel degree: each of cp ranks holds 1/cp of every sequence"),
+    Axis("tp", "--tp", "tensor parallelism", multiplies_gpus=True, optional=False, tie_break=1,
+         help="tensor-parallel degree (inside one node)"),
 )
 # Carved out of the mesh axes' ranks, multiplying nothing.
 FOLDED_AXES: tuple[Axis, ...] = (
     Axis("ep", "--ep", "expert parallelism", multiplies_gpus=False, optional=True, tie_break=4,
+         help="expert-parallel degree (mixtures of experts): routed experts split over ep of the dp*cp data "
+              "ranks; divides them and the expert count",
          carved_from="data_ranks"),
 )
 AXES: tuple[Axis, ...] = MESH_AXES + FOLDED_AXES

@@ -86,7 +86,7 @@ def grad_sync_mode(config) -> str:
     while accumulating), pipelined or not. Under pipelining ZeRO-0/1 (and ZeRO-2/3 under a
     split-backward schedule) leave it to torch, which reduces a chunk's gradients after its
     last backward (`perform_reduce_grad`), blocking the rank."""
-    data_ranks = config.dp * getattr(config, "cp", 1)
+    data_ranks = config.data_ranks
     zero = executed_zero(config.zero, data_ranks, config.pp, config.schedule)
     if config.pp > 1 and data_ranks > 1 and zero <= 1:
         return "after_chunk"

@@ -95,7 +95,7 @@ def _parallelism(plan, notes: list[str]) -> dict:
            "data_parallel_shard_degree": group if sharded else 1,
            "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
            "tensor_parallel_degree": cfg.tp, "pipeline_parallel_degree": cfg.pp,
-           "context_parallel_degree": getattr(cfg, "cp", 1), "expert_parallel_degree": getattr(cfg, "ep", 1)}
+           "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep}
     if cfg.zero == 1 and cfg.dp > 1:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
