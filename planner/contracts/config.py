@@ -1,16 +1,17 @@
 """`ParallelConfig`: the uniform choices of one plan (what `estimate` takes and `plan` searches).
 
-The executable plan space (docs/architecture.md): one mesh (pp, dp, tp) for the whole model, one ZeRO stage
-(optionally hybrid: sharded over `shard_group` data-parallel ranks, replicated across the rest),
-one sequence-parallel switch, one precision recipe, one schedule; per-layer stage and
-recomputation live in the Plan's layer assignments.
+The executable plan space (docs/architecture.md): one mesh (pp, dp, cp, tp and the folded ep:
+`contracts.axes`) for the whole model, one ZeRO stage (optionally hybrid: sharded over
+`shard_group` data-parallel ranks, replicated across the rest), one sequence-parallel switch, one
+precision recipe, one schedule; per-layer stage and recomputation live in the Plan's layer
+assignments. It is also what the cost model prices a layer under (`costing.uniform.layer_config`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from meshplan.planner.contracts.axes import AXES, MESH_AXES, mesh_product_text, mesh_stride
+from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -105,7 +106,7 @@ class ParallelConfig:
             product *= getattr(self, axis.name)
         if product != self.gpus:
             raise ValueError(f"{mesh_product_text(self)} must equal the number of GPUs ({self.gpus})")
-        for axis in AXES[len(MESH_AXES):]:
+        for axis in FOLDED_AXES:
             axis.check(self)
 
     def _check_shard_group(self) -> None:
@@ -213,7 +214,7 @@ class ParallelConfig:
 
 # The search's tie-break order (`ParallelConfig.sort_key`): mesh axes, then the switches, then folded axes.
 _MESH_BY_TIE_BREAK = tuple(sorted(MESH_AXES, key=lambda axis: axis.tie_break))
-_FOLDED_BY_TIE_BREAK = tuple(sorted(AXES[len(MESH_AXES):], key=lambda axis: axis.tie_break))
+_FOLDED_BY_TIE_BREAK = tuple(sorted(FOLDED_AXES, key=lambda axis: axis.tie_break))
 
 
 def chunk_rank(schedule: str, pp: int, chunk: int) -> int:

@@ -1,4 +1,4 @@
-"""A layer's communication under a strategy: tensor parallelism's blocking collectives, data
+"""A layer's communication under a `ParallelConfig`: tensor parallelism's blocking collectives, data
 parallelism's gradient reductions and ZeRO's parameter gathers, and pipeline boundary transfers.
 The collectives themselves are priced by `planner.costing.collectives`."""
 from __future__ import annotations

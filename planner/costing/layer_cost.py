@@ -1,4 +1,4 @@
-"""The cost of one layer on one rank under one strategy: the `LayerCost` record the simulator,
+"""The cost of one layer on one rank under one `ParallelConfig`: the `LayerCost` record the simulator,
 the cost tables and the closed form read, and `layer_cost`, which prices the layer's dense part
 and adds the routed experts (`planner.costing.expert_parallel`) and context parallelism's K/V
 exchange (`planner.costing.context_parallel`).

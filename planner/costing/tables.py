@@ -1,6 +1,6 @@
 """Cost tables: what the ILP needs about one outer candidate, built from `planner.costing.layer_cost.layer_cost`.
 
-For one uniform strategy (tp, dp, ZeRO stage, SP, micro-batch size, precision, pp) the layers of a
+For one uniform `ParallelConfig` (tp, dp, cp, ep, ZeRO stage, SP, micro-batch size, precision, pp) the layers of a
 model collapse into a few *layer types* (the embedding, the repeated transformer block, the head),
 and each type has a handful of *options* (recomputation none / selective / full; with
 `--layerwise` also the per-layer tp and dp degrees). The solver only ever reads these tables, so
@@ -146,7 +146,7 @@ class CostTable:
         return sum(self.types[t].min_time_s() for t in self.layer_type)
 
     # Aggregates the search reads once per candidate (computed once per table; a table is shared
-    # by every candidate with its strategy).
+    # by every candidate with its `uniform.cost_config`).
     @cached_property
     def type_counts(self) -> tuple[tuple[int, int], ...]:
         """(type index, layers of that type), in order of first appearance."""
@@ -250,7 +250,7 @@ def drop_dominated(options: list[OptionCost]) -> tuple[OptionCost, ...]:
 
 def stream_bytes(types, layer_type) -> float:
     """The tensor one layer hands the next, per micro-batch: the largest output of any layer but
-    the last (the hidden stream, never the head's logits), at the strategy's own mesh (the first
+    the last (the hidden stream, never the head's logits), at the config's own mesh (the first
     option of each type). What a pipeline boundary sends and a layerwise plan reshards."""
     return max(types[t].options[0].output_bytes for t in set(layer_type[:-1] or layer_type))
 
