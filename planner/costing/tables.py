@@ -294,6 +294,17 @@ def _pipelined(config, cache: dict):
     return out
 
 
+def _variant(config, cache: dict, **changes):
+    """`replace(config, **changes)`, built (and validated) once per distinct result (kept in `cache`)."""
+    from dataclasses import replace
+
+    key = ("variant", config, tuple(changes.items()))
+    out = cache.get(key)
+    if out is None:
+        out = cache[key] = replace(config, **changes)
+    return out
+
+
 def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerType]:
     """A first and a last layer of their own kind (the embedding, the head) always run beside the
     run of blocks: fold into their options what each pass's gathers change there
@@ -329,13 +340,11 @@ def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerTyp
 def _mesh_config(config, layer, tp: int, dp: int, holds_shared: bool, cache: dict):
     """The config `layer` is costed under on a (tp, dp) mesh of the stage (`uniform.layer_mesh`),
     ep = 1 for a layer without routed experts, pp as `costed_pp` prices it."""
-    from dataclasses import replace
-
     from meshplan.planner.costing.uniform import layer_mesh
 
     local = layer_mesh(config, tp, dp)
     if not layer.expert_params and local.ep != 1:
-        local = replace(local, ep=1)
+        local = _variant(local, cache, ep=1)
     if local.pp != costed_pp(local.pp) and not holds_shared:
         local = _pipelined(local, cache)
     return local
@@ -354,8 +363,6 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
     option is costed once per config it sees, where a layer without routed experts sees
     every expert-parallel degree as ep = 1 (expert parallelism splits only routed experts).
     """
-    from dataclasses import replace
-
     if layer_cost is None or p2p_time is None:
         from meshplan.planner.costing.communication import p2p_time_s
         from meshplan.planner.costing.layer_cost import layer_cost as default_layer_cost
@@ -386,7 +393,7 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
                 index = (id(layer), local, recompute, holds_shared, tp, dp)
                 option = cache.get(index)
                 if option is None:
-                    run = local if local.recompute == recompute else replace(local, recompute=recompute)
+                    run = local if local.recompute == recompute else _variant(local, cache, recompute=recompute)
                     cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
                                       attention=graph.attention, holds_shared=holds_shared)
                     option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp)
