@@ -103,10 +103,10 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
     step = prediction.step_time_s
     moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
-    cp = getattr(args, "cp", 1)
+    cp = args.cp
     dp = args.gpus // (args.tp * args.pp * cp)
     lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp}"
-             + (f" cp={cp}" if cp > 1 else "") + (f" ep={args.ep}" if getattr(args, "ep", 1) > 1 else "")
+             + (f" cp={cp}" if cp > 1 else "") + (f" ep={args.ep}" if args.ep > 1 else "")
              + f" mbs={args.mbs} "
              f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
              + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
