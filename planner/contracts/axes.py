@@ -41,8 +41,9 @@ class Axis:
 
     def __post_init__(self):
         if self.multiplies_gpus == (self.carved_from is not None):
-            raise ValueError(f"axis {self.name!r}: a mesh axis multiplies the GPUs, a folded one is carved out of "
-                             f"others' ranks (multiplies_gpus={self.multiplies_gpus}, carved_from={self.carved_from!r})")
+            raise ValueError(f"axis {self.name!r}: a mesh axis multiplies the GPUs, a folded one is carved out "
+                             f"of others' ranks (multiplies_gpus={self.multiplies_gpus}, "
+                             f"carved_from={self.carved_from!r})")
         if self.flag != f"--{self.name}":
             raise ValueError(f"axis {self.name!r}: its CLI flag must be --{self.name}, got {self.flag!r}")
 
@@ -54,7 +55,8 @@ class Axis:
         if self.carved_from is not None:
             ranks = getattr(config, self.carved_from)
             if ranks % degree:
-                raise ValueError(f"{self.title} {self.name}={degree} must divide the {self.carved_from.replace('_', ' ')} "
+                ranks_text = self.carved_from.replace("_", " ")
+                raise ValueError(f"{self.title} {self.name}={degree} must divide the {ranks_text} "
                                  f"{mesh_product_text(config, CARVED_FROM_AXES[self.carved_from])}")
 
 

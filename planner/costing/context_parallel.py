@@ -62,8 +62,9 @@ def cp_comm_s(gather_bytes: float, config, cluster) -> tuple[float, float]:
 
 
 def with_context_parallel(local, layer, config, cluster, info, profile_dtype: str | None):
-    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced at the
-    rank's `rank_microbatch` over the `data_ranks`): plus the K/V exchange and the gathered K/V that attention's backward keeps."""
+    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced at the rank's
+    `rank_microbatch` over the `data_ranks`): plus the K/V exchange and the gathered K/V that
+    attention's backward keeps."""
     dtype = COMPUTE_DTYPE[config.precision]
     gathered = kv_gather_bytes(layer, config, info, profile_dtype or dtype, dtype)
     fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)

@@ -89,8 +89,8 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         if run is None:
             run = configs[tp, dp, recompute] = uniform.layer_config(uniform.layer_mesh(config, tp, dp), recompute)
         holds_shared = bool(layer.shared_params) and config.rank_of_chunk(chunk) != owner_rank
-        layer_costs.append(layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
-                                           holds_shared=holds_shared))
+        layer_costs.append(layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
+                                      attention=graph.attention, holds_shared=holds_shared))
     layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
     last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
     p2p = tuple(p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
