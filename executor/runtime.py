@@ -236,7 +236,7 @@ def _norm_weights(stages, cfg, tied: bool) -> tuple:
                 # Shard or FSDP-over-TP's _StridedShard (whose is_shard() is False): distinct pieces
                 if not (placement.is_replicate() or placement.is_partial()):
                     num_shards *= param.device_mesh.size(dim)
-        copies = cfg.dp * cfg.cp * cfg.tp / num_shards
+        copies = cfg.stride("pp") / num_shards  # the ranks of one pipeline stage, dp * cp * tp
         if tied and cfg.pp > 1 and names.get(id(param)) in TIED_NAMES:
             copies *= 2
         weights.append((param, 1.0 / copies))
@@ -246,22 +246,29 @@ def _norm_weights(stages, cfg, tied: bool) -> tuple:
 def _device_meshes(device: torch.device, cfg):
     """(the (pp, dp, [cp,] tp) mesh, the mesh data parallelism reduces and shards over).
 
-    HSDP splits dp into (dp_replicate, dp_shard), shard innermost so that a shard group is
-    consecutive data-parallel ranks (inside a node when shard * tp fits one); FSDP2 takes that
-    2-D mesh and shards over its last dimension, replicating over the first. The flattened "dp"
-    dimension keeps every other use (data order, tied-weight groups) unchanged.
+    The dimensions are the registry's mesh axes in its order (`contracts.axes.MESH_AXES`), an
+    optional one (cp) only when it is on. HSDP splits dp into (dp_replicate, dp_shard), shard
+    innermost so that a shard group is consecutive data-parallel ranks (inside a node when
+    shard * tp fits one); FSDP2 takes that 2-D mesh and shards over its last dimension,
+    replicating over the first. The flattened "dp" dimension keeps every other use (data order,
+    tied-weight groups) unchanged. Data parallelism (gradients, ZeRO) spans dp x cp, as in
+    torchtitan's dp_shard_cp.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    from meshplan.planner.contracts.axes import MESH_AXES
+
+    dims: list[tuple[str, int]] = []
+    for axis in MESH_AXES:
+        degree = getattr(cfg, axis.name)
+        if axis.name == "dp" and cfg.shard_group:
+            dims += [("dp_replicate", cfg.dp // cfg.shard_group), ("dp_shard", cfg.shard_group)]
+        elif not axis.optional or degree > 1:
+            dims.append((axis.name, degree))
+    mesh = init_device_mesh(device.type, tuple(size for _, size in dims),
+                            mesh_dim_names=tuple(name for name, _ in dims))
     if not cfg.shard_group:
-        if cfg.cp == 1:
-            mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
-            return mesh, mesh["dp"]
-        # data parallelism (gradients, ZeRO) spans dp x cp, as in torchtitan's dp_shard_cp
-        mesh = init_device_mesh(device.type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-        return mesh, mesh[("dp", "cp")]._flatten("dp_cp")
-    shape = (cfg.pp, cfg.dp // cfg.shard_group, cfg.shard_group, cfg.cp, cfg.tp)
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        return mesh, (mesh["dp"] if cfg.cp == 1 else mesh[("dp", "cp")]._flatten("dp_cp"))
     mesh[("dp_replicate", "dp_shard")]._flatten("dp")
     if cfg.cp == 1:
         return mesh, mesh[("dp_replicate", "dp_shard")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from meshplan.planner.contracts.axes import AXES
 from meshplan.reports import figures
 from meshplan.reports.html import Cell, Section, figure_div, fmt_bytes, fmt_ms, fmt_pct, paragraph, table
 
@@ -47,8 +48,9 @@ def config_label(data: dict[str, Any]) -> str:
     else:
         name, mbs = schedule or "?", data.get("microbatch_size", "?")
         count, vpp = data.get("num_microbatches"), data.get("virtual_stages", 1)
-    cp = f" cp{mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
-    text = f"pp{mesh.get('pp', '?')} dp{mesh.get('dp', '?')}{cp} tp{mesh.get('tp', '?')}, {name}"
+    degrees = " ".join(f"{axis.name}{mesh.get(axis.name, '?')}" for axis in AXES  # optional axes only when on
+                       if not axis.optional or mesh.get(axis.name, 1) > 1)
+    text = f"{degrees}, {name}"
     if count:
         text += f" x{count}"
     text += f" (mbs {mbs})"

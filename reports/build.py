@@ -87,6 +87,5 @@ def build_report(plan, measurements: Sequence = (), trace=None, title: str | Non
     import plotly.offline
 
     heading = title or f"meshplan report: {plan.model.spec} on {plan.config.gpus} x {plan.cluster.device.name}"
-    subtitle = (f"{plan.cluster.name}, mesh pp={plan.config.pp} dp={plan.config.dp} tp={plan.config.tp}, "
-                f"plan {plan.digest}")
+    subtitle = f"{plan.cluster.name}, mesh {plan.config.mesh_label()}, plan {plan.digest}"
     return page(heading, subtitle, sections, plotly.offline.get_plotlyjs())

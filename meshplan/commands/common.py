@@ -4,6 +4,22 @@ from __future__ import annotations
 GIB = 2**30
 
 
+def add_axis_arguments(parser, default: int | None, skip: tuple[str, ...] = ()) -> None:
+    """One option per parallel axis (`contracts.axes`: --pp --dp --cp --tp --ep) but those in `skip`."""
+    from meshplan.planner.contracts.axes import AXES
+
+    for axis in AXES:
+        if axis.name not in skip:
+            parser.add_argument(axis.flag, type=int, default=default, help=axis.help)
+
+
+def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:
+    """The parallel degrees `add_axis_arguments` parsed, by axis name."""
+    from meshplan.planner.contracts.axes import AXIS_NAMES
+
+    return {name: getattr(args, name) for name in AXIS_NAMES if name not in skip}
+
+
 def add_job_arguments(parser) -> None:
     """--model --cluster --gpus --gbs --seq: what is trained, where, and on how much data per step."""
     parser.add_argument("--model", required=True,

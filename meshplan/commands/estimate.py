@@ -6,7 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.planner.contracts.schedule import schedule_spec
-from meshplan.commands.common import GIB, add_job_arguments, check_seq, moe_notes, throughput_line
+from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, axis_arguments, check_seq, moe_notes,
+                                     throughput_line)
 
 
 def add_arguments(parser) -> None:
@@ -19,13 +20,7 @@ def add_arguments(parser) -> None:
                         help="predict an engine config (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)")
     parser.add_argument("--engine", default=None, choices=("torchtitan", "megatron", "deepspeed"),
                         help="engine of --from FILE (default: guessed from the file)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (inside one node)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    parser.add_argument("--cp", type=int, default=1,
-                        help="context-parallel degree: each of cp ranks holds 1/cp of every sequence")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert-parallel degree (mixtures of experts): routed experts split over ep of the "
-                             "dp*cp data ranks")
+    add_axis_arguments(parser, 1, skip=("dp",))  # dp = gpus / (pp * cp * tp)
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
     parser.add_argument("--shard-group", type=int, default=None, metavar="N",
@@ -79,9 +74,9 @@ def _estimate_at(args, zero: int):
     from meshplan.planner.simulation.estimator import estimate
 
     return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
-                    tp=args.tp, pp=args.pp, mbs=args.mbs, zero=zero, recompute=args.recompute,
+                    **axis_arguments(args, skip=("dp",)), mbs=args.mbs, zero=zero, recompute=args.recompute,
                     sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                    attention=args.attention, shard_group=args.shard_group, cp=args.cp, ep=args.ep,
+                    attention=args.attention, shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
 
@@ -108,10 +103,10 @@ def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
     """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
     step = prediction.step_time_s
     moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
-    cp = getattr(args, "cp", 1)
+    cp = args.cp
     dp = args.gpus // (args.tp * args.pp * cp)
     lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp}"
-             + (f" cp={cp}" if cp > 1 else "") + (f" ep={args.ep}" if getattr(args, "ep", 1) > 1 else "")
+             + (f" cp={cp}" if cp > 1 else "") + (f" ep={args.ep}" if args.ep > 1 else "")
              + f" mbs={args.mbs} "
              f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
              + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"

@@ -6,6 +6,8 @@ import json
 import sys
 from types import SimpleNamespace
 
+from meshplan.commands.common import axis_arguments
+
 ENGINES = ("torchtitan", "megatron", "deepspeed")
 
 
@@ -49,7 +51,7 @@ def estimate_from(args, format_prediction) -> int:
     from meshplan.planner.costing.hardware import load_cluster
 
     cfg = result.config
-    shown = SimpleNamespace(model=result.spec, cluster=args.cluster, gpus=cfg.gpus, tp=cfg.tp, pp=cfg.pp,
+    shown = SimpleNamespace(model=result.spec, cluster=args.cluster, gpus=cfg.gpus, **axis_arguments(cfg),
                             mbs=cfg.microbatch_size, zero=cfg.zero, recompute=_recompute_text(result), sp=cfg.sp,
                             schedule=cfg.schedule, vpp=cfg.virtual_stages)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")

@@ -5,7 +5,7 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
-from meshplan.commands.common import GIB, add_job_arguments, check_seq, moe_notes
+from meshplan.commands.common import GIB, add_axis_arguments, add_job_arguments, check_seq, moe_notes
 
 
 def add_arguments(parser) -> None:
@@ -14,12 +14,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top", type=int, default=5, help="how many candidates to show and keep (default 5)")
     parser.add_argument("--json", action="store_true", help="print the plan JSON only")
     pins = parser.add_argument_group("pins (fix a choice; everything else is searched)")
-    pins.add_argument("--tp", type=int, default=None, help="tensor-parallel degree")
-    pins.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
-    pins.add_argument("--dp", type=int, default=None, help="data-parallel degree")
-    pins.add_argument("--cp", type=int, default=None, help="context-parallel degree")
-    pins.add_argument("--ep", type=int, default=None,
-                      help="expert-parallel degree (mixtures of experts; divides dp*cp and the expert count)")
+    add_axis_arguments(pins, None)
     pins.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3), help="ZeRO stage")
     pins.add_argument("--shard-group", type=int, default=None, metavar="N",
                       help="HSDP: shard ZeRO state over groups of N data-parallel ranks, replicate across them")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
-PIN_NAMES = ("tp", "pp", "dp", "cp", "ep", "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs")
+from meshplan.planner.contracts.axes import AXIS_NAMES
+
+PIN_NAMES = (*AXIS_NAMES, "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs")
 
 
 def add_arguments(parser) -> None:

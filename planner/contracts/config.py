@@ -1,15 +1,17 @@
 """`ParallelConfig`: the uniform choices of one plan (what `estimate` takes and `plan` searches).
 
-The executable plan space (docs/architecture.md): one mesh (pp, dp, tp) for the whole model, one ZeRO stage
-(optionally hybrid: sharded over `shard_group` data-parallel ranks, replicated across the rest),
-one sequence-parallel switch, one precision recipe, one schedule; per-layer stage and
-recomputation live in the Plan's layer assignments.
+The executable plan space (docs/architecture.md): one mesh (pp, dp, cp, tp and the folded ep:
+`contracts.axes`) for the whole model, one ZeRO stage (optionally hybrid: sharded over
+`shard_group` data-parallel ranks, replicated across the rest), one sequence-parallel switch, one
+precision recipe, one schedule; per-layer stage and recomputation live in the Plan's layer
+assignments. It is also what the cost model prices a layer under (`costing.uniform.layer_config`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -53,21 +55,9 @@ class ParallelConfig:
     ep: int = 1
 
     def __post_init__(self):
-        sizes = (self.gpus, self.global_batch, self.tp, self.pp, self.dp, self.cp, self.microbatch_size,
-                 self.virtual_stages, self.ep)
-        if not all(type(value) is int and value > 0 for value in sizes):  # the search builds many: fast path first
-            for name in ("gpus", "global_batch", "tp", "pp", "dp", "cp", "microbatch_size", "virtual_stages", "ep"):
-                value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.tp * self.pp * self.dp * self.cp != self.gpus:
-            raise ValueError(f"tp*pp*dp*cp = {self.tp}*{self.pp}*{self.dp}*{self.cp} = "
-                             f"{self.tp * self.pp * self.dp * self.cp} must equal the number of GPUs ({self.gpus})")
+        self._check_mesh()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.data_ranks % self.ep:
-            raise ValueError(f"expert parallelism ep={self.ep} must divide the data ranks dp*cp = "
-                             f"{self.dp}*{self.cp} = {self.data_ranks}")
         self._check_shard_group()
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
@@ -101,6 +91,24 @@ class ParallelConfig:
         """Model chunks pipeline rank `rank` runs, by virtual stage."""
         return tuple(self.chunk_at(rank, local) for local in range(self.virtual_stages))
 
+    def _check_mesh(self) -> None:
+        """Sizes are positive integers, the mesh axes multiply to the GPUs, each folded axis divides
+        the ranks it is carved out of (`contracts.axes`)."""
+        sizes = (self.gpus, self.global_batch, self.microbatch_size, self.virtual_stages)
+        if not all(type(value) is int and value > 0 for value in sizes):  # the search builds many: fast path first
+            for name in ("gpus", "global_batch", "microbatch_size", "virtual_stages"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        product = 1
+        for axis in MESH_AXES:
+            axis.check(self)
+            product *= getattr(self, axis.name)
+        if product != self.gpus:
+            raise ValueError(f"{mesh_product_text(self)} must equal the number of GPUs ({self.gpus})")
+        for axis in FOLDED_AXES:
+            axis.check(self)
+
     def _check_shard_group(self) -> None:
         group = self.shard_group
         if group is None:
@@ -129,9 +137,46 @@ class ParallelConfig:
         return self.dp * self.cp
 
     @property
+    def rank_microbatch(self) -> int | float:
+        """Samples' worth of tokens of a micro-batch one rank holds: mbs, or mbs / cp under
+        context parallelism (each rank holds 1/cp of every sequence)."""
+        return self.microbatch_size if self.cp == 1 else self.microbatch_size / self.cp
+
+    @property
     def expert_data_ranks(self) -> int:
         """Ranks over which routed-expert gradients are averaged: dp * cp / ep (each holds the same experts)."""
         return self.data_ranks // self.ep
+
+    @property
+    def expert_data_stride(self) -> int:
+        """Ranks between two that hold the same experts: tp * ep (an expert-parallel group is `ep`
+        consecutive data ranks, themselves `tp` apart)."""
+        return self.tp * self.ep
+
+    def stride(self, axis: str) -> int:
+        """Ranks between neighbours of a mesh axis's group (`contracts.axes.mesh_stride`): tp 1,
+        cp tp, dp cp*tp, pp dp*cp*tp."""
+        return mesh_stride(self, axis)
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def num_microbatches(self) -> int:
@@ -145,20 +190,31 @@ class ParallelConfig:
     @property
     def sort_key(self) -> tuple:
         """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
-        return (self.pp, self.tp, self.cp, self.dp, self.microbatch_size, self.zero, self.sp, self.schedule,
-                self.virtual_stages, -(self.shard_group or self.dp), self.ep)
+        mesh = tuple(getattr(self, axis.name) for axis in _MESH_BY_TIE_BREAK)
+        folded = tuple(getattr(self, axis.name) for axis in _FOLDED_BY_TIE_BREAK)
+        return (*mesh, self.microbatch_size, self.zero, self.sp, self.schedule, self.virtual_stages,
+                -(self.shard_group or self.dp), *folded)
+
+    def mesh_label(self) -> str:
+        """'pp=2 dp=4 tp=8', the axes in mesh order, an optional one only when it is on."""
+        return " ".join(f"{axis.name}={getattr(self, axis.name)}" for axis in AXES
+                        if not axis.optional or getattr(self, axis.name) > 1)
 
     def label(self) -> str:
         interleaving = self.schedule_spec.free_chunks
         sched = f"{self.schedule} x{self.virtual_stages}" if interleaving else self.schedule
-        return (f"pp={self.pp} dp={self.dp}{f' cp={self.cp}' if self.cp > 1 else ''} tp={self.tp}"
-                f"{f' ep={self.ep}' if self.ep > 1 else ''}"
+        return (f"{self.mesh_label()}"
                 f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
                 + (f" HSDP shard {self.shard_group}" if self.shard_group else ""))
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+# The search's tie-break order (`ParallelConfig.sort_key`): mesh axes, then the switches, then folded axes.
+_MESH_BY_TIE_BREAK = tuple(sorted(MESH_AXES, key=lambda axis: axis.tie_break))
+_FOLDED_BY_TIE_BREAK = tuple(sorted(FOLDED_AXES, key=lambda axis: axis.tie_break))
 
 
 def chunk_rank(schedule: str, pp: int, chunk: int) -> int:

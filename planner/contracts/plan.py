@@ -15,6 +15,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from meshplan.planner.contracts.axes import AXES
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
@@ -188,9 +189,9 @@ class Plan:
 
 
 def mesh_json(cfg: ParallelConfig) -> dict[str, int]:
-    """The plan's `mesh` table: pp, dp, tp, cp when context parallelism is on, ep when expert parallelism is."""
-    return {"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, **({"cp": cfg.cp} if cfg.cp > 1 else {}),
-            **({"ep": cfg.ep} if cfg.ep > 1 else {})}
+    """The plan's `mesh` table (`contracts.axes`): pp, dp, tp, then each optional axis that is on (cp, ep)."""
+    return {**{axis.name: getattr(cfg, axis.name) for axis in AXES if not axis.optional},
+            **{axis.name: getattr(cfg, axis.name) for axis in AXES if axis.optional and getattr(cfg, axis.name) > 1}}
 
 
 def plan_from_json(data: dict[str, Any]) -> Plan:
@@ -207,9 +208,8 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         cluster = cluster_from_dict(_table(_table(data, "cluster"), "embedded", "cluster."))
         gpus = _integer(data["cluster"], "gpus", "cluster.")
         config = ParallelConfig(
-            gpus=gpus, global_batch=_integer(data, "global_batch"), tp=_integer(mesh, "tp", "mesh."),
-            pp=_integer(mesh, "pp", "mesh."), dp=_integer(mesh, "dp", "mesh."),
-            cp=_integer(mesh, "cp", "mesh.", default=1), ep=_integer(mesh, "ep", "mesh.", default=1),
+            gpus=gpus, global_batch=_integer(data, "global_batch"),
+            **{axis.name: _integer(mesh, axis.name, "mesh.", default=1 if axis.optional else None) for axis in AXES},
             microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],

@@ -3,20 +3,21 @@ the transient working set, by recomputation mode, tensor and sequence parallelis
 `meshplan train` keeps (autocast's copies, gathered SP inputs)."""
 from __future__ import annotations
 
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.state_memory import dp_method
-from meshplan.planner.costing.strategy import Strategy, is_split
+from meshplan.planner.costing.strategy import is_split
 
 
-def rebuilt_bytes(layer: LayerProfile, strategy: Strategy, scale: float) -> float:
+def rebuilt_bytes(layer: LayerProfile, config: ParallelConfig, scale: float) -> float:
     """A micro-batch's norm outputs rebuilt in backward on one rank (outside the TP region: /t
     only with SP)."""
-    sp_tp = strategy.tp if strategy.sp and is_split(layer, strategy.tp) else 1
-    return layer.act_rebuilt_bytes / sp_tp * strategy.microbatch_size * scale
+    sp_tp = config.tp if config.sp and is_split(layer, config.tp) else 1
+    return layer.act_rebuilt_bytes / sp_tp * config.rank_microbatch * scale
 
 
-def _executor_replicated_bytes(layer: LayerProfile, strategy: Strategy, split: bool, sp_tp: int, autocast: bool,
-                               kept_rebuilt: float) -> float:
+def _executor_replicated_bytes(layer: LayerProfile, sp: bool, recompute: str, split: bool, sp_tp: int,
+                               autocast: bool, kept_rebuilt: float) -> float:
     """A block's or head's replicated bytes as `meshplan train` keeps them (`activation_bytes`):
     the Linears' inputs gathered whole under SP, autocast's fp32 norms and per-Linear casts."""
     regions = layer.tp_split.num_allreduce_per_pass if layer.kind == "block" else 1
@@ -25,7 +26,7 @@ def _executor_replicated_bytes(layer: LayerProfile, strategy: Strategy, split: b
     profiled_inputs = linear_inputs if not layer.act_rebuilt_bytes else 0.0
     norm_inputs = layer.act_tp_replicated_bytes - profiled_inputs
     # SP: the Linears' inputs are kept gathered, whole
-    gathered = split and strategy.sp and (layer.kind == "head" or strategy.recompute == "selective")
+    gathered = split and sp and (layer.kind == "head" or recompute == "selective")
     copies = 1.0
     if autocast:  # each Linear keeps its own bf16 cast: no shared output to rebuild
         column_linears = len(layer.tp_split.column_linears) if layer.kind == "block" else 1
@@ -35,8 +36,8 @@ def _executor_replicated_bytes(layer: LayerProfile, strategy: Strategy, split: b
             + kept_inputs * copies / (1 if gathered else sp_tp))
 
 
-def activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
-                     executor: bool = False) -> tuple[float, float]:
+def activation_bytes(layer: LayerProfile, config: ParallelConfig, scale: float,
+                     executor: bool = False, recompute: str | None = None) -> tuple[float, float]:
     """(bytes saved for backward per micro-batch, transient working set: what recomputation
     rebuilds of one layer, or without it one rebuilt norm output).
 
@@ -67,30 +68,32 @@ def activation_bytes(layer: LayerProfile, strategy: Strategy, scale: float,
       profile's copy of the attention output, a view on CPU, is the difference).
 
     The time model's memory traffic (`compute_time.compute_times_s`) keeps the default accounting.
+    `recompute` None: the config's mode.
     """
-    mbs = strategy.microbatch_size
-    split = is_split(layer, strategy.tp)
-    tp = strategy.tp if split else 1
-    sp_tp = tp if strategy.sp else 1
+    mbs = config.rank_microbatch
+    recompute = recompute or config.recompute
+    split = is_split(layer, config.tp)
+    tp = config.tp if split else 1
+    sp_tp = tp if config.sp else 1
     sharded = layer.act_tp_sharded_bytes / tp
     # norm outputs rebuilt in backward are kept after all under recomputation (whose checkpoint
     # the executor does not mix with references: `executor.parallel.recompute`)
-    kept_rebuilt = layer.act_rebuilt_bytes if strategy.recompute == "selective" else 0
+    kept_rebuilt = layer.act_rebuilt_bytes if recompute == "selective" else 0
     replicated = (layer.act_tp_replicated_bytes + kept_rebuilt) / sp_tp
     weight_copies = 0.0
-    autocast = executor and strategy.precision == "bf16-mixed" and dp_method(
-        strategy.zero, strategy.dp, strategy.tp, strategy.pp) in ("none", "ddp")
+    autocast = executor and config.precision == "bf16-mixed" and dp_method(
+        config.zero, config.data_ranks, config.tp, config.pp) in ("none", "ddp")
     if executor and layer.kind in ("block", "head"):
-        replicated = _executor_replicated_bytes(layer, strategy, split, sp_tp, autocast, kept_rebuilt)
+        replicated = _executor_replicated_bytes(layer, config.sp, recompute, split, sp_tp, autocast, kept_rebuilt)
     if autocast and layer.kind != "embedding":
         weights = layer.num_params + (layer.shared_params if layer.kind == "head" else 0)
         weight_copies = 2.0 * weights / tp
     scores = layer.act_attn_score_bytes / tp
     full = (sharded + replicated + scores) * mbs * scale + weight_copies
-    if strategy.recompute == "full":
+    if recompute == "full":
         return layer.input_bytes / sp_tp * mbs * scale, full
-    if strategy.recompute == "selective":
+    if recompute == "selective":
         return (sharded + replicated) * mbs * scale + weight_copies, scores * mbs * scale
     # a norm output rebuilt in backward lives while the Linears after it run theirs: one at a time
     norms = 2 if layer.kind == "block" else 1
-    return full, rebuilt_bytes(layer, strategy, scale) / norms
+    return full, rebuilt_bytes(layer, config, scale) / norms

@@ -1,20 +1,21 @@
-"""A layer's communication under a strategy: tensor parallelism's blocking collectives, data
+"""A layer's communication under a `ParallelConfig`: tensor parallelism's blocking collectives, data
 parallelism's gradient reductions and ZeRO's parameter gathers, and pipeline boundary transfers.
 The collectives themselves are priced by `planner.costing.collectives`."""
 from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
-from meshplan.planner.costing.strategy import Strategy, is_split, recipe
+from meshplan.planner.costing.strategy import is_split, recipe
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25): a software default, not hardware.
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
-def tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
+def tp_comm_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
               act_scale: float) -> tuple[float, float]:
     """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern.
 
@@ -27,17 +28,17 @@ def tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     forward, reduce-scatter of its gradient in backward); the loss's tiny per-token reductions
     are left out.
     """
-    tp = strategy.tp
+    tp = config.tp
     if not is_split(layer, tp):
         return 0.0, 0.0
     link = cluster.link_for_group(tp, 1)
-    mbs = strategy.microbatch_size
+    mbs = config.rank_microbatch
     if layer.tp_split.kind == "block":
         size = layer.output_bytes * mbs * act_scale
         regather = 0.0
-        if strategy.sp:
+        if config.sp:
             one = all_gather_time_s(size, tp, link) + reduce_scatter_time_s(size, tp, link)
-            if strategy.recompute == "none":  # the kept shard is gathered again for the weight gradients
+            if config.recompute == "none":  # the kept shard is gathered again for the weight gradients
                 regather = all_gather_time_s(size, tp, link)
         else:
             one = all_reduce_time_s(size, tp, link)
@@ -45,15 +46,16 @@ def tp_comm_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
         return count * one, count * (one + regather)
     if layer.kind == "embedding":
         size = layer.output_bytes * mbs * act_scale
-        return (reduce_scatter_time_s(size, tp, link) if strategy.sp else all_reduce_time_s(size, tp, link)), 0.0
+        return (reduce_scatter_time_s(size, tp, link) if config.sp else all_reduce_time_s(size, tp, link)), 0.0
     size = layer.input_bytes * mbs * act_scale
-    if strategy.sp:
+    if config.sp:
         return all_gather_time_s(size, tp, link), reduce_scatter_time_s(size, tp, link)
     return 0.0, all_reduce_time_s(size, tp, link)
 
 
-def dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfile,
-              gather_bytes_per_param: float | None = None) -> tuple[float, float, float, float]:
+def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterProfile,
+              gather_bytes_per_param: float | None = None, *, state_recipe: str = "executor",
+              group: tuple[int, int] | None = None) -> tuple[float, float, float, float]:
     """(gradient reduction per step, parameter all-gather per step, all-gather before each
     micro-batch's forward, all-gather before each micro-batch's backward).
 
@@ -71,41 +73,43 @@ def dp_comm_s(params_per_rank: float, strategy: Strategy, cluster: ClusterProfil
     Gradient reductions are counted once per step here; the simulator repeats them per
     micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
     `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
+    `group`: (ranks, stride) of a data group of its own, without HSDP (routed experts': the
+    expert-data group); None: all `data_ranks`, `tp` apart, sharded over `shard_degree`.
     """
-    dp = strategy.dp
+    dp, stride, shard = ((config.data_ranks, config.tp, config.shard_degree) if group is None
+                         else (group[0], group[1], group[0]))
     if dp == 1:
         return 0.0, 0.0, 0.0, 0.0
-    zero = strategy.zero
-    per_param = recipe(strategy.precision)
-    grad_bytes = params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe)
+    zero = config.zero
+    per_param = recipe(config.precision)
+    grad_bytes = params_per_rank * grad_wire_bytes_per_param(config.precision, state_recipe)
     param_bytes = params_per_rank * (per_param["param"] if gather_bytes_per_param is None else gather_bytes_per_param)
     if zero == 0:
-        return collective_time_s("all_reduce", grad_bytes, dp, cluster, strategy.tp), 0.0, 0.0, 0.0
+        return collective_time_s("all_reduce", grad_bytes, dp, cluster, stride), 0.0, 0.0, 0.0
     # ZeRO shards over `shard` ranks spaced tp apart (all of dp, or HSDP's shard group); HSDP then
     # all-reduces each rank's 1/shard of the reduced gradient across the dp/shard replicas, whose
     # ranks are shard*tp apart (FSDP2's HSDP: reduce-scatter, then all-reduce of the shard).
-    shard = strategy.shard_group or dp
-    gather_s = collective_time_s("all_gather", param_bytes, shard, cluster, strategy.tp)
-    paper = strategy.state_recipe == "zero-paper"
+    gather_s = collective_time_s("all_gather", param_bytes, shard, cluster, stride)
+    paper = state_recipe == "zero-paper"
     reduce = "all_reduce" if zero == 1 and paper else "reduce_scatter"
-    grad_s = collective_time_s(reduce, grad_bytes, shard, cluster, strategy.tp)
+    grad_s = collective_time_s(reduce, grad_bytes, shard, cluster, stride)
     if shard < dp:
-        grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, strategy.tp * shard)
+        grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, stride * shard)
     if zero == 3:
         return grad_s, 0.0, gather_s, gather_s
-    if paper or strategy.pp > 1:
+    if paper or config.pp > 1:
         return grad_s, gather_s, 0.0, 0.0
     return grad_s, 0.0, gather_s, 0.0
 
 
 
-def p2p_time_s(size_bytes: float, mesh, cluster: ClusterProfile) -> float:
+def p2p_time_s(size_bytes: float, config: ParallelConfig, cluster: ClusterProfile) -> float:
     """One pipeline boundary transfer of `size_bytes` between neighbouring stages.
 
-    `mesh` is anything with tp, dp, pp (a Strategy or a ParallelConfig); neighbours are dp*cp*tp ranks
-    apart, so they share a node only when dp*cp*tp < gpus_per_node.
+    Neighbours are `config.stride("pp")` = dp*cp*tp ranks apart, so they share a node only when
+    that is below gpus_per_node.
     """
-    if mesh.pp <= 1:
+    if config.pp <= 1:
         return 0.0
-    link = cluster.link_for_group(2, mesh.dp * getattr(mesh, "cp", 1) * mesh.tp)
+    link = cluster.link_for_group(2, config.stride("pp"))
     return send_recv_time_s(size_bytes, link)

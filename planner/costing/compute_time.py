@@ -3,16 +3,15 @@
 memory-bound kernels, and what recomputation repeats in backward."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import fp8
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
-from meshplan.planner.costing.strategy import COMPUTE_DTYPE, Strategy, is_split
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE, is_split
 
 
 def num_gemms(layer: LayerProfile) -> int:
@@ -34,7 +33,7 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
     return 4.0 * seq * seq * info.hidden
 
 
-def compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                     act_scale: float, vocab_scale: float, profile_dtype: str,
                     attention: str = "flash") -> tuple[float, float, float]:
     """(forward, backward, recomputation) seconds of one micro-batch on one rank.
@@ -44,16 +43,16 @@ def compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPro
     (`elementwise_bytes_per_activation_byte`, backward twice). Full recomputation repeats the
     forward; selective repeats the attention core (QK^T, softmax, x V) when scores were saved.
     """
-    dtype = COMPUTE_DTYPE[strategy.precision]
-    shard = strategy.tp if is_split(layer, strategy.tp) else 1
-    mbs, gemms = strategy.microbatch_size, num_gemms(layer)
+    dtype = COMPUTE_DTYPE[config.precision]
+    shard = config.tp if is_split(layer, config.tp) else 1
+    mbs, gemms = config.rank_microbatch, num_gemms(layer)
     traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
-    saved_bytes, _ = activation_bytes(layer, replace(strategy, recompute="none"), act_scale * vocab_scale)
+    saved_bytes, _ = activation_bytes(layer, config, act_scale * vocab_scale, recompute="none")
     skipped = causal_skipped_flops(layer, attention)
     fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
     bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
     attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
-    if fp8.is_fp8(strategy.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
+    if fp8.is_fp8(config.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
         fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype,
                                                   attention_fwd)
     else:
@@ -63,14 +62,14 @@ def compute_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterPro
     # by the backward, as when they were kept (the traffic proxy counts them alike), and the
     # backward writes them once more (`transformer.normed_call`; not under recomputation, which
     # keeps them: `activation_memory.activation_bytes`).
-    rebuilt = rebuilt_bytes(layer, strategy, act_scale)
+    rebuilt = rebuilt_bytes(layer, config, act_scale)
     saved_bytes += rebuilt
-    bwd_extra = rebuilt if strategy.recompute == "none" else 0.0
+    bwd_extra = rebuilt if config.recompute == "none" else 0.0
     fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
     bwd_s = bwd_gemm_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
-    if strategy.recompute == "full":
+    if config.recompute == "full":
         return fwd_s, bwd_s, fwd_s
-    if strategy.recompute == "selective":
+    if config.recompute == "selective":
         flops = selective_recompute_flops(layer, info, profile_dtype) * mbs / shard
         if flops:
             score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard

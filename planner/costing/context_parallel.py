@@ -18,7 +18,8 @@ Per rank and micro-batch, against the same layer without CP:
   in forward, reduce-scatter of dK/dV (F) in backward, both blocking; full recomputation gathers
   again;
 - gradients are averaged, and ZeRO shards, over the dp * cp ranks (tp apart): data
-  parallelism sees dp*cp ranks of mbs/cp samples each.
+  parallelism sees dp*cp ranks of mbs/cp samples each (`ParallelConfig.data_ranks`,
+  `rank_microbatch`, which the rest of the cost model reads).
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ from dataclasses import replace
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing.strategy import COMPUTE_DTYPE
-
 
 
 def attention_work_share(cp: int, balanced: bool = True) -> float:
@@ -39,41 +39,34 @@ def attention_work_share(cp: int, balanced: bool = True) -> float:
     return 1.0 / cp if balanced else (2 * cp - 1) / cp**2
 
 
-def data_view(strategy):
-    """The CP-free strategy a CP rank runs its per-token work under: mbs/cp samples' worth of
-    tokens, gradients and ZeRO over dp*cp ranks (HSDP's shard group times cp)."""
-    return replace(strategy, cp=1, microbatch_size=strategy.microbatch_size / strategy.cp,
-                   dp=strategy.dp * strategy.cp,
-                   shard_group=strategy.shard_group * strategy.cp if strategy.shard_group else None)
-
-
-def kv_gather_bytes(layer, strategy, info, profile_dtype: str, compute_dtype: str) -> float:
+def kv_gather_bytes(layer, config, info, profile_dtype: str, compute_dtype: str) -> float:
     """F: the whole sequence's K and V for one micro-batch on one TP rank, in the compute dtype."""
     if layer.kind != "block" or not info.num_heads or not info.hidden:
         return 0.0
     tokens = layer.input_bytes / (info.hidden * DTYPE_BYTES.get(profile_dtype, 2))  # per sample
     kv_heads = info.num_kv_heads or info.num_heads
-    local_kv_heads = kv_heads / strategy.tp if kv_heads % strategy.tp == 0 else kv_heads
+    local_kv_heads = kv_heads / config.tp if kv_heads % config.tp == 0 else kv_heads
     head_dim = info.head_dim or info.hidden // info.num_heads
-    return 2 * strategy.microbatch_size * tokens * local_kv_heads * head_dim * DTYPE_BYTES[compute_dtype]
+    return 2 * config.microbatch_size * tokens * local_kv_heads * head_dim * DTYPE_BYTES[compute_dtype]
 
 
-def cp_comm_s(gather_bytes: float, strategy, cluster) -> tuple[float, float]:
+def cp_comm_s(gather_bytes: float, config, cluster) -> tuple[float, float]:
     """(forward, backward) blocking CP collectives of one micro-batch."""
-    if gather_bytes <= 0 or strategy.cp == 1:
+    if gather_bytes <= 0 or config.cp == 1:
         return 0.0, 0.0
-    fwd = collective_time_s("all_gather", gather_bytes, strategy.cp, cluster, strategy.tp)
-    bwd = collective_time_s("reduce_scatter", gather_bytes, strategy.cp, cluster, strategy.tp)
-    if strategy.recompute == "full":
+    fwd = collective_time_s("all_gather", gather_bytes, config.cp, cluster, config.tp)
+    bwd = collective_time_s("reduce_scatter", gather_bytes, config.cp, cluster, config.tp)
+    if config.recompute == "full":
         bwd += fwd  # the recomputed forward gathers K/V again
     return fwd, bwd
 
 
-def with_context_parallel(local, layer, strategy, cluster, info, profile_dtype: str | None):
-    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced under
-    `data_view`): plus the K/V exchange and the gathered K/V that attention's backward keeps."""
-    dtype = COMPUTE_DTYPE[strategy.precision]
-    gathered = kv_gather_bytes(layer, strategy, info, profile_dtype or dtype, dtype)
-    fwd_s, bwd_s = cp_comm_s(gathered, strategy, cluster)
-    kept = gathered * (1 - 1 / strategy.cp) if strategy.recompute != "full" else 0.0
+def with_context_parallel(local, layer, config, cluster, info, profile_dtype: str | None):
+    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced at the rank's
+    `rank_microbatch` over the `data_ranks`): plus the K/V exchange and the gathered K/V that
+    attention's backward keeps."""
+    dtype = COMPUTE_DTYPE[config.precision]
+    gathered = kv_gather_bytes(layer, config, info, profile_dtype or dtype, dtype)
+    fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)
+    kept = gathered * (1 - 1 / config.cp) if config.recompute != "full" else 0.0
     return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)

@@ -4,9 +4,9 @@ the loss's fp32 copies, a vocab-parallel embedding's whole gradient, FSDP2's gat
 reduce-scatter buffers. Each rule was measured on CPU (tests/executor/test_memory_prediction.py)."""
 from __future__ import annotations
 
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing.strategy import Strategy
 
 
 LOSS_FP32_COPIES = 2  # nll_loss's dense gradient and log_softmax's backward output
@@ -14,7 +14,7 @@ LOSS_PARALLEL_FP32_COPIES = 3  # loss_parallel's backward: one-hot mask, exp(log
 REDUCE_SCATTER_INPUT_BYTES = 4.0  # FSDP2's reduce-scatter input per parameter (fp32 reduce dtype)
 
 
-def executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: ModelInfo, zero: int,
+def executor_memory_extras(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, zero: int,
                            gathered_bytes: float, fsdp_root: bool, split: bool, vocab_scale: float,
                            profile_dtype: str, unit_params: float = 0.0,
                            compute_bytes: float = 2.0) -> tuple[float, float, float]:
@@ -54,20 +54,20 @@ def executor_memory_extras(layer: LayerProfile, strategy: Strategy, info: ModelI
       over-predicts (dp2 ZeRO-2 +6.6%, an HF model under ZeRO-3 +20%), so it is not.
     """
     extra_params = extra_grads = extra_buffer = 0.0
-    tp, dp, mbs = strategy.tp, strategy.dp, strategy.microbatch_size
+    tp, dp, mbs = config.tp, config.data_ranks, config.rank_microbatch
     if layer.kind == "head" and layer.tp_split.kind == "vocab":
         logits = layer.output_bytes / DTYPE_BYTES.get(profile_dtype, 2) * mbs * vocab_scale / (tp if split else 1)
         extra_buffer += 4.0 * logits * (LOSS_PARALLEL_FP32_COPIES if split else LOSS_FP32_COPIES)
     if layer.kind == "embedding" and split and info.hidden and info.padded_vocab \
-            and not (info.tied_embeddings and strategy.pp == 1):
+            and not (info.tied_embeddings and config.pp == 1):
         table = info.padded_vocab * vocab_scale * info.hidden
         extra_grads += 4.0 * table * (1 - 1 / tp)
     if dp > 1 and zero >= 1:
         # under pipelining a ZeRO-1/2 unit is gathered once per step, in the first micro-batch's
         # forward, far from the peak: not added; ZeRO-3 gathers in every micro-batch's forward
-        if strategy.pp == 1 or zero == 3:
+        if config.pp == 1 or zero == 3:
             extra_buffer += gathered_bytes
-        if zero >= 2 and strategy.pp > 1:  # a backward beside other micro-batches' activations
+        if zero >= 2 and config.pp > 1:  # a backward beside other micro-batches' activations
             extra_buffer = max(extra_buffer, unit_params * (compute_bytes + REDUCE_SCATTER_INPUT_BYTES))
         if zero == 3 and fsdp_root:
             extra_params += gathered_bytes

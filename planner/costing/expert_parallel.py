@@ -34,7 +34,8 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   optimizer states follow ZeRO over the expert-data-parallel group (dp cp / ep ranks; HSDP's
   shard group applies to the non-expert parameters only); the experts' saved activations x F.
 - gradient reduction: non-expert gradients over the dp * cp data ranks as before; expert
-  gradients over the dp cp / ep expert-data ranks, tp * ep apart (`expert_data_group`).
+  gradients over the dp cp / ep expert-data ranks, tp * ep apart (`ParallelConfig.expert_data_ranks`,
+  `expert_data_stride`).
 - capacity factor C (`ModelInfo.moe_capacity_factor`, 0: none, nothing dropped): each expert
   takes at most C T k / E copies per micro-batch; copies routed beyond that are dropped (they skip
   the expert and reach the combine as zeros, Megatron-LM's and GShard's token dropping). The
@@ -127,49 +128,36 @@ def dropped_share_lower_bound(info) -> float:
     return (imbalance - capacity) / info.num_experts
 
 
-def expert_gemm_flops(layer, strategy, info, tp_shard: int) -> tuple[float, float, int]:
+def expert_gemm_flops(layer, config, info, tp_shard: int) -> tuple[float, float, int]:
     """(forward FLOPs, backward FLOPs, forward GEMMs) of the busiest rank's experts, one micro-batch."""
-    ep = strategy.ep
-    scale = strategy.microbatch_size / tp_shard * load_factor(info)
+    ep = config.ep
+    scale = config.rank_microbatch / tp_shard * load_factor(info)
     num_gemms = expert_gemms(layer) * max(1, info.num_experts // ep)
     return layer.expert_fwd_flops * scale, layer.expert_bwd_flops * scale, num_gemms
 
 
-def dispatch_send_bytes(layer, strategy, act_scale: float, split: bool) -> float:
+def dispatch_send_bytes(layer, config, act_scale: float, split: bool) -> float:
     """D: one rank's routed copies of one micro-batch in the compute dtype (/ tp with SP)."""
-    shard = strategy.tp if strategy.sp and split else 1
-    return layer.dispatch_bytes * strategy.microbatch_size * act_scale / shard
+    shard = config.tp if config.sp and split else 1
+    return layer.dispatch_bytes * config.rank_microbatch * act_scale / shard
 
 
-def all_to_all_s(send_bytes: float, strategy, cluster, info) -> float:
+def all_to_all_s(send_bytes: float, config, cluster, info) -> float:
     """One dispatch (or combine) all-to-all over the EP group (ep ranks tp apart), at the busiest
     rank's F D."""
-    if strategy.ep == 1 or send_bytes <= 0:
+    if config.ep == 1 or send_bytes <= 0:
         return 0.0
-    return collective_time_s("all_to_all", send_bytes * load_factor(info), strategy.ep, cluster, strategy.tp)
+    return collective_time_s("all_to_all", send_bytes * load_factor(info), config.ep, cluster, config.tp)
 
 
-def ep_comm_s(send_bytes: float, strategy, cluster, info) -> tuple[float, float]:
+def ep_comm_s(send_bytes: float, config, cluster, info) -> tuple[float, float]:
     """(forward, backward) blocking all-to-all seconds of one micro-batch: dispatch + combine each
     pass, and the recomputed forward's two again under full recomputation."""
-    one = all_to_all_s(send_bytes, strategy, cluster, info)
+    one = all_to_all_s(send_bytes, config, cluster, info)
     fwd, bwd = 2 * one, 2 * one
-    if strategy.recompute == "full":
+    if config.recompute == "full":
         bwd += fwd
     return fwd, bwd
-
-
-def expert_data_group(strategy) -> tuple[int, int]:
-    """(ranks, stride) of the expert-data-parallel group: dp / ep data ranks, tp * ep apart
-    (`strategy.dp` already counts the CP ranks here: see `context_parallel.data_view`)."""
-    return strategy.dp // strategy.ep, strategy.tp * strategy.ep
-
-
-def expert_data_view(strategy):
-    """The strategy the experts' gradient reduction and ZeRO run under: the expert-data group as
-    its dp, its stride as tp (the collectives only read tp as the stride), no HSDP group."""
-    ranks, stride = expert_data_group(strategy)
-    return replace(strategy, dp=ranks, tp=stride, shard_group=None, ep=1)
 
 
 def check_expert_parallel(info, ep: int, data_ranks: int) -> None:
@@ -187,34 +175,34 @@ def check_expert_parallel(info, ep: int, data_ranks: int) -> None:
                          "carved out of data and context parallelism)")
 
 
-def with_routed_experts(dense, layer, strategy, cluster, info, profile_dtype: str | None):
+def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
+                        state_recipe: str = "executor"):
     """A MoE block's `LayerCost` from its dense part's (`dense_part`, priced as any layer): plus
     the experts on the busiest rank: GEMMs at the per-expert size, their states over the
     expert-data group, and the dispatch / combine all-to-alls."""
-    dtype = COMPUTE_DTYPE[strategy.precision]
-    act_scale = activation_scale(strategy.precision, profile_dtype)
-    split = is_split(layer, strategy.tp)
-    shard = strategy.tp if split else 1
-    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, strategy, info, shard)
-    saved = layer.expert_act_bytes * strategy.microbatch_size * act_scale / shard * load_factor(info)
+    dtype = COMPUTE_DTYPE[config.precision]
+    act_scale = activation_scale(config.precision, profile_dtype)
+    split = is_split(layer, config.tp)
+    shard = config.tp if split else 1
+    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info, shard)
+    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / shard * load_factor(info)
     traffic = cluster.device.elementwise_bytes_per_activation_byte * saved
     fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic, cluster)
     bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2) + memory_time_s(2 * traffic, cluster)
-    ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, strategy, act_scale, split), strategy, cluster, info)
+    ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale, split), config, cluster, info)
     # the experts' states: P_e = expert_params / (ep tp) per rank, ZeRO over the expert-data group
-    params = layer.expert_params / strategy.ep / shard
-    group = expert_data_view(strategy)
-    states = state_bytes(params, group.dp, strategy.zero, strategy.precision, strategy.state_recipe,
-                         strategy.tp, strategy.pp)
-    grad_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params, group, cluster)
-    zero = strategy.zero
-    owned = params / (group.dp if zero >= 1 else 1)
+    params = layer.expert_params / config.ep / shard
+    ranks, zero = config.expert_data_ranks, config.zero
+    states = state_bytes(params, ranks, zero, config.precision, state_recipe, config.tp, config.pp)
+    grad_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params, config, cluster, state_recipe=state_recipe,
+                                                             group=(ranks, config.expert_data_stride))
+    owned = params / (ranks if zero >= 1 else 1)
     optimizer_s = owned * cluster.optimizer_bytes_per_param / (
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency)
-    gathered = params * recipe(strategy.precision)["param"]
-    copies = (zero == 3) + (strategy.state_recipe == "executor" and group.dp > 1 and zero >= 1
-                            and (strategy.pp == 1 or zero == 3))
-    full = strategy.recompute == "full"
+    gathered = params * recipe(config.precision)["param"]
+    copies = (zero == 3) + (state_recipe == "executor" and ranks > 1 and zero >= 1
+                            and (config.pp == 1 or zero == 3))
+    full = config.recompute == "full"
     return replace(
         dense, fwd_compute_s=dense.fwd_compute_s + fwd_s, bwd_compute_s=dense.bwd_compute_s + bwd_s,
         recompute_s=dense.recompute_s + (fwd_s if full else 0.0),

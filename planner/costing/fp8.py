@@ -197,18 +197,18 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     return fwd_s, bwd_s
 
 
-def adjust_memory(layer: LayerProfile, info: ModelInfo, strategy, split: bool, executor: bool, zero: int,
+def adjust_memory(layer: LayerProfile, info: ModelInfo, config, split: bool, executor: bool, zero: int,
                   scale: float, activation_bytes: float, buffer_bytes: float) -> tuple[float, float]:
     """(saved, transient) bytes per micro-batch under fp8 from bf16-mixed's: the Linears' saved
     inputs in fp8 (in the recompute working set under full recomputation, which keeps only the
     block's input) and the fp8 weight copies and scales. `scale`: compute over profile element size."""
-    if not is_fp8(strategy.precision) or not converts(layer):
+    if not is_fp8(config.precision) or not converts(layer):
         return activation_bytes, buffer_bytes
-    tp = strategy.tp if split else 1
-    gathered = executor and split and strategy.sp and strategy.recompute == "selective"  # activation_memory's SP rule
-    saving = saved_bytes_saving(layer, info, tp, strategy.sp, gathered, strategy.microbatch_size, scale)
-    if strategy.recompute == "full":
+    tp = config.tp if split else 1
+    gathered = executor and split and config.sp and config.recompute == "selective"  # activation_memory's SP rule
+    saving = saved_bytes_saving(layer, info, tp, config.sp, gathered, config.rank_microbatch, scale)
+    if config.recompute == "full":
         buffer_bytes -= saving
     else:
         activation_bytes -= saving
-    return activation_bytes, buffer_bytes + transient_bytes(layer, info, tp, strategy.precision, zero, strategy.dp)
+    return activation_bytes, buffer_bytes + transient_bytes(layer, info, tp, config.precision, zero, config.data_ranks)

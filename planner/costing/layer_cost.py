@@ -1,4 +1,4 @@
-"""The cost of one layer on one rank under one strategy: the `LayerCost` record the simulator,
+"""The cost of one layer on one rank under one `ParallelConfig`: the `LayerCost` record the simulator,
 the cost tables and the closed form read, and `layer_cost`, which prices the layer's dense part
 and adds the routed experts (`planner.costing.expert_parallel`) and context parallelism's K/V
 exchange (`planner.costing.context_parallel`).
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8
 from meshplan.planner.costing.activation_memory import activation_bytes
@@ -21,8 +22,8 @@ from meshplan.planner.costing.compute_time import compute_times_s
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
-from meshplan.planner.costing.strategy import (COMPUTE_DTYPE, Strategy, activation_scale, extra_vocab_params,
-                                               is_split, recipe, vocab_scale)
+from meshplan.planner.costing.strategy import (COMPUTE_DTYPE, activation_scale, extra_vocab_params, is_split,
+                                               recipe, vocab_scale)
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,15 @@ class LayerCost:
         return gather_exposure_s(self.bwd_gather_s, self.bwd_busy_s)
 
 
-def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                *, profile_dtype: str | None = None, holds_shared: bool = False,
-               attention: str = "flash") -> LayerCost:
-    """Time and memory of `layer` on one rank under `strategy` (see LayerCost for units).
+               attention: str = "flash", state_recipe: str = "executor") -> LayerCost:
+    """Time and memory of `layer` on one rank under `config` (see LayerCost for units).
+
+    `config` is the configuration as the layer runs it (`uniform.layer_config`): its `recompute`
+    the layer's mode, its `zero` the stage the executor runs, its tp and dp the layer's own under
+    a layerwise plan (`uniform.layer_mesh`). `state_recipe`: where model states live,
+    "executor" (what `meshplan train` allocates) or "zero-paper" (`state_memory`).
 
     `profile_dtype`: dtype the profile's byte counts were taken in (default: the precision's
     compute dtype); activations scale by the element-size ratio. `holds_shared`: this rank holds a
@@ -98,56 +104,57 @@ def layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile,
     step time uses the causal FLOPs (MFU keeps counting attention in full, as Megatron-LM does).
 
     Under context parallelism a rank runs the layer's per-token work as a CP-free data rank
-    (`context_parallel.data_view`) plus the K/V exchange; a MoE block is its dense part priced as
-    any layer plus its routed experts.
+    (`config.rank_microbatch` samples, gradients and ZeRO over `config.data_ranks`) plus the K/V
+    exchange; a MoE block is its dense part priced as any layer plus its routed experts.
     """
-    _check(layer, strategy, info)
-    if strategy.cp == 1:
-        return _data_rank_cost(layer, strategy, cluster, info, profile_dtype, holds_shared, attention)
-    local = _data_rank_cost(layer, context_parallel.data_view(strategy), cluster, info, profile_dtype,
-                            holds_shared, attention)
-    return context_parallel.with_context_parallel(local, layer, strategy, cluster, info, profile_dtype)
+    _check(layer, config, info)
+    local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
+    if config.cp == 1:
+        return local
+    return context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype)
 
 
-def _check(layer: LayerProfile, strategy: Strategy, info: ModelInfo) -> None:
-    """ValueError unless `strategy` can run `layer`: a tensor-parallel layout, a known mode."""
-    tp = strategy.tp
+def _check(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> None:
+    """ValueError unless `config` can run `layer`: a tensor-parallel layout, a known mode."""
+    tp = config.tp
     if tp > 1 and info.family == "hf" and layer.kind == "block" and layer.tp_split.kind == "none":
         raise ValueError(f"layer {layer.name!r} cannot be split tp={tp} ways: "
                          f"{layer.tp_split.reason or 'no known tensor-parallel layout'}")
     if not layer.tp_split.max_degree_ok(tp):
         raise ValueError(f"layer {layer.name!r} cannot be split tp={tp} ways (heads {layer.tp_split.num_heads}, "
                          f"kv heads {layer.tp_split.num_kv_heads}, vocab {layer.tp_split.vocab_size})")
-    if strategy.recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {strategy.recompute!r}")
-    recipe(strategy.precision)  # validates the name
+    if config.recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {config.recompute!r}")
+    recipe(config.precision)  # validates the name
 
 
-def _data_rank_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
-                    profile_dtype: str | None, holds_shared: bool, attention: str) -> LayerCost:
-    """The layer on a CP-free rank: its dense part, plus a MoE block's routed experts."""
+def _data_rank_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
+                    profile_dtype: str | None, holds_shared: bool, attention: str, state_recipe: str) -> LayerCost:
+    """The layer's per-token work on a data rank: its dense part, plus a MoE block's routed experts."""
     if not layer.expert_params:
-        return dense_layer_cost(layer, strategy, cluster, info, profile_dtype, holds_shared, attention)
-    dense = dense_layer_cost(expert_parallel.dense_part(layer), strategy, cluster, info, profile_dtype,
-                             holds_shared, attention)
-    return expert_parallel.with_routed_experts(dense, layer, strategy, cluster, info, profile_dtype)
+        return dense_layer_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
+    dense = dense_layer_cost(expert_parallel.dense_part(layer), config, cluster, info, profile_dtype,
+                             holds_shared, attention, state_recipe)
+    return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe)
 
 
-def dense_layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
-                     profile_dtype: str | None, holds_shared: bool, attention: str) -> LayerCost:
-    """`layer_cost` of a layer without routed experts on a rank without context parallelism."""
-    mbs = strategy.microbatch_size
-    dtype = COMPUTE_DTYPE[strategy.precision]
-    act_scale = activation_scale(strategy.precision, profile_dtype)
-    split = is_split(layer, strategy.tp)
-    vocab = vocab_scale(layer, strategy.tp, info)
-    fwd_s, bwd_s, recompute_s, tp_fwd_s, tp_bwd_s = _pass_times_s(layer, strategy, cluster, info, act_scale, vocab,
+def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
+                     profile_dtype: str | None, holds_shared: bool, attention: str,
+                     state_recipe: str = "executor") -> LayerCost:
+    """`layer_cost` of a layer without routed experts, without context parallelism's K/V exchange:
+    a rank's `rank_microbatch` samples, data parallelism over all `data_ranks`."""
+    mbs = config.rank_microbatch
+    dtype = COMPUTE_DTYPE[config.precision]
+    act_scale = activation_scale(config.precision, profile_dtype)
+    split = is_split(layer, config.tp)
+    vocab = vocab_scale(layer, config.tp, info)
+    fwd_s, bwd_s, recompute_s, tp_fwd_s, tp_bwd_s = _pass_times_s(layer, config, cluster, info, act_scale, vocab,
                                                                   profile_dtype or dtype, attention)
-    states = _model_states(layer, strategy, cluster, info, holds_shared)
+    states = _model_states(layer, config, cluster, info, holds_shared, state_recipe)
     fwd_s, bwd_s = fwd_s + states.host_fwd_s, bwd_s + states.host_bwd_s
     saved_bytes, buffer_bytes, extra_params, extra_grads = _memory_bytes(
-        layer, strategy, info, states, act_scale, vocab, profile_dtype or dtype)
-    out_shard = strategy.tp if strategy.sp and split else 1
+        layer, config, info, states, act_scale, vocab, profile_dtype or dtype, state_recipe)
+    out_shard = config.tp if config.sp and split else 1
     return LayerCost(
         fwd_compute_s=fwd_s, bwd_compute_s=bwd_s, recompute_s=recompute_s,
         tp_fwd_comm_s=tp_fwd_s, tp_bwd_comm_s=tp_bwd_s, fwd_gather_s=states.fwd_gather_s,
@@ -159,24 +166,24 @@ def dense_layer_cost(layer: LayerProfile, strategy: Strategy, cluster: ClusterPr
     )
 
 
-def _pass_times_s(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
+def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                   act_scale: float, vocab: float, profile_dtype: str,
                   attention: str) -> tuple[float, float, float, float, float]:
     """(forward, backward, recomputation, blocking TP forward, blocking TP backward) seconds of one
     micro-batch: compute, TP collectives and the per-pass fixed costs of DTensor and FSDP hooks."""
-    tp, mbs = strategy.tp, strategy.microbatch_size
-    fwd_s, bwd_s, recompute_s = compute_times_s(layer, strategy, cluster, info, act_scale, vocab, profile_dtype,
+    tp, mbs = config.tp, config.rank_microbatch
+    fwd_s, bwd_s, recompute_s = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
                                                 attention)
-    tp_fwd_s, tp_bwd_s = tp_comm_s(layer, strategy, cluster, act_scale)
+    tp_fwd_s, tp_bwd_s = tp_comm_s(layer, config, cluster, act_scale)
     if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (planner.costing.fixed_costs)
         # the (mbs, seq, hidden) residual stream: an embedding's output, any other layer's input
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)
-        pass_s = fixed_costs.tp_pass_overhead_s(layer, stream_bytes, strategy.sp, cluster)
+        pass_s = fixed_costs.tp_pass_overhead_s(layer, stream_bytes, config.sp, cluster)
         tp_fwd_s, tp_bwd_s = tp_fwd_s + pass_s, tp_bwd_s + pass_s
-    if fixed_costs.dp_wrapped(tp, strategy.dp, strategy.zero, strategy.pp):  # FSDP / replicate hooks per pass
+    if fixed_costs.dp_wrapped(tp, config.data_ranks, config.zero, config.pp):  # FSDP / replicate hooks per pass
         fwd_s += cluster.device.dp_unit_overhead_s
         bwd_s += cluster.device.dp_unit_overhead_s
-    if strategy.recompute == "full":
+    if config.recompute == "full":
         tp_bwd_s += tp_fwd_s  # the recomputed forward repeats its collectives
     return fwd_s, bwd_s, recompute_s, tp_fwd_s, tp_bwd_s
 
@@ -197,55 +204,57 @@ class _ModelStates(NamedTuple):
     host_bwd_s: float
 
 
-def _model_states(layer: LayerProfile, strategy: Strategy, cluster: ClusterProfile, info: ModelInfo,
-                  holds_shared: bool) -> _ModelStates:
+def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
+                  holds_shared: bool, state_recipe: str) -> _ModelStates:
     """The layer's resident states, gradient reduction, parameter gathers and optimizer step."""
-    tp, dp, zero = strategy.tp, strategy.dp, strategy.zero  # zero: the stage the executor runs (`executed_zero`)
+    # gradients and ZeRO span every data rank; zero: the stage the executor runs (`executed_zero`)
+    tp, dp, zero, precision, pp = config.tp, config.data_ranks, config.zero, config.precision, config.pp
+    shard = config.shard_degree if config.shard_group else None
     split = is_split(layer, tp)
     num_params = layer.num_params + extra_vocab_params(layer, tp, info)
     if holds_shared:
         num_params += layer.shared_params
     params_per_rank = num_params / (tp if split else 1)
-    memory = state_bytes(params_per_rank, dp, zero, strategy.precision, strategy.state_recipe,
-                         tp, strategy.pp, strategy.shard_group)
-    compute_bytes = recipe(strategy.precision)["param"]
+    memory = state_bytes(params_per_rank, dp, zero, precision, state_recipe, tp, pp, shard)
+    compute_bytes = recipe(precision)["param"]
     # bytes per parameter a gather moves and an unsharded copy holds (fp8: float8 all-gather)
-    gather_bytes = fp8.gather_bytes_per_param(layer, info, strategy.precision, zero, dp, compute_bytes)
-    if strategy.state_recipe == "executor" and zero in (1, 2) and gather_bytes < compute_bytes:
+    gather_bytes = fp8.gather_bytes_per_param(layer, info, precision, zero, dp, compute_bytes)
+    if state_recipe == "executor" and zero in (1, 2) and gather_bytes < compute_bytes:
         memory = {**memory, "params": memory["params"] - params_per_rank * (compute_bytes - gather_bytes)}
-    grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params_per_rank, strategy, cluster, gather_bytes)
-    if holds_shared and layer.shared_params and strategy.pp > 1:
-        shared_bytes = layer.shared_params / (tp if split else 1) * grad_wire_bytes_per_param(
-            strategy.precision, strategy.state_recipe)
-        link = cluster.link_for_group(2, strategy.dp * strategy.tp * (strategy.pp - 1))
+    grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params_per_rank, config, cluster, gather_bytes,
+                                                                  state_recipe=state_recipe)
+    if holds_shared and layer.shared_params and pp > 1:
+        shared_bytes = layer.shared_params / (tp if split else 1) * grad_wire_bytes_per_param(precision, state_recipe)
+        link = cluster.link_for_group(2, dp * tp * (pp - 1))  # the first and the last stage, pipeline-strided
         grad_comm_s += all_reduce_time_s(shared_bytes, 2, link)
-    owned_params = params_per_rank / ((strategy.shard_group or dp) if zero >= 1 else 1)  # sharded states
+    owned_params = params_per_rank / ((shard or dp) if zero >= 1 else 1)  # sharded states
     # AdamW streams its states through memory, and pays a fixed cost per parameter tensor
     optimizer_s = owned_params * cluster.optimizer_bytes_per_param / (
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency) + fixed_costs.optimizer_fixed_s(
         fixed_costs.num_param_tensors(layer, info, holds_shared),
-        fixed_costs.holds_dtensors(split, tp, dp, zero, strategy.pp), cluster)
+        fixed_costs.holds_dtensors(split, tp, dp, zero, pp), cluster)
     if split:
         optimizer_s += fixed_costs.tp_norm_grad_sync_s(layer, info, tp, cluster)
     host_fwd_s = host_bwd_s = 0.0
-    if fixed_costs.dp_wrapped(tp, dp, zero, strategy.pp):  # FSDP's copies around its collectives, on the compute path
+    if fixed_costs.dp_wrapped(tp, dp, zero, pp):  # FSDP's copies around its collectives, on the compute path
         host_fwd_s, host_bwd_s, host_step_s = fixed_costs.dp_host_overhead_s(
-            zero, strategy.pp, params_per_rank * gather_bytes,
-            params_per_rank * grad_wire_bytes_per_param(strategy.precision, strategy.state_recipe), cluster)
+            zero, pp, params_per_rank * gather_bytes,
+            params_per_rank * grad_wire_bytes_per_param(precision, state_recipe), cluster)
         optimizer_s = optimizer_s + host_step_s
     return _ModelStates(params_per_rank, memory, gather_bytes, compute_bytes, grad_comm_s, gather_s, fwd_gather_s,
                         bwd_gather_s, optimizer_s, host_fwd_s, host_bwd_s)
 
 
-def _memory_bytes(layer: LayerProfile, strategy: Strategy, info: ModelInfo, states: _ModelStates, act_scale: float,
-                  vocab: float, profile_dtype: str) -> tuple[float, float, float, float]:
+def _memory_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, states: _ModelStates,
+                  act_scale: float, vocab: float, profile_dtype: str,
+                  state_recipe: str) -> tuple[float, float, float, float]:
     """(saved activation bytes, transient buffer bytes, extra param bytes, extra grad bytes) of one
     micro-batch: activations (fp8's adjusted), ZeRO-3's gathered copy, the executor's extras."""
-    zero, dp = strategy.zero, strategy.dp
-    split = is_split(layer, strategy.tp)
-    executor = strategy.state_recipe == "executor"
-    saved_bytes, buffer_bytes = activation_bytes(layer, strategy, act_scale * vocab, executor=executor)
-    saved_bytes, buffer_bytes = fp8.adjust_memory(layer, info, strategy, split, executor, zero, act_scale,
+    zero, dp = config.zero, config.data_ranks
+    split = is_split(layer, config.tp)
+    executor = state_recipe == "executor"
+    saved_bytes, buffer_bytes = activation_bytes(layer, config, act_scale * vocab, executor=executor)
+    saved_bytes, buffer_bytes = fp8.adjust_memory(layer, info, config, split, executor, zero, act_scale,
                                                   saved_bytes, buffer_bytes)
     gathered_bytes = states.params_per_rank * states.gather_bytes  # one unsharded copy (fp8 Linears: fp8)
     # The zoo's embedding and head belong to the stage's root FSDP unit; a file or HF model's are
@@ -257,6 +266,6 @@ def _memory_bytes(layer: LayerProfile, strategy: Strategy, info: ModelInfo, stat
     if not executor:
         return saved_bytes, buffer_bytes, 0.0, 0.0
     extra_params, extra_grads, extra_buffer = executor_memory_extras(
-        layer, strategy, info, zero, gathered_bytes, fsdp_root, split, vocab, profile_dtype,
+        layer, config, info, zero, gathered_bytes, fsdp_root, split, vocab, profile_dtype,
         unit_params=states.params_per_rank, compute_bytes=states.compute_bytes)
     return saved_bytes, buffer_bytes + extra_buffer, extra_params, extra_grads

@@ -1,6 +1,6 @@
 """Model-state bytes per rank (parameters, gradients, optimizer states) under each ZeRO stage.
 
-Two recipes, named by `Strategy.state_recipe`:
+Two recipes, named by `layer_cost`'s `state_recipe`:
 
 "zero-paper" (Rajbhandari et al. 2020, the bf16-mixed recipe): bf16 parameters and
 gradients, fp32 master weights and two fp32 Adam moments, 2 + 2 + 12 bytes per parameter;
@@ -86,7 +86,7 @@ def grad_sync_mode(config) -> str:
     while accumulating), pipelined or not. Under pipelining ZeRO-0/1 (and ZeRO-2/3 under a
     split-backward schedule) leave it to torch, which reduces a chunk's gradients after its
     last backward (`perform_reduce_grad`), blocking the rank."""
-    data_ranks = config.dp * getattr(config, "cp", 1)
+    data_ranks = config.data_ranks
     zero = executed_zero(config.zero, data_ranks, config.pp, config.schedule)
     if config.pp > 1 and data_ranks > 1 and zero <= 1:
         return "after_chunk"

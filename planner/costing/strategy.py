@@ -1,42 +1,9 @@
-"""How one layer runs on one rank: the `Strategy` record, the precision recipes, and how a
-layer's tensors split under a strategy's tensor parallelism (Megatron's padded vocabulary)."""
+"""The precision recipes, and how a layer's tensors split under tensor parallelism (Megatron's
+padded vocabulary). What a layer runs under is a `ParallelConfig` (`costing.uniform.layer_config`)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How one layer runs: mesh degrees it sees, ZeRO stage, recomputation, SP, micro-batch size.
-
-    Mesh order is (pp, dp, tp) with tp innermost: a TP group is `tp` consecutive ranks, a DP group
-    is `dp` ranks spaced `tp` apart, pipeline neighbours are `dp * tp` ranks apart.
-    """
-
-    tp: int = 1
-    dp: int = 1
-    zero: int = 0
-    recompute: str = "none"  # none | selective | full
-    sp: bool = False
-    microbatch_size: int = 1
-    precision: str = "bf16-mixed"  # bf16-mixed | fp32 | fp8
-    pp: int = 1  # only for which link pipeline transfers cross
-    # Where model states live: "executor" (what `meshplan train` allocates) or "zero-paper"
-    # (Rajbhandari et al.'s 2 + 2 + 12 bytes per parameter); see planner.costing.state_memory.
-    state_recipe: str = "executor"
-    # HSDP: ZeRO shards over groups of this many consecutive dp ranks (stride tp) and replicates
-    # across dp / shard_group of them; None shards over all dp ranks.
-    shard_group: int | None = None
-    # Context parallelism: each of `cp` ranks (tp apart) holds 1/cp of every sequence.
-    cp: int = 1
-    # Expert parallelism: MoE blocks' routed experts split over `ep` data ranks (tp apart), carved
-    # out of dp * cp (planner.costing.expert_parallel).
-    ep: int = 1
-
-
 
 
 # Bytes per parameter of each precision recipe (the ZeRO paper's mixed-precision

@@ -1,6 +1,6 @@
 """Cost tables: what the ILP needs about one outer candidate, built from `planner.costing.layer_cost.layer_cost`.
 
-For one uniform strategy (tp, dp, ZeRO stage, SP, micro-batch size, precision, pp) the layers of a
+For one uniform `ParallelConfig` (tp, dp, cp, ep, ZeRO stage, SP, micro-batch size, precision, pp) the layers of a
 model collapse into a few *layer types* (the embedding, the repeated transformer block, the head),
 and each type has a handful of *options* (recomputation none / selective / full; with
 `--layerwise` also the per-layer tp and dp degrees). The solver only ever reads these tables, so
@@ -153,7 +153,7 @@ class CostTable:
         return sum(self.types[t].min_time_s() for t in self.layer_type)
 
     # Aggregates the search reads once per candidate (computed once per table; a table is shared
-    # by every candidate with its strategy).
+    # by every candidate with its `uniform.cost_config`).
     @cached_property
     def type_counts(self) -> tuple[tuple[int, int], ...]:
         """(type index, layers of that type), in order of first appearance."""
@@ -258,7 +258,7 @@ def drop_dominated(options: list[OptionCost]) -> tuple[OptionCost, ...]:
 
 def stream_bytes(types, layer_type) -> float:
     """The tensor one layer hands the next, per micro-batch: the largest output of any layer but
-    the last (the hidden stream, never the head's logits), at the strategy's own mesh (the first
+    the last (the hidden stream, never the head's logits), at the config's own mesh (the first
     option of each type). What a pipeline boundary sends and a layerwise plan reshards."""
     return max(types[t].options[0].output_bytes for t in set(layer_type[:-1] or layer_type))
 
@@ -281,14 +281,35 @@ def costed_pp(pp: int) -> int:
     return min(pp, 2)
 
 
-def _pipelined(strategy, cache: dict):
-    """`strategy` at `costed_pp`, one object per distinct strategy (kept in `cache`)."""
+def costed_config(config):
+    """`config` at `costed_pp` (the GPUs to match), on the plain schedule (`uniform.cost_config`)."""
     from dataclasses import replace
 
-    key = ("costed_pp", strategy)
+    from meshplan.planner.costing.uniform import cost_config
+
+    pp = costed_pp(config.pp)
+    if pp == config.pp:
+        return config
+    return replace(cost_config(config), pp=pp, gpus=config.gpus // config.pp * pp)
+
+
+def _pipelined(config, cache: dict):
+    """`costed_config(config)`, one object per distinct config (kept in `cache`)."""
+    key = ("costed_pp", config)
     out = cache.get(key)
     if out is None:
-        out = cache[key] = replace(strategy, pp=costed_pp(strategy.pp))
+        out = cache[key] = costed_config(config)
+    return out
+
+
+def _variant(config, cache: dict, **changes):
+    """`replace(config, **changes)`, built (and validated) once per distinct result (kept in `cache`)."""
+    from dataclasses import replace
+
+    key = ("variant", config, tuple(changes.items()))
+    out = cache.get(key)
+    if out is None:
+        out = cache[key] = replace(config, **changes)
     return out
 
 
@@ -324,41 +345,32 @@ def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerTyp
     return out
 
 
-def _mesh_strategy(strategy, layer, tp: int, dp: int, holds_shared: bool, cache: dict):
-    """The strategy `layer` is costed under on a (tp, dp) mesh of the stage: the stage's samples
-    split dp ways, ep = 1 for a layer without routed experts, pp as `costed_pp` prices it."""
-    from dataclasses import replace
+def _mesh_config(config, layer, tp: int, dp: int, holds_shared: bool, cache: dict):
+    """The config `layer` is costed under on a (tp, dp) mesh of the stage (`uniform.layer_mesh`),
+    ep = 1 for a layer without routed experts, pp as `costed_pp` prices it."""
+    from meshplan.planner.costing.uniform import layer_mesh
 
-    samples_per_stage = strategy.microbatch_size * strategy.dp
-    sp = strategy.sp and tp > 1
-    if (tp, dp, sp) == (strategy.tp, strategy.dp, strategy.sp) and samples_per_stage // dp == strategy.microbatch_size:
-        local = strategy
-    else:
-        local = replace(strategy, tp=tp, dp=dp, microbatch_size=samples_per_stage // dp,
-                        sp=sp,  # HSDP groups belong to the candidate's own dp
-                        shard_group=strategy.shard_group if dp == strategy.dp else None)
+    local = layer_mesh(config, tp, dp)
     if not layer.expert_params and local.ep != 1:
-        local = replace(local, ep=1)
+        local = _variant(local, cache, ep=1)
     if local.pp != costed_pp(local.pp) and not holds_shared:
         local = _pipelined(local, cache)
     return local
 
 
-def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
+def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
                      layerwise_meshes: tuple[tuple[int, int], ...] = (),
                      layer_cost: Callable | None = None, p2p_time: Callable | None = None,
                      cache: dict | None = None) -> CostTable:
-    """The cost table of `graph` under `strategy` (a `planner.costing.strategy.Strategy`) on `cluster`.
+    """The cost table of `graph` under `config` (a `ParallelConfig` as `uniform.layer_config` gives it) on `cluster`.
 
-    `layerwise_meshes`: extra (tp, dp) pairs each layer may pick (same tp*dp as the strategy's);
-    the micro-batch is then split `dp` ways inside the stage instead of `strategy.dp` ways.
+    `layerwise_meshes`: extra (tp, dp) pairs each layer may pick (same tp*dp as the config's);
+    the micro-batch is then split `dp` ways inside the stage instead of `config.dp` ways.
     `layer_cost` and `p2p_time` default to the cost model's; tests may pass others.
     `cache`: a dict shared by the tables of one graph on one cluster (the search's); a layer's
-    option is costed once per strategy it sees, where a layer without routed experts sees
+    option is costed once per config it sees, where a layer without routed experts sees
     every expert-parallel degree as ep = 1 (expert parallelism splits only routed experts).
     """
-    from dataclasses import replace
-
     if layer_cost is None or p2p_time is None:
         from meshplan.planner.costing.communication import p2p_time_s
         from meshplan.planner.costing.layer_cost import layer_cost as default_layer_cost
@@ -373,37 +385,37 @@ def build_cost_table(graph, cluster, strategy, recompute_options=RECOMPUTE, *,
         shape = cache[("graph", id(graph))] = (keys, tuple(layer_type), first_of_type,
                                                tuple(layer.name for layer in graph.layers), graph)
     keys, layer_type, first_of_type, layer_names = shape[:4]
-    meshes = [(strategy.tp, strategy.dp)] + [m for m in layerwise_meshes if m != (strategy.tp, strategy.dp)]
-    samples_per_stage = strategy.microbatch_size * strategy.dp
+    meshes = [(config.tp, config.dp)] + [m for m in layerwise_meshes if m != (config.tp, config.dp)]
+    samples_per_stage = config.microbatch_size * config.dp
     types = []
     for type_index, key in enumerate(keys):
         layer = first_of_type[type_index]
         options = []
-        holds_shared = bool(layer.shared_params) and strategy.pp > 1
+        holds_shared = bool(layer.shared_params) and config.pp > 1
         for tp, dp in meshes:
             if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
                 continue
-            local = _mesh_strategy(strategy, layer, tp, dp, holds_shared, cache)
+            local = _mesh_config(config, layer, tp, dp, holds_shared, cache)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
                 index = (id(layer), local, recompute, holds_shared, tp, dp)
                 option = cache.get(index)
                 if option is None:
-                    run = local if local.recompute == recompute else replace(local, recompute=recompute)
+                    run = local if local.recompute == recompute else _variant(local, cache, recompute=recompute)
                     cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
                                       attention=graph.attention, holds_shared=holds_shared)
                     share = weight_grad_share(layer, graph.seq, graph.attention)
                     option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp, share)
                 options.append(option)
         if not options:
-            raise ValueError(f"layer {layer.name!r} cannot run with tp={strategy.tp}")
+            raise ValueError(f"layer {layer.name!r} cannot run with tp={config.tp}")
         types.append(LayerType(key=key, options=drop_dominated(options)))
     types = _fold_pinned_neighbours(types, layer_type)
-    boundary_bytes = stream_bytes(types, layer_type) if strategy.pp > 1 else 0.0
-    p2p_s = p2p_time(boundary_bytes, strategy, cluster) if strategy.pp > 1 else 0.0
-    gpus = strategy.tp * strategy.dp * strategy.pp
+    boundary_bytes = stream_bytes(types, layer_type) if config.pp > 1 else 0.0
+    p2p_s = p2p_time(boundary_bytes, config, cluster) if config.pp > 1 else 0.0
+    gpus = config.tp * config.dp * config.pp
     return CostTable(layer_names=layer_names, layer_type=layer_type,
                      types=tuple(types), p2p_s=p2p_s, boundary_bytes=boundary_bytes,
-                     chunk_overhead_s=2 * fixed_costs.pipeline_action_s(strategy.pp, cluster),
+                     chunk_overhead_s=2 * fixed_costs.pipeline_action_s(config.pp, cluster),
                      rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(gpus, cluster))
 

@@ -1,22 +1,55 @@
-"""A uniform configuration: the strategy every layer of a `ParallelConfig` runs under, the
-recomputation it applies per layer, and the balanced cut of the layers into pipeline chunks.
-The simulator (`simulation.simulator.simulate_config`), `estimate` and the engine bridge read
-these when no plan gives per-layer choices; the search costs its candidates with `strategy_for`."""
+"""A uniform configuration: the `ParallelConfig` each layer is costed under (`layer_config`, and
+`layer_mesh` for a layer of a layerwise plan), the recomputation it applies per layer, and the
+balanced cut of the layers into pipeline chunks. The simulator (`simulation.simulator.simulate_config`),
+`estimate` and the engine bridge read these when no plan gives per-layer choices; the search costs
+its candidates under `layer_config`."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.layer_cost import LayerCost, layer_cost
-from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import executed_zero
 
 
-def strategy_for(config, recompute: str | None = None) -> Strategy:
-    """The Strategy every layer of a uniform ParallelConfig runs under (at the ZeRO stage the
-    executor runs: `state_memory.executed_zero`)."""
-    zero = executed_zero(config.zero, config.dp * config.cp, config.pp, config.schedule)
-    return Strategy(tp=config.tp, dp=config.dp, zero=zero, recompute=recompute or config.recompute,
-                    sp=config.sp, microbatch_size=config.microbatch_size, precision=config.precision, pp=config.pp,
-                    shard_group=config.shard_group, cp=config.cp, ep=getattr(config, "ep", 1))
+def layer_config(config: ParallelConfig, recompute: str | None = None) -> ParallelConfig:
+    """`config` as `layer_cost` prices a layer of it: at the ZeRO stage the executor runs
+    (`state_memory.executed_zero`) and with the layer's recomputation (None: the config's)."""
+    zero = executed_zero(config.zero, config.data_ranks, config.pp, config.schedule)
+    recompute = recompute or config.recompute
+    if (zero, recompute) == (config.zero, config.recompute):
+        return config
+    return replace(config, zero=zero, recompute=recompute)
+
+
+# The schedule a cost-only config carries: valid at any pp (m >= pp holds for every config), one chunk.
+PLAIN_SCHEDULE = "1f1b"
+
+
+def cost_config(config: ParallelConfig) -> ParallelConfig:
+    """`layer_config(config)` on the plain schedule: what the layers' costs depend on and no more
+    (a schedule changes a layer's cost only through the ZeRO stage run, applied here), so that
+    candidates equal under it share their cost tables (`tables.build_cost_table`)."""
+    config = layer_config(config)
+    if (config.schedule, config.virtual_stages) == (PLAIN_SCHEDULE, 1):
+        return config
+    return replace(config, schedule=PLAIN_SCHEDULE, virtual_stages=1)
+
+
+def layer_mesh(config: ParallelConfig, tp: int, dp: int) -> ParallelConfig:
+    """`config` for a layer of a layerwise plan that runs on its own (tp, dp), tp * dp being the
+    stage's: the stage's samples split dp ways, sequence parallelism only where tp > 1, HSDP and
+    expert parallelism kept only on the config's own dp (they belong to its data groups)."""
+    if (tp, dp) == (config.tp, config.dp):
+        return config
+    samples = config.microbatch_size * config.dp
+    if samples % dp:
+        raise ValueError(f"dp={dp} does not divide the stage's {samples} samples per micro-batch "
+                         f"(mbs {config.microbatch_size} x dp {config.dp})")
+    same_dp = dp == config.dp
+    return replace(config, tp=tp, dp=dp, microbatch_size=samples // dp, sp=config.sp and tp > 1,
+                   shard_group=config.shard_group if same_dp else None, ep=config.ep if same_dp else 1)
 
 
 def default_recompute(graph, config) -> tuple[str, ...]:
@@ -36,7 +69,7 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
         raise ValueError(f"{num_chunks} pipeline chunks (pp {config.pp} x virtual stages {config.virtual_stages}) "
                          f"need at least that many layers; the model has {len(graph.layers)}")
     recomputes = default_recompute(graph, config)
-    weights = [_layer_time_s(layer_cost(layer, strategy_for(config, r), cluster, graph.info, profile_dtype=graph.dtype,
+    weights = [_layer_time_s(layer_cost(layer, layer_config(config, r), cluster, graph.info, profile_dtype=graph.dtype,
                                            attention=graph.attention))
                for layer, r in zip(graph.layers, recomputes)]
     low, high = max(weights), sum(weights)

@@ -21,6 +21,9 @@ from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 
+# Megatron-LM's flag for each parallel axis (`contracts.axes`; dp follows from the world size).
+AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+              "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size"}
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
 
 
@@ -29,7 +32,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     cfg, notes = plan.config, []
     args: list[tuple[str, object]] = []
     args += _model_args(plan, notes)
-    args += [("--tensor-model-parallel-size", cfg.tp), ("--pipeline-model-parallel-size", cfg.pp)]
+    args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("tp", "pp")]
     megatron_schedule = cfg.schedule_spec.megatron
     if megatron_schedule == "interleaved":
         args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
@@ -39,9 +42,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     args += _split_args(plan, notes)
     if cfg.sp:
         args.append(("--sequence-parallel", None))
-    for axis, flag in (("cp", "--context-parallel-size"), ("ep", "--expert-model-parallel-size")):
-        if getattr(cfg, axis, 1) > 1:
-            args.append((flag, getattr(cfg, axis)))
+    args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
     args += _recompute_args(plan, notes)
     args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
              ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
@@ -205,7 +206,8 @@ def read_megatron(text: str) -> EngineJob:
     """An EngineJob from Megatron-LM arguments (see `parse_arguments`)."""
     flags, header, notes = parse_arguments(text), header_fields(text), []
     get = _IntReader(flags)
-    tp, pp = get("--tensor-model-parallel-size", 1), get("--pipeline-model-parallel-size", 1)
+    degrees = {name: get(flag, 1) for name, flag in AXIS_FLAGS.items()}
+    tp, pp = degrees["tp"], degrees["pp"]
     num_layers = get("--num-layers", None)
     vpp = _virtual_stages(get, pp, num_layers)
     sp = "--sequence-parallel" in flags
@@ -218,8 +220,8 @@ def read_megatron(text: str) -> EngineJob:
     job = dict(
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
         seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
-        microbatch_size=get("--micro-batch-size", 1), tp=tp, pp=pp, cp=get("--context-parallel-size", 1),
-        ep=get("--expert-model-parallel-size", 1), zero=_read_zero(flags, notes), sp=sp, recompute=recompute,
+        microbatch_size=get("--micro-batch-size", 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
+        recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
         precision=precision, layers_per_chunk=_read_split(get, pp, vpp, num_layers))
     for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload", "--num-experts"):

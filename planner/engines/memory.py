@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.costing.state_memory import paper_state_bytes
 
 # fp8 (Transformer Engine): the same bf16 parameters, fp32 main_grad and optimizer; the fp8 weight
@@ -41,10 +41,12 @@ def engine_state_bytes(engine: str, num_params: float, dp: int, zero: int, preci
 
 def params_per_rank(graph, cluster, config, chunk_of_layer) -> list[float]:
     """Parameters each pipeline rank holds (TP-sharded layers divided, vocabulary padded)."""
-    counting = Strategy(tp=config.tp, dp=1, zero=0, precision="fp32", state_recipe="zero-paper")
+    # one tensor-parallel group, unsharded fp32 states: param_bytes / 4 counts the parameters
+    counting = ParallelConfig(gpus=config.tp, global_batch=1, tp=config.tp, precision="fp32")
     out = [0.0] * config.pp
     for layer, chunk in zip(graph.layers, chunk_of_layer):
-        cost = layer_cost(layer, counting, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention)
+        cost = layer_cost(layer, counting, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
+                          state_recipe="zero-paper")
         out[chunk % config.pp] += cost.param_bytes / 4.0  # fp32 parameters, unsharded: 4 bytes each
     return out
 

@@ -23,6 +23,10 @@ from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flavour
 
+# torchtitan's [parallelism] key for each parallel axis but dp (`contracts.axes`; dp is its
+# replicate x shard degrees), in the order the export writes them.
+AXIS_KEYS = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree",
+             "ep": "expert_parallel_degree"}
 DESCRIPTION_PREFIX = "meshplan: "  # job.description carries the meshplan SPEC for models with no flavour
 # torchtitan's [parallelism] keys (JobConfig.Parallelism)
 PARALLELISM_KEYS = (
@@ -94,8 +98,7 @@ def _parallelism(plan, notes: list[str]) -> dict:
     out = {"data_parallel_replicate_degree": cfg.dp // group if sharded else cfg.dp,
            "data_parallel_shard_degree": group if sharded else 1,
            "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
-           "tensor_parallel_degree": cfg.tp, "pipeline_parallel_degree": cfg.pp,
-           "context_parallel_degree": getattr(cfg, "cp", 1), "expert_parallel_degree": getattr(cfg, "ep", 1)}
+           **{key: getattr(cfg, name) for name, key in AXIS_KEYS.items()}}
     if cfg.zero == 1 and cfg.dp > 1:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
@@ -145,8 +148,8 @@ def read_torchtitan(text: str) -> EngineJob:
         raise MeshplanError(f"not a valid torchtitan TOML: {exc}") from None
     notes = _unpriced(data)
     par, train = data.get("parallelism", {}), data.get("training", {})
-    tp, pp = _int(par, "tensor_parallel_degree", 1), _int(par, "pipeline_parallel_degree", 1)
-    cp = _int(par, "context_parallel_degree", 1)
+    degrees = {name: _int(par, key, 1) for name, key in AXIS_KEYS.items()}
+    pp = degrees["pp"]
     replicate, shard = _int(par, "data_parallel_replicate_degree", 1), _int(par, "data_parallel_shard_degree", -1)
     fqns = par.get("module_fqns_per_model_part")
     vpp = len(fqns) // pp if fqns and pp > 1 else 1
@@ -162,8 +165,8 @@ def read_torchtitan(text: str) -> EngineJob:
     return EngineJob(
         engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
-        tp=tp, pp=pp, dp=dp, cp=cp, ep=_int(par, "expert_parallel_degree", 1),
-        zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, notes), sp=tp > 1,
+        **degrees, dp=dp, sp=degrees["tp"] > 1,
+        zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, notes),
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
         precision=precision, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))

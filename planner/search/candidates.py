@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.planner.contracts.axes import AXIS_NAMES
 from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
@@ -49,7 +50,7 @@ class Pins:
     ep: int | None = None  # expert parallelism (mixtures of experts), carved out of dp * cp
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp", "vpp", "mbs", "shard_group", "ep"):
+        for name in (*AXIS_NAMES, "vpp", "mbs", "shard_group"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise MeshplanError(f"--{name} must be a positive integer, got {value!r}")

@@ -8,8 +8,8 @@ from functools import partial
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.collectives import all_gather_time_s
-from meshplan.planner.costing.uniform import strategy_for
-from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_pp, stream_bytes
+from meshplan.planner.costing.uniform import cost_config
+from meshplan.planner.costing.tables import CostTable, build_cost_table, costed_config, stream_bytes
 from meshplan.planner.search.candidates import divisors
 from meshplan.planner.search.pool import worker_pool
 
@@ -48,14 +48,14 @@ class TableCache:
 
 
 def strategies_of(candidates) -> list:
-    """`strategy_for` of every candidate, one Strategy object per distinct strategy."""
+    """`cost_config` of every candidate, one object per distinct cost."""
     seen: dict = {}
     out = []
     for c in candidates:
         key = (c.tp, c.dp, c.zero, c.recompute, c.sp, c.microbatch_size, c.precision, c.pp, c.shard_group, c.cp, c.ep)
         strategy = seen.get(key)
         if strategy is None:
-            strategy = seen[key] = strategy_for(c)
+            strategy = seen[key] = cost_config(c)
         out.append(strategy)
     return out
 
@@ -87,7 +87,7 @@ def _neighbour_key(job: tuple) -> tuple:
     """Strategies equal but for ep, or for pp > 1, next to each other: they share their dense
     layers' costs, or all their layers' (`tables.build_cost_table`'s cache)."""
     strategy = job[0]
-    return replace(strategy, ep=1, pp=costed_pp(strategy.pp)).__repr__(), strategy.pp, strategy.ep
+    return replace(costed_config(strategy), ep=1).__repr__(), strategy.pp, strategy.ep
 
 
 def _tables_over_pool(graph, cluster, todo: list, recompute_options, workers: int) -> list[CostTable]:

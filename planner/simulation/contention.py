@@ -88,7 +88,6 @@ def link_kind(group_size: int, stride: int, gpus_per_node: int) -> str:
 def stream_links(config, gpus_per_node: int) -> tuple[str, str]:
     """(dp_link, pp_link) of a configuration: the links its data-parallel reduction and its
     pipeline transfers leave a GPU on (`link_kind`; pipeline neighbours are dp cp tp ranks apart)."""
-    data_ranks = config.dp * getattr(config, "cp", 1)
-    dp_link = link_kind(data_ranks, config.tp, gpus_per_node)
-    pp_link = link_kind(2, data_ranks * config.tp, gpus_per_node) if config.pp > 1 else ""
+    dp_link = link_kind(config.data_ranks, config.stride("cp"), gpus_per_node)  # dp x cp ranks, tp apart
+    pp_link = link_kind(2, config.stride("pp"), gpus_per_node) if config.pp > 1 else ""
     return dp_link, pp_link

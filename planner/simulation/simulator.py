@@ -12,14 +12,14 @@ from typing import Any
 
 from meshplan.planner.costing.communication import p2p_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import COMPUTE_DTYPE, Strategy
+from meshplan.planner.costing.strategy import COMPUTE_DTYPE
 from meshplan.planner.costing import flops, uniform
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.contracts.prediction import Prediction
-from meshplan.planner.costing.state_memory import executed_zero, grad_sync_mode
+from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
 from meshplan.planner.simulation.event_engine import simulate_step
 from meshplan.planner.simulation.step_costs import StepCosts
@@ -78,22 +78,19 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         if len(values) != num_layers:
             raise ValueError(f"{name} has {len(values)} entries but the model has {num_layers} layers")
     owner_rank = config.rank_of_chunk(chunks[0])  # tied weights are owned by the first layer's stage
-    layer_costs = []
+    layer_costs, configs = [], {}
     for layer, chunk, recompute, (tp, dp) in zip(graph.layers, chunks, recomputes, degrees):
         # A layer of a layerwise plan splits the stage's samples its own dp ways (as the ILP's
-        # cost table does): its micro-batch is the stage's samples over its dp.
+        # cost table does): its micro-batch is the stage's samples over its dp (`uniform.layer_mesh`).
         if (config.microbatch_size * config.dp) % dp:
             raise ValueError(f"layer {layer.name!r} has dp={dp}, which does not divide the stage's "
                              f"{config.microbatch_size * config.dp} samples per micro-batch")
-        mbs = config.microbatch_size * config.dp // dp
-        zero = executed_zero(config.zero, dp * config.cp, config.pp, config.schedule)
-        strategy = Strategy(tp=tp, dp=dp, zero=zero, recompute=recompute, sp=config.sp and tp > 1,
-                                 microbatch_size=mbs, precision=config.precision, pp=config.pp,
-                                 shard_group=config.shard_group if dp == config.dp else None, cp=config.cp,
-                                 ep=config.ep if dp == config.dp else 1)
+        run = configs.get((tp, dp, recompute))
+        if run is None:
+            run = configs[tp, dp, recompute] = uniform.layer_config(uniform.layer_mesh(config, tp, dp), recompute)
         holds_shared = bool(layer.shared_params) and config.rank_of_chunk(chunk) != owner_rank
-        layer_costs.append(layer_cost(layer, strategy, cluster, graph.info, profile_dtype=graph.dtype, attention=graph.attention,
-                                           holds_shared=holds_shared))
+        layer_costs.append(layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
+                                      attention=graph.attention, holds_shared=holds_shared))
     layer_costs = _charge_step_fixed_costs(layer_costs, chunks, cluster, config)
     last_of_chunk = {chunk: index for index, chunk in enumerate(chunks)}
     p2p = tuple(p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)

@@ -159,7 +159,7 @@ def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts)
     # ZeRO-2/3 keep only a 1/dp shard of the gradients, but the bucket holds the full gradient
     # before its reduce-scatter.
     cfg = costs.config
-    full = cfg.dp * cfg.cp if executed_zero(cfg.zero, cfg.dp * cfg.cp, cfg.pp, cfg.schedule) >= 2 else 1
+    full = cfg.data_ranks if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule) >= 2 else 1
     buckets, filled_bytes, comm_s = [], 0.0, 0.0
     for position, (cost, end_s) in enumerate(zip(backward, bwd_ends)):
         filled_bytes += cost.grad_bytes * full

@@ -264,15 +264,15 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
     from meshplan.planner.calibration.fits import block_time_s, probe_profile as _probe
     from meshplan.planner.calibration.runner import TRAFFIC_SHAPES, _block_figures
     from meshplan.planner.costing.layer_cost import layer_cost
-    from meshplan.planner.costing.strategy import Strategy
     from meshplan.planner.profiling.profiler import profile
+    from tests.planner.costing.meshes import mesh
 
     cluster = load_cluster("cpu")
     figures = dict(zip(TRAFFIC_SHAPES, _block_figures(cuda=False)))
     sample = {name: value * batch for name, value in figures[(1, seq)].items()}
     graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="fp32", cache=False)
     block = next(layer for layer in graph.layers if layer.kind == "block")
-    cost = layer_cost(block, Strategy(microbatch_size=batch, precision="fp32"), cluster, graph.info, profile_dtype="fp32")
+    cost = layer_cost(block, mesh(microbatch_size=batch, precision="fp32"), cluster, graph.info, profile_dtype="fp32")
     assert block_time_s(sample, _probe(cluster.device), "fp32") == pytest.approx(
         cost.fwd_compute_s + cost.bwd_compute_s, rel=1e-12)
 

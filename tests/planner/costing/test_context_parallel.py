@@ -19,7 +19,7 @@ from meshplan.planner.costing import context_parallel as cpm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import Strategy
+from tests.planner.costing.meshes import mesh
 
 H100 = load_cluster("h100-sxm")
 SPEC = "llama:layers=2,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000"
@@ -52,22 +52,22 @@ def test_attention_work_shares_count_causal_pairs(cp):
 
 def test_cp_layer_cost_is_the_local_share_plus_the_kv_exchange(graph):
     block = graph.layer("blocks.0")
-    tp, cp, dp, mbs = 2, 4, 8, 2
-    with_cp = layer_cost(block, Strategy(tp=tp, dp=dp, cp=cp, zero=1, microbatch_size=mbs), H100, graph.info,
+    tp, cp, dp, mbs = 2, 4, 8, 8  # mbs / cp whole: the local share is a config of its own
+    with_cp = layer_cost(block, mesh(tp=tp, dp=dp, cp=cp, zero=1, microbatch_size=mbs), H100, graph.info,
                          profile_dtype="bf16")
-    local = layer_cost(block, Strategy(tp=tp, dp=dp * cp, zero=1, microbatch_size=mbs / cp), H100, graph.info,
+    local = layer_cost(block, mesh(tp=tp, dp=dp * cp, zero=1, microbatch_size=mbs // cp), H100, graph.info,
                        profile_dtype="bf16")
     # whole sequence's K and V on one TP rank: 2 x mbs x s x (kv_heads / tp) x head_dim x 2 bytes
     gathered = 2 * mbs * 4096 * (4 / tp) * 64 * 2
-    assert cpm.kv_gather_bytes(block, Strategy(tp=tp, cp=cp, microbatch_size=mbs), graph.info, "bf16", "bf16") == gathered
+    assert cpm.kv_gather_bytes(block, mesh(tp=tp, cp=cp, microbatch_size=mbs), graph.info, "bf16", "bf16") == gathered
     assert with_cp.cp_fwd_comm_s == pytest.approx(collective_time_s("all_gather", gathered, cp, H100, tp))
     assert with_cp.cp_bwd_comm_s == pytest.approx(collective_time_s("reduce_scatter", gathered, cp, H100, tp))
     assert with_cp.activation_bytes == pytest.approx(local.activation_bytes + gathered * (1 - 1 / cp))
     for field in ("fwd_compute_s", "bwd_compute_s", "tp_fwd_comm_s", "dp_grad_comm_s", "param_bytes", "grad_bytes",
                   "optimizer_bytes", "output_bytes"):
         assert getattr(with_cp, field) == getattr(local, field), field
-    # per-token work really is 1/cp: the local strategy's activations are a quarter of mbs's
-    whole = layer_cost(block, Strategy(tp=tp, dp=dp * cp, zero=1, microbatch_size=mbs), H100, graph.info,
+    # per-token work really is 1/cp: the local config's activations are a quarter of mbs's
+    whole = layer_cost(block, mesh(tp=tp, dp=dp * cp, zero=1, microbatch_size=mbs), H100, graph.info,
                        profile_dtype="bf16")
     assert local.activation_bytes == pytest.approx(whole.activation_bytes / cp)
     assert with_cp.output_bytes == pytest.approx(whole.output_bytes / cp)
@@ -88,7 +88,7 @@ def test_cp_shows_in_estimate_and_breakdown_adds_up():
 
 
 def test_cp_configuration_errors_name_the_numbers():
-    with pytest.raises(ValueError, match=r"tp\*pp\*dp\*cp = 1\*1\*4\*2 = 8 must equal the number of GPUs \(4\)"):
+    with pytest.raises(ValueError, match=r"pp\*dp\*cp\*tp = 1\*4\*2\*1 = 8 must equal the number of GPUs \(4\)"):
         ParallelConfig(gpus=4, global_batch=8, dp=4, cp=2)
     run = subprocess.run([sys.executable, "-m", "meshplan.cli", "estimate", "--model", SPEC, "--cluster", "h100-sxm",
                           "--gpus", "8", "--gbs", "8", "--seq", "1000", "--cp", "8"], capture_output=True, text=True)

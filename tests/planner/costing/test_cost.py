@@ -10,7 +10,7 @@ from meshplan.planner.costing.communication import p2p_time_s
 from meshplan.planner.costing.device_time import compute_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.state_memory import state_bytes
-from meshplan.planner.costing.strategy import Strategy
+from tests.planner.costing.meshes import mesh
 from meshplan.planner.costing.uniform import balanced_layer_chunks
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
@@ -58,7 +58,7 @@ def test_zero_accounting_through_layer_cost_and_tp():
     graph = gpt_layers(4, 1024, 16, 51200, 512)
     block = graph.layers[1]
     for zero, per_param in ((0, 16), (1, 4 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)):
-        cost = layer_cost(block, Strategy(tp=2, dp=8, zero=zero, state_recipe="zero-paper"), A100, graph.info)
+        cost = layer_cost(block, mesh(tp=2, dp=8, zero=zero), A100, graph.info, state_recipe="zero-paper")
         states = cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes
         assert states == pytest.approx(per_param * block.num_params / 2, rel=1e-12)  # TP splits the block
         assert cost.grad_bytes == pytest.approx(block.num_params / 2 * 2 / (8 if zero >= 2 else 1))
@@ -84,8 +84,8 @@ def test_executor_realisation_of_each_zero_stage(dp):
     # the executor reduces gradients in fp32: twice the paper's bf16 bytes on the wire
     graph = gpt_layers(2, 1024, 16, 51200, 512)
     block = graph.layers[1]
-    ex = layer_cost(block, Strategy(dp=dp), A100, graph.info)
-    paper = layer_cost(block, Strategy(dp=dp, state_recipe="zero-paper"), A100, graph.info)
+    ex = layer_cost(block, mesh(dp=dp), A100, graph.info)
+    paper = layer_cost(block, mesh(dp=dp), A100, graph.info, state_recipe="zero-paper")
     # The group sits in one node: NCCL's tree is a chain there (no fewer latency steps than the
     # ring, twice its bytes), so the ring on NVLink is the cost (planner.costing.collectives).
     link = A100.link_for_group(dp, 1)
@@ -101,8 +101,8 @@ def test_block_activations_match_korthikanti_without_dropout(tp):
     sbh = s * b * h
 
     def act(**kw):
-        strategy = Strategy(tp=tp, microbatch_size=b, state_recipe="zero-paper", **kw)
-        return layer_cost(block, strategy, A100, graph.info).activation_bytes
+        config = mesh(tp=tp, microbatch_size=b, **kw)
+        return layer_cost(block, config, A100, graph.info, state_recipe="zero-paper").activation_bytes
 
     # Korthikanti's formulas with the dropout terms removed (see gpt_layers): 34 -> 32, 10 -> 8,
     # 5as/h -> 2as/h. Exact: the cost model applies the division rules to exact byte counts.
@@ -136,8 +136,8 @@ def test_memory_bound_time_follows_saved_bytes():
     block, tp = graph.layers[1], 4
     device = A100.device
     plain = replace(A100, device=replace(device, elementwise_bytes_per_activation_byte=0.0))
-    base = layer_cost(block, Strategy(tp=tp, sp=True), plain, graph.info)
-    with_traffic = layer_cost(block, Strategy(tp=tp, sp=True), A100, graph.info)
+    base = layer_cost(block, mesh(tp=tp, sp=True), plain, graph.info)
+    with_traffic = layer_cost(block, mesh(tp=tp, sp=True), A100, graph.info)
     # saved bytes per rank with TP+SP: (24 + 8) s h / t + 2 a s^2 / t, all / t
     saved = (block.act_tp_sharded_bytes + block.act_tp_replicated_bytes + block.act_attn_score_bytes) / tp
     per_byte_s = device.elementwise_bytes_per_activation_byte / (device.memory_bw_bytes_per_s * device.memory_efficiency)
@@ -151,15 +151,15 @@ def test_tp_collectives_megatron_pattern_and_recompute():
     block, tp, b = graph.layers[1], 8, 1
     size = 2 * s * h * b
     link = A100.link_for_group(tp, 1)
-    plain = layer_cost(block, Strategy(tp=tp), A100, graph.info)
+    plain = layer_cost(block, mesh(tp=tp), A100, graph.info)
     assert plain.tp_fwd_comm_s == pytest.approx(2 * all_reduce_time_s(size, tp, link))
     assert plain.tp_bwd_comm_s == pytest.approx(plain.tp_fwd_comm_s)
-    sp = layer_cost(block, Strategy(tp=tp, sp=True), A100, graph.info)
+    sp = layer_cost(block, mesh(tp=tp, sp=True), A100, graph.info)
     assert sp.tp_fwd_comm_s == pytest.approx(2 * (all_gather_time_s(size, tp, link) + reduce_scatter_time_s(size, tp, link)))
-    full = layer_cost(block, Strategy(tp=tp, recompute="full"), A100, graph.info)
+    full = layer_cost(block, mesh(tp=tp, recompute="full"), A100, graph.info)
     assert full.tp_bwd_comm_s == pytest.approx(2 * plain.tp_bwd_comm_s)
     assert full.recompute_s == pytest.approx(full.fwd_compute_s)
-    assert plain.fwd_compute_s < layer_cost(block, Strategy(tp=1), A100, graph.info).fwd_compute_s / 6
+    assert plain.fwd_compute_s < layer_cost(block, mesh(tp=1), A100, graph.info).fwd_compute_s / 6
     assert sp.output_bytes == pytest.approx(size / tp) and plain.output_bytes == pytest.approx(size)
 
 
@@ -169,7 +169,7 @@ def test_dp_communication_per_zero_stage():
     link = A100.link_for_group(dp, tp)
     assert link is A100.inter_node  # dp ranks 8 apart cross nodes
     grads = block.num_params / tp * 2  # bf16 gradients in the paper's recipe
-    costs = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z, state_recipe="zero-paper"), A100, graph.info)
+    costs = {z: layer_cost(block, mesh(tp=tp, dp=dp, zero=z), A100, graph.info, state_recipe="zero-paper")
              for z in range(4)}
     assert costs[0].dp_grad_comm_s == pytest.approx(all_reduce_time_s(grads, dp, link))
     assert costs[0].dp_param_gather_s == 0
@@ -179,11 +179,11 @@ def test_dp_communication_per_zero_stage():
     # FSDP2 as the executor runs it: ZeRO-1/2 gather before every micro-batch's forward, not once
     # after the optimizer; under torch pipelining ZeRO-1/2 gather once per step (ZeRO-2 still
     # reduce-scatters every micro-batch and keeps 1/dp of the gradients), ZeRO-3 per pass.
-    fsdp = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z), A100, graph.info) for z in (1, 2)}
+    fsdp = {z: layer_cost(block, mesh(tp=tp, dp=dp, zero=z), A100, graph.info) for z in (1, 2)}
     gather = all_gather_time_s(grads, dp, link)
     assert fsdp[1].fwd_gather_s == fsdp[2].fwd_gather_s == pytest.approx(gather)
     assert fsdp[1].dp_param_gather_s == fsdp[1].bwd_gather_s == 0
-    piped = {z: layer_cost(block, Strategy(tp=tp, dp=dp, zero=z, pp=4), A100, graph.info) for z in (1, 2, 3)}
+    piped = {z: layer_cost(block, mesh(tp=tp, dp=dp, zero=z, pp=4), A100, graph.info) for z in (1, 2, 3)}
     assert piped[1].dp_param_gather_s == pytest.approx(gather) and piped[1].fwd_gather_s == 0
     assert piped[2].dp_param_gather_s == pytest.approx(gather) and piped[2].fwd_gather_s == 0
     assert piped[2].dp_grad_comm_s == piped[1].dp_grad_comm_s
@@ -205,7 +205,7 @@ def test_vocab_padding_grows_the_embedding_with_tp():
     info = type(graph.info)(**{**graph.info.__dict__, "vocab": 50257, "padded_vocab": 50304})
     embed = graph.layers[0]
     tp = 8  # pads to a multiple of 1024: 51200 rows
-    cost = layer_cost(embed, Strategy(tp=tp), A100, info)
+    cost = layer_cost(embed, mesh(tp=tp), A100, info)
     expected_params = (embed.num_params + (51200 - 50304) * 1024) / tp
     assert cost.param_bytes == pytest.approx(4 * expected_params)  # fp32 parameters without DP (executor)
 
@@ -226,25 +226,25 @@ def test_balanced_chunks_are_optimal_contiguous_and_non_empty(pp, vpp):
     assert list(chunks) == sorted(chunks) and set(chunks) == set(range(k))
     weights = []
     for layer in graph.layers:
-        c = layer_cost(layer, Strategy(pp=pp), A100, graph.info)
+        c = layer_cost(layer, mesh(pp=pp), A100, graph.info)
         weights.append(c.fwd_compute_s + c.bwd_compute_s)
     got = max(sum(w for w, c in zip(weights, chunks) if c == j) for j in range(k))
     assert got == pytest.approx(_brute_bottleneck(weights, k), rel=1e-8)
 
 
 def test_p2p_crosses_nodes_only_when_neighbours_are_far_apart():
-    near = p2p_time_s(1e8, Strategy(tp=2, dp=2, pp=2), A100)
-    far = p2p_time_s(1e8, Strategy(tp=8, dp=1, pp=2), A100)
+    near = p2p_time_s(1e8, mesh(tp=2, dp=2, pp=2), A100)
+    far = p2p_time_s(1e8, mesh(tp=8, dp=1, pp=2), A100)
     assert far > 5 * near
-    assert p2p_time_s(1e8, Strategy(pp=1), A100) == 0.0
+    assert p2p_time_s(1e8, mesh(pp=1), A100) == 0.0
 
 
 def test_bad_strategy_is_rejected():
     graph = gpt_layers(2, 1024, 16, 51200, 512)
     with pytest.raises(ValueError, match="tp=3"):
-        layer_cost(graph.layers[1], Strategy(tp=3), A100, graph.info)
+        layer_cost(graph.layers[1], mesh(tp=3), A100, graph.info)
     with pytest.raises(ValueError, match="precision"):
-        layer_cost(graph.layers[1], Strategy(precision="fp8"), A100, graph.info)
+        layer_cost(graph.layers[1], mesh(precision="fp8"), A100, graph.info)
 
 
 @pytest.mark.timeout(120)
@@ -259,8 +259,8 @@ def test_profiled_gpt_block_against_korthikanti(tmp_path, monkeypatch):
     sbh = s * b * h
 
     def act(tp, **kw):  # Megatron-LM's realisation, which Korthikanti et al. measure
-        strategy = Strategy(tp=tp, microbatch_size=b, state_recipe="zero-paper", **kw)
-        return layer_cost(block, strategy, A100, graph.info).activation_bytes
+        config = mesh(tp=tp, microbatch_size=b, **kw)
+        return layer_cost(block, config, A100, graph.info, state_recipe="zero-paper").activation_bytes
 
     # Without dropout Korthikanti's 34 sbh is 32 sbh; flash attention also keeps its own output
     # and log-sum-exp next to the o-projection's input (~2 sbh), hence 10%.
@@ -314,24 +314,24 @@ def test_fixed_costs_are_charged_where_the_executor_incurs_them():
 
     tensors = 16  # a GPT block: 6 Linears and 2 LayerNorms, each with weight and bias
     # plain tensors: single process and DDP (ZeRO-0 data parallelism, no TP, no PP)
-    assert delta(Strategy()) == pytest.approx((tensors * 1e-4, 0, 0, 0))
-    assert delta(Strategy(dp=2)) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    assert delta(mesh()) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    assert delta(mesh(dp=2)) == pytest.approx((tensors * 1e-4, 0, 0, 0))
     # TP: DTensor parameters, DTensor dispatch per pass; the 4 norm tensors' partial gradients
     # are all-reduced once per step (hidden fp32 values each), with or without the fixed costs
-    assert delta(Strategy(tp=2)) == pytest.approx((tensors * 5e-4, 2e-3, 2e-3, 0))
+    assert delta(mesh(tp=2)) == pytest.approx((tensors * 5e-4, 2e-3, 2e-3, 0))
     norm_sync_s = 4 * all_reduce_time_s(256 * 4, 2, CPU.intra_node)
-    assert (layer_cost(block, Strategy(tp=2), without, graph.info).optimizer_step_s
-            - layer_cost(block, Strategy(tp=1), without, graph.info).optimizer_step_s * 0.5
+    assert (layer_cost(block, mesh(tp=2), without, graph.info).optimizer_step_s
+            - layer_cost(block, mesh(tp=1), without, graph.info).optimizer_step_s * 0.5
             == pytest.approx(norm_sync_s, rel=1e-9))
     # each of those 4 redistributions also pays DTensor's own cost
     redistributing = _with_fixed_costs(without, dtensor_redistribute_s=1e-3)
-    assert (layer_cost(block, Strategy(tp=2), redistributing, graph.info).optimizer_step_s
-            - layer_cost(block, Strategy(tp=2), without, graph.info).optimizer_step_s == pytest.approx(4e-3))
+    assert (layer_cost(block, mesh(tp=2), redistributing, graph.info).optimizer_step_s
+            - layer_cost(block, mesh(tp=2), without, graph.info).optimizer_step_s == pytest.approx(4e-3))
     # full recomputation repeats the forward's dispatch in backward
-    assert delta(Strategy(tp=2, recompute="full"))[2] == pytest.approx(4e-3)
+    assert delta(mesh(tp=2, recompute="full"))[2] == pytest.approx(4e-3)
     # FSDP (ZeRO-3) and replicate (ZeRO-0 under PP): DTensor parameters, hooks per pass
-    assert delta(Strategy(dp=2, zero=3)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
-    assert delta(Strategy(dp=2, pp=2)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
+    assert delta(mesh(dp=2, zero=3)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
+    assert delta(mesh(dp=2, pp=2)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
 
 
 @pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("gpipe", 6)])
@@ -374,18 +374,18 @@ def test_tp_overhead_grows_with_the_stream_and_adds_sequence_parallel_and_loss_t
 
     stream_bytes = 4 * seq * hidden * 2  # micro-batch 4 of bf16 (seq, hidden), as gpt_layers profiles
     one_pass = fixed_s + per_byte_s * stream_bytes
-    assert delta(block, Strategy(tp=2, microbatch_size=4)) == pytest.approx((one_pass, one_pass), rel=1e-12)
+    assert delta(block, mesh(tp=2, microbatch_size=4)) == pytest.approx((one_pass, one_pass), rel=1e-12)
     # the embedding's stream is its output; the head's is its input, plus half the loss per pass
-    assert delta(embed, Strategy(tp=2, microbatch_size=4)) == pytest.approx((one_pass, one_pass), rel=1e-12)
+    assert delta(embed, mesh(tp=2, microbatch_size=4)) == pytest.approx((one_pass, one_pass), rel=1e-12)
     with_loss = one_pass + loss_s / 2
-    assert delta(head, Strategy(tp=2, microbatch_size=4)) == pytest.approx((with_loss, with_loss), rel=1e-12)
+    assert delta(head, mesh(tp=2, microbatch_size=4)) == pytest.approx((with_loss, with_loss), rel=1e-12)
     # sequence parallelism: blocks only
-    assert delta(block, Strategy(tp=2, microbatch_size=4, sp=True)) == pytest.approx(
+    assert delta(block, mesh(tp=2, microbatch_size=4, sp=True)) == pytest.approx(
         (one_pass + sp_s, one_pass + sp_s), rel=1e-12)
-    assert delta(embed, Strategy(tp=2, microbatch_size=4, sp=True)) == pytest.approx((one_pass, one_pass), rel=1e-12)
+    assert delta(embed, mesh(tp=2, microbatch_size=4, sp=True)) == pytest.approx((one_pass, one_pass), rel=1e-12)
     # no TP, no DTensor work
-    assert delta(block, Strategy(microbatch_size=4)) == (0.0, 0.0)
-    assert delta(head, Strategy(dp=2, microbatch_size=4)) == (0.0, 0.0)
+    assert delta(block, mesh(microbatch_size=4)) == (0.0, 0.0)
+    assert delta(head, mesh(dp=2, microbatch_size=4)) == (0.0, 0.0)
 
 
 def test_fsdp_host_overhead_is_charged_where_the_executor_gathers_and_reduces():
@@ -402,7 +402,7 @@ def test_fsdp_host_overhead_is_charged_where_the_executor_gathers_and_reduces():
     one_s = per_byte_s * block.num_params * 4  # fp32 parameters and gradients, unsharded
 
     def delta(**fields):
-        strategy = Strategy(dp=2, microbatch_size=2, precision="fp32", **fields)
+        strategy = mesh(dp=2, microbatch_size=2, precision="fp32", **fields)
         a, b = (layer_cost(block, strategy, c, graph.info, profile_dtype="bf16") for c in (costed, base))
         return (a.fwd_compute_s - b.fwd_compute_s, a.bwd_compute_s - b.bwd_compute_s,
                 a.optimizer_step_s - b.optimizer_step_s)
@@ -427,8 +427,8 @@ def test_causal_flash_attention_time_skips_the_masked_half():
     block = graph.layers[1]
     assert causal_skipped_flops(block, "flash") == 2 * seq * hidden * (seq - 1)
     assert causal_skipped_flops(block, "math") == 0.0
-    flash = layer_cost(block, Strategy(), A100, graph.info, attention="flash")
-    math_ = layer_cost(block, Strategy(), A100, graph.info, attention="math")
+    flash = layer_cost(block, mesh(), A100, graph.info, attention="flash")
+    math_ = layer_cost(block, mesh(), A100, graph.info, attention="math")
     assert flash.fwd_compute_s < math_.fwd_compute_s and flash.bwd_compute_s < math_.bwd_compute_s
     # The step gets faster; the model FLOPs (MFU's numerator) still count attention in full.
     assert block.fwd_flops >= 24 * seq * hidden ** 2 + 4 * seq ** 2 * hidden
@@ -443,9 +443,10 @@ def test_executor_activation_rules():
     block = graph.layers[1]
     sh = s * h
 
-    def act(**kw):
-        strategy = Strategy(microbatch_size=b, **kw)
-        return layer_cost(block, strategy, A100, graph.info, profile_dtype=graph.dtype).activation_bytes
+    def act(state_recipe="executor", **kw):
+        config = mesh(microbatch_size=b, **kw)
+        return layer_cost(block, config, A100, graph.info, profile_dtype=graph.dtype,
+                          state_recipe=state_recipe).activation_bytes
 
     scores = 2 * a * s * s
     paper = b * (32 * sh + scores)
@@ -473,9 +474,9 @@ def test_executor_memory_extras(tmp_path, monkeypatch):
     gpt = profile(f"gpt:layers=2,hidden={hidden},heads=4,vocab={vocab}", seq, dtype="fp32")
     llama = profile(f"llama:layers=2,hidden={hidden},heads=4,kv_heads=2,ffn=128,vocab={vocab}", seq, dtype="fp32")
 
-    def cost(graph, index, **kw):
-        strategy = Strategy(microbatch_size=b, precision="fp32", **kw)
-        return layer_cost(graph.layers[index], strategy, CPU, graph.info, profile_dtype="fp32")
+    def cost(graph, index, state_recipe="executor", **kw):
+        config = mesh(microbatch_size=b, precision="fp32", **kw)
+        return layer_cost(graph.layers[index], config, CPU, graph.info, profile_dtype="fp32", state_recipe=state_recipe)
 
     logits = b * seq * vocab
     assert cost(gpt, -1).buffer_bytes == pytest.approx(2 * 4 * logits)  # nll_loss + log_softmax backward
@@ -507,7 +508,7 @@ def test_flash_attention_runs_at_the_kernels_efficiency():
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.costing.layer_cost import layer_cost
-    from meshplan.planner.costing.uniform import strategy_for
+    from meshplan.planner.costing.uniform import layer_config
     from meshplan.planner.profiling.profiler import profile
 
     seq, hidden, mbs = 1024, 512, 2
@@ -515,7 +516,7 @@ def test_flash_attention_runs_at_the_kernels_efficiency():
     block = next(layer for layer in graph.layers if layer.kind == "block")
     assert block.attn_fwd_flops == 4 * seq * seq * hidden
     base = load_cluster("h100-sxm")
-    strategy = strategy_for(ParallelConfig(gpus=1, global_batch=mbs, microbatch_size=mbs))
+    strategy = layer_config(ParallelConfig(gpus=1, global_batch=mbs, microbatch_size=mbs))
 
     def times(efficiency: float, attention: str = "flash"):
         cluster = dc_replace(base, device=dc_replace(base.device, attention_efficiency=efficiency))

@@ -23,7 +23,7 @@ from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.device_time import compute_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.state_memory import state_bytes
-from meshplan.planner.costing.strategy import Strategy
+from tests.planner.costing.meshes import mesh
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
 
 H100 = load_cluster("h100-sxm")
@@ -44,7 +44,7 @@ def _block(graph):
 
 
 def _cost(graph, info=None, **kwargs):
-    return layer_cost(_block(graph), Strategy(**kwargs), H100, info or graph.info, profile_dtype="bf16")
+    return layer_cost(_block(graph), mesh(**kwargs), H100, info or graph.info, profile_dtype="bf16")
 
 
 def test_dispatch_bytes_are_tokens_times_top_k_times_hidden(graph):
@@ -81,12 +81,13 @@ def test_expert_states_divide_by_ep_and_zero_shards_over_expert_data_ranks(graph
 
 def test_expert_gradients_reduce_over_the_expert_data_group(graph):
     block, dp, ep, tp = _block(graph), 16, 4, 2
-    dense = layer_cost(epm.dense_part(block), Strategy(tp=tp, dp=dp, ep=ep), H100, graph.info, profile_dtype="bf16")
+    dense = layer_cost(epm.dense_part(block), mesh(tp=tp, dp=dp, ep=ep), H100, graph.info, profile_dtype="bf16")
     cost = _cost(graph, tp=tp, dp=dp, ep=ep)
     expert_bytes = block.expert_params / ep / tp * grad_wire_bytes_per_param("bf16-mixed", "executor")
     expected = collective_time_s("all_reduce", expert_bytes, dp // ep, H100, tp * ep)
     assert cost.dp_grad_comm_s - dense.dp_grad_comm_s == pytest.approx(expected, rel=1e-9)
-    assert epm.expert_data_group(Strategy(tp=tp, dp=dp, ep=ep)) == (dp // ep, tp * ep)
+    config = mesh(tp=tp, dp=dp, ep=ep)
+    assert (config.expert_data_ranks, config.expert_data_stride) == (dp // ep, tp * ep)
 
 
 def test_expert_gemms_run_at_the_per_expert_size(graph):
@@ -108,7 +109,7 @@ def test_imbalance_scales_the_busiest_ranks_expert_work_and_received_tokens(grap
     skewed = _cost(graph, info=skewed_info, dp=8, ep=4, microbatch_size=2)
     send = 2 * SEQ * TOP_K * HIDDEN * 2
     assert skewed.ep_fwd_comm_s == pytest.approx(2 * collective_time_s("all_to_all", factor * send, 4, H100, 1))
-    flops, _, gemms = epm.expert_gemm_flops(_block(graph), Strategy(dp=8, ep=4, microbatch_size=2), skewed_info, 1)
+    flops, _, gemms = epm.expert_gemm_flops(_block(graph), mesh(dp=8, ep=4, microbatch_size=2), skewed_info, 1)
     assert flops == pytest.approx(factor * 2 * _block(graph).expert_fwd_flops)
     assert gemms == 3 * EXPERTS // 4
     assert skewed.expert_fwd_s > base.expert_fwd_s

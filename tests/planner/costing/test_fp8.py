@@ -17,7 +17,7 @@ from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.device_time import attention_time_s, causal_skipped_flops, compute_time_s, memory_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import Strategy
+from tests.planner.costing.meshes import mesh
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.simulation.estimator import estimate
 
@@ -60,7 +60,7 @@ def test_efficiency_reproduces_torchaos_published_linear_speedup(h100):
 
 def test_block_compute_is_fp8_linears_plus_bf16_attention_plus_casts(h100, graph):
     block, info = _block(graph), graph.info
-    strategy = Strategy(precision="fp8", microbatch_size=2)
+    strategy = mesh(precision="fp8", microbatch_size=2)
     bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed"), h100, info)
     got = layer_cost(block, strategy, h100, info)
     mbs, hidden, ffn = 2, info.hidden, info.ffn
@@ -85,9 +85,9 @@ def test_block_compute_is_fp8_linears_plus_bf16_attention_plus_casts(h100, graph
 
 def test_saved_linear_inputs_halve_and_weight_copies_are_buffered(h100, graph):
     block, info = _block(graph), graph.info
-    strategy = Strategy(precision="fp8", microbatch_size=2, state_recipe="zero-paper")
-    bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed"), h100, info)
-    got = layer_cost(block, strategy, h100, info)
+    config = mesh(precision="fp8", microbatch_size=2)  # priced under the ZeRO paper's recipe
+    bf16 = layer_cost(block, replace(config, precision="bf16-mixed"), h100, info, state_recipe="zero-paper")
+    got = layer_cost(block, config, h100, info, state_recipe="zero-paper")
     linear_inputs = 2 * (3 * SEQ * info.hidden + SEQ * info.ffn) * 2  # bf16 bytes x mbs 2
     # the two norm outputs the bf16 block rebuilds (keeps nothing of) are kept as fp8 casts
     rebuilt = 2 * SEQ * info.hidden * 2 * 2
@@ -97,14 +97,14 @@ def test_saved_linear_inputs_halve_and_weight_copies_are_buffered(h100, graph):
     assert got.buffer_bytes - bf16.buffer_bytes == pytest.approx(copies)
     assert (got.param_bytes, got.grad_bytes, got.optimizer_bytes) == (bf16.param_bytes, bf16.grad_bytes,
                                                                       bf16.optimizer_bytes)
-    full = layer_cost(block, replace(strategy, recompute="full"), h100, info)
-    assert full.activation_bytes == layer_cost(block, replace(strategy, recompute="full", precision="bf16-mixed"),
+    full = layer_cost(block, replace(config, recompute="full"), h100, info, state_recipe="zero-paper")
+    assert full.activation_bytes == layer_cost(block, replace(config, recompute="full", precision="bf16-mixed"),
                                                h100, info).activation_bytes  # only the block's input is kept
 
 
 def test_zero3_float8_all_gather_halves_the_linear_weights_gather(h100, graph):
     block, info = _block(graph), graph.info
-    strategy = Strategy(precision="fp8", dp=8, zero=3)
+    strategy = mesh(precision="fp8", dp=8, zero=3)
     bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed"), h100, info)
     got = layer_cost(block, strategy, h100, info)
     linear = block.num_params - 2 * info.hidden

@@ -16,7 +16,7 @@ from meshplan.planner.contracts.plan import plan_from_json
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import Strategy
+from tests.planner.costing.meshes import mesh
 from meshplan.planner.costing.state_memory import executor_state_bytes, paper_state_bytes
 from meshplan.planner.search.candidates import Pins, shard_groups
 
@@ -48,7 +48,7 @@ def test_hsdp_gradient_sync_is_a_shard_reduce_scatter_plus_a_replica_all_reduce(
                     cache=False)
     block = graph.layer("blocks.0")
     dp, tp, group = 32, 2, 4  # shard groups of 4 ranks x tp 2 = one node; 8 replicas across nodes
-    hsdp = layer_cost(block, Strategy(tp=tp, dp=dp, zero=3, shard_group=group), cluster, graph.info,
+    hsdp = layer_cost(block, mesh(tp=tp, dp=dp, zero=3, shard_group=group), cluster, graph.info,
                       profile_dtype="bf16")
     params = block.num_params / tp
     grad_bytes = 4 * params  # the executor reduces fp32 gradients
@@ -58,7 +58,7 @@ def test_hsdp_gradient_sync_is_a_shard_reduce_scatter_plus_a_replica_all_reduce(
     gather = collective_time_s("all_gather", 2 * params, group, cluster, tp)  # bf16, inside the group
     assert hsdp.fwd_gather_s == pytest.approx(gather, rel=1e-12)
     assert hsdp.bwd_gather_s == pytest.approx(gather, rel=1e-12)
-    flat = layer_cost(block, Strategy(tp=tp, dp=dp, zero=3), cluster, graph.info, profile_dtype="bf16")
+    flat = layer_cost(block, mesh(tp=tp, dp=dp, zero=3), cluster, graph.info, profile_dtype="bf16")
     assert flat.fwd_gather_s == pytest.approx(collective_time_s("all_gather", 2 * params, dp, cluster, tp))
     # HSDP keeps more state: 16/N bytes per parameter against 16/dp
     assert hsdp.param_bytes + hsdp.grad_bytes + hsdp.optimizer_bytes == pytest.approx(16 * params / group)

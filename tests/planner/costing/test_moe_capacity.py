@@ -16,7 +16,7 @@ from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import Strategy
+from tests.planner.costing.meshes import mesh
 from meshplan.planner.models.config import check_capacity
 
 # the small MoE model and its profile, shared with the EP cost tests
@@ -29,7 +29,7 @@ def _info(graph, imbalance, capacity, pad=False):
 
 def _cost(graph, info, **kwargs):
     block = next(layer for layer in graph.layers if layer.expert_params)
-    return layer_cost(block, Strategy(**kwargs), H100, info, profile_dtype="bf16")
+    return layer_cost(block, mesh(**kwargs), H100, info, profile_dtype="bf16")
 
 
 @pytest.mark.parametrize("imbalance,capacity,pad,load,dropped", [

@@ -59,12 +59,12 @@ def test_convolutions_cost_their_efficiency(tmp_path):
     from meshplan.planner.costing.device_time import compute_time_s
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.costing.layer_cost import layer_cost
-    from meshplan.planner.costing.uniform import strategy_for
+    from meshplan.planner.costing.uniform import layer_config
 
     graph = _graph(tmp_path)
     conv = next(layer for layer in graph.layers if layer.name == "conv")
     base = load_cluster("cpu")
-    strategy = strategy_for(ParallelConfig(gpus=1, global_batch=4, microbatch_size=4, precision="fp32"))
+    strategy = layer_config(ParallelConfig(gpus=1, global_batch=4, microbatch_size=4, precision="fp32"))
     times = {}
     for efficiency in (1.0, 0.5):
         cluster = replace(base, device=replace(base.device, conv_efficiency=efficiency,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.uniform import strategy_for
+from meshplan.planner.costing.uniform import cost_config
 from meshplan.planner.costing.tables import build_cost_table
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search import table_cache
@@ -25,7 +25,7 @@ def _case():
 
 def test_shared_option_costs_change_no_table():
     cluster, graph, candidates = _case()
-    strategies = sorted({strategy_for(c) for c in candidates}, key=repr)
+    strategies = sorted({cost_config(c) for c in candidates}, key=repr)
     assert {s.ep for s in strategies} > {1} and {s.cp for s in strategies} > {1}
     cache: dict = {}
     for strategy in strategies:
@@ -35,7 +35,7 @@ def test_shared_option_costs_change_no_table():
 def test_tables_built_over_the_pool_are_the_same(monkeypatch):
     cluster, graph, candidates = _case()
     monkeypatch.setattr(table_cache, "PARALLEL_TABLES_MIN", 1)
-    strategies = [strategy_for(c) for c in candidates]
+    strategies = [cost_config(c) for c in candidates]
     tables = table_cache.build_tables(graph, cluster, candidates, strategies, RECOMPUTE, False, 2)
     assert set(tables) == set(strategies)
     for strategy, table in tables.items():
@@ -56,7 +56,7 @@ def test_tables_left_for_later_are_built_on_first_use_and_the_same():
     late = [item for item in problems if not item.built]
     assert late and all(item.candidate.zero >= 2 and item.candidate.pp > 1 and item.candidate.dp > 1 for item in late)
     item = late[0]
-    strategy = strategy_for(item.candidate)
+    strategy = cost_config(item.candidate)
     assert not tables.is_built(strategy)
     problem = item.floor_problem()
     assert item.built and tables.is_built(strategy)
@@ -64,4 +64,4 @@ def test_tables_left_for_later_are_built_on_first_use_and_the_same():
     assert tables.table_for(item.candidate) is problem.table
     assert item.exact_problem().table is problem.table  # the exact problem replays the schedule on the same table
     for other in problems[:20]:
-        assert tables.table_for(other.candidate) == build_cost_table(graph, cluster, strategy_for(other.candidate))
+        assert tables.table_for(other.candidate) == build_cost_table(graph, cluster, cost_config(other.candidate))

@@ -11,9 +11,9 @@ from meshplan.planner.contracts.graph import ModelGraph
 from meshplan.planner.costing.fixed_costs import grad_norm_all_reduce_s, pipeline_action_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import Strategy
 from meshplan.planner.simulation.estimator import default_precision, estimate, make_config, predict
 from meshplan.planner.simulation.simulator import simulate_config
+from tests.planner.costing.meshes import mesh
 from tests.planner.costing.test_cost import gpt_layers
 
 A100 = load_cluster("a100-80g")
@@ -40,7 +40,7 @@ def test_step_and_bubble_of_a_balanced_pipeline(schedule, p, m, v):
     micro-batch worked out here from one block's cost; then the optimizer tail."""
     graph, cluster = blocks_only(16), ideal_cluster()
     config = ParallelConfig(gpus=p, global_batch=m, pp=p, schedule=schedule, virtual_stages=v)
-    block = layer_cost(graph.layers[0], Strategy(pp=p), cluster, graph.info)
+    block = layer_cost(graph.layers[0], mesh(pp=p), cluster, graph.info)
     blocks_per_rank = 16 // p
     # torch pipelining's fixed work per forward and per backward action, once per chunk
     busy_s = blocks_per_rank * (block.fwd_compute_s + block.bwd_compute_s) + 2 * v * pipeline_action_s(p, cluster)

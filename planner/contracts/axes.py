@@ -1,0 +1,113 @@
+"""The registry of parallel axes: every degree a `ParallelConfig` carries, named once.
+
+The device mesh is (pp, dp, cp, tp), tp innermost: a tensor-parallel group is `tp` consecutive
+ranks, a context-parallel group `cp` ranks `tp` apart, a data-parallel group `dp` ranks `cp * tp`
+apart, pipeline neighbours `dp * cp * tp` ranks apart (`MESH_AXES`; their degrees multiply to the
+GPU count). Expert parallelism is folded: it does not multiply the GPUs but is carved out of the
+dp * cp data ranks, which are regrouped as (dp * cp / ep, ep), an expert-parallel group being
+`ep` consecutive data ranks (`tp` apart), the ranks that hold the same experts `tp * ep` apart.
+
+What each consumer needs of an axis lives here: the `ParallelConfig` field (also the plan.json
+`mesh` key), the CLI flag, the label text, the tie-break rank of the search, and the mesh rule it
+obeys. Model rules (tp divides the heads, ep the experts) and cluster rules (tp within a node)
+belong to the cost model and the search, which know the model and the cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel axis.
+
+    `name` is the `ParallelConfig` field and the plan.json `mesh` key; `flag` the CLI option of
+    `estimate` and `plan`, `help` its help text; `title` the words a report or an error uses. A mesh axis
+    (`multiplies_gpus`) has a place in the mesh order; a folded axis is carved out of the ranks
+    `ParallelConfig.<carved_from>` counts and must divide them. `optional`: added after the first
+    plan schema, so plan.json's `mesh` and `label()` show it only when it is on (> 1), and a plan
+    without it reads as 1. `tie_break`: the search prefers a smaller degree of a lower-ranked axis
+    first (`ParallelConfig.sort_key`).
+    """
+
+    name: str
+    flag: str
+    title: str
+    multiplies_gpus: bool
+    optional: bool
+    tie_break: int
+    help: str
+    carved_from: str | None = None  # a ParallelConfig property naming the ranks a folded axis splits
+
+    def __post_init__(self):
+        if self.multiplies_gpus == (self.carved_from is not None):
+            raise ValueError(f"axis {self.name!r}: a mesh axis multiplies the GPUs, a folded one is carved out "
+                             f"of others' ranks (multiplies_gpus={self.multiplies_gpus}, "
+                             f"carved_from={self.carved_from!r})")
+        if self.flag != f"--{self.name}":
+            raise ValueError(f"axis {self.name!r}: its CLI flag must be --{self.name}, got {self.flag!r}")
+
+    def check(self, config) -> None:
+        """ValueError unless this axis's degree in `config` is a positive integer that fits the mesh."""
+        degree = getattr(config, self.name)
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree <= 0:
+            raise ValueError(f"{self.name} must be a positive integer, got {degree!r}")
+        if self.carved_from is not None:
+            ranks = getattr(config, self.carved_from)
+            if ranks % degree:
+                ranks_text = self.carved_from.replace("_", " ")
+                raise ValueError(f"{self.title} {self.name}={degree} must divide the {ranks_text} "
+                                 f"{mesh_product_text(config, CARVED_FROM_AXES[self.carved_from])}")
+
+
+# Outermost first. tp innermost keeps tensor-parallel groups inside a node.
+MESH_AXES: tuple[Axis, ...] = (
+    Axis("pp", "--pp", "pipeline parallelism", multiplies_gpus=True, optional=False, tie_break=0,
+         help="pipeline-parallel degree"),
+    Axis("dp", "--dp", "data parallelism", multiplies_gpus=True, optional=False, tie_break=3,
+         help="data-parallel degree"),
+    Axis("cp", "--cp", "context parallelism", multiplies_gpus=True, optional=True, tie_break=2,
+         help="context-parallel degree: each of cp ranks holds 1/cp of every sequence"),
+    Axis("tp", "--tp", "tensor parallelism", multiplies_gpus=True, optional=False, tie_break=1,
+         help="tensor-parallel degree (inside one node)"),
+)
+# Carved out of the mesh axes' ranks, multiplying nothing.
+FOLDED_AXES: tuple[Axis, ...] = (
+    Axis("ep", "--ep", "expert parallelism", multiplies_gpus=False, optional=True, tie_break=4,
+         help="expert-parallel degree (mixtures of experts): routed experts split over ep of the dp*cp data "
+              "ranks; divides them and the expert count",
+         carved_from="data_ranks"),
+)
+AXES: tuple[Axis, ...] = MESH_AXES + FOLDED_AXES
+AXIS_NAMES: tuple[str, ...] = tuple(axis.name for axis in AXES)
+MESH_AXIS_NAMES: tuple[str, ...] = tuple(axis.name for axis in MESH_AXES)
+# The mesh axes whose ranks a `carved_from` property counts (for error messages and strides).
+CARVED_FROM_AXES: dict[str, tuple[str, ...]] = {"data_ranks": ("dp", "cp")}
+
+
+def axis(name: str) -> Axis:
+    """The registered axis called `name`."""
+    for candidate in AXES:
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"unknown parallel axis {name!r}; the axes are {', '.join(AXIS_NAMES)}")
+
+
+def mesh_product_text(config, names: tuple[str, ...] = MESH_AXIS_NAMES) -> str:
+    """'dp*cp = 4*2 = 8': a product of degrees, with the numbers, for error messages."""
+    degrees = [getattr(config, name) for name in names]
+    product = 1
+    for degree in degrees:
+        product *= degree
+    return f"{'*'.join(names)} = {'*'.join(map(str, degrees))} = {product}"
+
+
+def mesh_stride(config, name: str) -> int:
+    """Ranks between neighbours of a mesh axis's group: the product of the axes inside it."""
+    names = MESH_AXIS_NAMES
+    if name not in names:
+        raise ValueError(f"{name!r} is not a mesh axis; the mesh is ({', '.join(names)})")
+    stride = 1
+    for inner in names[names.index(name) + 1:]:
+        stride *= getattr(config, inner)
+    return stride

@@ -1,0 +1,68 @@
+"""The registry of parallel axes (`contracts.axes`) and what `ParallelConfig` and its consumers read of it."""
+import argparse
+
+import pytest
+
+from meshplan.commands.common import add_axis_arguments, axis_arguments
+from meshplan.planner.contracts.axes import AXES, AXIS_NAMES, MESH_AXIS_NAMES, Axis, axis, mesh_stride
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.plan import mesh_json
+
+
+def test_registry_names_every_degree_of_parallel_config_once():
+    assert MESH_AXIS_NAMES == ("pp", "dp", "cp", "tp")  # tp innermost
+    assert AXIS_NAMES == ("pp", "dp", "cp", "tp", "ep")
+    assert [a.name for a in AXES if not a.multiplies_gpus] == ["ep"] and axis("ep").carved_from == "data_ranks"
+    assert all(a.flag == f"--{a.name}" for a in AXES)
+    assert set(AXIS_NAMES) <= set(ParallelConfig.__dataclass_fields__)
+    with pytest.raises(ValueError, match="unknown parallel axis 'xp'; the axes are pp, dp, cp, tp, ep"):
+        axis("xp")
+    with pytest.raises(ValueError, match="axis 'zp': a mesh axis multiplies the GPUs"):
+        Axis("zp", "--zp", "z", multiplies_gpus=True, optional=True, tie_break=9, help="", carved_from="data_ranks")
+
+
+def test_config_strides_groups_and_labels_follow_the_mesh_order():
+    config = ParallelConfig(gpus=96, global_batch=12, pp=3, dp=2, cp=2, tp=8, ep=4)
+    assert [config.stride(name) for name in MESH_AXIS_NAMES] == [32, 16, 8, 1]
+    assert mesh_stride(config, "dp") == 16
+    with pytest.raises(ValueError, match="'ep' is not a mesh axis; the mesh is \\(pp, dp, cp, tp\\)"):
+        config.stride("ep")
+    assert (config.data_ranks, config.expert_data_ranks, config.expert_data_stride) == (4, 1, 32)
+    assert config.shard_degree == 4 and config.rank_microbatch == 0.5
+    assert (config.pp_enabled, config.dp_enabled, config.cp_enabled, config.tp_enabled, config.ep_enabled) == (
+        True, True, True, True, True)
+    assert config.mesh_label() == "pp=3 dp=2 cp=2 tp=8 ep=4"
+    assert config.label().startswith("pp=3 dp=2 cp=2 tp=8 ep=4, 1f1b, mbs 1, ZeRO-0")
+    plain = ParallelConfig(gpus=4, global_batch=4, dp=4)
+    assert plain.mesh_label() == "pp=1 dp=4 tp=1" and plain.rank_microbatch == 1
+    assert not plain.cp_enabled and plain.dp_enabled
+
+
+def test_plan_mesh_writes_optional_axes_only_when_on():
+    assert mesh_json(ParallelConfig(gpus=4, global_batch=4, dp=4)) == {"pp": 1, "dp": 4, "tp": 1}
+    assert list(mesh_json(ParallelConfig(gpus=8, global_batch=4, dp=4, cp=2, ep=2))) == ["pp", "dp", "tp", "cp", "ep"]
+
+
+def test_sort_key_tie_breaks_pp_tp_cp_dp_then_switches_then_ep():
+    config = ParallelConfig(gpus=16, global_batch=8, pp=2, dp=2, cp=2, tp=2, ep=2, zero=1, shard_group=2)
+    assert config.sort_key == (2, 2, 2, 2, 1, 1, False, "1f1b", 1, -2, 2)
+
+
+def test_mesh_rules_raise_with_the_numbers():
+    with pytest.raises(ValueError, match=r"pp\*dp\*cp\*tp = 2\*2\*1\*2 = 8 must equal the number of GPUs \(4\)"):
+        ParallelConfig(gpus=4, global_batch=4, pp=2, dp=2, tp=2)
+    with pytest.raises(ValueError, match=r"expert parallelism ep=4 must divide the data ranks dp\*cp = 2\*1 = 2"):
+        ParallelConfig(gpus=2, global_batch=2, dp=2, ep=4)
+    with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
+        ParallelConfig(gpus=2, global_batch=2, dp=2, cp=0)
+    with pytest.raises(ValueError, match="tp must be a positive integer, got True"):
+        ParallelConfig(gpus=1, global_batch=1, tp=True)
+
+
+def test_cli_flags_come_from_the_registry():
+    parser = argparse.ArgumentParser()
+    add_axis_arguments(parser, 1, skip=("dp",))
+    args = parser.parse_args(["--tp", "2", "--cp", "4"])
+    assert axis_arguments(args, skip=("dp",)) == {"pp": 1, "cp": 4, "tp": 2, "ep": 1}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dp", "2"])
