@@ -6,7 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.planner.contracts.schedule import schedule_spec
-from meshplan.commands.common import GIB, add_job_arguments, check_seq, moe_notes, throughput_line
+from meshplan.commands.common import (GIB, add_job_arguments, announce_model_code, check_seq, check_sizes, moe_notes,
+                                     throughput_line)
 
 
 def add_arguments(parser) -> None:
@@ -46,6 +47,8 @@ def run(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
 
     check_seq(args.seq)
+    check_sizes(args)
+    announce_model_code("estimate", args.model)
     if args.from_file:
         from meshplan.commands.export import estimate_from
 

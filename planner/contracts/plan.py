@@ -292,7 +292,10 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(plan.to_json(), indent=2, sort_keys=False) + "\n")
+    """Write the plan JSON atomically (a reader never sees half a plan; a failed write keeps the old one)."""
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+
+    write_text_atomic(path, json.dumps(plan.to_json(), indent=2, sort_keys=False) + "\n", "plan")
 
 
 def check_plan_matches_model(plan: Plan, layer_names: list[str]) -> None:
