@@ -83,6 +83,9 @@ def run(args) -> int:
     sized, sizing_lines = None, []
     if args.train_tokens is not None:  # time, GPU-hours, cost; with --deadline-days the size that meets it
         result, sized, sizing_lines = sizing.size(args, result, plan_at)
+    from meshplan.planner.profiling.profiler import carry_model_graph
+
+    result = carry_model_graph(result)  # file and hf: models: reading the plan never runs their code
     data = result.to_json()
     if sized is not None:
         data["sizing"] = sized.to_json()

@@ -143,6 +143,8 @@ def read_torchtitan(text: str) -> EngineJob:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise MeshplanError(f"not a valid torchtitan TOML: {exc}") from None
+    except RecursionError:
+        raise MeshplanError("not a torchtitan TOML: nested hundreds of levels deep") from None
     notes = _unpriced(data)
     par, train = data.get("parallelism", {}), data.get("training", {})
     tp, pp = _int(par, "tensor_parallel_degree", 1), _int(par, "pipeline_parallel_degree", 1)

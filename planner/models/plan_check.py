@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+from meshplan.planner.contracts.plan import Plan, check_plan_matches_model, model_file
 
 
 def zoo_layer_names(spec: str, seq: int) -> list[str] | None:
@@ -69,8 +69,4 @@ def model_changed(plan: Plan) -> str:
 
 def spec_file(spec: str) -> str | None:
     """The file an hf: or file spec names (the config or the Python file); None for other specs."""
-    if spec.startswith("hf:"):
-        return spec[3:]
-    if spec.partition(":")[0].endswith(".py"):
-        return spec.rpartition(":")[0]
-    return None
+    return model_file(spec)
