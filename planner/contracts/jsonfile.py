@@ -19,8 +19,10 @@ from meshplan.planner.contracts.errors import MeshplanError
 MAX_INPUT_BYTES = 64 * 2**20
 
 
-def read_input_text(path: str | Path, what: str, fix: str, limit_bytes: int = MAX_INPUT_BYTES) -> str:
-    """The UTF-8 text of a regular file of at most `limit_bytes`; `what` names the file kind ("plan")."""
+def read_input_text(path: str | Path, what: str, fix: str, limit_bytes: int | None = None) -> str:
+    """The UTF-8 text of a regular file of at most `limit_bytes` (default MAX_INPUT_BYTES); `what` names
+    the file kind ("plan")."""
+    limit_bytes = MAX_INPUT_BYTES if limit_bytes is None else limit_bytes
     path = Path(path)
     try:
         info = os.stat(path)
