@@ -7,7 +7,6 @@ what chrome://tracing and Perfetto open) and meshplan's own interval list
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 

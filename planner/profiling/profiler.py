@@ -32,12 +32,12 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from meshplan.planner.contracts.atomicfile import write_text_atomic
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, graph_from_json, graph_to_json  # noqa: F401
+from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, graph_from_json, graph_to_json
 
 DTYPES = ("bf16", "fp16", "fp32")
 ATTENTION_KINDS = ("flash", "math")
