@@ -85,10 +85,11 @@ def announce_model_code(command: str, spec: str | None) -> None:
     """One stderr line before a file model's Python code runs: profile, plan, estimate and train run
     it (simulate, report, compare and export never do; they read the graph the plan carries)."""
     import sys
+    from pathlib import Path
 
-    if spec and spec.partition(":")[0].endswith(".py"):
-        print(f"meshplan {command}: running model code from {spec.rpartition(':')[0]} (a model file is trusted "
-              "code)", file=sys.stderr)
+    path = spec.rpartition(":")[0] if spec and spec.partition(":")[0].endswith(".py") else None
+    if path and Path(path).is_file():  # a missing file is the build's one-line error, nothing runs
+        print(f"meshplan {command}: running model code from {path} (a model file is trusted code)", file=sys.stderr)
 
 
 def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:

@@ -367,6 +367,8 @@ def _spec_source_hash(spec: str) -> str:
         path = Path(spec.rpartition(":")[0] if ":" in spec else spec)
     else:
         return ""
+    if not path.is_file():  # absent, or a device that would never end: the build reports it
+        return "missing"
     try:
         return str(path.resolve()) + ":" + hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:

@@ -303,6 +303,7 @@ def test_devices_and_directories_are_refused_before_reading(run_cli, tmp_path):
     line = one_error_line("simulate", *run_cli("simulate", "--plan", "/dev/zero")[::2])
     assert "not a regular file" in line
     assert "is a directory" in one_error_line("simulate", *run_cli("simulate", "--plan", tmp_path)[::2])
+    assert "/dev/zero" in one_error_line("profile", *run_cli("profile", "--model", "hf:/dev/zero", "--seq", 16)[::2])
 
 
 def test_files_above_the_size_limit_are_refused_with_the_limit(run_cli, tmp_path, monkeypatch):
