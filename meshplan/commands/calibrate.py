@@ -38,10 +38,10 @@ def run(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.cluster import dump_cluster_toml
     from meshplan.planner.costing.hardware import load_cluster
-
     from meshplan.commands.common import refuse_output_over_input
 
-    refuse_output_over_input("--out", args.out, [("--base", args.base), *(("--nccl-tests", f) for f in args.nccl_tests)])
+    refuse_output_over_input("--out", args.out, [("--base", args.base),
+                                                 *(("--nccl-tests", path) for path in args.nccl_tests)])
     out = Path(args.out)
     if out.suffix != ".toml":
         raise MeshplanError(f"--out must name a .toml file, got {args.out!r}")

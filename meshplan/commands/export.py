@@ -17,11 +17,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from meshplan.commands.common import refuse_output_over_input
     from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.engines.bridge import export_plan
-
-    from meshplan.commands.common import refuse_output_over_input
 
     refuse_output_over_input("--out", args.out, [("--plan", args.plan)])
     exported = export_plan(load_plan(args.plan), args.to)

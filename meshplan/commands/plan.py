@@ -6,8 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_job_arguments, announce_model_code, check_seq, check_sizes,
-                                     moe_notes,
-                                     refuse_output_over_input, spec_file)
+                                     moe_notes, refuse_output_over_input, spec_file)
 
 
 def add_arguments(parser) -> None:

@@ -39,17 +39,14 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from meshplan.commands.common import announce_model_code, check_seq, refuse_output_over_input, spec_file
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
-
-    from meshplan.commands.common import check_seq
 
     check_seq(args.seq)
     if args.batch <= 0:
         raise MeshplanError(f"--batch must be a positive integer, got {args.batch}")
     seq = args.seq if args.seq is not None else default_seq(args.model, DEFAULT_SEQ)
-    from meshplan.commands.common import announce_model_code, refuse_output_over_input, spec_file
-
     refuse_output_over_input("--csv", args.csv, [("--model", spec_file(args.model))])
     announce_model_code("profile", args.model)
     graph = profile(args.model, seq, batch=args.batch, dtype=args.dtype, attention=args.attention,

@@ -20,9 +20,8 @@ def run(args) -> int:
 
     import sys
 
-    from meshplan.planner.models.plan_check import model_changed
-
     from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.models.plan_check import model_changed
 
     refuse_output_over_input("--out", args.out, [*(("--plan", path) for path in args.plan),
                                                  *(("--measured", path) for path in args.measured),

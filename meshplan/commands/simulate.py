@@ -17,12 +17,11 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from meshplan.commands.common import refuse_output_over_input
     from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.simulation.simulator import chrome_trace, simulate
-
-    from meshplan.commands.common import refuse_output_over_input
 
     refuse_output_over_input("--trace", args.trace, [("--plan", args.plan)])
     plan = load_plan(args.plan)
