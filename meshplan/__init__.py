@@ -36,9 +36,11 @@ def estimate(spec: str, cluster, gpus: int, global_batch: int, seq: int | None =
 def plan(spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *, progress=False, **kwargs):
     """The fastest plan that fits (`meshplan.planner.search.driver.search_plan`); `progress`: False,
     True (a bar when stderr is a terminal) or fn(done, total) per candidate."""
+    from meshplan.planner.profiling.profiler import carry_model_graph
     from meshplan.planner.search.driver import search_plan
 
-    return search_plan(spec, cluster, gpus, global_batch, seq, progress=progress, **kwargs)
+    # a file or hf: model's plan carries its layer graph: reading the plan never runs its code
+    return carry_model_graph(search_plan(spec, cluster, gpus, global_batch, seq, progress=progress, **kwargs))
 
 
 def simulate(plan, graph=None, timeline: bool = True):

@@ -28,7 +28,9 @@ def write_report(plan, measurements: Sequence = (), trace=None, out: str | Path 
     out = Path(out)
     if out.parent and not out.parent.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(build_report(plan, measurements, trace, title, sizing, others), encoding="utf-8")
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+
+    write_text_atomic(out, build_report(plan, measurements, trace, title, sizing, others), "report")
     return out
 
 

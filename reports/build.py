@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError, PlanNeedsModelCode
 from meshplan.planner.contracts.plan import Plan, load_plan
 from meshplan.reports.alternatives import alternatives_section
 from meshplan.planner.contracts.measurement import Measurement, load_measurement
@@ -47,6 +47,8 @@ def _timeline(plan: Plan, trace) -> tuple[list, Sequence, dict[str, Any] | None,
         return list(trace), (), None, "timeline given by the caller"
     try:
         simulated = simulate_timeline(plan)
+    except PlanNeedsModelCode:
+        raise  # the plan's model is user code it does not carry: refused, never run
     except (MeshplanError, ValueError) as exc:
         return [], (), None, f"the simulator could not re-play this plan ({exc})"
     if simulated is None:

@@ -7,7 +7,6 @@ what chrome://tracing and Perfetto open) and meshplan's own interval list
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -90,14 +89,10 @@ def intervals_from_trace(data: Any) -> list[Interval]:
 
 def load_trace(path: str | Path) -> tuple[list[Interval], list[list[tuple[float, float]]]]:
     """(intervals, per-rank memory curve) from a trace file."""
+    from meshplan.planner.contracts.jsonfile import read_json_file
+
     path = Path(path)
-    if not path.exists():
-        raise MeshplanError(f"trace file not found: {path}; write one with `meshplan simulate --plan plan.json "
-                            f"--trace {path}`")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MeshplanError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    data = read_json_file(path, "trace", f"write one with `meshplan simulate --plan plan.json --trace {path}`")
     try:
         intervals = intervals_from_trace(data)
     except ValueError as exc:

@@ -34,10 +34,14 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from meshplan.planner.calibration.fabric import apply_topology, check_topology, import_nccl_tests
     from meshplan.planner.calibration.nccl_tests import read_nccl_tests
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.cluster import dump_cluster_toml
     from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.commands.common import refuse_output_over_input
 
+    refuse_output_over_input("--out", args.out, [("--base", args.base),
+                                                 *(("--nccl-tests", path) for path in args.nccl_tests)])
     out = Path(args.out)
     if out.suffix != ".toml":
         raise MeshplanError(f"--out must name a .toml file, got {args.out!r}")
@@ -52,7 +56,8 @@ def run(args) -> int:
     notes: list[str] = []
     if runs:
         profile, notes = import_nccl_tests(profile, runs, stated_nodes=args.nodes)
-    out.write_text("# Written by meshplan calibrate; every measured field's source says how.\n" + dump_cluster_toml(profile))
+    write_text_atomic(out, "# Written by meshplan calibrate; every measured field's source says how.\n"
+                      + dump_cluster_toml(profile), "--out")
     load_cluster(out)  # what we wrote must load
     _print_summary(out, profile, args, notes)
     return 0

@@ -32,12 +32,80 @@ def add_job_arguments(parser) -> None:
     add_moe_capacity_arguments(parser)
 
 
+# Sanity bounds on the sizes a command line asks for, checked before any model is profiled or any
+# solver sees them (a length of 2**40 tokens overflows the ILP's index arithmetic). Far above any
+# real training run: 16M-token sequences, 1M-sample global batches, a million GPUs. A model's own
+# position limit, where it has one (an HF config's max_position_embeddings), is checked by the profiler.
+MAX_SEQ_TOKENS = 2**24
+MAX_GLOBAL_BATCH = 2**20
+MAX_GPUS = 2**20
+
+
 def check_seq(seq: int | None) -> None:
-    """--seq, when given, must be a positive length (0 is not "the default")."""
+    """--seq, when given, must be a positive length (0 is not "the default") of at most MAX_SEQ_TOKENS."""
     from meshplan.planner.contracts.errors import MeshplanError
 
     if seq is not None and seq <= 0:
         raise MeshplanError(f"--seq must be a positive integer, got {seq}")
+    if seq is not None and seq > MAX_SEQ_TOKENS:
+        raise MeshplanError(f"--seq {seq:,} is above meshplan's bound of {MAX_SEQ_TOKENS:,} tokens (2**24) per "
+                            "sequence; give a real sequence length")
+
+
+def check_sizes(args) -> None:
+    """--gpus and --gbs, where the command has them and they are given: positive and within bounds."""
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    for flag, name, bound, unit in (("--gpus", "gpus", MAX_GPUS, "GPUs (2**20)"),
+                                    ("--gbs", "gbs", MAX_GLOBAL_BATCH, "samples (2**20)")):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value <= 0:
+            raise MeshplanError(f"{flag} must be a positive integer, got {value}")
+        if value > bound:
+            raise MeshplanError(f"{flag} {value:,} is above meshplan's bound of {bound:,} {unit}; give a real size")
+
+
+def refuse_output_over_input(out_flag: str, out: str | None, inputs) -> None:
+    """Refuse (MeshplanError, before anything is written or deleted) an output that is one of the
+    command's input files: `inputs` are (flag, path or None) pairs. Compared by file identity when
+    both exist (a symlink or another spelling of the same path is the same file), else by real path."""
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    if not out:
+        return
+    for flag, path in inputs:
+        if path and _same_file(out, path):
+            raise MeshplanError(f"{out_flag} {out} is the {flag} input {path}; writing it would destroy that input: "
+                                f"choose another {out_flag}")
+
+
+def _same_file(first: str, second: str) -> bool:
+    import os
+
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(first) == os.path.realpath(second)
+
+
+def spec_file(spec: str | None) -> str | None:
+    """The file a model spec names (`path.py:fn`, `hf:config.json`); None for built-in specs."""
+    from meshplan.planner.models.plan_check import spec_file as _spec_file
+
+    return _spec_file(spec) if spec else None
+
+
+def announce_model_code(command: str, spec: str | None) -> None:
+    """One stderr line before a file model's Python code runs: profile, plan, estimate and train run
+    it (simulate, report, compare and export never do; they read the graph the plan carries)."""
+    import sys
+    from pathlib import Path
+
+    path = spec.rpartition(":")[0] if spec and spec.partition(":")[0].endswith(".py") else None
+    if path and Path(path).is_file():  # a missing file is the build's one-line error, nothing runs
+        print(f"meshplan {command}: running model code from {path} (a model file is trusted code)", file=sys.stderr)
 
 
 def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:

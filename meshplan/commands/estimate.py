@@ -6,8 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.planner.contracts.schedule import schedule_spec
-from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, axis_arguments, check_seq, moe_notes,
-                                     throughput_line)
+from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
+                                     check_seq, check_sizes, moe_notes, throughput_line)
 
 
 def add_arguments(parser) -> None:
@@ -41,6 +41,8 @@ def run(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
 
     check_seq(args.seq)
+    check_sizes(args)
+    announce_model_code("estimate", args.model)
     if args.from_file:
         from meshplan.commands.export import estimate_from
 

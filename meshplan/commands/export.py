@@ -19,16 +19,17 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
+    from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.engines.bridge import export_plan
 
+    refuse_output_over_input("--out", args.out, [("--plan", args.plan)])
     exported = export_plan(load_plan(args.plan), args.to)
     for note in exported.notes:
         print(f"meshplan export: approximated: {note}", file=sys.stderr)
     if args.out:
-        Path(args.out).write_text(exported.text, encoding="utf-8")
+        write_text_atomic(args.out, exported.text, "--out")
         print(f"{args.to} config written to {args.out}", file=sys.stderr)
     else:
         sys.stdout.write(exported.text)

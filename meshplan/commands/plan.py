@@ -5,7 +5,8 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
-from meshplan.commands.common import GIB, add_axis_arguments, add_job_arguments, check_seq, moe_notes
+from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
+                                     check_sizes, moe_notes, refuse_output_over_input, spec_file)
 
 
 def add_arguments(parser) -> None:
@@ -58,6 +59,10 @@ def run(args) -> int:
 
     sizing.check(args)
     check_seq(args.seq)
+    check_sizes(args)
+    refuse_output_over_input("--out", args.out, [("--cluster", args.cluster), ("--like", args.like),
+                                                 ("--model", spec_file(args.model))])
+    announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
                       args.moe_pad_expert_input_to_capacity)
@@ -78,13 +83,16 @@ def run(args) -> int:
     sized, sizing_lines = None, []
     if args.train_tokens is not None:  # time, GPU-hours, cost; with --deadline-days the size that meets it
         result, sized, sizing_lines = sizing.size(args, result, plan_at)
+    from meshplan.planner.profiling.profiler import carry_model_graph
+
+    result = carry_model_graph(result)  # file and hf: models: reading the plan never runs their code
     data = result.to_json()
     if sized is not None:
         data["sizing"] = sized.to_json()
-    if args.out:
+    if args.out and sized is not None:
+        sizing.write_plan_json(data, args.out)  # the plan with its `sizing` key, in one write
+    elif args.out:
         save_plan(result, args.out)
-        if sized is not None:
-            sizing.write_plan_json(data, args.out)
     if args.json:
         print(json.dumps(data))
         return 0

@@ -39,14 +39,16 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from meshplan.commands.common import announce_model_code, check_seq, refuse_output_over_input, spec_file
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
-    if args.seq is not None and args.seq <= 0:
-        raise MeshplanError(f"--seq must be a positive integer, got {args.seq}")
+    check_seq(args.seq)
     if args.batch <= 0:
         raise MeshplanError(f"--batch must be a positive integer, got {args.batch}")
     seq = args.seq if args.seq is not None else default_seq(args.model, DEFAULT_SEQ)
+    refuse_output_over_input("--csv", args.csv, [("--model", spec_file(args.model))])
+    announce_model_code("profile", args.model)
     graph = profile(args.model, seq, batch=args.batch, dtype=args.dtype, attention=args.attention,
                     cache=not args.no_cache, trace=args.trace, moe_imbalance=args.moe_imbalance)
     rows = [layer.to_json(args.batch) for layer in graph.layers]
@@ -99,10 +101,9 @@ def _write_csv(rows: list[dict], path: str) -> None:
         item = {k: v for k, v in row.items() if k != "tp_split"}
         item["tp_split"] = row["tp_split"]["kind"]
         flat.append(item)
-    try:
-        pd.DataFrame(flat).to_csv(path, index=False)
-    except OSError as exc:
-        raise MeshplanError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+
+    write_text_atomic(path, pd.DataFrame(flat).to_csv(index=False), "--csv")
 
 
 def _group_name(names: list[str]) -> str:

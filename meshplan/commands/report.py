@@ -20,8 +20,12 @@ def run(args) -> int:
 
     import sys
 
+    from meshplan.commands.common import refuse_output_over_input
     from meshplan.planner.models.plan_check import model_changed
 
+    refuse_output_over_input("--out", args.out, [*(("--plan", path) for path in args.plan),
+                                                 *(("--measured", path) for path in args.measured),
+                                                 ("--trace", args.trace)])
     for path in args.plan:
         plan = load_plan(path)
         check_plan_model(plan)  # a report of layers the model does not have would mislead

@@ -17,16 +17,19 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.simulation.simulator import chrome_trace, simulate
 
+    refuse_output_over_input("--trace", args.trace, [("--plan", args.plan)])
     plan = load_plan(args.plan)
     if args.trace and Path(args.trace).is_dir():
         raise MeshplanError(f"--trace {args.trace} is a directory; give a file name such as trace.json")
     prediction = simulate(plan, timeline=bool(args.trace))
     if args.trace:
-        Path(args.trace).write_text(json.dumps(chrome_trace(prediction)))
+        write_text_atomic(args.trace, json.dumps(chrome_trace(prediction)), "--trace")
     if args.json:
         print(json.dumps(prediction.to_json()))
     else:

@@ -39,9 +39,10 @@ def pins_from(args) -> dict:
 def write_plan_json(data: dict, path) -> None:
     """The plan JSON with its `sizing` key (loaders ignore the key)."""
     import json
-    from pathlib import Path
 
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n", "plan")
 
 
 def check(args) -> None:

@@ -19,6 +19,13 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    from meshplan.commands.common import announce_model_code, refuse_output_over_input
+    from meshplan.planner.contracts.plan import load_plan
+
+    # before the executor clears an old measurement at --out: that file may be the plan itself
+    refuse_output_over_input("--out", args.out, [("--plan", args.plan),
+                                                 ("--data", None if args.data == "synthetic" else args.data)])
+    announce_model_code("train", load_plan(args.plan).model.spec)
     from meshplan.executor import train
 
     measurement = train(args.plan, nproc=args.nproc, steps=args.steps, out=args.out,

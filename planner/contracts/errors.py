@@ -3,3 +3,8 @@
 
 class MeshplanError(ValueError):
     """A problem the user can fix. The message names the problem and the fix, on one line."""
+
+
+class PlanNeedsModelCode(MeshplanError):
+    """Reading a plan would need its model's code run (an older plan of a file or hf: model that
+    carries no layer graph): refused, since commands that read plans never run model code."""

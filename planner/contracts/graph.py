@@ -30,7 +30,7 @@ experts copies (`ModelInfo.moe_imbalance` records how much more the busiest one 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # imported where the graph is built: networkx alone costs 0.17 s per command
@@ -307,3 +307,25 @@ def build_chain_graph(layers: tuple[LayerProfile, ...]) -> nx.DiGraph:
     for prev, nxt in zip(layers, layers[1:]):
         graph.add_edge(prev.name, nxt.name, bytes=prev.output_bytes)
     return graph
+
+
+def graph_to_json(graph: ModelGraph) -> dict[str, Any]:
+    """The graph as JSON: the profile cache's entries and the layer graph a plan carries."""
+    return {"spec": graph.spec, "seq": graph.seq, "dtype": graph.dtype, "attention": graph.attention,
+            "info": asdict(graph.info), "layers": [asdict(layer) for layer in graph.layers]}
+
+
+def graph_from_json(data: Any) -> ModelGraph:
+    """A ModelGraph from `graph_to_json`'s document; ValueError names what is malformed."""
+    try:
+        layers = []
+        for item in data["layers"]:
+            split = {k: tuple(v) if isinstance(v, list) else v for k, v in item["tp_split"].items()}
+            layers.append(LayerProfile(**{**item, "tp_split": TPSplit(**split)}))
+        info = ModelInfo(**{**data["info"], "notes": tuple(data["info"].get("notes", ()))})
+        return ModelGraph(spec=data["spec"], seq=data["seq"], dtype=data["dtype"], attention=data["attention"],
+                          layers=tuple(layers), info=info)
+    except KeyError as exc:
+        raise ValueError(f"layer graph is missing the field {exc.args[0]!r}") from None
+    except (TypeError, AttributeError) as exc:
+        raise ValueError(f"layer graph has a malformed entry ({exc})") from None

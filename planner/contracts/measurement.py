@@ -142,4 +142,6 @@ def load_measurement(path: str | Path) -> Measurement:
 
 
 def save_measurement(measurement: Measurement, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(measurement.to_json(), indent=2) + "\n")
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+
+    write_text_atomic(path, json.dumps(measurement.to_json(), indent=2) + "\n", "measurement")

@@ -6,6 +6,11 @@ interleaving; the V-shaped schedules mirror the second half back, chunk j >= pp 
 2 pp - 1 - j: `ParallelConfig.chunk_at`); without interleaving chunk j is simply stage j. Each layer records its `stage`
 (pipeline rank) and `virtual_stage`, so their chunk index (`chunk_at(stage, virtual_stage)`) must be
 non-decreasing along the layers, and every chunk non-empty.
+
+Plans are data. A plan of a model defined by user code (a file model `path.py:fn`, an `hf:` config)
+carries that model's layer graph under `model_graph` (and the file's sha256 in `model.digest`), so
+`simulate`, `report` and `compare` cost it without importing the file; `model_file` says which
+specs those are.
 """
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ from meshplan.planner.contracts.axes import AXES
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
+from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_to_json
 
 # 2: context parallelism (`mesh.cp`); version-1 plans (no cp) still load, as cp = 1.
 # `mesh.ep` (expert parallelism) is optional within version 2: written only when ep > 1, read as 1 when absent.
+# `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 
@@ -106,9 +113,14 @@ class Plan:
     not_executable_reason: str = ""
     solver: dict[str, Any] = field(default_factory=dict)
     schema_version: int = PLAN_SCHEMA_VERSION
+    # The layer graph of a model defined by user code (`model_file`): what reading the plan needs of
+    # that model, so no command but `train` has to run it. None for zoo specs and older plans.
+    graph: ModelGraph | None = None
 
     def __post_init__(self):
         cfg = self.config
+        if self.graph is not None:
+            self._check_graph()
         if not self.layers:
             raise ValueError("plan has no layers")
         previous_chunk = 0
@@ -136,6 +148,17 @@ class Plan:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"layer {dup!r} is assigned more than once")
+
+    def _check_graph(self) -> None:
+        graph = self.graph
+        if not isinstance(graph, ModelGraph):
+            raise ValueError(f"plan graph must be a ModelGraph, got {type(graph).__name__}")
+        if (graph.spec, graph.seq) != (self.model.spec, self.model.seq):
+            raise ValueError(f"model_graph is of {graph.spec!r} at seq {graph.seq}, but the plan's model is "
+                             f"{self.model.spec!r} at seq {self.model.seq}")
+        if [layer.name for layer in graph.layers] != [layer.name for layer in self.layers]:
+            raise ValueError(f"model_graph's {len(graph.layers)} layers are not the plan's {len(self.layers)} "
+                             "layers in order")
 
     def chunk_of(self, layer: LayerAssignment) -> int:
         return self.config.chunk_at(layer.stage, layer.virtual_stage)
@@ -182,6 +205,8 @@ class Plan:
             "solver": self.solver,
             # HSDP only: older readers ignore the key, plans without it shard over all of dp
             **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
+            # user-code models only: their layer graph, so reading the plan never runs the file
+            **({"model_graph": graph_to_json(self.graph)} if self.graph is not None else {}),
         }
 
     def with_prediction(self, prediction: dict[str, Any]) -> "Plan":
@@ -227,11 +252,33 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
                     layers=layers, prediction=prediction, alternatives=tuple(alternatives),
                     seed=_integer(data, "seed", default=0), executable=_boolean(data, "executable", default=True),
                     not_executable_reason=data.get("not_executable_reason", ""),
-                    solver=data.get("solver") or {}, schema_version=version)
+                    solver=data.get("solver") or {}, schema_version=version,
+                    graph=_carried_graph(data.get("model_graph")))
     except KeyError as exc:
         raise ValueError(f"plan is missing the field {exc.args[0]!r}") from None
     except TypeError as exc:
         raise ValueError(f"plan has a malformed entry: {exc}") from None
+
+
+def _carried_graph(item: Any) -> ModelGraph | None:
+    if item is None:
+        return None
+    if not isinstance(item, dict):
+        raise ValueError(f"plan field 'model_graph' must be an object, got {_kind(item)}")
+    try:
+        return graph_from_json(item)
+    except ValueError as exc:
+        raise ValueError(f"plan field 'model_graph': {exc}") from None
+
+
+def model_file(spec: str) -> str | None:
+    """The file a model spec names when user code or a user config defines the model (`path.py:fn`:
+    the Python file; `hf:config.json`: the config); None for built-in and parametric specs."""
+    if spec.startswith("hf:"):
+        return spec[3:]
+    if spec.partition(":")[0].endswith(".py"):
+        return spec.rpartition(":")[0]
+    return None
 
 
 def _kind(value: Any) -> str:
@@ -292,7 +339,10 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(plan.to_json(), indent=2, sort_keys=False) + "\n")
+    """Write the plan JSON atomically (a reader never sees half a plan; a failed write keeps the old one)."""
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+
+    write_text_atomic(path, json.dumps(plan.to_json(), indent=2, sort_keys=False) + "\n", "plan")
 
 
 def check_plan_matches_model(plan: Plan, layer_names: list[str]) -> None:

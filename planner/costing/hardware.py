@@ -32,13 +32,16 @@ def load_cluster(name_or_path: str | Path) -> ClusterProfile:
                                 f"{', '.join(builtin_profiles())}, or pass a path to a .toml file")
     if not path.exists():
         raise MeshplanError(f"cluster profile file not found: {path}")
+    from meshplan.planner.contracts.jsonfile import read_input_text
+
+    text = read_input_text(path, "cluster profile", "a cluster profile is TOML text (see `meshplan calibrate`)")
     try:
-        data = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise MeshplanError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); "
-                            "a cluster profile is TOML text") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise MeshplanError(f"{path}: not valid TOML ({exc})") from None
+    except RecursionError:
+        raise MeshplanError(f"{path}: nested too deeply to be a cluster profile (arrays or tables nested hundreds "
+                            "of levels)") from None
     try:
         return cluster_from_dict(data)
     except ValueError as exc:

@@ -104,11 +104,11 @@ def read_engine_text(text: str, engine: str) -> EngineJob:
 
 def read_engine_file(path, engine: str | None = None) -> EngineJob:
     """The EngineJob of a torchtitan TOML, Megatron-LM argument file or script, or DeepSpeed JSON."""
+    from meshplan.planner.contracts.jsonfile import read_input_text
+
     path = Path(path)
-    if not path.is_file():
-        raise MeshplanError(f"engine config {path} does not exist; give the path of a torchtitan .toml, a Megatron-LM "
-                            "argument file or a DeepSpeed .json")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_input_text(path, "engine config", "give the path of a torchtitan .toml, a Megatron-LM argument "
+                           "file or a DeepSpeed .json")
     return read_engine_text(text, engine or guess_engine(path, text))
 
 

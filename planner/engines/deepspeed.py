@@ -90,6 +90,8 @@ def read_deepspeed(text: str) -> EngineJob:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise MeshplanError(f"not a valid DeepSpeed JSON config: {exc}") from None
+    except RecursionError:
+        raise MeshplanError("not a DeepSpeed JSON config: nested hundreds of levels deep") from None
     if not isinstance(data, dict):
         raise MeshplanError("a DeepSpeed config must be a JSON object")
     notes = [f"{key}: not modelled by meshplan; priced without it" for key in UNPRICED

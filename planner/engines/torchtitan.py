@@ -146,6 +146,8 @@ def read_torchtitan(text: str) -> EngineJob:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise MeshplanError(f"not a valid torchtitan TOML: {exc}") from None
+    except RecursionError:
+        raise MeshplanError("not a torchtitan TOML: nested hundreds of levels deep") from None
     notes = _unpriced(data)
     par, train = data.get("parallelism", {}), data.get("training", {})
     degrees = {name: _int(par, key, 1) for name, key in AXIS_KEYS.items()}

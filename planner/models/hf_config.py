@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import json
 import re
 import sys
 from pathlib import Path
@@ -39,10 +38,7 @@ def read_config(path_text: str) -> dict:
     path = Path(path_text)
     if not path.is_file():
         raise MeshplanError(f"HF config {path_text!r} not found; use hf:path/config.json (a config file, no weights)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MeshplanError(f"HF config {path_text!r} is not valid JSON: {exc}") from None
+    data = _read_json(path_text)
     if not isinstance(data, dict) or "model_type" not in data:
         raise MeshplanError(f"HF config {path_text!r} has no \"model_type\"; it must be a transformers config.json")
     return data
@@ -57,11 +53,18 @@ def max_positions(data: dict) -> tuple[str, int]:
     return "", 0
 
 
+def _read_json(path_text: str):
+    """The config's JSON, read as every meshplan input is (a regular file, bounded in size and depth)."""
+    from meshplan.planner.contracts.jsonfile import read_json_file
+
+    return read_json_file(path_text, "HF config", "use hf:path/config.json (a config file, no weights)")
+
+
 def hf_max_positions(path_text: str) -> int:
     """The position limit of a config file (0 when absent or unreadable): caps the default --seq."""
     try:
-        data = json.loads(Path(path_text).read_text())
-    except (OSError, ValueError):
+        data = _read_json(path_text)
+    except MeshplanError:
         return 0
     return max_positions(data)[1] if isinstance(data, dict) else 0
 
@@ -69,8 +72,8 @@ def hf_max_positions(path_text: str) -> int:
 def check_seq_limit(path_text: str, seq: int) -> None:
     """Refuse a sequence longer than the positions the config declares (no torch, no transformers)."""
     try:
-        data = json.loads(Path(path_text).read_text())
-    except (OSError, ValueError):
+        data = _read_json(path_text)
+    except MeshplanError:
         return  # the build reports it
     key, limit = max_positions(data) if isinstance(data, dict) else ("", 0)
     if limit and seq > limit:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+from meshplan.planner.contracts.plan import Plan, check_plan_matches_model, model_file
 
 
 def zoo_layer_names(spec: str, seq: int) -> list[str] | None:
@@ -43,9 +43,11 @@ def model_digest(spec: str) -> str:
     """sha256 of what defines a model: the bytes of the file an hf: or file spec names (the
     config or the Python file; modules it imports are not covered), else the spec string. ""
     when the file cannot be read (the build reports that)."""
-    path = _spec_file(spec)
+    path = spec_file(spec)
     if path is None:
         return hashlib.sha256(spec.encode()).hexdigest()
+    if not Path(path).is_file():  # a device such as /dev/zero would never end
+        return ""
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
@@ -61,15 +63,12 @@ def model_changed(plan: Plan) -> str:
     current = model_digest(plan.model.spec)
     if current == recorded:
         return ""
-    where = _spec_file(plan.model.spec)
+    where = spec_file(plan.model.spec)
     what = f"{where} changed" if where and current else (f"{where} cannot be read" if where else "the spec changed")
     return (f"the model of this plan ({plan.model.spec}) is not the one it was planned for: {what} since "
             f"(digest {recorded[:12]} in the plan, {current[:12] or 'none'} now); re-plan it")
 
 
-def _spec_file(spec: str) -> str | None:
-    if spec.startswith("hf:"):
-        return spec[3:]
-    if spec.partition(":")[0].endswith(".py"):
-        return spec.rpartition(":")[0]
-    return None
+def spec_file(spec: str) -> str | None:
+    """The file an hf: or file spec names (the config or the Python file); None for other specs."""
+    return model_file(spec)

@@ -23,24 +23,28 @@ keyed by spec (with the file's content hash for file and HF specs), seq, dtype, 
 meshplan and torch versions (transformers' too for HF specs) and a hash of the model and profiling
 source (`_code_hash`), so an edit of the zoo's block is never answered with its old graph. A file
 spec's hash covers the named file only, not modules it imports. A cache hit does not import torch.
+Each entry stores a sha256 of its graph; an entry that does not verify (hand-edited, corrupt) is
+said so on stderr and profiled again.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import asdict, replace
+import sys
+from dataclasses import replace
 from pathlib import Path
 
+from meshplan.planner.contracts.atomicfile import write_text_atomic
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo, TPSplit
+from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, graph_from_json, graph_to_json
 
 DTYPES = ("bf16", "fp16", "fp32")
 ATTENTION_KINDS = ("flash", "math")
 # A child holding more than this share of the forward FLOPs is split into its own children.
 DOMINANT_FLOP_SHARE = 0.5
 MAX_REFINE_DEPTH = 4
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4  # 4: entries are {digest, graph}
 # The code a cached graph depends on, relative to the planner package: the model builders (zoo
 # blocks, presets, HF and file loaders, TP splits), the measurement, and the graph schema.
 # Whole folders, so a module added to or moved into them is covered without editing this list.
@@ -85,6 +89,24 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
         raise MeshplanError(f"{what} needs a mixture-of-experts model; {spec!r} has no experts")
     return replace(graph, info=replace(graph.info, moe_imbalance=float(moe_imbalance), moe_capacity_factor=capacity,
                                        moe_pad_to_capacity=bool(moe_pad_to_capacity)))
+
+
+def profile_plan_model(model) -> ModelGraph:
+    """The graph a plan's `ModelRef` stands for, as the plan was costed (its capacity factor included)."""
+    return profile(model.spec, model.seq, dtype=model.dtype, attention=model.attention,
+                   moe_capacity_factor=model.moe_capacity_factor or None,
+                   moe_pad_to_capacity=model.moe_pad_to_capacity)
+
+
+def carry_model_graph(plan):
+    """`plan` carrying its model's layer graph when user code defines the model (`model_file`), so
+    commands that read the plan never run that code; other plans are returned as they are."""
+    from meshplan.planner.contracts.plan import model_file
+
+    if plan.graph is not None or model_file(plan.model.spec) is None:
+        return plan
+    graph = profile_plan_model(plan.model)  # a cache hit right after the search that traced it
+    return replace(plan, graph=replace(graph, spec=plan.model.spec))
 
 
 def _check_imbalance(moe_imbalance) -> None:
@@ -345,6 +367,8 @@ def _spec_source_hash(spec: str) -> str:
         path = Path(spec.rpartition(":")[0] if ":" in spec else spec)
     else:
         return ""
+    if not path.is_file():  # absent, or a device that would never end: the build reports it
+        return "missing"
     try:
         return str(path.resolve()) + ":" + hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
@@ -352,33 +376,34 @@ def _spec_source_hash(spec: str) -> str:
 
 
 def _load_cached(path: Path) -> ModelGraph | None:
-    """The cached graph, or None when absent or unreadable (a corrupt entry is rewritten)."""
+    """The cached graph, or None when absent, unreadable or not verifying against the digest stored
+    with it (an edited or corrupt entry is said so, re-traced and rewritten)."""
     try:
-        return graph_from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    graph = entry.get("graph") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or entry.get("digest") != _entry_digest(graph):
+        print(f"meshplan: profile cache entry {path} does not match its digest (edited or corrupt); "
+              "profiling the model again", file=sys.stderr)
+        return None
+    try:
+        return graph_from_json(graph)
+    except ValueError:
         return None
 
 
+def _entry_digest(graph_json) -> str:
+    """sha256 of a cache entry's graph, as canonical JSON."""
+    return hashlib.sha256(json.dumps(graph_json, sort_keys=True).encode()).hexdigest()
+
+
 def _store_cached(path: Path, graph: ModelGraph) -> None:
-    """Write atomically; an unwritable cache directory only costs the next run's time."""
+    """Write atomically, with the digest `_load_cached` verifies; an unwritable cache directory only costs
+    the next run's time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(graph_to_json(graph)))
-        os.replace(tmp, path)
-    except OSError:
+        document = graph_to_json(graph)
+        write_text_atomic(path, json.dumps({"digest": _entry_digest(document), "graph": document}), "profile cache")
+    except (OSError, MeshplanError):
         pass
-
-
-def graph_to_json(graph: ModelGraph) -> dict:
-    return {"spec": graph.spec, "seq": graph.seq, "dtype": graph.dtype, "attention": graph.attention,
-            "info": asdict(graph.info), "layers": [asdict(layer) for layer in graph.layers]}
-
-
-def graph_from_json(data: dict) -> ModelGraph:
-    layers = []
-    for item in data["layers"]:
-        split = {k: tuple(v) if isinstance(v, list) else v for k, v in item["tp_split"].items()}
-        layers.append(LayerProfile(**{**item, "tp_split": TPSplit(**split)}))
-    return ModelGraph(spec=data["spec"], seq=data["seq"], dtype=data["dtype"], attention=data["attention"],
-                      layers=tuple(layers), info=ModelInfo(**{**data["info"], "notes": tuple(data["info"].get("notes", ()))}))

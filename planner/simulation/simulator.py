@@ -17,7 +17,8 @@ from meshplan.planner.costing import flops, uniform
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import ModelGraph
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
+from meshplan.planner.contracts.errors import PlanNeedsModelCode
+from meshplan.planner.contracts.plan import Plan, check_plan_matches_model, model_file
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.simulation.contention import stream_links
@@ -46,18 +47,31 @@ def simulate_config(graph: ModelGraph, cluster: ClusterProfile, config: Parallel
 
 
 def simulate(plan: Plan, graph: ModelGraph | None = None, timeline: bool = True) -> Prediction:
-    """Simulate one step of a Plan. `graph` None profiles `plan.model` (on the meta device)."""
+    """Simulate one step of a Plan. `graph` None: the graph the plan carries, else `plan_graph`'s."""
     if graph is None:
-        from meshplan.planner.profiling.profiler import profile
-
-        model = plan.model  # the capacity factor the plan was costed under, when it records one
-        graph = profile(model.spec, model.seq, dtype=model.dtype, attention=model.attention,
-                        moe_capacity_factor=model.moe_capacity_factor or None, moe_pad_to_capacity=model.moe_pad_to_capacity)
+        graph = plan_graph(plan)
     check_plan_matches_model(plan, [layer.name for layer in graph.layers])
     degrees = [(layer.tp, layer.dp) for layer in plan.layers]
     costs = step_costs(graph, plan.cluster, plan.config, [plan.chunk_of(layer) for layer in plan.layers],
                        [layer.recompute for layer in plan.layers], degrees_of_layer=degrees)
     return simulate_step(costs, timeline=timeline)
+
+
+def plan_graph(plan: Plan) -> ModelGraph:
+    """The layer graph of a plan's model without running model code: the graph the plan carries
+    (file and hf: models), else the zoo spec's (closed form). An older plan of a user-code model
+    that carries none is refused (`PlanNeedsModelCode`) rather than importing its file."""
+    if plan.graph is not None:
+        return plan.graph
+    path = model_file(plan.model.spec)
+    if path is not None:
+        raise PlanNeedsModelCode(
+            f"the plan of {plan.model.spec} carries no layer graph (written by an older meshplan) and reading a plan "
+            f"never runs model code ({path}); re-plan it with this meshplan (`meshplan plan --model "
+            f"{plan.model.spec} ... --out plan.json`)")
+    from meshplan.planner.profiling.profiler import profile_plan_model
+
+    return profile_plan_model(plan.model)
 
 
 def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,

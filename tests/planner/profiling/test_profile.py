@@ -378,7 +378,7 @@ def test_cache_round_trip_and_corrupt_entry(tmp_path):
     assert profile(GPT_SPEC, 64, trace=True) == first  # served from the cache, equal field by field
     path.write_text("{not json")
     assert profile(GPT_SPEC, 64, trace=True) == first  # corrupt entry ignored ...
-    assert json.loads(path.read_text())["spec"] == GPT_SPEC  # ... and rewritten
+    assert json.loads(path.read_text())["graph"]["spec"] == GPT_SPEC  # ... and rewritten
 
 
 def test_cache_key_follows_model_and_profiler_source(tmp_path, monkeypatch):
