@@ -138,8 +138,6 @@ def moe_notes(spec: str | None, moe_imbalance: float, moe_capacity_factor: float
               pad_to_capacity: bool = False) -> list[str]:
     """Checks --moe-imbalance and --moe-capacity-factor; for a mixture of experts, the routing
     assumption the costs rest on and, with a capacity factor, the dropped share."""
-    from types import SimpleNamespace
-
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.costing import expert_parallel as epm
     from meshplan.planner.models.registry import is_moe_spec
@@ -169,12 +167,10 @@ def moe_notes(spec: str | None, moe_imbalance: float, moe_capacity_factor: float
                  "experts); --moe-imbalance F charges the busiest rank F times that"]
     if moe_capacity_factor is None:
         return notes
-    info = SimpleNamespace(moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
-                           moe_pad_to_capacity=pad_to_capacity, num_experts=0)
-    load = epm.load_factor(info)
+    load = epm.routed_load(moe_imbalance, moe_capacity_factor, pad_to_capacity)
     how = "padded to capacity" if pad_to_capacity else "min(F, C)"
     line = (f"note: capacity factor {moe_capacity_factor:g}: the busiest rank is costed at {load:g}x the balanced "
-            f"share ({how}); dropped: {epm.dropped_share(info):.1%} of the copies routed to the busiest expert")
+            f"share ({how}); dropped: {epm.dropped_share_of(moe_imbalance, moe_capacity_factor):.1%} of the copies routed to the busiest expert")
     if moe_imbalance > moe_capacity_factor:
         line += " (1 - C/F; at least (F - C)/experts of all routed copies in a step)"
     return notes + [line]

@@ -5,9 +5,9 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
-from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
-                                     check_seq, check_sizes, moe_notes, throughput_line)
+                                     check_seq, check_sizes, moe_notes)
+from meshplan.commands.printed import Heading, format_prediction
 
 
 def add_arguments(parser) -> None:
@@ -46,7 +46,7 @@ def run(args) -> int:
     if args.from_file:
         from meshplan.commands.export import estimate_from
 
-        return estimate_from(args, format_prediction)
+        return estimate_from(args)
     missing = [f"--{name}" for name in ("model", "cluster", "gpus", "gbs") if getattr(args, name) is None]
     if missing:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
@@ -61,7 +61,8 @@ def run(args) -> int:
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
-    print(format_prediction(prediction, args, load_cluster(args.cluster).device.usable_memory_bytes))
+    cluster = load_cluster(args.cluster)
+    print(format_prediction(prediction, _heading(args, cluster), cluster.device.usable_memory_bytes))
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)
@@ -69,6 +70,17 @@ def run(args) -> int:
 
 
 _SHARDS = {1: "optimizer states", 2: "gradients too", 3: "parameters too"}
+
+
+def _heading(args, cluster) -> Heading:
+    """The command's configuration (already validated by the estimate itself)."""
+    from meshplan.planner.simulation.estimator import default_precision, parallel_config
+
+    config = parallel_config(cluster, gpus=args.gpus, global_batch=args.gbs, **axis_arguments(args, skip=("dp",)),
+                             mbs=args.mbs, zero=args.zero, recompute=args.recompute, sp=args.sp,
+                             schedule=args.schedule, vpp=args.vpp,
+                             precision=args.precision or default_precision(cluster), shard_group=args.shard_group)
+    return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute, seq=args.seq)
 
 
 def _estimate_at(args, zero: int):
@@ -99,76 +111,3 @@ def _zero_hint(args, prediction) -> str:
             return (f"hint: with --zero {zero} (sharding the {_SHARDS[zero]}) it fits: "
                     f"{other.peak_memory_bytes / GIB:.2f} GiB per GPU, step {other.step_time_s * 1e3:.1f} ms")
     return ""
-
-
-def format_prediction(prediction, args, usable_memory_bytes: float) -> str:
-    """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
-    step = prediction.step_time_s
-    moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
-    cp = args.cp
-    dp = args.gpus // (args.tp * args.pp * cp)
-    lines = [f"{args.model} on {args.gpus} x {args.cluster}: tp={args.tp} pp={args.pp} dp={dp}"
-             + (f" cp={cp}" if cp > 1 else "") + (f" ep={args.ep}" if args.ep > 1 else "")
-             + f" mbs={args.mbs} "
-             f"zero={args.zero}" + (f" shard_group={args.shard_group}" if getattr(args, "shard_group", None) else "")
-             + f" recompute={args.recompute} sp={'on' if args.sp else 'off'} schedule={args.schedule}"
-             + (f" vpp={args.vpp}" if schedule_spec(args.schedule).free_chunks else ""),
-             "", f"step time        {step * 1e3:10.1f} ms"]
-    for kind, seconds in prediction.breakdown.items():
-        if seconds > 0:
-            lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
-    from meshplan.reports.plans import is_sequence_model
-
-    sequence_model = is_sequence_model(args.model)
-    seq = getattr(args, "seq", None) or _default_seq(args.model)
-    lines += ["", throughput_line(args.model, prediction.tokens_per_s, seq),
-              f"model TFLOP/s    {prediction.model_tflops_per_gpu:10.1f} per GPU",
-              f"hw TFLOP/s       {prediction.hw_tflops_per_gpu:10.1f} per GPU",
-              f"MFU              {prediction.mfu:10.1%}"
-              + ("   (attention counted in full; step time uses causal FLOPs)" if sequence_model else ""),
-              f"HFU              {prediction.hfu:10.1%}   (FLOPs the GPUs execute: "
-              + ("causal attention, " if sequence_model else "") + "recomputation)",
-              f"bubble           {prediction.bubble_fraction:10.1%}",
-              "", "memory per rank (GiB)" + ("; experts: the routed experts' part of params + grads + optim"
-                                            if moe else ""),
-              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"
-              + (f" {'experts':>8}" if moe else "")]
-    for rank in _ranks_to_show(prediction):
-        if rank is None:
-            lines.append(f"  {'...':>5}")
-            continue
-        mem = prediction.memory[rank]
-        lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
-                     f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}"
-                     + (f" {mem.experts / GIB:8.2f}" if moe else ""))
-    from meshplan.planner.costing.state_memory import executed_zero
-
-    if executed_zero(args.zero, dp, args.pp, args.schedule) != args.zero:
-        lines += ["", f"note: ZeRO-{args.zero} with the {args.schedule} schedule runs as ZeRO-1 (a split backward "
-                      "defers gradient sync and resharding to the step's end); priced as executed"]
-    verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
-    lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
-              f"GiB usable   fits: {verdict}"]
-    return "\n".join(lines)
-
-
-def _default_seq(spec: str) -> int:
-    from meshplan.planner.models.registry import default_seq
-    from meshplan.planner.simulation.estimator import DEFAULT_SEQ
-
-    return default_seq(spec, DEFAULT_SEQ)
-
-
-def _ranks_to_show(prediction, limit: int = 8) -> list:
-    """Every pipeline rank when few; else the first two, the largest, the last two (None = gap)."""
-    count = len(prediction.memory)
-    if count <= limit:
-        return list(range(count))
-    largest = max(range(count), key=lambda r: prediction.memory[r].total)
-    shown = sorted({0, 1, largest, count - 2, count - 1})
-    out: list = []
-    for rank in shown:
-        if out and rank != out[-1] + 1:
-            out.append(None)
-        out.append(rank)
-    return out

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from types import SimpleNamespace
-
-from meshplan.commands.common import axis_arguments
 
 ENGINES = ("torchtitan", "megatron", "deepspeed")
 
@@ -36,9 +33,9 @@ def run(args) -> int:
     return 0
 
 
-def estimate_from(args, format_prediction) -> int:
-    """`meshplan estimate --from FILE`: price an engine config, notes on stderr, printed by
-    `format_prediction` (estimate's, passed in: this module does not import the estimate command)."""
+def estimate_from(args) -> int:
+    """`meshplan estimate --from FILE`: price an engine config, notes on stderr, printed as
+    `estimate` prints its own (`printed.format_prediction`)."""
     from meshplan.planner.engines.bridge import predict_job, read_engine_file
 
     job = read_engine_file(args.from_file, args.engine)
@@ -51,12 +48,12 @@ def estimate_from(args, format_prediction) -> int:
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
-    cfg = result.config
-    shown = SimpleNamespace(model=result.spec, cluster=args.cluster, gpus=cfg.gpus, **axis_arguments(cfg),
-                            mbs=cfg.microbatch_size, zero=cfg.zero, recompute=_recompute_text(result), sp=cfg.sp,
-                            schedule=cfg.schedule, vpp=cfg.virtual_stages)
+    from meshplan.commands.printed import Heading, format_prediction
+
+    heading = Heading(spec=result.spec, cluster=args.cluster, config=result.config, recompute=_recompute_text(result),
+                      seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
-    print(format_prediction(result.prediction, shown, load_cluster(args.cluster).device.usable_memory_bytes))
+    print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
     return 0
 
 

@@ -103,20 +103,27 @@ def capacity_factor(info) -> float:
 
 
 def load_factor(info) -> float:
-    """The busiest rank's expert work and received tokens over the balanced share: F without a
-    capacity factor, min(F, C) with one, C when expert inputs are padded to capacity."""
-    imbalance = float(getattr(info, "moe_imbalance", 1.0) or 1.0)
-    capacity = capacity_factor(info)
+    """The busiest rank's expert work and received tokens over the balanced share (`routed_load`
+    of the graph's routing options)."""
+    return routed_load(float(getattr(info, "moe_imbalance", 1.0) or 1.0), capacity_factor(info),
+                       bool(getattr(info, "moe_pad_to_capacity", False)))
+
+
+def routed_load(imbalance: float, capacity: float, pad_to_capacity: bool) -> float:
+    """F without a capacity factor (capacity 0), min(F, C) with one, C when expert inputs are
+    padded to capacity."""
     if not capacity:
         return imbalance
-    if getattr(info, "moe_pad_to_capacity", False):
-        return capacity
-    return min(imbalance, capacity)
+    return capacity if pad_to_capacity else min(imbalance, capacity)
 
 
 def dropped_share(info) -> float:
-    """Share of the copies routed to the busiest expert that its capacity drops: 1 - C/F when F > C."""
-    imbalance, capacity = float(getattr(info, "moe_imbalance", 1.0) or 1.0), capacity_factor(info)
+    """Share of the copies routed to the busiest expert that its capacity drops (`dropped_share_of`)."""
+    return dropped_share_of(float(getattr(info, "moe_imbalance", 1.0) or 1.0), capacity_factor(info))
+
+
+def dropped_share_of(imbalance: float, capacity: float) -> float:
+    """1 - C/F when F > C, else 0 (capacity 0: none dropped)."""
     return 1.0 - capacity / imbalance if capacity and imbalance > capacity else 0.0
 
 

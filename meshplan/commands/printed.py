@@ -1,0 +1,92 @@
+"""The printed prediction of `estimate` (one configuration, or an engine's config read with
+`--from`): step time by cause, throughput, utilisation and memory per pipeline rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.commands.common import GIB, throughput_line
+from meshplan.planner.contracts.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Heading:
+    """What a printed estimate names: the model, the cluster, the configuration and the
+    recomputation (a mode, or the modes' counts when an engine config mixes them)."""
+
+    spec: str
+    cluster: str
+    config: ParallelConfig
+    recompute: str
+    seq: int | None = None
+
+
+def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) -> str:
+    """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
+    step = prediction.step_time_s
+    moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
+    cfg = heading.config
+    lines = [f"{heading.spec} on {cfg.gpus} x {heading.cluster}: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"
+             + (f" cp={cfg.cp}" if cfg.cp > 1 else "") + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
+             + f" mbs={cfg.microbatch_size} zero={cfg.zero}"
+             + (f" shard_group={cfg.shard_group}" if cfg.shard_group else "")
+             + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"
+             + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else ""),
+             "", f"step time        {step * 1e3:10.1f} ms"]
+    for kind, seconds in prediction.breakdown.items():
+        if seconds > 0:
+            lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
+    from meshplan.reports.plans import is_sequence_model
+
+    sequence_model = is_sequence_model(heading.spec)
+    seq = heading.seq or _default_seq(heading.spec)
+    lines += ["", throughput_line(heading.spec, prediction.tokens_per_s, seq),
+              f"model TFLOP/s    {prediction.model_tflops_per_gpu:10.1f} per GPU",
+              f"hw TFLOP/s       {prediction.hw_tflops_per_gpu:10.1f} per GPU",
+              f"MFU              {prediction.mfu:10.1%}"
+              + ("   (attention counted in full; step time uses causal FLOPs)" if sequence_model else ""),
+              f"HFU              {prediction.hfu:10.1%}   (FLOPs the GPUs execute: "
+              + ("causal attention, " if sequence_model else "") + "recomputation)",
+              f"bubble           {prediction.bubble_fraction:10.1%}",
+              "", "memory per rank (GiB)" + ("; experts: the routed experts' part of params + grads + optim"
+                                            if moe else ""),
+              f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"
+              + (f" {'experts':>8}" if moe else "")]
+    for rank in _ranks_to_show(prediction):
+        if rank is None:
+            lines.append(f"  {'...':>5}")
+            continue
+        mem = prediction.memory[rank]
+        lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
+                     f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}"
+                     + (f" {mem.experts / GIB:8.2f}" if moe else ""))
+    from meshplan.planner.costing.state_memory import executed_zero
+
+    if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule) != cfg.zero:
+        lines += ["", f"note: ZeRO-{cfg.zero} with the {cfg.schedule} schedule runs as ZeRO-1 (a split backward "
+                      "defers gradient sync and resharding to the step's end); priced as executed"]
+    verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
+    lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
+              f"GiB usable   fits: {verdict}"]
+    return "\n".join(lines)
+
+
+def _default_seq(spec: str) -> int:
+    from meshplan.planner.models.registry import default_seq
+    from meshplan.planner.simulation.estimator import DEFAULT_SEQ
+
+    return default_seq(spec, DEFAULT_SEQ)
+
+
+def _ranks_to_show(prediction, limit: int = 8) -> list:
+    """Every pipeline rank when few; else the first two, the largest, the last two (None = gap)."""
+    count = len(prediction.memory)
+    if count <= limit:
+        return list(range(count))
+    largest = max(range(count), key=lambda r: prediction.memory[r].total)
+    shown = sorted({0, 1, largest, count - 2, count - 1})
+    out: list = []
+    for rank in shown:
+        if out and rank != out[-1] + 1:
+            out.append(None)
+        out.append(rank)
+    return out
