@@ -14,7 +14,7 @@ from meshplan.reports.timeline import idle_fraction_per_rank
 
 # The mixed-precision recipes (ZeRO paper, Rajbhandari et al. 2020, section 3.1): bytes per
 # parameter for (parameters, gradients, optimizer states) before any ZeRO sharding.
-# What each recipe keeps (its byte counts: costing.strategy.PRECISION_RECIPES).
+# What each recipe keeps (its byte counts: costing.precision.PRECISION_RECIPES).
 PRECISION_RECIPE_TEXT = {
     "bf16-mixed": "bf16 parameters and gradients; fp32 master weights plus Adam's two fp32 moments (4 + 4 + 4 bytes)",
     "fp8": ("bf16-mixed's model states; the blocks' Linears run their GEMMs in fp8 with a transient fp8 copy of "

@@ -81,7 +81,7 @@ def size(args, result, plan_at):
 def _ceiling(plan):
     """tokens/s no plan of this model can beat on a given GPU count (`sizing.ceiling_tokens_per_s`)."""
     from meshplan.planner.costing.flops import executed_flops_per_step
-    from meshplan.planner.costing.strategy import COMPUTE_DTYPE
+    from meshplan.planner.costing.precision import COMPUTE_DTYPE
     from meshplan.planner.engines.sizing import ceiling_tokens_per_s
     from meshplan.planner.profiling.profiler import profile
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.state_memory import dp_method
-from meshplan.planner.costing.strategy import is_split
+from meshplan.planner.costing.tp_split import is_split
 
 
 def rebuilt_bytes(layer: LayerProfile, config: ParallelConfig, scale: float) -> float:

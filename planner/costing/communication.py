@@ -9,7 +9,8 @@ from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
-from meshplan.planner.costing.strategy import is_split, recipe
+from meshplan.planner.costing.precision import recipe
+from meshplan.planner.costing.tp_split import is_split
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25): a software default, not hardware.
 DDP_BUCKET_BYTES = 25 * 2**20

@@ -11,7 +11,8 @@ from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
-from meshplan.planner.costing.strategy import COMPUTE_DTYPE, is_split
+from meshplan.planner.costing.precision import COMPUTE_DTYPE
+from meshplan.planner.costing.tp_split import is_split
 
 
 def num_gemms(layer: LayerProfile) -> int:

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing.strategy import COMPUTE_DTYPE
+from meshplan.planner.costing.precision import COMPUTE_DTYPE
 
 
 def attention_work_share(cp: int, balanced: bool = True) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from meshplan.planner.contracts.graph import TPSplit
+from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.costing.expert_parallel import check_expert_parallel
 from meshplan.planner.costing.fp8 import is_fp8
 from meshplan.planner.costing.state_memory import executed_zero
@@ -144,7 +145,7 @@ def why_not_executable(config, model: ModelFacts, layer_degrees=()) -> str | Non
     if executed_zero(config.zero, config.data_ranks, config.pp, config.schedule) != config.zero:
         return (f"ZeRO-{config.zero} with the {config.schedule} schedule (pp {config.pp}, dp {config.dp}) runs as "
                 "ZeRO-1: a split backward defers gradient sync and resharding to the step's end; set zero to 1, "
-                "or use the 1f1b or interleaved schedule")
+                f"or use a schedule without a split backward ({_whole_backward_schedules()})")
     if model.family in WHOLE_MODEL_FAMILIES and whole_model_problem(config):
         return whole_model_problem(config)
     return (_sequence_problem(config, model) or tp_split_problem(model, config.tp)
@@ -190,3 +191,8 @@ def _pipeline_problem(config, model: ModelFacts) -> str | None:
     if config.pp > 1 and model.pipeline_cut_problem:
         return model.pipeline_cut_problem
     return None
+
+
+def _whole_backward_schedules() -> str:
+    """The schedules whose backward is not split (ZeRO-2/3 run as planned under them)."""
+    return ", ".join(spec.name for spec in SCHEDULE_SPECS.values() if not spec.split_backward)

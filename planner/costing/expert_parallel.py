@@ -61,7 +61,8 @@ from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
 from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 from meshplan.planner.costing.state_memory import state_bytes
-from meshplan.planner.costing.strategy import COMPUTE_DTYPE, activation_scale, is_split, recipe
+from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
+from meshplan.planner.costing.tp_split import is_split
 
 # GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
 SWIGLU_GEMMS = 3

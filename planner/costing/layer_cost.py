@@ -22,8 +22,8 @@ from meshplan.planner.costing.compute_time import compute_times_s
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
-from meshplan.planner.costing.strategy import (COMPUTE_DTYPE, activation_scale, extra_vocab_params, is_split,
-                                               recipe, vocab_scale)
+from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
+from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
 
 
 @dataclass(frozen=True)

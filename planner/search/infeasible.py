@@ -16,13 +16,14 @@ def min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins, 
     """Smallest per-rank peak memory any memory-lean candidate reaches (ILP minimising the peak).
 
     Per mesh only the memory-lean variants are tried: the smallest micro-batch, no interleaving
-    (it holds more micro-batches), SP whenever tp > 1; all ZeRO stages (ZeRO-3 gathers whole
+    (it holds more micro-batches), a schedule the search offers unpinned (GPipe, which holds every
+    micro-batch, is offered only when pinned), SP whenever tp > 1; all ZeRO stages (ZeRO-3 gathers whole
     layers into a transient buffer, so it is not always the leanest).
     """
     lean = {}
     for c in candidates:
         key = (c.tp, c.pp, c.dp, c.zero)
-        if c.virtual_stages == 1 and c.schedule != "gpipe" and (c.sp or c.tp == 1 or pins.sp is False):
+        if c.virtual_stages == 1 and c.schedule_spec.searched and (c.sp or c.tp == 1 or pins.sp is False):
             if key not in lean or c.microbatch_size < lean[key].microbatch_size:
                 lean[key] = c
     chosen = sorted(lean.values(), key=lambda c: c.sort_key)

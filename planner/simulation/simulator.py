@@ -12,7 +12,7 @@ from typing import Any
 
 from meshplan.planner.costing.communication import p2p_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.strategy import COMPUTE_DTYPE
+from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing import flops, uniform
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import ModelGraph
