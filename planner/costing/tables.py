@@ -413,9 +413,8 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
     types = _fold_pinned_neighbours(types, layer_type)
     boundary_bytes = stream_bytes(types, layer_type) if config.pp > 1 else 0.0
     p2p_s = p2p_time(boundary_bytes, config, cluster) if config.pp > 1 else 0.0
-    gpus = config.tp * config.dp * config.pp
     return CostTable(layer_names=layer_names, layer_type=layer_type,
                      types=tuple(types), p2p_s=p2p_s, boundary_bytes=boundary_bytes,
                      chunk_overhead_s=2 * fixed_costs.pipeline_action_s(config.pp, cluster),
-                     rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(gpus, cluster))
+                     rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(config.gpus, cluster))  # every rank, cp's too
 

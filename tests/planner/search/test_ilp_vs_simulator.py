@@ -69,6 +69,13 @@ CASES = {
     "gpt-175b-gpipe": ("gpt:layers=96,hidden=12288,heads=96,vocab=51200", 2048, "a100-80g", 1024, 1536,
                        Pins(tp=8, pp=8, schedule="gpipe"), 4),
 }
+# context parallelism (the K/V collectives block compute) and HSDP (ZeRO over a shard group,
+# replicated across the groups), pipelined and not
+CASES["llama3-8b-cp2-1f1b"] = ("llama3-8b", 16384, "h100-sxm", 64, 64, Pins(cp=2, tp=4, pp=2, schedule="1f1b"), 4)
+CASES["llama3-8b-cp2-dp"] = ("llama3-8b", 16384, "h100-sxm", 64, 64, Pins(cp=2, pp=1), 4)
+CASES["llama3-8b-hsdp-zero3"] = ("llama3-8b", 8192, "h100-sxm", 64, 256, Pins(zero=3, shard_group=8, pp=1), 4)
+CASES["llama3-8b-hsdp-1f1b"] = ("llama3-8b", 8192, "h100-sxm", 64, 256,
+                                Pins(zero=1, shard_group=8, tp=2, pp=2, schedule="1f1b"), 4)
 # expert parallelism: the MoE blocks' all-to-alls block compute in all three models
 MOE_SPEC = "moe:layers=8,hidden=1024,heads=16,kv_heads=4,experts=16,top_k=2,expert_ffn=512,vocab=32000"
 CASES["moe-ep-1f1b"] = (MOE_SPEC, 2048, "h100-sxm", 32, 64, Pins(ep=4, pp=2, schedule="1f1b"), 4)
