@@ -24,6 +24,7 @@ from meshplan.executor.manifest import MARKER, Manifest, RunIdentity, describe_f
 # parameter in a flattened state dict), in its shard (torch.save's zip entry) and in .metadata:
 # measured 1.64 KB per record on torch 2.13 (a 2-layer GPT: 545 records, 1.34 MB on disk).
 DCP_BYTES_PER_RECORD = 1640
+FULL_DISK_BYTES = 1 << 20  # less free space than this after a failed write: the disk was full
 
 
 class CheckpointSaveFailed(RuntimeError):
@@ -165,14 +166,14 @@ def _first_cause(exc: BaseException) -> BaseException:
 def _os_reason(cause: BaseException, path: Path) -> str | None:
     """The OS's words for a failed write: an OSError in the chain, else "No space left on device"
     when torch's C++ writer failed (its enforce message hides errno) on a file system left with
-    less room than one tensor record."""
+    (almost) no room: a write fails with ENOSPC only once the free space is used up."""
     seen = cause
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
             return seen.strerror
         seen = seen.__cause__ or seen.__context__
     try:
-        if shutil.disk_usage(path if path.exists() else path.parent).free < DCP_BYTES_PER_TENSOR * 8:
+        if shutil.disk_usage(path if path.exists() else path.parent).free < FULL_DISK_BYTES:
             return os.strerror(errno.ENOSPC)
     except OSError:
         pass
