@@ -29,6 +29,7 @@ from pathlib import Path
 from meshplan.planner.contracts.errors import MeshplanError
 
 TAIL_LINES = 400
+LOOPBACK_INTERFACE = "lo"
 KILL_GRACE_S = 5.0
 
 
@@ -79,6 +80,10 @@ def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts:
     jobs_path.write_text(json.dumps([{**job, "run_dir": job.get("run_dir") or str(run_dir)} for job in jobs]))
     command = torchrun_command(nproc, max_restarts, ["--jobs", str(jobs_path)], free_port())
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if LOOPBACK_INTERFACE in {name for _, name in socket.if_nameindex()}:
+        # the collectives' own sockets (gloo pairs, NCCL's bootstrap) on loopback too: one node
+        env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+        env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     handles_sigterm = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if handles_sigterm else None
