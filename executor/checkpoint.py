@@ -205,13 +205,15 @@ def load_checkpoint(runtime, path: Path, manifest: Manifest) -> tuple[int, list[
 
     model_state, optim_state, keys = _model_and_optim_state(runtime)
     rank = dist.get_rank()
-    state = {"model": model_state, "optim": optim_state, "train": {"step": 0, "history_json": ""}}
+    optim_request, optim_names, optim_copies = _tied_requests(runtime.plan, path, optim_state)
+    state = {"model": model_state, "optim": optim_request, "train": {"step": 0, "history_json": ""}}
     # per-rank RNG state only maps onto the same layout and world size
     same_layout = manifest.identity.plan_digest == runtime.plan.digest and manifest.world_size == dist.get_world_size()
     if same_layout:
         state[f"rng_rank{rank}"] = torch.get_rng_state()
     try:
         dcp.load(state, checkpoint_id=str(path))
+        state["optim"] = _fill_copies({optim_names.get(k, k): v for k, v in state["optim"].items()}, optim_copies)
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         for module, optimizer, (model_keys, optim_keys) in zip(runtime.modules, runtime.optimizers, keys):
             set_model_state_dict(module, {k: v for k, v in state["model"].items() if k in model_keys})
@@ -222,3 +224,55 @@ def load_checkpoint(runtime, path: Path, manifest: Manifest) -> tuple[int, list[
     if same_layout:
         torch.set_rng_state(state[f"rng_rank{rank}"])
     return int(state["train"]["step"]), list(json.loads(state["train"]["history_json"]))
+
+
+def _tied_aliases(plan) -> dict[str, str]:
+    """Each parameter name that shares its tensor with an earlier one (a tied LM head), mapped to
+    that first name: the one a layout holding both saves the optimizer state under."""
+    from meshplan.planner.models.registry import build_model
+
+    module = build_model(plan.model.spec, plan.model.seq, device="meta").module
+    first, aliases = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    return aliases
+
+
+def _tied_requests(plan, path: Path, optim_state: dict) -> tuple[dict, dict, dict]:
+    """(the optimizer state to ask DCP for, requested name -> this rank's name, this rank's name
+    -> the requested name to copy it from).
+
+    A layout holding both ends of a tied embedding (dp, tp) saves their one optimizer state under
+    the first name; a pipeline stage holding only the head's copy asks for it under the head's
+    name. Such a request is redirected to the first name when only that is in the checkpoint."""
+    aliases = _tied_aliases(plan)
+    if not aliases:
+        return optim_state, {}, {}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)  # verified bytes
+    request, names, copies = {}, {}, {}
+    for key, value in optim_state.items():
+        kind, _, rest = key.partition(".")  # "state" / "param_groups", then "<fqn>.<field>"
+        alias = next((a for a in aliases if rest.startswith(f"{a}.")), None)
+        if alias is not None and f"optim.{key}" not in stored:
+            redirected = f"{kind}.{aliases[alias]}{rest[len(alias):]}"
+            if redirected in optim_state:  # this rank holds both copies (a V-shaped pipeline)
+                copies[key] = redirected
+                continue
+            if f"optim.{redirected}" in stored:
+                request[redirected], names[redirected] = value, key
+                continue
+        request[key] = value
+    return request, names, copies
+
+
+def _fill_copies(optim: dict, copies: dict) -> dict:
+    """The head copy's optimizer state from the first copy's, as tensors of its own."""
+    import torch
+
+    for key, source in copies.items():
+        value = optim[source]
+        optim[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return optim

@@ -268,6 +268,20 @@ def test_a_non_finite_state_is_never_marked_complete(plan_path, tmp_path, monkey
     assert _complete(ckpt) == [1]
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_dp_checkpoint_of_a_tied_embedding_model_resumes_as_pp(saved, tmp_path):
+    # dp holds the tied embedding and head as one parameter, whose optimizer state is saved once
+    # under the embedding's name; pp's last stage holds the head alone and asks for it by its name.
+    measured, ckpt = saved
+    plan = uniform_plan(SPEC, 16, 4, load_cluster("cpu"), pp=2, microbatch_size=2, seed=3)
+    save_plan(plan, tmp_path / "pp.json")
+    resumed = train(tmp_path / "pp.json", steps=STEPS, out=tmp_path / "m.json", run_dir=tmp_path / "run",
+                    resume_from=ckpt / "step_2")
+    assert resumed.resumed_from_step == 2
+    _same_losses(resumed.losses, measured.losses)
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
