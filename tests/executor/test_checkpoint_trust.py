@@ -314,25 +314,34 @@ def _listening_addresses(pids: list[int]) -> list[str]:
     return found
 
 
-@pytest.mark.multiproc
-@pytest.mark.timeout(300)
-def test_sigterm_stops_the_workers_and_cleans_up_and_the_stores_listened_on_loopback(plan_path, tmp_path):
+def _hung_train(plan_path, tmp_path):
+    """`meshplan train` (the CLI, a process of its own) with rank 0 stuck before step 2:
+    (process, its TMPDIR, the torchrun agent's pids, the workers' pids)."""
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     env = dict(os.environ, TMPDIR=str(temporary), OMP_NUM_THREADS="1", MESHPLAN_FAULT="hang:rank=0,step=2")
     process = subprocess.Popen([sys.executable, "-m", "meshplan.cli", "train", "--plan", str(plan_path), "--steps", "3",
                                 "--out", str(tmp_path / "m.json")], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 200
+    beats = []
+    while time.monotonic() < deadline and process.poll() is None:  # until both ranks did step 1
+        beats = list(temporary.glob("meshplan-train-*/rank*.json"))
+        if len(beats) == 2 and all(json.loads(b.read_text() or "{}").get("step") == 1 for b in beats):
+            break
+        time.sleep(0.5)
+    workers = [json.loads(beat.read_text())["pid"] for beat in beats]
+    agents = _children(process.pid)
+    if len(workers) != 2 or not agents:
+        process.kill()
+        pytest.fail(f"the run did not reach step 1 (exit {process.poll()})")
+    return process, temporary, agents, workers
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_sigterm_stops_the_workers_and_cleans_up_and_the_stores_listened_on_loopback(plan_path, tmp_path):
+    process, temporary, agents, workers = _hung_train(plan_path, tmp_path)
     try:
-        deadline = time.monotonic() + 200
-        beats = []
-        while time.monotonic() < deadline and process.poll() is None:  # until both ranks did step 1
-            beats = list(temporary.glob("meshplan-train-*/rank*.json"))
-            if len(beats) == 2 and all(json.loads(b.read_text() or "{}").get("step") == 1 for b in beats):
-                break
-            time.sleep(0.5)
-        workers = [json.loads(beat.read_text())["pid"] for beat in beats]
-        agents = _children(process.pid)
-        assert len(workers) == 2 and agents, process.poll()
         addresses = _listening_addresses(agents + workers)
         # the agent's store, rank 0's store and gloo's pairs: nothing on another interface
         assert len(addresses) >= 2 and set(addresses) == {LOOPBACK_HEX}, addresses
@@ -345,3 +354,15 @@ def test_sigterm_stops_the_workers_and_cleans_up_and_the_stores_listened_on_loop
     assert err.strip().splitlines()[-1] == "meshplan train: terminated (SIGTERM); the workers were stopped"
     assert not [pid for pid in agents + workers if process_alive(pid)]
     assert list(temporary.glob("meshplan-train-*")) == []
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_killed_launcher_takes_the_agent_and_the_workers_with_it(plan_path, tmp_path):
+    process, _, agents, workers = _hung_train(plan_path, tmp_path)
+    process.kill()  # SIGKILL: no cleanup of its own can run
+    process.communicate(timeout=30)
+    deadline = time.monotonic() + 30  # the agent's SIGTERM stops the workers within its grace period
+    while time.monotonic() < deadline and [pid for pid in agents + workers if process_alive(pid)]:
+        time.sleep(0.5)
+    assert not [pid for pid in agents + workers if process_alive(pid)]
