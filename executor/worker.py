@@ -4,9 +4,11 @@
 
 or `--jobs jobs.json` (a list of job objects with the same keys) to run several plans one after
 another in one launch (the tests group configurations this way: each launch costs seconds).
-Each job: check the plan, build this rank's runtime, resume from the newest complete checkpoint
-when asked (or when torchrun restarted the workers), train, checkpoint every K steps, and have
-rank 0 write measured.json. Teardown is a barrier, then `destroy_process_group`.
+Each job: check the plan, build this rank's runtime, resume when asked (`--resume`: the newest
+checkpoint that verifies, refusing another run's; `--resume-from`: the one named) or when
+torchrun restarted the workers (this run's newest checkpoint that verifies; rank 0 chooses and
+verifies, `executor.manifest`), train, checkpoint every K steps, and have rank 0 write
+measured.json. Rank 0's process-group store listens on loopback on one node (`executor.loopback`). Teardown is a barrier, then `destroy_process_group`.
 
 A collective that waits longer than the job's `timeout_s` fails (a hung peer); a NaN or infinite
 loss or gradient norm stops every rank at the same step, before the update and before any save,
