@@ -283,6 +283,22 @@ def test_a_dp_checkpoint_of_a_tied_embedding_model_resumes_as_pp(saved, tmp_path
     _same_losses(resumed.losses, measured.losses)
 
 
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_a_checkpoint_that_does_not_fit_the_model_fails_in_one_line(saved, tmp_path):
+    plan = uniform_plan("gpt:layers=2,hidden=48,heads=2,vocab=256", 16, 4, load_cluster("cpu"), dp=2,
+                        microbatch_size=2, seed=3)
+    save_plan(plan, tmp_path / "wider.json")
+    with pytest.raises(TrainingFailed) as info:  # restarts cannot cure it: the first failure is the last
+        train(tmp_path / "wider.json", steps=STEPS, out=tmp_path / "m.json", run_dir=tmp_path / "run",
+              resume_from=saved[1] / "step_2", max_restarts=1)
+    message = str(info.value)
+    assert re.search(r"CheckpointLoadFailed: loading checkpoint .*step_2 failed \(ValueError: Size mismatch between "
+                     r"saved torch.Size\(\[256, 32\]\) and current: torch.Size\(\[256, 48\]\)", message), message
+    assert len(message.splitlines()) == 1 and len(message) < 700, message
+    assert json.loads((tmp_path / "run" / "rank0.json").read_text())["restart"] == 1  # stopped at once on restart
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
