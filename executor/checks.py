@@ -15,10 +15,6 @@ from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
 from meshplan.planner.costing.executable import (LAYERWISE, WHOLE_MODEL_FAMILIES, built_model_facts,
                                                  whole_model_problem, why_not_executable)
 
-# DCP stores fp32 weights and AdamW's two fp32 moments (both precisions keep fp32 masters).
-CHECKPOINT_BYTES_PER_PARAM = 4 + 4 + 4
-
-
 def check_plan_runnable(plan: Plan, world_size: int) -> None:
     """Raise MeshplanError naming what is unsupported and what would work: the plan's own verdict
     (`Plan.not_executable_reason`), the process count, the device's precision, the model, and
@@ -124,13 +120,9 @@ def check_output_file(out: str | Path) -> None:
         raise MeshplanError(f"--out {out}: directory {parent} is not writable; choose another path")
 
 
-def checkpoint_size_bytes(num_params: int) -> int:
-    """Estimate of one checkpoint on disk: weights and optimizer moments (metadata is small)."""
-    return num_params * CHECKPOINT_BYTES_PER_PARAM
-
-
 def check_checkpoint_dir(directory: str | Path, one_checkpoint_bytes: int, num_saves: int) -> None:
-    """The directory can be created and written, and its file system holds one checkpoint."""
+    """The directory can be created and written, and its file system holds one checkpoint
+    (`executor.checkpoint.estimated_size_bytes`)."""
     path = Path(directory)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -146,10 +138,3 @@ def check_checkpoint_dir(directory: str | Path, one_checkpoint_bytes: int, num_s
                             f"needs about {one_checkpoint_bytes / 2**20:.1f} MiB ({num_saves} planned); free space "
                             "or choose another directory")
 
-
-def count_parameters(spec: str, seq: int) -> int:
-    """Parameters of the whole model (a tied embedding counted once), built on the meta device."""
-    from meshplan.planner.models.registry import build_model
-
-    module = build_model(spec, seq, device="meta").module
-    return sum(param.numel() for param in module.parameters())

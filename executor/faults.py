@@ -6,6 +6,8 @@ at the given 1-based optimizer step:
 
 - `hang:rank=R,step=K`: rank R sleeps forever before step K (a stuck worker);
 - `nan:rank=R,step=K`: rank R's first parameter becomes NaN before step K (a diverging run);
+- `nan_in_save:rank=R,step=K`: rank R's first parameter becomes NaN just before checkpoint
+  step_K is written (a state that went bad after a finite loss);
 - `kill_in_save:rank=R,step=K`: rank R SIGKILLs itself inside the save of checkpoint step_K,
   after writing its shards and before the COMPLETE marker;
 - `enospc_in_save:step=K`: writing the shards of checkpoint step_K fails with ENOSPC, through
@@ -20,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 ENV = "MESHPLAN_FAULT"
-KINDS = ("hang", "nan", "kill_in_save", "enospc_in_save")
+KINDS = ("hang", "nan", "nan_in_save", "kill_in_save", "enospc_in_save")
 
 
 @dataclass(frozen=True)
@@ -61,12 +63,22 @@ def before_step(runtime, rank: int, step: int) -> None:
         while True:  # stuck for good: only a signal ends it
             time.sleep(3600)
     if active("nan", rank, step):
-        import torch
-        from torch.distributed.tensor import DTensor
+        _poison(runtime)
 
-        param = next(runtime.parameters())
-        with torch.no_grad():
-            (param.to_local() if isinstance(param, DTensor) else param).fill_(float("nan"))
+
+def before_save(runtime, rank: int, step: int) -> None:
+    """The NaN-in-save fault: the state of checkpoint step_K turns NaN before it is written."""
+    if active("nan_in_save", rank, step):
+        _poison(runtime)
+
+
+def _poison(runtime) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    param = next(runtime.parameters())
+    with torch.no_grad():
+        (param.to_local() if isinstance(param, DTensor) else param).fill_(float("nan"))
 
 
 def inside_save(rank: int, step: int) -> None:

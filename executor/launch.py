@@ -1,12 +1,15 @@
 """Launch the workers with torchrun (`torch.distributed.run`) in a subprocess, one per rank.
 
 The agent runs in its own process group (session), killed as a whole before returning whatever
-happened (a worker crash, a timeout, Ctrl-C); torchrun puts each worker in a session of its own,
+happened (a worker crash, a timeout, Ctrl-C, SIGTERM: `Terminated`, exit 143); the agent gets
+SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG, even on SIGKILL); torchrun
+puts each worker in a session of its own,
 so the launcher also kills any worker still alive from the heartbeats they write at start-up,
 and workers exit by themselves when their agent dies. No worker outlives the run. Restarts use a fresh rendezvous store per attempt
 (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): with the shared store, restarted gloo workers find
 stale addresses and fail to connect (pytorch#135712). When ranks time out waiting in a
-collective, the failure names the rank(s) they waited for (`describe_hang`).
+collective, the failure names the rank(s) they waited for (`describe_hang`). Both rendezvous
+stores listen on 127.0.0.1 only (`executor.loopback`).
 """
 from __future__ import annotations
 
@@ -26,11 +29,20 @@ from pathlib import Path
 from meshplan.planner.contracts.errors import MeshplanError
 
 TAIL_LINES = 400
+LOOPBACK_INTERFACE = "lo"
 KILL_GRACE_S = 5.0
 
 
 class TrainingFailed(MeshplanError):
     """A worker failed; the message names the rank and what it reported."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached the launcher: the workers were stopped; exit status 128 + SIGTERM, as the
+    signal's default action would give, but after the cleanup."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -46,9 +58,10 @@ def free_port() -> int:
 
 
 def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.5", "-m", "meshplan.executor.worker", *worker_args]
+    """torchrun on this node only: its rendezvous and rank 0's store on loopback (`executor.loopback`)."""
+    return [sys.executable, "-m", "meshplan.executor.loopback", f"--nproc-per-node={nproc}", "--nnodes=1",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "meshplan.executor.worker", *worker_args]
 
 
 def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts: int = 0,
@@ -67,12 +80,20 @@ def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts:
     jobs_path.write_text(json.dumps([{**job, "run_dir": job.get("run_dir") or str(run_dir)} for job in jobs]))
     command = torchrun_command(nproc, max_restarts, ["--jobs", str(jobs_path)], free_port())
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if LOOPBACK_INTERFACE in {name for _, name in socket.if_nameindex()}:
+        # the collectives' own sockets (gloo pairs, NCCL's bootstrap) on loopback too: one node
+        env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+        env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    handles_sigterm = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if handles_sigterm else None
     try:
         result = _run_in_own_group(command, env, timeout_s, echo, _step_watcher(jobs, run_dir, progress))
-    finally:  # also on Ctrl-C: no worker outlives the launch
+    finally:  # also on Ctrl-C and SIGTERM: no worker outlives the launch
         for directory in {Path(job.get("run_dir") or run_dir) for job in jobs}:
             _kill_leftover_workers(directory)
+        if handles_sigterm:
+            signal.signal(signal.SIGTERM, previous)
     if result.exit_code != 0:
         raise TrainingFailed(describe_failure(result, run_dir, timeout_s))
     return result
@@ -101,11 +122,29 @@ def _step_watcher(jobs: list[dict], run_dir: Path, progress):
     return watch
 
 
+def _die_with_parent() -> None:
+    """In the agent before exec: SIGTERM it when the launcher dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own cleanup still runs on SIGTERM and Ctrl-C
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise Terminated()
+
+
 def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, echo: bool,
                       watch=None) -> LaunchResult:
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_die_with_parent)
 
     def pump():
         for line in process.stdout:

@@ -4,9 +4,11 @@
 
 or `--jobs jobs.json` (a list of job objects with the same keys) to run several plans one after
 another in one launch (the tests group configurations this way: each launch costs seconds).
-Each job: check the plan, build this rank's runtime, resume from the newest complete checkpoint
-when asked (or when torchrun restarted the workers), train, checkpoint every K steps, and have
-rank 0 write measured.json. Teardown is a barrier, then `destroy_process_group`.
+Each job: check the plan, build this rank's runtime, resume when asked (`--resume`: the newest
+checkpoint that verifies, refusing another run's; `--resume-from`: the one named) or when
+torchrun restarted the workers (this run's newest checkpoint that verifies; rank 0 chooses and
+verifies, `executor.manifest`), train, checkpoint every K steps, and have rank 0 write
+measured.json. Rank 0's process-group store listens on loopback on one node (`executor.loopback`). Teardown is a barrier, then `destroy_process_group`.
 
 A collective that waits longer than the job's `timeout_s` fails (a hung peer); a NaN or infinite
 loss or gradient norm stops every rank at the same step, before the update and before any save,
@@ -43,6 +45,10 @@ class Job:
     seed: int | None = None
     run_dir: str | None = None  # heartbeats (pid, step per rank) and per-rank error files
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout: a hung collective fails instead
+    # The run's id, written into every checkpoint it saves: restarts adopt only this run's
+    # checkpoints. None: the resumed checkpoint's, else one derived from torchrun's --rdzv-id.
+    run_id: str | None = None
+    resume_from: str | None = None  # a checkpoint (DIR/step_N) or checkpoint dir named explicitly
     lr: float | None = None  # None: Hyperparameters' default
     measure_memory: bool = True  # track live tensors during the second step (CPU; slows that step)
 
@@ -53,6 +59,8 @@ class Job:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--checkpoint-every and --resume need --checkpoint-dir")
+        if self.resume and self.resume_from:
+            raise ValueError("give --resume (the newest checkpoint of this run) or --resume-from DIR, not both")
         if not 0 < self.timeout_s < math.inf:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
@@ -72,7 +80,7 @@ def run_job(job: Job, device) -> None:
     """Train one job on the already initialised default process group (collective)."""
     import torch.distributed as dist
 
-    from meshplan.executor.checkpoint import load_checkpoint, newest_complete
+    from meshplan.executor.checkpoint import load_checkpoint
     from meshplan.executor.runtime import Hyperparameters, build_runtime
     from meshplan.executor.checks import check_plan_runnable
     from meshplan.planner.contracts.plan import load_plan
@@ -83,15 +91,23 @@ def run_job(job: Job, device) -> None:
     hp = Hyperparameters() if job.lr is None else Hyperparameters(lr=job.lr)
     runtime = build_runtime(plan, device, hp, seed)
     source = _data_source(job, plan, seed)
-    # torchrun restarted the workers after a failure: continue from the newest complete checkpoint
+    # torchrun restarted the workers after a failure: continue from this run's newest checkpoint
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    newest = newest_complete(job.checkpoint_dir) if (job.resume or restarted) else None
-    start_step, history = load_checkpoint(runtime, newest[1]) if newest is not None else (0, [])
-    if dist.get_rank() == 0 and job.checkpoint_dir and (job.resume or restarted):
-        print(f"resuming after step {start_step} from {newest[1]}" if newest is not None else
-              f"no complete checkpoint in {job.checkpoint_dir}: starting from step 0", flush=True)
+    start = _agreed_start(job, plan, seed, restarted)
+    if start["error"]:
+        raise ResumeRefused(start["error"])
+    identity = start["identity"]
+    start_step, history = (load_checkpoint(runtime, start["path"], start["manifest"])
+                           if start["path"] is not None else (0, []))
+    if start_step > job.steps or (start_step == job.steps and not restarted):
+        raise ResumeRefused(steps_already_done(start["path"], start_step, job.steps))
+    if dist.get_rank() == 0 and (job.resume or job.resume_from or (restarted and job.checkpoint_dir)):
+        for note in start["notes"]:
+            print(note, flush=True)
+        print(f"resuming after step {start_step} from {start['path']}" if start["path"] is not None else
+              f"no complete checkpoint of this run in {job.checkpoint_dir}: starting from step 0", flush=True)
     history, peak_bytes, memory_source, stopped = _train_loop(job, runtime, source, hp, start_step,
-                                                              [tuple(h) for h in history])
+                                                              [tuple(h) for h in history], identity)
     if history:  # a stopped run still reports its good steps
         _write_measurement(job, runtime, history, peak_bytes, memory_source, start_step, stopped)
     if stopped:
@@ -102,17 +118,59 @@ class NonFiniteLoss(RuntimeError):
     """The loss or the gradient norm became NaN or infinite: training stopped before the update."""
 
 
-def _non_finite(job: Job, step: int, loss_value: float, grad_norm: float, num_good: int) -> str:
-    from meshplan.executor.checkpoint import newest_complete
+class ResumeRefused(RuntimeError):
+    """The checkpoint to resume from is not this run's, failed verification, or is past --steps."""
 
-    newest = newest_complete(job.checkpoint_dir) if job.checkpoint_every else None
+
+def steps_already_done(path, done: int, steps: int) -> str:
+    return (f"checkpoint {path} has already trained {done} steps and --steps {steps} asks for "
+            f"{'no more' if done == steps else 'fewer'}: nothing to train or measure; ask for --steps above {done}")
+
+
+def _agreed_start(job: Job, plan, seed: int, restarted: bool) -> dict:
+    """Rank 0 chooses (and verifies) the checkpoint to start from; every rank receives its choice."""
+    import torch.distributed as dist
+
+    box = [_choose_start(job, plan, seed, restarted) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # between this run's own ranks
+    return box[0]
+
+
+def _choose_start(job: Job, plan, seed: int, restarted: bool) -> dict:
+    from meshplan.executor import manifest as mf
+    from meshplan.executor.checkpoint import run_identity
+
+    run_id = job.run_id or f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+    result = {"path": None, "manifest": None, "notes": (), "error": ""}
+    try:
+        choice = mf.Choice(None, None)
+        if restarted:
+            choice = mf.choose_for_restart(job.checkpoint_dir, run_id)
+        if choice.path is None and job.resume_from:
+            choice = mf.choose_explicit(job.resume_from)
+        elif choice.path is None and job.resume:
+            choice = mf.choose_for_resume(job.checkpoint_dir, run_identity(plan, seed, run_id))
+            if choice.manifest is not None and job.run_id is None:  # --resume continues that run
+                run_id = choice.manifest.identity.run_id
+    except (mf.CheckpointInvalid, mf.OtherRunsCheckpoint) as exc:
+        result["error"] = str(exc)
+        choice = mf.Choice(None, None)
+    result.update(path=choice.path, manifest=choice.manifest, notes=choice.notes,
+                  identity=run_identity(plan, seed, run_id))
+    return result
+
+
+def _non_finite(job: Job, step: int, loss_value: float, grad_norm: float, num_good: int, run_id: str) -> str:
+    from meshplan.executor.manifest import newest_of_run
+
+    newest = newest_of_run(job.checkpoint_dir, run_id) if job.checkpoint_every else None
     kept = f"the last good checkpoint is {newest[1]}" if newest else "no checkpoint was saved"
     measured = f"{job.out} holds the {num_good} good step(s)" if num_good else "no step finished"
     return (f"the loss became {loss_value} at step {step} (gradient norm {grad_norm}): training stopped before "
             f"updating the weights; {kept}; {measured}; lower the learning rate or start from that checkpoint")
 
 
-def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tuple[float, float]]):
+def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tuple[float, float]], identity):
     """Steps start_step..steps-1; returns (loss, time) of every good step, this rank's peak memory
     and, when the loss or gradient norm stopped being finite, the message saying so."""
     import torch
@@ -141,14 +199,14 @@ def _train_loop(job: Job, runtime, source, hp, start_step: int, history: list[tu
         loss_value, step_time_s = _agree(runtime, loss, time.perf_counter() - started)
         # Every rank sees the same agreed loss and global norm, so every rank stops at the same step.
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            stopped = _non_finite(job, step + 1, loss_value, grad_norm, len(history))
+            stopped = _non_finite(job, step + 1, loss_value, grad_norm, len(history), identity.run_id)
             break
         history.append((loss_value, step_time_s))
         _heartbeat(job.run_dir, rank, step + 1)
         if rank == 0:
             print(f"step {step + 1}/{job.steps} loss {loss_value:.6f} time {step_time_s * 1e3:.1f} ms", flush=True)
         if job.checkpoint_every and (step + 1) % job.checkpoint_every == 0:
-            save_checkpoint(runtime, job.checkpoint_dir, step + 1, history)
+            save_checkpoint(runtime, job.checkpoint_dir, step + 1, history, identity)
     if device.type == "cuda":
         peak_bytes, memory_source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
     return history, peak_bytes, memory_source, stopped
@@ -279,6 +337,7 @@ def parse_args(argv: list[str] | None = None) -> list[Job]:
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume-from")
     parser.add_argument("--data", default="synthetic")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--run-dir")
@@ -289,8 +348,8 @@ def parse_args(argv: list[str] | None = None) -> list[Job]:
     if not args.plan:
         parser.error("give --plan plan.json or --jobs jobs.json")
     return [Job(plan_path=args.plan, steps=args.steps, out=args.out, checkpoint_dir=args.checkpoint_dir,
-                checkpoint_every=args.checkpoint_every, resume=args.resume, data=args.data, seed=args.seed,
-                run_dir=args.run_dir, timeout_s=args.timeout_s)]
+                checkpoint_every=args.checkpoint_every, resume=args.resume, resume_from=args.resume_from,
+                data=args.data, seed=args.seed, run_dir=args.run_dir, timeout_s=args.timeout_s)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         _heartbeat(run_dir, rank, 0)
         fatal = Path(run_dir, FATAL_FILE)
         if fatal.is_file():  # a restart cannot cure a diverged run: report it again and stop at once
-            _record_error(jobs, NonFiniteLoss(fatal.read_text().strip()))
+            _record_text(jobs, fatal.read_text().strip())
             return 1
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -317,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
 
         device = torch.device("cpu")
         reuse_freed_memory()  # as calibrate measured it (planner.calibration.host)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=max(j.timeout_s for j in jobs)))
+    from meshplan.executor.loopback import worker_store
+
+    timeout = timedelta(seconds=max(j.timeout_s for j in jobs))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **worker_store(timeout))
     try:
         for job in jobs:
             if job.run_dir:
@@ -325,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             run_job(job, device)
     except BaseException as exc:
         _record_error(jobs, exc)
-        if isinstance(exc, NonFiniteLoss) and jobs[0].run_dir:  # every rank: the first to exit gets the rest killed
+        if _is_fatal(exc) and jobs[0].run_dir:  # every rank: the first to exit gets the rest killed
             temporary = Path(jobs[0].run_dir, f"{FATAL_FILE}.rank{rank}")
-            temporary.write_text(str(exc) + "\n")
+            temporary.write_text(_error_line(exc) + "\n")
             os.replace(temporary, Path(jobs[0].run_dir, FATAL_FILE))
         raise
     # A bare destroy_process_group() sometimes aborts after a good run on gloo: barrier first.
@@ -336,11 +398,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _is_fatal(exc: BaseException) -> bool:
+    """Errors a restart of the workers cannot cure: a diverged run, a refused or unloadable checkpoint."""
+    from meshplan.executor.checkpoint import CheckpointLoadFailed, NonFiniteState
+
+    return isinstance(exc, (NonFiniteLoss, NonFiniteState, ResumeRefused, CheckpointLoadFailed))
+
+
+def _error_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
 def _record_error(jobs: list[Job], exc: BaseException) -> None:
+    _record_text(jobs, _error_line(exc))
+
+
+def _record_text(jobs: list[Job], message: str) -> None:
     run_dir = next((job.run_dir for job in jobs if job.run_dir), None)
     if run_dir:
         rank = os.environ.get("RANK", "0")
-        message = " ".join(f"{type(exc).__name__}: {exc}".split())
         Path(run_dir, f"error_rank{rank}.txt").write_text(message[:2000] + "\n")
 
 

@@ -9,7 +9,12 @@ def add_arguments(parser):
     parser.add_argument("--out", default="measured.json", help="where to write the measurement JSON")
     parser.add_argument("--checkpoint-dir", help="directory for distributed checkpoints (DIR/step_N/)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: never)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue this run from the newest checkpoint in --checkpoint-dir that verifies "
+                             "(another run's is refused)")
+    parser.add_argument("--resume-from", metavar="DIR",
+                        help="start from this checkpoint (DIR/step_N, or the newest that verifies in DIR), whatever "
+                             "run, seed or layout wrote it")
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
     parser.add_argument("--data", default="synthetic", help="'synthetic' (default) or a text file (byte tokens)")
     parser.add_argument("--seed", type=int, help="weights and data seed (default: the plan's)")
@@ -19,6 +24,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
+    import sys
+
     from meshplan.commands.common import announce_model_code, refuse_output_over_input
     from meshplan.planner.contracts.plan import load_plan
 
@@ -26,12 +33,19 @@ def run(args) -> int:
     refuse_output_over_input("--out", args.out, [("--plan", args.plan),
                                                  ("--data", None if args.data == "synthetic" else args.data)])
     announce_model_code("train", load_plan(args.plan).model.spec)
-    from meshplan.executor import train
 
-    measurement = train(args.plan, nproc=args.nproc, steps=args.steps, out=args.out,
-                        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                        resume=args.resume, max_restarts=args.max_restarts, data=args.data, seed=args.seed,
-                        timeout_s=args.timeout_s, echo=True, progress=True)  # a bar only on a terminal
+    from meshplan.executor import train
+    from meshplan.executor.launch import Terminated
+
+    try:
+        measurement = train(args.plan, nproc=args.nproc, steps=args.steps, out=args.out,
+                            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                            resume=args.resume, resume_from=args.resume_from, max_restarts=args.max_restarts,
+                            data=args.data, seed=args.seed, timeout_s=args.timeout_s, echo=True,
+                            progress=True)  # a bar only on a terminal
+    except Terminated as exc:
+        print("meshplan train: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
+        return int(exc.code)
     print(f"{len(measurement.losses)} steps on {measurement.world_size} processes: final loss "
           f"{measurement.losses[-1]:.4f}, {measurement.mean_step_time_s * 1e3:.1f} ms/step, "
           f"{measurement.tokens_per_s:.0f} tokens/s, peak memory "

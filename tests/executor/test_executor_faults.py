@@ -170,11 +170,11 @@ def test_train_refuses_bad_requests_before_launch(plan_path, run_cli, no_launch,
 def test_train_refuses_a_checkpoint_dir_without_room_for_one_checkpoint(plan_path, run_cli, no_launch, tmp_path,
                                                                         monkeypatch):
     from meshplan.executor import checks as preflight
-    from meshplan.planner.models.registry import build_model
+    from meshplan.executor.checkpoint import estimated_size_bytes
 
-    module = build_model(SPEC, 16, device="meta").module
-    needed = sum(p.numel() for p in module.parameters()) * 12  # fp32 weights + two fp32 AdamW moments
-    assert preflight.checkpoint_size_bytes(preflight.count_parameters(SPEC, 16)) == needed
+    # what DCP writes for this model on 2 ranks (a real one is measured in test_checkpoint_trust.py)
+    needed = estimated_size_bytes(SPEC, 16, 2)
+    assert 1.3e6 < needed < 1.4e6
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage(10 * needed, 9 * needed, needed - 1))
     code, _, err = run_cli("train", "--plan", plan_path, "--steps", 4, "--checkpoint-dir", tmp_path / "c",

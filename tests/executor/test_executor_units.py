@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.executor.checkpoint import MARKER, newest_complete
 from meshplan.executor.data import DataSource, global_batch, make_source, replica_slice
 from meshplan.executor.launch import LaunchResult, describe_failure
 from meshplan.executor.measure import tokens_per_s
@@ -74,16 +73,6 @@ def test_data_arguments_are_checked(tmp_path):
         make_source(str(tmp_path / "t.txt"), 100, 8, 0)
     with pytest.raises(MeshplanError, match="too short"):
         make_source(str(tmp_path / "t.txt"), 256, 64, 0)
-
-
-def test_newest_complete_checkpoint_ignores_unfinished_saves(tmp_path):
-    assert newest_complete(tmp_path) is None
-    for step, complete in ((2, True), (4, True), (6, False)):
-        (tmp_path / f"step_{step}").mkdir()
-        if complete:
-            (tmp_path / f"step_{step}" / MARKER).write_text("{}")
-    (tmp_path / "step_x").mkdir()
-    assert newest_complete(tmp_path) == (4, tmp_path / "step_4")
 
 
 def test_plans_the_executor_cannot_run_are_refused_before_launch(cluster):
