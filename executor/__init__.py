@@ -34,8 +34,13 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
     `run_limit_s` bounds the whole launch (None: no limit); `echo` streams the workers' output;
     `progress`: False, True (a bar of completed steps on stderr when it is a terminal) or fn(done, total).
     """
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
     from meshplan.planner.contracts.plan import Plan, load_plan
 
+    # before anything is written or cleared at `out`: it may be the plan or the data itself
+    refuse_output_over_input("out", str(out), [("plan", None if isinstance(plan_path_or_plan, Plan)
+                                                 else str(plan_path_or_plan)),
+                                                ("data", None if data == "synthetic" else data)])
     temporary = run_dir is None
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix="meshplan-train-"))
     try:

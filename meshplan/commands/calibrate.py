@@ -38,7 +38,7 @@ def run(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.cluster import dump_cluster_toml
     from meshplan.planner.costing.hardware import load_cluster
-    from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
     refuse_output_over_input("--out", args.out, [("--base", args.base),
                                                  *(("--nccl-tests", path) for path in args.nccl_tests)])

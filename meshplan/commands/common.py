@@ -67,29 +67,6 @@ def check_sizes(args) -> None:
             raise MeshplanError(f"{flag} {value:,} is above meshplan's bound of {bound:,} {unit}; give a real size")
 
 
-def refuse_output_over_input(out_flag: str, out: str | None, inputs) -> None:
-    """Refuse (MeshplanError, before anything is written or deleted) an output that is one of the
-    command's input files: `inputs` are (flag, path or None) pairs. Compared by file identity when
-    both exist (a symlink or another spelling of the same path is the same file), else by real path."""
-    from meshplan.planner.contracts.errors import MeshplanError
-
-    if not out:
-        return
-    for flag, path in inputs:
-        if path and _same_file(out, path):
-            raise MeshplanError(f"{out_flag} {out} is the {flag} input {path}; writing it would destroy that input: "
-                                f"choose another {out_flag}")
-
-
-def _same_file(first: str, second: str) -> bool:
-    import os
-
-    try:
-        return os.path.samefile(first, second)
-    except OSError:  # one of them does not exist (yet)
-        return os.path.realpath(first) == os.path.realpath(second)
-
-
 def spec_file(spec: str | None) -> str | None:
     """The file a model spec names (`path.py:fn`, `hf:config.json`); None for built-in specs."""
     from meshplan.planner.models.plan_check import spec_file as _spec_file

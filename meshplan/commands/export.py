@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
     from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.engines.bridge import export_plan

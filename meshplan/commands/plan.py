@@ -6,7 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
-                                     check_sizes, moe_notes, refuse_output_over_input, spec_file)
+                                     check_sizes, moe_notes, spec_file)
+from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
 
 def add_arguments(parser) -> None:

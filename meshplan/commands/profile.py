@@ -39,7 +39,8 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from meshplan.commands.common import announce_model_code, check_seq, refuse_output_over_input, spec_file
+    from meshplan.commands.common import announce_model_code, check_seq, spec_file
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 

@@ -20,7 +20,7 @@ def run(args) -> int:
 
     import sys
 
-    from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
     from meshplan.planner.models.plan_check import model_changed
 
     refuse_output_over_input("--out", args.out, [*(("--plan", path) for path in args.plan),

@@ -17,7 +17,7 @@ def add_arguments(parser):
 
 
 def run(args) -> int:
-    from meshplan.commands.common import refuse_output_over_input
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
     from meshplan.planner.contracts.atomicfile import write_text_atomic
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.plan import load_plan

@@ -26,7 +26,8 @@ def add_arguments(parser):
 def run(args) -> int:
     import sys
 
-    from meshplan.commands.common import announce_model_code, refuse_output_over_input
+    from meshplan.commands.common import announce_model_code
+    from meshplan.planner.contracts.atomicfile import refuse_output_over_input
     from meshplan.planner.contracts.plan import load_plan
 
     # before the executor clears an old measurement at --out: that file may be the plan itself

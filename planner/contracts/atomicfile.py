@@ -96,3 +96,22 @@ def _error(what: str, path: Path, exc: OSError) -> MeshplanError:
     reason = exc.strerror or str(exc) or type(exc).__name__
     return MeshplanError(f"cannot write {what} {path}: {reason}; the previous file, if any, is unchanged "
                          "(free space, or choose a writable --out)")
+
+
+def refuse_output_over_input(out_flag: str, out: str | None, inputs) -> None:
+    """Refuse (MeshplanError, before anything is written or deleted) an output that is one of the
+    command's input files: `inputs` are (flag, path or None) pairs. Compared by file identity when
+    both exist (a symlink or another spelling of the same path is the same file), else by real path."""
+    if not out:
+        return
+    for flag, path in inputs:
+        if path and _same_file(out, path):
+            raise MeshplanError(f"{out_flag} {out} is the {flag} input {path}; writing it would destroy that input: "
+                                f"choose another {out_flag}")
+
+
+def _same_file(first: str, second: str) -> bool:
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(first) == os.path.realpath(second)

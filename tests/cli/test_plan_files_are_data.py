@@ -14,28 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.bad_input_helpers import SEQ, SMALL, fast, private_cache  # noqa: F401
+from tests.executor.test_file_model_train import MODEL as FILE_MODEL
 
-# A file model that leaves a marker file next to itself whenever it is imported.
+# the file model of the training tests, with a first line that leaves a mark when it is imported
 MODEL = '''
 import pathlib
 pathlib.Path(__file__).with_name("RAN").write_text("imported")
-import torch
-from torch import nn
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def build():
-    return MLP(), torch.randn(1, 8)
-'''
+''' + FILE_MODEL
 
 
 def one_error_line(command: str, code: int, err: str) -> str:
@@ -163,6 +148,17 @@ def test_train_out_equal_to_the_plan_is_refused_and_the_plan_kept(run_cli, zoo_p
     before = zoo_plan.read_bytes()
     line = one_error_line("train", *run_cli("train", "--plan", zoo_plan, "--out", zoo_plan)[::2])
     assert "--out" in line and "is the --plan input" in line
+    assert zoo_plan.read_bytes() == before and no_launch == []
+
+
+def test_the_python_train_refuses_out_equal_to_the_plan(zoo_plan, no_launch):
+    """`meshplan.train` (the API, not only the command) keeps the plan an `out` names."""
+    import meshplan
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    before = zoo_plan.read_bytes()
+    with pytest.raises(MeshplanError, match="out .* is the plan input"):
+        meshplan.train(str(zoo_plan), out=str(zoo_plan), steps=1)
     assert zoo_plan.read_bytes() == before and no_launch == []
 
 
