@@ -15,7 +15,8 @@ For the fit sets and the held-out set, each grouped by source, it prints predict
 step time and the error per run (a run whose virtual-stage count is unpublished prints the
 spread over the options and is scored at their geometric mean), then mean and max |error| and
 the Spearman rank correlation of predicted against published throughput, per GPU in tokens/s and
-as MFU (the MFU ranking is the harder one: model size does not order it). Last, unless
+as MFU (the MFU ranking is the harder one: model size does not order it), and beside them the
+mean |error| of a rule of thumb on the same runs: every run at 50% of the BF16 peak. Last, unless
 `--no-cv`, a cross-validated figure: each fit set split in two halves (alternate rows), fitted
 on one, scored on the other, both ways, averaged. `--brief` prints the summaries only.
 """
@@ -83,6 +84,10 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+# The constant-utilisation rule every figure is printed beside: each run at half the BF16 peak.
+CONSTANT_MFU = 0.5
+
+
 def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
     errors = [abs(s.error) for s in scored]
     per_gpu_published = [s.run.tokens_per_step / s.published_s / s.run.gpus for s in scored]
@@ -94,12 +99,16 @@ def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
         return float(graph.fwd_flops + graph.bwd_flops) * s.run.global_batch / (step_s * s.run.gpus * peak)
     mfu_published = [mfu(s, s.published_s) for s in scored]
     mfu_predicted = [mfu(s, s.predicted_mean_s) for s in scored]
+    # The rule of thumb on the same runs: every run at CONSTANT_MFU of the dense BF16 peak (the
+    # step whose MFU that is: mfu(s, 1 s) / CONSTANT_MFU seconds). Nothing is fitted in it.
+    rule_errors = [abs(mfu(s, 1.0) / CONSTANT_MFU / s.published_s - 1) for s in scored]
     def rho(a, b) -> str:
         value = spearman(a, b)
         return "n/a (under 3 runs)" if math.isnan(value) else f"{value:.2f}"
     return (f"{len(scored)} runs: mean |error| {np.mean(errors):.1%}, max {max(errors):.1%}, mean signed "
             f"{np.mean([s.error for s in scored]):+.1%}; rank correlation tokens/s/GPU "
-            f"{rho(per_gpu_predicted, per_gpu_published)}, MFU {rho(mfu_predicted, mfu_published)}")
+            f"{rho(per_gpu_predicted, per_gpu_published)}, MFU {rho(mfu_predicted, mfu_published)}; "
+            f"a constant {CONSTANT_MFU:.0%}-MFU rule: mean |error| {np.mean(rule_errors):.1%}")
 
 
 def print_rows(scored: Sequence[Scored]) -> None:
