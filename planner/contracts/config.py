@@ -158,25 +158,9 @@ class ParallelConfig:
         cp tp, dp cp*tp, pp dp*cp*tp."""
         return mesh_stride(self, axis)
 
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
+    def enabled(self, axis: str) -> bool:
+        """Whether the mesh or folded axis `axis` (a name in `contracts.axes`) splits anything."""
+        return getattr(self, axis) > 1
 
     @property
     def num_microbatches(self) -> int:

@@ -13,22 +13,10 @@ def gather_exposure_s(gather_s: float, busy_s: float) -> tuple[float, float]:
     gather starts with the pass, and for n identical layers the pass ends at n max(g, busy) +
     min(g, busy) (n g + busy when gathers are the longer, g + n busy when compute is), so the
     first layer of every chunk's forward and the last of its backward add head = min(g, busy).
-    The event engine plays the exact recurrence (`simulation.step_costs.pass_end_times`); the ILP and
-    the closed form charge steady per layer and head per chunk pass, equal to it for identical layers.
+    The event engine plays the exact recurrence (`simulation.step_costs.pass_end_times`); the ILP charges
+    steady per layer and head per chunk pass, equal to it for identical layers.
     """
     return max(0.0, gather_s - busy_s), min(gather_s, busy_s)
-
-
-def pass_gather_exposure_s(gather_s, busy_s) -> float:
-    """The gather time one pass over a chunk's layers (in pass order: the backward's is reversed)
-    exposes by these rules: every layer's steady share, the first layer's head, and where a layer
-    follows another kind, what hiding behind that layer changes. Equal to the engine's recurrence
-    for a run of identical layers, alone or between two others."""
-    exposed = 0.0
-    for i, (gather, busy) in enumerate(zip(gather_s, busy_s)):
-        steady, head = gather_exposure_s(gather, busy)
-        exposed += steady + (head if i == 0 else after_other_gather_s(gather, busy, busy_s[i - 1]))
-    return exposed
 
 
 def after_other_gather_s(gather_s: float, busy_s: float, prev_busy_s: float) -> float:

@@ -29,13 +29,13 @@ def test_config_strides_groups_and_labels_follow_the_mesh_order():
         config.stride("ep")
     assert (config.data_ranks, config.expert_data_ranks, config.expert_data_stride) == (4, 1, 32)
     assert config.shard_degree == 4 and config.rank_microbatch == 0.5
-    assert (config.pp_enabled, config.dp_enabled, config.cp_enabled, config.tp_enabled, config.ep_enabled) == (
+    assert tuple(config.enabled(axis) for axis in ("pp", "dp", "cp", "tp", "ep")) == (
         True, True, True, True, True)
     assert config.mesh_label() == "pp=3 dp=2 cp=2 tp=8 ep=4"
     assert config.label().startswith("pp=3 dp=2 cp=2 tp=8 ep=4, 1f1b, mbs 1, ZeRO-0")
     plain = ParallelConfig(gpus=4, global_batch=4, dp=4)
     assert plain.mesh_label() == "pp=1 dp=4 tp=1" and plain.rank_microbatch == 1
-    assert not plain.cp_enabled and plain.dp_enabled
+    assert not plain.enabled("cp") and plain.enabled("dp")
 
 
 def test_plan_mesh_writes_optional_axes_only_when_on():

@@ -17,12 +17,23 @@ import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.gathers import gather_exposure_s, pass_gather_exposure_s
+from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
 from meshplan.planner.costing.layer_cost import LayerCost
 from meshplan.planner.search.ilp.evaluation import exposed_dp_s, pass_gather_s, reduction_windows
 from meshplan.planner.search.ilp.formulation import PipelineShape
 from meshplan.planner.simulation.event_engine import _play, _rank_tails
 from meshplan.planner.simulation.step_costs import StepCosts, build_chunks, pass_end_times
+
+
+def pass_gather_exposure_s(gather_s, busy_s) -> float:
+    """The rules composed over one pass of a chunk's layers (pass order): every layer's steady
+    share, the first layer's head, and where a layer follows another kind, what hiding behind
+    that layer changes; held below against the engine's recurrence."""
+    exposed = 0.0
+    for i, (gather, busy) in enumerate(zip(gather_s, busy_s)):
+        steady, head = gather_exposure_s(gather, busy)
+        exposed += steady + (head if i == 0 else after_other_gather_s(gather, busy, busy_s[i - 1]))
+    return exposed
 
 REL = 1e-9  # sums of a few dozen durations
 
