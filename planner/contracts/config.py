@@ -17,6 +17,9 @@ from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, schedule_sp
 RECOMPUTE = ("none", "selective", "full")
 # fp8: tensorwise-scaled FP8 Linears over bf16-mixed (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")
+# The training engine whose memory recipe prices a plan (`costing.engine_memory`): meshplan's own
+# executor, Megatron-LM, torchtitan or DeepSpeed.
+ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -53,6 +56,7 @@ class ParallelConfig:
     # Expert parallelism: each MoE layer's routed experts are split over groups of `ep` data ranks
     # (carved out of dp x cp, Megatron-LM's and torchtitan's layout); ep does not multiply gpus.
     ep: int = 1
+    engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
 
     def __post_init__(self):
         self._check_mesh()
@@ -65,6 +69,8 @@ class ParallelConfig:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)

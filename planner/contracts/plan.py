@@ -186,6 +186,7 @@ class Plan:
             "schema_version": self.schema_version,
             "seed": self.seed,
             "precision": cfg.precision,
+            "engine": cfg.engine,
             # digest and the MoE capacity fields only when set: none in old plans
             "model": {k: v for k, v in asdict(self.model).items()
                       if k not in ("digest", "moe_capacity_factor", "moe_pad_to_capacity") or v},
@@ -238,6 +239,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],
+            engine=data.get("engine", "meshplan"),  # plans written before the key: meshplan's executor
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))
         if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "

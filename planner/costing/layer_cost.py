@@ -8,7 +8,7 @@ fields freely; do not rename.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -19,6 +19,7 @@ from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
 from meshplan.planner.costing.compute_time import compute_times_s
+from meshplan.planner.costing.engine_memory import engine_layer_memory
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
@@ -94,7 +95,8 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     `config` is the configuration as the layer runs it (`uniform.layer_config`): its `recompute`
     the layer's mode, its `zero` the stage the executor runs, its tp and dp the layer's own under
     a layerwise plan (`uniform.layer_mesh`). `state_recipe`: where model states live,
-    "executor" (what `meshplan train` allocates) or "zero-paper" (`state_memory`).
+    "executor" (what `meshplan train` allocates) or "zero-paper" (`state_memory`); under an
+    `engine` other than meshplan, that engine's recipe prices all memory (`engine_memory`).
 
     `profile_dtype`: dtype the profile's byte counts were taken in (default: the precision's
     compute dtype); activations scale by the element-size ratio. `holds_shared`: this rank holds a
@@ -109,9 +111,15 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     """
     _check(layer, config, info)
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
-    if config.cp == 1:
+    if config.cp > 1:
+        local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype)
+    if config.engine == "meshplan":
         return local
-    return context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype)
+    # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
+    memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),
+                                 profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
+                                 attention=attention, holds_shared=holds_shared)
+    return replace(local, **memory._asdict())
 
 
 def _check(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> None:

@@ -23,6 +23,7 @@ from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
+from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
 from meshplan.planner.costing.weight_grad import weight_grad_share
 
@@ -126,6 +127,8 @@ class CostTable:
     # Layerwise plans: one resharding of the boundary activation between layers of different
     # (tp, dp) inside a stage, per micro-batch and direction.
     reshard_s: float = 0.0
+    # whether a chunk keeps its boundary output per micro-batch (`engine_memory.keeps_stage_outputs`)
+    keeps_outputs: bool = True
 
     def __post_init__(self):
         if len(self.layer_names) != len(self.layer_type) or not self.layer_names:
@@ -416,5 +419,6 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
     return CostTable(layer_names=layer_names, layer_type=layer_type,
                      types=tuple(types), p2p_s=p2p_s, boundary_bytes=boundary_bytes,
                      chunk_overhead_s=2 * fixed_costs.pipeline_action_s(config.pp, cluster),
-                     rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(config.gpus, cluster))  # every rank, cp's too
+                     rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(config.gpus, cluster),  # every rank, cp's too
+                     keeps_outputs=keeps_stage_outputs(config.engine))
 

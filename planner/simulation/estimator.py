@@ -78,7 +78,7 @@ def check_context_parallel(graph, cp: int) -> None:
 def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
                     mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
-                    ep: int = 1) -> ParallelConfig:
+                    ep: int = 1, engine: str = "meshplan") -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`) and by ParallelConfig itself; its errors become MeshplanError."""
     check_mesh(cluster, gpus, tp, pp, cp)
@@ -90,7 +90,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
     try:
         return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
                               microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
-                              virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep)
+                              virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
+                              engine=engine)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "expert parallelism ep=", "--ep ")) from None
@@ -119,10 +120,11 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
              attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
              moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
-             moe_pad_to_capacity: bool = False) -> Prediction:
+             moe_pad_to_capacity: bool = False, engine: str = "meshplan") -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
-    `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence)."""
+    `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence); `engine`: whose
+    memory recipe prices it (`costing.engine_memory`; meshplan: its own executor)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -132,7 +134,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     # built and checked before profiling, which is the slow part: a bad mesh fails fast
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
-                             shard_group=shard_group, cp=cp, ep=ep)
+                             shard_group=shard_group, cp=cp, ep=ep, engine=engine)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,

@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
+from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
 from meshplan.planner.simulation.step_costs import Chunk, StepCosts, build_chunks
@@ -274,7 +275,7 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
         last_of_chunk = {chunk: cost for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer)}
         boundaries = [last_of_chunk[c].output_bytes for c in range(len(chunks) - 1)]
         kept = held_boundary_bytes(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
-                                   lambda c: chunks[c].rank, boundaries)
+                                   lambda c: chunks[c].rank, boundaries, keeps_stage_outputs(cfg.engine))
         buffers = [b + k for b, k in zip(buffers, kept)]
     sizes = [chunk.activation_bytes for chunk in chunks]
     breakdowns, out = [], []

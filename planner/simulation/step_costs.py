@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.communication import DDP_BUCKET_BYTES
+from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.costing.layer_cost import LayerCost
 from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES, executed_zero
 
@@ -146,9 +147,11 @@ def build_chunks(costs: StepCosts) -> list[Chunk]:
             bwd_compute_s=sum(c.bwd_compute_s for c in layers), recompute_s=sum(c.recompute_s for c in layers),
             bwd_tp_s=sum(c.tp_bwd_comm_s for c in layers), bwd_zero_s=bwd_ends[-1] - sum(bwd_busy),
             # torch's PipelineStage keeps each in-flight micro-batch's output until its backward;
-            # the next stage (another rank) saves it as its input, so it is this rank's cost too.
+            # the next stage (another rank) saves it as its input, so it is this rank's cost too
+            # (not Megatron-LM's: `engine_memory.keeps_stage_outputs`).
             activation_bytes=sum(c.activation_bytes for c in layers) + (
-                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 else 0.0),
+                layers[-1].output_bytes if index < cfg.num_model_chunks - 1 and keeps_stage_outputs(cfg.engine)
+                else 0.0),
             grad_reduce_s=sum(c.dp_grad_comm_s for c in layers),
             buckets=_buckets(backward, bwd_ends, costs)))
     return chunks

@@ -54,8 +54,9 @@ def chunk_fixed_s(table: CostTable, num_chunks: int) -> list[float]:
 
 def chunk_fixed_bytes(table: CostTable, shape: PipelineShape) -> list[float]:
     """Per-micro-batch bytes every chunk holds besides its layers' activations: the boundary
-    output of every chunk but the last, which its stage keeps as the root of its backward."""
-    return list(_chunk_fixed_bytes(shape, table.boundary_bytes))
+    output of every chunk but the last, which its stage keeps as the root of its backward (not
+    under an engine that frees it: `CostTable.keeps_outputs`)."""
+    return list(_chunk_fixed_bytes(shape, table.boundary_bytes if table.keeps_outputs else 0.0))
 
 
 @lru_cache(maxsize=4096)
@@ -263,7 +264,7 @@ def receive_bytes(table: CostTable, shape: PipelineShape, kept_sends: bool = Tru
     """Per rank: the receive buffers in transit and, under the multi-chunk schedules, the sends
     kept (`simulation.schedules.held_boundary_bytes`). `kept_sends` False: the buffers alone, a
     lower bound that replays no schedule (for `bounds`)."""
-    return list(_receive_bytes(shape, table.boundary_bytes, kept_sends))
+    return list(_receive_bytes(shape, table.boundary_bytes, kept_sends and table.keeps_outputs))
 
 
 @lru_cache(maxsize=4096)

@@ -1,0 +1,294 @@
+"""Memory of one layer on one rank as each training engine allocates it (`ParallelConfig.engine`).
+
+"meshplan" is meshplan's own executor (`state_memory`'s "executor" recipe, `activation_memory`,
+`executor_memory`), which `layer_cost` prices itself. For the other engines `layer_cost` replaces
+the layer's memory fields with `engine_layer_memory`: model states, the bytes saved for backward
+per micro-batch and the transient working set, each rule citing the engine's code or docs. Nothing
+of meshplan's executor (autocast copies, DDP buckets, FSDP2 root units, loss copies) is charged
+to another engine. The simulator, the ILP's cost tables and `estimate` all read `layer_cost`, so
+one rule per engine serves them all.
+
+Activations are counted per token of the rank's micro-batch (`rank_microbatch` samples x seq:
+context parallelism's 1/cp is in it), per transformer layer, Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models", section 4.1) term by term, with
+b the compute dtype's bytes, h the hidden size, hq = heads x head_dim, hkv = kv_heads x head_dim,
+f the MLP width, a the heads, t the TP degree (sp_t = t under sequence parallelism, else 1):
+
+- Megatron-LM with Transformer Engine (`megatron/core/transformer/transformer_layer.py`,
+  TE `LayerNormLinear`, `DotProductAttention`): each LayerNormLinear saves its input and the
+  norm's output (2 x 2bh /sp_t); flash attention saves Q, K, V, its output and the fp32
+  log-sum-exp (b(2hq + 2hkv) + 4a, /t); the MLP saves fc1's output (bf, 2bf gated: `bias_swiglu`)
+  and fc2's input (bf), /t; GPT's dropout 0.1 adds two 1-byte masks (h /sp_t). GPT-3's shapes
+  give Korthikanti's 34sbh/t. Unfused attention (`--attention math`) without recomputation adds
+  the score terms 5as (2as without dropout), /t. Selective recomputation (`--recompute-granularity
+  selective`, core attention) drops only those. Full recomputation (`--recompute-granularity full
+  --recompute-method uniform --recompute-num-layers 1`) keeps the layer's input (2bh /sp_t).
+  FP8 (TE): the Linears' inputs are kept as fp8 (1 byte), the projection's beside flash's output.
+- torchtitan (`torchtitan/models/llama3/model.py`, `parallelize.py`): plain bf16 modules under
+  FSDP2's cast, SDPA flash with K/V repeated to all heads (`repeat_kv`), SwiGLU as silu(w1) x w3;
+  TP always with sequence parallel norms whose outputs are all-gathered before the column
+  Linears, which keep the gathered (whole) input. Its SAC (`activation_checkpoint.mode =
+  "selective"`, op policy: mm, sdpa and reductions saved, every second mm recomputed) keeps the
+  block input and the outputs of wq, wv, w1, w2 and attention; full AC keeps the block input.
+- DeepSpeed runs the model as written: the profile's Korthikanti accounting
+  (`activation_memory.activation_bytes` without meshplan's executor choices).
+
+Model states are documented at `engine_state_bytes`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing.activation_memory import activation_bytes
+from meshplan.planner.costing.device_time import DTYPE_BYTES
+from meshplan.planner.costing.expert_parallel import load_factor
+from meshplan.planner.costing.precision import COMPUTE_DTYPE
+from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
+
+# Families whose blocks the formulas describe (GPT-3 style, Llama style, their mixtures of experts);
+# other models (file, hf:) fall back on the profile's accounting of what autograd keeps.
+_FORMULA_FAMILIES = ("gpt", "llama", "moe")
+# GPT-3 (and Korthikanti's runs) train with dropout 0.1; Llama-style recipes with none.
+_DROPOUT_FAMILIES = ("gpt",)
+
+
+class EngineMemory(NamedTuple):
+    """One layer's bytes on one rank (see `LayerCost` for the meaning of each)."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    buffer_bytes: float
+
+
+def keeps_stage_outputs(engine: str) -> bool:
+    """Whether a pipeline stage keeps each in-flight micro-batch's output until its backward.
+    torch's `PipelineStage` (meshplan, torchtitan) and DeepSpeed's `PipelineEngine`
+    (`pipe_buffers["outputs"]`) do; Megatron-LM frees the sent output's storage
+    (`deallocate_output_tensor`, `--deallocate-pipeline-outputs` on by default in Megatron-Core's
+    schedules), the next stage's input being its copy."""
+    return engine != "megatron"
+
+
+def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, precision: str,
+                       pp: int = 1) -> dict[str, float]:
+    """params / grads / optimizer bytes of `num_params` parameters on one rank, ZeRO over `ranks`.
+
+    - megatron: bf16 parameters, fp32 gradient buffer (`main_grad`: bf16 training accumulates
+      and reduces in fp32), fp32 master weights and two Adam moments: 2 + 4 + 12, the 12 sharded
+      by the distributed optimizer (zero >= 1): "18 / 6 + 12/d" in Megatron-LM's
+      docs/source/api-guide/dist_optimizer.md; Megatron FSDP (zero 2/3) also shards gradients,
+      then parameters. fp32: 4 + 4 + 8. fp8 keeps the bf16 layout (its weight caches: buffers).
+    - torchtitan: zero 0 is DDP (`data_parallel_replicate_degree`): fp32 parameters, gradients
+      and moments, 4 + 4 + 8 (the bucket copy: `DDP_BUCKET_COPY_BYTES`). Otherwise FSDP2 with
+      `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 sharded parameters,
+      gradients and moments, 16/d; without resharding after forward (zero 1/2, or any zero under
+      pipelining: torchtitan's "default" reshard policy is False with PP) the bf16 unsharded
+      parameters stay through backward (+2); under pipelining torch's stage defers the gradient
+      reduce-scatter to the last micro-batch (`set_requires_gradient_sync(False)`), so the
+      unsharded gradient accumulates in the fp32 reduce dtype (+4).
+    - deepspeed: its own estimators (`estimate_zero2_model_states_mem_needs`,
+      `estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/): ZeRO-1/2 keep the
+      bf16 parameters and gradients (2 + 2) and 16/d (fp32 master, moments and the fp32 gradient
+      partition); ZeRO-3 18/d (the largest layer's gathered copy is a buffer); without ZeRO the
+      paper's 2 + 2 + 12 (Rajbhandari et al. 2020).
+    """
+    from meshplan.planner.costing.state_memory import DDP_BUCKET_COPY_BYTES, paper_state_bytes
+
+    wide = precision == "fp32"
+    if engine == "megatron":
+        param, grad, optimizer = (4.0, 4.0, 8.0) if wide else (2.0, 4.0, 12.0)
+        return {"params": num_params * param / (ranks if zero >= 3 else 1),
+                "grads": num_params * grad / (ranks if zero >= 2 else 1),
+                "optimizer": num_params * optimizer / (ranks if zero >= 1 else 1)}
+    if engine == "torchtitan":
+        if zero == 0 or ranks == 1:
+            bucket = DDP_BUCKET_COPY_BYTES if ranks > 1 else 0.0
+            return {"params": 4.0 * num_params, "grads": (4.0 + bucket) * num_params, "optimizer": 8.0 * num_params}
+        gathered = (4.0 if wide else 2.0) if (zero <= 2 or pp > 1) else 0.0
+        accumulated = 4.0 if pp > 1 else 0.0
+        return {"params": num_params * (4.0 / ranks + gathered), "grads": num_params * (4.0 / ranks + accumulated),
+                "optimizer": num_params * 8.0 / ranks}
+    if engine == "deepspeed":
+        if zero == 0 or ranks == 1:
+            return paper_state_bytes(num_params, ranks, 0, precision)
+        low = 4.0 if wide else 2.0
+        if zero <= 2:
+            return {"params": low * num_params, "grads": num_params * (low + 4.0 / ranks),
+                    "optimizer": num_params * 12.0 / ranks}
+        return {"params": low * num_params / ranks, "grads": 4.0 * num_params / ranks,
+                "optimizer": num_params * 12.0 / ranks}
+    raise ValueError(f"no memory recipe for engine {engine!r}")
+
+
+def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, *, act_scale: float,
+                        profile_dtype: str, attention: str, holds_shared: bool) -> EngineMemory:
+    """The layer's memory on one rank under `config.engine` (not "meshplan"), its routed experts
+    and context parallelism included."""
+    engine, tp = config.engine, config.tp
+    split = is_split(layer, tp)
+    shard = tp if split else 1
+    dense_params = (layer.num_params - layer.expert_params + extra_vocab_params(layer, tp, info)
+                    + (layer.shared_params if holds_shared else 0.0)) / shard
+    expert_params = layer.expert_params / config.ep / shard
+    ranks = config.shard_degree if config.shard_group else config.data_ranks
+    states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp)
+    if expert_params:
+        experts = engine_state_bytes(engine, expert_params, config.expert_data_ranks, config.zero,
+                                     config.precision, config.pp)
+        states = {key: states[key] + experts[key] for key in states}
+    saved, working = _activations(layer, config, info, act_scale, profile_dtype, attention)
+    buffer = max(working, _gather_buffer(engine, layer, config, dense_params + expert_params))
+    return EngineMemory(states["params"], states["grads"], states["optimizer"], saved, buffer)
+
+
+def _gather_buffer(engine: str, layer: LayerProfile, config: ParallelConfig, params: float) -> float:
+    """Transient bytes of the engine's parameter gathers and gradient reductions for this layer.
+
+    - megatron fp8: Transformer Engine caches each Linear weight's fp8 copies across micro-batches
+      (`is_first_microbatch`), row- and column-wise on Hopper: 2 bytes per block parameter;
+      Megatron FSDP (zero 3) gathers a layer's bf16 parameters (2).
+    - torchtitan FSDP2 resharding after forward: the unit's bf16 parameters and the next unit's,
+      prefetched (`FSDPParamGroup` forward prefetch): 2 x 2; in backward a unit's bf16 gradient
+      next to its fp32 reduce-scatter input (2 + 4).
+    - deepspeed ZeRO-3: its estimator's largest layer, 4 bytes per parameter (`largest_layer_memory`).
+    """
+    data_ranks, zero = config.data_ranks, config.zero
+    compute = 4.0 if config.precision == "fp32" else 2.0
+    out = 0.0
+    if engine == "megatron":
+        if config.precision == "fp8" and layer.kind == "block":
+            out += 2.0 * params
+        if zero == 3 and data_ranks > 1:
+            out += compute * params
+    elif engine == "torchtitan" and zero >= 1 and data_ranks > 1:
+        if zero == 3 and config.pp == 1:
+            out = 2 * compute * params
+        if config.pp == 1:
+            out = max(out, (compute + 4.0) * params)
+    elif engine == "deepspeed" and zero == 3 and data_ranks > 1:
+        out = 4.0 * params
+    return out
+
+
+def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, act_scale: float,
+                 profile_dtype: str, attention: str) -> tuple[float, float]:
+    """(bytes saved for backward per micro-batch, transient working set) of the layer on one rank."""
+    engine = config.engine
+    shape_known = info.family in _FORMULA_FAMILIES and info.hidden and info.num_heads
+    if engine == "deepspeed" or not shape_known or layer.kind not in ("embedding", "block", "head"):
+        saved, working = activation_bytes(layer, config, act_scale * vocab_scale(layer, config.tp, info))
+        if layer.expert_params:
+            saved, working = _with_routed_experts(saved, working, layer, config, info, act_scale)
+        return saved, working
+    stream = layer.output_bytes if layer.kind == "embedding" else layer.input_bytes
+    seq = stream / (info.hidden * DTYPE_BYTES.get(profile_dtype, 2))  # tokens per sample
+    tokens = seq * config.rank_microbatch
+    per_token = _block_per_token if layer.kind == "block" else _head_per_token if layer.kind == "head" \
+        else _embedding_per_token
+    saved, working = per_token(layer, config, info, attention, seq)
+    saved, working = saved * tokens, working * tokens
+    if layer.expert_params:
+        saved, working = _with_routed_experts(saved, working, layer, config, info, act_scale)
+    return saved, working
+
+
+def _with_routed_experts(saved: float, working: float, layer: LayerProfile, config: ParallelConfig,
+                         info: ModelInfo, act_scale: float) -> tuple[float, float]:
+    """Plus the routed experts' saved bytes on the busiest rank (the profile's, which counts the
+    dispatched tokens' Linear inputs and outputs), rebuilt instead under full recomputation."""
+    shard = config.tp if is_split(layer, config.tp) else 1
+    experts = layer.expert_act_bytes * config.rank_microbatch * act_scale / shard * load_factor(info)
+    if config.recompute == "full":
+        return saved, working + experts
+    return saved + experts, working
+
+
+def _shape(info: ModelInfo) -> tuple[int, int, int, int]:
+    """(hidden, hq, hkv, heads) of the model's attention."""
+    head_dim = info.head_dim or info.hidden // info.num_heads
+    return info.hidden, info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim, info.num_heads
+
+
+def _mlp_width(layer: LayerProfile, info: ModelInfo) -> tuple[float, bool]:
+    """(f, gated) of the layer's dense MLP: a MoE block's shared experts (its routed experts are
+    counted apart), else the model's FFN; Llama-style MLPs are gated (SwiGLU)."""
+    gated = info.family != "gpt"
+    if layer.expert_params:
+        return float(info.num_shared_experts * (info.shared_ffn or info.expert_ffn)), gated
+    return float(info.ffn or 4 * info.hidden), gated
+
+
+def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,
+                     seq: float) -> tuple[float, float]:
+    """(saved, working) bytes per token of one transformer block (module docstring)."""
+    engine, recompute = config.engine, config.recompute
+    split = is_split(layer, config.tp)
+    t = config.tp if split else 1
+    sp_t = t if config.sp else 1
+    b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
+    h, hq, hkv, heads = _shape(info)
+    f, gated = _mlp_width(layer, info)
+    router = 4.0 * info.num_experts if layer.expert_params else 0.0  # fp32 router logits, replicated
+    if engine == "megatron":
+        linear_in = 1.0 if config.precision == "fp8" else b  # TE keeps fp8 copies of the Linears' inputs
+        dropout = 1.0 * h if info.family in _DROPOUT_FAMILIES else 0.0
+        replicated = 2 * (b * h + linear_in * h + dropout) + router
+        sharded = (b * (2 * hq + 2 * hkv) + 4.0 * heads + (linear_in * hq if config.precision == "fp8" else 0.0)
+                   + b * f * (2 if gated else 1) + linear_in * f)
+        scores = 0.0
+        if attention == "math":  # unfused softmax (and dropout): Korthikanti's 5as, kept unless recomputed
+            scores = heads * seq * ((2 * b + 1) if dropout else b) / t
+        full = replicated / sp_t + sharded / t
+        if recompute == "full":
+            return b * h / sp_t, full + scores
+        if recompute == "selective":
+            return full, scores
+        return full + scores, 0.0
+    # torchtitan: norms sequence-sharded, their outputs gathered whole for the column Linears
+    gathered = 2 * b * h if t > 1 else 0.0
+    norms = 2 * b * h / t + (0.0 if t > 1 else 2 * b * h) + router
+    attention_bytes = (5 * b * hq + 4.0 * heads) / t
+    mlp = 4 * b * f / t if gated else 2 * b * f / t + b * f / t
+    full = norms + gathered + attention_bytes + mlp
+    if recompute == "full":
+        return b * h / t, full
+    if recompute == "selective":  # op SAC: input, wq, wv, w1, w2 (partial sum, whole) and attention saved
+        kept = b * h / t + (b * (2 * hq + hkv + f) + 4.0 * heads) / t + b * h
+        return kept, max(0.0, full - kept)
+    return full, 0.0
+
+
+def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,
+                    seq: float) -> tuple[float, float]:
+    """(saved, working) bytes per token of the final norm, output layer and loss.
+
+    megatron: the norm's input and the output layer's (sequence-sharded under SP,
+    `linear_with_grad_accumulation_and_async_allreduce` gathers again in backward) and the fp32
+    softmax `vocab_parallel_cross_entropy` saves (`exp_logits`); the bf16 logits live until cast.
+    torchtitan: the norm's input, the gathered output-layer input under TP, and log_softmax's fp32
+    output (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel`); in backward its
+    fp32 gradient and the bf16 cast."""
+    split = is_split(layer, config.tp)
+    t = config.tp if split else 1
+    sp_t = t if config.sp else 1
+    b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
+    vocab = (info.padded_vocab or info.vocab) * vocab_scale(layer, config.tp, info) / t
+    if config.engine == "megatron":
+        return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
+    gathered = b * info.hidden if t > 1 else 0.0
+    return 2 * b * info.hidden / t + gathered + 4.0 * vocab, (4.0 + b) * vocab
+
+
+def _embedding_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,
+                         seq: float) -> tuple[float, float]:
+    """(saved, working) bytes per token of the embedding: a lookup saves only its indices; GPT's
+    embedding dropout keeps a 1-byte mask (Korthikanti's sbhp/t term, /t under SP)."""
+    if config.engine == "megatron" and info.family in _DROPOUT_FAMILIES:
+        sp_t = config.tp if config.sp and is_split(layer, config.tp) else 1
+        return info.hidden / sp_t, 0.0
+    return 0.0, 0.0
+
