@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
                                      check_seq, check_sizes, moe_notes)
 from meshplan.commands.printed import Heading, format_prediction
@@ -18,8 +18,9 @@ def add_arguments(parser) -> None:
             action.required = False
     parser.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                         help="predict an engine config (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)")
-    parser.add_argument("--engine", default=None, choices=("torchtitan", "megatron", "deepspeed"),
-                        help="engine of --from FILE (default: guessed from the file)")
+    parser.add_argument("--engine", default=None, choices=ENGINES,
+                        help="whose memory recipe prices the job (default meshplan, its own executor); with "
+                             "--from FILE the file's engine (default: guessed from the file)")
     add_axis_arguments(parser, 1, skip=("dp",))  # dp = gpus / (pp * cp * tp)
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="ZeRO stage")
@@ -79,7 +80,8 @@ def _heading(args, cluster) -> Heading:
     config = parallel_config(cluster, gpus=args.gpus, global_batch=args.gbs, **axis_arguments(args, skip=("dp",)),
                              mbs=args.mbs, zero=args.zero, recompute=args.recompute, sp=args.sp,
                              schedule=args.schedule, vpp=args.vpp,
-                             precision=args.precision or default_precision(cluster), shard_group=args.shard_group)
+                             precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
+                             engine=args.engine or "meshplan")
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute, seq=args.seq)
 
 
@@ -92,7 +94,7 @@ def _estimate_at(args, zero: int):
                     sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
                     attention=args.attention, shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
-                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan")
 
 
 def _zero_hint(args, prediction) -> str:

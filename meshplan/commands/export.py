@@ -36,8 +36,12 @@ def run(args) -> int:
 def estimate_from(args) -> int:
     """`meshplan estimate --from FILE`: price an engine config, notes on stderr, printed as
     `estimate` prints its own (`printed.format_prediction`)."""
+    from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.engines.bridge import predict_job, read_engine_file
 
+    if args.engine == "meshplan":
+        raise MeshplanError(f"--from {args.from_file} reads an engine's config: --engine names its engine "
+                            "(torchtitan, megatron or deepspeed), or leave it out to guess from the file")
     job = read_engine_file(args.from_file, args.engine)
     result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                          attention=args.attention)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
                                      check_sizes, moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
@@ -33,6 +33,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    parser.add_argument("--engine", default="meshplan", choices=ENGINES,
+                        help="plan under this engine's memory recipe (default meshplan, its own executor); "
+                             "recorded in the plan as `engine`")
     parser.add_argument("--time-limit", type=float, default=2.5,
                         help="seconds per candidate ILP (default 2.5; the re-ranked ones get twice that again if needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
@@ -75,7 +78,7 @@ def run(args) -> int:
                              time_limit_s=args.time_limit, seed=args.seed, moe_imbalance=args.moe_imbalance,
                              moe_capacity_factor=args.moe_capacity_factor,
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
-                             memory_headroom_bytes=args.memory_headroom * GIB, **pins)
+                             memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine, **pins)
 
     def plan_at(gpus: int, progress: bool = False):
         return search(replace(request, gpus=gpus), progress=progress)

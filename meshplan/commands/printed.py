@@ -30,7 +30,8 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
              + f" mbs={cfg.microbatch_size} zero={cfg.zero}"
              + (f" shard_group={cfg.shard_group}" if cfg.shard_group else "")
              + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"
-             + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else ""),
+             + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
+             + (f" (memory as {cfg.engine} allocates it)" if cfg.engine != "meshplan" else ""),
              "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
@@ -67,7 +68,28 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
     verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
     lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
               f"GiB usable   fits: {verdict}"]
+    if not prediction.fits:
+        lines += top_consumers(prediction)
     return "\n".join(lines)
+
+
+# what lowers each kind of memory, for the lines of `top_consumers`
+_REMEDIES = {"params": "--zero 3, more --tp or --pp", "grads": "--zero 2 or 3, more --tp or --pp",
+             "optimizer": "--zero 1 or more, more --tp or --pp",
+             "activations": "--recompute selective/full, --sp, a smaller --mbs, more --tp, --cp or --pp",
+             "buffers": "a smaller --mbs, more --tp (logits), less ZeRO-3 prefetch"}
+
+
+def top_consumers(prediction, count: int = 3) -> list[str]:
+    """The largest rank's biggest kinds of memory, each with what would lower it."""
+    rank = max(range(len(prediction.memory)), key=lambda r: prediction.memory[r].total)
+    mem = prediction.memory[rank]
+    kinds = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+             "activations": mem.activations, "buffers": mem.buffers}
+    largest = sorted(kinds, key=kinds.get, reverse=True)[:count]
+    return [f"top consumers on pipeline rank {rank}:"] + [
+        f"  {kind:<12} {kinds[kind] / GIB:8.2f} GiB  ({kinds[kind] / mem.total:.0%}; lower it with {_REMEDIES[kind]})"
+        for kind in largest]
 
 
 def _default_seq(spec: str) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from meshplan.planner.contracts.config import ENGINES
+
 GIB, MIB = 2**30, 2**20
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")
 
@@ -14,6 +16,8 @@ def add_arguments(parser):
                         help="print one JSON object (the keys of `estimate --json`) and nothing else")
     parser.add_argument("--trace", metavar="FILE",
                         help="write the step's timeline as Chrome trace-event JSON (open in Perfetto)")
+    parser.add_argument("--engine", default=None, choices=ENGINES,
+                        help="price memory with this engine's recipe (default: the plan's `engine`)")
 
 
 def run(args) -> int:
@@ -25,6 +29,10 @@ def run(args) -> int:
 
     refuse_output_over_input("--trace", args.trace, [("--plan", args.plan)])
     plan = load_plan(args.plan)
+    if args.engine and args.engine != plan.config.engine:
+        from dataclasses import replace
+
+        plan = replace(plan, config=replace(plan.config, engine=args.engine))
     if args.trace and Path(args.trace).is_dir():
         raise MeshplanError(f"--trace {args.trace} is a directory; give a file name such as trace.json")
     prediction = simulate(plan, timeline=bool(args.trace))
@@ -45,7 +53,8 @@ def summary(plan, prediction) -> str:
     schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule_spec.free_chunks else "")
     lines = [
         f"{plan.model.spec} (seq {plan.model.seq}) on {cfg.gpus} x {plan.cluster.name}: "
-        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}",
+        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}"
+        + (f", memory as {cfg.engine} allocates it" if cfg.engine != "meshplan" else ""),
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
         f"global batch {cfg.global_batch}",
         "",

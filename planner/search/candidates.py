@@ -71,8 +71,10 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pins = Pins(),
-                         max_mbs: int = 16, precision: str = "bf16-mixed") -> list[ParallelConfig]:
-    """Every outer candidate of the executable plan space that satisfies the pins, sorted.
+                         max_mbs: int = 16, precision: str = "bf16-mixed",
+                         engine: str = "meshplan") -> list[ParallelConfig]:
+    """Every outer candidate of the executable plan space that satisfies the pins, sorted, each
+    priced with `engine`'s memory recipe.
 
     A candidate is a `ParallelConfig` with recompute "none": the ILP then picks each layer's
     recomputation and stage.
@@ -118,7 +120,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
-                                                              precision=precision, shard_group=group, ep=ep))
+                                                              precision=precision, shard_group=group, ep=ep,
+                                                              engine=engine))
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
     runnable = [c for c in out if why_not_executable(c, facts) is None]

@@ -69,7 +69,8 @@ def _smallest_gpu_count(graph, request: PlanRequest, limit: float) -> int | None
     for _ in range(12):
         if count > capacity:
             return None
-        candidates = enumerate_candidates(graph, cluster, count, global_batch, pins, request.max_mbs, precision)
+        candidates = enumerate_candidates(graph, cluster, count, global_batch, pins, request.max_mbs, precision,
+                                          request.engine)
         if candidates and min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins) <= limit:
             return count
         count *= 2

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ENGINES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
 
@@ -35,6 +36,7 @@ class PlanRequest:
     moe_capacity_factor: float | None = None
     moe_pad_to_capacity: bool = False
     memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
+    engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -52,6 +54,8 @@ class PlanRequest:
             raise MeshplanError(f"--gpus {self.gpus} exceeds the {capacity} GPUs of cluster {cluster.name!r} "
                                 f"({cluster.max_nodes} nodes x {cluster.gpus_per_node}); use at most {capacity}")
         check_fp8_supported(cluster, self.precision)
+        if self.engine not in ENGINES:
+            raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,
