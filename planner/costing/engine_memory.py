@@ -54,6 +54,34 @@ _FORMULA_FAMILIES = ("gpt", "llama", "moe")
 _DROPOUT_FAMILIES = ("gpt",)
 
 
+# Guo et al. 2024, "GMLake: Efficient and Transparent GPU Memory Defragmentation for Large-scale
+# DNN Training with Virtual Memory Stitching" (ASPLOS 2024, arXiv:2401.08156): PyTorch's caching
+# allocator leaves 15% of its reserved memory fragmented on average (up to 33%) over eight LLMs
+# trained on A100 80GB. The engines' published memory figures are what it reserved
+# (torchtitan logs `max_reserved`), and a job runs out of memory when reserving fails.
+ALLOCATOR_FRAGMENTATION = 0.15
+
+
+def allocator_reserve_fraction(engine: str) -> float:
+    """The share of each GPU's usable memory kept free for the caching allocator's fragmentation
+    under `engine`: GMLake's average for the engines; none for meshplan's executor, whose
+    profile reserve (`reserved_memory_bytes`) is what its runs were planned against."""
+    return 0.0 if engine == "meshplan" else ALLOCATOR_FRAGMENTATION
+
+
+def engine_cluster(cluster, engine: str):
+    """`cluster` with the allocator's reserve under `engine` added to each device's reserved
+    memory: what `estimate`, the search and the plan's embedded profile plan against."""
+    from dataclasses import replace
+
+    fraction = allocator_reserve_fraction(engine)
+    if not fraction:
+        return cluster
+    device = cluster.device
+    reserve = fraction * device.usable_memory_bytes
+    return replace(cluster, device=replace(device, reserved_memory_bytes=device.reserved_memory_bytes + reserve))
+
+
 class EngineMemory(NamedTuple):
     """One layer's bytes on one rank (see `LayerCost` for the meaning of each)."""
 
@@ -94,7 +122,7 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
       `estimate_zero3_model_states_mem_needs` in deepspeed/runtime/zero/): ZeRO-1/2 keep the
       bf16 parameters and gradients (2 + 2) and 16/d (fp32 master, moments and the fp32 gradient
       partition); ZeRO-3 18/d (the largest layer's gathered copy is a buffer); without ZeRO the
-      paper's 2 + 2 + 12 (Rajbhandari et al. 2020).
+      paper's 2 + 2 + 12 (Rajbhandari et al. 2020). Its pipeline engine runs ZeRO-1 at most.
     """
     from meshplan.planner.costing.state_memory import DDP_BUCKET_COPY_BYTES, paper_state_bytes
 
@@ -113,6 +141,8 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
         return {"params": num_params * (4.0 / ranks + gathered), "grads": num_params * (4.0 / ranks + accumulated),
                 "optimizer": num_params * 8.0 / ranks}
     if engine == "deepspeed":
+        # its pipeline engine runs ZeRO-1 at most (`PipelineEngine` refuses ZeRO-2/3)
+        zero = min(zero, 1) if pp > 1 else zero
         if zero == 0 or ranks == 1:
             return paper_state_bytes(num_params, ranks, 0, precision)
         low = 4.0 if wide else 2.0
@@ -136,6 +166,11 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
     expert_params = layer.expert_params / config.ep / shard
     ranks = config.shard_degree if config.shard_group else config.data_ranks
     states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp)
+    if engine == "torchtitan" and layer.kind in ("embedding", "head") and config.zero == 3 and config.pp == 1 \
+            and ranks > 1:
+        # the root FSDP unit (embedding, final norm, output: `fully_shard(model)`) is not resharded
+        # after forward (FSDP2 keeps the root gathered for the backward that follows)
+        states["params"] += dense_params * (4.0 if config.precision == "fp32" else 2.0)
     if expert_params:
         experts = engine_state_bytes(engine, expert_params, config.expert_data_ranks, config.zero,
                                      config.precision, config.pp)
@@ -271,7 +306,8 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     softmax `vocab_parallel_cross_entropy` saves (`exp_logits`); the bf16 logits live until cast.
     torchtitan: the norm's input, the gathered output-layer input under TP, and log_softmax's fp32
     output (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel`); in backward its
-    fp32 gradient and the bf16 cast."""
+    fp32 gradient and the bf16 cast (`del pred` before backward frees the bf16 logits): beside the
+    saved output, log_softmax's backward holds its fp32 output gradient and input gradient (8V)."""
     split = is_split(layer, config.tp)
     t = config.tp if split else 1
     sp_t = t if config.sp else 1
@@ -280,7 +316,7 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     if config.engine == "megatron":
         return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
     gathered = b * info.hidden if t > 1 else 0.0
-    return 2 * b * info.hidden / t + gathered + 4.0 * vocab, (4.0 + b) * vocab
+    return 2 * b * info.hidden / t + gathered + 4.0 * vocab, 8.0 * vocab
 
 
 def _embedding_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,

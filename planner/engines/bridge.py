@@ -121,7 +121,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.costing.uniform import balanced_layer_chunks
     from meshplan.planner.engines.deepspeed import uniform_split
-    from meshplan.planner.engines.memory import with_engine_memory
+    from meshplan.planner.costing.engine_memory import engine_cluster
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
     from meshplan.planner.simulation.estimator import DEFAULT_SEQ, default_precision, make_config, predict
@@ -131,7 +131,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
         raise MeshplanError(f"the {job.engine} config does not name a model meshplan knows; pass --model SPEC")
     if cluster is None:
         raise MeshplanError(f"the {job.engine} config does not say which GPUs it runs on; pass --cluster PROFILE")
-    cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    cluster = engine_cluster(load_cluster(cluster) if isinstance(cluster, str) else cluster, job.engine)
     notes = list(job.notes)
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
     seq = seq or job.seq or default_seq(spec, DEFAULT_SEQ)
@@ -140,7 +140,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp,
                          mbs=job.microbatch_size, zero=job.zero, recompute=dominant_recompute([m for m in block_modes]),
-                         sp=job.sp, schedule=job.schedule, vpp=job.vpp, precision=precision)
+                         sp=job.sp, schedule=job.schedule, vpp=job.vpp, precision=precision, engine=job.engine)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:
@@ -149,7 +149,6 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
         chunks = tuple(balanced_layer_chunks(graph, cluster, config))
     recomputes = resolve_recompute(job, [layer.name for layer in graph.layers], chunks)
     prediction = predict(graph, cluster, config, chunks, recomputes)
-    prediction = with_engine_memory(prediction, job.engine, graph, cluster, config, chunks)
     return JobEstimate(job=job, spec=spec, seq=seq, config=config, chunk_of_layer=chunks,
                        recompute_of_layer=recomputes, prediction=prediction, notes=tuple(notes))
 

@@ -21,7 +21,7 @@ NON_BLOCK_LAYERS = ("embed", "head")
 class EngineJob:
     """What an engine's config fixes, in meshplan's terms (None: the config leaves it open)."""
 
-    engine: str  # which engine the config is for; also names the memory recipe (`engines.memory`)
+    engine: str  # which engine the config is for; also names the memory recipe (`costing.engine_memory`)
     model: str | None = None  # meshplan model SPEC (from the engine's flavour or model shape)
     seq: int | None = None  # tokens per sample
     gpus: int | None = None  # world size
