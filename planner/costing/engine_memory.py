@@ -30,6 +30,8 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   Linears, which keep the gathered (whole) input. Its SAC (`activation_checkpoint.mode =
   "selective"`, op policy: mm, sdpa and reductions saved, every second mm recomputed) keeps the
   block input and the outputs of wq, wv, w1, w2 and attention; full AC keeps the block input.
+  Float8 (torchao `Float8Linear`) saves the Linears' inputs in bf16 (`matmul_with_hp_or_float8_args`
+  keeps `input_hp`): fp8 keeps bf16's activations.
 - DeepSpeed runs the model as written: the profile's Korthikanti accounting
   (`activation_memory.activation_bytes` without meshplan's executor choices).
 
@@ -287,7 +289,7 @@ def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInf
     gathered = 2 * b * h if t > 1 else 0.0
     norms = 2 * b * h / t + (0.0 if t > 1 else 2 * b * h) + router
     attention_bytes = (5 * b * hq + 4.0 * heads) / t
-    mlp = 4 * b * f / t if gated else 2 * b * f / t + b * f / t
+    mlp = (4 if gated else 2) * b * f / t  # w1, w3 outputs, silu output, w2 input (GELU: fc1 output, fc2 input)
     full = norms + gathered + attention_bytes + mlp
     if recompute == "full":
         return b * h / t, full

@@ -88,9 +88,20 @@ def why_not(alt, winner, limit_bytes: float) -> str:
     recomputed = sum(r != "none" for r in alt.recompute_of_layer)
     if recomputed and cause in ("recompute", None):
         text += f"; memory forces recomputation of {recomputed} layers"
-    if pa.peak_memory_bytes > 0.95 * limit_bytes:
-        text += f"; memory nearly full ({pa.peak_memory_bytes / GIB:.1f} of {limit_bytes / GIB:.1f} GiB)"
-    return text
+    full = memory_nearly_full(pa.peak_memory_bytes, limit_bytes)
+    return text + (f"; {full}" if full else "")
+
+
+# a plan whose peak is above this share of the usable memory is flagged, the winner like any other
+NEARLY_FULL_FRACTION = 0.95
+
+
+def memory_nearly_full(peak_bytes: float, limit_bytes: float) -> str:
+    """"memory nearly full (a of b GiB)" when the peak is above `NEARLY_FULL_FRACTION` of the
+    limit, else ""."""
+    if limit_bytes <= 0 or peak_bytes <= NEARLY_FULL_FRACTION * limit_bytes:
+        return ""
+    return f"memory nearly full ({peak_bytes / GIB:.1f} of {limit_bytes / GIB:.1f} GiB)"
 
 
 def _main_cause(alt: dict, winner: dict) -> tuple[str | None, float]:
@@ -120,7 +131,9 @@ def explain(plan_json: dict) -> str:
             + f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
             f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
-            f"{limit / GIB:.1f} GiB.")
+            f"{limit / GIB:.1f} GiB"
+            + (f" ({memory_nearly_full(pred['peak_memory_bytes'], limit)})"
+               if memory_nearly_full(pred['peak_memory_bytes'], limit) else "") + ".")
     if solver.get("ep_rival"):
         text += " " + _why_ep(plan_json, solver["ep_rival"])
     alternatives = plan_json.get("alternatives") or []

@@ -1,0 +1,158 @@
+"""Per-GPU memory against the figures public sources print, each under the engine that ran it.
+
+    python benchmarks/bench_engine_memory.py
+
+Two parts, both held out (no figure here tunes any constant; the memory recipes are the engines'
+own rules, `planner/costing/engine_memory.py`):
+
+1. Published per-GPU memory figures (`MEMORY_FIGURES`), each with its source: Korthikanti et al.
+   2022 Figure 1 (first-stage activations, Megatron-LM), torchtitan's H100 tables (peak memory
+   reserved by PyTorch's caching allocator, torchtitan's `max_reserved`, for the rows it runs
+   without torch.compile and Float8, which meshplan does not model). An activation figure is
+   compared with the first pipeline rank's activations; a reserved figure with the predicted
+   peak over (1 - the allocator's fragmentation), the reserve `engine_memory` keeps for it.
+   Target: every figure within 10%.
+2. Every held-out run of `published_runs.py` (they all ran) estimated under its engine: the runs
+   still called out of memory are listed and counted (target: none).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
+                            MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            Run, all_runs)
+
+GIB = 2**30
+TOLERANCE = 0.10
+
+KORTHIKANTI_FIGURE_1 = ("Korthikanti et al. 2022 (arXiv:2205.05198), Figure 1: activation memory of the first "
+                        "pipeline stage with sequence parallelism and selective recomputation; shapes, degrees and "
+                        "batches from its Table 3 (seq 2048, vocab 51200)")
+TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 8B on H100 (95 GiB HBM2e, Grand Teton), Tables 1 "
+                   "and 3, 'FSDP' rows (torch 1963fc8, torchtitan 9dec370, 2024-12)")
+# torchtitan's H100s hold 95 GiB (its docs/performance.md); the h100-sxm profile's other figures stand
+TORCHTITAN_H100_MEMORY_BYTES = 95 * GIB
+
+
+@dataclass(frozen=True)
+class MemoryFigure:
+    """One published per-GPU memory figure and the configuration it was measured on."""
+
+    name: str
+    source: str
+    engine: str
+    measure: str  # "first-stage activations" or "peak reserved"
+    published_gib: float
+    cluster: str
+    spec: str
+    gpus: int
+    global_batch: int
+    seq: int
+    options: dict = field(default_factory=dict)  # the estimate's other keywords
+    assumptions: tuple[str, ...] = ()
+
+
+def korthikanti_figures() -> list[MemoryFigure]:
+    # (name, layers, hidden, heads, pp, gpus, global batch, micro-batch, schedule, chunks per rank, GiB)
+    rows = [("22B", 48, 6144, 64, 1, 8, 4, 4, "1f1b", 1, 9.6), ("175B", 96, 12288, 96, 8, 64, 64, 1, "interleaved", 3, 12.4),
+            ("530B", 105, 20480, 128, 35, 280, 280, 1, "interleaved", 3, 23.1),
+            ("1T", 128, 25600, 160, 64, 512, 512, 1, "1f1b", 1, 26.6)]
+    assumptions = ("175B and 530B: interleaved 1F1B with 3 chunks per rank, the paper's (1 + (p-1)/(pm)) factor "
+                   "at m = 3; 22B and 1T without interleaving",
+                   "GPT-3 blocks with dropout 0.1 (the paper's 34sbh/t accounting)")
+    return [MemoryFigure(f"Korthikanti22 Fig1 {name}", KORTHIKANTI_FIGURE_1, "megatron", "first-stage activations",
+                         gib, "a100-80g", f"gpt:layers={layers},hidden={hidden},heads={heads},vocab=51200", gpus, gbs,
+                         2048, dict(tp=8, pp=pp, mbs=mbs, sp=True, recompute="selective", schedule=schedule, vpp=vpp),
+                         assumptions)
+            for name, layers, hidden, heads, pp, gpus, gbs, mbs, schedule, vpp, gib in rows]
+
+
+def torchtitan_figures() -> list[MemoryFigure]:
+    assumptions = ("FSDP2 fully_shard over all GPUs (ZeRO-3), local batch 2 = one micro-batch, seq 8192 "
+                   "(torchtitan's llama3_8b.toml), selective op activation checkpointing",)
+    return [MemoryFigure(f"torchtitan 8B FSDP {gpus} GPUs", TORCHTITAN_H100, "torchtitan", "peak reserved", gib,
+                         "h100-sxm", "llama3-8b", gpus, 2 * gpus, 8192, dict(mbs=2, zero=3, recompute="selective"),
+                         assumptions)
+            for gpus, gib in ((8, 82.4), (128, 67.0))]
+
+
+MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
+
+# The engine each held-out source ran (its memory recipe prices the run).
+ENGINE_OF_SOURCE = {KORTHIKANTI_2022: "megatron", NARAYANAN_2021: "megatron", LLAMA3_2024: "megatron",
+                    MEGATRON_MOE_QWEN3: "megatron", MEGATRON_BRIDGE_H100: "megatron",
+                    TORCHTITAN_A100: "torchtitan",
+                    # Composer's FSDP (bf16 compute, fp32 sharded master weights and reduction) is
+                    # torchtitan's FSDP recipe in meshplan's terms
+                    MPT_SOURCE: "torchtitan"}
+
+
+def cluster_for(name: str, source: str):
+    from meshplan.planner.costing.hardware import load_cluster
+
+    cluster = load_cluster(name)
+    if source == TORCHTITAN_H100:
+        cluster = replace(cluster, device=replace(cluster.device, memory_bytes=TORCHTITAN_H100_MEMORY_BYTES))
+    return cluster
+
+
+def predicted_gib(figure: MemoryFigure) -> tuple[float, bool]:
+    """(the predicted figure comparable to the published one, fits) under the figure's engine."""
+    from meshplan.planner.costing.engine_memory import allocator_reserve_fraction
+    from meshplan.planner.simulation.estimator import estimate
+
+    prediction = estimate(figure.spec, cluster_for(figure.cluster, figure.source), gpus=figure.gpus,
+                          global_batch=figure.global_batch, seq=figure.seq, engine=figure.engine, **figure.options)
+    if figure.measure == "first-stage activations":
+        return prediction.memory[0].activations / GIB, prediction.fits
+    return prediction.peak_memory_bytes / (1 - allocator_reserve_fraction(figure.engine)) / GIB, prediction.fits
+
+
+def run_fits(run: Run, engine: str) -> tuple[bool, float]:
+    """Whether any of the run's virtual-stage options fits under `engine`, and the least peak (GiB)."""
+    from meshplan.planner.simulation.estimator import estimate
+
+    peaks, fits = [], False
+    for vpp in run.vpp_options:
+        prediction = estimate(run.spec, run.cluster, gpus=run.gpus, global_batch=run.global_batch, seq=run.seq,
+                              tp=run.tp, pp=run.pp, mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
+                              schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
+                              attention=run.attention, cp=run.cp, ep=run.ep, engine=engine)
+        peaks.append(prediction.peak_memory_bytes / GIB)
+        fits = fits or prediction.fits
+    return fits, min(peaks)
+
+
+def main() -> int:
+    print(f"published per-GPU memory, each under its engine (target |error| <= {TOLERANCE:.0%})")
+    print(f"{'figure':<32} {'engine':<10} {'measure':<24} {'published':>9} {'predicted':>9} {'error':>7}")
+    within = 0
+    for figure in MEMORY_FIGURES:
+        predicted, _ = predicted_gib(figure)
+        error = predicted / figure.published_gib - 1
+        within += abs(error) <= TOLERANCE
+        print(f"{figure.name:<32} {figure.engine:<10} {figure.measure:<24} {figure.published_gib:9.1f} "
+              f"{predicted:9.1f} {error:+7.1%}")
+    print(f"{within} of {len(MEMORY_FIGURES)} figures within {TOLERANCE:.0%}")
+    for source in dict.fromkeys(f.source for f in MEMORY_FIGURES):
+        print(f"  source: {source}")
+    held = [run for run in all_runs() if run.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)]
+    print(f"\nheld-out runs that ran, estimated under their engine: {len(held)}")
+    out_of_memory = []
+    for run in held:
+        engine = ENGINE_OF_SOURCE[run.source]
+        fits, peak = run_fits(run, engine)
+        if not fits:
+            out_of_memory.append((run, engine, peak))
+    for run, engine, peak in out_of_memory:
+        print(f"  called out of memory: {run.name} ({engine}, {run.cluster}): {peak:.1f} GiB")
+    print(f"{len(out_of_memory)} of {len(held)} held-out runs that ran are called out of memory (target 0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
