@@ -1,0 +1,76 @@
+"""`--engine` on estimate, simulate and plan: the engine's memory recipe, recorded in the plan;
+the top consumers of a configuration that does not fit; the winner flagged when nearly full."""
+from __future__ import annotations
+
+import json
+
+SPEC = "gpt:layers=4,hidden=256,heads=4,vocab=1024"
+JOB = ("--model", SPEC, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256")
+
+
+def test_estimate_engine_changes_the_memory_only(run_cli):
+    code, out, err = run_cli("estimate", *JOB, "--json")
+    assert code == 0, err
+    own = json.loads(out)
+    code, out, err = run_cli("estimate", *JOB, "--engine", "megatron", "--json")
+    assert code == 0, err
+    megatron = json.loads(out)
+    assert megatron["step_time_s"] == own["step_time_s"]
+    first = megatron["memory_bytes"][0]
+    assert first["grads"] == 2 * first["params"]  # bf16 parameters, fp32 main_grad
+    assert first["optimizer"] == 6 * first["params"]  # fp32 master weights and two moments, ZeRO-0
+    assert own["memory_bytes"][0]["grads"] != first["grads"]
+    code, out, err = run_cli("estimate", *JOB, "--engine", "torchtitan")
+    assert code == 0, err
+    assert "memory as torchtitan allocates it" in out
+
+
+def test_estimate_names_the_top_consumers_when_it_does_not_fit(run_cli):
+    code, out, err = run_cli("estimate", "--model", "llama3-8b", "--cluster", "a100-40g", "--gpus", "1", "--gbs", "1",
+                             "--seq", "4096", "--engine", "megatron")
+    assert code == 0, err
+    assert "fits: NO" in out
+    lines = out[out.index("top consumers"):].splitlines()[1:4]
+    assert [line.split()[0] for line in lines] == ["optimizer", "grads", "activations"]  # 12, 4 and 2 bytes / param
+    assert "--zero 1" in lines[0]
+
+
+def test_estimate_from_refuses_engine_meshplan(run_cli, tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text("[model]\nname = 'llama3'\n")
+    code, out, err = run_cli("estimate", "--from", config, "--engine", "meshplan")
+    assert code == 2 and "names its engine" in err
+
+
+def test_plan_records_the_engine_and_simulate_reads_it(run_cli, tmp_path):
+    from meshplan.planner.contracts.plan import load_plan, plan_from_json
+
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *JOB, "--engine", "deepspeed", "--top", "1", "--time-limit", "1", "--out", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert data["engine"] == "deepspeed" and load_plan(path).config.engine == "deepspeed"
+    code, out, err = run_cli("simulate", "--plan", path, "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_memory_bytes"] == data["prediction"]["peak_memory_bytes"]
+    code, out, err = run_cli("simulate", "--plan", path, "--engine", "megatron", "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_memory_bytes"] != data["prediction"]["peak_memory_bytes"]
+    code, out, err = run_cli("simulate", "--plan", path)
+    assert code == 0, err
+    assert "memory as deepspeed allocates it" in out
+    del data["engine"]  # a plan written before the key: meshplan's executor
+    assert plan_from_json(data).config.engine == "meshplan"
+
+
+def test_the_winner_is_flagged_nearly_full_like_the_others():
+    from meshplan.planner.search.assembly import explain, memory_nearly_full
+
+    gib = 2**30
+    assert memory_nearly_full(76.7 * gib, 77.1 * gib) == "memory nearly full (76.7 of 77.1 GiB)"
+    assert memory_nearly_full(60 * gib, 77.1 * gib) == ""
+    plan = {"prediction": {"step_time_s": 1.0, "mfu": 0.4, "bubble_fraction": 0.0, "peak_memory_bytes": 76.7 * gib},
+            "solver": {"usable_memory_bytes": 77.1 * gib}, "mesh": {"pp": 1, "dp": 8, "tp": 1}, "sp": False,
+            "schedule": {"name": "1f1b", "virtual_stages": 1, "microbatches": 1, "microbatch_size": 1}, "zero": 1,
+            "layers": []}
+    assert "memory nearly full (76.7 of 77.1 GiB)" in explain(plan)

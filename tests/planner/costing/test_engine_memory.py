@@ -1,0 +1,119 @@
+"""Each engine's memory recipe (`costing.engine_memory`): Korthikanti et al.'s published activations
+under Megatron-LM, the engines' model-state bytes, nothing of meshplan's executor charged to another
+engine, the allocator's reserve, and the search planning under the engine asked for."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.costing.engine_memory import (ALLOCATOR_FRAGMENTATION, engine_cluster, engine_state_bytes,
+                                                    keeps_stage_outputs)
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.simulation.estimator import estimate
+
+GIB = 2**30
+
+# Korthikanti et al. 2022 (arXiv:2205.05198), Figure 1: first-stage activation memory with sequence
+# parallelism and selective recomputation (GiB), on the shapes and degrees of its Table 3 (seq 2048,
+# vocab 51200, TP 8). 175B and 530B run interleaved with 3 chunks per rank (the 1 + (p-1)/(pm)
+# factor of its section 4.2.3 at m = 3 gives the published figures).
+KORTHIKANTI_FIGURE_1 = [
+    # name, layers, hidden, heads, pp, gpus, global batch, micro-batch, schedule, vpp, GiB
+    ("22B", 48, 6144, 64, 1, 8, 4, 4, "1f1b", 1, 9.6),
+    ("175B", 96, 12288, 96, 8, 64, 64, 1, "interleaved", 3, 12.4),
+    ("530B", 105, 20480, 128, 35, 280, 280, 1, "interleaved", 3, 23.1),
+    ("1T", 128, 25600, 160, 64, 512, 512, 1, "1f1b", 1, 26.6),
+]
+
+
+@pytest.mark.parametrize("row", KORTHIKANTI_FIGURE_1, ids=[row[0] for row in KORTHIKANTI_FIGURE_1])
+def test_korthikanti_figure_1_first_stage_activations(row):
+    name, layers, hidden, heads, pp, gpus, gbs, mbs, schedule, vpp, published_gib = row
+    prediction = estimate(f"gpt:layers={layers},hidden={hidden},heads={heads},vocab=51200", "a100-80g", gpus=gpus,
+                          global_batch=gbs, seq=2048, tp=8, pp=pp, mbs=mbs, sp=True, recompute="selective",
+                          schedule=schedule, vpp=vpp, engine="megatron")
+    assert prediction.memory[0].activations / GIB == pytest.approx(published_gib, rel=0.05)
+
+
+def test_korthikanti_34sbh_per_layer():
+    """One GPT-3 block under TP 8 with SP keeps 34 s b h / t bytes (+ the fp32 log-sum-exp of flash
+    attention, 4 a s b / t); without SP the 10 s b h of the norms, their outputs and dropout masks
+    stay whole (Korthikanti's equation 2: s b h (10 + 24/t))."""
+    from meshplan.planner.costing.layer_cost import layer_cost
+    from meshplan.planner.profiling.profiler import profile
+
+    seq, hidden, heads, mbs, tp = 2048, 6144, 64, 4, 8
+    graph = profile(f"gpt:layers=2,hidden={hidden},heads={heads},vocab=51200", seq)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    cluster = load_cluster("a100-80g")
+    sbh = seq * mbs * hidden
+    for sp, expected in ((True, sbh * 34 / tp), (False, sbh * (10 + 24 / tp))):
+        config = ParallelConfig(gpus=tp, global_batch=mbs, tp=tp, microbatch_size=mbs, sp=sp, engine="megatron")
+        cost = layer_cost(block, config, cluster, graph.info, profile_dtype=graph.dtype)
+        assert cost.activation_bytes == pytest.approx(expected + 4 * heads * seq * mbs / tp)
+        full = layer_cost(block, replace(config, recompute="full"), cluster, graph.info, profile_dtype=graph.dtype)
+        assert full.activation_bytes == pytest.approx(2 * sbh / (tp if sp else 1))  # the layer's input
+
+
+@pytest.mark.parametrize("engine, zero, pp, expected", [
+    ("megatron", 0, 1, (2, 4, 12)),             # Megatron-LM dist_optimizer.md: 18 bytes
+    ("megatron", 1, 1, (2, 4, 12 / 8)),         # distributed optimizer: 6 + 12/d
+    ("megatron", 0, 1, (2, 4, 12)),
+    ("torchtitan", 3, 1, (4 / 8, 4 / 8, 8 / 8)),          # FSDP2, fp32 sharded states
+    ("torchtitan", 3, 2, (4 / 8 + 2, 4 / 8 + 4, 8 / 8)),  # PP: bf16 kept gathered, fp32 grads accumulated
+    ("deepspeed", 2, 1, (2, 2 + 4 / 8, 12 / 8)),          # its estimator: 4 + 16/d
+    ("deepspeed", 3, 1, (2 / 8, 4 / 8, 12 / 8)),          # 18/d
+    ("deepspeed", 3, 2, (2, 2 + 4 / 8, 12 / 8)),          # the pipeline engine runs ZeRO-1 at most
+])
+def test_engine_state_bytes_per_parameter(engine, zero, pp, expected):
+    states = engine_state_bytes(engine, 1.0, 8, zero, "bf16-mixed", pp)
+    assert (states["params"], states["grads"], states["optimizer"]) == pytest.approx(expected)
+
+
+def test_no_executor_extra_under_another_engine():
+    """Plain data parallelism: meshplan's executor keeps DDP's bucket copy of every gradient and
+    autocast's bf16 weight copies; Megatron-LM keeps 2 + 4 + 12 bytes a parameter and no copy."""
+    spec, cluster = "gpt:layers=4,hidden=512,heads=8,vocab=8192", "a100-80g"
+    own = estimate(spec, cluster, gpus=2, global_batch=4, seq=256, mbs=2).memory[0]
+    megatron = estimate(spec, cluster, gpus=2, global_batch=4, seq=256, mbs=2, engine="megatron").memory[0]
+    params = megatron.params / 2
+    assert megatron.grads == pytest.approx(4 * params) and megatron.optimizer == pytest.approx(12 * params)
+    assert own.grads == pytest.approx(8 * params)  # fp32 .grad and its bucket copy
+    assert megatron.activations < own.activations  # no autocast weight copies
+
+
+def test_megatron_frees_the_pipeline_outputs():
+    spec, cluster = "gpt:layers=8,hidden=512,heads=8,vocab=8192", "a100-80g"
+    kwargs = dict(gpus=2, global_batch=8, seq=256, pp=2, mbs=1)
+    megatron = estimate(spec, cluster, engine="megatron", **kwargs).memory[0]
+    torchtitan = estimate(spec, cluster, engine="torchtitan", **kwargs).memory[0]
+    assert not keeps_stage_outputs("megatron") and keeps_stage_outputs("torchtitan")
+    # both keep the same blocks' 2 in-flight micro-batches; torchtitan also their stage outputs
+    assert torchtitan.activations > megatron.activations
+
+
+def test_the_allocator_reserve_is_the_engines_alone():
+    cluster = load_cluster("h100-sxm")
+    usable = cluster.device.usable_memory_bytes
+    assert engine_cluster(cluster, "meshplan") is cluster
+    for engine in ("megatron", "torchtitan", "deepspeed"):
+        assert engine_cluster(cluster, engine).device.usable_memory_bytes == pytest.approx(
+            usable * (1 - ALLOCATOR_FRAGMENTATION))
+
+
+def test_the_search_plans_under_the_engine():
+    from meshplan.planner.search.driver import search_plan
+
+    spec = "gpt:layers=4,hidden=256,heads=4,vocab=4096"
+    plans = {engine: search_plan(spec, "a100-80g", 2, 8, 256, engine=engine, top_k=1, time_limit_s=1.0)
+             for engine in ("meshplan", "megatron")}
+    assert plans["megatron"].config.engine == "megatron" and plans["meshplan"].config.engine == "meshplan"
+    simulated = plans["megatron"].prediction["peak_memory_bytes"]
+    again = estimate(spec, "a100-80g", gpus=2, global_batch=8, seq=256, engine="megatron",
+                     tp=plans["megatron"].config.tp, pp=plans["megatron"].config.pp,
+                     mbs=plans["megatron"].config.microbatch_size, zero=plans["megatron"].config.zero,
+                     sp=plans["megatron"].config.sp)
+    assert simulated == pytest.approx(again.peak_memory_bytes, rel=0.02)
+    assert plans["megatron"].to_json()["engine"] == "megatron"
