@@ -60,10 +60,9 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(prediction.to_json()))
         return 0
-    from meshplan.planner.costing.engine_memory import engine_cluster
     from meshplan.planner.costing.hardware import load_cluster
 
-    cluster = engine_cluster(load_cluster(args.cluster), args.engine or "meshplan")
+    cluster = load_cluster(args.cluster)
     print(format_prediction(prediction, _heading(args, cluster), cluster.device.usable_memory_bytes))
     hint = _zero_hint(args, prediction)
     if hint:

@@ -50,7 +50,6 @@ def estimate_from(args) -> int:
     if args.json:
         print(json.dumps(result.prediction.to_json()))
         return 0
-    from meshplan.planner.costing.engine_memory import engine_cluster
     from meshplan.planner.costing.hardware import load_cluster
 
     from meshplan.commands.printed import Heading, format_prediction
@@ -58,8 +57,7 @@ def estimate_from(args) -> int:
     heading = Heading(spec=result.spec, cluster=args.cluster, config=result.config, recompute=_recompute_text(result),
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
-    cluster = engine_cluster(load_cluster(args.cluster), result.config.engine)
-    print(format_prediction(result.prediction, heading, cluster.device.usable_memory_bytes))
+    print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
     return 0
 
 

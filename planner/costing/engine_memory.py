@@ -58,30 +58,24 @@ _DROPOUT_FAMILIES = ("gpt",)
 
 # Guo et al. 2024, "GMLake: Efficient and Transparent GPU Memory Defragmentation for Large-scale
 # DNN Training with Virtual Memory Stitching" (ASPLOS 2024, arXiv:2401.08156): PyTorch's caching
-# allocator leaves 15% of its reserved memory fragmented on average (up to 33%) over eight LLMs
-# trained on A100 80GB. The engines' published memory figures are what it reserved
-# (torchtitan logs `max_reserved`), and a job runs out of memory when reserving fails.
+# allocator leaves 15% of what it reserves fragmented on average (up to 33%) over eight LLMs
+# trained on A100 80GB. The engines' published memory figures are what it reserved (torchtitan
+# logs `max_reserved`), and a job runs out of memory when reserving fails.
 ALLOCATOR_FRAGMENTATION = 0.15
 
 
 def allocator_reserve_fraction(engine: str) -> float:
-    """The share of each GPU's usable memory kept free for the caching allocator's fragmentation
-    under `engine`: GMLake's average for the engines; none for meshplan's executor, whose
-    profile reserve (`reserved_memory_bytes`) is what its runs were planned against."""
+    """The share of the memory allocated and freed during a step (activations, transient buffers)
+    that the caching allocator holds fragmented beside it under `engine`: GMLake's average for the
+    engines; none for meshplan's executor, planned against its profile's reserve alone. Model
+    states are allocated once, before the first step (Megatron-LM's contiguous parameter and
+    gradient buffers, FSDP2's and DeepSpeed's flat shards), and do not fragment."""
     return 0.0 if engine == "meshplan" else ALLOCATOR_FRAGMENTATION
 
 
-def engine_cluster(cluster, engine: str):
-    """`cluster` with the allocator's reserve under `engine` added to each device's reserved
-    memory: what `estimate`, the search and the plan's embedded profile plan against."""
-    from dataclasses import replace
-
-    fraction = allocator_reserve_fraction(engine)
-    if not fraction:
-        return cluster
-    device = cluster.device
-    reserve = fraction * device.usable_memory_bytes
-    return replace(cluster, device=replace(device, reserved_memory_bytes=device.reserved_memory_bytes + reserve))
+def transient_scale(engine: str) -> float:
+    """Reserved bytes per byte of activations and transient buffers: 1 / (1 - the fragmentation)."""
+    return 1.0 / (1.0 - allocator_reserve_fraction(engine))
 
 
 class EngineMemory(NamedTuple):

@@ -121,7 +121,6 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.costing.uniform import balanced_layer_chunks
     from meshplan.planner.engines.deepspeed import uniform_split
-    from meshplan.planner.costing.engine_memory import engine_cluster
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
     from meshplan.planner.simulation.estimator import DEFAULT_SEQ, default_precision, make_config, predict
@@ -131,7 +130,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
         raise MeshplanError(f"the {job.engine} config does not name a model meshplan knows; pass --model SPEC")
     if cluster is None:
         raise MeshplanError(f"the {job.engine} config does not say which GPUs it runs on; pass --cluster PROFILE")
-    cluster = engine_cluster(load_cluster(cluster) if isinstance(cluster, str) else cluster, job.engine)
+    cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     notes = list(job.notes)
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
     seq = seq or job.seq or default_seq(spec, DEFAULT_SEQ)

@@ -81,14 +81,10 @@ class PlanRequest:
 
     @cached_property
     def planning_cluster(self) -> ClusterProfile:
-        """The cluster with the engine's allocator reserve (`engine_memory.engine_cluster`) and
-        `memory_headroom_bytes` more reserved per GPU: the search, the
+        """The cluster with `memory_headroom_bytes` more reserved per GPU: the search, the
         simulator's fit check and the plan's embedded profile all plan against what is left."""
-        from meshplan.planner.costing.engine_memory import engine_cluster
-
-        cluster = engine_cluster(self.cluster, self.engine)  # the engine's allocator reserve
         if not self.memory_headroom_bytes:
-            return cluster
-        device = cluster.device
+            return self.cluster
+        device = self.cluster.device
         device = replace(device, reserved_memory_bytes=device.reserved_memory_bytes + self.memory_headroom_bytes)
-        return replace(cluster, device=device)
+        return replace(self.cluster, device=device)

@@ -15,7 +15,6 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
-from meshplan.planner.costing.engine_memory import engine_cluster
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.simulation.simulator import simulate_config
@@ -129,7 +128,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
-    cluster = engine_cluster(cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster), engine)
+    cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
     precision = precision or default_precision(cluster)
     check_fp8_supported(cluster, precision)
     # built and checked before profiling, which is the slow part: a bad mesh fails fast

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
-from meshplan.planner.costing.engine_memory import keeps_stage_outputs
+from meshplan.planner.costing.engine_memory import keeps_stage_outputs, transient_scale
 from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
 from meshplan.planner.simulation.step_costs import Chunk, StepCosts, build_chunks
@@ -296,8 +296,11 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
                 if curves:
                     curve.append((run.end_s, base + live))
         params, grads, optimizer = resident[rank]
+        # the caching allocator's fragmentation around what the step allocates and frees, counted
+        # with the buffers (`engine_memory.allocator_reserve_fraction`; none for meshplan's executor)
+        fragmented = (peak + buffers[rank]) * (transient_scale(cfg.engine) - 1.0)
         breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
-                                          activations=peak, buffers=buffers[rank], experts=experts[rank]))
+                                          activations=peak, buffers=buffers[rank] + fragmented, experts=experts[rank]))
         out.append(tuple(curve) if curves else ())
     return tuple(breakdowns), tuple(out)
 
