@@ -24,7 +24,7 @@ def test_datasheet_numbers():
     assert h100.gpus_per_node == 8 and h100.intra_node.bw_bytes_per_s == 450e9 and h100.inter_node.bw_bytes_per_s == 50e9
     a100 = load_cluster("a100-40g")
     assert a100.device.peak_flops("bf16") == 312e12 and a100.inter_node.bw_bytes_per_s == 25e9
-    assert load_cluster("h200").device.memory_bytes == 141e9
+    assert load_cluster("h200").device.memory_bytes == 143771 * 2**20  # nvidia-smi's memory.total
 
 
 def _write(tmp_path, text):

@@ -33,7 +33,7 @@ def test_of_splits_fields_from_pins_and_resolves_defaults():
     ({"global_batch": 2.5}, "--gbs must be a positive integer, got 2.5"),
     ({"top_k": True}, "--top must be a positive integer, got True"),
     ({"gpus": 40000}, "--gpus 40000 exceeds the 32768 GPUs of cluster 'h100-sxm' (4096 nodes x 8); use at most 32768"),
-    ({"memory_headroom_bytes": 100 * 2**30}, "between 0 and the 77.21 GiB usable per GPU on H100 SXM5 80GB, got 100 GiB"),
+    ({"memory_headroom_bytes": 100 * 2**30}, "between 0 and the 76.85 GiB usable per GPU on H100 SXM5 80GB, got 100 GiB"),
 ])
 def test_bad_requests_say_the_numbers(change, message):
     request = PlanRequest.of(SPEC, "h100-sxm", 16, 32)
