@@ -105,7 +105,8 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
       and reduces in fp32), fp32 master weights and two Adam moments: 2 + 4 + 12, the 12 sharded
       by the distributed optimizer (zero >= 1): "18 / 6 + 12/d" in Megatron-LM's
       docs/source/api-guide/dist_optimizer.md; Megatron FSDP (zero 2/3) also shards gradients,
-      then parameters. fp32: 4 + 4 + 8. fp8 keeps the bf16 layout (its weight caches: buffers).
+      then parameters. fp32: 4 + 4 + 8. fp8 keeps the bf16 layout plus Transformer Engine's
+      cached fp8 weights (`engine_layer_memory`).
     - torchtitan: zero 0 is DDP (`data_parallel_replicate_degree`): fp32 parameters, gradients
       and moments, 4 + 4 + 8 (the bucket copy: `DDP_BUCKET_COPY_BYTES`). Otherwise FSDP2 with
       `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 sharded parameters,
@@ -162,6 +163,10 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
     expert_params = layer.expert_params / config.ep / shard
     ranks = config.shard_degree if config.shard_group else config.data_ranks
     states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp)
+    if engine == "megatron" and config.precision == "fp8" and layer.kind == "block":
+        # Transformer Engine caches each Linear's fp8 weight, row- and column-wise on Hopper, across
+        # micro-batches (`is_first_microbatch`): 2 bytes per parameter, every module at once
+        states["params"] += 2.0 * (dense_params + expert_params)
     if engine == "torchtitan" and layer.kind in ("embedding", "head") and config.zero == 3 and config.pp == 1 \
             and ranks > 1:
         # the root FSDP unit (embedding, final norm, output: `fully_shard(model)`) is not resharded
@@ -172,30 +177,27 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
                                      config.precision, config.pp)
         states = {key: states[key] + experts[key] for key in states}
     saved, working = _activations(layer, config, info, act_scale, profile_dtype, attention)
-    buffer = max(working, _gather_buffer(engine, layer, config, dense_params + expert_params))
+    # a layer's gathered parameters are live while its recomputation and backward run
+    buffer = working + _gather_buffer(engine, layer, config, dense_params + expert_params)
     return EngineMemory(states["params"], states["grads"], states["optimizer"], saved, buffer)
 
 
 def _gather_buffer(engine: str, layer: LayerProfile, config: ParallelConfig, params: float) -> float:
     """Transient bytes of the engine's parameter gathers and gradient reductions for this layer.
 
-    - megatron fp8: Transformer Engine caches each Linear weight's fp8 copies across micro-batches
-      (`is_first_microbatch`), row- and column-wise on Hopper: 2 bytes per block parameter;
-      Megatron FSDP (zero 3) gathers a layer's bf16 parameters (2).
+    - megatron: Megatron FSDP (zero 3) gathers a layer's bf16 parameters (2).
     - torchtitan FSDP2 resharding after forward: the unit's bf16 parameters and the next unit's,
       prefetched (`FSDPParamGroup` forward prefetch): 2 x 2; in backward a unit's bf16 gradient
-      next to its fp32 reduce-scatter input (2 + 4).
+      next to its fp32 reduce-scatter input (2 + 4). The root unit (embedding, head) stays
+      gathered: counted with the parameters.
     - deepspeed ZeRO-3: its estimator's largest layer, 4 bytes per parameter (`largest_layer_memory`).
     """
     data_ranks, zero = config.data_ranks, config.zero
     compute = 4.0 if config.precision == "fp32" else 2.0
     out = 0.0
-    if engine == "megatron":
-        if config.precision == "fp8" and layer.kind == "block":
-            out += 2.0 * params
-        if zero == 3 and data_ranks > 1:
-            out += compute * params
-    elif engine == "torchtitan" and zero >= 1 and data_ranks > 1:
+    if engine == "megatron" and zero == 3 and data_ranks > 1:
+        out = compute * params
+    elif engine == "torchtitan" and zero >= 1 and data_ranks > 1 and layer.kind not in ("embedding", "head"):
         if zero == 3 and config.pp == 1:
             out = 2 * compute * params
         if config.pp == 1:
