@@ -35,6 +35,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
+                        help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes, as for plan "
+                             "(default 0; under --engine megatron, torchtitan or deepspeed the caching allocator's "
+                             "fragmentation is counted too, 15%% of activations and buffers, from GMLake, ASPLOS 2024)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
 
@@ -61,8 +65,9 @@ def run(args) -> int:
         print(json.dumps(prediction.to_json()))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.simulation.estimator import with_memory_headroom
 
-    cluster = load_cluster(args.cluster)
+    cluster = with_memory_headroom(load_cluster(args.cluster), args.memory_headroom * GIB)
     print(format_prediction(prediction, _heading(args, cluster), cluster.device.usable_memory_bytes))
     hint = _zero_hint(args, prediction)
     if hint:
@@ -94,7 +99,8 @@ def _estimate_at(args, zero: int):
                     sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
                     attention=args.attention, shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
-                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan")
+                    moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
+                    memory_headroom_bytes=args.memory_headroom * GIB)
 
 
 def _zero_hint(args, prediction) -> str:

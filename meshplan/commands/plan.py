@@ -41,7 +41,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes (default 0: the "
-                             "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin)")
+                             "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin; under --engine "
+                             "megatron, torchtitan or deepspeed the caching allocator's fragmentation is counted too, "
+                             "15%% of activations and buffers, from GMLake, ASPLOS 2024)")
     from meshplan.commands import sizing
 
     sizing.add_arguments(parser)

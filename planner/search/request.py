@@ -2,7 +2,7 @@
 how many plans to keep and how long to search. Validated once, here; the search reads it whole."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -40,11 +40,9 @@ class PlanRequest:
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
+        from meshplan.planner.simulation.estimator import with_memory_headroom
 
-        headroom, usable = self.memory_headroom_bytes, self.cluster.device.usable_memory_bytes
-        if headroom and not 0 < headroom < usable:
-            raise MeshplanError(f"--memory-headroom must be between 0 and the {usable / 2**30:.2f} GiB usable per GPU "
-                                f"on {self.cluster.device.name}, got {headroom / 2**30:.3g} GiB")
+        with_memory_headroom(self.cluster, self.memory_headroom_bytes)  # MeshplanError unless some memory is left
         for name, value in (("--gpus", self.gpus), ("--gbs", self.global_batch), ("--top", self.top_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise MeshplanError(f"{name} must be a positive integer, got {value!r}")
@@ -83,8 +81,6 @@ class PlanRequest:
     def planning_cluster(self) -> ClusterProfile:
         """The cluster with `memory_headroom_bytes` more reserved per GPU: the search, the
         simulator's fit check and the plan's embedded profile all plan against what is left."""
-        if not self.memory_headroom_bytes:
-            return self.cluster
-        device = self.cluster.device
-        device = replace(device, reserved_memory_bytes=device.reserved_memory_bytes + self.memory_headroom_bytes)
-        return replace(self.cluster, device=device)
+        from meshplan.planner.simulation.estimator import with_memory_headroom
+
+        return with_memory_headroom(self.cluster, self.memory_headroom_bytes)

@@ -10,6 +10,8 @@ layers cut into balanced chunks (`planner.simulation.simulator.simulate_config`)
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
@@ -20,6 +22,19 @@ from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.simulation.simulator import simulate_config
 
 DEFAULT_SEQ = 2048
+
+
+def with_memory_headroom(cluster: ClusterProfile, headroom_bytes: float) -> ClusterProfile:
+    """`cluster` with `headroom_bytes` more reserved on each GPU; MeshplanError unless the headroom
+    leaves some memory usable."""
+    if not headroom_bytes:
+        return cluster
+    usable = cluster.device.usable_memory_bytes
+    if not 0 < headroom_bytes < usable:
+        raise MeshplanError(f"--memory-headroom must be between 0 and the {usable / 2**30:.2f} GiB usable per GPU "
+                            f"on {cluster.device.name}, got {headroom_bytes / 2**30:.3g} GiB")
+    device = replace(cluster.device, reserved_memory_bytes=cluster.device.reserved_memory_bytes + headroom_bytes)
+    return replace(cluster, device=device)
 
 
 def default_precision(cluster: ClusterProfile) -> str:
@@ -120,15 +135,19 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
              attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
              moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
-             moe_pad_to_capacity: bool = False, engine: str = "meshplan") -> Prediction:
+             moe_pad_to_capacity: bool = False, engine: str = "meshplan",
+             memory_headroom_bytes: float = 0.0) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence); `engine`: whose
-    memory recipe prices it (`costing.engine_memory`; meshplan: its own executor)."""
+    memory recipe prices it (`costing.engine_memory`; meshplan: its own executor);
+    `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
+    against what is left)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
-    cluster = cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster)
+    cluster = with_memory_headroom(cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster),
+                                   memory_headroom_bytes)
     precision = precision or default_precision(cluster)
     check_fp8_supported(cluster, precision)
     # built and checked before profiling, which is the slow part: a bad mesh fails fast

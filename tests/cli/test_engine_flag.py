@@ -74,3 +74,11 @@ def test_the_winner_is_flagged_nearly_full_like_the_others():
             "schedule": {"name": "1f1b", "virtual_stages": 1, "microbatches": 1, "microbatch_size": 1}, "zero": 1,
             "layers": []}
     assert "memory nearly full (76.7 of 77.1 GiB)" in explain(plan)
+
+
+def test_estimate_memory_headroom(run_cli):
+    code, out, err = run_cli("estimate", *JOB, "--memory-headroom", "70")
+    assert code == 0, err
+    assert "GiB of 7.67 GiB usable" in out  # 77.67 GiB usable on a100-80g less 70
+    code, out, err = run_cli("estimate", *JOB, "--memory-headroom", "100")
+    assert code == 2 and "--memory-headroom must be between 0 and the 77.67 GiB usable" in err
