@@ -168,7 +168,8 @@ def format_plan(data: dict, args) -> str:
 
     seq = f" (seq {data['model']['seq']})" if is_sequence_model(data["model"]["spec"]) else ""
     head = (f"{data['model']['spec']}{seq} on {data['cluster']['gpus']} x "
-            f"{data['cluster']['profile']}, global batch {data['global_batch']}, {data['precision']}")
+            f"{data['cluster']['profile']}, global batch {data['global_batch']}, {data['precision']}"
+            + (f", memory as {data['engine']} allocates it" if data.get("engine", "meshplan") != "meshplan" else ""))
     lines = [head, "", text, "", explain(data)]
     if not data["executable"]:
         lines += ["", f"NOT EXECUTABLE: {data['not_executable_reason']}"]

@@ -48,6 +48,7 @@ def test_plan_records_the_engine_and_simulate_reads_it(run_cli, tmp_path):
     path = tmp_path / "plan.json"
     code, out, err = run_cli("plan", *JOB, "--engine", "deepspeed", "--top", "1", "--time-limit", "1", "--out", path)
     assert code == 0, err
+    assert "memory as deepspeed allocates it" in out.splitlines()[0]
     data = json.loads(path.read_text())
     assert data["engine"] == "deepspeed" and load_plan(path).config.engine == "deepspeed"
     code, out, err = run_cli("simulate", "--plan", path, "--json")
