@@ -4,9 +4,12 @@
 `executor_memory`), which `layer_cost` prices itself. For the other engines `layer_cost` replaces
 the layer's memory fields with `engine_layer_memory`: model states, the bytes saved for backward
 per micro-batch and the transient working set, each rule citing the engine's code or docs. Nothing
-of meshplan's executor (autocast copies, DDP buckets, FSDP2 root units, loss copies) is charged
-to another engine. The simulator, the ILP's cost tables and `estimate` all read `layer_cost`, so
-one rule per engine serves them all.
+only meshplan's executor does (autocast's copies, its loss's fp32 copies, a vocab-parallel
+embedding's whole gradient, its K/V kept under context parallelism) is charged to another engine.
+The simulator, the ILP's cost tables and `estimate` all read `layer_cost`, so one rule per engine
+serves them all; beside it, `keeps_stage_outputs` (pipeline boundaries) and
+`allocator_reserve_fraction` (the caching allocator's fragmentation, which the event engine and
+the ILP's tables add to the transient bytes).
 
 Activations are counted per token of the rank's micro-batch (`rank_microbatch` samples x seq:
 context parallelism's 1/cp is in it), per transformer layer, Korthikanti et al. 2022
@@ -32,6 +35,9 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   block input and the outputs of wq, wv, w1, w2 and attention; full AC keeps the block input.
   Float8 (torchao `Float8Linear`) saves the Linears' inputs in bf16 (`matmul_with_hp_or_float8_args`
   keeps `input_hp`): fp8 keeps bf16's activations.
+- Context parallelism: Transformer Engine's context-parallel attention (`AttnFuncWithCPAndKVP2P`,
+  `...KVAllGather`) and torchtitan's ring attention save the rank's own K/V and exchange them
+  again in backward: nothing beyond the rank's 1/cp of the tokens.
 - DeepSpeed runs the model as written: the profile's Korthikanti accounting
   (`activation_memory.activation_bytes` without meshplan's executor choices).
 
