@@ -25,9 +25,13 @@ def pins_from(args) -> dict:
     pins = {name: getattr(args, name) for name in PIN_NAMES if hasattr(args, name)}
     if not args.like:
         return pins
+    from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.engines.bridge import job_pins, read_engine_file
 
     job = read_engine_file(args.like)
+    if job is None:
+        raise MeshplanError(f"--like {args.like} is a meshplan plan, not an engine config; pin its degrees with "
+                            "--tp/--pp/--dp/... or pass the engine config it was exported to")
     for note in job.notes:
         print(f"meshplan plan: --like: not mapped: {note}", file=sys.stderr)
     for name, value in job_pins(job).items():

@@ -112,8 +112,6 @@ def _per_layer_degrees(plan) -> bool:
 def guess_engine(path: Path, text: str) -> str:
     """The engine a config file is for: by suffix, else by content."""
     suffix = path.suffix.lower()
-    if is_plan_text(text):
-        return "plan"
     if suffix == ".py":
         return "torchtitan"
     if suffix == ".toml":
@@ -156,13 +154,16 @@ def read_engine_text(text: str, engine: str) -> EngineJob:
     raise MeshplanError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
 
 
-def read_engine_file(path, engine: str | None = None) -> EngineJob:
-    """The EngineJob of a torchtitan TOML, Megatron-LM argument file or script, or DeepSpeed JSON."""
+def read_engine_file(path, engine: str | None = None) -> EngineJob | None:
+    """The EngineJob of a torchtitan TOML or Python config, Megatron-LM argument file or script, or
+    DeepSpeed JSON; None for a meshplan plan.json (which is no engine's config)."""
     from meshplan.planner.contracts.jsonfile import read_input_text
 
     path = Path(path)
     text = read_input_text(path, "engine config", "give the path of a torchtitan .toml, a Megatron-LM argument "
                            "file or a DeepSpeed .json")
+    if is_plan_text(text):
+        return None
     return read_engine_text(text, engine or guess_engine(path, text))
 
 
