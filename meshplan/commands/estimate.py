@@ -56,13 +56,17 @@ def run(args) -> int:
     prediction = _estimate_at(args, args.zero)
     if notes:
         print("\n".join(notes), file=sys.stderr)
-    if args.json:
-        print(json.dumps(prediction.to_json()))
-        return 0
     from meshplan.planner.costing.hardware import load_cluster
 
+    from meshplan.commands.bands import band_line, with_band
+
     cluster = load_cluster(args.cluster)
-    print(format_prediction(prediction, _heading(args, cluster), cluster.device.usable_memory_bytes))
+    heading = _heading(args, cluster)
+    if args.json:
+        print(json.dumps(with_band(prediction.to_json(), prediction, heading.config, args.model, args.seq)))
+        return 0
+    print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
+    print(band_line(prediction, heading.config, args.model, args.seq))
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)

@@ -55,8 +55,11 @@ def estimate_from(args) -> int:
                          attention=args.attention)
     for note in result.notes:
         print(f"meshplan estimate: not mapped: {note}", file=sys.stderr)
+    from meshplan.commands.bands import band_line, with_band
+
     if args.json:
-        print(json.dumps(result.prediction.to_json()))
+        print(json.dumps(with_band(result.prediction.to_json(), result.prediction, result.config, result.spec,
+                                   result.seq)))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
@@ -66,6 +69,7 @@ def estimate_from(args) -> int:
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
     print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
+    print(band_line(result.prediction, result.config, result.spec, result.seq))
     return 0
 
 
@@ -78,13 +82,16 @@ def _estimate_plan(args) -> int:
 
     plan = load_plan(args.from_file)
     prediction = simulate(plan, timeline=False)
+    from meshplan.commands.bands import band_line, with_band
+
     if args.json:
-        print(json.dumps(prediction.to_json()))
+        print(json.dumps(with_band(prediction.to_json(), prediction, plan.config, plan.model.spec, plan.model.seq)))
         return 0
     heading = Heading(spec=plan.model.spec, cluster=plan.cluster.name, config=plan.config,
                       recompute=plan.config.recompute, seq=plan.model.seq)
     print(f"meshplan plan {args.from_file}")
     print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes))
+    print(band_line(prediction, plan.config, plan.model.spec, plan.model.seq))
     return 0
 
 
