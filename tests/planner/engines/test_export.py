@@ -46,6 +46,7 @@ def _torchtitan_config_manager():
     if "torchtitan" not in sys.modules:
         package = types.ModuleType("torchtitan")
         package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec  # so that the next find_spec (another test) finds it
         sys.modules["torchtitan"] = package
     try:
         from torchtitan.config import ConfigManager
