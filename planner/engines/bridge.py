@@ -85,7 +85,7 @@ def _as_the_engine_runs_it(plan, engine: str, text: str) -> list[str]:
         result = predict_job(read_engine_text(text, engine), plan.model.spec, plan.cluster, gpus=plan.config.gpus,
                              global_batch=plan.config.global_batch, seq=plan.model.seq)
         planned = (plan.prediction or {}).get("step_time_s") or simulate(plan, timeline=False).step_time_s
-    except MeshplanError as exc:
+    except ValueError as exc:  # MeshplanError included: the plan is written anyway, unpriced
         return [f"not priced as {engine} runs it ({exc})"]
     out, prediction = [], result.prediction
     usable = plan.cluster.device.usable_memory_bytes

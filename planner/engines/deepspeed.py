@@ -83,7 +83,8 @@ def _checkpoint_interval(plan, notes: list[str]) -> int:
 def _note_pipeline(plan, notes: list[str]) -> None:
     cfg = plan.config
     if cfg.zero >= 2:
-        notes.append(f"ZeRO-{cfg.zero} with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only")
+        notes.append(f"ZeRO-{cfg.zero} with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only; "
+                     "exported as ZeRO-1")
     counts = layout.layers_per_chunk(plan)
     if len(counts) == cfg.pp and counts != uniform_split(sum(counts), cfg.pp):
         notes.append(f"pipeline split {list(counts)} (layers per stage, embedding and head included): exported as "

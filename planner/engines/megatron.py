@@ -47,9 +47,9 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     args += _split_args(plan, notes)
     if cfg.sp:
         args.append(("--sequence-parallel", None))
-    args += [(AXIS_FLAGS[name], getattr(cfg, name, 1)) for name in ("cp", "ep", "etp") if getattr(cfg, name, 1) > 1]
-    if cfg.ep > 1 and getattr(cfg, "etp", None) is None:  # Megatron's expert tp defaults to tp; meshplan's to 1
-        args.append((AXIS_FLAGS["etp"], 1))
+    args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
+    if cfg.ep > 1:  # always written: Megatron's expert tp defaults to tp, meshplan's to 1
+        args.append((AXIS_FLAGS["etp"], getattr(cfg, "etp", None) or 1))
     args += _recompute_args(plan, notes)
     args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
              ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
