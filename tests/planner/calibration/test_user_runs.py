@@ -63,3 +63,23 @@ def test_calibrate_from_runs_errors(run_cli, tmp_path):
     code, _, err = run_cli("calibrate", "--from-runs", "plan.json", "--cluster", "a100-80g", "--out",
                            tmp_path / "x.toml")
     assert code == 2 and "CONFIG,MEASURED" in err
+
+
+def test_a_run_measured_by_an_engine_log(tmp_path):
+    """CONFIG,LOG: the engine config that ran and its training log (read with the config's engine)."""
+    from pathlib import Path
+
+    from meshplan.commands.calibrate_runs import user_run
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.engines.bridge import export_plan
+
+    plan = make_plan(tp=2, pp=2, dp=2)
+    config = tmp_path / "pretrain.args"
+    config.write_text(export_plan(plan, "megatron").text)
+    log = Path(__file__).parents[1] / "engines" / "fixtures" / "logs" / "nemo_esm2.log"
+    run = user_run(f"{config},{log}", load_cluster("a100-80g"), None, None)
+    assert run.name == "pretrain.args"
+    assert run.measured_step_s == pytest.approx(0.0316)  # the median of the logged steps
+    assert run.predict_s(plan.cluster) == pytest.approx(simulate(plan, timeline=False).step_time_s, rel=0.01)
+    with pytest.raises(MeshplanError, match="CONFIG,MEASURED"):
+        user_run(str(config), plan.cluster, None, None)
