@@ -131,3 +131,16 @@ def test_export_warns_when_the_engine_would_not_fit(run_cli, tmp_path):
     assert "--use-megatron-fsdp" in stdout
     code, stdout, err = run_cli("export", "--plan", path, "--to", "torchtitan")  # torchtitan's recipe is meshplan's
     assert code == 0 and "warning" not in err, err
+
+
+def test_export_torchtitan_python_config(run_cli, plan_file, tmp_path):
+    """An --out ending in .py is torchtitan's current Python config; estimate --from reads it back."""
+    out = tmp_path / "job.py"
+    code, _, err = run_cli("export", "--plan", plan_file, "--to", "torchtitan", "--out", out)
+    assert code == 0, err
+    assert "def meshplan_job() -> Trainer.Config:" in out.read_text()
+    code, stdout, err = run_cli("estimate", "--from", out, "--cluster", "a100-80g", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["step_time_s"] > 0
+    _one_line_error(*run_cli("export", "--plan", plan_file, "--to", "megatron", "--format", "python")[::2],
+                    "--format python is torchtitan's")
