@@ -43,7 +43,7 @@ def _band_text(plan, prediction: dict[str, Any]) -> str:
     step = prediction.get("step_time_s")
     try:
         moe = is_moe_spec(plan.model.spec, plan.model.seq)
-    except Exception:  # a file model: judged by its ep
+    except (ValueError, OSError):  # an hf: config that cannot be read: judged by its ep
         moe = False
     band = band_for(plan.config, moe) if step else None
     return f", {band_text(band, float(step), 1e3, 'ms')}" if band else ""

@@ -10,21 +10,21 @@ def step_band(config, spec: str, seq: int | None = None):
 
     try:
         moe = is_moe_spec(spec, seq or 2048)
-    except Exception:  # a file model's spec cannot be parsed without building it: judged by its ep
+    except (ValueError, OSError):  # an hf: config that cannot be read: judged by its ep
         moe = False
     return band_for(config, moe)
 
 
-def with_band(data: dict, prediction, config, spec: str, seq: int | None = None) -> dict:
+def with_band(data: dict, step_time_s: float, config, spec: str, seq: int | None = None) -> dict:
     """A prediction's JSON with its band under `uncertainty` (additive)."""
     band = step_band(config, spec, seq)
     if band is not None:
-        data["uncertainty"] = band.to_json(prediction.step_time_s)
+        data["uncertainty"] = band.to_json(step_time_s)
     return data
 
 
-def band_line(prediction, config, spec: str, seq: int | None = None) -> str:
+def band_line(step_time_s: float, config, spec: str, seq: int | None = None) -> str:
     from meshplan.planner.costing.error_bands import band_text
 
     band = step_band(config, spec, seq)
-    return "" if band is None else f"step time band   {band_text(band, prediction.step_time_s, 1e3, 'ms')}"
+    return "" if band is None else f"step time band   {band_text(band, step_time_s, 1e3, 'ms')}"

@@ -63,10 +63,11 @@ def run(args) -> int:
     cluster = load_cluster(args.cluster)
     heading = _heading(args, cluster)
     if args.json:
-        print(json.dumps(with_band(prediction.to_json(), prediction, heading.config, args.model, args.seq)))
+        data = with_band(prediction.to_json(), prediction.step_time_s, heading.config, args.model, args.seq)
+        print(json.dumps(data))
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
-    print(band_line(prediction, heading.config, args.model, args.seq))
+    print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)

@@ -58,8 +58,9 @@ def estimate_from(args) -> int:
     from meshplan.commands.bands import band_line, with_band
 
     if args.json:
-        print(json.dumps(with_band(result.prediction.to_json(), result.prediction, result.config, result.spec,
-                                   result.seq)))
+        data = with_band(result.prediction.to_json(), result.prediction.step_time_s, result.config, result.spec,
+                         result.seq)
+        print(json.dumps(data))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
@@ -69,7 +70,7 @@ def estimate_from(args) -> int:
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
     print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
-    print(band_line(result.prediction, result.config, result.spec, result.seq))
+    print(band_line(result.prediction.step_time_s, result.config, result.spec, result.seq))
     return 0
 
 
@@ -85,13 +86,14 @@ def _estimate_plan(args) -> int:
     from meshplan.commands.bands import band_line, with_band
 
     if args.json:
-        print(json.dumps(with_band(prediction.to_json(), prediction, plan.config, plan.model.spec, plan.model.seq)))
+        data = with_band(prediction.to_json(), prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq)
+        print(json.dumps(data))
         return 0
     heading = Heading(spec=plan.model.spec, cluster=plan.cluster.name, config=plan.config,
                       recompute=plan.config.recompute, seq=plan.model.seq)
     print(f"meshplan plan {args.from_file}")
     print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes))
-    print(band_line(prediction, plan.config, plan.model.spec, plan.model.seq))
+    print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
     return 0
 
 

@@ -99,7 +99,7 @@ def run(args) -> int:
         return 0
     from meshplan.commands.bands import band_line
 
-    step = _Step(data["prediction"]["step_time_s"])
+    step = data["prediction"]["step_time_s"]
     print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq)]
                     + sizing_lines))
     return 0
@@ -152,13 +152,6 @@ def _is_moe(data: dict) -> bool:
     """A mixture of experts (its routed experts' states are counted apart), or a plan with EP."""
     memory = (data.get("prediction") or {}).get("memory_bytes") or []
     return data["mesh"].get("ep", 1) > 1 or any(m.get("experts", 0.0) > 0 for m in memory)
-
-
-class _Step:
-    """The winner's predicted step, as `bands` reads a prediction."""
-
-    def __init__(self, step_time_s: float):
-        self.step_time_s = step_time_s
 
 
 def format_plan(data: dict, args) -> str:

@@ -33,10 +33,11 @@ def run(args) -> int:
     from meshplan.commands.bands import band_line, with_band
 
     if args.json:
-        print(json.dumps(with_band(prediction.to_json(), prediction, plan.config, plan.model.spec, plan.model.seq)))
+        data = with_band(prediction.to_json(), prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq)
+        print(json.dumps(data))
     else:
         print(summary(plan, prediction))
-        print(band_line(prediction, plan.config, plan.model.spec, plan.model.seq))
+        print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
         if args.trace:
             print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
     return 0

@@ -116,7 +116,8 @@ def _lines(sizing, args) -> list[str]:
     shown = sizing.chosen or (sizing.rows[0] if len(sizing.rows) == 1 else None)
     if shown is not None and shown.step_error_band is not None:
         days, cost = shown.likely(shown.days), shown.likely(shown.usd) if usd else None
-        lines.append(f"  likely {days[0]:.2f}-{days[1]:.2f} days" + (f", ${cost[0]:,.0f}-${cost[1]:,.0f}" if cost else "")
+        lines.append(f"  likely {days[0]:.2f}-{days[1]:.2f} days"
+                     + (f", ${cost[0]:,.0f}-${cost[1]:,.0f}" if cost else "")
                      + f" at {shown.gpus} GPUs (the held-out step error of such runs: "
                      f"{shown.step_error_band[0]:+.0%} to {shown.step_error_band[1]:+.0%})")
     lines += [f"  skipped {reason}" for reason in sizing.skipped]

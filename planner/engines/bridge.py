@@ -69,7 +69,8 @@ def export_plan(plan, engine: str, form: str | None = None) -> Exported:
         raise MeshplanError(f"the plan is not executable ({plan.not_executable_reason}); engines run one mesh for "
                             "the whole model: re-plan without --layerwise")
     text, notes = write(plan)
-    return Exported(engine=engine, text=text, notes=tuple(notes), warnings=tuple(_as_the_engine_runs_it(plan, engine, text)))
+    warnings = _as_the_engine_runs_it(plan, engine, text)
+    return Exported(engine=engine, text=text, notes=tuple(notes), warnings=tuple(warnings))
 
 
 # A round trip (plan -> export -> estimate --from) further than this from the plan's step is named.

@@ -28,7 +28,8 @@ def export_deepspeed(plan) -> tuple[str, list[str]]:
     """(ds_config.json text, approximation notes) for `plan`."""
     cfg, notes = plan.config, []
     if cfg.pp > 1 and not cfg.schedule_spec.deepspeed:
-        raise MeshplanError(f"DeepSpeed's pipeline engine runs 1f1b only, not {cfg.schedule}; re-plan with --schedule 1f1b")
+        raise MeshplanError(f"DeepSpeed's pipeline engine runs 1f1b only, not {cfg.schedule}; re-plan with "
+                            "--schedule 1f1b")
     if cfg.precision == "fp8":
         notes.append("fp8: ds_config has no FP8 GEMM recipe (Transformer Engine is set in the model code); "
                      "exported as bf16")
