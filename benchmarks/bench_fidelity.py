@@ -9,7 +9,11 @@ reported in a section of their own ("FP8 (held out)"), costed with `--precision 
 the published mixture-of-experts runs ("MoE (held out)": Qwen3 on H100 with expert parallelism,
 Megatron-MoE-ModelZoo and Megatron-Bridge), costed under balanced routing.
 
-Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [SUBSTRING]
+Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [--write-bands] [SUBSTRING]
+
+`--write-bands` writes the held-out errors of each regime (dense BF16, FP8, MoE) into
+`profiles/error_bands.json`, the bands every prediction is shown with
+(`planner.costing.error_bands`).
 
 For the fit sets and the held-out set, each grouped by source, it prints predicted vs published
 step time and the error per run (a run whose virtual-stage count is unpublished prints the
@@ -190,6 +194,26 @@ def cross_validated() -> None:
     print(f"both fit sets: mean |error| {np.mean(pooled):.1%}")
 
 
+BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, MosaicML MPT, torchtitan FSDP2)",
+             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8)",
+             "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3, Megatron-Bridge Qwen3-30B-A3B)"}
+
+
+def write_bands(scored_by_regime: dict[str, Sequence[Scored]]) -> None:
+    """Each regime's held-out step-time errors as its band, into profiles/error_bands.json."""
+    from meshplan.planner.costing.error_bands import BANDS_FILE, band_from_errors, bands_document
+    from meshplan.planner.costing.hardware import PROFILES_DIR
+
+    bands = [band_from_errors(regime, [s.error for s in scored],
+                              f"step-time error (predicted / published - 1) of the {BAND_SETS[regime]}, scored by "
+                              "benchmarks/bench_fidelity.py")
+             for regime, scored in scored_by_regime.items() if scored]
+    path = Path(PROFILES_DIR) / BANDS_FILE
+    path.write_text(bands_document(bands, "benchmarks/bench_fidelity.py --write-bands"))
+    print("\nbands written to " + str(path) + ": " + "; ".join(
+        f"{b.regime} {b.error_low:+.1%}..{b.error_high:+.1%} ({b.num_runs} runs)" for b in bands))
+
+
 def main(argv: list[str]) -> int:
     from meshplan.planner.costing.hardware import load_cluster
 
@@ -219,6 +243,9 @@ def main(argv: list[str]) -> int:
     if moe:  # apart: expert parallelism's costs are not fitted, and these runs tuned nothing
         report("MoE (held out; expert parallelism, balanced routing)", score(moe, clusters), clusters, brief,
                by_cluster=True)
+    if "--write-bands" in argv and not only:
+        write_bands({"dense": scored if held else [], "fp8": score(fp8, clusters) if fp8 else [],
+                     "moe": score(moe, clusters) if moe else []})
     if not no_cv and not only:
         cross_validated()
     print(f"\n({time.perf_counter() - start:.0f} s)")

@@ -38,9 +38,11 @@ import sys
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
+
+from meshplan.planner.calibration.user_runs import least_squares  # the one solver of every profile fit
 
 sys.path.insert(0, str(Path(__file__).parent))
 from published_runs import FABRIC_RUNS, FabricRun, Run, fit_runs  # noqa: E402
@@ -143,37 +145,6 @@ def residuals(runs: Sequence[Run], clusters: dict[str, object]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------
 # Solver
-
-
-def least_squares(residual_fn: Callable[[np.ndarray], np.ndarray], start: np.ndarray, max_iter: int = 25,
-                  step: float = 1e-2, tol: float = 1e-7) -> np.ndarray:
-    """Bounded Levenberg-Marquardt on [0, 1]^n: minimise |residual_fn(u)|^2, u clipped to the box.
-    Forward differences of `step` (backward at the upper bound)."""
-    unit = np.clip(np.asarray(start, dtype=float), 0.0, 1.0)
-    res = residual_fn(unit)
-    cost, damping = float(res @ res), 1e-3
-    for _ in range(max_iter):
-        jac = np.empty((res.size, unit.size))
-        for j in range(unit.size):
-            delta = step if unit[j] + step <= 1.0 else -step
-            moved = unit.copy()
-            moved[j] += delta
-            jac[:, j] = (residual_fn(moved) - res) / delta
-        gradient, normal = jac.T @ res, jac.T @ jac
-        improved = False
-        while damping < 1e8:
-            lhs = normal + damping * np.diag(np.diag(normal) + 1e-9)
-            trial = np.clip(unit - np.linalg.solve(lhs, gradient), 0.0, 1.0)
-            trial_res = residual_fn(trial)
-            trial_cost = float(trial_res @ trial_res)
-            if trial_cost < cost:
-                improved, gain = True, cost - trial_cost
-                unit, res, cost, damping = trial, trial_res, trial_cost, max(damping / 3, 1e-9)
-                break
-            damping *= 4
-        if not improved or gain < tol * max(cost, 1e-12):
-            break
-    return unit
 
 
 def fit_params(runs: Sequence[Run], base: dict[str, object], params: Sequence[Param], cluster_name: str,

@@ -23,6 +23,7 @@ COMMANDS = {
     "train": "run a plan for real with torch.distributed and measure it",
     "report": "write a self-contained HTML strategy report",
     "export": "write a plan as a torchtitan TOML, Megatron-LM arguments or a DeepSpeed JSON",
+    "measured": "read a Megatron-LM, NeMo, torchtitan or DeepSpeed training log into a measured.json",
     "compare": "side-by-side table of two or more plans (differences marked)",
     "demo": "the whole loop on this machine: calibrate, profile, plan, train, report",
 }

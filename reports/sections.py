@@ -35,6 +35,20 @@ def _schedule_text(config) -> str:
     return text
 
 
+def _band_text(plan, prediction: dict[str, Any]) -> str:
+    """", likely A-B ms (...)": the held-out error band of the plan's regime (`costing.error_bands`)."""
+    from meshplan.planner.costing.error_bands import band_for, band_text
+    from meshplan.planner.models.registry import is_moe_spec
+
+    step = prediction.get("step_time_s")
+    try:
+        moe = is_moe_spec(plan.model.spec, plan.model.seq)
+    except (ValueError, OSError):  # an hf: config that cannot be read: judged by its ep
+        moe = False
+    band = band_for(plan.config, moe) if step else None
+    return f", {band_text(band, float(step), 1e3, 'ms')}" if band else ""
+
+
 def summary_section(plan, prediction: dict[str, Any], source_name: str, comparison=None) -> Section:
     cfg, device = plan.config, plan.cluster.device
     peak = float(prediction.get("peak_memory_bytes", 0.0))
@@ -49,7 +63,7 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str, comparis
         ("ZeRO stage / sequence parallel / precision",
          f"{cfg.zero}{f' (HSDP: sharded over {cfg.shard_group}, replicated x{cfg.dp // cfg.shard_group})' if cfg.shard_group else ''}"
          f" / {'on' if cfg.sp else 'off'} / {cfg.precision}"),
-        ("predicted step time", fmt_ms(prediction.get("step_time_s"))),
+        ("predicted step time", fmt_ms(prediction.get("step_time_s")) + _band_text(plan, prediction)),
         ("tokens/s (whole job)", f"{prediction.get('tokens_per_s', 0.0):,.0f}"),
         ("model TFLOP/s per GPU (MFU convention)", f"{prediction.get('model_tflops_per_gpu', 0.0):,.2f}"),
         ("hardware TFLOP/s per GPU (with recomputation)", f"{prediction.get('hw_tflops_per_gpu', 0.0):,.2f}"),

@@ -11,6 +11,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="gloo (CPU processes) or nccl (CUDA GPUs); default nccl when CUDA is available")
     parser.add_argument("--out", required=True, help="TOML file to write")
+    runs = parser.add_argument_group(
+        "your own runs", "fit the profile's efficiency fields to runs you measured instead of measuring this machine")
+    runs.add_argument("--from-runs", nargs="+", default=None, metavar="CONFIG,MEASURED",
+                      help="runs as an engine config (or plan.json) and its measured.json or training log, joined "
+                           "by a comma; leave-one-out cross-validation is printed and the fit set recorded")
+    runs.add_argument("--cluster", default=None, help="with --from-runs: the profile of the GPUs the runs used")
+    runs.add_argument("--model", default=None, help="with --from-runs: model SPEC of configs that name none")
+    runs.add_argument("--seq", type=int, default=None, help="with --from-runs: sequence length of configs without one")
     parser.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     parser.add_argument("--base", default=None,
                         help="profile whose peaks and unmeasured fields to start from (default cpu / matching GPU)")
@@ -40,13 +48,19 @@ def run(args) -> int:
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
+    run_files = [path for item in args.from_runs or () for path in item.rsplit(",", 1)]
     refuse_output_over_input("--out", args.out, [("--base", args.base),
-                                                 *(("--nccl-tests", path) for path in args.nccl_tests)])
+                                                 *(("--nccl-tests", path) for path in args.nccl_tests),
+                                                 *(("--from-runs", path) for path in run_files)])
     out = Path(args.out)
     if out.suffix != ".toml":
         raise MeshplanError(f"--out must name a .toml file, got {args.out!r}")
     if not out.parent.exists():
         raise MeshplanError(f"directory {out.parent} does not exist; create it or pick another --out")
+    if args.from_runs:
+        from meshplan.commands.calibrate_runs import run_from_runs
+
+        return run_from_runs(args)
     # Refuse a bad topology or a malformed nccl-tests file before minutes of measuring.
     measured_ranks = None if args.no_measure else args.nproc
     check_topology(args.nodes, args.gpus_per_node, args.nics_per_node, measured_ranks)

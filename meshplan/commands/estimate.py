@@ -61,14 +61,19 @@ def run(args) -> int:
     prediction = _estimate_at(args, args.zero)
     if notes:
         print("\n".join(notes), file=sys.stderr)
-    if args.json:
-        print(json.dumps(prediction.to_json()))
-        return 0
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.simulation.estimator import with_memory_headroom
 
+    from meshplan.commands.bands import band_line, with_band
+
     cluster = with_memory_headroom(load_cluster(args.cluster), args.memory_headroom * GIB)
-    print(format_prediction(prediction, _heading(args, cluster), cluster.device.usable_memory_bytes))
+    heading = _heading(args, cluster)
+    if args.json:
+        data = with_band(prediction.to_json(), prediction.step_time_s, heading.config, args.model, args.seq)
+        print(json.dumps(data))
+        return 0
+    print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
+    print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)

@@ -13,6 +13,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--to", required=True, choices=ENGINES, help="engine to write the plan for")
     parser.add_argument("--out", default=None,
                         help="file to write (default: standard output); approximations go to standard error")
+    parser.add_argument("--format", default=None, choices=("toml", "python"),
+                        help="torchtitan only: 0.2's job TOML, or the Python config function of its current "
+                             "releases (default: python when --out ends in .py, else toml)")
 
 
 def run(args) -> int:
@@ -22,9 +25,12 @@ def run(args) -> int:
     from meshplan.planner.engines.bridge import export_plan
 
     refuse_output_over_input("--out", args.out, [("--plan", args.plan)])
-    exported = export_plan(load_plan(args.plan), args.to)
+    form = args.format or ("python" if args.to == "torchtitan" and str(args.out or "").endswith(".py") else None)
+    exported = export_plan(load_plan(args.plan), args.to, form)
     for note in exported.notes:
         print(f"meshplan export: approximated: {note}", file=sys.stderr)
+    for warning in exported.warnings:
+        print(f"meshplan export: warning: {warning}", file=sys.stderr)
     if args.out:
         write_text_atomic(args.out, exported.text, "--out")
         print(f"{args.to} config written to {args.out}", file=sys.stderr)
@@ -36,19 +42,29 @@ def run(args) -> int:
 def estimate_from(args) -> int:
     """`meshplan estimate --from FILE`: price an engine config, notes on stderr, printed as
     `estimate` prints its own (`printed.format_prediction`)."""
+    from dataclasses import replace
+
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.engines.bridge import predict_job, read_engine_file
 
+    job = read_engine_file(args.from_file, None if args.engine == "meshplan" else args.engine)
+    if job is None:  # a meshplan plan.json: predicted as `simulate` does
+        return _estimate_plan(args)
     if args.engine == "meshplan":
         raise MeshplanError(f"--from {args.from_file} reads an engine's config: --engine names its engine "
                             "(torchtitan, megatron or deepspeed), or leave it out to guess from the file")
-    job = read_engine_file(args.from_file, args.engine)
+    overrides = {axis: getattr(args, axis) for axis in ("cp", "ep") if (getattr(args, axis, 1) or 1) > 1}
+    job = replace(job, **overrides)  # what a config cannot say (DeepSpeed's EP lives in the model code)
     result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                          attention=args.attention)
     for note in result.notes:
         print(f"meshplan estimate: not mapped: {note}", file=sys.stderr)
+    from meshplan.commands.bands import band_line, with_band
+
     if args.json:
-        print(json.dumps(result.prediction.to_json()))
+        data = with_band(result.prediction.to_json(), result.prediction.step_time_s, result.config, result.spec,
+                         result.seq)
+        print(json.dumps(data))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
@@ -58,6 +74,30 @@ def estimate_from(args) -> int:
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
     print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
+    print(band_line(result.prediction.step_time_s, result.config, result.spec, result.seq))
+    return 0
+
+
+def _estimate_plan(args) -> int:
+    """`estimate --from plan.json`: the plan's own prediction (the simulator, as `simulate`)."""
+    from meshplan.planner.contracts.plan import load_plan
+    from meshplan.planner.simulation.simulator import simulate
+
+    from meshplan.commands.printed import Heading, format_prediction
+
+    plan = load_plan(args.from_file)
+    prediction = simulate(plan, timeline=False)
+    from meshplan.commands.bands import band_line, with_band
+
+    if args.json:
+        data = with_band(prediction.to_json(), prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq)
+        print(json.dumps(data))
+        return 0
+    heading = Heading(spec=plan.model.spec, cluster=plan.cluster.name, config=plan.config,
+                      recompute=plan.config.recompute, seq=plan.model.seq)
+    print(f"meshplan plan {args.from_file}")
+    print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes))
+    print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
     return 0
 
 

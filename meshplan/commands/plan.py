@@ -99,10 +99,14 @@ def run(args) -> int:
         sizing.write_plan_json(data, args.out)  # the plan with its `sizing` key, in one write
     elif args.out:
         save_plan(result, args.out)
-    if args.json:
+    if args.json:  # the plan file's document (its band: simulate --json or estimate --from --json)
         print(json.dumps(data))
         return 0
-    print("\n".join([format_plan(data, args)] + sizing_lines))
+    from meshplan.commands.bands import band_line
+
+    step = data["prediction"]["step_time_s"]
+    print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq)]
+                    + sizing_lines))
     return 0
 
 

@@ -38,10 +38,14 @@ def run(args) -> int:
     prediction = simulate(plan, timeline=bool(args.trace))
     if args.trace:
         write_text_atomic(args.trace, json.dumps(chrome_trace(prediction)), "--trace")
+    from meshplan.commands.bands import band_line, with_band
+
     if args.json:
-        print(json.dumps(prediction.to_json()))
+        data = with_band(prediction.to_json(), prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq)
+        print(json.dumps(data))
     else:
         print(summary(plan, prediction))
+        print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
         if args.trace:
             print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
     return 0

@@ -25,9 +25,13 @@ def pins_from(args) -> dict:
     pins = {name: getattr(args, name) for name in PIN_NAMES if hasattr(args, name)}
     if not args.like:
         return pins
+    from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.engines.bridge import job_pins, read_engine_file
 
     job = read_engine_file(args.like)
+    if job is None:
+        raise MeshplanError(f"--like {args.like} is a meshplan plan, not an engine config; pin its degrees with "
+                            "--tp/--pp/--dp/... or pass the engine config it was exported to")
     for note in job.notes:
         print(f"meshplan plan: --like: not mapped: {note}", file=sys.stderr)
     for name, value in job_pins(job).items():
@@ -59,6 +63,8 @@ def size(args, result, plan_at):
     """(plan to keep, Sizing or None, lines to print). `plan_at(gpus)` searches at another size."""
     from meshplan.planner.engines.sizing import Sizing, size_cluster, sweep_counts, training_cost
 
+    from meshplan.commands.bands import step_band
+
     plans = {result.config.gpus: result}
 
     def cost_at(gpus: int):
@@ -66,8 +72,10 @@ def size(args, result, plan_at):
             plans[gpus] = plan_at(gpus)
         found = plans[gpus]
         pred = found.prediction
+        band = step_band(found.config, found.model.spec, found.model.seq)
         return training_cost(gpus, args.train_tokens, pred["tokens_per_s"], pred["step_time_s"],
-                             args.usd_per_gpu_hour, found.config.label())
+                             args.usd_per_gpu_hour, found.config.label(),
+                             (band.error_low, band.error_high) if band else None)
 
     if args.deadline_days is None:
         sizing = Sizing(rows=(cost_at(result.config.gpus),))
@@ -105,6 +113,13 @@ def _lines(sizing, args) -> list[str]:
         mark = " <" if sizing.chosen is not None and row.gpus == sizing.chosen.gpus else ""
         lines.append(f"  {row.gpus:>6} {row.tokens_per_s:>14,.0f} {row.days:>9.2f} {row.gpu_hours:>14,.0f}"
                      + (f" {row.usd:>16,.0f}" if usd else "") + f"  {row.label}{mark}")
+    shown = sizing.chosen or (sizing.rows[0] if len(sizing.rows) == 1 else None)
+    if shown is not None and shown.step_error_band is not None:
+        days, cost = shown.likely(shown.days), shown.likely(shown.usd) if usd else None
+        lines.append(f"  likely {days[0]:.2f}-{days[1]:.2f} days"
+                     + (f", ${cost[0]:,.0f}-${cost[1]:,.0f}" if cost else "")
+                     + f" at {shown.gpus} GPUs (the held-out step error of such runs: "
+                     f"{shown.step_error_band[0]:+.0%} to {shown.step_error_band[1]:+.0%})")
     lines += [f"  skipped {reason}" for reason in sizing.skipped]
     if sizing.deadline_days is not None:
         if sizing.chosen is None:

@@ -12,7 +12,6 @@ from meshplan.planner.costing.state_memory import executed_zero
 from meshplan.planner.engines import ENGINES
 from meshplan.planner.engines.job import EngineJob, chunks_from_counts, dominant_recompute, resolve_recompute
 
-SUFFIXES = {"torchtitan": ".toml", "megatron": ".args", "deepspeed": ".json"}
 
 
 @dataclass(frozen=True)
@@ -22,6 +21,9 @@ class Exported:
     engine: str
     text: str
     notes: tuple[str, ...] = ()
+    # What the config written is predicted to do under the engine when that is not what the plan
+    # predicts: does not fit in the GPU's memory, or a step more than 1% off the plan's.
+    warnings: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -46,10 +48,17 @@ class JobEstimate:
             raise ValueError("chunk_of_layer and recompute_of_layer must cover the same layers")
 
 
-def export_plan(plan, engine: str) -> Exported:
-    """`plan` written for `engine` (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)."""
+def export_plan(plan, engine: str, form: str | None = None) -> Exported:
+    """`plan` written for `engine` (torchtitan TOML, or with `form` "python" its current Python
+    config; Megatron-LM arguments; DeepSpeed JSON)."""
+    if form not in (None, "toml") and engine != "torchtitan":
+        raise MeshplanError(f"--format {form} is torchtitan's; {engine} has one config format")
     if engine == "torchtitan":
-        from meshplan.planner.engines.torchtitan import export_torchtitan as write
+        from functools import partial
+
+        from meshplan.planner.engines.torchtitan import export_torchtitan
+
+        write = partial(export_torchtitan, form=form or "toml")
     elif engine == "megatron":
         from meshplan.planner.engines.megatron import export_megatron as write
     elif engine == "deepspeed":
@@ -60,7 +69,36 @@ def export_plan(plan, engine: str) -> Exported:
         raise MeshplanError(f"the plan is not executable ({plan.not_executable_reason}); engines run one mesh for "
                             "the whole model: re-plan without --layerwise")
     text, notes = write(plan)
-    return Exported(engine=engine, text=text, notes=tuple(notes))
+    warnings = _as_the_engine_runs_it(plan, engine, text)
+    return Exported(engine=engine, text=text, notes=tuple(notes), warnings=tuple(warnings))
+
+
+# A round trip (plan -> export -> estimate --from) further than this from the plan's step is named.
+ROUND_TRIP_TOLERANCE = 0.01
+
+
+def _as_the_engine_runs_it(plan, engine: str, text: str) -> list[str]:
+    """The exported config priced back as the engine runs it (its memory recipe, its schedule):
+    one line when it does not fit, one when its step is more than 1% from the plan's."""
+    from meshplan.planner.simulation.simulator import simulate
+
+    try:
+        result = predict_job(read_engine_text(text, engine), plan.model.spec, plan.cluster, gpus=plan.config.gpus,
+                             global_batch=plan.config.global_batch, seq=plan.model.seq)
+        planned = (plan.prediction or {}).get("step_time_s") or simulate(plan, timeline=False).step_time_s
+    except ValueError as exc:  # MeshplanError included: the plan is written anyway, unpriced
+        return [f"not priced as {engine} runs it ({exc})"]
+    out, prediction = [], result.prediction
+    usable = plan.cluster.device.usable_memory_bytes
+    if not prediction.fits:
+        out.append(f"predicted not to fit under {engine}: {prediction.peak_memory_bytes / 2**30:.1f} GiB of "
+                   f"{usable / 2**30:.1f} GiB per GPU as {engine} allocates it; re-plan with more ZeRO sharding or "
+                   "recomputation")
+    change = prediction.step_time_s / planned - 1
+    if abs(change) > ROUND_TRIP_TOLERANCE:
+        out.append(f"as {engine} runs it the step is predicted at {prediction.step_time_s * 1e3:.1f} ms, "
+                   f"{change:+.1%} from the plan's {planned * 1e3:.1f} ms (see the approximations above)")
+    return out
 
 
 def _per_layer_degrees(plan) -> bool:
@@ -75,6 +113,8 @@ def _per_layer_degrees(plan) -> bool:
 def guess_engine(path: Path, text: str) -> str:
     """The engine a config file is for: by suffix, else by content."""
     suffix = path.suffix.lower()
+    if suffix == ".py":
+        return "torchtitan"
     if suffix == ".toml":
         return "torchtitan"
     if suffix == ".json":
@@ -87,6 +127,19 @@ def guess_engine(path: Path, text: str) -> str:
     if "--" in text:
         return "megatron"
     raise MeshplanError(f"cannot tell which engine {path} is for; pass --engine torchtitan|megatron|deepspeed")
+
+
+def is_plan_text(text: str) -> bool:
+    """Whether a file's text is a meshplan plan.json (its top-level keys), not an engine config."""
+    import json
+
+    if not text.lstrip().startswith("{"):
+        return False
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and {"schema_version", "mesh", "layers", "schedule"} <= set(data)
 
 
 def read_engine_text(text: str, engine: str) -> EngineJob:
@@ -102,13 +155,16 @@ def read_engine_text(text: str, engine: str) -> EngineJob:
     raise MeshplanError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
 
 
-def read_engine_file(path, engine: str | None = None) -> EngineJob:
-    """The EngineJob of a torchtitan TOML, Megatron-LM argument file or script, or DeepSpeed JSON."""
+def read_engine_file(path, engine: str | None = None) -> EngineJob | None:
+    """The EngineJob of a torchtitan TOML or Python config, Megatron-LM argument file or script, or
+    DeepSpeed JSON; None for a meshplan plan.json (which is no engine's config)."""
     from meshplan.planner.contracts.jsonfile import read_input_text
 
     path = Path(path)
     text = read_input_text(path, "engine config", "give the path of a torchtitan .toml, a Megatron-LM argument "
                            "file or a DeepSpeed .json")
+    if is_plan_text(text):
+        return None
     return read_engine_text(text, engine or guess_engine(path, text))
 
 
@@ -121,9 +177,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.costing.uniform import balanced_layer_chunks
     from meshplan.planner.engines.deepspeed import uniform_split
-    from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
-    from meshplan.planner.simulation.estimator import DEFAULT_SEQ, default_precision, make_config, predict
+    from meshplan.planner.simulation.estimator import default_precision, make_config, predict
 
     spec = model or job.model
     if not spec:
@@ -133,13 +188,16 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     notes = list(job.notes)
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
-    seq = seq or job.seq or default_seq(spec, DEFAULT_SEQ)
+    seq = seq or job.seq
+    if seq is None:  # DeepSpeed's config never says; a guess would price another job
+        raise MeshplanError(f"the {job.engine} config does not give the sequence length; pass --seq N")
     precision = job.precision or default_precision(cluster)
     graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
-    config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp,
-                         mbs=job.microbatch_size, zero=job.zero, recompute=dominant_recompute([m for m in block_modes]),
-                         sp=job.sp, schedule=job.schedule, vpp=job.vpp, precision=precision, engine=job.engine)
+    config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
+                         ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,
+                         recompute=dominant_recompute([m for m in block_modes]), sp=job.sp, schedule=job.schedule,
+                         vpp=job.vpp, precision=precision, engine=job.engine, **_expert_tensor_degree(job, notes))
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:
@@ -152,9 +210,23 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                        recompute_of_layer=recomputes, prediction=prediction, notes=tuple(notes))
 
 
+def _expert_tensor_degree(job: EngineJob, notes: list[str]) -> dict:
+    """`etp` for the configuration when meshplan's ParallelConfig has the axis; else a note."""
+    import inspect
+
+    from meshplan.planner.simulation.estimator import parallel_config
+
+    if job.etp == 1:
+        return {}
+    if "etp" in inspect.signature(parallel_config).parameters:
+        return {"etp": job.etp}
+    notes.append(f"expert tensor parallelism {job.etp}: not an axis of this meshplan; the routed experts priced "
+                 "unsplit by tensor parallelism")
+    return {}
+
+
 def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes: list[str]) -> tuple[int, int]:
-    """(GPUs, global batch): the command line's, else the config's; context-parallel ranks are
-    priced as data-parallel ranks (same GPUs, same tokens per GPU)."""
+    """(GPUs, global batch): the command line's, else the config's."""
     fixed = job.world_size()
     if gpus is not None and fixed is not None and job.dp is not None and gpus != fixed:
         raise MeshplanError(f"the {job.engine} config fixes {fixed} GPUs (dp {job.dp} x tp {job.tp} x pp {job.pp} x "
@@ -164,14 +236,9 @@ def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes:
         raise MeshplanError(f"the {job.engine} config does not fix the number of GPUs; pass --gpus N")
     global_batch = global_batch or job.global_batch
     if global_batch is None:
-        dp = gpus // (job.tp * job.pp)
+        dp = gpus // (job.tp * job.pp * job.cp)
         global_batch = job.microbatch_size * dp
         notes.append(f"no global batch in the config: one micro-batch per data-parallel rank ({global_batch} samples)")
-    if job.cp > 1:
-        notes.append(f"context parallelism {job.cp}: meshplan does not model it yet; its ranks priced as "
-                     "data-parallel ranks")
-    if job.ep > 1:
-        notes.append(f"expert parallelism {job.ep}: meshplan does not model it yet; priced without it")
     return gpus, global_batch
 
 
@@ -180,11 +247,12 @@ def job_pins(job: EngineJob) -> dict:
     # ZeRO-2/3 under a split-backward schedule run as ZeRO-1 (`costing.state_memory.executed_zero`),
     # the only stage the search offers there (an unstated dp is searched: taken as > 1)
     zero = executed_zero(job.zero, job.dp or 2, job.pp, job.schedule)
-    pins = {"tp": job.tp, "pp": job.pp, "zero": zero, "sp": job.sp if job.tp > 1 else None,
+    pins = {"tp": job.tp, "pp": job.pp, "cp": job.cp, "ep": job.ep, "zero": zero, "shard_group": job.shard_group,
+            "sp": job.sp if job.tp > 1 else None,
             "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
             "vpp": job.vpp if schedule_spec(job.schedule).multi_chunk and job.vpp > 1 else None}
     if job.dp is not None:
-        pins["dp"] = job.dp * job.cp
+        pins["dp"] = job.dp
     if job.recompute_first_per_chunk is None and job.recompute_every == 1:
         pins["recompute"] = job.recompute
     return {key: value for key, value in pins.items() if value is not None}

@@ -5,8 +5,11 @@ config fixes the data-parallel degree; `pipeline.stages` (Megatron-DeepSpeed's P
 `tensor_parallel.autotp_size` give the pipeline and tensor degrees, and the world size follows.
 The pipeline engine splits layers uniformly by count or by parameters and checkpoints every
 `pipeline.activation_checkpoint_interval` layers whole (full recomputation); its schedule is
-1F1B-like, without interleaving, and it supports ZeRO-1 only. The model is the user's code, so
-the model SPEC and the sequence length come from the command line.
+1F1B-like, without interleaving, and it supports ZeRO-1 only. `sequence_parallel_size`
+(DeepSpeed-Ulysses) splits every sequence over that many ranks and takes them out of the batch's
+data-parallel ranks: meshplan's context parallelism. `mics_shard_size` (MiCS, ZeRO-3) shards
+within groups of that many ranks and replicates across them: HSDP. The model is the user's code,
+so the model SPEC and the sequence length come from the command line.
 """
 from __future__ import annotations
 
@@ -24,6 +27,9 @@ UNPRICED = ("offload_optimizer", "offload_param", "zero_quantized_weights", "zer
 def export_deepspeed(plan) -> tuple[str, list[str]]:
     """(ds_config.json text, approximation notes) for `plan`."""
     cfg, notes = plan.config, []
+    if cfg.pp > 1 and not cfg.schedule_spec.deepspeed:
+        raise MeshplanError(f"DeepSpeed's pipeline engine runs 1f1b only, not {cfg.schedule}; re-plan with "
+                            "--schedule 1f1b")
     if cfg.precision == "fp8":
         notes.append("fp8: ds_config has no FP8 GEMM recipe (Transformer Engine is set in the model code); "
                      "exported as bf16")
@@ -32,9 +38,18 @@ def export_deepspeed(plan) -> tuple[str, list[str]]:
         "train_micro_batch_size_per_gpu": cfg.microbatch_size,
         "gradient_accumulation_steps": cfg.num_microbatches,
         "bf16": {"enabled": cfg.precision in ("bf16-mixed", "fp8")},
-        "zero_optimization": {"stage": cfg.zero},
+        "zero_optimization": {"stage": min(cfg.zero, 1) if cfg.pp > 1 else cfg.zero},
         "gradient_clipping": 1.0,
     }
+    if cfg.cp > 1:  # DeepSpeed divides the world by it before checking the batch keys
+        config["sequence_parallel_size"] = cfg.cp
+        notes.append(f"context parallelism {cfg.cp}: DeepSpeed-Ulysses (all-to-all over heads, set up by the "
+                     "model code) splits the sequence; priced as meshplan's context parallelism")
+    if cfg.shard_group and cfg.zero == 3:
+        config["zero_optimization"]["mics_shard_size"] = cfg.shard_group
+    elif cfg.shard_group:
+        notes.append(f"HSDP (shard groups of {cfg.shard_group}) at ZeRO-{cfg.zero}: DeepSpeed shards within groups "
+                     f"(MiCS) at ZeRO-3 only; exported as ZeRO-{cfg.zero} over all {cfg.dp} data-parallel ranks")
     if cfg.tp > 1:
         config["tensor_parallel"] = {"autotp_size": cfg.tp}
         if cfg.sp:
@@ -46,9 +61,9 @@ def export_deepspeed(plan) -> tuple[str, list[str]]:
     elif interval:
         notes.append("without pipelining DeepSpeed leaves checkpointing to the model code (deepspeed.checkpointing "
                      "around each block); the interval is recorded under pipeline")
-    for axis in ("cp", "ep"):
-        if getattr(cfg, axis, 1) > 1:
-            notes.append(f"{axis} = {getattr(cfg, axis)}: set it in Megatron-DeepSpeed's arguments; ds_config has no key")
+    if cfg.ep > 1:
+        notes.append(f"expert parallelism {cfg.ep}: ds_config has no key (ep_size of deepspeed.moe.layer.MoE in the "
+                     "model code); estimate --from prices the config without it unless given --ep")
     return json.dumps(config, indent=2) + "\n", notes
 
 
@@ -68,10 +83,9 @@ def _checkpoint_interval(plan, notes: list[str]) -> int:
 
 def _note_pipeline(plan, notes: list[str]) -> None:
     cfg = plan.config
-    if not cfg.schedule_spec.deepspeed:
-        notes.append(f"schedule {cfg.schedule}: DeepSpeed's pipeline engine runs 1F1B without virtual stages")
     if cfg.zero >= 2:
-        notes.append(f"ZeRO-{cfg.zero} with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only")
+        notes.append(f"ZeRO-{cfg.zero} with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only; "
+                     "exported as ZeRO-1")
     counts = layout.layers_per_chunk(plan)
     if len(counts) == cfg.pp and counts != uniform_split(sum(counts), cfg.pp):
         notes.append(f"pipeline split {list(counts)} (layers per stage, embedding and head included): exported as "
@@ -110,8 +124,14 @@ def read_deepspeed(text: str) -> EngineJob:
     uniform = pp > 1 and pipe.get("partition", "best") == "uniform"
     if pp > 1 and not uniform:
         notes.append(f"pipeline partition {pipe.get('partition', 'best')!r}: priced as meshplan's balanced split")
+    zero = _int(data.get("zero_optimization", {}), "stage", 0)
+    shard_group = _int(data.get("zero_optimization", {}), "mics_shard_size", 0) or None
+    if shard_group and zero != 3:
+        notes.append(f"mics_shard_size {shard_group} at ZeRO-{zero}: MiCS needs ZeRO-3; ignored")
+        shard_group = None
     return EngineJob(engine="deepspeed", global_batch=mbs * accumulation * dp if dp else None, microbatch_size=mbs,
-                     tp=tp, pp=pp, dp=dp, zero=_int(data.get("zero_optimization", {}), "stage", 0),
+                     tp=tp, pp=pp, dp=dp, cp=_int(data, "sequence_parallel_size", 1) or 1, zero=zero,
+                     shard_group=None if shard_group == dp else shard_group,
                      recompute="full" if interval else "none", precision="bf16-mixed" if bf16 or fp16 else "fp32",
                      uniform_split=uniform, notes=tuple(notes))
 

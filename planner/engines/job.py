@@ -30,9 +30,11 @@ class EngineJob:
     tp: int = 1
     pp: int = 1
     dp: int | None = None  # None: gpus / (tp * pp * cp)
-    cp: int = 1  # context parallelism (meshplan prices cp = 1 only)
-    ep: int = 1  # expert parallelism (meshplan prices ep = 1 only)
+    cp: int = 1  # context parallelism: each of cp ranks holds 1/cp of every sequence
+    ep: int = 1  # expert parallelism, carved out of dp * cp (Megatron-Core's MoE folding)
+    etp: int = 1  # expert tensor parallelism (Megatron's --expert-tensor-parallel-size)
     zero: int = 0
+    shard_group: int | None = None  # HSDP: ZeRO within groups of this many dp ranks, replicated across
     sp: bool = False
     recompute: str = "none"  # of every transformer block, unless one of the two rules below applies
     recompute_every: int = 1  # full recomputation of every N-th block only (torchtitan's layer SAC)
@@ -47,9 +49,9 @@ class EngineJob:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise MeshplanError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        for name in ("microbatch_size", "tp", "pp", "cp", "ep", "vpp", "recompute_every"):
+        for name in ("microbatch_size", "tp", "pp", "cp", "ep", "etp", "vpp", "recompute_every"):
             _positive(name, getattr(self, name))
-        for name in ("seq", "gpus", "global_batch", "dp"):
+        for name in ("seq", "gpus", "global_batch", "dp", "shard_group"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):

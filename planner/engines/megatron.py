@@ -23,7 +23,12 @@ from meshplan.planner.models.config import TransformerConfig
 
 # Megatron-LM's flag for each parallel axis (`contracts.axes`; dp follows from the world size).
 AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-              "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size"}
+              "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
+              "etp": "--expert-tensor-parallel-size"}
+# HSDP under the distributed optimizer: the optimizer states shard within dp / N ranks, N copies.
+INSTANCES_FLAG = "--num-distributed-optimizer-instances"
+# Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
 
 
@@ -34,20 +39,27 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     args += _model_args(plan, notes)
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("tp", "pp")]
     megatron_schedule = cfg.schedule_spec.megatron
+    if megatron_schedule is None and cfg.pp > 1:
+        raise MeshplanError(f"Megatron-LM has no {cfg.schedule} pipeline schedule (it runs 1f1b and interleaved); "
+                            "re-plan with --schedule interleaved or 1f1b")
     if megatron_schedule == "interleaved":
         args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
-    elif megatron_schedule is None and cfg.pp > 1:
-        notes.append(f"schedule {cfg.schedule}: Megatron-LM has no such schedule; exported as its 1F1B "
-                     "(the step and the activations in flight differ)")
     args += _split_args(plan, notes)
     if cfg.sp:
         args.append(("--sequence-parallel", None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
+    if cfg.ep > 1:  # always written: Megatron's expert tp defaults to tp, meshplan's to 1
+        args.append((AXIS_FLAGS["etp"], getattr(cfg, "etp", None) or 1))
     args += _recompute_args(plan, notes)
     args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
              ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
     if cfg.zero >= 1:
         args.append(("--use-distributed-optimizer", None))
+    if cfg.zero == 1 and cfg.shard_group:
+        args.append((INSTANCES_FLAG, cfg.dp // cfg.shard_group))
+    elif cfg.shard_group:
+        notes.append(f"HSDP (shard groups of {cfg.shard_group}) at ZeRO-{cfg.zero}: Megatron FSDP shards over all "
+                     f"data-parallel ranks; exported as ZeRO-{cfg.zero} over {cfg.dp}")
     if cfg.zero >= 2 and cfg.pp == 1:  # Megatron FSDP also shards the gradients (and the parameters)
         args += [("--use-megatron-fsdp", None),
                  ("--data-parallel-sharding-strategy", "optim_grads_params" if cfg.zero == 3 else "optim_grads")]
@@ -74,7 +86,7 @@ def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     args: list[tuple[str, object]] = [
         ("--num-layers", cfg.num_layers), ("--hidden-size", cfg.hidden), ("--ffn-hidden-size", cfg.ffn_dim),
         ("--num-attention-heads", cfg.num_heads), ("--vocab-size", cfg.vocab)]
-    if cfg.family == "llama":
+    if cfg.family in ("llama", "moe"):
         args += [("--swiglu", None), ("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"),
                  ("--rotary-base", int(cfg.rope_theta)), ("--disable-bias-linear", None)]
         if cfg.kv_heads != cfg.num_heads:
@@ -83,33 +95,59 @@ def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
         args.append(("--position-embedding-type", "learned_absolute"))
     if not cfg.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights", None))
+    if cfg.family == "moe":
+        args += _moe_args(cfg)
+    return args
+
+
+def _moe_args(cfg: TransformerConfig) -> list[tuple[str, object]]:
+    """A mixture of experts' shape in Megatron-Core's MoE arguments."""
+    args: list[tuple[str, object]] = [("--num-experts", cfg.num_experts), ("--moe-router-topk", cfg.top_k),
+                                      ("--moe-ffn-hidden-size", cfg.expert_ffn), ("--moe-grouped-gemm", None)]
+    if cfg.num_shared_experts:
+        args.append(("--moe-shared-expert-intermediate-size", cfg.shared_expert_width))
+    if cfg.dense_layers:  # quoted: the launch scripts pass it through a shell
+        args.append(("--moe-layer-freq", f"'([0]*{cfg.dense_layers}+[1]*{cfg.num_layers - cfg.dense_layers})'"))
     return args
 
 
 def _split_args(plan, notes: list[str]) -> list[tuple[str, object]]:
-    """Uneven first/last stages when the plan's cut is expressible (or nearest), none when even."""
+    """Uneven first and last stages when that expresses the plan's cut, else the cut exactly as
+    Megatron-Core's `--pipeline-model-parallel-layout`; nothing when the split is even."""
     cfg, blocks = plan.config, layout.blocks_per_chunk(plan)
-    if cfg.pp == 1 or len(set(blocks)) == 1:
+    if cfg.pp * cfg.virtual_stages == 1:
         return []
-    total = sum(blocks)
-    if cfg.virtual_stages > 1:
-        notes.append(f"pipeline split {blocks} (transformer layers per chunk): Megatron-LM splits interleaved "
-                     f"chunks evenly ({total} / {len(blocks)} each)")
+    counts = layout.layers_per_chunk(plan)
+    if counts == _even_counts(sum(blocks), len(blocks), None, None):
         return []
-    first, last, middle = max(1, blocks[0]), max(1, blocks[-1]), blocks[1:-1]
-    rest = total - first - last
-    if middle and (len(set(middle)) > 1 or rest % len(middle)):
-        per = max(1, round(rest / len(middle)))
-        last = max(1, total - first - per * len(middle))
-        rest = total - first - last
-        notes.append(f"pipeline split {blocks} (transformer layers per stage): Megatron-LM spreads the middle "
-                     f"stages evenly; exported as first {first}, middle {per} each, last {last}")
-    elif first != blocks[0] or last != blocks[-1]:
-        notes.append(f"pipeline split {blocks}: a stage holding only the embedding or the head is not "
-                     f"expressible; exported as first {first}, last {last}")
-    if middle and rest != sum(middle):
-        notes.append("the middle stages' layers changed to keep the total")
-    return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
+    first, last = blocks[0], blocks[-1]
+    if cfg.virtual_stages == 1 and first and last and counts == _even_counts(sum(blocks), len(blocks), first, last):
+        return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
+    return [(LAYOUT_FLAG, f"'{_layout_text(plan)}'")]  # quoted: | is a pipe in a launch script
+
+
+def _layout_text(plan) -> str:
+    """The plan's chunks in Megatron-Core's layout letters: E the embedding, t a transformer
+    layer, L the output layer and loss; chunks in model order, separated by |."""
+    letters = {"embed": "E", "head": "L"}
+    return "|".join("".join(letters.get(plan.layers[i].name, "t") for i in chunk) for chunk in plan.chunks())
+
+
+def _even_counts(num_blocks: int, chunks: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
+    """Layers per chunk (embedding and head included) of Megatron's split with optional uneven
+    first/last stages; None when the rest does not divide evenly."""
+    fixed = [count for count in (first, last) if count is not None]
+    rest, others = num_blocks - sum(fixed), chunks - len(fixed)
+    if others < 0 or rest < others or (others and rest % others) or (not others and rest):
+        return None
+    blocks = [rest // others if others else 0] * chunks
+    if first is not None:
+        blocks[0] = first
+    if last is not None:
+        blocks[-1] = last
+    blocks[0] += 1  # the embedding
+    blocks[-1] += 1  # the output layer
+    return tuple(blocks)
 
 
 def _recompute_args(plan, notes: list[str]) -> list[tuple[str, object]]:
@@ -214,6 +252,8 @@ def read_megatron(text: str) -> EngineJob:
     if sp and tp == 1:
         notes.append("--sequence-parallel with tensor parallelism 1 has no effect; ignored")
         sp = False
+    if "--expert-tensor-parallel-size" not in flags and degrees["ep"] > 1:
+        degrees["etp"] = tp  # Megatron-Core's default: the experts split as the dense layers are
     gpus = int(header["gpus"]) if header.get("gpus", "").isdigit() else _launcher_world_size(get)
     recompute, first_per_chunk = _read_recompute(flags, get, notes)
     precision = _read_precision(flags, notes)
@@ -221,10 +261,10 @@ def read_megatron(text: str) -> EngineJob:
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
         seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
         microbatch_size=get("--micro-batch-size", 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
-        recompute=recompute,
+        shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
-        precision=precision, layers_per_chunk=_read_split(get, pp, vpp, num_layers))
-    for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload", "--num-experts"):
+        precision=precision, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
+    for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
     return EngineJob(**job, notes=tuple(notes))
@@ -244,9 +284,27 @@ class _IntReader:
         return int(value)
 
 
+def _shard_group(get, degrees: dict, gpus: int | None, notes: list[str]) -> int | None:
+    """HSDP's shard group from --num-distributed-optimizer-instances N (dp / N ranks per copy)."""
+    instances = get(INSTANCES_FLAG, 1)
+    if instances == 1:
+        return None
+    if gpus is None:
+        notes.append(f"{INSTANCES_FLAG} {instances}: the world size is unknown, so the shard group is; priced "
+                     "as one optimizer instance")
+        return None
+    dp = gpus // (degrees["tp"] * degrees["pp"] * degrees["cp"])
+    if dp % instances:
+        raise MeshplanError(f"{INSTANCES_FLAG} {instances} does not divide the {dp} data-parallel ranks")
+    return dp // instances
+
+
 def _virtual_stages(get, pp: int, num_layers: int | None) -> int:
     vpp = get("--num-virtual-stages-per-pipeline-rank", None)
     per_chunk = get("--num-layers-per-virtual-pipeline-stage", None)
+    layout_text = get.flags.get(LAYOUT_FLAG)
+    if vpp is None and layout_text:  # the layout's stages are pp x virtual stages
+        vpp = max(1, len(_expand_layout(layout_text).split("|")) // pp)
     if vpp is None and per_chunk is not None:
         if num_layers is None or num_layers % (pp * per_chunk):
             raise MeshplanError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} needs --num-layers divisible "
@@ -263,10 +321,17 @@ def _launcher_world_size(get) -> int | None:
 def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None]:
     granularity = flags.get("--recompute-granularity") or ("selective" if "--recompute-activations" in flags else None)
     if granularity in (None, "selective"):
+        modules = (flags.get("--recompute-modules") or "core_attn").split()
+        if granularity and modules != ["core_attn"]:
+            notes.append(f"--recompute-modules {' '.join(modules)}: priced as meshplan's selective recomputation "
+                         "(the attention core only)")
         return granularity or "none", None
     if granularity != "full":
         raise MeshplanError(f"--recompute-granularity must be full or selective, got {granularity!r}")
     method, count = flags.get("--recompute-method"), get("--recompute-num-layers", 1)
+    if "--recompute-modules" in flags:
+        notes.append(f"--recompute-modules {flags['--recompute-modules']}: applies to selective granularity only; "
+                     "ignored under full")
     if method == "block":
         return "none", count
     if method != "uniform":
@@ -299,26 +364,42 @@ def _read_zero(flags, notes: list[str]) -> int:
     return 1 if "--use-distributed-optimizer" in flags else 0
 
 
-def _read_split(get, pp: int, vpp: int, num_layers: int | None) -> tuple[int, ...] | None:
+def _read_split(flags, get, pp: int, vpp: int, num_layers: int | None) -> tuple[int, ...] | None:
     """Layers per chunk (embedding on the first, head on the last) as Megatron-LM splits them."""
+    if flags.get(LAYOUT_FLAG):
+        return _read_layout(flags[LAYOUT_FLAG], pp * vpp)
     if num_layers is None or pp * vpp == 1:
         return None
     first, last = get("--decoder-first-pipeline-num-layers", None), get("--decoder-last-pipeline-num-layers", None)
-    chunks = pp * vpp
-    fixed = [count for count in (first, last) if count is not None]
-    rest, others = num_layers - sum(fixed), chunks - len(fixed)
-    if others < 0 or rest < others or (others and rest % others) or (not others and rest):
-        raise MeshplanError(f"Megatron-LM cannot split {num_layers} layers over {chunks} pipeline chunks with first "
+    counts = _even_counts(num_layers, pp * vpp, first, last)
+    if counts is None:
+        raise MeshplanError(f"Megatron-LM cannot split {num_layers} layers over {pp * vpp} pipeline chunks with first "
                             f"{first} and last {last}; the remaining layers must divide evenly")
-    per = rest // others if others else 0
-    blocks = [per] * chunks
-    if first is not None:
-        blocks[0] = first
-    if last is not None:
-        blocks[-1] = last
-    blocks[0] += 1  # the embedding
-    blocks[-1] += 1  # the output layer
-    return tuple(blocks)
+    return counts
+
+
+def _expand_layout(text: str) -> str:
+    """A layout with its `X*n` and `(...)*n` repeats written out (innermost first)."""
+    expanded = text.replace(" ", "").strip("\"'")
+    for _ in range(100):
+        step = re.sub(r"\(([^()]*)\)\*(\d+)|([A-Za-z])\*(\d+)",
+                      lambda m: (m.group(1) or m.group(3)) * int(m.group(2) or m.group(4)), expanded)
+        if step == expanded:
+            break
+        expanded = step
+    return expanded
+
+
+def _read_layout(text: str, chunks: int) -> tuple[int, ...]:
+    """Layers per chunk of a `--pipeline-model-parallel-layout` (`X*n` and `(...)*n` repeats expanded)."""
+    expanded = _expand_layout(text)
+    parts = expanded.split("|")
+    if len(parts) != chunks or any(set(part) - set("EtLm") for part in parts):
+        raise MeshplanError(f"{LAYOUT_FLAG} {text!r}: expected {chunks} stages of E, t, m and L separated by |; "
+                            "give it as Megatron-LM does")
+    if "m" in expanded:
+        raise MeshplanError(f"{LAYOUT_FLAG} {text!r}: multi-token prediction layers (m) are not modelled by meshplan")
+    return tuple(part.count("t") + part.count("E") + part.count("L") for part in parts)
 
 
 def _model_spec(flags, get, notes: list[str]) -> str | None:
@@ -333,7 +414,22 @@ def _model_spec(flags, get, notes: list[str]) -> str | None:
     llama = "--swiglu" in flags or flags.get("--position-embedding-type") == "rope"
     kv_heads = get("--num-query-groups", heads) if "--group-query-attention" in flags else heads
     ffn = get("--ffn-hidden-size", 4 * hidden)
-    cfg = TransformerConfig("llama" if llama else "gpt", layers, hidden, heads, vocab, ffn=ffn, num_kv_heads=kv_heads,
+    family = "moe" if get("--num-experts", 0) > 1 else "llama" if llama else "gpt"
+    cfg = TransformerConfig(family, layers, hidden, heads, vocab, ffn=ffn, num_kv_heads=kv_heads,
                             max_positions=get("--max-position-embeddings", 1024),
-                            tied_embeddings="--untie-embeddings-and-output-weights" not in flags)
+                            tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
+                            **(_read_moe(flags, get, ffn, layers) if family == "moe" else {}))
     return spec_for_shape(cfg)
+
+
+def _read_moe(flags, get, ffn: int, layers: int) -> dict:
+    """TransformerConfig's MoE fields from Megatron-Core's MoE arguments."""
+    expert_ffn = get("--moe-ffn-hidden-size", ffn)
+    shared = get("--moe-shared-expert-intermediate-size", 0)
+    if shared % expert_ffn:
+        raise MeshplanError(f"--moe-shared-expert-intermediate-size {shared} is not a whole number of experts of "
+                            f"--moe-ffn-hidden-size {expert_ffn}; meshplan's shared experts have the routed width")
+    match = re.fullmatch(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?", (flags.get("--moe-layer-freq") or "").replace(" ", ""))
+    dense = int(match.group(1)) if match and int(match.group(1)) + int(match.group(2)) == layers else 0
+    return dict(num_experts=get("--num-experts", 0), top_k=get("--moe-router-topk", 2), expert_ffn=expert_ffn,
+                num_shared_experts=shared // expert_ffn, dense_layers=dense)

@@ -22,7 +22,7 @@ def zoo_shape(spec: str, seq: int) -> TransformerConfig | None:
 
 def _key(cfg: TransformerConfig) -> tuple:
     return (cfg.family, cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.kv_heads, cfg.ffn_dim, cfg.vocab,
-            cfg.tied_embeddings)
+            cfg.tied_embeddings, cfg.num_experts, cfg.top_k, cfg.expert_ffn, cfg.shared_ffn_dim, cfg.dense_layers)
 
 
 def spec_for_shape(cfg: TransformerConfig) -> str:
@@ -32,6 +32,11 @@ def spec_for_shape(cfg: TransformerConfig) -> str:
         if _key(preset) == _key(cfg):
             return name
     keys = f"layers={cfg.num_layers},hidden={cfg.hidden},heads={cfg.num_heads},vocab={cfg.vocab},ffn={cfg.ffn_dim}"
+    if cfg.family == "moe":
+        return (f"moe:layers={cfg.num_layers},hidden={cfg.hidden},heads={cfg.num_heads},kv_heads={cfg.kv_heads},"
+                f"experts={cfg.num_experts},top_k={cfg.top_k},expert_ffn={cfg.expert_ffn},vocab={cfg.vocab},"
+                f"shared_experts={cfg.num_shared_experts},dense_layers={cfg.dense_layers},ffn={cfg.ffn_dim},"
+                f"tied={int(cfg.tied_embeddings)}")
     if cfg.family == "llama":
         return f"llama:{keys},kv_heads={cfg.kv_heads},tied={int(cfg.tied_embeddings)}"
     return f"gpt:{keys},tied={int(cfg.tied_embeddings)},positions={cfg.max_positions}"

@@ -31,14 +31,30 @@ class TrainingCost:
     gpu_hours: float
     usd: float | None = None
     label: str = ""  # the plan's configuration
+    # The step's held-out error band (`costing.error_bands`: error_low, error_high); time and cost
+    # scale with the step, so they carry it too. None: no band measured.
+    step_error_band: tuple[float, float] | None = None
 
     def __post_init__(self):
         if self.gpus <= 0 or self.tokens <= 0 or self.tokens_per_s <= 0:
             raise ValueError(f"gpus, tokens and tokens/s must be positive: {self.gpus}, {self.tokens}, "
                              f"{self.tokens_per_s}")
+        if self.step_error_band is not None and not -1 < self.step_error_band[0] <= self.step_error_band[1]:
+            raise ValueError(f"step error band {self.step_error_band} is not a band")
+
+    def likely(self, value: float) -> tuple[float, float] | None:
+        """(low, high) of a figure proportional to the step, from the band."""
+        if self.step_error_band is None:
+            return None
+        low, high = self.step_error_band
+        return value / (1 + high), value / (1 + low)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.step_error_band is not None:
+            data.update(days_range=self.likely(self.days), gpu_hours_range=self.likely(self.gpu_hours),
+                        usd_range=self.likely(self.usd) if self.usd is not None else None)
+        return data
 
 
 @dataclass(frozen=True)
@@ -60,7 +76,8 @@ class Sizing:
 
 
 def training_cost(gpus: int, tokens: float, tokens_per_s: float, step_time_s: float,
-                  usd_per_gpu_hour: float | None = None, label: str = "") -> TrainingCost:
+                  usd_per_gpu_hour: float | None = None, label: str = "",
+                  step_error_band: tuple[float, float] | None = None) -> TrainingCost:
     if not tokens > 0:
         raise MeshplanError(f"--train-tokens must be positive, got {tokens}")
     if usd_per_gpu_hour is not None and not usd_per_gpu_hour > 0:
@@ -69,7 +86,7 @@ def training_cost(gpus: int, tokens: float, tokens_per_s: float, step_time_s: fl
     gpu_hours = days * 24.0 * gpus
     usd = gpu_hours * usd_per_gpu_hour if usd_per_gpu_hour is not None else None
     return TrainingCost(gpus=gpus, tokens=tokens, step_time_s=step_time_s, tokens_per_s=tokens_per_s, days=days,
-                        gpu_hours=gpu_hours, usd=usd, label=label)
+                        gpu_hours=gpu_hours, usd=usd, label=label, step_error_band=step_error_band)
 
 
 def sweep_counts(gpus_per_node: int, max_gpus: int) -> list[int]:

@@ -26,7 +26,7 @@ from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flav
 # torchtitan's [parallelism] key for each parallel axis but dp (`contracts.axes`; dp is its
 # replicate x shard degrees), in the order the export writes them.
 AXIS_KEYS = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree",
-             "ep": "expert_parallel_degree"}
+             "ep": "expert_parallel_degree", "etp": "expert_tensor_parallel_degree"}
 DESCRIPTION_PREFIX = "meshplan: "  # job.description carries the meshplan SPEC for models with no flavour
 # torchtitan's [parallelism] keys (JobConfig.Parallelism)
 PARALLELISM_KEYS = (
@@ -47,9 +47,27 @@ UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "
                  ("parallelism", "pipeline_parallel_schedule_csv")}
 
 
-def export_torchtitan(plan) -> tuple[str, list[str]]:
-    """(job TOML text, approximation notes) for `plan`."""
-    cfg, notes = plan.config, []
+def export_torchtitan(plan, form: str = "toml") -> tuple[str, list[str]]:
+    """(job config text, approximation notes) for `plan`: torchtitan 0.2's job TOML (`form`
+    "toml") or the Python config function of its current releases ("python")."""
+    notes: list[str] = []
+    sections = job_sections(plan, notes)
+    if form == "python":
+        from meshplan.planner.engines.torchtitan_python import python_config
+
+        return python_config(sections, plan.model.spec, f"{plan.config.label()} on {plan.config.gpus} GPUs"), notes
+    if form != "toml":
+        raise MeshplanError(f"torchtitan config format must be toml or python, got {form!r}")
+    lines = ["# torchtitan job config written by meshplan export",
+             f"# {plan.config.label()} on {plan.config.gpus} GPUs"]
+    for section, values in sections.items():
+        lines += ["", f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n", notes
+
+
+def job_sections(plan, notes: list[str]) -> dict[str, dict]:
+    """The plan as torchtitan's config sections (TOML tables; the Python config's dataclasses)."""
+    cfg = plan.config
     flavour = torchtitan_flavour(plan.model.spec)
     if flavour is None:
         notes.append(f"model {plan.model.spec}: not a torchtitan flavour; [model] names llama3 'custom' and the "
@@ -71,10 +89,7 @@ def export_torchtitan(plan) -> tuple[str, list[str]]:
     if cfg.tp > 1 and not cfg.sp:
         notes.append("sequence parallelism off: torchtitan's tensor parallelism always shards the sequence "
                      "around the norms (SP on)")
-    lines = ["# torchtitan job config written by meshplan export", f"# {cfg.label()} on {cfg.gpus} GPUs"]
-    for section, values in sections.items():
-        lines += ["", f"[{section}]"] + [f"{key} = {_toml_value(value)}" for key, value in values.items()]
-    return "\n".join(lines) + "\n", notes
+    return sections
 
 
 def _toml_value(value) -> str:
@@ -94,12 +109,15 @@ def _training(plan) -> dict:
 def _parallelism(plan, notes: list[str]) -> dict:
     cfg = plan.config
     sharded = cfg.zero >= 1 and cfg.dp > 1
+    if cfg.zero == 0 and cfg.cp > 1:
+        notes.append(f"ZeRO-0 with context parallelism {cfg.cp}: torchtitan shards over dp_shard x cp whenever cp > 1; "
+                     "exported as FSDP without resharding after forward (ZeRO-2)")
     group = getattr(cfg, "shard_group", None) or cfg.dp  # HSDP: shard within groups, replicate across them
     out = {"data_parallel_replicate_degree": cfg.dp // group if sharded else cfg.dp,
            "data_parallel_shard_degree": group if sharded else 1,
            "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
-           **{key: getattr(cfg, name) for name, key in AXIS_KEYS.items()}}
-    if cfg.zero == 1 and cfg.dp > 1:
+           **{key: getattr(cfg, name, None) or 1 for name, key in AXIS_KEYS.items()}}
+    if cfg.zero == 1 and cfg.dp * cfg.cp > 1:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
     if cfg.pp > 1:
@@ -141,14 +159,20 @@ def _checkpointing(plan, notes: list[str]) -> dict:
 
 
 def read_torchtitan(text: str) -> EngineJob:
-    """An EngineJob from a torchtitan job TOML."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise MeshplanError(f"not a valid torchtitan TOML: {exc}") from None
-    except RecursionError:
-        raise MeshplanError("not a torchtitan TOML: nested hundreds of levels deep") from None
-    notes = _unpriced(data)
+    """An EngineJob from a torchtitan job TOML or Python config (`torchtitan_python`)."""
+    from meshplan.planner.engines.torchtitan_python import is_python_config, read_sections
+
+    read_notes: list[str] = []
+    if is_python_config(text):
+        data, read_notes = read_sections(text)
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise MeshplanError(f"not a valid torchtitan TOML: {exc}") from None
+        except RecursionError:
+            raise MeshplanError("not a torchtitan TOML: nested hundreds of levels deep") from None
+    notes = read_notes + _unpriced(data)
     par, train = data.get("parallelism", {}), data.get("training", {})
     degrees = {name: _int(par, key, 1) for name, key in AXIS_KEYS.items()}
     pp = degrees["pp"]
@@ -162,13 +186,14 @@ def read_torchtitan(text: str) -> EngineJob:
     mbs = _int(par, "pipeline_parallel_microbatch_size", 1) if pp > 1 else local
     recompute, every = _read_checkpointing(data.get("activation_checkpoint", {}), notes)
     precision = "bf16-mixed" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
-    if _float8(data):
+    if _float8(data, notes):
         precision = "fp8"
     return EngineJob(
         engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
         **degrees, dp=dp, sp=degrees["tp"] > 1,
-        zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, notes),
+        zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, degrees["cp"]),
+        shard_group=shard if replicate > 1 and shard > 1 else None,
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
         precision=precision, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))
@@ -181,9 +206,13 @@ def _int(table: dict, key: str, default: int) -> int:
     return value
 
 
-def _float8(data: dict) -> bool:
+def _float8(data: dict, notes: list[str] | None = None) -> bool:
     converters = data.get("model", {}).get("converters", [])
-    return FLOAT8_CONVERTER in ([converters] if isinstance(converters, str) else converters)
+    on = FLOAT8_CONVERTER in ([converters] if isinstance(converters, str) else converters)
+    recipe = data.get(FLOAT8_CONVERTER, {}).get("recipe_name")
+    if on and notes is not None and recipe not in (None, "", "tensorwise"):
+        notes.append(f"[float8] recipe_name {recipe!r}: priced as meshplan's fp8 recipe (tensorwise scaling)")
+    return on
 
 
 def _unpriced(data: dict) -> list[str]:
@@ -227,11 +256,11 @@ def _schedule(name: str, pp: int, vpp: int, notes: list[str]) -> str:
     return schedule
 
 
-def _zero(replicate: int, shard: int, reshard: str, pp: int, notes: list[str]) -> int:
-    if shard == 1:
+def _zero(replicate: int, shard: int, reshard: str, pp: int, cp: int) -> int:
+    """FSDP's reshard policy as a ZeRO stage (HSDP: within each shard group). torchtitan's FSDP
+    mesh is dp_shard x cp: context parallelism alone turns it on."""
+    if shard == 1 and cp == 1:
         return 0
-    if replicate > 1:
-        notes.append(f"HSDP (replicate {replicate} x shard {shard}): priced as ZeRO over all data-parallel ranks")
     if reshard == "never" or (reshard == "default" and pp > 1):
         return 2
     return 3

@@ -91,3 +91,56 @@ def test_plan_deadline_sweep_and_like(run_cli, plan_file, tmp_path):
     assert sizing["chosen_gpus"] == 8 and [row["gpus"] for row in sizing["frontier"]] == [8, 16]
     assert sizing["frontier"][0]["usd"] == pytest.approx(sizing["frontier"][0]["gpu_hours"] * 2)
     assert data["cluster"]["gpus"] == 8 and "chosen: 8 GPUs" in stdout
+
+
+def test_estimate_from_a_plan_and_a_deepspeed_config_without_seq(run_cli, plan_file, tmp_path):
+    """A plan.json is predicted as the plan (not read as a DeepSpeed config); a DeepSpeed config
+    names no sequence length, so estimate --from asks for --seq instead of assuming one."""
+    code, stdout, err = run_cli("estimate", "--from", plan_file, "--json")
+    assert code == 0, err
+    from meshplan.planner.contracts.plan import load_plan
+    from meshplan.planner.simulation.simulator import simulate
+
+    assert json.loads(stdout)["step_time_s"] == simulate(load_plan(plan_file), timeline=False).step_time_s
+    ds = tmp_path / "ds.json"
+    assert run_cli("export", "--plan", plan_file, "--to", "deepspeed", "--out", ds)[0] == 0
+    _one_line_error(*run_cli("estimate", "--from", ds, "--model", SPEC, "--cluster", "a100-80g")[::2], "--seq")
+
+
+def test_export_warns_when_the_engine_would_not_fit(run_cli, tmp_path):
+    """ZeRO-3 on a GPU the plan's own recipe just fits: under Megatron FSDP's recipe (fp32
+    gradients) the export is predicted not to fit, and says so on stderr; exit 0 (it is written)."""
+    from dataclasses import replace
+
+    from meshplan.planner.engines.bridge import export_plan, predict_job, read_engine_text
+
+    plan = make_plan(zero=3, pp=1, dp=4, tp=1, sp=False)
+    megatron = predict_job(read_engine_text(export_plan(plan, "megatron").text, "megatron"), SPEC, plan.cluster,
+                           seq=SEQ).prediction.peak_memory_bytes
+    from meshplan.planner.simulation.simulator import simulate
+
+    own = simulate(plan, timeline=False).peak_memory_bytes
+    assert megatron > own  # Megatron-LM keeps its gradients in fp32
+    device = plan.cluster.device
+    usable = (own + megatron) / 2  # between the two peaks
+    small = replace(plan.cluster, device=replace(device, memory_bytes=int(device.reserved_memory_bytes + usable)))
+    path = tmp_path / "plan.json"
+    save_plan(replace(plan, cluster=small), path)
+    code, stdout, err = run_cli("export", "--plan", path, "--to", "megatron")
+    assert code == 0 and "meshplan export: warning: predicted not to fit under megatron" in err, err
+    assert "--use-megatron-fsdp" in stdout
+    code, stdout, err = run_cli("export", "--plan", path, "--to", "torchtitan")  # torchtitan's recipe is meshplan's
+    assert code == 0 and "warning" not in err, err
+
+
+def test_export_torchtitan_python_config(run_cli, plan_file, tmp_path):
+    """An --out ending in .py is torchtitan's current Python config; estimate --from reads it back."""
+    out = tmp_path / "job.py"
+    code, _, err = run_cli("export", "--plan", plan_file, "--to", "torchtitan", "--out", out)
+    assert code == 0, err
+    assert "def meshplan_job() -> Trainer.Config:" in out.read_text()
+    code, stdout, err = run_cli("estimate", "--from", out, "--cluster", "a100-80g", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["step_time_s"] > 0
+    _one_line_error(*run_cli("export", "--plan", plan_file, "--to", "megatron", "--format", "python")[::2],
+                    "--format python is torchtitan's")

@@ -8,15 +8,16 @@ from meshplan.planner.costing.hardware import load_cluster
 
 SPEC = "llama:layers=6,hidden=256,heads=8,kv_heads=4,ffn=512,vocab=1024"
 SEQ = 128
+MOE_SPEC = "moe:layers=4,hidden=128,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=256,vocab=1024"
 
 
 def make_plan(*, tp=2, pp=2, dp=2, mbs=2, zero=1, sp=True, schedule="1f1b", vpp=1, recompute="none",
-              counts=None, modes=None, gbs=32):
+              counts=None, modes=None, gbs=32, cp=1, ep=1, shard_group=None, spec=SPEC):
     """A bf16 plan on a100-80g; `counts` re-cuts the chunks (layers per chunk), `modes` sets each
     block's recomputation (embedding and head stay none)."""
-    plan = uniform_plan(SPEC, SEQ, gbs, load_cluster("a100-80g"), tp=tp, pp=pp, dp=dp, microbatch_size=mbs,
+    plan = uniform_plan(spec, SEQ, gbs, load_cluster("a100-80g"), tp=tp, pp=pp, dp=dp, microbatch_size=mbs,
                         zero=zero, schedule=schedule, virtual_stages=vpp, recompute="none", sp=sp,
-                        precision="bf16-mixed")
+                        precision="bf16-mixed", cp=cp, ep=ep, shard_group=shard_group)
     layers = list(plan.layers)
     if counts is not None:
         chunk_of = [chunk for chunk, count in enumerate(counts) for _ in range(count)]

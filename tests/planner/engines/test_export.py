@@ -27,7 +27,9 @@ MEGATRON_ARGUMENTS = {
     "--context-parallel-size", "--expert-model-parallel-size", "--recompute-granularity", "--recompute-method",
     "--recompute-num-layers", "--micro-batch-size", "--global-batch-size", "--seq-length",
     "--max-position-embeddings", "--use-distributed-optimizer", "--bf16", "--use-megatron-fsdp",
-    "--data-parallel-sharding-strategy",
+    "--data-parallel-sharding-strategy", "--expert-tensor-parallel-size", "--num-distributed-optimizer-instances",
+    "--pipeline-model-parallel-layout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+    "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
 }
 
 
@@ -44,6 +46,7 @@ def _torchtitan_config_manager():
     if "torchtitan" not in sys.modules:
         package = types.ModuleType("torchtitan")
         package.__path__ = list(spec.submodule_search_locations)
+        package.__spec__ = spec  # so that the next find_spec (another test) finds it
         sys.modules["torchtitan"] = package
     try:
         from torchtitan.config import ConfigManager
@@ -84,10 +87,19 @@ def test_megatron_export_of_zero3_is_megatron_fsdp():
     assert "--use-megatron-fsdp" in flags and flags["--data-parallel-sharding-strategy"] == "optim_grads_params"
 
 
-def test_megatron_export_names_what_it_approximates():
+def test_megatron_export_of_an_uneven_interleaved_cut_is_its_layout():
+    """A cut that uneven first/last stages cannot express is written as Megatron-Core's
+    --pipeline-model-parallel-layout (chunks in model order) and read back exactly."""
+    from meshplan.planner.engines.megatron import read_megatron
+
     plan = make_plan(zero=1, schedule="interleaved", vpp=2, counts=[1, 3, 2, 2], gbs=32)
-    notes = export_plan(plan, "megatron").notes
-    assert len(notes) == 1 and "splits interleaved chunks evenly" in notes[0]
+    exported = export_plan(plan, "megatron")
+    flags = parse_arguments(exported.text)
+    assert set(flags) <= MEGATRON_ARGUMENTS and exported.notes == ()
+    assert flags["--pipeline-model-parallel-layout"] == "E|ttt|tt|tL"
+    assert read_megatron(exported.text).layers_per_chunk == (1, 3, 2, 2)
+    assert read_megatron("--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout 'Et*2|(tt|)*2tL'"
+                         ).layers_per_chunk == (3, 2, 2, 2)
 
 
 def test_deepspeed_export_loads_in_deepspeed(monkeypatch):

@@ -1,0 +1,72 @@
+"""The error bands: measured by the benchmark on the held-out runs (not typed), and shown beside
+every predicted step in the CLI and its JSON, and beside training time and cost."""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshplan.planner.costing.error_bands import Band, band_from_errors, load_bands
+from meshplan.planner.costing.hardware import PROFILES_DIR
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def test_the_bands_file_is_the_benchmarks_measurement():
+    """Each regime's run count is its held-out set's in published_runs.py, and every band says how
+    it was measured: the file is written by bench_fidelity.py --write-bands, not by hand."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        runs = importlib.import_module("published_runs")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    data = json.loads((Path(PROFILES_DIR) / "error_bands.json").read_text())
+    assert data["written_by"] == "benchmarks/bench_fidelity.py --write-bands"
+    groups = {"dense": runs.HELD_OUT, "fp8": runs.HELD_OUT_FP8, "moe": runs.HELD_OUT_MOE}
+    bands = load_bands()
+    for regime, group in groups.items():
+        count = sum(run.group == group for run in runs.all_runs())
+        assert bands[regime].num_runs == count and "bench_fidelity.py" in bands[regime].how
+
+
+def test_band_from_errors_percentiles_and_extremes():
+    many = band_from_errors("dense", [i / 100 for i in range(-50, 51)], "synthetic")
+    assert (many.error_low, many.error_high) == pytest.approx((-0.40, 0.40))
+    few = band_from_errors("moe", [-0.2, 0.1, 0.5], "synthetic")
+    assert (few.error_low, few.error_high) == (-0.2, 0.5) and "extremes of 3 runs" in few.how
+    # predicted 1 s, errors -20%..+50%: the measured step is expected in [1/1.5, 1/0.8] s
+    assert few.around(1.0) == pytest.approx((1 / 1.5, 1 / 0.8))
+    with pytest.raises(ValueError):
+        Band("dense", 0.2, 0.1, 5, "not a band")
+
+
+def test_estimate_json_and_text_carry_the_band(run_cli):
+    args = ("estimate", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "32", "--seq",
+            "2048", "--tp", "2", "--zero", "1")
+    code, stdout, err = run_cli(*args, "--json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    dense = load_bands()["dense"]
+    band = data["uncertainty"]
+    assert band["regime"] == "dense" and band["num_runs"] == dense.num_runs
+    assert band["step_time_s"] == pytest.approx(list(dense.around(data["step_time_s"])))
+    code, stdout, _ = run_cli(*args, "--precision", "fp8", "--json")
+    assert json.loads(stdout)["uncertainty"]["regime"] == "fp8"
+    code, stdout, _ = run_cli(*args)
+    assert "step time band   likely" in stdout and "held-out dense runs" in stdout
+    code, stdout, _ = run_cli("estimate", "--model", "gpt:layers=2,hidden=64,heads=4,vocab=256", "--cluster", "cpu",
+                              "--gpus", "2", "--gbs", "4", "--seq", "32", "--json")
+    assert "uncertainty" not in json.loads(stdout)  # fp32 on CPU processes: no published run measured it
+
+
+def test_training_time_and_cost_carry_the_band():
+    from meshplan.planner.engines.sizing import training_cost
+
+    cost = training_cost(64, 1e12, 2e6, 1.0, usd_per_gpu_hour=2.0, step_error_band=(-0.2, 0.25))
+    data = cost.to_json()
+    assert data["days_range"] == pytest.approx([cost.days / 1.25, cost.days / 0.8])
+    assert data["usd_range"] == pytest.approx([cost.usd / 1.25, cost.usd / 0.8])
+    assert "days_range" not in training_cost(64, 1e12, 2e6, 1.0).to_json()

@@ -1,0 +1,187 @@
+"""Every axis both ways: CP, EP, interleaved and zbv plans exported to each engine and read back
+give the plan's step within 1%, or the export names the approximation, or the engine refuses a
+schedule it does not run in one line; the engines' own loaders accept what is written."""
+from __future__ import annotations
+
+import ast
+import sys
+import json
+import tempfile
+import tomllib
+from dataclasses import replace
+
+import pytest
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.engines.bridge import export_plan, predict_job, read_engine_text
+from meshplan.planner.engines.torchtitan import PARALLELISM_KEYS
+from meshplan.planner.simulation.simulator import simulate
+from tests.planner.engines.helpers import MOE_SPEC, make_plan
+
+PLANS = {
+    "cp": dict(zero=1, pp=2, dp=1, tp=2, cp=2),
+    "interleaved": dict(zero=1, pp=2, dp=2, tp=2, schedule="interleaved", vpp=2, counts=[1, 3, 2, 2]),
+    "zbv": dict(zero=1, pp=2, dp=2, tp=2, schedule="zbv", vpp=2),
+    "ep": dict(zero=1, pp=1, dp=4, tp=1, sp=False, ep=2, spec=MOE_SPEC),
+}
+# (plan, engine) pairs whose export is exact (no warning; within 1%); the rest below
+EXACT = {(plan, engine) for plan in PLANS for engine in ("torchtitan", "megatron")} - {("zbv", "megatron")}
+REFUSED = {("interleaved", "deepspeed"): "runs 1f1b only, not interleaved",
+           ("zbv", "deepspeed"): "runs 1f1b only, not zbv",
+           ("zbv", "megatron"): "Megatron-LM has no zbv pipeline schedule"}
+NAMED = {("cp", "deepspeed"): "sequence parallelism: not a ds_config key",
+         ("ep", "deepspeed"): "expert parallelism 2: ds_config has no key"}
+
+
+def _round_trip(plan, engine, form=None):
+    exported = export_plan(plan, engine, form)
+    job = read_engine_text(exported.text, engine)
+    return exported, job, predict_job(job, plan.model.spec, plan.cluster, seq=plan.model.seq, gpus=plan.config.gpus)
+
+
+@pytest.mark.parametrize("name,engine", sorted((p, e) for p in PLANS for e in ("torchtitan", "megatron", "deepspeed")))
+def test_round_trip_of_every_axis(name, engine):
+    plan = make_plan(**PLANS[name])
+    step = simulate(plan, timeline=False).step_time_s
+    if (name, engine) in REFUSED:
+        with pytest.raises(MeshplanError, match=REFUSED[name, engine]) as refusal:
+            export_plan(plan, engine)
+        assert "\n" not in str(refusal.value)
+        return
+    exported, job, result = _round_trip(plan, engine)
+    cfg = result.config
+    assert (cfg.cp, cfg.ep, cfg.dp, cfg.tp, cfg.pp) == (plan.config.cp, plan.config.ep if (name, engine) in EXACT
+                                                        else 1, plan.config.dp, plan.config.tp, plan.config.pp)
+    change = result.prediction.step_time_s / step - 1
+    if (name, engine) in EXACT:
+        assert abs(change) <= 0.01 and exported.warnings == ()
+        assert result.chunk_of_layer == tuple(plan.chunk_of(layer) for layer in plan.layers)
+        assert (cfg.schedule, cfg.virtual_stages) == (plan.config.schedule, plan.config.virtual_stages)
+    else:  # off by more than 1%: the approximation and the step it gives are named
+        assert abs(change) > 0.01
+        assert any(NAMED[name, engine] in note for note in exported.notes)
+        assert len(exported.warnings) == 1 and f"{change:+.1%}" in exported.warnings[0]
+
+
+def test_deepspeed_expert_parallelism_from_the_command_line():
+    """ds_config cannot say EP (the model code sets it): given back, the step is the plan's."""
+    plan = make_plan(**PLANS["ep"])
+    exported = export_plan(plan, "deepspeed")
+    job = replace(read_engine_text(exported.text, "deepspeed"), ep=2)
+    result = predict_job(job, plan.model.spec, plan.cluster, seq=plan.model.seq, gpus=plan.config.gpus)
+    assert result.prediction.step_time_s == pytest.approx(simulate(plan, timeline=False).step_time_s, rel=0.01)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_torchtitan_python_config_reads_as_its_toml(name):
+    """The current torchtitan's Python config carries what the 0.2 TOML does, and only
+    torchtitan's own field names (torchtitan/config/configs.py, commit 1a618d1d)."""
+    plan = make_plan(**PLANS[name])
+    python, job, _ = _round_trip(plan, "torchtitan", "python")
+    assert job == read_engine_text(export_plan(plan, "torchtitan").text, "torchtitan")
+    tree = ast.parse(python.text)
+    calls = {node.func.id: {kw.arg for kw in node.keywords} for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert calls["ParallelismConfig"] <= set(PARALLELISM_KEYS)
+    assert calls["TrainingConfig"] <= {"local_batch_size", "global_batch_size", "seq_len", "mixed_precision_param",
+                                       "mixed_precision_reduce"}
+    assert calls["ActivationCheckpointConfig"] <= {"mode", "selective_ac_option"}
+    assert "def meshplan_job() -> Trainer.Config:" in python.text
+
+
+def test_torchtitan_loader_accepts_cp_ep_and_zbv():
+    from tests.planner.engines.test_export import _torchtitan_config_manager
+
+    manager = _torchtitan_config_manager()
+    for name in ("cp", "zbv", "ep"):
+        plan = make_plan(**PLANS[name])
+        text = export_plan(plan, "torchtitan").text
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as handle:
+            handle.write(text)
+            handle.flush()
+            job = manager().parse_args(["--job.config_file", handle.name])
+        par = job.parallelism
+        assert (par.context_parallel_degree, par.expert_parallel_degree) == (plan.config.cp, plan.config.ep)
+        if plan.config.pp > 1:
+            assert par.pipeline_parallel_schedule == tomllib.loads(text)["parallelism"]["pipeline_parallel_schedule"]
+
+
+def test_deepspeed_loader_accepts_a_context_parallel_batch(monkeypatch):
+    """DeepSpeed divides the world by sequence_parallel_size before checking train_batch_size =
+    micro-batch x accumulation x data-parallel ranks: the CP export passes its assertion."""
+    plan = make_plan(zero=1, pp=1, dp=4, tp=1, sp=False, cp=2, gbs=32)
+    data = json.loads(export_plan(plan, "deepspeed").text)
+    assert data["sequence_parallel_size"] == 2
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime import config as ds_config
+
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda *args: plan.config.gpus)
+    loaded = ds_config.DeepSpeedConfig(data)
+    assert loaded.world_size == plan.config.dp and loaded.train_batch_size == 32
+
+
+def test_deepspeed_config_needs_the_sequence_length():
+    plan = make_plan(zero=1, pp=1, dp=4, sp=False)
+    job = read_engine_text(export_plan(plan, "deepspeed").text, "deepspeed")
+    assert job.seq is None
+    with pytest.raises(MeshplanError, match="does not give the sequence length; pass --seq N"):
+        predict_job(job, plan.model.spec, plan.cluster)
+
+
+def test_megatron_moe_arguments_give_the_moe_spec_back():
+    from meshplan.planner.engines.megatron import read_megatron
+
+    plan = make_plan(**PLANS["ep"])
+    text = "\n".join(line for line in export_plan(plan, "megatron").text.splitlines() if not line.startswith("#"))
+    job = read_megatron(text)  # without the header line: the model from its shape arguments
+    assert (job.ep, job.etp) == (2, 1)
+    assert job.model == MOE_SPEC + ",shared_experts=0,dense_layers=0,ffn=512,tied=0"
+
+
+def _run_python_config(text: str, monkeypatch):
+    """Run an exported Python config with torchtitan's names bound to the installed torchtitan's own
+    dataclasses of the same fields (0.2's Parallelism, Training, ActivationCheckpoint,
+    Float8Linear): an unknown keyword fails as it would in torchtitan."""
+    import types
+
+    from tests.planner.engines.test_export import _torchtitan_config_manager
+
+    _torchtitan_config_manager()  # skips without torchtitan
+    from torchtitan.config.job_config import ActivationCheckpoint, Float8Linear, Parallelism, Training
+
+    def module(name, **attributes):
+        stub = types.ModuleType(name)
+        stub.__dict__.update(attributes)
+        monkeypatch.setitem(sys.modules, name, stub)
+
+    def namespace(**kwargs):
+        return types.SimpleNamespace(**kwargs)
+
+    module("torchtitan.config", ParallelismConfig=Parallelism, TrainingConfig=Training,
+           ActivationCheckpointConfig=ActivationCheckpoint)
+    module("torchtitan.models.llama3", model_registry=lambda flavor: ("llama3", flavor))
+    module("torchtitan.trainer", Trainer=namespace(Config=namespace))
+    module("torchtitan.components.quantization.float8", Float8LinearConverter=namespace(Config=Float8Linear))
+    module("torchtitan.protocols.model_converter", ModelConvertersContainer=namespace(Config=namespace))
+    scope: dict = {}
+    exec(compile(text, "job.py", "exec"), scope)
+    return scope["meshplan_job"]()
+
+
+@pytest.mark.parametrize("name", ["cp", "zbv", "ep"])
+def test_torchtitan_python_config_runs_against_torchtitans_dataclasses(name, monkeypatch):
+    plan = make_plan(**PLANS[name])
+    job = _run_python_config(export_plan(plan, "torchtitan", "python").text, monkeypatch)
+    par = job.parallelism
+    assert (par.context_parallel_degree, par.expert_parallel_degree, par.pipeline_parallel_degree,
+            par.tensor_parallel_degree) == (plan.config.cp, plan.config.ep, plan.config.pp, plan.config.tp)
+    assert job.training.seq_len == plan.model.seq and job.training.global_batch_size == plan.config.global_batch
+    assert job.model_spec == ("llama3", "custom")
+
+
+def test_torchtitan_python_config_fp8_converter(monkeypatch):
+    base = make_plan(zero=1, pp=1, dp=4, sp=False)
+    plan = replace(base, config=replace(base.config, precision="fp8"))
+    job = _run_python_config(export_plan(plan, "torchtitan", "python").text, monkeypatch)
+    assert job.model_converters.converters[0].enable_fsdp_float8_all_gather is True
