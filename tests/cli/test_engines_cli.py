@@ -129,8 +129,11 @@ def test_export_warns_when_the_engine_would_not_fit(run_cli, tmp_path):
     code, stdout, err = run_cli("export", "--plan", path, "--to", "megatron")
     assert code == 0 and "meshplan export: warning: predicted not to fit under megatron" in err, err
     assert "--use-megatron-fsdp" in stdout
-    code, stdout, err = run_cli("export", "--plan", path, "--to", "torchtitan")  # torchtitan's recipe is meshplan's
-    assert code == 0 and "warning" not in err, err
+    # torchtitan's own recipe (FSDP2 and the allocator's reserve): warned exactly when it does not fit
+    titan = predict_job(read_engine_text(export_plan(plan, "torchtitan").text, "torchtitan"), SPEC, small,
+                        seq=SEQ).prediction
+    code, stdout, err = run_cli("export", "--plan", path, "--to", "torchtitan")
+    assert code == 0 and ("predicted not to fit under torchtitan" in err) == (not titan.fits), err
 
 
 def test_export_torchtitan_python_config(run_cli, plan_file, tmp_path):
