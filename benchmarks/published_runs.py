@@ -240,7 +240,7 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
              precision: str = "bf16-mixed") -> list[Run]:
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing = full recomputation",
-        "flash attention (llm-foundry's triton kernel), causal",
+        "llm-foundry's Triton flash attention with ALiBi (attn_impl triton, submit_benchmarks.py's default), causal",
         "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",
     ) + (MPT_FP8_ASSUMPTIONS if precision == "fp8" else ())
     runs = []
@@ -254,7 +254,7 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
             runs.append(Run(name, group, MPT_SOURCE, MPT_CLUSTERS[row["table"]],
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
-                            published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
+                            attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
                             precision=precision))
     return runs
 

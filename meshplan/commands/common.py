@@ -20,6 +20,15 @@ def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:
     return {name: getattr(args, name) for name in AXIS_NAMES if name not in skip}
 
 
+def add_attention_argument(parser) -> None:
+    """--attention: the attention kernel by name (`contracts.attention`); `flash` is sdpa-flash."""
+    from meshplan.planner.contracts.attention import ATTENTION_CHOICES, attention_help
+
+    parser.add_argument("--attention", default="flash", choices=ATTENTION_CHOICES, metavar="KERNEL",
+                        help=f"attention kernel, priced by sequence length, head dimension and device: "
+                             f"{attention_help()}")
+
+
 def add_job_arguments(parser) -> None:
     """--model --cluster --gpus --gbs --seq: what is trained, where, and on how much data per step."""
     from meshplan.planner.costing.hardware import profile_listing

@@ -5,7 +5,7 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
+from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
                                      check_seq, check_sizes, moe_notes)
 from meshplan.commands.printed import Heading, format_prediction
 
@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
-    parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    add_attention_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
 

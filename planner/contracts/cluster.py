@@ -68,6 +68,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 
 SCHEMA_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
+ARCHITECTURES = ("", "ampere", "hopper", "blackwell", "cdna3")
 
 
 def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
@@ -197,6 +198,9 @@ class DeviceProfile:
     # Streaming multiprocessors (AMD: compute units): the GEMM tiles of one wave
     # (`planner.costing.gemm`). 0: not a GPU, no wave quantisation.
     num_sms: int = 0
+    # GPU generation, which decides the kernels it runs (`planner.costing.attention_kernels`:
+    # FlashAttention-3 needs "hopper"); "" for a device no kernel table describes.
+    architecture: str = ""
     supports_bf16: bool = True
     source: str = ""
 
@@ -215,6 +219,9 @@ class DeviceProfile:
             if value > 1:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
         _check_positive("device", "fp8_matmul_efficiency", self.fp8_matmul_efficiency, allow_zero=True)
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"device.architecture must be one of {', '.join(map(repr, ARCHITECTURES))}, "
+                             f"got {self.architecture!r}")
         if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 0:
             raise ValueError(f"device.num_sms must be an integer >= 0 (0: no wave quantisation), got {self.num_sms!r}")
         _check_positive("device", "attention_efficiency", self.attention_efficiency, allow_zero=True)
