@@ -42,27 +42,30 @@ REFERENCE_HEAD_DIM = 128
 
 @dataclass(frozen=True)
 class KernelSpeed:
-    """One fused kernel: its speed over FlashAttention-2's on Hopper and on other devices (None:
-    the kernel does not run there), its sequence ramp and its head-dimension-64 factor."""
+    """One fused kernel: its speed over FlashAttention-2's, its sequence ramp and head-dimension-64
+    factor, all on Hopper. Off Hopper: `elsewhere` names the kernel it is costed as ("": itself,
+    None: it does not run there)."""
 
-    hopper_ratio: float
-    other_ratio: float | None
+    ratio: float
     seq_half: float
     head_dim_64: float
+    elsewhere: str | None = ""
 
     def __post_init__(self):
-        if not self.hopper_ratio > 0 or not self.seq_half > 0 or not 0 < self.head_dim_64 <= 1:
+        if not self.ratio > 0 or not self.seq_half > 0 or not 0 < self.head_dim_64 <= 1:
             raise ValueError(f"kernel speed needs ratio > 0, seq_half > 0, head_dim_64 in (0, 1], got {self}")
 
 
-FLASH2 = KernelSpeed(hopper_ratio=1.0, other_ratio=1.0, seq_half=320.0, head_dim_64=0.89)
+FLASH2 = KernelSpeed(ratio=1.0, seq_half=320.0, head_dim_64=0.89)
+# FlashAttention-1's generation: half of FlashAttention-2, on its ramp and head-dim factor.
+FLASH1_GENERATION = KernelSpeed(ratio=0.5, seq_half=320.0, head_dim_64=0.89)
 KERNEL_SPEEDS = {
     "flash2": FLASH2,
     "sdpa-flash": FLASH2,
-    "flash3": KernelSpeed(hopper_ratio=576 / 326, other_ratio=None, seq_half=400.0, head_dim_64=0.80),
-    "cudnn": KernelSpeed(hopper_ratio=522 / 326, other_ratio=1.0, seq_half=330.0, head_dim_64=0.77),
-    "triton-alibi": KernelSpeed(hopper_ratio=0.5, other_ratio=0.5, seq_half=320.0, head_dim_64=0.89),
-    "sdpa-mem-efficient": KernelSpeed(hopper_ratio=0.5, other_ratio=0.5, seq_half=320.0, head_dim_64=0.89),
+    "flash3": KernelSpeed(ratio=576 / 326, seq_half=400.0, head_dim_64=0.80, elsewhere=None),
+    "cudnn": KernelSpeed(ratio=522 / 326, seq_half=330.0, head_dim_64=0.77, elsewhere="flash2"),
+    "triton-alibi": FLASH1_GENERATION,
+    "sdpa-mem-efficient": FLASH1_GENERATION,
 }
 # The kernel each engine runs by default (at the versions meshplan's published runs name):
 # Megatron-Core with Transformer Engine picks cuDNN fused attention on Hopper; torchtitan and
@@ -73,12 +76,13 @@ ENGINE_DEFAULT_ATTENTION = {"meshplan": "sdpa-flash", "megatron": "cudnn", "torc
 
 def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:
     """The fused kernel's speed entry; MeshplanError when the device cannot run it."""
-    name = canonical_attention(attention)
-    speed = KERNEL_SPEEDS[name]
-    if cluster.device.architecture != "hopper" and speed.other_ratio is None:
+    speed = KERNEL_SPEEDS[canonical_attention(attention)]
+    if cluster.device.architecture == "hopper" or speed.elsewhere == "":
+        return speed
+    if speed.elsewhere is None:
         raise MeshplanError(f"--attention {attention}: FlashAttention-3 runs on Hopper GPUs only; profile "
                             f"{cluster.name!r} is {cluster.device.architecture or 'not a GPU'} (use flash2 or cudnn)")
-    return speed
+    return KERNEL_SPEEDS[speed.elsewhere]
 
 
 def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head_dim: int) -> float:
@@ -88,7 +92,6 @@ def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head
     if base <= 0 or not is_fused(attention):
         return 0.0
     speed = kernel_speed(attention, cluster)
-    ratio = speed.hopper_ratio if cluster.device.architecture == "hopper" else speed.other_ratio
     ramp = 1.0
     if seq > 0:
         ramp = (seq / (seq + speed.seq_half)) / (REFERENCE_SEQ / (REFERENCE_SEQ + speed.seq_half))
@@ -96,4 +99,4 @@ def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head
     if 0 < head_dim < REFERENCE_HEAD_DIM:
         share = max(0.0, (head_dim - 64) / (REFERENCE_HEAD_DIM - 64))
         width = speed.head_dim_64 + (1 - speed.head_dim_64) * share
-    return min(1.0, base * ratio * ramp * width)
+    return min(1.0, base * speed.ratio * ramp * width)

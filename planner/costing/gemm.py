@@ -42,14 +42,19 @@ MAX_ACHIEVABLE_MATMUL_FRACTION = {"A100 SXM": 0.859, "GH200": 0.830, "H100 SXM":
 
 
 def wave_efficiency(m: int, n: int, num_sms: int) -> float:
-    """Useful fraction of the output tiles' SM time over the waves they run in (best tile)."""
+    """Useful fraction of the output tiles' SM time over the waves they run in (best tile).
+
+    A dimension below a tile's shrinks the tile to it (rounded up to the MMA granularity of 16,
+    as cuBLAS's narrow kernels do), and a GEMM of fewer tiles than SMs pays its padding only:
+    cuBLAS splits K (split-K / stream-K) to occupy the idle SMs."""
     if num_sms <= 0 or m <= 0 or n <= 0:
         return 1.0
     best = 0.0
     for tile_m, tile_n in TILE_SHAPES:
+        tile_m, tile_n = min(tile_m, 16 * math.ceil(m / 16)), min(tile_n, 16 * math.ceil(n / 16))
         tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
-        waves = math.ceil(tiles / num_sms)
-        best = max(best, (m * n) / (tiles * tile_m * tile_n) * tiles / (waves * num_sms))
+        waves = 1.0 if tiles < num_sms else tiles / (math.ceil(tiles / num_sms) * num_sms)
+        best = max(best, (m * n) / (tiles * tile_m * tile_n) * waves)
     return best
 
 
