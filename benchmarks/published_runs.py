@@ -263,6 +263,32 @@ def mpt_fp8_runs() -> list[Run]:
     return mpt_runs(DATA_DIR / "mpt_llm_foundry_fp8.csv", HELD_OUT_FP8, "fp8")
 
 
+TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H100 (96GB HBM2e, 500 W cap), "
+                   "torch.compile + Float8 (commit 9dec370ad26b5f8e9a7333a0e36165018262644b tested; page as of "
+                   "commit 0edd2fb, tables 2 and 4)")
+
+
+def torchtitan_h100_runs() -> list[Run]:
+    """torchtitan's H100 tables whose layouts meshplan expresses (HELD_OUT_FP8): Table 2, Llama 3.1
+    8B on 8 GPUs with FSDP x CP at 32K-256K tokens, and Table 4's "2D" row, Llama 3.1 70B on 256
+    GPUs with FSDP 32 x TP 8. Float8 is torchao's tensorwise recipe, which meshplan's fp8 is."""
+    assumptions = (
+        "torchao Float8 tensorwise with float8 all-gather = meshplan's fp8 recipe; torch.compile not modelled",
+        "full activation checkpointing = full recomputation; no gradient accumulation",
+        "FSDP2 over dp x cp = ZeRO-3 over the data ranks; TP with sequence parallelism (torchtitan's)",
+        "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')",
+    )
+    rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
+    runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
+                "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
+                published_tokens_per_s=tps * 8, assumptions=assumptions)
+            for seq, cp, tps in rows]
+    runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
+                    "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
+                    published_tokens_per_s=829.0 * 256, assumptions=assumptions))
+    return runs
+
+
 LLAMA2_13B = "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000"
 LLAMA2_70B = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000"
 
@@ -342,7 +368,7 @@ FABRIC_RUNS = [
 
 def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + moe_runs())
+            + torchtitan_h100_runs() + moe_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:
