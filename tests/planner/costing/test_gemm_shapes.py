@@ -111,3 +111,21 @@ def test_cpu_profile_has_no_tiles_or_roofline():
     assert gemm.gemm_time_s(m, n, k, cpu, "fp32") == pytest.approx(expected)
     faster = replace(cpu, device=replace(device, matmul_efficiency=device.matmul_efficiency / 2))
     assert gemm.gemm_time_s(m, n, k, faster, "fp32") == pytest.approx(2 * expected)
+
+
+def test_estimate_help_and_errors_list_the_kernels(capsys):
+    from meshplan.cli import main
+
+    def run(args) -> int:
+        try:
+            return main(args)
+        except SystemExit as exc:
+            return exc.code
+
+    assert run(["estimate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("flash2", "flash3", "cudnn", "sdpa-flash", "sdpa-mem-efficient", "triton-alibi", "math"):
+        assert name in out
+    assert run(["estimate", "--model", "gpt2", "--cluster", "h100-sxm", "--gpus", "1", "--gbs", "1",
+                "--attention", "xformers"]) == 2
+    assert "triton-alibi" in capsys.readouterr().err
