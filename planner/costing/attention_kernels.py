@@ -85,13 +85,8 @@ def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:
     return KERNEL_SPEEDS[speed.elsewhere]
 
 
-def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head_dim: int) -> float:
-    """Fraction of the bf16 peak a fused kernel reaches at `seq` tokens and `head_dim` (meshplan's
-    FLOP convention); 0 for math attention or a device without `attention_efficiency`."""
-    base = cluster.device.attention_efficiency
-    if base <= 0 or not is_fused(attention):
-        return 0.0
-    speed = kernel_speed(attention, cluster)
+def shape_factor(speed: KernelSpeed, seq: int, head_dim: int) -> float:
+    """The kernel's speed at (`seq`, `head_dim`) over its speed at 16K tokens and head dim 128."""
     ramp = 1.0
     if seq > 0:
         ramp = (seq / (seq + speed.seq_half)) / (REFERENCE_SEQ / (REFERENCE_SEQ + speed.seq_half))
@@ -99,4 +94,24 @@ def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head
     if 0 < head_dim < REFERENCE_HEAD_DIM:
         share = max(0.0, (head_dim - 64) / (REFERENCE_HEAD_DIM - 64))
         width = speed.head_dim_64 + (1 - speed.head_dim_64) * share
-    return min(1.0, base * speed.ratio * ramp * width)
+    return ramp * width
+
+
+def plateau_from_measured(efficiency: float, seqs, head_dim: int) -> float:
+    """The profile's `attention_efficiency` (16K tokens, head dim 128) from torch SDPA's flash
+    kernel timed at `seqs` and `head_dim` (`calibrate`): the measured figure over the kernel's
+    mean shape factor there, capped at 1."""
+    factors = [shape_factor(FLASH2, seq, head_dim) for seq in seqs]
+    return min(1.0, efficiency * len(factors) / sum(factors)) if efficiency > 0 and factors else efficiency
+
+
+def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head_dim: int) -> float:
+    """Fraction of the bf16 peak a fused kernel reaches at `seq` tokens and `head_dim` (meshplan's
+    FLOP convention); 0 for math attention or a device without `attention_efficiency`."""
+    base = cluster.device.attention_efficiency
+    if base <= 0 or not is_fused(attention):
+        return 0.0
+    if not cluster.device.architecture:  # no GPU generation: a measured figure, as timed
+        return base
+    speed = kernel_speed(attention, cluster)
+    return min(1.0, base * speed.ratio * shape_factor(speed, seq, head_dim))
