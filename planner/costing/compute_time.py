@@ -1,6 +1,6 @@
-"""Compute time of one layer's micro-batch on one rank: GEMMs on the device's efficiency curve
-(fp8 Linears through `planner.costing.fp8`), traced convolutions, flash attention, the
-memory-bound kernels, and what recomputation repeats in backward."""
+"""Compute time of one layer's micro-batch on one rank: GEMMs by shape or on the device's
+efficiency curve (fp8 Linears through `planner.costing.fp8`), traced convolutions, the named
+attention kernel, the memory-bound kernels, and what recomputation repeats in backward."""
 from __future__ import annotations
 
 from meshplan.planner.contracts.attention import is_fused
@@ -40,8 +40,9 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
                     attention: str = "flash") -> tuple[float, float, float]:
     """(forward, backward, recomputation) seconds of one micro-batch on one rank.
 
-    GEMM time from the efficiency curve (the layer's FLOPs as `num_gemms` equal GEMMs, backward
-    twice as many); memory-bound time of the non-GEMM kernels from the bytes the layer saves
+    GEMM time: a dense block's Linears one GEMM at a time by shape (`gemm`), other FLOPs on the
+    efficiency curve as `num_gemms` equal GEMMs (backward twice as many); fused attention at the
+    named kernel's efficiency (`attention_kernels`); memory-bound time of the non-GEMM kernels from the bytes the layer saves
     (`elementwise_bytes_per_activation_byte`, backward twice). Full recomputation repeats the
     forward; selective repeats the attention core (QK^T, softmax, x V) when scores were saved.
     """
