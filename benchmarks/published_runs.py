@@ -24,7 +24,10 @@ Held out:
   whose activation checkpointing meshplan expresses (none or full).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
-FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe.
+FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe;
+torchtitan's Float8 tables on Meta's H100 96GB at a 500 W cap (`h100-96g-500w`, whose peak
+torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Table 2 (Llama 3.1
+8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8).
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
 parallelism on DGX H100, costed under balanced routing:
@@ -49,8 +52,8 @@ not stated). Megatron-LM's MoE README (`megatron/core/transformer/moe/README.md`
 8x22B layout was found either.
 
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
-torchtitan's H100 tables (H100 96 GB HBM2e at a 500 W power cap, whose peak torchtitan itself
-does not know, plus Float8 / torch.compile in most rows); torchtitan's "selective op" and
+torchtitan's H100 Tables 1 and 3 (selective checkpointing), Table 4's async-TP row, Tables 5
+and 6 (async TP; pipeline micro-batch counts unpublished); torchtitan's "selective op" and
 "selective layer" checkpointing (not meshplan's selective recomputation).
 """
 from __future__ import annotations
