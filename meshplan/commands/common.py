@@ -20,13 +20,15 @@ def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:
     return {name: getattr(args, name) for name in AXIS_NAMES if name not in skip}
 
 
-def add_attention_argument(parser) -> None:
-    """--attention: the attention kernel by name (`contracts.attention`); `flash` is sdpa-flash."""
+def add_attention_argument(parser, default: str | None = "flash") -> None:
+    """--attention: the attention kernel by name (`contracts.attention`); `flash` is sdpa-flash.
+    `default` None: the command picks it (estimate --from: the engine's own kernel)."""
     from meshplan.planner.contracts.attention import ATTENTION_CHOICES, attention_help
 
-    parser.add_argument("--attention", default="flash", choices=ATTENTION_CHOICES, metavar="KERNEL",
+    after = "" if default else " (estimate --from FILE: the engine's default kernel)"
+    parser.add_argument("--attention", default=default, choices=ATTENTION_CHOICES, metavar="KERNEL",
                         help=f"attention kernel, priced by sequence length, head dimension and device: "
-                             f"{attention_help()}")
+                             f"{attention_help()}{after}")
 
 
 def add_job_arguments(parser) -> None:

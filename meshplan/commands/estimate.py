@@ -33,7 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
-    add_attention_argument(parser)
+    add_attention_argument(parser, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
 
@@ -90,7 +90,7 @@ def _estimate_at(args, zero: int):
     return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                     **axis_arguments(args, skip=("dp",)), mbs=args.mbs, zero=zero, recompute=args.recompute,
                     sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                    attention=args.attention, shard_group=args.shard_group,
+                    attention=args.attention or "flash", shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
 

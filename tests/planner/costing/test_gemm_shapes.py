@@ -129,3 +129,17 @@ def test_estimate_help_and_errors_list_the_kernels(capsys):
     assert run(["estimate", "--model", "gpt2", "--cluster", "h100-sxm", "--gpus", "1", "--gbs", "1",
                 "--attention", "xformers"]) == 2
     assert "triton-alibi" in capsys.readouterr().err
+
+
+def test_an_engine_config_is_priced_on_the_engines_own_kernel():
+    """Megatron-Core's default is cuDNN fused attention (faster on H100 than torch SDPA's flash
+    kernel); the estimate says which kernel it took, and --attention overrides it."""
+    from pathlib import Path
+
+    from meshplan.planner.engines.bridge import predict_job, read_engine_file
+
+    job = read_engine_file(Path(__file__).parents[1] / "engines" / "fixtures" / "megatron_llama3_8b.sh")
+    default = predict_job(job, None, "h100-sxm")
+    assert any(note.startswith("attention: cudnn, megatron's default") for note in default.notes)
+    flash = predict_job(job, None, "h100-sxm", attention="flash")
+    assert default.prediction.step_time_s < flash.prediction.step_time_s
