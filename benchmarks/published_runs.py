@@ -27,7 +27,8 @@ Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): Mosai
 FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe;
 torchtitan's Float8 tables on Meta's H100 96GB at a 500 W cap (`h100-96g-500w`, whose peak
 torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Table 2 (Llama 3.1
-8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8).
+8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8);
+Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B).
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
 parallelism on DGX H100, costed under balanced routing:
@@ -325,6 +326,24 @@ MEGATRON_MOE_ASSUMPTIONS = (
 )
 
 
+def megatron_bridge_dense_runs() -> list[Run]:
+    """Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling, HELD_OUT_FP8)."""
+    assumptions = (
+        "FP8-CS (Transformer Engine current scaling) costed as meshplan's fp8 recipe (tensorwise current scaling)",
+        "no recomputation (not published); the distributed optimizer costed as ZeRO-1, Megatron FSDP as ZeRO-3",
+        "sequence parallelism with TP (Megatron-Bridge's performance recipes); TP communication overlap not modelled",
+        "Llama 3.1 405B costed as llama3-405b (the same shape)",
+        "cuDNN fused attention (Transformer Engine's default on Hopper)",
+    )
+    rows = [("LLAMA3_8B", "llama3-8b", 8, 128, 1, 3, 1, 1, 1, 1, 14451.0),
+            ("LLAMA3_70B", "llama3-70b", 64, 128, 1, 1, 4, 8, 1, 5, 1602.0),
+            ("LLAMA3.1_405B", "llama3-405b", 1024, 512, 1, 1, 8, 8, 2, 8, 292.0)]
+    return [Run(f"Megatron-Bridge {name} fp8 tp{tp} pp{pp} cp{cp}", HELD_OUT_FP8, MEGATRON_BRIDGE_H100, "h100-sxm",
+                spec, gpus, gbs, 8192, tp=tp, pp=pp, mbs=mbs, zero=zero, sp=tp > 1, cp=cp, vpp_options=(vpp,),
+                precision="fp8", attention="cudnn", published_tokens_per_s=tps * gpus, assumptions=assumptions)
+            for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
+
+
 def moe_runs() -> list[Run]:
     """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
     # Expert TP 1 lets Megatron-LM fold each EP group of 8 into one node; meshplan's expert TP is
@@ -371,7 +390,7 @@ FABRIC_RUNS = [
 
 def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + torchtitan_h100_runs() + moe_runs())
+            + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:
