@@ -18,9 +18,10 @@ Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [--write-bands] [SU
 For the fit sets and the held-out set, each grouped by source, it prints predicted vs published
 step time and the error per run (a run whose virtual-stage count is unpublished prints the
 spread over the options and is scored at their geometric mean), then mean and max |error| and
-the Spearman rank correlation of predicted against published throughput, per GPU in tokens/s and
-as MFU (the MFU ranking is the harder one: model size does not order it), and beside them the
-mean |error| of a rule of thumb on the same runs: every run at 50% of the BF16 peak. Last, unless
+the Spearman rank correlation of predicted against published throughput, per GPU in tokens/s, in
+model TFLOP/s and as MFU (the MFU ranking is the harder one: model size does not order it), and
+beside them the mean |error| of a rule of thumb on the same runs: every run at 50% of the BF16
+peak. Then every held-out run by regime (dense, FSDP, long sequence, CP, FP8, MoE, small model). Last, unless
 `--no-cv`, a cross-validated figure: each fit set split in two halves (alternate rows), fitted
 on one, scored on the other, both ways, averaged. `--brief` prints the summaries only.
 """
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            TORCHTITAN_H100,
                             Run, all_runs, fit_runs)
 
 
@@ -103,6 +105,9 @@ def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
         return float(graph.fwd_flops + graph.bwd_flops) * s.run.global_batch / (step_s * s.run.gpus * peak)
     mfu_published = [mfu(s, s.published_s) for s in scored]
     mfu_predicted = [mfu(s, s.predicted_mean_s) for s in scored]
+    # model TFLOP/s per GPU: MFU times the device's peak (orders runs across devices too)
+    tflops_published = [m * clusters[s.run.cluster].device.peak_flops("bf16") for m, s in zip(mfu_published, scored)]
+    tflops_predicted = [m * clusters[s.run.cluster].device.peak_flops("bf16") for m, s in zip(mfu_predicted, scored)]
     # The rule of thumb on the same runs: every run at CONSTANT_MFU of the dense BF16 peak (the
     # step whose MFU that is: mfu(s, 1 s) / CONSTANT_MFU seconds). Nothing is fitted in it.
     rule_errors = [abs(mfu(s, 1.0) / CONSTANT_MFU / s.published_s - 1) for s in scored]
@@ -111,7 +116,8 @@ def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
         return "n/a (under 3 runs)" if math.isnan(value) else f"{value:.2f}"
     return (f"{len(scored)} runs: mean |error| {np.mean(errors):.1%}, max {max(errors):.1%}, mean signed "
             f"{np.mean([s.error for s in scored]):+.1%}; rank correlation tokens/s/GPU "
-            f"{rho(per_gpu_predicted, per_gpu_published)}, MFU {rho(mfu_predicted, mfu_published)}; "
+            f"{rho(per_gpu_predicted, per_gpu_published)}, model TFLOP/s/GPU {rho(tflops_predicted, tflops_published)}, "
+            f"MFU {rho(mfu_predicted, mfu_published)}; "
             f"a constant {CONSTANT_MFU:.0%}-MFU rule: mean |error| {np.mean(rule_errors):.1%}")
 
 
@@ -129,7 +135,8 @@ def print_rows(scored: Sequence[Scored]) -> None:
 SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "Llama 3 Table 4",
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
                  TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
-                 MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100"}
+                 MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
+                 TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W"}
 
 
 def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_cluster: bool = False) -> None:
@@ -145,6 +152,45 @@ def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_clust
         print(f"  {summary(members, clusters)}")
     if len(groups) > 1:
         print(f"all {title}: {summary(scored, clusters)}")
+
+
+# Regimes every held-out run is also reported by (a run may be in several): the issue's patterns.
+SMALL_HIDDEN = 2048      # "small models": hidden 2048 or less
+LONG_SEQ = 16384         # "long sequences": 16K tokens or more
+
+
+def regimes(run: Run) -> tuple[str, ...]:
+    """The regimes `run` belongs to: dense (no experts, bf16, no FSDP), FSDP (ZeRO-3 without TP/PP),
+    long sequence, CP, FP8, MoE, small model."""
+    hidden = graph_of(run.spec, run.seq, run.attention).info.hidden
+    out = []
+    if run.ep == 1 and run.precision != "fp8" and not (run.zero == 3 and run.tp == run.pp == 1):
+        out.append("dense (TP/PP/DP)")
+    if run.zero == 3 and run.tp == run.pp == 1:
+        out.append("FSDP")
+    if run.seq >= LONG_SEQ:
+        out.append(f"long sequence (>= {LONG_SEQ // 1024}K)")
+    if run.cp > 1:
+        out.append("CP")
+    if run.precision == "fp8":
+        out.append("FP8")
+    if run.ep > 1:
+        out.append("MoE")
+    if hidden <= SMALL_HIDDEN:
+        out.append(f"small model (hidden <= {SMALL_HIDDEN})")
+    return tuple(out)
+
+
+def report_regimes(scored: Sequence[Scored], clusters) -> None:
+    """Every held-out run (BF16, FP8 and MoE together) by regime, beside the constant-MFU rule."""
+    print("\n== held out by regime (BF16, FP8 and MoE runs together; a run may be in several) ==")
+    groups: dict[str, list[Scored]] = {}
+    for s in scored:
+        for regime in regimes(s.run):
+            groups.setdefault(regime, []).append(s)
+    for regime in sorted(groups):
+        print(f"{regime}: {summary(groups[regime], clusters)}")
+    print(f"every held-out run: {summary(scored, clusters)}")
 
 
 def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
@@ -243,6 +289,9 @@ def main(argv: list[str]) -> int:
     if moe:  # apart: expert parallelism's costs are not fitted, and these runs tuned nothing
         report("MoE (held out; expert parallelism, balanced routing)", score(moe, clusters), clusters, brief,
                by_cluster=True)
+    every_held = [r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)]
+    if every_held:
+        report_regimes(score(every_held, clusters), clusters)
     if "--write-bands" in argv and not only:
         write_bands({"dense": scored if held else [], "fp8": score(fp8, clusters) if fp8 else [],
                      "moe": score(moe, clusters) if moe else []})

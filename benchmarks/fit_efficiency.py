@@ -212,8 +212,31 @@ def fit_h100(runs: Sequence[Run], link_efficiency: dict[str, float], a100: dict[
     fixed = {"elementwise_bytes_per_activation_byte": a100["elementwise_bytes_per_activation_byte"],
              "matmul_half_efficiency_flops": a100["matmul_half_efficiency_flops"] * peak_ratio}
     base["h100-sxm"] = replace(base["h100-sxm"], device=replace(base["h100-sxm"].device, **fixed))
-    fitted = fit_params(runs, base, H100_PARAMS, "h100-sxm")
-    return {**fixed, **{p.field: v for p, v in fitted.items()}}
+    fitted = {p.field: v for p, v in fit_params(runs, base, H100_PARAMS, "h100-sxm").items()}
+    tuned = replace(base["h100-sxm"], device=replace(base["h100-sxm"].device, **fixed, **fitted))
+    return {**fixed, **fitted, "fp8_matmul_efficiency": fp8_efficiency_from_torchao(tuned)}
+
+
+# torchao's float8 README (H100, torch.compile, tensorwise scaling): a Float8Linear of M, K, N =
+# 4096, 8192, 16384 runs forward + backward 1.39x as fast as the bf16 Linear, casts included.
+TORCHAO_SHAPE, TORCHAO_SPEEDUP = (4096, 8192, 16384), 1.39
+
+
+def fp8_efficiency_from_torchao(cluster) -> float:
+    """`fp8_matmul_efficiency` at which meshplan's fp8 Linear (3 GEMMs on the fp8 size curve plus
+    its casts, `planner.costing.fp8`) is TORCHAO_SPEEDUP times its bf16 Linear: not fitted on any
+    run, solved in closed form from the published kernel benchmark."""
+    from meshplan.planner.costing import fp8
+    from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
+
+    m, k, n = TORCHAO_SHAPE
+    flops = 2.0 * m * k * n
+    bf16_s = 3 * compute_time_s(flops, 1, cluster, "bf16", num_launches=0)
+    cast_s = memory_time_s((1 + fp8.BACKWARD_CAST_FACTOR) * (m * k + k * n) * fp8.FP8_CAST_BYTES_PER_VALUE, cluster)
+    device = cluster.device
+    peak = device.peak_flops_per_s["fp8"]
+    half = device.matmul_half_efficiency_flops * peak / device.peak_flops("bf16")
+    return 3 * flops * (flops + half) / flops / peak / (bf16_s / TORCHAO_SPEEDUP - cast_s)
 
 
 def fit_all() -> FitResult:
@@ -233,6 +256,19 @@ def rounded(result: FitResult) -> FitResult:
 
 # ------------------------------------------------------------------------------------------------
 # Writing the profiles
+
+# Profiles that take h100-sxm's fitted fields (the same Hopper kernels, or from published
+# specifications only); mi300x takes them with its matmul ceiling scaled (`mi300x_values`).
+H100_COPIES = ("h100-sxm", "h200", "h100-96g-500w", "h100-nvl", "b200", "gb200-nvl72")
+# ml-engineering's Maximum Achievable Matmul FLOPS table: MI300X 60.1%, H100 SXM 80.1% of peak.
+MI300X_OVER_H100_MAMF = 0.601 / 0.801
+
+
+def mi300x_values(h100: dict[str, float]) -> dict[str, float]:
+    """h100-sxm's fields for mi300x: its matmul ceiling scaled by the measured MAMF ratio, no fp8."""
+    return {**{k: v for k, v in h100.items() if k != "fp8_matmul_efficiency"},
+            "matmul_efficiency": float(f"{h100['matmul_efficiency'] * MI300X_OVER_H100_MAMF:.3g}")}
+
 
 A100_NOTE = "Narayanan 2021 T1"
 H100_NOTE = "Llama 3 T4"
@@ -263,14 +299,20 @@ def set_field(text: str, section: str, key: str, value: float, comment: str) -> 
 def write_profiles(result: FitResult, profiles_dir: Path = PROFILES_DIR) -> None:
     """Fitted values into the four GPU profiles; each line's comment names its fit set. The
     comment blocks above them (sources, copies) are the profiles' own."""
-    plans = {"a100-80g": ("a100-80g", result.a100), "a100-40g": ("a100-80g", result.a100),
-             "h100-sxm": ("h100-sxm", result.h100), "h200": ("h100-sxm", result.h100)}
+    plans = {"a100-80g": ("a100-80g", result.a100), "a100-40g": ("a100-80g", result.a100)}
+    plans.update({name: ("h100-sxm", result.h100) for name in H100_COPIES})
+    plans["mi300x"] = ("h100-sxm", mi300x_values(result.h100))
     for name, (source, device) in plans.items():
         path = profiles_dir / f"{name}.toml"
         text = path.read_text()
         for key, value in device.items():
             what = A100_NOTE if source == "a100-80g" or key != "matmul_efficiency" else H100_NOTE
-            text = set_field(text, "device", key, value, FIT_NOTE.format(what=what))
+            comment = FIT_NOTE.format(what=what)
+            if key == "fp8_matmul_efficiency":
+                comment = "solved from torchao float8 README's 1.39x by benchmarks/fit_efficiency.py (no run)"
+            elif name == "mi300x" and key == "matmul_efficiency":
+                comment = "h100-sxm's Llama 3 T4 fit x MAMF 60.1% / 80.1% (ml-engineering)"
+            text = set_field(text, "device", key, value, comment)
         text = set_field(text, "topology.inter_node", "efficiency", result.link_efficiency[source],
                          FIT_NOTE.format(what="nccl-tests"))
         path.write_text(text)
@@ -293,7 +335,7 @@ def main(argv: list[str]) -> int:
     print(f"({time.perf_counter() - start:.0f} s)")
     if "--write" in argv:
         write_profiles(rounded(result))
-        print(f"written to {', '.join(f'{n}.toml' for n in ('a100-80g', 'a100-40g', 'h100-sxm', 'h200'))}")
+        print(f"written to {', '.join(f'{n}.toml' for n in ('a100-80g', 'a100-40g') + H100_COPIES + ('mi300x',))}")
     return 0
 
 

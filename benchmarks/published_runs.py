@@ -24,7 +24,11 @@ Held out:
   whose activation checkpointing meshplan expresses (none or full).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
-FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe.
+FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe;
+torchtitan's Float8 tables on Meta's H100 96GB at a 500 W cap (`h100-96g-500w`, whose peak
+torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Table 2 (Llama 3.1
+8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8);
+Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B).
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
 parallelism on DGX H100, costed under balanced routing:
@@ -49,8 +53,8 @@ not stated). Megatron-LM's MoE README (`megatron/core/transformer/moe/README.md`
 8x22B layout was found either.
 
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
-torchtitan's H100 tables (H100 96 GB HBM2e at a 500 W power cap, whose peak torchtitan itself
-does not know, plus Float8 / torch.compile in most rows); torchtitan's "selective op" and
+torchtitan's H100 Tables 1 and 3 (selective checkpointing), Table 4's async-TP row, Tables 5
+and 6 (async TP; pipeline micro-batch counts unpublished); torchtitan's "selective op" and
 "selective layer" checkpointing (not meshplan's selective recomputation).
 """
 from __future__ import annotations
@@ -240,7 +244,7 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
              precision: str = "bf16-mixed") -> list[Run]:
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing = full recomputation",
-        "flash attention (llm-foundry's triton kernel), causal",
+        "llm-foundry's Triton flash attention with ALiBi (attn_impl triton, submit_benchmarks.py's default), causal",
         "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",
     ) + (MPT_FP8_ASSUMPTIONS if precision == "fp8" else ())
     runs = []
@@ -254,13 +258,39 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
             runs.append(Run(name, group, MPT_SOURCE, MPT_CLUSTERS[row["table"]],
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
-                            published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
+                            attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
                             precision=precision))
     return runs
 
 
 def mpt_fp8_runs() -> list[Run]:
     return mpt_runs(DATA_DIR / "mpt_llm_foundry_fp8.csv", HELD_OUT_FP8, "fp8")
+
+
+TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H100 (96GB HBM2e, 500 W cap), "
+                   "torch.compile + Float8 (commit 9dec370ad26b5f8e9a7333a0e36165018262644b tested; page as of "
+                   "commit 0edd2fb, tables 2 and 4)")
+
+
+def torchtitan_h100_runs() -> list[Run]:
+    """torchtitan's H100 tables whose layouts meshplan expresses (HELD_OUT_FP8): Table 2, Llama 3.1
+    8B on 8 GPUs with FSDP x CP at 32K-256K tokens, and Table 4's "2D" row, Llama 3.1 70B on 256
+    GPUs with FSDP 32 x TP 8. Float8 is torchao's tensorwise recipe, which meshplan's fp8 is."""
+    assumptions = (
+        "torchao Float8 tensorwise with float8 all-gather = meshplan's fp8 recipe; torch.compile not modelled",
+        "full activation checkpointing = full recomputation; no gradient accumulation",
+        "FSDP2 over dp x cp = ZeRO-3 over the data ranks; TP with sequence parallelism (torchtitan's)",
+        "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')",
+    )
+    rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
+    runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
+                "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
+                published_tokens_per_s=tps * 8, assumptions=assumptions)
+            for seq, cp, tps in rows]
+    runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
+                    "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
+                    published_tokens_per_s=829.0 * 256, assumptions=assumptions))
+    return runs
 
 
 LLAMA2_13B = "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000"
@@ -294,6 +324,24 @@ MEGATRON_MOE_ASSUMPTIONS = (
     "all-to-all (DeepEP or NCCL) costed as meshplan's all-to-all over the EP group, not overlapped with compute",
     "sequence parallelism on (Megatron-LM requires it with TP and EP)",
 )
+
+
+def megatron_bridge_dense_runs() -> list[Run]:
+    """Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling, HELD_OUT_FP8)."""
+    assumptions = (
+        "FP8-CS (Transformer Engine current scaling) costed as meshplan's fp8 recipe (tensorwise current scaling)",
+        "no recomputation (not published); the distributed optimizer costed as ZeRO-1, Megatron FSDP as ZeRO-3",
+        "sequence parallelism with TP (Megatron-Bridge's performance recipes); TP communication overlap not modelled",
+        "Llama 3.1 405B costed as llama3-405b (the same shape)",
+        "cuDNN fused attention (Transformer Engine's default on Hopper)",
+    )
+    rows = [("LLAMA3_8B", "llama3-8b", 8, 128, 1, 3, 1, 1, 1, 1, 14451.0),
+            ("LLAMA3_70B", "llama3-70b", 64, 128, 1, 1, 4, 8, 1, 5, 1602.0),
+            ("LLAMA3.1_405B", "llama3-405b", 1024, 512, 1, 1, 8, 8, 2, 8, 292.0)]
+    return [Run(f"Megatron-Bridge {name} fp8 tp{tp} pp{pp} cp{cp}", HELD_OUT_FP8, MEGATRON_BRIDGE_H100, "h100-sxm",
+                spec, gpus, gbs, 8192, tp=tp, pp=pp, mbs=mbs, zero=zero, sp=tp > 1, cp=cp, vpp_options=(vpp,),
+                precision="fp8", attention="cudnn", published_tokens_per_s=tps * gpus, assumptions=assumptions)
+            for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
 
 
 def moe_runs() -> list[Run]:
@@ -342,7 +390,7 @@ FABRIC_RUNS = [
 
 def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + moe_runs())
+            + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:

@@ -20,11 +20,25 @@ def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:
     return {name: getattr(args, name) for name in AXIS_NAMES if name not in skip}
 
 
+def add_attention_argument(parser, default: str | None = "flash") -> None:
+    """--attention: the attention kernel by name (`contracts.attention`); `flash` is sdpa-flash.
+    `default` None: the command picks it (estimate --from: the engine's own kernel)."""
+    from meshplan.planner.contracts.attention import ATTENTION_CHOICES, attention_help
+
+    after = "" if default else " (estimate --from FILE: the engine's default kernel)"
+    parser.add_argument("--attention", default=default, choices=ATTENTION_CHOICES, metavar="KERNEL",
+                        help=f"attention kernel, priced by sequence length, head dimension and device: "
+                             f"{attention_help()}{after}")
+
+
 def add_job_arguments(parser) -> None:
     """--model --cluster --gpus --gbs --seq: what is trained, where, and on how much data per step."""
+    from meshplan.planner.costing.hardware import profile_listing
+
     parser.add_argument("--model", required=True,
                         help="model SPEC (built-in name, gpt:/llama: spec, file.py:fn, hf:config.json)")
-    parser.add_argument("--cluster", required=True, help="cluster profile name (a100-80g, h100-sxm, ...) or .toml path")
+    parser.add_argument("--cluster", required=True,
+                        help=f"cluster profile: a .toml path or a built-in name: {profile_listing()}")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (cpu profile: local processes)")
     parser.add_argument("--gbs", type=int, required=True, help="global batch size in samples per optimizer step")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, GPT-2 presets 1024)")

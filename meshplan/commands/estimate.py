@@ -5,7 +5,7 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
+from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
                                      check_seq, check_sizes, moe_notes)
 from meshplan.commands.printed import Heading, format_prediction
 
@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
-    parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    add_attention_argument(parser, default=None)
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes, as for plan "
                              "(default 0; under --engine megatron, torchtitan or deepspeed the caching allocator's "
@@ -102,7 +102,7 @@ def _estimate_at(args, zero: int):
     return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                     **axis_arguments(args, skip=("dp",)), mbs=args.mbs, zero=zero, recompute=args.recompute,
                     sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                    attention=args.attention, shard_group=args.shard_group,
+                    attention=args.attention or "flash", shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
                     memory_headroom_bytes=args.memory_headroom * GIB)

@@ -5,7 +5,7 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
+from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
                                      check_sizes, moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
                         help="per-layer tp/dp inside a stage (analysis only: the plan is marked not executable)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
-    parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
+    add_attention_argument(parser)
     parser.add_argument("--engine", default="meshplan", choices=ENGINES,
                         help="plan under this engine's memory recipe (default meshplan, its own executor); "
                              "recorded in the plan as `engine`")

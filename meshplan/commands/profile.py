@@ -23,9 +23,9 @@ def add_arguments(parser):
                         help="samples per micro-batch; scales the printed per-layer figures (default 1)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="parameter and activation dtype (default bf16)")
-    parser.add_argument("--attention", choices=("flash", "math"), default="flash",
-                        help="saved tensors of a fused attention kernel (flash, default) or of the math "
-                             "path with its s x s scores (math)")
+    from meshplan.commands.common import add_attention_argument
+
+    add_attention_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     parser.add_argument("--csv", metavar="FILE", help="also write the per-layer table to FILE as CSV")
     parser.add_argument("--no-cache", action="store_true",

@@ -45,6 +45,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
 from meshplan.planner.calibration import fits
 from meshplan.planner.calibration.fits import (block_time_s, fit_alpha_beta, fit_conv_efficiency, fit_elementwise_traffic,
                                               fit_matmul, probe_profile)
+from meshplan.planner.costing import attention_kernels
 from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
 
 FULL_SIZES = {"matmul_n": (64, 128, 256, 512, 1024), "comm_bytes": (2**12, 2**16, 2**20, 2**22, 2**24),
@@ -451,8 +452,11 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
         for sample in block:
             sample["fwd_bwd_s"] /= share
     if measured.get("attention"):  # before the elementwise fit, which leaves attention to it
-        device = replace(device, attention_efficiency=fits.fit_attention_efficiency(
-            [(flops, seconds / share) for flops, seconds in measured["attention"]], device, measured["dtype"]))
+        timed = fits.fit_attention_efficiency(
+            [(flops, seconds / share) for flops, seconds in measured["attention"]], device, measured["dtype"])
+        if device.architecture:  # a GPU's kernels are priced by shape: store the 16K, head-dim-128 figure
+            timed = attention_kernels.plateau_from_measured(timed, ATTENTION_SEQS, ATTENTION_HEAD_DIM)
+        device = replace(device, attention_efficiency=timed)
     device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
         block, device, measured["dtype"]))
     if measured.get("conv"):

@@ -6,6 +6,7 @@ A profile file looks like:
     name = "h100-sxm"
     description = "DGX H100 nodes"
     source = "NVIDIA H100 datasheet; DGX H100 user guide"
+    validated = true        # optional, default true; false: from published specifications only
 
     [device]
     name = "H100 SXM5 80GB"
@@ -17,6 +18,7 @@ A profile file looks like:
     memory_efficiency = 0.85            # achieved fraction of memory bandwidth
     kernel_overhead_s = 5e-6            # fixed cost per layer kernel sequence (dispatch/launch)
     reserved_memory_bytes = 3e9         # CUDA context, allocator fragmentation, NCCL buffers
+    num_sms = 132                       # streaming multiprocessors (GEMM wave quantisation)
     elementwise_bytes_per_activation_byte = 3.0  # norm/GELU/softmax traffic per saved byte
     # optional fixed costs, 0 unless measured (`meshplan calibrate` measures them):
     optimizer_per_tensor_s = 0.0          # per parameter tensor per optimizer step (plain tensors)
@@ -66,6 +68,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 
 SCHEMA_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32", "tf32", "fp8")
+ARCHITECTURES = ("", "ampere", "hopper", "blackwell", "cdna3")
 
 
 def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
@@ -192,6 +195,12 @@ class DeviceProfile:
     # Achieved fraction of peak of the flash-attention kernels (the attention core's FLOPs, forward
     # and backward), from the kernels' own published benchmarks. 0: attention on the GEMM curve.
     attention_efficiency: float = 0.0
+    # Streaming multiprocessors (AMD: compute units): the GEMM tiles of one wave
+    # (`planner.costing.gemm`). 0: not a GPU, no wave quantisation.
+    num_sms: int = 0
+    # GPU generation, which decides the kernels it runs (`planner.costing.attention_kernels`:
+    # FlashAttention-3 needs "hopper"); "" for a device no kernel table describes.
+    architecture: str = ""
     supports_bf16: bool = True
     source: str = ""
 
@@ -210,6 +219,11 @@ class DeviceProfile:
             if value > 1:
                 raise ValueError(f"device.{name} is a fraction in (0, 1], got {value}")
         _check_positive("device", "fp8_matmul_efficiency", self.fp8_matmul_efficiency, allow_zero=True)
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"device.architecture must be one of {', '.join(map(repr, ARCHITECTURES))}, "
+                             f"got {self.architecture!r}")
+        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 0:
+            raise ValueError(f"device.num_sms must be an integer >= 0 (0: no wave quantisation), got {self.num_sms!r}")
         _check_positive("device", "attention_efficiency", self.attention_efficiency, allow_zero=True)
         if self.attention_efficiency > 1:
             raise ValueError(f"device.attention_efficiency is a fraction in [0, 1], got {self.attention_efficiency}")
@@ -261,6 +275,9 @@ class ClusterProfile:
     description: str = ""
     source: str = ""
     schema_version: int = SCHEMA_VERSION
+    # False for a part described from published specifications only: no measured run has checked
+    # its numbers (B200, GB200 NVL72, MI300X, the power-capped H100); the profile listing says so.
+    validated: bool = True
     # Per-step costs of one optimizer step: AdamW reads/writes ~ this many bytes per parameter
     # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
     optimizer_bytes_per_param: float = 28.0  # fused AdamW: read master, grad, 2 moments; write 3 (fp32)
@@ -276,6 +293,8 @@ class ClusterProfile:
             if not isinstance(getattr(self, name), InNetworkReduction):
                 raise ValueError(f"topology.{name} must be a table such as {{ enabled = true, efficiency = 0.6 }}, "
                                  f"got {getattr(self, name)!r}")
+        if not isinstance(self.validated, bool):
+            raise ValueError(f"validated must be true or false, got {self.validated!r}")
         for name in ("name", "description", "source"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -294,7 +313,8 @@ class ClusterProfile:
         """The TOML-shaped dict (round-trips through `cluster_from_dict`)."""
         return {
             "schema_version": self.schema_version, "name": self.name, "description": self.description,
-            "source": self.source, "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
+            "source": self.source, "validated": self.validated,
+            "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
             "device": asdict(self.device),
             "topology": {"gpus_per_node": self.gpus_per_node, "max_nodes": self.max_nodes,
                          "nics_per_node": self.nics_per_node,
@@ -361,7 +381,7 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
                          "nvls, sharp")
     if "gpus_per_node" not in topology:
         raise ValueError("missing field topology.gpus_per_node")
-    top_known = {"schema_version", "name", "description", "source", "optimizer_bytes_per_param"}
+    top_known = {"schema_version", "name", "description", "source", "validated", "optimizer_bytes_per_param"}
     unknown = sorted(set(data) - top_known)
     if unknown:
         raise ValueError(f"unknown top-level field {unknown[0]}; known: {', '.join(sorted(top_known))}, [device], [topology]")

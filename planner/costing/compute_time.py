@@ -1,12 +1,13 @@
-"""Compute time of one layer's micro-batch on one rank: GEMMs on the device's efficiency curve
-(fp8 Linears through `planner.costing.fp8`), traced convolutions, flash attention, the
-memory-bound kernels, and what recomputation repeats in backward."""
+"""Compute time of one layer's micro-batch on one rank: GEMMs by shape or on the device's
+efficiency curve (fp8 Linears through `planner.costing.fp8`), traced convolutions, the named
+attention kernel, the memory-bound kernels, and what recomputation repeats in backward."""
 from __future__ import annotations
 
+from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import fp8
+from meshplan.planner.costing import attention_kernels, fp8, gemm
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
@@ -39,26 +40,28 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
                     attention: str = "flash") -> tuple[float, float, float]:
     """(forward, backward, recomputation) seconds of one micro-batch on one rank.
 
-    GEMM time from the efficiency curve (the layer's FLOPs as `num_gemms` equal GEMMs, backward
-    twice as many); memory-bound time of the non-GEMM kernels from the bytes the layer saves
+    GEMM time: a dense block's Linears one GEMM at a time by shape (`gemm`), other FLOPs on the
+    efficiency curve as `num_gemms` equal GEMMs (backward twice as many); fused attention at the
+    named kernel's efficiency (`attention_kernels`); memory-bound time of the non-GEMM kernels from the bytes the layer saves
     (`elementwise_bytes_per_activation_byte`, backward twice). Full recomputation repeats the
     forward; selective repeats the attention core (QK^T, softmax, x V) when scores were saved.
     """
     dtype = COMPUTE_DTYPE[config.precision]
     shard = config.tp if is_split(layer, config.tp) else 1
-    mbs, gemms = config.rank_microbatch, num_gemms(layer)
+    mbs = config.rank_microbatch
     traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
     saved_bytes, _ = activation_bytes(layer, config, act_scale * vocab_scale, recompute="none")
     skipped = causal_skipped_flops(layer, attention)
     fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
     bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
     attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
+    kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype) if attention_fwd else 0.0
     if fp8.is_fp8(config.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
         fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype,
-                                                  attention_fwd)
+                                                  attention_fwd, kernel)
     else:
-        fwd_gemm_s, bwd_gemm_s = matmul_times_s(layer, fwd_flops, bwd_flops, mbs / shard, gemms, cluster, dtype,
-                                                 attention_fwd)
+        fwd_gemm_s, bwd_gemm_s = _bf16_gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, mbs, shard,
+                                                    profile_dtype, dtype, attention_fwd, kernel)
     # Norm outputs rebuilt in backward rather than kept are still written by the forward and read
     # by the backward, as when they were kept (the traffic proxy counts them alike), and the
     # backward writes them once more (`transformer.normed_call`; not under recomputation, which
@@ -76,22 +79,50 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
             score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
             return fwd_s, bwd_s, (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
                                   + memory_time_s(traffic_per_act_byte * score_bytes, cluster))
-        if attention == "flash" and layer.attn_fwd_flops:  # the policy reruns the flash kernel's forward
+        if is_fused(attention) and layer.attn_fwd_flops:  # the policy reruns the flash kernel's forward
             if attention_fwd:
-                return fwd_s, bwd_s, attention_time_s(attention_fwd, cluster, dtype)
+                return fwd_s, bwd_s, attention_time_s(attention_fwd, cluster, dtype, kernel)
             core = (layer.attn_fwd_flops - skipped) * mbs / shard
             return fwd_s, bwd_s, compute_time_s(core, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
     return fwd_s, bwd_s, 0.0
 
 
+def kernel_efficiency(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, attention: str,
+                      profile_dtype: str) -> float:
+    """The fused attention kernel's fraction of peak at this block's sequence and head width."""
+    head_dim = info.head_dim or (info.hidden // info.num_heads if info.num_heads else 0)
+    return attention_kernels.attention_efficiency(attention, cluster, infer_seq(layer, info, profile_dtype), head_dim)
+
+
+def _bf16_gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, fwd_flops: float,
+                       bwd_flops: float, mbs: float, shard: int, profile_dtype: str, dtype: str,
+                       attention_fwd: float, kernel: float) -> tuple[float, float]:
+    """(forward, backward) matmul seconds of one micro-batch: a dense block's Linears one GEMM at
+    a time by shape (`gemm.linear_times_s`), the rest (attention's products, a layer whose shapes
+    are unknown) as `gemms` equal GEMMs on the size curve (`matmul_times_s`)."""
+    seq = infer_seq(layer, info, profile_dtype)
+    shapes = gemm.block_linear_shapes(layer, info, seq)
+    if not shapes:
+        return matmul_times_s(layer, fwd_flops, bwd_flops, mbs / shard, num_gemms(layer), cluster, dtype,
+                              attention_fwd, kernel)
+    tokens = mbs * seq
+    linear_fwd = gemm.linear_flops(shapes, tokens, shard)
+    linear_fwd_s, linear_bwd_s = gemm.linear_times_s(shapes, tokens, shard, cluster, dtype)
+    rest_fwd_s, rest_bwd_s = matmul_times_s(layer, max(0.0, fwd_flops - linear_fwd),
+                                            max(0.0, bwd_flops - 2 * linear_fwd), mbs / shard,
+                                            ATTENTION_BMMS_PER_BLOCK, cluster, dtype, attention_fwd, kernel)
+    return linear_fwd_s + rest_fwd_s, linear_bwd_s + rest_bwd_s
+
+
 def matmul_times_s(layer: LayerProfile, fwd_flops: float, bwd_flops: float, scale: float, gemms: int,
-                   cluster: ClusterProfile, dtype: str, attention_fwd_flops: float = 0.0) -> tuple[float, float]:
+                   cluster: ClusterProfile, dtype: str, attention_fwd_flops: float = 0.0,
+                   attention_efficiency: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's matmul work: GEMMs on the efficiency curve, a
     traced layer's convolutions (`conv_fwd_flops`, `conv_bwd_flops`) at `conv_efficiency` of it,
     and `attention_fwd_flops` of flash attention (twice as many backward) at `attention_time_s`."""
     conv_fwd, conv_bwd = layer.conv_fwd_flops * scale, layer.conv_bwd_flops * scale
     fwd_s, bwd_s = gemm_and_attention_times_s(fwd_flops - conv_fwd, bwd_flops - conv_bwd, attention_fwd_flops,
-                                              gemms, cluster, dtype)
+                                              gemms, cluster, dtype, attention_efficiency)
     if conv_fwd or conv_bwd:
         efficiency = cluster.device.conv_efficiency
         fwd_s += compute_time_s(conv_fwd, gemms, cluster, dtype, num_launches=0) / efficiency

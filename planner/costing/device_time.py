@@ -2,6 +2,7 @@
 cost rule (`compute_time`, `fp8`, `expert_parallel`, ...) builds on, so none of them needs another."""
 from __future__ import annotations
 
+from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 
@@ -29,7 +30,7 @@ def compute_time_s(flops: float, num_gemms: int, cluster: ClusterProfile, dtype:
 def causal_skipped_flops(layer: LayerProfile, attention: str) -> float:
     """Forward FLOPs per sample a causal flash kernel skips (the masked half of QK^T and x V);
     its backward skips twice as many. Math attention computes every product."""
-    if attention != "flash" or not 0 < layer.causal_fwd_flops < layer.fwd_flops:
+    if not is_fused(attention) or not 0 < layer.causal_fwd_flops < layer.fwd_flops:
         return 0.0
     return float(layer.fwd_flops - layer.causal_fwd_flops)
 
@@ -38,28 +39,30 @@ def flash_attention_flops(layer: LayerProfile, attention: str, cluster: ClusterP
     """Forward FLOPs per sample of a layer's attention core that a flash kernel runs (its causal
     skipping applied), when the device gives the kernels their own efficiency; else 0 (the core
     stays on the GEMM curve with the rest). Math attention is batched GEMMs: 0."""
-    if attention != "flash" or cluster.device.attention_efficiency <= 0 or not layer.attn_fwd_flops:
+    if not is_fused(attention) or cluster.device.attention_efficiency <= 0 or not layer.attn_fwd_flops:
         return 0.0
     return float(layer.attn_fwd_flops - causal_skipped_flops(layer, attention))
 
 
-def attention_time_s(flops: float, cluster: ClusterProfile, dtype: str) -> float:
-    """Seconds of `flops` of flash attention at the device's `attention_efficiency` of peak."""
+def attention_time_s(flops: float, cluster: ClusterProfile, dtype: str, efficiency: float = 0.0) -> float:
+    """Seconds of `flops` of fused attention at `efficiency` of peak (the kernel's, from
+    `attention_kernels.attention_efficiency`; 0: the device's `attention_efficiency`)."""
     if flops <= 0:
         return 0.0
-    return flops / (cluster.device.peak_flops(dtype) * cluster.device.attention_efficiency)
+    return flops / (cluster.device.peak_flops(dtype) * (efficiency or cluster.device.attention_efficiency))
 
 
 def gemm_and_attention_times_s(fwd_flops: float, bwd_flops: float, attention_fwd_flops: float, gemms: int,
-                               cluster: ClusterProfile, dtype: str) -> tuple[float, float]:
+                               cluster: ClusterProfile, dtype: str,
+                               attention_efficiency: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of matmul work: `gemms` equal GEMMs forward on the efficiency
     curve (twice as many backward, in two launches), except `attention_fwd_flops` of flash
     attention (twice as many backward), which run at `attention_time_s`."""
     attn_bwd = 2.0 * attention_fwd_flops
     fwd_s = compute_time_s(max(0.0, fwd_flops - attention_fwd_flops), gemms, cluster, dtype)
     bwd_s = compute_time_s(max(0.0, bwd_flops - attn_bwd), 2 * gemms, cluster, dtype, num_launches=2)
-    return (fwd_s + attention_time_s(attention_fwd_flops, cluster, dtype),
-            bwd_s + attention_time_s(attn_bwd, cluster, dtype))
+    return (fwd_s + attention_time_s(attention_fwd_flops, cluster, dtype, attention_efficiency),
+            bwd_s + attention_time_s(attn_bwd, cluster, dtype, attention_efficiency))
 
 
 def memory_time_s(traffic_bytes: float, cluster: ClusterProfile) -> float:

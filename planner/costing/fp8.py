@@ -178,20 +178,20 @@ def transient_bytes(layer: LayerProfile, info: ModelInfo, tp: int, precision: st
 
 def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, fwd_flops: float,
                  bwd_flops: float, tp: int, mbs: int, profile_dtype: str,
-                 attention_fwd_flops: float = 0.0) -> tuple[float, float]:
+                 attention_fwd_flops: float = 0.0, attention_efficiency: float = 0.0) -> tuple[float, float]:
     """(forward, backward) GEMM and cast seconds of one micro-batch of a block on one rank under
     fp8. `fwd_flops`/`bwd_flops`: the layer's local FLOPs as bf16 would run them (causal skip,
     micro-batch and TP applied); the fp8 Linears' share goes to `fp8_gemm_time_s`, the rest
     (attention's core, routed experts) to the bf16 curve with attention's two products, except
     `attention_fwd_flops` of flash attention (local; twice as many backward), which run at the
-    device's `attention_efficiency` (`device_time.attention_time_s`)."""
+    kernel's `attention_efficiency` (`device_time.attention_time_s`)."""
 
     lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, infer_seq(layer, info, profile_dtype)))
     num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
     values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2))
     cast_s = memory_time_s(values * FP8_CAST_BYTES_PER_VALUE, cluster)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(fwd_flops - lin_fwd, bwd_flops - lin_bwd, attention_fwd_flops,
-                                                        ATTENTION_BMMS_PER_BLOCK, cluster, "bf16")
+                                                        ATTENTION_BMMS_PER_BLOCK, cluster, "bf16", attention_efficiency)
     fwd_s = rest_fwd_s + fp8_gemm_time_s(lin_fwd, num_linears, cluster) + cast_s
     bwd_s = rest_bwd_s + fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster) + BACKWARD_CAST_FACTOR * cast_s
     return fwd_s, bwd_s

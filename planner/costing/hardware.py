@@ -21,6 +21,21 @@ def builtin_profiles() -> list[str]:
     return sorted(path.stem for path in PROFILES_DIR.glob("*.toml"))
 
 
+def _validated(path: Path) -> bool:
+    """The profile's `validated` flag, read without building it (the listing must not fail)."""
+    try:
+        return tomllib.loads(path.read_text()).get("validated", True) is not False
+    except (OSError, tomllib.TOMLDecodeError):
+        return True
+
+
+def profile_listing() -> str:
+    """The built-in profiles, those from published specifications only marked: `b200 (not
+    validated)`."""
+    return ", ".join(name if _validated(PROFILES_DIR / f"{name}.toml") else f"{name} (not validated)"
+                     for name in builtin_profiles())
+
+
 def load_cluster(name_or_path: str | Path) -> ClusterProfile:
     """Load a built-in profile by name (`h100-sxm`) or a TOML file by path."""
     text_name = str(name_or_path)
@@ -29,7 +44,7 @@ def load_cluster(name_or_path: str | Path) -> ClusterProfile:
         path = PROFILES_DIR / f"{text_name}.toml"
         if not path.exists():
             raise MeshplanError(f"unknown cluster profile {text_name!r}; built-in profiles: "
-                                f"{', '.join(builtin_profiles())}, or pass a path to a .toml file")
+                                f"{profile_listing()}, or pass a path to a .toml file")
     if not path.exists():
         raise MeshplanError(f"cluster profile file not found: {path}")
     from meshplan.planner.contracts.jsonfile import read_input_text

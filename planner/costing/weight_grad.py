@@ -26,6 +26,7 @@ Read by the cost tables (the ILP), the simulator and the search's step factors
 """
 from __future__ import annotations
 
+from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.graph import LayerProfile
 
 # W's share of the backward for costs built without a model graph (the step factors): a block
@@ -43,7 +44,7 @@ def attention_core_fwd_flops(layer: LayerProfile, seq: int) -> float:
 def weight_grad_share(layer: LayerProfile, seq: int, attention: str = "flash") -> float:
     """Fraction of the layer's backward compute time that is W (see the module docstring)."""
     core = attention_core_fwd_flops(layer, seq)
-    skipped = (layer.fwd_flops - layer.causal_fwd_flops) if attention == "flash" and core else 0.0
+    skipped = (layer.fwd_flops - layer.causal_fwd_flops) if is_fused(attention) and core else 0.0
     backward = layer.bwd_flops - 2.0 * skipped  # what the kernels run (causal flash skips half)
     if backward <= 0:
         return 0.0

@@ -169,8 +169,11 @@ def read_engine_file(path, engine: str | None = None) -> EngineJob | None:
 
 
 def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None = None,
-                global_batch: int | None = None, seq: int | None = None, attention: str = "flash") -> JobEstimate:
+                global_batch: int | None = None, seq: int | None = None, attention: str | None = None) -> JobEstimate:
     """Price an engine config with the simulator and the engine's own memory recipe.
+
+    `attention`: the kernel (`contracts.attention`); None: the engine's default
+    (`attention_kernels.ENGINE_DEFAULT_ATTENTION`: cuDNN fused attention for Megatron-Core).
 
     Command-line values (`model`, `gpus`, `global_batch`, `seq`) fill what the config leaves open
     and override what it says; a cluster must be given (no engine config names its GPUs)."""
@@ -187,6 +190,11 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
         raise MeshplanError(f"the {job.engine} config does not say which GPUs it runs on; pass --cluster PROFILE")
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     notes = list(job.notes)
+    if attention is None:
+        from meshplan.planner.costing.attention_kernels import ENGINE_DEFAULT_ATTENTION
+
+        attention = ENGINE_DEFAULT_ATTENTION.get(job.engine, "flash")
+        notes.append(f"attention: {attention}, {job.engine}'s default kernel (--attention to change it)")
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
     seq = seq or job.seq
     if seq is None:  # DeepSpeed's config never says; a guess would price another job

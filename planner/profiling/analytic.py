@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo
 from meshplan.planner.models.config import TransformerConfig
@@ -231,7 +232,7 @@ def _attention_saved_bytes(cfg: TransformerConfig, seq: int, elem_bytes: int, at
     sharded = elem_bytes * seq * cfg.head_dim if _has_rope(cfg) else 0
     if cfg.qk_norm:
         sharded += elem_bytes * seq * (q_dim + kv_dim) + FP32_BYTES * seq * (heads + cfg.kv_heads)
-    if attention == "flash":
+    if is_fused(attention):
         sharded += elem_bytes * seq * (2 * q_dim + 2 * kv_dim) + FP32_BYTES * heads * seq
         return sharded, 0
     sharded += 3 * FP32_BYTES * seq * q_dim + elem_bytes * seq * q_dim

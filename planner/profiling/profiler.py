@@ -36,11 +36,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshplan.planner.contracts.atomicfile import write_text_atomic
+from meshplan.planner.contracts.attention import ATTENTION_CHOICES, check_attention
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, graph_from_json, graph_to_json
 
 DTYPES = ("bf16", "fp16", "fp32")
-ATTENTION_KINDS = ("flash", "math")
+ATTENTION_KINDS = ATTENTION_CHOICES  # every accepted kernel name (contracts.attention)
 # A child holding more than this share of the forward FLOPs is split into its own children.
 DOMINANT_FLOP_SHARE = 0.5
 MAX_REFINE_DEPTH = 4
@@ -154,8 +155,7 @@ def _check_args(seq, batch, dtype, attention) -> None:
         raise MeshplanError(f"batch must be a positive integer, got {batch!r}")
     if dtype not in DTYPES:
         raise MeshplanError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if attention not in ATTENTION_KINDS:
-        raise MeshplanError(f"unknown attention {attention!r}; use one of {', '.join(ATTENTION_KINDS)}")
+    check_attention(attention)
 
 
 def torch_dtype(name: str):

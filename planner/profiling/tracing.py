@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.errors import MeshplanError
 
 _ATTENTION_ARG_NAMES = ("query", "key", "value")
@@ -75,7 +76,7 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     from meshplan.planner.models.transformer import Attention, _NormOutput
 
     by_reference = Attention.merged_heads_by_reference
-    Attention.merged_heads_by_reference = attention == "flash"
+    Attention.merged_heads_by_reference = is_fused(attention)
     _NormOutput.observers.append(recorder.rebuilt)
     try:
         with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter, \
@@ -368,7 +369,7 @@ class _Recorder:
         query, key, value = (tuple(args) + tuple(named))[:3]
         is_causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)) or self._hf_causal(key)
         start = self.counter.get_total_flops() if self.counter is not None else 0
-        flash = self.attention == "flash"
+        flash = is_fused(self.attention)
         if flash:
             self.muted += 1
         else:

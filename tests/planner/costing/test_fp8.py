@@ -12,7 +12,8 @@ from meshplan.cli import main
 from meshplan.executor.checks import check_plan_runnable, check_precision_runnable
 from meshplan.executor.plans import uniform_plan
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.costing import fp8
+from meshplan.planner.costing import fp8, gemm
+from meshplan.planner.costing.compute_time import kernel_efficiency
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.device_time import attention_time_s, causal_skipped_flops, compute_time_s, memory_time_s
@@ -74,11 +75,16 @@ def test_block_compute_is_fp8_linears_plus_bf16_attention_plus_casts(h100, graph
     # cast: inputs (2 norm outputs, o's input: s x h each; down's input: s x ffn) and the weights
     values = (3 * SEQ * hidden + SEQ * ffn) * mbs + (block.num_params - 2 * hidden)
     cast_s = values * 3 / (h100.device.memory_bw_bytes_per_s * h100.device.memory_efficiency)
-    # flash attention's core (causal half skipped) at the kernels' attention_efficiency, in bf16 both ways
-    attention_s = attention_time_s(local_fwd - linear_fwd * mbs, h100, "bf16")
-    elementwise_s = (bf16.fwd_compute_s - compute_time_s(linear_fwd * mbs, num_linears + 2, h100, "bf16")
-                     - attention_s)
+    # flash attention's core (causal half skipped) at the kernel's efficiency at this sequence
+    # and head width, in bf16 both ways
+    kernel = kernel_efficiency(block, info, h100, "flash", "bf16")
+    attention_s = attention_time_s(local_fwd - linear_fwd * mbs, h100, "bf16", kernel)
     launch_s = compute_time_s(0.0, 2, h100, "bf16")  # the bf16 remainder's launch (nothing else is left in it)
+    # bf16's Linears are priced one GEMM at a time by shape (planner.costing.gemm)
+    shapes = gemm.block_linear_shapes(block, info, SEQ)
+    assert len(shapes) == num_linears
+    elementwise_s = (bf16.fwd_compute_s - gemm.linear_times_s(shapes, mbs * SEQ, 1, h100, "bf16")[0]
+                     - launch_s - attention_s)
     assert got.fwd_compute_s == pytest.approx(attention_s + launch_s + fp8_gemm_s + cast_s + elementwise_s, rel=1e-9)
     assert got.fwd_compute_s < 0.8 * bf16.fwd_compute_s and got.bwd_compute_s < 0.8 * bf16.bwd_compute_s
 

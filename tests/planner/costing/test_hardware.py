@@ -78,3 +78,30 @@ def test_link_kind_efficiency_round_trips_and_bad_values_fail(tmp_path):
     for bad, message in (("all_gather = 0.25", "all_gather = 1.5"), ("all_gather = 0.25", "all_gathr = 0.25")):
         with pytest.raises(MeshplanError, match=r"topology\.intra_node\.kind_efficiency"):
             load_cluster(_write(tmp_path, path.read_text().replace(bad, message)))
+
+
+def test_parts_from_published_specifications_are_marked_and_carry_their_own_numbers():
+    """The H100 variants, Blackwell and MI300X load with their datasheet figures; those no
+    measured run checked say `validated = false`, and the profile listing marks them."""
+    from meshplan.planner.costing.hardware import profile_listing
+
+    parts = {name: load_cluster(name) for name in ("h100-96g-500w", "h100-nvl", "b200", "gb200-nvl72", "mi300x")}
+    assert all(not cluster.validated for cluster in parts.values())
+    assert load_cluster("h100-sxm").validated and load_cluster("a100-80g").validated
+    assert parts["h100-96g-500w"].device.memory_bw_bytes_per_s == 2.4e12      # not the SXM's 3.35 TB/s
+    assert parts["h100-nvl"].device.peak_flops("bf16") == 835e12 and parts["h100-nvl"].device.memory_bytes == 94e9
+    assert parts["b200"].device.peak_flops("bf16") == 2250e12 and parts["b200"].intra_node.bw_bytes_per_s == 900e9
+    assert parts["gb200-nvl72"].gpus_per_node == 72 and parts["gb200-nvl72"].device.num_sms == 148
+    assert parts["mi300x"].device.num_sms == 304 and parts["mi300x"].device.memory_bytes == 192e9
+    assert "fp8" not in load_cluster("a100-80g").device.peak_flops_per_s
+    listing = profile_listing()
+    assert "b200 (not validated)" in listing and "mi300x (not validated)" in listing
+    assert "h100-sxm," in listing and "h100-sxm (" not in listing
+
+
+def test_validated_and_num_sms_are_checked(tmp_path):
+    text = _base_text()
+    with pytest.raises(MeshplanError, match="validated must be true or false"):
+        load_cluster(_write(tmp_path, text.replace('validated = true', 'validated = "no"')))
+    with pytest.raises(MeshplanError, match="num_sms must be an integer >= 0"):
+        load_cluster(_write(tmp_path, text.replace("num_sms = 108", "num_sms = -4")))

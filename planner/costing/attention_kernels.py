@@ -1,0 +1,117 @@
+"""Fused attention kernels' speed by name, sequence length, head dimension and device.
+
+A device profile's `attention_efficiency` is FlashAttention-2's (torch SDPA's flash backend)
+fraction of the bf16 peak on long sequences at head dimension 128, forward and backward, in
+meshplan's FLOP convention (backward counted as twice the forward; the kernels' own papers count
+2.5 times, so a published backward speed b is worth 0.8 b here). Every other kernel is that
+times its speed ratio to FlashAttention-2 on the device's architecture, times
+
+- a sequence ramp s / (s + s_half), normalised to 1 at 16K: short sequences leave SMs idle and
+  pay the per-tile prologue; s_half is fitted (by hand, least squares by eye on the published
+  bars) to each kernel's own curve at head dimension 128, 512 to 16K tokens;
+- a head-dimension factor: at 64 the kernels reach `head_dim_64` of their 128 speed (linear in
+  between, 1 above 128).
+
+Grouped-query attention: the published benchmarks show no separate effect, so none is applied.
+
+Sources (H100 80GB SXM5, BF16): Shah et al. 2024, "FlashAttention-3" (arXiv:2407.08608),
+Figures 5-6: forward causal at head dim 128 reaches 335 (FlashAttention-2), 616 (FlashAttention-3)
+and 539 TFLOP/s (cuDNN) at 16K, backward 322, 561 and 516; at head dim 64 FlashAttention-2 runs
+forward 324 against 370 and backward 264 against 291 (2K), FlashAttention-3 497 against 648 and
+422 against 501, cuDNN 413 against 595 and 395 against 465. Forward F at f and backward 2.5 F at b
+give 3.5 / (1/f + 2.5/b): 326 (FA2), 576 (FA3), 522 TFLOP/s (cuDNN), the ratios below.
+llm-foundry's Triton kernel (flash_attn_triton.py, FlashAttention-1's algorithm with a bias for
+ALiBi): its docstring says "overall Triton forward + backward is slightly slower than CUDA
+forward + backward" (FlashAttention-1), and Dao 2023 ("FlashAttention-2", arXiv:2307.08691)
+reports FlashAttention-2 "around 2x" FlashAttention-1: half of FlashAttention-2's speed. torch's
+memory-efficient backend (xformers' cutlass kernel, the FlashAttention-1 generation): the same
+half, an estimate from the same paper's comparison. Pre-Hopper and newer devices have no FA3 and
+no separate figure for cuDNN: cuDNN is costed as FlashAttention-2 there, FlashAttention-3 refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.planner.contracts.attention import canonical_attention, is_fused
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.errors import MeshplanError
+
+REFERENCE_SEQ = 16384
+REFERENCE_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class KernelSpeed:
+    """One fused kernel: its speed over FlashAttention-2's, its sequence ramp and head-dimension-64
+    factor, all on Hopper. Off Hopper: `elsewhere` names the kernel it is costed as ("": itself,
+    None: it does not run there)."""
+
+    ratio: float
+    seq_half: float
+    head_dim_64: float
+    elsewhere: str | None = ""
+
+    def __post_init__(self):
+        if not self.ratio > 0 or not self.seq_half > 0 or not 0 < self.head_dim_64 <= 1:
+            raise ValueError(f"kernel speed needs ratio > 0, seq_half > 0, head_dim_64 in (0, 1], got {self}")
+
+
+FLASH2 = KernelSpeed(ratio=1.0, seq_half=320.0, head_dim_64=0.89)
+# FlashAttention-1's generation: half of FlashAttention-2, on its ramp and head-dim factor.
+FLASH1_GENERATION = KernelSpeed(ratio=0.5, seq_half=320.0, head_dim_64=0.89)
+KERNEL_SPEEDS = {
+    "flash2": FLASH2,
+    "sdpa-flash": FLASH2,
+    "flash3": KernelSpeed(ratio=576 / 326, seq_half=400.0, head_dim_64=0.80, elsewhere=None),
+    "cudnn": KernelSpeed(ratio=522 / 326, seq_half=330.0, head_dim_64=0.77, elsewhere="flash2"),
+    "triton-alibi": FLASH1_GENERATION,
+    "sdpa-mem-efficient": FLASH1_GENERATION,
+}
+# The kernel each engine runs by default (at the versions meshplan's published runs name):
+# Megatron-Core with Transformer Engine picks cuDNN fused attention on Hopper; torchtitan and
+# DeepSpeed's Hugging Face models call torch SDPA; llm-foundry's MPT benchmarks ran attn_impl triton.
+ENGINE_DEFAULT_ATTENTION = {"meshplan": "sdpa-flash", "megatron": "cudnn", "torchtitan": "sdpa-flash",
+                            "deepspeed": "sdpa-flash", "llm-foundry": "triton-alibi"}
+
+
+def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:
+    """The fused kernel's speed entry; MeshplanError when the device cannot run it."""
+    speed = KERNEL_SPEEDS[canonical_attention(attention)]
+    if cluster.device.architecture == "hopper" or speed.elsewhere == "":
+        return speed
+    if speed.elsewhere is None:
+        raise MeshplanError(f"--attention {attention}: FlashAttention-3 runs on Hopper GPUs only; profile "
+                            f"{cluster.name!r} is {cluster.device.architecture or 'not a GPU'} (use flash2 or cudnn)")
+    return KERNEL_SPEEDS[speed.elsewhere]
+
+
+def shape_factor(speed: KernelSpeed, seq: int, head_dim: int) -> float:
+    """The kernel's speed at (`seq`, `head_dim`) over its speed at 16K tokens and head dim 128."""
+    ramp = 1.0
+    if seq > 0:
+        ramp = (seq / (seq + speed.seq_half)) / (REFERENCE_SEQ / (REFERENCE_SEQ + speed.seq_half))
+    width = 1.0
+    if 0 < head_dim < REFERENCE_HEAD_DIM:
+        share = max(0.0, (head_dim - 64) / (REFERENCE_HEAD_DIM - 64))
+        width = speed.head_dim_64 + (1 - speed.head_dim_64) * share
+    return ramp * width
+
+
+def plateau_from_measured(efficiency: float, seqs, head_dim: int) -> float:
+    """The profile's `attention_efficiency` (16K tokens, head dim 128) from torch SDPA's flash
+    kernel timed at `seqs` and `head_dim` (`calibrate`): the measured figure over the kernel's
+    mean shape factor there, capped at 1."""
+    factors = [shape_factor(FLASH2, seq, head_dim) for seq in seqs]
+    return min(1.0, efficiency * len(factors) / sum(factors)) if efficiency > 0 and factors else efficiency
+
+
+def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head_dim: int) -> float:
+    """Fraction of the bf16 peak a fused kernel reaches at `seq` tokens and `head_dim` (meshplan's
+    FLOP convention); 0 for math attention or a device without `attention_efficiency`."""
+    base = cluster.device.attention_efficiency
+    if base <= 0 or not is_fused(attention):
+        return 0.0
+    if not cluster.device.architecture:  # no GPU generation: a measured figure, as timed
+        return base
+    speed = kernel_speed(attention, cluster)
+    return min(1.0, base * speed.ratio * shape_factor(speed, seq, head_dim))

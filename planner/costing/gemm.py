@@ -1,0 +1,120 @@
+"""GEMM time from its shape: (m, n, k, dtype, device) -> seconds.
+
+A GEMM C[m, n] = A[m, k] B[k, n] of 2 m n k FLOPs takes the longer of
+- its compute: the FLOPs at the dtype's peak x `matmul_efficiency` (the fitted whole-layer
+  fraction large GEMMs reach), x the size curve f / (f + `matmul_half_efficiency_flops`) of its
+  own FLOPs f (fixed per-GEMM costs: launch, prologue, epilogue), x its wave efficiency;
+- its memory traffic: A, B and C once each (m k + k n + m n elements) at the achieved bandwidth
+  (thin shards and small micro-batches become memory-bound, the roofline).
+
+Wave efficiency (tile and wave quantisation): cuBLAS/CUTLASS cut C into output tiles, one per
+SM at a time; a GEMM runs ceil(tiles / SMs) waves, and a partly filled tile or last wave costs as
+much as a full one. With tiles Tm x Tn over `num_sms` SMs, the useful fraction is
+m n / (ceil(m/Tm) ceil(n/Tn) Tm Tn) x tiles / (waves x SMs). cuBLAS's heuristics choose among
+tile shapes per problem, so the best of `TILE_SHAPES` is taken (the tile and wave quantisation of
+NVIDIA's "Matrix Multiplication Background User's Guide", whose A100 examples use 256x128 and
+128x128 tiles; CUTLASS's Hopper BF16 kernels default to 128x256). A profile with
+`num_sms = 0` (the CPU) has no tiles and no roofline: its curve was measured as a whole.
+
+The ceiling: the largest BF16 matmul a tuned sweep finds reaches 85.9% of A100 SXM's peak and
+80.1% of H100 SXM's (ml-engineering's "Maximum Achievable Matmul FLOPS" table, mamf-finder over
+shapes, CUDA 12.1); `MAX_ACHIEVABLE_MATMUL_FRACTION` keeps those figures, and a profile's fitted
+`matmul_efficiency` (whole layers, with their norms' and launches' losses) must stay below them
+(a test holds it).
+
+A transformer block's Linears are priced one GEMM at a time from the model's shapes
+(`block_linear_shapes`): forward (tokens x in -> out), the input gradient (tokens x out -> in) and
+the weight gradient (in x tokens -> out) per Linear, each on the rank's tokens and TP shard.
+Times are cached per shape and device: the search prices the same shapes many times.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from meshplan.planner.contracts.cluster import ClusterProfile, DeviceProfile
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp8": 1}
+TILE_SHAPES = ((128, 256), (256, 128), (128, 128))
+# ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table".
+MAX_ACHIEVABLE_MATMUL_FRACTION = {"A100 SXM": 0.859, "GH200": 0.830, "H100 SXM": 0.801, "MI300X": 0.601}
+
+
+def wave_efficiency(m: int, n: int, num_sms: int) -> float:
+    """Useful fraction of the output tiles' SM time over the waves they run in (best tile).
+
+    A dimension below a tile's shrinks the tile to it (rounded up to the MMA granularity of 16,
+    as cuBLAS's narrow kernels do), and a GEMM of fewer tiles than SMs pays its padding only:
+    cuBLAS splits K (split-K / stream-K) to occupy the idle SMs."""
+    if num_sms <= 0 or m <= 0 or n <= 0:
+        return 1.0
+    best = 0.0
+    for tile_m, tile_n in TILE_SHAPES:
+        tile_m, tile_n = min(tile_m, 16 * math.ceil(m / 16)), min(tile_n, 16 * math.ceil(n / 16))
+        tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+        waves = 1.0 if tiles < num_sms else tiles / (math.ceil(tiles / num_sms) * num_sms)
+        best = max(best, (m * n) / (tiles * tile_m * tile_n) * waves)
+    return best
+
+
+def _device_key(device: DeviceProfile, dtype: str) -> tuple:
+    return (device.peak_flops(dtype), device.matmul_efficiency, device.matmul_half_efficiency_flops, device.num_sms,
+            device.memory_bw_bytes_per_s * device.memory_efficiency)
+
+
+@lru_cache(maxsize=65536)
+def _gemm_time_s(m: int, n: int, k: int, elem_bytes: int, key: tuple) -> float:
+    peak, efficiency, half_flops, num_sms, bandwidth = key
+    flops = 2.0 * m * n * k
+    if flops <= 0:
+        return 0.0
+    achieved = peak * efficiency * flops / (flops + half_flops) * wave_efficiency(m, n, num_sms)
+    compute_s = flops / achieved
+    if num_sms <= 0:
+        return compute_s
+    return max(compute_s, (m * k + k * n + m * n) * elem_bytes / bandwidth)
+
+
+def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: str) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM in `dtype` on the cluster's device (no launch
+    overhead: the layer's kernel sequence pays that once)."""
+    dims = tuple(max(1, round(d)) for d in (m, n, k))
+    return _gemm_time_s(*dims, DTYPE_BYTES.get(dtype, 2), _device_key(cluster.device, dtype))
+
+
+def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[tuple[int, int, bool], ...]:
+    """(in, out, column) of a dense transformer block's Linears, before TP (column: split on its
+    output, else on its input), from the model's shapes; () when the shapes do not reproduce the
+    layer's Linear FLOPs (traced or MoE layers: those stay on the FLOP-only curve)."""
+    if layer.kind != "block" or layer.tp_split.kind != "block" or layer.expert_params or not info.hidden \
+            or not info.num_heads or not seq:
+        return ()
+    head_dim = info.head_dim or info.hidden // info.num_heads
+    q_dim, kv_dim = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
+    ffn = info.ffn or layer.tp_split.mlp_width
+    column_mlp = 1 if info.family == "gpt" else 2
+    shapes = ((info.hidden, q_dim, True), (info.hidden, kv_dim, True), (info.hidden, kv_dim, True),
+              (q_dim, info.hidden, False)) + ((info.hidden, ffn, True),) * column_mlp + ((ffn, info.hidden, False),)
+    linear_fwd = layer.fwd_flops - layer.attn_fwd_flops
+    counted = 2 * seq * sum(i * o for i, o, _ in shapes)
+    if not linear_fwd or abs(counted - linear_fwd) > 0.01 * linear_fwd:
+        return ()
+    return shapes
+
+
+def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the Linears `shapes` on `tokens` rows of one rank, each
+    split `tp` ways (column Linears on their output, row Linears on their input)."""
+    fwd_s = bwd_s = 0.0
+    for in_dim, out_dim, column in shapes:
+        in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
+        fwd_s += gemm_time_s(tokens, out_local, in_local, cluster, dtype)
+        bwd_s += (gemm_time_s(tokens, in_local, out_local, cluster, dtype)      # input gradient
+                  + gemm_time_s(in_local, out_local, tokens, cluster, dtype))   # weight gradient
+    return fwd_s, bwd_s
+
+
+def linear_flops(shapes, tokens: float, tp: int) -> float:
+    """Forward FLOPs of the Linears `shapes` on `tokens` rows of one rank (backward: twice)."""
+    return 2.0 * tokens * sum(i * o for i, o, _ in shapes) / tp
