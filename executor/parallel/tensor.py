@@ -14,8 +14,9 @@ def apply_tp(stage: StageModule, tp_mesh, sp: bool, recompute: dict[str, str] | 
     With sequence parallelism the residual stream between blocks is sharded along the sequence,
     norms run as `SequenceParallel`, and the embedding output / head input are converted at the
     edges. A tied embedding stays tied: both weights are (vocab, hidden) sharded on dim 0.
-    Blocks without recomputation (`recompute`: layer name -> mode) keep only the sequence shard
-    of each region's input for backward and gather it again there, as Megatron-LM does.
+    Blocks without full recomputation (`recompute`: layer name -> mode; selective checkpoints only
+    the attention core) keep only the sequence shard of each region's input for backward and
+    gather it again there, as Megatron-LM does.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
@@ -23,7 +24,7 @@ def apply_tp(stage: StageModule, tp_mesh, sp: bool, recompute: dict[str, str] | 
 
     recompute = recompute or {}
     for name, block in stage.blocks.items():
-        keep_shard = recompute.get(f"blocks.{name}", "none") == "none"
+        keep_shard = recompute.get(f"blocks.{name}", "none") != "full"
         parallelize_module(block, tp_mesh, block_tp_plan(block, sp, keep_shard=keep_shard))
     if stage.embed is not None:
         # GPT adds learned positions after the token lookup, so the lookup's output is replicated
