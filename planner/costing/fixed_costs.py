@@ -101,14 +101,14 @@ def pipeline_action_s(pp: int, cluster: ClusterProfile) -> float:
 
 def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int, precision: str = "fp32") -> bool:
     """Whether the executor holds this layer's parameters as DTensors: split by TP, or wrapped
-    by FSDP / replicate across data-parallel ranks (`planner.costing.state_memory.dp_method`)."""
+    by FSDP / replicate (`planner.costing.state_memory.dp_method`)."""
     return (tp > 1 and tp_split) or dp_wrapped(tp, dp, zero, pp, precision)
 
 
 def dp_wrapped(tp: int, dp: int, zero: int, pp: int, precision: str = "fp32") -> bool:
-    """FSDP or replicate wraps each layer across data-parallel ranks (not DDP; a single replica's
-    bf16 `replicate` runs no collective, so none of their host copies)."""
-    return dp > 1 and dp_method(zero, dp, tp, pp, precision) in ("fsdp", "replicate")
+    """FSDP or replicate wraps each layer (not DDP, not a single fp32 replica; every bf16-mixed
+    layout, one replica included: `planner.costing.state_memory.dp_method`)."""
+    return dp_method(zero, dp, tp, pp, precision) in ("fsdp", "replicate")
 
 
 def dp_host_overhead_s(zero: int, pp: int, param_bytes: float, grad_bytes: float,
