@@ -35,13 +35,13 @@ Selective recomputation checkpoints the attention core alone (`executor.parallel
 with flash attention it frees the kernel's softmax statistics and nothing else, so it reads as
 no recomputation (+0.3% for Llama under TP + SP, -4.2% on a pipeline's first stage).
 
-Residual differences, inside the tolerance (measured -4.0% to +1.6% without pipelining, -7.7% to
-+4.4% with it): the profile counts a copy of the attention output before the o Linear that the CPU
+Residual differences, inside the tolerance (measured -4.5% to +0.7% without pipelining, -8.2% to
++1.3% with it): the profile counts a copy of the attention output before the o Linear that the CPU
 flash kernel's layout makes a view for GPT (0.06 MiB per block and micro-batch here, predicted but
 not allocated); the model keeps no per-layer backward working set (weight-gradient temporaries
 while accumulating, a tied embedding's pending gradient: up to ~0.8 MiB here, allocated but not
 predicted); bf16-mixed ZeRO-2 under pipelining allocates ~0.5 MiB per stage more than the
-backward's reduce-scatter transient rule says (-7.9%).
+backward's reduce-scatter transient rule says (-8.2%).
 """
 from __future__ import annotations
 

@@ -110,8 +110,8 @@ def test_block_activations_match_korthikanti_without_dropout(tp):
 
     # Korthikanti's formulas with the dropout terms removed (see gpt_layers): 34 -> 32, 10 -> 8,
     # 5as/h -> 2as/h. Exact: the cost model applies the division rules to exact byte counts.
-    # Megatron-LM's realisation (recipe "zero-paper"); `meshplan train` keeps more under autocast
-    # and SP (test_executor_activation_rules).
+    # Megatron-LM's realisation (recipe "zero-paper"); `meshplan train` keeps the same in a block
+    # (test_executor_activation_rules).
     assert act() == pytest.approx(sbh * (8 + 24 / tp + 2 * a * s / (h * tp)), rel=1e-12)
     if tp == 1:
         assert act() == pytest.approx(sbh * (32 + 2 * a * s / h), rel=1e-12)
