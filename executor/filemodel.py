@@ -163,6 +163,7 @@ def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None
     kwargs = {"mesh": dp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+        _cast_norm_statistics(module, mp_policy.param_dtype)
     if method == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
     else:
@@ -173,6 +174,19 @@ def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None
         wrap(unit, **kwargs)
     wrap(module, **kwargs)
     return module
+
+
+def _cast_norm_statistics(module, dtype) -> None:
+    """Batch norms' running statistics in the compute dtype: FSDP2's policy casts parameters, not
+    buffers, and CPU kernels refuse mixed dtypes. Training normalises by each batch's own
+    statistics, so only evaluation reads the rounded running ones."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    for sub in module.modules():
+        if isinstance(sub, _BatchNorm):
+            for name, buffer in sub.named_buffers(recurse=False):
+                if buffer is not None and buffer.is_floating_point():
+                    setattr(sub, name, buffer.to(dtype))
 
 
 def _fsdp_units(built, root) -> list:
