@@ -144,7 +144,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                 apply_recompute(stage.layer(name), recompute[name])
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp, cfg.precision)
     mp_policy = mixed_precision(cfg.precision)
-    # experts first: their own FSDP units (ZeRO 1-3), or left out of DDP / replicate (ZeRO-0)
+    # experts first: their own FSDP units (ZeRO 1-3, bf16-mixed ZeRO-0), or left out of DDP / replicate
     left_out = set().union(*(apply_expert_dp(stage, edp_mesh, cfg.zero, method, mp_policy)
                              for stage in stages)) if cfg.ep > 1 else set()
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy, left_out) for stage in stages)
@@ -180,7 +180,6 @@ def _parts_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, mesh, 
                    norm_weights=_norm_weights(parts.stages, cfg, parts.tied), schedule=schedule,
                    tied_group=tied_group, tied_local=parts.tied and cfg.pp > 1 and {0, last} <= set(parts.chunk_ids),
                    loss_fn=parts.loss_fn, forward_fn=parts.forward_fn)
-
 
 
 def _set_aux_grad_scale(stages, cfg) -> None:
