@@ -479,8 +479,8 @@ def test_executor_activation_rules():
 
 
 def test_executor_memory_extras(tmp_path, monkeypatch):
-    """`executor_memory.executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
-    whole-table gradient, FSDP2's retained all-gather output and ZeRO-3's gathered root unit."""
+    """`executor_memory.executor_memory_extras`: the loss's fp32 copies of the logits, FSDP2's retained
+    all-gather output and ZeRO-3's gathered root unit; a vocab-parallel embedding's gradient stays sharded."""
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
     from meshplan.planner.profiling.profiler import profile
 
@@ -496,9 +496,9 @@ def test_executor_memory_extras(tmp_path, monkeypatch):
     assert cost(gpt, -1).buffer_bytes == pytest.approx(2 * 4 * logits)  # nll_loss + log_softmax backward
     assert cost(gpt, -1, tp=2).buffer_bytes == pytest.approx(3 * 4 * logits / 2)  # loss_parallel
     assert cost(gpt, -1, state_recipe="zero-paper").buffer_bytes == 0
-    # an untied vocab-parallel embedding accumulates the whole table's gradient; tied, it stays sharded
+    # a vocab-parallel embedding's gradient stays sharded, tied or not (Megatron-LM's lookup)
     embed = cost(llama, 0, tp=2)
-    assert embed.grad_bytes == pytest.approx(4 * vocab * hidden)
+    assert embed.grad_bytes == pytest.approx(4 * vocab * hidden / 2)
     assert cost(gpt, 0, tp=2).grad_bytes == pytest.approx(4 * gpt.layers[0].num_params / 2)  # tied: no extra
     block = gpt.layers[1]
     full = 4 * block.num_params  # one unsharded fp32 copy of the block
