@@ -16,8 +16,8 @@ What the numbers rest on (each rule is documented where it lives):
   selective recomputation dropping the attention core's saved output; the SP head's gathered
   Linear input);
 - transients and extras, `executor_memory.executor_memory_extras` (the loss's fp32 copies of the
-  logits, loss_parallel's three; the TP embedding's whole-table gradient; FSDP2's retained
-  all-gather output and ZeRO-3's gathered root unit).
+  logits, loss_parallel's three; FSDP2's retained all-gather output and ZeRO-3's gathered root
+  unit); the vocab-parallel embedding's gradient stays sharded (`executor.parallel.tensor`).
 
 Pipeline boundary tensors are in the model (`planner.simulation.schedules.held_boundary_bytes`,
 the same rule in the simulator and the ILP). torch's `PipelineStage` would keep
@@ -25,7 +25,8 @@ a receive buffer per micro-batch for its input and one for its output's gradient
 run; the executor's stages (`executor.parallel.pipeline.LeanBuffersStage`) allocate each when
 its receive is posted and free it after that micro-batch's backward, so one per boundary and
 direction is in transit and a received input counts once, as its chunk's saved input (the
-32-micro-batch 1F1B plan reads the same as the 4-micro-batch one). The multi-chunk schedules
+32-micro-batch 1F1B plan reads the same as the 4-micro-batch one, whose selective
+recomputation keeps what none keeps under flash attention). The multi-chunk schedules
 keep every send's tensor until the step ends; the stages free the outputs they sent on once
 their gradient is back, the input gradients sent back stay, which the 32-micro-batch
 interleaved plan shows (counting no sends it read -19%). The executor asks the schedule not to keep the last chunk's
@@ -65,7 +66,7 @@ TWO_PROCESS = {
     "dp2-zero3": dict(dp=2, microbatch_size=2, zero=3),
     "tp2": dict(tp=2, microbatch_size=4),
     "tp2-sp-llama": dict(tp=2, sp=True, microbatch_size=4, spec=LLAMA),
-    "pp2-1f1b": dict(pp=2, microbatch_size=2, schedule="1f1b"),
+    # 1F1B without recomputation: the 32-micro-batch plan below
     "pp2-1f1b-selective": dict(pp=2, microbatch_size=2, schedule="1f1b", recompute="selective"),
     "pp2-interleaved": dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
     # many micro-batches: the stages free their receive buffers (flat in m under 1F1B); the
@@ -76,10 +77,10 @@ TWO_PROCESS = {
     "cp2-llama": dict(cp=2, microbatch_size=4, spec=LLAMA),
     # bf16-mixed: FSDP2's mixed-precision policy everywhere (`replicate` for ZeRO-0: bf16
     # compute copies kept for the step, fp32 masters; `fully_shard` for ZeRO 1-3), bf16 activations
-    "dp2-ddp-bf16": dict(dp=2, microbatch_size=2, precision="bf16-mixed"),
     "tp2-sp-selective-llama-bf16": dict(tp=2, sp=True, microbatch_size=4, recompute="selective", spec=LLAMA,
                                         precision="bf16-mixed"),
     "dp2-zero1-bf16": dict(dp=2, microbatch_size=2, zero=1, precision="bf16-mixed"),
+    # replicate over dp 2 for the dense part, over the expert data ranks for the experts
     "ep2-moe-bf16": dict(dp=2, ep=2, microbatch_size=2, spec=MOE, precision="bf16-mixed"),
 }
 FOUR_PROCESS = {
