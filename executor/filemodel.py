@@ -56,21 +56,15 @@ class ModelParts:
 
 def file_parts(plan, device, seed: int, dp_mesh) -> ModelParts:
     """The whole model on every rank (pp = tp = 1): seeded CPU weights, recompute, DP."""
-    import torch
-
+    from meshplan.executor.parallel.data import mixed_precision
     from meshplan.planner.costing.state_memory import dp_method
 
     cfg = plan.config
     built = build_seeded(plan, seed)
     module = built.module.to(device)
     apply_file_recompute(plan, built)
-    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
-    mp_policy = None
-    if cfg.precision == "bf16-mixed" and method == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    wrapped = apply_file_dp(module, built, dp_mesh, cfg.zero, method, mp_policy)
+    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp, cfg.precision)
+    wrapped = apply_file_dp(module, built, dp_mesh, cfg.zero, method, mixed_precision(cfg.precision))
     forward_fn, loss_fn = training_fns(built)
     return ModelParts((0,), (module,), (wrapped,), method, loss_fn, forward_fn)
 
@@ -158,22 +152,41 @@ def apply_file_recompute(plan, built) -> None:
 
 
 def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None):
-    """DDP for ZeRO-0, `fully_shard` per layer (`_fsdp_units`) then on the whole module for ZeRO-1/2/3."""
+    """Per `state_memory.dp_method`: DDP (fp32 ZeRO-0), or FSDP2 `replicate` (bf16-mixed ZeRO-0)
+    or `fully_shard` (ZeRO-1/2/3) per layer (`_fsdp_units`), then on the whole module."""
     if method == "none":
         return module
     if method == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module, process_group=dp_mesh.get_group())
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = {"mesh": dp_mesh, "reshard_after_forward": zero == 3}
+    kwargs = {"mesh": dp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+        _cast_norm_statistics(module, mp_policy.param_dtype)
+    if method == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+    else:
+        from torch.distributed.fsdp import fully_shard as wrap
+
+        kwargs["reshard_after_forward"] = zero == 3
     for unit in _fsdp_units(built, module):
-        fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
+        wrap(unit, **kwargs)
+    wrap(module, **kwargs)
     return module
+
+
+def _cast_norm_statistics(module, dtype) -> None:
+    """Batch norms' running statistics in the compute dtype: FSDP2's policy casts parameters, not
+    buffers, and CPU kernels refuse mixed dtypes. Training normalises by each batch's own
+    statistics, so only evaluation reads the rounded running ones."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    for sub in module.modules():
+        if isinstance(sub, _BatchNorm):
+            for name, buffer in sub.named_buffers(recurse=False):
+                if buffer is not None and buffer.is_floating_point():
+                    setattr(sub, name, buffer.to(dtype))
 
 
 def _fsdp_units(built, root) -> list:

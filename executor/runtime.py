@@ -142,9 +142,9 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
         for name in stage.layer_names:
             if name != "embed":
                 apply_recompute(stage.layer(name), recompute[name])
-    method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
-    mp_policy = mixed_precision(stages, cfg.precision, method)
-    # experts first: their own FSDP units (ZeRO 1-3), or left out of DDP / replicate (ZeRO-0)
+    method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp, cfg.precision)
+    mp_policy = mixed_precision(cfg.precision)
+    # experts first: their own FSDP units (ZeRO 1-3, bf16-mixed ZeRO-0), or left out of DDP / replicate
     left_out = set().union(*(apply_expert_dp(stage, edp_mesh, cfg.zero, method, mp_policy)
                              for stage in stages)) if cfg.ep > 1 else set()
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy, left_out) for stage in stages)
@@ -180,15 +180,6 @@ def _parts_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, mesh, 
                    norm_weights=_norm_weights(parts.stages, cfg, parts.tied), schedule=schedule,
                    tied_group=tied_group, tied_local=parts.tied and cfg.pp > 1 and {0, last} <= set(parts.chunk_ids),
                    loss_fn=parts.loss_fn, forward_fn=parts.forward_fn)
-
-
-    if method in ("fsdp", "replicate"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stage in stages:
-        stage.autocast_dtype = torch.bfloat16
-    return None
 
 
 def _set_aux_grad_scale(stages, cfg) -> None:
@@ -401,18 +392,13 @@ def _file_forward_backward(runtime: Runtime, inputs: tuple):
     cfg = runtime.plan.config
     num_microbatches = cfg.num_microbatches
     defer_sync = cfg.zero <= 1
-    # bf16-mixed without FSDP's policy: autocast (fp32 master weights and gradients).
-    autocast = cfg.precision == "bf16-mixed" and runtime.dp_method != "fsdp"
     total = torch.zeros((), device=runtime.device)
     pieces = [x.chunk(num_microbatches) for x in inputs]
     for index in range(num_microbatches):
         micro = tuple(piece[index].to(runtime.device) for piece in pieces)
         last = index == num_microbatches - 1
-        precision = (torch.autocast(device_type=runtime.device.type, dtype=torch.bfloat16) if autocast
-                     else nullcontext())
         with _gradient_sync(runtime, module, sync=last or not defer_sync):
-            with precision:
-                loss = runtime.loss_fn(runtime.forward_fn(module, micro), micro)
+            loss = runtime.loss_fn(runtime.forward_fn(module, micro), micro)
             (loss.float() / num_microbatches).backward()
         total += _scalar(loss)
     return total / num_microbatches

@@ -47,18 +47,15 @@ def apply_dp(stage: StageModule, dp_mesh, zero: int, method: str, mp_policy=None
     return stage
 
 
-def mixed_precision(stages, precision: str, method: str):
-    """bf16-mixed: FSDP2's policy (bf16 compute and gathers, fp32 gradient reduction, fp32
-    master weights) where FSDP or replicate wraps the chunk (returned), autocast with fp32
-    weights otherwise (set on the stages; None returned)."""
+def mixed_precision(precision: str):
+    """bf16-mixed: FSDP2's policy (bf16 compute weights cast once per gather, bf16 activations
+    and residual stream, fp32 gradient reduction, fp32 master weights); None for fp32.
+    `state_memory.dp_method` wraps every bf16-mixed layout in `replicate` or `fully_shard`, so
+    the policy always has a wrapper to act through."""
     import torch
 
     if precision != "bf16-mixed":
         return None
-    if method in ("fsdp", "replicate"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stage in stages:
-        stage.autocast_dtype = torch.bfloat16
-    return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -109,18 +109,24 @@ def apply_expert_dp(stage, edp_mesh, zero: int, method: str, mp_policy=None) -> 
     """Data parallelism of the experts over their expert data-parallel mesh, before `apply_dp`.
 
     ZeRO 1-3: one FSDP2 unit per block's experts over `edp_mesh` (which averages their gradients
-    over it); returns no parameters. ZeRO-0: returns the expert parameters, which DDP / replicate
-    must leave out. `ExpertGradients.finish` completes both after the backward.
+    over it); returns no parameters. bf16-mixed ZeRO-0: one `replicate` unit per block's experts
+    over `edp_mesh`, so that the mixed-precision policy casts them too. fp32 ZeRO-0: returns the
+    expert parameters, which DDP / replicate must leave out. `ExpertGradients.finish` completes
+    them all after the backward.
     """
-    if method in ("ddp", "replicate", "none"):
+    if method in ("ddp", "none") or (method == "replicate" and mp_policy is None):
         return set(expert_parameters(stage))
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = {"mesh": edp_mesh, "reshard_after_forward": zero == 3}
+    kwargs = {"mesh": edp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if method == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+    else:
+        from torch.distributed.fsdp import fully_shard as wrap
+
+        kwargs["reshard_after_forward"] = zero == 3
     for moe in moe_blocks(stage):
-        fully_shard(moe.experts, **kwargs)
+        wrap(moe.experts, **kwargs)
     return set()
 
 

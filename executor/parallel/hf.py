@@ -134,30 +134,19 @@ def _whole_parts(plan, built, device, mesh, dp_mesh):
     for index, layer in enumerate(layers):
         apply_layer_tp(layer, mesh["tp"], f"blocks.{index}")
     apply_file_recompute(plan, built)
-    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp)
+    method = dp_method(cfg.zero, cfg.dp, cfg.tp, cfg.pp, cfg.precision)
     wrapped = _whole_dp(module, built, dp_mesh, cfg, method)
     forward_fn, loss_fn = training_fns(built)
     return ModelParts((0,), (module,), (wrapped,), method, loss_fn, forward_fn)
 
 
 def _whole_dp(module, built, dp_mesh, cfg, method: str):
-    """FSDP2 `replicate` (ZeRO-0) or `fully_shard` (ZeRO 1-3) per layer, then on the model;
-    bf16-mixed: FSDP's policy under `fully_shard`, autocast otherwise (as for DP-only HF plans)."""
-    from meshplan.executor.filemodel import _fsdp_units, apply_file_dp
+    """FSDP2 `replicate` (ZeRO-0) or `fully_shard` (ZeRO 1-3) per layer, then on the model, with
+    FSDP's mixed-precision policy under bf16-mixed (as for DP-only HF plans)."""
+    from meshplan.executor.filemodel import apply_file_dp
+    from meshplan.executor.parallel.data import mixed_precision
 
-    if method != "replicate":
-        mp_policy = None
-        if cfg.precision == "bf16-mixed" and method == "fsdp":
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        return apply_file_dp(module, built, dp_mesh, cfg.zero, method, mp_policy)
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    for unit in _fsdp_units(built, module):
-        replicate(unit, mesh=dp_mesh)
-    replicate(module, mesh=dp_mesh)
-    return module
+    return apply_file_dp(module, built, dp_mesh, cfg.zero, method, mixed_precision(cfg.precision))
 
 
 # -------------------------------------------------------------------------------- pipeline stages
@@ -208,7 +197,6 @@ class HFStage(nn.Module):
         self.glue = nn.ModuleDict({n: m for n, m in base.named_children() if n not in skip})
         self.layer_names = list(layer_names)
         self.tied_embeddings = False
-        self.autocast_dtype: torch.dtype | None = None  # set when autocast (not FSDP) does mixed precision
         self._incoming = None  # a later chunk's input while its forward runs
         self._skeleton = (_skeleton(model, parts, layer_list, indices, last),)  # not a submodule
         target = layer_list[indices[0]] if indices else norm
@@ -225,12 +213,6 @@ class HFStage(nn.Module):
         return args, {**kwargs, "hidden_states": self._incoming.to(kwargs["hidden_states"].dtype)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.autocast_dtype is None:
-            return self._run(x)
-        with torch.autocast(device_type=x.device.type, dtype=self.autocast_dtype):
-            return self._run(x)
-
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
         mask = profile_mask(x.shape[1], x.device)  # none on a real device: transformers builds each layer's
         inputs = {"input_ids": x} if self.embed is not None else {"inputs_embeds": x.detach()}
         self._incoming = None if self.embed is not None else x
@@ -297,8 +279,8 @@ def _pipeline_parts(plan, built, device, mesh, dp_mesh):
             if name != "embed":
                 for module in stage.layer(name):
                     apply_recompute(module, recompute[name])
-    method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp)
-    mp_policy = mixed_precision(stages, cfg.precision, method)
+    method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp, cfg.precision)
+    mp_policy = mixed_precision(cfg.precision)
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)
 
     def loss_fn(logits, micro):  # micro: (targets,) as the pipeline schedule passes them
@@ -306,11 +288,3 @@ def _pipeline_parts(plan, built, device, mesh, dp_mesh):
 
     return ModelParts(tuple(chunk_ids), tuple(stages), modules, method, loss_fn, tied=tied)
 
-
-    if method in ("fsdp", "replicate"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for stage in stages:
-        stage.autocast_dtype = torch.bfloat16
-    return None

@@ -21,15 +21,8 @@ class StageModule(nn.Module):
         self.head = model.head if "head" in layer_names else None
         self.layer_names = list(layer_names)
         self.tied_embeddings = bool(getattr(model.cfg, "tied_embeddings", False))
-        self.autocast_dtype: torch.dtype | None = None  # set when autocast (not FSDP) does mixed precision
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.autocast_dtype is None:
-            return self._layers(h)
-        with torch.autocast(device_type=h.device.type, dtype=self.autocast_dtype):
-            return self._layers(h)
-
-    def _layers(self, h: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             h = self.embed(h)
         for block in self.blocks.values():

@@ -1,7 +1,6 @@
 """What `meshplan train` allocates for one layer beyond the model states of
 `planner.costing.state_memory` and the saved activations of `planner.costing.activation_memory`:
-the loss's fp32 copies, a vocab-parallel embedding's whole gradient, FSDP2's gathered and
-reduce-scatter buffers. Each rule was measured on CPU (tests/executor/test_memory_prediction.py)."""
+the loss's fp32 copies, FSDP2's gathered and reduce-scatter buffers. Each rule was measured on CPU (tests/executor/test_memory_prediction.py)."""
 from __future__ import annotations
 
 from meshplan.planner.contracts.config import ParallelConfig
@@ -27,11 +26,8 @@ def executor_memory_extras(layer: LayerProfile, config: ParallelConfig, info: Mo
       (`LOSS_FP32_COPIES`); under TP, `loss_parallel`'s backward builds the one-hot mask,
       exp(log-probs) and their sum (`LOSS_PARALLEL_FP32_COPIES`). A transient of the backward's
       first step, while every activation of the micro-batch is still live;
-    - a vocab-parallel embedding under TP whose weight is not tied to a head on the same rank:
-      its gradient comes back as a Replicate DTensor of the whole (vocab, hidden) table and is
-      sharded only after the last micro-batch (`executor.runtime._align_grad_placements`), so
-      the step holds the whole table's fp32 gradient, not 1/t of it. (Tied to the head on the
-      rank, the sum with the head's sharded gradient stays sharded: measured);
+    - (a vocab-parallel embedding's gradient stays sharded, 1/t of the table, as Megatron-LM
+      keeps it: `executor.parallel.tensor.vocab_parallel_lookup`; nothing to add);
     - FSDP2 (ZeRO 1-3, dp > 1) without pipelining: each unit's all-gather output stays alive
       until the next unit's all-gather (`comm_ctx.all_gather_state`, kept so the copy-in buffer
       is not reused early): one more unsharded copy of a unit's parameters, transient, during
@@ -58,10 +54,6 @@ def executor_memory_extras(layer: LayerProfile, config: ParallelConfig, info: Mo
     if layer.kind == "head" and layer.tp_split.kind == "vocab":
         logits = layer.output_bytes / DTYPE_BYTES.get(profile_dtype, 2) * mbs * vocab_scale / (tp if split else 1)
         extra_buffer += 4.0 * logits * (LOSS_PARALLEL_FP32_COPIES if split else LOSS_FP32_COPIES)
-    if layer.kind == "embedding" and split and info.hidden and info.padded_vocab \
-            and not (info.tied_embeddings and config.pp == 1):
-        table = info.padded_vocab * vocab_scale * info.hidden
-        extra_grads += 4.0 * table * (1 - 1 / tp)
     if dp > 1 and zero >= 1:
         # under pipelining a ZeRO-1/2 unit is gathered once per step, in the first micro-batch's
         # forward, far from the peak: not added; ZeRO-3 gathers in every micro-batch's forward

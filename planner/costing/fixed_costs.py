@@ -30,6 +30,7 @@ from __future__ import annotations
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.costing.state_memory import dp_method
 
 # Bytes of the gradient-norm all-reduce (one float64 scalar).
 GRAD_NORM_BYTES = 8
@@ -98,16 +99,16 @@ def pipeline_action_s(pp: int, cluster: ClusterProfile) -> float:
     return cluster.device.pipeline_action_overhead_s if pp > 1 else 0.0
 
 
-def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int) -> bool:
+def holds_dtensors(tp_split: bool, tp: int, dp: int, zero: int, pp: int, precision: str = "fp32") -> bool:
     """Whether the executor holds this layer's parameters as DTensors: split by TP, or wrapped
-    by FSDP / replicate (every data-parallel layout except plain DDP: dp > 1 with ZeRO-0, no TP,
-    no PP; see `planner.costing.state_memory.dp_method`)."""
-    return (tp > 1 and tp_split) or dp_wrapped(tp, dp, zero, pp)
+    by FSDP / replicate (`planner.costing.state_memory.dp_method`)."""
+    return (tp > 1 and tp_split) or dp_wrapped(tp, dp, zero, pp, precision)
 
 
-def dp_wrapped(tp: int, dp: int, zero: int, pp: int) -> bool:
-    """FSDP or replicate wraps each layer (not DDP, not single replica)."""
-    return dp > 1 and not (zero == 0 and tp == 1 and pp == 1)
+def dp_wrapped(tp: int, dp: int, zero: int, pp: int, precision: str = "fp32") -> bool:
+    """FSDP or replicate wraps each layer (not DDP, not a single fp32 replica; every bf16-mixed
+    layout, one replica included: `planner.costing.state_memory.dp_method`)."""
+    return dp_method(zero, dp, tp, pp, precision) in ("fsdp", "replicate")
 
 
 def dp_host_overhead_s(zero: int, pp: int, param_bytes: float, grad_bytes: float,

@@ -41,6 +41,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing.activation_memory import keeps_gathered_input
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
 
@@ -205,7 +206,7 @@ def adjust_memory(layer: LayerProfile, info: ModelInfo, config, split: bool, exe
     if not is_fp8(config.precision) or not converts(layer):
         return activation_bytes, buffer_bytes
     tp = config.tp if split else 1
-    gathered = executor and split and config.sp and config.recompute == "selective"  # activation_memory's SP rule
+    gathered = keeps_gathered_input(layer, config, executor)
     saving = saved_bytes_saving(layer, info, tp, config.sp, gathered, config.rank_microbatch, scale)
     if config.recompute == "full":
         buffer_bytes -= saving

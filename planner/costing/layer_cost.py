@@ -188,7 +188,7 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)
         pass_s = fixed_costs.tp_pass_overhead_s(layer, stream_bytes, config.sp, cluster)
         tp_fwd_s, tp_bwd_s = tp_fwd_s + pass_s, tp_bwd_s + pass_s
-    if fixed_costs.dp_wrapped(tp, config.data_ranks, config.zero, config.pp):  # FSDP / replicate hooks per pass
+    if fixed_costs.dp_wrapped(tp, config.data_ranks, config.zero, config.pp, config.precision):  # FSDP / replicate hooks
         fwd_s += cluster.device.dp_unit_overhead_s
         bwd_s += cluster.device.dp_unit_overhead_s
     if config.recompute == "full":
@@ -240,11 +240,11 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     optimizer_s = owned_params * cluster.optimizer_bytes_per_param / (
         cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency) + fixed_costs.optimizer_fixed_s(
         fixed_costs.num_param_tensors(layer, info, holds_shared),
-        fixed_costs.holds_dtensors(split, tp, dp, zero, pp), cluster)
+        fixed_costs.holds_dtensors(split, tp, dp, zero, pp, precision), cluster)
     if split:
         optimizer_s += fixed_costs.tp_norm_grad_sync_s(layer, info, tp, cluster)
     host_fwd_s = host_bwd_s = 0.0
-    if fixed_costs.dp_wrapped(tp, dp, zero, pp):  # FSDP's copies around its collectives, on the compute path
+    if fixed_costs.dp_wrapped(tp, dp, zero, pp, precision):  # FSDP's copies around its collectives, on the compute path
         host_fwd_s, host_bwd_s, host_step_s = fixed_costs.dp_host_overhead_s(
             zero, pp, params_per_rank * gather_bytes,
             params_per_rank * grad_wire_bytes_per_param(precision, state_recipe), cluster)

@@ -7,17 +7,21 @@ gradients, fp32 master weights and two fp32 Adam moments, 2 + 2 + 12 bytes per p
 stage 1 shards the 12, stage 2 also the gradients, stage 3 also the parameters over dp ranks:
 16P, 4P + 12P/d, 2P + 14P/d, 16P/d. fp32: 4 + 4 + 8.
 
-"executor" (what `meshplan train` allocates; its data-parallel wrapper per `dp_method`):
-- no DP: fp32 parameters and gradients, bf16 autocast for compute: 4 + 4 + 8 (the same 16P as
-  the paper, split differently; autocast's bf16 weight copies live per micro-batch with the
-  activations: `activation_memory.activation_bytes`);
-- DDP (ZeRO-0 on plain data parallelism): as no DP, plus DDP's gradient buckets: the Reducer
+"executor" (what `meshplan train` allocates; its data-parallel wrapper per `dp_method`). Under
+bf16-mixed every layout runs FSDP2's mixed-precision policy (`replicate` for ZeRO-0 or a single
+data-parallel rank, `fully_shard` for ZeRO 1-3): bf16 compute weights materialised once and kept
+for the step, fp32 masters and gradients, so the residual stream and every saved activation are
+bf16 as in the engines. The same 18 bytes per parameter as Megatron-LM's mixed precision (bf16
+parameter, fp32 main gradient, fp32 master and two moments), split differently.
+- no DP (fp32): fp32 parameters and gradients: 4 + 4 + 8;
+- DDP (fp32, ZeRO-0 on plain data parallelism): as no DP, plus DDP's gradient buckets: the Reducer
   keeps one flat fp32 bucket tensor per bucket covering every parameter and copies each
   gradient into it to all-reduce (`gradient_as_bucket_view=False`, the default the executor
   uses), so every gradient is held twice: 4 + (4 + 4) + 8 (measured on CPU: the rebuilt
   buckets of the second iteration sum to exactly the gradient bytes);
-- FSDP2 `replicate` (ZeRO-0 with TP or PP): as no DP, plus the bf16 compute copy of every
-  parameter the mixed-precision policy keeps unsharded: 6 + 4 + 8;
+- FSDP2 `replicate` (ZeRO-0 with TP or PP, or any bf16-mixed ZeRO-0 layout): fp32 parameters and
+  gradients plus the bf16 compute copy of every parameter the mixed-precision policy keeps
+  unsharded: 6 + 4 + 8 (fp32: 4 + 4 + 8);
 - FSDP2 `fully_shard`: fp32 sharded parameters (4/d), fp32 sharded gradients (4/d; the
   reduce dtype) and Adam moments (8/d). ZeRO-1/2 (`reshard_after_forward=False`) also hold the
   bf16 unsharded parameters during the step (+2); ZeRO-1 defers gradient sync to the last
@@ -48,12 +52,18 @@ _PAPER = {"bf16-mixed": (2.0, 2.0, 12.0), "fp32": (4.0, 4.0, 8.0), "fp8": (2.0, 
 DDP_BUCKET_COPY_BYTES = 4.0
 
 
-def dp_method(zero: int, dp: int, tp: int, pp: int) -> str:
+def dp_method(zero: int, dp: int, tp: int, pp: int, precision: str = "fp32") -> str:
     """The executor's data-parallel wrapper: "none", "ddp", "replicate" or "fsdp".
 
-    DDP only on plain data parallelism (it fails under DTensor TP and most pipeline schedules),
-    so ZeRO-0 with TP or PP is FSDP2's `replicate`; ZeRO 1-3 are `fully_shard`.
+    bf16-mixed always runs under FSDP2's mixed-precision policy, which casts each weight to bf16
+    once per gather and keeps the residual stream in bf16 (autocast would cast every weight again
+    for every micro-batch and keep each cast for its backward): `replicate` for ZeRO-0 and for a
+    single data-parallel rank, `fully_shard` for ZeRO 1-3. fp32: DDP only on plain data
+    parallelism (it fails under DTensor TP and most pipeline schedules), so ZeRO-0 with TP or PP
+    is FSDP2's `replicate`; ZeRO 1-3 are `fully_shard`; one rank runs unwrapped.
     """
+    if precision != "fp32":  # bf16-mixed, and fp8, which keeps its states
+        return "fsdp" if dp > 1 and zero >= 1 else "replicate"
     if dp == 1:
         return "none"
     if zero == 0:
@@ -109,7 +119,7 @@ def executor_state_bytes(num_params: float, dp: int, zero: int, precision: str, 
     parameter, gradient and moment); all dp ranks by default."""
     _paper(precision)
     zero = executed_zero(zero, dp, pp, schedule)
-    method = dp_method(zero, dp, tp, pp)
+    method = dp_method(zero, dp, tp, pp, precision)
     compute_copy = 4.0 if precision == "fp32" else 2.0  # unsharded parameters FSDP2 gathers
     if method == "none":
         return {"params": 4.0 * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}

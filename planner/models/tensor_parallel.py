@@ -21,8 +21,8 @@ def block_tp_plan(block, sp: bool, keep_shard: bool = True) -> dict:
     """`parallelize_module` plan (module path -> ParallelStyle) of one `transformer.Block`.
 
     `keep_shard` (with `sp`): the regions save the sequence shard and re-gather it in backward
-    (`GatherKeepShard`); off for blocks under activation checkpointing, whose recomputation
-    keeps nothing across the forward anyway (full) or caches the gathered input (selective).
+    (`GatherKeepShard`); off for blocks under full recomputation, which keeps nothing across the
+    forward anyway.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,

@@ -17,8 +17,9 @@ Per pipeline rank:
   overlap compute; transfers do not share a link with each other (1F1B keeps at most one transfer per
   direction in flight per link). torch's `Schedule1F1B` waits for a send together with the next
   receive; in steady state both complete when the peer finishes, so this is not modelled.
-- dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in DDP-style buckets
-  (reverse layer order, about `grad_bucket_bytes` each); a bucket starts when the last
+- dp stream, `grad_sync="overlap"`: a chunk's gradients are reduced in buckets, reverse layer
+  order: DDP's of about `grad_bucket_bytes` each, FSDP2's one per layer (its unit, under
+  `replicate` or `fully_shard`: `step_costs._buckets`); a bucket starts when the last
   micro-batch's backward has finished all its layers and the stream is free.
   `"overlap_every_microbatch"`: the same after every micro-batch's backward (ZeRO-2/3 keeping
   gradients sharded while accumulating), each reduction costing the per-step time.

@@ -13,7 +13,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing.communication import DDP_BUCKET_BYTES
 from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.costing.layer_cost import LayerCost
-from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES, executed_zero
+from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES, dp_method, executed_zero
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class StepCosts:
     peak_flops_per_s: float = 0.0
     usable_memory_bytes: float = math.inf
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
-    # "overlap": DDP-style buckets launched during the last micro-batch's backward (DDP, FSDP
-    # without pipelining, Megatron-LM's overlapped reduction). "overlap_every_microbatch": the
+    # "overlap": buckets launched during the last micro-batch's backward (DDP's of
+    # `grad_bucket_bytes`; FSDP2 without pipelining, one per layer: `_buckets`). "overlap_every_microbatch": the
     # same during every micro-batch's backward (FSDP syncing each micro-batch to keep gradients
     # sharded). "after_chunk": torch pipelining
     # with FSDP/replicate: a chunk's whole reduction starts after its last backward
@@ -162,12 +162,15 @@ def _buckets(backward: list[LayerCost], bwd_ends: list[float], costs: StepCosts)
     # ZeRO-2/3 keep only a 1/dp shard of the gradients, but the bucket holds the full gradient
     # before its reduce-scatter.
     cfg = costs.config
-    full = cfg.data_ranks if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule) >= 2 else 1
+    zero = executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule)
+    full = cfg.data_ranks if zero >= 2 else 1
+    # FSDP2 (`replicate`, `fully_shard`) reduces each unit's gradients, a layer's, after its backward
+    per_layer = dp_method(zero, cfg.data_ranks, cfg.tp, cfg.pp, cfg.precision) != "ddp"
     buckets, filled_bytes, comm_s = [], 0.0, 0.0
     for position, (cost, end_s) in enumerate(zip(backward, bwd_ends)):
         filled_bytes += cost.grad_bytes * full
         comm_s += cost.dp_grad_comm_s
-        if filled_bytes >= costs.grad_bucket_bytes or position == len(backward) - 1:
+        if per_layer or filled_bytes >= costs.grad_bucket_bytes or position == len(backward) - 1:
             if comm_s > 0:
                 buckets.append((end_s, comm_s))
             filled_bytes, comm_s = 0.0, 0.0

@@ -53,11 +53,13 @@ TWO_PROCESS = {
     "dp2-recompute-full": dict(dp=2, microbatch_size=2, recompute="full"),
     "tp2-recompute-selective": dict(tp=2, microbatch_size=2, recompute="selective"),
     # bf16-mixed: FSDP2's MixedPrecisionPolicy (bf16 compute and gathers, fp32 reduction and
-    # masters) for ZeRO >= 1, autocast with fp32 masters for DDP, TP and pipeline stages
+    # masters) for every layout: `fully_shard` for ZeRO >= 1, `replicate` for ZeRO-0 (DP, TP,
+    # pipeline stages; experts in their own `replicate` units over their data-parallel ranks)
     "dp2-zero2-bf16": dict(dp=2, microbatch_size=2, zero=2, precision="bf16-mixed", rtol=BF16_RTOL),
     "dp2-ddp-bf16": dict(dp=2, microbatch_size=2, precision="bf16-mixed", rtol=BF16_RTOL),
     "tp2-bf16": dict(tp=2, microbatch_size=4, precision="bf16-mixed", rtol=BF16_RTOL),
     "pp2-1f1b-bf16": dict(pp=2, microbatch_size=2, schedule="1f1b", precision="bf16-mixed", rtol=BF16_RTOL),
+    "ep2-moe-bf16": dict(dp=2, ep=2, microbatch_size=2, spec=MOE, precision="bf16-mixed", rtol=BF16_RTOL),
     # split backward (I then W through torch's PipelineStage); the V puts embedding and tied head on rank 0
     "pp2-zb-interleaved": dict(pp=2, microbatch_size=2, schedule="zb-interleaved", virtual_stages=2),
     "pp2-zbv": dict(pp=2, microbatch_size=2, schedule="zbv", virtual_stages=2),

@@ -129,6 +129,13 @@ def test_data_parallel_wrapper_per_zero_stage_and_mesh():
     assert dp_method(zero=0, dp=2, tp=2, pp=1) == "replicate"  # DDP fails on DTensor TP
     assert dp_method(zero=0, dp=2, tp=1, pp=2) == "replicate"  # DDP under PP only with 1F1B
     assert {dp_method(zero=z, dp=2, tp=1, pp=1) for z in (1, 2, 3)} == {"fsdp"}
+    # bf16-mixed: FSDP2's mixed-precision policy on every layout (bf16 weights cast once, not per
+    # micro-batch as autocast would), so never unwrapped and never DDP
+    bf16 = "bf16-mixed"
+    assert dp_method(zero=0, dp=1, tp=2, pp=2, precision=bf16) == "replicate"
+    assert dp_method(zero=0, dp=2, tp=1, pp=1, precision=bf16) == "replicate"
+    assert dp_method(zero=1, dp=1, tp=1, pp=1, precision=bf16) == "replicate"
+    assert {dp_method(zero=z, dp=2, tp=1, pp=1, precision=bf16) for z in (1, 2, 3)} == {"fsdp"}
 
 
 def test_uniform_plan_interleaves_chunks_over_pipeline_ranks(cluster):

@@ -67,12 +67,13 @@ def test_zero_accounting_through_layer_cost_and_tp():
 @pytest.mark.parametrize("dp", [2, 8])
 def test_executor_realisation_of_each_zero_stage(dp):
     """What DDP / FSDP2 allocate (planner.costing.state_memory): fp32 sharded masters and gradients, a
-    bf16 unsharded compute copy while parameters stay gathered, ZeRO-1's full fp32 accumulation,
-    DDP's flat bucket copy of every gradient."""
+    bf16 unsharded compute copy while parameters stay gathered (every bf16-mixed layout runs FSDP2's
+    policy: 18 bytes per parameter unsharded, as Megatron-LM's mixed precision), ZeRO-1's full fp32
+    accumulation, fp32 DDP's flat bucket copy of every gradient."""
     psi = 1e9
     expected = {  # (zero, tp, pp): (params, grads, optimizer) bytes per parameter
-        (0, 1, 1): (4, 4 + 4, 8),  # DDP with autocast: .grad and its bucket copy
-        (0, 2, 1): (4 + 2, 4, 8),  # FSDP2 replicate keeps a bf16 copy
+        (0, 1, 1): (4 + 2, 4, 8),  # FSDP2 replicate keeps a bf16 copy (no DDP under bf16-mixed)
+        (0, 2, 1): (4 + 2, 4, 8),
         (1, 1, 1): (4 / dp + 2, 4, 8 / dp),
         (2, 1, 1): (4 / dp + 2, 4 / dp, 8 / dp),
         (3, 1, 1): (4 / dp, 4 / dp, 8 / dp),
@@ -81,6 +82,9 @@ def test_executor_realisation_of_each_zero_stage(dp):
         got = state_bytes(psi, dp, zero, "bf16-mixed", "executor", tp, pp)
         assert (got["params"], got["grads"], got["optimizer"]) == pytest.approx((param * psi, grad * psi, optimizer * psi))
     assert sum(state_bytes(psi, dp, 3, "bf16-mixed", "executor").values()) == pytest.approx(16 * psi / dp)
+    assert sum(state_bytes(psi, 1, 0, "bf16-mixed", "executor").values()) == pytest.approx(18 * psi)  # replicate
+    fp32_ddp = state_bytes(psi, dp, 0, "fp32", "executor")  # DDP: .grad and its bucket copy
+    assert (fp32_ddp["params"], fp32_ddp["grads"], fp32_ddp["optimizer"]) == pytest.approx((4 * psi, 8 * psi, 8 * psi))
     # the executor reduces gradients in fp32: twice the paper's bf16 bytes on the wire
     graph = gpt_layers(2, 1024, 16, 51200, 512)
     block = graph.layers[1]
@@ -106,8 +110,8 @@ def test_block_activations_match_korthikanti_without_dropout(tp):
 
     # Korthikanti's formulas with the dropout terms removed (see gpt_layers): 34 -> 32, 10 -> 8,
     # 5as/h -> 2as/h. Exact: the cost model applies the division rules to exact byte counts.
-    # Megatron-LM's realisation (recipe "zero-paper"); `meshplan train` keeps more under autocast
-    # and SP (test_executor_activation_rules).
+    # Megatron-LM's realisation (recipe "zero-paper"); `meshplan train` keeps the same in a block
+    # (test_executor_activation_rules).
     assert act() == pytest.approx(sbh * (8 + 24 / tp + 2 * a * s / (h * tp)), rel=1e-12)
     if tp == 1:
         assert act() == pytest.approx(sbh * (32 + 2 * a * s / h), rel=1e-12)
@@ -207,7 +211,7 @@ def test_vocab_padding_grows_the_embedding_with_tp():
     tp = 8  # pads to a multiple of 1024: 51200 rows
     cost = layer_cost(embed, mesh(tp=tp), A100, info)
     expected_params = (embed.num_params + (51200 - 50304) * 1024) / tp
-    assert cost.param_bytes == pytest.approx(4 * expected_params)  # fp32 parameters without DP (executor)
+    assert cost.param_bytes == pytest.approx(6 * expected_params)  # fp32 masters, bf16 copies (executor)
 
 
 def _brute_bottleneck(weights, k):
@@ -313,12 +317,16 @@ def test_fixed_costs_are_charged_where_the_executor_incurs_them():
                 a.tp_bwd_comm_s - b.tp_bwd_comm_s, a.fwd_compute_s - b.fwd_compute_s)
 
     tensors = 16  # a GPT block: 6 Linears and 2 LayerNorms, each with weight and bias
-    # plain tensors: single process and DDP (ZeRO-0 data parallelism, no TP, no PP)
-    assert delta(mesh()) == pytest.approx((tensors * 1e-4, 0, 0, 0))
-    assert delta(mesh(dp=2)) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    # plain tensors: fp32 single process and DDP (ZeRO-0 data parallelism, no TP, no PP)
+    assert delta(mesh(precision="fp32")) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    assert delta(mesh(dp=2, precision="fp32")) == pytest.approx((tensors * 1e-4, 0, 0, 0))
+    # bf16-mixed runs every layout under FSDP2's policy: replicate's DTensors and hooks, one rank included
+    assert delta(mesh()) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
+    assert delta(mesh(dp=2)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
     # TP: DTensor parameters, DTensor dispatch per pass; the 4 norm tensors' partial gradients
     # are all-reduced once per step (hidden fp32 values each), with or without the fixed costs
-    assert delta(mesh(tp=2)) == pytest.approx((tensors * 5e-4, 2e-3, 2e-3, 0))
+    assert delta(mesh(tp=2, precision="fp32")) == pytest.approx((tensors * 5e-4, 2e-3, 2e-3, 0))
+    assert delta(mesh(tp=2)) == pytest.approx((tensors * 5e-4, 2e-3, 2e-3, 7e-4))  # and replicate's hooks
     norm_sync_s = 4 * all_reduce_time_s(256 * 4, 2, CPU.intra_node)
     assert (layer_cost(block, mesh(tp=2), without, graph.info).optimizer_step_s
             - layer_cost(block, mesh(tp=1), without, graph.info).optimizer_step_s * 0.5
@@ -328,7 +336,7 @@ def test_fixed_costs_are_charged_where_the_executor_incurs_them():
     assert (layer_cost(block, mesh(tp=2), redistributing, graph.info).optimizer_step_s
             - layer_cost(block, mesh(tp=2), without, graph.info).optimizer_step_s == pytest.approx(4e-3))
     # full recomputation repeats the forward's dispatch in backward
-    assert delta(mesh(tp=2, recompute="full"))[2] == pytest.approx(4e-3)
+    assert delta(mesh(tp=2, recompute="full", precision="fp32"))[2] == pytest.approx(4e-3)
     # FSDP (ZeRO-3) and replicate (ZeRO-0 under PP): DTensor parameters, hooks per pass
     assert delta(mesh(dp=2, zero=3)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
     assert delta(mesh(dp=2, pp=2)) == pytest.approx((tensors * 5e-4, 0, 0, 7e-4))
@@ -435,9 +443,10 @@ def test_causal_flash_attention_time_skips_the_masked_half():
 
 
 def test_executor_activation_rules():
-    """What `meshplan train` keeps beyond Megatron-LM's accounting (`activation_memory.activation_bytes`, measured in
-    tests/executor/test_memory_prediction.py): autocast's fp32 norm inputs, one bf16 copy of the
-    norm output per column Linear and the bf16 weight copies; SP's gathered Linear inputs."""
+    """`meshplan train` keeps what Megatron-LM keeps (`activation_memory.activation_bytes`, measured in
+    tests/executor/test_memory_prediction.py): bf16 activations under FSDP2's policy with or without
+    data parallelism, SP blocks keeping their shard under selective recomputation too; only the
+    SP head's output Linear keeps its gathered input whole."""
     s, h, a, b = 1024, 1024, 16, 2
     graph = gpt_layers(2, h, a, 51200, s)
     block = graph.layers[1]
@@ -451,22 +460,27 @@ def test_executor_activation_rules():
     scores = 2 * a * s * s
     paper = b * (32 * sh + scores)
     assert act(state_recipe="zero-paper") == pytest.approx(paper)
-    # autocast (bf16-mixed, no FSDP): LayerNorm inputs 2 x 4sh, q/k/v/up inputs 4 x 2sh, weights 2P
-    assert act() == pytest.approx(b * (24 * sh + 8 * sh + 8 * sh + scores) + 2 * block.num_params)
-    assert act(dp=2) == pytest.approx(act()) and act(dp=2, zero=1) == pytest.approx(paper)  # FSDP: bf16 params
+    # bf16-mixed, no data parallelism, DDP-shaped or ZeRO: bf16 everywhere, no weight copies
+    assert act() == pytest.approx(paper) and act(dp=2) == pytest.approx(paper)
+    assert act(dp=2, zero=1) == pytest.approx(paper)
     # SP (fp32: twice the bf16 profile): a block keeps each region's input shard and gathers it
-    # again in backward, so everything is /t; under selective recomputation the checkpoint caches
-    # the two gathered (s, h) Linear inputs, whole on every rank (the scores are recomputed)
+    # again in backward, so everything is /t; selective recomputation drops the scores only
     tp = 4
     assert act(tp=tp, sp=True, precision="fp32") == pytest.approx(2 * b * (24 * sh + 8 * sh + scores) / tp)
     assert act(tp=tp, sp=True, precision="fp32", recompute="selective") == pytest.approx(
-        2 * b * (24 * sh / tp + 4 * sh / tp + 4 * sh))
+        2 * b * (24 * sh + 8 * sh) / tp)
     assert act(tp=tp, sp=True, precision="fp32", state_recipe="zero-paper") == pytest.approx(2 * paper / tp)
+    # the head's output Linear keeps its gathered (s, h) input whole; its LayerNorm input is /t
+    head = graph.layers[-1]
+    config = mesh(microbatch_size=b, tp=tp, sp=True)
+    assert layer_cost(head, config, A100, graph.info, profile_dtype=graph.dtype).activation_bytes - layer_cost(
+        head, config, A100, graph.info, profile_dtype=graph.dtype, state_recipe="zero-paper").activation_bytes \
+        == pytest.approx(b * 2 * sh * (1 - 1 / tp))
 
 
 def test_executor_memory_extras(tmp_path, monkeypatch):
-    """`executor_memory.executor_memory_extras`: the loss's fp32 copies of the logits, the TP embedding's
-    whole-table gradient, FSDP2's retained all-gather output and ZeRO-3's gathered root unit."""
+    """`executor_memory.executor_memory_extras`: the loss's fp32 copies of the logits, FSDP2's retained
+    all-gather output and ZeRO-3's gathered root unit; a vocab-parallel embedding's gradient stays sharded."""
     monkeypatch.setenv("MESHPLAN_CACHE_DIR", str(tmp_path))
     from meshplan.planner.profiling.profiler import profile
 
@@ -482,9 +496,9 @@ def test_executor_memory_extras(tmp_path, monkeypatch):
     assert cost(gpt, -1).buffer_bytes == pytest.approx(2 * 4 * logits)  # nll_loss + log_softmax backward
     assert cost(gpt, -1, tp=2).buffer_bytes == pytest.approx(3 * 4 * logits / 2)  # loss_parallel
     assert cost(gpt, -1, state_recipe="zero-paper").buffer_bytes == 0
-    # an untied vocab-parallel embedding accumulates the whole table's gradient; tied, it stays sharded
+    # a vocab-parallel embedding's gradient stays sharded, tied or not (Megatron-LM's lookup)
     embed = cost(llama, 0, tp=2)
-    assert embed.grad_bytes == pytest.approx(4 * vocab * hidden)
+    assert embed.grad_bytes == pytest.approx(4 * vocab * hidden / 2)
     assert cost(gpt, 0, tp=2).grad_bytes == pytest.approx(4 * gpt.layers[0].num_params / 2)  # tied: no extra
     block = gpt.layers[1]
     full = 4 * block.num_params  # one unsharded fp32 copy of the block

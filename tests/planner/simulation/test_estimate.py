@@ -58,8 +58,7 @@ def test_in_flight_activations_per_schedule():
     `_get_1f1b_rank_ops` warm-up) 2 (p - rank - 1) + (v - 1) p + 1 chunk-micro-batches."""
     graph = blocks_only(8)
     config = ParallelConfig(gpus=4, global_batch=16, pp=4, precision="fp32")
-    # fp32: every saved tensor takes twice its bf16 bytes. (bf16-mixed without FSDP runs under
-    # autocast, whose fp32 norm inputs and per-Linear bf16 copies Korthikanti's counts lack.)
+    # fp32: every saved tensor takes twice its bf16 bytes.
     per_block = 2 * ((24 + 8) * 1024 * 2048 + 2 * 16 * 1024 * 1024)  # (24 + 8) s h + 2 a s^2 bf16 bytes
     boundary = 2 * 2 * 1024 * 2048  # a chunk's output, kept for its backward (not the last chunk's)
     per_stage = 2 * per_block

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import networkx as nx
 import pytest
@@ -122,15 +123,19 @@ def test_dp_reduction_slower_than_backward_queues_up():
 
 
 def test_buckets_group_layers_by_bytes():
-    # 6 layers of 10 bytes with 25-byte buckets: buckets of 3, 3 layers (reverse order), and the
-    # whole reduction of a bucket starts when its earliest layer's backward is done.
-    cfg = config(1, 1, dp=2)
+    # DDP (fp32, ZeRO-0, no TP or PP): 6 layers of 10 bytes with 25-byte buckets: buckets of 3, 3
+    # layers (reverse order), and the whole reduction of a bucket starts when its earliest layer's
+    # backward is done.
     costs = tuple(layer(fwd=0.0, bwd=1.0, dp_grad_comm_s=1.0, grad_bytes=10.0) for _ in range(6))
-    step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=(0,) * 6, grad_bucket_bytes=25.0)
-    pred = simulate_step(step, timeline=True)
-    dp = sorted((i.start_s, i.end_s) for i in pred.timeline if i.kind == "dp_comm")
-    assert dp == [(3.0, 6.0), (6.0, 9.0)]
-    assert pred.step_time_s == pytest.approx(9.0)
+
+    def reductions(cfg):
+        step = StepCosts(config=cfg, layer_costs=costs, chunk_of_layer=(0,) * 6, grad_bucket_bytes=25.0)
+        pred = simulate_step(step, timeline=True)
+        return sorted((i.start_s, i.end_s) for i in pred.timeline if i.kind == "dp_comm"), pred.step_time_s
+
+    assert reductions(replace(config(1, 1, dp=2), precision="fp32")) == ([(3.0, 6.0), (6.0, 9.0)], pytest.approx(9.0))
+    # FSDP2 (bf16-mixed's replicate here) reduces each layer's gradients after its backward
+    assert reductions(config(1, 1, dp=2)) == ([(float(i), i + 1.0) for i in range(1, 7)], pytest.approx(7.0))
 
 
 def test_optimizer_and_zero12_param_gather_follow_the_reduction():
