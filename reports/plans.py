@@ -10,16 +10,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from meshplan.planner.contracts.plan import Plan, load_plan
+from meshplan.planner.models.plan_check import is_sequence_model
 from meshplan.reports.html import fmt_bytes
 
 FACT_NAMES = ("model", "GPUs", "global batch", "mesh (pp x dp x cp x tp)", "schedule", "ZeRO", "sequence parallel",
               "recompute", "precision", "step time", "MFU", "peak memory per GPU", "fits", "throughput")
-
-
-def is_sequence_model(spec: str) -> bool:
-    """File models (`path/model.py:fn`) take whatever inputs their file builds: meshplan counts them in
-    samples; every other model is a causal LM whose samples are sequences of `seq` tokens."""
-    return not spec.partition(":")[0].endswith(".py")
 
 
 def throughput_text(spec: str, tokens_per_s: float, seq: int) -> str:

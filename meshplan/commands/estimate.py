@@ -5,12 +5,14 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
-                                     check_seq, check_sizes, moe_notes)
+from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_axis_arguments, add_job_arguments,
+                                     announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
+                                     moe_notes)
 from meshplan.commands.printed import Heading, format_prediction
 
 
 def add_arguments(parser) -> None:
+    parser.epilog = DOES_NOT_FIT_HELP
     add_job_arguments(parser)
     # --from FILE fills the job from an engine config, so the job arguments are checked in run()
     for action in parser._actions:
@@ -66,7 +68,7 @@ def run(args) -> int:
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)
-    return 0
+    return does_not_fit("estimate", prediction, cluster.device.usable_memory_bytes, hint)
 
 
 _SHARDS = {1: "optimizer states", 2: "gradients too", 3: "parameters too"}

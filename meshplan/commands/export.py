@@ -48,13 +48,15 @@ def estimate_from(args) -> int:
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
+    from meshplan.commands.common import does_not_fit
     from meshplan.commands.printed import Heading, format_prediction
 
     heading = Heading(spec=result.spec, cluster=args.cluster, config=result.config, recompute=_recompute_text(result),
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
-    print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
-    return 0
+    usable = load_cluster(args.cluster).device.usable_memory_bytes
+    print(format_prediction(result.prediction, heading, usable))
+    return does_not_fit("estimate", result.prediction, usable)
 
 
 def _recompute_text(result) -> str:

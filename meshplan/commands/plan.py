@@ -6,7 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
-                                     check_sizes, moe_notes, spec_file)
+                                     check_sizes, finite_float, moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
 
@@ -26,17 +26,17 @@ def add_arguments(parser) -> None:
     pins.add_argument("--schedule", default=None, choices=SCHEDULES, help="pipeline schedule")
     pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     pins.add_argument("--mbs", type=int, default=None, help="micro-batch size")
-    parser.add_argument("--train-tokens", type=float, default=None,
+    parser.add_argument("--train-tokens", type=finite_float, default=None,
                         help="also print time to train on this many tokens and the GPU-hours")
     parser.add_argument("--layerwise", action="store_true",
                         help="per-layer tp/dp inside a stage (analysis only: the plan is marked not executable)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
     parser.add_argument("--attention", default="flash", choices=("flash", "math"), help="attention kernel profiled")
-    parser.add_argument("--time-limit", type=float, default=2.5,
+    parser.add_argument("--time-limit", type=finite_float, default=2.5,
                         help="seconds per candidate ILP (default 2.5; the re-ranked ones get twice that again if needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
-    parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
+    parser.add_argument("--memory-headroom", type=finite_float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes (default 0: the "
                              "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin)")
     from meshplan.commands import sizing

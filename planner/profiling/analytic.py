@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, ModelInfo
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import zoo_tp_splits
@@ -46,9 +45,7 @@ def analytic_graph(spec: str, cfg: TransformerConfig, seq: int, dtype: str = "bf
     """
     if cfg.family not in FAMILIES:
         raise ValueError(f"no closed form for the {cfg.family!r} family; trace it (families: {', '.join(FAMILIES)})")
-    if cfg.family == "gpt" and seq > cfg.max_positions:  # the same refusal as building the model
-        raise MeshplanError(f"sequence length {seq} exceeds the {cfg.max_positions} learned positions of {spec!r}; "
-                            f"use --seq <= {cfg.max_positions} or a parametric gpt: spec")
+    cfg.check_seq(spec, seq)  # the same refusal as building the model
     elem_bytes = ELEMENT_BYTES[dtype]
     padded_vocab = cfg.padded_vocab(tp)
     splits = zoo_tp_splits(cfg, padded_vocab)
