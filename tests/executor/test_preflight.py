@@ -63,3 +63,32 @@ def test_train_refuses_before_launch_and_force_overrides(run_cli, no_launch, tmp
     assert code == 2 and no_launch == [] and len(lines) == 1 and "this machine has no GPU" in lines[0], err
     code, _, err = run_cli("train", "--plan", path, "--steps", 1, "--out", tmp_path / "m.json", "--force")
     assert code == 2 and "stopped at the launch" in err and no_launch == [4]
+
+
+def test_an_interrupted_launch_echoes_nothing_of_the_agents_shutdown(capsys):
+    """Ctrl-C in the launcher: torchrun's SignalException traceback (printed as the agent is stopped)
+    stays out of the echoed output; the CLI then says `interrupted` in one line."""
+    import sys
+    import time
+
+    from meshplan.executor import launch
+
+    agent = ("import signal, sys, time\n"
+             "def stop(*_):\n"
+             "    print('Traceback (most recent call last):', flush=True)\n"
+             "    print('torch.distributed.elastic.multiprocessing.api.SignalException: Process got signal: 15', "
+             "flush=True)\n"
+             "    sys.exit(1)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             "print('step 1', flush=True)\n"
+             "time.sleep(60)\n")
+    started = time.monotonic()
+
+    def watch(finished: bool = False) -> None:
+        if not finished and "step 1" in capsys.readouterr().out:  # echoed while running
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch._run_in_own_group([sys.executable, "-c", agent], {}, None, True, watch)
+    assert time.monotonic() - started < 30
+    assert "Traceback" not in capsys.readouterr().out
