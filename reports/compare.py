@@ -58,6 +58,21 @@ class Comparison:
     def memory_flagged(self, rank_memory: RankMemory) -> bool:
         return abs(rank_memory.error_fraction) > self.memory_flag_fraction
 
+    @property
+    def spread_fraction(self) -> float:
+        """How noisy the measurement is: the larger of the timed steps' coefficient of variation
+        (stdev / median) and the spread of the runs' medians ((max - min) / median over runs)."""
+        cv = self.measured_stdev_s / self.measured_median_s
+        medians = self.per_run_median_s
+        runs = (max(medians) - min(medians)) / self.measured_median_s if len(medians) > 1 else 0.0
+        return max(cv, runs)
+
+    @property
+    def too_noisy(self) -> bool:
+        """The machine varied more than the error being judged: the step times spread by more than
+        the flag threshold, so a prediction within it cannot be told from one outside it."""
+        return self.spread_fraction > self.flag_fraction
+
 
 def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
     """Refuse runs of another plan or another world size: their comparison would mean nothing."""

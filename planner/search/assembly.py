@@ -117,7 +117,8 @@ def explain(plan_json: dict) -> str:
             f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
             + (f" HSDP (shard over {plan_json['shard_group']}, replicate across {mesh['dp'] // plan_json['shard_group']})"
                if plan_json.get("shard_group") else "")
-            + f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
+            + (f", recomputing {recomputed} layer{'s' if recomputed != 1 else ''}" if recomputed
+               else ", no recomputation") + ": "
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
             f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
             f"{limit / GIB:.1f} GiB.")

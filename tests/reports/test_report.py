@@ -227,3 +227,46 @@ def test_hand_written_pipeline_plan_reports_memory_per_rank(tmp_path):
     assert "no per-layer times" in html
     assert html.count('<td class="flag error-pct">-20.0%  over threshold</td>') == 2  # both ranks, 10% bound
     assert "Measured by torch.distributed._tools.mem_tracker.MemTracker" in html
+
+
+def test_too_noisy_measurements_are_said_so_not_judged(plan, tmp_path):
+    """Step times that spread by more than the 15% threshold cannot judge a prediction."""
+    steps = [2.0, 0.40, 0.80, 0.45, 0.75]
+    html = _measured_report(plan, tmp_path, steps)
+    assert "Too noisy to judge" in html and "(too noisy to judge" in html
+    assert "more than the 15% the cost model aims for" not in html
+    quiet = _measured_report(plan, tmp_path, [1.0, 0.52, 0.51, 0.53], name="quiet.json")
+    assert "noisy" not in quiet
+
+
+def test_the_measured_throughput_row_shows_the_measurement(plan, tmp_path):
+    html = _measured_report(plan, tmp_path, [1.0, 0.52, 0.51, 0.53])  # the measurement says 1000 tokens/s
+    predicted = plan.prediction["tokens_per_s"]
+    assert f"<th>predicted tokens/s (whole job)</th><td>{predicted:,.0f} tokens/s</td>" in html
+    assert "<th>measured tokens/s (whole job)</th><td>1,000 tokens/s</td>" in html
+
+
+def test_file_models_are_reported_in_samples_without_sequence_fields(tmp_path):
+    plan = make_plan(spec="models/resnet.py:build")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(measured(plan, [1.0, 0.52, 0.51, 0.53])))
+    html = build_report(plan, measurements=[path], trace=[])
+    assert "tokens/s" not in html and "tokens per step" not in html and "attention)" not in html
+    assert "sequence 1024" not in html and "16 samples per step" in html
+    assert f"{plan.prediction['tokens_per_s'] / 1024:,.1f} samples/s" in html
+    assert f"<td>{1000.0 / 1024:,.1f}</td>" in html  # the run's samples/s
+
+
+def test_compare_labels_plans_by_identity(tmp_path, run_cli):
+    from meshplan.planner.contracts.plan import save_plan
+
+    for folder, step in (("run1", 0.5), ("run2", 0.7)):
+        (tmp_path / folder).mkdir()
+        save_plan(make_plan(step_time_s=step, pp=2 if folder == "run1" else 1), tmp_path / folder / "plan.json")
+    code, out, err = run_cli("compare", tmp_path / "run1" / "plan.json", tmp_path / "run2" / "plan.json")
+    assert code == 0, err
+    assert "run1/plan.json" in out.splitlines()[0] and "run2/plan.json" in out.splitlines()[0]
+    assert "fastest: run1/plan.json" in out
+    code, out, err = run_cli("compare", tmp_path / "run1" / "plan.json", tmp_path / "run1" / "plan.json")
+    header = out.splitlines()[0]
+    assert code == 0 and "plan.json (" in header and "#1" in header and "#2" in header
