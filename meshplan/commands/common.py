@@ -118,6 +118,17 @@ def announce_model_code(command: str, spec: str | None) -> None:
         print(f"meshplan {command}: running model code from {path} (a model file is trusted code)", file=sys.stderr)
 
 
+def prediction_json(prediction, spec: str, seq: int) -> dict:
+    """`Prediction.to_json()`, plus `samples_per_s` for file models (counted in samples, not tokens;
+    `tokens_per_s` stays for scripts: samples/s times the plan's placeholder length)."""
+    from meshplan.planner.models.plan_check import is_sequence_model
+
+    out = prediction.to_json()
+    if not is_sequence_model(spec):
+        out["samples_per_s"] = prediction.tokens_per_s / seq
+    return out
+
+
 def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:
     """'tokens/s  N' for sequence models; file models (any nn.Module) are counted in samples."""
     from meshplan.reports.plans import is_sequence_model

@@ -7,7 +7,7 @@ import sys
 from meshplan.planner.contracts.config import PRECISIONS, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_axis_arguments, add_job_arguments,
                                      announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
-                                     moe_notes)
+                                     moe_notes, prediction_json)
 from meshplan.commands.printed import Heading, format_prediction
 
 
@@ -59,7 +59,9 @@ def run(args) -> int:
     if notes:
         print("\n".join(notes), file=sys.stderr)
     if args.json:
-        print(json.dumps(prediction.to_json()))
+        from meshplan.commands.printed import _default_seq
+
+        print(json.dumps(prediction_json(prediction, args.model, args.seq or _default_seq(args.model))))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 

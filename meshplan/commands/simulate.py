@@ -31,7 +31,9 @@ def run(args) -> int:
     if args.trace:
         write_text_atomic(args.trace, json.dumps(chrome_trace(prediction)), "--trace")
     if args.json:
-        print(json.dumps(prediction.to_json()))
+        from meshplan.commands.common import prediction_json
+
+        print(json.dumps(prediction_json(prediction, plan.model.spec, plan.model.seq)))
     else:
         print(summary(plan, prediction))
         if args.trace:
@@ -41,17 +43,21 @@ def run(args) -> int:
 
 def summary(plan, prediction) -> str:
     """Human-readable report of one simulated step."""
+    from meshplan.commands.common import throughput_line
+    from meshplan.planner.models.plan_check import is_sequence_model
+
     cfg = plan.config
     schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule_spec.free_chunks else "")
     lines = [
-        f"{plan.model.spec} (seq {plan.model.seq}) on {cfg.gpus} x {plan.cluster.name}: "
+        f"{plan.model.spec}{f' (seq {plan.model.seq})' if is_sequence_model(plan.model.spec) else ''} on "
+        f"{cfg.gpus} x {plan.cluster.name}: "
         f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}",
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
         f"global batch {cfg.global_batch}",
         "",
         f"step time        {prediction.step_time_s * 1e3:,.1f} ms",
         f"bubble           {prediction.bubble_fraction * 100:.1f} %",
-        f"tokens/s         {prediction.tokens_per_s:,.0f}",
+        throughput_line(plan.model.spec, prediction.tokens_per_s, plan.model.seq),
         f"TFLOP/s per GPU  {prediction.model_tflops_per_gpu:.4g} model, {prediction.hw_tflops_per_gpu:.4g} hardware",
         f"MFU              {prediction.mfu * 100:.1f} %",
         "",

@@ -53,8 +53,11 @@ def run(args) -> int:
     except Terminated as exc:
         print("meshplan train: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
         return int(exc.code)
+    from meshplan.reports.plans import throughput_text
+
+    plan = load_plan(args.plan)
     print(f"{len(measurement.losses)} steps on {measurement.world_size} processes: final loss "
           f"{measurement.losses[-1]:.4f}, {measurement.mean_step_time_s * 1e3:.1f} ms/step, "
-          f"{measurement.tokens_per_s:.0f} tokens/s, peak memory "
+          f"{throughput_text(plan.model.spec, measurement.tokens_per_s, plan.model.seq)}, peak memory "
           f"{max(measurement.peak_memory_bytes_per_rank) / 2**20:.1f} MiB/rank -> {args.out}")
     return 0
