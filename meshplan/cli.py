@@ -18,6 +18,7 @@ COMMANDS = {
     "profile": "a model's per-layer graph of FLOPs and bytes (closed form for built-in transformers, else traced)",
     "estimate": "predict step time and memory of one hand-written parallel configuration",
     "plan": "search the fastest plan that fits (ILP over layers, simulator re-ranks)",
+    "memory": "a model's memory across precisions, ZeRO stages and GPU counts (no cluster or batch needed)",
     "simulate": "play one training step of a plan event by event",
     "calibrate": "measure this machine (matmul, memory, collectives) into a cluster profile",
     "train": "run a plan for real with torch.distributed and measure it",
@@ -28,7 +29,7 @@ COMMANDS = {
 }
 # Commands that hold no processes, sockets or temporary files once they return: they leave
 # without the interpreter's teardown of torch's modules, which costs 0.6-0.9 s per command.
-FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan", "export", "compare"})
+FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "memory", "simulate", "plan", "export", "compare"})
 
 
 class OneLineParser(argparse.ArgumentParser):
