@@ -39,6 +39,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--memory-headroom", type=finite_float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes (default 0: the "
                              "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin)")
+    parser.add_argument("--candidates-csv", metavar="FILE", default=None,
+                        help="write every candidate configuration the search enumerated, one CSV row each: its "
+                             "degrees and switches, lower bound, how it left the search (winner, alternative, "
+                             "simulated, solved, or pruned and why) and, when simulated, its step and memory")
     from meshplan.commands import sizing
 
     sizing.add_arguments(parser)
@@ -61,8 +65,9 @@ def run(args) -> int:
     sizing.check(args)
     check_seq(args.seq)
     check_sizes(args)
-    refuse_output_over_input("--out", args.out, [("--cluster", args.cluster), ("--like", args.like),
-                                                 ("--model", spec_file(args.model))])
+    for flag, path in (("--out", args.out), ("--candidates-csv", args.candidates_csv)):
+        refuse_output_over_input(flag, path, [("--cluster", args.cluster), ("--like", args.like),
+                                              ("--model", spec_file(args.model))])
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
@@ -77,8 +82,11 @@ def run(args) -> int:
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
                              memory_headroom_bytes=args.memory_headroom * GIB, **pins)
 
+    rows: list[dict] = []
+
     def plan_at(gpus: int, progress: bool = False):
-        return search(replace(request, gpus=gpus), progress=progress)
+        rows.clear()  # the rows of the last search, the one whose plan is written
+        return search(replace(request, gpus=gpus), progress=progress, candidate_rows=rows)
 
     result = plan_at(args.gpus, progress=not args.json)
     sized, sizing_lines = None, []
@@ -94,11 +102,28 @@ def run(args) -> int:
         sizing.write_plan_json(data, args.out)  # the plan with its `sizing` key, in one write
     elif args.out:
         save_plan(result, args.out)
+    if args.candidates_csv:
+        _write_candidates(rows, args.candidates_csv)
     if args.json:
         print(json.dumps(data))
         return 0
     print("\n".join([format_plan(data, args)] + sizing_lines))
     return 0
+
+
+def _write_candidates(rows: list[dict], path: str) -> None:
+    import csv
+    import io
+
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+    from meshplan.planner.search.alternatives import CSV_FIELDS
+
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(path, text.getvalue(), "--candidates-csv")
+    print(f"{len(rows)} candidates written to {path}", file=sys.stderr)
 
 
 def candidates_table(data: dict, train_tokens: float | None = None):
@@ -124,7 +149,7 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             "zero": f"{entry['zero']}" + (f" /{entry['shard_group']}" if entry.get("shard_group") else ""),
             "recompute": ", ".join(f"{k} {v}" for k, v in entry["recompute_summary"].items() if v) or "none",
             "step ms": round(pred["step_time_s"] * 1e3, 1),
-            "ILP ms": round(entry["ilp_objective_s"] * 1e3, 1),
+            "ILP ms": "-" if entry.get("ilp_objective_s") is None else round(entry["ilp_objective_s"] * 1e3, 1),
             "MFU %": round(100 * pred["mfu"], 1),
             "bubble %": round(100 * pred["bubble_fraction"], 1),
             "peak GiB": round(pred["peak_memory_bytes"] / GIB, 1),
@@ -136,6 +161,7 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             seconds = train_tokens / tokens_per_step * pred["step_time_s"]
             row["train days"] = round(seconds / 86400, 2)
             row["GPU-hours"] = round(seconds * gpus / 3600)
+        row["note"] = "conventional" if entry.get("conventional") else ""
         rows.append(row)
     table = pd.DataFrame(rows)
     # Configurations that differ only in what the table does not show read as one row: keep the first.
