@@ -57,7 +57,7 @@ def run(args) -> int:
                       args.moe_pad_expert_input_to_capacity)
     prediction = _estimate_at(args, args.zero)
     if notes:
-        print("\n".join(notes), file=sys.stderr)
+        sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
     if args.json:
         from meshplan.commands.printed import _default_seq
 

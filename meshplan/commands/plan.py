@@ -73,7 +73,7 @@ def run(args) -> int:
     notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
                       args.moe_pad_expert_input_to_capacity)
     if notes:
-        print("\n".join(notes), file=sys.stderr)
+        sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 
     request = PlanRequest.of(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
                              precision=args.precision, attention=args.attention, layerwise=args.layerwise,
