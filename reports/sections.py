@@ -178,7 +178,7 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
                           f"{fmt_bytes(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
                           "communication buffers).", "note"))
     if memory_timeline and any(memory_timeline):
-        fig = figures.memory_over_time(memory_timeline, device.memory_bytes)
+        fig = figures.memory_over_time(memory_timeline, device.memory_bytes, prediction.get("step_time_s"))
         body.append(f'<div class="fig">{figure_div(fig, "fig-memory-time")}</div>')
     return Section("memory", "Memory per stage", "".join(body))
 

@@ -121,8 +121,7 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables)
     simulated = {r.candidate: r.prediction for r in ranked}
     ranked = _distinct(graph, request, ranked, feasible, tables, simulated)
-    conventional = alternatives.conventional_layout(graph, cluster, request.gpus, request.global_batch,
-                                                    request.precision, graph.info.family in WHOLE_MODEL_FAMILIES)
+    conventional = _conventional(graph, request)
     if candidate_rows is not None:
         candidate_rows += alternatives.candidate_rows(candidates, solved, simulated, ranked[0].candidate,
                                                       [r.candidate for r in ranked[1:request.top_k]])
@@ -153,6 +152,19 @@ def _distinct(graph, request: PlanRequest, ranked: list[Ranked], feasible: list[
     others = sorted(ranked[1:] + extra, key=lambda r: (not r.prediction.fits, r.prediction.step_time_s,
                                                       r.solution.objective_s, r.candidate.sort_key))
     return alternatives.best_per_structure([ranked[0], *others], lambda r: r.config)
+
+
+def _conventional(graph, request: PlanRequest):
+    """The conventional layout beside an unpinned search of a dense model, when the executor runs
+    it (the plan space offers nothing it cannot run); pins ask for a space of their own, and the
+    rule is for dense transformers."""
+    from meshplan.planner.costing.executable import model_facts, why_not_executable
+
+    if graph.info.num_experts or any(value is not None for value in vars(request.pins).values()):
+        return None
+    found = alternatives.conventional_layout(graph, request.planning_cluster, request.gpus, request.global_batch,
+                                             request.precision, graph.info.family in WHOLE_MODEL_FAMILIES)
+    return found if found is not None and why_not_executable(found.config, model_facts(graph), ()) is None else None
 
 
 def _profile(request: PlanRequest):

@@ -270,3 +270,17 @@ def test_compare_labels_plans_by_identity(tmp_path, run_cli):
     code, out, err = run_cli("compare", tmp_path / "run1" / "plan.json", tmp_path / "run1" / "plan.json")
     header = out.splitlines()[0]
     assert code == 0 and "plan.json (" in header and "#1" in header and "#2" in header
+
+
+def test_the_live_memory_chart_covers_the_whole_step_and_is_not_flattened():
+    """The simulator's curve ends at the last backward; the chart holds it to the step's end (the
+    optimizer runs after it), and its axis starts at the resident states, not at zero."""
+    from meshplan.reports.figures import memory_over_time
+
+    gib = 2.0**30
+    curves = (((0.0, 60 * gib), (0.1, 70 * gib), (0.3, 60 * gib)), ((0.0, 50 * gib), (0.2, 55 * gib), (0.35, 50 * gib)))
+    fig = memory_over_time(curves, 80 * gib, step_time_s=0.5)
+    assert [trace.x[-1] for trace in fig.data] == [500.0, 500.0]
+    assert [trace.y[-1] for trace in fig.data] == [60.0, 50.0]
+    low, high = fig.layout.yaxis.range
+    assert 45.0 < low < 50.0 and 80.0 < high < 82.0
