@@ -45,6 +45,7 @@ class Comparison:
     flag_fraction: float = DEFAULT_FLAG_FRACTION
     memory_flag_fraction: float = MEMORY_FLAG_FRACTION
     memory_source: str = ""  # how the last run measured its peaks (Measurement.memory_source)
+    busy: tuple[str, ...] = ()  # runs measured while other work loaded the host (`busy_runs`)
 
     @property
     def error_fraction(self) -> float:
@@ -70,8 +71,10 @@ class Comparison:
     @property
     def too_noisy(self) -> bool:
         """The machine varied more than the error being judged: the step times spread by more than
-        the flag threshold, so a prediction within it cannot be told from one outside it."""
-        return self.spread_fraction > self.flag_fraction
+        the flag threshold, so a prediction within it cannot be told from one outside it; or other
+        work loaded the host while it measured (`busy`), which the calibrated profile does not
+        price (calibration times compute in the process's own CPU seconds)."""
+        return self.spread_fraction > self.flag_fraction or bool(self.busy)
 
 
 def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
@@ -85,6 +88,28 @@ def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
         if run.plan_digest and run.plan_digest != plan.digest:
             raise MeshplanError(f"{run.source} was measured for plan {run.plan_digest} but this plan is "
                                 f"{plan.digest}; retrain it with `meshplan train --plan` on this plan file")
+
+
+# Other work on the host, in CPUs beyond the run's own processes, above which a run's wall-clock
+# steps are another job's as much as the plan's: half the host.
+BUSY_HOST_SHARE = 0.5
+
+
+def busy_runs(measurements: Sequence[Measurement]) -> tuple[str, ...]:
+    """One sentence per run whose host was loaded by other work while it trained: the 1-minute
+    load average the worker recorded at the end (`host.load_avg_1m`) less the run's own processes,
+    above BUSY_HOST_SHARE of the host's CPUs (a CPU run; GPU steps are timed on the device)."""
+    out = []
+    for run in measurements:
+        host = run.host if isinstance(run.host, dict) else {}
+        load, cpus = host.get("load_avg_1m"), host.get("cpu_count")
+        if not isinstance(load, (int, float)) or not isinstance(cpus, int) or cpus <= 0 or run.device != "cpu":
+            continue
+        others = load - run.world_size
+        if others > BUSY_HOST_SHARE * cpus:
+            out.append(f"{run.source}: load average {load:.1f} on {cpus} CPU(s) with {run.world_size} worker(s): "
+                       f"other work kept about {others:.1f} CPU(s) busy")
+    return tuple(out)
 
 
 def compare(plan, measurements: Sequence[Measurement],
@@ -114,4 +139,4 @@ def compare(plan, measurements: Sequence[Measurement],
         measured_stdev_s=statistics.stdev(steps) if len(steps) > 1 else 0.0,
         per_run_median_s=tuple(run.median_step_time_s for run in measurements),
         memory=tuple(memory), flag_fraction=flag_fraction, memory_flag_fraction=memory_flag_fraction,
-        memory_source=last.memory_source or "")
+        memory_source=last.memory_source or "", busy=busy_runs(measurements))

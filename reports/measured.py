@@ -23,7 +23,12 @@ def measured_section(comparison: Comparison, measurements: Sequence[Measurement]
     per_sample = 1 if sequences else plan.model.seq
     threshold = comparison.flag_fraction
     body = []
-    if comparison.too_noisy:
+    if comparison.busy:
+        body.append(paragraph(
+            "Too noisy to judge: the machine was busy while measuring (" + "; ".join(comparison.busy) + "). Its "
+            "step times include that work, which the calibrated profile does not price (calibration times "
+            "compute in each process's own CPU seconds); measure again on a quiet machine.", "warn"))
+    elif comparison.too_noisy:
         body.append(paragraph(
             f"Too noisy to judge: the measured step times spread by {fmt_pct(comparison.spread_fraction)} "
             f"(coefficient of variation of the timed steps, or the spread of the runs' medians), more than the "
