@@ -229,19 +229,27 @@ def test_hand_written_pipeline_plan_reports_memory_per_rank(tmp_path):
     assert "Measured by torch.distributed._tools.mem_tracker.MemTracker" in html
 
 
-def test_too_noisy_measurements_are_said_so_not_judged(plan, tmp_path):
-    """Step times that spread by more than the 15% threshold cannot judge a prediction."""
-    steps = [2.0, 0.40, 0.80, 0.45, 0.75]
-    html = _measured_report(plan, tmp_path, steps)
-    assert "Too noisy to judge" in html and "(too noisy to judge" in html
-    assert "more than the 15% the cost model aims for" not in html
-    quiet = _measured_report(plan, tmp_path, [1.0, 0.52, 0.51, 0.53], name="quiet.json")
-    assert "noisy" not in quiet
+def test_noisy_or_busy_measurements_are_said_so_not_judged_and_the_measured_throughput_is_shown(plan, tmp_path):
+    """Step times that spread by more than the 15% threshold, or a CPU run on a host that other
+    work loaded (its load average beyond the run's own workers), cannot judge a prediction: said,
+    not flagged. A quiet run is judged, and its throughput shows in the summary beside the predicted."""
+    from meshplan.executor.measure import host_info
 
-
-def test_the_measured_throughput_row_shows_the_measurement(plan, tmp_path):
-    html = _measured_report(plan, tmp_path, [1.0, 0.52, 0.51, 0.53])  # the measurement says 1000 tokens/s
-    predicted = plan.prediction["tokens_per_s"]
+    assert isinstance(host_info()["load_avg_1m"], float)  # the worker records it
+    noisy = _measured_report(plan, tmp_path, [2.0, 0.40, 0.80, 0.45, 0.75])
+    assert "Too noisy to judge" in noisy and "(too noisy to judge" in noisy
+    assert "more than the 15% the cost model aims for" not in noisy
+    steady = [1.0, 0.52, 0.51, 0.53]
+    for load, busy in ((12.0, True), (8.5, False)):
+        data = {**measured(plan, steady), "device": "cpu", "host": {"load_avg_1m": load, "cpu_count": 4}}
+        path = tmp_path / f"m{load}.json"
+        path.write_text(json.dumps(data))
+        html = build_report(plan, measurements=[path], trace=[])
+        assert ("the machine was busy while measuring" in html) is busy
+        assert ("load average 12.0 on 4 CPU(s) with 8 worker(s): other work kept about 4.0 CPU(s) busy"
+                in html) is busy
+        assert ("noisy" in html) is busy
+    predicted = plan.prediction["tokens_per_s"]  # the quiet run's summary: the measurement says 1000 tokens/s
     assert f"<th>predicted tokens/s (whole job)</th><td>{predicted:,.0f} tokens/s</td>" in html
     assert "<th>measured tokens/s (whole job)</th><td>1,000 tokens/s</td>" in html
 
@@ -284,19 +292,3 @@ def test_the_live_memory_chart_covers_the_whole_step_and_is_not_flattened():
     assert [trace.y[-1] for trace in fig.data] == [60.0, 50.0]
     low, high = fig.layout.yaxis.range
     assert 45.0 < low < 50.0 and 80.0 < high < 82.0
-
-
-def test_a_run_on_a_busy_host_is_not_judged(plan, tmp_path):
-    """Other work on the host (its load average beyond the run's own workers) inflates the wall-clock
-    steps that calibration, timing compute in CPU seconds, does not price: said, not flagged."""
-    from meshplan.executor.measure import host_info
-
-    assert isinstance(host_info()["load_avg_1m"], float)  # the worker records it
-    steps = [1.0, 0.52, 0.51, 0.53]  # steady: only the host's load can make it noisy
-    for load, busy in ((12.0, True), (8.5, False)):
-        data = {**measured(plan, steps), "device": "cpu", "host": {"load_avg_1m": load, "cpu_count": 4}}
-        path = tmp_path / f"m{load}.json"
-        path.write_text(json.dumps(data))
-        html = build_report(plan, measurements=[path], trace=[])
-        assert ("the machine was busy while measuring" in html) is busy
-        assert ("load average 12.0 on 4 CPU(s) with 8 worker(s): other work kept about 4.0 CPU(s) busy" in html) is busy
