@@ -85,3 +85,15 @@ def test_plan_alternatives_differ_in_structure_and_end_with_the_conventional_lay
 
     table = candidates_table(data)
     assert list(table["note"]) == [""] * (len(table) - 1) + ["conventional"] and table["ILP ms"].iloc[-1] == "-"
+
+
+@pytest.mark.parametrize("recomputed,text", [(1, "recomputing 1 layer:"), (3, "recomputing 3 layers:"),
+                                             (0, "no recomputation:")])
+def test_the_explanation_counts_recomputed_layers_in_good_english(recomputed, text):
+    from meshplan.planner.search.assembly import explain
+
+    plan_json = {"prediction": {"step_time_s": 1.0, "mfu": 0.5, "bubble_fraction": 0.0, "peak_memory_bytes": 2**30},
+                 "solver": {"usable_memory_bytes": 2**31}, "mesh": {"pp": 1, "dp": 8, "tp": 1}, "sp": False,
+                 "schedule": {"name": "1f1b", "virtual_stages": 1, "microbatches": 2, "microbatch_size": 1},
+                 "zero": 1, "layers": [{"recompute": "full" if i < recomputed else "none"} for i in range(5)]}
+    assert text in explain(plan_json)
