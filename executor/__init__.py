@@ -57,9 +57,7 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
             plan_path = Path(plan_path_or_plan).resolve()
             plan = load_plan(plan_path)
         job, nproc = _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_every, resume,
-                                  resume_from, max_restarts, data, seed, run_dir, timeout_s, run_limit_s)
-        if not force:
-            _preflight(plan, nproc)
+                                  resume_from, max_restarts, data, seed, run_dir, timeout_s, run_limit_s, force)
         from meshplan.executor.launch import launch_jobs
 
         if Path(out).exists():
@@ -73,8 +71,9 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
 
 
 def _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_every, resume, resume_from,
-                 max_restarts, data, seed, run_dir, timeout_s, run_limit_s):
-    """The Job to launch and the process count, after every check that needs no worker."""
+                 max_restarts, data, seed, run_dir, timeout_s, run_limit_s, force=False):
+    """The Job to launch and the process count, after every check that needs no worker; the
+    preflight (unless `force`) first, before the model is built: it needs only the plan."""
     from meshplan.executor import checks
     from meshplan.executor.checkpoint import estimated_size_bytes
     from meshplan.executor.data import make_source, token_vocab
@@ -82,6 +81,8 @@ def _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_
 
     nproc = plan.config.gpus if nproc is None else nproc
     checks.check_nproc(nproc, plan.config.gpus)
+    if not force:
+        _preflight(plan, nproc)
     checks.check_plan_runnable(plan, nproc)
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
