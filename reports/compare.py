@@ -90,25 +90,21 @@ def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
                                 f"{plan.digest}; retrain it with `meshplan train --plan` on this plan file")
 
 
-# Other work on the host, in CPUs beyond the run's own processes, above which a run's wall-clock
-# steps are another job's as much as the plan's: half the host.
-BUSY_HOST_SHARE = 0.5
-
-
 def busy_runs(measurements: Sequence[Measurement]) -> tuple[str, ...]:
-    """One sentence per run whose host was loaded by other work while it trained: the 1-minute
-    load average the worker recorded at the end (`host.load_avg_1m`) less the run's own processes,
-    above BUSY_HOST_SHARE of the host's CPUs (a CPU run; GPU steps are timed on the device)."""
+    """One sentence per CPU run whose host other work loaded while it trained (`calibration.host.
+    busy_host` on the 1-minute load average the worker recorded at the end, `host.load_avg_1m`;
+    GPU steps are timed on the device)."""
+    from meshplan.planner.calibration.host import busy_host
+
     out = []
     for run in measurements:
         host = run.host if isinstance(run.host, dict) else {}
         load, cpus = host.get("load_avg_1m"), host.get("cpu_count")
-        if not isinstance(load, (int, float)) or not isinstance(cpus, int) or cpus <= 0 or run.device != "cpu":
+        if not isinstance(load, (int, float)) or not isinstance(cpus, int) or run.device != "cpu":
             continue
-        others = load - run.world_size
-        if others > BUSY_HOST_SHARE * cpus:
-            out.append(f"{run.source}: load average {load:.1f} on {cpus} CPU(s) with {run.world_size} worker(s): "
-                       f"other work kept about {others:.1f} CPU(s) busy")
+        text = busy_host(float(load), cpus, run.world_size)
+        if text:
+            out.append(f"{run.source}: {text}")
     return tuple(out)
 
 

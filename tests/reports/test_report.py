@@ -292,3 +292,16 @@ def test_the_live_memory_chart_covers_the_whole_step_and_is_not_flattened():
     assert [trace.y[-1] for trace in fig.data] == [60.0, 50.0]
     low, high = fig.layout.yaxis.range
     assert 45.0 < low < 50.0 and 80.0 < high < 82.0
+
+
+def test_one_busy_host_rule_for_calibration_and_the_report(monkeypatch):
+    """Other work beyond half the CPUs makes a host busy; `meshplan calibrate` says so on stderr and
+    in the profile's source, by the same rule the report applies to measured runs."""
+    from meshplan.commands import calibrate
+    from meshplan.planner.calibration.host import busy_host
+
+    assert busy_host(2.9, 2, 2) == ""  # 0.9 CPUs of other work on 2: not over half
+    assert busy_host(4.0, 2, 2) == "load average 4.0 on 2 CPU(s) with 2 worker(s): other work kept about 2.0 CPU(s) busy"
+    monkeypatch.setattr("os.getloadavg", lambda: (9.7, 12.0, 13.6))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert calibrate._busy_note(2).startswith("load average 9.7 on 2 CPU(s)")
