@@ -39,15 +39,10 @@ def reuse_freed_memory() -> bool:
 BUSY_HOST_SHARE = 0.5
 
 
-def other_load_cpus(load_avg: float, num_cpus: int, own_processes: int) -> float:
-    """CPUs that other work kept busy: the load average less meshplan's own processes."""
-    return load_avg - own_processes
-
-
 def busy_host(load_avg: float, num_cpus: int, own_processes: int) -> str:
     """'load average L on N CPU(s) with P process(es): other work kept about O CPU(s) busy' when
     that exceeds BUSY_HOST_SHARE of the CPUs, else ''."""
-    others = other_load_cpus(load_avg, num_cpus, own_processes)
+    others = load_avg - own_processes  # CPUs that other work kept busy
     if num_cpus <= 0 or others <= BUSY_HOST_SHARE * num_cpus:
         return ""
     return (f"load average {load_avg:.1f} on {num_cpus} CPU(s) with {own_processes} worker(s): other work kept "
