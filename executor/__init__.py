@@ -20,10 +20,13 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
           max_restarts: int = 0, data: str = "synthetic", seed: int | None = None,
           run_dir: str | Path | None = None, timeout_s: float | None = None, run_limit_s: float | None = None,
-          echo: bool = False, progress=False, resume_from: str | Path | None = None) -> Measurement:
+          echo: bool = False, progress=False, resume_from: str | Path | None = None,
+          force: bool = False) -> Measurement:
     """Train `steps` optimizer steps of a plan on this node and return what was measured.
 
-    Refuses (MeshplanError) before launching anything the executor cannot run as planned.
+    Refuses (MeshplanError) before launching anything the executor cannot run as planned, and
+    (`executor.preflight`, unless `force`) a plan this machine cannot hold: a GPU plan here without
+    GPUs or with fewer, or ranks whose predicted memory exceeds this machine's.
     `resume` continues this run from the newest checkpoint in `checkpoint_dir` that verifies
     (one written by another run, with another seed, plan or model, is refused);
     `resume_from` starts from the checkpoint it names (`DIR/step_N`, or the newest one in DIR
@@ -54,7 +57,7 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
             plan_path = Path(plan_path_or_plan).resolve()
             plan = load_plan(plan_path)
         job, nproc = _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_every, resume,
-                                  resume_from, max_restarts, data, seed, run_dir, timeout_s, run_limit_s)
+                                  resume_from, max_restarts, data, seed, run_dir, timeout_s, run_limit_s, force)
         from meshplan.executor.launch import launch_jobs
 
         if Path(out).exists():
@@ -68,8 +71,9 @@ def train(plan_path_or_plan, nproc: int | None = None, steps: int = 20, out: str
 
 
 def _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_every, resume, resume_from,
-                 max_restarts, data, seed, run_dir, timeout_s, run_limit_s):
-    """The Job to launch and the process count, after every check that needs no worker."""
+                 max_restarts, data, seed, run_dir, timeout_s, run_limit_s, force=False):
+    """The Job to launch and the process count, after every check that needs no worker; the
+    preflight (unless `force`) first, before the model is built: it needs only the plan."""
     from meshplan.executor import checks
     from meshplan.executor.checkpoint import estimated_size_bytes
     from meshplan.executor.data import make_source, token_vocab
@@ -77,6 +81,8 @@ def _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_
 
     nproc = plan.config.gpus if nproc is None else nproc
     checks.check_nproc(nproc, plan.config.gpus)
+    if not force:
+        _preflight(plan, nproc)
     checks.check_plan_runnable(plan, nproc)
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
@@ -101,6 +107,15 @@ def _checked_job(plan, plan_path, nproc, steps, out, checkpoint_dir, checkpoint_
               checkpoint_every=checkpoint_every, resume=False, resume_from=start, data=data, seed=seed,
               run_dir=str(run_dir), timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s, run_id=run_id)
     return job, nproc
+
+
+def _preflight(plan, nproc: int) -> None:
+    from meshplan.executor.preflight import preflight_refusal, this_machine
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    refusal = preflight_refusal(plan, nproc, this_machine())
+    if refusal:
+        raise MeshplanError(refusal)
 
 
 def _resume_choice(plan, seed: int, steps: int, checkpoint_dir, resume: bool, resume_from):

@@ -145,11 +145,15 @@ def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, ec
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, preexec_fn=_die_with_parent)
+    # Set when the launcher itself is interrupted (Ctrl-C, SIGTERM): what torchrun prints while it
+    # is stopped (its SignalException traceback) is kept in the tail but not echoed; the command
+    # says "interrupted" in one line.
+    stopping = threading.Event()
 
     def pump():
         for line in process.stdout:
             tail.append(line)
-            if echo:
+            if echo and not stopping.is_set():
                 sys.stdout.write(line)
                 sys.stdout.flush()
 
@@ -160,6 +164,9 @@ def _run_in_own_group(command: list[str], env: dict, timeout_s: float | None, ec
     except subprocess.TimeoutExpired:
         exit_code = -int(signal.SIGKILL)
         tail.append(f"meshplan: the run exceeded its {timeout_s:.0f} s limit and was stopped\n")
+    except BaseException:
+        stopping.set()
+        raise
     finally:  # whatever happened (a Ctrl-C too), nothing of this launch survives it
         _kill_group(process)
         if watch is not None:

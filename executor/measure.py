@@ -14,9 +14,12 @@ def tokens_per_s(step_times_s: list[float], warmup_steps: int, tokens_per_step: 
 def host_info() -> dict[str, Any]:
     import os
 
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpu_count": os.cpu_count() or 0,
-            "processor": platform.processor() or platform.machine()}
+    out = {"hostname": socket.gethostname(), "platform": platform.platform(),
+           "python": platform.python_version(), "cpu_count": os.cpu_count() or 0,
+           "processor": platform.processor() or platform.machine()}
+    if hasattr(os, "getloadavg"):  # the last minute's load, at the end of the run: was the host busy?
+        out["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    return out
 
 
 def software_versions() -> dict[str, str]:

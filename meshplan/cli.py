@@ -18,6 +18,7 @@ COMMANDS = {
     "profile": "a model's per-layer graph of FLOPs and bytes (closed form for built-in transformers, else traced)",
     "estimate": "predict step time and memory of one hand-written parallel configuration",
     "plan": "search the fastest plan that fits (ILP over layers, simulator re-ranks)",
+    "memory": "a model's memory across precisions, ZeRO stages and GPU counts (no cluster or batch needed)",
     "simulate": "play one training step of a plan event by event",
     "calibrate": "measure this machine (matmul, memory, collectives) into a cluster profile",
     "train": "run a plan for real with torch.distributed and measure it",
@@ -29,11 +30,19 @@ COMMANDS = {
 }
 # Commands that hold no processes, sockets or temporary files once they return: they leave
 # without the interpreter's teardown of torch's modules, which costs 0.6-0.9 s per command.
-FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "simulate", "plan", "export", "compare"})
+FAST_EXIT_COMMANDS = frozenset({"profile", "estimate", "memory", "simulate", "plan", "export", "compare"})
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with usage errors in one line and where to read more, not the whole usage text."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="meshplan",
         description="meshplan: how to parallelize a PyTorch model on a cluster, how fast it goes, "
         "how much memory each GPU needs, and then run it.",
@@ -41,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     parser.add_argument("--version", action="version", version=f"meshplan {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.command_parsers = {}
     for name, help_text in COMMANDS.items():
-        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        cmd_parser = parser.command_parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         cmd_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                 help="show tracebacks for errors")
         _command_module(name).add_arguments(cmd_parser)
@@ -128,8 +138,10 @@ def _silence_stdout() -> None:
 def _main(argv: list[str]) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse: usage errors exit 2 with one usage line already printed
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # named by the command's own parser, so the hint is that command's --help
+            parser.command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extras)}")
+    except SystemExit as exc:  # argparse: usage errors exit 2 with their one line already printed
         return int(exc.code or 0)
     if not args.command:
         parser.print_help()

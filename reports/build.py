@@ -1,6 +1,7 @@
 """Assemble a report: read inputs, get the step timeline, build every section, wrap it in a page."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -73,7 +74,8 @@ def build_report(plan, measurements: Sequence = (), trace=None, title: str | Non
     intervals = with_idle(intervals, float(prediction["step_time_s"]))
     comparison = compare(plan, runs) if runs else None
     sections = [
-        summary_section(plan, prediction, source_name, comparison),
+        summary_section(plan, prediction, source_name, comparison,
+                        statistics.median(m.tokens_per_s for m in runs) if runs else None),
         layers_section(plan),
         memory_section(plan, prediction, memory_timeline),
         timeline_section(intervals, prediction, source_note),
@@ -85,7 +87,7 @@ def build_report(plan, measurements: Sequence = (), trace=None, title: str | Non
     if compared:
         sections.insert(0, plans_section(compared))
     if comparison is not None:
-        sections.append(measured_section(comparison, runs))
+        sections.append(measured_section(comparison, runs, plan))
     import plotly.offline
 
     heading = title or f"meshplan report: {plan.model.spec} on {plan.config.gpus} x {plan.cluster.device.name}"

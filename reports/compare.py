@@ -45,6 +45,7 @@ class Comparison:
     flag_fraction: float = DEFAULT_FLAG_FRACTION
     memory_flag_fraction: float = MEMORY_FLAG_FRACTION
     memory_source: str = ""  # how the last run measured its peaks (Measurement.memory_source)
+    busy: tuple[str, ...] = ()  # runs measured while other work loaded the host (`busy_runs`)
 
     @property
     def error_fraction(self) -> float:
@@ -58,6 +59,23 @@ class Comparison:
     def memory_flagged(self, rank_memory: RankMemory) -> bool:
         return abs(rank_memory.error_fraction) > self.memory_flag_fraction
 
+    @property
+    def spread_fraction(self) -> float:
+        """How noisy the measurement is: the larger of the timed steps' coefficient of variation
+        (stdev / median) and the spread of the runs' medians ((max - min) / median over runs)."""
+        cv = self.measured_stdev_s / self.measured_median_s
+        medians = self.per_run_median_s
+        runs = (max(medians) - min(medians)) / self.measured_median_s if len(medians) > 1 else 0.0
+        return max(cv, runs)
+
+    @property
+    def too_noisy(self) -> bool:
+        """The machine varied more than the error being judged: the step times spread by more than
+        the flag threshold, so a prediction within it cannot be told from one outside it; or other
+        work loaded the host while it measured (`busy`), which the calibrated profile does not
+        price (calibration times compute in the process's own CPU seconds)."""
+        return self.spread_fraction > self.flag_fraction or bool(self.busy)
+
 
 def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
     """Refuse runs of another plan or another world size: their comparison would mean nothing."""
@@ -70,6 +88,24 @@ def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
         if run.plan_digest and run.plan_digest != plan.digest:
             raise MeshplanError(f"{run.source} was measured for plan {run.plan_digest} but this plan is "
                                 f"{plan.digest}; retrain it with `meshplan train --plan` on this plan file")
+
+
+def busy_runs(measurements: Sequence[Measurement]) -> tuple[str, ...]:
+    """One sentence per CPU run whose host other work loaded while it trained (`calibration.host.
+    busy_host` on the 1-minute load average the worker recorded at the end, `host.load_avg_1m`;
+    GPU steps are timed on the device)."""
+    from meshplan.planner.calibration.host import busy_host
+
+    out = []
+    for run in measurements:
+        host = run.host if isinstance(run.host, dict) else {}
+        load, cpus = host.get("load_avg_1m"), host.get("cpu_count")
+        if not isinstance(load, (int, float)) or not isinstance(cpus, int) or run.device != "cpu":
+            continue
+        text = busy_host(float(load), cpus, run.world_size)
+        if text:
+            out.append(f"{run.source}: {text}")
+    return tuple(out)
 
 
 def compare(plan, measurements: Sequence[Measurement],
@@ -99,4 +135,4 @@ def compare(plan, measurements: Sequence[Measurement],
         measured_stdev_s=statistics.stdev(steps) if len(steps) > 1 else 0.0,
         per_run_median_s=tuple(run.median_step_time_s for run in measurements),
         memory=tuple(memory), flag_fraction=flag_fraction, memory_flag_fraction=memory_flag_fraction,
-        memory_source=last.memory_source or "")
+        memory_source=last.memory_source or "", busy=busy_runs(measurements))

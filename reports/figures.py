@@ -112,20 +112,32 @@ def timeline_gantt(intervals: Sequence, step_time_s: float) -> go.Figure:
     return fig
 
 
-def memory_over_time(memory_timeline: Sequence[Sequence[Sequence[float]]], capacity_bytes: float) -> go.Figure:
-    """Live bytes on each pipeline rank over the simulated step."""
+def memory_over_time(memory_timeline: Sequence[Sequence[Sequence[float]]], capacity_bytes: float,
+                     step_time_s: float | None = None) -> go.Figure:
+    """Live bytes on each pipeline rank over the simulated step: each curve held to the step's end
+    (`step_time_s`: the optimizer runs after the last backward), and the y axis starting at the
+    smallest resident model states, so the activations' rise and fall is not flattened by them."""
     fig = go.Figure()
-    peak_bytes = max((p[1] for points in memory_timeline for p in points), default=0.0)
+    curves = [list(points) for points in memory_timeline]
+    if step_time_s is not None:
+        curves = [points + [(step_time_s, points[-1][1])] if points and points[-1][0] < step_time_s else points
+                  for points in curves]
+    peak_bytes = max((p[1] for points in curves for p in points), default=0.0)
+    floor_bytes = min((points[0][1] for points in curves if points), default=0.0)
     draw_capacity = peak_bytes > 0.05 * capacity_bytes
-    div, unit = bytes_unit(max(peak_bytes, capacity_bytes) if draw_capacity else peak_bytes)
-    for rank, points in enumerate(memory_timeline):
+    top_bytes = max(peak_bytes, capacity_bytes) if draw_capacity else peak_bytes
+    div, unit = bytes_unit(top_bytes)
+    for rank, points in enumerate(curves):
         if points:
             fig.add_trace(go.Scatter(x=[p[0] * 1e3 for p in points], y=[p[1] / div for p in points],
                                      mode="lines", line_shape="hv", name=f"stage {rank}"))
     if draw_capacity:
         fig.add_hline(y=capacity_bytes / div, line_color="#c00000", annotation_text="device capacity")
-    return _layout(fig, "Live memory over the step (what the simulator tracks)", 320, xaxis_title="ms",
-                   yaxis_title=unit)
+    fig = _layout(fig, "Live memory over the step (what the simulator tracks; the axis starts at the resident "
+                       "model states)", 320, xaxis_title="ms", yaxis_title=unit)
+    margin = 0.03 * (top_bytes - floor_bytes) or 0.03 * top_bytes
+    fig.update_yaxes(range=[max(0.0, floor_bytes - margin) / div, (top_bytes + margin) / div])
+    return fig
 
 
 def breakdown_bar(breakdown: dict[str, float], step_time_s: float) -> go.Figure:

@@ -15,10 +15,26 @@ def _error_cell(fraction: float, flagged: bool) -> Cell:
     return Cell(text, "flag error-pct" if flagged else "ok error-pct")
 
 
-def measured_section(comparison: Comparison, measurements: Sequence[Measurement]) -> Section:
+def measured_section(comparison: Comparison, measurements: Sequence[Measurement], plan=None) -> Section:
+    """`plan` (when given) sets the throughput's unit: samples/s for file models, else tokens/s."""
+    from meshplan.reports.plans import is_sequence_model
+
+    sequences = plan is None or is_sequence_model(plan.model.spec)
+    per_sample = 1 if sequences else plan.model.seq
     threshold = comparison.flag_fraction
     body = []
-    if comparison.flagged:
+    if comparison.busy:
+        body.append(paragraph(
+            "Too noisy to judge: the machine was busy while measuring (" + "; ".join(comparison.busy) + "). Its "
+            "step times include that work, which the calibrated profile does not price (calibration times "
+            "compute in each process's own CPU seconds); measure again on a quiet machine.", "warn"))
+    elif comparison.too_noisy:
+        body.append(paragraph(
+            f"Too noisy to judge: the measured step times spread by {fmt_pct(comparison.spread_fraction)} "
+            f"(coefficient of variation of the timed steps, or the spread of the runs' medians), more than the "
+            f"{threshold:.0%} the prediction is judged by. The machine was busy or its clock varied; measure "
+            "again on a quiet machine (and calibrate on that same machine state) before reading the error.", "warn"))
+    elif comparison.flagged:
         body.append(paragraph(
             f"The predicted step time is off by {fmt_pct(comparison.error_fraction, signed=True)}, more than the "
             f"{threshold:.0%} the cost model aims for: recalibrate this machine (meshplan calibrate) or look at "
@@ -35,9 +51,10 @@ def measured_section(comparison: Comparison, measurements: Sequence[Measurement]
     fig = figures.measured_steps(runs, comparison.predicted_step_time_s, threshold)
     body.append(f'<div class="fig">{figure_div(fig, "fig-measured-steps")}</div>')
     run_rows = [[m.source, _host_text(m.host), len(m.step_times_s), m.warmup_steps, fmt_ms(m.median_step_time_s),
-                 f"{m.tokens_per_s:,.0f}", f"{m.losses[0]:.4f} -> {m.losses[-1]:.4f}" if m.losses else "n/a",
+                 f"{m.tokens_per_s / per_sample:,.{0 if sequences else 1}f}", f"{m.losses[0]:.4f} -> {m.losses[-1]:.4f}" if m.losses else "n/a",
                  _versions_text(m.versions)] for m in measurements]
-    body.append(table(["run", "host", "steps", "warm-up", "median step", "tokens/s", "loss", "versions"], run_rows))
+    body.append(table(["run", "host", "steps", "warm-up", "median step", "tokens/s" if sequences else "samples/s", "loss",
+                       "versions"], run_rows))
     if comparison.memory:
         fig = figures.measured_memory([r.rank for r in comparison.memory], [r.predicted_bytes for r in comparison.memory],
                                       [r.measured_bytes for r in comparison.memory])

@@ -10,16 +10,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from meshplan.planner.contracts.plan import Plan, load_plan
+from meshplan.planner.models.plan_check import is_sequence_model
 from meshplan.reports.html import fmt_bytes
 
 FACT_NAMES = ("model", "GPUs", "global batch", "mesh (pp x dp x cp x tp)", "schedule", "ZeRO", "sequence parallel",
               "recompute", "precision", "step time", "MFU", "peak memory per GPU", "fits", "throughput")
-
-
-def is_sequence_model(spec: str) -> bool:
-    """File models (`path/model.py:fn`) take whatever inputs their file builds: meshplan counts them in
-    samples; every other model is a causal LM whose samples are sequences of `seq` tokens."""
-    return not spec.partition(":")[0].endswith(".py")
 
 
 def throughput_text(spec: str, tokens_per_s: float, seq: int) -> str:
@@ -29,14 +24,34 @@ def throughput_text(spec: str, tokens_per_s: float, seq: int) -> str:
 
 
 def as_plans(plans: Sequence) -> list[tuple[str, Plan]]:
-    """(name, Plan) for each `Plan` or path; names are the file names, or `plan N` for objects."""
+    """(name, Plan) for each `Plan` or path, every name distinct: a file's name, with as many of its
+    folders as tell it from the others (`run1/plan.json`, `run2/plan.json`), then its plan digest
+    when the paths alone do not; `plan N (digest)` for objects."""
     from pathlib import Path
 
-    out = []
-    for index, item in enumerate(plans, start=1):
-        out.append((f"plan {index} ({item.digest})", item) if isinstance(item, Plan)
-                   else (Path(item).name, load_plan(item)))
-    return out
+    loaded = [(None, item) if isinstance(item, Plan) else (Path(item), load_plan(item)) for item in plans]
+    paths = [path for path, _ in loaded if path is not None]
+    names = []
+    for index, (path, plan) in enumerate(loaded, start=1):
+        if path is None:
+            names.append(f"plan {index} ({plan.digest})")
+            continue
+        name = _distinct_tail(path, [other for other in paths if other != path])
+        same = [other for other in paths if other == path]
+        names.append(name if len(same) == 1 else f"{name} ({plan.digest})")
+    counts = {name: names.count(name) for name in names}
+    names = [f"{name} #{index}" if counts[name] > 1 else name for index, name in enumerate(names, start=1)]
+    return list(zip(names, (plan for _, plan in loaded)))
+
+
+def _distinct_tail(path, others) -> str:
+    """The fewest trailing parts of `path` that no other path ends with."""
+    parts = path.resolve().parts
+    for count in range(1, len(parts) + 1):
+        tail = parts[-count:]
+        if not any(other.resolve().parts[-count:] == tail for other in others):
+            return "/".join(tail)
+    return str(path)
 
 
 def prediction_of(plan: Plan) -> dict[str, Any]:

@@ -49,22 +49,30 @@ def _band_text(plan, prediction: dict[str, Any]) -> str:
     return f", {band_text(band, float(step), 1e3, 'ms')}" if band else ""
 
 
-def summary_section(plan, prediction: dict[str, Any], source_name: str, comparison=None) -> Section:
+def summary_section(plan, prediction: dict[str, Any], source_name: str, comparison=None,
+                    measured_tokens_per_s: float | None = None) -> Section:
+    """`measured_tokens_per_s`: the measured runs' whole-job throughput (their median), when given."""
+    from meshplan.reports.plans import is_sequence_model, throughput_text
+
     cfg, device = plan.config, plan.cluster.device
     peak = float(prediction.get("peak_memory_bytes", 0.0))
+    sequences = is_sequence_model(plan.model.spec)
+    unit = "tokens/s" if sequences else "samples/s"
     pairs = [
         ("plan file", source_name),
         ("model", f"{plan.model.spec} (sequence {plan.model.seq}, {plan.model.dtype}, "
-                  f"{plan.model.attention} attention)"),
+                  f"{plan.model.attention} attention)" if sequences else f"{plan.model.spec} ({plan.model.dtype})"),
         ("cluster", f"{plan.cluster.name}: {cfg.gpus} x {device.name}, {plan.cluster.gpus_per_node} per node"),
-        ("global batch", f"{cfg.global_batch} sequences = {cfg.global_batch * plan.model.seq:,} tokens per step"),
+        ("global batch", f"{cfg.global_batch} sequences = {cfg.global_batch * plan.model.seq:,} tokens per step"
+                         if sequences else f"{cfg.global_batch} samples per step"),
         ("mesh", _mesh_text(cfg)),
         ("schedule", _schedule_text(cfg)),
         ("ZeRO stage / sequence parallel / precision",
          f"{cfg.zero}{f' (HSDP: sharded over {cfg.shard_group}, replicated x{cfg.dp // cfg.shard_group})' if cfg.shard_group else ''}"
          f" / {'on' if cfg.sp else 'off'} / {cfg.precision}"),
         ("predicted step time", fmt_ms(prediction.get("step_time_s")) + _band_text(plan, prediction)),
-        ("tokens/s (whole job)", f"{prediction.get('tokens_per_s', 0.0):,.0f}"),
+        (f"predicted {unit} (whole job)",
+         throughput_text(plan.model.spec, float(prediction.get("tokens_per_s", 0.0)), plan.model.seq)),
         ("model TFLOP/s per GPU (MFU convention)", f"{prediction.get('model_tflops_per_gpu', 0.0):,.2f}"),
         ("hardware TFLOP/s per GPU (with recomputation)", f"{prediction.get('hw_tflops_per_gpu', 0.0):,.2f}"),
         ("MFU", fmt_pct(prediction.get("mfu"))),
@@ -76,9 +84,13 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str, comparis
         ("plan digest", plan.digest),
     ]
     if comparison is not None:
-        flag = "  (over the threshold: see Predicted vs measured)" if comparison.flagged else ""
+        flag = ("  (too noisy to judge: see Predicted vs measured)" if comparison.too_noisy
+                else "  (over the threshold: see Predicted vs measured)" if comparison.flagged else "")
         pairs.insert(8, ("measured step time (median)", f"{fmt_ms(comparison.measured_median_s)}, error "
                                                         f"{fmt_pct(comparison.error_fraction, signed=True)}{flag}"))
+    if measured_tokens_per_s is not None:
+        pairs.insert(10, (f"measured {unit} (whole job)",
+                          throughput_text(plan.model.spec, measured_tokens_per_s, plan.model.seq)))
     solver = plan.solver or {}
     if "num_candidates" in solver:
         pairs.append(("search", f"{solver['num_candidates']} candidate configurations, "
@@ -180,7 +192,7 @@ def memory_section(plan, prediction: dict[str, Any], memory_timeline: Sequence =
                           f"{fmt_bytes(device.reserved_memory_bytes)} is reserved (runtime context, allocator, "
                           "communication buffers).", "note"))
     if memory_timeline and any(memory_timeline):
-        fig = figures.memory_over_time(memory_timeline, device.memory_bytes)
+        fig = figures.memory_over_time(memory_timeline, device.memory_bytes, prediction.get("step_time_s"))
         body.append(f'<div class="fig">{figure_div(fig, "fig-memory-time")}</div>')
     return Section("memory", "Memory per stage", "".join(body))
 

@@ -3,6 +3,7 @@ with the topology the user states (nodes, GPUs and NICs per node) and the inter-
 to imported nccl-tests runs."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -66,6 +67,11 @@ def run(args) -> int:
     check_topology(args.nodes, args.gpus_per_node, args.nics_per_node, measured_ranks)
     runs = [read_nccl_tests(path) for path in args.nccl_tests]
     profile = _measured_or_base(args, out.stem)
+    busy = "" if args.no_measure else _busy_note(args.nproc)
+    if busy:  # the wall-clock parts (collectives, fixed costs) read slow: say so in the profile too
+        from dataclasses import replace
+
+        profile = replace(profile, source=f"{profile.source}; measured on a busy host ({busy})")
     profile = apply_topology(profile, args.nodes, args.gpus_per_node, args.nics_per_node, measured_ranks)
     notes: list[str] = []
     if runs:
@@ -74,7 +80,21 @@ def run(args) -> int:
                       + dump_cluster_toml(profile), "--out")
     load_cluster(out)  # what we wrote must load
     _print_summary(out, profile, args, notes)
+    if busy:
+        print(f"meshplan calibrate: warning: the machine was busy while measuring ({busy}); the link and the "
+              "fixed costs, timed in wall-clock time, read slow: calibrate again on a quiet machine", file=sys.stderr)
     return 0
+
+
+def _busy_note(nproc: int) -> str:
+    """`calibration.host.busy_host` on the last minute's load average, right after the measurement."""
+    import os
+
+    from meshplan.planner.calibration.host import busy_host
+
+    if not hasattr(os, "getloadavg"):
+        return ""
+    return busy_host(os.getloadavg()[0], os.cpu_count() or 1, nproc)
 
 
 def _measured_or_base(args, stem: str):

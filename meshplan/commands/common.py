@@ -2,6 +2,39 @@
 from __future__ import annotations
 
 GIB = 2**30
+# `estimate` without --json: the configuration was priced but its largest rank exceeds the device's
+# usable memory (the table is printed; one line on stderr says so). With --json it exits 0 and
+# the answer is the `fits` key. Bad input stays 2, internal errors 1.
+EXIT_DOES_NOT_FIT = 2  # the contract's code for an impossible request
+DOES_NOT_FIT_HELP = ("exit codes: 0 the configuration fits, 2 bad input or a configuration priced that does not "
+                     "fit (one line on stderr; with --json: 0, and the answer is the 'fits' key), 1 an internal error")
+
+
+def does_not_fit(command: str, prediction, usable_memory_bytes: float, hint: str = "") -> int:
+    """The exit code of a printed estimate: 0, or EXIT_DOES_NOT_FIT with one line on stderr."""
+    import sys
+
+    if prediction.fits:
+        return 0
+    print(f"meshplan {command}: does not fit: {prediction.peak_memory_bytes / GIB:.2f} GiB on the largest rank, "
+          f"{usable_memory_bytes / GIB:.2f} GiB usable" + (f"; {hint.removeprefix('hint: ')}" if hint else
+                                                           "; see `meshplan plan` for a layout that fits"),
+          file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every real-valued flag: a finite number (inf and nan are refused in one line)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def add_axis_arguments(parser, default: int | None, skip: tuple[str, ...] = ()) -> None:
@@ -99,6 +132,17 @@ def announce_model_code(command: str, spec: str | None) -> None:
         print(f"meshplan {command}: running model code from {path} (a model file is trusted code)", file=sys.stderr)
 
 
+def prediction_json(prediction, spec: str, seq: int) -> dict:
+    """`Prediction.to_json()`, plus `samples_per_s` for file models (counted in samples, not tokens;
+    `tokens_per_s` stays for scripts: samples/s times the plan's placeholder length)."""
+    from meshplan.planner.models.plan_check import is_sequence_model
+
+    out = prediction.to_json()
+    if not is_sequence_model(spec):
+        out["samples_per_s"] = prediction.tokens_per_s / seq
+    return out
+
+
 def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:
     """'tokens/s  N' for sequence models; file models (any nn.Module) are counted in samples."""
     from meshplan.reports.plans import is_sequence_model
@@ -109,14 +153,14 @@ def throughput_line(spec: str, tokens_per_s: float, seq: int) -> str:
 
 
 def add_moe_imbalance_argument(parser) -> None:
-    parser.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+    parser.add_argument("--moe-imbalance", type=finite_float, default=1.0, metavar="F",
                         help="mixture of experts: the busiest expert receives F times the balanced tokens * top_k / "
                              "experts (>= 1.0, default 1.0 = balanced); the cost model scales the busiest rank's "
                              "expert GEMM time, saved expert activations and received all-to-all tokens by F")
 
 
 def add_moe_capacity_arguments(parser) -> None:
-    parser.add_argument("--moe-capacity-factor", type=float, default=None, metavar="C",
+    parser.add_argument("--moe-capacity-factor", type=finite_float, default=None, metavar="C",
                         help="mixture of experts: each expert takes at most C times the balanced tokens * top_k / "
                              "experts, the rest dropped (> 0; default none: nothing dropped); the busiest rank is "
                              "costed at min(F, C) of the balanced share and the dropped share is reported")

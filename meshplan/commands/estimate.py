@@ -5,12 +5,14 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments, announce_model_code, axis_arguments,
-                                     check_seq, check_sizes, moe_notes)
+from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
+                                     add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
+                                     does_not_fit, moe_notes, prediction_json)
 from meshplan.commands.printed import Heading, format_prediction
 
 
 def add_arguments(parser) -> None:
+    parser.epilog = DOES_NOT_FIT_HELP
     add_job_arguments(parser)
     # --from FILE fills the job from an engine config, so the job arguments are checked in run()
     for action in parser._actions:
@@ -60,7 +62,7 @@ def run(args) -> int:
                       args.moe_pad_expert_input_to_capacity)
     prediction = _estimate_at(args, args.zero)
     if notes:
-        print("\n".join(notes), file=sys.stderr)
+        sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.simulation.estimator import with_memory_headroom
 
@@ -69,7 +71,10 @@ def run(args) -> int:
     cluster = with_memory_headroom(load_cluster(args.cluster), args.memory_headroom * GIB)
     heading = _heading(args, cluster)
     if args.json:
-        data = with_band(prediction.to_json(), prediction.step_time_s, heading.config, args.model, args.seq)
+        from meshplan.commands.printed import _default_seq
+
+        data = with_band(prediction_json(prediction, args.model, args.seq or _default_seq(args.model)),
+                         prediction.step_time_s, heading.config, args.model, args.seq)
         print(json.dumps(data))
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
@@ -77,7 +82,7 @@ def run(args) -> int:
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)
-    return 0
+    return does_not_fit("estimate", prediction, cluster.device.usable_memory_bytes, hint)
 
 
 _SHARDS = {1: "optimizer states", 2: "gradients too", 3: "parameters too"}

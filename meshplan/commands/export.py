@@ -68,14 +68,16 @@ def estimate_from(args) -> int:
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 
+    from meshplan.commands.common import does_not_fit
     from meshplan.commands.printed import Heading, format_prediction
 
     heading = Heading(spec=result.spec, cluster=args.cluster, config=result.config, recompute=_recompute_text(result),
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
-    print(format_prediction(result.prediction, heading, load_cluster(args.cluster).device.usable_memory_bytes))
+    usable = load_cluster(args.cluster).device.usable_memory_bytes
+    print(format_prediction(result.prediction, heading, usable))
     print(band_line(result.prediction.step_time_s, result.config, result.spec, result.seq))
-    return 0
+    return does_not_fit("estimate", result.prediction, usable)
 
 
 def _estimate_plan(args) -> int:
@@ -83,6 +85,7 @@ def _estimate_plan(args) -> int:
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.simulation.simulator import simulate
 
+    from meshplan.commands.common import does_not_fit, prediction_json
     from meshplan.commands.printed import Heading, format_prediction
 
     plan = load_plan(args.from_file)
@@ -90,7 +93,8 @@ def _estimate_plan(args) -> int:
     from meshplan.commands.bands import band_line, with_band
 
     if args.json:
-        data = with_band(prediction.to_json(), prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq)
+        data = with_band(prediction_json(prediction, plan.model.spec, plan.model.seq), prediction.step_time_s,
+                         plan.config, plan.model.spec, plan.model.seq)
         print(json.dumps(data))
         return 0
     heading = Heading(spec=plan.model.spec, cluster=plan.cluster.name, config=plan.config,
@@ -98,7 +102,7 @@ def _estimate_plan(args) -> int:
     print(f"meshplan plan {args.from_file}")
     print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes))
     print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
-    return 0
+    return does_not_fit("estimate", prediction, plan.cluster.device.usable_memory_bytes)
 
 
 def _recompute_text(result) -> str:

@@ -5,8 +5,8 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments, announce_model_code, check_seq,
-                                     check_sizes, moe_notes, spec_file)
+from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments,
+                                     announce_model_code, check_seq, check_sizes, finite_float, moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
 
@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
     pins.add_argument("--schedule", default=None, choices=SCHEDULES, help="pipeline schedule")
     pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     pins.add_argument("--mbs", type=int, default=None, help="micro-batch size")
-    parser.add_argument("--train-tokens", type=float, default=None,
+    parser.add_argument("--train-tokens", type=finite_float, default=None,
                         help="also print time to train on this many tokens and the GPU-hours")
     parser.add_argument("--layerwise", action="store_true",
                         help="per-layer tp/dp inside a stage (analysis only: the plan is marked not executable)")
@@ -36,14 +36,18 @@ def add_arguments(parser) -> None:
     parser.add_argument("--engine", default="meshplan", choices=ENGINES,
                         help="plan under this engine's memory recipe (default meshplan, its own executor); "
                              "recorded in the plan as `engine`")
-    parser.add_argument("--time-limit", type=float, default=2.5,
+    parser.add_argument("--time-limit", type=finite_float, default=2.5,
                         help="seconds per candidate ILP (default 2.5; the re-ranked ones get twice that again if needed)")
     parser.add_argument("--seed", type=int, default=0, help="seed recorded in the plan (training data order)")
-    parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
+    parser.add_argument("--memory-headroom", type=finite_float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes (default 0: the "
                              "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin; under --engine "
                              "megatron, torchtitan or deepspeed the caching allocator's fragmentation is counted too, "
                              "15%% of activations and buffers, from GMLake, ASPLOS 2024)")
+    parser.add_argument("--candidates-csv", metavar="FILE", default=None,
+                        help="write every candidate configuration the search enumerated, one CSV row each: its "
+                             "degrees and switches, lower bound, how it left the search (winner, alternative, "
+                             "simulated, solved, or pruned and why) and, when simulated, its step and memory")
     from meshplan.commands import sizing
 
     sizing.add_arguments(parser)
@@ -66,14 +70,15 @@ def run(args) -> int:
     sizing.check(args)
     check_seq(args.seq)
     check_sizes(args)
-    refuse_output_over_input("--out", args.out, [("--cluster", args.cluster), ("--like", args.like),
-                                                 ("--model", spec_file(args.model))])
+    for flag, path in (("--out", args.out), ("--candidates-csv", args.candidates_csv)):
+        refuse_output_over_input(flag, path, [("--cluster", args.cluster), ("--like", args.like),
+                                              ("--model", spec_file(args.model))])
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
                       args.moe_pad_expert_input_to_capacity)
     if notes:
-        print("\n".join(notes), file=sys.stderr)
+        sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 
     request = PlanRequest.of(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
                              precision=args.precision, attention=args.attention, layerwise=args.layerwise,
@@ -82,8 +87,11 @@ def run(args) -> int:
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine, **pins)
 
+    rows: list[dict] = []
+
     def plan_at(gpus: int, progress: bool = False):
-        return search(replace(request, gpus=gpus), progress=progress)
+        rows.clear()  # the rows of the last search, the one whose plan is written
+        return search(replace(request, gpus=gpus), progress=progress, candidate_rows=rows)
 
     result = plan_at(args.gpus, progress=not args.json)
     sized, sizing_lines = None, []
@@ -99,6 +107,8 @@ def run(args) -> int:
         sizing.write_plan_json(data, args.out)  # the plan with its `sizing` key, in one write
     elif args.out:
         save_plan(result, args.out)
+    if args.candidates_csv:
+        _write_candidates(rows, args.candidates_csv)
     if args.json:  # the plan file's document (its band: simulate --json or estimate --from --json)
         print(json.dumps(data))
         return 0
@@ -108,6 +118,21 @@ def run(args) -> int:
     print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq)]
                     + sizing_lines))
     return 0
+
+
+def _write_candidates(rows: list[dict], path: str) -> None:
+    import csv
+    import io
+
+    from meshplan.planner.contracts.atomicfile import write_text_atomic
+    from meshplan.planner.search.alternatives import CSV_FIELDS
+
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(path, text.getvalue(), "--candidates-csv")
+    print(f"{len(rows)} candidates written to {path}", file=sys.stderr)
 
 
 def candidates_table(data: dict, train_tokens: float | None = None):
@@ -133,7 +158,7 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             "zero": f"{entry['zero']}" + (f" /{entry['shard_group']}" if entry.get("shard_group") else ""),
             "recompute": ", ".join(f"{k} {v}" for k, v in entry["recompute_summary"].items() if v) or "none",
             "step ms": round(pred["step_time_s"] * 1e3, 1),
-            "ILP ms": round(entry["ilp_objective_s"] * 1e3, 1),
+            "ILP ms": "-" if entry.get("ilp_objective_s") is None else round(entry["ilp_objective_s"] * 1e3, 1),
             "MFU %": round(100 * pred["mfu"], 1),
             "bubble %": round(100 * pred["bubble_fraction"], 1),
             "peak GiB": round(pred["peak_memory_bytes"] / GIB, 1),
@@ -145,6 +170,7 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             seconds = train_tokens / tokens_per_step * pred["step_time_s"]
             row["train days"] = round(seconds / 86400, 2)
             row["GPU-hours"] = round(seconds * gpus / 3600)
+        row["note"] = "conventional" if entry.get("conventional") else ""
         rows.append(row)
     table = pd.DataFrame(rows)
     # Configurations that differ only in what the table does not show read as one row: keep the first.

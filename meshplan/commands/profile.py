@@ -56,8 +56,12 @@ def run(args) -> int:
     if args.csv:
         _write_csv(rows, args.csv)
     if args.json:
-        print(json.dumps({"model": graph.spec, "seq": graph.seq, "batch": args.batch, "dtype": graph.dtype,
-                          "attention": graph.attention, "total_params": graph.total_params,
+        from meshplan.planner.models.plan_check import is_sequence_model
+
+        # a file model has neither a sequence length nor an attention kernel: no such keys
+        shape = ({"seq": graph.seq, "batch": args.batch, "dtype": graph.dtype, "attention": graph.attention}
+                 if is_sequence_model(graph.spec) else {"batch": args.batch, "dtype": graph.dtype})
+        print(json.dumps({"model": graph.spec, **shape, "total_params": graph.total_params,
                           **_moe_json(graph), **_hf_json(graph),
                           "fwd_flops": graph.fwd_flops * args.batch, "bwd_flops": graph.bwd_flops * args.batch,
                           "layers": rows}))

@@ -41,7 +41,10 @@ def run(args) -> int:
     from meshplan.commands.bands import band_line, with_band
 
     if args.json:
-        data = with_band(prediction.to_json(), prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq)
+        from meshplan.commands.common import prediction_json
+
+        data = with_band(prediction_json(prediction, plan.model.spec, plan.model.seq), prediction.step_time_s,
+                         plan.config, plan.model.spec, plan.model.seq)
         print(json.dumps(data))
     else:
         print(summary(plan, prediction))
@@ -53,10 +56,14 @@ def run(args) -> int:
 
 def summary(plan, prediction) -> str:
     """Human-readable report of one simulated step."""
+    from meshplan.commands.common import throughput_line
+    from meshplan.planner.models.plan_check import is_sequence_model
+
     cfg = plan.config
     schedule = cfg.schedule + (f" x{cfg.virtual_stages} virtual stages" if cfg.schedule_spec.free_chunks else "")
     lines = [
-        f"{plan.model.spec} (seq {plan.model.seq}) on {cfg.gpus} x {plan.cluster.name}: "
+        f"{plan.model.spec}{f' (seq {plan.model.seq})' if is_sequence_model(plan.model.spec) else ''} on "
+        f"{cfg.gpus} x {plan.cluster.name}: "
         f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}"
         + (f", memory as {cfg.engine} allocates it" if cfg.engine != "meshplan" else ""),
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
@@ -64,7 +71,7 @@ def summary(plan, prediction) -> str:
         "",
         f"step time        {prediction.step_time_s * 1e3:,.1f} ms",
         f"bubble           {prediction.bubble_fraction * 100:.1f} %",
-        f"tokens/s         {prediction.tokens_per_s:,.0f}",
+        throughput_line(plan.model.spec, prediction.tokens_per_s, plan.model.seq),
         f"TFLOP/s per GPU  {prediction.model_tflops_per_gpu:.4g} model, {prediction.hw_tflops_per_gpu:.4g} hardware",
         f"MFU              {prediction.mfu * 100:.1f} %",
         "",

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import sys
 
+from meshplan.commands.common import finite_float
 from meshplan.planner.contracts.axes import AXIS_NAMES
 
 PIN_NAMES = (*AXIS_NAMES, "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--deadline-days", type=float, default=None,
+    parser.add_argument("--deadline-days", type=finite_float, default=None,
                         help="with --train-tokens: plan node multiples up to --gpus and keep the cheapest that "
                              "trains within this many days")
-    parser.add_argument("--usd-per-gpu-hour", type=float, default=None,
+    parser.add_argument("--usd-per-gpu-hour", type=finite_float, default=None,
                         help="with --train-tokens: price of one GPU-hour, to print the cost")
     parser.add_argument("--like", default=None, metavar="FILE",
                         help="pin what an engine config fixes (torchtitan TOML, Megatron-LM arguments, DeepSpeed "

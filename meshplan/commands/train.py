@@ -1,6 +1,8 @@
 """`meshplan train`: run a plan for real with torch.distributed (torchrun) and write measured.json."""
 from __future__ import annotations
 
+from meshplan.commands.common import finite_float
+
 
 def add_arguments(parser):
     parser.add_argument("--plan", required=True, help="plan.json written by `meshplan plan`")
@@ -18,7 +20,11 @@ def add_arguments(parser):
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers")
     parser.add_argument("--data", default="synthetic", help="'synthetic' (default) or a text file (byte tokens)")
     parser.add_argument("--seed", type=int, help="weights and data seed (default: the plan's)")
-    parser.add_argument("--timeout-s", type=float,
+    parser.add_argument("--force", action="store_true",
+                        help="launch even when the preflight finds that this machine cannot hold the plan (a GPU "
+                             "plan without GPUs, more ranks than GPUs or CPUs allow, predicted memory beyond this "
+                             "machine's)")
+    parser.add_argument("--timeout-s", type=finite_float,
                         help="collective timeout: a rank that waits longer for the others (a hung worker) fails the "
                              "run, which names the rank it waited for (default 600)")
 
@@ -42,13 +48,16 @@ def run(args) -> int:
         measurement = train(args.plan, nproc=args.nproc, steps=args.steps, out=args.out,
                             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                             resume=args.resume, resume_from=args.resume_from, max_restarts=args.max_restarts,
-                            data=args.data, seed=args.seed, timeout_s=args.timeout_s, echo=True,
+                            data=args.data, seed=args.seed, timeout_s=args.timeout_s, echo=True, force=args.force,
                             progress=True)  # a bar only on a terminal
     except Terminated as exc:
         print("meshplan train: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
         return int(exc.code)
+    from meshplan.reports.plans import throughput_text
+
+    plan = load_plan(args.plan)
     print(f"{len(measurement.losses)} steps on {measurement.world_size} processes: final loss "
           f"{measurement.losses[-1]:.4f}, {measurement.mean_step_time_s * 1e3:.1f} ms/step, "
-          f"{measurement.tokens_per_s:.0f} tokens/s, peak memory "
+          f"{throughput_text(plan.model.spec, measurement.tokens_per_s, plan.model.seq)}, peak memory "
           f"{max(measurement.peak_memory_bytes_per_rank) / 2**20:.1f} MiB/rank -> {args.out}")
     return 0

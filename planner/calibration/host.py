@@ -31,3 +31,19 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): leave the allocator as it is
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+
+
+# Other work on a host, in CPUs beyond meshplan's own processes, above which what meshplan
+# measures there in wall-clock time (training steps, collectives) is that work's as much as its
+# own: half the host. Calibration and the report's predicted-vs-measured judge by this one rule.
+BUSY_HOST_SHARE = 0.5
+
+
+def busy_host(load_avg: float, num_cpus: int, own_processes: int) -> str:
+    """'load average L on N CPU(s) with P process(es): other work kept about O CPU(s) busy' when
+    that exceeds BUSY_HOST_SHARE of the CPUs, else ''."""
+    others = load_avg - own_processes  # CPUs that other work kept busy
+    if num_cpus <= 0 or others <= BUSY_HOST_SHARE * num_cpus:
+        return ""
+    return (f"load average {load_avg:.1f} on {num_cpus} CPU(s) with {own_processes} worker(s): other work kept "
+            f"about {others:.1f} CPU(s) busy")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.planner.contracts.errors import MeshplanError
+
 FAMILIES = ("gpt", "llama", "moe")
 
 
@@ -19,6 +21,9 @@ class TransformerConfig:
     ffn: int = 0  # 0: 4 * hidden; for "moe": the width of the first `dense_layers` blocks' MLP
     num_kv_heads: int = 0  # 0: num_heads
     max_positions: int = 1024  # learned positions (GPT); ignored by Llama (RoPE)
+    # RoPE families: the context length the model was trained for (its config's
+    # max_position_embeddings); 0 for parametric specs, which state none
+    context_length: int = 0
     tied_embeddings: bool = True
     vocab_multiple: int = 128  # Megatron-LM pads the vocabulary to a multiple of 128 * tp
     norm_eps: float = 1e-5
@@ -47,6 +52,8 @@ class TransformerConfig:
             raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         if not self.attn_head_dim and self.hidden % self.num_heads:
             raise ValueError(f"heads ({self.num_heads}) must divide hidden ({self.hidden})")
+        if not isinstance(self.context_length, int) or self.context_length < 0:
+            raise ValueError(f"context_length must be an integer >= 0, got {self.context_length!r}")
         if self.ffn < 0 or self.num_kv_heads < 0 or self.attn_head_dim < 0:
             raise ValueError(f"ffn, kv_heads and head_dim must be >= 0, got {self.ffn}, {self.num_kv_heads}, "
                              f"{self.attn_head_dim}")
@@ -82,6 +89,20 @@ class TransformerConfig:
             raise ValueError("shared_expert_gate needs shared experts")
         if not isinstance(self.aux_loss_coef, (int, float)) or not 0 <= self.aux_loss_coef < float("inf"):
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {self.aux_loss_coef!r}")
+
+    @property
+    def position_limit(self) -> int:
+        """Longest sequence the model takes: GPT's learned positions, else the trained context (0: none)."""
+        return self.max_positions if self.family == "gpt" else self.context_length
+
+    def check_seq(self, spec: str, seq: int) -> None:
+        """Refuse a sequence beyond the model's positions, with the limit (the one rule for every zoo model)."""
+        limit = self.position_limit
+        if limit and seq > limit:
+            kind = "learned positions" if self.family == "gpt" else "positions it was trained for"
+            fix = " or a parametric gpt: spec" if self.family == "gpt" else ""
+            raise MeshplanError(f"sequence length {seq} exceeds the {limit} {kind} of {spec!r}; "
+                                f"use --seq <= {limit}{fix}")
 
     @property
     def kv_heads(self) -> int:

@@ -69,6 +69,13 @@ def model_changed(plan: Plan) -> str:
             f"(digest {recorded[:12]} in the plan, {current[:12] or 'none'} now); re-plan it")
 
 
+def is_sequence_model(spec: str) -> bool:
+    """File models (`path/model.py:fn`) take whatever inputs their file builds: meshplan counts them in
+    samples, with no sequence length or attention kernel; every other model is a causal LM whose
+    samples are sequences of `seq` tokens."""
+    return not spec.partition(":")[0].endswith(".py")
+
+
 def spec_file(spec: str) -> str | None:
     """The file an hf: or file spec names (the config or the Python file); None for other specs."""
     return model_file(spec)

@@ -16,22 +16,26 @@ from meshplan.planner.models.built import MAX_PARAMETRIC_LAYERS, BuiltModel, Lay
 from meshplan.planner.models.config import TransformerConfig
 
 # Published shapes: GPT-2 (Radford et al. 2019, HF configs); Llama 2 (Touvron et al. 2023,
-# Table 1 + params.json); Llama 3 / 3.1 (Dubey et al. 2024, Table 3).
+# Table 1 + params.json); Llama 3 / 3.1 (Dubey et al. 2024, Table 3). `context_length` is each
+# release's max_position_embeddings (Llama 2: 4096; Llama 3.1: 131072; Mixtral 8x7B: 32768,
+# 8x22B: 65536; Qwen3: 40960).
 PRESETS: dict[str, TransformerConfig] = {
     "gpt2": TransformerConfig("gpt", 12, 768, 12, 50257),
     "gpt2-medium": TransformerConfig("gpt", 24, 1024, 16, 50257),
     "gpt2-large": TransformerConfig("gpt", 36, 1280, 20, 50257),
     "gpt2-xl": TransformerConfig("gpt", 48, 1600, 25, 50257),
-    "llama2-7b": TransformerConfig("llama", 32, 4096, 32, 32000, ffn=11008, tied_embeddings=False),
-    "llama2-13b": TransformerConfig("llama", 40, 5120, 40, 32000, ffn=13824, tied_embeddings=False),
+    "llama2-7b": TransformerConfig("llama", 32, 4096, 32, 32000, ffn=11008, tied_embeddings=False,
+                                   context_length=4096),
+    "llama2-13b": TransformerConfig("llama", 40, 5120, 40, 32000, ffn=13824, tied_embeddings=False,
+                                    context_length=4096),
     "llama2-70b": TransformerConfig("llama", 80, 8192, 64, 32000, ffn=28672, num_kv_heads=8,
-                                    tied_embeddings=False),
+                                    tied_embeddings=False, context_length=4096),
     "llama3-8b": TransformerConfig("llama", 32, 4096, 32, 128256, ffn=14336, num_kv_heads=8,
-                                   tied_embeddings=False, rope_theta=500000.0),
+                                   tied_embeddings=False, rope_theta=500000.0, context_length=131072),
     "llama3-70b": TransformerConfig("llama", 80, 8192, 64, 128256, ffn=28672, num_kv_heads=8,
-                                    tied_embeddings=False, rope_theta=500000.0),
+                                    tied_embeddings=False, rope_theta=500000.0, context_length=131072),
     "llama3-405b": TransformerConfig("llama", 126, 16384, 128, 128256, ffn=53248, num_kv_heads=8,
-                                     tied_embeddings=False, rope_theta=500000.0),
+                                     tied_embeddings=False, rope_theta=500000.0, context_length=131072),
     # Mixtures of experts, from the Hugging Face config.json of each release. Mixtral
     # (mistralai/Mixtral-8x7B-v0.1, mistralai/Mixtral-8x22B-v0.1): hidden_size, num_hidden_layers,
     # num_attention_heads, num_key_value_heads, num_local_experts, num_experts_per_tok,
@@ -41,15 +45,18 @@ PRESETS: dict[str, TransformerConfig] = {
     # moe_intermediate_size, no shared experts, mlp_only_layers [] (no dense block; intermediate_size
     # is unused), rms_norm_eps 1e-6; published 30.5B / 3.3B and 235B / 22B.
     "mixtral-8x7b": TransformerConfig("moe", 32, 4096, 32, 32000, num_kv_heads=8, tied_embeddings=False,
-                                      rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=14336),
+                                      rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=14336,
+                                      context_length=32768),
     "mixtral-8x22b": TransformerConfig("moe", 56, 6144, 48, 32768, num_kv_heads=8, tied_embeddings=False,
-                                       rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=16384),
+                                       rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=16384,
+                                       context_length=65536),
     "qwen3-30b-a3b": TransformerConfig("moe", 48, 2048, 32, 151936, num_kv_heads=4, tied_embeddings=False,
                                        norm_eps=1e-6, rope_theta=1e6, attn_head_dim=128, qk_norm=True,
-                                       num_experts=128, top_k=8, expert_ffn=768),
+                                       num_experts=128, top_k=8, expert_ffn=768, context_length=40960),
     "qwen3-235b-a22b": TransformerConfig("moe", 94, 4096, 64, 151936, num_kv_heads=4, tied_embeddings=False,
                                          norm_eps=1e-6, rope_theta=1e6, attn_head_dim=128, qk_norm=True,
-                                         num_experts=128, top_k=8, expert_ffn=1536),
+                                         num_experts=128, top_k=8, expert_ffn=1536,
+                                         context_length=40960),
 }
 
 # Published models meshplan does not build, and why (asked for by name, they get this reason).
@@ -165,9 +172,7 @@ def _build_zoo(spec: str, cfg: TransformerConfig, seq: int, tp: int, device: str
 
     from meshplan.planner.models.transformer import CausalLM, lm_loss
 
-    if cfg.family == "gpt" and seq > cfg.max_positions:
-        raise MeshplanError(f"sequence length {seq} exceeds the {cfg.max_positions} learned positions of {spec!r}; "
-                            f"use --seq <= {cfg.max_positions} or a parametric gpt: spec")
+    cfg.check_seq(spec, seq)
     with torch.device(device):
         if cfg.family == "moe":
             from meshplan.planner.models.moe import MoECausalLM
@@ -265,8 +270,8 @@ def default_seq(spec: str, wanted: int = 2048) -> int:
         cfg = parse_spec(spec, wanted)
     except MeshplanError:
         return wanted  # the build reports the malformed spec
-    if cfg is not None and cfg.family == "gpt":
-        return min(wanted, cfg.max_positions)
+    if cfg is not None and cfg.position_limit:
+        return min(wanted, cfg.position_limit)
     return wanted
 
 

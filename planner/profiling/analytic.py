@@ -47,9 +47,7 @@ def analytic_graph(spec: str, cfg: TransformerConfig, seq: int, dtype: str = "bf
     """
     if cfg.family not in FAMILIES:
         raise ValueError(f"no closed form for the {cfg.family!r} family; trace it (families: {', '.join(FAMILIES)})")
-    if cfg.family == "gpt" and seq > cfg.max_positions:  # the same refusal as building the model
-        raise MeshplanError(f"sequence length {seq} exceeds the {cfg.max_positions} learned positions of {spec!r}; "
-                            f"use --seq <= {cfg.max_positions} or a parametric gpt: spec")
+    cfg.check_seq(spec, seq)  # the same refusal as building the model
     elem_bytes = ELEMENT_BYTES[dtype]
     padded_vocab = cfg.padded_vocab(tp)
     splits = zoo_tp_splits(cfg, padded_vocab)

@@ -40,6 +40,7 @@ def moe_analytic_graph(spec: str, cfg: TransformerConfig, seq: int, dtype: str =
     """
     if cfg.family not in FAMILIES:
         raise ValueError(f"no MoE closed form for the {cfg.family!r} family (families: {', '.join(FAMILIES)})")
+    cfg.check_seq(spec, seq)  # the same refusal as building the model
     elem_bytes = ELEMENT_BYTES[dtype]
     padded_vocab = cfg.padded_vocab(tp)
     splits = zoo_tp_splits(cfg, padded_vocab)

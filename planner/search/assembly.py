@@ -128,7 +128,8 @@ def explain(plan_json: dict) -> str:
             f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
             + (f" HSDP (shard over {plan_json['shard_group']}, replicate across {mesh['dp'] // plan_json['shard_group']})"
                if plan_json.get("shard_group") else "")
-            + f"{f', recomputing {recomputed} layers' if recomputed else ', no recomputation'}: "
+            + (f", recomputing {recomputed} layer{'s' if recomputed != 1 else ''}" if recomputed
+               else ", no recomputation") + ": "
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
             f"{100 * pred['bubble_fraction']:.1f}%, peak memory {pred['peak_memory_bytes'] / GIB:.1f} of "
             f"{limit / GIB:.1f} GiB"
@@ -173,9 +174,10 @@ def _why_ep(plan_json: dict, rival: dict) -> str:
 
 
 def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwise: bool,
-               limit_bytes: float) -> Plan:
+               limit_bytes: float, conventional=None) -> Plan:
     """The Plan of the winner (ranked[0]) with the others as alternatives, each marked with
-    whether the executor runs it (only `layerwise` plans can give layers their own degrees)."""
+    whether the executor runs it (only `layerwise` plans can give layers their own degrees);
+    `conventional` (`search.alternatives.Conventional`), when given, is the last alternative."""
     winner, facts = ranked[0], model_facts(graph)
     layers = layer_assignments(graph, winner)
     reason = why_not_executable(winner.config, facts, _degrees(layers) if layerwise else ())
@@ -189,6 +191,8 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
         entry["prediction"] = alt.prediction.to_json()
         entry["why_not"] = why_not(alt, winner, limit_bytes)
         alternatives.append(entry)
+    if conventional is not None:
+        alternatives.append(conventional_entry(conventional, winner, facts, limit_bytes))
     solution = winner.solution
     solver = {"backend": solution.backend, "status": solution.status, "gap": solution.gap,
               "formulation": solution.formulation, "ilp_objective_s": solution.objective_s,
@@ -203,6 +207,40 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
                 alternatives=tuple(alternatives), seed=seed, executable=reason is None,
                 not_executable_reason=reason or "", solver=solver)
+
+
+def conventional_entry(conventional, winner, facts, limit_bytes: float) -> dict:
+    """The conventional layout as an alternative: its uniform plan (balanced chunks, one
+    recomputation for the blocks), predicted by the simulator; no ILP solved it
+    (`ilp_objective_s` null), `conventional` names the rule."""
+    from meshplan.planner.search.alternatives import CONVENTIONAL_SOURCE
+
+    cfg = conventional.config
+    per_chunk = [0] * cfg.num_model_chunks
+    for chunk in conventional.chunk_of_layer:
+        per_chunk[chunk] += 1
+    reason = why_not_executable(cfg, facts, ())
+    entry = {
+        "label": conventional.label(), "conventional": CONVENTIONAL_SOURCE, "mesh": mesh_json(cfg),
+        "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
+        "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
+                     "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
+        "recompute": cfg.recompute,
+        "recompute_summary": {r: conventional.recompute_of_layer.count(r) for r in RECOMPUTE},
+        "layers_per_chunk": per_chunk, "chunk_of_layer": list(conventional.chunk_of_layer),
+        "recompute_of_layer": list(conventional.recompute_of_layer), "ilp_objective_s": None,
+        "executable": reason is None, **({"not_executable_reason": reason} if reason else {}),
+        "prediction": conventional.prediction.to_json(),
+    }
+    pa, pw = conventional.prediction, winner.prediction
+    if not pa.fits or pa.step_time_s > pw.step_time_s:
+        entry["why_not"] = why_not(conventional, winner, limit_bytes)
+    elif pa.step_time_s == pw.step_time_s:
+        entry["why_not"] = "as fast as the winner"
+    else:  # the search's candidates or pruning missed it: say so rather than hide it
+        entry["why_not"] = (f"{_pct(pw.step_time_s - pa.step_time_s, pw.step_time_s)} faster than the winner: "
+                            "the search did not reach this layout")
+    return entry
 
 
 def _degrees(layers) -> list[tuple[int, int]]:

@@ -66,7 +66,21 @@ class Pins:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending, from its prime factors: trial division to sqrt(n), not a loop to n."""
+    if n < 1:
+        raise ValueError(f"divisors of a positive integer only, got {n}")
+    found = [1]
+    rest, prime = n, 2
+    while prime * prime <= rest:
+        power = 0
+        while rest % prime == 0:
+            rest //= prime
+            power += 1
+        found = [d * prime**k for d in found for k in range(power + 1)]
+        prime += 1 if prime == 2 else 2
+    if rest > 1:
+        found += [d * rest for d in found]
+    return sorted(found)
 
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.tables import CostTable
+from meshplan.planner.search import alternatives
 from meshplan.planner.search.candidates import (MEMORY_MARGIN, WHOLE_MODEL_FAMILIES, Pins, enumerate_candidates,
                                                 usable_memory_bytes)
 from meshplan.planner.search.ilp.formulation import StageSolution
@@ -75,9 +76,10 @@ def search_plan(spec, cluster, gpus: int, global_batch: int, seq: int | None = N
     return search(PlanRequest.of(spec, cluster, gpus, global_batch, seq, **options), progress=progress, graph=graph)
 
 
-def search(request: PlanRequest, *, progress=False, graph=None):
+def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: list | None = None):
     """The fastest plan that fits; see the module docstring. `graph`: the model's profile, when
-    the caller has it already.
+    the caller has it already. `candidate_rows`: a list that receives one row per enumerated
+    candidate and how it left the search (`alternatives.candidate_rows`, for `plan --candidates-csv`).
 
     `progress`: False, True (a bar on stderr when it is a terminal) or fn(done, total) per candidate.
     """
@@ -117,11 +119,52 @@ def search(request: PlanRequest, *, progress=False, graph=None):
     feasible = refine_best(feasible, num_keep, budget_s=request.time_limit_s / 5)  # the exact step of each, improved
     ranked = _rank_fitting(graph, request, feasible, tables, more=lambda: _solve_more(solved, problems, request))
     ep_rival = _ep_rival(graph, cluster, ranked, feasible, tables)
+    simulated = {r.candidate: r.prediction for r in ranked}
+    ranked = _distinct(graph, request, ranked, feasible, tables, simulated)
+    conventional = _conventional(graph, request)
+    if candidate_rows is not None:
+        candidate_rows += alternatives.candidate_rows(candidates, solved, simulated, ranked[0].candidate,
+                                                      [r.candidate for r in ranked[1:request.top_k]])
     stats = {**_search_stats(candidates, solved, feasible[:num_keep]), **({"ep_rival": ep_rival} if ep_rival else {}),
              "search_time_s": time.perf_counter() - started,
              **({"memory_headroom_bytes": request.memory_headroom_bytes} if request.memory_headroom_bytes else {})}
     return build_plan(graph, cluster, ranked[:request.top_k], stats, seed=request.seed, layerwise=request.layerwise,
-                      limit_bytes=limit)
+                      limit_bytes=limit, conventional=conventional)
+
+
+def _distinct(graph, request: PlanRequest, ranked: list[Ranked], feasible: list[Solved], tables,
+              simulated: dict) -> list[Ranked]:
+    """The winner and the best plan of each other structure (`alternatives.structure`): the
+    re-ranked ones, then the ILP's best of each structure not among them, simulated, until the
+    plan has `top_k` entries. `simulated` gains every prediction made."""
+    have = {alternatives.structure(r.config) for r in ranked}
+    wanted = request.top_k - len(alternatives.best_per_structure(ranked, lambda r: r.config))
+    extra = []
+    for item in alternatives.best_per_structure(feasible, lambda s: s.candidate):
+        if wanted <= 0:
+            break
+        if alternatives.structure(item.candidate) in have:
+            continue
+        more = _simulate(graph, request.planning_cluster, item, tables.table_for(item.candidate))
+        simulated[item.candidate] = more.prediction
+        extra.append(more)
+        wanted -= 1
+    others = sorted(ranked[1:] + extra, key=lambda r: (not r.prediction.fits, r.prediction.step_time_s,
+                                                      r.solution.objective_s, r.candidate.sort_key))
+    return alternatives.best_per_structure([ranked[0], *others], lambda r: r.config)
+
+
+def _conventional(graph, request: PlanRequest):
+    """The conventional layout beside an unpinned search of a dense model, when the executor runs
+    it (the plan space offers nothing it cannot run); pins ask for a space of their own, and the
+    rule is for dense transformers."""
+    from meshplan.planner.costing.executable import model_facts, why_not_executable
+
+    if graph.info.num_experts or any(value is not None for value in vars(request.pins).values()):
+        return None
+    found = alternatives.conventional_layout(graph, request.planning_cluster, request.gpus, request.global_batch,
+                                             request.precision, graph.info.family in WHOLE_MODEL_FAMILIES)
+    return found if found is not None and why_not_executable(found.config, model_facts(graph), ()) is None else None
 
 
 def _profile(request: PlanRequest):

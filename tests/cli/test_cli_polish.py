@@ -135,6 +135,18 @@ def test_file_models_are_counted_in_samples(run_cli, tmp_path):
     assert "batch 1 sample(s)" in head and " seq " not in head and "attention flash" not in head
     code, out, err = run_cli("estimate", "--model", SPEC, "--cluster", "cpu", "--gpus", "2", "--gbs", "8")
     assert code == 0 and "tokens/s" in out  # a causal LM keeps its tokens
+    # JSON: samples/s for the file model; no sequence or attention keys in its profile
+    code, out, err = run_cli("estimate", *job, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["samples_per_s"] == pytest.approx(data["tokens_per_s"] / 2048)
+    code, out, err = run_cli("profile", "--model", f"{path}:build", "--dtype", "fp32", "--json")
+    assert code == 0 and not {"seq", "attention"} & set(json.loads(out))
+    plan_path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *job, "--top", "1", "--out", plan_path)
+    code, out, err = run_cli("simulate", "--plan", plan_path)
+    assert code == 0 and "samples/s" in out and "tokens/s" not in out and "seq" not in out.splitlines()[0]
+    code, out, err = run_cli("simulate", "--plan", plan_path, "--json")
+    assert code == 0 and "samples_per_s" in json.loads(out)
 
 
 def test_memory_headroom_is_left_free(run_cli):

@@ -156,7 +156,7 @@ def test_a_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(plan_
     (["--checkpoint-dir", "/proc/x", "--checkpoint-every", "1"], "--checkpoint-dir /proc/x cannot be created"),
     (["--checkpoint-dir", "/proc/x", "--resume"], "--checkpoint-dir /proc/x cannot be created"),
     (["--timeout-s", "-5"], "--timeout-s must be a positive number of seconds, got -5.0"),
-    (["--timeout-s", "inf"], "--timeout-s must be a positive number of seconds, got inf"),
+    (["--timeout-s", "inf"], "argument --timeout-s: must be a finite number, got 'inf'"),
     (["--out", "/missing/dir/m.json"], "directory /missing/dir does not exist"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0; this plan needs --nproc 2"),
 ])

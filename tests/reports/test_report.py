@@ -227,3 +227,81 @@ def test_hand_written_pipeline_plan_reports_memory_per_rank(tmp_path):
     assert "no per-layer times" in html
     assert html.count('<td class="flag error-pct">-20.0%  over threshold</td>') == 2  # both ranks, 10% bound
     assert "Measured by torch.distributed._tools.mem_tracker.MemTracker" in html
+
+
+def test_noisy_or_busy_measurements_are_said_so_not_judged_and_the_measured_throughput_is_shown(plan, tmp_path):
+    """Step times that spread by more than the 15% threshold, or a CPU run on a host that other
+    work loaded (its load average beyond the run's own workers), cannot judge a prediction: said,
+    not flagged. A quiet run is judged, and its throughput shows in the summary beside the predicted."""
+    from meshplan.executor.measure import host_info
+
+    assert isinstance(host_info()["load_avg_1m"], float)  # the worker records it
+    noisy = _measured_report(plan, tmp_path, [2.0, 0.40, 0.80, 0.45, 0.75])
+    assert "Too noisy to judge" in noisy and "(too noisy to judge" in noisy
+    assert "more than the 15% the cost model aims for" not in noisy
+    steady = [1.0, 0.52, 0.51, 0.53]
+    for load, busy in ((12.0, True), (8.5, False)):
+        data = {**measured(plan, steady), "device": "cpu", "host": {"load_avg_1m": load, "cpu_count": 4}}
+        path = tmp_path / f"m{load}.json"
+        path.write_text(json.dumps(data))
+        html = build_report(plan, measurements=[path], trace=[])
+        assert ("the machine was busy while measuring" in html) is busy
+        assert ("load average 12.0 on 4 CPU(s) with 8 worker(s): other work kept about 4.0 CPU(s) busy"
+                in html) is busy
+        assert ("noisy" in html) is busy
+    predicted = plan.prediction["tokens_per_s"]  # the quiet run's summary: the measurement says 1000 tokens/s
+    assert f"<th>predicted tokens/s (whole job)</th><td>{predicted:,.0f} tokens/s</td>" in html
+    assert "<th>measured tokens/s (whole job)</th><td>1,000 tokens/s</td>" in html
+
+
+def test_file_models_are_reported_in_samples_without_sequence_fields(tmp_path):
+    plan = make_plan(spec="models/resnet.py:build")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(measured(plan, [1.0, 0.52, 0.51, 0.53])))
+    html = build_report(plan, measurements=[path], trace=[])
+    assert "tokens/s" not in html and "tokens per step" not in html and "attention)" not in html
+    assert "sequence 1024" not in html and "16 samples per step" in html
+    assert f"{plan.prediction['tokens_per_s'] / 1024:,.1f} samples/s" in html
+    assert f"<td>{1000.0 / 1024:,.1f}</td>" in html  # the run's samples/s
+
+
+def test_compare_labels_plans_by_identity(tmp_path, run_cli):
+    from meshplan.planner.contracts.plan import save_plan
+
+    for folder, step in (("run1", 0.5), ("run2", 0.7)):
+        (tmp_path / folder).mkdir()
+        save_plan(make_plan(step_time_s=step, pp=2 if folder == "run1" else 1), tmp_path / folder / "plan.json")
+    code, out, err = run_cli("compare", tmp_path / "run1" / "plan.json", tmp_path / "run2" / "plan.json")
+    assert code == 0, err
+    assert "run1/plan.json" in out.splitlines()[0] and "run2/plan.json" in out.splitlines()[0]
+    assert "fastest: run1/plan.json" in out
+    code, out, err = run_cli("compare", tmp_path / "run1" / "plan.json", tmp_path / "run1" / "plan.json")
+    header = out.splitlines()[0]
+    assert code == 0 and "plan.json (" in header and "#1" in header and "#2" in header
+
+
+def test_the_live_memory_chart_covers_the_whole_step_and_is_not_flattened():
+    """The simulator's curve ends at the last backward; the chart holds it to the step's end (the
+    optimizer runs after it), and its axis starts at the resident states, not at zero."""
+    from meshplan.reports.figures import memory_over_time
+
+    gib = 2.0**30
+    curves = (((0.0, 60 * gib), (0.1, 70 * gib), (0.3, 60 * gib)), ((0.0, 50 * gib), (0.2, 55 * gib), (0.35, 50 * gib)))
+    fig = memory_over_time(curves, 80 * gib, step_time_s=0.5)
+    assert [trace.x[-1] for trace in fig.data] == [500.0, 500.0]
+    assert [trace.y[-1] for trace in fig.data] == [60.0, 50.0]
+    low, high = fig.layout.yaxis.range
+    assert 45.0 < low < 50.0 and 80.0 < high < 82.0
+
+
+def test_one_busy_host_rule_for_calibration_and_the_report(monkeypatch):
+    """Other work beyond half the CPUs makes a host busy; `meshplan calibrate` says so on stderr and
+    in the profile's source, by the same rule the report applies to measured runs."""
+    from meshplan.commands import calibrate
+    from meshplan.planner.calibration.host import busy_host
+
+    assert busy_host(2.9, 2, 2) == ""  # 0.9 CPUs of other work on 2: not over half
+    assert busy_host(4.0, 2, 2) == "load average 4.0 on 2 CPU(s) with 2 worker(s): other work kept about 2.0 CPU(s) busy"
+    monkeypatch.setattr("os.getloadavg", lambda: (9.7, 12.0, 13.6))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert calibrate._busy_note(2).startswith("load average 9.7 on 2 CPU(s)")
