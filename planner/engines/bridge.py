@@ -80,11 +80,12 @@ ROUND_TRIP_TOLERANCE = 0.01
 def _as_the_engine_runs_it(plan, engine: str, text: str) -> list[str]:
     """The exported config priced back as the engine runs it (its memory recipe, its schedule):
     one line when it does not fit, one when its step is more than 1% from the plan's."""
-    from meshplan.planner.simulation.simulator import simulate
+    from meshplan.planner.simulation.simulator import plan_graph, simulate
 
     try:
         result = predict_job(read_engine_text(text, engine), plan.model.spec, plan.cluster, gpus=plan.config.gpus,
-                             global_batch=plan.config.global_batch, seq=plan.model.seq)
+                             global_batch=plan.config.global_batch, seq=plan.model.seq,
+                             attention=plan.model.attention, graph=plan_graph(plan))
         planned = (plan.prediction or {}).get("step_time_s") or simulate(plan, timeline=False).step_time_s
     except ValueError as exc:  # MeshplanError included: the plan is written anyway, unpriced
         return [f"not priced as {engine} runs it ({exc})"]
@@ -169,8 +170,12 @@ def read_engine_file(path, engine: str | None = None) -> EngineJob | None:
 
 
 def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None = None,
-                global_batch: int | None = None, seq: int | None = None, attention: str | None = None) -> JobEstimate:
+                global_batch: int | None = None, seq: int | None = None, attention: str | None = None,
+                graph=None) -> JobEstimate:
     """Price an engine config with the simulator and the engine's own memory recipe.
+
+    `graph`: the model's layer graph when the caller has it (an exported plan carries its own:
+    pricing the export back never runs a file model's code); else the model is profiled.
 
     `attention`: the kernel (`contracts.attention`); None: the engine's default
     (`attention_kernels.ENGINE_DEFAULT_ATTENTION`: cuDNN fused attention for Megatron-Core).
@@ -190,6 +195,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
         raise MeshplanError(f"the {job.engine} config does not say which GPUs it runs on; pass --cluster PROFILE")
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     notes = list(job.notes)
+    if graph is not None:  # the kernel the graph was profiled for
+        attention = graph.attention
     if attention is None:
         from meshplan.planner.costing.attention_kernels import ENGINE_DEFAULT_ATTENTION
 
@@ -200,7 +207,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     if seq is None:  # DeepSpeed's config never says; a guess would price another job
         raise MeshplanError(f"the {job.engine} config does not give the sequence length; pass --seq N")
     precision = job.precision or default_precision(cluster)
-    graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
+    if graph is None:
+        graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
                          ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,

@@ -56,10 +56,10 @@ def test_argparse_errors_are_one_line_with_the_help_hint(run_cli, argv, command)
     assert lines[0].startswith(f"{prog}: error: ") and lines[0].endswith(f"(see {prog} --help)")
 
 
-def test_an_estimate_that_does_not_fit_exits_3_and_0_with_json(run_cli):
+def test_an_estimate_that_does_not_fit_exits_2_and_0_with_json(run_cli):
     argv = ("estimate", "--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "8")
     code, out, err = run_cli(*argv)
-    assert code == 3 and "fits: NO" in out
+    assert code == 2 and "fits: NO" in out
     assert err.strip().splitlines()[-1].startswith("meshplan estimate: does not fit: ")
     code, out, _ = run_cli(*argv, "--json")
     assert code == 0 and json.loads(out)["fits"] is False
@@ -67,4 +67,4 @@ def test_an_estimate_that_does_not_fit_exits_3_and_0_with_json(run_cli):
     assert code == 0 and "fits: yes" in out
     from meshplan.cli import build_parser
 
-    assert "3 it was priced and does not fit" in build_parser().command_parsers["estimate"].format_help()
+    assert "2 bad input or a configuration priced that does not fit" in build_parser().command_parsers["estimate"].format_help()
