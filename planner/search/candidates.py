@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.planner.contracts.axes import AXIS_NAMES
+from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
@@ -32,14 +32,11 @@ MAX_VIRTUAL_STAGES = 4
 
 
 
-@dataclass(frozen=True)
-class Pins:
-    """Choices the user fixed (None: searched)."""
+@dataclass(frozen=True, kw_only=True)
+class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
+    """Choices the user fixed (None: searched): a degree per axis of `contracts.axes` (tp, pp,
+    dp, cp, ep: expert parallelism, carved out of dp * cp) and the fields below."""
 
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    cp: int | None = None
     zero: int | None = None
     recompute: str | None = None
     sp: bool | None = None
@@ -47,7 +44,6 @@ class Pins:
     vpp: int | None = None
     mbs: int | None = None
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
-    ep: int | None = None  # expert parallelism (mixtures of experts), carved out of dp * cp
 
     def __post_init__(self):
         for name in (*AXIS_NAMES, "vpp", "mbs", "shard_group"):
