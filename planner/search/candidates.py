@@ -67,11 +67,12 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pins = Pins(),
-                         max_mbs: int = 16, precision: str = "bf16-mixed") -> list[ParallelConfig]:
+                         max_mbs: int | None = None, precision: str = "bf16-mixed") -> list[ParallelConfig]:
     """Every outer candidate of the executable plan space that satisfies the pins, sorted.
 
     A candidate is a `ParallelConfig` with recompute "none": the ILP then picks each layer's
-    recomputation and stage.
+    recomputation and stage. Micro-batch sizes go up to the samples per replica (`max_mbs`
+    limits them; the search prunes those memory cannot hold, `problems.build_problems`).
     """
     info, facts = graph.info, model_facts(graph)
     num_layers = len(graph.layers)
@@ -95,7 +96,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
             if global_batch % dp:
                 continue
             for mbs in divisors(global_batch // dp):
-                if (mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
+                if (max_mbs is not None and mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
                     continue
                 m = global_batch // (dp * mbs)
                 if pp > 1 and m < pp:
