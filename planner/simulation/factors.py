@@ -103,11 +103,12 @@ def _binding(windows) -> tuple[tuple[float, float, float], ...]:
 
 def _between(a, b, c, tol: float = 1e-9) -> bool:
     """b lies on the segment from a to c."""
-    ab = [y - x for x, y in zip(a, b)]
-    ac = [y - x for x, y in zip(a, c)]
-    cross = (ab[1] * ac[2] - ab[2] * ac[1], ab[2] * ac[0] - ab[0] * ac[2], ab[0] * ac[1] - ab[1] * ac[0])
-    dot, length = sum(x * y for x, y in zip(ab, ac)), sum(x * x for x in ac)
-    return max(map(abs, cross)) <= tol * max(1.0, length) and 0 <= dot <= length
+    ab0, ab1, ab2 = b[0] - a[0], b[1] - a[1], b[2] - a[2]  # unrolled: called ~1e5 times a search
+    ac0, ac1, ac2 = c[0] - a[0], c[1] - a[1], c[2] - a[2]
+    dot, length = ab0 * ac0 + ab1 * ac1 + ab2 * ac2, ac0 * ac0 + ac1 * ac1 + ac2 * ac2
+    limit = tol * max(1.0, length)
+    return (abs(ab1 * ac2 - ab2 * ac1) <= limit and abs(ab2 * ac0 - ab0 * ac2) <= limit
+            and abs(ab0 * ac1 - ab1 * ac0) <= limit and 0 <= dot <= length)
 
 
 @lru_cache(maxsize=4096)
