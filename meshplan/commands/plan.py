@@ -26,6 +26,9 @@ def add_arguments(parser) -> None:
     pins.add_argument("--schedule", default=None, choices=SCHEDULES, help="pipeline schedule")
     pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     pins.add_argument("--mbs", type=int, default=None, help="micro-batch size")
+    parser.add_argument("--max-mbs", type=int, default=None, metavar="M",
+                        help="largest micro-batch size searched (default: up to the samples per data-parallel "
+                             "replica, as far as memory allows)")
     parser.add_argument("--train-tokens", type=finite_float, default=None,
                         help="also print time to train on this many tokens and the GPU-hours")
     parser.add_argument("--layerwise", action="store_true",
@@ -82,7 +85,8 @@ def run(args) -> int:
 
     request = PlanRequest.of(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
                              precision=args.precision, attention=args.attention, layerwise=args.layerwise,
-                             time_limit_s=args.time_limit, seed=args.seed, moe_imbalance=args.moe_imbalance,
+                             time_limit_s=args.time_limit, seed=args.seed, max_mbs=args.max_mbs,
+                             moe_imbalance=args.moe_imbalance,
                              moe_capacity_factor=args.moe_capacity_factor,
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine, **pins)

@@ -14,7 +14,8 @@ belong to the cost model and the search, which know the model and the cluster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,15 @@ AXIS_NAMES: tuple[str, ...] = tuple(axis.name for axis in AXES)
 MESH_AXIS_NAMES: tuple[str, ...] = tuple(axis.name for axis in MESH_AXES)
 # The mesh axes whose ranks a `carved_from` property counts (for error messages and strides).
 CARVED_FROM_AXES: dict[str, tuple[str, ...]] = {"data_ranks": ("dp", "cp")}
+
+
+def degrees_base(class_name: str, default: Callable[[Axis], int | None]) -> type:
+    """A frozen, keyword-only dataclass with one degree field per registered axis (`default(axis)`
+    its default), in registry order: the base of the classes that carry a degree per axis beside
+    other fields (`search.candidates.Pins`, `engines.job.EngineJob`), so a new axis is a field
+    of theirs without an edit to them."""
+    return make_dataclass(class_name, [(a.name, "int | None", field(default=default(a))) for a in AXES],
+                          frozen=True, kw_only=True)
 
 
 def axis(name: str) -> Axis:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import PRECISIONS, RECOMPUTE, SCHEDULES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import ENGINES
@@ -17,9 +18,15 @@ from meshplan.planner.engines import ENGINES
 NON_BLOCK_LAYERS = ("embed", "head")
 
 
-@dataclass(frozen=True)
-class EngineJob:
-    """What an engine's config fixes, in meshplan's terms (None: the config leaves it open)."""
+# Every axis's degree defaults to 1, but dp: None, gpus / (the other mesh degrees).
+_JobDegrees = degrees_base("JobDegrees", lambda axis: None if axis.name == "dp" else 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineJob(_JobDegrees):
+    """What an engine's config fixes, in meshplan's terms (None: the config leaves it open): a
+    degree per axis of `contracts.axes` (tp, pp, dp, cp, ep; dp None: gpus / (tp * pp * cp))
+    and the fields below."""
 
     engine: str  # which engine the config is for; also names the memory recipe (`costing.engine_memory`)
     model: str | None = None  # meshplan model SPEC (from the engine's flavour or model shape)
@@ -27,12 +34,6 @@ class EngineJob:
     gpus: int | None = None  # world size
     global_batch: int | None = None  # samples per optimizer step
     microbatch_size: int = 1  # samples per micro-batch on one data-parallel rank
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None  # None: gpus / (tp * pp * cp)
-    cp: int = 1  # context parallelism: each of cp ranks holds 1/cp of every sequence
-    ep: int = 1  # expert parallelism, carved out of dp * cp (Megatron-Core's MoE folding)
-    etp: int = 1  # expert tensor parallelism (Megatron's --expert-tensor-parallel-size)
     zero: int = 0
     shard_group: int | None = None  # HSDP: ZeRO within groups of this many dp ranks, replicated across
     sp: bool = False
@@ -49,7 +50,8 @@ class EngineJob:
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise MeshplanError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        for name in ("microbatch_size", "tp", "pp", "cp", "ep", "etp", "vpp", "recompute_every"):
+        degrees = tuple(name for name in AXIS_NAMES if name != "dp")
+        for name in ("microbatch_size", *degrees, "vpp", "recompute_every"):
             _positive(name, getattr(self, name))
         for name in ("seq", "gpus", "global_batch", "dp", "shard_group"):
             if getattr(self, name) is not None:

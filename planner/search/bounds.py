@@ -22,7 +22,9 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
   layer counts n_ro to reals, g_r(x) = min sum_o n_ro t_o over sum_o n_ro = x within B_r is
   convex and piecewise linear in x. Then sum_r T_r >= min over x (sum_r x_r = N) of
   sum_r g_r(x_r) + k_r (cheapest slopes first), and T_max >= T*, the least T at which every
-  rank's layers at most g_r^-1(T - k_r) add up to N. Whole layers add T_max >= min_r g_r(ceil(N/p))
+  rank's layers at most g_r^-1(T - k_r) add up to N; with whole layers, the least T at which
+  sum_r floor(g_r^-1(T - k_r)) reaches N (the N-th smallest k_r + g_r(n), n >= 1: a rank that
+  holds n layers takes at least g_r(n) for them). Whole layers add T_max >= min_r g_r(ceil(N/p))
   + k_r (some rank holds that many) and T_max >= v (ceil(N/C) t_fastest + o) (some chunk does, and
   the interleaved rule charges a chunk v times); 1F1B's cycle adds T_max >= (sum_r T_r + 2P (p-1))/p.
   The bound is (F - p/v) T_max + (1/v) sum_r T_r + G P + the average tail at these; infinite when no
@@ -30,6 +32,7 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
 """
 from __future__ import annotations
 
+import heapq
 import math
 
 from meshplan.planner.contracts.schedule import schedule_spec
@@ -199,6 +202,43 @@ def _least_slowest_s(fixed_s: list[float], segments: list[list[tuple[float, floa
     return before + (count - have_before) * (after - before) / (have_after - have_before)
 
 
+def _hosted_s(pieces: list[tuple[float, float]], time_s: float) -> float:
+    """g_r^-1: the most layers (fractional) a rank's pieces fit in `time_s` seconds."""
+    hosted = 0.0
+    for length, slope in pieces:
+        if time_s <= 0:
+            break
+        take = length if slope <= 0 else min(length, time_s / slope)
+        hosted += take
+        time_s -= take * slope
+    return hosted
+
+
+def _least_slowest_whole_s(fixed_s: list[float], segments: list[list[tuple[float, float]]], count: int,
+                           start_s: float) -> float:
+    """T* with whole layers: a rank that holds n of the run's layers takes at least k_r + g_r(n)
+    (g_r is below every mix of n whole layers within its budget), so T_max is at least the
+    count-th smallest of k_r + g_r(n) over ranks r and n >= 1. From `start_s` (the fractional
+    T*, no larger), each rank hosts floor(g_r^-1(start_s - k_r)) layers; then the ranks' next
+    whole layers are taken in order of the time they need until `count` are hosted."""
+    if not math.isfinite(start_s):
+        return start_s
+    hosted, upcoming = 0, []
+    for rank, (k, pieces) in enumerate(zip(fixed_s, segments)):
+        whole = min(count, math.floor(_hosted_s(pieces, start_s - k) + 1e-9)) if start_s > k else 0
+        hosted += whole
+        upcoming.append((k + _piecewise_s(pieces, whole + 1), rank, whole + 1))
+    heapq.heapify(upcoming)
+    slowest_s = start_s
+    while hosted < count:
+        slowest_s, rank, whole = heapq.heappop(upcoming)
+        if math.isinf(slowest_s):
+            return math.inf
+        hosted += 1
+        heapq.heappush(upcoming, (fixed_s[rank] + _piecewise_s(segments[rank], whole + 1), rank, whole + 1))
+    return max(slowest_s, start_s)
+
+
 def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync: str = "overlap",
                    replay: bool = True) -> float:
     """The memory-aware bound of the module docstring; the compute bound where it does not apply.
@@ -216,7 +256,8 @@ def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync
     if not math.isfinite(total_s):
         return math.inf
     pp, sum_s = shape.num_stages, total_s + sum(fixed_s)
-    slowest_s = max(_least_slowest_s(fixed_s, segments, count), sum_s / pp)
+    slowest_s = _least_slowest_s(fixed_s, segments, count)
+    slowest_s = max(_least_slowest_whole_s(fixed_s, segments, count, slowest_s), sum_s / pp)
     # Whole layers: some rank holds at least ceil(N / p) of the run, and some chunk ceil(N / C),
     # which the interleaved rule T_max >= v t_c (edge layers aside) charges v times.
     most_on_rank, most_in_chunk = -(-count // pp), -(-count // shape.num_chunks)

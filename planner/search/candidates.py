@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.planner.contracts.axes import AXIS_NAMES
+from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
@@ -32,14 +32,11 @@ MAX_VIRTUAL_STAGES = 4
 
 
 
-@dataclass(frozen=True)
-class Pins:
-    """Choices the user fixed (None: searched)."""
+@dataclass(frozen=True, kw_only=True)
+class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
+    """Choices the user fixed (None: searched): a degree per axis of `contracts.axes` (tp, pp,
+    dp, cp, ep: expert parallelism, carved out of dp * cp) and the fields below."""
 
-    tp: int | None = None
-    pp: int | None = None
-    dp: int | None = None
-    cp: int | None = None
     zero: int | None = None
     recompute: str | None = None
     sp: bool | None = None
@@ -47,7 +44,6 @@ class Pins:
     vpp: int | None = None
     mbs: int | None = None
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
-    ep: int | None = None  # expert parallelism (mixtures of experts), carved out of dp * cp
 
     def __post_init__(self):
         for name in (*AXIS_NAMES, "vpp", "mbs", "shard_group"):
@@ -85,13 +81,14 @@ def divisors(n: int) -> list[int]:
 
 
 def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pins = Pins(),
-                         max_mbs: int = 16, precision: str = "bf16-mixed",
+                         max_mbs: int | None = None, precision: str = "bf16-mixed",
                          engine: str = "meshplan") -> list[ParallelConfig]:
     """Every outer candidate of the executable plan space that satisfies the pins, sorted, each
     priced with `engine`'s memory recipe.
 
     A candidate is a `ParallelConfig` with recompute "none": the ILP then picks each layer's
-    recomputation and stage.
+    recomputation and stage. Micro-batch sizes go up to the samples per replica (`max_mbs`
+    limits them; the search prunes those memory cannot hold, `problems.build_problems`).
     """
     info, facts = graph.info, model_facts(graph)
     num_layers = len(graph.layers)
@@ -115,7 +112,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
             if global_batch % dp:
                 continue
             for mbs in divisors(global_batch // dp):
-                if (mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
+                if (max_mbs is not None and mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
                     continue
                 m = global_batch // (dp * mbs)
                 if pp > 1 and m < pp:

@@ -31,7 +31,7 @@ class PlanRequest:
     seed: int = 0  # recorded in the plan (training data order)
     workers: int = 2
     num_rerank: int | None = None  # None: max(2 top_k, 6)
-    max_mbs: int = 16
+    max_mbs: int | None = None  # the largest micro-batch size searched; None: what memory allows
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None
     moe_pad_to_capacity: bool = False
@@ -43,7 +43,8 @@ class PlanRequest:
         from meshplan.planner.simulation.estimator import with_memory_headroom
 
         with_memory_headroom(self.cluster, self.memory_headroom_bytes)  # MeshplanError unless some memory is left
-        for name, value in (("--gpus", self.gpus), ("--gbs", self.global_batch), ("--top", self.top_k)):
+        sizes = (("--gpus", self.gpus), ("--gbs", self.global_batch), ("--top", self.top_k))
+        for name, value in sizes + ((("--max-mbs", self.max_mbs),) if self.max_mbs is not None else ()):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise MeshplanError(f"{name} must be a positive integer, got {value!r}")
         cluster = self.cluster

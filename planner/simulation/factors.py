@@ -15,6 +15,7 @@ event engine plays (schedule, p, m, v) with balanced unit chunks:
 """
 from __future__ import annotations
 
+import bisect
 from functools import lru_cache
 
 
@@ -73,10 +74,25 @@ def _windows_of(runs, virtual_stages: int, unit_s: float) -> tuple[tuple[float, 
 
 
 def _binding(windows) -> tuple[tuple[float, float, float], ...]:
-    kept = [min(windows)]  # the last backward's (fewest backwards): the largest row when D < B
+    first = min(windows)  # the last backward's (fewest backwards): the largest row when D < B
+    kept = [first]
+    # Windows come by backwards descending, so every one kept before has at least as many: a
+    # window is dominated when a kept one has no more forwards and no more idle, which the
+    # staircase of kept (forwards ascending, idle strictly descending) answers by bisection.
+    forwards: list[float] = []
+    idles: list[float] = []
     for window in sorted(windows, key=lambda w: (-w[0], w[1], w[2])):
-        if not any(k[0] >= window[0] and k[1] <= window[1] and k[2] <= window[2] for k in kept):
-            kept.append(window)
+        b, f, i = window
+        if first[0] >= b and first[1] <= f and first[2] <= i:
+            continue
+        at = bisect.bisect_right(forwards, f)
+        if at and idles[at - 1] <= i:
+            continue
+        kept.append(window)
+        end = at
+        while end < len(forwards) and idles[end] >= i:  # the points the new one dominates
+            end += 1
+        forwards[at:end], idles[at:end] = [f], [i]
     out: list[tuple[float, float, float]] = []
     for point in sorted(set(kept)):
         while len(out) >= 2 and _between(out[-2], out[-1], point):
@@ -87,11 +103,12 @@ def _binding(windows) -> tuple[tuple[float, float, float], ...]:
 
 def _between(a, b, c, tol: float = 1e-9) -> bool:
     """b lies on the segment from a to c."""
-    ab = [y - x for x, y in zip(a, b)]
-    ac = [y - x for x, y in zip(a, c)]
-    cross = (ab[1] * ac[2] - ab[2] * ac[1], ab[2] * ac[0] - ab[0] * ac[2], ab[0] * ac[1] - ab[1] * ac[0])
-    dot, length = sum(x * y for x, y in zip(ab, ac)), sum(x * x for x in ac)
-    return max(map(abs, cross)) <= tol * max(1.0, length) and 0 <= dot <= length
+    ab0, ab1, ab2 = b[0] - a[0], b[1] - a[1], b[2] - a[2]  # unrolled: called ~1e5 times a search
+    ac0, ac1, ac2 = c[0] - a[0], c[1] - a[1], c[2] - a[2]
+    dot, length = ab0 * ac0 + ab1 * ac1 + ab2 * ac2, ac0 * ac0 + ac1 * ac1 + ac2 * ac2
+    limit = tol * max(1.0, length)
+    return (abs(ab1 * ac2 - ab2 * ac1) <= limit and abs(ab2 * ac0 - ab0 * ac2) <= limit
+            and abs(ab0 * ac1 - ab1 * ac0) <= limit and 0 <= dot <= length)
 
 
 @lru_cache(maxsize=4096)

@@ -223,6 +223,10 @@ def compact_structure(table: CostTable) -> tuple[int, int, int] | None:
     return first, count, type_index
 
 
+# Relative tolerance on the cutoff: HiGHS may return an objective a feasibility tolerance over it.
+CUTOFF_SLACK = 1e-6
+
+
 def solve_stages(problem: StageProblem) -> StageSolution:
     """Build and solve one candidate's ILP; never raises for infeasibility (status says it)."""
     started = time.perf_counter()
@@ -241,6 +245,11 @@ def solve_stages(problem: StageProblem) -> StageSolution:
     formulation = "compact" if use_compact else "per-layer"
     if status not in ("optimal", "time_limit"):
         return StageSolution(status=status, formulation=formulation, backend=backend,
+                             solve_time_s=time.perf_counter() - started)
+    if problem.cutoff_s is not None and model.lp.objective.value() > problem.cutoff_s * (1 + CUTOFF_SLACK):
+        # HiGHS keeps a start above its objective bound as its incumbent and calls it optimal
+        # when nothing below the bound exists: that is the cutoff's answer
+        return StageSolution(status="cutoff", formulation=formulation, backend=backend,
                              solve_time_s=time.perf_counter() - started)
     chunks, options = model.assignment()
     objective, chunk_time, rank_mem = evaluate_assignment(problem, chunks, options)
