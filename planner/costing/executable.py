@@ -178,7 +178,7 @@ def _expert_problem(config, model: ModelFacts) -> str | None:
         return (f"Hugging Face models train without expert parallelism, this plan has ep={config.ep}; re-plan "
                 "it with --ep 1")
     try:
-        check_expert_parallel(model, config.ep, config.data_ranks)
+        check_expert_parallel(model, config.ep)
     except ValueError as exc:
         return str(exc)
     if config.shard_group:
