@@ -216,8 +216,8 @@ def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:
     divides and whose experts' width etp divides (the mesh rules are `ParallelConfig`'s)."""
     for name, degree in (("ep", ep), ("etp", etp)):
         if degree not in (None, 1) and not info.num_experts:
-            raise ValueError(f"{name}={degree} (expert {'' if name == 'ep' else 'tensor '}parallelism) needs a "
-                             f"mixture-of-experts model; this one has no routed experts: leave {name} unset")
+            raise ValueError(f"expert {'' if name == 'ep' else 'tensor '}parallelism ({name}={degree}) needs a "
+                             f"mixture-of-experts model; this one has no routed experts: use {name} 1")
     if info.num_experts % ep:
         raise ValueError(f"ep={ep} must divide the {info.num_experts} routed experts of each MoE block")
     if etp not in (None, 1) and info.expert_ffn % etp:

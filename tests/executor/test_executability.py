@@ -70,7 +70,7 @@ def _alternative_plan(plan: Plan, entry: dict) -> Plan:
     """The runner-up `entry` as a plan of its own: its mesh, switches, chunks and recomputation."""
     mesh, schedule = entry["mesh"], entry["schedule"]
     config = ParallelConfig(gpus=plan.config.gpus, global_batch=plan.config.global_batch, tp=mesh["tp"],
-                            pp=mesh["pp"], dp=mesh["dp"], cp=mesh.get("cp", 1), ep=mesh.get("ep", 1),
+                            pp=mesh["pp"], dp=mesh["dp"], cp=mesh.get("cp", 1), ep=mesh.get("ep", 1), etp=mesh.get("etp"),
                             microbatch_size=schedule["microbatch_size"], zero=entry["zero"], sp=entry["sp"],
                             schedule=schedule["name"], virtual_stages=schedule["virtual_stages"],
                             precision=entry["precision"], shard_group=entry.get("shard_group"),

@@ -124,7 +124,7 @@ def test_ep_must_divide_the_expert_ranks_and_needs_experts(graph):
     assert config.expert_data_ranks == 1 and "ep=16" in config.label()
     with pytest.raises(ValueError, match="mixture-of-experts"):
         epm.check_expert_parallel(replace(graph.info, num_experts=0, top_k=0), 2)
-    with pytest.raises(ValueError, match="etp=2 .*needs a mixture-of-experts model"):
+    with pytest.raises(ValueError, match=r"expert tensor parallelism \(etp=2\) needs a mixture-of-experts model"):
         epm.check_expert_parallel(replace(graph.info, num_experts=0, top_k=0), 1, 2)
     with pytest.raises(ValueError, match="divide the 16 routed experts"):
         epm.check_expert_parallel(graph.info, 32)
@@ -142,6 +142,31 @@ def test_plan_json_writes_ep_only_when_on():
     assert plan_from_json(data).config.ep == 4
     del data["mesh"]["ep"]
     assert plan_from_json(data).config.ep == 1  # older plans: no expert parallelism
+    folded = uniform_plan(SPEC, SEQ, 8, H100, tp=2, dp=4, ep=8, etp=1, precision="bf16-mixed").to_json()
+    assert folded["mesh"] == {"pp": 1, "dp": 4, "tp": 2, "etp": 1, "ep": 8}
+    assert plan_from_json(folded).config.expert_tp == 1
+    del folded["mesh"]["etp"], folded["mesh"]["ep"]
+    assert plan_from_json(folded).config.etp is None  # older plans: experts split as the mesh's tp
+
+
+# DeepSeek-V3's shape (61 layers, the first 3 dense, 256 routed experts of width 2048, top 8, one
+# shared expert; its attention as full multi-head attention).
+DEEPSEEK_V3 = ("moe:layers=61,hidden=7168,heads=128,kv_heads=128,experts=256,top_k=8,expert_ffn=2048,"
+               "vocab=129280,shared_experts=1,dense_layers=3,ffn=18432")
+
+
+@pytest.mark.parametrize("spec,gpus,gbs,degrees", [
+    # Megatron-Core's Qwen3-235B layout with EP 32 over 16 data ranks: expert TP 1 folds EP over TP
+    ("qwen3-235b-a22b", 256, 2048, dict(tp=2, pp=8, etp=1, ep=32, zero=1, sp=True)),
+    # DeepSeek-V3 technical report: PP 16, EP 64, no TP, ZeRO-1 on 2048 GPUs
+    (DEEPSEEK_V3, 2048, 15360, dict(pp=16, ep=64, zero=1)),
+])
+def test_published_folded_layouts_are_accepted_and_fit(spec, gpus, gbs, degrees):
+    from meshplan.planner.simulation.estimator import estimate
+
+    prediction = estimate(spec, H100, gpus, gbs, 4096, recompute="full", **degrees)
+    assert prediction.fits and prediction.breakdown["ep_comm"] > 0
+    assert prediction.peak_memory_bytes < H100.device.usable_memory_bytes
 
 
 def test_simulator_plays_dispatch_and_combine_around_the_expert_gemms(graph):
@@ -172,7 +197,8 @@ def test_cli_estimate_ep_and_bad_ep():
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
     assert data["breakdown"]["ep_comm"] > 0 and data["memory_bytes"][0]["experts"] > 0
-    for bad, words in ((["--ep", "3"], "--ep 3"), (["--ep", "32"], "--ep 32")):
+    for bad, words in ((["--ep", "3"], "--ep 3"), (["--ep", "32"], "--ep 32"),
+                       (["--tp", "2", "--etp", "3"], "--etp 3 must divide the stage ranks")):
         result = _meshplan("estimate", *job, *bad)
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr, result.stderr
