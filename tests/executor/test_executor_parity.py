@@ -108,12 +108,21 @@ FOUR_PROCESS = {
     "cp2-dp2-ddp": dict(cp=2, dp=2, microbatch_size=4),
     "cp2-tp2-sp-llama": dict(cp=2, tp=2, sp=True, microbatch_size=4, spec=LLAMA),
     "cp2-pp2-llama": dict(cp=2, pp=2, microbatch_size=2, spec=LLAMA),
+    # MoE under TP: each expert's SwiGLU split over the tp pair (etp = tp), the shared-expert-free
+    # blocks' attention as any block's
+    "tp2-moe": dict(tp=2, microbatch_size=2, spec=MOE),
     # expert parallelism over 2 of 4 data ranks: 2 expert data-parallel replicas of each expert
     # (ZeRO-0: all-reduced by hand; ZeRO-2: FSDP over the replicas), and with pipeline stages
     "dp2-ep2-moe": dict(dp=4, ep=2, microbatch_size=1, spec=MOE),
     "dp2-ep2-zero2-moe": dict(dp=4, ep=2, zero=2, microbatch_size=1, spec=MOE),
     "pp2-dp2-ep2-moe": dict(pp=2, dp=2, ep=2, microbatch_size=2, spec=MOE),
     "pp2-dp2-ep2-zero1-full-moe": dict(pp=2, dp=2, ep=2, zero=1, microbatch_size=2, recompute="full", spec=MOE),
+    # MoE parallel folding: expert TP 2 with EP over the data ranks; expert TP 1 with EP 4 over the
+    # tp x dp ranks (each tp rank routes half of the tokens its pair holds alike), ZeRO-1; EP with
+    # HSDP (the dense part sharded over pairs and replicated across them, the experts over their own mesh)
+    "tp2-dp2-ep2-moe": dict(tp=2, dp=2, ep=2, microbatch_size=2, spec=MOE),
+    "tp2-dp2-etp1-ep4-zero1-moe": dict(tp=2, dp=2, etp=1, ep=4, zero=1, microbatch_size=2, spec=MOE),
+    "dp4-ep2-hsdp-zero3-moe": dict(dp=4, ep=2, zero=3, shard_group=2, microbatch_size=1, spec=MOE),
 }
 
 
