@@ -44,6 +44,9 @@ TWO_PROCESS = {
     "tp2": dict(tp=2, microbatch_size=4),
     "tp2-sp-llama": dict(tp=2, sp=True, microbatch_size=4, spec=LLAMA),
     "tp2-sp": dict(tp=2, sp=True, microbatch_size=4),
+    # MoE under TP: each routed expert's SwiGLU split over the tp pair (etp = tp), the shared
+    # expert as a block's MLP
+    "tp2-moe-shared": dict(tp=2, microbatch_size=2, spec=MOE + ",shared_experts=1"),
     "pp2-1f1b": dict(pp=2, microbatch_size=2, schedule="1f1b"),
     "pp2-gpipe": dict(pp=2, microbatch_size=2, schedule="gpipe"),
     "pp2-interleaved": dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
@@ -108,9 +111,6 @@ FOUR_PROCESS = {
     "cp2-dp2-ddp": dict(cp=2, dp=2, microbatch_size=4),
     "cp2-tp2-sp-llama": dict(cp=2, tp=2, sp=True, microbatch_size=4, spec=LLAMA),
     "cp2-pp2-llama": dict(cp=2, pp=2, microbatch_size=2, spec=LLAMA),
-    # MoE under TP: each expert's SwiGLU split over the tp pair (etp = tp), the shared-expert-free
-    # blocks' attention as any block's
-    "tp2-moe": dict(tp=2, microbatch_size=2, spec=MOE),
     # expert parallelism over 2 of 4 data ranks: 2 expert data-parallel replicas of each expert
     # (ZeRO-0: all-reduced by hand; ZeRO-2: FSDP over the replicas), and with pipeline stages
     "dp2-ep2-moe": dict(dp=4, ep=2, microbatch_size=1, spec=MOE),
