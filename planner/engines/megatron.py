@@ -24,6 +24,8 @@ from meshplan.planner.models.config import TransformerConfig
 # Megatron-LM's flag for each parallel axis (`contracts.axes`; dp follows from the world size).
 AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
               "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size"}
+# the MoE layers' expert tensor parallelism (`ParallelConfig.etp`; Megatron-LM's default is tp)
+EXPERT_TP_FLAG = "--expert-tensor-parallel-size"
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
 
 
@@ -43,6 +45,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     if cfg.sp:
         args.append(("--sequence-parallel", None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
+    if cfg.ep > 1 or cfg.etp is not None:  # MoE parallel folding: Megatron-LM's default expert TP is tp
+        args.append((EXPERT_TP_FLAG, cfg.expert_tp))
     args += _recompute_args(plan, notes)
     args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
              ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]

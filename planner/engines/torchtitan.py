@@ -27,6 +27,8 @@ from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flav
 # replicate x shard degrees), in the order the export writes them.
 AXIS_KEYS = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree",
              "ep": "expert_parallel_degree"}
+# the MoE layers' expert tensor parallelism (`ParallelConfig.etp`, written with the axes above)
+EXPERT_TP_KEY = "expert_tensor_parallel_degree"
 DESCRIPTION_PREFIX = "meshplan: "  # job.description carries the meshplan SPEC for models with no flavour
 # torchtitan's [parallelism] keys (JobConfig.Parallelism)
 PARALLELISM_KEYS = (
@@ -98,7 +100,7 @@ def _parallelism(plan, notes: list[str]) -> dict:
     out = {"data_parallel_replicate_degree": cfg.dp // group if sharded else cfg.dp,
            "data_parallel_shard_degree": group if sharded else 1,
            "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
-           **{key: getattr(cfg, name) for name, key in AXIS_KEYS.items()}}
+           **{key: getattr(cfg, name) for name, key in AXIS_KEYS.items()}, EXPERT_TP_KEY: cfg.expert_tp}
     if cfg.zero == 1 and cfg.dp > 1:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
