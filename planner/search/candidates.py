@@ -174,17 +174,26 @@ def expert_layouts(info, tp: int, data_ranks: int, pins: Pins) -> list[tuple[int
     """(etp, ep) of the MoE layers folded over a stage's tp * dp * cp ranks: etp = tp (None) or,
     for a mixture of experts under TP, 1 (Megatron-Core's usual folding, EP taking the TP ranks
     too); each with the EP degrees of `expert_parallel_degrees` over the tp * dp * cp / etp ranks.
-    Dense models: (None, 1) alone."""
+    Dense models: (None, 1) alone.
+
+    Unless etp is pinned, (etp = tp, ep > 1) is left out where (etp = 1, ep * tp) is offered: the
+    same expert shards per rank, expert-data group and FLOPs per rank, over an EP group spanning the
+    same ranks, but with tp times fewer dispatched bytes per rank (a tp group's tokens split over its
+    ranks instead of each rank sending all of them; the slice all-gather moves 1/top_k of that) and
+    tp times larger per-expert GEMMs (`costing.expert_parallel`): it is never slower and holds no more."""
     if pins.etp is not None:
         options = [pins.etp] if (tp * data_ranks) % pins.etp == 0 else []
     else:
         options = [tp] + ([1] if tp > 1 and info.num_experts else [])
     if any(etp > 1 and info.num_experts and info.expert_ffn % etp for etp in options):
         options = [etp for etp in options if etp == 1 or not info.num_experts or info.expert_ffn % etp == 0]
-    # etp < tp without EP only replicates the experts over the tp ranks: offered when pinned
-    return [(None if etp == tp else etp, ep) for etp in options
-            for ep in expert_parallel_degrees(info, tp * data_ranks // etp, pins.ep)
-            if etp == tp or ep > 1 or pins.etp is not None]
+    layouts = [(etp, ep) for etp in options for ep in expert_parallel_degrees(info, tp * data_ranks // etp, pins.ep)]
+    if pins.etp is None:
+        # etp < tp without EP only replicates the experts over the tp ranks: offered when pinned
+        folded = {ep for etp, ep in layouts if etp == 1 and ep > 1 and tp > 1}
+        layouts = [(etp, ep) for etp, ep in layouts if (etp == tp and (ep == 1 or ep * tp not in folded))
+                   or (etp < tp and ep > 1)]
+    return [(None if etp == tp else etp, ep) for etp, ep in layouts]
 
 
 def expert_parallel_degrees(info, data_ranks: int, pinned: int | None) -> list[int]:
