@@ -37,8 +37,8 @@ parallelism on DGX H100, costed under balanced routing:
 
 Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
 modelled); the ModelZoo's cross-node rows (EP 32 over 16 data ranks) and its PP 32 row (EP 8 over
-4 data ranks): MoE parallel folding, where EP spans tensor and data ranks, which meshplan's EP
-(carved from dp x cp) cannot express; its "+1f1b overlap" row (all-to-all overlapped with
+4 data ranks), whose folded layouts (EP across tensor and data ranks, `Run.etp`) meshplan now
+expresses but whose figures are not transcribed here yet; its "+1f1b overlap" row (all-to-all overlapped with
 another micro-batch's compute, not modelled); its long-context table (TFLOP/s only, under an
 unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
 options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
@@ -109,6 +109,7 @@ class Run:
     precision: str = "bf16-mixed"
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -298,20 +299,17 @@ MEGATRON_MOE_ASSUMPTIONS = (
 
 def moe_runs() -> list[Run]:
     """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
-    # Expert TP 1 lets Megatron-LM fold each EP group of 8 into one node; meshplan's expert TP is
-    # the mesh's tp, so its EP group (tp ranks apart) spans tp nodes: most of these runs' error.
-    etp = ("the published expert TP 1 costed as meshplan's expert TP = the mesh's tp: the EP group, tp ranks "
-           "apart, spans tp nodes where Megatron-LM's stays inside one")
-    qwen = MEGATRON_MOE_ASSUMPTIONS + (etp,)
+    # Expert TP 1 (MoE parallel folding) keeps each EP group of 8 inside one node.
+    qwen = MEGATRON_MOE_ASSUMPTIONS
     runs = [
         # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
         Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8,
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8, etp=1,
             published_step_s=17.6,
             assumptions=qwen + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks",)),
         # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
         Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8,
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
             published_step_s=29.0,
             assumptions=qwen + ("distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 32 chunks "
                                 "as meshplan splits them")),
