@@ -22,7 +22,9 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   (etp apart) after the block. Otherwise (SP, or etp not dividing tp) each rank sends its T/tp
   tokens' D = T k h b / tp and the expert-TP group all-gathers what it received before the
   experts (etp times the received bytes, over etp consecutive ranks) and reduce-scatters their
-  output (Megatron-Core's alltoall dispatcher). Of D, (ep-1)/ep leaves the rank by one all-to-all
+  output (Megatron-Core's alltoall dispatcher). An expert-TP group whose ranks received the same
+  copies all-reduces the down projection's partial outputs instead (and the input's gradient in
+  backward), F D over etp ranks (`expert_tp_comm_s`). Of D, (ep-1)/ep leaves the rank by one all-to-all
   over the EP group (ep ranks etp apart: `collectives.collective_time_s("all_to_all", ...)`,
   NVLink inside a node, the rails across nodes; consecutive ranks keep it inside a node where it
   fits). The busiest rank receives F D: the collective is charged at F D. Forward: dispatch,
@@ -177,16 +179,19 @@ def all_to_all_s(send_bytes: float, config, cluster, info) -> float:
     return collective_time_s("all_to_all", send_bytes * load_factor(info), config.ep, cluster, config.expert_tp)
 
 
-def expert_tp_gather_s(send_bytes: float, config, cluster, info) -> float:
-    """The expert-TP group's all-gather of the received copies before the experts plus the
-    reduce-scatter of their output (etp consecutive ranks, etp F D gathered), when `folded_dispatch`
-    says it gathers."""
+def expert_tp_comm_s(send_bytes: float, config, cluster, info) -> float:
+    """One pass's expert-TP collectives over etp consecutive ranks: when `folded_dispatch` gathers,
+    the all-gather of the received copies before the experts and the reduce-scatter of their
+    output (etp F D each); when the group's ranks received the same copies, the all-reduce of the
+    down projection's partial outputs (forward) or of the input's partial gradients (backward), F D."""
     etp = config.expert_tp
-    if not folded_dispatch(config)[1] or send_bytes <= 0:
+    if etp == 1 or send_bytes <= 0:
         return 0.0
-    gathered = etp * send_bytes * load_factor(info)
-    return (collective_time_s("all_gather", gathered, etp, cluster)
-            + collective_time_s("reduce_scatter", gathered, etp, cluster))
+    received = send_bytes * load_factor(info)
+    if not folded_dispatch(config)[1]:
+        return collective_time_s("all_reduce", received, etp, cluster)
+    return (collective_time_s("all_gather", etp * received, etp, cluster)
+            + collective_time_s("reduce_scatter", etp * received, etp, cluster))
 
 
 def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
@@ -202,10 +207,10 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
 
 def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0) -> tuple[float, float]:
     """(forward, backward) blocking seconds of one micro-batch's expert exchanges: dispatch +
-    combine all-to-alls and the expert-TP gather and reduce-scatter each pass, the forward's
-    `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation."""
-    one = all_to_all_s(send_bytes, config, cluster, info) + expert_tp_gather_s(send_bytes, config, cluster, info) / 2
-    fwd, bwd = 2 * one + slice_s, 2 * one
+    combine all-to-alls and the expert-TP collectives each pass (`expert_tp_comm_s`), the
+    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation."""
+    exchange = 2 * all_to_all_s(send_bytes, config, cluster, info) + expert_tp_comm_s(send_bytes, config, cluster, info)
+    fwd, bwd = exchange + slice_s, exchange
     if config.recompute == "full":
         bwd += fwd
     return fwd, bwd

@@ -53,13 +53,17 @@ def test_dispatch_bytes_are_tokens_times_top_k_times_hidden(graph):
 
 @pytest.mark.parametrize("ep,tp", [(2, 1), (4, 2), (16, 1)])
 def test_all_to_alls_are_two_per_pass_over_ep_ranks_tp_apart(graph, ep, tp):
+    """etp = tp without SP: the tp ranks dispatch the same copies and all-reduce the experts'
+    partial outputs (forward) and the input's partial gradients (backward) over the tp group."""
     mbs = 2
     cost = _cost(graph, tp=tp, dp=16, ep=ep, microbatch_size=mbs)
-    one = collective_time_s("all_to_all", mbs * SEQ * TOP_K * HIDDEN * 2, ep, H100, tp)
-    assert cost.ep_fwd_comm_s == pytest.approx(2 * one, rel=1e-12)
-    assert cost.ep_bwd_comm_s == pytest.approx(2 * one, rel=1e-12)
+    send = mbs * SEQ * TOP_K * HIDDEN * 2
+    one = collective_time_s("all_to_all", send, ep, H100, tp)
+    partial = collective_time_s("all_reduce", send, tp, H100) if tp > 1 else 0.0
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one + partial, rel=1e-12)
+    assert cost.ep_bwd_comm_s == pytest.approx(2 * one + partial, rel=1e-12)
     full = _cost(graph, tp=tp, dp=16, ep=ep, microbatch_size=mbs, recompute="full")
-    assert full.ep_bwd_comm_s == pytest.approx(4 * one, rel=1e-12)  # the recomputed forward's two again
+    assert full.ep_bwd_comm_s == pytest.approx(4 * one + 2 * partial, rel=1e-12)  # the recomputed forward's again
     assert _cost(graph, dp=16).ep_fwd_comm_s == 0.0
 
 
