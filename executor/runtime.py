@@ -130,7 +130,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
         for stage in stages:
             apply_cp(stage, mesh["cp"], plan.model.seq)
     edp_mesh = None
-    folded = built.info.num_experts and cfg.ep * cfg.tp * cfg.expert_tp > 1  # experts laid out on their own
+    folded = bool(built.info.num_experts) and cfg.ep * cfg.tp * cfg.expert_tp > 1  # experts laid out on their own
     if folded:  # on meta, before materialising: each rank then writes only its expert shards
         meshes = expert_meshes(mesh, cfg)
         edp_mesh = meshes.edp
