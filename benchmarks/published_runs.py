@@ -34,15 +34,14 @@ Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with
 parallelism on DGX H100, costed under balanced routing:
 - Megatron-MoE-ModelZoo's Qwen3 best-practice table (`best_practice/Qwen3/readme.md`, 256 H100,
   BF16, seq 4096, GBS 2048): the intra-node-EP row with Megatron FSDP and full recomputation
-  (17.6 s) and the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), the two whose layouts meshplan
-  expresses.
+  (17.6 s), the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), and the two rows whose experts fold over
+  tensor and data ranks at expert TP 1: the cross-node TP 2 / PP 8 / VPP 4 / EP 32 row without
+  overlap (19.7 s) and the TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s).
 - Megatron-Bridge's performance summary (`docs/performance-summary.md`), 25.11 container,
   DGX-H100: Qwen3-30B-A3B on 16 GPUs, FP8 current scaling, force-balanced and dropless.
 
 Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
-modelled); the ModelZoo's cross-node rows (EP 32 over 16 data ranks) and its PP 32 row (EP 8 over
-4 data ranks): MoE parallel folding, where EP spans tensor and data ranks, which meshplan's EP
-(carved from dp x cp) cannot express; its "+1f1b overlap" row (all-to-all overlapped with
+modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with
 another micro-batch's compute, not modelled); its long-context table (TFLOP/s only, under an
 unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
 options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
@@ -113,6 +112,7 @@ class Run:
     precision: str = "bf16-mixed"
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -346,23 +346,33 @@ def megatron_bridge_dense_runs() -> list[Run]:
 
 def moe_runs() -> list[Run]:
     """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
-    # Expert TP 1 lets Megatron-LM fold each EP group of 8 into one node; meshplan's expert TP is
-    # the mesh's tp, so its EP group (tp ranks apart) spans tp nodes: most of these runs' error.
-    etp = ("the published expert TP 1 costed as meshplan's expert TP = the mesh's tp: the EP group, tp ranks "
-           "apart, spans tp nodes where Megatron-LM's stays inside one")
-    qwen = MEGATRON_MOE_ASSUMPTIONS + (etp,)
+    # Expert TP 1 (MoE parallel folding) keeps each EP group of 8 inside one node.
+    qwen = MEGATRON_MOE_ASSUMPTIONS
+    norm_act = ("Megatron-LM's recomputation of the norms and activation functions costed as none (elementwise "
+                "work; meshplan's selective recomputation is the attention core's)",)
     runs = [
         # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
         Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8,
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8, etp=1,
             published_step_s=17.6,
             assumptions=qwen + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks",)),
         # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
         Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8,
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
             published_step_s=29.0,
             assumptions=qwen + ("distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 32 chunks "
                                 "as meshplan splits them")),
+        # Folded layouts, expert TP 1: EP 32 over the TP 2 x DP 16 ranks of a stage (cross-node EP),
+        # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
+        Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
+            published_step_s=19.7, assumptions=qwen + norm_act + (
+                "distributed optimizer costed as ZeRO-1", "the DeepEP dispatcher costed as meshplan's all-to-all")),
+        Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
+            published_step_s=24.2, assumptions=qwen + norm_act + (
+                "distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 96 chunks as meshplan "
+                "splits them")),
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",

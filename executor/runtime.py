@@ -130,10 +130,12 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
         for stage in stages:
             apply_cp(stage, mesh["cp"], plan.model.seq)
     edp_mesh = None
-    if cfg.ep > 1:  # on meta, before materialising: each rank then writes only its experts' rows
-        ep_mesh, edp_mesh = expert_meshes(mesh, cfg)
+    folded = bool(built.info.num_experts) and cfg.ep * cfg.tp * cfg.expert_tp > 1  # experts laid out on their own
+    if folded:  # on meta, before materialising: each rank then writes only its expert shards
+        meshes = expert_meshes(mesh, cfg)
+        edp_mesh = meshes.edp
         for stage in stages:
-            apply_ep(stage, ep_mesh)
+            apply_ep(stage, meshes)
     template = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta").module
     materialize(stages, template, seed, device, tied)
     for stage in stages:
@@ -146,7 +148,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     mp_policy = mixed_precision(cfg.precision)
     # experts first: their own FSDP units (ZeRO 1-3, bf16-mixed ZeRO-0), or left out of DDP / replicate
     left_out = set().union(*(apply_expert_dp(stage, edp_mesh, cfg.zero, method, mp_policy)
-                             for stage in stages)) if cfg.ep > 1 else set()
+                             for stage in stages)) if folded else set()
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy, left_out) for stage in stages)
     _set_aux_grad_scale(stages, cfg)
     schedule = tied_group = None
@@ -160,7 +162,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
                    norm_weights=_norm_weights(stages, cfg, tied), schedule=schedule, tied_group=tied_group,
                    tied_local=tied and {0, cfg.num_model_chunks - 1} <= set(chunk_ids) and cfg.pp > 1,
                    cp_rank=cp_rank,
-                   expert_grads=expert_gradients(stages, edp_mesh, cfg.data_ranks, left_out) if cfg.ep > 1 else None)
+                   expert_grads=expert_gradients(stages, edp_mesh, cfg.data_ranks, left_out) if folded else None)
 
 
 def _parts_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, mesh, parts) -> Runtime:

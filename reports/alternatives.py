@@ -49,7 +49,7 @@ def config_label(data: dict[str, Any]) -> str:
         name, mbs = schedule or "?", data.get("microbatch_size", "?")
         count, vpp = data.get("num_microbatches"), data.get("virtual_stages", 1)
     degrees = " ".join(f"{axis.name}{mesh.get(axis.name, '?')}" for axis in AXES  # optional axes only when on
-                       if not axis.optional or mesh.get(axis.name, 1) > 1)
+                       if axis.shown(mesh))
     text = f"{degrees}, {name}"
     if count:
         text += f" x{count}"

@@ -142,9 +142,11 @@ def _experts_text(cfg, prediction: dict[str, Any]) -> str:
     """Where the routed experts live and what moving tokens to them costs."""
     ep = cfg.ep
     a2a_s = float((prediction.get("breakdown") or {}).get("ep_comm", 0.0))
-    layout = (f"expert parallelism ep={ep}: each rank holds 1/{ep} of every MoE block's routed experts, their "
+    etp = cfg.expert_tp
+    shard = f", each expert split over {etp} expert-tensor-parallel ranks" if etp > 1 else ""
+    layout = (f"expert parallelism ep={ep}: each rank holds 1/{ep} of every MoE block's routed experts{shard}, their "
               f"gradients reduced over the {cfg.expert_data_ranks} ranks holding the same experts"
-              if ep > 1 else "no expert parallelism: every data-parallel rank holds every expert")
+              if ep > 1 else f"no expert parallelism: every data-parallel rank holds every expert{shard}")
     return (f"Routed experts ({layout}). 'of which experts' is their part of the model states. Dispatch and combine "
             f"all-to-alls take {fmt_ms(a2a_s)} of the step on the busiest rank (ep_comm in the breakdown).")
 

@@ -1,26 +1,35 @@
-"""Expert parallelism: each MoE block's routed experts split over `ep` data ranks (the cost
-model's rules: `ParallelConfig.ep`).
+"""The MoE blocks' folded expert layout (Megatron-Core's MoE parallel folding; the cost model's
+rules: `ParallelConfig.ep`, `etp`, `planner.costing.expert_parallel`).
 
-Layout. EP is carved out of the data ranks (dp x cp, flattened with cp innermost), which are
-regrouped as (dp * cp / ep, ep): an EP group is `ep` consecutive data ranks (cp ranks first, then
-neighbouring dp replicas), and EP rank r holds experts [r * E / ep, (r + 1) * E / ep) of every
-MoE block as a DTensor sharded on the expert dimension over the EP group (so checkpoints and the
-global gradient norm see distinct shards). The "expert data-parallel" group is the dp * cp / ep
-ranks at the same position in their EP groups: they hold the same experts.
+Layout. The tp * cp * dp ranks of a pipeline stage (in rank order: dp, cp, tp innermost) are
+regrouped for the routed experts as (edp, ep, etp), etp innermost (`expert_meshes`). EP rank r
+holds experts [r * E / ep, (r + 1) * E / ep) of every MoE block, each split over the `etp`
+consecutive ranks of its expert-TP group (gate and up on their output columns, down on its input
+rows), as a DTensor sharded over the (ep, etp) mesh (so checkpoints and the global gradient norm
+see distinct shards). The "expert data-parallel" group is the edp ranks at the same (ep, etp)
+position: they hold the same expert shards. Attention, the router and the shared experts keep the
+dense layout (split over tp as `executor.parallel.tensor` splits a block; the shared experts as
+its MLP). etp divides tp: the tp ranks of a dense TP group hold the same tokens (no sequence
+parallelism with MoE blocks under TP), and the tp / etp expert-TP groups inside one take a
+contiguous slice of them each (`TokenSlices`: forward slice, backward all-gather, and back).
 
 Dispatch (`ExpertDispatcher`, which `MoE.routed_out` calls with its routed copies sorted by
 expert): each rank routes its own tokens (top-k on real values, deterministic for equal inputs),
 exchanges per-expert counts with `all_to_all_single`, sends each copy to the rank holding its
 expert with the autograd-aware `all_to_all_single_autograd` (its backward is the reverse
 exchange), runs its local experts on what it received grouped by expert, and sends the outputs
-back in the same order; the block weights and combines them as without EP.
+back in the same order; the block weights and combines them as without EP. Under expert TP the
+ranks of an expert-TP group send the same copies; each computes its share of every expert's
+SwiGLU and the group sums the down projection's partial outputs (`ExpertTensorParallel`:
+forward all-reduce; its input's gradient is summed likewise in backward).
 
 Gradients. Non-expert parameters are averaged over all dp * cp ranks as usual. An expert's
-gradient on a rank already sums the contributions of every token of its EP group, so the step's
-gradient is the sum over the expert data-parallel group divided by dp * cp: for ZeRO 1-3 the
-experts are FSDP2 units over the expert data-parallel mesh (torchtitan's layout) whose mean is
-rescaled, for ZeRO-0 they are left out of DDP / replicate and all-reduced after the backward
-(`ExpertGradients`).
+gradient on a rank already sums the contributions of every token its EP group routed to it, so
+the step's gradient is the sum over the expert data-parallel group divided by dp * cp: for ZeRO
+1-3 the experts are FSDP2 units over the expert data-parallel mesh (torchtitan's layout) whose
+mean is rescaled, for ZeRO-0 they are left out of DDP / replicate and all-reduced after the
+backward (`ExpertGradients`). Under HSDP only the dense parameters replicate across shard groups:
+the experts keep their own expert data-parallel mesh.
 """
 from __future__ import annotations
 
@@ -30,13 +39,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-def expert_meshes(mesh, cfg):
-    """(EP mesh, expert data-parallel mesh), 1-D each, from the (pp, dp, [cp,] tp) mesh's ranks."""
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """The folded layout's meshes on this rank: `experts` shards the expert weights ((ep, etp),
+    or the one of them above 1), `edp` holds the same shards, `ep` and `etp` are its groups, and
+    `slices` (None when etp = tp) the tp / etp expert-TP groups that split a tp group's tokens."""
+
+    experts: Any
+    ep: Any
+    etp: Any
+    edp: Any
+    slices: Any
+
+
+def expert_meshes(mesh, cfg) -> ExpertMeshes:
+    """The folded (pp, edp, ep, etp) regrouping of the (pp, dp, [cp,] tp) mesh's ranks, and the
+    (pp, dp * cp, tp / etp, etp) one whose third dimension slices a tp group's tokens."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    ranks = mesh.mesh.reshape(cfg.pp, cfg.data_ranks // cfg.ep, cfg.ep, cfg.tp)
-    regrouped = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "tp"))
-    return regrouped["ep"], regrouped["edp"]
+    etp = cfg.expert_tp
+    ranks = mesh.mesh.reshape(cfg.pp, cfg.expert_data_ranks, cfg.ep, etp)
+    regrouped = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "etp"))
+    slices = None
+    if cfg.tp > etp:  # every rank builds the same meshes in the same order (collective)
+        sliced = DeviceMesh(mesh.device_type, mesh.mesh.reshape(cfg.pp, cfg.data_ranks, cfg.tp // etp, etp),
+                            mesh_dim_names=("pp", "dcp", "slice", "inner"))
+        slices = sliced["slice"]
+    experts = (regrouped[("ep", "etp")] if cfg.ep > 1 and etp > 1
+               else regrouped["etp"] if etp > 1 else regrouped["ep"])
+    return ExpertMeshes(experts=experts, ep=regrouped["ep"], etp=regrouped["etp"], edp=regrouped["edp"],
+                        slices=slices)
 
 
 def moe_blocks(stage):
@@ -86,19 +118,122 @@ def _expert_major_order(per_source: torch.Tensor) -> torch.Tensor:
     return torch.cat(pieces).to(per_source.device) if pieces else per_source.new_zeros(0)
 
 
-def apply_ep(stage, ep_mesh) -> None:
-    """Keep this EP rank's experts (a Shard(0) DTensor of the stacked weights) and give each MoE
-    block the dispatcher; on the meta device, before materialisation writes the weights."""
+def apply_ep(stage, meshes: ExpertMeshes) -> None:
+    """Keep this rank's expert shards (a DTensor of the stacked weights: Shard(0) over ep, the
+    SwiGLU's width over etp), give each MoE block the dispatcher, the expert-TP sum and the token
+    slices its layout needs; on the meta device, before materialisation writes the weights."""
     from torch import nn
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    ep, etp = meshes.ep.size(), meshes.etp.size()
     for moe in moe_blocks(stage):
         num_experts = moe.router.num_experts
-        if num_experts % ep_mesh.size():
-            raise ValueError(f"ep={ep_mesh.size()} does not divide the {num_experts} experts")
-        for linear in (moe.experts.gate, moe.experts.up, moe.experts.down):
-            linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, ep_mesh, [Shard(0)]))
-        moe.dispatcher = ExpertDispatcher(ep_mesh, num_experts)
+        if num_experts % ep:
+            raise ValueError(f"ep={ep} does not divide the {num_experts} experts")
+        if ep * etp > 1:
+            # (experts, in, out): gate and up split their output columns, down its input rows
+            for linear, width_dim in ((moe.experts.gate, 2), (moe.experts.up, 2), (moe.experts.down, 1)):
+                placements = ([Shard(0)] if ep > 1 else []) + ([Shard(width_dim)] if etp > 1 else [])
+                linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, meshes.experts, placements))
+        if ep > 1:
+            moe.dispatcher = ExpertDispatcher(meshes.ep, num_experts)
+        if etp > 1:
+            moe.experts.tensor_parallel = ExpertTensorParallel(meshes.etp.get_group())
+        if meshes.slices is not None:
+            moe.token_slices = TokenSlices(meshes.slices)
+
+
+class TokenSlices:
+    """The tp / etp expert-TP groups of a tp group (which holds the same tokens) each route a
+    contiguous slice of the tokens; `gather` puts the combined slices back together."""
+
+    def __init__(self, mesh):
+        self.group, self.parts, self.index = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+
+    def scatter(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] % self.parts:
+            raise ValueError(f"{rows.shape[0]} tokens do not split into {self.parts} equal slices over the "
+                             "expert-TP groups of a tp group; use a batch * sequence that divides")
+        if not rows.requires_grad:
+            return rows.chunk(self.parts)[self.index]
+        return _SliceRows.apply(rows, self)
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return _GatherRows.apply(rows, self)
+
+
+def _all_gather_rows(rows: torch.Tensor, slices: TokenSlices) -> torch.Tensor:
+    pieces = [torch.empty_like(rows) for _ in range(slices.parts)]
+    dist.all_gather(pieces, rows.contiguous(), group=slices.group)
+    return torch.cat(pieces)
+
+
+class _SliceRows(torch.autograd.Function):
+    """This slice of rows every rank of the group holds alike; backward gathers the slices'
+    gradients (each rank's rows feed only its slice's computation)."""
+
+    @staticmethod
+    def forward(ctx, rows, slices):
+        ctx.slices = slices
+        return rows.chunk(slices.parts)[slices.index].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.slices), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """The group's slices concatenated; backward keeps this slice of the gradient, which every
+    rank of the group computes alike downstream."""
+
+    @staticmethod
+    def forward(ctx, rows, slices):
+        ctx.slices = slices
+        return _all_gather_rows(rows, slices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.slices.parts)[ctx.slices.index].contiguous(), None
+
+
+class ExpertTensorParallel:
+    """Megatron's column-then-row split of each expert's SwiGLU over an expert-TP group:
+    `enter` (identity; backward sums the input's partial gradients), `exit` (sums the down
+    projection's partial outputs; backward identity)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def enter(self, rows: torch.Tensor) -> torch.Tensor:
+        return _SumGradients.apply(rows, self.group)
+
+    def exit(self, rows: torch.Tensor) -> torch.Tensor:
+        return _SumOutputs.apply(rows, self.group)
+
+
+class _SumGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, group):
+        ctx.group = group
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, group):
+        out = rows.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def expert_parameters(stage) -> list:

@@ -38,12 +38,13 @@ def finite_float(text: str) -> float:
 
 
 def add_axis_arguments(parser, default: int | None, skip: tuple[str, ...] = ()) -> None:
-    """One option per parallel axis (`contracts.axes`: --pp --dp --cp --tp --ep) but those in `skip`."""
+    """One option per parallel axis (`contracts.axes`: --pp --dp --cp --tp --etp --ep) but those in
+    `skip`; one that follows another (--etp: --tp) defaults to unset."""
     from meshplan.planner.contracts.axes import AXES
 
     for axis in AXES:
         if axis.name not in skip:
-            parser.add_argument(axis.flag, type=int, default=default, help=axis.help)
+            parser.add_argument(axis.flag, type=int, default=None if axis.follows else default, help=axis.help)
 
 
 def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:

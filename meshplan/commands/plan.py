@@ -155,7 +155,7 @@ def candidates_table(data: dict, train_tokens: float | None = None):
             "#": rank,
             "pp x dp x cp x tp": (f"{entry['mesh']['pp']}x{entry['mesh']['dp']}x{entry['mesh'].get('cp', 1)}"
                                   f"x{entry['mesh']['tp']}"),
-            **({"ep": entry["mesh"].get("ep", 1)} if moe else {}),
+            **({"ep": entry["mesh"].get("ep", 1), "etp": entry["mesh"].get("etp", entry["mesh"]["tp"])} if moe else {}),
             "sp": "on" if entry["sp"] else "",
             "schedule": sched["name"] + (f" x{sched['virtual_stages']}" if sched["virtual_stages"] > 1 else ""),
             "mbs": sched["microbatch_size"], "m": sched["microbatches"],

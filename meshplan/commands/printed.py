@@ -27,6 +27,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
     cfg = heading.config
     lines = [f"{heading.spec} on {cfg.gpus} x {heading.cluster}: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"
              + (f" cp={cfg.cp}" if cfg.cp > 1 else "") + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
+             + (f" etp={cfg.etp}" if cfg.etp is not None else "")
              + f" mbs={cfg.microbatch_size} zero={cfg.zero}"
              + (f" shard_group={cfg.shard_group}" if cfg.shard_group else "")
              + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"

@@ -1,7 +1,7 @@
 """`ParallelConfig`: the uniform choices of one plan (what `estimate` takes and `plan` searches).
 
-The executable plan space (docs/architecture.md): one mesh (pp, dp, cp, tp and the folded ep:
-`contracts.axes`) for the whole model, one ZeRO stage (optionally hybrid: sharded over
+The executable plan space (docs/architecture.md): one mesh (pp, dp, cp, tp and the MoE layers'
+folded etp, ep: `contracts.axes`) for the whole model, one ZeRO stage (optionally hybrid: sharded over
 `shard_group` data-parallel ranks, replicated across the rest), one sequence-parallel switch, one
 precision recipe, one schedule; per-layer stage and recomputation live in the Plan's layer
 assignments. It is also what the cost model prices a layer under (`costing.uniform.layer_config`).
@@ -27,8 +27,9 @@ Recompute = Literal["none", "selective", "full"]
 class ParallelConfig:
     """Mesh, batch split and uniform switches. `gpus = pp * dp * cp * tp`.
 
-    Expert parallelism `ep` divides dp * cp: the data ranks are regrouped as (dp * cp / ep, ep),
-    the inner ep consecutive data ranks splitting each MoE layer's routed experts.
+    MoE parallel folding: the MoE layers' routed experts regroup the tp * cp * dp ranks of a stage
+    as (edp, ep, etp), etp innermost: each expert split over `etp` consecutive ranks (None: tp),
+    the experts over `ep` ranks etp apart, expert data parallelism over the edp ranks left.
 
     Mesh order (pp, dp, cp, tp), tp innermost: a context-parallel group is `cp` ranks `tp` apart,
     each holding 1/cp of every sequence; data parallelism and ZeRO span dp * cp ranks.
@@ -53,12 +54,17 @@ class ParallelConfig:
     # HSDP: ZeRO shards over groups of `shard_group` consecutive data-parallel ranks and replicates
     # across the dp / shard_group groups; None shards over all dp ranks (plain ZeRO / FSDP).
     shard_group: int | None = None
-    # Expert parallelism: each MoE layer's routed experts are split over groups of `ep` data ranks
-    # (carved out of dp x cp, Megatron-LM's and torchtitan's layout); ep does not multiply gpus.
+    # Expert parallelism: each MoE layer's routed experts are split over groups of `ep` ranks, etp
+    # apart (Megatron-Core's folding; with etp = tp, ep of the dp x cp data ranks); ep does not multiply gpus.
     ep: int = 1
+    # Expert tensor parallelism: each routed expert split over `etp` consecutive ranks; None follows
+    # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
+    etp: int | None = None
     engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
 
     def __post_init__(self):
+        if self.etp is not None and self.etp == self.tp:
+            object.__setattr__(self, "etp", None)
         self._check_mesh()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -149,15 +155,34 @@ class ParallelConfig:
         return self.microbatch_size if self.cp == 1 else self.microbatch_size / self.cp
 
     @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage, which the dense and the expert layers each lay out: tp * cp * dp."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        """The routed experts' tensor-parallel degree: etp, or tp when unset."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_ranks(self) -> int:
+        """Expert-TP groups of a stage, which ep regroups as (edp, ep): tp * cp * dp / etp."""
+        return self.stage_ranks // self.expert_tp
+
+    @property
     def expert_data_ranks(self) -> int:
-        """Ranks over which routed-expert gradients are averaged: dp * cp / ep (each holds the same experts)."""
-        return self.data_ranks // self.ep
+        """Ranks over which routed-expert gradients are averaged (each holds the same expert shards):
+        tp * cp * dp / (etp * ep); dp * cp / ep when etp = tp."""
+        return self.expert_ranks // self.ep
 
     @property
     def expert_data_stride(self) -> int:
-        """Ranks between two that hold the same experts: tp * ep (an expert-parallel group is `ep`
-        consecutive data ranks, themselves `tp` apart)."""
-        return self.tp * self.ep
+        """Ranks between two that hold the same expert shards: etp * ep."""
+        return self.expert_tp * self.ep
+
+    def degree(self, axis: str) -> int:
+        """The degree of the mesh or folded axis `axis`, an unset following axis resolved (etp: tp)."""
+        return self.expert_tp if axis == "etp" else getattr(self, axis)
 
     def stride(self, axis: str) -> int:
         """Ranks between neighbours of a mesh axis's group (`contracts.axes.mesh_stride`): tp 1,
@@ -166,7 +191,7 @@ class ParallelConfig:
 
     def enabled(self, axis: str) -> bool:
         """Whether the mesh or folded axis `axis` (a name in `contracts.axes`) splits anything."""
-        return getattr(self, axis) > 1
+        return self.degree(axis) > 1
 
     @property
     def num_microbatches(self) -> int:
@@ -181,14 +206,13 @@ class ParallelConfig:
     def sort_key(self) -> tuple:
         """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
         mesh = tuple(getattr(self, axis.name) for axis in _MESH_BY_TIE_BREAK)
-        folded = tuple(getattr(self, axis.name) for axis in _FOLDED_BY_TIE_BREAK)
+        folded = tuple(self.degree(axis.name) for axis in _FOLDED_BY_TIE_BREAK)
         return (*mesh, self.microbatch_size, self.zero, self.sp, self.schedule, self.virtual_stages,
                 -(self.shard_group or self.dp), *folded)
 
     def mesh_label(self) -> str:
         """'pp=2 dp=4 tp=8', the axes in mesh order, an optional one only when it is on."""
-        return " ".join(f"{axis.name}={getattr(self, axis.name)}" for axis in AXES
-                        if not axis.optional or getattr(self, axis.name) > 1)
+        return " ".join(f"{axis.name}={getattr(self, axis.name)}" for axis in AXES if axis.shown(self))
 
     def label(self) -> str:
         interleaving = self.schedule_spec.free_chunks

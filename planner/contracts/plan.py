@@ -27,7 +27,8 @@ from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
 from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_to_json
 
 # 2: context parallelism (`mesh.cp`); version-1 plans (no cp) still load, as cp = 1.
-# `mesh.ep` (expert parallelism) is optional within version 2: written only when ep > 1, read as 1 when absent.
+# `mesh.ep` (expert parallelism) is optional within version 2: written only when ep > 1, read as 1 when absent;
+# `mesh.etp` (expert tensor parallelism) likewise, written only when set apart from tp, absent: tp.
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -215,9 +216,18 @@ class Plan:
 
 
 def mesh_json(cfg: ParallelConfig) -> dict[str, int]:
-    """The plan's `mesh` table (`contracts.axes`): pp, dp, tp, then each optional axis that is on (cp, ep)."""
+    """The plan's `mesh` table (`contracts.axes`): pp, dp, tp, then each optional axis that is on
+    (cp, ep; etp when set apart from tp)."""
     return {**{axis.name: getattr(cfg, axis.name) for axis in AXES if not axis.optional},
-            **{axis.name: getattr(cfg, axis.name) for axis in AXES if axis.optional and getattr(cfg, axis.name) > 1}}
+            **{axis.name: getattr(cfg, axis.name) for axis in AXES if axis.optional and axis.shown(cfg)}}
+
+
+def _mesh_degree(mesh: dict, axis) -> int | None:
+    """An axis's degree in a plan's `mesh`: an optional axis absent reads as 1, or unset (None)
+    for one that follows another (etp: tp); a first-schema axis must be there."""
+    if axis.follows is not None and mesh.get(axis.name) is None:
+        return None
+    return _integer(mesh, axis.name, "mesh.", default=1 if axis.optional else None)
 
 
 def plan_from_json(data: dict[str, Any]) -> Plan:
@@ -235,7 +245,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
         gpus = _integer(data["cluster"], "gpus", "cluster.")
         config = ParallelConfig(
             gpus=gpus, global_batch=_integer(data, "global_batch"),
-            **{axis.name: _integer(mesh, axis.name, "mesh.", default=1 if axis.optional else None) for axis in AXES},
+            **{axis.name: _mesh_degree(mesh, axis) for axis in AXES},
             microbatch_size=_integer(schedule, "microbatch_size", "schedule."), zero=_integer(data, "zero"),
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],

@@ -167,23 +167,32 @@ def _sequence_problem(config, model: ModelFacts) -> str | None:
 
 
 def _expert_problem(config, model: ModelFacts) -> str | None:
-    """Expert parallelism runs with data, context and pipeline parallelism and ZeRO 0-3, on zoo
-    mixtures of experts, whose MoE blocks have no tensor-parallel layout in the executor."""
-    if model.family == "moe" and config.tp > 1:
-        return (f"the executor trains mixture-of-experts models with tp=1 (this plan has tp={config.tp}): its MoE "
-                "blocks have no tensor-parallel layout; re-plan with --tp 1 (use ep instead)")
+    """The folded expert layout (`executor.parallel.expert`) runs on zoo mixtures of experts with
+    data, context, tensor and pipeline parallelism, ZeRO 0-3 and HSDP, when etp divides tp and,
+    under TP, without sequence parallelism (the tp ranks hold the same tokens and each expert-TP
+    group routes a slice of them)."""
+    etp = config.expert_tp
+    if model.family == "moe" and config.tp * etp > 1:
+        if config.tp % etp:
+            return (f"the executor splits the experts over etp ranks inside a tp group: etp={etp} must divide "
+                    f"tp={config.tp}; re-plan with --etp 1 or --etp {config.tp}")
+        if config.sp:
+            return (f"the executor runs mixture-of-experts blocks under tp={config.tp} without sequence parallelism "
+                    "(the expert layout slices the tokens a tp group holds alike); re-plan without --sp")
+        slices = config.tp // etp
+        if (config.microbatch_size * model.seq // config.cp) % slices:
+            return (f"the {config.tp // etp} expert-TP groups of a tp group each route an equal slice of the "
+                    f"micro-batch's {config.microbatch_size * model.seq // config.cp} tokens per rank; use a "
+                    f"micro-batch size or sequence length that {slices} divides")
     if config.ep == 1:
         return None
     if model.family == "hf":
         return (f"Hugging Face models train without expert parallelism, this plan has ep={config.ep}; re-plan "
                 "it with --ep 1")
     try:
-        check_expert_parallel(model, config.ep, config.data_ranks)
+        check_expert_parallel(model, config.ep)
     except ValueError as exc:
         return str(exc)
-    if config.shard_group:
-        return (f"the executor does not combine expert parallelism (ep={config.ep}) with HSDP "
-                f"(shard_group={config.shard_group}); re-plan without --shard-group")
     return None
 
 

@@ -1,41 +1,53 @@
-"""Expert parallelism (EP): each MoE block's routed experts are split over `ep` data ranks.
+"""Expert parallelism (EP) and expert tensor parallelism (ETP) of the MoE blocks, folded.
 
-Layout (Megatron-LM's and torchtitan's): EP is carved out of data (x context) parallelism. The
-dp * cp data ranks (tp apart) are regrouped as (dp * cp / ep, ep): the inner `ep` consecutive data
-ranks, tp apart, form an EP group and each holds E/ep of the E routed experts of every MoE block;
-the dp * cp / ep ranks that hold the same experts (tp * ep apart) form its expert-data-parallel
-group. Attention, the router, the shared experts, the norms and dense blocks are untouched:
-replicated over the data ranks as without EP. Expert tensor parallelism is the mesh's tp: every
-expert's SwiGLU is split tp ways as the block's MLP is (Megatron-LM's default
-expert-tensor-parallel size = tp).
+Layout (Megatron-Core's MoE parallel folding, `contracts.axes`): the routed experts lay their
+own (edp, ep, etp) over the same tp * cp * dp ranks of a pipeline stage as the dense layers'
+(dp, cp, tp), etp innermost. Each routed expert is split over `etp` consecutive ranks (its
+SwiGLU column- and row-parallel as a block's MLP under TP); the E routed experts over `ep` ranks
+`etp` apart, each holding E/ep; the ranks holding the same expert shards, `etp * ep` apart, form
+the expert-data-parallel group of edp = tp cp dp / (etp ep) ranks. etp defaults to tp
+(Megatron-LM's default expert-tensor-parallel size), and then EP is carved out of the dp * cp
+data ranks as before folding. Attention, the router, the shared experts, the norms and dense
+blocks keep the dense layout: split over tp, replicated over the dp * cp data ranks.
 
 Notation, per rank and micro-batch: T tokens on the rank (mbs * s, / cp under CP), k = top_k,
 E experts, h hidden, b bytes per element of the compute dtype, F the routing imbalance
 (`ModelInfo.moe_imbalance`: the busiest expert receives F times the balanced T k / E copies).
 
-- dispatch: the rank sends its D = T k h b bytes of routed copies (`LayerProfile.dispatch_bytes`;
-  / tp with SP, where a TP rank holds T/tp tokens), of which (ep-1)/ep leave the rank, by one
-  all-to-all over the EP group (`collectives.collective_time_s("all_to_all", ...)`: NVLink inside
-  a node, the rails across nodes). The busiest rank receives F D: the collective is charged at
-  F D. Forward: dispatch, expert GEMMs, combine (the same volume back). Backward mirrors it: the
-  combine's gradient goes out to the experts, their backward runs, the dispatch's gradient comes
-  back: 2 all-to-alls each pass, 4 a2a(F D) per micro-batch, blocking (the expert GEMMs need
-  their tokens; the next layer needs the combined output); full recomputation repeats the
-  forward's two in backward.
-- expert GEMMs: the rank's expert FLOPs are the same as without EP under balanced routing
-  (ep ranks' tokens times E/ep experts: T k / E * ep copies each), times F on the busiest rank.
+- dispatch (`folded_dispatch`): a tp group's ranks hold the same T tokens, or T/tp each under SP.
+  Without SP, when etp divides tp, an expert-TP group lies inside one tp group and already shares
+  its tokens: the tp/etp expert-TP groups of a tp group take a 1/(tp/etp) slice each, every rank
+  sending D = T k h b etp/tp bytes of routed copies (`LayerProfile.dispatch_bytes`; D = T k h b at
+  the default etp = tp), and the combined slices are all-gathered back over the tp/etp groups
+  (etp apart) after the block. Otherwise (SP, or etp not dividing tp) each rank sends its T/tp
+  tokens' D = T k h b / tp and the expert-TP group all-gathers what it received before the
+  experts (etp times the received bytes, over etp consecutive ranks) and reduce-scatters their
+  output (Megatron-Core's alltoall dispatcher). An expert-TP group whose ranks received the same
+  copies all-reduces the down projection's partial outputs instead (and the input's gradient in
+  backward), F D over etp ranks (`expert_tp_comm_s`). Of D, (ep-1)/ep leaves the rank by one all-to-all
+  over the EP group (ep ranks etp apart: `collectives.collective_time_s("all_to_all", ...)`,
+  NVLink inside a node, the rails across nodes; consecutive ranks keep it inside a node where it
+  fits). The busiest rank receives F D: the collective is charged at F D. Forward: dispatch,
+  expert GEMMs, combine (the same volume back). Backward mirrors it: the combine's gradient goes
+  out to the experts, their backward runs, the dispatch's gradient comes back: 2 all-to-alls each
+  pass, 4 a2a(F D) per micro-batch (with the expert-TP gather and reduce-scatter beside them),
+  blocking (the expert GEMMs need their tokens; the next layer needs the combined output); full
+  recomputation repeats the forward's in backward.
+- expert GEMMs: the rank's expert FLOPs are T k / tp copies' worth whatever etp and ep are
+  (the ranks of a stage share the expert work of its tokens evenly under balanced routing),
+  times F on the busiest rank.
   Each of its E/ep experts runs `n_g` GEMMs (3 for a SwiGLU: gate, up, down) of
       f = expert_fwd_flops * mbs / tp * ep / (n_g E) * F     FLOPs each (forward; backward 2 n_g of them),
   priced on the device's efficiency curve at f (`device_time.compute_time_s`: peak * eff *
   f / (f + f_half)), not at the whole layer's GEMM size: small per-expert batches run far below
   peak, and EP makes them ep times larger. The experts' saved bytes (x F) are streamed by the
   memory-bound kernels as the rest of the layer's are.
-- memory: expert parameters per rank P_e = expert_params / (ep tp); their gradients and
-  optimizer states follow ZeRO over the expert-data-parallel group (dp cp / ep ranks; HSDP's
-  shard group applies to the non-expert parameters only); the experts' saved activations x F.
-- gradient reduction: non-expert gradients over the dp * cp data ranks as before; expert
-  gradients over the dp cp / ep expert-data ranks, tp * ep apart (`ParallelConfig.expert_data_ranks`,
-  `expert_data_stride`).
+- memory: expert parameters per rank P_e = expert_params / (ep etp); their gradients and
+  optimizer states follow ZeRO over the expert-data-parallel group (tp cp dp / (etp ep) ranks;
+  HSDP's shard group applies to the non-expert parameters only); the experts' saved activations x F.
+- gradient reduction: the dense part's gradients over the dp * cp data ranks, tp apart; expert
+  gradients over the expert-data ranks, etp * ep apart (`ParallelConfig.expert_data_ranks`,
+  `expert_data_stride`): each part of a block pays its own collectives.
 - capacity factor C (`ModelInfo.moe_capacity_factor`, 0: none, nothing dropped): each expert
   takes at most C T k / E copies per micro-batch; copies routed beyond that are dropped (they skip
   the expert and reach the combine as zeros, Megatron-LM's and GShard's token dropping). The
@@ -62,7 +74,6 @@ from meshplan.planner.costing.communication import dp_comm_s
 from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 from meshplan.planner.costing.state_memory import state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
-from meshplan.planner.costing.tp_split import is_split
 
 # GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
 SWIGLU_GEMMS = 3
@@ -136,51 +147,87 @@ def dropped_share_lower_bound(info) -> float:
     return (imbalance - capacity) / info.num_experts
 
 
-def expert_gemm_flops(layer, config, info, tp_shard: int) -> tuple[float, float, int]:
-    """(forward FLOPs, backward FLOPs, forward GEMMs) of the busiest rank's experts, one micro-batch."""
+def expert_gemm_flops(layer, config, info) -> tuple[float, float, int]:
+    """(forward FLOPs, backward FLOPs, forward GEMMs) of the busiest rank's experts, one micro-batch:
+    a tp group's tokens' expert work shared by its tp ranks whatever etp and ep are."""
     ep = config.ep
-    scale = config.rank_microbatch / tp_shard * load_factor(info)
+    scale = config.rank_microbatch / config.tp * load_factor(info)
     num_gemms = expert_gemms(layer) * max(1, info.num_experts // ep)
     return layer.expert_fwd_flops * scale, layer.expert_bwd_flops * scale, num_gemms
 
 
-def dispatch_send_bytes(layer, config, act_scale: float, split: bool) -> float:
-    """D: one rank's routed copies of one micro-batch in the compute dtype (/ tp with SP)."""
-    shard = config.tp if config.sp and split else 1
-    return layer.dispatch_bytes * config.rank_microbatch * act_scale / shard
+def folded_dispatch(config) -> tuple[float, bool]:
+    """(share of a tp group's T tokens one rank dispatches, whether the expert-TP group gathers
+    them): (etp/tp, False) when the tp group's ranks hold the same tokens (no SP) and etp divides
+    tp, else (1/tp, etp > 1) (module docstring)."""
+    tp, etp = config.tp, config.expert_tp
+    if not config.sp and tp % etp == 0:
+        return etp / tp, False
+    return 1 / tp, etp > 1
+
+
+def dispatch_send_bytes(layer, config, act_scale: float) -> float:
+    """D: one rank's routed copies of one micro-batch in the compute dtype (`folded_dispatch`)."""
+    return layer.dispatch_bytes * config.rank_microbatch * act_scale * folded_dispatch(config)[0]
 
 
 def all_to_all_s(send_bytes: float, config, cluster, info) -> float:
-    """One dispatch (or combine) all-to-all over the EP group (ep ranks tp apart), at the busiest
+    """One dispatch (or combine) all-to-all over the EP group (ep ranks etp apart), at the busiest
     rank's F D."""
     if config.ep == 1 or send_bytes <= 0:
         return 0.0
-    return collective_time_s("all_to_all", send_bytes * load_factor(info), config.ep, cluster, config.tp)
+    return collective_time_s("all_to_all", send_bytes * load_factor(info), config.ep, cluster, config.expert_tp)
 
 
-def ep_comm_s(send_bytes: float, config, cluster, info) -> tuple[float, float]:
-    """(forward, backward) blocking all-to-all seconds of one micro-batch: dispatch + combine each
-    pass, and the recomputed forward's two again under full recomputation."""
-    one = all_to_all_s(send_bytes, config, cluster, info)
-    fwd, bwd = 2 * one, 2 * one
+def expert_tp_comm_s(send_bytes: float, config, cluster, info) -> float:
+    """One pass's expert-TP collectives over etp consecutive ranks: when `folded_dispatch` gathers,
+    the all-gather of the received copies before the experts and the reduce-scatter of their
+    output (etp F D each); when the group's ranks received the same copies, the all-reduce of the
+    down projection's partial outputs (forward) or of the input's partial gradients (backward), F D."""
+    etp = config.expert_tp
+    if etp == 1 or send_bytes <= 0:
+        return 0.0
+    received = send_bytes * load_factor(info)
+    if not folded_dispatch(config)[1]:
+        return collective_time_s("all_reduce", received, etp, cluster)
+    return (collective_time_s("all_gather", etp * received, etp, cluster)
+            + collective_time_s("reduce_scatter", etp * received, etp, cluster))
+
+
+def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
+    """Without SP, when etp < tp: the all-gather over the tp/etp expert-TP groups of a tp group
+    (etp apart) of their combined token slices, T h b gathered, that restores the tokens the tp
+    group holds alike (forward only: its backward keeps each slice's gradient)."""
+    share, gathers = folded_dispatch(config)
+    if gathers or share == 1 or not layer.dispatch_bytes:
+        return 0.0
+    gathered = layer.dispatch_bytes * config.rank_microbatch * act_scale / max(1, info.top_k)
+    return collective_time_s("all_gather", gathered, round(1 / share), cluster, config.expert_tp)
+
+
+def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0) -> tuple[float, float]:
+    """(forward, backward) blocking seconds of one micro-batch's expert exchanges: dispatch +
+    combine all-to-alls and the expert-TP collectives each pass (`expert_tp_comm_s`), the
+    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation."""
+    exchange = 2 * all_to_all_s(send_bytes, config, cluster, info) + expert_tp_comm_s(send_bytes, config, cluster, info)
+    fwd, bwd = exchange + slice_s, exchange
     if config.recompute == "full":
         bwd += fwd
     return fwd, bwd
 
 
-def check_expert_parallel(info, ep: int, data_ranks: int) -> None:
-    """ValueError unless ep fits the model and the mesh: a mixture of experts whose expert count
-    ep divides, and ep dividing the dp * cp data ranks."""
-    if ep == 1:
-        return
-    if not info.num_experts:
-        raise ValueError(f"expert parallelism (ep={ep}) needs a mixture-of-experts model; this one has no "
-                         "routed experts: use ep 1")
+def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:
+    """ValueError unless ep and etp fit the model: a mixture of experts whose expert count ep
+    divides and whose experts' width etp divides (the mesh rules are `ParallelConfig`'s)."""
+    for name, degree in (("ep", ep), ("etp", etp)):
+        if degree not in (None, 1) and not info.num_experts:
+            raise ValueError(f"expert {'' if name == 'ep' else 'tensor '}parallelism ({name}={degree}) needs a "
+                             f"mixture-of-experts model; this one has no routed experts: use {name} 1")
     if info.num_experts % ep:
         raise ValueError(f"ep={ep} must divide the {info.num_experts} routed experts of each MoE block")
-    if data_ranks % ep:
-        raise ValueError(f"ep={ep} must divide the data ranks dp*cp = {data_ranks} (expert parallelism is "
-                         "carved out of data and context parallelism)")
+    if etp not in (None, 1) and info.expert_ffn % etp:
+        raise ValueError(f"etp={etp} must divide the routed experts' width {info.expert_ffn} (each expert's "
+                         "SwiGLU is split etp ways)")
 
 
 def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
@@ -190,16 +237,15 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     expert-data group, and the dispatch / combine all-to-alls."""
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
-    split = is_split(layer, config.tp)
-    shard = config.tp if split else 1
-    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info, shard)
-    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / shard * load_factor(info)
+    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info)
+    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / config.tp * load_factor(info)
     traffic = cluster.device.elementwise_bytes_per_activation_byte * saved
     fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic, cluster)
     bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2) + memory_time_s(2 * traffic, cluster)
-    ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale, split), config, cluster, info)
-    # the experts' states: P_e = expert_params / (ep tp) per rank, ZeRO over the expert-data group
-    params = layer.expert_params / config.ep / shard
+    ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale), config, cluster, info,
+                                   slice_gather_s(layer, config, cluster, info, act_scale))
+    # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
+    params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero
     states = state_bytes(params, ranks, zero, config.precision, state_recipe, config.tp, config.pp)
     grad_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params, config, cluster, state_recipe=state_recipe,

@@ -352,12 +352,12 @@ def _fold_pinned_neighbours(types: list[LayerType], layer_type) -> list[LayerTyp
 
 def _mesh_config(config, layer, tp: int, dp: int, holds_shared: bool, cache: dict):
     """The config `layer` is costed under on a (tp, dp) mesh of the stage (`uniform.layer_mesh`),
-    ep = 1 for a layer without routed experts, pp as `costed_pp` prices it."""
+    no expert layout (ep 1, etp unset) for a layer without routed experts, pp as `costed_pp` prices it."""
     from meshplan.planner.costing.uniform import layer_mesh
 
     local = layer_mesh(config, tp, dp)
-    if not layer.expert_params and local.ep != 1:
-        local = _variant(local, cache, ep=1)
+    if not layer.expert_params and (local.ep != 1 or local.etp is not None):
+        local = _variant(local, cache, ep=1, etp=None)
     if local.pp != costed_pp(local.pp) and not holds_shared:
         local = _pipelined(local, cache)
     return local

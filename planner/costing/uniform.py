@@ -49,7 +49,8 @@ def layer_mesh(config: ParallelConfig, tp: int, dp: int) -> ParallelConfig:
                          f"(mbs {config.microbatch_size} x dp {config.dp})")
     same_dp = dp == config.dp
     return replace(config, tp=tp, dp=dp, microbatch_size=samples // dp, sp=config.sp and tp > 1,
-                   shard_group=config.shard_group if same_dp else None, ep=config.ep if same_dp else 1)
+                   shard_group=config.shard_group if same_dp else None, ep=config.ep if same_dp else 1,
+                   etp=config.etp if same_dp and tp == config.tp else None)
 
 
 def default_recompute(graph, config) -> tuple[str, ...]:

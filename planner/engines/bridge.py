@@ -227,18 +227,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
 
 
 def _expert_tensor_degree(job: EngineJob, notes: list[str]) -> dict:
-    """`etp` for the configuration when meshplan's ParallelConfig has the axis; else a note."""
-    import inspect
-
-    from meshplan.planner.simulation.estimator import parallel_config
-
-    if job.etp == 1:
-        return {}
-    if "etp" in inspect.signature(parallel_config).parameters:
-        return {"etp": job.etp}
-    notes.append(f"expert tensor parallelism {job.etp}: not an axis of this meshplan; the routed experts priced "
-                 "unsplit by tensor parallelism")
-    return {}
+    """`etp` for the configuration: the config's expert tensor parallelism (None: as tp)."""
+    return {} if job.etp is None else {"etp": job.etp}
 
 
 def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes: list[str]) -> tuple[int, int]:

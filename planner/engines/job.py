@@ -19,7 +19,8 @@ NON_BLOCK_LAYERS = ("embed", "head")
 
 
 # Every axis's degree defaults to 1, but dp: None, gpus / (the other mesh degrees).
-_JobDegrees = degrees_base("JobDegrees", lambda axis: None if axis.name == "dp" else 1)
+# dp None: gpus / the others; etp None: the experts split as the dense layers (tp), as ParallelConfig
+_JobDegrees = degrees_base("JobDegrees", lambda axis: None if axis.name in ("dp", "etp") else 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,10 +51,10 @@ class EngineJob(_JobDegrees):
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise MeshplanError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        degrees = tuple(name for name in AXIS_NAMES if name != "dp")
+        degrees = tuple(name for name in AXIS_NAMES if name not in ("dp", "etp"))
         for name in ("microbatch_size", *degrees, "vpp", "recompute_every"):
             _positive(name, getattr(self, name))
-        for name in ("seq", "gpus", "global_batch", "dp", "shard_group"):
+        for name in ("seq", "gpus", "global_batch", "dp", "etp", "shard_group"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):

@@ -48,8 +48,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     if cfg.sp:
         args.append(("--sequence-parallel", None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
-    if cfg.ep > 1:  # always written: Megatron's expert tp defaults to tp, meshplan's to 1
-        args.append((AXIS_FLAGS["etp"], getattr(cfg, "etp", None) or 1))
+    if cfg.ep > 1 or cfg.etp is not None:  # MoE parallel folding: Megatron-LM's default expert TP is tp
+        args.append((AXIS_FLAGS["etp"], cfg.expert_tp))
     args += _recompute_args(plan, notes)
     args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
              ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
@@ -244,7 +244,7 @@ def read_megatron(text: str) -> EngineJob:
     """An EngineJob from Megatron-LM arguments (see `parse_arguments`)."""
     flags, header, notes = parse_arguments(text), header_fields(text), []
     get = _IntReader(flags)
-    degrees = {name: get(flag, 1) for name, flag in AXIS_FLAGS.items()}
+    degrees = {name: get(flag, None if name == "etp" else 1) for name, flag in AXIS_FLAGS.items()}  # etp: tp
     tp, pp = degrees["tp"], degrees["pp"]
     num_layers = get("--num-layers", None)
     vpp = _virtual_stages(get, pp, num_layers)

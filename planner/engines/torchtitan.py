@@ -116,7 +116,8 @@ def _parallelism(plan, notes: list[str]) -> dict:
     out = {"data_parallel_replicate_degree": cfg.dp // group if sharded else cfg.dp,
            "data_parallel_shard_degree": group if sharded else 1,
            "fsdp_reshard_after_forward": "always" if cfg.zero == 3 else "never",
-           **{key: getattr(cfg, name, None) or 1 for name, key in AXIS_KEYS.items()}}
+           **{key: getattr(cfg, name) for name, key in AXIS_KEYS.items() if name != "etp"},
+           AXIS_KEYS["etp"]: cfg.expert_tp}  # torchtitan's default expert TP is 1, meshplan's tp: always written
     if cfg.zero == 1 and cfg.dp * cfg.cp > 1:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")

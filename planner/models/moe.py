@@ -111,8 +111,15 @@ class GroupedExperts(nn.Module):
         self.up = GroupedLinear(num_experts, hidden, expert_ffn)
         self.down = GroupedLinear(num_experts, expert_ffn, hidden)
 
+    # Expert tensor parallelism (`executor.parallel.expert.ExpertTensorParallel`, set by the
+    # executor): the weights hold this rank's share of each SwiGLU's width; None: whole experts.
+    tensor_parallel = None
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return self.down(_FusedSwiGLU.apply(self.gate(x, counts), self.up(x, counts)), counts)
+        split = self.tensor_parallel
+        x = x if split is None else split.enter(x)
+        out = self.down(_FusedSwiGLU.apply(self.gate(x, counts), self.up(x, counts)), counts)
+        return out if split is None else split.exit(out)
 
 
 def _swiglu(cfg: TransformerConfig, width: int) -> MLP:
@@ -129,6 +136,9 @@ class MoE(nn.Module):
     # Context parallelism (`executor.parallel.context.SequenceShard`, set by the executor): this
     # rank holds part of each sequence, so the load-balancing statistics are summed over CP ranks.
     context = None
+    # Folded expert layout under TP (`executor.parallel.expert.TokenSlices`, set by the executor):
+    # the tp ranks hold the same tokens and each expert-TP group routes a slice of them.
+    token_slices = None
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -159,7 +169,10 @@ class MoE(nn.Module):
 
     def routed_out(self, tokens: torch.Tensor, num_sequences: int = 1) -> torch.Tensor:
         probs = self.router.probabilities(tokens)
-        weights, experts = self.router.select(probs, tokens.dtype)
+        weights, all_experts = self.router.select(probs, tokens.dtype)
+        experts, slices = all_experts, self.token_slices
+        if slices is not None:  # this expert-TP group's slice; every rank still routed all (the aux loss)
+            tokens, weights, experts = slices.scatter(tokens), slices.scatter(weights), slices.scatter(experts)
         flat_experts = experts.flatten()  # (tokens * k,): copy i is token i // k, choice i % k
         order = flat_experts.argsort(stable=True)  # routed copies grouped by expert
         token_of_copy = order // self.top_k
@@ -171,8 +184,10 @@ class MoE(nn.Module):
             expert_out = self.dispatcher(self.experts, dispatched, counts)
         weighted = expert_out * weights.flatten().index_select(0, order).unsqueeze(-1)
         out = torch.zeros_like(tokens).index_add(0, token_of_copy, weighted)  # combine
+        if slices is not None:
+            out = slices.gather(out)
         if self.aux_loss_weight and self.training and torch.is_grad_enabled() and not tokens.is_meta:
-            aux = self.balance_loss(probs, experts, num_sequences)
+            aux = self.balance_loss(probs, all_experts, num_sequences)
             self._record_aux(aux.detach())
             out = _AuxLossGrad.apply(out, aux, self.aux_loss_weight * self.aux_grad_scale)
         return out

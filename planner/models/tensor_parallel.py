@@ -30,10 +30,13 @@ def block_tp_plan(block, sp: bool, keep_shard: bool = True) -> dict:
 
     row_output = Shard(1) if sp else Replicate()
     plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
-            "attn.o": RowwiseParallel(output_layouts=row_output),
-            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=row_output)}
-    if getattr(block.mlp, "swiglu", False):
-        plan["mlp.gate"] = ColwiseParallel()
+            "attn.o": RowwiseParallel(output_layouts=row_output)}
+    # a MoE block splits its shared experts as an MLP (its routed experts: `executor.parallel.expert`)
+    mlp_name = "mlp" if hasattr(block, "mlp") else "moe.shared" if getattr(block.moe, "shared", None) else None
+    if mlp_name:
+        plan.update({f"{mlp_name}.up": ColwiseParallel(), f"{mlp_name}.down": RowwiseParallel(output_layouts=row_output)})
+        if getattr(block.get_submodule(mlp_name), "swiglu", False):
+            plan[f"{mlp_name}.gate"] = ColwiseParallel()
     if sp:
         gather = (gather_keep_shard_style() if keep_shard
                   else PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))

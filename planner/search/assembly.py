@@ -122,6 +122,7 @@ def explain(plan_json: dict) -> str:
     recomputed = sum(layer["recompute"] != "none" for layer in plan_json["layers"])
     cp = f" cp={mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
     cp += f" ep={mesh['ep']}" if mesh.get("ep", 1) > 1 else ""
+    cp += f" etp={mesh['etp']}" if mesh.get("etp") is not None else ""
     text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']}{cp} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
             f"{sched['name']}{' x' + str(sched['virtual_stages']) if sched['virtual_stages'] > 1 else ''} with "
             f"{sched['microbatches']} micro-batch{'es' if sched['microbatches'] != 1 else ''} of "

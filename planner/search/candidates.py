@@ -8,8 +8,9 @@ search, `contracts.schedule`: 1F1B, interleaved with v = 2..4, the zero-bubble s
 only when pinned, since with the same layer assignment it is never faster and holds more
 activations), ZeRO stage 0-3, and
 sequence parallelism when tp > 1 (not for Hugging Face models), and for ZeRO 1-3 HSDP shard groups of 1, 2 or 4 whole nodes;
-for mixtures of experts, expert parallelism `ep` over powers of two dividing dp * cp and the
-expert count (`expert_parallel_degrees`). ZeRO-2/3 are not offered with a split-backward
+for mixtures of experts, the folded expert layout (`expert_layouts`): expert tensor parallelism
+etp = tp or 1, and expert parallelism `ep` over powers of two dividing tp * cp * dp / etp and the
+expert count. ZeRO-2/3 are not offered with a split-backward
 (zero-bubble) schedule and dp > 1: its reduction is deferred to the step's end, so they run as
 ZeRO-1 (`costing.state_memory.executed_zero`).
 """
@@ -127,12 +128,12 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
-                                for ep in expert_parallel_degrees(info, dp * cp, pins.ep):
+                                for etp, ep in expert_layouts(info, tp, dp * cp, pins):
                                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
                                                               precision=precision, shard_group=group, ep=ep,
-                                                              engine=engine))
+                                                              etp=etp, engine=engine))
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
     runnable = [c for c in out if why_not_executable(c, facts) is None]
@@ -181,9 +182,35 @@ def context_parallel_degrees(model, ranks: int, pinned: int | None, whole_model_
     return out
 
 
+def expert_layouts(info, tp: int, data_ranks: int, pins: Pins) -> list[tuple[int | None, int]]:
+    """(etp, ep) of the MoE layers folded over a stage's tp * dp * cp ranks: etp = tp (None) or,
+    for a mixture of experts under TP, 1 (Megatron-Core's usual folding, EP taking the TP ranks
+    too); each with the EP degrees of `expert_parallel_degrees` over the tp * dp * cp / etp ranks.
+    Dense models: (None, 1) alone.
+
+    Unless etp is pinned, (etp = tp, ep > 1) is left out where (etp = 1, ep * tp) is offered: the
+    same expert shards per rank, expert-data group and FLOPs per rank, over an EP group spanning the
+    same ranks, but with tp times fewer dispatched bytes per rank (a tp group's tokens split over its
+    ranks instead of each rank sending all of them; the slice all-gather moves 1/top_k of that) and
+    tp times larger per-expert GEMMs (`costing.expert_parallel`): it is never slower and holds no more."""
+    if pins.etp is not None:
+        options = [pins.etp] if (tp * data_ranks) % pins.etp == 0 else []
+    else:
+        options = [tp] + ([1] if tp > 1 and info.num_experts else [])
+    if any(etp > 1 and info.num_experts and info.expert_ffn % etp for etp in options):
+        options = [etp for etp in options if etp == 1 or not info.num_experts or info.expert_ffn % etp == 0]
+    layouts = [(etp, ep) for etp in options for ep in expert_parallel_degrees(info, tp * data_ranks // etp, pins.ep)]
+    if pins.etp is None:
+        # etp < tp without EP only replicates the experts over the tp ranks: offered when pinned
+        folded = {ep for etp, ep in layouts if etp == 1 and ep > 1 and tp > 1}
+        layouts = [(etp, ep) for etp, ep in layouts if (etp == tp and (ep == 1 or ep * tp not in folded))
+                   or (etp < tp and ep > 1)]
+    return [(None if etp == tp else etp, ep) for etp, ep in layouts]
+
+
 def expert_parallel_degrees(info, data_ranks: int, pinned: int | None) -> list[int]:
-    """EP degrees for the dp * cp data ranks: 1 for dense models; for a mixture of experts the
-    powers of two that divide both the data ranks and the expert count (other divisors split
+    """EP degrees for the `data_ranks` they are carved from (tp * dp * cp / etp): 1 for dense models;
+    for a mixture of experts the powers of two that divide both those ranks and the expert count (other divisors split
     the experts unevenly over nodes and are rarely used; pin --ep for one)."""
     if pinned is not None:
         return [pinned] if data_ranks % pinned == 0 and (pinned == 1 or (

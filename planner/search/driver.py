@@ -275,14 +275,17 @@ def _no_candidate_message(graph, request: PlanRequest) -> str:
 
 
 def _check_expert_pin(graph, pins: Pins) -> None:
-    """--ep N needs a mixture of experts whose expert count N divides."""
+    """--ep N needs a mixture of experts whose expert count N divides, --etp M one whose experts'
+    width M divides."""
     from meshplan.planner.costing.expert_parallel import check_expert_parallel
 
-    if pins.ep not in (None, 1):
+    if pins.ep not in (None, 1) or pins.etp not in (None, 1):
         try:
-            check_expert_parallel(graph.info, pins.ep, pins.ep)
+            check_expert_parallel(graph.info, pins.ep or 1, pins.etp)
         except ValueError as exc:
-            raise MeshplanError(f"--ep {pins.ep}: {exc}") from None
+            flags = " ".join(f"--{name} {value}" for name, value in (("ep", pins.ep), ("etp", pins.etp))
+                             if value is not None)
+            raise MeshplanError(f"{flags}: {exc}") from None
 
 
 def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tables) -> dict | None:

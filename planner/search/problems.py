@@ -82,8 +82,8 @@ def _zero1_siblings(strategies) -> dict:
     return out
 
 
-# Expert-parallel degrees solved per configuration that differs only in ep: EP changes the MoE
-# blocks' costs alone, so only the degrees with the smallest lower bounds are worth an ILP.
+# Expert layouts solved per configuration that differs only in (ep, etp): they change the MoE
+# blocks' costs alone, so only the layouts with the smallest lower bounds are worth an ILP.
 EXPERT_DEGREES_SOLVED = 1
 
 
@@ -96,7 +96,7 @@ def best_expert_degrees(problems: list[Pending]) -> tuple[list[Pending], list[So
     chosen = set()
     for rivals in groups.values():
         if len(rivals) > 1:
-            rivals.sort(key=lambda other: (other.bound_s, other.candidate.ep))
+            rivals.sort(key=lambda other: (other.bound_s, other.candidate.ep, -other.candidate.expert_tp))
         chosen.update(id(other) for other in rivals[:EXPERT_DEGREES_SOLVED])
     kept, dropped = [], []
     for item in problems:
@@ -108,6 +108,7 @@ def best_expert_degrees(problems: list[Pending]) -> tuple[list[Pending], list[So
 
 
 def _but_ep(c: ParallelConfig) -> tuple:
-    """Every field of a candidate but ep (the group `best_expert_degrees` compares within)."""
+    """Every field of a candidate but its expert layout, ep and etp (the group `best_expert_degrees`
+    compares within)."""
     return (c.gpus, c.global_batch, c.tp, c.pp, c.dp, c.microbatch_size, c.cp, c.zero, c.recompute, c.sp,
             c.schedule, c.virtual_stages, c.precision, c.shard_group)

@@ -52,7 +52,8 @@ def strategies_of(candidates) -> list:
     seen: dict = {}
     out = []
     for c in candidates:
-        key = (c.tp, c.dp, c.zero, c.recompute, c.sp, c.microbatch_size, c.precision, c.pp, c.shard_group, c.cp, c.ep)
+        key = (c.tp, c.dp, c.zero, c.recompute, c.sp, c.microbatch_size, c.precision, c.pp, c.shard_group, c.cp, c.ep,
+               c.etp)
         strategy = seen.get(key)
         if strategy is None:
             strategy = seen[key] = cost_config(c)
@@ -84,10 +85,10 @@ def build_tables(graph, cluster, candidates, strategies, recompute_options, laye
 
 
 def _neighbour_key(job: tuple) -> tuple:
-    """Strategies equal but for ep, or for pp > 1, next to each other: they share their dense
-    layers' costs, or all their layers' (`tables.build_cost_table`'s cache)."""
+    """Strategies equal but for the expert layout (ep, etp), or for pp > 1, next to each other:
+    they share their dense layers' costs, or all their layers' (`tables.build_cost_table`'s cache)."""
     strategy = job[0]
-    return replace(costed_config(strategy), ep=1).__repr__(), strategy.pp, strategy.ep
+    return replace(costed_config(strategy), ep=1, etp=None).__repr__(), strategy.pp, strategy.ep, strategy.expert_tp
 
 
 def _tables_over_pool(graph, cluster, todo: list, recompute_options, workers: int) -> list[CostTable]:

@@ -55,7 +55,7 @@ def check_model_fit(graph, config: ParallelConfig) -> None:
     """The checks that need the model: CP and EP apply to it, TP splits every layer, and the
     layers fill every pipeline chunk."""
     check_context_parallel(graph, config.cp)
-    check_expert_parallel_request(graph, config.ep)
+    check_expert_parallel_request(graph, config.ep, config.etp)
     check_tp_splits(graph, config.tp)
     if config.num_model_chunks > len(graph.layers):
         raise MeshplanError(f"pp*vpp = {config.num_model_chunks} pipeline chunks need at least "
@@ -71,14 +71,16 @@ def check_tp_splits(graph, tp: int) -> None:
         raise MeshplanError(problem)
 
 
-def check_expert_parallel_request(graph, ep: int) -> None:
-    """EP needs a mixture of experts whose expert count ep divides (the mesh check is ParallelConfig's)."""
+def check_expert_parallel_request(graph, ep: int, etp: int | None = None) -> None:
+    """EP and ETP need a mixture of experts whose expert count ep divides and whose experts' width
+    etp divides (the mesh checks are ParallelConfig's)."""
     from meshplan.planner.costing.expert_parallel import check_expert_parallel
 
     try:
-        check_expert_parallel(graph.info, ep, ep)
+        check_expert_parallel(graph.info, ep, etp)
     except ValueError as exc:
-        raise MeshplanError(f"--ep {ep}: {exc}") from None
+        flags = f"--ep {ep}" + (f" --etp {etp}" if etp is not None else "")
+        raise MeshplanError(f"{flags}: {exc}") from None
 
 
 def check_context_parallel(graph, cp: int) -> None:
@@ -93,7 +95,7 @@ def check_context_parallel(graph, cp: int) -> None:
 def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
                     mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
-                    ep: int = 1, engine: str = "meshplan") -> ParallelConfig:
+                    ep: int = 1, etp: int | None = None, engine: str = "meshplan") -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`) and by ParallelConfig itself; its errors become MeshplanError."""
     check_mesh(cluster, gpus, tp, pp, cp)
@@ -106,10 +108,10 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
         return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
                               microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
                               virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
-                              engine=engine)
+                              etp=etp, engine=engine)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
-            "expert parallelism ep=", "--ep ")) from None
+            "expert parallelism ep=", "--ep ").replace("expert tensor parallelism etp=", "--etp ")) from None
 
 
 def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int, cp: int = 1) -> None:
@@ -134,7 +136,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
              attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
-             moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
+             etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
              memory_headroom_bytes: float = 0.0) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
@@ -153,7 +155,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     # built and checked before profiling, which is the slow part: a bad mesh fails fast
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
-                             shard_group=shard_group, cp=cp, ep=ep, engine=engine)
+                             shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,

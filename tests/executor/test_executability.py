@@ -37,6 +37,8 @@ REQUESTS = [
     ("moe", MOE, 4, 8, {}),
     ("moe ep 2", MOE, 4, 8, {"ep": 2}),
     ("moe tp 2", MOE, 4, 8, {"tp": 2}),
+    ("moe tp 2 etp 1 ep 4", MOE, 4, 8, {"tp": 2, "etp": 1, "ep": 4}),
+    ("moe tp 2 sp", MOE, 4, 8, {"tp": 2, "sp": True}),
     ("moe ep 2 hsdp", MOE, 8, 16, {"ep": 2, "shard_group": 2, "zero": 3, "dp": 8}),
     ("hsdp", LLAMA, 8, 16, {"shard_group": 2, "zero": 2, "dp": 8}),
     ("cp 2", LLAMA, 4, 8, {"cp": 2}),
@@ -70,7 +72,7 @@ def _alternative_plan(plan: Plan, entry: dict) -> Plan:
     """The runner-up `entry` as a plan of its own: its mesh, switches, chunks and recomputation."""
     mesh, schedule = entry["mesh"], entry["schedule"]
     config = ParallelConfig(gpus=plan.config.gpus, global_batch=plan.config.global_batch, tp=mesh["tp"],
-                            pp=mesh["pp"], dp=mesh["dp"], cp=mesh.get("cp", 1), ep=mesh.get("ep", 1),
+                            pp=mesh["pp"], dp=mesh["dp"], cp=mesh.get("cp", 1), ep=mesh.get("ep", 1), etp=mesh.get("etp"),
                             microbatch_size=schedule["microbatch_size"], zero=entry["zero"], sp=entry["sp"],
                             schedule=schedule["name"], virtual_stages=schedule["virtual_stages"],
                             precision=entry["precision"], shard_group=entry.get("shard_group"),
@@ -129,18 +131,19 @@ def test_marked_plans_agree_with_train(swept):
 
 
 def test_the_default_space_is_what_the_executor_runs(swept):
-    for name in ("llama", "gpt", "moe", "moe ep 2", "hsdp", "cp 2", "moe cp 2 ep 2", "hf llama", "hf llama pp 2", "hf gpt2",
+    for name in ("llama", "gpt", "moe", "moe ep 2", "moe tp 2", "moe tp 2 etp 1 ep 4", "moe ep 2 hsdp", "hsdp",
+                 "cp 2", "moe cp 2 ep 2", "hf llama", "hf llama pp 2", "hf gpt2",
                  "zero 3 pp 2", "sp", *[n for n, *_ in REQUESTS if n.startswith("pp 2 ")]):
         assert all(reason == "" for _, reason in swept[name]), name
-    assert all(p.config.tp == 1 for p, _ in swept["moe"])  # MoE blocks have no TP layout in the executor
+    assert all(not p.config.sp for p, _ in swept["moe tp 2"])  # MoE blocks under TP run without SP
+    assert all((p.config.expert_tp, p.config.ep) == (1, 4) for p, _ in swept["moe tp 2 etp 1 ep 4"])
     assert all(p.config.ep == 2 and p.config.cp == 2 for p, _ in swept["moe cp 2 ep 2"])
     assert all(p.config.shard_group == 2 for p, _ in swept["hsdp"])
     assert all(p.config.pp == p.config.tp == 1 for p, _ in swept["hf gpt2"])  # no stage cut, no TP layout
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("moe tp 2", "mixture-of-experts models with tp=1 (this plan has tp=2)"),
-    ("moe ep 2 hsdp", "does not combine expert parallelism (ep=2) with HSDP (shard_group=2)"),
+    ("moe tp 2 sp", "mixture-of-experts blocks under tp=2 without sequence parallelism"),
     ("fp8", "FP8 plans are planned, not executed"),
     ("hf gpt2 pp 2", "cannot be cut into pipeline stages: its base model has parameters outside the embedding, "
                      "decoder layers and final norm (wpe)"),
@@ -194,6 +197,14 @@ def test_rule_refuses_what_the_executor_does_not_run():
     assert why_not_executable(replace(config, ep=4), moe) is None
     assert "ep=3 must divide the 4 routed experts" in why_not_executable(
         ParallelConfig(gpus=6, global_batch=6, dp=6, ep=3), moe)
+    # the folded expert layout: etp divides tp, no SP under TP, equal token slices per expert-TP group
+    folded = ParallelConfig(gpus=4, global_batch=8, tp=2, dp=2, etp=1, ep=4)
+    assert why_not_executable(folded, moe) is None
+    assert why_not_executable(replace(folded, shard_group=2, zero=1, etp=None, ep=2), moe) is None  # EP + HSDP
+    assert "etp=4 must divide tp=2" in why_not_executable(ParallelConfig(gpus=4, global_batch=4, tp=2, dp=2, etp=4), moe)
+    assert "without sequence parallelism" in why_not_executable(replace(folded, sp=True), moe)
+    assert "each route an equal slice of the micro-batch's 15 tokens" in why_not_executable(
+        ParallelConfig(gpus=2, global_batch=2, tp=2, etp=1), _facts(family="moe", num_experts=4, seq=15))
     assert "train with cp 1" in why_not_executable(ParallelConfig(gpus=4, global_batch=8, dp=2, cp=2),
                                                    _facts(family="hf"))
     assert "data parallelism only, this plan has pp=2 tp=1" in why_not_executable(
@@ -207,12 +218,12 @@ def test_pins_that_leave_nothing_runnable_keep_the_pinned_space():
     from meshplan.planner.profiling.profiler import profile
 
     cluster, graph = load_cluster("h100-sxm"), profile(MOE, SEQ)
-    default = enumerate_candidates(graph, cluster, 4, 8)
-    assert default and all(c.tp == 1 for c in default)
-    pinned = enumerate_candidates(graph, cluster, 4, 8, Pins(tp=2))
-    assert pinned and all(c.tp == 2 for c in pinned)
-    # EP with HSDP: offered apart, never together unless both are pinned
+    pinned = enumerate_candidates(graph, cluster, 4, 8, Pins(tp=2, sp=True))
+    assert pinned and all(c.tp == 2 and c.sp for c in pinned)  # MoE under TP with SP: only when pinned
+    default = enumerate_candidates(graph, cluster, 4, 8, Pins(tp=2))
+    assert default and not any(c.sp for c in default)
+    # the folded layouts; (etp 2, ep 2) is left out for (etp 1, ep 4), never slower (`expert_layouts`)
+    assert {(c.expert_tp, c.ep) for c in default} == {(2, 1), (1, 2), (1, 4)}
+    # EP with HSDP: offered together
     hsdp = enumerate_candidates(graph, cluster, 16, 16, Pins(zero=3, dp=16))  # HSDP over one node of 8
-    assert {c.ep for c in hsdp if c.shard_group} == {1} and {c.ep for c in hsdp if not c.shard_group} > {1}
-    both = enumerate_candidates(graph, load_cluster("cpu"), 8, 16, Pins(zero=3, dp=8, shard_group=2, ep=2))
-    assert both and all(c.ep == 2 and c.shard_group == 2 for c in both)
+    assert {c.ep for c in hsdp if c.shard_group} > {1}

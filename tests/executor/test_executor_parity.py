@@ -44,6 +44,9 @@ TWO_PROCESS = {
     "tp2": dict(tp=2, microbatch_size=4),
     "tp2-sp-llama": dict(tp=2, sp=True, microbatch_size=4, spec=LLAMA),
     "tp2-sp": dict(tp=2, sp=True, microbatch_size=4),
+    # MoE under TP: each routed expert's SwiGLU split over the tp pair (etp = tp), the shared
+    # expert as a block's MLP
+    "tp2-moe-shared": dict(tp=2, microbatch_size=2, spec=MOE + ",shared_experts=1"),
     "pp2-1f1b": dict(pp=2, microbatch_size=2, schedule="1f1b"),
     "pp2-gpipe": dict(pp=2, microbatch_size=2, schedule="gpipe"),
     "pp2-interleaved": dict(pp=2, microbatch_size=2, schedule="interleaved", virtual_stages=2),
@@ -116,6 +119,12 @@ FOUR_PROCESS = {
     "dp2-ep2-zero2-moe": dict(dp=4, ep=2, zero=2, microbatch_size=1, spec=MOE),
     "pp2-dp2-ep2-moe": dict(pp=2, dp=2, ep=2, microbatch_size=2, spec=MOE),
     "pp2-dp2-ep2-zero1-full-moe": dict(pp=2, dp=2, ep=2, zero=1, microbatch_size=2, recompute="full", spec=MOE),
+    # MoE parallel folding: expert TP 2 with EP over the data ranks; expert TP 1 with EP 4 over the
+    # tp x dp ranks (each tp rank routes half of the tokens its pair holds alike), ZeRO-1; EP with
+    # HSDP (the dense part sharded over pairs and replicated across them, the experts over their own mesh)
+    "tp2-dp2-ep2-moe": dict(tp=2, dp=2, ep=2, microbatch_size=2, spec=MOE),
+    "tp2-dp2-etp1-ep4-zero1-moe": dict(tp=2, dp=2, etp=1, ep=4, zero=1, microbatch_size=2, spec=MOE),
+    "dp4-ep2-hsdp-zero3-moe": dict(dp=4, ep=2, zero=3, shard_group=2, microbatch_size=1, spec=MOE),
 }
 
 

@@ -53,13 +53,17 @@ def test_dispatch_bytes_are_tokens_times_top_k_times_hidden(graph):
 
 @pytest.mark.parametrize("ep,tp", [(2, 1), (4, 2), (16, 1)])
 def test_all_to_alls_are_two_per_pass_over_ep_ranks_tp_apart(graph, ep, tp):
+    """etp = tp without SP: the tp ranks dispatch the same copies and all-reduce the experts'
+    partial outputs (forward) and the input's partial gradients (backward) over the tp group."""
     mbs = 2
     cost = _cost(graph, tp=tp, dp=16, ep=ep, microbatch_size=mbs)
-    one = collective_time_s("all_to_all", mbs * SEQ * TOP_K * HIDDEN * 2, ep, H100, tp)
-    assert cost.ep_fwd_comm_s == pytest.approx(2 * one, rel=1e-12)
-    assert cost.ep_bwd_comm_s == pytest.approx(2 * one, rel=1e-12)
+    send = mbs * SEQ * TOP_K * HIDDEN * 2
+    one = collective_time_s("all_to_all", send, ep, H100, tp)
+    partial = collective_time_s("all_reduce", send, tp, H100) if tp > 1 else 0.0
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one + partial, rel=1e-12)
+    assert cost.ep_bwd_comm_s == pytest.approx(2 * one + partial, rel=1e-12)
     full = _cost(graph, tp=tp, dp=16, ep=ep, microbatch_size=mbs, recompute="full")
-    assert full.ep_bwd_comm_s == pytest.approx(4 * one, rel=1e-12)  # the recomputed forward's two again
+    assert full.ep_bwd_comm_s == pytest.approx(4 * one + 2 * partial, rel=1e-12)  # the recomputed forward's again
     assert _cost(graph, dp=16).ep_fwd_comm_s == 0.0
 
 
@@ -109,7 +113,7 @@ def test_imbalance_scales_the_busiest_ranks_expert_work_and_received_tokens(grap
     skewed = _cost(graph, info=skewed_info, dp=8, ep=4, microbatch_size=2)
     send = 2 * SEQ * TOP_K * HIDDEN * 2
     assert skewed.ep_fwd_comm_s == pytest.approx(2 * collective_time_s("all_to_all", factor * send, 4, H100, 1))
-    flops, _, gemms = epm.expert_gemm_flops(_block(graph), mesh(dp=8, ep=4, microbatch_size=2), skewed_info, 1)
+    flops, _, gemms = epm.expert_gemm_flops(_block(graph), mesh(dp=8, ep=4, microbatch_size=2), skewed_info)
     assert flops == pytest.approx(factor * 2 * _block(graph).expert_fwd_flops)
     assert gemms == 3 * EXPERTS // 4
     assert skewed.expert_fwd_s > base.expert_fwd_s
@@ -117,15 +121,19 @@ def test_imbalance_scales_the_busiest_ranks_expert_work_and_received_tokens(grap
         (factor - 1) * 2 * _block(graph).expert_act_bytes, rel=1e-9)
 
 
-def test_ep_must_divide_the_data_ranks_and_needs_experts(graph):
-    with pytest.raises(ValueError, match=r"ep=3 must divide the data ranks dp\*cp = 8\*1 = 8"):
+def test_ep_must_divide_the_expert_ranks_and_needs_experts(graph):
+    with pytest.raises(ValueError, match=r"ep=3 must divide the expert ranks dp\*cp\*tp/etp = 8\*1\*1/1 = 8"):
         ParallelConfig(gpus=8, global_batch=8, dp=8, ep=3)
     config = ParallelConfig(gpus=16, global_batch=16, dp=8, cp=2, ep=16)
     assert config.expert_data_ranks == 1 and "ep=16" in config.label()
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        epm.check_expert_parallel(replace(graph.info, num_experts=0, top_k=0), 2, 8)
+        epm.check_expert_parallel(replace(graph.info, num_experts=0, top_k=0), 2)
+    with pytest.raises(ValueError, match=r"expert tensor parallelism \(etp=2\) needs a mixture-of-experts model"):
+        epm.check_expert_parallel(replace(graph.info, num_experts=0, top_k=0), 1, 2)
     with pytest.raises(ValueError, match="divide the 16 routed experts"):
-        epm.check_expert_parallel(graph.info, 32, 32)
+        epm.check_expert_parallel(graph.info, 32)
+    with pytest.raises(ValueError, match="etp=3 must divide the routed experts' width 256"):
+        epm.check_expert_parallel(graph.info, 2, 3)
 
 
 def test_plan_json_writes_ep_only_when_on():
@@ -138,6 +146,31 @@ def test_plan_json_writes_ep_only_when_on():
     assert plan_from_json(data).config.ep == 4
     del data["mesh"]["ep"]
     assert plan_from_json(data).config.ep == 1  # older plans: no expert parallelism
+    folded = uniform_plan(SPEC, SEQ, 8, H100, tp=2, dp=4, ep=8, etp=1, precision="bf16-mixed").to_json()
+    assert folded["mesh"] == {"pp": 1, "dp": 4, "tp": 2, "etp": 1, "ep": 8}
+    assert plan_from_json(folded).config.expert_tp == 1
+    del folded["mesh"]["etp"], folded["mesh"]["ep"]
+    assert plan_from_json(folded).config.etp is None  # older plans: experts split as the mesh's tp
+
+
+# DeepSeek-V3's shape (61 layers, the first 3 dense, 256 routed experts of width 2048, top 8, one
+# shared expert; its attention as full multi-head attention).
+DEEPSEEK_V3 = ("moe:layers=61,hidden=7168,heads=128,kv_heads=128,experts=256,top_k=8,expert_ffn=2048,"
+               "vocab=129280,shared_experts=1,dense_layers=3,ffn=18432")
+
+
+@pytest.mark.parametrize("spec,gpus,gbs,degrees", [
+    # Megatron-Core's Qwen3-235B layout with EP 32 over 16 data ranks: expert TP 1 folds EP over TP
+    ("qwen3-235b-a22b", 256, 2048, dict(tp=2, pp=8, etp=1, ep=32, zero=1, sp=True)),
+    # DeepSeek-V3 technical report: PP 16, EP 64, no TP, ZeRO-1 on 2048 GPUs
+    (DEEPSEEK_V3, 2048, 15360, dict(pp=16, ep=64, zero=1)),
+])
+def test_published_folded_layouts_are_accepted_and_fit(spec, gpus, gbs, degrees):
+    from meshplan.planner.simulation.estimator import estimate
+
+    prediction = estimate(spec, H100, gpus, gbs, 4096, recompute="full", **degrees)
+    assert prediction.fits and prediction.breakdown["ep_comm"] > 0
+    assert prediction.peak_memory_bytes < H100.device.usable_memory_bytes
 
 
 def test_simulator_plays_dispatch_and_combine_around_the_expert_gemms(graph):
@@ -168,7 +201,8 @@ def test_cli_estimate_ep_and_bad_ep():
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
     assert data["breakdown"]["ep_comm"] > 0 and data["memory_bytes"][0]["experts"] > 0
-    for bad, words in ((["--ep", "3"], "--ep 3"), (["--ep", "32"], "--ep 32")):
+    for bad, words in ((["--ep", "3"], "--ep 3"), (["--ep", "32"], "--ep 32"),
+                       (["--tp", "2", "--etp", "3"], "--etp 3 must divide the stage ranks")):
         result = _meshplan("estimate", *job, *bad)
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1 and words in result.stderr, result.stderr
@@ -205,3 +239,53 @@ def test_report_shows_the_all_to_all_time_and_expert_memory_per_rank():
     a2a_ms = prediction.breakdown["ep_comm"] * 1e3
     assert f"{a2a_ms:.2f}"[:4] in html  # the all-to-all time, as the breakdown gives it
     assert "ep_comm" in html
+
+
+def test_folded_tp2_etp1_slices_the_tp_groups_tokens_and_gathers_them_back(graph):
+    """No SP, etp 1 under tp 2: each tp rank dispatches half of the tokens its tp group holds alike
+    over an EP group of consecutive ranks, and the combined halves are all-gathered back."""
+    mbs, ep = 2, 8
+    cost = _cost(graph, tp=2, dp=8, ep=ep, etp=1, microbatch_size=mbs)
+    routed = mbs * SEQ * TOP_K * HIDDEN * 2
+    one = collective_time_s("all_to_all", routed / 2, ep, H100, 1)
+    gather_back = collective_time_s("all_gather", routed / TOP_K, 2, H100, 1)
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one + gather_back, rel=1e-12)
+    assert cost.ep_bwd_comm_s == pytest.approx(2 * one, rel=1e-12)
+    # the expert work per rank is the tp group's tokens / tp whatever etp and ep are
+    default = _cost(graph, tp=2, dp=8, ep=2, microbatch_size=mbs)
+    flops = epm.expert_gemm_flops(_block(graph), mesh(tp=2, dp=8, ep=ep, etp=1, microbatch_size=mbs), graph.info)
+    assert flops[0] == pytest.approx(mbs * _block(graph).expert_fwd_flops / 2)
+    assert flops[2] == 3 * EXPERTS // ep
+    # states: experts / (ep * etp) per rank, gradients over tp*dp/(etp*ep) = 2 ranks etp*ep = 8 apart
+    block = _block(graph)
+    assert cost.expert_state_bytes == pytest.approx(
+        sum(state_bytes(block.expert_params / ep, 2, 0, "bf16-mixed", "executor", 2, 1).values()), rel=1e-12)
+    dense = layer_cost(epm.dense_part(block), mesh(tp=2, dp=8, ep=ep, etp=1), H100, graph.info, profile_dtype="bf16")
+    grads = block.expert_params / ep * grad_wire_bytes_per_param("bf16-mixed", "executor")
+    assert cost.dp_grad_comm_s - dense.dp_grad_comm_s == pytest.approx(
+        collective_time_s("all_reduce", grads, 2, H100, 8), rel=1e-9)
+    assert default.expert_state_bytes > cost.expert_state_bytes  # experts / (2 tp) vs / 8
+
+
+def test_sequence_parallel_expert_tp_gathers_the_received_tokens(graph):
+    """SP holds T/tp tokens per rank: the expert-TP group all-gathers what its ranks received and
+    reduce-scatters the experts' output (Megatron-Core's alltoall dispatcher)."""
+    mbs, ep, tp = 2, 4, 2
+    cost = _cost(graph, tp=tp, dp=8, ep=ep, sp=True, microbatch_size=mbs)
+    send = mbs * SEQ * TOP_K * HIDDEN * 2 / tp
+    one = collective_time_s("all_to_all", send, ep, H100, tp)
+    gathers = (collective_time_s("all_gather", tp * send, tp, H100)
+               + collective_time_s("reduce_scatter", tp * send, tp, H100))
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one + gathers, rel=1e-12)
+    assert cost.ep_bwd_comm_s == pytest.approx(2 * one + gathers, rel=1e-12)
+
+
+def test_all_to_all_stays_inside_a_node_where_the_layout_fits(graph):
+    """ep 8 over etp 1 spans 8 consecutive ranks (one node); at etp = tp = 2 it spans two nodes."""
+    from meshplan.planner.costing.collectives import group_placement
+
+    inside, across = mesh(tp=2, dp=8, ep=8, etp=1), mesh(tp=2, dp=8, ep=8)
+    assert group_placement(inside.ep, inside.expert_tp, H100.gpus_per_node).num_nodes == 1
+    assert group_placement(across.ep, across.expert_tp, H100.gpus_per_node).num_nodes == 2
+    send = 2 * SEQ * TOP_K * HIDDEN * 2
+    assert epm.all_to_all_s(send, inside, H100, graph.info) < epm.all_to_all_s(send, across, H100, graph.info)

@@ -131,3 +131,19 @@ def test_every_engine_refuses_a_layerwise_plan():
     plan = replace(make_plan(), executable=False, not_executable_reason=LAYERWISE)
     with pytest.raises(MeshplanError, match="not executable"):
         export_plan(plan, "megatron")
+
+
+def test_folded_moe_layout_exports_expert_tp_and_ep():
+    """MoE parallel folding: expert TP 1 and EP 8 over the tp x dp ranks of each stage."""
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+
+    spec = "moe:layers=4,hidden=256,heads=8,kv_heads=4,experts=8,top_k=2,expert_ffn=256,vocab=1024"
+    plan = uniform_plan(spec, 128, 32, load_cluster("h100-sxm"), tp=2, dp=4, ep=8, etp=1, precision="bf16-mixed")
+    flags = parse_arguments(export_plan(plan, "megatron").text)
+    assert flags["--expert-model-parallel-size"] == "8" and flags["--expert-tensor-parallel-size"] == "1"
+    assert flags["--tensor-model-parallel-size"] == "2"
+    parallelism = tomllib.loads(export_plan(plan, "torchtitan").text)["parallelism"]
+    assert (parallelism["expert_parallel_degree"], parallelism["expert_tensor_parallel_degree"]) == (8, 1)
+    default = uniform_plan(spec, 128, 32, load_cluster("h100-sxm"), tp=2, dp=4, ep=2, precision="bf16-mixed")
+    assert parse_arguments(export_plan(default, "megatron").text)["--expert-tensor-parallel-size"] == "2"
