@@ -28,7 +28,7 @@ FLOP_FREE_OPS = frozenset("""
     empty empty_like empty_strided new_empty new_empty_strided new_zeros new_ones new_full zeros zeros_like ones
     ones_like full full_like arange scalar_tensor lift_fresh lift_fresh_copy rand rand_like randn randn_like randint
     bernoulli bernoulli_ native_dropout native_dropout_backward normal_ uniform_ fill_ zero_ tril triu tril_ triu_
-    eye linspace
+    eye linspace polar complex view_as_complex view_as_real _conj conj_physical
     clone copy_ _to_copy _unsafe_view cat stack split split_with_sizes chunk unbind repeat repeat_interleave roll
     flip constant_pad_nd _reshape_alias alias detach expand index index_select index_put index_put_ _index_put_impl_
     index_add index_add_ index_copy index_copy_ gather scatter scatter_ scatter_add scatter_add_ scatter_reduce
