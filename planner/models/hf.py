@@ -141,7 +141,7 @@ def _make_config(path_text: str, num_layers: int | None = None):
                             f"{MAX_PARAMETRIC_LAYERS:,}, got {layers}")
     if num_layers is not None:
         config.num_hidden_layers = num_layers
-        if isinstance(getattr(config, "layer_types", None), list):
+        if _has_layer_types_list(config):
             config.layer_types = config.layer_types[:num_layers]
     return config, notes
 
@@ -208,7 +208,8 @@ def _build(path_text: str, seq: int, device: str, dtype, num_layers: int | None,
         _keep_layers(model, config, owner, attribute, layer_list, kept)
     groups = _layer_groups(model, base, config, {index: layer_list[index] for index in kept})
     tokens = torch_tokens(seq, device)
-    mask = profile_mask(seq, device)
+    # A state-space model takes a 2-D padding mask, which a causal LM without padding does without.
+    mask = profile_mask(seq, device) if has_attention(model) else None
 
     def forward(module, inputs):
         return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
@@ -244,6 +245,11 @@ def profile_mask(seq: int, device):
     return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
 
 
+def has_attention(model) -> bool:
+    """Whether any module of the model is an attention module (by transformers' class names)."""
+    return any("Attention" in type(module).__name__ for module in model.modules())
+
+
 def _module_list(modules):
     import torch
 
@@ -276,9 +282,16 @@ def _keep_layers(model, config, owner, attribute: str, layer_list, kept: list[in
     setattr(owner, attribute, torch.nn.ModuleList([layer_list[i] for i in kept]))
     for cfg in {id(c): c for c in (config, model.config, getattr(model.base_model, "config", config))}.values():
         layer_types = getattr(cfg, "layer_types", None)
-        if isinstance(layer_types, list) and len(layer_types) == len(layer_list):
+        if _has_layer_types_list(cfg) and len(layer_types) == len(layer_list):
             cfg.layer_types = [layer_types[i] for i in kept] + layer_types[len(kept):]
         cfg.num_hidden_layers = len(kept)
+
+
+def _has_layer_types_list(config) -> bool:
+    """Whether the config keeps `layer_types` as a list of its own; Mamba's is a read-only property
+    computed from the layer count, which follows num_hidden_layers by itself."""
+    return isinstance(getattr(config, "layer_types", None), list) and not isinstance(
+        getattr(type(config), "layer_types", None), property)
 
 
 def build_hf_for_profile(path_text: str, seq: int, dtype=None, collapse: bool = True):
