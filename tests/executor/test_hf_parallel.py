@@ -5,8 +5,9 @@ small widths): Llama 3, Phi-3 (fused qkv_proj and gate_up_proj), GPT-NeoX / Pyth
 fused query_key_value, parallel residual, partial rotary), Gemma-2 (sliding and global layers,
 eager attention, soft-capping, tied embedding), Qwen3 (q/k norms; a small dense config) and Falcon
 (the 7B config with `new_decoder_architecture` and 2 K/V heads, parallel attention and MLP: the
-grouped fused layout). Every one runs with TP=2 and with PP=2 (1F1B), and DeepSeek-V3 (latent
-attention, a dense then a MoE layer) with PP=2; a few add interleaved and
+grouped fused layout). Every one runs with TP=2 and with PP=2 (1F1B), DeepSeek-V3 (latent
+attention, a dense then a MoE layer) with PP=2, and OLMo-2, StarCoder2 and DeepSeek-V2-Lite's
+latent attention with TP=2; a few add interleaved and
 V-shaped schedules (a chunk of the embedding alone, one of the head alone, the tied weight on
 two ranks or twice on one) and recomputation. All jobs run in one torchrun launch of 2 gloo
 processes.
@@ -72,6 +73,20 @@ def deepseek_spec(tmp_path) -> str:
                          rope_scaling=None)
 
 
+def tp_only_specs(tmp_path) -> dict[str, str]:
+    """Families checked with TP=2 alone: OLMo-2 (q/k norms over all heads, split with them),
+    StarCoder2 (biases everywhere, c_fc/c_proj MLP, LayerNorm) and DeepSeek-V2-Lite's multi-head
+    latent attention without a query low rank (every layer dense here)."""
+    return {
+        "olmo2": shrunk_config(tmp_path, "olmo2_7b"),
+        "starcoder2": shrunk_config(tmp_path, "starcoder2_15b", attention_dropout=0.0, residual_dropout=0.0,
+                                    embedding_dropout=0.0),
+        "mla": shrunk_config(tmp_path, "deepseek_v2_lite", num_key_value_heads=4, first_k_dense_replace=2,
+                             n_routed_experts=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, rope_scaling=None),
+    }
+
+
 LAYOUTS = {
     "tp2": dict(tp=2, microbatch_size=2),
     "pp2": dict(pp=2, microbatch_size=1, schedule="1f1b"),
@@ -83,6 +98,9 @@ EXTRA = {  # (family, name): layout
     ("phi3", "tp2-full"): dict(tp=2, microbatch_size=2, recompute="full"),
     ("neox", "pp2-selective"): dict(pp=2, microbatch_size=1, recompute="selective"),
     ("deepseek", "pp2"): dict(pp=2, microbatch_size=1),
+    ("olmo2", "tp2"): dict(tp=2, microbatch_size=2),
+    ("starcoder2", "tp2"): dict(tp=2, microbatch_size=2),
+    ("mla", "tp2"): dict(tp=2, microbatch_size=2),
 }
 
 
@@ -104,6 +122,7 @@ def test_hf_families_train_with_tp2_and_pp2_like_one_process(run_cli, tmp_path):
     specs = family_specs(tmp_path)
     cases = {(family, layout): options for family in specs for layout, options in LAYOUTS.items()}
     specs["deepseek"] = deepseek_spec(tmp_path)
+    specs.update(tp_only_specs(tmp_path))
     cases.update(EXTRA)
     jobs = []
     for (family, layout), options in cases.items():
