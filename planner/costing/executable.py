@@ -169,6 +169,9 @@ def _sequence_problem(config, model: ModelFacts) -> str | None:
 def _expert_problem(config, model: ModelFacts) -> str | None:
     """Expert parallelism runs with data, context and pipeline parallelism and ZeRO 0-3, on zoo
     mixtures of experts, whose MoE blocks have no tensor-parallel layout in the executor."""
+    if model.family == "hf" and model.num_experts and config.tp > 1:
+        return (f"the executor trains Hugging Face mixture-of-experts models with tp=1 (this plan has "
+                f"tp={config.tp}): it does not split transformers' routed experts; re-plan with --tp 1")
     if model.family == "moe" and config.tp > 1:
         return (f"the executor trains mixture-of-experts models with tp=1 (this plan has tp={config.tp}): its MoE "
                 "blocks have no tensor-parallel layout; re-plan with --tp 1 (use ep instead)")

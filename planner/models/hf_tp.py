@@ -32,12 +32,21 @@ Linear's bias is added once, after the all-reduce). Per-head norms (Gemma-3, Qwe
 weight of head_dim) stay replicated. Norms over the whole query or key width (OLMo-2's q/k norms,
 one weight of heads x head_dim: `HFLayout.width_norms`) are split with the heads; their mean square
 then sums over the TP ranks, one all-reduce of one value per token and norm, about 1/head_dim of a
-row Linear's all-reduce in bytes, which the cost model leaves out. Anything else (routed experts,
-a state-space mixer, GPT-2's Conv1D, another parameter sized by the heads) gets kind "none" with
-the reason.
+row Linear's all-reduce in bytes, which the cost model leaves out.
+
+A mixture-of-experts layer (DeepSeek-V2/V3, Qwen MoE traced through transformers) splits its
+attention and shared-expert MLP (if any) as above, and its routed experts (transformers' stacked
+experts, `HFLayout.experts`) as the cost model prices experts under tp, each expert's width split
+(Megatron's expert TP = TP); the MoE output (routed + shared) ends with one all-reduce, as a dense
+MLP's does. The TP degree must divide the experts' width too. The executor does not split
+transformers' experts: `planner.costing.executable` refuses such plans for `train` in one line.
+
+Anything else (a state-space mixer, GPT-2's Conv1D, another parameter sized by the heads) gets
+kind "none" with the reason.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.graph import TPSplit
@@ -74,6 +83,7 @@ class HFLayout:
     mlp_width: int
     replicated: tuple[str, ...] = ()  # attention modules kept whole on every rank (MLA's latents)
     width_norms: tuple[str, ...] = ()  # norms over the whole q or k width, split with the heads
+    experts: tuple[str, ...] = ()  # routed experts (stacked), split by the cost model only
 
     @property
     def fused_qkv(self) -> str | None:
@@ -88,7 +98,8 @@ class HFLayout:
     def split(self) -> TPSplit:
         return TPSplit(kind="block", column_linears=self.column_linears, row_linears=self.row_linears,
                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                       num_allreduce_per_pass=len(self.row_linears), mlp_width=self.mlp_width)
+                       num_allreduce_per_pass=2 if self.experts else len(self.row_linears),
+                       mlp_width=self.mlp_width)
 
 
 def block_split(layer, experts: list[str] = ()) -> TPSplit:
@@ -102,8 +113,6 @@ def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
     """The layer's layout, or a one-phrase reason why it has none (`experts` as in `block_split`)."""
     import torch
 
-    if experts:
-        return f"routed experts ({experts[0]}) have no tensor-parallel layout in meshplan"
     mixer = next((name for name, p in layer.named_parameters() if name.rpartition(".")[2] == "A_log"), "")
     if mixer:  # Mamba's state decay: a state-space mixer, not attention
         return (f"a state-space mixer ({mixer.rpartition('.')[0] or 'the layer'}) has no tensor-parallel split in "
@@ -113,12 +122,16 @@ def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
     if isinstance(attention, str):
         return attention
     attn_path, qkv, qkv_names, out_name, heads, kv_heads, head_dim = attention
+    expert_width = _expert_width(layer, experts)
+    if isinstance(expert_width, str):
+        return expert_width
     mlp = _find_mlp(linears)
-    if mlp is None:
-        return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h or fc1/fc2 Linears"
-    mlp_path, mlp_kind, mlp_columns, mlp_row, width = mlp
-    columns = tuple(f"{attn_path}.{n}" for n in qkv_names) + tuple(f"{mlp_path}.{n}" for n in mlp_columns)
-    rows = (f"{attn_path}.{out_name}", f"{mlp_path}.{mlp_row}")
+    if mlp is None and not experts:
+        return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h, fc1/fc2 or c_fc/c_proj Linears"
+    mlp_path, mlp_kind, mlp_columns, mlp_row, width = mlp or ("", "none", (), "", 0)
+    columns = tuple(_join(attn_path, n) for n in qkv_names) + tuple(_join(mlp_path, n) for n in mlp_columns)
+    rows = (_join(attn_path, out_name),) + ((_join(mlp_path, mlp_row),) if mlp else ())
+    width = math.gcd(width, expert_width)
     attention_module = layer.get_submodule(attn_path) if attn_path else layer
     replicated = tuple(_join(attn_path, n) for n in MLA_REPLICATED
                        if qkv == "mla" and isinstance(getattr(attention_module, n, None), torch.nn.Module))
@@ -132,7 +145,20 @@ def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
         return f"parameter {sized} is sized by the heads and meshplan does not shard it"
     return HFLayout(attention=attn_path, qkv=qkv, mlp=mlp_path, mlp_kind=mlp_kind, column_linears=columns,
                     row_linears=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, mlp_width=width,
-                    replicated=replicated, width_norms=width_norms)
+                    replicated=replicated, width_norms=width_norms, experts=tuple(experts))
+
+
+def _expert_width(layer, experts) -> int | str:
+    """The routed experts' inner width (0 without experts): the dimension of their stacked weights
+    that is not the hidden size (gate_up: 2 x width); a reason when they are not stacked weights."""
+    if not experts:
+        return 0
+    params = list(layer.get_submodule(experts[0]).parameters(recurse=False))
+    dims = {d for p in params if p.dim() == 3 for d in p.shape[1:]}
+    if len(params) < 2 or len(dims) < 2:
+        return f"routed experts ({experts[0]}) that are not transformers' stacked expert weights"
+    hidden = max(dims, key=lambda d: sum(d in p.shape[1:] for p in params))  # in every weight
+    return math.gcd(*(d for d in dims if d != hidden))
 
 
 def _find_attention(layer, linears: dict):
