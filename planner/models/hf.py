@@ -40,6 +40,7 @@ from dataclasses import replace
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import ModelInfo, TPSplit
 from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.hf_ssm import scan_as_kernel
 from meshplan.planner.models.hf_config import check_seq_limit, first_line, hf_max_positions, make_config, read_config
 
 __all__ = ["build_hf_for_profile", "build_hf_model", "hf_max_positions", "hf_moe_config", "hf_vocab", "read_config"]
@@ -212,7 +213,8 @@ def _build(path_text: str, seq: int, device: str, dtype, num_layers: int | None,
     mask = profile_mask(seq, device) if has_attention(model) else None
 
     def forward(module, inputs):
-        return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
+        with scan_as_kernel(device):
+            return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
 
     from meshplan.planner.models.built import BuiltModel
     from meshplan.planner.models.transformer import lm_loss
