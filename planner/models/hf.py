@@ -291,9 +291,12 @@ def _keep_layers(model, config, owner, attribute: str, layer_list, kept: list[in
 
 def _has_layer_types_list(config) -> bool:
     """Whether the config keeps `layer_types` as a list of its own; Mamba's is a read-only property
-    computed from the layer count, which follows num_hidden_layers by itself."""
-    return isinstance(getattr(config, "layer_types", None), list) and not isinstance(
-        getattr(type(config), "layer_types", None), property)
+    computed from the layer count, Bamba's an alias of one (`attribute_map`)."""
+    if not isinstance(getattr(config, "layer_types", None), list):
+        return False
+    name = (getattr(config, "attribute_map", None) or {}).get("layer_types", "layer_types")
+    found = getattr(type(config), name, None)
+    return not isinstance(found, property) or found.fset is not None
 
 
 def build_hf_for_profile(path_text: str, seq: int, dtype=None, collapse: bool = True):

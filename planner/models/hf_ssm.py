@@ -1,8 +1,8 @@
 """State-space (Mamba) mixers of Hugging Face models on the meta device: the selective scan as its
 fused kernel runs it.
 
-Without `mamba_ssm` (and on the meta device there is no kernel to run), transformers' Mamba and
-Falcon-Mamba scan in a Python loop over the sequence that keeps every step's d_inner x d_state
+Without `mamba_ssm` (and on the meta device there is no kernel to run), transformers' Mamba,
+Falcon-Mamba, Jamba and Zamba scan in a Python loop over the sequence that keeps every step's d_inner x d_state
 state for backward: a trace of seconds per layer, and saved activations about ten times those of
 the fused `selective_scan` that real training runs. While meshplan traces a model on the meta
 device (`scan_as_kernel`), the scan is `KernelScan` instead, which keeps what mamba_ssm's
@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 
 # transformers' modeling modules whose `mamba_selective_scan` is the looped reference scan
-SCAN_MODULES = ("transformers.models.mamba.modeling_mamba", "transformers.models.falcon_mamba.modeling_falcon_mamba")
+SCAN_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in ("mamba", "falcon_mamba", "jamba",
+                                                                                  "zamba"))
 # positions per chunk of mamba_ssm's selective-scan kernel (its checkpointed states)
 KERNEL_CHUNK = 2048
 
