@@ -38,7 +38,7 @@ TYPO_MAX_LENGTH_DIFFERENCE = 2
 def read_config(path_text: str) -> dict:
     path = Path(hf_config_file(path_text))
     if not path.is_file():
-        raise MeshplanError(f"HF config {path_text!r} not found; use hf:path/config.json or hf:dir/ "
+        raise MeshplanError(f"HF config {str(path)!r} not found; use hf:path/config.json or hf:dir/ "
                             "(a directory holding config.json; no weights needed)")
     data = _read_json(path_text)
     if not isinstance(data, dict) or "model_type" not in data:
