@@ -333,9 +333,9 @@ def layer_signature(layer, config) -> str:
 
 
 def expert_modules(layer) -> list[str]:
-    """Names (relative to the layer) of its routed experts: a module holding only 3-D parameters
-    with one leading expert dimension (transformers' stacked experts), or a ModuleList of two or
-    more same-typed modules named `experts`."""
+    """Names (relative to the layer) of its routed experts: a module holding 3-D weights (and 2-D
+    biases) with one leading expert dimension (transformers' stacked experts), or a ModuleList of
+    two or more same-typed modules named `experts`."""
     import torch
 
     found: list[str] = []
@@ -343,8 +343,9 @@ def expert_modules(layer) -> list[str]:
         if not name or any(name.startswith(prefix + ".") for prefix in found):
             continue
         params = list(sub.parameters(recurse=False))
-        stacked = params and all(p.dim() == 3 for p in params) and len({p.shape[0] for p in params}) == 1 \
-            and params[0].shape[0] > 1
+        # weights stacked over experts, with their biases (GPT-OSS) stacked the same way
+        stacked = params and any(p.dim() == 3 for p in params) and all(p.dim() >= 2 for p in params) \
+            and len({p.shape[0] for p in params}) == 1 and params[0].shape[0] > 1
         listed = isinstance(sub, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(sub) > 1 \
             and len({type(m) for m in sub}) == 1
         if stacked or listed:

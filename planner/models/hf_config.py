@@ -139,7 +139,9 @@ def check_keys(path_text: str, data: dict, config_class) -> tuple[str, ...]:
         if key in known:
             continue
         nearest = difflib.get_close_matches(key, sorted(declared), n=1, cutoff=TYPO_CUTOFF)
-        if nearest and abs(len(nearest[0]) - len(key)) <= TYPO_MAX_LENGTH_DIFFERENCE:
+        # a near miss of a key the file also sets is another code's name for it (GPT-OSS's
+        # `experts_per_token` beside `num_experts_per_tok`), not a misspelling
+        if nearest and nearest[0] not in data and abs(len(nearest[0]) - len(key)) <= TYPO_MAX_LENGTH_DIFFERENCE:
             raise MeshplanError(f"HF config {path_text!r}: unknown key {key!r}, did you mean {nearest[0]!r}? "
                                 f"({config_class.__name__} would ignore it and build the model with its default)")
         ignored.append(key)

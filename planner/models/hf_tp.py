@@ -259,11 +259,11 @@ def _head_sized_parameters(layer, attn_path: str, split_linears: tuple, widths: 
         if full.startswith(covered):
             continue
         module_path, _, leaf = full.rpartition(".")
-        if tuple(param.shape) == (head_dim,):
+        if tuple(param.shape) == (head_dim,) and "norm" in module_path:
             continue  # a per-head norm
         if leaf == "weight" and param.dim() == 1 and param.shape[0] in widths and "norm" in module_path:
             width_norms.append(module_path)
             continue
-        if widths & set(param.shape) or (param.dim() > 1 and heads in param.shape):
+        if widths & set(param.shape) or heads in param.shape:  # GPT-OSS's per-head sinks too
             return full, ()
     return "", tuple(width_norms)

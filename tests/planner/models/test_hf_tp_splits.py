@@ -39,7 +39,7 @@ EXPECTED = {
     "deepseek_v2_lite": ("mla", ("self_attn.q_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj"),
                          ("self_attn.o_proj", "mlp.down_proj"), 16, 16, 10944),
 }
-NO_LAYOUT = {"mixtral_8x7b": "routed experts", "qwen3_30b_a3b": "routed experts",
+NO_LAYOUT = {"gpt_oss_20b": "parameter self_attn.sinks is sized by the heads",
              "mamba_2p8b": "a state-space mixer (mixer) has no tensor-parallel split",
              "falcon_mamba_7b": "a state-space mixer (mixer) has no tensor-parallel split"}
 # what stays whole on every rank (MLA's latent projections) and the norms split with the heads
@@ -183,3 +183,19 @@ def test_estimate_and_plan_commands_refuse_in_one_line(run_cli, tmp_path):
                            "--gpus", 8, "--gbs", 8, "--seq", 512, "--tp", 2)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--tp 2 does not divide layer 'blocks.0': 71 heads, 1 KV heads" in err
+
+
+@pytest.mark.parametrize("name, columns, rows, width", [
+    ("mixtral_8x7b", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), 14336),
+    ("qwen3_30b_a3b", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), 768)])
+def test_moe_layers_split_attention_by_layout_and_experts_by_width(name, columns, rows, width):
+    """transformers' MoE layers: attention as laid out, the stacked experts by their width (the
+    cost model's expert TP); one all-reduce for attention, one for the MoE output."""
+    from meshplan.planner.models.hf import expert_modules
+    from meshplan.planner.models.hf_tp import block_split, tp_layout
+
+    _, layer = _first_layer(FIXTURES / f"{name}.json")
+    layout = tp_layout(layer, expert_modules(layer))
+    assert (layout.column_linears, layout.row_linears, layout.experts) == (columns, rows, ("mlp.experts",))
+    split = block_split(layer, expert_modules(layer))
+    assert (split.kind, split.mlp_width, split.num_allreduce_per_pass) == ("block", width, 2)
