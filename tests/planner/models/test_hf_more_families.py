@@ -86,7 +86,7 @@ def test_estimate_splits_olmo2_starcoder2_and_deepseek_over_tp():
     assert why.startswith("the executor trains Hugging Face mixture-of-experts models with tp=1")
 
 
-@pytest.mark.parametrize("name, gpus, pins", [("falcon_mamba_7b", 2, ()), ("deepseek_v2_lite", 4, ()),
+@pytest.mark.parametrize("name, gpus, pins", [("falcon_mamba_7b", 2, ()), ("deepseek_v2_lite", 4, ("--pp", 1, "--zero", 3)),
                                               ("olmo2_7b", 2, ("--tp", 2)), ("starcoder2_15b", 4, ("--tp", 2))])
 def test_plans_on_a_small_cluster(run_cli, name, gpus, pins):
     code, out, err = run_cli("plan", "--model", f"hf:{FIXTURES / name}.json", "--cluster", "h100-sxm", "--gpus", gpus,
@@ -94,4 +94,4 @@ def test_plans_on_a_small_cluster(run_cli, name, gpus, pins):
     assert code == 0, err
     plan = json.loads(out)
     assert plan["executable"] and plan["prediction"]["step_time_s"] > 0
-    assert plan["mesh"]["tp"] == (2 if pins else 1)
+    assert plan["mesh"]["tp"] == (2 if "--tp" in pins else 1)
