@@ -65,8 +65,9 @@ def family_specs(tmp_path) -> dict[str, str]:
 
 
 def deepseek_spec(tmp_path) -> str:
-    """DeepSeek-V3 shrunk: a dense layer then a MoE layer, multi-head latent attention. No TP layout
-    (train refuses tp > 1), but it pipelines: one more PP=2 case."""
+    """DeepSeek-V3 shrunk: a dense layer then a MoE layer, multi-head latent attention. Its routed
+    experts are not split by the executor (train refuses tp > 1), but it pipelines: one more PP=2
+    case."""
     return shrunk_config(tmp_path, "deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
                          first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
                          q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -186,7 +187,8 @@ def test_train_refuses_hf_plans_it_cannot_run(tmp_path):
                                 "n_positions": 64}))
     with pytest.raises(MeshplanError, match="tp=2: layer 'blocks.0' cannot be split over tensor-parallel ranks: no attention"):
         check_plan_runnable(uniform_plan(f"hf:{gpt2}", SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)
-    # DeepSeek-V3 (latent attention, routed experts) has no TP layout: refused at its first layer
-    with pytest.raises(MeshplanError, match=r"layer 'blocks.0' cannot be split over tensor-parallel ranks: no "
-                                            r"attention of .*kv_a_proj_with_mqa.*; use --tp 1"):
+    # DeepSeek-V3: its latent attention splits, but the executor does not split transformers' experts
+    with pytest.raises(MeshplanError, match=r"the executor trains Hugging Face mixture-of-experts models with tp=1 "
+                                            r"\(this plan has tp=2\): it does not split transformers' routed experts; "
+                                            r"re-plan with --tp 1"):
         check_plan_runnable(uniform_plan(deepseek_spec(tmp_path), SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)
