@@ -401,7 +401,22 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     attn_implementation=attn, notes=notes, **moe)
+                     attn_implementation=attn, notes=notes + _window_notes(attn, kept_layers), **moe)
+
+
+def _window_notes(attn: str, layers: list) -> tuple[str, ...]:
+    """What the profile does with the layers' sliding windows: SDPA layers cost the keys each query
+    sees (`tracing.seen_entries`); eager attention is plain matmuls, counted over every entry."""
+    windows = sorted({value for layer in layers for module in layer.modules()
+                      for value in (getattr(module, "sliding_window", None),)
+                      if isinstance(value, int) and not isinstance(value, bool) and value > 0})
+    if not windows:
+        return ()
+    sizes = ", ".join(f"{w:,}" for w in windows)
+    if attn == "eager":
+        return (f"sliding windows ({sizes} tokens) under eager attention: its matmuls are counted over all "
+                "s x s entries, neither the causal half nor the window taken off",)
+    return (f"sliding windows ({sizes} tokens): each query costs the min(position, window) keys it sees",)
 
 
 def pipeline_cut_problem(model, path_text: str) -> str:

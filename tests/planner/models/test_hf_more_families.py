@@ -49,6 +49,7 @@ def test_sliding_window_layers_cost_the_keys_each_query_sees(tmp_path):
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, head_dim=16,
                  num_key_value_heads=2, vocab_size=300, sliding_window=8)
     graph = profile(shrunk(tmp_path, "gemma3_1b", **small), 32, cache=False)
+    assert "sliding windows (8 tokens): each query costs the min(position, window) keys it sees" in graph.info.notes
     sliding, full = graph.layers[1], graph.layers[6]
     assert sliding.attn_fwd_flops == full.attn_fwd_flops > 0
     for layer, seen in ((sliding, seen_entries(32, 8)), (full, seen_entries(32, 32))):
