@@ -4,7 +4,9 @@ Needs the optional `transformers` extra; nothing is downloaded and no weights ex
 built from its config on the meta device. Layers: the input embedding, each decoder layer, and
 the final norm + output head (+ the loss). transformers' own mask code calls `.item()`, which
 the meta device cannot do, so the forward passes a ready 4-D boolean causal mask there (and no
-mask on a real device: `profile_mask`). The config is
+mask on a real device: `profile_mask`; none either to a model without attention modules, such as
+Mamba, whose mask is a 2-D padding mask). Mamba scans run as the fused kernel while traced
+(`planner.models.hf_ssm`). The config is
 read and checked first (`planner.models.hf_config`: unknown model types, misspelt keys, --seq
 beyond the config's positions).
 
