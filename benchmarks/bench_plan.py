@@ -5,6 +5,7 @@ EP for the mixture of experts):
 - llama3-405b on 16384 x h100-sxm, gbs 2048, seq 8192: under 10 s
 - qwen3-235b-a22b on 256 x h100-sxm, gbs 1024, seq 4096: under 10 s
 - llama3-70b on 1024 x h100-sxm, gbs 1024, seq 8192: under 5 s
+- DeepSeek-V3 (its Hugging Face config) on 2048 x h100-sxm, gbs 4096, seq 4096: under 20 s
 Each run prints how many candidates were solved and pruned by which bound (`search.bounds`),
 and the wall-clock and CPU (user + sys, worker processes included) medians against the targets.
 Run: `python benchmarks/bench_plan.py` (`--runs N` for another count).
@@ -20,11 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "planner" / "models" / "hf_configs"
 CASES = [  # (model, gpus, global batch, sequence, target seconds)
     ("llama3-405b", 16384, 2048, 8192, 10.0),  # Llama 3: 16M tokens per step at 8K = 2048 sequences
     ("qwen3-235b-a22b", 256, 1024, 4096, 10.0),
     ("llama3-70b", 1024, 1024, 8192, 5.0),
+    # DeepSeek-V3's published config (671 B, multi-head latent attention), traced through transformers
+    (f"hf:{FIXTURES / 'deepseek_v3.json'}", 2048, 4096, 4096, 20.0),
 ]
 
 

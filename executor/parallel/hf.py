@@ -12,7 +12,9 @@ contiguous shard holds its own q, k and v heads (or gate and up halves); GPT-Neo
 `query_key_value` are laid out per head or per K/V group already. The attention module gets
 its local head counts (attributes, and a copy of its config, with heads divided by tp). Per-head
 norms (Gemma-3's and Qwen3's q/k norms) see only the local heads, so their replicated weights'
-gradients are summed over the TP ranks. The embedding and the output head stay whole on every
+gradients are summed over the TP ranks; norms over the whole q or k width (OLMo-2) are split with
+the heads (`WidthShardedRMSNorm`); multi-head latent attention's latent projections and their
+norms stay whole on every rank. The embedding and the output head stay whole on every
 rank (replicated, as the cost model prices them); sequence parallelism is not implemented.
 Checkpoints hold the layout's own parameter names (a stage's, below) and the permuted fused
 rows: resume them with the same plan.
@@ -62,8 +64,10 @@ def apply_layer_tp(layer, tp_mesh, name: str) -> None:
 
     layout = tp_layout(layer, expert_modules(layer))
     tp = tp_mesh.size()
-    if isinstance(layout, str) or not layout.split().max_degree_ok(tp):
-        why = layout if isinstance(layout, str) else f"{layout.num_heads} heads, {layout.num_kv_heads} K/V heads"
+    if isinstance(layout, str) or layout.experts or not layout.split().max_degree_ok(tp):
+        why = layout if isinstance(layout, str) else (
+            f"the executor does not split its routed experts ({layout.experts[0]})" if layout.experts
+            else f"{layout.num_heads} heads, {layout.num_kv_heads} K/V heads")
         raise MeshplanError(f"layer {name!r} cannot be split tp={tp} ways: {why}")
     with torch.no_grad():
         if layout.qkv == "blocks":
@@ -79,16 +83,76 @@ def apply_layer_tp(layer, tp_mesh, name: str) -> None:
     # Per-head norms (q/k norms) see only this rank's heads: their replicated weights get Partial
     # gradients, summed over the TP ranks before the update (`runtime._align_grad_placements`).
     # Declaring the local heads a shard of dimension 0 is exact: the norms reduce the last one.
+    # MLA's latent projections and norms read the replicated hidden state: they stay plain modules,
+    # whose gradients arrive whole through the column Linears' input all-reduce.
     prefix = f"{layout.attention}." if layout.attention else ""
     for child, module in attention.named_children():
         path = prefix + child
-        if path not in styles and any(True for _ in module.parameters(recurse=False)):
+        if path not in (*styles, *layout.replicated, *layout.width_norms) + layout.width_norms and any(
+                True for _ in module.parameters(recurse=False)):
             styles[path] = SequenceParallel(sequence_dim=0, use_local_output=True)
     parallelize_module(layer, tp_mesh, styles)
+    if layout.qkv == "mla":
+        _sum_shared_key_gradient(attention, tp_mesh)
+    for path in layout.width_norms:
+        parent, _, child = path.rpartition(".")
+        owner = layer.get_submodule(parent) if parent else layer
+        setattr(owner, child, WidthShardedRMSNorm(getattr(owner, child), tp_mesh))
     for name in layout.row_linears:
         # the all-reduced output is a view of the DTensor's local tensor, which autograd forbids
         # modifying in place (Falcon adds attention into the MLP's output with +=): a copy
         layer.get_submodule(name).register_forward_hook(lambda module, args, output: output.clone())
+
+
+class _SumTailGradient(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient of the last `width` features."""
+
+    @staticmethod
+    def forward(ctx, x, width: int, group):
+        ctx.width, ctx.group = width, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        tail = grad[..., -ctx.width:].contiguous()
+        torch.distributed.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.width:] = tail
+        return grad, None, None
+
+
+def _sum_shared_key_gradient(attention: nn.Module, tp_mesh) -> None:
+    """Multi-head latent attention's rotary key (the last qk_rope_head_dim outputs of
+    `kv_a_proj_with_mqa`) is shared by all heads and reaches them without a column Linear: each
+    rank's heads give part of its gradient, summed over the TP ranks here (the latent part's
+    gradient is summed by `kv_b_proj`'s column-parallel input)."""
+    width, group = attention.qk_rope_head_dim, tp_mesh.get_group()
+    attention.kv_a_proj_with_mqa.register_forward_hook(
+        lambda module, args, output: _SumTailGradient.apply(output, width, group))
+
+
+class WidthShardedRMSNorm(nn.Module):
+    """An RMSNorm over a width split over the TP ranks (OLMo-2's q/k norms over all heads): each
+    rank holds its slice of the weight (a DTensor sharded on dimension 0) and normalises its own
+    heads by the mean square over all of them, its partial sum of squares all-reduced (one value
+    per token; autograd sums the gradient back the same way)."""
+
+    def __init__(self, norm: nn.Module, tp_mesh):
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        weight = norm.weight.detach()
+        self.weight = nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(0)]))
+        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        self.width = weight.shape[0]
+        self.group = tp_mesh.get_group()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        squares = all_reduce(x.float().pow(2).sum(-1, keepdim=True), group=self.group)
+        normed = x.float() * torch.rsqrt(squares / self.width + self.eps)
+        return (self.weight.to_local() * normed).to(x.dtype)
 
 
 def _permute_rows(linear: nn.Linear, blocks: list[tuple[int, int]], tp: int) -> None:

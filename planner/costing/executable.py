@@ -170,7 +170,10 @@ def _expert_problem(config, model: ModelFacts) -> str | None:
     """The folded expert layout (`executor.parallel.expert`) runs on zoo mixtures of experts with
     data, context, tensor and pipeline parallelism, ZeRO 0-3 and HSDP, when etp divides tp and,
     under TP, without sequence parallelism (the tp ranks hold the same tokens and each expert-TP
-    group routes a slice of them)."""
+    group routes a slice of them). Hugging Face mixtures of experts train with tp 1."""
+    if model.family == "hf" and model.num_experts and config.tp > 1:
+        return (f"the executor trains Hugging Face mixture-of-experts models with tp=1 (this plan has "
+                f"tp={config.tp}): it does not split transformers' routed experts; re-plan with --tp 1")
     etp = config.expert_tp
     if model.family == "moe" and config.tp * etp > 1:
         if config.tp % etp:

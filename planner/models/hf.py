@@ -4,7 +4,9 @@ Needs the optional `transformers` extra; nothing is downloaded and no weights ex
 built from its config on the meta device. Layers: the input embedding, each decoder layer, and
 the final norm + output head (+ the loss). transformers' own mask code calls `.item()`, which
 the meta device cannot do, so the forward passes a ready 4-D boolean causal mask there (and no
-mask on a real device: `profile_mask`). The config is
+mask on a real device: `profile_mask`; none either to a model without attention modules, such as
+Mamba, whose mask is a 2-D padding mask). Mamba scans run as the fused kernel while traced
+(`planner.models.hf_ssm`). The config is
 read and checked first (`planner.models.hf_config`: unknown model types, misspelt keys, --seq
 beyond the config's positions).
 
@@ -40,6 +42,7 @@ from dataclasses import replace
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import ModelInfo, TPSplit
 from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.hf_ssm import scan_as_kernel
 from meshplan.planner.models.hf_config import check_seq_limit, first_line, hf_max_positions, make_config, read_config
 
 __all__ = ["build_hf_for_profile", "build_hf_model", "hf_max_positions", "hf_moe_config", "hf_vocab", "read_config"]
@@ -141,7 +144,7 @@ def _make_config(path_text: str, num_layers: int | None = None):
                             f"{MAX_PARAMETRIC_LAYERS:,}, got {layers}")
     if num_layers is not None:
         config.num_hidden_layers = num_layers
-        if isinstance(getattr(config, "layer_types", None), list):
+        if _has_layer_types_list(config):
             config.layer_types = config.layer_types[:num_layers]
     return config, notes
 
@@ -208,10 +211,12 @@ def _build(path_text: str, seq: int, device: str, dtype, num_layers: int | None,
         _keep_layers(model, config, owner, attribute, layer_list, kept)
     groups = _layer_groups(model, base, config, {index: layer_list[index] for index in kept})
     tokens = torch_tokens(seq, device)
-    mask = profile_mask(seq, device)
+    # A state-space model takes a 2-D padding mask, which a causal LM without padding does without.
+    mask = profile_mask(seq, device) if has_attention(model) else None
 
     def forward(module, inputs):
-        return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
+        with scan_as_kernel(device):
+            return module(input_ids=inputs[0], attention_mask=mask, use_cache=False).logits
 
     from meshplan.planner.models.built import BuiltModel
     from meshplan.planner.models.transformer import lm_loss
@@ -242,6 +247,11 @@ def profile_mask(seq: int, device):
     if torch.device(device).type != "meta":
         return None
     return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def has_attention(model) -> bool:
+    """Whether any module of the model is an attention module (by transformers' class names)."""
+    return any("Attention" in type(module).__name__ for module in model.modules())
 
 
 def _module_list(modules):
@@ -276,9 +286,19 @@ def _keep_layers(model, config, owner, attribute: str, layer_list, kept: list[in
     setattr(owner, attribute, torch.nn.ModuleList([layer_list[i] for i in kept]))
     for cfg in {id(c): c for c in (config, model.config, getattr(model.base_model, "config", config))}.values():
         layer_types = getattr(cfg, "layer_types", None)
-        if isinstance(layer_types, list) and len(layer_types) == len(layer_list):
+        if _has_layer_types_list(cfg) and len(layer_types) == len(layer_list):
             cfg.layer_types = [layer_types[i] for i in kept] + layer_types[len(kept):]
         cfg.num_hidden_layers = len(kept)
+
+
+def _has_layer_types_list(config) -> bool:
+    """Whether the config keeps `layer_types` as a list of its own; Mamba's is a read-only property
+    computed from the layer count, Bamba's an alias of one (`attribute_map`)."""
+    if not isinstance(getattr(config, "layer_types", None), list):
+        return False
+    name = (getattr(config, "attribute_map", None) or {}).get("layer_types", "layer_types")
+    found = getattr(type(config), name, None)
+    return not isinstance(found, property) or found.fset is not None
 
 
 def build_hf_for_profile(path_text: str, seq: int, dtype=None, collapse: bool = True):
@@ -315,9 +335,9 @@ def layer_signature(layer, config) -> str:
 
 
 def expert_modules(layer) -> list[str]:
-    """Names (relative to the layer) of its routed experts: a module holding only 3-D parameters
-    with one leading expert dimension (transformers' stacked experts), or a ModuleList of two or
-    more same-typed modules named `experts`."""
+    """Names (relative to the layer) of its routed experts: a module holding 3-D weights (and 2-D
+    biases) with one leading expert dimension (transformers' stacked experts), or a ModuleList of
+    two or more same-typed modules named `experts`."""
     import torch
 
     found: list[str] = []
@@ -325,8 +345,9 @@ def expert_modules(layer) -> list[str]:
         if not name or any(name.startswith(prefix + ".") for prefix in found):
             continue
         params = list(sub.parameters(recurse=False))
-        stacked = params and all(p.dim() == 3 for p in params) and len({p.shape[0] for p in params}) == 1 \
-            and params[0].shape[0] > 1
+        # weights stacked over experts, with their biases (GPT-OSS) stacked the same way
+        stacked = params and any(p.dim() == 3 for p in params) and all(p.dim() >= 2 for p in params) \
+            and len({p.shape[0] for p in params}) == 1 and params[0].shape[0] > 1
         listed = isinstance(sub, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(sub) > 1 \
             and len({type(m) for m in sub}) == 1
         if stacked or listed:
@@ -382,7 +403,22 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     attn_implementation=attn, notes=notes, **moe)
+                     attn_implementation=attn, notes=notes + _window_notes(attn, kept_layers), **moe)
+
+
+def _window_notes(attn: str, layers: list) -> tuple[str, ...]:
+    """What the profile does with the layers' sliding windows: SDPA layers cost the keys each query
+    sees (`tracing.seen_entries`); eager attention is plain matmuls, counted over every entry."""
+    windows = sorted({value for layer in layers for module in layer.modules()
+                      for value in (getattr(module, "sliding_window", None),)
+                      if isinstance(value, int) and not isinstance(value, bool) and value > 0})
+    if not windows:
+        return ()
+    sizes = ", ".join(f"{w:,}" for w in windows)
+    if attn == "eager":
+        return (f"sliding windows ({sizes} tokens) under eager attention: its matmuls are counted over all "
+                "s x s entries, neither the causal half nor the window taken off",)
+    return (f"sliding windows ({sizes} tokens): each query costs the min(position, window) keys it sees",)
 
 
 def pipeline_cut_problem(model, path_text: str) -> str:

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.plan import hf_config_file
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 # An unknown key this close to a known one (difflib ratio) and this near in length is a misspelling.
@@ -35,9 +36,10 @@ TYPO_MAX_LENGTH_DIFFERENCE = 2
 
 
 def read_config(path_text: str) -> dict:
-    path = Path(path_text)
+    path = Path(hf_config_file(path_text))
     if not path.is_file():
-        raise MeshplanError(f"HF config {path_text!r} not found; use hf:path/config.json (a config file, no weights)")
+        raise MeshplanError(f"HF config {str(path)!r} not found; use hf:path/config.json or hf:dir/ "
+                            "(a directory holding config.json; no weights needed)")
     data = _read_json(path_text)
     if not isinstance(data, dict) or "model_type" not in data:
         raise MeshplanError(f"HF config {path_text!r} has no \"model_type\"; it must be a transformers config.json")
@@ -57,7 +59,7 @@ def _read_json(path_text: str):
     """The config's JSON, read as every meshplan input is (a regular file, bounded in size and depth)."""
     from meshplan.planner.contracts.jsonfile import read_json_file
 
-    return read_json_file(path_text, "HF config", "use hf:path/config.json (a config file, no weights)")
+    return read_json_file(hf_config_file(path_text), "HF config", "use hf:path/config.json (a config file, no weights)")
 
 
 def hf_max_positions(path_text: str) -> int:
@@ -100,7 +102,19 @@ def make_config(path_text: str, data: dict | None = None):
         config = transformers.AutoConfig.for_model(**data)
     except Exception as exc:  # noqa: BLE001 - transformers' own validation errors are not ValueErrors
         raise MeshplanError(f"HF config {path_text!r}: transformers cannot read it: {first_line(exc)}") from exc
-    return config, notes
+    return text_backbone(config, notes)
+
+
+def text_backbone(config, notes: tuple[str, ...]):
+    """A multimodal config (a `text_config` beside a vision or audio one: Gemma-3, Llama-4, ...)
+    stands for its text decoder, which is what a causal LM trains; the note says so."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if text is config:
+        return config, notes
+    others = sorted(key for key, value in vars(config).items()
+                    if key.endswith("_config") and key != "text_config" and value is not None)
+    return text, notes + (f"multimodal config ({config.model_type}): meshplan profiles its text backbone "
+                          f"({text.model_type}); {', '.join(others) or 'the other towers'} not modelled",)
 
 
 def _config_class(path_text: str, model_type) -> type:
@@ -125,7 +139,9 @@ def check_keys(path_text: str, data: dict, config_class) -> tuple[str, ...]:
         if key in known:
             continue
         nearest = difflib.get_close_matches(key, sorted(declared), n=1, cutoff=TYPO_CUTOFF)
-        if nearest and abs(len(nearest[0]) - len(key)) <= TYPO_MAX_LENGTH_DIFFERENCE:
+        # a near miss of a key the file also sets is another code's name for it (GPT-OSS's
+        # `experts_per_token` beside `num_experts_per_tok`), not a misspelling
+        if nearest and nearest[0] not in data and abs(len(nearest[0]) - len(key)) <= TYPO_MAX_LENGTH_DIFFERENCE:
             raise MeshplanError(f"HF config {path_text!r}: unknown key {key!r}, did you mean {nearest[0]!r}? "
                                 f"({config_class.__name__} would ignore it and build the model with its default)")
         ignored.append(key)

@@ -11,20 +11,42 @@ and each row Linear ends with one all-reduce:
 | `per_head` | `query_key_value` + `dense` (GPT-NeoX, Falcon without multi-query) | [heads, (q, k, v), head_dim] |
 | `grouped` | `query_key_value` + `dense` (Falcon `new_decoder_architecture`) | [kv heads, (q.., k, v), head_dim] |
 | `multi_query` | `query_key_value` + `dense` (Falcon multi-query) | [q heads.., k, v]: one K/V head |
+| `mla` | `q_proj` or `q_b_proj`, `kv_b_proj` + `o_proj` (DeepSeek-V2/V3 multi-head latent attention) | - |
+
+Multi-head latent attention splits as Megatron-Core's MLA does: the per-head up-projections
+(`q_b_proj`, or `q_proj` without a query low rank, and `kv_b_proj`, whose rows run head by head)
+column-parallel, `o_proj` row-parallel; the down-projections to the latents (`q_a_proj`,
+`kv_a_proj_with_mqa`, the latter also giving the one rotary key all heads share) and their norms
+stay whole on every rank (`HFLayout.replicated`): they read the replicated hidden state and
+their gradients arrive whole through the column-parallel inputs' all-reduce.
 
 | MLP | Linears (relative to the layer's MLP module) |
 | --- | --- |
 | `gated` | `gate_proj`, `up_proj` + `down_proj` |
 | `fused_gated` | `gate_up_proj` ([gate | up]) + `down_proj` (Phi-3) |
-| `plain` | `up_proj` + `down_proj`, `dense_h_to_4h` + `dense_4h_to_h` (GPT-NeoX, Falcon), `fc1` + `fc2` |
+| `plain` | `up_proj` + `down_proj`, `dense_h_to_4h` + `dense_4h_to_h` (GPT-NeoX, Falcon), `fc1` + `fc2`, `c_fc` + `c_proj` (StarCoder2) |
 
 Head counts come from the weight shapes (query rows / head_dim); a tp must divide the heads, the
-K/V heads and the MLP width (`TPSplit.max_degree_ok`). Per-head norms (Gemma-3, Qwen3 q/k norms,
-one weight of head_dim) stay replicated. Anything else (routed experts, multi-head latent
-attention, GPT-2's Conv1D, a parameter sized by the heads) gets kind "none" with the reason.
+K/V heads and the MLP width (`TPSplit.max_degree_ok`). Biases split with their Linears (a row
+Linear's bias is added once, after the all-reduce). Per-head norms (Gemma-3, Qwen3 q/k norms, one
+weight of head_dim) stay replicated. Norms over the whole query or key width (OLMo-2's q/k norms,
+one weight of heads x head_dim: `HFLayout.width_norms`) are split with the heads; their mean square
+then sums over the TP ranks, one all-reduce of one value per token and norm, about 1/head_dim of a
+row Linear's all-reduce in bytes, which the cost model leaves out.
+
+A mixture-of-experts layer (DeepSeek-V2/V3, Qwen MoE traced through transformers) splits its
+attention and shared-expert MLP (if any) as above, and its routed experts (transformers' stacked
+experts, `HFLayout.experts`) as the cost model prices experts under tp, each expert's width split
+(Megatron's expert TP = TP); the MoE output (routed + shared) ends with one all-reduce, as a dense
+MLP's does. The TP degree must divide the experts' width too. The executor does not split
+transformers' experts: `planner.costing.executable` refuses such plans for `train` in one line.
+
+Anything else (a state-space mixer, GPT-2's Conv1D, another parameter sized by the heads) gets
+kind "none" with the reason.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.graph import TPSplit
@@ -32,10 +54,14 @@ from meshplan.planner.contracts.graph import TPSplit
 # attention layout -> (fused or separate q/k/v Linear names, output Linear names)
 _ATTENTION_NAMES = {"separate": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
                     "blocks": (("qkv_proj",), ("o_proj",)),
-                    "query_key_value": (("query_key_value",), ("dense",))}
+                    "query_key_value": (("query_key_value",), ("dense",)),
+                    "mla": (("q_b_proj", "kv_b_proj"), ("o_proj",)),
+                    "mla_full_rank_query": (("q_proj", "kv_b_proj"), ("o_proj",))}
+# multi-head latent attention: the Linears to the latents, kept whole (module docstring)
+MLA_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layernorm")
 _MLP_NAMES = (("gated", ("gate_proj", "up_proj"), "down_proj"), ("fused_gated", ("gate_up_proj",), "down_proj"),
               ("plain", ("up_proj",), "down_proj"), ("plain", ("dense_h_to_4h",), "dense_4h_to_h"),
-              ("plain", ("fc1",), "fc2"))
+              ("plain", ("fc1",), "fc2"), ("plain", ("c_fc",), "c_proj"))
 # attributes of an attention module (or its config) that count heads: divided by tp when split
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads")
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
@@ -46,7 +72,7 @@ class HFLayout:
     """One decoder layer's TP layout (module paths relative to the layer)."""
 
     attention: str  # the attention module's path
-    qkv: str  # separate | blocks | per_head | grouped | multi_query
+    qkv: str  # separate | blocks | per_head | grouped | multi_query | mla
     mlp: str  # the MLP module's path
     mlp_kind: str  # gated | fused_gated | plain
     column_linears: tuple[str, ...]
@@ -55,11 +81,14 @@ class HFLayout:
     num_kv_heads: int
     head_dim: int
     mlp_width: int
+    replicated: tuple[str, ...] = ()  # attention modules kept whole on every rank (MLA's latents)
+    width_norms: tuple[str, ...] = ()  # norms over the whole q or k width, split with the heads
+    experts: tuple[str, ...] = ()  # routed experts (stacked), split by the cost model only
 
     @property
     def fused_qkv(self) -> str | None:
         """The fused q/k/v Linear's path (None for separate q/k/v)."""
-        return None if self.qkv == "separate" else self.column_linears[0]
+        return None if self.qkv in ("separate", "mla") else self.column_linears[0]
 
     @property
     def fused_gate_up(self) -> str | None:
@@ -69,7 +98,8 @@ class HFLayout:
     def split(self) -> TPSplit:
         return TPSplit(kind="block", column_linears=self.column_linears, row_linears=self.row_linears,
                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                       num_allreduce_per_pass=len(self.row_linears), mlp_width=self.mlp_width)
+                       num_allreduce_per_pass=2 if self.experts else len(self.row_linears),
+                       mlp_width=self.mlp_width)
 
 
 def block_split(layer, experts: list[str] = ()) -> TPSplit:
@@ -83,27 +113,52 @@ def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
     """The layer's layout, or a one-phrase reason why it has none (`experts` as in `block_split`)."""
     import torch
 
-    if experts:
-        return f"routed experts ({experts[0]}) have no tensor-parallel layout in meshplan"
+    mixer = next((name for name, p in layer.named_parameters() if name.rpartition(".")[2] == "A_log"), "")
+    if mixer:  # Mamba's state decay: a state-space mixer, not attention
+        return (f"a state-space mixer ({mixer.rpartition('.')[0] or 'the layer'}) has no tensor-parallel split in "
+                "meshplan's executor")
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     attention = _find_attention(layer, linears)
     if isinstance(attention, str):
         return attention
     attn_path, qkv, qkv_names, out_name, heads, kv_heads, head_dim = attention
+    expert_width = _expert_width(layer, experts)
+    if isinstance(expert_width, str):
+        return expert_width
     mlp = _find_mlp(linears)
-    if mlp is None:
-        return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h or fc1/fc2 Linears"
-    mlp_path, mlp_kind, mlp_columns, mlp_row, width = mlp
-    columns = tuple(f"{attn_path}.{n}" for n in qkv_names) + tuple(f"{mlp_path}.{n}" for n in mlp_columns)
-    rows = (f"{attn_path}.{out_name}", f"{mlp_path}.{mlp_row}")
-    others = sorted(set(linears) - set(columns) - set(rows))
+    if mlp is None and not experts:
+        return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h, fc1/fc2 or c_fc/c_proj Linears"
+    mlp_path, mlp_kind, mlp_columns, mlp_row, width = mlp or ("", "none", (), "", 0)
+    columns = tuple(_join(attn_path, n) for n in qkv_names) + tuple(_join(mlp_path, n) for n in mlp_columns)
+    rows = (_join(attn_path, out_name),) + ((_join(mlp_path, mlp_row),) if mlp else ())
+    width = math.gcd(width, expert_width)
+    attention_module = layer.get_submodule(attn_path) if attn_path else layer
+    replicated = tuple(_join(attn_path, n) for n in MLA_REPLICATED
+                       if qkv == "mla" and isinstance(getattr(attention_module, n, None), torch.nn.Module))
+    others = sorted(set(linears) - set(columns) - set(rows) - set(replicated))
     if others:
         return f"Linears outside a known attention/MLP layout ({', '.join(others[:3])})"
-    sized = _head_sized_parameters(layer, attn_path, columns + rows, heads * head_dim, heads)
+    widths = {heads * head_dim, kv_heads * head_dim}
+    sized, width_norms = _head_sized_parameters(layer, attn_path, columns + rows + replicated, widths, heads,
+                                                 head_dim)
     if sized:
         return f"parameter {sized} is sized by the heads and meshplan does not shard it"
     return HFLayout(attention=attn_path, qkv=qkv, mlp=mlp_path, mlp_kind=mlp_kind, column_linears=columns,
-                    row_linears=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, mlp_width=width)
+                    row_linears=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, mlp_width=width,
+                    replicated=replicated, width_norms=width_norms, experts=tuple(experts))
+
+
+def _expert_width(layer, experts) -> int | str:
+    """The routed experts' inner width (0 without experts): the dimension of their stacked weights
+    that is not the hidden size (gate_up: 2 x width); a reason when they are not stacked weights."""
+    if not experts:
+        return 0
+    params = list(layer.get_submodule(experts[0]).parameters(recurse=False))
+    dims = {d for p in params if p.dim() == 3 for d in p.shape[1:]}
+    if len(params) < 2 or len(dims) < 2:
+        return f"routed experts ({experts[0]}) that are not transformers' stacked expert weights"
+    hidden = max(dims, key=lambda d: sum(d in p.shape[1:] for p in params))  # in every weight
+    return math.gcd(*(d for d in dims if d != hidden))
 
 
 def _find_attention(layer, linears: dict):
@@ -122,7 +177,8 @@ def _find_attention(layer, linears: dict):
             return path, qkv, inputs, output, heads, kv_heads, head_dim
     attention = sorted(name for name in linears if "att" in name.rpartition(".")[0])
     found = f" (its attention Linears: {', '.join(attention[:4])})" if attention else ""
-    return f"no attention of q/k/v/o_proj, qkv_proj/o_proj or query_key_value/dense Linears{found}"
+    return (f"no attention of q/k/v/o_proj, qkv_proj/o_proj, query_key_value/dense or q(_b)_proj/kv_b_proj/o_proj "
+            f"Linears{found}")
 
 
 def _join(path: str, name: str) -> str:
@@ -136,6 +192,8 @@ def _heads(module, qkv: list, out, layout: str):
     head_dim = _first_int(module, ("head_dim", "head_size")) or (out.in_features // heads if heads else 0)
     if not head_dim or out.in_features % head_dim:
         return "attention head size not readable from the module"
+    if layout.startswith("mla"):
+        return _mla_heads(module, qkv, out)
     heads = out.in_features // head_dim
     rows = sum(linear.out_features for linear in qkv)
     if layout == "separate":
@@ -152,6 +210,21 @@ def _heads(module, qkv: list, out, layout: str):
         return (f"fused q/k/v rows ({rows}) do not match {heads} heads and {kv_heads} K/V heads of "
                 f"{head_dim}")
     return kind, heads, kv_heads, head_dim
+
+
+def _mla_heads(module, qkv: list, out):
+    """("mla", heads, heads, v_head_dim): the query rows are heads x (nope + rope) head widths,
+    the K/V up-projection's heads x (nope + value), the output's input heads x value."""
+    heads = _first_int(module, HEAD_ATTRIBUTES)
+    nope, rope, value = (_first_int(module, (name,)) for name in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                                                   "v_head_dim"))
+    if not (heads and nope and rope and value):
+        return "multi-head latent attention without num_heads, qk_nope/qk_rope/v_head_dim attributes"
+    expected = (heads * (nope + rope), heads * (nope + value), heads * value)
+    found = (qkv[0].out_features, qkv[1].out_features, out.in_features)
+    if found != expected:
+        return f"latent attention widths {found} do not match {heads} heads of {nope}+{rope} / {value}"
+    return "mla", heads, heads, value
 
 
 def _first_int(obj, names) -> int:
@@ -172,16 +245,25 @@ def _find_mlp(linears: dict):
     return None
 
 
-def _head_sized_parameters(layer, attn_path: str, split_linears: tuple, attention_width: int, heads: int) -> str:
-    """A parameter of the attention module outside the split Linears with a dimension of the
-    attention width, or a matrix with one of the head count (it would need sharding too); per-head
-    norms of head_dim stay replicated."""
+def _head_sized_parameters(layer, attn_path: str, split_linears: tuple, widths: set[int], heads: int,
+                           head_dim: int) -> tuple[str, tuple[str, ...]]:
+    """(a parameter of the attention module outside the split Linears with a dimension of a
+    q or k/v width, or a matrix with one of the head count, which would need sharding too;
+    the norms over a whole q or k width, which are split with the heads). Per-head norms of
+    head_dim stay replicated."""
     covered = tuple(f"{name}." for name in split_linears)
     attention = layer.get_submodule(attn_path) if attn_path else layer
+    width_norms = []
     for name, param in attention.named_parameters():
         full = _join(attn_path, name)
         if full.startswith(covered):
             continue
-        if attention_width in param.shape or (param.dim() > 1 and heads in param.shape):
-            return full
-    return ""
+        module_path, _, leaf = full.rpartition(".")
+        if tuple(param.shape) == (head_dim,) and "norm" in module_path:
+            continue  # a per-head norm
+        if leaf == "weight" and param.dim() == 1 and param.shape[0] in widths and "norm" in module_path:
+            width_norms.append(module_path)
+            continue
+        if widths & set(param.shape) or heads in param.shape:  # GPT-OSS's per-head sinks too
+            return full, ()
+    return "", tuple(width_norms)

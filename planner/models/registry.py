@@ -64,8 +64,9 @@ NOT_MODELLED = {
     "deepseek-v3": "DeepSeek-V3 uses multi-head latent attention (low-rank compressed K/V), which meshplan's "
                    "own families do not model; profile its Hugging Face config instead (hf:config.json of "
                    "deepseek-ai/DeepSeek-V3: transformers' model is traced)",
-    "deepseek-v2": "DeepSeek-V2 uses multi-head latent attention (low-rank compressed K/V), which meshplan "
-                   "does not model; its MoE part alone can be written as a moe: spec",
+    "deepseek-v2": "DeepSeek-V2 uses multi-head latent attention (low-rank compressed K/V), which meshplan's "
+                   "own families do not model; profile its Hugging Face config instead (hf:config.json of "
+                   "deepseek-ai/DeepSeek-V2 or DeepSeek-V2-Lite: transformers' model is traced)",
 }
 
 _PARAMETRIC_KEYS = {

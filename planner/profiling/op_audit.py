@@ -8,8 +8,9 @@ the registry does not know, such as `aten._grouped_mm`, which transformers 5.x r
 experts through. So:
 
 - meshplan registers formulas for the matmul-like operations torch's registry lacks
-  (`FLOP_FORMULAS`: grouped and scaled-grouped matmuls, the CPU flash-attention kernel and the
-  overrideable fused attention);
+  (`flop_formulas`: grouped and scaled-grouped matmuls, the CPU flash-attention kernel and the
+  overrideable fused attention), and one where torch's is wrong (the backward of a grouped
+  convolution, which torch prices as a dense one);
 - `OpAudit`, a dispatch mode inside the counter, records every operation that has no formula and
   is not known FLOP-free: tagged pointwise, a view, or listed in `FLOP_FREE_OPS` (creation, copies,
   indexing, reductions, normalisation, softmax, losses, sorting, and their backward kernels), all
@@ -28,7 +29,7 @@ FLOP_FREE_OPS = frozenset("""
     empty empty_like empty_strided new_empty new_empty_strided new_zeros new_ones new_full zeros zeros_like ones
     ones_like full full_like arange scalar_tensor lift_fresh lift_fresh_copy rand rand_like randn randn_like randint
     bernoulli bernoulli_ native_dropout native_dropout_backward normal_ uniform_ fill_ zero_ tril triu tril_ triu_
-    eye linspace
+    eye linspace polar complex view_as_complex view_as_real _conj conj_physical
     clone copy_ _to_copy _unsafe_view cat stack split split_with_sizes chunk unbind repeat repeat_interleave roll
     flip constant_pad_nd _reshape_alias alias detach expand index index_select index_put index_put_ _index_put_impl_
     index_add index_add_ index_copy index_copy_ gather scatter scatter_ scatter_add scatter_add_ scatter_reduce
@@ -65,6 +66,17 @@ def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * elements * a_shape[-1]
 
 
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                        _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """Each gradient (input, weight) does the forward's multiply-adds once more. torch's own formula
+    prices the weight gradient as a dense convolution whatever the groups, 5,120 times too much
+    for Mamba's depthwise conv1d of 5,120 channels."""
+    from torch.utils.flop_counter import conv_flop_count
+
+    forward = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), bool(transposed))
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
 def flop_formulas() -> dict[Any, Any]:
     """`FlopCounterMode(custom_mapping=...)`: formulas for matmul-like operations torch's registry
     lacks (the attention ones reuse torch's own SDPA formulas)."""
@@ -72,7 +84,7 @@ def flop_formulas() -> dict[Any, Any]:
     from torch.utils.flop_counter import flop_registry
 
     aten = torch.ops.aten
-    formulas: dict[Any, Any] = {aten._grouped_mm: _grouped_mm_flop}
+    formulas: dict[Any, Any] = {aten._grouped_mm: _grouped_mm_flop, aten.convolution_backward: _conv_backward_flop}
     if hasattr(aten, "_scaled_grouped_mm"):
         formulas[aten._scaled_grouped_mm] = _grouped_mm_flop
     forward = flop_registry[aten._scaled_dot_product_flash_attention]

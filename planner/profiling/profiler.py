@@ -362,7 +362,9 @@ def _code_hash(root: Path | None = None) -> str:
 def _spec_source_hash(spec: str) -> str:
     """Content hash of the file a file or HF spec names (so edits invalidate the cache)."""
     if spec.startswith("hf:"):
-        path = Path(spec[3:])
+        from meshplan.planner.contracts.plan import hf_config_file
+
+        path = Path(hf_config_file(spec[3:]))
     elif spec.partition(":")[0].endswith(".py"):
         path = Path(spec.rpartition(":")[0] if ":" in spec else spec)
     else:

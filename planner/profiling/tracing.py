@@ -98,8 +98,8 @@ def measure_layers(built: Any, groups: tuple, attention: str = "flash",
     if audit.uncounted:
         ops = ", ".join(sorted(audit.uncounted))
         raise MeshplanError(f"the model runs {ops}, which meshplan's FLOP counter has no formula for and does not "
-                            "know to be FLOP-free; refusing to count it as zero (register a formula in "
-                            "planner/profiling/op_audit.py, or list it there as FLOP-free if it does no matmul work)")
+                            "know to be FLOP-free, so its cost would be a silent zero; write that operation in "
+                            "the model as matmuls or elementwise torch operations, or profile a model without it")
     return recorder.results(), list(recorder.order)
 
 
@@ -367,7 +367,8 @@ class _Recorder:
 
         named = [kwargs[name] for name in _ATTENTION_ARG_NAMES if name in kwargs]
         query, key, value = (tuple(args) + tuple(named))[:3]
-        is_causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)) or self._hf_causal(key)
+        is_causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+        window = key.shape[-2] if is_causal else self._hf_window(key)
         start = self.counter.get_total_flops() if self.counter is not None else 0
         flash = is_fused(self.attention)
         if flash:
@@ -386,9 +387,10 @@ class _Recorder:
         if not self.in_backward:
             self.attn_fwd[self.current] += flops
         # torch's math SDPA under a causal mask still computes all s x s products; a causal
-        # kernel computes s(s+1)/2 of the s^2 entries.
-        if is_causal and seq_q:
-            self.causal[self.current] += flops * (seq_q - 1) // (2 * seq_q)
+        # kernel computes only the entries a query sees (`seen_entries`).
+        if window and seq_q:
+            full = seq_q * key.shape[-2]
+            self.causal[self.current] += flops * (full - seen_entries(seq_q, window)) // full
         needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value))
         if flash and needs_grad and torch.is_grad_enabled() and not self.in_backward:
             kind = "sharded" if self.groups[self.current].tp_split.kind == "block" else "replicated"
@@ -398,19 +400,18 @@ class _Recorder:
             self.record(None, kind, key=("lse", id(out)), nbytes=4 * query.numel() // query.shape[-1])
         return out
 
-    def _hf_causal(self, key) -> bool:
-        """Whether a transformers attention module called SDPA with the profile's ready causal mask
-        where, on a real device, it passes none and runs the causal kernel
-        (`planner.models.hf.profile_mask`): a causal module whose sliding window (its own
-        attribute, else its config's) does not cut the sequence; a window that does keeps its
-        explicit mask, and SDPA then computes every entry."""
+    def _hf_window(self, key) -> int:
+        """The keys a query of a transformers attention module sees at most (0: not causal), where
+        the profile passed its ready causal mask and a real device runs a causal kernel
+        (`planner.models.hf.profile_mask`): the module's sliding window (its own attribute, else
+        its config's) when it cuts the sequence, else the whole sequence."""
         module = next((m for m in reversed(self.stack) if type(m).__module__.startswith("transformers.")
                        and getattr(m, "is_causal", False) is True), None)
         if module is None:
-            return False
+            return 0
         window = (module.sliding_window if hasattr(module, "sliding_window")
                   else getattr(getattr(module, "config", None), "sliding_window", None))
-        return not isinstance(window, int) or key.shape[-2] <= window
+        return min(window, key.shape[-2]) if isinstance(window, int) and window > 0 else key.shape[-2]
 
     def results(self) -> list[LayerMeasurement]:
         out = []
@@ -429,6 +430,13 @@ class _Recorder:
                 conv_fwd_flops=self.conv_fwd[index], conv_bwd_flops=self.conv_bwd[index],
                 attn_fwd_flops=self.attn_fwd[index], act_rebuilt_bytes=by_kind["rebuilt"]))
         return out
+
+
+def seen_entries(seq: int, window: int) -> int:
+    """Query-key pairs a causal attention with a sliding window computes: query i (from 0) sees
+    min(i + 1, window) keys; window >= seq is plain causal attention, s(s+1)/2 pairs."""
+    window = min(window, seq)
+    return window * (window + 1) // 2 + (seq - window) * window
 
 
 def _attention_mode_class():

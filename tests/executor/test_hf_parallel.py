@@ -5,8 +5,9 @@ small widths): Llama 3, Phi-3 (fused qkv_proj and gate_up_proj), GPT-NeoX / Pyth
 fused query_key_value, parallel residual, partial rotary), Gemma-2 (sliding and global layers,
 eager attention, soft-capping, tied embedding), Qwen3 (q/k norms; a small dense config) and Falcon
 (the 7B config with `new_decoder_architecture` and 2 K/V heads, parallel attention and MLP: the
-grouped fused layout). Every one runs with TP=2 and with PP=2 (1F1B), and DeepSeek-V3 (latent
-attention, a dense then a MoE layer) with PP=2; a few add interleaved and
+grouped fused layout). Every one runs with TP=2 and with PP=2 (1F1B), DeepSeek-V3 (latent
+attention, a dense then a MoE layer) with PP=2, and OLMo-2, StarCoder2 and DeepSeek-V2-Lite's
+latent attention with TP=2; a few add interleaved and
 V-shaped schedules (a chunk of the embedding alone, one of the head alone, the tied weight on
 two ranks or twice on one) and recomputation. All jobs run in one torchrun launch of 2 gloo
 processes.
@@ -64,12 +65,27 @@ def family_specs(tmp_path) -> dict[str, str]:
 
 
 def deepseek_spec(tmp_path) -> str:
-    """DeepSeek-V3 shrunk: a dense layer then a MoE layer, multi-head latent attention. No TP layout
-    (train refuses tp > 1), but it pipelines: one more PP=2 case."""
+    """DeepSeek-V3 shrunk: a dense layer then a MoE layer, multi-head latent attention. Its routed
+    experts are not split by the executor (train refuses tp > 1), but it pipelines: one more PP=2
+    case."""
     return shrunk_config(tmp_path, "deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
                          first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2,
                          q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                          rope_scaling=None)
+
+
+def tp_only_specs(tmp_path) -> dict[str, str]:
+    """Families checked with TP=2 alone: OLMo-2 (q/k norms over all heads, split with them),
+    StarCoder2 (biases everywhere, c_fc/c_proj MLP, LayerNorm) and DeepSeek-V2-Lite's multi-head
+    latent attention without a query low rank (every layer dense here)."""
+    return {
+        "olmo2": shrunk_config(tmp_path, "olmo2_7b"),
+        "starcoder2": shrunk_config(tmp_path, "starcoder2_15b", attention_dropout=0.0, residual_dropout=0.0,
+                                    embedding_dropout=0.0),
+        "mla": shrunk_config(tmp_path, "deepseek_v2_lite", num_key_value_heads=4, first_k_dense_replace=2,
+                             n_routed_experts=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, rope_scaling=None),
+    }
 
 
 LAYOUTS = {
@@ -83,6 +99,9 @@ EXTRA = {  # (family, name): layout
     ("phi3", "tp2-full"): dict(tp=2, microbatch_size=2, recompute="full"),
     ("neox", "pp2-selective"): dict(pp=2, microbatch_size=1, recompute="selective"),
     ("deepseek", "pp2"): dict(pp=2, microbatch_size=1),
+    ("olmo2", "tp2"): dict(tp=2, microbatch_size=2),
+    ("starcoder2", "tp2"): dict(tp=2, microbatch_size=2),
+    ("mla", "tp2"): dict(tp=2, microbatch_size=2),
 }
 
 
@@ -104,6 +123,7 @@ def test_hf_families_train_with_tp2_and_pp2_like_one_process(run_cli, tmp_path):
     specs = family_specs(tmp_path)
     cases = {(family, layout): options for family in specs for layout, options in LAYOUTS.items()}
     specs["deepseek"] = deepseek_spec(tmp_path)
+    specs.update(tp_only_specs(tmp_path))
     cases.update(EXTRA)
     jobs = []
     for (family, layout), options in cases.items():
@@ -167,7 +187,8 @@ def test_train_refuses_hf_plans_it_cannot_run(tmp_path):
                                 "n_positions": 64}))
     with pytest.raises(MeshplanError, match="tp=2: layer 'blocks.0' cannot be split over tensor-parallel ranks: no attention"):
         check_plan_runnable(uniform_plan(f"hf:{gpt2}", SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)
-    # DeepSeek-V3 (latent attention, routed experts) has no TP layout: refused at its first layer
-    with pytest.raises(MeshplanError, match=r"layer 'blocks.0' cannot be split over tensor-parallel ranks: no "
-                                            r"attention of .*kv_a_proj_with_mqa.*; use --tp 1"):
+    # DeepSeek-V3: its latent attention splits, but the executor does not split transformers' experts
+    with pytest.raises(MeshplanError, match=r"the executor trains Hugging Face mixture-of-experts models with tp=1 "
+                                            r"\(this plan has tp=2\): it does not split transformers' routed experts; "
+                                            r"re-plan with --tp 1"):
         check_plan_runnable(uniform_plan(deepseek_spec(tmp_path), SEQ, GBS, cluster, tp=2, microbatch_size=2), 2)

@@ -45,11 +45,17 @@ def shrunk(name: str, tmp_path, **overrides) -> str:
     return f"hf:{path}"
 
 
+# fixture -> published parameter count (model cards; DeepSeek-V2 paper: 15.7 B total)
+PUBLISHED_SIZE = {"falcon_mamba_7b": 7.27e9, "mamba_2p8b": 2.77e9, "deepseek_v2_lite": 15.7e9, "olmo2_7b": 7.30e9,
+                  "starcoder2_15b": 16e9, "gpt_oss_20b": 20.91e9, "llama3_8b": 8.03e9, "mixtral_8x7b": 46.7e9, "gemma2_9b": 9.24e9}
+
+
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_published_configs_count_like_transformers(name):
     data = json.loads((FIXTURES / f"{name}.json").read_text())
     graph = profile(f"hf:{FIXTURES / name}.json", 8, cache=False)
     assert graph.total_params == transformers_count(data)
+    assert abs(graph.total_params / PUBLISHED_SIZE.get(name, graph.total_params) - 1) < 0.025
     assert len([layer for layer in graph.layers if layer.kind == "block"]) == data["num_hidden_layers"]
 
 

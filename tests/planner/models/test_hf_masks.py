@@ -48,7 +48,7 @@ def test_forward_on_a_real_device_is_transformers_own(tmp_path, fixture, extra):
     assert not torch.allclose(with_ready_mask, theirs, atol=1e-4)  # what meshplan used to pass
 
 
-def test_profile_skips_the_causal_half_unless_a_window_cuts_the_sequence(tmp_path):
+def test_profile_skips_the_entries_no_query_sees(tmp_path):
     from meshplan.planner.profiling.profiler import profile
 
     pytest.importorskip("transformers")
@@ -61,8 +61,16 @@ def test_profile_skips_the_causal_half_unless_a_window_cuts_the_sequence(tmp_pat
         attention_fwd = 4 * seq * seq * 4 * head_dim  # QK^T and x V over 4 heads, 2 FLOPs per multiply-add
         return attention_fwd * (seq - 1) // (2 * seq)
 
+    def unseen(seq: int, window: int, head_dim: int) -> int:
+        from meshplan.planner.profiling.tracing import seen_entries
+
+        attention_fwd = 4 * seq * seq * 4 * head_dim
+        return attention_fwd * (seq * seq - seen_entries(seq, window)) // (seq * seq)
+
     phi3 = _shrunk(tmp_path, "phi3_mini_4k.json", sliding_window=WINDOW)  # SDPA, the config's window on every layer
-    assert savings(phi3, SEQ) == [0, 0]  # the window cuts 48 tokens: an explicit mask, every entry computed
+    # the window cuts 48 tokens: a windowed kernel computes min(i + 1, window) keys for query i
+    assert savings(phi3, SEQ) == [unseen(SEQ, WINDOW, 16)] * 2
+    assert unseen(SEQ, WINDOW, 16) > causal_half(SEQ, 16)
     assert savings(phi3, WINDOW) == [causal_half(WINDOW, 16)] * 2  # it covers 16: the causal kernel
     llama = _shrunk(tmp_path, "llama3_8b.json")  # no window
     assert savings(llama, SEQ) == [causal_half(SEQ, 16)] * 2

@@ -27,9 +27,26 @@ EXPECTED = {
                     ("attention.dense", "mlp.dense_4h_to_h"), 12, 12, 3072),
     "falcon_7b": ("multi_query", ("self_attention.query_key_value", "mlp.dense_h_to_4h"),
                   ("self_attention.dense", "mlp.dense_4h_to_h"), 71, 1, 18176),
+    # q/k/v/o and MLP biases, c_fc/c_proj MLP
+    "starcoder2_15b": ("separate", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.c_fc"),
+                       ("self_attn.o_proj", "mlp.c_proj"), 48, 4, 24576),
+    # q/k RMSNorms over all heads (4096 wide): split with the heads
+    "olmo2_7b": ("separate", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                              "mlp.up_proj"), ("self_attn.o_proj", "mlp.down_proj"), 32, 32, 11008),
+    # multi-head latent attention (the first layers are dense): heads of the value width 128
+    "deepseek_v3": ("mla", ("self_attn.q_b_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj"),
+                    ("self_attn.o_proj", "mlp.down_proj"), 128, 128, 18432),
+    "deepseek_v2_lite": ("mla", ("self_attn.q_proj", "self_attn.kv_b_proj", "mlp.gate_proj", "mlp.up_proj"),
+                         ("self_attn.o_proj", "mlp.down_proj"), 16, 16, 10944),
 }
-NO_LAYOUT = {"mixtral_8x7b": "routed experts", "qwen3_30b_a3b": "routed experts",
-             "deepseek_v3": "no attention of q/k/v/o_proj"}
+NO_LAYOUT = {"gpt_oss_20b": "parameter self_attn.sinks is sized by the heads",
+             "mamba_2p8b": "a state-space mixer (mixer) has no tensor-parallel split",
+             "falcon_mamba_7b": "a state-space mixer (mixer) has no tensor-parallel split"}
+# what stays whole on every rank (MLA's latent projections) and the norms split with the heads
+KEPT_WHOLE = {"deepseek_v3": ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.q_a_layernorm",
+                              "self_attn.kv_a_layernorm"),
+              "deepseek_v2_lite": ("self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm")}
+WIDTH_NORMS = {"olmo2_7b": ("self_attn.q_norm", "self_attn.k_norm")}
 
 
 def _first_layer(path: Path):
@@ -58,8 +75,9 @@ def test_published_layers_split_by_their_layout(name):
     # every named Linear exists with the shape the head counts imply
     head_dim = layout.head_dim
     fused = layer.get_submodule(columns[0])
-    if qkv != "separate":
+    if qkv not in ("separate", "mla"):
         assert fused.out_features == (heads + 2 * kv_heads) * head_dim
+    assert (layout.replicated, layout.width_norms) == (KEPT_WHOLE.get(name, ()), WIDTH_NORMS.get(name, ()))
     assert layer.get_submodule(rows[0]).in_features == heads * head_dim
     assert layer.get_submodule(rows[1]).in_features == width
 
@@ -102,7 +120,6 @@ def test_layers_without_a_layout_say_why(name):
     from meshplan.planner.models.hf import expert_modules
     from meshplan.planner.models.hf_tp import block_split
 
-    # DeepSeek-V3's first layers are dense: its multi-head latent attention has no layout
     _, layer = _first_layer(FIXTURES / f"{name}.json")
     split = block_split(layer, expert_modules(layer))
     assert split.kind == "none" and NO_LAYOUT[name] in split.reason
@@ -166,3 +183,19 @@ def test_estimate_and_plan_commands_refuse_in_one_line(run_cli, tmp_path):
                            "--gpus", 8, "--gbs", 8, "--seq", 512, "--tp", 2)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--tp 2 does not divide layer 'blocks.0': 71 heads, 1 KV heads" in err
+
+
+@pytest.mark.parametrize("name, columns, rows, width", [
+    ("mixtral_8x7b", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), 14336),
+    ("qwen3_30b_a3b", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), 768)])
+def test_moe_layers_split_attention_by_layout_and_experts_by_width(name, columns, rows, width):
+    """transformers' MoE layers: attention as laid out, the stacked experts by their width (the
+    cost model's expert TP); one all-reduce for attention, one for the MoE output."""
+    from meshplan.planner.models.hf import expert_modules
+    from meshplan.planner.models.hf_tp import block_split, tp_layout
+
+    _, layer = _first_layer(FIXTURES / f"{name}.json")
+    layout = tp_layout(layer, expert_modules(layer))
+    assert (layout.column_linears, layout.row_linears, layout.experts) == (columns, rows, ("mlp.experts",))
+    split = block_split(layer, expert_modules(layer))
+    assert (split.kind, split.mlp_width, split.num_allreduce_per_pass) == ("block", width, 2)
