@@ -170,6 +170,14 @@ def add_moe_capacity_arguments(parser) -> None:
                              "flag of that name); expert GEMMs and all-to-alls are then costed at C, not min(F, C)")
 
 
+def model_notes(spec: str | None, seq: int | None) -> list[str]:
+    """What the model's costs assume beyond its published shape (a rotary model past its trained context)."""
+    from meshplan.planner.models.registry import context_note
+
+    note = context_note(spec, seq)
+    return [note] if note else []
+
+
 def moe_notes(spec: str | None, moe_imbalance: float, moe_capacity_factor: float | None = None,
               pad_to_capacity: bool = False) -> list[str]:
     """Checks --moe-imbalance and --moe-capacity-factor; for a mixture of experts, the routing

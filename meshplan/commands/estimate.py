@@ -7,7 +7,7 @@ import sys
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
-                                     does_not_fit, moe_notes, prediction_json)
+                                     does_not_fit, model_notes, moe_notes, prediction_json)
 from meshplan.commands.printed import Heading, format_prediction
 
 
@@ -58,8 +58,9 @@ def run(args) -> int:
     if missing:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
 
-    notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
-                      args.moe_pad_expert_input_to_capacity)
+    notes = model_notes(args.model, args.seq) + moe_notes(args.model, args.moe_imbalance,
+                                                          args.moe_capacity_factor,
+                                                          args.moe_pad_expert_input_to_capacity)
     prediction = _estimate_at(args, args.zero)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line

@@ -6,7 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments,
-                                     announce_model_code, check_seq, check_sizes, finite_float, moe_notes, spec_file)
+                                     announce_model_code, check_seq, check_sizes, finite_float, model_notes,
+                                     moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
 
@@ -78,8 +79,9 @@ def run(args) -> int:
                                               ("--model", spec_file(args.model))])
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
-    notes = moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
-                      args.moe_pad_expert_input_to_capacity)
+    notes = model_notes(args.model, args.seq) + moe_notes(args.model, args.moe_imbalance,
+                                                          args.moe_capacity_factor,
+                                                          args.moe_pad_expert_input_to_capacity)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 

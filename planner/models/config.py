@@ -96,13 +96,19 @@ class TransformerConfig:
         return self.max_positions if self.family == "gpt" else self.context_length
 
     def check_seq(self, spec: str, seq: int) -> None:
-        """Refuse a sequence beyond the model's positions, with the limit (the one rule for every zoo model)."""
-        limit = self.position_limit
-        if limit and seq > limit:
-            kind = "learned positions" if self.family == "gpt" else "positions it was trained for"
-            fix = " or a parametric gpt: spec" if self.family == "gpt" else ""
-            raise MeshplanError(f"sequence length {seq} exceeds the {limit} {kind} of {spec!r}; "
-                                f"use --seq <= {limit}{fix}")
+        """Refuse a sequence beyond GPT's learned positions, with the limit (the one rule for every
+        zoo model). Rotary models take longer sequences (context extension, as torchtitan's 256K
+        Llama 3.1 8B runs do): `context_note` says so instead."""
+        if self.family == "gpt" and seq > self.max_positions:
+            raise MeshplanError(f"sequence length {seq} exceeds the {self.max_positions} learned positions of "
+                                f"{spec!r}; use --seq <= {self.max_positions} or a parametric gpt: spec")
+
+    def context_note(self, spec: str, seq: int) -> str:
+        """A line when `seq` is beyond the context a rotary model was trained for ("" otherwise)."""
+        if self.family == "gpt" or not self.context_length or seq <= self.context_length:
+            return ""
+        return (f"note: {spec} was trained on up to {self.context_length} positions; --seq {seq} assumes its "
+                "rotary embedding extended (context extension), costed as the same model")
 
     @property
     def kv_heads(self) -> int:

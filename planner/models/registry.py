@@ -261,6 +261,17 @@ def _hf_moe_config(spec: str) -> TransformerConfig | None:
     return hf_moe_config(spec[3:])
 
 
+def context_note(spec: str | None, seq: int | None) -> str:
+    """`TransformerConfig.context_note` of a zoo spec ("" for other models or no --seq)."""
+    if not spec or not seq or spec.startswith("hf:"):
+        return ""
+    try:
+        cfg = parse_spec(spec, seq)
+    except MeshplanError:
+        return ""  # the build reports the malformed spec
+    return cfg.context_note(spec, seq) if cfg is not None else ""
+
+
 def default_seq(spec: str, wanted: int = 2048) -> int:
     """`wanted`, capped by the learned positions of a GPT preset or an HF config (no torch import)."""
     if spec.startswith("hf:"):
@@ -271,8 +282,8 @@ def default_seq(spec: str, wanted: int = 2048) -> int:
         cfg = parse_spec(spec, wanted)
     except MeshplanError:
         return wanted  # the build reports the malformed spec
-    if cfg is not None and cfg.position_limit:
-        return min(wanted, cfg.position_limit)
+    if cfg is not None and cfg.family == "gpt":
+        return min(wanted, cfg.max_positions)
     return wanted
 
 
