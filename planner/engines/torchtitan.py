@@ -55,7 +55,8 @@ def export_torchtitan(plan, form: str = "toml") -> tuple[str, list[str]]:
     if form == "python":
         from meshplan.planner.engines.torchtitan_python import python_config
 
-        return python_config(sections, plan.model.spec, f"{plan.config.label()} on {plan.config.gpus} GPUs"), notes
+        return python_config(sections, plan.model.spec, f"{plan.config.label()} on {plan.config.gpus} GPUs",
+                             notes), notes
     if form != "toml":
         raise MeshplanError(f"torchtitan config format must be toml or python, got {form!r}")
     lines = ["# torchtitan job config written by meshplan export",
