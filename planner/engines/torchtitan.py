@@ -49,7 +49,7 @@ UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "
 
 def export_torchtitan(plan, form: str = "toml") -> tuple[str, list[str]]:
     """(job config text, approximation notes) for `plan`: torchtitan 0.2's job TOML (`form`
-    "toml") or the Python config function of its current releases ("python")."""
+    "toml") or the Python config function of torchtitan 0.3 ("python")."""
     notes: list[str] = []
     sections = job_sections(plan, notes)
     if form == "python":
