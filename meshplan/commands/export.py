@@ -14,8 +14,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default=None,
                         help="file to write (default: standard output); approximations go to standard error")
     parser.add_argument("--format", default=None, choices=("toml", "python"),
-                        help="torchtitan only: 0.2's job TOML, or the Python config function of its current "
-                             "releases (default: python when --out ends in .py, else toml)")
+                        help="torchtitan only: 0.2's job TOML, or torchtitan 0.3's Python config function "
+                             "(default: python when --out ends in .py, else toml)")
 
 
 def run(args) -> int:

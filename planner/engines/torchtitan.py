@@ -49,13 +49,14 @@ UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "
 
 def export_torchtitan(plan, form: str = "toml") -> tuple[str, list[str]]:
     """(job config text, approximation notes) for `plan`: torchtitan 0.2's job TOML (`form`
-    "toml") or the Python config function of its current releases ("python")."""
+    "toml") or the Python config function of torchtitan 0.3 ("python")."""
     notes: list[str] = []
     sections = job_sections(plan, notes)
     if form == "python":
         from meshplan.planner.engines.torchtitan_python import python_config
 
-        return python_config(sections, plan.model.spec, f"{plan.config.label()} on {plan.config.gpus} GPUs"), notes
+        return python_config(sections, plan.model.spec, f"{plan.config.label()} on {plan.config.gpus} GPUs",
+                             notes), notes
     if form != "toml":
         raise MeshplanError(f"torchtitan config format must be toml or python, got {form!r}")
     lines = ["# torchtitan job config written by meshplan export",

@@ -1,11 +1,13 @@
-"""torchtitan's Python job configs: since its releases after 0.2 a job is a function returning
-`Trainer.Config` (its `models/<name>/config_registry.py`), built from the same fields the 0.2 job
-TOML had (`TrainingConfig`, `ParallelismConfig`, `ActivationCheckpointConfig`, a
-`Float8LinearConverter.Config` among the model converters).
+"""torchtitan's Python job configs (torchtitan 0.3): a job is a function returning `Trainer.Config`
+that `torchtitan.config.manager.ConfigManager` imports by `--module` (a model name's
+`config_registry`, or any module path) and calls by `--config <function>`. Its fields: `TrainingConfig`
+and `ParallelismConfig` (torchtitan/config/configs.py), `activation_checkpoint` a policy config
+(`FullAC.Config()`, `SelectiveAC.Config()` or None, torchtitan/distributed/activation_checkpoint.py),
+and Float8 a converter of the model spec (`model_registry(flavor, converters=[Float8LinearConverter.Config()])`).
 
-Both directions go through the TOML's sections (`torchtitan.job_sections`, `read_torchtitan`), so
-the two formats cannot drift apart. Reading parses the file's syntax tree and executes nothing:
-only literal keyword arguments of those constructors count.
+Both directions go through the 0.2 TOML's sections (`torchtitan.job_sections`, `read_torchtitan`), so
+the two formats cannot drift apart; what 0.3 has no field for is left out with a note. Reading parses
+the file's syntax tree and executes nothing: only literal keyword arguments of those constructors count.
 """
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import ast
 
 from meshplan.planner.contracts.errors import MeshplanError
 
-# section of the job TOML -> the torchtitan dataclass that holds its fields (torchtitan/config/configs.py)
-SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig",
-                   "activation_checkpoint": "ActivationCheckpointConfig"}
-FLOAT8_CLASS = "Float8LinearConverter"  # torchtitan.components.quantization.float8
+# section of the job TOML -> the torchtitan 0.3 dataclass that holds its fields
+SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig"}
+# the 0.2 TOML's expert TP key, which 0.3's ParallelismConfig lacks: with expert parallelism 0.3's experts
+# take dp_shard·cp·tp ranks as ep x efsdp and are not TP-sharded (etp 1); without it they follow tp
+EXPERT_TP_KEY = "expert_tensor_parallel_degree"
+FLOAT8_CLASS = "Float8LinearConverter"  # torchtitan.components.quantization
+# [activation_checkpoint] mode -> 0.3's policy config (None: no checkpointing)
+AC_CLASSES = {"full": "FullAC", "selective": "SelectiveAC"}
 FUNCTION = "meshplan_job"  # the config function the export writes (torchtitan.train --config meshplan_job)
 HEADER = "# meshplan: model="  # the model SPEC, which no torchtitan field holds
 
@@ -26,30 +32,62 @@ def is_python_config(text: str) -> bool:
     return "Trainer.Config(" in text or f"{SECTION_CLASSES['parallelism']}(" in text
 
 
-def python_config(sections: dict[str, dict], spec: str, label: str) -> str:
+def python_config(sections: dict[str, dict], spec: str, label: str, notes: list[str]) -> str:
     """The config function of `sections` (what `torchtitan.job_sections` gives)."""
     model = sections["model"]
-    fp8 = sections.get("float8")
-    lines = [f"{HEADER}{spec}", f"# torchtitan job config written by meshplan export: {label}",
+    ac_class = _ac_class(sections["activation_checkpoint"], notes)
+    fp8 = "float8" in sections
+    lines = [f"{HEADER}{spec}", f"# torchtitan 0.3 job config written by meshplan export: {label}",
              f"# run: torchrun ... -m torchtitan.train --module <this module> --config {FUNCTION}"]
-    if fp8 is not None:
-        lines.append(f"from torchtitan.components.quantization.float8 import {FLOAT8_CLASS}")
+    if fp8:
+        lines.append(f"from torchtitan.components.quantization import {FLOAT8_CLASS}")
+        _note_float8(sections["float8"], notes)
     lines.append(f"from torchtitan.config import {', '.join(sorted(SECTION_CLASSES.values()))}")
-    lines.append(f"from torchtitan.models.{model['name']} import model_registry")
-    if fp8 is not None:
-        lines.append("from torchtitan.protocols.model_converter import ModelConvertersContainer")
-    lines += ["from torchtitan.trainer import Trainer", "", "", f"def {FUNCTION}() -> Trainer.Config:",
-              "    return Trainer.Config(", f"        model_spec=model_registry({model['flavor']!r}),"]
+    if ac_class:
+        lines.append(f"from torchtitan.distributed.activation_checkpoint import {ac_class}")
+    converters = f", converters=[{FLOAT8_CLASS}.Config()]" if fp8 else ""
+    lines += [f"from torchtitan.models.{model['name']} import model_registry",
+              "from torchtitan.trainer import Trainer", "", "", f"def {FUNCTION}() -> Trainer.Config:",
+              "    return Trainer.Config(", f"        model_spec=model_registry({model['flavor']!r}{converters}),"]
     for section, cls in SECTION_CLASSES.items():
         lines.append(f"        {section}={cls}(")
-        lines += [f"            {key}={value!r}," for key, value in sections[section].items()]
+        lines += [f"            {key}={value!r}," for key, value in _fields(section, sections[section], notes).items()]
         lines.append("        ),")
-    if fp8 is not None:
-        arguments = ", ".join(f"{key}={value!r}" for key, value in fp8.items())
-        lines.append(f"        model_converters=ModelConvertersContainer.Config(converters=[{FLOAT8_CLASS}.Config("
-                     f"{arguments})]),")
-    lines.append("    )")
+    lines += [f"        activation_checkpoint={f'{ac_class}.Config()' if ac_class else None},", "    )"]
     return "\n".join(lines) + "\n"
+
+
+def _fields(section: str, values: dict, notes: list[str]) -> dict:
+    if section != "parallelism":
+        return values
+    expert_tp, runs = values.get(EXPERT_TP_KEY, 1), _expert_tp(values)
+    if expert_tp != runs:
+        notes.append(f"[parallelism] {EXPERT_TP_KEY} = {expert_tp}: torchtitan 0.3 has no such field and runs "
+                     f"expert TP {runs}; the 0.2 TOML (--format toml) keeps it")
+    return {key: value for key, value in values.items() if key != EXPERT_TP_KEY}
+
+
+def _expert_tp(parallelism: dict) -> int:
+    """The expert TP torchtitan 0.3 runs: 1 under expert parallelism, else the experts follow tp."""
+    if parallelism.get("expert_parallel_degree", 1) > 1:
+        return 1
+    return parallelism.get("tensor_parallel_degree", 1)
+
+
+def _ac_class(section: dict, notes: list[str]) -> str | None:
+    mode = section.get("mode", "none")
+    option = section.get("selective_ac_option", "op")
+    if mode == "selective" and option != "op":
+        notes.append(f"activation checkpointing of every {option}-th block: torchtitan 0.3 has no such policy; "
+                     "exported as per-op selective (SelectiveAC), the 0.2 TOML (--format toml) keeps it")
+    return AC_CLASSES.get(mode)
+
+
+def _note_float8(section: dict, notes: list[str]) -> None:
+    flags = sorted(key for key, value in section.items() if value)
+    if flags:
+        notes.append(f"[float8] {', '.join(flags)}: torchtitan 0.3's {FLOAT8_CLASS}.Config has no such fields; "
+                     "left out")
 
 
 def read_sections(text: str) -> tuple[dict[str, dict], list[str]]:
@@ -64,21 +102,30 @@ def read_sections(text: str) -> tuple[dict[str, dict], list[str]]:
                             "config_registry module that defines the job")
     notes = [f"{len(functions)} config functions in the file: read the first, {functions[0].name}"] \
         if len(functions) > 1 else []
-    data: dict[str, dict] = {"model": {"name": _model_name(tree)}}
+    data: dict[str, dict] = {"model": {"name": _model_name(tree)}, "activation_checkpoint": {"mode": "none"}}
     for call in (node for node in ast.walk(functions[0]) if isinstance(node, ast.Call)):
-        name = _callee(call)
-        if name in SECTION_CLASSES.values():
-            section = next(key for key, cls in SECTION_CLASSES.items() if cls == name)
-            data[section] = _literal_keywords(call, name)
-        elif name == f"{FLOAT8_CLASS}.Config":
-            data["float8"] = _literal_keywords(call, name)
-            data["model"]["converters"] = ["float8"]
-        elif name == "model_registry" and call.args and isinstance(call.args[0], ast.Constant):
-            data["model"]["flavor"] = str(call.args[0].value)
+        _read_call(call, data)
+    if "parallelism" in data:
+        data["parallelism"].setdefault(EXPERT_TP_KEY, _expert_tp(data["parallelism"]))
     for line in text.splitlines():
         if line.startswith(HEADER):
             data["job"] = {"description": "meshplan: " + line[len(HEADER):].strip()}
     return data, notes
+
+
+def _read_call(call: ast.Call, data: dict[str, dict]) -> None:
+    name = _callee(call)
+    if name in SECTION_CLASSES.values():
+        section = next(key for key, cls in SECTION_CLASSES.items() if cls == name)
+        data[section] = _literal_keywords(call, name)
+    elif name in (f"{cls}.Config" for cls in AC_CLASSES.values()):
+        mode = next(key for key, cls in AC_CLASSES.items() if name == f"{cls}.Config")
+        data["activation_checkpoint"] = {"mode": mode, **({"selective_ac_option": "op"} if mode == "selective" else {})}
+    elif name == f"{FLOAT8_CLASS}.Config":
+        data["float8"] = _literal_keywords(call, name)
+        data["model"]["converters"] = ["float8"]
+    elif name == "model_registry" and call.args and isinstance(call.args[0], ast.Constant):
+        data["model"]["flavor"] = str(call.args[0].value)
 
 
 def _builds_config(function: ast.FunctionDef) -> bool:
