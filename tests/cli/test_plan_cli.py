@@ -21,7 +21,8 @@ def test_table_explanation_and_progress(run_cli, monkeypatch):
     assert "GPU-hours" in out and "training on 1e+09 tokens" in out
     assert "candidate" in err  # on a terminal the progress bar goes to stderr
     rows = [line for line in out.splitlines() if line[:1].isdigit()]
-    assert len(rows) == 4 and rows[-1].endswith("conventional")  # the top 3, then the conventional layout
+    # at most the top 3, each of its own structure, then the conventional layout
+    assert 2 <= len(rows) <= 4 and rows[-1].endswith("conventional")
 
 
 def test_json_prints_only_the_plan_and_out_writes_it(run_cli, tmp_path):

@@ -100,15 +100,15 @@ def test_plans_the_executor_cannot_run_are_refused_before_launch(cluster):
 
 def test_expert_parallel_plans_outside_the_executor_are_refused(cluster):
     moe = "moe:layers=2,hidden=32,heads=2,kv_heads=2,experts=4,top_k=2,expert_ffn=32,vocab=256"
-    with pytest.raises(MeshplanError, match="tp=1 .*no tensor-parallel layout"):
-        check_plan_runnable(uniform_plan(moe, 16, 4, cluster, tp=2, dp=2, ep=2), 4)
+    with pytest.raises(MeshplanError, match="without sequence parallelism"):
+        check_plan_runnable(uniform_plan(moe, 16, 4, cluster, tp=2, dp=2, ep=2, sp=True), 4)
     with pytest.raises(MeshplanError, match=r"expert parallelism \(ep=2\) needs a mixture-of-experts model"):
         check_plan_runnable(uniform_plan(SPEC, 16, 4, cluster, dp=2, ep=2), 2)
     with pytest.raises(MeshplanError, match="ep=3 must divide the 4 routed experts"):
         check_plan_runnable(uniform_plan(moe, 16, 6, cluster, dp=3, ep=3), 3)
-    with pytest.raises(MeshplanError, match="expert parallelism .ep=2. with HSDP"):
-        check_plan_runnable(uniform_plan(moe, 16, 4, cluster, dp=4, ep=2, zero=3, shard_group=2), 4)
-    for runnable in (dict(dp=2, ep=2), dict(dp=2, ep=2, zero=3), dict(cp=2, ep=2), dict(pp=2, dp=2, ep=2, zero=1)):
+    # the folded layout: experts under tensor parallelism (etp = tp or 1) and EP with HSDP run
+    for runnable in (dict(dp=2, ep=2), dict(dp=2, ep=2, zero=3), dict(cp=2, ep=2), dict(pp=2, dp=2, ep=2, zero=1),
+                     dict(tp=2, dp=2, ep=2), dict(tp=2, dp=2, ep=4, etp=1), dict(dp=4, ep=2, zero=3, shard_group=2)):
         plan = uniform_plan(moe, 16, 8, cluster, microbatch_size=2 if "pp" in runnable else 1, **runnable)
         check_plan_runnable(plan, plan.config.gpus)
 

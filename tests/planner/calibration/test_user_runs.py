@@ -12,7 +12,7 @@ from meshplan.planner.contracts.plan import save_plan
 from meshplan.planner.simulation.simulator import simulate
 from tests.planner.engines.helpers import make_plan
 
-TRUE_EFFICIENCY = 0.55  # the "cluster" the runs were measured on: slower GEMMs than the a100-80g profile
+TRUE_EFFICIENCY = 0.40  # the "cluster" the runs were measured on: slower GEMMs than the a100-80g profile
 
 
 def _runs(tmp_path):

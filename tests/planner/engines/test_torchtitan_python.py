@@ -18,7 +18,7 @@ import pytest
 
 from meshplan.planner.engines.bridge import export_plan
 from tests.planner.engines.helpers import make_plan
-from tests.planner.engines.test_axes import PLANS
+from tests.planner.engines.test_engine_axes import PLANS
 
 TITAN_03 = Path(sys.prefix) / "torchtitan-0.3"
 

@@ -35,14 +35,14 @@ def _simulated(graph, cluster, candidate, problem, chunks, options) -> float:
 
 def test_refining_unequal_interleaved_chunks_simulates_faster(small_gpt):
     """26 layers on 8 chunks: the ILP's rows balance the chunks' sums; the played interleaved
-    schedule prefers another cut (measured: 8% faster)."""
+    schedule prefers another cut (measured: 0.6% faster with GEMMs priced by shape, 8% before)."""
     graph, cluster, candidate, problem = small_gpt
     solution = solve_stages(problem)
     refined = refine_solution(problem, solution, budget_s=5.0)
     before = _simulated(graph, cluster, candidate, problem, solution.chunk_of_layer, solution.option_of_layer)
     after = _simulated(graph, cluster, candidate, problem, refined.chunk_of_layer, refined.option_of_layer)
     assert refined.chunk_of_layer != solution.chunk_of_layer
-    assert after < 0.95 * before
+    assert after < (1 - 1e-3) * before
     assert refined.objective_s == pytest.approx(after, rel=1e-3)
     assert list(refined.chunk_of_layer) == sorted(refined.chunk_of_layer)  # contiguous, every chunk used
     assert set(refined.chunk_of_layer) == set(range(problem.shape.num_chunks))

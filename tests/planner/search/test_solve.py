@@ -239,11 +239,12 @@ def run_plan(graph, cluster, gpus=8, gbs=32, **kwargs):
 def test_winner_is_the_best_simulated_of_the_top_k(small_graph):
     result = run_plan(small_graph, cluster_with_memory(), top_k=4)
     assert result.prediction["fits"]
-    # the top-k's runners-up, each of its own structure, then the conventional layout
-    assert len(result.alternatives) == 4 and result.alternatives[-1]["conventional"]
+    # the top-k's runners-up, each of its own structure (those of the winner's shape fold into it:
+    # here every simulated one is pp=1 dp=8), then the conventional layout
+    assert 1 <= len(result.alternatives) <= 4 and result.alternatives[-1]["conventional"]
     shapes = [(a["mesh"]["pp"], a["mesh"]["dp"], a["mesh"]["tp"], a["schedule"]["name"] if a["mesh"]["pp"] > 1 else "")
               for a in [result.to_json(), *result.alternatives[:-1]]]
-    assert len(set(shapes)) == 4  # mesh shape or schedule differ (1f1b and gpipe are one family)
+    assert len(set(shapes)) == len(shapes)  # mesh shape or schedule differ (1f1b and gpipe are one family)
     for alt in result.alternatives:
         assert alt["why_not"]
         assert result.prediction["step_time_s"] <= alt["prediction"]["step_time_s"] or not alt["prediction"]["fits"]
