@@ -296,6 +296,19 @@ def set_field(text: str, section: str, key: str, value: float, comment: str) -> 
     return text[:header.end()] + pattern.sub(lambda _: line, body, count=1) + text[stop:]
 
 
+def fit_comment(name: str, source: str, key: str) -> str:
+    """What a written field was fitted on; a part that takes another's fit says whose it is."""
+    if key == "fp8_matmul_efficiency":
+        return "solved from torchao float8 README's 1.39x by benchmarks/fit_efficiency.py (no run)"
+    if name == "mi300x" and key == "matmul_efficiency":
+        return "h100-sxm's Llama 3 T4 fit x MAMF 60.1% / 80.1% (ml-engineering)"
+    if source == "h100-sxm" and key == "matmul_half_efficiency_flops":
+        comment = "a100-80g's Narayanan 2021 T1 fit x the bf16 peak ratio 989/312 (benchmarks/fit_efficiency.py)"
+    else:
+        comment = FIT_NOTE.format(what=A100_NOTE if source == "a100-80g" or key != "matmul_efficiency" else H100_NOTE)
+    return comment if name in (source, "a100-40g") else f"{source}'s, not fitted on this part: {comment}"
+
+
 def write_profiles(result: FitResult, profiles_dir: Path = PROFILES_DIR) -> None:
     """Fitted values into the four GPU profiles; each line's comment names its fit set. The
     comment blocks above them (sources, copies) are the profiles' own."""
@@ -306,13 +319,7 @@ def write_profiles(result: FitResult, profiles_dir: Path = PROFILES_DIR) -> None
         path = profiles_dir / f"{name}.toml"
         text = path.read_text()
         for key, value in device.items():
-            what = A100_NOTE if source == "a100-80g" or key != "matmul_efficiency" else H100_NOTE
-            comment = FIT_NOTE.format(what=what)
-            if key == "fp8_matmul_efficiency":
-                comment = "solved from torchao float8 README's 1.39x by benchmarks/fit_efficiency.py (no run)"
-            elif name == "mi300x" and key == "matmul_efficiency":
-                comment = "h100-sxm's Llama 3 T4 fit x MAMF 60.1% / 80.1% (ml-engineering)"
-            text = set_field(text, "device", key, value, comment)
+            text = set_field(text, "device", key, value, fit_comment(name, source, key))
         text = set_field(text, "topology.inter_node", "efficiency", result.link_efficiency[source],
                          FIT_NOTE.format(what="nccl-tests"))
         path.write_text(text)

@@ -213,7 +213,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
                          ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,
                          recompute=dominant_recompute([m for m in block_modes]), sp=job.sp, schedule=job.schedule,
-                         vpp=job.vpp, precision=precision, engine=job.engine, **_expert_tensor_degree(job, notes))
+                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:
@@ -224,11 +224,6 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     prediction = predict(graph, cluster, config, chunks, recomputes)
     return JobEstimate(job=job, spec=spec, seq=seq, config=config, chunk_of_layer=chunks,
                        recompute_of_layer=recomputes, prediction=prediction, notes=tuple(notes))
-
-
-def _expert_tensor_degree(job: EngineJob, notes: list[str]) -> dict:
-    """`etp` for the configuration: the config's expert tensor parallelism (None: as tp)."""
-    return {} if job.etp is None else {"etp": job.etp}
 
 
 def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes: list[str]) -> tuple[int, int]:
