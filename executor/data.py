@@ -31,14 +31,15 @@ class DataSource:
 def token_vocab(spec: str, seq: int) -> int | None:
     """The vocabulary token batches are drawn from: the zoo's (as published) or a Hugging Face
     config's; None for file models, which train on batches shaped like their example inputs."""
-    from meshplan.planner.models.registry import parse_spec
+    from meshplan.planner.models.registry import hf_config_path, parse_spec
     from meshplan.planner.models.hf import hf_vocab
 
     config = parse_spec(spec, seq)
     if config is not None:
         return config.vocab
-    if spec.startswith("hf:"):  # the config alone: building the model here would be work thrown away
-        return hf_vocab(spec[len("hf:"):])
+    config_path = hf_config_path(spec)
+    if config_path is not None:  # the config alone: building the model here would be work thrown away
+        return hf_vocab(config_path)
     return None
 
 

@@ -95,7 +95,8 @@ def make_config(path_text: str, data: dict | None = None):
     try:
         import transformers
     except ImportError:
-        raise MeshplanError("hf: model specs need the optional transformers extra: pip install 'meshplan[hf]'") from None
+        raise MeshplanError("hf: model specs and the published-config presets need transformers, a meshplan "
+                            "dependency: pip install 'transformers>=5'") from None
     config_class = _config_class(path_text, data["model_type"])
     notes = check_keys(path_text, data, config_class)
     try:

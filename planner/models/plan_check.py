@@ -21,9 +21,9 @@ def zoo_layer_names(spec: str, seq: int) -> list[str] | None:
     An unknown or malformed spec raises MeshplanError (for an unknown name the message lists the
     known models).
     """
-    from meshplan.planner.models.registry import build_model, parse_spec
+    from meshplan.planner.models.registry import build_model, hf_config_path, parse_spec
 
-    if spec.startswith("hf:") or spec.partition(":")[0].endswith(".py"):
+    if hf_config_path(spec) is not None or spec.partition(":")[0].endswith(".py"):
         return None
     config = parse_spec(spec, seq)
     if config is None:

@@ -8,6 +8,7 @@ package does not import torch.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from meshplan.planner.contracts.errors import MeshplanError
@@ -59,15 +60,20 @@ PRESETS: dict[str, TransformerConfig] = {
                                          context_length=40960),
 }
 
-# Published models meshplan does not build, and why (asked for by name, they get this reason).
-NOT_MODELLED = {
-    "deepseek-v3": "DeepSeek-V3 uses multi-head latent attention (low-rank compressed K/V), which meshplan's "
-                   "own families do not model; profile its Hugging Face config instead (hf:config.json of "
-                   "deepseek-ai/DeepSeek-V3: transformers' model is traced)",
-    "deepseek-v2": "DeepSeek-V2 uses multi-head latent attention (low-rank compressed K/V), which meshplan's "
-                   "own families do not model; profile its Hugging Face config instead (hf:config.json of "
-                   "deepseek-ai/DeepSeek-V2 or DeepSeek-V2-Lite: transformers' model is traced)",
+# Published mixtures of experts whose attention the zoo's families do not build (multi-head latent
+# attention; alternating sliding-window / full attention with per-head sinks and biases): each
+# name stands for its released config.json, shipped in `planner/models/published/` and profiled
+# as an `hf:` spec is, by tracing transformers' own model on the meta device. The files are the
+# hub repositories' config.json (deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2-Lite,
+# openai/gpt-oss-20b, openai/gpt-oss-120b) without `quantization_config` (the released weights'
+# FP8 / MXFP4 storage) and `auto_map` (remote code). Every one is a mixture of experts.
+PUBLISHED_CONFIGS: dict[str, str] = {
+    "deepseek-v3": "deepseek_v3.json",
+    "deepseek-v2-lite": "deepseek_v2_lite.json",
+    "gpt-oss-20b": "gpt_oss_20b.json",
+    "gpt-oss-120b": "gpt_oss_120b.json",
 }
+PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 
 _PARAMETRIC_KEYS = {
     "gpt": {"layers", "hidden", "heads", "vocab", "ffn", "tied", "positions"},
@@ -85,15 +91,23 @@ _EXAMPLES = {"gpt": "gpt:layers=12,hidden=768,heads=12,vocab=50257",
 
 
 def known_models() -> list[str]:
-    return sorted(PRESETS)
+    return sorted([*PRESETS, *PUBLISHED_CONFIGS])
+
+
+def hf_config_path(spec: str) -> str | None:
+    """The config file behind a spec that transformers' code builds: the path of an `hf:` spec,
+    the shipped file of a `PUBLISHED_CONFIGS` name; None for every other spec."""
+    if spec.startswith("hf:"):
+        return spec[3:]
+    if spec in PUBLISHED_CONFIGS:
+        return str(PUBLISHED_DIR / PUBLISHED_CONFIGS[spec])
+    return None
 
 
 def parse_spec(spec: str, seq: int) -> TransformerConfig | None:
     """A TransformerConfig for a preset or parametric spec; None for file/hf specs."""
     if spec in PRESETS:
         return PRESETS[spec]
-    if spec in NOT_MODELLED:
-        raise MeshplanError(f"model {spec!r} is not available: {NOT_MODELLED[spec]}")
     family, sep, rest = spec.partition(":")
     if not sep or family not in _PARAMETRIC_KEYS:
         return None
@@ -154,10 +168,10 @@ def build_model(spec: str, seq: int, tp: int = 1, device: str = "meta", dtype=No
     """Build the model a spec names, on `device` (meta by default: no memory, no weights)."""
     if not isinstance(seq, int) or seq <= 0:
         raise MeshplanError(f"sequence length must be a positive integer, got {seq!r}")
-    cfg = _hf_moe_config(spec)
-    if spec.startswith("hf:") and cfg is None:
+    cfg, config_path = _hf_moe_config(spec), hf_config_path(spec)
+    if config_path is not None and cfg is None:
         from meshplan.planner.models.hf import build_hf_model
-        return build_hf_model(spec[3:], seq, device=device, dtype=dtype)
+        return build_hf_model(config_path, seq, device=device, dtype=dtype)
     cfg = cfg or parse_spec(spec, seq)
     if cfg is not None:
         return _build_zoo(spec, cfg, seq, tp, device, dtype)
@@ -248,12 +262,15 @@ def moe_info(cfg: TransformerConfig) -> dict[str, Any]:
 
 def is_moe_spec(spec: str, seq: int = 2048) -> bool:
     """Whether a spec names a mixture of experts (no torch, no model built; False for file specs)."""
+    if spec in PUBLISHED_CONFIGS:
+        return True
     cfg = _hf_moe_config(spec) if spec.startswith("hf:") else parse_spec(spec, seq)
     return cfg is not None and cfg.family == "moe"
 
 
 def _hf_moe_config(spec: str) -> TransformerConfig | None:
-    """The meshplan MoE config an `hf:` MoE config maps onto (None for other specs)."""
+    """The meshplan MoE config an `hf:` MoE config maps onto (None for other specs, and for the
+    published configs, whose attention the moe family does not build)."""
     if not spec.startswith("hf:"):
         return None
     from meshplan.planner.models.hf import hf_moe_config
@@ -263,7 +280,7 @@ def _hf_moe_config(spec: str) -> TransformerConfig | None:
 
 def context_note(spec: str | None, seq: int | None) -> str:
     """`TransformerConfig.context_note` of a zoo spec ("" for other models or no --seq)."""
-    if not spec or not seq or spec.startswith("hf:"):
+    if not spec or not seq or hf_config_path(spec) is not None:
         return ""
     try:
         cfg = parse_spec(spec, seq)
@@ -274,9 +291,10 @@ def context_note(spec: str | None, seq: int | None) -> str:
 
 def default_seq(spec: str, wanted: int = 2048) -> int:
     """`wanted`, capped by the learned positions of a GPT preset or an HF config (no torch import)."""
-    if spec.startswith("hf:"):
+    config_path = hf_config_path(spec)
+    if config_path is not None:
         from meshplan.planner.models.hf import hf_max_positions
-        limit = hf_max_positions(spec[3:])
+        limit = hf_max_positions(config_path)
         return min(wanted, limit) if limit else wanted
     try:
         cfg = parse_spec(spec, wanted)
@@ -296,10 +314,10 @@ def build_for_profile(spec: str, seq: int, dtype=None) -> ProfileModel:
     """
     if not isinstance(seq, int) or seq <= 0:
         raise MeshplanError(f"sequence length must be a positive integer, got {seq!r}")
-    cfg = _hf_moe_config(spec)
-    if spec.startswith("hf:") and cfg is None:
+    cfg, config_path = _hf_moe_config(spec), hf_config_path(spec)
+    if config_path is not None and cfg is None:
         from meshplan.planner.models.hf import build_hf_for_profile
-        return build_hf_for_profile(spec[3:], seq, dtype=dtype)
+        return build_hf_for_profile(config_path, seq, dtype=dtype)
     cfg = cfg or parse_spec(spec, seq)
     if cfg is None:
         return ProfileModel(build_model(spec, seq, device="meta", dtype=dtype), ())

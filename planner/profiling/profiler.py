@@ -78,10 +78,11 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     except ValueError as err:
         raise MeshplanError(str(err)) from None
     capacity = float(moe_capacity_factor or 0.0)
-    if spec.startswith("hf:"):
+    config_path = _hf_config_path(spec)
+    if config_path is not None:
         from meshplan.planner.models.hf_config import check_seq_limit
 
-        check_seq_limit(spec[3:], seq)
+        check_seq_limit(config_path, seq)
     graph = _profile(spec, seq, dtype, attention, cache, trace)
     if moe_imbalance == 1.0 and not capacity:
         return graph
@@ -108,6 +109,13 @@ def carry_model_graph(plan):
         return plan
     graph = profile_plan_model(plan.model)  # a cache hit right after the search that traced it
     return replace(plan, graph=replace(graph, spec=plan.model.spec))
+
+
+def _hf_config_path(spec: str) -> str | None:
+    """The config file of a spec transformers' code builds (`hf:` and the published configs)."""
+    from meshplan.planner.models.registry import hf_config_path
+
+    return hf_config_path(spec)
 
 
 def _check_imbalance(moe_imbalance) -> None:
@@ -169,10 +177,11 @@ def _profile_uncached(spec: str, seq: int, dtype: str, attention: str) -> ModelG
     from meshplan.planner.profiling.tracing import measure_layers
 
     notes: tuple[str, ...] = ()
-    if spec.startswith("hf:"):  # misspelt keys, unknown model types: refused before anything is built
+    config_path = _hf_config_path(spec)
+    if config_path is not None:  # misspelt keys, unknown model types: refused before anything is built
         from meshplan.planner.models.hf import check_hf_config
 
-        notes = check_hf_config(spec[3:])
+        notes = check_hf_config(config_path)
     target = build_for_profile(spec, seq, dtype=torch_dtype(dtype))
     built = target.built
     groups = built.layer_groups
@@ -330,7 +339,7 @@ def _cache_path(spec: str, seq: int, dtype: str, attention: str) -> Path | None:
     key = {"format": CACHE_FORMAT, "spec": spec, "source": _spec_source_hash(spec), "seq": seq, "dtype": dtype,
            "attention": attention, "meshplan": _version("meshplan"), "torch": _version("torch"),
            "code": _code_hash()}
-    if spec.startswith("hf:"):  # the block's code is transformers' (e.g. how it calls SDPA)
+    if _hf_config_path(spec) is not None:  # the block's code is transformers' (e.g. how it calls SDPA)
         key["transformers"] = _version("transformers")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     return cache_dir() / "profiles" / f"{digest}.json"
@@ -361,10 +370,10 @@ def _code_hash(root: Path | None = None) -> str:
 
 def _spec_source_hash(spec: str) -> str:
     """Content hash of the file a file or HF spec names (so edits invalidate the cache)."""
-    if spec.startswith("hf:"):
+    if _hf_config_path(spec) is not None:
         from meshplan.planner.contracts.plan import hf_config_file
 
-        path = Path(hf_config_file(spec[3:]))
+        path = Path(hf_config_file(_hf_config_path(spec)))
     elif spec.partition(":")[0].endswith(".py"):
         path = Path(spec.rpartition(":")[0] if ":" in spec else spec)
     else:
