@@ -18,8 +18,10 @@ import shlex
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
+from meshplan.planner.engines.megatron_hf import hf_megatron_args
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.registry import hf_config_path
 
 # Megatron-LM's flag for each parallel axis (`contracts.axes`; dp follows from the world size).
 AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
@@ -80,6 +82,10 @@ def export_megatron(plan) -> tuple[str, list[str]]:
 
 def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     cfg = zoo_shape(plan.model.spec, plan.model.seq)
+    config_path = hf_config_path(plan.model.spec) if cfg is None else None
+    hf_args = hf_megatron_args(config_path, notes) if config_path is not None else None
+    if hf_args is not None:  # DeepSeek's latent attention, GPT-OSS (`megatron_hf`)
+        return hf_args
     if cfg is None:
         notes.append(f"model {plan.model.spec}: not a zoo transformer; write its Megatron-LM model arguments by hand")
         return []

@@ -1,0 +1,102 @@
+"""Megatron-LM model arguments for Hugging Face configs of the architectures Megatron-Core builds
+from flags: DeepSeek-V2 / V3 (multi-head latent attention, shared and routed experts, leading
+dense layers, grouped sigmoid routing) and GPT-OSS (grouped-query attention with biases, routed
+experts). The published-config presets (`registry.PUBLISHED_CONFIGS`) are of these types.
+
+Flag names follow Megatron-LM's `arguments.py` and its DeepSeek-V3 examples. What a config holds
+that these flags do not say is returned as a note, not guessed: DeepSeek's multi-token prediction
+module (transformers' model has none and meshplan does not cost it; Megatron-LM adds it with
+`--mtp-num-layers`), GPT-OSS's sliding windows, attention sinks and clamped SwiGLU.
+"""
+from __future__ import annotations
+
+from meshplan.planner.models.hf_config import read_config
+
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+GPT_OSS_TYPES = ("gpt_oss",)
+
+
+def hf_megatron_args(config_path: str, notes: list[str]) -> list[tuple[str, object]] | None:
+    """Megatron-LM's model arguments for the config (None: a type this module does not write)."""
+    data = read_config(config_path)
+    model_type = data["model_type"]
+    if model_type in MLA_TYPES:
+        return _common(data) + _mla(data) + _deepseek_moe(data, notes)
+    if model_type in GPT_OSS_TYPES:
+        return _common(data) + _gpt_oss(data, notes)
+    return None
+
+
+def _common(data: dict) -> list[tuple[str, object]]:
+    """Depth, widths, vocabulary, RMSNorm, SwiGLU, RoPE; biases and tied embeddings as configured."""
+    args: list[tuple[str, object]] = [
+        ("--num-layers", data["num_hidden_layers"]), ("--hidden-size", data["hidden_size"]),
+        ("--ffn-hidden-size", data["intermediate_size"]), ("--num-attention-heads", data["num_attention_heads"]),
+        ("--vocab-size", data["vocab_size"]), ("--swiglu", None), ("--normalization", "RMSNorm"),
+        ("--norm-epsilon", data.get("rms_norm_eps", 1e-6)), ("--position-embedding-type", "rope"),
+        ("--rotary-base", int(data.get("rope_theta", 10000)))]
+    if not data.get("attention_bias", False):
+        args.append(("--disable-bias-linear", None))
+    if not data.get("tie_word_embeddings", False):
+        args.append(("--untie-embeddings-and-output-weights", None))
+    return args
+
+
+def _mla(data: dict) -> list[tuple[str, object]]:
+    """Multi-head latent attention: the low ranks of q (absent: a full q projection) and of the
+    shared K/V latent, the head widths without and with RoPE, the value width, the latent norms
+    (`--qk-layernorm`), YaRN's scaling factor and mscales."""
+    args: list[tuple[str, object]] = [("--multi-latent-attention", None)]
+    if data.get("q_lora_rank"):
+        args.append(("--q-lora-rank", data["q_lora_rank"]))
+    args += [("--kv-lora-rank", data["kv_lora_rank"]), ("--qk-head-dim", data["qk_nope_head_dim"]),
+             ("--qk-pos-emb-head-dim", data["qk_rope_head_dim"]), ("--v-head-dim", data["v_head_dim"]),
+             ("--kv-channels", data["v_head_dim"]), ("--qk-layernorm", None)]
+    scaling = data.get("rope_scaling") or {}
+    if scaling.get("type", scaling.get("rope_type")) == "yarn":
+        args += [("--rotary-scaling-factor", scaling["factor"]), ("--mscale", scaling.get("mscale", 1.0)),
+                 ("--mscale-all-dim", scaling.get("mscale_all_dim", 1.0))]
+    return args
+
+
+def _deepseek_moe(data: dict, notes: list[str]) -> list[tuple[str, object]]:
+    """Routed and shared experts, the leading dense layers, and the router: softmax or sigmoid
+    scores, group-limited top-k, the routed scaling factor, DeepSeek-V3's expert bias (its
+    auxiliary-loss-free balancing, `topk_method` noaux_tc)."""
+    layers, dense = data["num_hidden_layers"], data.get("first_k_dense_replace", 0)
+    expert_ffn = data["moe_intermediate_size"]
+    args: list[tuple[str, object]] = [
+        ("--num-experts", data["n_routed_experts"]), ("--moe-router-topk", data["num_experts_per_tok"]),
+        ("--moe-ffn-hidden-size", expert_ffn), ("--moe-grouped-gemm", None)]
+    if data.get("n_shared_experts"):
+        args.append(("--moe-shared-expert-intermediate-size", data["n_shared_experts"] * expert_ffn))
+    if data.get("moe_layer_freq", 1) != 1:
+        notes.append(f"moe_layer_freq {data['moe_layer_freq']}: not written (Megatron's --moe-layer-freq below "
+                     "puts every MoE layer after the dense ones)")
+    if dense:  # quoted: the launch scripts pass it through a shell
+        args.append(("--moe-layer-freq", f"'([0]*{dense}+[1]*{layers - dense})'"))
+    args.append(("--moe-router-score-function", data.get("scoring_func", "softmax")))
+    if data.get("n_group", 1) > 1:
+        args += [("--moe-router-num-groups", data["n_group"]), ("--moe-router-group-topk", data["topk_group"])]
+    if data.get("routed_scaling_factor", 1.0) != 1.0:
+        args.append(("--moe-router-topk-scaling-factor", data["routed_scaling_factor"]))
+    if data.get("topk_method") == "noaux_tc":
+        args.append(("--moe-router-enable-expert-bias", None))
+    if data.get("num_nextn_predict_layers"):
+        notes.append(f"multi-token prediction ({data['num_nextn_predict_layers']} module) not exported: meshplan "
+                     "costs the model without it; add --mtp-num-layers to train it")
+    return args
+
+
+def _gpt_oss(data: dict, notes: list[str]) -> list[tuple[str, object]]:
+    """Grouped-query attention at the config's head width, biases on (Megatron's default), the
+    routed experts of every layer."""
+    args: list[tuple[str, object]] = [
+        ("--group-query-attention", None), ("--num-query-groups", data["num_key_value_heads"]),
+        ("--kv-channels", data["head_dim"]), ("--num-experts", data["num_local_experts"]),
+        ("--moe-router-topk", data["num_experts_per_tok"]), ("--moe-ffn-hidden-size", data["intermediate_size"]),
+        ("--moe-grouped-gemm", None)]
+    window = data.get("sliding_window")
+    notes.append(f"GPT-OSS's sliding windows ({window} tokens, layer_types), per-head attention sinks and clamped "
+                 f"SwiGLU (swiglu_limit {data.get('swiglu_limit')}) are not written as arguments; set them by hand")
+    return args
