@@ -91,7 +91,8 @@ _EXAMPLES = {"gpt": "gpt:layers=12,hidden=768,heads=12,vocab=50257",
 
 
 def known_models() -> list[str]:
-    return sorted([*PRESETS, *PUBLISHED_CONFIGS])
+    """The zoo's presets, then the published configs, each sorted."""
+    return sorted(PRESETS) + sorted(PUBLISHED_CONFIGS)
 
 
 def hf_config_path(spec: str) -> str | None:

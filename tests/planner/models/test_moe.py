@@ -84,7 +84,6 @@ def test_spec_parses_moe_fields():
     (TINY + ",dense_layers=3,ffn=96", "dense_layers \\(3\\) must leave at least one MoE block of 3"),
     (TINY + ",qk_norm=maybe", "qk_norm must be true or false"),
     (TINY + ",capacity=2", "unknown key 'capacity'"),
-    ("deepseek-v3", "multi-head latent attention"),
 ])
 def test_bad_moe_specs(spec, match):
     with pytest.raises(MeshplanError, match=match):

@@ -113,7 +113,7 @@ def test_profile_cli_json_and_errors(run_cli):
     assert "active_params" not in json.loads(out)
     for argv, match in ((("--model", "llama3-8b", "--moe-imbalance", "1.2"), "needs a mixture-of-experts"),
                         (("--model", "mixtral-8x7b", "--moe-imbalance", "0.9"), ">= 1.0"),
-                        (("--model", "deepseek-v3"), "multi-head latent attention")):
+                        (("--model", "deepseek-v3", "--seq", "163841"), "exceeds the 163,840 positions")):
         code, _, err = run_cli("profile", "--seq", "256", *argv)
         assert code == 2 and match in err and len(err.strip().splitlines()) == 1
 
