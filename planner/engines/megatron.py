@@ -18,7 +18,7 @@ import shlex
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
-from meshplan.planner.engines.megatron_hf import hf_megatron_args
+from meshplan.planner.engines.megatron_hf import hf_megatron_args, published_spec
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import hf_config_path
@@ -414,6 +414,13 @@ def _model_spec(flags, get, notes: list[str]) -> str | None:
     vocab = get("--vocab-size", None)
     if None in (layers, hidden, heads):
         return None
+    published = published_spec(flags)
+    if published is not None:
+        return published
+    if "--multi-latent-attention" in flags:
+        notes.append("--multi-latent-attention with shapes no published preset has (deepseek-v3, deepseek-v2-lite): "
+                     "meshplan's own families have no latent attention")
+        return None
     if vocab is None:
         notes.append("--vocab-size not given (the tokenizer decides it): assumed 128256 (Llama 3)")
         vocab = 128256
@@ -421,10 +428,14 @@ def _model_spec(flags, get, notes: list[str]) -> str | None:
     kv_heads = get("--num-query-groups", heads) if "--group-query-attention" in flags else heads
     ffn = get("--ffn-hidden-size", 4 * hidden)
     family = "moe" if get("--num-experts", 0) > 1 else "llama" if llama else "gpt"
-    cfg = TransformerConfig(family, layers, hidden, heads, vocab, ffn=ffn, num_kv_heads=kv_heads,
-                            max_positions=get("--max-position-embeddings", 1024),
-                            tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
-                            **(_read_moe(flags, get, ffn, layers) if family == "moe" else {}))
+    try:
+        cfg = TransformerConfig(family, layers, hidden, heads, vocab, ffn=ffn, num_kv_heads=kv_heads,
+                                max_positions=get("--max-position-embeddings", 1024),
+                                tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
+                                **(_read_moe(flags, get, ffn, layers) if family == "moe" else {}))
+    except ValueError as exc:  # e.g. GPT-OSS's 64 heads of 64 over a hidden size of 2880
+        notes.append(f"the model arguments are no shape of meshplan's own families ({exc})")
+        return None
     return spec_for_shape(cfg)
 
 

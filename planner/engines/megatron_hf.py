@@ -11,9 +11,14 @@ module (transformers' model has none and meshplan does not cost it; Megatron-LM 
 from __future__ import annotations
 
 from meshplan.planner.models.hf_config import read_config
+from meshplan.planner.models.registry import PUBLISHED_CONFIGS, hf_config_path
 
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 GPT_OSS_TYPES = ("gpt_oss",)
+# The arguments that tell the published presets apart from each other and from zoo shapes.
+SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--kv-channels",
+               "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--num-experts", "--moe-router-topk",
+               "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size")
 
 
 def hf_megatron_args(config_path: str, notes: list[str]) -> list[tuple[str, object]] | None:
@@ -25,6 +30,22 @@ def hf_megatron_args(config_path: str, notes: list[str]) -> list[tuple[str, obje
     if model_type in GPT_OSS_TYPES:
         return _common(data) + _gpt_oss(data, notes)
     return None
+
+
+def published_spec(flags: dict[str, str | None]) -> str | None:
+    """The published-config preset whose shape Megatron-LM arguments give (`SHAPE_FLAGS` equal,
+    present in both or absent from both); None when none has it."""
+    for name in PUBLISHED_CONFIGS:
+        args = dict(hf_megatron_args(hf_config_path(name), []) or ())
+        if all(_same_flag(args, flags, flag) for flag in SHAPE_FLAGS):
+            return name
+    return None
+
+
+def _same_flag(args: dict, flags: dict, flag: str) -> bool:
+    if (flag in args) != (flag in flags):
+        return False
+    return flag not in args or args[flag] is None or str(args[flag]) == str(flags[flag]).strip("'\"")
 
 
 def _common(data: dict) -> list[tuple[str, object]]:

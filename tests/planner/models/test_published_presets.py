@@ -154,3 +154,24 @@ def test_megatron_arguments_of_deepseek_v3_and_gpt_oss():
     assert "--disable-bias-linear" not in args and "--multi-latent-attention" not in args
     assert any("sliding windows (128 tokens" in note for note in notes)
     assert hf_megatron_args(str(FIXTURES / "llama3_8b.json"), []) is None
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_megatron_arguments_read_back_as_the_preset(name):
+    """A launch without meshplan's header line: the model arguments name the preset again."""
+    from meshplan.planner.engines.megatron import read_megatron
+    from meshplan.planner.engines.megatron_hf import hf_megatron_args
+
+    lines = [flag if value is None else f"{flag} {value}" for flag, value in hf_megatron_args(hf_config_path(name), [])]
+    text = "\n".join(lines + ["--tensor-model-parallel-size 1", "--pipeline-model-parallel-size 1",
+                              "--micro-batch-size 1", "--global-batch-size 64", "--seq-length 4096"])
+    assert read_megatron(text).model == name
+    # a shallower proxy with latent attention is no preset and no zoo shape: the model is asked for
+    proxy = read_megatron(text.replace("--num-layers ", "--num-layers 1"))
+    assert proxy.model is None and any("latent attention" in n or "no shape" in n for n in proxy.notes)
+
+
+def test_data_reads_the_vocabulary_of_a_published_preset():
+    from meshplan.executor.data import token_vocab
+
+    assert token_vocab("gpt-oss-20b", 64) == 201088 and token_vocab("deepseek-v3", 64) == 129280
