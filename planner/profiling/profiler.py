@@ -101,11 +101,13 @@ def profile_plan_model(model) -> ModelGraph:
 
 
 def carry_model_graph(plan):
-    """`plan` carrying its model's layer graph when user code defines the model (`model_file`), so
-    commands that read the plan never run that code; other plans are returned as they are."""
+    """`plan` carrying its model's layer graph when user code defines the model (`model_file`) or
+    transformers' code does (the published-config presets), so commands that read the plan never
+    run that code; other plans (closed-form graphs) are returned as they are."""
     from meshplan.planner.contracts.plan import model_file
 
-    if plan.graph is not None or model_file(plan.model.spec) is None:
+    traced = model_file(plan.model.spec) is not None or _hf_config_path(plan.model.spec) is not None
+    if plan.graph is not None or not traced:
         return plan
     graph = profile_plan_model(plan.model)  # a cache hit right after the search that traced it
     return replace(plan, graph=replace(graph, spec=plan.model.spec))

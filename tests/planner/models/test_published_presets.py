@@ -105,6 +105,7 @@ def test_deepseek_v2_lite_plans_exports_reports_and_estimates(run_cli, tmp_path)
     assert code == 0, err
     plan = json.loads(out)
     assert plan["model"]["spec"] == "deepseek-v2-lite" and plan["executable"]
+    assert plan["model_graph"]["info"]["num_experts"] == 64  # carried: reading the plan traces nothing
     assert plan["prediction"]["step_time_s"] > 0
     code, out, err = run_cli("export", "--plan", plan_path, "--to", "megatron")
     assert code == 0, err
