@@ -65,7 +65,7 @@ def _transformers_counts(name: str) -> tuple[int, int, int]:
 def test_counts_match_the_published_figures_and_transformers(name):
     pytest.importorskip("transformers")
     total, active, unit, experts, top_k, dense = PUBLISHED[name]
-    graph = profile(name, 64)
+    graph = profile(name, 256)
     info = graph.info
     assert (info.num_experts, info.top_k, info.dense_layers) == (experts, top_k, dense)
     their_total, their_experts, embedding = _transformers_counts(name)
@@ -78,7 +78,7 @@ def test_counts_match_the_published_figures_and_transformers(name):
 
 def test_deepseek_v3_layers_and_gpt_oss_alternating_windows():
     pytest.importorskip("transformers")
-    v3 = profile("deepseek-v3", 64)
+    v3 = profile("deepseek-v3", 256)
     blocks = [layer for layer in v3.layers if layer.kind == "block"]
     assert len(blocks) == 61
     assert [bool(layer.expert_params) for layer in blocks] == [False] * 3 + [True] * 58
@@ -126,11 +126,11 @@ def test_deepseek_v2_lite_plans_exports_reports_and_estimates(run_cli, tmp_path)
 @pytest.mark.parametrize("name", ["deepseek-v3", "gpt-oss-20b"])
 def test_memory_and_estimate_take_the_big_presets(run_cli, name):
     pytest.importorskip("transformers")
-    code, out, err = run_cli("memory", "--model", name, "--seq", 1024, "--json")
+    code, out, err = run_cli("memory", "--model", name, "--seq", 256, "--json")
     assert code == 0, err
     assert json.loads(out)
     code, out, err = run_cli("estimate", "--model", name, "--cluster", "h100-sxm", "--gpus", 64, "--gbs", 64,
-                             "--seq", 1024, "--tp", 1, "--pp", 4, "--ep", 8, "--zero", 1, "--json")
+                             "--seq", 256, "--tp", 1, "--pp", 4, "--ep", 8, "--zero", 1, "--json")
     assert code == 0, err
     result = json.loads(out)
     assert result["step_time_s"] > 0 and result["model_tflops_per_gpu"] > 0
