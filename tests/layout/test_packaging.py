@@ -64,6 +64,9 @@ def test_wheel_installs_one_meshplan_namespace(installed):
         assert (installed / "meshplan" / package / "__init__.py").is_file(), package
     assert sorted(p.name for p in (installed / "meshplan" / "profiles").glob("*.toml")) == \
         sorted(p.name for p in (ROOT / "profiles").glob("*.toml"))
+    # the published configs the deepseek-v3 / gpt-oss-* presets name
+    assert sorted(p.name for p in (installed / "meshplan" / "planner" / "models" / "published").glob("*.json")) == \
+        sorted(p.name for p in (ROOT / "planner" / "models" / "published").glob("*.json"))
 
 
 @pytest.mark.timeout(400)
