@@ -1,4 +1,5 @@
-"""Model specs: built-in presets, parametric `gpt:`/`llama:`/`moe:` specs, `file.py:fn` and `hf:config.json`.
+"""Model specs: built-in presets, parametric `gpt:`/`llama:`/`moe:` specs, `file.py:fn` and `hf:config.json`,
+and the published-config presets (`PUBLISHED_CONFIGS`: names of shipped `config.json` files).
 
 `build_model(spec, seq, tp=1, device="meta") -> BuiltModel` is the one way every command and the
 executor turn a spec string into a module. `build_for_profile` builds the same model with its

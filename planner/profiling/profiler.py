@@ -3,7 +3,8 @@
 Presets and parametric `gpt:`/`llama:`/`moe:` specs get their graph in closed form
 (`planner.profiling.analytic`, and `planner.profiling.analytic_moe` for mixtures of experts: no
 torch, no trace, no cache, microseconds); tests hold it equal to the traced graph. `trace=True`
-traces them like any other model; `hf:` configs (MoE ones included) and file models are traced.
+traces them like any other model; `hf:` configs (MoE ones included), the published-config presets
+(`deepseek-v3`, `gpt-oss-*`: shipped `hf:` configs) and file models are traced.
 
 Tracing runs on the meta device (no memory, no weights). The measurement itself is in
 `planner.profiling.tracing`; this module decides what to measure and assembles the graph:
@@ -61,8 +62,8 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
     take their shapes from their example inputs, so `seq` only labels their graph. Zoo specs
     (presets, `gpt:`, `llama:`, `moe:`) are computed in closed form unless `trace` is set, MoE
-    ones as the tracer measures them under balanced routing; `hf:` configs (MoE ones included) and
-    file models are traced; `cache` only concerns traced graphs.
+    ones as the tracer measures them under balanced routing; `hf:` configs (MoE ones included), the
+    published-config presets (`registry.PUBLISHED_CONFIGS`) and file models are traced; `cache` only concerns traced graphs.
     `moe_imbalance` (>= 1, MoE models only) is recorded in `graph.info`: the busiest expert gets
     that many times the balanced tokens; the measured figures stay balanced. So are
     `moe_capacity_factor` (> 0: each expert takes at most that many times the balanced tokens,
