@@ -173,6 +173,7 @@ def test_megatron_arguments_read_back_as_the_preset(name):
 
 
 def test_data_reads_the_vocabulary_of_a_published_preset():
+    pytest.importorskip("transformers")  # the vocabulary transformers reads from the config
     from meshplan.executor.data import token_vocab
 
     assert token_vocab("gpt-oss-20b", 64) == 201088 and token_vocab("deepseek-v3", 64) == 129280
