@@ -10,6 +10,7 @@ module (transformers' model has none and meshplan does not cost it; Megatron-LM 
 """
 from __future__ import annotations
 
+from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.models.hf_config import read_config
 from meshplan.planner.models.registry import PUBLISHED_CONFIGS, hf_config_path
 
@@ -22,8 +23,12 @@ SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-
 
 
 def hf_megatron_args(config_path: str, notes: list[str]) -> list[tuple[str, object]] | None:
-    """Megatron-LM's model arguments for the config (None: a type this module does not write)."""
-    data = read_config(config_path)
+    """Megatron-LM's model arguments for the config (None: a type this module does not write, or
+    an `hf:` file no longer where the plan says: the plan carries its graph, so export needs none)."""
+    try:
+        data = read_config(config_path)
+    except MeshplanError:
+        return None
     model_type = data["model_type"]
     if model_type in MLA_TYPES:
         return _common(data) + _mla(data) + _deepseek_moe(data, notes)

@@ -155,6 +155,7 @@ def test_megatron_arguments_of_deepseek_v3_and_gpt_oss():
     assert "--disable-bias-linear" not in args and "--multi-latent-attention" not in args
     assert any("sliding windows (128 tokens" in note for note in notes)
     assert hf_megatron_args(str(FIXTURES / "llama3_8b.json"), []) is None
+    assert hf_megatron_args(str(FIXTURES / "no_such_config.json"), []) is None  # a moved hf: file: no arguments
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
