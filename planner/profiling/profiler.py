@@ -63,7 +63,8 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     take their shapes from their example inputs, so `seq` only labels their graph. Zoo specs
     (presets, `gpt:`, `llama:`, `moe:`) are computed in closed form unless `trace` is set, MoE
     ones as the tracer measures them under balanced routing; `hf:` configs (MoE ones included), the
-    published-config presets (`registry.PUBLISHED_CONFIGS`) and file models are traced; `cache` only concerns traced graphs.
+    published-config presets (`registry.PUBLISHED_CONFIGS`) and file models are traced; `cache`
+    only concerns traced graphs.
     `moe_imbalance` (>= 1, MoE models only) is recorded in `graph.info`: the busiest expert gets
     that many times the balanced tokens; the measured figures stay balanced. So are
     `moe_capacity_factor` (> 0: each expert takes at most that many times the balanced tokens,
