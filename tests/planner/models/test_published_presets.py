@@ -178,3 +178,23 @@ def test_data_reads_the_vocabulary_of_a_published_preset():
     from meshplan.executor.data import token_vocab
 
     assert token_vocab("gpt-oss-20b", 64) == 201088 and token_vocab("deepseek-v3", 64) == 129280
+
+
+def test_deepseek_v3_blocks_against_their_shapes():
+    """The traced blocks of DeepSeek-V3, counted by hand from its config: multi-head latent attention
+    (q down 7168 -> 1536, its norm, q up to 128 heads of 128 + 64; the K/V latent 512 + the shared
+    rotary key 64, its norm, K/V up to 128 heads of 128 + 128; o from 128 x 128), two RMSNorms,
+    then the dense SwiGLU (18432) or the router (256 experts), one shared expert and 256 routed
+    experts (2048 each), 8 of which each token runs."""
+    pytest.importorskip("transformers")
+    hidden, heads, seq = 7168, 128, 256
+    mla = (hidden * 1536 + 1536 + 1536 * heads * (128 + 64) + hidden * (512 + 64) + 512
+           + 512 * heads * (128 + 128) + heads * 128 * hidden)
+    swiglu = 3 * hidden  # per unit of width: gate, up, down
+    graph = profile("deepseek-v3", seq)
+    dense, moe = graph.layer("blocks.0"), graph.layer("blocks.3")
+    assert dense.num_params == mla + 2 * hidden + swiglu * 18432
+    assert moe.expert_params == 256 * swiglu * 2048
+    assert moe.num_params == mla + 2 * hidden + hidden * 256 + swiglu * 2048 + moe.expert_params
+    assert moe.active_expert_params == moe.expert_params * 8 // 256
+    assert moe.expert_fwd_flops == 2 * seq * 8 * swiglu * 2048  # a multiply-add is 2 FLOPs
