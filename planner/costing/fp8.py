@@ -288,6 +288,7 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     (attention's core, routed experts) on the bf16 curve with attention's two products, except
     `attention_fwd_flops` of flash attention (local; twice as many backward), which run at the
     kernel's `attention_efficiency` (`device_time.attention_time_s`)."""
+    check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # a plan's recipe on its cluster
     recipe, mbs = recipe_of(config), config.rank_microbatch
     seq = infer_seq(layer, info, profile_dtype)
     shapes = gemm.block_linear_shapes(layer, info, seq)

@@ -242,3 +242,59 @@ def test_report_of_an_fp8_plan_names_the_recipe():
                         load_cluster("h100-sxm"), dp=8, zero=1, precision="fp8")
     html = build_report(plan.with_prediction(simulate(plan, timeline=False).to_json()))
     assert "GEMMs in fp8" in html and "the executor does not run fp8" in html
+
+
+def test_each_engine_has_its_default_recipe_and_other_precisions_take_none():
+    def config(**kwargs):
+        return ParallelConfig(gpus=1, global_batch=1, **kwargs)
+    assert [config(precision="fp8", engine=e).fp8_recipe for e in ("meshplan", "megatron", "torchtitan", "deepspeed")] \
+        == ["tensorwise", "delayed", "tensorwise", "delayed"]
+    assert config(precision="fp8", engine="megatron", fp8_recipe="mxfp8").fp8_recipe == "mxfp8"
+    assert config().fp8_recipe is None
+    with pytest.raises(ValueError, match="fp8_recipe 'rowwise' needs precision fp8, got 'bf16-mixed'"):
+        config(fp8_recipe="rowwise")
+    with pytest.raises(ValueError, match="fp8_recipe must be one of tensorwise, rowwise, delayed, mxfp8, got 'x'"):
+        config(precision="fp8", fp8_recipe="x")
+
+
+def test_cli_refuses_mxfp8_off_blackwell_in_one_line(capsys):
+    args = ["estimate", "--model", "llama3-8b", "--gpus", "8", "--gbs", "8", "--precision", "fp8"]
+    rc = main(args + ["--cluster", "h100-sxm", "--fp8-recipe", "mxfp8"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert err.endswith("--fp8-recipe mxfp8: H100 SXM5 80GB (profile 'h100-sxm', architecture hopper) has no "
+                        "block-scaled FP8 tensor cores (MXFP8 needs blackwell); use --fp8-recipe tensorwise, "
+                        "rowwise or delayed")
+    rc = main(["estimate", "--model", "llama3-8b", "--gpus", "8", "--gbs", "8", "--cluster", "h100-sxm",
+               "--fp8-recipe", "delayed"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.endswith("--fp8-recipe delayed needs --precision fp8 (got bf16-mixed)")
+
+
+def test_estimate_prices_each_recipe_and_mxfp8_on_blackwell():
+    kwargs = dict(spec="llama:layers=2,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=1024", gpus=8,
+                  global_batch=16, seq=SEQ, mbs=2, zero=1, precision="fp8")
+    steps = {recipe: estimate(cluster="h100-sxm", fp8_recipe=recipe, **kwargs).step_time_s
+             for recipe in ("tensorwise", "rowwise", "delayed")}
+    # fewer cast bytes, faster: delayed (4 per value) < tensorwise (6, 8) < rowwise (8, 10, bf16 gather)
+    assert steps["delayed"] < steps["tensorwise"] < steps["rowwise"]
+    b200 = estimate(cluster="b200", fp8_recipe="mxfp8", **kwargs)
+    assert 0 < b200.step_time_s < steps["delayed"]
+
+
+def test_plan_json_records_the_recipe_next_to_precision_and_round_trips(tmp_path):
+    from meshplan.planner.contracts.plan import load_plan, plan_from_json, save_plan
+
+    plan = uniform_plan("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1024,vocab=1024", 512, 8,
+                        load_cluster("h100-sxm"), dp=8, zero=1, precision="fp8")
+    plan = replace(plan, config=replace(plan.config, fp8_recipe="rowwise"))
+    data = plan.to_json()
+    keys = list(data)
+    assert data["fp8_recipe"] == "rowwise" and keys.index("fp8_recipe") == keys.index("precision") + 1
+    save_plan(plan, tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").config.fp8_recipe == "rowwise"
+    older = {k: v for k, v in data.items() if k != "fp8_recipe"}  # a plan written before the key
+    assert plan_from_json(older).config.fp8_recipe == "tensorwise"  # meshplan's default
+    bf16 = uniform_plan("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1024,vocab=1024", 512, 8,
+                        load_cluster("h100-sxm"), dp=8, zero=1)
+    assert "fp8_recipe" not in bf16.to_json()
