@@ -314,9 +314,8 @@ def linear_speedup(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str 
     """How many times faster one Linear (input m x k, weight k x n) runs forward and backward in
     fp8 under `recipe` than in bf16: its three GEMMs by shape each way, plus the fp8 casts of its
     input, weight and output gradient (what torchao's float8 benchmarks time)."""
-    def linear_s(dtype: str, scale_block: int = 0) -> float:
-        return (gemm.gemm_time_s(m, n, k, cluster, dtype, scale_block) + gemm.gemm_time_s(m, k, n, cluster, dtype, scale_block)
-                + gemm.gemm_time_s(k, n, m, cluster, dtype, scale_block))
+    def linear_s(dtype: str, scale_block: int = 0) -> float:  # forward, input and weight gradients
+        return sum(gemm.gemm_time_s(*shape, cluster, dtype, scale_block) for shape in ((m, n, k), (m, k, n), (k, n, m)))
     chosen = RECIPES[recipe]
     cast_s = sum(cast_times_s(chosen, (m * k, k * n, m * n), 1.0, cluster))
     return linear_s("bf16") / (linear_s("fp8", chosen.scale_block) + cast_s)

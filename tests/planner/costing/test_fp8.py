@@ -145,8 +145,9 @@ def test_megatron_casts_each_weight_once_per_step(h100, graph):
     assert megatron.num_microbatches == 8 and fp8.weight_cast_share(megatron) == 1 / 8
     weights = block.num_params - 2 * info.hidden
     saved_s = (1 - 1 / 8) * 4 * weights / _bandwidth(h100)
-    assert (layer_cost(block, meshplan, h100, info).fwd_compute_s - layer_cost(block, megatron, h100, info).fwd_compute_s
-            == pytest.approx(saved_s, rel=1e-9))
+    difference_s = (layer_cost(block, meshplan, h100, info).fwd_compute_s
+                    - layer_cost(block, megatron, h100, info).fwd_compute_s)
+    assert difference_s == pytest.approx(saved_s, rel=1e-9)
 
 
 def test_saved_linear_inputs_halve_and_weight_copies_are_buffered(h100, graph):
@@ -298,3 +299,17 @@ def test_plan_json_records_the_recipe_next_to_precision_and_round_trips(tmp_path
     bf16 = uniform_plan("llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1024,vocab=1024", 512, 8,
                         load_cluster("h100-sxm"), dp=8, zero=1)
     assert "fp8_recipe" not in bf16.to_json()
+
+
+def test_plan_cli_records_the_asked_recipe_and_simulate_refuses_mxfp8_on_hopper(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "llama:layers=2,hidden=512,heads=8,kv_heads=4,ffn=1024,vocab=1024", "--seq", "512",
+               "--cluster", "h100-sxm", "--gpus", "2", "--gbs", "4", "--pp", "1", "--tp", "1", "--precision", "fp8",
+               "--fp8-recipe", "rowwise", "--out", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["fp8_recipe"] == "rowwise"
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(out), "--fp8-recipe", "mxfp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "MXFP8 needs blackwell" in err
