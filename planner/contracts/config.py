@@ -25,9 +25,10 @@ ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
 FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8")
 # The recipe each engine runs when none is named: Megatron-LM's `--fp8-recipe` defaults to delayed
-# (megatron/training/arguments.py, core 0.12 to 0.14); torchtitan's [float8] recipe_name unset is
-# torchao's tensorwise (torchtitan 0.2 and 0.3); DeepSpeed leaves FP8 to Transformer Engine in the
-# model code, whose `fp8_autocast` recipe defaults to DelayedScaling; meshplan prices torchao's tensorwise.
+# (megatron/training/arguments.py, core 0.12 to 0.14); torchtitan 0.2's [float8] recipe_name unset is
+# torchao's tensorwise (0.3's Float8LinearConverter runs rowwise only); DeepSpeed leaves FP8 to
+# Transformer Engine in the model code, whose `fp8_autocast` recipe defaults to DelayedScaling;
+# meshplan prices torchao's tensorwise.
 DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtitan": "tensorwise",
                       "deepspeed": "delayed"}
 Recompute = Literal["none", "selective", "full"]

@@ -139,3 +139,21 @@ def test_deepspeed_export_names_the_fp8_approximation():
     exported = export_plan(plan, "deepspeed")
     assert any(note.startswith("fp8: ds_config has no FP8") for note in exported.notes)
     assert '"enabled": true' in exported.text
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchtitan_03_python_config_runs_rowwise_float8(recipe):
+    """torchtitan 0.3's Float8LinearConverter has rowwise scaling only (its recipe_name default):
+    a tensorwise plan is exported as rowwise, said in a note, and read back as rowwise."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.hardware import load_cluster
+
+    base = make_plan(zero=1, pp=1, dp=4, counts=None)
+    plan = replace(base, config=replace(base.config, precision="fp8", fp8_recipe=recipe),
+                   cluster=load_cluster("h100-sxm"))
+    exported = export_plan(plan, "torchtitan", form="python")
+    assert "converters=[Float8LinearConverter.Config()]" in exported.text
+    assert any(note.startswith("fp8 recipe tensorwise: torchtitan 0.3's") for note in exported.notes) == (
+        recipe == "tensorwise")
+    assert read_engine_text(exported.text, "torchtitan").fp8_recipe == "rowwise"
