@@ -24,7 +24,7 @@ Held out:
   whose activation checkpointing meshplan expresses (none or full).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
-FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, costed with meshplan's `fp8` recipe;
+FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, under delayed scaling (Composer's amp_fp8);
 torchtitan's Float8 tables on Meta's H100 96GB at a 500 W cap (`h100-96g-500w`, whose peak
 torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Table 2 (Llama 3.1
 8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8);
@@ -113,6 +113,8 @@ class Run:
     cp: int = 1
     ep: int = 1
     etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
+    fp8_recipe: str | None = None  # under fp8, the recipe its source names (contracts.config.FP8_RECIPES)
+    engine: str = "meshplan"  # the engine that ran it, where meshplan prices that engine (contracts.config.ENGINES)
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -235,8 +237,8 @@ MPT_CLUSTERS = {"h100_80gb": "h100-sxm", "a100_80gb": "a100-80g", "a100_40gb": "
 
 
 MPT_FP8_ASSUMPTIONS = (
-    "amp_fp8 (Transformer Engine Linears, delayed scaling, FSDP1 gathering bf16 weights) costed as meshplan's "
-    "fp8 recipe (torchao tensorwise current scaling, float8 all-gather)",
+    "amp_fp8: Composer's Transformer Engine Linears under TE's default recipe, delayed scaling (--fp8-recipe "
+    "delayed); FSDP1 gathers bf16 weights (meshplan gathers delayed-scaled weights in bf16 outside Megatron)",
 )
 
 
@@ -259,7 +261,7 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
                             attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
-                            precision=precision))
+                            precision=precision, fp8_recipe="delayed" if precision == "fp8" else None))
     return runs
 
 
@@ -275,9 +277,9 @@ TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H10
 def torchtitan_h100_runs() -> list[Run]:
     """torchtitan's H100 tables whose layouts meshplan expresses (HELD_OUT_FP8): Table 2, Llama 3.1
     8B on 8 GPUs with FSDP x CP at 32K-256K tokens, and Table 4's "2D" row, Llama 3.1 70B on 256
-    GPUs with FSDP 32 x TP 8. Float8 is torchao's tensorwise recipe, which meshplan's fp8 is."""
+    GPUs with FSDP 32 x TP 8. Float8 is torchao's tensorwise recipe (--fp8-recipe tensorwise)."""
     assumptions = (
-        "torchao Float8 tensorwise with float8 all-gather = meshplan's fp8 recipe; torch.compile not modelled",
+        "torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile not modelled",
         "full activation checkpointing = full recomputation; no gradient accumulation",
         "FSDP2 over dp x cp = ZeRO-3 over the data ranks; TP with sequence parallelism (torchtitan's)",
         "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')",
@@ -285,11 +287,11 @@ def torchtitan_h100_runs() -> list[Run]:
     rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
     runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                 "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
-                published_tokens_per_s=tps * 8, assumptions=assumptions)
+                fp8_recipe="tensorwise", published_tokens_per_s=tps * 8, assumptions=assumptions)
             for seq, cp, tps in rows]
     runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                     "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
-                    published_tokens_per_s=829.0 * 256, assumptions=assumptions))
+                    fp8_recipe="tensorwise", published_tokens_per_s=829.0 * 256, assumptions=assumptions))
     return runs
 
 
@@ -329,7 +331,7 @@ MEGATRON_MOE_ASSUMPTIONS = (
 def megatron_bridge_dense_runs() -> list[Run]:
     """Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling, HELD_OUT_FP8)."""
     assumptions = (
-        "FP8-CS (Transformer Engine current scaling) costed as meshplan's fp8 recipe (tensorwise current scaling)",
+        "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
         "no recomputation (not published); the distributed optimizer costed as ZeRO-1, Megatron FSDP as ZeRO-3",
         "sequence parallelism with TP (Megatron-Bridge's performance recipes); TP communication overlap not modelled",
         "Llama 3.1 405B costed as llama3-405b (the same shape)",
@@ -340,7 +342,8 @@ def megatron_bridge_dense_runs() -> list[Run]:
             ("LLAMA3.1_405B", "llama3-405b", 1024, 512, 1, 1, 8, 8, 2, 8, 292.0)]
     return [Run(f"Megatron-Bridge {name} fp8 tp{tp} pp{pp} cp{cp}", HELD_OUT_FP8, MEGATRON_BRIDGE_H100, "h100-sxm",
                 spec, gpus, gbs, 8192, tp=tp, pp=pp, mbs=mbs, zero=zero, sp=tp > 1, cp=cp, vpp_options=(vpp,),
-                precision="fp8", attention="cudnn", published_tokens_per_s=tps * gpus, assumptions=assumptions)
+                precision="fp8", fp8_recipe="tensorwise", engine="megatron", attention="cudnn",
+                published_tokens_per_s=tps * gpus, assumptions=assumptions)
             for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
 
 
@@ -376,11 +379,10 @@ def moe_runs() -> list[Run]:
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
-            published_tokens_per_s=5275.0 * 16,
+            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16,
             assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (
                 "no recomputation (not published)", "distributed optimizer costed as ZeRO-1",
-                "FP8-CS (Transformer Engine current scaling) costed as meshplan's fp8 recipe (tensorwise current "
-                "scaling)")),
+                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)")),
     ]
     return runs
 

@@ -65,6 +65,18 @@ def add_attention_argument(parser, default: str | None = "flash") -> None:
                              f"{attention_help()}{after}")
 
 
+def add_fp8_recipe_argument(parser, default_help: str = "the engine's") -> None:
+    """--fp8-recipe: how fp8 scales the GEMM operands (`contracts.config.FP8_RECIPES`, priced by
+    `planner.costing.fp8`); only with --precision fp8."""
+    from meshplan.planner.contracts.config import DEFAULT_FP8_RECIPE, FP8_RECIPES
+
+    defaults = ", ".join(f"{engine} {recipe}" for engine, recipe in DEFAULT_FP8_RECIPE.items())
+    parser.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
+                        help=f"with --precision fp8: tensorwise or delayed (per-tensor scales from the current "
+                             f"amax or an amax history), rowwise, or mxfp8 (32-value blocks, Blackwell only); "
+                             f"default {default_help} ({defaults})")
+
+
 def add_job_arguments(parser) -> None:
     """--model --cluster --gpus --gbs --seq: what is trained, where, and on how much data per step."""
     from meshplan.planner.costing.hardware import profile_listing

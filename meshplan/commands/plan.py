@@ -5,7 +5,8 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
-from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_job_arguments,
+from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
+                                     add_job_arguments,
                                      announce_model_code, check_seq, check_sizes, finite_float, model_notes,
                                      moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
@@ -36,6 +37,7 @@ def add_arguments(parser) -> None:
                         help="per-layer tp/dp inside a stage (analysis only: the plan is marked not executable)")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
+    add_fp8_recipe_argument(parser)
     add_attention_argument(parser)
     parser.add_argument("--engine", default="meshplan", choices=ENGINES,
                         help="plan under this engine's memory recipe (default meshplan, its own executor); "
@@ -91,7 +93,8 @@ def run(args) -> int:
                              moe_imbalance=args.moe_imbalance,
                              moe_capacity_factor=args.moe_capacity_factor,
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
-                             memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine, **pins)
+                             memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
+                             fp8_recipe=args.fp8_recipe, **pins)
 
     rows: list[dict] = []
 

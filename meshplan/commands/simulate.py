@@ -18,6 +18,9 @@ def add_arguments(parser):
                         help="write the step's timeline as Chrome trace-event JSON (open in Perfetto)")
     parser.add_argument("--engine", default=None, choices=ENGINES,
                         help="price memory with this engine's recipe (default: the plan's `engine`)")
+    from meshplan.commands.common import add_fp8_recipe_argument
+
+    add_fp8_recipe_argument(parser, "the plan's `fp8_recipe`, else the engine's")
 
 
 def run(args) -> int:
@@ -29,10 +32,7 @@ def run(args) -> int:
 
     refuse_output_over_input("--trace", args.trace, [("--plan", args.plan)])
     plan = load_plan(args.plan)
-    if args.engine and args.engine != plan.config.engine:
-        from dataclasses import replace
-
-        plan = replace(plan, config=replace(plan.config, engine=args.engine))
+    plan = _with_overrides(plan, args.engine, args.fp8_recipe)
     if args.trace and Path(args.trace).is_dir():
         raise MeshplanError(f"--trace {args.trace} is a directory; give a file name such as trace.json")
     prediction = simulate(plan, timeline=bool(args.trace))
@@ -54,6 +54,23 @@ def run(args) -> int:
     return 0
 
 
+def _with_overrides(plan, engine: str | None, fp8_recipe: str | None):
+    """The plan under --engine and --fp8-recipe when given, its fp8 recipe checked against its
+    cluster (MXFP8 needs Blackwell)."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.fp8 import check_fp8_supported
+
+    config = plan.config
+    if engine and engine != config.engine:
+        config = replace(config, engine=engine)
+    if fp8_recipe:
+        check_fp8_supported(plan.cluster, config.precision, fp8_recipe)
+        config = replace(config, fp8_recipe=fp8_recipe)
+    check_fp8_supported(plan.cluster, config.precision, config.fp8_recipe)
+    return plan if config == plan.config else replace(plan, config=config)
+
+
 def summary(plan, prediction) -> str:
     """Human-readable report of one simulated step."""
     from meshplan.commands.common import throughput_line
@@ -64,7 +81,7 @@ def summary(plan, prediction) -> str:
     lines = [
         f"{plan.model.spec}{f' (seq {plan.model.seq})' if is_sequence_model(plan.model.spec) else ''} on "
         f"{cfg.gpus} x {plan.cluster.name}: "
-        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}"
+        f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}{f' ({cfg.fp8_recipe})' if cfg.fp8_recipe else ''}"
         + (f", memory as {cfg.engine} allocates it" if cfg.engine != "meshplan" else ""),
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
         f"global batch {cfg.global_batch}",

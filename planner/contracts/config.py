@@ -15,11 +15,22 @@ from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_p
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
-# fp8: tensorwise-scaled FP8 Linears over bf16-mixed (planner.costing.fp8); planned, not executed.
+# fp8: FP8 Linears over bf16-mixed under one of FP8_RECIPES (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # The training engine whose memory recipe prices a plan (`costing.engine_memory`): meshplan's own
 # executor, Megatron-LM, torchtitan or DeepSpeed.
 ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
+# How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
+# from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
+# (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
+FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8")
+# The recipe each engine runs when none is named: Megatron-LM's `--fp8-recipe` defaults to delayed
+# (megatron/training/arguments.py, core 0.12 to 0.14); torchtitan 0.2's [float8] recipe_name unset is
+# torchao's tensorwise (0.3's Float8LinearConverter runs rowwise only); DeepSpeed leaves FP8 to
+# Transformer Engine in the model code, whose `fp8_autocast` recipe defaults to DelayedScaling;
+# meshplan prices torchao's tensorwise.
+DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtitan": "tensorwise",
+                      "deepspeed": "delayed"}
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -61,10 +72,14 @@ class ParallelConfig:
     # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
     etp: int | None = None
     engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
+    # Under fp8, a name in FP8_RECIPES; None takes the engine's DEFAULT_FP8_RECIPE (stored resolved).
+    # None for every other precision.
+    fp8_recipe: str | None = None
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
             object.__setattr__(self, "etp", None)
+        self._check_fp8_recipe()
         self._check_mesh()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -120,6 +135,16 @@ class ParallelConfig:
             raise ValueError(f"{mesh_product_text(self)} must equal the number of GPUs ({self.gpus})")
         for axis in FOLDED_AXES:
             axis.check(self)
+
+    def _check_fp8_recipe(self) -> None:
+        if self.precision != "fp8":
+            if self.fp8_recipe is not None:
+                raise ValueError(f"fp8_recipe {self.fp8_recipe!r} needs precision fp8, got {self.precision!r}")
+            return
+        if self.fp8_recipe is None and self.engine in DEFAULT_FP8_RECIPE:
+            object.__setattr__(self, "fp8_recipe", DEFAULT_FP8_RECIPE[self.engine])
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
 
     def _check_shard_group(self) -> None:
         group = self.shard_group

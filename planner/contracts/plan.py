@@ -187,6 +187,9 @@ class Plan:
             "schema_version": self.schema_version,
             "seed": self.seed,
             "precision": cfg.precision,
+            # fp8 plans only: the scaling recipe (older readers ignore the key; plans without it
+            # take the engine's default, `contracts.config.DEFAULT_FP8_RECIPE`)
+            **({"fp8_recipe": cfg.fp8_recipe} if cfg.fp8_recipe else {}),
             "engine": cfg.engine,
             # digest and the MoE capacity fields only when set: none in old plans
             "model": {k: v for k, v in asdict(self.model).items()
@@ -250,6 +253,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],
             engine=data.get("engine", "meshplan"),  # plans written before the key: meshplan's executor
+            fp8_recipe=data.get("fp8_recipe"),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))
         if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "

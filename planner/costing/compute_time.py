@@ -57,8 +57,8 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
     kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype) if attention_fwd else 0.0
     if fp8.is_fp8(config.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
-        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, shard, mbs, profile_dtype,
-                                                  attention_fwd, kernel)
+        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, config, fwd_flops, bwd_flops, shard,
+                                                  profile_dtype, attention_fwd, kernel)
     else:
         fwd_gemm_s, bwd_gemm_s = _bf16_gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, mbs, shard,
                                                     profile_dtype, dtype, attention_fwd, kernel)

@@ -1,27 +1,30 @@
-"""The FP8 precision recipe: every rule the cost model applies under `precision="fp8"`, once.
+"""FP8 Linears: every rule the cost model applies under `precision="fp8"`, once, per scaling recipe.
 
-`fp8` is torchao's `Float8Linear` with tensorwise dynamic ("current") scaling, as torchtitan
-runs it: the model compiled, FSDP2 with float8 all-gather (`enable_fsdp_float8_all_gather`) and
-the fp8 weight recast in backward (`force_recompute_fp8_weight_in_bwd`), the output Linear (the
-head) left in bf16 (torchtitan's default `filter_fqns = ["output"]`). `layer_cost.layer_cost`
-reads these functions, so the ILP and the simulator charge the same thing.
+`fp8` runs a transformer block's dense Linears (q, k, v, o, the MLP's up, gate, down) in fp8 and
+everything else as bf16-mixed: attention's core, norms and elementwise work, the embedding, the
+head (torchtitan's default `filter_fqns = ["output"]`), MoE routed experts (grouped GEMMs).
+`config.fp8_recipe` names how each GEMM operand is scaled (`RECIPES`; `contracts.config`
+resolves the engine's default). `layer_cost` and `compute_time` read these functions, so the
+ILP and the simulator charge the same thing.
 
 Compute, per micro-batch on one rank:
-- the dense Linears of a transformer block (q, k, v, o and the MLP's up, gate, down): forward,
-  input-gradient and weight-gradient GEMMs at the profile's `fp8` peak x `fp8_matmul_efficiency`
-  (`fp8_gemm_time_s`), on the bf16 size curve f / (f + f_half) with f_half scaled by the peak
-  ratio fp8 / bf16 (the same fixed time per GEMM is worth that many more FLOPs);
-- everything else as under bf16-mixed, in bf16: attention's core (SDPA), norms and elementwise
-  work, the embedding, the head, MoE routed experts (grouped GEMMs are not `nn.Linear`);
-- the casts: each GEMM operand is cast from bf16 to fp8 with a fresh tensorwise scale, memory-
-  bound: `FP8_CAST_BYTES_PER_VALUE` (read 2, write 1; the amax reduction assumed fused into the
-  kernel that produces the tensor, as torch.compile does) at the achieved memory bandwidth.
-  Forward casts each Linear input once (one cast per region shared by q, k, v / up, gate) and
-  every weight; backward casts the output gradients, the weights again and the saved inputs in
-  the weight gradient's layout, counted as twice the forward's values (`cast_values`).
+- each fp8 GEMM by its shape (`gemm.gemm_time_s` at the profile's fp8 peak x
+  `fp8_matmul_efficiency`, the size curve, wave quantisation and the roofline: fp8 operands,
+  a bf16 output, MXFP8's E8M0 scales read beside them): forward, input gradient and weight
+  gradient of every Linear (`gemm.block_linear_shapes`); a block whose shapes are not known
+  (MoE blocks, traced models) puts its Linears' FLOPs on the fp8 size curve (`fp8_gemm_time_s`).
+  No recipe slows the GEMM itself: torchao's roofline prices its tensorwise, rowwise and MXFP8
+  GEMMs at one fp8 rate (torchao/testing/training/roofline_utils.py, get_gemm_time_sympy);
+- the casts, memory-bound at the achieved bandwidth: each Linear's input, its weight and its
+  output gradient is quantised once per micro-batch into the two layouts Hopper's fp8 GEMMs
+  need (K-major for one GEMM, transposed for the other), at the recipe's bytes per value
+  (`Fp8Recipe`). Forward pays the inputs' and weights' casts, backward the output gradients'.
+  Megatron-LM's Transformer Engine Linears quantise a weight on the first micro-batch of a step
+  and reuse it (`is_first_microbatch`, megatron/core/extensions/transformer_engine.py), so under
+  `--engine megatron` a weight's cast is paid once per step (`weight_cast_share`).
 
 Memory per rank:
-- model states as bf16-mixed (fp32 masters and Adam moments, FSDP2's bf16 compute copy);
+- model states as bf16-mixed (fp32 masters and Adam moments, the bf16 compute copy);
 - saved for backward: the block's Linear inputs in fp8, 1 byte per value instead of 2 (the
   eager `Float8Linear` keeps its bf16 input and relies on torch.compile to save the fp8 cast,
   pytorch/ao#1850); everything else stays bf16 (`saved_bytes_saving`);
@@ -29,40 +32,100 @@ Memory per rank:
   backward, a transient of 1 byte per Linear parameter (`transient_bytes`); with float8
   all-gather the gathered copy already is that weight. Scale state: one fp32 scale per cast
   tensor (input, weight, gradient) per Linear, `FP8_SCALE_BYTES_PER_LINEAR`, with the buffers;
-- ZeRO 1-3 (FSDP2 `fully_shard`): float8 all-gather casts each Linear's weight shard to fp8
-  before the gather, so parameter all-gathers move 1 byte per Linear parameter instead of 2 and
-  the unsharded copy FSDP2 holds is fp8 (`gather_bytes_per_param`).
+- ZeRO 1-3, where the engine gathers parameters in fp8 (`Fp8Recipe.fp8_gather_engines`:
+  torchtitan's `enable_fsdp_float8_all_gather`, tensorwise only; Megatron-LM's
+  `--fp8-param-gather`): parameter all-gathers move 1 byte per Linear parameter instead of 2 and
+  the unsharded copy is fp8 (`gather_bytes_per_param`).
 
-Not modelled: TP's float8 all-gathers (torchtitan's Float8ColwiseParallel), delayed scaling,
-rowwise scaling, fp8 attention. Not executed: `meshplan train` refuses fp8 plans.
+Not modelled: TP's float8 all-gathers (torchtitan's Float8ColwiseParallel), fp8 attention, the
+amax history's memory. Not executed: `meshplan train` refuses fp8 plans.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import FP8_RECIPES, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing import gemm
 from meshplan.planner.costing.activation_memory import keeps_gathered_input
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
 
-FP8_RECIPES = ("fp8",)
 FP8_BYTES = 1.0
 BF16_BYTES = 2.0
-# bf16 -> fp8 cast: read the bf16 value, write the fp8 one (amax fused into the producer).
-FP8_CAST_BYTES_PER_VALUE = BF16_BYTES + FP8_BYTES
 # One fp32 scale per cast tensor of a Linear: input, weight, output gradient.
 FP8_SCALE_BYTES_PER_LINEAR = 3 * 4.0
-# Backward casts about twice the forward's values (output gradients, weights, inputs re-laid out).
-BACKWARD_CAST_FACTOR = 2.0
+# MXFP8: one E8M0 (1-byte) scale per 32 consecutive values (Transformer Engine's MXFP8 docs).
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How one fp8 recipe quantises a Linear's GEMM operands, in memory traffic per value.
+
+    `activation_cast_bytes`: bytes read and written per value of a Linear's input or output
+    gradient (bf16 in) to produce both fp8 layouts; `weight_cast_bytes`: the same per weight
+    value. `architectures`: the GPU generations whose tensor cores run its GEMMs (() any with an
+    fp8 peak). `fp8_gather_engines`: the engines whose parameter all-gathers move its fp8 weights.
+    `scale_block`: values per scale read beside each GEMM operand (0: one scale per tensor or row)."""
+
+    name: str
+    activation_cast_bytes: float
+    weight_cast_bytes: float
+    fp8_gather_engines: tuple[str, ...]
+    architectures: tuple[str, ...] = ()
+    scale_block: int = 0
+
+    def __post_init__(self):
+        if self.name not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe name must be one of {', '.join(FP8_RECIPES)}, got {self.name!r}")
+        if not (self.activation_cast_bytes > 0 and self.weight_cast_bytes > 0):
+            raise ValueError(f"{self.name}: cast bytes per value must be positive, got "
+                             f"{self.activation_cast_bytes}, {self.weight_cast_bytes}")
+
+
+B, F = BF16_BYTES, FP8_BYTES
+RECIPES = {recipe.name: recipe for recipe in (
+    # torchao tensorwise (roofline_utils.get_tensor_memory_traffic_ovhd_s, unfused): an amax pass
+    # (read bf16), then one kernel reads bf16 and writes both fp8 layouts; a weight is cast
+    # once per layout (fwd, bwd), each reading bf16. Float8 all-gather: torchtitan (FSDP2's
+    # `enable_fsdp_float8_all_gather`), meshplan's pricing of it, Megatron's --fp8-param-gather.
+    Fp8Recipe("tensorwise", B + (B + 2 * F), B + 2 * (B + F), ("meshplan", "torchtitan", "megatron")),
+    # torchao rowwise (same source): one kernel writes the row-scaled fp8 copy and a bf16
+    # transpose, a second quantises that transpose along the other axis (a row's scale cannot
+    # serve the column-scaled GEMM); a weight pays a separate bf16 transpose (read + write).
+    # torchao gathers rowwise weights in bf16 (its float8 README: "rowwise with bfloat16 all-gather").
+    Fp8Recipe("rowwise", (B + F + B) + (B + F), (B + F) + 2 * B + (B + F), ()),
+    # Transformer Engine's DelayedScaling: the scale comes from the amax history, so the cast
+    # needs no amax pass (it records this step's amax as it casts): one cast-transpose kernel
+    # reads bf16 once and writes both layouts. Megatron's --fp8-param-gather gathers them in fp8.
+    Fp8Recipe("delayed", B + 2 * F, B + 2 * F, ("megatron",)),
+    # MXFP8 (Transformer Engine's MXFP8BlockScaling, Blackwell's block-scaled tensor cores): each
+    # 32-value block scales itself, so one kernel reads bf16 once and writes both layouts with one
+    # E8M0 scale per block each; the GEMMs read the scales beside the operands.
+    Fp8Recipe("mxfp8", B + 2 * F * (1 + 1 / MX_BLOCK), B + 2 * F * (1 + 1 / MX_BLOCK), ("megatron",),
+              architectures=("blackwell",), scale_block=MX_BLOCK),
+)}
+del B, F
 
 
 def is_fp8(precision: str) -> bool:
-    return precision in FP8_RECIPES
+    return precision == "fp8"
 
 
-def check_fp8_supported(cluster: ClusterProfile, precision: str) -> None:
-    """MeshplanError unless the profile's device has FP8 tensor cores and an fp8 efficiency."""
+def recipe_of(config: ParallelConfig) -> Fp8Recipe:
+    """The `Fp8Recipe` an fp8 configuration runs (its `fp8_recipe`, resolved by ParallelConfig)."""
+    return RECIPES[config.fp8_recipe]
+
+
+def check_fp8_supported(cluster: ClusterProfile, precision: str, fp8_recipe: str | None = None) -> None:
+    """MeshplanError unless the profile's device has FP8 tensor cores and an fp8 efficiency, and
+    runs `fp8_recipe` (MXFP8 needs Blackwell's block-scaled tensor cores)."""
     if not is_fp8(precision):
+        if fp8_recipe is not None:
+            raise MeshplanError(f"--fp8-recipe {fp8_recipe} needs --precision fp8 (got {precision})")
         return
     device = cluster.device
     if "fp8" not in device.peak_flops_per_s:
@@ -72,18 +135,27 @@ def check_fp8_supported(cluster: ClusterProfile, precision: str) -> None:
     if device.fp8_matmul_efficiency <= 0:
         raise MeshplanError(f"--precision {precision}: profile {cluster.name!r} lists an fp8 peak but no "
                             "device.fp8_matmul_efficiency; add it (h100-sxm.toml says how its value was set)")
+    if fp8_recipe is None:
+        return
+    if fp8_recipe not in RECIPES:
+        raise MeshplanError(f"--fp8-recipe must be one of {', '.join(RECIPES)}, got {fp8_recipe!r}")
+    needs = RECIPES[fp8_recipe].architectures
+    if needs and device.architecture not in needs:
+        raise MeshplanError(f"--fp8-recipe {fp8_recipe}: {device.name} (profile {cluster.name!r}, architecture "
+                            f"{device.architecture or 'unknown'}) has no block-scaled FP8 tensor cores (MXFP8 needs "
+                            f"{' or '.join(needs)}); use --fp8-recipe tensorwise, rowwise or delayed")
 
 
 def fp8_gemm_time_s(flops: float, num_gemms: int, cluster: ClusterProfile) -> float:
-    """Seconds of `flops` split over `num_gemms` equal fp8 GEMMs: fp8 peak x fp8_matmul_efficiency
-    x f / (f + f_half x fp8 peak / bf16 peak), f the FLOPs of one GEMM (no launch overhead: the
-    layer's kernel sequence already pays it)."""
+    """Seconds of `flops` split over `num_gemms` equal fp8 GEMMs whose shapes are unknown: fp8
+    peak x fp8_matmul_efficiency x f / (f + f_half x fp8 peak / bf16 peak), f the FLOPs of one
+    GEMM (no launch overhead: the layer's kernel sequence already pays it)."""
     if flops <= 0:
         return 0.0
     check_fp8_supported(cluster, "fp8")
     device = cluster.device
     peak = device.peak_flops_per_s["fp8"]
-    half = device.matmul_half_efficiency_flops * peak / device.peak_flops("bf16")
+    half = gemm.fp8_half_efficiency_flops(device)
     per_gemm = flops / max(1, num_gemms)
     return flops / (peak * device.fp8_matmul_efficiency * per_gemm / (per_gemm + half))
 
@@ -146,60 +218,111 @@ def saved_bytes_saving(layer: LayerProfile, info: ModelInfo, tp: int, sp: bool, 
     return saving * mbs * scale
 
 
-def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: int, elem_bytes: float) -> float:
-    """Values cast to fp8 in one micro-batch's forward on one rank: the Linears' inputs (the
-    column Linears' whole, gathered under SP; the row Linears' /tp) and their weights (/tp)."""
+def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_bytes: float,
+                shapes: tuple = (), tokens: float = 0.0) -> tuple[float, float, float]:
+    """(input, weight, output-gradient) values one micro-batch casts to fp8 on one rank: the
+    Linears' inputs (one cast per region, shared by q, k, v and by up, gate; the column Linears'
+    whole, gathered under SP; the row Linears' /tp), their weights (/tp) and, with the block's
+    `shapes`, each Linear's output gradient on `tokens` rows (column Linears' /tp); without
+    shapes, as many gradient values as input values."""
     replicated, sharded = linear_input_bytes(layer, info)
-    return (replicated + sharded / tp) * mbs / elem_bytes + linear_params(layer, info) / tp
+    inputs = (replicated + sharded / tp) * mbs / elem_bytes
+    grads = tokens * sum(out_dim / tp if column else out_dim for _, out_dim, column in shapes) if shapes else inputs
+    return inputs, linear_params(layer, info) / tp, grads
 
 
-def fp8_all_gather(precision: str, zero: int, dp: int) -> bool:
-    """Whether parameter all-gathers move fp8 Linear weights (float8 all-gather under FSDP2)."""
-    return is_fp8(precision) and zero >= 1 and dp > 1
+# Engines whose fp8 Linears quantise a weight once per step and reuse it on every micro-batch
+# (Megatron-Core passes Transformer Engine `is_first_microbatch`).
+WEIGHT_CACHING_ENGINES = ("megatron",)
 
 
-def gather_bytes_per_param(layer: LayerProfile, info: ModelInfo, precision: str, zero: int, dp: int,
+def weight_cast_share(config: ParallelConfig) -> float:
+    """The share of a weight's cast one micro-batch pays: 1, or 1 / micro-batches per step where
+    the engine caches the fp8 weight across them."""
+    return 1.0 / config.num_microbatches if config.engine in WEIGHT_CACHING_ENGINES else 1.0
+
+
+def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_share: float,
+                 cluster: ClusterProfile) -> tuple[float, float]:
+    """(forward, backward) seconds of a micro-batch's casts: inputs and weights forward, output
+    gradients backward, at the recipe's bytes per value and the achieved memory bandwidth."""
+    inputs, weights, grads = values
+    forward = inputs * recipe.activation_cast_bytes + weights * weight_share * recipe.weight_cast_bytes
+    return memory_time_s(forward, cluster), memory_time_s(grads * recipe.activation_cast_bytes, cluster)
+
+
+def fp8_all_gather(config: ParallelConfig, zero: int, dp: int) -> bool:
+    """Whether parameter all-gathers move fp8 Linear weights: ZeRO 1-3 over several ranks, under a
+    recipe the engine gathers in fp8 (`Fp8Recipe.fp8_gather_engines`)."""
+    return (is_fp8(config.precision) and zero >= 1 and dp > 1
+            and config.engine in recipe_of(config).fp8_gather_engines)
+
+
+def gather_bytes_per_param(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, zero: int, dp: int,
                            compute_bytes: float) -> float:
     """Bytes per parameter a parameter all-gather moves (and the unsharded copy holds)."""
-    if not fp8_all_gather(precision, zero, dp) or not layer.num_params:
+    if not fp8_all_gather(config, zero, dp) or not layer.num_params:
         return compute_bytes
     share = linear_params(layer, info) / layer.num_params
     return compute_bytes - share * (compute_bytes - FP8_BYTES)
 
 
-def transient_bytes(layer: LayerProfile, info: ModelInfo, tp: int, precision: str, zero: int, dp: int) -> float:
+def transient_bytes(layer: LayerProfile, info: ModelInfo, tp: int, config: ParallelConfig, zero: int,
+                    dp: int) -> float:
     """The fp8 weight copy each Linear casts for its GEMMs (unless float8 all-gather's gathered
     copy is it) and the scale state, per rank."""
-    if not is_fp8(precision) or not converts(layer):
+    if not is_fp8(config.precision) or not converts(layer):
         return 0.0
     num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
-    copy = 0.0 if fp8_all_gather(precision, zero, dp) else FP8_BYTES * linear_params(layer, info) / tp
+    copy = 0.0 if fp8_all_gather(config, zero, dp) else FP8_BYTES * linear_params(layer, info) / tp
     return copy + FP8_SCALE_BYTES_PER_LINEAR * num_linears
 
 
-def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, fwd_flops: float,
-                 bwd_flops: float, tp: int, mbs: int, profile_dtype: str,
+def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, config: ParallelConfig,
+                 fwd_flops: float, bwd_flops: float, tp: int, profile_dtype: str,
                  attention_fwd_flops: float = 0.0, attention_efficiency: float = 0.0) -> tuple[float, float]:
     """(forward, backward) GEMM and cast seconds of one micro-batch of a block on one rank under
-    fp8. `fwd_flops`/`bwd_flops`: the layer's local FLOPs as bf16 would run them (causal skip,
-    micro-batch and TP applied); the fp8 Linears' share goes to `fp8_gemm_time_s`, the rest
-    (attention's core, routed experts) to the bf16 curve with attention's two products, except
+    the configuration's fp8 recipe. `fwd_flops`/`bwd_flops`: the layer's local FLOPs as bf16
+    would run them (causal skip, micro-batch and TP applied); the fp8 Linears' share runs in fp8
+    by shape (`gemm.linear_times_s`; on the fp8 size curve when the shapes are unknown), the rest
+    (attention's core, routed experts) on the bf16 curve with attention's two products, except
     `attention_fwd_flops` of flash attention (local; twice as many backward), which run at the
     kernel's `attention_efficiency` (`device_time.attention_time_s`)."""
+    check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # a plan's recipe on its cluster
+    recipe, mbs = recipe_of(config), config.rank_microbatch
+    seq = infer_seq(layer, info, profile_dtype)
+    shapes = gemm.block_linear_shapes(layer, info, seq)
+    tokens = mbs * seq
+    if shapes:
+        lin_fwd = gemm.linear_flops(shapes, tokens, tp)
+        lin_bwd = 2 * lin_fwd
+        fp8_fwd_s, fp8_bwd_s = gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8", recipe.scale_block)
+    else:
+        lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, seq))
+        num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
+        fp8_fwd_s = fp8_gemm_time_s(lin_fwd, num_linears, cluster)
+        fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
+    values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens)
+    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster)
+    rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
+                                                        attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",
+                                                        attention_efficiency)
+    return rest_fwd_s + fp8_fwd_s + cast_fwd_s, rest_bwd_s + fp8_bwd_s + cast_bwd_s
 
-    lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, infer_seq(layer, info, profile_dtype)))
-    num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
-    values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2))
-    cast_s = memory_time_s(values * FP8_CAST_BYTES_PER_VALUE, cluster)
-    rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(fwd_flops - lin_fwd, bwd_flops - lin_bwd, attention_fwd_flops,
-                                                        ATTENTION_BMMS_PER_BLOCK, cluster, "bf16", attention_efficiency)
-    fwd_s = rest_fwd_s + fp8_gemm_time_s(lin_fwd, num_linears, cluster) + cast_s
-    bwd_s = rest_bwd_s + fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster) + BACKWARD_CAST_FACTOR * cast_s
-    return fwd_s, bwd_s
+
+def linear_speedup(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str = "tensorwise") -> float:
+    """How many times faster one Linear (input m x k, weight k x n) runs forward and backward in
+    fp8 under `recipe` than in bf16: its three GEMMs by shape each way, plus the fp8 casts of its
+    input, weight and output gradient (what torchao's float8 benchmarks time)."""
+    def linear_s(dtype: str, scale_block: int = 0) -> float:  # forward, input and weight gradients
+        return sum(gemm.gemm_time_s(*shape, cluster, dtype, scale_block) for shape in ((m, n, k), (m, k, n), (k, n, m)))
+    chosen = RECIPES[recipe]
+    cast_s = sum(cast_times_s(chosen, (m * k, k * n, m * n), 1.0, cluster))
+    return linear_s("bf16") / (linear_s("fp8", chosen.scale_block) + cast_s)
 
 
-def adjust_memory(layer: LayerProfile, info: ModelInfo, config, split: bool, executor: bool, zero: int,
-                  scale: float, activation_bytes: float, buffer_bytes: float) -> tuple[float, float]:
+def adjust_memory(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, split: bool, executor: bool,
+                  zero: int, scale: float, activation_bytes: float, buffer_bytes: float) -> tuple[float, float]:
     """(saved, transient) bytes per micro-batch under fp8 from bf16-mixed's: the Linears' saved
     inputs in fp8 (in the recompute working set under full recomputation, which keeps only the
     block's input) and the fp8 weight copies and scales. `scale`: compute over profile element size."""
@@ -212,4 +335,4 @@ def adjust_memory(layer: LayerProfile, info: ModelInfo, config, split: bool, exe
         buffer_bytes -= saving
     else:
         activation_bytes -= saving
-    return activation_bytes, buffer_bytes + transient_bytes(layer, info, tp, config.precision, zero, config.data_ranks)
+    return activation_bytes, buffer_bytes + transient_bytes(layer, info, tp, config, zero, config.data_ranks)

@@ -5,7 +5,10 @@ A GEMM C[m, n] = A[m, k] B[k, n] of 2 m n k FLOPs takes the longer of
   fraction large GEMMs reach), x the size curve f / (f + `matmul_half_efficiency_flops`) of its
   own FLOPs f (fixed per-GEMM costs: launch, prologue, epilogue), x its wave efficiency;
 - its memory traffic: A, B and C once each (m k + k n + m n elements) at the achieved bandwidth
-  (thin shards and small micro-batches become memory-bound, the roofline).
+  (thin shards and small micro-batches become memory-bound, the roofline); an fp8 GEMM reads
+  1-byte operands (and MXFP8's block scales) and writes bf16, as torchao's float8 roofline
+  counts it (torchao/testing/training/roofline_utils.py, get_individual_gemm_time_sympy), at
+  the fp8 peak x `fp8_matmul_efficiency` on the size curve with f_half scaled by fp8 / bf16 peak.
 
 Wave efficiency (tile and wave quantisation): cuBLAS/CUTLASS cut C into output tiles, one per
 SM at a time; a GEMM runs ceil(tiles / SMs) waves, and a partly filled tile or last wave costs as
@@ -58,13 +61,23 @@ def wave_efficiency(m: int, n: int, num_sms: int) -> float:
     return best
 
 
+def fp8_half_efficiency_flops(device: DeviceProfile) -> float:
+    """The size curve's f_half for fp8 GEMMs: bf16's scaled by the peak ratio fp8 / bf16 (the same
+    fixed time per GEMM is worth that many more FLOPs)."""
+    return device.matmul_half_efficiency_flops * device.peak_flops("fp8") / device.peak_flops("bf16")
+
+
 def _device_key(device: DeviceProfile, dtype: str) -> tuple:
-    return (device.peak_flops(dtype), device.matmul_efficiency, device.matmul_half_efficiency_flops, device.num_sms,
+    if dtype == "fp8":  # the fp8 recipes' own efficiency (`planner.costing.fp8`)
+        efficiency, half = device.fp8_matmul_efficiency, fp8_half_efficiency_flops(device)
+    else:
+        efficiency, half = device.matmul_efficiency, device.matmul_half_efficiency_flops
+    return (device.peak_flops(dtype), efficiency, half, device.num_sms,
             device.memory_bw_bytes_per_s * device.memory_efficiency)
 
 
 @lru_cache(maxsize=65536)
-def _gemm_time_s(m: int, n: int, k: int, elem_bytes: int, key: tuple) -> float:
+def _gemm_time_s(m: int, n: int, k: int, in_bytes: float, out_bytes: float, key: tuple) -> float:
     peak, efficiency, half_flops, num_sms, bandwidth = key
     flops = 2.0 * m * n * k
     if flops <= 0:
@@ -73,14 +86,18 @@ def _gemm_time_s(m: int, n: int, k: int, elem_bytes: int, key: tuple) -> float:
     compute_s = flops / achieved
     if num_sms <= 0:
         return compute_s
-    return max(compute_s, (m * k + k * n + m * n) * elem_bytes / bandwidth)
+    return max(compute_s, ((m * k + k * n) * in_bytes + m * n * out_bytes) / bandwidth)
 
 
-def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: str) -> float:
+def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: str, scale_block: int = 0) -> float:
     """Seconds of one (m x k) @ (k x n) GEMM in `dtype` on the cluster's device (no launch
-    overhead: the layer's kernel sequence pays that once)."""
+    overhead: the layer's kernel sequence pays that once). fp8 GEMMs write a bf16 output and
+    take `fp8_matmul_efficiency`; `scale_block`: values per 1-byte scale read beside each fp8
+    operand (MXFP8's 32; 0: one scale per tensor or row, nothing to read)."""
     dims = tuple(max(1, round(d)) for d in (m, n, k))
-    return _gemm_time_s(*dims, DTYPE_BYTES.get(dtype, 2), _device_key(cluster.device, dtype))
+    in_bytes = DTYPE_BYTES.get(dtype, 2) * (1 + 1 / scale_block if scale_block else 1)
+    out_bytes = DTYPE_BYTES["bf16"] if dtype == "fp8" else DTYPE_BYTES.get(dtype, 2)
+    return _gemm_time_s(*dims, in_bytes, out_bytes, _device_key(cluster.device, dtype))
 
 
 def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[tuple[int, int, bool], ...]:
@@ -103,15 +120,16 @@ def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple
     return shapes
 
 
-def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str) -> tuple[float, float]:
+def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str,
+                   scale_block: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds of the Linears `shapes` on `tokens` rows of one rank, each
     split `tp` ways (column Linears on their output, row Linears on their input)."""
     fwd_s = bwd_s = 0.0
     for in_dim, out_dim, column in shapes:
         in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
-        fwd_s += gemm_time_s(tokens, out_local, in_local, cluster, dtype)
-        bwd_s += (gemm_time_s(tokens, in_local, out_local, cluster, dtype)      # input gradient
-                  + gemm_time_s(in_local, out_local, tokens, cluster, dtype))   # weight gradient
+        fwd_s += gemm_time_s(tokens, out_local, in_local, cluster, dtype, scale_block)
+        bwd_s += (gemm_time_s(tokens, in_local, out_local, cluster, dtype, scale_block)      # input gradient
+                  + gemm_time_s(in_local, out_local, tokens, cluster, dtype, scale_block))   # weight gradient
     return fwd_s, bwd_s
 
 

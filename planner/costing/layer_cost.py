@@ -226,7 +226,7 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     memory = state_bytes(params_per_rank, dp, zero, precision, state_recipe, tp, pp, shard)
     compute_bytes = recipe(precision)["param"]
     # bytes per parameter a gather moves and an unsharded copy holds (fp8: float8 all-gather)
-    gather_bytes = fp8.gather_bytes_per_param(layer, info, precision, zero, dp, compute_bytes)
+    gather_bytes = fp8.gather_bytes_per_param(layer, info, config, zero, dp, compute_bytes)
     if state_recipe == "executor" and zero in (1, 2) and gather_bytes < compute_bytes:
         memory = {**memory, "params": memory["params"] - params_per_rank * (compute_bytes - gather_bytes)}
     grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params_per_rank, config, cluster, gather_bytes,

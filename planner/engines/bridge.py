@@ -213,7 +213,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
                          ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,
                          recompute=dominant_recompute([m for m in block_modes]), sp=job.sp, schedule=job.schedule,
-                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp)
+                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
+                         fp8_recipe=job.fp8_recipe if precision == "fp8" else None)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:

@@ -44,6 +44,7 @@ class EngineJob(_JobDegrees):
     schedule: str = "1f1b"
     vpp: int = 1  # virtual stages per pipeline rank
     precision: str | None = None  # None: the cluster's default
+    fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)
     uniform_split: bool = False  # equal layer counts per chunk, the remainder on the last (DeepSpeed "uniform")
     notes: tuple[str, ...] = ()  # what the config holds that meshplan did not map, one line each

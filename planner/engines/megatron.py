@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from meshplan.planner.contracts.config import DEFAULT_FP8_RECIPE, FP8_RECIPES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
@@ -31,6 +32,9 @@ AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-para
 INSTANCES_FLAG = "--num-distributed-optimizer-instances"
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+# Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
+# offers blockwise; it has no rowwise).
+MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
 
 
@@ -70,8 +74,13 @@ def export_megatron(plan) -> tuple[str, list[str]]:
                      "as meshplan also runs it")
     if cfg.precision in ("bf16-mixed", "fp8"):
         args.append(("--bf16", None))
-    if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, tensorwise current scaling
-        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "tensorwise")]
+    if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, under the plan's recipe
+        recipe = cfg.fp8_recipe
+        if recipe not in MEGATRON_FP8_RECIPES:
+            notes.append(f"fp8 recipe {recipe}: Megatron-LM's --fp8-recipe has no such choice "
+                         f"({', '.join(MEGATRON_FP8_RECIPES)}); exported as tensorwise")
+            recipe = "tensorwise"
+        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", recipe)]
         if cfg.zero >= 1:
             args.append(("--fp8-param-gather", None))
     head = f"{HEADER} gpus={cfg.gpus} model={plan.model.spec}"
@@ -262,14 +271,14 @@ def read_megatron(text: str) -> EngineJob:
         degrees["etp"] = tp  # Megatron-Core's default: the experts split as the dense layers are
     gpus = int(header["gpus"]) if header.get("gpus", "").isdigit() else _launcher_world_size(get)
     recompute, first_per_chunk = _read_recompute(flags, get, notes)
-    precision = _read_precision(flags, notes)
+    precision, fp8_recipe = _read_precision(flags, notes)
     job = dict(
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
         seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
         microbatch_size=get("--micro-batch-size", 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
-        precision=precision, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
+        precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
     for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
@@ -348,16 +357,19 @@ def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None]:
     return "full", None
 
 
-def _read_precision(flags, notes: list[str]) -> str:
+def _read_precision(flags, notes: list[str]) -> tuple[str, str | None]:
+    """(precision, fp8 recipe) of the arguments: --fp8-recipe defaults to delayed, as in Megatron-LM."""
     if "--fp8-format" in flags:
-        recipe = flags.get("--fp8-recipe") or "delayed"
-        if recipe != "tensorwise":
-            notes.append(f"--fp8-recipe {recipe}: priced as meshplan's fp8 recipe (tensorwise current scaling)")
-        return "fp8"
+        recipe = flags.get("--fp8-recipe") or DEFAULT_FP8_RECIPE["megatron"]
+        if recipe not in FP8_RECIPES:
+            notes.append(f"--fp8-recipe {recipe}: not one of meshplan's ({', '.join(FP8_RECIPES)}); priced as "
+                         "tensorwise")
+            recipe = "tensorwise"
+        return "fp8", recipe
     if "--fp16" in flags:
         notes.append("--fp16: priced as bf16-mixed (same bytes and peak FLOP/s; no loss scaling)")
-        return "bf16-mixed"
-    return "bf16-mixed" if "--bf16" in flags else "fp32"
+        return "bf16-mixed", None
+    return "bf16-mixed" if "--bf16" in flags else "fp32", None
 
 
 def _read_zero(flags, notes: list[str]) -> int:

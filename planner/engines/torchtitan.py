@@ -41,6 +41,8 @@ PARALLELISM_KEYS = (
 # torchtitan's Float8 converter name and its config section (its float8 docs: `--model.converters
 # float8 --float8.enable_fsdp_float8_all_gather`); other converters are not priced.
 FLOAT8_CONVERTER = "float8"
+# The [float8] recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
+TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
 UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "enable_cpu_offload"),
                  ("training", "compile"), ("compile", "enable"),
                  ("parallelism", "pipeline_parallel_layers_per_stage"),
@@ -75,7 +77,7 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
                      "SPEC is kept in job.description")
     name, flavor = flavour or ("llama3", "custom")
     model = {"name": name, "flavor": flavor}
-    if cfg.precision == "fp8":  # torchao Float8Linear, tensorwise dynamic scaling (meshplan's fp8 recipe)
+    if cfg.precision == "fp8":  # torchao Float8Linear under the plan's recipe (`_float8_section`)
         model["converters"] = [FLOAT8_CONVERTER]
     sections = {
         "job": {"description": DESCRIPTION_PREFIX + plan.model.spec},
@@ -84,9 +86,8 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
         "parallelism": _parallelism(plan, notes),
         "activation_checkpoint": _checkpointing(plan, notes),
     }
-    if cfg.precision == "fp8":  # fp8 all-gather of FSDP parameters, as meshplan prices ZeRO under fp8
-        sections[FLOAT8_CONVERTER] = {"enable_fsdp_float8_all_gather": cfg.zero >= 1,
-                                      "precompute_float8_dynamic_scale_for_fsdp": cfg.zero >= 1}
+    if cfg.precision == "fp8":
+        sections[FLOAT8_CONVERTER] = _float8_section(cfg, notes)
     if cfg.tp > 1 and not cfg.sp:
         notes.append("sequence parallelism off: torchtitan's tensor parallelism always shards the sequence "
                      "around the norms (SP on)")
@@ -188,7 +189,8 @@ def read_torchtitan(text: str) -> EngineJob:
     mbs = _int(par, "pipeline_parallel_microbatch_size", 1) if pp > 1 else local
     recompute, every = _read_checkpointing(data.get("activation_checkpoint", {}), notes)
     precision = "bf16-mixed" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
-    if _float8(data, notes):
+    fp8_recipe = _float8(data, notes)
+    if fp8_recipe:
         precision = "fp8"
     return EngineJob(
         engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
@@ -198,7 +200,7 @@ def read_torchtitan(text: str) -> EngineJob:
         shard_group=shard if replicate > 1 and shard > 1 else None,
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
-        precision=precision, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))
+        precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))
 
 
 def _int(table: dict, key: str, default: int) -> int:
@@ -208,13 +210,37 @@ def _int(table: dict, key: str, default: int) -> int:
     return value
 
 
-def _float8(data: dict, notes: list[str] | None = None) -> bool:
+def _float8_section(cfg, notes: list[str]) -> dict:
+    """The [float8] table of an fp8 plan. recipe_name unset is torchao's tensorwise, the one recipe
+    whose weights FSDP2 gathers in fp8 (torchtitan refuses enable_fsdp_float8_all_gather beside a
+    recipe_name); rowwise names itself and gathers bf16, as meshplan prices it. torchtitan has no
+    delayed scaling, and MXFP8 is its separate `mx` converter: both are exported as tensorwise."""
+    recipe = cfg.fp8_recipe
+    if recipe not in TORCHTITAN_FP8_RECIPES:
+        notes.append(f"fp8 recipe {recipe}: torchtitan's [float8] recipe_name has no such choice "
+                     f"({', '.join(TORCHTITAN_FP8_RECIPES)}); exported as tensorwise")
+        recipe = "tensorwise"
+    gather = recipe == "tensorwise" and cfg.zero >= 1
+    section = {"enable_fsdp_float8_all_gather": gather, "precompute_float8_dynamic_scale_for_fsdp": gather}
+    return section if recipe == "tensorwise" else {**section, "recipe_name": recipe}
+
+
+def _float8(data: dict, notes: list[str] | None = None) -> str | None:
+    """The fp8 recipe of a job's [float8] converter (recipe_name unset: tensorwise), None without it."""
     converters = data.get("model", {}).get("converters", [])
-    on = FLOAT8_CONVERTER in ([converters] if isinstance(converters, str) else converters)
-    recipe = data.get(FLOAT8_CONVERTER, {}).get("recipe_name")
-    if on and notes is not None and recipe not in (None, "", "tensorwise"):
-        notes.append(f"[float8] recipe_name {recipe!r}: priced as meshplan's fp8 recipe (tensorwise scaling)")
-    return on
+    if FLOAT8_CONVERTER not in ([converters] if isinstance(converters, str) else converters):
+        return None
+    recipe = data.get(FLOAT8_CONVERTER, {}).get("recipe_name") or "tensorwise"
+    if recipe == "rowwise_with_gw_hp":  # rowwise, its weight gradient in bf16
+        if notes is not None:
+            notes.append("[float8] recipe_name 'rowwise_with_gw_hp': priced as rowwise (its bf16 weight-gradient "
+                         "GEMM priced in fp8)")
+        recipe = "rowwise"
+    if recipe not in TORCHTITAN_FP8_RECIPES:
+        if notes is not None:
+            notes.append(f"[float8] recipe_name {recipe!r}: not a torchtitan recipe; priced as tensorwise")
+        recipe = "tensorwise"
+    return recipe
 
 
 def _unpriced(data: dict) -> list[str]:

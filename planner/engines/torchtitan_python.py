@@ -21,6 +21,8 @@ SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConf
 # take dp_shard·cp·tp ranks as ep x efsdp and are not TP-sharded (etp 1); without it they follow tp
 EXPERT_TP_KEY = "expert_tensor_parallel_degree"
 FLOAT8_CLASS = "Float8LinearConverter"  # torchtitan.components.quantization
+# Its Config's recipe_name default, and the only scaling it runs (rowwise; rowwise_with_gw_hp).
+FLOAT8_RECIPE = "rowwise"
 # [activation_checkpoint] mode -> 0.3's policy config (None: no checkpointing)
 AC_CLASSES = {"full": "FullAC", "selective": "SelectiveAC"}
 FUNCTION = "meshplan_job"  # the config function the export writes (torchtitan.train --config meshplan_job)
@@ -84,7 +86,11 @@ def _ac_class(section: dict, notes: list[str]) -> str | None:
 
 
 def _note_float8(section: dict, notes: list[str]) -> None:
-    flags = sorted(key for key, value in section.items() if value)
+    recipe = section.get("recipe_name") or "tensorwise"  # the 0.2 section's recipe (unset: tensorwise)
+    if recipe != FLOAT8_RECIPE:
+        notes.append(f"fp8 recipe {recipe}: torchtitan 0.3's {FLOAT8_CLASS} runs rowwise scaling only; exported as "
+                     f"rowwise (the 0.2 TOML, --format toml, keeps {recipe})")
+    flags = sorted(key for key, value in section.items() if value and key != "recipe_name")
     if flags:
         notes.append(f"[float8] {', '.join(flags)}: torchtitan 0.3's {FLOAT8_CLASS}.Config has no such fields; "
                      "left out")
@@ -122,7 +128,7 @@ def _read_call(call: ast.Call, data: dict[str, dict]) -> None:
         mode = next(key for key, cls in AC_CLASSES.items() if name == f"{cls}.Config")
         data["activation_checkpoint"] = {"mode": mode, **({"selective_ac_option": "op"} if mode == "selective" else {})}
     elif name == f"{FLOAT8_CLASS}.Config":
-        data["float8"] = _literal_keywords(call, name)
+        data["float8"] = {"recipe_name": FLOAT8_RECIPE, **_literal_keywords(call, name)}
         data["model"]["converters"] = ["float8"]
     elif name == "model_registry" and call.args and isinstance(call.args[0], ast.Constant):
         data["model"]["flavor"] = str(call.args[0].value)

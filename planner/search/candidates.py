@@ -83,7 +83,7 @@ def divisors(n: int) -> list[int]:
 
 def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pins = Pins(),
                          max_mbs: int | None = None, precision: str = "bf16-mixed",
-                         engine: str = "meshplan") -> list[ParallelConfig]:
+                         engine: str = "meshplan", fp8_recipe: str | None = None) -> list[ParallelConfig]:
     """Every outer candidate of the executable plan space that satisfies the pins, sorted, each
     priced with `engine`'s memory recipe.
 
@@ -133,7 +133,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
                                                               precision=precision, shard_group=group, ep=ep,
-                                                              etp=etp, engine=engine))
+                                                              etp=etp, engine=engine, fp8_recipe=fp8_recipe))
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
     runnable = [c for c in out if why_not_executable(c, facts) is None]

@@ -92,7 +92,7 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     _check_executor_pins(graph, pins)
     _check_expert_pin(graph, pins)
     candidates = enumerate_candidates(graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs,
-                                      request.precision, request.engine)
+                                      request.precision, request.engine, request.fp8_recipe)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, request))
     # The ILP plans against a hair less than the usable memory, so the simulator's replay of the

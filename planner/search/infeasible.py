@@ -70,7 +70,7 @@ def _smallest_gpu_count(graph, request: PlanRequest, limit: float) -> int | None
         if count > capacity:
             return None
         candidates = enumerate_candidates(graph, cluster, count, global_batch, pins, request.max_mbs, precision,
-                                          request.engine)
+                                          request.engine, request.fp8_recipe)
         if candidates and min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins) <= limit:
             return count
         count *= 2

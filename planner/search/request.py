@@ -37,6 +37,7 @@ class PlanRequest:
     moe_pad_to_capacity: bool = False
     memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
     engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
+    fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -52,9 +53,9 @@ class PlanRequest:
         if self.gpus > capacity:
             raise MeshplanError(f"--gpus {self.gpus} exceeds the {capacity} GPUs of cluster {cluster.name!r} "
                                 f"({cluster.max_nodes} nodes x {cluster.gpus_per_node}); use at most {capacity}")
-        check_fp8_supported(cluster, self.precision)
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        check_fp8_supported(cluster, self.precision, self.fp8_recipe)
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,

@@ -95,23 +95,28 @@ def check_context_parallel(graph, cp: int) -> None:
 def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp: int = 1, pp: int = 1,
                     mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
-                    ep: int = 1, etp: int | None = None, engine: str = "meshplan") -> ParallelConfig:
+                    ep: int = 1, etp: int | None = None, engine: str = "meshplan",
+                    fp8_recipe: str | None = None) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
-    cluster (`check_mesh`) and by ParallelConfig itself; its errors become MeshplanError."""
+    cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
+    ParallelConfig itself; its errors become MeshplanError."""
     check_mesh(cluster, gpus, tp, pp, cp)
+    check_fp8_supported(cluster, precision, fp8_recipe)
     dp = gpus // (tp * pp * cp)
     if schedule in SCHEDULE_SPECS and vpp == 1:
         vpp = SCHEDULE_SPECS[schedule].least_chunks  # a V always holds two chunks per rank: --vpp 2 is implied
     if shard_group == dp:  # sharding over every dp rank is plain ZeRO
         shard_group = None
     try:
-        return ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
-                              microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
-                              virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
-                              etp=etp, engine=engine)
+        config = ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
+                                microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
+                                virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
+                                etp=etp, engine=engine, fp8_recipe=fp8_recipe)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "expert parallelism ep=", "--ep ").replace("expert tensor parallelism etp=", "--etp ")) from None
+    check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
+    return config
 
 
 def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int, cp: int = 1) -> None:
@@ -138,24 +143,24 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
              etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
-             memory_headroom_bytes: float = 0.0) -> Prediction:
+             memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence); `engine`: whose
     memory recipe prices it (`costing.engine_memory`; meshplan: its own executor);
     `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
-    against what is left)."""
+    against what is left); `fp8_recipe`: under fp8, a name in `contracts.config.FP8_RECIPES`
+    (None: the engine's default)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
     cluster = with_memory_headroom(cluster if isinstance(cluster, ClusterProfile) else load_cluster(cluster),
                                    memory_headroom_bytes)
     precision = precision or default_precision(cluster)
-    check_fp8_supported(cluster, precision)
     # built and checked before profiling, which is the slow part: a bad mesh fails fast
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
-                             shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine)
+                             shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,

@@ -74,8 +74,8 @@ def test_megatron_llama3_script():
     job = read_engine_file(FIXTURES / "megatron_llama3_8b.sh")
     assert (job.model, job.gpus, job.global_batch, job.seq, job.zero, job.precision) == (
         "llama3-8b", 8, 128, 8192, 1, "fp8")
-    # the script runs Transformer Engine's delayed scaling: priced as meshplan's tensorwise fp8, said so
-    assert any(note.startswith("--fp8-recipe delayed") for note in job.notes)
+    # no --fp8-recipe: Megatron-LM's default, Transformer Engine's delayed scaling, priced as such
+    assert job.fp8_recipe == "delayed" and not any("--fp8-recipe" in note for note in job.notes)
     assert any("--sequence-parallel" in note for note in job.notes)
     result = predict_job(job, None, "h100-sxm")
     assert result.config.dp == 8 and result.config.num_microbatches == 16
@@ -107,6 +107,30 @@ def test_fp8_plans_round_trip_as_fp8(engine):
     assert fp8.prediction.step_time_s != bf16.prediction.step_time_s
 
 
+@pytest.mark.parametrize("engine, recipe, written, read_back", [
+    ("megatron", "delayed", "--fp8-recipe delayed", "delayed"),
+    ("megatron", "tensorwise", "--fp8-recipe tensorwise", "tensorwise"),
+    ("megatron", "rowwise", "--fp8-recipe tensorwise", "tensorwise"),  # Megatron-LM has no rowwise
+    ("torchtitan", "rowwise", 'recipe_name = "rowwise"', "rowwise"),
+    ("torchtitan", "tensorwise", "enable_fsdp_float8_all_gather = true", "tensorwise"),
+    ("torchtitan", "delayed", "enable_fsdp_float8_all_gather = true", "tensorwise"),  # torchtitan has no delayed
+])
+def test_exports_write_the_fp8_recipe_and_read_it_back(engine, recipe, written, read_back):
+    from dataclasses import replace
+
+    from meshplan.planner.costing.hardware import load_cluster
+
+    base = make_plan(zero=1, pp=1, dp=4, counts=None)
+    plan = replace(base, config=replace(base.config, precision="fp8", fp8_recipe=recipe),
+                   cluster=load_cluster("h100-sxm"))
+    exported = export_plan(plan, engine)
+    assert written in exported.text
+    assert any(f"fp8 recipe {recipe}:" in note for note in exported.notes) == (recipe != read_back)
+    assert read_engine_text(exported.text, engine).fp8_recipe == read_back
+    if recipe == "rowwise" and engine == "torchtitan":  # torchtitan refuses fp8 all-gather beside recipe_name
+        assert "enable_fsdp_float8_all_gather = false" in exported.text
+
+
 def test_deepspeed_export_names_the_fp8_approximation():
     from dataclasses import replace
 
@@ -115,3 +139,21 @@ def test_deepspeed_export_names_the_fp8_approximation():
     exported = export_plan(plan, "deepspeed")
     assert any(note.startswith("fp8: ds_config has no FP8") for note in exported.notes)
     assert '"enabled": true' in exported.text
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchtitan_03_python_config_runs_rowwise_float8(recipe):
+    """torchtitan 0.3's Float8LinearConverter has rowwise scaling only (its recipe_name default):
+    a tensorwise plan is exported as rowwise, said in a note, and read back as rowwise."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.hardware import load_cluster
+
+    base = make_plan(zero=1, pp=1, dp=4, counts=None)
+    plan = replace(base, config=replace(base.config, precision="fp8", fp8_recipe=recipe),
+                   cluster=load_cluster("h100-sxm"))
+    exported = export_plan(plan, "torchtitan", form="python")
+    assert "converters=[Float8LinearConverter.Config()]" in exported.text
+    assert any(note.startswith("fp8 recipe tensorwise: torchtitan 0.3's") for note in exported.notes) == (
+        recipe == "tensorwise")
+    assert read_engine_text(exported.text, "torchtitan").fp8_recipe == "rowwise"
