@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
                             Run, all_runs)
+from published_runs import TORCHTITAN_H100 as TORCHTITAN_H100_FP8  # noqa: E402
 
 GIB = 2**30
 TOLERANCE = 0.10
@@ -89,7 +90,7 @@ MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
 # The engine each held-out source ran (its memory recipe prices the run).
 ENGINE_OF_SOURCE = {KORTHIKANTI_2022: "megatron", NARAYANAN_2021: "megatron", LLAMA3_2024: "megatron",
                     MEGATRON_MOE_QWEN3: "megatron", MEGATRON_BRIDGE_H100: "megatron",
-                    TORCHTITAN_A100: "torchtitan",
+                    TORCHTITAN_A100: "torchtitan", TORCHTITAN_H100_FP8: "torchtitan",
                     MPT_SOURCE: "torchtitan"}  # no recipe of its own: the closest FSDP one (module docstring)
 APPROXIMATED_SOURCES = (MPT_SOURCE,)
 
@@ -123,7 +124,7 @@ def run_fits(run: Run, engine: str) -> tuple[bool, float]:
         prediction = estimate(run.spec, run.cluster, gpus=run.gpus, global_batch=run.global_batch, seq=run.seq,
                               tp=run.tp, pp=run.pp, mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
                               schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
-                              attention=run.attention, cp=run.cp, ep=run.ep, engine=engine)
+                              attention=run.attention, cp=run.cp, ep=run.ep, etp=run.etp, engine=engine)
         peaks.append(prediction.peak_memory_bytes / GIB)
         fits = fits or prediction.fits
     return fits, min(peaks)
