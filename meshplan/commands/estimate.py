@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.config import ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
                                      does_not_fit, model_notes, moe_notes, prediction_json)
@@ -31,6 +31,10 @@ def add_arguments(parser) -> None:
                              "them (needs --zero 1-3; default: shard over all of dp)")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                         help="activation recomputation of the transformer blocks")
+    parser.add_argument("--recompute-modules", nargs="+", default=(), choices=RECOMPUTE_MODULES, metavar="MODULE",
+                        help="with --recompute selective and --engine megatron: the submodules rebuilt in backward, "
+                             "as Megatron-Core's --recompute-modules (" + ", ".join(RECOMPUTE_MODULES)
+                             + "; default core_attn)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
@@ -97,8 +101,10 @@ def _heading(args, cluster) -> Heading:
                              mbs=args.mbs, zero=args.zero, recompute=args.recompute, sp=args.sp,
                              schedule=args.schedule, vpp=args.vpp,
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
-                             engine=args.engine or "meshplan")
-    return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute, seq=args.seq)
+                             engine=args.engine or "meshplan", recompute_modules=tuple(args.recompute_modules))
+    modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
+    return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
+                   seq=args.seq)
 
 
 def _estimate_at(args, zero: int):
@@ -111,7 +117,8 @@ def _estimate_at(args, zero: int):
                     attention=args.attention or "flash", shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
-                    memory_headroom_bytes=args.memory_headroom * GIB)
+                    memory_headroom_bytes=args.memory_headroom * GIB,
+                    recompute_modules=tuple(args.recompute_modules))
 
 
 def _zero_hint(args, prediction) -> str:

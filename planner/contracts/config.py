@@ -21,6 +21,12 @@ PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # executor, Megatron-LM, torchtitan or DeepSpeed.
 ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
 Recompute = Literal["none", "selective", "full"]
+# Megatron-Core's fine-grained recomputation (`--recompute-granularity selective --recompute-modules
+# ...`): the submodules a layer under selective recomputation rebuilds in backward instead of
+# keeping their outputs (`costing.megatron_activations` prices each). Megatron-LM's default, and
+# what selective means everywhere else, is the attention core alone.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +67,15 @@ class ParallelConfig:
     # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
     etp: int | None = None
     engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
+    # The submodules selective recomputation rebuilds (names in RECOMPUTE_MODULES), Megatron-Core's
+    # `--recompute-modules`; () is DEFAULT_RECOMPUTE_MODULES. Only the megatron engine has them.
+    # Stored sorted, so equal sets compare equal.
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
             object.__setattr__(self, "etp", None)
+        self._check_recompute_modules()
         self._check_mesh()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -120,6 +131,24 @@ class ParallelConfig:
             raise ValueError(f"{mesh_product_text(self)} must equal the number of GPUs ({self.gpus})")
         for axis in FOLDED_AXES:
             axis.check(self)
+
+    def _check_recompute_modules(self) -> None:
+        modules = self.recompute_modules
+        if isinstance(modules, str) or not all(isinstance(name, str) for name in modules):
+            raise ValueError(f"recompute_modules must be a sequence of names, got {modules!r}")
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"unknown recompute module(s) {', '.join(unknown)}; known: {', '.join(RECOMPUTE_MODULES)}")
+        if modules and self.engine != "megatron":
+            raise ValueError(f"recompute modules ({' '.join(modules)}) are Megatron-Core's fine-grained "
+                             f"recomputation: price them with engine megatron, not {self.engine!r} (whose "
+                             "selective recomputation rebuilds the attention core)")
+        object.__setattr__(self, "recompute_modules", tuple(sorted(set(modules))))
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """What selective recomputation rebuilds: `recompute_modules`, or the attention core."""
+        return self.recompute_modules or DEFAULT_RECOMPUTE_MODULES
 
     def _check_shard_group(self) -> None:
         group = self.shard_group
