@@ -27,6 +27,8 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   selective`, core attention) drops only those. Full recomputation (`--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1`) keeps the layer's input (2bh /sp_t).
   FP8 (TE): the Linears' inputs are kept as fp8 (1 byte), the projection's beside flash's output.
+  Term by term, with MoE blocks, multi-head latent attention and the fine-grained recompute
+  modules (`--recompute-modules`): `megatron_activations`.
 - torchtitan (`torchtitan/models/llama3/model.py`, `parallelize.py`): plain bf16 modules under
   FSDP2's cast, SDPA flash with K/V repeated to all heads (`repeat_kv`), SwiGLU as silu(w1) x w3;
   TP always with sequence parallel norms whose outputs are all-gathered before the column

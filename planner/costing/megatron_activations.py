@@ -38,7 +38,8 @@ GPT's dropout 0.1 adds two 1-byte masks (h /sp_t each).
 Selective recomputation drops the terms of `ParallelConfig.selective_modules` (the attention core
 alone unless `recompute_modules` names others); what it drops is rebuilt in backward one layer
 at a time, beside the layer's backward: the transient working set. Full recomputation keeps the
-block's input (b h /sp_t) and rebuilds everything.
+block's input (b h /sp_t) and rebuilds everything. (Memory only: the time model prices selective
+recomputation as the attention core's whatever the modules.)
 """
 from __future__ import annotations
 
