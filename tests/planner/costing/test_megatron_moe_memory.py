@@ -4,6 +4,7 @@ term by term, the recompute modules drop what Megatron-Core drops, and the profi
 counts the routed experts once."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -129,3 +130,30 @@ def test_recompute_modules_need_selective_recomputation(run_cli):
     code, _, err = run_cli("estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100-sxm", "--gpus", 8, "--gbs", 8,
                            "--ep", 8, "--engine", "megatron", "--recompute-modules", "moe_act")
     assert code == 2 and "add --recompute selective" in err, err
+
+
+def test_megatron_arguments_carry_their_recompute_modules(run_cli, tmp_path):
+    """`estimate --from` a Megatron-LM command line: its --recompute-modules price the job as the
+    same flags on `estimate` do (a name meshplan does not model is noted and left out)."""
+    from meshplan.planner.engines.megatron import read_megatron
+
+    args = ("--num-layers 48 --hidden-size 2048 --num-attention-heads 32 --group-query-attention "
+            "--num-query-groups 4 --kv-channels 128 --ffn-hidden-size 6144 --swiglu --num-experts 128 "
+            "--moe-router-topk 8 --moe-ffn-hidden-size 768 --vocab-size 151936 --seq-length 4096 "
+            "--micro-batch-size 1 --global-batch-size 64 --expert-model-parallel-size 8 --bf16 "
+            "--use-distributed-optimizer --recompute-granularity selective --recompute-modules moe_act layernorm "
+            "offloaded_thing")
+    job = read_megatron(args)
+    assert job.recompute_modules == ("moe_act", "layernorm")
+    assert any("offloaded_thing: not modelled" in note for note in job.notes)
+    path = tmp_path / "pretrain.args"
+    path.write_text(args)
+    code, out, err = run_cli("estimate", "--from", path, "--model", "qwen3-30b-a3b", "--cluster", "h100-sxm",
+                             "--gpus", 8, "--json")
+    assert code == 0, err
+    from_file = json.loads(out)
+    code, out, err = run_cli("estimate", "--model", "qwen3-30b-a3b", "--cluster", "h100-sxm", "--gpus", 8, "--gbs", 64,
+                             "--seq", 4096, "--ep", 8, "--zero", 1, "--engine", "megatron", "--recompute", "selective",
+                             "--recompute-modules", "moe_act", "layernorm", "--json")
+    assert code == 0, err
+    assert from_file["memory_bytes"][0]["activations"] == pytest.approx(json.loads(out)["memory_bytes"][0]["activations"])
