@@ -21,13 +21,11 @@ own rules, `planner/costing/engine_memory.py`, `megatron_activations.py`):
    time fit sets' runs (Narayanan et al. 2021 Table 1, Llama 3 Table 4), which tune no memory
    constant: the runs still called out of memory are listed and counted (target: none). Megatron
    runs recompute the modules their source names (`Run.recompute_modules`).
-4. MosaicML's llm-foundry runs (Composer's FSDP with `mixed_precision: PURE`, `limit_all_gathers`,
-   non-reentrant activation checkpointing, and flash-attn's fused cross-entropy on the bf16 logits:
-   2 bytes per logit kept, 2 for their gradient) have no recipe among meshplan's engines:
-   they are priced under torchtitan's FSDP2 (fp32 cross-entropy: 4 bytes per logit kept and 8 in
-   backward; attention keeping 5 b hq where MPT's packed QKV views keep 4), the closest, and
-   counted apart; their micro-batches are the largest that fit (Composer's automatic micro-batching),
-   so any over-estimate calls them out of memory.
+4. MosaicML's llm-foundry runs under its own recipe (`planner/costing/foundry_memory.py`: Composer's
+   FSDP with `mixed_precision: PURE` and `limit_all_gathers`, MPT's packed QKV kept as views,
+   flash-attn's fused cross-entropy on the bf16 logits), counted apart: their micro-batches are the
+   largest that fit (Composer's automatic micro-batching), so any over-estimate calls them out of
+   memory. The FP8 rows (Transformer Engine's fp8 Linear inputs) are priced with bf16 activations.
 """
 from __future__ import annotations
 
@@ -101,8 +99,8 @@ MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
 ENGINE_OF_SOURCE = {KORTHIKANTI_2022: "megatron", NARAYANAN_2021: "megatron", LLAMA3_2024: "megatron",
                     MEGATRON_MOE_QWEN3: "megatron", MEGATRON_BRIDGE_H100: "megatron",
                     TORCHTITAN_A100: "torchtitan", TORCHTITAN_H100_FP8: "torchtitan",
-                    MPT_SOURCE: "torchtitan"}  # no recipe of its own: the closest FSDP one (module docstring)
-APPROXIMATED_SOURCES = (MPT_SOURCE,)
+                    MPT_SOURCE: "llm-foundry"}
+FOUNDRY_SOURCES = (MPT_SOURCE,)  # reported apart: 201 runs at the largest micro-batch that fits
 
 
 def cluster_for(name: str, source: str):
@@ -212,13 +210,13 @@ def main() -> int:
         print(f"  source: {source}")
     print_statements()
     held = [run for run in all_runs() if run.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)]
-    print_out_of_memory("held-out runs of a modelled engine",
-                        [run for run in held if run.source not in APPROXIMATED_SOURCES])
+    print_out_of_memory("held-out runs of Megatron-LM and torchtitan",
+                        [run for run in held if run.source not in FOUNDRY_SOURCES])
     # the fit sets tune time (efficiency fields) only: for memory they are held out too
     print_out_of_memory("fit-set runs (time fit sets; no memory constant is fitted), under Megatron-LM",
                         [run for run in all_runs() if run.group in FIT_SETS])
-    print_out_of_memory("held-out llm-foundry runs, priced as torchtitan's FSDP2",
-                        [run for run in held if run.source in APPROXIMATED_SOURCES])
+    print_out_of_memory("held-out llm-foundry runs, under its recipe",
+                        [run for run in held if run.source in FOUNDRY_SOURCES])
     return 0
 
 

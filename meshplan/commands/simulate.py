@@ -32,7 +32,10 @@ def run(args) -> int:
     if args.engine and args.engine != plan.config.engine:
         from dataclasses import replace
 
-        plan = replace(plan, config=replace(plan.config, engine=args.engine))
+        try:
+            plan = replace(plan, config=replace(plan.config, engine=args.engine))
+        except ValueError as exc:  # a layout the engine cannot run (llm-foundry has no pipelines)
+            raise MeshplanError(f"--engine {args.engine}: {exc}") from None
     if args.trace and Path(args.trace).is_dir():
         raise MeshplanError(f"--trace {args.trace} is a directory; give a file name such as trace.json")
     prediction = simulate(plan, timeline=bool(args.trace))

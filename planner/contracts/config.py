@@ -18,8 +18,10 @@ RECOMPUTE = ("none", "selective", "full")
 # fp8: tensorwise-scaled FP8 Linears over bf16-mixed (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # The training engine whose memory recipe prices a plan (`costing.engine_memory`): meshplan's own
-# executor, Megatron-LM, torchtitan or DeepSpeed.
-ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
+# executor, Megatron-LM, torchtitan, DeepSpeed or MosaicML's llm-foundry (Composer's FSDP).
+ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed", "llm-foundry")
+# Engines that train with data and tensor parallelism alone (no pipeline, context or expert parallelism).
+NO_PIPELINE_ENGINES = ("llm-foundry",)
 Recompute = Literal["none", "selective", "full"]
 # Megatron-Core's fine-grained recomputation (`--recompute-granularity selective --recompute-modules
 # ...`): the submodules a layer under selective recomputation rebuilds in backward instead of
@@ -88,6 +90,10 @@ class ParallelConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine in NO_PIPELINE_ENGINES and max(self.pp, self.cp, self.ep) > 1:
+            raise ValueError(f"{self.engine} trains with FSDP (and tensor parallelism) alone: it has no pipeline, "
+                             f"context or expert parallelism; use pp, cp and ep 1 (got pp={self.pp}, cp={self.cp}, "
+                             f"ep={self.ep})")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)

@@ -42,6 +42,7 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   again in backward: nothing beyond the rank's 1/cp of the tokens.
 - DeepSpeed runs the model as written: the profile's Korthikanti accounting
   (`activation_memory.activation_bytes` without meshplan's executor choices).
+- MosaicML llm-foundry (Composer, FSDP, fused cross-entropy on bf16 logits): `foundry_memory`.
 
 Model states are documented at `engine_state_bytes`.
 """
@@ -53,7 +54,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing import megatron_activations
+from meshplan.planner.costing import foundry_memory, megatron_activations
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
@@ -127,6 +128,7 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
       bf16 parameters and gradients (2 + 2) and 16/d (fp32 master, moments and the fp32 gradient
       partition); ZeRO-3 18/d (the largest layer's gathered copy is a buffer); without ZeRO the
       paper's 2 + 2 + 12 (Rajbhandari et al. 2020). Its pipeline engine runs ZeRO-1 at most.
+    - llm-foundry: FSDP with `mixed_precision: PURE` (`foundry_memory.foundry_state_bytes`).
     """
     from meshplan.planner.costing.state_memory import DDP_BUCKET_COPY_BYTES, paper_state_bytes
 
@@ -144,6 +146,8 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
         accumulated = 4.0 if pp > 1 else 0.0
         return {"params": num_params * (4.0 / ranks + gathered), "grads": num_params * (4.0 / ranks + accumulated),
                 "optimizer": num_params * 8.0 / ranks}
+    if engine == foundry_memory.ENGINE:
+        return foundry_memory.foundry_state_bytes(num_params, ranks, zero, precision)
     if engine == "deepspeed":
         # its pipeline engine runs ZeRO-1 at most (`PipelineEngine` refuses ZeRO-2/3)
         zero = min(zero, 1) if pp > 1 else zero
@@ -211,6 +215,8 @@ def _gather_buffer(engine: str, layer: LayerProfile, config: ParallelConfig, par
             out = max(out, (compute + 4.0) * params)
     elif engine == "deepspeed" and zero == 3 and data_ranks > 1:
         out = 4.0 * params
+    elif engine == foundry_memory.ENGINE:
+        out = foundry_memory.foundry_gather_bytes(layer, config, params)
     return out
 
 
@@ -230,7 +236,10 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
     tokens = seq * config.rank_microbatch
     per_token = _block_per_token if layer.kind == "block" else _head_per_token if layer.kind == "head" \
         else _embedding_per_token
-    saved, working = per_token(layer, config, info, attention, seq)
+    if engine == foundry_memory.ENGINE:
+        saved, working = foundry_memory.foundry_per_token(layer, config, info)
+    else:
+        saved, working = per_token(layer, config, info, attention, seq)
     saved, working = saved * tokens, working * tokens
     if layer.expert_params and engine != "megatron":  # Megatron's terms hold its routed experts
         saved, working = _with_routed_experts(saved, working, layer, config, info, act_scale)
@@ -243,6 +252,8 @@ def _shape_known(info: ModelInfo, engine: str) -> bool:
     which Megatron-Core runs as its own MLA GPT model)."""
     if not (info.hidden and info.num_heads):
         return False
+    if engine == foundry_memory.ENGINE:  # its MPT-style dense blocks (MoE blocks: the profile's accounting)
+        return info.family in ("gpt", "llama")
     return info.family in _FORMULA_FAMILIES or (engine == "megatron" and bool(info.kv_lora_rank))
 
 
