@@ -43,7 +43,7 @@ def add_arguments(parser) -> None:
     add_attention_argument(parser, default=None)
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes, as for plan "
-                             "(default 0; under --engine megatron, torchtitan or deepspeed the caching allocator's "
+                             "(default 0; under --engine megatron, torchtitan, deepspeed or llm-foundry the caching allocator's "
                              "fragmentation is counted too, 15%% of activations and buffers, from GMLake, ASPLOS 2024)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
