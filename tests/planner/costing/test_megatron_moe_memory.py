@@ -64,6 +64,7 @@ def test_qwen3_moe_block_terms():
 
 
 def test_deepseek_v3_published_layout_fits(run_cli):
+    pytest.importorskip("transformers")
     code, out, err = run_cli(
         "estimate", "--model", DEEPSEEK_V3, "--cluster", "h100-sxm", "--gpus", 2048, "--pp", 16, "--ep", 64,
         "--zero", 1, "--gbs", 4096, "--seq", SEQ, "--engine", "megatron", "--recompute", "selective",
@@ -76,6 +77,7 @@ def test_deepseek_v3_moe_block_terms():
     """Multi-head latent attention and DeepSeekMoE, per token, no TP: b = 2, h 7168, 128 heads of
     128 + 64 (values 128), latents 1536 (query) and 512 (K/V), 256 experts, top 8, expert width
     2048, one shared expert."""
+    pytest.importorskip("transformers")
     graph = profile(DEEPSEEK_V3, SEQ)
     info = graph.info
     assert (info.kv_lora_rank, info.q_lora_rank, info.head_dim, info.v_head_dim) == (512, 1536, 192, 128)
@@ -104,6 +106,7 @@ def test_deepseek_v3_moe_block_terms():
 def test_profile_fallback_counts_routed_experts_once():
     """Under an engine whose formulas do not describe a traced model (torchtitan on a Hugging Face
     DeepSeek), the MoE block keeps the profile's saved bytes, routed experts included once."""
+    pytest.importorskip("transformers")
     graph = profile(DEEPSEEK_V3, SEQ)
     block = next(layer for layer in graph.layers if layer.expert_params)
     config = ParallelConfig(gpus=8, global_batch=8, dp=8, zero=1, engine="torchtitan")
