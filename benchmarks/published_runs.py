@@ -115,6 +115,9 @@ class Run:
     etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
     fp8_recipe: str | None = None  # under fp8, the recipe its source names (contracts.config.FP8_RECIPES)
     engine: str = "meshplan"  # the engine that ran it, where meshplan prices that engine (contracts.config.ENGINES)
+    # Megatron-Core's --recompute-modules the run used; only the megatron memory recipe prices them
+    # (bench_engine_memory); step-time fits cost the run's `recompute` (their time is elementwise work)
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -351,8 +354,8 @@ def moe_runs() -> list[Run]:
     """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
     # Expert TP 1 (MoE parallel folding) keeps each EP group of 8 inside one node.
     qwen = MEGATRON_MOE_ASSUMPTIONS
-    norm_act = ("Megatron-LM's recomputation of the norms and activation functions costed as none (elementwise "
-                "work; meshplan's selective recomputation is the attention core's)",)
+    norm_act = ("Megatron-LM's recomputation of the norms and activation functions (--recompute-modules "
+                "layernorm moe_act) timed as none (elementwise work); its memory priced by the megatron recipe",)
     runs = [
         # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
         Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
@@ -369,11 +372,11 @@ def moe_runs() -> list[Run]:
         # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
-            published_step_s=19.7, assumptions=qwen + norm_act + (
+            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, assumptions=qwen + norm_act + (
                 "distributed optimizer costed as ZeRO-1", "the DeepEP dispatcher costed as meshplan's all-to-all")),
         Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
-            published_step_s=24.2, assumptions=qwen + norm_act + (
+            recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, assumptions=qwen + norm_act + (
                 "distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 96 chunks as meshplan "
                 "splits them")),
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.config import ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_fp8_recipe_argument,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
@@ -32,6 +32,10 @@ def add_arguments(parser) -> None:
                              "them (needs --zero 1-3; default: shard over all of dp)")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                         help="activation recomputation of the transformer blocks")
+    parser.add_argument("--recompute-modules", nargs="+", default=(), choices=RECOMPUTE_MODULES, metavar="MODULE",
+                        help="with --recompute selective and --engine megatron: the submodules rebuilt in backward, "
+                             "as Megatron-Core's --recompute-modules (" + ", ".join(RECOMPUTE_MODULES)
+                             + "; default core_attn)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
@@ -41,7 +45,7 @@ def add_arguments(parser) -> None:
     add_attention_argument(parser, default=None)
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes, as for plan "
-                             "(default 0; under --engine megatron, torchtitan or deepspeed the caching allocator's "
+                             "(default 0; under --engine megatron, torchtitan, deepspeed or llm-foundry the caching allocator's "
                              "fragmentation is counted too, 15%% of activations and buffers, from GMLake, ASPLOS 2024)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
@@ -99,8 +103,11 @@ def _heading(args, cluster) -> Heading:
                              mbs=args.mbs, zero=args.zero, recompute=args.recompute, sp=args.sp,
                              schedule=args.schedule, vpp=args.vpp,
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
-                             engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe)
-    return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute, seq=args.seq)
+                             engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe,
+                             recompute_modules=tuple(args.recompute_modules))
+    modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
+    return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
+                   seq=args.seq)
 
 
 def _estimate_at(args, zero: int):
@@ -113,7 +120,8 @@ def _estimate_at(args, zero: int):
                     attention=args.attention or "flash", shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
-                    memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe)
+                    memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,
+                    recompute_modules=tuple(args.recompute_modules))
 
 
 def _zero_hint(args, prediction) -> str:

@@ -48,7 +48,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--memory-headroom", type=finite_float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes (default 0: the "
                              "reserve alone, e.g. 3 GB on h100-sxm, plus a 0.1%% rounding margin; under --engine "
-                             "megatron, torchtitan or deepspeed the caching allocator's fragmentation is counted too, "
+                             "megatron, torchtitan, deepspeed or llm-foundry the caching allocator's fragmentation is counted too, "
                              "15%% of activations and buffers, from GMLake, ASPLOS 2024)")
     parser.add_argument("--candidates-csv", metavar="FILE", default=None,
                         help="write every candidate configuration the search enumerated, one CSV row each: its "

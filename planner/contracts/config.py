@@ -18,8 +18,10 @@ RECOMPUTE = ("none", "selective", "full")
 # fp8: FP8 Linears over bf16-mixed under one of FP8_RECIPES (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # The training engine whose memory recipe prices a plan (`costing.engine_memory`): meshplan's own
-# executor, Megatron-LM, torchtitan or DeepSpeed.
-ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
+# executor, Megatron-LM, torchtitan, DeepSpeed or MosaicML's llm-foundry (Composer's FSDP).
+ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed", "llm-foundry")
+# Engines that train with data and tensor parallelism alone (no pipeline, context or expert parallelism).
+NO_PIPELINE_ENGINES = ("llm-foundry",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
 # from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
@@ -27,11 +29,17 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8")
 # The recipe each engine runs when none is named: Megatron-LM's `--fp8-recipe` defaults to delayed
 # (megatron/training/arguments.py, core 0.12 to 0.14); torchtitan 0.2's [float8] recipe_name unset is
 # torchao's tensorwise (0.3's Float8LinearConverter runs rowwise only); DeepSpeed leaves FP8 to
-# Transformer Engine in the model code, whose `fp8_autocast` recipe defaults to DelayedScaling;
-# meshplan prices torchao's tensorwise.
+# Transformer Engine in the model code, whose `fp8_autocast` recipe defaults to DelayedScaling, as
+# does llm-foundry's (Composer's `fp8_autocast` with TE's default recipe); meshplan prices torchao's tensorwise.
 DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtitan": "tensorwise",
-                      "deepspeed": "delayed"}
+                      "deepspeed": "delayed", "llm-foundry": "delayed"}
 Recompute = Literal["none", "selective", "full"]
+# Megatron-Core's fine-grained recomputation (`--recompute-granularity selective --recompute-modules
+# ...`): the submodules a layer under selective recomputation rebuilds in backward instead of
+# keeping their outputs (`costing.megatron_activations` prices each). Megatron-LM's default, and
+# what selective means everywhere else, is the attention core alone.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,11 +83,16 @@ class ParallelConfig:
     # Under fp8, a name in FP8_RECIPES; None takes the engine's DEFAULT_FP8_RECIPE (stored resolved).
     # None for every other precision.
     fp8_recipe: str | None = None
+    # The submodules selective recomputation rebuilds (names in RECOMPUTE_MODULES), Megatron-Core's
+    # `--recompute-modules`; () is DEFAULT_RECOMPUTE_MODULES. Only the megatron engine has them.
+    # Stored sorted, so equal sets compare equal.
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
             object.__setattr__(self, "etp", None)
         self._check_fp8_recipe()
+        self._check_recompute_modules()
         self._check_mesh()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -92,6 +105,10 @@ class ParallelConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine in NO_PIPELINE_ENGINES and max(self.pp, self.cp, self.ep) > 1:
+            raise ValueError(f"{self.engine} trains with FSDP (and tensor parallelism) alone: it has no pipeline, "
+                             f"context or expert parallelism; use pp, cp and ep 1 (got pp={self.pp}, cp={self.cp}, "
+                             f"ep={self.ep})")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
@@ -145,6 +162,24 @@ class ParallelConfig:
             object.__setattr__(self, "fp8_recipe", DEFAULT_FP8_RECIPE[self.engine])
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
+
+    def _check_recompute_modules(self) -> None:
+        modules = self.recompute_modules
+        if isinstance(modules, str) or not all(isinstance(name, str) for name in modules):
+            raise ValueError(f"recompute_modules must be a sequence of names, got {modules!r}")
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(f"unknown recompute module(s) {', '.join(unknown)}; known: {', '.join(RECOMPUTE_MODULES)}")
+        if modules and self.engine != "megatron":
+            raise ValueError(f"recompute modules ({' '.join(modules)}) are Megatron-Core's fine-grained "
+                             f"recomputation: price them with engine megatron, not {self.engine!r} (whose "
+                             "selective recomputation rebuilds the attention core)")
+        object.__setattr__(self, "recompute_modules", tuple(sorted(set(modules))))
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """What selective recomputation rebuilds: `recompute_modules`, or the attention core."""
+        return self.recompute_modules or DEFAULT_RECOMPUTE_MODULES
 
     def _check_shard_group(self) -> None:
         group = self.shard_group

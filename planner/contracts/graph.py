@@ -205,6 +205,13 @@ class ModelInfo:
     # that capacity (planner.costing.expert_parallel has the rules).
     moe_capacity_factor: float = 0.0
     moe_pad_to_capacity: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3; 0 without): the compressed K/V latent's width
+    # (kv_lora_rank, 0: no MLA) and the query's (q_lora_rank, 0: a full-rank query), the rotary
+    # part of each query/key head (head_dim is nope + rope) and each value head's width.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Traced Hugging Face models: the attention implementation transformers ran ("sdpa" or
     # "eager"; "" for meshplan's own models), and what the profile should say about the input
     # (config keys transformers ignores, ...), one line each.

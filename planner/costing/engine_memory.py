@@ -27,6 +27,8 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   selective`, core attention) drops only those. Full recomputation (`--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1`) keeps the layer's input (2bh /sp_t).
   FP8 (TE): the Linears' inputs are kept as fp8 (1 byte), the projection's beside flash's output.
+  Term by term, with MoE blocks, multi-head latent attention and the fine-grained recompute
+  modules (`--recompute-modules`): `megatron_activations`.
 - torchtitan (`torchtitan/models/llama3/model.py`, `parallelize.py`): plain bf16 modules under
   FSDP2's cast, SDPA flash with K/V repeated to all heads (`repeat_kv`), SwiGLU as silu(w1) x w3;
   TP always with sequence parallel norms whose outputs are all-gathered before the column
@@ -40,6 +42,7 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   again in backward: nothing beyond the rank's 1/cp of the tokens.
 - DeepSpeed runs the model as written: the profile's Korthikanti accounting
   (`activation_memory.activation_bytes` without meshplan's executor choices).
+- MosaicML llm-foundry (Composer, FSDP, fused cross-entropy on bf16 logits): `foundry_memory`.
 
 Model states are documented at `engine_state_bytes`.
 """
@@ -51,15 +54,14 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing.expert_parallel import load_factor
+from meshplan.planner.costing import foundry_memory, megatron_activations
+from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
 
 # Families whose blocks the formulas describe (GPT-3 style, Llama style, their mixtures of experts);
 # other models (file, hf:) fall back on the profile's accounting of what autograd keeps.
 _FORMULA_FAMILIES = ("gpt", "llama", "moe")
-# GPT-3 (and Korthikanti's runs) train with dropout 0.1; Llama-style recipes with none.
-_DROPOUT_FAMILIES = ("gpt",)
 
 
 # Guo et al. 2024, "GMLake: Efficient and Transparent GPU Memory Defragmentation for Large-scale
@@ -126,6 +128,7 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
       bf16 parameters and gradients (2 + 2) and 16/d (fp32 master, moments and the fp32 gradient
       partition); ZeRO-3 18/d (the largest layer's gathered copy is a buffer); without ZeRO the
       paper's 2 + 2 + 12 (Rajbhandari et al. 2020). Its pipeline engine runs ZeRO-1 at most.
+    - llm-foundry: FSDP with `mixed_precision: PURE` (`foundry_memory.foundry_state_bytes`).
     """
     from meshplan.planner.costing.state_memory import DDP_BUCKET_COPY_BYTES, paper_state_bytes
 
@@ -143,6 +146,8 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
         accumulated = 4.0 if pp > 1 else 0.0
         return {"params": num_params * (4.0 / ranks + gathered), "grads": num_params * (4.0 / ranks + accumulated),
                 "optimizer": num_params * 8.0 / ranks}
+    if engine == foundry_memory.ENGINE:
+        return foundry_memory.foundry_state_bytes(num_params, ranks, zero, precision)
     if engine == "deepspeed":
         # its pipeline engine runs ZeRO-1 at most (`PipelineEngine` refuses ZeRO-2/3)
         zero = min(zero, 1) if pp > 1 else zero
@@ -210,6 +215,8 @@ def _gather_buffer(engine: str, layer: LayerProfile, config: ParallelConfig, par
             out = max(out, (compute + 4.0) * params)
     elif engine == "deepspeed" and zero == 3 and data_ranks > 1:
         out = 4.0 * params
+    elif engine == foundry_memory.ENGINE:
+        out = foundry_memory.foundry_gather_bytes(layer, config, params)
     return out
 
 
@@ -217,9 +224,10 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
                  profile_dtype: str, attention: str) -> tuple[float, float]:
     """(bytes saved for backward per micro-batch, transient working set) of the layer on one rank."""
     engine = config.engine
-    shape_known = info.family in _FORMULA_FAMILIES and info.hidden and info.num_heads
-    if engine == "deepspeed" or not shape_known or layer.kind not in ("embedding", "block", "head"):
-        saved, working = activation_bytes(layer, config, act_scale * vocab_scale(layer, config.tp, info))
+    if engine == "deepspeed" or not _shape_known(info, engine) or layer.kind not in ("embedding", "block", "head"):
+        # the profile's accounting; a MoE block's routed experts apart, on the busiest rank
+        dense = dense_part(layer) if layer.expert_params else layer
+        saved, working = activation_bytes(dense, config, act_scale * vocab_scale(layer, config.tp, info))
         if layer.expert_params:
             saved, working = _with_routed_experts(saved, working, layer, config, info, act_scale)
         return saved, working
@@ -228,11 +236,25 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
     tokens = seq * config.rank_microbatch
     per_token = _block_per_token if layer.kind == "block" else _head_per_token if layer.kind == "head" \
         else _embedding_per_token
-    saved, working = per_token(layer, config, info, attention, seq)
+    if engine == foundry_memory.ENGINE:
+        saved, working = foundry_memory.foundry_per_token(layer, config, info)
+    else:
+        saved, working = per_token(layer, config, info, attention, seq)
     saved, working = saved * tokens, working * tokens
-    if layer.expert_params:
+    if layer.expert_params and engine != "megatron":  # Megatron's terms hold its routed experts
         saved, working = _with_routed_experts(saved, working, layer, config, info, act_scale)
     return saved, working
+
+
+def _shape_known(info: ModelInfo, engine: str) -> bool:
+    """Whether the formulas describe the model's blocks under `engine`: the GPT, Llama and MoE
+    families; under megatron also a traced model with multi-head latent attention (DeepSeek-V2/V3,
+    which Megatron-Core runs as its own MLA GPT model)."""
+    if not (info.hidden and info.num_heads):
+        return False
+    if engine == foundry_memory.ENGINE:  # its MPT-style dense blocks (MoE blocks: the profile's accounting)
+        return info.family in ("gpt", "llama")
+    return info.family in _FORMULA_FAMILIES or (engine == "megatron" and bool(info.kv_lora_rank))
 
 
 def _with_routed_experts(saved: float, working: float, layer: LayerProfile, config: ParallelConfig,
@@ -264,29 +286,14 @@ def _mlp_width(layer: LayerProfile, info: ModelInfo) -> tuple[float, bool]:
 def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,
                      seq: float) -> tuple[float, float]:
     """(saved, working) bytes per token of one transformer block (module docstring)."""
-    engine, recompute = config.engine, config.recompute
-    split = is_split(layer, config.tp)
-    t = config.tp if split else 1
-    sp_t = t if config.sp else 1
+    if config.engine == "megatron":
+        return megatron_activations.block_per_token(layer, config, info, attention, seq)
+    recompute = config.recompute
+    t = config.tp if is_split(layer, config.tp) else 1
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
     h, hq, hkv, heads = _shape(info)
     f, gated = _mlp_width(layer, info)
     router = 4.0 * info.num_experts if layer.expert_params else 0.0  # fp32 router logits, replicated
-    if engine == "megatron":
-        linear_in = 1.0 if config.precision == "fp8" else b  # TE keeps fp8 copies of the Linears' inputs
-        dropout = 1.0 * h if info.family in _DROPOUT_FAMILIES else 0.0
-        replicated = 2 * (b * h + linear_in * h + dropout) + router
-        sharded = (b * (2 * hq + 2 * hkv) + 4.0 * heads + (linear_in * hq if config.precision == "fp8" else 0.0)
-                   + b * f * (2 if gated else 1) + linear_in * f)
-        scores = 0.0
-        if attention == "math":  # unfused softmax (and dropout): Korthikanti's 5as, kept unless recomputed
-            scores = heads * seq * ((2 * b + 1) if dropout else b) / t
-        full = replicated / sp_t + sharded / t
-        if recompute == "full":
-            return b * h / sp_t, full + scores
-        if recompute == "selective":
-            return full, scores
-        return full + scores, 0.0
     # torchtitan: norms sequence-sharded, their outputs gathered whole for the column Linears
     gathered = 2 * b * h if t > 1 else 0.0
     norms = 2 * b * h / t + (0.0 if t > 1 else 2 * b * h) + router
@@ -327,7 +334,7 @@ def _embedding_per_token(layer: LayerProfile, config: ParallelConfig, info: Mode
                          seq: float) -> tuple[float, float]:
     """(saved, working) bytes per token of the embedding: a lookup saves only its indices; GPT's
     embedding dropout keeps a 1-byte mask (Korthikanti's sbhp/t term, /t under SP)."""
-    if config.engine == "megatron" and info.family in _DROPOUT_FAMILIES:
+    if config.engine == "megatron" and info.family in megatron_activations.DROPOUT_FAMILIES:
         sp_t = config.tp if config.sp and is_split(layer, config.tp) else 1
         return info.hidden / sp_t, 0.0
     return 0.0, 0.0

@@ -210,11 +210,18 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     if graph is None:
         graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
+    recompute = dominant_recompute([m for m in block_modes])
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
                          ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,
+<<<<<<< HEAD
                          recompute=dominant_recompute([m for m in block_modes]), sp=job.sp, schedule=job.schedule,
                          vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
                          fp8_recipe=job.fp8_recipe if precision == "fp8" else None)
+=======
+                         recompute=recompute, sp=job.sp, schedule=job.schedule,
+                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
+                         recompute_modules=job.recompute_modules if recompute == "selective" else ())
+>>>>>>> r3memfig
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:

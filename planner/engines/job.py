@@ -41,6 +41,7 @@ class EngineJob(_JobDegrees):
     recompute: str = "none"  # of every transformer block, unless one of the two rules below applies
     recompute_every: int = 1  # full recomputation of every N-th block only (torchtitan's layer SAC)
     recompute_first_per_chunk: int | None = None  # full recomputation of the first N blocks of each chunk
+    recompute_modules: tuple[str, ...] = ()  # Megatron-Core's --recompute-modules under selective; (): core_attn
     schedule: str = "1f1b"
     vpp: int = 1  # virtual stages per pipeline rank
     precision: str | None = None  # None: the cluster's default

@@ -12,10 +12,15 @@ over the data-parallel ranks (ZeRO-1); with `--bf16` gradients accumulate and re
 """
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 
+<<<<<<< HEAD
 from meshplan.planner.contracts.config import DEFAULT_FP8_RECIPE, FP8_RECIPES
+=======
+from meshplan.planner.contracts.config import RECOMPUTE_MODULES
+>>>>>>> r3memfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
@@ -195,6 +200,10 @@ def _summary(modes: list[str]) -> str:
 # reading
 
 
+# Megatron-LM's flags that take several values (nargs="*"), read whole
+_LIST_FLAGS = ("--recompute-modules",)
+
+
 def parse_arguments(text: str) -> dict[str, str | None]:
     """Megatron flags and their values from an argument list or a launch script.
 
@@ -219,6 +228,10 @@ def parse_arguments(text: str) -> dict[str, str | None]:
         name, eq, value = token.partition("=")
         if eq:
             flags[name] = value
+            continue
+        if name in _LIST_FLAGS:  # every value up to the next flag, space-separated
+            values = itertools.takewhile(lambda t: not t.startswith("--") and t not in ("(", ")"), tokens[index + 1:])
+            flags[name] = " ".join(values) or None
             continue
         following = tokens[index + 1] if index + 1 < len(tokens) else None
         flags[name] = None if following is None or following.startswith("--") or following in ("(", ")") \
@@ -270,15 +283,26 @@ def read_megatron(text: str) -> EngineJob:
     if "--expert-tensor-parallel-size" not in flags and degrees["ep"] > 1:
         degrees["etp"] = tp  # Megatron-Core's default: the experts split as the dense layers are
     gpus = int(header["gpus"]) if header.get("gpus", "").isdigit() else _launcher_world_size(get)
+<<<<<<< HEAD
     recompute, first_per_chunk = _read_recompute(flags, get, notes)
     precision, fp8_recipe = _read_precision(flags, notes)
+=======
+    recompute, first_per_chunk, modules = _read_recompute(flags, get, notes)
+    precision = _read_precision(flags, notes)
+>>>>>>> r3memfig
     job = dict(
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
         seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
         microbatch_size=get("--micro-batch-size", 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
+<<<<<<< HEAD
         recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
         precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
+=======
+        recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
+        schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
+        precision=precision, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
+>>>>>>> r3memfig
     for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
@@ -333,14 +357,16 @@ def _launcher_world_size(get) -> int | None:
     return per_node * get("--nnodes", 1) if per_node else None
 
 
-def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None]:
+def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None, tuple[str, ...]]:
+    """(granularity, first N blocks of each chunk recomputed, selective's recompute modules)."""
     granularity = flags.get("--recompute-granularity") or ("selective" if "--recompute-activations" in flags else None)
     if granularity in (None, "selective"):
         modules = (flags.get("--recompute-modules") or "core_attn").split()
-        if granularity and modules != ["core_attn"]:
-            notes.append(f"--recompute-modules {' '.join(modules)}: priced as meshplan's selective recomputation "
-                         "(the attention core only)")
-        return granularity or "none", None
+        unknown = [name for name in modules if name not in RECOMPUTE_MODULES]
+        if granularity and unknown:
+            notes.append(f"--recompute-modules {' '.join(unknown)}: not modelled by meshplan; priced without them")
+        known = tuple(name for name in modules if name in RECOMPUTE_MODULES) if granularity else ()
+        return granularity or "none", None, known
     if granularity != "full":
         raise MeshplanError(f"--recompute-granularity must be full or selective, got {granularity!r}")
     method, count = flags.get("--recompute-method"), get("--recompute-num-layers", 1)
@@ -348,13 +374,13 @@ def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None]:
         notes.append(f"--recompute-modules {flags['--recompute-modules']}: applies to selective granularity only; "
                      "ignored under full")
     if method == "block":
-        return "none", count
+        return "none", count, ()
     if method != "uniform":
         notes.append(f"--recompute-granularity full without --recompute-method ({method}): priced as uniform")
     if count > 1:
         notes.append(f"--recompute-method uniform --recompute-num-layers {count}: checkpoints groups of {count} "
                      "layers; priced as full recomputation of every layer (its input kept per layer)")
-    return "full", None
+    return "full", None, ()
 
 
 def _read_precision(flags, notes: list[str]) -> tuple[str, str | None]:

@@ -397,13 +397,38 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
     moe = {}
     if moe_layer is not None:
         dense = sum(1 for layer in all_layers if not expert_modules(layer))
-        moe = dict(num_experts=_num_experts(moe_layer), top_k=_top_k(config, moe_layer), dense_layers=dense)
+        moe = dict(num_experts=_num_experts(moe_layer), top_k=_top_k(config, moe_layer), dense_layers=dense,
+                   **_expert_widths(config))
     return ModelInfo(family="hf", num_layers=len(all_layers),
                      hidden=getattr(config, "hidden_size", 0) or 0, num_heads=heads,
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     attn_implementation=attn, notes=notes + _window_notes(attn, kept_layers), **moe)
+                     attn_implementation=attn, notes=notes + _window_notes(attn, kept_layers), **moe,
+                     **_latent_attention(config))
+
+
+def _expert_widths(config) -> dict:
+    """A DeepSeek-style MoE config's routed experts' width (`moe_intermediate_size`) and its shared
+    experts (`n_shared_experts` of that width), as ModelInfo names them; {} for other configs."""
+    width = getattr(config, "moe_intermediate_size", 0)
+    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
+        return {}
+    shared = getattr(config, "n_shared_experts", 0)
+    shared = shared if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else 0
+    return dict(expert_ffn=width, num_shared_experts=shared, shared_ffn=shared * width)
+
+
+def _latent_attention(config) -> dict:
+    """Multi-head latent attention's widths (DeepSeek-V2/V3 configs: `kv_lora_rank`, ...), {} without."""
+    names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    values = [getattr(config, name, 0) for name in names]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        return {}
+    kv_rank, nope, rope, value = values
+    q_rank = getattr(config, "q_lora_rank", None)
+    return dict(kv_lora_rank=kv_rank, q_lora_rank=q_rank if isinstance(q_rank, int) and q_rank > 0 else 0,
+                qk_rope_head_dim=rope, v_head_dim=value, head_dim=nope + rope)
 
 
 def _window_notes(attn: str, layers: list) -> tuple[str, ...]:

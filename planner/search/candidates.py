@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES, RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
@@ -110,6 +110,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
             dp = gpus // (tp * pp * cp)
             if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
                 continue
+            if engine in NO_PIPELINE_ENGINES and pp * cp > 1:  # FSDP engines without pipelines or CP
+                continue
             if global_batch % dp:
                 continue
             for mbs in divisors(global_batch // dp):
@@ -129,6 +131,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
                                 for etp, ep in expert_layouts(info, tp, dp * cp, pins):
+                                    if engine in NO_PIPELINE_ENGINES and ep > 1:
+                                        continue
                                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,

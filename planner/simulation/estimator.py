@@ -96,12 +96,16 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
                     ep: int = 1, etp: int | None = None, engine: str = "meshplan",
-                    fp8_recipe: str | None = None) -> ParallelConfig:
+                    fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = ()) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
-    ParallelConfig itself; its errors become MeshplanError."""
+    ParallelConfig itself; its errors become MeshplanError.
+    `recompute_modules`: Megatron-Core's `--recompute-modules` (with recompute "selective")."""
     check_mesh(cluster, gpus, tp, pp, cp)
     check_fp8_supported(cluster, precision, fp8_recipe)
+    if recompute_modules and recompute != "selective":
+        raise MeshplanError(f"--recompute-modules {' '.join(recompute_modules)} names what selective recomputation "
+                            f"rebuilds: add --recompute selective (got --recompute {recompute})")
     dp = gpus // (tp * pp * cp)
     if schedule in SCHEDULE_SPECS and vpp == 1:
         vpp = SCHEDULE_SPECS[schedule].least_chunks  # a V always holds two chunks per rank: --vpp 2 is implied
@@ -111,7 +115,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
         config = ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
                                 microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
                                 virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
-                                etp=etp, engine=engine, fp8_recipe=fp8_recipe)
+                                etp=etp, engine=engine, fp8_recipe=fp8_recipe,
+                                recompute_modules=tuple(recompute_modules))
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "expert parallelism ep=", "--ep ").replace("expert tensor parallelism etp=", "--etp ")) from None
@@ -143,11 +148,14 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
              etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
-             memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None) -> Prediction:
+             memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
+             recompute_modules: tuple[str, ...] = ()) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence); `engine`: whose
     memory recipe prices it (`costing.engine_memory`; meshplan: its own executor);
+    `recompute_modules`: what selective recomputation rebuilds under engine megatron
+    (Megatron-Core's `--recompute-modules`, `contracts.config.RECOMPUTE_MODULES`);
     `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
     against what is left); `fp8_recipe`: under fp8, a name in `contracts.config.FP8_RECIPES`
     (None: the engine's default)."""
@@ -160,7 +168,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     # built and checked before profiling, which is the slow part: a bad mesh fails fast
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
-                             shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe)
+                             shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe,
+                             recompute_modules=recompute_modules)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
