@@ -213,15 +213,10 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     recompute = dominant_recompute([m for m in block_modes])
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
                          ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,
-<<<<<<< HEAD
-                         recompute=dominant_recompute([m for m in block_modes]), sp=job.sp, schedule=job.schedule,
-                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
-                         fp8_recipe=job.fp8_recipe if precision == "fp8" else None)
-=======
                          recompute=recompute, sp=job.sp, schedule=job.schedule,
                          vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
+                         fp8_recipe=job.fp8_recipe if precision == "fp8" else None,
                          recompute_modules=job.recompute_modules if recompute == "selective" else ())
->>>>>>> r3memfig
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:

@@ -16,11 +16,7 @@ import itertools
 import re
 import shlex
 
-<<<<<<< HEAD
-from meshplan.planner.contracts.config import DEFAULT_FP8_RECIPE, FP8_RECIPES
-=======
-from meshplan.planner.contracts.config import RECOMPUTE_MODULES
->>>>>>> r3memfig
+from meshplan.planner.contracts.config import DEFAULT_FP8_RECIPE, FP8_RECIPES, RECOMPUTE_MODULES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
@@ -283,26 +279,16 @@ def read_megatron(text: str) -> EngineJob:
     if "--expert-tensor-parallel-size" not in flags and degrees["ep"] > 1:
         degrees["etp"] = tp  # Megatron-Core's default: the experts split as the dense layers are
     gpus = int(header["gpus"]) if header.get("gpus", "").isdigit() else _launcher_world_size(get)
-<<<<<<< HEAD
-    recompute, first_per_chunk = _read_recompute(flags, get, notes)
-    precision, fp8_recipe = _read_precision(flags, notes)
-=======
     recompute, first_per_chunk, modules = _read_recompute(flags, get, notes)
-    precision = _read_precision(flags, notes)
->>>>>>> r3memfig
+    precision, fp8_recipe = _read_precision(flags, notes)
     job = dict(
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
         seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
         microbatch_size=get("--micro-batch-size", 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
-<<<<<<< HEAD
-        recompute_first_per_chunk=first_per_chunk, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
-        precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
-=======
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
-        schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp,
-        precision=precision, layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
->>>>>>> r3memfig
+        schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
+        layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
     for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
