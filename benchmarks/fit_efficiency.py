@@ -113,7 +113,7 @@ def predict(run: Run, cluster, vpp: int):
     config = make_config(graph, cluster, gpus=run.gpus, global_batch=run.global_batch, tp=run.tp, pp=run.pp,
                          mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
-                         cp=run.cp, ep=run.ep, etp=run.etp)
+                         cp=run.cp, ep=run.ep, etp=run.etp, engine=run.engine)
     return predict_config(graph, cluster, config)
 
 

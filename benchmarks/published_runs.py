@@ -113,6 +113,9 @@ class Run:
     cp: int = 1
     ep: int = 1
     etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
+    # the engine that ran it, when it is one meshplan models (its memory and overlap,
+    # `contracts.overlap`); "meshplan" for runs whose engine predates or lies outside them
+    engine: str = "meshplan"
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -285,11 +288,11 @@ def torchtitan_h100_runs() -> list[Run]:
     rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
     runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                 "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
-                published_tokens_per_s=tps * 8, assumptions=assumptions)
+                published_tokens_per_s=tps * 8, assumptions=assumptions, engine="torchtitan")
             for seq, cp, tps in rows]
     runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                     "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
-                    published_tokens_per_s=829.0 * 256, assumptions=assumptions))
+                    published_tokens_per_s=829.0 * 256, assumptions=assumptions, engine="torchtitan"))
     return runs
 
 
@@ -309,7 +312,8 @@ def torchtitan_runs() -> list[Run]:
             ("Llama2 13B bs2 none", LLAMA2_13B, 4096, 2, "none", 2162.0),
             ("Llama2 70B bs2 full", LLAMA2_70B, 4096, 2, "full", 353.0)]
     return [Run(f"torchtitan {name}", HELD_OUT, TORCHTITAN_A100, "a100-80g", spec, 64, 64 * mbs, seq, mbs=mbs,
-                zero=3, recompute=recompute, published_tokens_per_s=wps * 64, assumptions=assumptions)
+                zero=3, recompute=recompute, published_tokens_per_s=wps * 64, assumptions=assumptions,
+                engine="torchtitan")
             for name, spec, seq, mbs, recompute, wps in rows]
 
 
@@ -331,7 +335,8 @@ def megatron_bridge_dense_runs() -> list[Run]:
     assumptions = (
         "FP8-CS (Transformer Engine current scaling) costed as meshplan's fp8 recipe (tensorwise current scaling)",
         "no recomputation (not published); the distributed optimizer costed as ZeRO-1, Megatron FSDP as ZeRO-3",
-        "sequence parallelism with TP (Megatron-Bridge's performance recipes); TP communication overlap not modelled",
+        "sequence parallelism with TP and its communication overlap (Megatron-Bridge's performance recipes: "
+        "--engine megatron's overlap)",
         "Llama 3.1 405B costed as llama3-405b (the same shape)",
         "cuDNN fused attention (Transformer Engine's default on Hopper)",
     )
@@ -340,7 +345,8 @@ def megatron_bridge_dense_runs() -> list[Run]:
             ("LLAMA3.1_405B", "llama3-405b", 1024, 512, 1, 1, 8, 8, 2, 8, 292.0)]
     return [Run(f"Megatron-Bridge {name} fp8 tp{tp} pp{pp} cp{cp}", HELD_OUT_FP8, MEGATRON_BRIDGE_H100, "h100-sxm",
                 spec, gpus, gbs, 8192, tp=tp, pp=pp, mbs=mbs, zero=zero, sp=tp > 1, cp=cp, vpp_options=(vpp,),
-                precision="fp8", attention="cudnn", published_tokens_per_s=tps * gpus, assumptions=assumptions)
+                precision="fp8", attention="cudnn", published_tokens_per_s=tps * gpus, assumptions=assumptions,
+                engine="megatron")
             for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
 
 
