@@ -8,7 +8,7 @@ from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
                                      does_not_fit, model_notes, moe_notes, prediction_json)
-from meshplan.commands.printed import Heading, format_prediction
+from meshplan.commands.printed import Heading, format_prediction, with_overlap
 
 
 def add_arguments(parser) -> None:
@@ -76,7 +76,7 @@ def run(args) -> int:
 
         data = with_band(prediction_json(prediction, args.model, args.seq or _default_seq(args.model)),
                          prediction.step_time_s, heading.config, args.model, args.seq)
-        print(json.dumps(data))
+        print(json.dumps(with_overlap(data, heading.config.engine)))
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
     print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))

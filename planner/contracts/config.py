@@ -60,7 +60,7 @@ class ParallelConfig:
     # Expert tensor parallelism: each routed expert split over `etp` consecutive ranks; None follows
     # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
     etp: int | None = None
-    engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
+    engine: str = "meshplan"  # a name in ENGINES: whose memory recipe and overlap (`contracts.overlap`) price the plan
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
