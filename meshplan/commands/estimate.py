@@ -21,7 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                         help="predict an engine config (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)")
     parser.add_argument("--engine", default=None, choices=ENGINES,
-                        help="whose memory recipe prices the job (default meshplan, its own executor); with "
+                        help="whose memory recipe and communication overlap price the job (default meshplan, "
+                             "its own executor; the overlap table: README 'What each engine overlaps'); with "
                              "--from FILE the file's engine (default: guessed from the file)")
     add_axis_arguments(parser, 1, skip=("dp",))  # dp = gpus / (pp * cp * tp)
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
