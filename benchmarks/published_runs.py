@@ -113,8 +113,10 @@ class Run:
     cp: int = 1
     ep: int = 1
     etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
-    # the engine that ran it, when it is one meshplan models (its memory and overlap,
-    # `contracts.overlap`); "meshplan" for runs whose engine predates or lies outside them
+    # the engine whose overlap (`contracts.overlap`) and memory price the step in bench_fidelity:
+    # set where the run's engine and version are one meshplan models (torchtitan, Megatron-Bridge
+    # 25.11); "meshplan" otherwise (Megatron-LM of 2021-2022 predates the overlap `--engine megatron`
+    # prices; Llama 3's and llm-foundry's stacks are none of the engines)
     engine: str = "meshplan"
 
     def __post_init__(self):
