@@ -4,7 +4,9 @@ The runs and their sources are in `published_runs.py`. The efficiency fields of 
 are fitted on the fit sets only (`fit_efficiency.py`: Narayanan et al. 2021 Table 1 for A100,
 Llama 3 Table 4 for H100, NVIDIA's nccl-tests figures for the NICs); the held-out runs
 (Korthikanti et al. 2022 Table 5, MosaicML's MPT benchmarks, torchtitan's FSDP2 runs) never
-tuned anything. No run has its own correction. MosaicML's FP8 runs are held out too and
+tuned anything. No run has its own correction. A run whose engine meshplan models (torchtitan,
+Megatron-Bridge's recipes: `Run.engine`) is priced as `--engine` prices it, with that engine's
+overlap (`planner/contracts/overlap.py`) and memory. MosaicML's FP8 runs are held out too and
 reported in a section of their own ("FP8 (held out)"), costed with `--precision fp8`; so are
 the published mixture-of-experts runs ("MoE (held out)": Qwen3 on H100 with expert parallelism,
 Megatron-MoE-ModelZoo and Megatron-Bridge), costed under balanced routing.

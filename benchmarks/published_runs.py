@@ -114,7 +114,11 @@ class Run:
     ep: int = 1
     etp: int | None = None  # expert tensor parallelism; None: the mesh's tp
     fp8_recipe: str | None = None  # under fp8, the recipe its source names (contracts.config.FP8_RECIPES)
-    engine: str = "meshplan"  # the engine that ran it, where meshplan prices that engine (contracts.config.ENGINES)
+    # the engine whose overlap (`contracts.overlap`) and memory price the step in bench_fidelity:
+    # set where the run's engine and version are one meshplan models (torchtitan, Megatron-Bridge
+    # 25.11); "meshplan" otherwise (Megatron-LM of 2021-2022 predates the overlap `--engine megatron`
+    # prices; Llama 3's and llm-foundry's stacks are none of the engines)
+    engine: str = "meshplan"
     # Megatron-Core's --recompute-modules the run used; only the megatron memory recipe prices them
     # (bench_engine_memory); step-time fits cost the run's `recompute` (their time is elementwise work)
     recompute_modules: tuple[str, ...] = ()
@@ -290,11 +294,11 @@ def torchtitan_h100_runs() -> list[Run]:
     rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
     runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                 "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
-                fp8_recipe="tensorwise", published_tokens_per_s=tps * 8, assumptions=assumptions)
+                fp8_recipe="tensorwise", published_tokens_per_s=tps * 8, assumptions=assumptions, engine="torchtitan")
             for seq, cp, tps in rows]
     runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                     "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
-                    fp8_recipe="tensorwise", published_tokens_per_s=829.0 * 256, assumptions=assumptions))
+                    fp8_recipe="tensorwise", published_tokens_per_s=829.0 * 256, assumptions=assumptions, engine="torchtitan"))
     return runs
 
 
@@ -314,7 +318,8 @@ def torchtitan_runs() -> list[Run]:
             ("Llama2 13B bs2 none", LLAMA2_13B, 4096, 2, "none", 2162.0),
             ("Llama2 70B bs2 full", LLAMA2_70B, 4096, 2, "full", 353.0)]
     return [Run(f"torchtitan {name}", HELD_OUT, TORCHTITAN_A100, "a100-80g", spec, 64, 64 * mbs, seq, mbs=mbs,
-                zero=3, recompute=recompute, published_tokens_per_s=wps * 64, assumptions=assumptions)
+                zero=3, recompute=recompute, published_tokens_per_s=wps * 64, assumptions=assumptions,
+                engine="torchtitan")
             for name, spec, seq, mbs, recompute, wps in rows]
 
 
@@ -336,7 +341,8 @@ def megatron_bridge_dense_runs() -> list[Run]:
     assumptions = (
         "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
         "no recomputation (not published); the distributed optimizer costed as ZeRO-1, Megatron FSDP as ZeRO-3",
-        "sequence parallelism with TP (Megatron-Bridge's performance recipes); TP communication overlap not modelled",
+        "sequence parallelism with TP and its communication overlap (Megatron-Bridge's performance recipes: "
+        "--engine megatron's overlap)",
         "Llama 3.1 405B costed as llama3-405b (the same shape)",
         "cuDNN fused attention (Transformer Engine's default on Hopper)",
     )

@@ -9,7 +9,7 @@ from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argu
                                      add_fp8_recipe_argument,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
                                      does_not_fit, model_notes, moe_notes, prediction_json)
-from meshplan.commands.printed import Heading, format_prediction
+from meshplan.commands.printed import Heading, format_prediction, with_overlap
 
 
 def add_arguments(parser) -> None:
@@ -22,7 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--from", dest="from_file", default=None, metavar="FILE",
                         help="predict an engine config (torchtitan TOML, Megatron-LM arguments, DeepSpeed JSON)")
     parser.add_argument("--engine", default=None, choices=ENGINES,
-                        help="whose memory recipe prices the job (default meshplan, its own executor); with "
+                        help="whose memory recipe and communication overlap price the job (default meshplan, "
+                             "its own executor; the overlap table: README 'What each engine overlaps'); with "
                              "--from FILE the file's engine (default: guessed from the file)")
     add_axis_arguments(parser, 1, skip=("dp",))  # dp = gpus / (pp * cp * tp)
     parser.add_argument("--mbs", type=int, default=1, help="micro-batch size")
@@ -82,7 +83,7 @@ def run(args) -> int:
 
         data = with_band(prediction_json(prediction, args.model, args.seq or _default_seq(args.model)),
                          prediction.step_time_s, heading.config, args.model, args.seq)
-        print(json.dumps(data))
+        print(json.dumps(with_overlap(data, heading.config.engine)))
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
     print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))

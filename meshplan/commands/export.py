@@ -64,7 +64,9 @@ def estimate_from(args) -> int:
     if args.json:
         data = with_band(result.prediction.to_json(), result.prediction.step_time_s, result.config, result.spec,
                          result.seq)
-        print(json.dumps(data))
+        from meshplan.commands.printed import with_overlap
+
+        print(json.dumps(with_overlap(data, result.config.engine)))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 

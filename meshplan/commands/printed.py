@@ -34,7 +34,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
              + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
              + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
              + (f" (memory as {cfg.engine} allocates it)" if cfg.engine != "meshplan" else ""),
-             "", f"step time        {step * 1e3:10.1f} ms"]
+             overlap_line(cfg.engine), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
             lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
@@ -73,6 +73,21 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
     if not prediction.fits:
         lines += top_consumers(prediction)
     return "\n".join(lines)
+
+
+def overlap_line(engine: str) -> str:
+    """Which engine's communication overlap the prediction assumes (`contracts.overlap`)."""
+    from meshplan.planner.contracts.overlap import engine_overlap
+
+    return f"overlap as {engine_overlap(engine).summary()}"
+
+
+def with_overlap(data: dict, engine: str) -> dict:
+    """`estimate --json` with the key `overlap`: the engine's overlap the prediction assumed
+    (`contracts.overlap.EngineOverlap.to_json`)."""
+    from meshplan.planner.contracts.overlap import engine_overlap
+
+    return {**data, "overlap": engine_overlap(engine).to_json()}
 
 
 # what lowers each kind of memory, for the lines of `top_consumers`

@@ -79,7 +79,7 @@ class ParallelConfig:
     # Expert tensor parallelism: each routed expert split over `etp` consecutive ranks; None follows
     # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
     etp: int | None = None
-    engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
+    engine: str = "meshplan"  # a name in ENGINES: whose memory recipe and overlap (`contracts.overlap`) price the plan
     # Under fp8, a name in FP8_RECIPES; None takes the engine's DEFAULT_FP8_RECIPE (stored resolved).
     # None for every other precision.
     fp8_recipe: str | None = None

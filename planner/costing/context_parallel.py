@@ -14,9 +14,20 @@ Per rank and micro-batch, against the same layer without CP:
   (2cp-1)/cp^2 of it, nearly twice its share);
 - the gathered K and V of the whole sequence are saved for the attention backward:
   (1 - 1/cp) of the full K/V bytes beyond the rank's own share;
-- communication: all-gather of K/V (full size F = 2 * mbs * s * kv_heads/tp * head_dim * bytes)
-  in forward, reduce-scatter of dK/dV (F) in backward, both blocking; full recomputation gathers
-  again;
+- communication: how K/V travel is the engine's (`EngineOverlap.cp_exchange`; F = 2 * mbs * s *
+  kv_heads/tp * head_dim * bytes, the whole sequence's K/V on one TP rank; t: one ring step's
+  attention, the rank's attention over cp, at the kernel's speed on the rank's s/cp queries):
+  - "all_gather" (meshplan's executor): all-gather of F in forward, reduce-scatter of dK/dV in
+    backward, both blocking;
+  - "ring_p2p" (Megatron-Core with Transformer Engine, cp_comm_type "p2p"): cp steps, the
+    rank's F/cp sent to the next rank during each step's attention: (cp-1) max(0, p2p(F/cp) - t)
+    in forward; K/V and dK/dV (2F/cp) during each backward step of 2t;
+  - "torch_ring" (torchtitan, torch's context_parallel with the all-gather rotation): K/V at the
+    query heads (torchtitan's Llama repeats them before SDPA), all-gathered during the first
+    step's attention; each later step's output merged into an fp32 accumulator (memory-bound:
+    `TORCH_RING_FWD_BYTES`); backward gathers K/V again, accumulates dQ, dK, dV in fp32 and
+    rotates dK/dV (fp32) to the next rank behind the next step, the last rotation exposed;
+  full recomputation repeats the forward's exchange;
 - gradients are averaged, and ZeRO shards, over the dp * cp ranks (tp apart): data
   parallelism sees dp*cp ranks of mbs/cp samples each (`ParallelConfig.data_ranks`,
   `rank_microbatch`, which the rest of the cost model reads).
@@ -25,9 +36,27 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.planner.costing.collectives import collective_time_s
-from meshplan.planner.costing.device_time import DTYPE_BYTES
+from meshplan.planner.costing.collectives import collective_time_s, send_recv_time_s
+from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, attention_time_s,
+                                                  causal_skipped_flops, compute_time_s, flash_attention_flops,
+                                                  memory_time_s)
+from meshplan.planner.costing.overlap import exposed_ring_s, overlap_of
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
+from meshplan.planner.costing.tp_split import is_split
+
+# torch's ring attention (convert_to_f32), memory traffic per element of the rank's attention
+# output (= per element of its K or V at the query heads), counted from `_SDPAMerger` and
+# `_templated_ring_attention_backward` (torch/distributed/tensor/experimental/_context_parallel):
+# forward, per step after the first: the block's output cast to fp32 (read 2, write 4 bytes), then
+# out - sigmoid(lse_block - lse) * (out - block_out): three fp32 element-wise kernels (read 8 write
+# 4, read 4 write 4, read 8 write 4): 38; once at the end, the fp32 result cast back (read 4, write 2).
+TORCH_RING_FWD_BYTES = 38
+TORCH_RING_FWD_ONCE_BYTES = 6
+# backward, per step: dQ added into its fp32 accumulator (read 4 + 2, write 4) and dK, dV each added
+# into theirs (10) and packed for the rotation (read 4, write 4): 10 + 2 * 18; once: the three fp32
+# accumulators zeroed (write 12) and cast back (read 12, write 6).
+TORCH_RING_BWD_BYTES = 46
+TORCH_RING_BWD_ONCE_BYTES = 30
 
 
 def attention_work_share(cp: int, balanced: bool = True) -> float:
@@ -39,19 +68,21 @@ def attention_work_share(cp: int, balanced: bool = True) -> float:
     return 1.0 / cp if balanced else (2 * cp - 1) / cp**2
 
 
-def kv_gather_bytes(layer, config, info, profile_dtype: str, compute_dtype: str) -> float:
-    """F: the whole sequence's K and V for one micro-batch on one TP rank, in the compute dtype."""
+def kv_gather_bytes(layer, config, info, profile_dtype: str, compute_dtype: str, *, query_heads: bool = False) -> float:
+    """F: the whole sequence's K and V for one micro-batch on one TP rank, in the compute dtype
+    (`query_heads`: K and V repeated to the query heads, as torchtitan's Llama passes them)."""
     if layer.kind != "block" or not info.num_heads or not info.hidden:
         return 0.0
     tokens = layer.input_bytes / (info.hidden * DTYPE_BYTES.get(profile_dtype, 2))  # per sample
-    kv_heads = info.num_kv_heads or info.num_heads
-    local_kv_heads = kv_heads / config.tp if kv_heads % config.tp == 0 else kv_heads
+    heads = info.num_heads if query_heads else (info.num_kv_heads or info.num_heads)
+    local_heads = heads / config.tp if heads % config.tp == 0 else heads
     head_dim = info.head_dim or info.hidden // info.num_heads
-    return 2 * config.microbatch_size * tokens * local_kv_heads * head_dim * DTYPE_BYTES[compute_dtype]
+    return 2 * config.microbatch_size * tokens * local_heads * head_dim * DTYPE_BYTES[compute_dtype]
 
 
 def cp_comm_s(gather_bytes: float, config, cluster) -> tuple[float, float]:
-    """(forward, backward) blocking CP collectives of one micro-batch."""
+    """(forward, backward) blocking all-gather / reduce-scatter of K/V over the CP group, one
+    micro-batch ("all_gather")."""
     if gather_bytes <= 0 or config.cp == 1:
         return 0.0, 0.0
     fwd = collective_time_s("all_gather", gather_bytes, config.cp, cluster, config.tp)
@@ -61,12 +92,64 @@ def cp_comm_s(gather_bytes: float, config, cluster) -> tuple[float, float]:
     return fwd, bwd
 
 
-def with_context_parallel(local, layer, config, cluster, info, profile_dtype: str | None):
-    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced at the rank's
-    `rank_microbatch` over the `data_ranks`): plus the K/V exchange and the gathered K/V that
-    attention's backward keeps."""
+def ring_p2p_comm_s(gather_bytes: float, step_s: float, config, cluster) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of Transformer Engine's p2p ring, one micro-batch:
+    `step_s` is one step's forward attention."""
+    if gather_bytes <= 0 or config.cp == 1:
+        return 0.0, 0.0
+    link = cluster.link_for_group(config.cp, config.tp)
+    chunk = gather_bytes / config.cp
+    fwd = exposed_ring_s(send_recv_time_s(chunk, link), step_s, config.cp - 1)
+    bwd = exposed_ring_s(send_recv_time_s(2 * chunk, link), 2 * step_s, config.cp - 1)
+    return fwd, bwd + (fwd if config.recompute == "full" else 0.0)
+
+
+def torch_ring_comm_s(gather_bytes: float, step_s: float, config, cluster, dtype: str) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of torch's ring attention (all-gather rotation), one
+    micro-batch: `gather_bytes` the K/V at the query heads, `step_s` one step's forward attention."""
+    cp = config.cp
+    if gather_bytes <= 0 or cp == 1:
+        return 0.0, 0.0
+    gather_s = collective_time_s("all_gather", gather_bytes, cp, cluster, config.tp)
+    elements = gather_bytes / cp / (2 * DTYPE_BYTES[dtype])  # the rank's output (and K, V) elements
+    fwd = max(0.0, gather_s - step_s) + memory_time_s(
+        elements * ((cp - 1) * TORCH_RING_FWD_BYTES + TORCH_RING_FWD_ONCE_BYTES), cluster)
+    rotate_s = send_recv_time_s(2 * gather_bytes / cp, cluster.link_for_group(cp, config.tp))  # dK, dV in fp32
+    bwd = (max(0.0, gather_s - 2 * step_s) + exposed_ring_s(rotate_s, 2 * step_s, cp - 1) + rotate_s
+           + memory_time_s(elements * (cp * TORCH_RING_BWD_BYTES + TORCH_RING_BWD_ONCE_BYTES), cluster))
+    return fwd, bwd + (fwd if config.recompute == "full" else 0.0)
+
+
+def ring_step_s(layer, config, cluster, attention: str, kernel: float) -> float:
+    """One ring step's forward attention on the rank: its attention over cp (the load-balanced
+    layout gives every step the same work: a causal s/cp square, or half of an s/cp x s/cp block)."""
     dtype = COMPUTE_DTYPE[config.precision]
-    gathered = kv_gather_bytes(layer, config, info, profile_dtype or dtype, dtype)
-    fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)
+    shard = config.tp if is_split(layer, config.tp) else 1
+    flash = flash_attention_flops(layer, attention, cluster) * config.rank_microbatch / shard
+    if flash:
+        return attention_time_s(flash, cluster, dtype, kernel) / config.cp
+    core = (layer.attn_fwd_flops - causal_skipped_flops(layer, attention)) * config.rank_microbatch / shard
+    return compute_time_s(core, ATTENTION_BMMS_PER_BLOCK, cluster, dtype) / config.cp
+
+
+def with_context_parallel(local, layer, config, cluster, info, profile_dtype: str | None, attention: str = "flash",
+                          kernel: float = 0.0):
+    """A CP rank's `LayerCost` from the cost of its per-token work (`local`, priced at the rank's
+    `rank_microbatch` over the `data_ranks`): plus the K/V exchange as the engine runs it
+    (`EngineOverlap.cp_exchange`) and the gathered K/V that attention's backward keeps. `kernel`:
+    the attention kernel's efficiency on the rank's queries."""
+    dtype = COMPUTE_DTYPE[config.precision]
+    exchange = overlap_of(config).cp_exchange
+    source_dtype = profile_dtype or dtype
+    gathered = kv_gather_bytes(layer, config, info, source_dtype, dtype)
+    if exchange == "all_gather":
+        fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)
+    elif exchange == "ring_p2p":
+        fwd_s, bwd_s = ring_p2p_comm_s(gathered, ring_step_s(layer, config, cluster, attention, kernel), config,
+                                       cluster)
+    else:
+        fwd_s, bwd_s = torch_ring_comm_s(kv_gather_bytes(layer, config, info, source_dtype, dtype, query_heads=True),
+                                         ring_step_s(layer, config, cluster, attention, kernel), config, cluster,
+                                         dtype)
     kept = gathered * (1 - 1 / config.cp) if config.recompute != "full" else 0.0
     return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)

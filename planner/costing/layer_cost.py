@@ -14,11 +14,11 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8
+from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8, overlap
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
-from meshplan.planner.costing.compute_time import compute_times_s
+from meshplan.planner.costing.compute_time import compute_times_s, kernel_efficiency
 from meshplan.planner.costing.engine_memory import engine_layer_memory
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
@@ -111,8 +111,14 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     """
     _check(layer, config, info)
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
+    if local.ep_fwd_comm_s or local.ep_bwd_comm_s:  # the engine's EP overlap (`overlap.exposed_ep_comm_s`)
+        local = replace(local, ep_fwd_comm_s=overlap.exposed_ep_comm_s(local.ep_fwd_comm_s, config),
+                        ep_bwd_comm_s=overlap.exposed_ep_comm_s(local.ep_bwd_comm_s, config))
     if config.cp > 1:
-        local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype)
+        kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
+                                   config.cp)
+        local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype, attention,
+                                                       kernel)
     if config.engine == "meshplan":
         return local
     # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
@@ -183,6 +189,9 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     fwd_s, bwd_s, recompute_s = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
                                                 attention)
     tp_fwd_s, tp_bwd_s = tp_comm_s(layer, config, cluster, act_scale)
+    # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
+    tp_fwd_s = overlap.exposed_tp_comm_s(tp_fwd_s, fwd_s, layer.kind, config)
+    tp_bwd_s = overlap.exposed_tp_comm_s(tp_bwd_s, bwd_s, layer.kind, config)
     if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (planner.costing.fixed_costs)
         # the (mbs, seq, hidden) residual stream: an embedding's output, any other layer's input
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)

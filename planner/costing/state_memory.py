@@ -42,6 +42,7 @@ under pipelining they stay gathered from the first forward to the step's end
 from __future__ import annotations
 
 from meshplan.planner.contracts.schedule import schedule_spec
+from meshplan.planner.costing.overlap import grad_reduce_overlaps
 
 STATE_RECIPES = ("executor", "zero-paper")
 
@@ -95,10 +96,14 @@ def grad_sync_mode(config) -> str:
     micro-batch for ZeRO-0/1 and of every micro-batch for ZeRO-2/3 (which keep gradients sharded
     while accumulating), pipelined or not. Under pipelining ZeRO-0/1 (and ZeRO-2/3 under a
     split-backward schedule) leave it to torch, which reduces a chunk's gradients after its
-    last backward (`perform_reduce_grad`), blocking the rank."""
+    last backward (`perform_reduce_grad`), blocking the rank. Under another engine whose
+    reduction does not overlap the backward at this ZeRO stage (DeepSpeed below ZeRO-3,
+    `EngineOverlap.grad_overlap_min_zero`) it blocks the rank after the backward too."""
     data_ranks = config.data_ranks
     zero = executed_zero(config.zero, data_ranks, config.pp, config.schedule)
     if config.pp > 1 and data_ranks > 1 and zero <= 1:
+        return "after_chunk"
+    if data_ranks > 1 and not grad_reduce_overlaps(config, zero):  # the engine's (`EngineOverlap`)
         return "after_chunk"
     return "overlap_every_microbatch" if zero >= 2 and config.num_microbatches > 1 else "overlap"
 

@@ -80,13 +80,13 @@ ROUND_TRIP_TOLERANCE = 0.01
 def _as_the_engine_runs_it(plan, engine: str, text: str) -> list[str]:
     """The exported config priced back as the engine runs it (its memory recipe, its schedule):
     one line when it does not fit, one when its step is more than 1% from the plan's."""
-    from meshplan.planner.simulation.simulator import plan_graph, simulate
+    from meshplan.planner.simulation.simulator import plan_graph
 
     try:
         result = predict_job(read_engine_text(text, engine), plan.model.spec, plan.cluster, gpus=plan.config.gpus,
                              global_batch=plan.config.global_batch, seq=plan.model.seq,
                              attention=plan.model.attention, graph=plan_graph(plan))
-        planned = (plan.prediction or {}).get("step_time_s") or simulate(plan, timeline=False).step_time_s
+        planned = _planned_step_s(plan, engine)
     except ValueError as exc:  # MeshplanError included: the plan is written anyway, unpriced
         return [f"not priced as {engine} runs it ({exc})"]
     out, prediction = [], result.prediction
@@ -100,6 +100,18 @@ def _as_the_engine_runs_it(plan, engine: str, text: str) -> list[str]:
         out.append(f"as {engine} runs it the step is predicted at {prediction.step_time_s * 1e3:.1f} ms, "
                    f"{change:+.1%} from the plan's {planned * 1e3:.1f} ms (see the approximations above)")
     return out
+
+
+def _planned_step_s(plan, engine: str) -> float:
+    """The plan's step as `engine` would run its exact configuration (the engine's overlap,
+    `contracts.overlap`), so that only what the export approximates moves the round trip."""
+    from dataclasses import replace
+
+    from meshplan.planner.simulation.simulator import simulate
+
+    if plan.config.engine == engine:
+        return (plan.prediction or {}).get("step_time_s") or simulate(plan, timeline=False).step_time_s
+    return simulate(replace(plan, config=replace(plan.config, engine=engine)), timeline=False).step_time_s
 
 
 def _per_layer_degrees(plan) -> bool:

@@ -39,6 +39,21 @@ MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
 
 
+def _overlap_args(cfg) -> list[tuple[str, object]]:
+    """The overlap flags `--engine megatron` prices with (`contracts.overlap`), where they apply:
+    TP overlap needs tp > 1 and SP; the distributed optimizer's gradient and parameter overlap."""
+    from meshplan.planner.contracts.overlap import engine_overlap
+
+    overlap, out = engine_overlap("megatron"), []
+    if overlap.tp_comm_overlap and cfg.tp > 1 and cfg.sp:
+        out.append(("--tp-comm-overlap", None))
+    if cfg.data_ranks > 1 and overlap.grad_reduce_overlaps(cfg.zero):
+        out.append(("--overlap-grad-reduce", None))
+    if cfg.data_ranks > 1 and cfg.zero >= 1 and overlap.param_gather_prefetch:
+        out.append(("--overlap-param-gather", None))
+    return out
+
+
 def export_megatron(plan) -> tuple[str, list[str]]:
     """(argument file text, approximation notes) for `plan`."""
     cfg, notes = plan.config, []
@@ -73,6 +88,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     elif cfg.zero >= 2:
         notes.append(f"ZeRO-{cfg.zero} with pipelining: exported as Megatron-LM's distributed optimizer (ZeRO-1), "
                      "as meshplan also runs it")
+    args += _overlap_args(cfg)
     if cfg.precision in ("bf16-mixed", "fp8"):
         args.append(("--bf16", None))
     if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, under the plan's recipe

@@ -17,6 +17,8 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.plan import plan_from_json
 from meshplan.planner.costing import context_parallel as cpm
 from meshplan.planner.costing.collectives import collective_time_s
+from meshplan.planner.costing.compute_time import kernel_efficiency
+from meshplan.planner.costing.device_time import attention_time_s, flash_attention_flops
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from tests.planner.costing.meshes import mesh
@@ -63,8 +65,14 @@ def test_cp_layer_cost_is_the_local_share_plus_the_kv_exchange(graph):
     assert with_cp.cp_fwd_comm_s == pytest.approx(collective_time_s("all_gather", gathered, cp, H100, tp))
     assert with_cp.cp_bwd_comm_s == pytest.approx(collective_time_s("reduce_scatter", gathered, cp, H100, tp))
     assert with_cp.activation_bytes == pytest.approx(local.activation_bytes + gathered * (1 - 1 / cp))
-    for field in ("fwd_compute_s", "bwd_compute_s", "tp_fwd_comm_s", "dp_grad_comm_s", "param_bytes", "grad_bytes",
-                  "optimizer_bytes", "output_bytes"):
+    # the attention kernel runs on the rank's s/cp queries: its speed there (`kernel_efficiency`)
+    attention = flash_attention_flops(block, "flash", H100) * (mbs // cp) / tp
+    at = [attention_time_s(attention, H100, "bf16", kernel_efficiency(block, graph.info, H100, "flash", "bf16", c))
+          for c in (cp, 1)]
+    assert with_cp.fwd_compute_s - local.fwd_compute_s == pytest.approx(at[0] - at[1])
+    assert with_cp.bwd_compute_s - local.bwd_compute_s == pytest.approx(2 * (at[0] - at[1]))
+    assert at[0] > at[1]  # 1024 queries per call run slower than 4096
+    for field in ("tp_fwd_comm_s", "dp_grad_comm_s", "param_bytes", "grad_bytes", "optimizer_bytes", "output_bytes"):
         assert getattr(with_cp, field) == getattr(local, field), field
     # per-token work really is 1/cp: the local config's activations are a quarter of mbs's
     whole = layer_cost(block, mesh(tp=tp, dp=dp * cp, zero=1, microbatch_size=mbs), H100, graph.info,

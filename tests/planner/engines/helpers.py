@@ -26,3 +26,9 @@ def make_plan(*, tp=2, pp=2, dp=2, mbs=2, zero=1, sp=True, schedule="1f1b", vpp=
     layers = [layer if layer.name in ("embed", "head") else replace(layer, recompute=next(block_modes))
               for layer in layers]
     return replace(plan, layers=tuple(layers))
+
+
+def as_engine_runs_it(plan, engine: str):
+    """The plan with `engine` running it: its overlap and memory recipe (`contracts.overlap`,
+    `costing.engine_memory`), the configuration and assignment unchanged."""
+    return replace(plan, config=replace(plan.config, engine=engine))

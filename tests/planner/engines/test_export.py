@@ -30,6 +30,7 @@ MEGATRON_ARGUMENTS = {
     "--data-parallel-sharding-strategy", "--expert-tensor-parallel-size", "--num-distributed-optimizer-instances",
     "--pipeline-model-parallel-layout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+    "--tp-comm-overlap", "--overlap-grad-reduce", "--overlap-param-gather",
 }
 
 
@@ -79,6 +80,15 @@ def test_megatron_export_uses_megatron_argument_names():
     assert flags["--decoder-first-pipeline-num-layers"] == "2" and flags["--decoder-last-pipeline-num-layers"] == "4"
     assert flags["--recompute-method"] == "block" and flags["--recompute-num-layers"] == "1"
     assert exported.notes == ()
+
+
+def test_megatron_export_turns_on_the_overlap_megatron_is_priced_with():
+    """`--engine megatron` prices Megatron-Bridge's overlap (`contracts.overlap`): the export asks for it."""
+    flags = parse_arguments(export_plan(make_plan(tp=2, sp=True, zero=1, dp=2), "megatron").text)
+    assert {"--tp-comm-overlap", "--overlap-grad-reduce", "--overlap-param-gather"} <= set(flags)
+    flags = parse_arguments(export_plan(make_plan(tp=2, sp=False, zero=0, dp=2), "megatron").text)
+    assert "--tp-comm-overlap" not in flags and "--overlap-param-gather" not in flags  # needs SP; no dist. optimizer
+    assert "--overlap-grad-reduce" in flags
 
 
 def test_megatron_export_of_zero3_is_megatron_fsdp():

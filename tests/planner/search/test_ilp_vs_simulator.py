@@ -81,22 +81,31 @@ MOE_SPEC = "moe:layers=8,hidden=1024,heads=16,kv_heads=4,experts=16,top_k=2,expe
 CASES["moe-ep-1f1b"] = (MOE_SPEC, 2048, "h100-sxm", 32, 64, Pins(ep=4, pp=2, schedule="1f1b"), 4)
 CASES["moe-ep-dp"] = (MOE_SPEC, 2048, "h100-sxm", 32, 256, Pins(ep=8, pp=1), 4)  # m >= 2: the ZeRO-0 reduction exposure both models treat alike
 PRECISION = {"llama3-70b-fp8-1f1b": "fp8", "llama3-70b-fp8-zero0-3": "fp8"}  # others: bf16-mixed
+# another engine's overlap (`contracts.overlap`) reaches all three through the same layer costs:
+# Megatron's TP overlap, torch's ring attention (torchtitan), DeepSpeed's reduction after the backward
+CASES["llama3-70b-megatron-sp"] = ("llama3-70b", 8192, "h100-sxm", 512, 512, Pins(tp=8, pp=4, sp=True, schedule="1f1b"), 3)
+CASES["llama3-8b-cp4-torchtitan"] = ("llama3-8b", 32768, "h100-sxm", 64, 64, Pins(cp=4, pp=1), 3)
+CASES["small-gpt-deepspeed-zero1"] = ("gpt:layers=24,hidden=1024,heads=16,vocab=32000", 1024, "a100-80g", 16, 256,
+                                     Pins(pp=1, zero=1), 3)
+ENGINE = {"llama3-70b-megatron-sp": "megatron", "llama3-8b-cp4-torchtitan": "torchtitan",
+          "small-gpt-deepspeed-zero1": "deepspeed"}  # others: meshplan
 
 
-def _refined(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed"):
+def _refined(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed", engine="meshplan"):
     """Per sampled candidate: (candidate, problem, the ILP's solution, the refined solution, the
     simulated prediction of the refined assignment)."""
     graph, cluster = profile(spec, seq), load_cluster(cluster_name)
-    for candidate, problem, solution in _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision):
+    for candidate, problem, solution in _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision,
+                                                  engine):
         refined = refine_solution(problem, solution, REFINE_BUDGET_S)
         yield candidate, problem, solution, refined, simulate(graph, cluster, candidate, problem, refined)
 
 
-def _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision):
+def _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision, engine="meshplan"):
     """Per sampled candidate: (candidate, its ILP problem, the ILP's solution)."""
     cluster = load_cluster(cluster_name)
     graph = profile(spec, seq)
-    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision)
+    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision, engine)
     candidates = candidates[::max(1, len(candidates) // sample)][:sample]
     problems, _, _ = build_problems(graph, cluster, candidates, global_batch, precision, pins, UNLIMITED, False, 10.0)
     for item in problems:
@@ -120,8 +129,10 @@ def test_the_search_objective_and_memory_equal_the_simulator(case):
     spec, seq, cluster, gpus, global_batch, pins, sample = CASES[case]
     checked = 0
     for candidate, problem, solution, refined, predicted in _refined(spec, seq, cluster, gpus, global_batch, pins,
-                                                                     sample, PRECISION.get(case, "bf16-mixed")):
+                                                                     sample, PRECISION.get(case, "bf16-mixed"),
+                                                                     ENGINE.get(case, "meshplan")):
         assert candidate.precision == PRECISION.get(case, "bf16-mixed")
+        assert candidate.engine == ENGINE.get(case, "meshplan")
         # exact linearisation: the evaluated objective is the least the ILP's rows allow for the
         # assignment; an incumbent HiGHS stops at within its MIP gap may leave an auxiliary above
         # that least value (1F1B's bottleneck binary, say), never by more than the gap; rows hold

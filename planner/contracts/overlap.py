@@ -1,0 +1,153 @@
+"""What each training engine overlaps with compute: one `EngineOverlap` per `--engine`, as data.
+
+The cost model's rule functions read it (`costing.overlap`, `costing.context_parallel`,
+`costing.state_memory.grad_sync_mode`), so the event simulator and the ILP price one engine's
+overlap alike; `estimate` prints which one it assumed and `--json` records it (`overlap`).
+
+Each engine is taken at a named version with the settings its documentation recommends for
+performance (Megatron) or its defaults (torchtitan, DeepSpeed); every field cites its source.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from meshplan.planner.contracts.config import ENGINES
+
+# How the K/V of a context-parallel group travel (`costing.context_parallel`):
+# - "all_gather": one blocking all-gather of K/V before attention, a reduce-scatter of their
+#   gradients after it (meshplan's executor, `executor.parallel.context`);
+# - "ring_p2p": cp ring steps; each step sends the rank's K/V (K/V heads only) to the next rank
+#   while the attention of the chunk in hand runs, so a step exposes only what its transfer takes
+#   beyond that attention; dK/dV travel back the same way (Transformer Engine, cp_comm_type "p2p");
+# - "torch_ring": torch's context_parallel ring attention with its default all-gather rotation:
+#   K/V (at the query heads: torchtitan's Llama repeats K/V before SDPA) all-gathered once behind
+#   the first step's attention, each step's output merged in fp32, dK/dV rotated back in fp32
+#   behind the next step's attention, the last rotation exposed.
+CP_EXCHANGES = ("all_gather", "ring_p2p", "torch_ring")
+
+
+@dataclass(frozen=True)
+class EngineOverlap:
+    """One engine's communication/computation overlap.
+
+    `tp_comm_overlap`: the sequence-parallel all-gathers and reduce-scatters pipelined with the
+    GEMMs they feed (Transformer Engine userbuffers, `--tp-comm-overlap`; torchtitan async TP):
+    the GEMM is cut into tp pieces, each piece's transfer hidden behind the previous piece's
+    product, so one piece (1/tp of the collective), or whatever the GEMMs cannot cover, stays exposed.
+    `grad_overlap_min_zero`: the lowest ZeRO stage whose gradient reduction runs in buckets during
+    the backward (0: always; 3: only ZeRO-3); below it the reduction waits for the backward to end.
+    `param_gather_prefetch`: ZeRO/FSDP parameter all-gathers issued one unit ahead of the compute
+    that needs them. `pp_p2p_async`: pipeline sends and receives run beside compute.
+    `cp_exchange`: one of `CP_EXCHANGES`. `ep_a2a_hidden_fraction`: the share of the expert-parallel
+    all-to-alls hidden behind other compute, in [0, 1].
+    """
+
+    engine: str
+    version: str
+    tp_comm_overlap: bool
+    grad_overlap_min_zero: int
+    param_gather_prefetch: bool
+    pp_p2p_async: bool
+    cp_exchange: str
+    ep_a2a_hidden_fraction: float
+    sources: tuple[str, ...]
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.cp_exchange not in CP_EXCHANGES:
+            raise ValueError(f"cp_exchange must be one of {', '.join(CP_EXCHANGES)}, got {self.cp_exchange!r}")
+        if self.grad_overlap_min_zero not in (0, 1, 2, 3, 4):
+            raise ValueError(f"grad_overlap_min_zero must be a ZeRO stage 0-3 or 4 (never), "
+                             f"got {self.grad_overlap_min_zero}")
+        if not 0.0 <= self.ep_a2a_hidden_fraction <= 1.0:
+            raise ValueError(f"ep_a2a_hidden_fraction must be in [0, 1], got {self.ep_a2a_hidden_fraction}")
+        if not self.version or not self.sources:
+            raise ValueError(f"{self.engine}: an engine's overlap names its version and sources")
+
+    def grad_reduce_overlaps(self, zero: int) -> bool:
+        """Whether the gradient reduction runs during the backward at ZeRO stage `zero`."""
+        return zero >= self.grad_overlap_min_zero
+
+    def summary(self) -> str:
+        """One line: what this engine hides behind compute."""
+        grads = ("overlapped with the backward" if self.grad_overlap_min_zero == 0 else
+                 f"overlapped from ZeRO-{self.grad_overlap_min_zero}, after the backward below")
+        return (f"{self.engine} ({self.version}): TP comm {'pipelined with its GEMMs' if self.tp_comm_overlap else 'blocking'}; "
+                f"grad reduce {grads}; param gather {'prefetched' if self.param_gather_prefetch else 'blocking'}; "
+                f"PP p2p {'async' if self.pp_p2p_async else 'blocking'}; CP {self.cp_exchange.replace('_', ' ')}; "
+                f"EP all-to-all {self.ep_a2a_hidden_fraction:.0%} hidden")
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["sources"] = list(self.sources)
+        return out
+
+
+ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
+    EngineOverlap(
+        engine="meshplan", version="meshplan's executor (torch FSDP2 / DDP, torch pipelining)",
+        tp_comm_overlap=False,           # DTensor collectives block the compute stream (`executor.parallel.tensor`)
+        grad_overlap_min_zero=0,         # DDP buckets / FSDP2 per-unit reduce-scatter during the backward
+        param_gather_prefetch=True,      # FSDP2 prefetches the next unit's all-gather
+        pp_p2p_async=True,               # torch pipelining's batched isend/irecv
+        cp_exchange="all_gather",        # `executor.parallel.context`: all_gather_tensor_autograd of K/V
+        ep_a2a_hidden_fraction=0.0,      # all_to_all_single on the compute path (`executor.parallel.expert`)
+        sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",)),
+    EngineOverlap(
+        engine="megatron", version="Megatron-Core 0.14 with Transformer Engine, as Megatron-Bridge 25.11's "
+                                   "performance recipes configure it",
+        tp_comm_overlap=True,            # CommOverlapConfig(tp_comm_overlap=True): needs tp >= 2, SP and TE
+        grad_overlap_min_zero=0,         # ddp.overlap_grad_reduce=True: one layer's chunk exposed
+        param_gather_prefetch=True,      # ddp.overlap_param_gather=True (distributed optimizer)
+        pp_p2p_async=True,               # overlap_p2p_comm with virtual stages, batch_p2p_comm without
+        cp_exchange="ring_p2p",          # TransformerConfig.cp_comm_type default "p2p"
+        ep_a2a_hidden_fraction=0.0,      # overlap_moe_expert_parallel_comm is off by default
+        sources=("docs.nvidia.com/nemo/megatron-bridge/latest/training/communication-overlap.html "
+                 "(TP, DP, PP and CP overlap; TP overlap gated on tp >= 2, sequence parallelism and TE)",
+                 "Megatron-Bridge docs/performance-guide.md; Megatron-Core DistributedDataParallelConfig "
+                 "(overlap_grad_reduce, overlap_param_gather)",
+                 "Transformer Engine attention.py AttnFuncWithCPAndKVP2P (cp_comm_type='p2p')")),
+    EngineOverlap(
+        engine="torchtitan", version="torchtitan 0.2 on torch 2.6-2.9 (job-config defaults)",
+        tp_comm_overlap=False,           # parallelism.enable_async_tensor_parallel defaults to false
+        grad_overlap_min_zero=0,         # FSDP2 reduce-scatters each unit during the backward
+        param_gather_prefetch=True,      # FSDP2 implicit forward/backward prefetch
+        pp_p2p_async=True,               # torch.distributed.pipelining's isend/irecv
+        cp_exchange="torch_ring",        # parallelism.context_parallel_rotate_method defaults to "allgather"
+        ep_a2a_hidden_fraction=0.0,      # all-to-all dispatch on the compute stream
+        sources=("torchtitan docs/fsdp.md (FSDP2 prefetching); torchtitan config job_config.py "
+                 "(enable_async_tensor_parallel=False, context_parallel_rotate_method='allgather')",
+                 "torch torch/distributed/tensor/experimental/_context_parallel/_attention.py "
+                 "(_templated_ring_attention, _AllGatherRotater, _SDPAMerger with convert_to_f32)")),
+    EngineOverlap(
+        engine="deepspeed", version="DeepSpeed 0.16 (ds_config defaults)",
+        tp_comm_overlap=False,           # AutoTP all-reduces block the compute stream
+        grad_overlap_min_zero=3,         # zero_optimization.overlap_comm: default true for stage 3 only
+        param_gather_prefetch=True,      # ZeRO-3 stage3_prefetch_bucket_size
+        pp_p2p_async=True,               # the pipeline engine's p2p beside compute
+        cp_exchange="all_gather",        # sequence_parallel_size: costed as meshplan's K/V all-gather
+        ep_a2a_hidden_fraction=0.0,      # MoE all-to-all on the compute stream
+        sources=("deepspeed.ai/docs/config-json (zero_optimization.overlap_comm: stage 3 default true, "
+                 "else false; stage3_prefetch_bucket_size)",
+                 "DeepSpeed deepspeed/runtime/zero/config.py (overlap_comm validator)")),
+    EngineOverlap(
+        engine="llm-foundry", version="llm-foundry 0.x on Composer's FSDP (torch FSDP1), its MPT yamls",
+        tp_comm_overlap=False,           # no sequence-parallel TP: FSDP alone in the benchmark yamls
+        grad_overlap_min_zero=0,         # FSDP1 reduce-scatters each unit during the backward
+        param_gather_prefetch=True,      # FSDP1 backward_prefetch BACKWARD_PRE; limit_all_gathers rate-limits
+        pp_p2p_async=True,               # no pipeline parallelism (NO_PIPELINE_ENGINES): never read
+        cp_exchange="all_gather",        # no context parallelism: never read
+        ep_a2a_hidden_fraction=0.0,      # no expert parallelism: never read
+        sources=("llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml (fsdp_config: FULL_SHARD, "
+                 "limit_all_gathers, activation_checkpointing)",
+                 "torch torch/distributed/fsdp/api.py (BackwardPrefetch.BACKWARD_PRE, Composer's default)")),
+)}
+
+
+def engine_overlap(engine: str) -> EngineOverlap:
+    """The named engine's `EngineOverlap`."""
+    try:
+        return ENGINE_OVERLAPS[engine]
+    except KeyError:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}") from None

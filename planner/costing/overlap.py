@@ -1,0 +1,55 @@
+"""The overlap rules: what of a layer's collectives stays exposed under the engine that runs it.
+
+The engine's overlap is data (`contracts.overlap.EngineOverlap`, one per `--engine`); these are
+the rules that read it. `layer_cost` applies them to every `LayerCost`, which the event simulator
+and the ILP's tables both read, so the two price one engine's overlap alike. Context
+parallelism's K/V exchange is priced by `costing.context_parallel` from the same record, and the
+gradient reduction's timing by `costing.state_memory.grad_sync_mode`.
+"""
+from __future__ import annotations
+
+from meshplan.planner.contracts.overlap import EngineOverlap, engine_overlap
+
+
+def overlap_of(config) -> EngineOverlap:
+    """The `EngineOverlap` of the engine `config` runs under, refused when it asks for an overlap
+    meshplan cannot price (every engine's parameter gathers are prefetched and its pipeline
+    transfers asynchronous: the simulator's only model of them)."""
+    overlap = engine_overlap(config.engine)
+    if not (overlap.param_gather_prefetch and overlap.pp_p2p_async):
+        raise ValueError(f"{overlap.engine}: meshplan prices parameter gathers as prefetched and pipeline "
+                         "transfers as asynchronous only")
+    return overlap
+
+
+def exposed_tp_comm_s(comm_s: float, compute_s: float, layer_kind: str, config) -> float:
+    """What a pass's TP collectives (`comm_s`) add to the compute stream beside `compute_s`.
+
+    Blocking engines expose all of it. Transformer Engine's userbuffers overlap (Megatron
+    `--tp-comm-overlap`; it needs sequence parallelism and acts on a block's Linears) cuts each
+    all-gather / reduce-scatter and its GEMM into tp pieces and sends piece i+1 while piece i
+    multiplies: the first piece (1/tp of the collective) stays exposed, and so does whatever the
+    pass's compute is too short to cover.
+    """
+    tp = config.tp
+    if comm_s <= 0 or tp < 2 or not config.sp or layer_kind != "block" or not overlap_of(config).tp_comm_overlap:
+        return comm_s
+    return max(comm_s / tp, comm_s - compute_s)
+
+
+def exposed_ep_comm_s(comm_s: float, config) -> float:
+    """The expert-parallel all-to-alls' exposed seconds: the share the engine does not hide behind
+    other compute (`EngineOverlap.ep_a2a_hidden_fraction`). The one place the engine's EP overlap
+    enters the cost model."""
+    return comm_s * (1.0 - overlap_of(config).ep_a2a_hidden_fraction)
+
+
+def grad_reduce_overlaps(config, zero: int) -> bool:
+    """Whether the engine reduces gradients during the backward at the executed ZeRO stage."""
+    return overlap_of(config).grad_reduce_overlaps(zero)
+
+
+def exposed_ring_s(transfer_s: float, step_compute_s: float, num_steps: int) -> float:
+    """A ring of `num_steps` transfers, each sent while a step of `step_compute_s` computes: each
+    exposes only what it takes beyond that step."""
+    return num_steps * max(0.0, transfer_s - step_compute_s)

@@ -1,0 +1,134 @@
+"""Each engine's overlap as data (`contracts.overlap`) and the rules that read it
+(`costing.overlap`, `costing.context_parallel`, `costing.state_memory.grad_sync_mode`), against
+values derived by hand."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshplan.planner.contracts.config import ENGINES, ParallelConfig
+from meshplan.planner.contracts.overlap import ENGINE_OVERLAPS, EngineOverlap, engine_overlap
+from meshplan.planner.costing import context_parallel
+from meshplan.planner.costing.collectives import collective_time_s, send_recv_time_s
+from meshplan.planner.costing.communication import tp_comm_s
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.overlap import exposed_ring_s, exposed_tp_comm_s
+from meshplan.planner.costing.state_memory import grad_sync_mode
+from meshplan.planner.profiling.profiler import profile
+
+
+def config(**kw) -> ParallelConfig:
+    base = dict(gpus=8, global_batch=1, tp=8, pp=1, dp=1, microbatch_size=1, sp=True)
+    return ParallelConfig(**{**base, **kw})
+
+
+def test_one_overlap_per_engine_each_with_version_and_sources():
+    assert sorted(ENGINE_OVERLAPS) == sorted(ENGINES)
+    for name in ENGINES:
+        overlap = engine_overlap(name)
+        assert overlap.engine == name and overlap.version and overlap.sources
+        assert overlap.to_json()["engine"] == name
+    assert engine_overlap("megatron").tp_comm_overlap and not engine_overlap("meshplan").tp_comm_overlap
+    with pytest.raises(ValueError, match="cp_exchange must be one of"):
+        replace(engine_overlap("meshplan"), cp_exchange="ulysses")
+    with pytest.raises(ValueError, match=r"ep_a2a_hidden_fraction must be in \[0, 1\], got 1.5"):
+        replace(engine_overlap("meshplan"), ep_a2a_hidden_fraction=1.5)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        engine_overlap("nemo")
+
+
+def test_tp_collective_hidden_under_megatron_exposed_under_meshplan():
+    # 10 ms of collectives beside 1 s of GEMMs: Megatron's pipelined overlap exposes one of the
+    # 8 pieces (1.25 ms), meshplan's blocking collectives all 10 ms
+    assert exposed_tp_comm_s(0.010, 1.0, "block", config(engine="megatron")) == pytest.approx(0.010 / 8)
+    assert exposed_tp_comm_s(0.010, 1.0, "block", config()) == 0.010
+    # GEMMs shorter than the collective: what they cannot cover stays exposed (10 - 4 ms)
+    assert exposed_tp_comm_s(0.010, 0.004, "block", config(engine="megatron")) == pytest.approx(0.006)
+    # Transformer Engine's overlap needs sequence parallelism and acts on the blocks' Linears only
+    assert exposed_tp_comm_s(0.010, 1.0, "block", config(engine="megatron", sp=False)) == 0.010
+    assert exposed_tp_comm_s(0.010, 1.0, "head", config(engine="megatron")) == 0.010
+
+
+def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic():
+    graph = profile("llama3-70b", 8192)
+    cluster = load_cluster("h100-sxm")
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    own = layer_cost(block, config(), cluster, graph.info)
+    megatron = layer_cost(block, config(engine="megatron"), cluster, graph.info)
+    raw_fwd, raw_bwd = tp_comm_s(block, config(), cluster, 1.0)
+    assert raw_fwd > 0 and own.fwd_compute_s > raw_fwd  # the GEMMs cover all but the first piece
+    assert own.tp_fwd_comm_s - megatron.tp_fwd_comm_s == pytest.approx(raw_fwd * 7 / 8)
+    assert own.tp_bwd_comm_s - megatron.tp_bwd_comm_s == pytest.approx(raw_bwd * 7 / 8)
+    assert megatron.fwd_compute_s == own.fwd_compute_s
+
+
+def test_a_ring_step_exposes_what_its_transfer_takes_beyond_its_attention():
+    assert exposed_ring_s(0.003, 0.002, 3) == pytest.approx(0.003)  # 3 steps x (3 - 2 ms)
+    assert exposed_ring_s(0.001, 0.002, 3) == 0.0  # every transfer hidden
+    cluster = load_cluster("h100-sxm")
+    cfg = config(tp=1, cp=8, sp=False, engine="megatron")
+    link = cluster.link_for_group(8, 1)
+    chunk = 8e9 / 8
+    step_s = 0.001
+    fwd, bwd = context_parallel.ring_p2p_comm_s(8e9, step_s, cfg, cluster)
+    assert fwd == pytest.approx(7 * (send_recv_time_s(chunk, link) - step_s))
+    assert bwd == pytest.approx(7 * (send_recv_time_s(2 * chunk, link) - 2 * step_s))
+    assert context_parallel.ring_p2p_comm_s(8e6, step_s, cfg, cluster) == (0.0, 0.0)  # 1 MB per step: hidden
+
+
+def test_torch_ring_all_gather_hidden_behind_the_first_step_and_fp32_merges_paid():
+    cluster = load_cluster("h100-sxm")
+    cfg = config(gpus=4, tp=1, cp=4, sp=False, engine="torchtitan")
+    gather = 4 * 2 * 8192 * 4096 * 2  # K and V of 4 x 8192 tokens at 32 heads x 128, bf16
+    elements = gather / 4 / 4  # the rank's output elements: its K (or V) at the query heads
+    step_s = 1.0  # long enough to hide the gather and every rotation
+    fwd, bwd = context_parallel.torch_ring_comm_s(gather, step_s, cfg, cluster, "bf16")
+    assert fwd == pytest.approx(memory_time_s(elements * (3 * 38 + 6), cluster))
+    rotate_s = send_recv_time_s(2 * gather / 4, cluster.link_for_group(4, 1))
+    assert bwd == pytest.approx(rotate_s + memory_time_s(elements * (4 * 46 + 30), cluster))
+    short_fwd, _ = context_parallel.torch_ring_comm_s(gather, 0.0, cfg, cluster, "bf16")
+    assert short_fwd - fwd == pytest.approx(collective_time_s("all_gather", gather, 4, cluster, 1))
+
+
+def test_cp_exchange_follows_the_engine():
+    graph = profile("llama3-8b", 32768)
+    cluster = load_cluster("h100-sxm")
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    costs = {engine: layer_cost(block, config(gpus=8, tp=1, cp=8, sp=False, engine=engine), cluster, graph.info)
+             for engine in ENGINES}
+    # meshplan's executor and DeepSpeed: the blocking K/V all-gather (reduce-scatter of dK/dV)
+    gathered = 2 * 32768 * 8 * 128 * 2
+    assert costs["meshplan"].cp_fwd_comm_s == pytest.approx(collective_time_s("all_gather", gathered, 8, cluster, 1))
+    assert costs["deepspeed"].cp_fwd_comm_s == costs["meshplan"].cp_fwd_comm_s
+    # Transformer Engine's ring: 8 MB of K/V per step behind ~10 ms of attention: nothing exposed
+    assert costs["megatron"].cp_fwd_comm_s == 0.0 and costs["megatron"].cp_bwd_comm_s == 0.0
+    # torch's ring: the fp32 merges of the rank's output are paid, the gather hidden
+    assert costs["torchtitan"].cp_fwd_comm_s > 0.0
+
+
+def test_deepspeed_reduces_gradients_after_the_backward_below_zero3():
+    dp = dict(gpus=8, tp=1, dp=8, sp=False, global_batch=16)
+    assert grad_sync_mode(config(**dp, zero=1, engine="deepspeed")) == "after_chunk"
+    assert grad_sync_mode(config(**dp, zero=0, engine="deepspeed")) == "after_chunk"
+    assert grad_sync_mode(config(**dp, zero=3, engine="deepspeed")) == "overlap_every_microbatch"
+    assert grad_sync_mode(config(**dp, zero=1)) == "overlap"
+    assert grad_sync_mode(config(**dp, zero=1, engine="megatron")) == "overlap"
+    assert not engine_overlap("deepspeed").grad_reduce_overlaps(2) and engine_overlap("deepspeed").grad_reduce_overlaps(3)
+
+
+def test_an_overlap_meshplan_cannot_price_is_refused():
+    unpriced = replace(engine_overlap("meshplan"), pp_p2p_async=False)
+    assert isinstance(unpriced, EngineOverlap)
+    from meshplan.planner.costing import overlap as rules
+
+    original = dict(ENGINE_OVERLAPS)
+    try:
+        ENGINE_OVERLAPS["meshplan"] = unpriced
+        with pytest.raises(ValueError, match="prices parameter gathers as prefetched"):
+            rules.overlap_of(config())
+    finally:
+        ENGINE_OVERLAPS.clear()
+        ENGINE_OVERLAPS.update(original)
