@@ -65,6 +65,19 @@ def add_attention_argument(parser, default: str | None = "flash") -> None:
                              f"{attention_help()}{after}")
 
 
+def add_offload_argument(parser, default: str | None) -> None:
+    """--offload: model states kept in host memory (`costing.offload`). `default` None: searched
+    (plan offers it only when nothing fits without it)."""
+    from meshplan.planner.contracts.config import OFFLOAD
+
+    searched = "; default: none, and plan offloads only when nothing fits on the GPUs without it" \
+        if default is None else " (default none)"
+    parser.add_argument("--offload", default=default, choices=OFFLOAD,
+                        help="keep model states in host memory as DeepSpeed ZeRO-Offload and Megatron-LM do: "
+                             "optimizer (states and step on the CPU) or params (also parameters and gradients, "
+                             f"ZeRO-3 only; FSDP2 CPUOffloadPolicy){searched}; planned, not executed")
+
+
 def add_job_arguments(parser) -> None:
     """--model --cluster --gpus --gbs --seq: what is trained, where, and on how much data per step."""
     from meshplan.planner.costing.hardware import profile_listing

@@ -6,6 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
+                                     add_offload_argument,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
                                      does_not_fit, model_notes, moe_notes, prediction_json)
 from meshplan.commands.printed import Heading, format_prediction
@@ -37,6 +38,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_attention_argument(parser, default=None)
+    add_offload_argument(parser, "none")
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes, as for plan "
                              "(default 0; under --engine megatron, torchtitan or deepspeed the caching allocator's "
@@ -97,7 +99,7 @@ def _heading(args, cluster) -> Heading:
                              mbs=args.mbs, zero=args.zero, recompute=args.recompute, sp=args.sp,
                              schedule=args.schedule, vpp=args.vpp,
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
-                             engine=args.engine or "meshplan")
+                             engine=args.engine or "meshplan", offload=args.offload)
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute, seq=args.seq)
 
 
@@ -111,7 +113,7 @@ def _estimate_at(args, zero: int):
                     attention=args.attention or "flash", shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
-                    memory_headroom_bytes=args.memory_headroom * GIB)
+                    memory_headroom_bytes=args.memory_headroom * GIB, offload=args.offload)
 
 
 def _zero_hint(args, prediction) -> str:

@@ -201,11 +201,25 @@ class DeviceProfile:
     # GPU generation, which decides the kernels it runs (`planner.costing.attention_kernels`:
     # FlashAttention-3 needs "hopper"); "" for a device no kernel table describes.
     architecture: str = ""
+    # Host memory for offloaded model states (`planner.costing.offload`): one GPU's link to its host,
+    # bytes/s one direction (PCIe Gen4 x16 32e9, Gen5 x16 64e9; Grace's NVLink-C2C), and the host
+    # DRAM bandwidth of a whole node, which its GPUs' CPU optimizer steps share. 0: not described,
+    # and offloading is refused on the profile.
+    host_link_bw_bytes_per_s: float = 0.0
+    host_memory_bw_bytes_per_s: float = 0.0
+    # A per-width factor on the GEMM size curve (`planner.costing.gemm.width_factor`): {narrowest
+    # dimension of the GEMM: factor}, interpolated in log2 of the width, clamped at the ends; fitted
+    # by `meshplan calibrate` on CPU to a sweep of GEMM shapes. Empty: the size curve alone.
+    matmul_width_efficiency: dict[str, float] = field(default_factory=dict)
     supports_bf16: bool = True
     source: str = ""
 
     def __post_init__(self):
         _check_positive("device", "memory_bytes", self.memory_bytes)
+        for width, factor in self.matmul_width_efficiency.items():
+            if not str(width).isdigit() or int(width) <= 0:
+                raise ValueError(f"device.matmul_width_efficiency has width {width!r}; widths are positive integers")
+            _check_positive("device.matmul_width_efficiency", str(width), factor)
         _check_positive("device", "memory_bw_bytes_per_s", self.memory_bw_bytes_per_s)
         if not self.peak_flops_per_s:
             raise ValueError("device.peak_flops_per_s needs at least one dtype, e.g. { fp32 = 1e12 }")
@@ -233,7 +247,8 @@ class DeviceProfile:
                      "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
                      "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",
                      "sp_layer_overhead_s", "tp_loss_overhead_s", "pipeline_action_overhead_s",
-                     "dp_unit_overhead_s", "dp_overhead_s_per_byte", "dtensor_redistribute_s"):
+                     "dp_unit_overhead_s", "dp_overhead_s_per_byte", "dtensor_redistribute_s",
+                     "host_link_bw_bytes_per_s", "host_memory_bw_bytes_per_s"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "

@@ -20,6 +20,10 @@ PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # The training engine whose memory recipe prices a plan (`costing.engine_memory`): meshplan's own
 # executor, Megatron-LM, torchtitan or DeepSpeed.
 ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed")
+# Model states moved to host memory (`costing.offload`): none; the optimizer's states and its step
+# (DeepSpeed ZeRO-Offload `offload_optimizer`, Megatron-LM `--optimizer-cpu-offload`); or also the
+# parameters and gradients (ZeRO-Infinity `offload_param`, FSDP2 `CPUOffloadPolicy`), ZeRO-3 only.
+OFFLOAD = ("none", "optimizer", "params")
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -61,6 +65,7 @@ class ParallelConfig:
     # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
     etp: int | None = None
     engine: str = "meshplan"  # a name in ENGINES: whose memory recipe prices the plan
+    offload: str = "none"  # a name in OFFLOAD: which model states live in host memory
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -77,6 +82,7 @@ class ParallelConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        self._check_offload()
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
@@ -132,6 +138,14 @@ class ParallelConfig:
         if self.dp % group or group == 1:
             raise ValueError(f"shard_group {group} must divide dp={self.dp} and be > 1 (state is sharded over "
                              f"the group and replicated across the dp / {group} groups)")
+
+    def _check_offload(self) -> None:
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {self.offload!r}")
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError(f"offloading parameters (offload params) needs them sharded, ZeRO-3 (as DeepSpeed's "
+                             f"offload_param and FSDP2's CPUOffloadPolicy do), got zero {self.zero}; set --zero 3 "
+                             "or offload the optimizer only")
 
     @property
     def schedule_spec(self) -> Schedule:
@@ -220,7 +234,8 @@ class ParallelConfig:
         return (f"{self.mesh_label()}"
                 f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
-                + (f" HSDP shard {self.shard_group}" if self.shard_group else ""))
+                + (f" HSDP shard {self.shard_group}" if self.shard_group else "")
+                + (f", {self.offload} offloaded" if self.offload != "none" else ""))
 
     def to_json(self) -> dict:
         return asdict(self)
