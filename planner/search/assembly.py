@@ -136,6 +136,8 @@ def explain(plan_json: dict) -> str:
             f"{limit / GIB:.1f} GiB"
             + (f" ({memory_nearly_full(pred['peak_memory_bytes'], limit)})"
                if memory_nearly_full(pred['peak_memory_bytes'], limit) else "") + ".")
+    if solver.get("offload"):  # `search.offloading`: nothing fitted without it
+        text += f" {solver['offload'][0].upper()}{solver['offload'][1:]}."
     if solver.get("ep_rival"):
         text += " " + _why_ep(plan_json, solver["ep_rival"])
     alternatives = plan_json.get("alternatives") or []
