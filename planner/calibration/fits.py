@@ -120,6 +120,25 @@ def fit_elementwise_traffic(samples: list[dict[str, float]], device, dtype: str)
     return max(0.0, numerator / denominator) if denominator > 0 else 0.0
 
 
+def fit_width_efficiency(samples: list[tuple[int, int, int, float]], device, dtype: str) -> dict[str, float]:
+    """`matmul_width_efficiency` from timed GEMMs [(m, n, k, seconds)] on a device without a
+    roofline (`num_sms` 0, the CPU): per narrowest dimension, the median over its shapes of the
+    size curve's time (`costing.gemm.gemm_time_s` without a width table) over the measured time,
+    so that the priced GEMMs at each swept width take the measured time (`gemm.width_factor`)."""
+    import statistics
+
+    from meshplan.planner.costing.gemm import gemm_time_s
+
+    if device.num_sms:
+        raise ValueError(f"a width table is fitted on devices without tiles and roofline (num_sms 0), "
+                         f"got num_sms {device.num_sms}")
+    probe = probe_profile(replace(device, matmul_width_efficiency={}))
+    ratios: dict[int, list[float]] = {}
+    for m, n, k, seconds in samples:
+        if seconds > 0:
+            ratios.setdefault(min(m, n, k), []).append(gemm_time_s(m, n, k, probe, dtype) / seconds)
+    return {str(width): statistics.median(values) for width, values in sorted(ratios.items())}
+
 
 def probe_profile(device) -> ClusterProfile:
     """A one-device profile with ideal links: what `block_time_s` charges on `device` alone."""

@@ -43,6 +43,7 @@ from pathlib import Path
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
 from meshplan.planner.calibration import fits
+from meshplan.planner.calibration.gemm_sweep import SWEEP_TOKENS, SWEEP_WIDTHS, measure_gemm_widths
 from meshplan.planner.calibration.fits import (block_time_s, fit_alpha_beta, fit_conv_efficiency, fit_elementwise_traffic,
                                               fit_matmul, probe_profile)
 from meshplan.planner.costing import attention_kernels
@@ -139,6 +140,8 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
                   "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer)}
         _phase_done(workdir, rank, 1)
         result.update(_measure_compute(torch, device, sizes, timer, cuda))
+        if not cuda:  # the GEMM curve by width (GPUs: tiles and waves, `costing.gemm`)
+            result["gemm_widths"] = measure_gemm_widths(torch, device, timer, sizes["reps"])
         _phase_done(workdir, rank, 2)
         dist.barrier()
         result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
@@ -457,6 +460,12 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
         if device.architecture:  # a GPU's kernels are priced by shape: store the 16K, head-dim-128 figure
             timed = attention_kernels.plateau_from_measured(timed, ATTENTION_SEQS, ATTENTION_HEAD_DIM)
         device = replace(device, attention_efficiency=timed)
+    if measured.get("gemm_widths"):  # the CPU's narrow GEMMs below the size curve
+        widths = [(m, n, k, seconds / share) for m, n, k, seconds in measured["gemm_widths"]]
+        device = replace(device, matmul_width_efficiency=fits.fit_width_efficiency(widths, device, measured["dtype"]),
+                         source=f"{device.source}; matmul_width_efficiency: {len(widths)} fp32 GEMMs of "
+                                f"{SWEEP_TOKENS} rows at widths {SWEEP_WIDTHS[0]}-{SWEEP_WIDTHS[-1]} (w x w, w x 4w, "
+                                "4w x w), the size curve's time over the measured, median per width")
     device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
         block, device, measured["dtype"]))
     if measured.get("conv"):
