@@ -293,3 +293,24 @@ def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link, stage_comp
     transfers_s = 2 * (p - 1) * send_recv_time_s(pipeline["boundary_bytes"], link)
     compute_s = (m + p - 1) * stage_compute_s
     return max(0.0, (pipeline["step_s"] - transfers_s - compute_s) / (2 * (m + p - 1)))
+
+
+def fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: float, device) -> dict[str, float]:
+    """The profile fields of `planner.costing.fixed_costs` from the workers' measurements."""
+    plain_tensor_s, plain_param_s = fit_optimizer([tuple(s) for s in measured["optimizer"]["plain"]])
+    if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
+        plain_param_s = fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
+    dtensor_tensor_s, _ = fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
+    dp_unit_s, dp_per_byte_s = fit_fsdp_overheads(measured["block_fixed"], nproc, link)
+    tp_s, tp_per_byte_s = fit_tp_overheads(measured["block_fixed"], nproc, link)
+    sp_s, loss_s = fit_sp_and_loss(measured["block_fixed"], nproc, link)
+    out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
+           "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
+           "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
+           "dp_overhead_s_per_byte": dp_per_byte_s,
+           "dtensor_redistribute_s": fit_redistribute(measured["block_fixed"], nproc, link),
+           "pipeline_action_overhead_s": fit_pipeline_action(
+               measured["pipeline"], nproc, link, block_time_s(measured["block"][0], probe_profile(device), measured["dtype"]))}
+    if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
+        out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
+    return out

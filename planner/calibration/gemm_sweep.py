@@ -9,7 +9,7 @@ dimension of all three.
 from __future__ import annotations
 
 SWEEP_WIDTHS = (16, 32, 64, 128, 256, 512)
-SWEEP_TOKENS = 1024
+SWEEP_TOKENS = 512
 # FLOPs per timed sample: enough repeats of a small GEMM that the timer's resolution does not matter
 SAMPLE_FLOPS = 5e7
 

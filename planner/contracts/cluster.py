@@ -267,6 +267,35 @@ class DeviceProfile:
 
 
 @dataclass(frozen=True)
+class CalibrationConditions:
+    """How `meshplan calibrate` measured a profile (its `[calibration]` table): the processes and
+    threads it ran, the dtype, the clock of each part, the host's load and how much its repeated
+    rounds spread, so that a run can be judged against a calibration made under its own conditions
+    (`calibration.host.calibration_problems`)."""
+
+    processes: int  # measuring at once, as many as the training world size it prices
+    threads_per_process: int  # torch's intra-op threads in each (OMP_NUM_THREADS)
+    dtype: str  # of the compute timings
+    rounds: int  # repeats of the compute and of the collectives, combined by their median
+    compute_clock: str  # what timed the compute ("cpu-time": the process's CPU seconds per thread)
+    link_clock: str  # what timed the collectives ("wall")
+    compute_spread: float = 0.0  # median over shapes of (max - min) / median across rounds
+    link_spread: float = 0.0  # the same over the collectives' sizes and kinds
+    load_avg_1m: float = 0.0  # the host's 1-minute load average, the higher of before and after
+    num_cpus: int = 0
+
+    def __post_init__(self):
+        for name in ("processes", "threads_per_process", "rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"calibration.{name} must be a positive integer, got {value!r}")
+        for name in ("compute_spread", "link_spread", "load_avg_1m"):
+            _check_positive("calibration", name, getattr(self, name), allow_zero=True)
+        if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, int) or self.num_cpus < 0:
+            raise ValueError(f"calibration.num_cpus must be an integer >= 0, got {self.num_cpus!r}")
+
+
+@dataclass(frozen=True)
 class ClusterProfile:
     """A homogeneous cluster: one device type, nodes of `gpus_per_node`, two network levels.
 
@@ -296,6 +325,7 @@ class ClusterProfile:
     # Per-step costs of one optimizer step: AdamW reads/writes ~ this many bytes per parameter
     # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
     optimizer_bytes_per_param: float = 28.0  # fused AdamW: read master, grad, 2 moments; write 3 (fp32)
+    calibration: CalibrationConditions | None = None  # measured by `meshplan calibrate`: how
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node <= 0:
@@ -335,6 +365,7 @@ class ClusterProfile:
                          "nics_per_node": self.nics_per_node,
                          "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
                          "nvls": asdict(self.nvls), "sharp": asdict(self.sharp)},
+            **({"calibration": asdict(self.calibration)} if self.calibration is not None else {}),
         }
 
 
@@ -396,7 +427,10 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
                          "nvls, sharp")
     if "gpus_per_node" not in topology:
         raise ValueError("missing field topology.gpus_per_node")
-    top_known = {"schema_version", "name", "description", "source", "validated", "optimizer_bytes_per_param"}
+    if "calibration" in data:
+        data["calibration"] = _build(CalibrationConditions, data["calibration"], "calibration")
+    top_known = {"schema_version", "name", "description", "source", "validated", "optimizer_bytes_per_param",
+                 "calibration"}
     unknown = sorted(set(data) - top_known)
     if unknown:
         raise ValueError(f"unknown top-level field {unknown[0]}; known: {', '.join(sorted(top_known))}, [device], [topology]")

@@ -89,6 +89,18 @@ def test_quick_calibration_writes_a_profile_estimate_accepts(run_cli, tmp_path, 
     device = profile.device
     assert device.optimizer_per_tensor_s > 0 and device.pipeline_action_overhead_s > 0
     assert device.dtensor_optimizer_per_tensor_s > device.optimizer_per_tensor_s
+    # measured as `meshplan train` runs: its processes at once, its threads each, on its clocks,
+    # the rounds' spread and the load recorded; the GEMM curve by width fitted from the sweep
+    from meshplan.planner.calibration.gemm_sweep import SWEEP_WIDTHS
+    from meshplan.planner.calibration.host import threads_per_process
+
+    conditions = profile.calibration
+    assert (conditions.processes, conditions.threads_per_process) == (2, threads_per_process(2))
+    assert (conditions.compute_clock, conditions.link_clock, conditions.rounds) == ("cpu-time", "wall", 3)
+    assert conditions.link_spread >= 0 and conditions.num_cpus == os.cpu_count()
+    assert sorted(map(int, device.matmul_width_efficiency)) == list(SWEEP_WIDTHS)
+    assert all(factor > 0 for factor in device.matmul_width_efficiency.values())
+    assert "clock " in stdout and "thread(s)" in stdout
     code, stdout, err = run_cli("estimate", "--model", "gpt:layers=2,hidden=128,heads=4,vocab=1024", "--cluster", out,
                                 "--gpus", "2", "--gbs", "8", "--seq", "128", "--pp", "2", "--json")
     assert code == 0, err

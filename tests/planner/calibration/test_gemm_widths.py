@@ -69,7 +69,7 @@ def test_build_profile_fits_the_sweep_and_the_table_survives_toml():
     profile = build_profile(measured, 2, "gloo", "here")
     table = profile.device.matmul_width_efficiency
     assert table["16"] == pytest.approx(0.25) and table["512"] == pytest.approx(0.95)
-    assert "matmul_width_efficiency: 18 fp32 GEMMs of 1024 rows at widths 16-512" in profile.device.source
+    assert "matmul_width_efficiency: 18 fp32 GEMMs of 512 rows at widths 16-512" in profile.device.source
     loaded = cluster_from_dict(__import__("tomllib").loads(dump_cluster_toml(profile)))
     assert loaded.device.matmul_width_efficiency == pytest.approx(table)
 
