@@ -165,7 +165,9 @@ def _conventional(graph, request: PlanRequest):
     rule is for dense transformers."""
     from meshplan.planner.costing.executable import model_facts, why_not_executable
 
-    if graph.info.num_experts or any(value is not None for value in vars(request.pins).values()):
+    pins = {name: value for name, value in vars(request.pins).items()
+            if (name, value) != ("offload", "none")}  # the offloading hook's first search is unpinned
+    if graph.info.num_experts or any(value is not None for value in pins.values()):
         return None
     found = alternatives.conventional_layout(graph, request.planning_cluster, request.gpus, request.global_batch,
                                              request.precision, graph.info.family in WHOLE_MODEL_FAMILIES)
