@@ -151,13 +151,23 @@ def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) 
     """The cost model's forward + backward seconds of a measured GPT block sample (as
     `planner.costing.compute_time.compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
     backward, elementwise traffic once forward and twice backward)."""
-    from meshplan.planner.costing.device_time import gemm_and_attention_times_s, memory_time_s
+    from meshplan.planner.costing.device_time import ATTENTION_BMMS_PER_BLOCK, gemm_and_attention_times_s, memory_time_s
+    from meshplan.planner.costing.gemm import linear_flops, linear_times_s
 
     traffic = 3.0 * cluster.device.elementwise_bytes_per_activation_byte * sample["saved_bytes"]
     # flash attention's core at the device's attention_efficiency, when it gives one (as layer_costs)
     attn = sample.get("attn_fwd_flops", 0.0) if cluster.device.attention_efficiency > 0 else 0.0
-    fwd_s, bwd_s = gemm_and_attention_times_s(sample["fwd_flops"], sample["bwd_flops"], attn, 8, cluster, dtype)
-    return fwd_s + bwd_s + memory_time_s(traffic, cluster)
+    shapes = tuple(tuple(shape) for shape in sample.get("linear_shapes") or ())
+    if not shapes:  # samples without the block's shapes: 8 equal GEMMs on the size curve
+        fwd_s, bwd_s = gemm_and_attention_times_s(sample["fwd_flops"], sample["bwd_flops"], attn, 8, cluster, dtype)
+        return fwd_s + bwd_s + memory_time_s(traffic, cluster)
+    # the Linears one GEMM at a time by shape, the rest as attention's products (`compute_time`)
+    linear_fwd = linear_flops(shapes, sample["tokens"], 1)
+    linear_fwd_s, linear_bwd_s = linear_times_s(shapes, sample["tokens"], 1, cluster, dtype)
+    rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(
+        max(0.0, sample["fwd_flops"] - linear_fwd), max(0.0, sample["bwd_flops"] - 2 * linear_fwd), attn,
+        ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+    return linear_fwd_s + linear_bwd_s + rest_fwd_s + rest_bwd_s + memory_time_s(traffic, cluster)
 
 
 def fit_conv_efficiency(samples: list[tuple[float, float, float]], device, dtype: str) -> float:

@@ -340,6 +340,7 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
     shape, so that the fitted factor explains exactly what the cost model leaves out for a
     profiled layer."""
     from meshplan.planner.costing.device_time import causal_skipped_flops
+    from meshplan.planner.costing.gemm import block_linear_shapes
     from meshplan.planner.profiling.profiler import profile
 
     figures = []
@@ -351,7 +352,9 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
         figures.append({"fwd_flops": float((layer.fwd_flops - skipped) * batch),
                         "bwd_flops": float((layer.bwd_flops - 2 * skipped) * batch),
                         "attn_fwd_flops": float((layer.attn_fwd_flops - skipped) * batch),
-                        "saved_bytes": float(layer.activation_bytes * batch)})
+                        "saved_bytes": float(layer.activation_bytes * batch), "tokens": float(batch * seq),
+                        # its Linears by shape, as `compute_time` prices a zoo block's (`gemm.linear_times_s`)
+                        "linear_shapes": [list(shape) for shape in block_linear_shapes(layer, graph.info, seq)]})
     return figures
 
 

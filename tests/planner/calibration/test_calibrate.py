@@ -268,8 +268,9 @@ def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
     assert fit_tp_overheads(cheap, 2, link)[1] == 0.0
 
 
+@pytest.mark.parametrize("widths", [{}, {"16": 0.3, "64": 0.6, "512": 0.95}], ids=["curve", "width-table"])
 @pytest.mark.parametrize("batch,seq", [(1, 128), (4, 128), (1, 256)])
-def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
+def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq, widths):
     """The elementwise factor is fitted against `block_time_s`; it must price the calibration
     block exactly as `planner.costing.layer_cost` prices that profiled block in a plan (same GEMM split,
     launches and traffic), or a fitted factor would not transfer to predictions."""
@@ -279,9 +280,10 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
     from meshplan.planner.profiling.profiler import profile
     from tests.planner.costing.meshes import mesh
 
-    cluster = load_cluster("cpu")
+    cpu = load_cluster("cpu")  # with a GEMM width table too: its Linears priced by shape alike
+    cluster = replace(cpu, device=replace(cpu.device, matmul_width_efficiency=widths))
     figures = dict(zip(TRAFFIC_SHAPES, _block_figures(cuda=False)))
-    sample = {name: value * batch for name, value in figures[(1, seq)].items()}
+    sample = {name: value if name == "linear_shapes" else value * batch for name, value in figures[(1, seq)].items()}
     graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="fp32", cache=False)
     block = next(layer for layer in graph.layers if layer.kind == "block")
     cost = layer_cost(block, mesh(microbatch_size=batch, precision="fp32"), cluster, graph.info, profile_dtype="fp32")
