@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.calibration.host import threads_per_process
 
 TAIL_LINES = 400
 LOOPBACK_INTERFACE = "lo"
@@ -84,7 +85,7 @@ def launch_jobs(jobs: list[dict], nproc: int, run_dir: str | Path, max_restarts:
         # the collectives' own sockets (gloo pairs, NCCL's bootstrap) on loopback too: one node
         env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
         env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env["OMP_NUM_THREADS"] = str(threads_per_process(nproc, env))  # as calibrate measured (calibration.host)
     handles_sigterm = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if handles_sigterm else None
     try:

@@ -19,6 +19,11 @@ def host_info() -> dict[str, Any]:
            "processor": platform.processor() or platform.machine()}
     if hasattr(os, "getloadavg"):  # the last minute's load, at the end of the run: was the host busy?
         out["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    import torch
+
+    # the clock of the steps (wall) and each process's threads, to hold against the calibration's
+    out["threads_per_process"] = torch.get_num_threads()
+    out["clock"] = "wall"
     return out
 
 

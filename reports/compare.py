@@ -46,6 +46,7 @@ class Comparison:
     memory_flag_fraction: float = MEMORY_FLAG_FRACTION
     memory_source: str = ""  # how the last run measured its peaks (Measurement.memory_source)
     busy: tuple[str, ...] = ()  # runs measured while other work loaded the host (`busy_runs`)
+    calibration: tuple[str, ...] = ()  # why the profile's calibration cannot judge the runs (`calibration_notes`)
 
     @property
     def error_fraction(self) -> float:
@@ -73,8 +74,9 @@ class Comparison:
         """The machine varied more than the error being judged: the step times spread by more than
         the flag threshold, so a prediction within it cannot be told from one outside it; or other
         work loaded the host while it measured (`busy`), which the calibrated profile does not
-        price (calibration times compute in the process's own CPU seconds)."""
-        return self.spread_fraction > self.flag_fraction or bool(self.busy)
+        price (calibration times compute in the process's own CPU seconds); or the profile's
+        calibration was disturbed or measured other processes than the runs (`calibration`)."""
+        return self.spread_fraction > self.flag_fraction or bool(self.busy) or bool(self.calibration)
 
 
 def check_measurements(plan, measurements: Sequence[Measurement]) -> None:
@@ -108,6 +110,25 @@ def busy_runs(measurements: Sequence[Measurement]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def calibration_notes(plan, measurements: Sequence[Measurement]) -> tuple[str, ...]:
+    """Why the plan's calibrated profile cannot judge its CPU runs (`calibration.host.
+    calibration_problems` on the profile's `calibration` table against each run's world size and
+    threads); () for a profile calibrate did not measure and for GPU runs."""
+    from meshplan.planner.calibration.host import calibration_problems
+
+    conditions = getattr(plan.cluster, "calibration", None)
+    out: list[str] = []
+    for run in measurements:
+        if conditions is None or run.device != "cpu":
+            continue
+        host = run.host if isinstance(run.host, dict) else {}
+        threads = host.get("threads_per_process")
+        for problem in calibration_problems(conditions, run.world_size, threads if isinstance(threads, int) else None):
+            if problem not in out:
+                out.append(problem)
+    return tuple(out)
+
+
 def compare(plan, measurements: Sequence[Measurement],
             flag_fraction: float = DEFAULT_FLAG_FRACTION,
             memory_flag_fraction: float = MEMORY_FLAG_FRACTION) -> Comparison:
@@ -135,4 +156,5 @@ def compare(plan, measurements: Sequence[Measurement],
         measured_stdev_s=statistics.stdev(steps) if len(steps) > 1 else 0.0,
         per_run_median_s=tuple(run.median_step_time_s for run in measurements),
         memory=tuple(memory), flag_fraction=flag_fraction, memory_flag_fraction=memory_flag_fraction,
-        memory_source=last.memory_source or "", busy=busy_runs(measurements))
+        memory_source=last.memory_source or "", busy=busy_runs(measurements),
+        calibration=calibration_notes(plan, measurements))

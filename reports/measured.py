@@ -28,6 +28,11 @@ def measured_section(comparison: Comparison, measurements: Sequence[Measurement]
             "Too noisy to judge: the machine was busy while measuring (" + "; ".join(comparison.busy) + "). Its "
             "step times include that work, which the calibrated profile does not price (calibration times "
             "compute in each process's own CPU seconds); measure again on a quiet machine.", "warn"))
+    elif comparison.calibration:
+        body.append(paragraph(
+            "Too noisy to judge: the profile's calibration cannot judge these runs (" + "; ".join(comparison.calibration)
+            + "). Calibrate again with the training's processes and threads on a quiet machine (meshplan calibrate "
+            "--nproc N) before reading the error.", "warn"))
     elif comparison.too_noisy:
         body.append(paragraph(
             f"Too noisy to judge: the measured step times spread by {fmt_pct(comparison.spread_fraction)} "

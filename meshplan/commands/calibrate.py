@@ -72,6 +72,9 @@ def run(args) -> int:
         from dataclasses import replace
 
         profile = replace(profile, source=f"{profile.source}; measured on a busy host ({busy})")
+    from meshplan.planner.calibration.host import noisy_rounds
+
+    noisy = [] if args.no_measure or profile.calibration is None else noisy_rounds(profile.calibration)
     profile = apply_topology(profile, args.nodes, args.gpus_per_node, args.nics_per_node, measured_ranks)
     notes: list[str] = []
     if runs:
@@ -80,6 +83,9 @@ def run(args) -> int:
                       + dump_cluster_toml(profile), "--out")
     load_cluster(out)  # what we wrote must load
     _print_summary(out, profile, args, notes)
+    for note in noisy:
+        print(f"meshplan calibrate: warning: {note}: the machine's speed changed while measuring; the report will not "
+              "judge runs by this profile: calibrate again on a quiet machine", file=sys.stderr)
     if busy:
         print(f"meshplan calibrate: warning: the machine was busy while measuring ({busy}); the link and the "
               "fixed costs, timed in wall-clock time, read slow: calibrate again on a quiet machine", file=sys.stderr)
@@ -140,5 +146,10 @@ def _print_summary(out, profile, args, notes: list[str]) -> None:
           f"{device.sp_layer_overhead_s * 1e6:.0f} us per sequence-parallel block pass, "
           f"{device.tp_loss_overhead_s * 1e6:.0f} us per vocab-parallel loss")
     print(f"  FSDP extra {device.dp_overhead_s_per_byte * 1e9:10.2f} ns per byte gathered or reduced")
+    if profile.calibration is not None and not args.no_measure:
+        c = profile.calibration
+        print(f"  clock      {c.processes} process(es) x {c.threads_per_process} thread(s), {c.dtype}, {c.rounds} rounds: "
+              f"compute by {c.compute_clock} (spread {c.compute_spread:.0%}), link by {c.link_clock} (spread "
+              f"{c.link_spread:.0%}), load average {c.load_avg_1m:.1f} on {c.num_cpus} CPU(s)")
     for note in notes:
         print(f"  note: {note}")

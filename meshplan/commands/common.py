@@ -75,6 +75,17 @@ def add_fp8_recipe_argument(parser, default_help: str = "the engine's") -> None:
                         help=f"with --precision fp8: tensorwise or delayed (per-tensor scales from the current "
                              f"amax or an amax history), rowwise, or mxfp8 (32-value blocks, Blackwell only); "
                              f"default {default_help} ({defaults})")
+def add_offload_argument(parser, default: str | None) -> None:
+    """--offload: model states kept in host memory (`costing.offload`). `default` None: searched
+    (plan offers it only when nothing fits without it)."""
+    from meshplan.planner.contracts.config import OFFLOAD
+
+    searched = "; default: none, and plan offloads only when nothing fits on the GPUs without it" \
+        if default is None else " (default none)"
+    parser.add_argument("--offload", default=default, choices=OFFLOAD,
+                        help="keep model states in host memory as DeepSpeed ZeRO-Offload and Megatron-LM do: "
+                             "optimizer (states and step on the CPU) or params (also parameters and gradients, "
+                             f"ZeRO-3 only; FSDP2 CPUOffloadPolicy){searched}; planned, not executed")
 
 
 def add_job_arguments(parser) -> None:

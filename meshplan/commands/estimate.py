@@ -6,7 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
-                                     add_fp8_recipe_argument,
+                                     add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
                                      does_not_fit, model_notes, moe_notes, prediction_json)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap
@@ -44,6 +44,7 @@ def add_arguments(parser) -> None:
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
     add_attention_argument(parser, default=None)
+    add_offload_argument(parser, "none")
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
                         help="GiB each GPU keeps free beyond the profile's reserved_memory_bytes, as for plan "
                              "(default 0; under --engine megatron, torchtitan, deepspeed or llm-foundry the caching allocator's "
@@ -105,7 +106,7 @@ def _heading(args, cluster) -> Heading:
                              schedule=args.schedule, vpp=args.vpp,
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
                              engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe,
-                             recompute_modules=tuple(args.recompute_modules))
+                             recompute_modules=tuple(args.recompute_modules), offload=args.offload)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -122,7 +123,7 @@ def _estimate_at(args, zero: int):
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
                     memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,
-                    recompute_modules=tuple(args.recompute_modules))
+                    recompute_modules=tuple(args.recompute_modules), offload=args.offload)
 
 
 def _zero_hint(args, prediction) -> str:

@@ -6,7 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
-                                     add_job_arguments,
+                                     add_job_arguments, add_offload_argument,
                                      announce_model_code, check_seq, check_sizes, finite_float, model_notes,
                                      moe_notes, spec_file)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
@@ -28,6 +28,7 @@ def add_arguments(parser) -> None:
     pins.add_argument("--schedule", default=None, choices=SCHEDULES, help="pipeline schedule")
     pins.add_argument("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     pins.add_argument("--mbs", type=int, default=None, help="micro-batch size")
+    add_offload_argument(pins, None)
     parser.add_argument("--max-mbs", type=int, default=None, metavar="M",
                         help="largest micro-batch size searched (default: up to the samples per data-parallel "
                              "replica, as far as memory allows)")

@@ -33,6 +33,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
              + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"
              + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
              + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
+             + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
              + (f" (memory as {cfg.engine} allocates it)" if cfg.engine != "meshplan" else ""),
              overlap_line(cfg.engine), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():

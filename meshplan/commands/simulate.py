@@ -82,7 +82,8 @@ def summary(plan, prediction) -> str:
         f"{plan.model.spec}{f' (seq {plan.model.seq})' if is_sequence_model(plan.model.spec) else ''} on "
         f"{cfg.gpus} x {plan.cluster.name}: "
         f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}{f' ({cfg.fp8_recipe})' if cfg.fp8_recipe else ''}"
-        + (f", memory as {cfg.engine} allocates it" if cfg.engine != "meshplan" else ""),
+        + (f", memory as {cfg.engine} allocates it" if cfg.engine != "meshplan" else "")
+        + (f", {cfg.offload} offloaded to host memory" if cfg.offload != "none" else ""),
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
         f"global batch {cfg.global_batch}",
         "",

@@ -120,6 +120,25 @@ def fit_elementwise_traffic(samples: list[dict[str, float]], device, dtype: str)
     return max(0.0, numerator / denominator) if denominator > 0 else 0.0
 
 
+def fit_width_efficiency(samples: list[tuple[int, int, int, float]], device, dtype: str) -> dict[str, float]:
+    """`matmul_width_efficiency` from timed GEMMs [(m, n, k, seconds)] on a device without a
+    roofline (`num_sms` 0, the CPU): per narrowest dimension, the median over its shapes of the
+    size curve's time (`costing.gemm.gemm_time_s` without a width table) over the measured time,
+    so that the priced GEMMs at each swept width take the measured time (`gemm.width_factor`)."""
+    import statistics
+
+    from meshplan.planner.costing.gemm import gemm_time_s
+
+    if device.num_sms:
+        raise ValueError(f"a width table is fitted on devices without tiles and roofline (num_sms 0), "
+                         f"got num_sms {device.num_sms}")
+    probe = probe_profile(replace(device, matmul_width_efficiency={}))
+    ratios: dict[int, list[float]] = {}
+    for m, n, k, seconds in samples:
+        if seconds > 0:
+            ratios.setdefault(min(m, n, k), []).append(gemm_time_s(m, n, k, probe, dtype) / seconds)
+    return {str(width): statistics.median(values) for width, values in sorted(ratios.items())}
+
 
 def probe_profile(device) -> ClusterProfile:
     """A one-device profile with ideal links: what `block_time_s` charges on `device` alone."""
@@ -132,13 +151,23 @@ def block_time_s(sample: dict[str, float], cluster: ClusterProfile, dtype: str) 
     """The cost model's forward + backward seconds of a measured GPT block sample (as
     `planner.costing.compute_time.compute_times_s` charges a block: 8 GEMMs forward, 16 in two launches
     backward, elementwise traffic once forward and twice backward)."""
-    from meshplan.planner.costing.device_time import gemm_and_attention_times_s, memory_time_s
+    from meshplan.planner.costing.device_time import ATTENTION_BMMS_PER_BLOCK, gemm_and_attention_times_s, memory_time_s
+    from meshplan.planner.costing.gemm import linear_flops, linear_times_s
 
     traffic = 3.0 * cluster.device.elementwise_bytes_per_activation_byte * sample["saved_bytes"]
     # flash attention's core at the device's attention_efficiency, when it gives one (as layer_costs)
     attn = sample.get("attn_fwd_flops", 0.0) if cluster.device.attention_efficiency > 0 else 0.0
-    fwd_s, bwd_s = gemm_and_attention_times_s(sample["fwd_flops"], sample["bwd_flops"], attn, 8, cluster, dtype)
-    return fwd_s + bwd_s + memory_time_s(traffic, cluster)
+    shapes = tuple(tuple(shape) for shape in sample.get("linear_shapes") or ())
+    if not shapes:  # samples without the block's shapes: 8 equal GEMMs on the size curve
+        fwd_s, bwd_s = gemm_and_attention_times_s(sample["fwd_flops"], sample["bwd_flops"], attn, 8, cluster, dtype)
+        return fwd_s + bwd_s + memory_time_s(traffic, cluster)
+    # the Linears one GEMM at a time by shape, the rest as attention's products (`compute_time`)
+    linear_fwd = linear_flops(shapes, sample["tokens"], 1)
+    linear_fwd_s, linear_bwd_s = linear_times_s(shapes, sample["tokens"], 1, cluster, dtype)
+    rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(
+        max(0.0, sample["fwd_flops"] - linear_fwd), max(0.0, sample["bwd_flops"] - 2 * linear_fwd), attn,
+        ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+    return linear_fwd_s + linear_bwd_s + rest_fwd_s + rest_bwd_s + memory_time_s(traffic, cluster)
 
 
 def fit_conv_efficiency(samples: list[tuple[float, float, float]], device, dtype: str) -> float:
@@ -274,3 +303,24 @@ def fit_pipeline_action(pipeline: dict[str, float], nproc: int, link, stage_comp
     transfers_s = 2 * (p - 1) * send_recv_time_s(pipeline["boundary_bytes"], link)
     compute_s = (m + p - 1) * stage_compute_s
     return max(0.0, (pipeline["step_s"] - transfers_s - compute_s) / (2 * (m + p - 1)))
+
+
+def fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: float, device) -> dict[str, float]:
+    """The profile fields of `planner.costing.fixed_costs` from the workers' measurements."""
+    plain_tensor_s, plain_param_s = fit_optimizer([tuple(s) for s in measured["optimizer"]["plain"]])
+    if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
+        plain_param_s = fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
+    dtensor_tensor_s, _ = fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
+    dp_unit_s, dp_per_byte_s = fit_fsdp_overheads(measured["block_fixed"], nproc, link)
+    tp_s, tp_per_byte_s = fit_tp_overheads(measured["block_fixed"], nproc, link)
+    sp_s, loss_s = fit_sp_and_loss(measured["block_fixed"], nproc, link)
+    out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
+           "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
+           "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
+           "dp_overhead_s_per_byte": dp_per_byte_s,
+           "dtensor_redistribute_s": fit_redistribute(measured["block_fixed"], nproc, link),
+           "pipeline_action_overhead_s": fit_pipeline_action(
+               measured["pipeline"], nproc, link, block_time_s(measured["block"][0], probe_profile(device), measured["dtype"]))}
+    if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
+        out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
+    return out

@@ -16,7 +16,9 @@ that, all at once as in training:
 - time a GPT block's forward + backward at several shapes, count its FLOPs (FlopCounterMode) and
   the bytes autograd saves; what the GEMM curve and the overhead do not explain is memory-bound
   traffic: `elementwise_bytes_per_activation_byte` is fitted to that leftover over all shapes;
-- time all-reduce, all-gather, reduce-scatter and send/recv at several sizes, and fit the ring
+- time GEMMs across widths on CPU (`gemm_sweep`): `matmul_width_efficiency`;
+- time all-reduce, all-gather, reduce-scatter and send/recv at several sizes (in
+  `conditions.COLLECTIVE_ROUNDS` rounds, each the median of its rounds), and fit the ring
   alpha-beta model of `planner.costing.collectives` jointly: t = volume(S, n) / B + hops(n) * alpha;
   then each kind's own bandwidth at that alpha: B is the fastest kind's, the others' fractions
   of it are the link's `kind_efficiency`;
@@ -26,6 +28,9 @@ that, all at once as in training:
   measured in CPU time, so that more processes than cores are costed as they run.
 
 The CPU convention: one "GPU" is one local process; memory_bytes = this machine's RAM / nproc.
+The processes run as `meshplan train`'s do (`host.threads_per_process` threads each, all at once),
+and the profile's `calibration` table records those conditions, the rounds' spread and the host's
+load (`conditions`).
 On GPUs the backend is NCCL and times come from CUDA events. Peak FLOP/s, the elementwise
 traffic factor and anything not measured come from a base profile (`cpu` for gloo; the shipped
 GPU profile whose device name matches, else `h100-sxm`).
@@ -43,8 +48,11 @@ from pathlib import Path
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
 from meshplan.planner.calibration import fits
-from meshplan.planner.calibration.fits import (block_time_s, fit_alpha_beta, fit_conv_efficiency, fit_elementwise_traffic,
-                                              fit_matmul, probe_profile)
+from meshplan.planner.calibration.conditions import (COLLECTIVE_ROUNDS, calibration_conditions, load_average,
+                                                    median_of_rounds)
+from meshplan.planner.calibration.host import relative_spread
+from meshplan.planner.calibration.gemm_sweep import SWEEP_TOKENS, SWEEP_WIDTHS, measure_gemm_widths
+from meshplan.planner.calibration.fits import fit_alpha_beta, fit_conv_efficiency, fit_elementwise_traffic, fit_matmul
 from meshplan.planner.costing import attention_kernels
 from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
 
@@ -127,21 +135,26 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
     if cuda:
         torch.cuda.set_device(rank)
     else:
-        from meshplan.planner.calibration.host import reuse_freed_memory
+        from meshplan.planner.calibration.host import reuse_freed_memory, threads_per_process
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
-        reuse_freed_memory()  # as `meshplan train` runs on CPU
+        torch.set_num_threads(threads_per_process(nproc))  # as `meshplan train` runs on CPU
+        reuse_freed_memory()
     dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=nproc)
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
         timer = _Timer(cuda, torch.get_num_threads())
+        load_before = load_average()
         result = {"dtype": "bf16" if cuda else "fp32", "threads": torch.get_num_threads(),
                   "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer)}
         _phase_done(workdir, rank, 1)
         result.update(_measure_compute(torch, device, sizes, timer, cuda))
+        if not cuda:  # the GEMM curve by width (GPUs: tiles and waves, `costing.gemm`)
+            result["gemm_widths"] = measure_gemm_widths(torch, device, timer, sizes["reps"])
         _phase_done(workdir, rank, 2)
         dist.barrier()
-        result["collectives"] = _measure_collectives(torch, dist, device, rank, nproc, sizes, timer)
+        per_round = {**sizes, "reps": max(2, -(-sizes["reps"] // 2))}  # the rounds, not the repeats, carry the median
+        result["collectives"], result["link_spread"] = median_of_rounds(
+            [_measure_collectives(torch, dist, device, rank, nproc, per_round, timer) for _ in range(COLLECTIVE_ROUNDS)])
         _phase_done(workdir, rank, 3)
         if not cuda:
             result.update(_measure_fixed_costs(torch, dist, nproc, sizes, timer))
@@ -150,6 +163,7 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
             props = torch.cuda.get_device_properties(rank)
             result.update(device_name=props.name, memory_bytes=props.total_memory)
         if rank == 0:
+            result["load_avg_1m"] = max(load_before, load_average())
             (Path(workdir) / "rank0.json").write_text(json.dumps(result))
             if os.environ.get("MESHPLAN_CALIBRATE_DEBUG"):
                 print(json.dumps(result, indent=1))
@@ -260,7 +274,9 @@ def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
     block_s = [pick(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
     conv = [(fwd, bwd, pick(r[3][i][2] for r in rounds)) for i, (fwd, bwd, _) in enumerate(rounds[0][3])]
     attention = [(flops, pick(r[4][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][4])]
-    return {"matmul": matmul, "block_overhead_s": pick(r[2] for r in rounds), "conv": conv, "attention": attention,
+    spread = statistics.median(relative_spread([r[0][i][1] for r in rounds]) for i in range(len(matmul)))
+    return {"matmul": matmul, "compute_spread": spread, "block_overhead_s": pick(r[2] for r in rounds), "conv": conv,
+            "attention": attention,
             "block": [{**figures, "fwd_bwd_s": seconds} for figures, seconds in zip(_block_figures(cuda), block_s)]}
 
 
@@ -324,6 +340,7 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
     shape, so that the fitted factor explains exactly what the cost model leaves out for a
     profiled layer."""
     from meshplan.planner.costing.device_time import causal_skipped_flops
+    from meshplan.planner.costing.gemm import block_linear_shapes
     from meshplan.planner.profiling.profiler import profile
 
     figures = []
@@ -335,7 +352,9 @@ def _block_figures(cuda: bool) -> list[dict[str, float]]:
         figures.append({"fwd_flops": float((layer.fwd_flops - skipped) * batch),
                         "bwd_flops": float((layer.bwd_flops - 2 * skipped) * batch),
                         "attn_fwd_flops": float((layer.attn_fwd_flops - skipped) * batch),
-                        "saved_bytes": float(layer.activation_bytes * batch)})
+                        "saved_bytes": float(layer.activation_bytes * batch), "tokens": float(batch * seq),
+                        # its Linears by shape, as `compute_time` prices a zoo block's (`gemm.linear_times_s`)
+                        "linear_shapes": [list(shape) for shape in block_linear_shapes(layer, graph.info, seq)]})
     return figures
 
 
@@ -384,27 +403,6 @@ def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterPr
         if profile.device.name.split()[0].lower() in device_name.lower():
             return profile
     return load_cluster("h100-sxm")
-
-
-def _fixed_cost_fields(measured: dict, nproc: int, link: LinkProfile, share: float, device) -> dict[str, float]:
-    """The profile fields of `planner.costing.fixed_costs` from the workers' measurements."""
-    plain_tensor_s, plain_param_s = fits.fit_optimizer([tuple(s) for s in measured["optimizer"]["plain"]])
-    if measured["optimizer"].get("model"):  # a real model's update sets the per-parameter cost
-        plain_param_s = fits.fit_model_update(plain_tensor_s, tuple(measured["optimizer"]["model"][0]), plain_param_s)
-    dtensor_tensor_s, _ = fits.fit_optimizer([tuple(s) for s in measured["optimizer"]["dtensor"]])
-    dp_unit_s, dp_per_byte_s = fits.fit_fsdp_overheads(measured["block_fixed"], nproc, link)
-    tp_s, tp_per_byte_s = fits.fit_tp_overheads(measured["block_fixed"], nproc, link)
-    sp_s, loss_s = fits.fit_sp_and_loss(measured["block_fixed"], nproc, link)
-    out = {"optimizer_per_tensor_s": plain_tensor_s / share, "dtensor_optimizer_per_tensor_s": dtensor_tensor_s / share,
-           "tp_layer_overhead_s": tp_s, "tp_overhead_s_per_stream_byte": tp_per_byte_s,
-           "sp_layer_overhead_s": sp_s, "tp_loss_overhead_s": loss_s, "dp_unit_overhead_s": dp_unit_s,
-           "dp_overhead_s_per_byte": dp_per_byte_s,
-           "dtensor_redistribute_s": fits.fit_redistribute(measured["block_fixed"], nproc, link),
-           "pipeline_action_overhead_s": fits.fit_pipeline_action(
-               measured["pipeline"], nproc, link, block_time_s(measured["block"][0], probe_profile(device), measured["dtype"]))}
-    if plain_param_s > 0:  # AdamW's bytes per parameter at the measured bandwidth
-        out["optimizer_bytes_per_param"] = plain_param_s / share * device.memory_bw_bytes_per_s
-    return out
 
 
 def _measured_link(samples, nproc: int, bw: float, alpha: float, source: str) -> LinkProfile:
@@ -457,17 +455,24 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
         if device.architecture:  # a GPU's kernels are priced by shape: store the 16K, head-dim-128 figure
             timed = attention_kernels.plateau_from_measured(timed, ATTENTION_SEQS, ATTENTION_HEAD_DIM)
         device = replace(device, attention_efficiency=timed)
+    if measured.get("gemm_widths"):  # the CPU's narrow GEMMs below the size curve
+        widths = [(m, n, k, seconds / share) for m, n, k, seconds in measured["gemm_widths"]]
+        device = replace(device, matmul_width_efficiency=fits.fit_width_efficiency(widths, device, measured["dtype"]),
+                         source=f"{device.source}; matmul_width_efficiency: {len(widths)} fp32 GEMMs of "
+                                f"{SWEEP_TOKENS} rows at widths {SWEEP_WIDTHS[0]}-{SWEEP_WIDTHS[-1]} (w x w, w x 4w, "
+                                "4w x w), the size curve's time over the measured, median per width")
     device = replace(device, elementwise_bytes_per_activation_byte=fit_elementwise_traffic(
         block, device, measured["dtype"]))
     if measured.get("conv"):
         device = replace(device, conv_efficiency=fit_conv_efficiency(
             [(fwd, bwd, seconds / share) for fwd, bwd, seconds in measured["conv"]], device, measured["dtype"]))
-    extra = _fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
+    extra = fits.fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
     device = replace(device, **{k: v for k, v in extra.items() if k != "optimizer_bytes_per_param"})
     if "optimizer_bytes_per_param" in extra:
         base_profile = replace(base_profile, optimizer_bytes_per_param=extra["optimizer_bytes_per_param"])
     inter = link if backend == "gloo" else base_profile.inter_node
     return replace(base_profile, name=name, device=device, gpus_per_node=nproc, intra_node=link, inter_node=inter,
+                   calibration=calibration_conditions(measured, nproc, backend, COMPUTE_ROUNDS),
                    max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,
                    description=f"measured with {nproc} {backend} processes"
                    + ("" if backend == "gloo" else f"; inter-node link from {base_profile.name}"))

@@ -201,11 +201,25 @@ class DeviceProfile:
     # GPU generation, which decides the kernels it runs (`planner.costing.attention_kernels`:
     # FlashAttention-3 needs "hopper"); "" for a device no kernel table describes.
     architecture: str = ""
+    # Host memory for offloaded model states (`planner.costing.offload`): one GPU's link to its host,
+    # bytes/s one direction (PCIe Gen4 x16 32e9, Gen5 x16 64e9; Grace's NVLink-C2C), and the host
+    # DRAM bandwidth of a whole node, which its GPUs' CPU optimizer steps share. 0: not described,
+    # and offloading is refused on the profile.
+    host_link_bw_bytes_per_s: float = 0.0
+    host_memory_bw_bytes_per_s: float = 0.0
+    # A per-width factor on the GEMM size curve (`planner.costing.gemm.width_factor`): {narrowest
+    # dimension of the GEMM: factor}, interpolated in log2 of the width, clamped at the ends; fitted
+    # by `meshplan calibrate` on CPU to a sweep of GEMM shapes. Empty: the size curve alone.
+    matmul_width_efficiency: dict[str, float] = field(default_factory=dict)
     supports_bf16: bool = True
     source: str = ""
 
     def __post_init__(self):
         _check_positive("device", "memory_bytes", self.memory_bytes)
+        for width, factor in self.matmul_width_efficiency.items():
+            if not str(width).isdigit() or int(width) <= 0:
+                raise ValueError(f"device.matmul_width_efficiency has width {width!r}; widths are positive integers")
+            _check_positive("device.matmul_width_efficiency", str(width), factor)
         _check_positive("device", "memory_bw_bytes_per_s", self.memory_bw_bytes_per_s)
         if not self.peak_flops_per_s:
             raise ValueError("device.peak_flops_per_s needs at least one dtype, e.g. { fp32 = 1e12 }")
@@ -233,7 +247,8 @@ class DeviceProfile:
                      "elementwise_bytes_per_activation_byte", "optimizer_per_tensor_s",
                      "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",
                      "sp_layer_overhead_s", "tp_loss_overhead_s", "pipeline_action_overhead_s",
-                     "dp_unit_overhead_s", "dp_overhead_s_per_byte", "dtensor_redistribute_s"):
+                     "dp_unit_overhead_s", "dp_overhead_s_per_byte", "dtensor_redistribute_s",
+                     "host_link_bw_bytes_per_s", "host_memory_bw_bytes_per_s"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "
@@ -249,6 +264,35 @@ class DeviceProfile:
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes - self.reserved_memory_bytes
+
+
+@dataclass(frozen=True)
+class CalibrationConditions:
+    """How `meshplan calibrate` measured a profile (its `[calibration]` table): the processes and
+    threads it ran, the dtype, the clock of each part, the host's load and how much its repeated
+    rounds spread, so that a run can be judged against a calibration made under its own conditions
+    (`calibration.host.calibration_problems`)."""
+
+    processes: int  # measuring at once, as many as the training world size it prices
+    threads_per_process: int  # torch's intra-op threads in each (OMP_NUM_THREADS)
+    dtype: str  # of the compute timings
+    rounds: int  # repeats of the compute and of the collectives, combined by their median
+    compute_clock: str  # what timed the compute ("cpu-time": the process's CPU seconds per thread)
+    link_clock: str  # what timed the collectives ("wall")
+    compute_spread: float = 0.0  # median over shapes of (max - min) / median across rounds
+    link_spread: float = 0.0  # the same over the collectives' sizes and kinds
+    load_avg_1m: float = 0.0  # the host's 1-minute load average, the higher of before and after
+    num_cpus: int = 0
+
+    def __post_init__(self):
+        for name in ("processes", "threads_per_process", "rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"calibration.{name} must be a positive integer, got {value!r}")
+        for name in ("compute_spread", "link_spread", "load_avg_1m"):
+            _check_positive("calibration", name, getattr(self, name), allow_zero=True)
+        if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, int) or self.num_cpus < 0:
+            raise ValueError(f"calibration.num_cpus must be an integer >= 0, got {self.num_cpus!r}")
 
 
 @dataclass(frozen=True)
@@ -281,6 +325,7 @@ class ClusterProfile:
     # Per-step costs of one optimizer step: AdamW reads/writes ~ this many bytes per parameter
     # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
     optimizer_bytes_per_param: float = 28.0  # fused AdamW: read master, grad, 2 moments; write 3 (fp32)
+    calibration: CalibrationConditions | None = None  # measured by `meshplan calibrate`: how
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node <= 0:
@@ -320,6 +365,7 @@ class ClusterProfile:
                          "nics_per_node": self.nics_per_node,
                          "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
                          "nvls": asdict(self.nvls), "sharp": asdict(self.sharp)},
+            **({"calibration": asdict(self.calibration)} if self.calibration is not None else {}),
         }
 
 
@@ -381,7 +427,10 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
                          "nvls, sharp")
     if "gpus_per_node" not in topology:
         raise ValueError("missing field topology.gpus_per_node")
-    top_known = {"schema_version", "name", "description", "source", "validated", "optimizer_bytes_per_param"}
+    if "calibration" in data:
+        data["calibration"] = _build(CalibrationConditions, data["calibration"], "calibration")
+    top_known = {"schema_version", "name", "description", "source", "validated", "optimizer_bytes_per_param",
+                 "calibration"}
     unknown = sorted(set(data) - top_known)
     if unknown:
         raise ValueError(f"unknown top-level field {unknown[0]}; known: {', '.join(sorted(top_known))}, [device], [topology]")

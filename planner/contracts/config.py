@@ -33,6 +33,10 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8")
 # does llm-foundry's (Composer's `fp8_autocast` with TE's default recipe); meshplan prices torchao's tensorwise.
 DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtitan": "tensorwise",
                       "deepspeed": "delayed", "llm-foundry": "delayed"}
+# Model states moved to host memory (`costing.offload`): none; the optimizer's states and its step
+# (DeepSpeed ZeRO-Offload `offload_optimizer`, Megatron-LM `--optimizer-cpu-offload`); or also the
+# parameters and gradients (ZeRO-Infinity `offload_param`, FSDP2 `CPUOffloadPolicy`), ZeRO-3 only.
+OFFLOAD = ("none", "optimizer", "params")
 Recompute = Literal["none", "selective", "full"]
 # Megatron-Core's fine-grained recomputation (`--recompute-granularity selective --recompute-modules
 # ...`): the submodules a layer under selective recomputation rebuilds in backward instead of
@@ -87,6 +91,7 @@ class ParallelConfig:
     # `--recompute-modules`; () is DEFAULT_RECOMPUTE_MODULES. Only the megatron engine has them.
     # Stored sorted, so equal sets compare equal.
     recompute_modules: tuple[str, ...] = ()
+    offload: str = "none"  # a name in OFFLOAD: which model states live in host memory
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -109,6 +114,7 @@ class ParallelConfig:
             raise ValueError(f"{self.engine} trains with FSDP (and tensor parallelism) alone: it has no pipeline, "
                              f"context or expert parallelism; use pp, cp and ep 1 (got pp={self.pp}, cp={self.cp}, "
                              f"ep={self.ep})")
+        self._check_offload()
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
@@ -192,6 +198,14 @@ class ParallelConfig:
         if self.dp % group or group == 1:
             raise ValueError(f"shard_group {group} must divide dp={self.dp} and be > 1 (state is sharded over "
                              f"the group and replicated across the dp / {group} groups)")
+
+    def _check_offload(self) -> None:
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD)}, got {self.offload!r}")
+        if self.offload == "params" and self.zero != 3:
+            raise ValueError(f"offloading parameters (offload params) needs them sharded, ZeRO-3 (as DeepSpeed's "
+                             f"offload_param and FSDP2's CPUOffloadPolicy do), got zero {self.zero}; set --zero 3 "
+                             "or offload the optimizer only")
 
     @property
     def schedule_spec(self) -> Schedule:
@@ -280,7 +294,8 @@ class ParallelConfig:
         return (f"{self.mesh_label()}"
                 f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
-                + (f" HSDP shard {self.shard_group}" if self.shard_group else ""))
+                + (f" HSDP shard {self.shard_group}" if self.shard_group else "")
+                + (f", {self.offload} offloaded" if self.offload != "none" else ""))
 
     def to_json(self) -> dict:
         return asdict(self)

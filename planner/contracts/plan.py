@@ -176,7 +176,7 @@ class Plan:
         """Hash of everything that decides what runs (not predictions or solve times)."""
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
-                         "schedule", "global_batch")}
+                         "schedule", "global_batch", "offload")}
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
@@ -210,6 +210,8 @@ class Plan:
             "solver": self.solver,
             # HSDP only: older readers ignore the key, plans without it shard over all of dp
             **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
+            # offloading only: plans without the key keep every state on the device
+            **({"offload": cfg.offload} if cfg.offload != "none" else {}),
             # user-code models only: their layer graph, so reading the plan never runs the file
             **({"model_graph": graph_to_json(self.graph)} if self.graph is not None else {}),
         }
@@ -254,6 +256,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],
             engine=data.get("engine", "meshplan"),  # plans written before the key: meshplan's executor
             fp8_recipe=data.get("fp8_recipe"),
+            offload=data.get("offload", "none"),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))
         if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "

@@ -142,6 +142,10 @@ def why_not_executable(config, model: ModelFacts, layer_degrees=()) -> str | Non
     if is_fp8(config.precision):
         return ("FP8 plans are planned, not executed (meshplan's executor has no FP8 Linears yet); re-plan with "
                 "--precision bf16-mixed to train")
+    if config.offload != "none":
+        return (f"offloading ({config.offload}) is planned, not executed: meshplan's executor keeps every model "
+                "state on the device (on the cpu cluster the device is the host, so there is nothing to move); "
+                "export the plan to DeepSpeed, Megatron-LM or torchtitan, or re-plan with --offload none")
     if executed_zero(config.zero, config.data_ranks, config.pp, config.schedule) != config.zero:
         return (f"ZeRO-{config.zero} with the {config.schedule} schedule (pp {config.pp}, dp {config.dp}) runs as "
                 "ZeRO-1: a split backward defers gradient sync and resharding to the step's end; set zero to 1, "

@@ -268,4 +268,5 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
         activation_bytes=dense.activation_bytes + (0.0 if full else saved),
         buffer_bytes=dense.buffer_bytes + (saved if full else 0.0) + copies * gathered,
         ep_fwd_comm_s=ep_fwd_s, ep_bwd_comm_s=ep_bwd_s, expert_fwd_s=fwd_s, expert_bwd_s=bwd_s,
-        expert_state_bytes=states["params"] + states["grads"] + states["optimizer"])
+        expert_state_bytes=states["params"] + states["grads"] + states["optimizer"],
+        owned_params=dense.owned_params + owned)

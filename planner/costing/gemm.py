@@ -19,6 +19,13 @@ NVIDIA's "Matrix Multiplication Background User's Guide", whose A100 examples us
 128x128 tiles; CUTLASS's Hopper BF16 kernels default to 128x256). A profile with
 `num_sms = 0` (the CPU) has no tiles and no roofline: its curve was measured as a whole.
 
+By width: a profile may carry `matmul_width_efficiency`, a factor on the size curve by the GEMM's
+narrowest dimension (`width_factor`). `meshplan calibrate` fits it on CPU, where a GEMM of a
+narrow hidden size or a thin TP shard runs below what its FLOPs alone predict (the vector units'
+blocking wastes lanes on short rows; no tile rule describes MKL's or oneDNN's kernels), from a sweep
+of shapes across widths (`calibration.fits.fit_width_efficiency`). GPU profiles leave it empty:
+their tiles and waves are modelled.
+
 The ceiling: the largest BF16 matmul a tuned sweep finds reaches 85.9% of A100 SXM's peak and
 80.1% of H100 SXM's (ml-engineering's "Maximum Achievable Matmul FLOPS" table, mamf-finder over
 shapes, CUDA 12.1); `MAX_ACHIEVABLE_MATMUL_FRACTION` keeps those figures, and a profile's fitted
@@ -61,6 +68,25 @@ def wave_efficiency(m: int, n: int, num_sms: int) -> float:
     return best
 
 
+def width_table(device: DeviceProfile) -> tuple[tuple[int, float], ...]:
+    """The profile's `matmul_width_efficiency` as ((width, factor), ...) by ascending width."""
+    return tuple(sorted((int(width), float(factor)) for width, factor in device.matmul_width_efficiency.items()))
+
+
+def width_factor(narrowest: float, table: tuple[tuple[int, float], ...]) -> float:
+    """The factor on the size curve of a GEMM whose narrowest dimension is `narrowest`: linear in
+    log2 of the width between the table's widths, its end values beyond them; 1 without a table."""
+    if not table:
+        return 1.0
+    if narrowest <= table[0][0]:
+        return table[0][1]
+    for (low, low_factor), (high, high_factor) in zip(table, table[1:]):
+        if narrowest <= high:
+            share = math.log2(narrowest / low) / math.log2(high / low)
+            return low_factor + share * (high_factor - low_factor)
+    return table[-1][1]
+
+
 def fp8_half_efficiency_flops(device: DeviceProfile) -> float:
     """The size curve's f_half for fp8 GEMMs: bf16's scaled by the peak ratio fp8 / bf16 (the same
     fixed time per GEMM is worth that many more FLOPs)."""
@@ -73,16 +99,17 @@ def _device_key(device: DeviceProfile, dtype: str) -> tuple:
     else:
         efficiency, half = device.matmul_efficiency, device.matmul_half_efficiency_flops
     return (device.peak_flops(dtype), efficiency, half, device.num_sms,
-            device.memory_bw_bytes_per_s * device.memory_efficiency)
+            device.memory_bw_bytes_per_s * device.memory_efficiency, width_table(device))
 
 
 @lru_cache(maxsize=65536)
 def _gemm_time_s(m: int, n: int, k: int, in_bytes: float, out_bytes: float, key: tuple) -> float:
-    peak, efficiency, half_flops, num_sms, bandwidth = key
+    peak, efficiency, half_flops, num_sms, bandwidth, widths = key
     flops = 2.0 * m * n * k
     if flops <= 0:
         return 0.0
-    achieved = peak * efficiency * flops / (flops + half_flops) * wave_efficiency(m, n, num_sms)
+    achieved = peak * efficiency * flops / (flops + half_flops) * wave_efficiency(m, n, num_sms) * width_factor(
+        min(m, n, k), widths)
     compute_s = flops / achieved
     if num_sms <= 0:
         return compute_s

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8, overlap
+from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8, offload, overlap
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
@@ -54,6 +54,8 @@ class LayerCost:
     expert_fwd_s: float = 0.0  # the routed experts' part of fwd_compute_s (busiest rank)
     expert_bwd_s: float = 0.0  # the routed experts' part of bwd_compute_s
     expert_state_bytes: float = 0.0  # the routed experts' part of param + grad + optimizer bytes
+    owned_params: float = 0.0  # parameters whose optimizer states this rank updates (after ZeRO)
+    host_state_bytes: float = 0.0  # model states offloaded to host memory (`costing.offload`)
 
     @property
     def fwd_blocking_comm_s(self) -> float:
@@ -119,13 +121,13 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
                                    config.cp)
         local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype, attention,
                                                        kernel)
-    if config.engine == "meshplan":
-        return local
-    # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
-    memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),
-                                 profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
-                                 attention=attention, holds_shared=holds_shared)
-    return replace(local, **memory._asdict())
+    if config.engine != "meshplan":
+        # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
+        memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),
+                                     profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
+                                     attention=attention, holds_shared=holds_shared)
+        local = replace(local, **memory._asdict())
+    return offload.with_offload(local, config, cluster)
 
 
 def _check(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> None:
@@ -176,7 +178,7 @@ def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: Clust
         optimizer_step_s=states.optimizer_s, param_bytes=states.memory["params"] + extra_params,
         grad_bytes=states.memory["grads"] + extra_grads, optimizer_bytes=states.memory["optimizer"],
         activation_bytes=saved_bytes, buffer_bytes=buffer_bytes,
-        output_bytes=layer.output_bytes * mbs * act_scale / out_shard,
+        output_bytes=layer.output_bytes * mbs * act_scale / out_shard, owned_params=states.owned_params,
     )
 
 
@@ -217,6 +219,7 @@ class _ModelStates(NamedTuple):
     fwd_gather_s: float
     bwd_gather_s: float
     optimizer_s: float
+    owned_params: float  # parameters whose optimizer states the rank holds (ZeRO-sharded)
     host_fwd_s: float  # FSDP's copies around its collectives, on the compute path
     host_bwd_s: float
 
@@ -259,7 +262,7 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
             params_per_rank * grad_wire_bytes_per_param(precision, state_recipe), cluster)
         optimizer_s = optimizer_s + host_step_s
     return _ModelStates(params_per_rank, memory, gather_bytes, compute_bytes, grad_comm_s, gather_s, fwd_gather_s,
-                        bwd_gather_s, optimizer_s, host_fwd_s, host_bwd_s)
+                        bwd_gather_s, optimizer_s, owned_params, host_fwd_s, host_bwd_s)
 
 
 def _memory_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, states: _ModelStates,

@@ -20,7 +20,9 @@ def layer_config(config: ParallelConfig, recompute: str | None = None) -> Parall
     recompute = recompute or config.recompute
     if (zero, recompute) == (config.zero, config.recompute):
         return config
-    return replace(config, zero=zero, recompute=recompute)
+    # parameters stay offloaded only while sharded (ZeRO-3); run as ZeRO-1, the optimizer's states alone
+    offload = "optimizer" if config.offload == "params" and zero != 3 else config.offload
+    return replace(config, zero=zero, recompute=recompute, offload=offload)
 
 
 # The schedule a cost-only config carries: valid at any pp (m >= pp holds for every config), one chunk.

@@ -198,6 +198,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     from meshplan.planner.costing.uniform import balanced_layer_chunks
     from meshplan.planner.engines.deepspeed import uniform_split
     from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.costing.offload import check_offload
     from meshplan.planner.simulation.estimator import default_precision, make_config, predict
 
     spec = model or job.model
@@ -228,7 +229,9 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          recompute=recompute, sp=job.sp, schedule=job.schedule,
                          vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
                          fp8_recipe=job.fp8_recipe if precision == "fp8" else None,
-                         recompute_modules=job.recompute_modules if recompute == "selective" else ())
+                         recompute_modules=job.recompute_modules if recompute == "selective" else (),
+                         offload=job.offload)
+    check_offload(config, cluster)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:
@@ -266,7 +269,8 @@ def job_pins(job: EngineJob) -> dict:
     pins = {"tp": job.tp, "pp": job.pp, "cp": job.cp, "ep": job.ep, "zero": zero, "shard_group": job.shard_group,
             "sp": job.sp if job.tp > 1 else None,
             "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
-            "vpp": job.vpp if schedule_spec(job.schedule).multi_chunk and job.vpp > 1 else None}
+            "vpp": job.vpp if schedule_spec(job.schedule).multi_chunk and job.vpp > 1 else None,
+            "offload": job.offload if job.offload != "none" else None}
     if job.dp is not None:
         pins["dp"] = job.dp
     if job.recompute_first_per_chunk is None and job.recompute_every == 1:

@@ -20,8 +20,9 @@ from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 
 # ds_config keys that change speed or memory in ways meshplan does not price
-UNPRICED = ("offload_optimizer", "offload_param", "zero_quantized_weights", "zero_quantized_gradients",
-            "zero_hpz_partition_size")
+UNPRICED = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+# ZeRO-Offload / ZeRO-Infinity: the ds_config keys of meshplan's offload modes (`costing.offload`)
+OFFLOAD_KEYS = {"optimizer": ("offload_optimizer",), "params": ("offload_optimizer", "offload_param")}
 
 
 def export_deepspeed(plan) -> tuple[str, list[str]]:
@@ -45,6 +46,8 @@ def export_deepspeed(plan) -> tuple[str, list[str]]:
         config["sequence_parallel_size"] = cfg.cp
         notes.append(f"context parallelism {cfg.cp}: DeepSpeed-Ulysses (all-to-all over heads, set up by the "
                      "model code) splits the sequence; priced as meshplan's context parallelism")
+    for key in OFFLOAD_KEYS.get(cfg.offload, ()):  # pinned host memory, as ZeRO-Offload's tutorial sets it
+        config["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
     if cfg.shard_group and cfg.zero == 3:
         config["zero_optimization"]["mics_shard_size"] = cfg.shard_group
     elif cfg.shard_group:
@@ -126,6 +129,7 @@ def read_deepspeed(text: str) -> EngineJob:
         notes.append(f"pipeline partition {pipe.get('partition', 'best')!r}: priced as meshplan's balanced split")
     zero = _int(data.get("zero_optimization", {}), "stage", 0)
     shard_group = _int(data.get("zero_optimization", {}), "mics_shard_size", 0) or None
+    offload = _read_offload(data.get("zero_optimization", {}), zero, notes)
     if shard_group and zero != 3:
         notes.append(f"mics_shard_size {shard_group} at ZeRO-{zero}: MiCS needs ZeRO-3; ignored")
         shard_group = None
@@ -133,7 +137,24 @@ def read_deepspeed(text: str) -> EngineJob:
                      tp=tp, pp=pp, dp=dp, cp=_int(data, "sequence_parallel_size", 1) or 1, zero=zero,
                      shard_group=None if shard_group == dp else shard_group,
                      recompute="full" if interval else "none", precision="bf16-mixed" if bf16 or fp16 else "fp32",
-                     uniform_split=uniform, notes=tuple(notes))
+                     uniform_split=uniform, offload=offload, notes=tuple(notes))
+
+
+def _read_offload(zero_config: dict, zero: int, notes: list[str]) -> str:
+    """meshplan's offload mode of ds_config's `offload_param` / `offload_optimizer` (device cpu or
+    nvme; nvme is priced as host memory)."""
+    def device(key: str) -> str:
+        table = zero_config.get(key)
+        return table.get("device", "none") if isinstance(table, dict) else "none"
+
+    for key in ("offload_param", "offload_optimizer"):
+        if device(key) == "nvme":
+            notes.append(f"{key} to nvme: priced as host memory (the NVMe's own bandwidth is not modelled)")
+    if device("offload_param") != "none" and zero == 3:
+        return "params"
+    if device("offload_param") != "none":
+        notes.append(f"offload_param at ZeRO-{zero}: DeepSpeed offloads parameters at ZeRO-3 only; ignored")
+    return "optimizer" if device("offload_optimizer") != "none" else "none"
 
 
 def _batch(data: dict) -> tuple[int, int, int | None]:

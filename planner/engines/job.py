@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import PRECISIONS, RECOMPUTE, SCHEDULES
+from meshplan.planner.contracts.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import ENGINES
 
@@ -48,6 +48,7 @@ class EngineJob(_JobDegrees):
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)
     uniform_split: bool = False  # equal layer counts per chunk, the remainder on the last (DeepSpeed "uniform")
+    offload: str = "none"  # model states in host memory (contracts.config.OFFLOAD; `costing.offload`)
     notes: tuple[str, ...] = ()  # what the config holds that meshplan did not map, one line each
 
     def __post_init__(self):
@@ -65,6 +66,9 @@ class EngineJob(_JobDegrees):
             raise MeshplanError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.schedule not in SCHEDULES:
             raise MeshplanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.offload not in OFFLOAD or (self.offload == "params" and self.zero != 3):
+            raise MeshplanError(f"offload must be one of {', '.join(OFFLOAD)} (params with ZeRO-3 only), got "
+                                f"{self.offload!r} at ZeRO-{self.zero}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise MeshplanError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.recompute_first_per_chunk is not None and self.recompute_first_per_chunk < 0:

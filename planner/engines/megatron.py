@@ -89,6 +89,12 @@ def export_megatron(plan) -> tuple[str, list[str]]:
         notes.append(f"ZeRO-{cfg.zero} with pipelining: exported as Megatron-LM's distributed optimizer (ZeRO-1), "
                      "as meshplan also runs it")
     args += _overlap_args(cfg)
+    if cfg.offload != "none":  # Megatron-Core's HybridDeviceOptimizer (megatron/core/optimizer/cpu_offloading)
+        args += [("--optimizer-cpu-offload", None), ("--optimizer-offload-fraction", 1.0),
+                 ("--use-precision-aware-optimizer", None)]
+        if cfg.offload == "params":
+            notes.append("offload params: Megatron-LM offloads the optimizer's states and step only; exported as "
+                         "--optimizer-cpu-offload, which keeps parameters and gradients on the GPUs")
     if cfg.precision in ("bf16-mixed", "fp8"):
         args.append(("--bf16", None))
     if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, under the plan's recipe
@@ -280,6 +286,19 @@ def header_fields(text: str) -> dict[str, str]:
     return {}
 
 
+def _read_offload(flags: dict, notes: list[str]) -> str:
+    """`--optimizer-cpu-offload`: the optimizer's states and step on the CPU (meshplan's "optimizer");
+    a fraction below 1 keeps the rest on the GPU, priced as all of it offloaded."""
+    if "--optimizer-cpu-offload" not in flags:
+        return "none"
+    fraction = flags.get("--optimizer-offload-fraction")
+    if fraction is not None and fraction not in ("1", "1.0"):
+        notes.append(f"--optimizer-offload-fraction {fraction}: priced as 1.0 (the whole optimizer offloaded)")
+    if "--overlap-cpu-optimizer-d2h-h2d" in flags:
+        notes.append("--overlap-cpu-optimizer-d2h-h2d: priced without that overlap")
+    return "optimizer"
+
+
 def read_megatron(text: str) -> EngineJob:
     """An EngineJob from Megatron-LM arguments (see `parse_arguments`)."""
     flags, header, notes = parse_arguments(text), header_fields(text), []
@@ -304,8 +323,8 @@ def read_megatron(text: str) -> EngineJob:
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
-        layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers))
-    for flag in ("--fp4-format", "--cpu-offloading", "--optimizer-cpu-offload"):
+        layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes))
+    for flag in ("--fp4-format", "--cpu-offloading"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
     return EngineJob(**job, notes=tuple(notes))

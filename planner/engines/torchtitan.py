@@ -43,7 +43,7 @@ PARALLELISM_KEYS = (
 FLOAT8_CONVERTER = "float8"
 # The [float8] recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
 TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
-UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"), ("training", "enable_cpu_offload"),
+UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"),
                  ("training", "compile"), ("compile", "enable"),
                  ("parallelism", "pipeline_parallel_layers_per_stage"),
                  ("parallelism", "pipeline_parallel_schedule_csv")}
@@ -88,6 +88,11 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
     }
     if cfg.precision == "fp8":
         sections[FLOAT8_CONVERTER] = _float8_section(cfg, notes)
+    if cfg.offload != "none":  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states
+        sections["training"]["enable_cpu_offload"] = True
+        if cfg.offload == "optimizer":
+            notes.append("offload optimizer: torchtitan offloads parameters, gradients and optimizer states together "
+                         "(FSDP2 CPUOffloadPolicy); enable_cpu_offload moves more than the plan priced")
     if cfg.tp > 1 and not cfg.sp:
         notes.append("sequence parallelism off: torchtitan's tensor parallelism always shards the sequence "
                      "around the norms (SP on)")
@@ -192,12 +197,18 @@ def read_torchtitan(text: str) -> EngineJob:
     fp8_recipe = _float8(data, notes)
     if fp8_recipe:
         precision = "fp8"
+    zero = _zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, degrees["cp"])
+    offload = "none"
+    if train.get("enable_cpu_offload"):  # FSDP2's CPUOffloadPolicy; meshplan prices it at ZeRO-3
+        offload = "params" if zero == 3 else "optimizer"
+        if zero != 3:
+            notes.append(f"enable_cpu_offload at ZeRO-{zero} (parameters kept gathered after forward): priced as "
+                         "the optimizer offloaded")
     return EngineJob(
         engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
         **degrees, dp=dp, sp=degrees["tp"] > 1,
-        zero=_zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, degrees["cp"]),
-        shard_group=shard if replicate > 1 and shard > 1 else None,
+        zero=zero, offload=offload, shard_group=shard if replicate > 1 and shard > 1 else None,
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
         precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))

@@ -64,6 +64,7 @@ def configuration(ranked) -> dict:
         "mesh": mesh_json(cfg),
         "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
         **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
+        **({"offload": cfg.offload} if cfg.offload != "none" else {}),
         "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
                      "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
         "recompute": cfg.recompute,
@@ -129,6 +130,7 @@ def explain(plan_json: dict) -> str:
             f"{sched['microbatch_size']}, ZeRO-{plan_json['zero']}"
             + (f" HSDP (shard over {plan_json['shard_group']}, replicate across {mesh['dp'] // plan_json['shard_group']})"
                if plan_json.get("shard_group") else "")
+            + (f", {plan_json['offload']} offloaded to host memory" if plan_json.get("offload") else "")
             + (f", recomputing {recomputed} layer{'s' if recomputed != 1 else ''}" if recomputed
                else ", no recomputation") + ": "
             f"{pred['step_time_s']:.3f} s per step, MFU {100 * pred['mfu']:.1f}%, bubble "
@@ -136,6 +138,8 @@ def explain(plan_json: dict) -> str:
             f"{limit / GIB:.1f} GiB"
             + (f" ({memory_nearly_full(pred['peak_memory_bytes'], limit)})"
                if memory_nearly_full(pred['peak_memory_bytes'], limit) else "") + ".")
+    if solver.get("offload"):  # `search.offloading`: nothing fitted without it
+        text += f" {solver['offload'][0].upper()}{solver['offload'][1:]}."
     if solver.get("ep_rival"):
         text += " " + _why_ep(plan_json, solver["ep_rival"])
     alternatives = plan_json.get("alternatives") or []

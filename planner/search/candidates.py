@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES, RECOMPUTE, SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES, OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
@@ -45,6 +45,7 @@ class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
     vpp: int | None = None
     mbs: int | None = None
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
+    offload: str | None = None  # model states in host memory (`search.offloading`); None: only if nothing fits
 
     def __post_init__(self):
         for name in (*AXIS_NAMES, "vpp", "mbs", "shard_group"):
@@ -57,6 +58,10 @@ class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
             raise MeshplanError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise MeshplanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.offload is not None and self.offload not in OFFLOAD:
+            raise MeshplanError(f"--offload must be one of {', '.join(OFFLOAD)}, got {self.offload!r}")
+        if self.offload == "params" and self.zero not in (None, 3):
+            raise MeshplanError(f"--offload params needs the parameters sharded: pin --zero 3, not {self.zero}")
         if self.shard_group is not None and self.zero == 0:
             raise MeshplanError(f"--shard-group {self.shard_group} (HSDP) shards ZeRO state: pin --zero 1, 2 or 3")
 

@@ -28,7 +28,8 @@ from meshplan.planner.search.candidates import (MEMORY_MARGIN, WHOLE_MODEL_FAMIL
                                                 usable_memory_bytes)
 from meshplan.planner.search.ilp.formulation import StageSolution
 from meshplan.planner.search.ilp.refine import refine_best
-from meshplan.planner.search.infeasible import infeasible_message
+from meshplan.planner.search import offloading
+from meshplan.planner.search.infeasible import NothingFits, infeasible_message
 from meshplan.planner.search.problems import build_problems
 from meshplan.planner.search.request import PlanRequest
 from meshplan.planner.search.solving import Ready, Solved, tick, solve_candidates
@@ -85,14 +86,18 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     """
     from meshplan.planner.search.assembly import build_plan
 
+    if offloading.may_offload(request):  # nothing fits on the devices alone: their states in host memory
+        return offloading.search_or_offload(search, request, progress=progress, graph=graph,
+                                            candidate_rows=candidate_rows)
     started = time.perf_counter()
     cluster, pins = request.planning_cluster, request.pins
     if graph is None:
         graph = _profile(request)
     _check_executor_pins(graph, pins)
     _check_expert_pin(graph, pins)
-    candidates = enumerate_candidates(graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs,
-                                      request.precision, request.engine, request.fp8_recipe)
+    candidates = offloading.with_offload(enumerate_candidates(
+        graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs, request.precision, request.engine,
+        request.fp8_recipe), pins.offload)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, request))
     # The ILP plans against a hair less than the usable memory, so the simulator's replay of the
@@ -114,7 +119,7 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     feasible = sorted((s for s in solved if s.solution is not None and s.solution.feasible),
                       key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
     if not feasible:
-        raise MeshplanError(infeasible_message(graph, request, candidates))
+        raise NothingFits(infeasible_message(graph, request, candidates))
     feasible = _polish(feasible, request, {s.candidate: s.problem for s in solved if s.problem is not None})
     feasible = refine_best(feasible, num_keep, budget_s=request.time_limit_s / 5)  # the exact step of each, improved
     ranked = _rank_fitting(graph, request, feasible, tables, more=lambda: _solve_more(solved, problems, request))
@@ -160,7 +165,9 @@ def _conventional(graph, request: PlanRequest):
     rule is for dense transformers."""
     from meshplan.planner.costing.executable import model_facts, why_not_executable
 
-    if graph.info.num_experts or any(value is not None for value in vars(request.pins).values()):
+    pins = {name: value for name, value in vars(request.pins).items()
+            if (name, value) != ("offload", "none")}  # the offloading hook's first search is unpinned
+    if graph.info.num_experts or any(value is not None for value in pins.values()):
         return None
     found = alternatives.conventional_layout(graph, request.planning_cluster, request.gpus, request.global_batch,
                                              request.precision, graph.info.family in WHOLE_MODEL_FAMILIES)
@@ -217,7 +224,7 @@ def _rank_fitting(graph, request: PlanRequest, feasible: list[Solved], tables, m
     if not ranked[0].prediction.fits:
         leanest = min(ranked, key=lambda r: r.prediction.peak_memory_bytes)
         gib = 2.0 ** 30
-        raise MeshplanError(
+        raise NothingFits(
             f"no plan of {graph.spec!r} that the ILP accepted fits when simulated: the leanest needs "
             f"{leanest.prediction.peak_memory_bytes / gib:.2f} GiB per GPU against "
             f"{cluster.device.usable_memory_bytes / gib:.2f} GiB usable on {cluster.device.name} (binding: "

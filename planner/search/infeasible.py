@@ -5,11 +5,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import enumerate_candidates, usable_memory_bytes
 from meshplan.planner.search.candidates import MEMORY_MARGIN
 from meshplan.planner.search.problems import build_problems
 from meshplan.planner.search.request import PlanRequest
 from meshplan.planner.search.solving import Ready, solve_candidates
+
+
+class NothingFits(MeshplanError):
+    """The search's refusal when no candidate fits in memory (what `search.offloading` answers by
+    offloading model states to host memory)."""
 
 
 def min_memory_bytes(graph, cluster, candidates, global_batch, precision, pins, workers=1) -> float:

@@ -75,7 +75,7 @@ def _zero1_siblings(strategies) -> dict:
     present = set(strategies)
     out = {}
     for strategy in present:
-        if strategy.pp > 1 and strategy.zero >= 2 and strategy.dp > 1:
+        if strategy.pp > 1 and strategy.zero >= 2 and strategy.dp > 1 and strategy.offload != "params":
             sibling = replace(strategy, zero=1)
             if sibling in present:
                 out[strategy] = sibling

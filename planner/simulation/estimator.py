@@ -19,6 +19,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.fp8 import check_fp8_supported
 from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.costing.offload import check_offload
 from meshplan.planner.simulation.simulator import simulate_config
 
 DEFAULT_SEQ = 2048
@@ -96,7 +97,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False, schedule: str = "1f1b",
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
                     ep: int = 1, etp: int | None = None, engine: str = "meshplan",
-                    fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = ()) -> ParallelConfig:
+                    fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = (),
+                    offload: str = "none") -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -116,7 +118,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
                                 virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
                                 etp=etp, engine=engine, fp8_recipe=fp8_recipe,
-                                recompute_modules=tuple(recompute_modules))
+                                recompute_modules=tuple(recompute_modules), offload=offload)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "expert parallelism ep=", "--ep ").replace("expert tensor parallelism etp=", "--etp ")) from None
@@ -149,11 +151,12 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
-             recompute_modules: tuple[str, ...] = ()) -> Prediction:
+             recompute_modules: tuple[str, ...] = (), offload: str = "none") -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence); `engine`: whose
-    memory recipe prices it (`costing.engine_memory`; meshplan: its own executor);
+    memory recipe prices it (`costing.engine_memory`; meshplan: its own executor); `offload`: model
+    states kept in host memory (`costing.offload`: none, optimizer, params);
     `recompute_modules`: what selective recomputation rebuilds under engine megatron
     (Megatron-Core's `--recompute-modules`, `contracts.config.RECOMPUTE_MODULES`);
     `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
@@ -169,7 +172,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
                              shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe,
-                             recompute_modules=recompute_modules)
+                             recompute_modules=recompute_modules, offload=offload)
+    check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,

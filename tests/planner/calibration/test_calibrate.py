@@ -89,6 +89,18 @@ def test_quick_calibration_writes_a_profile_estimate_accepts(run_cli, tmp_path, 
     device = profile.device
     assert device.optimizer_per_tensor_s > 0 and device.pipeline_action_overhead_s > 0
     assert device.dtensor_optimizer_per_tensor_s > device.optimizer_per_tensor_s
+    # measured as `meshplan train` runs: its processes at once, its threads each, on its clocks,
+    # the rounds' spread and the load recorded; the GEMM curve by width fitted from the sweep
+    from meshplan.planner.calibration.gemm_sweep import SWEEP_WIDTHS
+    from meshplan.planner.calibration.host import threads_per_process
+
+    conditions = profile.calibration
+    assert (conditions.processes, conditions.threads_per_process) == (2, threads_per_process(2))
+    assert (conditions.compute_clock, conditions.link_clock, conditions.rounds) == ("cpu-time", "wall", 3)
+    assert conditions.link_spread >= 0 and conditions.num_cpus == os.cpu_count()
+    assert sorted(map(int, device.matmul_width_efficiency)) == list(SWEEP_WIDTHS)
+    assert all(factor > 0 for factor in device.matmul_width_efficiency.values())
+    assert "clock " in stdout and "thread(s)" in stdout
     code, stdout, err = run_cli("estimate", "--model", "gpt:layers=2,hidden=128,heads=4,vocab=1024", "--cluster", out,
                                 "--gpus", "2", "--gbs", "8", "--seq", "128", "--pp", "2", "--json")
     assert code == 0, err
@@ -256,8 +268,9 @@ def test_tp_fits_split_the_overhead_into_fixed_per_byte_sp_and_loss_parts():
     assert fit_tp_overheads(cheap, 2, link)[1] == 0.0
 
 
+@pytest.mark.parametrize("widths", [{}, {"16": 0.3, "64": 0.6, "512": 0.95}], ids=["curve", "width-table"])
 @pytest.mark.parametrize("batch,seq", [(1, 128), (4, 128), (1, 256)])
-def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
+def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq, widths):
     """The elementwise factor is fitted against `block_time_s`; it must price the calibration
     block exactly as `planner.costing.layer_cost` prices that profiled block in a plan (same GEMM split,
     launches and traffic), or a fitted factor would not transfer to predictions."""
@@ -267,9 +280,10 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq):
     from meshplan.planner.profiling.profiler import profile
     from tests.planner.costing.meshes import mesh
 
-    cluster = load_cluster("cpu")
+    cpu = load_cluster("cpu")  # with a GEMM width table too: its Linears priced by shape alike
+    cluster = replace(cpu, device=replace(cpu.device, matmul_width_efficiency=widths))
     figures = dict(zip(TRAFFIC_SHAPES, _block_figures(cuda=False)))
-    sample = {name: value * batch for name, value in figures[(1, seq)].items()}
+    sample = {name: value if name == "linear_shapes" else value * batch for name, value in figures[(1, seq)].items()}
     graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="fp32", cache=False)
     block = next(layer for layer in graph.layers if layer.kind == "block")
     cost = layer_cost(block, mesh(microbatch_size=batch, precision="fp32"), cluster, graph.info, profile_dtype="fp32")

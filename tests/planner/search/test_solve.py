@@ -300,8 +300,8 @@ def test_infeasible_request_says_what_would_work(small_graph):
     cluster = cluster_with_memory()
     lean_2 = min_memory_bytes(small_graph, cluster, enumerate_candidates(small_graph, cluster, 2, 8), 8,
                               "bf16-mixed", Pins())
-    with pytest.raises(MeshplanError) as err:
-        run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=2, gbs=8)
+    with pytest.raises(MeshplanError) as err:  # on the GPUs alone (unpinned, the search would offload)
+        run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=2, gbs=8, offload="none")
     message = str(err.value)
     # Both answers: the memory that would do on 2 GPUs (rounded up to 1/1000 GiB), and a GPU count.
     needed_gib = float(message.split("needs ")[1].split(" GiB")[0])
@@ -310,7 +310,8 @@ def test_infeasible_request_says_what_would_work(small_graph):
     assert more_gpus in (4, 8)
     # Both really work, with exactly the memory printed.
     assert run_plan(small_graph, cluster_with_memory(needed_gib * 2**30), gpus=2, gbs=8, top_k=1).prediction["fits"]
-    assert run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=more_gpus, gbs=8, top_k=1).prediction["fits"]
+    assert run_plan(small_graph, cluster_with_memory(0.7 * lean_2), gpus=more_gpus, gbs=8, top_k=1,
+                    offload="none").prediction["fits"]
 
 
 def test_lower_bound_never_exceeds_the_ilp_objective(small_graph):

@@ -1,0 +1,55 @@
+"""The search's offloading hook: model states go to host memory only when asked (`--offload`) or
+when nothing fits on the devices without it, and the plan says which.
+
+Offloading trades step time for device memory (`costing.offload`: the CPU optimizer step and the
+host transfers), so an unpinned search first plans without it; only when that finds nothing that
+fits (`infeasible.NothingFits`) does it plan again with the optimizer's states offloaded, then
+with the parameters too (ZeRO-3), and records why in the plan's `solver.offload`. A profile
+without host bandwidths (the cpu profile: its device is the host) is never offloaded.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshplan.planner.search.infeasible import NothingFits
+
+# What an unpinned search tries, in order, when nothing fits without offloading.
+FALLBACK_MODES = ("optimizer", "params")
+
+
+def may_offload(request) -> bool:
+    """Whether `request` (a `PlanRequest`) leaves offloading to the search and the profile can offload."""
+    device = request.cluster.device
+    return request.pins.offload is None and device.host_link_bw_bytes_per_s > 0 \
+        and device.host_memory_bw_bytes_per_s > 0
+
+
+def with_offload(candidates: list, offload: str | None) -> list:
+    """The candidates with `offload` set (None or "none": as they are); "params" keeps ZeRO-3 only."""
+    if offload in (None, "none"):
+        return candidates
+    return [replace(c, offload=offload) for c in candidates if offload != "params" or c.zero == 3]
+
+
+def search_or_offload(search, request, **kwargs):
+    """`search(request)` without offloading; when nothing fits, with each of `FALLBACK_MODES` the
+    pins allow, the first plan that fits marked with why (`solver.offload`)."""
+    try:
+        return search(_pinned(request, "none"), **kwargs)
+    except NothingFits as refusal:
+        modes = [mode for mode in FALLBACK_MODES if mode != "params" or request.pins.zero in (None, 3)]
+        for mode in modes:
+            try:
+                plan = search(_pinned(request, mode), **kwargs)
+            except NothingFits:
+                continue
+            why = (f"nothing fits on the GPUs without offloading ({refusal}); offloading the "
+                   f"{'optimizer states' if mode == 'optimizer' else 'parameters, gradients and optimizer states'} "
+                   "to host memory fits")
+            return replace(plan, solver={**plan.solver, "offload": why})
+        raise NothingFits(f"{refusal}; offloading the optimizer or the parameters to host memory does not fit "
+                          "either") from None
+
+
+def _pinned(request, mode: str):
+    return replace(request, pins=replace(request.pins, offload=mode))
