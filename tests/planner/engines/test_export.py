@@ -11,7 +11,7 @@ import types
 import pytest
 
 from meshplan.planner.engines.bridge import export_plan
-from meshplan.planner.engines.megatron import parse_arguments
+from meshplan.planner.engines.launch_script import parse_arguments
 from meshplan.planner.engines.torchtitan import PARALLELISM_KEYS
 from tests.planner.engines.helpers import make_plan
 
