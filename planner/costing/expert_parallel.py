@@ -71,24 +71,12 @@ from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
-from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
+                                                  is_expert_linear, shuffle_time_s)
 from meshplan.planner.costing.state_memory import state_bytes
+from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
-
-# GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
-SWIGLU_GEMMS = 3
-
-
-def is_expert_linear(name: str) -> bool:
-    """A Linear of the routed experts (`moe.experts.gate`), as the TP split names it."""
-    return "experts" in name.split(".")
-
-
-def expert_gemms(layer) -> int:
-    """GEMMs each routed expert runs per forward (its Linears in the layer's TP split)."""
-    names = layer.tp_split.column_linears + layer.tp_split.row_linears
-    return sum(map(is_expert_linear, names)) or SWIGLU_GEMMS
-
 
 def dense_part(layer):
     """The MoE block without its routed experts: attention, router, shared experts, norms, the
@@ -205,11 +193,19 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
     return collective_time_s("all_gather", gathered, round(1 / share), cluster, config.expert_tp)
 
 
-def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0) -> tuple[float, float]:
+def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0,
+              a2a_overlap: float = 0.0) -> tuple[float, float]:
     """(forward, backward) blocking seconds of one micro-batch's expert exchanges: dispatch +
     combine all-to-alls and the expert-TP collectives each pass (`expert_tp_comm_s`), the
-    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation."""
-    exchange = 2 * all_to_all_s(send_bytes, config, cluster, info) + expert_tp_comm_s(send_bytes, config, cluster, info)
+    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation.
+
+    `a2a_overlap`: the share of the all-to-alls an engine hides behind other compute (another
+    micro-batch's, as Megatron-LM's --overlap-moe-expert-parallel-comm does); 0, the default,
+    keeps every all-to-all on the compute stream's path."""
+    if not 0.0 <= a2a_overlap <= 1.0:
+        raise ValueError(f"the all-to-all overlap share must lie in [0, 1], got {a2a_overlap}")
+    a2a_s = 2 * all_to_all_s(send_bytes, config, cluster, info) * (1.0 - a2a_overlap)
+    exchange = a2a_s + expert_tp_comm_s(send_bytes, config, cluster, info)
     fwd, bwd = exchange + slice_s, exchange
     if config.recompute == "full":
         bwd += fwd
@@ -230,20 +226,33 @@ def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:
                          "SwiGLU is split etp ways)")
 
 
+def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds of the busiest rank's experts, one micro-batch: grouped
+    GEMMs by shape at the per-expert rows (`moe_compute.grouped_gemm_times_s`), or, for a layer
+    whose shapes are unknown, its expert FLOPs on the efficiency curve at the per-expert size."""
+    grouped = grouped_gemm_times_s(layer, config, cluster, info, dtype, load)
+    if grouped is not None:
+        return grouped
+    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info)
+    return flop_curve_times_s(fwd_flops, bwd_flops, gemms, cluster, dtype)
+
+
 def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
-                        state_recipe: str = "executor"):
+                        state_recipe: str = "executor", a2a_overlap: float = 0.0):
     """A MoE block's `LayerCost` from its dense part's (`dense_part`, priced as any layer): plus
     the experts on the busiest rank: GEMMs at the per-expert size, their states over the
     expert-data group, and the dispatch / combine all-to-alls."""
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
-    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info)
-    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / config.tp * load_factor(info)
+    load = load_factor(info)
+    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / config.tp * load
     traffic = cluster.device.elementwise_bytes_per_activation_byte * saved
-    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic, cluster)
-    bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2) + memory_time_s(2 * traffic, cluster)
+    fwd_s, bwd_s = expert_compute_s(layer, config, cluster, info, dtype, load)
+    shuffle_s = shuffle_time_s(layer, config, cluster, info, load, DTYPE_BYTES.get(dtype, 2))
+    fwd_s += memory_time_s(traffic, cluster) + shuffle_s
+    bwd_s += memory_time_s(2 * traffic, cluster) + shuffle_s
     ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale), config, cluster, info,
-                                   slice_gather_s(layer, config, cluster, info, act_scale))
+                                   slice_gather_s(layer, config, cluster, info, act_scale), a2a_overlap)
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
     params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero
