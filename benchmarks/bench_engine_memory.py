@@ -27,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
-                            MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3,
+                            MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
                             Run, all_runs)
 
 GIB = 2**30
@@ -89,6 +90,7 @@ MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
 # The engine each held-out source ran (its memory recipe prices the run).
 ENGINE_OF_SOURCE = {KORTHIKANTI_2022: "megatron", NARAYANAN_2021: "megatron", LLAMA3_2024: "megatron",
                     MEGATRON_MOE_QWEN3: "megatron", MEGATRON_BRIDGE_H100: "megatron",
+                    MEGATRON_BRIDGE_BLACKWELL: "megatron",
                     TORCHTITAN_A100: "torchtitan",
                     MPT_SOURCE: "torchtitan"}  # no recipe of its own: the closest FSDP one (module docstring)
 APPROXIMATED_SOURCES = (MPT_SOURCE,)

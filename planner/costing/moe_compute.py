@@ -22,13 +22,18 @@ padding).
   Engine's GroupedLinear run the experts' GEMMs as separate cuBLAS GEMMs over a few streams
   (AMD's Primus MoE guide: "each expert is a separate GEMM; naive multi-stream execution leaves
   scheduling gaps"), so every expert pays its own tile padding, tail wave and fixed cost: G
-  experts at m rows cost G times one expert, not one GEMM of G m rows. A grouped kernel that
-  schedules every expert's tiles at once loses little beyond that: DeepGEMM's published
-  m-grouped contiguous kernel (8 groups of m = 4096, N 4096, K 7168) runs at 1288 TFLOP/s where
-  its plain GEMM of one group's shape runs at 1304 (deepseek-ai/DeepGEMM README, H800 FP8), a
-  1.2% difference, inside this rule's error; no extra term is charged for it. Plus one
-  `kernel_overhead_s` per grouped call sequence (forward one, backward two: `compute_time_s`'s
-  launch convention).
+  experts at m rows cost G times one expert, not one GEMM of G m rows. A grouped kernel pays
+  little more at large m: DeepGEMM's m-grouped contiguous kernel (8 groups of m = 4096, N 4096,
+  K 7168) runs at 1288 TFLOP/s where its plain GEMM of one group's shape runs at 1304
+  (deepseek-ai/DeepGEMM README, 2025, H800 FP8), 1.2% apart. At small m it pays a tail per group
+  beyond its shapes: the same README's masked-layout rows split 1024 rows into 1, 2 and 4 groups
+  (N 4096, K 7168: 1233, 1040, 932 TFLOP/s; N 7168, K 2048: 925, 916, 815), and what they take
+  beyond this shape rule's G GEMMs, less the one-group row's own excess, pooled over the 8 extra
+  groups, is 3.5 us per extra group (`GROUPED_GEMM_TAIL_S`; the test recomputes it from the
+  table on h100-sxm). Each grouped call (one per expert Linear forward, two backward: the input
+  and the weight gradients) pays it for each of its G - 1 extra groups, on GPU profiles (a
+  profile without SMs, the CPU, has no tiles). Plus one `kernel_overhead_s` per pass (forward
+  one, backward two: `compute_time_s`'s launch convention).
 - Shuffles (`shuffle_bytes`): the permutation regroups the received copies by local expert and
   the unpermutation puts the experts' outputs back in token order; each reads and writes every
   copy the rank computes (m G rows of h elements): 4 m G h b bytes per pass, at the device's
@@ -49,6 +54,9 @@ from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 SWIGLU_GEMMS = 3
 # Reads and writes of every computed copy per pass: the permutation and the unpermutation.
 SHUFFLE_PASSES = 4
+# Per extra group of a grouped GEMM call: DeepGEMM README (2025) masked-layout table, H800 FP8,
+# its time beyond this module's shape rule per extra group (module docstring).
+GROUPED_GEMM_TAIL_S = 3.5e-6
 
 
 def is_expert_linear(name: str) -> bool:
@@ -98,7 +106,8 @@ def tokens_per_expert(layer, config, info, load: float) -> float:
 
 def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) -> tuple[float, float] | None:
     """(forward, backward) seconds of the rank's G experts' GEMMs at m rows each, by shape
-    (`gemm.linear_times_s`, times G), plus `kernel_overhead_s` per pass (backward two); None
+    (`gemm.linear_times_s`, times G), plus each grouped call's tail for its G - 1 extra groups
+    (`GROUPED_GEMM_TAIL_S`, GPU profiles) and `kernel_overhead_s` per pass (backward two); None
     when the layer's shapes do not reproduce its expert FLOPs."""
     shapes = expert_linear_shapes(layer, info)
     if not shapes or not layer.expert_fwd_flops:
@@ -108,8 +117,9 @@ def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) 
         return None
     groups = local_experts(config, info)
     fwd_s, bwd_s = gemm.linear_times_s(shapes, rows, config.expert_tp, cluster, dtype)
+    tail_s = GROUPED_GEMM_TAIL_S * (groups - 1) * len(shapes) if cluster.device.num_sms > 0 else 0.0
     overhead_s = cluster.device.kernel_overhead_s
-    return groups * fwd_s + overhead_s, groups * bwd_s + 2 * overhead_s
+    return groups * fwd_s + tail_s + overhead_s, groups * bwd_s + 2 * tail_s + 2 * overhead_s
 
 
 def flop_curve_times_s(fwd_flops: float, bwd_flops: float, num_gemms: int, cluster, dtype: str) -> tuple[float, float]:
