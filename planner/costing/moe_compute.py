@@ -37,9 +37,14 @@ padding).
 - Shuffles (`shuffle_bytes`): the permutation regroups the received copies by local expert and
   the unpermutation puts the experts' outputs back in token order; each reads and writes every
   copy the rank computes (m G rows of h elements): 4 m G h b bytes per pass, at the device's
-  achieved bandwidth, the same again in backward (their gradients). The router's gate Linear
-  (h -> E) stays with the block's other Linears in the dense part, and its fp32 softmax and
-  top-k with the dense part's memory-bound kernels (`expert_parallel.dense_part`).
+  achieved bandwidth, the same again in backward (their gradients).
+- Router (`router_times_s`): its gate Linear (h -> E, replicated over tp) runs on the tokens the
+  rank holds, T / tp under sequence parallelism, else all T (each tp rank routes the same
+  tokens), priced by the shape rule: forward (rows x h) @ (h x E), the input and the weight
+  gradients backward. E is narrow (128 for Qwen3), so the product is memory-bound on its hidden
+  states. Its fp32 softmax and top-k stay with the dense part's memory-bound kernels (the bytes
+  they keep, `expert_parallel.dense_part`); `expert_parallel.dense_part(layer, info)` leaves the
+  gate's FLOPs out so they are not priced twice.
 
 A traced layer whose shapes do not reproduce its expert FLOPs (or a model without `hidden` or
 `expert_ffn`) keeps the FLOP-only curve: the expert FLOPs as G n_g equal GEMMs on
@@ -139,3 +144,22 @@ def shuffle_bytes(layer, config, info, load: float, elem_bytes: float) -> float:
 def shuffle_time_s(layer, config, cluster, info, load: float, elem_bytes: float) -> float:
     """Seconds of one pass's token shuffles at the device's achieved bandwidth."""
     return memory_time_s(shuffle_bytes(layer, config, info, load, elem_bytes), cluster)
+
+
+def router_flops(layer, info) -> float:
+    """Forward FLOPs per sample of the gate Linear (h -> E) on the s = s k / k tokens; 0 when the
+    experts' shapes are unknown."""
+    copies = routed_copies(layer, info)
+    if not copies or not info.top_k or not info.num_experts:
+        return 0.0
+    return 2.0 * copies / info.top_k * info.hidden * info.num_experts
+
+
+def router_times_s(layer, config, cluster, info, dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the gate Linear on the rank's tokens (T / tp under SP, else
+    T), by shape; (0, 0) when the shapes are unknown."""
+    flops = router_flops(layer, info)
+    if not flops:
+        return 0.0, 0.0
+    tokens = routed_copies(layer, info) / info.top_k * config.rank_microbatch / (config.tp if config.sp else 1)
+    return gemm.linear_times_s(((info.hidden, info.num_experts, True),), tokens, 1, cluster, dtype)

@@ -188,3 +188,28 @@ def test_all_to_all_overlap_share_hides_that_share_of_dispatch_and_combine(graph
     assert epm.ep_comm_s(send, config, H100, graph.info, a2a_overlap=1.0) == (0.0, 0.0)
     with pytest.raises(ValueError, match=r"\[0, 1\], got 1.5"):
         epm.ep_comm_s(send, config, H100, graph.info, a2a_overlap=1.5)
+
+
+def test_router_gate_is_priced_by_its_shape_on_the_ranks_tokens(graph):
+    """The gate Linear (h -> E) on the rank's tokens: all T of a micro-batch without SP (every tp
+    rank routes them), T / tp under SP; its FLOPs leave the dense part, which no longer prices them."""
+    block, info = _block(graph), graph.info
+    assert moe_compute.router_flops(block, info) == 2 * SEQ * HIDDEN * EXPERTS
+    dense = epm.dense_part(block, info)
+    assert dense.fwd_flops == block.fwd_flops - block.expert_fwd_flops - 2 * SEQ * HIDDEN * EXPERTS
+    assert dense.bwd_flops == block.bwd_flops - block.expert_bwd_flops - 4 * SEQ * HIDDEN * EXPERTS
+    assert epm.dense_part(block).fwd_flops == block.fwd_flops - block.expert_fwd_flops  # without info: kept
+    shape = ((HIDDEN, EXPERTS, True),)
+    for sp, tokens in ((False, 2 * SEQ), (True, SEQ)):
+        config = mesh(tp=2, dp=4, ep=4, microbatch_size=2, sp=sp)
+        fwd_s, bwd_s = moe_compute.router_times_s(block, config, H100, info, "bf16")
+        assert (fwd_s, bwd_s) == gemm.linear_times_s(shape, tokens, 1, H100, "bf16")
+        # forward (T x 512) @ (512 x 16): 16-wide tiles fill every SM's tile (wave efficiency 1)
+        assert gemm.wave_efficiency(tokens, EXPERTS, H100.device.num_sms) == 1.0
+        assert fwd_s == pytest.approx(_gemm_s(tokens, EXPERTS, HIDDEN, 1.0), rel=1e-9)
+    # the router is the block's, not the experts': in fwd_compute_s, not in expert_fwd_s
+    config = mesh(dp=8, ep=4)
+    cost = _cost(graph, dp=8, ep=4)
+    dense_cost = layer_cost(dense, config, H100, info, profile_dtype="bf16")
+    router_fwd_s, _ = moe_compute.router_times_s(block, config, H100, info, "bf16")
+    assert cost.fwd_compute_s - cost.expert_fwd_s == pytest.approx(dense_cost.fwd_compute_s + router_fwd_s, rel=1e-9)
