@@ -31,7 +31,7 @@ torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Ta
 Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B).
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
-parallelism on DGX H100, costed under balanced routing:
+parallelism, costed under balanced routing:
 - Megatron-MoE-ModelZoo's Qwen3 best-practice table (`best_practice/Qwen3/readme.md`, 256 H100,
   BF16, seq 4096, GBS 2048): the intra-node-EP row with Megatron FSDP and full recomputation
   (17.6 s), the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), and the two rows whose experts fold over
@@ -46,13 +46,16 @@ parallelism on DGX H100, costed under balanced routing:
   validated on Blackwell.
 
 Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
-modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with
-another micro-batch's compute, not modelled); its long-context table (TFLOP/s only, under an
+modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
+compute: `expert_parallel.ep_comm_s` takes an overlap share, but no published figure gives the
+share this engine hides); its GB200 and GB300 rows (TFLOP/s only, under an unpublished FLOP
+convention); its long-context table (TFLOP/s only, under an
 unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
 options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
 Qwen3-235B-A22B row (a column is missing in the published table, so its layout is ambiguous),
 its GPT-OSS rows (sliding-window attention with sinks, no preset) and its 25.09 tables (precision
-not stated); its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README (`megatron/core/transformer/moe/README.md`) quotes
+not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
+(`megatron/core/transformer/moe/README.md`) quotes
 468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
 8x22B layout was found either.
 
@@ -318,8 +321,9 @@ def torchtitan_runs() -> list[Run]:
             for name, spec, seq, mbs, recompute, wps in rows]
 
 
-# Held out, MoE. Both sources run Megatron-Core MoE (grouped GEMMs, the distributed optimizer)
-# on DGX H100 (8 GPUs per node on NVLink, 8 x 400 Gb/s InfiniBand rails).
+# Held out, MoE. Both sources run Megatron-Core MoE (grouped GEMMs, the distributed optimizer),
+# on DGX H100 (8 GPUs per node on NVLink, 8 x 400 Gb/s InfiniBand rails), and Megatron-Bridge
+# also on DGX-GB200 (NVL72 racks) and DGX-B200.
 MEGATRON_MOE_QWEN3 = ("Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, Performance Results, 256 H100 "
                       "(github.com/yanring/Megatron-MoE-ModelZoo, commit c1ad0b5c89f425d60febddc38e7f741a16f08bd1)")
 MEGATRON_BRIDGE_H100 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
