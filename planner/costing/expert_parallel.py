@@ -38,8 +38,8 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   times F on the busiest rank. Each of its E/ep experts runs its GEMMs at
   m = T k F etp ep / (tp E) rows, priced by shape with a grouped GEMM's tail per extra expert,
   and the permutation and unpermutation of the computed copies are memory-bound shuffles
-  (`planner.costing.moe_compute`, whose docstring has the rules and their sources); a layer whose
-  shapes do not reproduce its expert FLOPs keeps the efficiency curve at the per-expert size
+  (`planner.costing.moe_compute`, whose docstring has the rules and their sources); a model that
+  names no expert width keeps the efficiency curve at the per-expert size
   (`device_time.compute_time_s`), n_g E/ep equal GEMMs (`expert_gemm_flops`). The experts' saved
   bytes (x F) are streamed by the memory-bound kernels as the rest of the layer's are. The
   router's gate Linear is priced by its shape too (`moe_compute.router_times_s`), outside the
@@ -76,12 +76,12 @@ from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
-from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
 from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
                                                   is_expert_linear, router_flops, router_times_s, shuffle_time_s)
 from meshplan.planner.costing.state_memory import state_bytes
-from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
+
 
 def dense_part(layer, info=None):
     """The MoE block without its routed experts: attention, router, shared experts, norms, the
@@ -244,8 +244,8 @@ def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:
 
 def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> tuple[float, float]:
     """(forward, backward) GEMM seconds of the busiest rank's experts, one micro-batch: grouped
-    GEMMs by shape at the per-expert rows (`moe_compute.grouped_gemm_times_s`), or, for a layer
-    whose shapes are unknown, its expert FLOPs on the efficiency curve at the per-expert size."""
+    GEMMs by shape at the per-expert rows (`moe_compute.grouped_gemm_times_s`), or, for a model
+    that names no expert width, its expert FLOPs on the efficiency curve at the per-expert size."""
     grouped = grouped_gemm_times_s(layer, config, cluster, info, dtype, load)
     if grouped is not None:
         return grouped
@@ -255,9 +255,10 @@ def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> t
 
 def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
                         state_recipe: str = "executor", a2a_overlap: float = 0.0):
-    """A MoE block's `LayerCost` from its dense part's (`dense_part`, priced as any layer): plus
-    the experts on the busiest rank: GEMMs at the per-expert size, their states over the
-    expert-data group, and the dispatch / combine all-to-alls."""
+    """A MoE block's `LayerCost` from its dense part's (`dense_part(layer, info)`, priced as any
+    layer): plus the router's gate by its shape and the experts on the busiest rank: grouped
+    GEMMs at the per-expert rows with the token shuffles (`moe_compute`), their states over the
+    expert-data group, and the dispatch / combine all-to-alls (`a2a_overlap` of them hidden)."""
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
     load = load_factor(info)

@@ -18,8 +18,8 @@ padding).
   f / etp -> h, row; `expert_linear_shapes`) is priced one GEMM at a time by `costing.gemm`'s
   shape rule at m rows: forward, the input gradient and the weight gradient, each with its tile
   and wave quantisation, its memory roofline and its fixed per-GEMM cost (the size curve's
-  `matmul_half_efficiency_flops`), then times G. Megatron-Core's GroupedMLP / Transformer
-  Engine's GroupedLinear run the experts' GEMMs as separate cuBLAS GEMMs over a few streams
+  `matmul_half_efficiency_flops`), then times G. Transformer Engine's GroupedLinear (behind
+  Megatron-Core's TEGroupedMLP) runs the experts' GEMMs as separate cuBLAS GEMMs over a few streams
   (AMD's Primus MoE guide: "each expert is a separate GEMM; naive multi-stream execution leaves
   scheduling gaps"), so every expert pays its own tile padding, tail wave and fixed cost: G
   experts at m rows cost G times one expert, not one GEMM of G m rows. A grouped kernel pays
@@ -41,14 +41,14 @@ padding).
 - Router (`router_times_s`): its gate Linear (h -> E, replicated over tp) runs on the tokens the
   rank holds, T / tp under sequence parallelism, else all T (each tp rank routes the same
   tokens), priced by the shape rule: forward (rows x h) @ (h x E), the input and the weight
-  gradients backward. E is narrow (128 for Qwen3), so the product is memory-bound on its hidden
-  states. Its fp32 softmax and top-k stay with the dense part's memory-bound kernels (the bytes
+  gradients backward. E is narrow: at Qwen3-235B's shapes (h 4096, E 128, 2048 rows) the
+  product is memory-bound on its hidden states. Its fp32 softmax and top-k stay with the dense part's memory-bound kernels (the bytes
   they keep, `expert_parallel.dense_part`); `expert_parallel.dense_part(layer, info)` leaves the
   gate's FLOPs out so they are not priced twice.
 
-A traced layer whose shapes do not reproduce its expert FLOPs (or a model without `hidden` or
-`expert_ffn`) keeps the FLOP-only curve: the expert FLOPs as G n_g equal GEMMs on
-`device_time.compute_time_s`.
+A model that names no `hidden` or `expert_ffn` keeps the FLOP-only curve: the expert FLOPs as
+G n_g equal GEMMs on `device_time.compute_time_s`. Otherwise the rows follow from the expert
+FLOPs and the shapes (`routed_copies`), so the shapes always reproduce the FLOPs.
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) 
     """(forward, backward) seconds of the rank's G experts' GEMMs at m rows each, by shape
     (`gemm.linear_times_s`, times G), plus each grouped call's tail for its G - 1 extra groups
     (`GROUPED_GEMM_TAIL_S`, GPU profiles) and `kernel_overhead_s` per pass (backward two); None
-    when the layer's shapes do not reproduce its expert FLOPs."""
+    when the model names no expert shapes."""
     shapes = expert_linear_shapes(layer, info)
     if not shapes or not layer.expert_fwd_flops:
         return None
