@@ -213,3 +213,16 @@ def test_router_gate_is_priced_by_its_shape_on_the_ranks_tokens(graph):
     dense_cost = layer_cost(dense, config, H100, info, profile_dtype="bf16")
     router_fwd_s, _ = moe_compute.router_times_s(block, config, H100, info, "bf16")
     assert cost.fwd_compute_s - cost.expert_fwd_s == pytest.approx(dense_cost.fwd_compute_s + router_fwd_s, rel=1e-9)
+
+
+def test_with_routed_experts_passes_the_overlap_share_to_the_all_to_alls(graph):
+    """Where an engine's overlap data plugs in: `with_routed_experts(..., a2a_overlap=)`."""
+    block, info, config = _block(graph), graph.info, mesh(dp=16, ep=8, microbatch_size=2)
+    dense = layer_cost(epm.dense_part(block, info), config, H100, info, profile_dtype="bf16")
+    send = epm.dispatch_send_bytes(block, config, 1.0)
+    for share in (0.0, 0.6):
+        cost = epm.with_routed_experts(dense, block, config, H100, info, "bf16", a2a_overlap=share)
+        assert (cost.ep_fwd_comm_s, cost.ep_bwd_comm_s) == pytest.approx(
+            epm.ep_comm_s(send, config, H100, info, a2a_overlap=share), rel=1e-12)
+    assert _cost(graph, dp=16, ep=8, microbatch_size=2).ep_fwd_comm_s == pytest.approx(
+        epm.ep_comm_s(send, config, H100, info)[0], rel=1e-12)
