@@ -226,3 +226,24 @@ def test_with_routed_experts_passes_the_overlap_share_to_the_all_to_alls(graph):
             epm.ep_comm_s(send, config, H100, info, a2a_overlap=share), rel=1e-12)
     assert _cost(graph, dp=16, ep=8, microbatch_size=2).ep_fwd_comm_s == pytest.approx(
         epm.ep_comm_s(send, config, H100, info)[0], rel=1e-12)
+
+
+def test_the_dense_parts_linears_are_priced_by_shape_as_a_dense_blocks():
+    """A MoE block's dense part: attention's q, k, v, o and the shared experts' SwiGLU by shape
+    (`gemm.block_linear_shapes`), the same rule as a dense block's; a dense-first block keeps its MLP."""
+    from meshplan.planner.costing.device_time import infer_seq
+    from meshplan.planner.profiling.profiler import profile
+
+    shared = profile(SPEC + ",shared_experts=1,dense_layers=1,ffn=1024", SEQ, dtype="bf16")
+    info = shared.info
+    dense_first, moe = shared.layers[1], shared.layers[2]
+    assert not dense_first.expert_params and moe.expert_params
+    kv = info.num_kv_heads * (info.head_dim or HIDDEN // info.num_heads)
+    attention = ((HIDDEN, HIDDEN, True), (HIDDEN, kv, True), (HIDDEN, kv, True), (HIDDEN, HIDDEN, False))
+    part = epm.dense_part(moe, info)
+    assert gemm.block_linear_shapes(part, info, infer_seq(part, info, "bf16")) == attention + (
+        (HIDDEN, info.shared_ffn, True), (HIDDEN, info.shared_ffn, True), (info.shared_ffn, HIDDEN, False))
+    assert gemm.block_linear_shapes(dense_first, info, SEQ) == attention + (
+        (HIDDEN, 1024, True), (HIDDEN, 1024, True), (1024, HIDDEN, False))
+    # the whole MoE block (routed experts included) is not a dense block's shapes
+    assert gemm.block_linear_shapes(moe, info, SEQ) == ()
