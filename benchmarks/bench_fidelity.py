@@ -8,8 +8,9 @@ tuned anything. No run has its own correction. A run whose engine meshplan model
 Megatron-Bridge's recipes: `Run.engine`) is priced as `--engine` prices it, with that engine's
 overlap (`planner/contracts/overlap.py`) and memory. MosaicML's FP8 runs are held out too and
 reported in a section of their own ("FP8 (held out)"), costed with `--precision fp8`; so are
-the published mixture-of-experts runs ("MoE (held out)": Qwen3 on H100 with expert parallelism,
-Megatron-MoE-ModelZoo and Megatron-Bridge), costed under balanced routing.
+the published mixture-of-experts runs ("MoE (held out)": Qwen3 with expert parallelism,
+Megatron-MoE-ModelZoo on H100 and Megatron-Bridge on H100, GB200 and B200), costed under balanced
+routing.
 
 Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [--write-bands] [SUBSTRING]
 
@@ -41,7 +42,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
-                            MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_MOE_QWEN3,
+                            MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
                             TORCHTITAN_H100,
                             Run, all_runs, fit_runs)
 
@@ -138,6 +140,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
                  TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
+                 MEGATRON_BRIDGE_BLACKWELL: "Megatron-Bridge 25.11 DGX-GB200 and DGX-B200",
                  TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W"}
 
 
@@ -244,7 +247,8 @@ def cross_validated() -> None:
 
 BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, MosaicML MPT, torchtitan FSDP2)",
              "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8)",
-             "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3, Megatron-Bridge Qwen3-30B-A3B)"}
+             "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3, Megatron-Bridge Qwen3 on DGX-H100, DGX-GB200 "
+                    "and DGX-B200)"}
 
 
 def write_bands(scored_by_regime: dict[str, Sequence[Scored]]) -> None:

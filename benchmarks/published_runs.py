@@ -31,7 +31,7 @@ torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Ta
 Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B).
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
-parallelism on DGX H100, costed under balanced routing:
+parallelism, costed under balanced routing:
 - Megatron-MoE-ModelZoo's Qwen3 best-practice table (`best_practice/Qwen3/readme.md`, 256 H100,
   BF16, seq 4096, GBS 2048): the intra-node-EP row with Megatron FSDP and full recomputation
   (17.6 s), the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), and the two rows whose experts fold over
@@ -39,15 +39,23 @@ parallelism on DGX H100, costed under balanced routing:
   overlap (19.7 s) and the TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s).
 - Megatron-Bridge's performance summary (`docs/performance-summary.md`), 25.11 container,
   DGX-H100: Qwen3-30B-A3B on 16 GPUs, FP8 current scaling, force-balanced and dropless.
+- The same page's DGX-GB200 and DGX-B200 tables (`MEGATRON_BRIDGE_BLACKWELL`), every Qwen3 row:
+  Qwen3-235B-A22B in BF16 on 256 GB200 (EP 32 inside an NVL72 domain) and in MXFP8 on 64 B200,
+  Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 costed as
+  meshplan's fp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
+  validated on Blackwell.
 
 Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
-modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with
-another micro-batch's compute, not modelled); its long-context table (TFLOP/s only, under an
+modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
+compute: `expert_parallel.ep_comm_s` takes an overlap share, but no published figure gives the
+share this engine hides); its GB200 and GB300 rows (TFLOP/s only, under an unpublished FLOP
+convention); its long-context table (TFLOP/s only, under an
 unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
 options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
 Qwen3-235B-A22B row (a column is missing in the published table, so its layout is ambiguous),
 its GPT-OSS rows (sliding-window attention with sinks, no preset) and its 25.09 tables (precision
-not stated). Megatron-LM's MoE README (`megatron/core/transformer/moe/README.md`) quotes
+not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
+(`megatron/core/transformer/moe/README.md`) quotes
 468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
 8x22B layout was found either.
 
@@ -323,12 +331,16 @@ def torchtitan_runs() -> list[Run]:
             for name, spec, seq, mbs, recompute, wps in rows]
 
 
-# Held out, MoE. Both sources run Megatron-Core MoE (grouped GEMMs, the distributed optimizer)
-# on DGX H100 (8 GPUs per node on NVLink, 8 x 400 Gb/s InfiniBand rails).
+# Held out, MoE. Both sources run Megatron-Core MoE (grouped GEMMs, the distributed optimizer),
+# on DGX H100 (8 GPUs per node on NVLink, 8 x 400 Gb/s InfiniBand rails), and Megatron-Bridge
+# also on DGX-GB200 (NVL72 racks) and DGX-B200.
 MEGATRON_MOE_QWEN3 = ("Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, Performance Results, 256 H100 "
                       "(github.com/yanring/Megatron-MoE-ModelZoo, commit c1ad0b5c89f425d60febddc38e7f741a16f08bd1)")
 MEGATRON_BRIDGE_H100 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
                         "(github.com/NVIDIA-NeMo/Megatron-Bridge, commit 00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
+MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-GB200 and "
+                             "DGX-B200 (github.com/NVIDIA-NeMo/Megatron-Bridge, commit "
+                             "00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
 MEGATRON_MOE_ASSUMPTIONS = (
     "balanced routing (--moe-imbalance 1), no token dropping",
     "all-to-all (DeepEP or NCCL) costed as meshplan's all-to-all over the EP group, not overlapped with compute",
@@ -393,7 +405,28 @@ def moe_runs() -> list[Run]:
                 "no recomputation (not published)", "distributed optimizer costed as ZeRO-1",
                 "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)")),
     ]
-    return runs
+    return runs + megatron_bridge_blackwell_moe_runs()
+
+
+def megatron_bridge_blackwell_moe_runs() -> list[Run]:
+    """Megatron-Bridge 25.11's DGX-GB200 and DGX-B200 Qwen3 rows (HELD_OUT_MOE): every one, FSDP 0, TP 1."""
+    assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (
+        "no recomputation (not published); the distributed optimizer costed as ZeRO-1",
+        "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
+    mxfp8 = ("FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current "
+             "scaling)",)
+    # (name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tokens/s/GPU)
+    rows = [("GB200 Qwen3-235B-A22B bf16 pp8 vpp3 ep32", "gb200-nvl72", "qwen3-235b-a22b", 256, 8192, 1, 8, 3, 32,
+             "bf16-mixed", 4916.0),
+            ("GB200 Qwen3-30B-A3B fp8 ep8", "gb200-nvl72", "qwen3-30b-a3b", 8, 512, 4, 1, 1, 8, "fp8", 23766.0),
+            ("B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8", "b200", "qwen3-235b-a22b", 64, 1024, 1, 8, 2, 8, "fp8", 3269.0),
+            ("B200 Qwen3-30B-A3B fp8 ep8", "b200", "qwen3-30b-a3b", 8, 512, 1, 1, 1, 8, "fp8", 9299.0)]
+    return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
+                pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
+                published_tokens_per_s=tps * gpus,
+                assumptions=assumptions + (mxfp8 if precision == "fp8" else ())
+                + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
+            for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
 
 
 # Fabric fit set: NVIDIA's NCCL team's published all-reduce bus bandwidths at large sizes.

@@ -35,13 +35,18 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   recomputation repeats the forward's in backward.
 - expert GEMMs: the rank's expert FLOPs are T k / tp copies' worth whatever etp and ep are
   (the ranks of a stage share the expert work of its tokens evenly under balanced routing),
-  times F on the busiest rank.
-  Each of its E/ep experts runs `n_g` GEMMs (3 for a SwiGLU: gate, up, down) of
-      f = expert_fwd_flops * mbs / tp * ep / (n_g E) * F     FLOPs each (forward; backward 2 n_g of them),
-  priced on the device's efficiency curve at f (`device_time.compute_time_s`: peak * eff *
-  f / (f + f_half)), not at the whole layer's GEMM size: small per-expert batches run far below
-  peak, and EP makes them ep times larger. The experts' saved bytes (x F) are streamed by the
-  memory-bound kernels as the rest of the layer's are.
+  times F on the busiest rank. Each of its E/ep experts runs its GEMMs at
+  m = T k F etp ep / (tp E) rows, priced by shape with a grouped GEMM's tail per extra expert,
+  and the permutation and unpermutation of the computed copies are memory-bound shuffles
+  (`planner.costing.moe_compute`, whose docstring has the rules and their sources); a model that
+  names no expert width keeps the efficiency curve at the per-expert size
+  (`device_time.compute_time_s`), n_g E/ep equal GEMMs (`expert_gemm_flops`). The experts' saved
+  bytes (x F) are streamed by the memory-bound kernels as the rest of the layer's are. The
+  router's gate Linear is priced by its shape too (`moe_compute.router_times_s`), outside the
+  dense part (`dense_part(layer, info)`).
+- all-to-all overlap: `ep_comm_s(..., a2a_overlap=)` hides that share of the dispatch and
+  combine all-to-alls behind other compute (an engine overlapping them with another
+  micro-batch's work); 0 by default, every all-to-all blocking.
 - memory: expert parameters per rank P_e = expert_params / (ep etp); their gradients and
   optimizer states follow ZeRO over the expert-data-parallel group (tp cp dp / (etp ep) ranks;
   HSDP's shard group applies to the non-expert parameters only); the experts' saved activations x F.
@@ -71,42 +76,41 @@ from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
-from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
+from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
+from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
+                                                  is_expert_linear, router_flops, router_times_s, shuffle_time_s)
 from meshplan.planner.costing.state_memory import state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 
-# GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
-SWIGLU_GEMMS = 3
 
-
-def is_expert_linear(name: str) -> bool:
-    """A Linear of the routed experts (`moe.experts.gate`), as the TP split names it."""
-    return "experts" in name.split(".")
-
-
-def expert_gemms(layer) -> int:
-    """GEMMs each routed expert runs per forward (its Linears in the layer's TP split)."""
-    names = layer.tp_split.column_linears + layer.tp_split.row_linears
-    return sum(map(is_expert_linear, names)) or SWIGLU_GEMMS
-
-
-def dense_part(layer):
+def dense_part(layer, info=None):
     """The MoE block without its routed experts: attention, router, shared experts, norms, the
-    dispatch and combine permutations. What every data rank runs whatever ep is."""
+    dispatch and combine permutations. What every data rank runs whatever ep is. With `info`,
+    without the router's gate FLOPs too: `with_routed_experts` prices the gate by its shape
+    (`moe_compute.router_times_s`)."""
     split = layer.tp_split
     sharded = layer.act_tp_sharded_bytes - min(layer.expert_act_bytes, layer.act_tp_sharded_bytes)
     replicated = layer.act_tp_replicated_bytes - max(0, layer.expert_act_bytes - layer.act_tp_sharded_bytes)
-    causal = layer.causal_fwd_flops - layer.expert_fwd_flops if layer.causal_fwd_flops else 0
+    gate = gate_flops(layer, info) if info is not None else 0.0
+    causal = layer.causal_fwd_flops - layer.expert_fwd_flops - gate if layer.causal_fwd_flops else 0
     num_params = layer.num_params - layer.expert_params
     return replace(
         layer, num_params=num_params,
         param_bytes=round(layer.param_bytes * num_params / layer.num_params) if layer.num_params else 0,
-        fwd_flops=layer.fwd_flops - layer.expert_fwd_flops, bwd_flops=layer.bwd_flops - layer.expert_bwd_flops,
+        fwd_flops=layer.fwd_flops - layer.expert_fwd_flops - gate,
+        bwd_flops=layer.bwd_flops - layer.expert_bwd_flops - 2 * gate,
         causal_fwd_flops=max(0, causal), act_tp_sharded_bytes=sharded, act_tp_replicated_bytes=max(0, replicated),
         expert_params=0, active_expert_params=0, expert_fwd_flops=0, expert_bwd_flops=0, expert_act_bytes=0,
         dispatch_bytes=0,
         tp_split=replace(split, column_linears=tuple(n for n in split.column_linears if not is_expert_linear(n)),
                          row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n))))
+
+
+def gate_flops(layer, info) -> float:
+    """The router gate's forward FLOPs per sample priced by its shape (`moe_compute.router_flops`),
+    0 when the block's dense FLOPs do not hold them (the gate then stays priced with them)."""
+    gate = router_flops(layer, info)
+    return gate if gate <= layer.fwd_flops - layer.expert_fwd_flops - layer.attn_fwd_flops else 0.0
 
 
 def capacity_factor(info) -> float:
@@ -205,11 +209,19 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
     return collective_time_s("all_gather", gathered, round(1 / share), cluster, config.expert_tp)
 
 
-def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0) -> tuple[float, float]:
+def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0,
+              a2a_overlap: float = 0.0) -> tuple[float, float]:
     """(forward, backward) blocking seconds of one micro-batch's expert exchanges: dispatch +
     combine all-to-alls and the expert-TP collectives each pass (`expert_tp_comm_s`), the
-    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation."""
-    exchange = 2 * all_to_all_s(send_bytes, config, cluster, info) + expert_tp_comm_s(send_bytes, config, cluster, info)
+    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation.
+
+    `a2a_overlap`: the share of the all-to-alls an engine hides behind other compute (another
+    micro-batch's, as Megatron-LM's --overlap-moe-expert-parallel-comm does); 0, the default,
+    keeps every all-to-all on the compute stream's path."""
+    if not 0.0 <= a2a_overlap <= 1.0:
+        raise ValueError(f"the all-to-all overlap share must lie in [0, 1], got {a2a_overlap}")
+    a2a_s = 2 * all_to_all_s(send_bytes, config, cluster, info) * (1.0 - a2a_overlap)
+    exchange = a2a_s + expert_tp_comm_s(send_bytes, config, cluster, info)
     fwd, bwd = exchange + slice_s, exchange
     if config.recompute == "full":
         bwd += fwd
@@ -230,20 +242,36 @@ def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:
                          "SwiGLU is split etp ways)")
 
 
+def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds of the busiest rank's experts, one micro-batch: grouped
+    GEMMs by shape at the per-expert rows (`moe_compute.grouped_gemm_times_s`), or, for a model
+    that names no expert width, its expert FLOPs on the efficiency curve at the per-expert size."""
+    grouped = grouped_gemm_times_s(layer, config, cluster, info, dtype, load)
+    if grouped is not None:
+        return grouped
+    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info)
+    return flop_curve_times_s(fwd_flops, bwd_flops, gemms, cluster, dtype)
+
+
 def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
-                        state_recipe: str = "executor"):
-    """A MoE block's `LayerCost` from its dense part's (`dense_part`, priced as any layer): plus
-    the experts on the busiest rank: GEMMs at the per-expert size, their states over the
-    expert-data group, and the dispatch / combine all-to-alls."""
+                        state_recipe: str = "executor", a2a_overlap: float = 0.0):
+    """A MoE block's `LayerCost` from its dense part's (`dense_part(layer, info)`, priced as any
+    layer): plus the router's gate by its shape and the experts on the busiest rank: grouped
+    GEMMs at the per-expert rows with the token shuffles (`moe_compute`), their states over the
+    expert-data group, and the dispatch / combine all-to-alls (`a2a_overlap` of them hidden)."""
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
-    fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info)
-    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / config.tp * load_factor(info)
+    load = load_factor(info)
+    saved = layer.expert_act_bytes * config.rank_microbatch * act_scale / config.tp * load
     traffic = cluster.device.elementwise_bytes_per_activation_byte * saved
-    fwd_s = compute_time_s(fwd_flops, gemms, cluster, dtype) + memory_time_s(traffic, cluster)
-    bwd_s = compute_time_s(bwd_flops, 2 * gemms, cluster, dtype, num_launches=2) + memory_time_s(2 * traffic, cluster)
+    fwd_s, bwd_s = expert_compute_s(layer, config, cluster, info, dtype, load)
+    shuffle_s = shuffle_time_s(layer, config, cluster, info, load, DTYPE_BYTES.get(dtype, 2))
+    fwd_s += memory_time_s(traffic, cluster) + shuffle_s
+    bwd_s += memory_time_s(2 * traffic, cluster) + shuffle_s
+    router_fwd_s, router_bwd_s = router_times_s(layer, config, cluster, info, dtype) if gate_flops(layer, info) \
+        else (0.0, 0.0)
     ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale), config, cluster, info,
-                                   slice_gather_s(layer, config, cluster, info, act_scale))
+                                   slice_gather_s(layer, config, cluster, info, act_scale), a2a_overlap)
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
     params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero
@@ -258,8 +286,9 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
                             and (config.pp == 1 or zero == 3))
     full = config.recompute == "full"
     return replace(
-        dense, fwd_compute_s=dense.fwd_compute_s + fwd_s, bwd_compute_s=dense.bwd_compute_s + bwd_s,
-        recompute_s=dense.recompute_s + (fwd_s if full else 0.0),
+        dense, fwd_compute_s=dense.fwd_compute_s + router_fwd_s + fwd_s,
+        bwd_compute_s=dense.bwd_compute_s + router_bwd_s + bwd_s,
+        recompute_s=dense.recompute_s + (router_fwd_s + fwd_s if full else 0.0),
         fwd_gather_s=dense.fwd_gather_s + fwd_gather_s, bwd_gather_s=dense.bwd_gather_s + bwd_gather_s,
         dp_grad_comm_s=dense.dp_grad_comm_s + grad_s, dp_param_gather_s=dense.dp_param_gather_s + gather_s,
         optimizer_step_s=dense.optimizer_step_s + optimizer_s,

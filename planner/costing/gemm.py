@@ -128,23 +128,31 @@ def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: st
 
 
 def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[tuple[int, int, bool], ...]:
-    """(in, out, column) of a dense transformer block's Linears, before TP (column: split on its
-    output, else on its input), from the model's shapes; () when the shapes do not reproduce the
-    layer's Linear FLOPs (traced or MoE layers: those stay on the FLOP-only curve)."""
+    """(in, out, column) of a transformer block's Linears, before TP (column: split on its
+    output, else on its input), from the model's shapes: attention's, then a dense block's MLP or,
+    for a MoE block's dense part (`expert_parallel.dense_part`), its shared experts' SwiGLU (none
+    without shared experts); () when the shapes do not reproduce the layer's Linear FLOPs (traced
+    layers, a MoE block with its routed experts: those stay on the FLOP-only curve)."""
     if layer.kind != "block" or layer.tp_split.kind != "block" or layer.expert_params or not info.hidden \
             or not info.num_heads or not seq:
         return ()
     head_dim = info.head_dim or info.hidden // info.num_heads
     q_dim, kv_dim = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
+    attention = ((info.hidden, q_dim, True), (info.hidden, kv_dim, True), (info.hidden, kv_dim, True),
+                 (q_dim, info.hidden, False))
     ffn = info.ffn or layer.tp_split.mlp_width
     column_mlp = 1 if info.family == "gpt" else 2
-    shapes = ((info.hidden, q_dim, True), (info.hidden, kv_dim, True), (info.hidden, kv_dim, True),
-              (q_dim, info.hidden, False)) + ((info.hidden, ffn, True),) * column_mlp + ((ffn, info.hidden, False),)
+    mlps = [((info.hidden, ffn, True),) * column_mlp + ((ffn, info.hidden, False),)]
+    if info.num_experts:  # a MoE block's dense part: the shared experts' SwiGLU, if any
+        shared = info.shared_ffn
+        mlps.append(((info.hidden, shared, True),) * 2 + ((shared, info.hidden, False),) if shared else ())
     linear_fwd = layer.fwd_flops - layer.attn_fwd_flops
-    counted = 2 * seq * sum(i * o for i, o, _ in shapes)
-    if not linear_fwd or abs(counted - linear_fwd) > 0.01 * linear_fwd:
-        return ()
-    return shapes
+    for mlp in mlps:
+        shapes = attention + mlp
+        counted = 2 * seq * sum(i * o for i, o, _ in shapes)
+        if linear_fwd and abs(counted - linear_fwd) <= 0.01 * linear_fwd:
+            return shapes
+    return ()
 
 
 def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str,

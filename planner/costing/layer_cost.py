@@ -149,7 +149,7 @@ def _data_rank_cost(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     """The layer's per-token work on a data rank: its dense part, plus a MoE block's routed experts."""
     if not layer.expert_params:
         return dense_layer_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
-    dense = dense_layer_cost(expert_parallel.dense_part(layer), config, cluster, info, profile_dtype,
+    dense = dense_layer_cost(expert_parallel.dense_part(layer, info), config, cluster, info, profile_dtype,
                              holds_shared, attention, state_recipe)
     return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe)
 

@@ -76,13 +76,12 @@ def test_moe_runs_are_held_out_apart_with_sources_and_valid_layouts(modules):
     assert len(moe) >= 3
     assert not {r.name for r in moe} & {r.name for r in data.held_out_runs() + data.fit_runs("a100")
                                          + data.fit_runs("h100")}
-    h100 = load_cluster("h100-sxm")
     for run in moe:
         assert "github.com/" in run.source and "commit " in run.source, run.name
-        assert run.assumptions and run.ep > 1 and run.cluster == "h100-sxm", run.name
+        assert run.assumptions and run.ep > 1 and run.cluster in ("h100-sxm", "gb200-nvl72", "b200"), run.name
         graph = fit.graph_of(run.spec, run.seq, run.attention)
         assert graph.info.is_moe and graph.info.num_experts % run.ep == 0, run.name
-        assert fit.predict(run, h100, run.vpp_options[0]).step_time_s > 0, run.name
+        assert fit.predict(run, load_cluster(run.cluster), run.vpp_options[0]).step_time_s > 0, run.name
     assert {r.precision for r in moe} == {"bf16-mixed", "fp8"}
     # the fit never reads them: fit_runs knows only the fit sets
     with pytest.raises(ValueError, match="unknown fit set"):

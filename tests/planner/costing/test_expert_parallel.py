@@ -18,9 +18,9 @@ import pytest
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.plan import mesh_json, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
+from meshplan.planner.costing import moe_compute
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.device_time import compute_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.state_memory import state_bytes
 from tests.planner.costing.meshes import mesh
@@ -95,13 +95,14 @@ def test_expert_gradients_reduce_over_the_expert_data_group(graph):
 
 
 def test_expert_gemms_run_at_the_per_expert_size(graph):
+    """Grouped GEMMs by shape at the per-expert rows (`moe_compute`, tested there in detail)."""
     block = _block(graph)
+    assert epm.expert_gemms(block) == 3  # SwiGLU: gate, up, down
     for ep in (1, 4):
-        cost = _cost(graph, dp=8, ep=ep)
-        gemms = epm.expert_gemms(block) * EXPERTS // ep
-        memory = cost.expert_fwd_s - compute_time_s(block.expert_fwd_flops, gemms, H100, "bf16")
-        assert epm.expert_gemms(block) == 3  # SwiGLU: gate, up, down
-        assert memory >= 0
+        config = mesh(dp=8, ep=ep)
+        grouped_fwd, _ = moe_compute.grouped_gemm_times_s(block, config, H100, graph.info, "bf16", 1.0)
+        assert epm.expert_compute_s(block, config, H100, graph.info, "bf16", 1.0)[0] == grouped_fwd
+        assert _cost(graph, dp=8, ep=ep).expert_fwd_s > grouped_fwd  # plus the memory-bound kernels
     # larger per-expert batches under EP run closer to peak: less time for the same FLOPs
     assert _cost(graph, dp=8, ep=8).expert_fwd_s < _cost(graph, dp=8, ep=1).expert_fwd_s
 
