@@ -113,9 +113,6 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     """
     _check(layer, config, info)
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
-    if local.ep_fwd_comm_s or local.ep_bwd_comm_s:  # the engine's EP overlap (`overlap.exposed_ep_comm_s`)
-        local = replace(local, ep_fwd_comm_s=overlap.exposed_ep_comm_s(local.ep_fwd_comm_s, config),
-                        ep_bwd_comm_s=overlap.exposed_ep_comm_s(local.ep_bwd_comm_s, config))
     if config.cp > 1:
         kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
                                    config.cp)
@@ -151,7 +148,9 @@ def _data_rank_cost(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
         return dense_layer_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
     dense = dense_layer_cost(expert_parallel.dense_part(layer, info), config, cluster, info, profile_dtype,
                              holds_shared, attention, state_recipe)
-    return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe)
+    # the engine's EP overlap hides its share of the dispatch and combine all-to-alls only
+    return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe,
+                                               a2a_overlap=overlap.ep_a2a_hidden_share(config))
 
 
 def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,

@@ -37,11 +37,11 @@ def exposed_tp_comm_s(comm_s: float, compute_s: float, layer_kind: str, config) 
     return max(comm_s / tp, comm_s - compute_s)
 
 
-def exposed_ep_comm_s(comm_s: float, config) -> float:
-    """The expert-parallel all-to-alls' exposed seconds: the share the engine does not hide behind
-    other compute (`EngineOverlap.ep_a2a_hidden_fraction`). The one place the engine's EP overlap
-    enters the cost model."""
-    return comm_s * (1.0 - overlap_of(config).ep_a2a_hidden_fraction)
+def ep_a2a_hidden_share(config) -> float:
+    """The share of the expert-parallel dispatch and combine all-to-alls the engine hides behind
+    other compute (`EngineOverlap.ep_a2a_hidden_fraction`), which `expert_parallel.ep_comm_s`
+    takes as `a2a_overlap`. The one place the engine's EP overlap enters the cost model."""
+    return overlap_of(config).ep_a2a_hidden_fraction
 
 
 def grad_reduce_overlaps(config, zero: int) -> bool:
