@@ -97,7 +97,7 @@ def _heading(args, cluster) -> Heading:
                              mbs=args.mbs, zero=args.zero, recompute=args.recompute, sp=args.sp,
                              schedule=args.schedule, vpp=args.vpp,
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
-                             engine=args.engine or "meshplan")
+                             engine=args.engine or "meshplan", cp_method=args.cp_method)
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute, seq=args.seq)
 
 
@@ -111,7 +111,7 @@ def _estimate_at(args, zero: int):
                     attention=args.attention or "flash", shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
-                    memory_headroom_bytes=args.memory_headroom * GIB)
+                    memory_headroom_bytes=args.memory_headroom * GIB, cp_method=args.cp_method)
 
 
 def _zero_hint(args, prediction) -> str:

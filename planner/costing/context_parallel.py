@@ -1,5 +1,8 @@
 """Context parallelism (CP): each of `cp` ranks holds 1/cp of every sequence.
 
+The rules below are the all-gather method's (`ParallelConfig.cp_method`, the default); the
+Ulysses method's all-to-alls are `costing.ulysses`'.
+
 Layout (the executor's, `executor.parallel.context`): the sequence is cut into 2*cp chunks and
 rank i holds chunks i and 2cp-1-i, so that under a causal mask every rank does the same
 attention work. Each rank computes its queries against the whole sequence's keys: before
@@ -28,6 +31,7 @@ from dataclasses import replace
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
+from meshplan.planner.costing.ulysses import ULYSSES, with_ulysses
 
 
 def attention_work_share(cp: int, balanced: bool = True) -> float:
@@ -66,6 +70,8 @@ def with_context_parallel(local, layer, config, cluster, info, profile_dtype: st
     `rank_microbatch` over the `data_ranks`): plus the K/V exchange and the gathered K/V that
     attention's backward keeps."""
     dtype = COMPUTE_DTYPE[config.precision]
+    if config.cp_method == ULYSSES:  # all-to-alls of q, k, v and the output instead (`costing.ulysses`)
+        return with_ulysses(local, layer, config, cluster, info, profile_dtype or dtype, dtype)
     gathered = kv_gather_bytes(layer, config, info, profile_dtype or dtype, dtype)
     fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)
     kept = gathered * (1 - 1 / config.cp) if config.recompute != "full" else 0.0

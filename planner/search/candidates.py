@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import RECOMPUTE, SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.config import CP_METHODS, DEFAULT_CP_METHOD, RECOMPUTE, SCHEDULES, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
@@ -45,6 +45,7 @@ class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
     vpp: int | None = None
     mbs: int | None = None
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
+    cp_method: str | None = None  # how CP ranks attend when cp > 1 (`contracts.config.CP_METHODS`)
 
     def __post_init__(self):
         for name in (*AXIS_NAMES, "vpp", "mbs", "shard_group"):
@@ -59,6 +60,8 @@ class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
             raise MeshplanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.shard_group is not None and self.zero == 0:
             raise MeshplanError(f"--shard-group {self.shard_group} (HSDP) shards ZeRO state: pin --zero 1, 2 or 3")
+        if self.cp_method is not None and self.cp_method not in CP_METHODS:
+            raise MeshplanError(f"--cp-method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
 
 
 
@@ -128,12 +131,14 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
-                                for etp, ep in expert_layouts(info, tp, dp * cp, pins):
+                                for (etp, ep), method in ((layout, method)
+                                                          for layout in expert_layouts(info, tp, dp * cp, pins)
+                                                          for method in cp_methods(facts, tp, cp, pins.cp_method)):
                                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
                                                               precision=precision, shard_group=group, ep=ep,
-                                                              etp=etp, engine=engine))
+                                                              etp=etp, engine=engine, cp_method=method))
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
     runnable = [c for c in out if why_not_executable(c, facts) is None]
@@ -180,6 +185,16 @@ def context_parallel_degrees(model, ranks: int, pinned: int | None, whole_model_
         out.append(cp)
         cp *= 2
     return out
+
+
+def cp_methods(model, tp: int, cp: int, pinned: str | None) -> list[str]:
+    """How the ranks of a cp > 1 candidate attend (`contracts.config.CP_METHODS`): the pinned
+    method, or each method that splits `model`'s attention (`costing.executable.cp_split_problem`:
+    Ulysses where cp divides the heads per tensor-parallel rank). cp = 1: the default alone."""
+    if cp == 1:
+        return [DEFAULT_CP_METHOD]
+    methods = CP_METHODS if pinned is None else (pinned,)
+    return [method for method in methods if not cp_split_problem(model, cp, method=method, tp=tp)]
 
 
 def expert_layouts(info, tp: int, data_ranks: int, pins: Pins) -> list[tuple[int | None, int]]:
