@@ -213,7 +213,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
                          ep=job.ep, mbs=job.microbatch_size, zero=job.zero, shard_group=job.shard_group,
                          recompute=dominant_recompute([m for m in block_modes]), sp=job.sp, schedule=job.schedule,
-                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp)
+                         vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp, cp_method=job.cp_method)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
     elif job.uniform_split:
@@ -249,7 +249,7 @@ def job_pins(job: EngineJob) -> dict:
     # the only stage the search offers there (an unstated dp is searched: taken as > 1)
     zero = executed_zero(job.zero, job.dp or 2, job.pp, job.schedule)
     pins = {"tp": job.tp, "pp": job.pp, "cp": job.cp, "ep": job.ep, "zero": zero, "shard_group": job.shard_group,
-            "sp": job.sp if job.tp > 1 else None,
+            "sp": job.sp if job.tp > 1 else None, "cp_method": job.cp_method if job.cp > 1 else None,
             "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
             "vpp": job.vpp if schedule_spec(job.schedule).multi_chunk and job.vpp > 1 else None}
     if job.dp is not None:

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import PRECISIONS, RECOMPUTE, SCHEDULES
+from meshplan.planner.contracts.config import CP_METHODS, DEFAULT_CP_METHOD, PRECISIONS, RECOMPUTE, SCHEDULES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import ENGINES
 
@@ -38,6 +38,7 @@ class EngineJob(_JobDegrees):
     zero: int = 0
     shard_group: int | None = None  # HSDP: ZeRO within groups of this many dp ranks, replicated across
     sp: bool = False
+    cp_method: str = DEFAULT_CP_METHOD  # how CP ranks attend (Megatron-LM's --cp-comm-type a2a, DeepSpeed: ulysses)
     recompute: str = "none"  # of every transformer block, unless one of the two rules below applies
     recompute_every: int = 1  # full recomputation of every N-th block only (torchtitan's layer SAC)
     recompute_first_per_chunk: int | None = None  # full recomputation of the first N blocks of each chunk
@@ -63,6 +64,8 @@ class EngineJob(_JobDegrees):
             raise MeshplanError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.schedule not in SCHEDULES:
             raise MeshplanError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.cp_method not in CP_METHODS:
+            raise MeshplanError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise MeshplanError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.recompute_first_per_chunk is not None and self.recompute_first_per_chunk < 0:
