@@ -115,6 +115,11 @@ def test_plan_json_records_the_method_and_older_plans_read_as_all_gather():
     assert data["cp_method"] == "ulysses" and data["mesh"]["cp"] == 2
     assert plan_from_json(data).config.cp_method == "ulysses"
     gathered = uniform_plan(spec, 16, 8, cpu, dp=2, cp=2, microbatch_size=2)
+    from meshplan.reports.plans import plan_facts
+    from meshplan.reports.sections import CP_METHOD_TEXT, _mesh_text
+
+    assert plan_facts(plan)["mesh (pp x dp x cp x tp)"] == "1 x 2 x 2 x 1 (ulysses)"
+    assert CP_METHOD_TEXT["ulysses"] in _mesh_text(plan.config)
     assert gathered.to_json()["cp_method"] == "all-gather" and gathered.digest != plan.digest
     del data["cp_method"]  # a plan written before the key
     assert plan_from_json(data).config.cp_method == "all-gather"
