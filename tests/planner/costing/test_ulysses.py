@@ -167,10 +167,10 @@ def test_estimate_flag_and_its_refusal(run_cli):
 
 
 def test_the_search_picks_ulysses_for_long_multi_head_sequences_on_a_node():
-    """A 1.5B-parameter multi-head model (16 K/V heads) at 128K tokens on one H100 node: the
-    all-gather method moves the whole sequence's K and V to every rank, Ulysses a quarter of its
-    own q, k, v and output per all-to-all; the search picks Ulysses, and pinned to all-gather it
-    finds a slower plan."""
+    """A 16-layer, 2048-wide multi-head model (16 K/V heads) at 128K tokens on one H100 node: the
+    all-gather method brings the whole sequence's K and V to every rank, Ulysses sends (cp-1)/cp
+    of the rank's own q, k, v and output shards, a volume that shrinks as cp grows; the search
+    picks Ulysses, and pinned to all-gather it finds a slower plan."""
     from meshplan.planner.search.driver import search_plan
 
     spec = "llama:layers=16,hidden=2048,heads=16,kv_heads=16,ffn=5632,vocab=32000"
