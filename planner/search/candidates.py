@@ -141,6 +141,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                                               etp=etp, engine=engine, cp_method=method))
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
+    if pins.cp_method is None:
+        out = _without_dominated_cp_methods(out, graph, cluster)
     runnable = [c for c in out if why_not_executable(c, facts) is None]
     return sorted(runnable or out, key=lambda c: c.sort_key)
 
@@ -195,6 +197,50 @@ def cp_methods(model, tp: int, cp: int, pinned: str | None) -> list[str]:
         return [DEFAULT_CP_METHOD]
     methods = CP_METHODS if pinned is None else (pinned,)
     return [method for method in methods if not cp_split_problem(model, cp, method=method, tp=tp)]
+
+
+def _without_dominated_cp_methods(configs: list[ParallelConfig], graph, cluster) -> list[ParallelConfig]:
+    """`configs` but those whose CP method another method dominates (`dominated_cp_methods`)."""
+    dropped: dict[tuple, frozenset[str]] = {}
+    out = []
+    for c in configs:
+        if c.cp > 1:
+            key = (c.tp, c.cp, c.microbatch_size, c.sp, c.precision, c.engine)
+            if key not in dropped:
+                dropped[key] = dominated_cp_methods(graph, cluster, c)
+            if c.cp_method in dropped[key]:
+                continue
+        out.append(c)
+    return out
+
+
+def dominated_cp_methods(graph, cluster, config: ParallelConfig) -> frozenset[str]:
+    """The CP methods not worth searching at `config`'s tp, cp, micro-batch, SP and precision:
+    another method's blocking exchange is no slower and keeps no more bytes under every
+    recomputation mode (the ILP picks the mode per layer), so it makes every plan at least as fast
+    within the same memory (the methods change nothing else of a layer; a tie keeps the earlier
+    method of `CP_METHODS`). Read from a block's `LayerCost`, as the ILP and the simulator read it."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.layer_cost import layer_cost
+
+    block = next((layer for layer in graph.layers if layer.kind == "block"), None)
+    if config.cp == 1 or block is None:
+        return frozenset()
+    methods = [m for m in CP_METHODS if not cp_split_problem(model_facts(graph), config.cp, method=m, tp=config.tp)]
+    if len(methods) < 2:
+        return frozenset()
+    figures = {}
+    for method in methods:
+        costs = [layer_cost(block, replace(config, cp_method=method, recompute=mode), cluster, graph.info,
+                            profile_dtype=graph.dtype, attention=graph.attention) for mode in RECOMPUTE]
+        figures[method] = [(c.cp_fwd_comm_s + c.cp_bwd_comm_s, c.activation_bytes) for c in costs]
+
+    def dominates(better: str, worse: str) -> bool:
+        no_worse = all(b[0] <= w[0] and b[1] <= w[1] for b, w in zip(figures[better], figures[worse]))
+        return no_worse and (figures[better] != figures[worse] or methods.index(better) < methods.index(worse))
+
+    return frozenset(m for m in methods if any(dominates(other, m) for other in methods if other != m))
 
 
 def expert_layouts(info, tp: int, data_ranks: int, pins: Pins) -> list[tuple[int | None, int]]:

@@ -234,3 +234,17 @@ def test_torchtitan_refuses_ulysses_in_one_line():
         with pytest.raises(MeshplanError, match=r"torchtitan \(0\.2\.2 and 0\.3\.0\) has no Ulysses") as refusal:
             export_plan(plan, "torchtitan", form)
         assert "\n" not in str(refusal.value) and "--cp-method all-gather" in str(refusal.value)
+
+
+def test_a_method_dominated_at_a_configuration_is_not_searched(graph):
+    """Multi-head attention over 8 ranks of a node: Ulysses sends 7/8 of the rank's q, k, v and
+    output, all-gather brings 7/8 of the whole sequence's K and V and keeps them (8x more bytes
+    each way): all-gather is dominated. Grouped-query attention with one K/V head per TP rank
+    over 2 ranks: all-gather moves and keeps a third of what Ulysses does: Ulysses is dominated."""
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.search.candidates import dominated_cp_methods
+
+    mha = profile("llama:layers=2,hidden=1024,heads=16,kv_heads=16,ffn=2816,vocab=32000", SEQ, dtype="bf16")
+    assert dominated_cp_methods(mha, H100, mesh(cp=8, microbatch_size=1)) == {"all-gather"}
+    assert dominated_cp_methods(graph, H100, mesh(tp=4, cp=2, microbatch_size=1)) == {"ulysses"}
+    assert dominated_cp_methods(graph, H100, mesh(tp=1, cp=1)) == frozenset()
