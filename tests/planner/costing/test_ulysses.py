@@ -248,3 +248,15 @@ def test_a_method_dominated_at_a_configuration_is_not_searched(graph):
     assert dominated_cp_methods(mha, H100, mesh(cp=8, microbatch_size=1)) == {"all-gather"}
     assert dominated_cp_methods(graph, H100, mesh(tp=4, cp=2, microbatch_size=1)) == {"ulysses"}
     assert dominated_cp_methods(graph, H100, mesh(tp=1, cp=1)) == frozenset()
+
+
+def test_plan_pins_the_method_and_refuses_heads_it_cannot_split(run_cli, tmp_path):
+    spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256"
+    common = ("plan", "--model", spec, "--seq", "64", "--cluster", "cpu", "--gbs", "4")
+    code, out, _ = run_cli(*common, "--gpus", "2", "--cp", "2", "--cp-method", "ulysses", "--out",
+                           tmp_path / "plan.json")
+    assert code == 0 and "cp=2 ulysses" in out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["cp_method"] == "ulysses" and data["executable"] and data["mesh"]["cp"] == 2
+    code, _, err = run_cli(*common, "--gpus", "8", "--tp", "2", "--cp", "4", "--cp-method", "ulysses")
+    assert code == 2 and "the 4 heads / tp 2 = 2 are not divisible by cp 4" in err and err.count("\n") == 1
