@@ -260,3 +260,18 @@ def test_plan_pins_the_method_and_refuses_heads_it_cannot_split(run_cli, tmp_pat
     assert data["cp_method"] == "ulysses" and data["executable"] and data["mesh"]["cp"] == 2
     code, _, err = run_cli(*common, "--gpus", "8", "--tp", "2", "--cp", "4", "--cp-method", "ulysses")
     assert code == 2 and "the 4 heads / tp 2 = 2 are not divisible by cp 4" in err and err.count("\n") == 1
+
+
+def test_a_layerwise_block_takes_no_tp_ulysses_cannot_split():
+    """8 heads over cp 4: a block may run at tp 1 or 2 (8 or 4 heads per TP rank), not at tp 4
+    (2 heads for 4 CP ranks); the embedding and the head, which exchange nothing, may."""
+    from meshplan.planner.costing.tables import build_cost_table
+    from meshplan.planner.profiling.profiler import profile
+
+    small = profile("llama:layers=2,hidden=512,heads=8,kv_heads=2,ffn=1024,vocab=4096", 8192, dtype="bf16")
+    config = mesh(dp=4, cp=4, microbatch_size=4, cp_method="ulysses")
+    table = build_cost_table(small, H100, config, layerwise_meshes=((1, 4), (2, 2), (4, 1)))
+    tps = {layer_type.key: {option.tp for option in layer_type.options} for layer_type in table.types}
+    blocks = [tp for key, tp in tps.items() if "block" in key]
+    assert blocks and all(tp == {1, 2} for tp in blocks)
+    assert any(4 in tp for key, tp in tps.items() if "block" not in key)
