@@ -128,7 +128,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
             apply_tp(stage, mesh["tp"], cfg.sp, recompute)
     if cfg.cp > 1:
         for stage in stages:
-            apply_cp(stage, mesh["cp"], plan.model.seq)
+            apply_cp(stage, mesh["cp"], plan.model.seq, cfg.cp_method)
     edp_mesh = None
     folded = bool(built.info.num_experts) and cfg.ep * cfg.tp * cfg.expert_tp > 1  # experts laid out on their own
     if folded:  # on meta, before materialising: each rank then writes only its expert shards

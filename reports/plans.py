@@ -75,7 +75,8 @@ def plan_facts(plan: Plan) -> dict[str, str]:
         "model": f"{plan.model.spec}" + (f" (seq {plan.model.seq})" if is_sequence_model(plan.model.spec) else ""),
         "GPUs": f"{cfg.gpus} x {plan.cluster.name}",
         "global batch": f"{cfg.global_batch}",
-        "mesh (pp x dp x cp x tp)": f"{cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}",
+        "mesh (pp x dp x cp x tp)": f"{cfg.pp} x {cfg.dp} x {cfg.cp} x {cfg.tp}"
+                                    + (f" ({cfg.cp_method})" if cfg.cp > 1 else ""),
         "schedule": schedule,
         "ZeRO": f"{cfg.zero}" + (f" (HSDP shard {cfg.shard_group})" if cfg.shard_group else ""),
         "sequence parallel": "on" if cfg.sp else "off",

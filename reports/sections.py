@@ -23,8 +23,16 @@ PRECISION_RECIPE_TEXT = {
 }
 
 
+# How context-parallel ranks attend, by `ParallelConfig.cp_method` (`contracts.config.CP_METHODS`).
+CP_METHOD_TEXT = {
+    "all-gather": "K and V all-gathered before attention",
+    "ulysses": "Ulysses: all-to-alls trade sequence shards for head shards around attention",
+}
+
+
 def _mesh_text(config) -> str:
-    cp = f" x cp={config.cp} (each rank holds 1/{config.cp} of every sequence)" if config.cp > 1 else ""
+    cp = (f" x cp={config.cp} (each rank holds 1/{config.cp} of every sequence; {CP_METHOD_TEXT[config.cp_method]})"
+          if config.cp > 1 else "")
     return f"pp={config.pp} x dp={config.dp}{cp} x tp={config.tp}"
 
 

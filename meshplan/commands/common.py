@@ -42,9 +42,16 @@ def add_axis_arguments(parser, default: int | None, skip: tuple[str, ...] = ()) 
     `skip`; one that follows another (--etp: --tp) defaults to unset."""
     from meshplan.planner.contracts.axes import AXES
 
+    from meshplan.planner.contracts.config import CP_METHODS
+
     for axis in AXES:
         if axis.name not in skip:
             parser.add_argument(axis.flag, type=int, default=None if axis.follows else default, help=axis.help)
+        if axis.name == "cp":
+            parser.add_argument("--cp-method", default=None, choices=CP_METHODS,
+                                help="how context-parallel ranks attend (with --cp > 1): all-gather (default; K/V "
+                                     "all-gathered before attention) or ulysses (all-to-alls turn sequence shards "
+                                     "into head shards; heads/tp must be divisible by cp)")
 
 
 def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:

@@ -106,7 +106,8 @@ def _heading(args, cluster) -> Heading:
                              schedule=args.schedule, vpp=args.vpp,
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
                              engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe,
-                             recompute_modules=tuple(args.recompute_modules), offload=args.offload)
+                             recompute_modules=tuple(args.recompute_modules), offload=args.offload,
+                             cp_method=args.cp_method)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -123,7 +124,7 @@ def _estimate_at(args, zero: int):
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
                     memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,
-                    recompute_modules=tuple(args.recompute_modules), offload=args.offload)
+                    recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method)
 
 
 def _zero_hint(args, prediction) -> str:

@@ -7,7 +7,7 @@ import sys
 from meshplan.commands.common import finite_float
 from meshplan.planner.contracts.axes import AXIS_NAMES
 
-PIN_NAMES = (*AXIS_NAMES, "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs", "offload")
+PIN_NAMES = (*AXIS_NAMES, "cp_method", "zero", "shard_group", "recompute", "sp", "schedule", "vpp", "mbs", "offload")
 
 
 def add_arguments(parser) -> None:

@@ -44,6 +44,12 @@ Recompute = Literal["none", "selective", "full"]
 # what selective means everywhere else, is the attention core alone.
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
+# How context-parallel ranks attend over the whole sequence (`--cp-method`, plan.json `cp_method`):
+# "all-gather" gathers every rank's K/V before attention (Llama 3; the first method, the default);
+# "ulysses" (DeepSpeed-Ulysses, Megatron-LM's --cp-comm-type a2a) turns sequence shards into head
+# shards with an all-to-all of q, k, v and back with one of the output.
+CP_METHODS = ("all-gather", "ulysses")
+DEFAULT_CP_METHOD = CP_METHODS[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,12 +98,18 @@ class ParallelConfig:
     # Stored sorted, so equal sets compare equal.
     recompute_modules: tuple[str, ...] = ()
     offload: str = "none"  # a name in OFFLOAD: which model states live in host memory
+    # A name in CP_METHODS; stored as the default when cp = 1 (no CP), so equal layouts compare equal.
+    cp_method: str = DEFAULT_CP_METHOD
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
             object.__setattr__(self, "etp", None)
         self._check_fp8_recipe()
         self._check_recompute_modules()
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
+        if self.cp == 1 and self.cp_method != DEFAULT_CP_METHOD:
+            object.__setattr__(self, "cp_method", DEFAULT_CP_METHOD)
         self._check_mesh()
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -282,11 +294,14 @@ class ParallelConfig:
         mesh = tuple(getattr(self, axis.name) for axis in _MESH_BY_TIE_BREAK)
         folded = tuple(self.degree(axis.name) for axis in _FOLDED_BY_TIE_BREAK)
         return (*mesh, self.microbatch_size, self.zero, self.sp, self.schedule, self.virtual_stages,
-                -(self.shard_group or self.dp), *folded)
+                -(self.shard_group or self.dp), *folded, self.cp_method != DEFAULT_CP_METHOD)
 
     def mesh_label(self) -> str:
-        """'pp=2 dp=4 tp=8', the axes in mesh order, an optional one only when it is on."""
-        return " ".join(f"{axis.name}={getattr(self, axis.name)}" for axis in AXES if axis.shown(self))
+        """'pp=2 dp=4 tp=8', the axes in mesh order, an optional one only when it is on; a CP
+        method other than the default after cp ('cp=2 ulysses')."""
+        return " ".join(f"{axis.name}={getattr(self, axis.name)}"
+                        + (f" {self.cp_method}" if axis.name == "cp" and self.cp_method != DEFAULT_CP_METHOD else "")
+                        for axis in AXES if axis.shown(self))
 
     def label(self) -> str:
         interleaving = self.schedule_spec.free_chunks

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.planner.contracts.axes import AXES
-from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
+from meshplan.planner.contracts.config import CP_METHODS, DEFAULT_CP_METHOD, RECOMPUTE, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
 from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_to_json
@@ -29,6 +29,7 @@ from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_
 # 2: context parallelism (`mesh.cp`); version-1 plans (no cp) still load, as cp = 1.
 # `mesh.ep` (expert parallelism) is optional within version 2: written only when ep > 1, read as 1 when absent;
 # `mesh.etp` (expert tensor parallelism) likewise, written only when set apart from tp, absent: tp.
+# `cp_method` likewise, written only when cp > 1, absent: all-gather (the first CP method).
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -176,7 +177,8 @@ class Plan:
         """Hash of everything that decides what runs (not predictions or solve times)."""
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
-                         "schedule", "global_batch", "offload")}
+                         "schedule", "global_batch", "offload")
+                or (k == "cp_method" and v != DEFAULT_CP_METHOD)}  # all-gather plans keep their digest
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
@@ -197,6 +199,7 @@ class Plan:
             "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
             "global_batch": cfg.global_batch,
             "mesh": mesh_json(cfg),
+            **cp_method_json(cfg),
             "zero": cfg.zero,
             "sp": cfg.sp,
             "recompute": cfg.recompute,
@@ -225,6 +228,12 @@ def mesh_json(cfg: ParallelConfig) -> dict[str, int]:
     (cp, ep; etp when set apart from tp)."""
     return {**{axis.name: getattr(cfg, axis.name) for axis in AXES if not axis.optional},
             **{axis.name: getattr(cfg, axis.name) for axis in AXES if axis.optional and axis.shown(cfg)}}
+
+
+def cp_method_json(cfg: ParallelConfig) -> dict[str, str]:
+    """{"cp_method": ...} under context parallelism, else {}: older readers ignore the key, and a
+    plan without it runs the first method (`contracts.config.DEFAULT_CP_METHOD`)."""
+    return {"cp_method": cfg.cp_method} if cfg.cp > 1 else {}
 
 
 def _mesh_degree(mesh: dict, axis) -> int | None:
@@ -257,6 +266,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             engine=data.get("engine", "meshplan"),  # plans written before the key: meshplan's executor
             fp8_recipe=data.get("fp8_recipe"),
             offload=data.get("offload", "none"),
+            cp_method=_cp_method(data),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))
         if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "
@@ -323,6 +333,14 @@ def _integer(data: dict, key: str, where: str = "", default: int | None = None) 
     value = data[key] if default is None else data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"plan field {where}{key} must be an integer, got {value!r}")
+    return value
+
+
+def _cp_method(data: dict) -> str:
+    """plan.json's `cp_method` (absent: the first method, as plans written before it ran)."""
+    value = data.get("cp_method", DEFAULT_CP_METHOD)
+    if value not in CP_METHODS:
+        raise ValueError(f"plan field cp_method must be one of {', '.join(CP_METHODS)}, got {value!r}")
     return value
 
 

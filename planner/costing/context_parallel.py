@@ -1,5 +1,8 @@
 """Context parallelism (CP): each of `cp` ranks holds 1/cp of every sequence.
 
+The rules below are the all-gather method's (`ParallelConfig.cp_method`, the default); the
+Ulysses method's all-to-alls are `costing.ulysses`'.
+
 Layout (the executor's, `executor.parallel.context`): the sequence is cut into 2*cp chunks and
 rank i holds chunks i and 2cp-1-i, so that under a causal mask every rank does the same
 attention work. Each rank computes its queries against the whole sequence's keys: before
@@ -57,6 +60,7 @@ TORCH_RING_FWD_ONCE_BYTES = 6
 # accumulators zeroed (write 12) and cast back (read 12, write 6).
 TORCH_RING_BWD_BYTES = 46
 TORCH_RING_BWD_ONCE_BYTES = 30
+from meshplan.planner.costing.ulysses import ULYSSES, with_ulysses
 
 
 def attention_work_share(cp: int, balanced: bool = True) -> float:
@@ -139,6 +143,8 @@ def with_context_parallel(local, layer, config, cluster, info, profile_dtype: st
     (`EngineOverlap.cp_exchange`) and the gathered K/V that attention's backward keeps. `kernel`:
     the attention kernel's efficiency on the rank's queries."""
     dtype = COMPUTE_DTYPE[config.precision]
+    if config.cp_method == ULYSSES:  # all-to-alls of q, k, v and the output instead (`costing.ulysses`)
+        return with_ulysses(local, layer, config, cluster, info, profile_dtype or dtype, dtype)
     exchange = overlap_of(config).cp_exchange
     source_dtype = profile_dtype or dtype
     gathered = kv_gather_bytes(layer, config, info, source_dtype, dtype)

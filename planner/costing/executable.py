@@ -13,8 +13,8 @@ here: the request around a plan (process count, files, timeouts) is the executor
 
 Two of the rules say whether a model can be split at all, and are the only copy of them:
 `tp_split_problem` (every layer divides tp ways: heads, K/V heads, MLP width, vocabulary;
-Hugging Face decoder layers need a known layout) and `cp_split_problem` (attention to split, and
-every sequence cut into 2*cp equal chunks). The cost model needs them too, so `estimate`, the
+Hugging Face decoder layers need a known layout) and `cp_split_problem` (attention to split,
+every sequence cut into 2*cp equal chunks, and under Ulysses heads to split over the cp ranks). The cost model needs them too, so `estimate`, the
 candidates and the executor all call these two.
 """
 from __future__ import annotations
@@ -22,11 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from meshplan.planner.contracts.config import DEFAULT_CP_METHOD
 from meshplan.planner.contracts.graph import TPSplit
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.costing.expert_parallel import check_expert_parallel
 from meshplan.planner.costing.fp8 import is_fp8
 from meshplan.planner.costing.state_memory import executed_zero
+from meshplan.planner.costing.ulysses import ULYSSES, ulysses_head_problem
 
 # Model families the executor runs whole on every rank (data parallelism only).
 WHOLE_MODEL_FAMILIES = ("file",)
@@ -52,6 +54,7 @@ class ModelFacts:
     seq: int
     num_heads: int = 0
     num_experts: int = 0
+    num_kv_heads: int = 0  # 0: as many as num_heads
     layers: tuple[tuple[str, str, TPSplit], ...] = ()
     pipeline_cut_problem: str = ""
 
@@ -67,16 +70,16 @@ class ModelFacts:
     def __post_init__(self):
         if self.seq <= 0:
             raise ValueError(f"ModelFacts.seq must be positive, got {self.seq}")
-        if self.num_heads < 0 or self.num_experts < 0:
-            raise ValueError(f"ModelFacts.num_heads and num_experts must be >= 0, got {self.num_heads}, "
-                             f"{self.num_experts}")
+        if self.num_heads < 0 or self.num_experts < 0 or self.num_kv_heads < 0:
+            raise ValueError(f"ModelFacts.num_heads, num_experts and num_kv_heads must be >= 0, got "
+                             f"{self.num_heads}, {self.num_experts}, {self.num_kv_heads}")
 
 
 def model_facts(graph) -> ModelFacts:
     """The facts of a profiled `ModelGraph`."""
     info = graph.info
     return ModelFacts(spec=graph.spec, family=info.family, seq=graph.seq, num_heads=info.num_heads,
-                      num_experts=info.num_experts,
+                      num_experts=info.num_experts, num_kv_heads=info.num_kv_heads or 0,
                       layers=tuple((layer.name, layer.kind, layer.tp_split) for layer in graph.layers),
                       pipeline_cut_problem=info.pipeline_cut_problem)
 
@@ -87,7 +90,7 @@ def built_model_facts(built, spec: str, seq: int) -> ModelFacts:
     layers = (tuple((group.name, group.kind, group.tp_split) for group in built.layer_groups)
               or tuple((name, kind, TPSplit()) for name, kind, _ in built.layer_modules))
     return ModelFacts(spec=spec, family=built.info.family, seq=seq, num_heads=built.info.num_heads,
-                      num_experts=built.info.num_experts, layers=layers,
+                      num_experts=built.info.num_experts, num_kv_heads=built.info.num_kv_heads or 0, layers=layers,
                       pipeline_cut_problem=built.info.pipeline_cut_problem)
 
 
@@ -109,9 +112,12 @@ def tp_split_problem(model: ModelFacts, tp: int, label: str | None = None) -> st
     return None
 
 
-def cp_split_problem(model: ModelFacts, cp: int, label: str | None = None) -> str | None:
+def cp_split_problem(model: ModelFacts, cp: int, label: str | None = None, method: str = DEFAULT_CP_METHOD,
+                     tp: int = 1) -> str | None:
     """Why `model`'s attention cannot be split over `cp` context-parallel ranks (None: it can):
-    CP cuts every sequence into 2*cp chunks (load-balanced causal attention)."""
+    CP cuts every sequence into 2*cp chunks (load-balanced causal attention); the Ulysses
+    `method` also splits the heads of each of `tp` ranks over the cp ranks
+    (`ulysses.ulysses_head_problem`)."""
     if cp == 1:
         return None
     label = label or f"cp={cp}"
@@ -121,6 +127,8 @@ def cp_split_problem(model: ModelFacts, cp: int, label: str | None = None) -> st
     if model.seq % (2 * cp):
         return (f"{label} cuts each sequence into 2*cp = {2 * cp} equal chunks; seq {model.seq} is not divisible "
                 f"by {2 * cp}: use a sequence length that is")
+    if method == ULYSSES:
+        return ulysses_head_problem(model.num_heads, model.num_kv_heads, tp, cp, label)
     return None
 
 
@@ -167,7 +175,7 @@ def _sequence_problem(config, model: ModelFacts) -> str | None:
     if config.sp and model.seq % config.tp:
         return (f"sequence parallelism splits the sequence ({model.seq} tokens) over tp={config.tp} ranks; use "
                 f"a sequence length divisible by {config.tp} or turn --sp off")
-    return cp_split_problem(model, config.cp)
+    return cp_split_problem(model, config.cp, method=config.cp_method, tp=config.tp)
 
 
 def _expert_problem(config, model: ModelFacts) -> str | None:

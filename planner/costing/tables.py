@@ -25,6 +25,7 @@ from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
 from meshplan.planner.costing.engine_memory import keeps_stage_outputs, transient_scale
 from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
+from meshplan.planner.costing.ulysses import ULYSSES, ulysses_head_problem
 from meshplan.planner.costing.weight_grad import weight_grad_share
 
 
@@ -400,6 +401,9 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
         for tp, dp in meshes:
             if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
                 continue
+            if layer.kind == "block" and config.cp_method == ULYSSES and ulysses_head_problem(
+                    graph.info.num_heads, graph.info.num_kv_heads, tp, config.cp, ""):
+                continue  # a layerwise tp whose heads Ulysses cannot split over the cp ranks
             local = _mesh_config(config, layer, tp, dp, holds_shared, cache)
             # Recomputation is for blocks; the embedding and head always keep their activations.
             for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):

@@ -230,7 +230,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
                          fp8_recipe=job.fp8_recipe if precision == "fp8" else None,
                          recompute_modules=job.recompute_modules if recompute == "selective" else (),
-                         offload=job.offload)
+                         offload=job.offload, cp_method=job.cp_method)
     check_offload(config, cluster)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
@@ -267,7 +267,7 @@ def job_pins(job: EngineJob) -> dict:
     # the only stage the search offers there (an unstated dp is searched: taken as > 1)
     zero = executed_zero(job.zero, job.dp or 2, job.pp, job.schedule)
     pins = {"tp": job.tp, "pp": job.pp, "cp": job.cp, "ep": job.ep, "zero": zero, "shard_group": job.shard_group,
-            "sp": job.sp if job.tp > 1 else None,
+            "sp": job.sp if job.tp > 1 else None, "cp_method": job.cp_method if job.cp > 1 else None,
             "schedule": job.schedule if job.pp > 1 else None, "mbs": job.microbatch_size,
             "vpp": job.vpp if schedule_spec(job.schedule).multi_chunk and job.vpp > 1 else None,
             "offload": job.offload if job.offload != "none" else None}

@@ -7,7 +7,8 @@ The pipeline engine splits layers uniformly by count or by parameters and checkp
 `pipeline.activation_checkpoint_interval` layers whole (full recomputation); its schedule is
 1F1B-like, without interleaving, and it supports ZeRO-1 only. `sequence_parallel_size`
 (DeepSpeed-Ulysses) splits every sequence over that many ranks and takes them out of the batch's
-data-parallel ranks: meshplan's context parallelism. `mics_shard_size` (MiCS, ZeRO-3) shards
+data-parallel ranks: meshplan's context parallelism with `cp_method` "ulysses" (a plan with
+the all-gather method is exported with a note, and read back as Ulysses). `mics_shard_size` (MiCS, ZeRO-3) shards
 within groups of that many ranks and replicates across them: HSDP. The model is the user's code,
 so the model SPEC and the sequence length come from the command line.
 """
@@ -44,8 +45,10 @@ def export_deepspeed(plan) -> tuple[str, list[str]]:
     }
     if cfg.cp > 1:  # DeepSpeed divides the world by it before checking the batch keys
         config["sequence_parallel_size"] = cfg.cp
-        notes.append(f"context parallelism {cfg.cp}: DeepSpeed-Ulysses (all-to-all over heads, set up by the "
-                     "model code) splits the sequence; priced as meshplan's context parallelism")
+        if cfg.cp_method != "ulysses":
+            notes.append(f"context parallelism {cfg.cp}: DeepSpeed-Ulysses (all-to-all over heads, set up by the "
+                         f"model code) splits the sequence; this plan's {cfg.cp_method} method is priced as "
+                         "planned (re-plan with --cp-method ulysses to match DeepSpeed)")
     for key in OFFLOAD_KEYS.get(cfg.offload, ()):  # pinned host memory, as ZeRO-Offload's tutorial sets it
         config["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
     if cfg.shard_group and cfg.zero == 3:
@@ -133,8 +136,9 @@ def read_deepspeed(text: str) -> EngineJob:
     if shard_group and zero != 3:
         notes.append(f"mics_shard_size {shard_group} at ZeRO-{zero}: MiCS needs ZeRO-3; ignored")
         shard_group = None
+    cp = _int(data, "sequence_parallel_size", 1) or 1  # DeepSpeed-Ulysses
     return EngineJob(engine="deepspeed", global_batch=mbs * accumulation * dp if dp else None, microbatch_size=mbs,
-                     tp=tp, pp=pp, dp=dp, cp=_int(data, "sequence_parallel_size", 1) or 1, zero=zero,
+                     tp=tp, pp=pp, dp=dp, cp=cp, cp_method="ulysses" if cp > 1 else "all-gather", zero=zero,
                      shard_group=None if shard_group == dp else shard_group,
                      recompute="full" if interval else "none", precision="bf16-mixed" if bf16 or fp16 else "fp32",
                      uniform_split=uniform, offload=offload, notes=tuple(notes))

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES
+from meshplan.planner.contracts.config import CP_METHODS, DEFAULT_CP_METHOD, OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import ENGINES
 
@@ -38,6 +38,7 @@ class EngineJob(_JobDegrees):
     zero: int = 0
     shard_group: int | None = None  # HSDP: ZeRO within groups of this many dp ranks, replicated across
     sp: bool = False
+    cp_method: str = DEFAULT_CP_METHOD  # how CP ranks attend (Megatron-LM's --cp-comm-type a2a, DeepSpeed: ulysses)
     recompute: str = "none"  # of every transformer block, unless one of the two rules below applies
     recompute_every: int = 1  # full recomputation of every N-th block only (torchtitan's layer SAC)
     recompute_first_per_chunk: int | None = None  # full recomputation of the first N blocks of each chunk
@@ -69,6 +70,8 @@ class EngineJob(_JobDegrees):
         if self.offload not in OFFLOAD or (self.offload == "params" and self.zero != 3):
             raise MeshplanError(f"offload must be one of {', '.join(OFFLOAD)} (params with ZeRO-3 only), got "
                                 f"{self.offload!r} at ZeRO-{self.zero}")
+        if self.cp_method not in CP_METHODS:
+            raise MeshplanError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise MeshplanError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.recompute_first_per_chunk is not None and self.recompute_first_per_chunk < 0:

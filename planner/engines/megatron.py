@@ -28,6 +28,11 @@ from meshplan.planner.models.registry import hf_config_path
 AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
               "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
               "etp": "--expert-tensor-parallel-size"}
+# Megatron-Core's context-parallel communication type: meshplan's Ulysses is its "a2a". Its
+# default "p2p" (ring attention), "allgather" and the hierarchical "a2a+p2p" are priced as the
+# all-gather method (`contracts.config.CP_METHODS`), which moves the same K/V bytes per rank.
+CP_COMM_FLAG = "--cp-comm-type"
+CP_COMM_TYPES = {"a2a": "ulysses", "allgather": "all-gather", "p2p": "all-gather", "a2a+p2p": "all-gather"}
 # HSDP under the distributed optimizer: the optimizer states shard within dp / N ranks, N copies.
 INSTANCES_FLAG = "--num-distributed-optimizer-instances"
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
@@ -69,6 +74,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     if cfg.sp:
         args.append(("--sequence-parallel", None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
+    if cfg.cp > 1 and cfg.cp_method == "ulysses":
+        args.append((CP_COMM_FLAG, "a2a"))
     if cfg.ep > 1 or cfg.etp is not None:  # MoE parallel folding: Megatron-LM's default expert TP is tp
         args.append((AXIS_FLAGS["etp"], cfg.expert_tp))
     args += _recompute_args(plan, notes)
@@ -255,6 +262,7 @@ def read_megatron(text: str) -> EngineJob:
     gpus = int(header["gpus"]) if header.get("gpus", "").isdigit() else _launcher_world_size(get)
     recompute, first_per_chunk, modules = _read_recompute(flags, get, notes)
     precision, fp8_recipe = _read_precision(flags, notes)
+    cp_method = _read_cp_method(flags, degrees["cp"], notes)
     job = dict(
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
         seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
@@ -262,11 +270,24 @@ def read_megatron(text: str) -> EngineJob:
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
-        layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes))
+        layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
+        cp_method=cp_method)
     for flag in ("--fp4-format", "--cpu-offloading"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
     return EngineJob(**job, notes=tuple(notes))
+
+
+def _read_cp_method(flags: dict[str, str | None], cp: int, notes: list[str]) -> str:
+    """meshplan's CP method of `--cp-comm-type` (absent: p2p, Megatron-Core's default)."""
+    kind = flags.get(CP_COMM_FLAG) or "p2p"
+    if kind not in CP_COMM_TYPES:
+        raise MeshplanError(f"Megatron-LM argument {CP_COMM_FLAG} must be one of {', '.join(CP_COMM_TYPES)}, "
+                            f"got {kind!r}")
+    if cp > 1 and CP_COMM_FLAG in flags and kind in ("p2p", "a2a+p2p"):
+        notes.append(f"{CP_COMM_FLAG} {kind}: priced as meshplan's all-gather context parallelism (same K/V bytes "
+                     "per rank, no overlap with attention)")
+    return CP_COMM_TYPES[kind]
 
 
 class _IntReader:

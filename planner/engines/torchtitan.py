@@ -71,6 +71,10 @@ def export_torchtitan(plan, form: str = "toml") -> tuple[str, list[str]]:
 def job_sections(plan, notes: list[str]) -> dict[str, dict]:
     """The plan as torchtitan's config sections (TOML tables; the Python config's dataclasses)."""
     cfg = plan.config
+    if cfg.cp > 1 and cfg.cp_method == "ulysses":
+        raise MeshplanError(f"torchtitan (0.2.2 and 0.3.0) has no Ulysses context parallelism: its cp is torch's ring "
+                            f"attention (context_parallel_rotate_method allgather or alltoall rotates K/V shards); "
+                            f"re-plan with --cp-method all-gather to export cp={cfg.cp} to torchtitan")
     flavour = torchtitan_flavour(plan.model.spec)
     if flavour is None:
         notes.append(f"model {plan.model.spec}: not a torchtitan flavour; [model] names llama3 'custom' and the "

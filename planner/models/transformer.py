@@ -167,8 +167,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     # Context parallelism (`executor.parallel.context.SequenceShard`, set by the executor): this
-    # rank's token positions, and `exchange(k, v) -> (k, v, kv_positions)` returning the whole
-    # sequence's keys and values. None: the module holds whole sequences.
+    # rank's token positions, and `attend(q, k, v)`: causal attention of the rank's tokens over the
+    # whole sequence (K/V all-gathered, or Ulysses' all-to-alls). None: the module holds whole sequences.
     context = None
 
     def __init__(self, cfg: TransformerConfig):
@@ -205,10 +205,8 @@ class Attention(nn.Module):
         # projection widths, so the ratio holds after TP shards q, k and v by heads.
         if self.context is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        else:  # local queries against the whole sequence's keys, causal by position
-            k, v, kv_positions = self.context.exchange(k, v)
-            mask = self.context.positions.to(x.device)[:, None] >= kv_positions.to(x.device)[None, :]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        else:  # this rank's tokens attend over the whole sequence, as the context's CP method exchanges it
+            out = self.context.attend(q, k, v)
         merged = out.transpose(1, 2).reshape(batch, seq, -1)
         if not self.merged_heads_by_reference or storage_id(merged) == storage_id(out):
             return self.o(merged)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshplan.planner.contracts.config import RECOMPUTE
-from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, mesh_json
+from meshplan.planner.contracts.config import DEFAULT_CP_METHOD, RECOMPUTE
+from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, cp_method_json, mesh_json
 from meshplan.planner.costing.executable import model_facts, why_not_executable
 
 GIB = 2.0 ** 30
@@ -61,7 +61,7 @@ def configuration(ranked) -> dict:
         per_chunk[chunk] += 1
     return {
         "label": ranked.candidate.label(),
-        "mesh": mesh_json(cfg),
+        "mesh": mesh_json(cfg), **cp_method_json(cfg),
         "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
         **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
         **({"offload": cfg.offload} if cfg.offload != "none" else {}),
@@ -122,6 +122,7 @@ def explain(plan_json: dict) -> str:
     limit = solver.get("usable_memory_bytes", 0.0)
     recomputed = sum(layer["recompute"] != "none" for layer in plan_json["layers"])
     cp = f" cp={mesh['cp']}" if mesh.get("cp", 1) > 1 else ""
+    cp += f" {plan_json['cp_method']}" if plan_json.get("cp_method", DEFAULT_CP_METHOD) != DEFAULT_CP_METHOD else ""
     cp += f" ep={mesh['ep']}" if mesh.get("ep", 1) > 1 else ""
     cp += f" etp={mesh['etp']}" if mesh.get("etp") is not None else ""
     text = (f"meshplan picks pp={mesh['pp']} dp={mesh['dp']}{cp} tp={mesh['tp']}{' with SP' if plan_json['sp'] else ''}, "
@@ -227,6 +228,7 @@ def conventional_entry(conventional, winner, facts, limit_bytes: float) -> dict:
     reason = why_not_executable(cfg, facts, ())
     entry = {
         "label": conventional.label(), "conventional": CONVENTIONAL_SOURCE, "mesh": mesh_json(cfg),
+        **cp_method_json(cfg),
         "zero": cfg.zero, "sp": cfg.sp, "precision": cfg.precision,
         "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
                      "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
@@ -257,6 +259,7 @@ def configuration_rows(plan_json: dict) -> list[dict]:
     recomputes = [layer["recompute"] for layer in plan_json["layers"]]
     winner = {
         "mesh": plan_json["mesh"], "zero": plan_json["zero"], "sp": plan_json["sp"],
+        **({"cp_method": plan_json["cp_method"]} if "cp_method" in plan_json else {}),
         **({"shard_group": plan_json["shard_group"]} if plan_json.get("shard_group") else {}),
         "schedule": plan_json["schedule"], "prediction": plan_json["prediction"],
         "recompute_summary": {r: recomputes.count(r) for r in RECOMPUTE},

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES, OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig
+from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, NO_PIPELINE_ENGINES, OFFLOAD, RECOMPUTE,
+                                                SCHEDULES, ParallelConfig)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
@@ -46,6 +47,7 @@ class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
     mbs: int | None = None
     shard_group: int | None = None  # HSDP shard group; pinning it implies ZeRO >= 1
     offload: str | None = None  # model states in host memory (`search.offloading`); None: only if nothing fits
+    cp_method: str | None = None  # how CP ranks attend when cp > 1 (`contracts.config.CP_METHODS`)
 
     def __post_init__(self):
         for name in (*AXIS_NAMES, "vpp", "mbs", "shard_group"):
@@ -64,6 +66,8 @@ class Pins(degrees_base("PinnedDegrees", lambda axis: None)):
             raise MeshplanError(f"--offload params needs the parameters sharded: pin --zero 3, not {self.zero}")
         if self.shard_group is not None and self.zero == 0:
             raise MeshplanError(f"--shard-group {self.shard_group} (HSDP) shards ZeRO state: pin --zero 1, 2 or 3")
+        if self.cp_method is not None and self.cp_method not in CP_METHODS:
+            raise MeshplanError(f"--cp-method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
 
 
 
@@ -135,16 +139,21 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
-                                for etp, ep in expert_layouts(info, tp, dp * cp, pins):
+                                for (etp, ep), method in ((layout, method)
+                                                          for layout in expert_layouts(info, tp, dp * cp, pins)
+                                                          for method in cp_methods(facts, tp, cp, pins.cp_method)):
                                     if engine in NO_PIPELINE_ENGINES and ep > 1:
                                         continue
                                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
                                                               schedule=schedule, virtual_stages=vpp,
                                                               precision=precision, shard_group=group, ep=ep,
-                                                              etp=etp, engine=engine, fp8_recipe=fp8_recipe))
+                                                              etp=etp, engine=engine, fp8_recipe=fp8_recipe,
+                                                              cp_method=method))
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
+    if pins.cp_method is None:
+        out = _without_dominated_cp_methods(out, graph, cluster)
     runnable = [c for c in out if why_not_executable(c, facts) is None]
     return sorted(runnable or out, key=lambda c: c.sort_key)
 
@@ -189,6 +198,60 @@ def context_parallel_degrees(model, ranks: int, pinned: int | None, whole_model_
         out.append(cp)
         cp *= 2
     return out
+
+
+def cp_methods(model, tp: int, cp: int, pinned: str | None) -> list[str]:
+    """How the ranks of a cp > 1 candidate attend (`contracts.config.CP_METHODS`): the pinned
+    method, or each method that splits `model`'s attention (`costing.executable.cp_split_problem`:
+    Ulysses where cp divides the heads per tensor-parallel rank). cp = 1: the default alone."""
+    if cp == 1:
+        return [DEFAULT_CP_METHOD]
+    methods = CP_METHODS if pinned is None else (pinned,)
+    return [method for method in methods if not cp_split_problem(model, cp, method=method, tp=tp)]
+
+
+def _without_dominated_cp_methods(configs: list[ParallelConfig], graph, cluster) -> list[ParallelConfig]:
+    """`configs` but those whose CP method another method dominates (`dominated_cp_methods`)."""
+    dropped: dict[tuple, frozenset[str]] = {}
+    out = []
+    for c in configs:
+        if c.cp > 1:
+            key = (c.tp, c.cp, c.microbatch_size, c.sp, c.precision, c.engine)
+            if key not in dropped:
+                dropped[key] = dominated_cp_methods(graph, cluster, c)
+            if c.cp_method in dropped[key]:
+                continue
+        out.append(c)
+    return out
+
+
+def dominated_cp_methods(graph, cluster, config: ParallelConfig) -> frozenset[str]:
+    """The CP methods not worth searching at `config`'s tp, cp, micro-batch, SP and precision:
+    another method's blocking exchange is no slower and keeps no more bytes under every
+    recomputation mode (the ILP picks the mode per layer), so it makes every plan at least as fast
+    within the same memory (the methods change nothing else of a layer; a tie keeps the earlier
+    method of `CP_METHODS`). Read from a block's `LayerCost`, as the ILP and the simulator read it."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.layer_cost import layer_cost
+
+    block = next((layer for layer in graph.layers if layer.kind == "block"), None)
+    if config.cp == 1 or block is None:
+        return frozenset()
+    methods = [m for m in CP_METHODS if not cp_split_problem(model_facts(graph), config.cp, method=m, tp=config.tp)]
+    if len(methods) < 2:
+        return frozenset()
+    figures = {}
+    for method in methods:
+        costs = [layer_cost(block, replace(config, cp_method=method, recompute=mode), cluster, graph.info,
+                            profile_dtype=graph.dtype, attention=graph.attention) for mode in RECOMPUTE]
+        figures[method] = [(c.cp_fwd_comm_s + c.cp_bwd_comm_s, c.activation_bytes) for c in costs]
+
+    def dominates(better: str, worse: str) -> bool:
+        no_worse = all(b[0] <= w[0] and b[1] <= w[1] for b, w in zip(figures[better], figures[worse]))
+        return no_worse and (figures[better] != figures[worse] or methods.index(better) < methods.index(worse))
+
+    return frozenset(m for m in methods if any(dominates(other, m) for other in methods if other != m))
 
 
 def expert_layouts(info, tp: int, data_ranks: int, pins: Pins) -> list[tuple[int | None, int]]:

@@ -95,6 +95,7 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
         graph = _profile(request)
     _check_executor_pins(graph, pins)
     _check_expert_pin(graph, pins)
+    _check_cp_method_pin(graph, pins)
     candidates = offloading.with_offload(enumerate_candidates(
         graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs, request.precision, request.engine,
         request.fp8_recipe), pins.offload)
@@ -293,6 +294,16 @@ def _check_expert_pin(graph, pins: Pins) -> None:
             flags = " ".join(f"--{name} {value}" for name, value in (("ep", pins.ep), ("etp", pins.etp))
                              if value is not None)
             raise MeshplanError(f"{flags}: {exc}") from None
+
+
+def _check_cp_method_pin(graph, pins: Pins) -> None:
+    """--cp N --cp-method M with --tp T: the split rule's reason when the three cannot go together."""
+    from meshplan.planner.costing.executable import cp_split_problem, model_facts
+
+    if (pins.cp or 1) > 1 and pins.cp_method and pins.tp:
+        problem = cp_split_problem(model_facts(graph), pins.cp, f"--cp {pins.cp}", pins.cp_method, pins.tp)
+        if problem:
+            raise MeshplanError(problem)
 
 
 def _ep_rival(graph, cluster, ranked: list[Ranked], feasible: list[Solved], tables) -> dict | None:

@@ -111,4 +111,4 @@ def _but_ep(c: ParallelConfig) -> tuple:
     """Every field of a candidate but its expert layout, ep and etp (the group `best_expert_degrees`
     compares within)."""
     return (c.gpus, c.global_batch, c.tp, c.pp, c.dp, c.microbatch_size, c.cp, c.zero, c.recompute, c.sp,
-            c.schedule, c.virtual_stages, c.precision, c.shard_group)
+            c.schedule, c.virtual_stages, c.precision, c.shard_group, c.cp_method)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.config import DEFAULT_CP_METHOD, ParallelConfig
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
@@ -55,7 +55,7 @@ def make_config(graph, cluster: ClusterProfile, **degrees) -> ParallelConfig:
 def check_model_fit(graph, config: ParallelConfig) -> None:
     """The checks that need the model: CP and EP apply to it, TP splits every layer, and the
     layers fill every pipeline chunk."""
-    check_context_parallel(graph, config.cp)
+    check_context_parallel(graph, config.cp, config.cp_method, config.tp)
     check_expert_parallel_request(graph, config.ep, config.etp)
     check_tp_splits(graph, config.tp)
     if config.num_model_chunks > len(graph.layers):
@@ -84,11 +84,12 @@ def check_expert_parallel_request(graph, ep: int, etp: int | None = None) -> Non
         raise MeshplanError(f"{flags}: {exc}") from None
 
 
-def check_context_parallel(graph, cp: int) -> None:
-    """CP splits attention, every sequence in 2*cp chunks (`costing.executable.cp_split_problem`)."""
+def check_context_parallel(graph, cp: int, method: str = DEFAULT_CP_METHOD, tp: int = 1) -> None:
+    """CP splits attention, every sequence in 2*cp chunks, and under Ulysses the heads
+    (`costing.executable.cp_split_problem`)."""
     from meshplan.planner.costing.executable import cp_split_problem, model_facts
 
-    problem = cp_split_problem(model_facts(graph), cp, f"--cp {cp}")
+    problem = cp_split_problem(model_facts(graph), cp, f"--cp {cp}", method, tp)
     if problem:
         raise MeshplanError(problem)
 
@@ -98,7 +99,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
                     ep: int = 1, etp: int | None = None, engine: str = "meshplan",
                     fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = (),
-                    offload: str = "none") -> ParallelConfig:
+                    offload: str = "none", cp_method: str | None = None) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -118,10 +119,12 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 microbatch_size=mbs, zero=zero, recompute=recompute, sp=sp, schedule=schedule,
                                 virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
                                 etp=etp, engine=engine, fp8_recipe=fp8_recipe,
-                                recompute_modules=tuple(recompute_modules), offload=offload)
+                                recompute_modules=tuple(recompute_modules), offload=offload,
+                                cp_method=cp_method or DEFAULT_CP_METHOD)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
-            "expert parallelism ep=", "--ep ").replace("expert tensor parallelism etp=", "--etp ")) from None
+            "cp_method", "--cp-method").replace("expert parallelism ep=", "--ep ").replace(
+            "expert tensor parallelism etp=", "--etp ")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
     return config
 
@@ -151,10 +154,11 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
-             recompute_modules: tuple[str, ...] = (), offload: str = "none") -> Prediction:
+             recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
-    `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence); `engine`: whose
+    `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
+    its ranks attend (`contracts.config.CP_METHODS`, default all-gather); `engine`: whose
     memory recipe prices it (`costing.engine_memory`; meshplan: its own executor); `offload`: model
     states kept in host memory (`costing.offload`: none, optimizer, params);
     `recompute_modules`: what selective recomputation rebuilds under engine megatron
@@ -172,7 +176,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
                              shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe,
-                             recompute_modules=recompute_modules, offload=offload)
+                             recompute_modules=recompute_modules, offload=offload, cp_method=cp_method)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,

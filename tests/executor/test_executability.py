@@ -42,6 +42,9 @@ REQUESTS = [
     ("moe ep 2 hsdp", MOE, 8, 16, {"ep": 2, "shard_group": 2, "zero": 3, "dp": 8}),
     ("hsdp", LLAMA, 8, 16, {"shard_group": 2, "zero": 2, "dp": 8}),
     ("cp 2", LLAMA, 4, 8, {"cp": 2}),
+    ("cp 2 ulysses", LLAMA, 4, 8, {"cp": 2, "cp_method": "ulysses"}),
+    # 2 query heads and 1 K/V head per TP rank: Ulysses over cp 2 replicates the K/V head
+    ("cp 2 tp 2 ulysses", LLAMA, 4, 8, {"cp": 2, "tp": 2, "cp_method": "ulysses"}),
     ("moe cp 2 ep 2", MOE, 4, 8, {"cp": 2, "ep": 2}),
     ("fp8", LLAMA, 4, 8, {"precision": "fp8"}),
     ("layerwise", LLAMA, 4, 8, {"layerwise": True, "pp": 1}),
@@ -76,7 +79,7 @@ def _alternative_plan(plan: Plan, entry: dict) -> Plan:
                             microbatch_size=schedule["microbatch_size"], zero=entry["zero"], sp=entry["sp"],
                             schedule=schedule["name"], virtual_stages=schedule["virtual_stages"],
                             precision=entry["precision"], shard_group=entry.get("shard_group"),
-                            recompute=entry["recompute"])
+                            recompute=entry["recompute"], cp_method=entry.get("cp_method", "all-gather"))
     layers = tuple(LayerAssignment(name=layer.name, stage=config.rank_of_chunk(chunk),
                                    virtual_stage=chunk // config.pp, tp=config.tp, dp=config.dp, recompute=recompute)
                    for layer, chunk, recompute in zip(plan.layers, entry["chunk_of_layer"],
@@ -132,13 +135,15 @@ def test_marked_plans_agree_with_train(swept):
 
 def test_the_default_space_is_what_the_executor_runs(swept):
     for name in ("llama", "gpt", "moe", "moe ep 2", "moe tp 2", "moe tp 2 etp 1 ep 4", "moe ep 2 hsdp", "hsdp",
-                 "cp 2", "moe cp 2 ep 2", "hf llama", "hf llama pp 2", "hf gpt2",
+                 "cp 2", "cp 2 ulysses", "cp 2 tp 2 ulysses", "moe cp 2 ep 2", "hf llama", "hf llama pp 2", "hf gpt2",
                  "zero 3 pp 2", "sp", *[n for n, *_ in REQUESTS if n.startswith("pp 2 ")]):
         assert all(reason == "" for _, reason in swept[name]), name
     assert all(not p.config.sp for p, _ in swept["moe tp 2"])  # MoE blocks under TP run without SP
     assert all((p.config.expert_tp, p.config.ep) == (1, 4) for p, _ in swept["moe tp 2 etp 1 ep 4"])
     assert all(p.config.ep == 2 and p.config.cp == 2 for p, _ in swept["moe cp 2 ep 2"])
     assert all(p.config.shard_group == 2 for p, _ in swept["hsdp"])
+    assert all(p.config.cp_method == "ulysses" for name in ("cp 2 ulysses", "cp 2 tp 2 ulysses")
+               for p, _ in swept[name])
     assert all(p.config.pp == p.config.tp == 1 for p, _ in swept["hf gpt2"])  # no stage cut, no TP layout
 
 
@@ -180,6 +185,12 @@ def test_split_rules_name_the_numbers():
     assert cp_split_problem(model, 8) == ("cp=8 cuts each sequence into 2*cp = 16 equal chunks; seq 24 is not "
                                           "divisible by 16: use a sequence length that is")
     assert "has no attention" in cp_split_problem(_facts(num_heads=0), 2)
+    assert cp_split_problem(_facts(num_kv_heads=2), 2, method="ulysses", tp=2) is None  # 1 K/V head replicated
+    assert "the 3 K/V heads per tensor-parallel rank" in cp_split_problem(
+        _facts(num_heads=12, num_kv_heads=3), 2, method="ulysses")
+    assert cp_split_problem(model, 4, method="ulysses", tp=2) == (
+        "cp=4 with --cp-method ulysses gives each CP rank heads/(tp*cp) attention heads: the 4 heads / tp 2 = 2 "
+        "are not divisible by cp 4; use a cp that divides 2 or --cp-method all-gather")
 
 
 def test_rule_refuses_what_the_executor_does_not_run():

@@ -27,6 +27,7 @@ from meshplan.planner.contracts.plan import save_plan
 
 GPT = "gpt:layers=4,hidden=64,heads=4,vocab=256"
 LLAMA = "llama:layers=3,hidden=64,heads=4,kv_heads=2,ffn=96,vocab=256"
+MQA = "llama:layers=3,hidden=64,heads=4,kv_heads=1,ffn=96,vocab=256"  # one K/V head: Ulysses replicates it
 # a dense first block, then three MoE blocks of 4 experts, top-2; the load-balancing loss at 0.1
 # (ten times the default) so that a wrong aux-loss gradient shows in the losses
 MOE = ("moe:layers=4,hidden=64,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=64,vocab=256,dense_layers=1,ffn=96,"
@@ -71,6 +72,13 @@ TWO_PROCESS = {
     # (RoPE for Llama, learned positions for GPT)
     "cp2-llama": dict(cp=2, microbatch_size=4, spec=LLAMA),
     "cp2-gpt": dict(cp=2, microbatch_size=2),
+    # Ulysses: all-to-alls trade sequence shards for head shards, causal attention on the whole
+    # sequence; K/V heads split (Llama), one K/V head replicated per rank (MQA) under selective
+    # recomputation, and GPT under full recomputation (the all-to-alls replayed). Measured within
+    # 2e-7 of single-process: the all-to-alls only move values, so RTOL holds as for the others
+    "cp2-ulysses-llama": dict(cp=2, cp_method="ulysses", microbatch_size=4, spec=LLAMA),
+    "cp2-ulysses-mqa-selective": dict(cp=2, cp_method="ulysses", microbatch_size=4, recompute="selective", spec=MQA),
+    "cp2-ulysses-gpt-full": dict(cp=2, cp_method="ulysses", microbatch_size=2, recompute="full"),
     # expert parallelism: each rank keeps 2 of the 4 experts, tokens exchanged with all_to_all;
     # ZeRO-0 (experts left out of DDP, reduced by hand) and ZeRO-3 (experts' own FSDP units); the
     # EP group as the CP group (load-balancing statistics summed over the sequence's CP ranks)
@@ -112,6 +120,8 @@ FOUR_PROCESS = {
     "cp2-dp2-zero1-llama": dict(cp=2, dp=2, microbatch_size=2, zero=1, spec=LLAMA),
     "cp2-dp2-ddp": dict(cp=2, dp=2, microbatch_size=4),
     "cp2-tp2-sp-llama": dict(cp=2, tp=2, sp=True, microbatch_size=4, spec=LLAMA),
+    # Ulysses inside each TP rank's heads: 2 query heads split, its 1 K/V head replicated
+    "cp2-tp2-sp-ulysses-llama": dict(cp=2, tp=2, sp=True, cp_method="ulysses", microbatch_size=4, spec=LLAMA),
     "cp2-pp2-llama": dict(cp=2, pp=2, microbatch_size=2, spec=LLAMA),
     # expert parallelism over 2 of 4 data ranks: 2 expert data-parallel replicas of each expert
     # (ZeRO-0: all-reduced by hand; ZeRO-2: FSDP over the replicas), and with pipeline stages

@@ -53,6 +53,7 @@ import pytest
 
 GPT = "gpt:layers=4,hidden=128,heads=4,vocab=512"
 LLAMA = "llama:layers=4,hidden=128,heads=4,kv_heads=2,ffn=256,vocab=512"
+MQA = "llama:layers=4,hidden=128,heads=4,kv_heads=1,ffn=256,vocab=512"
 # a dense first block, then three MoE blocks of 4 experts, top-2
 MOE = "moe:layers=4,hidden=128,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=128,vocab=512,dense_layers=1,ffn=256"
 SEQ, GLOBAL_BATCH, STEPS, SEED = 64, 8, 3, 0
@@ -75,6 +76,10 @@ TWO_PROCESS = {
     "pp2-interleaved-m32": dict(pp=2, microbatch_size=1, schedule="interleaved", virtual_stages=2, global_batch=32),
     "dp2-recompute-full": dict(dp=2, microbatch_size=2, recompute="full"),
     "cp2-llama": dict(cp=2, microbatch_size=4, spec=LLAMA),
+    # Ulysses: the head shard's whole-sequence q, k, v and output, the one K/V head replicated on
+    # both ranks, and the o projection's input turned back into the rank's tokens
+    # (`planner.costing.ulysses.kept_bytes`; measured +0.6%)
+    "cp2-ulysses-mqa": dict(cp=2, cp_method="ulysses", microbatch_size=4, spec=MQA),
     # bf16-mixed: FSDP2's mixed-precision policy everywhere (`replicate` for ZeRO-0: bf16
     # compute copies kept for the step, fp32 masters; `fully_shard` for ZeRO 1-3), bf16 activations
     "tp2-sp-selective-llama-bf16": dict(tp=2, sp=True, microbatch_size=4, recompute="selective", spec=LLAMA,

@@ -1,5 +1,6 @@
 """The registry of parallel axes (`contracts.axes`) and what `ParallelConfig` and its consumers read of it."""
 import argparse
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +47,9 @@ def test_plan_mesh_writes_optional_axes_only_when_on():
 
 def test_sort_key_tie_breaks_pp_tp_cp_dp_then_switches_then_ep():
     config = ParallelConfig(gpus=16, global_batch=8, pp=2, dp=2, cp=2, tp=2, ep=2, zero=1, shard_group=2)
-    assert config.sort_key == (2, 2, 2, 2, 1, 1, False, "1f1b", 1, -2, 2, 2)  # ep, then etp (= tp)
+    # ep, then etp (= tp), then whether the CP method is other than the default
+    assert config.sort_key == (2, 2, 2, 2, 1, 1, False, "1f1b", 1, -2, 2, 2, False)
+    assert replace(config, cp_method="ulysses").sort_key[-1] is True
 
 
 def test_mesh_rules_raise_with_the_numbers():

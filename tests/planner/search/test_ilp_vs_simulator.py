@@ -73,6 +73,10 @@ CASES = {
 # replicated across the groups), pipelined and not
 CASES["llama3-8b-cp2-1f1b"] = ("llama3-8b", 16384, "h100-sxm", 64, 64, Pins(cp=2, tp=4, pp=2, schedule="1f1b"), 4)
 CASES["llama3-8b-cp2-dp"] = ("llama3-8b", 16384, "h100-sxm", 64, 64, Pins(cp=2, pp=1), 4)
+# Ulysses: four all-to-alls each way block compute, the same rule in all three
+CASES["llama3-8b-cp2-ulysses-1f1b"] = ("llama3-8b", 16384, "h100-sxm", 64, 64,
+                                       Pins(cp=2, tp=4, pp=2, schedule="1f1b", cp_method="ulysses"), 3)
+CASES["llama3-8b-cp4-ulysses-dp"] = ("llama3-8b", 16384, "h100-sxm", 64, 64, Pins(cp=4, pp=1, cp_method="ulysses"), 3)
 CASES["llama3-8b-hsdp-zero3"] = ("llama3-8b", 8192, "h100-sxm", 64, 256, Pins(zero=3, shard_group=8, pp=1), 4)
 CASES["llama3-8b-hsdp-1f1b"] = ("llama3-8b", 8192, "h100-sxm", 64, 256,
                                 Pins(zero=1, shard_group=8, tp=2, pp=2, schedule="1f1b"), 4)
