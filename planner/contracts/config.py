@@ -241,6 +241,13 @@ class ParallelConfig:
         return self.microbatch_size if self.cp == 1 else self.microbatch_size / self.cp
 
     @property
+    def attention_query_split(self) -> int:
+        """What one attention call's queries are cut by: cp when the ranks attend over their sequence
+        chunks (all-gather, rings), 1 under Ulysses (each rank attends over the whole sequence for
+        its heads / cp)."""
+        return 1 if self.cp_method == "ulysses" else self.cp
+
+    @property
     def stage_ranks(self) -> int:
         """Ranks of one pipeline stage, which the dense and the expert layers each lay out: tp * cp * dp."""
         return self.tp * self.cp * self.dp

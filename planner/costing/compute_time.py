@@ -55,7 +55,7 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
     bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
     attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
-    kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype, config.cp) if attention_fwd else 0.0
+    kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype, config.attention_query_split) if attention_fwd else 0.0
     if fp8.is_fp8(config.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
         fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, config, fwd_flops, bwd_flops, shard,
                                                   profile_dtype, attention_fwd, kernel)
@@ -90,7 +90,8 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
 def kernel_efficiency(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, attention: str,
                       profile_dtype: str, cp: int = 1) -> float:
     """The fused attention kernel's fraction of peak at this block's head width and the queries one
-    call takes: the sequence, or under context parallelism the rank's s/cp of it."""
+    call takes: the sequence, or under context parallelism the rank's s/cp of it (`cp`: the
+    config's `attention_query_split`; Ulysses attends over the whole sequence)."""
     head_dim = info.head_dim or (info.hidden // info.num_heads if info.num_heads else 0)
     return attention_kernels.attention_efficiency(attention, cluster, infer_seq(layer, info, profile_dtype) // cp,
                                                   head_dim)

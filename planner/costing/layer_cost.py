@@ -115,7 +115,7 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
     if config.cp > 1:
         kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
-                                   config.cp)
+                                   config.attention_query_split)
         local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype, attention,
                                                        kernel)
     if config.engine != "meshplan":
