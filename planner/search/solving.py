@@ -342,7 +342,7 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
             and min_static_bytes(problem.table, item.candidate.pp) > problem.mem_limit_bytes:
         return math.inf, "memory"  # what `build_problems` checks for the tables it builds at once
     compute_s = max(compute_bound_s(problem.table, problem.shape, problem.grad_sync),
-                    reduction_bound_s(problem.table, problem.shape, problem.grad_sync))
+                    reduction_bound_s(problem.table, problem.shape, problem.grad_sync, replay=level >= EXACT))
     memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
                               bound_structure(problem.table), problem.grad_sync, replay=level >= EXACT)
     return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
