@@ -52,6 +52,10 @@ CP_METHODS = ("all-gather", "ulysses")
 DEFAULT_CP_METHOD = CP_METHODS[0]
 
 
+# Meshes (sizes and degrees, all plain ints) that `ParallelConfig._check_mesh` accepted.
+_CHECKED_MESHES: set[tuple] = set()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Mesh, batch split and uniform switches. `gpus = pp * dp * cp * tp`.
@@ -155,7 +159,17 @@ class ParallelConfig:
 
     def _check_mesh(self) -> None:
         """Sizes are positive integers, the mesh axes multiply to the GPUs, each folded axis divides
-        the ranks it is carved out of (`contracts.axes`)."""
+        the ranks it is carved out of (`contracts.axes`). A mesh of plain ints checked once is not
+        checked again (the search builds tens of thousands of configurations over a few meshes)."""
+        key = (self.gpus, self.global_batch, self.microbatch_size, self.virtual_stages, self.tp, self.pp, self.dp,
+               self.cp, self.ep, self.etp)
+        if key in _CHECKED_MESHES and all(type(value) is int for value in key[:-1]):  # True == 1: types too
+            return
+        self._check_mesh_fully()
+        if all(type(value) is int for value in key[:-1]) and type(self.etp) in (int, type(None)):
+            _CHECKED_MESHES.add(key)
+
+    def _check_mesh_fully(self) -> None:
         sizes = (self.gpus, self.global_batch, self.microbatch_size, self.virtual_stages)
         if not all(type(value) is int and value > 0 for value in sizes):  # the search builds many: fast path first
             for name in ("gpus", "global_batch", "microbatch_size", "virtual_stages"):

@@ -14,7 +14,14 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
 - `compute_bound_s` (`solving.lower_bound_s`): sum_r T_r >= S, the sum of every layer's fastest
   option plus the chunks' fixed work, and T_max >= S / p, so the objective is >= F S / p + G P
   plus the average tail.
-- `memory_bound_s` (one run of identical layers, as the zoo's models are): memory forces leaner,
+- `reduction_bound_s`: rank r's exposed reduction E_r is at least its gradient reduction D_r less
+  its backward B_r (under pipelined ZeRO-2/3, counted from its own end r (B_r / v + P) earlier),
+  and the objective's max_r (E_r + tail_r) is at least their average; with a T_max >= S / p
+  bound on the pipeline term, every layer contributes min over its options of
+  a t_o + (d_o - h b_o + tail_o) / p (a = F / p, h = 1 or 1 + (p - 1) / v), and every chunk pass
+  its least exposed gather (`least_heads_s`).
+- `memory_bound_s` (the longest run of identical layers, `bound_structure`; any other layer but
+  the first and last counts at its fastest time in sum_r T_r, its bytes left out): memory forces leaner,
   slower options. Rank r holds, at its fullest peak, at least w_r micro-batches of every chunk it
   runs (w_r = max over the schedule's peaks of the least live count over its chunks), so a layer
   of option o costs it s_o + w_r a_o bytes out of a budget B_r (the limit less the pinned
@@ -67,6 +74,67 @@ def compute_bound_s(table, shape, grad_sync: str = "overlap") -> float:
             + average_tail_s(table, pp, grad_sync))
 
 
+def reduction_bound_s(table, shape, grad_sync: str = "overlap", replay: bool = False) -> float:
+    """Compute and the reduction it cannot hide, per layer at once (the module docstring's
+    `reduction_bound_s`); -inf where an exposed gather would count against it. `replay`: with the
+    windows of pipelined ZeRO-2/3's every-micro-batch reductions (`_exposure_terms`)."""
+    if replay and grad_sync == "overlap_every_microbatch" and shape.num_stages > 1:
+        return max(_reduction_bound_s(table, shape, grad_sync, _exposure_terms(shape, grad_sync, False)),
+                   _reduction_bound_s(table, shape, grad_sync, _exposure_terms(shape, grad_sync, True)))
+    return _reduction_bound_s(table, shape, grad_sync, _exposure_terms(shape, grad_sync, False))
+
+
+def _reduction_bound_s(table, shape, grad_sync: str, terms) -> float:
+    pp = shape.num_stages
+    slowest_weight, sum_weight = shape.weights
+    weight = slowest_weight / pp + sum_weight  # of sum_r T_r, with T_max >= sum_r T_r / p
+    fwd_weight = weight - max(i for _, i, _ in terms) / pp
+    bwd_weight = weight - max(b + i + drain for b, i, drain in terms) / pp
+    if fwd_weight < 0 or bwd_weight < 0:
+        return -math.inf
+    per_layer = sum(n * min(weight * o.time_s + (b * o.dp_comm_s - (b + i + drain) * o.bwd_s - i * o.fwd_s
+                                                 + o.param_gather_s + o.optimizer_s) / pp
+                            for o in table.types[t].options for b, i, drain in terms)
+                    for t, n in table.type_counts)
+    fwd_heads, bwd_heads = least_heads_s(table, shape.num_chunks)
+    pipelined = grad_sync == "overlap_every_microbatch" and pp > 1
+    drain_p2p = (pp - 1) / 2 * table.p2p_s if pipelined else 0.0
+    return (per_layer + weight * table.chunk_overhead_s * shape.num_chunks + fwd_weight * fwd_heads
+            + bwd_weight * bwd_heads + shape.transfers_on_path * table.p2p_s - drain_p2p + table.rank_fixed_s)
+
+
+def _exposure_terms(shape, grad_sync: str, replay: bool) -> set[tuple[float, float, float]]:
+    """(b, i, l) per rank: E_r - L_r >= b (D_r - B_r) - i (F_r + B_r) - l B_r - r P, from a window
+    of `evaluation.exposed_dp_s` without forwards (the others wait on the slowest rank) or the
+    whole-step one (b 1, i 0), and pipelined ZeRO-2/3's drain L_r (l = r / v, `drain_rank_s`)."""
+    pp, v = shape.num_stages, shape.virtual_stages
+    if not (grad_sync == "overlap_every_microbatch" and pp > 1):
+        return {(1.0, 0.0, 0.0)}
+    if not replay:
+        return {(1.0, 0.0, r / v) for r in range(pp)}
+    from meshplan.planner.search.ilp.evaluation import reduction_windows
+
+    out = set()
+    for rank in range(pp):
+        windows = [(1.0, 0.0)] + [(b, i) for b, f, i in reduction_windows(shape, rank) if f == 0]
+        b, i = max(windows, key=lambda window: window[0] - window[1])
+        out.add((b, i, rank / v))
+    return out
+
+
+def least_heads_s(table, num_chunks: int) -> tuple[float, float]:
+    """The least exposed gathers of a step's chunk passes, (forward, backward) per micro-batch: the
+    first layer opens chunk 0's forward and the last closes the last chunk's backward; every other
+    chunk opens and closes with some layer (`evaluation.pass_gather_s`)."""
+    def least(layers, attr):
+        return min(getattr(o, attr) for t in {table.layer_type[i] for i in layers} for o in table.types[t].options)
+    last = table.num_layers - 1
+    rest = num_chunks - 1
+    fwd = least((0,), "fwd_head_s") + (rest * least(range(1, last + 1), "fwd_head_s") if rest else 0.0)
+    bwd = least((last,), "bwd_head_s") + (rest * least(range(last), "bwd_head_s") if rest else 0.0)
+    return fwd, bwd
+
+
 def _lean_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """(bytes, seconds) per layer: the lower convex hull from the fastest option down to the
     leanest, bytes decreasing and seconds increasing."""
@@ -107,7 +175,11 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     num_chunks, pp, last = shape.num_chunks, shape.num_stages, table.num_layers - 1
     chunk_s, boundary = chunk_fixed_s(table, num_chunks), chunk_fixed_bytes(table, shape)
     run = table.types[type_index].options
-    edges = ([(0, 0)] if first == 1 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
+    edges = ([(0, 0)] if first > 0 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
+    # a chunk without an edge layer holds a run layer or another one (`_other_layers`)
+    unpinned_buffer = min(o.buffer_bytes for t in {type_index, *(table.layer_type[i] for i in
+                                                                 _other_layers(table, structure))}
+                          for o in table.types[t].options)
     out, frontiers = [], {}
     # receive buffers in transit; a multi-chunk schedule's kept sends only when its order is
     # replayed (leaving them out keeps the bound below the memory)
@@ -132,7 +204,7 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
                 fixed_bytes += min(o.static_bytes + held * o.act_bytes for o in options)
                 held_buffers.append(min(o.buffer_bytes for o in options))
         if any(c not in {chunk for _, chunk in edges} for c in chunks):
-            held_buffers.append(min(o.buffer_bytes for o in run))
+            held_buffers.append(unpinned_buffer)
         buffer = max(held_buffers, default=0.0)
         budget = limit_bytes * (1 + LIMIT_SLACK) - fixed_bytes - buffer
         if budget < 0:
@@ -239,9 +311,29 @@ def _least_slowest_whole_s(fixed_s: list[float], segments: list[list[tuple[float
     return max(slowest_s, start_s)
 
 
+def bound_structure(table) -> tuple[int, int, int] | None:
+    """(first layer, length, type) of the table's longest run of identical layers (the earliest
+    of equal ones), the run `memory_bound_s` bounds; None when no run is longer than one layer."""
+    runs = [(count, -first, type_index) for type_index, first, count in table.runs() if count > 1]
+    if not runs:
+        return None
+    count, first, type_index = max(runs)
+    return -first, count, type_index
+
+
+def _other_layers(table, structure) -> list[int]:
+    """Layers neither in the bounded run nor the model's first or last layer (a dense-first
+    model's dense blocks): placed freely, so the bound counts their fastest time in the ranks'
+    sum and leaves their bytes out (a relaxation: they only add)."""
+    first, count, _ = structure
+    return [layer for layer in range(1, table.num_layers - 1) if not first <= layer < first + count]
+
+
 def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync: str = "overlap",
                    replay: bool = True) -> float:
     """The memory-aware bound of the module docstring; the compute bound where it does not apply.
+    `structure`: the run it bounds (`bound_structure`); layers outside the run other than the
+    first and last add their fastest time to sum_r T_r and nothing else (`_other_layers`).
     `replay` False: weaker, replaying no schedule for its live micro-batches (see `_rank_setup`)."""
     base = compute_bound_s(table, shape, grad_sync)
     if limit_bytes is None or structure is None:
@@ -255,7 +347,8 @@ def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync
     total_s = _least_sum_s(segments, count)
     if not math.isfinite(total_s):
         return math.inf
-    pp, sum_s = shape.num_stages, total_s + sum(fixed_s)
+    others_s = sum(table.types[table.layer_type[layer]].min_time_s() for layer in _other_layers(table, structure))
+    pp, sum_s = shape.num_stages, total_s + sum(fixed_s) + others_s
     slowest_s = _least_slowest_s(fixed_s, segments, count)
     slowest_s = max(_least_slowest_whole_s(fixed_s, segments, count, slowest_s), sum_s / pp)
     # Whole layers: some rank holds at least ceil(N / p) of the run, and some chunk ceil(N / C),

@@ -108,6 +108,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     whole_model_only = info.family in WHOLE_MODEL_FAMILIES
     sequence_split = info.family not in NO_SEQUENCE_SPLIT_FAMILIES
     out = []
+    layouts: dict[tuple[int, int], list] = {}  # (tp, dp * cp) -> expert_layouts, asked in the innermost loop
     for tp in divisors(gpus):
         # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
         if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
@@ -139,8 +140,10 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
-                                for (etp, ep), method in ((layout, method)
-                                                          for layout in expert_layouts(info, tp, dp * cp, pins)
+                                key = (tp, dp * cp)
+                                if key not in layouts:
+                                    layouts[key] = expert_layouts(info, tp, dp * cp, pins)
+                                for (etp, ep), method in ((layout, method) for layout in layouts[key]
                                                           for method in cp_methods(facts, tp, cp, pins.cp_method)):
                                     if engine in NO_PIPELINE_ENGINES and ep > 1:
                                         continue

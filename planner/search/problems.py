@@ -28,7 +28,7 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     built = build_tables(graph, cluster, [c for c, _ in built_now], [st for _, st in built_now], recompute_options,
                          layerwise, workers)
     tables = TableCache(graph, cluster, recompute_options, built)
-    problems, pruned = [], []
+    problems, pruned, with_table = [], [], []
     weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
     for candidate, strategy in zip(candidates, strategies):
         tables.record(candidate, strategy)
@@ -48,8 +48,13 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         if min_static_bytes(table, candidate.pp) > limit:
             pruned.append(Solved(candidate, bound, pruned="memory"))
             continue
-        problems.append(Pending(candidate, bound, make_floor, weight_share=weight_share, floor_problem=make_floor()))
+        problems.append(Pending(candidate, bound, make_floor, weight_share=weight_share))
+        with_table.append(problems[-1])
     problems, dominated = best_expert_degrees(problems)
+    kept = {id(item) for item in problems}
+    for item in with_table:  # posed only for the expert layouts kept (most MoE candidates are not)
+        if id(item) in kept:
+            item.floor_problem()
     return problems, pruned + dominated, tables
 
 

@@ -13,9 +13,11 @@ from typing import Callable, NamedTuple
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.tables import CostTable
-from meshplan.planner.search.bounds import compute_bound_s, memory_bound_s, step_factor_floor
+from meshplan.planner.search.bounds import (bound_structure, compute_bound_s, memory_bound_s, reduction_bound_s,
+                                           step_factor_floor)
 from meshplan.planner.search.pool import worker_pool
-from meshplan.planner.search.ilp.evaluation import evaluate_assignment, expand_counts, heuristic_start
+from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, expand_counts, heuristic_start, live_vectors,
+                                                   memory_of_assignment)
 from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, compact_structure,
                                                      solve_stages)
 
@@ -211,20 +213,64 @@ SEED_SLACK = 1e-4
 
 
 def heuristic_upper_s(problem: StageProblem) -> float:
-    """The objective of `ilp.evaluation.heuristic_start`'s assignment when it fits, else inf: an
-    upper bound on the problem's ILP optimum (it is one of the ILP's feasible assignments)."""
+    """The objective of a heuristic assignment when it fits, else inf: an upper bound on the
+    problem's ILP optimum (it is one of the ILP's feasible assignments). The assignment is
+    `ilp.evaluation.heuristic_start`'s for a compact table, else `per_layer_heuristic`'s."""
+    if problem.objective != "time":
+        return math.inf
     structure = compact_structure(problem.table)
-    if structure is None or problem.objective != "time":
-        return math.inf
-    found = heuristic_start(problem, structure)
-    if found is None:
-        return math.inf
-    counts, pinned = found
-    chunks, options = expand_counts(counts, structure[0], problem.table.num_layers, problem.shape.num_chunks, pinned)
+    if structure is None:
+        found = per_layer_heuristic(problem)
+        if found is None:
+            return math.inf
+        chunks, options = found
+    else:
+        found = heuristic_start(problem, structure)
+        if found is None:
+            return math.inf
+        counts, pinned = found
+        chunks, options = expand_counts(counts, structure[0], problem.table.num_layers, problem.shape.num_chunks,
+                                        pinned)
     objective, _, memory = evaluate_assignment(problem, chunks, options)
     if problem.mem_limit_bytes is not None and max(memory) > problem.mem_limit_bytes:
         return math.inf
     return objective
+
+
+def per_layer_heuristic(problem: StageProblem) -> tuple[list[int], list[int]] | None:
+    """(chunk_of_layer, option_of_layer) of a table without a compact structure (a dense-first
+    mixture of experts), or None: contiguous chunks of about equal time at every layer's fastest
+    option; then, while a rank is over the memory limit, its layer whose leanest option saves the
+    most activation bytes switched to it."""
+    table, shape = problem.table, problem.shape
+    num_layers, num_chunks = table.num_layers, shape.num_chunks
+    if num_layers < num_chunks:
+        return None
+    kinds = [table.types[t].options for t in table.layer_type]
+    options = [min(range(len(o)), key=lambda i, o=o: (o[i].time_s, i)) for o in kinds]
+    lean = [min(range(len(o)), key=lambda i, o=o: (o[i].act_bytes, o[i].time_s, i)) for o in kinds]
+    times = [kinds[layer][options[layer]].time_s for layer in range(num_layers)]
+    total_s, done_s, chunks = sum(times), 0.0, []
+    for layer, time_s in enumerate(times):  # the chunk whose share of the time holds the layer's middle
+        chunk = min(num_chunks - 1, int(num_chunks * (done_s + time_s / 2) / total_s)) if total_s > 0 else 0
+        chunks.append(max(chunk, chunks[-1] if chunks else 0))
+        done_s += time_s
+    if len(set(chunks)) < num_chunks:  # a chunk left empty: equal layer counts instead
+        chunks = [layer * num_chunks // num_layers for layer in range(num_layers)]
+    limit = problem.mem_limit_bytes
+    peaks = [live_vectors(shape, rank) for rank in range(shape.num_stages)]
+    for _ in range(num_layers + 1):
+        memory = memory_of_assignment(problem, chunks, options, peaks)
+        over = [rank for rank in range(shape.num_stages) if limit is not None and memory[rank] > limit]
+        if not over:
+            return chunks, options
+        movable = [layer for layer in range(num_layers)
+                   if shape.rank_of(chunks[layer]) == over[0] and options[layer] != lean[layer]]
+        if not movable:
+            return None
+        layer = max(movable, key=lambda i: (kinds[i][options[i]].act_bytes - kinds[i][lean[i]].act_bytes, -i))
+        options[layer] = lean[layer]
+    return None
 
 
 def _seed_threshold(heap: list[_Entry], num_keep: int, results: list[Solved], progress) -> tuple[float, list[_Entry]]:
@@ -295,9 +341,10 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
     if late and problem.mem_limit_bytes is not None \
             and min_static_bytes(problem.table, item.candidate.pp) > problem.mem_limit_bytes:
         return math.inf, "memory"  # what `build_problems` checks for the tables it builds at once
-    compute_s = compute_bound_s(problem.table, problem.shape, problem.grad_sync)
+    compute_s = max(compute_bound_s(problem.table, problem.shape, problem.grad_sync),
+                    reduction_bound_s(problem.table, problem.shape, problem.grad_sync, replay=level >= EXACT))
     memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
-                              compact_structure(problem.table), problem.grad_sync, replay=level >= EXACT)
+                              bound_structure(problem.table), problem.grad_sync, replay=level >= EXACT)
     return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
 
 

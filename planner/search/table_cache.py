@@ -95,7 +95,7 @@ def _tables_over_pool(graph, cluster, todo: list, recompute_options, workers: in
     """The tables of `todo` built in pieces over a fork pool; each piece's task carries the graph
     and cluster it builds from. What differs between tables comes back; names and layer types are
     the graph's."""
-    size = -(-len(todo) // (4 * workers))
+    size = -(-len(todo) // (2 * workers))
     pieces = [todo[start:start + size] for start in range(0, len(todo), size)]
     shared = build_cost_table(graph, cluster, todo[0][0], recompute_options, layerwise_meshes=todo[0][1])
     with worker_pool(workers) as pool:
