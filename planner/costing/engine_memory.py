@@ -27,7 +27,8 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   selective`, core attention) drops only those. Full recomputation (`--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1`) keeps the layer's input (2bh /sp_t).
   FP8 (TE): the Linears' inputs are kept as fp8 (1 byte: TE's `_Linear.forward` saves the fp8 cast
-  or its fp8 transpose, not the bf16 input), the projection's beside flash's output.
+  or its fp8 transpose, not the bf16 input: `transformer_engine/pytorch/module/linear.py` at commit
+  3ec878759cc601d088dfa5c0a4772acf4317b190), the projection's beside flash's output.
   Term by term, with MoE blocks, multi-head latent attention and the fine-grained recompute
   modules (`--recompute-modules`): `megatron_activations`.
 - torchtitan (`torchtitan/models/llama3/model.py`, `parallelize.py`): plain bf16 modules under
