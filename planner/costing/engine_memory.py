@@ -26,7 +26,9 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   the score terms 5as (2as without dropout), /t. Selective recomputation (`--recompute-granularity
   selective`, core attention) drops only those. Full recomputation (`--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1`) keeps the layer's input (2bh /sp_t).
-  FP8 (TE): the Linears' inputs are kept as fp8 (1 byte), the projection's beside flash's output.
+  FP8 (TE): the Linears' inputs are kept as fp8 (1 byte: TE's `_Linear.forward` saves the fp8 cast
+  or its fp8 transpose, not the bf16 input: `transformer_engine/pytorch/module/linear.py` at commit
+  3ec878759cc601d088dfa5c0a4772acf4317b190), the projection's beside flash's output.
   Term by term, with MoE blocks, multi-head latent attention and the fine-grained recompute
   modules (`--recompute-modules`): `megatron_activations`.
 - torchtitan (`torchtitan/models/llama3/model.py`, `parallelize.py`): plain bf16 modules under
@@ -56,6 +58,7 @@ from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing import foundry_memory, megatron_activations
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
+from meshplan.planner.costing.fp8 import fp8_primary_weights
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
 
@@ -114,7 +117,8 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
       by the distributed optimizer (zero >= 1): "18 / 6 + 12/d" in Megatron-LM's
       docs/source/api-guide/dist_optimizer.md; Megatron FSDP (zero 2/3) also shards gradients,
       then parameters. fp32: 4 + 4 + 8. fp8 keeps the bf16 layout plus Transformer Engine's
-      cached fp8 weights (`engine_layer_memory`).
+      cached fp8 weights, or under --fp8-param-gather fp8 weights in the bf16 ones' place
+      (`engine_layer_memory`, `fp8.fp8_primary_weights`).
     - torchtitan: zero 0 is DDP (`data_parallel_replicate_degree`): fp32 parameters, gradients
       and moments, 4 + 4 + 8 (the bucket copy: `DDP_BUCKET_COPY_BYTES`). Otherwise FSDP2 with
       `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 sharded parameters,
@@ -175,9 +179,11 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
     ranks = config.shard_degree if config.shard_group else config.data_ranks
     states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp)
     if engine == "megatron" and config.precision == "fp8" and layer.kind == "block":
-        # Transformer Engine caches each Linear's fp8 weight, row- and column-wise on Hopper, across
-        # micro-batches (`is_first_microbatch`): 2 bytes per parameter, every module at once
-        states["params"] += 2.0 * (dense_params + expert_params)
+        # Transformer Engine keeps each Linear's fp8 weight row- and column-wise on Hopper across
+        # micro-batches (`is_first_microbatch`): 2 bytes per parameter, every module at once; beside
+        # the bf16 weight, or in its place under --fp8-param-gather (fp8 primary weights)
+        if not fp8_primary_weights(config):
+            states["params"] += 2.0 * (dense_params + expert_params)
     if engine == "torchtitan" and layer.kind in ("embedding", "head") and config.zero == 3 and config.pp == 1 \
             and ranks > 1:
         # the root FSDP unit (embedding, final norm, output: `fully_shard(model)`) is not resharded

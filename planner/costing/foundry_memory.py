@@ -26,12 +26,24 @@ b hq + 4a)/t; the MLP keeps fc1's output and the activation's output (GELU: 2bf;
 terms and rebuilds them in backward. The head keeps the final norm's input and output and, for
 the fused cross-entropy, the bf16 logits (bV /t), whose bf16 gradient (bV /t) it writes in
 backward.
+
+FP8 (`precision: amp_fp8`, Composer's `te.fp8_autocast` over MPT's Transformer Engine Linears,
+`fc_type: te`): a TE Linear under fp8 saves the fp8 cast of its input (or its fp8 transpose), one
+byte an element, and not the bf16 input (Transformer Engine `transformer_engine/pytorch/module/
+linear.py`, `_Linear.forward` at commit 3ec878759cc601d088dfa5c0a4772acf4317b190: `saved_inputmat =
+inputmat` or `saved_inputmat_t = inputmat_t` under fp8, `inputmat_no_fp8` only without it). So a
+norm's bf16 output, which only the next Linear kept, becomes that Linear's fp8 copy (h per norm);
+out_proj keeps an fp8 copy of the attention output beside the bf16 one the attention kernel keeps
+(+hq /t); the MLP's activation output, fc2's input, is kept in fp8 (f /t); fc1's output stays
+bf16 (the activation's backward reads it). The head's Linear (the tied embedding, `F.linear`) is
+not a TE module: bf16 as above.
 """
 from __future__ import annotations
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.device_time import DTYPE_BYTES
+from meshplan.planner.costing.fp8 import FP8_BYTES
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split, vocab_scale
 
@@ -72,9 +84,12 @@ def foundry_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelIn
     head_dim = info.head_dim or h // info.num_heads
     hq, hkv = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
     gated = info.family != "gpt"
-    norms = 4 * b * h
-    attention = (b * (hq + 2 * hkv) + b * hq + 4.0 * info.num_heads) / t
-    mlp = (4 if gated else 2) * b * float(info.ffn or 4 * h) / t
+    fp8 = config.precision == "fp8"
+    linear_in = FP8_BYTES if fp8 else b  # a TE Linear's kept input (docstring)
+    norms = 2 * (b + linear_in) * h
+    out_proj_copy = FP8_BYTES * hq if fp8 else 0.0
+    attention = (b * (hq + 2 * hkv) + b * hq + out_proj_copy + 4.0 * info.num_heads) / t
+    mlp = ((3 if gated else 1) * b + linear_in) * float(info.ffn or 4 * h) / t
     if config.recompute == "full":
         return b * h, norms + attention + mlp
     if config.recompute == "selective":

@@ -236,6 +236,18 @@ def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_
 WEIGHT_CACHING_ENGINES = ("megatron",)
 
 
+def fp8_primary_weights(config: ParallelConfig) -> bool:
+    """Whether the engine keeps the Linears' weights as fp8 tensors, with no bf16 copy: Megatron-LM's
+    `--fp8-param-gather` (Transformer Engine's `fp8_model_init`; the distributed optimizer keeps the
+    fp32 master), which the recipe's fp8 all-gather under that engine means
+    (`Fp8Recipe.fp8_gather_engines`) and Megatron-Bridge's FP8 recipes set
+    (`src/megatron/bridge/training/mixed_precision.py`: `fp8_param_gather = True` in
+    `bf16_with_fp8_current_scaling_mixed` and the MXFP8 recipe). ZeRO 1-2 only: the distributed
+    optimizer it needs, without Megatron FSDP's sharded parameters (priced apart)."""
+    return (is_fp8(config.precision) and config.engine in WEIGHT_CACHING_ENGINES and config.zero in (1, 2)
+            and config.engine in recipe_of(config).fp8_gather_engines)
+
+
 def weight_cast_share(config: ParallelConfig) -> float:
     """The share of a weight's cast one micro-batch pays: 1, or 1 / micro-batches per step where
     the engine caches the fp8 weight across them."""

@@ -49,6 +49,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing.expert_parallel import load_factor
+from meshplan.planner.costing.fp8 import FP8_BYTES
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split
 
@@ -77,7 +78,7 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
     sp_t = t if config.sp else 1
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
     fp8 = config.precision == "fp8"
-    linear_in = 1.0 if fp8 else b
+    linear_in = FP8_BYTES if fp8 else b
     h, heads = info.hidden, info.num_heads
     moe = bool(layer.expert_params)
     dropout = 1.0 * h if info.family in DROPOUT_FAMILIES else 0.0
@@ -102,7 +103,7 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
 def routed_expert_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> tuple[Term, ...]:
     """The routed experts' saved tensors per token of the tp group's micro-batch on the busiest rank."""
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
-    linear_in = 1.0 if config.precision == "fp8" else b
+    linear_in = FP8_BYTES if config.precision == "fp8" else b
     etp, f, h = config.expert_tp, float(info.expert_ffn), info.hidden
     gated = info.family != "gpt"
     copies = info.top_k * load_factor(info) / (config.tp if is_split(layer, config.tp) else 1)

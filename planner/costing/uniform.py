@@ -61,7 +61,8 @@ def default_recompute(graph, config) -> tuple[str, ...]:
 
 
 def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, ...]:
-    """Chunk index per layer: pp * virtual_stages contiguous non-empty chunks, slowest minimal.
+    """Chunk index per layer: pp * virtual_stages contiguous non-empty chunks, slowest minimal;
+    under an engine that cuts the model its own way, that engine's cut (`engine_layer_chunks`).
 
     A layer weighs its per-micro-batch time (compute, recomputation, TP collectives). The optimal
     bottleneck is found by bisection on a greedy feasibility test (a chunk closes when the next
@@ -71,6 +72,9 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
     if num_chunks > len(graph.layers):
         raise ValueError(f"{num_chunks} pipeline chunks (pp {config.pp} x virtual stages {config.virtual_stages}) "
                          f"need at least that many layers; the model has {len(graph.layers)}")
+    own = engine_layer_chunks([layer.kind for layer in graph.layers], config.engine, num_chunks)
+    if own is not None:
+        return own
     recomputes = default_recompute(graph, config)
     weights = [_layer_time_s(layer_cost(layer, layer_config(config, r), cluster, graph.info, profile_dtype=graph.dtype,
                                            attention=graph.attention))
@@ -87,6 +91,33 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
     chunks = _greedy_chunks(weights, high, num_chunks)
     assert chunks is not None
     return chunks
+
+
+def engine_layer_chunks(kinds: list[str], engine: str, num_chunks: int) -> tuple[int, ...] | None:
+    """The chunk of each layer (by its kind) as `engine` cuts the model when told nothing else;
+    None where meshplan's balanced cut stands in (meshplan's executor, the other engines, models
+    other than embedding, blocks, head).
+
+    Megatron-LM builds `--num-layers` / (pp x vpp) transformer layers in every (virtual) stage,
+    the embedding on the first and the output layer on the last
+    (`megatron/core/transformer/transformer_block.py` `get_num_layers_to_build`); where the
+    blocks do not divide but blocks, embedding and loss do, its recipes count the embedding and
+    the loss as one layer each (`--account-for-embedding-in-pipeline-split
+    --account-for-loss-in-pipeline-split`, Megatron-Bridge's Llama 3.1 405B). Its stages hold
+    equal block counts whatever their time: the first chunks carry no more micro-batches' worth
+    of blocks than the last, which a time-balanced cut (a heavy output layer) would give them.
+    """
+    if engine != "megatron" or len(kinds) < 3 or kinds[0] != "embedding" or kinds[-1] != "head" \
+            or any(kind != "block" for kind in kinds[1:-1]):
+        return None
+    num_blocks = len(kinds) - 2
+    if num_blocks % num_chunks == 0:
+        per_chunk = num_blocks // num_chunks
+        return (0,) + tuple(index // per_chunk for index in range(num_blocks)) + (num_chunks - 1,)
+    if len(kinds) % num_chunks == 0:
+        per_chunk = len(kinds) // num_chunks
+        return tuple(index // per_chunk for index in range(len(kinds)))
+    return None
 
 
 def _layer_time_s(cost: LayerCost) -> float:

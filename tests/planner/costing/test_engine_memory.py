@@ -123,3 +123,45 @@ def test_the_search_plans_under_the_engine():
                      sp=plans["megatron"].config.sp)
     assert simulated == pytest.approx(again.peak_memory_bytes, rel=0.02)
     assert plans["megatron"].to_json()["engine"] == "megatron"
+
+
+def test_megatrons_own_pipeline_cut():
+    """Megatron-LM builds num_layers / (pp x vpp) blocks per chunk, the embedding first and the
+    output layer last; where the blocks do not divide, the embedding and the loss count as layers;
+    otherwise (and for other engines) meshplan's time-balanced cut stands in."""
+    from meshplan.planner.costing.uniform import engine_layer_chunks
+
+    kinds = ["embedding"] + ["block"] * 8 + ["head"]
+    assert engine_layer_chunks(kinds, "megatron", 4) == (0, 0, 0, 1, 1, 2, 2, 3, 3, 3)
+    six = ["embedding"] + ["block"] * 6 + ["head"]  # 6 blocks over 4 chunks: 8 layers, 2 each
+    assert engine_layer_chunks(six, "megatron", 4) == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert engine_layer_chunks(["embedding"] + ["block"] * 7 + ["head"], "megatron", 4) is None
+    assert engine_layer_chunks(kinds, "torchtitan", 4) is None and engine_layer_chunks(kinds, "meshplan", 4) is None
+    # estimate under the engine: a heavy output layer no longer piles blocks on the first stages
+    spec = "llama:layers=8,hidden=512,heads=8,kv_heads=8,ffn=1536,vocab=128000"
+    kwargs = dict(gpus=4, global_batch=16, seq=512, pp=4, schedule="interleaved", vpp=2)
+    megatron = estimate(spec, "h100-sxm", engine="megatron", **kwargs)
+    first = megatron.memory[0]
+    assert first.params == pytest.approx(megatron.memory[1].params + 2 * 512 * 128000)  # + the embedding
+
+
+def test_fp8_param_gather_keeps_fp8_weights_in_place_of_bf16():
+    """Megatron under fp8 caches each Linear weight's fp8 row- and column-wise copies (2 bytes a
+    parameter) beside its bf16 weight; with the distributed optimizer its fp8 all-gather
+    (--fp8-param-gather, Megatron-Bridge's FP8 recipes) makes those copies the weights."""
+    from meshplan.planner.costing import fp8
+
+    spec = "llama:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1536,vocab=8192"
+    kwargs = dict(gpus=2, global_batch=4, seq=256, engine="megatron", precision="fp8", fp8_recipe="tensorwise")
+    plain = estimate(spec, "h100-sxm", zero=0, **kwargs).memory[0]
+    gathered = estimate(spec, "h100-sxm", zero=1, **kwargs).memory[0]
+    bf16 = estimate(spec, "h100-sxm", zero=1, **{**kwargs, "precision": "bf16-mixed", "fp8_recipe": None}).memory[0]
+    from meshplan.planner.profiling.profiler import profile
+
+    blocks = sum(layer.num_params for layer in profile(spec, 256).layers if layer.kind == "block")
+    assert plain.params == pytest.approx(bf16.params + 2 * blocks)
+    assert gathered.params == pytest.approx(bf16.params)
+    config = ParallelConfig(gpus=2, global_batch=4, dp=2, zero=1, precision="fp8", fp8_recipe="tensorwise",
+                            engine="megatron")
+    assert fp8.fp8_primary_weights(config) and not fp8.fp8_primary_weights(replace(config, zero=0))
+    assert not fp8.fp8_primary_weights(replace(config, engine="torchtitan"))

@@ -60,3 +60,27 @@ def test_no_pipeline_context_or_expert_parallelism(run_cli):
     plans = [data] + data.get("alternatives", [])
     assert data["engine"] == "llm-foundry" and data["mesh"]["pp"] == 1
     assert all(plan.get("mesh", {}).get("pp", 1) == 1 for plan in plans)
+
+
+def test_fp8_keeps_transformer_engines_fp8_linear_inputs():
+    """Under fp8 a TE Linear keeps its input's fp8 cast (1 byte) and not the bf16 input: each norm's
+    output and GELU's output drop to 1 byte an element, and out_proj adds an fp8 copy of the
+    attention output beside the bf16 one the kernel keeps; the head (the tied embedding's
+    F.linear) is not a TE module."""
+    seq, mbs, gpus = 2048, 4, 8
+    graph = profile(MPT_760M, seq)
+    cluster = load_cluster("h100-sxm")
+    b, h, f, heads = 2, 1536, 4 * 1536, 12
+    tokens = seq * mbs
+    config = ParallelConfig(gpus=gpus, global_batch=gpus * mbs, dp=gpus, microbatch_size=mbs, zero=3,
+                            engine="llm-foundry", precision="fp8", fp8_recipe="delayed")
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    cost = layer_cost(block, config, cluster, graph.info, profile_dtype=graph.dtype)
+    per_token = 2 * (b + 1) * h + (3 * b * h + b * h + 1 * h + 4 * heads) + (b + 1) * f
+    assert cost.activation_bytes == pytest.approx(per_token * tokens)
+    bf16 = layer_cost(block, ParallelConfig(**{**config.__dict__, "precision": "bf16-mixed", "fp8_recipe": None}),
+                      cluster, graph.info, profile_dtype=graph.dtype)
+    assert bf16.activation_bytes - cost.activation_bytes == pytest.approx((2 * h - h + f) * tokens)
+    head = next(layer for layer in graph.layers if layer.kind == "head")
+    head_cost = layer_cost(head, config, cluster, graph.info, profile_dtype=graph.dtype)
+    assert head_cost.activation_bytes == pytest.approx((2 * b * h + b * graph.info.padded_vocab) * tokens)
