@@ -208,7 +208,8 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
     model = ModelRef(spec=absolute_spec(graph.spec), seq=graph.seq, dtype=graph.dtype, attention=graph.attention,
                      digest=model_digest(graph.spec),
                      moe_capacity_factor=float(getattr(graph.info, "moe_capacity_factor", 0.0) or 0.0),
-                     moe_pad_to_capacity=bool(getattr(graph.info, "moe_pad_to_capacity", False)))
+                     moe_pad_to_capacity=bool(getattr(graph.info, "moe_pad_to_capacity", False)),
+                     moe_dispatcher=getattr(graph.info, "moe_dispatcher", "alltoall"))
     prediction = winner.prediction.to_json()
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
                 alternatives=tuple(alternatives), seed=seed, executable=reason is None,
