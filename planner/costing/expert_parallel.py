@@ -44,6 +44,9 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   bytes (x F) are streamed by the memory-bound kernels as the rest of the layer's are. The
   router's gate Linear is priced by its shape too (`moe_compute.router_times_s`), outside the
   dense part (`dense_part(layer, info)`).
+- token dispatcher (`ModelInfo.moe_dispatcher`): the dispatch and combine above are the default
+  alltoall dispatcher's; `moe_dispatch.dispatch_combine_s` prices allgather's and DeepEP's traffic
+  instead (the expert-TP collectives and the slice gather stay as they are).
 - all-to-all overlap: `ep_comm_s(..., a2a_overlap=)` hides that share of the dispatch and
   combine all-to-alls behind other compute (an engine overlapping them with another
   micro-batch's work); 0 by default, every all-to-all blocking.
@@ -214,8 +217,9 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
 def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0,
               a2a_overlap: float = 0.0) -> tuple[float, float]:
     """(forward, backward) blocking seconds of one micro-batch's expert exchanges: dispatch +
-    combine (all-to-alls under the default dispatcher; `moe_dispatch` prices each) and the expert-TP collectives each pass (`expert_tp_comm_s`), the
-    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation.
+    combine (all-to-alls under the default dispatcher; `moe_dispatch` prices each) and the
+    expert-TP collectives each pass (`expert_tp_comm_s`), the forward's `slice_s`
+    (`slice_gather_s`), and the recomputed forward's again under full recomputation.
 
     `a2a_overlap`: the share of the all-to-alls an engine hides behind other compute (another
     micro-batch's, as Megatron-LM's --overlap-moe-expert-parallel-comm does); 0, the default,

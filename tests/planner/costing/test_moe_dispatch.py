@@ -181,3 +181,25 @@ def test_cli_takes_the_dispatcher_and_refuses_it_on_a_dense_model(run_cli, tmp_p
     code2, out2, _ = run_cli("estimate", "--from", str(args_file), "--cluster", "h100-sxm", "--seq", "1024",
                              "--engine", "megatron", "--moe-dispatcher", "alltoall", "--json")
     assert code == code2 == 0 and from_deepep < json.loads(out2)["step_time_s"]
+
+
+def test_a_plan_under_another_dispatcher_is_planned_not_executed(run_cli, tmp_path):
+    from meshplan.executor.checks import check_plan_runnable
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.costing.executable import dispatcher_problem
+
+    plan = _plan()
+    assert dispatcher_problem(plan.config, "alltoall") is None
+    assert dispatcher_problem(_plan(ep=1).config, "deepep") is None  # no EP: no exchange to run otherwise
+    assert "re-plan with --moe-dispatcher alltoall" in dispatcher_problem(plan.config, "deepep")
+    deepep = replace(plan, model=replace(plan.model, moe_dispatcher="deepep"))
+    with pytest.raises(MeshplanError, match="the deepep token dispatcher is planned, not executed"):
+        check_plan_runnable(deepep, 32)
+    out_file = tmp_path / "plan.json"
+    code, _, _ = run_cli("plan", "--model", SPEC, "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq",
+                         "512", "--ep", "8", "--moe-dispatcher", "allgather", "--time-limit", "2",
+                         "--out", str(out_file), "--json")
+    assert code == 0
+    data = json.loads(out_file.read_text())
+    assert data["model"]["moe_dispatcher"] == "allgather" and data["mesh"]["ep"] == 8
+    assert data["executable"] is False and "allgather token dispatcher" in data["not_executable_reason"]
