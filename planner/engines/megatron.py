@@ -280,7 +280,8 @@ def read_megatron(text: str) -> EngineJob:
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
         layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
-        cp_method=cp_method, moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes))
+        cp_method=cp_method, moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
+        if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")
     for flag in ("--fp4-format", "--cpu-offloading"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")

@@ -109,10 +109,14 @@ def test_model_info_and_plan_refuse_an_unknown_dispatcher():
         ModelRef(spec=SPEC, seq=128, moe_dispatcher="flex")
 
 
-def _plan(**kwargs):
+def uniform_plan_of(gpus: int, **kwargs):
     from meshplan.executor.plans import uniform_plan
 
-    return uniform_plan(SPEC, 128, 32, H100, **{"dp": 32, "ep": 32, "precision": "bf16-mixed", **kwargs})
+    return uniform_plan(SPEC, 128, gpus, H100, **{"precision": "bf16-mixed", **kwargs})
+
+
+def _plan(**kwargs):
+    return uniform_plan_of(32, **{"dp": 32, "ep": 32, **kwargs})
 
 
 def test_plan_json_records_the_dispatcher_only_when_not_the_default():
@@ -157,6 +161,8 @@ def test_megatron_arguments_carry_the_dispatcher_both_ways():
 
     with pytest.raises(MeshplanError, match="got 'ring'"):
         read_megatron(base + "--moe-token-dispatcher-type ring\n")
+    dense = read_megatron("--tensor-model-parallel-size 2\n--num-layers 2\n")  # no experts: nothing dispatched
+    assert dense.moe_dispatcher == "alltoall" and not any("dispatcher" in note for note in dense.notes)
 
 
 def test_cli_takes_the_dispatcher_and_refuses_it_on_a_dense_model(run_cli, tmp_path):
@@ -195,11 +201,14 @@ def test_a_plan_under_another_dispatcher_is_planned_not_executed(run_cli, tmp_pa
     deepep = replace(plan, model=replace(plan.model, moe_dispatcher="deepep"))
     with pytest.raises(MeshplanError, match="the deepep token dispatcher is planned, not executed"):
         check_plan_runnable(deepep, 32)
-    out_file = tmp_path / "plan.json"
-    code, _, _ = run_cli("plan", "--model", SPEC, "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq",
-                         "512", "--ep", "8", "--moe-dispatcher", "allgather", "--time-limit", "2",
-                         "--out", str(out_file), "--json")
-    assert code == 0
+    # plan --like Megatron-LM arguments that run the allgather dispatcher: every candidate priced under it
+    allgather = uniform_plan_of(8, dp=8, ep=8)
+    args_file, out_file = tmp_path / "args.txt", tmp_path / "plan.json"
+    args_file.write_text(export_plan(replace(allgather, model=replace(allgather.model, moe_dispatcher="allgather")),
+                                     "megatron").text)
+    code, _, err = run_cli("plan", "--model", SPEC, "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq",
+                           "512", "--like", str(args_file), "--time-limit", "2", "--out", str(out_file), "--json")
+    assert code == 0, err
     data = json.loads(out_file.read_text())
     assert data["model"]["moe_dispatcher"] == "allgather" and data["mesh"]["ep"] == 8
     assert data["executable"] is False and "allgather token dispatcher" in data["not_executable_reason"]
