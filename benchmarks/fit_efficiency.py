@@ -110,6 +110,8 @@ def predict(run: Run, cluster, vpp: int):
     from meshplan.planner.simulation.estimator import predict as predict_config
 
     graph = graph_of(run.spec, run.seq, run.attention)
+    if run.moe_dispatcher != graph.info.moe_dispatcher:  # the engine's MoE token dispatcher
+        graph = replace(graph, info=replace(graph.info, moe_dispatcher=run.moe_dispatcher))
     config = make_config(graph, cluster, gpus=run.gpus, global_batch=run.global_batch, tp=run.tp, pp=run.pp,
                          mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,

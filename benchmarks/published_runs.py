@@ -130,6 +130,8 @@ class Run:
     # Megatron-Core's --recompute-modules the run used; only the megatron memory recipe prices them
     # (bench_engine_memory); step-time fits cost the run's `recompute` (their time is elementwise work)
     recompute_modules: tuple[str, ...] = ()
+    # the MoE token dispatcher the run's engine ran (`contracts.config.MOE_DISPATCHERS`)
+    moe_dispatcher: str = "alltoall"
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -343,7 +345,7 @@ MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11
                              "00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
 MEGATRON_MOE_ASSUMPTIONS = (
     "balanced routing (--moe-imbalance 1), no token dropping",
-    "all-to-all (DeepEP or NCCL) costed as meshplan's all-to-all over the EP group, not overlapped with compute",
+    "Megatron-Core's alltoall dispatcher: meshplan's all-to-all over the EP group, not overlapped with compute",
     "sequence parallelism on (Megatron-LM requires it with TP and EP)",
 )
 
@@ -390,8 +392,10 @@ def moe_runs() -> list[Run]:
         # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
-            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, assumptions=qwen + norm_act + (
-                "distributed optimizer costed as ZeRO-1", "the DeepEP dispatcher costed as meshplan's all-to-all")),
+            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep",
+            assumptions=qwen[:1] + qwen[2:] + norm_act + (
+                "distributed optimizer costed as ZeRO-1", "DeepEP's dispatch and combine (--moe-dispatcher deepep), not "
+                "overlapped with compute")),
         Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, assumptions=qwen + norm_act + (

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.plan import Plan, check_plan_matches_model
-from meshplan.planner.costing.executable import (LAYERWISE, WHOLE_MODEL_FAMILIES, built_model_facts,
+from meshplan.planner.costing.executable import (LAYERWISE, WHOLE_MODEL_FAMILIES, built_model_facts, dispatcher_problem,
                                                  whole_model_problem, why_not_executable)
 
 def check_plan_runnable(plan: Plan, world_size: int) -> None:
@@ -38,8 +38,9 @@ def check_plan_runnable(plan: Plan, world_size: int) -> None:
 
     built = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta")
     check_plan_matches_model(plan, [name for name, _, _ in built.layer_modules])
-    reason = why_not_executable(cfg, built_model_facts(built, plan.model.spec, plan.model.seq),
-                                [(layer.tp, layer.dp) for layer in plan.layers])
+    reason = (why_not_executable(cfg, built_model_facts(built, plan.model.spec, plan.model.seq),
+                                 [(layer.tp, layer.dp) for layer in plan.layers])
+              or dispatcher_problem(cfg, plan.model.moe_dispatcher))
     if reason:
         raise MeshplanError(f"this plan is not executable: {reason}")
     if built.config is None:

@@ -191,6 +191,8 @@ def add_moe_imbalance_argument(parser) -> None:
 
 
 def add_moe_capacity_arguments(parser) -> None:
+    from meshplan.planner.contracts.config import MOE_DISPATCHERS
+
     parser.add_argument("--moe-capacity-factor", type=finite_float, default=None, metavar="C",
                         help="mixture of experts: each expert takes at most C times the balanced tokens * top_k / "
                              "experts, the rest dropped (> 0; default none: nothing dropped); the busiest rank is "
@@ -198,6 +200,11 @@ def add_moe_capacity_arguments(parser) -> None:
     parser.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                         help="with --moe-capacity-factor: pad every expert's input to its capacity (Megatron-LM's "
                              "flag of that name); expert GEMMs and all-to-alls are then costed at C, not min(F, C)")
+    parser.add_argument("--moe-dispatcher", default=None, choices=MOE_DISPATCHERS,
+                        help="mixture of experts: how tokens reach the experts' ranks, as Megatron-Core's token "
+                             "dispatchers: alltoall (every routed copy; the default), allgather (every token "
+                             "gathered over the EP group), deepep (flex with DeepEP: a token sent once per "
+                             "destination node over the rails and forwarded over NVLink inside it)")
 
 
 def model_notes(spec: str | None, seq: int | None) -> list[str]:

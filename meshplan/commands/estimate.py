@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
+from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
@@ -124,7 +124,8 @@ def _estimate_at(args, zero: int):
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
                     memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,
-                    recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method)
+                    recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method,
+                    moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER)
 
 
 def _zero_hint(args, prediction) -> str:

@@ -54,6 +54,8 @@ def estimate_from(args) -> int:
         raise MeshplanError(f"--from {args.from_file} reads an engine's config: --engine names its engine "
                             "(torchtitan, megatron or deepspeed), or leave it out to guess from the file")
     overrides = {axis: getattr(args, axis) for axis in ("cp", "ep") if (getattr(args, axis, 1) or 1) > 1}
+    if getattr(args, "moe_dispatcher", None):  # the command line's over the config's
+        overrides["moe_dispatcher"] = args.moe_dispatcher
     job = replace(job, **overrides)  # what a config cannot say (DeepSpeed's EP lives in the model code)
     result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                          attention=args.attention)

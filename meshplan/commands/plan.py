@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import ENGINES, PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, SCHEDULES
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_job_arguments, add_offload_argument,
                                      announce_model_code, check_seq, check_sizes, finite_float, model_notes,
@@ -94,6 +94,7 @@ def run(args) -> int:
                              moe_imbalance=args.moe_imbalance,
                              moe_capacity_factor=args.moe_capacity_factor,
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+                             moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
                              fp8_recipe=args.fp8_recipe, **pins)
 

@@ -38,6 +38,8 @@ def pins_from(args) -> dict:
     for name, value in job_pins(job).items():
         if pins.get(name) is None:
             pins[name] = value
+    if getattr(args, "moe_dispatcher", None) is None and job.moe_dispatcher != "alltoall":
+        args.moe_dispatcher = job.moe_dispatcher  # not a pin: the config's token dispatcher prices every candidate
     return pins
 
 

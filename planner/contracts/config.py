@@ -50,6 +50,13 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 # shards with an all-to-all of q, k, v and back with one of the output.
 CP_METHODS = ("all-gather", "ulysses")
 DEFAULT_CP_METHOD = CP_METHODS[0]
+# How a MoE block's routed copies reach the experts' ranks (`--moe-dispatcher`, plan.json
+# `model.moe_dispatcher`; `costing.moe_dispatch` prices each): "alltoall" sends every copy
+# (Megatron-Core's alltoall dispatcher; the default); "allgather" gathers every token over the EP
+# group (its allgather dispatcher); "deepep" sends a token once per destination node over the
+# rails and forwards it over NVLink inside the node (its flex dispatcher with DeepEP).
+MOE_DISPATCHERS = ("alltoall", "allgather", "deepep")
+DEFAULT_MOE_DISPATCHER = MOE_DISPATCHERS[0]
 
 
 # Meshes (sizes and degrees, all plain ints) that `ParallelConfig._check_mesh` accepted.

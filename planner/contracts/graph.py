@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from meshplan.planner.contracts.config import MOE_DISPATCHERS
+
 if TYPE_CHECKING:  # imported where the graph is built: networkx alone costs 0.17 s per command
     import networkx as nx
 
@@ -205,6 +207,9 @@ class ModelInfo:
     # that capacity (planner.costing.expert_parallel has the rules).
     moe_capacity_factor: float = 0.0
     moe_pad_to_capacity: bool = False
+    # The token dispatcher the engine runs (`contracts.config.MOE_DISPATCHERS`): what the dispatch
+    # and combine exchanges cost (`planner.costing.moe_dispatch`).
+    moe_dispatcher: str = MOE_DISPATCHERS[0]
     # Multi-head latent attention (DeepSeek-V2/V3; 0 without): the compressed K/V latent's width
     # (kv_lora_rank, 0: no MLA) and the query's (q_lora_rank, 0: a full-rank query), the rotary
     # part of each query/key head (head_dim is nope + rope) and each value head's width.
@@ -228,6 +233,8 @@ class ModelInfo:
             raise ValueError(f"moe_capacity_factor must be a finite number > 0 (0: none), got {self.moe_capacity_factor}")
         if self.moe_pad_to_capacity and not self.moe_capacity_factor:
             raise ValueError("moe_pad_to_capacity needs a moe_capacity_factor")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
 

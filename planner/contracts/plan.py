@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.planner.contracts.axes import AXES
-from meshplan.planner.contracts.config import CP_METHODS, DEFAULT_CP_METHOD, RECOMPUTE, ParallelConfig
+from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, DEFAULT_MOE_DISPATCHER, MOE_DISPATCHERS,
+                                                RECOMPUTE, ParallelConfig)
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
 from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_to_json
@@ -51,8 +52,14 @@ class ModelRef:
     # written before it existed) and whether expert inputs were padded to that capacity.
     moe_capacity_factor: float = 0.0
     moe_pad_to_capacity: bool = False
+    # The token dispatcher it was costed under (`contracts.config.MOE_DISPATCHERS`); written only
+    # when not the default, so plans without it read as alltoall, as they were costed.
+    moe_dispatcher: str = DEFAULT_MOE_DISPATCHER
 
     def __post_init__(self):
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"model.moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, "
+                             f"got {self.moe_dispatcher!r}")
         if isinstance(self.moe_capacity_factor, bool) or not isinstance(self.moe_capacity_factor, (int, float)) \
                 or not 0.0 <= self.moe_capacity_factor < float("inf"):
             raise ValueError(f"model.moe_capacity_factor must be a finite number > 0 (0: none), "
@@ -193,9 +200,10 @@ class Plan:
             # take the engine's default, `contracts.config.DEFAULT_FP8_RECIPE`)
             **({"fp8_recipe": cfg.fp8_recipe} if cfg.fp8_recipe else {}),
             "engine": cfg.engine,
-            # digest and the MoE capacity fields only when set: none in old plans
+            # digest and the MoE routing fields only when set: none in old plans
             "model": {k: v for k, v in asdict(self.model).items()
-                      if k not in ("digest", "moe_capacity_factor", "moe_pad_to_capacity") or v},
+                      if k not in ("digest", "moe_capacity_factor", "moe_pad_to_capacity", "moe_dispatcher")
+                      or (v and v != DEFAULT_MOE_DISPATCHER)},
             "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
             "global_batch": cfg.global_batch,
             "mesh": mesh_json(cfg),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from meshplan.planner.contracts.config import DEFAULT_CP_METHOD
+from meshplan.planner.contracts.config import DEFAULT_CP_METHOD, DEFAULT_MOE_DISPATCHER
 from meshplan.planner.contracts.graph import TPSplit
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.costing.expert_parallel import check_expert_parallel
@@ -162,6 +162,18 @@ def why_not_executable(config, model: ModelFacts, layer_degrees=()) -> str | Non
         return whole_model_problem(config)
     return (_sequence_problem(config, model) or tp_split_problem(model, config.tp)
             or _expert_problem(config, model) or _pipeline_problem(config, model))
+
+
+def dispatcher_problem(config, moe_dispatcher: str) -> str | None:
+    """Why a plan costed under another MoE token dispatcher than the executor's is not executed:
+    the executor sends every routed copy by one all-to-all (`executor.parallel.expert`). Kept out
+    of `why_not_executable`, which also prunes the search's candidates: a dispatcher the user
+    names prices every EP candidate alike, and only the plan says `train` refuses it."""
+    if config.ep == 1 or moe_dispatcher == DEFAULT_MOE_DISPATCHER:
+        return None
+    return (f"the {moe_dispatcher} token dispatcher is planned, not executed: meshplan's executor dispatches MoE "
+            "tokens with one all-to-all of every routed copy; export the plan to Megatron-LM, or re-plan with "
+            "--moe-dispatcher alltoall to train")
 
 
 def _sequence_problem(config, model: ModelFacts) -> str | None:

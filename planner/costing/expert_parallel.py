@@ -44,6 +44,9 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   bytes (x F) are streamed by the memory-bound kernels as the rest of the layer's are. The
   router's gate Linear is priced by its shape too (`moe_compute.router_times_s`), outside the
   dense part (`dense_part(layer, info)`).
+- token dispatcher (`ModelInfo.moe_dispatcher`): the dispatch and combine above are the default
+  alltoall dispatcher's; `moe_dispatch.dispatch_combine_s` prices allgather's and DeepEP's traffic
+  instead (the expert-TP collectives and the slice gather stay as they are).
 - all-to-all overlap: `ep_comm_s(..., a2a_overlap=)` hides that share of the dispatch and
   combine all-to-alls behind other compute (an engine overlapping them with another
   micro-batch's work); 0 by default, every all-to-all blocking.
@@ -74,11 +77,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
 from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
                                                   is_expert_linear, router_flops, router_times_s, shuffle_time_s)
+from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
 from meshplan.planner.costing.state_memory import state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 
@@ -212,15 +217,18 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
 def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0,
               a2a_overlap: float = 0.0) -> tuple[float, float]:
     """(forward, backward) blocking seconds of one micro-batch's expert exchanges: dispatch +
-    combine all-to-alls and the expert-TP collectives each pass (`expert_tp_comm_s`), the
-    forward's `slice_s` (`slice_gather_s`), and the recomputed forward's again under full recomputation.
+    combine (all-to-alls under the default dispatcher; `moe_dispatch` prices each) and the
+    expert-TP collectives each pass (`expert_tp_comm_s`), the forward's `slice_s`
+    (`slice_gather_s`), and the recomputed forward's again under full recomputation.
 
     `a2a_overlap`: the share of the all-to-alls an engine hides behind other compute (another
     micro-batch's, as Megatron-LM's --overlap-moe-expert-parallel-comm does); 0, the default,
     keeps every all-to-all on the compute stream's path."""
     if not 0.0 <= a2a_overlap <= 1.0:
         raise ValueError(f"the all-to-all overlap share must lie in [0, 1], got {a2a_overlap}")
-    a2a_s = 2 * all_to_all_s(send_bytes, config, cluster, info) * (1.0 - a2a_overlap)
+    a2a_s = dispatch_combine_s(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), send_bytes * load_factor(info),
+                               send_bytes / max(1, info.top_k), config.ep, config.expert_tp, cluster, info.num_experts,
+                               info.top_k) * (1.0 - a2a_overlap)
     exchange = a2a_s + expert_tp_comm_s(send_bytes, config, cluster, info)
     fwd, bwd = exchange + slice_s, exchange
     if config.recompute == "full":

@@ -1,7 +1,7 @@
 """Dispatch between the engines: export a plan, read a config, predict it, pin a search to it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshplan.planner.contracts.config import ParallelConfig
@@ -222,6 +222,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     precision = job.precision or default_precision(cluster)
     if graph is None:
         graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
+    if graph.info.is_moe and graph.info.moe_dispatcher != job.moe_dispatcher:  # the engine's token dispatcher
+        graph = replace(graph, info=replace(graph.info, moe_dispatcher=job.moe_dispatcher))
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
     recompute = dominant_recompute([m for m in block_modes])
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,

@@ -11,7 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import CP_METHODS, DEFAULT_CP_METHOD, OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES
+from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, DEFAULT_MOE_DISPATCHER, MOE_DISPATCHERS,
+                                               OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES)
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import ENGINES
 
@@ -50,6 +51,7 @@ class EngineJob(_JobDegrees):
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)
     uniform_split: bool = False  # equal layer counts per chunk, the remainder on the last (DeepSpeed "uniform")
     offload: str = "none"  # model states in host memory (contracts.config.OFFLOAD; `costing.offload`)
+    moe_dispatcher: str = DEFAULT_MOE_DISPATCHER  # MoE token dispatcher (contracts.config.MOE_DISPATCHERS)
     notes: tuple[str, ...] = ()  # what the config holds that meshplan did not map, one line each
 
     def __post_init__(self):
@@ -70,6 +72,8 @@ class EngineJob(_JobDegrees):
         if self.offload not in OFFLOAD or (self.offload == "params" and self.zero != 3):
             raise MeshplanError(f"offload must be one of {', '.join(OFFLOAD)} (params with ZeRO-3 only), got "
                                 f"{self.offload!r} at ZeRO-{self.zero}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise MeshplanError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         if self.cp_method not in CP_METHODS:
             raise MeshplanError(f"cp_method must be one of {', '.join(CP_METHODS)}, got {self.cp_method!r}")
         if self.precision is not None and self.precision not in PRECISIONS:

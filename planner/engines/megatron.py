@@ -40,6 +40,11 @@ LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
 # offers blockwise; it has no rowwise).
 MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
+# Megatron-Core's token dispatcher (0.12 on: --moe-token-dispatcher-type allgather|alltoall|flex,
+# DeepEP under flex with --moe-enable-deepep); absent, its default allgather.
+DISPATCHER_FLAG, DEEPEP_FLAG = "--moe-token-dispatcher-type", "--moe-enable-deepep"
+MEGATRON_DISPATCHERS = {"alltoall": "alltoall", "allgather": "allgather", "flex": "deepep",
+                        "alltoall_seq": "alltoall"}  # alltoall_seq (before 0.12) sends as alltoall
 HEADER = "# meshplan:"  # the line that records what the arguments cannot say (world size, model SPEC)
 
 
@@ -78,6 +83,10 @@ def export_megatron(plan) -> tuple[str, list[str]]:
         args.append((CP_COMM_FLAG, "a2a"))
     if cfg.ep > 1 or cfg.etp is not None:  # MoE parallel folding: Megatron-LM's default expert TP is tp
         args.append((AXIS_FLAGS["etp"], cfg.expert_tp))
+    if cfg.ep > 1 or plan.model.moe_dispatcher != "alltoall":  # Megatron-Core's default is allgather
+        dispatcher = plan.model.moe_dispatcher
+        args += [(DISPATCHER_FLAG, "flex" if dispatcher == "deepep" else dispatcher)]
+        args += [(DEEPEP_FLAG, None)] if dispatcher == "deepep" else []
     args += _recompute_args(plan, notes)
     args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
              ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
@@ -271,7 +280,8 @@ def read_megatron(text: str) -> EngineJob:
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
         layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
-        cp_method=cp_method)
+        cp_method=cp_method, moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
+        if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")
     for flag in ("--fp4-format", "--cpu-offloading"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
@@ -288,6 +298,19 @@ def _read_cp_method(flags: dict[str, str | None], cp: int, notes: list[str]) -> 
         notes.append(f"{CP_COMM_FLAG} {kind}: priced as meshplan's all-gather context parallelism (same K/V bytes "
                      "per rank, no overlap with attention)")
     return CP_COMM_TYPES[kind]
+
+
+def _read_dispatcher(flags: dict[str, str | None], ep: int, notes: list[str]) -> str:
+    """meshplan's MoE dispatcher of `--moe-token-dispatcher-type` (flex: DeepEP)."""
+    kind = flags.get(DISPATCHER_FLAG) or "allgather"
+    if kind not in MEGATRON_DISPATCHERS:
+        raise MeshplanError(f"Megatron-LM argument {DISPATCHER_FLAG} must be one of "
+                            f"{', '.join(MEGATRON_DISPATCHERS)}, got {kind!r}")
+    if kind == "flex" and DEEPEP_FLAG not in flags:
+        notes.append(f"{DISPATCHER_FLAG} flex without {DEEPEP_FLAG}: priced as DeepEP's node-deduplicated dispatch")
+    elif ep > 1 and DISPATCHER_FLAG not in flags:
+        notes.append(f"no {DISPATCHER_FLAG}: priced as Megatron-Core's default allgather dispatcher")
+    return MEGATRON_DISPATCHERS[kind]
 
 
 class _IntReader:

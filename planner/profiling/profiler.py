@@ -38,6 +38,7 @@ from pathlib import Path
 
 from meshplan.planner.contracts.atomicfile import write_text_atomic
 from meshplan.planner.contracts.attention import ATTENTION_CHOICES, check_attention
+from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, MOE_DISPATCHERS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelGraph, graph_from_json, graph_to_json
 
@@ -56,7 +57,8 @@ _SOURCE_FILES = ("contracts/graph.py",)
 
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
             cache: bool = True, trace: bool = False, moe_imbalance: float = 1.0,
-            moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False) -> ModelGraph:
+            moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False,
+            moe_dispatcher: str = DEFAULT_MOE_DISPATCHER) -> ModelGraph:
     """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
@@ -69,8 +71,11 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     that many times the balanced tokens; the measured figures stay balanced. So are
     `moe_capacity_factor` (> 0: each expert takes at most that many times the balanced tokens,
     the rest dropped) and `moe_pad_to_capacity` (expert inputs padded to that capacity); the
-    costs they imply are `planner.costing.expert_parallel.load_factor`'s.
+    costs they imply are `planner.costing.expert_parallel.load_factor`'s. `moe_dispatcher` too
+    (`contracts.config.MOE_DISPATCHERS`; its traffic is `planner.costing.moe_dispatch`'s).
     """
+    if moe_dispatcher not in MOE_DISPATCHERS:
+        raise MeshplanError(f"--moe-dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {moe_dispatcher!r}")
     _check_args(seq, batch, dtype, attention)
     _check_imbalance(moe_imbalance)
     from meshplan.planner.models.config import check_capacity
@@ -86,20 +91,21 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
 
         check_seq_limit(config_path, seq)
     graph = _profile(spec, seq, dtype, attention, cache, trace)
-    if moe_imbalance == 1.0 and not capacity:
+    if moe_imbalance == 1.0 and not capacity and moe_dispatcher == DEFAULT_MOE_DISPATCHER:
         return graph
     if not graph.info.is_moe:
-        what = f"--moe-imbalance {moe_imbalance}" if moe_imbalance != 1.0 else f"--moe-capacity-factor {capacity:g}"
+        what = (f"--moe-imbalance {moe_imbalance}" if moe_imbalance != 1.0 else
+                f"--moe-capacity-factor {capacity:g}" if capacity else f"--moe-dispatcher {moe_dispatcher}")
         raise MeshplanError(f"{what} needs a mixture-of-experts model; {spec!r} has no experts")
     return replace(graph, info=replace(graph.info, moe_imbalance=float(moe_imbalance), moe_capacity_factor=capacity,
-                                       moe_pad_to_capacity=bool(moe_pad_to_capacity)))
+                                       moe_pad_to_capacity=bool(moe_pad_to_capacity), moe_dispatcher=moe_dispatcher))
 
 
 def profile_plan_model(model) -> ModelGraph:
     """The graph a plan's `ModelRef` stands for, as the plan was costed (its capacity factor included)."""
     return profile(model.spec, model.seq, dtype=model.dtype, attention=model.attention,
                    moe_capacity_factor=model.moe_capacity_factor or None,
-                   moe_pad_to_capacity=model.moe_pad_to_capacity)
+                   moe_pad_to_capacity=model.moe_pad_to_capacity, moe_dispatcher=model.moe_dispatcher)
 
 
 def carry_model_graph(plan):

@@ -35,6 +35,7 @@ class PlanRequest:
     moe_imbalance: float = 1.0
     moe_capacity_factor: float | None = None
     moe_pad_to_capacity: bool = False
+    moe_dispatcher: str = "alltoall"  # contracts.config.MOE_DISPATCHERS
     memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
     engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default

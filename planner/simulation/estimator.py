@@ -154,7 +154,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
-             recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None) -> Prediction:
+             recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None,
+             moe_dispatcher: str = "alltoall") -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
@@ -165,7 +166,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     (Megatron-Core's `--recompute-modules`, `contracts.config.RECOMPUTE_MODULES`);
     `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
     against what is left); `fp8_recipe`: under fp8, a name in `contracts.config.FP8_RECIPES`
-    (None: the engine's default)."""
+    (None: the engine's default); `moe_dispatcher`: how MoE tokens reach the experts
+    (`contracts.config.MOE_DISPATCHERS`, priced by `costing.moe_dispatch`)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -181,7 +183,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
-                    moe_pad_to_capacity=moe_pad_to_capacity)
+                    moe_pad_to_capacity=moe_pad_to_capacity, moe_dispatcher=moe_dispatcher)
     check_model_fit(graph, config)
     return predict(graph, cluster, config)
 
