@@ -6,12 +6,18 @@ host transfers), so an unpinned search first plans without it; only when that fi
 fits (`infeasible.NothingFits`) does it plan again with the optimizer's states offloaded, then
 with the parameters too (ZeRO-3), and records why in the plan's `solver.offload`. A profile
 without host bandwidths (the cpu profile: its device is the host) is never offloaded.
+
+Offloaded states must fit in their nodes' host memory too (`costing.offload.host_fits`, the rule
+the simulator's `fits` applies): `prune_host_memory` drops the candidates whose states cannot fit
+however the ILP places the layers (the plan's `solver.num_pruned_host_memory`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
+from meshplan.planner.costing.offload import host_fits, host_state_bytes_per_node
 from meshplan.planner.search.infeasible import NothingFits
+from meshplan.planner.search.solving import Solved
 
 # What an unpinned search tries, in order, when nothing fits without offloading.
 FALLBACK_MODES = ("optimizer", "params")
@@ -29,6 +35,32 @@ def with_offload(candidates: list, offload: str | None) -> list:
     if offload in (None, "none"):
         return candidates
     return [replace(c, offload=offload) for c in candidates if offload != "params" or c.zero == 3]
+
+
+def prune_host_memory(problems: list, tables, cluster) -> tuple[list, list]:
+    """(the problems whose offloaded states can fit in host memory, the others as pruned `Solved`)."""
+    kept, pruned = [], []
+    for problem in problems:
+        candidate = problem.candidate
+        if candidate.offload != "none":
+            if not host_fits(least_host_bytes_per_node(tables.table_for(candidate), candidate, cluster), cluster):
+                pruned.append(Solved(candidate, problem.bound_s, pruned="host_memory"))
+                continue
+        kept.append(problem)
+    return kept, pruned
+
+
+def least_host_bytes_per_node(table, candidate, cluster) -> float:
+    """A lower bound on `costing.offload.host_state_bytes_per_node` for any placement of the layers
+    of `candidate` (`table`: its cost table): every layer's least offloaded bytes (over its options:
+    layerwise plans' own tp and dp), held by each of its stage's gpus / pp GPUs, over the job's
+    nodes; the heaviest node holds at least the average. One node or whole nodes: the layers
+    spread evenly over the pipeline ranks, as the per-node rule sums them."""
+    per_rank = sum(min(option.host_state_bytes for option in table.types[t].options)
+                   for t in table.layer_type) / candidate.pp
+    if candidate.gpus <= cluster.gpus_per_node or candidate.gpus % cluster.gpus_per_node == 0:
+        return host_state_bytes_per_node([per_rank] * candidate.pp, candidate.gpus, cluster.gpus_per_node)
+    return per_rank * candidate.gpus / -(-candidate.gpus // cluster.gpus_per_node)
 
 
 def search_or_offload(search, request, **kwargs):
