@@ -117,9 +117,12 @@ def host_refusal(bytes_per_node: float, config: ParallelConfig, cluster: Cluster
     """Why `config`'s offloaded states do not fit on a node's host, and what would."""
     gpus_on_node = min(config.gpus, cluster.gpus_per_node)
     moved = {"optimizer": "optimizer states", "params": "parameters, gradients and optimizer states"}[config.offload]
-    fixes = [f"more GPUs or nodes (each node holds the states of its {cluster.gpus_per_node} GPUs)",
-             "ZeRO-3 to shard the offloaded states over more data-parallel ranks" if config.zero < 3 or
-             config.shard_group else "more data-parallel ranks to shard the offloaded states over"]
+    if config.zero == 0:  # every data-parallel rank holds all the states
+        fixes = ["--zero 1 or higher, which shards the offloaded optimizer states over the data-parallel ranks"]
+    elif config.shard_group:  # HSDP replicates them across shard groups
+        fixes = ["a larger --shard-group (HSDP keeps a copy of the states in each shard group)"]
+    else:  # ZeRO shards them over the data-parallel ranks, so each node holds 1 / nodes of them
+        fixes = ["more nodes (ZeRO shards the offloaded states over the data-parallel ranks of all of them)"]
     if config.offload == "params":
         fixes.append("--offload optimizer (the parameters and gradients stay on the GPUs)")
     return (f"does not fit in host memory: the offloaded {moved} of {gpus_on_node} GPU(s) take "
