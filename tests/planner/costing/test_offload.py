@@ -219,7 +219,7 @@ def test_the_host_bytes_per_node_of_a_worked_plan():
     assert one_node.host_state_bytes_per_node == pytest.approx(8 * LLAMA_8B_PARAMS)
 
 
-def test_estimate_simulate_and_the_search_share_one_host_rule():
+def test_estimate_simulate_and_the_search_share_one_host_rule(run_cli, tmp_path):
     """One cluster just above and one just below the worked job's host need: estimate, simulate
     (of the plan the search made) and the search's pruning all flip together."""
     from meshplan.planner.costing.offload import HOST_RESERVED_BYTES_PER_GPU
@@ -238,6 +238,11 @@ def test_estimate_simulate_and_the_search_share_one_host_rule():
     assert plan.solver["num_pruned_host_memory"] == 0
     assert simulate(plan).fits
     assert not simulate(replace(plan, cluster=tight)).fits
+    save_plan(replace(plan, cluster=tight), tmp_path / "plan.json")
+    code, out, _ = run_cli("simulate", "--plan", tmp_path / "plan.json")
+    assert code == 0 and "fits: NO" in out
+    assert f"host memory: {need / 2**30:.2f} GiB of offloaded states on the busiest node, " \
+           f"{need * 0.999 / 2**30:.2f} GiB usable" in out
     with pytest.raises(MeshplanError, match="1 candidate.s. offload more model states than their nodes' host "
                        "memory holds") as refused:
         search_plan(SMALL, tight, 2, 4, seq=128, tp=1, pp=1, zero=1, mbs=1, recompute="none", top_k=1,
