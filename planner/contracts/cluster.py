@@ -205,7 +205,8 @@ class DeviceProfile:
     # bytes/s one direction (PCIe Gen4 x16 32e9, Gen5 x16 64e9; Grace's NVLink-C2C), and the host
     # DRAM bandwidth of a whole node, which its GPUs' CPU optimizer steps share, and the node's host
     # DRAM, which holds the offloaded states of all its GPUs (`costing.offload.host_state_bytes_per_node`).
-    # 0: not described, and offloading is refused on the profile.
+    # 0: not described; without the bandwidths offloading is refused on the profile, without the
+    # host memory (profiles written before it, as older plans embed them) it is not checked.
     host_link_bw_bytes_per_s: float = 0.0
     host_memory_bw_bytes_per_s: float = 0.0
     host_memory_bytes: float = 0.0

@@ -35,6 +35,7 @@ for estimate and simulate, and prunes the search's candidates (`search.offloadin
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -60,7 +61,7 @@ def check_offload(config: ParallelConfig, cluster: ClusterProfile) -> None:
     if config.offload == "none":
         return
     device = cluster.device
-    missing = [name for name in ("host_link_bw_bytes_per_s", "host_memory_bw_bytes_per_s", "host_memory_bytes")
+    missing = [name for name in ("host_link_bw_bytes_per_s", "host_memory_bw_bytes_per_s")
                if getattr(device, name) <= 0]
     if missing:
         raise MeshplanError(
@@ -83,7 +84,10 @@ def offloaded_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes
 
 def usable_host_memory_bytes(cluster: ClusterProfile) -> float:
     """Host bytes a node leaves for offloaded states: its DRAM less `HOST_RESERVED_BYTES_PER_GPU`
-    for each of its GPUs' processes (0 when the profile describes none)."""
+    for each of its GPUs' processes. A profile without `host_memory_bytes` (one written before the
+    field, as embedded in an older plan) leaves them unchecked: inf."""
+    if cluster.device.host_memory_bytes <= 0:
+        return math.inf
     return max(0.0, cluster.device.host_memory_bytes - HOST_RESERVED_BYTES_PER_GPU * cluster.gpus_per_node)
 
 

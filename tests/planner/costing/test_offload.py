@@ -184,9 +184,17 @@ def test_every_gpu_profile_describes_its_nodes_host_memory():
     assert usable_host_memory_bytes(load_cluster("a100-40g")) == pytest.approx(1e12 - 8 * 32 * 2**30)
 
 
-def test_a_profile_without_host_memory_refuses_offloading():
-    with pytest.raises(MeshplanError, match="describes no host_memory_bytes"):
-        estimate(SMALL, _with_host_memory("a100-40g", 0.0), gpus=1, global_batch=1, seq=128, offload="optimizer")
+def test_an_older_plan_without_host_memory_still_simulates(offloaded_plan):
+    """Profiles embedded before `host_memory_bytes` existed: the host is not checked (inf)."""
+    from meshplan.planner.costing.offload import usable_host_memory_bytes
+    from meshplan.planner.simulation.simulator import simulate
+
+    data = offloaded_plan.to_json()
+    del data["cluster"]["embedded"]["device"]["host_memory_bytes"]
+    older = plan_from_json(data)
+    assert older.cluster.device.host_memory_bytes == 0.0 and usable_host_memory_bytes(older.cluster) == float("inf")
+    prediction = simulate(older)
+    assert prediction.fits and prediction.host_state_bytes_per_node > 0
 
 
 def test_the_node_sum_follows_the_pipeline_major_rank_order():
