@@ -122,8 +122,8 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     feasible = sorted((s for s in solved if s.solution is not None and s.solution.feasible),
                       key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
     if not feasible:
-        raise NothingFits(infeasible_message(graph, request, candidates)
-                          + offloading.host_note(host_pruned, tables, cluster))
+        raise NothingFits(offloading.host_refusal(host_pruned, tables, cluster, graph.spec) if host_pruned
+                          else infeasible_message(graph, request, candidates))
     feasible = _polish(feasible, request, {s.candidate: s.problem for s in solved if s.problem is not None})
     feasible = refine_best(feasible, num_keep, budget_s=request.time_limit_s / 5)  # the exact step of each, improved
     ranked = _rank_fitting(graph, request, feasible, tables, more=lambda: _solve_more(solved, problems, request))

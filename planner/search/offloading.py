@@ -50,17 +50,15 @@ def prune_host_memory(problems: list, tables, cluster) -> tuple[list, list]:
     return kept, pruned
 
 
-def host_note(pruned: list, tables, cluster) -> str:
-    """What the search's refusal adds when host memory pruned candidates (`prune_host_memory`)."""
-    if not pruned:
-        return ""
+def host_refusal(pruned: list, tables, cluster, spec: str) -> str:
+    """The search's refusal when host memory pruned candidates (`prune_host_memory`) and none was left."""
     from meshplan.planner.costing.offload import usable_host_memory_bytes
 
     least = min(least_host_bytes_per_node(tables.table_for(s.candidate), s.candidate, cluster) for s in pruned)
-    return (f"; {len(pruned)} candidate(s) offload more model states than their nodes' host memory holds (the "
-            f"leanest {least / 2**30:.1f} GiB on a node, {usable_host_memory_bytes(cluster) / 2**30:.1f} GiB usable): "
-            "use more GPUs or nodes, ZeRO-3 to shard the offloaded states over more ranks, or offload the "
-            "optimizer only")
+    return (f"no plan of {spec!r} fits: {len(pruned)} candidate(s) fit on the GPUs only by offloading more model "
+            f"states than their nodes' host memory holds (the leanest {least / 2**30:.1f} GiB on a node, "
+            f"{usable_host_memory_bytes(cluster) / 2**30:.1f} GiB usable); use more nodes (ZeRO shards the "
+            "offloaded states over all their data-parallel ranks), ZeRO-1 or higher, or offload the optimizer only")
 
 
 def least_host_bytes_per_node(table, candidate, cluster) -> float:

@@ -95,6 +95,9 @@ def test_the_search_offloads_only_when_nothing_fits_and_says_so(offloaded_plan):
 
     assert offloaded_plan.config.offload == "optimizer"
     assert offloaded_plan.prediction["fits"]
+    # 8B's fp32 Adam moments (8 bytes per parameter) over the two GPUs of one node: well inside its host
+    assert offloaded_plan.prediction["host_state_bytes_per_node"] == pytest.approx(8 * LLAMA_8B_PARAMS, rel=1e-3)
+    assert offloaded_plan.solver["num_pruned_host_memory"] == 0
     assert offloaded_plan.solver["offload"].startswith("nothing fits on the GPUs without offloading")
     assert not offloaded_plan.executable and "planned, not executed" in offloaded_plan.not_executable_reason
     roomy = search_plan("llama3-8b", "a100-40g", 4, 4, seq=1024, tp=1, pp=1, top_k=1)
@@ -251,8 +254,8 @@ def test_estimate_simulate_and_the_search_share_one_host_rule(run_cli, tmp_path)
     assert code == 0 and "fits: NO" in out
     assert f"host memory: {need / 2**30:.2f} GiB of offloaded states on the busiest node, " \
            f"{need * 0.999 / 2**30:.2f} GiB usable" in out
-    with pytest.raises(MeshplanError, match="1 candidate.s. offload more model states than their nodes' host "
-                       "memory holds") as refused:
+    with pytest.raises(MeshplanError, match="fits: 1 candidate.s. fit on the GPUs only by offloading more model "
+                       "states than their nodes' host memory holds") as refused:
         search_plan(SMALL, tight, 2, 4, seq=128, tp=1, pp=1, zero=1, mbs=1, recompute="none", top_k=1,
                     offload="optimizer")
     assert f"the leanest {need / 2**30:.1f} GiB on a node, {need * 0.999 / 2**30:.1f} GiB usable" in str(refused.value)
@@ -298,6 +301,11 @@ def test_llama3_70b_on_one_a100_is_no_longer_offered():
     assert prediction.peak_memory_bytes < cluster.device.usable_memory_bytes  # on the GPU alone it would fit
     assert prediction.host_state_bytes_per_node > 1.0e12 > usable_host_memory_bytes(cluster)
     assert not prediction.fits
+    from meshplan.planner.search.driver import search_plan
+
+    with pytest.raises(MeshplanError, match=r"no plan of 'llama3-70b' fits: 1 candidate\(s\) fit on the GPUs only by "
+                       r"offloading more model states than their nodes' host memory holds \(the leanest 1182.7 GiB"):
+        search_plan("llama3-70b", cluster, 1, 8, seq=4096, top_k=1, mbs=1, recompute="full", offload="params")
 
 
 def test_estimate_says_the_host_is_full_and_what_would_fit(run_cli):
