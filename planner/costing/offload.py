@@ -112,9 +112,10 @@ def host_state_bytes_per_node(rank_host_bytes: Sequence[float], gpus: int, gpus_
     return heaviest
 
 
-def host_fits(bytes_per_node: float, cluster: ClusterProfile) -> bool:
-    """Whether a node's offloaded states fit in its host memory (nothing offloaded always fits)."""
-    return bytes_per_node <= 0 or bytes_per_node <= usable_host_memory_bytes(cluster)
+def host_fits(bytes_per_node: float, usable_host_bytes: float) -> bool:
+    """Whether a node's offloaded states fit in the host bytes it leaves them
+    (`usable_host_memory_bytes`); nothing offloaded always fits."""
+    return bytes_per_node <= 0 or bytes_per_node <= usable_host_bytes
 
 
 def host_refusal(bytes_per_node: float, config: ParallelConfig, cluster: ClusterProfile) -> str:

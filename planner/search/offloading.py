@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from meshplan.planner.costing.offload import host_fits, host_state_bytes_per_node
+from meshplan.planner.costing.offload import host_fits, host_state_bytes_per_node, usable_host_memory_bytes
 from meshplan.planner.search.infeasible import NothingFits
 from meshplan.planner.search.solving import Solved
 
@@ -40,10 +40,11 @@ def with_offload(candidates: list, offload: str | None) -> list:
 def prune_host_memory(problems: list, tables, cluster) -> tuple[list, list]:
     """(the problems whose offloaded states can fit in host memory, the others as pruned `Solved`)."""
     kept, pruned = [], []
+    usable = usable_host_memory_bytes(cluster)
     for problem in problems:
         candidate = problem.candidate
         if candidate.offload != "none":
-            if not host_fits(least_host_bytes_per_node(tables.table_for(candidate), candidate, cluster), cluster):
+            if not host_fits(least_host_bytes_per_node(tables.table_for(candidate), candidate, cluster), usable):
                 pruned.append(Solved(candidate, problem.bound_s, pruned="host_memory"))
                 continue
         kept.append(problem)
@@ -52,8 +53,6 @@ def prune_host_memory(problems: list, tables, cluster) -> tuple[list, list]:
 
 def host_refusal(pruned: list, tables, cluster, spec: str) -> str:
     """The search's refusal when host memory pruned candidates (`prune_host_memory`) and none was left."""
-    from meshplan.planner.costing.offload import usable_host_memory_bytes
-
     least = min(least_host_bytes_per_node(tables.table_for(s.candidate), s.candidate, cluster) for s in pruned)
     return (f"no plan of {spec!r} fits: {len(pruned)} candidate(s) fit on the GPUs only by offloading more model "
             f"states than their nodes' host memory holds (the leanest {least / 2**30:.1f} GiB on a node, "

@@ -46,7 +46,7 @@ from typing import NamedTuple
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
 from meshplan.planner.costing.engine_memory import keeps_stage_outputs, transient_scale
-from meshplan.planner.costing.offload import host_state_bytes_per_node
+from meshplan.planner.costing.offload import host_fits, host_state_bytes_per_node
 from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
 from meshplan.planner.simulation.step_costs import Chunk, StepCosts, build_chunks
@@ -330,7 +330,7 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
         peak_memory_bytes=peak_bytes,
         memory=memory,
         bubble_fraction=breakdown["bubble"] / step_s if step_s > 0 else 0.0,
-        fits=peak_bytes <= costs.usable_memory_bytes and host_bytes <= costs.usable_host_memory_bytes,
+        fits=peak_bytes <= costs.usable_memory_bytes and host_fits(host_bytes, costs.usable_host_memory_bytes),
         breakdown=breakdown,
         timeline=_intervals(costs, chunks, played, tails, step_s) if timeline else (),
         memory_timeline=curves if timeline else (),
