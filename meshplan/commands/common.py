@@ -10,12 +10,21 @@ DOES_NOT_FIT_HELP = ("exit codes: 0 the configuration fits, 2 bad input or a con
                      "fit (one line on stderr; with --json: 0, and the answer is the 'fits' key), 1 an internal error")
 
 
-def does_not_fit(command: str, prediction, usable_memory_bytes: float, hint: str = "") -> int:
-    """The exit code of a printed estimate: 0, or EXIT_DOES_NOT_FIT with one line on stderr."""
+def does_not_fit(command: str, prediction, usable_memory_bytes: float, hint: str = "", *, config=None,
+                 cluster=None) -> int:
+    """The exit code of a printed estimate: 0, or EXIT_DOES_NOT_FIT with one line on stderr. With the
+    `config` and `cluster` it was priced on, a job that fits on the GPUs but not in their nodes'
+    host memory (offloading) says so and what would fit."""
     import sys
 
     if prediction.fits:
         return 0
+    if config is not None and prediction.peak_memory_bytes <= usable_memory_bytes:
+        from meshplan.planner.costing.offload import host_refusal
+
+        print(f"meshplan {command}: {host_refusal(prediction.host_state_bytes_per_node, config, cluster)}",
+              file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     print(f"meshplan {command}: does not fit: {prediction.peak_memory_bytes / GIB:.2f} GiB on the largest rank, "
           f"{usable_memory_bytes / GIB:.2f} GiB usable" + (f"; {hint.removeprefix('hint: ')}" if hint else
                                                            "; see `meshplan plan` for a layout that fits"),

@@ -86,12 +86,13 @@ def run(args) -> int:
                          prediction.step_time_s, heading.config, args.model, args.seq)
         print(json.dumps(with_overlap(data, heading.config.engine)))
         return 0
-    print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes))
+    print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes, cluster))
     print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)
-    return does_not_fit("estimate", prediction, cluster.device.usable_memory_bytes, hint)
+    return does_not_fit("estimate", prediction, cluster.device.usable_memory_bytes, hint, config=heading.config,
+                        cluster=cluster)
 
 
 _SHARDS = {1: "optimizer states", 2: "gradients too", 3: "parameters too"}

@@ -78,10 +78,11 @@ def estimate_from(args) -> int:
     heading = Heading(spec=result.spec, cluster=args.cluster, config=result.config, recompute=_recompute_text(result),
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
-    usable = load_cluster(args.cluster).device.usable_memory_bytes
-    print(format_prediction(result.prediction, heading, usable))
+    cluster = load_cluster(args.cluster)
+    usable = cluster.device.usable_memory_bytes
+    print(format_prediction(result.prediction, heading, usable, cluster))
     print(band_line(result.prediction.step_time_s, result.config, result.spec, result.seq))
-    return does_not_fit("estimate", result.prediction, usable)
+    return does_not_fit("estimate", result.prediction, usable, config=result.config, cluster=cluster)
 
 
 def _estimate_plan(args) -> int:
@@ -104,9 +105,10 @@ def _estimate_plan(args) -> int:
     heading = Heading(spec=plan.model.spec, cluster=plan.cluster.name, config=plan.config,
                       recompute=plan.config.recompute, seq=plan.model.seq)
     print(f"meshplan plan {args.from_file}")
-    print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes))
+    print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes, plan.cluster))
     print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
-    return does_not_fit("estimate", prediction, plan.cluster.device.usable_memory_bytes)
+    return does_not_fit("estimate", prediction, plan.cluster.device.usable_memory_bytes, config=plan.config,
+                        cluster=plan.cluster)
 
 
 def _recompute_text(result) -> str:

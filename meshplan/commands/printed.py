@@ -20,8 +20,9 @@ class Heading:
     seq: int | None = None
 
 
-def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) -> str:
-    """The human-readable breakdown: step time by cause, memory per stage by kind, throughput."""
+def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, cluster=None) -> str:
+    """The human-readable breakdown: step time by cause, memory per stage by kind, throughput; with
+    the `cluster` and offloading, the host memory its nodes hold."""
     step = prediction.step_time_s
     moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
     cfg = heading.config
@@ -68,10 +69,17 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float) 
     if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule) != cfg.zero:
         lines += ["", f"note: ZeRO-{cfg.zero} with the {cfg.schedule} schedule runs as ZeRO-1 (a split backward "
                       "defers gradient sync and resharding to the step's end); priced as executed"]
-    verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)"
+    on_device = prediction.peak_memory_bytes <= usable_memory_bytes
+    verdict = "yes" if prediction.fits else "NO (largest rank exceeds the device's usable memory)" if not on_device \
+        else "NO (the offloaded states exceed the host memory)"
     lines += ["", f"peak memory      {prediction.peak_memory_bytes / GIB:10.2f} GiB of {usable_memory_bytes / GIB:.2f} "
               f"GiB usable   fits: {verdict}"]
-    if not prediction.fits:
+    if prediction.host_state_bytes_per_node and cluster is not None:
+        from meshplan.planner.costing.offload import usable_host_memory_bytes
+
+        lines.append(f"host memory      {prediction.host_state_bytes_per_node / GIB:10.2f} GiB of offloaded states on "
+                     f"the busiest node, {usable_host_memory_bytes(cluster) / GIB:.2f} GiB usable")
+    if not on_device:
         lines += top_consumers(prediction)
     return "\n".join(lines)
 

@@ -108,4 +108,9 @@ def summary(plan, prediction) -> str:
     verdict = "yes" if prediction.fits else "NO"
     lines.append(f"fits: {verdict} (peak {prediction.peak_memory_bytes / scale:.2f} {unit} of {usable_gib:.2f} GiB "
                  f"usable per {plan.cluster.device.name})")
+    if prediction.host_state_bytes_per_node:  # offloading: the states a node's host holds
+        from meshplan.planner.costing.offload import usable_host_memory_bytes
+
+        lines.append(f"host memory: {prediction.host_state_bytes_per_node / GIB:.2f} GiB of offloaded states on the "
+                     f"busiest node, {usable_host_memory_bytes(plan.cluster) / GIB:.2f} GiB usable")
     return "\n".join(lines)

@@ -203,10 +203,13 @@ class DeviceProfile:
     architecture: str = ""
     # Host memory for offloaded model states (`planner.costing.offload`): one GPU's link to its host,
     # bytes/s one direction (PCIe Gen4 x16 32e9, Gen5 x16 64e9; Grace's NVLink-C2C), and the host
-    # DRAM bandwidth of a whole node, which its GPUs' CPU optimizer steps share. 0: not described,
-    # and offloading is refused on the profile.
+    # DRAM bandwidth of a whole node, which its GPUs' CPU optimizer steps share, and the node's host
+    # DRAM, which holds the offloaded states of all its GPUs (`costing.offload.host_state_bytes_per_node`).
+    # 0: not described; without the bandwidths offloading is refused on the profile, without the
+    # host memory (profiles written before it, as older plans embed them) it is not checked.
     host_link_bw_bytes_per_s: float = 0.0
     host_memory_bw_bytes_per_s: float = 0.0
+    host_memory_bytes: float = 0.0
     # A per-width factor on the GEMM size curve (`planner.costing.gemm.width_factor`): {narrowest
     # dimension of the GEMM: factor}, interpolated in log2 of the width, clamped at the ends; fitted
     # by `meshplan calibrate` on CPU to a sweep of GEMM shapes. Empty: the size curve alone.
@@ -248,7 +251,7 @@ class DeviceProfile:
                      "dtensor_optimizer_per_tensor_s", "tp_layer_overhead_s", "tp_overhead_s_per_stream_byte",
                      "sp_layer_overhead_s", "tp_loss_overhead_s", "pipeline_action_overhead_s",
                      "dp_unit_overhead_s", "dp_overhead_s_per_byte", "dtensor_redistribute_s",
-                     "host_link_bw_bytes_per_s", "host_memory_bw_bytes_per_s"):
+                     "host_link_bw_bytes_per_s", "host_memory_bw_bytes_per_s", "host_memory_bytes"):
             _check_positive("device", name, getattr(self, name), allow_zero=True)
         if self.reserved_memory_bytes >= self.memory_bytes:
             raise ValueError(f"device.reserved_memory_bytes ({self.reserved_memory_bytes:.3g}) must be below "

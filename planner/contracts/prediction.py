@@ -73,6 +73,9 @@ class Prediction:
     timeline: tuple[Interval, ...] = ()
     # Per pipeline rank: [(time_s, live bytes)] steps of the memory curve over the step.
     memory_timeline: tuple[tuple[tuple[float, float], ...], ...] = ()
+    # Offloaded model states in host memory on the heaviest node, all its GPUs summed
+    # (`costing.offload.host_state_bytes_per_node`); `fits` counts them too. 0: nothing offloaded.
+    host_state_bytes_per_node: float = 0.0
 
     @property
     def hfu(self) -> float:
@@ -96,6 +99,8 @@ class Prediction:
             "fits": self.fits,
             "breakdown": dict(self.breakdown),
         }
+        if self.host_state_bytes_per_node:  # only when offloading: the keys of other plans stay as they were
+            out["host_state_bytes_per_node"] = self.host_state_bytes_per_node
         if include_timeline:
             out["timeline"] = [asdict(i) for i in self.timeline]
             out["memory_timeline"] = [list(map(list, rank)) for rank in self.memory_timeline]

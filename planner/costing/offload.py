@@ -27,10 +27,16 @@ Time, per step on one rank owning P parameters' states (`LayerCost.owned_params`
 Bytes move at `host_link_bw_bytes_per_s` (one GPU's PCIe or C2C link, one direction).
 
 Memory: the moved states leave the device; ZeRO-3's gathered copy and the backward's transient
-gradient stay where `activation_memory` / `layer_cost` count them (buffers).
+gradient stay where `activation_memory` / `layer_cost` count them (buffers). On the host, the
+states of every GPU of a node share its DRAM (`host_memory_bytes`): their sum on the heaviest node
+(`host_state_bytes_per_node`) must fit in what the node's processes leave free
+(`usable_host_memory_bytes`). That one rule decides `Prediction.fits` for the simulator and so
+for estimate and simulate, and prunes the search's candidates (`search.offloading`).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -41,6 +47,13 @@ from meshplan.planner.costing.precision import recipe
 # The LayerCost memory fields each mode moves to host memory.
 MOVED_STATES = {"none": (), "optimizer": ("optimizer_bytes",),
                 "params": ("param_bytes", "grad_bytes", "optimizer_bytes")}
+# Host memory each GPU's training process keeps for itself, not for offloaded states: the process's
+# own resident memory (PyTorch, the CUDA and NCCL libraries and their host allocations, a few GiB),
+# its data loader's worker processes (each a forked copy of the trainer's Python state, a few GiB
+# apiece at the usual 2-4 workers) with their pinned batch buffers, the pinned staging buffers the
+# offloading engines copy through (DeepSpeed's `pin_memory`, FSDP2's pinned CPU shards), and its
+# share of the OS and page cache. 32 GiB per GPU: 1/8 of a 2 TB DGX node, 256 GiB of the node.
+HOST_RESERVED_BYTES_PER_GPU = 32 * 2**30
 
 
 def check_offload(config: ParallelConfig, cluster: ClusterProfile) -> None:
@@ -67,6 +80,61 @@ def offloaded_state_bytes(param_bytes: float, grad_bytes: float, optimizer_bytes
     moved = MOVED_STATES[offload]
     return {**{name: 0.0 if name in moved else value for name, value in states.items()},
             "host": sum(states[name] for name in moved)}
+
+
+def usable_host_memory_bytes(cluster: ClusterProfile) -> float:
+    """Host bytes a node leaves for offloaded states: its DRAM less `HOST_RESERVED_BYTES_PER_GPU`
+    for each of its GPUs' processes. A profile without `host_memory_bytes` (one written before the
+    field, as embedded in an older plan) leaves them unchecked: inf."""
+    if cluster.device.host_memory_bytes <= 0:
+        return math.inf
+    return max(0.0, cluster.device.host_memory_bytes - HOST_RESERVED_BYTES_PER_GPU * cluster.gpus_per_node)
+
+
+def host_state_bytes_per_node(rank_host_bytes: Sequence[float], gpus: int, gpus_per_node: int) -> float:
+    """Offloaded bytes on the heaviest node: `rank_host_bytes[r]` on each GPU of pipeline rank r.
+    Ranks are numbered pipeline-major (`contracts.axes`: pp outermost, so a pipeline stage is
+    gpus / pp consecutive GPUs) and filled into nodes of `gpus_per_node` in order."""
+    pp = len(rank_host_bytes)
+    if pp == 0 or gpus % pp:
+        raise ValueError(f"{gpus} GPUs do not split into {pp} pipeline stages")
+    if not any(rank_host_bytes):
+        return 0.0
+    stage_gpus = gpus // pp
+    heaviest = 0.0
+    for first in range(0, gpus, gpus_per_node):
+        last = min(first + gpus_per_node, gpus)  # GPUs [first, last) share one host
+        total = 0.0
+        for stage in range(first // stage_gpus, (last - 1) // stage_gpus + 1):
+            shared = min(last, (stage + 1) * stage_gpus) - max(first, stage * stage_gpus)
+            total += shared * rank_host_bytes[stage]
+        heaviest = max(heaviest, total)
+    return heaviest
+
+
+def host_fits(bytes_per_node: float, usable_host_bytes: float) -> bool:
+    """Whether a node's offloaded states fit in the host bytes it leaves them
+    (`usable_host_memory_bytes`); nothing offloaded always fits."""
+    return bytes_per_node <= 0 or bytes_per_node <= usable_host_bytes
+
+
+def host_refusal(bytes_per_node: float, config: ParallelConfig, cluster: ClusterProfile) -> str:
+    """Why `config`'s offloaded states do not fit on a node's host, and what would."""
+    gpus_on_node = min(config.gpus, cluster.gpus_per_node)
+    moved = {"optimizer": "optimizer states", "params": "parameters, gradients and optimizer states"}[config.offload]
+    if config.zero == 0:  # every data-parallel rank holds all the states
+        fixes = ["--zero 1 or higher, which shards the offloaded optimizer states over the data-parallel ranks"]
+    elif config.shard_group:  # HSDP replicates them across shard groups
+        fixes = ["a larger --shard-group (HSDP keeps a copy of the states in each shard group)"]
+    else:  # ZeRO shards them over the data-parallel ranks, so each node holds 1 / nodes of them
+        fixes = ["more nodes (ZeRO shards the offloaded states over the data-parallel ranks of all of them)"]
+    if config.offload == "params":
+        fixes.append("--offload optimizer (the parameters and gradients stay on the GPUs)")
+    return (f"does not fit in host memory: the offloaded {moved} of {gpus_on_node} GPU(s) take "
+            f"{bytes_per_node / 2**30:.1f} GiB on the busiest node, which leaves "
+            f"{usable_host_memory_bytes(cluster) / 2**30:.1f} GiB of its {cluster.device.host_memory_bytes / 2**30:.0f} "
+            f"GiB to them ({HOST_RESERVED_BYTES_PER_GPU / 2**30:.0f} GiB kept per GPU for its process and data "
+            f"loader); use {', or '.join(fixes)}")
 
 
 def host_times_s(owned_params: float, bwd_compute_s: float, config: ParallelConfig,

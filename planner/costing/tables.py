@@ -59,13 +59,15 @@ class OptionCost:
     # The tensor-parallel collectives of each pass, which a reduction on NVLink slows (`simulation.contention`).
     fwd_tp_s: float = 0.0
     bwd_tp_s: float = 0.0
+    # Model states offloaded to host memory (`costing.offload`), not in `static_bytes`.
+    host_state_bytes: float = 0.0
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         for name in ("fwd_s", "bwd_s", "static_bytes", "act_bytes", "buffer_bytes", "dp_comm_s",
                      "param_gather_s", "optimizer_s", "output_bytes", "comm_s", "fwd_gather_s", "bwd_gather_s",
-                     "fwd_busy_s", "bwd_busy_s", "weight_grad_s", "fwd_tp_s", "bwd_tp_s"):
+                     "fwd_busy_s", "bwd_busy_s", "weight_grad_s", "fwd_tp_s", "bwd_tp_s", "host_state_bytes"):
             value = getattr(self, name)
             if not value >= 0:  # also rejects NaN
                 raise ValueError(f"option cost {name} must be >= 0, got {value!r}")
@@ -235,7 +237,7 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1, weigh
         comm_s=fwd_comm_s + bwd_comm_s + fwd_gather_s + bwd_gather_s,
         fwd_gather_s=cost.fwd_gather_s, bwd_gather_s=cost.bwd_gather_s,
         fwd_busy_s=cost.fwd_busy_s, bwd_busy_s=cost.bwd_busy_s, weight_grad_s=weight_share * cost.bwd_compute_s,
-        fwd_tp_s=cost.tp_fwd_comm_s, bwd_tp_s=cost.tp_bwd_comm_s)
+        fwd_tp_s=cost.tp_fwd_comm_s, bwd_tp_s=cost.tp_bwd_comm_s, host_state_bytes=cost.host_state_bytes)
 
 
 def _no_worse(a: OptionCost, b: OptionCost) -> bool:

@@ -122,6 +122,7 @@ OUTCOMES = {
     "bound": "pruned: its compute lower bound cannot beat the best objectives found",
     "memory_bound": "pruned: its memory-aware lower bound cannot beat the best objectives found",
     "memory": "pruned: no assignment fits in memory",
+    "host_memory": "pruned: its offloaded states cannot fit in its nodes' host memory",
     "expert_degree": "pruned: not among the most promising expert-parallel degrees of its configuration",
 }
 

@@ -79,6 +79,8 @@ def configuration(ranked) -> dict:
 def why_not(alt, winner, limit_bytes: float) -> str:
     """What limits a runner-up against the winner, in a short phrase."""
     pa, pw = alt.prediction, winner.prediction
+    if not pa.fits and pa.peak_memory_bytes <= limit_bytes:  # on the GPUs, but not in host memory
+        return f"does not fit: {pa.host_state_bytes_per_node / GIB:.1f} GiB offloaded on a node's host"
     if not pa.fits:
         return (f"does not fit: peak {pa.peak_memory_bytes / GIB:.1f} GiB > {limit_bytes / GIB:.1f} GiB usable")
     slower = pa.step_time_s - pw.step_time_s
@@ -155,6 +157,8 @@ def explain(plan_json: dict) -> str:
              + (f", and {solver['num_pruned_expert_degree']} by the rule that solves only the most promising "
                 f"expert-parallel degrees of a configuration (not a bound)" if solver.get("num_pruned_expert_degree")
                 else "")
+             + (f", and {solver['num_pruned_host_memory']} because their offloaded states cannot fit in host "
+                f"memory" if solver.get("num_pruned_host_memory") else "")
              + f"; the winner's "
              f"ILP status is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
     return text

@@ -107,6 +107,8 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     problems, memory_pruned, tables = build_problems(graph, cluster, candidates, request.global_batch,
                                                      request.precision, pins, limit, request.layerwise,
                                                      request.time_limit_s, workers=request.workers)
+    problems, host_pruned = offloading.prune_host_memory(problems, tables, cluster)  # their nodes' host memory
+    memory_pruned += host_pruned
     num_keep = request.num_keep
     bar = _progress_bar(len(candidates), progress)
     for _ in memory_pruned:
@@ -120,7 +122,8 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     feasible = sorted((s for s in solved if s.solution is not None and s.solution.feasible),
                       key=lambda s: (s.solution.objective_s, s.candidate.sort_key))
     if not feasible:
-        raise NothingFits(infeasible_message(graph, request, candidates))
+        raise NothingFits(offloading.host_refusal(host_pruned, tables, cluster, graph.spec) if host_pruned
+                          else infeasible_message(graph, request, candidates))
     feasible = _polish(feasible, request, {s.candidate: s.problem for s in solved if s.problem is not None})
     feasible = refine_best(feasible, num_keep, budget_s=request.time_limit_s / 5)  # the exact step of each, improved
     ranked = _rank_fitting(graph, request, feasible, tables, more=lambda: _solve_more(solved, problems, request))
@@ -194,6 +197,7 @@ def _search_stats(candidates, solved: list[Solved], reranked: list[Solved]) -> d
             "num_pruned_bound": sum(s.pruned == "bound" for s in solved),
             "num_pruned_memory": sum(s.pruned == "memory" for s in solved),
             "num_pruned_memory_bound": sum(s.pruned == "memory_bound" for s in solved),
+            "num_pruned_host_memory": sum(s.pruned == "host_memory" for s in solved),
             "num_pruned_expert_degree": sum(s.pruned == "expert_degree" for s in solved),
             "num_cutoff": sum(s.solution is not None and s.solution.status == "cutoff" for s in solved),
             "num_infeasible": sum(s.solution is not None and s.solution.status == "infeasible" for s in solved),

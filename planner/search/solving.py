@@ -82,7 +82,8 @@ class Solved:
     lower_bound_s: float
     solution: StageSolution | None = None
     # "": solved; "bound": the compute bound; "memory_bound": the memory-aware bound (time once
-    # memory forces leaner options); "memory": no assignment fits (`bounds`)
+    # memory forces leaner options); "memory": no assignment fits (`bounds`); "host_memory": the
+    # offloaded states cannot fit in host memory (`offloading.prune_host_memory`)
     pruned: str = ""
     problem: StageProblem | None = field(default=None, compare=False, repr=False)  # as solved
 

@@ -46,6 +46,7 @@ from typing import NamedTuple
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
 from meshplan.planner.costing.engine_memory import keeps_stage_outputs, transient_scale
+from meshplan.planner.costing.offload import host_fits, host_state_bytes_per_node
 from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
 from meshplan.planner.simulation.step_costs import Chunk, StepCosts, build_chunks
@@ -314,6 +315,7 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
     step_s = max(tail.end_s for tail in tails)
     memory, curves = _memory(costs, chunks, played, curves=timeline)
     peak_bytes = max(m.total for m in memory)
+    host_bytes = _host_bytes_per_node(costs, chunks)
     busy = list(played.busy_s)
     busiest = busy.index(max(busy))
     breakdown = _breakdown(chunks, played.runs[busiest], tails[busiest], step_s)
@@ -328,11 +330,20 @@ def simulate_step(costs: StepCosts, timeline: bool = False) -> Prediction:
         peak_memory_bytes=peak_bytes,
         memory=memory,
         bubble_fraction=breakdown["bubble"] / step_s if step_s > 0 else 0.0,
-        fits=peak_bytes <= costs.usable_memory_bytes,
+        fits=peak_bytes <= costs.usable_memory_bytes and host_fits(host_bytes, costs.usable_host_memory_bytes),
         breakdown=breakdown,
         timeline=_intervals(costs, chunks, played, tails, step_s) if timeline else (),
         memory_timeline=curves if timeline else (),
+        host_state_bytes_per_node=host_bytes,
     )
+
+
+def _host_bytes_per_node(costs: StepCosts, chunks: list[Chunk]) -> float:
+    """The offloaded states on the heaviest node (`costing.offload.host_state_bytes_per_node`)."""
+    per_rank = [0.0] * costs.config.pp
+    for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
+        per_rank[chunks[chunk].rank] += cost.host_state_bytes
+    return host_state_bytes_per_node(per_rank, costs.config.gpus, costs.gpus_per_node)
 
 
 def _breakdown(chunks: list[Chunk], runs: tuple[_Run, ...], tail: _RankTail, step_s: float) -> dict[str, float]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from meshplan.planner.costing.communication import p2p_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.offload import usable_host_memory_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing import flops, uniform
 from meshplan.planner.contracts.config import ParallelConfig
@@ -118,6 +119,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
         hw_flops_per_step=hw_flops,
         peak_flops_per_s=cluster.device.peak_flops(COMPUTE_DTYPE[config.precision]),
         usable_memory_bytes=cluster.device.usable_memory_bytes,
+        gpus_per_node=cluster.gpus_per_node, usable_host_memory_bytes=usable_host_memory_bytes(cluster),
         grad_sync=grad_sync or grad_sync_mode(config),
         dp_link=links[0], pp_link=links[1],
         weight_grad_share=tuple(weight_grad_share(layer, graph.seq, graph.attention) for layer in graph.layers))

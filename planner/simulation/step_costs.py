@@ -34,6 +34,10 @@ class StepCosts:
     hw_flops_per_step: float = 0.0
     peak_flops_per_s: float = 0.0
     usable_memory_bytes: float = math.inf
+    # The host side of offloading (`costing.offload`): a node's GPUs, and the host bytes they leave
+    # for offloaded states (`usable_host_memory_bytes`).
+    gpus_per_node: int = 1
+    usable_host_memory_bytes: float = math.inf
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
     # "overlap": buckets launched during the last micro-batch's backward (DDP's of
     # `grad_bucket_bytes`; FSDP2 without pipelining, one per layer: `_buckets`). "overlap_every_microbatch": the

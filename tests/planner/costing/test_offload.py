@@ -95,6 +95,9 @@ def test_the_search_offloads_only_when_nothing_fits_and_says_so(offloaded_plan):
 
     assert offloaded_plan.config.offload == "optimizer"
     assert offloaded_plan.prediction["fits"]
+    # 8B's fp32 Adam moments (8 bytes per parameter) over the two GPUs of one node: well inside its host
+    assert offloaded_plan.prediction["host_state_bytes_per_node"] == pytest.approx(8 * LLAMA_8B_PARAMS, rel=1e-3)
+    assert offloaded_plan.solver["num_pruned_host_memory"] == 0
     assert offloaded_plan.solver["offload"].startswith("nothing fits on the GPUs without offloading")
     assert not offloaded_plan.executable and "planned, not executed" in offloaded_plan.not_executable_reason
     roomy = search_plan("llama3-8b", "a100-40g", 4, 4, seq=1024, tp=1, pp=1, top_k=1)
@@ -155,3 +158,170 @@ def test_train_refuses_an_offload_plan_on_cpu(tmp_path):
                                                                                   "vocab=256", 32, dtype="fp32"))))
     with pytest.raises(MeshplanError, match="offloading .optimizer. is planned, not executed"):
         check_plan_runnable(marked, 2)
+
+
+# Offloaded states against the host's memory (`costing.offload.host_state_bytes_per_node`, `host_fits`).
+
+SMALL = "llama:layers=4,hidden=512,heads=8,kv_heads=8,ffn=1024,vocab=1000"
+GPU_PROFILES = ("a100-40g", "a100-80g", "h100-sxm", "h200", "b200", "gb200-nvl72", "h100-nvl", "h100-96g-500w",
+                "mi300x")
+
+
+def _with_host_memory(name: str, host_memory_bytes: float):
+    cluster = load_cluster(name)
+    return replace(cluster, device=replace(cluster.device, host_memory_bytes=host_memory_bytes))
+
+
+def test_every_gpu_profile_describes_its_nodes_host_memory():
+    from meshplan.planner.costing.offload import HOST_RESERVED_BYTES_PER_GPU, usable_host_memory_bytes
+
+    expected = {"a100-40g": 1e12, "a100-80g": 2e12, "h100-sxm": 2e12, "h200": 2e12, "b200": 4e12,
+                "gb200-nvl72": 72 * 240e9, "h100-nvl": 2e12, "h100-96g-500w": 2e12, "mi300x": 24 * 64e9}
+    for name in GPU_PROFILES:
+        cluster = load_cluster(name)
+        assert cluster.device.host_memory_bytes == pytest.approx(expected[name]), name
+        assert usable_host_memory_bytes(cluster) == pytest.approx(
+            expected[name] - cluster.gpus_per_node * HOST_RESERVED_BYTES_PER_GPU)
+    assert load_cluster("cpu").device.host_memory_bytes == 0.0
+    # DGX A100 40GB: 1 TB less 8 x 32 GiB for the processes and data loaders
+    assert usable_host_memory_bytes(load_cluster("a100-40g")) == pytest.approx(1e12 - 8 * 32 * 2**30)
+
+
+def test_an_older_plan_without_host_memory_still_simulates(offloaded_plan):
+    """Profiles embedded before `host_memory_bytes` existed: the host is not checked (inf)."""
+    from meshplan.planner.costing.offload import usable_host_memory_bytes
+    from meshplan.planner.simulation.simulator import simulate
+
+    data = offloaded_plan.to_json()
+    del data["cluster"]["embedded"]["device"]["host_memory_bytes"]
+    older = plan_from_json(data)
+    assert older.cluster.device.host_memory_bytes == 0.0 and usable_host_memory_bytes(older.cluster) == float("inf")
+    prediction = simulate(older)
+    assert prediction.fits and prediction.host_state_bytes_per_node > 0
+
+
+def test_the_node_sum_follows_the_pipeline_major_rank_order():
+    from meshplan.planner.costing.offload import host_state_bytes_per_node
+
+    # two stages of 4 GPUs: one per 4-GPU node, both on one 8-GPU node
+    assert host_state_bytes_per_node([3.0, 5.0], gpus=8, gpus_per_node=4) == 4 * 5.0
+    assert host_state_bytes_per_node([3.0, 5.0], gpus=8, gpus_per_node=8) == 4 * 3.0 + 4 * 5.0
+    # a 3-GPU node across a stage boundary: GPUs 0, 1 (stage 0) and 2 (stage 1); then GPU 3
+    assert host_state_bytes_per_node([1.0, 10.0], gpus=4, gpus_per_node=3) == 2 * 1.0 + 10.0
+    # a job smaller than a node: its GPUs alone
+    assert host_state_bytes_per_node([7.0], gpus=2, gpus_per_node=8) == 14.0
+    assert host_state_bytes_per_node([0.0, 0.0], gpus=4, gpus_per_node=8) == 0.0
+    with pytest.raises(ValueError, match="6 GPUs do not split into 4 pipeline stages"):
+        host_state_bytes_per_node([1.0] * 4, gpus=6, gpus_per_node=8)
+
+
+def test_the_host_bytes_per_node_of_a_worked_plan():
+    # llama3-8b on 16 H100s, pp=2: each pipeline stage is one 8-GPU node, whose 8 GPUs each send
+    # the optimizer states they held on the device to the host; the heavier stage's node counts
+    kept = estimate("llama3-8b", "h100-sxm", gpus=16, global_batch=64, seq=2048, pp=2, zero=1)
+    moved = estimate("llama3-8b", "h100-sxm", gpus=16, global_batch=64, seq=2048, pp=2, zero=1, offload="optimizer")
+    assert kept.host_state_bytes_per_node == 0.0 and "host_state_bytes_per_node" not in kept.to_json()
+    by_stage = [8 * m.optimizer for m in kept.memory]
+    assert by_stage[0] != pytest.approx(by_stage[1])  # the stages differ (the embedding, the head)
+    assert moved.host_state_bytes_per_node == pytest.approx(max(by_stage), rel=1e-9)
+    assert moved.to_json()["host_state_bytes_per_node"] == moved.host_state_bytes_per_node
+    # on one node: all 8 GPUs' fp32 Adam moments (executor recipe: 8 bytes per parameter / dp)
+    one_node = _estimate("optimizer")
+    assert one_node.host_state_bytes_per_node == pytest.approx(8 * LLAMA_8B_PARAMS)
+
+
+def test_estimate_simulate_and_the_search_share_one_host_rule(run_cli, tmp_path):
+    """One cluster just above and one just below the worked job's host need: estimate, simulate
+    (of the plan the search made) and the search's pruning all flip together."""
+    from meshplan.planner.costing.offload import HOST_RESERVED_BYTES_PER_GPU
+    from meshplan.planner.search.driver import search_plan
+    from meshplan.planner.simulation.simulator import simulate
+
+    job = dict(gpus=2, global_batch=4, seq=128, zero=1, offload="optimizer")
+    need = estimate(SMALL, "a100-40g", **job).host_state_bytes_per_node
+    assert need > 0
+    reserve = 8 * HOST_RESERVED_BYTES_PER_GPU
+    roomy, tight = _with_host_memory("a100-40g", reserve + need * 1.001), _with_host_memory("a100-40g", reserve + need * 0.999)
+    assert estimate(SMALL, roomy, **job).fits and not estimate(SMALL, tight, **job).fits
+    plan = search_plan(SMALL, roomy, 2, 4, seq=128, tp=1, pp=1, zero=1, mbs=1, recompute="none", top_k=1,
+                       offload="optimizer")
+    assert plan.prediction["fits"] and plan.prediction["host_state_bytes_per_node"] == pytest.approx(need)
+    assert plan.solver["num_pruned_host_memory"] == 0
+    assert simulate(plan).fits
+    assert not simulate(replace(plan, cluster=tight)).fits
+    save_plan(replace(plan, cluster=tight), tmp_path / "plan.json")
+    code, out, _ = run_cli("simulate", "--plan", tmp_path / "plan.json")
+    assert code == 0 and "fits: NO" in out
+    assert f"host memory: {need / 2**30:.2f} GiB of offloaded states on the busiest node, " \
+           f"{need * 0.999 / 2**30:.2f} GiB usable" in out
+    with pytest.raises(MeshplanError, match="fits: 1 candidate.s. fit on the GPUs only by offloading more model "
+                       "states than their nodes' host memory holds") as refused:
+        search_plan(SMALL, tight, 2, 4, seq=128, tp=1, pp=1, zero=1, mbs=1, recompute="none", top_k=1,
+                    offload="optimizer")
+    assert f"the leanest {need / 2**30:.1f} GiB on a node, {need * 0.999 / 2**30:.1f} GiB usable" in str(refused.value)
+
+
+def test_the_search_prunes_and_counts_candidates_the_host_cannot_hold():
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing.offload import HOST_RESERVED_BYTES_PER_GPU
+    from meshplan.planner.costing.tables import build_cost_table
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.search.offloading import least_host_bytes_per_node, prune_host_memory
+    from meshplan.planner.search.solving import Solved
+
+    graph = profile(SMALL, 128)
+    cluster = load_cluster("a100-40g")
+    config = ParallelConfig(gpus=2, global_batch=4, dp=2, zero=1, offload="optimizer")
+    table = build_cost_table(graph, cluster, config, ("none",))
+    # one node, one stage: both GPUs' offloaded states, as the simulator sums them
+    need = least_host_bytes_per_node(table, config, cluster)
+    assert need == pytest.approx(estimate(SMALL, cluster, gpus=2, global_batch=4, seq=128, zero=1,
+                                          offload="optimizer", recompute="none").host_state_bytes_per_node)
+
+    class Tables:
+        def table_for(self, candidate):
+            return table
+
+    class Problem:
+        candidate, bound_s = config, 1.0
+
+    tight = _with_host_memory("a100-40g", 8 * HOST_RESERVED_BYTES_PER_GPU + need * 0.999)
+    assert prune_host_memory([Problem()], Tables(), cluster)[1] == []
+    kept, pruned = prune_host_memory([Problem()], Tables(), tight)
+    assert kept == [] and pruned == [Solved(config, 1.0, pruned="host_memory")]
+
+
+def test_llama3_70b_on_one_a100_is_no_longer_offered():
+    """All states offloaded leave 21.9 GiB on the GPU, but ~1.1 TB on a host that has 1 TB."""
+    from meshplan.planner.costing.offload import usable_host_memory_bytes
+
+    cluster = load_cluster("a100-40g")
+    job = dict(gpus=1, global_batch=8, seq=4096, zero=3, recompute="full", offload="params")
+    prediction = estimate("llama3-70b", cluster, **job)
+    assert prediction.peak_memory_bytes < cluster.device.usable_memory_bytes  # on the GPU alone it would fit
+    assert prediction.host_state_bytes_per_node > 1.0e12 > usable_host_memory_bytes(cluster)
+    assert not prediction.fits
+    from meshplan.planner.search.driver import search_plan
+
+    with pytest.raises(MeshplanError, match=r"no plan of 'llama3-70b' fits: 1 candidate\(s\) fit on the GPUs only by "
+                       r"offloading more model states than their nodes' host memory holds \(the leanest 1182.7 GiB"):
+        search_plan("llama3-70b", cluster, 1, 8, seq=4096, top_k=1, mbs=1, recompute="full", offload="params")
+
+
+def test_estimate_says_the_host_is_full_and_what_would_fit(run_cli):
+    code, out, err = run_cli("estimate", "--model", "llama3-70b", "--cluster", "a100-40g", "--gpus", "1",
+                             "--gbs", "8", "--seq", "4096", "--zero", "3", "--recompute", "full",
+                             "--offload", "params")
+    assert code == 2
+    assert "fits: NO (the offloaded states exceed the host memory)" in out
+    assert "GiB of offloaded states on the busiest node, 675.32 GiB usable" in out
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("meshplan estimate: does not fit in host memory: the offloaded parameters, gradients "
+                           "and optimizer states of 1 GPU(s) take ")
+    assert line.endswith("use more nodes (ZeRO shards the offloaded states over the data-parallel ranks of all of them), "
+                         "or --offload optimizer (the parameters and gradients stay on the GPUs)")
+    code, out, _ = run_cli("estimate", "--model", "llama3-70b", "--cluster", "a100-40g", "--gpus", "1",
+                           "--gbs", "8", "--seq", "4096", "--zero", "3", "--recompute", "full",
+                           "--offload", "params", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] is False and data["host_state_bytes_per_node"] > 1e12
