@@ -23,28 +23,19 @@ from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.state_memory import state_bytes
-from tests.planner.costing.meshes import mesh
+from tests.planner.costing.meshes import (EXPERTS, HIDDEN, SEQ, SMALL_MOE, TOP_K, expert_block,
+                                          expert_block_cost, mesh, small_moe_graph)
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
 
 H100 = load_cluster("h100-sxm")
-SEQ, HIDDEN, EXPERTS, TOP_K = 1024, 512, 16, 2
-SPEC = (f"moe:layers=4,hidden={HIDDEN},heads=8,kv_heads=4,experts={EXPERTS},top_k={TOP_K},"
-        f"expert_ffn=256,vocab=8000")
 
 
 @pytest.fixture(scope="module")
 def graph():
-    from meshplan.planner.profiling.profiler import profile
-
-    return profile(SPEC, SEQ, dtype="bf16")
+    return small_moe_graph()
 
 
-def _block(graph):
-    return next(layer for layer in graph.layers if layer.expert_params)
-
-
-def _cost(graph, info=None, **kwargs):
-    return layer_cost(_block(graph), mesh(**kwargs), H100, info or graph.info, profile_dtype="bf16")
+_block, _cost = expert_block, expert_block_cost
 
 
 def test_dispatch_bytes_are_tokens_times_top_k_times_hidden(graph):
@@ -141,13 +132,13 @@ def test_plan_json_writes_ep_only_when_on():
     from meshplan.executor.plans import uniform_plan
 
     assert "ep" not in mesh_json(ParallelConfig(gpus=8, global_batch=8, dp=8))
-    plan = uniform_plan(SPEC, SEQ, 8, H100, dp=8, ep=4, precision="bf16-mixed")
+    plan = uniform_plan(SMALL_MOE, SEQ, 8, H100, dp=8, ep=4, precision="bf16-mixed")
     data = plan.to_json()
     assert data["mesh"]["ep"] == 4
     assert plan_from_json(data).config.ep == 4
     del data["mesh"]["ep"]
     assert plan_from_json(data).config.ep == 1  # older plans: no expert parallelism
-    folded = uniform_plan(SPEC, SEQ, 8, H100, tp=2, dp=4, ep=8, etp=1, precision="bf16-mixed").to_json()
+    folded = uniform_plan(SMALL_MOE, SEQ, 8, H100, tp=2, dp=4, ep=8, etp=1, precision="bf16-mixed").to_json()
     assert folded["mesh"] == {"pp": 1, "dp": 4, "tp": 2, "etp": 1, "ep": 8}
     assert plan_from_json(folded).config.expert_tp == 1
     del folded["mesh"]["etp"], folded["mesh"]["ep"]
@@ -197,7 +188,7 @@ def _meshplan(*args):
 
 
 def test_cli_estimate_ep_and_bad_ep():
-    job = ["--model", SPEC, "--cluster", "h100-sxm", "--gpus", "16", "--gbs", "32", "--seq", str(SEQ)]
+    job = ["--model", SMALL_MOE, "--cluster", "h100-sxm", "--gpus", "16", "--gbs", "32", "--seq", str(SEQ)]
     ok = _meshplan("estimate", *job, "--ep", "4", "--json")
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
@@ -220,11 +211,11 @@ def test_plan_picks_expert_parallelism_and_says_why(graph):
     from meshplan.planner.search.assembly import explain
     from meshplan.planner.search.driver import search_plan
 
-    plan = search_plan(SPEC, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, top_k=3)
+    plan = search_plan(SMALL_MOE, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, top_k=3)
     assert plan.config.ep > 1
     text = explain(plan.to_json())
     assert f"Expert parallelism {plan.config.ep}" in text and "all-to-all" in text
-    pinned = search_plan(SPEC, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, ep=2, top_k=2)
+    pinned = search_plan(SMALL_MOE, H100, 16, 32, SEQ, graph=graph, pp=1, tp=1, ep=2, top_k=2)
     assert pinned.config.ep == 2
 
 
@@ -233,7 +224,7 @@ def test_report_shows_the_all_to_all_time_and_expert_memory_per_rank():
     from meshplan.planner.simulation.simulator import simulate
     from meshplan.reports import build_report
 
-    plan = uniform_plan(SPEC, SEQ, 32, H100, dp=16, ep=8, precision="bf16-mixed")
+    plan = uniform_plan(SMALL_MOE, SEQ, 32, H100, dp=16, ep=8, precision="bf16-mixed")
     prediction = simulate(plan, timeline=False)
     html = build_report(plan.with_prediction(prediction.to_json()))
     assert "of which experts" in html and "expert parallelism ep=8" in html

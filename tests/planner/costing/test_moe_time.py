@@ -12,26 +12,19 @@ from meshplan.planner.costing import gemm, moe_compute
 from meshplan.planner.costing.collectives import collective_time_s, group_placement
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
-from tests.planner.costing.meshes import mesh
+from tests.planner.costing.meshes import (EXPERT_FFN, EXPERTS, HIDDEN, SEQ, SMALL_MOE, TOP_K, expert_block,
+                                          expert_block_cost, mesh, small_moe_graph)
 
 H100 = load_cluster("h100-sxm")
-SEQ, HIDDEN, EXPERTS, TOP_K, WIDTH = 1024, 512, 16, 2, 256
-SPEC = f"moe:layers=4,hidden={HIDDEN},heads=8,kv_heads=4,experts={EXPERTS},top_k={TOP_K},expert_ffn={WIDTH},vocab=8000"
+WIDTH = EXPERT_FFN
 
 
 @pytest.fixture(scope="module")
 def graph():
-    from meshplan.planner.profiling.profiler import profile
-
-    return profile(SPEC, SEQ, dtype="bf16")
+    return small_moe_graph()
 
 
-def _block(graph):
-    return next(layer for layer in graph.layers if layer.expert_params)
-
-
-def _cost(graph, info=None, **kwargs):
-    return layer_cost(_block(graph), mesh(**kwargs), H100, info or graph.info, profile_dtype="bf16")
+_block, _cost = expert_block, expert_block_cost
 
 
 @pytest.mark.parametrize("tp,etp,ep,mbs,rows", [
@@ -234,7 +227,7 @@ def test_the_dense_parts_linears_are_priced_by_shape_as_a_dense_blocks():
     from meshplan.planner.costing.device_time import infer_seq
     from meshplan.planner.profiling.profiler import profile
 
-    shared = profile(SPEC + ",shared_experts=1,dense_layers=1,ffn=1024", SEQ, dtype="bf16")
+    shared = profile(SMALL_MOE + ",shared_experts=1,dense_layers=1,ffn=1024", SEQ, dtype="bf16")
     info = shared.info
     dense_first, moe = shared.layers[1], shared.layers[2]
     assert not dense_first.expert_params and moe.expert_params
