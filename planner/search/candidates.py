@@ -109,6 +109,9 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     sequence_split = info.family not in NO_SEQUENCE_SPLIT_FAMILIES
     out = []
     layouts: dict[tuple[int, int], list] = {}  # (tp, dp * cp) -> expert_layouts, asked in the innermost loop
+    # (tp, cp, mbs, sp) -> the CP methods not searched there (`dominated_cp_methods`); precision
+    # and engine are the call's. A pinned method is searched whatever dominates it.
+    dominated: dict[tuple, frozenset[str]] = {}
     for tp in divisors(gpus):
         # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
         if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
@@ -143,9 +146,12 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                 key = (tp, dp * cp)
                                 if key not in layouts:
                                     layouts[key] = expert_layouts(info, tp, dp * cp, pins)
+                                methods = cp_methods(facts, tp, cp, pins.cp_method)
                                 for (etp, ep), method in ((layout, method) for layout in layouts[key]
-                                                          for method in cp_methods(facts, tp, cp, pins.cp_method)):
+                                                          for method in methods):
                                     if engine in NO_PIPELINE_ENGINES and ep > 1:
+                                        continue
+                                    if method in dominated.get((tp, cp, mbs, sp), ()):
                                         continue
                                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
                                                               dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
@@ -153,10 +159,13 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                                               precision=precision, shard_group=group, ep=ep,
                                                               etp=etp, engine=engine, fp8_recipe=fp8_recipe,
                                                               cp_method=method))
+                                    if len(methods) > 1 and (tp, cp, mbs, sp) not in dominated:
+                                        # decided once per (tp, cp, mbs, sp), before the other axes multiply it
+                                        dominated[tp, cp, mbs, sp] = dominated_cp_methods(graph, cluster, out[-1])
+                                        if out[-1].cp_method in dominated[tp, cp, mbs, sp]:
+                                            out.pop()
     # The default space is what the executor runs; only pins that leave nothing else keep the
     # rest, and the plan then says why `train` refuses it (`costing.executable`).
-    if pins.cp_method is None:
-        out = _without_dominated_cp_methods(out, graph, cluster)
     runnable = [c for c in out if why_not_executable(c, facts) is None]
     return sorted(runnable or out, key=lambda c: c.sort_key)
 
@@ -211,21 +220,6 @@ def cp_methods(model, tp: int, cp: int, pinned: str | None) -> list[str]:
         return [DEFAULT_CP_METHOD]
     methods = CP_METHODS if pinned is None else (pinned,)
     return [method for method in methods if not cp_split_problem(model, cp, method=method, tp=tp)]
-
-
-def _without_dominated_cp_methods(configs: list[ParallelConfig], graph, cluster) -> list[ParallelConfig]:
-    """`configs` but those whose CP method another method dominates (`dominated_cp_methods`)."""
-    dropped: dict[tuple, frozenset[str]] = {}
-    out = []
-    for c in configs:
-        if c.cp > 1:
-            key = (c.tp, c.cp, c.microbatch_size, c.sp, c.precision, c.engine)
-            if key not in dropped:
-                dropped[key] = dominated_cp_methods(graph, cluster, c)
-            if c.cp_method in dropped[key]:
-                continue
-        out.append(c)
-    return out
 
 
 def dominated_cp_methods(graph, cluster, config: ParallelConfig) -> frozenset[str]:

@@ -3,6 +3,7 @@ and a first lower bound on its objective, as `solving.solve_candidates` takes th
 candidates proven not to fit, or dominated by a rule, come back solved as pruned."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from functools import partial
 
@@ -24,14 +25,21 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     recompute_options = (pins.recompute,) if pins.recompute else RECOMPUTE
     strategies = strategies_of(candidates)
     sibling_of = {} if layerwise else _zero1_siblings(strategies)
-    built_now = [(c, st) for c, st in zip(candidates, strategies) if st not in sibling_of]
-    built = build_tables(graph, cluster, [c for c, _ in built_now], [st for _, st in built_now], recompute_options,
-                         layerwise, workers)
+    build = partial(build_tables, graph, cluster, recompute_options=recompute_options, layerwise=layerwise,
+                    workers=workers)
+    built, too_big = ({}, set()) if layerwise else _static_memory_scan(candidates, strategies, sibling_of, build, limit)
+    sibling_of = {st: sibling for st, sibling in sibling_of.items() if sibling not in too_big}
+    built_now = [(c, st) for c, st in zip(candidates, strategies)
+                 if st not in sibling_of and st not in too_big and st not in built]
+    built.update(build([c for c, _ in built_now], [st for _, st in built_now]))
     tables = TableCache(graph, cluster, recompute_options, built)
     problems, pruned, with_table = [], [], []
     weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
     for candidate, strategy in zip(candidates, strategies):
         tables.record(candidate, strategy)
+        if strategy in too_big:  # its resident bytes exceed memory at any micro-batch: no table built
+            pruned.append(Solved(candidate, math.inf, pruned="memory"))
+            continue
         # Replaying a schedule for its step factor is the costly part: until the candidate comes
         # up for solving, its problem carries the floor and its bound is the compute bound at it.
         make_floor = partial(_floor_problem, tables, strategy, candidate, cluster, limit, time_limit_s)
@@ -56,6 +64,31 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         if id(item) in kept:
             item.floor_problem()
     return problems, pruned + dominated, tables
+
+
+def _static_memory_scan(candidates, strategies, sibling_of: dict, build, limit: float) -> tuple[dict, set]:
+    """(the tables built, the strategies whose resident bytes alone exceed `limit`).
+
+    Parameters, gradients and optimizer states do not depend on the micro-batch size
+    (`static_key`), so one table per group of strategies equal but for it tells whether the
+    group's least resident bytes fit (`solving.min_static_bytes`); the tables of groups that do
+    not are never built (the table build was the largest cost of a MoE search of many expert layouts)."""
+    first: dict = {}
+    for candidate, strategy in zip(candidates, strategies):
+        if strategy not in sibling_of:
+            first.setdefault(static_key(strategy), (candidate, strategy))
+    built = build([c for c, _ in first.values()], [st for _, st in first.values()])
+    doomed = {key for key, (candidate, strategy) in first.items()
+              if min_static_bytes(built[strategy], candidate.pp) > limit}
+    return built, {st for st in set(strategies) if static_key(st) in doomed}
+
+
+def static_key(strategy: ParallelConfig) -> tuple:
+    """Every field of a strategy (`table_cache.strategies_of`) but its micro-batch size: what its
+    layers' resident bytes (parameters, gradients, optimizer states) depend on."""
+    s = strategy
+    return (s.tp, s.dp, s.zero, s.recompute, s.sp, s.precision, s.pp, s.shard_group, s.cp, s.ep, s.etp, s.engine,
+            s.offload, s.fp8_recipe, s.recompute_modules, s.cp_method)
 
 
 def _floor_problem(tables: TableCache, strategy, candidate: ParallelConfig, cluster, limit: float,

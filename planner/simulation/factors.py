@@ -40,6 +40,27 @@ def _unit_play(schedule: str, num_stages: int, num_microbatches: int, virtual_st
     return _play(costs, with_weight_grad(costs, build_chunks(costs)), record=record)
 
 
+def _shared_play(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, bwd_over_fwd: float,
+                 weight_share: float):
+    """The recorded unit play that `step_factor` and `reduction_windows` read alike: a schedule
+    without a split backward plays the same at every W share, so both read one play."""
+    from meshplan.planner.contracts.schedule import schedule_spec
+
+    if not schedule_spec(schedule).split_backward:
+        weight_share = REDUCTION_WEIGHT_SHARE
+    return _recorded_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, weight_share)
+
+
+# The W share the reduction windows are played at (their split-backward schedules' W runs late).
+REDUCTION_WEIGHT_SHARE = 0.5
+
+
+@lru_cache(maxsize=8)  # a candidate asks for its step factor and then its windows: one play for both
+def _recorded_play(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, bwd_over_fwd: float,
+                   weight_share: float):
+    return _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, weight_share, True)
+
+
 @lru_cache(maxsize=1024)
 def reduction_windows(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
                       bwd_over_fwd: float = 2.0) -> tuple[tuple[tuple[float, float, float], ...], ...]:
@@ -55,7 +76,8 @@ def reduction_windows(schedule: str, num_stages: int, num_microbatches: int, vir
     if num_stages == 1:  # F B F B ...: the executor's accumulation, no idle
         every = [tuple((float(k), float(k - 1), 0.0) for k in range(1, num_microbatches + 1))]
     else:
-        played = _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, 0.5, True)
+        played = _shared_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd,
+                              REDUCTION_WEIGHT_SHARE)
         every = [_windows_of(runs, virtual_stages, virtual_stages * (1.0 + bwd_over_fwd)) for runs in played.runs]
     return tuple(_binding(windows) for windows in every)
 
@@ -122,6 +144,6 @@ def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_s
         return float(num_microbatches)
     # Unit chunks have no reduction, optimizer or memory: the step ends with the last action
     # (what `simulate_step` reports for them, without its tails, memory and breakdown).
-    played = _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, weight_share, False)
+    played = _shared_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, weight_share)
     step_s = max(runs[-1].end_s for runs in played.runs)
     return step_s / (virtual_stages * (1.0 + bwd_over_fwd))

@@ -251,6 +251,21 @@ def test_a_method_dominated_at_a_configuration_is_not_searched(graph):
     assert dominated_cp_methods(graph, H100, mesh(tp=1, cp=1)) == frozenset()
 
 
+def test_the_search_leaves_out_exactly_the_dominated_methods(graph):
+    """Enumeration decides dominance once per (tp, cp, micro-batch, SP): its candidates are every
+    method's (each pinned in turn: a pinned method is searched whatever dominates it) but those
+    `dominated_cp_methods` rules out at their own configuration, and both methods remain."""
+    from meshplan.planner.contracts.config import CP_METHODS
+    from meshplan.planner.search.candidates import Pins, dominated_cp_methods, enumerate_candidates
+
+    searched = enumerate_candidates(graph, H100, 64, 64, Pins(), 2)
+    every = [c for method in CP_METHODS for c in enumerate_candidates(graph, H100, 64, 64, Pins(cp_method=method), 2)]
+    kept = {c for c in every if c.cp == 1 or c.cp_method not in dominated_cp_methods(graph, H100, c)}
+    assert set(searched) == kept and len(searched) == len(kept)
+    assert {c.cp_method for c in searched if c.cp > 1} == set(CP_METHODS)
+    assert len(kept) < len(set(every))
+
+
 def test_plan_pins_the_method_and_refuses_heads_it_cannot_split(run_cli, tmp_path):
     spec = "llama:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,vocab=256"
     common = ("plan", "--model", spec, "--seq", "64", "--cluster", "cpu", "--gbs", "4")

@@ -125,3 +125,23 @@ def test_windows_give_the_engines_exposure_on_balanced_chunks(schedule, pp, num_
         assert 1 <= len(reduction_windows(shape, rank)) <= 7  # the rows per rank the README states
         engine = max(0.0, tail.dp_end_s - tail.compute_end_s)
         assert rows - 1e-9 <= engine <= rows + 2.0 / per_chunk + 1e-9, (rank, rows, engine)
+
+
+def test_step_factor_and_windows_share_one_play(monkeypatch):
+    """A shape's step factor and reduction windows read one play of the schedule; a schedule
+    without a split backward plays alike at every W share, so its factor does not depend on it,
+    while a zero-bubble schedule's does and gets its own play."""
+    from meshplan.planner.simulation import factors
+
+    plays = []
+    real = factors._unit_play
+    monkeypatch.setattr(factors, "_unit_play", lambda *args: plays.append(args) or real(*args))
+    for cached in (factors._recorded_play, factors.step_factor, factors.reduction_windows):
+        cached.cache_clear()
+    one_f_one_b = factors.step_factor("1f1b", 4, 8, 1, 2.0, 0.3)
+    factors.reduction_windows("1f1b", 4, 8, 1, 2.0)
+    assert len(plays) == 1 and factors.step_factor("1f1b", 4, 8, 1, 2.0, 0.7) == one_f_one_b == 11.0
+    zero_bubble = factors.step_factor("zb-interleaved", 4, 8, 2, 2.0, 0.3)
+    factors.reduction_windows("zb-interleaved", 4, 8, 2, 2.0)
+    assert len(plays) == 3 and zero_bubble != factors.step_factor("zb-interleaved", 4, 8, 2, 2.0, 0.5)
+    assert len(plays) == 3  # the windows' play at W share 0.5 serves the factor there too

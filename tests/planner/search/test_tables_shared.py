@@ -65,3 +65,39 @@ def test_tables_left_for_later_are_built_on_first_use_and_the_same():
     assert item.exact_problem().table is problem.table  # the exact problem replays the schedule on the same table
     for other in problems[:20]:
         assert tables.table_for(other.candidate) == build_cost_table(graph, cluster, cost_config(other.candidate))
+
+
+def test_resident_bytes_do_not_depend_on_the_micro_batch(monkeypatch):
+    """`problems.static_key` leaves the micro-batch out: strategies equal but for it have the same
+    least resident bytes, and the search prunes by memory exactly the candidates a table of their
+    own prunes (`solving.min_static_bytes`), without building the tables of groups that do not fit."""
+    from meshplan.planner.search import problems as problems_module
+    from meshplan.planner.search.solving import min_static_bytes
+
+    cluster, graph, candidates = _case()
+    candidates = [c for c in candidates if c.schedule_spec.searched]
+    strategies = {cost_config(c): c for c in candidates}
+    least: dict = {}
+    for strategy in strategies:
+        least.setdefault(problems_module.static_key(strategy), set()).add(
+            build_cost_table(graph, cluster, strategy).least_static_bytes)
+    assert all(len(values) == 1 for values in least.values())
+    assert max(len({s.microbatch_size for s in strategies if problems_module.static_key(s) == key})
+               for key in least) > 1
+    sizes = sorted(next(iter(values)) for values in least.values())
+    limit = sizes[len(sizes) // 2]  # half the groups do not fit
+    built_ones = []
+    real_build = table_cache.build_tables
+
+    def counting_build(*args, **kwargs):
+        out = real_build(*args, **kwargs)
+        built_ones.extend(out)
+        return out
+
+    monkeypatch.setattr(problems_module, "build_tables", counting_build)
+    problems, pruned, _ = problems_module.build_problems(graph, cluster, candidates, 64, "bf16-mixed", Pins(), limit,
+                                                         False, 10.0)
+    memory = {s.candidate for s in pruned if s.pruned == "memory"}
+    expected = {c for c in candidates if min_static_bytes(build_cost_table(graph, cluster, cost_config(c)), c.pp) > limit}
+    assert memory == expected and memory
+    assert len(built_ones) == len(set(built_ones)) < len(strategies)
