@@ -8,10 +8,10 @@ Fit sets:
 - `a100`: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM" (SC21, arXiv:2104.04473), Table 1.
 - `h100`: Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4, the two
-  rows without context parallelism. The Megatron-LM README's H100 weak-scaling table (GPT 2B to
-  462B on up to 6144 H100s) would belong here, but the README publishes it only as an image
-  (`images/model_table.png`); its per-model settings and TFLOP/s could not be transcribed from
-  a text source reliably, so it is not used.
+  rows without context parallelism; and the Megatron-LM README's H100 weak-scaling table (GPT
+  1.7B to 462B on 48 to 6144 H100s, Megatron-Core), every row: the README prints it as an image
+  (`images/model_table.png`), transcribed by hand with every column, and the printed MFU and
+  aggregate columns check the transcription (`MEGATRON_LM_H100_TABLE`).
 - `fabric`: NVIDIA's published nccl-tests all-reduce bus bandwidths (one row per profile), which
   fit each profile's inter-node link efficiency.
 
@@ -275,8 +275,10 @@ MEGATRON_LM_H100_ASSUMPTIONS = (
     "virtual stages per rank not published: 1 and every even split of a rank's layers into at most "
     "4 chunks; fits weigh the options equally",
     "GPT shape: 4h MLP, untied embedding (the parameter counts match: 24 x 12 x 2048^2 + 2 x "
-    "131072 x 2048 = 1.75B for '1.7B'); flash attention (Transformer Engine's fused attention)",
+    "131072 x 2048 = 1.74B for '1.7B'); flash attention (Transformer Engine's fused attention)",
     "model TFLOP/s in meshplan's MFU convention (attention counted in full, no recomputation)",
+    "priced as --engine megatron: the README's overlap flags are the ones that engine's overlap "
+    "prices; the Megatron-Core release of mid-2024 that ran it is not named",
 )
 
 
