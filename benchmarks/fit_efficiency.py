@@ -9,8 +9,10 @@ What is fitted, on what (the runs are in `published_runs.py`):
   all-reduce bus bandwidths (the `fabric` set), one figure each, solved exactly.
 - a100-80g `matmul_efficiency`, `matmul_half_efficiency_flops`,
   `elementwise_bytes_per_activation_byte`: on Narayanan et al. 2021 Table 1 (fit set `a100`).
-- h100-sxm `matmul_efficiency`: on Llama 3 Table 4 (fit set `h100`), every unpublished
-  virtual-stage count weighed equally (two runs cannot carry more than one parameter).
+- h100-sxm `matmul_efficiency`: on Llama 3 Table 4 and the Megatron-LM README's H100
+  weak-scaling table (fit set `h100`), every unpublished virtual-stage count weighed equally
+  (one parameter, as before the README's rows joined: Llama 3's two runs cannot carry more, and
+  the README's rows share the others with A100's fit).
   Its `elementwise_bytes_per_activation_byte` is A100's (bytes the non-GEMM kernels move per
   byte saved: a property of the kernels, not of the silicon) and its
   `matmul_half_efficiency_flops` is A100's scaled by the ratio of bf16 peaks (the same fixed
@@ -277,7 +279,7 @@ def mi300x_values(h100: dict[str, float]) -> dict[str, float]:
 
 
 A100_NOTE = "Narayanan 2021 T1"
-H100_NOTE = "Llama 3 T4"
+H100_NOTE = "Llama 3 T4 + Megatron-LM README H100"
 
 
 def format_value(value: float) -> str:
@@ -307,7 +309,7 @@ def fit_comment(name: str, source: str, key: str) -> str:
     if key == "fp8_matmul_efficiency":
         return "solved from torchao float8 README's 1.39x by benchmarks/fit_efficiency.py (no run)"
     if name == "mi300x" and key == "matmul_efficiency":
-        return "h100-sxm's Llama 3 T4 fit x MAMF 60.1% / 80.1% (ml-engineering)"
+        return f"h100-sxm's {H100_NOTE} fit x MAMF 60.1% / 80.1% (ml-engineering)"
     if source == "h100-sxm" and key == "matmul_half_efficiency_flops":
         comment = "a100-80g's Narayanan 2021 T1 fit x the bf16 peak ratio 989/312 (benchmarks/fit_efficiency.py)"
     else:

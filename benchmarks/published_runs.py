@@ -8,10 +8,10 @@ Fit sets:
 - `a100`: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
   Using Megatron-LM" (SC21, arXiv:2104.04473), Table 1.
 - `h100`: Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4, the two
-  rows without context parallelism. The Megatron-LM README's H100 weak-scaling table (GPT 2B to
-  462B on up to 6144 H100s) would belong here, but the README publishes it only as an image
-  (`images/model_table.png`); its per-model settings and TFLOP/s could not be transcribed from
-  a text source reliably, so it is not used.
+  rows without context parallelism; and the Megatron-LM README's H100 weak-scaling table (GPT
+  1.7B to 462B on 48 to 6144 H100s, Megatron-Core), every row: the README prints it as an image
+  (`images/model_table.png`), transcribed by hand with every column, and the printed MFU and
+  aggregate columns check the transcription (`MEGATRON_LM_H100_TABLE`).
 - `fabric`: NVIDIA's published nccl-tests all-reduce bus bandwidths (one row per profile), which
   fit each profile's inter-node link efficiency.
 
@@ -242,6 +242,63 @@ def llama3_runs() -> list[Run]:
             for gpus, tflops in ((8192, 430.0), (16384, 400.0))]
 
 
+# Megatron-LM README, "Training Speed and Scalability" (the table is the image
+# images/model_table.png, read at commit d98e8a64ddf34856e74b24714e3bedb2f5a39553; the image last
+# changed in f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, 2024-07-15). Stated in the README's text:
+# GPT models, vocab 131,072, sequence 4096, up to 6144 H100 GPUs, DP overlap
+# (--overlap-grad-reduce --overlap-param-gather), TP overlap (--tp-comm-overlap) and PP overlap.
+MEGATRON_LM_H100 = ("Megatron-LM README, Training Speed and Scalability, images/model_table.png "
+                    "(commit d98e8a64ddf34856e74b24714e3bedb2f5a39553; image of 2024-07-15)")
+VOCAB_131072, SEQ_4096 = 131072, 4096
+# (name, heads, hidden, layers, tp, pp, dp, gpus, batch size, per-GPU teraFLOP/s, MFU %, aggregate
+# petaFLOP/s), every row and column as printed; MFU and the aggregate are kept to check the
+# transcription (MFU is the TFLOP/s over 989, H100 SXM's dense BF16 peak, to its rounding).
+MEGATRON_LM_H100_TABLE = [
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6),
+    ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 47, 44.7),
+    ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1, 49, 93.9),
+    ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6, 46, 176.5),
+    ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7, 42, 322.3),
+    ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5, 43, 645.9),
+    ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8, 44, 997.2),
+    ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4, 48, 1457.4),
+    ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, 47, 2825.6),
+]
+MEGATRON_LM_H100_ASSUMPTIONS = (
+    # implied, not stated: Megatron-LM accepts --tp-comm-overlap only with --sequence-parallel and
+    # --overlap-param-gather only with --use-distributed-optimizer
+    "sequence parallelism wherever TP > 1, and the distributed optimizer (ZeRO 1): both implied by "
+    "the overlap flags the README names",
+    "BF16 (the README does not name the precision; its MFU column is TFLOP/s over the BF16 peak)",
+    "micro-batch 1 (not published)",
+    "no activation recomputation (not published; Megatron-LM's default)",
+    "virtual stages per rank not published: 1 and every even split of a rank's layers into at most "
+    "4 chunks; fits weigh the options equally",
+    "GPT shape: 4h MLP, untied embedding (the parameter counts match: 24 x 12 x 2048^2 + 2 x "
+    "131072 x 2048 = 1.74B for '1.7B'); flash attention (Transformer Engine's fused attention)",
+    "model TFLOP/s in meshplan's MFU convention (attention counted in full, no recomputation)",
+    "priced as --engine megatron: the README's overlap flags are the ones that engine's overlap "
+    "prices; the Megatron-Core release of mid-2024 that ran it is not named",
+)
+
+
+def megatron_lm_h100_runs() -> list[Run]:
+    """Every row of the README's H100 weak-scaling table (fit set h100); each layout (TP, PP, DP,
+    GPUs, batch) is printed in full, so no row is skipped."""
+    runs = []
+    for name, heads, hidden, layers, tp, pp, dp, gpus, gbs, tflops, _mfu, _aggregate in MEGATRON_LM_H100_TABLE:
+        if tp * pp * dp != gpus:
+            raise ValueError(f"Megatron-LM H100 {name}: TP {tp} x PP {pp} x DP {dp} != {gpus} GPUs")
+        per_rank = layers // pp
+        vpp_options = tuple(v for v in range(1, 5) if per_rank % v == 0) if pp > 1 else (1,)
+        runs.append(Run(f"Megatron-LM H100 GPT {name} tp{tp} pp{pp} dp{dp}", "h100", MEGATRON_LM_H100, "h100-sxm",
+                        gpt_spec(layers, hidden, heads, VOCAB_131072) + ",tied=false", gpus, gbs, SEQ_4096,
+                        tp=tp, pp=pp, zero=1, sp=tp > 1, vpp_options=vpp_options,
+                        published_model_tflops_per_gpu=tflops, assumptions=MEGATRON_LM_H100_ASSUMPTIONS,
+                        engine="megatron"))
+    return runs
+
+
 # MPT shapes from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (layers, d_model, heads);
 # GPT-style blocks (no biases, ALiBi instead of learned positions, tied embedding, vocab 50368).
 # The `gpt:` spec keeps biases and a learned position table: its parameter count is within 0.1%
@@ -447,7 +504,7 @@ FABRIC_RUNS = [
 
 
 def all_runs() -> list[Run]:
-    return (narayanan_runs() + llama3_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
+    return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
             + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
 
 

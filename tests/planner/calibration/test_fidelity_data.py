@@ -34,9 +34,9 @@ def configuration(run):
 
 def test_fit_sets_and_held_out_are_disjoint(modules):
     data, _ = modules
-    fit = data.fit_runs("a100") + data.fit_runs("h100")
+    fit = data.fit_runs("a100") + data.fit_runs("h100")  # 10 Narayanan + 2 Llama 3 + 9 Megatron-LM README
     held = data.held_out_runs()
-    assert len(fit) == 12 and len(held) > 100
+    assert len(fit) == 21 and len(held) > 100
     assert not {r.name for r in fit} & {r.name for r in held}
     assert not {configuration(r) for r in fit} & {configuration(r) for r in held}
     assert not {r.source for r in fit} & {r.source for r in held}  # no source is split between them
@@ -96,6 +96,28 @@ def test_mpt_table_transcription_is_consistent(modules):
     assert len(runs) == 191
     graph = fit.graph_of(data.gpt_spec(80, 8192, 64, data.MPT_VOCAB), 2048, "flash")
     assert sum(layer.num_params for layer in graph.layers) == pytest.approx(64862437376, rel=1e-3)
+
+
+def test_megatron_lm_h100_table_transcription_is_consistent(modules):
+    """Every row of the Megatron-LM README's H100 table: TP x PP x DP = GPUs, the printed MFU is
+    the TFLOP/s over 989 and the aggregate is TFLOP/s x GPUs (to the table's rounding), and the
+    GPT shape gives the size its name states (4h MLP, untied embedding, vocab 131072: 5%)."""
+    data, fit = modules
+    table = data.MEGATRON_LM_H100_TABLE
+    assert len(table) == 9
+    for name, heads, hidden, layers, tp, pp, dp, gpus, gbs, tflops, mfu, aggregate in table:
+        assert tp * pp * dp == gpus and hidden % heads == 0, name
+        assert round(tflops / 989.0 * 100) == mfu, name
+        assert tflops * gpus / 1000 == pytest.approx(aggregate, abs=0.06), name
+        params = 12 * layers * hidden**2 + 2 * data.VOCAB_131072 * hidden
+        assert params == pytest.approx(float(name.rstrip("B")) * 1e9, rel=0.05), name
+    runs = data.megatron_lm_h100_runs()
+    assert {run.group for run in runs} == {"h100"} and set(runs) <= set(data.fit_runs("h100"))
+    assert all(run.engine == "megatron" and run.zero == 1 and run.sp == (run.tp > 1) for run in runs)
+    # the spec costs that shape: 1.7B is 24 x 12 x 2048^2 + 2 x 131072 x 2048 weights, plus biases,
+    # norms and the 4096-position table (under 1%)
+    graph = fit.graph_of(runs[0].spec, runs[0].seq, runs[0].attention)
+    assert sum(layer.num_params for layer in graph.layers) == pytest.approx(1744830464, rel=0.01)
 
 
 def test_least_squares_recovers_a_box_constrained_minimum(modules):
