@@ -16,11 +16,18 @@ from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
-from tests.planner.costing.meshes import mesh
+from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.models.config import check_capacity
-
 # the small MoE model and its profile, shared with the EP cost tests
-from tests.planner.costing.test_expert_parallel import EXPERTS, H100, HIDDEN, SEQ, SPEC, TOP_K, graph  # noqa: E402,F401
+from tests.planner.costing.meshes import EXPERTS, HIDDEN, SEQ, TOP_K, expert_block, mesh, small_moe_graph
+from tests.planner.costing.meshes import SMALL_MOE as SPEC
+
+H100 = load_cluster("h100-sxm")
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return small_moe_graph()
 
 
 def _info(graph, imbalance, capacity, pad=False):
@@ -28,8 +35,7 @@ def _info(graph, imbalance, capacity, pad=False):
 
 
 def _cost(graph, info, **kwargs):
-    block = next(layer for layer in graph.layers if layer.expert_params)
-    return layer_cost(block, mesh(**kwargs), H100, info, profile_dtype="bf16")
+    return layer_cost(expert_block(graph), mesh(**kwargs), H100, info, profile_dtype="bf16")
 
 
 @pytest.mark.parametrize("imbalance,capacity,pad,load,dropped", [
