@@ -23,15 +23,24 @@ PRECISION_RECIPE_TEXT = {
 }
 
 
-# How context-parallel ranks attend, by `ParallelConfig.cp_method` (`contracts.config.CP_METHODS`).
-CP_METHOD_TEXT = {
-    "all-gather": "K and V all-gathered before attention",
-    "ulysses": "Ulysses: all-to-alls trade sequence shards for head shards around attention",
+# How context-parallel ranks attend: Ulysses (`ParallelConfig.cp_method`), else the K/V exchange
+# the plan's engine runs (`contracts.overlap.EngineOverlap.cp_exchange`), as the cost model prices it.
+CP_METHOD_TEXT = {"ulysses": "Ulysses: all-to-alls trade sequence shards for head shards around attention"}
+CP_EXCHANGE_TEXT = {
+    "all_gather": "K and V all-gathered before attention",
+    "ring_p2p": "K and V passed around a ring, each step behind the previous chunk's attention",
+    "torch_ring": "torch's ring attention: K and V rotated, partial outputs merged in fp32",
 }
 
 
+def _cp_text(config) -> str:
+    from meshplan.planner.contracts.overlap import engine_overlap
+
+    return CP_METHOD_TEXT.get(config.cp_method) or CP_EXCHANGE_TEXT[engine_overlap(config.engine).cp_exchange]
+
+
 def _mesh_text(config) -> str:
-    cp = (f" x cp={config.cp} (each rank holds 1/{config.cp} of every sequence; {CP_METHOD_TEXT[config.cp_method]})"
+    cp = (f" x cp={config.cp} (each rank holds 1/{config.cp} of every sequence; {_cp_text(config)})"
           if config.cp > 1 else "")
     return f"pp={config.pp} x dp={config.dp}{cp} x tp={config.tp}"
 

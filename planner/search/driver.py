@@ -16,7 +16,6 @@ builds the request from keywords.
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field, replace
 
