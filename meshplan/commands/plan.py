@@ -98,10 +98,12 @@ def run(args) -> int:
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
                              fp8_recipe=args.fp8_recipe, **pins)
 
-    rows: list[dict] = []
+    # one row per candidate only when asked for: tens of thousands of labels otherwise unread
+    rows: list[dict] | None = [] if args.candidates_csv else None
 
     def plan_at(gpus: int, progress: bool = False):
-        rows.clear()  # the rows of the last search, the one whose plan is written
+        if rows is not None:
+            rows.clear()  # the rows of the last search, the one whose plan is written
         return search(replace(request, gpus=gpus), progress=progress, candidate_rows=rows)
 
     result = plan_at(args.gpus, progress=not args.json)

@@ -18,7 +18,7 @@ from meshplan.planner.search.bounds import (bound_structure, compute_bound_s, me
 from meshplan.planner.search.pool import worker_pool
 from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, expand_counts, heuristic_start, live_vectors,
                                                    memory_of_assignment)
-from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, compact_structure,
+from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, pinned_structure,
                                                      solve_stages)
 
 # ParallelConfigs solved between two pruning decisions: fixed, so the result does not depend on the
@@ -216,10 +216,11 @@ SEED_SLACK = 1e-4
 def heuristic_upper_s(problem: StageProblem) -> float:
     """The objective of a heuristic assignment when it fits, else inf: an upper bound on the
     problem's ILP optimum (it is one of the ILP's feasible assignments). The assignment is
-    `ilp.evaluation.heuristic_start`'s for a compact table, else `per_layer_heuristic`'s."""
+    `ilp.evaluation.heuristic_start`'s where the ILP is the compact one (`formulation.pinned_structure`:
+    its assignment is one the compact ILP accepts), else `per_layer_heuristic`'s."""
     if problem.objective != "time":
         return math.inf
-    structure = compact_structure(problem.table)
+    structure = pinned_structure(problem.table, problem.shape)
     if structure is None:
         found = per_layer_heuristic(problem)
         if found is None:

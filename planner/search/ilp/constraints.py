@@ -122,7 +122,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count, cat="Integer")
                for o in range(len(options))] for c in range(num_chunks)]
     model.lp += pulp.lpSum(v for row in counts for v in row) == count, "run_total"
-    has_first, has_last = first == 1, first + count < table.num_layers
+    has_first, has_last = first >= 1, first + count < table.num_layers
     for c in range(num_chunks):
         if not ((c == 0 and has_first) or (c == num_chunks - 1 and has_last)):
             model.lp += pulp.lpSum(counts[c]) >= 1, f"nonempty_{c}"
@@ -135,7 +135,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
     # option's time, so T_max >= v K t_min (tmax_chunk_c). Valid for every integer solution; the LP relaxation
     # alone would spread fractional layers evenly, and branching on one K closes that gap.
-    chunk_const = _chunk_constants(model, has_first, has_last)
+    chunk_const = _chunk_constants(model, first, has_last)
     fastest_s = min(o.time_s for o in options)
     # T_max >= v t_c holds for every chunk, less the pinned first and last layers' own time.
     interleaved = model.problem.shape.virtual_stages > 1
@@ -152,7 +152,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
         model.count_cuts.append((fullest, fastest_s, min(chunk_const[c] - pinned_s[c] for c in bounded)))
     if not interleaved:
         model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
-    _add_run_rank_count_cuts(model, counts, options, count, chunk_const)
+    _add_run_rank_count_cuts(model, counts, options, (first, count), chunk_const)
     _add_run_reshard_terms(model, counts, options, count)
     _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
     _add_run_symmetry_constraints(model, has_first, has_last)
@@ -180,21 +180,23 @@ def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float])
     return min(base * fastest_s + ordered[at_base - 1], (base + 1) * fastest_s + ordered[0])
 
 
-def _chunk_constants(model: _Model, has_first: bool, has_last: bool) -> list[float]:
-    """Least time of each chunk besides its run layers: fixed pipelining work and the pinned layers."""
+def _chunk_constants(model: _Model, first: int, has_last: bool) -> list[float]:
+    """Least time of each chunk besides its run layers: fixed pipelining work and the pinned
+    layers (the `first` layers before the run in chunk 0)."""
     table, num_chunks = model.problem.table, model.num_chunks
     out = chunk_fixed_s(table, num_chunks)
-    if has_first:
-        out[0] += table.types[table.layer_type[0]].min_time_s()
+    out[0] += sum(table.types[table.layer_type[layer]].min_time_s() for layer in range(first))
     if has_last:
         out[-1] += table.types[table.layer_type[-1]].min_time_s()
     return out
 
 
-def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_const: list[float]) -> None:
+def _add_run_rank_count_cuts(model: _Model, counts, options, run: tuple[int, int], chunk_const: list[float]) -> None:
     """The busiest rank holds R >= ceil(N / p) run layers: T_max >= R t_min, and its per-step
-    tail is at least R times a run layer's least exposed reduction plus optimizer work."""
+    tail is at least R times a run layer's least exposed reduction plus optimizer work.
+    `run`: (its first layer, N)."""
     pulp, table = model.pulp, model.problem.table
+    first, count = run
     busiest = pulp.LpVariable("run_max_per_rank", lowBound=0, upBound=count, cat="Integer")
     for r in range(model.pp):
         model.lp += pulp.lpSum(v for c in model.problem.shape.chunks_on(r) for v in counts[c]) <= busiest, \
@@ -208,7 +210,7 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, count: int, chunk_c
     reduction = 0.0 if pipelined_every_microbatch(model.problem) else 1.0
     per_layer = min(reduction * (o.dp_comm_s - (o.bwd_s if overlap else 0.0)) + o.param_gather_s + o.optimizer_s
                     for o in options)
-    pinned = [table.types[t] for i, t in enumerate(table.layer_type) if table.layer_type.count(t) == 1]
+    pinned = [table.types[t] for i, t in enumerate(table.layer_type) if not first <= i < first + count]
     # Pinned layers may lower the busiest rank's sum (their reduction may be shorter than their
     # backward); subtract the most they can.
     slack = sum(min(0.0, min(reduction * (o.dp_comm_s - (o.bwd_s if overlap else 0.0)) for o in lt.options))
@@ -454,8 +456,8 @@ def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -
         _add_layer_assignment_constraints(model)
     else:
         first, count, type_index = structure
-        if first == 1:
-            _add_pinned_layer(model, 0, 0)
+        for layer in range(first):  # the first layer, and a few leading ones (`formulation.pinned_structure`)
+            _add_pinned_layer(model, layer, 0)
         counts = _add_run_count_constraints(model, first, count, type_index)
         if first + count < table.num_layers:
             _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)

@@ -305,11 +305,10 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     lean = min(range(len(options)), key=lambda o: (options[o].act_bytes, options[o].time_s, o))
     num_chunks, pp = shape.num_chunks, shape.num_stages
     const = chunk_fixed_s(table, num_chunks)
-    if first == 1:
-        const[0] += table.types[table.layer_type[0]].min_time_s()
+    const[0] += sum(table.types[table.layer_type[layer]].min_time_s() for layer in range(first))  # pinned in chunk 0
     if first + count < table.num_layers:
         const[-1] += table.types[table.layer_type[-1]].min_time_s()
-    pinned = {0} if first == 1 else set()
+    pinned = {0} if first >= 1 else set()
     pinned |= {num_chunks - 1} if first + count < table.num_layers else set()
     peaks = [live_vectors(shape, r) for r in range(pp)]
     weight = [max(live[c // pp] for live in peaks[shape.rank_of(c)]) for c in range(num_chunks)]

@@ -18,7 +18,8 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
                                      k_0 = 0,  k_{L-1} = C - 1      (first/last layer, every chunk used)
     compact formulation (one run R of N identical layers between an optional first layer e and
     an optional last layer h; e is pinned to chunk 0 and h to chunk C-1, so contiguity holds by
-    construction and only counts matter):
+    construction and only counts matter; a few leading layers of other kinds before R are pinned
+    into chunk 0 with e, `pinned_structure`):
                                      n_co in Z>=0:  sum_co n_co = N                     (run_total)
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
@@ -86,7 +87,7 @@ from meshplan.planner.search.ilp.constraints import build_model
 from meshplan.planner.search.ilp.evaluation import evaluate_assignment, heuristic_start, live_vectors, pipeline_factor
 
 __all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure", "evaluate_assignment",
-           "heuristic_start", "live_vectors", "pipeline_factor", "solve_stages"]
+           "heuristic_start", "live_vectors", "pinned_structure", "pipeline_factor", "solve_stages"]
 
 FORMULATIONS = ("auto", "compact", "per-layer")
 
@@ -223,6 +224,26 @@ def compact_structure(table: CostTable) -> tuple[int, int, int] | None:
     return first, count, type_index
 
 
+def pinned_structure(table: CostTable, shape: PipelineShape) -> tuple[int, int, int] | None:
+    """The run the compact formulation counts on this pipeline, or None (the per-layer one):
+    `compact_structure`'s, or a run after a few leading layers of other kinds (a dense-first
+    mixture of experts' dense blocks) and before at most one last layer, with those leading
+    layers pinned into chunk 0 beside the first, as the embedding is. Pinning them restricts the
+    per-layer ILP, so it is offered only where chunk 0 then holds no more blocks than a run's
+    share of a chunk (the blocks before the run at most run length // chunks); the search's
+    exact re-scoring still moves layers across chunk boundaries (`refine`). The per-layer ILP
+    of such a table was the slowest of the search: tens of binaries per identical block."""
+    structure = compact_structure(table)
+    if structure is not None:
+        return structure
+    type_index, first, count = max(table.runs(), key=lambda run: (run[2], -run[1]))
+    if first < 2 or table.num_layers - (first + count) > 1 or count < 2:
+        return None
+    if first - 1 > count // shape.num_chunks:
+        return None
+    return first, count, type_index
+
+
 # Relative tolerance on the cutoff: HiGHS may return an objective a feasibility tolerance over it.
 CUTOFF_SLACK = 1e-6
 
@@ -230,11 +251,12 @@ CUTOFF_SLACK = 1e-6
 def solve_stages(problem: StageProblem) -> StageSolution:
     """Build and solve one candidate's ILP; never raises for infeasibility (status says it)."""
     started = time.perf_counter()
-    structure = compact_structure(problem.table)
+    structure = pinned_structure(problem.table, problem.shape)
     use_compact = structure is not None and problem.formulation != "per-layer"
     if problem.formulation == "compact" and structure is None:
         raise ValueError("the compact formulation needs one run of identical layers between at most one "
-                         "first and one last layer")
+                         "last layer and either one first layer or a few leading ones that fit in chunk 0 "
+                         "(`pinned_structure`)")
     model = build_model(problem, structure if use_compact else None)
     start = None
     if use_compact and problem.objective == "time":

@@ -75,11 +75,11 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
     Inside a chunk the run's layers are laid out in option order (`decode`), so its first run
     layer is its lowest used option (`_edges`, open) and its last the highest (close). Chunk 0's
     forward opens with the pinned first layer and the last chunk's backward with the pinned last
-    layer; a chunk holding only a pinned layer has that layer's other head too."""
+    layer; a chunk holding only pinned layers has their edge layer's other head too."""
     table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
     if not _has_gathers(table):
         return
-    has_first, has_last = first == 1, first + count < table.num_layers
+    has_first, has_last = first >= 1, first + count < table.num_layers
     last = table.num_layers - 1
     if _alike_at_edges(options):
         # which option opens or closes a chunk changes nothing: one indicator per chunk
@@ -94,8 +94,10 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
         pinned_first = has_first and c == 0
         pinned_last = has_last and c == num_chunks - 1
         # (pass, its opening layer pinned?, that layer, the run's edge, the other pinned layer alone)
+        # chunk 0 holding only its pinned layers closes its backward with the last of them
         for name, pinned, layer, edges, alone in (("fwd", pinned_first, 0, opens, last if pinned_last else None),
-                                                 ("bwd", pinned_last, last, closes, 0 if pinned_first else None)):
+                                                 ("bwd", pinned_last, last, closes,
+                                                  first - 1 if pinned_first else None)):
             field = f"{name}_head_s"
             if pinned:  # the pinned layer opens the pass
                 model.add_head(c, name, pulp.lpSum(getattr(o, field) * pick for o, pick in model.pinned[layer]))

@@ -22,7 +22,8 @@ from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search import bounds
 from meshplan.planner.search.candidates import MEMORY_MARGIN, Pins, enumerate_candidates, usable_memory_bytes
 from meshplan.planner.search.driver import search_plan
-from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, compact_structure, solve_stages
+from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, compact_structure, pinned_structure,
+                                                     solve_stages)
 from meshplan.planner.search.problems import build_problems
 from meshplan.planner.search.solving import heuristic_upper_s, solve_candidates
 from meshplan.planner.simulation.factors import step_factor
@@ -176,7 +177,8 @@ def test_memory_bound_with_dense_first_blocks_is_below_the_ilp():
         shape = PipelineShape(pp, pp * rng.randint(1, 3), v, "interleaved" if v > 1 else "1f1b")
         unconstrained = solve_stages(StageProblem(table, shape, mip_rel_gap=1e-7))
         limit = max(unconstrained.rank_mem_bytes) * rng.uniform(0.5, 1.0)
-        problem = StageProblem(table, shape, mem_limit_bytes=limit, mip_rel_gap=1e-7)
+        # the per-layer ILP: the reference, its dense blocks free (the compact one pins them, below)
+        problem = StageProblem(table, shape, mem_limit_bytes=limit, mip_rel_gap=1e-7, formulation="per-layer")
         bound = bounds.memory_bound_s(table, shape, limit, structure, problem.grad_sync)
         compute = bounds.compute_bound_s(table, shape)
         assert bound >= compute
@@ -191,6 +193,52 @@ def test_memory_bound_with_dense_first_blocks_is_below_the_ilp():
             assert solution.feasible and solution.objective_s <= upper * (1 + 1e-6), seed
     assert stronger >= 3
     assert heuristics >= 5
+
+
+@pytest.mark.parametrize("gathers", [False, True])
+def test_compact_ilp_with_pinned_dense_blocks_is_exact_and_within_the_per_layer_space(gathers):
+    """Dense blocks before the run pinned into chunk 0 (`formulation.pinned_structure`): the
+    compact ILP's own objective is the closed form of its assignment (its rows exact, gather heads
+    included), that assignment keeps them in chunk 0 and fits, it is never below the per-layer
+    optimum (a restriction of it) and, without gathers, equals it where the per-layer optimum
+    keeps them in chunk 0 too; its heuristic start, a compact assignment, bounds it from above."""
+    equal = compared = 0
+    for seed in range(8):
+        rng = random.Random(3000 + seed)
+        num_dense = rng.randint(1, 2)
+        table = _dense_first(random_table(rng, num_blocks=rng.randint(6, 8), p2p_s=rng.uniform(0, 0.05)), rng,
+                             num_dense)
+        if gathers:
+            table = _with_gathers(table, rng)
+        pp = rng.choice((1, 2, 3))
+        v = rng.choice((1, 2)) if pp > 1 else 1
+        shape = PipelineShape(pp, pp * rng.randint(1, 3), v, "interleaved" if v > 1 else "1f1b")
+        first = 1 + num_dense
+        if num_dense > (table.num_layers - 1 - first) // shape.num_chunks:
+            assert pinned_structure(table, shape) is None  # chunk 0 would hold more than a chunk's share
+            continue
+        assert pinned_structure(table, shape) == (first, table.num_layers - 1 - first, 1)
+        loose = solve_stages(StageProblem(table, shape, mip_rel_gap=1e-7, formulation="per-layer"))
+        limit = max(loose.rank_mem_bytes) * rng.uniform(0.7, 1.0)
+        problem = StageProblem(table, shape, mem_limit_bytes=limit, mip_rel_gap=1e-7)
+        compact = solve_stages(problem)
+        per_layer = solve_stages(replace(problem, formulation="per-layer"))
+        assert compact.formulation == "compact"
+        if not compact.feasible:
+            continue
+        compared += 1
+        assert compact.model_objective == pytest.approx(compact.objective_s, rel=1e-6), seed
+        assert set(compact.chunk_of_layer[:first]) == {0}
+        assert max(compact.rank_mem_bytes) <= limit * (1 + 1e-6)
+        assert per_layer.feasible and compact.objective_s >= per_layer.objective_s * (1 - 1e-6), seed
+        # with gathers the compact ILP lays a chunk's run out in option order, which fixes its
+        # edge layers: a restriction of the per-layer ILP with or without the pinned blocks
+        if set(per_layer.chunk_of_layer[:first]) == {0} and not gathers:
+            equal += 1
+            assert compact.objective_s == pytest.approx(per_layer.objective_s, rel=1e-6), seed
+        upper = heuristic_upper_s(problem)
+        assert upper >= compact.objective_s * (1 - 1e-6) or math.isinf(upper)
+    assert compared >= 4 and (equal >= 2 or gathers)
 
 
 def _with_gathers(table, rng: random.Random):
