@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s, live_vectors,
-                                                   pipelined_every_microbatch, receive_bytes, reduction_contention_s,
-                                                   reduction_windows)
+from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s, leading_chunks,
+                                                   live_vectors, pipelined_every_microbatch, receive_bytes,
+                                                   reduction_contention_s, reduction_windows)
 from meshplan.planner.search.ilp.gather_heads import add_layer_head_terms, add_run_head_terms
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
@@ -119,12 +119,15 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     Returns the counts n[c][o]."""
     table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
     options = table.types[type_index].options
-    counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count, cat="Integer")
+    leading = leading_chunks(first, count, num_chunks)  # the pinned layers before the run
+    # the run starts in the chunk of the last layer before it
+    counts = [[pulp.LpVariable(f"n_{c}_{o}", lowBound=0, upBound=count if not leading or c >= leading[-1] else 0,
+                               cat="Integer")
                for o in range(len(options))] for c in range(num_chunks)]
     model.lp += pulp.lpSum(v for row in counts for v in row) == count, "run_total"
     has_first, has_last = first >= 1, first + count < table.num_layers
     for c in range(num_chunks):
-        if not ((c == 0 and has_first) or (c == num_chunks - 1 and has_last)):
+        if not (c in leading or (c == num_chunks - 1 and has_last)):
             model.lp += pulp.lpSum(counts[c]) >= 1, f"nonempty_{c}"
         for o, option in enumerate(options):
             model.add_option_terms(c, option, counts[c][o])
@@ -135,7 +138,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
     # option's time, so T_max >= v K t_min (tmax_chunk_c). Valid for every integer solution; the LP relaxation
     # alone would spread fractional layers evenly, and branching on one K closes that gap.
-    chunk_const = _chunk_constants(model, first, has_last)
+    chunk_const = _chunk_constants(model, leading, has_last)
     fastest_s = min(o.time_s for o in options)
     # T_max >= v t_c holds for every chunk, less the pinned first and last layers' own time.
     interleaved = model.problem.shape.virtual_stages > 1
@@ -154,8 +157,8 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
         model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
     _add_run_rank_count_cuts(model, counts, options, (first, count), chunk_const)
     _add_run_reshard_terms(model, counts, options, count)
-    _add_run_first_layer_terms(model, counts, options, count, has_first, has_last)
-    _add_run_symmetry_constraints(model, has_first, has_last)
+    _add_run_first_layer_terms(model, counts, options, count, leading, has_last)
+    _add_run_symmetry_constraints(model, set(leading), has_last)
 
     def decode(chunks, chosen):
         layer = first
@@ -180,12 +183,13 @@ def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float])
     return min(base * fastest_s + ordered[at_base - 1], (base + 1) * fastest_s + ordered[0])
 
 
-def _chunk_constants(model: _Model, first: int, has_last: bool) -> list[float]:
+def _chunk_constants(model: _Model, leading: tuple[int, ...], has_last: bool) -> list[float]:
     """Least time of each chunk besides its run layers: fixed pipelining work and the pinned
-    layers (the `first` layers before the run in chunk 0)."""
+    layers (`leading`: the chunk of each layer before the run)."""
     table, num_chunks = model.problem.table, model.num_chunks
     out = chunk_fixed_s(table, num_chunks)
-    out[0] += sum(table.types[table.layer_type[layer]].min_time_s() for layer in range(first))
+    for layer, chunk in enumerate(leading):
+        out[chunk] += table.types[table.layer_type[layer]].min_time_s()
     if has_last:
         out[-1] += table.types[table.layer_type[-1]].min_time_s()
     return out
@@ -220,10 +224,11 @@ def _add_run_rank_count_cuts(model: _Model, counts, options, run: tuple[int, int
     model.tail_cuts.append((busiest, per_layer, slack))
 
 
-def _add_run_symmetry_constraints(model: _Model, has_first: bool, has_last: bool) -> None:
+def _add_run_symmetry_constraints(model: _Model, leading: set[int], has_last: bool) -> None:
     """Interleaved: order the activations of a rank's chunks against their live micro-batches.
 
-    The contents of two chunks of one rank (neither holding a pinned layer) can be swapped
+    The contents of two chunks of one rank (neither holding a pinned layer: `leading`, the chunks
+    of the layers before the run, and the last chunk with `has_last`) can be swapped
     without changing any time, resident memory or buffer; only the activation term
     sum_j live_k(j) A_j changes. If chunk a holds at least as many live micro-batches as chunk b
     at every memory peak, putting the smaller activations in a is never worse (rearrangement
@@ -235,7 +240,7 @@ def _add_run_symmetry_constraints(model: _Model, has_first: bool, has_last: bool
     for r in range(model.pp):
         peaks = live_vectors(shape, r)
         free = [j for j in range(shape.virtual_stages)
-                if not (shape.chunks_on(r)[j] == 0 and has_first)
+                if shape.chunks_on(r)[j] not in leading
                 and not (shape.chunks_on(r)[j] == model.num_chunks - 1 and has_last)]
         free.sort(key=lambda j: tuple(-live[j] for live in peaks))
         for a, b in zip(free, free[1:]):
@@ -244,13 +249,20 @@ def _add_run_symmetry_constraints(model: _Model, has_first: bool, has_last: bool
                     f"symmetry_{r}_{a}_{b}"
 
 
-def _add_run_first_layer_terms(model: _Model, counts, options, count: int, has_first: bool, has_last: bool):
-    """The first layer of each rank's first chunk is a run layer, except in chunk 0 after the
-    pinned first layer, and in a last chunk holding only the pinned last layer."""
+def _add_run_first_layer_terms(model: _Model, counts, options, count: int, leading: tuple[int, ...],
+                               has_last: bool):
+    """The first layer of each rank's first chunk is a run layer, except in a chunk of the
+    pinned layers before the run (`leading`: its first pinned layer; chunk 0's, the model's
+    first layer, is `_add_pinned_layer`'s), and in a last chunk holding only the pinned last layer."""
     pulp, table = model.pulp, model.problem.table
     run_dp = min(o.dp_comm_s for o in options)
     for r in range(model.pp):
-        if r == 0 and has_first:
+        opening = model.problem.shape.chunks_on(r)[0]
+        if opening in leading:
+            layer = leading.index(opening)
+            if layer > 0:
+                layer_options = table.types[table.layer_type[layer]].options
+                model.rank_first_dp[r].append([(min(o.dp_comm_s for o in layer_options), 1)])
             continue
         if r == model.num_chunks - 1 and has_last:
             last_options = table.types[table.layer_type[-1]].options
@@ -456,8 +468,9 @@ def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -
         _add_layer_assignment_constraints(model)
     else:
         first, count, type_index = structure
-        for layer in range(first):  # the first layer, and a few leading ones (`formulation.pinned_structure`)
-            _add_pinned_layer(model, layer, 0)
+        # the first layer, and a few leading ones spread over the first chunks (`formulation.pinned_structure`)
+        for layer, chunk in enumerate(leading_chunks(first, count, model.num_chunks)):
+            _add_pinned_layer(model, layer, chunk)
         counts = _add_run_count_constraints(model, first, count, type_index)
         if first + count < table.num_layers:
             _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)

@@ -305,11 +305,15 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     lean = min(range(len(options)), key=lambda o: (options[o].act_bytes, options[o].time_s, o))
     num_chunks, pp = shape.num_chunks, shape.num_stages
     const = chunk_fixed_s(table, num_chunks)
-    const[0] += sum(table.types[table.layer_type[layer]].min_time_s() for layer in range(first))  # pinned in chunk 0
+    leading = leading_chunks(first, count, num_chunks)
+    for layer, chunk in enumerate(leading):  # the pinned layers before the run
+        const[chunk] += table.types[table.layer_type[layer]].min_time_s()
     if first + count < table.num_layers:
         const[-1] += table.types[table.layer_type[-1]].min_time_s()
-    pinned = {0} if first >= 1 else set()
+    pinned = set(leading)
     pinned |= {num_chunks - 1} if first + count < table.num_layers else set()
+    # the run starts in the last chunk of the layers before it: none in the chunks before that
+    closed = set(range(leading[-1])) if leading else set()
     peaks = [live_vectors(shape, r) for r in range(pp)]
     weight = [max(live[c // pp] for live in peaks[shape.rank_of(c)]) for c in range(num_chunks)]
     counts = [[0] * len(options) for _ in range(num_chunks)]
@@ -322,8 +326,9 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     def chunk_s(c):
         return const[c] + sum(n * options[o].time_s for o, n in enumerate(counts[c]))
     times = [chunk_s(c) for c in range(num_chunks)]  # kept equal to chunk_s(c), chunk by chunk
+    open_chunks = [c for c in range(num_chunks) if c not in closed]
     for _ in range(count - sum(map(sum, counts))):  # extra layers where they hold fewest micro-batches
-        c = min(range(num_chunks), key=lambda c: (times[c] + options[fast].time_s, weight[c], c))
+        c = min(open_chunks, key=lambda c: (times[c] + options[fast].time_s, weight[c], c))
         counts[c][fast] += 1
         times[c] = chunk_s(c)
     pinned_options = {layer: min(range(len(table.types[table.layer_type[layer]].options)),
@@ -367,8 +372,9 @@ class _CountMemory:
         self.options = table.types[table.layer_type[first]].options
         self.chunk_act = chunk_fixed_bytes(table, shape)
         self.static, self.pinned_buffer = [0.0] * pp, [0.0] * pp
+        count = sum(map(sum, counts))
         for layer, index in pinned_options.items():
-            chunk = 0 if layer < first else num_chunks - 1
+            chunk = pinned_chunk(layer, first, count, num_chunks)
             option = table.option(layer, index)
             rank = shape.rank_of(chunk)
             self.chunk_act[chunk] += option.act_bytes
@@ -400,12 +406,27 @@ class _CountMemory:
         self.memory[rank] = self._rank(rank)
 
 
+def leading_chunks(first: int, count: int, num_chunks: int) -> tuple[int, ...]:
+    """The chunk of each of the `first` layers before a compact run of `count` layers
+    (`formulation.pinned_structure`): the first layer in chunk 0, and the blocks after it (a
+    dense-first mixture of experts' dense blocks) N // C to a chunk from chunk 0 on, so no chunk
+    holds more of them than the run's share."""
+    share = max(1, count // num_chunks)
+    return tuple(max(0, layer - 1) // share for layer in range(first))
+
+
+def pinned_chunk(layer: int, first: int, count: int, num_chunks: int) -> int:
+    """The chunk of a layer outside a compact run: `leading_chunks` before it, the last chunk after."""
+    return leading_chunks(first, count, num_chunks)[layer] if layer < first else num_chunks - 1
+
+
 def expand_counts(counts, first: int, num_layers: int, num_chunks: int, pinned_options: dict[int, int]):
     """(chunk_of_layer, option_of_layer) of a compact assignment: per chunk and option, how many
     run layers, plus the pinned first and last layers' options."""
     chunks, chosen = [0] * num_layers, [0] * num_layers
+    count = sum(map(sum, counts))
     for layer, option in pinned_options.items():
-        chunks[layer], chosen[layer] = (0 if layer < first else num_chunks - 1), option
+        chunks[layer], chosen[layer] = pinned_chunk(layer, first, count, num_chunks), option
     layer = first
     for c, row in enumerate(counts):
         for o, n in enumerate(row):

@@ -19,7 +19,7 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
     compact formulation (one run R of N identical layers between an optional first layer e and
     an optional last layer h; e is pinned to chunk 0 and h to chunk C-1, so contiguity holds by
     construction and only counts matter; a few leading layers of other kinds before R are pinned
-    into chunk 0 with e, `pinned_structure`):
+    with e, from chunk 0 on, a run's share N // C to a chunk, `pinned_structure`):
                                      n_co in Z>=0:  sum_co n_co = N                     (run_total)
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
@@ -84,7 +84,8 @@ from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES
 from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
-from meshplan.planner.search.ilp.evaluation import evaluate_assignment, heuristic_start, live_vectors, pipeline_factor
+from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, heuristic_start, leading_chunks, live_vectors,
+                                                   pipeline_factor)
 
 __all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure", "evaluate_assignment",
            "heuristic_start", "live_vectors", "pinned_structure", "pipeline_factor", "solve_stages"]
@@ -224,22 +225,30 @@ def compact_structure(table: CostTable) -> tuple[int, int, int] | None:
     return first, count, type_index
 
 
+# Layers before the run (the first one included) the compact formulation pins to chunks; a
+# model with more of them (not one repeated block) is planned per layer.
+MAX_LEADING_LAYERS = 8
+
+
 def pinned_structure(table: CostTable, shape: PipelineShape) -> tuple[int, int, int] | None:
     """The run the compact formulation counts on this pipeline, or None (the per-layer one):
-    `compact_structure`'s, or a run after a few leading layers of other kinds (a dense-first
-    mixture of experts' dense blocks) and before at most one last layer, with those leading
-    layers pinned into chunk 0 beside the first, as the embedding is. Pinning them restricts the
-    per-layer ILP, so it is offered only where chunk 0 then holds no more blocks than a run's
-    share of a chunk (the blocks before the run at most run length // chunks); the search's
-    exact re-scoring still moves layers across chunk boundaries (`refine`). The per-layer ILP
-    of such a table was the slowest of the search: tens of binaries per identical block."""
+    `compact_structure`'s, or the longest run after a few leading layers of other kinds (a
+    dense-first mixture of experts' dense blocks) and before at most one last layer. Those
+    leading layers are pinned as the embedding is, from chunk 0 on, at most the run's share of
+    layers per chunk (`evaluation.leading_chunks`), and the run starts in the chunk of the last
+    of them. Pinning them restricts the per-layer ILP a little (a chunk's share of blocks rounded
+    down); the search's exact re-scoring still moves layers across chunk boundaries (`refine`).
+    The per-layer ILP of such a table was the slowest of the search: a binary per block,
+    chunk and option, and tens of identical blocks to permute."""
     structure = compact_structure(table)
     if structure is not None:
         return structure
     type_index, first, count = max(table.runs(), key=lambda run: (run[2], -run[1]))
-    if first < 2 or table.num_layers - (first + count) > 1 or count < 2:
+    if not 2 <= first <= MAX_LEADING_LAYERS or table.num_layers - (first + count) > 1:
         return None
-    if first - 1 > count // shape.num_chunks:
+    num_chunks = shape.num_chunks
+    # the chunks after the leading layers' last one must each hold a run layer
+    if count < num_chunks or (num_chunks > 1 and leading_chunks(first, count, num_chunks)[-1] >= num_chunks - 1):
         return None
     return first, count, type_index
 

@@ -75,12 +75,16 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
     Inside a chunk the run's layers are laid out in option order (`decode`), so its first run
     layer is its lowest used option (`_edges`, open) and its last the highest (close). Chunk 0's
     forward opens with the pinned first layer and the last chunk's backward with the pinned last
-    layer; a chunk holding only pinned layers has their edge layer's other head too."""
+    layer (and the chunks of a few pinned layers before the run, `evaluation.leading_chunks`, open
+    with the first of them); a chunk holding only pinned layers has their edge layer's other head too."""
     table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
     if not _has_gathers(table):
         return
-    has_first, has_last = first >= 1, first + count < table.num_layers
+    from meshplan.planner.search.ilp.evaluation import leading_chunks
+
+    has_last = first + count < table.num_layers
     last = table.num_layers - 1
+    leading = leading_chunks(first, count, num_chunks)  # the chunks of the pinned layers before the run
     if _alike_at_edges(options):
         # which option opens or closes a chunk changes nothing: one indicator per chunk
         options, counts = options[:1], [[pulp.lpSum(row)] for row in counts]
@@ -91,13 +95,15 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
             model.lp += counts[c][o] <= count * var, f"head_used_up_{c}_{o}"
             model.lp += counts[c][o] >= var, f"head_used_down_{c}_{o}"
         opens, closes = _edges(model, c, used, False), _edges(model, c, used, True)
-        pinned_first = has_first and c == 0
+        pinned_first = c in leading
         pinned_last = has_last and c == num_chunks - 1
+        # a chunk holding only its pinned layers before the run closes its backward with the last of them
+        before = [layer for layer, chunk in enumerate(leading) if chunk == c]
         # (pass, its opening layer pinned?, that layer, the run's edge, the other pinned layer alone)
-        # chunk 0 holding only its pinned layers closes its backward with the last of them
-        for name, pinned, layer, edges, alone in (("fwd", pinned_first, 0, opens, last if pinned_last else None),
-                                                 ("bwd", pinned_last, last, closes,
-                                                  first - 1 if pinned_first else None)):
+        for name, pinned, layer, edges, alone in (("fwd", pinned_first, before[0] if before else 0, opens,
+                                                   last if pinned_last else None),
+                                                  ("bwd", pinned_last, last, closes,
+                                                   before[-1] if pinned_first else None)):
             field = f"{name}_head_s"
             if pinned:  # the pinned layer opens the pass
                 model.add_head(c, name, pulp.lpSum(getattr(o, field) * pick for o, pick in model.pinned[layer]))
