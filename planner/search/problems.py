@@ -128,6 +128,8 @@ EXPERT_DEGREES_SOLVED = 1
 def best_expert_degrees(problems: list[Pending]) -> tuple[list[Pending], list[Solved]]:
     """Keep, among candidates equal but for ep, the EXPERT_DEGREES_SOLVED with the smallest lower
     bound (ties: the smaller ep); the others are pruned by the bound."""
+    if all(item.candidate.ep == 1 and item.candidate.etp is None for item in problems):
+        return problems, []  # one expert layout per configuration (a dense model): nothing to compare
     groups: dict = {}
     for item in problems:
         groups.setdefault(_but_ep(item.candidate), []).append(item)
