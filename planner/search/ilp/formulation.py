@@ -264,7 +264,7 @@ def solve_stages(problem: StageProblem) -> StageSolution:
     use_compact = structure is not None and problem.formulation != "per-layer"
     if problem.formulation == "compact" and structure is None:
         raise ValueError("the compact formulation needs one run of identical layers between at most one "
-                         "last layer and either one first layer or a few leading ones that fit in chunk 0 "
+                         "last layer and either one first layer or a few leading ones, pinned from chunk 0 on "
                          "(`pinned_structure`)")
     model = build_model(problem, structure if use_compact else None)
     start = None

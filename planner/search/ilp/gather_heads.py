@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshplan.planner.search.ilp.evaluation import leading_chunks
+
 if TYPE_CHECKING:  # annotations only: the model class lives in planner.search.ilp.constraints
     from meshplan.planner.search.ilp.constraints import _Model
 
@@ -80,8 +82,6 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
     table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
     if not _has_gathers(table):
         return
-    from meshplan.planner.search.ilp.evaluation import leading_chunks
-
     has_last = first + count < table.num_layers
     last = table.num_layers - 1
     leading = leading_chunks(first, count, num_chunks)  # the chunks of the pinned layers before the run
