@@ -146,9 +146,9 @@ class ParallelConfig:
                              f"ep={self.ep})")
         self._check_offload()
         if self.grad_reduce_in_bf16 and (self.engine != "megatron" or self.precision == "fp32"):
-            raise ValueError(f"grad_reduce_in_bf16 is Megatron-LM's --grad-reduce-in-bf16 for bf16 or fp8 training: "
-                             f"use engine megatron and precision bf16-mixed or fp8 (got engine {self.engine!r}, "
-                             f"precision {self.precision!r})")
+            raise ValueError(f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron "
+                             f"with precision bf16-mixed or fp8 (got engine {self.engine!r}, precision "
+                             f"{self.precision!r})")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
