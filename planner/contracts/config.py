@@ -365,11 +365,13 @@ class ParallelConfig:
     def label(self) -> str:
         interleaving = self.schedule_spec.free_chunks
         sched = f"{self.schedule} x{self.virtual_stages}" if interleaving else self.schedule
+        sched += f" group {self.microbatch_group_size}" if self.microbatch_group_size else ""
         return (f"{self.mesh_label()}"
                 f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
                 + (f" HSDP shard {self.shard_group}" if self.shard_group else "")
-                + (f", {self.offload} offloaded" if self.offload != "none" else ""))
+                + (f", {self.offload} offloaded" if self.offload != "none" else "")
+                + (", bf16 gradients" if self.grad_reduce_in_bf16 else ""))
 
     def to_json(self) -> dict:
         return asdict(self)

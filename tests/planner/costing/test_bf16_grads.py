@@ -48,6 +48,7 @@ def test_plan_json_and_the_megatron_arguments_carry_it():
     megatron = replace(plan, config=replace(plan.config, engine="megatron"))
     bf16 = replace(plan, config=replace(megatron.config, grad_reduce_in_bf16=True))
     assert plan_from_json(bf16.to_json()).config.grad_reduce_in_bf16
+    assert bf16.config.label().endswith(", bf16 gradients") and "bf16" not in megatron.config.label()
     assert bf16.digest != megatron.digest
     text = export_plan(bf16, "megatron").text
     assert "--grad-reduce-in-bf16" in text and "--grad-reduce-in-bf16" not in export_plan(megatron, "megatron").text

@@ -25,6 +25,7 @@ def _config(**kwargs) -> ParallelConfig:
 def test_the_default_group_is_stored_as_none_and_a_group_below_pp_or_not_dividing_is_refused():
     assert _config(microbatch_group_size=4).microbatch_group_size is None  # pp: Megatron-Core's default
     assert _config(microbatch_group_size=8).microbatch_group_size == 8
+    assert "interleaved x2 group 8," in _config(microbatch_group_size=8).label()
     with pytest.raises(ValueError, match=r"at least pp \(4\)"):
         _config(microbatch_group_size=2)
     with pytest.raises(ValueError, match=r"divide the 16 micro-batches"):
