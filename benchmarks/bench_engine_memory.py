@@ -20,7 +20,9 @@ own rules, `planner/costing/engine_memory.py`, `megatron_activations.py`):
 3. Every held-out run of `published_runs.py` (they all ran) estimated under its engine, and the
    time fit sets' runs (Narayanan et al. 2021 Table 1, Llama 3 Table 4), which tune no memory
    constant: the runs still called out of memory are listed and counted (target: none). Megatron
-   runs recompute the modules their source names (`Run.recompute_modules`).
+   runs recompute the modules their source names (`Run.recompute_modules`), keep the gradient buffer
+   in the dtype it names (`Run.grad_reduce_in_bf16`: Megatron-Bridge's performance recipes reduce
+   in bf16) and scale FP8 as it names (`Run.fp8_recipe`).
 4. MosaicML's llm-foundry runs under its own recipe (`planner/costing/foundry_memory.py`: Composer's
    FSDP with `mixed_precision: PURE` and `limit_all_gathers`, MPT's packed QKV kept as views,
    flash-attn's fused cross-entropy on the bf16 logits), counted apart: their micro-batches are the
@@ -131,18 +133,21 @@ def predicted_gib(figure: MemoryFigure) -> tuple[float, bool]:
 
 def run_fits(run: Run, engine: str) -> tuple[bool, float]:
     """Whether any of the run's virtual-stage options fits under `engine`, and the least peak (GiB).
-    Megatron-Core's recompute modules of the run (`Run.recompute_modules`) under the megatron recipe."""
+    Megatron-Core's recompute modules of the run (`Run.recompute_modules`) and its bf16 gradient
+    buffer (`Run.grad_reduce_in_bf16`) under the megatron recipe."""
     from meshplan.planner.simulation.estimator import estimate
 
     modules = run.recompute_modules if engine == "megatron" else ()
+    bf16_grads = run.grad_reduce_in_bf16 and engine == "megatron"
     recompute = "selective" if modules else run.recompute
     peaks, fits = [], False
     for vpp in run.vpp_options:
         prediction = estimate(run.spec, run.cluster, gpus=run.gpus, global_batch=run.global_batch, seq=run.seq,
                               tp=run.tp, pp=run.pp, mbs=run.mbs, zero=run.zero, recompute=recompute, sp=run.sp,
                               schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
+                              fp8_recipe=run.fp8_recipe if run.precision == "fp8" else None,
                               attention=run.attention, cp=run.cp, ep=run.ep, etp=run.etp, engine=engine,
-                              recompute_modules=modules)
+                              recompute_modules=modules, grad_reduce_in_bf16=bf16_grads)
         peaks.append(prediction.peak_memory_bytes / GIB)
         fits = fits or prediction.fits
     return fits, min(peaks)
@@ -202,7 +207,7 @@ def print_out_of_memory(title: str, runs: list[Run], engine_of=lambda run: ENGIN
 
 
 def print_llama3_pipeline_note() -> None:
-    """Why Llama 3's 405B runs can stay out of memory: Meta's schedule holds fewer micro-batches."""
+    """Why Llama 3's 405B runs can stay out of memory: Meta's schedule is not one meshplan prices."""
     from meshplan.planner.simulation.schedules import max_in_flight, rank_actions
 
     run = next(run for run in all_runs() if run.source == LLAMA3_2024)
@@ -211,12 +216,14 @@ def print_llama3_pipeline_note() -> None:
     print(f"  Llama 3 405B (Dubey et al. 2024, section 3.3.2): meshplan prices interleaved 1F1B with micro-batches "
           f"in groups of pp = {run.pp} per virtual stage (torch's and Megatron-Core's default), so pipeline rank 1 "
           f"holds {', '.join(f'{n} chunk-micro-batches at vpp {v}' for v, n in held.items())}. Meta's schedule "
-          "makes that group size N tunable and does not publish it (a smaller N holds (vpp - 1) x N + 2(pp - 1 - "
-          "rank) + 1); meshplan's schedules have no such parameter (Megatron-Core's "
-          "--microbatch-group-size-per-virtual-pipeline-stage), so these runs stay listed. Its other two memory "
-          "measures are priced: the first and last stages hold one layer fewer (the embedding and the output "
-          "layer count as layers in Megatron's cut), and sent outputs are freed (Megatron's "
-          "deallocate_output_tensor).")
+          "makes that group size N tunable and does not publish it. meshplan prices Megatron-Core's N "
+          "(--microbatch-group-size, --microbatch-group-size-per-virtual-pipeline-stage), which must be at least "
+          "pp: below it rank 0's warm-up forwards ((vpp - 1) x N + 2(pp - 1)) wait on forwards the last rank runs "
+          "only after a backward that waits on rank 0, so the order deadlocks; a larger N holds more. Meta's "
+          "smaller-N schedule (its warm-up rule unpublished) is not one meshplan can price, so these runs stay "
+          "listed. Its other two memory measures are priced: the first and last stages hold one layer fewer (the "
+          "embedding and the output layer count as layers in Megatron's cut), and sent outputs are freed "
+          "(Megatron's deallocate_output_tensor).")
 
 
 def main() -> int:

@@ -132,6 +132,9 @@ class Run:
     recompute_modules: tuple[str, ...] = ()
     # the MoE token dispatcher the run's engine ran (`contracts.config.MOE_DISPATCHERS`)
     moe_dispatcher: str = "alltoall"
+    # Megatron-LM's bf16 gradient buffer (--grad-reduce-in-bf16), which Megatron-Bridge's performance
+    # recipes set (`ddp.grad_reduce_in_fp32 = False`); only the megatron memory recipe prices it
+    grad_reduce_in_bf16: bool = False
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -400,6 +403,10 @@ MEGATRON_BRIDGE_H100 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo
 MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-GB200 and "
                              "DGX-B200 (github.com/NVIDIA-NeMo/Megatron-Bridge, commit "
                              "00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
+# Megatron-Bridge 25.11's performance configs (`scripts/performance/configs/llama/llama3_llm_pretrain.py`,
+# `llama31_llm_pretrain.py`, `qwen/qwen3_llm_pretrain.py`: `set_*_common_configs`) set
+# `ddp.grad_reduce_in_fp32 = False` for every Llama 3, Llama 3.1 and Qwen3 row.
+BRIDGE_BF16_GRADS = "gradients accumulated and reduced in bf16 (the performance configs' grad_reduce_in_fp32 = False)"
 MEGATRON_MOE_ASSUMPTIONS = (
     "balanced routing (--moe-imbalance 1), no token dropping",
     "Megatron-Core's alltoall dispatcher: meshplan's all-to-all over the EP group, not overlapped with compute",
@@ -423,7 +430,8 @@ def megatron_bridge_dense_runs() -> list[Run]:
     return [Run(f"Megatron-Bridge {name} fp8 tp{tp} pp{pp} cp{cp}", HELD_OUT_FP8, MEGATRON_BRIDGE_H100, "h100-sxm",
                 spec, gpus, gbs, 8192, tp=tp, pp=pp, mbs=mbs, zero=zero, sp=tp > 1, cp=cp, vpp_options=(vpp,),
                 precision="fp8", fp8_recipe="tensorwise", engine="megatron", attention="cudnn",
-                published_tokens_per_s=tps * gpus, assumptions=assumptions)
+                published_tokens_per_s=tps * gpus, assumptions=assumptions + (BRIDGE_BF16_GRADS,),
+                grad_reduce_in_bf16=True)
             for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
 
 
@@ -461,10 +469,10 @@ def moe_runs() -> list[Run]:
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
-            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16,
+            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16, grad_reduce_in_bf16=True,
             assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (
                 "no recomputation (not published)", "distributed optimizer costed as ZeRO-1",
-                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)")),
+                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)", BRIDGE_BF16_GRADS)),
     ]
     return runs + megatron_bridge_blackwell_moe_runs()
 
@@ -484,8 +492,8 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
             ("B200 Qwen3-30B-A3B fp8 ep8", "b200", "qwen3-30b-a3b", 8, 512, 1, 1, 1, 8, "fp8", 9299.0)]
     return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
                 pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
-                published_tokens_per_s=tps * gpus,
-                assumptions=assumptions + (mxfp8 if precision == "fp8" else ())
+                published_tokens_per_s=tps * gpus, grad_reduce_in_bf16=True,
+                assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
                 + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
             for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
 

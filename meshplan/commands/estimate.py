@@ -40,6 +40,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
+    parser.add_argument("--microbatch-group-size", type=int, default=None,
+                        help="interleaved 1F1B: micro-batches per round of the virtual stages (Megatron-Core's "
+                             "--microbatch-group-size-per-virtual-pipeline-stage; default pp; more hold more)")
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="with --engine megatron: gradients accumulate and reduce in bf16 (Megatron-LM's "
+                             "--grad-reduce-in-bf16), a 2-byte gradient buffer instead of fp32's 4")
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
@@ -108,7 +114,8 @@ def _heading(args, cluster) -> Heading:
                              precision=args.precision or default_precision(cluster), shard_group=args.shard_group,
                              engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe,
                              recompute_modules=tuple(args.recompute_modules), offload=args.offload,
-                             cp_method=args.cp_method)
+                             cp_method=args.cp_method, microbatch_group_size=args.microbatch_group_size,
+                             grad_reduce_in_bf16=args.grad_reduce_in_bf16)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -126,7 +133,8 @@ def _estimate_at(args, zero: int):
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
                     memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,
                     recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method,
-                    moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER)
+                    moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
+                    microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16)
 
 
 def _zero_hint(args, prediction) -> str:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
-from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, schedule_spec
+from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
 # fp8: FP8 Linears over bf16-mixed under one of FP8_RECIPES (planner.costing.fp8); planned, not executed.
@@ -111,6 +111,13 @@ class ParallelConfig:
     offload: str = "none"  # a name in OFFLOAD: which model states live in host memory
     # A name in CP_METHODS; stored as the default when cp = 1 (no CP), so equal layouts compare equal.
     cp_method: str = DEFAULT_CP_METHOD
+    # Interleaved 1F1B's micro-batch group: micro-batches go round the virtual stages this many at a
+    # time (Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage; Llama 3's tunable N).
+    # None: the schedule's own (`schedule.default_microbatch_group`); stored as None when equal to it.
+    microbatch_group_size: int | None = None
+    # Megatron-LM's --grad-reduce-in-bf16 (Megatron-Bridge's `ddp.grad_reduce_in_fp32 = False`): the
+    # gradient buffer (`main_grad`) accumulates and is reduced in bf16, not fp32. Engine megatron only.
+    grad_reduce_in_bf16: bool = False
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -138,6 +145,10 @@ class ParallelConfig:
                              f"context or expert parallelism; use pp, cp and ep 1 (got pp={self.pp}, cp={self.cp}, "
                              f"ep={self.ep})")
         self._check_offload()
+        if self.grad_reduce_in_bf16 and (self.engine != "megatron" or self.precision == "fp32"):
+            raise ValueError(f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron "
+                             f"with precision bf16-mixed or fp8 (got engine {self.engine!r}, precision "
+                             f"{self.precision!r})")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
@@ -151,6 +162,26 @@ class ParallelConfig:
             raise ValueError(f"{self.num_microbatches} micro-batches is fewer than the {self.pp} pipeline stages; "
                              f"lower --mbs or raise --gbs to at least {self.pp * self.dp * self.microbatch_size}")
         self.schedule_spec.check(self.pp, self.num_microbatches, self.virtual_stages)
+        self._check_microbatch_group()
+
+    def _check_microbatch_group(self) -> None:
+        group = self.microbatch_group_size
+        if group is None:
+            return
+        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+            raise ValueError(f"microbatch_group_size must be a positive integer, got {group!r}")
+        if self.schedule_spec.actions != "interleaved":
+            raise ValueError(f"a micro-batch group size ({group}) orders interleaved 1F1B (Megatron-Core's "
+                             f"--microbatch-group-size-per-virtual-pipeline-stage); use --schedule interleaved, "
+                             f"not {self.schedule}")
+        m = self.num_microbatches
+        if m % group or group < self.pp:
+            # below pp, rank 0's warm-up forwards wait on the last rank's, which waits on rank 0's backward
+            raise ValueError(f"the micro-batch group size ({group}) must be at least pp ({self.pp}), else interleaved "
+                             f"1F1B deadlocks, and divide the {m} micro-batches per step; use a divisor of {m} "
+                             f"from {self.pp} up")
+        if group == default_microbatch_group(self.pp, m):
+            object.__setattr__(self, "microbatch_group_size", None)
 
     def rank_of_chunk(self, chunk: int) -> int:
         """Pipeline rank that runs model chunk `chunk` (`Schedule.chunk_rank`)."""
@@ -334,11 +365,13 @@ class ParallelConfig:
     def label(self) -> str:
         interleaving = self.schedule_spec.free_chunks
         sched = f"{self.schedule} x{self.virtual_stages}" if interleaving else self.schedule
+        sched += f" group {self.microbatch_group_size}" if self.microbatch_group_size else ""
         return (f"{self.mesh_label()}"
                 f"{' +sp' if self.sp else ''}, {sched}, "
                 f"mbs {self.microbatch_size}, ZeRO-{self.zero}"
                 + (f" HSDP shard {self.shard_group}" if self.shard_group else "")
-                + (f", {self.offload} offloaded" if self.offload != "none" else ""))
+                + (f", {self.offload} offloaded" if self.offload != "none" else "")
+                + (", bf16 gradients" if self.grad_reduce_in_bf16 else ""))
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -31,6 +31,8 @@ from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_
 # `mesh.ep` (expert parallelism) is optional within version 2: written only when ep > 1, read as 1 when absent;
 # `mesh.etp` (expert tensor parallelism) likewise, written only when set apart from tp, absent: tp.
 # `cp_method` likewise, written only when cp > 1, absent: all-gather (the first CP method).
+# `schedule.microbatch_group_size` likewise, written only when set, absent: the schedule's own group.
+# `grad_reduce_in_bf16` likewise, written only when true (Megatron-LM's bf16 gradient buffer), absent: false.
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -184,7 +186,7 @@ class Plan:
         """Hash of everything that decides what runs (not predictions or solve times)."""
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
-                         "schedule", "global_batch", "offload")
+                         "schedule", "global_batch", "offload", "grad_reduce_in_bf16")
                 or (k == "cp_method" and v != DEFAULT_CP_METHOD)}  # all-gather plans keep their digest
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
@@ -212,7 +214,10 @@ class Plan:
             "sp": cfg.sp,
             "recompute": cfg.recompute,
             "schedule": {"name": cfg.schedule, "microbatches": cfg.num_microbatches,
-                         "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages},
+                         "microbatch_size": cfg.microbatch_size, "virtual_stages": cfg.virtual_stages,
+                         # interleaved 1F1B's group size, when set apart from the schedule's own
+                         **({"microbatch_group_size": cfg.microbatch_group_size}
+                            if cfg.microbatch_group_size else {})},
             "executable": self.executable,
             "not_executable_reason": self.not_executable_reason,
             "layers": [asdict(layer) for layer in self.layers],
@@ -221,6 +226,8 @@ class Plan:
             "solver": self.solver,
             # HSDP only: older readers ignore the key, plans without it shard over all of dp
             **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
+            # Megatron-LM's bf16 gradient buffer only: plans without the key accumulate in fp32
+            **({"grad_reduce_in_bf16": True} if cfg.grad_reduce_in_bf16 else {}),
             # offloading only: plans without the key keep every state on the device
             **({"offload": cfg.offload} if cfg.offload != "none" else {}),
             # user-code models only: their layer graph, so reading the plan never runs the file
@@ -274,7 +281,9 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             engine=data.get("engine", "meshplan"),  # plans written before the key: meshplan's executor
             fp8_recipe=data.get("fp8_recipe"),
             offload=data.get("offload", "none"),
-            cp_method=_cp_method(data),
+            cp_method=_cp_method(data), grad_reduce_in_bf16=_boolean(data, "grad_reduce_in_bf16", default=False),
+            microbatch_group_size=(None if schedule.get("microbatch_group_size") is None
+                                   else _integer(schedule, "microbatch_group_size", "schedule.")),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))
         if _integer(schedule, "microbatches", "schedule.") != config.num_microbatches:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "

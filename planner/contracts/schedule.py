@@ -18,6 +18,13 @@ PLACEMENTS = ("loop", "v")
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 
 
+def default_microbatch_group(pp: int, num_microbatches: int) -> int:
+    """Micro-batches per round of interleaved 1F1B unless a plan sets its group size: torch's
+    `ScheduleInterleaved1F1B` rounds, m // max(1, m // pp), which is Megatron-Core's default, pp,
+    whenever m is a multiple of pp."""
+    return num_microbatches // max(1, num_microbatches // pp)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """The facts of one pipeline schedule (see the module docstring)."""

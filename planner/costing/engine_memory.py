@@ -109,14 +109,15 @@ def keeps_stage_outputs(engine: str) -> bool:
 
 
 def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, precision: str,
-                       pp: int = 1) -> dict[str, float]:
+                       pp: int = 1, grad_reduce_in_bf16: bool = False) -> dict[str, float]:
     """params / grads / optimizer bytes of `num_params` parameters on one rank, ZeRO over `ranks`.
 
     - megatron: bf16 parameters, fp32 gradient buffer (`main_grad`: bf16 training accumulates
       and reduces in fp32), fp32 master weights and two Adam moments: 2 + 4 + 12, the 12 sharded
       by the distributed optimizer (zero >= 1): "18 / 6 + 12/d" in Megatron-LM's
       docs/source/api-guide/dist_optimizer.md; Megatron FSDP (zero 2/3) also shards gradients,
-      then parameters. fp32: 4 + 4 + 8. fp8 keeps the bf16 layout plus Transformer Engine's
+      then parameters. `--grad-reduce-in-bf16` (`grad_reduce_in_bf16`; Megatron-Bridge's performance
+      recipes set `ddp.grad_reduce_in_fp32 = False`) makes the gradient buffer bf16: 2 + 2 + 12. fp32: 4 + 4 + 8. fp8 keeps the bf16 layout plus Transformer Engine's
       cached fp8 weights, or under --fp8-param-gather fp8 weights in the bf16 ones' place
       (`engine_layer_memory`, `fp8.fp8_primary_weights`).
     - torchtitan: zero 0 is DDP (`data_parallel_replicate_degree`): fp32 parameters, gradients
@@ -138,7 +139,7 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
 
     wide = precision == "fp32"
     if engine == "megatron":
-        param, grad, optimizer = (4.0, 4.0, 8.0) if wide else (2.0, 4.0, 12.0)
+        param, grad, optimizer = (4.0, 4.0, 8.0) if wide else (2.0, 2.0 if grad_reduce_in_bf16 else 4.0, 12.0)
         return {"params": num_params * param / (ranks if zero >= 3 else 1),
                 "grads": num_params * grad / (ranks if zero >= 2 else 1),
                 "optimizer": num_params * optimizer / (ranks if zero >= 1 else 1)}
@@ -177,7 +178,8 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
                     + (layer.shared_params if holds_shared else 0.0)) / shard
     expert_params = layer.expert_params / config.ep / shard
     ranks = config.shard_degree if config.shard_group else config.data_ranks
-    states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp)
+    states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp,
+                                config.grad_reduce_in_bf16)
     if engine == "megatron" and config.precision == "fp8" and layer.kind == "block":
         # Transformer Engine keeps each Linear's fp8 weight row- and column-wise on Hopper across
         # micro-batches (`is_first_microbatch`): 2 bytes per parameter, every module at once; beside
@@ -191,7 +193,7 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
         states["params"] += dense_params * (4.0 if config.precision == "fp32" else 2.0)
     if expert_params:
         experts = engine_state_bytes(engine, expert_params, config.expert_data_ranks, config.zero,
-                                     config.precision, config.pp)
+                                     config.precision, config.pp, config.grad_reduce_in_bf16)
         states = {key: states[key] + experts[key] for key in states}
     saved, working = _activations(layer, config, info, act_scale, profile_dtype, attention)
     # a layer's gathered parameters are live while its recomputation and backward run

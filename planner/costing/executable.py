@@ -154,6 +154,10 @@ def why_not_executable(config, model: ModelFacts, layer_degrees=()) -> str | Non
         return (f"offloading ({config.offload}) is planned, not executed: meshplan's executor keeps every model "
                 "state on the device (on the cpu cluster the device is the host, so there is nothing to move); "
                 "export the plan to DeepSpeed, Megatron-LM or torchtitan, or re-plan with --offload none")
+    if config.microbatch_group_size:
+        return (f"a micro-batch group size ({config.microbatch_group_size}) is planned, not executed: torch's "
+                "ScheduleInterleaved1F1B runs its own rounds (m // max(1, m // pp)); export the plan to Megatron-LM "
+                "or drop --microbatch-group-size to train")
     if executed_zero(config.zero, config.data_ranks, config.pp, config.schedule) != config.zero:
         return (f"ZeRO-{config.zero} with the {config.schedule} schedule (pp {config.pp}, dp {config.dp}) runs as "
                 "ZeRO-1: a split backward defers gradient sync and resharding to the step's end; set zero to 1, "

@@ -232,7 +232,9 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
                          fp8_recipe=job.fp8_recipe if precision == "fp8" else None,
                          recompute_modules=job.recompute_modules if recompute == "selective" else (),
-                         offload=job.offload, cp_method=job.cp_method)
+                         offload=job.offload, cp_method=job.cp_method,
+                         microbatch_group_size=job.microbatch_group_size if job.vpp > 1 else None,
+                         grad_reduce_in_bf16=job.grad_reduce_in_bf16 and precision != "fp32")
     check_offload(config, cluster)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))

@@ -46,6 +46,9 @@ class EngineJob(_JobDegrees):
     recompute_modules: tuple[str, ...] = ()  # Megatron-Core's --recompute-modules under selective; (): core_attn
     schedule: str = "1f1b"
     vpp: int = 1  # virtual stages per pipeline rank
+    # interleaved 1F1B's micro-batches per round (Megatron-Core's group size per virtual stage); None: pp
+    microbatch_group_size: int | None = None
+    grad_reduce_in_bf16: bool = False  # Megatron-LM's --grad-reduce-in-bf16: a bf16 gradient buffer
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)
@@ -60,7 +63,7 @@ class EngineJob(_JobDegrees):
         degrees = tuple(name for name in AXIS_NAMES if name not in ("dp", "etp"))
         for name in ("microbatch_size", *degrees, "vpp", "recompute_every"):
             _positive(name, getattr(self, name))
-        for name in ("seq", "gpus", "global_batch", "dp", "etp", "shard_group"):
+        for name in ("seq", "gpus", "global_batch", "dp", "etp", "shard_group", "microbatch_group_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.zero not in (0, 1, 2, 3):

@@ -8,7 +8,7 @@ uneven first and last stages (`--decoder-first-pipeline-num-layers`,
 the whole model: selective (the attention core), or full for the first N layers of every chunk
 (`--recompute-method block`) or for every layer (`uniform`). Its pipeline schedule is 1F1B, or
 interleaved 1F1B with virtual stages. `--use-distributed-optimizer` shards the optimizer states
-over the data-parallel ranks (ZeRO-1); with `--bf16` gradients accumulate and reduce in fp32.
+over the data-parallel ranks (ZeRO-1); gradients accumulate in fp32 (`--grad-reduce-in-bf16`: bf16).
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ CP_COMM_FLAG = "--cp-comm-type"
 CP_COMM_TYPES = {"a2a": "ulysses", "allgather": "all-gather", "p2p": "all-gather", "a2a+p2p": "all-gather"}
 # HSDP under the distributed optimizer: the optimizer states shard within dp / N ranks, N copies.
 INSTANCES_FLAG = "--num-distributed-optimizer-instances"
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"  # a plan's `microbatch_group_size`
+BF16_GRADS_FLAG = "--grad-reduce-in-bf16"  # a bf16 gradient buffer: the plan's `grad_reduce_in_bf16`
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
@@ -75,6 +77,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
                             "re-plan with --schedule interleaved or 1f1b")
     if megatron_schedule == "interleaved":
         args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
+        args += [(GROUP_FLAG, cfg.microbatch_group_size)] if cfg.microbatch_group_size else []
     args += _split_args(plan, notes)
     if cfg.sp:
         args.append(("--sequence-parallel", None))
@@ -111,7 +114,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
             notes.append("offload params: Megatron-LM offloads the optimizer's states and step only; exported as "
                          "--optimizer-cpu-offload, which keeps parameters and gradients on the GPUs")
     if cfg.precision in ("bf16-mixed", "fp8"):
-        args.append(("--bf16", None))
+        args += [("--bf16", None)] + ([(BF16_GRADS_FLAG, None)] if cfg.grad_reduce_in_bf16 else [])
     if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, under the plan's recipe
         recipe = cfg.fp8_recipe
         if recipe not in MEGATRON_FP8_RECIPES:
@@ -279,6 +282,8 @@ def read_megatron(text: str) -> EngineJob:
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
+        microbatch_group_size=None if vpp == 1 or get(GROUP_FLAG, pp) == pp else get(GROUP_FLAG, None),
+        grad_reduce_in_bf16=BF16_GRADS_FLAG in flags,
         layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
         cp_method=cp_method, moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
         if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")

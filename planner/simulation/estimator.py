@@ -99,7 +99,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     vpp: int = 1, precision: str = "bf16-mixed", shard_group: int | None = None, cp: int = 1,
                     ep: int = 1, etp: int | None = None, engine: str = "meshplan",
                     fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = (),
-                    offload: str = "none", cp_method: str | None = None) -> ParallelConfig:
+                    offload: str = "none", cp_method: str | None = None,
+                    microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -120,10 +121,14 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 virtual_stages=vpp, precision=precision, shard_group=shard_group, ep=ep,
                                 etp=etp, engine=engine, fp8_recipe=fp8_recipe,
                                 recompute_modules=tuple(recompute_modules), offload=offload,
-                                cp_method=cp_method or DEFAULT_CP_METHOD)
+                                cp_method=cp_method or DEFAULT_CP_METHOD,
+                                microbatch_group_size=microbatch_group_size,
+                                grad_reduce_in_bf16=grad_reduce_in_bf16)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
-            "cp_method", "--cp-method").replace("expert parallelism ep=", "--ep ").replace(
+            "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
+            "grad_reduce_in_bf16 keeps", "--grad-reduce-in-bf16 keeps").replace("use engine", "use --engine").replace(
+            "expert parallelism ep=", "--ep ").replace(
             "expert tensor parallelism etp=", "--etp ")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
     return config
@@ -155,7 +160,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
              recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None,
-             moe_dispatcher: str = "alltoall") -> Prediction:
+             moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
+             grad_reduce_in_bf16: bool = False) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
@@ -167,7 +173,9 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
     against what is left); `fp8_recipe`: under fp8, a name in `contracts.config.FP8_RECIPES`
     (None: the engine's default); `moe_dispatcher`: how MoE tokens reach the experts
-    (`contracts.config.MOE_DISPATCHERS`, priced by `costing.moe_dispatch`)."""
+    (`contracts.config.MOE_DISPATCHERS`, priced by `costing.moe_dispatch`); `microbatch_group_size`:
+    interleaved 1F1B's micro-batches per round (Megatron-Core's group size; None: pp);
+    `grad_reduce_in_bf16`: Megatron-LM's bf16 gradient buffer (engine megatron)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -178,7 +186,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     config = parallel_config(cluster, gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, mbs=mbs, zero=zero,
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
                              shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe,
-                             recompute_modules=recompute_modules, offload=offload, cp_method=cp_method)
+                             recompute_modules=recompute_modules, offload=offload, cp_method=cp_method,
+                             microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,

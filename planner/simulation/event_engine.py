@@ -87,7 +87,8 @@ def _play(costs: StepCosts, chunks: list[Chunk], record: bool = True) -> _Played
     # Without pipelining the executor accumulates gradients forward, backward, forward, ...
     # (1F1B's order for one stage) whatever schedule the plan names.
     schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
-    orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages)
+    orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages,
+                              cfg.microbatch_group_size if cfg.pp > 1 else None)
     transfer = list(costs.p2p_time_s) or [0.0] * (num_chunks - 1)
     seconds = {kind: [action_part(chunk, kind).fwd_s if kind == "F" else action_part(chunk, kind).bwd_s
                       for chunk in chunks] for kind in "FBIW"}
@@ -277,7 +278,8 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
         last_of_chunk = {chunk: cost for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer)}
         boundaries = [last_of_chunk[c].output_bytes for c in range(len(chunks) - 1)]
         kept = held_boundary_bytes(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
-                                   lambda c: chunks[c].rank, boundaries, keeps_stage_outputs(cfg.engine))
+                                   lambda c: chunks[c].rank, boundaries, keeps_stage_outputs(cfg.engine),
+                                   cfg.microbatch_group_size)
         buffers = [b + k for b, k in zip(buffers, kept)]
     sizes = [chunk.activation_bytes for chunk in chunks]
     breakdowns, out = [], []

@@ -18,7 +18,9 @@ picks the generator the description's `actions` names (`GENERATORS`).
   then alternates one backward and one forward until the forwards run out, then drains the
   backwards. At most w micro-batches are in flight on rank k.
 - Interleaved 1F1B (`ScheduleInterleaved1F1B._calculate_single_rank_operations`, Narayanan et
-  al. 2021): micro-batches go round in groups of `r = m // max(1, m // p)`; rank k runs
+  al. 2021): micro-batches go round in groups of `r = m // max(1, m // p)` (a plan's
+  `microbatch_group_size` instead: Megatron-Core's `microbatch_group_size_per_vp_stage`, whose
+  warm-up `get_pp_rank_microbatches` counts the same way; a smaller r holds fewer); rank k runs
   w = min((v - 1) * r + 2 * (p - 1 - k), m * v) warm-up forwards (chunk of step s: (s // r) % v),
   then forward/backward pairs (backward chunk of step s: v - 1 - ((s - w) // r) % v, deepest
   chunk first), then the remaining w backwards.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshplan.planner.contracts.schedule import Schedule, schedule_spec
+from meshplan.planner.contracts.schedule import Schedule, default_microbatch_group, schedule_spec
 from meshplan.planner.costing.boundary_buffers import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
@@ -53,10 +55,16 @@ _tuple_new = tuple.__new__
 
 
 def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
-                 rank: int) -> list[Action]:
-    """The compute actions pipeline rank `rank` runs, in execution order."""
+                 rank: int, microbatch_group: int | None = None) -> list[Action]:
+    """The compute actions pipeline rank `rank` runs, in execution order; `microbatch_group`
+    (interleaved 1F1B only) replaces its default group of micro-batches per round."""
     spec = schedule_spec(schedule)
     _check(spec, num_stages, num_microbatches, virtual_stages, rank)
+    if microbatch_group is not None:
+        if spec.actions != "interleaved" or num_microbatches % microbatch_group:
+            raise ValueError(f"a micro-batch group of {microbatch_group} needs interleaved 1F1B and divides its "
+                             f"{num_microbatches} micro-batches; got schedule {schedule}")
+        return _interleaved(num_stages, num_microbatches, virtual_stages, rank, microbatch_group)
     return GENERATORS[spec.actions](num_stages, num_microbatches, virtual_stages, rank)
 
 
@@ -80,8 +88,9 @@ def _one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int, ra
     return actions
 
 
-def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list[Action]:
-    per_round = num_microbatches // max(1, num_microbatches // num_stages)
+def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int,
+                 per_round: int | None = None) -> list[Action]:
+    per_round = per_round or default_microbatch_group(num_stages, num_microbatches)
     total = num_microbatches * virtual_stages
     warmup = min((virtual_stages - 1) * per_round + 2 * (num_stages - 1 - rank), total)
     next_fwd_mb = [0] * virtual_stages
@@ -121,10 +130,10 @@ GENERATORS = {
 
 @lru_cache(maxsize=256)
 def schedule_actions(schedule: str, num_stages: int, num_microbatches: int,
-                     virtual_stages: int = 1) -> tuple[tuple[Action, ...], ...]:
+                     virtual_stages: int = 1, microbatch_group: int | None = None) -> tuple[tuple[Action, ...], ...]:
     """`rank_actions` for every pipeline rank, indexed by rank (cached: the planner replays the
     same few schedules for every candidate it solves)."""
-    return tuple(tuple(rank_actions(schedule, num_stages, num_microbatches, virtual_stages, rank))
+    return tuple(tuple(rank_actions(schedule, num_stages, num_microbatches, virtual_stages, rank, microbatch_group))
                  for rank in range(num_stages))
 
 
@@ -139,13 +148,14 @@ def max_in_flight(actions: list[Action] | tuple[Action, ...]) -> int:
 
 @lru_cache(maxsize=4096)
 def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatches: int,
-                                  virtual_stages: int) -> tuple[tuple[int, ...], ...]:
+                                  virtual_stages: int, microbatch_group: int | None = None
+                                  ) -> tuple[tuple[int, ...], ...]:
     """Per rank and virtual stage: micro-batches whose activations were freed (B, or W after a
     split backward) before the rank's last forward. Counts only grow, so that moment has the
     most of each at once: a multi-chunk schedule's sends kept until the step ends
     (`costing.boundary_buffers.kept_send_bytes`) weigh most at the rank's last forward peak."""
     out = []
-    for actions in schedule_actions(schedule, num_stages, num_microbatches, virtual_stages):
+    for actions in schedule_actions(schedule, num_stages, num_microbatches, virtual_stages, microbatch_group):
         done = [0] * virtual_stages
         last_forward = max(i for i, action in enumerate(actions) if action.kind == "F")
         for action in actions[:last_forward]:
@@ -156,7 +166,7 @@ def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatch
 
 
 def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int, rank_of_chunk,
-                        boundary_bytes, kept_sends: bool = True) -> list[float]:
+                        boundary_bytes, kept_sends: bool = True, microbatch_group: int | None = None) -> list[float]:
     """Per pipeline rank: the boundary tensors torch pipelining holds besides activations, the
     receive buffers in transit and a multi-chunk schedule's kept sends (`costing.boundary_buffers`'
     two rules; the simulator and the ILP both call this). `kept_sends` False: the
@@ -164,7 +174,7 @@ def held_boundary_bytes(schedule: str, num_stages: int, num_microbatches: int, v
     received = receive_buffer_bytes(rank_of_chunk, boundary_bytes, num_stages)
     if not kept_sends or not schedule_spec(schedule).multi_chunk:
         return received
-    done = backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages)
+    done = backwards_before_last_forward(schedule, num_stages, num_microbatches, virtual_stages, microbatch_group)
     kept = kept_send_bytes(rank_of_chunk, boundary_bytes, lambda c: done[rank_of_chunk(c)][c // num_stages],
                            num_stages, schedule)
     return [a + b for a, b in zip(received, kept)]

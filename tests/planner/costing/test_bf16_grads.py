@@ -1,0 +1,55 @@
+"""Megatron-LM's bf16 gradient buffer (`ParallelConfig.grad_reduce_in_bf16`, --grad-reduce-in-bf16;
+Megatron-Bridge's performance recipes' `ddp.grad_reduce_in_fp32 = False`): 2 bytes a parameter
+instead of the fp32 `main_grad`'s 4, in the recipe, the estimate, plan.json and the Megatron-LM
+export and import."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.plan import plan_from_json
+from meshplan.planner.costing.engine_memory import engine_state_bytes
+from meshplan.planner.engines.bridge import export_plan, read_engine_text
+from meshplan.planner.simulation.estimator import estimate
+from tests.planner.engines.helpers import make_plan
+
+SPEC = "gpt:layers=4,hidden=512,heads=8,vocab=8192"
+
+
+@pytest.mark.parametrize("zero, expected", [(0, (2, 2, 12)), (1, (2, 2, 12 / 8)), (2, (2, 2 / 8, 12 / 8))])
+def test_the_gradient_buffer_is_two_bytes_a_parameter(zero, expected):
+    states = engine_state_bytes("megatron", 1.0, 8, zero, "bf16-mixed", 1, grad_reduce_in_bf16=True)
+    assert (states["params"], states["grads"], states["optimizer"]) == pytest.approx(expected)
+
+
+def test_the_estimate_halves_the_gradients_and_keeps_the_rest():
+    kwargs = dict(gpus=2, global_batch=4, seq=256, mbs=2, zero=1, engine="megatron")
+    fp32, bf16 = (estimate(SPEC, "a100-80g", grad_reduce_in_bf16=flag, **kwargs).memory[0] for flag in (False, True))
+    assert bf16.grads == pytest.approx(fp32.grads / 2)
+    assert (bf16.params, bf16.optimizer, bf16.activations) == pytest.approx((fp32.params, fp32.optimizer,
+                                                                              fp32.activations))
+
+
+def test_only_megatron_training_in_bf16_has_it():
+    with pytest.raises(ValueError, match="engine megatron"):
+        ParallelConfig(gpus=2, global_batch=2, dp=2, engine="torchtitan", grad_reduce_in_bf16=True)
+    with pytest.raises(ValueError, match="precision bf16-mixed or fp8"):
+        ParallelConfig(gpus=2, global_batch=2, dp=2, engine="megatron", precision="fp32", grad_reduce_in_bf16=True)
+    with pytest.raises(MeshplanError, match="--grad-reduce-in-bf16"):
+        estimate(SPEC, "a100-80g", gpus=2, global_batch=2, seq=128, grad_reduce_in_bf16=True)
+
+
+def test_plan_json_and_the_megatron_arguments_carry_it():
+    plan = make_plan(pp=2, dp=2, tp=2, zero=1)
+    assert "grad_reduce_in_bf16" not in plan.to_json()  # plans without it keep their digest
+    megatron = replace(plan, config=replace(plan.config, engine="megatron"))
+    bf16 = replace(plan, config=replace(megatron.config, grad_reduce_in_bf16=True))
+    assert plan_from_json(bf16.to_json()).config.grad_reduce_in_bf16
+    assert bf16.config.label().endswith(", bf16 gradients") and "bf16" not in megatron.config.label()
+    assert bf16.digest != megatron.digest
+    text = export_plan(bf16, "megatron").text
+    assert "--grad-reduce-in-bf16" in text and "--grad-reduce-in-bf16" not in export_plan(megatron, "megatron").text
+    assert read_engine_text(text, "megatron").grad_reduce_in_bf16
