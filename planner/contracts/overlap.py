@@ -96,9 +96,11 @@ class EngineOverlap:
                  f"overlapped from ZeRO-{self.grad_overlap_min_zero}, after the backward below")
         grads += (", pipelined during each chunk's last backward" if self.pp_grad_reduce == "during_last_backward"
                   else ", pipelined after each chunk's last backward")
-        gather = "; ZeRO-1/2 once per step, in the next forward" if self.param_gather == "next_forward" else ""
+        gather = "prefetched" if self.param_gather_prefetch else "blocking"
+        if self.param_gather == "next_forward":
+            gather += ", ZeRO-1/2 once per step in the next forward"
         return (f"{self.engine} ({self.version}): TP comm {'pipelined with its GEMMs' if self.tp_comm_overlap else 'blocking'}; "
-                f"grad reduce {grads}; param gather {'prefetched' if self.param_gather_prefetch else 'blocking'}{gather}; "
+                f"grad reduce {grads}; param gather {gather}; "
                 f"PP p2p {'async' if self.pp_p2p_async else 'blocking'}; CP {self.cp_exchange.replace('_', ' ')}; "
                 f"EP all-to-all {self.ep_a2a_hidden_fraction:.0%} hidden")
 
@@ -117,8 +119,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # torch pipelining's batched isend/irecv
         cp_exchange="all_gather",        # `executor.parallel.context`: all_gather_tensor_autograd of K/V
         ep_a2a_hidden_fraction=0.0,      # all_to_all_single on the compute path (`executor.parallel.expert`)
-        param_gather="fsdp",     # FSDP2 reshards ZeRO-1/2 after each backward (`communication.dp_comm_s`)
-        pp_grad_reduce="after_chunk",  # torch pipelining reduces a chunk after its last backward
+        param_gather="fsdp",             # FSDP2 reshards ZeRO-1/2 after each backward (`communication.dp_comm_s`)
+        pp_grad_reduce="after_chunk",    # torch pipelining reduces a chunk after its last backward
         sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",)),
     EngineOverlap(
         engine="megatron", version="Megatron-Core 0.14 with Transformer Engine, as Megatron-Bridge 25.11's "
@@ -129,13 +131,19 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # overlap_p2p_comm with virtual stages, batch_p2p_comm without
         cp_exchange="ring_p2p",          # TransformerConfig.cp_comm_type default "p2p"
         ep_a2a_hidden_fraction=0.0,      # overlap_moe_expert_parallel_comm is off by default
-        param_gather="next_forward",  # --overlap-param-gather: distributed optimizer, buckets gathered in the next forward
-        pp_grad_reduce="during_last_backward",  # --overlap-grad-reduce: buckets during each chunk's last backward
+        param_gather="next_forward",     # --overlap-param-gather: once per step, bucket by bucket in the next forward
+        pp_grad_reduce="during_last_backward",  # --overlap-grad-reduce: each chunk's buckets in its last backward
         sources=("docs.nvidia.com/nemo/megatron-bridge/latest/training/communication-overlap.html "
                  "(TP, DP, PP and CP overlap; TP overlap gated on tp >= 2, sequence parallelism and TE)",
                  "Megatron-Bridge docs/performance-guide.md; Megatron-Core DistributedDataParallelConfig "
                  "(overlap_grad_reduce, overlap_param_gather)",
-                 "Transformer Engine attention.py AttnFuncWithCPAndKVP2P (cp_comm_type='p2p')")),
+                 "Transformer Engine attention.py AttnFuncWithCPAndKVP2P (cp_comm_type='p2p')",
+                 "Megatron-LM megatron/core/optimizer/distrib_optimizer.py (overlap_param_gather: the first "
+                 "bucket's all-gather dispatched after step(), each next one from the forward pre-hook that "
+                 "waits on its predecessor) and megatron/core/pipeline_parallel/schedules.py (no_sync for all "
+                 "but the last micro-batch; a chunk's grad sync after its last backward), commit f2e5db4 "
+                 "(mid-2024); core_v0.14.0's param_and_grad_buffer.py bucket groups (finish_param_sync "
+                 "dispatches the next group's gather) keep both")),
     EngineOverlap(
         engine="torchtitan", version="torchtitan 0.2 on torch 2.6-2.9 (job-config defaults)",
         tp_comm_overlap=False,           # parallelism.enable_async_tensor_parallel defaults to false
@@ -144,8 +152,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # torch.distributed.pipelining's isend/irecv
         cp_exchange="torch_ring",        # parallelism.context_parallel_rotate_method defaults to "allgather"
         ep_a2a_hidden_fraction=0.0,      # all-to-all dispatch on the compute stream
-        param_gather="fsdp",     # FSDP2, as meshplan's executor
-        pp_grad_reduce="after_chunk",  # torch.distributed.pipelining, as meshplan's executor
+        param_gather="fsdp",             # FSDP2, as meshplan's executor
+        pp_grad_reduce="after_chunk",    # torch.distributed.pipelining, as meshplan's executor
         sources=("torchtitan docs/fsdp.md (FSDP2 prefetching); torchtitan config job_config.py "
                  "(enable_async_tensor_parallel=False, context_parallel_rotate_method='allgather')",
                  "torch torch/distributed/tensor/experimental/_context_parallel/_attention.py "
@@ -158,8 +166,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # the pipeline engine's p2p beside compute
         cp_exchange="all_gather",        # sequence_parallel_size: costed as meshplan's K/V all-gather
         ep_a2a_hidden_fraction=0.0,      # MoE all-to-all on the compute stream
-        param_gather="fsdp",     # ZeRO-1/2 gathers priced by the executor's rule
-        pp_grad_reduce="after_chunk",  # the pipeline engine reduces after the last micro-batch
+        param_gather="fsdp",             # ZeRO-1/2 gathers priced by the executor's rule
+        pp_grad_reduce="after_chunk",    # the pipeline engine reduces after the last micro-batch
         sources=("deepspeed.ai/docs/config-json (zero_optimization.overlap_comm: stage 3 default true, "
                  "else false; stage3_prefetch_bucket_size)",
                  "DeepSpeed deepspeed/runtime/zero/config.py (overlap_comm validator)")),
@@ -171,8 +179,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # no pipeline parallelism (NO_PIPELINE_ENGINES): never read
         cp_exchange="all_gather",        # no context parallelism: never read
         ep_a2a_hidden_fraction=0.0,      # no expert parallelism: never read
-        param_gather="fsdp",     # FULL_SHARD (ZeRO-3): never read at ZeRO 1/2
-        pp_grad_reduce="after_chunk",  # no pipeline parallelism: never read
+        param_gather="fsdp",             # FULL_SHARD (ZeRO-3): never read at ZeRO 1/2
+        pp_grad_reduce="after_chunk",    # no pipeline parallelism: never read
         sources=("llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml (fsdp_config: FULL_SHARD, "
                  "limit_all_gathers, activation_checkpointing)",
                  "torch torch/distributed/fsdp/api.py (BackwardPrefetch.BACKWARD_PRE, Composer's default)")),
