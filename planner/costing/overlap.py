@@ -75,9 +75,10 @@ def exposed_step_gather_s(gather_s: float, fwd_busy_s: float, config) -> float:
     FSDP-style engines gather it after the optimizer, with nothing to hide behind: all of it.
     Megatron's distributed optimizer with --overlap-param-gather issues bucket i+1's all-gather
     when bucket i's layers start their forward (a forward pre-hook waits on bucket i and
-    dispatches the next), so in the step's first forward each layer's gather runs behind the
-    previous layer's forward (`fwd_busy_s`, one micro-batch's compute and blocking collectives):
-    it exposes only what it takes beyond that forward.
+    dispatches the next), so in the step's first forward each layer's gather runs while the layer
+    before it computes. It is priced against the layer's own forward (`fwd_busy_s`: one
+    micro-batch's compute and blocking collectives; a chunk's repeated blocks are alike): it
+    exposes only what it takes beyond one forward.
     """
     if gather_s <= 0 or not gathers_in_next_forward(config):
         return gather_s
