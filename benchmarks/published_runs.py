@@ -282,6 +282,8 @@ MEGATRON_LM_H100_ASSUMPTIONS = (
     "model TFLOP/s in meshplan's MFU convention (attention counted in full, no recomputation)",
     "priced as --engine megatron: the README's overlap flags are the ones that engine's overlap "
     "prices; the Megatron-Core release of mid-2024 that ran it is not named",
+    "gradients reduce-scattered in fp32: Megatron-LM at the image's commit (f2e5db4) forces "
+    "accumulate_allreduce_grads_in_fp32 under --bf16 and has no --grad-reduce-in-bf16",
 )
 
 

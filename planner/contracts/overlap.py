@@ -25,6 +25,20 @@ from meshplan.planner.contracts.config import ENGINES
 #   behind the next step's attention, the last rotation exposed.
 CP_EXCHANGES = ("all_gather", "ring_p2p", "torch_ring")
 
+# When the data-parallel ranks gather ZeRO-1/2 parameters (`costing.communication.dp_comm_s`):
+# - "fsdp": FSDP2's resharding: before every micro-batch's forward without pipelining (it reshards
+#   after each backward), once per step under pipelining, after the optimizer (blocking);
+# - "next_forward": Megatron's distributed optimizer with --overlap-param-gather: once per step,
+#   bucket by bucket during the next step's first forward, each bucket's gather issued when the
+#   layers before it start (`costing.overlap.exposed_step_gather_s`).
+PARAM_GATHERS = ("fsdp", "next_forward")
+# When a pipelined rank reduces its ZeRO-0/1 gradients (`costing.state_memory.grad_sync_mode`):
+# - "after_chunk": a chunk's whole reduction after its last backward, blocking the rank (torch
+#   pipelining's `perform_reduce_grad`);
+# - "during_last_backward": in buckets launched as the last micro-batch's backward of each chunk
+#   fills them, beside compute (Megatron's --overlap-grad-reduce under every schedule).
+PP_GRAD_REDUCES = ("after_chunk", "during_last_backward")
+
 
 @dataclass(frozen=True)
 class EngineOverlap:
@@ -39,7 +53,8 @@ class EngineOverlap:
     `param_gather_prefetch`: ZeRO/FSDP parameter all-gathers issued one unit ahead of the compute
     that needs them. `pp_p2p_async`: pipeline sends and receives run beside compute.
     `cp_exchange`: one of `CP_EXCHANGES`. `ep_a2a_hidden_fraction`: the share of the expert-parallel
-    all-to-alls hidden behind other compute, in [0, 1].
+    all-to-alls hidden behind other compute, in [0, 1]. `param_gather`: one of `PARAM_GATHERS`;
+    `pp_grad_reduce`: one of `PP_GRAD_REDUCES`.
     """
 
     engine: str
@@ -50,6 +65,8 @@ class EngineOverlap:
     pp_p2p_async: bool
     cp_exchange: str
     ep_a2a_hidden_fraction: float
+    param_gather: str
+    pp_grad_reduce: str
     sources: tuple[str, ...]
 
     def __post_init__(self):
@@ -60,6 +77,10 @@ class EngineOverlap:
         if self.grad_overlap_min_zero not in (0, 1, 2, 3, 4):
             raise ValueError(f"grad_overlap_min_zero must be a ZeRO stage 0-3 or 4 (never), "
                              f"got {self.grad_overlap_min_zero}")
+        if self.param_gather not in PARAM_GATHERS:
+            raise ValueError(f"param_gather must be one of {', '.join(PARAM_GATHERS)}, got {self.param_gather!r}")
+        if self.pp_grad_reduce not in PP_GRAD_REDUCES:
+            raise ValueError(f"pp_grad_reduce must be one of {', '.join(PP_GRAD_REDUCES)}, got {self.pp_grad_reduce!r}")
         if not 0.0 <= self.ep_a2a_hidden_fraction <= 1.0:
             raise ValueError(f"ep_a2a_hidden_fraction must be in [0, 1], got {self.ep_a2a_hidden_fraction}")
         if not self.version or not self.sources:
@@ -73,8 +94,13 @@ class EngineOverlap:
         """One line: what this engine hides behind compute."""
         grads = ("overlapped with the backward" if self.grad_overlap_min_zero == 0 else
                  f"overlapped from ZeRO-{self.grad_overlap_min_zero}, after the backward below")
+        grads += (", pipelined during each chunk's last backward" if self.pp_grad_reduce == "during_last_backward"
+                  else ", pipelined after each chunk's last backward")
+        gather = "prefetched" if self.param_gather_prefetch else "blocking"
+        if self.param_gather == "next_forward":
+            gather += ", ZeRO-1/2 once per step in the next forward"
         return (f"{self.engine} ({self.version}): TP comm {'pipelined with its GEMMs' if self.tp_comm_overlap else 'blocking'}; "
-                f"grad reduce {grads}; param gather {'prefetched' if self.param_gather_prefetch else 'blocking'}; "
+                f"grad reduce {grads}; param gather {gather}; "
                 f"PP p2p {'async' if self.pp_p2p_async else 'blocking'}; CP {self.cp_exchange.replace('_', ' ')}; "
                 f"EP all-to-all {self.ep_a2a_hidden_fraction:.0%} hidden")
 
@@ -93,6 +119,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # torch pipelining's batched isend/irecv
         cp_exchange="all_gather",        # `executor.parallel.context`: all_gather_tensor_autograd of K/V
         ep_a2a_hidden_fraction=0.0,      # all_to_all_single on the compute path (`executor.parallel.expert`)
+        param_gather="fsdp",             # FSDP2 reshards ZeRO-1/2 after each backward (`communication.dp_comm_s`)
+        pp_grad_reduce="after_chunk",    # torch pipelining reduces a chunk after its last backward
         sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",)),
     EngineOverlap(
         engine="megatron", version="Megatron-Core 0.14 with Transformer Engine, as Megatron-Bridge 25.11's "
@@ -103,11 +131,19 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # overlap_p2p_comm with virtual stages, batch_p2p_comm without
         cp_exchange="ring_p2p",          # TransformerConfig.cp_comm_type default "p2p"
         ep_a2a_hidden_fraction=0.0,      # overlap_moe_expert_parallel_comm is off by default
+        param_gather="next_forward",     # --overlap-param-gather: once per step, bucket by bucket in the next forward
+        pp_grad_reduce="during_last_backward",  # --overlap-grad-reduce: each chunk's buckets in its last backward
         sources=("docs.nvidia.com/nemo/megatron-bridge/latest/training/communication-overlap.html "
                  "(TP, DP, PP and CP overlap; TP overlap gated on tp >= 2, sequence parallelism and TE)",
                  "Megatron-Bridge docs/performance-guide.md; Megatron-Core DistributedDataParallelConfig "
                  "(overlap_grad_reduce, overlap_param_gather)",
-                 "Transformer Engine attention.py AttnFuncWithCPAndKVP2P (cp_comm_type='p2p')")),
+                 "Transformer Engine attention.py AttnFuncWithCPAndKVP2P (cp_comm_type='p2p')",
+                 "Megatron-LM megatron/core/optimizer/distrib_optimizer.py (overlap_param_gather: the first "
+                 "bucket's all-gather dispatched after step(), each next one from the forward pre-hook that "
+                 "waits on its predecessor) and megatron/core/pipeline_parallel/schedules.py (no_sync for all "
+                 "but the last micro-batch; a chunk's grad sync after its last backward), commit f2e5db4 "
+                 "(mid-2024); core_v0.14.0's param_and_grad_buffer.py bucket groups (finish_param_sync "
+                 "dispatches the next group's gather) keep both")),
     EngineOverlap(
         engine="torchtitan", version="torchtitan 0.2 on torch 2.6-2.9 (job-config defaults)",
         tp_comm_overlap=False,           # parallelism.enable_async_tensor_parallel defaults to false
@@ -116,6 +152,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # torch.distributed.pipelining's isend/irecv
         cp_exchange="torch_ring",        # parallelism.context_parallel_rotate_method defaults to "allgather"
         ep_a2a_hidden_fraction=0.0,      # all-to-all dispatch on the compute stream
+        param_gather="fsdp",             # FSDP2, as meshplan's executor
+        pp_grad_reduce="after_chunk",    # torch.distributed.pipelining, as meshplan's executor
         sources=("torchtitan docs/fsdp.md (FSDP2 prefetching); torchtitan config job_config.py "
                  "(enable_async_tensor_parallel=False, context_parallel_rotate_method='allgather')",
                  "torch torch/distributed/tensor/experimental/_context_parallel/_attention.py "
@@ -128,6 +166,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # the pipeline engine's p2p beside compute
         cp_exchange="all_gather",        # sequence_parallel_size: costed as meshplan's K/V all-gather
         ep_a2a_hidden_fraction=0.0,      # MoE all-to-all on the compute stream
+        param_gather="fsdp",             # ZeRO-1/2 gathers priced by the executor's rule
+        pp_grad_reduce="after_chunk",    # the pipeline engine reduces after the last micro-batch
         sources=("deepspeed.ai/docs/config-json (zero_optimization.overlap_comm: stage 3 default true, "
                  "else false; stage3_prefetch_bucket_size)",
                  "DeepSpeed deepspeed/runtime/zero/config.py (overlap_comm validator)")),
@@ -139,6 +179,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # no pipeline parallelism (NO_PIPELINE_ENGINES): never read
         cp_exchange="all_gather",        # no context parallelism: never read
         ep_a2a_hidden_fraction=0.0,      # no expert parallelism: never read
+        param_gather="fsdp",             # FULL_SHARD (ZeRO-3): never read at ZeRO 1/2
+        pp_grad_reduce="after_chunk",    # no pipeline parallelism: never read
         sources=("llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml (fsdp_config: FULL_SHARD, "
                  "limit_all_gathers, activation_checkpointing)",
                  "torch torch/distributed/fsdp/api.py (BackwardPrefetch.BACKWARD_PRE, Composer's default)")),

@@ -8,6 +8,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
+from meshplan.planner.costing.overlap import gathers_in_next_forward
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
 from meshplan.planner.costing.precision import recipe
 from meshplan.planner.costing.tp_split import is_split
@@ -71,6 +72,9 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
       their parameters are gathered once per step; ZeRO-3 still gathers twice per micro-batch
       (`executor.parallel.pipeline`; split-backward schedules run ZeRO-2/3 as ZeRO-1:
       `executed_zero`).
+    Under an engine that gathers in the next forward (Megatron's distributed optimizer,
+    `overlap.gathers_in_next_forward`) ZeRO-1/2 gather once per step whatever the recipe; what of
+    it stays exposed is `overlap.exposed_step_gather_s`.
     Gradient reductions are counted once per step here; the simulator repeats them per
     micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
     `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
@@ -98,7 +102,7 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
         grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, stride * shard)
     if zero == 3:
         return grad_s, 0.0, gather_s, gather_s
-    if paper or config.pp > 1:
+    if paper or config.pp > 1 or gathers_in_next_forward(config):  # once per step
         return grad_s, gather_s, 0.0, 0.0
     return grad_s, 0.0, gather_s, 0.0
 

@@ -118,6 +118,9 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
                                    config.attention_query_split)
         local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype, attention,
                                                        kernel)
+    if local.dp_param_gather_s > 0:  # the once-per-step gather, less what the engine hides (`overlap`)
+        local = replace(local, dp_param_gather_s=overlap.exposed_step_gather_s(local.dp_param_gather_s,
+                                                                               local.fwd_busy_s, config))
     if config.engine != "meshplan":
         # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
         memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),

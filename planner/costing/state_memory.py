@@ -42,7 +42,7 @@ under pipelining they stay gathered from the first forward to the step's end
 from __future__ import annotations
 
 from meshplan.planner.contracts.schedule import schedule_spec
-from meshplan.planner.costing.overlap import grad_reduce_overlaps
+from meshplan.planner.costing.overlap import grad_reduce_overlaps, pipelined_grad_reduce_blocks
 
 STATE_RECIPES = ("executor", "zero-paper")
 
@@ -98,10 +98,12 @@ def grad_sync_mode(config) -> str:
     split-backward schedule) leave it to torch, which reduces a chunk's gradients after its
     last backward (`perform_reduce_grad`), blocking the rank. Under another engine whose
     reduction does not overlap the backward at this ZeRO stage (DeepSpeed below ZeRO-3,
-    `EngineOverlap.grad_overlap_min_zero`) it blocks the rank after the backward too."""
+    `EngineOverlap.grad_overlap_min_zero`) it blocks the rank after the backward too. An engine
+    that reduces a pipelined rank's gradients in buckets during each chunk's last backward
+    (Megatron, `EngineOverlap.pp_grad_reduce`) overlaps them as without pipelining."""
     data_ranks = config.data_ranks
     zero = executed_zero(config.zero, data_ranks, config.pp, config.schedule)
-    if config.pp > 1 and data_ranks > 1 and zero <= 1:
+    if config.pp > 1 and data_ranks > 1 and zero <= 1 and pipelined_grad_reduce_blocks(config):
         return "after_chunk"
     if data_ranks > 1 and not grad_reduce_overlaps(config, zero):  # the engine's (`EngineOverlap`)
         return "after_chunk"

@@ -12,11 +12,12 @@ from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES
 from meshplan.planner.contracts.overlap import ENGINE_OVERLAPS, EngineOverlap, engine_overlap
 from meshplan.planner.costing import context_parallel
 from meshplan.planner.costing.collectives import collective_time_s, send_recv_time_s
-from meshplan.planner.costing.communication import tp_comm_s
+from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.overlap import exposed_ring_s, exposed_tp_comm_s
+from meshplan.planner.costing.overlap import (exposed_ring_s, exposed_step_gather_s, exposed_tp_comm_s,
+                                              gathers_in_next_forward)
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.profiling.profiler import profile
 
@@ -133,3 +134,74 @@ def test_an_overlap_meshplan_cannot_price_is_refused():
     finally:
         ENGINE_OVERLAPS.clear()
         ENGINE_OVERLAPS.update(original)
+
+
+def test_megatron_reduces_pipelined_gradients_during_the_last_backward():
+    # Megatron-Core's --overlap-grad-reduce launches each chunk's buckets in its last backward
+    # under every schedule; torch pipelining (meshplan, torchtitan) reduces a chunk after it
+    piped = dict(gpus=16, tp=1, pp=2, dp=8, sp=False, global_batch=64, zero=1)
+    assert grad_sync_mode(config(**piped, engine="megatron")) == "overlap"
+    assert grad_sync_mode(config(**piped)) == "after_chunk"
+    assert grad_sync_mode(config(**piped, engine="torchtitan")) == "after_chunk"
+    assert grad_sync_mode(config(**{**piped, "zero": 0}, engine="megatron")) == "overlap"
+    with pytest.raises(ValueError, match="pp_grad_reduce must be one of"):
+        replace(engine_overlap("megatron"), pp_grad_reduce="never")
+    with pytest.raises(ValueError, match="param_gather must be one of"):
+        replace(engine_overlap("megatron"), param_gather="per_layer")
+
+
+def test_a_step_gather_behind_the_next_forward_exposes_what_the_forward_cannot_cover():
+    dp = dict(gpus=16, tp=1, dp=16, sp=False, global_batch=64, zero=1)
+    # Megatron's distributed optimizer: 10 ms of gather behind a 4 ms forward exposes 6 ms; behind
+    # a 12 ms forward nothing; FSDP-style engines expose all 10 ms; ZeRO-0 and ZeRO-3 never gather so
+    assert exposed_step_gather_s(0.010, 0.004, config(**dp, engine="megatron")) == pytest.approx(0.006)
+    assert exposed_step_gather_s(0.010, 0.012, config(**dp, engine="megatron")) == 0.0
+    assert exposed_step_gather_s(0.010, 0.004, config(**dp)) == 0.010
+    assert not gathers_in_next_forward(config(**{**dp, "zero": 3}, engine="megatron"))
+    assert gathers_in_next_forward(config(**{**dp, "zero": 2}, engine="megatron"))
+
+
+def test_megatron_gathers_zero1_parameters_once_per_step_fsdp2_before_every_forward():
+    cluster = load_cluster("h100-sxm")
+    dp = dict(gpus=16, tp=1, dp=16, sp=False, global_batch=64, zero=1)  # 4 micro-batches per replica
+    params = 200e6
+    gather = collective_time_s("all_gather", params * 2, 16, cluster, 1)  # bf16 parameters
+    reduce = collective_time_s("reduce_scatter", params * 4, 16, cluster, 1)  # fp32 gradients
+    assert dp_comm_s(params, config(**dp, engine="megatron"), cluster) == pytest.approx((reduce, gather, 0.0, 0.0))
+    assert dp_comm_s(params, config(**dp), cluster) == pytest.approx((reduce, 0.0, gather, 0.0))
+    # a block's cost: the step's gather less the one micro-batch forward it hides behind
+    graph = profile("gpt:layers=2,hidden=2048,heads=16,vocab=32000", 2048)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    megatron = layer_cost(block, config(**dp, engine="megatron"), cluster, graph.info)
+    own = layer_cost(block, config(**dp), cluster, graph.info)
+    raw = collective_time_s("all_gather", block.num_params * 2, 16, cluster, 1)
+    assert megatron.fwd_gather_s == 0.0 and own.fwd_gather_s == pytest.approx(raw)
+    assert megatron.dp_param_gather_s == pytest.approx(max(0.0, raw - megatron.fwd_busy_s))
+    assert megatron.dp_grad_comm_s == pytest.approx(own.dp_grad_comm_s)
+
+
+def test_the_exposed_reduce_scatter_of_a_data_parallel_megatron_step_is_the_hand_worked_figure():
+    # pp 1, 4 micro-batches, 16 ranks one per node (tp 8 apart). Every layer's fp32 reduce-scatter
+    # is its own bucket (each over 25 MB), launched in the last micro-batch's backward, and lasts
+    # longer than the next layer's backward, so the reduction runs back to back from the end of
+    # the head's last backward: it exposes sum(reduce-scatters) - (last backward - head's).
+    from meshplan.planner.simulation.estimator import make_config
+    from meshplan.planner.simulation.simulator import simulate_config, step_costs
+
+    cluster = load_cluster("h100-sxm")
+    graph = profile("gpt:layers=4,hidden=4096,heads=32,vocab=32000,tied=false", 2048)
+    cfg = make_config(graph, cluster, gpus=128, global_batch=64, tp=8, pp=1, zero=1, sp=True, engine="megatron")
+    assert cfg.num_microbatches == 4
+    costs = step_costs(graph, cluster, cfg).layer_costs
+    backward = costs[::-1]
+    assert all(c.grad_bytes > 25 * 2**20 for c in costs)
+    assert all(c.dp_grad_comm_s > after.bwd_busy_s for c, after in zip(backward, backward[1:]))
+    last_backward = sum(c.bwd_busy_s for c in costs)
+    exposed_reduce = sum(c.dp_grad_comm_s for c in costs) - (last_backward - costs[-1].bwd_busy_s)
+    exposed_gather = sum(c.dp_param_gather_s for c in costs)  # each step gather beyond its forward
+    assert exposed_reduce > 0 and exposed_gather > 0
+    prediction = simulate_config(graph, cluster, cfg)
+    assert prediction.breakdown["dp_comm"] == pytest.approx(exposed_reduce + exposed_gather, rel=1e-6)
+    compute = 4 * sum(c.fwd_busy_s + c.bwd_busy_s for c in costs)
+    optimizer = sum(c.optimizer_step_s for c in costs)
+    assert prediction.step_time_s == pytest.approx(compute + exposed_reduce + exposed_gather + optimizer, rel=1e-6)
