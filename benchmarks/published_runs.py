@@ -132,6 +132,9 @@ class Run:
     recompute_modules: tuple[str, ...] = ()
     # the MoE token dispatcher the run's engine ran (`contracts.config.MOE_DISPATCHERS`)
     moe_dispatcher: str = "alltoall"
+    # where the engine's maintainers call the published figure a performance regression of that
+    # release: their words and where they said them (the run is scored all the same)
+    regression: str = ""
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
@@ -400,6 +403,15 @@ MEGATRON_BRIDGE_H100 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo
 MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-GB200 and "
                              "DGX-B200 (github.com/NVIDIA-NeMo/Megatron-Bridge, commit "
                              "00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
+# The engine's maintainers on two of the 25.11 MoE figures (NVIDIA-NeMo/Megatron-Bridge):
+QWEN3_30B_DROPLESS_REGRESSION = (
+    "issue #1998, '[Regression] Low QWEN3 30B B200 and H100 performance with dropless' (2026-01-20): "
+    "'2X slower performance in QWEN3 30B on H100 and B200 with the dropless schedule compared to the "
+    "token-drop schedule ... the perf in 25.11 is 2X slower than 25.09' (25.09's token-drop rows of the "
+    "same layouts: 10494 tokens/s/GPU on H100, 18066 on B200)")
+QWEN3_235B_B200_REGRESSION = (
+    "issue #1705, 'Fix QWEN3 235B B200 MXFP8 performance regression', fixed by PR #1760 (2025-12-17): "
+    "'MXFP8 step time improved from 20.1s to 16.9s ... Disable moe_a2a_overlap due to CPU overhead'")
 MEGATRON_MOE_ASSUMPTIONS = (
     "balanced routing (--moe-imbalance 1), no token dropping",
     "Megatron-Core's alltoall dispatcher: meshplan's all-to-all over the EP group, not overlapped with compute",
@@ -465,19 +477,30 @@ def moe_runs() -> list[Run]:
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
-            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16,
+            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16, engine="megatron",
+            regression=QWEN3_30B_DROPLESS_REGRESSION,
             assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (
-                "no recomputation (not published)", "distributed optimizer costed as ZeRO-1",
-                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)")),
+                "no recomputation (the recipe's set_qwen3_common_configs clears it)",
+                "distributed optimizer costed as ZeRO-1",
+                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
+                "the recipe's moe_a2a_overlap (Megatron-Core's EP overlap) not modelled: no hidden share priced")),
     ]
     return runs + megatron_bridge_blackwell_moe_runs()
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
-    """Megatron-Bridge 25.11's DGX-GB200 and DGX-B200 Qwen3 rows (HELD_OUT_MOE): every one, FSDP 0, TP 1."""
+    """Megatron-Bridge 25.11's DGX-GB200 and DGX-B200 Qwen3 rows (HELD_OUT_MOE): every one, FSDP 0, TP 1.
+
+    The recipes at the source's commit (scripts/performance/configs/qwen/qwen3_workload_base_configs.py):
+    GB200 runs the flex dispatcher with HybridEP and Transformer Engine CUDA graphs, costed as the
+    all-to-all inside one NVLink domain; B200 the alltoall dispatcher, the 235B with moe_a2a_overlap
+    (not modelled)."""
     assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (
-        "no recomputation (not published); the distributed optimizer costed as ZeRO-1",
+        "no recomputation (the recipe's set_qwen3_common_configs clears it); the distributed optimizer costed as "
+        "ZeRO-1",
         "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
+    regressions = {"B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8": QWEN3_235B_B200_REGRESSION,
+                   "B200 Qwen3-30B-A3B fp8 ep8": QWEN3_30B_DROPLESS_REGRESSION}
     mxfp8 = ("FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current "
              "scaling)",)
     # (name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tokens/s/GPU)
@@ -488,7 +511,7 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
             ("B200 Qwen3-30B-A3B fp8 ep8", "b200", "qwen3-30b-a3b", 8, 512, 1, 1, 1, 8, "fp8", 9299.0)]
     return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
                 pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
-                published_tokens_per_s=tps * gpus,
+                published_tokens_per_s=tps * gpus, engine="megatron", regression=regressions.get(name, ""),
                 assumptions=assumptions + (mxfp8 if precision == "fp8" else ())
                 + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
             for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
