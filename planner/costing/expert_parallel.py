@@ -92,7 +92,8 @@ def dense_part(layer, info=None):
     """The MoE block without its routed experts: attention, router, shared experts, norms, the
     dispatch and combine permutations. What every data rank runs whatever ep is. With `info`,
     without the router's gate FLOPs too: `with_routed_experts` prices the gate by its shape
-    (`moe_compute.router_times_s`)."""
+    (`moe_compute.router_times_s`). Its TP collectives are its non-expert regions'
+    (`moe_tp_regions`)."""
     split = layer.tp_split
     sharded = layer.act_tp_sharded_bytes - min(layer.expert_act_bytes, layer.act_tp_sharded_bytes)
     replicated = layer.act_tp_replicated_bytes - max(0, layer.expert_act_bytes - layer.act_tp_sharded_bytes)
@@ -108,7 +109,25 @@ def dense_part(layer, info=None):
         expert_params=0, active_expert_params=0, expert_fwd_flops=0, expert_bwd_flops=0, expert_act_bytes=0,
         dispatch_bytes=0,
         tp_split=replace(split, column_linears=tuple(n for n in split.column_linears if not is_expert_linear(n)),
-                         row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n))))
+                         row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n)),
+                         num_allreduce_per_pass=moe_tp_regions(split)))
+
+
+def moe_tp_regions(split) -> int:
+    """TP collective regions per pass of a MoE block: one per row-parallel Linear that is not a
+    routed expert's (attention's output, the shared experts' down), at most the block's count.
+
+    The routed experts' output never takes the dense MLP's all-reduce (or SP all-gather and
+    reduce-scatter) of the (b, s, h) stream: Megatron-Core's MoE layer routes the sequence-parallel
+    shard it is given and its dispatchers move the copies over the EP group, with the expert-TP
+    group's gather and reduce-scatter of the copies beside them (`token_dispatcher.py`: the
+    all-to-all over ep_group, then gather_from_sequence_parallel_region over the expert-TP group;
+    `expert_tp_comm_s` here); only its shared experts (`SharedExpertMLP`) gather and
+    reduce-scatter the stream as a dense MLP does. meshplan's executor likewise sums the experts'
+    partial outputs over the expert-TP group before the combine (`executor.parallel.expert`). A
+    block with no non-expert row Linear named (a model whose layout names none) keeps its count."""
+    regions = sum(not is_expert_linear(name) for name in split.row_linears)
+    return min(split.num_allreduce_per_pass, regions) if regions else split.num_allreduce_per_pass
 
 
 def gate_flops(layer, info) -> float:
