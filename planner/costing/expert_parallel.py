@@ -227,7 +227,8 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
     (etp apart) of their combined token slices, T h b gathered, that restores the tokens the tp
     group holds alike (forward only: its backward keeps each slice's gradient)."""
     share, gathers = folded_dispatch(config)
-    if gathers or share == 1 or not layer.dispatch_bytes:
+    # under SP each rank dispatches and gets back its own sequence shard: nothing to gather
+    if config.sp or gathers or share == 1 or not layer.dispatch_bytes:
         return 0.0
     gathered = layer.dispatch_bytes * config.rank_microbatch * act_scale / max(1, info.top_k)
     return collective_time_s("all_gather", gathered, round(1 / share), cluster, config.expert_tp)

@@ -272,6 +272,17 @@ def test_sequence_parallel_expert_tp_gathers_the_received_tokens(graph):
     assert cost.ep_bwd_comm_s == pytest.approx(2 * one + gathers, rel=1e-12)
 
 
+def test_sequence_parallel_etp1_gathers_nothing_back(graph):
+    """SP with etp 1 under tp 2: each rank dispatches its own T/tp shard and the combine returns
+    that shard, which the sequence-parallel stream keeps: the all-to-alls alone, no slice gather."""
+    mbs, ep = 2, 8
+    cost = _cost(graph, tp=2, dp=8, ep=ep, etp=1, sp=True, microbatch_size=mbs)
+    one = collective_time_s("all_to_all", mbs * SEQ * TOP_K * HIDDEN * 2 / 2, ep, H100, 1)
+    assert epm.slice_gather_s(_block(graph), mesh(tp=2, dp=8, ep=ep, etp=1, sp=True, microbatch_size=mbs), H100,
+                              graph.info, 1.0) == 0.0
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one, rel=1e-12) == cost.ep_bwd_comm_s
+
+
 def test_all_to_all_stays_inside_a_node_where_the_layout_fits(graph):
     """ep 8 over etp 1 spans 8 consecutive ranks (one node); at etp = tp = 2 it spans two nodes."""
     from meshplan.planner.costing.collectives import group_placement
