@@ -22,7 +22,8 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   (etp apart) after the block. Otherwise (SP, or etp not dividing tp) each rank sends its T/tp
   tokens' D = T k h b / tp and the expert-TP group all-gathers what it received before the
   experts (etp times the received bytes, over etp consecutive ranks) and reduce-scatters their
-  output (Megatron-Core's alltoall dispatcher). An expert-TP group whose ranks received the same
+  output (Megatron-Core's alltoall dispatcher); the combine returns each rank its own T/tp
+  tokens, which the sequence-parallel stream keeps (no slice gathered back). An expert-TP group whose ranks received the same
   copies all-reduces the down projection's partial outputs instead (and the input's gradient in
   backward), F D over etp ranks (`expert_tp_comm_s`). Of D, (ep-1)/ep leaves the rank by one all-to-all
   over the EP group (ep ranks etp apart: `collectives.collective_time_s("all_to_all", ...)`,
@@ -44,6 +45,10 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   bytes (x F) are streamed by the memory-bound kernels as the rest of the layer's are. The
   router's gate Linear is priced by its shape too (`moe_compute.router_times_s`), outside the
   dense part (`dense_part(layer, info)`).
+- TP collectives of the block (`moe_tp_regions`): attention's, and the shared experts' when the
+  block has them; the routed experts' output takes no all-reduce (SP: all-gather and
+  reduce-scatter) of the (b, s, h) stream over tp, the dispatch, combine and expert-TP
+  collectives above move their copies instead.
 - token dispatcher (`ModelInfo.moe_dispatcher`): the dispatch and combine above are the default
   alltoall dispatcher's; `moe_dispatch.dispatch_combine_s` prices allgather's and DeepEP's traffic
   instead (the expert-TP collectives and the slice gather stay as they are).
