@@ -44,6 +44,10 @@ parallelism, costed under balanced routing:
   Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 costed as
   meshplan's fp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
   validated on Blackwell.
+Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are. Where the
+engine's maintainers call a published figure a regression of that release, the run carries their
+words (`Run.regression`); it is scored like any other, and bench_fidelity prints the set
+without those runs beside it.
 
 Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
 modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
@@ -52,7 +56,10 @@ share this engine hides); its GB200 and GB300 rows (TFLOP/s only, under an unpub
 convention); its long-context table (TFLOP/s only, under an
 unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
 options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
-Qwen3-235B-A22B row (a column is missing in the published table, so its layout is ambiguous),
+Qwen3-235B-A22B row (a column is missing in the table at the cited commit, so its layout is
+ambiguous there; the page's own correction, commit 5776a6d90b4dd8692902ab2eb581369484e19283,
+restores it: GBS 2048, TP 2, PP 8, VP 4, EP 32, 1575 tokens/s/GPU, with the recipe's
+moe_a2a_overlap, whose hidden share no source gives),
 its GPT-OSS rows (sliding-window attention with sinks, no preset) and its 25.09 tables (precision
 not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
 (`megatron/core/transformer/moe/README.md`) quotes
