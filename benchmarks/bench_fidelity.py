@@ -10,7 +10,8 @@ overlap (`planner/contracts/overlap.py`) and memory. MosaicML's FP8 runs are hel
 reported in a section of their own ("FP8 (held out)"), costed with `--precision fp8`; so are
 the published mixture-of-experts runs ("MoE (held out)": Qwen3 with expert parallelism,
 Megatron-MoE-ModelZoo on H100 and Megatron-Bridge on H100, GB200 and B200), costed under balanced
-routing.
+routing; the MoE runs whose published figure the engine's maintainers call a regression
+(`Run.regression`) are listed after that section, with the set's figure without them.
 
 Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [--write-bands] [SUBSTRING]
 
@@ -160,6 +161,20 @@ def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_clust
         print(f"all {title}: {summary(scored, clusters)}")
 
 
+def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:
+    """The runs whose engine's maintainers call the published figure a regression of that release
+    (`Run.regression`), and the set's figure without them beside the whole set's (which stays the
+    headline: they are scored like any other run)."""
+    flagged = [s for s in scored if s.run.regression]
+    if not flagged:
+        return
+    print(f"of which {len(flagged)} published figures their engine's maintainers call regressions:")
+    for s in flagged:
+        print(f"  {s.run.name}: {s.error:+.1%}" + ("" if brief else f" ({s.run.regression})"))
+    rest = [s for s in scored if not s.run.regression]
+    print(f"the other {len(rest)}: {summary(rest, clusters)}")
+
+
 # Regimes every held-out run is also reported by (a run may be in several): the issue's patterns.
 SMALL_HIDDEN = 2048      # "small models": hidden 2048 or less
 LONG_SEQ = 16384         # "long sequences": 16K tokens or more
@@ -294,8 +309,10 @@ def main(argv: list[str]) -> int:
         fp8_speedups(fp8, [r for r in all_runs() if r.group == HELD_OUT], clusters)
     moe = [r for r in runs if r.group == HELD_OUT_MOE]
     if moe:  # apart: expert parallelism's costs are not fitted, and these runs tuned nothing
-        report("MoE (held out; expert parallelism, balanced routing)", score(moe, clusters), clusters, brief,
+        scored_moe = score(moe, clusters)
+        report("MoE (held out; expert parallelism, balanced routing)", scored_moe, clusters, brief,
                by_cluster=True)
+        report_regressions(scored_moe, clusters, brief)
     every_held = [r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)]
     if every_held:
         report_regimes(score(every_held, clusters), clusters)

@@ -22,7 +22,8 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   (etp apart) after the block. Otherwise (SP, or etp not dividing tp) each rank sends its T/tp
   tokens' D = T k h b / tp and the expert-TP group all-gathers what it received before the
   experts (etp times the received bytes, over etp consecutive ranks) and reduce-scatters their
-  output (Megatron-Core's alltoall dispatcher). An expert-TP group whose ranks received the same
+  output (Megatron-Core's alltoall dispatcher); the combine returns each rank its own T/tp
+  tokens, which the sequence-parallel stream keeps (no slice gathered back). An expert-TP group whose ranks received the same
   copies all-reduces the down projection's partial outputs instead (and the input's gradient in
   backward), F D over etp ranks (`expert_tp_comm_s`). Of D, (ep-1)/ep leaves the rank by one all-to-all
   over the EP group (ep ranks etp apart: `collectives.collective_time_s("all_to_all", ...)`,
@@ -44,6 +45,10 @@ E experts, h hidden, b bytes per element of the compute dtype, F the routing imb
   bytes (x F) are streamed by the memory-bound kernels as the rest of the layer's are. The
   router's gate Linear is priced by its shape too (`moe_compute.router_times_s`), outside the
   dense part (`dense_part(layer, info)`).
+- TP collectives of the block (`moe_tp_regions`): attention's, and the shared experts' when the
+  block has them; the routed experts' output takes no all-reduce (SP: all-gather and
+  reduce-scatter) of the (b, s, h) stream over tp, the dispatch, combine and expert-TP
+  collectives above move their copies instead.
 - token dispatcher (`ModelInfo.moe_dispatcher`): the dispatch and combine above are the default
   alltoall dispatcher's; `moe_dispatch.dispatch_combine_s` prices allgather's and DeepEP's traffic
   instead (the expert-TP collectives and the slice gather stay as they are).
@@ -92,7 +97,8 @@ def dense_part(layer, info=None):
     """The MoE block without its routed experts: attention, router, shared experts, norms, the
     dispatch and combine permutations. What every data rank runs whatever ep is. With `info`,
     without the router's gate FLOPs too: `with_routed_experts` prices the gate by its shape
-    (`moe_compute.router_times_s`)."""
+    (`moe_compute.router_times_s`). Its TP collectives are its non-expert regions'
+    (`moe_tp_regions`)."""
     split = layer.tp_split
     sharded = layer.act_tp_sharded_bytes - min(layer.expert_act_bytes, layer.act_tp_sharded_bytes)
     replicated = layer.act_tp_replicated_bytes - max(0, layer.expert_act_bytes - layer.act_tp_sharded_bytes)
@@ -108,7 +114,25 @@ def dense_part(layer, info=None):
         expert_params=0, active_expert_params=0, expert_fwd_flops=0, expert_bwd_flops=0, expert_act_bytes=0,
         dispatch_bytes=0,
         tp_split=replace(split, column_linears=tuple(n for n in split.column_linears if not is_expert_linear(n)),
-                         row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n))))
+                         row_linears=tuple(n for n in split.row_linears if not is_expert_linear(n)),
+                         num_allreduce_per_pass=moe_tp_regions(split)))
+
+
+def moe_tp_regions(split) -> int:
+    """TP collective regions per pass of a MoE block: one per row-parallel Linear that is not a
+    routed expert's (attention's output, the shared experts' down), at most the block's count.
+
+    The routed experts' output never takes the dense MLP's all-reduce (or SP all-gather and
+    reduce-scatter) of the (b, s, h) stream: Megatron-Core's MoE layer routes the sequence-parallel
+    shard it is given and its dispatchers move the copies over the EP group, with the expert-TP
+    group's gather and reduce-scatter of the copies beside them (`token_dispatcher.py`: the
+    all-to-all over ep_group, then gather_from_sequence_parallel_region over the expert-TP group;
+    `expert_tp_comm_s` here); only its shared experts (`SharedExpertMLP`) gather and
+    reduce-scatter the stream as a dense MLP does. meshplan's executor likewise sums the experts'
+    partial outputs over the expert-TP group before the combine (`executor.parallel.expert`). A
+    block with no non-expert row Linear named (a model whose layout names none) keeps its count."""
+    regions = sum(not is_expert_linear(name) for name in split.row_linears)
+    return min(split.num_allreduce_per_pass, regions) if regions else split.num_allreduce_per_pass
 
 
 def gate_flops(layer, info) -> float:
@@ -208,7 +232,8 @@ def slice_gather_s(layer, config, cluster, info, act_scale: float) -> float:
     (etp apart) of their combined token slices, T h b gathered, that restores the tokens the tp
     group holds alike (forward only: its backward keeps each slice's gradient)."""
     share, gathers = folded_dispatch(config)
-    if gathers or share == 1 or not layer.dispatch_bytes:
+    # under SP each rank dispatches and gets back its own sequence shard: nothing to gather
+    if config.sp or gathers or share == 1 or not layer.dispatch_bytes:
         return 0.0
     gathered = layer.dispatch_bytes * config.rank_microbatch * act_scale / max(1, info.top_k)
     return collective_time_s("all_gather", gathered, round(1 / share), cluster, config.expert_tp)

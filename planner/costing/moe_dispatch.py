@@ -24,10 +24,17 @@ g of its ranks on the fullest node.
   token instead of 6. Inside the node, NVLink carries the copies for the
   other local ranks, (g - 1) / ep of F D, plus the forwarding of the received remote tokens to
   their experts' GPUs, (ep - g) / ep F D (g - 1) / g. Rails and NVLink run at once (DeepEP
-  pipelines the forwarding), so the slower one is paid, as the all-to-all's two parts are. On one
-  node it is exactly the NVLink all-to-all. DeepEP also sends a token once per destination GPU
-  (not per expert) inside a node; that saving is not counted.
-The combine mirrors the dispatch: the same bytes the other way.
+  pipelines the forwarding), so the slower one is paid, as the all-to-all's two parts are.
+  Inside a node DeepEP also sends a token once per destination GPU, not once per expert
+  (`get_dispatch_layout` marks each token's destination ranks in `is_token_in_rank`, and the
+  dispatch copies the token to each marked rank once; the receiver permutes it to its local
+  experts, the shuffle `moe_compute` prices): a token's k experts, E / ep per GPU, fall on
+  ep (1 - C(E - E/ep, k) / C(E, k)) distinct GPUs of the group (`expected_distinct_nodes` at
+  GPU grain), so every NVLink term above carries that many of a token's copies instead of k
+  (`per_gpu_share`: 2/3 for top-8 of 128 experts over 8 GPUs). On one node this is the NVLink
+  all-to-all of the deduplicated bytes.
+The combine mirrors the dispatch: the same bytes the other way (each GPU returns one partial sum
+per token it received).
 """
 from __future__ import annotations
 
@@ -47,19 +54,26 @@ def expected_distinct_nodes(num_experts: int, top_k: int, num_nodes: int) -> flo
     return num_nodes * (1.0 - missed)
 
 
+def per_gpu_share(num_experts: int, top_k: int, ep: int) -> float:
+    """The share of a token's k routed copies DeepEP sends over NVLink: one per distinct GPU of
+    the ep-rank group its experts fall on, ep (1 - C(E - E/ep, k) / C(E, k)) / k (module docstring)."""
+    return expected_distinct_nodes(num_experts, top_k, ep) / top_k
+
+
 def deepep_dispatch_s(copy_bytes: float, ep: int, stride: int, cluster, num_experts: int, top_k: int) -> float:
     """One DeepEP dispatch (or combine) of `copy_bytes` (F D) per rank over ep ranks `stride` apart
-    (module docstring): the node-deduplicated rail traffic or the NVLink sends and forwarding,
-    whichever is slower."""
+    (module docstring): the node-deduplicated rail traffic or the GPU-deduplicated NVLink sends and
+    forwarding, whichever is slower."""
     placement = group_placement(ep, stride, cluster.gpus_per_node)
     nodes, per_node = placement.num_nodes, placement.ranks_per_node
+    share = per_gpu_share(num_experts, top_k, ep)
     if nodes == 1 or num_experts % nodes:  # one node (or experts not split per node): the NVLink all-to-all
-        return collective_time_s("all_to_all", copy_bytes, ep, cluster, stride)
+        return collective_time_s("all_to_all", copy_bytes * share, ep, cluster, stride)
     remote_nodes = expected_distinct_nodes(num_experts, top_k, nodes) * (nodes - 1) / nodes
     rail_bytes = per_node * copy_bytes / top_k * remote_nodes  # the fullest node's, over its rails
     rails = min(per_node, cluster.nics_per_node)
     inter_s = rail_bytes / (rails * cluster.inter_node.bw_for("all_to_all"))
-    nvlink_bytes = copy_bytes * ((per_node - 1) / ep + (ep - per_node) / ep * (per_node - 1) / per_node)
+    nvlink_bytes = copy_bytes * share * ((per_node - 1) / ep + (ep - per_node) / ep * (per_node - 1) / per_node)
     intra_s = nvlink_bytes / cluster.intra_node.bw_for("all_to_all")
     latency_s = cluster.inter_node.latency_s + (cluster.intra_node.latency_s if per_node > 1 else 0.0)
     return max(inter_s, intra_s) + latency_s

@@ -272,6 +272,17 @@ def test_sequence_parallel_expert_tp_gathers_the_received_tokens(graph):
     assert cost.ep_bwd_comm_s == pytest.approx(2 * one + gathers, rel=1e-12)
 
 
+def test_sequence_parallel_etp1_gathers_nothing_back(graph):
+    """SP with etp 1 under tp 2: each rank dispatches its own T/tp shard and the combine returns
+    that shard, which the sequence-parallel stream keeps: the all-to-alls alone, no slice gather."""
+    mbs, ep = 2, 8
+    cost = _cost(graph, tp=2, dp=8, ep=ep, etp=1, sp=True, microbatch_size=mbs)
+    one = collective_time_s("all_to_all", mbs * SEQ * TOP_K * HIDDEN * 2 / 2, ep, H100, 1)
+    assert epm.slice_gather_s(_block(graph), mesh(tp=2, dp=8, ep=ep, etp=1, sp=True, microbatch_size=mbs), H100,
+                              graph.info, 1.0) == 0.0
+    assert cost.ep_fwd_comm_s == pytest.approx(2 * one, rel=1e-12) == cost.ep_bwd_comm_s
+
+
 def test_all_to_all_stays_inside_a_node_where_the_layout_fits(graph):
     """ep 8 over etp 1 spans 8 consecutive ranks (one node); at etp = tp = 2 it spans two nodes."""
     from meshplan.planner.costing.collectives import group_placement
@@ -281,3 +292,35 @@ def test_all_to_all_stays_inside_a_node_where_the_layout_fits(graph):
     assert group_placement(across.ep, across.expert_tp, H100.gpus_per_node).num_nodes == 2
     send = 2 * SEQ * TOP_K * HIDDEN * 2
     assert epm.all_to_all_s(send, inside, H100, graph.info) < epm.all_to_all_s(send, across, H100, graph.info)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_moe_block_pays_attention_s_tp_collectives_only_unless_it_has_shared_experts(graph, sp):
+    """The routed experts' output takes no TP all-reduce (SP: all-gather + reduce-scatter) of the
+    (b, s, h) stream: the dispatchers and the expert-TP group exchange the copies instead. A block
+    without shared experts pays one region per pass (attention's); with shared experts, two."""
+    from meshplan.planner.costing.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
+    from meshplan.planner.profiling.profiler import profile
+
+    tp, mbs = 2, 1
+    stream = SEQ * HIDDEN * 2 * mbs
+    link = H100.link_for_group(tp, 1)
+    if sp:  # gather + reduce-scatter forward; backward again plus the kept shard's re-gather
+        one_fwd = all_gather_time_s(stream, tp, link) + reduce_scatter_time_s(stream, tp, link)
+        one_bwd = one_fwd + all_gather_time_s(stream, tp, link)
+    else:
+        one_fwd = one_bwd = all_reduce_time_s(stream, tp, link)
+    block = _block(graph)
+    assert block.tp_split.num_allreduce_per_pass == 2  # the graph's count: attention's and the MoE output's
+    assert epm.moe_tp_regions(block.tp_split) == 1 and epm.dense_part(block).tp_split.num_allreduce_per_pass == 1
+    config = mesh(tp=tp, dp=4, ep=4, sp=sp, microbatch_size=mbs)
+    pass_s = layer_cost(epm.dense_part(replace(block, tp_split=replace(block.tp_split, num_allreduce_per_pass=0))),
+                        config, H100, graph.info, profile_dtype="bf16").tp_fwd_comm_s  # DTensor's fixed cost alone
+    cost = layer_cost(block, config, H100, graph.info, profile_dtype="bf16")
+    assert cost.tp_fwd_comm_s == pytest.approx(one_fwd + pass_s, rel=1e-9)
+    assert cost.tp_bwd_comm_s == pytest.approx(one_bwd + pass_s, rel=1e-9)
+    shared = profile(SMALL_MOE + ",shared_experts=1", SEQ, dtype="bf16")
+    shared_block = _block(shared)
+    assert epm.moe_tp_regions(shared_block.tp_split) == 2
+    with_shared = layer_cost(shared_block, config, H100, shared.info, profile_dtype="bf16")
+    assert with_shared.tp_fwd_comm_s == pytest.approx(2 * one_fwd + pass_s, rel=1e-9)

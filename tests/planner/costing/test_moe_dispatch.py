@@ -3,13 +3,14 @@ plan.json, read from and written to Megatron-LM arguments.
 
 alltoall sends every routed copy; allgather gathers every token over the EP group; deepep sends
 a token once per destination node over the rails (N (1 - C(E - E/N, k) / C(E, k)) distinct nodes
-per token under uniform routing) and forwards it over NVLink inside the node.
+per token under uniform routing) and once per destination GPU over NVLink inside the node.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from itertools import combinations
+from math import comb
 
 import pytest
 
@@ -18,7 +19,8 @@ from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.moe_dispatch import deepep_dispatch_s, dispatch_combine_s, expected_distinct_nodes
+from meshplan.planner.costing.moe_dispatch import (deepep_dispatch_s, dispatch_combine_s, expected_distinct_nodes,
+                                                  per_gpu_share)
 from meshplan.planner.engines.bridge import export_plan
 from meshplan.planner.engines.launch_script import parse_arguments
 from meshplan.planner.engines.megatron import read_megatron
@@ -51,13 +53,41 @@ def test_expected_distinct_nodes_worked_example():
         expected_distinct_nodes(10, 2, 4)
 
 
-def test_deepep_on_one_node_is_the_nvlink_all_to_all():
+def _brute_force_per_gpu_share(experts: int, top_k: int, ep: int) -> float:
+    """Mean over every top-k choice of the distinct GPUs (E / ep experts each) hit, over k."""
+    return _brute_force_distinct_nodes(experts, top_k, ep) / top_k
+
+
+@pytest.mark.parametrize("experts,top_k,ep", [(32, 4, 8), (16, 4, 4), (8, 2, 2), (12, 3, 6), (6, 6, 3)])
+def test_per_gpu_share_is_the_enumerated_mean(experts, top_k, ep):
+    assert per_gpu_share(experts, top_k, ep) == pytest.approx(_brute_force_per_gpu_share(experts, top_k, ep),
+                                                              rel=1e-12)
+
+
+def test_per_gpu_share_worked_example():
+    """Qwen3-235B's top-8 of 128 experts over EP 8: 16 experts a GPU, a token lands on
+    8 (1 - C(112, 8) / C(128, 8)) = 5.34 distinct GPUs, 2/3 of its 8 copies; over EP 32 on 7.36;
+    one expert per GPU (E = ep) sends every copy; top-1 always one."""
+    missed = comb(112, 8) / comb(128, 8)
+    assert per_gpu_share(128, 8, 8) == pytest.approx((1 - missed), rel=1e-12)
+    assert per_gpu_share(128, 8, 8) == pytest.approx(0.6674, abs=1e-4)
+    assert per_gpu_share(128, 8, 32) * 8 == pytest.approx(7.36, abs=5e-3)
+    assert per_gpu_share(8, 4, 8) == 1.0 and per_gpu_share(128, 1, 8) == 1.0
+
+
+def test_deepep_on_one_node_is_the_nvlink_all_to_all_of_one_copy_per_gpu():
+    """32 experts, top-4, EP 8 (4 experts a GPU): a token reaches 8 (1 - C(28, 4) / C(32, 4)) = 3.44
+    distinct GPUs, 0.861 of its 4 copies; the plain all-to-all sends every copy."""
     copies = 64e6
     for ep, stride in ((8, 1), (4, 2), (2, 1)):
-        one_node = collective_time_s("all_to_all", copies, ep, H100, stride)
+        share = per_gpu_share(32, 4, ep)
+        one_node = collective_time_s("all_to_all", copies * share, ep, H100, stride)
         assert deepep_dispatch_s(copies, ep, stride, H100, 32, 4) == one_node
         assert dispatch_combine_s("deepep", copies, copies / 4, ep, stride, H100, 32, 4) == 2 * one_node
-        assert dispatch_combine_s("alltoall", copies, copies / 4, ep, stride, H100, 32, 4) == 2 * one_node
+        plain = collective_time_s("all_to_all", copies, ep, H100, stride)
+        assert dispatch_combine_s("alltoall", copies, copies / 4, ep, stride, H100, 32, 4) == 2 * plain > 2 * one_node
+    assert per_gpu_share(32, 4, 8) == pytest.approx(8 * (1 - comb(28, 4) / comb(32, 4)) / 4) == pytest.approx(
+        0.8612, abs=1e-4)
 
 
 def test_deepep_across_nodes_sends_each_token_once_per_node_over_the_rails():
@@ -67,7 +97,8 @@ def test_deepep_across_nodes_sends_each_token_once_per_node_over_the_rails():
     nic = H100.inter_node.bw_for("all_to_all")
     nvlink = H100.intra_node.bw_for("all_to_all")
     rail_s = 8 * copies / 8 * expected_distinct_nodes(128, 8, 4) * 3 / 4 / (8 * nic)
-    nvlink_s = copies * (7 / 32 + 24 / 32 * 7 / 8) / nvlink
+    nvlink_s = copies * per_gpu_share(128, 8, 32) * (7 / 32 + 24 / 32 * 7 / 8) / nvlink
+    assert rail_s > nvlink_s  # the rails bound it: one copy per node there, one per GPU on NVLink
     expected = max(rail_s, nvlink_s) + H100.inter_node.latency_s + H100.intra_node.latency_s
     assert deepep_dispatch_s(copies, 32, 1, H100, 128, 8) == pytest.approx(expected, rel=1e-12)
     plain = collective_time_s("all_to_all", copies, 32, H100, 1)  # 8 * 24 / 32 of D over the 8 rails
