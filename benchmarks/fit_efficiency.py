@@ -118,7 +118,7 @@ def predict(run: Run, cluster, vpp: int):
                          mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
-                         engine=run.engine)
+                         engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron")
     return predict_config(graph, cluster, config)
 
 

@@ -87,7 +87,7 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
         return 0.0, 0.0, 0.0, 0.0
     zero = config.zero
     per_param = recipe(config.precision)
-    grad_bytes = params_per_rank * grad_wire_bytes_per_param(config.precision, state_recipe)
+    grad_bytes = params_per_rank * grad_wire_bytes_per_param(config.precision, state_recipe, config.grad_reduce_in_bf16)
     param_bytes = params_per_rank * (per_param["param"] if gather_bytes_per_param is None else gather_bytes_per_param)
     if zero == 0:
         return collective_time_s("all_reduce", grad_bytes, dp, cluster, stride), 0.0, 0.0, 0.0

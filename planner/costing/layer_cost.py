@@ -245,8 +245,9 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
         memory = {**memory, "params": memory["params"] - params_per_rank * (compute_bytes - gather_bytes)}
     grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params_per_rank, config, cluster, gather_bytes,
                                                                   state_recipe=state_recipe)
+    grad_wire_bytes = grad_wire_bytes_per_param(precision, state_recipe, config.grad_reduce_in_bf16)
     if holds_shared and layer.shared_params and pp > 1:
-        shared_bytes = layer.shared_params / (tp if split else 1) * grad_wire_bytes_per_param(precision, state_recipe)
+        shared_bytes = layer.shared_params / (tp if split else 1) * grad_wire_bytes
         link = cluster.link_for_group(2, dp * tp * (pp - 1))  # the first and the last stage, pipeline-strided
         grad_comm_s += all_reduce_time_s(shared_bytes, 2, link)
     owned_params = params_per_rank / ((shard or dp) if zero >= 1 else 1)  # sharded states
@@ -261,7 +262,7 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     if fixed_costs.dp_wrapped(tp, dp, zero, pp, precision):  # FSDP's copies around its collectives, on the compute path
         host_fwd_s, host_bwd_s, host_step_s = fixed_costs.dp_host_overhead_s(
             zero, pp, params_per_rank * gather_bytes,
-            params_per_rank * grad_wire_bytes_per_param(precision, state_recipe), cluster)
+            params_per_rank * grad_wire_bytes, cluster)
         optimizer_s = optimizer_s + host_step_s
     return _ModelStates(params_per_rank, memory, gather_bytes, compute_bytes, grad_comm_s, gather_s, fwd_gather_s,
                         bwd_gather_s, optimizer_s, owned_params, host_fwd_s, host_bwd_s)

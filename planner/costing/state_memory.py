@@ -159,9 +159,13 @@ def state_bytes(num_params: float, dp: int, zero: int, precision: str, recipe: s
     raise ValueError(f"state recipe must be one of {', '.join(STATE_RECIPES)}, got {recipe!r}")
 
 
-def grad_wire_bytes_per_param(precision: str, recipe: str) -> float:
-    """Bytes per parameter the gradient reduction moves: bf16 in the paper, fp32 in the executor."""
-    return _paper(precision)[1] if recipe == "zero-paper" else 4.0
+def grad_wire_bytes_per_param(precision: str, recipe: str, bf16_grads: bool = False) -> float:
+    """Bytes per parameter the gradient reduction moves: bf16 in the paper, fp32 in the executor,
+    bf16 under Megatron-LM's `--grad-reduce-in-bf16` (`ParallelConfig.grad_reduce_in_bf16`: its
+    DDP buffer, and so the reduce-scatter or all-reduce over it, is in the parameters' bf16)."""
+    if recipe == "zero-paper":
+        return _paper(precision)[1]
+    return 2.0 if bf16_grads else 4.0
 
 
 def _paper(precision: str) -> tuple[float, float, float]:
