@@ -81,6 +81,14 @@ def add_attention_argument(parser, default: str | None = "flash") -> None:
                              f"{attention_help()}{after}")
 
 
+def add_grad_reduce_argument(parser) -> None:
+    """--grad-reduce-in-bf16: Megatron-LM's bf16 gradient buffer (`ParallelConfig.grad_reduce_in_bf16`),
+    priced in the megatron memory recipe and in the gradient reduction's bytes."""
+    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
+                        help="with --engine megatron: gradients accumulate and reduce in bf16 (Megatron-LM's "
+                             "--grad-reduce-in-bf16), a 2-byte gradient buffer and reduction instead of fp32's 4")
+
+
 def add_fp8_recipe_argument(parser, default_help: str = "the engine's") -> None:
     """--fp8-recipe: how fp8 scales the GEMM operands (`contracts.config.FP8_RECIPES`, priced by
     `planner.costing.fp8`); only with --precision fp8."""

@@ -6,6 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
+                                     add_grad_reduce_argument,
                                      add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
                                      does_not_fit, model_notes, moe_notes, prediction_json)
@@ -43,9 +44,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--microbatch-group-size", type=int, default=None,
                         help="interleaved 1F1B: micro-batches per round of the virtual stages (Megatron-Core's "
                              "--microbatch-group-size-per-virtual-pipeline-stage; default pp; more hold more)")
-    parser.add_argument("--grad-reduce-in-bf16", action="store_true",
-                        help="with --engine megatron: gradients accumulate and reduce in bf16 (Megatron-LM's "
-                             "--grad-reduce-in-bf16), a 2-byte gradient buffer instead of fp32's 4")
+    add_grad_reduce_argument(parser)
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)

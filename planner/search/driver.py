@@ -98,6 +98,8 @@ def search(request: PlanRequest, *, progress=False, graph=None, candidate_rows: 
     candidates = offloading.with_offload(enumerate_candidates(
         graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs, request.precision, request.engine,
         request.fp8_recipe), pins.offload)
+    if request.grad_reduce_in_bf16:  # a setting of the engine, the same on every candidate
+        candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, request))
     # The ILP plans against a hair less than the usable memory, so the simulator's replay of the

@@ -39,6 +39,7 @@ class PlanRequest:
     memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
     engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
+    grad_reduce_in_bf16: bool = False  # engine megatron: Megatron-LM's bf16 gradient buffer and reduction
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -57,6 +58,10 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
+        if self.grad_reduce_in_bf16 and (self.engine != "megatron" or self.precision == "fp32"):
+            raise MeshplanError("--grad-reduce-in-bf16 is Megatron-LM's bf16 gradient buffer: use it with "
+                                f"--engine megatron and bf16-mixed or fp8 (got --engine {self.engine}, "
+                                f"--precision {self.precision})")
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,

@@ -83,3 +83,28 @@ def test_estimate_memory_headroom(run_cli):
     assert "GiB of 7.67 GiB usable" in out  # 77.67 GiB usable on a100-80g less 70
     code, out, err = run_cli("estimate", *JOB, "--memory-headroom", "100")
     assert code == 2 and "--memory-headroom must be between 0 and the 77.67 GiB usable" in err
+
+
+def test_plan_takes_megatrons_bf16_gradients_and_records_them(run_cli, tmp_path):
+    """`plan --grad-reduce-in-bf16` plans every candidate with the bf16 gradient buffer: the plan
+    records it, and its memory is what `estimate` gives its winner with the flag."""
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *JOB, "--engine", "megatron", "--grad-reduce-in-bf16", "--top", "1",
+                             "--time-limit", "1", "--out", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert data["grad_reduce_in_bf16"] is True
+    mesh, schedule = data["mesh"], data["schedule"]
+    args = ("--tp", str(mesh["tp"]), "--pp", str(mesh["pp"]), "--mbs", str(schedule["microbatch_size"]),
+            "--zero", str(data["zero"]), "--engine", "megatron", "--json")
+    code, out, err = run_cli("estimate", *JOB, *args, "--grad-reduce-in-bf16")
+    assert code == 0, err
+    estimated = json.loads(out)["memory_bytes"][0]
+    assert estimated["grads"] == data["prediction"]["memory_bytes"][0]["grads"]
+    code, out, err = run_cli("estimate", *JOB, *args)
+    assert json.loads(out)["memory_bytes"][0]["grads"] == 2 * estimated["grads"]  # fp32 main_grad: twice
+
+
+def test_plan_refuses_bf16_gradients_outside_megatron(run_cli):
+    code, out, err = run_cli("plan", *JOB, "--grad-reduce-in-bf16")
+    assert code == 2 and "--engine megatron" in err and "Traceback" not in err
