@@ -35,7 +35,8 @@ def _engine_ends(schedule, p, m, v, times: ChunkTimes, p2p_s: float, blocking: b
                      bwd_compute_s=b, recompute_s=0.0, bwd_tp_s=0.0, bwd_zero_s=0.0, activation_bytes=0.0,
                      grad_reduce_s=r, bwd_weight_s=w)
               for c, (f, b, w, r) in enumerate(zip(times.fwd_s, times.bwd_s, times.weight_s, times.reduce_s))]
-    config = SimpleNamespace(num_microbatches=m, num_model_chunks=p * v, pp=p, schedule=schedule, virtual_stages=v)
+    config = SimpleNamespace(num_microbatches=m, num_model_chunks=p * v, pp=p, schedule=schedule, virtual_stages=v,
+                             microbatch_group_size=None)
     costs = SimpleNamespace(config=config, p2p_time_s=(p2p_s,) * (p * v - 1),
                             grad_sync="after_chunk" if blocking else "overlap")
     played = _play(costs, chunks, record=False)
