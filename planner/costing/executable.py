@@ -207,7 +207,7 @@ def _expert_problem(config, model: ModelFacts) -> str | None:
         if config.tp % etp:
             return (f"the executor splits the experts over etp ranks inside a tp group: etp={etp} must divide "
                     f"tp={config.tp}; re-plan with --etp 1 or --etp {config.tp}")
-        if config.sp:
+        if config.sp and moe_refuses_sp(model, config.tp):
             return (f"the executor runs mixture-of-experts blocks under tp={config.tp} without sequence parallelism "
                     "(the expert layout slices the tokens a tp group holds alike); re-plan without --sp")
         slices = config.tp // etp
@@ -225,6 +225,13 @@ def _expert_problem(config, model: ModelFacts) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def moe_refuses_sp(model: ModelFacts, tp: int) -> bool:
+    """The executor runs a zoo mixture of experts under TP without sequence parallelism
+    (`_expert_problem`): true for every expert layout at this tp (the search drops SP there
+    before enumerating the layouts)."""
+    return model.family == "moe" and tp > 1
 
 
 def _pipeline_problem(config, model: ModelFacts) -> str | None:

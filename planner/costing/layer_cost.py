@@ -91,7 +91,7 @@ class LayerCost:
 
 def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                *, profile_dtype: str | None = None, holds_shared: bool = False,
-               attention: str = "flash", state_recipe: str = "executor") -> LayerCost:
+               attention: str = "flash", state_recipe: str = "executor", memo: dict | None = None) -> LayerCost:
     """Time and memory of `layer` on one rank under `config` (see LayerCost for units).
 
     `config` is the configuration as the layer runs it (`uniform.layer_config`): its `recompute`
@@ -110,9 +110,12 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     Under context parallelism a rank runs the layer's per-token work as a CP-free data rank
     (`config.rank_microbatch` samples, gradients and ZeRO over `config.data_ranks`) plus the K/V
     exchange; a MoE block is its dense part priced as any layer plus its routed experts.
+
+    `memo`: a dict the caller keeps for calls on one graph and cluster (the search's cost
+    tables): a MoE block's dense part is priced once for all its expert layouts (`_dense_of`).
     """
     _check(layer, config, info)
-    local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
+    local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
     if config.cp > 1:
         kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
                                    config.attention_query_split)
@@ -145,15 +148,40 @@ def _check(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> None
 
 
 def _data_rank_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
-                    profile_dtype: str | None, holds_shared: bool, attention: str, state_recipe: str) -> LayerCost:
+                    profile_dtype: str | None, holds_shared: bool, attention: str, state_recipe: str,
+                    memo: dict | None = None) -> LayerCost:
     """The layer's per-token work on a data rank: its dense part, plus a MoE block's routed experts."""
     if not layer.expert_params:
         return dense_layer_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
-    dense = dense_layer_cost(expert_parallel.dense_part(layer, info), config, cluster, info, profile_dtype,
-                             holds_shared, attention, state_recipe)
+    dense = _dense_of(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
     # the engine's EP overlap hides its share of the dispatch and combine all-to-alls only
     return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe,
                                                a2a_overlap=overlap.ep_a2a_hidden_share(config))
+
+
+# Fields of a `ParallelConfig` that only the routed experts read (`expert_parallel`).
+EXPERT_LAYOUT_FIELDS = frozenset({"ep", "etp"})
+
+
+def _dense_of(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
+              profile_dtype: str | None, holds_shared: bool, attention: str, state_recipe: str,
+              memo: dict | None) -> LayerCost:
+    """A MoE block's dense part (`expert_parallel.dense_part`) priced by `dense_layer_cost`, which
+    reads no expert layout field: with a `memo`, once per config equal but for them (a search
+    prices every block at several expert layouts)."""
+    if memo is None:
+        return dense_layer_cost(expert_parallel.dense_part(layer, info), config, cluster, info, profile_dtype,
+                                holds_shared, attention, state_recipe)
+    key = ("dense_part", id(layer), id(cluster), id(info), profile_dtype, holds_shared, attention, state_recipe,
+           *(value for name, value in vars(config).items() if name not in EXPERT_LAYOUT_FIELDS))
+    dense = memo.get(key)
+    if dense is None:
+        part = memo.get(("dense_layer", id(layer), id(info)))
+        if part is None:
+            part = memo[("dense_layer", id(layer), id(info))] = expert_parallel.dense_part(layer, info)
+        dense = memo[key] = dense_layer_cost(part, config, cluster, info, profile_dtype, holds_shared, attention,
+                                             state_recipe)
+    return dense
 
 
 def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,

@@ -18,7 +18,7 @@ resident; `act_bytes` are held once per in-flight micro-batch; `buffer_bytes` is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
@@ -377,15 +377,16 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
     `layer_cost` and `p2p_time` default to the cost model's; tests may pass others.
     `cache`: a dict shared by the tables of one graph on one cluster (the search's); a layer's
     option is costed once per config it sees, where a layer without routed experts sees
-    every expert-parallel degree as ep = 1 (expert parallelism splits only routed experts).
+    every expert-parallel degree as ep = 1 (expert parallelism splits only routed experts), and
+    a MoE block's dense part is priced once for all its expert layouts (`layer_cost`'s memo).
     """
+    if cache is None:
+        cache = {}
     if layer_cost is None or p2p_time is None:
         from meshplan.planner.costing.communication import p2p_time_s
         from meshplan.planner.costing.layer_cost import layer_cost as default_layer_cost
-        layer_cost = layer_cost or default_layer_cost
+        layer_cost = layer_cost or partial(default_layer_cost, memo=cache)
         p2p_time = p2p_time or p2p_time_s
-    if cache is None:
-        cache = {}
     shape = cache.get(("graph", id(graph)))
     if shape is None:
         keys, layer_type = layer_type_keys(graph)

@@ -24,7 +24,8 @@ from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, NO
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
-                                                 model_facts, tp_split_problem, why_not_executable)
+                                                 model_facts, moe_refuses_sp, tp_split_problem,
+                                                 why_not_executable)
 from meshplan.planner.costing.state_memory import executed_zero
 
 
@@ -100,7 +101,22 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     recomputation and stage. Micro-batch sizes go up to the samples per replica (`max_mbs`
     limits them; the search prunes those memory cannot hold, `problems.build_problems`).
     """
-    info, facts = graph.info, model_facts(graph)
+    facts = model_facts(graph)
+    options = (graph, cluster, gpus, global_batch, pins, max_mbs, precision, engine, fp8_recipe, facts)
+    out = _enumerate(*options, refused_sp=False)  # SP a mixture of experts refuses at every layout: never made
+    # The default space is what the executor runs; only pins that leave nothing else keep the
+    # rest, and the plan then says why `train` refuses it (`costing.executable`).
+    runnable = [c for c in out if why_not_executable(c, facts) is None]
+    if not runnable:
+        out = _enumerate(*options, refused_sp=True)
+    return sorted(runnable or out, key=lambda c: c.sort_key)
+
+
+def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs: int | None, precision: str,
+               engine: str, fp8_recipe: str | None, facts, refused_sp: bool) -> list[ParallelConfig]:
+    """`enumerate_candidates` before the executor's refusals, `refused_sp`: with the SP candidates
+    `costing.executable.moe_refuses_sp` refuses (every expert layout of them)."""
+    info = graph.info
     num_layers = len(graph.layers)
     # File models run whole on every rank (data parallelism only): the executor can split neither
     # their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
@@ -139,7 +155,8 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                             continue
                         if executed_zero(zero, dp * cp, pp, schedule) != zero:  # runs as ZeRO-1: buys nothing
                             continue
-                        for sp in ((False, True) if tp > 1 and sequence_split else (False,)):
+                        for sp in ((False, True) if tp > 1 and sequence_split and (
+                                refused_sp or not moe_refuses_sp(facts, tp)) else (False,)):
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
@@ -164,10 +181,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
                                         dominated[tp, cp, mbs, sp] = dominated_cp_methods(graph, cluster, out[-1])
                                         if out[-1].cp_method in dominated[tp, cp, mbs, sp]:
                                             out.pop()
-    # The default space is what the executor runs; only pins that leave nothing else keep the
-    # rest, and the plan then says why `train` refuses it (`costing.executable`).
-    runnable = [c for c in out if why_not_executable(c, facts) is None]
-    return sorted(runnable or out, key=lambda c: c.sort_key)
+    return out
 
 
 # HSDP shard groups the search offers span this many whole nodes (NCCL's fast intra-node or
