@@ -59,8 +59,11 @@ MOE_DISPATCHERS = ("alltoall", "allgather", "deepep")
 DEFAULT_MOE_DISPATCHER = MOE_DISPATCHERS[0]
 
 
-# Meshes (sizes and degrees, all plain ints) that `ParallelConfig._check_mesh` accepted.
+# Meshes (sizes and degrees, all plain ints) that `ParallelConfig._check_mesh` accepted; emptied
+# when it reaches `_MAX_CHECKED_MESHES` so a long-lived process (the API, many searches) stays
+# bounded. A search asks over a few thousand meshes; forgetting one only costs its check again.
 _CHECKED_MESHES: set[tuple] = set()
+_MAX_CHECKED_MESHES = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +208,8 @@ class ParallelConfig:
             return
         self._check_mesh_fully()
         if all(type(value) is int for value in key[:-1]) and type(self.etp) in (int, type(None)):
+            if len(_CHECKED_MESHES) >= _MAX_CHECKED_MESHES:
+                _CHECKED_MESHES.clear()
             _CHECKED_MESHES.add(key)
 
     def _check_mesh_fully(self) -> None:

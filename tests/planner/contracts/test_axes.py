@@ -92,3 +92,18 @@ def test_folding_lays_the_experts_over_the_whole_stage():
     wider = ParallelConfig(gpus=16, global_batch=8, dp=4, tp=2, cp=2, etp=4, ep=2)
     assert (wider.expert_ranks, wider.expert_data_ranks, wider.expert_data_stride) == (4, 2, 8)
     assert not ParallelConfig(gpus=4, global_batch=4, dp=2, tp=2, etp=1).enabled("etp")
+
+
+def test_the_accepted_mesh_memo_stays_bounded_and_never_accepts_a_bad_mesh(monkeypatch):
+    """`ParallelConfig` remembers the meshes it accepted (the search builds tens of thousands of
+    configurations over a few meshes); the memo empties at its bound, and a mesh it never accepted
+    is still checked and refused."""
+    from meshplan.planner.contracts import config
+
+    monkeypatch.setattr(config, "_CHECKED_MESHES", set())
+    monkeypatch.setattr(config, "_MAX_CHECKED_MESHES", 4)
+    for gpus in (2, 4, 8, 16, 32, 64):
+        ParallelConfig(gpus=gpus, global_batch=gpus, dp=gpus)
+        assert len(config._CHECKED_MESHES) <= 4
+    with pytest.raises(ValueError, match=r"1\*4\*1\*1 = 4 must equal the number of GPUs \(8\)"):
+        ParallelConfig(gpus=8, global_batch=8, dp=4)
