@@ -29,8 +29,8 @@ padding).
   beyond its shapes: the same README's masked-layout rows split 1024 rows into 1, 2 and 4 groups
   (N 4096, K 7168: 1233, 1040, 932 TFLOP/s; N 7168, K 2048: 925, 916, 815), and what they take
   beyond this shape rule's G GEMMs, less the one-group row's own excess, pooled over the 8 extra
-  groups, is 2.0 us per extra group (`GROUPED_GEMM_TAIL_S`; the test recomputes it from the
-  table on h100-sxm). Each grouped call (one per expert Linear forward, two backward: the input
+  groups, is 2.0 us per extra group on the shipped h100-sxm profile (`grouped_gemm_tail_s`, derived
+  from the table when first asked). Each grouped call (one per expert Linear forward, two backward: the input
   and the weight gradients) pays it for each of its G - 1 extra groups, on GPU profiles (a
   profile without SMs, the CPU, has no tiles). Plus one `kernel_overhead_s` per pass (forward
   one, backward two: `compute_time_s`'s launch convention).
@@ -52,6 +52,8 @@ FLOPs and the shapes (`routed_copies`), so the shapes always reproduce the FLOPs
 """
 from __future__ import annotations
 
+from functools import cache
+
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 
@@ -59,9 +61,34 @@ from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 SWIGLU_GEMMS = 3
 # Reads and writes of every computed copy per pass: the permutation and the unpermutation.
 SHUFFLE_PASSES = 4
-# Per extra group of a grouped GEMM call: DeepGEMM README (2025) masked-layout table, H800 FP8,
-# its time beyond this module's shape rule per extra group (module docstring).
-GROUPED_GEMM_TAIL_S = 2.0e-6
+# DeepGEMM README (2025), "Grouped GEMMs for MoE models (masked layout)", H800 FP8: 1024 rows split
+# into 1, 2 and 4 groups, as (groups, rows per group, N, K, TFLOP/s).
+DEEPGEMM_MASKED = ((1, 1024, 4096, 7168, 1233), (2, 512, 4096, 7168, 1040), (4, 256, 4096, 7168, 932),
+                   (1, 1024, 7168, 2048, 925), (2, 512, 7168, 2048, 916), (4, 256, 7168, 2048, 815))
+# The profile whose shape rule the table is read against: H800 is H100 SXM's compute.
+TAIL_PROFILE = "h100-sxm"
+
+
+@cache
+def grouped_gemm_tail_s() -> float:
+    """Per extra group of a grouped GEMM call: what DeepGEMM's masked kernel takes beyond the
+    shape rule's G GEMMs (fp8 on `TAIL_PROFILE`), less the one-group row's own excess, pooled
+    over the table's extra groups (module docstring). Derived from the table and the shipped
+    profile, so a refit of the profile's efficiencies moves it with them."""
+    from meshplan.planner.costing.hardware import load_cluster
+
+    cluster = load_cluster(TAIL_PROFILE)
+
+    def excess_s(groups, rows, n, k, tflops):
+        return 2 * groups * rows * n * k / (tflops * 1e12) - groups * gemm.gemm_time_s(rows, n, k, cluster, "fp8")
+    total_s = extra = 0.0
+    for n in sorted({row[2] for row in DEEPGEMM_MASKED}):
+        rows_of_n = sorted((row for row in DEEPGEMM_MASKED if row[2] == n), key=lambda row: row[0])
+        base_s = excess_s(*rows_of_n[0])
+        for row in rows_of_n[1:]:
+            total_s += excess_s(*row) - base_s
+            extra += row[0] - 1
+    return total_s / extra
 
 
 def is_expert_linear(name: str) -> bool:
@@ -112,7 +139,7 @@ def tokens_per_expert(layer, config, info, load: float) -> float:
 def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) -> tuple[float, float] | None:
     """(forward, backward) seconds of the rank's G experts' GEMMs at m rows each, by shape
     (`gemm.linear_times_s`, times G), plus each grouped call's tail for its G - 1 extra groups
-    (`GROUPED_GEMM_TAIL_S`, GPU profiles) and `kernel_overhead_s` per pass (backward two); None
+    (`grouped_gemm_tail_s`, GPU profiles) and `kernel_overhead_s` per pass (backward two); None
     when the model names no expert shapes."""
     shapes = expert_linear_shapes(layer, info)
     if not shapes or not layer.expert_fwd_flops:
@@ -122,7 +149,7 @@ def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) 
         return None
     groups = local_experts(config, info)
     fwd_s, bwd_s = gemm.linear_times_s(shapes, rows, config.expert_tp, cluster, dtype)
-    tail_s = GROUPED_GEMM_TAIL_S * (groups - 1) * len(shapes) if cluster.device.num_sms > 0 else 0.0
+    tail_s = grouped_gemm_tail_s() * (groups - 1) * len(shapes) if cluster.device.num_sms > 0 else 0.0
     overhead_s = cluster.device.kernel_overhead_s
     return groups * fwd_s + tail_s + overhead_s, groups * bwd_s + 2 * tail_s + 2 * overhead_s
 
