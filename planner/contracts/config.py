@@ -66,6 +66,23 @@ _CHECKED_MESHES: set[tuple] = set()
 _MAX_CHECKED_MESHES = 1 << 16
 
 
+def bf16_grads_problem(engine: str, precision: str) -> str | None:
+    """Why Megatron-LM's bf16 gradient buffer (`grad_reduce_in_bf16`) cannot be asked for here, or None."""
+    if engine != "megatron" or precision == "fp32":
+        return (f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron with "
+                f"precision bf16-mixed or fp8 (got engine {engine!r}, precision {precision!r})")
+    return None
+
+
+def _optional_positive_int(name: str, value) -> bool:
+    """True for a positive int, False for None; anything else is refused (bools too: True == 1)."""
+    if value is None:
+        return False
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Mesh, batch split and uniform switches. `gpus = pp * dp * cp * tp`.
@@ -148,10 +165,8 @@ class ParallelConfig:
                              f"context or expert parallelism; use pp, cp and ep 1 (got pp={self.pp}, cp={self.cp}, "
                              f"ep={self.ep})")
         self._check_offload()
-        if self.grad_reduce_in_bf16 and (self.engine != "megatron" or self.precision == "fp32"):
-            raise ValueError(f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron "
-                             f"with precision bf16-mixed or fp8 (got engine {self.engine!r}, precision "
-                             f"{self.precision!r})")
+        if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
+            raise ValueError(problem)
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
@@ -169,10 +184,8 @@ class ParallelConfig:
 
     def _check_microbatch_group(self) -> None:
         group = self.microbatch_group_size
-        if group is None:
+        if not _optional_positive_int("microbatch_group_size", group):
             return
-        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
-            raise ValueError(f"microbatch_group_size must be a positive integer, got {group!r}")
         if self.schedule_spec.actions != "interleaved":
             raise ValueError(f"a micro-batch group size ({group}) orders interleaved 1F1B (Megatron-Core's "
                              f"--microbatch-group-size-per-virtual-pipeline-stage); use --schedule interleaved, "
@@ -258,10 +271,8 @@ class ParallelConfig:
 
     def _check_shard_group(self) -> None:
         group = self.shard_group
-        if group is None:
+        if not _optional_positive_int("shard_group", group):
             return
-        if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
-            raise ValueError(f"shard_group must be a positive integer, got {group!r}")
         if self.zero == 0:
             raise ValueError(f"shard_group {group} (HSDP) shards ZeRO state: it needs --zero 1, 2 or 3, got zero 0")
         if self.dp % group or group == 1:

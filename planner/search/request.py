@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import ENGINES
+from meshplan.planner.contracts.config import ENGINES, bf16_grads_problem
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
 
@@ -58,10 +58,9 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
-        if self.grad_reduce_in_bf16 and (self.engine != "megatron" or self.precision == "fp32"):
-            raise MeshplanError("--grad-reduce-in-bf16 is Megatron-LM's bf16 gradient buffer: use it with "
-                                f"--engine megatron and bf16-mixed or fp8 (got --engine {self.engine}, "
-                                f"--precision {self.precision})")
+        if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
+            raise MeshplanError(problem.replace("grad_reduce_in_bf16", "--grad-reduce-in-bf16").replace(
+                "engine", "--engine").replace("precision", "--precision"))
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,
