@@ -286,12 +286,14 @@ def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> t
     return flop_curve_times_s(fwd_flops, bwd_flops, gemms, cluster, dtype)
 
 
-def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
-                        state_recipe: str = "executor", a2a_overlap: float = 0.0):
-    """A MoE block's `LayerCost` from its dense part's (`dense_part(layer, info)`, priced as any
-    layer): plus the router's gate by its shape and the experts on the busiest rank: grouped
-    GEMMs at the per-expert rows with the token shuffles (`moe_compute`), their states over the
-    expert-data group, and the dispatch / combine all-to-alls (`a2a_overlap` of them hidden)."""
+# The `ParallelConfig` fields the routed experts' times read (`_expert_times`): a memo keys on them.
+EXPERT_TIME_FIELDS = ("precision", "rank_microbatch", "tp", "sp", "ep", "expert_tp", "recompute")
+
+
+def _expert_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float) -> tuple:
+    """(expert forward, expert backward, router forward, router backward, EP forward, EP backward
+    seconds, saved expert bytes) of one micro-batch on the busiest rank: what `with_routed_experts`
+    adds to the dense part's times, reading only the `EXPERT_TIME_FIELDS` of `config`."""
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
     load = load_factor(info)
@@ -305,6 +307,28 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
         else (0.0, 0.0)
     ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale), config, cluster, info,
                                    slice_gather_s(layer, config, cluster, info, act_scale), a2a_overlap)
+    return fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved
+
+
+def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
+                        state_recipe: str = "executor", a2a_overlap: float = 0.0, memo: dict | None = None):
+    """A MoE block's `LayerCost` from its dense part's (`dense_part(layer, info)`, priced as any
+    layer): plus the router's gate by its shape and the experts on the busiest rank: grouped
+    GEMMs at the per-expert rows with the token shuffles (`moe_compute`), their states over the
+    expert-data group, and the dispatch / combine all-to-alls (`a2a_overlap` of them hidden).
+
+    `memo`: a dict the caller keeps for one graph and cluster (`layer_cost`'s): the times are
+    priced once per value of the `EXPERT_TIME_FIELDS` (a search prices each at many data,
+    pipeline and ZeRO degrees, which only the states below read)."""
+    if memo is None:
+        times = _expert_times(layer, config, cluster, info, profile_dtype, a2a_overlap)
+    else:
+        key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
+               *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+        times = memo.get(key)
+        if times is None:
+            times = memo[key] = _expert_times(layer, config, cluster, info, profile_dtype, a2a_overlap)
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = times
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
     params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero

@@ -156,7 +156,7 @@ def _data_rank_cost(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     dense = _dense_of(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
     # the engine's EP overlap hides its share of the dispatch and combine all-to-alls only
     return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe,
-                                               a2a_overlap=overlap.ep_a2a_hidden_share(config))
+                                               a2a_overlap=overlap.ep_a2a_hidden_share(config), memo=memo)
 
 
 # Fields of a `ParallelConfig` that only the routed experts read (`expert_parallel`).

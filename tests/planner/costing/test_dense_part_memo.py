@@ -49,3 +49,24 @@ def test_tables_sharing_a_cache_equal_tables_built_alone():
         config = mesh(tp=2, dp=8, ep=ep, microbatch_size=2, zero=1)
         assert build_cost_table(graph, H100, config, cache=cache) == build_cost_table(graph, H100, config)
     assert sum(key[0] == "dense_part" for key in cache) == 3  # one per recompute option
+
+
+def test_expert_times_are_priced_once_per_layout_and_micro_batch():
+    """The routed experts' times read only `EXPERT_TIME_FIELDS`: across data degrees, ZeRO stages
+    and pipeline depths the memoised block costs equal fresh ones, the memo holding one entry per
+    (tp, ep, etp, recompute) here."""
+    from meshplan.planner.costing.expert_parallel import EXPERT_TIME_FIELDS
+
+    graph = small_moe_graph()
+    block = expert_block(graph)
+    memo: dict = {}
+    layouts, checked = set(), 0
+    for tp, dp, pp, zero, recompute in itertools.product((1, 2), (8, 16), (1, 2), (0, 1, 3), ("none", "full")):
+        for etp, ep in _layouts(tp, dp):
+            config = ParallelConfig(gpus=tp * dp * pp, global_batch=128, tp=tp, dp=dp, pp=pp, microbatch_size=2,
+                                    zero=zero, recompute=recompute, ep=ep, etp=etp)
+            fresh = layer_cost(block, config, H100, graph.info, profile_dtype="bf16")
+            assert layer_cost(block, config, H100, graph.info, profile_dtype="bf16", memo=memo) == fresh, config
+            layouts.add(tuple(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+            checked += 1
+    assert sum(key[0] == "expert_times" for key in memo) == len(layouts) < 0.2 * checked
