@@ -8,7 +8,7 @@ assignments. It is also what the cost model prices a layer under (`costing.unifo
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
@@ -365,11 +365,28 @@ class ParallelConfig:
 
     @property
     def sort_key(self) -> tuple:
-        """The search's tie-break order: smaller pipelines, then smaller TP, ... first."""
-        mesh = tuple(getattr(self, axis.name) for axis in _MESH_BY_TIE_BREAK)
-        folded = tuple(self.degree(axis.name) for axis in _FOLDED_BY_TIE_BREAK)
-        return (*mesh, self.microbatch_size, self.zero, self.sp, self.schedule, self.virtual_stages,
-                -(self.shard_group or self.dp), *folded, self.cp_method != DEFAULT_CP_METHOD)
+        """The search's tie-break order: smaller pipelines, then smaller TP, ... first (computed
+        once: the search sorts and heaps tens of thousands of candidates by it)."""
+        key = self.__dict__.get("_sort_key")
+        if key is None:
+            mesh = tuple(getattr(self, axis.name) for axis in _MESH_BY_TIE_BREAK)
+            folded = tuple(self.degree(axis.name) for axis in _FOLDED_BY_TIE_BREAK)
+            key = (*mesh, self.microbatch_size, self.zero, self.sp, self.schedule, self.virtual_stages,
+                   -(self.shard_group or self.dp), *folded, self.cp_method != DEFAULT_CP_METHOD)
+            object.__setattr__(self, "_sort_key", key)
+        return key
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once (a search keys dicts and sets by configurations many
+        times over). Not pickled (`__getstate__`): string hashes differ between processes."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, name) for name in CONFIG_FIELDS))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
 
     def mesh_label(self) -> str:
         """'pp=2 dp=4 tp=8', the axes in mesh order, an optional one only when it is on; a CP
@@ -393,6 +410,8 @@ class ParallelConfig:
         return asdict(self)
 
 
+# Its fields' names, in order (a memo keys on their values: `costing.layer_cost`).
+CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 # The search's tie-break order (`ParallelConfig.sort_key`): mesh axes, then the switches, then folded axes.
 _MESH_BY_TIE_BREAK = tuple(sorted(MESH_AXES, key=lambda axis: axis.tie_break))
 _FOLDED_BY_TIE_BREAK = tuple(sorted(FOLDED_AXES, key=lambda axis: axis.tie_break))

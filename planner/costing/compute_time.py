@@ -35,6 +35,18 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
     return 4.0 * seq * seq * info.hidden
 
 
+# The `ParallelConfig` fields `compute_times_s` reads; under fp8 also the recipe's, and the micro-batch
+# count and engine that set how often an engine casts its weights (`fp8.weight_cast_share`).
+COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split")
+FP8_TIME_FIELDS = ("fp8_recipe", "engine", "num_microbatches")
+
+
+def compute_time_key(config: ParallelConfig) -> tuple:
+    """What `compute_times_s` of one layer depends on in `config`: a memo's key (`layer_cost`)."""
+    fields = COMPUTE_TIME_FIELDS + (FP8_TIME_FIELDS if fp8.is_fp8(config.precision) else ())
+    return tuple(getattr(config, name) for name in fields)
+
+
 def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                     act_scale: float, vocab_scale: float, profile_dtype: str,
                     attention: str = "flash") -> tuple[float, float, float]:

@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.config import CONFIG_FIELDS, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8, offload, overlap
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
-from meshplan.planner.costing.compute_time import compute_times_s, kernel_efficiency
+from meshplan.planner.costing.compute_time import compute_time_key, compute_times_s, kernel_efficiency
 from meshplan.planner.costing.engine_memory import engine_layer_memory
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
@@ -152,7 +152,8 @@ def _data_rank_cost(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
                     memo: dict | None = None) -> LayerCost:
     """The layer's per-token work on a data rank: its dense part, plus a MoE block's routed experts."""
     if not layer.expert_params:
-        return dense_layer_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe)
+        return dense_layer_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe,
+                                memo)
     dense = _dense_of(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
     # the engine's EP overlap hides its share of the dispatch and combine all-to-alls only
     return expert_parallel.with_routed_experts(dense, layer, config, cluster, info, profile_dtype, state_recipe,
@@ -173,29 +174,30 @@ def _dense_of(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfi
         return dense_layer_cost(expert_parallel.dense_part(layer, info), config, cluster, info, profile_dtype,
                                 holds_shared, attention, state_recipe)
     key = ("dense_part", id(layer), id(cluster), id(info), profile_dtype, holds_shared, attention, state_recipe,
-           *(value for name, value in vars(config).items() if name not in EXPERT_LAYOUT_FIELDS))
+           *(getattr(config, name) for name in CONFIG_FIELDS if name not in EXPERT_LAYOUT_FIELDS))
     dense = memo.get(key)
     if dense is None:
         part = memo.get(("dense_layer", id(layer), id(info)))
         if part is None:
             part = memo[("dense_layer", id(layer), id(info))] = expert_parallel.dense_part(layer, info)
         dense = memo[key] = dense_layer_cost(part, config, cluster, info, profile_dtype, holds_shared, attention,
-                                             state_recipe)
+                                             state_recipe, memo)
     return dense
 
 
 def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                      profile_dtype: str | None, holds_shared: bool, attention: str,
-                     state_recipe: str = "executor") -> LayerCost:
+                     state_recipe: str = "executor", memo: dict | None = None) -> LayerCost:
     """`layer_cost` of a layer without routed experts, without context parallelism's K/V exchange:
-    a rank's `rank_microbatch` samples, data parallelism over all `data_ranks`."""
+    a rank's `rank_microbatch` samples, data parallelism over all `data_ranks`. `memo`:
+    `layer_cost`'s (the compute times once per `compute_time.compute_time_key`)."""
     mbs = config.rank_microbatch
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
     split = is_split(layer, config.tp)
     vocab = vocab_scale(layer, config.tp, info)
     fwd_s, bwd_s, recompute_s, tp_fwd_s, tp_bwd_s = _pass_times_s(layer, config, cluster, info, act_scale, vocab,
-                                                                  profile_dtype or dtype, attention)
+                                                                  profile_dtype or dtype, attention, memo)
     states = _model_states(layer, config, cluster, info, holds_shared, state_recipe)
     fwd_s, bwd_s = fwd_s + states.host_fwd_s, bwd_s + states.host_bwd_s
     saved_bytes, buffer_bytes, extra_params, extra_grads = _memory_bytes(
@@ -214,12 +216,21 @@ def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: Clust
 
 def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
                   act_scale: float, vocab: float, profile_dtype: str,
-                  attention: str) -> tuple[float, float, float, float, float]:
+                  attention: str, memo: dict | None = None) -> tuple[float, float, float, float, float]:
     """(forward, backward, recomputation, blocking TP forward, blocking TP backward) seconds of one
     micro-batch: compute, TP collectives and the per-pass fixed costs of DTensor and FSDP hooks."""
     tp, mbs = config.tp, config.rank_microbatch
-    fwd_s, bwd_s, recompute_s = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
+    if memo is None:
+        fwd_s, bwd_s, recompute_s = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
+                                                    attention)
+    else:  # the same at every data, pipeline and ZeRO degree: once per compute_time_key
+        key = ("compute_times", id(layer), id(cluster), id(info), act_scale, vocab, profile_dtype, attention,
+               *compute_time_key(config))
+        times = memo.get(key)
+        if times is None:
+            times = memo[key] = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
                                                 attention)
+        fwd_s, bwd_s, recompute_s = times
     tp_fwd_s, tp_bwd_s = tp_comm_s(layer, config, cluster, act_scale)
     # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
     tp_fwd_s = overlap.exposed_tp_comm_s(tp_fwd_s, fwd_s, layer.kind, config)

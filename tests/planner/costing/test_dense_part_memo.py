@@ -70,3 +70,27 @@ def test_expert_times_are_priced_once_per_layout_and_micro_batch():
             layouts.add(tuple(getattr(config, name) for name in EXPERT_TIME_FIELDS))
             checked += 1
     assert sum(key[0] == "expert_times" for key in memo) == len(layouts) < 0.2 * checked
+
+
+def test_memoised_compute_times_give_the_same_layer_costs():
+    """Every layer of a dense model, priced with one memo across a sweep of meshes, micro-batch
+    counts, precisions, fp8 recipes, engines and recomputation, costs exactly what it costs
+    priced fresh: the compute times read only `compute_time.compute_time_key` of the configuration."""
+    from meshplan.planner.profiling.profiler import profile
+
+    graph = profile("llama:layers=2,hidden=512,heads=8,kv_heads=4,vocab=8000", 1024, dtype="bf16")
+    memo: dict = {}
+    checked = 0
+    sweep = itertools.product((1, 2), (1, 2), (2, 4), (1, 2), (0, 1, 3), ("none", "selective", "full"),
+                              (("bf16-mixed", None), ("fp8", "tensorwise"), ("fp8", "delayed")),
+                              ("meshplan", "megatron", "torchtitan"), (1, 4))
+    for tp, cp, dp, pp, zero, recompute, (precision, recipe), engine, steps in sweep:
+        config = ParallelConfig(gpus=tp * cp * dp * pp, global_batch=8 * dp * steps, tp=tp, cp=cp, dp=dp, pp=pp, zero=zero,
+                                recompute=recompute, sp=tp > 1, precision=precision, fp8_recipe=recipe, engine=engine)
+        for layer in graph.layers:
+            fresh = layer_cost(layer, config, H100, graph.info, profile_dtype="bf16", attention=graph.attention)
+            shared = layer_cost(layer, config, H100, graph.info, profile_dtype="bf16", attention=graph.attention,
+                                memo=memo)
+            assert shared == fresh, (layer.name, config)
+            checked += 1
+    assert sum(key[0] == "compute_times" for key in memo) < checked / 4
