@@ -25,6 +25,14 @@ def default_microbatch_group(pp: int, num_microbatches: int) -> int:
     return num_microbatches // max(1, num_microbatches // pp)
 
 
+def interleaved_warmup(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int, per_round: int,
+                       hops: int = 2) -> int:
+    """Warm-up forwards of pipeline rank `rank` under interleaved 1F1B with `per_round`
+    micro-batches a round: (v - 1) r + 2 (p - 1 - k), at most m v; the zero-bubble flavour
+    (`ScheduleInterleavedZeroBubble`) waits one hop each way less (`hops` = 1)."""
+    return min((virtual_stages - 1) * per_round + hops * (num_stages - 1 - rank), num_microbatches * virtual_stages)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """The facts of one pipeline schedule (see the module docstring)."""

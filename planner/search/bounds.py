@@ -167,9 +167,10 @@ def _segments(frontier: list[tuple[float, float]], budget: float) -> list[tuple[
 def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True):
     """Per rank: (fixed seconds k_r, frontier of the run's options, byte budget B_r); None when a
     rank's pinned layers alone cannot fit. `replay` False: no schedule is replayed for its live
-    micro-batches, each chunk counted live once if the rank runs one chunk (its first forward),
-    else not at all."""
+    micro-batches; each rank holds those of its peak at its first backward
+    (`simulation.schedules.warmup_live`, a peak the replay also finds, if not always its fullest)."""
     from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors, receive_bytes
+    from meshplan.planner.simulation.schedules import warmup_live
 
     first, count, type_index = structure
     num_chunks, pp, last = shape.num_chunks, shape.num_stages, table.num_layers - 1
@@ -188,8 +189,8 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
         chunks = shape.chunks_on(rank)
         if replay or schedule_spec(shape.schedule).textbook_factor:  # 1F1B and GPipe replay in microseconds
             live = max(live_vectors(shape, rank), key=lambda vec: (min(vec), sum(vec)))
-        else:
-            live = (1,) if shape.virtual_stages == 1 else (0,) * shape.virtual_stages
+        else:  # the peak at its first backward, from the order's warm-up rule
+            live = warmup_live(shape.schedule, pp, shape.num_microbatches, shape.virtual_stages, rank)
         weight = min(live)
         fixed_s = sum(chunk_s[c] for c in chunks)
         fixed_bytes = sum(n * boundary[c] for n, c in zip(live, chunks)) + received[rank]

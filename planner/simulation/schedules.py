@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from meshplan.planner.contracts.schedule import Schedule, default_microbatch_group, schedule_spec
+from meshplan.planner.contracts.schedule import Schedule, default_microbatch_group, interleaved_warmup, schedule_spec
 from meshplan.planner.costing.boundary_buffers import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
@@ -92,7 +92,7 @@ def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, ra
                  per_round: int | None = None) -> list[Action]:
     per_round = per_round or default_microbatch_group(num_stages, num_microbatches)
     total = num_microbatches * virtual_stages
-    warmup = min((virtual_stages - 1) * per_round + 2 * (num_stages - 1 - rank), total)
+    warmup = interleaved_warmup(num_stages, num_microbatches, virtual_stages, rank, per_round)
     next_fwd_mb = [0] * virtual_stages
     next_bwd_mb = [0] * virtual_stages
     actions: list[Action] = []
@@ -126,6 +126,32 @@ GENERATORS = {
     "zbv": zero_bubble.zbv,
     "dualpipev": zero_bubble.dualpipev,
 }
+
+
+def warmup_live(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
+                rank: int) -> tuple[int, ...]:
+    """Per virtual stage, the micro-batches whose forwards rank `rank` runs before its first
+    backward (of any kind): one of its peaks of live activations, from each order's warm-up rule,
+    without generating the order (the search's cheap memory bound, `search.bounds`; a test checks
+    it against the generated orders). Interleaved orders run their warm-up and one more forward
+    first, forward s on virtual stage (s // r) % v; the V-shaped ones run 2p - 1 - k forwards of the V's first chunk and k + 1 of its
+    second before their first backward (DualPipeV's last rank one more of the first), as many as
+    the m micro-batches allow."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    actions = schedule_spec(schedule).actions
+    if actions == "gpipe":
+        return (m,)
+    if actions == "1f1b":
+        return (min(m, p - rank),)
+    if actions in ("zbv", "dualpipev"):
+        # DualPipeV's last rank opens its steady state with one more forward of the V's first chunk
+        extra = actions == "dualpipev" and rank == p - 1 and m > p
+        return min(m, 2 * p - 1 - rank + extra), min(m, rank + 1)
+    per_round = default_microbatch_group(p, m)
+    # the warm-up, then the steady state's first forward ahead of its first backward
+    forwards = min(m * v, interleaved_warmup(p, m, v, rank, per_round, hops=2 if actions == "interleaved" else 1) + 1)
+    cycles, rest = divmod(forwards, per_round * v)
+    return tuple(cycles * per_round + min(per_round, max(0, rest - local * per_round)) for local in range(v))
 
 
 @lru_cache(maxsize=256)

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from meshplan.planner.contracts.schedule import default_microbatch_group, interleaved_warmup
 from meshplan.planner.simulation.actions import Action
 
 
 def _action(kind: str, chunk: int, microbatch: int, overlap: bool = False) -> Action:
-    return Action(kind, chunk, microbatch, overlap)
+    """Action(...) without NamedTuple's Python-level constructor (a search generates hundreds of thousands)."""
+    return _tuple_new(Action, (kind, chunk, microbatch, overlap))
+
+
+_tuple_new = tuple.__new__
 
 
 class _Counter:
@@ -47,9 +52,9 @@ def zb_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, 
     """`ScheduleInterleavedZeroBubble._calculate_single_rank_operations` (`_get_1f1b_rank_ops` with
     enable_zero_bubble): w = min((v - 1) r + p - 1 - k, m v) warm-up forwards (r = m // max(1, m // p)),
     then F/I pairs, then the I drain; W of the j-th I runs after the (k + 1 + j)-th pair."""
-    per_round = num_microbatches // max(1, num_microbatches // num_stages)
+    per_round = default_microbatch_group(num_stages, num_microbatches)
     total = num_microbatches * virtual_stages
-    warmup = min((virtual_stages - 1) * per_round + num_stages - 1 - rank, total)
+    warmup = interleaved_warmup(num_stages, num_microbatches, virtual_stages, rank, per_round, hops=1)
     count = _Counter()
     actions: list = []
     backward_chunks: list[int] = []

@@ -198,3 +198,34 @@ def test_orders_match_what_torch_executes(tmp_path):
             compared += 1
     assert compared == (sum(p for p, _ in SINGLE_CASES) * 2 + sum(p for p, _ in INTERLEAVED_CASES)
                         + sum(p for _, p, _, _ in ZERO_BUBBLE_CASES))
+
+
+def test_warmup_live_is_each_orders_first_peak():
+    """`warmup_live` (the search's memory bound reads it without generating an order) equals the
+    forwards each generated order runs before its first backward, per virtual stage, and that
+    vector is one of the rank's peaks the replay finds (no larger than a kept peak): every
+    schedule over p <= 8, m <= 32, v <= 4."""
+    from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
+    from meshplan.planner.search.ilp.evaluation import live_vectors
+    from meshplan.planner.search.ilp.formulation import PipelineShape
+    from meshplan.planner.simulation.schedules import warmup_live
+
+    checked = 0
+    for name, spec in SCHEDULE_SPECS.items():
+        for p, m, v in ((p, m, v) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 32)
+                        for v in (1, 2, 3, 4)):
+            try:
+                spec.check(p, m, v)
+            except ValueError:
+                continue
+            for rank, actions in enumerate(schedule_actions(name, p, m, v)):
+                first = [0] * v
+                for action in actions:
+                    if action.kind != "F":
+                        break
+                    first[action.chunk // p] += 1
+                assert warmup_live(name, p, m, v, rank) == tuple(first), (name, p, m, v, rank)
+                peaks = live_vectors(PipelineShape(p, m, v, name), rank)
+                assert any(all(a >= b for a, b in zip(peak, first)) for peak in peaks), (name, p, m, v, rank)
+                checked += 1
+    assert checked > 1800
