@@ -16,6 +16,7 @@ from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.bounds import (bound_structure, compute_bound_s, memory_bound_s, reduction_bound_s,
                                            step_factor_floor)
 from meshplan.planner.search.pool import worker_pool
+from meshplan.planner.simulation import replay_memo
 from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, expand_counts, heuristic_start, live_vectors,
                                                    memory_of_assignment)
 from meshplan.planner.search.ilp.formulation import (PipelineShape, StageProblem, StageSolution, pinned_structure,
@@ -187,7 +188,6 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
         chosen = {entry.index for entry in first}
         heap = [entry for entry in heap if entry.index not in chosen]
         heapq.heapify(heap)
-    mapper = pool.map if pool is not None else map
     while heap or first:
         threshold = min(seeded, best[num_keep - 1] if len(best) >= num_keep else math.inf)
         if first:
@@ -197,7 +197,12 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
         cutoff = threshold if math.isfinite(threshold) else None
         posed = [entry.item.exact_problem() for entry in batch]
         todo = [replace(problem, cutoff_s=cutoff) for problem in posed]
-        for entry, problem, solution in zip(batch, posed, mapper(solve_stages, todo)):
+        if pool is not None:  # a worker has none of the schedule replays this process made since it forked
+            solutions = pool.map(_solve_shipped, [(problem, replay_memo.entries(_shape_key(problem.shape)))
+                                                  for problem in todo])
+        else:
+            solutions = map(solve_stages, todo)
+        for entry, problem, solution in zip(batch, posed, solutions):
             results.append(Solved(entry.item.candidate, entry.bound_s, solution, problem=problem))
             if solution.feasible:
                 best = sorted(best + [solution.objective_s])
@@ -348,6 +353,18 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
     memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
                               bound_structure(problem.table), problem.grad_sync, replay=level >= EXACT)
     return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
+
+
+def _shape_key(shape: PipelineShape) -> tuple:
+    return shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages
+
+
+def _solve_shipped(task: tuple[StageProblem, dict]) -> StageSolution:
+    """A worker's solve of a problem sent with the parent's replays of its schedule
+    (`simulation.replay_memo`), which the worker then need not replay again."""
+    problem, replays = task
+    replay_memo.load(replays)
+    return solve_stages(problem)
 
 
 def _start_solver() -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import bisect
 from functools import lru_cache
 
+from meshplan.planner.simulation.replay_memo import memoised
+
 
 def _unit_play(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
                bwd_over_fwd: float, weight_share: float, record: bool):
@@ -61,7 +63,7 @@ def _recorded_play(schedule: str, num_stages: int, num_microbatches: int, virtua
     return _unit_play(schedule, num_stages, num_microbatches, virtual_stages, bwd_over_fwd, weight_share, True)
 
 
-@lru_cache(maxsize=1024)
+@memoised
 def reduction_windows(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
                       bwd_over_fwd: float = 2.0) -> tuple[tuple[tuple[float, float, float], ...], ...]:
     """Per rank, (b, f, i) from its backwards to its compute end: the backwards and forwards it

@@ -33,6 +33,7 @@ from meshplan.planner.contracts.schedule import Schedule, default_microbatch_gro
 from meshplan.planner.costing.boundary_buffers import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
 from meshplan.planner.simulation.actions import Action
+from meshplan.planner.simulation.replay_memo import memoised
 
 
 def _check(spec: Schedule, num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> None:
@@ -172,7 +173,7 @@ def max_in_flight(actions: list[Action] | tuple[Action, ...]) -> int:
     return peak
 
 
-@lru_cache(maxsize=4096)
+@memoised
 def backwards_before_last_forward(schedule: str, num_stages: int, num_microbatches: int,
                                   virtual_stages: int, microbatch_group: int | None = None
                                   ) -> tuple[tuple[int, ...], ...]:

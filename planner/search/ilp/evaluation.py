@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from meshplan.planner.simulation.replay_memo import memoised
+
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
     from meshplan.planner.costing.tables import CostTable
     from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem
@@ -19,7 +21,7 @@ def live_vectors(shape: PipelineShape, rank: int) -> list[tuple[int, ...]]:
     return list(_live_vectors(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank))
 
 
-@lru_cache(maxsize=4096)
+@memoised
 def _live_vectors(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
                   rank: int) -> tuple[tuple[int, ...], ...]:
     from meshplan.planner.simulation.schedules import schedule_actions

@@ -1,0 +1,47 @@
+"""Results of schedule replays, memoised by their arguments, which start with the schedule's shape
+(schedule, p, m, v): a rank's live-activation peaks, reduction windows and freed-before-last-forward
+counts, pure functions of the shape that cost a replay of every rank's order.
+
+A solving worker forked before the parent replayed a shape would replay it again: the parent hands
+it what it has for the shape of each problem it sends (`entries`, `load`; `search.solving`)."""
+from __future__ import annotations
+
+import functools
+
+# Per function: arguments -> result. Emptied at this many entries, so a long-lived process does not
+# grow it without end.
+MAX_ENTRIES = 65536
+_MEMO: dict[str, dict[tuple, object]] = {}
+
+
+def memoised(fn):
+    """`fn` memoised by its positional arguments, the first four the schedule's shape."""
+    table = _MEMO.setdefault(f"{fn.__module__}.{fn.__qualname__}", {})
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        found = table.get(args)
+        if found is None:
+            if len(table) >= MAX_ENTRIES:
+                table.clear()
+            found = table[args] = fn(*args)
+        return found
+
+    wrapper.cache_clear = table.clear
+    return wrapper
+
+
+def entries(shape: tuple) -> dict[str, dict[tuple, object]]:
+    """Every memoised result for the shape (schedule, p, m, v), by function."""
+    out = {}
+    for name, table in _MEMO.items():
+        found = {args: value for args, value in table.items() if args[:4] == shape}
+        if found:
+            out[name] = found
+    return out
+
+
+def load(found: dict[str, dict[tuple, object]]) -> None:
+    """Results another process computed (`entries`), added to this one's memo."""
+    for name, items in found.items():
+        _MEMO.setdefault(name, {}).update(items)
