@@ -135,7 +135,7 @@ def _between(a, b, c, tol: float = 1e-9) -> bool:
             and abs(ab0 * ac1 - ab1 * ac0) <= limit and 0 <= dot <= length)
 
 
-@lru_cache(maxsize=4096)
+@memoised
 def step_factor(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
                 bwd_over_fwd: float = 2.0, weight_share: float = 0.5) -> float:
     """F of the schedule with chunks of forward 1 and backward `bwd_over_fwd`, of which the

@@ -7,6 +7,7 @@ it what it has for the shape of each problem it sends (`entries`, `load`; `searc
 from __future__ import annotations
 
 import functools
+import inspect
 
 # Per function: arguments -> result. Emptied at this many entries, so a long-lived process does not
 # grow it without end.
@@ -15,11 +16,18 @@ _MEMO: dict[str, dict[tuple, object]] = {}
 
 
 def memoised(fn):
-    """`fn` memoised by its positional arguments, the first four the schedule's shape."""
+    """`fn` memoised by its arguments, every one positional and defaults filled in (so equal calls
+    share a key), the first four the schedule's shape."""
     table = _MEMO.setdefault(f"{fn.__module__}.{fn.__qualname__}", {})
+    signature = inspect.signature(fn)
+    num_params = len(signature.parameters)
 
     @functools.wraps(fn)
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
+        if kwargs or len(args) != num_params:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = bound.args
         found = table.get(args)
         if found is None:
             if len(table) >= MAX_ENTRIES:

@@ -201,9 +201,10 @@ def exposed_rank_s(problem: StageProblem, sums: RankSums, rank: int) -> float:
     """E_r: rank r's reduction that its compute does not hide, counted from the pipeline's end
     (pipelined ZeRO-2/3: from the rank's own end, `rank_tail_s`)."""
     r = rank
+    # only every micro-batch's reduction reads the windows (each a replay of the schedule)
+    windows = reduction_windows(problem.shape, r) if problem.grad_sync == "overlap_every_microbatch" else ()
     return exposed_dp_s(problem.grad_sync, sums.grad_comm_s[r], sums.never_hidden_s[r], sums.fwd_s[r],
-                        sums.bwd_s[r], reduction_windows(problem.shape, r), reduction_contention_s(problem, r),
-                        sums.slowest_s - sums.rank_time_s[r])
+                        sums.bwd_s[r], windows, reduction_contention_s(problem, r), sums.slowest_s - sums.rank_time_s[r])
 
 
 def evaluate_assignment(problem: StageProblem, chunk_of_layer, option_of_layer, peaks=None):
