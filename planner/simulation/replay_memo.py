@@ -53,3 +53,9 @@ def load(found: dict[str, dict[tuple, object]]) -> None:
     """Results another process computed (`entries`), added to this one's memo."""
     for name, items in found.items():
         _MEMO.setdefault(name, {}).update(items)
+
+
+def clear() -> None:
+    """Forget every memoised result."""
+    for table in _MEMO.values():
+        table.clear()

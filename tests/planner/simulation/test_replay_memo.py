@@ -3,7 +3,7 @@ process to a solving worker forked before it replayed them: the worker then read
 replaying, and its ILP solution equals the parent's."""
 from __future__ import annotations
 
-from meshplan.planner.search.ilp.evaluation import _live_vectors, live_vectors
+from meshplan.planner.search.ilp.evaluation import live_vectors
 from meshplan.planner.search.ilp.formulation import PipelineShape
 from meshplan.planner.simulation import replay_memo
 from meshplan.planner.simulation.factors import reduction_windows
@@ -12,6 +12,7 @@ from meshplan.planner.simulation.schedules import backwards_before_last_forward
 
 def test_entries_are_the_shapes_results_and_load_serves_them():
     shape = ("zb-interleaved", 4, 8, 2)
+    replay_memo.clear()
     expected = [live_vectors(PipelineShape(4, 8, 2, "zb-interleaved"), rank) for rank in range(4)]
     windows = reduction_windows(*shape)
     done = backwards_before_last_forward(*shape, None)
@@ -19,9 +20,7 @@ def test_entries_are_the_shapes_results_and_load_serves_them():
     assert {len(items) for items in found.values()} == {4, 1}  # a live-vector entry per rank; one each else
     assert all(args[:4] == shape for items in found.values() for args in items)
     # a fresh memo (as a worker forked before the replays has) serves what it was handed
-    _live_vectors.cache_clear()
-    reduction_windows.cache_clear()
-    backwards_before_last_forward.cache_clear()
+    replay_memo.clear()
     assert replay_memo.entries(shape) == {}
     replay_memo.load(found)
     assert [live_vectors(PipelineShape(4, 8, 2, "zb-interleaved"), rank) for rank in range(4)] == expected
