@@ -37,7 +37,6 @@ Per rank and micro-batch, against the same layer without CP:
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s, send_recv_time_s
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, attention_time_s,
@@ -158,4 +157,4 @@ def with_context_parallel(local, layer, config, cluster, info, profile_dtype: st
                                          ring_step_s(layer, config, cluster, attention, kernel), config, cluster,
                                          dtype)
     kept = gathered * (1 - 1 / config.cp) if config.recompute != "full" else 0.0
-    return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)
+    return local.replaced(cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s, activation_bytes=local.activation_bytes + kept)

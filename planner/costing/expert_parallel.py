@@ -342,8 +342,8 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     copies = (zero == 3) + (state_recipe == "executor" and ranks > 1 and zero >= 1
                             and (config.pp == 1 or zero == 3))
     full = config.recompute == "full"
-    return replace(
-        dense, fwd_compute_s=dense.fwd_compute_s + router_fwd_s + fwd_s,
+    return dense.replaced(
+        fwd_compute_s=dense.fwd_compute_s + router_fwd_s + fwd_s,
         bwd_compute_s=dense.bwd_compute_s + router_bwd_s + bwd_s,
         recompute_s=dense.recompute_s + (router_fwd_s + fwd_s if full else 0.0),
         fwd_gather_s=dense.fwd_gather_s + fwd_gather_s, bwd_gather_s=dense.bwd_gather_s + bwd_gather_s,

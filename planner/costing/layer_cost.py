@@ -8,7 +8,7 @@ fields freely; do not rename.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -57,6 +57,16 @@ class LayerCost:
     owned_params: float = 0.0  # parameters whose optimizer states this rank updates (after ZeRO)
     host_state_bytes: float = 0.0  # model states offloaded to host memory (`costing.offload`)
 
+    def replaced(self, **changes: float) -> LayerCost:
+        """`dataclasses.replace(self, **changes)` without running `__init__` again (a search
+        makes ~1e5 of them; LayerCost validates nothing); unknown names are refused as there."""
+        unknown = changes.keys() - _LAYER_COST_FIELDS
+        if unknown:
+            raise TypeError(f"LayerCost has no field(s) {', '.join(sorted(unknown))}")
+        out = object.__new__(LayerCost)
+        out.__dict__.update(self.__dict__, **changes)
+        return out
+
     @property
     def fwd_blocking_comm_s(self) -> float:
         """The forward's collectives that block compute: TP's, context parallelism's K/V exchange,
@@ -87,6 +97,9 @@ class LayerCost:
     def bwd_gather_exposure_s(self) -> tuple[float, float]:
         """(steady, head) exposure of the backward's parameter gather (`gather_exposure_s`)."""
         return gather_exposure_s(self.bwd_gather_s, self.bwd_busy_s)
+
+
+_LAYER_COST_FIELDS = frozenset(f.name for f in fields(LayerCost))
 
 
 def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
@@ -122,14 +135,14 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
         local = context_parallel.with_context_parallel(local, layer, config, cluster, info, profile_dtype, attention,
                                                        kernel)
     if local.dp_param_gather_s > 0:  # the once-per-step gather, less what the engine hides (`overlap`)
-        local = replace(local, dp_param_gather_s=overlap.exposed_step_gather_s(local.dp_param_gather_s,
+        local = local.replaced(dp_param_gather_s=overlap.exposed_step_gather_s(local.dp_param_gather_s,
                                                                                local.fwd_busy_s, config))
     if config.engine != "meshplan":
         # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
         memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),
                                      profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
                                      attention=attention, holds_shared=holds_shared)
-        local = replace(local, **memory._asdict())
+        local = local.replaced(**memory._asdict())
     return offload.with_offload(local, config, cluster)
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
@@ -168,7 +167,7 @@ def with_offload(cost, config: ParallelConfig, cluster: ClusterProfile):
     times = host_times_s(cost.owned_params, cost.bwd_compute_s, config, cluster)
     before = cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes
     kept = (before - states["host"]) / before if before > 0 else 1.0  # the experts' states move alike
-    return replace(cost, param_bytes=states["param_bytes"], grad_bytes=states["grad_bytes"],
+    return cost.replaced(param_bytes=states["param_bytes"], grad_bytes=states["grad_bytes"],
                    optimizer_bytes=states["optimizer_bytes"], host_state_bytes=states["host"],
                    expert_state_bytes=cost.expert_state_bytes * kept,
                    optimizer_step_s=cost.optimizer_step_s + times["step_s"],

@@ -32,7 +32,6 @@ b = bytes of the compute dtype, h = heads/tp, g = kv_heads/tp):
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES, infer_seq
@@ -113,5 +112,5 @@ def with_ulysses(local, layer, config, cluster, info, profile_dtype: str, comput
     all-to-alls each way (`cp_fwd_comm_s`, `cp_bwd_comm_s`) and the bytes `kept_bytes` adds."""
     q_bytes, kv_bytes = exchanged_bytes(layer, config, info, profile_dtype, compute_dtype)
     fwd_s, bwd_s = ulysses_comm_s(q_bytes, kv_bytes, config, cluster)
-    return replace(local, cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s,
+    return local.replaced(cp_fwd_comm_s=fwd_s, cp_bwd_comm_s=bwd_s,
                    activation_bytes=local.activation_bytes + kept_bytes(q_bytes, kv_bytes, layer, config, info))

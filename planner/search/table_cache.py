@@ -26,11 +26,13 @@ class TableCache:
         self._graph, self._cluster, self._recompute_options = graph, cluster, recompute_options
         self._tables = dict(built)
         self._option_costs: dict = {}
-        self._strategy_of: dict[ParallelConfig, object] = {}
+        # id(candidate) -> (candidate, strategy): by identity, as hashing every one of a search's
+        # tens of thousands of candidates costs more than the few lookups (the solved ones) need
+        self._strategy_of: dict[int, tuple[ParallelConfig, object]] = {}
 
     def record(self, candidate: ParallelConfig, strategy) -> None:
         """`candidate`'s table is `strategy`'s."""
-        self._strategy_of[candidate] = strategy
+        self._strategy_of[id(candidate)] = (candidate, strategy)
 
     def is_built(self, strategy) -> bool:
         return strategy in self._tables
@@ -44,7 +46,9 @@ class TableCache:
         return table
 
     def table_for(self, candidate: ParallelConfig) -> CostTable:
-        return self.get(self._strategy_of[candidate])
+        """The table recorded for `candidate` (an equal configuration not recorded: its own strategy's)."""
+        found = self._strategy_of.get(id(candidate))
+        return self.get(found[1] if found is not None and found[0] is candidate else cost_config(candidate))
 
 
 def strategies_of(candidates) -> list:
