@@ -182,6 +182,10 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
                                                                  _other_layers(table, structure))}
                           for o in table.types[t].options)
     out, frontiers = [], {}
+    # per edge layer: (its chunk, its options, their least time and least transient buffer)
+    edge_options = [(chunk, options, min(o.time_s for o in options), min(o.buffer_bytes for o in options))
+                    for layer, chunk in edges for options in (table.types[table.layer_type[layer]].options,)]
+    edge_chunks = {chunk for _, chunk in edges}
     # receive buffers in transit; a multi-chunk schedule's kept sends only when its order is
     # replayed (leaving them out keeps the bound below the memory)
     received = receive_bytes(table, shape, kept_sends=replay)
@@ -197,14 +201,13 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
         # the largest transient buffer is at least that of a layer the rank surely holds: its
         # pinned edge layers, and a run layer if one of its chunks holds no edge layer
         held_buffers = []
-        for layer, chunk in edges:
+        for chunk, options, least_s, least_buffer in edge_options:
             if chunk in chunks:
-                options = table.types[table.layer_type[layer]].options
                 held = live[chunks.index(chunk)]
-                fixed_s += min(o.time_s for o in options)
+                fixed_s += least_s
                 fixed_bytes += min(o.static_bytes + held * o.act_bytes for o in options)
-                held_buffers.append(min(o.buffer_bytes for o in options))
-        if any(c not in {chunk for _, chunk in edges} for c in chunks):
+                held_buffers.append(least_buffer)
+        if any(c not in edge_chunks for c in chunks):
             held_buffers.append(unpinned_buffer)
         buffer = max(held_buffers, default=0.0)
         budget = limit_bytes * (1 + LIMIT_SLACK) - fixed_bytes - buffer
