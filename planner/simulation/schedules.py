@@ -91,30 +91,22 @@ def _one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int, ra
 
 def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int,
                  per_round: int | None = None) -> list[Action]:
+    p, v = num_stages, virtual_stages
     per_round = per_round or default_microbatch_group(num_stages, num_microbatches)
     total = num_microbatches * virtual_stages
     warmup = interleaved_warmup(num_stages, num_microbatches, virtual_stages, rank, per_round)
-    next_fwd_mb = [0] * virtual_stages
-    next_bwd_mb = [0] * virtual_stages
+    next_fwd_mb, next_bwd_mb = [0] * v, [0] * v
     actions: list[Action] = []
-
-    def forward(step: int) -> None:
-        local = (step // per_round) % virtual_stages
-        actions.append(_new_action("F", local * num_stages + rank, next_fwd_mb[local]))
-        next_fwd_mb[local] += 1
-
-    def backward(step: int) -> None:
-        local = virtual_stages - 1 - ((step - warmup) // per_round) % virtual_stages
-        actions.append(_new_action("B", local * num_stages + rank, next_bwd_mb[local]))
-        next_bwd_mb[local] += 1
-
-    for step in range(warmup):
-        forward(step)
-    for step in range(warmup, total):  # steady state: one forward, then one backward
-        forward(step)
-        backward(step)
-    for step in range(total, total + warmup):
-        backward(step)
+    # written flat (no helper per action): the search generates it for every rank of every shape it replays
+    for step in range(total + warmup):
+        if step < total:  # warm-up, then the steady state: one forward, then one backward
+            local = (step // per_round) % v
+            actions.append(_tuple_new(Action, ("F", local * p + rank, next_fwd_mb[local], False)))
+            next_fwd_mb[local] += 1
+        if step >= warmup:
+            local = v - 1 - ((step - warmup) // per_round) % v
+            actions.append(_tuple_new(Action, ("B", local * p + rank, next_bwd_mb[local], False)))
+            next_bwd_mb[local] += 1
     return actions
 
 

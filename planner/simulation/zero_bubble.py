@@ -51,36 +51,36 @@ class _Counter:
 def zb_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list:
     """`ScheduleInterleavedZeroBubble._calculate_single_rank_operations` (`_get_1f1b_rank_ops` with
     enable_zero_bubble): w = min((v - 1) r + p - 1 - k, m v) warm-up forwards (r = m // max(1, m // p)),
-    then F/I pairs, then the I drain; W of the j-th I runs after the (k + 1 + j)-th pair."""
+    then F/I pairs, then the I drain; W of the j-th I runs after the (k + 1 + j)-th pair. Written
+    flat (per-virtual-stage counters in lists): the search generates it for every rank of every
+    shape it replays."""
+    p, v = num_stages, virtual_stages
     per_round = default_microbatch_group(num_stages, num_microbatches)
     total = num_microbatches * virtual_stages
     warmup = interleaved_warmup(num_stages, num_microbatches, virtual_stages, rank, per_round, hops=1)
-    count = _Counter()
+    next_f, next_i, next_w = [0] * v, [0] * v, [0] * v  # torch's per-stage counters, by virtual stage
     actions: list = []
-    backward_chunks: list[int] = []
+    backward_locals: list[int] = []
     num_weights = 0
-
-    def forward_chunk(step: int) -> int:
-        return ((step // per_round) % virtual_stages) * num_stages + rank
-
-    def backward_chunk(step: int) -> int:
-        return (virtual_stages - 1 - ((step - warmup) // per_round) % virtual_stages) * num_stages + rank
-
     for step in range(total + warmup):
         if step < total:
-            chunk = forward_chunk(step)
-            actions.append(_action("F", chunk, count.take(chunk, "F")))
+            local = (step // per_round) % v
+            actions.append(_tuple_new(Action, ("F", local * p + rank, next_f[local], False)))
+            next_f[local] += 1
         if step < warmup:
             continue
-        chunk = backward_chunk(step)
-        actions.append(_action("I", chunk, count.take(chunk, "I")))
-        backward_chunks.append(chunk)
+        local = v - 1 - ((step - warmup) // per_round) % v
+        actions.append(_tuple_new(Action, ("I", local * p + rank, next_i[local], False)))
+        next_i[local] += 1
+        backward_locals.append(local)
         if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
-            weight_chunk = backward_chunks[num_weights]
-            actions.append(_action("W", weight_chunk, count.take(weight_chunk, "W")))
+            local = backward_locals[num_weights]
+            actions.append(_tuple_new(Action, ("W", local * p + rank, next_w[local], False)))
+            next_w[local] += 1
             num_weights += 1
-    for weight_chunk in backward_chunks[num_weights:]:
-        actions.append(_action("W", weight_chunk, count.take(weight_chunk, "W")))
+    for local in backward_locals[num_weights:]:
+        actions.append(_tuple_new(Action, ("W", local * p + rank, next_w[local], False)))
+        next_w[local] += 1
     return actions
 
 
