@@ -86,6 +86,7 @@ from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
+from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
                                                   is_expert_linear, router_flops, router_times_s, shuffle_time_s)
 from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
@@ -320,15 +321,10 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     `memo`: a dict the caller keeps for one graph and cluster (`layer_cost`'s): the times are
     priced once per value of the `EXPERT_TIME_FIELDS` (a search prices each at many data,
     pipeline and ZeRO degrees, which only the states below read)."""
-    if memo is None:
-        times = _expert_times(layer, config, cluster, info, profile_dtype, a2a_overlap)
-    else:
-        key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
-               *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
-        times = memo.get(key)
-        if times is None:
-            times = memo[key] = _expert_times(layer, config, cluster, info, profile_dtype, a2a_overlap)
-    fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = times
+    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
+           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = through(
+        memo, key, _expert_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
     params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero

@@ -22,6 +22,7 @@ from meshplan.planner.costing.compute_time import compute_time_key, compute_time
 from meshplan.planner.costing.engine_memory import engine_layer_memory
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
+from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
@@ -183,19 +184,11 @@ def _dense_of(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfi
     """A MoE block's dense part (`expert_parallel.dense_part`) priced by `dense_layer_cost`, which
     reads no expert layout field: with a `memo`, once per config equal but for them (a search
     prices every block at several expert layouts)."""
-    if memo is None:
-        return dense_layer_cost(expert_parallel.dense_part(layer, info), config, cluster, info, profile_dtype,
-                                holds_shared, attention, state_recipe)
     key = ("dense_part", id(layer), id(cluster), id(info), profile_dtype, holds_shared, attention, state_recipe,
            *(getattr(config, name) for name in CONFIG_FIELDS if name not in EXPERT_LAYOUT_FIELDS))
-    dense = memo.get(key)
-    if dense is None:
-        part = memo.get(("dense_layer", id(layer), id(info)))
-        if part is None:
-            part = memo[("dense_layer", id(layer), id(info))] = expert_parallel.dense_part(layer, info)
-        dense = memo[key] = dense_layer_cost(part, config, cluster, info, profile_dtype, holds_shared, attention,
-                                             state_recipe, memo)
-    return dense
+    part = through(memo, ("dense_layer", id(layer), id(info)), expert_parallel.dense_part, layer, info)
+    return through(memo, key, dense_layer_cost, part, config, cluster, info, profile_dtype, holds_shared, attention,
+                   state_recipe, memo)
 
 
 def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
@@ -233,17 +226,11 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     """(forward, backward, recomputation, blocking TP forward, blocking TP backward) seconds of one
     micro-batch: compute, TP collectives and the per-pass fixed costs of DTensor and FSDP hooks."""
     tp, mbs = config.tp, config.rank_microbatch
-    if memo is None:
-        fwd_s, bwd_s, recompute_s = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
-                                                    attention)
-    else:  # the same at every data, pipeline and ZeRO degree: once per compute_time_key
-        key = ("compute_times", id(layer), id(cluster), id(info), act_scale, vocab, profile_dtype, attention,
-               *compute_time_key(config))
-        times = memo.get(key)
-        if times is None:
-            times = memo[key] = compute_times_s(layer, config, cluster, info, act_scale, vocab, profile_dtype,
-                                                attention)
-        fwd_s, bwd_s, recompute_s = times
+    # the same at every data, pipeline and ZeRO degree: memoised once per compute_time_key
+    key = ("compute_times", id(layer), id(cluster), id(info), act_scale, vocab, profile_dtype, attention,
+           *compute_time_key(config))
+    fwd_s, bwd_s, recompute_s = through(memo, key, compute_times_s, layer, config, cluster, info, act_scale, vocab,
+                                        profile_dtype, attention)
     tp_fwd_s, tp_bwd_s = tp_comm_s(layer, config, cluster, act_scale)
     # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
     tp_fwd_s = overlap.exposed_tp_comm_s(tp_fwd_s, fwd_s, layer.kind, config)
