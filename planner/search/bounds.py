@@ -183,8 +183,10 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
                           for o in table.types[t].options)
     out, frontiers = [], {}
     # per edge layer: (its chunk, its options, their least time and least transient buffer)
-    edge_options = [(chunk, options, min(o.time_s for o in options), min(o.buffer_bytes for o in options))
-                    for layer, chunk in edges for options in (table.types[table.layer_type[layer]].options,)]
+    edge_options = []
+    for layer, chunk in edges:
+        options = table.types[table.layer_type[layer]].options
+        edge_options.append((chunk, options, min(o.time_s for o in options), min(o.buffer_bytes for o in options)))
     edge_chunks = {chunk for _, chunk in edges}
     # receive buffers in transit; a multi-chunk schedule's kept sends only when its order is
     # replayed (leaving them out keeps the bound below the memory)

@@ -198,7 +198,7 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
         posed = [entry.item.exact_problem() for entry in batch]
         todo = [replace(problem, cutoff_s=cutoff) for problem in posed]
         if pool is not None:  # a worker has none of the schedule replays this process made since it forked
-            solutions = pool.map(_solve_shipped, [(problem, replay_memo.entries(_shape_key(problem.shape)))
+            solutions = pool.map(_solve_shipped, [(problem, replay_memo.entries(problem.shape.replay_key))
                                                   for problem in todo])
         else:
             solutions = map(solve_stages, todo)
@@ -353,10 +353,6 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
     memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
                               bound_structure(problem.table), problem.grad_sync, replay=level >= EXACT)
     return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
-
-
-def _shape_key(shape: PipelineShape) -> tuple:
-    return shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages
 
 
 def _solve_shipped(task: tuple[StageProblem, dict]) -> StageSolution:

@@ -23,3 +23,12 @@ class Action(NamedTuple):
         """The chunk's saved activations of this micro-batch are released when this action ends:
         the full backward, or W (torch's I keeps the whole autograd graph, retain_graph=True)."""
         return self.kind in ("B", "W")
+
+
+_tuple_new = tuple.__new__
+
+
+def new_action(kind: str, chunk: int, microbatch: int, overlap: bool = False) -> Action:
+    """`Action(kind, chunk, microbatch, overlap)` without NamedTuple's Python-level constructor: the
+    schedule generators make hundreds of thousands for a search."""
+    return _tuple_new(Action, (kind, chunk, microbatch, overlap))

@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 import inspect
 
-# Per function: arguments -> result. Emptied at this many entries, so a long-lived process does not
-# grow it without end.
-MAX_ENTRIES = 65536
-_MEMO: dict[str, dict[tuple, object]] = {}
+# Per function, per shape (its first four arguments): arguments -> result, so that a shape's
+# results are found without scanning the rest. A function's are emptied at MAX_ENTRIES shapes, so a
+# long-lived process does not grow without end.
+MAX_ENTRIES = 4096
+_MEMO: dict[str, dict[tuple, dict[tuple, object]]] = {}
 
 
 def memoised(fn):
@@ -28,11 +29,14 @@ def memoised(fn):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             args = bound.args
-        found = table.get(args)
-        if found is None:
+        of_shape = table.get(args[:4])
+        if of_shape is None:
             if len(table) >= MAX_ENTRIES:
                 table.clear()
-            found = table[args] = fn(*args)
+            of_shape = table[args[:4]] = {}
+        found = of_shape.get(args)
+        if found is None:
+            found = of_shape[args] = fn(*args)
         return found
 
     wrapper.cache_clear = table.clear
@@ -41,18 +45,15 @@ def memoised(fn):
 
 def entries(shape: tuple) -> dict[str, dict[tuple, object]]:
     """Every memoised result for the shape (schedule, p, m, v), by function."""
-    out = {}
-    for name, table in _MEMO.items():
-        found = {args: value for args, value in table.items() if args[:4] == shape}
-        if found:
-            out[name] = found
-    return out
+    return {name: dict(table[shape]) for name, table in _MEMO.items() if table.get(shape)}
 
 
 def load(found: dict[str, dict[tuple, object]]) -> None:
     """Results another process computed (`entries`), added to this one's memo."""
     for name, items in found.items():
-        _MEMO.setdefault(name, {}).update(items)
+        table = _MEMO.setdefault(name, {})
+        for args, value in items.items():
+            table.setdefault(args[:4], {})[args] = value
 
 
 def clear() -> None:

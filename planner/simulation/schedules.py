@@ -32,7 +32,7 @@ from functools import lru_cache
 from meshplan.planner.contracts.schedule import Schedule, default_microbatch_group, interleaved_warmup, schedule_spec
 from meshplan.planner.costing.boundary_buffers import kept_send_bytes, receive_buffer_bytes
 from meshplan.planner.simulation import zero_bubble
-from meshplan.planner.simulation.actions import Action
+from meshplan.planner.simulation.actions import Action, new_action
 from meshplan.planner.simulation.replay_memo import memoised
 
 
@@ -44,15 +44,6 @@ def _check(spec: Schedule, num_stages: int, num_microbatches: int, virtual_stage
     if not 0 <= rank < num_stages:
         raise ValueError(f"rank {rank} is outside the pipeline of {num_stages} stages")
     spec.check(num_stages, num_microbatches, virtual_stages)
-
-
-def _new_action(kind: str, chunk: int, microbatch: int) -> Action:
-    """Action(kind, chunk, microbatch) without NamedTuple's Python-level constructor (the planner
-    generates hundreds of thousands)."""
-    return _tuple_new(Action, (kind, chunk, microbatch, False))
-
-
-_tuple_new = tuple.__new__
 
 
 def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int,
@@ -70,22 +61,22 @@ def rank_actions(schedule: str, num_stages: int, num_microbatches: int, virtual_
 
 
 def _gpipe(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list[Action]:
-    return ([_new_action("F", rank, mb) for mb in range(num_microbatches)]
-            + [_new_action("B", rank, mb) for mb in range(num_microbatches)])
+    return ([new_action("F", rank, mb) for mb in range(num_microbatches)]
+            + [new_action("B", rank, mb) for mb in range(num_microbatches)])
 
 
 def _one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) -> list[Action]:
     warmup = min(num_microbatches, num_stages - rank)
-    actions = [_new_action("F", rank, mb) for mb in range(warmup)]
+    actions = [new_action("F", rank, mb) for mb in range(warmup)]
     next_fwd, next_bwd = warmup, 0
     while True:  # steady state: one backward, then one forward
-        actions.append(_new_action("B", rank, next_bwd))
+        actions.append(new_action("B", rank, next_bwd))
         next_bwd += 1
         if next_fwd == num_microbatches:
             break
-        actions.append(_new_action("F", rank, next_fwd))
+        actions.append(new_action("F", rank, next_fwd))
         next_fwd += 1
-    actions.extend(_new_action("B", rank, mb) for mb in range(next_bwd, num_microbatches))
+    actions.extend(new_action("B", rank, mb) for mb in range(next_bwd, num_microbatches))
     return actions
 
 
@@ -101,11 +92,11 @@ def _interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, ra
     for step in range(total + warmup):
         if step < total:  # warm-up, then the steady state: one forward, then one backward
             local = (step // per_round) % v
-            actions.append(_tuple_new(Action, ("F", local * p + rank, next_fwd_mb[local], False)))
+            actions.append(new_action("F", local * p + rank, next_fwd_mb[local]))
             next_fwd_mb[local] += 1
         if step >= warmup:
             local = v - 1 - ((step - warmup) // per_round) % v
-            actions.append(_tuple_new(Action, ("B", local * p + rank, next_bwd_mb[local], False)))
+            actions.append(new_action("B", local * p + rank, next_bwd_mb[local]))
             next_bwd_mb[local] += 1
     return actions
 

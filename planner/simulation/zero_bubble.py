@@ -25,15 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from meshplan.planner.contracts.schedule import default_microbatch_group, interleaved_warmup
-from meshplan.planner.simulation.actions import Action
-
-
-def _action(kind: str, chunk: int, microbatch: int, overlap: bool = False) -> Action:
-    """Action(...) without NamedTuple's Python-level constructor (a search generates hundreds of thousands)."""
-    return _tuple_new(Action, (kind, chunk, microbatch, overlap))
-
-
-_tuple_new = tuple.__new__
+from meshplan.planner.simulation.actions import new_action
 
 
 class _Counter:
@@ -65,21 +57,21 @@ def zb_interleaved(num_stages: int, num_microbatches: int, virtual_stages: int, 
     for step in range(total + warmup):
         if step < total:
             local = (step // per_round) % v
-            actions.append(_tuple_new(Action, ("F", local * p + rank, next_f[local], False)))
+            actions.append(new_action("F", local * p + rank, next_f[local]))
             next_f[local] += 1
         if step < warmup:
             continue
         local = v - 1 - ((step - warmup) // per_round) % v
-        actions.append(_tuple_new(Action, ("I", local * p + rank, next_i[local], False)))
+        actions.append(new_action("I", local * p + rank, next_i[local]))
         next_i[local] += 1
         backward_locals.append(local)
         if step - warmup >= rank:  # torch's num_1f1b_microbatches = rank
             local = backward_locals[num_weights]
-            actions.append(_tuple_new(Action, ("W", local * p + rank, next_w[local], False)))
+            actions.append(new_action("W", local * p + rank, next_w[local]))
             next_w[local] += 1
             num_weights += 1
     for local in backward_locals[num_weights:]:
-        actions.append(_tuple_new(Action, ("W", local * p + rank, next_w[local], False)))
+        actions.append(new_action("W", local * p + rank, next_w[local]))
         next_w[local] += 1
     return actions
 
@@ -94,7 +86,7 @@ def zbv(num_stages: int, num_microbatches: int, virtual_stages: int, rank: int) 
     out: list = []
 
     def add(kind: str, chunk: int) -> None:
-        out.append(_action(kind, chunk, count.take(chunk, kind)))
+        out.append(new_action(kind, chunk, count.take(chunk, kind)))
 
     for _ in range(2 * (pp - rank) - 1):
         add("F", first)
@@ -141,13 +133,13 @@ def dualpipev(num_stages: int, num_microbatches: int, virtual_stages: int, rank:
             count.take(chunk, "W")
         elif kind == "I":
             weights.append((chunk, microbatch))
-        out.append(_action(kind, chunk, microbatch, overlap))
+        out.append(new_action(kind, chunk, microbatch, overlap))
 
     def pending_weight() -> None:
         if weights:
             chunk, microbatch = weights.pop(0)
             count.take(chunk, "W")
-            out.append(_action("W", chunk, microbatch))
+            out.append(new_action("W", chunk, microbatch))
 
     def overlapped(forward: int, backward: int) -> None:
         add("F", forward, overlap=True)

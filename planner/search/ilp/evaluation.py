@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports th
 
 def live_vectors(shape: PipelineShape, rank: int) -> list[tuple[int, ...]]:
     """Per-virtual-stage live micro-batch counts at each memory peak of `rank` (dominated removed)."""
-    return list(_live_vectors(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank))
+    return list(_live_vectors(*shape.replay_key, rank))
 
 
 @memoised
@@ -79,7 +79,7 @@ def reduction_windows(shape: PipelineShape, rank: int) -> tuple[tuple[float, flo
     (`simulation.factors.reduction_windows`)."""
     from meshplan.planner.simulation.factors import reduction_windows as played_windows
 
-    return played_windows(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages)[rank]
+    return played_windows(*shape.replay_key)[rank]
 
 
 def pipelined_every_microbatch(problem: StageProblem) -> bool:

@@ -118,6 +118,11 @@ class PipelineShape:
     def num_chunks(self) -> int:
         return self.num_stages * self.virtual_stages
 
+    @property
+    def replay_key(self) -> tuple[str, int, int, int]:
+        """(schedule, p, m, v): what a replay of the schedule depends on (`simulation.replay_memo`)."""
+        return self.schedule, self.num_stages, self.num_microbatches, self.virtual_stages
+
     def rank_of(self, chunk: int) -> int:
         """Pipeline rank of a chunk (mod p, or mirrored for the V-shaped schedules)."""
         return chunk_rank(self.schedule, self.num_stages, chunk)

@@ -47,7 +47,7 @@ def test_a_problem_solved_in_a_worker_with_the_shipped_replays_equals_the_parent
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.search.ilp.formulation import StageProblem, solve_stages
     from meshplan.planner.search.pool import worker_pool
-    from meshplan.planner.search.solving import _shape_key, _solve_shipped, pipeline_shape
+    from meshplan.planner.search.solving import _solve_shipped, pipeline_shape
 
     graph = profile("gpt:layers=8,hidden=256,heads=4,vocab=4096", 512, dtype="bf16")
     config = ParallelConfig(gpus=16, global_batch=64, pp=4, dp=4, schedule="interleaved", virtual_stages=2)
@@ -55,6 +55,6 @@ def test_a_problem_solved_in_a_worker_with_the_shipped_replays_equals_the_parent
     with worker_pool(2) as pool:  # forked before the parent replays the schedule below
         problem = StageProblem(table, pipeline_shape(config))
         here = solve_stages(problem)
-        there = list(pool.map(_solve_shipped, [(problem, replay_memo.entries(_shape_key(problem.shape)))]))[0]
+        there = list(pool.map(_solve_shipped, [(problem, replay_memo.entries(problem.shape.replay_key))]))[0]
     assert there.feasible and there.objective_s == here.objective_s
     assert there.chunk_of_layer == here.chunk_of_layer
