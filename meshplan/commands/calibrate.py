@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--nproc", type=int, default=2, help="processes to measure with (one per GPU; CPU: local processes)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes to measure with: one per GPU (1 measures one GPU alone, its links taken from the base profile); CPU: 2 or more local processes")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="gloo (CPU processes) or nccl (CUDA GPUs); default nccl when CUDA is available")
     parser.add_argument("--out", required=True, help="TOML file to write")

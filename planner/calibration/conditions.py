@@ -4,7 +4,7 @@
 Training on CPU runs `world size` processes at once, each with `calibration.host.threads_per_process`
 threads, and times its steps in wall-clock seconds. Calibration runs the same processes with the
 same threads, all measuring at once, and repeats each measurement in rounds: compute
-(`runner.COMPUTE_ROUNDS`, the process's CPU seconds per thread, which preemption does not inflate)
+(`compute_bench.COMPUTE_ROUNDS`, the process's CPU seconds per thread, which preemption does not inflate)
 and the collectives (`COLLECTIVE_ROUNDS`, wall clock, as the steps that wait on them). Each figure
 is the median of its rounds, and the rounds' spread ((max - min) / median, the median over the
 figures) is recorded with the host's load average, so a report can say when a calibration was too

@@ -28,6 +28,21 @@ def fit_matmul(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 
+def without_waves(points: list[tuple[float, float]], num_sms: int) -> list[tuple[float, float]]:
+    """Square-GEMM timings [(FLOPs, seconds)] with their tile and wave quantisation taken out
+    (`costing.gemm.wave_efficiency`, which prices every GEMM on a device with SMs), so the fitted
+    size curve and that factor together give back the measured times; unchanged without SMs."""
+    from meshplan.planner.costing.gemm import wave_efficiency
+
+    if num_sms <= 0:
+        return points
+    out = []
+    for flops, seconds in points:
+        n = round((flops / 2) ** (1 / 3))
+        out.append((flops, seconds * wave_efficiency(n, n, num_sms)))
+    return out
+
+
 def fit_alpha_beta(samples: list[tuple[str, int, float]], nproc: int) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of the ring model fitted to all collectives at once."""
     rows = [(bus_bandwidth_factor(kind, nproc) * size / t, _ring_hops(kind, nproc) / t) for kind, size, t in samples]

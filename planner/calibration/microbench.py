@@ -45,7 +45,7 @@ MIN_WALL_REPS = 8
 # 256 x 256 matmuls in one burst of measure_cpu_share: ~0.2 s of one core.
 BURST_MATMULS = 400
 PIPELINE_MICROBATCHES_PER_STAGE = 4
-PIPELINE_BLOCK_SEQ = 128  # = calibrate.TRAFFIC_SHAPES[0]: the block's compute is costed from that sample
+PIPELINE_BLOCK_SEQ = 128  # = compute_bench.TRAFFIC_SHAPES[0]: the block's compute is costed from that sample
 
 
 def wall_min_s(dist, fn, reps: int) -> float:

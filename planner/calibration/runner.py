@@ -5,13 +5,13 @@ that, all at once as in training:
 
 - time square matmuls at several sizes and fit time = f / R + f_half / R (the cost model's
   efficiency curve: a GEMM of f FLOPs runs at R f / (f + f_half)); R / peak becomes
-  `matmul_efficiency`, f_half `matmul_half_efficiency_flops`;
+  `matmul_efficiency`, f_half `matmul_half_efficiency_flops` (on GPUs with the tile and wave
+  quantisation `costing.gemm` adds taken out first, `fits.without_waves`);
 - time a large copy (memory bandwidth) and one tiny transformer block forward (the fixed
   per-layer dispatch cost, `kernel_overhead_s`);
 - time 3x3 convolutions forward + backward (`CONV_SHAPES`): their throughput against the GEMM
   curve's for the same FLOPs is `conv_efficiency`;
-- time causal flash attention (SDPA) forward + backward at several sequence lengths
-  (`ATTENTION_SEQS`): its FLOPs (the causal half) over its time, against peak, is
+- time causal flash attention (SDPA) forward + backward at several sequence lengths: its FLOPs (the causal half) over its time, against peak, is
   `attention_efficiency`, which takes the attention core off the GEMM curve;
 - time a GPT block's forward + backward at several shapes, count its FLOPs (FlopCounterMode) and
   the bytes autograd saves; what the GEMM curve and the overhead do not explain is memory-bound
@@ -31,15 +31,16 @@ The CPU convention: one "GPU" is one local process; memory_bytes = this machine'
 The processes run as `meshplan train`'s do (`host.threads_per_process` threads each, all at once),
 and the profile's `calibration` table records those conditions, the rounds' spread and the host's
 load (`conditions`).
-On GPUs the backend is NCCL and times come from CUDA events. Peak FLOP/s, the elementwise
-traffic factor and anything not measured come from a base profile (`cpu` for gloo; the shipped
-GPU profile whose device name matches, else `h100-sxm`).
+The shapes are the device's (`compute_bench.BenchShapes`): small on CPU, training-sized on GPUs.
+On GPUs the backend is NCCL and times come from CUDA events. Peak FLOP/s and anything not
+measured come from a base profile (`cpu` for gloo; the shipped GPU profile whose device name
+matches, else `h100-sxm`). One GPU (`--nproc 1`) measures the device alone: its links, intra-
+and inter-node, are the base profile's.
 """
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -50,16 +51,19 @@ from meshplan.planner.contracts.cluster import ClusterProfile, LinkProfile
 from meshplan.planner.calibration import fits
 from meshplan.planner.calibration.conditions import (COLLECTIVE_ROUNDS, calibration_conditions, load_average,
                                                     median_of_rounds)
-from meshplan.planner.calibration.host import relative_spread
+from meshplan.planner.calibration.compute_bench import (COMPUTE_ROUNDS, Timer, bench_shapes, measure_compute,
+                                                       measure_copy)
 from meshplan.planner.calibration.gemm_sweep import SWEEP_TOKENS, SWEEP_WIDTHS, measure_gemm_widths
 from meshplan.planner.calibration.fits import fit_alpha_beta, fit_conv_efficiency, fit_elementwise_traffic, fit_matmul
 from meshplan.planner.costing import attention_kernels
 from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
 
-FULL_SIZES = {"matmul_n": (64, 128, 256, 512, 1024), "comm_bytes": (2**12, 2**16, 2**20, 2**22, 2**24),
-              "copy_bytes": 2**28, "reps": 10}
-QUICK_SIZES = {"matmul_n": (64, 128, 256, 512), "comm_bytes": (2**12, 2**16, 2**20, 2**22),
-               "copy_bytes": 2**26, "reps": 4}
+FULL_SIZES = {"comm_bytes": (2**12, 2**16, 2**20, 2**22, 2**24), "copy_bytes": 2**28, "reps": 10}
+QUICK_SIZES = {"comm_bytes": (2**12, 2**16, 2**20, 2**22), "copy_bytes": 2**26, "reps": 4}
+# GPUs: collectives up to 256 MiB (NVLink's bandwidth term dominates only past tens of MiB) and a
+# 1 GiB copy, well past the L2 (50-60 MB on Hopper)
+GPU_FULL_SIZES = {"comm_bytes": (2**16, 2**20, 2**22, 2**24, 2**26, 2**28), "copy_bytes": 2**30, "reps": 10}
+GPU_QUICK_SIZES = {"comm_bytes": (2**16, 2**20, 2**24, 2**26), "copy_bytes": 2**29, "reps": 4}
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -74,12 +78,16 @@ def calibrate(nproc: int = 2, backend: str = "gloo", quick: bool = False, name: 
 
     if backend not in ("gloo", "nccl"):
         raise MeshplanError(f"--backend must be gloo or nccl, got {backend!r}")
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
-        raise MeshplanError(f"--nproc must be at least 2 (collectives need two processes), got {nproc!r}")
+    least = 1 if backend == "nccl" else 2  # CPU fixed costs (TP, FSDP, pipeline) are measured between processes
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < least:
+        raise MeshplanError(f"--nproc must be at least {least} with --backend {backend}, got {nproc!r}"
+                            + ("" if least == 1 else " (the fixed costs of TP, FSDP and pipelines need two processes)"))
     if backend == "nccl" and (not torch.cuda.is_available() or torch.cuda.device_count() < nproc):
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
         raise MeshplanError(f"--backend nccl needs {nproc} CUDA devices, found {found}; use --backend gloo on CPU")
-    sizes = QUICK_SIZES if quick else FULL_SIZES
+    cuda = backend == "nccl"
+    sizes = {**((GPU_QUICK_SIZES if quick else GPU_FULL_SIZES) if cuda else (QUICK_SIZES if quick else FULL_SIZES)),
+             "matmul_n": getattr(bench_shapes(cuda), "quick_matmul_n" if quick else "matmul_n")}
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as workdir:
         # fork is instant (torch is already imported here); CUDA needs fresh processes
         context = mp.start_processes(_worker, args=(nproc, backend, sizes, workdir), nprocs=nproc, join=False,
@@ -142,19 +150,20 @@ def _worker(rank: int, nproc: int, backend: str, sizes: dict, workdir: str) -> N
     dist.init_process_group(backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=nproc)
     try:
         device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-        timer = _Timer(cuda, torch.get_num_threads())
+        timer = Timer(cuda, torch.get_num_threads())
         load_before = load_average()
         result = {"dtype": "bf16" if cuda else "fp32", "threads": torch.get_num_threads(),
-                  "copy_bw_bytes_per_s": _measure_copy(torch, device, sizes, timer)}
+                  "copy_bw_bytes_per_s": measure_copy(torch, device, sizes["copy_bytes"], sizes["reps"], timer)}
         _phase_done(workdir, rank, 1)
-        result.update(_measure_compute(torch, device, sizes, timer, cuda))
+        result.update(measure_compute(torch, device, sizes["matmul_n"], sizes["reps"], timer, cuda))
         if not cuda:  # the GEMM curve by width (GPUs: tiles and waves, `costing.gemm`)
             result["gemm_widths"] = measure_gemm_widths(torch, device, timer, sizes["reps"])
         _phase_done(workdir, rank, 2)
         dist.barrier()
         per_round = {**sizes, "reps": max(2, -(-sizes["reps"] // 2))}  # the rounds, not the repeats, carry the median
-        result["collectives"], result["link_spread"] = median_of_rounds(
-            [_measure_collectives(torch, dist, device, rank, nproc, per_round, timer) for _ in range(COLLECTIVE_ROUNDS)])
+        result["collectives"], result["link_spread"] = median_of_rounds(  # one process: no link to measure
+            [_measure_collectives(torch, dist, device, rank, nproc, per_round, timer) for _ in range(COLLECTIVE_ROUNDS)]
+            if nproc > 1 else [])
         _phase_done(workdir, rank, 3)
         if not cuda:
             result.update(_measure_fixed_costs(torch, dist, nproc, sizes, timer))
@@ -184,178 +193,6 @@ def _measure_fixed_costs(torch, dist, nproc: int, sizes: dict, timer) -> dict:
             "optimizer": fixed.measure_optimizer(torch, dist, timer, mesh, reps),
             "block_fixed": fixed.measure_block_overheads(torch, dist, mesh, nproc, reps),
             "pipeline": fixed.measure_pipeline(torch, dist, nproc, reps)}
-
-
-class _Timer:
-    """Fastest of `reps` timings of `fn()`: the least disturbed by other work on a shared machine,
-    which is what the device itself can do. GPUs: CUDA events. Collectives wait on peers, so they
-    take wall time. CPU compute (`cpu_time=True`): this process's CPU seconds per thread, which
-    preemption by other processes does not inflate, and their median: what is left varies with
-    the core's clock and the caches the other processes share, as it does while training, whose
-    step time meshplan reports as a median (the fastest sample read 5-15% fast)."""
-
-    def __init__(self, cuda: bool, threads: int = 1):
-        self.cuda = cuda
-        self.threads = threads
-
-    def __call__(self, fn, reps: int, cpu_time: bool = False) -> float:
-        import torch
-
-        fn()  # warm-up (allocations, algorithm selection, connection setup)
-        samples = []
-        for _ in range(reps):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) / 1e3)
-            elif cpu_time:
-                begin = time.process_time()
-                fn()
-                samples.append((time.process_time() - begin) / self.threads)
-            else:
-                begin = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - begin)
-        return statistics.median(samples) if cpu_time and not self.cuda else min(samples)
-
-
-def _measure_matmul(torch, device, sizes, timer, cuda) -> list[tuple[float, float]]:
-    """[(FLOPs, seconds)] of one n x n x n matmul per size, in the training dtype."""
-    dtype = torch.bfloat16 if cuda else torch.float32
-    points = []
-    for n in sizes["matmul_n"]:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        inner = max(1, int(2e8 // (2 * n**3)) if not cuda else 10)  # ~0.2 GFLOP per sample on CPU
-        seconds = timer(lambda: [torch.mm(a, b) for _ in range(inner)], sizes["reps"], cpu_time=True) / inner
-        points.append((2.0 * n**3, seconds))
-    return points
-
-
-def _measure_copy(torch, device, sizes, timer) -> float:
-    src = torch.ones(sizes["copy_bytes"] // 4, device=device)
-    dst = torch.empty_like(src)
-    seconds = timer(lambda: dst.copy_(src), max(2, sizes["reps"] // 2), cpu_time=True)
-    return 2.0 * sizes["copy_bytes"] / seconds  # read + write
-
-
-def _measure_block(torch, device, timer) -> float:
-    """Forward of one tiny transformer block: all dispatch and launch, almost no FLOPs."""
-    from meshplan.planner.models.transformer import Block, TransformerConfig
-
-    block = Block(TransformerConfig("gpt", 1, 64, 4, 128)).to(device)
-    x = torch.randn(1, 8, 64, device=device)
-    with torch.no_grad():
-        return timer(lambda: block(x), 20, cpu_time=True)
-
-
-# (batch, seq) of the GPT block (hidden 256) timed forward + backward for the elementwise fit:
-# the shapes of the small models meshplan trains on CPU, and one twice as long.
-TRAFFIC_SHAPES = ((1, 128), (2, 128), (4, 128), (1, 256))
-COMPUTE_ROUNDS = 3
-
-
-def _measure_compute(torch, device, sizes, timer, cuda) -> dict:
-    """The matmul sweep, the block shapes and the tiny block's dispatch overhead, in
-    `COMPUTE_ROUNDS` alternating rounds, each figure the fastest of its rounds on GPUs and their
-    median on CPU (as `_Timer` takes its samples). The elementwise
-    factor is fitted to the block's time less the other two, so all three must see the same
-    machine: a slow spell of a shared host during one of them only reads as a wrong factor
-    (0, or twice the truth)."""
-    rounds = [(_measure_matmul(torch, device, sizes, timer, cuda), _time_block_shapes(torch, device, timer, cuda),
-               _measure_block(torch, device, timer), _measure_conv(torch, device, timer, cuda),
-               _measure_attention(torch, device, timer, cuda))
-              for _ in range(COMPUTE_ROUNDS)]
-    pick = min if cuda else statistics.median
-    matmul = [(flops, pick(r[0][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][0])]
-    block_s = [pick(r[1][i] for r in rounds) for i in range(len(TRAFFIC_SHAPES))]
-    conv = [(fwd, bwd, pick(r[3][i][2] for r in rounds)) for i, (fwd, bwd, _) in enumerate(rounds[0][3])]
-    attention = [(flops, pick(r[4][i][1] for r in rounds)) for i, (flops, _) in enumerate(rounds[0][4])]
-    spread = statistics.median(relative_spread([r[0][i][1] for r in rounds]) for i in range(len(matmul)))
-    return {"matmul": matmul, "compute_spread": spread, "block_overhead_s": pick(r[2] for r in rounds), "conv": conv,
-            "attention": attention,
-            "block": [{**figures, "fwd_bwd_s": seconds} for figures, seconds in zip(_block_figures(cuda), block_s)]}
-
-
-# (batch, channels, height = width) of the 3x3 convolutions (padding 1, no bias) timed forward +
-# backward for `conv_efficiency`: a mid-sized image stage and a deeper, smaller one.
-CONV_SHAPES = ((4, 48, 48), (4, 96, 24))
-
-
-def _measure_conv(torch, device, timer, cuda) -> list[tuple[float, float, float]]:
-    """[(forward FLOPs, backward FLOPs, seconds of forward + backward)] per `CONV_SHAPES` entry."""
-    dtype = torch.bfloat16 if cuda else torch.float32
-    out = []
-    for batch, channels, size in CONV_SHAPES:
-        batch = batch * 16 if cuda else batch
-        conv = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False).to(device=device, dtype=dtype)
-        x = torch.randn(batch, channels, size, size, device=device, dtype=dtype, requires_grad=True)
-        fwd_flops = 2.0 * batch * channels * channels * 9 * size * size
-        seconds = timer(lambda: conv(x).sum().backward(), 5, cpu_time=True)
-        out.append((fwd_flops, 2.0 * fwd_flops, seconds))  # backward: input and weight gradients
-    return out
-
-
-# Sequence lengths of the causal flash-attention timings (4 heads of 64, one sequence; 8 on GPUs).
-ATTENTION_SEQS = (256, 1024, 2048)
-ATTENTION_HEADS, ATTENTION_HEAD_DIM = 4, 64
-
-
-def _measure_attention(torch, device, timer, cuda) -> list[tuple[float, float]]:
-    """[(FLOPs, seconds)] of causal SDPA forward + backward per `ATTENTION_SEQS` length: the
-    FLOPs a flash kernel runs (the causal half of QK^T and x V, 2x that backward)."""
-    import torch.nn.functional as F
-
-    dtype = torch.bfloat16 if cuda else torch.float32
-    batch = 8 if cuda else 1
-    out = []
-    for seq in ATTENTION_SEQS:
-        q, k, v = (torch.randn(batch, ATTENTION_HEADS, seq, ATTENTION_HEAD_DIM, device=device, dtype=dtype,
-                               requires_grad=True) for _ in range(3))
-        fwd_flops = 4.0 * batch * ATTENTION_HEADS * seq * seq * ATTENTION_HEAD_DIM / 2
-        seconds = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 3,
-                        cpu_time=True)
-        out.append((3.0 * fwd_flops, seconds))
-    return out
-
-
-def _time_block_shapes(torch, device, timer, cuda) -> list[float]:
-    """Forward + backward seconds of a GPT block (hidden 256) at each `TRAFFIC_SHAPES` shape."""
-    from meshplan.planner.models.transformer import Block, TransformerConfig
-
-    dtype = torch.bfloat16 if cuda else torch.float32
-    block = Block(TransformerConfig("gpt", 1, 256, 4, 1024)).to(device=device, dtype=dtype)
-    out = []
-    for batch, seq in TRAFFIC_SHAPES:
-        x = torch.randn(batch, seq, 256, device=device, dtype=dtype, requires_grad=True)
-        out.append(timer(lambda: block(x).sum().backward(), 5, cpu_time=True))
-    return out
-
-
-def _block_figures(cuda: bool) -> list[dict[str, float]]:
-    """The forward and backward FLOPs and activation bytes the profiler gives that block at each
-    shape, so that the fitted factor explains exactly what the cost model leaves out for a
-    profiled layer."""
-    from meshplan.planner.costing.device_time import causal_skipped_flops
-    from meshplan.planner.costing.gemm import block_linear_shapes
-    from meshplan.planner.profiling.profiler import profile
-
-    figures = []
-    for batch, seq in TRAFFIC_SHAPES:
-        graph = profile("gpt:layers=1,hidden=256,heads=4,vocab=1024", seq, dtype="bf16" if cuda else "fp32",
-                        cache=False)
-        layer = next(layer for layer in graph.layers if layer.kind == "block")
-        skipped = causal_skipped_flops(layer, graph.attention)  # the flash kernel skips the masked half
-        figures.append({"fwd_flops": float((layer.fwd_flops - skipped) * batch),
-                        "bwd_flops": float((layer.bwd_flops - 2 * skipped) * batch),
-                        "attn_fwd_flops": float((layer.attn_fwd_flops - skipped) * batch),
-                        "saved_bytes": float(layer.activation_bytes * batch), "tokens": float(batch * seq),
-                        # its Linears by shape, as `compute_time` prices a zoo block's (`gemm.linear_times_s`)
-                        "linear_shapes": [list(shape) for shape in block_linear_shapes(layer, graph.info, seq)]})
-    return figures
 
 
 def _measure_collectives(torch, dist, device, rank, nproc, sizes, timer) -> list[tuple[str, int, float]]:
@@ -419,8 +256,8 @@ def _measured_link(samples, nproc: int, bw: float, alpha: float, source: str) ->
 def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str | None = None) -> ClusterProfile:
     """Turn rank 0's measurements into a ClusterProfile (peaks and factors from the base)."""
     base_profile = _base_profile(base, backend, measured.get("device_name", ""))
-    rate, half_flops = fit_matmul([tuple(p) for p in measured["matmul"]])
-    bw, alpha = fit_alpha_beta([tuple(s) for s in measured["collectives"]], nproc)
+    rate, half_flops = fit_matmul(fits.without_waves([tuple(p) for p in measured["matmul"]],
+                                                     base_profile.device.num_sms if backend == "nccl" else 0))
     threads = measured["threads"] if backend == "gloo" else 1
     peaks = {dtype: value * threads for dtype, value in base_profile.device.peak_flops_per_s.items()}
     efficiency = rate / peaks[measured["dtype"]] if measured["dtype"] in peaks else 1.0
@@ -438,7 +275,12 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                      matmul_half_efficiency_flops=half_flops, kernel_overhead_s=measured["block_overhead_s"],
                      reserved_memory_bytes=min(base_profile.device.reserved_memory_bytes, memory_bytes / 4),
                      source=f"{source}; peaks scaled from {base_profile.name}: {base_profile.device.source}")
-    link = _measured_link(measured["collectives"], nproc, bw, alpha, source)
+    if measured["collectives"]:
+        bw, alpha = fit_alpha_beta([tuple(s) for s in measured["collectives"]], nproc)
+        link = _measured_link(measured["collectives"], nproc, bw, alpha, source)
+    else:  # one GPU: nothing to measure a link with
+        link = replace(base_profile.intra_node, source=f"{base_profile.intra_node.source} (from {base_profile.name}: "
+                                                       "calibrate measured one GPU, no link)")
     share = float(measured.get("cpu_share", 1.0))
     block = [dict(sample) for sample in measured["block"]]
     if share < 1.0:  # every process runs at this share of a core: CPU-time rates slow down by it
@@ -453,7 +295,10 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
         timed = fits.fit_attention_efficiency(
             [(flops, seconds / share) for flops, seconds in measured["attention"]], device, measured["dtype"])
         if device.architecture:  # a GPU's kernels are priced by shape: store the 16K, head-dim-128 figure
-            timed = attention_kernels.plateau_from_measured(timed, ATTENTION_SEQS, ATTENTION_HEAD_DIM)
+            shapes = bench_shapes(backend == "nccl")
+            timed = attention_kernels.plateau_from_measured(
+                timed, measured.get("attention_seqs", shapes.attention_seqs),
+                measured.get("attention_head_dim", shapes.attention_head_dim))
         device = replace(device, attention_efficiency=timed)
     if measured.get("gemm_widths"):  # the CPU's narrow GEMMs below the size curve
         widths = [(m, n, k, seconds / share) for m, n, k, seconds in measured["gemm_widths"]]
@@ -475,4 +320,5 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                    calibration=calibration_conditions(measured, nproc, backend, COMPUTE_ROUNDS),
                    max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,
                    description=f"measured with {nproc} {backend} processes"
-                   + ("" if backend == "gloo" else f"; inter-node link from {base_profile.name}"))
+                   + ("" if backend == "gloo" else f"; {'inter-node link' if nproc > 1 else 'links'} from "
+                                                   f"{base_profile.name}"))

@@ -275,7 +275,7 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq, widt
     block exactly as `planner.costing.layer_cost` prices that profiled block in a plan (same GEMM split,
     launches and traffic), or a fitted factor would not transfer to predictions."""
     from meshplan.planner.calibration.fits import block_time_s, probe_profile as _probe
-    from meshplan.planner.calibration.runner import TRAFFIC_SHAPES, _block_figures
+    from meshplan.planner.calibration.compute_bench import TRAFFIC_SHAPES, block_figures as _block_figures
     from meshplan.planner.costing.layer_cost import layer_cost
     from meshplan.planner.profiling.profiler import profile
     from tests.planner.costing.meshes import mesh
@@ -293,7 +293,7 @@ def test_calibration_block_model_is_what_the_cost_model_charges(batch, seq, widt
 
 def test_pipeline_block_is_costed_from_the_matching_traffic_sample():
     # build_profile costs the measured pipeline's stage with the first traffic sample's figures
-    from meshplan.planner.calibration.runner import TRAFFIC_SHAPES
+    from meshplan.planner.calibration.compute_bench import TRAFFIC_SHAPES
     from meshplan.planner.calibration.microbench import PIPELINE_BLOCK_SEQ
 
     assert TRAFFIC_SHAPES[0] == (1, PIPELINE_BLOCK_SEQ)
