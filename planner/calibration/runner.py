@@ -298,7 +298,7 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
             shapes = bench_shapes(backend == "nccl")
             timed = attention_kernels.plateau_from_measured(
                 timed, measured.get("attention_seqs", shapes.attention_seqs),
-                measured.get("attention_head_dim", shapes.attention_head_dim))
+                measured.get("attention_head_dim", shapes.attention_head_dim), device.architecture)
         device = replace(device, attention_efficiency=timed)
     if measured.get("gemm_widths"):  # the CPU's narrow GEMMs below the size curve
         widths = [(m, n, k, seconds / share) for m, n, k, seconds in measured["gemm_widths"]]

@@ -23,9 +23,18 @@ give 3.5 / (1/f + 2.5/b): 326 (FA2), 576 (FA3), 522 TFLOP/s (cuDNN), the ratios 
 llm-foundry's Triton kernel (flash_attn_triton.py, FlashAttention-1's algorithm with a bias for
 ALiBi): its docstring says "overall Triton forward + backward is slightly slower than CUDA
 forward + backward" (FlashAttention-1), and Dao 2023 ("FlashAttention-2", arXiv:2307.08691)
-reports FlashAttention-2 "around 2x" FlashAttention-1: half of FlashAttention-2's speed. torch's
-memory-efficient backend (xformers' cutlass kernel, the FlashAttention-1 generation): the same
-half, an estimate from the same paper's comparison. Pre-Hopper and newer devices have no FA3 and
+reports FlashAttention-2 "around 2x" FlashAttention-1: half of FlashAttention-2's speed.
+
+torch's own kernels, measured (`benchmarks/gpu_check.py` on one H200 SXM, torch 2.11 with CUDA 13.0,
+stored in benchmarks/data/h200_gpu_check.json: causal forward + backward, 32K tokens a call, 2048
+channels of heads, 1K-16K tokens, head dims 64 and 128; s_half by least squares on the log of the
+speed over its 16K speed, both head dims): SDPA's flash backend reaches 269 TFLOP/s at 16K and head
+dim 128, 0.96 of the FlashAttention-2 figure above, on a slower ramp (s_half 1020: 145 TFLOP/s at 1K)
+and 0.886 of that speed at head dim 64; its memory-efficient backend (xformers' cutlass kernel)
+0.446 of the flash backend at 16K (0.43 of FlashAttention-2), s_half 480, head dim 64 at 0.763. An
+H200 is H100 silicon with faster memory, and attention at these shapes is compute-bound, so these
+stand for Hopper; off Hopper the two are costed as before they were measured (the flash backend as
+FlashAttention-2, the memory-efficient one as FlashAttention-1's generation). Pre-Hopper and newer devices have no FA3 and
 no separate figure for cuDNN: cuDNN is costed as FlashAttention-2 there, FlashAttention-3 refused.
 """
 from __future__ import annotations
@@ -57,15 +66,17 @@ class KernelSpeed:
 
 
 FLASH2 = KernelSpeed(ratio=1.0, seq_half=320.0, head_dim_64=0.89)
-# FlashAttention-1's generation: half of FlashAttention-2, on its ramp and head-dim factor.
-FLASH1_GENERATION = KernelSpeed(ratio=0.5, seq_half=320.0, head_dim_64=0.89)
+# torch SDPA's flash backend as measured on an H200 (the docstring's figures): 268.8 TFLOP/s at
+# 16K, head dim 128, over FlashAttention-2's 0.282 x 989 = 278.9.
+SDPA_FLASH = KernelSpeed(ratio=268.8 / 278.9, seq_half=1020.0, head_dim_64=0.886, elsewhere="flash2")
 KERNEL_SPEEDS = {
     "flash2": FLASH2,
-    "sdpa-flash": FLASH2,
+    "sdpa-flash": SDPA_FLASH,
     "flash3": KernelSpeed(ratio=576 / 326, seq_half=400.0, head_dim_64=0.80, elsewhere=None),
     "cudnn": KernelSpeed(ratio=522 / 326, seq_half=330.0, head_dim_64=0.77, elsewhere="flash2"),
-    "triton-alibi": FLASH1_GENERATION,
-    "sdpa-mem-efficient": FLASH1_GENERATION,
+    # FlashAttention-1's generation: half of FlashAttention-2, on its ramp and head-dim factor
+    "triton-alibi": KernelSpeed(ratio=0.5, seq_half=320.0, head_dim_64=0.89),
+    "sdpa-mem-efficient": KernelSpeed(ratio=119.9 / 278.9, seq_half=480.0, head_dim_64=0.763, elsewhere="triton-alibi"),
 }
 # The kernel each engine runs by default (at the versions meshplan's published runs name):
 # Megatron-Core with Transformer Engine picks cuDNN fused attention on Hopper; torchtitan and
@@ -97,12 +108,16 @@ def shape_factor(speed: KernelSpeed, seq: int, head_dim: int) -> float:
     return ramp * width
 
 
-def plateau_from_measured(efficiency: float, seqs, head_dim: int) -> float:
-    """The profile's `attention_efficiency` (16K tokens, head dim 128) from torch SDPA's flash
-    kernel timed at `seqs` and `head_dim` (`calibrate`): the measured figure over the kernel's
-    mean shape factor there, capped at 1."""
-    factors = [shape_factor(FLASH2, seq, head_dim) for seq in seqs]
-    return min(1.0, efficiency * len(factors) / sum(factors)) if efficiency > 0 and factors else efficiency
+def plateau_from_measured(efficiency: float, seqs, head_dim: int, architecture: str) -> float:
+    """The profile's `attention_efficiency` (FlashAttention-2 at 16K tokens, head dim 128) from
+    torch SDPA's flash kernel timed at `seqs` and `head_dim` on a GPU of `architecture`
+    (`calibrate`): the measured figure over that kernel's mean shape factor there and its ratio to
+    FlashAttention-2, capped at 1."""
+    speed = SDPA_FLASH if architecture == "hopper" else KERNEL_SPEEDS[SDPA_FLASH.elsewhere]
+    factors = [shape_factor(speed, seq, head_dim) for seq in seqs]
+    if efficiency <= 0 or not factors:
+        return efficiency
+    return min(1.0, efficiency * len(factors) / sum(factors) / speed.ratio)
 
 
 def attention_efficiency(attention: str, cluster: ClusterProfile, seq: int, head_dim: int) -> float:
