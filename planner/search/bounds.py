@@ -29,10 +29,18 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
   layer counts n_ro to reals, g_r(x) = min sum_o n_ro t_o over sum_o n_ro = x within B_r is
   convex and piecewise linear in x. Then sum_r T_r >= min over x (sum_r x_r = N) of
   sum_r g_r(x_r) + k_r (cheapest slopes first), and T_max >= T*, the least T at which every
-  rank's layers at most g_r^-1(T - k_r) add up to N; with whole layers, the least T at which
-  sum_r floor(g_r^-1(T - k_r)) reaches N (the N-th smallest k_r + g_r(n), n >= 1: a rank that
-  holds n layers takes at least g_r(n) for them). Whole layers add T_max >= min_r g_r(ceil(N/p))
-  + k_r (some rank holds that many) and T_max >= v (ceil(N/C) t_fastest + o) (some chunk does, and
+  rank's layers at most g_r^-1(T - k_r) add up to N. With whole layers (at the exact level; the
+  first, replay-free refinement keeps g_r(n), cheaper), a rank that holds n of them takes at
+  least h_r(n) >= g_r(n), the least time of n layers each at one option within B_r
+  (a small exact search over the counts per option, `least_whole_s`: with a handful of layers
+  per rank, g_r's fractional mix can be several percent below any whole one), so T_max is at
+  least the N-th smallest k_r + h_r(n), n >= 1, and at least min_r h_r(ceil(N/p)) + k_r (some
+  rank holds that many). At the exact level, with v > 1 chunks a rank, the interleaved rule
+  T_max >= v (t_c) caps a chunk at c(T) = floor((T / v - o) / t_fastest) run layers, and each
+  chunk's layers hold that chunk's own live micro-batches (not the rank's least): T_max is at
+  least the least T >= T(c(T)), T(c) the N-th smallest k_r + h_r^c(n) of those capped splits
+  (`whole_layers.least_chunked_s`; V-shaped ranks hold twice as many micro-batches of one chunk
+  as of the other, which the least live count misses); and T_max >= v (ceil(N/C) t_fastest + o) (some chunk does, and
   the interleaved rule charges a chunk v times); 1F1B's cycle adds T_max >= (sum_r T_r + 2P (p-1))/p.
   The bound is (F - p/v) T_max + (1/v) sum_r T_r + G P + the average tail at these; infinite when no
   fractional assignment fits at all.
@@ -43,6 +51,7 @@ import heapq
 import math
 
 from meshplan.planner.contracts.schedule import schedule_spec
+from meshplan.planner.search.whole_layers import MAX_CHUNKED_LAYERS, least_chunked_s, least_whole_s, undominated
 
 # Relative slack on the memory limit: HiGHS accepts rows a feasibility tolerance over their
 # limit (GiB-scaled rows, about 1e-7), so the bound relaxes the limit by more than that.
@@ -165,7 +174,9 @@ def _segments(frontier: list[tuple[float, float]], budget: float) -> list[tuple[
 
 
 def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True):
-    """Per rank: (fixed seconds k_r, frontier of the run's options, byte budget B_r); None when a
+    """Per rank: (fixed seconds k_r, frontier of the run's options, the run's undominated options,
+    byte budget B_r, live micro-batches per chunk at the peak the budget is for), options as
+    (bytes, seconds) at the rank's least live count; None when a
     rank's pinned layers alone cannot fit. `replay` False: no schedule is replayed for its live
     micro-batches; each rank holds those of its peak at its first backward
     (`simulation.schedules.warmup_live`, a peak the replay also finds, if not always its fullest)."""
@@ -193,9 +204,10 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     received = receive_bytes(table, shape, kept_sends=replay)
     for rank in range(pp):
         chunks = shape.chunks_on(rank)
-        if replay or schedule_spec(shape.schedule).textbook_factor:  # 1F1B and GPipe replay in microseconds
+        if replay and not schedule_spec(shape.schedule).textbook_factor:
             live = max(live_vectors(shape, rank), key=lambda vec: (min(vec), sum(vec)))
-        else:  # the peak at its first backward, from the order's warm-up rule
+        else:  # the peak at its first backward, from the order's warm-up rule: 1F1B's and GPipe's
+            # one peak exactly (min(m, p - r) and m, which a test holds to their replayed orders)
             live = warmup_live(shape.schedule, pp, shape.num_microbatches, shape.virtual_stages, rank)
         weight = min(live)
         fixed_s = sum(chunk_s[c] for c in chunks)
@@ -216,8 +228,9 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
         if budget < 0:
             return None
         if weight not in frontiers:  # ranks holding as many micro-batches share their frontier
-            frontiers[weight] = _lean_frontier([(o.static_bytes + weight * o.act_bytes, o.time_s) for o in run])
-        out.append((fixed_s, frontiers[weight], budget))
+            points = [(o.static_bytes + weight * o.act_bytes, o.time_s) for o in run]
+            frontiers[weight] = (_lean_frontier(points), undominated(points))
+        out.append((fixed_s, *frontiers[weight], budget, tuple(live)))
     return out
 
 
@@ -292,20 +305,23 @@ def _hosted_s(pieces: list[tuple[float, float]], time_s: float) -> float:
     return hosted
 
 
-def _least_slowest_whole_s(fixed_s: list[float], segments: list[list[tuple[float, float]]], count: int,
+def _least_slowest_whole_s(fixed_s: list[float], segments: list[list[tuple[float, float]]], whole_s, count: int,
                            start_s: float) -> float:
-    """T* with whole layers: a rank that holds n of the run's layers takes at least k_r + g_r(n)
-    (g_r is below every mix of n whole layers within its budget), so T_max is at least the
-    count-th smallest of k_r + g_r(n) over ranks r and n >= 1. From `start_s` (the fractional
-    T*, no larger), each rank hosts floor(g_r^-1(start_s - k_r)) layers; then the ranks' next
-    whole layers are taken in order of the time they need until `count` are hosted."""
+    """T* with whole layers: a rank that holds n of the run's layers takes at least
+    `whole_s(rank, n)` = k_r + h_r(n) >= k_r + g_r(n), so T_max is at least the count-th smallest
+    of those over ranks r and n >= 1 (h_r nondecreasing in n). From `start_s` (the fractional T*,
+    no larger), each rank hosts the most whole layers it fits by then (at most
+    floor(g_r^-1(start_s - k_r))); then the ranks' next whole layers are taken in order of the time
+    they need until `count` are hosted."""
     if not math.isfinite(start_s):
         return start_s
     hosted, upcoming = 0, []
     for rank, (k, pieces) in enumerate(zip(fixed_s, segments)):
         whole = min(count, math.floor(_hosted_s(pieces, start_s - k) + 1e-9)) if start_s > k else 0
+        while whole > 0 and whole_s(rank, whole) > start_s * (1 + 1e-12):
+            whole -= 1  # whole layers pack worse than the fractional mix
         hosted += whole
-        upcoming.append((k + _piecewise_s(pieces, whole + 1), rank, whole + 1))
+        upcoming.append((whole_s(rank, whole + 1), rank, whole + 1))
     heapq.heapify(upcoming)
     slowest_s = start_s
     while hosted < count:
@@ -313,8 +329,57 @@ def _least_slowest_whole_s(fixed_s: list[float], segments: list[list[tuple[float
         if math.isinf(slowest_s):
             return math.inf
         hosted += 1
-        heapq.heappush(upcoming, (fixed_s[rank] + _piecewise_s(segments[rank], whole + 1), rank, whole + 1))
+        heapq.heappush(upcoming, (whole_s(rank, whole + 1), rank, whole + 1))
     return max(slowest_s, start_s)
+
+
+def _memoised_whole(fn):
+    """fn(rank, layers) cached for one bound's evaluation."""
+    memo: dict = {}
+
+    def whole_s(rank: int, layers: int) -> float:
+        key = (rank, layers)
+        if key not in memo:
+            memo[key] = fn(rank, layers)
+        return memo[key]
+    return whole_s
+
+
+def _capped_whole(ranks, run, cap: int, whole_s):
+    """k_r + h_r(n) with at most `cap` layers a chunk (`whole_layers.least_chunked_s`) up to
+    MAX_CHUNKED_LAYERS layers; above, the larger of that figure at MAX_CHUNKED_LAYERS and the
+    uncapped `whole_s` at n: both below any n-layer assignment, and nondecreasing in n, as the
+    count-th smallest rule needs."""
+    def capped(rank: int, layers: int) -> float:
+        fixed_s, _, _, budget, live = ranks[rank]
+        if layers <= MAX_CHUNKED_LAYERS:
+            return fixed_s + least_chunked_s(run, live, budget, layers, cap)
+        return max(memo(rank, MAX_CHUNKED_LAYERS), whole_s(rank, layers))
+    memo = _memoised_whole(capped)
+    return memo
+
+
+def _chunk_capped_slowest_s(ranks, segments, run, shape, count: int, start_s: float, slowest_s: float,
+                            fastest_s: float, chunk_s: float, whole_s) -> float:
+    """T_max with the interleaved rule's cap: at T_max = T a chunk holds at most
+    c(T) = floor((T / v - o) / t_fastest) run layers, so T >= T(c(T)), T(c) the whole-layer T*
+    with each rank's layers split over its chunks at most c a chunk, each chunk's layers holding
+    its own live micro-batches (`whole_layers.least_chunked_s`). T(c) does not grow with c: from
+    `slowest_s` up, the least T with T >= T(c(T))."""
+    v = shape.virtual_stages
+    for _ in range(16):  # each pass raises T to T(c) or to the next cap's step; a few suffice
+        if not math.isfinite(slowest_s):
+            return slowest_s
+        cap = math.floor((slowest_s / v - chunk_s) / fastest_s + 1e-9)
+        if cap * v * len(ranks) < count:  # no split fits: the next step up
+            slowest_s = v * ((cap + 1) * fastest_s + chunk_s)
+            continue
+        capped = _least_slowest_whole_s([r[0] for r in ranks], segments, _capped_whole(ranks, run, cap, whole_s),
+                                        count, start_s)
+        if capped <= slowest_s * (1 + 1e-12):
+            return slowest_s
+        slowest_s = min(capped, v * ((cap + 1) * fastest_s + chunk_s))
+    return slowest_s
 
 
 def bound_structure(table) -> tuple[int, int, int] | None:
@@ -347,23 +412,32 @@ def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync
     ranks = _rank_setup(table, shape, structure, limit_bytes, replay)
     if ranks is None:
         return math.inf
-    fixed_s = [k for k, _, _ in ranks]
-    segments = [_segments(frontier, budget) for _, frontier, budget in ranks]
+    fixed_s = [rank[0] for rank in ranks]
+    segments = [_segments(frontier, budget) for _, frontier, _, budget, _ in ranks]
+    if replay:  # whole mixes per rank: worth their search where the bound decides an ILP
+        whole_s = _memoised_whole(lambda rank, layers: fixed_s[rank] + least_whole_s(ranks[rank][2], ranks[rank][3],
+                                                                                     layers))
+    else:  # the first refinement: the fractional mix of n layers, g_r(n)
+        whole_s = _memoised_whole(lambda rank, layers: fixed_s[rank] + _piecewise_s(segments[rank], layers))
     count = structure[1]
     total_s = _least_sum_s(segments, count)
     if not math.isfinite(total_s):
         return math.inf
     others_s = sum(table.types[table.layer_type[layer]].min_time_s() for layer in _other_layers(table, structure))
     pp, sum_s = shape.num_stages, total_s + sum(fixed_s) + others_s
-    slowest_s = _least_slowest_s(fixed_s, segments, count)
-    slowest_s = max(_least_slowest_whole_s(fixed_s, segments, count, slowest_s), sum_s / pp)
+    fractional_s = _least_slowest_s(fixed_s, segments, count)
+    slowest_s = max(_least_slowest_whole_s(fixed_s, segments, whole_s, count, fractional_s), sum_s / pp)
     # Whole layers: some rank holds at least ceil(N / p) of the run, and some chunk ceil(N / C),
     # which the interleaved rule T_max >= v t_c (edge layers aside) charges v times.
     most_on_rank, most_in_chunk = -(-count // pp), -(-count // shape.num_chunks)
-    slowest_s = max(slowest_s, min(k + _piecewise_s(pieces, most_on_rank) for k, pieces in zip(fixed_s, segments)))
+    slowest_s = max(slowest_s, min(whole_s(rank, most_on_rank) for rank in range(pp)))
     fastest_s = min(o.time_s for o in table.types[structure[2]].options)
     chunk_s = table.chunk_overhead_s if shape.num_chunks > 1 else 0.0
     slowest_s = max(slowest_s, shape.virtual_stages * (most_in_chunk * fastest_s + chunk_s))
+    if replay and shape.virtual_stages > 1 and fastest_s > 0 and -(-count // pp) <= MAX_CHUNKED_LAYERS:
+        run = [(o.static_bytes, o.act_bytes, o.time_s) for o in table.types[structure[2]].options]
+        slowest_s = _chunk_capped_slowest_s(ranks, segments, run, shape, count, fractional_s, slowest_s, fastest_s,
+                                            chunk_s, whole_s)
     if shape.transfer_cycle and table.p2p_s > 0:
         # 1F1B's cycle: T_max >= T_r + 2P on every rank but the slowest, so
         # T_max >= (sum_r T_r - T_max) / (p - 1) + 2P
