@@ -75,12 +75,33 @@ def average_tail_s(table, pp: int, grad_sync: str = "overlap") -> float:
 
 
 def compute_bound_s(table, shape, grad_sync: str = "overlap") -> float:
-    """Compute alone: perfectly balanced stages with every layer at its fastest option."""
-    total = table.fastest_sum_s + table.chunk_overhead_s * shape.num_chunks
+    """Compute alone: every layer at its fastest option, and stages as balanced as whole layers
+    allow (some rank holds ceil(N / p) of the longest run, some chunk ceil(N / C), which the
+    interleaved rule charges v times)."""
+    chunk_s = table.chunk_overhead_s if shape.num_chunks > 1 else 0.0
+    total = table.fastest_sum_s + chunk_s * shape.num_chunks
     slowest_weight, sum_weight = shape.weights
     pp = shape.num_stages
-    return ((slowest_weight / pp + sum_weight) * total + shape.transfers_on_path * table.p2p_s
+    slowest = total / pp
+    if pp > 1:
+        count, fastest_s = _longest_run(table)
+        v = shape.virtual_stages
+        slowest = max(slowest, -(-count // pp) * fastest_s + v * chunk_s)
+        if v > 1:
+            slowest = max(slowest, v * (-(-count // shape.num_chunks) * fastest_s + chunk_s))
+    return (slowest_weight * slowest + sum_weight * total + shape.transfers_on_path * table.p2p_s
             + average_tail_s(table, pp, grad_sync))
+
+
+def _longest_run(table) -> tuple[int, float]:
+    """(layers, fastest option's seconds) of the table's longest run of identical layers (0, 0.0
+    without one), kept on the table: every candidate sharing it asks."""
+    found = table.__dict__.get("_longest_run")
+    if found is None:
+        structure = bound_structure(table)
+        found = (0, 0.0) if structure is None else (structure[1], table.types[structure[2]].min_time_s())
+        table.__dict__["_longest_run"] = found
+    return found
 
 
 def reduction_bound_s(table, shape, grad_sync: str = "overlap", replay: bool = False) -> float:
