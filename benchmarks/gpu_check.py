@@ -31,9 +31,11 @@ ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384)
 ATTENTION_TOKENS = 32768  # batch x seq per timed call
 FP8_SHAPES = ((8192, 8192, 8192), (8192, 4096, 16384), (16384, 8192, 4096), (4096, 1024, 4096))
 # (name, model, seq, global batch, extra plan flags): a GPT-2-XL-sized model at the planner's
-# choice and under gradient accumulation, and a Llama-3-8B-shaped model of 16 layers.
+# choice and under gradient accumulation (the same 16 samples in 1, 4 and 8 micro-batches: what a
+# micro-batch costs beyond its FLOPs, `per_microbatch`), and a Llama-3-8B-shaped model of 16 layers.
 TRAIN_CASES = (
     ("gpt-1.3b", "gpt:layers=24,hidden=2048,heads=16,vocab=50304", 2048, 16, ()),
+    ("gpt-1.3b-mbs4", "gpt:layers=24,hidden=2048,heads=16,vocab=50304", 2048, 16, ("--mbs", "4")),
     ("gpt-1.3b-mbs2", "gpt:layers=24,hidden=2048,heads=16,vocab=50304", 2048, 16, ("--mbs", "2")),
     ("llama-4.5b", "llama:layers=16,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256", 4096, 8, ()),
 )
@@ -237,6 +239,27 @@ def run_train(case, clusters: dict, work: Path, steps: int) -> dict:
     return result
 
 
+def per_microbatch(runs: dict) -> dict:
+    """The step time each extra micro-batch adds, measured and predicted, from the GPT cases that
+    split the same samples into more micro-batches (least squares on their micro-batch counts)."""
+    points = []
+    for run in runs.values():
+        if run.get("model", "").startswith("gpt:") and "measured" in run:
+            predicted = next(iter(run["predictions"].values()))
+            count = run["gbs"] // predicted["microbatch_size"]
+            points.append((count, run["measured"]["step_time_s"], predicted["step_time_s"]))
+    if len({count for count, _, _ in points}) < 2:
+        return {}
+
+    def slope(values):
+        mean_x = statistics.fmean(c for c, _ in values)
+        mean_y = statistics.fmean(y for _, y in values)
+        return (sum((c - mean_x) * (y - mean_y) for c, y in values)
+                / sum((c - mean_x) ** 2 for c, _ in values))
+    return {"measured_s": slope([(c, m) for c, m, _ in points]), "predicted_s": slope([(c, p) for c, _, p in points]),
+            "microbatch_counts": sorted(c for c, _, _ in points)}
+
+
 def _rescored(rows: list[dict], cluster) -> dict:
     """The GEMM sweep's errors under another profile (the one `calibrate` just measured)."""
     from meshplan.planner.costing.gemm import gemm_time_s
@@ -302,6 +325,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:  # plans stay out of DIR
             for case in TRAIN_CASES:
                 record(f"train {case[0]}", run_train, case, profiles, Path(work), args.steps)
+        record("per_microbatch", per_microbatch, {k: v for k, v in report.items() if k.startswith("train ")})
     return 0
 
 
