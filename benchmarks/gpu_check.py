@@ -325,7 +325,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:  # plans stay out of DIR
             for case in TRAIN_CASES:
                 record(f"train {case[0]}", run_train, case, profiles, Path(work), args.steps)
-        record("per_microbatch", per_microbatch, {k: v for k, v in report.items() if k.startswith("train ")})
+        record("per_microbatch", per_microbatch,
+               {k: v for k, v in report.items() if k.startswith("train ") and isinstance(v, dict)})
     return 0
 
 
