@@ -288,13 +288,13 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device here; it times GEMMs, attention and training steps on one GPU",
               file=sys.stderr)
         return 2
-    from meshplan.planner.calibration.runner import _base_profile
+    from meshplan.planner.calibration.runner import base_profile_for
     from meshplan.planner.costing.hardware import load_cluster
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    shipped = load_cluster(args.cluster) if args.cluster else _base_profile(None, "nccl", props.name)
+    shipped = load_cluster(args.cluster) if args.cluster else base_profile_for(None, "nccl", props.name)
     report = {"device": props.name, "sms": props.multi_processor_count, "memory_bytes": props.total_memory,
               "torch": torch.__version__, "cuda": torch.version.cuda, "profile": shipped.name}
     _print_section("device", report)

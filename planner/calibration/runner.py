@@ -230,7 +230,10 @@ def _ping(dist, rank, tensor) -> None:
         dist.send(tensor, 0)
 
 
-def _base_profile(base: str | None, backend: str, device_name: str) -> ClusterProfile:
+def base_profile_for(base: str | None, backend: str, device_name: str) -> ClusterProfile:
+    """The profile a calibration starts from: `base` if named, `cpu` for gloo, else the shipped
+    GPU profile whose device name matches `device_name` (h100-sxm when none does); the GPU check
+    (`benchmarks/gpu_check.py`) predicts with the same one."""
     if base:
         return load_cluster(base)
     if backend == "gloo":
@@ -255,7 +258,7 @@ def _measured_link(samples, nproc: int, bw: float, alpha: float, source: str) ->
 
 def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str | None = None) -> ClusterProfile:
     """Turn rank 0's measurements into a ClusterProfile (peaks and factors from the base)."""
-    base_profile = _base_profile(base, backend, measured.get("device_name", ""))
+    base_profile = base_profile_for(base, backend, measured.get("device_name", ""))
     rate, half_flops = fit_matmul(fits.without_waves([tuple(p) for p in measured["matmul"]],
                                                      base_profile.device.num_sms if backend == "nccl" else 0))
     threads = measured["threads"] if backend == "gloo" else 1
