@@ -37,3 +37,24 @@ def test_a_winner_that_does_not_fit_when_simulated_is_never_written(monkeypatch)
 def test_a_request_where_nothing_fits_when_simulated_is_refused(monkeypatch):
     with pytest.raises(MeshplanError, match="fits when simulated.*binding: memory per GPU"):
         _plan(monkeypatch, lambda candidate: True)
+
+
+def test_a_search_collects_rarely_and_restores_the_collector(monkeypatch):
+    """During a search the collector runs at `SEARCH_GC_THRESHOLDS`; after it, and after a refusal,
+    at the caller's thresholds again."""
+    import gc
+
+    seen = []
+    real = driver._search
+
+    def spy(*args):
+        seen.append(gc.get_threshold())
+        return real(*args)
+    monkeypatch.setattr(driver, "_search", spy)
+    before = gc.get_threshold()
+    driver.search_plan(TINY, "cpu", 4, 16, 64, workers=1, top_k=1, num_rerank=1)
+    assert seen and all(t == driver.SEARCH_GC_THRESHOLDS for t in seen)
+    assert gc.get_threshold() == before
+    with pytest.raises(MeshplanError):
+        driver.search_plan(TINY, "cpu", 4, 16, 64, workers=1, tp=3)  # 3 does not divide the 4 heads
+    assert gc.get_threshold() == before
