@@ -7,7 +7,7 @@ import contextlib
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Callable, NamedTuple
 
 from meshplan.planner.contracts.config import ParallelConfig
@@ -172,22 +172,18 @@ def solve_candidates(problems: list[Pending | Ready], *, num_keep: int, workers:
     when it reaches the top (memory-aware bound, exact step factor) and goes back in. Every bound
     is a true lower bound on its ILP objective, so once the top of the heap cannot beat the
     threshold, nothing below it can either."""
-    # the workers fork holding the problems (their refinements, `_Refiner`) and load the solver
-    # while this process seeds
-    with (worker_pool(workers, partial(_start_solver, problems)) if workers > 1
-          else contextlib.nullcontext()) as pool:
-        return _solve_all(problems, num_keep, progress, seed, pool, workers)
+    with worker_pool(workers, _start_solver) if workers > 1 else contextlib.nullcontext() as pool:
+        # the workers load the solver while this process seeds
+        return _solve_all(problems, num_keep, progress, seed, pool)
 
 
-def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: bool, pool,
-               workers: int) -> list[Solved]:
+def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: bool, pool) -> list[Solved]:
     results: list[Solved] = []
     best: list[float] = []  # sorted objectives of feasible solutions
     heap = [_Entry(item.bound_s, item.candidate.sort_key, index, item, FLOOR if isinstance(item, Pending) else EXACT)
             for index, item in enumerate(problems)]
     heapq.heapify(heap)
-    refiner = _Refiner(pool, workers, problems, results, progress)
-    seeded, first = _seed_threshold(heap, num_keep, refiner) if seed else (math.inf, [])
+    seeded, first = _seed_threshold(heap, num_keep, results, progress) if seed else (math.inf, [])
     if first:  # the seeding candidates go first: their ILPs settle the threshold soonest
         chosen = {entry.index for entry in first}
         heap = [entry for entry in heap if entry.index not in chosen]
@@ -197,7 +193,7 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
         if first:
             batch, first = first[:SOLVE_BATCH], first[SOLVE_BATCH:]
         else:
-            batch = _next_batch(heap, threshold, refiner)
+            batch = _next_batch(heap, threshold, results, progress)
         cutoff = threshold if math.isfinite(threshold) else None
         posed = [entry.item.exact_problem() for entry in batch]
         todo = [replace(problem, cutoff_s=cutoff) for problem in posed]
@@ -284,7 +280,7 @@ def per_layer_heuristic(problem: StageProblem) -> tuple[list[int], list[int]] | 
     return None
 
 
-def _seed_threshold(heap: list[_Entry], num_keep: int, refiner: _Refiner) -> tuple[float, list[_Entry]]:
+def _seed_threshold(heap: list[_Entry], num_keep: int, results: list[Solved], progress) -> tuple[float, list[_Entry]]:
     """A valid pruning threshold before anything is solved: walk the heap in bound order (as
     `_next_batch` does, refining bounds), evaluate each candidate's heuristic assignment, and
     stop once the next bound reaches the num_keep-th smallest objective found (or after
@@ -296,12 +292,11 @@ def _seed_threshold(heap: list[_Entry], num_keep: int, refiner: _Refiner) -> tup
     looked: list[_Entry] = []
     uppers: list[tuple[float, int]] = []
     while heap and len(looked) < SEED_CANDIDATES_PER_KEPT * num_keep:
-        stop_s = sorted(u for u, _ in uppers)[num_keep - 1] if len(uppers) >= num_keep else math.inf
-        if heap[0].bound_s >= stop_s:
+        if len(uppers) >= num_keep and heap[0].bound_s >= sorted(u for u, _ in uppers)[num_keep - 1]:
             break  # nothing further can lower the threshold
         entry = heapq.heappop(heap)
         if entry.level < EXACT:
-            refiner.onto(heap, entry, stop_s)
+            _refine_onto(heap, entry, results, progress)
             continue
         looked.append(entry)
         upper = heuristic_upper_s(entry.item.exact_problem())
@@ -315,82 +310,33 @@ def _seed_threshold(heap: list[_Entry], num_keep: int, refiner: _Refiner) -> tup
     return uppers[num_keep - 1][0] * (1 + SEED_SLACK), [looked[index] for _, index in uppers[:num_keep]]
 
 
-def _next_batch(heap: list[_Entry], threshold: float, refiner: _Refiner) -> list[_Entry]:
+def _next_batch(heap: list[_Entry], threshold: float, results: list[Solved], progress) -> list[_Entry]:
     """Up to SOLVE_BATCH candidates to solve, in order of bound: candidates whose bound reaches
     the threshold are pruned (naming the bound), floor bounds are refined on the way."""
     batch: list[_Entry] = []
     while heap and len(batch) < SOLVE_BATCH:
         entry = heapq.heappop(heap)
         if entry.bound_s >= threshold:
-            refiner.results.append(Solved(entry.item.candidate, entry.bound_s, pruned=entry.reason))
-            tick(refiner.progress)
+            results.append(Solved(entry.item.candidate, entry.bound_s, pruned=entry.reason))
+            tick(progress)
         elif entry.level < EXACT:
-            refiner.onto(heap, entry, threshold)
+            _refine_onto(heap, entry, results, progress)
         else:
             batch.append(entry)
     return batch
 
 
-# Floor bounds refined together (`_Refiner.onto`): the entry at the top of the heap and the floor
-# entries right after it. Fixed, so which entries are refined does not depend on the number of
-# workers; large enough to keep both workers busy, small enough that few refinements are
-# wasted on entries a tighter threshold would have pruned first.
-REFINE_BLOCK = 24
-
-
-class _Refiner:
-    """Refines heap entries one level (`_refine`), pushing them back or pruning them into
-    `results`. Floor-level entries go in blocks: the memory-aware bound at the floor replays no
-    schedule, so each is a pure function of its problem, computed by the forked workers for the
-    problems that were posed when they forked (their copies hold the same tables) and here for
-    the rest. A block's bounds are the same whoever computes them, so the search is too."""
-
-    def __init__(self, pool, workers: int, problems: list, results: list[Solved], progress):
-        self.pool, self.workers, self.results, self.progress = pool, workers, results, progress
-        self.forked = ({index for index, item in enumerate(problems) if isinstance(item, Pending) and item.built}
-                       if pool is not None else set())
-
-    def onto(self, heap: list[_Entry], entry: _Entry, stop_s: float) -> None:
-        """`entry` refined one level back onto the heap; at the floor, with the floor entries now
-        at the top of the heap whose bounds are below `stop_s`, up to REFINE_BLOCK."""
-        if entry.level != FLOOR:
-            self._push(heap, entry, *_refine(entry.item, entry.level + 1))
-            return
-        block = [entry]
-        while heap and len(block) < REFINE_BLOCK and heap[0].level == FLOOR and heap[0].bound_s < stop_s:
-            block.append(heapq.heappop(heap))
-        for item, bound in zip(block, self._floor_memory(block)):
-            self._push(heap, item, *bound)
-
-    def _floor_memory(self, block: list[_Entry]) -> list[tuple[float, str]]:
-        remote = [entry.index for entry in block if entry.index in self.forked]
-        if len(remote) < 2:
-            return [_refine(entry.item, FLOOR_MEMORY) for entry in block]
-        pieces = [remote[start::self.workers] for start in range(self.workers)]
-        futures = [self.pool.submit(_refine_forked, piece) for piece in pieces if piece]
-        found = {entry.index: _refine(entry.item, FLOOR_MEMORY) for entry in block if entry.index not in self.forked}
-        for piece, future in zip(pieces, futures):
-            found.update(zip(piece, future.result()))
-        return [found[entry.index] for entry in block]
-
-    def _push(self, heap: list[_Entry], entry: _Entry, new_bound: float, new_reason: str) -> None:
-        level = entry.level + 1
-        if math.isinf(new_bound):
-            self.results.append(Solved(entry.item.candidate, new_bound, pruned="memory"))
-            tick(self.progress)
-        elif new_bound > entry.bound_s:  # every bound holds: keep the strongest
-            heapq.heappush(heap, entry._replace(bound_s=new_bound, level=level, reason=new_reason))
-        else:
-            heapq.heappush(heap, entry._replace(level=level))
-
-
-# A solving worker's copy of the problems `solve_candidates` was given, as they were when it forked.
-_forked_problems: list = []
-
-
-def _refine_forked(indices: list[int]) -> list[tuple[float, str]]:
-    """In a worker: the floor memory-aware bounds of these problems (`_Refiner`)."""
-    return [_refine(_forked_problems[index], FLOOR_MEMORY) for index in indices]
+def _refine_onto(heap: list[_Entry], entry: _Entry, results: list[Solved], progress) -> None:
+    """The entry one level further refined back on the heap, or pruned when no assignment fits."""
+    level = entry.level + 1
+    new_bound, new_reason = _refine(entry.item, level)
+    if math.isinf(new_bound):
+        results.append(Solved(entry.item.candidate, new_bound, pruned="memory"))
+        tick(progress)
+    elif new_bound > entry.bound_s:  # every bound holds: keep the strongest
+        heapq.heappush(heap, entry._replace(bound_s=new_bound, level=level, reason=new_reason))
+    else:
+        heapq.heappush(heap, entry._replace(level=level))
 
 
 def _refine(item: Pending, level: int) -> tuple[float, str]:
@@ -417,12 +363,9 @@ def _solve_shipped(task: tuple[StageProblem, dict]) -> StageSolution:
     return solve_stages(problem)
 
 
-def _start_solver(problems: list) -> None:
-    """A solving worker (`pool.worker_pool` leaves Ctrl-C to the parent) keeps the problems it
-    forked with (a fork passes them without pickling) and loads the ILP solver before its first
-    solve."""
-    global _forked_problems
-    _forked_problems = problems
+def _start_solver() -> None:
+    """A solving worker (`pool.worker_pool` leaves Ctrl-C to the parent) loads the ILP solver
+    before its first solve."""
     try:
         import highspy  # noqa: F401
         import pulp  # noqa: F401

@@ -277,30 +277,3 @@ def test_reduction_bound_is_below_the_ilp_on_random_tables(grad_sync, num_strong
         assert solution.feasible
         assert bound <= solution.objective_s * (1 + 1e-9), seed
     assert stronger >= num_stronger
-
-
-@pytest.mark.timeout(600)
-def test_refinement_blocks_give_the_same_search_in_workers(monkeypatch):
-    """The floor bounds a block refines in the forked workers (`solving._Refiner`) are the ones
-    this process computes: the same candidates solved, pruned by the same bounds, with equal
-    objectives, whatever the number of workers; and blocks did go to the workers."""
-    from meshplan.planner.search import solving
-
-    remote_sizes = []
-    floor_memory = solving._Refiner._floor_memory
-
-    def spy(self, block):
-        remote_sizes.append(sum(entry.index in self.forked for entry in block))
-        return floor_memory(self, block)
-
-    monkeypatch.setattr(solving._Refiner, "_floor_memory", spy)
-    outcomes = {}
-    for workers in (1, 2):
-        _, problems, _ = _setup("llama3-70b-pipelines")
-        remote_sizes.clear()
-        solved = solve_candidates(problems, num_keep=NUM_KEEP, workers=workers)
-        outcomes[workers] = sorted((s.candidate.sort_key, s.lower_bound_s, s.pruned,
-                                    s.solution.objective_s if s.solution is not None else None) for s in solved)
-        sent = max(remote_sizes, default=0)
-        assert (sent >= 2) == (workers > 1), f"{workers} workers: largest block sent {sent}"
-    assert outcomes[1] == outcomes[2]
