@@ -19,8 +19,9 @@ layer of each signature stands for the others. No config key (`first_k_dense_rep
 anything: whatever pattern it produces is read off the built modules.
 
 Attention runs through the implementation transformers supports for the architecture: SDPA where
-the model class supports it, eager where it does not (Gemma-2); `ModelInfo.attn_implementation`
-records which. Experts of transformers' mixture-of-experts layers run through its `grouped_mm`
+the model class supports it; where it does not (GPT-OSS's sinks, Gemma-2's soft-capping), eager
+attention in training and, in a profile, SDPA on the same mask, as the fused kernel the engines
+run (`FUSED_PROFILE_ATTENTION`); `ModelInfo.attn_implementation` records which. Experts of transformers' mixture-of-experts layers run through its `grouped_mm`
 experts implementation, whose shapes do not depend on the routing (its eager loop asks
 `nonzero()`, which the meta device cannot answer): every token's top-k expert GEMMs are counted,
 whichever experts the router picks.
@@ -159,9 +160,38 @@ def _model_class(path_text: str, config):
                             "transformers (AutoModelForCausalLM); meshplan profiles causal LMs only") from None
 
 
-def attention_implementation(model_class) -> str:
-    """SDPA where transformers supports it for the architecture, else its eager attention."""
-    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+def attention_implementation(model_class, device: str = "cpu") -> str:
+    """SDPA where transformers supports it for the architecture; where it does not, on the meta
+    device (profiling) `FUSED_PROFILE_ATTENTION`, elsewhere (training) its eager attention."""
+    if getattr(model_class, "_supports_sdpa", False):
+        return "sdpa"
+    if device == "meta":
+        _register_fused_profile_attention()
+        return FUSED_PROFILE_ATTENTION
+    return "eager"
+
+
+# The attention a profile traces for an architecture transformers runs only eagerly or through
+# its own kernels (GPT-OSS: per-head attention sinks; Gemma-2: logit soft-capping): torch SDPA on
+# the layer's mask, so the profiler costs it as the fused kernel the engines run (causal, each
+# query's sliding window; no s x s scores kept), as it costs every SDPA layer. Eager attention
+# would keep the fp32 scores of every head (3 GiB a GPT-OSS-120B layer at 4K tokens) and count
+# both matmuls over all s x s entries. What SDPA leaves out costs no GEMM: a sink is one logit per
+# head in the softmax's denominator (Transformer Engine's and FlashAttention-3's kernels take it as
+# such), soft-capping a tanh per score inside the kernel.
+FUSED_PROFILE_ATTENTION = "meshplan_profile_fused"  # no "sdpa" in it: transformers checks names for that
+
+
+def _register_fused_profile_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def fused(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **_):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal)
+
+    if FUSED_PROFILE_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(FUSED_PROFILE_ATTENTION, fused)
 
 
 def _from_config(path_text: str, config, device: str, dtype):
@@ -169,7 +199,7 @@ def _from_config(path_text: str, config, device: str, dtype):
     import torch
 
     model_class = _model_class(path_text, config)
-    attn = attention_implementation(model_class)
+    attn = attention_implementation(model_class, device)
     kwargs = {"dtype": dtype, "attn_implementation": attn}
     if device == "meta" and model_class._can_set_experts_implementation():
         kwargs["experts_implementation"] = "grouped_mm"  # routing-independent shapes (module docstring)
@@ -404,7 +434,7 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     attn_implementation=attn, notes=notes + _window_notes(attn, kept_layers), **moe,
+                     attn_implementation=attn, notes=notes + _fused_note(attn) + _window_notes(attn, kept_layers), **moe,
                      **_latent_attention(config))
 
 
@@ -429,6 +459,13 @@ def _latent_attention(config) -> dict:
     q_rank = getattr(config, "q_lora_rank", None)
     return dict(kv_lora_rank=kv_rank, q_lora_rank=q_rank if isinstance(q_rank, int) and q_rank > 0 else 0,
                 qk_rope_head_dim=rope, v_head_dim=value, head_dim=nope + rope)
+
+
+def _fused_note(attn: str) -> tuple[str, ...]:
+    if attn != FUSED_PROFILE_ATTENTION:
+        return ()
+    return ("attention: transformers runs this architecture eagerly (sinks or soft-capping); profiled as the "
+            "fused kernel the engines run (SDPA on the layer's mask: no s x s scores kept, each query's keys only)",)
 
 
 def _window_notes(attn: str, layers: list) -> tuple[str, ...]:

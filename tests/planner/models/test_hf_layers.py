@@ -71,9 +71,11 @@ def test_deepseek_v3_is_traced_with_its_dense_and_moe_layers():
     assert graph.info.attn_implementation == "sdpa"
 
 
-def test_gemma2_runs_eager_and_alternates_sliding_and_global_layers(tmp_path):
+def test_gemma2_is_profiled_fused_and_alternates_sliding_and_global_layers(tmp_path):
+    from meshplan.planner.models.hf import FUSED_PROFILE_ATTENTION
+
     graph = profile(shrunk("gemma2_9b", tmp_path), 32, cache=False)
-    assert graph.info.attn_implementation == "eager"
+    assert graph.info.attn_implementation == FUSED_PROFILE_ATTENTION  # transformers runs Gemma-2 eagerly
     assert [layer.repeat_of for layer in graph.layers[1:5]] == [None, None, "blocks.0", "blocks.1"]
     assert any("sliding_window_size" in note for note in graph.info.notes)
 

@@ -4,7 +4,8 @@ passes no mask, so transformers builds each layer's own: a sliding window where 
 SDPA layers, which then run the causal kernel. (A ready boolean mask, as the meta-device profile
 needs, would give a sliding layer the whole prefix, and eager attention adds a boolean mask to
 its scores as 0/1.) The profile costs what runs: under SDPA the causal half is skipped unless a
-window shorter than the sequence keeps an explicit mask; eager attention computes every entry."""
+window shorter than the sequence keeps an explicit mask; an architecture transformers runs only
+eagerly (Gemma-2) is profiled as the fused kernel the engines run, SDPA on the same masks."""
 from __future__ import annotations
 
 import json
@@ -75,4 +76,30 @@ def test_profile_skips_the_entries_no_query_sees(tmp_path):
     llama = _shrunk(tmp_path, "llama3_8b.json")  # no window
     assert savings(llama, SEQ) == [causal_half(SEQ, 16)] * 2
     gemma2 = _shrunk(tmp_path, "gemma2_9b.json", head_dim=16, sliding_window=WINDOW, sliding_window_size=WINDOW)
-    assert savings(gemma2, SEQ) == [0, 0]  # eager attention: plain matmuls over all s x s scores
+    # sliding, then global: profiled as the fused kernel (eager attention would count all s x s scores)
+    assert savings(gemma2, SEQ) == [unseen(SEQ, WINDOW, 16), causal_half(SEQ, 16)]
+
+
+def test_attention_sinks_are_profiled_as_the_fused_kernel(tmp_path):
+    """GPT-OSS (sinks: transformers runs it eagerly) keeps no s x s scores in its profile: its
+    blocks' activations grow linearly with the sequence, and its sliding layers skip the entries
+    outside the window as SDPA layers do (eager attention kept 4 fp32 score maps of s x s a layer)."""
+    from meshplan.planner.models.hf import FUSED_PROFILE_ATTENTION
+    from meshplan.planner.profiling.profiler import profile
+    from meshplan.planner.profiling.tracing import seen_entries
+
+    pytest.importorskip("transformers")
+    spec = _shrunk(tmp_path, "gpt_oss_20b.json", head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                   num_experts_per_tok=2, experts_per_token=2,
+                   layer_types=["sliding_attention", "full_attention"])
+
+    def blocks(seq: int):
+        return [layer for layer in profile(spec, seq, dtype="fp32", cache=False).layers if layer.kind == "block"]
+    short, double, triple = blocks(SEQ), blocks(2 * SEQ), blocks(3 * SEQ)
+    assert profile(spec, SEQ, dtype="fp32", cache=False).info.attn_implementation == FUSED_PROFILE_ATTENTION
+    for a, b, c in zip(short, double, triple):  # no s x s term: the second difference over s is zero
+        assert c.act_tp_replicated_bytes - 2 * b.act_tp_replicated_bytes + a.act_tp_replicated_bytes == 0
+    attention_fwd = 4 * SEQ * SEQ * 4 * 16  # QK^T and x V over 4 heads of 16
+    assert [layer.fwd_flops - layer.causal_fwd_flops for layer in short] == [
+        attention_fwd * (SEQ * SEQ - seen_entries(SEQ, WINDOW)) // (SEQ * SEQ),  # sliding, then full
+        attention_fwd * (SEQ - 1) // (2 * SEQ)]
