@@ -44,13 +44,16 @@ parallelism, costed under balanced routing:
   Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 costed as
   meshplan's fp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
   validated on Blackwell.
-Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are. Where the
+Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
+ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
+overlap and memory describe: its PP rows fit under that recipe, not under meshplan's executor's). Where the
 engine's maintainers call a published figure a regression of that release, the run carries their
 words (`Run.regression`); it is scored like any other, and bench_fidelity prints the set
 without those runs beside it.
 
-Left out, MoE: DeepSeek-V3 (every source's MoE headline: multi-head latent attention is not
-modelled); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
+Left out, MoE: Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
+now profiles latent attention, but the rows' recomputation, multi-token-prediction and dispatcher
+settings live in the recipes at the cited commit, not yet read into `Run`s); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
 compute: `expert_parallel.ep_comm_s` takes an overlap share, but no published figure gives the
 share this engine hides); its GB200 and GB300 rows (TFLOP/s only, under an unpublished FLOP
 convention); its long-context table (TFLOP/s only, under an
@@ -60,8 +63,9 @@ Qwen3-235B-A22B row (a column is missing in the table at the cited commit, so it
 ambiguous there; the page's own correction, commit 5776a6d90b4dd8692902ab2eb581369484e19283,
 restores it: GBS 2048, TP 2, PP 8, VP 4, EP 32, 1575 tokens/s/GPU, with the recipe's
 moe_a2a_overlap, whose hidden share no source gives),
-its GPT-OSS rows (sliding-window attention with sinks, no preset) and its 25.09 tables (precision
-not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
+its GPT-OSS rows (the DGX-H100 row's PP 4 contradicts its GA 2 = 512 / (64 x 4), which only PP 1
+gives; the Blackwell rows' recipes, as for DeepSeek-V3, not yet read) and its 25.09 tables
+(precision not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
 (`megatron/core/transformer/moe/README.md`) quotes
 468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
 8x22B layout was found either.
@@ -133,8 +137,9 @@ class Run:
     fp8_recipe: str | None = None  # under fp8, the recipe its source names (contracts.config.FP8_RECIPES)
     # the engine whose overlap (`contracts.overlap`) and memory price the step in bench_fidelity:
     # set where the run's engine and version are one meshplan models (torchtitan, Megatron-Bridge
-    # 25.11); "meshplan" otherwise (Megatron-LM of 2021-2022 predates the overlap `--engine megatron`
-    # prices; Llama 3's and llm-foundry's stacks are none of the engines)
+    # 25.11, the Megatron-MoE-ModelZoo's Megatron-Core); "meshplan" otherwise (Megatron-LM of
+    # 2021-2022 predates the overlap `--engine megatron` prices; Llama 3's and llm-foundry's stacks
+    # are none of the engines)
     engine: str = "meshplan"
     # Megatron-Core's --recompute-modules the run used; only the megatron memory recipe prices them
     # (bench_engine_memory); step-time fits cost the run's `recompute` (their time is elementwise work)
@@ -475,12 +480,12 @@ def moe_runs() -> list[Run]:
         # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
         Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8, etp=1,
-            published_step_s=17.6, moe_dispatcher="deepep",
+            published_step_s=17.6, moe_dispatcher="deepep", engine="megatron",
             assumptions=qwen[:1] + qwen[2:] + deepep + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks",)),
         # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
         Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
-            published_step_s=29.0, moe_dispatcher="deepep",
+            published_step_s=29.0, moe_dispatcher="deepep", engine="megatron",
             assumptions=qwen[:1] + qwen[2:] + deepep + ("distributed optimizer costed as ZeRO-1",
                                                         "94 layers split unevenly over 32 chunks as meshplan "
                                                         "splits them")),
@@ -488,11 +493,12 @@ def moe_runs() -> list[Run]:
         # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
-            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep",
+            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep", engine="megatron",
             assumptions=qwen[:1] + qwen[2:] + norm_act + deepep + ("distributed optimizer costed as ZeRO-1",)),
         Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
-            recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, assumptions=qwen + norm_act + (
+            recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, engine="megatron",
+            assumptions=qwen + norm_act + (
                 "distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 96 chunks as meshplan "
                 "splits them")),
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
