@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.models.hf import profile_mask
+from meshplan.planner.models.hf_attention import profile_mask
 
 
 def build_hf_parts(plan, device, seed: int, mesh, dp_mesh):

@@ -21,8 +21,8 @@ anything: whatever pattern it produces is read off the built modules.
 Attention runs through the implementation transformers supports for the architecture: SDPA where
 the model class supports it; where it does not (GPT-OSS's sinks, Gemma-2's soft-capping), eager
 attention in training and, in a profile, SDPA on the same mask, as the fused kernel the engines
-run (`FUSED_PROFILE_ATTENTION`); `ModelInfo.attn_implementation` records which. Experts of transformers' mixture-of-experts layers run through its `grouped_mm`
-experts implementation, whose shapes do not depend on the routing (its eager loop asks
+run (`FUSED_PROFILE_ATTENTION`); `ModelInfo.attn_implementation` records which. Experts of
+transformers' mixture-of-experts layers run through its `grouped_mm` experts implementation, whose shapes do not depend on the routing (its eager loop asks
 `nonzero()`, which the meta device cannot answer): every token's top-k expert GEMMs are counted,
 whichever experts the router picks.
 
@@ -43,6 +43,8 @@ from dataclasses import replace
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import ModelInfo, TPSplit
 from meshplan.planner.models.config import TransformerConfig
+from meshplan.planner.models.hf_attention import (attention_implementation, fused_note, has_attention, profile_mask,
+                                                  window_notes)
 from meshplan.planner.models.hf_ssm import scan_as_kernel
 from meshplan.planner.models.hf_config import check_seq_limit, first_line, hf_max_positions, make_config, read_config
 
@@ -160,40 +162,6 @@ def _model_class(path_text: str, config):
                             "transformers (AutoModelForCausalLM); meshplan profiles causal LMs only") from None
 
 
-def attention_implementation(model_class, device: str = "cpu") -> str:
-    """SDPA where transformers supports it for the architecture; where it does not, on the meta
-    device (profiling) `FUSED_PROFILE_ATTENTION`, elsewhere (training) its eager attention."""
-    if getattr(model_class, "_supports_sdpa", False):
-        return "sdpa"
-    if device == "meta":
-        _register_fused_profile_attention()
-        return FUSED_PROFILE_ATTENTION
-    return "eager"
-
-
-# The attention a profile traces for an architecture transformers runs only eagerly or through
-# its own kernels (GPT-OSS: per-head attention sinks; Gemma-2: logit soft-capping): torch SDPA on
-# the layer's mask, so the profiler costs it as the fused kernel the engines run (causal, each
-# query's sliding window; no s x s scores kept), as it costs every SDPA layer. Eager attention
-# would keep the fp32 scores of every head (3 GiB a GPT-OSS-120B layer at 4K tokens) and count
-# both matmuls over all s x s entries. What SDPA leaves out costs no GEMM: a sink is one logit per
-# head in the softmax's denominator (Transformer Engine's and FlashAttention-3's kernels take it as
-# such), soft-capping a tanh per score inside the kernel.
-FUSED_PROFILE_ATTENTION = "meshplan_profile_fused"  # no "sdpa" in it: transformers checks names for that
-
-
-def _register_fused_profile_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def fused(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **_):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal)
-
-    if FUSED_PROFILE_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(FUSED_PROFILE_ATTENTION, fused)
-
-
 def _from_config(path_text: str, config, device: str, dtype):
     """transformers' model for the config on `device`, with the attention implementation used."""
     import torch
@@ -263,25 +231,6 @@ def torch_tokens(seq: int, device: str):
     import torch
 
     return torch.zeros(1, seq, dtype=torch.long, device=device)
-
-
-def profile_mask(seq: int, device):
-    """The `attention_mask` meshplan passes: on the meta device a ready 4-D causal mask (transformers'
-    own mask code cannot run there); on a real device none, so that transformers builds every
-    layer type's mask itself (a sliding window where the layer has one) and SDPA runs the causal
-    kernel where the mask is purely causal. The profiler costs the first as the second does
-    (`planner.profiling.tracing`: causal attention unless a layer's window is shorter than the
-    sequence)."""
-    import torch
-
-    if torch.device(device).type != "meta":
-        return None
-    return torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None]
-
-
-def has_attention(model) -> bool:
-    """Whether any module of the model is an attention module (by transformers' class names)."""
-    return any("Attention" in type(module).__name__ for module in model.modules())
 
 
 def _module_list(modules):
@@ -434,7 +383,8 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-                     attn_implementation=attn, notes=notes + _fused_note(attn) + _window_notes(attn, kept_layers), **moe,
+                     attn_implementation=attn, notes=notes + fused_note(attn) + window_notes(attn, kept_layers),
+                     **moe,
                      **_latent_attention(config))
 
 
@@ -459,28 +409,6 @@ def _latent_attention(config) -> dict:
     q_rank = getattr(config, "q_lora_rank", None)
     return dict(kv_lora_rank=kv_rank, q_lora_rank=q_rank if isinstance(q_rank, int) and q_rank > 0 else 0,
                 qk_rope_head_dim=rope, v_head_dim=value, head_dim=nope + rope)
-
-
-def _fused_note(attn: str) -> tuple[str, ...]:
-    if attn != FUSED_PROFILE_ATTENTION:
-        return ()
-    return ("attention: transformers runs this architecture eagerly (sinks or soft-capping); profiled as the "
-            "fused kernel the engines run (SDPA on the layer's mask: no s x s scores kept, each query's keys only)",)
-
-
-def _window_notes(attn: str, layers: list) -> tuple[str, ...]:
-    """What the profile does with the layers' sliding windows: SDPA layers cost the keys each query
-    sees (`tracing.seen_entries`); eager attention is plain matmuls, counted over every entry."""
-    windows = sorted({value for layer in layers for module in layer.modules()
-                      for value in (getattr(module, "sliding_window", None),)
-                      if isinstance(value, int) and not isinstance(value, bool) and value > 0})
-    if not windows:
-        return ()
-    sizes = ", ".join(f"{w:,}" for w in windows)
-    if attn == "eager":
-        return (f"sliding windows ({sizes} tokens) under eager attention: its matmuls are counted over all "
-                "s x s entries, neither the causal half nor the window taken off",)
-    return (f"sliding windows ({sizes} tokens): each query costs the min(position, window) keys it sees",)
 
 
 def pipeline_cut_problem(model, path_text: str) -> str:

@@ -403,7 +403,7 @@ class _Recorder:
     def _hf_window(self, key) -> int:
         """The keys a query of a transformers attention module sees at most (0: not causal), where
         the profile passed its ready causal mask and a real device runs a causal kernel
-        (`planner.models.hf.profile_mask`): the module's sliding window (its own attribute, else
+        (`planner.models.hf_attention.profile_mask`): the module's sliding window (its own attribute, else
         its config's) when it cuts the sequence, else the whole sequence."""
         module = next((m for m in reversed(self.stack) if type(m).__module__.startswith("transformers.")
                        and getattr(m, "is_causal", False) is True), None)

@@ -72,7 +72,7 @@ def test_deepseek_v3_is_traced_with_its_dense_and_moe_layers():
 
 
 def test_gemma2_is_profiled_fused_and_alternates_sliding_and_global_layers(tmp_path):
-    from meshplan.planner.models.hf import FUSED_PROFILE_ATTENTION
+    from meshplan.planner.models.hf_attention import FUSED_PROFILE_ATTENTION
 
     graph = profile(shrunk("gemma2_9b", tmp_path), 32, cache=False)
     assert graph.info.attn_implementation == FUSED_PROFILE_ATTENTION  # transformers runs Gemma-2 eagerly

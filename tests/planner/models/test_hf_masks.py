@@ -84,7 +84,7 @@ def test_attention_sinks_are_profiled_as_the_fused_kernel(tmp_path):
     """GPT-OSS (sinks: transformers runs it eagerly) keeps no s x s scores in its profile: its
     blocks' activations grow linearly with the sequence, and its sliding layers skip the entries
     outside the window as SDPA layers do (eager attention kept 4 fp32 score maps of s x s a layer)."""
-    from meshplan.planner.models.hf import FUSED_PROFILE_ATTENTION
+    from meshplan.planner.models.hf_attention import FUSED_PROFILE_ATTENTION
     from meshplan.planner.profiling.profiler import profile
     from meshplan.planner.profiling.tracing import seen_entries
 
