@@ -10,7 +10,13 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
 - `step_factor_floor`: F without replaying the schedule. Every rank runs its m micro-batches
   of v chunks one after another (3 units each: forward 1, backward 2, however the backward is
   split), and the last pipeline rank cannot start before the p - 1 forwards ahead of it, so
-  step >= p - 1 + 3 m v units: F >= m + (p - 1) / (3 v). Exact for GPipe and 1F1B.
+  step >= p - 1 + 3 m v units: F >= m + (p - 1) / (3 v). Exact for GPipe and 1F1B. Where the
+  backward is whole (interleaved 1F1B), the last rank's last backward of its first chunk ends
+  its work (every other action of the rank precedes it) and p - 1 backwards of the chunks below
+  follow it, one per rank: step >= p - 1 + 3 m v + 2 (p - 1), F >= m + (p - 1) / v, Narayanan et
+  al.'s bubble, which torch's order plays exactly (its m is a multiple of p; a test holds the
+  two equal). A split backward's weight gradients may fill that drain, so those schedules keep
+  the first.
 - `compute_bound_s` (`solving.lower_bound_s`): sum_r T_r >= S, the sum of every layer's fastest
   option plus the chunks' fixed work, and T_max >= S / p, so the objective is >= F S / p + G P
   plus the average tail.
@@ -63,9 +69,11 @@ def step_factor_floor(schedule: str, num_stages: int, num_microbatches: int, vir
     p, m, v = num_stages, num_microbatches, virtual_stages
     if p == 1:
         return float(m)
-    if schedule_spec(schedule).textbook_factor:
+    spec = schedule_spec(schedule)
+    if spec.textbook_factor:
         return float(m + p - 1)
-    return max(m + (p - 1) / (3.0 * v), p / v)
+    fill = (p - 1) / v if not spec.split_backward else (p - 1) / (3.0 * v)
+    return max(m + fill, p / v)
 
 
 def average_tail_s(table, pp: int, grad_sync: str = "overlap") -> float:
