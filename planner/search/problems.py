@@ -31,7 +31,14 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     sibling_of = {st: sibling for st, sibling in sibling_of.items() if sibling not in too_big}
     built_now = [(c, st) for c, st in zip(candidates, strategies)
                  if st not in sibling_of and st not in too_big and st not in built]
-    built.update(build([c for c, _ in built_now], [st for _, st in built_now]))
+    # Most expert layouts only enter the expert-degree rule, which reads compute bounds: their
+    # tables are built light first (`LIGHT_RECOMPUTE`), and in full only for the layouts kept.
+    light: dict = {}
+    if not layerwise and len(recompute_options) > 1 and _expert_layouts_compete(candidates):
+        light = build_tables(graph, cluster, [c for c, _ in built_now], [st for _, st in built_now],
+                             recompute_options=LIGHT_RECOMPUTE, layerwise=False, workers=workers)
+    else:
+        built.update(build([c for c, _ in built_now], [st for _, st in built_now]))
     tables = TableCache(graph, cluster, recompute_options, built)
     problems, pruned, with_table = [], [], []
     weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
@@ -43,27 +50,77 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         # Replaying a schedule for its step factor is the costly part: until the candidate comes
         # up for solving, its problem carries the floor and its bound is the compute bound at it.
         make_floor = partial(_floor_problem, tables, strategy, candidate, cluster, limit, time_limit_s)
-        shape = floor_shape(candidate)
         if strategy in sibling_of:  # its table waits: the ZeRO-1 sibling's compute bounds it
-            sibling = built[sibling_of[strategy]]
-            bound = compute_bound_s(sibling, shape, "overlap")  # ZeRO-2: the same gathers and optimizer
-            if strategy.zero == 3:  # which gathers in every pass instead of once in the tail
-                bound -= sibling.least_tail_s(False) / candidate.pp
-            problems.append(Pending(candidate, bound, make_floor, weight_share=weight_share))
+            problems.append(Pending(candidate, _sibling_bound_s(built.get(sibling_of[strategy]) or
+                                                                light[sibling_of[strategy]], candidate),
+                                    make_floor, weight_share=weight_share))
             continue
-        table = built[strategy]
-        bound = compute_bound_s(table, shape, grad_sync_mode(candidate))
-        if min_static_bytes(table, candidate.pp) > limit:
+        table = built.get(strategy) or light[strategy]
+        bound = compute_bound_s(table, floor_shape(candidate), grad_sync_mode(candidate))
+        if min_static_bytes(table, candidate.pp) > limit:  # resident bytes: alike in a light table
             pruned.append(Solved(candidate, bound, pruned="memory"))
             continue
         problems.append(Pending(candidate, bound, make_floor, weight_share=weight_share))
         with_table.append(problems[-1])
     problems, dominated = best_expert_degrees(problems)
+    if light:
+        _full_tables_of_kept(problems, {id(c): st for c, st in zip(candidates, strategies)}, sibling_of, built, light, build,
+                             tables)
     kept = {id(item) for item in problems}
     for item in with_table:  # posed only for the expert layouts kept (most MoE candidates are not)
         if id(item) in kept:
             item.floor_problem()
     return problems, pruned + dominated, tables
+
+
+# The recomputation a light table prices (`build_problems`): every layer's fastest option, so its
+# compute bound is the full table's (a test holds them equal); the full table's bound replaces
+# it for every candidate kept, so a bound the search prunes with is always the full one.
+LIGHT_RECOMPUTE = ("none",)
+
+
+def _expert_layouts_compete(candidates) -> bool:
+    """Whether some candidates differ only in their expert layout (`best_expert_degrees`)."""
+    seen = set()
+    for c in candidates:
+        if c.ep > 1 or c.etp is not None:
+            key = _but_ep(c)
+            if key in seen:
+                return True
+            seen.add(key)
+    return False
+
+
+def _sibling_bound_s(sibling, candidate: ParallelConfig) -> float:
+    """The compute bound of a pipelined ZeRO-2/3 candidate from its ZeRO-1 sibling's table: ZeRO-2
+    runs the same gathers and optimizer; ZeRO-3 gathers in every pass instead of once in the tail."""
+    bound = compute_bound_s(sibling, floor_shape(candidate), "overlap")
+    if candidate.zero == 3:
+        bound -= sibling.least_tail_s(False) / candidate.pp
+    return bound
+
+
+def _full_tables_of_kept(problems: list[Pending], strategy_of: dict, sibling_of: dict, built: dict, light: dict,
+                         build, tables: TableCache) -> None:
+    """The full tables of the kept candidates whose bounds came from light ones (theirs or their
+    ZeRO-1 sibling's), built now over the pool, and each such candidate's bound from them."""
+    need: dict = {}
+    for item in problems:
+        strategy = strategy_of[id(item.candidate)]
+        source = sibling_of.get(strategy, strategy)
+        if source in light and source not in built:
+            need.setdefault(source, item.candidate)
+    if need:
+        full = build(list(need.values()), list(need))
+        built.update(full)
+        tables.add(full)
+    for item in problems:
+        strategy = strategy_of[id(item.candidate)]
+        if strategy in sibling_of and sibling_of[strategy] in light:
+            item.bound_s = _sibling_bound_s(built[sibling_of[strategy]], item.candidate)
+        elif strategy in light:
+            item.bound_s = compute_bound_s(built[strategy], floor_shape(item.candidate),
+                                           grad_sync_mode(item.candidate))
 
 
 def _static_memory_scan(candidates, strategies, sibling_of: dict, build, limit: float) -> tuple[dict, set]:

@@ -34,6 +34,10 @@ class TableCache:
         """`candidate`'s table is `strategy`'s."""
         self._strategy_of[id(candidate)] = (candidate, strategy)
 
+    def add(self, built: dict) -> None:
+        """Tables built since (strategy -> CostTable)."""
+        self._tables.update(built)
+
     def is_built(self, strategy) -> bool:
         return strategy in self._tables
 

@@ -91,7 +91,8 @@ def test_resident_bytes_do_not_depend_on_the_micro_batch(monkeypatch):
 
     def counting_build(*args, **kwargs):
         out = real_build(*args, **kwargs)
-        built_ones.extend(out)
+        if kwargs["recompute_options"] != problems_module.LIGHT_RECOMPUTE:  # full tables: each built once
+            built_ones.extend(out)
         return out
 
     monkeypatch.setattr(problems_module, "build_tables", counting_build)
@@ -101,3 +102,42 @@ def test_resident_bytes_do_not_depend_on_the_micro_batch(monkeypatch):
     expected = {c for c in candidates if min_static_bytes(build_cost_table(graph, cluster, cost_config(c)), c.pp) > limit}
     assert memory == expected and memory
     assert len(built_ones) == len(set(built_ones)) < len(strategies)
+
+
+def test_light_tables_bound_as_the_full_ones():
+    """A light table (`problems.LIGHT_RECOMPUTE`: the fastest option of each layer) gives the full
+    table's compute bound and resident bytes, for every candidate of a mixture of experts."""
+    from meshplan.planner.costing.state_memory import grad_sync_mode
+    from meshplan.planner.search.bounds import compute_bound_s
+    from meshplan.planner.search.problems import LIGHT_RECOMPUTE
+    from meshplan.planner.search.solving import floor_shape
+
+    cluster, graph, candidates = _case()
+    cache_full: dict = {}
+    cache_light: dict = {}
+    for candidate in candidates[::3]:
+        strategy = cost_config(candidate)
+        full = build_cost_table(graph, cluster, strategy, cache=cache_full)
+        light = build_cost_table(graph, cluster, strategy, LIGHT_RECOMPUTE, cache=cache_light)
+        shape, sync = floor_shape(candidate), grad_sync_mode(candidate)
+        assert compute_bound_s(light, shape, sync) == compute_bound_s(full, shape, sync)
+        assert light.least_static_bytes == full.least_static_bytes
+
+
+def test_expert_layouts_ruled_on_light_tables_pose_the_same_problems(monkeypatch):
+    """The expert-degree rule read off light tables keeps the same candidates with the same bounds
+    and prunes the same ones, as when every table is built in full; the kept ones' tables are full."""
+    from meshplan.planner.search import problems as problems_module
+
+    cluster, graph, candidates = _case()
+
+    def posed():
+        problems, pruned, tables = problems_module.build_problems(graph, cluster, candidates, 64, "bf16-mixed",
+                                                                  Pins(), 1e18, False, 10.0)
+        for item in problems[:40]:
+            assert tables.table_for(item.candidate) == build_cost_table(graph, cluster, cost_config(item.candidate))
+        return ([(p.candidate, p.bound_s) for p in problems], sorted((s.candidate.sort_key, s.pruned) for s in pruned))
+    light = posed()
+    assert any(reason == "expert_degree" for _, reason in light[1])
+    monkeypatch.setattr(problems_module, "_expert_layouts_compete", lambda candidates: False)
+    assert posed() == light
