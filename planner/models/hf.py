@@ -21,10 +21,11 @@ anything: whatever pattern it produces is read off the built modules.
 Attention runs through the implementation transformers supports for the architecture: SDPA where
 the model class supports it; where it does not (GPT-OSS's sinks, Gemma-2's soft-capping), eager
 attention in training and, in a profile, SDPA on the same mask, as the fused kernel the engines
-run (`FUSED_PROFILE_ATTENTION`); `ModelInfo.attn_implementation` records which. Experts of
-transformers' mixture-of-experts layers run through its `grouped_mm` experts implementation, whose shapes do not depend on the routing (its eager loop asks
-`nonzero()`, which the meta device cannot answer): every token's top-k expert GEMMs are counted,
-whichever experts the router picks.
+run (`hf_attention.FUSED_PROFILE_ATTENTION`); `ModelInfo.attn_implementation` records which.
+Experts of transformers' mixture-of-experts layers run through its `grouped_mm` experts
+implementation, whose shapes do not depend on the routing (its eager loop asks `nonzero()`, which
+the meta device cannot answer): every token's top-k expert GEMMs are counted, whichever experts
+the router picks.
 
 Mixture-of-experts configs of type `mixtral`, `qwen2_moe` and `qwen3_moe` whose dense layers (if
 any) lead are not built through transformers: `hf_moe_config` maps them onto meshplan's `moe`

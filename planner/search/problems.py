@@ -64,8 +64,8 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         with_table.append(problems[-1])
     problems, dominated = best_expert_degrees(problems)
     if light:
-        _full_tables_of_kept(problems, {id(c): st for c, st in zip(candidates, strategies)}, sibling_of, built, light, build,
-                             tables)
+        strategy_of = {id(c): st for c, st in zip(candidates, strategies)}
+        _full_tables_of_kept(problems, strategy_of, sibling_of, built, light, build, tables)
     kept = {id(item) for item in problems}
     for item in with_table:  # posed only for the expert layouts kept (most MoE candidates are not)
         if id(item) in kept:
@@ -108,7 +108,7 @@ def _full_tables_of_kept(problems: list[Pending], strategy_of: dict, sibling_of:
     for item in problems:
         strategy = strategy_of[id(item.candidate)]
         source = sibling_of.get(strategy, strategy)
-        if source in light and source not in built:
+        if source in light and source not in built:  # the candidate only names it (no layerwise meshes here)
             need.setdefault(source, item.candidate)
     if need:
         full = build(list(need.values()), list(need))

@@ -132,8 +132,8 @@ def test_expert_layouts_ruled_on_light_tables_pose_the_same_problems(monkeypatch
     cluster, graph, candidates = _case()
 
     def posed():
-        problems, pruned, tables = problems_module.build_problems(graph, cluster, candidates, 64, "bf16-mixed",
-                                                                  Pins(), 1e18, False, 10.0)
+        problems, pruned, tables = problems_module.build_problems(graph, cluster, candidates, 64,
+                                                                  "bf16-mixed", Pins(), 1e18, False, 10.0)
         for item in problems[:40]:
             assert tables.table_for(item.candidate) == build_cost_table(graph, cluster, cost_config(item.candidate))
         return ([(p.candidate, p.bound_s) for p in problems], sorted((s.candidate.sort_key, s.pruned) for s in pruned))
