@@ -65,7 +65,7 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     problems, dominated = best_expert_degrees(problems)
     if light:
         strategy_of = {id(c): st for c, st in zip(candidates, strategies)}
-        _full_tables_of_kept(problems, strategy_of, sibling_of, built, light, build, tables)
+        _full_tables_of_kept(problems, strategy_of, sibling_of, light, build, tables)
     kept = {id(item) for item in problems}
     for item in with_table:  # posed only for the expert layouts kept (most MoE candidates are not)
         if id(item) in kept:
@@ -100,26 +100,24 @@ def _sibling_bound_s(sibling, candidate: ParallelConfig) -> float:
     return bound
 
 
-def _full_tables_of_kept(problems: list[Pending], strategy_of: dict, sibling_of: dict, built: dict, light: dict,
-                         build, tables: TableCache) -> None:
+def _full_tables_of_kept(problems: list[Pending], strategy_of: dict, sibling_of: dict, light: dict, build,
+                         tables: TableCache) -> None:
     """The full tables of the kept candidates whose bounds came from light ones (theirs or their
-    ZeRO-1 sibling's), built now over the pool, and each such candidate's bound from them."""
+    ZeRO-1 sibling's), built now over the pool into `tables`, and each such candidate's bound from them."""
     need: dict = {}
     for item in problems:
         strategy = strategy_of[id(item.candidate)]
         source = sibling_of.get(strategy, strategy)
-        if source in light and source not in built:  # the candidate only names it (no layerwise meshes here)
+        if source in light and not tables.is_built(source):  # the candidate only names it (no layerwise meshes)
             need.setdefault(source, item.candidate)
     if need:
-        full = build(list(need.values()), list(need))
-        built.update(full)
-        tables.add(full)
+        tables.add(build(list(need.values()), list(need)))
     for item in problems:
         strategy = strategy_of[id(item.candidate)]
         if strategy in sibling_of and sibling_of[strategy] in light:
-            item.bound_s = _sibling_bound_s(built[sibling_of[strategy]], item.candidate)
+            item.bound_s = _sibling_bound_s(tables.get(sibling_of[strategy]), item.candidate)
         elif strategy in light:
-            item.bound_s = compute_bound_s(built[strategy], floor_shape(item.candidate),
+            item.bound_s = compute_bound_s(tables.get(strategy), floor_shape(item.candidate),
                                            grad_sync_mode(item.candidate))
 
 
