@@ -1,6 +1,7 @@
 """Predicted against measured on one CUDA GPU: GEMMs by shape, fused attention by kernel and
 sequence length, fp8 GEMMs, the memory bandwidth, `calibrate --nproc 1`, and whole training
-steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`.
+steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
+then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
     python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train] [--steps 12]
 
@@ -236,7 +237,19 @@ def run_train(case, clusters: dict, work: Path, steps: int) -> dict:
         if "step_time_s" in prediction:
             prediction["time_error"] = prediction["step_time_s"] / result["measured"]["step_time_s"] - 1
             prediction["memory_error"] = prediction["peak_memory_bytes"] / result["measured"]["peak_memory_bytes"] - 1
+    result["step_profile"] = step_profile(plan_path)
     return result
+
+
+def step_profile(plan_path: Path) -> dict:
+    """Where the trained plan's step spends its time (`gpu_step_profile.py`, in a fresh process)."""
+    script = Path(__file__).with_name("gpu_step_profile.py")
+    done = subprocess.run([sys.executable, str(script), str(plan_path)], capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"rc": done.returncode, "error": (done.stderr or done.stdout)[-1500:]}
+    return json.loads(lines[-1])
 
 
 def per_microbatch(runs: dict) -> dict:
