@@ -3,7 +3,7 @@ sequence length, fp8 GEMMs, the memory bandwidth, `calibrate --nproc 1`, and who
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
-    python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train] [--steps 12]
+    python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train | --train-only] [--cases A,B] [--steps 12]
 
 Nothing measured here is fitted to: every prediction comes from the shipped profile (`--cluster`,
 default the one whose device name matches this GPU), so each figure is held out. Results are
@@ -294,6 +294,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="gpu-check", help="directory for the JSON, plans and measurements")
     parser.add_argument("--steps", type=int, default=12, help="training steps per case")
     parser.add_argument("--skip-train", action="store_true", help="the kernel checks only")
+    parser.add_argument("--train-only", action="store_true", help="the training cases only (no kernels, no calibrate)")
+    parser.add_argument("--cases", default=",".join(case[0] for case in TRAIN_CASES),
+                        help="comma-separated training cases to run (default: all)")
     args = parser.parse_args(argv)
     import torch
 
@@ -323,20 +326,22 @@ def main(argv=None) -> int:
         _print_section(key, report[key])
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
 
-    record("copy", check_copy, torch, clusters)
-    record("gemm", check_gemms, torch, clusters)
-    record("attention", check_attention, torch, clusters)
-    record("fp8", check_fp8, torch, clusters)
-    torch.cuda.empty_cache()
-    record("calibrate", run_calibrate, out_dir)
+    cases = [case for case in TRAIN_CASES if case[0] in args.cases.split(",")]
+    if not args.train_only:
+        record("copy", check_copy, torch, clusters)
+        record("gemm", check_gemms, torch, clusters)
+        record("attention", check_attention, torch, clusters)
+        record("fp8", check_fp8, torch, clusters)
+        torch.cuda.empty_cache()
+        record("calibrate", run_calibrate, out_dir)
     profiles = {shipped.name: shipped.name}
-    if report["calibrate"].get("profile"):
+    if report.get("calibrate", {}).get("profile"):
         calibrated = load_cluster(report["calibrate"]["profile"])
         profiles["calibrated"] = report["calibrate"]["profile"]
         record("gemm_calibrated", _rescored, report["gemm"].get("rows", []), calibrated)
     if not args.skip_train:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:  # plans stay out of DIR
-            for case in TRAIN_CASES:
+            for case in cases:
                 record(f"train {case[0]}", run_train, case, profiles, Path(work), args.steps)
         record("per_microbatch", per_microbatch,
                {k: v for k, v in report.items() if k.startswith("train ") and isinstance(v, dict)})

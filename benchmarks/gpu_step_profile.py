@@ -37,7 +37,8 @@ def _summarise(prof, steps: int, device_type: str) -> dict:
     from torch.autograd import DeviceType
 
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    # record_function ranges show on the GPU timeline too (torch >= 2.4: is_user_annotation): not kernels
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     host = [e for e in events if e.device_type == DeviceType.CPU]
     by_kernel: dict[str, float] = {}
     for e in kernels:

@@ -380,7 +380,7 @@ def _forward_backward(runtime: Runtime, inputs, targets):
     total = torch.zeros((), device=runtime.device)
     for index, (x, y) in enumerate(zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches))):
         last = index == num_microbatches - 1
-        with _gradient_sync(runtime, module, sync=last or not defer_sync), _loss_context(runtime):
+        with _gradient_sync(runtime, module, last or not defer_sync, last), _loss_context(runtime):
             loss = lm_loss(module(x.to(runtime.device)), y.to(runtime.device))
             (loss / num_microbatches).backward()
         total += _scalar(loss)
@@ -399,18 +399,24 @@ def _file_forward_backward(runtime: Runtime, inputs: tuple):
     for index in range(num_microbatches):
         micro = tuple(piece[index].to(runtime.device) for piece in pieces)
         last = index == num_microbatches - 1
-        with _gradient_sync(runtime, module, sync=last or not defer_sync):
+        with _gradient_sync(runtime, module, last or not defer_sync, last):
             loss = runtime.loss_fn(runtime.forward_fn(module, micro), micro)
             (loss.float() / num_microbatches).backward()
         total += _scalar(loss)
     return total / num_microbatches
 
 
-def _gradient_sync(runtime: Runtime, module, sync: bool):
+def _gradient_sync(runtime: Runtime, module, sync: bool, last: bool):
+    """Reduce this micro-batch's gradients or not (`sync`). Under FSDP2, ZeRO 0-2 also keep the
+    gathered (bf16) parameters from one micro-batch's backward to the next one's forward, as
+    the engines do: one gather and one cast per step, not one per micro-batch (the peak holds
+    them anyway, from the forward's end to the backward's start); ZeRO-3 reshards after every
+    backward."""
     if runtime.dp_method == "ddp":
         return nullcontext() if sync else module.no_sync()
     if runtime.dp_method in ("fsdp", "replicate"):
         module.set_requires_gradient_sync(sync)
+        module.set_reshard_after_backward(last or runtime.plan.config.zero == 3)
     return nullcontext()
 
 

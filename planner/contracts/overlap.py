@@ -28,10 +28,13 @@ CP_EXCHANGES = ("all_gather", "ring_p2p", "torch_ring")
 # When the data-parallel ranks gather ZeRO-1/2 parameters (`costing.communication.dp_comm_s`):
 # - "fsdp": FSDP2's resharding: before every micro-batch's forward without pipelining (it reshards
 #   after each backward), once per step under pipelining, after the optimizer (blocking);
+# - "first_forward": FSDP2 kept gathered between a step's micro-batches (resharded after the last
+#   backward alone, `set_reshard_after_backward`): once per step, unit by unit during the step's
+#   first forward, each unit's gather prefetched while the unit before it computes;
 # - "next_forward": Megatron's distributed optimizer with --overlap-param-gather: once per step,
 #   bucket by bucket during the next step's first forward, each bucket's gather issued when the
 #   layers before it start (`costing.overlap.exposed_step_gather_s`).
-PARAM_GATHERS = ("fsdp", "next_forward")
+PARAM_GATHERS = ("fsdp", "first_forward", "next_forward")
 # When a pipelined rank reduces its ZeRO-0/1 gradients (`costing.state_memory.grad_sync_mode`):
 # - "after_chunk": a chunk's whole reduction after its last backward, blocking the rank (torch
 #   pipelining's `perform_reduce_grad`);
@@ -97,8 +100,8 @@ class EngineOverlap:
         grads += (", pipelined during each chunk's last backward" if self.pp_grad_reduce == "during_last_backward"
                   else ", pipelined after each chunk's last backward")
         gather = "prefetched" if self.param_gather_prefetch else "blocking"
-        if self.param_gather == "next_forward":
-            gather += ", ZeRO-1/2 once per step in the next forward"
+        if self.param_gather != "fsdp":
+            gather += f", ZeRO-1/2 once per step in the {self.param_gather.replace('_', ' ')}"
         return (f"{self.engine} ({self.version}): TP comm {'pipelined with its GEMMs' if self.tp_comm_overlap else 'blocking'}; "
                 f"grad reduce {grads}; param gather {gather}; "
                 f"PP p2p {'async' if self.pp_p2p_async else 'blocking'}; CP {self.cp_exchange.replace('_', ' ')}; "
@@ -119,7 +122,7 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # torch pipelining's batched isend/irecv
         cp_exchange="all_gather",        # `executor.parallel.context`: all_gather_tensor_autograd of K/V
         ep_a2a_hidden_fraction=0.0,      # all_to_all_single on the compute path (`executor.parallel.expert`)
-        param_gather="fsdp",             # FSDP2 reshards ZeRO-1/2 after each backward (`communication.dp_comm_s`)
+        param_gather="first_forward",    # ZeRO-0/1/2 stay gathered across micro-batches (`executor.runtime`)
         pp_grad_reduce="after_chunk",    # torch pipelining reduces a chunk after its last backward
         sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",)),
     EngineOverlap(
@@ -152,7 +155,7 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # torch.distributed.pipelining's isend/irecv
         cp_exchange="torch_ring",        # parallelism.context_parallel_rotate_method defaults to "allgather"
         ep_a2a_hidden_fraction=0.0,      # all-to-all dispatch on the compute stream
-        param_gather="fsdp",             # FSDP2, as meshplan's executor
+        param_gather="fsdp",             # FSDP2 reshards after every backward (no set_reshard_after_backward)
         pp_grad_reduce="after_chunk",    # torch.distributed.pipelining, as meshplan's executor
         sources=("torchtitan docs/fsdp.md (FSDP2 prefetching); torchtitan config job_config.py "
                  "(enable_async_tensor_parallel=False, context_parallel_rotate_method='allgather')",
@@ -166,7 +169,7 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_p2p_async=True,               # the pipeline engine's p2p beside compute
         cp_exchange="all_gather",        # sequence_parallel_size: costed as meshplan's K/V all-gather
         ep_a2a_hidden_fraction=0.0,      # MoE all-to-all on the compute stream
-        param_gather="fsdp",             # ZeRO-1/2 gathers priced by the executor's rule
+        param_gather="fsdp",             # ZeRO-1/2 gathers priced by FSDP2's resharding rule
         pp_grad_reduce="after_chunk",    # the pipeline engine reduces after the last micro-batch
         sources=("deepspeed.ai/docs/config-json (zero_optimization.overlap_comm: stage 3 default true, "
                  "else false; stage3_prefetch_bucket_size)",

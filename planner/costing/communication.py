@@ -8,7 +8,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
-from meshplan.planner.costing.overlap import gathers_in_next_forward
+from meshplan.planner.costing.overlap import gathers_in_a_forward
 from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param
 from meshplan.planner.costing.precision import recipe
 from meshplan.planner.costing.tp_split import is_split
@@ -65,16 +65,14 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
     micro-batch). ZeRO-1/2/3 reduce-scatter. Parameter gathers follow the recipe:
     - "zero-paper" (Megatron-LM's distributed optimizer): ZeRO-1/2 all-gather the updated
       parameters once after the optimizer; ZeRO-3 gathers before every forward and backward;
-    - "executor" (FSDP2 as `meshplan train` runs it): without pipelining, FSDP2 reshards after
-      every backward, so ZeRO-1/2 (`reshard_after_forward=False`) gather once per micro-batch,
-      before its forward, and ZeRO-3 before its forward and again before its backward. Under
-      torch pipelining ZeRO-1/2 do not reshard after backward until the last micro-batch, so
-      their parameters are gathered once per step; ZeRO-3 still gathers twice per micro-batch
-      (`executor.parallel.pipeline`; split-backward schedules run ZeRO-2/3 as ZeRO-1:
-      `executed_zero`).
-    Under an engine that gathers in the next forward (Megatron's distributed optimizer,
-    `overlap.gathers_in_next_forward`) ZeRO-1/2 gather once per step whatever the recipe; what of
-    it stays exposed is `overlap.exposed_step_gather_s`.
+    - "executor" (FSDP2): ZeRO-3 gathers before every micro-batch's forward and again before its
+      backward (split-backward schedules run ZeRO-2/3 as ZeRO-1: `executed_zero`). ZeRO-1/2
+      (`reshard_after_forward=False`) gather once per step under pipelining, and without it as
+      the engine reshards (`EngineOverlap.param_gather`): once per micro-batch where FSDP2
+      reshards after every backward (torchtitan), once per step where the parameters stay
+      gathered across micro-batches (meshplan's executor: `executor.runtime`) or are gathered in
+      the next forward (Megatron's distributed optimizer).
+    What of a once-per-step gather stays exposed is `overlap.exposed_step_gather_s`.
     Gradient reductions are counted once per step here; the simulator repeats them per
     micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
     `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
@@ -102,9 +100,9 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
         grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, stride * shard)
     if zero == 3:
         return grad_s, 0.0, gather_s, gather_s
-    if paper or config.pp > 1 or gathers_in_next_forward(config):  # once per step
+    if paper or config.pp > 1 or gathers_in_a_forward(config):  # once per step
         return grad_s, gather_s, 0.0, 0.0
-    return grad_s, 0.0, gather_s, 0.0
+    return grad_s, 0.0, gather_s, 0.0  # FSDP2 resharding after every backward: per micro-batch
 
 
 

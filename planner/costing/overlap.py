@@ -62,24 +62,27 @@ def pipelined_grad_reduce_blocks(config) -> bool:
     return overlap_of(config).pp_grad_reduce == "after_chunk"
 
 
-def gathers_in_next_forward(config) -> bool:
-    """Whether ZeRO-1/2 parameters are all-gathered once per step during the next step's first
-    forward (`EngineOverlap.param_gather` "next_forward": Megatron's distributed optimizer with
-    --overlap-param-gather), rather than as FSDP2 reshards them."""
-    return config.zero in (1, 2) and overlap_of(config).param_gather == "next_forward"
+def gathers_in_a_forward(config) -> bool:
+    """Whether ZeRO-1/2 parameters are all-gathered once per step, unit by unit during a step's
+    first forward (`EngineOverlap.param_gather` "next_forward": Megatron's distributed optimizer
+    with --overlap-param-gather; "first_forward": meshplan's executor, FSDP2 kept gathered across
+    micro-batches), rather than as FSDP2 reshards them after every backward."""
+    return config.zero in (1, 2) and overlap_of(config).param_gather in ("first_forward", "next_forward")
 
 
 def exposed_step_gather_s(gather_s: float, fwd_busy_s: float, config) -> float:
     """What a layer's once-per-step parameter all-gather (`gather_s`) adds to the step.
 
-    FSDP-style engines gather it after the optimizer, with nothing to hide behind: all of it.
-    Megatron's distributed optimizer with --overlap-param-gather issues bucket i+1's all-gather
-    when bucket i's layers start their forward (a forward pre-hook waits on bucket i and
-    dispatches the next), so in the step's first forward each layer's gather runs while the layer
-    before it computes. It is priced against the layer's own forward (`fwd_busy_s`: one
-    micro-batch's compute and blocking collectives; a chunk's repeated blocks are alike): it
-    exposes only what it takes beyond one forward.
+    FSDP-style engines that reshard after every backward gather it, under pipelining, with
+    nothing to hide behind: all of it. Megatron's distributed optimizer with
+    --overlap-param-gather issues bucket i+1's all-gather when bucket i's layers start their
+    forward (a forward pre-hook waits on bucket i and dispatches the next), and meshplan's
+    executor (FSDP2 kept gathered across micro-batches) prefetches unit i+1's gather while unit i
+    computes, so in the step's first forward each layer's gather runs while the layer before it
+    computes. It is priced against the layer's own forward (`fwd_busy_s`: one micro-batch's
+    compute and blocking collectives; a chunk's repeated blocks are alike): it exposes only what
+    it takes beyond one forward.
     """
-    if gather_s <= 0 or not gathers_in_next_forward(config):
+    if gather_s <= 0 or not gathers_in_a_forward(config):
         return gather_s
     return max(0.0, gather_s - fwd_busy_s)

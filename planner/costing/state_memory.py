@@ -35,9 +35,8 @@ of a shard group and replicated across the dp/N groups (FSDP2 on a 2-D mesh).
 
 ZeRO-2/3 reduce-scatter after every micro-batch's backward, pipelined or not (the simulator plays
 that); under a split-backward (zero-bubble) schedule they execute as ZeRO-1 (`executed_zero`).
-Without pipelining FSDP2 re-gathers ZeRO-1/2 parameters before every micro-batch's forward;
-under pipelining they stay gathered from the first forward to the step's end
-(`communication.dp_comm_s`).
+ZeRO-1/2 parameters stay gathered from the step's first forward to its last backward, pipelined
+or not (`communication.dp_comm_s`).
 """
 from __future__ import annotations
 

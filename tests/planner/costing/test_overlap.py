@@ -17,7 +17,7 @@ from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.overlap import (exposed_ring_s, exposed_step_gather_s, exposed_tp_comm_s,
-                                              gathers_in_next_forward)
+                                              gathers_in_a_forward)
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.profiling.profiler import profile
 
@@ -153,31 +153,38 @@ def test_megatron_reduces_pipelined_gradients_during_the_last_backward():
 def test_a_step_gather_behind_the_next_forward_exposes_what_the_forward_cannot_cover():
     dp = dict(gpus=16, tp=1, dp=16, sp=False, global_batch=64, zero=1)
     # Megatron's distributed optimizer: 10 ms of gather behind a 4 ms forward exposes 6 ms; behind
-    # a 12 ms forward nothing; FSDP-style engines expose all 10 ms; ZeRO-0 and ZeRO-3 never gather so
-    assert exposed_step_gather_s(0.010, 0.004, config(**dp, engine="megatron")) == pytest.approx(0.006)
-    assert exposed_step_gather_s(0.010, 0.012, config(**dp, engine="megatron")) == 0.0
-    assert exposed_step_gather_s(0.010, 0.004, config(**dp)) == 0.010
-    assert not gathers_in_next_forward(config(**{**dp, "zero": 3}, engine="megatron"))
-    assert gathers_in_next_forward(config(**{**dp, "zero": 2}, engine="megatron"))
+    # a 12 ms forward nothing; so does meshplan's executor (FSDP2 kept gathered, prefetched in the
+    # first forward); engines that reshard after every backward expose all 10 ms; ZeRO-0 and
+    # ZeRO-3 never gather so
+    for engine in ("megatron", "meshplan"):
+        assert exposed_step_gather_s(0.010, 0.004, config(**dp, engine=engine)) == pytest.approx(0.006)
+        assert exposed_step_gather_s(0.010, 0.012, config(**dp, engine=engine)) == 0.0
+    assert exposed_step_gather_s(0.010, 0.004, config(**dp, engine="torchtitan")) == 0.010
+    assert not gathers_in_a_forward(config(**{**dp, "zero": 3}, engine="megatron"))
+    assert gathers_in_a_forward(config(**{**dp, "zero": 2}, engine="megatron"))
 
 
-def test_megatron_gathers_zero1_parameters_once_per_step_fsdp2_before_every_forward():
+def test_megatron_and_meshplan_gather_zero1_parameters_once_per_step_torchtitan_before_every_forward():
     cluster = load_cluster("h100-sxm")
     dp = dict(gpus=16, tp=1, dp=16, sp=False, global_batch=64, zero=1)  # 4 micro-batches per replica
     params = 200e6
     gather = collective_time_s("all_gather", params * 2, 16, cluster, 1)  # bf16 parameters
     reduce = collective_time_s("reduce_scatter", params * 4, 16, cluster, 1)  # fp32 gradients
     assert dp_comm_s(params, config(**dp, engine="megatron"), cluster) == pytest.approx((reduce, gather, 0.0, 0.0))
-    assert dp_comm_s(params, config(**dp), cluster) == pytest.approx((reduce, 0.0, gather, 0.0))
+    assert dp_comm_s(params, config(**dp, engine="torchtitan"), cluster) == pytest.approx((reduce, 0.0, gather, 0.0))
+    # meshplan's executor keeps ZeRO-1/2 parameters gathered across micro-batches: once per step
+    assert dp_comm_s(params, config(**dp), cluster) == pytest.approx((reduce, gather, 0.0, 0.0))
     # a block's cost: the step's gather less the one micro-batch forward it hides behind
     graph = profile("gpt:layers=2,hidden=2048,heads=16,vocab=32000", 2048)
     block = next(layer for layer in graph.layers if layer.kind == "block")
     megatron = layer_cost(block, config(**dp, engine="megatron"), cluster, graph.info)
+    titan = layer_cost(block, config(**dp, engine="torchtitan"), cluster, graph.info)
     own = layer_cost(block, config(**dp), cluster, graph.info)
     raw = collective_time_s("all_gather", block.num_params * 2, 16, cluster, 1)
-    assert megatron.fwd_gather_s == 0.0 and own.fwd_gather_s == pytest.approx(raw)
-    assert megatron.dp_param_gather_s == pytest.approx(max(0.0, raw - megatron.fwd_busy_s))
-    assert megatron.dp_grad_comm_s == pytest.approx(own.dp_grad_comm_s)
+    assert megatron.fwd_gather_s == own.fwd_gather_s == 0.0 and titan.fwd_gather_s == pytest.approx(raw)
+    for cost in (megatron, own):
+        assert cost.dp_param_gather_s == pytest.approx(max(0.0, raw - cost.fwd_busy_s))
+    assert megatron.dp_grad_comm_s == pytest.approx(titan.dp_grad_comm_s) == pytest.approx(own.dp_grad_comm_s)
 
 
 def test_the_exposed_reduce_scatter_of_a_data_parallel_megatron_step_is_the_hand_worked_figure():
