@@ -256,13 +256,16 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
 
 def _shape_known(info: ModelInfo, engine: str) -> bool:
     """Whether the formulas describe the model's blocks under `engine`: the GPT, Llama and MoE
-    families; under megatron also a traced model with multi-head latent attention (DeepSeek-V2/V3,
-    which Megatron-Core runs as its own MLA GPT model)."""
+    families; under megatron also a traced mixture of experts whose widths the config names
+    (GPT-OSS, DeepSeek-V2/V3 with multi-head latent attention): Megatron-Core runs it as its own
+    GPT model, with its own modules, not the traced transformers ones (whose eager experts keep
+    several more tensors per routed copy)."""
     if not (info.hidden and info.num_heads):
         return False
     if engine == foundry_memory.ENGINE:  # its MPT-style dense blocks (MoE blocks: the profile's accounting)
         return info.family in ("gpt", "llama")
-    return info.family in _FORMULA_FAMILIES or (engine == "megatron" and bool(info.kv_lora_rank))
+    traced_moe = info.family == "hf" and bool(info.num_experts and info.expert_ffn)
+    return info.family in _FORMULA_FAMILIES or (engine == "megatron" and (bool(info.kv_lora_rank) or traced_moe))
 
 
 def _with_routed_experts(saved: float, working: float, layer: LayerProfile, config: ParallelConfig,

@@ -378,7 +378,7 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
     if moe_layer is not None:
         dense = sum(1 for layer in all_layers if not expert_modules(layer))
         moe = dict(num_experts=_num_experts(moe_layer), top_k=_top_k(config, moe_layer), dense_layers=dense,
-                   **_expert_widths(config))
+                   **_expert_widths(config, every_layer_moe=dense == 0))
     return ModelInfo(family="hf", num_layers=len(all_layers),
                      hidden=getattr(config, "hidden_size", 0) or 0, num_heads=heads,
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -386,18 +386,31 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                      attn_implementation=attn, notes=notes + fused_note(attn) + window_notes(attn, kept_layers),
                      **moe,
-                     **_latent_attention(config))
+                     **(_latent_attention(config) or _head_dim(config)))
 
 
-def _expert_widths(config) -> dict:
-    """A DeepSeek-style MoE config's routed experts' width (`moe_intermediate_size`) and its shared
-    experts (`n_shared_experts` of that width), as ModelInfo names them; {} for other configs."""
-    width = getattr(config, "moe_intermediate_size", 0)
-    if not isinstance(width, int) or isinstance(width, bool) or width <= 0:
-        return {}
-    shared = getattr(config, "n_shared_experts", 0)
-    shared = shared if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else 0
+def _positive_int(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _expert_widths(config, every_layer_moe: bool) -> dict:
+    """A MoE config's routed experts' width and its shared experts (`n_shared_experts` of that
+    width), as ModelInfo names them: `moe_intermediate_size` (DeepSeek, Qwen-MoE), or where every
+    layer is a MoE layer and no such key exists, `intermediate_size`, which then is each expert's
+    width (GPT-OSS, Mixtral); {} otherwise."""
+    width = _positive_int(getattr(config, "moe_intermediate_size", 0))
+    if not width:
+        width = _positive_int(getattr(config, "intermediate_size", 0)) if every_layer_moe else 0
+        return {"expert_ffn": width} if width else {}
+    shared = _positive_int(getattr(config, "n_shared_experts", 0))
     return dict(expert_ffn=width, num_shared_experts=shared, shared_ffn=shared * width)
+
+
+def _head_dim(config) -> dict:
+    """The attention's head width where the config names one (`head_dim`: GPT-OSS's 64 beside a
+    2880-wide stream, Gemma's, Qwen3's), which hidden / heads would get wrong; {} without."""
+    width = _positive_int(getattr(config, "head_dim", 0))
+    return {"head_dim": width} if width else {}
 
 
 def _latent_attention(config) -> dict:

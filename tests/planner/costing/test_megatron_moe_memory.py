@@ -103,6 +103,27 @@ def test_deepseek_v3_moe_block_terms():
     assert full.buffer_bytes == pytest.approx(sum(terms.values()) * SEQ)
 
 
+def test_gpt_oss_moe_block_terms():
+    """GPT-OSS-120B, traced through transformers, priced as Megatron-Core runs it (its own GQA and
+    grouped-GEMM experts, not the traced eager experts), per token, no TP: b = 2, h 2880, 64
+    query heads of 64 (the config's head_dim, not 2880 / 64) and 8 K/V heads, 128 experts, top 4,
+    expert width 2880 (`intermediate_size`: every layer is a MoE layer)."""
+    pytest.importorskip("transformers")
+    graph = profile("gpt-oss-120b", SEQ)
+    info = graph.info
+    assert (info.head_dim, info.expert_ffn, info.num_experts, info.top_k, info.num_shared_experts) == (64, 2880, 128, 4, 0)
+    b, h, hq, hkv = 2, 2880, 64 * 64, 8 * 64
+    attention = 2 * b * h + b * (hq + 2 * hkv) + b * hq + 4 * 64  # norm in/out, Q K V, output, lse
+    moe = 2 * b * h + 4 * 128  # norm in/out, fp32 router logits
+    routed = 4 * (b * h + 4 + b * 2 * 2880 + b * 2880)  # fc1 input, prob, fc1 output, fc2 input
+    config = ParallelConfig(gpus=64, global_batch=512, dp=64, ep=8, zero=1, engine="megatron")
+    cost = _moe_block_cost(graph, config)
+    assert cost.activation_bytes == pytest.approx((attention + moe + routed) * SEQ)
+    # the traced transformers experts (meshplan's executor runs them) keep more
+    own = _moe_block_cost(graph, replace(config, engine="meshplan"))
+    assert own.activation_bytes > 1.5 * cost.activation_bytes
+
+
 def test_profile_fallback_counts_routed_experts_once():
     """Under an engine whose formulas do not describe a traced model (torchtitan on a Hugging Face
     DeepSeek), the MoE block keeps the profile's saved bytes, routed experts included once."""
