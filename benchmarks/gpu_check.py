@@ -188,8 +188,10 @@ def check_copy(torch, clusters: dict) -> dict:
 
 
 def _meshplan(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    # Run from outside the checkout: there, the repository's own `meshplan/` folder (the CLI
+    # alone) would shadow an installed meshplan and its planner. Every path passed is absolute.
     return subprocess.run([sys.executable, "-m", "meshplan.cli", *args], capture_output=True, text=True,
-                          timeout=timeout_s)
+                          timeout=timeout_s, cwd=tempfile.gettempdir())
 
 
 def run_calibrate(out_dir: Path) -> dict:
@@ -243,9 +245,9 @@ def run_train(case, clusters: dict, work: Path, steps: int) -> dict:
 
 def step_profile(plan_path: Path) -> dict:
     """Where the trained plan's step spends its time (`gpu_step_profile.py`, in a fresh process)."""
-    script = Path(__file__).with_name("gpu_step_profile.py")
+    script = Path(__file__).resolve().with_name("gpu_step_profile.py")
     done = subprocess.run([sys.executable, str(script), str(plan_path)], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=tempfile.gettempdir())
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"rc": done.returncode, "error": (done.stderr or done.stdout)[-1500:]}
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
     from meshplan.planner.calibration.runner import base_profile_for
     from meshplan.planner.costing.hardware import load_cluster
 
-    out_dir = Path(args.out)
+    out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     shipped = load_cluster(args.cluster) if args.cluster else base_profile_for(None, "nccl", props.name)
