@@ -137,9 +137,9 @@ class Run:
     fp8_recipe: str | None = None  # under fp8, the recipe its source names (contracts.config.FP8_RECIPES)
     # the engine whose overlap (`contracts.overlap`) and memory price the step in bench_fidelity:
     # set where the run's engine and version are one meshplan models (torchtitan, Megatron-Bridge
-    # 25.11, the Megatron-MoE-ModelZoo's Megatron-Core); "meshplan" otherwise (Megatron-LM of
-    # 2021-2022 predates the overlap `--engine megatron` prices; Llama 3's and llm-foundry's stacks
-    # are none of the engines)
+    # 25.11, the Megatron-MoE-ModelZoo's Megatron-Core, llm-foundry's MPT runs); "meshplan"
+    # otherwise (Megatron-LM of 2021-2022 predates the overlap `--engine megatron` prices; Llama 3's
+    # stack is none of the engines)
     engine: str = "meshplan"
     # Megatron-Core's --recompute-modules the run used; only the megatron memory recipe prices them
     # (bench_engine_memory); step-time fits cost the run's `recompute` (their time is elementwise work)
@@ -357,7 +357,7 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
                             attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
-                            precision=precision, fp8_recipe="delayed" if precision == "fp8" else None))
+                            precision=precision, fp8_recipe="delayed" if precision == "fp8" else None, engine="llm-foundry"))
     return runs
 
 
