@@ -5,7 +5,8 @@ stepped in this process under torch.profiler.
 
 Prints one JSON object: the step's wall time; the device's busy time (the union of its kernels'
 intervals; on CPU the operators' own time stands in); the kernels and operators launched per step;
-the top kernels and host operators by time; and the time under FSDP2's hooks. Set beside the
+kernel time by kind (`KERNEL_KINDS`: matmul, attention, optimizer, communication, copy, the
+memory-bound rest); the top kernels and host operators by time; and the time under FSDP2's hooks. Set beside the
 plan's predicted step time, it says whether a gap is kernels that run slower than priced, kernels
 the model does not price (casts, copies), or a device that waits for its host. A plan for more
 than one rank is refused (exit 2).
@@ -20,6 +21,16 @@ import sys
 import time
 
 TOP = 12
+# Kernel kinds by name (first match wins), to set beside the cost model's terms: fused attention,
+# matmuls (cuBLAS's nvjet / cutlass / xmma kernels), the optimizer's multi-tensor kernels,
+# collectives, copies, and the memory-bound rest (elementwise, reductions, norms, casts).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),  # before matmul: cuDNN's carry sm90 / wgmma
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma")),
+    ("optimizer", ("multi_tensor", "foreach", "adam")),
+    ("communication", ("nccl",)),
+    ("copy", ("memcpy", "memset")),
+)
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -31,6 +42,15 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
         busy += end - max(start, reach)
         reach = end
     return busy
+
+
+def kernel_kind(name: str) -> str:
+    """The `KERNEL_KINDS` kind of a kernel name ("memory-bound" for the rest)."""
+    lowered = name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "memory-bound"
 
 
 def _summarise(prof, steps: int, device_type: str) -> dict:
@@ -55,7 +75,11 @@ def _summarise(prof, steps: int, device_type: str) -> dict:
     def top(table):
         return [(name[:90], round(us / steps / 1e3, 3)) for name, us in
                 sorted(table.items(), key=lambda kv: -kv[1])[:TOP]]
+    by_kind: dict[str, float] = {}
+    for name, us in by_kernel.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us / steps / 1e3
     return {"device": device_type, "device_busy_ms_per_step": busy_us / steps / 1e3,
+            "kernel_ms_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "kernels_per_step": len(kernels) / steps, "host_ops_per_step": len(host) / steps,
             "fsdp_hook_host_ms_per_step": fsdp_us / steps / 1e3,
             "top_kernels_ms_per_step": top(by_kernel), "top_host_ops_self_ms_per_step": top(by_op)}

@@ -26,6 +26,18 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert busy([]) == 0.0
 
 
+def test_kernel_kinds_of_names_an_h200_step_ran():
+    kind = _module().kernel_kind
+    assert kind("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "matmul"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kind("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
+    assert kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kind("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>") \
+        == "memory-bound"
+    assert kind("void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16>>") == "memory-bound"
+
+
 def test_a_missing_plan_is_refused_in_one_line(tmp_path, capsys):
     assert _module().main([str(tmp_path / "none.json")]) == 2
     assert "no plan at" in capsys.readouterr().err
@@ -43,4 +55,5 @@ def test_one_profiled_cpu_step(run_cli, tmp_path):
     assert result["wall_ms_per_step"] > 0 and result["device_busy_ms_per_step"] > 0
     assert result["host_ops_per_step"] > 100 and result["fsdp_hook_host_ms_per_step"] > 0
     assert any(name.startswith("aten::") for name, _ in result["top_host_ops_self_ms_per_step"])
+    assert result["kernel_ms_per_step_by_kind"] == {}  # no kernels on CPU
     json.dumps(result)  # what gpu_check stores
