@@ -137,10 +137,10 @@ class Run:
     fp8_recipe: str | None = None  # under fp8, the recipe its source names (contracts.config.FP8_RECIPES)
     # the engine whose overlap (`contracts.overlap`) and memory price the step in bench_fidelity:
     # set where the run's engine and version are one meshplan models (torchtitan, Megatron-Bridge
-    # 25.11, the Megatron-MoE-ModelZoo's Megatron-Core, llm-foundry's MPT runs); "meshplan"
+    # 25.11, the Megatron-MoE-ModelZoo's Megatron-Core, llm-foundry's MPT runs); "generic"
     # otherwise (Megatron-LM of 2021-2022 predates the overlap `--engine megatron` prices; Llama 3's
-    # stack is none of the engines)
-    engine: str = "meshplan"
+    # stack is none of the engines): fused kernels, overlap and memory as meshplan's executor's
+    engine: str = "generic"
     # Megatron-Core's --recompute-modules the run used; only the megatron memory recipe prices them
     # (bench_engine_memory); step-time fits cost the run's `recompute` (their time is elementwise work)
     recompute_modules: tuple[str, ...] = ()

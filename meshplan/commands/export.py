@@ -47,6 +47,9 @@ def estimate_from(args) -> int:
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.engines.bridge import predict_job, read_engine_file
 
+    if args.engine == "generic":
+        raise MeshplanError(f"--from {args.from_file}: engine generic has no config file of its own; name the "
+                            "file's engine (torchtitan, megatron or deepspeed) or leave --engine out")
     job = read_engine_file(args.from_file, None if args.engine == "meshplan" else args.engine)
     if job is None:  # a meshplan plan.json: predicted as `simulate` does
         return _estimate_plan(args)

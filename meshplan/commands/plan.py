@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, SCHEDULES
+from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES, PRECISIONS,
+                                               SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_grad_reduce_argument,
                                      add_job_arguments, add_offload_argument,
@@ -214,7 +215,7 @@ def format_plan(data: dict, args) -> str:
     seq = f" (seq {data['model']['seq']})" if is_sequence_model(data["model"]["spec"]) else ""
     head = (f"{data['model']['spec']}{seq} on {data['cluster']['gpus']} x "
             f"{data['cluster']['profile']}, global batch {data['global_batch']}, {data['precision']}"
-            + (f", memory as {data['engine']} allocates it" if data.get("engine", "meshplan") != "meshplan" else ""))
+            + (f", memory as {data['engine']} allocates it" if data.get("engine", "meshplan") not in EXECUTOR_MEMORY_ENGINES else ""))
     lines = [head, "", text, "", explain(data)]
     if not data["executable"]:
         lines += ["", f"NOT EXECUTABLE: {data['not_executable_reason']}"]

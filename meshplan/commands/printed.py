@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.commands.common import GIB, throughput_line
-from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
              + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
              + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
              + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
-             + (f" (memory as {cfg.engine} allocates it)" if cfg.engine != "meshplan" else ""),
+             + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""),
              overlap_line(cfg.engine), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:

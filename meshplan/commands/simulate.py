@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshplan.planner.contracts.config import ENGINES
+from meshplan.planner.contracts.config import ENGINES, EXECUTOR_MEMORY_ENGINES
 
 GIB, MIB = 2**30, 2**20
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")
@@ -82,7 +82,7 @@ def summary(plan, prediction) -> str:
         f"{plan.model.spec}{f' (seq {plan.model.seq})' if is_sequence_model(plan.model.spec) else ''} on "
         f"{cfg.gpus} x {plan.cluster.name}: "
         f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}{f' ({cfg.fp8_recipe})' if cfg.fp8_recipe else ''}"
-        + (f", memory as {cfg.engine} allocates it" if cfg.engine != "meshplan" else "")
+        + (f", memory as {cfg.engine} allocates it" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else "")
         + (f", {cfg.offload} offloaded to host memory" if cfg.offload != "none" else ""),
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "
         f"global batch {cfg.global_batch}",

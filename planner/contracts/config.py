@@ -18,8 +18,13 @@ RECOMPUTE = ("none", "selective", "full")
 # fp8: FP8 Linears over bf16-mixed under one of FP8_RECIPES (planner.costing.fp8); planned, not executed.
 PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # The training engine whose memory recipe prices a plan (`costing.engine_memory`): meshplan's own
-# executor, Megatron-LM, torchtitan, DeepSpeed or MosaicML's llm-foundry (Composer's FSDP).
-ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed", "llm-foundry")
+# executor, Megatron-LM, torchtitan, DeepSpeed or MosaicML's llm-foundry (Composer's FSDP); or
+# "generic", a stack meshplan has no record of: fused kernels (no cost only meshplan's eager
+# executor pays), overlap and memory as meshplan's executor has them (published runs of Megatron-LM
+# 2021-2022 and of Llama 3's stack, the fit sets among them, are priced so).
+ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed", "llm-foundry", "generic")
+# Engines whose memory is meshplan's executor's own recipe (`state_memory`, `activation_memory`).
+EXECUTOR_MEMORY_ENGINES = ("meshplan", "generic")
 # Engines that train with data and tensor parallelism alone (no pipeline, context or expert parallelism).
 NO_PIPELINE_ENGINES = ("llm-foundry",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
@@ -32,7 +37,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8")
 # Transformer Engine in the model code, whose `fp8_autocast` recipe defaults to DelayedScaling, as
 # does llm-foundry's (Composer's `fp8_autocast` with TE's default recipe); meshplan prices torchao's tensorwise.
 DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtitan": "tensorwise",
-                      "deepspeed": "delayed", "llm-foundry": "delayed"}
+                      "deepspeed": "delayed", "llm-foundry": "delayed", "generic": "tensorwise"}
 # Model states moved to host memory (`costing.offload`): none; the optimizer's states and its step
 # (DeepSpeed ZeRO-Offload `offload_optimizer`, Megatron-LM `--optimizer-cpu-offload`); or also the
 # parameters and gradients (ZeRO-Infinity `offload_param`, FSDP2 `CPUOffloadPolicy`), ZeRO-3 only.

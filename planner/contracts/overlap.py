@@ -126,6 +126,19 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_grad_reduce="after_chunk",    # torch pipelining reduces a chunk after its last backward
         sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",)),
     EngineOverlap(
+        engine="generic", version="a stack meshplan has no record of, fused kernels, overlapped as meshplan's "
+                                  "executor overlaps",
+        tp_comm_overlap=False,           # the rest as meshplan's executor: what these runs' papers leave unpublished
+        grad_overlap_min_zero=0,
+        param_gather_prefetch=True,
+        pp_p2p_async=True,
+        cp_exchange="all_gather",
+        ep_a2a_hidden_fraction=0.0,
+        param_gather="first_forward",
+        pp_grad_reduce="after_chunk",
+        sources=("meshplan's executor's record, above (Narayanan et al. 2021, Korthikanti et al. 2022 and "
+                 "Dubey et al. 2024 publish step times, not their stacks' overlap)",)),
+    EngineOverlap(
         engine="megatron", version="Megatron-Core 0.14 with Transformer Engine, as Megatron-Bridge 25.11's "
                                    "performance recipes configure it",
         tp_comm_overlap=True,            # CommOverlapConfig(tp_comm_overlap=True): needs tp >= 2, SP and TE

@@ -82,7 +82,7 @@ KERNEL_SPEEDS = {
 # Megatron-Core with Transformer Engine picks cuDNN fused attention on Hopper; torchtitan and
 # DeepSpeed's Hugging Face models call torch SDPA; llm-foundry's MPT benchmarks ran attn_impl triton.
 ENGINE_DEFAULT_ATTENTION = {"meshplan": "sdpa-flash", "megatron": "cudnn", "torchtitan": "sdpa-flash",
-                            "deepspeed": "sdpa-flash", "llm-foundry": "triton-alibi"}
+                            "deepspeed": "sdpa-flash", "llm-foundry": "triton-alibi", "generic": "sdpa-flash"}
 
 
 def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
@@ -81,7 +81,7 @@ def allocator_reserve_fraction(engine: str) -> float:
     engines; none for meshplan's executor, planned against its profile's reserve alone. Model
     states are allocated once, before the first step (Megatron-LM's contiguous parameter and
     gradient buffers, FSDP2's and DeepSpeed's flat shards), and do not fragment."""
-    return 0.0 if engine == "meshplan" else ALLOCATOR_FRAGMENTATION
+    return 0.0 if engine in EXECUTOR_MEMORY_ENGINES else ALLOCATOR_FRAGMENTATION
 
 
 def transient_scale(engine: str) -> float:

@@ -92,7 +92,7 @@ RECIPES = {recipe.name: recipe for recipe in (
     # (read bf16), then one kernel reads bf16 and writes both fp8 layouts; a weight is cast
     # once per layout (fwd, bwd), each reading bf16. Float8 all-gather: torchtitan (FSDP2's
     # `enable_fsdp_float8_all_gather`), meshplan's pricing of it, Megatron's --fp8-param-gather.
-    Fp8Recipe("tensorwise", B + (B + 2 * F), B + 2 * (B + F), ("meshplan", "torchtitan", "megatron")),
+    Fp8Recipe("tensorwise", B + (B + 2 * F), B + 2 * (B + F), ("meshplan", "generic", "torchtitan", "megatron")),
     # torchao rowwise (same source): one kernel writes the row-scaled fp8 copy and a bf16
     # transpose, a second quantises that transpose along the other axis (a row's scale cannot
     # serve the column-scaled GEMM); a weight pays a separate bf16 transpose (read + write).

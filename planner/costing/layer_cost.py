@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import CONFIG_FIELDS, ParallelConfig
+from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8, offload, overlap
 from meshplan.planner.costing.activation_memory import activation_bytes
@@ -138,7 +138,7 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     if local.dp_param_gather_s > 0:  # the once-per-step gather, less what the engine hides (`overlap`)
         local = local.replaced(dp_param_gather_s=overlap.exposed_step_gather_s(local.dp_param_gather_s,
                                                                                local.fwd_busy_s, config))
-    if config.engine != "meshplan":
+    if config.engine not in EXECUTOR_MEMORY_ENGINES:
         # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
         memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),
                                      profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
