@@ -90,7 +90,7 @@ from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
                                                   is_expert_linear, router_flops, router_times_s, shuffle_time_s)
 from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
-from meshplan.planner.costing.state_memory import state_bytes
+from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 
 
@@ -338,9 +338,10 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     copies = (zero == 3) + (state_recipe == "executor" and ranks > 1 and zero >= 1
                             and (config.pp == 1 or zero == 3))
     full = config.recompute == "full"
+    grad_copy_s = memory_time_s(grad_copy_bytes_per_param(config) * params, cluster)  # FSDP2's, as the dense part's
     return dense.replaced(
         fwd_compute_s=dense.fwd_compute_s + router_fwd_s + fwd_s,
-        bwd_compute_s=dense.bwd_compute_s + router_bwd_s + bwd_s,
+        bwd_compute_s=dense.bwd_compute_s + router_bwd_s + bwd_s + grad_copy_s,
         recompute_s=dense.recompute_s + (router_fwd_s + fwd_s if full else 0.0),
         fwd_gather_s=dense.fwd_gather_s + fwd_gather_s, bwd_gather_s=dense.bwd_gather_s + bwd_gather_s,
         dp_grad_comm_s=dense.dp_grad_comm_s + grad_s, dp_param_gather_s=dense.dp_param_gather_s + gather_s,

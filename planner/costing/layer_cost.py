@@ -23,7 +23,8 @@ from meshplan.planner.costing.engine_memory import engine_layer_memory
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
 from meshplan.planner.costing.memo import through
-from meshplan.planner.costing.state_memory import grad_wire_bytes_per_param, state_bytes
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, grad_wire_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
 
@@ -206,6 +207,8 @@ def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: Clust
                                                                   profile_dtype or dtype, attention, memo)
     states = _model_states(layer, config, cluster, info, holds_shared, state_recipe)
     fwd_s, bwd_s = fwd_s + states.host_fwd_s, bwd_s + states.host_bwd_s
+    # FSDP2's fp32 gradient copies of this micro-batch (`state_memory.grad_copy_bytes_per_param`)
+    bwd_s += memory_time_s(grad_copy_bytes_per_param(config) * states.params_per_rank, cluster)
     saved_bytes, buffer_bytes, extra_params, extra_grads = _memory_bytes(
         layer, config, info, states, act_scale, vocab, profile_dtype or dtype, state_recipe)
     out_shard = config.tp if config.sp and split else 1
@@ -263,6 +266,18 @@ class _ModelStates(NamedTuple):
     owned_params: float  # parameters whose optimizer states the rank holds (ZeRO-sharded)
     host_fwd_s: float  # FSDP's copies around its collectives, on the compute path
     host_bwd_s: float
+
+
+def grad_copy_params(layer: LayerProfile, info: ModelInfo, tp: int, ep: int, expert_tp: int,
+                     holds_shared: bool = False) -> float:
+    """The parameters whose gradients FSDP2's copies touch on one rank, per micro-batch
+    (`state_memory.grad_copy_bytes_per_param`): the layer's own (a padded vocabulary's rows and a
+    tied copy included, / tp when split) and its routed experts' (/ ep expert_tp): what
+    `layer_cost` charges them on, dense part and experts."""
+    dense = layer.num_params - layer.expert_params + extra_vocab_params(layer, tp, info)
+    if holds_shared:
+        dense += layer.shared_params
+    return dense / (tp if is_split(layer, tp) else 1) + layer.expert_params / ep / expert_tp
 
 
 def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,

@@ -109,6 +109,32 @@ def grad_sync_mode(config) -> str:
     return "overlap_every_microbatch" if zero >= 2 and config.num_microbatches > 1 else "overlap"
 
 
+# Engines whose data parallelism is FSDP2's under its mixed-precision policy (bf16 parameters,
+# fp32 gradient reduction), and whether they defer gradient sync to a step's last micro-batch
+# below ZeRO-2: meshplan's executor (`executor.runtime._gradient_sync`) does; torchtitan's trainer
+# reduces every micro-batch's gradients (`torchtitan/trainer.py`: no `set_requires_gradient_sync`).
+FSDP2_MIXED_PRECISION_ENGINES = {"meshplan": True, "torchtitan": False}
+
+
+def grad_copy_bytes_per_param(config) -> float:
+    """Bytes per parameter (unsharded, on this rank) FSDP2's mixed-precision gradient path reads
+    and writes outside the GEMMs, per micro-batch (`FSDPParam.to_accumulated_grad_if_needed`,
+    `accumulate_unsharded_grad_if_needed`, `foreach_reduce`'s `_chunk_cat`): where gradient sync
+    waits for the last micro-batch, each micro-batch's bf16 gradient is added into an fp32
+    accumulation (read 2 + 4, write 4: 10; the first micro-batch's cast and the last one's copy
+    into the reduction's input come to about as much); where every micro-batch reduces, its bf16
+    gradient is cast into the fp32 reduce-scatter input (read 2, write 4: 6). The engines without
+    FSDP2 accumulate in fp32 inside the weight-gradient GEMM (Megatron-LM's
+    gradient_accumulation_fusion into `main_grad`): 0. fp32 training and fp8 (whose states
+    meshplan's executor keeps in fp32, with no mixed-precision policy) accumulate in the
+    parameter's own dtype through autograd: not charged here either."""
+    defers = FSDP2_MIXED_PRECISION_ENGINES.get(config.engine)
+    if defers is None or config.precision != "bf16-mixed":
+        return 0.0
+    zero = executed_zero(config.zero, config.data_ranks, config.pp, config.schedule)
+    return 10.0 if defers and zero <= 1 else 6.0
+
+
 def paper_state_bytes(num_params: float, dp: int, zero: int, precision: str,
                       shard: int | None = None) -> dict[str, float]:
     """`shard`: the ranks ZeRO shards over (HSDP's shard group; all dp ranks by default)."""

@@ -82,17 +82,20 @@ def average_tail_s(table, pp: int, grad_sync: str = "overlap") -> float:
     return table.least_tail_s(grad_sync == "after_chunk") / pp + table.rank_fixed_s
 
 
-def compute_bound_s(table, shape, grad_sync: str = "overlap") -> float:
+def compute_bound_s(table, shape, grad_sync: str = "overlap", less_s: tuple[float, float] = (0.0, 0.0)) -> float:
     """Compute alone: every layer at its fastest option, and stages as balanced as whole layers
     allow (some rank holds ceil(N / p) of the longest run, some chunk ceil(N / C), which the
-    interleaved rule charges v times)."""
+    interleaved rule charges v times). `less_s`: (seconds off the sum of every layer's fastest
+    option, seconds off a run layer's), for a strategy whose layers are the table's less a cost
+    every option of a layer pays alike (`problems._sibling_bound_s`)."""
     chunk_s = table.chunk_overhead_s if shape.num_chunks > 1 else 0.0
-    total = table.fastest_sum_s + chunk_s * shape.num_chunks
+    total = table.fastest_sum_s - less_s[0] + chunk_s * shape.num_chunks
     slowest_weight, sum_weight = shape.weights
     pp = shape.num_stages
     slowest = total / pp
     if pp > 1:
         count, fastest_s = _longest_run(table)
+        fastest_s -= less_s[1]
         v = shape.virtual_stages
         slowest = max(slowest, -(-count // pp) * fastest_s + v * chunk_s)
         if v > 1:

@@ -8,7 +8,9 @@ from dataclasses import replace
 from functools import partial
 
 from meshplan.planner.contracts.config import RECOMPUTE, ParallelConfig
-from meshplan.planner.costing.state_memory import grad_sync_mode
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.layer_cost import grad_copy_params
+from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, grad_sync_mode
 from meshplan.planner.search.bounds import compute_bound_s
 from meshplan.planner.search.ilp.formulation import StageProblem
 from meshplan.planner.search.solving import Pending, Solved, floor_shape, min_static_bytes
@@ -40,6 +42,7 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     else:
         built.update(build([c for c, _ in built_now], [st for _, st in built_now]))
     tables = TableCache(graph, cluster, recompute_options, built)
+    savings: dict = {}  # `_copy_saving_s`'s, per mesh
     problems, pruned, with_table = [], [], []
     weight_share = model_weight_share(graph)  # the zero-bubble schedules' W share of the backward
     for candidate, strategy in zip(candidates, strategies):
@@ -52,7 +55,8 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
         make_floor = partial(_floor_problem, tables, strategy, candidate, cluster, limit, time_limit_s)
         if strategy in sibling_of:  # its table waits: the ZeRO-1 sibling's compute bounds it
             problems.append(Pending(candidate, _sibling_bound_s(built.get(sibling_of[strategy]) or
-                                                                light[sibling_of[strategy]], candidate),
+                                                                light[sibling_of[strategy]], candidate, graph, cluster,
+                                                                savings),
                                     make_floor, weight_share=weight_share))
             continue
         table = built.get(strategy) or light[strategy]
@@ -65,7 +69,7 @@ def build_problems(graph, cluster, candidates, global_batch, precision, pins, li
     problems, dominated = best_expert_degrees(problems)
     if light:
         strategy_of = {id(c): st for c, st in zip(candidates, strategies)}
-        _full_tables_of_kept(problems, strategy_of, sibling_of, light, build, tables)
+        _full_tables_of_kept(problems, strategy_of, sibling_of, light, build, tables, graph, cluster, savings)
     kept = {id(item) for item in problems}
     for item in with_table:  # posed only for the expert layouts kept (most MoE candidates are not)
         if id(item) in kept:
@@ -91,17 +95,39 @@ def _expert_layouts_compete(candidates) -> bool:
     return False
 
 
-def _sibling_bound_s(sibling, candidate: ParallelConfig) -> float:
+def _sibling_bound_s(sibling, candidate: ParallelConfig, graph, cluster, savings: dict) -> float:
     """The compute bound of a pipelined ZeRO-2/3 candidate from its ZeRO-1 sibling's table: ZeRO-2
-    runs the same gathers and optimizer; ZeRO-3 gathers in every pass instead of once in the tail."""
-    bound = compute_bound_s(sibling, floor_shape(candidate), "overlap")
+    runs the same gathers and optimizer; ZeRO-3 gathers in every pass instead of once in the tail.
+    Where the sibling's gradient copies cost more (meshplan's executor: an fp32 accumulation at
+    ZeRO-1, a cast at ZeRO-2/3, `state_memory.grad_copy_bytes_per_param`), the difference comes
+    off every layer first: each layer's options pay it alike."""
+    bound = compute_bound_s(sibling, floor_shape(candidate), "overlap", _copy_saving_s(graph, cluster, candidate, savings))
     if candidate.zero == 3:
         bound -= sibling.least_tail_s(False) / candidate.pp
     return bound
 
 
+def _copy_saving_s(graph, cluster, candidate: ParallelConfig, savings: dict) -> tuple[float, float]:
+    """(over every layer, over one block at most) the seconds a micro-batch's gradient copies
+    cost the candidate's ZeRO-1 sibling beyond the candidate (a tied copy counted on the head,
+    so never less than the difference); `savings` keeps them per mesh (a search asks for
+    thousands of candidates over a few meshes)."""
+    saved = (grad_copy_bytes_per_param(replace(candidate, zero=1)) - grad_copy_bytes_per_param(candidate))
+    if saved <= 0:
+        return 0.0, 0.0
+    key = (candidate.tp, candidate.ep, candidate.expert_tp, saved)
+    if key not in savings:
+        seconds = [(layer.kind, memory_time_s(saved * grad_copy_params(layer, graph.info, *key[:3],
+                                                                       holds_shared=bool(layer.shared_params)),
+                                              cluster))
+                   for layer in graph.layers]
+        blocks = [s for kind, s in seconds if kind == "block"] or [s for _, s in seconds]
+        savings[key] = (sum(s for _, s in seconds), max(blocks))
+    return savings[key]
+
+
 def _full_tables_of_kept(problems: list[Pending], strategy_of: dict, sibling_of: dict, light: dict, build,
-                         tables: TableCache) -> None:
+                         tables: TableCache, graph, cluster, savings: dict) -> None:
     """The full tables of the kept candidates whose bounds came from light ones (theirs or their
     ZeRO-1 sibling's), built now over the pool into `tables`, and each such candidate's bound from them."""
     need: dict = {}
@@ -115,7 +141,8 @@ def _full_tables_of_kept(problems: list[Pending], strategy_of: dict, sibling_of:
     for item in problems:
         strategy = strategy_of[id(item.candidate)]
         if strategy in sibling_of and sibling_of[strategy] in light:
-            item.bound_s = _sibling_bound_s(tables.get(sibling_of[strategy]), item.candidate)
+            item.bound_s = _sibling_bound_s(tables.get(sibling_of[strategy]), item.candidate, graph, cluster,
+                                            savings)
         elif strategy in light:
             item.bound_s = compute_bound_s(tables.get(strategy), floor_shape(item.candidate),
                                            grad_sync_mode(item.candidate))
