@@ -77,7 +77,8 @@ def _summarise(prof, steps: int, device_type: str) -> dict:
                 sorted(table.items(), key=lambda kv: -kv[1])[:TOP]]
     by_kind: dict[str, float] = {}
     for name, us in by_kernel.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us / steps / 1e3
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / steps / 1e3
     return {"device": device_type, "device_busy_ms_per_step": busy_us / steps / 1e3,
             "kernel_ms_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "kernels_per_step": len(kernels) / steps, "host_ops_per_step": len(host) / steps,

@@ -9,7 +9,7 @@ performance (Megatron) or its defaults (torchtitan, DeepSpeed); every field cite
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from meshplan.planner.contracts.config import ENGINES
 
@@ -113,31 +113,29 @@ class EngineOverlap:
         return out
 
 
+MESHPLAN_OVERLAP = EngineOverlap(
+    engine="meshplan", version="meshplan's executor (torch FSDP2 / DDP, torch pipelining)",
+    tp_comm_overlap=False,           # DTensor collectives block the compute stream (`executor.parallel.tensor`)
+    grad_overlap_min_zero=0,         # DDP buckets / FSDP2 per-unit reduce-scatter during the backward
+    param_gather_prefetch=True,      # FSDP2 prefetches the next unit's all-gather
+    pp_p2p_async=True,               # torch pipelining's batched isend/irecv
+    cp_exchange="all_gather",        # `executor.parallel.context`: all_gather_tensor_autograd of K/V
+    ep_a2a_hidden_fraction=0.0,      # all_to_all_single on the compute path (`executor.parallel.expert`)
+    param_gather="first_forward",    # ZeRO-0/1/2 stay gathered across micro-batches (`executor.runtime`)
+    pp_grad_reduce="after_chunk",    # torch pipelining reduces a chunk after its last backward
+    sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",))
+
+# A stack meshplan has no record of (`contracts.config.ENGINES`): meshplan's executor's overlap,
+# field for field, since the runs priced so (Narayanan et al. 2021, Korthikanti et al. 2022, Dubey
+# et al. 2024) publish step times, not their stacks' overlap.
+GENERIC_OVERLAP = replace(
+    MESHPLAN_OVERLAP, engine="generic",
+    version="a stack meshplan has no record of, fused kernels, overlapped as meshplan's executor overlaps",
+    sources=("meshplan's executor's record (the papers priced under it publish no overlap)",))
+
 ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
-    EngineOverlap(
-        engine="meshplan", version="meshplan's executor (torch FSDP2 / DDP, torch pipelining)",
-        tp_comm_overlap=False,           # DTensor collectives block the compute stream (`executor.parallel.tensor`)
-        grad_overlap_min_zero=0,         # DDP buckets / FSDP2 per-unit reduce-scatter during the backward
-        param_gather_prefetch=True,      # FSDP2 prefetches the next unit's all-gather
-        pp_p2p_async=True,               # torch pipelining's batched isend/irecv
-        cp_exchange="all_gather",        # `executor.parallel.context`: all_gather_tensor_autograd of K/V
-        ep_a2a_hidden_fraction=0.0,      # all_to_all_single on the compute path (`executor.parallel.expert`)
-        param_gather="first_forward",    # ZeRO-0/1/2 stay gathered across micro-batches (`executor.runtime`)
-        pp_grad_reduce="after_chunk",    # torch pipelining reduces a chunk after its last backward
-        sources=("meshplan executor/parallel/{tensor,data,pipeline,context,expert}.py",)),
-    EngineOverlap(
-        engine="generic", version="a stack meshplan has no record of, fused kernels, overlapped as meshplan's "
-                                  "executor overlaps",
-        tp_comm_overlap=False,           # the rest as meshplan's executor: what these runs' papers leave unpublished
-        grad_overlap_min_zero=0,
-        param_gather_prefetch=True,
-        pp_p2p_async=True,
-        cp_exchange="all_gather",
-        ep_a2a_hidden_fraction=0.0,
-        param_gather="first_forward",
-        pp_grad_reduce="after_chunk",
-        sources=("meshplan's executor's record, above (Narayanan et al. 2021, Korthikanti et al. 2022 and "
-                 "Dubey et al. 2024 publish step times, not their stacks' overlap)",)),
+    MESHPLAN_OVERLAP,
+    GENERIC_OVERLAP,
     EngineOverlap(
         engine="megatron", version="Megatron-Core 0.14 with Transformer Engine, as Megatron-Bridge 25.11's "
                                    "performance recipes configure it",

@@ -116,7 +116,7 @@ def grad_sync_mode(config) -> str:
 FSDP2_MIXED_PRECISION_ENGINES = {"meshplan": True, "torchtitan": False}
 
 
-def grad_copy_bytes_per_param(config) -> float:
+def grad_copy_bytes_per_param(config, zero: int | None = None) -> float:
     """Bytes per parameter (unsharded, on this rank) FSDP2's mixed-precision gradient path reads
     and writes outside the GEMMs, per micro-batch (`FSDPParam.to_accumulated_grad_if_needed`,
     `accumulate_unsharded_grad_if_needed`, `foreach_reduce`'s `_chunk_cat`): where gradient sync
@@ -127,11 +127,12 @@ def grad_copy_bytes_per_param(config) -> float:
     FSDP2 accumulate in fp32 inside the weight-gradient GEMM (Megatron-LM's
     gradient_accumulation_fusion into `main_grad`): 0. fp32 training and fp8 (whose states
     meshplan's executor keeps in fp32, with no mixed-precision policy) accumulate in the
-    parameter's own dtype through autograd: not charged here either."""
+    parameter's own dtype through autograd: not charged here either. `zero`: another stage for
+    the same config (a ZeRO-2/3 candidate's ZeRO-1 sibling, `search.problems`)."""
     defers = FSDP2_MIXED_PRECISION_ENGINES.get(config.engine)
     if defers is None or config.precision != "bf16-mixed":
         return 0.0
-    zero = executed_zero(config.zero, config.data_ranks, config.pp, config.schedule)
+    zero = executed_zero(config.zero if zero is None else zero, config.data_ranks, config.pp, config.schedule)
     return 10.0 if defers and zero <= 1 else 6.0
 
 

@@ -416,12 +416,11 @@ def _head_dim(config) -> dict:
 def _latent_attention(config) -> dict:
     """Multi-head latent attention's widths (DeepSeek-V2/V3 configs: `kv_lora_rank`, ...), {} without."""
     names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    values = [getattr(config, name, 0) for name in names]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+    values = [_positive_int(getattr(config, name, 0)) for name in names]
+    if not all(values):
         return {}
     kv_rank, nope, rope, value = values
-    q_rank = getattr(config, "q_lora_rank", None)
-    return dict(kv_lora_rank=kv_rank, q_lora_rank=q_rank if isinstance(q_rank, int) and q_rank > 0 else 0,
+    return dict(kv_lora_rank=kv_rank, q_lora_rank=_positive_int(getattr(config, "q_lora_rank", None)),
                 qk_rope_head_dim=rope, v_head_dim=value, head_dim=nope + rope)
 
 

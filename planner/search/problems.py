@@ -112,7 +112,7 @@ def _copy_saving_s(graph, cluster, candidate: ParallelConfig, savings: dict) -> 
     cost the candidate's ZeRO-1 sibling beyond the candidate (a tied copy counted on the head,
     so never less than the difference); `savings` keeps them per mesh (a search asks for
     thousands of candidates over a few meshes)."""
-    saved = (grad_copy_bytes_per_param(replace(candidate, zero=1)) - grad_copy_bytes_per_param(candidate))
+    saved = grad_copy_bytes_per_param(candidate, zero=1) - grad_copy_bytes_per_param(candidate)
     if saved <= 0:
         return 0.0, 0.0
     key = (candidate.tp, candidate.ep, candidate.expert_tp, saved)
