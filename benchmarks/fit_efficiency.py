@@ -114,8 +114,11 @@ def predict(run: Run, cluster, vpp: int):
     graph = graph_of(run.spec, run.seq, run.attention)
     if run.moe_dispatcher != graph.info.moe_dispatcher:  # the engine's MoE token dispatcher
         graph = replace(graph, info=replace(graph.info, moe_dispatcher=run.moe_dispatcher))
+    # Megatron-Core's --recompute-modules: selective recomputation of those modules (`module_recompute`)
+    modules = run.recompute_modules if run.engine == "megatron" else ()
     config = make_config(graph, cluster, gpus=run.gpus, global_batch=run.global_batch, tp=run.tp, pp=run.pp,
-                         mbs=run.mbs, zero=run.zero, recompute=run.recompute, sp=run.sp,
+                         mbs=run.mbs, zero=run.zero, recompute="selective" if modules else run.recompute,
+                         recompute_modules=modules, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
                          engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron")
@@ -129,8 +132,21 @@ def published_step_s(run: Run) -> float:
     if run.published_tokens_per_s:
         return run.tokens_per_step / run.published_tokens_per_s
     graph = graph_of(run.spec, run.seq, run.attention)
+    if run.published_causal_tflops_per_gpu:
+        return causal_model_flops(graph) * run.global_batch / (run.gpus * run.published_causal_tflops_per_gpu * 1e12)
     model_flops = float(graph.fwd_flops + graph.bwd_flops) * run.global_batch
     return model_flops / (run.gpus * run.published_model_tflops_per_gpu * 1e12)
+
+
+def causal_model_flops(graph) -> float:
+    """Model FLOPs per sample with causal attention (Megatron-LM's convention): each layer's
+    forward and backward less the masked half of the score products (`causal_fwd_flops`), three
+    times over (forward once, backward twice), whatever kernel ran them."""
+    total = 0.0
+    for layer in graph.layers:
+        skipped = layer.fwd_flops - layer.causal_fwd_flops if 0 < layer.causal_fwd_flops < layer.fwd_flops else 0
+        total += layer.fwd_flops + layer.bwd_flops - 3 * skipped
+    return total
 
 
 def log_errors(run: Run, cluster) -> list[float]:

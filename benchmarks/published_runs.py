@@ -36,7 +36,10 @@ parallelism, costed under balanced routing:
   BF16, seq 4096, GBS 2048): the intra-node-EP row with Megatron FSDP and full recomputation
   (17.6 s), the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), and the two rows whose experts fold over
   tensor and data ranks at expert TP 1: the cross-node TP 2 / PP 8 / VPP 4 / EP 32 row without
-  overlap (19.7 s) and the TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s).
+  overlap (19.7 s) and the TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s); and its long-context table
+  (TP 4, CP 1-8, PP 8, VPP 4, EP 8, 16K-128K tokens, the MoE layers recomputed), the forced-balance
+  TFLOP/s, in the FLOP convention the short rows' step times and TFLOP/s together give.
+  (`published_moe_runs` builds them.)
 - Megatron-Bridge's performance summary (`docs/performance-summary.md`), 25.11 container,
   DGX-H100: Qwen3-30B-A3B on 16 GPUs, FP8 current scaling, force-balanced and dropless.
 - The same page's DGX-GB200 and DGX-B200 tables (`MEGATRON_BRIDGE_BLACKWELL`), every Qwen3 row:
@@ -51,14 +54,15 @@ engine's maintainers call a published figure a regression of that release, the r
 words (`Run.regression`); it is scored like any other, and bench_fidelity prints the set
 without those runs beside it.
 
-Left out, MoE: Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
+Left out, MoE: NVIDIA's DGX Cloud benchmarking recipes' DeepSeek-V3 rows on 512 and 1,024 H100
+(github.com/NVIDIA/dgxc-benchmarking, commit 1f6d9f40e4117d7c71b726f86074ac01c29f87f5: NeMo 25.04,
+TP 2, PP 8 or 16, EP 64, 48.9 and 52.0 s a step; their token dropping, multi-token prediction and
+pipeline layout live in NeMo's recipe of that release, not yet read); Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
 now profiles latent attention, but the rows' recomputation, multi-token-prediction and dispatcher
 settings live in the recipes at the cited commit, not yet read into `Run`s); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
 compute: `expert_parallel.ep_comm_s` takes an overlap share, but no published figure gives the
-share this engine hides); its GB200 and GB300 rows (TFLOP/s only, under an unpublished FLOP
-convention); its long-context table (TFLOP/s only, under an
-unpublished FLOP convention, with the MoE layers recomputed, which meshplan's recomputation
-options do not express); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
+share this engine hides); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
+activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
 Qwen3-235B-A22B row (a column is missing in the table at the cited commit, so its layout is
 ambiguous there; the page's own correction, commit 5776a6d90b4dd8692902ab2eb581369484e19283,
 restores it: GBS 2048, TP 2, PP 8, VP 4, EP 32, 1575 tokens/s/GPU, with the recipe's
@@ -102,8 +106,10 @@ TORCHTITAN_A100 = ("torchtitan docs/performance.md, Llama 2 / Llama 3 on 64 A100
 class Run:
     """One published configuration and what it measured.
 
-    Exactly one of `published_step_s`, `published_tokens_per_s` (whole job) and
-    `published_model_tflops_per_gpu` (MFU convention, attention counted in full) is set.
+    Exactly one of `published_step_s`, `published_tokens_per_s` (whole job),
+    `published_model_tflops_per_gpu` (MFU convention, attention counted in full) and
+    `published_causal_tflops_per_gpu` (Megatron-LM's `num_floating_point_operations`: causal
+    attention, half the score products, no recomputation) is set.
     `vpp_options`: the virtual stages per rank; more than one when the source does not publish
     it, and then a fit weighs every option equally and the benchmark prints the spread.
     """
@@ -129,6 +135,7 @@ class Run:
     published_step_s: float = 0.0
     published_tokens_per_s: float = 0.0
     published_model_tflops_per_gpu: float = 0.0
+    published_causal_tflops_per_gpu: float = 0.0
     assumptions: tuple[str, ...] = field(default=())
     precision: str = "bf16-mixed"
     cp: int = 1
@@ -154,7 +161,8 @@ class Run:
     regression: str = ""
 
     def __post_init__(self):
-        published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu]
+        published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu,
+                     self.published_causal_tflops_per_gpu]
         if sum(value > 0 for value in published) != 1:
             raise ValueError(f"{self.name}: set exactly one published figure, got {published}")
         if not self.source:
@@ -428,22 +436,6 @@ MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11
 # `llama31_llm_pretrain.py`, `qwen/qwen3_llm_pretrain.py`: `set_*_common_configs`) set
 # `ddp.grad_reduce_in_fp32 = False` for every Llama 3, Llama 3.1 and Qwen3 row.
 BRIDGE_BF16_GRADS = "gradients accumulated and reduced in bf16 (the performance configs' grad_reduce_in_fp32 = False)"
-# The engine's maintainers on two of the 25.11 MoE figures (NVIDIA-NeMo/Megatron-Bridge):
-QWEN3_30B_DROPLESS_REGRESSION = (
-    "issue #1998, '[Regression] Low QWEN3 30B B200 and H100 performance with dropless' (2026-01-20): "
-    "'2X slower performance in QWEN3 30B on H100 and B200 with the dropless schedule compared to the "
-    "token-drop schedule ... the perf in 25.11 is 2X slower than 25.09' (25.09's token-drop rows of the "
-    "same layouts: 10494 tokens/s/GPU on H100, 18066 on B200)")
-QWEN3_235B_B200_REGRESSION = (
-    "issue #1705, 'Fix QWEN3 235B B200 MXFP8 performance regression', fixed by PR #1760 (2025-12-17): "
-    "'MXFP8 step time improved from 20.1s to 16.9s ... Disable moe_a2a_overlap due to CPU overhead'")
-MEGATRON_MOE_ASSUMPTIONS = (
-    "balanced routing (--moe-imbalance 1), no token dropping",
-    "Megatron-Core's alltoall dispatcher: meshplan's all-to-all over the EP group, not overlapped with compute",
-    "sequence parallelism on (Megatron-LM requires it with TP and EP)",
-)
-
-
 def megatron_bridge_dense_runs() -> list[Run]:
     """Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling, HELD_OUT_FP8)."""
     assumptions = (
@@ -463,87 +455,6 @@ def megatron_bridge_dense_runs() -> list[Run]:
                 published_tokens_per_s=tps * gpus, assumptions=assumptions + (BRIDGE_BF16_GRADS,),
                 grad_reduce_in_bf16=True)
             for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
-
-
-def moe_runs() -> list[Run]:
-    """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
-    # Expert TP 1 (MoE parallel folding) keeps each EP group of 8 inside one node.
-    qwen = MEGATRON_MOE_ASSUMPTIONS
-    # The table's Dispatcher column: DeepEP for every row but the PP 32 one (A2A); the model config
-    # (model_configs/benchmarking/Qwen3-235B-A22B.yaml) runs --moe-token-dispatcher-type flex
-    # --moe-enable-deepep unless a row overrides it.
-    deepep = ("DeepEP's dispatch and combine (the table's Dispatcher column; --moe-dispatcher deepep), not "
-              "overlapped with compute",)
-    norm_act = ("Megatron-LM's recomputation of the norms and activation functions (--recompute-modules "
-                "layernorm moe_act) timed as none (elementwise work); its memory priced by the megatron recipe",)
-    runs = [
-        # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
-        Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8, etp=1,
-            published_step_s=17.6, moe_dispatcher="deepep", engine="megatron",
-            assumptions=qwen[:1] + qwen[2:] + deepep + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks",)),
-        # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
-        Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
-            published_step_s=29.0, moe_dispatcher="deepep", engine="megatron",
-            assumptions=qwen[:1] + qwen[2:] + deepep + ("distributed optimizer costed as ZeRO-1",
-                                                        "94 layers split unevenly over 32 chunks as meshplan "
-                                                        "splits them")),
-        # Folded layouts, expert TP 1: EP 32 over the TP 2 x DP 16 ranks of a stage (cross-node EP),
-        # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
-        Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
-            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep", engine="megatron",
-            assumptions=qwen[:1] + qwen[2:] + norm_act + deepep + ("distributed optimizer costed as ZeRO-1",)),
-        Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
-            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
-            recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, engine="megatron",
-            assumptions=qwen + norm_act + (
-                "distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 96 chunks as meshplan "
-                "splits them")),
-        # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
-        Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
-            "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
-            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16, grad_reduce_in_bf16=True, engine="megatron",
-            regression=QWEN3_30B_DROPLESS_REGRESSION,
-            assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (
-                "no recomputation (the recipe's set_qwen3_common_configs clears it)",
-                "distributed optimizer costed as ZeRO-1",
-                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
-                "the recipe's moe_a2a_overlap (Megatron-Core's EP overlap) not modelled: no hidden share priced",
-                BRIDGE_BF16_GRADS)),
-    ]
-    return runs + megatron_bridge_blackwell_moe_runs()
-
-
-def megatron_bridge_blackwell_moe_runs() -> list[Run]:
-    """Megatron-Bridge 25.11's DGX-GB200 and DGX-B200 Qwen3 rows (HELD_OUT_MOE): every one, FSDP 0, TP 1.
-
-    The recipes at the source's commit (scripts/performance/configs/qwen/qwen3_workload_base_configs.py):
-    GB200 runs the flex dispatcher with HybridEP and Transformer Engine CUDA graphs, costed as the
-    all-to-all inside one NVLink domain; B200 the alltoall dispatcher, the 235B with moe_a2a_overlap
-    (not modelled)."""
-    assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (
-        "no recomputation (the recipe's set_qwen3_common_configs clears it); the distributed optimizer costed as "
-        "ZeRO-1",
-        "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
-    regressions = {"B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8": QWEN3_235B_B200_REGRESSION,
-                   "B200 Qwen3-30B-A3B fp8 ep8": QWEN3_30B_DROPLESS_REGRESSION}
-    mxfp8 = ("FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current "
-             "scaling)",)
-    # (name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tokens/s/GPU)
-    rows = [("GB200 Qwen3-235B-A22B bf16 pp8 vpp3 ep32", "gb200-nvl72", "qwen3-235b-a22b", 256, 8192, 1, 8, 3, 32,
-             "bf16-mixed", 4916.0),
-            ("GB200 Qwen3-30B-A3B fp8 ep8", "gb200-nvl72", "qwen3-30b-a3b", 8, 512, 4, 1, 1, 8, "fp8", 23766.0),
-            ("B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8", "b200", "qwen3-235b-a22b", 64, 1024, 1, 8, 2, 8, "fp8", 3269.0),
-            ("B200 Qwen3-30B-A3B fp8 ep8", "b200", "qwen3-30b-a3b", 8, 512, 1, 1, 1, 8, "fp8", 9299.0)]
-    return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
-                pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
-                published_tokens_per_s=tps * gpus, grad_reduce_in_bf16=True, engine="megatron",
-                regression=regressions.get(name, ""),
-                assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
-                + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
-            for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
 
 
 # Fabric fit set: NVIDIA's NCCL team's published all-reduce bus bandwidths at large sizes.
@@ -572,3 +483,7 @@ def fit_runs(fit_set: str) -> list[Run]:
 
 def held_out_runs() -> list[Run]:
     return [run for run in all_runs() if run.group == HELD_OUT]
+
+
+# The MoE runs build on this module's Run and sources, all defined above.
+from published_moe_runs import moe_runs  # noqa: E402

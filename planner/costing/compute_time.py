@@ -86,17 +86,36 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     if config.recompute == "full":
         return fwd_s, bwd_s, fwd_s
     if config.recompute == "selective":
-        flops = selective_recompute_flops(layer, info, profile_dtype) * mbs / shard
-        if flops:
-            score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
-            return fwd_s, bwd_s, (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
-                                  + memory_time_s(traffic_per_act_byte * score_bytes, cluster))
-        if is_fused(attention) and layer.attn_fwd_flops:  # the policy reruns the flash kernel's forward
-            if attention_fwd:
-                return fwd_s, bwd_s, attention_time_s(attention_fwd, cluster, dtype, kernel)
-            core = (layer.attn_fwd_flops - skipped) * mbs / shard
-            return fwd_s, bwd_s, compute_time_s(core, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+        return fwd_s, bwd_s, attention_core_recompute_s(layer, config, cluster, info, act_scale, profile_dtype,
+                                                         attention, kernel)
     return fwd_s, bwd_s, 0.0
+
+
+def attention_core_recompute_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
+                               info: ModelInfo, act_scale: float, profile_dtype: str, attention: str,
+                               kernel: float = 0.0) -> float:
+    """Seconds the attention core's forward (QK^T, softmax, x V) takes again in backward, one
+    micro-batch on one rank: selective recomputation's default (Megatron-Core's `core_attn`
+    module). Math attention recomputes its scores; a flash kernel keeps none, but Megatron-Core's
+    `core_attn` checkpoint and the executor's policy (`executor.parallel.recompute`) still rerun
+    its forward, at the kernel's efficiency (`kernel`: `kernel_efficiency`'s)."""
+    dtype = COMPUTE_DTYPE[config.precision]
+    shard = config.tp if is_split(layer, config.tp) else 1
+    mbs = config.rank_microbatch
+    flops = selective_recompute_flops(layer, info, profile_dtype) * mbs / shard
+    if flops:
+        score_bytes = layer.act_attn_score_bytes * mbs * act_scale / shard
+        return (compute_time_s(flops, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
+                + memory_time_s(cluster.device.elementwise_bytes_per_activation_byte * score_bytes, cluster))
+    if not (is_fused(attention) and layer.attn_fwd_flops):
+        return 0.0
+    attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
+    if attention_fwd:
+        return attention_time_s(attention_fwd, cluster, dtype,
+                                kernel or kernel_efficiency(layer, info, cluster, attention, profile_dtype,
+                                                            config.attention_query_split))
+    core = (layer.attn_fwd_flops - causal_skipped_flops(layer, attention)) * mbs / shard
+    return compute_time_s(core, ATTENTION_BMMS_PER_BLOCK, cluster, dtype)
 
 
 def kernel_efficiency(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, attention: str,

@@ -14,7 +14,8 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import context_parallel, expert_parallel, fixed_costs, fp8, offload, overlap
+from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8, module_recompute, offload,
+                                      overlap)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
@@ -131,6 +132,10 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     """
     _check(layer, config, info)
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
+    # Megatron-Core's --recompute-modules rerun their own forwards (`module_recompute`)
+    local = module_recompute.with_module_recompute(local, layer, config, cluster, info,
+                                                   activation_scale(config.precision, profile_dtype),
+                                                   profile_dtype or COMPUTE_DTYPE[config.precision], attention)
     if config.cp > 1:
         kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
                                    config.attention_query_split)

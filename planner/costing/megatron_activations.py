@@ -38,8 +38,8 @@ GPT's dropout 0.1 adds two 1-byte masks (h /sp_t each).
 Selective recomputation drops the terms of `ParallelConfig.selective_modules` (the attention core
 alone unless `recompute_modules` names others); what it drops is rebuilt in backward one layer
 at a time, beside the layer's backward: the transient working set. Full recomputation keeps the
-block's input (b h /sp_t) and rebuilds everything. (Memory only: the time model prices selective
-recomputation as the attention core's whatever the modules.)
+block's input (b h /sp_t) and rebuilds everything. The time the named modules take again is
+`module_recompute`'s, from these terms and the modules' GEMMs.
 """
 from __future__ import annotations
 

@@ -49,7 +49,8 @@ def test_every_run_has_a_source_a_profile_and_one_published_figure(modules):
     for run in data.all_runs():
         assert run.source and run.assumptions, run.name
         assert run.cluster in profiles, run.name
-        figures = [run.published_step_s, run.published_tokens_per_s, run.published_model_tflops_per_gpu]
+        figures = [run.published_step_s, run.published_tokens_per_s, run.published_model_tflops_per_gpu,
+                   run.published_causal_tflops_per_gpu]
         assert sum(f > 0 for f in figures) == 1, run.name
     for fabric in data.FABRIC_RUNS:
         assert fabric.source and fabric.cluster in profiles and fabric.busbw_gb_s > 0
@@ -86,6 +87,26 @@ def test_moe_runs_are_held_out_apart_with_sources_and_valid_layouts(modules):
     # the fit never reads them: fit_runs knows only the fit sets
     with pytest.raises(ValueError, match="unknown fit set"):
         data.fit_runs(data.HELD_OUT_MOE)
+
+
+def test_causal_flop_convention_matches_the_modelzoo_table(modules):
+    """The ModelZoo's Qwen3 table prints step time and TFLOP/s per GPU together on its 4096-token
+    rows (19.7 s / 245, 17.6 / 276, 24.2 / 200, 29.0 / 167 on 256 GPUs, GBS 2048): the FLOPs they
+    imply per token agree with meshplan's causal count of the model (`causal_model_flops`) to the
+    TFLOP/s rounding (1%), and not with the full-attention count; the long-context rows' step times
+    come from that convention."""
+    data, fit = modules
+    graph = fit.graph_of("qwen3-235b-a22b", 4096, "cudnn")
+    causal, full = fit.causal_model_flops(graph) / 4096, float(graph.fwd_flops + graph.bwd_flops) / 4096
+    for step_s, tflops in ((19.7, 245), (17.6, 276), (24.2, 200), (29.0, 167)):
+        implied = tflops * 1e12 * 256 * step_s / (2048 * 4096)
+        assert implied == pytest.approx(causal, rel=0.01) and abs(implied / full - 1) > 0.1
+    long_context = [run for run in data.all_runs() if run.published_causal_tflops_per_gpu]
+    assert len(long_context) == 4
+    for run in long_context:
+        step_s = fit.published_step_s(run)
+        flops = fit.causal_model_flops(fit.graph_of(run.spec, run.seq, run.attention)) * run.global_batch
+        assert step_s * run.gpus * run.published_causal_tflops_per_gpu * 1e12 == pytest.approx(flops)
 
 
 def test_mpt_table_transcription_is_consistent(modules):

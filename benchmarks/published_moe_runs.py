@@ -1,0 +1,140 @@
+"""Held-out mixture-of-experts runs (`published_runs.HELD_OUT_MOE`): Megatron-MoE-ModelZoo's Qwen3
+tables on 256 H100 and Megatron-Bridge 25.11's Qwen3 rows, each with its source and assumptions
+(`published_runs`'s docstring lists what is used and what is left out, and why).
+
+Split from `published_runs` (which defines `Run` and the sources), whose `all_runs` adds these.
+"""
+from __future__ import annotations
+
+from published_runs import (BRIDGE_BF16_GRADS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
+                            MEGATRON_MOE_QWEN3, Run)
+
+# The engine's maintainers on two of the 25.11 MoE figures (NVIDIA-NeMo/Megatron-Bridge):
+QWEN3_30B_DROPLESS_REGRESSION = (
+    "issue #1998, '[Regression] Low QWEN3 30B B200 and H100 performance with dropless' (2026-01-20): "
+    "'2X slower performance in QWEN3 30B on H100 and B200 with the dropless schedule compared to the "
+    "token-drop schedule ... the perf in 25.11 is 2X slower than 25.09' (25.09's token-drop rows of the "
+    "same layouts: 10494 tokens/s/GPU on H100, 18066 on B200)")
+QWEN3_235B_B200_REGRESSION = (
+    "issue #1705, 'Fix QWEN3 235B B200 MXFP8 performance regression', fixed by PR #1760 (2025-12-17): "
+    "'MXFP8 step time improved from 20.1s to 16.9s ... Disable moe_a2a_overlap due to CPU overhead'")
+MEGATRON_MOE_ASSUMPTIONS = (
+    "balanced routing (--moe-imbalance 1), no token dropping",
+    "Megatron-Core's alltoall dispatcher: meshplan's all-to-all over the EP group, not overlapped with compute",
+    "sequence parallelism on (Megatron-LM requires it with TP and EP)",
+)
+
+
+# Transformer Engine's attention backend choice (transformer_engine/pytorch/attention/
+# dot_product_attention/utils.py, get_attention_backend): "Disabling FlashAttention to give
+# FusedAttention preference on Hopper+ for performance reasons" (compute capability 9.0 and up).
+CUDNN_ATTENTION = "cuDNN fused attention (Transformer Engine's choice on Hopper and Blackwell)"
+
+
+def moe_runs() -> list[Run]:
+    """Published mixture-of-experts runs on H100 whose whole layout is in text (HELD_OUT_MOE)."""
+    # Expert TP 1 (MoE parallel folding) keeps each EP group of 8 inside one node.
+    qwen = MEGATRON_MOE_ASSUMPTIONS + (CUDNN_ATTENTION,)
+    # The table's Dispatcher column: DeepEP for every row but the PP 32 one (A2A); the model config
+    # (model_configs/benchmarking/Qwen3-235B-A22B.yaml) runs --moe-token-dispatcher-type flex
+    # --moe-enable-deepep unless a row overrides it.
+    deepep = ("DeepEP's dispatch and combine (the table's Dispatcher column; --moe-dispatcher deepep), not "
+              "overlapped with compute",)
+    norm_act = ("the norms and the experts' activation functions recomputed (Megatron-Core's --recompute-modules "
+                "layernorm moe_act)",)
+    runs = [
+        # Intra-node EP: TP 2, EP 8, DP 128 with Megatron FSDP, MBS 4, GA 4, full recomputation.
+        Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8, etp=1,
+            published_step_s=17.6, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
+            assumptions=qwen[:1] + qwen[2:] + deepep + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks",)),
+        # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
+        Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
+            published_step_s=29.0, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
+            assumptions=qwen[:1] + qwen[2:] + deepep + ("distributed optimizer costed as ZeRO-1",
+                                                        "94 layers split unevenly over 32 chunks as meshplan "
+                                                        "splits them")),
+        # Folded layouts, expert TP 1: EP 32 over the TP 2 x DP 16 ranks of a stage (cross-node EP),
+        # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
+        Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
+            recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
+            assumptions=qwen[:1] + qwen[2:] + norm_act + deepep + ("distributed optimizer costed as ZeRO-1",)),
+        Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+            "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
+            recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, engine="megatron", attention="cudnn",
+            assumptions=qwen + norm_act + (
+                "distributed optimizer costed as ZeRO-1", "94 layers split unevenly over 96 chunks as meshplan "
+                "splits them")),
+        # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
+        Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
+            "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
+            fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
+            regression=QWEN3_30B_DROPLESS_REGRESSION,
+            assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION,
+                "no recomputation (the recipe's set_qwen3_common_configs clears it)",
+                "distributed optimizer costed as ZeRO-1",
+                "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
+                "the recipe's moe_a2a_overlap (Megatron-Core's EP overlap) not modelled: no hidden share priced",
+                BRIDGE_BF16_GRADS)),
+    ]
+    return runs + moe_long_context_runs() + megatron_bridge_blackwell_moe_runs()
+
+
+def megatron_bridge_blackwell_moe_runs() -> list[Run]:
+    """Megatron-Bridge 25.11's DGX-GB200 and DGX-B200 Qwen3 rows (HELD_OUT_MOE): every one, FSDP 0, TP 1.
+
+    The recipes at the source's commit (scripts/performance/configs/qwen/qwen3_workload_base_configs.py):
+    GB200 runs the flex dispatcher with HybridEP and Transformer Engine CUDA graphs, costed as the
+    all-to-all inside one NVLink domain; B200 the alltoall dispatcher, the 235B with moe_a2a_overlap
+    (not modelled)."""
+    assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION,
+        "no recomputation (the recipe's set_qwen3_common_configs clears it); the distributed optimizer costed as "
+        "ZeRO-1",
+        "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
+    regressions = {"B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8": QWEN3_235B_B200_REGRESSION,
+                   "B200 Qwen3-30B-A3B fp8 ep8": QWEN3_30B_DROPLESS_REGRESSION}
+    mxfp8 = ("FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current "
+             "scaling)",)
+    # (name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tokens/s/GPU)
+    rows = [("GB200 Qwen3-235B-A22B bf16 pp8 vpp3 ep32", "gb200-nvl72", "qwen3-235b-a22b", 256, 8192, 1, 8, 3, 32,
+             "bf16-mixed", 4916.0),
+            ("GB200 Qwen3-30B-A3B fp8 ep8", "gb200-nvl72", "qwen3-30b-a3b", 8, 512, 4, 1, 1, 8, "fp8", 23766.0),
+            ("B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8", "b200", "qwen3-235b-a22b", 64, 1024, 1, 8, 2, 8, "fp8", 3269.0),
+            ("B200 Qwen3-30B-A3B fp8 ep8", "b200", "qwen3-30b-a3b", 8, 512, 1, 1, 1, 8, "fp8", 9299.0)]
+    return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
+                pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
+                published_tokens_per_s=tps * gpus, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
+                regression=regressions.get(name, ""),
+                assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
+                + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
+            for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
+
+
+# The ModelZoo's "Long Context" table (same readme and commit): Qwen3-235B-A22B on 32 nodes, BF16,
+# DeepEP, TP 4, CP 1-8, GBS 256, its command's PP 8, VPP 4, EP 8 (expert TP 1, MBS 1 and the rest
+# from model_configs/benchmarking/Qwen3-235B-A22B.yaml), without all-to-all overlap (A2A_OVERLAP=0)
+# and with the layer norms and the whole MoE layers recomputed (--recompute-modules layernorm moe).
+# Its TFLOP/s are the forced-balance figures (--moe-router-force-load-balancing: meshplan's balanced
+# routing), in Megatron-LM's convention: causal attention, no recomputation (the table above prints
+# step time and TFLOP/s together; its four rows give 147.3-148.2 GFLOP per token at 4096 tokens,
+# meshplan's causal count of the model is 148.3).
+# (sequence, CP, TFLOP/s per GPU)
+MEGATRON_MOE_QWEN3_LONG_CONTEXT = ((16384, 1, 295.0), (32768, 2, 335.0), (65536, 4, 368.0), (131072, 8, 389.0))
+
+
+def moe_long_context_runs() -> list[Run]:
+    """The ModelZoo's long-context rows (HELD_OUT_MOE), forced balance."""
+    assumptions = MEGATRON_MOE_ASSUMPTIONS[:1] + MEGATRON_MOE_ASSUMPTIONS[2:] + (CUDNN_ATTENTION,
+        "DeepEP's dispatch and combine (--moe-dispatcher deepep), not overlapped with compute (A2A_OVERLAP=0)",
+        "the layer norms and MoE layers recomputed (Megatron-Core's --recompute-modules layernorm moe)",
+        "distributed optimizer costed as ZeRO-1; 94 layers split unevenly over 32 chunks as meshplan splits them",
+        "TFLOP/s in Megatron-LM's convention (causal attention, no recomputation): the short-sequence rows of the "
+        "same table give it",
+    )
+    return [Run(f"Megatron-MoE Qwen3-235B tp4 cp{cp} pp8 vpp4 ep8 s{seq}", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+                "qwen3-235b-a22b", 256, 256, seq, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, cp=cp, ep=8, etp=1,
+                recompute_modules=("layernorm", "moe"), published_causal_tflops_per_gpu=tflops,
+                moe_dispatcher="deepep", engine="megatron", attention="cudnn", assumptions=assumptions)
+            for seq, cp, tflops in MEGATRON_MOE_QWEN3_LONG_CONTEXT]
