@@ -6,9 +6,12 @@ EP for the mixture of experts):
 - qwen3-235b-a22b on 256 x h100-sxm, gbs 1024, seq 4096: under 10 s
 - llama3-70b on 1024 x h100-sxm, gbs 1024, seq 8192: under 5 s
 - DeepSeek-V3 (its Hugging Face config) on 2048 x h100-sxm, gbs 4096, seq 4096: under 20 s
+- gpt-oss-120b (alternating sliding-window and full-attention blocks: the compact ILP on their
+  envelope, `search.ilp.envelope`) on 64 x h100-sxm, gbs 512, seq 4096: under 20 s
 Each run prints how many candidates were solved and pruned by which bound (`search.bounds`),
 and the wall-clock and CPU (user + sys, worker processes included) medians against the targets.
-Run: `python benchmarks/bench_plan.py` (`--runs N` for another count).
+Run: `python benchmarks/bench_plan.py` (`--runs N` for another count, `--cases gpt-oss` for the cases
+whose model names contain that text).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ CASES = [  # (model, gpus, global batch, sequence, target seconds)
     ("llama3-70b", 1024, 1024, 8192, 5.0),
     # DeepSeek-V3's published config (671 B, multi-head latent attention), traced through transformers
     (f"hf:{FIXTURES / 'deepseek_v3.json'}", 2048, 4096, 4096, 20.0),
+    ("gpt-oss-120b", 64, 512, 4096, 20.0),
 ]
 
 
@@ -52,11 +56,15 @@ def plan_command(spec: str, gpus: int, gbs: int, seq: int) -> tuple[float, float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--cases", default="", help="only the cases whose model contains this text")
     args = parser.parse_args()
+    cases = [case for case in CASES if args.cases in case[0]]
+    if not cases:
+        parser.error(f"--cases {args.cases!r} matches none of {', '.join(case[0] for case in CASES)}")
     print(f"whole `meshplan plan` command (new process, empty cache), median of {args.runs} runs; wall clock "
           f"(the target) and CPU (user + sys, workers included: steadier on a shared machine)")
     summary = []
-    for spec, gpus, gbs, seq, target_s in CASES:
+    for spec, gpus, gbs, seq, target_s in cases:
         runs = [plan_command(spec, gpus, gbs, seq) for _ in range(args.runs)]
         times_s = sorted(elapsed for elapsed, _, _ in runs)
         median_s = statistics.median(times_s)

@@ -99,5 +99,11 @@ def band_for(config, moe_model: bool) -> Band | None:
 def band_text(band: Band, predicted: float, scale: float, unit: str) -> str:
     """`likely 1.2-1.5 s (held-out dense runs: -8% to +12%)`: a band in words, `scale` units per second."""
     low, high = band.around(predicted)
-    return (f"likely {low * scale:.4g}-{high * scale:.4g} {unit} (held-out {band.regime} runs err "
+    return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} (held-out {band.regime} runs err "
             f"{band.error_low:+.0%} to {band.error_high:+.0%}, {band.num_runs} runs)")
+
+
+def _figure(value: float) -> str:
+    """Four significant digits below 10,000, whole numbers with thousands separators above (no
+    exponent: `10,530 ms`, not `1.053e+04 ms`)."""
+    return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:.4g}"

@@ -160,7 +160,9 @@ def explain(plan_json: dict) -> str:
              + (f", and {solver['num_pruned_host_memory']} because their offloaded states cannot fit in host "
                 f"memory" if solver.get("num_pruned_host_memory") else "")
              + f"; the winner's "
-             f"ILP status is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
+             + ("ILP (on the envelope of its periodic blocks, each priced at its kinds' largest costs, its "
+                "assignment then scored on the real blocks) " if solver.get("formulation") == "envelope" else "")
+             + f"ILP status is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
     return text
 
 

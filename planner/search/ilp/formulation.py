@@ -76,7 +76,7 @@ how an infeasible request learns the smallest per-GPU memory that would work.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.planner.contracts.config import chunk_index, chunk_rank
 from meshplan.planner.contracts.schedule import schedule_spec
@@ -263,7 +263,9 @@ CUTOFF_SLACK = 1e-6
 
 
 def solve_stages(problem: StageProblem) -> StageSolution:
-    """Build and solve one candidate's ILP; never raises for infeasibility (status says it)."""
+    """Build and solve one candidate's ILP; never raises for infeasibility (status says it).
+    Periodic blocks (no identical run, `envelope.periodic_types`) are solved compact on their
+    envelope and read back on the real table ("envelope")."""
     started = time.perf_counter()
     structure = pinned_structure(problem.table, problem.shape)
     use_compact = structure is not None and problem.formulation != "per-layer"
@@ -271,18 +273,24 @@ def solve_stages(problem: StageProblem) -> StageSolution:
         raise ValueError("the compact formulation needs one run of identical layers between at most one "
                          "last layer and either one first layer or a few leading ones, pinned from chunk 0 on "
                          "(`pinned_structure`)")
-    model = build_model(problem, structure if use_compact else None)
+    solved, formulation = problem, "compact" if use_compact else "per-layer"
+    if structure is None and problem.formulation == "auto" and problem.objective == "time":
+        envelope = _envelope_problem(problem)
+        if envelope is not None:
+            solved, structure, use_compact, formulation = envelope[0], envelope[1], True, "envelope"
+    model = build_model(solved, structure if use_compact else None)
     start = None
     if use_compact and problem.objective == "time":
-        found = heuristic_start(problem, structure)
+        found = heuristic_start(solved, structure)
         start = start_values(model.lp, found) if found is not None else None
-    formulation = "compact" if use_compact else "per-layer"
-    status, gap, backend = run_solver(model.lp, problem, start)
-    formulation = "compact" if use_compact else "per-layer"
+    status, gap, backend = run_solver(model.lp, solved, start)
+    if formulation == "envelope" and status not in ("optimal", "time_limit"):
+        # the envelope's bytes are its kinds' largest: what does not fit there may per layer
+        return solve_stages(replace(problem, formulation="per-layer"))
     if status not in ("optimal", "time_limit"):
         return StageSolution(status=status, formulation=formulation, backend=backend,
                              solve_time_s=time.perf_counter() - started)
-    if problem.cutoff_s is not None and model.lp.objective.value() > problem.cutoff_s * (1 + CUTOFF_SLACK):
+    if solved.cutoff_s is not None and model.lp.objective.value() > solved.cutoff_s * (1 + CUTOFF_SLACK):
         # HiGHS keeps a start above its objective bound as its incumbent and calls it optimal
         # when nothing below the bound exists: that is the cutoff's answer
         return StageSolution(status="cutoff", formulation=formulation, backend=backend,
@@ -300,3 +308,16 @@ def solve_stages(problem: StageProblem) -> StageSolution:
                          solve_time_s=time.perf_counter() - started, binding=binding,
                          model_objective=float(model.lp.objective.value()))
 
+
+def _envelope_problem(problem: StageProblem) -> tuple[StageProblem, tuple[int, int, int]] | None:
+    """The problem on the envelope of its periodic blocks (`envelope.envelope_table`) with the
+    compact structure of that table, or None. Without a cutoff: the envelope's objective bounds
+    the real one from above, so it may exceed a cutoff the real assignment beats."""
+    from meshplan.planner.search.ilp.envelope import envelope_table
+
+    table = envelope_table(problem.table)
+    if table is None:
+        return None
+    solved = replace(problem, table=table, cutoff_s=None)
+    structure = pinned_structure(table, problem.shape)
+    return (solved, structure) if structure is not None else None

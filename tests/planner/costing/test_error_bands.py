@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.planner.costing.error_bands import Band, band_from_errors, load_bands
+from meshplan.planner.costing.error_bands import Band, band_from_errors, band_text, load_bands
 from meshplan.planner.costing.hardware import PROFILES_DIR
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -41,6 +41,16 @@ def test_band_from_errors_percentiles_and_extremes():
     assert few.around(1.0) == pytest.approx((1 / 1.5, 1 / 0.8))
     with pytest.raises(ValueError):
         Band("dense", 0.2, 0.1, 5, "not a band")
+
+
+def test_band_text_reads_without_exponents():
+    """A step predicted 5.274 s with a band of -50% to +1% is likely 5,222 to 10,548 ms: the
+    predicted time over (1 + error), thousands written out, not as 1.055e+04."""
+    band = Band("moe", -0.5, 0.01, 13, "test")
+    text = band_text(band, 5.274, 1e3, "ms")
+    low, high = 5.274 / 1.01 * 1e3, 5.274 / 0.5 * 1e3
+    assert text.startswith(f"likely {low:.4g}-{high:,.0f} ms") and "e+" not in text, text
+    assert band_text(band, 0.5, 1e3, "ms").startswith("likely 495-1000 ms")
 
 
 def test_estimate_json_and_text_carry_the_band(run_cli):

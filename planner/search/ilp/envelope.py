@@ -1,0 +1,80 @@
+"""Periodic blocks: the compact ILP on their envelope.
+
+A model whose blocks alternate kinds (GPT-OSS: sliding-window and full-attention blocks, one after
+the other) has no run of identical layers, so the compact formulation (`formulation`) does not
+apply and the per-layer one poses a binary per block, chunk and option: on gpt-oss-120b, 119 such
+ILPs took 85 s of a plan. Its blocks repeat with a short period, though, and their kinds differ
+in little but attention (a window of 128 tokens against the whole sequence).
+
+`envelope_table` gives every block of such a model one type whose options are, field by field,
+the largest of the kinds' (times, bytes, communication): an upper bound of each block whatever
+its kind. The compact ILP on that table chooses how many blocks each chunk holds and their
+options; `solve_stages` then reads the assignment on the real table (`evaluate_assignment`: the
+exact objective and memory of the real blocks, never above the envelope's), and the search's
+exact re-scoring (`refine`) moves layers across chunk boundaries from there. Memory is therefore
+never under-counted by the envelope; time may be over-counted by the kinds' difference, which
+is why the result is reported as its own formulation ("envelope") rather than as optimal for
+the per-layer ILP.
+
+It applies when the blocks between the first and the last layer repeat a pattern of at most
+`MAX_PERIOD` types, every type with the same options in the same order (the same recomputation
+modes, and tp/dp under `--layerwise`), so that an option index means the same choice for each.
+"""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
+
+# The longest pattern of block kinds the envelope covers (GPT-OSS: 2; Gemma 3's 5:1 local/global
+# pattern has 6 and is left to the per-layer ILP).
+MAX_PERIOD = 4
+# OptionCost fields that are labels, not costs: equal across the kinds by `periodic_types`.
+_LABELS = ("recompute", "tp", "dp")
+
+
+def periodic_types(table: CostTable) -> tuple[int, ...] | None:
+    """The types of the repeating pattern of the middle layers (all but the first and the last),
+    or None when they do not repeat one of at most `MAX_PERIOD` types with aligned options, or
+    when they are all one type already (the compact formulation's own case)."""
+    middle = table.layer_type[1:-1]
+    if len(middle) < 2 or len(set(middle)) == 1:
+        return None
+    for period in range(2, MAX_PERIOD + 1):
+        pattern = middle[:period]
+        if len(set(pattern)) == period and all(t == pattern[i % period] for i, t in enumerate(middle)):
+            break
+    else:
+        return None
+    if not _aligned([table.types[t] for t in pattern]):
+        return None
+    return tuple(pattern)
+
+
+def _aligned(kinds: list[LayerType]) -> bool:
+    count = len(kinds[0].options)
+    return all(len(kind.options) == count for kind in kinds) and all(
+        all(getattr(option, label) == getattr(kinds[0].options[i], label) for label in _LABELS)
+        for kind in kinds for i, option in enumerate(kind.options))
+
+
+def envelope_option(options: list[OptionCost]) -> OptionCost:
+    """The field-by-field largest of `options` (aligned: the same labels)."""
+    largest = {f.name: max(getattr(option, f.name) for option in options)
+               for f in fields(OptionCost) if f.name not in _LABELS}
+    return replace(options[0], **largest)
+
+
+def envelope_table(table: CostTable) -> CostTable | None:
+    """`table` with its periodic middle layers given one envelope type (module docstring), or
+    None when `periodic_types` finds no pattern."""
+    pattern = periodic_types(table)
+    if pattern is None:
+        return None
+    kinds = [table.types[t] for t in pattern]
+    envelope = LayerType(key="envelope(" + ", ".join(kind.key for kind in kinds) + ")",
+                         options=tuple(envelope_option([kind.options[i] for kind in kinds])
+                                       for i in range(len(kinds[0].options))))
+    index = len(table.types)
+    layer_type = (table.layer_type[0],) + (index,) * (table.num_layers - 2) + (table.layer_type[-1],)
+    return replace(table, types=table.types + (envelope,), layer_type=layer_type)
