@@ -24,7 +24,7 @@ own rules, `planner/costing/engine_memory.py`, `megatron_activations.py`):
    in the dtype it names (`Run.grad_reduce_in_bf16`: Megatron-Bridge's performance recipes reduce
    in bf16) and scale FP8 as it names (`Run.fp8_recipe`).
 4. MosaicML's llm-foundry runs under its own recipe (`planner/costing/foundry_memory.py`: Composer's
-   FSDP with `mixed_precision: PURE` and `limit_all_gathers`, MPT's packed QKV kept as views,
+   FSDP with `mixed_precision: DEFAULT` and `limit_all_gathers`, MPT's packed QKV kept as views,
    flash-attn's fused cross-entropy on the bf16 logits), counted apart: their micro-batches are the
    largest that fit (Composer's automatic micro-batching), so any over-estimate calls them out of
    memory. The FP8 rows keep Transformer Engine's fp8 Linear inputs (`foundry_memory`).

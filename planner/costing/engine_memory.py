@@ -133,7 +133,7 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
       bf16 parameters and gradients (2 + 2) and 16/d (fp32 master, moments and the fp32 gradient
       partition); ZeRO-3 18/d (the largest layer's gathered copy is a buffer); without ZeRO the
       paper's 2 + 2 + 12 (Rajbhandari et al. 2020). Its pipeline engine runs ZeRO-1 at most.
-    - llm-foundry: FSDP with `mixed_precision: PURE` (`foundry_memory.foundry_state_bytes`).
+    - llm-foundry: FSDP with `mixed_precision: DEFAULT` (`foundry_memory.foundry_state_bytes`).
     """
     from meshplan.planner.costing.state_memory import DDP_BUCKET_COPY_BYTES, paper_state_bytes
 
@@ -210,6 +210,8 @@ def _gather_buffer(engine: str, layer: LayerProfile, config: ParallelConfig, par
       next to its fp32 reduce-scatter input (2 + 4). The root unit (embedding, head) stays
       gathered: counted with the parameters.
     - deepspeed ZeRO-3: its estimator's largest layer, 4 bytes per parameter (`largest_layer_memory`).
+    - llm-foundry: `foundry_memory.foundry_gather_bytes` (two units gathered, or a unit's gradient
+      beside its fp32 reduce-scatter copy).
     """
     data_ranks, zero = config.data_ranks, config.zero
     compute = 4.0 if config.precision == "fp32" else 2.0

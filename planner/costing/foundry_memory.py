@@ -3,7 +3,8 @@ rank, as `engine_memory` dispatches it.
 
 What llm-foundry runs (`scripts/train/benchmarking/submit_benchmarks.py`, `llmfoundry/models/mpt/
 modeling_mpt.py`, `llmfoundry/models/layers/attention.py`): PyTorch FSDP (v1) with
-`mixed_precision: PURE` (bf16 parameters, gradients reduced in bf16), `limit_all_gathers: true`,
+`mixed_precision: DEFAULT` (its benchmark tables' "MP Mode" column; Composer's `get_mixed_precision`:
+bf16 parameters and buffers, gradients reduced in fp32), `limit_all_gathers: true`,
 non-reentrant activation checkpointing of whole blocks, and no pipeline, context or expert
 parallelism. Its loss is flash-attn's fused cross-entropy on the bf16 logits.
 
@@ -12,8 +13,9 @@ Model states (FSDP's flat parameters): fp32 sharded parameters, gradients and Ad
 (SHARD_GRAD_OP, ZeRO 1-2) also keeps the bf16 unsharded copy (+2); NO_SHARD (ZeRO 0) keeps the
 fp32 parameters and their bf16 copy, fp32 gradients and moments (4 + 2 + 4 + 8). Transient: with
 `limit_all_gathers` at most two units' bf16 parameters are gathered at once (the running unit and
-the prefetched one), and a unit's bf16 gradient meets its bf16 reduce-scatter input in backward:
-2 x 2 bytes per parameter of the unit.
+the prefetched one), 2 x 2 bytes per parameter of the unit; in backward the unit's bf16 gradient
+meets its fp32 copy, the reduce-scatter's input under DEFAULT's fp32 reduce_dtype, 2 + 4 (the
+larger of the two, as torchtitan's FSDP2 rule in `engine_memory`).
 
 Activations per token of a block (b = 2, h hidden, hq = heads x head_dim, f the MLP width, a
 heads; TP, llm-foundry's `tp_config`, splits attention and MLP t ways, the norms stay whole):
@@ -50,12 +52,14 @@ from meshplan.planner.costing.tp_split import is_split, vocab_scale
 ENGINE = "llm-foundry"
 # How many FSDP units' parameters `limit_all_gathers` lets be gathered at once.
 GATHERED_UNITS = 2
+# Bytes per element of the gradient reduce-scatter: DEFAULT's fp32 reduce_dtype.
+REDUCE_BYTES = 4.0
 
 
 def foundry_state_bytes(num_params: float, ranks: int, zero: int, precision: str) -> dict[str, float]:
     """params / grads / optimizer bytes of `num_params` on one rank, FSDP over `ranks` (docstring)."""
     wide = precision == "fp32"
-    compute = 0.0 if wide else 2.0  # PURE's bf16 copy; fp32 training computes on the fp32 parameters
+    compute = 0.0 if wide else 2.0  # DEFAULT's bf16 copy; fp32 training computes on the fp32 parameters
     if zero == 0 or ranks == 1:
         return {"params": (4.0 + compute) * num_params, "grads": 4.0 * num_params, "optimizer": 8.0 * num_params}
     gathered = (4.0 if wide else 2.0) if zero <= 2 else 0.0
@@ -68,7 +72,8 @@ def foundry_gather_bytes(layer: LayerProfile, config: ParallelConfig, params: fl
     if config.zero < 3 or config.data_ranks == 1 or layer.kind not in ("block", "other"):
         return 0.0
     compute = 4.0 if config.precision == "fp32" else 2.0
-    return GATHERED_UNITS * compute * params
+    reduced = compute + (REDUCE_BYTES if compute < REDUCE_BYTES else 0.0)  # the gradient and its fp32 copy
+    return max(GATHERED_UNITS * compute, reduced) * params
 
 
 def foundry_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> tuple[float, float]:

@@ -32,7 +32,9 @@ def test_mpt_block_head_and_states_term_by_term():
     assert cost.activation_bytes == pytest.approx(per_token * tokens)
     assert cost.param_bytes == pytest.approx(block.num_params * 4 / gpus)  # fp32 shards, 16/d in all
     assert cost.grad_bytes + cost.optimizer_bytes == pytest.approx(block.num_params * 12 / gpus)
-    assert cost.buffer_bytes == pytest.approx(2 * 2 * block.num_params)  # limit_all_gathers: two bf16 units
+    # limit_all_gathers: two bf16 units (2 x 2), or in backward the unit's bf16 gradient beside its fp32 copy
+    # for DEFAULT's fp32 reduce-scatter (2 + 4), the larger
+    assert cost.buffer_bytes == pytest.approx(max(2 * 2, 2 + 4) * block.num_params)
     head = next(layer for layer in graph.layers if layer.kind == "head")
     cost = layer_cost(head, config, cluster, graph.info, profile_dtype=graph.dtype)
     assert cost.activation_bytes == pytest.approx((2 * b * h + b * vocab) * tokens)  # the bf16 logits
