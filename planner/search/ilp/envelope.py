@@ -18,7 +18,11 @@ the per-layer ILP.
 
 It applies when the blocks between the first and the last layer repeat a pattern of at most
 `MAX_PERIOD` types, every type with the same options in the same order (the same recomputation
-modes, and tp/dp under `--layerwise`), so that an option index means the same choice for each.
+modes, and tp/dp under `--layerwise`), so that an option index means the same choice for each,
+and when the kinds are close: each option's time and its resident plus saved bytes within
+`MAX_KIND_GAP` of the largest kind's (gpt-oss-120b's two kinds: 7-10% apart in time, equal in
+bytes). Kinds farther apart (Llama 4's dense and MoE blocks, one after the other) would have the
+envelope price a light block as a heavy one and steer the cut by it, so they keep the per-layer ILP.
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
 MAX_PERIOD = 4
 # OptionCost fields that are labels, not costs: equal across the kinds by `periodic_types`.
 _LABELS = ("recompute", "tp", "dp")
+# How far below the largest kind another kind's option may be, in time and in resident plus saved
+# bytes, for the envelope to stand for both (module docstring).
+MAX_KIND_GAP = 0.25
 
 
 def periodic_types(table: CostTable) -> tuple[int, ...] | None:
@@ -52,10 +59,18 @@ def periodic_types(table: CostTable) -> tuple[int, ...] | None:
 
 
 def _aligned(kinds: list[LayerType]) -> bool:
+    """The kinds' options name the same choices in the same order, and their costs are close."""
     count = len(kinds[0].options)
-    return all(len(kind.options) == count for kind in kinds) and all(
-        all(getattr(option, label) == getattr(kinds[0].options[i], label) for label in _LABELS)
-        for kind in kinds for i, option in enumerate(kind.options))
+    if any(len(kind.options) != count for kind in kinds) or not all(
+            all(getattr(option, label) == getattr(kinds[0].options[i], label) for label in _LABELS)
+            for kind in kinds for i, option in enumerate(kind.options)):
+        return False
+    for i in range(count):
+        for cost in (lambda o: o.time_s, lambda o: o.static_bytes + o.act_bytes):
+            values = [cost(kind.options[i]) for kind in kinds]
+            if min(values) < (1 - MAX_KIND_GAP) * max(values):
+                return False
+    return True
 
 
 def envelope_option(options: list[OptionCost]) -> OptionCost:

@@ -53,6 +53,9 @@ def test_the_pattern_is_found_only_where_blocks_repeat_with_aligned_options():
     assert periodic_types(replace(table, layer_type=table.layer_type[:4] + (1,) + table.layer_type[5:])) is None
     lean = LayerType("window", table.types[2].options[:2])  # one option fewer: indices would not align
     assert periodic_types(replace(table, types=table.types[:2] + (lean,) + table.types[3:])) is None
+    # kinds 40% apart in time (a dense block beside a MoE one): the envelope would misprice the light one
+    light = LayerType("light", tuple(replace(o, fwd_s=o.fwd_s * 0.6, bwd_s=o.bwd_s * 0.6) for o in table.types[1].options))
+    assert periodic_types(replace(table, types=table.types[:2] + (light,) + table.types[3:])) is None
 
 
 def test_an_envelope_option_is_each_field_at_its_largest():
