@@ -137,9 +137,8 @@ def run_fits(run: Run, engine: str) -> tuple[bool, float]:
     buffer (`Run.grad_reduce_in_bf16`) under the megatron recipe."""
     from meshplan.planner.simulation.estimator import estimate
 
-    modules = run.recompute_modules if engine == "megatron" else ()
+    recompute, modules = run.recompute_for(engine)
     bf16_grads = run.grad_reduce_in_bf16 and engine == "megatron"
-    recompute = "selective" if modules else run.recompute
     peaks, fits = [], False
     for vpp in run.vpp_options:
         prediction = estimate(run.spec, run.cluster, gpus=run.gpus, global_batch=run.global_batch, seq=run.seq,

@@ -114,11 +114,9 @@ def predict(run: Run, cluster, vpp: int):
     graph = graph_of(run.spec, run.seq, run.attention)
     if run.moe_dispatcher != graph.info.moe_dispatcher:  # the engine's MoE token dispatcher
         graph = replace(graph, info=replace(graph.info, moe_dispatcher=run.moe_dispatcher))
-    # Megatron-Core's --recompute-modules: selective recomputation of those modules (`module_recompute`)
-    modules = run.recompute_modules if run.engine == "megatron" else ()
+    recompute, modules = run.recompute_for(run.engine)  # Megatron-Core's modules timed by `module_recompute`
     config = make_config(graph, cluster, gpus=run.gpus, global_batch=run.global_batch, tp=run.tp, pp=run.pp,
-                         mbs=run.mbs, zero=run.zero, recompute="selective" if modules else run.recompute,
-                         recompute_modules=modules, sp=run.sp,
+                         mbs=run.mbs, zero=run.zero, recompute=recompute, recompute_modules=modules, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
                          engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron")

@@ -174,6 +174,12 @@ class Run:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq
 
+    def recompute_for(self, engine: str) -> tuple[str, tuple[str, ...]]:
+        """(recompute, recompute modules) as `engine` prices the run: Megatron-Core's modules under
+        selective recomputation where the engine is megatron, else the run's `recompute` alone."""
+        modules = self.recompute_modules if engine == "megatron" else ()
+        return ("selective" if modules else self.recompute), modules
+
 
 @dataclass(frozen=True)
 class FabricRun:

@@ -132,10 +132,10 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     """
     _check(layer, config, info)
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
-    # Megatron-Core's --recompute-modules rerun their own forwards (`module_recompute`)
-    local = module_recompute.with_module_recompute(local, layer, config, cluster, info,
-                                                   activation_scale(config.precision, profile_dtype),
-                                                   profile_dtype or COMPUTE_DTYPE[config.precision], attention)
+    if module_recompute.applies(layer, config, info):  # Megatron-Core's --recompute-modules rerun their forwards
+        local = module_recompute.with_module_recompute(local, layer, config, cluster, info,
+                                                       activation_scale(config.precision, profile_dtype),
+                                                       profile_dtype or COMPUTE_DTYPE[config.precision], attention)
     if config.cp > 1:
         kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
                                    config.attention_query_split)

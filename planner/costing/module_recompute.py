@@ -98,10 +98,9 @@ def module_recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, inf
 
 def with_module_recompute(cost, layer: LayerProfile, config: ParallelConfig, cluster, info: ModelInfo,
                           act_scale: float, profile_dtype: str, attention: str):
-    """`cost` (a `LayerCost`) with its recomputation priced module by module where `applies`: the
-    modules' forwards, and under `moe` the rerun forward's dispatch and combine in backward."""
-    if not applies(layer, config, info):
-        return cost
+    """`cost` (a `LayerCost`) with its recomputation priced module by module (for a layer that
+    `applies`): the modules' forwards, and under `moe` the rerun forward's dispatch and combine
+    in backward."""
     seconds = module_recompute_s(layer, config, cluster, info, cost.expert_fwd_s, act_scale, profile_dtype, attention)
     rerun_ep_s = cost.ep_fwd_comm_s if "moe" in config.recompute_modules and layer.expert_params else 0.0
     return cost.replaced(recompute_s=seconds, ep_bwd_comm_s=cost.ep_bwd_comm_s + rerun_ep_s)
