@@ -242,6 +242,12 @@ class ModelInfo:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def shared_experts_width(self) -> int:
+        """The shared experts' summed SwiGLU width: `shared_ffn`, or, where a model names only their
+        count, that many routed experts' width."""
+        return self.shared_ffn or self.num_shared_experts * self.expert_ffn
+
 
 @dataclass(frozen=True)
 class ModelGraph:

@@ -292,7 +292,7 @@ def _mlp_width(layer: LayerProfile, info: ModelInfo) -> tuple[float, bool]:
     counted apart), else the model's FFN; Llama-style MLPs are gated (SwiGLU)."""
     gated = info.family != "gpt"
     if layer.expert_params:
-        return float(info.num_shared_experts * (info.shared_ffn or info.expert_ffn)), gated
+        return float(info.shared_experts_width), gated
     return float(info.ffn or 4 * info.hidden), gated
 
 

@@ -94,7 +94,7 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
     gated = info.family != "gpt"
     if not moe:
         return tuple(terms) + _mlp_terms("MLP", float(info.ffn or 4 * h), gated, b, linear_in, t, ("mlp",))
-    shared = float(info.num_shared_experts * (info.shared_ffn or info.expert_ffn))
+    shared = float(info.shared_experts_width)
     terms.append(Term("router logits (fp32)", 4.0 * info.num_experts / sp_t, ("moe",)))
     terms += _mlp_terms("shared experts", shared, gated, b, linear_in, t, ("shared_experts", "moe"))
     return tuple(terms) + routed_expert_terms(layer, config, info)

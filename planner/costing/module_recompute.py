@@ -59,7 +59,7 @@ def module_linear_shapes(layer: LayerProfile, info: ModelInfo, modules: set[str]
     if "mlp" in modules and not layer.expert_params:
         ffn = info.ffn or 4 * h
         shapes += [(h, ffn, True)] * (2 if gated else 1) + [(ffn, h, False)]
-    shared = info.shared_ffn or info.num_shared_experts * info.expert_ffn
+    shared = info.shared_experts_width
     if layer.expert_params and shared and modules & {"shared_experts", "moe"}:
         shapes += [(h, shared, True)] * 2 + [(shared, h, False)]
     if "mla_up_proj" in modules and info.kv_lora_rank:

@@ -103,6 +103,20 @@ def test_deepseek_v3_moe_block_terms():
     assert full.buffer_bytes == pytest.approx(sum(terms.values()) * SEQ)
 
 
+def test_two_shared_experts_count_their_summed_width_once():
+    """DeepSeek-V2-Lite's two shared experts of 1408 are one SwiGLU of 2816 (`shared_ffn`, their
+    summed width): the shared experts' fc1 output and fc2 input keep 3 x 2 x 2816 bytes per token,
+    not twice that, and dropping them (`shared_experts`) frees exactly that."""
+    graph = profile("deepseek-v2-lite", SEQ)
+    info = graph.info
+    assert (info.num_shared_experts, info.shared_ffn, info.expert_ffn, info.shared_experts_width) == (2, 2816, 1408, 2816)
+    config = ParallelConfig(gpus=8, global_batch=8, dp=8, ep=8, zero=1, engine="megatron", recompute="selective",
+                            recompute_modules=("shared_experts",))
+    kept = _moe_block_cost(graph, replace(config, recompute="none", recompute_modules=()))
+    dropped = _moe_block_cost(graph, config)
+    assert kept.activation_bytes - dropped.activation_bytes == pytest.approx(3 * 2 * 2816 * SEQ)
+
+
 def test_gpt_oss_moe_block_terms():
     """GPT-OSS-120B, traced through transformers, priced as Megatron-Core runs it (its own GQA and
     grouped-GEMM experts, not the traced eager experts), per token, no TP: b = 2, h 2880, 64
