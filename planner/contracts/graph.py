@@ -243,6 +243,16 @@ class ModelInfo:
         return self.num_experts > 0
 
     @property
+    def attention_head_dim(self) -> int:
+        """One attention head's width: `head_dim`, else hidden / heads (0 for a model without heads)."""
+        return self.head_dim or (self.hidden // self.num_heads if self.num_heads else 0)
+
+    @property
+    def value_head_dim(self) -> int:
+        """One value head's width: multi-head latent attention's `v_head_dim`, else the head width."""
+        return self.v_head_dim or self.attention_head_dim
+
+    @property
     def shared_experts_width(self) -> int:
         """The shared experts' summed SwiGLU width: `shared_ffn`, or, where a model names only their
         count, that many routed experts' width."""

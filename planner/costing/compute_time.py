@@ -123,7 +123,7 @@ def kernel_efficiency(layer: LayerProfile, info: ModelInfo, cluster: ClusterProf
     """The fused attention kernel's fraction of peak at this block's head width and the queries one
     call takes: the sequence, or under context parallelism the rank's s/cp of it (`cp`: the
     config's `attention_query_split`; Ulysses attends over the whole sequence)."""
-    head_dim = info.head_dim or (info.hidden // info.num_heads if info.num_heads else 0)
+    head_dim = info.attention_head_dim
     return attention_kernels.attention_efficiency(attention, cluster, infer_seq(layer, info, profile_dtype) // cp,
                                                   head_dim)
 

@@ -79,7 +79,7 @@ def kv_gather_bytes(layer, config, info, profile_dtype: str, compute_dtype: str,
     tokens = layer.input_bytes / (info.hidden * DTYPE_BYTES.get(profile_dtype, 2))  # per sample
     heads = info.num_heads if query_heads else (info.num_kv_heads or info.num_heads)
     local_heads = heads / config.tp if heads % config.tp == 0 else heads
-    head_dim = info.head_dim or info.hidden // info.num_heads
+    head_dim = info.attention_head_dim
     return 2 * config.microbatch_size * tokens * local_heads * head_dim * DTYPE_BYTES[compute_dtype]
 
 

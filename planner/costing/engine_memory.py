@@ -283,7 +283,7 @@ def _with_routed_experts(saved: float, working: float, layer: LayerProfile, conf
 
 def _shape(info: ModelInfo) -> tuple[int, int, int, int]:
     """(hidden, hq, hkv, heads) of the model's attention."""
-    head_dim = info.head_dim or info.hidden // info.num_heads
+    head_dim = info.attention_head_dim
     return info.hidden, info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim, info.num_heads
 
 

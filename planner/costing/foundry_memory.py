@@ -86,7 +86,7 @@ def foundry_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelIn
     if layer.kind == "head":
         vocab = (info.padded_vocab or info.vocab) * vocab_scale(layer, config.tp, info) / t
         return 2 * b * h + b * vocab, b * vocab
-    head_dim = info.head_dim or h // info.num_heads
+    head_dim = info.attention_head_dim
     hq, hkv = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
     gated = info.family != "gpt"
     fp8 = config.precision == "fp8"

@@ -136,7 +136,7 @@ def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple
     if layer.kind != "block" or layer.tp_split.kind != "block" or layer.expert_params or not info.hidden \
             or not info.num_heads or not seq:
         return ()
-    head_dim = info.head_dim or info.hidden // info.num_heads
+    head_dim = info.attention_head_dim
     q_dim, kv_dim = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
     attention = ((info.hidden, q_dim, True), (info.hidden, kv_dim, True), (info.hidden, kv_dim, True),
                  (q_dim, info.hidden, False))

@@ -85,8 +85,8 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
     terms = [Term("attention norm input", b * h / sp_t),
              Term("attention dropout mask", dropout / sp_t), Term("MLP dropout mask", dropout / sp_t)]
     terms += _mla_terms(info, b, linear_in, t, sp_t) if info.kv_lora_rank else _gqa_terms(info, b, linear_in, t, sp_t)
-    terms.append(Term("attention output and log-sum-exp", (b * heads * _value_dim(info) + 4.0 * heads
-                                                           + (linear_in * heads * _value_dim(info) if fp8 else 0.0)) / t))
+    terms.append(Term("attention output and log-sum-exp", (b * heads * info.value_head_dim + 4.0 * heads
+                                                           + (linear_in * heads * info.value_head_dim if fp8 else 0.0)) / t))
     if attention == "math":  # unfused softmax (and dropout): Korthikanti's 5as
         terms.append(Term("attention scores", heads * seq * ((2 * b + 1) if dropout else b) / t, ("core_attn",)))
     terms.append(Term("MLP norm input", b * h / sp_t))
@@ -114,26 +114,21 @@ def routed_expert_terms(layer: LayerProfile, config: ParallelConfig, info: Model
 
 
 def _gqa_terms(info: ModelInfo, b: float, linear_in: float, t: int, sp_t: int) -> list[Term]:
-    head_dim = info.head_dim or info.hidden // info.num_heads
+    head_dim = info.attention_head_dim
     hq, hkv = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
     return [Term("attention norm output", linear_in * info.hidden / sp_t),  # fused into the QKV Linear
             Term("Q, K, V", b * (hq + 2 * hkv) / t)]
 
 
 def _mla_terms(info: ModelInfo, b: float, linear_in: float, t: int, sp_t: int) -> list[Term]:
-    qk_head = info.head_dim or info.hidden // info.num_heads  # nope + rope
+    qk_head = info.attention_head_dim  # nope + rope
     terms = [Term("attention norm output", linear_in * info.hidden / sp_t, ("layernorm",))]
     if info.q_lora_rank:
         terms.append(Term("query latent and its norm", (b + linear_in) * info.q_lora_rank / sp_t))
     terms.append(Term("K/V latent and its norm", (b + linear_in) * info.kv_lora_rank / sp_t))
-    terms.append(Term("up-projected Q, K, V", b * info.num_heads * (2 * qk_head + _value_dim(info)) / t,
+    terms.append(Term("up-projected Q, K, V", b * info.num_heads * (2 * qk_head + info.value_head_dim) / t,
                       ("mla_up_proj",)))
     return terms
-
-
-def _value_dim(info: ModelInfo) -> int:
-    """One value head's width (MLA's v_head_dim, else the head width)."""
-    return info.v_head_dim or info.head_dim or info.hidden // info.num_heads
 
 
 def _mlp_terms(name: str, width: float, gated: bool, b: float, linear_in: float, t: int,

@@ -63,8 +63,7 @@ def module_linear_shapes(layer: LayerProfile, info: ModelInfo, modules: set[str]
     if layer.expert_params and shared and modules & {"shared_experts", "moe"}:
         shapes += [(h, shared, True)] * 2 + [(shared, h, False)]
     if "mla_up_proj" in modules and info.kv_lora_rank:
-        head_dim = info.head_dim or h // info.num_heads
-        value_dim = info.v_head_dim or head_dim
+        head_dim, value_dim = info.attention_head_dim, info.value_head_dim
         if info.q_lora_rank:
             shapes.append((info.q_lora_rank, info.num_heads * head_dim, True))
         shapes.append((info.kv_lora_rank, info.num_heads * (head_dim - info.qk_rope_head_dim + value_dim), True))

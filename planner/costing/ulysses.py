@@ -81,7 +81,7 @@ def exchanged_bytes(layer, config, info, profile_dtype: str, compute_dtype: str)
         return 0.0, 0.0
     heads, kv = local_heads(info.num_heads, info.num_kv_heads, config.tp)
     tokens = config.microbatch_size * infer_seq(layer, info, profile_dtype) / config.cp
-    head_dim = info.head_dim or info.hidden // info.num_heads
+    head_dim = info.attention_head_dim
     per_head = tokens * head_dim * DTYPE_BYTES[compute_dtype]
     return heads * per_head, ulysses_kv_heads(kv, config.cp) * per_head
 
