@@ -253,6 +253,11 @@ class ModelInfo:
         return self.v_head_dim or self.attention_head_dim
 
     @property
+    def mlp_width(self) -> int:
+        """A dense block's MLP width: `ffn`, else GPT's 4 x hidden."""
+        return self.ffn or 4 * self.hidden
+
+    @property
     def shared_experts_width(self) -> int:
         """The shared experts' summed SwiGLU width: `shared_ffn`, or, where a model names only their
         count, that many routed experts' width."""

@@ -293,7 +293,7 @@ def _mlp_width(layer: LayerProfile, info: ModelInfo) -> tuple[float, bool]:
     gated = info.family != "gpt"
     if layer.expert_params:
         return float(info.shared_experts_width), gated
-    return float(info.ffn or 4 * info.hidden), gated
+    return float(info.mlp_width), gated
 
 
 def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,

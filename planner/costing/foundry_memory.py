@@ -94,7 +94,7 @@ def foundry_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelIn
     norms = 2 * (b + linear_in) * h
     out_proj_copy = FP8_BYTES * hq if fp8 else 0.0
     attention = (b * (hq + 2 * hkv) + b * hq + out_proj_copy + 4.0 * info.num_heads) / t
-    mlp = ((3 if gated else 1) * b + linear_in) * float(info.ffn or 4 * h) / t
+    mlp = ((3 if gated else 1) * b + linear_in) * float(info.mlp_width) / t
     if config.recompute == "full":
         return b * h, norms + attention + mlp
     if config.recompute == "selective":

@@ -93,7 +93,7 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
     terms.append(Term("MLP norm output", linear_in * h / sp_t, ("layernorm",) if moe else ("mlp",)))
     gated = info.family != "gpt"
     if not moe:
-        return tuple(terms) + _mlp_terms("MLP", float(info.ffn or 4 * h), gated, b, linear_in, t, ("mlp",))
+        return tuple(terms) + _mlp_terms("MLP", float(info.mlp_width), gated, b, linear_in, t, ("mlp",))
     shared = float(info.shared_experts_width)
     terms.append(Term("router logits (fp32)", 4.0 * info.num_experts / sp_t, ("moe",)))
     terms += _mlp_terms("shared experts", shared, gated, b, linear_in, t, ("shared_experts", "moe"))

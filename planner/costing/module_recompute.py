@@ -57,7 +57,7 @@ def module_linear_shapes(layer: LayerProfile, info: ModelInfo, modules: set[str]
     gated = info.family != "gpt"
     shapes: list[tuple[int, int, bool]] = []
     if "mlp" in modules and not layer.expert_params:
-        ffn = info.ffn or 4 * h
+        ffn = info.mlp_width
         shapes += [(h, ffn, True)] * (2 if gated else 1) + [(ffn, h, False)]
     shared = info.shared_experts_width
     if layer.expert_params and shared and modules & {"shared_experts", "moe"}:
