@@ -234,7 +234,7 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
                  profile_dtype: str, attention: str) -> tuple[float, float]:
     """(bytes saved for backward per micro-batch, transient working set) of the layer on one rank."""
     engine = config.engine
-    if engine == "deepspeed" or not _shape_known(info, engine) or layer.kind not in ("embedding", "block", "head"):
+    if engine == "deepspeed" or not formulas_describe(info, engine) or layer.kind not in ("embedding", "block", "head"):
         # the profile's accounting; a MoE block's routed experts apart, on the busiest rank
         dense = dense_part(layer) if layer.expert_params else layer
         saved, working = activation_bytes(dense, config, act_scale * vocab_scale(layer, config.tp, info))
@@ -256,7 +256,7 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
     return saved, working
 
 
-def _shape_known(info: ModelInfo, engine: str) -> bool:
+def formulas_describe(info: ModelInfo, engine: str) -> bool:
     """Whether the formulas describe the model's blocks under `engine`: the GPT, Llama and MoE
     families; under megatron also a traced mixture of experts whose widths the config names
     (GPT-OSS, DeepSeek-V2/V3 with multi-head latent attention): Megatron-Core runs it as its own

@@ -34,21 +34,19 @@ from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.compute_time import attention_core_recompute_s
 from meshplan.planner.costing.device_time import infer_seq, memory_time_s
+from meshplan.planner.costing.engine_memory import formulas_describe
 from meshplan.planner.costing.fp8 import is_fp8
 from meshplan.planner.costing.megatron_activations import block_terms, routed_expert_terms
 from meshplan.planner.costing.moe_compute import router_times_s
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split
 
-# Families whose blocks `megatron_activations` describes term by term.
-FORMULA_FAMILIES = ("gpt", "llama", "moe")
-
-
 def applies(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> bool:
-    """Whether the layer's recomputation is priced module by module: named modules on a block of a
-    family whose terms are known."""
+    """Whether the layer's recomputation is priced module by module: named modules on a block whose
+    terms Megatron's memory recipe knows (`engine_memory.formulas_describe`: the zoo's families, and
+    traced mixtures of experts and latent attention whose widths the config names)."""
     return (config.recompute == "selective" and bool(config.recompute_modules) and layer.kind == "block"
-            and info.family in FORMULA_FAMILIES)
+            and formulas_describe(info, config.engine))
 
 
 def module_linear_shapes(layer: LayerProfile, info: ModelInfo, modules: set[str]) -> tuple:

@@ -95,3 +95,18 @@ def test_recomputing_more_modules_never_costs_less_time():
                for modules in (("layernorm",), ("layernorm", "moe_act"), ("layernorm", "moe_act", "moe"),
                                ("layernorm", "moe_act", "moe", "core_attn"))]
     assert seconds == sorted(seconds) and seconds[0] > 0
+
+
+def test_traced_latent_attention_moe_is_priced_module_by_module():
+    """DeepSeek-V3, traced through transformers, whose blocks Megatron's memory recipe prices term
+    by term (`engine_memory.formulas_describe`): its recompute modules are timed the same way, the
+    `moe` module rerunning the routed experts' forward and the dispatch and combine."""
+    pytest.importorskip("transformers")
+    graph = profile("deepseek-v3", SEQ, attention="cudnn")
+    block = _block(graph, moe=True)
+    config = ParallelConfig(gpus=2048, global_batch=4096, pp=16, dp=128, zero=1, ep=64, engine="megatron",
+                            recompute="selective", recompute_modules=("mla_up_proj", "layernorm", "moe"))
+    cost = _cost(graph, block, config)
+    plain = _cost(graph, block, replace(config, recompute="none", recompute_modules=()))
+    assert cost.recompute_s > plain.expert_fwd_s > 0
+    assert cost.ep_bwd_comm_s == pytest.approx(plain.ep_bwd_comm_s + plain.ep_fwd_comm_s, rel=1e-9)
