@@ -159,10 +159,10 @@ def explain(plan_json: dict) -> str:
                 else "")
              + (f", and {solver['num_pruned_host_memory']} because their offloaded states cannot fit in host "
                 f"memory" if solver.get("num_pruned_host_memory") else "")
-             + f"; the winner's "
-             + ("ILP (on the envelope of its periodic blocks, each priced at its kinds' largest costs, its "
-                "assignment then scored on the real blocks) " if solver.get("formulation") == "envelope" else "")
-             + f"ILP status is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
+             + "; the winner's ILP status"
+             + (" (solved on the envelope of its periodic blocks, each priced at its kinds' largest costs, and "
+                "scored on the real blocks)" if solver.get("formulation") == "envelope" else "")
+             + f" is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
     return text
 
 
