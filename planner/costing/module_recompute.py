@@ -41,6 +41,7 @@ from meshplan.planner.costing.moe_compute import router_times_s
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split
 
+
 def applies(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> bool:
     """Whether the layer's recomputation is priced module by module: named modules on a block whose
     terms Megatron's memory recipe knows (`engine_memory.formulas_describe`: the zoo's families, and
