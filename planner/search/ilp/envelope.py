@@ -2,7 +2,7 @@
 
 A model whose blocks alternate kinds (GPT-OSS: sliding-window and full-attention blocks, one after
 the other) has no run of identical layers, so the compact formulation (`formulation`) does not
-apply and the per-layer one poses a binary per block, chunk and option: on gpt-oss-120b, 119 such
+apply and the per-layer one poses a binary per block, chunk and option: on gpt-oss-120b, 89 such
 ILPs took 85 s of a plan. Its blocks repeat with a short period, though, and their kinds differ
 in little but attention (a window of 128 tokens against the whole sequence).
 
