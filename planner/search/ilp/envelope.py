@@ -17,7 +17,7 @@ is why the result is reported as its own formulation ("envelope") rather than as
 the per-layer ILP.
 
 It applies when the blocks between the first and the last layer repeat a pattern of at most
-`MAX_PERIOD` types, every type with the same options in the same order (the same recomputation
+`MAX_PERIOD` blocks (twice at least), every kind in it with the same options in the same order (the same recomputation
 modes, and tp/dp under `--layerwise`), so that an option index means the same choice for each,
 and when the kinds are close: each option's time and its resident plus saved bytes within
 `MAX_KIND_GAP` of the largest kind's (gpt-oss-120b's two kinds: 7-10% apart in time, equal in
@@ -30,9 +30,9 @@ from dataclasses import fields, replace
 
 from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
 
-# The longest pattern of block kinds the envelope covers (GPT-OSS: 2; Gemma 3's 5:1 local/global
-# pattern has 6 and is left to the per-layer ILP).
-MAX_PERIOD = 4
+# The longest pattern of block kinds the envelope covers (GPT-OSS: 2; Gemma 3's five local blocks
+# to one global: 6).
+MAX_PERIOD = 8
 # OptionCost fields that are labels, not costs: equal across the kinds by `periodic_types`.
 _LABELS = ("recompute", "tp", "dp")
 # How far below the largest kind another kind's option may be, in time and in resident plus saved
@@ -41,21 +41,19 @@ MAX_KIND_GAP = 0.25
 
 
 def periodic_types(table: CostTable) -> tuple[int, ...] | None:
-    """The types of the repeating pattern of the middle layers (all but the first and the last),
-    or None when they do not repeat one of at most `MAX_PERIOD` types with aligned options, or
-    when they are all one type already (the compact formulation's own case)."""
+    """The distinct types of the middle layers (all but the first and the last), in order of first
+    appearance, when those layers repeat a pattern of at most `MAX_PERIOD` layers and the types'
+    options align and lie close (`_aligned`); None otherwise, or when the middle layers are all one
+    type already (the compact formulation's own case)."""
     middle = table.layer_type[1:-1]
-    if len(middle) < 2 or len(set(middle)) == 1:
+    if len(set(middle)) < 2:
         return None
-    for period in range(2, MAX_PERIOD + 1):
-        pattern = middle[:period]
-        if len(set(pattern)) == period and all(t == pattern[i % period] for i, t in enumerate(middle)):
-            break
-    else:
+    period = next((p for p in range(2, MAX_PERIOD + 1)
+                   if len(middle) >= 2 * p and all(t == middle[i % p] for i, t in enumerate(middle))), None)
+    if period is None:
         return None
-    if not _aligned([table.types[t] for t in pattern]):
-        return None
-    return tuple(pattern)
+    kinds = tuple(dict.fromkeys(middle[:period]))
+    return kinds if _aligned([table.types[t] for t in kinds]) else None
 
 
 def _aligned(kinds: list[LayerType]) -> bool:

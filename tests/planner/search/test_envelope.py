@@ -48,6 +48,8 @@ def periodic_table(num_blocks: int, pattern=(1, 2), seed: int = 0) -> CostTable:
 def test_the_pattern_is_found_only_where_blocks_repeat_with_aligned_options():
     assert periodic_types(periodic_table(8, (1, 2))) == (1, 2)
     assert periodic_types(periodic_table(9, (1, 2, 3))) == (1, 2, 3)
+    assert periodic_types(periodic_table(26, (1, 1, 1, 1, 1, 2))) == (1, 2)  # Gemma 3: five local blocks, one global
+    assert periodic_types(periodic_table(10, (1, 1, 1, 1, 1, 2))) is None  # under two whole periods: no pattern
     assert periodic_types(periodic_table(8, (1,))) is None  # one type: the compact formulation's own case
     table = periodic_table(8, (1, 2))
     assert periodic_types(replace(table, layer_type=table.layer_type[:4] + (1,) + table.layer_type[5:])) is None
