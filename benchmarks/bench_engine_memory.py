@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from published_runs import (FIT_SETS, HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
-                            MPT_SOURCE,
+                            MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE,
                             NARAYANAN_2021, TORCHTITAN_A100,
                             Run, all_runs)
 from published_runs import TORCHTITAN_H100 as TORCHTITAN_H100_FP8  # noqa: E402
@@ -104,7 +104,7 @@ MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
 # The engine each held-out source ran (its memory recipe prices the run).
 ENGINE_OF_SOURCE = {KORTHIKANTI_2022: "megatron", NARAYANAN_2021: "megatron", LLAMA3_2024: "megatron",
                     MEGATRON_LM_H100: "megatron",
-                    MEGATRON_MOE_QWEN3: "megatron", MEGATRON_BRIDGE_H100: "megatron",
+                    MEGATRON_MOE_QWEN3: "megatron", MEGATRON_MOE_QWEN3_GB200: "megatron", MEGATRON_BRIDGE_H100: "megatron",
                     MEGATRON_BRIDGE_BLACKWELL: "megatron",
                     TORCHTITAN_A100: "torchtitan", TORCHTITAN_H100_FP8: "torchtitan",
                     MPT_SOURCE: "llm-foundry"}

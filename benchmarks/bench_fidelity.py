@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
-                            MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
                             TORCHTITAN_H100,
                             Run, all_runs, fit_runs)
 
@@ -141,6 +141,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_LM_H100: "Megatron-LM README H100 table",
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
                  TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
+                 MEGATRON_MOE_QWEN3_GB200: "Megatron-MoE-ModelZoo Qwen3 GB200",
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
                  MEGATRON_BRIDGE_BLACKWELL: "Megatron-Bridge 25.11 DGX-GB200 and DGX-B200",
                  TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W"}

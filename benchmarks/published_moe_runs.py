@@ -7,7 +7,7 @@ Split from `published_runs` (which defines `Run` and the sources), whose `all_ru
 from __future__ import annotations
 
 from published_runs import (BRIDGE_BF16_GRADS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
-                            MEGATRON_MOE_QWEN3, Run)
+                            MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run)
 
 # The engine's maintainers on two of the 25.11 MoE figures (NVIDIA-NeMo/Megatron-Bridge):
 QWEN3_30B_DROPLESS_REGRESSION = (
@@ -79,7 +79,7 @@ def moe_runs() -> list[Run]:
                 "the recipe's moe_a2a_overlap (Megatron-Core's EP overlap) not modelled: no hidden share priced",
                 BRIDGE_BF16_GRADS)),
     ]
-    return runs + moe_long_context_runs() + megatron_bridge_blackwell_moe_runs()
+    return runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
@@ -138,3 +138,23 @@ def moe_long_context_runs() -> list[Run]:
                 recompute_modules=("layernorm", "moe"), published_causal_tflops_per_gpu=tflops,
                 moe_dispatcher="deepep", engine="megatron", attention="cudnn", assumptions=assumptions)
             for seq, cp, tflops in MEGATRON_MOE_QWEN3_LONG_CONTEXT]
+
+
+# The same repository's later readme (best_practice/qwen3/readme.md) adds a GB200 table: its BF16 row
+# is Qwen3-235B-A22B on 64 GB200 nodes (256 GPUs), TP 1, PP 8, no VPP, EP 8, MBS 1, GBS 8192, 750
+# TFLOP/s, with HybridEP, forced balance, no all-to-all overlap and Transformer Engine CUDA graphs of
+# attention and the router (its command); the MXFP8 row needs activation offloading, which meshplan
+# does not express, and the GB300 rows have no profile.
+
+
+def moe_gb200_runs() -> list[Run]:
+    """The ModelZoo's GB200 BF16 row (HELD_OUT_MOE), its TFLOP/s in Megatron-LM's causal convention."""
+    assumptions = MEGATRON_MOE_ASSUMPTIONS[:1] + (CUDNN_ATTENTION,
+        "HybridEP inside the NVL72 domain costed as the all-to-all inside one NVLink domain (as Megatron-Bridge's "
+        "GB200 rows), not overlapped with compute (A2A_OVERLAP=0)",
+        "no recomputation (the command names none); the distributed optimizer costed as ZeRO-1",
+        "TFLOP/s in Megatron-LM's convention (causal attention, no recomputation)",
+        "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell); CUDA graphs not priced")
+    return [Run("Megatron-MoE GB200 Qwen3-235B bf16 pp8 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3_GB200, "gb200-nvl72",
+                "qwen3-235b-a22b", 256, 8192, 4096, pp=8, zero=1, ep=8, etp=1, published_causal_tflops_per_gpu=750.0,
+                engine="megatron", attention="cudnn", assumptions=assumptions)]

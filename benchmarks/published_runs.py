@@ -38,7 +38,8 @@ parallelism, costed under balanced routing:
   tensor and data ranks at expert TP 1: the cross-node TP 2 / PP 8 / VPP 4 / EP 32 row without
   overlap (19.7 s) and the TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s); and its long-context table
   (TP 4, CP 1-8, PP 8, VPP 4, EP 8, 16K-128K tokens, the MoE layers recomputed), the forced-balance
-  TFLOP/s, in the FLOP convention the short rows' step times and TFLOP/s together give.
+  TFLOP/s, in the FLOP convention the short rows' step times and TFLOP/s together give; and the
+  later readme's (`best_practice/qwen3/readme.md`) GB200 BF16 row (TP 1, PP 8, EP 8, 256 GPUs).
   (`published_moe_runs` builds them.)
 - Megatron-Bridge's performance summary (`docs/performance-summary.md`), 25.11 container,
   DGX-H100: Qwen3-30B-A3B on 16 GPUs, FP8 current scaling, force-balanced and dropless.
@@ -433,6 +434,8 @@ def torchtitan_runs() -> list[Run]:
 # also on DGX-GB200 (NVL72 racks) and DGX-B200.
 MEGATRON_MOE_QWEN3 = ("Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md, Performance Results, 256 H100 "
                       "(github.com/yanring/Megatron-MoE-ModelZoo, commit c1ad0b5c89f425d60febddc38e7f741a16f08bd1)")
+MEGATRON_MOE_QWEN3_GB200 = ("Megatron-MoE-ModelZoo best_practice/qwen3/readme.md, GB200, BF16 row "
+                            "(github.com/yanring/Megatron-MoE-ModelZoo, commit 020b8136b3bc6f47e4143849f54e400cf0f71e8a)")
 MEGATRON_BRIDGE_H100 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
                         "(github.com/NVIDIA-NeMo/Megatron-Bridge, commit 00b7660be0254ac6f95f44164ddd0c3e9cc798ed)")
 MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-GB200 and "

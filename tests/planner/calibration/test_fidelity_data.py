@@ -101,9 +101,9 @@ def test_causal_flop_convention_matches_the_modelzoo_table(modules):
     for step_s, tflops in ((19.7, 245), (17.6, 276), (24.2, 200), (29.0, 167)):
         implied = tflops * 1e12 * 256 * step_s / (2048 * 4096)
         assert implied == pytest.approx(causal, rel=0.01) and abs(implied / full - 1) > 0.1
-    long_context = [run for run in data.all_runs() if run.published_causal_tflops_per_gpu]
-    assert len(long_context) == 4
-    for run in long_context:
+    causal = [run for run in data.all_runs() if run.published_causal_tflops_per_gpu]
+    assert len(causal) == 5 and sum(run.seq > 4096 for run in causal) == 4  # the long-context table and GB200's row
+    for run in causal:
         step_s = fit.published_step_s(run)
         flops = fit.causal_model_flops(fit.graph_of(run.spec, run.seq, run.attention)) * run.global_batch
         assert step_s * run.gpus * run.published_causal_tflops_per_gpu * 1e12 == pytest.approx(flops)
