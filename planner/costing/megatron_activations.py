@@ -72,8 +72,9 @@ class Term:
 
 
 def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,
-                seq: float) -> tuple[Term, ...]:
-    """The block's saved tensors per token on one rank under Megatron-Core (module docstring)."""
+                seq: float, with_routed: bool = True) -> tuple[Term, ...]:
+    """The block's saved tensors per token on one rank under Megatron-Core (module docstring);
+    `with_routed` False: without the routed experts' (`routed_expert_terms`)."""
     t = config.tp if is_split(layer, config.tp) else 1
     sp_t = t if config.sp else 1
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
@@ -97,7 +98,7 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
     shared = float(info.shared_experts_width)
     terms.append(Term("router logits (fp32)", 4.0 * info.num_experts / sp_t, ("moe",)))
     terms += _mlp_terms("shared experts", shared, gated, b, linear_in, t, ("shared_experts", "moe"))
-    return tuple(terms) + routed_expert_terms(layer, config, info)
+    return tuple(terms) + (routed_expert_terms(layer, config, info) if with_routed else ())
 
 
 def routed_expert_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> tuple[Term, ...]:

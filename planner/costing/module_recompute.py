@@ -36,7 +36,7 @@ from meshplan.planner.costing.compute_time import attention_core_recompute_s
 from meshplan.planner.costing.device_time import infer_seq, memory_time_s
 from meshplan.planner.costing.engine_memory import formulas_describe
 from meshplan.planner.costing.fp8 import is_fp8
-from meshplan.planner.costing.megatron_activations import block_terms, routed_expert_terms
+from meshplan.planner.costing.megatron_activations import block_terms
 from meshplan.planner.costing.moe_compute import router_times_s
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split
@@ -85,9 +85,10 @@ def module_recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, inf
         tp = config.tp if is_split(layer, config.tp) else 1
         seconds += gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8" if is_fp8(config.precision) else dtype)[0]
     reruns_moe = "moe" in modules and bool(layer.expert_params)
-    routed = {term.name for term in routed_expert_terms(layer, config, info)} if reruns_moe else set()
-    dropped = sum(term.bytes_per_token for term in block_terms(layer, config, info, attention, seq)
-                  if modules.intersection(term.dropped_by) and term.name not in routed)
+    # under `moe` the routed experts' own terms are in `expert_fwd_s` already
+    dropped = sum(term.bytes_per_token for term in block_terms(layer, config, info, attention, seq,
+                                                               with_routed=not reruns_moe)
+                  if modules.intersection(term.dropped_by))
     seconds += memory_time_s(cluster.device.elementwise_bytes_per_activation_byte * dropped * tokens, cluster)
     if reruns_moe:
         seconds += expert_fwd_s + router_times_s(layer, config, cluster, info, dtype)[0]

@@ -84,6 +84,7 @@ from meshplan.planner.costing.state_memory import GRAD_SYNC_MODES
 from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
+from meshplan.planner.search.ilp.envelope import envelope_table
 from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, heuristic_start, leading_chunks, live_vectors,
                                                    pipeline_factor)
 
@@ -313,8 +314,6 @@ def _envelope_problem(problem: StageProblem) -> tuple[StageProblem, tuple[int, i
     """The problem on the envelope of its periodic blocks (`envelope.envelope_table`) with the
     compact structure of that table, or None. Without a cutoff: the envelope's objective bounds
     the real one from above, so it may exceed a cutoff the real assignment beats."""
-    from meshplan.planner.search.ilp.envelope import envelope_table
-
     table = envelope_table(problem.table)
     if table is None:
         return None
