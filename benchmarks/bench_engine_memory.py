@@ -44,6 +44,7 @@ from published_runs import (FIT_SETS, HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORT
                             NARAYANAN_2021, TORCHTITAN_A100,
                             Run, all_runs)
 from published_runs import TORCHTITAN_H100 as TORCHTITAN_H100_FP8  # noqa: E402
+from published_moe_runs import MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100  # noqa: E402
 
 GIB = 2**30
 TOLERANCE = 0.10
@@ -105,7 +106,8 @@ MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
 ENGINE_OF_SOURCE = {KORTHIKANTI_2022: "megatron", NARAYANAN_2021: "megatron", LLAMA3_2024: "megatron",
                     MEGATRON_LM_H100: "megatron",
                     MEGATRON_MOE_QWEN3: "megatron", MEGATRON_MOE_QWEN3_GB200: "megatron", MEGATRON_BRIDGE_H100: "megatron",
-                    MEGATRON_BRIDGE_BLACKWELL: "megatron",
+                    MEGATRON_BRIDGE_BLACKWELL: "megatron", MEGATRON_BRIDGE_2606_H100: "megatron",
+                    MEGATRON_BRIDGE_260401_H100: "megatron",
                     TORCHTITAN_A100: "torchtitan", TORCHTITAN_H100_FP8: "torchtitan",
                     MPT_SOURCE: "llm-foundry"}
 FOUNDRY_SOURCES = (MPT_SOURCE,)  # reported apart: 201 runs at the largest micro-batch that fits

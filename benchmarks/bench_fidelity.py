@@ -42,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
+from published_moe_runs import MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100  # noqa: E402
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
@@ -144,7 +145,9 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_MOE_QWEN3_GB200: "Megatron-MoE-ModelZoo Qwen3 GB200",
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
                  MEGATRON_BRIDGE_BLACKWELL: "Megatron-Bridge 25.11 DGX-GB200 and DGX-B200",
-                 TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W"}
+                 TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W",
+                 MEGATRON_BRIDGE_2606_H100: "Megatron-Bridge 26.06 DGX-H100",
+                 MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100"}
 
 
 def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_cluster: bool = False) -> None:

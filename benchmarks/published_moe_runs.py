@@ -79,7 +79,8 @@ def moe_runs() -> list[Run]:
                 "the recipe's moe_a2a_overlap (Megatron-Core's EP overlap) not modelled: no hidden share priced",
                 BRIDGE_BF16_GRADS)),
     ]
-    return runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
+    return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
+            + megatron_bridge_2026_h100_moe_runs())
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
@@ -158,3 +159,50 @@ def moe_gb200_runs() -> list[Run]:
     return [Run("Megatron-MoE GB200 Qwen3-235B bf16 pp8 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3_GB200, "gb200-nvl72",
                 "qwen3-235b-a22b", 256, 8192, 4096, pp=8, zero=1, ep=8, etp=1, published_causal_tflops_per_gpu=750.0,
                 engine="megatron", attention="cudnn", assumptions=assumptions)]
+
+
+# Megatron-Bridge's later releases print DGX-H100 MoE rows in its performance archive. Every distinct
+# H100 MoE layout is taken once, from the latest release that prints it, with that release's recipe
+# (the release tag's scripts/performance/configs); layouts the recipe at the tag contradicts, or
+# whose recipe overlaps the all-to-all with another micro-batch (moe_a2a_overlap: no source gives
+# the hidden share), are left out (`published_runs`'s docstring says which).
+MEGATRON_BRIDGE_ARCHIVE = ("Megatron-Bridge docs/performance-summary-archive.md, DGX-H100 rows of the {release} "
+                           "NeMo container, recipes at tag {tag} (github.com/NVIDIA-NeMo/Megatron-Bridge, archive at "
+                           "commit 4ab94dfad36641cabdeb96452b21bf676aac4772)")
+MEGATRON_BRIDGE_2606_H100 = MEGATRON_BRIDGE_ARCHIVE.format(release="26.06", tag="v0.5.0")
+MEGATRON_BRIDGE_260401_H100 = MEGATRON_BRIDGE_ARCHIVE.format(release="26.04.01", tag="v0.4.2")
+HYBRIDEP = ("the flex dispatcher with HybridEP (the recipe's moe_flex_dispatcher_backend) costed as DeepEP's traffic "
+            "(--moe-dispatcher deepep): HybridEP sends a token over RDMA once per destination node and forwards it "
+            "over NVLink (DeepEP's hybrid-ep README, 'Hierarchical Communication Design'); not overlapped with compute "
+            "(moe_a2a_overlap=False)")
+
+
+def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
+    """Megatron-Bridge's 2026 DGX-H100 MoE rows (HELD_OUT_MOE), force-balanced and dropless, FSDP 0, TP 1.
+
+    - Qwen3-30B-A3B, 26.06 (tag v0.5.0): 16 GPUs, FP8-CS, GBS 1024, MBS 1, EP 16 over both nodes;
+      qwen3_llm_pretrain.py's H100 config runs the flex dispatcher with HybridEP, and
+      set_qwen3_common_configs clears recomputation and reduces gradients in bf16.
+    - GPT-OSS 120B, 26.04.01 (tag v0.4.2, its last release with an H100 row): 64 GPUs, BF16,
+      GBS 1280, MBS 1, PP 4 (no virtual stages), EP 8 (expert DP 2); the H100 workload config
+      recomputes the norms and the experts' activations (recompute_modules layernorm, moe_act), the
+      recipe keeps the alltoall dispatcher, and set_gpt_oss_common_configs reduces gradients in bf16.
+    """
+    common = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
+              BRIDGE_BF16_GRADS)
+    qwen = Run("Megatron-Bridge 26.06 Qwen3-30B-A3B fp8 ep16", HELD_OUT_MOE,
+               MEGATRON_BRIDGE_2606_H100, "h100-sxm", "qwen3-30b-a3b", 16, 1024,
+               4096, zero=1, ep=16, etp=1, precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=8826.0 * 16,
+               grad_reduce_in_bf16=True, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
+               assumptions=common + (HYBRIDEP, "no recomputation (set_qwen3_common_configs clears it)",
+                                     "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)"))
+    gpt_oss = Run("Megatron-Bridge 26.04.01 GPT-OSS-120B bf16 pp4 ep8", HELD_OUT_MOE,
+                  MEGATRON_BRIDGE_260401_H100, "h100-sxm", "gpt-oss-120b", 64,
+                  1280, 4096, pp=4, zero=1, ep=8, etp=1, recompute_modules=("layernorm", "moe_act"),
+                  published_tokens_per_s=5824.0 * 64, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
+                  assumptions=common + (
+                      "Megatron-Core's alltoall dispatcher (the recipe's moe_token_dispatcher_type), not overlapped "
+                      "with compute", "the norms and the experts' activation functions recomputed (recompute_modules "
+                      "layernorm moe_act)", "36 layers, 9 a stage; the embedding and the output layer on the first and "
+                      "last stages as meshplan places them", "the vocabulary of openai/gpt-oss-120b's config (201,088)"))
+    return [qwen, gpt_oss]

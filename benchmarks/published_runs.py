@@ -48,6 +48,11 @@ parallelism, costed under balanced routing:
   Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 costed as
   meshplan's fp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
   validated on Blackwell.
+- Megatron-Bridge's performance archive (`docs/performance-summary-archive.md`, commit 4ab94df):
+  every distinct DGX-H100 MoE layout of its 2026 releases, once, from the latest release that
+  prints it, with that release's recipes (the tag's `scripts/performance/configs`): Qwen3-30B-A3B
+  on 16 GPUs, FP8-CS, EP 16 with HybridEP (26.06, tag v0.5.0), and GPT-OSS 120B on 64 GPUs, BF16,
+  PP 4, EP 8, the norms and expert activations recomputed (26.04.01, tag v0.4.2).
 Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
 ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
 overlap and memory describe: its PP rows fit under that recipe, not under meshplan's executor's). Where the
@@ -68,7 +73,11 @@ Qwen3-235B-A22B row (a column is missing in the table at the cited commit, so it
 ambiguous there; the page's own correction, commit 5776a6d90b4dd8692902ab2eb581369484e19283,
 restores it: GBS 2048, TP 2, PP 8, VP 4, EP 32, 1575 tokens/s/GPU, with the recipe's
 moe_a2a_overlap, whose hidden share no source gives),
-its GPT-OSS rows (the DGX-H100 row's PP 4 contradicts its GA 2 = 512 / (64 x 4), which only PP 1
+the 2026 archive's other DGX-H100 MoE rows: Qwen3-235B-A22B (TP 2, PP 8, VP 4, EP 32; its recipe at
+every tag runs moe_a2a_overlap), Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 row of 26.02.01 (the recipe at
+its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's), the
+Nemotron 3 Nano rows (hybrid Mamba layers), and older releases' rows of the layouts above; 25.11's
+GPT-OSS rows (the DGX-H100 row's PP 4 contradicts its GA 2 = 512 / (64 x 4), which only PP 1
 gives; the Blackwell rows' recipes, as for DeepSeek-V3, not yet read) and its 25.09 tables
 (precision not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
 (`megatron/core/transformer/moe/README.md`) quotes

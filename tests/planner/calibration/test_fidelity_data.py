@@ -109,6 +109,17 @@ def test_causal_flop_convention_matches_the_modelzoo_table(modules):
         assert step_s * run.gpus * run.published_causal_tflops_per_gpu * 1e12 == pytest.approx(flops)
 
 
+def test_bridge_2026_qwen3_row_transcription_is_consistent(modules):
+    """Megatron-Bridge's 26.06 DGX-H100 Qwen3-30B-A3B row prints 8826 tokens/s and 203 TFLOP/s per
+    GPU: the FLOPs per token they imply (23.0 G) agree with meshplan's causal count of the model to
+    the TFLOP/s rounding (0.5%), and the run carries the tokens/s as printed."""
+    data, fit = modules
+    run = next(r for r in data.all_runs() if r.name == "Megatron-Bridge 26.06 Qwen3-30B-A3B fp8 ep16")
+    assert run.published_tokens_per_s == 8826.0 * run.gpus and run.gpus == 16 and run.ep == 16
+    causal = fit.causal_model_flops(fit.graph_of(run.spec, run.seq, run.attention)) / run.seq
+    assert 203e12 / 8826.0 == pytest.approx(causal, rel=0.005)
+
+
 def test_mpt_table_transcription_is_consistent(modules):
     """Every transcribed MPT row: global batch = GPUs x micro-batch x accumulation (the loader
     refuses others) and the shapes give the parameter count the tables print (0.1%)."""
