@@ -80,7 +80,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
         lines.append(f"host memory      {prediction.host_state_bytes_per_node / GIB:10.2f} GiB of offloaded states on "
                      f"the busiest node, {usable_host_memory_bytes(cluster) / GIB:.2f} GiB usable")
     if not on_device:
-        lines += top_consumers(prediction)
+        lines += top_consumers(prediction, cfg)
     return "\n".join(lines)
 
 
@@ -99,23 +99,40 @@ def with_overlap(data: dict, engine: str) -> dict:
     return {**data, "overlap": engine_overlap(engine).to_json()}
 
 
-# what lowers each kind of memory, for the lines of `top_consumers`
-_REMEDIES = {"params": "--zero 3, more --tp or --pp", "grads": "--zero 2 or 3, more --tp or --pp",
-             "optimizer": "--zero 1 or more, more --tp or --pp",
-             "activations": "--recompute selective/full, --sp, a smaller --mbs, more --tp, --cp or --pp",
-             "buffers": "a smaller --mbs, more --tp (logits), less ZeRO-3 prefetch"}
+# the ZeRO stage that first shards each kind of model state, and how it is named as a lever
+_SHARDED_FROM = {"optimizer": (1, "--zero 1 or more"), "grads": (2, "--zero 2 or 3"), "params": (3, "--zero 3")}
 
 
-def top_consumers(prediction, count: int = 3) -> list[str]:
-    """The largest rank's biggest kinds of memory, each with what would lower it."""
+def _remedies(kind: str, cfg) -> str:
+    """What would lower `kind` of memory from where `cfg` stands: only levers not already pulled
+    (a ZeRO stage that shards it, offloading, a stronger recomputation, sequence parallelism under
+    TP, a smaller micro-batch)."""
+    smaller_mbs = ["a smaller --mbs"] if cfg.microbatch_size > 1 else []
+    if kind in _SHARDED_FROM:
+        stage, flag = _SHARDED_FROM[kind]
+        single = cfg.dp * cfg.cp == 1  # ZeRO shards over the data ranks: none to shard over yet
+        levers = ["more data ranks (--gpus)" if cfg.zero >= stage else flag + (" with more data ranks" if single else "")]
+        # offloading parameters needs them sharded (ZeRO-3); the optimizer's states go at any stage
+        offload = kind == "optimizer" or (kind == "params" and cfg.zero == 3)
+        levers += [f"--offload {kind}"] if offload and cfg.offload == "none" else []
+        return ", ".join(levers + ["more --tp or --pp"])
+    if kind == "activations":
+        stronger = {"none": ["--recompute selective/full"], "selective": ["--recompute full"]}.get(cfg.recompute, [])
+        sp = ["--sp"] if cfg.tp > 1 and not cfg.sp else []
+        return ", ".join(stronger + sp + smaller_mbs + ["more --tp, --cp or --pp"])
+    return ", ".join(smaller_mbs + ["more --tp (logits)"] + (["less ZeRO-3 prefetch"] if cfg.zero == 3 else []))
+
+
+def top_consumers(prediction, cfg, count: int = 3) -> list[str]:
+    """The largest rank's biggest kinds of memory, each with what would lower it from `cfg`."""
     rank = max(range(len(prediction.memory)), key=lambda r: prediction.memory[r].total)
     mem = prediction.memory[rank]
     kinds = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
              "activations": mem.activations, "buffers": mem.buffers}
     largest = sorted(kinds, key=kinds.get, reverse=True)[:count]
     return [f"top consumers on pipeline rank {rank}:"] + [
-        f"  {kind:<12} {kinds[kind] / GIB:8.2f} GiB  ({kinds[kind] / mem.total:.0%}; lower it with {_REMEDIES[kind]})"
-        for kind in largest]
+        f"  {kind:<12} {kinds[kind] / GIB:8.2f} GiB  ({kinds[kind] / mem.total:.0%}; lower it with "
+        f"{_remedies(kind, cfg)})" for kind in largest]
 
 
 def _default_seq(spec: str) -> int:

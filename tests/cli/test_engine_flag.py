@@ -43,6 +43,20 @@ def test_estimate_names_the_top_consumers_when_it_does_not_fit(run_cli):
     assert "--zero 1" in lines[0]
 
 
+def test_top_consumers_name_only_levers_not_already_pulled(run_cli):
+    """Under ZeRO-3 and full recomputation the remedies offer neither a ZeRO stage nor a
+    recomputation: more data ranks shard the states further, offloading and model parallelism
+    remain."""
+    code, out, err = run_cli("estimate", "--model", "llama3-70b", "--cluster", "a100-40g", "--gpus", "8", "--gbs", "8",
+                             "--seq", "4096", "--engine", "torchtitan", "--zero", "3", "--recompute", "full")
+    assert code == 2 and "does not fit" in err, err
+    lines = {line.split()[0]: line for line in out[out.index("top consumers"):].splitlines()[1:4]}
+    assert "optimizer" in lines and "params" in lines
+    assert "--zero" not in "".join(lines.values()) and "--recompute" not in "".join(lines.values())
+    assert "more data ranks (--gpus)" in lines["optimizer"] and "--offload optimizer" in lines["optimizer"]
+    assert "--offload params" in lines["params"]
+
+
 def test_estimate_from_refuses_engine_meshplan(run_cli, tmp_path):
     config = tmp_path / "job.toml"
     config.write_text("[model]\nname = 'llama3'\n")
