@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -289,9 +290,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             raise ValueError(f"schedule.microbatches is {schedule['microbatches']} but global_batch / (dp * "
                              f"microbatch_size) = {config.num_microbatches}")
         layers = _layers(data["layers"])
-        prediction, alternatives = data.get("prediction"), data.get("alternatives") or []
-        if prediction is not None and not isinstance(prediction, dict):
-            raise ValueError(f"plan field 'prediction' must be an object or null, got {_kind(prediction)}")
+        prediction, alternatives = _prediction(data), data.get("alternatives") or []
         if not isinstance(alternatives, list) or not all(isinstance(a, dict) for a in alternatives):
             raise ValueError("plan field 'alternatives' must be a list of objects (runnable configurations)")
         return Plan(model=_build(ModelRef, _table(data, "model"), "model"), cluster=cluster, config=config,
@@ -336,6 +335,27 @@ def model_file(spec: str) -> str | None:
 
 def _kind(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), repr(value))
+
+
+# The prediction's scalars that `train`, `report` and `compare` read back (`Prediction.to_json`).
+PREDICTION_NUMBERS = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu", "hw_tflops_per_gpu", "mfu",
+                      "peak_memory_bytes", "bubble_fraction")
+
+
+def _prediction(data: dict) -> dict | None:
+    """The plan's prediction: null, or an object whose scalars, where present, are finite
+    non-negative numbers (a hand-edited null or string there would surface far from its cause)."""
+    prediction = data.get("prediction")
+    if prediction is None:
+        return None
+    if not isinstance(prediction, dict):
+        raise ValueError(f"plan field 'prediction' must be an object or null, got {_kind(prediction)}")
+    for key in PREDICTION_NUMBERS:
+        value = prediction.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"plan field prediction.{key} must be a non-negative number, got {value!r}; "
+                             "re-plan, or delete the prediction to run the plan as it is")
+    return prediction
 
 
 def _table(data: dict, key: str, where: str = "") -> dict:

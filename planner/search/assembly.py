@@ -163,6 +163,10 @@ def explain(plan_json: dict) -> str:
              + (" (solved on the envelope of its periodic blocks, each priced at its kinds' largest costs, and "
                 "scored on the real blocks)" if solver.get("formulation") == "envelope" else "")
              + f" is {solver.get('status', '?')} with gap {100 * solver.get('gap', 0.0):.2g}%.")
+    if solver.get("num_executor_limited"):
+        text += (f" {solver['num_executor_limited']} more layouts were left out because meshplan's executor does not "
+                 "train them (`train` runs the plan); `--engine megatron`, `torchtitan` or `deepspeed` searches them "
+                 "too for export.")
     return text
 
 

@@ -93,22 +93,33 @@ def divisors(n: int) -> list[int]:
 
 def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pins = Pins(),
                          max_mbs: int | None = None, precision: str = "bf16-mixed",
-                         engine: str = "meshplan", fp8_recipe: str | None = None) -> list[ParallelConfig]:
-    """Every outer candidate of the executable plan space that satisfies the pins, sorted, each
-    priced with `engine`'s memory recipe.
+                         engine: str = "meshplan", fp8_recipe: str | None = None,
+                         left_out: list | None = None) -> list[ParallelConfig]:
+    """Every outer candidate of the plan space of the engine that runs it which satisfies the
+    pins, sorted, each priced with `engine`'s memory recipe: for engine "meshplan" the space
+    meshplan's executor runs (what `train` runs); for another engine every layout the cost model
+    prices (the plan is exported to that engine: an executor-only limit, such as a Hugging Face
+    mixture of experts trained without expert parallelism, would cost it the layouts that engine
+    runs best; the plan says why `train` refuses it).
 
     A candidate is a `ParallelConfig` with recompute "none": the ILP then picks each layer's
     recomputation and stage. Micro-batch sizes go up to the samples per replica (`max_mbs`
     limits them; the search prunes those memory cannot hold, `problems.build_problems`).
+    `left_out`, when given, receives the candidates only meshplan's executor's limits kept out.
     """
     facts = model_facts(graph)
     options = (graph, cluster, gpus, global_batch, pins, max_mbs, precision, engine, fp8_recipe, facts)
-    out = _enumerate(*options, refused_sp=False)  # SP a mixture of experts refuses at every layout: never made
-    # The default space is what the executor runs; only pins that leave nothing else keep the
-    # rest, and the plan then says why `train` refuses it (`costing.executable`).
-    runnable = [c for c in out if why_not_executable(c, facts) is None]
+    # SP under TP, which meshplan's executor refuses for a mixture of experts at every layout, is never made
+    # for it; the other engines run it (Megatron-LM requires it with TP and EP)
+    out = _enumerate(*options, refused_sp=engine != "meshplan")
+    # meshplan's default space is what its executor runs; only pins that leave nothing else keep
+    # the rest, and the plan then says why `train` refuses it (`costing.executable`).
+    runnable = [c for c in out if why_not_executable(c, facts) is None] if engine == "meshplan" else out
     if not runnable:
         out = _enumerate(*options, refused_sp=True)
+    elif left_out is not None and len(runnable) < len(out):
+        kept = set(runnable)
+        left_out.extend(c for c in out if c not in kept)
     return sorted(runnable or out, key=lambda c: c.sort_key)
 
 

@@ -121,9 +121,10 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
     _check_executor_pins(graph, pins)
     _check_expert_pin(graph, pins)
     _check_cp_method_pin(graph, pins)
+    executor_limited: list = []  # layouts the engine meshplan leaves out because its executor does not run them
     candidates = offloading.with_offload(enumerate_candidates(
         graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs, request.precision, request.engine,
-        request.fp8_recipe), pins.offload)
+        request.fp8_recipe, left_out=executor_limited), pins.offload)
     if request.grad_reduce_in_bf16:  # a setting of the engine, the same on every candidate
         candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
     if not candidates:
@@ -162,6 +163,7 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
         candidate_rows += alternatives.candidate_rows(candidates, solved, simulated, ranked[0].candidate,
                                                       [r.candidate for r in ranked[1:request.top_k]])
     stats = {**_search_stats(candidates, solved, feasible[:num_keep]), **({"ep_rival": ep_rival} if ep_rival else {}),
+             **({"num_executor_limited": len(executor_limited)} if executor_limited else {}),
              "search_time_s": time.perf_counter() - started,
              **({"memory_headroom_bytes": request.memory_headroom_bytes} if request.memory_headroom_bytes else {})}
     return build_plan(graph, cluster, ranked[:request.top_k], stats, seed=request.seed, layerwise=request.layerwise,

@@ -85,6 +85,20 @@ def test_broken_plans_are_refused_before_anything_launches(run_cli, tmp_path, ba
     assert not (tmp_path / "r.html").exists()
 
 
+@pytest.mark.parametrize("value", [None, "1e9", -1.0, True])
+def test_a_prediction_scalar_that_is_no_number_is_refused_naming_it(run_cli, tmp_path, base_plan, no_launch, value):
+    """A hand-edited prediction scalar (null, a string, a negative or a boolean) is refused when
+    the plan loads, naming the field, not met later as a crash deep in `train`'s preflight."""
+    plan = copy.deepcopy(base_plan)
+    plan["prediction"]["peak_memory_bytes"] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    for command in (["train", "--plan", path, "--steps", 1], ["simulate", "--plan", path]):
+        code, _, err = run_cli(*command)
+        assert code == 2 and "prediction.peak_memory_bytes must be a non-negative number" in err, err
+    assert no_launch == []
+
+
 def _json_paths(value, prefix=()):
     out = [prefix] if prefix else []
     if isinstance(value, dict):

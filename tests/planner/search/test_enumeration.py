@@ -4,6 +4,8 @@ exactly the executable ones of the full enumeration, and a pin that leaves nothi
 still gets the refused candidates (the plan then says why `train` refuses it)."""
 from __future__ import annotations
 
+import pytest
+
 from meshplan.planner.costing.executable import model_facts, why_not_executable
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.profiling.profiler import profile
@@ -36,3 +38,49 @@ def test_a_pinned_sp_still_gets_the_refused_candidates():
     got = enumerate_candidates(graph, H100, 16, 32, Pins(sp=True, tp=2), 4, "bf16-mixed")
     full = _full(graph, Pins(sp=True, tp=2))
     assert got == sorted(full, key=lambda c: c.sort_key) and got and all(c.sp for c in got)
+
+
+def _meshes(candidates) -> set:
+    return {(c.tp, c.pp, c.dp, c.cp, c.ep, c.expert_tp, c.sp, c.zero, c.microbatch_size) for c in candidates}
+
+
+def test_another_engine_gets_sp_under_tp_for_a_mixture_of_experts():
+    """SP under TP, which meshplan's executor refuses for a mixture of experts, is what Megatron-LM
+    requires with TP and EP: under --engine megatron the space has it, and holds every layout of
+    meshplan's space besides."""
+    graph = profile(MOE_SPEC, 1024)
+    own = enumerate_candidates(graph, H100, 16, 32, Pins(), 4, "bf16-mixed")
+    megatron = enumerate_candidates(graph, H100, 16, 32, Pins(), 4, "bf16-mixed", engine="megatron")
+    assert {c.engine for c in megatron} == {"megatron"}
+    assert any(c.sp and c.tp > 1 and c.ep > 1 for c in megatron) and not any(c.sp for c in own)
+    assert _meshes(own) < _meshes(megatron)
+
+
+def test_hf_moe_layouts_only_the_executor_refuses_are_counted_and_searched_by_other_engines():
+    """A Hugging Face mixture of experts trains on meshplan's executor with tp 1 and no EP: the
+    default engine's space keeps to that and hands the rest to `left_out`, which is exactly what
+    another engine (whose plan is exported, not trained by meshplan) searches beyond it."""
+    pytest.importorskip("transformers")
+    graph = profile("deepseek-v2-lite", 256)
+    left: list = []
+    own = enumerate_candidates(graph, H100, 64, 64, Pins(), 1, "bf16-mixed", left_out=left)
+    assert own and all(c.ep == 1 and c.tp == 1 for c in own)
+    assert left and all(why_not_executable(c, model_facts(graph)) for c in left)
+    assert any(c.ep > 1 for c in left) and not set(own) & set(left)
+    megatron = enumerate_candidates(graph, H100, 64, 64, Pins(), 1, "bf16-mixed", engine="megatron")
+    assert _meshes(megatron) >= _meshes(own) | _meshes(left)
+    nothing: list = []
+    enumerate_candidates(graph, H100, 64, 64, Pins(), 1, "bf16-mixed", engine="megatron", left_out=nothing)
+    assert nothing == []
+
+
+def test_the_plan_names_the_layouts_the_executor_left_out():
+    from meshplan.planner.search.assembly import explain
+
+    plan = {"prediction": {"step_time_s": 1.0, "mfu": 0.3, "bubble_fraction": 0.0, "peak_memory_bytes": 1e9},
+            "mesh": {"pp": 1, "dp": 8, "tp": 1}, "sp": False, "zero": 1, "layers": [{"recompute": "none"}],
+            "schedule": {"name": "1f1b", "virtual_stages": 1, "microbatches": 1, "microbatch_size": 1},
+            "solver": {"usable_memory_bytes": 8e10, "num_executor_limited": 42}}
+    assert "42 more layouts were left out because meshplan's executor does not train them" in explain(plan)
+    del plan["solver"]["num_executor_limited"]
+    assert "left out because" not in explain(plan)
