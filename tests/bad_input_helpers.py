@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tomllib
 
 import pytest
@@ -17,8 +18,8 @@ SEQ = 32
 def fast(num_examples: int) -> settings:
     """Few examples, no per-example deadline (the first one profiles the model); function-scoped
     fixtures (run_cli, tmp_path) are shared across examples on purpose: each example overwrites
-    the files it uses."""
-    return settings(max_examples=num_examples, deadline=None,
+    the files it uses. MESHPLAN_FUZZ=N runs N times as many (a longer hunt than `make test`'s)."""
+    return settings(max_examples=num_examples * int(os.environ.get("MESHPLAN_FUZZ", "1")), deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
