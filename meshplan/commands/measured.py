@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 
-ENGINES = ("megatron", "torchtitan", "deepspeed")
+from meshplan.planner.contracts.config import EXTERNAL_ENGINES
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--from", dest="from_file", required=True, metavar="LOG",
                         help="the engine's training log (rank 0's output; NeMo's log is read as Megatron-LM's)")
-    parser.add_argument("--engine", required=True, choices=ENGINES, help="engine that wrote the log")
+    parser.add_argument("--engine", required=True, choices=EXTERNAL_ENGINES, help="engine that wrote the log")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="the engine config of the run (gives GPUs, global batch and sequence length)")
     parser.add_argument("--plan", default=None, metavar="PLAN_JSON",

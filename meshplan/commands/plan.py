@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES, PRECISIONS,
-                                               SCHEDULES)
+from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES,
+                                               EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_grad_reduce_argument,
                                      add_job_arguments, add_offload_argument,
@@ -218,7 +218,10 @@ def format_plan(data: dict, args) -> str:
             + (f", memory as {data['engine']} allocates it" if data.get("engine", "meshplan") not in EXECUTOR_MEMORY_ENGINES else ""))
     lines = [head, "", text, "", explain(data)]
     if not data["executable"]:
-        lines += ["", f"NOT EXECUTABLE: {data['not_executable_reason']}"]
+        engine = data.get("engine", "meshplan")
+        lines += ["", f"NOT EXECUTABLE: {data['not_executable_reason']}" if engine not in EXTERNAL_ENGINES else
+                  f"planned for {engine} (`meshplan export --to {engine}` writes its job); meshplan's own `train` "
+                  f"does not run it: {data['not_executable_reason']}"]
     if args.train_tokens:
         best = table.iloc[0]
         lines += ["", f"training on {args.train_tokens:.3g} tokens: {best['train days']} days, "

@@ -23,6 +23,8 @@ PRECISIONS = ("bf16-mixed", "fp32", "fp8")
 # executor pays), overlap and memory as meshplan's executor has them (published runs of Megatron-LM
 # 2021-2022 and of Llama 3's stack, the fit sets among them, are priced so).
 ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed", "llm-foundry", "generic")
+# The engines that run a plan meshplan exports (`export --to`) and whose logs `measured` reads.
+EXTERNAL_ENGINES = ("megatron", "torchtitan", "deepspeed")
 # Engines whose memory is meshplan's executor's own recipe (`state_memory`, `activation_memory`).
 EXECUTOR_MEMORY_ENGINES = ("meshplan", "generic")
 # Engines that train with data and tensor parallelism alone (no pipeline, context or expert parallelism).

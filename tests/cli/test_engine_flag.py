@@ -130,3 +130,19 @@ def test_plan_takes_megatrons_bf16_gradients_and_records_them(run_cli, tmp_path)
 def test_plan_refuses_bf16_gradients_outside_megatron(run_cli):
     code, out, err = run_cli("plan", *JOB, "--grad-reduce-in-bf16")
     assert code == 2 and "--engine megatron" in err and "Traceback" not in err
+
+
+def test_a_plan_for_another_engine_says_who_runs_it(run_cli):
+    """A mixture of experts under TP with SP: Megatron-LM runs it (it requires SP with TP and EP),
+    meshplan's executor does not. Planned for megatron, the plan says to export it; planned for
+    meshplan's executor (pinned), it is NOT EXECUTABLE."""
+    moe = "moe:layers=2,hidden=64,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=32,vocab=128"
+    job = ("--model", moe, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256", "--tp", "2", "--sp",
+           "--top", "1", "--time-limit", "1")
+    code, out, err = run_cli("plan", *job, "--engine", "megatron")
+    assert code == 0, err
+    assert "planned for megatron (`meshplan export --to megatron` writes its job); meshplan's own `train` does " \
+           "not run it: the executor runs mixture-of-experts blocks under tp=2 without sequence parallelism" in out
+    code, out, err = run_cli("plan", *job)
+    assert code == 0, err
+    assert "NOT EXECUTABLE: the executor runs mixture-of-experts blocks under tp=2" in out
