@@ -115,7 +115,7 @@ def enumerate_candidates(graph, cluster, gpus: int, global_batch: int, pins: Pin
     # meshplan's default space is what its executor runs; only pins that leave nothing else keep
     # the rest, and the plan then says why `train` refuses it (`costing.executable`).
     runnable = [c for c in out if why_not_executable(c, facts) is None] if engine == "meshplan" else out
-    if not runnable:
+    if not runnable and engine == "meshplan":  # another engine's space has the refused SP candidates already
         out = _enumerate(*options, refused_sp=True)
     elif left_out is not None and len(runnable) < len(out):
         kept = set(runnable)
