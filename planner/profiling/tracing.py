@@ -165,6 +165,32 @@ def _storage_keys(module) -> set:
     return keys | {_storage_key(b)[0] for b in module.buffers()}
 
 
+def _routed_copy_bytes(args) -> int:
+    """Bytes of the routed copies an experts module is called with (`LayerProfile.dispatch_bytes`:
+    tokens * top_k * hidden elements).
+
+    Modules that take the copies already expanded (one row per token and expert) pass them as
+    they are. transformers' experts (`experts_implementation` eager, batched_mm or grouped_mm)
+    take each token once, (tokens, hidden), beside its routing, a (tokens, top_k) integer index:
+    the dispatch an engine runs sends a copy per chosen expert (Megatron-Core's alltoall
+    dispatcher permutes tokens * top_k rows before its all-to-all), so the token rows count top_k
+    times, top_k read from the index whose rows match theirs. The index and the routing weights
+    are metadata, not copies."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.Tensor)]
+    floats = [t for t in tensors if t.is_floating_point() and t.dim() >= 2]
+    if not floats:
+        return _tensor_bytes(args)[0]
+    tokens = max(floats, key=lambda t: t.numel())
+    rows = tokens.numel() // tokens.shape[-1]
+    copies_per_row = next((t.numel() // rows for t in tensors
+                           if not t.is_floating_point() and t.dim() >= 2 and t.numel() % rows == 0
+                           and t.numel() // t.shape[-1] == rows), 1)
+    return tokens.numel() * tokens.element_size() * copies_per_row
+
+
 def _tensor_bytes(value) -> tuple[int, tuple]:
     """Bytes and (shape, dtype) signature of the tensors in a value, each storage once."""
     import torch
@@ -245,7 +271,7 @@ class _Recorder:
 
         def hook(module, args):
             self.expert_mark = self._total()
-            self.dispatch[index] += _tensor_bytes(args)[0]
+            self.dispatch[index] += _routed_copy_bytes(args)
             tokens = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
             if tokens is not None and torch.is_grad_enabled():
                 # backward through the experts ends when the dispatched tokens' gradient is ready

@@ -71,6 +71,19 @@ def test_deepseek_v3_is_traced_with_its_dense_and_moe_layers():
     assert graph.info.attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss_20b", "mixtral_8x7b",
+                                  "qwen3_30b_a3b"])
+def test_traced_moe_dispatch_counts_a_copy_per_routed_expert(tmp_path, name):
+    """transformers' experts take each token once beside a (tokens, top_k) index; the dispatch an
+    engine runs sends top_k copies of it: dispatch_bytes is tokens * top_k * hidden (the graph
+    contract, as the closed-form MoE profile counts it), the index and weights not counted."""
+    seq = 32
+    overrides = {"layer_types": ["sliding_attention", "full_attention"] * 2} if name == "gpt_oss_20b" else {}
+    graph = profile(shrunk(name, tmp_path, **overrides), seq, cache=False)
+    moe = [layer for layer in graph.layers if layer.expert_fwd_flops]
+    assert moe and all(layer.dispatch_bytes == seq * graph.info.top_k * graph.info.hidden * 2 for layer in moe)
+
+
 def test_gemma2_is_profiled_fused_and_alternates_sliding_and_global_layers(tmp_path):
     from meshplan.planner.models.hf_attention import FUSED_PROFILE_ATTENTION
 
