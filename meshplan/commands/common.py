@@ -89,6 +89,25 @@ def add_grad_reduce_argument(parser) -> None:
                              "--grad-reduce-in-bf16), a 2-byte gradient buffer and reduction instead of fp32's 4")
 
 
+def add_tp_comm_overlap_argument(parser) -> None:
+    """--tp-comm-overlap on|off: whether the sequence-parallel TP collectives are pipelined with
+    their GEMMs (`ParallelConfig.tp_comm_overlap`); absent, the engine's record (`contracts.overlap`)."""
+    from meshplan.planner.contracts.config import TP_OVERLAP_ENGINES
+    from meshplan.planner.contracts.overlap import engine_overlap
+
+    defaults = ", ".join(f"{engine} {'on' if engine_overlap(engine).tp_comm_overlap else 'off'}"
+                         for engine in TP_OVERLAP_ENGINES)
+    parser.add_argument("--tp-comm-overlap", choices=("on", "off"), default=None,
+                        help=f"pipeline the sequence-parallel TP all-gathers and reduce-scatters with their GEMMs "
+                             f"(Megatron-LM's --tp-comm-overlap, torchtitan's async TP; needs --tp > 1 and --sp); "
+                             f"default: the engine's ({defaults}; the other engines block on them)")
+
+
+def tp_comm_overlap_of(args) -> bool | None:
+    """`ParallelConfig.tp_comm_overlap` of --tp-comm-overlap (None: the engine's default)."""
+    return None if args.tp_comm_overlap is None else args.tp_comm_overlap == "on"
+
+
 def add_fp8_recipe_argument(parser, default_help: str = "the engine's") -> None:
     """--fp8-recipe: how fp8 scales the GEMM operands (`contracts.config.FP8_RECIPES`, priced by
     `planner.costing.fp8`); only with --precision fp8."""

@@ -6,10 +6,10 @@ import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
-                                     add_grad_reduce_argument,
-                                     add_fp8_recipe_argument, add_offload_argument,
-                                     add_job_arguments, announce_model_code, axis_arguments, check_seq, check_sizes,
-                                     does_not_fit, model_notes, moe_notes, prediction_json)
+                                     add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
+                                     add_job_arguments, add_tp_comm_overlap_argument, announce_model_code,
+                                     axis_arguments, check_seq, check_sizes, does_not_fit, model_notes, moe_notes,
+                                     prediction_json, tp_comm_overlap_of)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap
 
 
@@ -45,6 +45,7 @@ def add_arguments(parser) -> None:
                         help="interleaved 1F1B: micro-batches per round of the virtual stages (Megatron-Core's "
                              "--microbatch-group-size-per-virtual-pipeline-stage; default pp; more hold more)")
     add_grad_reduce_argument(parser)
+    add_tp_comm_overlap_argument(parser)
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
@@ -89,7 +90,7 @@ def run(args) -> int:
 
         data = with_band(prediction_json(prediction, args.model, args.seq or _default_seq(args.model)),
                          prediction.step_time_s, heading.config, args.model, args.seq)
-        print(json.dumps(with_overlap(data, heading.config.engine)))
+        print(json.dumps(with_overlap(data, heading.config)))
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes, cluster))
     print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))
@@ -114,7 +115,7 @@ def _heading(args, cluster) -> Heading:
                              engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe,
                              recompute_modules=tuple(args.recompute_modules), offload=args.offload,
                              cp_method=args.cp_method, microbatch_group_size=args.microbatch_group_size,
-                             grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+                             grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args))
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -133,7 +134,8 @@ def _estimate_at(args, zero: int):
                     memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,
                     recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method,
                     moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
-                    microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16)
+                    microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                    tp_comm_overlap=tp_comm_overlap_of(args))
 
 
 def _zero_hint(args, prediction) -> str:

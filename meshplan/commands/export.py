@@ -59,6 +59,8 @@ def estimate_from(args) -> int:
     overrides = {axis: getattr(args, axis) for axis in ("cp", "ep") if (getattr(args, axis, 1) or 1) > 1}
     if getattr(args, "moe_dispatcher", None):  # the command line's over the config's
         overrides["moe_dispatcher"] = args.moe_dispatcher
+    if getattr(args, "tp_comm_overlap", None):  # likewise
+        overrides["tp_comm_overlap"] = args.tp_comm_overlap == "on"
     job = replace(job, **overrides)  # what a config cannot say (DeepSpeed's EP lives in the model code)
     result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                          attention=args.attention)
@@ -71,7 +73,7 @@ def estimate_from(args) -> int:
                          result.seq)
         from meshplan.commands.printed import with_overlap
 
-        print(json.dumps(with_overlap(data, result.config.engine)))
+        print(json.dumps(with_overlap(data, result.config)))
         return 0
     from meshplan.planner.costing.hardware import load_cluster
 

@@ -36,7 +36,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
              + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
              + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
              + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""),
-             overlap_line(cfg.engine), "", f"step time        {step * 1e3:10.1f} ms"]
+             overlap_line(cfg), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
             lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
@@ -84,19 +84,20 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
     return "\n".join(lines)
 
 
-def overlap_line(engine: str) -> str:
-    """Which engine's communication overlap the prediction assumes (`contracts.overlap`)."""
-    from meshplan.planner.contracts.overlap import engine_overlap
+def overlap_line(config) -> str:
+    """Which engine's communication overlap the prediction assumes (`contracts.overlap`, with the
+    configuration's own TP overlap: `costing.overlap.overlap_of`)."""
+    from meshplan.planner.costing.overlap import overlap_of
 
-    return f"overlap as {engine_overlap(engine).summary()}"
+    return f"overlap as {overlap_of(config).summary()}"
 
 
-def with_overlap(data: dict, engine: str) -> dict:
-    """`estimate --json` with the key `overlap`: the engine's overlap the prediction assumed
-    (`contracts.overlap.EngineOverlap.to_json`)."""
-    from meshplan.planner.contracts.overlap import engine_overlap
+def with_overlap(data: dict, config) -> dict:
+    """`estimate --json` with the key `overlap`: the overlap the prediction assumed
+    (`contracts.overlap.EngineOverlap.to_json` of `costing.overlap.overlap_of`)."""
+    from meshplan.planner.costing.overlap import overlap_of
 
-    return {**data, "overlap": engine_overlap(engine).to_json()}
+    return {**data, "overlap": overlap_of(config).to_json()}
 
 
 # the ZeRO stage that first shards each kind of model state, and how it is named as a lever

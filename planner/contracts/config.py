@@ -27,6 +27,10 @@ ENGINES = ("meshplan", "megatron", "torchtitan", "deepspeed", "llm-foundry", "ge
 EXTERNAL_ENGINES = ("megatron", "torchtitan", "deepspeed")
 # Engines whose memory is meshplan's executor's own recipe (`state_memory`, `activation_memory`).
 EXECUTOR_MEMORY_ENGINES = ("meshplan", "generic")
+# Engines that can pipeline the sequence-parallel TP collectives with their GEMMs
+# (`ParallelConfig.tp_comm_overlap`): Transformer Engine's userbuffers under Megatron-LM's
+# --tp-comm-overlap, torchtitan's async TP (parallelism.enable_async_tensor_parallel).
+TP_OVERLAP_ENGINES = ("megatron", "torchtitan")
 # Engines that train with data and tensor parallelism alone (no pipeline, context or expert parallelism).
 NO_PIPELINE_ENGINES = ("llm-foundry",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
@@ -145,6 +149,11 @@ class ParallelConfig:
     # Megatron-LM's --grad-reduce-in-bf16 (Megatron-Bridge's `ddp.grad_reduce_in_fp32 = False`): the
     # gradient buffer (`main_grad`) accumulates and is reduced in bf16, not fp32. Engine megatron only.
     grad_reduce_in_bf16: bool = False
+    # Whether the sequence-parallel TP collectives are pipelined with the GEMMs they feed
+    # (Megatron-LM's --tp-comm-overlap, torchtitan's enable_async_tensor_parallel): None, the
+    # engine's recorded default (`contracts.overlap.EngineOverlap.tp_comm_overlap`); stored as None
+    # when equal to it. Only the engines in TP_OVERLAP_ENGINES can, and only with tp > 1 and SP.
+    tp_comm_overlap: bool | None = None
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -176,6 +185,7 @@ class ParallelConfig:
             raise ValueError(problem)
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
+        self._check_tp_comm_overlap()
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
         if rest:
             raise ValueError(f"global batch {self.global_batch} is not divisible by dp={self.dp}; "
@@ -287,6 +297,24 @@ class ParallelConfig:
         if self.dp % group or group == 1:
             raise ValueError(f"shard_group {group} must divide dp={self.dp} and be > 1 (state is sharded over "
                              f"the group and replicated across the dp / {group} groups)")
+
+    def _check_tp_comm_overlap(self) -> None:
+        overlap = self.tp_comm_overlap
+        if overlap is None:
+            return
+        if not isinstance(overlap, bool):
+            raise ValueError(f"tp_comm_overlap must be true, false or null (the engine's default), got {overlap!r}")
+        if overlap and self.engine not in TP_OVERLAP_ENGINES:
+            raise ValueError(f"{self.engine} runs its TP collectives on the compute stream: TP communication overlap "
+                             f"needs engine megatron (its --tp-comm-overlap) or torchtitan (its async TP)")
+        if overlap and not (self.tp > 1 and self.sp):
+            raise ValueError(f"TP communication overlap pipelines the sequence-parallel all-gathers and "
+                             f"reduce-scatters with their GEMMs: it needs tp > 1 and sequence parallelism "
+                             f"(got tp={self.tp}, sp={self.sp})")
+        from meshplan.planner.contracts.overlap import engine_overlap  # it imports this module
+
+        if overlap == engine_overlap(self.engine).tp_comm_overlap:
+            object.__setattr__(self, "tp_comm_overlap", None)
 
     def _check_offload(self) -> None:
         if self.offload not in OFFLOAD:

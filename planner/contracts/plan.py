@@ -34,6 +34,7 @@ from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_
 # `cp_method` likewise, written only when cp > 1, absent: all-gather (the first CP method).
 # `schedule.microbatch_group_size` likewise, written only when set, absent: the schedule's own group.
 # `grad_reduce_in_bf16` likewise, written only when true (Megatron-LM's bf16 gradient buffer), absent: false.
+# `tp_comm_overlap` likewise, written only when set apart from the engine's record, absent: the engine's.
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -187,7 +188,7 @@ class Plan:
         """Hash of everything that decides what runs (not predictions or solve times)."""
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
-                         "schedule", "global_batch", "offload", "grad_reduce_in_bf16")
+                         "schedule", "global_batch", "offload", "grad_reduce_in_bf16", "tp_comm_overlap")
                 or (k == "cp_method" and v != DEFAULT_CP_METHOD)}  # all-gather plans keep their digest
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
@@ -229,6 +230,8 @@ class Plan:
             **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
             # Megatron-LM's bf16 gradient buffer only: plans without the key accumulate in fp32
             **({"grad_reduce_in_bf16": True} if cfg.grad_reduce_in_bf16 else {}),
+            # TP overlap set apart from the engine's record only: plans without the key take the engine's
+            **({"tp_comm_overlap": cfg.tp_comm_overlap} if cfg.tp_comm_overlap is not None else {}),
             # offloading only: plans without the key keep every state on the device
             **({"offload": cfg.offload} if cfg.offload != "none" else {}),
             # user-code models only: their layer graph, so reading the plan never runs the file
@@ -283,6 +286,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             fp8_recipe=data.get("fp8_recipe"),
             offload=data.get("offload", "none"),
             cp_method=_cp_method(data), grad_reduce_in_bf16=_boolean(data, "grad_reduce_in_bf16", default=False),
+            tp_comm_overlap=None if data.get("tp_comm_overlap") is None else _boolean(data, "tp_comm_overlap"),
             microbatch_group_size=(None if schedule.get("microbatch_group_size") is None
                                    else _integer(schedule, "microbatch_group_size", "schedule.")),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))

@@ -8,17 +8,31 @@ gradient reduction's timing by `costing.state_memory.grad_sync_mode`.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshplan.planner.contracts.overlap import EngineOverlap, engine_overlap
 
 
 def overlap_of(config) -> EngineOverlap:
-    """The `EngineOverlap` of the engine `config` runs under, refused when it asks for an overlap
-    meshplan cannot price (every engine's parameter gathers are prefetched and its pipeline
-    transfers asynchronous: the simulator's only model of them)."""
-    overlap = engine_overlap(config.engine)
+    """The `EngineOverlap` of the engine `config` runs under, with the configuration's own TP
+    overlap where it sets one (`ParallelConfig.tp_comm_overlap`: Megatron-LM's --tp-comm-overlap,
+    torchtitan's async TP), refused when it asks for an overlap meshplan cannot price (every
+    engine's parameter gathers are prefetched and its pipeline transfers asynchronous: the
+    simulator's only model of them)."""
+    overlap = overlap_under(config, config.engine)
     if not (overlap.param_gather_prefetch and overlap.pp_p2p_async):
         raise ValueError(f"{overlap.engine}: meshplan prices parameter gathers as prefetched and pipeline "
                          "transfers as asynchronous only")
+    return overlap
+
+
+def overlap_under(config, engine: str) -> EngineOverlap:
+    """`engine`'s `EngineOverlap` with `config`'s own TP overlap where it sets one: what a plan runs
+    with under that engine (its export writes these flags)."""
+    overlap = engine_overlap(engine)
+    tp_overlap = getattr(config, "tp_comm_overlap", None)
+    if tp_overlap is not None and tp_overlap != overlap.tp_comm_overlap:
+        overlap = replace(overlap, tp_comm_overlap=tp_overlap)
     return overlap
 
 

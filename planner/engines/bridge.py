@@ -234,7 +234,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          recompute_modules=job.recompute_modules if recompute == "selective" else (),
                          offload=job.offload, cp_method=job.cp_method,
                          microbatch_group_size=job.microbatch_group_size if job.vpp > 1 else None,
-                         grad_reduce_in_bf16=job.grad_reduce_in_bf16 and precision != "fp32")
+                         grad_reduce_in_bf16=job.grad_reduce_in_bf16 and precision != "fp32",
+                         tp_comm_overlap=job.tp_comm_overlap if job.tp > 1 and job.sp else None)
     check_offload(config, cluster)
     if job.layers_per_chunk is not None:
         chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))

@@ -49,6 +49,9 @@ class EngineJob(_JobDegrees):
     # interleaved 1F1B's micro-batches per round (Megatron-Core's group size per virtual stage); None: pp
     microbatch_group_size: int | None = None
     grad_reduce_in_bf16: bool = False  # Megatron-LM's --grad-reduce-in-bf16: a bf16 gradient buffer
+    # TP collectives pipelined with their GEMMs (Megatron-LM's --tp-comm-overlap, torchtitan's async
+    # TP); None: the engine's record (`ParallelConfig.tp_comm_overlap`)
+    tp_comm_overlap: bool | None = None
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)

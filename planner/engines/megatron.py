@@ -37,6 +37,9 @@ CP_COMM_TYPES = {"a2a": "ulysses", "allgather": "all-gather", "p2p": "all-gather
 INSTANCES_FLAG = "--num-distributed-optimizer-instances"
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"  # a plan's `microbatch_group_size`
 BF16_GRADS_FLAG = "--grad-reduce-in-bf16"  # a bf16 gradient buffer: the plan's `grad_reduce_in_bf16`
+# Transformer Engine's userbuffers TP overlap, off unless named (megatron/training/arguments.py): the
+# plan's `tp_comm_overlap`, read as given; meshplan's megatron record prices it on where no file says.
+TP_OVERLAP_FLAG = "--tp-comm-overlap"
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
@@ -51,13 +54,14 @@ HEADER = "# meshplan:"  # the line that records what the arguments cannot say (w
 
 
 def _overlap_args(cfg) -> list[tuple[str, object]]:
-    """The overlap flags `--engine megatron` prices with (`contracts.overlap`), where they apply:
-    TP overlap needs tp > 1 and SP; the distributed optimizer's gradient and parameter overlap."""
-    from meshplan.planner.contracts.overlap import engine_overlap
+    """The overlap flags of meshplan's megatron record, with the plan's own TP overlap where it
+    sets one (`costing.overlap.overlap_under`), where they apply: TP overlap needs tp > 1 and SP;
+    the distributed optimizer's gradient and parameter overlap."""
+    from meshplan.planner.costing.overlap import overlap_under
 
-    overlap, out = engine_overlap("megatron"), []
+    overlap, out = overlap_under(cfg, "megatron"), []
     if overlap.tp_comm_overlap and cfg.tp > 1 and cfg.sp:
-        out.append(("--tp-comm-overlap", None))
+        out.append((TP_OVERLAP_FLAG, None))
     if cfg.data_ranks > 1 and overlap.grad_reduce_overlaps(cfg.zero):
         out.append(("--overlap-grad-reduce", None))
     if cfg.data_ranks > 1 and cfg.zero >= 1 and overlap.param_gather_prefetch:
@@ -283,10 +287,14 @@ def read_megatron(text: str) -> EngineJob:
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
         microbatch_group_size=None if vpp == 1 or get(GROUP_FLAG, pp) == pp else get(GROUP_FLAG, None),
-        grad_reduce_in_bf16=BF16_GRADS_FLAG in flags,
+        grad_reduce_in_bf16=BF16_GRADS_FLAG in flags, tp_comm_overlap=TP_OVERLAP_FLAG in flags,
         layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
         cp_method=cp_method, moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
         if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")
+    for flag in ("--overlap-grad-reduce", "--overlap-param-gather"):
+        if flag not in flags and not header:  # meshplan's own exports name both where they apply
+            notes.append(f"no {flag}: priced with it, as meshplan's megatron overlap record has it "
+                         "(Megatron-LM's default is off)")
     for flag in ("--fp4-format", "--cpu-offloading"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")

@@ -19,6 +19,7 @@ import tomllib
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS, schedule_spec
+from meshplan.planner.costing.overlap import overlap_under
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flavour
@@ -43,8 +44,7 @@ PARALLELISM_KEYS = (
 FLOAT8_CONVERTER = "float8"
 # The [float8] recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
 TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
-UNPRICED_KEYS = {("parallelism", "enable_async_tensor_parallel"),
-                 ("training", "compile"), ("compile", "enable"),
+UNPRICED_KEYS = {("training", "compile"), ("compile", "enable"),
                  ("parallelism", "pipeline_parallel_layers_per_stage"),
                  ("parallelism", "pipeline_parallel_schedule_csv")}
 
@@ -92,6 +92,11 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
     }
     if cfg.precision == "fp8":
         sections[FLOAT8_CONVERTER] = _float8_section(cfg, notes)
+    if sections["parallelism"].get("enable_async_tensor_parallel"):
+        # torchtitan's maybe_enable_async_tp refuses async TP unless the model is compiled
+        sections["compile"] = {"enable": True, "components": ["model"]}
+        notes.append("async TP (the plan's TP overlap): torchtitan runs it through torch.compile of the model, so "
+                     "[compile] is enabled; meshplan prices the overlap, not compile's other effects")
     if cfg.offload != "none":  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states
         sections["training"]["enable_cpu_offload"] = True
         if cfg.offload == "optimizer":
@@ -132,6 +137,8 @@ def _parallelism(plan, notes: list[str]) -> dict:
     if cfg.zero == 1 and cfg.dp * cfg.cp > 1:
         notes.append("ZeRO-1: torchtitan's FSDP has no optimizer-only sharding; exported as FSDP without "
                      "resharding after forward (ZeRO-2, gradients reduce-scattered every micro-batch)")
+    if cfg.tp > 1 and cfg.sp and overlap_under(cfg, "torchtitan").tp_comm_overlap:  # the plan's: torchtitan's async TP
+        out["enable_async_tensor_parallel"] = True
     if cfg.pp > 1:
         out["pipeline_parallel_schedule"] = cfg.schedule_spec.torchtitan_name
         out["pipeline_parallel_microbatch_size"] = cfg.microbatch_size
@@ -212,6 +219,7 @@ def read_torchtitan(text: str) -> EngineJob:
         engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
         **degrees, dp=dp, sp=degrees["tp"] > 1,
+        tp_comm_overlap=bool(par.get("enable_async_tensor_parallel", False)) if degrees["tp"] > 1 else None,
         zero=zero, offload=offload, shard_group=shard if replicate > 1 and shard > 1 else None,
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import ENGINES, bf16_grads_problem
+from meshplan.planner.contracts.config import ENGINES, TP_OVERLAP_ENGINES, bf16_grads_problem
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
 
@@ -40,6 +40,7 @@ class PlanRequest:
     engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
     grad_reduce_in_bf16: bool = False  # engine megatron: Megatron-LM's bf16 gradient buffer and reduction
+    tp_comm_overlap: bool | None = None  # TP collectives pipelined with their GEMMs; None: the engine's record
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -58,6 +59,9 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
+        if self.tp_comm_overlap and self.engine not in TP_OVERLAP_ENGINES:
+            raise MeshplanError(f"--tp-comm-overlap on: {self.engine} runs its TP collectives on the compute stream; "
+                                f"TP overlap is --engine {' or '.join(TP_OVERLAP_ENGINES)}'s")
         if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
             raise MeshplanError(problem.replace("grad_reduce_in_bf16", "--grad-reduce-in-bf16").replace(
                 "engine", "--engine").replace("precision", "--precision"))

@@ -100,7 +100,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     ep: int = 1, etp: int | None = None, engine: str = "meshplan",
                     fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = (),
                     offload: str = "none", cp_method: str | None = None,
-                    microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False) -> ParallelConfig:
+                    microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False,
+                    tp_comm_overlap: bool | None = None) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -123,11 +124,12 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 recompute_modules=tuple(recompute_modules), offload=offload,
                                 cp_method=cp_method or DEFAULT_CP_METHOD,
                                 microbatch_group_size=microbatch_group_size,
-                                grad_reduce_in_bf16=grad_reduce_in_bf16)
+                                grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
             "grad_reduce_in_bf16 keeps", "--grad-reduce-in-bf16 keeps").replace("use engine", "use --engine").replace(
+            "TP communication overlap", "--tp-comm-overlap on").replace(
             "expert parallelism ep=", "--ep ").replace(
             "expert tensor parallelism etp=", "--etp ")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
@@ -161,7 +163,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
              recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None,
              moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
-             grad_reduce_in_bf16: bool = False) -> Prediction:
+             grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
@@ -175,7 +177,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     (None: the engine's default); `moe_dispatcher`: how MoE tokens reach the experts
     (`contracts.config.MOE_DISPATCHERS`, priced by `costing.moe_dispatch`); `microbatch_group_size`:
     interleaved 1F1B's micro-batches per round (Megatron-Core's group size; None: pp);
-    `grad_reduce_in_bf16`: Megatron-LM's bf16 gradient buffer (engine megatron)."""
+    `grad_reduce_in_bf16`: Megatron-LM's bf16 gradient buffer (engine megatron); `tp_comm_overlap`:
+    the TP collectives pipelined with their GEMMs or not (None: the engine's record)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -187,7 +190,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              recompute=recompute, sp=sp, schedule=schedule, vpp=vpp, precision=precision,
                              shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe,
                              recompute_modules=recompute_modules, offload=offload, cp_method=cp_method,
-                             microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16)
+                             microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                             tp_comm_overlap=tp_comm_overlap)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,

@@ -146,3 +146,30 @@ def test_a_plan_for_another_engine_says_who_runs_it(run_cli):
     code, out, err = run_cli("plan", *job)
     assert code == 0, err
     assert "NOT EXECUTABLE: the executor runs mixture-of-experts blocks under tp=2" in out
+
+
+def test_tp_comm_overlap_flag_prices_and_records_the_tp_overlap(run_cli, tmp_path):
+    """--tp-comm-overlap off under megatron: the TP collectives block (more exposed TP time, the
+    overlap line says so); recorded in the plan and read back by simulate; an engine that cannot
+    overlap them refuses `on` in one line."""
+    job = ("--model", SPEC, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256", "--tp", "2", "--sp",
+           "--engine", "megatron")
+    code, out, err = run_cli("estimate", *job, "--json")
+    assert code == 0, err
+    default = json.loads(out)
+    code, out, err = run_cli("estimate", *job, "--tp-comm-overlap", "off", "--json")
+    assert code == 0, err
+    blocking = json.loads(out)
+    assert blocking["overlap"]["tp_comm_overlap"] is False and default["overlap"]["tp_comm_overlap"] is True
+    assert blocking["breakdown"]["tp_comm"] > default["breakdown"]["tp_comm"]
+    code, out, err = run_cli("estimate", *job, "--tp-comm-overlap", "off")
+    assert code == 0 and "TP comm blocking" in out, err
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *job, "--tp", "2", "--tp-comm-overlap", "off", "--top", "1", "--time-limit", "1",
+                             "--out", path)
+    assert code == 0, err
+    assert json.loads(path.read_text())["tp_comm_overlap"] is False
+    code, out, err = run_cli("simulate", "--plan", path, "--json")
+    assert code == 0, err
+    code, out, err = run_cli("estimate", *JOB, "--tp", "2", "--sp", "--tp-comm-overlap", "on")
+    assert code == 2 and "meshplan runs its TP collectives on the compute stream" in err and err.count("\n") == 1

@@ -17,7 +17,7 @@ from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.overlap import (exposed_ring_s, exposed_step_gather_s, exposed_tp_comm_s,
-                                              gathers_in_a_forward)
+                                              gathers_in_a_forward, overlap_of, overlap_under)
 from meshplan.planner.costing.state_memory import grad_sync_mode
 from meshplan.planner.profiling.profiler import profile
 
@@ -52,6 +52,42 @@ def test_tp_collective_hidden_under_megatron_exposed_under_meshplan():
     # Transformer Engine's overlap needs sequence parallelism and acts on the blocks' Linears only
     assert exposed_tp_comm_s(0.010, 1.0, "block", config(engine="megatron", sp=False)) == 0.010
     assert exposed_tp_comm_s(0.010, 1.0, "head", config(engine="megatron")) == 0.010
+
+
+def test_a_configuration_sets_its_own_tp_overlap():
+    """`tp_comm_overlap`: Megatron-LM without --tp-comm-overlap blocks on its TP collectives (all
+    10 ms exposed), torchtitan with async TP pipelines them as Transformer Engine does (one of 8
+    pieces); the engine's record where none is set, and stored as None when it says the same."""
+    off = config(engine="megatron", tp_comm_overlap=False)
+    assert exposed_tp_comm_s(0.010, 1.0, "block", off) == 0.010
+    assert overlap_of(off).summary().startswith("megatron") and "TP comm blocking" in overlap_of(off).summary()
+    on = config(engine="torchtitan", tp_comm_overlap=True)
+    assert exposed_tp_comm_s(0.010, 1.0, "block", on) == pytest.approx(0.010 / 8)
+    assert config(engine="megatron", tp_comm_overlap=True) == config(engine="megatron")
+    assert config(engine="megatron", tp_comm_overlap=True).tp_comm_overlap is None
+    assert config(engine="torchtitan", tp_comm_overlap=False).tp_comm_overlap is None
+    assert overlap_under(off, "torchtitan").tp_comm_overlap is False
+    assert overlap_under(config(), "megatron").tp_comm_overlap is True  # the plan sets none: the record's
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tp_comm_overlap=True), "meshplan runs its TP collectives on the compute stream"),
+    (dict(engine="deepspeed", tp_comm_overlap=True), "deepspeed runs its TP collectives"),
+    (dict(engine="megatron", tp_comm_overlap=True, sp=False), r"needs tp > 1 and sequence parallelism \(got tp=8, "
+                                                                r"sp=False\)"),
+    (dict(engine="megatron", tp_comm_overlap="yes"), "tp_comm_overlap must be true, false or null")])
+def test_a_tp_overlap_the_engine_cannot_run_is_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        config(**kw)
+
+
+def test_a_megatron_layer_without_tp_overlap_pays_all_of_its_tp_traffic():
+    graph = profile("llama3-70b", 8192)
+    cluster = load_cluster("h100-sxm")
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    blocking = layer_cost(block, config(engine="megatron", tp_comm_overlap=False), cluster, graph.info)
+    raw_fwd, raw_bwd = tp_comm_s(block, config(), cluster, 1.0)
+    assert (blocking.tp_fwd_comm_s, blocking.tp_bwd_comm_s) == pytest.approx((raw_fwd, raw_bwd))
 
 
 def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic():

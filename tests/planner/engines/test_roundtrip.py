@@ -3,6 +3,7 @@
 nothing was approximated."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,35 @@ def test_torchtitan_03_python_config_runs_rowwise_float8(recipe):
     assert any(note.startswith("fp8 recipe tensorwise: torchtitan 0.3's") for note in exported.notes) == (
         recipe == "tensorwise")
     assert read_engine_text(exported.text, "torchtitan").fp8_recipe == "rowwise"
+
+
+@pytest.mark.parametrize("engine,tp_overlap", [("megatron", False), ("torchtitan", True)])
+def test_a_plan_s_own_tp_overlap_travels_both_ways(engine, tp_overlap):
+    """A plan that sets its TP overlap apart from the engine's record (Megatron-LM without
+    --tp-comm-overlap, torchtitan with async TP) is exported with it and read back with it: the same
+    configuration and the plan's own step within 1%."""
+    plan = make_plan(**CASES[engine])
+    plan = replace(plan, config=replace(plan.config, engine=engine, tp_comm_overlap=tp_overlap))
+    exported = export_plan(plan, engine)
+    assert ("--tp-comm-overlap" in exported.text) is (engine == "megatron" and tp_overlap)
+    assert ("enable_async_tensor_parallel = true" in exported.text) is (engine == "torchtitan")
+    job = read_engine_text(exported.text, engine)
+    assert job.tp_comm_overlap is tp_overlap
+    estimate = predict_job(job, plan.model.spec, plan.cluster, seq=plan.model.seq)
+    assert estimate.config.tp_comm_overlap is tp_overlap
+    step = simulate(plan, timeline=False).step_time_s
+    assert estimate.prediction.step_time_s == pytest.approx(step, rel=0.01)
+    assert step != pytest.approx(simulate(as_engine_runs_it(make_plan(**CASES[engine]), engine),
+                                          timeline=False).step_time_s, rel=0.001)
+
+
+def test_a_megatron_command_without_tp_overlap_blocks_on_its_tp_collectives():
+    """Megatron-LM's --tp-comm-overlap is off unless named: a hand-written command with TP and SP but
+    without it is priced blocking, and the missing gradient and parameter overlaps are named."""
+    text = ("--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+            "--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 8 --bf16")
+    job = read_engine_text(text, "megatron")
+    assert job.tp_comm_overlap is False
+    assert any("no --overlap-grad-reduce: priced with it" in note for note in job.notes)
+    with_flag = read_engine_text(text + " --tp-comm-overlap --overlap-grad-reduce --overlap-param-gather", "megatron")
+    assert with_flag.tp_comm_overlap is True and not any("--overlap" in note for note in with_flag.notes)
