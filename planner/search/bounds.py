@@ -27,7 +27,8 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
   a t_o + (d_o - h b_o + tail_o) / p (a = F / p, h = 1 or 1 + (p - 1) / v), and every chunk pass
   its least exposed gather (`least_heads_s`).
 - `memory_bound_s` (the longest run of identical layers, `bound_structure`; any other layer but
-  the first and last counts at its fastest time in sum_r T_r, its bytes left out): memory forces leaner,
+  the first and last counts at its fastest time in sum_r T_r, its bytes left out; periodic blocks,
+  which have no such run, are bounded on their floor, `bound_table`): memory forces leaner,
   slower options. Rank r holds, at its fullest peak, at least w_r micro-batches of every chunk it
   runs (w_r = max over the schedule's peaks of the least live count over its chunks), so a layer
   of option o costs it s_o + w_r a_o bytes out of a budget B_r (the limit less the pinned
@@ -422,6 +423,23 @@ def bound_structure(table) -> tuple[int, int, int] | None:
         return None
     count, first, type_index = max(runs)
     return -first, count, type_index
+
+
+def bound_table(table) -> tuple[object, tuple[int, int, int] | None]:
+    """(the table `memory_bound_s` bounds, its run) for a candidate of `table`: the table and
+    `bound_structure`'s run; for periodic blocks (`ilp.envelope.periodic_types`: alternating
+    kinds, so no run or a short one), their floor (`ilp.envelope.floor_table`: every block at its
+    kinds' least costs, one run of them all), whose bound is below every assignment of the real blocks.
+    Without it, a periodic model's candidates had the compute bound only, and most of its ILPs
+    were solved to find what memory alone rules out. Kept on the table: its candidates share it."""
+    found = table.__dict__.get("_bound_table")
+    if found is None:
+        from meshplan.planner.search.ilp.envelope import floor_table
+
+        floor = floor_table(table)
+        found = (table, bound_structure(table)) if floor is None else (floor, bound_structure(floor))
+        table.__dict__["_bound_table"] = found
+    return found
 
 
 def _other_layers(table, structure) -> list[int]:

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.tables import CostTable
-from meshplan.planner.search.bounds import (bound_structure, compute_bound_s, memory_bound_s, reduction_bound_s,
+from meshplan.planner.search.bounds import (bound_table, compute_bound_s, memory_bound_s, reduction_bound_s,
                                            step_factor_floor)
 from meshplan.planner.search.pool import worker_pool
 from meshplan.planner.simulation import replay_memo
@@ -350,8 +350,9 @@ def _refine(item: Pending, level: int) -> tuple[float, str]:
         return math.inf, "memory"  # what `build_problems` checks for the tables it builds at once
     compute_s = max(compute_bound_s(problem.table, problem.shape, problem.grad_sync),
                     reduction_bound_s(problem.table, problem.shape, problem.grad_sync, replay=level >= EXACT))
-    memory_s = memory_bound_s(problem.table, problem.shape, problem.mem_limit_bytes,
-                              bound_structure(problem.table), problem.grad_sync, replay=level >= EXACT)
+    table, structure = bound_table(problem.table)  # periodic blocks: their floor's run
+    memory_s = memory_bound_s(table, problem.shape, problem.mem_limit_bytes, structure, problem.grad_sync,
+                              replay=level >= EXACT)
     return max(compute_s, memory_s), ("bound" if compute_s >= memory_s else "memory_bound")
 
 

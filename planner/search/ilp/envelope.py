@@ -23,6 +23,10 @@ and when the kinds are close: each option's time and its resident plus saved byt
 `MAX_KIND_GAP` of the largest kind's (gpt-oss-120b's two kinds: 7-10% apart in time, equal in
 bytes). Kinds farther apart (Llama 4's dense and MoE blocks, one after the other) would have the
 envelope price a light block as a heavy one and steer the cut by it, so they keep the per-layer ILP.
+
+`floor_table` is the other side: every block at its kinds' least costs. Any assignment of the real
+blocks is one of the floor's at no more time and no more bytes, so the search's memory-aware bound
+(`search.bounds.bound_table`), which needs a run of identical layers, bounds periodic blocks on it.
 """
 from __future__ import annotations
 
@@ -73,21 +77,42 @@ def _aligned(kinds: list[LayerType]) -> bool:
 
 def envelope_option(options: list[OptionCost]) -> OptionCost:
     """The field-by-field largest of `options` (aligned: the same labels)."""
-    largest = {f.name: max(getattr(option, f.name) for option in options)
-               for f in fields(OptionCost) if f.name not in _LABELS}
-    return replace(options[0], **largest)
+    return _merged_option(options, max)
+
+
+def floor_option(options: list[OptionCost]) -> OptionCost:
+    """The field-by-field least of `options` (aligned: the same labels)."""
+    return _merged_option(options, min)
+
+
+def _merged_option(options: list[OptionCost], pick) -> OptionCost:
+    merged = {f.name: pick(getattr(option, f.name) for option in options)
+              for f in fields(OptionCost) if f.name not in _LABELS}
+    return replace(options[0], **merged)
 
 
 def envelope_table(table: CostTable) -> CostTable | None:
     """`table` with its periodic middle layers given one envelope type (module docstring), or
     None when `periodic_types` finds no pattern."""
+    return _merged_table(table, envelope_option, "envelope")
+
+
+def floor_table(table: CostTable) -> CostTable | None:
+    """`table` with its periodic middle layers given one type whose options are their kinds'
+    least, field by field (`floor_option`), or None when `periodic_types` finds no pattern.
+    Every assignment of `table` is one of this table at no more time and no more bytes, so a
+    lower bound on its ILP is one on `table`'s: the search's memory-aware bound
+    (`bounds.bound_table`), which needs a run of identical layers that periodic blocks lack."""
+    return _merged_table(table, floor_option, "floor")
+
+
+def _merged_table(table: CostTable, merge, name: str) -> CostTable | None:
     pattern = periodic_types(table)
     if pattern is None:
         return None
     kinds = [table.types[t] for t in pattern]
-    envelope = LayerType(key="envelope(" + ", ".join(kind.key for kind in kinds) + ")",
-                         options=tuple(envelope_option([kind.options[i] for kind in kinds])
-                                       for i in range(len(kinds[0].options))))
+    merged = LayerType(key=f"{name}(" + ", ".join(kind.key for kind in kinds) + ")",
+                       options=tuple(merge([kind.options[i] for kind in kinds]) for i in range(len(kinds[0].options))))
     index = len(table.types)
     layer_type = (table.layer_type[0],) + (index,) * (table.num_layers - 2) + (table.layer_type[-1],)
-    return replace(table, types=table.types + (envelope,), layer_type=layer_type)
+    return replace(table, types=table.types + (merged,), layer_type=layer_type)

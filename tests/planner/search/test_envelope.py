@@ -6,16 +6,20 @@ envelope's assignment, scored on the real table, can be no better than it, and i
 objective, every block priced at its kinds' largest costs, no lower than the real score. How far
 the envelope may fall behind depends on how much the kinds differ: here they differ by 10% in
 time and 5% in bytes, and the assignment is held within 3% of the optimum (the cut is the same
-up to which kind of block sits at a boundary)."""
+up to which kind of block sits at a boundary). Their floor (every cost field at its kinds' least)
+gives the search's memory-aware bound a run to bound, below the per-layer optimum."""
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import fields, replace
 
 import pytest
 
 from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
-from meshplan.planner.search.ilp.envelope import envelope_option, envelope_table, periodic_types
+from meshplan.planner.search import bounds
+from meshplan.planner.search.ilp.envelope import (envelope_option, envelope_table, floor_option, floor_table,
+                                                  periodic_types)
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, solve_stages
 
 
@@ -71,6 +75,48 @@ def test_an_envelope_option_is_each_field_at_its_largest():
     envelope = envelope_table(table)
     assert envelope.layer_type[1:-1] == (len(table.types),) * 4 and envelope.layer_type[0] == 0
     assert envelope.layer_type[-1] == 4 and envelope.runs()[1][2] == 4
+
+
+def test_a_floor_option_is_each_field_at_its_least():
+    table = periodic_table(6, (1, 2, 3))
+    kinds = [table.types[t].options[1] for t in (1, 2, 3)]
+    merged = floor_option(kinds)
+    assert merged.recompute == "selective"
+    for f in fields(OptionCost):
+        if f.name not in ("recompute", "tp", "dp"):
+            assert getattr(merged, f.name) == min(getattr(o, f.name) for o in kinds), f.name
+    floor = floor_table(table)
+    assert floor.layer_type[1:-1] == (len(table.types),) * 6 and floor.layer_type[0] == 0 and floor.layer_type[-1] == 4
+    assert bounds.bound_table(table) == (floor, (1, 6, len(table.types)))  # the floor's run, for the memory bound
+    assert floor_table(periodic_table(8, (1,))) is None and bounds.bound_table(periodic_table(8, (1,)))[1] == (1, 8, 1)
+
+
+def test_memory_bound_on_the_floor_is_below_the_per_layer_optimum():
+    """`bounds.bound_table`'s floor: the memory-aware bound of periodic blocks is at most the
+    per-layer ILP's optimum on the real blocks (and so at most the envelope's assignment); where
+    memory binds it beats the compute bound, and it is infinite only where nothing fits."""
+    stronger = proofs = 0
+    for seed in range(10):
+        rng = random.Random(seed)
+        table = periodic_table(rng.randint(6, 10), rng.choice(((1, 2), (1, 2, 3), (2, 2, 1))), seed=seed)
+        pp = rng.choice((1, 2, 3))
+        v = rng.choice((1, 2)) if pp > 1 else 1
+        shape = PipelineShape(pp, pp * rng.randint(1, 3), v, "interleaved" if v > 1 else "1f1b")
+        loose = StageProblem(table, shape, mip_rel_gap=1e-9, formulation="per-layer")
+        lean = solve_stages(replace(loose, objective="memory")).objective_s
+        fastest = max(solve_stages(loose).rank_mem_bytes)
+        limit = lean + (fastest - lean) * rng.uniform(-0.2, 1.0)  # some limits below the leanest peak
+        floor, structure = bounds.bound_table(table)
+        bound = bounds.memory_bound_s(floor, shape, limit, structure, loose.grad_sync)
+        compute = bounds.compute_bound_s(table, shape)
+        exact = solve_stages(replace(loose, mem_limit_bytes=limit))
+        if exact.feasible:
+            assert bound <= exact.objective_s * (1 + 1e-9), seed
+            stronger += bound > compute * 1.01
+        else:
+            assert limit < lean * (1 + 1e-6), seed  # the ILP finds nothing only where nothing fits
+            proofs += math.isinf(bound)
+    assert stronger >= 2 and proofs >= 1
 
 
 @pytest.mark.parametrize("shape", [PipelineShape(2, 4), PipelineShape(4, 8), PipelineShape(2, 4, 2, "interleaved")])

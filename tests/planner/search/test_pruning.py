@@ -37,7 +37,11 @@ CASES = {
     "small-gpt": ("gpt:layers=24,hidden=1024,heads=16,vocab=32000", 1024, "a100-80g", 16, 64, Pins(tp=2)),
     "llama3-8b-tight": ("llama3-8b", 8192, "h100-sxm", 16, 32, Pins(tp=8, cp=1)),
     "llama3-70b-pipelines": ("llama3-70b", 4096, "h100-sxm", 64, 64, Pins(tp=8, cp=1, zero=1, mbs=1)),
+    # alternating sliding-window and full-attention blocks (no run of identical layers): the
+    # memory-aware bound on their floor (`bounds.bound_table`) prunes, and proves nothing fits
+    "gpt-oss-20b-periodic": ("gpt-oss-20b", 4096, "a100-40g", 32, 64, Pins(tp=1, cp=1, ep=8, zero=1, mbs=1)),
 }
+ENGINES = {"gpt-oss-20b-periodic": "megatron"}  # expert parallelism searched; the others: meshplan's
 NUM_KEEP = 6
 REL_TOL = 3e-3  # the ILP stops within 0.2% of optimal (StageProblem.mip_rel_gap)
 
@@ -46,7 +50,8 @@ def _setup(case):
     spec, seq, cluster_name, gpus, global_batch, pins = CASES[case]
     cluster = load_cluster(cluster_name)
     graph = profile(spec, seq)
-    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, "bf16-mixed")
+    candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, "bf16-mixed",
+                                      ENGINES.get(case, "meshplan"))
     limit = usable_memory_bytes(cluster) * (1 - MEMORY_MARGIN)
     problems, memory_pruned, _ = build_problems(graph, cluster, candidates, global_batch, "bf16-mixed", pins, limit,
                                                 False, 10.0)
@@ -80,6 +85,8 @@ def test_pruned_search_keeps_the_brute_force_best(case):
     assert len(solved) == len(problems)
     reasons = {s.pruned for s in solved}
     assert reasons & {"bound", "memory_bound"}, f"nothing was pruned by a bound in {case}"
+    if case.endswith("periodic"):
+        assert {"memory_bound", "memory"} <= reasons
     for item in solved:
         if item.pruned in ("bound", "memory_bound"):  # a bound is a bound
             assert item.lower_bound_s <= brute[item.candidate] * (1 + 1e-9), item.candidate.label()
