@@ -42,7 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
-from published_moe_runs import MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100  # noqa: E402
+from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_260401_H100,  # noqa: E402
+                                MEGATRON_BRIDGE_2606_H100)
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
@@ -147,7 +148,8 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_BLACKWELL: "Megatron-Bridge 25.11 DGX-GB200 and DGX-B200",
                  TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W",
                  MEGATRON_BRIDGE_2606_H100: "Megatron-Bridge 26.06 DGX-H100",
-                 MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100"}
+                 MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",
+                 DGX_CLOUD_DEEPSEEK_V3: "DGX Cloud benchmarking DeepSeek-V3"}
 
 
 def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_cluster: bool = False) -> None:
@@ -266,9 +268,9 @@ def cross_validated() -> None:
 
 
 BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, MosaicML MPT, torchtitan FSDP2)",
-             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8)",
-             "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3, Megatron-Bridge Qwen3 on DGX-H100, DGX-GB200 "
-                    "and DGX-B200)"}
+             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8, Megatron-Bridge's DGX-H100 Llama)",
+             "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
+                    "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}
 
 
 def write_bands(scored_by_regime: dict[str, Sequence[Scored]]) -> None:

@@ -100,10 +100,23 @@ def with_values(cluster, values: dict[Param, float]):
 
 
 @lru_cache(maxsize=None)
-def graph_of(spec: str, seq: int, attention: str):
+def graph_of(spec: str, seq: int, attention: str, moe_capacity_factor: float | None = None,
+             moe_pad_to_capacity: bool = False):
     from meshplan.planner.profiling.profiler import profile
 
-    return profile(spec, seq, batch=1, dtype="bf16", attention=attention)
+    return profile(spec, seq, batch=1, dtype="bf16", attention=attention, moe_capacity_factor=moe_capacity_factor,
+                   moe_pad_to_capacity=moe_pad_to_capacity)
+
+
+def stage_chunks(graph, stage_blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """The chunk of each layer when the recipe names the blocks of every pipeline stage: the
+    embedding with the first stage's blocks, the output layer with the last's."""
+    kinds = [layer.kind for layer in graph.layers]
+    if kinds[0] != "embedding" or kinds[-1] != "head" or sum(stage_blocks) != len(kinds) - 2:
+        raise ValueError(f"stage blocks {stage_blocks} do not cut {kinds.count('block')} blocks between an embedding "
+                         "and an output layer")
+    blocks = [stage for stage, count in enumerate(stage_blocks) for _ in range(count)]
+    return (0, *blocks, len(stage_blocks) - 1)
 
 
 def predict(run: Run, cluster, vpp: int):
@@ -111,7 +124,7 @@ def predict(run: Run, cluster, vpp: int):
     from meshplan.planner.simulation.estimator import make_config
     from meshplan.planner.simulation.estimator import predict as predict_config
 
-    graph = graph_of(run.spec, run.seq, run.attention)
+    graph = graph_of(run.spec, run.seq, run.attention, run.moe_capacity_factor, run.moe_pad_to_capacity)
     if run.moe_dispatcher != graph.info.moe_dispatcher:  # the engine's MoE token dispatcher
         graph = replace(graph, info=replace(graph.info, moe_dispatcher=run.moe_dispatcher))
     recompute, modules = run.recompute_for(run.engine)  # Megatron-Core's modules timed by `module_recompute`
@@ -119,8 +132,10 @@ def predict(run: Run, cluster, vpp: int):
                          mbs=run.mbs, zero=run.zero, recompute=recompute, recompute_modules=modules, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
-                         engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron")
-    return predict_config(graph, cluster, config)
+                         engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron",
+                         tp_comm_overlap=run.tp_comm_overlap)
+    chunks = stage_chunks(graph, run.stage_blocks) if run.stage_blocks else None
+    return predict_config(graph, cluster, config, chunk_of_layer=chunks)
 
 
 def published_step_s(run: Run) -> float:

@@ -80,7 +80,7 @@ def moe_runs() -> list[Run]:
                 BRIDGE_BF16_GRADS)),
     ]
     return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
-            + megatron_bridge_2026_h100_moe_runs())
+            + megatron_bridge_2026_h100_moe_runs() + dgx_cloud_deepseek_v3_runs())
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
@@ -206,3 +206,50 @@ def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
                       "layernorm moe_act)", "36 layers, 9 a stage; the embedding and the output layer on the first and "
                       "last stages as meshplan places them", "the vocabulary of openai/gpt-oss-120b's config (201,088)"))
     return [qwen, gpt_oss]
+
+
+# NVIDIA's DGX Cloud benchmarking recipes print DeepSeek-V3's BF16 pre-training step time on 512 and
+# 1,024 H100 (its README's "H100 Performance" table, iterations 11-44 averaged), run by launch.sh
+# through NeMo's scripts/performance/llm/pretrain_deepseek_v3.py at the NeMo commit setup.sh pins.
+DGX_CLOUD_DEEPSEEK_V3 = ("NVIDIA dgxc-benchmarking deepseek_v3/pretraining/README.md, H100 Performance "
+                         "(github.com/NVIDIA/dgxc-benchmarking, commit 1f6d9f40e4117d7c71b726f86074ac01c29f87f5); "
+                         "recipe: its launch.sh and NeMo's scripts/performance/llm/pretrain_deepseek_v3.py at commit "
+                         "7a8f1cc7bc40a84447c0681a9e4e956a135ae8a2 (github.com/NVIDIA/NeMo)")
+# (GPUs, pipeline stages, step seconds): GBS 8 per GPU, TP 2, EP 64, expert TP 1, MBS 1 (launch.sh)
+DGX_CLOUD_DEEPSEEK_V3_H100 = ((512, 8, 48.948), (1024, 16, 52.04))
+
+
+def dgx_cloud_deepseek_v3_runs() -> list[Run]:
+    """DGX Cloud's DeepSeek-V3 H100 rows (HELD_OUT_MOE), each under its recipe.
+
+    pretrain_deepseek_v3.py: token dropping at capacity factor 1 with the experts' inputs padded to
+    capacity (MegatronTokenDropCallback), so every expert computes its balanced share whatever the
+    routing; TP communication not overlapped (MegatronCommOverlapCallback(tp_comm_overlap=False));
+    64 / pp - 1 blocks on the first stage and 64 / pp - 2 on the last, 64 / pp on the others (61
+    blocks: 7, 8 x 6, 6 at PP 8; 3, 4 x 14, 2 at PP 16); selective recomputation of the latent
+    attention's up-projections (launch.sh's recompute_modules mla_up_proj). NeMo's DeepSeek-V3 config
+    runs Megatron-Core's alltoall dispatcher; the recipe's multi-token-prediction layer sits on the
+    last stage, which the cut gives two blocks fewer."""
+    assumptions = (
+        CUDNN_ATTENTION,
+        "capacity factor 1, experts' inputs padded to capacity (--moe-capacity-factor 1 "
+        "--moe-pad-expert-input-to-capacity): every expert computes its balanced share",
+        "Megatron-Core's alltoall dispatcher (NeMo's DeepSeek config), not overlapped with compute; the shared "
+        "expert computed beside the all-to-all (moe_shared_expert_overlap) priced after it",
+        "TP communication not overlapped (the script's tp_comm_overlap=False, --tp-comm-overlap off)",
+        "the multi-token-prediction layer (one MoE block and a second output-layer pass on the last stage) not in "
+        "meshplan's graph of transformers' model: the last stage, two blocks short of the middle ones, is costed "
+        "without it",
+        "the distributed optimizer costed as ZeRO-1, gradients reduced in fp32 (NeMo's bf16 mixed precision)",
+    )
+
+    def cut(pp: int) -> tuple[int, ...]:
+        middle = 64 // pp
+        return (middle - 1,) + (middle,) * (pp - 2) + (middle - 2,)
+
+    return [Run(f"DGX Cloud DeepSeek-V3 bf16 tp2 pp{pp} ep64", HELD_OUT_MOE, DGX_CLOUD_DEEPSEEK_V3, "h100-sxm",
+                "deepseek-v3", gpus, 8 * gpus, 4096, tp=2, pp=pp, sp=True, zero=1, ep=64, etp=1,
+                recompute_modules=("mla_up_proj",), published_step_s=step_s, engine="megatron", attention="cudnn",
+                tp_comm_overlap=False, moe_capacity_factor=1.0, moe_pad_to_capacity=True, stage_blocks=cut(pp),
+                assumptions=assumptions)
+            for gpus, pp, step_s in DGX_CLOUD_DEEPSEEK_V3_H100]

@@ -53,6 +53,13 @@ parallelism, costed under balanced routing:
   prints it, with that release's recipes (the tag's `scripts/performance/configs`): Qwen3-30B-A3B
   on 16 GPUs, FP8-CS, EP 16 with HybridEP (26.06, tag v0.5.0), and GPT-OSS 120B on 64 GPUs, BF16,
   PP 4, EP 8, the norms and expert activations recomputed (26.04.01, tag v0.4.2).
+- NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking, commit
+  1f6d9f40e4117d7c71b726f86074ac01c29f87f5): DeepSeek-V3 in BF16 on 512 and 1,024 H100 (TP 2, PP 8
+  or 16, EP 64, 48.9 and 52.0 s a step), each under its recipe: NeMo's pretrain_deepseek_v3.py at
+  the commit its setup.sh pins (token dropping at capacity factor 1 with padding, TP overlap off,
+  its first- and last-stage block counts, the latent attention's up-projections recomputed); the
+  recipe's multi-token-prediction layer, on the last stage, is not in meshplan's graph
+  (`published_moe_runs.dgx_cloud_deepseek_v3_runs`).
 Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
 ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
 overlap and memory describe: its PP rows fit under that recipe, not under meshplan's executor's). Where the
@@ -60,10 +67,7 @@ engine's maintainers call a published figure a regression of that release, the r
 words (`Run.regression`); it is scored like any other, and bench_fidelity prints the set
 without those runs beside it.
 
-Left out, MoE: NVIDIA's DGX Cloud benchmarking recipes' DeepSeek-V3 rows on 512 and 1,024 H100
-(github.com/NVIDIA/dgxc-benchmarking, commit 1f6d9f40e4117d7c71b726f86074ac01c29f87f5: NeMo 25.04,
-TP 2, PP 8 or 16, EP 64, 48.9 and 52.0 s a step; their token dropping, multi-token prediction and
-pipeline layout live in NeMo's recipe of that release, not yet read); Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
+Left out, MoE: Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
 now profiles latent attention, but the rows' recomputation, multi-token-prediction and dispatcher
 settings live in the recipes at the cited commit, not yet read into `Run`s); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
 compute: `expert_parallel.ep_comm_s` takes an overlap share, but no published figure gives the
@@ -169,6 +173,15 @@ class Run:
     # where the engine's maintainers call the published figure a performance regression of that
     # release: their words and where they said them (the run is scored all the same)
     regression: str = ""
+    # the TP overlap the run's recipe set apart from its engine's record (`ParallelConfig.tp_comm_overlap`)
+    tp_comm_overlap: bool | None = None
+    # token dropping: each expert's capacity in balanced shares, and whether inputs are padded to it
+    moe_capacity_factor: float | None = None
+    moe_pad_to_capacity: bool = False
+    # transformer blocks per pipeline stage where the recipe cuts the model itself (Megatron-LM's
+    # --decoder-first/last-pipeline-num-layers), the embedding on the first stage and the output
+    # layer on the last; None: the engine's own cut (`costing.uniform.balanced_layer_chunks`)
+    stage_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu,
