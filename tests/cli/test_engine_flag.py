@@ -154,12 +154,7 @@ def test_tp_comm_overlap_flag_prices_and_records_the_tp_overlap(run_cli, tmp_pat
     overlap them refuses `on` in one line."""
     job = ("--model", SPEC, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256", "--tp", "2", "--sp",
            "--engine", "megatron")
-    code, out, err = run_cli("estimate", *job, "--json")
-    assert code == 0, err
-    default = json.loads(out)
-    code, out, err = run_cli("estimate", *job, "--tp-comm-overlap", "off", "--json")
-    assert code == 0, err
-    blocking = json.loads(out)
+    default, blocking = (_estimate_json(run_cli, *job, *extra) for extra in ((), ("--tp-comm-overlap", "off")))
     assert blocking["overlap"]["tp_comm_overlap"] is False and default["overlap"]["tp_comm_overlap"] is True
     assert blocking["breakdown"]["tp_comm"] > default["breakdown"]["tp_comm"]
     code, out, err = run_cli("estimate", *job, "--tp-comm-overlap", "off")
@@ -173,3 +168,9 @@ def test_tp_comm_overlap_flag_prices_and_records_the_tp_overlap(run_cli, tmp_pat
     assert code == 0, err
     code, out, err = run_cli("estimate", *JOB, "--tp", "2", "--sp", "--tp-comm-overlap", "on")
     assert code == 2 and "meshplan runs its TP collectives on the compute stream" in err and err.count("\n") == 1
+
+
+def _estimate_json(run_cli, *args) -> dict:
+    code, out, err = run_cli("estimate", *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
