@@ -101,22 +101,23 @@ def with_values(cluster, values: dict[Param, float]):
 
 @lru_cache(maxsize=None)
 def graph_of(spec: str, seq: int, attention: str, moe_capacity_factor: float | None = None,
-             moe_pad_to_capacity: bool = False):
+             moe_pad_to_capacity: bool = False, mtp_num_layers: int = 0):
     from meshplan.planner.profiling.profiler import profile
 
     return profile(spec, seq, batch=1, dtype="bf16", attention=attention, moe_capacity_factor=moe_capacity_factor,
-                   moe_pad_to_capacity=moe_pad_to_capacity)
+                   moe_pad_to_capacity=moe_pad_to_capacity, mtp_num_layers=mtp_num_layers)
 
 
 def stage_chunks(graph, stage_blocks: tuple[int, ...]) -> tuple[int, ...]:
-    """The chunk of each layer when the recipe names the blocks of every pipeline stage: the
-    embedding with the first stage's blocks, the output layer with the last's."""
-    kinds = [layer.kind for layer in graph.layers]
-    if kinds[0] != "embedding" or kinds[-1] != "head" or sum(stage_blocks) != len(kinds) - 2:
-        raise ValueError(f"stage blocks {stage_blocks} do not cut {kinds.count('block')} blocks between an embedding "
-                         "and an output layer")
+    """The chunk of each layer when the recipe names the decoder blocks of every pipeline stage:
+    the embedding with the first stage's blocks, the multi-token-prediction depths and the output
+    layer with the last's (as Megatron-Core builds them)."""
+    kinds, mtp = [layer.kind for layer in graph.layers], graph.info.mtp_num_layers
+    if kinds[0] != "embedding" or kinds[-1] != "head" or sum(stage_blocks) != len(kinds) - 2 - mtp:
+        raise ValueError(f"stage blocks {stage_blocks} do not cut {kinds.count('block') - mtp} blocks between an "
+                         "embedding and an output layer")
     blocks = [stage for stage, count in enumerate(stage_blocks) for _ in range(count)]
-    return (0, *blocks, len(stage_blocks) - 1)
+    return (0, *blocks) + (len(stage_blocks) - 1,) * (mtp + 1)
 
 
 def predict(run: Run, cluster, vpp: int):
@@ -124,7 +125,8 @@ def predict(run: Run, cluster, vpp: int):
     from meshplan.planner.simulation.estimator import make_config
     from meshplan.planner.simulation.estimator import predict as predict_config
 
-    graph = graph_of(run.spec, run.seq, run.attention, run.moe_capacity_factor, run.moe_pad_to_capacity)
+    graph = graph_of(run.spec, run.seq, run.attention, run.moe_capacity_factor, run.moe_pad_to_capacity,
+                     run.mtp_num_layers)
     if run.moe_dispatcher != graph.info.moe_dispatcher:  # the engine's MoE token dispatcher
         graph = replace(graph, info=replace(graph.info, moe_dispatcher=run.moe_dispatcher))
     recompute, modules = run.recompute_for(run.engine)  # Megatron-Core's modules timed by `module_recompute`

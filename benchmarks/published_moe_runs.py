@@ -227,9 +227,9 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
     routing; TP communication not overlapped (MegatronCommOverlapCallback(tp_comm_overlap=False));
     64 / pp - 1 blocks on the first stage and 64 / pp - 2 on the last, 64 / pp on the others (61
     blocks: 7, 8 x 6, 6 at PP 8; 3, 4 x 14, 2 at PP 16); selective recomputation of the latent
-    attention's up-projections (launch.sh's recompute_modules mla_up_proj). NeMo's DeepSeek-V3 config
-    runs Megatron-Core's alltoall dispatcher; the recipe's multi-token-prediction layer sits on the
-    last stage, which the cut gives two blocks fewer."""
+    attention's up-projections (launch.sh's recompute_modules mla_up_proj); one multi-token-prediction
+    layer (pretrain_recipe's use_mtp), on the last stage, which the cut gives two blocks fewer.
+    NeMo's DeepSeek-V3 config runs Megatron-Core's alltoall dispatcher."""
     assumptions = (
         CUDNN_ATTENTION,
         "capacity factor 1, experts' inputs padded to capacity (--moe-capacity-factor 1 "
@@ -237,9 +237,8 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
         "Megatron-Core's alltoall dispatcher (NeMo's DeepSeek config), not overlapped with compute; the shared "
         "expert computed beside the all-to-all (moe_shared_expert_overlap) priced after it",
         "TP communication not overlapped (the script's tp_comm_overlap=False, --tp-comm-overlap off)",
-        "the multi-token-prediction layer (one MoE block and a second output-layer pass on the last stage) not in "
-        "meshplan's graph of transformers' model: the last stage, two blocks short of the middle ones, is costed "
-        "without it",
+        "the recipe's multi-token-prediction layer (use_mtp: --mtp-num-layers 1) on the last stage with the output "
+        "layer, as Megatron-Core builds it",
         "the distributed optimizer costed as ZeRO-1, gradients reduced in fp32 (NeMo's bf16 mixed precision)",
     )
 
@@ -251,5 +250,6 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
                 "deepseek-v3", gpus, 8 * gpus, 4096, tp=2, pp=pp, sp=True, zero=1, ep=64, etp=1,
                 recompute_modules=("mla_up_proj",), published_step_s=step_s, engine="megatron", attention="cudnn",
                 tp_comm_overlap=False, moe_capacity_factor=1.0, moe_pad_to_capacity=True, stage_blocks=cut(pp),
+                mtp_num_layers=1,
                 assumptions=assumptions)
             for gpus, pp, step_s in DGX_CLOUD_DEEPSEEK_V3_H100]

@@ -57,8 +57,8 @@ parallelism, costed under balanced routing:
   1f6d9f40e4117d7c71b726f86074ac01c29f87f5): DeepSeek-V3 in BF16 on 512 and 1,024 H100 (TP 2, PP 8
   or 16, EP 64, 48.9 and 52.0 s a step), each under its recipe: NeMo's pretrain_deepseek_v3.py at
   the commit its setup.sh pins (token dropping at capacity factor 1 with padding, TP overlap off,
-  its first- and last-stage block counts, the latent attention's up-projections recomputed); the
-  recipe's multi-token-prediction layer, on the last stage, is not in meshplan's graph
+  its first- and last-stage block counts, the latent attention's up-projections recomputed, one
+  multi-token-prediction layer on the last stage: `--mtp-num-layers 1`)
   (`published_moe_runs.dgx_cloud_deepseek_v3_runs`).
 Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
 ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
@@ -182,6 +182,8 @@ class Run:
     # --decoder-first/last-pipeline-num-layers), the embedding on the first stage and the output
     # layer on the last; None: the engine's own cut (`costing.uniform.balanced_layer_chunks`)
     stage_blocks: tuple[int, ...] | None = None
+    # multi-token-prediction depths the recipe trains (Megatron-LM's --mtp-num-layers; `profiling.mtp`)
+    mtp_num_layers: int = 0
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu,

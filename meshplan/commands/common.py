@@ -144,6 +144,15 @@ def add_job_arguments(parser) -> None:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, GPT-2 presets 1024)")
     add_moe_imbalance_argument(parser)
     add_moe_capacity_arguments(parser)
+    add_mtp_argument(parser)
+
+
+def add_mtp_argument(parser) -> None:
+    """--mtp-num-layers N: multi-token-prediction depths (`profiling.mtp`)."""
+    parser.add_argument("--mtp-num-layers", type=int, default=0, metavar="N",
+                        help="multi-token prediction (DeepSeek-V3's MTP, Megatron-LM's --mtp-num-layers): N more "
+                             "depths, each one more transformer block of the model's last kind with its projection, "
+                             "on the last pipeline stage, and N more output-layer passes (default 0)")
 
 
 # Sanity bounds on the sizes a command line asks for, checked before any model is profiled or any

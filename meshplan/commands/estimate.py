@@ -135,7 +135,7 @@ def _estimate_at(args, zero: int):
                     recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method,
                     moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                     microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                    tp_comm_overlap=tp_comm_overlap_of(args))
+                    tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers)
 
 
 def _zero_hint(args, prediction) -> str:

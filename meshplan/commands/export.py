@@ -59,6 +59,8 @@ def estimate_from(args) -> int:
     overrides = {axis: getattr(args, axis) for axis in ("cp", "ep") if (getattr(args, axis, 1) or 1) > 1}
     if getattr(args, "moe_dispatcher", None):  # the command line's over the config's
         overrides["moe_dispatcher"] = args.moe_dispatcher
+    if getattr(args, "mtp_num_layers", 0):  # likewise
+        overrides["mtp_num_layers"] = args.mtp_num_layers
     if getattr(args, "tp_comm_overlap", None):  # likewise
         overrides["tp_comm_overlap"] = args.tp_comm_overlap == "on"
     job = replace(job, **overrides)  # what a config cannot say (DeepSpeed's EP lives in the model code)

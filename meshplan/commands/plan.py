@@ -100,7 +100,7 @@ def run(args) -> int:
                              moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
                              fp8_recipe=args.fp8_recipe, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                             tp_comm_overlap=tp_comm_overlap_of(args), **pins)
+                             tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers, **pins)
 
     # one row per candidate only when asked for: tens of thousands of labels otherwise unread
     rows: list[dict] | None = [] if args.candidates_csv else None

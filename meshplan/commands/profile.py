@@ -33,9 +33,10 @@ def add_arguments(parser):
     parser.add_argument("--trace", action="store_true",
                         help="trace a preset or gpt:/llama: spec on the meta device instead of computing its "
                              "graph in closed form (the two are equal; file and hf: models are always traced)")
-    from meshplan.commands.common import add_moe_imbalance_argument
+    from meshplan.commands.common import add_moe_imbalance_argument, add_mtp_argument
 
     add_moe_imbalance_argument(parser)
+    add_mtp_argument(parser)
 
 
 def run(args) -> int:
@@ -51,7 +52,8 @@ def run(args) -> int:
     refuse_output_over_input("--csv", args.csv, [("--model", spec_file(args.model))])
     announce_model_code("profile", args.model)
     graph = profile(args.model, seq, batch=args.batch, dtype=args.dtype, attention=args.attention,
-                    cache=not args.no_cache, trace=args.trace, moe_imbalance=args.moe_imbalance)
+                    cache=not args.no_cache, trace=args.trace, moe_imbalance=args.moe_imbalance,
+                    mtp_num_layers=args.mtp_num_layers)
     rows = [layer.to_json(args.batch) for layer in graph.layers]
     if args.csv:
         _write_csv(rows, args.csv)

@@ -41,6 +41,9 @@ if TYPE_CHECKING:  # imported where the graph is built: networkx alone costs 0.1
 LayerKind = Literal["embedding", "block", "head", "other"]
 TPSplitKind = Literal["block", "vocab", "none"]
 LAYER_KINDS = ("embedding", "block", "head", "other")
+# The name prefix of multi-token-prediction depths (`profiling.mtp.with_mtp`): blocks after the
+# decoder's, sharing the output layer's pipeline chunk.
+MTP_LAYER_PREFIX = "mtp."
 TP_SPLIT_KINDS = ("block", "vocab", "none")
 
 
@@ -221,6 +224,8 @@ class ModelInfo:
     # "eager"; "" for meshplan's own models), and what the profile should say about the input
     # (config keys transformers ignores, ...), one line each.
     attn_implementation: str = ""
+    # Multi-token-prediction depths the graph carries (`profiling.mtp.with_mtp`; 0: none).
+    mtp_num_layers: int = 0
     notes: tuple[str, ...] = ()
     # Why the executor cannot cut the model into pipeline stages ("" when it can): Hugging Face
     # base models with parameters outside the embedding, decoder layers and final norm.
@@ -262,6 +267,11 @@ class ModelInfo:
         """The shared experts' summed SwiGLU width: `shared_ffn`, or, where a model names only their
         count, that many routed experts' width."""
         return self.shared_ffn or self.num_shared_experts * self.expert_ffn
+
+
+def is_mtp_layer(layer: LayerProfile) -> bool:
+    """Whether `layer` is a multi-token-prediction depth (`MTP_LAYER_PREFIX`)."""
+    return layer.name.startswith(MTP_LAYER_PREFIX)
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,13 @@ class ModelRef:
     # The token dispatcher it was costed under (`contracts.config.MOE_DISPATCHERS`); written only
     # when not the default, so plans without it read as alltoall, as they were costed.
     moe_dispatcher: str = DEFAULT_MOE_DISPATCHER
+    # Multi-token-prediction depths it was costed with (`profiling.mtp`); written only when > 0.
+    mtp_num_layers: int = 0
 
     def __post_init__(self):
+        if isinstance(self.mtp_num_layers, bool) or not isinstance(self.mtp_num_layers, int) \
+                or self.mtp_num_layers < 0:
+            raise ValueError(f"model.mtp_num_layers must be a whole number >= 0, got {self.mtp_num_layers!r}")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"model.moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, "
                              f"got {self.moe_dispatcher!r}")
@@ -206,7 +211,8 @@ class Plan:
             "engine": cfg.engine,
             # digest and the MoE routing fields only when set: none in old plans
             "model": {k: v for k, v in asdict(self.model).items()
-                      if k not in ("digest", "moe_capacity_factor", "moe_pad_to_capacity", "moe_dispatcher")
+                      if k not in ("digest", "moe_capacity_factor", "moe_pad_to_capacity", "moe_dispatcher",
+                                   "mtp_num_layers")
                       or (v and v != DEFAULT_MOE_DISPATCHER)},
             "cluster": {"profile": self.cluster.name, "gpus": cfg.gpus, "embedded": self.cluster.to_dict()},
             "global_batch": cfg.global_batch,

@@ -180,6 +180,17 @@ def dispatcher_problem(config, moe_dispatcher: str) -> str | None:
             "--moe-dispatcher alltoall to train")
 
 
+def mtp_problem(mtp_num_layers: int) -> str | None:
+    """Why a plan costed with multi-token prediction (`profiling.mtp`) is not executed: the
+    executor trains the model as its code defines it, and transformers' models have no MTP
+    module. Beside `dispatcher_problem`, for the same reason (it holds for every candidate)."""
+    if not mtp_num_layers:
+        return None
+    return (f"multi-token prediction ({mtp_num_layers} depth{'s' if mtp_num_layers > 1 else ''}) is planned, not "
+            "executed: meshplan's executor trains the model its code defines, without MTP modules; export the plan "
+            "to Megatron-LM (--mtp-num-layers), or re-plan without --mtp-num-layers to train")
+
+
 def _sequence_problem(config, model: ModelFacts) -> str | None:
     """Context and sequence parallelism split the sequence: zoo transformers only."""
     if config.cp > 1 and model.family in NO_SEQUENCE_SPLIT_FAMILIES:

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import is_mtp_layer
 from meshplan.planner.costing.layer_cost import LayerCost, layer_cost
 from meshplan.planner.costing.state_memory import executed_zero
 
@@ -72,13 +73,17 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
     if num_chunks > len(graph.layers):
         raise ValueError(f"{num_chunks} pipeline chunks (pp {config.pp} x virtual stages {config.virtual_stages}) "
                          f"need at least that many layers; the model has {len(graph.layers)}")
-    own = engine_layer_chunks([layer.kind for layer in graph.layers], config.engine, num_chunks)
+    num_mtp = sum(map(is_mtp_layer, graph.layers))
+    own = engine_layer_chunks([layer.kind for layer in graph.layers], config.engine, num_chunks, num_mtp)
     if own is not None:
         return own
     recomputes = default_recompute(graph, config)
     weights = [_layer_time_s(layer_cost(layer, layer_config(config, r), cluster, graph.info, profile_dtype=graph.dtype,
                                            attention=graph.attention))
                for layer, r in zip(graph.layers, recomputes)]
+    if num_mtp:  # the MTP depths share the output layer's chunk (Megatron-Core's `mtp_on_this_rank`)
+        tail = sum(weights[-1 - num_mtp:])
+        weights = weights[:-1 - num_mtp] + [tail]
     low, high = max(weights), sum(weights)
     for _ in range(100):
         if high - low <= 1e-9 * high:
@@ -90,10 +95,10 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
             high = mid
     chunks = _greedy_chunks(weights, high, num_chunks)
     assert chunks is not None
-    return chunks
+    return chunks + (chunks[-1],) * num_mtp
 
 
-def engine_layer_chunks(kinds: list[str], engine: str, num_chunks: int) -> tuple[int, ...] | None:
+def engine_layer_chunks(kinds: list[str], engine: str, num_chunks: int, num_mtp: int = 0) -> tuple[int, ...] | None:
     """The chunk of each layer (by its kind) as `engine` cuts the model when told nothing else;
     None where meshplan's balanced cut stands in (meshplan's executor, the other engines, models
     other than embedding, blocks, head).
@@ -106,17 +111,20 @@ def engine_layer_chunks(kinds: list[str], engine: str, num_chunks: int) -> tuple
     --account-for-loss-in-pipeline-split`, Megatron-Bridge's Llama 3.1 405B). Its stages hold
     equal block counts whatever their time: the first chunks carry no more micro-batches' worth
     of blocks than the last, which a time-balanced cut (a heavy output layer) would give them.
+    The `num_mtp` multi-token-prediction depths before the output layer are not counted in that
+    split: Megatron-Core builds them all on the last stage (`mtp_on_this_rank`).
     """
     if engine != "megatron" or len(kinds) < 3 or kinds[0] != "embedding" or kinds[-1] != "head" \
             or any(kind != "block" for kind in kinds[1:-1]):
         return None
-    num_blocks = len(kinds) - 2
+    num_blocks = len(kinds) - 2 - num_mtp
+    last = (num_chunks - 1,) * (num_mtp + 1)
     if num_blocks % num_chunks == 0:
         per_chunk = num_blocks // num_chunks
-        return (0,) + tuple(index // per_chunk for index in range(num_blocks)) + (num_chunks - 1,)
-    if len(kinds) % num_chunks == 0:
-        per_chunk = len(kinds) // num_chunks
-        return tuple(index // per_chunk for index in range(len(kinds)))
+        return (0,) + tuple(index // per_chunk for index in range(num_blocks)) + last
+    if (num_blocks + 2) % num_chunks == 0:
+        per_chunk = (num_blocks + 2) // num_chunks
+        return tuple(index // per_chunk for index in range(num_blocks + 1)) + last
     return None
 
 

@@ -68,6 +68,10 @@ def export_plan(plan, engine: str, form: str | None = None) -> Exported:
     if _per_layer_degrees(plan):  # other refusals are meshplan's executor's, not the engines'
         raise MeshplanError(f"the plan is not executable ({plan.not_executable_reason}); engines run one mesh for "
                             "the whole model: re-plan without --layerwise")
+    if plan.model.mtp_num_layers and engine != "megatron":  # Megatron-Core's MultiTokenPredictionLayer alone
+        raise MeshplanError(f"the plan trains {plan.model.mtp_num_layers} multi-token-prediction depth(s), which "
+                            f"{engine} has no module for (Megatron-LM's --mtp-num-layers does): export it --to megatron, "
+                            "or re-plan without --mtp-num-layers")
     text, notes = write(plan)
     warnings = _as_the_engine_runs_it(plan, engine, text)
     return Exported(engine=engine, text=text, notes=tuple(notes), warnings=tuple(warnings))
@@ -221,7 +225,15 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
         raise MeshplanError(f"the {job.engine} config does not give the sequence length; pass --seq N")
     precision = job.precision or default_precision(cluster)
     if graph is None:
-        graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention)
+        graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention,
+                        mtp_num_layers=job.mtp_num_layers)
+    elif graph.info.mtp_num_layers != job.mtp_num_layers:
+        from meshplan.planner.profiling.mtp import with_mtp
+
+        if graph.info.mtp_num_layers:
+            raise MeshplanError(f"the model graph carries {graph.info.mtp_num_layers} multi-token-prediction layers "
+                                f"and the {job.engine} config {job.mtp_num_layers}; profile the model without them")
+        graph = with_mtp(graph, job.mtp_num_layers)
     if graph.info.is_moe and graph.info.moe_dispatcher != job.moe_dispatcher:  # the engine's token dispatcher
         graph = replace(graph, info=replace(graph.info, moe_dispatcher=job.moe_dispatcher))
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
@@ -237,8 +249,9 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          grad_reduce_in_bf16=job.grad_reduce_in_bf16 and precision != "fp32",
                          tp_comm_overlap=job.tp_comm_overlap if job.tp > 1 and job.sp else None)
     check_offload(config, cluster)
-    if job.layers_per_chunk is not None:
-        chunks = chunks_from_counts(job.layers_per_chunk, len(graph.layers))
+    if job.layers_per_chunk is not None:  # the engine's MTP depths join its last chunk (`profiling.mtp`)
+        counts = job.layers_per_chunk[:-1] + (job.layers_per_chunk[-1] + graph.info.mtp_num_layers,)
+        chunks = chunks_from_counts(counts, len(graph.layers))
     elif job.uniform_split:
         chunks = chunks_from_counts(uniform_split(len(graph.layers), config.num_model_chunks), len(graph.layers))
     else:

@@ -14,6 +14,7 @@ from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, DEFAULT_MOE_DISPATCHER, MOE_DISPATCHERS,
                                                OFFLOAD, PRECISIONS, RECOMPUTE, SCHEDULES)
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX
 from meshplan.planner.engines import ENGINES
 
 NON_BLOCK_LAYERS = ("embed", "head")
@@ -58,6 +59,7 @@ class EngineJob(_JobDegrees):
     uniform_split: bool = False  # equal layer counts per chunk, the remainder on the last (DeepSpeed "uniform")
     offload: str = "none"  # model states in host memory (contracts.config.OFFLOAD; `costing.offload`)
     moe_dispatcher: str = DEFAULT_MOE_DISPATCHER  # MoE token dispatcher (contracts.config.MOE_DISPATCHERS)
+    mtp_num_layers: int = 0  # multi-token-prediction depths (Megatron-LM's --mtp-num-layers; `profiling.mtp`)
     notes: tuple[str, ...] = ()  # what the config holds that meshplan did not map, one line each
 
     def __post_init__(self):
@@ -110,19 +112,25 @@ def layers_per_chunk(plan) -> tuple[int, ...]:
     return tuple(len(chunk) for chunk in plan.chunks())
 
 
+def is_block_name(name: str) -> bool:
+    """Whether a layer of that name is one of the decoder's transformer blocks: not the embedding,
+    the head or a multi-token-prediction depth (which the engines count apart)."""
+    return name not in NON_BLOCK_LAYERS and not name.startswith(MTP_LAYER_PREFIX)
+
+
 def block_indices(names) -> list[int]:
-    """Positions of the transformer blocks (every layer but the embedding and the head)."""
-    return [i for i, name in enumerate(names) if name not in NON_BLOCK_LAYERS]
+    """Positions of the decoder's transformer blocks (`is_block_name`)."""
+    return [i for i, name in enumerate(names) if is_block_name(name)]
 
 
 def blocks_per_chunk(plan) -> list[int]:
-    """Transformer blocks in each pipeline chunk of a plan."""
-    return [sum(plan.layers[i].name not in NON_BLOCK_LAYERS for i in chunk) for chunk in plan.chunks()]
+    """The decoder's transformer blocks in each pipeline chunk of a plan."""
+    return [sum(is_block_name(plan.layers[i].name) for i in chunk) for chunk in plan.chunks()]
 
 
 def block_recompute(plan) -> list[str]:
-    """Recomputation of every transformer block of a plan, in execution order."""
-    return [layer.recompute for layer in plan.layers if layer.name not in NON_BLOCK_LAYERS]
+    """Recomputation of every decoder block of a plan, in execution order."""
+    return [layer.recompute for layer in plan.layers if is_block_name(layer.name)]
 
 
 def dominant_recompute(modes: list[str]) -> str:
@@ -149,7 +157,7 @@ def first_n_full_per_chunk(plan) -> int | None:
     `--recompute-method block`); None otherwise."""
     counts = set()
     for chunk in plan.chunks():
-        modes = [plan.layers[i].recompute for i in chunk if plan.layers[i].name not in NON_BLOCK_LAYERS]
+        modes = [plan.layers[i].recompute for i in chunk if is_block_name(plan.layers[i].name)]
         head = len([m for m in _prefix(modes, "full")])
         if any(mode != "none" for mode in modes[head:]):
             return None

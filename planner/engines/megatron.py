@@ -20,6 +20,8 @@ from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.launch_script import parse_arguments
 from meshplan.planner.engines.megatron_hf import hf_megatron_args, published_spec
+from meshplan.planner.engines.megatron_split import (LAYOUT_FLAG, expand_layout, mtp_args, read_split,
+                                                     split_args)
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import hf_config_path
@@ -40,8 +42,6 @@ BF16_GRADS_FLAG = "--grad-reduce-in-bf16"  # a bf16 gradient buffer: the plan's 
 # Transformer Engine's userbuffers TP overlap, off unless named (megatron/training/arguments.py): the
 # plan's `tp_comm_overlap`, read as given; meshplan's megatron record prices it on where no file says.
 TP_OVERLAP_FLAG = "--tp-comm-overlap"
-# Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
-LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
 # offers blockwise; it has no rowwise).
 MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
@@ -74,6 +74,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     cfg, notes = plan.config, []
     args: list[tuple[str, object]] = []
     args += _model_args(plan, notes)
+    args += mtp_args(plan, notes)
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("tp", "pp")]
     megatron_schedule = cfg.schedule_spec.megatron
     if megatron_schedule is None and cfg.pp > 1:
@@ -82,7 +83,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     if megatron_schedule == "interleaved":
         args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
         args += [(GROUP_FLAG, cfg.microbatch_group_size)] if cfg.microbatch_group_size else []
-    args += _split_args(plan, notes)
+    args += split_args(plan, notes)
     if cfg.sp:
         args.append(("--sequence-parallel", None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
@@ -171,45 +172,6 @@ def _moe_args(cfg: TransformerConfig) -> list[tuple[str, object]]:
     return args
 
 
-def _split_args(plan, notes: list[str]) -> list[tuple[str, object]]:
-    """Uneven first and last stages when that expresses the plan's cut, else the cut exactly as
-    Megatron-Core's `--pipeline-model-parallel-layout`; nothing when the split is even."""
-    cfg, blocks = plan.config, layout.blocks_per_chunk(plan)
-    if cfg.pp * cfg.virtual_stages == 1:
-        return []
-    counts = layout.layers_per_chunk(plan)
-    if counts == _even_counts(sum(blocks), len(blocks), None, None):
-        return []
-    first, last = blocks[0], blocks[-1]
-    if cfg.virtual_stages == 1 and first and last and counts == _even_counts(sum(blocks), len(blocks), first, last):
-        return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
-    return [(LAYOUT_FLAG, f"'{_layout_text(plan)}'")]  # quoted: | is a pipe in a launch script
-
-
-def _layout_text(plan) -> str:
-    """The plan's chunks in Megatron-Core's layout letters: E the embedding, t a transformer
-    layer, L the output layer and loss; chunks in model order, separated by |."""
-    letters = {"embed": "E", "head": "L"}
-    return "|".join("".join(letters.get(plan.layers[i].name, "t") for i in chunk) for chunk in plan.chunks())
-
-
-def _even_counts(num_blocks: int, chunks: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
-    """Layers per chunk (embedding and head included) of Megatron's split with optional uneven
-    first/last stages; None when the rest does not divide evenly."""
-    fixed = [count for count in (first, last) if count is not None]
-    rest, others = num_blocks - sum(fixed), chunks - len(fixed)
-    if others < 0 or rest < others or (others and rest % others) or (not others and rest):
-        return None
-    blocks = [rest // others if others else 0] * chunks
-    if first is not None:
-        blocks[0] = first
-    if last is not None:
-        blocks[-1] = last
-    blocks[0] += 1  # the embedding
-    blocks[-1] += 1  # the output layer
-    return tuple(blocks)
-
-
 def _recompute_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     modes = layout.block_recompute(plan)
     if all(mode == "none" for mode in modes):
@@ -288,8 +250,9 @@ def read_megatron(text: str) -> EngineJob:
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
         microbatch_group_size=None if vpp == 1 or get(GROUP_FLAG, pp) == pp else get(GROUP_FLAG, None),
         grad_reduce_in_bf16=BF16_GRADS_FLAG in flags, tp_comm_overlap=TP_OVERLAP_FLAG in flags,
-        layers_per_chunk=_read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
-        cp_method=cp_method, moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
+        layers_per_chunk=read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
+        cp_method=cp_method, mtp_num_layers=get("--mtp-num-layers", 0),
+        moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
         if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")
     for flag in ("--overlap-grad-reduce", "--overlap-param-gather"):
         if flag not in flags and not header:  # meshplan's own exports name both where they apply
@@ -360,7 +323,7 @@ def _virtual_stages(get, pp: int, num_layers: int | None) -> int:
     per_chunk = get("--num-layers-per-virtual-pipeline-stage", None)
     layout_text = get.flags.get(LAYOUT_FLAG)
     if vpp is None and layout_text:  # the layout's stages are pp x virtual stages
-        vpp = max(1, len(_expand_layout(layout_text).split("|")) // pp)
+        vpp = max(1, len(expand_layout(layout_text).split("|")) // pp)
     if vpp is None and per_chunk is not None:
         if num_layers is None or num_layers % (pp * per_chunk):
             raise MeshplanError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} needs --num-layers divisible "
@@ -423,44 +386,6 @@ def _read_zero(flags, notes: list[str]) -> int:
             notes.append(f"--data-parallel-sharding-strategy {strategy}: unknown; priced as ZeRO-3")
         return stages.get(strategy, 3)
     return 1 if "--use-distributed-optimizer" in flags else 0
-
-
-def _read_split(flags, get, pp: int, vpp: int, num_layers: int | None) -> tuple[int, ...] | None:
-    """Layers per chunk (embedding on the first, head on the last) as Megatron-LM splits them."""
-    if flags.get(LAYOUT_FLAG):
-        return _read_layout(flags[LAYOUT_FLAG], pp * vpp)
-    if num_layers is None or pp * vpp == 1:
-        return None
-    first, last = get("--decoder-first-pipeline-num-layers", None), get("--decoder-last-pipeline-num-layers", None)
-    counts = _even_counts(num_layers, pp * vpp, first, last)
-    if counts is None:
-        raise MeshplanError(f"Megatron-LM cannot split {num_layers} layers over {pp * vpp} pipeline chunks with first "
-                            f"{first} and last {last}; the remaining layers must divide evenly")
-    return counts
-
-
-def _expand_layout(text: str) -> str:
-    """A layout with its `X*n` and `(...)*n` repeats written out (innermost first)."""
-    expanded = text.replace(" ", "").strip("\"'")
-    for _ in range(100):
-        step = re.sub(r"\(([^()]*)\)\*(\d+)|([A-Za-z])\*(\d+)",
-                      lambda m: (m.group(1) or m.group(3)) * int(m.group(2) or m.group(4)), expanded)
-        if step == expanded:
-            break
-        expanded = step
-    return expanded
-
-
-def _read_layout(text: str, chunks: int) -> tuple[int, ...]:
-    """Layers per chunk of a `--pipeline-model-parallel-layout` (`X*n` and `(...)*n` repeats expanded)."""
-    expanded = _expand_layout(text)
-    parts = expanded.split("|")
-    if len(parts) != chunks or any(set(part) - set("EtLm") for part in parts):
-        raise MeshplanError(f"{LAYOUT_FLAG} {text!r}: expected {chunks} stages of E, t, m and L separated by |; "
-                            "give it as Megatron-LM does")
-    if "m" in expanded:
-        raise MeshplanError(f"{LAYOUT_FLAG} {text!r}: multi-token prediction layers (m) are not modelled by meshplan")
-    return tuple(part.count("t") + part.count("E") + part.count("L") for part in parts)
 
 
 def _model_spec(flags, get, notes: list[str]) -> str | None:

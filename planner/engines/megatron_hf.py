@@ -4,9 +4,9 @@ dense layers, grouped sigmoid routing) and GPT-OSS (grouped-query attention with
 experts). The published-config presets (`registry.PUBLISHED_CONFIGS`) are of these types.
 
 Flag names follow Megatron-LM's `arguments.py` and its DeepSeek-V3 examples. What a config holds
-that these flags do not say is returned as a note, not guessed: DeepSeek's multi-token prediction
-module (transformers' model has none and meshplan does not cost it; Megatron-LM adds it with
-`--mtp-num-layers`), GPT-OSS's sliding windows, attention sinks and clamped SwiGLU.
+that these flags do not say is returned as a note, not guessed: GPT-OSS's sliding windows,
+attention sinks and clamped SwiGLU. Multi-token prediction is the plan's (`--mtp-num-layers`,
+`profiling.mtp`), written by `megatron.export_megatron`, not the config's.
 """
 from __future__ import annotations
 
@@ -108,9 +108,6 @@ def _deepseek_moe(data: dict, notes: list[str]) -> list[tuple[str, object]]:
         args.append(("--moe-router-topk-scaling-factor", data["routed_scaling_factor"]))
     if data.get("topk_method") == "noaux_tc":
         args.append(("--moe-router-enable-expert-bias", None))
-    if data.get("num_nextn_predict_layers"):
-        notes.append(f"multi-token prediction ({data['num_nextn_predict_layers']} module) not exported: meshplan "
-                     "costs the model without it; add --mtp-num-layers to train it")
     return args
 
 

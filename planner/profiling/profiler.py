@@ -58,7 +58,7 @@ _SOURCE_FILES = ("contracts/graph.py",)
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
             cache: bool = True, trace: bool = False, moe_imbalance: float = 1.0,
             moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False,
-            moe_dispatcher: str = DEFAULT_MOE_DISPATCHER) -> ModelGraph:
+            moe_dispatcher: str = DEFAULT_MOE_DISPATCHER, mtp_num_layers: int = 0) -> ModelGraph:
     """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
@@ -73,6 +73,7 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     the rest dropped) and `moe_pad_to_capacity` (expert inputs padded to that capacity); the
     costs they imply are `planner.costing.expert_parallel.load_factor`'s. `moe_dispatcher` too
     (`contracts.config.MOE_DISPATCHERS`; its traffic is `planner.costing.moe_dispatch`'s).
+    `mtp_num_layers` adds that many multi-token-prediction depths (`profiling.mtp.with_mtp`).
     """
     if moe_dispatcher not in MOE_DISPATCHERS:
         raise MeshplanError(f"--moe-dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {moe_dispatcher!r}")
@@ -90,7 +91,9 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
         from meshplan.planner.models.hf_config import check_seq_limit
 
         check_seq_limit(config_path, seq)
-    graph = _profile(spec, seq, dtype, attention, cache, trace)
+    from meshplan.planner.profiling.mtp import with_mtp
+
+    graph = with_mtp(_profile(spec, seq, dtype, attention, cache, trace), mtp_num_layers)
     if moe_imbalance == 1.0 and not capacity and moe_dispatcher == DEFAULT_MOE_DISPATCHER:
         return graph
     if not graph.info.is_moe:
@@ -105,7 +108,8 @@ def profile_plan_model(model) -> ModelGraph:
     """The graph a plan's `ModelRef` stands for, as the plan was costed (its capacity factor included)."""
     return profile(model.spec, model.seq, dtype=model.dtype, attention=model.attention,
                    moe_capacity_factor=model.moe_capacity_factor or None,
-                   moe_pad_to_capacity=model.moe_pad_to_capacity, moe_dispatcher=model.moe_dispatcher)
+                   moe_pad_to_capacity=model.moe_pad_to_capacity, moe_dispatcher=model.moe_dispatcher,
+                   mtp_num_layers=model.mtp_num_layers)
 
 
 def carry_model_graph(plan):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from meshplan.planner.contracts.config import DEFAULT_CP_METHOD, RECOMPUTE
 from meshplan.planner.contracts.plan import LayerAssignment, ModelRef, Plan, cp_method_json, mesh_json
-from meshplan.planner.costing.executable import dispatcher_problem, model_facts, why_not_executable
+from meshplan.planner.costing.executable import dispatcher_problem, model_facts, mtp_problem, why_not_executable
 
 GIB = 2.0 ** 30
 # Solver fields that measure wall-clock time: they differ between identical runs.
@@ -197,13 +197,14 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
     winner, facts = ranked[0], model_facts(graph)
     layers = layer_assignments(graph, winner)
     dispatcher = graph.info.moe_dispatcher
+    mtp = mtp_problem(graph.info.mtp_num_layers)
     reason = (why_not_executable(winner.config, facts, _degrees(layers) if layerwise else ())
-              or dispatcher_problem(winner.config, dispatcher))
+              or dispatcher_problem(winner.config, dispatcher) or mtp)
     alternatives = []
     for alt in ranked[1:]:
         entry = configuration(alt)
         alt_reason = (why_not_executable(alt.config, facts, _degrees(layer_assignments(graph, alt)) if layerwise else ())
-                      or dispatcher_problem(alt.config, dispatcher))
+                      or dispatcher_problem(alt.config, dispatcher) or mtp)
         entry["executable"] = alt_reason is None
         if alt_reason:
             entry["not_executable_reason"] = alt_reason
@@ -222,7 +223,8 @@ def build_plan(graph, cluster, ranked: list, stats: dict, *, seed: int, layerwis
                      digest=model_digest(graph.spec),
                      moe_capacity_factor=float(getattr(graph.info, "moe_capacity_factor", 0.0) or 0.0),
                      moe_pad_to_capacity=bool(getattr(graph.info, "moe_pad_to_capacity", False)),
-                     moe_dispatcher=getattr(graph.info, "moe_dispatcher", "alltoall"))
+                     moe_dispatcher=getattr(graph.info, "moe_dispatcher", "alltoall"),
+                     mtp_num_layers=graph.info.mtp_num_layers)
     prediction = winner.prediction.to_json()
     return Plan(model=model, cluster=cluster, config=winner.config, layers=layers, prediction=prediction,
                 alternatives=tuple(alternatives), seed=seed, executable=reason is None,

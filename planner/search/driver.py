@@ -220,7 +220,8 @@ def _profile(request: PlanRequest):
     seq = default_seq(request.spec, DEFAULT_SEQ) if request.seq is None else request.seq
     return profile(request.spec, seq, batch=1, dtype=dtype, attention=request.attention,
                    moe_imbalance=request.moe_imbalance, moe_capacity_factor=request.moe_capacity_factor,
-                   moe_pad_to_capacity=request.moe_pad_to_capacity, moe_dispatcher=request.moe_dispatcher)
+                   moe_pad_to_capacity=request.moe_pad_to_capacity, moe_dispatcher=request.moe_dispatcher,
+                   mtp_num_layers=request.mtp_num_layers)
 
 
 def _search_stats(candidates, solved: list[Solved], reranked: list[Solved]) -> dict:

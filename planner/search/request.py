@@ -36,6 +36,7 @@ class PlanRequest:
     moe_capacity_factor: float | None = None
     moe_pad_to_capacity: bool = False
     moe_dispatcher: str = "alltoall"  # contracts.config.MOE_DISPATCHERS
+    mtp_num_layers: int = 0  # multi-token-prediction depths (`profiling.mtp`)
     memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
     engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
@@ -59,6 +60,12 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
+        if self.mtp_num_layers:  # the ILP pins the first and last layers only (`search.ilp.constraints`)
+            raise MeshplanError(
+                f"--mtp-num-layers {self.mtp_num_layers}: the search does not place multi-token-prediction depths "
+                "(Megatron-Core builds them beside the output layer on the last stage); plan without it, then price "
+                f"the winner's layout with `meshplan estimate ... --mtp-num-layers {self.mtp_num_layers}`, or its "
+                "Megatron-LM export with `estimate --from FILE --mtp-num-layers N`")
         if self.tp_comm_overlap and self.engine not in TP_OVERLAP_ENGINES:
             raise MeshplanError(f"--tp-comm-overlap on: {self.engine} runs its TP collectives on the compute stream; "
                                 f"TP overlap is --engine {' or '.join(TP_OVERLAP_ENGINES)}'s")

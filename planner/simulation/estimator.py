@@ -163,7 +163,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
              recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None,
              moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
-             grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None) -> Prediction:
+             grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None,
+             mtp_num_layers: int = 0) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
@@ -178,7 +179,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     (`contracts.config.MOE_DISPATCHERS`, priced by `costing.moe_dispatch`); `microbatch_group_size`:
     interleaved 1F1B's micro-batches per round (Megatron-Core's group size; None: pp);
     `grad_reduce_in_bf16`: Megatron-LM's bf16 gradient buffer (engine megatron); `tp_comm_overlap`:
-    the TP collectives pipelined with their GEMMs or not (None: the engine's record)."""
+    the TP collectives pipelined with their GEMMs or not (None: the engine's record);
+    `mtp_num_layers`: multi-token-prediction depths (`profiling.mtp`)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -196,7 +198,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
-                    moe_pad_to_capacity=moe_pad_to_capacity, moe_dispatcher=moe_dispatcher)
+                    moe_pad_to_capacity=moe_pad_to_capacity, moe_dispatcher=moe_dispatcher,
+                    mtp_num_layers=mtp_num_layers)
     check_model_fit(graph, config)
     return predict(graph, cluster, config)
 

@@ -146,7 +146,14 @@ def test_megatron_arguments_of_deepseek_v3_and_gpt_oss():
     assert args["--moe-layer-freq"] == "'([0]*3+[1]*58)'" and args["--moe-router-score-function"] == "sigmoid"
     assert (args["--moe-router-num-groups"], args["--moe-router-group-topk"]) == (8, 4)
     assert args["--moe-router-topk-scaling-factor"] == 2.5 and "--moe-router-enable-expert-bias" in args
-    assert any("multi-token prediction" in note for note in notes)
+    assert "--mtp-num-layers" not in args  # the plan's, written by the export (`megatron_split.mtp_args`)
+    from types import SimpleNamespace
+
+    from meshplan.planner.engines.megatron_split import mtp_args
+
+    plan_notes: list[str] = []
+    assert mtp_args(SimpleNamespace(model=SimpleNamespace(spec="deepseek-v3", mtp_num_layers=0)), plan_notes) == []
+    assert any("names 1 multi-token-prediction layer" in note for note in plan_notes)
     notes = []
     args = dict(hf_megatron_args(hf_config_path("gpt-oss-120b"), notes))
     assert (args["--num-layers"], args["--num-experts"], args["--moe-router-topk"], args["--num-query-groups"]) == \

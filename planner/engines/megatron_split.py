@@ -1,0 +1,124 @@
+"""Megatron-LM's pipeline cut both ways: a plan's chunks as its split arguments (even, uneven
+first and last stages, or the exact `--pipeline-model-parallel-layout`), those arguments read
+back as layers per chunk, and the multi-token-prediction depths (`--mtp-num-layers`), which
+Megatron-Core builds on the last stage beside the output layer and counts apart from the
+decoder's layers. Split from `megatron`, whose export and reader call these."""
+from __future__ import annotations
+
+import re
+
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX
+from meshplan.planner.engines import job as layout
+from meshplan.planner.models.hf_config import read_config
+from meshplan.planner.models.registry import hf_config_path
+
+# Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+
+
+def mtp_args(plan, notes: list[str]) -> list[tuple[str, object]]:
+    """`--mtp-num-layers` for a plan costed with multi-token prediction (`profiling.mtp`), whose
+    depths Megatron-Core builds on the last pipeline stage; a note where the config names MTP
+    depths the plan was costed without."""
+    depths = plan.model.mtp_num_layers
+    if depths:
+        chunks = [plan.chunk_of(layer) for layer in plan.layers if layer.name.startswith(MTP_LAYER_PREFIX)]
+        last = plan.config.num_model_chunks - 1
+        if any(chunk != last for chunk in chunks):
+            raise MeshplanError(f"the plan puts multi-token prediction on pipeline chunk {min(chunks)} of {last + 1}; "
+                                "Megatron-Core builds it with the output layer on the last: re-plan with the MTP "
+                                "layers there")
+        return [("--mtp-num-layers", depths)]
+    config_path = hf_config_path(plan.model.spec)
+    try:
+        named = (read_config(config_path).get("num_nextn_predict_layers") or 0) if config_path else 0
+    except MeshplanError:  # an hf: file no longer where the plan says: the plan carries its graph
+        named = 0
+    if named:
+        notes.append(f"the model's config names {named} multi-token-prediction layer(s); the plan was costed without "
+                     f"them, so none is exported (plan with --mtp-num-layers {named} to train them)")
+    return []
+
+
+def split_args(plan, notes: list[str]) -> list[tuple[str, object]]:
+    """Uneven first and last stages when that expresses the plan's cut, else the cut exactly as
+    Megatron-Core's `--pipeline-model-parallel-layout`; nothing when the split is even."""
+    cfg, blocks = plan.config, layout.blocks_per_chunk(plan)
+    if cfg.pp * cfg.virtual_stages == 1:
+        return []
+    # Megatron's split counts the decoder's layers, its MTP depths stay on the last stage
+    counts = tuple(len([i for i in chunk if not plan.layers[i].name.startswith(MTP_LAYER_PREFIX)])
+                   for chunk in plan.chunks())
+    if counts == even_counts(sum(blocks), len(blocks), None, None):
+        return []
+    first, last = blocks[0], blocks[-1]
+    if cfg.virtual_stages == 1 and first and last and counts == even_counts(sum(blocks), len(blocks), first, last):
+        return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
+    return [(LAYOUT_FLAG, f"'{layout_text(plan)}'")]  # quoted: | is a pipe in a launch script
+
+
+def layout_text(plan) -> str:
+    """The plan's chunks in Megatron-Core's layout letters: E the embedding, t a transformer
+    layer, L the output layer and loss; chunks in model order, separated by |."""
+    letters = {"embed": "E", "head": "L"}
+
+    def letter(name: str) -> str:
+        return "m" if name.startswith(MTP_LAYER_PREFIX) else letters.get(name, "t")
+    return "|".join("".join(letter(plan.layers[i].name) for i in chunk) for chunk in plan.chunks())
+
+
+def even_counts(num_blocks: int, chunks: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
+    """Layers per chunk (embedding and head included) of Megatron's split with optional uneven
+    first/last stages; None when the rest does not divide evenly."""
+    fixed = [count for count in (first, last) if count is not None]
+    rest, others = num_blocks - sum(fixed), chunks - len(fixed)
+    if others < 0 or rest < others or (others and rest % others) or (not others and rest):
+        return None
+    blocks = [rest // others if others else 0] * chunks
+    if first is not None:
+        blocks[0] = first
+    if last is not None:
+        blocks[-1] = last
+    blocks[0] += 1  # the embedding
+    blocks[-1] += 1  # the output layer
+    return tuple(blocks)
+
+
+def read_split(flags, get, pp: int, vpp: int, num_layers: int | None) -> tuple[int, ...] | None:
+    """Layers per chunk (embedding on the first, head on the last) as Megatron-LM splits them."""
+    if flags.get(LAYOUT_FLAG):
+        return read_layout(flags[LAYOUT_FLAG], pp * vpp)
+    if num_layers is None or pp * vpp == 1:
+        return None
+    first, last = get("--decoder-first-pipeline-num-layers", None), get("--decoder-last-pipeline-num-layers", None)
+    counts = even_counts(num_layers, pp * vpp, first, last)
+    if counts is None:
+        raise MeshplanError(f"Megatron-LM cannot split {num_layers} layers over {pp * vpp} pipeline chunks with first "
+                            f"{first} and last {last}; the remaining layers must divide evenly")
+    return counts
+
+
+def expand_layout(text: str) -> str:
+    """A layout with its `X*n` and `(...)*n` repeats written out (innermost first)."""
+    expanded = text.replace(" ", "").strip("\"'")
+    for _ in range(100):
+        step = re.sub(r"\(([^()]*)\)\*(\d+)|([A-Za-z])\*(\d+)",
+                      lambda m: (m.group(1) or m.group(3)) * int(m.group(2) or m.group(4)), expanded)
+        if step == expanded:
+            break
+        expanded = step
+    return expanded
+
+
+def read_layout(text: str, chunks: int) -> tuple[int, ...]:
+    """Layers per chunk of a `--pipeline-model-parallel-layout` (`X*n` and `(...)*n` repeats expanded)."""
+    expanded = expand_layout(text)
+    parts = expanded.split("|")
+    if len(parts) != chunks or any(set(part) - set("EtLm") for part in parts):
+        raise MeshplanError(f"{LAYOUT_FLAG} {text!r}: expected {chunks} stages of E, t, m and L separated by |; "
+                            "give it as Megatron-LM does")
+    if "m" in "".join(parts[:-1]):
+        raise MeshplanError(f"{LAYOUT_FLAG} {text!r}: multi-token prediction layers (m) before the last stage; "
+                            "meshplan places them with the output layer, as Megatron-Core does without a layout")
+    return tuple(part.count("t") + part.count("E") + part.count("L") for part in parts)
