@@ -151,8 +151,9 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = False
     # Whether the sequence-parallel TP collectives are pipelined with the GEMMs they feed
     # (Megatron-LM's --tp-comm-overlap, torchtitan's enable_async_tensor_parallel): None, the
-    # engine's recorded default (`contracts.overlap.EngineOverlap.tp_comm_overlap`); stored as None
-    # when equal to it. Only the engines in TP_OVERLAP_ENGINES can, and only with tp > 1 and SP.
+    # engine's recorded default (`contracts.overlap.EngineOverlap.tp_comm_overlap`, which
+    # `costing.overlap.overlap_of` applies). Only the engines in TP_OVERLAP_ENGINES can, and only
+    # with tp > 1 and SP.
     tp_comm_overlap: bool | None = None
 
     def __post_init__(self):
@@ -311,10 +312,6 @@ class ParallelConfig:
             raise ValueError(f"TP communication overlap pipelines the sequence-parallel all-gathers and "
                              f"reduce-scatters with their GEMMs: it needs tp > 1 and sequence parallelism "
                              f"(got tp={self.tp}, sp={self.sp})")
-        from meshplan.planner.contracts.overlap import engine_overlap  # it imports this module
-
-        if overlap == engine_overlap(self.engine).tp_comm_overlap:
-            object.__setattr__(self, "tp_comm_overlap", None)
 
     def _check_offload(self) -> None:
         if self.offload not in OFFLOAD:

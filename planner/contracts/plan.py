@@ -34,7 +34,7 @@ from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_
 # `cp_method` likewise, written only when cp > 1, absent: all-gather (the first CP method).
 # `schedule.microbatch_group_size` likewise, written only when set, absent: the schedule's own group.
 # `grad_reduce_in_bf16` likewise, written only when true (Megatron-LM's bf16 gradient buffer), absent: false.
-# `tp_comm_overlap` likewise, written only when set apart from the engine's record, absent: the engine's.
+# `tp_comm_overlap` likewise, written only when set (--tp-comm-overlap), absent: the engine's record.
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -236,7 +236,7 @@ class Plan:
             **({"shard_group": cfg.shard_group} if cfg.shard_group else {}),
             # Megatron-LM's bf16 gradient buffer only: plans without the key accumulate in fp32
             **({"grad_reduce_in_bf16": True} if cfg.grad_reduce_in_bf16 else {}),
-            # TP overlap set apart from the engine's record only: plans without the key take the engine's
+            # TP overlap only when the job sets it: plans without the key take the engine's record
             **({"tp_comm_overlap": cfg.tp_comm_overlap} if cfg.tp_comm_overlap is not None else {}),
             # offloading only: plans without the key keep every state on the device
             **({"offload": cfg.offload} if cfg.offload != "none" else {}),
