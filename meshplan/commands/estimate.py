@@ -72,7 +72,7 @@ def run(args) -> int:
     if missing:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
 
-    notes = model_notes(args.model, args.seq) + moe_notes(args.model, args.moe_imbalance,
+    notes = model_notes(args.model, args.seq, args.mtp_num_layers) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
                                                           args.moe_pad_expert_input_to_capacity)
     prediction = _estimate_at(args, args.zero)

@@ -111,3 +111,14 @@ def test_the_executor_and_the_search_name_what_they_do_not_do():
     assert mtp_problem(1).startswith("multi-token prediction (1 depth) is planned, not executed")
     with pytest.raises(MeshplanError, match="the search does not place multi-token-prediction depths"):
         search_plan(SPEC, "h100-sxm", 8, 16, SEQ, engine="megatron", mtp_num_layers=1)
+
+
+def test_estimate_and_plan_note_the_config_s_mtp_depths():
+    """DeepSeek-V3's config names one MTP depth (num_nextn_predict_layers): estimate says it is
+    priced without it and how to add it, plan that its search leaves it out; asked for, no note."""
+    from meshplan.commands.common import model_notes
+
+    assert any("--mtp-num-layers 1 adds them" in note for note in model_notes("deepseek-v3", 4096))
+    assert any("the search does not place them" in note for note in model_notes("deepseek-v3", 4096, searched=True))
+    assert not any("multi-token" in note for note in model_notes("deepseek-v3", 4096, mtp_num_layers=1))
+    assert not any("multi-token" in note for note in model_notes("llama3-8b", 4096))
