@@ -61,6 +61,10 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 # shards with an all-to-all of q, k, v and back with one of the output.
 CP_METHODS = ("all-gather", "ulysses")
 DEFAULT_CP_METHOD = CP_METHODS[0]
+# The CP methods each engine runs, where not all: torchtitan's context parallelism is torch's ring
+# attention (its all-gather or all-to-all rotation of K/V shards), priced as all-gather; it has no
+# Ulysses (`engines.torchtitan.job_sections` refuses it).
+ENGINE_CP_METHODS = {"torchtitan": ("all-gather",)}
 # How a MoE block's routed copies reach the experts' ranks (`--moe-dispatcher`, plan.json
 # `model.moe_dispatcher`; `costing.moe_dispatch` prices each): "alltoall" sends every copy
 # (Megatron-Core's alltoall dispatcher; the default); "allgather" gathers every token over the EP

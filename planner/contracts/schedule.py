@@ -100,6 +100,16 @@ class Schedule:
         """--vpp chooses its chunks per rank (more than one count allowed)."""
         return self.most_chunks != self.least_chunks
 
+    def runs_under(self, engine: str) -> bool:
+        """Whether `engine` runs this schedule: Megatron-LM its 1F1B and interleaved 1F1B
+        (`megatron`), DeepSpeed's pipeline engine 1F1B (`deepspeed`); torchtitan every torch
+        pipelining schedule meshplan has, and so does meshplan's own executor."""
+        if engine == "megatron":
+            return self.megatron is not None
+        if engine == "deepspeed":
+            return self.deepspeed
+        return True
+
     @property
     def torchtitan_name(self) -> str:
         """torchtitan's `pipeline_parallel_schedule` value (torch's `get_schedule_class` key)."""

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
-from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, NO_PIPELINE_ENGINES, OFFLOAD, RECOMPUTE,
-                                                SCHEDULES, ParallelConfig)
+from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, ENGINE_CP_METHODS, NO_PIPELINE_ENGINES,
+                                               OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
@@ -160,7 +160,7 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
                 m = global_batch // (dp * mbs)
                 if pp > 1 and m < pp:
                     continue
-                for schedule, vpp in _schedules(pp, m, num_layers, pins):
+                for schedule, vpp in _schedules(pp, m, num_layers, pins, engine):
                     for zero in (0, 1, 2, 3):
                         if pins.zero is not None and zero != pins.zero:
                             continue
@@ -174,7 +174,8 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
                                 key = (tp, dp * cp)
                                 if key not in layouts:
                                     layouts[key] = expert_layouts(info, tp, dp * cp, pins)
-                                methods = cp_methods(facts, tp, cp, pins.cp_method)
+                                methods = [method for method in cp_methods(facts, tp, cp, pins.cp_method)
+                                           if method in ENGINE_CP_METHODS.get(engine, CP_METHODS)]
                                 for (etp, ep), method in ((layout, method) for layout in layouts[key]
                                                           for method in methods):
                                     if engine in NO_PIPELINE_ENGINES and ep > 1:
@@ -317,16 +318,17 @@ def expert_parallel_degrees(info, data_ranks: int, pinned: int | None) -> list[i
     return out
 
 
-def _schedules(pp: int, m: int, num_layers: int, pins: Pins) -> list[tuple[str, int]]:
+def _schedules(pp: int, m: int, num_layers: int, pins: Pins, engine: str = "meshplan") -> list[tuple[str, int]]:
     """(schedule, virtual stages) pairs for pp ranks and m micro-batches: those the schedule's
     description accepts (`Schedule.check`) with pp * v <= the layer count, v pinned or over
     the description's searched chunk counts (up to MAX_VIRTUAL_STAGES); unless --schedule names
     it, only where the search offers it (`Schedule.searched_at`: GPipe never, interleaved from 2
-    chunks, ZB-V once m >= 2 pp - 1)."""
+    chunks, ZB-V once m >= 2 pp - 1); only those the engine runs (`Schedule.runs_under`: a plan
+    for Megatron-LM holds 1F1B or interleaved 1F1B, one for DeepSpeed 1F1B)."""
     out = []
     for spec in SCHEDULE_SPECS.values():
         pinned = pins.schedule == spec.name
-        if pins.schedule is not None and not pinned:
+        if (pins.schedule is not None and not pinned) or (pp > 1 and not spec.runs_under(engine)):
             continue
         chunks = [pins.vpp] if pins.vpp is not None else spec.searched_chunks(MAX_VIRTUAL_STAGES)
         for vpp in chunks:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import ENGINES, TP_OVERLAP_ENGINES, bf16_grads_problem
+from meshplan.planner.contracts.config import ENGINE_CP_METHODS, ENGINES, TP_OVERLAP_ENGINES, bf16_grads_problem
+from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
 
@@ -66,6 +67,15 @@ class PlanRequest:
                 "(Megatron-Core builds them beside the output layer on the last stage); plan without it, then price "
                 f"the winner's layout with `meshplan estimate ... --mtp-num-layers {self.mtp_num_layers}`, or its "
                 "Megatron-LM export with `estimate --from FILE --mtp-num-layers N`")
+        schedule = self.pins.schedule
+        if schedule in SCHEDULE_SPECS and self.pins.pp != 1 and not SCHEDULE_SPECS[schedule].runs_under(self.engine):
+            runs = [name for name, spec in SCHEDULE_SPECS.items() if spec.runs_under(self.engine)]
+            raise MeshplanError(f"--schedule {schedule}: {self.engine} does not run it (it runs {', '.join(runs)}); "
+                                "pin one of those or leave --schedule out")
+        method = self.pins.cp_method
+        if method is not None and method not in ENGINE_CP_METHODS.get(self.engine, (method,)):
+            raise MeshplanError(f"--cp-method {method}: {self.engine} does not run it (its context parallelism: "
+                                f"{', '.join(ENGINE_CP_METHODS[self.engine])}); pin that or leave --cp-method out")
         if self.tp_comm_overlap and self.engine not in TP_OVERLAP_ENGINES:
             raise MeshplanError(f"--tp-comm-overlap on: {self.engine} runs its TP collectives on the compute stream; "
                                 f"TP overlap is --engine {' or '.join(TP_OVERLAP_ENGINES)}'s")

@@ -39,3 +39,34 @@ def test_the_default_engine_keeps_to_the_executor_and_says_what_it_left_out():
     own = _plan().to_json()
     assert own["mesh"].get("ep", 1) == 1 and own["mesh"]["tp"] == 1
     assert own["solver"]["num_executor_limited"] > 0
+
+
+@pytest.mark.parametrize("engine,runs", [("megatron", {"1f1b", "interleaved"}), ("deepspeed", {"1f1b"})])
+def test_a_plan_for_an_engine_holds_only_schedules_that_engine_runs(engine, runs):
+    """Llama 3 8B on 16 H100 pinned to 4 stages: meshplan's executor wins with a zero-bubble
+    schedule, which neither Megatron-LM nor DeepSpeed runs; planned for them, every layout the
+    plan lists uses one of theirs, and pinning one they do not run is refused in one line."""
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    job = ("llama3-8b", "h100-sxm", 16, 64, 4096)
+    own = search_plan(*job, top_k=3, pp=4).to_json()
+    assert own["schedule"]["name"].startswith("zb")
+    plan = search_plan(*job, top_k=3, pp=4, engine=engine).to_json()
+    names = {plan["schedule"]["name"]} | {alt["schedule"]["name"] for alt in plan["alternatives"]}
+    assert names <= runs, names
+    with pytest.raises(MeshplanError, match=f"--schedule zbv: {engine} does not run it") as refusal:
+        search_plan(*job, pp=4, engine=engine, schedule="zbv")
+    assert "\n" not in str(refusal.value)
+
+
+def test_a_torchtitan_plan_has_no_ulysses():
+    """torchtitan's context parallelism is torch's ring attention: a plan for it never picks
+    Ulysses (which meshplan's executor and Megatron-LM run), and pinning it is refused."""
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    job = ("llama3-8b", "h100-sxm", 16, 64, 4096)
+    plan = search_plan(*job, top_k=5, pp=4, cp=2, engine="torchtitan").to_json()
+    methods = {plan.get("cp_method", "all-gather")} | {alt.get("cp_method", "all-gather") for alt in plan["alternatives"]}
+    assert methods == {"all-gather"}
+    with pytest.raises(MeshplanError, match="--cp-method ulysses: torchtitan does not run it"):
+        search_plan(*job, pp=4, cp=2, engine="torchtitan", cp_method="ulysses")
