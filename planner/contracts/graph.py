@@ -269,8 +269,9 @@ class ModelInfo:
         return self.shared_ffn or self.num_shared_experts * self.expert_ffn
 
 
-def is_mtp_layer(layer: LayerProfile) -> bool:
-    """Whether `layer` is a multi-token-prediction depth (`MTP_LAYER_PREFIX`)."""
+def is_mtp_layer(layer) -> bool:
+    """Whether `layer` (a LayerProfile, or a plan's LayerAssignment: anything named) is a
+    multi-token-prediction depth (`MTP_LAYER_PREFIX`)."""
     return layer.name.startswith(MTP_LAYER_PREFIX)
 
 

@@ -82,8 +82,11 @@ def balanced_layer_chunks(graph, cluster: ClusterProfile, config) -> tuple[int, 
                                            attention=graph.attention))
                for layer, r in zip(graph.layers, recomputes)]
     if num_mtp:  # the MTP depths share the output layer's chunk (Megatron-Core's `mtp_on_this_rank`)
-        tail = sum(weights[-1 - num_mtp:])
-        weights = weights[:-1 - num_mtp] + [tail]
+        weights = weights[:-1 - num_mtp] + [sum(weights[-1 - num_mtp:])]
+        if num_chunks > len(weights):
+            raise ValueError(f"{num_chunks} pipeline chunks need at least that many layers besides the "
+                             f"{num_mtp} multi-token-prediction depths, which share the output layer's chunk; "
+                             f"the model has {len(weights)}")
     low, high = max(weights), sum(weights)
     for _ in range(100):
         if high - low <= 1e-9 * high:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX
+from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX, is_mtp_layer
 from meshplan.planner.engines import job as layout
 from meshplan.planner.models.hf_config import read_config
 from meshplan.planner.models.registry import hf_config_path
@@ -23,7 +23,7 @@ def mtp_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     depths the plan was costed without."""
     depths = plan.model.mtp_num_layers
     if depths:
-        chunks = [plan.chunk_of(layer) for layer in plan.layers if layer.name.startswith(MTP_LAYER_PREFIX)]
+        chunks = [plan.chunk_of(layer) for layer in plan.layers if is_mtp_layer(layer)]
         last = plan.config.num_model_chunks - 1
         if any(chunk != last for chunk in chunks):
             raise MeshplanError(f"the plan puts multi-token prediction on pipeline chunk {min(chunks)} of {last + 1}; "
@@ -48,7 +48,7 @@ def split_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     if cfg.pp * cfg.virtual_stages == 1:
         return []
     # Megatron's split counts the decoder's layers, its MTP depths stay on the last stage
-    counts = tuple(len([i for i in chunk if not plan.layers[i].name.startswith(MTP_LAYER_PREFIX)])
+    counts = tuple(len([i for i in chunk if not is_mtp_layer(plan.layers[i])])
                    for chunk in plan.chunks())
     if counts == even_counts(sum(blocks), len(blocks), None, None):
         return []

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX, LayerProfile, ModelGraph
+from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX, LayerProfile, ModelGraph, is_mtp_layer
 
 
 def with_mtp(graph: ModelGraph, num_layers: int) -> ModelGraph:
@@ -38,7 +38,7 @@ def with_mtp(graph: ModelGraph, num_layers: int) -> ModelGraph:
         return graph
     layers = list(graph.layers)
     kinds = [layer.kind for layer in layers]
-    if any(layer.name.startswith(MTP_LAYER_PREFIX) for layer in layers):
+    if any(map(is_mtp_layer, layers)):
         raise MeshplanError(f"{graph.spec}: the graph already has multi-token-prediction layers")
     if len(layers) < 3 or kinds[0] != "embedding" or kinds[-1] != "head" or "block" not in kinds \
             or not graph.info.hidden:

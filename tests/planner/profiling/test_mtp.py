@@ -67,6 +67,8 @@ def test_the_depths_share_the_output_layer_s_pipeline_chunk():
         config = ParallelConfig(gpus=4, global_batch=8, pp=4, dp=1, engine=engine)
         chunks = balanced_layer_chunks(graph, cluster, config)
         assert chunks[-2:] == (3, 3) and chunks[0] == 0, engine  # mtp.0 and the head on the last stage
+    with pytest.raises(ValueError, match="7 pipeline chunks need at least that many layers besides the 1"):
+        balanced_layer_chunks(graph, cluster, ParallelConfig(gpus=7, global_batch=7, pp=7, dp=1))
     # Megatron's even split counts the decoder's 4 blocks only: one a stage, the depth on the last
     kinds = [layer.kind for layer in graph.layers]
     assert engine_layer_chunks(kinds, "megatron", 4, num_mtp=1) == (0, 0, 1, 2, 3, 3, 3)
