@@ -256,23 +256,17 @@ def model_notes(spec: str | None, seq: int | None, mtp_num_layers: int = 0, sear
     """What the model's costs assume beyond its published shape: a rotary model past its trained
     context; a config that names multi-token-prediction depths (`num_nextn_predict_layers`,
     DeepSeek-V3's) priced without them (`searched`: by `plan`, whose search does not place them)."""
-    from meshplan.planner.models.registry import context_note, hf_config_path
+    from meshplan.planner.models.registry import context_note
+    from meshplan.planner.profiling.mtp import config_mtp_layers
 
     notes = [note] if (note := context_note(spec, seq)) else []
-    path = hf_config_path(spec) if spec else None
-    if path is not None and not mtp_num_layers:
-        from meshplan.planner.contracts.errors import MeshplanError
-        from meshplan.planner.models.hf_config import read_config
-
-        try:
-            named = read_config(path).get("num_nextn_predict_layers") or 0
-        except MeshplanError:  # the profile names what is wrong with the file
-            named = 0
-        if named and searched:
+    named = 0 if mtp_num_layers else config_mtp_layers(spec)
+    if named:
+        if searched:
             notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), planned without "
                          f"them (the search does not place them); price the winner with `meshplan estimate ... "
                          f"--mtp-num-layers {named}`")
-        elif named:
+        else:
             notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), priced without "
                          f"them; --mtp-num-layers {named} adds them as Megatron-LM trains them (--mtp-num-layers)")
     return notes

@@ -10,8 +10,7 @@ import re
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX, is_mtp_layer
 from meshplan.planner.engines import job as layout
-from meshplan.planner.models.hf_config import read_config
-from meshplan.planner.models.registry import hf_config_path
+from meshplan.planner.profiling.mtp import config_mtp_layers
 
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
@@ -30,11 +29,7 @@ def mtp_args(plan, notes: list[str]) -> list[tuple[str, object]]:
                                 "Megatron-Core builds it with the output layer on the last: re-plan with the MTP "
                                 "layers there")
         return [("--mtp-num-layers", depths)]
-    config_path = hf_config_path(plan.model.spec)
-    try:
-        named = (read_config(config_path).get("num_nextn_predict_layers") or 0) if config_path else 0
-    except MeshplanError:  # an hf: file no longer where the plan says: the plan carries its graph
-        named = 0
+    named = config_mtp_layers(plan.model.spec)
     if named:
         notes.append(f"the model's config names {named} multi-token-prediction layer(s); the plan was costed without "
                      f"them, so none is exported (plan with --mtp-num-layers {named} to train them)")

@@ -76,3 +76,19 @@ def _head(head: LayerProfile, embedding: LayerProfile, num_layers: int) -> Layer
         causal_fwd_flops=head.causal_fwd_flops * times, act_tp_sharded_bytes=head.act_tp_sharded_bytes * times,
         act_tp_replicated_bytes=head.act_tp_replicated_bytes * times,
         shared_params=max(head.shared_params, embedding.num_params))
+
+
+def config_mtp_layers(spec: str | None) -> int:
+    """The multi-token-prediction depths a Hugging Face config names (`num_nextn_predict_layers`,
+    DeepSeek-V3's 1); 0 for other specs, and for a config no longer readable (whoever profiles it
+    says what is wrong with the file)."""
+    from meshplan.planner.models.hf_config import read_config
+    from meshplan.planner.models.registry import hf_config_path
+
+    path = hf_config_path(spec) if spec else None
+    if path is None:
+        return 0
+    try:
+        return int(read_config(path).get("num_nextn_predict_layers") or 0)
+    except MeshplanError:
+        return 0
