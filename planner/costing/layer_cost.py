@@ -20,7 +20,7 @@ from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
 from meshplan.planner.costing.compute_time import compute_time_key, compute_times_s, kernel_efficiency
-from meshplan.planner.costing.engine_memory import engine_layer_memory
+from meshplan.planner.costing.engine_memory import engine_layer_memory, layer_transient_scale
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
 from meshplan.planner.costing.memo import through
@@ -59,6 +59,9 @@ class LayerCost:
     expert_state_bytes: float = 0.0  # the routed experts' part of param + grad + optimizer bytes
     owned_params: float = 0.0  # parameters whose optimizer states this rank updates (after ZeRO)
     host_state_bytes: float = 0.0  # model states offloaded to host memory (`costing.offload`)
+    # reserved bytes per byte of activations and buffers: the engine's caching-allocator
+    # fragmentation (`engine_memory.layer_transient_scale`; 1 for meshplan's executor)
+    reserve_scale: float = 1.0
 
     def replaced(self, **changes: float) -> LayerCost:
         """`dataclasses.replace(self, **changes)` without running `__init__` again (a search
@@ -146,10 +149,12 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
                                                                                local.fwd_busy_s, config))
     if config.engine not in EXECUTOR_MEMORY_ENGINES:
         # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
-        memory = engine_layer_memory(layer, config, info, act_scale=activation_scale(config.precision, profile_dtype),
-                                     profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
-                                     attention=attention, holds_shared=holds_shared)
-        local = local.replaced(**memory._asdict())
+        kwargs = dict(act_scale=activation_scale(config.precision, profile_dtype),
+                      profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision], attention=attention,
+                      holds_shared=holds_shared)
+        memory = engine_layer_memory(layer, config, info, **kwargs)
+        scale = layer_transient_scale(layer, config, info, memory.activation_bytes, **kwargs)
+        local = local.replaced(**memory._asdict(), reserve_scale=scale)
     return offload.with_offload(local, config, cluster)
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
 from meshplan.planner.costing import fixed_costs
-from meshplan.planner.costing.engine_memory import keeps_stage_outputs, transient_scale
+from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
 from meshplan.planner.costing.ulysses import ULYSSES, ulysses_head_problem
 from meshplan.planner.costing.weight_grad import weight_grad_share
@@ -209,15 +209,15 @@ def _type_counts(layer_type: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(counts.items())
 
 
-def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1, weight_share: float = 0.0,
-                           transient: float = 1.0) -> OptionCost:
+def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1, weight_share: float = 0.0) -> OptionCost:
     """Fold a `planner.costing.layer_cost.LayerCost` into the quantities the ILP uses.
 
     Parameter gathers (ZeRO-3; FSDP2's ZeRO-1/2 forward) are prefetched one layer ahead, so only
     what the previous layer's busy time cannot hide is exposed (identical consecutive layers make
     "the previous layer" this one); a chunk pass's first layer also waits for its own gather
-    (`fwd_head_s`, `bwd_head_s`: `gathers.gather_exposure_s`). `transient`: reserved bytes per
-    byte of activations and buffers (`engine_memory.transient_scale`, as the simulator counts them).
+    (`fwd_head_s`, `bwd_head_s`: `gathers.gather_exposure_s`). Activations and buffers are counted
+    as reserved: times `LayerCost.reserve_scale` (the engine's allocator fragmentation), as the
+    simulator counts them.
     """
     fwd_comm_s, bwd_comm_s = cost.fwd_blocking_comm_s, cost.bwd_blocking_comm_s
     fwd_gather_s = cost.fwd_gather_exposure_s[0]
@@ -227,8 +227,8 @@ def option_from_layer_cost(recompute: str, cost, tp: int = 1, dp: int = 1, weigh
         fwd_s=cost.fwd_busy_s + fwd_gather_s,
         bwd_s=cost.bwd_busy_s + bwd_gather_s,
         static_bytes=cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes,
-        act_bytes=cost.activation_bytes * transient,
-        buffer_bytes=cost.buffer_bytes * transient,
+        act_bytes=cost.activation_bytes * cost.reserve_scale,
+        buffer_bytes=cost.buffer_bytes * cost.reserve_scale,
         dp_comm_s=cost.dp_grad_comm_s,
         param_gather_s=cost.dp_param_gather_s,
         optimizer_s=cost.optimizer_step_s,
@@ -417,8 +417,7 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
                     cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
                                       attention=graph.attention, holds_shared=holds_shared)
                     share = weight_grad_share(layer, graph.seq, graph.attention)
-                    option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp, share,
-                                                                         transient_scale(config.engine))
+                    option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp, share)
                 options.append(option)
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={config.tp}")

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 from meshplan.planner.contracts.prediction import Interval, MemoryBreakdown, Prediction
 from meshplan.planner.simulation.contention import rank_delays
-from meshplan.planner.costing.engine_memory import keeps_stage_outputs, transient_scale
+from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.costing.offload import host_fits, host_state_bytes_per_node
 from meshplan.planner.simulation.schedules import Action, held_boundary_bytes, schedule_actions
 from meshplan.planner.simulation.split_backward import action_part, with_weight_grad
@@ -265,8 +265,12 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
     without `curves`)."""
     cfg = costs.config
     resident = [[0.0, 0.0, 0.0] for _ in range(cfg.pp)]
-    buffers = [0.0] * cfg.pp
+    buffers, reserved_buffers = [0.0] * cfg.pp, [0.0] * cfg.pp
     experts = [0.0] * cfg.pp
+    rank_scale = [1.0] * cfg.pp
+    # the caching allocator's fragmentation around what each layer allocates and frees
+    # (`LayerCost.reserve_scale`; 1 for meshplan's executor): saved bytes per chunk, as reserved
+    reserved_sizes = [chunk.activation_bytes for chunk in chunks]
     for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer):
         rank = chunks[chunk].rank
         experts[rank] += cost.expert_state_bytes
@@ -274,6 +278,9 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
         resident[rank][1] += cost.grad_bytes
         resident[rank][2] += cost.optimizer_bytes
         buffers[rank] = max(buffers[rank], cost.buffer_bytes)
+        reserved_buffers[rank] = max(reserved_buffers[rank], cost.buffer_bytes * cost.reserve_scale)
+        reserved_sizes[chunk] += cost.activation_bytes * (cost.reserve_scale - 1.0)
+        rank_scale[rank] = max(rank_scale[rank], cost.reserve_scale)
     if cfg.pp > 1:  # receive buffers in transit, a multi-chunk schedule's kept sends
         last_of_chunk = {chunk: cost for cost, chunk in zip(costs.layer_costs, costs.chunk_of_layer)}
         boundaries = [last_of_chunk[c].output_bytes for c in range(len(chunks) - 1)]
@@ -281,28 +288,30 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
                                    lambda c: chunks[c].rank, boundaries, keeps_stage_outputs(cfg.engine),
                                    cfg.microbatch_group_size)
         buffers = [b + k for b, k in zip(buffers, kept)]
+        reserved_buffers = [b + k * scale for b, k, scale in zip(reserved_buffers, kept, rank_scale)]
     sizes = [chunk.activation_bytes for chunk in chunks]
     breakdowns, out = [], []
     for rank in range(cfg.pp):
         base = sum(resident[rank])
-        live = peak = 0.0
+        live = peak = reserved_live = reserved_peak = 0.0
         curve = [(0.0, base)]
         for run in played.runs[rank]:
-            kind = run.action.kind
+            kind, chunk = run.action.kind, run.action.chunk
             if kind == "F":  # saved activations grow while the forward runs
-                live += sizes[run.action.chunk]
-                if live > peak:
-                    peak = live
+                live += sizes[chunk]
+                reserved_live += reserved_sizes[chunk]
+                peak, reserved_peak = max(peak, live), max(reserved_peak, reserved_live)
                 if curves:
                     curve.append((run.start_s, base + live))
             elif kind == "B" or kind == "W":  # B, or W after a split backward (I keeps them)
-                live -= sizes[run.action.chunk]
+                live -= sizes[chunk]
+                reserved_live -= reserved_sizes[chunk]
                 if curves:
                     curve.append((run.end_s, base + live))
         params, grads, optimizer = resident[rank]
         # the caching allocator's fragmentation around what the step allocates and frees, counted
-        # with the buffers (`engine_memory.allocator_reserve_fraction`; none for meshplan's executor)
-        fragmented = (peak + buffers[rank]) * (transient_scale(cfg.engine) - 1.0)
+        # with the buffers (`engine_memory.layer_transient_scale`; none for meshplan's executor)
+        fragmented = max(0.0, reserved_peak - peak) + max(0.0, reserved_buffers[rank] - buffers[rank])
         breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
                                           activations=peak, buffers=buffers[rank] + fragmented, experts=experts[rank]))
         out.append(tuple(curve) if curves else ())

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import engine_memory
-from meshplan.planner.costing.engine_memory import ALLOCATOR_FRAGMENTATION, engine_state_bytes, keeps_stage_outputs
+from meshplan.planner.costing.engine_memory import (ALLOCATOR_FRAGMENTATION, ALLOCATOR_FRAGMENTATION_PLAIN,
+                                                    engine_state_bytes, keeps_stage_outputs)
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.simulation.estimator import estimate
 
@@ -93,20 +96,61 @@ def test_megatron_frees_the_pipeline_outputs():
     assert torchtitan.activations > megatron.activations
 
 
-def test_the_allocator_reserve_is_the_engines_alone(monkeypatch):
+@pytest.mark.parametrize("recompute, fraction", [("none", ALLOCATOR_FRAGMENTATION_PLAIN),
+                                                  ("full", ALLOCATOR_FRAGMENTATION)])
+def test_the_allocator_reserve_is_the_engines_alone(monkeypatch, recompute, fraction):
     """Under another engine the buffers also hold the caching allocator's fragmentation around
-    what the step allocates and frees: (activations + buffers) x f / (1 - f); meshplan's own
+    what the step allocates and frees: (activations + buffers) x f / (1 - f), with f GMLake's
+    figure for the layers' pattern (15% where blocks recompute, 5% without); meshplan's own
     executor is planned against its profile's reserve alone."""
-    spec, kwargs = "gpt:layers=4,hidden=512,heads=8,vocab=8192", dict(gpus=2, global_batch=8, seq=256, pp=2)
+    spec = "gpt:layers=4,hidden=512,heads=8,vocab=8192"
+    kwargs = dict(gpus=2, global_batch=8, seq=256, pp=1, recompute=recompute)
     reserved = estimate(spec, "a100-80g", engine="torchtitan", **kwargs).memory[0]
     own = estimate(spec, "a100-80g", **kwargs).memory[0]
     monkeypatch.setattr(engine_memory, "ALLOCATOR_FRAGMENTATION", 0.0)
+    monkeypatch.setattr(engine_memory, "ALLOCATOR_FRAGMENTATION_PLAIN", 0.0)
     allocated = estimate(spec, "a100-80g", engine="torchtitan", **kwargs).memory[0]
     assert reserved.activations == allocated.activations
     transient = allocated.activations + allocated.buffers
-    assert reserved.total - allocated.total == pytest.approx(transient * ALLOCATOR_FRAGMENTATION
-                                                              / (1 - ALLOCATOR_FRAGMENTATION))
+    if recompute == "none":  # one pattern throughout: the formula exactly
+        assert reserved.total - allocated.total == pytest.approx(transient * fraction / (1 - fraction))
+    else:  # the blocks' bytes at 15%, the embedding's and head's (which never recompute) at 5%
+        low, high = (transient * f / (1 - f) for f in (ALLOCATOR_FRAGMENTATION_PLAIN, fraction))
+        assert low < reserved.total - allocated.total <= high
     assert own.total == estimate(spec, "a100-80g", **kwargs).memory[0].total  # meshplan: no such reserve
+
+
+def test_the_reserve_follows_what_recomputation_rebuilds():
+    """GMLake's figures at the ends (5% when nothing is rebuilt, 15% when a layer's whole
+    activations are), in proportion between; and the reserved bytes of a
+    layer, kept x (1 - d) / (1 - f(d)), fall as it rebuilds a larger share d."""
+    from meshplan.planner.costing.engine_memory import allocator_reserve_fraction
+
+    assert allocator_reserve_fraction("megatron", 0.0) == pytest.approx(0.05)
+    assert allocator_reserve_fraction("megatron", 1.0) == pytest.approx(0.15)
+    assert allocator_reserve_fraction("torchtitan", 0.4) == pytest.approx(0.09)
+    assert allocator_reserve_fraction("meshplan", 1.0) == 0.0
+    reserved = [(1 - d) / (1 - allocator_reserve_fraction("megatron", d)) for d in [i / 100 for i in range(101)]]
+    assert all(b < a for a, b in zip(reserved, reserved[1:]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(engine=st.sampled_from(["megatron", "torchtitan", "deepspeed", "llm-foundry"]),
+       spec=st.sampled_from(["gpt:layers=8,hidden=512,heads=8,vocab=8192",
+                             "llama:layers=8,hidden=512,heads=8,kv_heads=4,ffn=1536,vocab=8192"]),
+       tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), zero=st.sampled_from([1, 3]),
+       attention=st.sampled_from(["flash", "math"]), seq=st.sampled_from([512, 2048]))
+def test_no_engine_reserves_more_under_selective_recomputation(engine, spec, tp, pp, zero, attention, seq):
+    """Under every engine's recipe, its allocator reserve included, the same plan with selective
+    recomputation never predicts a higher peak on any rank than without recomputation."""
+    if engine == "llm-foundry":
+        pp = 1
+    options = dict(seq=seq, tp=tp, pp=pp, mbs=1, zero=zero if pp == 1 else 1, sp=tp > 1, attention=attention,
+                   engine=engine)
+    none = estimate(spec, "a100-80g", 8, 16, recompute="none", **options)
+    selective = estimate(spec, "a100-80g", 8, 16, recompute="selective", **options)
+    for kept, rebuilt in zip(none.memory, selective.memory):
+        assert rebuilt.total <= kept.total * (1 + 1e-12), (kept, rebuilt)
 
 
 def test_the_search_plans_under_the_engine():

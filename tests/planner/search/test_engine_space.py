@@ -9,9 +9,9 @@ import pytest
 
 from meshplan.planner.search.driver import search_plan
 
-# 16 GPUs, where an EP degree wins; on 64, data parallelism alone is the faster plan (the
-# all-to-alls carry top_k copies of every token).
-JOB = dict(spec="deepseek-v2-lite", cluster="h100-sxm", gpus=16, global_batch=256, seq=4096)
+# 8 GPUs, where an EP degree wins; on 16 and more, data parallelism alone is the faster plan
+# (the all-to-alls carry top_k copies of every token).
+JOB = dict(spec="deepseek-v2-lite", cluster="h100-sxm", gpus=8, global_batch=256, seq=4096)
 
 
 def _plan(**options):
@@ -29,7 +29,7 @@ def unpinned():
 def test_another_engine_gets_expert_parallelism_and_its_best_degree(unpinned):
     assert unpinned["mesh"].get("ep", 1) > 1 and "num_executor_limited" not in unpinned["solver"]
     step_s = unpinned["prediction"]["step_time_s"]
-    for ep in (2, 8, 16):
+    for ep in (2, 4, 8):
         pinned = _plan(engine="megatron", ep=ep).to_json()
         assert step_s <= pinned["prediction"]["step_time_s"] * 1.005, ep
 
