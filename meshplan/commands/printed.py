@@ -131,9 +131,11 @@ def top_consumers(prediction, cfg, count: int = 3) -> list[str]:
     kinds = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
              "activations": mem.activations, "buffers": mem.buffers}
     largest = sorted(kinds, key=kinds.get, reverse=True)[:count]
+    held = {"buffers": f", of which {mem.fragmented / GIB:.2f} GiB the caching allocator holds fragmented"
+            if mem.fragmented else ""}
     return [f"top consumers on pipeline rank {rank}:"] + [
-        f"  {kind:<12} {kinds[kind] / GIB:8.2f} GiB  ({kinds[kind] / mem.total:.0%}; lower it with "
-        f"{_remedies(kind, cfg)})" for kind in largest]
+        f"  {kind:<12} {kinds[kind] / GIB:8.2f} GiB  ({kinds[kind] / mem.total:.0%}{held.get(kind, '')}; lower it "
+        f"with {_remedies(kind, cfg)})" for kind in largest]
 
 
 def _default_seq(spec: str) -> int:

@@ -42,6 +42,10 @@ class MemoryBreakdown:
     # Of params + grads + optimizer: the routed experts' states (mixtures of experts; / ep under
     # expert parallelism). Not added again to the total.
     experts: float = 0.0
+    # Of buffers: what the engine's caching allocator holds fragmented beside the activations and
+    # buffers it allocates and frees (`costing.engine_memory.allocator_reserve_fraction`; none
+    # under meshplan's executor). Not added again to the total.
+    fragmented: float = 0.0
 
     @property
     def total(self) -> float:
@@ -49,10 +53,11 @@ class MemoryBreakdown:
 
     def to_json(self) -> dict[str, float]:
         """The design's keys (params, grads, optimizer, activations, buffers, total), and
-        `experts` for mixtures of experts only."""
+        `experts` for mixtures of experts only, `fragmented` under an engine's allocator only."""
         out = {**asdict(self), "total": self.total}
-        if not self.experts:
-            del out["experts"]
+        for optional in ("experts", "fragmented"):
+            if not out[optional]:
+                del out[optional]
         return out
 
 

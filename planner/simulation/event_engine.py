@@ -313,7 +313,8 @@ def _memory(costs: StepCosts, chunks: list[Chunk], played: _Played, curves: bool
         # with the buffers (`engine_memory.layer_transient_scale`; none for meshplan's executor)
         fragmented = max(0.0, reserved_peak - peak) + max(0.0, reserved_buffers[rank] - buffers[rank])
         breakdowns.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer,
-                                          activations=peak, buffers=buffers[rank] + fragmented, experts=experts[rank]))
+                                          activations=peak, buffers=buffers[rank] + fragmented, experts=experts[rank],
+                                          fragmented=fragmented))
         out.append(tuple(curve) if curves else ())
     return tuple(breakdowns), tuple(out)
 

@@ -118,6 +118,9 @@ def test_the_allocator_reserve_is_the_engines_alone(monkeypatch, recompute, frac
         low, high = (transient * f / (1 - f) for f in (ALLOCATOR_FRAGMENTATION_PLAIN, fraction))
         assert low < reserved.total - allocated.total <= high
     assert own.total == estimate(spec, "a100-80g", **kwargs).memory[0].total  # meshplan: no such reserve
+    # the breakdown names the reserve (of its buffers), and the JSON carries it only when held
+    assert reserved.fragmented == pytest.approx(reserved.total - allocated.total)
+    assert reserved.to_json()["fragmented"] == reserved.fragmented and "fragmented" not in own.to_json()
 
 
 def test_the_reserve_follows_what_recomputation_rebuilds():
