@@ -255,20 +255,16 @@ def add_moe_capacity_arguments(parser) -> None:
 def model_notes(spec: str | None, seq: int | None, mtp_num_layers: int = 0, searched: bool = False) -> list[str]:
     """What the model's costs assume beyond its published shape: a rotary model past its trained
     context; a config that names multi-token-prediction depths (`num_nextn_predict_layers`,
-    DeepSeek-V3's) priced without them (`searched`: by `plan`, whose search does not place them)."""
+    DeepSeek-V3's) priced without them (`searched`: planned, by `plan`)."""
     from meshplan.planner.models.registry import context_note
     from meshplan.planner.profiling.mtp import config_mtp_layers
 
     notes = [note] if (note := context_note(spec, seq)) else []
     named = 0 if mtp_num_layers else config_mtp_layers(spec)
     if named:
-        if searched:
-            notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), planned without "
-                         f"them (the search does not place them); price the winner with `meshplan estimate ... "
-                         f"--mtp-num-layers {named}`")
-        else:
-            notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), priced without "
-                         f"them; --mtp-num-layers {named} adds them as Megatron-LM trains them (--mtp-num-layers)")
+        notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), "
+                     f"{'planned' if searched else 'priced'} without them; --mtp-num-layers {named} adds them as "
+                     "Megatron-LM trains them (--mtp-num-layers)")
     return notes
 
 

@@ -85,7 +85,7 @@ def run(args) -> int:
                                               ("--model", spec_file(args.model))])
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
-    notes = model_notes(args.model, args.seq, searched=True) + moe_notes(args.model, args.moe_imbalance,
+    notes = model_notes(args.model, args.seq, args.mtp_num_layers, searched=True) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
                                                           args.moe_pad_expert_input_to_capacity)
     if notes:

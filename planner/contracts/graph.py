@@ -270,9 +270,9 @@ class ModelInfo:
 
 
 def is_mtp_layer(layer) -> bool:
-    """Whether `layer` (a LayerProfile, or a plan's LayerAssignment: anything named) is a
-    multi-token-prediction depth (`MTP_LAYER_PREFIX`)."""
-    return layer.name.startswith(MTP_LAYER_PREFIX)
+    """Whether `layer` (a LayerProfile, a plan's LayerAssignment: anything named, or a layer's
+    name) is a multi-token-prediction depth (`MTP_LAYER_PREFIX`)."""
+    return (layer if isinstance(layer, str) else layer.name).startswith(MTP_LAYER_PREFIX)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from functools import cached_property, lru_cache, partial
 from typing import Callable
 
 from meshplan.planner.contracts.config import RECOMPUTE
+from meshplan.planner.contracts.graph import is_mtp_layer
 from meshplan.planner.costing import fixed_costs
 from meshplan.planner.costing.engine_memory import keeps_stage_outputs
 from meshplan.planner.costing.gathers import after_other_gather_s, gather_exposure_s
@@ -146,6 +147,16 @@ class CostTable:
     @property
     def num_layers(self) -> int:
         return len(self.layer_type)
+
+    @property
+    def last_chunk_layers(self) -> int:
+        """How many of the model's last layers every assignment puts in the last chunk: the head,
+        and the multi-token-prediction depths before it (Megatron-Core builds them on the last
+        pipeline stage beside the output layer; `contracts.graph.is_mtp_layer`)."""
+        depths = 0
+        while depths < self.num_layers - 1 and is_mtp_layer(self.layer_names[-2 - depths]):
+            depths += 1
+        return 1 + depths
 
     def option(self, layer: int, index: int) -> OptionCost:
         return self.types[self.layer_type[layer]].options[index]

@@ -61,12 +61,10 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
-        if self.mtp_num_layers:  # the ILP pins the first and last layers only (`search.ilp.constraints`)
-            raise MeshplanError(
-                f"--mtp-num-layers {self.mtp_num_layers}: the search does not place multi-token-prediction depths "
-                "(Megatron-Core builds them beside the output layer on the last stage); plan without it, then price "
-                f"the winner's layout with `meshplan estimate ... --mtp-num-layers {self.mtp_num_layers}`, or its "
-                "Megatron-LM export with `estimate --from FILE --mtp-num-layers N`")
+        if self.mtp_num_layers and self.engine not in ("meshplan", "megatron"):
+            raise MeshplanError(f"--mtp-num-layers {self.mtp_num_layers} with --engine {self.engine}: only Megatron-LM "
+                                "builds multi-token-prediction depths (--mtp-num-layers); plan --engine megatron, or "
+                                "without --mtp-num-layers")
         schedule = self.pins.schedule
         if schedule in SCHEDULE_SPECS and self.pins.pp != 1 and not SCHEDULE_SPECS[schedule].runs_under(self.engine):
             runs = [name for name, spec in SCHEDULE_SPECS.items() if spec.runs_under(self.engine)]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from meshplan.planner.search.ilp.evaluation import (chunk_fixed_bytes, chunk_fixed_s, drain_rank_s, leading_chunks,
                                                    live_vectors, pipelined_every_microbatch, receive_bytes,
-                                                   reduction_contention_s, reduction_windows)
+                                                   reduction_contention_s, reduction_windows, trailing_min_s)
 from meshplan.planner.search.ilp.gather_heads import add_layer_head_terms, add_run_head_terms
 
 if TYPE_CHECKING:  # annotations only: planner.search.ilp.formulation imports this module
@@ -138,7 +138,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
     # Granularity cut: the fullest chunk holds K >= ceil(N / C) layers, each at least the fastest
     # option's time, so T_max >= v K t_min (tmax_chunk_c). Valid for every integer solution; the LP relaxation
     # alone would spread fractional layers evenly, and branching on one K closes that gap.
-    chunk_const = _chunk_constants(model, leading, has_last)
+    chunk_const = _chunk_constants(model, leading, trailing_min_s(table, first, count))
     fastest_s = min(o.time_s for o in options)
     # T_max >= v t_c holds for every chunk, less the pinned first and last layers' own time.
     interleaved = model.problem.shape.virtual_stages > 1
@@ -150,8 +150,7 @@ def _add_run_count_constraints(model: _Model, first: int, count: int, type_index
         pinned_s = [0.0] * num_chunks  # the pinned layers' least time, which tmax_chunk leaves out
         if has_first:
             pinned_s[0] = table.types[table.layer_type[0]].min_time_s()
-        if has_last:
-            pinned_s[-1] = table.types[table.layer_type[-1]].min_time_s()
+        pinned_s[-1] += trailing_min_s(table, first, count)
         model.count_cuts.append((fullest, fastest_s, min(chunk_const[c] - pinned_s[c] for c in bounded)))
     if not interleaved:
         model.count_cuts.append((1, 0.0, _fullest_chunk_bound(count, fastest_s, chunk_const)))
@@ -183,15 +182,15 @@ def _fullest_chunk_bound(count: int, fastest_s: float, chunk_const: list[float])
     return min(base * fastest_s + ordered[at_base - 1], (base + 1) * fastest_s + ordered[0])
 
 
-def _chunk_constants(model: _Model, leading: tuple[int, ...], has_last: bool) -> list[float]:
+def _chunk_constants(model: _Model, leading: tuple[int, ...], trailing_s: float) -> list[float]:
     """Least time of each chunk besides its run layers: fixed pipelining work and the pinned
-    layers (`leading`: the chunk of each layer before the run)."""
+    layers (`leading`: the chunk of each layer before the run; `trailing_s`: the least time of
+    those after it, all in the last chunk)."""
     table, num_chunks = model.problem.table, model.num_chunks
     out = chunk_fixed_s(table, num_chunks)
     for layer, chunk in enumerate(leading):
         out[chunk] += table.types[table.layer_type[layer]].min_time_s()
-    if has_last:
-        out[-1] += table.types[table.layer_type[-1]].min_time_s()
+    out[-1] += trailing_s
     return out
 
 
@@ -253,7 +252,7 @@ def _add_run_first_layer_terms(model: _Model, counts, options, count: int, leadi
                                has_last: bool):
     """The first layer of each rank's first chunk is a run layer, except in a chunk of the
     pinned layers before the run (`leading`: its first pinned layer; chunk 0's, the model's
-    first layer, is `_add_pinned_layer`'s), and in a last chunk holding only the pinned last layer."""
+    first layer, is `_add_pinned_layer`'s), and in a last chunk holding only the pinned layers after the run."""
     pulp, table = model.pulp, model.problem.table
     run_dp = min(o.dp_comm_s for o in options)
     for r in range(model.pp):
@@ -264,8 +263,8 @@ def _add_run_first_layer_terms(model: _Model, counts, options, count: int, leadi
                 layer_options = table.types[table.layer_type[layer]].options
                 model.rank_first_dp[r].append([(min(o.dp_comm_s for o in layer_options), 1)])
             continue
-        if r == model.num_chunks - 1 and has_last:
-            last_options = table.types[table.layer_type[-1]].options
+        if r == model.num_chunks - 1 and has_last:  # opened by a run layer, or else the first layer after the run
+            last_options = table.types[table.layer_type[len(leading) + count]].options
             used = pulp.LpVariable(f"first_is_run_{r}", cat="Binary")
             model.lp += pulp.lpSum(counts[r]) <= count * used, f"first_run_up_{r}"
             model.lp += pulp.lpSum(counts[r]) >= used, f"first_run_down_{r}"
@@ -315,6 +314,8 @@ def _add_layer_assignment_constraints(model: _Model) -> None:
                     model.rank_buffer[r].append((option.buffer_bytes / GIB, pulp.lpSum(on_rank)))
     model.lp += chunk_index[0] == 0, "first_layer_chunk"
     model.lp += chunk_index[-1] == num_chunks - 1, "last_layer_chunk"
+    for layer in range(num_layers - table.last_chunk_layers, num_layers - 1):  # MTP depths: with the head
+        model.lp += chunk_index[layer] == num_chunks - 1, f"last_chunk_{layer}"
     for layer in range(num_layers - 1):
         step = chunk_index[layer + 1] - chunk_index[layer]
         model.lp += step >= 0, f"contig_order_{layer}"
@@ -472,8 +473,8 @@ def build_model(problem: StageProblem, structure: tuple[int, int, int] | None) -
         for layer, chunk in enumerate(leading_chunks(first, count, model.num_chunks)):
             _add_pinned_layer(model, layer, chunk)
         counts = _add_run_count_constraints(model, first, count, type_index)
-        if first + count < table.num_layers:
-            _add_pinned_layer(model, table.num_layers - 1, model.num_chunks - 1)
+        for layer in range(first + count, table.num_layers):  # the head, and MTP depths before it
+            _add_pinned_layer(model, layer, model.num_chunks - 1)
         add_run_head_terms(model, counts, table.types[type_index].options, count, first)
     time_objective = _add_pipeline_time_constraints(model)
     peak = _add_memory_constraints(model)

@@ -311,8 +311,7 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     leading = leading_chunks(first, count, num_chunks)
     for layer, chunk in enumerate(leading):  # the pinned layers before the run
         const[chunk] += table.types[table.layer_type[layer]].min_time_s()
-    if first + count < table.num_layers:
-        const[-1] += table.types[table.layer_type[-1]].min_time_s()
+    const[-1] += trailing_min_s(table, first, count)
     pinned = set(leading)
     pinned |= {num_chunks - 1} if first + count < table.num_layers else set()
     # the run starts in the last chunk of the layers before it: none in the chunks before that
@@ -407,6 +406,13 @@ class _CountMemory:
         self.chunk_act[chunk] += self.options[new].act_bytes - self.options[old].act_bytes
         self.static[rank] += self.options[new].static_bytes - self.options[old].static_bytes
         self.memory[rank] = self._rank(rank)
+
+
+def trailing_min_s(table: CostTable, first: int, count: int) -> float:
+    """Least time of the layers after a compact run of `count` layers from `first`, all pinned to
+    the last chunk (the head, and multi-token-prediction depths before it:
+    `CostTable.last_chunk_layers`)."""
+    return sum(table.types[table.layer_type[layer]].min_time_s() for layer in range(first + count, table.num_layers))
 
 
 def leading_chunks(first: int, count: int, num_chunks: int) -> tuple[int, ...]:

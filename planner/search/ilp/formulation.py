@@ -16,10 +16,12 @@ the V-shaped schedules on rank c for c < p and 2p - 1 - c after: `PipelineShape.
     per-layer formulation           x_lco in {0,1}:  sum_co x_lco = 1                  (assign_l)
                                      k_l = sum_co c x_lco,  0 <= k_{l+1} - k_l <= 1     (contig_l)
                                      k_0 = 0,  k_{L-1} = C - 1      (first/last layer, every chunk used)
+                                     k_l = C - 1 for the MTP depths before h    (last_chunk_l)
     compact formulation (one run R of N identical layers between an optional first layer e and
     an optional last layer h; e is pinned to chunk 0 and h to chunk C-1, so contiguity holds by
     construction and only counts matter; a few leading layers of other kinds before R are pinned
-    with e, from chunk 0 on, a run's share N // C to a chunk, `pinned_structure`):
+    with e, from chunk 0 on, a run's share N // C to a chunk, and multi-token-prediction depths
+    between R and h with h, `pinned_structure`, `CostTable.last_chunk_layers`):
                                      n_co in Z>=0:  sum_co n_co = N                     (run_total)
                                      sum_o n_co >= 1 for chunks holding neither e nor h (nonempty_c)
     chunk time      t_c = sum f+b of its layers + o (o: torch pipelining's fixed work per action)
@@ -239,7 +241,9 @@ MAX_LEADING_LAYERS = 8
 def pinned_structure(table: CostTable, shape: PipelineShape) -> tuple[int, int, int] | None:
     """The run the compact formulation counts on this pipeline, or None (the per-layer one):
     `compact_structure`'s, or the longest run after a few leading layers of other kinds (a
-    dense-first mixture of experts' dense blocks) and before at most one last layer. Those
+    dense-first mixture of experts' dense blocks) and before the layers every plan puts in the
+    last chunk (`CostTable.last_chunk_layers`: the head, and multi-token-prediction depths before
+    it, pinned there as the head is). Those
     leading layers are pinned as the embedding is, from chunk 0 on, at most the run's share of
     layers per chunk (`evaluation.leading_chunks`), and the run starts in the chunk of the last
     of them. Pinning them restricts the per-layer ILP a little (a chunk's share of blocks rounded
@@ -250,8 +254,10 @@ def pinned_structure(table: CostTable, shape: PipelineShape) -> tuple[int, int, 
     if structure is not None:
         return structure
     type_index, first, count = max(table.runs(), key=lambda run: (run[2], -run[1]))
-    if not 2 <= first <= MAX_LEADING_LAYERS or table.num_layers - (first + count) > 1:
+    if not 1 <= first <= MAX_LEADING_LAYERS or table.num_layers - (first + count) > table.last_chunk_layers:
         return None
+    if first == 1 and table.num_layers - (first + count) <= 1:
+        return None  # `compact_structure`'s shape, which it declined
     num_chunks = shape.num_chunks
     # the chunks after the leading layers' last one must each hold a run layer
     if count < num_chunks or (num_chunks > 1 and leading_chunks(first, count, num_chunks)[-1] >= num_chunks - 1):

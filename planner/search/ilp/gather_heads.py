@@ -83,7 +83,9 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
     if not _has_gathers(table):
         return
     has_last = first + count < table.num_layers
-    last = table.num_layers - 1
+    # the last chunk's backward opens with the model's last layer, its forward (when it holds no
+    # run layer) with the first of the layers after the run (the head, or an MTP depth before it)
+    last, after_run = table.num_layers - 1, first + count
     leading = leading_chunks(first, count, num_chunks)  # the chunks of the pinned layers before the run
     if _alike_at_edges(options):
         # which option opens or closes a chunk changes nothing: one indicator per chunk
@@ -101,7 +103,7 @@ def add_run_head_terms(model: _Model, counts, options, count: int, first: int) -
         before = [layer for layer, chunk in enumerate(leading) if chunk == c]
         # (pass, its opening layer pinned?, that layer, the run's edge, the other pinned layer alone)
         for name, pinned, layer, edges, alone in (("fwd", pinned_first, before[0] if before else 0, opens,
-                                                   last if pinned_last else None),
+                                                   after_run if pinned_last else None),
                                                   ("bwd", pinned_last, last, closes,
                                                    before[-1] if pinned_first else None)):
             field = f"{name}_head_s"

@@ -10,7 +10,8 @@ tail after its compute (the ILP's reduction rules, optimizer, gathers, fixed wor
 by moves where that path runs:
 
 - boundary moves: the last layer of a chunk to the next chunk, or the first layer of a chunk to
-  the previous one (contiguity and non-empty chunks hold by construction);
+  the previous one (contiguity and non-empty chunks hold by construction; the head and the
+  multi-token-prediction depths before it stay in the last chunk, `CostTable.last_chunk_layers`);
 - option flips: one layer of a chunk to another of its options (recomputation; layerwise degrees).
 
 Each iteration ranks the moves by the change the current critical path predicts (the step is the
@@ -180,12 +181,13 @@ def _moves(problem, chunks: list[int], options: list[int], path: CriticalPath):
     """(predicted change, new chunks, new options) of every boundary move and option flip the
     critical path predicts to gain, best first."""
     table, num_layers = problem.table, len(chunks)
+    pinned_from = num_layers - table.last_chunk_layers  # the head and MTP depths stay in the last chunk
     found = []
     for layer in range(num_layers):
         chunk, option = chunks[layer], table.option(layer, options[layer])
         first = layer == 0 or chunks[layer - 1] != chunk
         last = layer == num_layers - 1 or chunks[layer + 1] != chunk
-        alone = first and last
+        alone = (first and last) or layer >= pinned_from
         if first and layer > 0 and not alone:  # to the previous chunk
             found.append((_predicted(path, _parts(option), chunk, chunk - 1), layer, chunk - 1, options[layer]))
         if last and layer < num_layers - 1 and not alone:  # to the next chunk

@@ -1,7 +1,7 @@
 """Multi-token prediction (`profiling.mtp`): the depths' FLOPs, parameters and saved bytes against
 a hand derivation, DeepSeek-V3's published 685 B with its MTP module, the pipeline cut (the depths
-with the output layer, as Megatron-Core builds them), the Megatron-LM round trip, and what the
-other engines and meshplan's executor refuse."""
+with the output layer, as Megatron-Core builds them), the search placing them there, the
+Megatron-LM round trip, and what the other engines and meshplan's executor refuse."""
 from __future__ import annotations
 
 import pytest
@@ -105,22 +105,39 @@ def test_megatron_round_trip_and_the_other_engines_refuse():
         export_plan(plan, "torchtitan")
 
 
-def test_the_executor_and_the_search_name_what_they_do_not_do():
+def test_the_search_places_the_depths_with_the_head_and_megatron_runs_its_plan():
+    """`plan --mtp-num-layers`: the winner and every alternative keep the depths in the output
+    layer's chunk on the last stage (the ILP pins them there, `CostTable.last_chunk_layers`, and
+    the local search does not move them); the plan's prediction is the simulator's of its layout,
+    and it exports to Megatron-LM with --mtp-num-layers. meshplan's executor plans it but says it
+    does not train it; engines without an MTP module are refused in one line."""
     from meshplan.planner.costing.executable import mtp_problem
+    from meshplan.planner.engines.bridge import export_plan
     from meshplan.planner.search.driver import search_plan
+    from meshplan.planner.simulation.simulator import simulate
 
     assert mtp_problem(0) is None
     assert mtp_problem(1).startswith("multi-token prediction (1 depth) is planned, not executed")
-    with pytest.raises(MeshplanError, match="the search does not place multi-token-prediction depths"):
-        search_plan(SPEC, "h100-sxm", 8, 16, SEQ, engine="megatron", mtp_num_layers=1)
+    plan = search_plan(SPEC, "h100-sxm", 8, 16, SEQ, engine="megatron", mtp_num_layers=1, pp=2, top_k=3)
+    last_chunk = plan.config.num_model_chunks - 1
+    assert plan.model.mtp_num_layers == 1 and [layer.name for layer in plan.layers][-2:] == ["mtp.0", "head"]
+    assert plan.chunk_of(plan.layers[-2]) == plan.chunk_of(plan.layers[-1]) == last_chunk
+    assert simulate(plan, timeline=False).step_time_s == pytest.approx(plan.prediction["step_time_s"], rel=1e-9)
+    assert "--mtp-num-layers 1" in export_plan(plan, "megatron").text
+    own = search_plan(SPEC, "h100-sxm", 8, 16, SEQ, mtp_num_layers=1, pp=2)
+    assert own.not_executable_reason.startswith("multi-token prediction (1 depth) is planned, not executed")
+    with pytest.raises(MeshplanError, match="with --engine torchtitan: only Megatron-LM builds") as refusal:
+        search_plan(SPEC, "h100-sxm", 8, 16, SEQ, engine="torchtitan", mtp_num_layers=1)
+    assert "\n" not in str(refusal.value)
 
 
 def test_estimate_and_plan_note_the_config_s_mtp_depths():
-    """DeepSeek-V3's config names one MTP depth (num_nextn_predict_layers): estimate says it is
-    priced without it and how to add it, plan that its search leaves it out; asked for, no note."""
+    """DeepSeek-V3's config names one MTP depth (num_nextn_predict_layers): estimate and plan say
+    it is priced or planned without it and how to add it; asked for, no note."""
     from meshplan.commands.common import model_notes
 
     assert any("--mtp-num-layers 1 adds them" in note for note in model_notes("deepseek-v3", 4096))
-    assert any("the search does not place them" in note for note in model_notes("deepseek-v3", 4096, searched=True))
+    assert any("planned without them; --mtp-num-layers 1 adds them" in note
+               for note in model_notes("deepseek-v3", 4096, searched=True))
     assert not any("multi-token" in note for note in model_notes("deepseek-v3", 4096, mtp_num_layers=1))
     assert not any("multi-token" in note for note in model_notes("llama3-8b", 4096))

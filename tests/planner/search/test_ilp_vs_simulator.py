@@ -21,6 +21,7 @@ import math
 import pytest
 
 from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.profiling.mtp import with_mtp
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.search.candidates import Pins, enumerate_candidates
 from meshplan.planner.search.ilp.formulation import solve_stages
@@ -84,6 +85,12 @@ CASES["llama3-8b-hsdp-1f1b"] = ("llama3-8b", 8192, "h100-sxm", 64, 256,
 MOE_SPEC = "moe:layers=8,hidden=1024,heads=16,kv_heads=4,experts=16,top_k=2,expert_ffn=512,vocab=32000"
 CASES["moe-ep-1f1b"] = (MOE_SPEC, 2048, "h100-sxm", 32, 64, Pins(ep=4, pp=2, schedule="1f1b"), 4)
 CASES["moe-ep-dp"] = (MOE_SPEC, 2048, "h100-sxm", 32, 256, Pins(ep=8, pp=1), 4)  # m >= 2: the ZeRO-0 reduction exposure both models treat alike
+# multi-token-prediction depths pinned with the output layer to the last chunk (`profiling.mtp`):
+# the spec's profile gets MTP_DEPTHS[spec] of them
+MTP_SPEC = MOE_SPEC.replace("vocab=32000", "vocab=32064")
+MTP_DEPTHS = {MTP_SPEC: 2}
+CASES["moe-mtp-1f1b"] = (MTP_SPEC, 2048, "h100-sxm", 32, 64, Pins(ep=4, pp=2, schedule="1f1b"), 3)
+CASES["moe-mtp-interleaved"] = (MTP_SPEC, 2048, "h100-sxm", 32, 64, Pins(pp=2, schedule="interleaved"), 3)
 PRECISION = {"llama3-70b-fp8-1f1b": "fp8", "llama3-70b-fp8-zero0-3": "fp8"}  # others: bf16-mixed
 # another engine's overlap (`contracts.overlap`) reaches all three through the same layer costs:
 # Megatron's TP overlap, torch's ring attention (torchtitan), DeepSpeed's reduction after the backward
@@ -95,10 +102,14 @@ ENGINE = {"llama3-70b-megatron-sp": "megatron", "llama3-8b-cp4-torchtitan": "tor
           "small-gpt-deepspeed-zero1": "deepspeed"}  # others: meshplan
 
 
+def _graph(spec, seq):
+    return with_mtp(profile(spec, seq), MTP_DEPTHS.get(spec, 0))
+
+
 def _refined(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision="bf16-mixed", engine="meshplan"):
     """Per sampled candidate: (candidate, problem, the ILP's solution, the refined solution, the
     simulated prediction of the refined assignment)."""
-    graph, cluster = profile(spec, seq), load_cluster(cluster_name)
+    graph, cluster = _graph(spec, seq), load_cluster(cluster_name)
     for candidate, problem, solution in _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision,
                                                   engine):
         refined = refine_solution(problem, solution, REFINE_BUDGET_S)
@@ -108,7 +119,7 @@ def _refined(spec, seq, cluster_name, gpus, global_batch, pins, sample, precisio
 def _problems(spec, seq, cluster_name, gpus, global_batch, pins, sample, precision, engine="meshplan"):
     """Per sampled candidate: (candidate, its ILP problem, the ILP's solution)."""
     cluster = load_cluster(cluster_name)
-    graph = profile(spec, seq)
+    graph = _graph(spec, seq)
     candidates = enumerate_candidates(graph, cluster, gpus, global_batch, pins, 16, precision, engine)
     candidates = candidates[::max(1, len(candidates) // sample)][:sample]
     problems, _, _ = build_problems(graph, cluster, candidates, global_batch, precision, pins, UNLIMITED, False, 10.0)
@@ -151,6 +162,9 @@ def test_the_search_objective_and_memory_equal_the_simulator(case):
         else:  # one stage: nothing to refine
             assert refined == solution
         assert refined.objective_s == pytest.approx(predicted.step_time_s, rel=TIME_TOL), candidate.label()
+        pinned = problem.table.last_chunk_layers  # the head, and any MTP depths: in the last chunk
+        assert pinned == 1 + MTP_DEPTHS.get(spec, 0)
+        assert set(refined.chunk_of_layer[-pinned:]) == {problem.shape.num_chunks - 1}
         for ilp_bytes, simulated in zip(refined.rank_mem_bytes, predicted.memory):
             assert ilp_bytes == pytest.approx(simulated.total, rel=MEMORY_TOL), candidate.label()
         checked += 1

@@ -139,6 +139,52 @@ def test_ilp_matches_brute_force(case, formulation):
     assert solve_stages(replace(loose, mem_limit_bytes=limit)).objective_s > fastest.objective_s * (1 - 1e-9)
 
 
+def with_mtp_depths(table: CostTable, depths: int, rng: random.Random) -> CostTable:
+    """`table` with `depths` multi-token-prediction layers before its head (a block with more
+    cost: Megatron-Core's MTP depth is a transformer layer plus its projection and norms)."""
+    block = table.types[1]
+    scale = rng.uniform(1.1, 1.5)
+    mtp = LayerType("mtp", tuple(replace(o, fwd_s=o.fwd_s * scale, bwd_s=o.bwd_s * scale,
+                                         static_bytes=o.static_bytes * scale, act_bytes=o.act_bytes * scale)
+                                 for o in block.options))
+    names = table.layer_names[:-1] + tuple(f"mtp.{i}" for i in range(depths)) + table.layer_names[-1:]
+    layer_type = table.layer_type[:-1] + (3,) * depths + table.layer_type[-1:]
+    return replace(table, layer_names=names, layer_type=layer_type, types=table.types + (mtp,))
+
+
+@pytest.mark.parametrize("formulation", ["compact", "per-layer"])
+@pytest.mark.parametrize("case", [1, 3, 4, 5])
+def test_mtp_depths_stay_with_the_head_and_the_ilp_matches_brute_force(case, formulation):
+    """Multi-token-prediction depths before the head (`CostTable.last_chunk_layers`) go to the
+    last chunk in every assignment, as Megatron-Core builds them: the ILP's optimum equals the best
+    of every contiguous assignment that keeps them there, with and without a binding memory limit."""
+    rng = random.Random(300 + case)
+    shape = SHAPES[case]
+    table = with_mtp_depths(random_table(rng, num_blocks=5, p2p_s=rng.choice([0.0, 0.05])), 1 + case % 2, rng)
+    assert table.last_chunk_layers == 2 + case % 2
+    loose = StageProblem(table, shape, mem_limit_bytes=None, formulation=formulation, mip_rel_gap=1e-9)
+    last = shape.num_chunks - 1
+    pinned = range(table.num_layers - table.last_chunk_layers, table.num_layers)
+    actions = schedule_actions(shape)
+    option_ranges = [range(len(table.types[t].options)) for t in table.layer_type]
+    everything = []
+    for cuts in itertools.combinations(range(1, table.num_layers), shape.num_chunks - 1):
+        bounds = (0,) + cuts + (table.num_layers,)
+        chunks = [c for c in range(shape.num_chunks) for _ in range(bounds[c], bounds[c + 1])]
+        if any(chunks[layer] != last for layer in pinned):
+            continue
+        for options in itertools.product(*option_ranges):
+            everything.append(brute_force_cost(loose, chunks, options, actions))
+    fastest = solve_stages(loose)
+    limit = (max(fastest.rank_mem_bytes) + min(max(peaks) for _, peaks in everything)) / 2
+    for mem_limit in (None, limit):
+        solution = solve_stages(replace(loose, mem_limit_bytes=mem_limit))
+        expected = min(obj for obj, peaks in everything if mem_limit is None or max(peaks) <= mem_limit)
+        assert solution.status == "optimal" and solution.formulation == formulation
+        assert all(solution.chunk_of_layer[layer] == last for layer in pinned)
+        assert solution.objective_s == pytest.approx(expected, rel=REL_TOL)
+
+
 def test_memory_objective_matches_brute_force():
     rng = random.Random(7)
     table = random_table(rng, num_blocks=5)
