@@ -217,10 +217,12 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     from meshplan.planner.simulation.schedules import warmup_live
 
     first, count, type_index = structure
-    num_chunks, pp, last = shape.num_chunks, shape.num_stages, table.num_layers - 1
+    num_chunks, pp = shape.num_chunks, shape.num_stages
     chunk_s, boundary = chunk_fixed_s(table, num_chunks), chunk_fixed_bytes(table, shape)
     run = table.types[type_index].options
-    edges = ([(0, 0)] if first > 0 else []) + ([(last, num_chunks - 1)] if first + count <= last else [])
+    # pinned: the first layer to chunk 0, the last (and the MTP depths before it) to the last chunk
+    tail = range(max(first + count, table.num_layers - table.last_chunk_layers), table.num_layers)
+    edges = ([(0, 0)] if first > 0 else []) + [(layer, num_chunks - 1) for layer in tail]
     # a chunk without an edge layer holds a run layer or another one (`_other_layers`)
     unpinned_buffer = min(o.buffer_bytes for t in {type_index, *(table.layer_type[i] for i in
                                                                  _other_layers(table, structure))}
@@ -443,11 +445,11 @@ def bound_table(table) -> tuple[object, tuple[int, int, int] | None]:
 
 
 def _other_layers(table, structure) -> list[int]:
-    """Layers neither in the bounded run nor the model's first or last layer (a dense-first
-    model's dense blocks): placed freely, so the bound counts their fastest time in the ranks'
+    """Layers neither in the bounded run nor the model's first or last layers (the output layer and
+    the MTP depths pinned beside it: a dense-first model's dense blocks): placed freely, so the bound counts their fastest time in the ranks'
     sum and leaves their bytes out (a relaxation: they only add)."""
     first, count, _ = structure
-    return [layer for layer in range(1, table.num_layers - 1) if not first <= layer < first + count]
+    return [layer for layer in range(1, table.num_layers - table.last_chunk_layers) if not first <= layer < first + count]
 
 
 def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync: str = "overlap",

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
+from meshplan.planner.search.bounds import bound_structure, memory_bound_s
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.simulation.schedules import rank_actions
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, evaluate_assignment, solve_stages
@@ -183,6 +184,8 @@ def test_mtp_depths_stay_with_the_head_and_the_ilp_matches_brute_force(case, for
         assert solution.status == "optimal" and solution.formulation == formulation
         assert all(solution.chunk_of_layer[layer] == last for layer in pinned)
         assert solution.objective_s == pytest.approx(expected, rel=REL_TOL)
+        # the search's bound, with the depths pinned as edge layers, stays below the optimum
+        assert memory_bound_s(table, shape, mem_limit, bound_structure(table)) <= expected * (1 + REL_TOL)
 
 
 def test_memory_objective_matches_brute_force():
