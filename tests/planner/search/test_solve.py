@@ -88,8 +88,9 @@ def schedule_actions(shape: PipelineShape):
             for r in range(shape.num_stages)]
 
 
-def all_assignments(problem: StageProblem):
-    """(objective, peak memory) of every contiguous assignment with every option choice."""
+def all_assignments(problem: StageProblem, pinned_last: range = range(0)):
+    """(objective, peak memory) of every contiguous assignment with every option choice (those
+    with every layer of `pinned_last` in the last chunk)."""
     table, num_chunks = problem.table, problem.shape.num_chunks
     actions = schedule_actions(problem.shape)
     num_layers = table.num_layers
@@ -98,6 +99,8 @@ def all_assignments(problem: StageProblem):
     for cuts in itertools.combinations(range(1, num_layers), num_chunks - 1):
         bounds = (0,) + cuts + (num_layers,)
         chunks = [c for c in range(num_chunks) for _ in range(bounds[c], bounds[c + 1])]
+        if any(chunks[layer] != num_chunks - 1 for layer in pinned_last):
+            continue
         for options in itertools.product(*option_ranges):
             objective, peaks = brute_force_cost(problem, chunks, options, actions)
             out.append((objective, max(peaks)))
@@ -166,21 +169,12 @@ def test_mtp_depths_stay_with_the_head_and_the_ilp_matches_brute_force(case, for
     loose = StageProblem(table, shape, mem_limit_bytes=None, formulation=formulation, mip_rel_gap=1e-9)
     last = shape.num_chunks - 1
     pinned = range(table.num_layers - table.last_chunk_layers, table.num_layers)
-    actions = schedule_actions(shape)
-    option_ranges = [range(len(table.types[t].options)) for t in table.layer_type]
-    everything = []
-    for cuts in itertools.combinations(range(1, table.num_layers), shape.num_chunks - 1):
-        bounds = (0,) + cuts + (table.num_layers,)
-        chunks = [c for c in range(shape.num_chunks) for _ in range(bounds[c], bounds[c + 1])]
-        if any(chunks[layer] != last for layer in pinned):
-            continue
-        for options in itertools.product(*option_ranges):
-            everything.append(brute_force_cost(loose, chunks, options, actions))
+    everything = all_assignments(loose, pinned)
     fastest = solve_stages(loose)
-    limit = (max(fastest.rank_mem_bytes) + min(max(peaks) for _, peaks in everything)) / 2
+    limit = (max(fastest.rank_mem_bytes) + min(peak for _, peak in everything)) / 2
     for mem_limit in (None, limit):
         solution = solve_stages(replace(loose, mem_limit_bytes=mem_limit))
-        expected = min(obj for obj, peaks in everything if mem_limit is None or max(peaks) <= mem_limit)
+        expected = brute_force(everything, mem_limit)
         assert solution.status == "optimal" and solution.formulation == formulation
         assert all(solution.chunk_of_layer[layer] == last for layer in pinned)
         assert solution.objective_s == pytest.approx(expected, rel=REL_TOL)
