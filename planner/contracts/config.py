@@ -33,6 +33,10 @@ EXECUTOR_MEMORY_ENGINES = ("meshplan", "generic")
 TP_OVERLAP_ENGINES = ("megatron", "torchtitan")
 # Engines that train with data and tensor parallelism alone (no pipeline, context or expert parallelism).
 NO_PIPELINE_ENGINES = ("llm-foundry",)
+# Engines with a multi-token-prediction module (Megatron-Core's MultiTokenPredictionLayer,
+# --mtp-num-layers): the only export of a plan costed with MTP depths (`profiling.mtp`); the
+# search also plans them for meshplan's own engine, priced but not executed (`executable.mtp_problem`).
+MTP_ENGINES = ("megatron",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
 # from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).

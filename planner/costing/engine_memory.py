@@ -111,21 +111,18 @@ def transient_scale(engine: str, rebuilt_share: float = 1.0) -> float:
     return 1.0 / (1.0 - allocator_reserve_fraction(engine, rebuilt_share))
 
 
-def layer_transient_scale(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, kept_bytes: float,
-                          **memory_kwargs) -> float:
-    """`transient_scale` of one layer's bytes under `config` (`layer_cost.LayerCost.reserve_scale`),
-    the share it rebuilds read off `engine_layer_memory` with and without its recomputation
-    (`kept_bytes`: what it keeps with it). The ILP's tables and the simulator both scale each
-    layer's activations and buffers by it."""
-    rebuilt = 0.0
-    if config.recompute != "none" or config.recompute_modules:
-        plain = engine_layer_memory(layer, _without_recompute(config), info, **memory_kwargs).activation_bytes
-        rebuilt = 1.0 - kept_bytes / plain if plain > 0 else 0.0
+def layer_transient_scale(config: ParallelConfig, kept_bytes: float, plain_bytes: float) -> float:
+    """`transient_scale` of one layer's bytes under `config` (`layer_cost.LayerCost.reserve_scale`):
+    the share its recomputation rebuilds, from what the layer keeps with it (`kept_bytes`) and
+    without it (`plain_bytes`: `engine_layer_memory` under `without_recompute(config)`). The ILP's
+    tables and the simulator both scale each layer's activations and buffers by it."""
+    rebuilt = 1.0 - kept_bytes / plain_bytes if plain_bytes > 0 else 0.0
     return transient_scale(config.engine, rebuilt)
 
 
 @lru_cache(maxsize=1024)
-def _without_recompute(config: ParallelConfig) -> ParallelConfig:
+def without_recompute(config: ParallelConfig) -> ParallelConfig:
+    """`config` with no recomputation (whole layers, selective or Megatron-Core's modules)."""
     return replace(config, recompute="none", recompute_modules=())
 
 

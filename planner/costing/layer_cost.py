@@ -9,6 +9,7 @@ fields freely; do not rename.)
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import NamedTuple
 
 from meshplan.planner.contracts.cluster import ClusterProfile
@@ -20,7 +21,7 @@ from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
 from meshplan.planner.costing.compute_time import compute_time_key, compute_times_s, kernel_efficiency
-from meshplan.planner.costing.engine_memory import engine_layer_memory, layer_transient_scale
+from meshplan.planner.costing.engine_memory import engine_layer_memory, layer_transient_scale, without_recompute
 from meshplan.planner.costing.executor_memory import executor_memory_extras
 from meshplan.planner.costing.gathers import gather_exposure_s
 from meshplan.planner.costing.memo import through
@@ -149,13 +150,24 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
                                                                                local.fwd_busy_s, config))
     if config.engine not in EXECUTOR_MEMORY_ENGINES:
         # another engine's memory recipe replaces every memory field (`costing.engine_memory`)
-        kwargs = dict(act_scale=activation_scale(config.precision, profile_dtype),
-                      profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision], attention=attention,
-                      holds_shared=holds_shared)
-        memory = engine_layer_memory(layer, config, info, **kwargs)
-        scale = layer_transient_scale(layer, config, info, memory.activation_bytes, **kwargs)
+        memory = _engine_memory(layer, config, info, profile_dtype, attention, holds_shared, memo)
+        plain = memory
+        if config.recompute != "none" or config.recompute_modules:  # what the layer keeps without it
+            plain = _engine_memory(layer, without_recompute(config), info, profile_dtype, attention, holds_shared, memo)
+        scale = layer_transient_scale(config, memory.activation_bytes, plain.activation_bytes)
         local = local.replaced(**memory._asdict(), reserve_scale=scale)
     return offload.with_offload(local, config, cluster)
+
+
+def _engine_memory(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str | None,
+                   attention: str, holds_shared: bool, memo: dict | None):
+    """`engine_layer_memory` of the layer under `config`, once per memo (a layer's recomputation
+    options share the one without recomputation, which prices their allocator reserve)."""
+    key = ("engine_memory", id(layer), id(info), config, profile_dtype, attention, holds_shared)
+    return through(memo, key, partial(engine_layer_memory, layer, config, info,
+                                      act_scale=activation_scale(config.precision, profile_dtype),
+                                      profile_dtype=profile_dtype or COMPUTE_DTYPE[config.precision],
+                                      attention=attention, holds_shared=holds_shared))
 
 
 def _check(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.config import MTP_ENGINES, ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.contracts.schedule import schedule_spec
@@ -68,7 +68,7 @@ def export_plan(plan, engine: str, form: str | None = None) -> Exported:
     if _per_layer_degrees(plan):  # other refusals are meshplan's executor's, not the engines'
         raise MeshplanError(f"the plan is not executable ({plan.not_executable_reason}); engines run one mesh for "
                             "the whole model: re-plan without --layerwise")
-    if plan.model.mtp_num_layers and engine != "megatron":  # Megatron-Core's MultiTokenPredictionLayer alone
+    if plan.model.mtp_num_layers and engine not in MTP_ENGINES:
         raise MeshplanError(f"the plan trains {plan.model.mtp_num_layers} multi-token-prediction depth(s), which "
                             f"{engine} has no module for (Megatron-LM's --mtp-num-layers does): export it --to megatron, "
                             "or re-plan without --mtp-num-layers")

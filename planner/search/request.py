@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import ENGINE_CP_METHODS, ENGINES, TP_OVERLAP_ENGINES, bf16_grads_problem
+from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
+                                                bf16_grads_problem)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
@@ -61,7 +62,7 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
-        if self.mtp_num_layers and self.engine not in ("meshplan", "megatron"):
+        if self.mtp_num_layers and self.engine not in MTP_ENGINES + ("meshplan",):
             raise MeshplanError(f"--mtp-num-layers {self.mtp_num_layers} with --engine {self.engine}: only Megatron-LM "
                                 "builds multi-token-prediction depths (--mtp-num-layers); plan --engine megatron, or "
                                 "without --mtp-num-layers")
