@@ -33,7 +33,7 @@ from meshplan.planner.search import offloading
 from meshplan.planner.search.infeasible import NothingFits, infeasible_message
 from meshplan.planner.search.problems import build_problems
 from meshplan.planner.search.request import PlanRequest
-from meshplan.planner.search.solving import Ready, Solved, tick, solve_candidates
+from meshplan.planner.search.solving import Ready, Solved, can_win, tick, solve_candidates
 
 # Time-limited solves among the re-ranked candidates, if further than this from optimal, get
 # this many times the limit once more.
@@ -291,10 +291,12 @@ def _solve_more(solved: list[Solved], problems: list, request: PlanRequest) -> l
 
 
 def _polish(feasible: list[Solved], request: PlanRequest, problems: dict) -> list[Solved]:
-    """Re-solve the candidates that will be re-ranked but stopped at the time limit further than
-    POLISH_GAP from optimal, with POLISH_FACTOR times the limit and no cutoff."""
+    """Re-solve the candidates that will be re-ranked, stopped at the time limit further than
+    POLISH_GAP from optimal and that may still win (`solving.can_win`), with POLISH_FACTOR times
+    the limit and no cutoff."""
+    best_s = feasible[0].solution.objective_s
     stopped = [s for s in feasible[:request.num_keep]
-               if s.solution.status == "time_limit" and s.solution.gap > POLISH_GAP]
+               if s.solution.status == "time_limit" and s.solution.gap > POLISH_GAP and can_win(s.solution, best_s)]
     if not stopped:
         return feasible
     again = [Ready(s.candidate, s.lower_bound_s,
