@@ -238,6 +238,25 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
     print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}")
 
 
+def a2a_overlap_speedups(scored: Sequence[Scored]) -> None:
+    """Where a source publishes one layout with and without Megatron-Core's combined 1F1B
+    (`Run.moe_a2a_overlap`): the step-time ratio it prints beside the one meshplan predicts, the
+    overlap model's own error (`costing.moe_overlap`) apart from the step's."""
+    def layout(run: Run) -> tuple:
+        return (run.source, run.cluster, run.spec, run.gpus, run.global_batch, run.seq, run.tp, run.pp, run.ep,
+                run.etp, run.vpp_options, run.recompute_modules, run.moe_dispatcher)
+
+    pairs = [(on, off) for on in scored if on.run.moe_a2a_overlap
+             for off in scored if not off.run.moe_a2a_overlap and layout(off.run) == layout(on.run)]
+    if not pairs:
+        return
+    print("combined 1F1B (--moe-a2a-overlap) over the same layout without it, step-time speed-up:")
+    for on, off in pairs:
+        published, predicted = off.published_s / on.published_s, off.predicted_mean_s / on.predicted_mean_s
+        print(f"  {on.run.name:<44} published {published:.2f}x predicted {predicted:.2f}x "
+              f"({predicted / published - 1:+.1%})")
+
+
 def cross_validated() -> None:
     """Each fit set in two halves (alternate rows): fit on one, score the other, both ways. The
     nccl-tests link fits are shared (they use no run); the H100 folds take A100's full fit."""
@@ -319,6 +338,7 @@ def main(argv: list[str]) -> int:
         report("MoE (held out; expert parallelism, balanced routing)", scored_moe, clusters, brief,
                by_cluster=True)
         report_regressions(scored_moe, clusters, brief)
+        a2a_overlap_speedups(scored_moe)
     every_held = [r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)]
     if every_held:
         report_regimes(score(every_held, clusters), clusters)

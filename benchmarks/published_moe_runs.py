@@ -18,6 +18,9 @@ QWEN3_30B_DROPLESS_REGRESSION = (
 QWEN3_235B_B200_REGRESSION = (
     "issue #1705, 'Fix QWEN3 235B B200 MXFP8 performance regression', fixed by PR #1760 (2025-12-17): "
     "'MXFP8 step time improved from 20.1s to 16.9s ... Disable moe_a2a_overlap due to CPU overhead'")
+# The recipes that set moe_a2a_overlap (Megatron-Bridge's name for --overlap-moe-expert-parallel-comm).
+A2A_OVERLAPPED = ("Megatron-Core's alltoall dispatcher under the recipe's moe_a2a_overlap: the combined 1F1B "
+                  "(--moe-a2a-overlap, `costing.moe_overlap`)")
 MEGATRON_MOE_ASSUMPTIONS = (
     "balanced routing (--moe-imbalance 1), no token dropping",
     "Megatron-Core's alltoall dispatcher: meshplan's all-to-all over the EP group, not overlapped with compute",
@@ -61,6 +64,16 @@ def moe_runs() -> list[Run]:
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
             assumptions=qwen[:1] + qwen[2:] + norm_act + deepep + ("distributed optimizer costed as ZeRO-1",)),
+        # The same layout with the all-to-alls overlapped (the table's "+1f1b overlap" note: Megatron-
+        # Core's combined 1F1B, --overlap-moe-expert-parallel-comm), 17.6 s where the row above reads 19.7.
+        Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1 a2a-overlap", HELD_OUT_MOE, MEGATRON_MOE_QWEN3,
+            "h100-sxm", "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32,
+            etp=1, recompute_modules=("layernorm", "moe_act"), published_step_s=17.6, moe_dispatcher="deepep",
+            engine="megatron", attention="cudnn", moe_a2a_overlap=True,
+            assumptions=qwen[:1] + qwen[2:] + norm_act + ("DeepEP's dispatch and combine (the table's Dispatcher "
+                                                          "column; --moe-dispatcher deepep), overlapped by "
+                                                          "Megatron-Core's combined 1F1B (--moe-a2a-overlap)",
+                                                          "distributed optimizer costed as ZeRO-1")),
         Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, engine="megatron", attention="cudnn",
@@ -71,12 +84,11 @@ def moe_runs() -> list[Run]:
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
             fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-            regression=QWEN3_30B_DROPLESS_REGRESSION,
-            assumptions=MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION,
+            regression=QWEN3_30B_DROPLESS_REGRESSION, moe_a2a_overlap=True,
+            assumptions=MEGATRON_MOE_ASSUMPTIONS[:1] + (A2A_OVERLAPPED, CUDNN_ATTENTION,
                 "no recomputation (the recipe's set_qwen3_common_configs clears it)",
                 "distributed optimizer costed as ZeRO-1",
                 "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
-                "the recipe's moe_a2a_overlap (Megatron-Core's EP overlap) not modelled: no hidden share priced",
                 BRIDGE_BF16_GRADS)),
     ]
     return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
@@ -89,7 +101,7 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
     The recipes at the source's commit (scripts/performance/configs/qwen/qwen3_workload_base_configs.py):
     GB200 runs the flex dispatcher with HybridEP and Transformer Engine CUDA graphs, costed as the
     all-to-all inside one NVLink domain; B200 the alltoall dispatcher, the 235B with moe_a2a_overlap
-    (not modelled)."""
+    (the combined 1F1B, `Run.moe_a2a_overlap`)."""
     assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION,
         "no recomputation (the recipe's set_qwen3_common_configs clears it); the distributed optimizer costed as "
         "ZeRO-1",
@@ -104,11 +116,13 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
             ("GB200 Qwen3-30B-A3B fp8 ep8", "gb200-nvl72", "qwen3-30b-a3b", 8, 512, 4, 1, 1, 8, "fp8", 23766.0),
             ("B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8", "b200", "qwen3-235b-a22b", 64, 1024, 1, 8, 2, 8, "fp8", 3269.0),
             ("B200 Qwen3-30B-A3B fp8 ep8", "b200", "qwen3-30b-a3b", 8, 512, 1, 1, 1, 8, "fp8", 9299.0)]
+    overlapped = {"B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8"}  # the recipe's moe_a2a_overlap
     return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
                 pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
                 published_tokens_per_s=tps * gpus, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-                regression=regressions.get(name, ""),
+                regression=regressions.get(name, ""), moe_a2a_overlap=name in overlapped,
                 assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
+                + ((A2A_OVERLAPPED,) if name in overlapped else ())
                 + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
             for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
 

@@ -36,7 +36,9 @@ parallelism, costed under balanced routing:
   BF16, seq 4096, GBS 2048): the intra-node-EP row with Megatron FSDP and full recomputation
   (17.6 s), the TP 4 / PP 8 / VPP 4 / EP 8 row (29.0 s), and the two rows whose experts fold over
   tensor and data ranks at expert TP 1: the cross-node TP 2 / PP 8 / VPP 4 / EP 32 row without
-  overlap (19.7 s) and the TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s); and its long-context table
+  overlap (19.7 s), the same layout's "+1f1b overlap" row (17.6 s: Megatron-Core's combined 1F1B,
+  `Run.moe_a2a_overlap`, priced by `costing.moe_overlap` from the schedule, not fitted) and the
+  TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s); and its long-context table
   (TP 4, CP 1-8, PP 8, VPP 4, EP 8, 16K-128K tokens, the MoE layers recomputed), the forced-balance
   TFLOP/s, in the FLOP convention the short rows' step times and TFLOP/s together give; and the
   later readme's (`best_practice/qwen3/readme.md`) GB200 BF16 row (TP 1, PP 8, EP 8, 256 GPUs).
@@ -69,9 +71,7 @@ without those runs beside it.
 
 Left out, MoE: Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
 now profiles latent attention, but the rows' recomputation, multi-token-prediction and dispatcher
-settings live in the recipes at the cited commit, not yet read into `Run`s); the ModelZoo's "+1f1b overlap" row (all-to-all overlapped with another micro-batch's
-compute: `expert_parallel.ep_comm_s` takes an overlap share, but no published figure gives the
-share this engine hides); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
+settings live in the recipes at the cited commit, not yet read into `Run`s); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
 activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
 Qwen3-235B-A22B row (a column is missing in the table at the cited commit, so its layout is
 ambiguous there; the page's own correction, commit 5776a6d90b4dd8692902ab2eb581369484e19283,
@@ -184,6 +184,8 @@ class Run:
     stage_blocks: tuple[int, ...] | None = None
     # multi-token-prediction depths the recipe trains (Megatron-LM's --mtp-num-layers; `profiling.mtp`)
     mtp_num_layers: int = 0
+    # Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm; `costing.moe_overlap`)
+    moe_a2a_overlap: bool = False
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu,

@@ -103,6 +103,27 @@ def add_tp_comm_overlap_argument(parser) -> None:
                              f"default: the engine's ({defaults}; the other engines block on them)")
 
 
+def add_moe_a2a_overlap_argument(parser) -> None:
+    """--moe-a2a-overlap: Megatron-Core's combined 1F1B (`ParallelConfig.moe_a2a_overlap`)."""
+    parser.add_argument("--moe-a2a-overlap", action="store_true",
+                        help="with --engine megatron and --ep > 1: pair each micro-batch's forward with another's "
+                             "backward so their expert all-to-alls run beside the other's compute (Megatron-LM's "
+                             "--overlap-moe-expert-parallel-comm, combined 1F1B; with --pp > 1 it needs --vpp 2 or "
+                             "more)")
+
+
+# What `estimate` and `plan` say under --moe-a2a-overlap: what the combined 1F1B's price leaves out,
+# and what the published runs with it read (benchmarks/bench_fidelity.py's MoE section).
+A2A_OVERLAP_NOTE = ("note: --moe-a2a-overlap prices the combined 1F1B from its schedule alone, not its host-side "
+                    "cost: where a layout was published with and without it, meshplan predicts a larger speed-up "
+                    "than was measured (benchmarks/bench_fidelity.py), and Megatron-Bridge turned it off for "
+                    "Qwen3-235B on B200 for CPU overhead; read its gain as an upper bound")
+
+
+def a2a_overlap_notes(args) -> list[str]:
+    return [A2A_OVERLAP_NOTE] if getattr(args, "moe_a2a_overlap", False) else []
+
+
 def tp_comm_overlap_of(args) -> bool | None:
     """`ParallelConfig.tp_comm_overlap` of --tp-comm-overlap (None: the engine's default)."""
     return None if args.tp_comm_overlap is None else args.tp_comm_overlap == "on"

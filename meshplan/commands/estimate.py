@@ -7,7 +7,7 @@ import sys
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
-                                     add_job_arguments, add_tp_comm_overlap_argument, announce_model_code,
+                                     add_job_arguments, a2a_overlap_notes, add_moe_a2a_overlap_argument, add_tp_comm_overlap_argument, announce_model_code,
                                      axis_arguments, check_seq, check_sizes, does_not_fit, model_notes, moe_notes,
                                      prediction_json, tp_comm_overlap_of)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap
@@ -46,6 +46,7 @@ def add_arguments(parser) -> None:
                              "--microbatch-group-size-per-virtual-pipeline-stage; default pp; more hold more)")
     add_grad_reduce_argument(parser)
     add_tp_comm_overlap_argument(parser)
+    add_moe_a2a_overlap_argument(parser)
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
@@ -74,7 +75,7 @@ def run(args) -> int:
 
     notes = model_notes(args.model, args.seq, args.mtp_num_layers) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
-                                                          args.moe_pad_expert_input_to_capacity)
+                                                          args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args)
     prediction = _estimate_at(args, args.zero)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
@@ -115,7 +116,8 @@ def _heading(args, cluster) -> Heading:
                              engine=args.engine or "meshplan", fp8_recipe=args.fp8_recipe,
                              recompute_modules=tuple(args.recompute_modules), offload=args.offload,
                              cp_method=args.cp_method, microbatch_group_size=args.microbatch_group_size,
-                             grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args))
+                             grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args),
+                             moe_a2a_overlap=args.moe_a2a_overlap)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -135,7 +137,8 @@ def _estimate_at(args, zero: int):
                     recompute_modules=tuple(args.recompute_modules), offload=args.offload, cp_method=args.cp_method,
                     moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                     microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                    tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers)
+                    tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
+                    moe_a2a_overlap=args.moe_a2a_overlap)
 
 
 def _zero_hint(args, prediction) -> str:

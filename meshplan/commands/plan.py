@@ -8,7 +8,7 @@ from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, 
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_grad_reduce_argument, add_job_arguments, add_offload_argument,
-                                     add_tp_comm_overlap_argument, announce_model_code, check_seq, check_sizes,
+                                     a2a_overlap_notes, add_moe_a2a_overlap_argument, add_tp_comm_overlap_argument, announce_model_code, check_seq, check_sizes,
                                      finite_float, model_notes, moe_notes, spec_file, tp_comm_overlap_of)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
@@ -42,6 +42,7 @@ def add_arguments(parser) -> None:
     add_fp8_recipe_argument(parser)
     add_grad_reduce_argument(parser)
     add_tp_comm_overlap_argument(parser)
+    add_moe_a2a_overlap_argument(parser)
     add_attention_argument(parser)
     parser.add_argument("--engine", default="meshplan", choices=ENGINES,
                         help="plan under this engine's memory recipe (default meshplan, its own executor); "
@@ -87,7 +88,7 @@ def run(args) -> int:
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     notes = model_notes(args.model, args.seq, args.mtp_num_layers, searched=True) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
-                                                          args.moe_pad_expert_input_to_capacity)
+                                                          args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 
@@ -100,7 +101,8 @@ def run(args) -> int:
                              moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
                              fp8_recipe=args.fp8_recipe, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                             tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers, **pins)
+                             tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
+                             moe_a2a_overlap=args.moe_a2a_overlap, **pins)
 
     # one row per candidate only when asked for: tens of thousands of labels otherwise unread
     rows: list[dict] | None = [] if args.candidates_csv else None

@@ -37,6 +37,8 @@ NO_PIPELINE_ENGINES = ("llm-foundry",)
 # --mtp-num-layers): the only export of a plan costed with MTP depths (`profiling.mtp`); the
 # search also plans them for meshplan's own engine, priced but not executed (`executable.mtp_problem`).
 MTP_ENGINES = ("megatron",)
+# Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
+A2A_OVERLAP_ENGINES = ("megatron",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
 # from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
@@ -163,6 +165,12 @@ class ParallelConfig:
     # `costing.overlap.overlap_of` applies). Only the engines in TP_OVERLAP_ENGINES can, and only
     # with tp > 1 and SP.
     tp_comm_overlap: bool | None = None
+    # Megatron-LM's --overlap-moe-expert-parallel-comm (Megatron-Bridge's moe_a2a_overlap): the
+    # combined 1F1B schedule, a micro-batch's forward paired with another's backward so each
+    # one's dispatch and combine all-to-alls run beside the other's compute
+    # (`costing.moe_overlap`). Engine megatron, and with pp > 1 interleaved (v > 1); stored False
+    # with ep 1, where there is nothing to hide (`estimator.parallel_config` refuses asking for it).
+    moe_a2a_overlap: bool = False
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -195,6 +203,7 @@ class ParallelConfig:
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         self._check_tp_comm_overlap()
+        self._check_moe_a2a_overlap()
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
         if rest:
             raise ValueError(f"global batch {self.global_batch} is not divisible by dp={self.dp}; "
@@ -320,6 +329,22 @@ class ParallelConfig:
             raise ValueError(f"TP communication overlap pipelines the sequence-parallel all-gathers and "
                              f"reduce-scatters with their GEMMs: it needs tp > 1 and sequence parallelism "
                              f"(got tp={self.tp}, sp={self.sp})")
+
+    def _check_moe_a2a_overlap(self) -> None:
+        if not isinstance(self.moe_a2a_overlap, bool):
+            raise ValueError(f"moe_a2a_overlap must be true or false, got {self.moe_a2a_overlap!r}")
+        if self.moe_a2a_overlap and self.ep == 1:  # nothing to hide: equal layouts compare equal
+            object.__setattr__(self, "moe_a2a_overlap", False)
+        if not self.moe_a2a_overlap:
+            return
+        if self.engine not in A2A_OVERLAP_ENGINES:
+            raise ValueError(f"{self.engine} has no combined 1F1B schedule: the expert all-to-all overlap "
+                             "(--moe-a2a-overlap) is Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine "
+                             "megatron")
+        if self.pp > 1 and self.virtual_stages < 2:
+            raise ValueError(f"Megatron-LM's combined 1F1B with pipelining extends its interleaved schedule: pp={self.pp} "
+                             f"needs virtual stages > 1 (got {self.virtual_stages}); use --schedule interleaved "
+                             "with --vpp 2 or more")
 
     def _check_offload(self) -> None:
         if self.offload not in OFFLOAD:

@@ -57,7 +57,8 @@ class EngineOverlap:
     that needs them. `pp_p2p_async`: pipeline sends and receives run beside compute.
     `cp_exchange`: one of `CP_EXCHANGES`. `ep_a2a_hidden_fraction`: the share of the expert-parallel
     all-to-alls hidden behind other compute, in [0, 1]. `param_gather`: one of `PARAM_GATHERS`;
-    `pp_grad_reduce`: one of `PP_GRAD_REDUCES`.
+    `pp_grad_reduce`: one of `PP_GRAD_REDUCES`. `ep_a2a_paired`: Megatron-Core's combined 1F1B
+    (`ParallelConfig.moe_a2a_overlap`), which hides what `costing.moe_overlap` derives instead.
     """
 
     engine: str
@@ -71,6 +72,7 @@ class EngineOverlap:
     param_gather: str
     pp_grad_reduce: str
     sources: tuple[str, ...]
+    ep_a2a_paired: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -105,7 +107,8 @@ class EngineOverlap:
         return (f"{self.engine} ({self.version}): TP comm {'pipelined with its GEMMs' if self.tp_comm_overlap else 'blocking'}; "
                 f"grad reduce {grads}; param gather {gather}; "
                 f"PP p2p {'async' if self.pp_p2p_async else 'blocking'}; CP {self.cp_exchange.replace('_', ' ')}; "
-                f"EP all-to-all {self.ep_a2a_hidden_fraction:.0%} hidden")
+                + ("EP all-to-all paired with another micro-batch's compute (combined 1F1B)" if self.ep_a2a_paired
+                   else f"EP all-to-all {self.ep_a2a_hidden_fraction:.0%} hidden"))
 
     def to_json(self) -> dict:
         out = asdict(self)

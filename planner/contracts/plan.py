@@ -193,7 +193,8 @@ class Plan:
         """Hash of everything that decides what runs (not predictions or solve times)."""
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
-                         "schedule", "global_batch", "offload", "grad_reduce_in_bf16", "tp_comm_overlap")
+                         "schedule", "global_batch", "offload", "grad_reduce_in_bf16", "tp_comm_overlap",
+                         "moe_a2a_overlap")
                 or (k == "cp_method" and v != DEFAULT_CP_METHOD)}  # all-gather plans keep their digest
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
@@ -238,6 +239,8 @@ class Plan:
             **({"grad_reduce_in_bf16": True} if cfg.grad_reduce_in_bf16 else {}),
             # TP overlap only when the job sets it: plans without the key take the engine's record
             **({"tp_comm_overlap": cfg.tp_comm_overlap} if cfg.tp_comm_overlap is not None else {}),
+            # Megatron-Core's combined 1F1B only: plans without the key block on their all-to-alls
+            **({"moe_a2a_overlap": True} if cfg.moe_a2a_overlap else {}),
             # offloading only: plans without the key keep every state on the device
             **({"offload": cfg.offload} if cfg.offload != "none" else {}),
             # user-code models only: their layer graph, so reading the plan never runs the file
@@ -293,6 +296,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             offload=data.get("offload", "none"),
             cp_method=_cp_method(data), grad_reduce_in_bf16=_boolean(data, "grad_reduce_in_bf16", default=False),
             tp_comm_overlap=None if data.get("tp_comm_overlap") is None else _boolean(data, "tp_comm_overlap"),
+            moe_a2a_overlap=_boolean(data, "moe_a2a_overlap", default=False),
             microbatch_group_size=(None if schedule.get("microbatch_group_size") is None
                                    else _integer(schedule, "microbatch_group_size", "schedule.")),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))

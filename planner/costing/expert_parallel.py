@@ -90,6 +90,7 @@ from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
                                                   is_expert_linear, router_flops, router_times_s, shuffle_time_s)
 from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
+from meshplan.planner.costing.moe_overlap import COMM_SMS, hidden_a2a_share, paired_share
 from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 
@@ -252,14 +253,42 @@ def ep_comm_s(send_bytes: float, config, cluster, info, slice_s: float = 0.0,
     keeps every all-to-all on the compute stream's path."""
     if not 0.0 <= a2a_overlap <= 1.0:
         raise ValueError(f"the all-to-all overlap share must lie in [0, 1], got {a2a_overlap}")
-    a2a_s = dispatch_combine_s(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), send_bytes * load_factor(info),
-                               send_bytes / max(1, info.top_k), config.ep, config.expert_tp, cluster, info.num_experts,
-                               info.top_k) * (1.0 - a2a_overlap)
+    a2a_s = a2a_pass_s(send_bytes, config, cluster, info) * (1.0 - a2a_overlap)
     exchange = a2a_s + expert_tp_comm_s(send_bytes, config, cluster, info)
     fwd, bwd = exchange + slice_s, exchange
     if config.recompute == "full":
         bwd += fwd
     return fwd, bwd
+
+
+def a2a_pass_s(send_bytes: float, config, cluster, info) -> float:
+    """One pass's dispatch and combine (`moe_dispatch.dispatch_combine_s` under the model's
+    dispatcher), nothing hidden."""
+    return dispatch_combine_s(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), send_bytes * load_factor(info),
+                              send_bytes / max(1, info.top_k), config.ep, config.expert_tp, cluster, info.num_experts,
+                              info.top_k)
+
+
+def combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype: str | None, memo: dict | None) -> float:
+    """The share of the block's all-to-alls Megatron-Core's combined 1F1B hides
+    (`moe_overlap.hidden_a2a_share`), from the block's own times: attention (the dense part, its
+    blocking collectives and the router) and experts, forward and backward, beside the
+    all-to-alls of each pass (a fully recomputed block's backward reruns its forward's)."""
+    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, 0.0,
+           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, *_ = through(
+        memo, key, _expert_times, layer, config, cluster, info, profile_dtype, 0.0)
+    full = config.recompute == "full"
+    a2a_fwd_s = a2a_pass_s(dispatch_send_bytes(layer, config, activation_scale(config.precision, profile_dtype)),
+                           config, cluster, info)
+    attn_fwd_s = dense.fwd_compute_s + dense.tp_fwd_comm_s + dense.cp_fwd_comm_s + router_fwd_s
+    attn_bwd_s = (dense.bwd_compute_s + dense.recompute_s + dense.tp_bwd_comm_s + dense.cp_bwd_comm_s + router_bwd_s
+                  + (router_fwd_s if full else 0.0))
+    share = paired_share(config.pp, config.virtual_stages, config.num_microbatches)
+    sms = cluster.device.num_sms
+    comm_sms = COMM_SMS.get(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), 0)
+    return hidden_a2a_share(attn_fwd_s, fwd_s, attn_bwd_s, bwd_s + (fwd_s if full else 0.0), a2a_fwd_s,
+                            a2a_fwd_s * (2 if full else 1), share, comm_sms / sms if sms > comm_sms else 0.0)
 
 
 def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:
@@ -321,6 +350,8 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     `memo`: a dict the caller keeps for one graph and cluster (`layer_cost`'s): the times are
     priced once per value of the `EXPERT_TIME_FIELDS` (a search prices each at many data,
     pipeline and ZeRO degrees, which only the states below read)."""
+    if config.moe_a2a_overlap:
+        a2a_overlap = combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype, memo)
     key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
            *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
     fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = through(

@@ -33,6 +33,8 @@ def overlap_under(config, engine: str) -> EngineOverlap:
     tp_overlap = getattr(config, "tp_comm_overlap", None)
     if tp_overlap is not None and tp_overlap != overlap.tp_comm_overlap:
         overlap = replace(overlap, tp_comm_overlap=tp_overlap)
+    if getattr(config, "moe_a2a_overlap", False):  # priced by `expert_parallel.combined_1f1b_share`
+        overlap = replace(overlap, ep_a2a_paired=True)
     return overlap
 
 
@@ -54,7 +56,9 @@ def exposed_tp_comm_s(comm_s: float, compute_s: float, layer_kind: str, config) 
 def ep_a2a_hidden_share(config) -> float:
     """The share of the expert-parallel dispatch and combine all-to-alls the engine hides behind
     other compute (`EngineOverlap.ep_a2a_hidden_fraction`), which `expert_parallel.ep_comm_s`
-    takes as `a2a_overlap`. The one place the engine's EP overlap enters the cost model."""
+    takes as `a2a_overlap`. The one place the engine's recorded EP overlap enters the cost model;
+    a configuration's combined 1F1B (`moe_a2a_overlap`) is derived per block instead
+    (`expert_parallel.combined_1f1b_share`, `costing.moe_overlap`)."""
     return overlap_of(config).ep_a2a_hidden_fraction
 
 

@@ -53,6 +53,7 @@ class EngineJob(_JobDegrees):
     # TP collectives pipelined with their GEMMs (Megatron-LM's --tp-comm-overlap, torchtitan's async
     # TP); None: the engine's record (`ParallelConfig.tp_comm_overlap`)
     tp_comm_overlap: bool | None = None
+    moe_a2a_overlap: bool = False  # Megatron-LM's --overlap-moe-expert-parallel-comm (combined 1F1B)
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)

@@ -42,6 +42,8 @@ BF16_GRADS_FLAG = "--grad-reduce-in-bf16"  # a bf16 gradient buffer: the plan's 
 # Transformer Engine's userbuffers TP overlap, off unless named (megatron/training/arguments.py): the
 # plan's `tp_comm_overlap`, read as given; meshplan's megatron record prices it on where no file says.
 TP_OVERLAP_FLAG = "--tp-comm-overlap"
+# Megatron-Core's combined 1F1B (the plan's `moe_a2a_overlap`), off unless named.
+A2A_OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
 # offers blockwise; it has no rowwise).
 MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
@@ -66,6 +68,8 @@ def _overlap_args(cfg) -> list[tuple[str, object]]:
         out.append(("--overlap-grad-reduce", None))
     if cfg.data_ranks > 1 and cfg.zero >= 1 and overlap.param_gather_prefetch:
         out.append(("--overlap-param-gather", None))
+    if cfg.moe_a2a_overlap:
+        out.append((A2A_OVERLAP_FLAG, None))
     return out
 
 
@@ -250,6 +254,7 @@ def read_megatron(text: str) -> EngineJob:
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
         microbatch_group_size=None if vpp == 1 or get(GROUP_FLAG, pp) == pp else get(GROUP_FLAG, None),
         grad_reduce_in_bf16=BF16_GRADS_FLAG in flags, tp_comm_overlap=TP_OVERLAP_FLAG in flags,
+        moe_a2a_overlap=A2A_OVERLAP_FLAG in flags and degrees["ep"] > 1,
         layers_per_chunk=read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
         cp_method=cp_method, mtp_num_layers=get("--mtp-num-layers", 0),
         moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)

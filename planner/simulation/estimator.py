@@ -58,6 +58,10 @@ def check_model_fit(graph, config: ParallelConfig) -> None:
     check_context_parallel(graph, config.cp, config.cp_method, config.tp)
     check_expert_parallel_request(graph, config.ep, config.etp)
     check_tp_splits(graph, config.tp)
+    if config.moe_a2a_overlap and graph.info.moe_dispatcher == "allgather":
+        raise MeshplanError("--moe-a2a-overlap pairs the dispatch and combine all-to-alls of Megatron-LM's alltoall "
+                            "and flex dispatchers; its allgather dispatcher has none: use --moe-dispatcher alltoall "
+                            "or deepep")
     if config.num_model_chunks > len(graph.layers):
         raise MeshplanError(f"pp*vpp = {config.num_model_chunks} pipeline chunks need at least "
                             f"{config.num_model_chunks} layers; the model has {len(graph.layers)}")
@@ -101,13 +105,15 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     fp8_recipe: str | None = None, recompute_modules: tuple[str, ...] = (),
                     offload: str = "none", cp_method: str | None = None,
                     microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False,
-                    tp_comm_overlap: bool | None = None) -> ParallelConfig:
+                    tp_comm_overlap: bool | None = None, moe_a2a_overlap: bool = False) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
     `recompute_modules`: Megatron-Core's `--recompute-modules` (with recompute "selective")."""
     check_mesh(cluster, gpus, tp, pp, cp)
     check_fp8_supported(cluster, precision, fp8_recipe)
+    if moe_a2a_overlap and ep < 2:
+        raise MeshplanError(f"--moe-a2a-overlap hides expert-parallel all-to-alls: it needs --ep > 1, got --ep {ep}")
     if recompute_modules and recompute != "selective":
         raise MeshplanError(f"--recompute-modules {' '.join(recompute_modules)} names what selective recomputation "
                             f"rebuilds: add --recompute selective (got --recompute {recompute})")
@@ -124,12 +130,13 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 recompute_modules=tuple(recompute_modules), offload=offload,
                                 cp_method=cp_method or DEFAULT_CP_METHOD,
                                 microbatch_group_size=microbatch_group_size,
-                                grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap)
+                                grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap,
+                                moe_a2a_overlap=moe_a2a_overlap)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
             "grad_reduce_in_bf16 keeps", "--grad-reduce-in-bf16 keeps").replace("use engine", "use --engine").replace(
-            "TP communication overlap", "--tp-comm-overlap on").replace(
+            "TP communication overlap", "--tp-comm-overlap on").replace("(--moe-a2a-overlap)", "").replace(
             "expert parallelism ep=", "--ep ").replace(
             "expert tensor parallelism etp=", "--etp ")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
@@ -164,7 +171,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None,
              moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
              grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None,
-             mtp_num_layers: int = 0) -> Prediction:
+             mtp_num_layers: int = 0, moe_a2a_overlap: bool = False) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
@@ -180,7 +187,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     interleaved 1F1B's micro-batches per round (Megatron-Core's group size; None: pp);
     `grad_reduce_in_bf16`: Megatron-LM's bf16 gradient buffer (engine megatron); `tp_comm_overlap`:
     the TP collectives pipelined with their GEMMs or not (None: the engine's record);
-    `mtp_num_layers`: multi-token-prediction depths (`profiling.mtp`)."""
+    `mtp_num_layers`: multi-token-prediction depths (`profiling.mtp`); `moe_a2a_overlap`:
+    Megatron-Core's combined 1F1B (`costing.moe_overlap`, engine megatron)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -193,7 +201,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              shard_group=shard_group, cp=cp, ep=ep, etp=etp, engine=engine, fp8_recipe=fp8_recipe,
                              recompute_modules=recompute_modules, offload=offload, cp_method=cp_method,
                              microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                             tp_comm_overlap=tp_comm_overlap)
+                             tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,

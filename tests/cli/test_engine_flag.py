@@ -174,3 +174,41 @@ def _estimate_json(run_cli, *args) -> dict:
     code, out, err = run_cli("estimate", *args, "--json")
     assert code == 0, err
     return json.loads(out)
+
+
+MOE_JOB = ("--model", "moe:layers=4,hidden=256,heads=4,kv_heads=2,experts=8,top_k=2,expert_ffn=256,vocab=1024",
+           "--cluster", "h100-sxm", "--gpus", "16", "--gbs", "64", "--seq", "512", "--ep", "8", "--pp", "2",
+           "--vpp", "2", "--schedule", "interleaved", "--zero", "1", "--engine", "megatron")
+
+
+def test_estimate_moe_a2a_overlap_prices_megatron_s_combined_1f1b(run_cli):
+    """--moe-a2a-overlap shortens the step by the all-to-alls it hides (`costing.moe_overlap`),
+    says so in the overlap record and in a note naming what it leaves out, and is refused in one
+    line where Megatron-LM has no such schedule (another engine; pipelining without virtual stages)."""
+    code, out, err = run_cli("estimate", *MOE_JOB, "--json")
+    assert code == 0, err
+    blocking = json.loads(out)
+    code, out, err = run_cli("estimate", *MOE_JOB, "--moe-a2a-overlap", "--json")
+    assert code == 0, err
+    paired = json.loads(out)
+    assert paired["step_time_s"] < blocking["step_time_s"]
+    assert paired["overlap"]["ep_a2a_paired"] is True and blocking["overlap"]["ep_a2a_paired"] is False
+    assert "host-side cost" in err
+    code, out, err = run_cli("estimate", *MOE_JOB[:-2], "--engine", "torchtitan", "--moe-a2a-overlap")
+    assert code == 2 and "no combined 1F1B" in err and "Traceback" not in err
+    code, out, err = run_cli("estimate", *MOE_JOB[:14], "--zero", "1", "--engine", "megatron", "--moe-a2a-overlap")
+    assert code == 2 and "virtual stages > 1" in err, err
+
+
+def test_plan_moe_a2a_overlap_is_recorded_in_the_plan(run_cli, tmp_path):
+    """`plan --moe-a2a-overlap` turns the combined 1F1B on for the expert-parallel candidates that
+    can run it; the plan file records it, and `export --to megatron` writes Megatron-LM's flag."""
+    out_path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *MOE_JOB[:12], "--engine", "megatron", "--moe-a2a-overlap", "--out",
+                             str(out_path))
+    assert code == 0, err
+    data = json.loads(out_path.read_text())
+    assert data["mesh"]["ep"] == 8 and data["moe_a2a_overlap"] is True
+    code, out, err = run_cli("export", "--plan", str(out_path), "--to", "megatron")
+    assert code == 0, err
+    assert "--overlap-moe-expert-parallel-comm" in out
