@@ -219,7 +219,39 @@ def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
                       "with compute", "the norms and the experts' activation functions recomputed (recompute_modules "
                       "layernorm moe_act)", "36 layers, 9 a stage; the embedding and the output layer on the first and "
                       "last stages as meshplan places them", "the vocabulary of openai/gpt-oss-120b's config (201,088)"))
-    return [qwen, gpt_oss]
+    return [qwen, gpt_oss] + qwen3_235b_h100_overlapped_runs()
+
+
+MEGATRON_BRIDGE_2511_ARCHIVE_H100 = (
+    "Megatron-Bridge docs/performance-summary-archive.md, DGX-H100 rows of the 25.11 NeMo container "
+    "(github.com/NVIDIA-NeMo/Megatron-Bridge, archive at commit 4ab94dfad36641cabdeb96452b21bf676aac4772, the row "
+    "as the 25.11 page's own correction, commit "
+    "5776a6d90b4dd8692902ab2eb581369484e19283, restored it), recipes at commit "
+    "00b7660be0254ac6f95f44164ddd0c3e9cc798ed")
+
+
+def qwen3_235b_h100_overlapped_runs() -> list[Run]:
+    """Megatron-Bridge's DGX-H100 Qwen3-235B-A22B rows (HELD_OUT_MOE): TP 2 (SP), PP 8, VP 4, EP 32,
+    expert TP 1, FP8-CS, 256 GPUs, MBS 1, force-balanced and dropless; the layout at GBS 2048 (25.11)
+    and at GBS 8192 (the V2 preset), from 26.04.01, the latest release that prints it (tag v0.4.2).
+    Both recipes (qwen3_workload_base_configs.py's H100 FP8-CS presets and qwen3_llm_pretrain.py's
+    H100 function): moe_a2a_overlap=True (Megatron-Core's combined 1F1B), the alltoall dispatcher,
+    CommOverlapConfig(tp_comm_overlap=False), set_qwen3_common_configs (no recomputation, bf16
+    gradient reduction)."""
+    assumptions = (MEGATRON_MOE_ASSUMPTIONS[0], A2A_OVERLAPPED, CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
+                   BRIDGE_BF16_GRADS, "no recomputation (set_qwen3_common_configs clears it)",
+                   "TP communication not overlapped (the recipe's CommOverlapConfig(tp_comm_overlap=False))",
+                   "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
+                   "94 layers split unevenly over 32 chunks as meshplan splits them")
+    # (release, source, global batch, tokens/s/GPU)
+    rows = [("25.11", MEGATRON_BRIDGE_2511_ARCHIVE_H100, 2048, 1575.0),
+            ("26.04.01", MEGATRON_BRIDGE_260401_H100, 8192, 1712.0)]
+    return [Run(f"Megatron-Bridge {release} Qwen3-235B-A22B fp8 tp2 pp8 vpp4 ep32 gbs{gbs}", HELD_OUT_MOE, source,
+                "h100-sxm", "qwen3-235b-a22b", 256, gbs, 4096, tp=2, sp=True, pp=8, vpp_options=(4,), zero=1, ep=32,
+                etp=1, precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=tps * 256,
+                grad_reduce_in_bf16=True, tp_comm_overlap=False, moe_a2a_overlap=True, engine="megatron",
+                attention="cudnn", assumptions=assumptions)
+            for release, source, gbs, tps in rows]
 
 
 # NVIDIA's DGX Cloud benchmarking recipes print DeepSeek-V3's BF16 pre-training step time on 512 and

@@ -54,7 +54,11 @@ parallelism, costed under balanced routing:
   every distinct DGX-H100 MoE layout of its 2026 releases, once, from the latest release that
   prints it, with that release's recipes (the tag's `scripts/performance/configs`): Qwen3-30B-A3B
   on 16 GPUs, FP8-CS, EP 16 with HybridEP (26.06, tag v0.5.0), and GPT-OSS 120B on 64 GPUs, BF16,
-  PP 4, EP 8, the norms and expert activations recomputed (26.04.01, tag v0.4.2).
+  PP 4, EP 8, the norms and expert activations recomputed (26.04.01, tag v0.4.2); and the DGX-H100
+  Qwen3-235B-A22B layout (FP8-CS, TP 2, PP 8, VP 4, EP 32, the recipes' moe_a2a_overlap: Megatron-Core's
+  combined 1F1B) at GBS 2048 (25.11, as the page's own correction, commit
+  5776a6d90b4dd8692902ab2eb581369484e19283, restored the row) and at GBS 8192 (26.04.01, the latest
+  release printing it) (`published_moe_runs.qwen3_235b_h100_overlapped_runs`).
 - NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking, commit
   1f6d9f40e4117d7c71b726f86074ac01c29f87f5): DeepSeek-V3 in BF16 on 512 and 1,024 H100 (TP 2, PP 8
   or 16, EP 64, 48.9 and 52.0 s a step), each under its recipe: NeMo's pretrain_deepseek_v3.py at
@@ -72,13 +76,8 @@ without those runs beside it.
 Left out, MoE: Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
 now profiles latent attention, but the rows' recomputation, multi-token-prediction and dispatcher
 settings live in the recipes at the cited commit, not yet read into `Run`s); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
-activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention); Megatron-Bridge's DGX-H100
-Qwen3-235B-A22B row (a column is missing in the table at the cited commit, so its layout is
-ambiguous there; the page's own correction, commit 5776a6d90b4dd8692902ab2eb581369484e19283,
-restores it: GBS 2048, TP 2, PP 8, VP 4, EP 32, 1575 tokens/s/GPU, with the recipe's
-moe_a2a_overlap, whose hidden share no source gives),
-the 2026 archive's other DGX-H100 MoE rows: Qwen3-235B-A22B (TP 2, PP 8, VP 4, EP 32; its recipe at
-every tag runs moe_a2a_overlap), Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 row of 26.02.01 (the recipe at
+activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention);
+the 2026 archive's other DGX-H100 MoE rows: Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 row of 26.02.01 (the recipe at
 its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's), the
 Nemotron 3 Nano rows (hybrid Mamba layers), and older releases' rows of the layouts above; 25.11's
 GPT-OSS rows (the DGX-H100 row's PP 4 contradicts its GA 2 = 512 / (64 x 4), which only PP 1
