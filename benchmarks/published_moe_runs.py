@@ -238,8 +238,8 @@ def qwen3_235b_h100_overlapped_runs() -> list[Run]:
     H100 function): moe_a2a_overlap=True (Megatron-Core's combined 1F1B), the alltoall dispatcher,
     CommOverlapConfig(tp_comm_overlap=False), set_qwen3_common_configs (no recomputation, bf16
     gradient reduction)."""
-    assumptions = (MEGATRON_MOE_ASSUMPTIONS[0], A2A_OVERLAPPED, CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
-                   BRIDGE_BF16_GRADS, "no recomputation (set_qwen3_common_configs clears it)",
+    assumptions = (MEGATRON_MOE_ASSUMPTIONS[0], A2A_OVERLAPPED, CUDNN_ATTENTION,
+                   "the distributed optimizer costed as ZeRO-1", BRIDGE_BF16_GRADS, "no recomputation (set_qwen3_common_configs clears it)",
                    "TP communication not overlapped (the recipe's CommOverlapConfig(tp_comm_overlap=False))",
                    "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
                    "94 layers split unevenly over 32 chunks as meshplan splits them")

@@ -7,7 +7,8 @@ import sys
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
-                                     add_job_arguments, a2a_overlap_notes, add_moe_a2a_overlap_argument, add_tp_comm_overlap_argument, announce_model_code,
+                                     add_job_arguments, a2a_overlap_notes, add_moe_a2a_overlap_argument,
+                                     add_tp_comm_overlap_argument, announce_model_code,
                                      axis_arguments, check_seq, check_sizes, does_not_fit, model_notes, moe_notes,
                                      prediction_json, tp_comm_overlap_of)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap

@@ -8,7 +8,8 @@ from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, 
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_grad_reduce_argument, add_job_arguments, add_offload_argument,
-                                     a2a_overlap_notes, add_moe_a2a_overlap_argument, add_tp_comm_overlap_argument, announce_model_code, check_seq, check_sizes,
+                                     a2a_overlap_notes, add_moe_a2a_overlap_argument, add_tp_comm_overlap_argument,
+                                     announce_model_code, check_seq, check_sizes,
                                      finite_float, model_notes, moe_notes, spec_file, tp_comm_overlap_of)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshplan.planner.contracts.config import ENGINES, EXECUTOR_MEMORY_ENGINES, TP_OVERLAP_ENGINES
+from meshplan.planner.contracts.config import A2A_OVERLAP_ENGINES, ENGINES, EXECUTOR_MEMORY_ENGINES, TP_OVERLAP_ENGINES
 
 GIB, MIB = 2**30, 2**20
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")
@@ -62,9 +62,10 @@ def _with_overrides(plan, engine: str | None, fp8_recipe: str | None):
     from meshplan.planner.costing.fp8 import check_fp8_supported
 
     config = plan.config
-    if engine and engine != config.engine:  # a TP overlap the plan sets travels where the engine runs one
+    if engine and engine != config.engine:  # a TP or EP overlap the plan sets travels where the engine runs one
         kept = config.tp_comm_overlap if engine in TP_OVERLAP_ENGINES else None
-        config = replace(config, engine=engine, tp_comm_overlap=kept)
+        config = replace(config, engine=engine, tp_comm_overlap=kept,
+                         moe_a2a_overlap=config.moe_a2a_overlap and engine in A2A_OVERLAP_ENGINES)
     if fp8_recipe:
         check_fp8_supported(plan.cluster, config.precision, fp8_recipe)
         config = replace(config, fp8_recipe=fp8_recipe)

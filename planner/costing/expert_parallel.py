@@ -274,10 +274,8 @@ def combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype: str 
     (`moe_overlap.hidden_a2a_share`), from the block's own times: attention (the dense part, its
     blocking collectives and the router) and experts, forward and backward, beside the
     all-to-alls of each pass (a fully recomputed block's backward reruns its forward's)."""
-    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, 0.0,
-           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
-    fwd_s, bwd_s, router_fwd_s, router_bwd_s, *_ = through(
-        memo, key, _expert_times, layer, config, cluster, info, profile_dtype, 0.0)
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, *_ = _memo_expert_times(layer, config, cluster, info, profile_dtype,
+                                                                      0.0, memo)
     full = config.recompute == "full"
     a2a_fwd_s = a2a_pass_s(dispatch_send_bytes(layer, config, activation_scale(config.precision, profile_dtype)),
                            config, cluster, info)
@@ -340,6 +338,14 @@ def _expert_times(layer, config, cluster, info, profile_dtype: str | None, a2a_o
     return fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved
 
 
+def _memo_expert_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float,
+                       memo: dict | None) -> tuple:
+    """`_expert_times` through `memo`, once per value of the `EXPERT_TIME_FIELDS`."""
+    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
+           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+    return through(memo, key, _expert_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
+
+
 def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
                         state_recipe: str = "executor", a2a_overlap: float = 0.0, memo: dict | None = None):
     """A MoE block's `LayerCost` from its dense part's (`dense_part(layer, info)`, priced as any
@@ -352,10 +358,8 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     pipeline and ZeRO degrees, which only the states below read)."""
     if config.moe_a2a_overlap:
         a2a_overlap = combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype, memo)
-    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
-           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
-    fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = through(
-        memo, key, _expert_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = _memo_expert_times(
+        layer, config, cluster, info, profile_dtype, a2a_overlap, memo)
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
     params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero

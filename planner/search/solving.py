@@ -207,20 +207,23 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
 
 
 # A candidate's first solve gets this share of its time limit (the screen). One stopped there
-# whose proven bound is CONTENDER_WINDOW above the best objective so far cannot win: the ILP's
-# objective and the simulator's step agree within 0.7% (`bench_ilp_vs_simulator`), so the
-# re-ranking cannot put it first; it stays a runner-up with its gap. Any other is solved again
-# with the whole limit.
+# whose proven bound is CONTENDER_WINDOW above the best objective so far is taken as one that
+# cannot win, as the ILP's cutoff compares the same objectives: the search's steps and the
+# simulator's agree within 0.7% (`bench_ilp_vs_simulator`). It stays a runner-up, re-ranked with
+# its assignment and its gap; any other is solved again with the whole limit.
 SCREEN_SHARE = 0.2
 CONTENDER_WINDOW = 0.02
 
 
 def proven_bound_s(solution: StageSolution) -> float:
     """What a stopped solve proves: no assignment of the candidate beats its ILP objective less
-    the relative gap (the solver's dual bound); -inf where the solve proved nothing."""
+    the relative gap (the solver's dual bound); -inf where the solve proved nothing, or where it
+    solved the envelope of periodic blocks, whose bound is not one on the real blocks (their
+    costs are at most the envelope's)."""
     if solution.status == "optimal":
         return solution.objective_s
-    if solution.status != "time_limit" or not math.isfinite(solution.model_objective) or math.isnan(solution.gap):
+    if (solution.status != "time_limit" or solution.formulation == "envelope"
+            or not math.isfinite(solution.model_objective) or math.isnan(solution.gap)):
         return -math.inf
     return solution.model_objective * (1.0 - solution.gap)
 

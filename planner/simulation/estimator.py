@@ -136,7 +136,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
             "grad_reduce_in_bf16 keeps", "--grad-reduce-in-bf16 keeps").replace("use engine", "use --engine").replace(
-            "TP communication overlap", "--tp-comm-overlap on").replace("(--moe-a2a-overlap)", "").replace(
+            "TP communication overlap", "--tp-comm-overlap on").replace(
             "expert parallelism ep=", "--ep ").replace(
             "expert tensor parallelism etp=", "--etp ")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too

@@ -204,11 +204,19 @@ def test_plan_moe_a2a_overlap_is_recorded_in_the_plan(run_cli, tmp_path):
     """`plan --moe-a2a-overlap` turns the combined 1F1B on for the expert-parallel candidates that
     can run it; the plan file records it, and `export --to megatron` writes Megatron-LM's flag."""
     out_path = tmp_path / "plan.json"
-    code, out, err = run_cli("plan", *MOE_JOB[:12], "--engine", "megatron", "--moe-a2a-overlap", "--out",
-                             str(out_path))
+    code, out, err = run_cli("plan", *MOE_JOB[:12], "--mbs", "1", "--engine", "megatron", "--moe-a2a-overlap",
+                             "--out", str(out_path))
     assert code == 0, err
     data = json.loads(out_path.read_text())
     assert data["mesh"]["ep"] == 8 and data["moe_a2a_overlap"] is True
     code, out, err = run_cli("export", "--plan", str(out_path), "--to", "megatron")
     assert code == 0, err
     assert "--overlap-moe-expert-parallel-comm" in out
+    # simulated under an engine without the schedule, the plan's all-to-alls block again: slower
+    # (micro-batches of 1, so the forwards and backwards pair)
+    code, out, err = run_cli("simulate", "--plan", str(out_path), "--json")
+    assert code == 0, err
+    paired = json.loads(out)["step_time_s"]
+    code, out, err = run_cli("simulate", "--plan", str(out_path), "--engine", "generic", "--json")
+    assert code == 0, err
+    assert json.loads(out)["step_time_s"] > paired
