@@ -237,11 +237,16 @@ def can_win(solution: StageSolution, best_s: float) -> bool:
 def _screened_solve(problems: list[StageProblem], best_s: float, pool) -> list[StageSolution]:
     """Solve `problems` at SCREEN_SHARE of their time limits, then once more with the whole limit
     those that stopped without a solution or that may still win against `best_s` (the best
-    objective before the batch: the decision does not depend on the order solves finish in)."""
-    screened = [replace(problem, time_limit_s=problem.time_limit_s * SCREEN_SHARE) for problem in problems]
+    objective before the batch: the decision does not depend on the order solves finish in).
+    Only the compact formulation's problems are screened (`pinned_structure`): the others, solved
+    per layer (slow to prove anything in a fifth of the limit) or on an envelope (whose bound
+    decides nothing, `proven_bound_s`), get their whole limit at once."""
+    screen = [pinned_structure(problem.table, problem.shape) is not None for problem in problems]
+    screened = [replace(problem, time_limit_s=problem.time_limit_s * SCREEN_SHARE) if short else problem
+                for problem, short in zip(problems, screen)]
     solutions = list(_solve_many(screened, pool))
-    again = [index for index, solution in enumerate(solutions)
-             if solution.status == "no_solution" or (solution.status == "time_limit" and can_win(solution, best_s))]
+    again = [index for index, solution in enumerate(solutions) if screen[index] and (
+        solution.status == "no_solution" or (solution.status == "time_limit" and can_win(solution, best_s)))]
     for index, solution in zip(again, _solve_many([problems[index] for index in again], pool)):
         previous = solutions[index]
         if not previous.feasible or (solution.feasible and solution.objective_s <= previous.objective_s):

@@ -79,3 +79,18 @@ def test_only_stopped_contenders_are_solved_again(monkeypatch):
     assert again == [LIMIT_S + 2, LIMIT_S + 3, LIMIT_S + 4]
     assert [s.objective_s for s in got] == [10.5, 12.0, 10.1, 10.4, 10.6]
     assert [s.status for s in got] == ["optimal", "time_limit", "optimal", "time_limit", "time_limit"]
+
+
+def test_problems_without_the_compact_structure_get_their_whole_limit_at_once(monkeypatch):
+    """Per-layer and envelope problems are not screened: one solve each, at the whole limit."""
+    limits = []
+
+    def fake_many(problems, pool):
+        limits.extend(problem.time_limit_s for problem in problems)
+        return [_stopped(11.0, 0.2) for _ in problems]
+
+    monkeypatch.setattr(solving, "_solve_many", fake_many)
+    monkeypatch.setattr(solving, "pinned_structure", lambda table, shape: None)
+    got = solving._screened_solve(_problems(3), 10.0, pool=None)
+    assert limits == [LIMIT_S, LIMIT_S + 1, LIMIT_S + 2]
+    assert [s.objective_s for s in got] == [11.0, 11.0, 11.0]
