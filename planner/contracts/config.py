@@ -335,16 +335,20 @@ class ParallelConfig:
             raise ValueError(f"moe_a2a_overlap must be true or false, got {self.moe_a2a_overlap!r}")
         if self.moe_a2a_overlap and self.ep == 1:  # nothing to hide: equal layouts compare equal
             object.__setattr__(self, "moe_a2a_overlap", False)
-        if not self.moe_a2a_overlap:
-            return
+        if self.moe_a2a_overlap and (problem := self.a2a_overlap_problem()):
+            raise ValueError(problem)
+
+    def a2a_overlap_problem(self) -> str | None:
+        """Why this layout cannot run Megatron-Core's combined 1F1B, or None (ep 1 included: it
+        then has nothing to hide). The search asks it of every candidate before turning it on."""
         if self.engine not in A2A_OVERLAP_ENGINES:
-            raise ValueError(f"{self.engine} has no combined 1F1B schedule: the expert all-to-all overlap "
-                             "(--moe-a2a-overlap) is Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine "
-                             "megatron")
+            return (f"{self.engine} has no combined 1F1B schedule: the expert all-to-all overlap "
+                    "(--moe-a2a-overlap) is Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine megatron")
         if self.pp > 1 and self.virtual_stages < 2:
-            raise ValueError(f"Megatron-LM's combined 1F1B with pipelining extends its interleaved schedule: pp={self.pp} "
-                             f"needs virtual stages > 1 (got {self.virtual_stages}); use --schedule interleaved "
-                             "with --vpp 2 or more")
+            return (f"Megatron-LM's combined 1F1B with pipelining extends its interleaved schedule: pp={self.pp} "
+                    f"needs virtual stages > 1 (got {self.virtual_stages}); use --schedule interleaved with --vpp 2 "
+                    "or more")
+        return None
 
     def _check_offload(self) -> None:
         if self.offload not in OFFLOAD:

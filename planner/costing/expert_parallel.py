@@ -279,9 +279,8 @@ def combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype: str 
     full = config.recompute == "full"
     a2a_fwd_s = a2a_pass_s(dispatch_send_bytes(layer, config, activation_scale(config.precision, profile_dtype)),
                            config, cluster, info)
-    attn_fwd_s = dense.fwd_compute_s + dense.tp_fwd_comm_s + dense.cp_fwd_comm_s + router_fwd_s
-    attn_bwd_s = (dense.bwd_compute_s + dense.recompute_s + dense.tp_bwd_comm_s + dense.cp_bwd_comm_s + router_bwd_s
-                  + (router_fwd_s if full else 0.0))
+    attn_fwd_s = dense.fwd_busy_s + router_fwd_s  # the dense part's compute stream (it has no all-to-all)
+    attn_bwd_s = dense.bwd_busy_s + router_bwd_s + (router_fwd_s if full else 0.0)
     share = paired_share(config.pp, config.virtual_stages, config.num_microbatches)
     sms = cluster.device.num_sms
     comm_sms = COMM_SMS.get(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), 0)

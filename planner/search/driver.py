@@ -131,7 +131,7 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
         candidates = [replace(c, tp_comm_overlap=request.tp_comm_overlap) if c.tp > 1 and c.sp else c
                       for c in candidates]
     if request.moe_a2a_overlap:  # Megatron-Core's combined 1F1B, where the candidate can run it
-        candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and (c.pp == 1 or c.virtual_stages > 1) else c
+        candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and c.a2a_overlap_problem() is None else c
                       for c in candidates]
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, request))
