@@ -92,7 +92,8 @@ def moe_runs() -> list[Run]:
                 BRIDGE_BF16_GRADS)),
     ]
     return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
-            + megatron_bridge_2026_h100_moe_runs() + dgx_cloud_deepseek_v3_runs())
+            + megatron_bridge_2026_h100_moe_runs() + megatron_bridge_docs_qwen3_30b_runs()
+            + dgx_cloud_deepseek_v3_runs())
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
@@ -221,6 +222,55 @@ def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
                       "last stages as meshplan places them", "the vocabulary of openai/gpt-oss-120b's config (201,088)"))
     return [qwen, gpt_oss] + qwen3_235b_h100_overlapped_runs()
 
+
+
+# Step times Megatron-Bridge's own guides print for Qwen3-30B-A3B on 16 H100 (2 nodes), BF16, sequence
+# 4096, TP 1, PP 1, EP 16 (expert TP 1), MBS 1, GBS 1024, force-balanced, no recomputation: the layout
+# of the recipe's 16-GPU H100 BF16 preset (config variant v1), which each guide runs.
+MEGATRON_BRIDGE_EP_OVERLAP_SMOKE = (
+    "Megatron-Bridge skills/perf-expert-parallel-overlap/SKILL.md, 'Measured Short-Run Evidence' "
+    "(github.com/NVIDIA-NeMo/Megatron-Bridge, commit 750d0d322a96cc28688fbb74aa767b12b852c1cd): mock pretraining, "
+    "--config_variant v1, iterations 3-8")
+MEGATRON_BRIDGE_EP_OVERLAP_SKILL = (
+    "Megatron-Bridge skills/nemo-mbridge-perf-expert-parallel-overlap/SKILL.md, 'HybridEP Production-Shape "
+    "Benchmark' (github.com/NVIDIA-NeMo/Megatron-Bridge, commit 7ded17dae62523b664dd3d8d2dbc632c844b1cef)")
+
+
+def megatron_bridge_docs_qwen3_30b_runs() -> list[Run]:
+    """Qwen3-30B-A3B on 16 H100 from Megatron-Bridge's guides (HELD_OUT_MOE), two A/Bs of Megatron-Core's
+    combined 1F1B (plain EP overlap, delayed weight gradients off):
+
+    - the alltoall dispatcher, CUDA graphs off, unfused permutation: 41.25 s without overlap, 31.31 s
+      with it (iterations 3-8 of 8-step runs);
+    - HybridEP with Transformer Engine CUDA graphs over the router and the dispatch preprocessing:
+      24.7138 s without overlap (iterations 5-20) and 20.9920 s with it (the independent validation,
+      iterations 41-50).
+
+    Left out, each the same layout as a run above: the CUDA-graph guide's eager alltoall run (41.36 s,
+    iterations 5-8; docs/training/cuda-graphs.md), the verification card's canonical HybridEP run with
+    overlap (20.147 s; HybridEP tuned to 32 SMs and 64-token combine chunks), the MoE guide's 5-step smoke
+    run (45.65 s, alltoall with CUDA graphs). Later copies of the alltoall A/B's guide call it fine-tuning;
+    its first text and command (--task pretrain) say pretraining."""
+    common = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
+              BRIDGE_BF16_GRADS, "no recomputation (the 16-GPU H100 BF16 preset clears it)")
+    alltoall = ("Megatron-Core's alltoall dispatcher with its permutation unfused (moe_permute_fusion=false, "
+                "costed as any permutation); no CUDA graphs",)
+    hybridep = ("the flex dispatcher with HybridEP costed as DeepEP's traffic and SMs (--moe-dispatcher deepep)",
+                "Transformer Engine CUDA graphs over moe_router and moe_preprocess (host launch cost: not modelled)")
+    off, on = ("the all-to-alls not overlapped with compute (the A/B's overlap-off case)",), (A2A_OVERLAPPED,)
+    layout = dict(cluster="h100-sxm", spec="qwen3-30b-a3b", gpus=16, global_batch=1024, seq=4096, zero=1, ep=16,
+                  etp=1, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn")
+    name = "Megatron-Bridge guide Qwen3-30B-A3B bf16 ep16"
+    return [
+        Run(f"{name} alltoall", HELD_OUT_MOE, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE, published_step_s=41.25,
+            moe_dispatcher="alltoall", assumptions=common + alltoall + off, **layout),
+        Run(f"{name} alltoall a2a-overlap", HELD_OUT_MOE, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE, published_step_s=31.31,
+            moe_dispatcher="alltoall", moe_a2a_overlap=True, assumptions=common + alltoall + on, **layout),
+        Run(f"{name} hybridep", HELD_OUT_MOE, MEGATRON_BRIDGE_EP_OVERLAP_SKILL, published_step_s=24.7138,
+            moe_dispatcher="deepep", assumptions=common + hybridep + off, **layout),
+        Run(f"{name} hybridep a2a-overlap", HELD_OUT_MOE, MEGATRON_BRIDGE_EP_OVERLAP_SKILL, published_step_s=20.9920,
+            moe_dispatcher="deepep", moe_a2a_overlap=True, assumptions=common + hybridep + on, **layout),
+    ]
 
 MEGATRON_BRIDGE_2511_ARCHIVE_H100 = (
     "Megatron-Bridge docs/performance-summary-archive.md, DGX-H100 rows of the 25.11 NeMo container "

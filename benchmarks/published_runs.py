@@ -59,6 +59,11 @@ parallelism, costed under balanced routing:
   combined 1F1B) at GBS 2048 (25.11, as the page's own correction, commit
   5776a6d90b4dd8692902ab2eb581369484e19283, restored the row) and at GBS 8192 (26.04.01, the latest
   release printing it) (`published_moe_runs.qwen3_235b_h100_overlapped_runs`).
+- Megatron-Bridge's guides (skills/perf-expert-parallel-overlap/SKILL.md at commits 750d0d3 and
+  7ded17d): Qwen3-30B-A3B in BF16 on 16 H100, EP 16, GBS 1024, with and without Megatron-Core's
+  combined 1F1B, under the alltoall dispatcher (41.25 and 31.31 s) and under HybridEP with CUDA
+  graphs over the router (24.71 and 20.99 s) (`published_moe_runs.megatron_bridge_docs_qwen3_30b_runs`,
+  which lists the guides' other runs of the same layouts, left out).
 - NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking, commit
   1f6d9f40e4117d7c71b726f86074ac01c29f87f5): DeepSeek-V3 in BF16 on 512 and 1,024 H100 (TP 2, PP 8
   or 16, EP 64, 48.9 and 52.0 s a step), each under its recipe: NeMo's pretrain_deepseek_v3.py at

@@ -90,7 +90,7 @@ from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
                                                   is_expert_linear, router_flops, router_times_s, shuffle_time_s)
 from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
-from meshplan.planner.costing.moe_overlap import COMM_SMS, hidden_a2a_share, paired_share
+from meshplan.planner.costing.moe_overlap import compute_slowdown, hidden_a2a_share, paired_share
 from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 
@@ -282,10 +282,9 @@ def combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype: str 
     attn_fwd_s = dense.fwd_busy_s + router_fwd_s  # the dense part's compute stream (it has no all-to-all)
     attn_bwd_s = dense.bwd_busy_s + router_bwd_s + (router_fwd_s if full else 0.0)
     share = paired_share(config.pp, config.virtual_stages, config.num_microbatches)
-    sms = cluster.device.num_sms
-    comm_sms = COMM_SMS.get(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), 0)
+    slowdown = compute_slowdown(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), cluster.device.num_sms)
     return hidden_a2a_share(attn_fwd_s, fwd_s, attn_bwd_s, bwd_s + (fwd_s if full else 0.0), a2a_fwd_s,
-                            a2a_fwd_s * (2 if full else 1), share, comm_sms / sms if sms > comm_sms else 0.0)
+                            a2a_fwd_s * (2 if full else 1), share, slowdown)
 
 
 def check_expert_parallel(info, ep: int, etp: int | None = None) -> None:

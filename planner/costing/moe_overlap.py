@@ -20,16 +20,35 @@ with p > 1 the schedule needs v > 1 (`ParallelConfig` refuses it otherwise).
 
 `hidden_a2a_share` is what `expert_parallel.ep_comm_s` takes as `a2a_overlap`: the share of the
 all-to-alls off the compute stream, averaged over a rank's passes and over the pipeline ranks.
-Dispatch and combine move the same tokens, so each is half of a pass's all-to-all time. A
-dispatcher that runs its transfers on SMs of its own (DeepEP's normal kernels: Megatron-Core's
-`moe_deepep_num_sms`, 20 by default) leaves the compute that runs beside them the other SMs:
-that compute takes SMs / (SMs - k) times as long (`COMM_SMS`; NCCL's all-to-all, whose CTA count
-follows the topology NCCL detects, is not charged).
+Dispatch and combine move the same tokens, so each is half of a pass's all-to-all time. Compute
+that runs beside the transfers runs slower (`compute_slowdown`): a dispatcher that holds SMs of
+its own (DeepEP's normal kernels: Megatron-Core's `moe_deepep_num_sms`, 20 by default) leaves the
+compute the other SMs, so it takes SMs / (SMs - k) times as long (`COMM_SMS`); NCCL's all-to-all,
+whose CTA count follows the topology NCCL detects, is charged the measured mean instead: compute
+beside a collective ran 18.9% slower on average than alone (Lee et al. 2025, "Characterizing
+Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning", arXiv:2507.03114:
+GPT and LLaMA training on 4 A100, H100, MI250 and MI210; `NCCL_COMPUTE_SLOWDOWN`).
 """
 from __future__ import annotations
 
 # SMs a dispatcher's kernels hold while they run (Megatron-Core TransformerConfig: moe_deepep_num_sms = 20).
 COMM_SMS = {"deepep": 20}
+# Compute beside an NCCL collective: 18.9% slower on average than alone (Lee et al. 2025, arXiv:2507.03114).
+NCCL_COMPUTE_SLOWDOWN = 0.189
+
+
+def compute_slowdown(dispatcher: str, num_sms: int) -> float:
+    """How much longer compute takes while `dispatcher`'s transfers run beside it, as a fraction
+    (0.25: 1.25 times as long): DeepEP's held SMs, k / (SMs - k), or NCCL's measured mean; 0 on a
+    device without SMs (no GPU: nothing shares them)."""
+    if num_sms <= 0:
+        return 0.0
+    held = COMM_SMS.get(dispatcher)
+    if held is None:
+        return NCCL_COMPUTE_SLOWDOWN
+    if held >= num_sms:
+        raise ValueError(f"the {dispatcher} dispatcher's {held} SMs leave none of the device's {num_sms} for compute")
+    return held / (num_sms - held)
 
 
 def warmup_passes(pp: int, virtual_stages: int, num_microbatches: int, rank: int) -> int:
@@ -67,20 +86,20 @@ def paired_layer_s(attn_fwd_s: float, expert_fwd_s: float, attn_bwd_s: float, ex
 
 
 def hidden_a2a_share(attn_fwd_s: float, expert_fwd_s: float, attn_bwd_s: float, expert_bwd_s: float,
-                     a2a_fwd_s: float, a2a_bwd_s: float, share: float, comm_sm_share: float = 0.0) -> float:
+                     a2a_fwd_s: float, a2a_bwd_s: float, share: float, slowdown: float = 0.0) -> float:
     """The share of a layer's all-to-all time (forward and backward) the combined 1F1B hides,
-    `share` of its passes running paired (`paired_share`) and the rest alone; `comm_sm_share`: the
-    share of the GPU's SMs the dispatcher's kernels hold (`COMM_SMS`). Paired, the streams run
-    side by side for (compute + all-to-all - critical path) seconds, and compute slows by
-    1 / (1 - comm_sm_share) over them: that stretch counts as exposed all-to-all."""
-    if not 0.0 <= comm_sm_share < 1.0:
-        raise ValueError(f"the dispatcher's share of the SMs must lie in [0, 1), got {comm_sm_share}")
+    `share` of its passes running paired (`paired_share`) and the rest alone; `slowdown`: how much
+    longer compute takes beside the transfers (`compute_slowdown`). Paired, the streams run side
+    by side for (compute + all-to-all - critical path) seconds, and compute takes 1 + slowdown
+    times as long over them: that stretch counts as exposed all-to-all."""
+    if not slowdown >= 0.0:
+        raise ValueError(f"the compute slowdown beside the all-to-alls must be >= 0, got {slowdown}")
     a2a_s = a2a_fwd_s + a2a_bwd_s
     if a2a_s <= 0:
         return 0.0
     compute_s = attn_fwd_s + expert_fwd_s + attn_bwd_s + expert_bwd_s
     path_s = paired_layer_s(attn_fwd_s, expert_fwd_s, attn_bwd_s, expert_bwd_s, a2a_fwd_s, a2a_bwd_s)
     side_by_side_s = max(0.0, compute_s + a2a_s - path_s)
-    exposed_paired_s = path_s - compute_s + side_by_side_s * comm_sm_share / (1.0 - comm_sm_share)
+    exposed_paired_s = path_s - compute_s + side_by_side_s * slowdown
     exposed_s = share * exposed_paired_s + (1.0 - share) * a2a_s
     return min(1.0, max(0.0, 1.0 - exposed_s / a2a_s))

@@ -12,7 +12,8 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import expert_parallel
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
-from meshplan.planner.costing.moe_overlap import hidden_a2a_share, paired_layer_s, paired_share, warmup_passes
+from meshplan.planner.costing.moe_overlap import (compute_slowdown, hidden_a2a_share, paired_layer_s, paired_share,
+                                                  warmup_passes)
 from meshplan.planner.engines.bridge import export_plan, read_engine_text
 from meshplan.planner.profiling.profiler import profile
 
@@ -47,12 +48,22 @@ def test_hidden_share_at_its_limits():
     assert hidden_a2a_share(1, 2, 2, 4, 1, 1, share=0.0) == pytest.approx(0.0)  # nothing paired
     # paired, the 20 ms path over 9 ms of compute exposes 11 of the 20 ms of transfers
     assert hidden_a2a_share(1, 2, 2, 4, 10, 10, share=1.0) == pytest.approx(9 / 20)
-    # the dispatcher holding a fifth of the SMs slows the 2 ms that compute runs beside the
-    # transfers by 1/0.8: 0.5 ms of them exposed
-    assert hidden_a2a_share(1, 2, 2, 4, 1, 1, share=1.0, comm_sm_share=0.2) == pytest.approx(1 - 0.5 / 2)
+    # compute a quarter slower beside the transfers (a dispatcher holding a fifth of the SMs) stretches
+    # the 2 ms it runs beside them by 0.5 ms: exposed
+    assert hidden_a2a_share(1, 2, 2, 4, 1, 1, share=1.0, slowdown=0.25) == pytest.approx(1 - 0.5 / 2)
     assert hidden_a2a_share(1, 2, 2, 4, 0, 0, share=1.0) == 0.0
-    with pytest.raises(ValueError, match="share of the SMs"):
-        hidden_a2a_share(1, 2, 2, 4, 1, 1, share=1.0, comm_sm_share=1.0)
+    with pytest.raises(ValueError, match="slowdown"):
+        hidden_a2a_share(1, 2, 2, 4, 1, 1, share=1.0, slowdown=-0.1)
+
+
+def test_compute_beside_each_dispatcher():
+    """DeepEP holds its 20 SMs: on H100's 132 the compute beside it takes 132/112 as long; NCCL's
+    all-to-all is charged the measured 18.9% (Lee et al. 2025); no SMs (CPU), no slowdown."""
+    assert compute_slowdown("deepep", 132) == pytest.approx(20 / 112)
+    assert compute_slowdown("alltoall", 132) == pytest.approx(0.189)
+    assert compute_slowdown("alltoall", 0) == 0.0
+    with pytest.raises(ValueError, match="leave none"):
+        compute_slowdown("deepep", 20)
 
 
 def _config(**changes) -> ParallelConfig:
