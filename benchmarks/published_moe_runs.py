@@ -93,7 +93,7 @@ def moe_runs() -> list[Run]:
     ]
     return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
             + megatron_bridge_2026_h100_moe_runs() + megatron_bridge_docs_qwen3_30b_runs()
-            + dgx_cloud_deepseek_v3_runs())
+            + dgx_cloud_deepseek_v3_runs() + megatron_bridge_deepseek_v3_card_runs())
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
@@ -349,3 +349,38 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
                 mtp_num_layers=1,
                 assumptions=assumptions)
             for gpus, pp, step_s in DGX_CLOUD_DEEPSEEK_V3_H100]
+
+
+# Megatron-Bridge's model verification card for DeepSeek-V3: its canonical H100 performance run.
+MEGATRON_BRIDGE_DEEPSEEK_V3_CARD = (
+    "Megatron-Bridge examples/model_verification_cards/deepseek-v3/card.yaml, pretrain_performance.H100 "
+    "(github.com/NVIDIA-NeMo/Megatron-Bridge, card at commit 6d9a87d6a0ba7550fdd9455ef2a97a62a7dcdef3; steps 41-50 "
+    "of 50); recipe: src/megatron/bridge/perf_recipes/deepseek/h100/deepseek_v3.py at the card's bridge_commit "
+    "79308d0d99fb8c09b3f1a22baa68a4ffa4f4ce1e")
+
+
+def megatron_bridge_deepseek_v3_card_runs() -> list[Run]:
+    """DeepSeek-V3 in BF16 on 1,024 H100 (HELD_OUT_MOE), the verification card's canonical run: 61.756 s a
+    step. deepseek_v3_pretrain_1024gpu_h100_bf16_config: TP 2 (SP), PP 8, VP 4, EP 64, expert TP 1,
+    GBS 16384, MBS 1, sequence 4096; the pipeline layout "Et|(tt|)*30mL" (the embedding and one block,
+    thirty chunks of two blocks, the multi-token-prediction layer and the loss: `stage_blocks` per virtual
+    chunk); the flex dispatcher with HybridEP; forced balancing (random logits, group-limited routing
+    kept); the latent attention's up-projections and the dense MLPs recomputed; gradients reduced in
+    bf16; TP communication and the combined 1F1B off."""
+    assumptions = (
+        CUDNN_ATTENTION,
+        "balanced routing inside DeepSeek-V3's group limit (4 of 8 expert groups, one group a node at EP 64): "
+        "Megatron-Core's forced balancing draws random logits and keeps the group-limited top-k",
+        "the flex dispatcher with HybridEP costed as DeepEP's node-deduplicated traffic (--moe-dispatcher deepep), "
+        "not overlapped with compute",
+        "recompute_modules mla_up_proj and mlp (the latent attention's up-projections, the dense blocks' MLPs)",
+        "TP communication not overlapped (CommOverlapConfig(tp_comm_overlap=False))",
+        "the distributed optimizer costed as ZeRO-1, gradients reduced in bf16; the recipe turns "
+        "--overlap-grad-reduce off, priced as overlapped as every megatron run is",
+        "one multi-token-prediction layer (--mtp-num-layers 1) with the loss in the last virtual chunk",
+    )
+    return [Run("Megatron-Bridge card DeepSeek-V3 bf16 tp2 pp8 vpp4 ep64", HELD_OUT_MOE, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
+                "h100-sxm", "deepseek-v3", 1024, 16384, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=64,
+                etp=1, recompute_modules=("mla_up_proj", "mlp"), published_step_s=61.75613, engine="megatron",
+                attention="cudnn", tp_comm_overlap=False, moe_dispatcher="deepep", grad_reduce_in_bf16=True,
+                stage_blocks=(1,) + (2,) * 30 + (0,), mtp_num_layers=1, assumptions=assumptions)]

@@ -64,6 +64,11 @@ parallelism, costed under balanced routing:
   combined 1F1B, under the alltoall dispatcher (41.25 and 31.31 s) and under HybridEP with CUDA
   graphs over the router (24.71 and 20.99 s) (`published_moe_runs.megatron_bridge_docs_qwen3_30b_runs`,
   which lists the guides' other runs of the same layouts, left out).
+- Megatron-Bridge's DeepSeek-V3 verification card (examples/model_verification_cards/deepseek-v3/card.yaml):
+  its canonical H100 performance run, BF16 on 1,024 GPUs, TP 2 / PP 8 / VP 4 / EP 64, 61.756 s a step,
+  under the recipe at the card's commit (`published_moe_runs.megatron_bridge_deepseek_v3_card_runs`); the
+  other cards' H100 runs are Qwen3-30B-A3B's (the guides' HybridEP layout, above) and hybrid Mamba or
+  linear-attention models meshplan does not profile (Nemotron 3, Qwen3.6).
 - NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking, commit
   1f6d9f40e4117d7c71b726f86074ac01c29f87f5): DeepSeek-V3 in BF16 on 512 and 1,024 H100 (TP 2, PP 8
   or 16, EP 64, 48.9 and 52.0 s a step), each under its recipe: NeMo's pretrain_deepseek_v3.py at

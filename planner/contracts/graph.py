@@ -213,6 +213,10 @@ class ModelInfo:
     # The token dispatcher the engine runs (`contracts.config.MOE_DISPATCHERS`): what the dispatch
     # and combine exchanges cost (`planner.costing.moe_dispatch`).
     moe_dispatcher: str = MOE_DISPATCHERS[0]
+    # Group-limited routing (DeepSeek's node-limited routing; HF n_group / topk_group): each token's
+    # experts lie in moe_router_group_topk of moe_router_groups contiguous expert groups (1, 0: no limit).
+    moe_router_groups: int = 1
+    moe_router_group_topk: int = 0
     # Multi-head latent attention (DeepSeek-V2/V3; 0 without): the compressed K/V latent's width
     # (kv_lora_rank, 0: no MLA) and the query's (q_lora_rank, 0: a full-rank query), the rotary
     # part of each query/key head (head_dim is nope + rope) and each value head's width.
@@ -238,6 +242,9 @@ class ModelInfo:
             raise ValueError(f"moe_capacity_factor must be a finite number > 0 (0: none), got {self.moe_capacity_factor}")
         if self.moe_pad_to_capacity and not self.moe_capacity_factor:
             raise ValueError("moe_pad_to_capacity needs a moe_capacity_factor")
+        if self.moe_router_groups < 1 or not 0 <= self.moe_router_group_topk <= self.moe_router_groups:
+            raise ValueError(f"group-limited routing needs groups >= 1 and 0 <= group top-k <= groups, got "
+                             f"{self.moe_router_groups} groups, top-{self.moe_router_group_topk}")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ValueError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         if self.top_k > self.num_experts:

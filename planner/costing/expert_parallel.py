@@ -266,7 +266,7 @@ def a2a_pass_s(send_bytes: float, config, cluster, info) -> float:
     dispatcher), nothing hidden."""
     return dispatch_combine_s(getattr(info, "moe_dispatcher", DEFAULT_MOE_DISPATCHER), send_bytes * load_factor(info),
                               send_bytes / max(1, info.top_k), config.ep, config.expert_tp, cluster, info.num_experts,
-                              info.top_k)
+                              info.top_k, info.moe_router_groups, info.moe_router_group_topk)
 
 
 def combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype: str | None, memo: dict | None) -> float:

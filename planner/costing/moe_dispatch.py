@@ -33,6 +33,15 @@ g of its ranks on the fullest node.
   GPU grain), so every NVLink term above carries that many of a token's copies instead of k
   (`per_gpu_share`: 2/3 for top-8 of 128 experts over 8 GPUs). On one node this is the NVLink
   all-to-all of the deduplicated bytes.
+Group-limited routing (DeepSeek-V2/V3's node-limited routing, Megatron-Core's
+`--moe-router-num-groups` / `--moe-router-group-topk`, the HF config's n_group / topk_group): the
+experts form G contiguous groups, a token first picks M of them and then its k experts among those
+M groups' experts only, so its copies reach at most M groups; "each token will be sent to at most
+M nodes" (DeepSeek-V3 technical report, section 2.1.2, M = 4 of 8 groups, one group a node at EP 64).
+Under balanced routing (Megatron-Core's forced balancing draws random logits and keeps the group
+limit) the M groups are any M of the G and the k experts any k of theirs, so a node, or GPU, is hit
+with the probability `expected_distinct_bins` counts exactly where groups nest in nodes or nodes in
+groups; other layouts keep the unlimited count.
 The combine mirrors the dispatch: the same bytes the other way (each GPU returns one partial sum
 per token it received).
 """
@@ -54,22 +63,46 @@ def expected_distinct_nodes(num_experts: int, top_k: int, num_nodes: int) -> flo
     return num_nodes * (1.0 - missed)
 
 
-def per_gpu_share(num_experts: int, top_k: int, ep: int) -> float:
+def expected_distinct_bins(num_experts: int, top_k: int, bins: int, groups: int = 1, group_topk: int = 0) -> float:
+    """Expected distinct bins (nodes or GPUs, E / bins contiguous experts each) a token's top-k
+    reach when it picks its experts inside `group_topk` of `groups` contiguous expert groups
+    (module docstring); without a group limit, or where groups and bins do not nest,
+    `expected_distinct_nodes`."""
+    per_group = num_experts // groups if groups > 0 else 0
+    chosen = group_topk * per_group
+    limited = groups > 1 and 0 < group_topk < groups and not num_experts % groups and top_k <= chosen
+    if not limited or not (groups % bins == 0 or bins % groups == 0) or num_experts % bins:
+        return expected_distinct_nodes(num_experts, top_k, bins)
+
+    def missed(experts_out: int) -> float:  # P(none of the k among the chosen lie in `experts_out` of them)
+        return comb(chosen - experts_out, top_k) / comb(chosen, top_k)
+
+    if bins % groups == 0:  # each group spans bins / groups bins: a bin is hit only if its group is chosen
+        return bins * group_topk / groups * (1.0 - missed(num_experts // bins))
+    held = groups // bins  # each bin holds whole groups, j of them chosen (hypergeometric)
+    total = sum(comb(held, j) * comb(groups - held, group_topk - j) / comb(groups, group_topk)
+                * (1.0 - missed(j * per_group)) for j in range(0, min(held, group_topk) + 1))
+    return bins * total
+
+
+def per_gpu_share(num_experts: int, top_k: int, ep: int, groups: int = 1, group_topk: int = 0) -> float:
     """The share of a token's k routed copies DeepEP sends over NVLink: one per distinct GPU of
-    the ep-rank group its experts fall on, ep (1 - C(E - E/ep, k) / C(E, k)) / k (module docstring)."""
-    return expected_distinct_nodes(num_experts, top_k, ep) / top_k
+    the ep-rank group its experts fall on, ep (1 - C(E - E/ep, k) / C(E, k)) / k without a group
+    limit (module docstring)."""
+    return expected_distinct_bins(num_experts, top_k, ep, groups, group_topk) / top_k
 
 
-def deepep_dispatch_s(copy_bytes: float, ep: int, stride: int, cluster, num_experts: int, top_k: int) -> float:
+def deepep_dispatch_s(copy_bytes: float, ep: int, stride: int, cluster, num_experts: int, top_k: int,
+                      groups: int = 1, group_topk: int = 0) -> float:
     """One DeepEP dispatch (or combine) of `copy_bytes` (F D) per rank over ep ranks `stride` apart
     (module docstring): the node-deduplicated rail traffic or the GPU-deduplicated NVLink sends and
-    forwarding, whichever is slower."""
+    forwarding, whichever is slower; `groups`, `group_topk`: the router's group limit (1, 0: none)."""
     placement = group_placement(ep, stride, cluster.gpus_per_node)
     nodes, per_node = placement.num_nodes, placement.ranks_per_node
-    share = per_gpu_share(num_experts, top_k, ep)
+    share = per_gpu_share(num_experts, top_k, ep, groups, group_topk)
     if nodes == 1 or num_experts % nodes:  # one node (or experts not split per node): the NVLink all-to-all
         return collective_time_s("all_to_all", copy_bytes * share, ep, cluster, stride)
-    remote_nodes = expected_distinct_nodes(num_experts, top_k, nodes) * (nodes - 1) / nodes
+    remote_nodes = expected_distinct_bins(num_experts, top_k, nodes, groups, group_topk) * (nodes - 1) / nodes
     rail_bytes = per_node * copy_bytes / top_k * remote_nodes  # the fullest node's, over its rails
     rails = min(per_node, cluster.nics_per_node)
     inter_s = rail_bytes / (rails * cluster.inter_node.bw_for("all_to_all"))
@@ -80,9 +113,10 @@ def deepep_dispatch_s(copy_bytes: float, ep: int, stride: int, cluster, num_expe
 
 
 def dispatch_combine_s(dispatcher: str, copy_bytes: float, token_bytes: float, ep: int, stride: int, cluster,
-                       num_experts: int, top_k: int) -> float:
+                       num_experts: int, top_k: int, groups: int = 1, group_topk: int = 0) -> float:
     """One pass's dispatch plus combine under `dispatcher`: `copy_bytes` the busiest rank's routed
-    copies (F D), `token_bytes` one rank's tokens (D / k), over ep ranks `stride` apart."""
+    copies (F D), `token_bytes` one rank's tokens (D / k), over ep ranks `stride` apart; `groups`,
+    `group_topk`: the router's group limit, which DeepEP's node deduplication sees (1, 0: none)."""
     if dispatcher not in MOE_DISPATCHERS:
         raise ValueError(f"moe dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {dispatcher!r}")
     if ep == 1 or copy_bytes <= 0:
@@ -92,5 +126,5 @@ def dispatch_combine_s(dispatcher: str, copy_bytes: float, token_bytes: float, e
         return (collective_time_s("all_gather", gathered, ep, cluster, stride)
                 + collective_time_s("reduce_scatter", gathered, ep, cluster, stride))
     if dispatcher == "deepep":
-        return 2 * deepep_dispatch_s(copy_bytes, ep, stride, cluster, num_experts, top_k)
+        return 2 * deepep_dispatch_s(copy_bytes, ep, stride, cluster, num_experts, top_k, groups, group_topk)
     return 2 * collective_time_s("all_to_all", copy_bytes, ep, cluster, stride)

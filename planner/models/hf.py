@@ -378,7 +378,7 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
     if moe_layer is not None:
         dense = sum(1 for layer in all_layers if not expert_modules(layer))
         moe = dict(num_experts=_num_experts(moe_layer), top_k=_top_k(config, moe_layer), dense_layers=dense,
-                   **_expert_widths(config, every_layer_moe=dense == 0))
+                   **_expert_widths(config, every_layer_moe=dense == 0), **_router_groups(config))
     return ModelInfo(family="hf", num_layers=len(all_layers),
                      hidden=getattr(config, "hidden_size", 0) or 0, num_heads=heads,
                      num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -387,6 +387,14 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      attn_implementation=attn, notes=notes + fused_note(attn) + window_notes(attn, kept_layers),
                      **moe,
                      **(_latent_attention(config) or _head_dim(config)))
+
+
+def _router_groups(config) -> dict:
+    """DeepSeek's group-limited routing (n_group, topk_group), as ModelInfo names it; {} without one."""
+    groups, group_topk = _positive_int(getattr(config, "n_group", 0)), _positive_int(getattr(config, "topk_group", 0))
+    if groups > 1 and 0 < group_topk < groups:
+        return dict(moe_router_groups=groups, moe_router_group_topk=group_topk)
+    return {}
 
 
 def _positive_int(value) -> int:

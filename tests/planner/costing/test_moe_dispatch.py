@@ -19,8 +19,8 @@ from meshplan.planner.contracts.plan import ModelRef, plan_from_json
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
-from meshplan.planner.costing.moe_dispatch import (deepep_dispatch_s, dispatch_combine_s, expected_distinct_nodes,
-                                                  per_gpu_share)
+from meshplan.planner.costing.moe_dispatch import (deepep_dispatch_s, dispatch_combine_s, expected_distinct_bins,
+                                                  expected_distinct_nodes, per_gpu_share)
 from meshplan.planner.engines.bridge import export_plan
 from meshplan.planner.engines.launch_script import parse_arguments
 from meshplan.planner.engines.megatron import read_megatron
@@ -51,6 +51,38 @@ def test_expected_distinct_nodes_worked_example():
     assert expected_distinct_nodes(8, 2, 1) == 1.0
     with pytest.raises(ValueError, match="experts=10, nodes=4"):
         expected_distinct_nodes(10, 2, 4)
+
+
+def _brute_force_group_limited(experts: int, top_k: int, bins: int, groups: int, group_topk: int) -> float:
+    """Every choice of group_topk groups, then every top-k of their experts, equally likely: the
+    mean distinct bins (E / bins contiguous experts each) hit."""
+    per_group, per_bin, means = experts // groups, experts // bins, []
+    for chosen in combinations(range(groups), group_topk):
+        pool = [g * per_group + i for g in chosen for i in range(per_group)]
+        picks = list(combinations(pool, top_k))
+        means.append(sum(len({e // per_bin for e in pick}) for pick in picks) / len(picks))
+    return sum(means) / len(means)
+
+
+@pytest.mark.parametrize("experts,top_k,bins,groups,group_topk", [
+    (16, 3, 4, 4, 2),    # one group a bin (DeepSeek-V3's group a node)
+    (16, 3, 2, 4, 2),    # two groups a bin
+    (16, 2, 8, 4, 2),    # a group over two bins (GPUs inside a node's group)
+    (12, 4, 3, 6, 3),
+    (16, 3, 4, 4, 4),    # every group allowed: the unlimited count
+])
+def test_group_limited_distinct_bins_is_the_enumerated_mean(experts, top_k, bins, groups, group_topk):
+    assert expected_distinct_bins(experts, top_k, bins, groups, group_topk) == pytest.approx(
+        _brute_force_group_limited(experts, top_k, bins, groups, group_topk), rel=1e-12)
+
+
+def test_deepseek_v3_node_limit():
+    """Top-8 of 256 experts in 4 of 8 groups, one group a node: 3.63 nodes a token instead of the
+    unlimited 5.29 (the report's 'at most 4 nodes'); groups that nest in no bins keep the unlimited count."""
+    assert expected_distinct_bins(256, 8, 8, 8, 4) == pytest.approx(4 * (1 - comb(96, 8) / comb(128, 8)))
+    assert expected_distinct_bins(256, 8, 8, 8, 4) <= 4 < expected_distinct_nodes(256, 8, 8)
+    assert expected_distinct_bins(24, 2, 4, 6, 3) == expected_distinct_nodes(24, 2, 4)
+    assert expected_distinct_bins(256, 8, 8) == expected_distinct_nodes(256, 8, 8)
 
 
 def _brute_force_per_gpu_share(experts: int, top_k: int, ep: int) -> float:
@@ -243,3 +275,16 @@ def test_a_plan_under_another_dispatcher_is_planned_not_executed(run_cli, tmp_pa
     data = json.loads(out_file.read_text())
     assert data["model"]["moe_dispatcher"] == "allgather" and data["mesh"]["ep"] == 8
     assert data["executable"] is False and "allgather token dispatcher" in data["not_executable_reason"]
+
+
+def test_the_group_limit_comes_from_the_hf_config_and_is_checked():
+    from types import SimpleNamespace
+
+    from meshplan.planner.models.hf import _router_groups
+
+    assert _router_groups(SimpleNamespace(n_group=8, topk_group=4)) == dict(moe_router_groups=8, moe_router_group_topk=4)
+    assert _router_groups(SimpleNamespace(n_group=1, topk_group=1)) == {}  # DeepSeek-V2-Lite: no limit
+    assert _router_groups(SimpleNamespace()) == {}
+    with pytest.raises(ValueError, match="8 groups, top-9"):
+        ModelInfo(family="moe", num_layers=1, hidden=8, num_heads=1, num_kv_heads=1, ffn=8, vocab=8,
+                  moe_router_groups=8, moe_router_group_topk=9)
