@@ -93,7 +93,8 @@ def moe_runs() -> list[Run]:
     ]
     return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
             + megatron_bridge_2026_h100_moe_runs() + megatron_bridge_docs_qwen3_30b_runs()
-            + dgx_cloud_deepseek_v3_runs() + megatron_bridge_deepseek_v3_card_runs())
+            + dgx_cloud_deepseek_v3_runs() + megatron_bridge_deepseek_v3_card_runs()
+            + megatron_bridge_blackwell_deepseek_v3_runs())
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:
@@ -384,3 +385,29 @@ def megatron_bridge_deepseek_v3_card_runs() -> list[Run]:
                 etp=1, recompute_modules=("mla_up_proj", "mlp"), published_step_s=61.75613, engine="megatron",
                 attention="cudnn", tp_comm_overlap=False, moe_dispatcher="deepep", grad_reduce_in_bf16=True,
                 stage_blocks=(1,) + (2,) * 30 + (0,), mtp_num_layers=1, assumptions=assumptions)]
+
+
+def megatron_bridge_blackwell_deepseek_v3_runs() -> list[Run]:
+    """Megatron-Bridge 25.11's DGX-B200 DeepSeek-V3 row (HELD_OUT_MOE): MXFP8 on 256 B200, PP 16, EP 8,
+    GBS 2048, MBS 1, 2139 tokens/s/GPU, as the recipe at the source's commit runs it
+    (scripts/performance/configs/deepseek/: the B200 preset, deepseek_llm_pretrain.py and the DeepSeek-V3
+    recipe's layout for PP 16: the embedding and 4 blocks, fourteen stages of 4, one block with the
+    multi-token-prediction layer and the loss). Left out: its DGX-GB200 rows, whose printed layouts (GBS
+    4096; PP 8 / EP 32 for MXFP8) are not the recipe's at that commit (GBS 2048, PP 4 / EP 64), and its
+    GB300 rows (no GB300 profile)."""
+    assumptions = (
+        CUDNN_ATTENTION,
+        "balanced routing inside DeepSeek-V3's group limit (set_deepseek_v3_common_configs forces balancing: "
+        "random logits, group-limited top-k kept)",
+        "Megatron-Core's alltoall dispatcher (the B200 preset names no flex backend), not overlapped with compute",
+        "recompute_modules mla_up_proj (the B200 preset); one multi-token-prediction layer with the loss on the "
+        "last stage (the recipe's layout for PP 16)",
+        "the distributed optimizer costed as ZeRO-1, gradients reduced in bf16 (set_deepseek_v3_common_configs)",
+        "FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current scaling)",
+        "the profile's efficiencies are H100 SXM's (b200 is not validated on Blackwell)",
+    )
+    return [Run("Megatron-Bridge B200 DeepSeek-V3 fp8 pp16 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, "b200",
+                "deepseek-v3", 256, 2048, 4096, pp=16, zero=1, ep=8, etp=1, recompute_modules=("mla_up_proj",),
+                precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=2139.0 * 256, engine="megatron",
+                attention="cudnn", grad_reduce_in_bf16=True, stage_blocks=(4,) * 15 + (1,), mtp_num_layers=1,
+                assumptions=assumptions)]

@@ -83,9 +83,9 @@ engine's maintainers call a published figure a regression of that release, the r
 words (`Run.regression`); it is scored like any other, and bench_fidelity prints the set
 without those runs beside it.
 
-Left out, MoE: Megatron-Bridge's DeepSeek-V3 rows (DGX-GB200, DGX-B200 and GB300 only; meshplan
-now profiles latent attention, but the rows' recomputation, multi-token-prediction and dispatcher
-settings live in the recipes at the cited commit, not yet read into `Run`s); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
+Left out, MoE: Megatron-Bridge 25.11's DeepSeek-V3 rows on DGX-GB200 (their printed layouts are not
+the recipes' at the cited commit) and GB300 (no profile); its DGX-B200 row is held out
+(`published_moe_runs.megatron_bridge_blackwell_deepseek_v3_runs`); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
 activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention);
 the 2026 archive's other DGX-H100 MoE rows: Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 row of 26.02.01 (the recipe at
 its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's), the
