@@ -39,6 +39,9 @@ NO_PIPELINE_ENGINES = ("llm-foundry",)
 MTP_ENGINES = ("megatron",)
 # Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
 A2A_OVERLAP_ENGINES = ("megatron",)
+# Engines that train a mixture of experts under TP only with SP (Megatron-LM's arguments.py asserts it;
+# Megatron-Core's TransformerConfig refuses ep > 1 with tp > 1 without it).
+MOE_SP_ENGINES = ("megatron",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
 # from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
@@ -92,6 +95,14 @@ def bf16_grads_problem(engine: str, precision: str) -> str | None:
     if engine != "megatron" or precision == "fp32":
         return (f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron with "
                 f"precision bf16-mixed or fp8 (got engine {engine!r}, precision {precision!r})")
+    return None
+
+
+def moe_sp_problem(engine: str, tp: int, sp: bool, moe: bool) -> str | None:
+    """Why `engine` cannot train this mixture of experts (`moe`) at tp without SP, or None."""
+    if engine in MOE_SP_ENGINES and moe and tp > 1 and not sp:
+        return (f"{engine} trains a mixture of experts under tensor parallelism only with sequence parallelism "
+                f"(Megatron-LM refuses tp={tp} without it): add --sp (Megatron-LM's --sequence-parallel)")
     return None
 
 
@@ -202,6 +213,8 @@ class ParallelConfig:
             raise ValueError(problem)
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
+        if problem := moe_sp_problem(self.engine, self.tp, self.sp, self.ep > 1):
+            raise ValueError(problem)
         self._check_tp_comm_overlap()
         self._check_moe_a2a_overlap()
         samples_per_replica, rest = divmod(self.global_batch, self.dp)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, ENGINE_CP_METHODS, NO_PIPELINE_ENGINES,
-                                               OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig)
+                                               OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig, moe_sp_problem)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
@@ -134,6 +134,7 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     # their decoder layers and split the layers whose layout is known (`models.hf_tp`).
     whole_model_only = info.family in WHOLE_MODEL_FAMILIES
     sequence_split = info.family not in NO_SEQUENCE_SPLIT_FAMILIES
+    moe = info.num_experts > 0  # the engine may refuse it under TP without SP (`moe_sp_problem`)
     out = []
     layouts: dict[tuple[int, int], list] = {}  # (tp, dp * cp) -> expert_layouts, asked in the innermost loop
     # (tp, cp, mbs, sp) -> the CP methods not searched there (`dominated_cp_methods`); precision
@@ -166,8 +167,8 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
                             continue
                         if executed_zero(zero, dp * cp, pp, schedule) != zero:  # runs as ZeRO-1: buys nothing
                             continue
-                        for sp in ((False, True) if tp > 1 and sequence_split and (
-                                refused_sp or not moe_refuses_sp(facts, tp)) else (False,)):
+                        for sp in _sp_options(tp, engine, moe, sequence_split and (
+                                refused_sp or not moe_refuses_sp(facts, tp))):
                             if pins.sp is not None and sp != pins.sp:
                                 continue
                             for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
@@ -194,6 +195,18 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
                                         if out[-1].cp_method in dominated[tp, cp, mbs, sp]:
                                             out.pop()
     return out
+
+
+def _sp_options(tp: int, engine: str, moe: bool, splits: bool) -> tuple[bool, ...]:
+    """SP off and on where TP can split the sequence (`splits`: the family allows it and meshplan's
+    executor, when it runs the plan, does not refuse it); an engine that trains a mixture of experts
+    under TP only with SP (`config.moe_sp_problem`) gets SP alone, for any family: that engine, not
+    meshplan's executor, splits the sequence."""
+    if tp == 1:
+        return (False,)
+    if moe_sp_problem(engine, tp, False, moe):
+        return (True,)
+    return (False, True) if splits else (False,)
 
 
 # HSDP shard groups the search offers span this many whole nodes (NCCL's fast intra-node or

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import DEFAULT_CP_METHOD, ParallelConfig
+from meshplan.planner.contracts.config import DEFAULT_CP_METHOD, ParallelConfig, moe_sp_problem
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
@@ -58,6 +58,8 @@ def check_model_fit(graph, config: ParallelConfig) -> None:
     check_context_parallel(graph, config.cp, config.cp_method, config.tp)
     check_expert_parallel_request(graph, config.ep, config.etp)
     check_tp_splits(graph, config.tp)
+    if problem := moe_sp_problem(config.engine, config.tp, config.sp, graph.info.num_experts > 0):
+        raise MeshplanError(problem)
     if config.moe_a2a_overlap and graph.info.moe_dispatcher == "allgather":
         raise MeshplanError("--moe-a2a-overlap pairs the dispatch and combine all-to-alls of Megatron-LM's alltoall "
                             "and flex dispatchers; its allgather dispatcher has none: use --moe-dispatcher alltoall "

@@ -114,3 +114,23 @@ def test_the_flag_travels_through_the_plan_file_and_megatron_s_arguments():
     assert read_engine_text(exported.text, "megatron").moe_a2a_overlap is True
     plain = export_plan(replace(plan, config=replace(plan.config, moe_a2a_overlap=False)), "megatron")
     assert "--overlap-moe-expert-parallel-comm" not in plain.text
+
+
+def test_megatron_refuses_a_mixture_of_experts_under_tp_without_sp():
+    """Megatron-LM asserts SP with TP for a mixture of experts (Megatron-Core's TransformerConfig
+    refuses ep > 1 with tp > 1 without it): the config refuses it with EP, `estimate` for any MoE
+    model, and the other engines keep their choice."""
+    from meshplan.planner.contracts.config import moe_sp_problem
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.simulation.estimator import make_config
+
+    assert "add --sp" in moe_sp_problem("megatron", 2, False, True)
+    assert moe_sp_problem("megatron", 2, True, True) is None and moe_sp_problem("megatron", 1, False, True) is None
+    assert moe_sp_problem("megatron", 2, False, False) is None and moe_sp_problem("torchtitan", 2, False, True) is None
+    with pytest.raises(ValueError, match="only with sequence parallelism"):
+        _config(tp=2, dp=2, ep=2, sp=False)
+    assert _config(tp=2, dp=2, ep=2, sp=True).sp
+    graph = profile(MOE_SPEC, 256)
+    with pytest.raises(MeshplanError, match="add --sp"):  # ep 1: the model, not the mesh, makes it a MoE
+        make_config(graph, load_cluster("h100-sxm"), gpus=8, global_batch=32, tp=2, engine="megatron")
+    make_config(graph, load_cluster("h100-sxm"), gpus=8, global_batch=32, tp=2, sp=True, engine="megatron")

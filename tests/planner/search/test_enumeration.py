@@ -46,20 +46,24 @@ def _meshes(candidates) -> set:
 
 def test_another_engine_gets_sp_under_tp_for_a_mixture_of_experts():
     """SP under TP, which meshplan's executor refuses for a mixture of experts, is what Megatron-LM
-    requires with TP and EP: under --engine megatron the space has it, and holds every layout of
-    meshplan's space besides."""
+    requires with TP (`config.moe_sp_problem`): under --engine megatron every TP layout of a mixture
+    of experts has SP, each of meshplan's layouts is there (with SP where it has TP), and no TP
+    layout without SP is."""
     graph = profile(MOE_SPEC, 1024)
     own = enumerate_candidates(graph, H100, 16, 32, Pins(), 4, "bf16-mixed")
     megatron = enumerate_candidates(graph, H100, 16, 32, Pins(), 4, "bf16-mixed", engine="megatron")
     assert {c.engine for c in megatron} == {"megatron"}
     assert any(c.sp and c.tp > 1 and c.ep > 1 for c in megatron) and not any(c.sp for c in own)
-    assert _meshes(own) < _meshes(megatron)
+    assert not any(c.tp > 1 and not c.sp for c in megatron)
+    with_sp = {m[:6] + (m[0] > 1,) + m[7:] for m in _meshes(own)}
+    assert with_sp <= _meshes(megatron) and any(m[0] > 1 for m in with_sp)
 
 
 def test_hf_moe_layouts_only_the_executor_refuses_are_counted_and_searched_by_other_engines():
     """A Hugging Face mixture of experts trains on meshplan's executor with tp 1 and no EP: the
     default engine's space keeps to that and hands the rest to `left_out`, which is exactly what
-    another engine (whose plan is exported, not trained by meshplan) searches beyond it."""
+    another engine (whose plan is exported, not trained by meshplan) searches beyond it, with SP
+    under TP where that engine requires it."""
     pytest.importorskip("transformers")
     graph = profile("deepseek-v2-lite", 256)
     left: list = []
@@ -68,7 +72,8 @@ def test_hf_moe_layouts_only_the_executor_refuses_are_counted_and_searched_by_ot
     assert left and all(why_not_executable(c, model_facts(graph)) for c in left)
     assert any(c.ep > 1 for c in left) and not set(own) & set(left)
     megatron = enumerate_candidates(graph, H100, 64, 64, Pins(), 1, "bf16-mixed", engine="megatron")
-    assert _meshes(megatron) >= _meshes(own) | _meshes(left)
+    # every layout, with the SP Megatron-LM requires of a mixture of experts under TP
+    assert _meshes(megatron) >= {m[:6] + (m[0] > 1,) + m[7:] for m in _meshes(own) | _meshes(left)}
     nothing: list = []
     enumerate_candidates(graph, H100, 64, 64, Pins(), 1, "bf16-mixed", engine="megatron", left_out=nothing)
     assert nothing == []
