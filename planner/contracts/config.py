@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
+from meshplan.planner.contracts.engine_rules import MOE_SP_ENGINES, bf16_grads_problem, moe_sp_problem  # noqa: F401
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -39,9 +40,6 @@ NO_PIPELINE_ENGINES = ("llm-foundry",)
 MTP_ENGINES = ("megatron",)
 # Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
 A2A_OVERLAP_ENGINES = ("megatron",)
-# Engines that train a mixture of experts under TP only with SP (Megatron-LM's arguments.py asserts it;
-# Megatron-Core's TransformerConfig refuses ep > 1 with tp > 1 without it).
-MOE_SP_ENGINES = ("megatron",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
 # from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
@@ -88,22 +86,6 @@ DEFAULT_MOE_DISPATCHER = MOE_DISPATCHERS[0]
 # bounded. A search asks over a few thousand meshes; forgetting one only costs its check again.
 _CHECKED_MESHES: set[tuple] = set()
 _MAX_CHECKED_MESHES = 1 << 16
-
-
-def bf16_grads_problem(engine: str, precision: str) -> str | None:
-    """Why Megatron-LM's bf16 gradient buffer (`grad_reduce_in_bf16`) cannot be asked for here, or None."""
-    if engine != "megatron" or precision == "fp32":
-        return (f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron with "
-                f"precision bf16-mixed or fp8 (got engine {engine!r}, precision {precision!r})")
-    return None
-
-
-def moe_sp_problem(engine: str, tp: int, sp: bool, moe: bool) -> str | None:
-    """Why `engine` cannot train this mixture of experts (`moe`) at tp without SP, or None."""
-    if engine in MOE_SP_ENGINES and moe and tp > 1 and not sp:
-        return (f"{engine} trains a mixture of experts under tensor parallelism only with sequence parallelism "
-                f"(Megatron-LM refuses tp={tp} without it): add --sp (Megatron-LM's --sequence-parallel)")
-    return None
 
 
 def _optional_positive_int(name: str, value) -> bool:

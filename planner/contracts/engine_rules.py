@@ -1,0 +1,23 @@
+"""Rules of what one engine runs, each a function that says why not (or None), for `ParallelConfig`,
+the estimator and the search to ask alike (re-exported by `contracts.config`)."""
+from __future__ import annotations
+
+# Engines that train a mixture of experts under TP only with SP (Megatron-LM's arguments.py asserts it;
+# Megatron-Core's TransformerConfig refuses ep > 1 with tp > 1 without it).
+MOE_SP_ENGINES = ("megatron",)
+
+
+def bf16_grads_problem(engine: str, precision: str) -> str | None:
+    """Why Megatron-LM's bf16 gradient buffer (`grad_reduce_in_bf16`) cannot be asked for here, or None."""
+    if engine != "megatron" or precision == "fp32":
+        return (f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron with "
+                f"precision bf16-mixed or fp8 (got engine {engine!r}, precision {precision!r})")
+    return None
+
+
+def moe_sp_problem(engine: str, tp: int, sp: bool, moe: bool) -> str | None:
+    """Why `engine` cannot train this mixture of experts (`moe`) at tp without SP, or None."""
+    if engine in MOE_SP_ENGINES and moe and tp > 1 and not sp:
+        return (f"{engine} trains a mixture of experts under tensor parallelism only with sequence parallelism "
+                f"(Megatron-LM refuses tp={tp} without it): add --sp (Megatron-LM's --sequence-parallel)")
+    return None
