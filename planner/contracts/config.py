@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
-from meshplan.planner.contracts.engine_rules import MOE_SP_ENGINES, bf16_grads_problem, moe_sp_problem  # noqa: F401
+from meshplan.planner.contracts.engine_rules import bf16_grads_problem, moe_sp_problem
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")

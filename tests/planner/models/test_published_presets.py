@@ -81,12 +81,15 @@ def test_deepseek_v3_layers_and_gpt_oss_alternating_windows():
     blocks = [layer for layer in v3.layers if layer.kind == "block"]
     assert len(blocks) == 61
     assert [bool(layer.expert_params) for layer in blocks] == [False] * 3 + [True] * 58
+    # its node-limited routing (n_group 8, topk_group 4), which DeepEP's traffic follows
+    assert (v3.info.moe_router_groups, v3.info.moe_router_group_topk) == (8, 4)
     oss = profile("gpt-oss-120b", 256)
     blocks = [layer for layer in oss.layers if layer.kind == "block"]
     assert len(blocks) == 36
     # sliding (128) and full attention alternate: two layer types, every other layer repeats one
     assert [layer.repeat_of for layer in blocks[:4]] == [None, None, "blocks.0", "blocks.1"]
     assert any("sliding windows (128 tokens)" in note for note in oss.info.notes)
+    assert (oss.info.moe_router_groups, oss.info.moe_router_group_topk) == (1, 0)  # no group limit
 
 
 def test_the_published_presets_are_no_longer_refused():
