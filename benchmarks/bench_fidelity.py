@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
-                                MEGATRON_BRIDGE_EP_OVERLAP_SMOKE,
-                                MEGATRON_BRIDGE_EP_OVERLAP_SKILL)
+                                MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,

@@ -115,9 +115,10 @@ def add_moe_a2a_overlap_argument(parser) -> None:
 # What `estimate` and `plan` say under --moe-a2a-overlap: what the combined 1F1B's price leaves out,
 # and what the published runs with it read (benchmarks/bench_fidelity.py's MoE section).
 A2A_OVERLAP_NOTE = ("note: --moe-a2a-overlap prices the combined 1F1B from its schedule alone, not its host-side "
-                    "cost: where a layout was published with and without it, meshplan predicts a larger speed-up "
-                    "than was measured (benchmarks/bench_fidelity.py), and Megatron-Bridge turned it off for "
-                    "Qwen3-235B on B200 for CPU overhead; read its gain as an upper bound")
+                    "cost: of the layouts published with and without it, meshplan predicts the speed-up measured "
+                    "under HybridEP and a larger one under DeepEP with pipelining and under NCCL's all-to-all "
+                    "(benchmarks/bench_fidelity.py), and Megatron-Bridge turned it off for Qwen3-235B on B200 for "
+                    "CPU overhead; read its gain as an upper bound")
 
 
 def a2a_overlap_notes(args) -> list[str]:

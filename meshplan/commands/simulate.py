@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from meshplan.planner.contracts.config import A2A_OVERLAP_ENGINES, ENGINES, EXECUTOR_MEMORY_ENGINES, TP_OVERLAP_ENGINES
+from meshplan.planner.contracts.config import ENGINES, EXECUTOR_MEMORY_ENGINES, TP_OVERLAP_ENGINES
+from meshplan.planner.contracts.engine_rules import A2A_OVERLAP_ENGINES
 
 GIB, MIB = 2**30, 2**20
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")

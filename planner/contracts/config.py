@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
-from meshplan.planner.contracts.engine_rules import bf16_grads_problem, moe_sp_problem
+from meshplan.planner.contracts.engine_rules import a2a_overlap_engine_problem, bf16_grads_problem, moe_sp_problem
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -38,8 +38,6 @@ NO_PIPELINE_ENGINES = ("llm-foundry",)
 # --mtp-num-layers): the only export of a plan costed with MTP depths (`profiling.mtp`); the
 # search also plans them for meshplan's own engine, priced but not executed (`executable.mtp_problem`).
 MTP_ENGINES = ("megatron",)
-# Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
-A2A_OVERLAP_ENGINES = ("megatron",)
 # How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
 # from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
 # (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
@@ -336,9 +334,8 @@ class ParallelConfig:
     def a2a_overlap_problem(self) -> str | None:
         """Why this layout cannot run Megatron-Core's combined 1F1B, or None (ep 1 included: it
         then has nothing to hide). The search asks it of every candidate before turning it on."""
-        if self.engine not in A2A_OVERLAP_ENGINES:
-            return (f"{self.engine} has no combined 1F1B schedule: the expert all-to-all overlap "
-                    "(--moe-a2a-overlap) is Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine megatron")
+        if problem := a2a_overlap_engine_problem(self.engine):
+            return problem
         if self.pp > 1 and self.virtual_stages < 2:
             return (f"Megatron-LM's combined 1F1B with pipelining extends its interleaved schedule: pp={self.pp} "
                     f"needs virtual stages > 1 (got {self.virtual_stages}); use --schedule interleaved with --vpp 2 "

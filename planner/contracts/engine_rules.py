@@ -5,6 +5,8 @@ from __future__ import annotations
 # Engines that train a mixture of experts under TP only with SP (Megatron-LM's arguments.py asserts it;
 # Megatron-Core's TransformerConfig refuses ep > 1 with tp > 1 without it).
 MOE_SP_ENGINES = ("megatron",)
+# Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
+A2A_OVERLAP_ENGINES = ("megatron",)
 
 
 def bf16_grads_problem(engine: str, precision: str) -> str | None:
@@ -20,4 +22,12 @@ def moe_sp_problem(engine: str, tp: int, sp: bool, moe: bool) -> str | None:
     if engine in MOE_SP_ENGINES and moe and tp > 1 and not sp:
         return (f"{engine} trains a mixture of experts under tensor parallelism only with sequence parallelism "
                 f"(Megatron-LM refuses tp={tp} without it): add --sp (Megatron-LM's --sequence-parallel)")
+    return None
+
+
+def a2a_overlap_engine_problem(engine: str) -> str | None:
+    """Why `engine` cannot run the combined 1F1B (--moe-a2a-overlap), or None."""
+    if engine not in A2A_OVERLAP_ENGINES:
+        return (f"{engine} has no combined 1F1B schedule: the expert all-to-all overlap (--moe-a2a-overlap) is "
+                "Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine megatron")
     return None

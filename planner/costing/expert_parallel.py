@@ -274,8 +274,8 @@ def combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype: str 
     (`moe_overlap.hidden_a2a_share`), from the block's own times: attention (the dense part, its
     blocking collectives and the router) and experts, forward and backward, beside the
     all-to-alls of each pass (a fully recomputed block's backward reruns its forward's)."""
-    fwd_s, bwd_s, router_fwd_s, router_bwd_s, *_ = _memo_expert_times(layer, config, cluster, info, profile_dtype,
-                                                                      0.0, memo)
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, _ = _memo_expert_times(layer, config, cluster, info, profile_dtype,
+                                                                     memo)
     full = config.recompute == "full"
     a2a_fwd_s = a2a_pass_s(dispatch_send_bytes(layer, config, activation_scale(config.precision, profile_dtype)),
                            config, cluster, info)
@@ -316,10 +316,10 @@ def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> t
 EXPERT_TIME_FIELDS = ("precision", "rank_microbatch", "tp", "sp", "ep", "expert_tp", "recompute")
 
 
-def _expert_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float) -> tuple:
-    """(expert forward, expert backward, router forward, router backward, EP forward, EP backward
-    seconds, saved expert bytes) of one micro-batch on the busiest rank: what `with_routed_experts`
-    adds to the dense part's times, reading only the `EXPERT_TIME_FIELDS` of `config`."""
+def _expert_times(layer, config, cluster, info, profile_dtype: str | None) -> tuple:
+    """(expert forward, expert backward, router forward, router backward seconds, saved expert
+    bytes) of one micro-batch on the busiest rank: what `with_routed_experts` adds to the dense
+    part's compute, reading only the `EXPERT_TIME_FIELDS` of `config`."""
     dtype = COMPUTE_DTYPE[config.precision]
     act_scale = activation_scale(config.precision, profile_dtype)
     load = load_factor(info)
@@ -331,17 +331,30 @@ def _expert_times(layer, config, cluster, info, profile_dtype: str | None, a2a_o
     bwd_s += memory_time_s(2 * traffic, cluster) + shuffle_s
     router_fwd_s, router_bwd_s = router_times_s(layer, config, cluster, info, dtype) if gate_flops(layer, info) \
         else (0.0, 0.0)
-    ep_fwd_s, ep_bwd_s = ep_comm_s(dispatch_send_bytes(layer, config, act_scale), config, cluster, info,
-                                   slice_gather_s(layer, config, cluster, info, act_scale), a2a_overlap)
-    return fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved
+    return fwd_s, bwd_s, router_fwd_s, router_bwd_s, saved
 
 
-def _memo_expert_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float,
-                       memo: dict | None) -> tuple:
-    """`_expert_times` through `memo`, once per value of the `EXPERT_TIME_FIELDS`."""
-    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
+def _exchange_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float) -> tuple:
+    """(forward, backward) EP seconds of one micro-batch (`ep_comm_s`), `a2a_overlap` of the
+    all-to-alls hidden; it reads the same `EXPERT_TIME_FIELDS`."""
+    act_scale = activation_scale(config.precision, profile_dtype)
+    return ep_comm_s(dispatch_send_bytes(layer, config, act_scale), config, cluster, info,
+                     slice_gather_s(layer, config, cluster, info, act_scale), a2a_overlap)
+
+
+def _memo_expert_times(layer, config, cluster, info, profile_dtype: str | None, memo: dict | None) -> tuple:
+    """`_expert_times` through `memo`, once per value of the `EXPERT_TIME_FIELDS` (whatever share of
+    the all-to-alls is hidden: that is `_exchange_times`')."""
+    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype,
            *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
-    return through(memo, key, _expert_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
+    return through(memo, key, _expert_times, layer, config, cluster, info, profile_dtype)
+
+
+def _memo_exchange_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float,
+                         memo: dict | None) -> tuple:
+    key = ("expert_exchange", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
+           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+    return through(memo, key, _exchange_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
 
 
 def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str | None,
@@ -356,8 +369,9 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
     pipeline and ZeRO degrees, which only the states below read)."""
     if config.moe_a2a_overlap:
         a2a_overlap = combined_1f1b_share(dense, layer, config, cluster, info, profile_dtype, memo)
-    fwd_s, bwd_s, router_fwd_s, router_bwd_s, ep_fwd_s, ep_bwd_s, saved = _memo_expert_times(
-        layer, config, cluster, info, profile_dtype, a2a_overlap, memo)
+    fwd_s, bwd_s, router_fwd_s, router_bwd_s, saved = _memo_expert_times(layer, config, cluster, info,
+                                                                         profile_dtype, memo)
+    ep_fwd_s, ep_bwd_s = _memo_exchange_times(layer, config, cluster, info, profile_dtype, a2a_overlap, memo)
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
     params = layer.expert_params / config.ep / config.expert_tp
     ranks, zero = config.expert_data_ranks, config.zero

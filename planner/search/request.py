@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
-from meshplan.planner.contracts.config import (A2A_OVERLAP_ENGINES, ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
-                                                bf16_grads_problem)
+from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
+                                                a2a_overlap_engine_problem, bf16_grads_problem)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
@@ -79,9 +79,8 @@ class PlanRequest:
         if self.tp_comm_overlap and self.engine not in TP_OVERLAP_ENGINES:
             raise MeshplanError(f"--tp-comm-overlap on: {self.engine} runs its TP collectives on the compute stream; "
                                 f"TP overlap is --engine {' or '.join(TP_OVERLAP_ENGINES)}'s")
-        if self.moe_a2a_overlap and self.engine not in A2A_OVERLAP_ENGINES:
-            raise MeshplanError(f"--moe-a2a-overlap: {self.engine} has no combined 1F1B schedule; it is Megatron-LM's "
-                                "--overlap-moe-expert-parallel-comm: plan --engine megatron")
+        if self.moe_a2a_overlap and (problem := a2a_overlap_engine_problem(self.engine)):
+            raise MeshplanError(problem)
         if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
             raise MeshplanError(problem.replace("grad_reduce_in_bf16", "--grad-reduce-in-bf16").replace(
                 "engine", "--engine").replace("precision", "--precision"))

@@ -98,6 +98,11 @@ def test_a_moe_block_carries_the_unhidden_share_of_its_all_to_alls():
     assert cost_on.ep_fwd_comm_s == pytest.approx(cost_off.ep_fwd_comm_s * (1 - hidden), rel=1e-9)
     assert cost_on.ep_bwd_comm_s == pytest.approx(cost_off.ep_bwd_comm_s * (1 - hidden), rel=1e-9)
     assert cost_on.fwd_compute_s == cost_off.fwd_compute_s  # compute is what it was
+    memo: dict = {}  # the experts' compute is priced once for both: only their exchange differs
+    assert layer_cost(block, on, cluster, graph.info, memo=memo) == cost_on
+    assert layer_cost(block, off, cluster, graph.info, memo=memo) == cost_off
+    assert sum(key[0] == "expert_times" for key in memo) == 1
+    assert sum(key[0] == "expert_exchange" for key in memo) == 2
 
 
 def test_the_flag_travels_through_the_plan_file_and_megatron_s_arguments():
