@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fit_efficiency import predict, published_step_s  # noqa: E402
+from fit_efficiency import predictions, published_step_s  # noqa: E402
 from published_runs import HELD_OUT, Run, all_runs  # noqa: E402
 
 DEFAULT_CLUSTERS = ("h100-sxm", "a100-40g")
 
 
 def predicted_s(run: Run, cluster) -> float:
-    """The step at the geometric mean over the run's unpublished virtual-stage options."""
-    logs = [math.log(predict(run, cluster, vpp).step_time_s) for vpp in run.vpp_options]
+    """The step at the geometric mean over the run's unpublished layout options."""
+    logs = [math.log(p.step_time_s) for p in predictions(run, cluster)]
     return math.exp(sum(logs) / len(logs))
 
 

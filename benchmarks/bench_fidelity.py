@@ -2,7 +2,8 @@
 
 The runs and their sources are in `published_runs.py`. The efficiency fields of the GPU profiles
 are fitted on the fit sets only (`fit_efficiency.py`: Narayanan et al. 2021 Table 1 for A100,
-Llama 3 Table 4 for H100, NVIDIA's nccl-tests figures for the NICs); the held-out runs
+Llama 3 Table 4 and the Megatron-LM README's H100 table for H100, NVIDIA's nccl-tests figures
+for the NICs); the held-out runs
 (Korthikanti et al. 2022 Table 5, MosaicML's MPT benchmarks, torchtitan's FSDP2 runs) never
 tuned anything. No run has its own correction. A run whose engine meshplan models (torchtitan,
 Megatron-Bridge's recipes: `Run.engine`) is priced as `--engine` prices it, with that engine's
@@ -20,8 +21,8 @@ Run: python benchmarks/bench_fidelity.py [--no-cv] [--brief] [--write-bands] [SU
 (`planner.costing.error_bands`).
 
 For the fit sets and the held-out set, each grouped by source, it prints predicted vs published
-step time and the error per run (a run whose virtual-stage count is unpublished prints the
-spread over the options and is scored at their geometric mean), then mean and max |error| and
+step time and the error per run (a run whose virtual-stage count or micro-batch is unpublished
+prints the spread over the options and is scored at their geometric mean), then mean and max |error| and
 the Spearman rank correlation of predicted against published throughput, per GPU in tokens/s, in
 model TFLOP/s and as MFU (the MFU ranking is the harder one: model size does not order it), and
 beside them the mean |error| of a rule of thumb on the same runs: every run at 50% of the BF16
@@ -41,7 +42,7 @@ from typing import Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, predict, published_step_s  # noqa: E402
+from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
@@ -56,8 +57,9 @@ from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_20
 class Scored:
     run: Run
     published_s: float
-    predicted_s: tuple[float, ...]   # one per virtual-stage option
+    predicted_s: tuple[float, ...]   # one per layout option (unpublished micro-batch, virtual stages)
     fits: bool
+    layouts: tuple[tuple[int, int], ...] = ((1, 1),)
 
     @property
     def error(self) -> float:
@@ -73,9 +75,9 @@ class Scored:
 def score(runs: Sequence[Run], clusters: dict[str, object]) -> list[Scored]:
     out = []
     for run in runs:
-        predictions = [predict(run, clusters[run.cluster], vpp) for vpp in run.vpp_options]
-        out.append(Scored(run, published_step_s(run), tuple(p.step_time_s for p in predictions),
-                          all(p.fits for p in predictions)))
+        options = predictions(run, clusters[run.cluster])
+        out.append(Scored(run, published_step_s(run), tuple(p.step_time_s for p in options),
+                          all(p.fits for p in options), layouts(run, clusters[run.cluster])))
     return out
 
 
@@ -134,7 +136,8 @@ def print_rows(scored: Sequence[Scored]) -> None:
     for s in scored:
         spread = ""
         if len(s.predicted_s) > 1:
-            options = ", ".join(f"vpp {v} {p / s.published_s - 1:+.1%}" for v, p in zip(s.run.vpp_options, s.predicted_s))
+            options = ", ".join(f"{'mbs %d ' % m if s.run.mbs_options else ''}vpp {v} {p / s.published_s - 1:+.1%}"
+                                for (m, v), p in zip(s.layouts, s.predicted_s))
             spread = f"  ({options})"
         print(f"  {s.run.name:<44} {s.run.gpus:>6} {s.published_s:>12.3f} {s.predicted_mean_s:>12.3f} "
               f"{s.error:>+8.1%}  {'yes' if s.fits else 'NO '}{spread}")

@@ -9,14 +9,15 @@ What is fitted, on what (the runs are in `published_runs.py`):
   all-reduce bus bandwidths (the `fabric` set), one figure each, solved exactly.
 - a100-80g `matmul_efficiency`, `matmul_half_efficiency_flops`,
   `elementwise_bytes_per_activation_byte`: on Narayanan et al. 2021 Table 1 (fit set `a100`).
-- h100-sxm `matmul_efficiency`: on Llama 3 Table 4 and the Megatron-LM README's H100
-  weak-scaling table (fit set `h100`), every unpublished virtual-stage count weighed equally
-  (one parameter, as before the README's rows joined: Llama 3's two runs cannot carry more, and
-  the README's rows share the others with A100's fit).
-  Its `elementwise_bytes_per_activation_byte` is A100's (bytes the non-GEMM kernels move per
-  byte saved: a property of the kernels, not of the silicon) and its
+- h100-sxm `matmul_efficiency` and `elementwise_bytes_per_activation_byte`: on Llama 3 Table 4
+  and the Megatron-LM README's H100 weak-scaling table (fit set `h100`), every unpublished
+  virtual-stage count and micro-batch weighed equally. The README's rows run from hidden 2048 to
+  18432, so they tell the GEMMs' share of a step from the non-GEMM kernels' (whose memory-bound
+  time is a larger share of a small model's step, and whose bytes per saved byte on Hopper's
+  faster tensor cores and fused TE kernels need not be Ampere's). Its
   `matmul_half_efficiency_flops` is A100's scaled by the ratio of bf16 peaks (the same fixed
-  time per GEMM on a faster device is worth proportionally more FLOPs).
+  time per GEMM on a faster device is worth proportionally more FLOPs); a third free field
+  does not improve the fit (it runs to its bound).
 
 Not fitted: `attention_efficiency` (flash attention's share of peak) comes from the kernels' own
 published benchmarks (FlashAttention-2 on A100, FlashAttention-3's figure for FlashAttention-2 on
@@ -120,8 +121,9 @@ def stage_chunks(graph, stage_blocks: tuple[int, ...]) -> tuple[int, ...]:
     return (0, *blocks) + (len(stage_blocks) - 1,) * (mtp + 1)
 
 
-def predict(run: Run, cluster, vpp: int):
-    """The simulator's prediction of `run` on `cluster` with `vpp` virtual stages."""
+def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
+    """The simulator's prediction of `run` on `cluster` with `vpp` virtual stages (and micro-batch
+    `mbs`, default the run's)."""
     from meshplan.planner.simulation.estimator import make_config
     from meshplan.planner.simulation.estimator import predict as predict_config
 
@@ -131,7 +133,7 @@ def predict(run: Run, cluster, vpp: int):
         graph = replace(graph, info=replace(graph.info, moe_dispatcher=run.moe_dispatcher))
     recompute, modules = run.recompute_for(run.engine)  # Megatron-Core's modules timed by `module_recompute`
     config = make_config(graph, cluster, gpus=run.gpus, global_batch=run.global_batch, tp=run.tp, pp=run.pp,
-                         mbs=run.mbs, zero=run.zero, recompute=recompute, recompute_modules=modules, sp=run.sp,
+                         mbs=mbs or run.mbs, zero=run.zero, recompute=recompute, recompute_modules=modules, sp=run.sp,
                          schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
                          engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron",
@@ -164,10 +166,39 @@ def causal_model_flops(graph) -> float:
     return total
 
 
+_FITTING_LAYOUTS: dict[tuple, tuple[tuple[int, int], ...]] = {}
+
+
+def _fitting_layouts(run: Run, cluster) -> tuple[tuple[int, int], ...]:
+    """The run's layouts less those whose unpublished micro-batch does not fit memory. Memory does
+    not depend on the efficiency fields a fit moves, so this is asked once per run and device
+    (keyed by the device's name and capacity)."""
+    key = (run, cluster.name, cluster.device.memory_bytes, cluster.device.reserved_memory_bytes)
+    if key not in _FITTING_LAYOUTS:
+        least = min(mbs for mbs, _ in run.layouts())
+        _FITTING_LAYOUTS[key] = tuple((mbs, vpp) for mbs, vpp in run.layouts()
+                                      if mbs == least or predict(run, cluster, vpp, mbs).fits)
+    return _FITTING_LAYOUTS[key]
+
+
+def layouts(run: Run, cluster) -> tuple[tuple[int, int], ...]:
+    """(micro-batch, virtual stages) options scored for `run`: the published layout, or every
+    unpublished option the engine accepts (`Run.layouts`) whose larger micro-batches fit memory
+    (one that runs out is no layout anybody ran; the least is kept whatever the memory model says)."""
+    if not run.mbs_options:
+        return run.layouts()
+    return _fitting_layouts(run, cluster)
+
+
+def predictions(run: Run, cluster) -> list:
+    """The simulator's prediction of each of the run's layouts (`layouts`)."""
+    return [predict(run, cluster, vpp, mbs) for mbs, vpp in layouts(run, cluster)]
+
+
 def log_errors(run: Run, cluster) -> list[float]:
-    """log(predicted / published) step time, one per virtual-stage option."""
+    """log(predicted / published) step time, one per layout option."""
     published = published_step_s(run)
-    return [math.log(predict(run, cluster, vpp).step_time_s / published) for vpp in run.vpp_options]
+    return [math.log(p.step_time_s / published) for p in predictions(run, cluster)]
 
 
 def residuals(runs: Sequence[Run], clusters: dict[str, object]) -> np.ndarray:
@@ -344,7 +375,8 @@ def fit_comment(name: str, source: str, key: str) -> str:
     if source == "h100-sxm" and key == "matmul_half_efficiency_flops":
         comment = "a100-80g's Narayanan 2021 T1 fit x the bf16 peak ratio 989/312 (benchmarks/fit_efficiency.py)"
     else:
-        comment = FIT_NOTE.format(what=A100_NOTE if source == "a100-80g" or key != "matmul_efficiency" else H100_NOTE)
+        h100_fitted = source == "h100-sxm" and key in {p.field for p in H100_PARAMS}
+        comment = FIT_NOTE.format(what=H100_NOTE if h100_fitted else A100_NOTE)
     return comment if name in (source, "a100-40g") else f"{source}'s, not fitted on this part: {comment}"
 
 

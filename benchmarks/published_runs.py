@@ -135,6 +135,8 @@ class Run:
     attention, half the score products, no recomputation) is set.
     `vpp_options`: the virtual stages per rank; more than one when the source does not publish
     it, and then a fit weighs every option equally and the benchmark prints the spread.
+    `mbs_options`: likewise the micro-batch sizes where the source does not publish it (empty:
+    `mbs` is the published one); `layouts()` crosses the two under the engine's batch rules.
     """
 
     name: str
@@ -195,6 +197,8 @@ class Run:
     mtp_num_layers: int = 0
     # Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm; `costing.moe_overlap`)
     moe_a2a_overlap: bool = False
+    # unpublished micro-batch sizes, each a candidate (see `layouts`); () when `mbs` is published
+    mbs_options: tuple[int, ...] = ()
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu,
@@ -209,6 +213,24 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq
+
+    def layouts(self) -> tuple[tuple[int, int], ...]:
+        """Every (micro-batch, virtual stages) the run may have run: the published ones, or each
+        unpublished option the engine accepts (the micro-batch divides a data rank's batch into at
+        least one micro-batch a pipeline stage; under interleaving their count is a multiple of
+        the stages, as Megatron-LM required). Which of them fit memory is the caller's to ask."""
+        per_rank = self.global_batch * self.tp * self.pp * self.cp // self.gpus
+        out = []
+        for mbs in self.mbs_options or (self.mbs,):
+            microbatches = per_rank // mbs
+            if self.mbs_options and (per_rank % mbs or microbatches < self.pp):
+                continue
+            out += [(mbs, vpp) for vpp in self.vpp_options
+                    if not (self.mbs_options and vpp > 1 and microbatches % self.pp)]
+        if not out:
+            raise ValueError(f"{self.name}: no micro-batch of {self.mbs_options} splits {per_rank} samples a data "
+                             f"rank over {self.pp} stages")
+        return tuple(out)
 
     def recompute_for(self, engine: str) -> tuple[str, tuple[str, ...]]:
         """(recompute, recompute modules) as `engine` prices the run: Megatron-Core's modules under
@@ -340,7 +362,9 @@ MEGATRON_LM_H100_ASSUMPTIONS = (
     "sequence parallelism wherever TP > 1, and the distributed optimizer (ZeRO 1): both implied by "
     "the overlap flags the README names",
     "BF16 (the README does not name the precision; its MFU column is TFLOP/s over the BF16 peak)",
-    "micro-batch 1 (not published)",
+    "micro-batch not published: 1, 2 and 4 where they split a data rank's batch (at least one "
+    "micro-batch a stage; under interleaving a multiple of the stages) and fit in memory; fits "
+    "weigh the options equally",
     "no activation recomputation (not published; Megatron-LM's default)",
     "virtual stages per rank not published: 1 and every even split of a rank's layers into at most "
     "4 chunks; fits weigh the options equally",
@@ -365,7 +389,7 @@ def megatron_lm_h100_runs() -> list[Run]:
         vpp_options = tuple(v for v in range(1, 5) if per_rank % v == 0) if pp > 1 else (1,)
         runs.append(Run(f"Megatron-LM H100 GPT {name} tp{tp} pp{pp} dp{dp}", "h100", MEGATRON_LM_H100, "h100-sxm",
                         gpt_spec(layers, hidden, heads, VOCAB_131072) + ",tied=false", gpus, gbs, SEQ_4096,
-                        tp=tp, pp=pp, zero=1, sp=tp > 1, vpp_options=vpp_options,
+                        tp=tp, pp=pp, zero=1, sp=tp > 1, vpp_options=vpp_options, mbs_options=(1, 2, 4),
                         published_model_tflops_per_gpu=tflops, assumptions=MEGATRON_LM_H100_ASSUMPTIONS,
                         engine="megatron"))
     return runs

@@ -171,6 +171,40 @@ def test_megatron_lm_h100_table_transcription_is_consistent(modules):
     assert sum(layer.num_params for layer in graph.layers) == pytest.approx(1744830464, rel=0.01)
 
 
+def test_unpublished_micro_batches_follow_the_engines_batch_rules(modules):
+    """`Run.layouts`: an unpublished micro-batch must split a data rank's batch into whole
+    micro-batches, at least one a stage, and under interleaving a multiple of the stages; a
+    published one (no `mbs_options`) is taken as printed. The 70B row: 384 / 48 = 8 samples a data
+    rank over 2 stages, 42 layers a stage (virtual stages 1, 2, 3)."""
+    data, fit = modules
+    runs = {run.name: run for run in data.megatron_lm_h100_runs()}
+    row = runs["Megatron-LM H100 GPT 70B tp8 pp2 dp48"]
+    assert row.layouts() == tuple((m, v) for m in (1, 2, 4) for v in (1, 2, 3))
+    # 119B: 768 / 48 = 16 samples over 4 stages; micro-batch 4 leaves 4 micro-batches, 8 would leave 2
+    row = runs["Megatron-LM H100 GPT 119B tp8 pp4 dp48"]
+    assert [m for m, _ in row.layouts()] == [1, 2, 4]
+    assert [m for m, _ in replace(row, mbs_options=(1, 8)).layouts()] == [1]
+    # interleaving needs the micro-batches a multiple of the stages: 6 micro-batches over 4 stages do not
+    odd = replace(row, global_batch=48 * 12, vpp_options=(1, 2), mbs_options=(2,))
+    assert odd.layouts() == ((2, 1),)
+    with pytest.raises(ValueError, match="no micro-batch"):
+        replace(row, mbs_options=(32,)).layouts()
+    published = replace(row, mbs_options=(), mbs=3, vpp_options=(1, 2))
+    assert published.layouts() == ((3, 1), (3, 2))
+
+
+def test_larger_unpublished_micro_batches_are_scored_only_where_they_fit(modules):
+    """A micro-batch above the least is kept only where the memory model says it fits: the 32B row
+    (TP 8, 4 samples a data rank) fits micro-batch 4 on an 80 GB H100 but not on a 16 GB part."""
+    data, fit = modules
+    row = next(r for r in data.megatron_lm_h100_runs() if "32B" in r.name)
+    h100 = load_cluster("h100-sxm")
+    assert fit.layouts(row, h100) == ((1, 1), (2, 1), (4, 1))
+    small = replace(h100, name="h100-16g", device=replace(h100.device, memory_bytes=16 * 2**30))
+    assert fit.layouts(row, small) == ((1, 1),)
+    assert len(fit.predictions(row, h100)) == 3
+
+
 def test_least_squares_recovers_a_box_constrained_minimum(modules):
     _, fit = modules
     unit = fit.least_squares(lambda u: np.array([u[0] - 0.3, 2 * (u[1] - 0.7)]), np.array([0.9, 0.1]))
