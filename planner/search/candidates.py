@@ -128,7 +128,10 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     """`enumerate_candidates` before the executor's refusals, `refused_sp`: with the SP candidates
     `costing.executable.moe_refuses_sp` refuses (every expert layout of them)."""
     info = graph.info
-    num_layers = len(graph.layers)
+    # chunks hold at least one layer each, and the multi-token-prediction depths share the output
+    # layer's chunk (`CostTable.last_chunk_layers`): a pipeline of more chunks than that has no
+    # assignment, so none is posed
+    num_layers = len(graph.layers) - info.mtp_num_layers
     # File models run whole on every rank (data parallelism only): the executor can split neither
     # their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
     # their decoder layers and split the layers whose layout is known (`models.hf_tp`).

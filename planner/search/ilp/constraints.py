@@ -292,13 +292,17 @@ def _add_run_reshard_terms(model: _Model, counts, options, count: int) -> None:
 def _add_layer_assignment_constraints(model: _Model) -> None:
     """Per-layer formulation: x[l, c, o] binaries, contiguous non-decreasing chunks, all used."""
     table, pulp, num_chunks = model.problem.table, model.pulp, model.num_chunks
-    num_layers = table.num_layers
+    num_layers, tail = table.num_layers, table.last_chunk_layers
     x: dict[tuple[int, int, int], object] = {}
     chunk_index = []
     for layer in range(num_layers):
         options = table.types[table.layer_type[layer]].options
-        # Chunk c needs c layers before it and C-1-c after it.
-        reachable = range(max(0, num_chunks - num_layers + layer), min(layer, num_chunks - 1) + 1)
+        # Chunk c needs c layers before it and C-1-c after it; the last `tail` layers (the head and
+        # the MTP depths before it) fill only the last chunk between them.
+        if layer >= num_layers - tail:
+            reachable = range(num_chunks - 1, num_chunks)
+        else:
+            reachable = range(max(0, num_chunks - num_layers + tail - 1 + layer), min(layer, num_chunks - 1) + 1)
         for c in reachable:
             for o, option in enumerate(options):
                 var = x[layer, c, o] = pulp.LpVariable(f"x_{layer}_{c}_{o}", cat="Binary")

@@ -89,3 +89,19 @@ def test_the_plan_names_the_layouts_the_executor_left_out():
     assert "42 more layouts were left out because meshplan's executor does not train them" in explain(plan)
     del plan["solver"]["num_executor_limited"]
     assert "left out because" not in explain(plan)
+
+
+def test_mtp_depths_share_the_output_layer_s_chunk_so_no_pipeline_has_more_chunks_than_that_allows():
+    """Every chunk holds a layer and the multi-token-prediction depths sit in the last chunk with
+    the output layer (`CostTable.last_chunk_layers`): an embedding, 4 blocks, 2 depths and a head
+    (8 layers) fill at most 6 chunks, as the 6 layers without depths do; 8 chunks (PP 8, or PP 4
+    with 2 virtual stages), which have no assignment and each cost an ILP, are not posed."""
+    from meshplan.planner.profiling.mtp import with_mtp
+
+    plain = profile(MOE_SPEC, 1024)
+    deep = with_mtp(plain, 2)
+    assert len(deep.layers) == len(plain.layers) + 2 == 8
+    for graph in (plain, deep):
+        got = enumerate_candidates(graph, H100, 16, 64, Pins(), 4, "bf16-mixed", engine="megatron")
+        chunks = {c.pp * c.virtual_stages for c in got}
+        assert max(chunks) == 6 and 8 not in chunks, sorted(chunks)
