@@ -19,8 +19,10 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
   the first.
 - `compute_bound_s` (`solving.lower_bound_s`): sum_r T_r >= S, the sum of every layer's fastest
   option plus the chunks' fixed work, and T_max >= S / p, so the objective is >= F S / p + G P
-  plus the average tail.
-- `reduction_bound_s`: rank r's exposed reduction E_r is at least its gradient reduction D_r less
+  plus the average tail; under a pipeline T_max is also at least the last rank's own: the layers
+  every assignment puts in the last chunk (the output layer and the multi-token-prediction depths
+  before it) at their fastest, plus its chunks' fixed work.
+- `reduction_bound_s` (in `search.reduction_bound`): rank r's exposed reduction E_r is at least its gradient reduction D_r less
   its backward B_r (under pipelined ZeRO-2/3, counted from its own end r (B_r / v + P) earlier),
   and the objective's max_r (E_r + tail_r) is at least their average; with a T_max >= S / p
   bound on the pipeline term, every layer contributes min over its options of
@@ -36,7 +38,9 @@ With T_r the per-micro-batch time of rank r, T_max the slowest, the ILP minimise
   layer counts n_ro to reals, g_r(x) = min sum_o n_ro t_o over sum_o n_ro = x within B_r is
   convex and piecewise linear in x. Then sum_r T_r >= min over x (sum_r x_r = N) of
   sum_r g_r(x_r) + k_r (cheapest slopes first), and T_max >= T*, the least T at which every
-  rank's layers at most g_r^-1(T - k_r) add up to N. With whole layers (at the exact level; the
+  rank's layers at most g_r^-1(T - k_r) add up to N, and T_max >= max_r k_r (a rank runs its pinned
+  layers whether or not it holds run layers: the last one, with the head and MTP depths, may hold
+  none). With whole layers (at the exact level; the
   first, replay-free refinement keeps g_r(n), cheaper), a rank that holds n of them takes at
   least h_r(n) >= g_r(n), the least time of n layers each at one option within B_r
   (a small exact search over the counts per option, `least_whole_s`: with a handful of layers
@@ -101,8 +105,22 @@ def compute_bound_s(table, shape, grad_sync: str = "overlap", less_s: tuple[floa
         slowest = max(slowest, -(-count // pp) * fastest_s + v * chunk_s)
         if v > 1:
             slowest = max(slowest, v * (-(-count // shape.num_chunks) * fastest_s + chunk_s))
+        # the last rank runs at least the layers pinned to the last chunk (the output layer and
+        # the multi-token-prediction depths before it) and its chunks' fixed work
+        slowest = max(slowest, _last_chunk_s(table) + v * chunk_s)
     return (slowest_weight * slowest + sum_weight * total + shape.transfers_on_path * table.p2p_s
             + average_tail_s(table, pp, grad_sync))
+
+
+def _last_chunk_s(table) -> float:
+    """The fastest time of the layers every assignment puts in the last chunk
+    (`CostTable.last_chunk_layers`), kept on the table: every candidate sharing it asks."""
+    found = table.__dict__.get("_last_chunk_s")
+    if found is None:
+        layers = range(table.num_layers - table.last_chunk_layers, table.num_layers)
+        found = sum(table.types[table.layer_type[layer]].min_time_s() for layer in layers)
+        table.__dict__["_last_chunk_s"] = found
+    return found
 
 
 def _longest_run(table) -> tuple[int, float]:
@@ -114,67 +132,6 @@ def _longest_run(table) -> tuple[int, float]:
         found = (0, 0.0) if structure is None else (structure[1], table.types[structure[2]].min_time_s())
         table.__dict__["_longest_run"] = found
     return found
-
-
-def reduction_bound_s(table, shape, grad_sync: str = "overlap", replay: bool = False) -> float:
-    """Compute and the reduction it cannot hide, per layer at once (the module docstring's
-    `reduction_bound_s`); -inf where an exposed gather would count against it. `replay`: with the
-    windows of pipelined ZeRO-2/3's every-micro-batch reductions (`_exposure_terms`)."""
-    if replay and grad_sync == "overlap_every_microbatch" and shape.num_stages > 1:
-        return max(_reduction_bound_s(table, shape, grad_sync, _exposure_terms(shape, grad_sync, False)),
-                   _reduction_bound_s(table, shape, grad_sync, _exposure_terms(shape, grad_sync, True)))
-    return _reduction_bound_s(table, shape, grad_sync, _exposure_terms(shape, grad_sync, False))
-
-
-def _reduction_bound_s(table, shape, grad_sync: str, terms) -> float:
-    pp = shape.num_stages
-    slowest_weight, sum_weight = shape.weights
-    weight = slowest_weight / pp + sum_weight  # of sum_r T_r, with T_max >= sum_r T_r / p
-    fwd_weight = weight - max(i for _, i, _ in terms) / pp
-    bwd_weight = weight - max(b + i + drain for b, i, drain in terms) / pp
-    if fwd_weight < 0 or bwd_weight < 0:
-        return -math.inf
-    per_layer = sum(n * min(weight * o.time_s + (b * o.dp_comm_s - (b + i + drain) * o.bwd_s - i * o.fwd_s
-                                                 + o.param_gather_s + o.optimizer_s) / pp
-                            for o in table.types[t].options for b, i, drain in terms)
-                    for t, n in table.type_counts)
-    fwd_heads, bwd_heads = least_heads_s(table, shape.num_chunks)
-    pipelined = grad_sync == "overlap_every_microbatch" and pp > 1
-    drain_p2p = (pp - 1) / 2 * table.p2p_s if pipelined else 0.0
-    return (per_layer + weight * table.chunk_overhead_s * shape.num_chunks + fwd_weight * fwd_heads
-            + bwd_weight * bwd_heads + shape.transfers_on_path * table.p2p_s - drain_p2p + table.rank_fixed_s)
-
-
-def _exposure_terms(shape, grad_sync: str, replay: bool) -> set[tuple[float, float, float]]:
-    """(b, i, l) per rank: E_r - L_r >= b (D_r - B_r) - i (F_r + B_r) - l B_r - r P, from a window
-    of `evaluation.exposed_dp_s` without forwards (the others wait on the slowest rank) or the
-    whole-step one (b 1, i 0), and pipelined ZeRO-2/3's drain L_r (l = r / v, `drain_rank_s`)."""
-    pp, v = shape.num_stages, shape.virtual_stages
-    if not (grad_sync == "overlap_every_microbatch" and pp > 1):
-        return {(1.0, 0.0, 0.0)}
-    if not replay:
-        return {(1.0, 0.0, r / v) for r in range(pp)}
-    from meshplan.planner.search.ilp.evaluation import reduction_windows
-
-    out = set()
-    for rank in range(pp):
-        windows = [(1.0, 0.0)] + [(b, i) for b, f, i in reduction_windows(shape, rank) if f == 0]
-        b, i = max(windows, key=lambda window: window[0] - window[1])
-        out.add((b, i, rank / v))
-    return out
-
-
-def least_heads_s(table, num_chunks: int) -> tuple[float, float]:
-    """The least exposed gathers of a step's chunk passes, (forward, backward) per micro-batch: the
-    first layer opens chunk 0's forward and the last closes the last chunk's backward; every other
-    chunk opens and closes with some layer (`evaluation.pass_gather_s`)."""
-    def least(layers, attr):
-        return min(getattr(o, attr) for t in {table.layer_type[i] for i in layers} for o in table.types[t].options)
-    last = table.num_layers - 1
-    rest = num_chunks - 1
-    fwd = least((0,), "fwd_head_s") + (rest * least(range(1, last + 1), "fwd_head_s") if rest else 0.0)
-    bwd = least((last,), "bwd_head_s") + (rest * least(range(last), "bwd_head_s") if rest else 0.0)
-    return fwd, bwd
 
 
 def _lean_frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -479,6 +436,9 @@ def memory_bound_s(table, shape, limit_bytes: float | None, structure, grad_sync
     pp, sum_s = shape.num_stages, total_s + sum(fixed_s) + others_s
     fractional_s = _least_slowest_s(fixed_s, segments, count)
     slowest_s = max(_least_slowest_whole_s(fixed_s, segments, whole_s, count, fractional_s), sum_s / pp)
+    # every rank runs at least its pinned edge layers and its chunks' fixed work, whether or not
+    # it holds run layers (the last rank with the head and MTP depths may hold none)
+    slowest_s = max(slowest_s, max(fixed_s))
     # Whole layers: some rank holds at least ceil(N / p) of the run, and some chunk ceil(N / C),
     # which the interleaved rule T_max >= v t_c (edge layers aside) charges v times.
     most_on_rank, most_in_chunk = -(-count // pp), -(-count // shape.num_chunks)

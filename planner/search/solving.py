@@ -13,8 +13,8 @@ from typing import Callable, NamedTuple
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.tables import CostTable
-from meshplan.planner.search.bounds import (bound_table, compute_bound_s, memory_bound_s, reduction_bound_s,
-                                           step_factor_floor)
+from meshplan.planner.search.bounds import bound_table, compute_bound_s, memory_bound_s, step_factor_floor
+from meshplan.planner.search.reduction_bound import reduction_bound_s
 from meshplan.planner.search.pool import worker_pool
 from meshplan.planner.simulation import replay_memo
 from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, expand_counts, heuristic_start, live_vectors,

@@ -19,7 +19,7 @@ from dataclasses import replace
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.tables import LayerType
 from meshplan.planner.profiling.profiler import profile
-from meshplan.planner.search import bounds
+from meshplan.planner.search import bounds, reduction_bound
 from meshplan.planner.search.candidates import MEMORY_MARGIN, Pins, enumerate_candidates, usable_memory_bytes
 from meshplan.planner.search.driver import search_plan
 from meshplan.planner.search.ilp.evaluation import leading_chunks
@@ -280,8 +280,8 @@ def test_reduction_bound_is_below_the_ilp_on_random_tables(grad_sync, num_strong
         v = rng.choice((1, 2)) if pp > 1 else 1
         shape = PipelineShape(pp, pp * rng.randint(1, 3), v, "interleaved" if v > 1 else "1f1b")
         problem = StageProblem(table, shape, mip_rel_gap=1e-7, grad_sync=grad_sync)
-        bound = bounds.reduction_bound_s(table, shape, grad_sync, replay=True)
-        assert bound >= bounds.reduction_bound_s(table, shape, grad_sync) or grad_sync != "overlap_every_microbatch"
+        bound = reduction_bound.reduction_bound_s(table, shape, grad_sync, replay=True)
+        assert bound >= reduction_bound.reduction_bound_s(table, shape, grad_sync) or grad_sync != "overlap_every_microbatch"
         stronger += bound > bounds.compute_bound_s(table, shape, grad_sync) * 1.01
         solution = solve_stages(problem)
         assert solution.feasible

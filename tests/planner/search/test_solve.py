@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from meshplan.planner.costing.tables import CostTable, LayerType, OptionCost
-from meshplan.planner.search.bounds import bound_structure, memory_bound_s
+from meshplan.planner.search.bounds import bound_structure, compute_bound_s, memory_bound_s
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.simulation.schedules import rank_actions
 from meshplan.planner.search.ilp.formulation import PipelineShape, StageProblem, evaluate_assignment, solve_stages
@@ -178,8 +178,34 @@ def test_mtp_depths_stay_with_the_head_and_the_ilp_matches_brute_force(case, for
         assert solution.status == "optimal" and solution.formulation == formulation
         assert all(solution.chunk_of_layer[layer] == last for layer in pinned)
         assert solution.objective_s == pytest.approx(expected, rel=REL_TOL)
-        # the search's bound, with the depths pinned as edge layers, stays below the optimum
+        # the search's bounds, with the depths pinned as edge layers, stay below the optimum
         assert memory_bound_s(table, shape, mem_limit, bound_structure(table)) <= expected * (1 + REL_TOL)
+        assert compute_bound_s(table, shape) <= expected * (1 + REL_TOL)
+
+
+@pytest.mark.parametrize("case", [1, 3, 5])
+def test_the_last_rank_s_pinned_depths_bound_the_slowest_rank(case):
+    """Heavy multi-token-prediction depths pinned with the head: the last rank runs them whatever
+    else it holds, so T_max is at least their time, which the bounds charge at the pipeline's
+    weight; both stay below the brute-force optimum, and the compute bound now sits above what
+    S / p alone gave."""
+    rng = random.Random(500 + case)
+    shape = SHAPES[case]
+    table = with_mtp_depths(random_table(rng, num_blocks=5, p2p_s=0.0), 2, rng)
+    mtp = table.types[3]
+    heavy = LayerType("mtp", tuple(replace(o, fwd_s=o.fwd_s * 6, bwd_s=o.bwd_s * 6) for o in mtp.options))
+    table = replace(table, types=table.types[:3] + (heavy,))
+    loose = StageProblem(table, shape, mem_limit_bytes=None, formulation="per-layer", mip_rel_gap=1e-9)
+    pinned = range(table.num_layers - table.last_chunk_layers, table.num_layers)
+    expected = brute_force(all_assignments(loose, pinned), None)
+    pinned_s = sum(table.types[table.layer_type[layer]].min_time_s() for layer in pinned)
+    slowest_weight, sum_weight = shape.weights
+    total = table.fastest_sum_s + table.chunk_overhead_s * shape.num_chunks
+    assert pinned_s > total / shape.num_stages  # the depths alone outweigh an even share
+    bound = compute_bound_s(table, shape)
+    assert bound >= slowest_weight * pinned_s + sum_weight * total - 1e-12
+    assert bound <= expected * (1 + REL_TOL)
+    assert memory_bound_s(table, shape, None, bound_structure(table)) <= expected * (1 + REL_TOL)
 
 
 def test_memory_objective_matches_brute_force():
