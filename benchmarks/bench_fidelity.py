@@ -26,7 +26,8 @@ prints the spread over the options and is scored at their geometric mean), then 
 the Spearman rank correlation of predicted against published throughput, per GPU in tokens/s, in
 model TFLOP/s and as MFU (the MFU ranking is the harder one: model size does not order it), and
 beside them the mean |error| of a rule of thumb on the same runs: every run at 50% of the BF16
-peak. Then every held-out run by regime (dense, FSDP, long sequence, CP, FP8, MoE, small model). Last, unless
+peak. Then every held-out run by regime (dense, FSDP, long sequence, long-sequence FSDP, CP,
+FP8, MoE, small model), each with how many of its runs are within 15%. Last, unless
 `--no-cv`, a cross-validated figure: each fit set split in two halves (alternate rows), fitted
 on one, scored on the other, both ways, averaged. `--brief` prints the summaries only.
 """
@@ -192,11 +193,13 @@ def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:
 # Regimes every held-out run is also reported by (a run may be in several): the issue's patterns.
 SMALL_HIDDEN = 2048      # "small models": hidden 2048 or less
 LONG_SEQ = 16384         # "long sequences": 16K tokens or more
+LONG_FSDP_MAX_SEQ = 65536  # the long-sequence FSDP regime: ZeRO-3 runs of 16K-64K tokens
+WITHIN = 0.15            # each regime also counts its runs within this |error|
 
 
 def regimes(run: Run) -> tuple[str, ...]:
     """The regimes `run` belongs to: dense (no experts, bf16, no FSDP), FSDP (ZeRO-3 without TP/PP),
-    long sequence, CP, FP8, MoE, small model."""
+    long sequence, long-sequence FSDP (16K-64K tokens), CP, FP8, MoE, small model."""
     hidden = graph_of(run.spec, run.seq, run.attention).info.hidden
     out = []
     if run.ep == 1 and run.precision != "fp8" and not (run.zero == 3 and run.tp == run.pp == 1):
@@ -205,6 +208,8 @@ def regimes(run: Run) -> tuple[str, ...]:
         out.append("FSDP")
     if run.seq >= LONG_SEQ:
         out.append(f"long sequence (>= {LONG_SEQ // 1024}K)")
+    if run.zero == 3 and run.tp == run.pp == 1 and LONG_SEQ <= run.seq <= LONG_FSDP_MAX_SEQ:
+        out.append(f"long-sequence FSDP ({LONG_SEQ // 1024}K-{LONG_FSDP_MAX_SEQ // 1024}K)")
     if run.cp > 1:
         out.append("CP")
     if run.precision == "fp8":
@@ -224,7 +229,8 @@ def report_regimes(scored: Sequence[Scored], clusters) -> None:
         for regime in regimes(s.run):
             groups.setdefault(regime, []).append(s)
     for regime in sorted(groups):
-        print(f"{regime}: {summary(groups[regime], clusters)}")
+        within = sum(abs(s.error) <= WITHIN for s in groups[regime])
+        print(f"{regime}: {summary(groups[regime], clusters)}; within {WITHIN:.0%}: {within} of {len(groups[regime])}")
     print(f"every held-out run: {summary(scored, clusters)}")
 
 
