@@ -60,7 +60,7 @@ class Scored:
     published_s: float
     predicted_s: tuple[float, ...]   # one per layout option (unpublished micro-batch, virtual stages)
     fits: bool
-    layouts: tuple[tuple[int, int], ...] = ((1, 1),)
+    layouts: tuple[tuple[int, int], ...]  # (micro-batch, virtual stages) of each prediction
 
     @property
     def error(self) -> float:
@@ -190,7 +190,7 @@ def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:
     print(f"the other {len(rest)}: {summary(rest, clusters)}")
 
 
-# Regimes every held-out run is also reported by (a run may be in several): the patterns.
+# Regimes every held-out run is also reported by (a run may be in several): where estimators err.
 SMALL_HIDDEN = 2048      # "small models": hidden 2048 or less
 LONG_SEQ = 16384         # "long sequences": 16K tokens or more
 LONG_FSDP_MAX_SEQ = 65536  # the long-sequence FSDP regime: ZeRO-3 runs of 16K-64K tokens

@@ -23,6 +23,7 @@ from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, EN
                                                OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig, moe_sp_problem)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.graph import is_mtp_layer
 from meshplan.planner.costing.executable import (NO_SEQUENCE_SPLIT_FAMILIES, WHOLE_MODEL_FAMILIES, cp_split_problem,
                                                  model_facts, moe_refuses_sp, tp_split_problem,
                                                  why_not_executable)
@@ -129,9 +130,9 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     `costing.executable.moe_refuses_sp` refuses (every expert layout of them)."""
     info = graph.info
     # chunks hold at least one layer each, and the multi-token-prediction depths share the output
-    # layer's chunk (`CostTable.last_chunk_layers`): a pipeline of more chunks than that has no
-    # assignment, so none is posed
-    num_layers = len(graph.layers) - info.mtp_num_layers
+    # layer's chunk (`CostTable.last_chunk_layers`, `costing.uniform`): a pipeline of more chunks
+    # than that has no assignment, so none is posed
+    num_layers = len(graph.layers) - sum(map(is_mtp_layer, graph.layers))
     # File models run whole on every rank (data parallelism only): the executor can split neither
     # their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
     # their decoder layers and split the layers whose layout is known (`models.hf_tp`).
