@@ -197,6 +197,11 @@ class Run:
     mtp_num_layers: int = 0
     # Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm; `costing.moe_overlap`)
     moe_a2a_overlap: bool = False
+    # under engine megatron, Megatron-Core's loss kernels (`costing.loss_kernels`): "native" where
+    # the recipe's stack turns the fused loss on (Megatron-Bridge's GPTModelProvider and NeMo's
+    # GPTConfig default cross_entropy_loss_fusion to true; the ModelZoo's scripts pass
+    # --cross-entropy-loss-fusion), "none" for Megatron-LM's own default
+    cross_entropy_fusion: str = "native"
     # unpublished micro-batch sizes, each a candidate (see `layouts`); () when `mbs` is published
     mbs_options: tuple[int, ...] = ()
 
@@ -375,6 +380,8 @@ MEGATRON_LM_H100_ASSUMPTIONS = (
     "prices; the Megatron-Core release of mid-2024 that ran it is not named",
     "gradients reduce-scattered in fp32: Megatron-LM at the image's commit (f2e5db4) forces "
     "accumulate_allreduce_grads_in_fp32 under --bf16 and has no --grad-reduce-in-bf16",
+    "the unfused loss (--cross-entropy-fusion none): the README names no --cross-entropy-loss-fusion, "
+    "off by default in Megatron-LM",
 )
 
 
@@ -391,7 +398,7 @@ def megatron_lm_h100_runs() -> list[Run]:
                         gpt_spec(layers, hidden, heads, VOCAB_131072) + ",tied=false", gpus, gbs, SEQ_4096,
                         tp=tp, pp=pp, zero=1, sp=tp > 1, vpp_options=vpp_options, mbs_options=(1, 2, 4),
                         published_model_tflops_per_gpu=tflops, assumptions=MEGATRON_LM_H100_ASSUMPTIONS,
-                        engine="megatron"))
+                        engine="megatron", cross_entropy_fusion="none"))
     return runs
 
 

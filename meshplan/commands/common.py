@@ -89,6 +89,16 @@ def add_grad_reduce_argument(parser) -> None:
                              "--grad-reduce-in-bf16), a 2-byte gradient buffer and reduction instead of fp32's 4")
 
 
+def add_cross_entropy_fusion_argument(parser) -> None:
+    """--cross-entropy-fusion: Megatron-Core's cross-entropy kernels (`ParallelConfig.cross_entropy_fusion`),
+    priced by the bytes they move per logit (`costing.loss_kernels`)."""
+    from meshplan.planner.contracts.engine_rules import CE_FUSIONS
+
+    parser.add_argument("--cross-entropy-fusion", choices=CE_FUSIONS, default="none",
+                        help="with --engine megatron: the loss kernels, none (Megatron-LM's default, unfused fp32), "
+                             "native (--cross-entropy-loss-fusion) or te (with --cross-entropy-fusion-impl te)")
+
+
 def add_tp_comm_overlap_argument(parser) -> None:
     """--tp-comm-overlap on|off: whether the sequence-parallel TP collectives are pipelined with
     their GEMMs (`ParallelConfig.tp_comm_overlap`); absent, the engine's record (`contracts.overlap`)."""

@@ -6,7 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
-                                     add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
+                                     add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, a2a_overlap_notes, add_moe_a2a_overlap_argument,
                                      add_tp_comm_overlap_argument, announce_model_code,
                                      axis_arguments, check_seq, check_sizes, does_not_fit, model_notes, moe_notes,
@@ -46,6 +46,7 @@ def add_arguments(parser) -> None:
                         help="interleaved 1F1B: micro-batches per round of the virtual stages (Megatron-Core's "
                              "--microbatch-group-size-per-virtual-pipeline-stage; default pp; more hold more)")
     add_grad_reduce_argument(parser)
+    add_cross_entropy_fusion_argument(parser)
     add_tp_comm_overlap_argument(parser)
     add_moe_a2a_overlap_argument(parser)
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
@@ -118,7 +119,7 @@ def _heading(args, cluster) -> Heading:
                              recompute_modules=tuple(args.recompute_modules), offload=args.offload,
                              cp_method=args.cp_method, microbatch_group_size=args.microbatch_group_size,
                              grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args),
-                             moe_a2a_overlap=args.moe_a2a_overlap)
+                             moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -139,7 +140,7 @@ def _estimate_at(args, zero: int):
                     moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                     microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                     tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
-                    moe_a2a_overlap=args.moe_a2a_overlap)
+                    moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion)
 
 
 def _zero_hint(args, prediction) -> str:

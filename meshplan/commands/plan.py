@@ -7,7 +7,7 @@ import sys
 from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES,
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
-                                     add_grad_reduce_argument, add_job_arguments, add_offload_argument,
+                                     add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
                                      a2a_overlap_notes, add_moe_a2a_overlap_argument, add_tp_comm_overlap_argument,
                                      announce_model_code, check_seq, check_sizes,
                                      finite_float, model_notes, moe_notes, spec_file, tp_comm_overlap_of)
@@ -42,6 +42,7 @@ def add_arguments(parser) -> None:
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
     add_grad_reduce_argument(parser)
+    add_cross_entropy_fusion_argument(parser)
     add_tp_comm_overlap_argument(parser)
     add_moe_a2a_overlap_argument(parser)
     add_attention_argument(parser)
@@ -103,7 +104,8 @@ def run(args) -> int:
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
                              fp8_recipe=args.fp8_recipe, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
-                             moe_a2a_overlap=args.moe_a2a_overlap, **pins)
+                             moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
+                             **pins)
 
     # one row per candidate only when asked for: tens of thousands of labels otherwise unread
     rows: list[dict] | None = [] if args.candidates_csv else None

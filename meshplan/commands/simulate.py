@@ -66,7 +66,8 @@ def _with_overrides(plan, engine: str | None, fp8_recipe: str | None):
     if engine and engine != config.engine:  # a TP or EP overlap the plan sets travels where the engine runs one
         kept = config.tp_comm_overlap if engine in TP_OVERLAP_ENGINES else None
         config = replace(config, engine=engine, tp_comm_overlap=kept,
-                         moe_a2a_overlap=config.moe_a2a_overlap and engine in A2A_OVERLAP_ENGINES)
+                         moe_a2a_overlap=config.moe_a2a_overlap and engine in A2A_OVERLAP_ENGINES,
+                         cross_entropy_fusion=config.cross_entropy_fusion if engine == "megatron" else "none")
     if fp8_recipe:
         check_fp8_supported(plan.cluster, config.precision, fp8_recipe)
         config = replace(config, fp8_recipe=fp8_recipe)

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
-from meshplan.planner.contracts.engine_rules import a2a_overlap_engine_problem, bf16_grads_problem, moe_sp_problem
+from meshplan.planner.contracts.engine_rules import (a2a_overlap_engine_problem, bf16_grads_problem, ce_fusion_problem,
+                                                     moe_sp_problem)
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -162,6 +163,8 @@ class ParallelConfig:
     # (`costing.moe_overlap`). Engine megatron, and with pp > 1 interleaved (v > 1); stored False
     # with ep 1, where there is nothing to hide (`estimator.parallel_config` refuses asking for it).
     moe_a2a_overlap: bool = False
+    # Megatron-Core's cross-entropy kernels, a name in `engine_rules.CE_FUSIONS` (engine megatron).
+    cross_entropy_fusion: str = "none"
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -190,6 +193,8 @@ class ParallelConfig:
                              f"ep={self.ep})")
         self._check_offload()
         if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
+            raise ValueError(problem)
+        if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion):
             raise ValueError(problem)
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")

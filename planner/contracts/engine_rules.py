@@ -7,6 +7,10 @@ from __future__ import annotations
 MOE_SP_ENGINES = ("megatron",)
 # Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
 A2A_OVERLAP_ENGINES = ("megatron",)
+# Megatron-Core's cross-entropy kernels (`ParallelConfig.cross_entropy_fusion`): "none", its unfused
+# vocab-parallel loss (Megatron-LM's default); "native", --cross-entropy-loss-fusion; "te", that
+# flag with --cross-entropy-fusion-impl te (Transformer Engine's parallel cross-entropy).
+CE_FUSIONS = ("none", "native", "te")
 
 
 def bf16_grads_problem(engine: str, precision: str) -> str | None:
@@ -14,6 +18,16 @@ def bf16_grads_problem(engine: str, precision: str) -> str | None:
     if engine != "megatron" or precision == "fp32":
         return (f"grad_reduce_in_bf16 keeps Megatron-LM's gradient buffer in bf16: use engine megatron with "
                 f"precision bf16-mixed or fp8 (got engine {engine!r}, precision {precision!r})")
+    return None
+
+
+def ce_fusion_problem(engine: str, fusion: str) -> str | None:
+    """Why the loss cannot run as `fusion` (`cross_entropy_fusion`) under `engine`, or None."""
+    if fusion not in CE_FUSIONS:
+        return f"cross_entropy_fusion must be one of {', '.join(CE_FUSIONS)}, got {fusion!r}"
+    if fusion != "none" and engine != "megatron":
+        return (f"cross_entropy_fusion {fusion} is Megatron-LM's --cross-entropy-loss-fusion: use engine megatron "
+                f"(got engine {engine!r})")
     return None
 
 

@@ -7,7 +7,7 @@ from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import attention_kernels, fp8, gemm
+from meshplan.planner.costing import attention_kernels, fp8, gemm, loss_kernels
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
@@ -35,10 +35,12 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
     return 4.0 * seq * seq * info.hidden
 
 
-# The `ParallelConfig` fields `compute_times_s` reads; under fp8 also the recipe's, and the micro-batch
-# count and engine that set how often an engine casts its weights (`fp8.weight_cast_share`).
-COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split")
-FP8_TIME_FIELDS = ("fp8_recipe", "engine", "num_microbatches")
+# The `ParallelConfig` fields `compute_times_s` reads (the engine and its loss kernels:
+# `loss_kernels`); under fp8 also the recipe's, and the micro-batch count that with the engine sets
+# how often an engine casts its weights (`fp8.weight_cast_share`).
+COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split", "engine",
+                       "cross_entropy_fusion")
+FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches")
 
 
 def compute_time_key(config: ParallelConfig) -> tuple:
@@ -55,8 +57,10 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     GEMM time: a dense block's Linears one GEMM at a time by shape (`gemm`), other FLOPs on the
     efficiency curve as `num_gemms` equal GEMMs (backward twice as many); fused attention at the
     named kernel's efficiency (`attention_kernels`); memory-bound time of the non-GEMM kernels from the bytes the layer saves
-    (`elementwise_bytes_per_activation_byte`, backward twice). Full recomputation repeats the
-    forward; selective repeats the attention core (QK^T, softmax, x V) when scores were saved.
+    (`elementwise_bytes_per_activation_byte`, backward twice), or, for the logits of a loss whose
+    kernels the engine's code names, those kernels' own bytes (`loss_kernels`). Full recomputation
+    repeats the forward; selective repeats the attention core (QK^T, softmax, x V) when scores were
+    saved.
     """
     dtype = COMPUTE_DTYPE[config.precision]
     shard = config.tp if is_split(layer, config.tp) else 1
@@ -81,6 +85,10 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     rebuilt = rebuilt_bytes(layer, config, act_scale)
     saved_bytes += rebuilt
     bwd_extra = rebuilt if config.recompute == "none" else 0.0
+    if loss_kernels.counts_loss_kernels(layer, config):  # the logits' traffic counted kernel by kernel
+        saved_bytes -= layer.act_tp_sharded_bytes / shard * mbs * act_scale * vocab_scale
+        fwd_gemm_s, bwd_gemm_s = (gemm_s + loss_s for gemm_s, loss_s in zip(
+            (fwd_gemm_s, bwd_gemm_s), loss_kernels.loss_times_s(layer, config, cluster, vocab_scale, profile_dtype)))
     fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
     bwd_s = bwd_gemm_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
     if config.recompute == "full":

@@ -43,6 +43,9 @@ BF16_GRADS_FLAG = "--grad-reduce-in-bf16"  # a bf16 gradient buffer: the plan's 
 # plan's `tp_comm_overlap`, read as given; meshplan's megatron record prices it on where no file says.
 TP_OVERLAP_FLAG = "--tp-comm-overlap"
 # Megatron-Core's combined 1F1B (the plan's `moe_a2a_overlap`), off unless named.
+# Megatron-Core's fused loss (the plan's `cross_entropy_fusion`), off unless named; its kernels "native"
+# unless --cross-entropy-fusion-impl names te.
+CE_FUSION_FLAG, CE_IMPL_FLAG = "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl"
 A2A_OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
 # offers blockwise; it has no rowwise).
@@ -70,6 +73,8 @@ def _overlap_args(cfg) -> list[tuple[str, object]]:
         out.append(("--overlap-param-gather", None))
     if cfg.moe_a2a_overlap:
         out.append((A2A_OVERLAP_FLAG, None))
+    if cfg.cross_entropy_fusion != "none":  # not an overlap, but a kernel choice the plan was priced with
+        out += [(CE_FUSION_FLAG, None)] + ([(CE_IMPL_FLAG, "te")] if cfg.cross_entropy_fusion == "te" else [])
     return out
 
 
@@ -255,6 +260,7 @@ def read_megatron(text: str) -> EngineJob:
         microbatch_group_size=None if vpp == 1 or get(GROUP_FLAG, pp) == pp else get(GROUP_FLAG, None),
         grad_reduce_in_bf16=BF16_GRADS_FLAG in flags, tp_comm_overlap=TP_OVERLAP_FLAG in flags,
         moe_a2a_overlap=A2A_OVERLAP_FLAG in flags and degrees["ep"] > 1,
+        cross_entropy_fusion=_read_ce_fusion(flags, notes),
         layers_per_chunk=read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
         cp_method=cp_method, mtp_num_layers=get("--mtp-num-layers", 0),
         moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
@@ -366,6 +372,17 @@ def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None, tupl
         notes.append(f"--recompute-method uniform --recompute-num-layers {count}: checkpoints groups of {count} "
                      "layers; priced as full recomputation of every layer (its input kept per layer)")
     return "full", None, ()
+
+
+def _read_ce_fusion(flags, notes: list[str]) -> str:
+    """The loss kernels of the arguments (`ParallelConfig.cross_entropy_fusion`)."""
+    if CE_FUSION_FLAG not in flags:
+        return "none"
+    impl = flags.get(CE_IMPL_FLAG) or "native"
+    if impl not in ("native", "te"):
+        notes.append(f"{CE_IMPL_FLAG} {impl}: meshplan prices native and te; priced as native")
+        return "native"
+    return impl
 
 
 def _read_precision(flags, notes: list[str]) -> tuple[str, str | None]:

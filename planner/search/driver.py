@@ -127,6 +127,8 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
         request.fp8_recipe, left_out=executor_limited), pins.offload)
     if request.grad_reduce_in_bf16:  # a setting of the engine, the same on every candidate
         candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
+    if request.cross_entropy_fusion != "none":  # likewise
+        candidates = [replace(c, cross_entropy_fusion=request.cross_entropy_fusion) for c in candidates]
     if request.tp_comm_overlap is not None:  # likewise, where it applies (tp > 1 with SP)
         candidates = [replace(c, tp_comm_overlap=request.tp_comm_overlap) if c.tp > 1 and c.sp else c
                       for c in candidates]

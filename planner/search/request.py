@@ -7,7 +7,8 @@ from functools import cached_property
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
-                                                a2a_overlap_engine_problem, bf16_grads_problem)
+                                                a2a_overlap_engine_problem, bf16_grads_problem,
+                                                ce_fusion_problem)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
@@ -45,6 +46,7 @@ class PlanRequest:
     grad_reduce_in_bf16: bool = False  # engine megatron: Megatron-LM's bf16 gradient buffer and reduction
     tp_comm_overlap: bool | None = None  # TP collectives pipelined with their GEMMs; None: the engine's record
     moe_a2a_overlap: bool = False  # engine megatron's combined 1F1B, where a candidate can run it (`costing.moe_overlap`)
+    cross_entropy_fusion: str = "none"  # engine megatron's cross-entropy kernels (`costing.loss_kernels`)
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -84,6 +86,9 @@ class PlanRequest:
         if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
             raise MeshplanError(problem.replace("grad_reduce_in_bf16", "--grad-reduce-in-bf16").replace(
                 "engine", "--engine").replace("precision", "--precision"))
+        if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion):
+            raise MeshplanError(problem.replace("cross_entropy_fusion", "--cross-entropy-fusion").replace(
+                "use engine", "use --engine"))
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 SPEC = "gpt:layers=4,hidden=256,heads=4,vocab=1024"
 JOB = ("--model", SPEC, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256")
 
 
 def test_estimate_engine_changes_the_memory_only(run_cli):
     """Here (one data-parallel pair, no TP, PP or ZeRO gathers) every engine's overlap prices the
-    step alike: megatron's time is `generic`'s, and meshplan's executor adds FSDP2's gradient
-    copies (`state_memory.grad_copy_bytes_per_param`); the memory follows each engine's recipe,
-    `generic`'s the executor's."""
+    step alike: megatron's time is `generic`'s but for its unfused loss kernels, counted one pass
+    at a time (`costing.loss_kernels`: 52 bytes a logit against the saved-bytes rule's 30), and
+    meshplan's executor adds FSDP2's gradient copies (`state_memory.grad_copy_bytes_per_param`);
+    the memory follows each engine's recipe, `generic`'s the executor's."""
     code, out, err = run_cli("estimate", *JOB, "--json")
     assert code == 0, err
     own = json.loads(out)
@@ -22,7 +25,10 @@ def test_estimate_engine_changes_the_memory_only(run_cli):
     code, out, err = run_cli("estimate", *JOB, "--engine", "generic", "--json")
     assert code == 0, err
     generic = json.loads(out)
-    assert megatron["step_time_s"] == generic["step_time_s"] < own["step_time_s"]
+    assert generic["step_time_s"] < megatron["step_time_s"] < own["step_time_s"]
+    code, out, err = run_cli("estimate", *JOB, "--engine", "megatron", "--cross-entropy-fusion", "native", "--json")
+    native = json.loads(out)  # 36 bytes a logit: between the two
+    assert generic["step_time_s"] < native["step_time_s"] < megatron["step_time_s"]
     assert generic["memory_bytes"] == own["memory_bytes"]
     first = megatron["memory_bytes"][0]
     assert first["grads"] == 2 * first["params"]  # bf16 parameters, fp32 main_grad
@@ -129,6 +135,29 @@ def test_plan_takes_megatrons_bf16_gradients_and_records_them(run_cli, tmp_path)
 
 def test_plan_refuses_bf16_gradients_outside_megatron(run_cli):
     code, out, err = run_cli("plan", *JOB, "--grad-reduce-in-bf16")
+    assert code == 2 and "--engine megatron" in err and "Traceback" not in err
+
+
+def test_plan_takes_megatrons_fused_loss_and_records_it(run_cli, tmp_path):
+    """`plan --cross-entropy-fusion te` plans every candidate with Transformer Engine's loss: the plan
+    records it, its step time is what `estimate` gives the winner with the flag, and without the
+    flag (Megatron-LM's unfused fp32 loss) the same layout is slower; other engines refuse it."""
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *JOB, "--engine", "megatron", "--cross-entropy-fusion", "te", "--top", "1",
+                             "--time-limit", "1", "--out", path)
+    assert code == 0, err
+    data = json.loads(path.read_text())
+    assert data["cross_entropy_fusion"] == "te"
+    mesh, schedule = data["mesh"], data["schedule"]
+    args = ("--tp", str(mesh["tp"]), "--pp", str(mesh["pp"]), "--mbs", str(schedule["microbatch_size"]),
+            "--zero", str(data["zero"]), "--engine", "megatron", "--json") + (("--sp",) if data["sp"] else ())
+    code, out, err = run_cli("estimate", *JOB, *args, "--cross-entropy-fusion", "te")
+    assert code == 0, err
+    fused_s = json.loads(out)["step_time_s"]
+    assert fused_s == pytest.approx(data["prediction"]["step_time_s"], rel=1e-9)
+    code, out, err = run_cli("estimate", *JOB, *args)
+    assert json.loads(out)["step_time_s"] > fused_s
+    code, out, err = run_cli("plan", *JOB, "--cross-entropy-fusion", "native")
     assert code == 2 and "--engine megatron" in err and "Traceback" not in err
 
 

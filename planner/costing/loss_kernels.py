@@ -1,0 +1,61 @@
+"""The loss kernels' memory traffic: bytes moved per logit by the cross-entropy an engine runs.
+
+The output layer's logits are the largest activation a language model makes (tokens x vocab), and
+the kernels that turn them into a loss are memory-bound: their time is the bytes they read and
+write. Elsewhere the memory-bound time of a layer is priced by the bytes it saves for backward
+(`compute_time.compute_times_s`, `elementwise_bytes_per_activation_byte`, fitted on the A100 fit
+set, whose 51,200-entry vocabulary keeps the loss a small share of a step). Where the engine's
+loss code is known, its kernels are counted instead, one tensor pass at a time.
+
+Megatron-Core (megatron/core/tensor_parallel/cross_entropy.py and
+megatron/core/fusions/fused_cross_entropy.py), on the bf16 logits of the vocab-parallel output
+Linear; fp32 elements are 4 bytes, bf16 2:
+
+- "none", `_VocabParallelCrossEntropy` (Megatron-LM's default). Forward: the logits cast to fp32
+  (read 2, write 4), their max (read 4), the max subtracted in place (read 4, write 4), exp into a
+  buffer (read 4, write 4), its sum (read 4), the division that leaves the softmax saved for
+  backward (read 4, write 4): 38. Backward: the saved softmax scaled in place by the loss
+  gradient (read 4, write 4), then the cast's backward to bf16 (read 4, write 2): 14.
+- "native", --cross-entropy-loss-fusion: the same steps as three compiled functions (`jit_fuser`),
+  each one kernel: cast and max (read 2, write 4), subtract, exp and sum (read 4, write 4),
+  divide (read 4, write 4): 22. Backward as unfused: 14.
+- "te", --cross-entropy-fusion-impl te: Transformer Engine's parallel cross-entropy, a Triton
+  kernel that reads the bf16 logits once for the running max and sum (2) and again to write the
+  gradient in their place (read 2, write 2): 6. Backward: that gradient scaled in place by the
+  loss gradient (read 2, write 2): 4.
+
+The per-token reductions (max, sum and target logit all-reduced over the TP group) are vocab
+times smaller and left out.
+"""
+from __future__ import annotations
+
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import LayerProfile
+from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
+from meshplan.planner.costing.tp_split import is_split
+
+# (forward, backward) bytes per logit of each Megatron-Core cross-entropy (`ParallelConfig.cross_entropy_fusion`)
+MEGATRON_CE_BYTES_PER_LOGIT = {"none": (38.0, 14.0), "native": (22.0, 14.0), "te": (6.0, 4.0)}
+
+
+def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig) -> bool:
+    """Whether the layer's loss kernels are counted (`loss_times_s`) rather than priced by the
+    bytes it saves: a language model's output layer under engine megatron."""
+    return layer.kind == "head" and config.engine == "megatron"
+
+
+def num_logits(layer: LayerProfile, config: ParallelConfig, vocab_scale: float, profile_dtype: str) -> float:
+    """Logits of one micro-batch on one rank: the output layer's output elements (in the profile's
+    dtype), /tp where the vocabulary is split; `vocab_scale`: its TP padding (`tp_split.vocab_scale`),
+    as the layer's FLOPs take it (`compute_time.compute_times_s`)."""
+    tp = config.tp if is_split(layer, config.tp) else 1
+    return layer.output_bytes / DTYPE_BYTES.get(profile_dtype, 2) * config.rank_microbatch * vocab_scale / tp
+
+
+def loss_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, vocab_scale: float,
+                 profile_dtype: str) -> tuple[float, float]:
+    """(forward, backward) seconds of the engine's cross-entropy kernels on one micro-batch."""
+    fwd_bytes, bwd_bytes = MEGATRON_CE_BYTES_PER_LOGIT[config.cross_entropy_fusion]
+    logits = num_logits(layer, config, vocab_scale, profile_dtype)
+    return memory_time_s(fwd_bytes * logits, cluster), memory_time_s(bwd_bytes * logits, cluster)

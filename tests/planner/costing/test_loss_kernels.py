@@ -1,0 +1,90 @@
+"""Megatron-Core's cross-entropy kernels (`ParallelConfig.cross_entropy_fusion`, --cross-entropy-fusion):
+the output layer's memory-bound time counted kernel by kernel, in the estimate, plan.json and the
+Megatron-LM export and import."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.plan import plan_from_json
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.costing.layer_cost import layer_cost
+from meshplan.planner.costing.loss_kernels import MEGATRON_CE_BYTES_PER_LOGIT
+from meshplan.planner.engines.bridge import export_plan, read_engine_text
+from meshplan.planner.profiling.profiler import profile
+from meshplan.planner.simulation.estimator import estimate, parallel_config
+from tests.planner.engines.helpers import make_plan
+
+VOCAB, SEQ, MBS, TP = 32768, 512, 2, 2
+SPEC = f"gpt:layers=2,hidden=256,heads=4,vocab={VOCAB}"
+
+
+def _head_times(fusion: str, engine: str = "megatron") -> tuple[float, float]:
+    cluster = load_cluster("h100-sxm")
+    graph = profile(SPEC, SEQ, batch=1, dtype="bf16")
+    config = parallel_config(cluster, gpus=TP, global_batch=MBS, tp=TP, mbs=MBS, sp=True, engine=engine,
+                             cross_entropy_fusion=fusion)
+    head = graph.layers[-1]
+    assert head.kind == "head"
+    cost = layer_cost(head, config, cluster, graph.info, state_recipe="zero-paper")
+    return cost.fwd_compute_s, cost.bwd_compute_s
+
+
+@pytest.mark.parametrize("fusion", ["native", "te"])
+def test_each_fusion_saves_the_bytes_its_kernels_do_not_move(fusion):
+    """The forward and backward of the output layer differ from the unfused loss's by exactly the
+    bytes per logit the kernels skip, over the rank's logits (tokens x vocab / tp), at the device's
+    achieved memory bandwidth: nothing else in the layer depends on the loss kernels."""
+    cluster = load_cluster("h100-sxm")
+    logits = MBS * SEQ * VOCAB / TP
+    (fwd_none, bwd_none), (fwd, bwd) = _head_times("none"), _head_times(fusion)
+    (fwd_bytes_none, bwd_bytes_none), (fwd_bytes, bwd_bytes) = (MEGATRON_CE_BYTES_PER_LOGIT[name]
+                                                                for name in ("none", fusion))
+    assert fwd_none - fwd == pytest.approx(memory_time_s((fwd_bytes_none - fwd_bytes) * logits, cluster), rel=1e-9)
+    assert bwd_none - bwd == pytest.approx(memory_time_s((bwd_bytes_none - bwd_bytes) * logits, cluster), rel=1e-9)
+
+
+def test_the_kernel_counts_are_the_passes_megatron_core_makes():
+    """Unfused: cast to fp32 (2 read + 4 written), max (4), subtract (4 + 4), exp (4 + 4), sum (4),
+    divide (4 + 4) forward; scale (4 + 4) and the cast back to bf16 (4 + 2) backward. Native fusion:
+    three compiled kernels, cast+max (2 + 4), subtract+exp+sum (4 + 4), divide (4 + 4). Transformer
+    Engine: one read for the running max and sum, one read and write of the gradient (2 + 2 + 2),
+    scaled in place in backward (2 + 2)."""
+    assert MEGATRON_CE_BYTES_PER_LOGIT == {"none": (6 + 4 + 8 + 8 + 4 + 8, 8 + 6), "native": (6 + 8 + 8, 8 + 6),
+                                           "te": (2 + 2 + 2, 2 + 2)}
+
+
+def test_other_engines_price_the_logits_by_the_bytes_they_save():
+    """Outside megatron the output layer keeps the fitted traffic-per-saved-byte rule, which differs
+    from every counted loss, so the engine is part of what the time depends on."""
+    generic = _head_times("none", engine="generic")
+    assert all(generic != _head_times(fusion) for fusion in ("none", "native", "te"))
+
+
+def test_only_megatron_names_its_loss_kernels():
+    with pytest.raises(ValueError, match="use engine megatron"):
+        ParallelConfig(gpus=2, global_batch=2, dp=2, engine="torchtitan", cross_entropy_fusion="native")
+    with pytest.raises(ValueError, match="cross_entropy_fusion must be one of none, native, te"):
+        ParallelConfig(gpus=2, global_batch=2, dp=2, engine="megatron", cross_entropy_fusion="liger")
+    with pytest.raises(MeshplanError, match="--cross-entropy-fusion te .* use --engine megatron"):
+        estimate(SPEC, "a100-80g", gpus=2, global_batch=2, seq=128, cross_entropy_fusion="te")
+
+
+def test_plan_json_and_the_megatron_arguments_carry_it():
+    plan = make_plan(pp=2, dp=2, tp=2, zero=1)
+    megatron = replace(plan, config=replace(plan.config, engine="megatron"))
+    assert "cross_entropy_fusion" not in megatron.to_json()  # plans without it keep their digest
+    for fusion in ("native", "te"):
+        fused = replace(plan, config=replace(megatron.config, cross_entropy_fusion=fusion))
+        assert plan_from_json(fused.to_json()).config.cross_entropy_fusion == fusion
+        assert fused.digest != megatron.digest
+        text = export_plan(fused, "megatron").text
+        assert "--cross-entropy-loss-fusion" in text
+        assert ("--cross-entropy-fusion-impl te" in text) == (fusion == "te")
+        assert read_engine_text(text, "megatron").cross_entropy_fusion == fusion
+    text = export_plan(megatron, "megatron").text
+    assert "--cross-entropy-loss-fusion" not in text and read_engine_text(text, "megatron").cross_entropy_fusion == "none"
