@@ -161,6 +161,20 @@ def test_plan_takes_megatrons_fused_loss_and_records_it(run_cli, tmp_path):
     assert code == 2 and "--engine megatron" in err and "Traceback" not in err
 
 
+def test_plan_says_what_a_fused_loss_would_save(run_cli):
+    """Planned for megatron without --cross-entropy-fusion, a large-vocabulary model's plan names
+    what Transformer Engine's loss kernel would take off the winner's step; with the flag it does not."""
+    job = ("--model", "gpt:layers=2,hidden=256,heads=4,vocab=32768", "--cluster", "a100-80g", "--gpus", "2",
+           "--gbs", "8", "--seq", "256", "--engine", "megatron", "--top", "1", "--time-limit", "1")
+    code, out, err = run_cli("plan", *job)
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("loss: Megatron-LM's unfused"))
+    assert "--cross-entropy-fusion te" in line and "off the step" in line
+    code, out, err = run_cli("plan", *job, "--cross-entropy-fusion", "te")
+    assert code == 0, err
+    assert "loss: " not in out
+
+
 def test_a_plan_for_another_engine_says_who_runs_it(run_cli):
     """A mixture of experts under TP with SP: Megatron-LM runs it (it requires SP with TP and EP),
     meshplan's executor does not. Planned for megatron, the plan says to export it; planned for
