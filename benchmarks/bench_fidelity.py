@@ -49,7 +49,7 @@ from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCH
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
-                            MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, MPT_SWEEP_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
                             TORCHTITAN_H100,
                             Run, all_runs, fit_runs)
 
@@ -147,6 +147,7 @@ def print_rows(scored: Sequence[Scored]) -> None:
 SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "Llama 3 Table 4",
                  MEGATRON_LM_H100: "Megatron-LM README H100 table",
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
+                 MPT_SWEEP_SOURCE: "MosaicML MPT micro-batch sweep (llm-foundry)",
                  TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
                  MEGATRON_MOE_QWEN3_GB200: "Megatron-MoE-ModelZoo Qwen3 GB200",
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",

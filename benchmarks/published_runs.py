@@ -121,6 +121,8 @@ KORTHIKANTI_2022 = "Korthikanti et al. 2022 (arXiv:2205.05198), Table 5"
 LLAMA3_2024 = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
 MPT_SOURCE = ("MosaicML llm-foundry scripts/train/benchmarking/README.md "
               "(commit 061f2c7ce64e655100286584a7629e2a09f827ba)")
+MPT_SWEEP_SOURCE = ("MosaicML llm-foundry scripts/train/benchmarking/ack_ckpt_limits.md, a micro-batch sweep "
+                    "(commit beb8dee6922c5e31d27a24a713a1315b4013185d)")
 TORCHTITAN_A100 = ("torchtitan docs/performance.md, Llama 2 / Llama 3 on 64 A100 80GB with FSDP2 "
                    "(commit 041336434916bdc0f88c1f89fda176fd3c2092e4)")
 
@@ -420,7 +422,8 @@ MPT_FP8_ASSUMPTIONS = (
 
 
 def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OUT,
-             precision: str = "bf16-mixed") -> list[Run]:
+             precision: str = "bf16-mixed", source: str = MPT_SOURCE, label: str = "") -> list[Run]:
+    """The rows of one of llm-foundry's benchmark tables (`label` tells a table's run names apart)."""
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing = full recomputation",
         "llm-foundry's Triton flash attention with ALiBi (attn_impl triton, submit_benchmarks.py's default), causal",
@@ -433,8 +436,9 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
             gpus, mbs, accum, gbs = (int(row[k]) for k in ("gpus", "mbs", "grad_accum", "gbs"))
             if gbs != gpus * mbs * accum:
                 raise ValueError(f"{path}: {row} has global batch {gbs} != gpus x mbs x accumulation")
-            name = f"MPT {row['model']} {row['table']}{' fp8' if precision == 'fp8' else ''} s{row['seq']} x{gpus} mbs{mbs}"
-            runs.append(Run(name, group, MPT_SOURCE, MPT_CLUSTERS[row["table"]],
+            name = (f"MPT {row['model']} {row['table']}{' fp8' if precision == 'fp8' else ''}{label} s{row['seq']} "
+                    f"x{gpus} mbs{mbs}")
+            runs.append(Run(name, group, source, MPT_CLUSTERS[row["table"]],
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
                             attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
@@ -444,6 +448,12 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
 
 def mpt_fp8_runs() -> list[Run]:
     return mpt_runs(DATA_DIR / "mpt_llm_foundry_fp8.csv", HELD_OUT_FP8, "fp8")
+
+
+def mpt_sweep_runs() -> list[Run]:
+    """llm-foundry's micro-batch sweep (held out): the same model and sequence at micro-batches 1, 2
+    and 4, which isolates what a micro-batch costs beyond its FLOPs under FSDP."""
+    return mpt_runs(DATA_DIR / "mpt_llm_foundry_mbs_sweep.csv", source=MPT_SWEEP_SOURCE, label=" sweep")
 
 
 TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H100 (96GB HBM2e, 500 W cap), "
@@ -546,7 +556,8 @@ FABRIC_RUNS = [
 
 
 def all_runs() -> list[Run]:
-    return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs() + mpt_runs() + torchtitan_runs() + mpt_fp8_runs()
+    return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs() + mpt_runs() + mpt_sweep_runs()
+            + torchtitan_runs() + mpt_fp8_runs()
             + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
 
 

@@ -149,6 +149,19 @@ def test_mpt_table_transcription_is_consistent(modules):
     assert sum(layer.num_params for layer in graph.layers) == pytest.approx(64862437376, rel=1e-3)
 
 
+def test_mpt_micro_batch_sweep_is_transcribed_and_agrees_with_the_readme(modules):
+    """The sweep's six runs (two 3b rows with activation CPU offload left out): global batch = GPUs
+    x micro-batch x accumulation, and its 13b micro-batch-2 row measures what the README's row of the
+    same layout does (18,097 against 17,824 tokens/s: 2%, one accumulation step apart)."""
+    data, fit = modules
+    sweep = data.mpt_sweep_runs()
+    assert len(sweep) == 6 and all(run.source == data.MPT_SWEEP_SOURCE and run.zero == 3 for run in sweep)
+    readme = {run.name: run for run in data.mpt_runs()}["MPT 13b a100_80gb s2048 x8 mbs2"]
+    same = {run.name: run for run in sweep}["MPT 13b a100_80gb sweep s2048 x8 mbs2"]
+    assert same.published_tokens_per_s == pytest.approx(readme.published_tokens_per_s, rel=0.02)
+    assert sorted(run.mbs for run in sweep if "7b" in run.name) == [1, 2, 4]
+
+
 def test_megatron_lm_h100_table_transcription_is_consistent(modules):
     """Every row of the Megatron-LM README's H100 table: TP x PP x DP = GPUs, the printed MFU is
     the TFLOP/s over 989 and the aggregate is TFLOP/s x GPUs (to the table's rounding), and the
