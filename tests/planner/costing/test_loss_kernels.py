@@ -81,7 +81,7 @@ def test_plan_json_and_the_megatron_arguments_carry_it():
     for fusion in ("native", "te"):
         fused = replace(plan, config=replace(megatron.config, cross_entropy_fusion=fusion))
         assert plan_from_json(fused.to_json()).config.cross_entropy_fusion == fusion
-        assert fused.digest != megatron.digest
+        assert fused.digest != megatron.digest and fused.config.label().endswith(f", {fusion} fused loss")
         text = export_plan(fused, "megatron").text
         assert "--cross-entropy-loss-fusion" in text
         assert ("--cross-entropy-fusion-impl te" in text) == (fusion == "te")
