@@ -43,10 +43,10 @@ BF16_GRADS_FLAG = "--grad-reduce-in-bf16"  # a bf16 gradient buffer: the plan's 
 # plan's `tp_comm_overlap`, read as given; meshplan's megatron record prices it on where no file says.
 TP_OVERLAP_FLAG = "--tp-comm-overlap"
 # Megatron-Core's combined 1F1B (the plan's `moe_a2a_overlap`), off unless named.
+A2A_OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
 # Megatron-Core's fused loss (the plan's `cross_entropy_fusion`), off unless named; its kernels "native"
 # unless --cross-entropy-fusion-impl names te.
 CE_FUSION_FLAG, CE_IMPL_FLAG = "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl"
-A2A_OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
 # Megatron-LM's --fp8-recipe choices that meshplan prices (megatron/training/arguments.py also
 # offers blockwise; it has no rowwise).
 MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
@@ -73,8 +73,6 @@ def _overlap_args(cfg) -> list[tuple[str, object]]:
         out.append(("--overlap-param-gather", None))
     if cfg.moe_a2a_overlap:
         out.append((A2A_OVERLAP_FLAG, None))
-    if cfg.cross_entropy_fusion != "none":  # not an overlap, but a kernel choice the plan was priced with
-        out += [(CE_FUSION_FLAG, None)] + ([(CE_IMPL_FLAG, "te")] if cfg.cross_entropy_fusion == "te" else [])
     return out
 
 
@@ -129,6 +127,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
                          "--optimizer-cpu-offload, which keeps parameters and gradients on the GPUs")
     if cfg.precision in ("bf16-mixed", "fp8"):
         args += [("--bf16", None)] + ([(BF16_GRADS_FLAG, None)] if cfg.grad_reduce_in_bf16 else [])
+    if cfg.cross_entropy_fusion != "none":  # the loss kernels the plan was priced with
+        args += [(CE_FUSION_FLAG, None)] + ([(CE_IMPL_FLAG, "te")] if cfg.cross_entropy_fusion == "te" else [])
     if cfg.precision == "fp8":  # Transformer Engine's E4M3 forward / E5M2 gradients, under the plan's recipe
         recipe = cfg.fp8_recipe
         if recipe not in MEGATRON_FP8_RECIPES:
