@@ -114,6 +114,14 @@ def grad_sync_mode(config) -> str:
 # below ZeRO-2: meshplan's executor (`executor.runtime._gradient_sync`) does; torchtitan's trainer
 # reduces every micro-batch's gradients (`torchtitan/trainer.py`: no `set_requires_gradient_sync`).
 FSDP2_MIXED_PRECISION_ENGINES = {"meshplan": True, "torchtitan": False}
+# Engines on torch's FSDP1 with bf16 parameters and fp32 gradient reduction (Composer's DEFAULT mixed
+# precision, which llm-foundry's MPT yamls run): every micro-batch's post-backward hook casts the
+# unsharded bf16 gradient to fp32 (`flat_param.grad.to(handle._reduce_dtype)`: read 2, write 4) and
+# `_reduce_grad` divides it in place by the pre-divide factor before the reduction
+# (`_div_if_needed` with `_get_gradient_predivide_factor`, above 1 for any world of 2 or more: read 4,
+# write 4); the post-divide runs on the shard.
+FSDP1_CAST_BYTES_PER_PARAM, FSDP1_PREDIVIDE_BYTES_PER_PARAM = 6.0, 8.0
+FSDP1_MIXED_PRECISION_ENGINES = ("llm-foundry",)
 
 
 def grad_copy_bytes_per_param(config, zero: int | None = None) -> float:
@@ -123,12 +131,17 @@ def grad_copy_bytes_per_param(config, zero: int | None = None) -> float:
     waits for the last micro-batch, each micro-batch's bf16 gradient is added into an fp32
     accumulation (read 2 + 4, write 4: 10; the first micro-batch's cast and the last one's copy
     into the reduction's input come to about as much); where every micro-batch reduces, its bf16
-    gradient is cast into the fp32 reduce-scatter input (read 2, write 4: 6). The engines without
+    gradient is cast into the fp32 reduce-scatter input (read 2, write 4: 6). FSDP1's path
+    (llm-foundry, in bf16 and under fp8, whose Transformer Engine Linears keep bf16 parameters)
+    casts and pre-divides every micro-batch's gradient: 14 (6 alone without a data group); it runs
+    on FSDP1's post-backward stream, charged like FSDP2's on the backward's. The engines without
     FSDP2 accumulate in fp32 inside the weight-gradient GEMM (Megatron-LM's
     gradient_accumulation_fusion into `main_grad`): 0. fp32 training and fp8 (whose states
     meshplan's executor keeps in fp32, with no mixed-precision policy) accumulate in the
     parameter's own dtype through autograd: not charged here either. `zero`: another stage for
     the same config (a ZeRO-2/3 candidate's ZeRO-1 sibling, `search.problems`)."""
+    if config.engine in FSDP1_MIXED_PRECISION_ENGINES and config.precision != "fp32":  # fp8 Linears: bf16 params
+        return FSDP1_CAST_BYTES_PER_PARAM + (FSDP1_PREDIVIDE_BYTES_PER_PARAM if config.data_ranks > 1 else 0.0)
     defers = FSDP2_MIXED_PRECISION_ENGINES.get(config.engine)
     if defers is None or config.precision != "bf16-mixed":
         return 0.0

@@ -1,4 +1,4 @@
-"""FSDP2's mixed-precision gradient copies (`state_memory.grad_copy_bytes_per_param`): the bytes by
+"""FSDP2's (and FSDP1's) mixed-precision gradient copies (`state_memory.grad_copy_bytes_per_param`): the bytes by
 engine, ZeRO stage and precision; a layer's backward under meshplan's executor is the "generic"
 engine's (the same rules without what only FSDP2 pays) plus exactly those bytes at the profile's
 memory bandwidth; and the engine "generic" has no config file to read."""
@@ -31,6 +31,14 @@ def _config(**kw) -> ParallelConfig:
     (dict(engine="generic"), 0.0),
     (dict(precision="fp32"), 0.0),
     (dict(precision="fp8"), 0.0),
+    # torch FSDP1 under Composer's DEFAULT mixed precision (llm-foundry): the bf16 gradient cast to
+    # fp32 (read 2, write 4) and divided in place before the reduction (read 4, write 4), every
+    # micro-batch at every stage, fp8 Linears' bf16 parameters alike; no divide without a data group
+    (dict(engine="llm-foundry", zero=3), 14.0),
+    (dict(engine="llm-foundry", zero=0), 14.0),
+    (dict(engine="llm-foundry", zero=3, precision="fp8"), 14.0),
+    (dict(engine="llm-foundry", gpus=1, dp=1, global_batch=8, zero=0), 6.0),
+    (dict(engine="llm-foundry", precision="fp32"), 0.0),
 ])
 def test_bytes_per_parameter(kw, expected):
     assert grad_copy_bytes_per_param(_config(**kw)) == expected
