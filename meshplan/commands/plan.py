@@ -157,7 +157,7 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
     if saved_s < 0.01 * step_s:
         return []
     return [f"loss: Megatron-LM's unfused fp32 cross-entropy; --cross-entropy-fusion te (Transformer Engine's kernel, "
-            f"with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te) takes {saved_s * 1e3:,.0f} ms "
+            f"with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te) takes {saved_s * 1e3:.3g} ms "
             f"({saved_s / step_s:.1%}) off the step"]
 
 

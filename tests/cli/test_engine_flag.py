@@ -170,6 +170,17 @@ def test_plan_says_what_a_fused_loss_would_save(run_cli):
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("loss: Megatron-LM's unfused"))
     assert "--cross-entropy-fusion te" in line and "off the step" in line
+    saved_ms = float(line.split(" takes ")[1].split(" ms")[0])
+    code, out, err = run_cli("plan", *job, "--json")
+    data = json.loads(out)
+    mesh, schedule = data["mesh"], data["schedule"]
+    layout = ("--model", job[1], "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256",
+              "--engine", "megatron", "--tp", str(mesh["tp"]), "--pp", str(mesh["pp"]),
+              "--mbs", str(schedule["microbatch_size"]), "--zero", str(data["zero"]), "--json") + (
+              ("--sp",) if data["sp"] else ())
+    unfused, fused = (json.loads(run_cli("estimate", *layout, "--cross-entropy-fusion", name)[1])["step_time_s"]
+                      for name in ("none", "te"))
+    assert saved_ms == pytest.approx((unfused - fused) * 1e3, rel=5e-3)  # printed to 3 significant digits
     code, out, err = run_cli("plan", *job, "--cross-entropy-fusion", "te")
     assert code == 0, err
     assert "loss: " not in out
