@@ -126,6 +126,7 @@ def stage_chunks(graph, stage_blocks: tuple[int, ...]) -> tuple[int, ...]:
 def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
     """The simulator's prediction of `run` on `cluster` with `vpp` virtual stages (and micro-batch
     `mbs`, default the run's)."""
+    from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES
     from meshplan.planner.simulation.estimator import make_config
     from meshplan.planner.simulation.estimator import predict as predict_config
 
@@ -140,7 +141,7 @@ def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
                          engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron",
                          tp_comm_overlap=run.tp_comm_overlap, moe_a2a_overlap=run.moe_a2a_overlap,
-                         cross_entropy_fusion=run.cross_entropy_fusion if run.engine == "megatron" else "none")
+                         cross_entropy_fusion=run.cross_entropy_fusion if run.engine in CE_FUSION_ENGINES else "none")
     chunks = stage_chunks(graph, run.stage_blocks) if run.stage_blocks else None
     return predict_config(graph, cluster, config, chunk_of_layer=chunks)
 

@@ -150,8 +150,10 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
 
     from meshplan.planner.simulation.simulator import simulate
 
+    from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES
+
     config = plan.config
-    if config.engine != "megatron" or config.cross_entropy_fusion != "none":
+    if config.engine not in CE_FUSION_ENGINES or config.cross_entropy_fusion != "none":
         return []
     saved_s = step_s - simulate(replace(plan, config=replace(config, cross_entropy_fusion="te"))).step_time_s
     if saved_s < 0.01 * step_s:

@@ -11,6 +11,8 @@ A2A_OVERLAP_ENGINES = ("megatron",)
 # vocab-parallel loss (Megatron-LM's default); "native", --cross-entropy-loss-fusion; "te", that
 # flag with --cross-entropy-fusion-impl te (Transformer Engine's parallel cross-entropy).
 CE_FUSIONS = ("none", "native", "te")
+# Engines whose loss kernels meshplan counts (`costing.loss_kernels`), and so the only ones that take a fusion.
+CE_FUSION_ENGINES = ("megatron",)
 
 
 def bf16_grads_problem(engine: str, precision: str) -> str | None:
@@ -25,7 +27,7 @@ def ce_fusion_problem(engine: str, fusion: str) -> str | None:
     """Why the loss cannot run as `fusion` (`cross_entropy_fusion`) under `engine`, or None."""
     if fusion not in CE_FUSIONS:
         return f"cross_entropy_fusion must be one of {', '.join(CE_FUSIONS)}, got {fusion!r}"
-    if fusion != "none" and engine != "megatron":
+    if fusion != "none" and engine not in CE_FUSION_ENGINES:
         return (f"cross_entropy_fusion {fusion} is Megatron-LM's --cross-entropy-loss-fusion: use engine megatron "
                 f"(got engine {engine!r})")
     return None

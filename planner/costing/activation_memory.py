@@ -15,6 +15,13 @@ def rebuilt_bytes(layer: LayerProfile, config: ParallelConfig, scale: float) -> 
     return layer.act_rebuilt_bytes / sp_tp * config.rank_microbatch * scale
 
 
+def sharded_bytes(layer: LayerProfile, config: ParallelConfig, scale: float) -> float:
+    """A micro-batch's bytes saved inside the tensor-parallel region on one rank (/t where the layer
+    is split)."""
+    tp = config.tp if is_split(layer, config.tp) else 1
+    return layer.act_tp_sharded_bytes / tp * config.rank_microbatch * scale
+
+
 def keeps_gathered_input(layer: LayerProfile, config: ParallelConfig, executor: bool) -> bool:
     """Whether `meshplan train` keeps a layer's Linear input all-gathered whole under SP: only the
     vocab-parallel head's output Linear (a block's regions keep the sequence shard and gather it

@@ -85,12 +85,12 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     rebuilt = rebuilt_bytes(layer, config, act_scale)
     saved_bytes += rebuilt
     bwd_extra = rebuilt if config.recompute == "none" else 0.0
+    loss_fwd_s = loss_bwd_s = 0.0
     if loss_kernels.counts_loss_kernels(layer, config):  # the logits' traffic counted kernel by kernel
-        saved_bytes -= layer.act_tp_sharded_bytes / shard * mbs * act_scale * vocab_scale
-        fwd_gemm_s, bwd_gemm_s = (gemm_s + loss_s for gemm_s, loss_s in zip(
-            (fwd_gemm_s, bwd_gemm_s), loss_kernels.loss_times_s(layer, config, cluster, vocab_scale, profile_dtype)))
-    fwd_s = fwd_gemm_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
-    bwd_s = bwd_gemm_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
+        saved_bytes -= loss_kernels.logits_saved_bytes(layer, config, act_scale, vocab_scale)
+        loss_fwd_s, loss_bwd_s = loss_kernels.loss_times_s(layer, config, cluster, vocab_scale, profile_dtype)
+    fwd_s = fwd_gemm_s + loss_fwd_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
+    bwd_s = bwd_gemm_s + loss_bwd_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
     if config.recompute == "full":
         return fwd_s, bwd_s, fwd_s
     if config.recompute == "selective":

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES
 from meshplan.planner.contracts.graph import LayerProfile
+from meshplan.planner.costing.activation_memory import sharded_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
 from meshplan.planner.costing.tp_split import is_split
 
@@ -41,8 +43,9 @@ MEGATRON_CE_BYTES_PER_LOGIT = {"none": (38.0, 14.0), "native": (22.0, 14.0), "te
 
 def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig) -> bool:
     """Whether the layer's loss kernels are counted (`loss_times_s`) rather than priced by the
-    bytes it saves: a language model's output layer under engine megatron."""
-    return layer.kind == "head" and config.engine == "megatron"
+    bytes it saves: a language model's output layer under an engine whose loss code is counted
+    (`engine_rules.CE_FUSION_ENGINES`)."""
+    return layer.kind == "head" and config.engine in CE_FUSION_ENGINES
 
 
 def num_logits(layer: LayerProfile, config: ParallelConfig, vocab_scale: float, profile_dtype: str) -> float:
@@ -51,6 +54,12 @@ def num_logits(layer: LayerProfile, config: ParallelConfig, vocab_scale: float, 
     as the layer's FLOPs take it (`compute_time.compute_times_s`)."""
     tp = config.tp if is_split(layer, config.tp) else 1
     return layer.output_bytes / DTYPE_BYTES.get(profile_dtype, 2) * config.rank_microbatch * vocab_scale / tp
+
+
+def logits_saved_bytes(layer: LayerProfile, config: ParallelConfig, act_scale: float, vocab_scale: float) -> float:
+    """What the output layer saves inside its vocab-parallel region (the logits and what the profile's
+    loss keeps of them): the bytes whose traffic `loss_times_s` counts instead."""
+    return sharded_bytes(layer, config, act_scale * vocab_scale)
 
 
 def loss_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, vocab_scale: float,
