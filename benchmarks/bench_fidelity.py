@@ -49,7 +49,8 @@ from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCH
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
                             MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
-                            MEGATRON_MOE_QWEN3_GB200, MPT_SOURCE, MPT_SWEEP_SOURCE, NARAYANAN_2021, TORCHTITAN_A100,
+                            MEGATRON_MOE_QWEN3_GB200, MPT_LARGE_SCALE_SOURCE, MPT_SOURCE, MPT_SWEEP_SOURCE,
+                            NARAYANAN_2021, TORCHTITAN_A100,
                             TORCHTITAN_H100,
                             Run, all_runs, fit_runs)
 
@@ -148,6 +149,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_LM_H100: "Megatron-LM README H100 table",
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
                  MPT_SWEEP_SOURCE: "MosaicML MPT micro-batch sweep (llm-foundry)",
+                 MPT_LARGE_SCALE_SOURCE: "MosaicML MPT at 128-512 GPUs (llm-foundry)",
                  TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
                  MEGATRON_MOE_QWEN3_GB200: "Megatron-MoE-ModelZoo Qwen3 GB200",
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
@@ -194,22 +196,24 @@ def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:
 # Regimes every held-out run is also reported by (a run may be in several): where estimators err.
 SMALL_HIDDEN = 2048      # "small models": hidden 2048 or less
 LONG_SEQ = 16384         # "long sequences": 16K tokens or more
-LONG_FSDP_MAX_SEQ = 65536  # the long-sequence FSDP regime: ZeRO-3 runs of 16K-64K tokens
+LONG_FSDP_MAX_SEQ = 65536  # the long-sequence FSDP regime: ZeRO-2/3 runs of 16K-64K tokens
 WITHIN = 0.15            # each regime also counts its runs within this |error|
 
 
 def regimes(run: Run) -> tuple[str, ...]:
-    """The regimes `run` belongs to: dense (no experts, bf16, no FSDP), FSDP (ZeRO-3 without TP/PP),
-    long sequence, long-sequence FSDP (16K-64K tokens), CP, FP8, MoE, small model."""
+    """The regimes `run` belongs to: dense (no experts, bf16, no FSDP), FSDP (ZeRO-2/3 without TP/PP:
+    FSDP's FULL_SHARD and SHARD_GRAD_OP), long sequence, long-sequence FSDP (16K-64K tokens), CP,
+    FP8, MoE, small model."""
     hidden = graph_of(run.spec, run.seq, run.attention).info.hidden
     out = []
-    if run.ep == 1 and run.precision != "fp8" and not (run.zero == 3 and run.tp == run.pp == 1):
+    fsdp = run.zero >= 2 and run.tp == run.pp == 1
+    if run.ep == 1 and run.precision != "fp8" and not fsdp:
         out.append("dense (TP/PP/DP)")
-    if run.zero == 3 and run.tp == run.pp == 1:
+    if fsdp:
         out.append("FSDP")
     if run.seq >= LONG_SEQ:
         out.append(f"long sequence (>= {LONG_SEQ // 1024}K)")
-    if run.zero == 3 and run.tp == run.pp == 1 and LONG_SEQ <= run.seq <= LONG_FSDP_MAX_SEQ:
+    if fsdp and LONG_SEQ <= run.seq <= LONG_FSDP_MAX_SEQ:
         out.append(f"long-sequence FSDP ({LONG_SEQ // 1024}K-{LONG_FSDP_MAX_SEQ // 1024}K)")
     if run.cp > 1:
         out.append("CP")

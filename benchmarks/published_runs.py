@@ -123,6 +123,12 @@ MPT_SOURCE = ("MosaicML llm-foundry scripts/train/benchmarking/README.md "
               "(commit 061f2c7ce64e655100286584a7629e2a09f827ba)")
 MPT_SWEEP_SOURCE = ("MosaicML llm-foundry scripts/train/benchmarking/ack_ckpt_limits.md, a micro-batch sweep "
                     "(commit beb8dee6922c5e31d27a24a713a1315b4013185d)")
+MPT_LARGE_SCALE_SOURCE = ("MosaicML llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16 (Large Scale, "
+                          ">= 128 GPUs) (commit 5e85bd62d4ec9e13353ca95877477602ab538e5b)")
+# Composer's FSDP sharding strategies as ZeRO stages: FULL_SHARD reshards parameters after each
+# forward and backward (ZeRO-3); SHARD_GRAD_OP keeps them gathered from the forward through the
+# backward and shards gradients and optimizer state (ZeRO-2).
+FSDP_SHARDING_ZERO = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}
 TORCHTITAN_A100 = ("torchtitan docs/performance.md, Llama 2 / Llama 3 on 64 A100 80GB with FSDP2 "
                    "(commit 041336434916bdc0f88c1f89fda176fd3c2092e4)")
 
@@ -425,7 +431,8 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
              precision: str = "bf16-mixed", source: str = MPT_SOURCE, label: str = "") -> list[Run]:
     """The rows of one of llm-foundry's benchmark tables (`label` tells a table's run names apart)."""
     assumptions = (
-        "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs; activation checkpointing = full recomputation",
+        "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs (SHARD_GRAD_OP, where a row names it, = ZeRO-2); "
+        "activation checkpointing = full recomputation",
         "llm-foundry's Triton flash attention with ALiBi (attn_impl triton, submit_benchmarks.py's default), causal",
         "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",
     ) + (MPT_FP8_ASSUMPTIONS if precision == "fp8" else ())
@@ -439,7 +446,8 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
             name = (f"MPT {row['model']} {row['table']}{' fp8' if precision == 'fp8' else ''}{label} s{row['seq']} "
                     f"x{gpus} mbs{mbs}")
             runs.append(Run(name, group, source, MPT_CLUSTERS[row["table"]],
-                            gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs, zero=3,
+                            gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs,
+                            zero=FSDP_SHARDING_ZERO[row.get("sharding") or "FULL_SHARD"],
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
                             attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
                             precision=precision, fp8_recipe="delayed" if precision == "fp8" else None, engine="llm-foundry"))
@@ -454,6 +462,12 @@ def mpt_sweep_runs() -> list[Run]:
     """llm-foundry's micro-batch sweep (held out): the same model and sequence at micro-batches 1, 2
     and 4, which isolates what a micro-batch costs beyond its FLOPs under FSDP."""
     return mpt_runs(DATA_DIR / "mpt_llm_foundry_mbs_sweep.csv", source=MPT_SWEEP_SOURCE, label=" sweep")
+
+
+def mpt_large_scale_runs() -> list[Run]:
+    """llm-foundry's H100 table at 128-512 GPUs (held out): FSDP across 16-64 nodes, ZeRO-3 for 7B
+    and up, ZeRO-2 (SHARD_GRAD_OP) for 1B and 3B."""
+    return mpt_runs(DATA_DIR / "mpt_llm_foundry_large_scale.csv", source=MPT_LARGE_SCALE_SOURCE, label=" large")
 
 
 TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H100 (96GB HBM2e, 500 W cap), "
@@ -557,7 +571,7 @@ FABRIC_RUNS = [
 
 def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs() + mpt_runs() + mpt_sweep_runs()
-            + torchtitan_runs() + mpt_fp8_runs()
+            + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
             + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
 
 

@@ -162,6 +162,23 @@ def test_mpt_micro_batch_sweep_is_transcribed_and_agrees_with_the_readme(modules
     assert sorted(run.mbs for run in sweep if "7b" in run.name) == [1, 2, 4]
 
 
+def test_mpt_large_scale_table_is_transcribed_with_its_sharding(modules):
+    """The README's 128-512 GPU table: 18 rows, each model at 128, 256 and 512 GPUs with one
+    micro-batch a step; SHARD_GRAD_OP rows (1b, 3b) run ZeRO-2, FULL_SHARD rows ZeRO-3; its 70b
+    row at 512 GPUs measures 515,636 tokens/s (the published figure becomes a step time of
+    4096 x 2048 / 515,636 s)."""
+    data, _ = modules
+    runs = data.mpt_large_scale_runs()
+    assert len(runs) == 18 and all(run.source == data.MPT_LARGE_SCALE_SOURCE for run in runs)
+    assert {run.gpus for run in runs} == {128, 256, 512}
+    assert all(run.global_batch == run.gpus * run.mbs for run in runs)
+    zero = {run.name.split()[1]: run.zero for run in runs}
+    assert zero == {"70b": 3, "30b": 3, "13b": 3, "7b": 3, "3b": 2, "1b": 2}
+    big = {run.name: run for run in runs}["MPT 70b h100_80gb large s2048 x512 mbs8"]
+    assert big.recompute == "full" and big.published_tokens_per_s == 515636.0
+    assert set(runs) <= set(data.held_out_runs())
+
+
 def test_megatron_lm_h100_table_transcription_is_consistent(modules):
     """Every row of the Megatron-LM README's H100 table: TP x PP x DP = GPUs, the printed MFU is
     the TFLOP/s over 989 and the aggregate is TFLOP/s x GPUs (to the table's rounding), and the
