@@ -30,7 +30,9 @@ The ceiling: the largest BF16 matmul a tuned sweep finds reaches 85.9% of A100 S
 80.1% of H100 SXM's (ml-engineering's "Maximum Achievable Matmul FLOPS" table, mamf-finder over
 shapes, CUDA 12.1); `MAX_ACHIEVABLE_MATMUL_FRACTION` keeps those figures, and a profile's fitted
 `matmul_efficiency` (whole layers, with their norms' and launches' losses) must stay below them
-(a test holds it).
+(a test holds it). The same table's later edition measures BF16 and FP8 on one torch build per
+device (`MAMF_BF16_FP8`): FP8 reaches a smaller share of its doubled peak, and that ratio carries
+the fitted BF16 efficiency over to `fp8_matmul_efficiency` (`benchmarks/fit_efficiency.py`).
 
 A transformer block's Linears are priced one GEMM at a time from the model's shapes
 (`block_linear_shapes`): forward (tokens x in -> out), the input gradient (tokens x out -> in) and
@@ -49,6 +51,10 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp8": 1}
 TILE_SHAPES = ((128, 256), (256, 128), (128, 128))
 # ml-engineering compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table".
 MAX_ACHIEVABLE_MATMUL_FRACTION = {"A100 SXM": 0.859, "GH200": 0.830, "H100 SXM": 0.801, "MI300X": 0.601}
+# The table at ml-engineering commit 744d01e (2026-08-22), whose BF16 and FP8 (float8_e4m3fn) rows
+# for a device were measured with one torch build: (BF16, FP8) MAMF over the dense peak. H100 SXM:
+# 794.5 of 989 and 1402.6 of 1979 TFLOP/s, torch 2.7.0+cu126.
+MAMF_BF16_FP8 = {"H100 SXM": (0.803, 0.709)}
 
 
 def wave_efficiency(m: int, n: int, num_sms: int) -> float:

@@ -68,18 +68,31 @@ def _bandwidth(cluster):
     return cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency
 
 
-def test_efficiency_reproduces_torchaos_published_linear_speedup(h100):
+def test_efficiency_carries_the_bf16_fit_over_by_the_measured_fp8_to_bf16_ceiling(h100):
+    """fp8_matmul_efficiency is the fitted bf16 matmul_efficiency times FP8's over BF16's share of
+    peak in one mamf-finder sweep on H100 SXM (70.9% / 80.3%), to the profile's three digits, and
+    stays below FP8's own ceiling."""
+    device = h100.device
+    bf16_share, fp8_share = gemm.MAMF_BF16_FP8["H100 SXM"]
+    assert (bf16_share, fp8_share) == (pytest.approx(794.5 / 989, abs=5e-4), pytest.approx(1402.6 / 1979, abs=5e-4))
+    assert device.fp8_matmul_efficiency == pytest.approx(device.matmul_efficiency * fp8_share / bf16_share, abs=5e-4)
+    assert device.fp8_matmul_efficiency < fp8_share
+
+
+def test_torchaos_published_linear_speedup_is_a_check_not_a_target(h100):
     """torchao's float8 README: M, K, N = 4096, 8192, 16384 on H100, a tensorwise Float8Linear
-    1.39x a bf16 Linear (forward + backward, casts included); the profile's value was solved from
-    it (benchmarks/fit_efficiency.py), to its three significant digits."""
+    1.39x a bf16 Linear (forward + backward, casts included). meshplan's Linear by hand: its three
+    GEMMs each way plus the tensorwise casts; it reads faster than torchao's figure (1.47x), whose
+    casts ran through torch.compile kernels its README calls short of the traffic counted here,
+    and within 10% of it."""
     m, k, n = 4096, 8192, 16384
     bf16_s = sum(gemm.gemm_time_s(*shape, h100, "bf16") for shape in ((m, n, k), (m, k, n), (k, n, m)))
     fp8_s = sum(_fp8_gemm_s(*shape, h100) for shape in ((m, n, k), (m, k, n), (k, n, m)))
     # tensorwise: input and output gradient 6 bytes per value (amax read, read, two fp8 layouts),
     # the weight 8 (amax read, then a bf16 read and an fp8 write per layout)
     cast_s = (6 * (m * k + m * n) + 8 * k * n) / _bandwidth(h100)
-    assert bf16_s / (fp8_s + cast_s) == pytest.approx(1.39, rel=0.005)
     assert fp8.linear_speedup(m, k, n, h100) == pytest.approx(bf16_s / (fp8_s + cast_s), rel=1e-12)
+    assert 1.39 < bf16_s / (fp8_s + cast_s) < 1.39 * 1.10
 
 
 @pytest.mark.parametrize("recipe, activation_bytes, weight_bytes", [
