@@ -13,6 +13,15 @@ A2A_OVERLAP_ENGINES = ("megatron",)
 CE_FUSIONS = ("none", "native", "te")
 # Engines whose loss kernels meshplan counts (`costing.loss_kernels`), and so the only ones that take a fusion.
 CE_FUSION_ENGINES = ("megatron",)
+# Engines whose full recomputation is torch.utils.checkpoint's non-reentrant variant, which since
+# torch 2.1 stops rerunning a checkpointed block once it has rebuilt every tensor the block's
+# backward needs (early stop, on by default): the last tensor a dense block saves is its MLP's
+# down-projection input, packed before that GEMM runs, so the down projection and the residual add
+# after it are not rerun (`costing.compute_time.early_stop_skipped_s`). meshplan's executor
+# (`executor.parallel.recompute`: use_reentrant=False) and torchtitan (`ptd_checkpoint_wrapper`,
+# CheckpointImpl.NO_REENTRANT) run it; Megatron-Core's and DeepSpeed's checkpoint functions rerun the
+# whole forward, and llm-foundry's published tables predate torch 2.1.
+EARLY_STOP_RECOMPUTE_ENGINES = ("meshplan", "torchtitan")
 
 
 def bf16_grads_problem(engine: str, precision: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.engine_rules import EARLY_STOP_RECOMPUTE_ENGINES
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import attention_kernels, fp8, gemm, loss_kernels
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
@@ -92,11 +93,38 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     fwd_s = fwd_gemm_s + loss_fwd_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
     bwd_s = bwd_gemm_s + loss_bwd_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
     if config.recompute == "full":
-        return fwd_s, bwd_s, fwd_s
+        return fwd_s, bwd_s, fwd_s - early_stop_skipped_s(layer, config, cluster, info, profile_dtype)
     if config.recompute == "selective":
         return fwd_s, bwd_s, attention_core_recompute_s(layer, config, cluster, info, act_scale, profile_dtype,
                                                          attention, kernel)
     return fwd_s, bwd_s, 0.0
+
+
+def early_stop_last_linear(layer: LayerProfile, config: ParallelConfig, info: ModelInfo,
+                           profile_dtype: str) -> tuple[int, int, bool] | None:
+    """The (in, out, column) Linear a full recomputation does not rerun under torch's early stop
+    (`engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`): a dense block's last Linear, the MLP's down
+    projection, whose input is the last tensor the block saves. None where the rule does not apply:
+    other engines, another recomputation, layers whose Linears are not known by shape, a block with
+    routed experts (its last op is the experts' combine), and fp8 Linears (custom autograd
+    functions, which save their inputs only after their forward has run)."""
+    if (config.recompute != "full" or config.engine not in EARLY_STOP_RECOMPUTE_ENGINES or layer.expert_params
+            or (fp8.is_fp8(config.precision) and fp8.converts(layer))):
+        return None
+    shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
+    return shapes[-1] if shapes else None
+
+
+def early_stop_skipped_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
+                         profile_dtype: str) -> float:
+    """Seconds of one micro-batch's forward on one rank that full recomputation leaves out under
+    torch's early stop: the last Linear's GEMM (`early_stop_last_linear`), 0 where it does not apply."""
+    last = early_stop_last_linear(layer, config, info, profile_dtype)
+    if last is None:
+        return 0.0
+    tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
+    shard = config.tp if is_split(layer, config.tp) else 1
+    return gemm.linear_times_s((last,), tokens, shard, cluster, COMPUTE_DTYPE[config.precision])[0]
 
 
 def attention_core_recompute_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,

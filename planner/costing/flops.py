@@ -4,22 +4,30 @@
   in full, no recomputation: the convention Megatron-LM and PaLM report, comparable across runs.
 - Executed (hardware) FLOPs (HFU): what the GPUs actually run. A causal flash kernel skips the
   masked half of the scores (forward s(s-1)/2 products of QK^T and of x V, backward twice as
-  many), and recomputation runs forward work again (full: the whole causal forward; selective:
-  the attention core). At long sequences the two differ most: attention is then most of the
+  many), and recomputation runs forward work again (full: the whole causal forward, less the
+  last Linear where torch's early stop leaves it out, `compute_time.early_stop_last_linear`;
+  selective: the attention core). At long sequences the two differ most: attention is then most of the
   model FLOPs and half of it is never run, so MFU can exceed what the device can reach.
 """
 from __future__ import annotations
 
-from meshplan.planner.costing.compute_time import selective_recompute_flops
-from meshplan.planner.costing.device_time import causal_skipped_flops
+from dataclasses import replace
+
+from meshplan.planner.costing.compute_time import early_stop_last_linear, selective_recompute_flops
+from meshplan.planner.costing.device_time import causal_skipped_flops, infer_seq
 
 
-def executed_flops_per_sample(layer, recompute: str, info, dtype: str, attention: str) -> float:
-    """FLOPs the hardware runs for one sample of `layer` in one step."""
+def executed_flops_per_sample(layer, recompute: str, info, dtype: str, attention: str, config=None) -> float:
+    """FLOPs the hardware runs for one sample of `layer` in one step (`config`: the engine and
+    precision a full recomputation runs under; None: it reruns the whole forward)."""
     skipped = causal_skipped_flops(layer, attention)
     executed = layer.fwd_flops + layer.bwd_flops - 3 * skipped
     if recompute == "full":
         executed += layer.fwd_flops - skipped
+        last = (early_stop_last_linear(layer, replace(config, recompute="full"), info, dtype)
+                if config is not None else None)
+        if last is not None:  # the forward FLOPs of the Linear torch's early stop does not rerun
+            executed -= 2.0 * infer_seq(layer, info, dtype) * last[0] * last[1]
     elif recompute == "selective":
         executed += selective_recompute_flops(layer, info, dtype)
     return float(executed)
@@ -30,7 +38,8 @@ def model_flops_per_step(graph, global_batch: int) -> float:
     return float(sum(layer.fwd_flops + layer.bwd_flops for layer in graph.layers)) * global_batch
 
 
-def executed_flops_per_step(graph, global_batch: int, recomputes) -> float:
-    """Executed FLOPs of one step: `recomputes` gives each layer's recomputation."""
-    return sum(executed_flops_per_sample(layer, recompute, graph.info, graph.dtype, graph.attention)
+def executed_flops_per_step(graph, global_batch: int, recomputes, config=None) -> float:
+    """Executed FLOPs of one step: `recomputes` gives each layer's recomputation, `config` the
+    engine and precision it runs under."""
+    return sum(executed_flops_per_sample(layer, recompute, graph.info, graph.dtype, graph.attention, config)
                for layer, recompute in zip(graph.layers, recomputes)) * global_batch

@@ -111,7 +111,7 @@ def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfi
     p2p = tuple(p2p_time_s(layer_costs[last_of_chunk[c]].output_bytes, config, cluster)
                 for c in range(config.num_model_chunks - 1))
     model_flops = flops.model_flops_per_step(graph, config.global_batch)
-    hw_flops = flops.executed_flops_per_step(graph, config.global_batch, recomputes)
+    hw_flops = flops.executed_flops_per_step(graph, config.global_batch, recomputes, config)
     links = stream_links(config, cluster.gpus_per_node)
     return StepCosts(
         config=config, layer_costs=tuple(layer_costs), chunk_of_layer=chunks, p2p_time_s=p2p,
