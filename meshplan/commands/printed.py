@@ -39,7 +39,8 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
              overlap_line(cfg), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
-            lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}")
+            lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}"
+                         + (EARLY_STOP_NOTE if kind == "recompute" and early_stops(cfg) else ""))
     from meshplan.reports.plans import is_sequence_model
 
     sequence_model = is_sequence_model(heading.spec)
@@ -82,6 +83,17 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
     if not on_device:
         lines += top_consumers(prediction, cfg)
     return "\n".join(lines)
+
+
+EARLY_STOP_NOTE = "   (torch's early stop: dense blocks do not rerun their MLP down projection)"
+
+
+def early_stops(config) -> bool:
+    """Whether the configuration's full recomputation runs under torch's early stop
+    (`contracts.engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`), which `estimate` says beside its time."""
+    from meshplan.planner.contracts.engine_rules import EARLY_STOP_RECOMPUTE_ENGINES
+
+    return config.recompute == "full" and config.engine in EARLY_STOP_RECOMPUTE_ENGINES and config.precision != "fp8"
 
 
 def overlap_line(config) -> str:

@@ -274,3 +274,18 @@ def test_plan_moe_a2a_overlap_is_recorded_in_the_plan(run_cli, tmp_path):
     code, out, err = run_cli("simulate", "--plan", str(out_path), "--engine", "generic", "--json")
     assert code == 0, err
     assert json.loads(out)["step_time_s"] > paired
+
+
+def test_estimate_says_where_full_recomputation_stops_early(run_cli):
+    """Under an engine whose full recomputation is torch's non-reentrant checkpoint (meshplan's
+    executor, torchtitan) `estimate` says its recompute time leaves the down projections out, and
+    that time is below Megatron-Core's, which reruns the whole forward; under megatron it says nothing."""
+    times = {}
+    for engine in ("torchtitan", "meshplan", "megatron"):
+        code, out, err = run_cli("estimate", *JOB, "--recompute", "full", "--engine", engine)
+        assert code == 0, err
+        line = next(line for line in out.splitlines() if line.strip().startswith("recompute"))
+        assert ("early stop" in line) == (engine != "megatron"), line
+        code, out, err = run_cli("estimate", *JOB, "--recompute", "full", "--engine", engine, "--json")
+        times[engine] = json.loads(out)["breakdown"]["recompute"]
+    assert times["torchtitan"] < times["megatron"]
