@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from meshplan.commands.common import GIB, throughput_line
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
+from meshplan.planner.costing.compute_time import early_stops
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,6 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
 
 
 EARLY_STOP_NOTE = "   (torch's early stop: dense blocks do not rerun their MLP down projection)"
-
-
-def early_stops(config) -> bool:
-    """Whether the configuration's full recomputation runs under torch's early stop
-    (`contracts.engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`), which `estimate` says beside its time."""
-    from meshplan.planner.contracts.engine_rules import EARLY_STOP_RECOMPUTE_ENGINES
-
-    return config.recompute == "full" and config.engine in EARLY_STOP_RECOMPUTE_ENGINES and config.precision != "fp8"
 
 
 def overlap_line(config) -> str:
