@@ -100,21 +100,21 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     return fwd_s, bwd_s, 0.0
 
 
-def early_stops(config: ParallelConfig) -> bool:
-    """Whether the configuration's full recomputation runs under torch's early stop: an engine in
-    `engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`, bf16 Linears (fp8 ones are custom autograd
-    functions, which save their inputs only after their forward has run)."""
-    return (config.recompute == "full" and config.engine in EARLY_STOP_RECOMPUTE_ENGINES
+def early_stops(config: ParallelConfig, recompute: str | None = None) -> bool:
+    """Whether full recomputation (the configuration's, or a layer's `recompute`) runs under torch's
+    early stop: an engine in `engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`, bf16 Linears (fp8 ones are
+    custom autograd functions, which save their inputs only after their forward has run)."""
+    return ((recompute or config.recompute) == "full" and config.engine in EARLY_STOP_RECOMPUTE_ENGINES
             and not fp8.is_fp8(config.precision))
 
 
 def early_stop_last_linear(layer: LayerProfile, config: ParallelConfig, info: ModelInfo,
-                           profile_dtype: str) -> tuple[int, int, bool] | None:
+                           profile_dtype: str, recompute: str | None = None) -> tuple[int, int, bool] | None:
     """The (in, out, column) Linear a full recomputation does not rerun under torch's early stop
     (`early_stops`): a dense block's last Linear, the MLP's down projection, whose input is the last
     tensor the block saves. None where the rule does not apply: `early_stops` false, layers whose
     Linears are not known by shape, a block with routed experts (its last op is the experts' combine)."""
-    if not early_stops(config) or layer.expert_params:
+    if not early_stops(config, recompute) or layer.expert_params:
         return None
     shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
     return shapes[-1] if shapes else None

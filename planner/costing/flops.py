@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from meshplan.planner.costing.compute_time import early_stop_last_linear, selective_recompute_flops
 from meshplan.planner.costing.device_time import causal_skipped_flops, infer_seq
 
@@ -24,8 +22,7 @@ def executed_flops_per_sample(layer, recompute: str, info, dtype: str, attention
     executed = layer.fwd_flops + layer.bwd_flops - 3 * skipped
     if recompute == "full":
         executed += layer.fwd_flops - skipped
-        last = (early_stop_last_linear(layer, replace(config, recompute="full"), info, dtype)
-                if config is not None else None)
+        last = early_stop_last_linear(layer, config, info, dtype, recompute) if config is not None else None
         if last is not None:  # the forward FLOPs of the Linear torch's early stop does not rerun
             executed -= 2.0 * infer_seq(layer, info, dtype) * last[0] * last[1]
     elif recompute == "selective":
