@@ -126,7 +126,7 @@ def stage_chunks(graph, stage_blocks: tuple[int, ...]) -> tuple[int, ...]:
 def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
     """The simulator's prediction of `run` on `cluster` with `vpp` virtual stages (and micro-batch
     `mbs`, default the run's)."""
-    from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES
+    from meshplan.planner.contracts.engine_rules import ce_fusion_under
     from meshplan.planner.simulation.estimator import make_config
     from meshplan.planner.simulation.estimator import predict as predict_config
 
@@ -141,7 +141,7 @@ def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
                          engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron",
                          tp_comm_overlap=run.tp_comm_overlap, moe_a2a_overlap=run.moe_a2a_overlap,
-                         cross_entropy_fusion=run.cross_entropy_fusion if run.engine in CE_FUSION_ENGINES else "none")
+                         cross_entropy_fusion=ce_fusion_under(run.engine, run.cross_entropy_fusion))
     chunks = stage_chunks(graph, run.stage_blocks) if run.stage_blocks else None
     return predict_config(graph, cluster, config, chunk_of_layer=chunks)
 
@@ -375,7 +375,10 @@ def set_field(text: str, section: str, key: str, value: float, comment: str) -> 
 def fit_comment(name: str, source: str, key: str) -> str:
     """What a written field was fitted on; a part that takes another's fit says whose it is."""
     if key == "fp8_matmul_efficiency":
-        return "h100-sxm's matmul_efficiency x FP8/BF16 MAMF 70.9%/80.3% (ml-engineering; no run)"
+        from meshplan.planner.costing.gemm import MAMF_BF16_FP8
+
+        bf16, fp8 = MAMF_BF16_FP8["H100 SXM"]
+        return f"h100-sxm's matmul_efficiency x FP8/BF16 MAMF {fp8:.1%}/{bf16:.1%} (ml-engineering; no run)"
     if name == "mi300x" and key == "matmul_efficiency":
         return f"h100-sxm's {H100_NOTE} fit x MAMF 60.1% / 80.1% (ml-engineering)"
     if source == "h100-sxm" and key == "matmul_half_efficiency_flops":

@@ -148,9 +148,8 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
     where it saves under 1%."""
     from dataclasses import replace
 
-    from meshplan.planner.simulation.simulator import simulate
-
     from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES
+    from meshplan.planner.simulation.simulator import simulate
 
     config = plan.config
     if config.engine not in CE_FUSION_ENGINES or config.cross_entropy_fusion != "none":

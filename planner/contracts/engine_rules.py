@@ -32,6 +32,12 @@ def bf16_grads_problem(engine: str, precision: str) -> str | None:
     return None
 
 
+def ce_fusion_under(engine: str, fusion: str) -> str:
+    """The loss kernels a configuration keeps when it runs under `engine`: its own where the engine's
+    loss code is counted (`CE_FUSION_ENGINES`), the unpriced "none" elsewhere."""
+    return fusion if engine in CE_FUSION_ENGINES else "none"
+
+
 def ce_fusion_problem(engine: str, fusion: str) -> str | None:
     """Why the loss cannot run as `fusion` (`cross_entropy_fusion`) under `engine`, or None."""
     if fusion not in CE_FUSIONS:

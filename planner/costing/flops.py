@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from meshplan.planner.costing.compute_time import early_stop_last_linear, selective_recompute_flops
 from meshplan.planner.costing.device_time import causal_skipped_flops, infer_seq
+from meshplan.planner.costing.gemm import linear_flops
 
 
 def executed_flops_per_sample(layer, recompute: str, info, dtype: str, attention: str, config=None) -> float:
@@ -24,7 +25,7 @@ def executed_flops_per_sample(layer, recompute: str, info, dtype: str, attention
         executed += layer.fwd_flops - skipped
         last = early_stop_last_linear(layer, config, info, dtype, recompute) if config is not None else None
         if last is not None:  # the forward FLOPs of the Linear torch's early stop does not rerun
-            executed -= 2.0 * infer_seq(layer, info, dtype) * last[0] * last[1]
+            executed -= linear_flops((last,), infer_seq(layer, info, dtype), 1)
     elif recompute == "selective":
         executed += selective_recompute_flops(layer, info, dtype)
     return float(executed)
