@@ -141,6 +141,7 @@ def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
                          cp=run.cp, ep=run.ep, etp=run.etp, fp8_recipe=run.fp8_recipe,
                          engine=run.engine, grad_reduce_in_bf16=run.grad_reduce_in_bf16 and run.engine == "megatron",
                          tp_comm_overlap=run.tp_comm_overlap, moe_a2a_overlap=run.moe_a2a_overlap,
+                         recompute_early_stop=run.recompute_early_stop if recompute == "full" else None,
                          cross_entropy_fusion=ce_fusion_under(run.engine, run.cross_entropy_fusion))
     chunks = stage_chunks(graph, run.stage_blocks) if run.stage_blocks else None
     return predict_config(graph, cluster, config, chunk_of_layer=chunks)

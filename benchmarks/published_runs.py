@@ -194,6 +194,9 @@ class Run:
     regression: str = ""
     # the TP overlap the run's recipe set apart from its engine's record (`ParallelConfig.tp_comm_overlap`)
     tp_comm_overlap: bool | None = None
+    # torch's checkpoint early stop set apart from the engine's rule (`ParallelConfig.recompute_early_stop`):
+    # False for runs measured under torch 2.0 or older, which rerun a checkpointed block whole
+    recompute_early_stop: bool | None = None
     # token dropping: each expert's capacity in balanced shares, and whether inputs are padded to it
     moe_capacity_factor: float | None = None
     moe_pad_to_capacity: bool = False
@@ -421,6 +424,8 @@ MPT_VOCAB = 50368
 MPT_CLUSTERS = {"h100_80gb": "h100-sxm", "a100_80gb": "a100-80g", "a100_40gb": "a100-40g"}
 
 
+MPT_OLD_TORCH = ("measured under torch 2.0 or older: a checkpointed block reruns whole (torch's early stop came "
+                 "with 2.1)")
 MPT_FP8_ASSUMPTIONS = (
     "amp_fp8: Composer's Transformer Engine Linears under TE's default recipe, delayed scaling (--fp8-recipe "
     "delayed); FSDP1 gathers bf16 weights (meshplan gathers delayed-scaled weights in bf16 outside Megatron)",
@@ -428,8 +433,11 @@ MPT_FP8_ASSUMPTIONS = (
 
 
 def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OUT,
-             precision: str = "bf16-mixed", source: str = MPT_SOURCE, label: str = "") -> list[Run]:
-    """The rows of one of llm-foundry's benchmark tables (`label` tells a table's run names apart)."""
+             precision: str = "bf16-mixed", source: str = MPT_SOURCE, label: str = "",
+             before_torch_2_1: bool = False) -> list[Run]:
+    """The rows of one of llm-foundry's benchmark tables (`label` tells a table's run names apart).
+    `before_torch_2_1`: the whole table was measured under torch 2.0 or older; otherwise a row whose
+    MP Mode is PURE was (the tables' runs before their October 2023 update: torch 1.13.1)."""
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs (SHARD_GRAD_OP, where a row names it, = ZeRO-2); "
         "activation checkpointing = full recomputation",
@@ -445,12 +453,15 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
                 raise ValueError(f"{path}: {row} has global batch {gbs} != gpus x mbs x accumulation")
             name = (f"MPT {row['model']} {row['table']}{' fp8' if precision == 'fp8' else ''}{label} s{row['seq']} "
                     f"x{gpus} mbs{mbs}")
+            old_torch = before_torch_2_1 or row.get("mp_mode") == "PURE"
             runs.append(Run(name, group, source, MPT_CLUSTERS[row["table"]],
                             gpt_spec(layers, hidden, heads, MPT_VOCAB), gpus, gbs, int(row["seq"]), mbs=mbs,
                             zero=FSDP_SHARDING_ZERO[row.get("sharding") or "FULL_SHARD"],
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
-                            attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]), assumptions=assumptions,
-                            precision=precision, fp8_recipe="delayed" if precision == "fp8" else None, engine="llm-foundry"))
+                            attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]),
+                            assumptions=assumptions + (MPT_OLD_TORCH,) * old_torch, precision=precision,
+                            fp8_recipe="delayed" if precision == "fp8" else None, engine="llm-foundry",
+                            recompute_early_stop=False if old_torch else None))
     return runs
 
 
@@ -461,7 +472,9 @@ def mpt_fp8_runs() -> list[Run]:
 def mpt_sweep_runs() -> list[Run]:
     """llm-foundry's micro-batch sweep (held out): the same model and sequence at micro-batches 1, 2
     and 4, which isolates what a micro-batch costs beyond its FLOPs under FSDP."""
-    return mpt_runs(DATA_DIR / "mpt_llm_foundry_mbs_sweep.csv", source=MPT_SWEEP_SOURCE, label=" sweep")
+    # measured in August 2023 under sweep.sh's image of then, mosaicml/pytorch:2.0.1_cu118
+    return mpt_runs(DATA_DIR / "mpt_llm_foundry_mbs_sweep.csv", source=MPT_SWEEP_SOURCE, label=" sweep",
+                    before_torch_2_1=True)
 
 
 def mpt_large_scale_runs() -> list[Run]:

@@ -139,6 +139,7 @@ def apply_file_recompute(plan, built) -> None:
     """Checkpoint each planned layer that asks for it; layers are the module's top-level children
     (Hugging Face: the embedding, each decoder layer, the head's modules)."""
     from meshplan.executor.parallel.recompute import apply_recompute
+    from meshplan.planner.contracts.engine_rules import early_stop_of
 
     layers = _layer_parts(built)
     for layer in plan.layers:
@@ -148,7 +149,7 @@ def apply_file_recompute(plan, built) -> None:
             raise MeshplanError(f"layer {layer.name!r} of the plan is not a top-level child of {plan.model.spec!r}; "
                                 "re-plan it with --recompute none")
         for module in layers[layer.name]:
-            apply_recompute(module, layer.recompute)
+            apply_recompute(module, layer.recompute, early_stop_of(plan.config))
 
 
 def apply_file_dp(module, built, dp_mesh, zero: int, method: str, mp_policy=None):

@@ -23,6 +23,7 @@ from meshplan.executor.parallel.recompute import apply_recompute
 from meshplan.executor.parallel.stages import materialize, split_stages
 from meshplan.executor.parallel.tensor import apply_tp
 from meshplan.planner.costing.state_memory import dp_method
+from meshplan.planner.contracts.engine_rules import early_stop_of
 from meshplan.planner.contracts.plan import Plan
 
 TIED_NAMES = ("embed.tok.weight", "head.proj.weight")
@@ -143,7 +144,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
         # a vocab-parallel lookup cannot be replayed (its output mask lives in the forward).
         for name in stage.layer_names:
             if name != "embed":
-                apply_recompute(stage.layer(name), recompute[name])
+                apply_recompute(stage.layer(name), recompute[name], early_stop_of(cfg))
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp, cfg.precision)
     mp_policy = mixed_precision(cfg.precision)
     # experts first: their own FSDP units (ZeRO 1-3, bf16-mixed ZeRO-0), or left out of DDP / replicate

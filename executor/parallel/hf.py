@@ -321,6 +321,7 @@ def _pipeline_parts(plan, built, device, mesh, dp_mesh):
     from meshplan.executor.filemodel import ModelParts
     from meshplan.executor.parallel.data import apply_dp, mixed_precision
     from meshplan.executor.parallel.recompute import apply_recompute
+    from meshplan.planner.contracts.engine_rules import early_stop_of
     from meshplan.planner.costing.state_memory import dp_method
     from meshplan.planner.models.transformer import lm_loss
 
@@ -342,7 +343,7 @@ def _pipeline_parts(plan, built, device, mesh, dp_mesh):
         for name in stage.layer_names:
             if name != "embed":
                 for module in stage.layer(name):
-                    apply_recompute(module, recompute[name])
+                    apply_recompute(module, recompute[name], early_stop_of(cfg))
     method = dp_method(cfg.zero, cfg.data_ranks, cfg.tp, cfg.pp, cfg.precision)
     mp_policy = mixed_precision(cfg.precision)
     modules = tuple(apply_dp(stage, dp_mesh, cfg.zero, method, mp_policy) for stage in stages)

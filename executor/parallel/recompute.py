@@ -27,11 +27,13 @@ class _CheckpointAttentionCore(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def apply_recompute(module: nn.Module, mode: str) -> None:
+def apply_recompute(module: nn.Module, mode: str, early_stop: bool = True) -> None:
     """Activation checkpointing of one layer: "full" recomputes its whole forward in backward,
     "selective" only the attention core. The forward is replaced on the instance (no wrapper
-    module), so parameter names and checkpoints do not change."""
-    from torch.utils.checkpoint import checkpoint
+    module), so parameter names and checkpoints do not change. `early_stop` (full only; the plan's
+    `engine_rules.early_stop_of`): whether the recomputation stops once it has rebuilt every tensor
+    the backward needs, torch's default, or reruns the whole forward as the cost model then prices."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     if mode == "none":
         return
@@ -53,6 +55,8 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
                 setattr(sub, flag, False)
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        # torch reads the setting when the forward runs, and the recomputation follows it
+        with set_checkpoint_early_stop(early_stop):
+            return checkpoint(original, *args, use_reentrant=False, **kwargs)
 
     module.forward = checkpointed_forward

@@ -113,6 +113,24 @@ def add_tp_comm_overlap_argument(parser) -> None:
                              f"default: the engine's ({defaults}; the other engines block on them)")
 
 
+def add_recompute_early_stop_argument(parser) -> None:
+    """--recompute-early-stop on|off: torch's checkpoint early stop under full recomputation
+    (`ParallelConfig.recompute_early_stop`); absent, the engine's rule (`engine_rules.early_stop_default`)."""
+    from meshplan.planner.contracts.engine_rules import EARLY_STOP_RECOMPUTE_ENGINES
+
+    parser.add_argument("--recompute-early-stop", choices=("on", "off"), default=None,
+                        help="with --recompute full: whether a checkpointed block stops rerunning once it has rebuilt "
+                             "what its backward needs (torch.utils.checkpoint's non-reentrant early stop, torch 2.1 "
+                             "and later; off for torch 2.0 and older or set_checkpoint_early_stop(False)); default: "
+                             f"the engine's (on for {', '.join(EARLY_STOP_RECOMPUTE_ENGINES)}; megatron and deepspeed "
+                             "rerun the whole block and cannot)")
+
+
+def recompute_early_stop_of(args) -> bool | None:
+    """`ParallelConfig.recompute_early_stop` of --recompute-early-stop (None: the engine's rule)."""
+    return None if args.recompute_early_stop is None else args.recompute_early_stop == "on"
+
+
 def add_moe_a2a_overlap_argument(parser) -> None:
     """--moe-a2a-overlap: Megatron-Core's combined 1F1B (`ParallelConfig.moe_a2a_overlap`)."""
     parser.add_argument("--moe-a2a-overlap", action="store_true",

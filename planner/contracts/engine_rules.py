@@ -15,13 +15,48 @@ CE_FUSIONS = ("none", "native", "te")
 CE_FUSION_ENGINES = ("megatron",)
 # Engines whose full recomputation is torch.utils.checkpoint's non-reentrant variant, which since
 # torch 2.1 stops rerunning a checkpointed block once it has rebuilt every tensor the block's
-# backward needs (early stop, on by default): the last tensor a dense block saves is its MLP's
-# down-projection input, packed before that GEMM runs, so the down projection and the residual add
-# after it are not rerun (`costing.compute_time.early_stop_skipped_s`). meshplan's executor
-# (`executor.parallel.recompute`: use_reentrant=False) and torchtitan (`ptd_checkpoint_wrapper`,
-# CheckpointImpl.NO_REENTRANT) run it; Megatron-Core's and DeepSpeed's checkpoint functions rerun the
-# whole forward, and llm-foundry's published tables predate torch 2.1.
-EARLY_STOP_RECOMPUTE_ENGINES = ("meshplan", "torchtitan")
+# backward needs (early stop, on by default; `torch.utils.checkpoint.set_checkpoint_early_stop`
+# turns it off): the last tensor a dense block saves is its MLP's down-projection input, packed
+# before that GEMM runs, so the down projection and the residual add after it are not rerun
+# (`costing.compute_time.early_stop_skipped_s`). meshplan's executor (`executor.parallel.recompute`:
+# use_reentrant=False), torchtitan (`ptd_checkpoint_wrapper`, CheckpointImpl.NO_REENTRANT) and
+# llm-foundry (Composer's FSDP checkpoint wrapper; its yamls set activation_checkpointing_reentrant
+# false, and it has required torch 2.1 or later since January 2024) run it by default.
+EARLY_STOP_RECOMPUTE_ENGINES = ("meshplan", "torchtitan", "llm-foundry")
+# Engines whose checkpoint function reruns the whole forward whatever torch does: Megatron-Core's
+# `tensor_parallel.checkpoint` and DeepSpeed's activation checkpointing are reentrant autograd
+# functions, so an early stop cannot be asked of them (`ParallelConfig.recompute_early_stop`).
+FULL_RERUN_RECOMPUTE_ENGINES = ("megatron", "deepspeed")
+
+
+def early_stop_default(engine: str) -> bool:
+    """Whether `engine`'s full recomputation stops early unless told otherwise."""
+    return engine in EARLY_STOP_RECOMPUTE_ENGINES
+
+
+def early_stop_of(config) -> bool:
+    """Whether `config`'s full recomputation stops early: its `recompute_early_stop`, or where it
+    leaves that to the engine, the engine's rule. The one rule the cost model and the executor read."""
+    chosen = config.recompute_early_stop
+    return early_stop_default(config.engine) if chosen is None else chosen
+
+
+def early_stop_under(engine: str, early_stop: bool | None) -> bool | None:
+    """The early stop a configuration keeps when it runs under `engine`: its own where the engine can
+    run it, the engine's (None) where its checkpoint function reruns the whole forward."""
+    return None if engine in FULL_RERUN_RECOMPUTE_ENGINES else early_stop
+
+
+def early_stop_problem(engine: str, early_stop: bool | None) -> str | None:
+    """Why full recomputation cannot run with torch's early stop set to `early_stop` under `engine`, or
+    None (None: the engine's default)."""
+    if early_stop is not None and not isinstance(early_stop, bool):
+        return f"recompute_early_stop must be true, false or null (the engine's default), got {early_stop!r}"
+    if early_stop and engine in FULL_RERUN_RECOMPUTE_ENGINES:
+        return (f"{engine}'s checkpoint function is reentrant and reruns the whole forward: torch's early stop "
+                f"needs an engine on torch.utils.checkpoint's non-reentrant variant "
+                f"({', '.join(EARLY_STOP_RECOMPUTE_ENGINES)}, or generic)")
+    return None
 
 
 def bf16_grads_problem(engine: str, precision: str) -> str | None:

@@ -36,6 +36,7 @@ from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_
 # `grad_reduce_in_bf16` likewise, written only when true (Megatron-LM's bf16 gradient buffer), absent: false.
 # `tp_comm_overlap` likewise, written only when set (--tp-comm-overlap), absent: the engine's record.
 # `cross_entropy_fusion` likewise, written only when not "none" (Megatron-Core's loss kernels), absent: "none".
+# `recompute_early_stop` likewise, written only when set apart from the engine's rule, absent: the engine's.
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -195,7 +196,7 @@ class Plan:
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
                          "schedule", "global_batch", "offload", "grad_reduce_in_bf16", "tp_comm_overlap",
-                         "moe_a2a_overlap", "cross_entropy_fusion")
+                         "moe_a2a_overlap", "cross_entropy_fusion", "recompute_early_stop")
                 or (k == "cp_method" and v != DEFAULT_CP_METHOD)}  # all-gather plans keep their digest
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
@@ -244,6 +245,9 @@ class Plan:
             **({"moe_a2a_overlap": True} if cfg.moe_a2a_overlap else {}),
             # Megatron-Core's fused loss kernels only: plans without the key run its unfused loss
             **({"cross_entropy_fusion": cfg.cross_entropy_fusion} if cfg.cross_entropy_fusion != "none" else {}),
+            # torch's checkpoint early stop set apart from the engine's rule only: plans without the key
+            # take the engine's (`engine_rules.early_stop_default`)
+            **({"recompute_early_stop": cfg.recompute_early_stop} if cfg.recompute_early_stop is not None else {}),
             # offloading only: plans without the key keep every state on the device
             **({"offload": cfg.offload} if cfg.offload != "none" else {}),
             # user-code models only: their layer graph, so reading the plan never runs the file
@@ -301,6 +305,8 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             tp_comm_overlap=None if data.get("tp_comm_overlap") is None else _boolean(data, "tp_comm_overlap"),
             moe_a2a_overlap=_boolean(data, "moe_a2a_overlap", default=False),
             cross_entropy_fusion=data.get("cross_entropy_fusion", "none"),
+            recompute_early_stop=(None if data.get("recompute_early_stop") is None
+                                  else _boolean(data, "recompute_early_stop")),
             microbatch_group_size=(None if schedule.get("microbatch_group_size") is None
                                    else _integer(schedule, "microbatch_group_size", "schedule.")),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))

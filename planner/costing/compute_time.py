@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.engine_rules import EARLY_STOP_RECOMPUTE_ENGINES
+from meshplan.planner.contracts.engine_rules import early_stop_of
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import attention_kernels, fp8, gemm, loss_kernels
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
@@ -40,7 +40,7 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
 # `loss_kernels`); under fp8 also the recipe's, and the micro-batch count that with the engine sets
 # how often an engine casts its weights (`fp8.weight_cast_share`).
 COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split", "engine",
-                       "cross_entropy_fusion")
+                       "cross_entropy_fusion", "recompute_early_stop")
 FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches")
 
 
@@ -102,10 +102,11 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
 
 def early_stops(config: ParallelConfig, recompute: str | None = None) -> bool:
     """Whether full recomputation (the configuration's, or a layer's `recompute`) runs under torch's
-    early stop: an engine in `engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`, bf16 Linears (fp8 ones are
-    custom autograd functions, which save their inputs only after their forward has run)."""
-    return ((recompute or config.recompute) == "full" and config.engine in EARLY_STOP_RECOMPUTE_ENGINES
-            and not fp8.is_fp8(config.precision))
+    early stop: the configuration's `recompute_early_stop`, or where it leaves it to the engine, an
+    engine in `engine_rules.EARLY_STOP_RECOMPUTE_ENGINES`; bf16 Linears only (fp8 ones are custom
+    autograd functions, which save their inputs only after their forward has run)."""
+    return ((recompute or config.recompute) == "full" and not fp8.is_fp8(config.precision)
+            and early_stop_of(config))
 
 
 def early_stop_last_linear(layer: LayerProfile, config: ParallelConfig, info: ModelInfo,

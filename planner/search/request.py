@@ -9,6 +9,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
                                                 a2a_overlap_engine_problem, bf16_grads_problem,
                                                 ce_fusion_problem)
+from meshplan.planner.contracts.engine_rules import early_stop_problem
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
@@ -47,6 +48,7 @@ class PlanRequest:
     tp_comm_overlap: bool | None = None  # TP collectives pipelined with their GEMMs; None: the engine's record
     moe_a2a_overlap: bool = False  # engine megatron's combined 1F1B, where a candidate can run it (`costing.moe_overlap`)
     cross_entropy_fusion: str = "none"  # engine megatron's cross-entropy kernels (`costing.loss_kernels`)
+    recompute_early_stop: bool | None = None  # torch's checkpoint early stop; None: the engine's rule
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -89,6 +91,8 @@ class PlanRequest:
         if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion):
             raise MeshplanError(problem.replace("cross_entropy_fusion", "--cross-entropy-fusion").replace(
                 "use engine", "use --engine"))
+        if problem := early_stop_problem(self.engine, self.recompute_early_stop):
+            raise MeshplanError(f"--recompute-early-stop on: {problem}")
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,

@@ -108,7 +108,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     offload: str = "none", cp_method: str | None = None,
                     microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False,
                     tp_comm_overlap: bool | None = None, moe_a2a_overlap: bool = False,
-                    cross_entropy_fusion: str = "none") -> ParallelConfig:
+                    cross_entropy_fusion: str = "none", recompute_early_stop: bool | None = None) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -117,6 +117,9 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
     check_fp8_supported(cluster, precision, fp8_recipe)
     if moe_a2a_overlap and ep < 2:
         raise MeshplanError(f"--moe-a2a-overlap hides expert-parallel all-to-alls: it needs --ep > 1, got --ep {ep}")
+    if recompute_early_stop is not None and recompute != "full":
+        raise MeshplanError(f"--recompute-early-stop says how full recomputation reruns a block: add --recompute full "
+                            f"(got --recompute {recompute})")
     if recompute_modules and recompute != "selective":
         raise MeshplanError(f"--recompute-modules {' '.join(recompute_modules)} names what selective recomputation "
                             f"rebuilds: add --recompute selective (got --recompute {recompute})")
@@ -134,13 +137,15 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 cp_method=cp_method or DEFAULT_CP_METHOD,
                                 microbatch_group_size=microbatch_group_size,
                                 grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap,
-                                moe_a2a_overlap=moe_a2a_overlap, cross_entropy_fusion=cross_entropy_fusion)
+                                moe_a2a_overlap=moe_a2a_overlap, cross_entropy_fusion=cross_entropy_fusion,
+                                recompute_early_stop=recompute_early_stop)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
             "grad_reduce_in_bf16 keeps", "--grad-reduce-in-bf16 keeps").replace("use engine", "use --engine").replace(
             "cross_entropy_fusion", "--cross-entropy-fusion").replace(
             "TP communication overlap", "--tp-comm-overlap on").replace(
+            "torch's early stop needs", "--recompute-early-stop on needs").replace(
             "expert parallelism ep=", "--ep ").replace(
             "expert tensor parallelism etp=", "--etp ")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
@@ -175,7 +180,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              recompute_modules: tuple[str, ...] = (), offload: str = "none", cp_method: str | None = None,
              moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
              grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None,
-             mtp_num_layers: int = 0, moe_a2a_overlap: bool = False, cross_entropy_fusion: str = "none") -> Prediction:
+             mtp_num_layers: int = 0, moe_a2a_overlap: bool = False, cross_entropy_fusion: str = "none",
+             recompute_early_stop: bool | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
@@ -193,7 +199,9 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     the TP collectives pipelined with their GEMMs or not (None: the engine's record);
     `mtp_num_layers`: multi-token-prediction depths (`profiling.mtp`); `moe_a2a_overlap`:
     Megatron-Core's combined 1F1B (`costing.moe_overlap`, engine megatron); `cross_entropy_fusion`:
-    Megatron-Core's cross-entropy kernels (`costing.loss_kernels`, engine megatron)."""
+    Megatron-Core's cross-entropy kernels (`costing.loss_kernels`, engine megatron);
+    `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
+    the engine's rule, `contracts.engine_rules.early_stop_default`)."""
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -207,7 +215,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              recompute_modules=recompute_modules, offload=offload, cp_method=cp_method,
                              microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap,
-                             cross_entropy_fusion=cross_entropy_fusion)
+                             cross_entropy_fusion=cross_entropy_fusion, recompute_early_stop=recompute_early_stop)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,

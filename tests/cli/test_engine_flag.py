@@ -289,3 +289,37 @@ def test_estimate_says_where_full_recomputation_stops_early(run_cli):
         code, out, err = run_cli("estimate", *JOB, "--recompute", "full", "--engine", engine, "--json")
         times[engine] = json.loads(out)["breakdown"]["recompute"]
     assert times["torchtitan"] < times["megatron"]
+
+
+def test_recompute_early_stop_flag_turns_the_engines_rule_off_and_on(run_cli, tmp_path):
+    """--recompute-early-stop off prices torchtitan's full recomputation as the whole forward
+    (torch 2.0 or set_checkpoint_early_stop(False)): Megatron-Core's recompute time, where the
+    estimate then says nothing of an early stop; on under generic stops early as torchtitan does;
+    a plan written with it keeps it (plan.json `recompute_early_stop`) and simulates alike; on
+    under megatron, or without --recompute full, is refused in one line (exit 2)."""
+    def recompute_s(*flags):
+        code, out, err = run_cli("estimate", *JOB, "--recompute", "full", *flags, "--json")
+        assert code == 0, err
+        return json.loads(out)["breakdown"]["recompute"]
+
+    whole = recompute_s("--engine", "megatron")
+    assert recompute_s("--engine", "torchtitan", "--recompute-early-stop", "off") == pytest.approx(whole, rel=1e-9)
+    assert recompute_s("--engine", "generic", "--recompute-early-stop", "on") == pytest.approx(
+        recompute_s("--engine", "torchtitan"), rel=1e-9)
+    code, out, err = run_cli("estimate", *JOB, "--recompute", "full", "--engine", "torchtitan",
+                             "--recompute-early-stop", "off")
+    assert code == 0 and "early stop" not in out, err
+    for flags, says in ((("--recompute", "full", "--engine", "megatron", "--recompute-early-stop", "on"), "reentrant"),
+                        (("--recompute-early-stop", "off"), "add --recompute full")):
+        code, out, err = run_cli("estimate", *JOB, *flags)
+        assert code == 2 and says in err and "Traceback" not in err, err
+    plan_path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *JOB, "--recompute", "full", "--recompute-early-stop", "off", "--out",
+                             str(plan_path))
+    assert code == 0, err
+    written = json.loads(plan_path.read_text())
+    assert written["recompute_early_stop"] is False
+    code, out, err = run_cli("simulate", "--plan", str(plan_path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["breakdown"]["recompute"] == pytest.approx(written["prediction"]["breakdown"]["recompute"],
+                                                                       rel=1e-9)

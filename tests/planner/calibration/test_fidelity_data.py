@@ -149,6 +149,25 @@ def test_mpt_table_transcription_is_consistent(modules):
     assert sum(layer.num_params for layer in graph.layers) == pytest.approx(64862437376, rel=1e-3)
 
 
+def test_mpt_runs_measured_before_torch_2_1_rerun_their_blocks_whole(modules):
+    """The rows whose MP Mode is PURE (the A100 40GB table's 78 and the two 70b A100 80GB rows the
+    October 2023 update kept, torch 1.13.1) and the whole micro-batch sweep (torch 2.0.1) turn the
+    checkpoint early stop off; the rows measured in that update and the 128-512 GPU table (torch
+    2.1) leave it to llm-foundry's rule, which stops early."""
+    from meshplan.planner.contracts.engine_rules import early_stop_default
+
+    data, _ = modules
+    runs = data.mpt_runs()
+    old = [run for run in runs if run.recompute_early_stop is False]
+    assert len(old) == 80 and {run.cluster for run in old} == {"a100-40g", "a100-80g"}
+    assert {run.name.split()[1] for run in old if run.cluster == "a100-80g"} == {"70b"}
+    assert all(data.MPT_OLD_TORCH in run.assumptions for run in old)
+    assert all(run.recompute_early_stop is None for run in runs if run.cluster == "h100-sxm")
+    assert all(run.recompute_early_stop is False for run in data.mpt_sweep_runs())
+    assert all(run.recompute_early_stop is None for run in data.mpt_large_scale_runs())
+    assert early_stop_default("llm-foundry")
+
+
 def test_mpt_micro_batch_sweep_is_transcribed_and_agrees_with_the_readme(modules):
     """The sweep's six runs (two 3b rows with activation CPU offload left out): global batch = GPUs
     x micro-batch x accumulation, and its 13b micro-batch-2 row measures what the README's row of the

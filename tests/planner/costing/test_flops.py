@@ -51,12 +51,14 @@ def test_the_simulator_reports_mfu_and_hfu_from_model_and_executed_flops(recompu
     assert simulated.hfu < simulated.mfu
 
 
-def test_full_recomputation_reruns_what_torch_reruns_in_the_executor():
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_full_recomputation_reruns_what_torch_reruns_in_the_executor(early_stop):
     """The executor's full recomputation (`apply_recompute`, torch.utils.checkpoint non-reentrant)
     as torch's FlopCounterMode counts one block's backward, against the same block without it: the
-    forward's Linears again, less the MLP's down projection, which torch's early stop never
-    reruns (exact; FlopCounterMode counts no FLOPs for the CPU attention kernel, so the Linears
-    alone are compared). The cost model's executed FLOPs rerun the same, attention included."""
+    forward's Linears again, less the MLP's down projection where torch's early stop is on (its
+    default), which then never reruns it; all of them with it off (exact; FlopCounterMode counts
+    no FLOPs for the CPU attention kernel, so the Linears alone are compared). The cost model's
+    executed FLOPs, with the plan's `recompute_early_stop` alike, rerun the same, attention included."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -69,29 +71,54 @@ def test_full_recomputation_reruns_what_torch_reruns_in_the_executor():
     counted = {}
     for mode in ("none", "full"):
         block = build_model(spec, seq, device="cpu").module.blocks[0]
-        apply_recompute(block, mode)
+        apply_recompute(block, mode, early_stop)
         out = block(torch.randn(1, seq, 64, requires_grad=True))
         with FlopCounterMode(display=False) as counter:
             out.sum().backward()
         counted[mode] = counter.get_total_flops()
-    down = 2 * seq * 4 * 64 * 64
+    down = 2 * seq * 4 * 64 * 64 if early_stop else 0
     assert counted["full"] - counted["none"] == layer.fwd_flops - layer.attn_fwd_flops - down
-    config = ParallelConfig(gpus=1, global_batch=1, dp=1, microbatch_size=1, recompute="full")
+    config = ParallelConfig(gpus=1, global_batch=1, dp=1, microbatch_size=1, recompute="full",
+                            recompute_early_stop=early_stop)
     rerun = (executed_flops_per_sample(layer, "full", graph.info, graph.dtype, "math", config)
              - executed_flops_per_sample(layer, "none", graph.info, graph.dtype, "math", config))
     assert rerun == layer.fwd_flops - down
 
 
 def test_early_stop_takes_the_down_projections_forward_off_the_recomputation_time():
-    """Full recomputation's seconds: the forward's under Megatron-Core (it reruns everything), the
-    forward less the down projection's GEMM by shape under meshplan's executor and torchtitan."""
+    """Full recomputation's seconds: the forward's under Megatron-Core (it reruns everything) and
+    wherever the early stop is turned off, the forward less the down projection's GEMM by shape
+    under meshplan's executor, torchtitan and llm-foundry (torch's non-reentrant checkpoint)."""
     from meshplan.planner.costing import gemm
     from meshplan.planner.costing.compute_time import compute_times_s
 
     graph, cluster = profile(SPEC, SEQ), load_cluster("h100-sxm")
     block = next(layer for layer in graph.layers if layer.kind == "block")
     down_s = gemm.linear_times_s(((4 * 512, 512, False),), 2 * SEQ, 1, cluster, "bf16")[0]
-    for engine, left_out_s in (("megatron", 0.0), ("meshplan", down_s), ("torchtitan", down_s)):
-        config = ParallelConfig(gpus=8, global_batch=16, dp=8, microbatch_size=2, recompute="full", engine=engine)
+    cases = (("megatron", None, 0.0), ("meshplan", None, down_s), ("torchtitan", None, down_s),
+             ("llm-foundry", None, down_s), ("llm-foundry", False, 0.0), ("generic", None, 0.0),
+             ("generic", True, down_s))
+    for engine, early_stop, left_out_s in cases:
+        config = ParallelConfig(gpus=8, global_batch=16, dp=8, microbatch_size=2, recompute="full", engine=engine,
+                                recompute_early_stop=early_stop)
         fwd_s, _, recompute_s = compute_times_s(block, config, cluster, graph.info, 1.0, 1.0, graph.dtype)
         assert down_s > 0 and recompute_s == pytest.approx(fwd_s - left_out_s, rel=1e-12), engine
+
+
+def test_recompute_early_stop_is_kept_only_apart_from_the_engines_rule():
+    """`ParallelConfig.recompute_early_stop`: what the engine does anyway is stored as None (equal
+    layouts compare equal), a departure is kept, and an early stop asked of a reentrant engine
+    (Megatron-Core, DeepSpeed) is refused with the engines that can run it."""
+    def config(engine, early_stop):
+        return ParallelConfig(gpus=8, global_batch=16, dp=8, microbatch_size=2, recompute="full", engine=engine,
+                              recompute_early_stop=early_stop)
+
+    assert config("torchtitan", True) == config("torchtitan", None)
+    assert config("megatron", False).recompute_early_stop is None
+    assert config("llm-foundry", False).recompute_early_stop is False
+    assert config("generic", True).recompute_early_stop is True
+    for engine in ("megatron", "deepspeed"):
+        with pytest.raises(ValueError, match="reentrant.*meshplan, torchtitan, llm-foundry"):
+            config(engine, True)
+    with pytest.raises(ValueError, match="true, false or null"):
+        config("meshplan", "yes")
