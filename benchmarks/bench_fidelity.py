@@ -4,7 +4,8 @@ The runs and their sources are in `published_runs.py`. The efficiency fields of 
 are fitted on the fit sets only (`fit_efficiency.py`: Narayanan et al. 2021 Table 1 for A100,
 Llama 3 Table 4 and the Megatron-LM README's H100 table for H100, NVIDIA's nccl-tests figures
 for the NICs); the held-out runs
-(Korthikanti et al. 2022 Table 5, MosaicML's MPT benchmarks, torchtitan's FSDP2 runs) never
+(Korthikanti et al. 2022 Table 5, the Megatron-LM README's H100 strong-scaling ends, MosaicML's
+MPT benchmarks, torchtitan's FSDP2 runs) never
 tuned anything. No run has its own correction. A run whose engine meshplan models (torchtitan,
 Megatron-Bridge's recipes: `Run.engine`) is priced as `--engine` prices it, with that engine's
 overlap (`planner/contracts/overlap.py`) and memory. MosaicML's FP8 runs are held out too and
@@ -48,7 +49,8 @@ from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCH
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
-                            MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_MOE_QWEN3,
+                            MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100, MEGATRON_LM_H100, MEGATRON_LM_H100_STRONG,
+                            MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_LARGE_SCALE_SOURCE, MPT_SOURCE, MPT_SWEEP_SOURCE,
                             NARAYANAN_2021, TORCHTITAN_A100,
                             TORCHTITAN_H100,
@@ -147,6 +149,7 @@ def print_rows(scored: Sequence[Scored]) -> None:
 
 SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "Llama 3 Table 4",
                  MEGATRON_LM_H100: "Megatron-LM README H100 table",
+                 MEGATRON_LM_H100_STRONG: "Megatron-LM README H100 strong scaling, its two ends",
                  KORTHIKANTI_2022: "Korthikanti et al. 2022 Table 5", MPT_SOURCE: "MosaicML MPT (llm-foundry)",
                  MPT_SWEEP_SOURCE: "MosaicML MPT micro-batch sweep (llm-foundry)",
                  MPT_LARGE_SCALE_SOURCE: "MosaicML MPT at 128-512 GPUs (llm-foundry)",
@@ -311,7 +314,8 @@ def cross_validated() -> None:
     print(f"both fit sets: mean |error| {np.mean(pooled):.1%}")
 
 
-BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, MosaicML MPT, torchtitan FSDP2)",
+BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megatron-LM README's H100 strong-scaling "
+                      "ends, MosaicML MPT, torchtitan FSDP2)",
              "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8, Megatron-Bridge's DGX-H100 Llama)",
              "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
                     "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}

@@ -413,6 +413,36 @@ def megatron_lm_h100_runs() -> list[Run]:
     return runs
 
 
+# The same README's "Strong Scaling Results" (images/strong_scaling.png, Megatron-Core r0.8.0): "the
+# standard GPT-3 model (slightly more than 175 billion parameters due to larger vocabulary size)
+# from 96 H100 GPUs to 4,608 GPUs, using the same batch size of 1,152 sequences throughout ...
+# a reduction in MFU from 47% to 42%". The two ends, whose MFU the text states, are held out (the
+# points between are only plotted). (GPUs, MFU %)
+MEGATRON_LM_H100_STRONG = ("Megatron-LM README, Strong Scaling Results (text and images/strong_scaling.png; "
+                           "commit d98e8a64ddf34856e74b24714e3bedb2f5a39553)")
+MEGATRON_LM_H100_STRONG_ENDS = ((96, 47.0), (4608, 42.0))
+
+
+def megatron_lm_strong_scaling_runs() -> list[Run]:
+    """The strong-scaling series' two ends (held out): the weak-scaling table's 177B model, batch
+    1,152, on 96 and 4,608 GPUs at the MFU the README's text gives."""
+    name, heads, hidden, layers, tp, pp, _dp, _gpus, gbs, _tflops, _mfu, _aggregate = next(
+        row for row in MEGATRON_LM_H100_TABLE if row[0] == "177B")
+    assumptions = MEGATRON_LM_H100_ASSUMPTIONS + (
+        f"the weak-scaling row's TP {tp} and PP {pp} (not stated for this series; the plotted points at 96, "
+        "144 and 288 GPUs leave PP 1, 2, 3 or 6 under TP 8, and 6 is the 177B row's), DP the rest",
+        "MFU as the README's text rounds it (47% and 42% of the 989 TFLOP/s peak)",
+    )
+    per_rank = layers // pp
+    vpp_options = tuple(v for v in range(1, 5) if per_rank % v == 0)
+    return [Run(f"Megatron-LM H100 strong GPT {name} tp{tp} pp{pp} dp{gpus // (tp * pp)}", HELD_OUT,
+                MEGATRON_LM_H100_STRONG, "h100-sxm", gpt_spec(layers, hidden, heads, VOCAB_131072) + ",tied=false",
+                gpus, gbs, SEQ_4096, tp=tp, pp=pp, zero=1, sp=True, vpp_options=vpp_options, mbs_options=(1, 2, 4),
+                published_model_tflops_per_gpu=mfu / 100 * 989.0, assumptions=assumptions, engine="megatron",
+                cross_entropy_fusion="none")
+            for gpus, mfu in MEGATRON_LM_H100_STRONG_ENDS]
+
+
 # MPT shapes from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (layers, d_model, heads);
 # GPT-style blocks (no biases, ALiBi instead of learned positions, tied embedding, vocab 50368).
 # The `gpt:` spec keeps biases and a learned position table: its parameter count is within 0.1%
@@ -583,7 +613,8 @@ FABRIC_RUNS = [
 
 
 def all_runs() -> list[Run]:
-    return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs() + mpt_runs() + mpt_sweep_runs()
+    return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs()
+            + megatron_lm_strong_scaling_runs() + mpt_runs() + mpt_sweep_runs()
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
             + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
 

@@ -220,6 +220,22 @@ def test_megatron_lm_h100_table_transcription_is_consistent(modules):
     assert sum(layer.num_params for layer in graph.layers) == pytest.approx(1744830464, rel=0.01)
 
 
+def test_megatron_lm_strong_scaling_ends_are_the_177b_row_at_96_and_4608_gpus(modules):
+    """The README's strong-scaling series, held out: the 177B row's model and TP 8 x PP 6 at batch
+    1,152 on 96 (DP 2) and 4,608 GPUs (DP 96), at the 47% and 42% MFU its text states, so the
+    published step is that MFU's model FLOPs: 4,608 GPUs take 96 x 47 / (4,608 x 42) of the 96-GPU
+    step."""
+    data, fit = modules
+    small, large = data.megatron_lm_strong_scaling_runs()
+    row = next(run for run in data.megatron_lm_h100_runs() if "177B" in run.name)
+    for run, gpus, dp in ((small, 96, 2), (large, 4608, 96)):
+        assert (run.spec, run.tp, run.pp, run.global_batch, run.seq) == (row.spec, 8, 6, 1152, 4096)
+        assert run.gpus == gpus == run.tp * run.pp * dp and run.group == data.HELD_OUT
+    assert small.published_model_tflops_per_gpu == pytest.approx(0.47 * 989)
+    ratio = fit.published_step_s(large) / fit.published_step_s(small)
+    assert ratio == pytest.approx(96 * 47 / (4608 * 42), rel=1e-9)
+
+
 def test_unpublished_micro_batches_follow_the_engines_batch_rules(modules):
     """`Run.layouts`: an unpublished micro-batch must split a data rank's batch into whole
     micro-batches, at least one a stage, and under interleaving a multiple of the stages; a
