@@ -157,6 +157,9 @@ def _fqns(plan, chunk: list[int]) -> list[str]:
 
 def _checkpointing(plan, notes: list[str]) -> dict:
     modes = layout.block_recompute(plan)
+    if plan.config.recompute_early_stop is False and "full" in modes:
+        notes.append("recompute early stop off: torchtitan's checkpoint wrapper runs torch's default, which stops "
+                     "before each block's MLP down projection; the plan was priced rerunning the whole block")
     if all(mode == "none" for mode in modes):
         return {"mode": "none"}
     if all(mode == "full" for mode in modes):

@@ -7,13 +7,14 @@ import json
 import sys
 import tomllib
 import types
+from dataclasses import replace
 
 import pytest
 
 from meshplan.planner.engines.bridge import export_plan
 from meshplan.planner.engines.launch_script import parse_arguments
 from meshplan.planner.engines.torchtitan import PARALLELISM_KEYS
-from tests.planner.engines.helpers import make_plan
+from tests.planner.engines.helpers import as_engine_runs_it, make_plan
 
 # Megatron-LM's argument names that meshplan writes, as megatron/training/arguments.py defines them
 # (NVIDIA/Megatron-LM, commit 307dcf37f03d44da131ba21999278abe4112d2ad); megatron.training is not
@@ -157,3 +158,17 @@ def test_folded_moe_layout_exports_expert_tp_and_ep():
     assert (parallelism["expert_parallel_degree"], parallelism["expert_tensor_parallel_degree"]) == (8, 1)
     default = uniform_plan(spec, 128, 32, load_cluster("h100-sxm"), tp=2, dp=4, ep=2, precision="bf16-mixed")
     assert parse_arguments(export_plan(default, "megatron").text)["--expert-tensor-parallel-size"] == "2"
+
+
+def test_torchtitan_export_says_when_the_plan_turned_the_early_stop_off():
+    """A plan priced without torch's checkpoint early stop (`recompute_early_stop` false) exports to
+    torchtitan, whose checkpoint wrapper always stops early, with a note saying so; with the
+    engine's default, no such note."""
+    from meshplan.planner.engines.torchtitan import export_torchtitan
+
+    plan = as_engine_runs_it(make_plan(recompute="full"), "torchtitan")
+    _, notes = export_torchtitan(plan)
+    assert not any("early stop" in note for note in notes)
+    off = replace(plan, config=replace(plan.config, recompute_early_stop=False))
+    _, notes = export_torchtitan(off)
+    assert any(note.startswith("recompute early stop off") for note in notes), notes
