@@ -13,7 +13,7 @@ from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.engine_rules import (a2a_overlap_engine_problem, bf16_grads_problem, ce_fusion_problem,
-                                                     early_stop_default, early_stop_problem, moe_sp_problem)
+                                                     moe_sp_problem, stored_early_stop)
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -165,10 +165,8 @@ class ParallelConfig:
     moe_a2a_overlap: bool = False
     # Megatron-Core's cross-entropy kernels, a name in `engine_rules.CE_FUSIONS` (engine megatron).
     cross_entropy_fusion: str = "none"
-    # Whether full recomputation stops once it has rebuilt what the backward needs (torch's
-    # non-reentrant checkpoint since 2.1; `set_checkpoint_early_stop(False)` or torch 2.0 and older
-    # rerun the whole block). None: the engine's rule (`engine_rules.early_stop_default`); stored as
-    # None when it says the same, so equal layouts compare equal. Megatron and DeepSpeed cannot.
+    # torch's checkpoint early stop under full recomputation (`engine_rules.early_stop_of`); None, and
+    # stored None where it says the same: the engine's rule. Megatron and DeepSpeed cannot stop early.
     recompute_early_stop: bool | None = None
 
     def __post_init__(self):
@@ -201,10 +199,7 @@ class ParallelConfig:
             raise ValueError(problem)
         if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion):
             raise ValueError(problem)
-        if problem := early_stop_problem(self.engine, self.recompute_early_stop):
-            raise ValueError(problem)
-        if self.recompute_early_stop == early_stop_default(self.engine):
-            object.__setattr__(self, "recompute_early_stop", None)
+        object.__setattr__(self, "recompute_early_stop", stored_early_stop(self.engine, self.recompute_early_stop))
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
         if problem := moe_sp_problem(self.engine, self.tp, self.sp, self.ep > 1):

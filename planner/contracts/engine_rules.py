@@ -47,6 +47,14 @@ def early_stop_under(engine: str, early_stop: bool | None) -> bool | None:
     return None if engine in FULL_RERUN_RECOMPUTE_ENGINES else early_stop
 
 
+def stored_early_stop(engine: str, early_stop: bool | None) -> bool | None:
+    """What `ParallelConfig.recompute_early_stop` keeps of `early_stop` under `engine`: None where the
+    engine's rule says the same (equal layouts compare equal); ValueError where it cannot run."""
+    if problem := early_stop_problem(engine, early_stop):
+        raise ValueError(problem)
+    return None if early_stop == early_stop_default(engine) else early_stop
+
+
 def early_stop_problem(engine: str, early_stop: bool | None) -> str | None:
     """Why full recomputation cannot run with torch's early stop set to `early_stop` under `engine`, or
     None (None: the engine's default)."""
