@@ -192,7 +192,11 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         engine="llm-foundry", version="llm-foundry 0.x on Composer's FSDP (torch FSDP1), its MPT yamls",
         tp_comm_overlap=False,           # no sequence-parallel TP: FSDP alone in the benchmark yamls
         grad_overlap_min_zero=0,         # FSDP1 reduce-scatters each unit during the backward
-        param_gather_prefetch=True,      # FSDP1 backward_prefetch BACKWARD_PRE; limit_all_gathers rate-limits
+        # Composer's backward_prefetch default, BACKWARD_POST, issues the next unit's all-gather from the
+        # current unit's post-backward hook, which the CPU runs once it has queued that unit's kernels:
+        # ahead of the GPU, with limit_all_gathers holding at most two units gathered, so the gather
+        # still runs beside the current unit's backward, one unit ahead as prefetching prices it
+        param_gather_prefetch=True,
         pp_p2p_async=True,               # no pipeline parallelism (NO_PIPELINE_ENGINES): never read
         cp_exchange="all_gather",        # no context parallelism: never read
         ep_a2a_hidden_fraction=0.0,      # no expert parallelism: never read
@@ -200,7 +204,8 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         pp_grad_reduce="after_chunk",    # no pipeline parallelism: never read
         sources=("llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml (fsdp_config: FULL_SHARD, "
                  "limit_all_gathers, activation_checkpointing)",
-                 "torch torch/distributed/fsdp/api.py (BackwardPrefetch.BACKWARD_PRE, Composer's default)")),
+                 "Composer composer.utils.FSDPConfig (backward_prefetch='BACKWARD_POST', limit_all_gathers=True "
+                 "by default); torch torch/distributed/fsdp/api.py (BackwardPrefetch)")),
 )}
 
 
