@@ -489,7 +489,7 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
                             zero=FSDP_SHARDING_ZERO[row.get("sharding") or "FULL_SHARD"],
                             recompute="full" if row["activation_checkpointing"] == "True" else "none",
                             attention="triton-alibi", published_tokens_per_s=float(row["tokens_per_s"]),
-                            assumptions=assumptions + (MPT_OLD_TORCH,) * old_torch, precision=precision,
+                            assumptions=assumptions + ((MPT_OLD_TORCH,) if old_torch else ()), precision=precision,
                             fp8_recipe="delayed" if precision == "fp8" else None, engine="llm-foundry",
                             recompute_early_stop=False if old_torch else None))
     return runs
