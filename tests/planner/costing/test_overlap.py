@@ -27,6 +27,16 @@ def config(**kw) -> ParallelConfig:
     return ParallelConfig(**{**base, **kw})
 
 
+def test_readme_overlap_table_has_one_row_per_engine():
+    """README's "What each engine overlaps" table names every engine `--engine` takes, once each."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    table = text.split("### What each engine overlaps", 1)[1].split("| engine (version) |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1].strip().split(" ")[0] for line in table.splitlines()[2:] if line.startswith("|")]
+    assert sorted(rows) == sorted(ENGINES)
+
+
 def test_one_overlap_per_engine_each_with_version_and_sources():
     assert sorted(ENGINE_OVERLAPS) == sorted(ENGINES)
     for name in ENGINES:
