@@ -105,7 +105,7 @@ and 6 (async TP; pipeline micro-batch counts unpublished); torchtitan's "selecti
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -358,9 +358,10 @@ def llama3_runs() -> list[Run]:
 MEGATRON_LM_H100 = ("Megatron-LM README, Training Speed and Scalability, images/model_table.png "
                     "(commit d98e8a64ddf34856e74b24714e3bedb2f5a39553; image of 2024-07-15)")
 VOCAB_131072, SEQ_4096 = 131072, 4096
+H100_BF16_PEAK_TFLOPS = 989.0  # the README's MFU denominator: H100 SXM's dense BF16 peak (datasheet)
 # (name, heads, hidden, layers, tp, pp, dp, gpus, batch size, per-GPU teraFLOP/s, MFU %, aggregate
 # petaFLOP/s), every row and column as printed; MFU and the aggregate are kept to check the
-# transcription (MFU is the TFLOP/s over 989, H100 SXM's dense BF16 peak, to its rounding).
+# transcription (MFU is the TFLOP/s over H100_BF16_PEAK_TFLOPS, to its rounding).
 MEGATRON_LM_H100_TABLE = [
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6),
     ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9, 47, 44.7),
@@ -424,22 +425,18 @@ MEGATRON_LM_H100_STRONG_ENDS = ((96, 47.0), (4608, 42.0))
 
 
 def megatron_lm_strong_scaling_runs() -> list[Run]:
-    """The strong-scaling series' two ends (held out): the weak-scaling table's 177B model, batch
-    1,152, on 96 and 4,608 GPUs at the MFU the README's text gives."""
-    name, heads, hidden, layers, tp, pp, _dp, _gpus, gbs, _tflops, _mfu, _aggregate = next(
-        row for row in MEGATRON_LM_H100_TABLE if row[0] == "177B")
-    assumptions = MEGATRON_LM_H100_ASSUMPTIONS + (
-        f"the weak-scaling row's TP {tp} and PP {pp} (not stated for this series; the plotted points at 96, "
-        "144 and 288 GPUs leave PP 1, 2, 3 or 6 under TP 8, and 6 is the 177B row's), DP the rest",
-        "MFU as the README's text rounds it (47% and 42% of the 989 TFLOP/s peak)",
+    """The strong-scaling series' two ends (held out): the weak-scaling table's 177B run (its model,
+    TP, PP, batch and unpublished-layout options) on 96 and 4,608 GPUs at the MFU the README's text
+    gives."""
+    row = next(run for run in megatron_lm_h100_runs() if " 177B " in run.name)
+    assumptions = row.assumptions + (
+        f"the weak-scaling row's TP {row.tp} and PP {row.pp} (not stated for this series; the plotted points at "
+        "96, 144 and 288 GPUs leave PP 1, 2, 3 or 6 under TP 8, and 6 is the 177B row's), DP the rest",
+        f"MFU as the README's text rounds it (47% and 42% of the {H100_BF16_PEAK_TFLOPS:.0f} TFLOP/s peak)",
     )
-    per_rank = layers // pp
-    vpp_options = tuple(v for v in range(1, 5) if per_rank % v == 0)
-    return [Run(f"Megatron-LM H100 strong GPT {name} tp{tp} pp{pp} dp{gpus // (tp * pp)}", HELD_OUT,
-                MEGATRON_LM_H100_STRONG, "h100-sxm", gpt_spec(layers, hidden, heads, VOCAB_131072) + ",tied=false",
-                gpus, gbs, SEQ_4096, tp=tp, pp=pp, zero=1, sp=True, vpp_options=vpp_options, mbs_options=(1, 2, 4),
-                published_model_tflops_per_gpu=mfu / 100 * 989.0, assumptions=assumptions, engine="megatron",
-                cross_entropy_fusion="none")
+    return [replace(row, name=f"Megatron-LM H100 strong GPT 177B tp{row.tp} pp{row.pp} dp{gpus // (row.tp * row.pp)}",
+                    group=HELD_OUT, source=MEGATRON_LM_H100_STRONG, gpus=gpus,
+                    published_model_tflops_per_gpu=mfu / 100 * H100_BF16_PEAK_TFLOPS, assumptions=assumptions)
             for gpus, mfu in MEGATRON_LM_H100_STRONG_ENDS]
 
 

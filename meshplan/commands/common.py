@@ -128,7 +128,7 @@ def add_recompute_early_stop_argument(parser) -> None:
 
 def recompute_early_stop_of(args) -> bool | None:
     """`ParallelConfig.recompute_early_stop` of --recompute-early-stop (None: the engine's rule)."""
-    return None if args.recompute_early_stop is None else args.recompute_early_stop == "on"
+    return on_off(args.recompute_early_stop)
 
 
 def add_moe_a2a_overlap_argument(parser) -> None:
@@ -153,9 +153,14 @@ def a2a_overlap_notes(args) -> list[str]:
     return [A2A_OVERLAP_NOTE] if getattr(args, "moe_a2a_overlap", False) else []
 
 
+def on_off(value: str | None) -> bool | None:
+    """An on|off flag's value as a configuration field takes it (None, absent: the engine's default)."""
+    return None if value is None else value == "on"
+
+
 def tp_comm_overlap_of(args) -> bool | None:
     """`ParallelConfig.tp_comm_overlap` of --tp-comm-overlap (None: the engine's default)."""
-    return None if args.tp_comm_overlap is None else args.tp_comm_overlap == "on"
+    return on_off(args.tp_comm_overlap)
 
 
 def add_fp8_recipe_argument(parser, default_help: str = "the engine's") -> None:

@@ -44,6 +44,7 @@ def estimate_from(args) -> int:
     `estimate` prints its own (`printed.format_prediction`)."""
     from dataclasses import replace
 
+    from meshplan.commands.common import on_off
     from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.engines.bridge import predict_job, read_engine_file
 
@@ -61,8 +62,9 @@ def estimate_from(args) -> int:
         overrides["moe_dispatcher"] = args.moe_dispatcher
     if getattr(args, "mtp_num_layers", 0):  # likewise
         overrides["mtp_num_layers"] = args.mtp_num_layers
-    if getattr(args, "tp_comm_overlap", None):  # likewise
-        overrides["tp_comm_overlap"] = args.tp_comm_overlap == "on"
+    for flag in ("tp_comm_overlap", "recompute_early_stop"):  # likewise
+        if getattr(args, flag, None):
+            overrides[flag] = on_off(getattr(args, flag))
     job = replace(job, **overrides)  # what a config cannot say (DeepSpeed's EP lives in the model code)
     result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                          attention=args.attention)

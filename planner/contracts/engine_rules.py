@@ -43,8 +43,8 @@ def early_stop_of(config) -> bool:
 
 def early_stop_under(engine: str, early_stop: bool | None) -> bool | None:
     """The early stop a configuration keeps when it runs under `engine`: its own where the engine can
-    run it, the engine's (None) where its checkpoint function reruns the whole forward."""
-    return None if engine in FULL_RERUN_RECOMPUTE_ENGINES else early_stop
+    run it (`early_stop_problem`), the engine's (None) otherwise."""
+    return None if early_stop_problem(engine, early_stop) else early_stop
 
 
 def stored_early_stop(engine: str, early_stop: bool | None) -> bool | None:

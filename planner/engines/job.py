@@ -54,6 +54,9 @@ class EngineJob(_JobDegrees):
     # TP); None: the engine's record (`ParallelConfig.tp_comm_overlap`)
     tp_comm_overlap: bool | None = None
     moe_a2a_overlap: bool = False  # Megatron-LM's --overlap-moe-expert-parallel-comm (combined 1F1B)
+    # torch's checkpoint early stop under full recomputation; None: the engine's rule
+    # (`ParallelConfig.recompute_early_stop`; no engine config says it, the command line may)
+    recompute_early_stop: bool | None = None
     cross_entropy_fusion: str = "none"  # Megatron-LM's --cross-entropy-loss-fusion (and -impl te): `costing.loss_kernels`
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default

@@ -191,3 +191,23 @@ def test_a_megatron_command_without_tp_overlap_blocks_on_its_tp_collectives():
     assert any("no --overlap-grad-reduce: priced with it" in note for note in job.notes)
     with_flag = read_engine_text(text + " --tp-comm-overlap --overlap-grad-reduce --overlap-param-gather", "megatron")
     assert with_flag.tp_comm_overlap is True and not any("--overlap" in note for note in with_flag.notes)
+
+
+def test_an_engine_config_takes_the_command_lines_early_stop():
+    """`estimate --from` a torchtitan config with full recomputation: `--recompute-early-stop off`
+    (`EngineJob.recompute_early_stop`) prices the whole block rerun, more recompute time than
+    torchtitan's default early stop; on a Megatron-LM script, asking for it is refused."""
+    from dataclasses import replace
+
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    job = replace(read_engine_file(FIXTURES / "torchtitan_llama3_70b.toml"), tp=1, sp=False, zero=1)
+    spec, kwargs = "llama:layers=4,hidden=512,heads=8,kv_heads=4,ffn=1024,vocab=1024", dict(gpus=8, seq=512)
+    default = predict_job(job, spec, "h100-sxm", **kwargs)
+    whole = predict_job(replace(job, recompute_early_stop=False), spec, "h100-sxm", **kwargs)
+    assert default.config.recompute == "full" and whole.config.recompute_early_stop is False
+    assert whole.prediction.breakdown["recompute"] > default.prediction.breakdown["recompute"] > 0
+    megatron = replace(read_engine_file(FIXTURES / "megatron_llama3_8b.sh"), recompute="full",
+                       recompute_early_stop=True)
+    with pytest.raises(MeshplanError, match="reentrant"):
+        predict_job(megatron, spec, "h100-sxm", seq=512)
