@@ -167,6 +167,25 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_DEEPSEEK_V3_CARD: "Megatron-Bridge DeepSeek-V3 verification card, 1,024 H100"}
 
 
+def layout_band(scored: Sequence[Scored]) -> str | None:
+    """How much of a group's error the unpublished layouts leave open: of the rows scored over
+    several options (`Run.layouts`), how many published steps lie within the range the options
+    predict, how wide that range is, and the mean |error| if every row were scored at its option
+    nearest the published step. That last figure picks options by their error, so it is a bound
+    on what knowing the layouts could give, never a fit or held-out figure. None when every row
+    is scored at one layout."""
+    several = [s for s in scored if len(s.predicted_s) > 1]
+    if not several:
+        return None
+    inside = sum(min(s.predicted_s) <= s.published_s <= max(s.predicted_s) for s in several)
+    widths = [max(s.predicted_s) / min(s.predicted_s) - 1 for s in several]
+    nearest = [min(abs(p / s.published_s - 1) for p in s.predicted_s) for s in scored]
+    return (f"unpublished layouts: {len(several)} of {len(scored)} runs scored over several; the published step "
+            f"lies within their options' predictions in {inside}; that range spans {np.median(widths):.1%} "
+            f"(median, max {max(widths):.1%}); at each run's option nearest the published step the mean |error| "
+            f"would read {np.mean(nearest):.1%} (options picked by their error: a bound, not a fit figure)")
+
+
 def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_cluster: bool = False) -> None:
     print(f"\n== {title} ==")
     groups: dict[str, list[Scored]] = {}
@@ -180,6 +199,9 @@ def report(title: str, scored: Sequence[Scored], clusters, brief: bool, by_clust
         print(f"  {summary(members, clusters)}")
     if len(groups) > 1:
         print(f"all {title}: {summary(scored, clusters)}")
+    band = layout_band(scored)
+    if band:
+        print(f"{title}, {band}")
 
 
 def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:

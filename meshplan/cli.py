@@ -140,7 +140,11 @@ def _main(argv: list[str]) -> int:
     try:
         args, extras = parser.parse_known_args(argv)
         if extras:  # named by the command's own parser, so the hint is that command's --help
-            parser.command_parsers.get(args.command, parser).error(f"unrecognized arguments: {' '.join(extras)}")
+            from meshplan.flag_hints import hint
+
+            command_parser = parser.command_parsers.get(args.command, parser)
+            command_parser.error(f"unrecognized arguments: {' '.join(extras)}"
+                                 f"{hint(extras, command_parser._option_string_actions)}")
     except SystemExit as exc:  # argparse: usage errors exit 2 with their one line already printed
         return int(exc.code or 0)
     if not args.command:

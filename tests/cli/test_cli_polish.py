@@ -217,3 +217,20 @@ def test_seq_zero_is_refused(run_cli, command):
     code, out, err = run_cli(*argv)
     assert_clean(command, code, err)
     assert code == 2 and "--seq must be a positive integer" in err
+
+
+def test_an_engine_flag_name_is_answered_with_meshplans(run_cli):
+    """Megatron-LM's and torchtitan's names for batch, sequence and parallel degrees are refused
+    with the flag meshplan calls them, in the same one line (and `--from` where it applies)."""
+    code, out, err = run_cli("estimate", "--model", SPEC, "--cluster", "a100-80g", "--gpus", "4",
+                             "--global-batch-size", "16", "--tensor-model-parallel-size=2")
+    assert_clean("estimate", code, err)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "Megatron-LM's --global-batch-size is --gbs here" in err
+    assert "Megatron-LM's --tensor-model-parallel-size is --tp here" in err and "--from FILE" in err
+    code, out, err = run_cli("plan", "--model", SPEC, "--cluster", "a100-80g", "--gpus", "4", "--gbs", "16",
+                             "--parallelism.pipeline_parallel_degree", "2")
+    assert code == 2 and "torchtitan's --parallelism.pipeline_parallel_degree is --pp here" in err
+    assert "--from" not in err  # plan reads no engine file
+    code, out, err = run_cli("estimate", "--no-such-flag", "1")
+    assert code == 2 and "here" not in err and "unrecognized arguments: --no-such-flag 1" in err
