@@ -321,3 +321,20 @@ def test_regressions_are_the_engine_maintainers_words_on_held_out_moe_runs(modul
         assert run.group == data.HELD_OUT_MOE and "issue #" in run.regression and run.engine == "megatron"
     assert all(run.engine == "megatron" for run in data.all_runs()
                if run.group == data.HELD_OUT_MOE and run.source.startswith("Megatron-Bridge"))
+
+
+def test_layout_band_reads_what_unpublished_layouts_leave_open(modules):
+    """Two runs published at 1 s: one scored over options predicting 0.9 and 1.2 s (inside, a
+    range 1.2 / 0.9 - 1 = 33.3% wide, nearest option 10% off), one at a single 1.05 s layout (5%
+    off): 1 of 2 scored over several, inside in 1, nearest-option mean (10% + 5%) / 2 = 7.5%."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("bench_fidelity")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    several = bench.Scored(None, 1.0, (0.9, 1.2), True, ((1, 1), (1, 2)))
+    single = bench.Scored(None, 1.0, (1.05,), True, ((1, 1),))
+    line = bench.layout_band([several, single])
+    assert "1 of 2 runs scored over several" in line and "predictions in 1;" in line
+    assert "spans 33.3% (median, max 33.3%)" in line and "would read 7.5%" in line
+    assert bench.layout_band([single]) is None
