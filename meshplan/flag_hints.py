@@ -2,35 +2,32 @@
 
 A Megatron-LM or torchtitan user reaches for the names their engine uses (`--global-batch-size`,
 `--tensor-model-parallel-size`, `--parallelism.tensor_parallel_degree`); `meshplan` names the same
-quantities `--gbs`, `--tp` and so on. The parallel axes' names come from the engines' readers
-(`planner.engines.megatron.AXIS_FLAGS`, `planner.engines.torchtitan.AXIS_KEYS`), so a hint and the
-reader that parses those flags in a file (`estimate --from`) never disagree.
+quantities `--gbs`, `--tp` and so on. Every name comes from the engine's reader and writer
+(`planner.engines.megatron`'s `AXIS_FLAGS`, `BATCH_FLAGS` and schedule flags, `planner.engines.torchtitan`'s
+`AXIS_KEYS` and `TRAINING_KEYS`), so a hint, `estimate --from` and `export` never disagree.
 """
 from __future__ import annotations
 
-# Megatron-LM's names for what meshplan's batch, sequence and schedule flags set.
-MEGATRON_NAMES = {"--global-batch-size": "--gbs", "--micro-batch-size": "--mbs", "--seq-length": "--seq",
-                  "--sequence-parallel": "--sp", "--recompute-granularity": "--recompute",
-                  "--virtual-pipeline-model-parallel-size": "--vpp"}
-# torchtitan's TOML keys as its command line spells them.
-TORCHTITAN_NAMES = {"--training.global_batch_size": "--gbs", "--training.seq_len": "--seq"}
-
 
 def engine_names() -> dict[str, tuple[str, str]]:
-    """{engine flag: (engine, meshplan flag)} for every name a hint knows."""
-    from meshplan.planner.engines.megatron import AXIS_FLAGS
-    from meshplan.planner.engines.torchtitan import AXIS_KEYS
+    """{engine flag: (engine, meshplan flag)} for every name a hint knows: the flags each engine's
+    reader parses (Megatron-LM's as its command line spells them, torchtitan's TOML keys as its
+    command line does)."""
+    from meshplan.planner.engines.megatron import AXIS_FLAGS, BATCH_FLAGS, RECOMPUTE_FLAG, SP_FLAG, VPP_FLAG
+    from meshplan.planner.engines.torchtitan import AXIS_KEYS, TRAINING_KEYS
 
-    names = {flag: ("Megatron-LM", ours) for flag, ours in MEGATRON_NAMES.items()}
-    names.update({flag: ("Megatron-LM", f"--{axis}") for axis, flag in AXIS_FLAGS.items()})
-    names.update({flag: ("torchtitan", ours) for flag, ours in TORCHTITAN_NAMES.items()})
-    names.update({f"--parallelism.{key}": ("torchtitan", f"--{axis}") for axis, key in AXIS_KEYS.items()})
-    return names
+    megatron = {**{flag: f"--{ours}" for ours, flag in {**AXIS_FLAGS, **BATCH_FLAGS}.items()},
+                SP_FLAG: "--sp", VPP_FLAG: "--vpp", RECOMPUTE_FLAG: "--recompute"}
+    torchtitan = {**{f"--parallelism.{key}": f"--{axis}" for axis, key in AXIS_KEYS.items()},
+                  **{f"--training.{key}": f"--{ours}" for ours, key in TRAINING_KEYS.items()}}
+    return {**{flag: ("Megatron-LM", ours) for flag, ours in megatron.items()},
+            **{flag: ("torchtitan", ours) for flag, ours in torchtitan.items()}}
 
 
 def hint(extras: list[str], known_flags) -> str:
     """' (...)' naming meshplan's flag for each engine flag in `extras` that the command has
-    (`known_flags`: its option strings), and `--from` where the command reads an engine's file;
+    (`known_flags`: its option strings), and `--from` where the command reads the engine's own file
+    (`estimate`: a config or launch script; `measured`: a training log);
     '' when there is nothing to say."""
     names = engine_names()
     said = []
@@ -42,5 +39,5 @@ def hint(extras: list[str], known_flags) -> str:
     if not said:
         return ""
     if "--from" in known_flags:
-        said.append("--from FILE reads a whole Megatron-LM script, torchtitan TOML or DeepSpeed JSON")
+        said.append("--from FILE reads the engine's own file whole")
     return f" ({'; '.join(said)})"

@@ -30,6 +30,12 @@ from meshplan.planner.models.registry import hf_config_path
 AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
               "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
               "etp": "--expert-tensor-parallel-size"}
+# Megatron-LM's flags for a job's batch, sequence, schedule and recomputation: the plan field each
+# sets (the export writes them, `read_megatron_args` reads them, and `meshplan.flag_hints` names
+# meshplan's flag for each).
+BATCH_FLAGS = {"gbs": "--global-batch-size", "mbs": "--micro-batch-size", "seq": "--seq-length"}
+SP_FLAG, RECOMPUTE_FLAG = "--sequence-parallel", "--recompute-granularity"
+VPP_FLAG = "--num-virtual-stages-per-pipeline-rank"
 # Megatron-Core's context-parallel communication type: meshplan's Ulysses is its "a2a". Its
 # default "p2p" (ring attention), "allgather" and the hierarchical "a2a+p2p" are priced as the
 # all-gather method (`contracts.config.CP_METHODS`), which moves the same K/V bytes per rank.
@@ -88,11 +94,11 @@ def export_megatron(plan) -> tuple[str, list[str]]:
         raise MeshplanError(f"Megatron-LM has no {cfg.schedule} pipeline schedule (it runs 1f1b and interleaved); "
                             "re-plan with --schedule interleaved or 1f1b")
     if megatron_schedule == "interleaved":
-        args.append(("--num-virtual-stages-per-pipeline-rank", cfg.virtual_stages))
+        args.append((VPP_FLAG, cfg.virtual_stages))
         args += [(GROUP_FLAG, cfg.microbatch_group_size)] if cfg.microbatch_group_size else []
     args += split_args(plan, notes)
     if cfg.sp:
-        args.append(("--sequence-parallel", None))
+        args.append((SP_FLAG, None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
     if cfg.cp > 1 and cfg.cp_method == "ulysses":
         args.append((CP_COMM_FLAG, "a2a"))
@@ -103,8 +109,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
         args += [(DISPATCHER_FLAG, "flex" if dispatcher == "deepep" else dispatcher)]
         args += [(DEEPEP_FLAG, None)] if dispatcher == "deepep" else []
     args += _recompute_args(plan, notes)
-    args += [("--micro-batch-size", cfg.microbatch_size), ("--global-batch-size", cfg.global_batch),
-             ("--seq-length", plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
+    args += [(BATCH_FLAGS["mbs"], cfg.microbatch_size), (BATCH_FLAGS["gbs"], cfg.global_batch),
+             (BATCH_FLAGS["seq"], plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
     if cfg.zero >= 1:
         args.append(("--use-distributed-optimizer", None))
     if cfg.zero == 1 and cfg.shard_group:
@@ -186,21 +192,21 @@ def _recompute_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     if all(mode == "none" for mode in modes):
         return []
     if all(mode == "selective" for mode in modes):
-        return [("--recompute-granularity", "selective")]
+        return [(RECOMPUTE_FLAG, "selective")]
     if all(mode == "full" for mode in modes):
-        return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
+        return [(RECOMPUTE_FLAG, "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     first = layout.first_n_full_per_chunk(plan)
     if first is not None:
-        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", first)]
+        return [(RECOMPUTE_FLAG, "full"), ("--recompute-method", "block"), ("--recompute-num-layers", first)]
     full_per_chunk = [sum(plan.layers[i].recompute == "full" for i in chunk) for chunk in plan.chunks()]
     if any(full_per_chunk):
         count = max(1, round(sum(full_per_chunk) / len(full_per_chunk)))
         notes.append(f"per-layer recomputation ({_summary(modes)}): Megatron-LM recomputes the first N layers of "
                      f"each chunk; exported as full recomputation of the first {count}")
-        return [("--recompute-granularity", "full"), ("--recompute-method", "block"), ("--recompute-num-layers", count)]
+        return [(RECOMPUTE_FLAG, "full"), ("--recompute-method", "block"), ("--recompute-num-layers", count)]
     notes.append(f"per-layer recomputation ({_summary(modes)}): Megatron-LM's selective recomputation applies to "
                  "every layer; exported as selective for all")
-    return [("--recompute-granularity", "selective")]
+    return [(RECOMPUTE_FLAG, "selective")]
 
 
 def _summary(modes: list[str]) -> str:
@@ -240,7 +246,7 @@ def read_megatron(text: str) -> EngineJob:
     tp, pp = degrees["tp"], degrees["pp"]
     num_layers = get("--num-layers", None)
     vpp = _virtual_stages(get, pp, num_layers)
-    sp = "--sequence-parallel" in flags
+    sp = SP_FLAG in flags
     if sp and tp == 1:
         notes.append("--sequence-parallel with tensor parallelism 1 has no effect; ignored")
         sp = False
@@ -252,8 +258,8 @@ def read_megatron(text: str) -> EngineJob:
     cp_method = _read_cp_method(flags, degrees["cp"], notes)
     job = dict(
         engine="megatron", model=header.get("model") or _model_spec(flags, get, notes),
-        seq=get("--seq-length", None), gpus=gpus, global_batch=get("--global-batch-size", None),
-        microbatch_size=get("--micro-batch-size", 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
+        seq=get(BATCH_FLAGS["seq"], None), gpus=gpus, global_batch=get(BATCH_FLAGS["gbs"], None),
+        microbatch_size=get(BATCH_FLAGS["mbs"], 1), **degrees, zero=_read_zero(flags, notes), sp=sp,
         shard_group=_shard_group(get, degrees, gpus, notes), recompute=recompute,
         recompute_first_per_chunk=first_per_chunk, recompute_modules=modules,
         schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=precision, fp8_recipe=fp8_recipe,
@@ -330,7 +336,7 @@ def _shard_group(get, degrees: dict, gpus: int | None, notes: list[str]) -> int 
 
 
 def _virtual_stages(get, pp: int, num_layers: int | None) -> int:
-    vpp = get("--num-virtual-stages-per-pipeline-rank", None)
+    vpp = get(VPP_FLAG, None)
     per_chunk = get("--num-layers-per-virtual-pipeline-stage", None)
     layout_text = get.flags.get(LAYOUT_FLAG)
     if vpp is None and layout_text:  # the layout's stages are pp x virtual stages
@@ -350,7 +356,7 @@ def _launcher_world_size(get) -> int | None:
 
 def _read_recompute(flags, get, notes: list[str]) -> tuple[str, int | None, tuple[str, ...]]:
     """(granularity, first N blocks of each chunk recomputed, selective's recompute modules)."""
-    granularity = flags.get("--recompute-granularity") or ("selective" if "--recompute-activations" in flags else None)
+    granularity = flags.get(RECOMPUTE_FLAG) or ("selective" if "--recompute-activations" in flags else None)
     if granularity in (None, "selective"):
         modules = (flags.get("--recompute-modules") or "core_attn").split()
         unknown = [name for name in modules if name not in RECOMPUTE_MODULES]

@@ -28,6 +28,9 @@ from meshplan.planner.engines.shapes import TORCHTITAN_FLAVOURS, torchtitan_flav
 # replicate x shard degrees), in the order the export writes them.
 AXIS_KEYS = {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree", "cp": "context_parallel_degree",
              "ep": "expert_parallel_degree", "etp": "expert_tensor_parallel_degree"}
+# torchtitan's [training] key for the job's global batch and sequence (the export writes them, the
+# reader reads them, `meshplan.flag_hints` names meshplan's flag for each).
+TRAINING_KEYS = {"gbs": "global_batch_size", "seq": "seq_len"}
 DESCRIPTION_PREFIX = "meshplan: "  # job.description carries the meshplan SPEC for models with no flavour
 # torchtitan's [parallelism] keys (JobConfig.Parallelism)
 PARALLELISM_KEYS = (
@@ -117,7 +120,7 @@ def _toml_value(value) -> str:
 def _training(plan) -> dict:
     cfg = plan.config
     local = cfg.global_batch // cfg.dp if cfg.pp > 1 else cfg.microbatch_size
-    return {"local_batch_size": local, "global_batch_size": cfg.global_batch, "seq_len": plan.model.seq,
+    return {"local_batch_size": local, TRAINING_KEYS["gbs"]: cfg.global_batch, TRAINING_KEYS["seq"]: plan.model.seq,
             "mixed_precision_param": "float32" if cfg.precision == "fp32" else "bfloat16",
             "mixed_precision_reduce": "float32"}
 
@@ -204,7 +207,7 @@ def read_torchtitan(text: str) -> EngineJob:
     schedule = _schedule(par.get("pipeline_parallel_schedule", "1F1B"), pp, vpp, notes)
     dp = replicate * shard if shard > 0 else None
     local = _int(train, "local_batch_size", _int(train, "batch_size", 8))
-    global_batch = _int(train, "global_batch_size", -1)
+    global_batch = _int(train, TRAINING_KEYS["gbs"], -1)
     mbs = _int(par, "pipeline_parallel_microbatch_size", 1) if pp > 1 else local
     recompute, every = _read_checkpointing(data.get("activation_checkpoint", {}), notes)
     precision = "bf16-mixed" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
@@ -219,7 +222,7 @@ def read_torchtitan(text: str) -> EngineJob:
             notes.append(f"enable_cpu_offload at ZeRO-{zero} (parameters kept gathered after forward): priced as "
                          "the optimizer offloaded")
     return EngineJob(
-        engine="torchtitan", model=_model(data, notes), seq=_int(train, "seq_len", 2048), gpus=None,
+        engine="torchtitan", model=_model(data, notes), seq=_int(train, TRAINING_KEYS["seq"], 2048), gpus=None,
         global_batch=global_batch if global_batch > 0 else (local * dp if dp else None), microbatch_size=mbs,
         **degrees, dp=dp, sp=degrees["tp"] > 1,
         tp_comm_overlap=bool(par.get("enable_async_tensor_parallel", False)) if degrees["tp"] > 1 else None,
