@@ -240,15 +240,19 @@ def test_unpublished_micro_batches_follow_the_engines_batch_rules(modules):
     """`Run.layouts`: an unpublished micro-batch must split a data rank's batch into whole
     micro-batches, at least one a stage, and under interleaving a multiple of the stages; a
     published one (no `mbs_options`) is taken as printed. The 70B row: 384 / 48 = 8 samples a data
-    rank over 2 stages, 42 layers a stage (virtual stages 1, 2, 3)."""
+    rank over 2 stages, 42 layers a stage: every count that splits them evenly (1, 2, 3, 6, 7, 14,
+    21, 42 virtual stages), as Megatron-LM accepts any; 119B's 23 layers a stage and 462B's 7 leave
+    1 or one layer a chunk."""
     data, fit = modules
     runs = {run.name: run for run in data.megatron_lm_h100_runs()}
     row = runs["Megatron-LM H100 GPT 70B tp8 pp2 dp48"]
-    assert row.layouts() == tuple((m, v) for m in (1, 2, 4) for v in (1, 2, 3))
+    assert row.layouts() == tuple((m, v) for m in (1, 2, 4) for v in (1, 2, 3, 6, 7, 14, 21, 42))
+    assert runs["Megatron-LM H100 GPT 462B tp8 pp16 dp48"].vpp_options == (1, 7)
+    assert runs["Megatron-LM H100 GPT 32B tp8 pp1 dp48"].vpp_options == (1,)  # no pipeline, no chunks
     # 119B: 768 / 48 = 16 samples over 4 stages; micro-batch 4 leaves 4 micro-batches, 8 would leave 2
     row = runs["Megatron-LM H100 GPT 119B tp8 pp4 dp48"]
-    assert [m for m, _ in row.layouts()] == [1, 2, 4]
-    assert [m for m, _ in replace(row, mbs_options=(1, 8)).layouts()] == [1]
+    assert row.layouts() == tuple((m, v) for m in (1, 2, 4) for v in (1, 23))
+    assert {m for m, _ in replace(row, mbs_options=(1, 8)).layouts()} == {1}
     # interleaving needs the micro-batches a multiple of the stages: 6 micro-batches over 4 stages do not
     odd = replace(row, global_batch=48 * 12, vpp_options=(1, 2), mbs_options=(2,))
     assert odd.layouts() == ((2, 1),)
