@@ -72,10 +72,13 @@ def axis_arguments(args, skip: tuple[str, ...] = ()) -> dict[str, int | None]:
 
 def add_attention_argument(parser, default: str | None = "flash") -> None:
     """--attention: the attention kernel by name (`contracts.attention`); `flash` is sdpa-flash.
-    `default` None: the command picks it (estimate --from: the engine's own kernel)."""
+    `default` None: the command picks the engine's own kernel (`attention_kernels.engine_attention`)."""
     from meshplan.planner.contracts.attention import ATTENTION_CHOICES, attention_help
+    from meshplan.planner.costing.attention_kernels import ENGINE_DEFAULT_ATTENTION
 
-    after = "" if default else " (estimate --from FILE: the engine's default kernel)"
+    others = "; ".join(f"{kernel} under --engine {engine}" for engine, kernel in ENGINE_DEFAULT_ATTENTION.items()
+                       if kernel != "flash")
+    after = f" (default {default})" if default else f" (default: the kernel the engine runs: {others}; flash otherwise)"
     parser.add_argument("--attention", default=default, choices=ATTENTION_CHOICES, metavar="KERNEL",
                         help=f"attention kernel, priced by sequence length, head dimension and device: "
                              f"{attention_help()}{after}")

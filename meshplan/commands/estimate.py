@@ -77,7 +77,10 @@ def run(args) -> int:
     if missing:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
 
-    notes = model_notes(args.model, args.seq, args.mtp_num_layers) + moe_notes(args.model, args.moe_imbalance,
+    from meshplan.planner.costing.attention_kernels import engine_attention
+
+    args.attention, attention_note = engine_attention(args.engine, args.attention)  # every estimate below prices it
+    notes = [attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
                                                           args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args)
     prediction = _estimate_at(args, args.zero)
@@ -135,7 +138,7 @@ def _estimate_at(args, zero: int):
     return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                     **axis_arguments(args, skip=("dp",)), mbs=args.mbs, zero=zero, recompute=args.recompute,
                     sp=args.sp, schedule=args.schedule, vpp=args.vpp, precision=args.precision,
-                    attention=args.attention or "flash", shard_group=args.shard_group,
+                    attention=args.attention, shard_group=args.shard_group,
                     moe_imbalance=args.moe_imbalance, moe_capacity_factor=args.moe_capacity_factor,
                     moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity, engine=args.engine or "meshplan",
                     memory_headroom_bytes=args.memory_headroom * GIB, fp8_recipe=args.fp8_recipe,

@@ -48,7 +48,7 @@ def add_arguments(parser) -> None:
     add_tp_comm_overlap_argument(parser)
     add_recompute_early_stop_argument(parser)
     add_moe_a2a_overlap_argument(parser)
-    add_attention_argument(parser)
+    add_attention_argument(parser, default=None)
     parser.add_argument("--engine", default="meshplan", choices=ENGINES,
                         help="plan under this engine's memory recipe (default meshplan, its own executor); "
                              "recorded in the plan as `engine`")
@@ -91,7 +91,11 @@ def run(args) -> int:
                                               ("--model", spec_file(args.model))])
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
-    notes = model_notes(args.model, args.seq, args.mtp_num_layers, searched=True) + moe_notes(args.model, args.moe_imbalance,
+    from meshplan.planner.costing.attention_kernels import engine_attention
+
+    args.attention, attention_note = engine_attention(args.engine, args.attention)
+    notes = [attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers,
+                                                                  searched=True) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
                                                           args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args)
     if notes:

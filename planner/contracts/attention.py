@@ -42,4 +42,4 @@ def check_attention(name: str) -> None:
 
 def attention_help() -> str:
     """One line per kernel, for `--help`."""
-    return "; ".join(f"{name}: {text}" for name, text in ATTENTION_KERNELS.items()) + "; flash: sdpa-flash (default)"
+    return "; ".join(f"{name}: {text}" for name, text in ATTENTION_KERNELS.items()) + "; flash: sdpa-flash"

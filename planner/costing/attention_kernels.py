@@ -78,11 +78,27 @@ KERNEL_SPEEDS = {
     "triton-alibi": KernelSpeed(ratio=0.5, seq_half=320.0, head_dim_64=0.89),
     "sdpa-mem-efficient": KernelSpeed(ratio=119.9 / 278.9, seq_half=480.0, head_dim_64=0.763, elsewhere="triton-alibi"),
 }
-# The kernel each engine runs by default (at the versions meshplan's published runs name):
-# Megatron-Core with Transformer Engine picks cuDNN fused attention on Hopper; torchtitan and
-# DeepSpeed's Hugging Face models call torch SDPA; llm-foundry's MPT benchmarks ran attn_impl triton.
-ENGINE_DEFAULT_ATTENTION = {"meshplan": "sdpa-flash", "megatron": "cudnn", "torchtitan": "sdpa-flash",
-                            "deepspeed": "sdpa-flash", "llm-foundry": "triton-alibi", "generic": "sdpa-flash"}
+# The kernel each engine runs when its user names none: Megatron-Core with Transformer Engine picks
+# cuDNN fused attention on Hopper (TE >= 1.2, "Select FusedAttention on sm90"; elsewhere
+# FlashAttention-2, which `kernel_speed` costs it as); torchtitan, DeepSpeed's Hugging Face models
+# and meshplan's executor call torch SDPA; llm-foundry's MPT defaults to attn_impl 'flash', the
+# flash-attn package (llmfoundry/models/utils/config_defaults.py), though its 2023 benchmark tables
+# ran 'triton' (those runs name their kernel).
+ENGINE_DEFAULT_ATTENTION = {"meshplan": "flash", "megatron": "cudnn", "torchtitan": "flash",
+                            "deepspeed": "flash", "llm-foundry": "flash2", "generic": "flash"}
+
+
+def engine_attention(engine: str | None, attention: str | None) -> tuple[str, str]:
+    """(kernel, note): `attention` where the user named one (no note), else the kernel `engine`
+    runs by default (`ENGINE_DEFAULT_ATTENTION`) and, unless that is meshplan's own, the line that
+    says which kernel the prediction took."""
+    if attention is not None:
+        return attention, ""
+    engine = engine or "meshplan"
+    kernel = ENGINE_DEFAULT_ATTENTION.get(engine, "flash")
+    if engine == "meshplan":
+        return kernel, ""
+    return kernel, f"attention: {kernel}, {engine}'s default kernel (--attention to change it)"
 
 
 def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:

@@ -29,7 +29,7 @@ padding).
   beyond its shapes: the same README's masked-layout rows split 1024 rows into 1, 2 and 4 groups
   (N 4096, K 7168: 1233, 1040, 932 TFLOP/s; N 7168, K 2048: 925, 916, 815), and what they take
   beyond this shape rule's G GEMMs, less the one-group row's own excess, pooled over the 8 extra
-  groups, is 2.1 us per extra group on the shipped h100-sxm profile (`grouped_gemm_tail_s`, derived
+  groups, is 2.0 us per extra group on the shipped h100-sxm profile (`grouped_gemm_tail_s`, derived
   from the table when first asked). Each grouped call (one per expert Linear forward, two backward: the input
   and the weight gradients) pays it for each of its G - 1 extra groups, on GPU profiles (a
   profile without SMs, the CPU, has no tiles). Plus one `kernel_overhead_s` per pass (forward

@@ -215,10 +215,10 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     if graph is not None:  # the kernel the graph was profiled for
         attention = graph.attention
     if attention is None:
-        from meshplan.planner.costing.attention_kernels import ENGINE_DEFAULT_ATTENTION
+        from meshplan.planner.costing.attention_kernels import engine_attention
 
-        attention = ENGINE_DEFAULT_ATTENTION.get(job.engine, "flash")
-        notes.append(f"attention: {attention}, {job.engine}'s default kernel (--attention to change it)")
+        attention, note = engine_attention(job.engine, None)
+        notes.extend([note] if note else [])
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
     seq = seq or job.seq
     if seq is None:  # DeepSpeed's config never says; a guess would price another job

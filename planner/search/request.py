@@ -99,14 +99,19 @@ class PlanRequest:
            pins: Pins | None = None, precision: str | None = None, **options) -> PlanRequest:
         """The request of `search_plan`'s arguments: `cluster` a profile or its name (or TOML
         path), `precision` None for the cluster's default (fp8 only when asked: it changes
-        numerics), `options` the other fields by name and, without `pins`, the pins by name."""
+        numerics), `attention` None (or absent) for the engine's own kernel, `options` the other
+        fields by name and, without `pins`, the pins by name."""
         from meshplan.planner.costing.hardware import load_cluster
         from meshplan.planner.simulation.estimator import default_precision
+
+        from meshplan.planner.costing.attention_kernels import engine_attention
 
         if isinstance(cluster, str):
             cluster = load_cluster(cluster)
         names = {f.name for f in fields(cls)}
         settings = {name: value for name, value in options.items() if name in names}
+        # no kernel named: the one the engine runs (`meshplan estimate`'s rule)
+        settings["attention"] = engine_attention(settings.get("engine"), settings.get("attention"))[0]
         pin_kwargs = {name: value for name, value in options.items() if name not in names}
         return cls(spec=spec, cluster=cluster, gpus=gpus, global_batch=global_batch, seq=seq,
                    pins=pins or Pins(**pin_kwargs), precision=precision or default_precision(cluster), **settings)

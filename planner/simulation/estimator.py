@@ -173,7 +173,7 @@ def check_mesh(cluster: ClusterProfile, gpus: int, tp: int, pp: int, cp: int = 1
 def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: int, seq: int | None = None,
              tp: int = 1, pp: int = 1, mbs: int = 1, zero: int = 0, recompute: str = "none", sp: bool = False,
              schedule: str = "1f1b", vpp: int = 1, precision: str | None = None, dtype: str | None = None,
-             attention: str = "flash", shard_group: int | None = None, cp: int = 1, ep: int = 1,
+             attention: str | None = None, shard_group: int | None = None, cp: int = 1, ep: int = 1,
              etp: int | None = None, moe_imbalance: float = 1.0, moe_capacity_factor: float | None = None,
              moe_pad_to_capacity: bool = False, engine: str = "meshplan",
              memory_headroom_bytes: float = 0.0, fp8_recipe: str | None = None,
@@ -183,7 +183,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              mtp_num_layers: int = 0, moe_a2a_overlap: bool = False, cross_entropy_fusion: str = "none",
              recompute_early_stop: bool | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
-    `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
+    `attention`: the kernel (`contracts.attention`; None: the one `engine` runs,
+    `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
     its ranks attend (`contracts.config.CP_METHODS`, default all-gather); `engine`: whose
     memory recipe prices it (`costing.engine_memory`; meshplan: its own executor); `offload`: model
@@ -202,6 +203,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     Megatron-Core's cross-entropy kernels (`costing.loss_kernels`, engine megatron);
     `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
     the engine's rule, `contracts.engine_rules.early_stop_default`)."""
+    from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
 
@@ -218,6 +220,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              cross_entropy_fusion=cross_entropy_fusion, recompute_early_stop=recompute_early_stop)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
+    attention = engine_attention(engine, attention)[0]
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
                     moe_pad_to_capacity=moe_pad_to_capacity, moe_dispatcher=moe_dispatcher,

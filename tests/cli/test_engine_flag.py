@@ -323,3 +323,28 @@ def test_recompute_early_stop_flag_turns_the_engines_rule_off_and_on(run_cli, tm
     assert code == 0, err
     assert json.loads(out)["breakdown"]["recompute"] == pytest.approx(written["prediction"]["breakdown"]["recompute"],
                                                                        rel=1e-9)
+
+
+def test_estimate_and_plan_price_the_kernel_the_engine_runs(run_cli, tmp_path):
+    """Without --attention a job is priced on the kernel its engine runs (`engine_attention`), as
+    `estimate --from` prices an engine's file: Megatron-Core's Transformer Engine picks cuDNN's fused
+    attention on Hopper, which the estimate names and which is faster on an H100 than torch SDPA's
+    flash kernel (meshplan's own, named by nobody); --attention overrides it."""
+    job = ("--model", SPEC, "--cluster", "h100-sxm", "--gpus", "2", "--gbs", "8", "--seq", "2048")
+    step = {}
+    for name, extra in (("megatron", ("--engine", "megatron")),
+                        ("cudnn", ("--engine", "megatron", "--attention", "cudnn")),
+                        ("flash", ("--engine", "megatron", "--attention", "flash")),
+                        ("own", ())):
+        code, out, err = run_cli("estimate", *job, *extra, "--json")
+        assert code == 0, err
+        step[name] = json.loads(out)["step_time_s"]
+        assert ("attention: cudnn, megatron's default kernel (--attention to change it)" in err) == (name == "megatron")
+    assert step["megatron"] == step["cudnn"] < step["flash"]
+    code, out, err = run_cli("estimate", *job, "--engine", "llm-foundry", "--json")
+    assert code == 0 and "attention: flash2, llm-foundry's default kernel" in err
+    path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *job, "--engine", "megatron", "--top", "1", "--time-limit", "1", "--out", path)
+    assert code == 0, err
+    assert "attention: cudnn, megatron's default kernel" in err
+    assert json.loads(path.read_text())["model"]["attention"] == "cudnn"

@@ -89,7 +89,7 @@ def test_grouped_gemm_time_is_the_experts_wave_quantised_gemms(graph):
 def test_grouped_gemm_tail_is_the_published_kernels_excess_per_extra_group():
     """The tail is what DeepGEMM's masked grouped kernel takes beyond the shape rule's G GEMMs
     (fp8 on h100-sxm, H800's compute), less the one-group row's own excess, pooled over the 8
-    extra groups of the table: worked here from the two published row pairs per width, 2.1 us
+    extra groups of the table: worked here from the two published row pairs per width, 2.0 us
     on the shipped profile (the figure the module docstring states)."""
     def excess_s(groups, rows, n, k, tflops):
         return 2 * groups * rows * n * k / (tflops * 1e12) - groups * gemm.gemm_time_s(rows, n, k, H100, "fp8")
@@ -97,7 +97,7 @@ def test_grouped_gemm_tail_is_the_published_kernels_excess_per_extra_group():
     pooled = [excess_s(*table[i]) - excess_s(*table[base]) for base in (0, 3) for i in (base + 1, base + 2)]
     assert sum(row[0] - 1 for row in table) == 8
     assert moe_compute.grouped_gemm_tail_s() == pytest.approx(sum(pooled) / 8, rel=1e-12)
-    assert moe_compute.grouped_gemm_tail_s() == pytest.approx(2.1e-6, abs=0.05e-6)
+    assert moe_compute.grouped_gemm_tail_s() == pytest.approx(2.03e-6, abs=0.05e-6)
     assert all(extra > 0 for extra in pooled)  # every split runs slower than its shapes: a tail, not noise
 
 
