@@ -6,7 +6,7 @@ Split from `published_runs` (which defines `Run` and the sources), whose `all_ru
 """
 from __future__ import annotations
 
-from published_runs import (BRIDGE_BF16_GRADS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
+from published_runs import (BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
                             MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run)
 
 # The engine's maintainers on two of the 25.11 MoE figures (NVIDIA-NeMo/Megatron-Bridge):
@@ -84,8 +84,8 @@ def moe_runs() -> list[Run]:
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
             fp8_recipe="tensorwise", published_tokens_per_s=5275.0 * 16, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-            regression=QWEN3_30B_DROPLESS_REGRESSION, moe_a2a_overlap=True,
-            assumptions=MEGATRON_MOE_ASSUMPTIONS[:1] + (A2A_OVERLAPPED, CUDNN_ATTENTION,
+            regression=QWEN3_30B_DROPLESS_REGRESSION, moe_a2a_overlap=True, cross_entropy_fusion="te",
+            assumptions=MEGATRON_MOE_ASSUMPTIONS[:1] + (A2A_OVERLAPPED, CUDNN_ATTENTION, BRIDGE_TE_LOSS,
                 "no recomputation (the recipe's set_qwen3_common_configs clears it)",
                 "distributed optimizer costed as ZeRO-1",
                 "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
@@ -104,7 +104,7 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
     GB200 runs the flex dispatcher with HybridEP and Transformer Engine CUDA graphs, costed as the
     all-to-all inside one NVLink domain; B200 the alltoall dispatcher, the 235B with moe_a2a_overlap
     (the combined 1F1B, `Run.moe_a2a_overlap`)."""
-    assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION,
+    assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION, BRIDGE_TE_LOSS,
         "no recomputation (the recipe's set_qwen3_common_configs clears it); the distributed optimizer costed as "
         "ZeRO-1",
         "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
@@ -122,7 +122,7 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
     return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
                 pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
                 published_tokens_per_s=tps * gpus, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-                regression=regressions.get(name, ""), moe_a2a_overlap=name in overlapped,
+                regression=regressions.get(name, ""), moe_a2a_overlap=name in overlapped, cross_entropy_fusion="te",
                 assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
                 + ((A2A_OVERLAPPED,) if name in overlapped else ())
                 + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
@@ -205,18 +205,18 @@ def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
       recipe keeps the alltoall dispatcher, and set_gpt_oss_common_configs reduces gradients in bf16.
     """
     common = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
-              BRIDGE_BF16_GRADS)
+              BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS)
     qwen = Run("Megatron-Bridge 26.06 Qwen3-30B-A3B fp8 ep16", HELD_OUT_MOE,
                MEGATRON_BRIDGE_2606_H100, "h100-sxm", "qwen3-30b-a3b", 16, 1024,
                4096, zero=1, ep=16, etp=1, precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=8826.0 * 16,
                grad_reduce_in_bf16=True, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-               assumptions=common + (HYBRIDEP, "no recomputation (set_qwen3_common_configs clears it)",
+               cross_entropy_fusion="te", assumptions=common + (HYBRIDEP, "no recomputation (set_qwen3_common_configs clears it)",
                                      "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)"))
     gpt_oss = Run("Megatron-Bridge 26.04.01 GPT-OSS-120B bf16 pp4 ep8", HELD_OUT_MOE,
                   MEGATRON_BRIDGE_260401_H100, "h100-sxm", "gpt-oss-120b", 64,
                   1280, 4096, pp=4, zero=1, ep=8, etp=1, recompute_modules=("layernorm", "moe_act"),
                   published_tokens_per_s=5824.0 * 64, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-                  assumptions=common + (
+                  cross_entropy_fusion="te", assumptions=common + (
                       "Megatron-Core's alltoall dispatcher (the recipe's moe_token_dispatcher_type), not overlapped "
                       "with compute", "the norms and the experts' activation functions recomputed (recompute_modules "
                       "layernorm moe_act)", "36 layers, 9 a stage; the embedding and the output layer on the first and "
@@ -253,14 +253,14 @@ def megatron_bridge_docs_qwen3_30b_runs() -> list[Run]:
     run (45.65 s, alltoall with CUDA graphs). Later copies of the alltoall A/B's guide call it fine-tuning;
     its first text and command (--task pretrain) say pretraining."""
     common = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
-              BRIDGE_BF16_GRADS, "no recomputation (the 16-GPU H100 BF16 preset clears it)")
+              BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, "no recomputation (the 16-GPU H100 BF16 preset clears it)")
     alltoall = ("Megatron-Core's alltoall dispatcher with its permutation unfused (moe_permute_fusion=false, "
                 "costed as any permutation); no CUDA graphs",)
     hybridep = ("the flex dispatcher with HybridEP costed as DeepEP's traffic and SMs (--moe-dispatcher deepep)",
                 "Transformer Engine CUDA graphs over moe_router and moe_preprocess (host launch cost: not modelled)")
     off, on = ("the all-to-alls not overlapped with compute (the A/B's overlap-off case)",), (A2A_OVERLAPPED,)
     layout = dict(cluster="h100-sxm", spec="qwen3-30b-a3b", gpus=16, global_batch=1024, seq=4096, zero=1, ep=16,
-                  etp=1, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn")
+                  etp=1, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn", cross_entropy_fusion="te")
     name = "Megatron-Bridge guide Qwen3-30B-A3B bf16 ep16"
     return [
         Run(f"{name} alltoall", HELD_OUT_MOE, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE, published_step_s=41.25,
@@ -289,7 +289,7 @@ def qwen3_235b_h100_overlapped_runs() -> list[Run]:
     H100 function): moe_a2a_overlap=True (Megatron-Core's combined 1F1B), the alltoall dispatcher,
     CommOverlapConfig(tp_comm_overlap=False), set_qwen3_common_configs (no recomputation, bf16
     gradient reduction)."""
-    assumptions = (MEGATRON_MOE_ASSUMPTIONS[0], A2A_OVERLAPPED, CUDNN_ATTENTION,
+    assumptions = (MEGATRON_MOE_ASSUMPTIONS[0], A2A_OVERLAPPED, CUDNN_ATTENTION, BRIDGE_TE_LOSS,
                    "the distributed optimizer costed as ZeRO-1", BRIDGE_BF16_GRADS, "no recomputation (set_qwen3_common_configs clears it)",
                    "TP communication not overlapped (the recipe's CommOverlapConfig(tp_comm_overlap=False))",
                    "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
@@ -301,7 +301,7 @@ def qwen3_235b_h100_overlapped_runs() -> list[Run]:
                 "h100-sxm", "qwen3-235b-a22b", 256, gbs, 4096, tp=2, sp=True, pp=8, vpp_options=(4,), zero=1, ep=32,
                 etp=1, precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=tps * 256,
                 grad_reduce_in_bf16=True, tp_comm_overlap=False, moe_a2a_overlap=True, engine="megatron",
-                attention="cudnn", assumptions=assumptions)
+                attention="cudnn", cross_entropy_fusion="te", assumptions=assumptions)
             for release, source, gbs, tps in rows]
 
 
@@ -369,7 +369,7 @@ def megatron_bridge_deepseek_v3_card_runs() -> list[Run]:
     kept); the latent attention's up-projections and the dense MLPs recomputed; gradients reduced in
     bf16; TP communication and the combined 1F1B off."""
     assumptions = (
-        CUDNN_ATTENTION,
+        CUDNN_ATTENTION, BRIDGE_TE_LOSS,
         "balanced routing inside DeepSeek-V3's group limit (4 of 8 expert groups, one group a node at EP 64): "
         "Megatron-Core's forced balancing draws random logits and keeps the group-limited top-k",
         "the flex dispatcher with HybridEP costed as DeepEP's node-deduplicated traffic (--moe-dispatcher deepep), "
@@ -384,7 +384,8 @@ def megatron_bridge_deepseek_v3_card_runs() -> list[Run]:
                 "h100-sxm", "deepseek-v3", 1024, 16384, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=64,
                 etp=1, recompute_modules=("mla_up_proj", "mlp"), published_step_s=61.75613, engine="megatron",
                 attention="cudnn", tp_comm_overlap=False, moe_dispatcher="deepep", grad_reduce_in_bf16=True,
-                stage_blocks=(1,) + (2,) * 30 + (0,), mtp_num_layers=1, assumptions=assumptions)]
+                stage_blocks=(1,) + (2,) * 30 + (0,), mtp_num_layers=1, cross_entropy_fusion="te",
+                assumptions=assumptions)]
 
 
 def megatron_bridge_blackwell_deepseek_v3_runs() -> list[Run]:
@@ -396,7 +397,7 @@ def megatron_bridge_blackwell_deepseek_v3_runs() -> list[Run]:
     4096; PP 8 / EP 32 for MXFP8) are not the recipe's at that commit (GBS 2048, PP 4 / EP 64), and its
     GB300 rows (no GB300 profile)."""
     assumptions = (
-        CUDNN_ATTENTION,
+        CUDNN_ATTENTION, BRIDGE_TE_LOSS,
         "balanced routing inside DeepSeek-V3's group limit (set_deepseek_v3_common_configs forces balancing: "
         "random logits, group-limited top-k kept)",
         "Megatron-Core's alltoall dispatcher (the B200 preset names no flex backend), not overlapped with compute",
@@ -410,4 +411,4 @@ def megatron_bridge_blackwell_deepseek_v3_runs() -> list[Run]:
                 "deepseek-v3", 256, 2048, 4096, pp=16, zero=1, ep=8, etp=1, recompute_modules=("mla_up_proj",),
                 precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=2139.0 * 256, engine="megatron",
                 attention="cudnn", grad_reduce_in_bf16=True, stage_blocks=(4,) * 15 + (1,), mtp_num_layers=1,
-                assumptions=assumptions)]
+                cross_entropy_fusion="te", assumptions=assumptions)]

@@ -209,9 +209,10 @@ class Run:
     # Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm; `costing.moe_overlap`)
     moe_a2a_overlap: bool = False
     # under engine megatron, Megatron-Core's loss kernels (`costing.loss_kernels`): "native" where
-    # the recipe's stack turns the fused loss on (Megatron-Bridge's GPTModelProvider and NeMo's
-    # GPTConfig default cross_entropy_loss_fusion to true; the ModelZoo's scripts pass
-    # --cross-entropy-loss-fusion), "none" for Megatron-LM's own default
+    # the recipe's stack turns the fused loss on (NeMo's GPTConfig defaults cross_entropy_loss_fusion
+    # to true; the ModelZoo's scripts pass --cross-entropy-loss-fusion), "te" where it also picks
+    # Transformer Engine's kernel (Megatron-Bridge's performance scripts: `BRIDGE_TE_LOSS`), "none"
+    # for Megatron-LM's own default
     cross_entropy_fusion: str = "native"
     # unpublished micro-batch sizes, each a candidate (see `layouts`); () when `mbs` is published
     mbs_options: tuple[int, ...] = ()
@@ -580,6 +581,13 @@ MEGATRON_BRIDGE_BLACKWELL = ("Megatron-Bridge docs/performance-summary.md, 25.11
 # `llama31_llm_pretrain.py`, `qwen/qwen3_llm_pretrain.py`: `set_*_common_configs`) set
 # `ddp.grad_reduce_in_fp32 = False` for every Llama 3, Llama 3.1 and Qwen3 row.
 BRIDGE_BF16_GRADS = "gradients accumulated and reduced in bf16 (the performance configs' grad_reduce_in_fp32 = False)"
+# Megatron-Bridge's performance runs compute the loss with Transformer Engine's fused cross-entropy:
+# GPTModelProvider defaults cross_entropy_loss_fusion to True, and the performance scripts set
+# cross_entropy_fusion_impl = "te" (scripts/performance/utils/overrides.py, _set_common_perf_overrides, at
+# 25.11's commit 00b7660 and at tags v0.4.2 and v0.5.0; src/megatron/bridge/perf_recipes/_common.py,
+# _benchmark_common, at the DeepSeek-V3 card's commit 6d9a87d).
+BRIDGE_TE_LOSS = ("Transformer Engine's fused cross-entropy (--cross-entropy-fusion te: the performance scripts set "
+                  "cross_entropy_fusion_impl = 'te')")
 def megatron_bridge_dense_runs() -> list[Run]:
     """Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling, HELD_OUT_FP8)."""
     assumptions = (
@@ -596,8 +604,8 @@ def megatron_bridge_dense_runs() -> list[Run]:
     return [Run(f"Megatron-Bridge {name} fp8 tp{tp} pp{pp} cp{cp}", HELD_OUT_FP8, MEGATRON_BRIDGE_H100, "h100-sxm",
                 spec, gpus, gbs, 8192, tp=tp, pp=pp, mbs=mbs, zero=zero, sp=tp > 1, cp=cp, vpp_options=(vpp,),
                 precision="fp8", fp8_recipe="tensorwise", engine="megatron", attention="cudnn",
-                published_tokens_per_s=tps * gpus, assumptions=assumptions + (BRIDGE_BF16_GRADS,),
-                grad_reduce_in_bf16=True)
+                published_tokens_per_s=tps * gpus, assumptions=assumptions + (BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS),
+                grad_reduce_in_bf16=True, cross_entropy_fusion="te")
             for name, spec, gpus, gbs, mbs, zero, tp, pp, cp, vpp, tps in rows]
 
 
