@@ -78,15 +78,17 @@ def run(args) -> int:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
 
     from meshplan.planner.costing.attention_kernels import engine_attention
+    from meshplan.planner.costing.hardware import load_cluster
 
-    args.attention, attention_note = engine_attention(args.engine, args.attention)  # every estimate below prices it
+    # every estimate below prices this kernel; the device decides what cuDNN's is costed as
+    architecture = load_cluster(args.cluster).device.architecture
+    args.attention, attention_note = engine_attention(args.engine, args.attention, architecture)
     notes = [attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,
                                                           args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args)
     prediction = _estimate_at(args, args.zero)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
-    from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.simulation.estimator import with_memory_headroom
 
     from meshplan.commands.bands import band_line, with_band

@@ -92,8 +92,10 @@ def run(args) -> int:
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     from meshplan.planner.costing.attention_kernels import engine_attention
+    from meshplan.planner.costing.hardware import load_cluster
 
-    args.attention, attention_note = engine_attention(args.engine, args.attention)
+    architecture = load_cluster(args.cluster).device.architecture
+    args.attention, attention_note = engine_attention(args.engine, args.attention, architecture)
     notes = [attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers,
                                                                   searched=True) + moe_notes(args.model, args.moe_imbalance,
                                                           args.moe_capacity_factor,

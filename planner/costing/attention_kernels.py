@@ -88,17 +88,21 @@ ENGINE_DEFAULT_ATTENTION = {"meshplan": "flash", "megatron": "cudnn", "torchtita
                             "deepspeed": "flash", "llm-foundry": "flash2", "generic": "flash"}
 
 
-def engine_attention(engine: str | None, attention: str | None) -> tuple[str, str]:
+def engine_attention(engine: str | None, attention: str | None,
+                     architecture: str | None = "hopper") -> tuple[str, str]:
     """(kernel, note): `attention` where the user named one (no note), else the kernel `engine`
     runs by default (`ENGINE_DEFAULT_ATTENTION`) and, unless that is meshplan's own, the line that
-    says which kernel the prediction took."""
+    says which kernel the prediction took, and what it is costed as on a device of another
+    `architecture` (`kernel_speed`: cuDNN has no published figure off Hopper)."""
     if attention is not None:
         return attention, ""
     engine = engine or "meshplan"
     kernel = ENGINE_DEFAULT_ATTENTION.get(engine, "flash")
     if engine == "meshplan":
         return kernel, ""
-    return kernel, f"attention: {kernel}, {engine}'s default kernel (--attention to change it)"
+    elsewhere = KERNEL_SPEEDS[canonical_attention(kernel)].elsewhere
+    costed = f", costed as {elsewhere} on this device" if architecture != "hopper" and elsewhere else ""
+    return kernel, f"attention: {kernel}, {engine}'s default kernel{costed} (--attention to change it)"
 
 
 def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:

@@ -348,3 +348,16 @@ def test_estimate_and_plan_price_the_kernel_the_engine_runs(run_cli, tmp_path):
     assert code == 0, err
     assert "attention: cudnn, megatron's default kernel" in err
     assert json.loads(path.read_text())["model"]["attention"] == "cudnn"
+
+
+def test_the_engine_kernel_note_says_what_it_is_costed_as_off_hopper(run_cli):
+    """On an A100 the note still names the engine's kernel and says it is costed as FlashAttention-2
+    (cuDNN has no published figure off Hopper, `attention_kernels.kernel_speed`): the same time as
+    naming flash2."""
+    job = ("--model", SPEC, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "2048", "--engine", "megatron")
+    code, out, err = run_cli("estimate", *job, "--json")
+    assert code == 0, err
+    assert "attention: cudnn, megatron's default kernel, costed as flash2 on this device" in err
+    code, out2, err = run_cli("estimate", *job, "--attention", "flash2", "--json")
+    assert code == 0 and "default kernel" not in err
+    assert json.loads(out)["step_time_s"] == json.loads(out2)["step_time_s"]
