@@ -96,10 +96,9 @@ def run(args) -> int:
 
     architecture = load_cluster(args.cluster).device.architecture
     args.attention, attention_note = engine_attention(args.engine, args.attention, architecture)
-    notes = [attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers,
-                                                                  searched=True) + moe_notes(args.model, args.moe_imbalance,
-                                                          args.moe_capacity_factor,
-                                                          args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args)
+    notes = ([attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers, searched=True)
+             + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
+                         args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args))
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 

@@ -101,10 +101,9 @@ class PlanRequest:
         path), `precision` None for the cluster's default (fp8 only when asked: it changes
         numerics), `attention` None (or absent) for the engine's own kernel, `options` the other
         fields by name and, without `pins`, the pins by name."""
+        from meshplan.planner.costing.attention_kernels import engine_attention
         from meshplan.planner.costing.hardware import load_cluster
         from meshplan.planner.simulation.estimator import default_precision
-
-        from meshplan.planner.costing.attention_kernels import engine_attention
 
         if isinstance(cluster, str):
             cluster = load_cluster(cluster)

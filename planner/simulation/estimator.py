@@ -184,7 +184,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              recompute_early_stop: bool | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `attention`: the kernel (`contracts.attention`; None: the one `engine` runs,
-    `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp ranks, replicated across them);
+    `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp
+    ranks, replicated across them);
     `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
     its ranks attend (`contracts.config.CP_METHODS`, default all-gather); `engine`: whose
     memory recipe prices it (`costing.engine_memory`; meshplan: its own executor); `offload`: model
