@@ -81,8 +81,8 @@ def run(args) -> int:
     from meshplan.planner.costing.hardware import load_cluster
 
     # every estimate below prices this kernel; the device decides what cuDNN's is costed as
-    architecture = load_cluster(args.cluster).device.architecture
-    args.attention, attention_note = engine_attention(args.engine, args.attention, architecture)
+    cluster = load_cluster(args.cluster)
+    args.attention, attention_note = engine_attention(args.engine, args.attention, cluster)
     notes = ([attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers)
              + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
                          args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args))
@@ -93,7 +93,7 @@ def run(args) -> int:
 
     from meshplan.commands.bands import band_line, with_band
 
-    cluster = with_memory_headroom(load_cluster(args.cluster), args.memory_headroom * GIB)
+    cluster = with_memory_headroom(cluster, args.memory_headroom * GIB)
     heading = _heading(args, cluster)
     if args.json:
         from meshplan.commands.printed import _default_seq

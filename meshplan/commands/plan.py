@@ -94,15 +94,15 @@ def run(args) -> int:
     from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.costing.hardware import load_cluster
 
-    architecture = load_cluster(args.cluster).device.architecture
-    args.attention, attention_note = engine_attention(args.engine, args.attention, architecture)
+    cluster = load_cluster(args.cluster)  # loaded once: the kernel note and the request take it
+    args.attention, attention_note = engine_attention(args.engine, args.attention, cluster)
     notes = ([attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers, searched=True)
              + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
                          args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args))
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 
-    request = PlanRequest.of(args.model, args.cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
+    request = PlanRequest.of(args.model, cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
                              precision=args.precision, attention=args.attention, layerwise=args.layerwise,
                              time_limit_s=args.time_limit, seed=args.seed, max_mbs=args.max_mbs,
                              moe_imbalance=args.moe_imbalance,

@@ -89,31 +89,38 @@ ENGINE_DEFAULT_ATTENTION = {"meshplan": "flash", "megatron": "cudnn", "torchtita
 
 
 def engine_attention(engine: str | None, attention: str | None,
-                     architecture: str | None = "hopper") -> tuple[str, str]:
+                     cluster: ClusterProfile | None = None) -> tuple[str, str]:
     """(kernel, note): `attention` where the user named one (no note), else the kernel `engine`
     runs by default (`ENGINE_DEFAULT_ATTENTION`) and, unless that is meshplan's own, the line that
-    says which kernel the prediction took, and what it is costed as on a device of another
-    `architecture` (`kernel_speed`: cuDNN has no published figure off Hopper)."""
+    says which kernel the prediction took and, on `cluster`, what it is costed as where that is
+    another kernel (`costed_kernel`: cuDNN has no published figure off Hopper)."""
     if attention is not None:
         return attention, ""
     engine = engine or "meshplan"
     kernel = ENGINE_DEFAULT_ATTENTION.get(engine, "flash")
     if engine == "meshplan":
         return kernel, ""
-    elsewhere = KERNEL_SPEEDS[canonical_attention(kernel)].elsewhere
-    costed = f", costed as {elsewhere} on this device" if architecture != "hopper" and elsewhere else ""
-    return kernel, f"attention: {kernel}, {engine}'s default kernel{costed} (--attention to change it)"
+    costed = costed_kernel(kernel, cluster) if cluster is not None else canonical_attention(kernel)
+    on_device = f", costed as {costed} on this device" if costed != canonical_attention(kernel) else ""
+    return kernel, f"attention: {kernel}, {engine}'s default kernel{on_device} (--attention to change it)"
+
+
+def costed_kernel(attention: str, cluster: ClusterProfile) -> str:
+    """The kernel whose speed `attention` takes on `cluster`: its own on Hopper or where it has no
+    stand-in, else its `KernelSpeed.elsewhere`; MeshplanError when the device cannot run it."""
+    name = canonical_attention(attention)
+    elsewhere = KERNEL_SPEEDS[name].elsewhere
+    if cluster.device.architecture == "hopper" or elsewhere == "":
+        return name
+    if elsewhere is None:
+        raise MeshplanError(f"--attention {attention}: FlashAttention-3 runs on Hopper GPUs only; profile "
+                            f"{cluster.name!r} is {cluster.device.architecture or 'not a GPU'} (use flash2 or cudnn)")
+    return elsewhere
 
 
 def kernel_speed(attention: str, cluster: ClusterProfile) -> KernelSpeed:
-    """The fused kernel's speed entry; MeshplanError when the device cannot run it."""
-    speed = KERNEL_SPEEDS[canonical_attention(attention)]
-    if cluster.device.architecture == "hopper" or speed.elsewhere == "":
-        return speed
-    if speed.elsewhere is None:
-        raise MeshplanError(f"--attention {attention}: FlashAttention-3 runs on Hopper GPUs only; profile "
-                            f"{cluster.name!r} is {cluster.device.architecture or 'not a GPU'} (use flash2 or cudnn)")
-    return KERNEL_SPEEDS[speed.elsewhere]
+    """The fused kernel's speed entry on `cluster` (`costed_kernel`)."""
+    return KERNEL_SPEEDS[costed_kernel(attention, cluster)]
 
 
 def shape_factor(speed: KernelSpeed, seq: int, head_dim: int) -> float:

@@ -217,7 +217,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     if attention is None:
         from meshplan.planner.costing.attention_kernels import engine_attention
 
-        attention, note = engine_attention(job.engine, None, cluster.device.architecture)
+        attention, note = engine_attention(job.engine, None, cluster)
         notes.extend([note] if note else [])
     gpus, global_batch = _job_size(job, gpus, global_batch, notes)
     seq = seq or job.seq
