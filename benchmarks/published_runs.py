@@ -338,15 +338,19 @@ def korthikanti_runs() -> list[Run]:
 def llama3_runs() -> list[Run]:
     """Table 4: TP 8, PP 16, seq 8192, 16M tokens per step (2048 sequences), BF16."""
     assumptions = (
-        "interleaved 1F1B with 2, 4 or 8 virtual stages per rank (the paper uses an interleaved "
-        "schedule but does not publish the count; meshplan's 128 layers give 8 per rank, so those "
-        "are the even splits); fits weigh the three equally",
+        "interleaved 1F1B with 8 virtual stages per rank, one layer a chunk: the paper states no V, "
+        "but 'we reduce one Transformer layer each from the first and the last stages ... This means "
+        "that the first model chunk on the first stage has only the embedding, and the last model chunk "
+        "on the last stage has only output projection and loss calculation' (Section 3.3.2) leaves "
+        "chunks of one layer, and 126 layers with the embedding and the output in the two freed slots "
+        "make 128 chunks, 8 on each of the 16 ranks (meshplan's 128 layers, embedding and head counted, "
+        "chunked the same way)",
         "micro-batch 1 (the paper's 'batch size per DP' is micro-batches per replica)",
         "Meta's FSDP without resharding parameters ~ ZeRO-1 under pipelining",
         "model TFLOP/s in meshplan's MFU convention (attention counted in full)",
     )
     return [Run(f"Llama3 T4 405B {gpus} GPUs", "h100", LLAMA3_2024, "h100-sxm", "llama3-405b", gpus, 2048, 8192,
-                tp=8, pp=16, zero=1, sp=True, vpp_options=(2, 4, 8), published_model_tflops_per_gpu=tflops,
+                tp=8, pp=16, zero=1, sp=True, vpp_options=(8,), published_model_tflops_per_gpu=tflops,
                 assumptions=assumptions)
             for gpus, tflops in ((8192, 430.0), (16384, 400.0))]
 

@@ -262,6 +262,21 @@ def test_unpublished_micro_batches_follow_the_engines_batch_rules(modules):
     assert published.layouts() == ((3, 1), (3, 2))
 
 
+def test_llama3_rows_chunk_one_layer_each(modules):
+    """Llama 3's Table 4 rows run 8 virtual stages a rank: the paper takes one Transformer layer
+    from the first and the last stage and says the first chunk then holds only the embedding and
+    the last only the output, so a chunk held one layer; 126 layers with the embedding and the
+    output in the freed slots make 128 chunks on 16 ranks. meshplan's graph of the model carries
+    the same 128 layers (embedding, 126 blocks, head), one to a chunk."""
+    data, fit = modules
+    rows = data.llama3_runs()
+    assert [row.vpp_options for row in rows] == [(8,), (8,)]
+    graph = fit.graph_of(rows[0].spec, rows[0].seq, rows[0].attention)
+    kinds = [layer.kind for layer in graph.layers]
+    assert (kinds[0], kinds[-1], kinds.count("block"), len(kinds)) == ("embedding", "head", 126, 128)
+    assert len(kinds) == rows[0].pp * rows[0].vpp_options[0]
+
+
 def test_larger_unpublished_micro_batches_are_scored_only_where_they_fit(modules):
     """A micro-batch above the least is kept only where the memory model says it fits: the 32B row
     (TP 8, 4 samples a data rank) fits micro-batch 4 on an 80 GB H100 but not on a 16 GB part."""
