@@ -310,6 +310,20 @@ def add_moe_capacity_arguments(parser) -> None:
                              "destination node over the rails and forwarded over NVLink inside it)")
 
 
+def job_notes(args, cluster, searched: bool = False) -> list[str]:
+    """What `estimate` and `plan` say on stderr before pricing a job, and the kernel they price:
+    where --attention names none, `args.attention` becomes the kernel the engine runs and the first
+    note says so, with what it is costed as on `cluster` (`attention_kernels.engine_attention`);
+    then the model's, the mixture of experts' and the combined 1F1B's notes (`searched`: `plan`)."""
+    from meshplan.planner.costing.attention_kernels import engine_attention
+
+    args.attention, attention_note = engine_attention(args.engine, args.attention, cluster)
+    return (([attention_note] if attention_note else [])
+            + model_notes(args.model, args.seq, args.mtp_num_layers, searched)
+            + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor, args.moe_pad_expert_input_to_capacity)
+            + a2a_overlap_notes(args))
+
+
 def model_notes(spec: str | None, seq: int | None, mtp_num_layers: int = 0, searched: bool = False) -> list[str]:
     """What the model's costs assume beyond its published shape: a rotary model past its trained
     context; a config that names multi-token-prediction depths (`num_nextn_predict_layers`,

@@ -7,10 +7,10 @@ import sys
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
-                                     add_job_arguments, a2a_overlap_notes, add_moe_a2a_overlap_argument,
+                                     add_job_arguments, add_moe_a2a_overlap_argument,
                                      add_recompute_early_stop_argument, add_tp_comm_overlap_argument,
                                      announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
-                                     model_notes, moe_notes, prediction_json, recompute_early_stop_of,
+                                     job_notes, prediction_json, recompute_early_stop_of,
                                      tp_comm_overlap_of)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap
 
@@ -77,15 +77,10 @@ def run(args) -> int:
     if missing:
         raise MeshplanError(f"the following arguments are required: {', '.join(missing)} (or --from FILE)")
 
-    from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.costing.hardware import load_cluster
 
-    # every estimate below prices this kernel; the device decides what cuDNN's is costed as
-    cluster = load_cluster(args.cluster)
-    args.attention, attention_note = engine_attention(args.engine, args.attention, cluster)
-    notes = ([attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers)
-             + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
-                         args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args))
+    cluster = load_cluster(args.cluster)  # loaded once: the kernel note and the band take it
+    notes = job_notes(args, cluster)  # every estimate below prices the kernel it settles
     prediction = _estimate_at(args, args.zero)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line

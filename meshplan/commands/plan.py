@@ -8,10 +8,10 @@ from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, 
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
-                                     a2a_overlap_notes, add_moe_a2a_overlap_argument, add_recompute_early_stop_argument,
+                                     add_moe_a2a_overlap_argument, add_recompute_early_stop_argument,
                                      add_tp_comm_overlap_argument,
                                      announce_model_code, check_seq, check_sizes,
-                                     finite_float, model_notes, moe_notes, spec_file, recompute_early_stop_of,
+                                     finite_float, job_notes, spec_file, recompute_early_stop_of,
                                      tp_comm_overlap_of)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
@@ -91,14 +91,10 @@ def run(args) -> int:
                                               ("--model", spec_file(args.model))])
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
-    from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.costing.hardware import load_cluster
 
     cluster = load_cluster(args.cluster)  # loaded once: the kernel note and the request take it
-    args.attention, attention_note = engine_attention(args.engine, args.attention, cluster)
-    notes = ([attention_note] * bool(attention_note) + model_notes(args.model, args.seq, args.mtp_num_layers, searched=True)
-             + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor,
-                         args.moe_pad_expert_input_to_capacity) + a2a_overlap_notes(args))
+    notes = job_notes(args, cluster, searched=True)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 

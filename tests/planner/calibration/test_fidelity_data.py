@@ -357,3 +357,20 @@ def test_layout_band_reads_what_unpublished_layouts_leave_open(modules):
     assert "1 of 2 runs scored over several" in line and "predictions in 1;" in line
     assert "spans 33.3% (median, max 33.3%)" in line and "would read 7.5%" in line
     assert bench.layout_band([single]) is None
+
+
+def test_shipped_profiles_carry_the_h100_fit_by_their_formulas(modules):
+    """What the fit writes beside h100-sxm's fitted `matmul_efficiency` follows from it and from
+    published ceilings, not from a run: every part that takes it carries it; fp8 is it times the
+    FP8 / BF16 shares of peak of one mamf-finder sweep (70.9% / 80.3%, ml-engineering), mi300x's
+    it times MI300X's / H100's measured BF16 ceilings (60.1% / 80.1%), the size curve's half-way
+    FLOPs a100-80g's times the BF16 peak ratio 989 / 312; each to the 3 digits the profiles hold."""
+    _, fit = modules
+    h100, a100 = load_cluster("h100-sxm").device, load_cluster("a100-80g").device
+    for name in fit.H100_COPIES:
+        device = load_cluster(name).device
+        assert device.matmul_efficiency == h100.matmul_efficiency, name
+        assert device.fp8_matmul_efficiency == pytest.approx(h100.matmul_efficiency * 70.9 / 80.3, abs=1e-3), name
+    assert load_cluster("mi300x").device.matmul_efficiency == pytest.approx(h100.matmul_efficiency * 60.1 / 80.1,
+                                                                             abs=1e-3)
+    assert h100.matmul_half_efficiency_flops == pytest.approx(a100.matmul_half_efficiency_flops * 989 / 312, rel=5e-3)
