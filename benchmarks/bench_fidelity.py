@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
+from published_dgx_cloud_runs import DGX_CLOUD_250504_LLAMA, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA  # noqa: E402
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
@@ -164,7 +165,10 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  DGX_CLOUD_DEEPSEEK_V3: "DGX Cloud benchmarking DeepSeek-V3",
                  MEGATRON_BRIDGE_EP_OVERLAP_SMOKE: "Megatron-Bridge EP-overlap guide, alltoall, 16 H100",
                  MEGATRON_BRIDGE_EP_OVERLAP_SKILL: "Megatron-Bridge EP-overlap guide, HybridEP, 16 H100",
-                 MEGATRON_BRIDGE_DEEPSEEK_V3_CARD: "Megatron-Bridge DeepSeek-V3 verification card, 1,024 H100"}
+                 MEGATRON_BRIDGE_DEEPSEEK_V3_CARD: "Megatron-Bridge DeepSeek-V3 verification card, 1,024 H100",
+                 DGX_CLOUD_2504_LLAMA: "DGX Cloud benchmarking v25.04 Llama 3.1",
+                 DGX_CLOUD_250504_LLAMA: "DGX Cloud benchmarking v25.05.04 Llama 3.1 405B",
+                 DGX_CLOUD_2504_GPT3: "DGX Cloud benchmarking v25.04 GPT-3 175B"}
 
 
 def layout_band(scored: Sequence[Scored]) -> str | None:
@@ -278,14 +282,27 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
     if not pairs:
         return
     print("FP8 over BF16 throughput, same model, sequence and GPUs:")
-    errors = []
+    errors, same = [], []
     for f, b in pairs:
         (sf, sb) = score([f, b], clusters)
         published = (f.tokens_per_step / sf.published_s) / (b.tokens_per_step / sb.published_s)
         predicted = (f.tokens_per_step / sf.predicted_mean_s) / (b.tokens_per_step / sb.predicted_mean_s)
         errors.append(predicted / published - 1)
-        print(f"  {f.name:<44} published {published:.2f}x predicted {predicted:.2f}x ({errors[-1]:+.1%})")
-    print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}")
+        same.append(layout_of(f) == layout_of(b))
+        print(f"  {f.name:<44} published {published:.2f}x predicted {predicted:.2f}x ({errors[-1]:+.1%})"
+              f"{'' if same[-1] else ' (layouts differ)'}")
+    within = sum(abs(e) <= 0.10 for e in errors)
+    print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}, within 10%: {within} of {len(pairs)}")
+    kept = [e for e, s in zip(errors, same) if s]
+    if kept:
+        print(f"  {len(kept)} pairs of one layout (TP, PP, CP, virtual stages, micro-batch): mean |speedup error| "
+              f"{np.mean(np.abs(kept)):.1%}, max {max(np.abs(kept)):.1%}, within 10%: "
+              f"{sum(abs(e) <= 0.10 for e in kept)} of {len(kept)}")
+
+
+def layout_of(run: Run) -> tuple:
+    """A run's parallel layout: what an FP8/BF16 pair of one layout shares."""
+    return run.tp, run.pp, run.cp, run.vpp_options, run.mbs, run.zero
 
 
 def a2a_overlap_speedups(scored: Sequence[Scored]) -> None:
@@ -337,8 +354,9 @@ def cross_validated() -> None:
 
 
 BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megatron-LM README's H100 strong-scaling "
-                      "ends, MosaicML MPT, torchtitan FSDP2)",
-             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8, Megatron-Bridge's DGX-H100 Llama)",
+                      "ends, MosaicML MPT, torchtitan FSDP2, DGX Cloud's Llama 3.1 and GPT-3)",
+             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8, Megatron-Bridge's DGX-H100 Llama, "
+                    "DGX Cloud's Llama 3.1 and GPT-3)",
              "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
                     "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}
 

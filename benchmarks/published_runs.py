@@ -22,13 +22,18 @@ Held out:
   on A100 40GB, A100 80GB and H100 80GB, every BF16 row.
 - torchtitan's Llama 2 / Llama 3 FSDP2 figures on 64 A100 80GB (`docs/performance.md`), the rows
   whose activation checkpointing meshplan expresses (none or full).
+- NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking), their dense H100
+  pre-training tables, every GPU count: Llama 3.1 8B, 70B, 405B and its proxies (v25.04; 405B on
+  512 GPUs from v25.05.04, the later release printing that layout) and GPT-3 175B (v25.04), BF16
+  here and FP8 below, each under its release's NeMo recipe (`published_dgx_cloud_runs`).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
 FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, under delayed scaling (Composer's amp_fp8);
 torchtitan's Float8 tables on Meta's H100 96GB at a 500 W cap (`h100-96g-500w`, whose peak
 torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Table 2 (Llama 3.1
 8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8);
-Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B).
+Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B); the DGX
+Cloud tables' FP8 rows (delayed scaling with fp8 parameters: NeMo's bf16_with_fp8_mixed).
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
 parallelism, costed under balanced routing:
@@ -96,6 +101,10 @@ gives; the Blackwell rows' recipes, as for DeepSeek-V3, not yet read) and its 25
 (`megatron/core/transformer/moe/README.md`) quotes
 468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
 8x22B layout was found either.
+
+Left out, DGX Cloud: Nemotron-4 15B and 340B (a non-gated squared-ReLU MLP with grouped-query
+attention, which no meshplan model spec describes), the Grok-1 and Llama 4 rows (MoE, not yet read),
+the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure.
 
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
 torchtitan's H100 Tables 1 and 3 (selective checkpointing), Table 4's async-TP row, Tables 5
@@ -630,7 +639,7 @@ def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs()
             + megatron_lm_strong_scaling_runs() + mpt_runs() + mpt_sweep_runs()
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + torchtitan_h100_runs() + megatron_bridge_dense_runs() + moe_runs())
+            + torchtitan_h100_runs() + megatron_bridge_dense_runs() + dgx_cloud_dense_runs() + moe_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:
@@ -643,5 +652,6 @@ def held_out_runs() -> list[Run]:
     return [run for run in all_runs() if run.group == HELD_OUT]
 
 
-# The MoE runs build on this module's Run and sources, all defined above.
+# The MoE and DGX Cloud runs build on this module's Run and sources, all defined above.
+from published_dgx_cloud_runs import dgx_cloud_dense_runs  # noqa: E402
 from published_moe_runs import moe_runs  # noqa: E402

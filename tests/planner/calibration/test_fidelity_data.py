@@ -139,6 +139,46 @@ def test_dgx_cloud_deepseek_v3_rows_transcription_is_consistent(modules):
         assert tflops * 1e12 * run.gpus / tokens_per_s == pytest.approx(per_token, rel=0.01)
 
 
+def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
+    """DGX Cloud's dense tables print each row's tokens/s beside its step time: every transcribed
+    row's global batch x sequence over its step gives that figure (0.1%: the steps' printed
+    digits), which pins the global batches the recipes set (16 per GPU for 8B, 2 for 70B and GPT-3,
+    one per two GPUs for 405B, the proxies' own); the layouts fill the GPUs; each proxy's blocks
+    with the embedding and the loss fill its chunks evenly (the recipe's account_for_* split); and the model
+    FLOPs per sample the READMEs print (4.74E+14, 2.17E+16, 2.20E+15) are meshplan's count with
+    attention in full (1%)."""
+    data, fit = modules
+    dgx = importlib.import_module("published_dgx_cloud_runs")
+    runs = dgx.dgx_cloud_dense_runs()
+    tokens_per_s = {  # (name prefix, precision): the tables' throughput row, in GPU order
+        ("8B", "bf16"): (85459, 170500, 340447, 680341, 1360683), ("8B", "fp8"): (112388, 224055, 444783, 884874, 1758618),
+        ("70B", "bf16"): (71526, 142955, 285716, 571821, 1145202, 2288843),
+        ("70B", "fp8"): (106346, 210769, 419430, 833030, 1664406, 3305855),
+        ("405B proxy", "bf16"): (97090, 51910, 53444), ("405B proxy", "fp8"): (148524, 82957, 86090),
+        ("405B", "bf16"): (105863, 211406, 422175), ("405B", "fp8"): (161072, 337706, 667883),
+        ("GPT-3 175B", "bf16"): (63099, 124712, 249068, 496191, 988057),
+        ("GPT-3 175B", "fp8"): (93190, 183157, 363206, 720671, 1407485)}
+    checked = 0
+    for (label, precision), figures in tokens_per_s.items():
+        rows = [r for r in runs if f" {label} {precision}" in r.name or (label == "405B proxy" and "proxy" in r.name
+                                                                           and f" {precision} " in r.name)]
+        rows = [r for r in rows if ("proxy" in r.name) == ("proxy" in label)]
+        assert len(rows) == len(figures), (label, precision, [r.name for r in rows])
+        for run, figure in zip(sorted(rows, key=lambda r: r.gpus), figures):
+            assert run.global_batch * run.seq / run.published_step_s == pytest.approx(figure, rel=1e-3), run.name
+            assert run.gpus % (run.tp * run.pp * run.cp) == 0 and run.vpp_options[0] >= 1
+            checked += 1
+    assert checked == len(runs) == 44
+    for run in runs:
+        if "proxy" in run.name and run.pp > 1:
+            blocks = fit.graph_of(run.spec, run.seq, run.attention).info.num_layers
+            assert (blocks + 2) % (run.pp * run.vpp_options[0]) == 0  # 30 + 2 = 32 chunks of 1, 62 + 2 of 2
+    for spec, seq, per_sample in (("llama3-8b", 8192, 4.74e14), ("llama3-405b", 8192, 2.17e16),
+                                  (data.gpt_spec(96, 12288, 96), 2048, 2.20e15)):
+        graph = fit.graph_of(spec, seq, "cudnn")
+        assert float(graph.fwd_flops + graph.bwd_flops) == pytest.approx(per_sample, rel=0.01)
+
+
 def test_mpt_table_transcription_is_consistent(modules):
     """Every transcribed MPT row: global batch = GPUs x micro-batch x accumulation (the loader
     refuses others) and the shapes give the parameter count the tables print (0.1%)."""

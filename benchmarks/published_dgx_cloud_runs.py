@@ -1,0 +1,125 @@
+"""Held-out dense runs from NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking):
+every H100 pre-training row of their dense Llama 3.1 and GPT-3 175B tables, in BF16 (`HELD_OUT`)
+and FP8 (`HELD_OUT_FP8`), each under the recipe its release runs (`published_runs`'s docstring lists
+what is used and what is left out, and why).
+
+The tables weak-scale one layout per model and precision (the global batch grows with the GPUs, the
+data-parallel degree with it), so each GPU count is a run of its own; a layout printed by two releases
+is taken once, from the later. The step time is the one the release prints (v25.04: the log's last
+step of 50; v25.05.04: iterations 11-44 averaged).
+
+Split from `published_runs` (which defines `Run` and the groups), whose `all_runs` adds these.
+"""
+from __future__ import annotations
+
+from published_runs import HELD_OUT, HELD_OUT_FP8, Run, gpt_spec
+
+# The DGX Cloud benchmarking release v25.04 (NeMo 25.02.01 container for Llama 3.1, 24.12 for GPT-3).
+DGX_CLOUD_2504_LLAMA = (
+    "NVIDIA dgxc-benchmarking v25.04 llama3.1/README.md, H100 tables (github.com/NVIDIA/dgxc-benchmarking, commit "
+    "741c886025a7665a1d690c05ff12ac29c1be7252); recipe: its pretrain_llama31.py and llama31_utils.py over NeMo's "
+    "llama3_8b, llama3_70b and llama31_405b recipes (performance_mode) at commit "
+    "d2b21556f2455b52ad7217f334bb66eaa13c0f83 (github.com/NVIDIA/NeMo)")
+DGX_CLOUD_250504_LLAMA = (
+    "NVIDIA dgxc-benchmarking v25.05.04 llama3.1/README.md, H100 Performance (github.com/NVIDIA/dgxc-benchmarking, "
+    "commit 1f6d9f40e4117d7c71b726f86074ac01c29f87f5); recipe: NeMo's scripts/performance/llm/pretrain_llama31_405b.py "
+    "at commit 6f2c6fdaffcc0af97a9e2219fcc104e2399627e4 (github.com/NVIDIA/NeMo)")
+DGX_CLOUD_2504_GPT3 = (
+    "NVIDIA dgxc-benchmarking v25.04 nemo_megatron/README_175b.md, H100 tables (github.com/NVIDIA/dgxc-benchmarking, "
+    "commit 741c886025a7665a1d690c05ff12ac29c1be7252); recipe: its cfg/gpt3_175b_hydra.yaml and configure.sh "
+    "(NeMo 24.12 container)")
+
+NEMO_LLAMA_ASSUMPTIONS = (
+    "the distributed optimizer costed as ZeRO-1; sequence parallelism with TP (set_primary_perf_configs)",
+    "gradients reduced in bf16 (the recipes' performance optimizations set grad_reduce_in_fp32 = False)",
+    "cuDNN fused attention (Transformer Engine's choice on Hopper); context parallelism as Transformer Engine's "
+    "p2p ring",
+    "no recomputation (the recipes set none)",
+    "Megatron-Core's fused cross-entropy (NeMo's GPTConfig: cross_entropy_loss_fusion = True, native kernel)",
+    "TP communication overlapped with userbuffers for 70B and 405B (MegatronCommOverlapCallback(tp_comm_overlap=True)); "
+    "8B runs TP 1",
+)
+NEMO_FP8 = ("FP8: bf16_with_fp8_mixed, Transformer Engine's delayed scaling (hybrid E4M3/E5M2, amax history 1024) "
+            "with fp8 parameters (--fp8-recipe delayed, gathered in fp8)")
+PROXY = ("a 405B proxy: Llama 3.1 405B's shape with the layer count llama31_utils.py sets for this GPU count; the "
+         "embedding and the loss counted as a layer each in the pipeline split (the recipe's "
+         "account_for_embedding/loss_in_pipeline_split)")
+
+
+def llama_405b_spec(layers: int) -> str:
+    """Llama 3.1 405B's shape (meshplan's llama3-405b) at `layers` blocks: the recipe's proxies."""
+    return f"llama:layers={layers},hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,rope_theta=500000"
+
+
+# (label, spec, gpus, global batch, tp, pp, cp, virtual stages, precision, step s, source)
+LLAMA_ROWS = (
+    [("8B", "llama3-8b", gpus, 16 * gpus, 1, 1, 2, 1, "bf16-mixed", step, DGX_CLOUD_2504_LLAMA)
+     for gpus, step in zip((8, 16, 32, 64, 128), (12.27, 12.3, 12.32, 12.33, 12.33))]
+    + [("8B", "llama3-8b", gpus, 16 * gpus, 1, 1, 2, 1, "fp8", step, DGX_CLOUD_2504_LLAMA)
+       for gpus, step in zip((8, 16, 32, 64, 128), (9.33, 9.36, 9.43, 9.48, 9.54))]
+    + [("70B", "llama3-70b", gpus, 2 * gpus, 4, 4, 2, 5, "bf16-mixed", step, DGX_CLOUD_2504_LLAMA)
+       for gpus, step in zip((64, 128, 256, 512, 1024, 2048), (14.66, 14.67, 14.68, 14.67, 14.65, 14.66))]
+    + [("70B", "llama3-70b", gpus, 2 * gpus, 4, 8, 1, 5, "fp8", step, DGX_CLOUD_2504_LLAMA)
+       for gpus, step in zip((64, 128, 256, 512, 1024, 2048), (9.86, 9.95, 10.0, 10.07, 10.08, 10.15))]
+    # the proxies: 8 layers on 32 GPUs (PP 1), 30 on 64 and 62 on 128 (PP 4, 8 virtual stages)
+    + [(f"405B proxy {layers} layers", llama_405b_spec(layers), gpus, gbs, 8, pp, 2, vpp, precision, step,
+        DGX_CLOUD_2504_LLAMA)
+       for layers, gpus, gbs, pp, vpp, steps in ((8, 32, 64, 1, 1, (5.4, 3.53)), (30, 64, 64, 4, 8, (10.1, 6.32)),
+                                                 (62, 128, 128, 4, 8, (19.62, 12.18)))
+       for precision, step in zip(("bf16-mixed", "fp8"), steps)]
+    # 512 GPUs: v25.05.04's figures for v25.04's layout; 1,024 and 2,048 from v25.04
+    + [("405B", "llama3-405b", 512, 256, 8, 8, 2, 8, precision, step, DGX_CLOUD_250504_LLAMA)
+       for precision, step in (("bf16-mixed", 19.810), ("fp8", 13.020))]
+    + [("405B", "llama3-405b", gpus, gpus // 2, 8, 8, 2, 8, precision, step, DGX_CLOUD_2504_LLAMA)
+       for gpus, steps in ((1024, (19.84, 12.42)), (2048, (19.87, 12.56)))
+       for precision, step in zip(("bf16-mixed", "fp8"), steps)]
+)
+
+
+def dgx_cloud_llama_runs() -> list[Run]:
+    """DGX Cloud's Llama 3.1 H100 rows: 8B (TP 1, CP 2), 70B (BF16: TP 4, PP 4, CP 2; FP8: TP 4,
+    PP 8; 5 virtual stages), 405B (TP 8, PP 8, CP 2, 8 virtual stages) and its proxies, MBS 1, 8K
+    tokens, at every GPU count the tables print."""
+    runs = []
+    for label, spec, gpus, gbs, tp, pp, cp, vpp, precision, step, source in LLAMA_ROWS:
+        fp8 = precision == "fp8"
+        assumptions = NEMO_LLAMA_ASSUMPTIONS + ((NEMO_FP8,) if fp8 else ()) + ((PROXY,) if "proxy" in label else ())
+        runs.append(Run(f"DGX Cloud Llama3.1 {label} {'fp8' if fp8 else 'bf16'} tp{tp} pp{pp} cp{cp} x{gpus}",
+                        HELD_OUT_FP8 if fp8 else HELD_OUT, source, "h100-sxm", spec, gpus, gbs, 8192, tp=tp, pp=pp,
+                        cp=cp, sp=tp > 1, zero=1, vpp_options=(vpp,), precision=precision,
+                        fp8_recipe="delayed" if fp8 else None, engine="megatron", attention="cudnn",
+                        published_step_s=step, grad_reduce_in_bf16=True, cross_entropy_fusion="native",
+                        assumptions=assumptions))
+    return runs
+
+
+GPT3_ASSUMPTIONS = (
+    "NeMo's Megatron-Core GPT (mcore_gpt) under the hydra config: TP 4 with sequence parallelism and userbuffers "
+    "TP overlap (ub_tp_comm_overlap), PP 8 with 6 virtual stages, MBS 1, no recomputation",
+    "distributed_fused_adam with overlapped gradient and parameter syncs, costed as ZeRO-1; gradients synced in bf16 "
+    "(grad_sync_dtype bf16)",
+    "cuDNN fused attention (Transformer Engine's choice on Hopper); dropout 0.1 not priced",
+    "the unfused vocab-parallel cross-entropy (the config sets no loss fusion)",
+    "the GPT-2 BPE vocabulary padded as Megatron-LM pads it (51,200)",
+    "global batch 2 x GPUs (configure.sh: 16 per node); the README's 1204 at 512 GPUs is its tokens/s's 1024",
+)
+
+
+def dgx_cloud_gpt3_runs() -> list[Run]:
+    """DGX Cloud's GPT-3 175B H100 rows (NeMo Megatron), BF16 and FP8, 128-2,048 GPUs."""
+    steps = {"bf16-mixed": (8.309, 8.408, 8.42, 8.453, 8.49), "fp8": (5.626, 5.725, 5.774, 5.82, 5.96)}
+    runs = []
+    for precision, row in steps.items():
+        fp8 = precision == "fp8"
+        for gpus, step in zip((128, 256, 512, 1024, 2048), row):
+            runs.append(Run(f"DGX Cloud GPT-3 175B {'fp8' if fp8 else 'bf16'} tp4 pp8 x{gpus}",
+                            HELD_OUT_FP8 if fp8 else HELD_OUT, DGX_CLOUD_2504_GPT3, "h100-sxm",
+                            gpt_spec(96, 12288, 96), gpus, 2 * gpus, 2048, tp=4, pp=8, sp=True, zero=1,
+                            vpp_options=(6,), precision=precision, fp8_recipe="delayed" if fp8 else None,
+                            engine="megatron", attention="cudnn", published_step_s=step, grad_reduce_in_bf16=True,
+                            cross_entropy_fusion="none", assumptions=GPT3_ASSUMPTIONS + ((NEMO_FP8,) if fp8 else ())))
+    return runs
+
+
+def dgx_cloud_dense_runs() -> list[Run]:
+    return dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs()
