@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import math
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, NamedTuple
@@ -240,25 +241,46 @@ def _screened_solve(problems: list[StageProblem], best_s: float, pool) -> list[S
     objective before the batch: the decision does not depend on the order solves finish in).
     Only the compact formulation's problems are screened (`pinned_structure`): the others, solved
     per layer (slow to prove anything in a fifth of the limit) or on an envelope (whose bound
-    decides nothing, `proven_bound_s`), get their whole limit at once."""
+    decides nothing, `proven_bound_s`), get their whole limit at once. A second solve starts from
+    the screen's assignment (`StageProblem.start`); with a pool it is queued as soon as its screen
+    ends, beside the batch's other screens."""
     screen = [pinned_structure(problem.table, problem.shape) is not None for problem in problems]
     screened = [replace(problem, time_limit_s=problem.time_limit_s * SCREEN_SHARE) if short else problem
                 for problem, short in zip(problems, screen)]
-    solutions = list(_solve_many(screened, pool))
-    again = [index for index, solution in enumerate(solutions) if screen[index] and (
-        solution.status == "no_solution" or (solution.status == "time_limit" and can_win(solution, best_s)))]
-    for index, solution in zip(again, _solve_many([problems[index] for index in again], pool)):
+
+    def again(index: int, solution: StageSolution) -> bool:
+        return screen[index] and (solution.status == "no_solution"
+                                  or (solution.status == "time_limit" and can_win(solution, best_s)))
+    if pool is None:
+        solutions = [solve_stages(problem) for problem in screened]
+        second = {index: solve_stages(_from(problems[index], solution)) for index, solution in enumerate(solutions)
+                  if again(index, solution)}
+    else:
+        solutions: list = [None] * len(problems)
+        queued = {pool.submit(_solve_shipped, _shipped(problem)): index for index, problem in enumerate(screened)}
+        seconds = {}
+        for future in as_completed(queued):
+            index = queued[future]
+            solutions[index] = future.result()
+            if again(index, solutions[index]):
+                seconds[index] = pool.submit(_solve_shipped, _shipped(_from(problems[index], solutions[index])))
+        second = {index: future.result() for index, future in seconds.items()}
+    for index, solution in second.items():
         previous = solutions[index]
         if not previous.feasible or (solution.feasible and solution.objective_s <= previous.objective_s):
             solutions[index] = solution
     return solutions
 
 
-def _solve_many(problems: list[StageProblem], pool):
-    if pool is None:
-        return map(solve_stages, problems)
-    # a worker has none of the schedule replays this process made since it forked
-    return pool.map(_solve_shipped, [(problem, replay_memo.entries(problem.shape.replay_key)) for problem in problems])
+def _from(problem: StageProblem, screen: StageSolution) -> StageProblem:
+    """The problem's second solve, started from the assignment its screen found, if any."""
+    return replace(problem, start=(screen.chunk_of_layer, screen.option_of_layer)) if screen.feasible else problem
+
+
+def _shipped(problem: StageProblem) -> tuple[StageProblem, dict]:
+    """A problem and the schedule replays it needs: a worker has none of those this process made
+    since it forked."""
+    return problem, replay_memo.entries(problem.shape.replay_key)
 
 
 # Candidates whose heuristic assignment `_seed_threshold` evaluates, at most, per kept solution.

@@ -429,6 +429,29 @@ def pinned_chunk(layer: int, first: int, count: int, num_chunks: int) -> int:
     return leading_chunks(first, count, num_chunks)[layer] if layer < first else num_chunks - 1
 
 
+def compact_counts(assignment, structure: tuple[int, int, int], num_layers: int, num_chunks: int,
+                   num_options: int):
+    """(counts, pinned_options) of a (chunk_of_layer, option_of_layer) assignment, the inverse of
+    `expand_counts`, or None where the assignment is not one the compact ILP accepts (its run layers
+    out of chunk order, or a pinned layer off its chunk)."""
+    chunks, options = assignment
+    first, count, type_index = structure
+    if len(chunks) != num_layers or len(options) != num_layers:
+        return None
+    run = range(first, first + count)
+    if any(chunks[a] > chunks[b] for a, b in zip(run, run[1:])):
+        return None
+    if any(chunks[layer] != pinned_chunk(layer, first, count, num_chunks)
+           for layer in range(num_layers) if layer not in run):
+        return None
+    if any(not 0 <= options[layer] < num_options for layer in run):
+        return None
+    counts = [[0] * num_options for _ in range(num_chunks)]
+    for layer in run:
+        counts[chunks[layer]][options[layer]] += 1
+    return counts, {layer: options[layer] for layer in range(num_layers) if layer not in run}
+
+
 def expand_counts(counts, first: int, num_layers: int, num_chunks: int, pinned_options: dict[int, int]):
     """(chunk_of_layer, option_of_layer) of a compact assignment: per chunk and option, how many
     run layers, plus the pinned first and last layers' options."""

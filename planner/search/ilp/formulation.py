@@ -87,8 +87,8 @@ from meshplan.planner.costing.tables import CostTable
 from meshplan.planner.search.ilp.backend import run_solver, start_values
 from meshplan.planner.search.ilp.constraints import build_model
 from meshplan.planner.search.ilp.envelope import envelope_table
-from meshplan.planner.search.ilp.evaluation import (evaluate_assignment, heuristic_start, leading_chunks, live_vectors,
-                                                   pipeline_factor)
+from meshplan.planner.search.ilp.evaluation import (compact_counts, evaluate_assignment, heuristic_start, leading_chunks,
+                                                   live_vectors, pipeline_factor)
 
 __all__ = ["PipelineShape", "StageProblem", "StageSolution", "compact_structure", "evaluate_assignment",
            "heuristic_start", "live_vectors", "pinned_structure", "pipeline_factor", "solve_stages"]
@@ -180,6 +180,10 @@ class StageProblem:
     # Stop as soon as no assignment can have an objective below this (the outer search passes
     # the objective a candidate must beat to matter); status "cutoff" then.
     cutoff_s: float | None = None
+    # A (chunk_of_layer, option_of_layer) assignment an earlier solve of this problem found (the
+    # search's screen): the compact ILP starts from it instead of the heuristic assignment, so the
+    # second solve prunes against that incumbent from its first node.
+    start: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def __post_init__(self):
         if self.objective not in ("time", "memory"):
@@ -288,7 +292,10 @@ def solve_stages(problem: StageProblem) -> StageSolution:
     model = build_model(solved, structure if use_compact else None)
     start = None
     if use_compact and problem.objective == "time":
-        found = heuristic_start(solved, structure)
+        found = (compact_counts(problem.start, structure, solved.table.num_layers, solved.shape.num_chunks,
+                                len(solved.table.types[structure[2]].options))
+                 if problem.start is not None and formulation == "compact" else None)
+        found = found or heuristic_start(solved, structure)
         start = start_values(model.lp, found) if found is not None else None
     status, gap, backend = run_solver(model.lp, solved, start)
     if formulation == "envelope" and status not in ("optimal", "time_limit"):

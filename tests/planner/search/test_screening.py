@@ -49,30 +49,30 @@ def _problems(count: int) -> list[StageProblem]:
     return [StageProblem(table, PipelineShape(2, 4, 1), time_limit_s=LIMIT_S + index) for index in range(count)]
 
 
+# per problem (by its whole limit): what the screen returns, and what the whole limit returns
+ANSWERS = {
+    LIMIT_S + 0: (StageSolution("optimal", 10.5), None),            # solved in the screen
+    LIMIT_S + 1: (_stopped(12.0, 0.05), None),                     # proves 11.4: cannot win
+    LIMIT_S + 2: (_stopped(11.0, 0.2), StageSolution("optimal", 10.1)),   # proves 8.8: again
+    LIMIT_S + 3: (StageSolution("no_solution"), _stopped(10.4, 0.01)),    # nothing found: again
+    LIMIT_S + 4: (_stopped(10.6, 0.1), _stopped(10.9, 0.05)),      # again, but the screen's is better
+}
+
+
+def _fake_solver(calls: list):
+    """A stand-in for `solve_stages`: ANSWERS by the problem's whole limit, recording each call."""
+    def solve(problem):
+        whole = round(problem.time_limit_s / SCREEN_SHARE, 9) if problem.time_limit_s < LIMIT_S else None
+        calls.append((problem.time_limit_s, whole is not None))
+        screen, full = ANSWERS[whole if whole is not None else problem.time_limit_s]
+        return screen if whole is not None else full
+    return solve
+
+
 def test_only_stopped_contenders_are_solved_again(monkeypatch):
-    best_s = 10.0
-    # per problem (by its whole limit): what the screen returns, and what the whole limit returns
-    answers = {
-        LIMIT_S + 0: (StageSolution("optimal", 10.5), None),            # solved in the screen
-        LIMIT_S + 1: (_stopped(12.0, 0.05), None),                     # proves 11.4: cannot win
-        LIMIT_S + 2: (_stopped(11.0, 0.2), StageSolution("optimal", 10.1)),   # proves 8.8: again
-        LIMIT_S + 3: (StageSolution("no_solution"), _stopped(10.4, 0.01)),    # nothing found: again
-        LIMIT_S + 4: (_stopped(10.6, 0.1), _stopped(10.9, 0.05)),      # again, but the screen's is better
-    }
     calls = []
-
-    def fake_many(problems, pool):
-        out = []
-        for problem in problems:
-            whole = round(problem.time_limit_s / SCREEN_SHARE, 9) if problem.time_limit_s < LIMIT_S else None
-            calls.append((problem.time_limit_s, whole is not None))
-            screen, full = answers[whole if whole is not None else problem.time_limit_s]
-            out.append(screen if whole is not None else full)
-        return out
-
-    monkeypatch.setattr(solving, "_solve_many", fake_many)
-    problems = _problems(5)
-    got = solving._screened_solve(problems, best_s, pool=None)
+    monkeypatch.setattr(solving, "solve_stages", _fake_solver(calls))
+    got = solving._screened_solve(_problems(5), 10.0, pool=None)
     screened = [limit for limit, is_screen in calls if is_screen]
     again = [limit for limit, is_screen in calls if not is_screen]
     assert screened == pytest.approx([(LIMIT_S + i) * SCREEN_SHARE for i in range(5)])
@@ -81,16 +81,72 @@ def test_only_stopped_contenders_are_solved_again(monkeypatch):
     assert [s.status for s in got] == ["optimal", "time_limit", "optimal", "time_limit", "time_limit"]
 
 
+def test_a_pool_solves_the_same_problems_to_the_same_solutions(monkeypatch):
+    """With a pool, a contender's second solve is queued as its screen ends, while the batch's other
+    screens still run: the same problems are solved, the same solutions kept, in the batch's order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = []
+    solve = _fake_solver(calls)
+    monkeypatch.setattr(solving, "_solve_shipped", lambda task: solve(task[0]))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        got = solving._screened_solve(_problems(5), 10.0, pool=pool)
+    assert sorted(limit for limit, is_screen in calls if not is_screen) == [LIMIT_S + 2, LIMIT_S + 3, LIMIT_S + 4]
+    assert sum(is_screen for _, is_screen in calls) == 5
+    assert [s.objective_s for s in got] == [10.5, 12.0, 10.1, 10.4, 10.6]
+
+
 def test_problems_without_the_compact_structure_get_their_whole_limit_at_once(monkeypatch):
     """Per-layer and envelope problems are not screened: one solve each, at the whole limit."""
     limits = []
 
-    def fake_many(problems, pool):
-        limits.extend(problem.time_limit_s for problem in problems)
-        return [_stopped(11.0, 0.2) for _ in problems]
+    def fake_solve(problem):
+        limits.append(problem.time_limit_s)
+        return _stopped(11.0, 0.2)
 
-    monkeypatch.setattr(solving, "_solve_many", fake_many)
+    monkeypatch.setattr(solving, "solve_stages", fake_solve)
     monkeypatch.setattr(solving, "pinned_structure", lambda table, shape: None)
     got = solving._screened_solve(_problems(3), 10.0, pool=None)
     assert limits == [LIMIT_S, LIMIT_S + 1, LIMIT_S + 2]
     assert [s.objective_s for s in got] == [11.0, 11.0, 11.0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_second_solve_from_the_screen_s_assignment_reaches_the_same_optimum(seed):
+    """The screen's assignment read back into the compact ILP's counts (`compact_counts`, the
+    inverse of `expand_counts`) is a valid start: solved from it, the ILP ends at the cold solve's
+    optimum (within the MIP gap both stop at), on random tables and pipelines."""
+    from dataclasses import replace
+
+    from meshplan.planner.search.ilp.evaluation import compact_counts, expand_counts
+    from meshplan.planner.search.ilp.formulation import pinned_structure, solve_stages
+
+    rng = random.Random(seed)
+    table = random_table(rng, rng.randint(6, 12))
+    pp = rng.choice((2, 3))
+    vpp = rng.choice((1, 2))
+    shape = PipelineShape(pp, rng.choice((4, 6, 8)), vpp, "interleaved" if vpp > 1 else "1f1b")
+    problem = StageProblem(table, shape, time_limit_s=30.0)
+    structure = pinned_structure(table, shape)
+    assert structure is not None
+    cold = solve_stages(problem)
+    assert cold.status == "optimal"
+    counts, pinned = compact_counts((cold.chunk_of_layer, cold.option_of_layer), structure, table.num_layers,
+                                    shape.num_chunks, len(table.types[structure[2]].options))
+    assert expand_counts(counts, structure[0], table.num_layers, shape.num_chunks, pinned) == (
+        list(cold.chunk_of_layer), list(cold.option_of_layer))
+    warm = solve_stages(solving._from(problem, cold))
+    assert warm.status == "optimal"
+    assert warm.objective_s == pytest.approx(cold.objective_s, rel=2 * problem.mip_rel_gap)
+
+
+def test_an_assignment_the_compact_ilp_cannot_take_is_not_a_start():
+    """Run layers out of chunk order, or a pinned layer off its chunk: no start (None)."""
+    from meshplan.planner.search.ilp.evaluation import compact_counts
+
+    structure = (1, 4, 1)  # embedding, four blocks, head; 2 chunks
+    assert compact_counts(((0, 0, 0, 1, 1, 1), (0,) * 6), structure, 6, 2, 3) is not None
+    assert compact_counts(((0, 0, 1, 0, 1, 1), (0,) * 6), structure, 6, 2, 3) is None   # a block back in chunk 0
+    assert compact_counts(((1, 0, 0, 1, 1, 1), (0,) * 6), structure, 6, 2, 3) is None   # embedding off chunk 0
+    assert compact_counts(((0, 0, 0, 1, 1, 0), (0,) * 6), structure, 6, 2, 3) is None   # head off the last chunk
+    assert compact_counts(((0, 0, 0, 1, 1, 1), (0, 3, 0, 0, 0, 0)), structure, 6, 2, 3) is None  # no option 3
