@@ -87,8 +87,10 @@ from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.communication import dp_comm_s
 from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
 from meshplan.planner.costing.memo import through
-from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, grouped_gemm_times_s,
-                                                  is_expert_linear, router_flops, router_times_s, shuffle_time_s)
+from meshplan.planner.costing.fp8 import experts_in_fp8, fp8_gemm_time_s
+from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times_s, fp8_grouped_times_s,
+                                                  grouped_gemm_times_s, is_expert_linear, router_flops, router_times_s,
+                                                  shuffle_time_s)
 from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
 from meshplan.planner.costing.moe_overlap import compute_slowdown, hidden_a2a_share, paired_share
 from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, state_bytes
@@ -305,15 +307,26 @@ def expert_compute_s(layer, config, cluster, info, dtype: str, load: float) -> t
     """(forward, backward) GEMM seconds of the busiest rank's experts, one micro-batch: grouped
     GEMMs by shape at the per-expert rows (`moe_compute.grouped_gemm_times_s`), or, for a model
     that names no expert width, its expert FLOPs on the efficiency curve at the per-expert size."""
-    grouped = grouped_gemm_times_s(layer, config, cluster, info, dtype, load)
+    in_fp8 = experts_in_fp8(config)
+    grouped = (fp8_grouped_times_s(layer, config, cluster, info, load) if in_fp8
+               else grouped_gemm_times_s(layer, config, cluster, info, dtype, load))
     if grouped is not None:
         return grouped
     fwd_flops, bwd_flops, gemms = expert_gemm_flops(layer, config, info)
+    if in_fp8:  # shapes unknown: the fp8 size curve, as a dense block's unknown Linears (no casts counted)
+        return fp8_gemm_time_s(fwd_flops, gemms, cluster), fp8_gemm_time_s(bwd_flops, 2 * gemms, cluster)
     return flop_curve_times_s(fwd_flops, bwd_flops, gemms, cluster, dtype)
 
 
-# The `ParallelConfig` fields the routed experts' times read (`_expert_times`): a memo keys on them.
+# The `ParallelConfig` fields the routed experts' times read (`_expert_times`): a memo keys on them,
+# and on the fp8 ones where the experts run in fp8 (the recipe's casts, a weight's cast per step).
 EXPERT_TIME_FIELDS = ("precision", "rank_microbatch", "tp", "sp", "ep", "expert_tp", "recompute")
+FP8_EXPERT_TIME_FIELDS = ("engine", "fp8_recipe", "num_microbatches")
+
+
+def expert_time_key(config) -> tuple:
+    fields = EXPERT_TIME_FIELDS + (FP8_EXPERT_TIME_FIELDS if experts_in_fp8(config) else ())
+    return tuple(getattr(config, name) for name in fields)
 
 
 def _expert_times(layer, config, cluster, info, profile_dtype: str | None) -> tuple:
@@ -345,15 +358,13 @@ def _exchange_times(layer, config, cluster, info, profile_dtype: str | None, a2a
 def _memo_expert_times(layer, config, cluster, info, profile_dtype: str | None, memo: dict | None) -> tuple:
     """`_expert_times` through `memo`, once per value of the `EXPERT_TIME_FIELDS` (whatever share of
     the all-to-alls is hidden: that is `_exchange_times`')."""
-    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype,
-           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+    key = ("expert_times", id(layer), id(cluster), id(info), profile_dtype, *expert_time_key(config))
     return through(memo, key, _expert_times, layer, config, cluster, info, profile_dtype)
 
 
 def _memo_exchange_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float,
                          memo: dict | None) -> tuple:
-    key = ("expert_exchange", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
-           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))
+    key = ("expert_exchange", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap, *expert_time_key(config))
     return through(memo, key, _exchange_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
 
 

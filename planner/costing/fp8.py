@@ -2,7 +2,10 @@
 
 `fp8` runs a transformer block's dense Linears (q, k, v, o, the MLP's up, gate, down) in fp8 and
 everything else as bf16-mixed: attention's core, norms and elementwise work, the embedding, the
-head (torchtitan's default `filter_fqns = ["output"]`), MoE routed experts (grouped GEMMs).
+head (torchtitan's default `filter_fqns = ["output"]`), and MoE routed experts (grouped GEMMs)
+except under the engines that run those in fp8 too (`experts_in_fp8`: Megatron-Core, whose
+TEGroupedMLP is Transformer Engine's GroupedLinear inside the layer's fp8_autocast; priced by
+`moe_compute.fp8_grouped_times_s`).
 `config.fp8_recipe` names how each GEMM operand is scaled (`RECIPES`; `contracts.config`
 resolves the engine's default). `layer_cost` and `compute_time` read these functions, so the
 ILP and the simulator charge the same thing.
@@ -158,6 +161,20 @@ def fp8_gemm_time_s(flops: float, num_gemms: int, cluster: ClusterProfile) -> fl
     half = gemm.fp8_half_efficiency_flops(device)
     per_gemm = flops / max(1, num_gemms)
     return flops / (peak * device.fp8_matmul_efficiency * per_gemm / (per_gemm + half))
+
+
+# Engines whose routed experts' grouped GEMMs run in fp8 under --precision fp8: Megatron-Core's
+# TEGroupedMLP (megatron/core/transformer/moe/experts.py) is Transformer Engine's GroupedLinear,
+# which the transformer layer's fp8_autocast quantises as any TE Linear (each expert's input,
+# weight and output gradient its own tensor); torchtitan's Float8 converts nn.Linear only (its
+# grouped experts need torchao's separate MoE converter, off by default), and meshplan's own
+# executor runs no fp8.
+FP8_EXPERT_ENGINES = ("megatron",)
+
+
+def experts_in_fp8(config: ParallelConfig) -> bool:
+    """Whether the configuration's routed experts run their grouped GEMMs in fp8 (`FP8_EXPERT_ENGINES`)."""
+    return is_fp8(config.precision) and config.engine in FP8_EXPERT_ENGINES
 
 
 def converts(layer: LayerProfile) -> bool:

@@ -46,6 +46,11 @@ padding).
   they keep, `expert_parallel.dense_part`); `expert_parallel.dense_part(layer, info)` leaves the
   gate's FLOPs out so they are not priced twice.
 
+- fp8 (`fp8.experts_in_fp8`: engines that run routed experts in fp8, Megatron-Core's TEGroupedMLP):
+  the same grouped GEMMs at the fp8 rate and the recipe's scale blocks, plus the recipe's casts
+  (`expert_cast_values`, `fp8_grouped_times_s`): each expert quantises its own tensors, as
+  Transformer Engine's GroupedLinear does (one quantizer per GEMM).
+
 A model that names no `hidden` or `expert_ffn` keeps the FLOP-only curve: the expert FLOPs as
 G n_g equal GEMMs on `device_time.compute_time_s`. Otherwise the rows follow from the expert
 FLOPs and the shapes (`routed_copies`), so the shapes always reproduce the FLOPs.
@@ -54,7 +59,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from meshplan.planner.costing import gemm
+from meshplan.planner.costing import fp8, gemm
 from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 
 # GEMMs per routed expert when the layer's TP split names none: a SwiGLU (gate, up, down).
@@ -136,7 +141,8 @@ def tokens_per_expert(layer, config, info, load: float) -> float:
     return copies * config.expert_tp / local_experts(config, info)
 
 
-def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) -> tuple[float, float] | None:
+def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float,
+                         scale_block: int = 0) -> tuple[float, float] | None:
     """(forward, backward) seconds of the rank's G experts' GEMMs at m rows each, by shape
     (`gemm.linear_times_s`, times G), plus each grouped call's tail for its G - 1 extra groups
     (`grouped_gemm_tail_s`, GPU profiles) and `kernel_overhead_s` per pass (backward two); None
@@ -148,10 +154,41 @@ def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float) 
     if rows <= 0:
         return None
     groups = local_experts(config, info)
-    fwd_s, bwd_s = gemm.linear_times_s(shapes, rows, config.expert_tp, cluster, dtype)
+    fwd_s, bwd_s = gemm.linear_times_s(shapes, rows, config.expert_tp, cluster, dtype, scale_block)
     tail_s = grouped_gemm_tail_s() * (groups - 1) * len(shapes) if cluster.device.num_sms > 0 else 0.0
     overhead_s = cluster.device.kernel_overhead_s
     return groups * fwd_s + tail_s + overhead_s, groups * bwd_s + 2 * tail_s + 2 * overhead_s
+
+
+def expert_cast_values(layer, config, info, load: float) -> tuple[float, float, float]:
+    """(input, weight, output-gradient) values the rank's G experts quantise per micro-batch under
+    fp8 (`fp8.cast_values`' counts for grouped Linears): each expert's fc1 input once (m x h, shared
+    by its gate and up: Megatron-Core's fc1 is one GroupedLinear of width 2f), the down projection's
+    input (m x f / etp), every weight (/ etp), and each Linear's output gradient on m rows."""
+    shapes = expert_linear_shapes(layer, info)
+    rows, groups, etp = tokens_per_expert(layer, config, info, load), local_experts(config, info), config.expert_tp
+    columns = [(i, o) for i, o, column in shapes if column]
+    down = [(i, o) for i, o, column in shapes if not column]
+    inputs = rows * ((columns[0][0] if columns else 0) + sum(i / etp for i, _ in down))
+    weights = sum(i * o for i, o, _ in shapes) / etp
+    grads = rows * (sum(o / etp for _, o in columns) + sum(o for _, o in down))
+    return groups * inputs, groups * weights, groups * grads
+
+
+def fp8_grouped_times_s(layer, config, cluster, info, load: float) -> tuple[float, float] | None:
+    """(forward, backward) seconds of the rank's experts in fp8 (`fp8.experts_in_fp8`): their grouped
+    GEMMs by shape at the fp8 rate (`grouped_gemm_times_s`, the recipe's scale blocks read beside
+    the operands) plus the recipe's casts of `expert_cast_values` at the achieved bandwidth, weights
+    once per step where the engine caches them (`fp8.weight_cast_share`); None when the model names
+    no expert shapes. The experts' saved inputs stay priced as bf16 (Transformer Engine keeps fp8
+    copies: memory slightly over)."""
+    chosen = fp8.recipe_of(config)
+    grouped = grouped_gemm_times_s(layer, config, cluster, info, "fp8", load, chosen.scale_block)
+    if grouped is None:
+        return None
+    cast_fwd_s, cast_bwd_s = fp8.cast_times_s(chosen, expert_cast_values(layer, config, info, load),
+                                              fp8.weight_cast_share(config), cluster)
+    return grouped[0] + cast_fwd_s, grouped[1] + cast_bwd_s
 
 
 def flop_curve_times_s(fwd_flops: float, bwd_flops: float, num_gemms: int, cluster, dtype: str) -> tuple[float, float]:

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import expert_parallel as epm
 from meshplan.planner.costing import gemm, moe_compute
 from meshplan.planner.costing.collectives import collective_time_s, group_placement
@@ -232,3 +233,33 @@ def test_the_dense_parts_linears_are_priced_by_shape_as_a_dense_blocks():
         (HIDDEN, 1024, True), (HIDDEN, 1024, True), (1024, HIDDEN, False))
     # the whole MoE block (routed experts included) is not a dense block's shapes
     assert gemm.block_linear_shapes(moe, info, SEQ) == ()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_megatron_runs_the_experts_in_fp8_with_their_casts(graph, recipe):
+    """Under --engine megatron and fp8 the rank's G experts run their grouped GEMMs at the fp8 rate
+    by shape and pay the recipe's casts: per expert its fc1 input (m x h, once for gate and up), its
+    down projection's input (m x f), its output gradients (m x 2f and m x h), and its weights
+    (3 h f) once per step of `num_microbatches`; under torchtitan (whose Float8 converts nn.Linear
+    only) and bf16 the experts keep the bf16 grouped GEMMs."""
+    from meshplan.planner.costing import fp8
+    from meshplan.planner.costing.device_time import memory_time_s
+
+    gpus, m = 8, 4
+    config = ParallelConfig(gpus=gpus, global_batch=gpus * m, dp=gpus, ep=4, precision="fp8",
+                            fp8_recipe=recipe, engine="megatron")
+    block, groups, rows = _block(graph), EXPERTS // 4, 1024 * 2 * 4 / 16
+    assert config.num_microbatches == m and moe_compute.tokens_per_expert(block, config, graph.info, 1.0) == rows
+    chosen = fp8.RECIPES[recipe]
+    inputs = groups * rows * (HIDDEN + WIDTH)
+    grads = groups * rows * (2 * WIDTH + HIDDEN)
+    weights = groups * 3 * HIDDEN * WIDTH
+    cast_fwd = memory_time_s(inputs * chosen.activation_cast_bytes + weights / m * chosen.weight_cast_bytes, H100)
+    cast_bwd = memory_time_s(grads * chosen.activation_cast_bytes, H100)
+    gemm_fwd, gemm_bwd = moe_compute.grouped_gemm_times_s(block, config, H100, graph.info, "fp8", 1.0)
+    assert epm.expert_compute_s(block, config, H100, graph.info, "bf16", 1.0) == pytest.approx(
+        (gemm_fwd + cast_fwd, gemm_bwd + cast_bwd), rel=1e-12)
+    bf16 = moe_compute.grouped_gemm_times_s(block, config, H100, graph.info, "bf16", 1.0)
+    for other in (replace(config, engine="torchtitan", fp8_recipe="tensorwise"),
+                  replace(config, precision="bf16-mixed", fp8_recipe=None)):
+        assert epm.expert_compute_s(block, other, H100, graph.info, "bf16", 1.0) == pytest.approx(bf16, rel=1e-12)
