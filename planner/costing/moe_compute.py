@@ -180,8 +180,9 @@ def fp8_grouped_times_s(layer, config, cluster, info, load: float) -> tuple[floa
     GEMMs by shape at the fp8 rate (`grouped_gemm_times_s`, the recipe's scale blocks read beside
     the operands) plus the recipe's casts of `expert_cast_values` at the achieved bandwidth, weights
     once per step where the engine caches them (`fp8.weight_cast_share`); None when the model names
-    no expert shapes. The experts' saved inputs stay priced as bf16 (Transformer Engine keeps fp8
-    copies: memory slightly over)."""
+    no expert shapes. Their saved inputs are already fp8 in that engine's memory recipe
+    (`megatron_activations.routed_expert_terms`: Transformer Engine keeps the fp8 copies), which
+    this time now agrees with."""
     chosen = fp8.recipe_of(config)
     grouped = grouped_gemm_times_s(layer, config, cluster, info, "fp8", load, chosen.scale_block)
     if grouped is None:
