@@ -45,7 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
-from published_dgx_cloud_runs import DGX_CLOUD_250504_LLAMA, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA  # noqa: E402
+from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
+                                      DGX_CLOUD_2504_NEMOTRON)
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
@@ -168,7 +169,8 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_DEEPSEEK_V3_CARD: "Megatron-Bridge DeepSeek-V3 verification card, 1,024 H100",
                  DGX_CLOUD_2504_LLAMA: "DGX Cloud benchmarking v25.04 Llama 3.1",
                  DGX_CLOUD_250504_LLAMA: "DGX Cloud benchmarking v25.05.04 Llama 3.1 405B",
-                 DGX_CLOUD_2504_GPT3: "DGX Cloud benchmarking v25.04 GPT-3 175B"}
+                 DGX_CLOUD_2504_GPT3: "DGX Cloud benchmarking v25.04 GPT-3 175B",
+                 DGX_CLOUD_2504_NEMOTRON: "DGX Cloud benchmarking v25.04 Nemotron-4"}
 
 
 def layout_band(scored: Sequence[Scored]) -> str | None:
@@ -354,9 +356,9 @@ def cross_validated() -> None:
 
 
 BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megatron-LM README's H100 strong-scaling "
-                      "ends, MosaicML MPT, torchtitan FSDP2, DGX Cloud's Llama 3.1 and GPT-3)",
+                      "ends, MosaicML MPT, torchtitan FSDP2, DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
              "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8, Megatron-Bridge's DGX-H100 Llama, "
-                    "DGX Cloud's Llama 3.1 and GPT-3)",
+                    "DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
              "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
                     "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}
 

@@ -1,5 +1,5 @@
 """Held-out dense runs from NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking):
-every H100 pre-training row of their dense Llama 3.1 and GPT-3 175B tables, in BF16 (`HELD_OUT`)
+every H100 pre-training row of their dense Llama 3.1, GPT-3 175B and Nemotron-4 tables, in BF16 (`HELD_OUT`)
 and FP8 (`HELD_OUT_FP8`), each under the recipe its release runs (`published_runs`'s docstring lists
 what is used and what is left out, and why).
 
@@ -121,5 +121,50 @@ def dgx_cloud_gpt3_runs() -> list[Run]:
     return runs
 
 
+DGX_CLOUD_2504_NEMOTRON = (
+    "NVIDIA dgxc-benchmarking v25.04 nemotron/README.md, H100 tables (github.com/NVIDIA/dgxc-benchmarking, commit "
+    "741c886025a7665a1d690c05ff12ac29c1be7252); recipe: its launch.sh over NeMo's nemotron4_15b and nemotron4_340b "
+    "recipes (performance_mode) at commit d2b21556f2455b52ad7217f334bb66eaa13c0f83 (github.com/NVIDIA/NeMo)")
+# Nemotron-4 (NeMo's Nemotron4Config15B / 340B): grouped-query attention (8 KV heads), a plain MLP of
+# width 4h with squared ReLU, LayerNorm, RoPE, no biases, untied embeddings, a 256,000-token vocabulary.
+NEMOTRON4 = {"15B": "gpt:layers=32,hidden=6144,heads=48,kv_heads=8,ffn=24576,vocab=256000,tied=0,positions=4096",
+             "340B": "gpt:layers=96,hidden=18432,heads=96,kv_heads=8,ffn=73728,vocab=256000,tied=0,positions=4096"}
+NEMOTRON_ASSUMPTIONS = (
+    "Nemotron-4 as meshplan's GPT block with grouped-query attention (`kv_heads`): its squared ReLU priced as "
+    "GELU's elementwise work, its learned positions (RoPE in the model) and biases (none in the model) under "
+    "0.3% of the parameters",
+    "the distributed optimizer costed as ZeRO-1; sequence parallelism with TP; TP communication overlapped with "
+    "userbuffers (the recipes' MegatronCommOverlapCallback(tp_comm_overlap=True))",
+    "gradients reduced in fp32 under BF16 (the recipes leave grad_reduce_in_fp32 on), in bf16 under FP8",
+    "cuDNN fused attention (Transformer Engine's choice on Hopper); no recomputation; Megatron-Core's fused "
+    "cross-entropy (NeMo's GPTConfig default)",
+    "340B: 12 virtual stages, one layer a chunk (launch.sh's VP=12; the README's table prints VP as NA)",
+)
+
+
+def dgx_cloud_nemotron_runs() -> list[Run]:
+    """DGX Cloud's Nemotron-4 H100 rows: 15B (TP 2, micro-batch 2, global batch 4 x GPUs) on 16-2,048
+    GPUs and 340B (TP 8, PP 8, 12 virtual stages, micro-batch 1, global batch GPUs / 4) on 256-2,048,
+    BF16 and FP8, 4,096 tokens (launch.sh's settings)."""
+    steps = {("15B", "bf16-mixed"): (2.66, 2.66, 2.67, 2.67, 2.68, 2.71, 2.74, 2.78),
+             ("15B", "fp8"): (1.98, 1.98, 1.98, 1.99, 2.0, 2.02, 2.03, 2.09),
+             ("340B", "bf16-mixed"): (4.36, 4.39, 4.41, 4.43), ("340B", "fp8"): (2.93, 2.97, 3.0, 3.05)}
+    runs = []
+    for (size, precision), row in steps.items():
+        fp8 = precision == "fp8"
+        small = size == "15B"
+        gpu_counts = (16, 32, 64, 128, 256, 512, 1024, 2048) if small else (256, 512, 1024, 2048)
+        for gpus, step in zip(gpu_counts, row):
+            tp, pp, vpp, mbs = (2, 1, 1, 2) if small else (8, 8, 12, 1)
+            runs.append(Run(f"DGX Cloud Nemotron-4 {size} {'fp8' if fp8 else 'bf16'} tp{tp} pp{pp} x{gpus}",
+                            HELD_OUT_FP8 if fp8 else HELD_OUT, DGX_CLOUD_2504_NEMOTRON, "h100-sxm", NEMOTRON4[size],
+                            gpus, 4 * gpus if small else gpus // 4, 4096, tp=tp, pp=pp, mbs=mbs, sp=True, zero=1,
+                            vpp_options=(vpp,), precision=precision, fp8_recipe="delayed" if fp8 else None,
+                            engine="megatron", attention="cudnn", published_step_s=step, grad_reduce_in_bf16=fp8,
+                            cross_entropy_fusion="native",
+                            assumptions=NEMOTRON_ASSUMPTIONS + ((NEMO_FP8,) if fp8 else ())))
+    return runs
+
+
 def dgx_cloud_dense_runs() -> list[Run]:
-    return dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs()
+    return dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs() + dgx_cloud_nemotron_runs()

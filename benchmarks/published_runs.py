@@ -24,8 +24,9 @@ Held out:
   whose activation checkpointing meshplan expresses (none or full).
 - NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking), their dense H100
   pre-training tables, every GPU count: Llama 3.1 8B, 70B, 405B and its proxies (v25.04; 405B on
-  512 GPUs from v25.05.04, the later release printing that layout) and GPT-3 175B (v25.04), BF16
-  here and FP8 below, each under its release's NeMo recipe (`published_dgx_cloud_runs`).
+  512 GPUs from v25.05.04, the later release printing that layout), GPT-3 175B and Nemotron-4 15B
+  and 340B (v25.04), BF16 here and FP8 below, each under its release's NeMo recipe
+  (`published_dgx_cloud_runs`).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
 FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, under delayed scaling (Composer's amp_fp8);
@@ -102,8 +103,7 @@ gives; the Blackwell rows' recipes, as for DeepSeek-V3, not yet read) and its 25
 468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
 8x22B layout was found either.
 
-Left out, DGX Cloud: Nemotron-4 15B and 340B (a non-gated squared-ReLU MLP with grouped-query
-attention, which no meshplan model spec describes), the Grok-1 and Llama 4 rows (MoE, not yet read),
+Left out, DGX Cloud: the Grok-1 and Llama 4 rows (MoE, not yet read),
 the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure.
 
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);

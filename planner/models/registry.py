@@ -77,7 +77,7 @@ PUBLISHED_CONFIGS: dict[str, str] = {
 PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 
 _PARAMETRIC_KEYS = {
-    "gpt": {"layers", "hidden", "heads", "vocab", "ffn", "tied", "positions"},
+    "gpt": {"layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "tied", "positions"},
     "llama": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "rope_theta"},
     "moe": {"layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab", "shared_experts",
             "dense_layers", "ffn", "tied", "rope_theta", "head_dim", "qk_norm", "aux_loss"},

@@ -143,7 +143,7 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
     """DGX Cloud's dense tables print each row's tokens/s beside its step time: every transcribed
     row's global batch x sequence over its step gives that figure (0.1%: the steps' printed
     digits), which pins the global batches the recipes set (16 per GPU for 8B, 2 for 70B and GPT-3,
-    one per two GPUs for 405B, the proxies' own); the layouts fill the GPUs; each proxy's blocks
+    one per two GPUs for 405B, the proxies' own, 4 for Nemotron-4 15B, one per four GPUs for 340B); the layouts fill the GPUs; each proxy's blocks
     with the embedding and the loss fill its chunks evenly (the recipe's account_for_* split); and the model
     FLOPs per sample the READMEs print (4.74E+14, 2.17E+16, 2.20E+15) are meshplan's count with
     attention in full (1%)."""
@@ -157,7 +157,10 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
         ("405B proxy", "bf16"): (97090, 51910, 53444), ("405B proxy", "fp8"): (148524, 82957, 86090),
         ("405B", "bf16"): (105863, 211406, 422175), ("405B", "fp8"): (161072, 337706, 667883),
         ("GPT-3 175B", "bf16"): (63099, 124712, 249068, 496191, 988057),
-        ("GPT-3 175B", "fp8"): (93190, 183157, 363206, 720671, 1407485)}
+        ("GPT-3 175B", "fp8"): (93190, 183157, 363206, 720671, 1407485),
+        ("Nemotron-4 15B", "bf16"): (98550, 197101, 392725, 785450, 1565039, 3095427, 6123072, 12069940),
+        ("Nemotron-4 15B", "fp8"): (132396, 264792, 529584, 1053845, 2097152, 4152776, 8264638, 16054752),
+        ("Nemotron-4 340B", "bf16"): (60125, 119428, 237772, 473398), ("Nemotron-4 340B", "fp8"): (89469, 176528, 349525, 687591)}
     checked = 0
     for (label, precision), figures in tokens_per_s.items():
         rows = [r for r in runs if f" {label} {precision}" in r.name or (label == "405B proxy" and "proxy" in r.name
@@ -168,7 +171,7 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
             assert run.global_batch * run.seq / run.published_step_s == pytest.approx(figure, rel=1e-3), run.name
             assert run.gpus % (run.tp * run.pp * run.cp) == 0 and run.vpp_options[0] >= 1
             checked += 1
-    assert checked == len(runs) == 44
+    assert checked == len(runs) == 68
     for run in runs:
         if "proxy" in run.name and run.pp > 1:
             blocks = fit.graph_of(run.spec, run.seq, run.attention).info.num_layers

@@ -72,6 +72,17 @@ def test_vocab_padding_scales_with_tp():
     assert cfg.padded_vocab(1) == 50304 and cfg.padded_vocab(8) == 51200  # multiple of 128 * t
 
 
+def test_gpt_with_grouped_query_attention_has_narrower_k_and_v():
+    """`kv_heads` on a GPT spec (Nemotron-4's plain MLP with grouped-query attention): each block's
+    k and v project to kv_heads x head_dim with their biases, 2 (h - kv h/heads)(h + 1) parameters
+    fewer a block than multi-head attention; the graph's TP split names the KV heads."""
+    mha = build_model("gpt:layers=2,hidden=64,heads=8,vocab=256", 16)
+    gqa = build_model("gpt:layers=2,hidden=64,heads=8,kv_heads=2,vocab=256", 16)
+    kv_width = 2 * 64 // 8
+    assert _num_params(mha.module) - _num_params(gqa.module) == 2 * 2 * (64 - kv_width) * (64 + 1)
+    assert gqa.config.kv_heads == 2
+
+
 def test_untied_gpt_has_separate_head():
     tied = _num_params(build_model("gpt:layers=1,hidden=64,heads=2,vocab=256", 16).module)
     untied = _num_params(build_model("gpt:layers=1,hidden=64,heads=2,vocab=256,tied=0", 16).module)
