@@ -46,6 +46,24 @@ PROXY = ("a 405B proxy: Llama 3.1 405B's shape with the layer count llama31_util
          "account_for_embedding/loss_in_pipeline_split)")
 
 
+def nemo_run(name: str, source: str, spec: str, gpus: int, global_batch: int, seq: int, precision: str,
+             step_s: float, assumptions: tuple[str, ...], **layout) -> Run:
+    """One DGX Cloud row as every NeMo recipe here runs it: on h100-sxm under `--engine megatron`, the
+    distributed optimizer (ZeRO-1), cuDNN attention, FP8 as delayed scaling (`NEMO_FP8`), held out
+    with the BF16 or the FP8 runs; `layout` holds the row's degrees and its recipe's switches."""
+    fp8 = precision == "fp8"
+    return Run(f"DGX Cloud {name} {'fp8' if fp8 else 'bf16'} {_degrees(layout)} x{gpus}",
+               HELD_OUT_FP8 if fp8 else HELD_OUT, source, "h100-sxm", spec, gpus, global_batch, seq, zero=1,
+               precision=precision, fp8_recipe="delayed" if fp8 else None, engine="megatron", attention="cudnn",
+               published_step_s=step_s, assumptions=assumptions + ((NEMO_FP8,) if fp8 else ()), **layout)
+
+
+def _degrees(layout: dict) -> str:
+    """The name's layout: tp and pp always, cp where the rows print it."""
+    cp = f" cp{layout['cp']}" if "cp" in layout else ""
+    return f"tp{layout.get('tp', 1)} pp{layout.get('pp', 1)}{cp}"
+
+
 def llama_405b_spec(layers: int) -> str:
     """Llama 3.1 405B's shape (meshplan's llama3-405b) at `layers` blocks: the recipe's proxies."""
     return f"llama:layers={layers},hidden=16384,heads=128,kv_heads=8,ffn=53248,vocab=128256,rope_theta=500000"
@@ -80,17 +98,10 @@ def dgx_cloud_llama_runs() -> list[Run]:
     """DGX Cloud's Llama 3.1 H100 rows: 8B (TP 1, CP 2), 70B (BF16: TP 4, PP 4, CP 2; FP8: TP 4,
     PP 8; 5 virtual stages), 405B (TP 8, PP 8, CP 2, 8 virtual stages) and its proxies, MBS 1, 8K
     tokens, at every GPU count the tables print."""
-    runs = []
-    for label, spec, gpus, gbs, tp, pp, cp, vpp, precision, step, source in LLAMA_ROWS:
-        fp8 = precision == "fp8"
-        assumptions = NEMO_LLAMA_ASSUMPTIONS + ((NEMO_FP8,) if fp8 else ()) + ((PROXY,) if "proxy" in label else ())
-        runs.append(Run(f"DGX Cloud Llama3.1 {label} {'fp8' if fp8 else 'bf16'} tp{tp} pp{pp} cp{cp} x{gpus}",
-                        HELD_OUT_FP8 if fp8 else HELD_OUT, source, "h100-sxm", spec, gpus, gbs, 8192, tp=tp, pp=pp,
-                        cp=cp, sp=tp > 1, zero=1, vpp_options=(vpp,), precision=precision,
-                        fp8_recipe="delayed" if fp8 else None, engine="megatron", attention="cudnn",
-                        published_step_s=step, grad_reduce_in_bf16=True, cross_entropy_fusion="native",
-                        assumptions=assumptions))
-    return runs
+    return [nemo_run(f"Llama3.1 {label}", source, spec, gpus, gbs, 8192, precision, step,
+                     NEMO_LLAMA_ASSUMPTIONS + ((PROXY,) if "proxy" in label else ()), tp=tp, pp=pp, cp=cp, sp=tp > 1,
+                     vpp_options=(vpp,), grad_reduce_in_bf16=True, cross_entropy_fusion="native")
+            for label, spec, gpus, gbs, tp, pp, cp, vpp, precision, step, source in LLAMA_ROWS]
 
 
 GPT3_ASSUMPTIONS = (
@@ -108,17 +119,10 @@ GPT3_ASSUMPTIONS = (
 def dgx_cloud_gpt3_runs() -> list[Run]:
     """DGX Cloud's GPT-3 175B H100 rows (NeMo Megatron), BF16 and FP8, 128-2,048 GPUs."""
     steps = {"bf16-mixed": (8.309, 8.408, 8.42, 8.453, 8.49), "fp8": (5.626, 5.725, 5.774, 5.82, 5.96)}
-    runs = []
-    for precision, row in steps.items():
-        fp8 = precision == "fp8"
-        for gpus, step in zip((128, 256, 512, 1024, 2048), row):
-            runs.append(Run(f"DGX Cloud GPT-3 175B {'fp8' if fp8 else 'bf16'} tp4 pp8 x{gpus}",
-                            HELD_OUT_FP8 if fp8 else HELD_OUT, DGX_CLOUD_2504_GPT3, "h100-sxm",
-                            gpt_spec(96, 12288, 96), gpus, 2 * gpus, 2048, tp=4, pp=8, sp=True, zero=1,
-                            vpp_options=(6,), precision=precision, fp8_recipe="delayed" if fp8 else None,
-                            engine="megatron", attention="cudnn", published_step_s=step, grad_reduce_in_bf16=True,
-                            cross_entropy_fusion="none", assumptions=GPT3_ASSUMPTIONS + ((NEMO_FP8,) if fp8 else ())))
-    return runs
+    return [nemo_run("GPT-3 175B", DGX_CLOUD_2504_GPT3, gpt_spec(96, 12288, 96), gpus, 2 * gpus, 2048, precision, step,
+                     GPT3_ASSUMPTIONS, tp=4, pp=8, sp=True, vpp_options=(6,), grad_reduce_in_bf16=True,
+                     cross_entropy_fusion="none")
+            for precision, row in steps.items() for gpus, step in zip((128, 256, 512, 1024, 2048), row)]
 
 
 DGX_CLOUD_2504_NEMOTRON = (
@@ -151,18 +155,14 @@ def dgx_cloud_nemotron_runs() -> list[Run]:
              ("340B", "bf16-mixed"): (4.36, 4.39, 4.41, 4.43), ("340B", "fp8"): (2.93, 2.97, 3.0, 3.05)}
     runs = []
     for (size, precision), row in steps.items():
-        fp8 = precision == "fp8"
         small = size == "15B"
         gpu_counts = (16, 32, 64, 128, 256, 512, 1024, 2048) if small else (256, 512, 1024, 2048)
-        for gpus, step in zip(gpu_counts, row):
-            tp, pp, vpp, mbs = (2, 1, 1, 2) if small else (8, 8, 12, 1)
-            runs.append(Run(f"DGX Cloud Nemotron-4 {size} {'fp8' if fp8 else 'bf16'} tp{tp} pp{pp} x{gpus}",
-                            HELD_OUT_FP8 if fp8 else HELD_OUT, DGX_CLOUD_2504_NEMOTRON, "h100-sxm", NEMOTRON4[size],
-                            gpus, 4 * gpus if small else gpus // 4, 4096, tp=tp, pp=pp, mbs=mbs, sp=True, zero=1,
-                            vpp_options=(vpp,), precision=precision, fp8_recipe="delayed" if fp8 else None,
-                            engine="megatron", attention="cudnn", published_step_s=step, grad_reduce_in_bf16=fp8,
-                            cross_entropy_fusion="native",
-                            assumptions=NEMOTRON_ASSUMPTIONS + ((NEMO_FP8,) if fp8 else ())))
+        tp, pp, vpp, mbs = (2, 1, 1, 2) if small else (8, 8, 12, 1)
+        runs += [nemo_run(f"Nemotron-4 {size}", DGX_CLOUD_2504_NEMOTRON, NEMOTRON4[size], gpus,
+                          4 * gpus if small else gpus // 4, 4096, precision, step, NEMOTRON_ASSUMPTIONS, tp=tp, pp=pp,
+                          mbs=mbs, sp=True, vpp_options=(vpp,), grad_reduce_in_bf16=precision == "fp8",
+                          cross_entropy_fusion="native")
+                 for gpus, step in zip(gpu_counts, row)]
     return runs
 
 

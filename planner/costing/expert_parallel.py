@@ -365,7 +365,8 @@ def _memo_expert_times(layer, config, cluster, info, profile_dtype: str | None, 
 
 def _memo_exchange_times(layer, config, cluster, info, profile_dtype: str | None, a2a_overlap: float,
                          memo: dict | None) -> tuple:
-    key = ("expert_exchange", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap, *expert_time_key(config))
+    key = ("expert_exchange", id(layer), id(cluster), id(info), profile_dtype, a2a_overlap,
+           *(getattr(config, name) for name in EXPERT_TIME_FIELDS))  # the fp8 fields do not move the all-to-alls
     return through(memo, key, _exchange_times, layer, config, cluster, info, profile_dtype, a2a_overlap)
 
 

@@ -244,8 +244,14 @@ def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_
     shapes, as many gradient values as input values."""
     replicated, sharded = linear_input_bytes(layer, info)
     inputs = (replicated + sharded / tp) * mbs / elem_bytes
-    grads = tokens * sum(out_dim / tp if column else out_dim for _, out_dim, column in shapes) if shapes else inputs
+    grads = output_gradient_values(shapes, tokens, tp) if shapes else inputs
     return inputs, linear_params(layer, info) / tp, grads
+
+
+def output_gradient_values(shapes, rows: float, tp: int) -> float:
+    """Output-gradient values the (in, out, column) Linears `shapes` cast on `rows` rows, each split
+    `tp` ways: a column Linear's output / tp, a row Linear's whole."""
+    return rows * sum(out_dim / tp if column else out_dim for _, out_dim, column in shapes)
 
 
 # Engines whose fp8 Linears quantise a weight once per step and reuse it on every micro-batch

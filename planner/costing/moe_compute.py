@@ -167,11 +167,10 @@ def expert_cast_values(layer, config, info, load: float) -> tuple[float, float, 
     input (m x f / etp), every weight (/ etp), and each Linear's output gradient on m rows."""
     shapes = expert_linear_shapes(layer, info)
     rows, groups, etp = tokens_per_expert(layer, config, info, load), local_experts(config, info), config.expert_tp
-    columns = [(i, o) for i, o, column in shapes if column]
-    down = [(i, o) for i, o, column in shapes if not column]
-    inputs = rows * ((columns[0][0] if columns else 0) + sum(i / etp for i, _ in down))
+    first_column = next((i for i, _, column in shapes if column), 0)
+    inputs = rows * (first_column + sum(i / etp for i, _, column in shapes if not column))
     weights = sum(i * o for i, o, _ in shapes) / etp
-    grads = rows * (sum(o / etp for _, o in columns) + sum(o for _, o in down))
+    grads = fp8.output_gradient_values(shapes, rows, etp)
     return groups * inputs, groups * weights, groups * grads
 
 
