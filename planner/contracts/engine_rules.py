@@ -27,6 +27,13 @@ EARLY_STOP_RECOMPUTE_ENGINES = ("meshplan", "torchtitan", "llm-foundry")
 # `tensor_parallel.checkpoint` and DeepSpeed's activation checkpointing are reentrant autograd
 # functions, so an early stop cannot be asked of them (`ParallelConfig.recompute_early_stop`).
 FULL_RERUN_RECOMPUTE_ENGINES = ("megatron", "deepspeed")
+# Engines whose tensor parallelism splits the embedding and the output layer over the vocabulary
+# whatever model they train: Megatron-Core builds every GPT model (a Hugging Face one through
+# Megatron-Bridge's conversion too) with a VocabParallelEmbedding and a ColumnParallelLinear output
+# layer; torchtitan's parallelize functions shard tok_embeddings row-wise and output column-wise.
+# meshplan's executor keeps a Hugging Face model's embedding and head whole on every rank
+# (`executor.parallel.hf`), so under it those layers stay replicated (`costing.tp_split.as_engine_splits`).
+VOCAB_PARALLEL_ENGINES = ("megatron", "torchtitan")
 
 
 def early_stop_default(engine: str) -> bool:

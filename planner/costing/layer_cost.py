@@ -28,7 +28,7 @@ from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, grad_wire_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
-from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
+from meshplan.planner.costing.tp_split import as_engine_splits, extra_vocab_params, is_split, vocab_scale
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
     `memo`: a dict the caller keeps for calls on one graph and cluster (the search's cost
     tables): a MoE block's dense part is priced once for all its expert layouts (`_dense_of`).
     """
+    layer = as_engine_splits(layer, config.engine, config.tp, info)  # the engine's vocabulary split
     _check(layer, config, info)
     local = _data_rank_cost(layer, config, cluster, info, profile_dtype, holds_shared, attention, state_recipe, memo)
     if module_recompute.applies(layer, config, info):  # Megatron-Core's --recompute-modules rerun their forwards

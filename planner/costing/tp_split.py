@@ -1,8 +1,35 @@
-"""How a layer's tensors split under tensor parallelism: which layers split, and Megatron's
-vocabulary padded to a multiple of 128 * tp (the profile was built for tp = 1)."""
+"""How a layer's tensors split under tensor parallelism: which layers split, the engines' vocabulary
+split of a Hugging Face model's embedding and head, and Megatron's vocabulary padded to a multiple
+of 128 * tp (the profile was built for tp = 1)."""
 from __future__ import annotations
 
-from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from dataclasses import replace
+
+from meshplan.planner.contracts.engine_rules import VOCAB_PARALLEL_ENGINES
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo, TPSplit
+
+# Megatron-LM's --make-vocab-size-divisible-by default: the vocabulary is padded to a multiple of 128 * tp.
+VOCAB_DIVISOR = 128
+# (id(layer), tp) -> (layer, the layer as a vocab-parallel engine splits it). The layer is kept so
+# its id is never reused while the entry lives: the cost memos key on id(layer).
+_ENGINE_SPLITS: dict[tuple[int, int], tuple[LayerProfile, LayerProfile]] = {}
+
+
+def as_engine_splits(layer: LayerProfile, engine: str, tp: int, info: ModelInfo) -> LayerProfile:
+    """`layer` as `engine` splits it at `tp`: a Hugging Face model's embedding and head, which the
+    profile records replicated (meshplan's executor keeps them whole), are vocab-parallel under the
+    engines that split every model's vocabulary (`engine_rules.VOCAB_PARALLEL_ENGINES`), their
+    vocabulary padded to a multiple of 128 * tp as Megatron-LM pads it (`vocab_scale` prices the
+    padding). Any other layer is returned as it is. The same object for the same layer and tp."""
+    if (tp == 1 or engine not in VOCAB_PARALLEL_ENGINES or info.family != "hf"
+            or layer.kind not in ("embedding", "head") or layer.tp_split.kind != "none" or not info.vocab):
+        return layer
+    key = (id(layer), tp)
+    if key not in _ENGINE_SPLITS:
+        multiple = VOCAB_DIVISOR * tp
+        split = TPSplit(kind="vocab", vocab_size=-(-info.vocab // multiple) * multiple)
+        _ENGINE_SPLITS[key] = (layer, replace(layer, tp_split=split))
+    return _ENGINE_SPLITS[key][1]
 
 
 def is_split(layer: LayerProfile, tp: int) -> bool:
@@ -14,7 +41,7 @@ def vocab_scale(layer: LayerProfile, tp: int, info: ModelInfo) -> float:
     """Megatron pads the vocabulary to a multiple of 128*t: the profile was built for t = 1."""
     if layer.tp_split.kind != "vocab" or tp == 1 or not info.vocab or not info.padded_vocab:
         return 1.0
-    multiple = 128 * tp
+    multiple = VOCAB_DIVISOR * tp
     padded = -(-info.vocab // multiple) * multiple
     return padded / info.padded_vocab
 
