@@ -21,6 +21,7 @@ transformers' own errors are cut to their first line (the chained exception, sho
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 import sys
@@ -151,7 +152,9 @@ def check_keys(path_text: str, data: dict, config_class) -> tuple[str, ...]:
     return (f"config keys {config_class.__name__} does not read (ignored): {', '.join(ignored)}",)
 
 
-def _declared_keys(config_class) -> set[str]:
+@functools.cache
+def _declared_keys(config_class) -> frozenset[str]:
+    """Once per class: profiling and planning read a config several times, and this instantiates it."""
     import transformers
 
     keys = set(inspect.signature(config_class.__init__).parameters) - {"self", "kwargs"}
@@ -161,12 +164,14 @@ def _declared_keys(config_class) -> set[str]:
             keys |= set(make().to_dict())
         except Exception:  # noqa: BLE001 - a config class without defaults: its signature still counts
             pass
-    return keys
+    return frozenset(keys)
 
 
-def _source_identifiers(config_class) -> set[str]:
+@functools.cache
+def _source_identifiers(config_class) -> frozenset[str]:
     """Identifiers in the source of the config class's module, its model's modeling module and
-    transformers' config and RoPE utilities (where legacy keys are converted)."""
+    transformers' config and RoPE utilities (where legacy keys are converted); once per class (it
+    reads and tokenises those modules' source)."""
     import transformers
     from transformers import configuration_utils, modeling_rope_utils
 
@@ -181,4 +186,4 @@ def _source_identifiers(config_class) -> set[str]:
             names |= set(re.findall(r"[A-Za-z_]\w*", inspect.getsource(module)))
         except (OSError, TypeError):
             continue
-    return names
+    return frozenset(names)
