@@ -139,7 +139,8 @@ NEMOTRON_ASSUMPTIONS = (
     "0.3% of the parameters",
     "the distributed optimizer costed as ZeRO-1; sequence parallelism with TP; TP communication overlapped with "
     "userbuffers (the recipes' MegatronCommOverlapCallback(tp_comm_overlap=True))",
-    "gradients reduced in fp32 under BF16 (the recipes leave grad_reduce_in_fp32 on), in bf16 under FP8",
+    "gradients reduced in bf16 (the recipes' pretrain_performance_optimizations set grad_reduce_in_fp32 = False, "
+    "and the performance scripts set it False again with the FP8 plugin)",
     "cuDNN fused attention (Transformer Engine's choice on Hopper); no recomputation; Megatron-Core's fused "
     "cross-entropy (NeMo's GPTConfig default)",
     "340B: 12 virtual stages, one layer a chunk (launch.sh's VP=12; the README's table prints VP as NA)",
@@ -160,7 +161,7 @@ def dgx_cloud_nemotron_runs() -> list[Run]:
         tp, pp, vpp, mbs = (2, 1, 1, 2) if small else (8, 8, 12, 1)
         runs += [nemo_run(f"Nemotron-4 {size}", DGX_CLOUD_2504_NEMOTRON, NEMOTRON4[size], gpus,
                           4 * gpus if small else gpus // 4, 4096, precision, step, NEMOTRON_ASSUMPTIONS, tp=tp, pp=pp,
-                          mbs=mbs, sp=True, vpp_options=(vpp,), grad_reduce_in_bf16=precision == "fp8",
+                          mbs=mbs, sp=True, vpp_options=(vpp,), grad_reduce_in_bf16=True,
                           cross_entropy_fusion="native")
                  for gpus, step in zip(gpu_counts, row)]
     return runs
