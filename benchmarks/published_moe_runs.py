@@ -51,6 +51,8 @@ ZOO_SPLIT = ("the embedding and the loss counted as a layer each in the pipeline
              "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split)")
 # Neither the config nor sbatch_benchmarking.sh passes --tp-comm-overlap, which Megatron-LM leaves off.
 ZOO_TP = "TP communication not overlapped (the ModelZoo's scripts pass no --tp-comm-overlap; Megatron-LM's default)"
+# The config's --cross-entropy-loss-fusion with --cross-entropy-fusion-impl te.
+ZOO_LOSS = "Transformer Engine's fused cross-entropy (the config's --cross-entropy-fusion-impl te)"
 
 
 def moe_runs() -> list[Run]:
@@ -69,38 +71,41 @@ def moe_runs() -> list[Run]:
         Run("Megatron-MoE Qwen3-235B tp2 ep8 fsdp full", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, mbs=4, zero=3, recompute="full", sp=True, ep=8, etp=1,
             published_step_s=17.6, moe_dispatcher="deepep", engine="megatron", attention="cudnn", tp_comm_overlap=False,
-            assumptions=qwen[:1] + qwen[2:] + deepep + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks", ZOO_TP)),
+            cross_entropy_fusion="te",
+            assumptions=qwen[:1] + qwen[2:] + deepep + ("Megatron FSDP costed as ZeRO-3 over the 128 data ranks", ZOO_TP,
+                                                        ZOO_LOSS)),
         # TP 4, PP 8 with 4 virtual stages, EP 8, DP 8, no recomputation.
         Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
             published_step_s=29.0, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-            stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False,
-            assumptions=qwen[:1] + qwen[2:] + deepep + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP)),
+            stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
+            assumptions=qwen[:1] + qwen[2:] + deepep + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP,
+                                                        ZOO_LOSS)),
         # Folded layouts, expert TP 1: EP 32 over the TP 2 x DP 16 ranks of a stage (cross-node EP),
         # and EP 8 over TP 2 x DP 4 with PP 32; both recompute norms and activations only.
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-            stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False,
+            stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
             assumptions=qwen[:1] + qwen[2:] + norm_act + deepep + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT,
-                                                                   ZOO_TP)),
+                                                                   ZOO_TP, ZOO_LOSS)),
         # The same layout with the all-to-alls overlapped (the table's "+1f1b overlap" note: Megatron-
         # Core's combined 1F1B, --overlap-moe-expert-parallel-comm), 17.6 s where the row above reads 19.7.
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1 a2a-overlap", HELD_OUT_MOE, MEGATRON_MOE_QWEN3,
             "h100-sxm", "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32,
             etp=1, recompute_modules=("layernorm", "moe_act"), published_step_s=17.6, moe_dispatcher="deepep",
             engine="megatron", attention="cudnn", moe_a2a_overlap=True, stage_blocks=zoo_stage_blocks(32),
-            tp_comm_overlap=False,
+            tp_comm_overlap=False, cross_entropy_fusion="te",
             assumptions=qwen[:1] + qwen[2:] + norm_act + ("DeepEP's dispatch and combine (the table's Dispatcher "
                                                           "column; --moe-dispatcher deepep), overlapped by "
                                                           "Megatron-Core's combined 1F1B (--moe-a2a-overlap)",
                                                           "distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP,
-                                                          ZOO_TP)),
+                                                          ZOO_LOSS)),
         Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, engine="megatron", attention="cudnn",
-            stage_blocks=zoo_stage_blocks(96), tp_comm_overlap=False,
-            assumptions=qwen + norm_act + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP)),
+            stage_blocks=zoo_stage_blocks(96), tp_comm_overlap=False, cross_entropy_fusion="te",
+            assumptions=qwen + norm_act + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP, ZOO_LOSS)),
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
             "qwen3-30b-a3b", 16, 512, 4096, pp=2, mbs=2, vpp_options=(24,), zero=1, ep=8, precision="fp8",
@@ -167,14 +172,15 @@ def moe_long_context_runs() -> list[Run]:
     assumptions = MEGATRON_MOE_ASSUMPTIONS[:1] + MEGATRON_MOE_ASSUMPTIONS[2:] + (CUDNN_ATTENTION,
         "DeepEP's dispatch and combine (--moe-dispatcher deepep), not overlapped with compute (A2A_OVERLAP=0)",
         "the layer norms and MoE layers recomputed (Megatron-Core's --recompute-modules layernorm moe)",
-        "distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP,
+        "distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP, ZOO_LOSS,
         "TFLOP/s in Megatron-LM's convention (causal attention, no recomputation): the short-sequence rows of the "
         "same table give it",
     )
     return [Run(f"Megatron-MoE Qwen3-235B tp4 cp{cp} pp8 vpp4 ep8 s{seq}", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
                 "qwen3-235b-a22b", 256, 256, seq, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, cp=cp, ep=8, etp=1,
                 recompute_modules=("layernorm", "moe"), published_causal_tflops_per_gpu=tflops,
-                stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, moe_dispatcher="deepep", engine="megatron", attention="cudnn", assumptions=assumptions)
+                stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
+                moe_dispatcher="deepep", engine="megatron", attention="cudnn", assumptions=assumptions)
             for seq, cp, tflops in MEGATRON_MOE_QWEN3_LONG_CONTEXT]
 
 
@@ -190,12 +196,12 @@ def moe_gb200_runs() -> list[Run]:
     assumptions = MEGATRON_MOE_ASSUMPTIONS[:1] + (CUDNN_ATTENTION,
         "HybridEP inside the NVL72 domain costed as the all-to-all inside one NVLink domain (as Megatron-Bridge's "
         "GB200 rows), not overlapped with compute (A2A_OVERLAP=0)",
-        "no recomputation (the command names none); the distributed optimizer costed as ZeRO-1", ZOO_SPLIT,
+        "no recomputation (the command names none); the distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_LOSS,
         "TFLOP/s in Megatron-LM's convention (causal attention, no recomputation)",
         "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell); CUDA graphs not priced")
     return [Run("Megatron-MoE GB200 Qwen3-235B bf16 pp8 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3_GB200, "gb200-nvl72",
                 "qwen3-235b-a22b", 256, 8192, 4096, pp=8, zero=1, ep=8, etp=1, published_causal_tflops_per_gpu=750.0,
-                stage_blocks=zoo_stage_blocks(8),
+                stage_blocks=zoo_stage_blocks(8), cross_entropy_fusion="te",
                 engine="megatron", attention="cudnn", assumptions=assumptions)]
 
 
@@ -359,6 +365,8 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
         "the recipe's multi-token-prediction layer (use_mtp: --mtp-num-layers 1) on the last stage with the output "
         "layer, as Megatron-Core builds it",
         "the distributed optimizer costed as ZeRO-1, gradients reduced in fp32 (NeMo's bf16 mixed precision)",
+        "Transformer Engine's fused cross-entropy (the script's cross_entropy_fusion_impl = 'te' over NeMo's "
+        "cross_entropy_loss_fusion = True)",
     )
 
     def cut(pp: int) -> tuple[int, ...]:
@@ -369,7 +377,7 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
                 "deepseek-v3", gpus, 8 * gpus, 4096, tp=2, pp=pp, sp=True, zero=1, ep=64, etp=1,
                 recompute_modules=("mla_up_proj",), published_step_s=step_s, engine="megatron", attention="cudnn",
                 tp_comm_overlap=False, moe_capacity_factor=1.0, moe_pad_to_capacity=True, stage_blocks=cut(pp),
-                mtp_num_layers=1,
+                mtp_num_layers=1, cross_entropy_fusion="te",
                 assumptions=assumptions)
             for gpus, pp, step_s in DGX_CLOUD_DEEPSEEK_V3_H100]
 
