@@ -90,6 +90,32 @@ def test_moe_runs_are_held_out_apart_with_sources_and_valid_layouts(modules):
         data.fit_runs(data.HELD_OUT_MOE)
 
 
+def test_modelzoo_rows_take_their_configs_pipeline_split(modules):
+    """Megatron-MoE-ModelZoo's Qwen3-235B config counts the embedding and the loss as a layer each
+    in the pipeline split: 96 "layers" over the chunks, the first and last chunks one block short.
+    Every ModelZoo H100 row with a pipeline runs that split, blocking TP communication and
+    Transformer Engine's loss, as its scripts set."""
+    data, _ = modules
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        moe = importlib.import_module("published_moe_runs")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert moe.zoo_stage_blocks(32) == (2,) + (3,) * 30 + (2,)
+    assert moe.zoo_stage_blocks(96) == (0,) + (1,) * 94 + (0,)
+    assert moe.zoo_stage_blocks(8) == (11,) + (12,) * 6 + (11,)
+    with pytest.raises(ValueError, match="do not split evenly over 7 chunks"):
+        moe.zoo_stage_blocks(7)
+    zoo = [run for run in data.all_runs() if run.source in (data.MEGATRON_MOE_QWEN3, data.MEGATRON_MOE_QWEN3_GB200)]
+    assert len(zoo) == 10
+    for run in zoo:
+        assert run.cross_entropy_fusion == "te", run.name
+        assert run.tp == 1 or run.tp_comm_overlap is False, run.name
+        if run.pp > 1:
+            chunks = run.pp * run.vpp_options[0]
+            assert run.stage_blocks == moe.zoo_stage_blocks(chunks) and sum(run.stage_blocks) == 94, run.name
+
+
 def test_causal_flop_convention_matches_the_modelzoo_table(modules):
     """The ModelZoo's Qwen3 table prints step time and TFLOP/s per GPU together on its 4096-token
     rows (19.7 s / 245, 17.6 / 276, 24.2 / 200, 29.0 / 167 on 256 GPUs, GBS 2048): the FLOPs they
@@ -135,7 +161,7 @@ def test_dgx_cloud_deepseek_v3_rows_transcription_is_consistent(modules):
     per_token = fit.causal_model_flops(graph) / 4096
     for run, (tokens_per_s, tflops) in zip(runs, ((342755.90, 174.02), (644781.55, 163.7))):
         assert run.global_batch == 8 * run.gpus and sum(run.stage_blocks) == 61 and len(run.stage_blocks) == run.pp
-        assert run.mtp_num_layers == 1 and not run.tp_comm_overlap
+        assert run.mtp_num_layers == 1 and not run.tp_comm_overlap and run.cross_entropy_fusion == "te"
         assert run.global_batch * run.seq / run.published_step_s == pytest.approx(tokens_per_s, rel=1e-6)
         assert tflops * 1e12 * run.gpus / tokens_per_s == pytest.approx(per_token, rel=0.01)
 
@@ -175,6 +201,9 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
             assert run.gpus % (run.tp * run.pp * run.cp) == 0 and run.vpp_options[0] >= 1
             checked += 1
     assert checked == len(runs) == 68
+    # every release's recipes reduce gradients in bf16 (Llama 3.1's and Nemotron-4's performance
+    # optimizations set grad_reduce_in_fp32 = False; GPT-3's hydra config syncs them in bf16, grad_sync_dtype)
+    assert all(run.grad_reduce_in_bf16 for run in runs)
     for run in runs:
         if "proxy" in run.name and run.pp > 1:
             blocks = fit.graph_of(run.spec, run.seq, run.attention).info.num_layers
