@@ -34,13 +34,14 @@ MEGATRON_MOE_ASSUMPTIONS = (
 CUDNN_ATTENTION = "cuDNN fused attention (Transformer Engine's choice on Hopper and Blackwell)"
 
 
-# The ModelZoo's Qwen3-235B config (model_configs/benchmarking/Qwen3-235B-A22B.yaml) sets
-# --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: the embedding and
+# The ModelZoo's Qwen3-235B config (model_configs/benchmarking/Qwen3-235B-A22B.yaml) and Megatron-
+# Bridge's Qwen3-235B recipe (src/megatron/bridge/recipes/qwen/qwen3_moe.py, qwen3_235b_a22b_pretrain_config)
+# set --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: the embedding and
 # the loss each count as a layer when Megatron-Core splits the 94 blocks evenly over the pipeline's
 # chunks, so 96 "layers" go 96 / chunks to a chunk, the first chunk's embedding and the last's loss
 # (with the output layer) taking one block's place each (`Run.stage_blocks`, blocks per virtual chunk).
-def zoo_stage_blocks(chunks: int) -> tuple[int, ...]:
-    """Blocks per virtual chunk of Qwen3-235B's 94 under the ModelZoo's pipeline split over `chunks`."""
+def qwen3_235b_stage_blocks(chunks: int) -> tuple[int, ...]:
+    """Blocks per virtual chunk of Qwen3-235B's 94 under its recipes' pipeline split over `chunks`."""
     per_chunk, rest = divmod(94 + 2, chunks)
     if rest:
         raise ValueError(f"94 blocks, the embedding and the loss do not split evenly over {chunks} chunks")
@@ -49,6 +50,8 @@ def zoo_stage_blocks(chunks: int) -> tuple[int, ...]:
 
 ZOO_SPLIT = ("the embedding and the loss counted as a layer each in the pipeline split (the config's "
              "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split)")
+BRIDGE_235B_SPLIT = ("the embedding and the loss counted as a layer each in the pipeline split (the recipe's "
+                     "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split)")
 # Neither the config nor sbatch_benchmarking.sh passes --tp-comm-overlap, which Megatron-LM leaves off.
 ZOO_TP = "TP communication not overlapped (the ModelZoo's scripts pass no --tp-comm-overlap; Megatron-LM's default)"
 # The config's --cross-entropy-loss-fusion with --cross-entropy-fusion-impl te.
@@ -78,7 +81,7 @@ def moe_runs() -> list[Run]:
         Run("Megatron-MoE Qwen3-235B tp4 pp8 vpp4 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, ep=8, etp=1,
             published_step_s=29.0, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-            stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
+            stage_blocks=qwen3_235b_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
             assumptions=qwen[:1] + qwen[2:] + deepep + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP,
                                                         ZOO_LOSS)),
         # Folded layouts, expert TP 1: EP 32 over the TP 2 x DP 16 ranks of a stage (cross-node EP),
@@ -86,7 +89,7 @@ def moe_runs() -> list[Run]:
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=19.7, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-            stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
+            stage_blocks=qwen3_235b_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
             assumptions=qwen[:1] + qwen[2:] + norm_act + deepep + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT,
                                                                    ZOO_TP, ZOO_LOSS)),
         # The same layout with the all-to-alls overlapped (the table's "+1f1b overlap" note: Megatron-
@@ -94,7 +97,7 @@ def moe_runs() -> list[Run]:
         Run("Megatron-MoE Qwen3-235B tp2 pp8 vpp4 ep32 etp1 a2a-overlap", HELD_OUT_MOE, MEGATRON_MOE_QWEN3,
             "h100-sxm", "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=8, vpp_options=(4,), sp=True, zero=1, ep=32,
             etp=1, recompute_modules=("layernorm", "moe_act"), published_step_s=17.6, moe_dispatcher="deepep",
-            engine="megatron", attention="cudnn", moe_a2a_overlap=True, stage_blocks=zoo_stage_blocks(32),
+            engine="megatron", attention="cudnn", moe_a2a_overlap=True, stage_blocks=qwen3_235b_stage_blocks(32),
             tp_comm_overlap=False, cross_entropy_fusion="te",
             assumptions=qwen[:1] + qwen[2:] + norm_act + ("DeepEP's dispatch and combine (the table's Dispatcher "
                                                           "column; --moe-dispatcher deepep), overlapped by "
@@ -104,7 +107,7 @@ def moe_runs() -> list[Run]:
         Run("Megatron-MoE Qwen3-235B tp2 pp32 vpp3 ep8 etp1", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
             "qwen3-235b-a22b", 256, 2048, 4096, tp=2, pp=32, vpp_options=(3,), sp=True, zero=1, ep=8, etp=1,
             recompute_modules=("layernorm", "moe_act"), published_step_s=24.2, engine="megatron", attention="cudnn",
-            stage_blocks=zoo_stage_blocks(96), tp_comm_overlap=False, cross_entropy_fusion="te",
+            stage_blocks=qwen3_235b_stage_blocks(96), tp_comm_overlap=False, cross_entropy_fusion="te",
             assumptions=qwen + norm_act + ("distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_TP, ZOO_LOSS)),
         # 16 H100, FP8 current scaling, PP 2 with 24 virtual stages, EP 8, force-balanced, dropless.
         Run("Megatron-Bridge Qwen3-30B-A3B fp8 pp2 vpp24 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_H100, "h100-sxm",
@@ -151,7 +154,8 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
                 regression=regressions.get(name, ""), moe_a2a_overlap=name in overlapped, cross_entropy_fusion="te",
                 assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
                 + ((A2A_OVERLAPPED,) if name in overlapped else ())
-                + (("layers split unevenly over the chunks as meshplan splits them",) if vpp > 1 else ()))
+                + ((BRIDGE_235B_SPLIT,) if spec == "qwen3-235b-a22b" else ()),
+                stage_blocks=qwen3_235b_stage_blocks(pp * vpp) if spec == "qwen3-235b-a22b" else None)
             for name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tps in rows]
 
 
@@ -179,7 +183,7 @@ def moe_long_context_runs() -> list[Run]:
     return [Run(f"Megatron-MoE Qwen3-235B tp4 cp{cp} pp8 vpp4 ep8 s{seq}", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
                 "qwen3-235b-a22b", 256, 256, seq, tp=4, pp=8, vpp_options=(4,), sp=True, zero=1, cp=cp, ep=8, etp=1,
                 recompute_modules=("layernorm", "moe"), published_causal_tflops_per_gpu=tflops,
-                stage_blocks=zoo_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
+                stage_blocks=qwen3_235b_stage_blocks(32), tp_comm_overlap=False, cross_entropy_fusion="te",
                 moe_dispatcher="deepep", engine="megatron", attention="cudnn", assumptions=assumptions)
             for seq, cp, tflops in MEGATRON_MOE_QWEN3_LONG_CONTEXT]
 
@@ -201,7 +205,7 @@ def moe_gb200_runs() -> list[Run]:
         "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell); CUDA graphs not priced")
     return [Run("Megatron-MoE GB200 Qwen3-235B bf16 pp8 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3_GB200, "gb200-nvl72",
                 "qwen3-235b-a22b", 256, 8192, 4096, pp=8, zero=1, ep=8, etp=1, published_causal_tflops_per_gpu=750.0,
-                stage_blocks=zoo_stage_blocks(8), cross_entropy_fusion="te",
+                stage_blocks=qwen3_235b_stage_blocks(8), cross_entropy_fusion="te",
                 engine="megatron", attention="cudnn", assumptions=assumptions)]
 
 
@@ -321,7 +325,7 @@ def qwen3_235b_h100_overlapped_runs() -> list[Run]:
                    "the distributed optimizer costed as ZeRO-1", BRIDGE_BF16_GRADS, "no recomputation (set_qwen3_common_configs clears it)",
                    "TP communication not overlapped (the recipe's CommOverlapConfig(tp_comm_overlap=False))",
                    "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
-                   "94 layers split unevenly over 32 chunks as meshplan splits them")
+                   BRIDGE_235B_SPLIT)
     # (release, source, global batch, tokens/s/GPU)
     rows = [("25.11", MEGATRON_BRIDGE_2511_ARCHIVE_H100, 2048, 1575.0),
             ("26.04.01", MEGATRON_BRIDGE_260401_H100, 8192, 1712.0)]
@@ -329,7 +333,8 @@ def qwen3_235b_h100_overlapped_runs() -> list[Run]:
                 "h100-sxm", "qwen3-235b-a22b", 256, gbs, 4096, tp=2, sp=True, pp=8, vpp_options=(4,), zero=1, ep=32,
                 etp=1, precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=tps * 256,
                 grad_reduce_in_bf16=True, tp_comm_overlap=False, moe_a2a_overlap=True, engine="megatron",
-                attention="cudnn", cross_entropy_fusion="te", assumptions=assumptions)
+                attention="cudnn", cross_entropy_fusion="te", stage_blocks=qwen3_235b_stage_blocks(32),
+                assumptions=assumptions)
             for release, source, gbs, tps in rows]
 
 

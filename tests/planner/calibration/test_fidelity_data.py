@@ -90,9 +90,10 @@ def test_moe_runs_are_held_out_apart_with_sources_and_valid_layouts(modules):
         data.fit_runs(data.HELD_OUT_MOE)
 
 
-def test_modelzoo_rows_take_their_configs_pipeline_split(modules):
-    """Megatron-MoE-ModelZoo's Qwen3-235B config counts the embedding and the loss as a layer each
-    in the pipeline split: 96 "layers" over the chunks, the first and last chunks one block short.
+def test_qwen3_235b_rows_take_their_recipes_pipeline_split(modules):
+    """Megatron-MoE-ModelZoo's Qwen3-235B config and Megatron-Bridge's recipe count the embedding and
+    the loss as a layer each in the pipeline split: 96 "layers" over the chunks, the first and last
+    chunks one block short.
     Every ModelZoo H100 row with a pipeline runs that split, blocking TP communication and
     Transformer Engine's loss, as its scripts set."""
     data, _ = modules
@@ -101,11 +102,11 @@ def test_modelzoo_rows_take_their_configs_pipeline_split(modules):
         moe = importlib.import_module("published_moe_runs")
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert moe.zoo_stage_blocks(32) == (2,) + (3,) * 30 + (2,)
-    assert moe.zoo_stage_blocks(96) == (0,) + (1,) * 94 + (0,)
-    assert moe.zoo_stage_blocks(8) == (11,) + (12,) * 6 + (11,)
+    assert moe.qwen3_235b_stage_blocks(32) == (2,) + (3,) * 30 + (2,)
+    assert moe.qwen3_235b_stage_blocks(96) == (0,) + (1,) * 94 + (0,)
+    assert moe.qwen3_235b_stage_blocks(8) == (11,) + (12,) * 6 + (11,)
     with pytest.raises(ValueError, match="do not split evenly over 7 chunks"):
-        moe.zoo_stage_blocks(7)
+        moe.qwen3_235b_stage_blocks(7)
     zoo = [run for run in data.all_runs() if run.source in (data.MEGATRON_MOE_QWEN3, data.MEGATRON_MOE_QWEN3_GB200)]
     assert len(zoo) == 10
     for run in zoo:
@@ -113,7 +114,12 @@ def test_modelzoo_rows_take_their_configs_pipeline_split(modules):
         assert run.tp == 1 or run.tp_comm_overlap is False, run.name
         if run.pp > 1:
             chunks = run.pp * run.vpp_options[0]
-            assert run.stage_blocks == moe.zoo_stage_blocks(chunks) and sum(run.stage_blocks) == 94, run.name
+            assert run.stage_blocks == moe.qwen3_235b_stage_blocks(chunks) and sum(run.stage_blocks) == 94, run.name
+    # Megatron-Bridge's Qwen3-235B recipe sets the same split
+    bridge = [run for run in data.all_runs() if run.spec == "qwen3-235b-a22b" and run.name.startswith("Megatron-Bridge")]
+    assert len(bridge) == 4
+    for run in bridge:
+        assert run.stage_blocks == moe.qwen3_235b_stage_blocks(run.pp * run.vpp_options[0]), run.name
 
 
 def test_causal_flop_convention_matches_the_modelzoo_table(modules):
