@@ -88,6 +88,14 @@ def _hf_summary(graph) -> str:
                "are computed and saved as eager saves them, whatever --attention says")
         lines.append(f"attention implementation: {info.attn_implementation} ({why})")
     lines += [f"note: {note}" for note in info.notes]
+    if info.family == "hf" and any(layer.kind in ("embedding", "head") and layer.tp_split.kind == "none"
+                                   for layer in graph.layers):
+        from meshplan.planner.contracts.engine_rules import VOCAB_PARALLEL_ENGINES
+
+        engines = " and ".join(VOCAB_PARALLEL_ENGINES)
+        lines.append(f"tp split of the embedding and head: none as meshplan's executor runs them (whole on every TP "
+                     f"rank); under --engine {engines} they are split over the vocabulary, as those engines split "
+                     "every model's")
     return "".join(f"\n{line}" for line in lines)
 
 

@@ -73,3 +73,12 @@ def test_megatron_prices_half_the_vocabulary_per_rank_at_tp2(graph, kind):
     if kind == "head":  # the logits GEMM: half the columns a rank, a little over half the time
         assert 0.5 * whole.fwd_compute_s < split.fwd_compute_s < 0.75 * whole.fwd_compute_s
         assert executor.fwd_compute_s == pytest.approx(executor_whole.fwd_compute_s, rel=1e-9)
+
+
+def test_profile_says_which_engines_split_the_vocabulary(run_cli):
+    code, out, err = run_cli("profile", "--model", LLAMA3_8B, "--seq", SEQ)
+    assert code == 0, err
+    assert "tp split of the embedding and head: none as meshplan's executor runs them" in out
+    assert "under --engine megatron and torchtitan they are split over the vocabulary" in out
+    code, out, _ = run_cli("profile", "--model", "llama3-8b", "--seq", SEQ)  # a zoo model splits them anyway
+    assert code == 0 and "tp split of the embedding and head" not in out
