@@ -26,10 +26,15 @@ def as_engine_splits(layer: LayerProfile, engine: str, tp: int, info: ModelInfo)
         return layer
     key = (id(layer), tp)
     if key not in _ENGINE_SPLITS:
-        multiple = VOCAB_DIVISOR * tp
-        split = TPSplit(kind="vocab", vocab_size=-(-info.vocab // multiple) * multiple)
+        split = TPSplit(kind="vocab", vocab_size=megatron_padded_vocab(info.vocab, tp))
         _ENGINE_SPLITS[key] = (layer, replace(layer, tp_split=split))
     return _ENGINE_SPLITS[key][1]
+
+
+def megatron_padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary padded to a multiple of 128 * tp, as Megatron-LM pads it."""
+    multiple = VOCAB_DIVISOR * tp
+    return -(-vocab // multiple) * multiple
 
 
 def is_split(layer: LayerProfile, tp: int) -> bool:
@@ -41,9 +46,7 @@ def vocab_scale(layer: LayerProfile, tp: int, info: ModelInfo) -> float:
     """Megatron pads the vocabulary to a multiple of 128*t: the profile was built for t = 1."""
     if layer.tp_split.kind != "vocab" or tp == 1 or not info.vocab or not info.padded_vocab:
         return 1.0
-    multiple = VOCAB_DIVISOR * tp
-    padded = -(-info.vocab // multiple) * multiple
-    return padded / info.padded_vocab
+    return megatron_padded_vocab(info.vocab, tp) / info.padded_vocab
 
 
 def extra_vocab_params(layer: LayerProfile, tp: int, info: ModelInfo) -> float:
