@@ -12,7 +12,9 @@ Split from `published_runs` (which defines `Run` and the groups), whose `all_run
 """
 from __future__ import annotations
 
-from published_runs import HELD_OUT, HELD_OUT_FP8, Run, gpt_spec
+import re
+
+from published_runs import HELD_OUT, HELD_OUT_FP8, Run, account_for_split, gpt_spec
 
 # The DGX Cloud benchmarking release v25.04 (NeMo 25.02.01 container for Llama 3.1, 24.12 for GPT-3).
 DGX_CLOUD_2504_LLAMA = (
@@ -100,8 +102,16 @@ def dgx_cloud_llama_runs() -> list[Run]:
     tokens, at every GPU count the tables print."""
     return [nemo_run(f"Llama3.1 {label}", source, spec, gpus, gbs, 8192, precision, step,
                      NEMO_LLAMA_ASSUMPTIONS + ((PROXY,) if "proxy" in label else ()), tp=tp, pp=pp, cp=cp, sp=tp > 1,
-                     vpp_options=(vpp,), grad_reduce_in_bf16=True, cross_entropy_fusion="native")
+                     vpp_options=(vpp,), grad_reduce_in_bf16=True, cross_entropy_fusion="native",
+                     stage_blocks=_proxy_blocks(label, pp * vpp))
             for label, spec, gpus, gbs, tp, pp, cp, vpp, precision, step, source in LLAMA_ROWS]
+
+
+def _proxy_blocks(label: str, chunks: int) -> tuple[int, ...] | None:
+    """A pipelined proxy's blocks per chunk under its recipe's account_for_* split (`PROXY`); None
+    for the other rows, whose blocks meshplan splits."""
+    layers = re.fullmatch(r"405B proxy (\d+) layers", label)
+    return account_for_split(int(layers.group(1)), chunks) if layers and chunks > 1 else None
 
 
 GPT3_ASSUMPTIONS = (

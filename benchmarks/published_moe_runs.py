@@ -7,7 +7,7 @@ Split from `published_runs` (which defines `Run` and the sources), whose `all_ru
 from __future__ import annotations
 
 from published_runs import (BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
-                            MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run)
+                            MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run, account_for_split)
 
 # The engine's maintainers on two of the 25.11 MoE figures (NVIDIA-NeMo/Megatron-Bridge):
 QWEN3_30B_DROPLESS_REGRESSION = (
@@ -36,16 +36,14 @@ CUDNN_ATTENTION = "cuDNN fused attention (Transformer Engine's choice on Hopper 
 
 # The ModelZoo's Qwen3-235B config (model_configs/benchmarking/Qwen3-235B-A22B.yaml) and Megatron-
 # Bridge's Qwen3-235B recipe (src/megatron/bridge/recipes/qwen/qwen3_moe.py, qwen3_235b_a22b_pretrain_config)
-# set --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split: the embedding and
-# the loss each count as a layer when Megatron-Core splits the 94 blocks evenly over the pipeline's
-# chunks, so 96 "layers" go 96 / chunks to a chunk, the first chunk's embedding and the last's loss
-# (with the output layer) taking one block's place each (`Run.stage_blocks`, blocks per virtual chunk).
+# set --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split
+# (`published_runs.account_for_split`).
+QWEN3_235B_BLOCKS = 94
+
+
 def qwen3_235b_stage_blocks(chunks: int) -> tuple[int, ...]:
-    """Blocks per virtual chunk of Qwen3-235B's 94 under its recipes' pipeline split over `chunks`."""
-    per_chunk, rest = divmod(94 + 2, chunks)
-    if rest:
-        raise ValueError(f"94 blocks, the embedding and the loss do not split evenly over {chunks} chunks")
-    return (per_chunk - 1,) + (per_chunk,) * (chunks - 2) + (per_chunk - 1,)
+    """Blocks per virtual chunk of Qwen3-235B under its recipes' pipeline split over `chunks`."""
+    return account_for_split(QWEN3_235B_BLOCKS, chunks)
 
 
 ZOO_SPLIT = ("the embedding and the loss counted as a layer each in the pipeline split (the config's "

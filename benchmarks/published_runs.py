@@ -303,6 +303,17 @@ KORTHIKANTI_TABLE_5 = [
 ]
 
 
+def account_for_split(num_blocks: int, chunks: int) -> tuple[int, ...]:
+    """Blocks per virtual chunk under Megatron-Core's --account-for-embedding-in-pipeline-split and
+    --account-for-loss-in-pipeline-split: the embedding and the loss each count as a layer, the
+    num_blocks + 2 "layers" split evenly over the chunks, so the first and last chunks hold one
+    block fewer (`Run.stage_blocks`)."""
+    per_chunk, rest = divmod(num_blocks + 2, chunks)
+    if rest or chunks < 2:
+        raise ValueError(f"{num_blocks} blocks, the embedding and the loss do not split evenly over {chunks} chunks")
+    return (per_chunk - 1,) + (per_chunk,) * (chunks - 2) + (per_chunk - 1,)
+
+
 def gpt_spec(layers: int, hidden: int, heads: int, vocab: int = VOCAB_51200) -> str:
     return f"gpt:layers={layers},hidden={hidden},heads={heads},vocab={vocab}"
 

@@ -326,7 +326,7 @@ FP8_EXPERT_TIME_FIELDS = ("engine", "fp8_recipe", "num_microbatches")
 
 def expert_time_key(config) -> tuple:
     """What the routed experts' times read of `config`: the memo keys of `_memo_expert_times`."""
-    fields =  EXPERT_TIME_FIELDS + (FP8_EXPERT_TIME_FIELDS if experts_in_fp8(config) else ())
+    fields = EXPERT_TIME_FIELDS + (FP8_EXPERT_TIME_FIELDS if experts_in_fp8(config) else ())
     return tuple(getattr(config, name) for name in fields)
 
 

@@ -105,7 +105,7 @@ def test_qwen3_235b_rows_take_their_recipes_pipeline_split(modules):
     assert moe.qwen3_235b_stage_blocks(32) == (2,) + (3,) * 30 + (2,)
     assert moe.qwen3_235b_stage_blocks(96) == (0,) + (1,) * 94 + (0,)
     assert moe.qwen3_235b_stage_blocks(8) == (11,) + (12,) * 6 + (11,)
-    with pytest.raises(ValueError, match="do not split evenly over 7 chunks"):
+    with pytest.raises(ValueError, match="94 blocks, the embedding and the loss do not split evenly over 7 chunks"):
         moe.qwen3_235b_stage_blocks(7)
     zoo = [run for run in data.all_runs() if run.source in (data.MEGATRON_MOE_QWEN3, data.MEGATRON_MOE_QWEN3_GB200)]
     assert len(zoo) == 10
@@ -214,6 +214,7 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
         if "proxy" in run.name and run.pp > 1:
             blocks = fit.graph_of(run.spec, run.seq, run.attention).info.num_layers
             assert (blocks + 2) % (run.pp * run.vpp_options[0]) == 0  # 30 + 2 = 32 chunks of 1, 62 + 2 of 2
+            assert run.stage_blocks == data.account_for_split(blocks, run.pp * run.vpp_options[0]), run.name
     for spec, seq, per_sample in (("llama3-8b", 8192, 4.74e14), ("llama3-405b", 8192, 2.17e16),
                                   (data.gpt_spec(96, 12288, 96), 2048, 2.20e15)):
         graph = fit.graph_of(spec, seq, "cudnn")
