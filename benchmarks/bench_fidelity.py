@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
-from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
+from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_GROK1, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
                                       DGX_CLOUD_2504_NEMOTRON)
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
@@ -164,6 +164,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_2511_ARCHIVE_H100: "Megatron-Bridge 25.11 DGX-H100 (archive)",
                  MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",
                  DGX_CLOUD_DEEPSEEK_V3: "DGX Cloud benchmarking DeepSeek-V3",
+                 DGX_CLOUD_GROK1: "DGX Cloud benchmarking Grok-1 314B",
                  MEGATRON_BRIDGE_EP_OVERLAP_SMOKE: "Megatron-Bridge EP-overlap guide, alltoall, 16 H100",
                  MEGATRON_BRIDGE_EP_OVERLAP_SKILL: "Megatron-Bridge EP-overlap guide, HybridEP, 16 H100",
                  MEGATRON_BRIDGE_DEEPSEEK_V3_CARD: "Megatron-Bridge DeepSeek-V3 verification card, 1,024 H100",

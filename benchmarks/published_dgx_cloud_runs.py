@@ -1,7 +1,8 @@
-"""Held-out dense runs from NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking):
+"""Held-out runs from NVIDIA's DGX Cloud benchmarking recipes (github.com/NVIDIA/dgxc-benchmarking):
 every H100 pre-training row of their dense Llama 3.1, GPT-3 175B and Nemotron-4 tables, in BF16 (`HELD_OUT`)
-and FP8 (`HELD_OUT_FP8`), each under the recipe its release runs (`published_runs`'s docstring lists
-what is used and what is left out, and why).
+and FP8 (`HELD_OUT_FP8`), and of their Grok-1 table (`HELD_OUT_MOE`), each under the recipe its release
+runs (`published_runs`'s docstring lists what is used and what is left out, and why; DeepSeek-V3's rows
+are in `published_moe_runs`).
 
 The tables weak-scale one layout per model and precision (the global batch grows with the GPUs, the
 data-parallel degree with it), so each GPU count is a run of its own; a layout printed by two releases
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from published_runs import HELD_OUT, HELD_OUT_FP8, Run, account_for_split, gpt_spec
+from published_runs import HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, Run, account_for_split, gpt_spec
 
 # The DGX Cloud benchmarking release v25.04 (NeMo 25.02.01 container for Llama 3.1, 24.12 for GPT-3).
 DGX_CLOUD_2504_LLAMA = (
@@ -179,3 +180,41 @@ def dgx_cloud_nemotron_runs() -> list[Run]:
 
 def dgx_cloud_dense_runs() -> list[Run]:
     return dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs() + dgx_cloud_nemotron_runs()
+
+
+# Grok-1 (314B, 8 experts, top 2): NeMo's scripts/performance/llm/pretrain_grok1_314b.py builds it as
+# MixtralConfig8x7B with 64 layers, hidden 6144, 48 heads, 8 query groups, expert FFN 32,768, 8
+# experts (SwiGLU, RMSNorm, RoPE, untied embeddings, top-2 routing with an auxiliary loss), over the
+# Llama 3 70B tokenizer (128,256 tokens): meshplan's `moe:` spec of that shape.
+DGX_CLOUD_GROK1 = (
+    "NVIDIA dgxc-benchmarking grok1/README.md, H100 Performance (github.com/NVIDIA/dgxc-benchmarking, commit "
+    "1f6d9f40e4117d7c71b726f86074ac01c29f87f5, the last release printing it; NeMo 25.04 container); recipe: its "
+    "launch.sh and NeMo's scripts/performance/llm/pretrain_grok1_314b.py at commit "
+    "6f2c6fdaffcc0af97a9e2219fcc104e2399627e4 (github.com/NVIDIA/NeMo), the commit its setup.sh pins")
+GROK1_SPEC = "moe:layers=64,hidden=6144,heads=48,kv_heads=8,experts=8,top_k=2,expert_ffn=32768,vocab=128256"
+GROK1_ASSUMPTIONS = (
+    "Grok-1 as the script builds it: MixtralConfig8x7B at Grok-1's shape (SwiGLU experts), the Llama 3 tokenizer",
+    "launch.sh's H100 layout: TP 4 with sequence parallelism, PP 8 with 8 virtual stages (one block a chunk, "
+    "Megatron-Core's even split), CP 2, EP 8, expert TP 1, MBS 1, GBS 2 x GPUs, no CUDA graphs",
+    "token dropping at capacity factor 1 with the experts' inputs padded to capacity (MegatronTokenDropCallback): "
+    "every expert computes its balanced share; Megatron-Core's alltoall dispatcher (MixtralConfig), not overlapped",
+    "TP communication overlapped with userbuffers (MegatronCommOverlapCallback(tp_comm_overlap=True))",
+    "the distributed optimizer costed as ZeRO-1; gradients reduced in bf16 (pretrain_performance_optimizations "
+    "and the FP8 branch set grad_reduce_in_fp32 = False)",
+    "cuDNN fused attention (Transformer Engine's choice on Hopper); context parallelism as Transformer Engine's "
+    "p2p ring; no recomputation (no recommended H100 row for grok1)",
+    "Transformer Engine's fused cross-entropy (set_primary_perf_configs: cross_entropy_fusion_impl = 'te')",
+)
+
+
+def dgx_cloud_grok1_runs() -> list[Run]:
+    """DGX Cloud's Grok-1 314B rows on 512 H100 (HELD_OUT_MOE): BF16 15.933 s and FP8 13.433 s a step,
+    8,192 tokens, GBS 1,024, each under the recipe (`GROK1_ASSUMPTIONS`; FP8 as `NEMO_FP8`)."""
+    return [Run(f"DGX Cloud Grok-1 314B {'fp8' if precision == 'fp8' else 'bf16'} tp4 pp8 vpp8 cp2 ep8",
+                HELD_OUT_MOE, DGX_CLOUD_GROK1, "h100-sxm", GROK1_SPEC, 512, 1024, 8192, tp=4, pp=8, cp=2,
+                vpp_options=(8,), sp=True, zero=1, ep=8, etp=1, precision=precision,
+                fp8_recipe="delayed" if precision == "fp8" else None, published_step_s=step_s, engine="megatron",
+                attention="cudnn", tp_comm_overlap=True, grad_reduce_in_bf16=True, moe_capacity_factor=1.0,
+                moe_pad_to_capacity=True, stage_blocks=(1,) * 64, cross_entropy_fusion="te",
+                assumptions=GROK1_ASSUMPTIONS + ((NEMO_FP8,) if precision == "fp8" else ()))
+            for precision, step_s in (("bf16-mixed", 15.933), ("fp8", 13.433))]

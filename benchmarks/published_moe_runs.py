@@ -6,6 +6,7 @@ Split from `published_runs` (which defines `Run` and the sources), whose `all_ru
 """
 from __future__ import annotations
 
+from published_dgx_cloud_runs import dgx_cloud_grok1_runs
 from published_runs import (BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
                             MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run, account_for_split)
 
@@ -120,7 +121,7 @@ def moe_runs() -> list[Run]:
     ]
     return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
             + megatron_bridge_2026_h100_moe_runs() + megatron_bridge_docs_qwen3_30b_runs()
-            + dgx_cloud_deepseek_v3_runs() + megatron_bridge_deepseek_v3_card_runs()
+            + dgx_cloud_deepseek_v3_runs() + dgx_cloud_grok1_runs() + megatron_bridge_deepseek_v3_card_runs()
             + megatron_bridge_blackwell_deepseek_v3_runs())
 
 

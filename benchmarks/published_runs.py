@@ -81,7 +81,11 @@ parallelism, costed under balanced routing:
   the commit its setup.sh pins (token dropping at capacity factor 1 with padding, TP overlap off,
   its first- and last-stage block counts, the latent attention's up-projections recomputed, one
   multi-token-prediction layer on the last stage: `--mtp-num-layers 1`)
-  (`published_moe_runs.dgx_cloud_deepseek_v3_runs`).
+  (`published_moe_runs.dgx_cloud_deepseek_v3_runs`); and Grok-1 314B on 512 H100 in BF16 and FP8 (TP 4,
+  PP 8, VP 8, CP 2, EP 8, 8,192 tokens, 15.933 and 13.433 s a step), under NeMo's
+  pretrain_grok1_314b.py at the commit its setup.sh pins (Mixtral's config at Grok-1's shape, token
+  dropping at capacity factor 1 with padding, userbuffers TP overlap) (`published_dgx_cloud_runs.
+  dgx_cloud_grok1_runs`).
 Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
 ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
 overlap and memory describe: its PP rows fit under that recipe, not under meshplan's executor's). Where the
@@ -97,13 +101,16 @@ the 2026 archive's other DGX-H100 MoE rows: Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 
 its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's), the
 Nemotron 3 Nano rows (hybrid Mamba layers), and older releases' rows of the layouts above; 25.11's
 GPT-OSS rows (the DGX-H100 row's PP 4 contradicts its GA 2 = 512 / (64 x 4), which only PP 1
-gives; the Blackwell rows' recipes, as for DeepSeek-V3, not yet read) and its 25.09 tables
+gives; the Blackwell rows' printed layouts are not the recipes' at the cited commit: GB200 prints GBS
+1280, MBS 1 and 8K tokens where gpt_oss_workload_base_configs.py runs 512, 4 and 4K, B200 prints EP 8
+where it runs EP 64) and its 25.09 tables
 (precision not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
 (`megatron/core/transformer/moe/README.md`) quotes
 468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
 8x22B layout was found either.
 
-Left out, DGX Cloud: the Grok-1 and Llama 4 rows (MoE, not yet read),
+Left out, DGX Cloud: the Llama 4 Maverick rows (chunked attention and MoE blocks alternating with dense
+ones, which meshplan's `moe:` family does not build; the H100 table also prints VP 12 at PP 1),
 the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure.
 
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);

@@ -172,6 +172,31 @@ def test_dgx_cloud_deepseek_v3_rows_transcription_is_consistent(modules):
         assert tflops * 1e12 * run.gpus / tokens_per_s == pytest.approx(per_token, rel=0.01)
 
 
+def test_dgx_cloud_grok1_rows_transcription_is_consistent(modules):
+    """DGX Cloud's Grok-1 H100 tables print step time and tokens/s (15.933 s, 526,493 in BF16; 13.433 s,
+    624,478 in FP8): GBS 1,024 of 8,192 tokens over the step gives them (0.1%: the printed digits).
+    The README's model FLOPs per sample (4.27E+15) are meshplan's causal count of the `moe:` spec
+    the rows are priced on (1%), which pins its shape (64 blocks, hidden 6,144, 8 experts of FFN
+    32,768, top 2, the 128,256-token vocabulary); its BF16 MFU (54.2% of 989 TFLOP/s) follows.
+    launch.sh's layout fills the 512 GPUs (TP 4 x PP 8 x CP 2 x DP 8; EP 8 inside each stage's 64
+    ranks), one block a virtual chunk, and the rows carry the script's switches."""
+    data, fit = modules
+    runs = [r for r in data.all_runs() if r.name.startswith("DGX Cloud Grok-1")]
+    assert [(r.precision, r.published_step_s) for r in runs] == [("bf16-mixed", 15.933), ("fp8", 13.433)]
+    per_sample = fit.causal_model_flops(fit.graph_of(runs[0].spec, 8192, "cudnn"))
+    assert per_sample == pytest.approx(4.27e15, rel=0.01)
+    assert 1024 * per_sample / 15.933 / 512 / 989e12 == pytest.approx(0.542, abs=0.002)
+    for run, tokens_per_s in zip(runs, (526493, 624478)):
+        assert run.group == data.HELD_OUT_MOE and run.engine == "megatron"
+        assert run.global_batch * run.seq / run.published_step_s == pytest.approx(tokens_per_s, rel=1e-3)
+        dp = run.gpus // (run.tp * run.pp * run.cp)
+        assert (run.tp, run.pp, run.cp, dp, run.ep, run.etp, run.vpp_options) == (4, 8, 2, 8, 8, 1, (8,))
+        assert run.global_batch // (dp * run.mbs) == 128  # the README's GA
+        assert run.stage_blocks == (1,) * 64 and run.moe_capacity_factor == 1.0 and run.moe_pad_to_capacity
+        assert run.tp_comm_overlap and run.grad_reduce_in_bf16 and run.cross_entropy_fusion == "te"
+    assert runs[1].fp8_recipe == "delayed" and runs[0].fp8_recipe is None
+
+
 def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
     """DGX Cloud's dense tables print each row's tokens/s beside its step time: every transcribed
     row's global batch x sequence over its step gives that figure (0.1%: the steps' printed
