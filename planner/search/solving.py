@@ -179,8 +179,13 @@ def solve_candidates(problems: list[Pending | Ready], *, num_keep: int, workers:
 
 
 def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: bool, pool) -> list[Solved]:
+    """The loop of `solve_candidates`. A batch's contenders' second solves (`_screen`) run beside
+    the next batch's screens and are settled once those end: the next batch is chosen, and its
+    contenders judged, against the objectives the batch's screens found (each a feasible
+    assignment, so at least the candidate's optimum: the threshold they give prunes no less
+    safely), which keeps both workers busy while a long second solve closes its gap."""
     results: list[Solved] = []
-    best: list[float] = []  # sorted objectives of feasible solutions
+    best: dict[int, float] = {}  # entry index -> objective of its best feasible solution so far
     heap = [_Entry(item.bound_s, item.candidate.sort_key, index, item, FLOOR if isinstance(item, Pending) else EXACT)
             for index, item in enumerate(problems)]
     heapq.heapify(heap)
@@ -189,22 +194,52 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
         chosen = {entry.index for entry in first}
         heap = [entry for entry in heap if entry.index not in chosen]
         heapq.heapify(heap)
-    while heap or first:
-        threshold = min(seeded, best[num_keep - 1] if len(best) >= num_keep else math.inf)
+    in_flight: _Flight | None = None
+    while heap or first or in_flight is not None:
+        threshold = min(seeded, _kth_best(best, num_keep))
         if first:
             batch, first = first[:SOLVE_BATCH], first[SOLVE_BATCH:]
         else:
             batch = _next_batch(heap, threshold, results, progress)
-        cutoff = threshold if math.isfinite(threshold) else None
-        posed = [entry.item.exact_problem() for entry in batch]
-        todo = [replace(problem, cutoff_s=cutoff) for problem in posed]
-        solutions = _screened_solve(todo, best[0] if best else math.inf, pool)
-        for entry, problem, solution in zip(batch, posed, solutions):
-            results.append(Solved(entry.item.candidate, entry.bound_s, solution, problem=problem))
-            if solution.feasible:
-                best = sorted(best + [solution.objective_s])
-            tick(progress)
+        flight = None
+        if batch:
+            cutoff = threshold if math.isfinite(threshold) else None
+            posed = [entry.item.exact_problem() for entry in batch]
+            todo = [replace(problem, cutoff_s=cutoff) for problem in posed]
+            screens, seconds = _screen(todo, min(best.values(), default=math.inf), pool)
+            for entry, solution in zip(batch, screens):
+                if solution.feasible:
+                    best[entry.index] = min(best.get(entry.index, math.inf), solution.objective_s)
+            flight = _Flight(batch, posed, screens, seconds)
+        if in_flight is not None:
+            _settle(in_flight, results, best, progress)
+        in_flight = flight
     return results
+
+
+def _kth_best(best: dict[int, float], k: int) -> float:
+    """The k-th smallest objective found (one per candidate), inf with fewer than k."""
+    return sorted(best.values())[k - 1] if len(best) >= k else math.inf
+
+
+class _Flight(NamedTuple):
+    """A screened batch: its entries, their problems as posed, the screens' solutions and the
+    second solves still running (`_screen`)."""
+
+    batch: list
+    posed: list[StageProblem]
+    screens: list[StageSolution]
+    seconds: dict
+
+
+def _settle(flight: _Flight, results: list[Solved], best: dict[int, float], progress) -> None:
+    """The batch's solutions, each the better of its screen and its second solve, into `results`
+    and `best`."""
+    for entry, problem, solution in zip(flight.batch, flight.posed, _better(flight.screens, flight.seconds)):
+        results.append(Solved(entry.item.candidate, entry.bound_s, solution, problem=problem))
+        if solution.feasible:
+            best[entry.index] = min(best.get(entry.index, math.inf), solution.objective_s)
+        tick(progress)
 
 
 # A candidate's first solve gets this share of its time limit (the screen). One stopped there
@@ -236,6 +271,11 @@ def can_win(solution: StageSolution, best_s: float) -> bool:
 
 
 def _screened_solve(problems: list[StageProblem], best_s: float, pool) -> list[StageSolution]:
+    """`_screen` and its second solves, settled: each problem's better solution."""
+    return _better(*_screen(problems, best_s, pool))
+
+
+def _screen(problems: list[StageProblem], best_s: float, pool) -> tuple[list[StageSolution], dict]:
     """Solve `problems` at SCREEN_SHARE of their time limits, then once more with the whole limit
     those that stopped without a solution or that may still win against `best_s` (the best
     objective before the batch: the decision does not depend on the order solves finish in).
@@ -243,7 +283,8 @@ def _screened_solve(problems: list[StageProblem], best_s: float, pool) -> list[S
     per layer (slow to prove anything in a fifth of the limit) or on an envelope (whose bound
     decides nothing, `proven_bound_s`), get their whole limit at once. A second solve starts from
     the screen's assignment (`StageProblem.start`); with a pool it is queued as soon as its screen
-    ends, beside the batch's other screens."""
+    ends, beside the batch's other screens, and returned still running (a future, by index) once
+    every screen has ended; without one it is solved at once."""
     screen = [pinned_structure(problem.table, problem.shape) is not None for problem in problems]
     screened = [replace(problem, time_limit_s=problem.time_limit_s * SCREEN_SHARE) if short else problem
                 for problem, short in zip(problems, screen)]
@@ -253,19 +294,25 @@ def _screened_solve(problems: list[StageProblem], best_s: float, pool) -> list[S
                                   or (solution.status == "time_limit" and can_win(solution, best_s)))
     if pool is None:
         solutions = [solve_stages(problem) for problem in screened]
-        second = {index: solve_stages(_from(problems[index], solution)) for index, solution in enumerate(solutions)
-                  if again(index, solution)}
-    else:
-        solutions: list = [None] * len(problems)
-        queued = {pool.submit(_solve_shipped, _shipped(problem)): index for index, problem in enumerate(screened)}
-        seconds = {}
-        for future in as_completed(queued):
-            index = queued[future]
-            solutions[index] = future.result()
-            if again(index, solutions[index]):
-                seconds[index] = pool.submit(_solve_shipped, _shipped(_from(problems[index], solutions[index])))
-        second = {index: future.result() for index, future in seconds.items()}
-    for index, solution in second.items():
+        return solutions, {index: solve_stages(_from(problems[index], solution))
+                           for index, solution in enumerate(solutions) if again(index, solution)}
+    solutions: list = [None] * len(problems)
+    queued = {pool.submit(_solve_shipped, _shipped(problem)): index for index, problem in enumerate(screened)}
+    seconds = {}
+    for future in as_completed(queued):
+        index = queued[future]
+        solutions[index] = future.result()
+        if again(index, solutions[index]):
+            seconds[index] = pool.submit(_solve_shipped, _shipped(_from(problems[index], solutions[index])))
+    return solutions, seconds
+
+
+def _better(screens: list[StageSolution], seconds: dict) -> list[StageSolution]:
+    """Each problem's screen, or its second solve (waited for where it still runs) where that found
+    a solution the screen did not or one no worse."""
+    solutions = list(screens)
+    for index, second in seconds.items():
+        solution = second if isinstance(second, StageSolution) else second.result()
         previous = solutions[index]
         if not previous.feasible or (solution.feasible and solution.objective_s <= previous.objective_s):
             solutions[index] = solution

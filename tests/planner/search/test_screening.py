@@ -150,3 +150,48 @@ def test_an_assignment_the_compact_ilp_cannot_take_is_not_a_start():
     assert compact_counts(((1, 0, 0, 1, 1, 1), (0,) * 6), structure, 6, 2, 3) is None   # embedding off chunk 0
     assert compact_counts(((0, 0, 0, 1, 1, 0), (0,) * 6), structure, 6, 2, 3) is None   # head off the last chunk
     assert compact_counts(((0, 0, 0, 1, 1, 1), (0, 3, 0, 0, 0, 0)), structure, 6, 2, 3) is None  # no option 3
+
+
+def test_a_second_solve_runs_beside_the_next_batch_s_screens(monkeypatch):
+    """With a pool, a batch's contenders' second solves are settled only after the next batch's
+    screens: a long second solve (here it waits for the next batch's first screen to start, which
+    a loop that settled each batch before the next would never do) leaves the other worker that
+    batch's screens. The results are the serial loop's, each candidate once, its better solution."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from typing import NamedTuple
+
+    class Candidate(NamedTuple):
+        sort_key: tuple
+
+    count = solving.SOLVE_BATCH * 2
+    next_batch_started, waited = threading.Event(), []
+
+    def answers(problem, pooled: bool) -> StageSolution:
+        index = round((problem.time_limit_s if problem.time_limit_s >= LIMIT_S
+                       else problem.time_limit_s / SCREEN_SHARE) - LIMIT_S)
+        screen = problem.time_limit_s < LIMIT_S
+        if index == solving.SOLVE_BATCH and screen:
+            next_batch_started.set()
+        if index == 0:  # a contender: stopped in its screen, optimal in its second solve
+            if screen:
+                return _stopped(10.4, 0.1)
+            if pooled:
+                waited.append(next_batch_started.wait(timeout=10))
+            return StageSolution("optimal", 9.0)
+        return StageSolution("optimal", 11.0 + index)
+
+    def run(pool):
+        items = [solving.Ready(Candidate((index,)), 0.0, problem) for index, problem in enumerate(_problems(count))]
+        return solving._solve_all(items, count, None, False, pool)
+
+    monkeypatch.setattr(solving, "solve_stages", lambda problem: answers(problem, False))
+    serial = run(None)
+    monkeypatch.setattr(solving, "_solve_shipped", lambda task: answers(task[0], True))
+    next_batch_started.clear()  # the serial run set it
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pooled = run(pool)
+    assert waited == [True]
+    for got in (serial, pooled):
+        by_candidate = {s.candidate.sort_key[0]: s.solution.objective_s for s in got}
+        assert by_candidate == {0: 9.0, **{index: 11.0 + index for index in range(1, count)}}
