@@ -270,11 +270,6 @@ def can_win(solution: StageSolution, best_s: float) -> bool:
     return proven_bound_s(solution) < best_s * (1.0 + CONTENDER_WINDOW)
 
 
-def _screened_solve(problems: list[StageProblem], best_s: float, pool) -> list[StageSolution]:
-    """`_screen` and its second solves, settled: each problem's better solution."""
-    return _better(*_screen(problems, best_s, pool))
-
-
 def _screen(problems: list[StageProblem], best_s: float, pool) -> tuple[list[StageSolution], dict]:
     """Solve `problems` at SCREEN_SHARE of their time limits, then once more with the whole limit
     those that stopped without a solution or that may still win against `best_s` (the best

@@ -69,10 +69,15 @@ def _fake_solver(calls: list):
     return solve
 
 
+def _screened(problems: list[StageProblem], pool) -> list[StageSolution]:
+    """A batch screened against a best objective of 10.0, its second solves settled."""
+    return solving._better(*solving._screen(problems, 10.0, pool))
+
+
 def test_only_stopped_contenders_are_solved_again(monkeypatch):
     calls = []
     monkeypatch.setattr(solving, "solve_stages", _fake_solver(calls))
-    got = solving._screened_solve(_problems(5), 10.0, pool=None)
+    got = _screened(_problems(5), pool=None)
     screened = [limit for limit, is_screen in calls if is_screen]
     again = [limit for limit, is_screen in calls if not is_screen]
     assert screened == pytest.approx([(LIMIT_S + i) * SCREEN_SHARE for i in range(5)])
@@ -90,7 +95,7 @@ def test_a_pool_solves_the_same_problems_to_the_same_solutions(monkeypatch):
     solve = _fake_solver(calls)
     monkeypatch.setattr(solving, "_solve_shipped", lambda task: solve(task[0]))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        got = solving._screened_solve(_problems(5), 10.0, pool=pool)
+        got = _screened(_problems(5), pool=pool)
     assert sorted(limit for limit, is_screen in calls if not is_screen) == [LIMIT_S + 2, LIMIT_S + 3, LIMIT_S + 4]
     assert sum(is_screen for _, is_screen in calls) == 5
     assert [s.objective_s for s in got] == [10.5, 12.0, 10.1, 10.4, 10.6]
@@ -106,7 +111,7 @@ def test_problems_without_the_compact_structure_get_their_whole_limit_at_once(mo
 
     monkeypatch.setattr(solving, "solve_stages", fake_solve)
     monkeypatch.setattr(solving, "pinned_structure", lambda table, shape: None)
-    got = solving._screened_solve(_problems(3), 10.0, pool=None)
+    got = _screened(_problems(3), pool=None)
     assert limits == [LIMIT_S, LIMIT_S + 1, LIMIT_S + 2]
     assert [s.objective_s for s in got] == [11.0, 11.0, 11.0]
 
