@@ -15,8 +15,18 @@ device (`scan_as_kernel`), the scan is `KernelScan` instead, which keeps what ma
 FLOPs: the scan is elementwise work, 9 L d N multiply-adds and exponentials per sample
 (`mamba_ssm`'s own count), about 1% of a Mamba block's matmul FLOPs; meshplan counts matmul FLOPs
 only (`planner.profiling.op_audit`), so the scan's time is its memory traffic, priced from the
-bytes above as every elementwise operation's is. Mamba-2's chunked scan is matmuls in transformers'
-torch path and is traced as it is.
+bytes above as every elementwise operation's is.
+
+Mamba-2's chunked scan (state space duality; Dao and Gu 2024) runs in transformers' torch path as
+einsums over fp32 (chunk x chunk) score blocks per head, every one of them kept for backward: at
+8K tokens several GiB a layer where `mamba_ssm`'s `mamba_chunk_scan_combined` keeps a few hundred
+MiB. While tracing, `mamba2_chunk_scan` (the shared function of transformers' Mamba-2, Bamba,
+Falcon-H1, Granite-MoE-hybrid, Nemotron-H and Zamba-2 modules) is `KernelSSD` instead, which keeps
+what that kernel's `MambaChunkScanCombinedFn` keeps: its output, x, dt, the fp32 cumulative decay
+dA_cumsum (b x heads x chunks x chunk), A, B, C, D and dt's bias. Its FLOPs are the kernel's four
+batched products per chunk (`ssd_products`: C B^T per group, the masked scores times x, the chunk
+states B^T x and their read-out C h), each run on the meta device so the FLOP counter sees them;
+backward runs each twice (the gradients of both operands).
 """
 from __future__ import annotations
 
@@ -25,6 +35,9 @@ import contextlib
 # transformers' modeling modules whose `mamba_selective_scan` is the looped reference scan
 SCAN_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in ("mamba", "falcon_mamba", "jamba",
                                                                                   "zamba"))
+# transformers' modeling modules whose `mamba2_chunk_scan` is the einsum reference of Mamba-2's scan
+SSD_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in (
+    "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"))
 # positions per chunk of mamba_ssm's selective-scan kernel (its checkpointed states)
 KERNEL_CHUNK = 2048
 
@@ -61,10 +74,67 @@ def kernel_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, del
     return out
 
 
+def ssd_products(like, batch: int, chunks: int, chunk: int, heads: int, head_dim: int, groups: int, state: int) -> None:
+    """The SSD kernel's batched products on `like`'s device (meta: shapes only), for the FLOP
+    counter: per chunk C B^T per group (chunk x state x chunk), the masked scores times x per head
+    (chunk x chunk x head_dim), the chunk state B^T x (head_dim x chunk x state) and its read-out
+    C h (chunk x state x head_dim)."""
+    import torch
+
+    n = batch * chunks
+    for count, (rows, inner, cols) in ((n * groups, (chunk, state, chunk)), (n * heads, (chunk, chunk, head_dim)),
+                                       (n * heads, (head_dim, chunk, state)), (n * heads, (chunk, state, head_dim))):
+        torch.bmm(like.new_empty(count, rows, inner), like.new_empty(count, inner, cols))
+
+
+def _kernel_ssd_class():
+    import torch
+
+    class KernelSSD(torch.autograd.Function):
+        """mamba_ssm's chunked scan: its saved tensors and products (module docstring); meta only."""
+
+        @staticmethod
+        def forward(ctx, x, dt, A, B, C, D, dt_bias, chunk):
+            batch, seq, heads, head_dim = x.shape
+            chunks = -(-seq // chunk)
+            ctx.shape = (batch, chunks, chunk, heads, head_dim, B.shape[2], B.shape[3])
+            ssd_products(x, *ctx.shape)
+            dA_cumsum = x.new_empty(batch, heads, chunks, chunk, dtype=torch.float32)
+            out = x.new_empty(x.shape)
+            ctx.save_for_backward(out, x, dt, dA_cumsum, A, B, C, D, dt_bias)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            for _ in range(2):  # each product's two operands take a gradient
+                ssd_products(grad, *ctx.shape)
+            _, x, dt, _, A, B, C, D, dt_bias = ctx.saved_tensors
+            return tuple(None if t is None else t.new_empty(t.shape) for t in (x, dt, A, B, C, D, dt_bias)) + (None,)
+
+    return KernelSSD
+
+
+def kernel_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+               dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+    """transformers' `mamba2_chunk_scan` signature, run as `KernelSSD`."""
+    import torch
+
+    out = _kernel_ssd_class().apply(hidden_states, dt, A, B, C, D, dt_bias, chunk_size)
+    if return_final_states:
+        batch, _, heads, head_dim = hidden_states.shape
+        return out, hidden_states.new_empty(batch, heads, head_dim, B.shape[-1], dtype=torch.float32)
+    return out
+
+
+# (modules, the function they name, its kernel-shaped stand-in)
+_KERNELS = ((SCAN_MODULES, "mamba_selective_scan", kernel_scan), (SSD_MODULES, "mamba2_chunk_scan", kernel_ssd))
+
+
 @contextlib.contextmanager
 def scan_as_kernel(device):
-    """Within: on the meta device, transformers' Mamba scans run as `kernel_scan` (else untouched).
-    Only modules already imported are patched: the model built before imported its own."""
+    """Within: on the meta device, transformers' Mamba scans run as `kernel_scan` and its Mamba-2
+    scans as `kernel_ssd` (else untouched). Only modules already imported are patched: the model
+    built before imported its own."""
     import sys
 
     import torch
@@ -73,14 +143,15 @@ def scan_as_kernel(device):
         yield
         return
     patched = []
-    for name in SCAN_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "mamba_selective_scan"):
-            patched.append((module, module.mamba_selective_scan))
-            module.mamba_selective_scan = kernel_scan
+    for names, function, kernel in _KERNELS:
+        for name in names:
+            module = sys.modules.get(name)
+            if module is not None and hasattr(module, function):
+                patched.append((module, function, getattr(module, function)))
+                setattr(module, function, kernel)
     try:
         yield
     finally:
-        for module, original in patched:
-            module.mamba_selective_scan = original
+        for module, function, original in patched:
+            setattr(module, function, original)
 

@@ -71,6 +71,56 @@ def test_mamba_traces_the_fused_scan(tmp_path):
     assert long.bwd_flops == 2 * long.fwd_flops
 
 
+MAMBA2 = {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "hidden_size": 64, "num_heads": 8,
+          "head_dim": 16, "state_size": 16, "n_groups": 2, "expand": 2, "conv_kernel": 4, "chunk_size": 32,
+          "num_hidden_layers": 2, "vocab_size": 300, "tie_word_embeddings": False, "use_bias": False,
+          "use_conv_bias": True}
+
+
+def test_mamba2_traces_the_chunked_scan_as_its_kernel_runs_it(tmp_path, monkeypatch):
+    """Mamba-2's scan (`hf_ssm.KernelSSD`): the block's FLOPs are its two Linears, its depthwise conv
+    and the SSD kernel's four products per chunk, by hand (backward twice forward); it keeps what
+    `mamba_chunk_scan_combined` keeps (the fp32 cumulative decay per head, chunk and position among it),
+    no (chunk x chunk) score block per head, and under 40% of the bytes transformers' einsum path keeps."""
+    from meshplan.planner.models import hf_ssm
+
+    path = tmp_path / "mamba2.json"
+    path.write_text(json.dumps(MAMBA2))
+    seq, chunk, heads, head_dim, groups, state, hidden = 64, 32, 8, 16, 2, 16, 64
+    inner = heads * head_dim
+    block = profile(f"hf:{path}", seq, cache=False).layers[1]
+    linears = 2 * seq * hidden * (2 * inner + 2 * groups * state + heads) + 2 * seq * inner * hidden
+    chunks = seq // chunk
+    ssd = 2 * chunks * (groups * chunk * state * chunk + heads * (chunk * chunk * head_dim + 2 * head_dim * chunk * state))
+    assert block.fwd_flops == linears + block.conv_fwd_flops + ssd
+    assert block.bwd_flops == 2 * block.fwd_flops
+    monkeypatch.setattr(hf_ssm, "_KERNELS", hf_ssm._KERNELS[:1])  # transformers' einsum path
+    reference = profile(f"hf:{path}", seq, cache=False).layers[1]
+    assert block.activation_bytes < 0.4 * reference.activation_bytes
+
+
+def test_the_mamba2_ssd_kernel_keeps_its_decay_and_no_score_block():
+    import torch
+
+    from meshplan.planner.models.hf_ssm import kernel_ssd
+
+    batch, seq, heads, head_dim, groups, state, chunk = 1, 256, 8, 16, 2, 16, 64
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    x = torch.empty(batch, seq, heads, head_dim, requires_grad=True, **meta)
+    dt = torch.empty(batch, seq, heads, requires_grad=True, **meta)
+    B, C = (torch.empty(batch, seq, groups, state, requires_grad=True, **meta) for _ in range(2))
+    A, D, dt_bias = (torch.empty(heads, device="meta", dtype=torch.float32) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, final = kernel_ssd(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True, return_final_states=True)
+    out.sum().backward()
+    assert out.shape == x.shape and final.shape == (batch, heads, head_dim, state) and x.grad.shape == x.shape
+    shapes = {(tuple(t.shape), t.dtype) for t in saved}
+    assert ((batch, heads, seq // chunk, chunk), torch.float32) in shapes
+    assert ((batch, seq, heads, head_dim), torch.bfloat16) in shapes  # x and the output
+    assert all(t.numel() < seq * chunk * heads for t in saved)  # no (position x chunk) scores per head
+
+
 def test_estimate_splits_olmo2_starcoder2_and_deepseek_over_tp():
     from meshplan.planner.costing.executable import model_facts, why_not_executable
     from meshplan.planner.contracts.config import ParallelConfig
