@@ -6,6 +6,8 @@ Split from `published_runs` (which defines `Run` and the sources), whose `all_ru
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from published_dgx_cloud_runs import dgx_cloud_grok1_runs
 from published_runs import (BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
                             MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run, account_for_split)
@@ -252,7 +254,34 @@ def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
                       "with compute", "the norms and the experts' activation functions recomputed (recompute_modules "
                       "layernorm moe_act)", "36 layers, 9 a stage; the embedding and the output layer on the first and "
                       "last stages as meshplan places them", "the vocabulary of openai/gpt-oss-120b's config (201,088)"))
-    return [qwen, gpt_oss] + qwen3_235b_h100_overlapped_runs()
+    return [qwen, gpt_oss, nemotron_3_nano_run()] + qwen3_235b_h100_overlapped_runs()
+
+
+# Nemotron 3 Nano (30B-A3B): 23 Mamba-2, 23 MoE (128 experts, top 6, one shared expert, squared ReLU)
+# and 6 attention layers; the Hugging Face hub's config.json of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
+# (without auto_map), the shape Megatron-Bridge's nemotron_3_nano_pretrain_config builds.
+NEMOTRON_3_NANO = Path(__file__).parent / "models" / "nemotron_3_nano_30b_a3b.json"
+
+
+def nemotron_3_nano_run() -> Run:
+    """Megatron-Bridge 26.06's DGX-H100 Nemotron 3 Nano row (HELD_OUT_MOE): 16 GPUs, FP8, GBS 1024, MBS 1,
+    8K tokens, EP 8, 14,719 tokens/s/GPU, under the recipe at tag v0.5.0 (nemotron_3_llm_pretrain.py,
+    nemotron_3_workload_base_configs.py's H100 FP8-CS preset): TP 1, expert TP 1, HybridEP, the MoE
+    layers, norms, attention cores and expert activations recomputed, CUDA graphs over the Mamba
+    mixers, current scaling with no layer kept in bf16, gradients reduced in bf16."""
+    return Run("Megatron-Bridge 26.06 Nemotron-3-Nano fp8 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_2606_H100, "h100-sxm",
+               f"hf:{NEMOTRON_3_NANO}", 16, 1024, 8192, zero=1, ep=8, etp=1, precision="fp8", fp8_recipe="tensorwise",
+               recompute_modules=("moe", "layernorm", "core_attn", "moe_act"), published_tokens_per_s=14719.0 * 16,
+               grad_reduce_in_bf16=True, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
+               cross_entropy_fusion="te", assumptions=(
+                   MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
+                   BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HYBRIDEP,
+                   "recompute_modules moe, layernorm, core_attn and moe_act (the H100 FP8-CS preset)",
+                   "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise), "
+                   "first_last_layers_bf16 off",
+                   "the Mamba-2 mixers as transformers' NemotronH builds them, their chunked scan as mamba_ssm's "
+                   "kernel keeps it (`hf_ssm.KernelSSD`); Transformer Engine CUDA graphs over them (host launch "
+                   "cost: not modelled)"))
 
 
 

@@ -60,7 +60,10 @@ parallelism, costed under balanced routing:
   every distinct DGX-H100 MoE layout of its 2026 releases, once, from the latest release that
   prints it, with that release's recipes (the tag's `scripts/performance/configs`): Qwen3-30B-A3B
   on 16 GPUs, FP8-CS, EP 16 with HybridEP (26.06, tag v0.5.0), and GPT-OSS 120B on 64 GPUs, BF16,
-  PP 4, EP 8, the norms and expert activations recomputed (26.04.01, tag v0.4.2); and the DGX-H100
+  PP 4, EP 8, the norms and expert activations recomputed (26.04.01, tag v0.4.2), Nemotron 3 Nano
+  (hybrid Mamba-2 / MoE / attention, the hub's config.json in `models/`) on 16 GPUs, FP8-CS, EP 8 with
+  HybridEP, its MoE layers, norms, attention cores and expert activations recomputed (26.06, tag
+  v0.5.0; `published_moe_runs.nemotron_3_nano_run`); and the DGX-H100
   Qwen3-235B-A22B layout (FP8-CS, TP 2, PP 8, VP 4, EP 32, the recipes' moe_a2a_overlap: Megatron-Core's
   combined 1F1B) at GBS 2048 (25.11, as the page's own correction, commit
   5776a6d90b4dd8692902ab2eb581369484e19283, restored the row) and at GBS 8192 (26.04.01, the latest
@@ -98,8 +101,8 @@ the recipes' at the cited commit) and GB300 (no profile); its DGX-B200 row is he
 (`published_moe_runs.megatron_bridge_blackwell_deepseek_v3_runs`); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
 activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention);
 the 2026 archive's other DGX-H100 MoE rows: Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 row of 26.02.01 (the recipe at
-its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's), the
-Nemotron 3 Nano rows (hybrid Mamba layers), and older releases' rows of the layouts above; 25.11's
+its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's) and
+older releases' rows of the layouts above; 25.11's
 GPT-OSS rows (the DGX-H100 row's PP 4 contradicts its GA 2 = 512 / (64 x 4), which only PP 1
 gives; the Blackwell rows' printed layouts are not the recipes' at the cited commit: GB200 prints GBS
 1280, MBS 1 and 8K tokens where gpt_oss_workload_base_configs.py runs 512, 4 and 4K, B200 prints EP 8

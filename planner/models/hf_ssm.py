@@ -38,6 +38,8 @@ SCAN_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in (
 # transformers' modeling modules whose `mamba2_chunk_scan` is the einsum reference of Mamba-2's scan
 SSD_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in (
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"))
+# the logger of transformers' hub-kernel dispatch, which warns when a kernel falls back to torch code
+KERNEL_NOTICE_LOGGER = "transformers.integrations.hub_kernels"
 # positions per chunk of mamba_ssm's selective-scan kernel (its checkpointed states)
 KERNEL_CHUNK = 2048
 
@@ -134,7 +136,10 @@ _KERNELS = ((SCAN_MODULES, "mamba_selective_scan", kernel_scan), (SSD_MODULES, "
 def scan_as_kernel(device):
     """Within: on the meta device, transformers' Mamba scans run as `kernel_scan` and its Mamba-2
     scans as `kernel_ssd` (else untouched). Only modules already imported are patched: the model
-    built before imported its own."""
+    built before imported its own. transformers' notice that its kernels fall back to "much slower"
+    reference code is held back: nothing runs on the meta device, and the fallbacks it names are
+    priced as the kernels."""
+    import logging
     import sys
 
     import torch
@@ -142,6 +147,9 @@ def scan_as_kernel(device):
     if torch.device(device).type != "meta":
         yield
         return
+    notices = logging.getLogger(KERNEL_NOTICE_LOGGER)
+    level = notices.level
+    notices.setLevel(logging.ERROR)
     patched = []
     for names, function, kernel in _KERNELS:
         for name in names:
@@ -154,4 +162,5 @@ def scan_as_kernel(device):
     finally:
         for module, function, original in patched:
             setattr(module, function, original)
+        notices.setLevel(level)
 

@@ -197,6 +197,23 @@ def test_dgx_cloud_grok1_rows_transcription_is_consistent(modules):
     assert runs[1].fp8_recipe == "delayed" and runs[0].fp8_recipe is None
 
 
+def test_nemotron_3_nano_row_is_the_recipe_s_and_its_flops_are_the_traced_count(modules):
+    """Megatron-Bridge 26.06's DGX-H100 Nemotron 3 Nano row (16 GPUs, FP8, GBS 1024, 8K tokens, EP 8,
+    14,719 tokens/s and 328 TFLOP/s a GPU): the FLOPs a token those imply (22.28 G) are meshplan's
+    trace of the hub config, attention in full (22.02 G), within 2%; 31.58 B parameters (the
+    published 31.6 B); the H100 FP8-CS preset's recomputed modules and switches."""
+    data, fit = modules
+    (run,) = [r for r in data.all_runs() if "Nemotron-3-Nano" in r.name]
+    graph = fit.graph_of(run.spec, run.seq, run.attention)
+    assert graph.total_params == 31_577_937_344
+    per_token = float(graph.fwd_flops + graph.bwd_flops) / run.seq
+    assert 328e12 / 14719 == pytest.approx(per_token, rel=0.02)
+    assert run.published_tokens_per_s == 14719 * 16 and (run.gpus, run.global_batch, run.seq) == (16, 1024, 8192)
+    assert (run.tp, run.pp, run.ep, run.etp, run.mbs, run.zero) == (1, 1, 8, 1, 1, 1)
+    assert run.recompute_modules == ("moe", "layernorm", "core_attn", "moe_act")
+    assert run.fp8_recipe == "tensorwise" and run.grad_reduce_in_bf16 and run.moe_dispatcher == "deepep"
+
+
 def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
     """DGX Cloud's dense tables print each row's tokens/s beside its step time: every transcribed
     row's global batch x sequence over its step gives that figure (0.1%: the steps' printed

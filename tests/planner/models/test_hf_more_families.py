@@ -146,3 +146,19 @@ def test_plans_on_a_small_cluster(run_cli, name, gpus, pins):
     plan = json.loads(out)
     assert plan["executable"] and plan["prediction"]["step_time_s"] > 0
     assert plan["mesh"]["tp"] == (2 if "--tp" in pins else 1)
+
+
+def test_kernel_fallback_notices_are_held_back_while_tracing_on_meta_only():
+    """transformers warns that a kernel falls back to "much slower" torch code; on the meta device
+    nothing runs, so tracing holds the notice back, and restores the logger's level after."""
+    import logging
+
+    from meshplan.planner.models.hf_ssm import KERNEL_NOTICE_LOGGER, scan_as_kernel
+
+    notices = logging.getLogger(KERNEL_NOTICE_LOGGER)
+    before = notices.level
+    with scan_as_kernel("meta"):
+        assert not notices.isEnabledFor(logging.WARNING)
+    assert notices.level == before
+    with scan_as_kernel("cpu"):
+        assert notices.level == before
