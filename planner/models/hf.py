@@ -317,12 +317,15 @@ def layer_signature(layer, config) -> str:
 def expert_modules(layer) -> list[str]:
     """Names (relative to the layer) of its routed experts: a module holding 3-D weights (and 2-D
     biases) with one leading expert dimension (transformers' stacked experts), or a ModuleList of
-    two or more same-typed modules named `experts`."""
+    two or more same-typed modules named `experts`. A convolution's 3-D weight (out x in / groups x
+    kernel: a Mamba or gated DeltaNet mixer's depthwise conv without bias) is no stack of experts."""
     import torch
 
     found: list[str] = []
     for name, sub in layer.named_modules():
         if not name or any(name.startswith(prefix + ".") for prefix in found):
+            continue
+        if isinstance(sub, torch.nn.modules.conv._ConvNd):
             continue
         params = list(sub.parameters(recurse=False))
         # weights stacked over experts, with their biases (GPT-OSS) stacked the same way

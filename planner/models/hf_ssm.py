@@ -27,6 +27,16 @@ dA_cumsum (b x heads x chunks x chunk), A, B, C, D and dt's bias. Its FLOPs are 
 batched products per chunk (`ssd_products`: C B^T per group, the masked scores times x, the chunk
 states B^T x and their read-out C h), each run on the meta device so the FLOP counter sees them;
 backward runs each twice (the gradients of both operands).
+
+Gated DeltaNet (Yang et al. 2025; Qwen3-Next, Qwen3.5, OLMo-hybrid) runs in transformers' torch path
+with a triangular solve meshplan's FLOP counter has no formula for, in fp32 copies of every input.
+While tracing, `torch_chunk_gated_delta_rule` is `KernelGDN` instead, which keeps what flash-linear-
+attention's `ChunkGatedDeltaRuleFunction` keeps (q and k after their in-kernel L2 norm with their fp32
+rstd, v, the fp32 chunk-cumulative gate g, beta and the inverted chunk matrix A, b x L x heads x 64) and
+counts the chunk algorithm's products (`gdn_products`, per value head and chunk of C = 64: the
+k k^T system and its triangular inverse, w and u, the state's read and update, the output's q h and
+masked q k^T v); its backward recomputes w, u and the states, as the kernel does, and runs every
+product's two gradients.
 """
 from __future__ import annotations
 
@@ -40,6 +50,11 @@ SSD_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in (
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"))
 # the logger of transformers' hub-kernel dispatch, which warns when a kernel falls back to torch code
 KERNEL_NOTICE_LOGGER = "transformers.integrations.hub_kernels"
+# transformers' modeling modules whose `torch_chunk_gated_delta_rule` is gated DeltaNet's torch path
+GDN_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in (
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp"))
+# positions per chunk of flash-linear-attention's gated delta rule kernels
+GDN_CHUNK = 64
 # positions per chunk of mamba_ssm's selective-scan kernel (its checkpointed states)
 KERNEL_CHUNK = 2048
 
@@ -128,14 +143,75 @@ def kernel_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, ini
     return out
 
 
+def gdn_products(like, batch: int, chunks: int, heads: int, key_dim: int, value_dim: int, recompute: bool = False) -> None:
+    """Gated DeltaNet's chunk products on `like`'s device (meta: shapes only), for the FLOP counter,
+    per value head and chunk of C positions: the system (k beta) k^T (C x K x C), its triangular
+    inverse (counted as one C x C x C product), w = A (k beta g) and u = A (v beta), the state's read
+    w h and update k^T v (K x V each, per position), the output's q h and (q k^T) v. `recompute`:
+    only what the kernel's backward reruns (w, u and the states)."""
+    import torch
+
+    n, c = batch * chunks * heads, GDN_CHUNK
+    shapes = [(c, c, key_dim), (c, c, value_dim), (c, key_dim, value_dim), (key_dim, c, value_dim)]
+    if not recompute:
+        shapes += [(c, key_dim, c), (c, c, c), (c, key_dim, value_dim), (c, key_dim, c), (c, c, value_dim)]
+    for rows, inner, cols in shapes:
+        torch.bmm(like.new_empty(n, rows, inner), like.new_empty(n, inner, cols))
+
+
+def _kernel_gdn_class():
+    import torch
+
+    class KernelGDN(torch.autograd.Function):
+        """flash-linear-attention's chunked gated delta rule: its saved tensors and products (module
+        docstring); meta only."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, g, beta, l2norm):
+            batch, seq, _, key_dim = k.shape
+            heads, value_dim = v.shape[-2:]
+            ctx.shape = (batch, -(-seq // GDN_CHUNK), heads, key_dim, value_dim)
+            gdn_products(v, *ctx.shape)
+            rstd = [t.new_empty(t.shape[:-1], dtype=torch.float32) if l2norm else None for t in (q, k)]
+            q_kept, k_kept = (t.new_empty(t.shape) if l2norm else t for t in (q, k))
+            g_sum = g.new_empty(g.shape, dtype=torch.float32)
+            A = k.new_empty(batch, seq, heads, GDN_CHUNK)
+            ctx.save_for_backward(q_kept, rstd[0], k_kept, rstd[1], v, g_sum, beta, A)
+            return v.new_empty(batch, seq, heads, value_dim)
+
+        @staticmethod
+        def backward(ctx, grad):
+            gdn_products(grad, *ctx.shape, recompute=True)
+            for _ in range(2):  # each product's two operands take a gradient
+                gdn_products(grad, *ctx.shape)
+            q, _, k, _, v, g, beta, _ = ctx.saved_tensors
+            return tuple(t.new_empty(t.shape) for t in (q, k, v, g, beta)) + (None,)
+
+    return KernelGDN
+
+
+def kernel_gdn(query, key, value, g, beta, chunk_size=GDN_CHUNK, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' `torch_chunk_gated_delta_rule` signature, run as `KernelGDN`: (output, final
+    state or None)."""
+    import torch
+
+    out = _kernel_gdn_class().apply(query, key, value, g, beta, use_qk_l2norm_in_kernel)
+    if not output_final_state:
+        return out, None
+    batch, heads, key_dim, value_dim = key.shape[0], value.shape[-2], key.shape[-1], value.shape[-1]
+    return out, value.new_empty(batch, heads, key_dim, value_dim, dtype=torch.float32)
+
+
 # (modules, the function they name, its kernel-shaped stand-in)
-_KERNELS = ((SCAN_MODULES, "mamba_selective_scan", kernel_scan), (SSD_MODULES, "mamba2_chunk_scan", kernel_ssd))
+_KERNELS = ((SCAN_MODULES, "mamba_selective_scan", kernel_scan), (SSD_MODULES, "mamba2_chunk_scan", kernel_ssd),
+            (GDN_MODULES, "torch_chunk_gated_delta_rule", kernel_gdn))
 
 
 @contextlib.contextmanager
 def scan_as_kernel(device):
-    """Within: on the meta device, transformers' Mamba scans run as `kernel_scan` and its Mamba-2
-    scans as `kernel_ssd` (else untouched). Only modules already imported are patched: the model
+    """Within: on the meta device, transformers' Mamba scans run as `kernel_scan`, its Mamba-2
+    scans as `kernel_ssd` and its gated DeltaNet as `kernel_gdn` (else untouched). Only modules already imported are patched: the model
     built before imported its own. transformers' notice that its kernels fall back to "much slower"
     reference code is held back: nothing runs on the meta device, and the fallbacks it names are
     priced as the kernels."""

@@ -162,3 +162,58 @@ def test_kernel_fallback_notices_are_held_back_while_tracing_on_meta_only():
     assert notices.level == before
     with scan_as_kernel("cpu"):
         assert notices.level == before
+
+
+def test_gated_deltanet_kernel_keeps_fla_s_tensors_and_counts_its_chunk_products():
+    """`KernelGDN` (flash-linear-attention's chunked gated delta rule): q and k after the in-kernel L2
+    norm with their fp32 rstd, v, the fp32 cumulative gate, beta and the inverted chunk matrix A (b x L x
+    heads x 64); forward FLOPs the chunk algorithm's products, per value head and chunk of C = 64,
+    2 L (3 C K + 2 C V + C^2 + 3 K V), by hand; backward twice that plus the recomputed w, u and states."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from meshplan.planner.models.hf_ssm import GDN_CHUNK, kernel_gdn
+
+    batch, seq, k_heads, v_heads, key_dim, value_dim = 1, 256, 2, 4, 32, 16
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = (torch.empty(batch, seq, k_heads, key_dim, requires_grad=True, **meta) for _ in range(2))
+    v = torch.empty(batch, seq, v_heads, value_dim, requires_grad=True, **meta)
+    g, beta = (torch.empty(batch, seq, v_heads, requires_grad=True, **meta) for _ in range(2))
+    saved = []
+    with FlopCounterMode(display=False) as forward_count, \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out, final = kernel_gdn(q, k, v, g, beta, initial_state=None, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+    c, K, V = GDN_CHUNK, key_dim, value_dim
+    per_head = 2 * seq * (3 * c * K + 2 * c * V + c * c + 3 * K * V)
+    assert forward_count.get_total_flops() == v_heads * per_head
+    with FlopCounterMode(display=False) as backward_count:
+        out.sum().backward()
+    recomputed = 2 * seq * (c * K + c * V + 2 * K * V)
+    assert backward_count.get_total_flops() == v_heads * (2 * per_head + recomputed)
+    assert out.shape == (batch, seq, v_heads, value_dim) and final.shape == (batch, v_heads, key_dim, value_dim)
+    assert q.grad.shape == q.shape and g.grad.shape == g.shape
+    shapes = [(tuple(t.shape), t.dtype) for t in saved]
+    assert ((batch, seq, v_heads, c), torch.bfloat16) in shapes                      # A
+    assert shapes.count(((batch, seq, k_heads), torch.float32)) == 2                  # q and k rstd
+    assert ((batch, seq, v_heads), torch.float32) in shapes                           # the cumulative gate
+
+
+def test_qwen3_next_profiles_with_its_experts_not_its_convolutions(tmp_path):
+    """Qwen3-Next (gated DeltaNet and gated attention, 3:1, over MoE blocks) profiles: its delta rule
+    runs as `KernelGDN` (transformers' torch path solves a triangular system meshplan cannot count),
+    and its mixers' bias-free depthwise conv (a 3-D weight) is not taken for a stack of experts."""
+    from transformers import Qwen3NextConfig
+
+    small = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                 intermediate_size=64, vocab_size=300)
+    data = {**Qwen3NextConfig(**small).to_dict(), "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}
+    data.pop("transformers_version", None)
+    path = tmp_path / "qwen3_next.json"
+    path.write_text(json.dumps(data, default=str))
+    graph = profile(f"hf:{path}", 128, cache=False)
+    assert graph.info.num_experts == 8 and graph.info.top_k == 2
+    blocks = [layer for layer in graph.layers if layer.kind == "block"]
+    assert len(blocks) == 4 and all(layer.bwd_flops > 2 * layer.fwd_flops * 0.99 for layer in blocks)
