@@ -121,10 +121,35 @@ def moe_runs() -> list[Run]:
                 "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
                 BRIDGE_BF16_GRADS)),
     ]
-    return (runs + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
+    return (runs + [qwen3_next_run()] + moe_long_context_runs() + moe_gb200_runs() + megatron_bridge_blackwell_moe_runs()
             + megatron_bridge_2026_h100_moe_runs() + megatron_bridge_docs_qwen3_30b_runs()
             + dgx_cloud_deepseek_v3_runs() + dgx_cloud_grok1_runs() + megatron_bridge_deepseek_v3_card_runs()
             + megatron_bridge_blackwell_deepseek_v3_runs())
+
+
+# Qwen3-Next-80B-A3B: 36 gated DeltaNet and 12 gated-attention blocks (3:1) over MoE (512 experts, top 10,
+# a gated shared expert), the config Qwen3NextConfig defaults to (transformers' docstring: Qwen3-Next-80B-A3B),
+# with the ModelZoo config's RoPE base and context (model_configs/benchmarking/Qwen3-Next-80B-A3B.yaml).
+QWEN3_NEXT = Path(__file__).parent / "models" / "qwen3_next_80b_a3b.json"
+
+
+def qwen3_next_run() -> Run:
+    """The ModelZoo table's Qwen3-Next row (HELD_OUT_MOE): 128 H100, BF16, TP 1, PP 4, VP 3, EP 32, MBS 1,
+    GBS 256, 2.2 s, under run_next_80b.sh and the model config at the source's commit: DeepEP, the norms,
+    expert activations and shared experts recomputed, forced balancing, one multi-token-prediction layer,
+    Transformer Engine's loss; its blocks split evenly, 4 a chunk. The table notes the model's performance
+    is "not well tuned"; it is scored like any other."""
+    return Run("Megatron-MoE Qwen3-Next-80B-A3B pp4 vpp3 ep32", HELD_OUT_MOE, MEGATRON_MOE_QWEN3, "h100-sxm",
+               f"hf:{QWEN3_NEXT}", 128, 256, 4096, pp=4, vpp_options=(3,), zero=1, ep=32, etp=1,
+               recompute_modules=("layernorm", "moe_act", "shared_experts"), published_step_s=2.2,
+               moe_dispatcher="deepep", engine="megatron", attention="cudnn", stage_blocks=(4,) * 12, mtp_num_layers=1,
+               cross_entropy_fusion="te", assumptions=MEGATRON_MOE_ASSUMPTIONS[:1] + (
+                   CUDNN_ATTENTION, "DeepEP's dispatch and combine (the config's --moe-enable-deepep), not overlapped",
+                   "recompute_modules moe_act shared_experts layernorm (run_next_80b.sh)",
+                   "one multi-token-prediction layer (the config's --mtp-num-layers 1) on the last stage",
+                   "the distributed optimizer costed as ZeRO-1", ZOO_LOSS,
+                   "gated DeltaNet as flash-linear-attention's chunked kernel runs it (`hf_ssm.KernelGDN`)",
+                   "the table's note: 'The performance of Qwen3-Next-80B-A3B is not well tuned'"))
 
 
 def megatron_bridge_blackwell_moe_runs() -> list[Run]:

@@ -44,7 +44,9 @@ parallelism, costed under balanced routing:
   tensor and data ranks at expert TP 1: the cross-node TP 2 / PP 8 / VPP 4 / EP 32 row without
   overlap (19.7 s), the same layout's "+1f1b overlap" row (17.6 s: Megatron-Core's combined 1F1B,
   `Run.moe_a2a_overlap`, priced by `costing.moe_overlap` from the schedule, not fitted) and the
-  TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s); and its long-context table
+  TP 2 / PP 32 / VPP 3 / EP 8 row (24.2 s), and its Qwen3-Next-80B-A3B row (128 H100, PP 4, VP 3,
+  EP 32, 2.2 s; gated DeltaNet traced as its kernel runs it, `published_moe_runs.qwen3_next_run`); and
+  its long-context table
   (TP 4, CP 1-8, PP 8, VPP 4, EP 8, 16K-128K tokens, the MoE layers recomputed), the forced-balance
   TFLOP/s, in the FLOP convention the short rows' step times and TFLOP/s together give; and the
   later readme's (`best_practice/qwen3/readme.md`) GB200 BF16 row (TP 1, PP 8, EP 8, 256 GPUs).
@@ -99,7 +101,7 @@ without those runs beside it.
 Left out, MoE: Megatron-Bridge 25.11's DeepSeek-V3 rows on DGX-GB200 (their printed layouts are not
 the recipes' at the cited commit) and GB300 (no profile); its DGX-B200 row is held out
 (`published_moe_runs.megatron_bridge_blackwell_deepseek_v3_runs`); its GB200 and GB300 rows (Blackwell recipes with CUDA graphs and
-activation offloading); its long-context table's dropless figures (routing imbalance unpublished); its Qwen3-Next row (linear attention);
+activation offloading); its long-context table's dropless figures (routing imbalance unpublished);
 the 2026 archive's other DGX-H100 MoE rows: Qwen3-30B-A3B's PP 2 / VP 12 / EP 8 row of 26.02.01 (the recipe at
 its tag, v0.3.1, runs EP 16 without pipelining, so the printed layout is not the recipe's) and
 older releases' rows of the layouts above; 25.11's

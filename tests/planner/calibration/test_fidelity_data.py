@@ -107,7 +107,8 @@ def test_qwen3_235b_rows_take_their_recipes_pipeline_split(modules):
     assert moe.qwen3_235b_stage_blocks(8) == (11,) + (12,) * 6 + (11,)
     with pytest.raises(ValueError, match="94 blocks, the embedding and the loss do not split evenly over 7 chunks"):
         moe.qwen3_235b_stage_blocks(7)
-    zoo = [run for run in data.all_runs() if run.source in (data.MEGATRON_MOE_QWEN3, data.MEGATRON_MOE_QWEN3_GB200)]
+    zoo = [run for run in data.all_runs() if run.source in (data.MEGATRON_MOE_QWEN3, data.MEGATRON_MOE_QWEN3_GB200)
+           and run.spec == "qwen3-235b-a22b"]  # the table's Qwen3-Next row: its own config, no such split
     assert len(zoo) == 10
     for run in zoo:
         assert run.cross_entropy_fusion == "te", run.name
@@ -212,6 +213,29 @@ def test_nemotron_3_nano_row_is_the_recipe_s_and_its_flops_are_the_traced_count(
     assert (run.tp, run.pp, run.ep, run.etp, run.mbs, run.zero) == (1, 1, 8, 1, 1, 1)
     assert run.recompute_modules == ("moe", "layernorm", "core_attn", "moe_act")
     assert run.fp8_recipe == "tensorwise" and run.grad_reduce_in_bf16 and run.moe_dispatcher == "deepep"
+
+
+def test_qwen3_next_row_is_the_modelzoo_s_layout_and_model(modules):
+    """The ModelZoo's Qwen3-Next row (128 H100, TP 1, PP 4, VP 3, EP 32, DP 32, MBS 1, GBS 256, GA 8, 2.2 s)
+    on the config its model_configs YAML sets: 48 blocks, every fourth gated attention (16 heads, 2 KV
+    heads of 256), the others gated DeltaNet (16 key and 32 value heads of 128), 512 experts of 512, top
+    10, a shared expert of 512, hidden 2,048; one multi-token-prediction layer, 4 blocks a chunk."""
+    import json
+
+    data, fit = modules
+    (run,) = [r for r in data.all_runs() if "Qwen3-Next" in r.name]
+    config = json.loads(Path(run.spec[3:]).read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"]) == (2048, 48, 16, 2, 256)
+    assert (config["linear_num_key_heads"], config["linear_num_value_heads"], config["linear_key_head_dim"],
+            config["linear_value_head_dim"]) == (16, 32, 128, 128)
+    assert config["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 12
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"],
+            config["shared_expert_intermediate_size"]) == (512, 10, 512, 512)
+    dp = run.gpus // run.pp
+    assert (run.pp, run.vpp_options, run.ep, dp, run.global_batch // dp) == (4, (3,), 32, 32, 8)
+    assert run.mtp_num_layers == 1 and run.stage_blocks == (4,) * 12 and run.published_step_s == 2.2
+    assert run.recompute_modules == ("layernorm", "moe_act", "shared_experts")
 
 
 def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
