@@ -1,5 +1,5 @@
-"""State-space (Mamba) mixers of Hugging Face models on the meta device: the selective scan as its
-fused kernel runs it.
+"""Recurrent mixers of Hugging Face models on the meta device (Mamba, Mamba-2, gated DeltaNet): each
+scan as its fused kernel runs it.
 
 Without `mamba_ssm` (and on the meta device there is no kernel to run), transformers' Mamba,
 Falcon-Mamba, Jamba and Zamba scan in a Python loop over the sequence that keeps every step's d_inner x d_state
