@@ -236,6 +236,8 @@ def test_qwen3_next_row_is_the_modelzoo_s_layout_and_model(modules):
     assert (run.pp, run.vpp_options, run.ep, dp, run.global_batch // dp) == (4, (3,), 32, 32, 8)
     assert run.mtp_num_layers == 1 and run.stage_blocks == (4,) * 12 and run.published_step_s == 2.2
     assert run.recompute_modules == ("layernorm", "moe_act", "shared_experts")
+    graph = fit.graph_of(run.spec, run.seq, run.attention)  # Qwen's "80B total parameters"
+    assert graph.total_params == pytest.approx(80e9, rel=0.01) and graph.info.num_experts == 512
 
 
 def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
