@@ -251,6 +251,11 @@ HYBRIDEP = ("the flex dispatcher with HybridEP (the recipe's moe_flex_dispatcher
             "(moe_a2a_overlap=False)")
 
 
+# What every 2026 Megatron-Bridge DGX-H100 MoE row assumes (its performance scripts and recipes).
+BRIDGE_2026_COMMON = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
+                      BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS)
+
+
 def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
     """Megatron-Bridge's 2026 DGX-H100 MoE rows (HELD_OUT_MOE), force-balanced and dropless, FSDP 0, TP 1.
 
@@ -262,19 +267,18 @@ def megatron_bridge_2026_h100_moe_runs() -> list[Run]:
       recomputes the norms and the experts' activations (recompute_modules layernorm, moe_act), the
       recipe keeps the alltoall dispatcher, and set_gpt_oss_common_configs reduces gradients in bf16.
     """
-    common = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
-              BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS)
     qwen = Run("Megatron-Bridge 26.06 Qwen3-30B-A3B fp8 ep16", HELD_OUT_MOE,
                MEGATRON_BRIDGE_2606_H100, "h100-sxm", "qwen3-30b-a3b", 16, 1024,
                4096, zero=1, ep=16, etp=1, precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=8826.0 * 16,
                grad_reduce_in_bf16=True, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-               cross_entropy_fusion="te", assumptions=common + (HYBRIDEP, "no recomputation (set_qwen3_common_configs clears it)",
-                                     "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)"))
+               cross_entropy_fusion="te", assumptions=BRIDGE_2026_COMMON + (
+                   HYBRIDEP, "no recomputation (set_qwen3_common_configs clears it)",
+                   "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)"))
     gpt_oss = Run("Megatron-Bridge 26.04.01 GPT-OSS-120B bf16 pp4 ep8", HELD_OUT_MOE,
                   MEGATRON_BRIDGE_260401_H100, "h100-sxm", "gpt-oss-120b", 64,
                   1280, 4096, pp=4, zero=1, ep=8, etp=1, recompute_modules=("layernorm", "moe_act"),
                   published_tokens_per_s=5824.0 * 64, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-                  cross_entropy_fusion="te", assumptions=common + (
+                  cross_entropy_fusion="te", assumptions=BRIDGE_2026_COMMON + (
                       "Megatron-Core's alltoall dispatcher (the recipe's moe_token_dispatcher_type), not overlapped "
                       "with compute", "the norms and the experts' activation functions recomputed (recompute_modules "
                       "layernorm moe_act)", "36 layers, 9 a stage; the embedding and the output layer on the first and "
@@ -298,9 +302,8 @@ def nemotron_3_nano_run() -> Run:
                f"hf:{NEMOTRON_3_NANO}", 16, 1024, 8192, zero=1, ep=8, etp=1, precision="fp8", fp8_recipe="tensorwise",
                recompute_modules=("moe", "layernorm", "core_attn", "moe_act"), published_tokens_per_s=14719.0 * 16,
                grad_reduce_in_bf16=True, moe_dispatcher="deepep", engine="megatron", attention="cudnn",
-               cross_entropy_fusion="te", assumptions=(
-                   MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
-                   BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HYBRIDEP,
+               cross_entropy_fusion="te", assumptions=BRIDGE_2026_COMMON + (
+                   HYBRIDEP,
                    "recompute_modules moe, layernorm, core_attn and moe_act (the H100 FP8-CS preset)",
                    "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise), "
                    "first_last_layers_bf16 off",
@@ -337,8 +340,7 @@ def megatron_bridge_docs_qwen3_30b_runs() -> list[Run]:
     overlap (20.147 s; HybridEP tuned to 32 SMs and 64-token combine chunks), the MoE guide's 5-step smoke
     run (45.65 s, alltoall with CUDA graphs). Later copies of the alltoall A/B's guide call it fine-tuning;
     its first text and command (--task pretrain) say pretraining."""
-    common = (MEGATRON_MOE_ASSUMPTIONS[0], CUDNN_ATTENTION, "the distributed optimizer costed as ZeRO-1",
-              BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, "no recomputation (the 16-GPU H100 BF16 preset clears it)")
+    common = BRIDGE_2026_COMMON + ("no recomputation (the 16-GPU H100 BF16 preset clears it)",)
     alltoall = ("Megatron-Core's alltoall dispatcher with its permutation unfused (moe_permute_fusion=false, "
                 "costed as any permutation); no CUDA graphs",)
     hybridep = ("the flex dispatcher with HybridEP costed as DeepEP's traffic and SMs (--moe-dispatcher deepep)",

@@ -41,6 +41,7 @@ product's two gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 # transformers' modeling modules whose `mamba_selective_scan` is the looped reference scan
 SCAN_MODULES = tuple(f"transformers.models.{name}.modeling_{name}" for name in ("mamba", "falcon_mamba", "jamba",
@@ -59,6 +60,7 @@ GDN_CHUNK = 64
 KERNEL_CHUNK = 2048
 
 
+@functools.cache  # one autograd Function class, not one per traced layer
 def _kernel_scan_class():
     import torch
 
@@ -96,14 +98,21 @@ def ssd_products(like, batch: int, chunks: int, chunk: int, heads: int, head_dim
     counter: per chunk C B^T per group (chunk x state x chunk), the masked scores times x per head
     (chunk x chunk x head_dim), the chunk state B^T x (head_dim x chunk x state) and its read-out
     C h (chunk x state x head_dim)."""
+    n = batch * chunks
+    _batched_products(like, n * groups, [(chunk, state, chunk)])
+    _batched_products(like, n * heads, [(chunk, chunk, head_dim), (head_dim, chunk, state), (chunk, state, head_dim)])
+
+
+def _batched_products(like, count: int, shapes) -> None:
+    """`count` (rows x inner) @ (inner x cols) products per shape, run on `like`'s device (meta:
+    shapes only) so that the FLOP counter counts them."""
     import torch
 
-    n = batch * chunks
-    for count, (rows, inner, cols) in ((n * groups, (chunk, state, chunk)), (n * heads, (chunk, chunk, head_dim)),
-                                       (n * heads, (head_dim, chunk, state)), (n * heads, (chunk, state, head_dim))):
+    for rows, inner, cols in shapes:
         torch.bmm(like.new_empty(count, rows, inner), like.new_empty(count, inner, cols))
 
 
+@functools.cache  # one autograd Function class, not one per traced layer
 def _kernel_ssd_class():
     import torch
 
@@ -143,22 +152,21 @@ def kernel_ssd(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, ini
     return out
 
 
-def gdn_products(like, batch: int, chunks: int, heads: int, key_dim: int, value_dim: int, recompute: bool = False) -> None:
+def gdn_products(like, batch: int, chunks: int, heads: int, key_dim: int, value_dim: int,
+                 recompute: bool = False) -> None:
     """Gated DeltaNet's chunk products on `like`'s device (meta: shapes only), for the FLOP counter,
     per value head and chunk of C positions: the system (k beta) k^T (C x K x C), its triangular
     inverse (counted as one C x C x C product), w = A (k beta g) and u = A (v beta), the state's read
     w h and update k^T v (K x V each, per position), the output's q h and (q k^T) v. `recompute`:
     only what the kernel's backward reruns (w, u and the states)."""
-    import torch
-
-    n, c = batch * chunks * heads, GDN_CHUNK
+    c = GDN_CHUNK
     shapes = [(c, c, key_dim), (c, c, value_dim), (c, key_dim, value_dim), (key_dim, c, value_dim)]
     if not recompute:
         shapes += [(c, key_dim, c), (c, c, c), (c, key_dim, value_dim), (c, key_dim, c), (c, c, value_dim)]
-    for rows, inner, cols in shapes:
-        torch.bmm(like.new_empty(n, rows, inner), like.new_empty(n, inner, cols))
+    _batched_products(like, batch * chunks * heads, shapes)
 
 
+@functools.cache  # one autograd Function class, not one per traced layer
 def _kernel_gdn_class():
     import torch
 
@@ -193,7 +201,7 @@ def _kernel_gdn_class():
 def kernel_gdn(query, key, value, g, beta, chunk_size=GDN_CHUNK, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, **kwargs):
     """transformers' `torch_chunk_gated_delta_rule` signature, run as `KernelGDN`: (output, final
-    state or None)."""
+    state or None). `chunk_size` is not read: flash-linear-attention's kernels chunk by 64."""
     import torch
 
     out = _kernel_gdn_class().apply(query, key, value, g, beta, use_qk_l2norm_in_kernel)
@@ -211,10 +219,10 @@ _KERNELS = ((SCAN_MODULES, "mamba_selective_scan", kernel_scan), (SSD_MODULES, "
 @contextlib.contextmanager
 def scan_as_kernel(device):
     """Within: on the meta device, transformers' Mamba scans run as `kernel_scan`, its Mamba-2
-    scans as `kernel_ssd` and its gated DeltaNet as `kernel_gdn` (else untouched). Only modules already imported are patched: the model
-    built before imported its own. transformers' notice that its kernels fall back to "much slower"
-    reference code is held back: nothing runs on the meta device, and the fallbacks it names are
-    priced as the kernels."""
+    scans as `kernel_ssd` and its gated DeltaNet as `kernel_gdn` (else untouched). Only modules
+    already imported are patched: the model built before imported its own. transformers' notice
+    that its kernels fall back to "much slower" reference code is held back: nothing runs on the
+    meta device, and the fallbacks it names are priced as the kernels."""
     import logging
     import sys
 

@@ -208,8 +208,7 @@ def _solve_all(problems: list[Pending | Ready], num_keep: int, progress, seed: b
             todo = [replace(problem, cutoff_s=cutoff) for problem in posed]
             screens, seconds = _screen(todo, min(best.values(), default=math.inf), pool)
             for entry, solution in zip(batch, screens):
-                if solution.feasible:
-                    best[entry.index] = min(best.get(entry.index, math.inf), solution.objective_s)
+                _keep_best(best, entry.index, solution)
             flight = _Flight(batch, posed, screens, seconds)
         if in_flight is not None:
             _settle(in_flight, results, best, progress)
@@ -237,9 +236,14 @@ def _settle(flight: _Flight, results: list[Solved], best: dict[int, float], prog
     and `best`."""
     for entry, problem, solution in zip(flight.batch, flight.posed, _better(flight.screens, flight.seconds)):
         results.append(Solved(entry.item.candidate, entry.bound_s, solution, problem=problem))
-        if solution.feasible:
-            best[entry.index] = min(best.get(entry.index, math.inf), solution.objective_s)
+        _keep_best(best, entry.index, solution)
         tick(progress)
+
+
+def _keep_best(best: dict[int, float], index: int, solution: StageSolution) -> None:
+    """`best[index]`: the smallest objective of the entry's feasible solutions so far."""
+    if solution.feasible:
+        best[index] = min(best.get(index, math.inf), solution.objective_s)
 
 
 # A candidate's first solve gets this share of its time limit (the screen). One stopped there
