@@ -269,27 +269,52 @@ def _ranks(ranks) -> str:
     return "rank" if len(ranks) == 1 else "ranks"
 
 
+# What a rank records when another rank died under it (gloo's and NCCL's words): a consequence, not a cause.
+PEER_LOSS = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited")
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _blamed_failure(text: str, run_dir: Path) -> tuple[int, int | None] | None:
+    """(rank, exit code) of the failure to name: torchrun's root cause (its first observed failure),
+    unless that rank recorded only the loss of a peer (`PEER_LOSS`) and another failed rank did not:
+    torchrun observes the ranks' deaths in one poll, so a rank killed outright and the rank whose
+    collective it broke can come out in either order."""
+    before, marker, after = text.partition("Root Cause")
+    root = after if marker else text
+    found = [(int(rank), int(code)) for rank, code in _FAILURE.findall(root)[:1]]
+    if not found:
+        rank = re.search(r"rank\s*:\s*(\d+)", root)
+        return (int(rank.group(1)), None) if rank else None
+    others = [(int(rank), int(code)) for rank, code in _FAILURE.findall(before)] if marker else []
+
+    def peer_loss(rank: int) -> bool:
+        path = run_dir / f"error_rank{rank}.txt"
+        return path.is_file() and any(words in path.read_text().lower() for words in PEER_LOSS)
+    if peer_loss(found[0][0]):
+        return next((entry for entry in others if not peer_loss(entry[0])), found[0])
+    return found[0]
+
+
 def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | None) -> str:
     """One line: which rank failed first, how, and the error it recorded."""
     hang = describe_hang(run_dir)
     if hang:
         return hang
     text = result.output_tail
-    root = text.split("Root Cause", 1)[1] if "Root Cause" in text else text
-    rank = re.search(r"rank\s*:\s*(\d+)", root)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    blamed = _blamed_failure(text, run_dir)
+    rank = blamed[0] if blamed else None
     parts = []
-    if rank:
+    if blamed:
         how = ""
-        if code:
-            value = int(code.group(1))
+        if blamed[1] is not None:
+            value = blamed[1]
             how = f" (killed by {signal.Signals(-value).name})" if value < 0 and -value in signal.valid_signals() \
                 else f" with exit code {value}"
-        parts.append(f"rank {rank.group(1)} failed{how}")
+        parts.append(f"rank {rank} failed{how}")
     elif result.exit_code < 0 and -result.exit_code in signal.valid_signals() and "exceeded its" not in text:
         parts.append(f"the torchrun agent was killed by {signal.Signals(-result.exit_code).name}")
     errors = sorted(run_dir.glob("error_rank*.txt"))
-    own = [p for p in errors if rank and p.name == f"error_rank{rank.group(1)}.txt"]
+    own = [p for p in errors if rank is not None and p.name == f"error_rank{rank}.txt"]
     aborted = re.findall(r"what\(\):\s*(.+)", text)  # a C++ exception that killed a worker (SIGABRT)
     if own:
         parts.append(own[0].read_text().strip())

@@ -159,6 +159,22 @@ def test_failure_description_names_the_first_failed_rank(tmp_path):
     assert agent_gone == "the torchrun agent was killed by SIGKILL"
 
 
+def test_failure_description_names_the_killed_rank_not_the_peer_it_broke(tmp_path):
+    """torchrun can observe a SIGKILLed rank and the rank whose collective it broke in one poll and
+    call either the root cause: the rank that recorded only a lost peer is not the one named."""
+    def failure(index, rank, code):
+        return f"[{index}]:\n  time      : 2026\n  host      : h\n  rank      : {rank} (local_rank: {rank})\n" \
+               f"  exitcode  : {code} (pid: 12{rank})\n  error_file: <N/A>\n"
+    output = ("train.py FAILED\nFailures:\n" + failure(1, 1, -9) + "-----\nRoot Cause (first observed failure):\n"
+              + failure(0, 0, -6))
+    (tmp_path / "error_rank0.txt").write_text("RuntimeError: [pair.cc:537] Read error: Connection reset by peer\n")
+    message = describe_failure(LaunchResult(exit_code=1, output_tail=output), tmp_path, None)
+    assert message.startswith("rank 1 failed (killed by SIGKILL); rank0 reported: RuntimeError")  # the consequence
+    (tmp_path / "error_rank1.txt").write_text("RuntimeError: Connection closed by peer\n")  # both lost a peer
+    message = describe_failure(LaunchResult(exit_code=1, output_tail=output), tmp_path, None)
+    assert message.startswith("rank 0 failed (killed by SIGABRT); RuntimeError: [pair.cc:537]")
+
+
 def test_measurement_round_trips_and_validates(tmp_path):
     times = [2.0, 1.0, 0.5, 0.5]
     measurement = Measurement(world_size=2, plan_digest="abc", step_times_s=tuple(times), warmup_steps=2,
