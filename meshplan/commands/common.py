@@ -319,19 +319,25 @@ def job_notes(args, cluster, searched: bool = False) -> list[str]:
 
     args.attention, attention_note = engine_attention(args.engine, args.attention, cluster)
     return (([attention_note] if attention_note else [])
-            + model_notes(args.model, args.seq, args.mtp_num_layers, searched)
+            + model_notes(args.model, args.seq, args.mtp_num_layers, searched, args.engine)
             + moe_notes(args.model, args.moe_imbalance, args.moe_capacity_factor, args.moe_pad_expert_input_to_capacity)
             + a2a_overlap_notes(args))
 
 
-def model_notes(spec: str | None, seq: int | None, mtp_num_layers: int = 0, searched: bool = False) -> list[str]:
+def model_notes(spec: str | None, seq: int | None, mtp_num_layers: int = 0, searched: bool = False,
+                engine: str | None = None) -> list[str]:
     """What the model's costs assume beyond its published shape: a rotary model past its trained
-    context; a config that names multi-token-prediction depths (`num_nextn_predict_layers`,
-    DeepSeek-V3's) priced without them (`searched`: planned, by `plan`)."""
-    from meshplan.planner.models.registry import context_note
+    context; an `hf:` config priced as `engine` builds it (`models.hf_engine`); a config that
+    names multi-token-prediction depths (`num_nextn_predict_layers`, DeepSeek-V3's) priced without
+    them (`searched`: planned, by `plan`)."""
+    from meshplan.planner.models.hf_engine import engine_config, engine_model_note
+    from meshplan.planner.models.registry import context_note, hf_config_path
     from meshplan.planner.profiling.mtp import config_mtp_layers
 
     notes = [note] if (note := context_note(spec, seq)) else []
+    config_path = hf_config_path(spec) if spec and engine else None
+    if config_path is not None and engine_config(config_path, engine) is not None:
+        notes.append(f"note: {engine_model_note(config_path, engine)}")
     named = 0 if mtp_num_layers else config_mtp_layers(spec)
     if named:
         notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), "

@@ -96,7 +96,20 @@ def _hf_summary(graph) -> str:
         lines.append(f"tp split of the embedding and head: none as meshplan's executor runs them (whole on every TP "
                      f"rank); under --engine {engines} they are split over the vocabulary, as those engines split "
                      "every model's")
+    lines += _engine_lines(graph.spec)
     return "".join(f"\n{line}" for line in lines)
+
+
+def _engine_lines(spec: str) -> list[str]:
+    """For an `hf:` config an engine builds as its own Llama-style model: which engines price it so."""
+    from meshplan.planner.models.hf_engine import OWN_MODELS, engine_config, engine_model_note
+    from meshplan.planner.models.registry import hf_config_path
+
+    path = hf_config_path(spec)
+    if path is None:
+        return []
+    return [f"under --engine {engine}: {engine_model_note(path, engine)}" for engine in OWN_MODELS
+            if engine_config(path, engine) is not None]
 
 
 def _moe_json(graph) -> dict:

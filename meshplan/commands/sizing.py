@@ -97,7 +97,7 @@ def _ceiling(plan):
     from meshplan.planner.profiling.profiler import profile
 
     device, precision = plan.cluster.device, plan.config.precision
-    graph = profile(plan.model.spec, plan.model.seq, dtype=plan.model.dtype)
+    graph = profile(plan.model.spec, plan.model.seq, dtype=plan.model.dtype, engine=plan.config.engine)
     per_token = executed_flops_per_step(graph, 1, ["none"] * len(graph.layers)) / graph.seq
     # fp8 GEMMs may run above the bf16 ceiling: bound them by the fp8 peak itself
     peak = device.peak_flops("fp8") if precision == "fp8" else (

@@ -226,7 +226,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     precision = job.precision or default_precision(cluster)
     if graph is None:
         graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention,
-                        mtp_num_layers=job.mtp_num_layers)
+                        mtp_num_layers=job.mtp_num_layers, engine=job.engine)
     elif graph.info.mtp_num_layers != job.mtp_num_layers:
         from meshplan.planner.profiling.mtp import with_mtp
 

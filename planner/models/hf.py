@@ -47,7 +47,8 @@ from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.hf_attention import (attention_implementation, fused_note, has_attention, profile_mask,
                                                   window_notes)
 from meshplan.planner.models.hf_ssm import scan_as_kernel
-from meshplan.planner.models.hf_config import check_seq_limit, first_line, hf_max_positions, make_config, read_config
+from meshplan.planner.models.hf_config import (check_seq_limit, first_line, hf_max_positions, make_config, read_config,
+                                               rope_theta)
 
 __all__ = ["build_hf_for_profile", "build_hf_model", "hf_max_positions", "hf_moe_config", "hf_vocab", "read_config"]
 
@@ -99,7 +100,7 @@ def hf_moe_config(path_text: str) -> TransformerConfig | None:
                   num_heads=data["num_attention_heads"], vocab=data["vocab_size"],
                   num_kv_heads=data.get("num_key_value_heads") or 0,
                   tied_embeddings=bool(data.get("tie_word_embeddings", False)),
-                  norm_eps=float(data.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(data),
+                  norm_eps=float(data.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta(data),
                   attn_head_dim=data.get("head_dim") or 0,
                   **{name: data[key] for name, key in _EXPERT_FIELDS[model_type].items()})
     if model_type != "mixtral":
@@ -111,11 +112,6 @@ def hf_moe_config(path_text: str) -> TransformerConfig | None:
         return TransformerConfig(**fields)
     except (TypeError, ValueError) as exc:
         raise MeshplanError(f"HF config {path_text!r} ({model_type}): {exc}") from None
-
-
-def _rope_theta(data: dict) -> float:
-    parameters = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
-    return float(data.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
 
 
 def _qwen_moe_fields(data: dict, model_type: str, path_text: str) -> dict | None:

@@ -56,6 +56,12 @@ def max_positions(data: dict) -> tuple[str, int]:
     return "", 0
 
 
+def rope_theta(data: dict) -> float:
+    """The config's RoPE base: `rope_theta`, or inside `rope_parameters` (transformers 5), else 10000."""
+    parameters = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}
+    return float(data.get("rope_theta") or parameters.get("rope_theta") or 10000.0)
+
+
 def _read_json(path_text: str):
     """The config's JSON, read as every meshplan input is (a regular file, bounded in size and depth)."""
     from meshplan.planner.contracts.jsonfile import read_json_file

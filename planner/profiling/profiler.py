@@ -58,7 +58,8 @@ _SOURCE_FILES = ("contracts/graph.py",)
 def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention: str = "flash",
             cache: bool = True, trace: bool = False, moe_imbalance: float = 1.0,
             moe_capacity_factor: float | None = None, moe_pad_to_capacity: bool = False,
-            moe_dispatcher: str = DEFAULT_MOE_DISPATCHER, mtp_num_layers: int = 0) -> ModelGraph:
+            moe_dispatcher: str = DEFAULT_MOE_DISPATCHER, mtp_num_layers: int = 0,
+            engine: str = "meshplan") -> ModelGraph:
     """Profile `spec` at sequence length `seq`; every LayerProfile value is per sample.
 
     `batch` is validated only: scale with `LayerProfile.to_json(batch)` or by hand. File models
@@ -74,6 +75,8 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
     costs they imply are `planner.costing.expert_parallel.load_factor`'s. `moe_dispatcher` too
     (`contracts.config.MOE_DISPATCHERS`; its traffic is `planner.costing.moe_dispatch`'s).
     `mtp_num_layers` adds that many multi-token-prediction depths (`profiling.mtp.with_mtp`).
+    `engine`: the engine the graph is priced under; an `hf:` config that engine builds as its own
+    Llama-style model (`models.hf_engine`) is profiled as that model, in closed form, not traced.
     """
     if moe_dispatcher not in MOE_DISPATCHERS:
         raise MeshplanError(f"--moe-dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {moe_dispatcher!r}")
@@ -93,7 +96,8 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
         check_seq_limit(config_path, seq)
     from meshplan.planner.profiling.mtp import with_mtp
 
-    graph = with_mtp(_profile(spec, seq, dtype, attention, cache, trace), mtp_num_layers)
+    own = None if trace else _engine_graph(spec, seq, dtype, attention, engine)
+    graph = with_mtp(own or _profile(spec, seq, dtype, attention, cache, trace), mtp_num_layers)
     if moe_imbalance == 1.0 and not capacity and moe_dispatcher == DEFAULT_MOE_DISPATCHER:
         return graph
     if not graph.info.is_moe:
@@ -104,12 +108,13 @@ def profile(spec: str, seq: int, batch: int = 1, dtype: str = "bf16", attention:
                                        moe_pad_to_capacity=bool(moe_pad_to_capacity), moe_dispatcher=moe_dispatcher))
 
 
-def profile_plan_model(model) -> ModelGraph:
-    """The graph a plan's `ModelRef` stands for, as the plan was costed (its capacity factor included)."""
+def profile_plan_model(model, engine: str = "meshplan") -> ModelGraph:
+    """The graph a plan's `ModelRef` stands for, as the plan was costed (its capacity factor and
+    its config's `engine` included)."""
     return profile(model.spec, model.seq, dtype=model.dtype, attention=model.attention,
                    moe_capacity_factor=model.moe_capacity_factor or None,
                    moe_pad_to_capacity=model.moe_pad_to_capacity, moe_dispatcher=model.moe_dispatcher,
-                   mtp_num_layers=model.mtp_num_layers)
+                   mtp_num_layers=model.mtp_num_layers, engine=engine)
 
 
 def carry_model_graph(plan):
@@ -121,7 +126,7 @@ def carry_model_graph(plan):
     traced = model_file(plan.model.spec) is not None or _hf_config_path(plan.model.spec) is not None
     if plan.graph is not None or not traced:
         return plan
-    graph = profile_plan_model(plan.model)  # a cache hit right after the search that traced it
+    graph = profile_plan_model(plan.model, plan.config.engine)  # a cache hit right after the search that traced it
     return replace(plan, graph=replace(graph, spec=plan.model.spec))
 
 
@@ -152,6 +157,26 @@ def _profile(spec: str, seq: int, dtype: str, attention: str, cache: bool, trace
     if path is not None:
         _store_cached(path, graph)
     return graph
+
+
+def _engine_graph(spec: str, seq: int, dtype: str, attention: str, engine: str) -> ModelGraph | None:
+    """The closed-form graph of the `llama` model `engine` builds for an `hf:` config
+    (`hf_engine.engine_config`), labelled with the spec, the config's checks run and its notes
+    kept; None when the engine trains transformers' modules (or the spec is no `hf:` config)."""
+    config_path = _hf_config_path(spec)
+    if config_path is None:
+        return None
+    from meshplan.planner.models.hf_engine import engine_config, engine_model_note
+
+    cfg = engine_config(config_path, engine)
+    if cfg is None:
+        return None
+    from meshplan.planner.models.hf import check_hf_config
+    from meshplan.planner.profiling import analytic
+
+    notes = check_hf_config(config_path) + (engine_model_note(config_path, engine),)
+    graph = analytic.analytic_graph(spec, cfg, seq, dtype, attention)
+    return replace(graph, info=replace(graph.info, notes=notes))
 
 
 def _closed_form(spec: str, seq: int, dtype: str, attention: str) -> ModelGraph | None:

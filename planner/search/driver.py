@@ -228,7 +228,7 @@ def _profile(request: PlanRequest):
     return profile(request.spec, seq, batch=1, dtype=dtype, attention=request.attention,
                    moe_imbalance=request.moe_imbalance, moe_capacity_factor=request.moe_capacity_factor,
                    moe_pad_to_capacity=request.moe_pad_to_capacity, moe_dispatcher=request.moe_dispatcher,
-                   mtp_num_layers=request.mtp_num_layers)
+                   mtp_num_layers=request.mtp_num_layers, engine=request.engine)
 
 
 def _search_stats(candidates, solved: list[Solved], reranked: list[Solved]) -> dict:

@@ -225,7 +225,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     graph = profile(spec, default_seq(spec, DEFAULT_SEQ) if seq is None else seq, batch=1, dtype=dtype,
                     attention=attention, moe_imbalance=moe_imbalance, moe_capacity_factor=moe_capacity_factor,
                     moe_pad_to_capacity=moe_pad_to_capacity, moe_dispatcher=moe_dispatcher,
-                    mtp_num_layers=mtp_num_layers)
+                    mtp_num_layers=mtp_num_layers, engine=engine)
     check_model_fit(graph, config)
     return predict(graph, cluster, config)
 

@@ -72,7 +72,7 @@ def plan_graph(plan: Plan) -> ModelGraph:
             f"{plan.model.spec} ... --out plan.json`)")
     from meshplan.planner.profiling.profiler import profile_plan_model
 
-    return profile_plan_model(plan.model)
+    return profile_plan_model(plan.model, plan.config.engine)
 
 
 def step_costs(graph: ModelGraph, cluster: ClusterProfile, config: ParallelConfig,

@@ -1,0 +1,91 @@
+"""Hugging Face configs priced as the engines build them (`models.hf_engine`): under megatron and
+torchtitan a Llama-style config is the zoo's `llama` model with exactly its shapes; under
+meshplan's executor it is traced through transformers' modules."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshplan.planner.models.hf_engine import engine_config
+from meshplan.planner.profiling.profiler import profile
+from meshplan.planner.simulation.estimator import estimate
+
+pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6,
+             hidden_act="silu")
+# model_type -> what its config adds (Qwen3's head_dim differs from hidden / heads, as the 0.6B's does)
+TYPES = {"llama": dict(attention_bias=False, mlp_bias=False, tie_word_embeddings=False, rope_theta=500000.0),
+         "mistral": dict(sliding_window=None, tie_word_embeddings=False),
+         "qwen2": dict(use_sliding_window=False, tie_word_embeddings=True),
+         "qwen3": dict(head_dim=64, attention_bias=False, use_sliding_window=False, tie_word_embeddings=True)}
+
+
+def config_spec(tmp_path, model_type: str, **overrides) -> str:
+    data = {"model_type": model_type, **SMALL, **TYPES[model_type], **overrides}
+    path = tmp_path / f"{model_type}.json"
+    path.write_text(json.dumps(data))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize("model_type", sorted(TYPES))
+def test_engine_graph_has_the_traced_models_parameters_and_flops(tmp_path, model_type):
+    """Exact: the `llama` model megatron builds has transformers' parameters, block by block, and
+    the same matmul and attention FLOPs (the vocabulary, 512, needs no padding)."""
+    spec = config_spec(tmp_path, model_type)
+    traced = profile(spec, 256, cache=False)
+    own = profile(spec, 256, engine="megatron")
+    assert traced.info.family == "hf" and own.info.family == "llama"
+    assert own.total_params == traced.total_params
+    for ours, theirs in zip(own.layers, traced.layers, strict=True):
+        assert (ours.name, ours.num_params) == (theirs.name, theirs.num_params)
+        if ours.kind == "block":
+            assert (ours.fwd_flops, ours.bwd_flops, ours.attn_fwd_flops) == \
+                (theirs.fwd_flops, theirs.bwd_flops, theirs.attn_fwd_flops)
+    assert any("megatron builds it" in note for note in own.info.notes)
+
+
+def test_an_hf_llama_under_an_engine_prices_as_its_llama_spec(tmp_path):
+    """The same step time and memory, exactly, as the `llama:` spec of the same shapes under the
+    engine; under meshplan's executor the traced transformers modules keep more (their fp32 norm
+    copies, unfused RoPE and SwiGLU)."""
+    spec = config_spec(tmp_path, "llama")
+    zoo = "llama:layers=3,hidden=128,heads=4,kv_heads=2,ffn=352,vocab=512,rope_theta=500000"
+    job = dict(gpus=2, global_batch=8, seq=1024, mbs=2, tp=2, sp=True)
+    for engine in ("megatron", "torchtitan"):
+        ours, theirs = estimate(spec, "h100-sxm", engine=engine, **job), estimate(zoo, "h100-sxm", engine=engine, **job)
+        assert ours.step_time_s == theirs.step_time_s and ours.peak_memory_bytes == theirs.peak_memory_bytes
+    traced = estimate(spec, "h100-sxm", engine="meshplan", **job)
+    assert traced.memory[0].activations > estimate(zoo, "h100-sxm", engine="meshplan", **job).memory[0].activations
+
+
+@pytest.mark.parametrize("model_type, engine, overrides", [
+    ("llama", "megatron", dict(attention_bias=True)),        # a bias on o too: not the llama family's block
+    ("llama", "megatron", dict(mlp_bias=True)),
+    ("llama", "megatron", dict(hidden_act="gelu")),
+    ("mistral", "megatron", dict(sliding_window=64)),
+    ("qwen3", "megatron", dict(use_sliding_window=True)),
+    ("qwen2", "torchtitan", {}),                              # torchtitan has no Qwen2 model of its own
+    ("llama", "torchtitan", dict(tie_word_embeddings=True)),  # its Llama 3 has a separate output projection
+    ("llama", "deepspeed", {}),                               # DeepSpeed trains the modules as written
+    ("llama", "meshplan", {}),
+])
+def test_configs_an_engine_does_not_build_as_llama_stay_traced(tmp_path, model_type, engine, overrides):
+    spec = config_spec(tmp_path, model_type, **overrides)
+    assert engine_config(spec[3:], engine) is None
+    assert profile(spec, 128, engine=engine).info.family == "hf"
+
+
+def test_plans_under_an_engine_carry_and_reread_the_engine_graph(tmp_path):
+    """A plan searched under megatron is simulated again from the same (closed-form) graph."""
+    from meshplan import plan
+    from meshplan.planner.simulation.simulator import simulate
+
+    spec = config_spec(tmp_path, "qwen3")
+    result = plan(spec, "h100-sxm", 2, 8, 512, engine="megatron")
+    assert result.graph is not None and result.graph.info.family == "llama"
+    assert result.graph.spec == spec
+    step = simulate(result).step_time_s
+    assert step == pytest.approx(result.prediction["step_time_s"], rel=1e-9)
