@@ -26,6 +26,8 @@ from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import hf_config_path
 
+MEGATRON_NORM_EPSILON = 1e-5  # Megatron-LM's --norm-epsilon default
+
 # Megatron-LM's flag for each parallel axis (`contracts.axes`; dp follows from the world size).
 AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
               "cp": "--context-parallel-size", "ep": "--expert-model-parallel-size",
@@ -156,6 +158,11 @@ def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     hf_args = hf_megatron_args(config_path, notes) if config_path is not None else None
     if hf_args is not None:  # DeepSeek's latent attention, GPT-OSS (`megatron_hf`)
         return hf_args
+    if config_path is not None:  # Llama-style configs Megatron-Bridge builds as GPTModel, MoE ones as the moe family
+        from meshplan.planner.models.hf import hf_moe_config
+        from meshplan.planner.models.hf_engine import engine_config
+
+        cfg = hf_moe_config(config_path) or engine_config(config_path, "megatron")
     if cfg is None:
         notes.append(f"model {plan.model.spec}: not a zoo transformer; write its Megatron-LM model arguments by hand")
         return []
@@ -167,6 +174,7 @@ def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
                  ("--rotary-base", int(cfg.rope_theta)), ("--disable-bias-linear", None)]
         if cfg.kv_heads != cfg.num_heads:
             args += [("--group-query-attention", None), ("--num-query-groups", cfg.kv_heads)]
+        args += _attention_args(cfg)
     else:
         args.append(("--position-embedding-type", "learned_absolute"))
     if not cfg.tied_embeddings:
@@ -176,12 +184,31 @@ def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     return args
 
 
+def _attention_args(cfg: TransformerConfig) -> list[tuple[str, object]]:
+    """What else shapes a Llama-style block in Megatron-LM's arguments: a head width other than
+    hidden / heads (`--kv-channels`, Qwen3's 128), Qwen3's q/k RMSNorms, Qwen2's q/k/v biases, and
+    the norms' epsilon where it is not Megatron-LM's default 1e-5 (the ModelZoo's Qwen configs pass
+    all four: model_configs/benchmarking/Qwen3-235B-A22B.yaml, Qwen2-57B-A14B.yaml)."""
+    args: list[tuple[str, object]] = []
+    if cfg.head_dim * cfg.num_heads != cfg.hidden:
+        args.append(("--kv-channels", cfg.head_dim))
+    if cfg.qk_norm:
+        args.append(("--qk-layernorm", None))
+    if cfg.qkv_bias:
+        args.append(("--add-qkv-bias", None))
+    if cfg.norm_eps != MEGATRON_NORM_EPSILON:
+        args.append(("--norm-epsilon", cfg.norm_eps))
+    return args
+
+
 def _moe_args(cfg: TransformerConfig) -> list[tuple[str, object]]:
     """A mixture of experts' shape in Megatron-Core's MoE arguments."""
     args: list[tuple[str, object]] = [("--num-experts", cfg.num_experts), ("--moe-router-topk", cfg.top_k),
                                       ("--moe-ffn-hidden-size", cfg.expert_ffn), ("--moe-grouped-gemm", None)]
     if cfg.num_shared_experts:
         args.append(("--moe-shared-expert-intermediate-size", cfg.shared_expert_width))
+    if cfg.shared_expert_gate:  # Qwen2-MoE's sigmoid gate on the shared experts' output
+        args.append(("--moe-shared-expert-gate", None))
     if cfg.dense_layers:  # quoted: the launch scripts pass it through a shell
         args.append(("--moe-layer-freq", f"'([0]*{cfg.dense_layers}+[1]*{cfg.num_layers - cfg.dense_layers})'"))
     return args
@@ -433,13 +460,20 @@ def _model_spec(flags, get, notes: list[str]) -> str | None:
         notes.append("--vocab-size not given (the tokenizer decides it): assumed 128256 (Llama 3)")
         vocab = 128256
     llama = "--swiglu" in flags or flags.get("--position-embedding-type") == "rope"
+    if llama and "--disable-bias-linear" not in flags:  # GPT-OSS's biased Linears, say: no Llama-style block
+        notes.append("the model arguments are no shape of meshplan's own families (every Linear biased, Megatron-LM's "
+                     "default without --disable-bias-linear, which the Llama-style families do not build)")
+        return None
     kv_heads = get("--num-query-groups", heads) if "--group-query-attention" in flags else heads
     ffn = get("--ffn-hidden-size", 4 * hidden)
     family = "moe" if get("--num-experts", 0) > 1 else "llama" if llama else "gpt"
+    channels = get("--kv-channels", 0)  # Megatron-LM's default: hidden / heads
+    attention = dict(attn_head_dim=channels if channels * heads != hidden else 0, qk_norm="--qk-layernorm" in flags,
+                     qkv_bias="--add-qkv-bias" in flags) if family != "gpt" else {}
     try:
         cfg = TransformerConfig(family, layers, hidden, heads, vocab, ffn=ffn, num_kv_heads=kv_heads,
                                 max_positions=get("--max-position-embeddings", 1024),
-                                tied_embeddings="--untie-embeddings-and-output-weights" not in flags,
+                                tied_embeddings="--untie-embeddings-and-output-weights" not in flags, **attention,
                                 **(_read_moe(flags, get, ffn, layers) if family == "moe" else {}))
     except ValueError as exc:  # e.g. GPT-OSS's 64 heads of 64 over a hidden size of 2880
         notes.append(f"the model arguments are no shape of meshplan's own families ({exc})")

@@ -22,7 +22,14 @@ def zoo_shape(spec: str, seq: int) -> TransformerConfig | None:
 
 def _key(cfg: TransformerConfig) -> tuple:
     return (cfg.family, cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.kv_heads, cfg.ffn_dim, cfg.vocab,
-            cfg.tied_embeddings, cfg.num_experts, cfg.top_k, cfg.expert_ffn, cfg.shared_ffn_dim, cfg.dense_layers)
+            cfg.tied_embeddings, cfg.num_experts, cfg.top_k, cfg.expert_ffn, cfg.shared_ffn_dim, cfg.dense_layers,
+            cfg.head_dim, cfg.qk_norm, cfg.qkv_bias)
+
+
+def _attention_keys(cfg: TransformerConfig) -> str:
+    """The spec keys of a Llama-style attention beyond the defaults: head_dim, qk_norm, qkv_bias."""
+    keys = f",head_dim={cfg.head_dim}" if cfg.head_dim * cfg.num_heads != cfg.hidden else ""
+    return keys + (",qk_norm=1" if cfg.qk_norm else "") + (",qkv_bias=1" if cfg.qkv_bias else "")
 
 
 def spec_for_shape(cfg: TransformerConfig) -> str:
@@ -36,9 +43,9 @@ def spec_for_shape(cfg: TransformerConfig) -> str:
         return (f"moe:layers={cfg.num_layers},hidden={cfg.hidden},heads={cfg.num_heads},kv_heads={cfg.kv_heads},"
                 f"experts={cfg.num_experts},top_k={cfg.top_k},expert_ffn={cfg.expert_ffn},vocab={cfg.vocab},"
                 f"shared_experts={cfg.num_shared_experts},dense_layers={cfg.dense_layers},ffn={cfg.ffn_dim},"
-                f"tied={int(cfg.tied_embeddings)}")
+                f"tied={int(cfg.tied_embeddings)}{_attention_keys(cfg)}")
     if cfg.family == "llama":
-        return f"llama:{keys},kv_heads={cfg.kv_heads},tied={int(cfg.tied_embeddings)}"
+        return f"llama:{keys},kv_heads={cfg.kv_heads},tied={int(cfg.tied_embeddings)}{_attention_keys(cfg)}"
     return f"gpt:{keys},tied={int(cfg.tied_embeddings)},positions={cfg.max_positions}"
 
 

@@ -78,13 +78,14 @@ PUBLISHED_DIR = Path(__file__).resolve().parent / "published"
 
 _PARAMETRIC_KEYS = {
     "gpt": {"layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "tied", "positions"},
-    "llama": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "rope_theta"},
+    "llama": {"layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied", "rope_theta", "head_dim", "qk_norm",
+              "qkv_bias"},
     "moe": {"layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab", "shared_experts",
-            "dense_layers", "ffn", "tied", "rope_theta", "head_dim", "qk_norm", "aux_loss"},
+            "dense_layers", "ffn", "tied", "rope_theta", "head_dim", "qk_norm", "qkv_bias", "aux_loss"},
 }
 _REQUIRED_KEYS = {"gpt": ("layers", "hidden", "heads", "vocab"), "llama": ("layers", "hidden", "heads", "vocab"),
                   "moe": ("layers", "hidden", "heads", "kv_heads", "experts", "top_k", "expert_ffn", "vocab")}
-_BOOL_KEYS = ("tied", "qk_norm")
+_BOOL_KEYS = ("tied", "qk_norm", "qkv_bias")
 _FLOAT_KEYS = ("rope_theta", "aux_loss")
 _EXAMPLES = {"gpt": "gpt:layers=12,hidden=768,heads=12,vocab=50257",
              "llama": "llama:layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256",
@@ -131,10 +132,12 @@ def parse_spec(spec: str, seq: int) -> TransformerConfig | None:
             kwargs["tied_embeddings"] = flags.get("tied", False)
             if "rope_theta" in values:
                 kwargs["rope_theta"] = float(values["rope_theta"])
+            # Qwen's attention: a head width other than hidden / heads, q/k RMSNorms (Qwen3), q/k/v biases (Qwen2)
+            kwargs.update(attn_head_dim=ints.get("head_dim", 0), qk_norm=flags.get("qk_norm", False),
+                          qkv_bias=flags.get("qkv_bias", False))
         if family == "moe":
             kwargs.update(num_experts=ints["experts"], top_k=ints["top_k"], expert_ffn=ints["expert_ffn"],
-                          num_shared_experts=ints.get("shared_experts", 0), dense_layers=ints.get("dense_layers", 0),
-                          attn_head_dim=ints.get("head_dim", 0), qk_norm=flags.get("qk_norm", False))
+                          num_shared_experts=ints.get("shared_experts", 0), dense_layers=ints.get("dense_layers", 0))
             if "aux_loss" in values:  # the load-balancing loss's coefficient (0 turns it off)
                 kwargs["aux_loss_coef"] = float(values["aux_loss"])
         return TransformerConfig(**kwargs)

@@ -89,3 +89,50 @@ def test_plans_under_an_engine_carry_and_reread_the_engine_graph(tmp_path):
     assert result.graph.spec == spec
     step = simulate(result).step_time_s
     assert step == pytest.approx(result.prediction["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("model_type, spec_keys", [
+    ("qwen3", "layers=3,hidden=128,heads=4,kv_heads=2,ffn=352,vocab=512,tied=1,head_dim=64,qk_norm=1"),
+    ("qwen2", "layers=3,hidden=128,heads=4,kv_heads=2,ffn=352,vocab=512,tied=1,qkv_bias=1"),
+])
+def test_qwen_configs_price_as_their_llama_spec(tmp_path, model_type, spec_keys):
+    """The llama: spec names Qwen's attention (head_dim, qk_norm, qkv_bias): the same estimate."""
+    spec = config_spec(tmp_path, model_type)
+    job = dict(gpus=2, global_batch=8, seq=1024, mbs=2, tp=2, sp=True, engine="megatron")
+    ours, theirs = estimate(spec, "h100-sxm", **job), estimate(f"llama:{spec_keys}", "h100-sxm", **job)
+    assert ours.step_time_s == theirs.step_time_s and ours.peak_memory_bytes == theirs.peak_memory_bytes
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+def test_megatron_export_writes_the_configs_model_and_reads_back_its_shape(tmp_path, model_type):
+    """`export --to megatron` of an hf: plan writes the model Megatron-Bridge builds (head width,
+    q/k norms, q/k/v biases, the norms' epsilon), and reading those arguments without meshplan's
+    header gives a spec of exactly the config's parameters."""
+    from meshplan import plan
+    from meshplan.planner.engines.megatron import export_megatron, read_megatron
+
+    spec = config_spec(tmp_path, model_type)
+    text, notes = export_megatron(plan(spec, "h100-sxm", 2, 8, 512, engine="megatron"))
+    assert not [note for note in notes if "by hand" in note]
+    flags = set(text.split())
+    assert ("--qk-layernorm" in flags, "--add-qkv-bias" in flags) == (model_type == "qwen3", model_type == "qwen2")
+    assert ("--kv-channels" in flags) == (model_type == "qwen3")  # 64 against hidden / heads = 32
+    assert "--norm-epsilon" in flags  # 1e-6 against Megatron-LM's 1e-5
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    read = read_megatron(body).model
+    assert read.startswith("llama:")
+    assert profile(read, 256).total_params == profile(spec, 256, cache=False).total_params
+
+
+def test_megatron_export_of_an_hf_mixtral_reads_back_as_the_preset():
+    """An hf: MoE config the moe family builds (`hf.hf_moe_config`) is written as that model too."""
+    from pathlib import Path
+
+    from meshplan import plan
+    from meshplan.planner.engines.megatron import export_megatron, read_megatron
+
+    spec = f"hf:{Path(__file__).parent / 'hf_configs' / 'mixtral_8x7b.json'}"
+    text, notes = export_megatron(plan(spec, "h100-sxm", 64, 256, 4096, engine="megatron"))
+    assert notes == []
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    assert read_megatron(body).model == "mixtral-8x7b"

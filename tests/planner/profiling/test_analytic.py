@@ -27,6 +27,10 @@ LLAMA_GQA = "llama:layers=2,hidden=128,heads=8,kv_heads=2,ffn=200,vocab=1001"
 LLAMA_MQA = "llama:layers=2,hidden=128,heads=8,kv_heads=1,ffn=352,vocab=3000,rope_theta=500000"
 LLAMA_TIED = "llama:layers=3,hidden=128,heads=4,ffn=200,vocab=1001,tied=1"
 LLAMA_ONE_HEAD = "llama:layers=2,hidden=64,heads=1,ffn=96,vocab=500"
+# Qwen's attention on the dense block: a head width other than hidden / heads with q/k norms
+# (Qwen3), and q/k/v biases (Qwen2)
+LLAMA_QWEN3 = "llama:layers=2,hidden=128,heads=4,kv_heads=2,ffn=200,vocab=1001,head_dim=48,qk_norm=1,tied=1"
+LLAMA_QWEN2 = "llama:layers=2,hidden=128,heads=4,kv_heads=2,ffn=200,vocab=1001,qkv_bias=1"
 
 # (spec, seq, batch, dtype, attention, tp). Math attention keeps head_dim != seq: the tracer
 # tells the s x s scores by their shape, which q, K^T and V share when head_dim == seq.
@@ -47,6 +51,10 @@ CASES = [
     (LLAMA_TIED, 9, 1, "bf16", "math", 2),
     (LLAMA_ONE_HEAD, 8, 1, "bf16", "flash", 4),
     (LLAMA_ONE_HEAD, 8, 1, "fp16", "math", 1),
+    (LLAMA_QWEN3, 16, 1, "bf16", "flash", 1),
+    (LLAMA_QWEN3, 20, 1, "fp32", "math", 2),
+    (LLAMA_QWEN2, 16, 2, "bf16", "flash", 2),
+    (LLAMA_QWEN2, 12, 1, "fp16", "math", 1),
     ("gpt2", 48, 1, "bf16", "math", 1),
     ("llama3-8b", 32, 1, "bf16", "flash", 1),
     ("llama2-70b", 16, 1, "fp16", "math", 1),
