@@ -50,7 +50,16 @@ def spec_for_shape(cfg: TransformerConfig) -> str:
 
 
 def torchtitan_flavour(spec: str) -> tuple[str, str] | None:
-    """(name, flavour) of the torchtitan model with this preset's shape, if there is one."""
+    """(name, flavour) of the torchtitan model with this preset's shape, if there is one; an `hf:`
+    config torchtitan builds as its own Llama 3 (`hf_engine.engine_config`) by its shape."""
+    from meshplan.planner.models.registry import hf_config_path
+
+    config_path = hf_config_path(spec)
+    if config_path is not None:
+        from meshplan.planner.models.hf_engine import engine_config
+
+        cfg = engine_config(config_path, "torchtitan")
+        spec = spec_for_shape(cfg) if cfg is not None else spec
     for key, preset in TORCHTITAN_FLAVOURS.items():
         if preset == spec:
             return key

@@ -136,3 +136,15 @@ def test_megatron_export_of_an_hf_mixtral_reads_back_as_the_preset():
     assert notes == []
     body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
     assert read_megatron(body).model == "mixtral-8x7b"
+
+
+def test_an_hf_llama3_config_exports_as_torchtitans_llama3_flavour():
+    """Llama 3 8B's own config.json is torchtitan's llama3 '8B' flavour; a Mixtral config, which
+    torchtitan does not build as its Llama 3, is none."""
+    from pathlib import Path
+
+    from meshplan.planner.engines.shapes import torchtitan_flavour
+
+    fixtures = Path(__file__).parent / "hf_configs"
+    assert torchtitan_flavour(f"hf:{fixtures / 'llama3_8b.json'}") == ("llama3", "8B")
+    assert torchtitan_flavour(f"hf:{fixtures / 'mixtral_8x7b.json'}") is None
