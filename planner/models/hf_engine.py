@@ -17,8 +17,9 @@ meshplan's own executor, which trains transformers' modules as written, the conf
 A config maps only when the `llama` family builds its blocks exactly: SiLU-gated MLPs without
 biases, no bias on the output projection, no sliding window; Llama's `attention_bias` (biases on
 q, k, v and o) and `mlp_bias`, Mistral's `sliding_window` and Qwen's `use_sliding_window` keep it
-traced, as do every other architecture and torchtitan's Llama with tied embeddings (its Llama 3
-model has a separate output projection). Shape-free settings are not carried: RoPE scaling,
+traced, as do every other architecture and, under torchtitan, a Llama with tied embeddings
+(torchtitan's Llama 3 flavours all keep a separate output projection: such a config is traced,
+the cautious side). Shape-free settings are not carried: RoPE scaling,
 dropout, initialisation.
 """
 from __future__ import annotations

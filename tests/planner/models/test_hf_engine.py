@@ -68,7 +68,7 @@ def test_an_hf_llama_under_an_engine_prices_as_its_llama_spec(tmp_path):
     ("mistral", "megatron", dict(sliding_window=64)),
     ("qwen3", "megatron", dict(use_sliding_window=True)),
     ("qwen2", "torchtitan", {}),                              # torchtitan has no Qwen2 model of its own
-    ("llama", "torchtitan", dict(tie_word_embeddings=True)),  # its Llama 3 has a separate output projection
+    ("llama", "torchtitan", dict(tie_word_embeddings=True)),  # its Llama 3 flavours are untied
     ("llama", "deepspeed", {}),                               # DeepSpeed trains the modules as written
     ("llama", "meshplan", {}),
 ])
