@@ -9,10 +9,12 @@ from __future__ import annotations
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import PRESETS, parse_spec
 
-# torchtitan's Llama 3 flavours (torchtitan/models/llama3/__init__.py) and meshplan's presets of
-# the same shape.
+# torchtitan's flavours (torchtitan/models/llama3/__init__.py; its Qwen3 MoE ones in
+# torchtitan/models/qwen3/__init__.py from v0.2.2 on: 48 and 94 layers of 128 experts, top 8, head
+# width 128, q/k norms, untied) and meshplan's presets of the same shape.
 TORCHTITAN_FLAVOURS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
-                       ("llama3", "405B"): "llama3-405b"}
+                       ("llama3", "405B"): "llama3-405b", ("qwen3", "30B-A3B"): "qwen3-30b-a3b",
+                       ("qwen3", "235B-A22B"): "qwen3-235b-a22b"}
 
 
 def zoo_shape(spec: str, seq: int) -> TransformerConfig | None:
@@ -51,14 +53,16 @@ def spec_for_shape(cfg: TransformerConfig) -> str:
 
 def torchtitan_flavour(spec: str) -> tuple[str, str] | None:
     """(name, flavour) of the torchtitan model with this preset's shape, if there is one; an `hf:`
-    config torchtitan builds as its own Llama 3 (`hf_engine.engine_config`) by its shape."""
+    config by its shape: a Mixtral / Qwen MoE one as the moe family builds it (`hf.hf_moe_config`),
+    a Llama-style one as torchtitan's own model (`hf_engine.engine_config`)."""
     from meshplan.planner.models.registry import hf_config_path
 
     config_path = hf_config_path(spec)
     if config_path is not None:
+        from meshplan.planner.models.hf import hf_moe_config
         from meshplan.planner.models.hf_engine import engine_config
 
-        cfg = engine_config(config_path, "torchtitan")
+        cfg = hf_moe_config(config_path) or engine_config(config_path, "torchtitan")
         spec = spec_for_shape(cfg) if cfg is not None else spec
     for key, preset in TORCHTITAN_FLAVOURS.items():
         if preset == spec:

@@ -32,7 +32,11 @@ MEGATRON_ARGUMENTS = {
     "--pipeline-model-parallel-layout", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
     "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
     "--tp-comm-overlap", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--kv-channels", "--norm-epsilon", "--add-qkv-bias", "--qk-layernorm", "--moe-token-dispatcher-type",
 }
+# Later ones: TransformerConfig.moe_shared_expert_gate as an argument (Megatron-LM commit d98e8a64dd,
+# tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp2_pp1_gdn/model_config.yaml passes it).
+MEGATRON_ARGUMENTS_LATER = {"--moe-shared-expert-gate"}
 
 
 def _torchtitan_config_manager():
@@ -172,3 +176,20 @@ def test_torchtitan_export_says_when_the_plan_turned_the_early_stop_off():
     off = replace(plan, config=replace(plan.config, recompute_early_stop=False))
     _, notes = export_torchtitan(off)
     assert any(note.startswith("recompute early stop off") for note in notes), notes
+
+
+def test_qwen3_moe_preset_exports_its_attention_and_torchtitan_flavour():
+    """Qwen3-30B-A3B: 32 heads of 128 over a hidden size of 2048 with q/k norms. Megatron-LM gets
+    --kv-channels 128 and --qk-layernorm (without them it builds heads of 2048 / 32 = 64); torchtitan
+    gets its own qwen3 "30B-A3B" flavour, which reads back as the preset."""
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.engines.torchtitan import read_torchtitan
+
+    plan = uniform_plan("qwen3-30b-a3b", 4096, 64, load_cluster("h100-sxm"), dp=8, ep=8, precision="bf16-mixed")
+    flags = parse_arguments(export_plan(plan, "megatron").text)
+    assert set(flags) <= MEGATRON_ARGUMENTS | MEGATRON_ARGUMENTS_LATER
+    assert (flags["--kv-channels"], flags["--norm-epsilon"]) == ("128", "1e-06") and "--qk-layernorm" in flags
+    text = export_plan(plan, "torchtitan").text
+    assert tomllib.loads(text)["model"] == {"name": "qwen3", "flavor": "30B-A3B"}
+    assert read_torchtitan(text).model == "qwen3-30b-a3b"
