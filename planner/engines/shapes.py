@@ -9,12 +9,16 @@ from __future__ import annotations
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import PRESETS, parse_spec
 
-# torchtitan's flavours (torchtitan/models/llama3/__init__.py; its Qwen3 MoE ones in
-# torchtitan/models/qwen3/__init__.py from v0.2.2 on: 48 and 94 layers of 128 experts, top 8, head
-# width 128, q/k norms, untied) and meshplan's presets of the same shape.
+# torchtitan's flavours (torchtitan/models/<name>/__init__.py at v0.2.2) and meshplan's presets of the
+# same shape: Llama 3's; Qwen3's MoE ones (48 and 94 layers of 128 experts, top 8, head width 128,
+# q/k norms, untied); DeepSeek-V3's "671B" (61 layers, 3 dense, 256 routed and 1 shared expert, top 8
+# in 4 of 8 groups) and "16B" (DeepSeek-V2-Lite's: 27 layers, 1 dense, 64 routed and 2 shared, top
+# 6, no q compression); GPT-OSS's "20b" and "120b" (24 and 36 layers of 32 and 128 experts, top 4).
 TORCHTITAN_FLAVOURS = {("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
                        ("llama3", "405B"): "llama3-405b", ("qwen3", "30B-A3B"): "qwen3-30b-a3b",
-                       ("qwen3", "235B-A22B"): "qwen3-235b-a22b"}
+                       ("qwen3", "235B-A22B"): "qwen3-235b-a22b", ("deepseek_v3", "671B"): "deepseek-v3",
+                       ("deepseek_v3", "16B"): "deepseek-v2-lite", ("gpt_oss", "20b"): "gpt-oss-20b",
+                       ("gpt_oss", "120b"): "gpt-oss-120b"}
 
 
 def zoo_shape(spec: str, seq: int) -> TransformerConfig | None:

@@ -193,3 +193,18 @@ def test_qwen3_moe_preset_exports_its_attention_and_torchtitan_flavour():
     text = export_plan(plan, "torchtitan").text
     assert tomllib.loads(text)["model"] == {"name": "qwen3", "flavor": "30B-A3B"}
     assert read_torchtitan(text).model == "qwen3-30b-a3b"
+
+
+@pytest.mark.parametrize("preset, flavour", [("deepseek-v2-lite", ["deepseek_v3", "16B"]),
+                                             ("gpt-oss-20b", ["gpt_oss", "20b"])])
+def test_published_config_presets_export_as_torchtitans_own_flavours(preset, flavour):
+    """The published-config presets are torchtitan models of their own (not llama3 'custom'), and
+    read back as the presets."""
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.engines.torchtitan import read_torchtitan
+
+    plan = uniform_plan(preset, 1024, 8, load_cluster("h100-sxm"), dp=8, precision="bf16-mixed")
+    text = export_plan(plan, "torchtitan").text
+    assert list(tomllib.loads(text)["model"].values()) == flavour
+    assert read_torchtitan(text).model == preset
