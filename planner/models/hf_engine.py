@@ -38,6 +38,8 @@ OWN_MODELS = {
                    "qwen3": "torchtitan's Qwen3 model"},
 }
 _SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size")
+# Routed-expert counts as configs name them: DeepSeek's, Mixtral's and GPT-OSS's, Qwen's.
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
 
 
 def engine_config(path_text: str, engine: str) -> TransformerConfig | None:
@@ -71,6 +73,24 @@ def engine_model_note(path_text: str, engine: str) -> str:
     model_type = read_config(path_text)["model_type"]
     return (f"priced as {engine} builds it: {OWN_MODELS[engine][model_type]}, not transformers' modules "
             "(the same shapes as a llama: spec)")
+
+
+def traced_experts_note(path_text: str, engine: str) -> str:
+    """Under torchtitan, for a mixture of experts that stays traced (not a Mixtral / Qwen MoE config
+    the moe family builds): its memory is transformers' modules', not torchtitan's own; '' otherwise.
+    (Megatron's formulas cover traced MoE configs: `engine_memory.formulas_describe`.)"""
+    if engine != "torchtitan":
+        return ""
+    data = read_config(path_text)
+    if not any(_positive_int(data.get(key)) for key in _EXPERT_KEYS):
+        return ""
+    from meshplan.planner.models.hf import hf_moe_config
+
+    if hf_moe_config(path_text) is not None:
+        return ""
+    return ("torchtitan trains its own mixture-of-experts modules; this traced config's memory is priced with "
+            "transformers' modules' saved tensors (their eager experts keep several per routed copy), more than "
+            "torchtitan keeps")
 
 
 def _llama_blocks(data: dict, model_type: str) -> bool:

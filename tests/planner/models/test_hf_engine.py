@@ -148,3 +148,17 @@ def test_an_hf_llama3_config_exports_as_torchtitans_llama3_flavour():
     fixtures = Path(__file__).parent / "hf_configs"
     assert torchtitan_flavour(f"hf:{fixtures / 'llama3_8b.json'}") == ("llama3", "8B")
     assert torchtitan_flavour(f"hf:{fixtures / 'mixtral_8x7b.json'}") is None
+
+
+def test_a_traced_mixture_of_experts_under_torchtitan_says_whose_memory_it_is():
+    """DeepSeek-V2-Lite stays traced (latent attention): under torchtitan the note says its memory is
+    transformers' modules'; a Mixtral config (the moe family's) and other engines get no such note."""
+    from pathlib import Path
+
+    from meshplan.commands.common import model_notes
+
+    notes = model_notes("deepseek-v2-lite", 4096, engine="torchtitan")
+    assert any("torchtitan trains its own mixture-of-experts modules" in note for note in notes)
+    assert not any("torchtitan trains" in note for note in model_notes("deepseek-v2-lite", 4096, engine="megatron"))
+    mixtral = f"hf:{Path(__file__).parent / 'hf_configs' / 'mixtral_8x7b.json'}"
+    assert not any("torchtitan trains" in note for note in model_notes(mixtral, 4096, engine="torchtitan"))
