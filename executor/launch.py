@@ -281,18 +281,19 @@ def _blamed_failure(text: str, run_dir: Path) -> tuple[int, int | None] | None:
     collective it broke can come out in either order."""
     before, marker, after = text.partition("Root Cause")
     root = after if marker else text
-    found = [(int(rank), int(code)) for rank, code in _FAILURE.findall(root)[:1]]
-    if not found:
+    match = _FAILURE.search(root)
+    if match is None:
         rank = re.search(r"rank\s*:\s*(\d+)", root)
         return (int(rank.group(1)), None) if rank else None
-    others = [(int(rank), int(code)) for rank, code in _FAILURE.findall(before)] if marker else []
+    first = (int(match.group(1)), int(match.group(2)))
 
     def peer_loss(rank: int) -> bool:
         path = run_dir / f"error_rank{rank}.txt"
         return path.is_file() and any(words in path.read_text().lower() for words in PEER_LOSS)
-    if peer_loss(found[0][0]):
-        return next((entry for entry in others if not peer_loss(entry[0])), found[0])
-    return found[0]
+    if not marker or not peer_loss(first[0]):
+        return first
+    others = ((int(rank), int(code)) for rank, code in _FAILURE.findall(before))
+    return next((entry for entry in others if not peer_loss(entry[0])), first)
 
 
 def describe_failure(result: LaunchResult, run_dir: Path, timeout_s: float | None) -> str:

@@ -331,16 +331,14 @@ def model_notes(spec: str | None, seq: int | None, mtp_num_layers: int = 0, sear
     memory is not torchtitan's own (`models.hf_engine`); a config that
     names multi-token-prediction depths (`num_nextn_predict_layers`, DeepSeek-V3's) priced without
     them (`searched`: planned, by `plan`)."""
-    from meshplan.planner.models.hf_engine import engine_config, engine_model_note, traced_experts_note
+    from meshplan.planner.models.hf_engine import engine_note
     from meshplan.planner.models.registry import context_note, hf_config_path
     from meshplan.planner.profiling.mtp import config_mtp_layers
 
     notes = [note] if (note := context_note(spec, seq)) else []
     config_path = hf_config_path(spec) if spec and engine else None
-    if config_path is not None and engine_config(config_path, engine) is not None:
-        notes.append(f"note: {engine_model_note(config_path, engine)}")
-    elif config_path is not None and (experts := traced_experts_note(config_path, engine)):
-        notes.append(f"note: {experts}")
+    if config_path is not None and (note := engine_note(config_path, engine)):
+        notes.append(f"note: {note}")
     named = 0 if mtp_num_layers else config_mtp_layers(spec)
     if named:
         notes.append(f"note: the model's config names {named} multi-token-prediction layer(s), "

@@ -159,10 +159,9 @@ def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     if hf_args is not None:  # DeepSeek's latent attention, GPT-OSS (`megatron_hf`)
         return hf_args
     if config_path is not None:  # Llama-style configs Megatron-Bridge builds as GPTModel, MoE ones as the moe family
-        from meshplan.planner.models.hf import hf_moe_config
-        from meshplan.planner.models.hf_engine import engine_config
+        from meshplan.planner.models.hf_engine import zoo_config
 
-        cfg = hf_moe_config(config_path) or engine_config(config_path, "megatron")
+        cfg = zoo_config(config_path, "megatron")
     if cfg is None:
         notes.append(f"model {plan.model.spec}: not a zoo transformer; write its Megatron-LM model arguments by hand")
         return []

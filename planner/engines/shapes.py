@@ -63,10 +63,9 @@ def torchtitan_flavour(spec: str) -> tuple[str, str] | None:
 
     config_path = hf_config_path(spec)
     if config_path is not None:
-        from meshplan.planner.models.hf import hf_moe_config
-        from meshplan.planner.models.hf_engine import engine_config
+        from meshplan.planner.models.hf_engine import zoo_config
 
-        cfg = hf_moe_config(config_path) or engine_config(config_path, "torchtitan")
+        cfg = zoo_config(config_path, "torchtitan")
         spec = spec_for_shape(cfg) if cfg is not None else spec
     for key, preset in TORCHTITAN_FLAVOURS.items():
         if preset == spec:

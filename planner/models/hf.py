@@ -47,8 +47,8 @@ from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.hf_attention import (attention_implementation, fused_note, has_attention, profile_mask,
                                                   window_notes)
 from meshplan.planner.models.hf_ssm import scan_as_kernel
-from meshplan.planner.models.hf_config import (check_seq_limit, first_line, hf_max_positions, make_config, read_config,
-                                               rope_theta)
+from meshplan.planner.models.hf_config import (check_seq_limit, first_line, hf_max_positions, make_config, positive_int,
+                                               read_config, rope_theta)
 
 __all__ = ["build_hf_for_profile", "build_hf_model", "hf_max_positions", "hf_moe_config", "hf_vocab", "read_config"]
 
@@ -390,14 +390,10 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
 
 def _router_groups(config) -> dict:
     """DeepSeek's group-limited routing (n_group, topk_group), as ModelInfo names it; {} without one."""
-    groups, group_topk = _positive_int(getattr(config, "n_group", 0)), _positive_int(getattr(config, "topk_group", 0))
+    groups, group_topk = positive_int(getattr(config, "n_group", 0)), positive_int(getattr(config, "topk_group", 0))
     if groups > 1 and 0 < group_topk < groups:
         return dict(moe_router_groups=groups, moe_router_group_topk=group_topk)
     return {}
-
-
-def _positive_int(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _expert_widths(config, every_layer_moe: bool) -> dict:
@@ -405,29 +401,29 @@ def _expert_widths(config, every_layer_moe: bool) -> dict:
     width), as ModelInfo names them: `moe_intermediate_size` (DeepSeek, Qwen-MoE), or where every
     layer is a MoE layer and no such key exists, `intermediate_size`, which then is each expert's
     width (GPT-OSS, Mixtral); {} otherwise."""
-    width = _positive_int(getattr(config, "moe_intermediate_size", 0))
+    width = positive_int(getattr(config, "moe_intermediate_size", 0))
     if not width:
-        width = _positive_int(getattr(config, "intermediate_size", 0)) if every_layer_moe else 0
+        width = positive_int(getattr(config, "intermediate_size", 0)) if every_layer_moe else 0
         return {"expert_ffn": width} if width else {}
-    shared = _positive_int(getattr(config, "n_shared_experts", 0))
+    shared = positive_int(getattr(config, "n_shared_experts", 0))
     return dict(expert_ffn=width, num_shared_experts=shared, shared_ffn=shared * width)
 
 
 def _head_dim(config) -> dict:
     """The attention's head width where the config names one (`head_dim`: GPT-OSS's 64 beside a
     2880-wide stream, Gemma's, Qwen3's), which hidden / heads would get wrong; {} without."""
-    width = _positive_int(getattr(config, "head_dim", 0))
+    width = positive_int(getattr(config, "head_dim", 0))
     return {"head_dim": width} if width else {}
 
 
 def _latent_attention(config) -> dict:
     """Multi-head latent attention's widths (DeepSeek-V2/V3 configs: `kv_lora_rank`, ...), {} without."""
     names = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    values = [_positive_int(getattr(config, name, 0)) for name in names]
+    values = [positive_int(getattr(config, name, 0)) for name in names]
     if not all(values):
         return {}
     kv_rank, nope, rope, value = values
-    return dict(kv_lora_rank=kv_rank, q_lora_rank=_positive_int(getattr(config, "q_lora_rank", None)),
+    return dict(kv_lora_rank=kv_rank, q_lora_rank=positive_int(getattr(config, "q_lora_rank", None)),
                 qk_rope_head_dim=rope, v_head_dim=value, head_dim=nope + rope)
 
 

@@ -56,6 +56,11 @@ def max_positions(data: dict) -> tuple[str, int]:
     return "", 0
 
 
+def positive_int(value) -> int:
+    """`value` when it is a positive int (not a bool), else 0: a config key that may be absent or null."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def rope_theta(data: dict) -> float:
     """The config's RoPE base: `rope_theta`, or inside `rope_parameters` (transformers 5), else 10000."""
     parameters = data.get("rope_parameters") if isinstance(data.get("rope_parameters"), dict) else {}

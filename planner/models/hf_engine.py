@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.models.config import TransformerConfig
-from meshplan.planner.models.hf_config import read_config, rope_theta
+from meshplan.planner.models.hf_config import positive_int, read_config, rope_theta
 
 # model_type -> the engine's own model code for it.
 OWN_MODELS = {
@@ -53,19 +53,36 @@ def engine_config(path_text: str, engine: str) -> TransformerConfig | None:
     tied = bool(data.get("tie_word_embeddings", False))  # the four config classes' default
     if engine == "torchtitan" and model_type == "llama" and tied:
         return None
-    missing = [key for key in _SHAPE_KEYS if not _positive_int(data.get(key))]
+    missing = [key for key in _SHAPE_KEYS if not positive_int(data.get(key))]
     if missing:
         raise MeshplanError(f"HF config {path_text!r} ({model_type}): missing or non-integer {', '.join(missing)}")
     try:
         return TransformerConfig(
             family="llama", num_layers=data["num_hidden_layers"], hidden=data["hidden_size"],
             num_heads=data["num_attention_heads"], vocab=data["vocab_size"], ffn=data["intermediate_size"],
-            num_kv_heads=_positive_int(data.get("num_key_value_heads")), tied_embeddings=tied,
+            num_kv_heads=positive_int(data.get("num_key_value_heads")), tied_embeddings=tied,
             norm_eps=float(data.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta(data),
-            attn_head_dim=_positive_int(data.get("head_dim")), qkv_bias=model_type == "qwen2",
+            attn_head_dim=positive_int(data.get("head_dim")), qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3")
     except ValueError as exc:
         raise MeshplanError(f"HF config {path_text!r} ({model_type}): {exc}") from None
+
+
+def zoo_config(path_text: str, engine: str) -> TransformerConfig | None:
+    """The zoo config `engine` runs for the Hugging Face config: a Mixtral / Qwen MoE config's `moe`
+    config (`hf.hf_moe_config`, every engine), else `engine_config`; None when it stays traced."""
+    from meshplan.planner.models.hf import hf_moe_config
+
+    return hf_moe_config(path_text) or engine_config(path_text, engine)
+
+
+def engine_note(path_text: str, engine: str) -> str:
+    """What `estimate` and `plan` say of the config under `engine`: that it is priced as the engine's
+    own model (`engine_model_note`), or that its traced experts' memory is not torchtitan's
+    (`traced_experts_note`); '' otherwise."""
+    if engine_config(path_text, engine) is not None:
+        return engine_model_note(path_text, engine)
+    return traced_experts_note(path_text, engine)
 
 
 def engine_model_note(path_text: str, engine: str) -> str:
@@ -82,7 +99,7 @@ def traced_experts_note(path_text: str, engine: str) -> str:
     if engine != "torchtitan":
         return ""
     data = read_config(path_text)
-    if not any(_positive_int(data.get(key)) for key in _EXPERT_KEYS):
+    if not any(positive_int(data.get(key)) for key in _EXPERT_KEYS):
         return ""
     from meshplan.planner.models.hf import hf_moe_config
 
@@ -105,5 +122,3 @@ def _llama_blocks(data: dict, model_type: str) -> bool:
     return not data.get("layer_types") or set(data["layer_types"]) == {"full_attention"}
 
 
-def _positive_int(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
