@@ -55,7 +55,7 @@ from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_20
                             MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_LARGE_SCALE_SOURCE, MPT_SOURCE, MPT_SWEEP_SOURCE,
                             NARAYANAN_2021, TORCHTITAN_A100,
-                            TORCHTITAN_H100,
+                            TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200,
                             Run, all_runs, fit_runs)
 
 
@@ -160,6 +160,8 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
                  MEGATRON_BRIDGE_BLACKWELL: "Megatron-Bridge 25.11 DGX-GB200 and DGX-B200",
                  TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W",
+                 TORCHTITAN_H100_SAC: "torchtitan selective op checkpointing, H100 at 500 W",
+                 TRAINY_H200: "torchtitan on H200 (Trainy)",
                  MEGATRON_BRIDGE_2606_H100: "Megatron-Bridge 26.06 DGX-H100",
                  MEGATRON_BRIDGE_2511_ARCHIVE_H100: "Megatron-Bridge 25.11 DGX-H100 (archive)",
                  MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",
@@ -298,14 +300,14 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
     print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}, within 10%: {within} of {len(pairs)}")
     kept = [e for e, s in zip(errors, same) if s]
     if kept:
-        print(f"  {len(kept)} pairs of one layout (TP, PP, CP, virtual stages, micro-batch): mean |speedup error| "
+        print(f"  {len(kept)} pairs of one layout (TP, PP, CP, virtual stages, micro-batch, torch.compile): mean |speedup error| "
               f"{np.mean(np.abs(kept)):.1%}, max {max(np.abs(kept)):.1%}, within 10%: "
               f"{sum(abs(e) <= 0.10 for e in kept)} of {len(kept)}")
 
 
 def layout_of(run: Run) -> tuple:
-    """A run's parallel layout: what an FP8/BF16 pair of one layout shares."""
-    return run.tp, run.pp, run.cp, run.vpp_options, run.mbs, run.zero
+    """A run's parallel layout and compilation: what an FP8/BF16 pair of one layout shares."""
+    return run.tp, run.pp, run.cp, run.vpp_options, run.mbs, run.zero, run.torch_compile
 
 
 def a2a_overlap_speedups(scored: Sequence[Scored]) -> None:
@@ -357,8 +359,8 @@ def cross_validated() -> None:
 
 
 BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megatron-LM README's H100 strong-scaling "
-                      "ends, MosaicML MPT, torchtitan FSDP2, DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
-             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8, Megatron-Bridge's DGX-H100 Llama, "
+                      "ends, MosaicML MPT, torchtitan FSDP2 on A100 and H100, DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
+             "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8 on H100 and H200, Megatron-Bridge's DGX-H100 Llama, "
                     "DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
              "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
                     "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}

@@ -118,10 +118,18 @@ Left out, DGX Cloud: the Llama 4 Maverick rows (chunked attention and MoE blocks
 ones, which meshplan's `moe:` family does not build; the H100 table also prints VP 12 at PP 1),
 the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure.
 
+Held out, torchtitan's selective op checkpointing (priced as its per-op policy reruns,
+`planner/costing/torchtitan_sac.py`; `published_torchtitan_runs` builds them): its A100 table's
+three "selective op" rows (Llama 3 8B at local batch 1, Llama 2 13B at 2 and 70B at 1, 64 GPUs),
+its H100 Tables 1 and 3 (Llama 3.1 8B, FSDP on 8 and 128 GPUs at local batch 2, every row: eager,
+torch.compile, torch.compile + Float8, the compiled ones priced as eager), and Trainy's H200 rows
+in torchtitan's repository (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: Llama 3.1 8B on
+32 and 64 H200, torch.compile + Float8 with float8 all-gather).
+
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
-torchtitan's H100 Tables 1 and 3 (selective checkpointing), Table 4's async-TP row, Tables 5
-and 6 (async TP; pipeline micro-batch counts unpublished); torchtitan's "selective op" and
-"selective layer" checkpointing (not meshplan's selective recomputation).
+torchtitan's Table 4 async-TP row, Tables 5 and 6 (async TP; pipeline micro-batch counts
+unpublished); torchtitan's "selective layer" checkpointing (every N-th block checkpointed whole:
+meshplan's runs recompute every block alike).
 """
 from __future__ import annotations
 
@@ -225,6 +233,9 @@ class Run:
     # --decoder-first/last-pipeline-num-layers), the embedding on the first stage and the output
     # layer on the last; None: the engine's own cut (`costing.uniform.balanced_layer_chunks`)
     stage_blocks: tuple[int, ...] | None = None
+    # torch.compile on (torchtitan's `training.compile`): not modelled, the run is priced as eager; an
+    # FP8/BF16 pair of one layout shares it (bench_fidelity's `layout_of`)
+    torch_compile: bool = False
     # multi-token-prediction depths the recipe trains (Megatron-LM's --mtp-num-layers; `profiling.mtp`)
     mtp_num_layers: int = 0
     # Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm; `costing.moe_overlap`)
@@ -555,50 +566,15 @@ def mpt_large_scale_runs() -> list[Run]:
 TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H100 (96GB HBM2e, 500 W cap), "
                    "torch.compile + Float8 (commit 9dec370ad26b5f8e9a7333a0e36165018262644b tested; page as of "
                    "commit 0edd2fb, tables 2 and 4)")
-
-
-def torchtitan_h100_runs() -> list[Run]:
-    """torchtitan's H100 tables whose layouts meshplan expresses (HELD_OUT_FP8): Table 2, Llama 3.1
-    8B on 8 GPUs with FSDP x CP at 32K-256K tokens, and Table 4's "2D" row, Llama 3.1 70B on 256
-    GPUs with FSDP 32 x TP 8. Float8 is torchao's tensorwise recipe (--fp8-recipe tensorwise)."""
-    assumptions = (
-        "torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile not modelled",
-        "full activation checkpointing = full recomputation; no gradient accumulation",
-        "FSDP2 over dp x cp = ZeRO-3 over the data ranks; TP with sequence parallelism (torchtitan's)",
-        "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')",
-    )
-    rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
-    runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
-                "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
-                fp8_recipe="tensorwise", published_tokens_per_s=tps * 8, assumptions=assumptions, engine="torchtitan",
-                attention="sdpa-flash")
-            for seq, cp, tps in rows]
-    runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
-                    "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
-                    fp8_recipe="tensorwise", published_tokens_per_s=829.0 * 256, assumptions=assumptions, engine="torchtitan",
-                    attention="sdpa-flash"))
-    return runs
+TORCHTITAN_H100_SAC = ("torchtitan docs/performance.md, Llama 3.1 8B on Grand Teton H100 (96GB HBM2e, 500 W "
+                       "cap), FSDP with selective op checkpointing (commit 9dec370ad26b5f8e9a7333a0e36165018262644b "
+                       "tested; page as of commit 0edd2fb, tables 1 and 3)")
+TRAINY_H200 = ("torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, Llama 3.1 8B on 4 and 8 hosts of "
+               "8 H200 (Trainy on WhiteFiber, June 2025; torchtitan e7c0cae, torch 2.8.0a0 of NGC 25.05)")
 
 
 LLAMA2_13B = "llama:layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000"
 LLAMA2_70B = "llama:layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000"
-
-
-def torchtitan_runs() -> list[Run]:
-    """64 A100 80GB, FSDP2 (ZeRO-3) over all 64, local batch = micro-batch (no accumulation).
-    WPS is tokens per second per GPU."""
-    assumptions = (
-        "FSDP2 fully_shard = ZeRO-3 over the 64 GPUs, no gradient accumulation",
-        "Meta's A100 fabric costed as DGX A100 (8 x 200 Gb/s rails per node)",
-        "SDPA flash attention, causal; no torch.compile",
-    )
-    rows = [("Llama3 70B bs1 full", "llama3-70b", 8192, 1, "full", 331.0),
-            ("Llama2 13B bs2 none", LLAMA2_13B, 4096, 2, "none", 2162.0),
-            ("Llama2 70B bs2 full", LLAMA2_70B, 4096, 2, "full", 353.0)]
-    return [Run(f"torchtitan {name}", HELD_OUT, TORCHTITAN_A100, "a100-80g", spec, 64, 64 * mbs, seq, mbs=mbs,
-                zero=3, recompute=recompute, published_tokens_per_s=wps * 64, assumptions=assumptions,
-                engine="torchtitan", attention="sdpa-flash")
-            for name, spec, seq, mbs, recompute, wps in rows]
 
 
 # Held out, MoE. Both sources run Megatron-Core MoE (grouped GEMMs, the distributed optimizer),
@@ -662,7 +638,8 @@ def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs()
             + megatron_lm_strong_scaling_runs() + mpt_runs() + mpt_sweep_runs()
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + torchtitan_h100_runs() + megatron_bridge_dense_runs() + dgx_cloud_dense_runs() + moe_runs())
+            + torchtitan_h100_runs() + torchtitan_sac_runs() + megatron_bridge_dense_runs() + dgx_cloud_dense_runs()
+            + moe_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:
@@ -675,6 +652,7 @@ def held_out_runs() -> list[Run]:
     return [run for run in all_runs() if run.group == HELD_OUT]
 
 
-# The MoE and DGX Cloud runs build on this module's Run and sources, all defined above.
+# The MoE, DGX Cloud and torchtitan runs build on this module's Run and sources, all defined above.
 from published_dgx_cloud_runs import dgx_cloud_dense_runs  # noqa: E402
 from published_moe_runs import moe_runs  # noqa: E402
+from published_torchtitan_runs import torchtitan_h100_runs, torchtitan_runs, torchtitan_sac_runs  # noqa: E402

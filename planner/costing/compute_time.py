@@ -8,7 +8,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.engine_rules import early_stop_of
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import attention_kernels, fp8, gemm, loss_kernels
+from meshplan.planner.costing import attention_kernels, fp8, gemm, loss_kernels, torchtitan_sac
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
@@ -60,8 +60,8 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     named kernel's efficiency (`attention_kernels`); memory-bound time of the non-GEMM kernels from the bytes the layer saves
     (`elementwise_bytes_per_activation_byte`, backward twice), or, for the logits of a loss whose
     kernels the engine's code names, those kernels' own bytes (`loss_kernels`). Full recomputation
-    repeats the forward; selective repeats the attention core (QK^T, softmax, x V) when scores were
-    saved.
+    repeats the forward; selective repeats the attention core (QK^T, softmax, x V), or under
+    torchtitan its per-op policy's rerun (`torchtitan_sac`).
     """
     dtype = COMPUTE_DTYPE[config.precision]
     shard = config.tp if is_split(layer, config.tp) else 1
@@ -95,8 +95,11 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     if config.recompute == "full":
         return fwd_s, bwd_s, fwd_s - early_stop_skipped_s(layer, config, cluster, info, profile_dtype)
     if config.recompute == "selective":
-        return fwd_s, bwd_s, attention_core_recompute_s(layer, config, cluster, info, act_scale, profile_dtype,
-                                                         attention, kernel)
+        core_s = attention_core_recompute_s(layer, config, cluster, info, act_scale, profile_dtype, attention, kernel)
+        if torchtitan_sac.applies(config):  # its per-op policy reruns all but the attention and saved GEMMs
+            return fwd_s, bwd_s, torchtitan_sac.recompute_s(layer, config, cluster, info, fwd_s, core_s,
+                                                            profile_dtype, dtype)
+        return fwd_s, bwd_s, core_s
     return fwd_s, bwd_s, 0.0
 
 

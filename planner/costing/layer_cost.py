@@ -16,7 +16,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8, module_recompute, offload,
-                                      overlap)
+                                      overlap, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
@@ -141,6 +141,7 @@ def layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProf
         local = module_recompute.with_module_recompute(local, layer, config, cluster, info,
                                                        activation_scale(config.precision, profile_dtype),
                                                        profile_dtype or COMPUTE_DTYPE[config.precision], attention)
+    local = torchtitan_sac.with_routed_experts(local, layer, config)  # torchtitan's policy reruns the experts
     if config.cp > 1:
         kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype or COMPUTE_DTYPE[config.precision],
                                    config.attention_query_split)
@@ -271,6 +272,7 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
         bwd_s += cluster.device.dp_unit_overhead_s
     if config.recompute == "full":
         tp_bwd_s += tp_fwd_s  # the recomputed forward repeats its collectives
+    tp_bwd_s += torchtitan_sac.tp_rerun_s(tp_fwd_s, config, layer)  # its per-op policy: the all-gathers
     return fwd_s, bwd_s, recompute_s, tp_fwd_s, tp_bwd_s
 
 

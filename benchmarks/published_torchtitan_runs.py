@@ -1,0 +1,91 @@
+"""torchtitan's published runs (held out): its A100 and H100 performance tables and a user's H200
+benchmark in its repository, each under `--engine torchtitan`. Split from `published_runs` (which
+defines `Run` and the sources), whose `all_runs` adds these.
+
+"selective op" rows ran torchtitan's per-op selective activation checkpointing, the default of its
+Llama 3 8B config (`selective_ac_option = "op"`), priced as its policy reruns
+(`planner/costing/torchtitan_sac.py`); "selective layer" rows (a whole block checkpointed every
+N-th block) are left out: meshplan's runs recompute every block alike. torch.compile is not
+modelled (its rows are priced as eager: meshplan has no fused-kernel rule for Inductor's code).
+"""
+from __future__ import annotations
+
+from published_runs import (HELD_OUT, HELD_OUT_FP8, LLAMA2_13B, LLAMA2_70B, TORCHTITAN_A100, TORCHTITAN_H100,
+                            TORCHTITAN_H100_SAC, TRAINY_H200, Run)
+
+FLOAT8 = "torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile not modelled"
+H100_PEAK = "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')"
+OP_SAC = ("selective op activation checkpointing: torchtitan's policy (every second mm and everything but the "
+          "attention kernel rerun; under Float8 every Linear: `_scaled_mm` is not on its list)")
+
+
+def torchtitan_runs() -> list[Run]:
+    """64 A100 80GB, FSDP2 (ZeRO-3) over all 64, local batch = micro-batch (no accumulation).
+    WPS is tokens per second per GPU; the "selective op" rows under torchtitan's per-op policy."""
+    assumptions = (
+        "FSDP2 fully_shard = ZeRO-3 over the 64 GPUs, no gradient accumulation",
+        "Meta's A100 fabric costed as DGX A100 (8 x 200 Gb/s rails per node)",
+        "SDPA flash attention, causal; no torch.compile",
+    )
+    rows = [("Llama3 70B bs1 full", "llama3-70b", 8192, 1, "full", 331.0),
+            ("Llama2 13B bs2 none", LLAMA2_13B, 4096, 2, "none", 2162.0),
+            ("Llama2 70B bs2 full", LLAMA2_70B, 4096, 2, "full", 353.0),
+            ("Llama3 8B bs1 selective op", "llama3-8b", 8192, 1, "selective", 2973.0),
+            ("Llama2 13B bs2 selective op", LLAMA2_13B, 4096, 2, "selective", 1904.0),
+            ("Llama2 70B bs1 selective op", LLAMA2_70B, 4096, 1, "selective", 355.0)]
+    return [Run(f"torchtitan {name}", HELD_OUT, TORCHTITAN_A100, "a100-80g", spec, 64, 64 * mbs, seq, mbs=mbs,
+                zero=3, recompute=recompute, published_tokens_per_s=wps * 64,
+                assumptions=assumptions + ((OP_SAC,) if recompute == "selective" else ()),
+                engine="torchtitan", attention="sdpa-flash")
+            for name, spec, seq, mbs, recompute, wps in rows]
+
+
+def torchtitan_h100_runs() -> list[Run]:
+    """torchtitan's H100 tables whose layouts meshplan expresses (HELD_OUT_FP8): Table 2, Llama 3.1
+    8B on 8 GPUs with FSDP x CP at 32K-256K tokens, and Table 4's "2D" row, Llama 3.1 70B on 256
+    GPUs with FSDP 32 x TP 8. Float8 is torchao's tensorwise recipe (--fp8-recipe tensorwise)."""
+    assumptions = (
+        FLOAT8,
+        "full activation checkpointing = full recomputation; no gradient accumulation",
+        "FSDP2 over dp x cp = ZeRO-3 over the data ranks; TP with sequence parallelism (torchtitan's)",
+        H100_PEAK,
+    )
+    rows = [(32768, 1, 3890.0), (65536, 2, 2540.0), (131072, 4, 1071.0), (262144, 8, 548.0)]
+    runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
+                "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
+                fp8_recipe="tensorwise", published_tokens_per_s=tps * 8, assumptions=assumptions, engine="torchtitan",
+                attention="sdpa-flash", torch_compile=True)
+            for seq, cp, tps in rows]
+    runs.append(Run("torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
+                    "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3, recompute="full", sp=True, precision="fp8",
+                    fp8_recipe="tensorwise", published_tokens_per_s=829.0 * 256, assumptions=assumptions, engine="torchtitan",
+                    attention="sdpa-flash", torch_compile=True))
+    return runs
+
+
+def torchtitan_sac_runs() -> list[Run]:
+    """Llama 3.1 8B under FSDP2 over every GPU at local batch 2 and 8,192 tokens (torchtitan's
+    llama3_8b.toml), selective op checkpointing: torchtitan's H100 Tables 1 (8 GPUs) and 3 (128),
+    every row (eager, torch.compile, torch.compile + Float8; BF16 rows held out with the BF16 set,
+    Float8 rows with the FP8 set), and Trainy's H200 rows (32 and 64 GPUs, torch.compile + Float8
+    with float8 all-gather; torchtitan e7c0cae)."""
+    runs = []
+    for gpus, label, tps, precision in ((8, "", 5762.0, "bf16-mixed"), (8, " compile", 6667.0, "bf16-mixed"),
+                                        (8, " compile", 8532.0, "fp8"), (128, "", 5605.0, "bf16-mixed"),
+                                        (128, " compile", 6514.0, "bf16-mixed"), (128, " compile", 8380.0, "fp8")):
+        fp8 = precision == "fp8"
+        compiled = ("torch.compile not modelled",) if label and not fp8 else ()
+        runs.append(Run(f"torchtitan H100 Llama3.1 8B{label}{' fp8' if fp8 else ''} fsdp{gpus} selective op",
+                        HELD_OUT_FP8 if fp8 else HELD_OUT, TORCHTITAN_H100_SAC, "h100-96g-500w", "llama3-8b",
+                        gpus, 2 * gpus, 8192, mbs=2, zero=3, recompute="selective", precision=precision,
+                        fp8_recipe="tensorwise" if fp8 else None, published_tokens_per_s=tps * gpus,
+                        engine="torchtitan", attention="sdpa-flash", torch_compile=bool(label),
+                        assumptions=((FLOAT8,) if fp8 else ()) + compiled + (OP_SAC, H100_PEAK)))
+    for gpus, tps in ((32, 10938.0), (64, 10753.0)):
+        runs.append(Run(f"Trainy H200 Llama3.1 8B compile fp8 fsdp{gpus} selective op", HELD_OUT_FP8, TRAINY_H200,
+                        "h200", "llama3-8b", gpus, 2 * gpus, 8192, mbs=2, zero=3, recompute="selective",
+                        precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=tps * gpus,
+                        engine="torchtitan", attention="sdpa-flash", torch_compile=True,
+                        assumptions=(FLOAT8, OP_SAC, "WhiteFiber's hosts (8 H200 on NVLink, 400 Gb/s per GPU) "
+                                                      "costed as DGX H200")))
+    return runs

@@ -1,0 +1,86 @@
+"""Time of torchtitan's per-op selective activation checkpointing (`[activation_checkpoint] mode =
+"selective"`, `selective_ac_option = "op"`: what `--engine torchtitan --recompute selective` means).
+
+torchtitan wraps each transformer block in torch's selective checkpoint
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) with a policy that saves the
+outputs of the ops on its list and recomputes every other op in backward
+(torchtitan/distributed/activation_checkpoint.py `_apply_op_sac` with the model's
+`_op_sac_save_list`, torchtitan/models/llama3/infra/parallelize.py at v0.2.2; the same rule since
+its first performance tables, commit 0413364's `no_recompute_list`). The list names `aten.mm`, the
+SDPA kernels, `reduce_scatter_tensor` and `aten.max`, and the policy recomputes every second
+`aten.mm` of the block's forward (a count kept per block). A Llama block's forward runs its
+Linears' mm's in the order wq, wk, wv, wo, w1, w3, w2 (`gemm.block_linear_shapes`' order), so wk,
+wo and w3 rerun, the attention kernel does not, and every norm, RoPE, SiLU, product and residual
+add does. The extra seconds of one micro-batch on one rank:
+
+- bf16: the block's forward less its attention kernel (`compute_time.attention_core_recompute_s`)
+  and the saved Linears' forward GEMMs (by shape, `gemm.linear_times_s`, as the forward prices
+  them).
+- fp8 (torchao's `Float8Linear`): its GEMM is `aten._scaled_mm`, which v0.2's list does not name,
+  so every Linear reruns with its casts: the forward less the attention kernel. (torchtitan's
+  later lists take torch's `compute_intensive_ops`, which name `_scaled_mm`; meshplan prices the
+  0.2 release its torchtitan engine describes.)
+- TP: the sequence-parallel all-gathers before the column Linears are not on the list and run
+  again; the reduce-scatters after the row Linears are saved: half the forward's collectives
+  (`tp_rerun_share`).
+- A MoE block: its routed experts' grouped GEMMs (`torch._grouped_mm`, not on the list) rerun
+  with their shuffles (`LayerCost.expert_fwd_s`, `with_routed_experts`).
+
+What the policy keeps is `engine_memory`'s torchtitan rule.
+"""
+from __future__ import annotations
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing import gemm
+from meshplan.planner.costing.device_time import infer_seq
+from meshplan.planner.costing.fp8 import is_fp8
+from meshplan.planner.costing.tp_split import is_split
+
+ENGINE = "torchtitan"
+# Share of the forward's TP collectives the rerun repeats: its all-gathers, not its reduce-scatters.
+TP_RERUN_SHARE = 0.5
+
+
+def applies(config: ParallelConfig) -> bool:
+    """Whether selective recomputation is torchtitan's per-op policy."""
+    return config.engine == ENGINE and config.recompute == "selective"
+
+
+def saved_linear_shapes(shapes: tuple) -> tuple:
+    """The Linears whose forward outputs the policy saves: the 1st, 3rd, 5th ... mm of the block."""
+    return shapes[0::2]
+
+
+def recomputed_linear_shapes(shapes: tuple, precision: str) -> tuple:
+    """The Linears whose forward GEMMs rerun in backward: every second mm, or under fp8 all of them
+    (`_scaled_mm` is not on the list)."""
+    return tuple(shapes) if is_fp8(precision) else tuple(shapes[1::2])
+
+
+def recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, info: ModelInfo, fwd_s: float,
+                attention_s: float, profile_dtype: str, dtype: str) -> float:
+    """Seconds of one micro-batch's rerun on one rank (module docstring): the layer's forward
+    `fwd_s` less its attention kernel `attention_s` and, in bf16, its saved Linears' GEMMs. Layers
+    torchtitan does not checkpoint (embedding, output) rerun nothing."""
+    if layer.kind != "block":
+        return 0.0
+    seconds = fwd_s - attention_s
+    shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
+    if shapes and not is_fp8(config.precision):
+        tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
+        shard = config.tp if is_split(layer, config.tp) else 1
+        seconds -= gemm.linear_times_s(saved_linear_shapes(shapes), tokens, shard, cluster, dtype)[0]
+    return max(0.0, seconds)
+
+
+def tp_rerun_s(tp_fwd_s: float, config: ParallelConfig, layer: LayerProfile) -> float:
+    """The forward TP collectives the rerun repeats in backward."""
+    return TP_RERUN_SHARE * tp_fwd_s if applies(config) and layer.kind == "block" else 0.0
+
+
+def with_routed_experts(cost, layer: LayerProfile, config: ParallelConfig):
+    """`cost` (a `LayerCost`) with a MoE block's routed experts rerun (their forward)."""
+    if not (applies(config) and layer.expert_params):
+        return cost
+    return cost.replaced(recompute_s=cost.recompute_s + cost.expert_fwd_s)
