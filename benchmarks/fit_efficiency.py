@@ -144,6 +144,14 @@ def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
                          recompute_early_stop=run.recompute_early_stop if recompute == "full" else None,
                          cross_entropy_fusion=ce_fusion_under(run.engine, run.cross_entropy_fusion))
     chunks = stage_chunks(graph, run.stage_blocks) if run.stage_blocks else None
+    if run.recompute_every > 1:  # torchtitan's layer SAC: every N-th block recomputed, as `estimate --from` reads it
+        from meshplan.planner.engines.job import EngineJob, resolve_recompute
+
+        names = [layer.name for layer in graph.layers]
+        chunks = (0,) * len(names)
+        modes = resolve_recompute(EngineJob(engine=run.engine, recompute="full", recompute_every=run.recompute_every),
+                                  names, chunks)
+        return predict_config(graph, cluster, config, chunk_of_layer=chunks, recompute_of_layer=modes)
     return predict_config(graph, cluster, config, chunk_of_layer=chunks)
 
 

@@ -120,7 +120,8 @@ the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.0
 
 Held out, torchtitan's selective op checkpointing (priced as its per-op policy reruns,
 `planner/costing/torchtitan_sac.py`; `published_torchtitan_runs` builds them): its A100 table's
-three "selective op" rows (Llama 3 8B at local batch 1, Llama 2 13B at 2 and 70B at 1, 64 GPUs),
+three "selective op" rows (Llama 3 8B at local batch 1, Llama 2 13B at 2 and 70B at 1, 64 GPUs) and
+its two "selective layer" rows (every second block checkpointed whole, `Run.recompute_every`),
 its H100 Tables 1 and 3 (Llama 3.1 8B, FSDP on 8 and 128 GPUs at local batch 2, every row: eager,
 torch.compile, torch.compile + Float8, the compiled ones priced as eager), and Trainy's H200 rows
 in torchtitan's repository (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: Llama 3.1 8B on
@@ -128,8 +129,7 @@ in torchtitan's repository (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.m
 
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
 torchtitan's Table 4 async-TP row, Tables 5 and 6 (async TP; pipeline micro-batch counts
-unpublished); torchtitan's "selective layer" checkpointing (every N-th block checkpointed whole:
-meshplan's runs recompute every block alike).
+unpublished).
 """
 from __future__ import annotations
 
@@ -233,6 +233,9 @@ class Run:
     # --decoder-first/last-pipeline-num-layers), the embedding on the first stage and the output
     # layer on the last; None: the engine's own cut (`costing.uniform.balanced_layer_chunks`)
     stage_blocks: tuple[int, ...] | None = None
+    # torchtitan's layer SAC (`selective_ac_option = "N"`): with recompute "full", only every N-th block
+    # is checkpointed (`engines.job.resolve_recompute`'s rule); pipelines not supported here
+    recompute_every: int = 1
     # torch.compile on (torchtitan's `training.compile`): not modelled, the run is priced as eager; an
     # FP8/BF16 pair of one layout shares it (bench_fidelity's `layout_of`)
     torch_compile: bool = False
@@ -258,6 +261,9 @@ class Run:
             raise ValueError(f"{self.name}: every run needs its source")
         if self.group not in GROUPS:
             raise ValueError(f"{self.name}: group {self.group!r} is none of {GROUPS}")
+        if self.recompute_every > 1 and (self.recompute != "full" or self.pp > 1):
+            raise ValueError(f"{self.name}: recompute_every {self.recompute_every} needs recompute 'full' and no "
+                             f"pipeline, got {self.recompute!r} at pp {self.pp}")
 
     @property
     def tokens_per_step(self) -> int:

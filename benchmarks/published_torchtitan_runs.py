@@ -4,8 +4,8 @@ defines `Run` and the sources), whose `all_runs` adds these.
 
 "selective op" rows ran torchtitan's per-op selective activation checkpointing, the default of its
 Llama 3 8B config (`selective_ac_option = "op"`), priced as its policy reruns
-(`planner/costing/torchtitan_sac.py`); "selective layer" rows (a whole block checkpointed every
-N-th block) are left out: meshplan's runs recompute every block alike. torch.compile is not
+(`planner/costing/torchtitan_sac.py`); "selective layer" rows checkpoint every second block whole
+(`Run.recompute_every`, the rule `estimate --from` reads a torchtitan config by). torch.compile is not
 modelled (its rows are priced as eager: meshplan has no fused-kernel rule for Inductor's code).
 """
 from __future__ import annotations
@@ -15,6 +15,10 @@ from published_runs import (HELD_OUT, HELD_OUT_FP8, LLAMA2_13B, LLAMA2_70B, TORC
 
 FLOAT8 = "torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile not modelled"
 H100_PEAK = "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')"
+# torchtitan's layer SAC at the A100 table's commit: `selective_ac_option` defaults to "2"
+# (torchtitan/config_manager.py), every second block checkpointed whole
+LAYER_SAC_EVERY = 2
+LAYER_SAC = "selective layer checkpointing: every second block fully recomputed (torchtitan's default option '2')"
 OP_SAC = ("selective op activation checkpointing: torchtitan's policy (every second mm and everything but the "
           "attention kernel rerun; under Float8 every Linear: `_scaled_mm` is not on its list)")
 
@@ -32,10 +36,13 @@ def torchtitan_runs() -> list[Run]:
             ("Llama2 70B bs2 full", LLAMA2_70B, 4096, 2, "full", 353.0),
             ("Llama3 8B bs1 selective op", "llama3-8b", 8192, 1, "selective", 2973.0),
             ("Llama2 13B bs2 selective op", LLAMA2_13B, 4096, 2, "selective", 1904.0),
-            ("Llama2 70B bs1 selective op", LLAMA2_70B, 4096, 1, "selective", 355.0)]
+            ("Llama2 70B bs1 selective op", LLAMA2_70B, 4096, 1, "selective", 355.0),
+            ("Llama3 8B bs1 selective layer", "llama3-8b", 8192, 1, "layer", 2904.0),
+            ("Llama2 13B bs2 selective layer", LLAMA2_13B, 4096, 2, "layer", 1914.0)]
     return [Run(f"torchtitan {name}", HELD_OUT, TORCHTITAN_A100, "a100-80g", spec, 64, 64 * mbs, seq, mbs=mbs,
-                zero=3, recompute=recompute, published_tokens_per_s=wps * 64,
-                assumptions=assumptions + ((OP_SAC,) if recompute == "selective" else ()),
+                zero=3, recompute="full" if recompute == "layer" else recompute,
+                recompute_every=LAYER_SAC_EVERY if recompute == "layer" else 1, published_tokens_per_s=wps * 64,
+                assumptions=assumptions + {"selective": (OP_SAC,), "layer": (LAYER_SAC,)}.get(recompute, ()),
                 engine="torchtitan", attention="sdpa-flash")
             for name, spec, seq, mbs, recompute, wps in rows]
 

@@ -9,8 +9,8 @@ the sequence around the norms (SP). Without pipelining a step runs `global_batch
 `local_batch_size` is the replica's batch, cut into micro-batches of
 `pipeline_parallel_microbatch_size`. `module_fqns_per_model_part` lists the modules of each
 pipeline chunk exactly. Activation checkpointing: "none", "full", or "selective" with option
-"op" (per-op policy, priced as meshplan's selective) or an integer N (full checkpointing of every
-N-th block).
+"op" (its per-op policy: meshplan's selective under `--engine torchtitan`, priced as the policy
+reruns by `costing.torchtitan_sac`) or an integer N (full checkpointing of every N-th block).
 """
 from __future__ import annotations
 

@@ -1,0 +1,63 @@
+"""torchtitan's published runs (`benchmarks/published_torchtitan_runs.py`): their transcription,
+and the layer-SAC rows priced by the rule `estimate --from` reads a torchtitan config with."""
+import importlib
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from meshplan.planner.costing.hardware import load_cluster
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def modules():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("published_runs"), importlib.import_module("fit_efficiency")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _named(data, fragment):
+    return [run for run in data.all_runs() if fragment in run.name]
+
+
+def test_selective_op_tables_are_transcribed_with_compilation_and_precision(modules):
+    data, _ = modules
+    h100 = _named(data, "torchtitan H100 Llama3.1 8B") + _named(data, "Trainy H200")
+    sac = [run for run in h100 if "selective op" in run.name]
+    # torchtitan's Tables 1 and 3 (TPS per GPU) and Trainy's two rows, every one at local batch 2, 8K tokens
+    published = {run.name: run.published_tokens_per_s / run.gpus for run in sac}
+    assert sorted(published.values()) == [5605.0, 5762.0, 6514.0, 6667.0, 8380.0, 8532.0, 10753.0, 10938.0]
+    for run in sac:
+        assert (run.mbs, run.seq, run.global_batch, run.zero, run.recompute) == (2, 8192, 2 * run.gpus, 3, "selective")
+        assert run.torch_compile == ("compile" in run.name)
+        assert (run.group == data.HELD_OUT_FP8) == (run.precision == "fp8") == ("fp8" in run.name)
+    table_2 = [run for run in h100 if " cp" in run.name]
+    assert table_2 and all(run.torch_compile for run in table_2)  # Table 2 ran torch.compile + Float8
+
+
+def test_layer_sac_rows_recompute_every_second_block(modules):
+    data, fit = modules
+    layer = _named(data, "selective layer")
+    assert [run.published_tokens_per_s / run.gpus for run in layer] == [2904.0, 1914.0]
+    run = layer[0]
+    cluster = load_cluster(run.cluster)
+    every = fit.predict(run, cluster, vpp=1)
+    full = fit.predict(replace(run, recompute_every=1), cluster, vpp=1)
+    none = fit.predict(replace(run, recompute="none", recompute_every=1), cluster, vpp=1)
+    # identical blocks: half of them rerun whole, so half of full recomputation's rerun time
+    assert every.breakdown["recompute"] == pytest.approx(0.5 * full.breakdown["recompute"], rel=1e-9)
+    assert none.step_time_s < every.step_time_s < full.step_time_s
+
+
+def test_a_layer_sac_run_needs_full_recomputation_without_a_pipeline(modules):
+    data, _ = modules
+    run = _named(data, "selective layer")[0]
+    with pytest.raises(ValueError, match="recompute_every 2 needs recompute 'full'"):
+        replace(run, recompute="selective")
+    with pytest.raises(ValueError, match="at pp 2"):
+        replace(run, pp=2)
