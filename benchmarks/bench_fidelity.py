@@ -295,7 +295,7 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
         errors.append(predicted / published - 1)
         same.append(layout_of(f) == layout_of(b))
         print(f"  {f.name:<44} published {published:.2f}x predicted {predicted:.2f}x ({errors[-1]:+.1%})"
-              f"{'' if same[-1] else ' (layouts differ)'}")
+              f"{'' if same[-1] else ' (layout or compilation differs)'}")
     within = sum(abs(e) <= 0.10 for e in errors)
     print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}, within 10%: {within} of {len(pairs)}")
     kept = [e for e, s in zip(errors, same) if s]

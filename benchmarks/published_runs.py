@@ -236,8 +236,9 @@ class Run:
     # torchtitan's layer SAC (`selective_ac_option = "N"`): with recompute "full", only every N-th block
     # is checkpointed (`engines.job.resolve_recompute`'s rule); pipelines not supported here
     recompute_every: int = 1
-    # torch.compile on (torchtitan's `training.compile`): not modelled, the run is priced as eager; an
-    # FP8/BF16 pair of one layout shares it (bench_fidelity's `layout_of`)
+    # torch.compile on (torchtitan's `training.compile`, `ParallelConfig.torch_compile`): its Float8
+    # casts priced fused, Inductor's other fusion not; an FP8/BF16 pair of one layout shares it
+    # (bench_fidelity's `layout_of`)
     torch_compile: bool = False
     # multi-token-prediction depths the recipe trains (Megatron-LM's --mtp-num-layers; `profiling.mtp`)
     mtp_num_layers: int = 0

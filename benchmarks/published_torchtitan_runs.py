@@ -5,15 +5,17 @@ defines `Run` and the sources), whose `all_runs` adds these.
 "selective op" rows ran torchtitan's per-op selective activation checkpointing, the default of its
 Llama 3 8B config (`selective_ac_option = "op"`), priced as its policy reruns
 (`planner/costing/torchtitan_sac.py`); "selective layer" rows checkpoint every second block whole
-(`Run.recompute_every`, the rule `estimate --from` reads a torchtitan config by). torch.compile is not
-modelled (its rows are priced as eager: meshplan has no fused-kernel rule for Inductor's code).
+(`Run.recompute_every`, the rule `estimate --from` reads a torchtitan config by). torch.compile
+(`Run.torch_compile`, `--compile`) is priced for its Float8 casts only (fused with the ops before
+them, torchao's float8 roofline); Inductor's other fusion is not modelled.
 """
 from __future__ import annotations
 
 from published_runs import (HELD_OUT, HELD_OUT_FP8, LLAMA2_13B, LLAMA2_70B, TORCHTITAN_A100, TORCHTITAN_H100,
                             TORCHTITAN_H100_SAC, TRAINY_H200, Run)
 
-FLOAT8 = "torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile not modelled"
+FLOAT8 = ("torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile (--compile) "
+          "priced for its fused casts only")
 H100_PEAK = "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'between SXM and NVL')"
 # torchtitan's layer SAC at the A100 table's commit: `selective_ac_option` defaults to "2"
 # (torchtitan/config_manager.py), every second block checkpointed whole
@@ -81,7 +83,7 @@ def torchtitan_sac_runs() -> list[Run]:
                                         (8, " compile", 8532.0, "fp8"), (128, "", 5605.0, "bf16-mixed"),
                                         (128, " compile", 6514.0, "bf16-mixed"), (128, " compile", 8380.0, "fp8")):
         fp8 = precision == "fp8"
-        compiled = ("torch.compile not modelled",) if label and not fp8 else ()
+        compiled = ("torch.compile (--compile): nothing of it priced in BF16",) if label and not fp8 else ()
         runs.append(Run(f"torchtitan H100 Llama3.1 8B{label}{' fp8' if fp8 else ''} fsdp{gpus} selective op",
                         HELD_OUT_FP8 if fp8 else HELD_OUT, TORCHTITAN_H100_SAC, "h100-96g-500w", "llama3-8b",
                         gpus, 2 * gpus, 8192, mbs=2, zero=3, recompute="selective", precision=precision,

@@ -134,6 +134,14 @@ def recompute_early_stop_of(args) -> bool | None:
     return on_off(args.recompute_early_stop)
 
 
+def add_compile_argument(parser) -> None:
+    """--compile: the engine compiles the model (`ParallelConfig.torch_compile`)."""
+    parser.add_argument("--compile", dest="torch_compile", action="store_true",
+                        help="with --engine torchtitan: the model runs under torch.compile (its training.compile); "
+                             "meshplan prices its Float8 casts fused with the ops before them (torchao's float8 "
+                             "roofline), not Inductor's other fusions")
+
+
 def add_moe_a2a_overlap_argument(parser) -> None:
     """--moe-a2a-overlap: Megatron-Core's combined 1F1B (`ParallelConfig.moe_a2a_overlap`)."""
     parser.add_argument("--moe-a2a-overlap", action="store_true",

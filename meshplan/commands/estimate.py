@@ -7,7 +7,7 @@ import sys
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
-                                     add_job_arguments, add_moe_a2a_overlap_argument,
+                                     add_job_arguments, add_moe_a2a_overlap_argument, add_compile_argument,
                                      add_recompute_early_stop_argument, add_tp_comm_overlap_argument,
                                      announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
                                      job_notes, prediction_json, recompute_early_stop_of,
@@ -41,6 +41,7 @@ def add_arguments(parser) -> None:
                              "as Megatron-Core's --recompute-modules (" + ", ".join(RECOMPUTE_MODULES)
                              + "; default core_attn)")
     add_recompute_early_stop_argument(parser)
+    add_compile_argument(parser)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
@@ -122,7 +123,7 @@ def _heading(args, cluster) -> Heading:
                              cp_method=args.cp_method, microbatch_group_size=args.microbatch_group_size,
                              grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args),
                              moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                             recompute_early_stop=recompute_early_stop_of(args))
+                             recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
@@ -144,7 +145,7 @@ def _estimate_at(args, zero: int):
                     microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                     tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
                     moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                    recompute_early_stop=recompute_early_stop_of(args))
+                    recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile)
 
 
 def _zero_hint(args, prediction) -> str:

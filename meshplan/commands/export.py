@@ -65,6 +65,8 @@ def estimate_from(args) -> int:
     for flag in ("tp_comm_overlap", "recompute_early_stop"):  # likewise
         if getattr(args, flag, None):
             overrides[flag] = on_off(getattr(args, flag))
+    if getattr(args, "torch_compile", False):  # likewise
+        overrides["torch_compile"] = True
     job = replace(job, **overrides)  # what a config cannot say (DeepSpeed's EP lives in the model code)
     result = predict_job(job, args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
                          attention=args.attention)

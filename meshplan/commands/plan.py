@@ -8,7 +8,7 @@ from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, 
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
 from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
-                                     add_moe_a2a_overlap_argument, add_recompute_early_stop_argument,
+                                     add_moe_a2a_overlap_argument, add_recompute_early_stop_argument, add_compile_argument,
                                      add_tp_comm_overlap_argument,
                                      announce_model_code, check_seq, check_sizes,
                                      finite_float, job_notes, spec_file, recompute_early_stop_of,
@@ -47,6 +47,7 @@ def add_arguments(parser) -> None:
     add_cross_entropy_fusion_argument(parser)
     add_tp_comm_overlap_argument(parser)
     add_recompute_early_stop_argument(parser)
+    add_compile_argument(parser)
     add_moe_a2a_overlap_argument(parser)
     add_attention_argument(parser, default=None)
     parser.add_argument("--engine", default="meshplan", choices=ENGINES,
@@ -109,7 +110,8 @@ def run(args) -> int:
                              fp8_recipe=args.fp8_recipe, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
                              moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                             recompute_early_stop=recompute_early_stop_of(args), **pins)
+                             recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
+                             **pins)
 
     # one row per candidate only when asked for: tens of thousands of labels otherwise unread
     rows: list[dict] | None = [] if args.candidates_csv else None

@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 from meshplan.planner.contracts.config import ENGINES, EXECUTOR_MEMORY_ENGINES, TP_OVERLAP_ENGINES
-from meshplan.planner.contracts.engine_rules import A2A_OVERLAP_ENGINES, ce_fusion_under, early_stop_under
+from meshplan.planner.contracts.engine_rules import (A2A_OVERLAP_ENGINES, COMPILE_ENGINES, ce_fusion_under,
+                                                     early_stop_under)
 
 GIB, MIB = 2**30, 2**20
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers", "total")
@@ -68,7 +69,8 @@ def _with_overrides(plan, engine: str | None, fp8_recipe: str | None):
         config = replace(config, engine=engine, tp_comm_overlap=kept,
                          moe_a2a_overlap=config.moe_a2a_overlap and engine in A2A_OVERLAP_ENGINES,
                          cross_entropy_fusion=ce_fusion_under(engine, config.cross_entropy_fusion),
-                         recompute_early_stop=early_stop_under(engine, config.recompute_early_stop))
+                         recompute_early_stop=early_stop_under(engine, config.recompute_early_stop),
+                         torch_compile=config.torch_compile and engine in COMPILE_ENGINES)
     if fp8_recipe:
         check_fp8_supported(plan.cluster, config.precision, fp8_recipe)
         config = replace(config, fp8_recipe=fp8_recipe)

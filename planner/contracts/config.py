@@ -13,7 +13,7 @@ from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.engine_rules import (a2a_overlap_engine_problem, bf16_grads_problem, ce_fusion_problem,
-                                                     moe_sp_problem, stored_early_stop)
+                                                     compile_problem, moe_sp_problem, stored_early_stop)
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -168,6 +168,8 @@ class ParallelConfig:
     # torch's checkpoint early stop under full recomputation (`engine_rules.early_stop_of`); None, and
     # stored None where it says the same: the engine's rule. Megatron and DeepSpeed cannot stop early.
     recompute_early_stop: bool | None = None
+    # torch.compile of the model (`engine_rules.COMPILE_ENGINES`: torchtitan's training.compile)
+    torch_compile: bool = False
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -197,7 +199,8 @@ class ParallelConfig:
         self._check_offload()
         if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
             raise ValueError(problem)
-        if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion):
+        if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion) or compile_problem(
+                self.engine, self.torch_compile):
             raise ValueError(problem)
         object.__setattr__(self, "recompute_early_stop", stored_early_stop(self.engine, self.recompute_early_stop))
         if self.sp and self.tp == 1:

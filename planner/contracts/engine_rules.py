@@ -34,6 +34,10 @@ FULL_RERUN_RECOMPUTE_ENGINES = ("megatron", "deepspeed")
 # meshplan's executor keeps a Hugging Face model's embedding and head whole on every rank
 # (`executor.parallel.hf`), so under it those layers stay replicated (`costing.tp_split.as_engine_splits`).
 VOCAB_PARALLEL_ENGINES = ("megatron", "torchtitan")
+# Engines a configuration can ask to compile the model with torch.compile (`ParallelConfig.torch_compile`):
+# torchtitan's `training.compile` (0.2; `[compile] enable` later). What it prices: torchao's Float8 casts
+# fused with the ops before them (`costing.fp8.cast_times_s`); nothing else of Inductor's fusion.
+COMPILE_ENGINES = ("torchtitan",)
 
 
 def early_stop_default(engine: str) -> bool:
@@ -111,4 +115,14 @@ def a2a_overlap_engine_problem(engine: str) -> str | None:
     if engine not in A2A_OVERLAP_ENGINES:
         return (f"{engine} has no combined 1F1B schedule: the expert all-to-all overlap (--moe-a2a-overlap) is "
                 "Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine megatron")
+    return None
+
+
+def compile_problem(engine: str, torch_compile: bool) -> str | None:
+    """Why a configuration under `engine` cannot ask for torch.compile, or None."""
+    if not isinstance(torch_compile, bool):
+        return f"torch_compile must be true or false, got {torch_compile!r}"
+    if torch_compile and engine not in COMPILE_ENGINES:
+        return (f"torch.compile (--compile) is torchtitan's training.compile; under engine {engine} meshplan "
+                f"does not price it: use --engine {' or '.join(COMPILE_ENGINES)}, or leave --compile out")
     return None

@@ -38,10 +38,10 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
 
 # The `ParallelConfig` fields `compute_times_s` reads (the engine and its loss kernels:
 # `loss_kernels`); under fp8 also the recipe's, and the micro-batch count that with the engine sets
-# how often an engine casts its weights (`fp8.weight_cast_share`).
+# how often an engine casts its weights (`fp8.weight_cast_share`), and whether compilation fuses casts.
 COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split", "engine",
                        "cross_entropy_fusion", "recompute_early_stop")
-FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches")
+FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches", "torch_compile")
 
 
 def compute_time_key(config: ParallelConfig) -> tuple:

@@ -24,7 +24,9 @@ Compute, per micro-batch on one rank:
   (`Fp8Recipe`). Forward pays the inputs' and weights' casts, backward the output gradients'.
   Megatron-LM's Transformer Engine Linears quantise a weight on the first micro-batch of a step
   and reuse it (`is_first_microbatch`, megatron/core/extensions/transformer_engine.py), so under
-  `--engine megatron` a weight's cast is paid once per step (`weight_cast_share`).
+  `--engine megatron` a weight's cast is paid once per step (`weight_cast_share`). Under
+  torch.compile (torchtitan's, `ParallelConfig.torch_compile`) an input's and an output
+  gradient's cast lose their first read to the kernel before them (`cast_times_s`).
 
 Memory per rank:
 - model states as bf16-mixed (fp32 masters and Adam moments, the bf16 compute copy);
@@ -278,12 +280,19 @@ def weight_cast_share(config: ParallelConfig) -> float:
 
 
 def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_share: float,
-                 cluster: ClusterProfile) -> tuple[float, float]:
+                 cluster: ClusterProfile, fused: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of a micro-batch's casts: inputs and weights forward, output
-    gradients backward, at the recipe's bytes per value and the achieved memory bandwidth."""
+    gradients backward, at the recipe's bytes per value and the achieved memory bandwidth.
+
+    `fused` (torch.compile, `ParallelConfig.torch_compile`): an input's and an output gradient's
+    cast begins inside the kernel that produced the tensor, so its first bf16 read is gone (the
+    tensorwise amax pass, the rowwise and MXFP8 first quantisation's read); weights are cast as
+    before. torchao's float8 roofline models compilation so (torchao/testing/training/roofline_utils.py,
+    `get_tensor_memory_traffic_ovhd_s(..., fuse_with_prev)` for inputs and output gradients)."""
     inputs, weights, grads = values
-    forward = inputs * recipe.activation_cast_bytes + weights * weight_share * recipe.weight_cast_bytes
-    return memory_time_s(forward, cluster), memory_time_s(grads * recipe.activation_cast_bytes, cluster)
+    activation_bytes = recipe.activation_cast_bytes - (BF16_BYTES if fused else 0.0)
+    forward = inputs * activation_bytes + weights * weight_share * recipe.weight_cast_bytes
+    return memory_time_s(forward, cluster), memory_time_s(grads * activation_bytes, cluster)
 
 
 def fp8_all_gather(config: ParallelConfig, zero: int, dp: int) -> bool:
@@ -338,7 +347,7 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         fp8_fwd_s = fp8_gemm_time_s(lin_fwd, num_linears, cluster)
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
     values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens)
-    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster)
+    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, config.torch_compile)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
                                                         attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",
                                                         attention_efficiency)

@@ -249,7 +249,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          grad_reduce_in_bf16=job.grad_reduce_in_bf16 and precision != "fp32",
                          tp_comm_overlap=job.tp_comm_overlap if job.tp > 1 and job.sp else None,
                          moe_a2a_overlap=job.moe_a2a_overlap, cross_entropy_fusion=job.cross_entropy_fusion,
-                         recompute_early_stop=job.recompute_early_stop)
+                         recompute_early_stop=job.recompute_early_stop, torch_compile=job.torch_compile)
     check_offload(config, cluster)
     if job.layers_per_chunk is not None:  # the engine's MTP depths join its last chunk (`profiling.mtp`)
         counts = job.layers_per_chunk[:-1] + (job.layers_per_chunk[-1] + graph.info.mtp_num_layers,)

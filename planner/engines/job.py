@@ -57,6 +57,7 @@ class EngineJob(_JobDegrees):
     # torch's checkpoint early stop under full recomputation; None: the engine's rule
     # (`ParallelConfig.recompute_early_stop`; no engine config says it, the command line may)
     recompute_early_stop: bool | None = None
+    torch_compile: bool = False  # torch.compile of the model (torchtitan's training.compile)
     cross_entropy_fusion: str = "none"  # Megatron-LM's --cross-entropy-loss-fusion (and -impl te): `costing.loss_kernels`
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default

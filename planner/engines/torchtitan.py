@@ -47,9 +47,11 @@ PARALLELISM_KEYS = (
 FLOAT8_CONVERTER = "float8"
 # The [float8] recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
 TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
-UNPRICED_KEYS = {("training", "compile"), ("compile", "enable"),
-                 ("parallelism", "pipeline_parallel_layers_per_stage"),
+UNPRICED_KEYS = {("parallelism", "pipeline_parallel_layers_per_stage"),
                  ("parallelism", "pipeline_parallel_schedule_csv")}
+# torch.compile of the model: torchtitan 0.2's `training.compile`, later `[compile] enable`
+# (`EngineJob.torch_compile`: its Float8 casts priced fused; Inductor's other fusion is not priced)
+COMPILE_KEYS = (("training", "compile"), ("compile", "enable"))
 
 
 def export_torchtitan(plan, form: str = "toml") -> tuple[str, list[str]]:
@@ -95,11 +97,14 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
     }
     if cfg.precision == "fp8":
         sections[FLOAT8_CONVERTER] = _float8_section(cfg, notes)
-    if sections["parallelism"].get("enable_async_tensor_parallel"):
+    if cfg.torch_compile:
+        sections["compile"] = {"enable": True, "components": ["model"]}
+    elif sections["parallelism"].get("enable_async_tensor_parallel"):
         # torchtitan's maybe_enable_async_tp refuses async TP unless the model is compiled
         sections["compile"] = {"enable": True, "components": ["model"]}
         notes.append("async TP (the plan's TP overlap): torchtitan runs it through torch.compile of the model, so "
-                     "[compile] is enabled; meshplan prices the overlap, not compile's other effects")
+                     "[compile] is enabled; meshplan prices the overlap, not compile's other effects "
+                     "(plan with --compile to price its Float8 casts fused)")
     if cfg.offload != "none":  # FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer states
         sections["training"]["enable_cpu_offload"] = True
         if cfg.offload == "optimizer":
@@ -229,7 +234,19 @@ def read_torchtitan(text: str) -> EngineJob:
         zero=zero, offload=offload, shard_group=shard if replicate > 1 and shard > 1 else None,
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
-        precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_chunks(fqns, pp, notes), notes=tuple(notes))
+        precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_chunks(fqns, pp, notes),
+        torch_compile=_compiled(data, notes), notes=tuple(notes))
+
+
+def _compiled(data: dict, notes: list[str]) -> bool:
+    """Whether the config compiles the model (`COMPILE_KEYS`), with a note of what that prices."""
+    for section, key in COMPILE_KEYS:
+        table = data.get(section)
+        if isinstance(table, dict) and table.get(key) not in (None, False, [], "", 0):
+            notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced for its Float8 casts only "
+                         "(fused with the ops before them); Inductor's other fusions are not modelled")
+            return True
+    return False
 
 
 def _int(table: dict, key: str, default: int) -> int:

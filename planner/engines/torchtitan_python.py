@@ -47,6 +47,9 @@ def python_config(sections: dict[str, dict], spec: str, label: str, notes: list[
     lines.append(f"from torchtitan.config import {', '.join(sorted(SECTION_CLASSES.values()))}")
     if ac_class:
         lines.append(f"from torchtitan.distributed.activation_checkpoint import {ac_class}")
+    if "compile" in sections:  # the 0.2 TOML's [compile] section; 0.3's config field is not written here
+        notes.append("torch.compile of the model: not written in the 0.3 config; turn on the Trainer's compile "
+                     "config for the model (the TOML form writes [compile] enable)")
     converters = f", converters=[{FLOAT8_CLASS}.Config()]" if fp8 else ""
     lines += [f"from torchtitan.models.{model['name']} import model_registry",
               "from torchtitan.trainer import Trainer", "", "", f"def {FUNCTION}() -> Trainer.Config:",

@@ -131,6 +131,8 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
         candidates = [replace(c, cross_entropy_fusion=request.cross_entropy_fusion) for c in candidates]
     if request.recompute_early_stop is not None:  # likewise (what full recomputation reruns)
         candidates = [replace(c, recompute_early_stop=request.recompute_early_stop) for c in candidates]
+    if request.torch_compile:  # likewise (torchtitan's training.compile)
+        candidates = [replace(c, torch_compile=True) for c in candidates]
     if request.tp_comm_overlap is not None:  # likewise, where it applies (tp > 1 with SP)
         candidates = [replace(c, tp_comm_overlap=request.tp_comm_overlap) if c.tp > 1 and c.sp else c
                       for c in candidates]

@@ -9,7 +9,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
                                                 a2a_overlap_engine_problem, bf16_grads_problem,
                                                 ce_fusion_problem)
-from meshplan.planner.contracts.engine_rules import early_stop_problem
+from meshplan.planner.contracts.engine_rules import compile_problem, early_stop_problem
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
@@ -49,6 +49,7 @@ class PlanRequest:
     moe_a2a_overlap: bool = False  # engine megatron's combined 1F1B, where a candidate can run it (`costing.moe_overlap`)
     cross_entropy_fusion: str = "none"  # engine megatron's cross-entropy kernels (`costing.loss_kernels`)
     recompute_early_stop: bool | None = None  # torch's checkpoint early stop; None: the engine's rule
+    torch_compile: bool = False  # the engine compiles the model (torchtitan's training.compile)
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -93,6 +94,8 @@ class PlanRequest:
                 "use engine", "use --engine"))
         if problem := early_stop_problem(self.engine, self.recompute_early_stop):
             raise MeshplanError(f"--recompute-early-stop on: {problem}")
+        if problem := compile_problem(self.engine, self.torch_compile):
+            raise MeshplanError(problem.replace("under engine", "under --engine"))
 
     @classmethod
     def of(cls, spec: str, cluster, gpus: int, global_batch: int, seq: int | None = None, *,

@@ -108,7 +108,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     offload: str = "none", cp_method: str | None = None,
                     microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False,
                     tp_comm_overlap: bool | None = None, moe_a2a_overlap: bool = False,
-                    cross_entropy_fusion: str = "none", recompute_early_stop: bool | None = None) -> ParallelConfig:
+                    cross_entropy_fusion: str = "none", recompute_early_stop: bool | None = None,
+                    torch_compile: bool = False) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -138,7 +139,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 microbatch_group_size=microbatch_group_size,
                                 grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap,
                                 moe_a2a_overlap=moe_a2a_overlap, cross_entropy_fusion=cross_entropy_fusion,
-                                recompute_early_stop=recompute_early_stop)
+                                recompute_early_stop=recompute_early_stop, torch_compile=torch_compile)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
@@ -181,7 +182,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
              grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None,
              mtp_num_layers: int = 0, moe_a2a_overlap: bool = False, cross_entropy_fusion: str = "none",
-             recompute_early_stop: bool | None = None) -> Prediction:
+             recompute_early_stop: bool | None = None, torch_compile: bool = False) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `attention`: the kernel (`contracts.attention`; None: the one `engine` runs,
     `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp
@@ -203,7 +204,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     Megatron-Core's combined 1F1B (`costing.moe_overlap`, engine megatron); `cross_entropy_fusion`:
     Megatron-Core's cross-entropy kernels (`costing.loss_kernels`, engine megatron);
     `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
-    the engine's rule, `contracts.engine_rules.early_stop_default`)."""
+    the engine's rule, `contracts.engine_rules.early_stop_default`); `torch_compile`: the engine
+    compiles the model (torchtitan's training.compile: its Float8 casts fused, `costing.fp8`)."""
     from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
@@ -218,7 +220,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              recompute_modules=recompute_modules, offload=offload, cp_method=cp_method,
                              microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap,
-                             cross_entropy_fusion=cross_entropy_fusion, recompute_early_stop=recompute_early_stop)
+                             cross_entropy_fusion=cross_entropy_fusion, recompute_early_stop=recompute_early_stop,
+                             torch_compile=torch_compile)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     attention = engine_attention(engine, attention)[0]

@@ -1,0 +1,67 @@
+"""torch.compile under `--engine torchtitan` (`ParallelConfig.torch_compile`, `--compile`): what it
+prices (torchao's Float8 input and output-gradient casts fused with the op before them: one bf16
+read fewer per value, the weight casts unchanged), where it is refused, and how it travels
+(plan.json `torch_compile`, the torchtitan TOML's `[compile]` / `training.compile`).
+
+Expected values are the cast traffic by hand at the profile's achieved bandwidth; tolerance 1e-9
+relative (floating point only)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.costing import fp8
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.hardware import load_cluster
+
+SPEC = "llama:layers=2,hidden=1024,heads=8,kv_heads=8,ffn=2816,vocab=4096"
+JOB = ("--model", SPEC, "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "2048", "--zero", "3")
+
+
+def test_fused_casts_lose_one_bf16_read_on_inputs_and_gradients_only():
+    h100 = load_cluster("h100-sxm")
+    values = (3e8, 5e7, 4e8)  # inputs, weights, output gradients
+    for name, recipe in fp8.RECIPES.items():
+        eager_fwd, eager_bwd = fp8.cast_times_s(recipe, values, 1.0, h100)
+        fused_fwd, fused_bwd = fp8.cast_times_s(recipe, values, 1.0, h100, fused=True)
+        assert eager_fwd - fused_fwd == pytest.approx(memory_time_s(2 * values[0], h100), rel=1e-9), name
+        assert eager_bwd - fused_bwd == pytest.approx(memory_time_s(2 * values[2], h100), rel=1e-9), name
+
+
+def test_only_torchtitan_compiles():
+    config = ParallelConfig(gpus=8, global_batch=8, dp=8, engine="torchtitan", torch_compile=True)
+    assert config.torch_compile
+    for engine in ("megatron", "meshplan", "deepspeed"):
+        with pytest.raises(ValueError, match="torchtitan's training.compile"):
+            ParallelConfig(gpus=8, global_batch=8, dp=8, engine=engine, torch_compile=True)
+
+
+def test_compile_prices_fp8_casts_fused_and_travels_in_the_plan(run_cli, tmp_path):
+    def step(*flags):
+        code, out, err = run_cli("estimate", *JOB, "--engine", "torchtitan", *flags, "--json")
+        assert code == 0, err
+        return json.loads(out)["step_time_s"]
+
+    assert step("--compile") == pytest.approx(step(), rel=1e-12)  # bf16: nothing priced differs
+    assert step("--precision", "fp8", "--compile") < step("--precision", "fp8")
+    code, out, err = run_cli("estimate", *JOB, "--engine", "megatron", "--compile")
+    assert code == 2 and "--engine torchtitan" in err and "Traceback" not in err, err
+    plan_path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--precision", "fp8", "--compile",
+                             "--out", str(plan_path))
+    assert code == 0, err
+    written = json.loads(plan_path.read_text())
+    assert written["torch_compile"] is True
+    code, out, err = run_cli("simulate", "--plan", str(plan_path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["step_time_s"] == pytest.approx(written["prediction"]["step_time_s"], rel=1e-9)
+    toml_path = tmp_path / "job.toml"
+    code, out, err = run_cli("export", "--plan", str(plan_path), "--to", "torchtitan", "--out", str(toml_path))
+    assert code == 0, err
+    assert "[compile]" in toml_path.read_text()
+    code, out, err = run_cli("estimate", "--from", str(toml_path), "--cluster", "h100-sxm", "--gpus", "8", "--json")
+    assert code == 0, err
+    assert "torch.compile priced for its Float8 casts only" in err
+    assert json.loads(out)["step_time_s"] == pytest.approx(written["prediction"]["step_time_s"], rel=1e-6)
