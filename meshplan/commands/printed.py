@@ -36,12 +36,13 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
              + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
              + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
              + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
+             + (" compile=on" if cfg.torch_compile else "")
              + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""),
              overlap_line(cfg), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
             lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}"
-                         + (EARLY_STOP_NOTE if kind == "recompute" and early_stops(cfg) else ""))
+                         + (_recompute_note(cfg) if kind == "recompute" else ""))
     from meshplan.reports.plans import is_sequence_model
 
     sequence_model = is_sequence_model(heading.spec)
@@ -87,6 +88,19 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
 
 
 EARLY_STOP_NOTE = "   (torch's early stop: dense blocks do not rerun their MLP down projection)"
+# torchtitan's per-op selective checkpointing (`costing.torchtitan_sac`)
+SAC_NOTE = "   (torchtitan's op policy: blocks rerun all but attention and every other matmul)"
+SAC_FP8_NOTE = "   (torchtitan's op policy: blocks rerun all but attention; 0.2 keeps no Float8 matmul)"
+
+
+def _recompute_note(config) -> str:
+    """What the recompute line's time reruns, where the engine's rule says more than the mode."""
+    from meshplan.planner.costing import torchtitan_sac
+    from meshplan.planner.costing.fp8 import is_fp8
+
+    if torchtitan_sac.applies(config):
+        return SAC_FP8_NOTE if is_fp8(config.precision) else SAC_NOTE
+    return EARLY_STOP_NOTE if early_stops(config) else ""
 
 
 def overlap_line(config) -> str:

@@ -480,7 +480,8 @@ class ParallelConfig:
                 + (f" HSDP shard {self.shard_group}" if self.shard_group else "")
                 + (f", {self.offload} offloaded" if self.offload != "none" else "")
                 + (", bf16 gradients" if self.grad_reduce_in_bf16 else "")
-                + (f", {self.cross_entropy_fusion} fused loss" if self.cross_entropy_fusion != "none" else ""))
+                + (f", {self.cross_entropy_fusion} fused loss" if self.cross_entropy_fusion != "none" else "")
+                + (", compiled" if self.torch_compile else ""))
 
     def to_json(self) -> dict:
         return asdict(self)

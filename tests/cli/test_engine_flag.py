@@ -361,3 +361,15 @@ def test_the_engine_kernel_note_says_what_it_is_costed_as_off_hopper(run_cli):
     code, out2, err = run_cli("estimate", *job, "--attention", "flash2", "--json")
     assert code == 0 and "default kernel" not in err
     assert json.loads(out)["step_time_s"] == json.loads(out2)["step_time_s"]
+
+
+def test_estimate_says_what_torchtitans_op_policy_reruns(run_cli):
+    """Under --engine torchtitan, --recompute selective is its per-op policy (`costing.torchtitan_sac`):
+    the recompute line says what it reruns, every Float8 Linear under fp8; other engines say nothing."""
+    for engine, flags, says in (("torchtitan", (), "every other matmul"),
+                                ("torchtitan", ("--cluster", "h100-sxm", "--precision", "fp8"), "no Float8 matmul"),
+                                ("megatron", (), None)):
+        code, out, err = run_cli("estimate", *JOB, "--recompute", "selective", "--engine", engine, *flags)
+        assert code == 0, err
+        line = next(line for line in out.splitlines() if line.strip().startswith("recompute"))
+        assert (says in line) if says else "op policy" not in line, line
