@@ -11,7 +11,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="processes to measure with: one per GPU (1 measures one GPU alone, its links taken from the base profile); CPU: 2 or more local processes")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                         help="gloo (CPU processes) or nccl (CUDA GPUs); default nccl when CUDA is available")
-    parser.add_argument("--out", required=True, help="TOML file to write")
+    parser.add_argument("-o", "--out", required=True, help="TOML file to write")
     runs = parser.add_argument_group(
         "your own runs", "fit the profile's efficiency fields to runs you measured instead of measuring this machine")
     runs.add_argument("--from-runs", nargs="+", default=None, metavar="CONFIG,MEASURED",

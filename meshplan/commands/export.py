@@ -11,7 +11,7 @@ ENGINES = ("torchtitan", "megatron", "deepspeed")
 def add_arguments(parser) -> None:
     parser.add_argument("--plan", required=True, help="plan JSON written by `meshplan plan --out`")
     parser.add_argument("--to", required=True, choices=ENGINES, help="engine to write the plan for")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("-o", "--out", default=None,
                         help="file to write (default: standard output); approximations go to standard error")
     parser.add_argument("--format", default=None, choices=("toml", "python"),
                         help="torchtitan only: 0.2's job TOML, or torchtitan 0.3's Python config function "

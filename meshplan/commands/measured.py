@@ -18,7 +18,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs of the run (overrides --config/--plan)")
     parser.add_argument("--gbs", type=int, default=None, help="global batch in samples (overrides the log)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (overrides --config/--plan)")
-    parser.add_argument("--out", required=True, help="measured.json to write")
+    parser.add_argument("-o", "--out", required=True, help="measured.json to write")
 
 
 def run(args) -> int:

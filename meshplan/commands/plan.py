@@ -18,7 +18,7 @@ from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
 def add_arguments(parser) -> None:
     add_job_arguments(parser)
-    parser.add_argument("--out", default=None, help="write the plan JSON here (e.g. plan.json)")
+    parser.add_argument("-o", "--out", default=None, help="write the plan JSON here (e.g. plan.json)")
     parser.add_argument("--top", type=int, default=5, help="how many candidates to show and keep (default 5)")
     parser.add_argument("--json", action="store_true", help="print the plan JSON only")
     pins = parser.add_argument_group("pins (fix a choice; everything else is searched)")

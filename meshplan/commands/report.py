@@ -9,7 +9,7 @@ def add_arguments(parser):
     parser.add_argument("--measured", nargs="+", action="extend", default=[], metavar="MEASURED_JSON",
                         help="measured.json from `meshplan train` (several: repeated runs of this plan)")
     parser.add_argument("--trace", help="trace.json from `meshplan simulate --trace` (default: re-simulate the plan)")
-    parser.add_argument("--out", required=True, help="where to write the HTML report")
+    parser.add_argument("-o", "--out", required=True, help="where to write the HTML report")
     parser.add_argument("--title", help="page title (default: model and cluster)")
 
 

@@ -8,7 +8,7 @@ def add_arguments(parser):
     parser.add_argument("--plan", required=True, help="plan.json written by `meshplan plan`")
     parser.add_argument("--nproc", type=int, help="processes on this node (default: the plan's GPU count)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps to train (default 20)")
-    parser.add_argument("--out", default="measured.json", help="where to write the measurement JSON")
+    parser.add_argument("-o", "--out", default="measured.json", help="where to write the measurement JSON")
     parser.add_argument("--checkpoint-dir", help="directory for distributed checkpoints (DIR/step_N/)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     parser.add_argument("--resume", action="store_true",
