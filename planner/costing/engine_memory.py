@@ -60,7 +60,7 @@ from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelC
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing import foundry_memory, megatron_activations
+from meshplan.planner.costing import foundry_memory, megatron_activations, torchtitan_sac
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.fp8 import fp8_primary_weights, is_fp8
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
@@ -312,10 +312,11 @@ def formulas_describe(info: ModelInfo, engine: str) -> bool:
 def _with_routed_experts(saved: float, working: float, layer: LayerProfile, config: ParallelConfig,
                          info: ModelInfo, act_scale: float) -> tuple[float, float]:
     """Plus the routed experts' saved bytes on the busiest rank (the profile's, which counts the
-    dispatched tokens' Linear inputs and outputs), rebuilt instead under full recomputation."""
+    dispatched tokens' Linear inputs and outputs), rebuilt instead under full recomputation and
+    under torchtitan's per-op policy (its grouped GEMMs are not on the list, `torchtitan_sac`)."""
     shard = config.tp if is_split(layer, config.tp) else 1
     experts = layer.expert_act_bytes * config.rank_microbatch * act_scale / shard * load_factor(info)
-    if config.recompute == "full":
+    if config.recompute == "full" or torchtitan_sac.applies(config):
         return saved, working + experts
     return saved + experts, working
 

@@ -145,3 +145,17 @@ def test_embedding_and_output_rerun_nothing_and_tp_repeats_the_gathers():
                       attention="sdpa-flash")  # reruns every forward collective, SAC only the all-gathers
     assert full.tp_fwd_comm_s > 0
     assert sac.tp_bwd_comm_s == pytest.approx(full.tp_bwd_comm_s - 0.5 * full.tp_fwd_comm_s, rel=1e-9)
+
+
+def test_a_moe_block_reruns_and_drops_its_routed_experts():
+    """torchtitan's list names no grouped GEMM: a MoE block's routed experts rerun (their forward
+    time joins the rerun) and their saved bytes leave the activations for the working set."""
+    graph = profile("moe:layers=2,hidden=512,heads=8,kv_heads=8,vocab=1024,experts=8,top_k=2,expert_ffn=256", 1024)
+    block = next(layer for layer in graph.layers if layer.expert_params)
+    config = dict(gpus=8, global_batch=16, dp=8, zero=3, microbatch_size=2, engine="torchtitan")
+    sac = layer_cost(block, ParallelConfig(**config, recompute="selective"), H100, graph.info,
+                     profile_dtype=graph.dtype)
+    none = layer_cost(block, ParallelConfig(**config), H100, graph.info, profile_dtype=graph.dtype)
+    experts_bytes = block.expert_act_bytes * 2  # micro-batch 2, balanced routing, no TP
+    assert sac.expert_fwd_s > 0 and sac.recompute_s > sac.expert_fwd_s
+    assert none.activation_bytes - sac.activation_bytes >= experts_bytes > 0
