@@ -19,15 +19,6 @@ from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def modules():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("published_runs"), importlib.import_module("fit_efficiency")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-
-
 def configuration(run):
     return (run.spec, run.cluster, run.gpus, run.global_batch, run.seq, run.tp, run.pp, run.mbs, run.zero,
             run.recompute, run.sp, run.vpp_options, run.cp, run.ep)

@@ -1,24 +1,10 @@
 """torchtitan's published runs (`benchmarks/published_torchtitan_runs.py`): their transcription,
 and the layer-SAC rows priced by the rule `estimate --from` reads a torchtitan config with."""
-import importlib
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from meshplan.planner.costing.hardware import load_cluster
-
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def modules():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("published_runs"), importlib.import_module("fit_efficiency")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 def _named(data, fragment):
