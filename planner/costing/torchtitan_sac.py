@@ -15,7 +15,8 @@ add does. The extra seconds of one micro-batch on one rank:
 
 - bf16: the block's forward less its attention kernel (`compute_time.attention_core_recompute_s`)
   and the saved Linears' forward GEMMs (by shape, `gemm.linear_times_s`, as the forward prices
-  them).
+  them). A block whose Linears' shapes meshplan does not know (a traced model's) reruns all of
+  them: the cautious side.
 - fp8 (torchao's `Float8Linear`): its GEMM is `aten._scaled_mm`, which v0.2's list does not name,
   so every Linear reruns with its casts: the forward less the attention kernel. (torchtitan's
   later lists take torch's `compute_intensive_ops`, which name `_scaled_mm`; meshplan prices the
