@@ -55,10 +55,9 @@ DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtit
 # parameters and gradients (ZeRO-Infinity `offload_param`, FSDP2 `CPUOffloadPolicy`), ZeRO-3 only.
 OFFLOAD = ("none", "optimizer", "params")
 Recompute = Literal["none", "selective", "full"]
-# Megatron-Core's fine-grained recomputation (`--recompute-granularity selective --recompute-modules
-# ...`): the submodules a layer under selective recomputation rebuilds in backward instead of
-# keeping their outputs (`costing.megatron_activations` prices each). Megatron-LM's default, and
-# what selective means everywhere else, is the attention core alone.
+# Megatron-Core's fine-grained recomputation (`--recompute-granularity selective --recompute-modules ...`):
+# the submodules a layer under selective recomputation rebuilds in backward (`costing.megatron_activations`
+# prices each). Megatron-LM's default, and selective elsewhere but torchtitan's op policy, is the attention core.
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mla_up_proj", "moe_act", "mlp", "moe", "shared_experts")
 DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 # How context-parallel ranks attend over the whole sequence (`--cp-method`, plan.json `cp_method`):
@@ -80,9 +79,8 @@ MOE_DISPATCHERS = ("alltoall", "allgather", "deepep")
 DEFAULT_MOE_DISPATCHER = MOE_DISPATCHERS[0]
 
 
-# Meshes (sizes and degrees, all plain ints) that `ParallelConfig._check_mesh` accepted; emptied
-# when it reaches `_MAX_CHECKED_MESHES` so a long-lived process (the API, many searches) stays
-# bounded. A search asks over a few thousand meshes; forgetting one only costs its check again.
+# Meshes (sizes and degrees, plain ints) `ParallelConfig._check_mesh` accepted; emptied at `_MAX_CHECKED_MESHES`
+# so a long-lived process stays bounded (a search asks a few thousand; a forgotten one is checked again).
 _CHECKED_MESHES: set[tuple] = set()
 _MAX_CHECKED_MESHES = 1 << 16
 
@@ -134,8 +132,7 @@ class ParallelConfig:
     # tp (Megatron-LM's default). Stored as None when equal to tp, so equal layouts compare equal.
     etp: int | None = None
     engine: str = "meshplan"  # a name in ENGINES: whose memory recipe and overlap (`contracts.overlap`) price the plan
-    # Under fp8, a name in FP8_RECIPES; None takes the engine's DEFAULT_FP8_RECIPE (stored resolved).
-    # None for every other precision.
+    # Under fp8 a name in FP8_RECIPES (None: the engine's DEFAULT_FP8_RECIPE, stored resolved); else None.
     fp8_recipe: str | None = None
     # The submodules selective recomputation rebuilds (names in RECOMPUTE_MODULES), Megatron-Core's
     # `--recompute-modules`; () is DEFAULT_RECOMPUTE_MODULES. Only the megatron engine has them.
@@ -168,8 +165,7 @@ class ParallelConfig:
     # torch's checkpoint early stop under full recomputation (`engine_rules.early_stop_of`); None, and
     # stored None where it says the same: the engine's rule. Megatron and DeepSpeed cannot stop early.
     recompute_early_stop: bool | None = None
-    # torch.compile of the model (`engine_rules.COMPILE_ENGINES`: torchtitan's training.compile)
-    torch_compile: bool = False
+    torch_compile: bool = False  # torch.compile of the model (`engine_rules.COMPILE_ENGINES`: torchtitan's)
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
