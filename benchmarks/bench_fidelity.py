@@ -329,6 +329,25 @@ def a2a_overlap_speedups(scored: Sequence[Scored]) -> None:
               f"({predicted / published - 1:+.1%})")
 
 
+def recompute_ratios(scored: Sequence[Scored]) -> None:
+    """Where a source publishes one layout with and without activation recomputation: the step-time
+    ratio it prints beside the one meshplan predicts, the recomputation rule's own error (torchtitan's
+    op and layer policies, `costing.torchtitan_sac`; full recomputation) apart from the step's."""
+    def layout(run: Run) -> tuple:
+        return (run.source, run.cluster, run.spec, run.gpus, run.global_batch, run.seq, layout_of(run), run.precision)
+
+    pairs = [(on, off) for on in scored if on.run.recompute != "none"
+             for off in scored if off.run.recompute == "none" and layout(off.run) == layout(on.run)]
+    if not pairs:
+        return
+    print("recomputation over none, the same layout, step-time ratio:")
+    for on, off in pairs:
+        published, predicted = on.published_s / off.published_s, on.predicted_mean_s / off.predicted_mean_s
+        every = f" every {on.run.recompute_every}" if on.run.recompute_every > 1 else ""
+        print(f"  {on.run.name:<44} {on.run.recompute}{every}: published {published:.3f}x predicted {predicted:.3f}x "
+              f"({predicted / published - 1:+.1%})")
+
+
 def cross_validated() -> None:
     """Each fit set in two halves (alternate rows): fit on one, score the other, both ways. The
     nccl-tests link fits are shared (they use no run); the H100 folds take A100's full fit."""
@@ -397,6 +416,7 @@ def main(argv: list[str]) -> int:
     if held:
         scored = score(held, clusters)
         report("held out (never tuned on)", scored, clusters, brief, by_cluster=True)
+        recompute_ratios(scored)
         for family in ("a100", "h100"):
             members = [s for s in scored if s.run.cluster.startswith(family)]
             if members:
