@@ -55,7 +55,7 @@ from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_20
                             MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_LARGE_SCALE_SOURCE, MPT_SOURCE, MPT_SWEEP_SOURCE,
                             NARAYANAN_2021, TORCHTITAN_A100,
-                            TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200,
+                            TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200,
                             Run, all_runs, fit_runs)
 
 
@@ -162,6 +162,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W",
                  TORCHTITAN_H100_SAC: "torchtitan selective op checkpointing, H100 at 500 W",
                  TRAINY_H200: "torchtitan on H200 (Trainy)",
+                 TORCHTITAN_ASYNC_TP: "torchtitan async-TP tables, H100 at 500 W",
                  MEGATRON_BRIDGE_2606_H100: "Megatron-Bridge 26.06 DGX-H100",
                  MEGATRON_BRIDGE_2511_ARCHIVE_H100: "Megatron-Bridge 25.11 DGX-H100 (archive)",
                  MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",
@@ -287,46 +288,75 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
     if not pairs:
         return
     print("FP8 over BF16 throughput, same model, sequence and GPUs:")
-    errors, same = [], []
+    errors, same, recipes = [], [], []
     for f, b in pairs:
         (sf, sb) = score([f, b], clusters)
         published = (f.tokens_per_step / sf.published_s) / (b.tokens_per_step / sb.published_s)
         predicted = (f.tokens_per_step / sf.predicted_mean_s) / (b.tokens_per_step / sb.predicted_mean_s)
         errors.append(predicted / published - 1)
         same.append(layout_of(f) == layout_of(b))
+        recipes.append(f.fp8_recipe)
         print(f"  {f.name:<44} published {published:.2f}x predicted {predicted:.2f}x ({errors[-1]:+.1%})"
               f"{'' if same[-1] else ' (layout or compilation differs)'}")
     within = sum(abs(e) <= 0.10 for e in errors)
     print(f"  {len(pairs)} pairs: mean |speedup error| {np.mean(np.abs(errors)):.1%}, within 10%: {within} of {len(pairs)}")
     kept = [e for e, s in zip(errors, same) if s]
     if kept:
-        print(f"  {len(kept)} pairs of one layout (TP, PP, CP, virtual stages, micro-batch, torch.compile): mean |speedup error| "
+        print(f"  {len(kept)} pairs of one layout (TP, PP, CP, virtual stages, micro-batch, TP overlap, torch.compile): "
+              f"mean |speedup error| "
               f"{np.mean(np.abs(kept)):.1%}, max {max(np.abs(kept)):.1%}, within 10%: "
               f"{sum(abs(e) <= 0.10 for e in kept)} of {len(kept)}")
+        by_recipe = {}
+        for error, one, recipe in zip(errors, same, recipes):
+            if one:
+                by_recipe.setdefault(recipe, []).append(error)
+        print("  of one layout, by recipe: " + "; ".join(
+            f"{recipe} {len(e)}: {np.mean(np.abs(e)):.1%}, within 10%: {sum(abs(x) <= 0.10 for x in e)}"
+            for recipe, e in sorted(by_recipe.items())))
 
 
 def layout_of(run: Run) -> tuple:
-    """A run's parallel layout and compilation: what an FP8/BF16 pair of one layout shares."""
-    return run.tp, run.pp, run.cp, run.vpp_options, run.mbs, run.zero, run.torch_compile
+    """A run's parallel layout, TP overlap and compilation: what an FP8/BF16 pair of one layout shares."""
+    return run.tp, run.pp, run.cp, run.vpp_options, run.mbs, run.zero, run.tp_comm_overlap, run.torch_compile
 
 
-def a2a_overlap_speedups(scored: Sequence[Scored]) -> None:
-    """Where a source publishes one layout with and without Megatron-Core's combined 1F1B
-    (`Run.moe_a2a_overlap`): the step-time ratio it prints beside the one meshplan predicts, the
-    overlap model's own error (`costing.moe_overlap`) apart from the step's."""
-    def layout(run: Run) -> tuple:
-        return (run.source, run.cluster, run.spec, run.gpus, run.global_batch, run.seq, run.tp, run.pp, run.ep,
-                run.etp, run.vpp_options, run.recompute_modules, run.moe_dispatcher)
+def switch_pairs(scored: Sequence[Scored], on, off, layout) -> list[tuple[Scored, Scored]]:
+    """(on, off) pairs of runs a source publishes in one `layout`, a setting on (`on(run)`) and off."""
+    return [(a, b) for a in scored if on(a.run) for b in scored if off(b.run) and layout(b.run) == layout(a.run)]
 
-    pairs = [(on, off) for on in scored if on.run.moe_a2a_overlap
-             for off in scored if not off.run.moe_a2a_overlap and layout(off.run) == layout(on.run)]
+
+def print_speedups(title: str, pairs: Sequence[tuple[Scored, Scored]]) -> None:
+    """The off/on step-time ratio each pair's source prints beside the one meshplan predicts."""
     if not pairs:
         return
-    print("combined 1F1B (--moe-a2a-overlap) over the same layout without it, step-time speed-up:")
+    print(title)
     for on, off in pairs:
         published, predicted = off.published_s / on.published_s, off.predicted_mean_s / on.predicted_mean_s
         print(f"  {on.run.name:<44} published {published:.2f}x predicted {predicted:.2f}x "
               f"({predicted / published - 1:+.1%})")
+
+
+def a2a_overlap_speedups(scored: Sequence[Scored]) -> None:
+    """Where a source publishes one layout with and without Megatron-Core's combined 1F1B
+    (`Run.moe_a2a_overlap`): the overlap model's own error (`costing.moe_overlap`) apart from the step's."""
+    def layout(run: Run) -> tuple:
+        return (run.source, run.cluster, run.spec, run.gpus, run.global_batch, run.seq, run.tp, run.pp, run.ep,
+                run.etp, run.vpp_options, run.recompute_modules, run.moe_dispatcher)
+
+    print_speedups("combined 1F1B (--moe-a2a-overlap) over the same layout without it, step-time speed-up:",
+                   switch_pairs(scored, lambda run: run.moe_a2a_overlap, lambda run: not run.moe_a2a_overlap, layout))
+
+
+def tp_overlap_speedups(scored: Sequence[Scored]) -> None:
+    """Where a source publishes one layout with and without TP communication overlap (torchtitan's
+    async TP): the overlap rule's own error (`costing.overlap`) apart from the step's."""
+    def layout(run: Run) -> tuple:
+        return (run.source, run.cluster, run.spec, run.gpus, run.global_batch, run.seq, run.tp, run.mbs,
+                run.recompute, run.precision, run.fp8_recipe)
+
+    print_speedups("TP communication overlap over blocking TP, the same layout, step-time speed-up:",
+                   switch_pairs(scored, lambda run: run.tp_comm_overlap, lambda run: run.tp_comm_overlap is False,
+                                layout))
 
 
 def recompute_ratios(scored: Sequence[Scored]) -> None:
@@ -336,8 +366,7 @@ def recompute_ratios(scored: Sequence[Scored]) -> None:
     def layout(run: Run) -> tuple:
         return (run.source, run.cluster, run.spec, run.gpus, run.global_batch, run.seq, layout_of(run), run.precision)
 
-    pairs = [(on, off) for on in scored if on.run.recompute != "none"
-             for off in scored if off.run.recompute == "none" and layout(off.run) == layout(on.run)]
+    pairs = switch_pairs(scored, lambda run: run.recompute != "none", lambda run: run.recompute == "none", layout)
     if not pairs:
         return
     print("recomputation over none, the same layout, step-time ratio:")
@@ -417,6 +446,7 @@ def main(argv: list[str]) -> int:
         scored = score(held, clusters)
         report("held out (never tuned on)", scored, clusters, brief, by_cluster=True)
         recompute_ratios(scored)
+        tp_overlap_speedups(scored)
         for family in ("a100", "h100"):
             members = [s for s in scored if s.run.cluster.startswith(family)]
             if members:
@@ -426,6 +456,7 @@ def main(argv: list[str]) -> int:
         report("FP8 (held out; --precision fp8, fp8_matmul_efficiency not fitted)", score(fp8, clusters), clusters,
                brief, by_cluster=True)
         fp8_speedups(fp8, [r for r in all_runs() if r.group == HELD_OUT], clusters)
+        tp_overlap_speedups(score(fp8, clusters))
     moe = [r for r in runs if r.group == HELD_OUT_MOE]
     if moe:  # apart: expert parallelism's costs are not fitted, and these runs tuned nothing
         scored_moe = score(moe, clusters)

@@ -127,6 +127,11 @@ torch.compile, torch.compile + Float8, the compiled ones priced as eager), and T
 in torchtitan's repository (benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md: Llama 3.1 8B on
 32 and 64 H200, torch.compile + Float8 with float8 all-gather).
 
+Held out, torchtitan's async-TP tables (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: Llama 3.1
+70B on 256 H100 at FSDP 32 x TP 8, full AC, local batch 16, and 8B on 64 at FSDP 8 x TP 8, per-op SAC,
+local batch 12; BF16, Float8 tensorwise and rowwise, with and without async TP; compiled), every row
+(`published_torchtitan_runs.torchtitan_async_tp_runs`).
+
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
 torchtitan's Table 4 async-TP row, Tables 5 and 6 (async TP; pipeline micro-batch counts
 unpublished).
@@ -576,6 +581,9 @@ TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 on Grand Teton H10
 TORCHTITAN_H100_SAC = ("torchtitan docs/performance.md, Llama 3.1 8B on Grand Teton H100 (96GB HBM2e, 500 W "
                        "cap), FSDP with selective op checkpointing (commit 9dec370ad26b5f8e9a7333a0e36165018262644b "
                        "tested; page as of commit 0edd2fb, tables 1 and 3)")
+TORCHTITAN_ASYNC_TP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 8B and 70B on "
+                       "Grand Teton H100 (96GB HBM2e, 500 W cap), FSDP x TP 8 with and without async TP, "
+                       "torch.compile (torch 38410cf9, torchtitan 820504e, June 2025)")
 TRAINY_H200 = ("torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, Llama 3.1 8B on 4 and 8 hosts of "
                "8 H200 (Trainy on WhiteFiber, June 2025; torchtitan e7c0cae, torch 2.8.0a0 of NGC 25.05)")
 
@@ -645,7 +653,8 @@ def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs()
             + megatron_lm_strong_scaling_runs() + mpt_runs() + mpt_sweep_runs()
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + torchtitan_h100_runs() + torchtitan_sac_runs() + megatron_bridge_dense_runs() + dgx_cloud_dense_runs()
+            + torchtitan_h100_runs() + torchtitan_sac_runs() + torchtitan_async_tp_runs() + megatron_bridge_dense_runs()
+            + dgx_cloud_dense_runs()
             + moe_runs())
 
 
@@ -662,4 +671,5 @@ def held_out_runs() -> list[Run]:
 # The MoE, DGX Cloud and torchtitan runs build on this module's Run and sources, all defined above.
 from published_dgx_cloud_runs import dgx_cloud_dense_runs  # noqa: E402
 from published_moe_runs import moe_runs  # noqa: E402
-from published_torchtitan_runs import torchtitan_h100_runs, torchtitan_runs, torchtitan_sac_runs  # noqa: E402
+from published_torchtitan_runs import (torchtitan_async_tp_runs, torchtitan_h100_runs, torchtitan_runs,  # noqa: E402
+                                       torchtitan_sac_runs)

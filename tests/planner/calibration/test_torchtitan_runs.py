@@ -47,3 +47,21 @@ def test_a_layer_sac_run_needs_full_recomputation_without_a_pipeline(modules):
         replace(run, recompute="selective")
     with pytest.raises(ValueError, match="at pp 2"):
         replace(run, pp=2)
+
+
+def test_async_tp_tables_are_transcribed_row_by_row(modules):
+    data, _ = modules
+    rows = [run for run in data.all_runs() if run.source == data.TORCHTITAN_ASYNC_TP]
+    published = {(run.spec, run.fp8_recipe, run.tp_comm_overlap): run.published_tokens_per_s / run.gpus for run in rows}
+    assert published == {
+        ("llama3-70b", None, False): 597.3, ("llama3-70b", None, True): 652.4,
+        ("llama3-70b", "tensorwise", False): 809.8, ("llama3-70b", "tensorwise", True): 942.4,
+        ("llama3-70b", "rowwise", False): 599.6, ("llama3-70b", "rowwise", True): 624.8,
+        ("llama3-8b", None, False): 4378.0, ("llama3-8b", None, True): 4809.4,
+        ("llama3-8b", "tensorwise", False): 5078.1, ("llama3-8b", "tensorwise", True): 5570.1,
+        ("llama3-8b", "rowwise", False): 3708.5, ("llama3-8b", "rowwise", True): 3914.9}
+    for run in rows:  # FSDP x TP 8 over every GPU, each table's local batch, AC and compilation
+        seventy = run.spec == "llama3-70b"
+        assert (run.gpus, run.mbs, run.recompute) == ((256, 16, "full") if seventy else (64, 12, "selective"))
+        assert (run.tp, run.sp, run.zero, run.global_batch, run.torch_compile) == (8, True, 3, run.mbs * run.gpus // 8, True)
+        assert (run.group == data.HELD_OUT_FP8) == (run.fp8_recipe is not None)
