@@ -51,15 +51,20 @@ def applies(config: ParallelConfig) -> bool:
     return config.engine == ENGINE and config.recompute == "selective"
 
 
-def saved_linear_shapes(shapes: tuple) -> tuple:
-    """The Linears whose forward outputs the policy saves: the 1st, 3rd, 5th ... mm of the block."""
-    return shapes[0::2]
+def _saves(index: int, precision: str) -> bool:
+    """Whether the policy saves the output of the block's `index`-th Linear (0-based): every first,
+    third, fifth ... `aten.mm`, and no Linear under fp8 (`_scaled_mm` is not on the list)."""
+    return index % 2 == 0 and not is_fp8(precision)
+
+
+def saved_linear_shapes(shapes: tuple, precision: str) -> tuple:
+    """The Linears whose forward outputs the policy saves."""
+    return tuple(shape for index, shape in enumerate(shapes) if _saves(index, precision))
 
 
 def recomputed_linear_shapes(shapes: tuple, precision: str) -> tuple:
-    """The Linears whose forward GEMMs rerun in backward: every second mm, or under fp8 all of them
-    (`_scaled_mm` is not on the list)."""
-    return tuple(shapes) if is_fp8(precision) else tuple(shapes[1::2])
+    """The Linears whose forward GEMMs rerun in backward: the others."""
+    return tuple(shape for index, shape in enumerate(shapes) if not _saves(index, precision))
 
 
 def recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, info: ModelInfo, fwd_s: float,
@@ -70,11 +75,12 @@ def recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, info: Mode
     if layer.kind != "block":
         return 0.0
     seconds = fwd_s - attention_s
-    shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
-    if shapes and not is_fp8(config.precision):
+    saved = saved_linear_shapes(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype)),
+                                config.precision)
+    if saved:
         tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
         shard = config.tp if is_split(layer, config.tp) else 1
-        seconds -= gemm.linear_times_s(saved_linear_shapes(shapes), tokens, shard, cluster, dtype)[0]
+        seconds -= gemm.linear_times_s(saved, tokens, shard, cluster, dtype)[0]
     return max(0.0, seconds)
 
 

@@ -108,7 +108,10 @@ def test_torchs_selective_checkpoint_reruns_the_matmuls_meshplan_prices():
     tokens = BATCH * SEQ
     assert rerun == Counter((tokens, i, o) for i, o, _ in predicted)  # wk, wo, w3
     assert sac_flops - plain_flops == gemm.linear_flops(predicted, tokens, 1)
-    assert set(torchtitan_sac.saved_linear_shapes(shapes)) | set(predicted) == set(shapes)
+    saved = torchtitan_sac.saved_linear_shapes(shapes, "bf16-mixed")
+    assert len(saved) + len(predicted) == len(shapes) == 7 and set(saved) | set(predicted) == set(shapes)
+    assert torchtitan_sac.saved_linear_shapes(shapes, "fp8") == ()
+    assert torchtitan_sac.recomputed_linear_shapes(shapes, "fp8") == shapes
 
 
 def _config(**changes) -> ParallelConfig:
