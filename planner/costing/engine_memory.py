@@ -36,8 +36,8 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   TP always with sequence parallel norms whose outputs are all-gathered before the column
   Linears, which keep the gathered (whole) input. Its SAC (`activation_checkpoint.mode =
   "selective"`, op policy: mm, sdpa and reductions saved, every second mm recomputed) keeps the
-  block input and the outputs of wq, wv, w1, w2 and attention (under Float8 the block input and
-  attention's: `Float8Linear`'s `aten._scaled_mm` is not on 0.2's list, `torchtitan_sac`); full
+  block input, attention's output and the outputs of the Linears `torchtitan_sac.saved_linear_shapes`
+  names (wq, wv, w1, w2; none under Float8, whose `aten._scaled_mm` is not on 0.2's list); full
   AC keeps the block input.
   Float8 (torchao `Float8Linear`) saves the Linears' inputs in bf16 (`matmul_with_hp_or_float8_args`
   keeps `input_hp`): fp8 keeps bf16's activations.
@@ -60,9 +60,9 @@ from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelC
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing import foundry_memory, megatron_activations, torchtitan_sac
+from meshplan.planner.costing import foundry_memory, gemm, megatron_activations, torchtitan_sac
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
-from meshplan.planner.costing.fp8 import fp8_primary_weights, is_fp8
+from meshplan.planner.costing.fp8 import fp8_primary_weights
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
 
@@ -355,10 +355,10 @@ def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInf
     full = norms + gathered + attention_bytes + mlp
     if recompute == "full":
         return b * h / t, full
-    if recompute == "selective":  # op SAC: input, wq, wv, w1, w2 (partial sum, whole) and attention saved
-        kept = b * h / t + (b * (2 * hq + hkv + f) + 4.0 * heads) / t + b * h
-        if is_fp8(config.precision):  # Float8Linear's `_scaled_mm` is off the list: input and attention
-            kept = b * h / t + (b * hq + 4.0 * heads) / t
+    if recompute == "selective":  # op SAC: the input, attention's output and the saved Linears' outputs
+        saved = torchtitan_sac.saved_linear_shapes(gemm.block_linear_shapes(layer, info, seq), config.precision)
+        outputs = sum(out / t if column else out for _, out, column in saved)  # a row Linear's: its partial sum
+        kept = b * h / t + (b * hq + 4.0 * heads) / t + b * outputs
         return kept, max(0.0, full - kept)
     return full, 0.0
 

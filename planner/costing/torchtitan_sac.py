@@ -23,14 +23,14 @@ add does. The extra seconds of one micro-batch on one rank:
   0.2 release its torchtitan engine describes.)
 - TP: the sequence-parallel all-gathers before the column Linears are not on the list and run
   again; the reduce-scatters after the row Linears are saved: half the forward's collectives
-  (`tp_rerun_share`).
+  (`TP_RERUN_SHARE`, `tp_rerun_s`).
 - A MoE block: its routed experts' grouped GEMMs (`torch._grouped_mm`, not on the list) rerun
   with their shuffles (`LayerCost.expert_fwd_s`, `with_routed_experts`).
 
-What the policy keeps is `engine_memory`'s torchtitan rule (a MoE block's routed experts rebuilt,
-not kept). Not priced: torchtitan 0.2's Qwen3
-list leaves out `all_to_all_single`, so a Qwen3 MoE block's dispatch and combine would rerun too
-(DeepSeek-V3's list saves them); meshplan's `moe` blocks do not say which torchtitan model runs them.
+What the policy keeps is `engine_memory`'s torchtitan rule, from the same `saved_linear_shapes` (a
+MoE block's routed experts rebuilt, not kept). Not priced: torchtitan 0.2's Qwen3 list leaves out
+`all_to_all_single`, so a Qwen3 MoE block's dispatch and combine would rerun too (DeepSeek-V3's
+list saves them); meshplan's `moe` blocks do not say which torchtitan model runs them.
 """
 from __future__ import annotations
 
