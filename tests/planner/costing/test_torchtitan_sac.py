@@ -162,3 +162,18 @@ def test_a_moe_block_reruns_and_drops_its_routed_experts():
     experts_bytes = block.expert_act_bytes * 2  # micro-batch 2, balanced routing, no TP
     assert sac.expert_fwd_s > 0 and sac.recompute_s > sac.expert_fwd_s
     assert none.activation_bytes - sac.activation_bytes >= experts_bytes > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp8"])
+def test_the_policy_keeps_the_input_attention_and_the_saved_linears_outputs(precision):
+    """Memory from the same rule as time (`saved_linear_shapes`): per token of Llama 3 8B, bf16 2 bytes
+    a value, the block input (h), attention's output (hq) and fp32 log-sum-exp (4 bytes a head), and
+    the outputs of wq, wv, w1 and w2 (hq + hkv + f + h) in bf16; under Float8 no Linear's."""
+    graph = profile("llama3-8b", 8192, attention="sdpa-flash")
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    fp8 = dict(fp8_recipe="tensorwise") if precision == "fp8" else {}
+    cost = layer_cost(block, _config(precision=precision, **fp8), H100, graph.info, profile_dtype=graph.dtype,
+                      attention="sdpa-flash")
+    h, hq, hkv, f, heads = 4096, 4096, 1024, 14336, 32
+    linears = 0 if precision == "fp8" else hq + hkv + f + h
+    assert cost.activation_bytes / (2 * 8192) == pytest.approx(2 * h + 2 * hq + 4 * heads + 2 * linears, rel=1e-9)
