@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from meshplan.commands.common import GIB, throughput_line
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
+from meshplan.planner.costing import torchtitan_sac
 from meshplan.planner.costing.compute_time import early_stops
+from meshplan.planner.costing.fp8 import is_fp8
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,6 @@ SAC_FP8_NOTE = "   (torchtitan's op policy: blocks rerun all but attention; 0.2 
 
 def _recompute_note(config) -> str:
     """What the recompute line's time reruns, where the engine's rule says more than the mode."""
-    from meshplan.planner.costing import torchtitan_sac
-    from meshplan.planner.costing.fp8 import is_fp8
-
     if torchtitan_sac.applies(config):
         return SAC_FP8_NOTE if is_fp8(config.precision) else SAC_NOTE
     return EARLY_STOP_NOTE if early_stops(config) else ""

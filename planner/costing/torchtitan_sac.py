@@ -75,10 +75,10 @@ def recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, info: Mode
     if layer.kind != "block":
         return 0.0
     seconds = fwd_s - attention_s
-    saved = saved_linear_shapes(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype)),
-                                config.precision)
+    seq = infer_seq(layer, info, profile_dtype)
+    saved = saved_linear_shapes(gemm.block_linear_shapes(layer, info, seq), config.precision)
     if saved:
-        tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
+        tokens = config.rank_microbatch * seq
         shard = config.tp if is_split(layer, config.tp) else 1
         seconds -= gemm.linear_times_s(saved, tokens, shard, cluster, dtype)[0]
     return max(0.0, seconds)

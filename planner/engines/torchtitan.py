@@ -97,11 +97,10 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
     }
     if cfg.precision == "fp8":
         sections[FLOAT8_CONVERTER] = _float8_section(cfg, notes)
-    if cfg.torch_compile:
+    async_tp = bool(sections["parallelism"].get("enable_async_tensor_parallel"))
+    if cfg.torch_compile or async_tp:  # torchtitan's maybe_enable_async_tp refuses async TP uncompiled
         sections["compile"] = {"enable": True, "components": ["model"]}
-    elif sections["parallelism"].get("enable_async_tensor_parallel"):
-        # torchtitan's maybe_enable_async_tp refuses async TP unless the model is compiled
-        sections["compile"] = {"enable": True, "components": ["model"]}
+    if async_tp and not cfg.torch_compile:
         notes.append("async TP (the plan's TP overlap): torchtitan runs it through torch.compile of the model, so "
                      "[compile] is enabled; meshplan prices the overlap, not compile's other effects "
                      "(plan with --compile to price its Float8 casts fused)")
