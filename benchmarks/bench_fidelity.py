@@ -55,7 +55,7 @@ from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_20
                             MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_LARGE_SCALE_SOURCE, MPT_SOURCE, MPT_SWEEP_SOURCE,
                             NARAYANAN_2021, TORCHTITAN_A100,
-                            TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200,
+                            TORCHAO_FLOAT8, TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200,
                             Run, all_runs, fit_runs)
 
 
@@ -163,6 +163,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  TORCHTITAN_H100_SAC: "torchtitan selective op checkpointing, H100 at 500 W",
                  TRAINY_H200: "torchtitan on H200 (Trainy)",
                  TORCHTITAN_ASYNC_TP: "torchtitan async-TP tables, H100 at 500 W",
+                 TORCHAO_FLOAT8: "torchao float8 training benchmarks (torchtitan), H100 at 500 W",
                  MEGATRON_BRIDGE_2606_H100: "Megatron-Bridge 26.06 DGX-H100",
                  MEGATRON_BRIDGE_2511_ARCHIVE_H100: "Megatron-Bridge 25.11 DGX-H100 (archive)",
                  MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",

@@ -132,6 +132,11 @@ Held out, torchtitan's async-TP tables (benchmarks/asyncTP_llama3_h100_2025-06_t
 local batch 12; BF16, Float8 tensorwise and rowwise, with and without async TP; compiled), every row
 (`published_torchtitan_runs.torchtitan_async_tp_runs`).
 
+Held out, torchao's float8 training benchmarks (its docs' workflows/training.md, NVIDIA H100 table:
+Llama3-8b on 8 H100 under torchtitan, FSDP2, torch.compile, per-op SAC, local batch 1; BF16, Float8
+tensorwise with float8 all-gather and rowwise with bf16 all-gather), every row
+(`published_torchtitan_runs.torchao_float8_runs`).
+
 Left out, with the reason: Llama 3 Table 4's 131,072-token row (context parallelism);
 torchtitan's Table 4 async-TP row, Tables 5 and 6 (async TP; pipeline micro-batch counts
 unpublished).
@@ -584,6 +589,9 @@ TORCHTITAN_H100_SAC = ("torchtitan docs/performance.md, Llama 3.1 8B on Grand Te
 TORCHTITAN_ASYNC_TP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 8B and 70B on "
                        "Grand Teton H100 (96GB HBM2e, 500 W cap), FSDP x TP 8 with and without async TP, "
                        "torch.compile (torch 38410cf9, torchtitan 820504e, June 2025)")
+TORCHAO_FLOAT8 = ("torchao docs/source/workflows/training.md, e2e training benchmarks: Llama3-8b on 8 H100, "
+                  "torchtitan 0.0.2 with FSDP2, torch.compile and per-op SAC, local batch 1, 8,192 tokens (torch "
+                  "2.7.0a0+gitb98af95, torchao 0.10.0+git890e0ac8)")
 TRAINY_H200 = ("torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md, Llama 3.1 8B on 4 and 8 hosts of "
                "8 H200 (Trainy on WhiteFiber, June 2025; torchtitan e7c0cae, torch 2.8.0a0 of NGC 25.05)")
 
@@ -653,7 +661,7 @@ def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs()
             + megatron_lm_strong_scaling_runs() + mpt_runs() + mpt_sweep_runs()
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + torchtitan_h100_runs() + torchtitan_sac_runs() + torchtitan_async_tp_runs() + megatron_bridge_dense_runs()
+            + torchtitan_h100_runs() + torchtitan_sac_runs() + torchtitan_async_tp_runs() + torchao_float8_runs() + megatron_bridge_dense_runs()
             + dgx_cloud_dense_runs()
             + moe_runs())
 
@@ -671,5 +679,5 @@ def held_out_runs() -> list[Run]:
 # The MoE, DGX Cloud and torchtitan runs build on this module's Run and sources, all defined above.
 from published_dgx_cloud_runs import dgx_cloud_dense_runs  # noqa: E402
 from published_moe_runs import moe_runs  # noqa: E402
-from published_torchtitan_runs import (torchtitan_async_tp_runs, torchtitan_h100_runs, torchtitan_runs,  # noqa: E402
-                                       torchtitan_sac_runs)
+from published_torchtitan_runs import (torchao_float8_runs, torchtitan_async_tp_runs,  # noqa: E402
+                                       torchtitan_h100_runs, torchtitan_runs, torchtitan_sac_runs)

@@ -11,8 +11,8 @@ them, torchao's float8 roofline); Inductor's other fusion is not modelled.
 """
 from __future__ import annotations
 
-from published_runs import (HELD_OUT, HELD_OUT_FP8, LLAMA2_13B, LLAMA2_70B, TORCHTITAN_A100, TORCHTITAN_ASYNC_TP,
-                            TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200, Run)
+from published_runs import (HELD_OUT, HELD_OUT_FP8, LLAMA2_13B, LLAMA2_70B, TORCHAO_FLOAT8, TORCHTITAN_A100,
+                            TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200, Run)
 
 FLOAT8 = ("torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile (--compile) "
           "priced for its fused casts only")
@@ -132,4 +132,24 @@ def torchtitan_async_tp_runs() -> list[Run]:
                     + ("async TP: torch's micro-pipelined all-gather and reduce-scatter matmuls, priced as TP "
                        "communication overlap (--tp-comm-overlap)" if overlap else "vanilla TP: blocking collectives",
                        H100_PEAK)))
+    return runs
+
+
+def torchao_float8_runs() -> list[Run]:
+    """torchao's float8 training benchmarks on H100, every row: Llama 3 8B under torchtitan's
+    llama3_8b.toml (FSDP2 over the 8 GPUs, per-op SAC, 8,192 tokens) at local batch 1, compiled;
+    BF16, Float8 tensorwise with float8 all-gather and Float8 rowwise with bf16 all-gather (its
+    benchmarks/float8/training/llama3.sh); median tokens/s per GPU."""
+    runs = []
+    for recipe, tps in ((None, 6150.0), ("tensorwise", 7689.5), ("rowwise", 6768.0)):
+        runs.append(Run(f"torchao H100 Llama3 8B compile {recipe or 'bf16'} fsdp8 selective op",
+                        HELD_OUT_FP8 if recipe else HELD_OUT, TORCHAO_FLOAT8, "h100-96g-500w", "llama3-8b", 8, 8,
+                        8192, mbs=1, zero=3, recompute="selective", precision="fp8" if recipe else "bf16-mixed",
+                        fp8_recipe=recipe, published_tokens_per_s=tps * 8, engine="torchtitan",
+                        attention="sdpa-flash", torch_compile=True,
+                        assumptions=((FLOAT8.replace("tensorwise with float8", f"{recipe} with float8" if recipe ==
+                                                     "tensorwise" else f"{recipe} with bfloat16"),) if recipe else
+                                     ("torch.compile (--compile): nothing of it priced in BF16",))
+                        + (OP_SAC, "Meta's H100 hosts, which the docs name only as H100, costed as torchtitan's own "
+                                   "H100 tables' Grand Teton parts (96 GB, 500 W)", H100_PEAK)))
     return runs

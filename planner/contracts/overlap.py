@@ -41,6 +41,16 @@ PARAM_GATHERS = ("fsdp", "first_forward", "next_forward")
 # - "during_last_backward": in buckets launched as the last micro-batch's backward of each chunk
 #   fills them, beside compute (Megatron's --overlap-grad-reduce under every schedule).
 PP_GRAD_REDUCES = ("after_chunk", "during_last_backward")
+# How an engine's TP overlap pipelines the sequence-parallel collectives with their GEMMs
+# (`costing.overlap.unpipelined_tp_comm_s`):
+# - "userbuffers": Transformer Engine's userbuffers overlap every all-gather and reduce-scatter of
+#   a block's Linears, forward and backward;
+# - "micro_pipeline": torch's async TP (Inductor's micro_pipeline_tp pass,
+#   torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather only into the matmuls
+#   that consume the gathered tensor directly and a reduce-scatter only with the matmul that
+#   produces it; any op between (a cast after the gather, a sum of input gradients or a rescale
+#   before the scatter) leaves the collective blocking.
+TP_OVERLAP_PATTERNS = ("userbuffers", "micro_pipeline")
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class EngineOverlap:
     GEMMs they feed (Transformer Engine userbuffers, `--tp-comm-overlap`; torchtitan async TP):
     the GEMM is cut into tp pieces, each piece's transfer hidden behind the previous piece's
     product, so one piece (1/tp of the collective), or whatever the GEMMs cannot cover, stays exposed.
+    `tp_overlap_pattern`: which of them it can pipeline, one of `TP_OVERLAP_PATTERNS`.
     `grad_overlap_min_zero`: the lowest ZeRO stage whose gradient reduction runs in buckets during
     the backward (0: always; 3: only ZeRO-3); below it the reduction waits for the backward to end.
     `param_gather_prefetch`: ZeRO/FSDP parameter all-gathers issued one unit ahead of the compute
@@ -73,10 +84,14 @@ class EngineOverlap:
     pp_grad_reduce: str
     sources: tuple[str, ...]
     ep_a2a_paired: bool = False
+    tp_overlap_pattern: str = "userbuffers"
 
     def __post_init__(self):
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.tp_overlap_pattern not in TP_OVERLAP_PATTERNS:
+            raise ValueError(f"{self.engine}: tp_overlap_pattern must be one of {', '.join(TP_OVERLAP_PATTERNS)}, "
+                             f"got {self.tp_overlap_pattern!r}")
         if self.cp_exchange not in CP_EXCHANGES:
             raise ValueError(f"cp_exchange must be one of {', '.join(CP_EXCHANGES)}, got {self.cp_exchange!r}")
         if self.grad_overlap_min_zero not in (0, 1, 2, 3, 4):
@@ -104,11 +119,18 @@ class EngineOverlap:
         gather = "prefetched" if self.param_gather_prefetch else "blocking"
         if self.param_gather != "fsdp":
             gather += f", ZeRO-1/2 once per step in the {self.param_gather.replace('_', ' ')}"
-        return (f"{self.engine} ({self.version}): TP comm {'pipelined with its GEMMs' if self.tp_comm_overlap else 'blocking'}; "
+        return (f"{self.engine} ({self.version}): TP comm {self._tp_words()}; "
                 f"grad reduce {grads}; param gather {gather}; "
                 f"PP p2p {'async' if self.pp_p2p_async else 'blocking'}; CP {self.cp_exchange.replace('_', ' ')}; "
                 + ("EP all-to-all paired with another micro-batch's compute (combined 1F1B)" if self.ep_a2a_paired
                    else f"EP all-to-all {self.ep_a2a_hidden_fraction:.0%} hidden"))
+
+    def _tp_words(self) -> str:
+        if not self.tp_comm_overlap:
+            return "blocking"
+        if self.tp_overlap_pattern == "micro_pipeline":
+            return "micro-pipelined with the GEMMs next to it (async TP)"
+        return "pipelined with its GEMMs"
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -171,8 +193,11 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         ep_a2a_hidden_fraction=0.0,      # all-to-all dispatch on the compute stream
         param_gather="fsdp",             # FSDP2 reshards after every backward (no set_reshard_after_backward)
         pp_grad_reduce="after_chunk",    # torch.distributed.pipelining, as meshplan's executor
+        tp_overlap_pattern="micro_pipeline",  # async TP: Inductor's micro-pipelined collective matmuls
         sources=("torchtitan docs/fsdp.md (FSDP2 prefetching); torchtitan config job_config.py "
                  "(enable_async_tensor_parallel=False, context_parallel_rotate_method='allgather')",
+                 "torch torch/_inductor/fx_passes/micro_pipeline_tp.py (fuse_all_gather_matmul: the "
+                 "gathered tensor's consumer matmuls; fuse_matmul_reduce_scatter: _find_producer_matmul)",
                  "torch torch/distributed/tensor/experimental/_context_parallel/_attention.py "
                  "(_templated_ring_attention, _AllGatherRotater, _SDPAMerger with convert_to_f32)")),
     EngineOverlap(

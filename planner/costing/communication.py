@@ -6,6 +6,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
+from meshplan.planner.costing import fp8
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
                                                   reduce_scatter_time_s, send_recv_time_s)
 from meshplan.planner.costing.overlap import gathers_in_a_forward
@@ -19,40 +20,48 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def tp_comm_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
               act_scale: float) -> tuple[float, float]:
-    """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern.
+    """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern: the sums
+    of `tp_comm_parts_s`."""
+    (fwd_gather, fwd_scatter), (bwd_gather, bwd_scatter) = tp_comm_parts_s(layer, config, cluster, act_scale)
+    return fwd_gather + fwd_scatter, bwd_gather + bwd_scatter
+
+
+def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
+                    act_scale: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((forward gathers, forward scatters), (backward gathers, backward scatters)) seconds of one
+    micro-batch's blocking TP collectives; all-reduces count as scatters.
 
     Block: `num_allreduce_per_pass` all-reduces of the (b, s, h) output per pass; with SP each
-    becomes an all-gather + reduce-scatter of the same tensor (same ring volume), and a block
-    without recomputation all-gathers each region's input once more in backward (it kept the
-    shard). Vocab-parallel
-    embedding: one all-reduce (SP: reduce-scatter) of its output in forward. Vocab-parallel head:
-    its column-parallel input gradient is all-reduced in backward (SP: all-gather of the input in
-    forward, reduce-scatter of its gradient in backward); the loss's tiny per-token reductions
-    are left out.
+    becomes an all-gather + reduce-scatter of the same tensor (same ring volume; the all-gather
+    moves fp8 where the engine casts before it, `fp8.tp_gather_bytes_share`), and a block without
+    recomputation all-gathers each region's input once more in backward (it kept the shard).
+    Vocab-parallel embedding: one all-reduce (SP: reduce-scatter) of its output in forward.
+    Vocab-parallel head: its column-parallel input gradient is all-reduced in backward (SP:
+    all-gather of the input in forward, reduce-scatter of its gradient in backward); the loss's
+    tiny per-token reductions are left out.
     """
     tp = config.tp
     if not is_split(layer, tp):
-        return 0.0, 0.0
+        return (0.0, 0.0), (0.0, 0.0)
     link = cluster.link_for_group(tp, 1)
     mbs = config.rank_microbatch
     if layer.tp_split.kind == "block":
         size = layer.output_bytes * mbs * act_scale
-        regather = 0.0
-        if config.sp:
-            one = all_gather_time_s(size, tp, link) + reduce_scatter_time_s(size, tp, link)
-            if config.recompute == "none":  # the kept shard is gathered again for the weight gradients
-                regather = all_gather_time_s(size, tp, link)
-        else:
-            one = all_reduce_time_s(size, tp, link)
         count = layer.tp_split.num_allreduce_per_pass
-        return count * one, count * (one + regather)
+        if not config.sp:
+            one = count * all_reduce_time_s(size, tp, link)
+            return (0.0, one), (0.0, one)
+        gather = count * all_gather_time_s(size * fp8.tp_gather_bytes_share(layer, config), tp, link)
+        scatter = count * reduce_scatter_time_s(size, tp, link)
+        regather = gather if config.recompute == "none" else 0.0  # the kept shard, for the weight gradients
+        return (gather, scatter), (gather + regather, scatter)
     if layer.kind == "embedding":
         size = layer.output_bytes * mbs * act_scale
-        return (reduce_scatter_time_s(size, tp, link) if config.sp else all_reduce_time_s(size, tp, link)), 0.0
+        return (0.0, reduce_scatter_time_s(size, tp, link) if config.sp else all_reduce_time_s(size, tp, link)), (0.0, 0.0)
     size = layer.input_bytes * mbs * act_scale
     if config.sp:
-        return all_gather_time_s(size, tp, link), reduce_scatter_time_s(size, tp, link)
-    return 0.0, all_reduce_time_s(size, tp, link)
+        return (all_gather_time_s(size, tp, link), 0.0), (0.0, reduce_scatter_time_s(size, tp, link))
+    return (0.0, 0.0), (0.0, all_reduce_time_s(size, tp, link))
 
 
 def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterProfile,

@@ -26,7 +26,10 @@ Compute, per micro-batch on one rank:
   and reuse it (`is_first_microbatch`, megatron/core/extensions/transformer_engine.py), so under
   `--engine megatron` a weight's cast is paid once per step (`weight_cast_share`). Under
   torch.compile (torchtitan's, `ParallelConfig.torch_compile`) an input's and an output
-  gradient's cast lose their first read to the kernel before them (`cast_times_s`).
+  gradient's cast lose their first read to the kernel before them (`cast_times_s`);
+- torchao's rowwise gradient GEMMs: one more bf16 pass over each output (`gradient_rescale_s`);
+- torchtitan's Float8 TP plan (tensorwise): the block's sequence-parallel all-gathers move fp8
+  and their casts run on the sequence shard (`fp8_tp_gather`; `communication.tp_comm_parts_s`).
 
 Memory per rank:
 - model states as bf16-mixed (fp32 masters and Adam moments, the bf16 compute copy);
@@ -42,7 +45,7 @@ Memory per rank:
   `--fp8-param-gather`): parameter all-gathers move 1 byte per Linear parameter instead of 2 and
   the unsharded copy is fp8 (`gather_bytes_per_param`).
 
-Not modelled: TP's float8 all-gathers (torchtitan's Float8ColwiseParallel), fp8 attention, the
+Not modelled: Transformer Engine's fp8 TP all-gathers (Megatron), fp8 attention, the
 amax history's memory. Not executed: `meshplan train` refuses fp8 plans.
 """
 from __future__ import annotations
@@ -74,7 +77,11 @@ class Fp8Recipe:
     gradient (bf16 in) to produce both fp8 layouts; `weight_cast_bytes`: the same per weight
     value. `architectures`: the GPU generations whose tensor cores run its GEMMs (() any with an
     fp8 peak). `fp8_gather_engines`: the engines whose parameter all-gathers move its fp8 weights.
-    `scale_block`: values per scale read beside each GEMM operand (0: one scale per tensor or row)."""
+    `scale_block`: values per scale read beside each GEMM operand (0: one scale per tensor or row).
+    `fp8_tp_gather_engines`: the engines whose sequence-parallel all-gathers move the fp8 casts
+    (the cast then runs on the sequence shard, `fp8_tp_gather`). `rescaled_gradient_gemms`: the
+    input- and weight-gradient GEMMs write an unscaled bf16 output that one more kernel rescales
+    (`gradient_rescale_s`)."""
 
     name: str
     activation_cast_bytes: float
@@ -82,6 +89,8 @@ class Fp8Recipe:
     fp8_gather_engines: tuple[str, ...]
     architectures: tuple[str, ...] = ()
     scale_block: int = 0
+    fp8_tp_gather_engines: tuple[str, ...] = ()
+    rescaled_gradient_gemms: bool = False
 
     def __post_init__(self):
         if self.name not in FP8_RECIPES:
@@ -97,12 +106,20 @@ RECIPES = {recipe.name: recipe for recipe in (
     # (read bf16), then one kernel reads bf16 and writes both fp8 layouts; a weight is cast
     # once per layout (fwd, bwd), each reading bf16. Float8 all-gather: torchtitan (FSDP2's
     # `enable_fsdp_float8_all_gather`), meshplan's pricing of it, Megatron's --fp8-param-gather.
-    Fp8Recipe("tensorwise", B + (B + 2 * F), B + 2 * (B + F), ("meshplan", "generic", "torchtitan", "megatron")),
+    # torchtitan's TP plan for it (Float8ColwiseParallel, Float8RowwiseParallel and
+    # PrepareFloat8ModuleInput from torchao/float8/float8_tensor_parallel.py, chosen in
+    # models/llama3/parallelize_llama.py for tensorwise only) casts before its all-gathers.
+    Fp8Recipe("tensorwise", B + (B + 2 * F), B + 2 * (B + F), ("meshplan", "generic", "torchtitan", "megatron"),
+              fp8_tp_gather_engines=("torchtitan",)),
     # torchao rowwise (same source): one kernel writes the row-scaled fp8 copy and a bf16
     # transpose, a second quantises that transpose along the other axis (a row's scale cannot
     # serve the column-scaled GEMM); a weight pays a separate bf16 transpose (read + write).
     # torchao gathers rowwise weights in bf16 (its float8 README: "rowwise with bfloat16 all-gather").
-    Fp8Recipe("rowwise", (B + F + B) + (B + F), (B + F) + 2 * B + (B + F), ()),
+    # Its gradient GEMMs run without fast accumulation (Float8LinearConfig's gemm_config_grad_input
+    # and gemm_config_grad_weight), where torchao calls the tensorwise cuBLAS kernel and rescales
+    # the output after it (torchao/float8/float8_ops.py, addmm_float8_unwrapped: "the rowwise
+    # CUTLASS-based kernel is so slow without fast-accum"): one more pass over each gradient.
+    Fp8Recipe("rowwise", (B + F + B) + (B + F), (B + F) + 2 * B + (B + F), (), rescaled_gradient_gemms=True),
     # Transformer Engine's DelayedScaling: the scale comes from the amax history, so the cast
     # needs no amax pass (it records this step's amax as it casts): one cast-transpose kernel
     # reads bf16 once and writes both layouts. Megatron's --fp8-param-gather gathers them in fp8.
@@ -238,22 +255,61 @@ def saved_bytes_saving(layer: LayerProfile, info: ModelInfo, tp: int, sp: bool, 
 
 
 def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_bytes: float,
-                shapes: tuple = (), tokens: float = 0.0) -> tuple[float, float, float]:
+                shapes: tuple = (), tokens: float = 0.0, on_shard: bool = False) -> tuple[float, float, float]:
     """(input, weight, output-gradient) values one micro-batch casts to fp8 on one rank: the
     Linears' inputs (one cast per region, shared by q, k, v and by up, gate; the column Linears'
     whole, gathered under SP; the row Linears' /tp), their weights (/tp) and, with the block's
     `shapes`, each Linear's output gradient on `tokens` rows (column Linears' /tp); without
-    shapes, as many gradient values as input values."""
+    shapes, as many gradient values as input values. `on_shard` (`fp8_tp_gather`): the column
+    Linears' inputs and the row Linears' output gradients are cast before their all-gathers, on
+    the rank's sequence shard (/tp)."""
     replicated, sharded = linear_input_bytes(layer, info)
-    inputs = (replicated + sharded / tp) * mbs / elem_bytes
-    grads = output_gradient_values(shapes, tokens, tp) if shapes else inputs
+    inputs = (replicated / (tp if on_shard else 1) + sharded / tp) * mbs / elem_bytes
+    grads = output_gradient_values(shapes, tokens, tp, on_shard) if shapes else inputs
     return inputs, linear_params(layer, info) / tp, grads
 
 
-def output_gradient_values(shapes, rows: float, tp: int) -> float:
+def output_gradient_values(shapes, rows: float, tp: int, on_shard: bool = False) -> float:
     """Output-gradient values the (in, out, column) Linears `shapes` cast on `rows` rows, each split
-    `tp` ways: a column Linear's output / tp, a row Linear's whole."""
-    return rows * sum(out_dim / tp if column else out_dim for _, out_dim, column in shapes)
+    `tp` ways: a column Linear's output / tp, a row Linear's whole (/tp `on_shard`)."""
+    return rows * sum(out_dim / tp if column or on_shard else out_dim for _, out_dim, column in shapes)
+
+
+def fp8_tp_gather(layer: LayerProfile, config: ParallelConfig) -> bool:
+    """Whether a block's sequence-parallel all-gathers move fp8 values: a dense block (its MLP
+    nn.Linears) split over TP with SP, under a recipe whose engine casts before the gather
+    (`Fp8Recipe.fp8_tp_gather_engines`). The backward's all-gathers of the row Linears' output
+    gradients move fp8 too (the cast sits after the reduce-scatter, so its gradient is cast
+    before the gather); reduce-scatters stay bf16 (the GEMMs' outputs)."""
+    return (is_fp8(config.precision) and config.tp > 1 and config.sp and converts(layer) and _dense_mlp(layer)
+            and config.engine in recipe_of(config).fp8_tp_gather_engines)
+
+
+def tp_gather_bytes_share(layer: LayerProfile, config: ParallelConfig) -> float:
+    """A block's TP all-gather bytes over bf16's: fp8's 1 byte per value where `fp8_tp_gather`."""
+    return FP8_BYTES / BF16_BYTES if fp8_tp_gather(layer, config) else 1.0
+
+
+# The rescale after an unscaled gradient GEMM reads its bf16 output and writes it back.
+RESCALE_BYTES_PER_VALUE = 2 * BF16_BYTES
+
+
+def gradient_rescale_s(recipe: Fp8Recipe, shapes, tokens: float, tp: int, values: tuple[float, float, float],
+                       cluster: ClusterProfile) -> float:
+    """Seconds of the recipe's rescale kernels over one micro-batch's gradient GEMMs
+    (`Fp8Recipe.rescaled_gradient_gemms`): each Linear's input gradient (`tokens` x its local
+    input) and weight gradient (its local weight). Without the block's `shapes`, the cast
+    counts stand in: one input gradient per cast input, and the weights."""
+    if not recipe.rescaled_gradient_gemms:
+        return 0.0
+    if shapes:
+        outputs = 0.0
+        for in_dim, out_dim, column in shapes:
+            in_local = in_dim if column else in_dim / tp
+            outputs += tokens * in_local + in_dim * out_dim / tp
+    else:
+        outputs = values[0] + values[1]
+    return memory_time_s(outputs * RESCALE_BYTES_PER_VALUE, cluster)
 
 
 # Engines whose fp8 Linears quantise a weight once per step and reuse it on every micro-batch
@@ -346,8 +402,10 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
         fp8_fwd_s = fp8_gemm_time_s(lin_fwd, num_linears, cluster)
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
-    values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens)
+    values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens,
+                         fp8_tp_gather(layer, config))
     cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, config.torch_compile)
+    cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
                                                         attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",
                                                         attention_efficiency)
@@ -362,6 +420,7 @@ def linear_speedup(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str 
         return sum(gemm.gemm_time_s(*shape, cluster, dtype, scale_block) for shape in ((m, n, k), (m, k, n), (k, n, m)))
     chosen = RECIPES[recipe]
     cast_s = sum(cast_times_s(chosen, (m * k, k * n, m * n), 1.0, cluster))
+    cast_s += gradient_rescale_s(chosen, ((k, n, True),), m, 1, (m * k, k * n, m * n), cluster)
     return linear_s("bf16") / (linear_s("fp8", chosen.scale_block) + cast_s)
 
 

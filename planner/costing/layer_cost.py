@@ -19,7 +19,7 @@ from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_c
                                       overlap, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
-from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
+from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
 from meshplan.planner.costing.compute_time import compute_time_key, compute_times_s, kernel_efficiency
 from meshplan.planner.costing.engine_memory import engine_layer_memory, layer_transient_scale, without_recompute
 from meshplan.planner.costing.executor_memory import executor_memory_extras
@@ -258,10 +258,11 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
            *compute_time_key(config))
     fwd_s, bwd_s, recompute_s = through(memo, key, compute_times_s, layer, config, cluster, info, act_scale, vocab,
                                         profile_dtype, attention)
-    tp_fwd_s, tp_bwd_s = tp_comm_s(layer, config, cluster, act_scale)
+    parts = tp_comm_parts_s(layer, config, cluster, act_scale)
     # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
-    tp_fwd_s = overlap.exposed_tp_comm_s(tp_fwd_s, fwd_s, layer.kind, config)
-    tp_bwd_s = overlap.exposed_tp_comm_s(tp_bwd_s, bwd_s, layer.kind, config)
+    unpipelined_fwd_s, unpipelined_bwd_s = overlap.unpipelined_tp_comm_s(layer, config, parts)
+    tp_fwd_s = overlap.exposed_tp_comm_s(sum(parts[0]), fwd_s, layer.kind, config, unpipelined_fwd_s)
+    tp_bwd_s = overlap.exposed_tp_comm_s(sum(parts[1]), bwd_s, layer.kind, config, unpipelined_bwd_s)
     if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (planner.costing.fixed_costs)
         # the (mbs, seq, hidden) residual stream: an embedding's output, any other layer's input
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.planner.contracts.overlap import EngineOverlap, engine_overlap
+from meshplan.planner.costing import fp8
 
 
 def overlap_of(config) -> EngineOverlap:
@@ -38,19 +39,51 @@ def overlap_under(config, engine: str) -> EngineOverlap:
     return overlap
 
 
-def exposed_tp_comm_s(comm_s: float, compute_s: float, layer_kind: str, config) -> float:
+def exposed_tp_comm_s(comm_s: float, compute_s: float, layer_kind: str, config, unpipelined_s: float = 0.0) -> float:
     """What a pass's TP collectives (`comm_s`) add to the compute stream beside `compute_s`.
 
-    Blocking engines expose all of it. Transformer Engine's userbuffers overlap (Megatron
-    `--tp-comm-overlap`; it needs sequence parallelism and acts on a block's Linears) cuts each
-    all-gather / reduce-scatter and its GEMM into tp pieces and sends piece i+1 while piece i
-    multiplies: the first piece (1/tp of the collective) stays exposed, and so does whatever the
-    pass's compute is too short to cover.
+    Blocking engines expose all of it. A TP overlap (Megatron `--tp-comm-overlap`, torchtitan's
+    async TP; it needs sequence parallelism and acts on a block's Linears) cuts each all-gather /
+    reduce-scatter and its GEMM into tp pieces and sends piece i+1 while piece i multiplies: the
+    first piece (1/tp of the collective) stays exposed, and so does whatever the pass's compute is
+    too short to cover. `unpipelined_s` of `comm_s` the engine cannot pipeline
+    (`unpipelined_tp_comm_s`) stays exposed whole.
     """
     tp = config.tp
     if comm_s <= 0 or tp < 2 or not config.sp or layer_kind != "block" or not overlap_of(config).tp_comm_overlap:
         return comm_s
-    return max(comm_s / tp, comm_s - compute_s)
+    pipelined_s = comm_s - unpipelined_s
+    return unpipelined_s + max(pipelined_s / tp, pipelined_s - compute_s)
+
+
+def unpipelined_tp_comm_s(layer, config, parts) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's TP collectives, `parts` as
+    `communication.tp_comm_parts_s` gives them, that the engine's TP overlap leaves blocking.
+
+    Userbuffers pipeline all of them. torch's micro-pipeline (`TP_OVERLAP_PATTERNS`) fuses an
+    all-gather only where matmuls consume the gathered tensor: not where fp8 Linears cast it after
+    the gather (their cast sits between; torchtitan's Float8 TP casts before it,
+    `fp8.fp8_tp_gather`), forward and backward alike. It fuses a backward reduce-scatter only where
+    one matmul produces it: a region with several column Linears (q, k, v; up and gate) sums their
+    input gradients first, and a recipe that rescales its gradient GEMMs' outputs
+    (`Fp8Recipe.rescaled_gradient_gemms`) puts a multiply between. The forward's reduce-scatters,
+    each a row Linear's product, fuse."""
+    (fwd_gather, _), (bwd_gather, bwd_scatter) = parts
+    split = layer.tp_split
+    if overlap_of(config).tp_overlap_pattern != "micro_pipeline" or split.kind != "block" \
+            or not split.num_allreduce_per_pass:
+        return 0.0, 0.0
+    fp8_linears = fp8.is_fp8(config.precision) and fp8.converts(layer)
+    cast_after_gather = fp8_linears and not fp8.fp8_tp_gather(layer, config)
+    regions = split.num_allreduce_per_pass
+    # regions with a single column Linear: at least this many, the columns spread as evenly as they go
+    single = max(0, 2 * regions - len(split.column_linears))
+    if fp8_linears and fp8.recipe_of(config).rescaled_gradient_gemms:
+        single = 0
+    unfused_scatter = bwd_scatter * (1 - single / regions)
+    if cast_after_gather:
+        return fwd_gather, bwd_gather + unfused_scatter
+    return 0.0, unfused_scatter
 
 
 def ep_a2a_hidden_share(config) -> float:

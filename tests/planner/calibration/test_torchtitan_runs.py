@@ -65,3 +65,16 @@ def test_async_tp_tables_are_transcribed_row_by_row(modules):
         assert (run.gpus, run.mbs, run.recompute) == ((256, 16, "full") if seventy else (64, 12, "selective"))
         assert (run.tp, run.sp, run.zero, run.global_batch, run.torch_compile) == (8, True, 3, run.mbs * run.gpus // 8, True)
         assert (run.group == data.HELD_OUT_FP8) == (run.fp8_recipe is not None)
+
+
+def test_torchaos_float8_benchmarks_are_transcribed_row_by_row(modules):
+    """torchao's H100 table: Llama3-8b on 8 H100, FSDP2 over the 8, local batch 1, 8,192 tokens,
+    compiled, per-op SAC; BF16, tensorwise (float8 all-gather) and rowwise (bf16 all-gather)."""
+    data, _ = modules
+    rows = [run for run in data.all_runs() if run.source == data.TORCHAO_FLOAT8]
+    published = {run.fp8_recipe: run.published_tokens_per_s / run.gpus for run in rows}
+    assert published == {None: 6150.0, "tensorwise": 7689.5, "rowwise": 6768.0}
+    for run in rows:
+        assert (run.spec, run.gpus, run.global_batch, run.mbs, run.seq) == ("llama3-8b", 8, 8, 1, 8192)
+        assert (run.tp, run.zero, run.recompute, run.torch_compile, run.engine) == (1, 3, "selective", True, "torchtitan")
+        assert (run.group == data.HELD_OUT_FP8) == (run.precision == "fp8") == (run.fp8_recipe is not None)
