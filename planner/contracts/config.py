@@ -13,7 +13,7 @@ from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.engine_rules import (a2a_overlap_engine_problem, bf16_grads_problem, ce_fusion_problem,
-                                                     compile_problem, moe_sp_problem, stored_early_stop)
+                                                     compile_problem, moe_sp_problem, stored_early_stop, tp_sp_problem)
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -195,13 +195,12 @@ class ParallelConfig:
         self._check_offload()
         if self.grad_reduce_in_bf16 and (problem := bf16_grads_problem(self.engine, self.precision)):
             raise ValueError(problem)
-        if problem := ce_fusion_problem(self.engine, self.cross_entropy_fusion) or compile_problem(
-                self.engine, self.torch_compile):
-            raise ValueError(problem)
         object.__setattr__(self, "recompute_early_stop", stored_early_stop(self.engine, self.recompute_early_stop))
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism (--sp) needs tensor parallelism: set --tp > 1")
-        if problem := moe_sp_problem(self.engine, self.tp, self.sp, self.ep > 1):
+        if problem := (ce_fusion_problem(self.engine, self.cross_entropy_fusion) or compile_problem(
+                self.engine, self.torch_compile) or moe_sp_problem(self.engine, self.tp, self.sp, self.ep > 1)
+                or tp_sp_problem(self.engine, self.tp, self.sp)):
             raise ValueError(problem)
         self._check_tp_comm_overlap()
         self._check_moe_a2a_overlap()

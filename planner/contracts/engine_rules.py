@@ -5,6 +5,9 @@ from __future__ import annotations
 # Engines that train a mixture of experts under TP only with SP (Megatron-LM's arguments.py asserts it;
 # Megatron-Core's TransformerConfig refuses ep > 1 with tp > 1 without it).
 MOE_SP_ENGINES = ("megatron",)
+# Engines whose tensor parallelism always shards the sequence around the norms (torchtitan's TP plans:
+# SequenceParallel on the norms, the embedding's output Shard(1); no option turns it off).
+TP_SP_ENGINES = ("torchtitan",)
 # Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
 A2A_OVERLAP_ENGINES = ("megatron",)
 # Megatron-Core's cross-entropy kernels (`ParallelConfig.cross_entropy_fusion`): "none", its unfused
@@ -107,6 +110,14 @@ def moe_sp_problem(engine: str, tp: int, sp: bool, moe: bool) -> str | None:
     if engine in MOE_SP_ENGINES and moe and tp > 1 and not sp:
         return (f"{engine} trains a mixture of experts under tensor parallelism only with sequence parallelism "
                 f"(Megatron-LM refuses tp={tp} without it): add --sp (Megatron-LM's --sequence-parallel)")
+    return None
+
+
+def tp_sp_problem(engine: str, tp: int, sp: bool) -> str | None:
+    """Why `engine` cannot run tp without SP, or None."""
+    if engine in TP_SP_ENGINES and tp > 1 and not sp:
+        return (f"{engine}'s tensor parallelism always shards the sequence around the norms (its TP plan's "
+                f"SequenceParallel), so tp={tp} without sequence parallelism is not what it runs: add --sp")
     return None
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, ENGINE_CP_METHODS, NO_PIPELINE_ENGINES,
-                                               OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig, moe_sp_problem)
+                                               OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig, moe_sp_problem,
+                                               tp_sp_problem)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import is_mtp_layer
@@ -208,7 +209,7 @@ def _sp_options(tp: int, engine: str, moe: bool, splits: bool) -> tuple[bool, ..
     meshplan's executor, splits the sequence."""
     if tp == 1:
         return (False,)
-    if moe_sp_problem(engine, tp, False, moe):
+    if moe_sp_problem(engine, tp, False, moe) or tp_sp_problem(engine, tp, False):
         return (True,)
     return (False, True) if splits else (False,)
 

@@ -188,7 +188,7 @@ def test_dp_communication_per_zero_stage():
     # across micro-batches: once per step, in the first forward. Under torch pipelining ZeRO-1/2
     # gather once per step (ZeRO-2 still reduce-scatters every micro-batch and keeps 1/dp of the
     # gradients), ZeRO-3 per pass.
-    fsdp = {z: layer_cost(block, mesh(tp=tp, dp=dp, zero=z, engine="torchtitan"), A100, graph.info) for z in (1, 2)}
+    fsdp = {z: layer_cost(block, mesh(tp=tp, dp=dp, zero=z, engine="torchtitan", sp=tp > 1), A100, graph.info) for z in (1, 2)}
     gather = all_gather_time_s(grads, dp, link)
     assert fsdp[1].fwd_gather_s == fsdp[2].fwd_gather_s == pytest.approx(gather)
     assert fsdp[1].dp_param_gather_s == fsdp[1].bwd_gather_s == 0

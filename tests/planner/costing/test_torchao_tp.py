@@ -59,7 +59,20 @@ def test_tensorwise_under_torchtitan_gathers_fp8_and_scatters_bf16(llama, h100):
         (gather, _), _ = tp_comm_parts_s(block, bf16_gathers, h100, 1.0)
         assert gather == pytest.approx(2 * all_gather_time_s(size, 8, link))
     assert fp8.fp8_tp_gather(block, fp8_config("tensorwise")) and not fp8.fp8_tp_gather(block, fp8_config("rowwise"))
-    assert not fp8.fp8_tp_gather(block, fp8_config("tensorwise", sp=False))
+    assert not fp8.fp8_tp_gather(block, fp8_config("tensorwise", engine="megatron"))
+
+
+def test_torchtitan_runs_tp_only_with_sequence_parallelism():
+    """torchtitan's TP plans shard the sequence around the norms, always: a layout without SP is
+    refused, naming the fix, and the search offers SP alone under it."""
+    from meshplan.planner.search.candidates import _sp_options
+
+    with pytest.raises(ValueError, match=r"torchtitan's tensor parallelism always shards the sequence .* tp=8 "
+                                         r"without sequence parallelism is not what it runs: add --sp"):
+        config(sp=False)
+    assert config(sp=False, engine="megatron").sp is False
+    assert _sp_options(8, "torchtitan", False, True) == (True,)
+    assert _sp_options(8, "megatron", False, True) == (False, True)
 
 
 def test_the_float8_tp_plan_casts_on_the_sequence_shard(llama):
