@@ -46,8 +46,11 @@ FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches", "torch_compile")
 
 def compute_time_key(config: ParallelConfig) -> tuple:
     """What `compute_times_s` of one layer depends on in `config`: a memo's key (`layer_cost`)."""
-    fields = COMPUTE_TIME_FIELDS + (FP8_TIME_FIELDS if fp8.is_fp8(config.precision) else ())
-    return tuple(getattr(config, name) for name in fields)
+    if not fp8.is_fp8(config.precision):
+        return tuple(getattr(config, name) for name in COMPUTE_TIME_FIELDS)
+    # and, under fp8, the weight casts of a float8 all-gather (over the data ranks it shards across)
+    return (tuple(getattr(config, name) for name in COMPUTE_TIME_FIELDS + FP8_TIME_FIELDS)
+            + (fp8.gathered_weight_cast_bytes(config),))
 
 
 def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,

@@ -28,6 +28,8 @@ Compute, per micro-batch on one rank:
   torch.compile (torchtitan's, `ParallelConfig.torch_compile`) an input's and an output
   gradient's cast lose their first read to the kernel before them (`cast_times_s`);
 - torchao's rowwise gradient GEMMs: one more bf16 pass over each output (`gradient_rescale_s`);
+- FSDP2's float8 all-gather: a weight cast on the rank's fp32 shard as it is gathered, then copied
+  into its transposed layout (`gathered_weight_cast_bytes`);
 - torchtitan's Float8 TP plan (tensorwise): the block's sequence-parallel all-gathers move fp8
   and their casts run on the sequence shard (`fp8_tp_gather`; `communication.tp_comm_parts_s`).
 
@@ -336,9 +338,11 @@ def weight_cast_share(config: ParallelConfig) -> float:
 
 
 def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_share: float,
-                 cluster: ClusterProfile, fused: bool = False) -> tuple[float, float]:
+                 cluster: ClusterProfile, fused: bool = False,
+                 weight_bytes: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a micro-batch's casts: inputs and weights forward, output
-    gradients backward, at the recipe's bytes per value and the achieved memory bandwidth.
+    gradients backward, at the recipe's bytes per value (a weight's `weight_bytes` where the
+    engine casts it as it gathers, `gathered_weight_cast_bytes`) and the achieved memory bandwidth.
 
     `fused` (torch.compile, `ParallelConfig.torch_compile`): an input's and an output gradient's
     cast begins inside the kernel that produced the tensor, so its first bf16 read is gone (the
@@ -347,7 +351,8 @@ def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_s
     `get_tensor_memory_traffic_ovhd_s(..., fuse_with_prev)` for inputs and output gradients)."""
     inputs, weights, grads = values
     activation_bytes = recipe.activation_cast_bytes - (BF16_BYTES if fused else 0.0)
-    forward = inputs * activation_bytes + weights * weight_share * recipe.weight_cast_bytes
+    per_weight = recipe.weight_cast_bytes if weight_bytes is None else weight_bytes
+    forward = inputs * activation_bytes + weights * weight_share * per_weight
     return memory_time_s(forward, cluster), memory_time_s(grads * activation_bytes, cluster)
 
 
@@ -356,6 +361,26 @@ def fp8_all_gather(config: ParallelConfig, zero: int, dp: int) -> bool:
     recipe the engine gathers in fp8 (`Fp8Recipe.fp8_gather_engines`)."""
     return (is_fp8(config.precision) and zero >= 1 and dp > 1
             and config.engine in recipe_of(config).fp8_gather_engines)
+
+
+# FSDP2 keeps the sharded parameters in fp32 (bf16-mixed's masters), which a float8 all-gather casts.
+MASTER_BYTES = 4.0
+
+
+def gathered_weight_cast_bytes(config: ParallelConfig) -> float | None:
+    """Bytes per Linear weight value a micro-batch's casts move under FSDP2's float8 all-gather
+    (torchao's WeightWithDynamicFloat8CastTensor; None elsewhere: the recipe's `weight_cast_bytes`).
+    Each all-gather casts the rank's fp32 shard to fp8 before it (`fsdp_pre_all_gather`, at the
+    scale `precompute_float8_dynamic_scale_for_fsdp` computed once a step): 5 bytes per shard
+    value, twice a micro-batch under ZeRO-3 (gathered again for the backward), once below; the
+    input gradient's GEMM then copies the gathered fp8 weight into its transposed layout
+    (torchao's `preprocess_addmm`), a byte read and written per value. Megatron's fp8 weights
+    are cast once a step (`weight_cast_share`)."""
+    zero, dp = config.zero, config.data_ranks
+    if not fp8_all_gather(config, zero, dp) or config.engine in WEIGHT_CACHING_ENGINES:
+        return None
+    gathers = 2 if zero == 3 else 1
+    return 2 * FP8_BYTES + gathers * (MASTER_BYTES + FP8_BYTES) / config.shard_degree
 
 
 def gather_bytes_per_param(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, zero: int, dp: int,
@@ -404,7 +429,8 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
     values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens,
                          fp8_tp_gather(layer, config))
-    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, config.torch_compile)
+    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, config.torch_compile,
+                                          gathered_weight_cast_bytes(config))
     cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
                                                         attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",

@@ -154,3 +154,26 @@ def test_an_engine_names_a_known_tp_overlap_pattern():
     assert engine_overlap("megatron").tp_overlap_pattern == "userbuffers"
     with pytest.raises(ValueError, match="tp_overlap_pattern must be one of userbuffers, micro_pipeline, got 'x'"):
         replace(engine_overlap("torchtitan"), tp_overlap_pattern="x")
+
+
+def test_float8_all_gather_casts_the_fp32_shard_and_transposes_the_gathered_weight():
+    """FSDP2's float8 all-gather (tensorwise under torchtitan): each gather casts the rank's fp32
+    shard to fp8 (4 + 1 bytes a shard value), ZeRO-3 gathers twice a micro-batch, and the input
+    gradient's GEMM copies the gathered fp8 weight into its transposed layout (1 + 1 bytes a
+    value). Over 8 ranks: 2 + 2 x 5 / 8 = 3.25 bytes a weight value, against tensorwise's 8 for a
+    bf16 weight; HSDP shards over its group; rowwise (bf16 gathers) and Megatron (cast once a
+    step) keep their own rule."""
+    fsdp = dict(gpus=8, global_batch=8, tp=1, dp=8, microbatch_size=1, sp=False, engine="torchtitan",
+                precision="fp8")
+    assert fp8.gathered_weight_cast_bytes(ParallelConfig(**fsdp, fp8_recipe="tensorwise", zero=3)) == 2 + 10 / 8
+    assert fp8.gathered_weight_cast_bytes(ParallelConfig(**fsdp, fp8_recipe="tensorwise", zero=3,
+                                                         shard_group=4)) == pytest.approx(2 + 10 / 4)
+    assert fp8.gathered_weight_cast_bytes(ParallelConfig(**fsdp, fp8_recipe="tensorwise", zero=1)) == 2 + 5 / 8
+    assert fp8.gathered_weight_cast_bytes(ParallelConfig(**fsdp, fp8_recipe="rowwise", zero=3)) is None
+    assert fp8.gathered_weight_cast_bytes(ParallelConfig(**{**fsdp, "engine": "megatron"}, fp8_recipe="tensorwise",
+                                                         zero=1)) is None
+    h100 = load_cluster("h100-sxm")
+    recipe = fp8.RECIPES["tensorwise"]
+    fwd_s, _ = fp8.cast_times_s(recipe, (0.0, 1e9, 0.0), 1.0, h100, weight_bytes=3.25)
+    assert fwd_s == pytest.approx(memory_time_s(3.25e9, h100))
+    assert fp8.cast_times_s(recipe, (0.0, 1e9, 0.0), 1.0, h100)[0] == pytest.approx(memory_time_s(8e9, h100))
