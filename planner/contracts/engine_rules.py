@@ -39,7 +39,8 @@ FULL_RERUN_RECOMPUTE_ENGINES = ("megatron", "deepspeed")
 VOCAB_PARALLEL_ENGINES = ("megatron", "torchtitan")
 # Engines a configuration can ask to compile the model with torch.compile (`ParallelConfig.torch_compile`):
 # torchtitan's `training.compile` (0.2; `[compile] enable` later). What it prices: torchao's Float8 casts
-# fused with the ops before them (`costing.fp8.cast_times_s`); nothing else of Inductor's fusion.
+# fused with the ops before them (`costing.fp8.cast_times_s`), and a Llama block's elementwise kernels by
+# the fused rule, not counted op by op as eagerly (`costing.eager_kernels`).
 COMPILE_ENGINES = ("torchtitan",)
 
 
@@ -127,6 +128,13 @@ def a2a_overlap_engine_problem(engine: str) -> str | None:
         return (f"{engine} has no combined 1F1B schedule: the expert all-to-all overlap (--moe-a2a-overlap) is "
                 "Megatron-LM's --overlap-moe-expert-parallel-comm; use --engine megatron")
     return None
+
+
+def runs_compiled(config) -> bool:
+    """Whether the model runs under torch.compile: the configuration's `torch_compile`, or
+    torchtitan's async TP, which its parallelize refuses without it ("Async TP requires
+    --training.compile"; the export writes `[compile] enable` with it)."""
+    return bool(config.torch_compile) or (config.engine == "torchtitan" and bool(config.tp_comm_overlap))
 
 
 def compile_problem(engine: str, torch_compile: bool) -> str | None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.engine_rules import early_stop_of
+from meshplan.planner.contracts.engine_rules import early_stop_of, runs_compiled
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import attention_kernels, fp8, gemm, loss_kernels, torchtitan_sac
+from meshplan.planner.costing import attention_kernels, eager_kernels, fp8, gemm, loss_kernels, torchtitan_sac
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
@@ -41,16 +41,16 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
 # how often an engine casts its weights (`fp8.weight_cast_share`), and whether compilation fuses casts.
 COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split", "engine",
                        "cross_entropy_fusion", "recompute_early_stop")
-FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches", "torch_compile")
+FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches")
 
 
 def compute_time_key(config: ParallelConfig) -> tuple:
     """What `compute_times_s` of one layer depends on in `config`: a memo's key (`layer_cost`)."""
+    key = tuple(getattr(config, name) for name in COMPUTE_TIME_FIELDS) + (runs_compiled(config),)
     if not fp8.is_fp8(config.precision):
-        return tuple(getattr(config, name) for name in COMPUTE_TIME_FIELDS)
+        return key
     # and, under fp8, the weight casts of a float8 all-gather (over the data ranks it shards across)
-    return (tuple(getattr(config, name) for name in COMPUTE_TIME_FIELDS + FP8_TIME_FIELDS)
-            + (fp8.gathered_weight_cast_bytes(config),))
+    return key + tuple(getattr(config, name) for name in FP8_TIME_FIELDS) + (fp8.gathered_weight_cast_bytes(config),)
 
 
 def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
@@ -62,7 +62,8 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     efficiency curve as `num_gemms` equal GEMMs (backward twice as many); fused attention at the
     named kernel's efficiency (`attention_kernels`); memory-bound time of the non-GEMM kernels from the bytes the layer saves
     (`elementwise_bytes_per_activation_byte`, backward twice), or, for the logits of a loss whose
-    kernels the engine's code names, those kernels' own bytes (`loss_kernels`). Full recomputation
+    kernels the engine's code names, those kernels' own bytes (`loss_kernels`), and for a Llama
+    block an engine runs eagerly, its kernels' bytes counted op by op (`eager_kernels`). Full recomputation
     repeats the forward; selective repeats the attention core (QK^T, softmax, x V), or under
     torchtitan its per-op policy's rerun (`torchtitan_sac`).
     """
@@ -93,8 +94,11 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     if loss_kernels.counts_loss_kernels(layer, config):  # the logits' traffic counted kernel by kernel
         saved_bytes -= loss_kernels.logits_saved_bytes(layer, config, act_scale, vocab_scale)
         loss_fwd_s, loss_bwd_s = loss_kernels.loss_times_s(layer, config, cluster, vocab_scale, profile_dtype)
-    fwd_s = fwd_gemm_s + loss_fwd_s + memory_time_s(traffic_per_act_byte * saved_bytes, cluster)
-    bwd_s = bwd_gemm_s + loss_bwd_s + memory_time_s(traffic_per_act_byte * (2 * saved_bytes + bwd_extra), cluster)
+    fwd_bytes, bwd_bytes = traffic_per_act_byte * saved_bytes, traffic_per_act_byte * (2 * saved_bytes + bwd_extra)
+    if eager_kernels.counts_eager_kernels(layer, config, info, profile_dtype):  # counted op by op instead
+        fwd_bytes, bwd_bytes = eager_kernels.eager_bytes(layer, config, info, profile_dtype)
+    fwd_s = fwd_gemm_s + loss_fwd_s + memory_time_s(fwd_bytes, cluster)
+    bwd_s = bwd_gemm_s + loss_bwd_s + memory_time_s(bwd_bytes, cluster)
     if config.recompute == "full":
         return fwd_s, bwd_s, fwd_s - early_stop_skipped_s(layer, config, cluster, info, profile_dtype)
     if config.recompute == "selective":

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import FP8_RECIPES, ParallelConfig
+from meshplan.planner.contracts.engine_rules import runs_compiled
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
@@ -344,7 +345,7 @@ def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_s
     gradients backward, at the recipe's bytes per value (a weight's `weight_bytes` where the
     engine casts it as it gathers, `gathered_weight_cast_bytes`) and the achieved memory bandwidth.
 
-    `fused` (torch.compile, `ParallelConfig.torch_compile`): an input's and an output gradient's
+    `fused` (torch.compile, `engine_rules.runs_compiled`): an input's and an output gradient's
     cast begins inside the kernel that produced the tensor, so its first bf16 read is gone (the
     tensorwise amax pass, the rowwise and MXFP8 first quantisation's read); weights are cast as
     before. torchao's float8 roofline models compilation so (torchao/testing/training/roofline_utils.py,
@@ -429,7 +430,7 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
     values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens,
                          fp8_tp_gather(layer, config))
-    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, config.torch_compile,
+    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, runs_compiled(config),
                                           gathered_weight_cast_bytes(config))
     cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),

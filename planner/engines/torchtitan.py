@@ -50,7 +50,7 @@ TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
 UNPRICED_KEYS = {("parallelism", "pipeline_parallel_layers_per_stage"),
                  ("parallelism", "pipeline_parallel_schedule_csv")}
 # torch.compile of the model: torchtitan 0.2's `training.compile`, later `[compile] enable`
-# (`EngineJob.torch_compile`: its Float8 casts priced fused; Inductor's other fusion is not priced)
+# (`EngineJob.torch_compile`: its Float8 casts priced fused, its Llama blocks' elementwise kernels by the fused rule)
 COMPILE_KEYS = (("training", "compile"), ("compile", "enable"))
 
 
@@ -242,8 +242,9 @@ def _compiled(data: dict, notes: list[str]) -> bool:
     for section, key in COMPILE_KEYS:
         table = data.get(section)
         if isinstance(table, dict) and table.get(key) not in (None, False, [], "", 0):
-            notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced for its Float8 casts only "
-                         "(fused with the ops before them); Inductor's other fusions are not modelled")
+            notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced as its Float8 casts fused "
+                         "with the ops before them and its Llama blocks' elementwise kernels fused (not counted op "
+                         "by op as eager torchtitan runs them)")
             return True
     return False
 

@@ -44,7 +44,7 @@ def test_compile_prices_fp8_casts_fused_and_travels_in_the_plan(run_cli, tmp_pat
         assert code == 0, err
         return json.loads(out)["step_time_s"]
 
-    assert step("--compile") == pytest.approx(step(), rel=1e-12)  # bf16: nothing priced differs
+    assert step("--compile") < step()  # bf16: the Llama blocks' elementwise kernels fused, not op by op
     assert step("--precision", "fp8", "--compile") < step("--precision", "fp8")
     code, out, err = run_cli("estimate", *JOB, "--engine", "megatron", "--compile")
     assert code == 2 and "--engine torchtitan" in err and "Traceback" not in err, err
@@ -63,5 +63,5 @@ def test_compile_prices_fp8_casts_fused_and_travels_in_the_plan(run_cli, tmp_pat
     assert "[compile]" in toml_path.read_text()
     code, out, err = run_cli("estimate", "--from", str(toml_path), "--cluster", "h100-sxm", "--gpus", "8", "--json")
     assert code == 0, err
-    assert "torch.compile priced for its Float8 casts only" in err
+    assert "torch.compile priced as its Float8 casts fused" in err
     assert json.loads(out)["step_time_s"] == pytest.approx(written["prediction"]["step_time_s"], rel=1e-6)

@@ -74,7 +74,7 @@ def test_expert_times_are_priced_once_per_layout_and_micro_batch():
 
 def test_memoised_compute_times_give_the_same_layer_costs():
     """Every layer of a dense model, priced with one memo across a sweep of meshes, micro-batch
-    counts, precisions, fp8 recipes, engines and recomputation, costs exactly what it costs
+    counts, precisions, fp8 recipes, engines (torchtitan eager and compiled) and recomputation, costs exactly what it costs
     priced fresh: the compute times read only `compute_time.compute_time_key` of the configuration."""
     from meshplan.planner.profiling.profiler import profile
 
@@ -83,10 +83,12 @@ def test_memoised_compute_times_give_the_same_layer_costs():
     checked = 0
     sweep = itertools.product((1, 2), (1, 2), (2, 4), (1, 2), (0, 1, 3), ("none", "selective", "full"),
                               (("bf16-mixed", None), ("fp8", "tensorwise"), ("fp8", "delayed")),
-                              ("meshplan", "megatron", "torchtitan"), (1, 4))
-    for tp, cp, dp, pp, zero, recompute, (precision, recipe), engine, steps in sweep:
+                              (("meshplan", False), ("megatron", False), ("torchtitan", False), ("torchtitan", True)),
+                              (1, 4))
+    for tp, cp, dp, pp, zero, recompute, (precision, recipe), (engine, compiled), steps in sweep:
         config = ParallelConfig(gpus=tp * cp * dp * pp, global_batch=8 * dp * steps, tp=tp, cp=cp, dp=dp, pp=pp, zero=zero,
-                                recompute=recompute, sp=tp > 1, precision=precision, fp8_recipe=recipe, engine=engine)
+                                recompute=recompute, sp=tp > 1, precision=precision, fp8_recipe=recipe, engine=engine,
+                                torch_compile=compiled)
         for layer in graph.layers:
             fresh = layer_cost(layer, config, H100, graph.info, profile_dtype="bf16", attention=graph.attention)
             shared = layer_cost(layer, config, H100, graph.info, profile_dtype="bf16", attention=graph.attention,

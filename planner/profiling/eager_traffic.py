@@ -1,0 +1,133 @@
+"""The memory traffic of a Llama block's elementwise kernels run eagerly, counted op by op.
+
+Fused engines (Megatron-Core with Transformer Engine, torch.compile) run a block's norms, rotary
+embedding, SwiGLU and residual adds as a few fused kernels, whose traffic the profile's fitted
+`elementwise_bytes_per_activation_byte` describes. torchtitan without torch.compile runs its
+Llama block as its code writes it, one kernel per aten op: its RMSNorm in fp32
+(`x.float()`, `pow`, `mean`, `rsqrt`, two multiplies, `type_as`: torchtitan's own RMSNorm class of
+2024, torch's composite `rms_norm` before its fused CUDA kernel), its rotary embedding through
+complex fp32 multiplies (`apply_rotary_emb`), `repeat_kv`'s copies for grouped-query attention,
+SwiGLU as `silu(w1 x) * w3 x`, two residual adds; and autograd runs each op's backward as kernels
+of its own. `block_bytes` traces that block on the meta device under a dispatch mode and sums,
+per kernel, the bytes it reads and writes (each tensor's storage once; views, matmuls and the
+attention kernel excluded: the GEMMs and attention are priced by shape), forward and backward.
+Nothing is fitted: the count is the code's.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# Matmuls (priced by shape) and allocations move no elementwise traffic; views move none.
+NOT_COUNTED = frozenset({"mm", "bmm", "addmm", "empty_like", "empty", "zeros_like", "ones_like", "full_like",
+                         "view", "_unsafe_view", "reshape", "expand", "unsqueeze", "squeeze", "transpose", "t",
+                         "permute", "view_as_complex", "view_as_real", "slice", "select", "alias", "detach",
+                         "as_strided", "_reshape_alias", "split", "split_with_sizes", "unbind"})
+TOKENS = 64  # traced tokens: the count is linear in them (per-token figures)
+
+
+class _Attention(torch.autograd.Function):
+    """The fused attention kernel as a stand-in: its traffic is `attention_kernels`' to price."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        k, v = ctx.saved_tensors
+        return torch.empty_like(grad), torch.empty_like(k), torch.empty_like(v)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def _rotary(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    return (torch.view_as_real(xq_ * freqs).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs).flatten(3).type_as(xk))
+
+
+def _repeat_kv(x, n_rep: int):
+    batch, seq, heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return x.unsqueeze(3).expand(batch, seq, heads, n_rep, head_dim).reshape(batch, seq, heads * n_rep, head_dim)
+
+
+class _Block(nn.Module):
+    """torchtitan's Llama TransformerBlock, its elementwise ops as its code writes them."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.wq = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.w1, self.w3 = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.attention_norm, self.ffn_norm = _RMSNorm(hidden), _RMSNorm(hidden)
+
+    def forward(self, x, freqs_cis):
+        batch, seq, _ = x.shape
+        y = self.attention_norm(x)
+        q = self.wq(y).view(batch, seq, self.heads, self.head_dim)
+        k = self.wk(y).view(batch, seq, self.kv_heads, self.head_dim)
+        v = self.wv(y).view(batch, seq, self.kv_heads, self.head_dim)
+        q, k = _rotary(q, k, freqs_cis)
+        rep = self.heads // self.kv_heads
+        k, v = _repeat_kv(k, rep), _repeat_kv(v, rep)
+        out = _Attention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        h = x + self.wo(out.transpose(1, 2).contiguous().view(batch, seq, -1))
+        z = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(z)) * self.w3(z))
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    # a view reads its elements, an expanded one its storage: whichever is smaller
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class _Traffic(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket.__name__ not in NOT_COUNTED:
+            self.bytes += sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        return out
+
+
+@lru_cache(maxsize=None)
+def block_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> tuple[float, float]:
+    """(forward, backward) bytes per token the eager block's elementwise kernels move (bf16
+    activations and weights), traced on the meta device."""
+    with torch.device("meta"):
+        block = _Block(hidden, heads, kv_heads, head_dim, ffn).to(torch.bfloat16)
+        x = torch.empty(1, TOKENS, hidden, dtype=torch.bfloat16, requires_grad=True)
+        freqs_cis = torch.empty(TOKENS, head_dim // 2, dtype=torch.complex64)
+        forward, backward = _Traffic(), _Traffic()
+        with forward:
+            out = block(x, freqs_cis)
+        grad = torch.empty_like(out)
+        with backward:
+            out.backward(grad)
+    return forward.bytes / TOKENS, backward.bytes / TOKENS

@@ -1,0 +1,86 @@
+"""torchtitan's eager Llama block: its elementwise kernels' bytes, counted op by op
+(`profiling.eager_traffic`), against a count by hand, and what `compute_times_s` charges for them."""
+from __future__ import annotations
+
+import pytest
+
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.costing import eager_kernels
+from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
+from meshplan.planner.costing.compute_time import compute_times_s
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.profiling import eager_traffic
+from meshplan.planner.profiling.profiler import profile
+
+SEQ = 2048
+
+
+def _forward_by_hand(h: int, heads: int, kv_heads: int, head_dim: int, f: int, tokens: int) -> float:
+    """Bytes per token of the forward's kernels, op by op (bf16 activations, fp32 in the norm and
+    rotary embedding). Each RMSNorm: x.float() 2h read + 4h written, pow 4h + 4h, mean 4h + 4,
+    + eps 4 + 4, rsqrt 4 + 4, y * rsqrt 4h + 4 + 4h, type_as 4h + 2h, * weight 2h + 2h (and the
+    weight's 2h bytes once for all tokens). Rotary: q and k to fp32 (6 bytes a value), a complex
+    multiply each (4 read, 4 written, and the frequencies' 8 bytes per pair of head_dim once per
+    token), back to bf16 (6). repeat_kv's copies: k's and v's storage read, the query heads' width
+    written. Two residual adds 6h each; SwiGLU: silu 4f, the product 6f."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    norm = 36 * h + 24 + 2 * h / tokens
+    rotary = 20 * q + 20 * kv + 2 * 4 * head_dim
+    repeat = 2 * (2 * kv + 2 * q) if heads != kv_heads else 0
+    return 2 * norm + rotary + repeat + 2 * 6 * h + 10 * f
+
+
+@pytest.mark.parametrize("shape", [(4096, 32, 8, 128, 14336), (5120, 40, 40, 128, 13824), (1024, 8, 2, 128, 2816)])
+def test_the_forward_count_is_the_blocks_ops_by_hand(shape):
+    """Llama 3 8B, Llama 2 13B (no GQA: no repeat_kv copies) and a small GQA block, exactly."""
+    forward, backward = eager_traffic.block_bytes(*shape)
+    assert forward == pytest.approx(_forward_by_hand(*shape, eager_traffic.TOKENS), rel=1e-12)
+    # autograd's kernels: each op's backward reads its saved inputs and the incoming gradient and
+    # writes the outgoing one, more than the forward and less than three times it
+    assert 1.8 * forward < backward < 3 * forward
+
+
+def test_the_count_exceeds_the_fused_rule_for_llama_3_8b():
+    """Per token and hidden unit: 149 forward and 308 backward, where the fitted rule charges
+    Megatron's fused kernels' 87 and 173 (the README's figures)."""
+    forward, backward = eager_traffic.block_bytes(4096, 32, 8, 128, 14336)
+    assert forward / 4096 == pytest.approx(149.3, abs=0.1) and backward / 4096 == pytest.approx(308.4, abs=0.1)
+
+
+def _config(**changes) -> ParallelConfig:
+    base = dict(gpus=8, global_batch=16, tp=2, sp=True, dp=4, microbatch_size=2, zero=3, engine="torchtitan")
+    return ParallelConfig(**{**base, **changes})
+
+
+def test_torchtitan_eager_blocks_pay_the_counted_bytes_compiled_ones_the_rule():
+    """A Llama 3 8B block at micro-batch 2 over TP 2: eager, its counted bytes per token times the
+    rank's 2 x 2048 / 2 tokens at the achieved bandwidth replace the rule's; compiled, and under
+    any other engine, the rule stands; the GEMMs are the same either way."""
+    graph = profile("llama3-8b", SEQ)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    cluster = load_cluster("h100-sxm")
+    eager, compiled = _config(), _config(torch_compile=True)
+    assert eager_kernels.counts_eager_kernels(block, eager, graph.info, "bf16")
+    assert not eager_kernels.counts_eager_kernels(block, compiled, graph.info, "bf16")
+    # torchtitan's async TP runs only compiled (its parallelize refuses it otherwise)
+    assert not eager_kernels.counts_eager_kernels(block, _config(tp_comm_overlap=True), graph.info, "bf16")
+    assert not eager_kernels.counts_eager_kernels(block, _config(engine="megatron"), graph.info, "bf16")
+    head = next(layer for layer in graph.layers if layer.kind == "head")
+    assert not eager_kernels.counts_eager_kernels(head, eager, graph.info, "bf16")
+    forward, backward = eager_traffic.block_bytes(4096, 32, 8, 128, 14336)
+    tokens = 2 * SEQ / 2
+    assert eager_kernels.eager_bytes(block, eager, graph.info, "bf16") == pytest.approx((forward * tokens,
+                                                                                         backward * tokens))
+    eager_fwd, eager_bwd, _ = compute_times_s(block, eager, cluster, graph.info, 1.0, 1.0, "bf16", graph.attention)
+    fused_fwd, fused_bwd, _ = compute_times_s(block, compiled, cluster, graph.info, 1.0, 1.0, "bf16", graph.attention)
+    # the rule's bytes: the profile's factor times what the block saves (its rebuilt norm outputs
+    # counted in, and written once more in backward without recomputation)
+    rebuilt = rebuilt_bytes(block, compiled, 1.0)
+    saved = activation_bytes(block, compiled, 1.0, recompute="none")[0] + rebuilt
+    rule = cluster.device.elementwise_bytes_per_activation_byte
+    assert eager_fwd - fused_fwd == pytest.approx(memory_time_s(forward * tokens, cluster)
+                                                  - memory_time_s(rule * saved, cluster), rel=1e-9)
+    assert eager_bwd - fused_bwd == pytest.approx(memory_time_s(backward * tokens, cluster)
+                                                  - memory_time_s(rule * (2 * saved + rebuilt), cluster), rel=1e-9)
+    assert eager_fwd > fused_fwd and eager_bwd > fused_bwd
