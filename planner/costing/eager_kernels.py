@@ -23,9 +23,10 @@ EAGER_ENGINES = ("torchtitan",)
 
 def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str) -> bool:
     """Whether `layer` is a dense Llama block an eager engine runs op by op: the engine in
-    `EAGER_ENGINES`, not compiled, and the block's Linears known by shape (no routed experts)."""
+    `EAGER_ENGINES`, not compiled, and the block's Linears known by shape (no routed experts; an
+    even head dimension, which the rotary embedding pairs)."""
     return (config.engine in EAGER_ENGINES and not runs_compiled(config) and info.family == "llama"
-            and layer.kind == "block" and not layer.expert_params
+            and layer.kind == "block" and not layer.expert_params and info.attention_head_dim % 2 == 0
             and bool(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))))
 
 
