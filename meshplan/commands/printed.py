@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from meshplan.commands.common import GIB, throughput_line
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
+from meshplan.planner.contracts.engine_rules import runs_compiled
 from meshplan.planner.costing import torchtitan_sac
 from meshplan.planner.costing.compute_time import early_stops
 from meshplan.planner.costing.fp8 import is_fp8
@@ -38,7 +39,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
              + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
              + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
              + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
-             + (" compile=on" if cfg.torch_compile else "")
+             + (" compile=on" if cfg.torch_compile else " compile=on (async TP needs it)" if runs_compiled(cfg) else "")
              + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""),
              overlap_line(cfg), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
