@@ -18,18 +18,12 @@ from meshplan.planner.costing.tp_split import is_split
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
-def tp_comm_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
-              act_scale: float) -> tuple[float, float]:
-    """Blocking TP collectives of one micro-batch (forward, backward), Megatron pattern: the sums
-    of `tp_comm_parts_s`."""
-    (fwd_gather, fwd_scatter), (bwd_gather, bwd_scatter) = tp_comm_parts_s(layer, config, cluster, act_scale)
-    return fwd_gather + fwd_scatter, bwd_gather + bwd_scatter
-
-
 def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
                     act_scale: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """((forward gathers, forward scatters), (backward gathers, backward scatters)) seconds of one
-    micro-batch's blocking TP collectives; all-reduces count as scatters.
+    micro-batch's blocking TP collectives, Megatron pattern; all-reduces count as scatters (the
+    gathers and scatters apart because async TP fuses them by different rules,
+    `overlap.unpipelined_tp_comm_s`).
 
     Block: `num_allreduce_per_pass` all-reduces of the (b, s, h) output per pass; with SP each
     becomes an all-gather + reduce-scatter of the same tensor (same ring volume; the all-gather

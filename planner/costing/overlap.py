@@ -70,8 +70,9 @@ def unpipelined_tp_comm_s(layer, config, parts) -> tuple[float, float]:
     each a row Linear's product, fuse."""
     (fwd_gather, _), (bwd_gather, bwd_scatter) = parts
     split = layer.tp_split
-    if overlap_of(config).tp_overlap_pattern != "micro_pipeline" or split.kind != "block" \
-            or not split.num_allreduce_per_pass:
+    # the cheap tests first: this runs for every layer a cost table prices
+    if split.kind != "block" or not split.num_allreduce_per_pass or not (fwd_gather or bwd_scatter) \
+            or overlap_of(config).tp_overlap_pattern != "micro_pipeline":
         return 0.0, 0.0
     fp8_linears = fp8.is_fp8(config.precision) and fp8.converts(layer)
     cast_after_gather = fp8_linears and not fp8.fp8_tp_gather(layer, config)

@@ -31,11 +31,35 @@ def _forward_by_hand(h: int, heads: int, kv_heads: int, head_dim: int, f: int, t
     return 2 * norm + rotary + repeat + 2 * 6 * h + 10 * f
 
 
+def _norm_backward_by_hand(h: int, tokens: int) -> float:
+    """One RMSNorm's backward kernels per token, as autograd runs them: grad x weight (2h read, the
+    weight once, 2h written), grad x normed (6h) summed over tokens for the weight's gradient (2h
+    read), the bf16 -> fp32 cast (6h), the fp32 product rule through y * rsqrt (12h, then 8h + 4 with
+    the per-token rsqrt broadcast, its sum over h 4h + 4, three per-token ops 28), mean's backward
+    (4h + 4), pow's (8h, 8h), the two paths into y added (12h + 12h), back to bf16 (6h)."""
+    return 92 * h + 40 + 4 * h / tokens
+
+
+def _backward_by_hand(h: int, heads: int, kv_heads: int, head_dim: int, f: int, tokens: int) -> float:
+    """Bytes per token of the backward's kernels: SwiGLU's product (two multiplies, 12f) and
+    silu's backward (6f); five residual-stream adds of bf16 gradients (6h each: up + gate into the
+    norm output, q + k + v into theirs (two), and each residual branch into the block's input and
+    middle); the two norms; repeat_kv's sums back to the K/V heads; the rotary embedding's
+    (bf16 -> fp32 cast 6, complex multiply by the frequencies' conjugate 8 and back 6 a value, the
+    frequencies read 4 x head_dim, conjugated and cloned 16 x head_dim, for q and for k)."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    repeat = 2 * (2 * q + 2 * kv) if heads != kv_heads else 0
+    rotary = 20 * q + 20 * kv + 2 * (4 + 16) * head_dim
+    return 18 * f + 5 * 6 * h + 2 * _norm_backward_by_hand(h, tokens) + repeat + rotary
+
+
 @pytest.mark.parametrize("shape", [(4096, 32, 8, 128, 14336), (5120, 40, 40, 128, 13824), (1024, 8, 2, 128, 2816)])
 def test_the_forward_count_is_the_blocks_ops_by_hand(shape):
-    """Llama 3 8B, Llama 2 13B (no GQA: no repeat_kv copies) and a small GQA block, exactly."""
+    """Llama 3 8B, Llama 2 13B (no GQA: no repeat_kv copies) and a small GQA block, exactly, the
+    backward too."""
     forward, backward = eager_traffic.block_bytes(*shape)
     assert forward == pytest.approx(_forward_by_hand(*shape, eager_traffic.TOKENS), rel=1e-12)
+    assert backward == pytest.approx(_backward_by_hand(*shape, eager_traffic.TOKENS), rel=1e-12)
     # autograd's kernels: each op's backward reads its saved inputs and the incoming gradient and
     # writes the outgoing one, more than the forward and less than three times it
     assert 1.8 * forward < backward < 3 * forward

@@ -12,7 +12,7 @@ from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES
 from meshplan.planner.contracts.overlap import ENGINE_OVERLAPS, EngineOverlap, engine_overlap
 from meshplan.planner.costing import context_parallel
 from meshplan.planner.costing.collectives import collective_time_s, send_recv_time_s
-from meshplan.planner.costing.communication import dp_comm_s, tp_comm_s
+from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
@@ -95,7 +95,7 @@ def test_a_megatron_layer_without_tp_overlap_pays_all_of_its_tp_traffic():
     cluster = load_cluster("h100-sxm")
     block = next(layer for layer in graph.layers if layer.kind == "block")
     blocking = layer_cost(block, config(engine="megatron", tp_comm_overlap=False), cluster, graph.info)
-    raw_fwd, raw_bwd = tp_comm_s(block, config(), cluster, 1.0)
+    raw_fwd, raw_bwd = (sum(part) for part in tp_comm_parts_s(block, config(), cluster, 1.0))
     assert (blocking.tp_fwd_comm_s, blocking.tp_bwd_comm_s) == pytest.approx((raw_fwd, raw_bwd))
 
 
@@ -105,7 +105,7 @@ def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic():
     block = next(layer for layer in graph.layers if layer.kind == "block")
     own = layer_cost(block, config(), cluster, graph.info)
     megatron = layer_cost(block, config(engine="megatron"), cluster, graph.info)
-    raw_fwd, raw_bwd = tp_comm_s(block, config(), cluster, 1.0)
+    raw_fwd, raw_bwd = (sum(part) for part in tp_comm_parts_s(block, config(), cluster, 1.0))
     assert raw_fwd > 0 and own.fwd_compute_s > raw_fwd  # the GEMMs cover all but the first piece
     assert own.tp_fwd_comm_s - megatron.tp_fwd_comm_s == pytest.approx(raw_fwd * 7 / 8)
     assert own.tp_bwd_comm_s - megatron.tp_bwd_comm_s == pytest.approx(raw_bwd * 7 / 8)
