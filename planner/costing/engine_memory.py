@@ -64,7 +64,7 @@ from meshplan.planner.costing import foundry_memory, gemm, megatron_activations,
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.fp8 import fp8_primary_weights
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
-from meshplan.planner.costing.tp_split import extra_vocab_params, is_split, vocab_scale
+from meshplan.planner.costing.tp_split import is_split, rank_params, vocab_scale
 
 # Families whose blocks the formulas describe (GPT-3 style, Llama style, their mixtures of experts);
 # other models (file, hf:) fall back on the profile's accounting of what autograd keeps.
@@ -136,6 +136,7 @@ class EngineMemory(NamedTuple):
     optimizer_bytes: float
     activation_bytes: float
     buffer_bytes: float
+    expert_state_bytes: float = 0.0  # of params + grads + optimizer: the routed experts'
 
 
 def keeps_stage_outputs(engine: str) -> bool:
@@ -210,12 +211,8 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
                         profile_dtype: str, attention: str, holds_shared: bool) -> EngineMemory:
     """The layer's memory on one rank under `config.engine` (not "meshplan"), its routed experts
     and context parallelism included."""
-    engine, tp = config.engine, config.tp
-    split = is_split(layer, tp)
-    shard = tp if split else 1
-    dense_params = (layer.num_params - layer.expert_params + extra_vocab_params(layer, tp, info)
-                    + (layer.shared_params if holds_shared else 0.0)) / shard
-    expert_params = layer.expert_params / config.ep / shard
+    engine = config.engine
+    dense_params, expert_params = rank_params(layer, info, config.tp, config.ep, config.expert_tp, holds_shared)
     ranks = config.shard_degree if config.shard_group else config.data_ranks
     states = engine_state_bytes(engine, dense_params, ranks, config.zero, config.precision, config.pp,
                                 config.grad_reduce_in_bf16)
@@ -230,14 +227,16 @@ def engine_layer_memory(layer: LayerProfile, config: ParallelConfig, info: Model
         # the root FSDP unit (embedding, final norm, output: `fully_shard(model)`) is not resharded
         # after forward (FSDP2 keeps the root gathered for the backward that follows)
         states["params"] += dense_params * (4.0 if config.precision == "fp32" else 2.0)
+    expert_states = 0.0
     if expert_params:
         experts = engine_state_bytes(engine, expert_params, config.expert_data_ranks, config.zero,
                                      config.precision, config.pp, config.grad_reduce_in_bf16)
         states = {key: states[key] + experts[key] for key in states}
+        expert_states = sum(experts.values())
     saved, working = _activations(layer, config, info, act_scale, profile_dtype, attention)
     # a layer's gathered parameters are live while its recomputation and backward run
     buffer = working + _gather_buffer(engine, layer, config, dense_params + expert_params)
-    return EngineMemory(states["params"], states["grads"], states["optimizer"], saved, buffer)
+    return EngineMemory(states["params"], states["grads"], states["optimizer"], saved, buffer, expert_states)
 
 
 def _gather_buffer(engine: str, layer: LayerProfile, config: ParallelConfig, params: float) -> float:

@@ -28,7 +28,7 @@ from meshplan.planner.costing.memo import through
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, grad_wire_bytes_per_param, state_bytes
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
-from meshplan.planner.costing.tp_split import as_engine_splits, extra_vocab_params, is_split, vocab_scale
+from meshplan.planner.costing.tp_split import as_engine_splits, is_split, rank_params, vocab_scale
 
 
 @dataclass(frozen=True)
@@ -297,13 +297,9 @@ class _ModelStates(NamedTuple):
 def grad_copy_params(layer: LayerProfile, info: ModelInfo, tp: int, ep: int, expert_tp: int,
                      holds_shared: bool = False) -> float:
     """The parameters whose gradients FSDP2's copies touch on one rank, per micro-batch
-    (`state_memory.grad_copy_bytes_per_param`): the layer's own (a padded vocabulary's rows and a
-    tied copy included, / tp when split) and its routed experts' (/ ep expert_tp): what
-    `layer_cost` charges them on, dense part and experts."""
-    dense = layer.num_params - layer.expert_params + extra_vocab_params(layer, tp, info)
-    if holds_shared:
-        dense += layer.shared_params
-    return dense / (tp if is_split(layer, tp) else 1) + layer.expert_params / ep / expert_tp
+    (`state_memory.grad_copy_bytes_per_param`): the layer's dense part and its routed experts'
+    (`tp_split.rank_params`), what `layer_cost` charges them on."""
+    return sum(rank_params(layer, info, tp, ep, expert_tp, holds_shared))
 
 
 def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
@@ -313,10 +309,7 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     tp, dp, zero, precision, pp = config.tp, config.data_ranks, config.zero, config.precision, config.pp
     shard = config.shard_degree if config.shard_group else None
     split = is_split(layer, tp)
-    num_params = layer.num_params + extra_vocab_params(layer, tp, info)
-    if holds_shared:
-        num_params += layer.shared_params
-    params_per_rank = num_params / (tp if split else 1)
+    params_per_rank = rank_params(layer, info, tp, 1, 1, holds_shared)[0]  # a dense layer or a MoE block's dense part
     memory = state_bytes(params_per_rank, dp, zero, precision, state_recipe, tp, pp, shard)
     compute_bytes = recipe(precision)["param"]
     # bytes per parameter a gather moves and an unsharded copy holds (fp8: float8 all-gather)

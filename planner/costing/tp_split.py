@@ -55,3 +55,16 @@ def extra_vocab_params(layer: LayerProfile, tp: int, info: ModelInfo) -> float:
     if scale == 1.0 or layer.num_params < info.padded_vocab * info.hidden:
         return 0.0  # a head whose weight is tied to the embedding owns no vocab rows
     return (scale - 1.0) * info.padded_vocab * info.hidden
+
+
+def rank_params(layer: LayerProfile, info: ModelInfo, tp: int, ep: int, expert_tp: int,
+                holds_shared: bool = False) -> tuple[float, float]:
+    """(dense, routed experts) parameters of `layer` on one rank: the layer's own (a padded
+    vocabulary's rows, and a tied copy where the rank holds it, included) / tp when TP splits it,
+    and its routed experts' / (ep expert_tp): expert tensor parallelism, not the dense layers'
+    TP, splits each expert (MoE parallel folding, `expert_parallel`). Every memory recipe and the
+    gradient copies read their counts here."""
+    dense = layer.num_params - layer.expert_params + extra_vocab_params(layer, tp, info)
+    if holds_shared:
+        dense += layer.shared_params
+    return dense / (tp if is_split(layer, tp) else 1), layer.expert_params / ep / expert_tp

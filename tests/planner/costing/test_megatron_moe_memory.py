@@ -195,3 +195,24 @@ def test_megatron_arguments_carry_their_recompute_modules(run_cli, tmp_path):
                              "--recompute-modules", "moe_act", "layernorm", "--json")
     assert code == 0, err
     assert from_file["memory_bytes"][0]["activations"] == pytest.approx(json.loads(out)["memory_bytes"][0]["activations"])
+
+
+@pytest.mark.parametrize("engine, etp", [("megatron", 1), ("megatron", 2), ("torchtitan", 1), ("deepspeed", 1)])
+def test_routed_expert_states_follow_expert_tp(engine, etp):
+    """Each rank holds E / ep experts split etp ways (MoE parallel folding), whatever the dense
+    layers' TP: the engine's expert states are exactly expert_params / (ep etp) at its bytes per
+    parameter (`engine_state_bytes` over the expert-data ranks), and the `experts` figure is that
+    part of params + grads + optimizer. Qwen3-235B's block at TP 2 and EP 8 on 32 ranks a stage."""
+    from meshplan.planner.costing.engine_memory import engine_state_bytes
+
+    graph = profile("qwen3-235b-a22b", SEQ)
+    pp = 1 if engine == "deepspeed" else 8
+    config = ParallelConfig(gpus=32 * pp, global_batch=32 * pp, tp=2, pp=pp, dp=16, sp=True, zero=1, ep=8, etp=etp,
+                            engine=engine, schedule="1f1b")
+    block = next(layer for layer in graph.layers if layer.expert_params)
+    cost = _moe_block_cost(graph, config)
+    edp = 2 * 16 // (8 * etp)  # tp * dp / (ep * etp)
+    assert config.expert_data_ranks == edp
+    expected = engine_state_bytes(engine, block.expert_params / (8 * etp), edp, 1, "bf16-mixed", pp)
+    assert cost.expert_state_bytes == pytest.approx(sum(expected.values()), rel=1e-12)
+    assert cost.expert_state_bytes < cost.param_bytes + cost.grad_bytes + cost.optimizer_bytes
