@@ -120,12 +120,9 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     elif cfg.shard_group:
         notes.append(f"HSDP (shard groups of {cfg.shard_group}) at ZeRO-{cfg.zero}: Megatron FSDP shards over all "
                      f"data-parallel ranks; exported as ZeRO-{cfg.zero} over {cfg.dp}")
-    if cfg.zero >= 2 and cfg.pp == 1:  # Megatron FSDP also shards the gradients (and the parameters)
+    if cfg.zero >= 2:  # Megatron FSDP also shards the gradients (and the parameters), as `_read_zero` reads it back
         args += [("--use-megatron-fsdp", None),
                  ("--data-parallel-sharding-strategy", "optim_grads_params" if cfg.zero == 3 else "optim_grads")]
-    elif cfg.zero >= 2:
-        notes.append(f"ZeRO-{cfg.zero} with pipelining: exported as Megatron-LM's distributed optimizer (ZeRO-1), "
-                     "as meshplan also runs it")
     args += _overlap_args(cfg)
     if cfg.offload != "none":  # Megatron-Core's HybridDeviceOptimizer (megatron/core/optimizer/cpu_offloading)
         args += [("--optimizer-cpu-offload", None), ("--optimizer-offload-fraction", 1.0),

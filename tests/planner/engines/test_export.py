@@ -102,6 +102,21 @@ def test_megatron_export_of_zero3_is_megatron_fsdp():
     assert "--use-megatron-fsdp" in flags and flags["--data-parallel-sharding-strategy"] == "optim_grads_params"
 
 
+@pytest.mark.parametrize("zero, strategy", [(2, "optim_grads"), (3, "optim_grads_params")])
+def test_megatron_export_of_sharded_gradients_with_pipelining_reads_back(zero, strategy):
+    """ZeRO-2/3 under pipelining is Megatron FSDP too, as `--engine megatron` prices it (gradients
+    sharded over the data ranks) and as the reader takes it back: the round trip keeps the stage
+    and writes no approximation."""
+    from meshplan.planner.engines.megatron import read_megatron
+
+    exported = export_plan(make_plan(zero=zero, pp=2, dp=2), "megatron")
+    flags = parse_arguments(exported.text)
+    assert "--use-megatron-fsdp" in flags and flags["--data-parallel-sharding-strategy"] == strategy
+    assert not any("ZeRO" in note for note in exported.notes)
+    job = read_megatron(exported.text)
+    assert (job.zero, job.pp) == (zero, 2)
+
+
 def test_megatron_export_of_an_uneven_interleaved_cut_is_its_layout():
     """A cut that uneven first/last stages cannot express is written as Megatron-Core's
     --pipeline-model-parallel-layout (chunks in model order) and read back exactly."""
