@@ -1,4 +1,4 @@
-"""Every axis both ways: CP, EP, interleaved and zbv plans exported to each engine and read back
+"""Every axis both ways: CP, EP, interleaved, zbv and ZeRO-2-under-pipelining plans exported to each engine and read back
 give the plan's step as the engine runs it (its overlap) within 1%, or the export names the approximation, or the engine refuses a
 schedule it does not run in one line; the engines' own loaders accept what is written."""
 from __future__ import annotations
@@ -22,6 +22,7 @@ PLANS = {
     "interleaved": dict(zero=1, pp=2, dp=2, tp=2, schedule="interleaved", vpp=2, counts=[1, 3, 2, 2]),
     "zbv": dict(zero=1, pp=2, dp=2, tp=2, schedule="zbv", vpp=2),
     "ep": dict(zero=1, pp=1, dp=4, tp=1, sp=False, ep=2, spec=MOE_SPEC),
+    "zero2-pp": dict(zero=2, pp=2, dp=2, tp=2),  # Megatron FSDP under pipelining
 }
 # (plan, engine) pairs whose export is exact (no warning; within 1%); the rest below
 # (interleaved, torchtitan): ZeRO-1 under a pipeline runs as ZeRO-2 there (FSDP reduce-scatters every
@@ -33,7 +34,8 @@ REFUSED = {("interleaved", "deepspeed"): "runs 1f1b only, not interleaved",
            ("zbv", "megatron"): "Megatron-LM has no zbv pipeline schedule"}
 NAMED = {("cp", "deepspeed"): "sequence parallelism: not a ds_config key",
          ("interleaved", "torchtitan"): "ZeRO-1: torchtitan's FSDP has no optimizer-only sharding",
-         ("ep", "deepspeed"): "expert parallelism 2: ds_config has no key"}
+         ("ep", "deepspeed"): "expert parallelism 2: ds_config has no key",
+         ("zero2-pp", "deepspeed"): "ZeRO-2 with pipelining: DeepSpeed's pipeline engine supports ZeRO-1 only"}
 
 
 def _round_trip(plan, engine, form=None):
