@@ -1,6 +1,7 @@
-"""Every axis both ways: CP, EP, interleaved, zbv and ZeRO-2-under-pipelining plans exported to each engine and read back
-give the plan's step as the engine runs it (its overlap) within 1%, or the export names the approximation, or the engine refuses a
-schedule it does not run in one line; the engines' own loaders accept what is written."""
+"""Every axis both ways: CP, EP, interleaved, zbv and ZeRO-2-under-pipelining plans exported to
+each engine and read back give the plan's step as the engine runs it (its overlap) within 1%, or
+the export names the approximation, or the engine refuses a schedule it does not run in one line;
+the engines' own loaders accept what is written."""
 from __future__ import annotations
 
 import ast
