@@ -43,7 +43,9 @@ def add_arguments(parser) -> None:
     add_recompute_early_stop_argument(parser)
     add_compile_argument(parser)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    parser.add_argument("--schedule", default=None, choices=SCHEDULES,
+                        help="pipeline schedule (default 1f1b; interleaved with --vpp above 1, as Megatron-LM's "
+                             "virtual pipeline size implies)")
     parser.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank (interleaved, zb-interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--microbatch-group-size", type=int, default=None,
                         help="interleaved 1F1B: micro-batches per round of the virtual stages (Megatron-Core's "
@@ -82,6 +84,10 @@ def run(args) -> int:
 
     cluster = load_cluster(args.cluster)  # loaded once: the kernel note and the band take it
     notes = job_notes(args, cluster)  # every estimate below prices the kernel it settles
+    if args.schedule is None:  # virtual stages name the interleaved schedule, as in Megatron-LM
+        args.schedule = "interleaved" if args.vpp > 1 else "1f1b"
+        if args.vpp > 1:
+            notes.append(f"schedule: interleaved, which --vpp {args.vpp} implies (--schedule to change it)")
     prediction = _estimate_at(args, args.zero)
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line

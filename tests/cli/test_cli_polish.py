@@ -234,3 +234,21 @@ def test_an_engine_flag_name_is_answered_with_meshplans(run_cli):
     assert "--from" not in err  # plan reads no engine file
     code, out, err = run_cli("estimate", "--no-such-flag", "1")
     assert code == 2 and "here" not in err and "unrecognized arguments: --no-such-flag 1" in err
+
+
+def test_virtual_stages_imply_the_interleaved_schedule(run_cli):
+    """`--vpp V` (V > 1) alone prices interleaved 1F1B, as Megatron-LM's virtual pipeline size
+    does, and says so on stderr; a schedule named beside it is taken as named (1F1B with virtual
+    stages is refused in one line)."""
+    job = ("estimate", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", 16, "--gbs", 64, "--zero", 1,
+           "--pp", 2, "--vpp", 2)
+    code, out, err = run_cli(*job)
+    assert code == 0, err
+    assert "schedule=interleaved vpp=2" in out
+    assert "schedule: interleaved, which --vpp 2 implies (--schedule to change it)" in err
+    named = run_cli(*job, "--schedule", "interleaved")
+    assert named[0] == 0 and named[1] == out and "implies" not in named[2]
+    code, out, err = run_cli(*job, "--schedule", "1f1b")
+    assert code == 2 and "need --schedule interleaved or zb-interleaved" in err and err.count("\n") == 1
+    code, out, err = run_cli(*job[:-2])
+    assert code == 0 and "schedule=1f1b" in out and "implies" not in err
