@@ -45,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
+from fidelity_targets import WITHIN, print_targets, regime_groups  # noqa: E402
 from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_GROK1, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
                                       DGX_CLOUD_2504_NEMOTRON)
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
@@ -110,7 +111,10 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 CONSTANT_MFU = 0.5
 
 
-def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
+def metrics(scored: Sequence[Scored], clusters: dict[str, object]) -> dict[str, float]:
+    """The figures `summary` prints: mean, max and signed error, the Spearman rank correlations of
+    predicted against published throughput (tokens/s, model TFLOP/s and MFU per GPU; nan under 3
+    runs) and the constant-MFU rule's mean |error| on the same runs."""
     errors = [abs(s.error) for s in scored]
     per_gpu_published = [s.run.tokens_per_step / s.published_s / s.run.gpus for s in scored]
     per_gpu_predicted = [s.run.tokens_per_step / s.predicted_mean_s / s.run.gpus for s in scored]
@@ -127,14 +131,22 @@ def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
     # The rule of thumb on the same runs: every run at CONSTANT_MFU of the dense BF16 peak (the
     # step whose MFU that is: mfu(s, 1 s) / CONSTANT_MFU seconds). Nothing is fitted in it.
     rule_errors = [abs(mfu(s, 1.0) / CONSTANT_MFU / s.published_s - 1) for s in scored]
-    def rho(a, b) -> str:
-        value = spearman(a, b)
+    return {"runs": len(scored), "mean": float(np.mean(errors)), "max": max(errors),
+            "signed": float(np.mean([s.error for s in scored])),
+            "rho_tokens": spearman(per_gpu_predicted, per_gpu_published),
+            "rho_tflops": spearman(tflops_predicted, tflops_published),
+            "rho_mfu": spearman(mfu_predicted, mfu_published), "rule": float(np.mean(rule_errors))}
+
+
+def summary(scored: Sequence[Scored], clusters: dict[str, object]) -> str:
+    m = metrics(scored, clusters)
+    def rho(value) -> str:
         return "n/a (under 3 runs)" if math.isnan(value) else f"{value:.2f}"
-    return (f"{len(scored)} runs: mean |error| {np.mean(errors):.1%}, max {max(errors):.1%}, mean signed "
-            f"{np.mean([s.error for s in scored]):+.1%}; rank correlation tokens/s/GPU "
-            f"{rho(per_gpu_predicted, per_gpu_published)}, model TFLOP/s/GPU {rho(tflops_predicted, tflops_published)}, "
-            f"MFU {rho(mfu_predicted, mfu_published)}; "
-            f"a constant {CONSTANT_MFU:.0%}-MFU rule: mean |error| {np.mean(rule_errors):.1%}")
+    return (f"{m['runs']} runs: mean |error| {m['mean']:.1%}, max {m['max']:.1%}, mean signed "
+            f"{m['signed']:+.1%}; rank correlation tokens/s/GPU "
+            f"{rho(m['rho_tokens'])}, model TFLOP/s/GPU {rho(m['rho_tflops'])}, "
+            f"MFU {rho(m['rho_mfu'])}; "
+            f"a constant {CONSTANT_MFU:.0%}-MFU rule: mean |error| {m['rule']:.1%}")
 
 
 def print_rows(scored: Sequence[Scored]) -> None:
@@ -229,46 +241,10 @@ def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:
     print(f"the other {len(rest)}: {summary(rest, clusters)}")
 
 
-# Regimes every held-out run is also reported by (a run may be in several): where estimators err.
-SMALL_HIDDEN = 2048      # "small models": hidden 2048 or less
-LONG_SEQ = 16384         # "long sequences": 16K tokens or more
-LONG_FSDP_MAX_SEQ = 65536  # the long-sequence FSDP regime: ZeRO-2/3 runs of 16K-64K tokens
-WITHIN = 0.15            # each regime also counts its runs within this |error|
-
-
-def regimes(run: Run) -> tuple[str, ...]:
-    """The regimes `run` belongs to: dense (no experts, bf16, no FSDP), FSDP (ZeRO-2/3 without TP/PP:
-    FSDP's FULL_SHARD and SHARD_GRAD_OP), long sequence, long-sequence FSDP (16K-64K tokens), CP,
-    FP8, MoE, small model."""
-    hidden = graph_of(run.spec, run.seq, run.attention).info.hidden
-    out = []
-    fsdp = run.zero >= 2 and run.tp == run.pp == 1
-    if run.ep == 1 and run.precision != "fp8" and not fsdp:
-        out.append("dense (TP/PP/DP)")
-    if fsdp:
-        out.append("FSDP")
-    if run.seq >= LONG_SEQ:
-        out.append(f"long sequence (>= {LONG_SEQ // 1024}K)")
-    if fsdp and LONG_SEQ <= run.seq <= LONG_FSDP_MAX_SEQ:
-        out.append(f"long-sequence FSDP ({LONG_SEQ // 1024}K-{LONG_FSDP_MAX_SEQ // 1024}K)")
-    if run.cp > 1:
-        out.append("CP")
-    if run.precision == "fp8":
-        out.append("FP8")
-    if run.ep > 1:
-        out.append("MoE")
-    if hidden <= SMALL_HIDDEN:
-        out.append(f"small model (hidden <= {SMALL_HIDDEN})")
-    return tuple(out)
-
-
 def report_regimes(scored: Sequence[Scored], clusters) -> None:
     """Every held-out run (BF16, FP8 and MoE together) by regime, beside the constant-MFU rule."""
     print("\n== held out by regime (BF16, FP8 and MoE runs together; a run may be in several) ==")
-    groups: dict[str, list[Scored]] = {}
-    for s in scored:
-        for regime in regimes(s.run):
-            groups.setdefault(regime, []).append(s)
+    groups = regime_groups(scored)
     for regime in sorted(groups):
         members = groups[regime]
         within = sum(abs(s.error) <= WITHIN for s in members)
@@ -281,13 +257,14 @@ def report_regimes(scored: Sequence[Scored], clusters) -> None:
     print(f"every held-out run: {summary(scored, clusters)}")
 
 
-def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
+def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> list[float]:
     """FP8 over BF16 throughput where the source publishes both for one model, sequence length and
-    GPU count (their batch splits may differ): the fp8 rule's own error, apart from the step's."""
+    GPU count (their batch splits may differ): the fp8 rule's own error, apart from the step's.
+    Returns the speed-up errors of the pairs of one layout."""
     pairs = [(f, b) for f in fp8 for b in bf16 if b.source == f.source and b.cluster == f.cluster
              and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
     if not pairs:
-        return
+        return []
     print("FP8 over BF16 throughput, same model, sequence and GPUs:")
     errors, same, recipes = [], [], []
     for f, b in pairs:
@@ -314,6 +291,7 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> None:
         print("  of one layout, by recipe: " + "; ".join(
             f"{recipe} {len(e)}: {np.mean(np.abs(e)):.1%}, within 10%: {sum(abs(x) <= 0.10 for x in e)}"
             for recipe, e in sorted(by_recipe.items())))
+    return kept
 
 
 def layout_of(run: Run) -> tuple:
@@ -438,10 +416,13 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     runs = [r for r in all_runs() if only in r.name]
     clusters = {name: load_cluster(name) for name in sorted({r.cluster for r in runs})}
+    fit_means, fp8_pair_errors = {}, []
     for fit_set in ("a100", "h100"):
         members = [r for r in runs if r.group == fit_set]
         if members:
-            report(f"fit set {fit_set} (tunes the profiles)", score(members, clusters), clusters, brief)
+            scored_fit = score(members, clusters)
+            report(f"fit set {fit_set} (tunes the profiles)", scored_fit, clusters, brief)
+            fit_means[fit_set] = float(np.mean([abs(s.error) for s in scored_fit]))
     held = [r for r in runs if r.group == HELD_OUT]
     if held:
         scored = score(held, clusters)
@@ -456,7 +437,7 @@ def main(argv: list[str]) -> int:
     if fp8:  # apart: the fp8 recipe's efficiency is not fitted, and these runs tuned nothing
         report("FP8 (held out; --precision fp8, fp8_matmul_efficiency not fitted)", score(fp8, clusters), clusters,
                brief, by_cluster=True)
-        fp8_speedups(fp8, [r for r in all_runs() if r.group == HELD_OUT], clusters)
+        fp8_pair_errors = fp8_speedups(fp8, [r for r in all_runs() if r.group == HELD_OUT], clusters)
         tp_overlap_speedups(score(fp8, clusters))
     moe = [r for r in runs if r.group == HELD_OUT_MOE]
     if moe:  # apart: expert parallelism's costs are not fitted, and these runs tuned nothing
@@ -465,12 +446,13 @@ def main(argv: list[str]) -> int:
                by_cluster=True)
         report_regressions(scored_moe, clusters, brief)
         a2a_overlap_speedups(scored_moe)
-    every_held = [r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)]
+    every_held = score([r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)], clusters)
     if every_held:
-        report_regimes(score(every_held, clusters), clusters)
+        report_regimes(every_held, clusters)
     if "--write-bands" in argv and not only:
         write_bands({"dense": scored if held else [], "fp8": score(fp8, clusters) if fp8 else [],
                      "moe": score(moe, clusters) if moe else []})
+    print_targets(fit_means, every_held, lambda scored: metrics(scored, clusters), fp8_pair_errors)
     if not no_cv and not only:
         cross_validated()
     print(f"\n({time.perf_counter() - start:.0f} s)")
