@@ -62,8 +62,9 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     efficiency curve as `num_gemms` equal GEMMs (backward twice as many); fused attention at the
     named kernel's efficiency (`attention_kernels`); memory-bound time of the non-GEMM kernels from the bytes the layer saves
     (`elementwise_bytes_per_activation_byte`, backward twice), or, for the logits of a loss whose
-    kernels the engine's code names, those kernels' own bytes (`loss_kernels`), and for a Llama
-    block an engine runs eagerly, its kernels' bytes counted op by op (`eager_kernels`). Full recomputation
+    kernels the engine's code names, those kernels' own bytes (`loss_kernels`), and for a block an
+    engine runs eagerly (torchtitan's Llama, meshplan's executor on a GPU), its kernels' bytes counted
+    op by op, the norm outputs it rebuilds in backward included (`eager_kernels`). Full recomputation
     repeats the forward; selective repeats the attention core (QK^T, softmax, x V), or under
     torchtitan its per-op policy's rerun (`torchtitan_sac`).
     """
@@ -95,7 +96,7 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
         saved_bytes -= loss_kernels.logits_saved_bytes(layer, config, act_scale, vocab_scale)
         loss_fwd_s, loss_bwd_s = loss_kernels.loss_times_s(layer, config, cluster, vocab_scale, profile_dtype)
     fwd_bytes, bwd_bytes = traffic_per_act_byte * saved_bytes, traffic_per_act_byte * (2 * saved_bytes + bwd_extra)
-    if eager_kernels.counts_eager_kernels(layer, config, info, profile_dtype):  # counted op by op instead
+    if eager_kernels.counts_eager_kernels(layer, config, info, profile_dtype, cluster):  # counted op by op instead
         fwd_bytes, bwd_bytes = eager_kernels.eager_bytes(layer, config, info, profile_dtype)
     fwd_s = fwd_gemm_s + loss_fwd_s + memory_time_s(fwd_bytes, cluster)
     bwd_s = bwd_gemm_s + loss_bwd_s + memory_time_s(bwd_bytes, cluster)

@@ -1,14 +1,25 @@
 """A block's elementwise kernels under an engine that runs them eagerly, one kernel per op.
 
 The profile's `elementwise_bytes_per_activation_byte` (fitted on runs of fused kernels) prices
-every other engine's norms, activations and residual adds from the bytes a block saves. torchtitan
-without torch.compile runs its Llama block op by op, and its traffic is counted from that code
-instead (`profiling.eager_traffic.block_bytes`), forward and backward: about 149 and 308 bytes per
-token and hidden unit for Llama 3 8B's shapes, where the fitted rule charges about 87 and 173.
-`compute_time.compute_times_s` reads it for the blocks `counts_eager_kernels` names.
+every other engine's norms, activations and residual adds from the bytes a block saves. Two
+engines run their blocks op by op, and their traffic is counted from their code instead,
+forward and backward (`profiling.eager_traffic`):
+
+- torchtitan without torch.compile, its Llama block (`block_bytes`): about 149 and 308 bytes per
+  token and hidden unit for Llama 3 8B's shapes, where the fitted rule charges about 87 and 173;
+- meshplan's own executor (`meshplan train`), its GPT and Llama blocks on a GPU profile
+  (`executor_bytes_per_token`, the closed form of `eager_traffic.executor_block_bytes`'s count, so
+  that pricing needs no torch): for Llama 3 8B's shapes 146 and 812 (its RMSNorm's statistics and
+  backward and SwiGLU's backward run in fp32, op by op), for a GPT block 36 and 78. A CPU profile
+  keeps its calibrated factor: `meshplan calibrate` fits it on the executor's own GPT block on
+  that CPU, whose elementwise ops are not the bandwidth-bound kernels a GPU runs.
+
+`compute_time.compute_times_s` reads it for the blocks `counts_eager_kernels` names. The counts
+are the code's; nothing is fitted.
 """
 from __future__ import annotations
 
+from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.engine_rules import runs_compiled
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
@@ -19,25 +30,88 @@ from meshplan.planner.costing.tp_split import is_split
 # Engines whose Llama blocks run eagerly unless the configuration compiles them
 # (`engine_rules.runs_compiled`): torchtitan's `training.compile` / `[compile] enable` is off by default.
 EAGER_ENGINES = ("torchtitan",)
+# meshplan's executor: the zoo's GPT and Llama blocks (`models.transformer.Block`), always eager.
+EXECUTOR_ENGINE, EXECUTOR_FAMILIES = "meshplan", ("gpt", "llama")
 
 
-def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str) -> bool:
-    """Whether `layer` is a dense Llama block an eager engine runs op by op: the engine in
-    `EAGER_ENGINES`, not compiled, and the block's Linears known by shape (no routed experts; an
-    even head dimension, which the rotary embedding pairs)."""
-    return (config.engine in EAGER_ENGINES and not runs_compiled(config) and info.family == "llama"
-            and layer.kind == "block" and not layer.expert_params and info.attention_head_dim % 2 == 0
-            and bool(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))))
+def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str,
+                         cluster: ClusterProfile | None = None) -> bool:
+    """Whether `layer` is a dense block an eager engine runs op by op: under torchtitan (not
+    compiled) a Llama block, under meshplan's executor on a GPU profile (`cluster` with SMs) a GPT
+    or Llama block of the zoo; the block's Linears known by shape, no routed experts, an even head
+    dimension (which the rotary embedding pairs)."""
+    if layer.kind != "block" or layer.expert_params or info.attention_head_dim % 2:
+        return False
+    if config.engine in EAGER_ENGINES:
+        eager = not runs_compiled(config) and info.family == "llama"
+    else:
+        eager = (config.engine == EXECUTOR_ENGINE and info.family in EXECUTOR_FAMILIES
+                 and cluster is not None and cluster.device.num_sms > 0 and config.precision == "bf16-mixed")
+    return eager and bool(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype)))
 
 
 def eager_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str) -> tuple[float, float]:
     """(forward, backward) bytes one micro-batch's eager elementwise kernels move on one rank: the
     counted bytes per token times the rank's tokens, split over TP (sequence parallelism shards the
     norms and residual adds, TP the heads and the MLP's width)."""
-    from meshplan.planner.profiling.eager_traffic import block_bytes  # traces with torch: only when priced
-
     shard = config.tp if is_split(layer, config.tp) else 1
-    tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype) / shard
-    fwd, bwd = block_bytes(info.hidden, info.num_heads, info.num_kv_heads or info.num_heads, info.attention_head_dim,
-                           info.ffn or layer.tp_split.mlp_width)
-    return fwd * tokens, bwd * tokens
+    tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
+    kv_heads = info.num_kv_heads or info.num_heads
+    if config.engine != EXECUTOR_ENGINE:  # torchtitan: TP always with sequence parallelism
+        from meshplan.planner.profiling import eager_traffic  # traces with torch: only when priced
+
+        fwd, bwd = eager_traffic.block_bytes(info.hidden, info.num_heads, kv_heads, info.attention_head_dim,
+                                             info.ffn or layer.tp_split.mlp_width)
+        return fwd * tokens / shard, bwd * tokens / shard
+    fwd, fwd_stream, bwd, bwd_stream = executor_bytes_per_token(info, info.ffn or layer.tp_split.mlp_width,
+                                                                 *_llama_options(layer, info))
+    stream_shard = shard if config.sp else 1  # the residual stream is whole on every TP rank without SP
+    return (tokens * ((fwd - fwd_stream) / shard + fwd_stream / stream_shard),
+            tokens * ((bwd - bwd_stream) / shard + bwd_stream / stream_shard))
+
+
+# meshplan's executor block per token, bf16, counted as `eager_traffic.executor_block_bytes` traces it
+# (`tests/planner/costing/test_eager_kernels.py` holds the closed form to the trace): bytes per unit of
+# (h, H d, kv d, f, d, H, kv, 1) for h hidden, H query heads and kv K/V heads of d, f the MLP's width;
+# (forward, forward on the residual stream, backward, backward on the residual stream).
+#   residual stream, Llama: two op-by-op RMSNorms (x.float(), pow, mean, rsqrt, two multiplies, type_as,
+#   the weight) and two residual adds, 84 h + 16 forward; their fp32 backwards, the norm outputs
+#   rebuilt (`normed_call`) and the input gradients' sums, 326 h + 48 backward. GPT: LayerNorm 20 h + 16
+#   and 46 h + 16.
+#   TP region, Llama: RoPE's tables and rotations of q and k (22 H d + 18 kv d + 24 d), SwiGLU's
+#   silu and product (10 f), forward; backward SwiGLU's fp32 recomputation of silu and its product
+#   rule (126 f) and RoPE's (36 H d + 32 kv d + 8 d). Qwen's per-head q and k RMSNorms add 36 (H + kv) d
+#   + 24 (H + kv) forward and 112 (H + kv) d + 16 (H + kv) backward, biases on q, k, v their gradients'
+#   sums, 2 H d + 4 kv d. GPT: GELU 4 f forward (f = 4 h: 16 h), 8 f backward.
+_EXECUTOR_LLAMA = ((84, 22, 18, 10, 24, 0, 0, 72), (84, 0, 0, 0, 0, 0, 0, 16),
+                   (326, 36, 32, 126, 8, 0, 0, 80), (326, 0, 0, 0, 0, 0, 0, 48))
+_EXECUTOR_QK_NORM = ((0, 36, 36, 0, 0, 24, 24, 0), (0,) * 8, (0, 112, 112, 0, 0, 16, 16, 0), (0,) * 8)
+_EXECUTOR_QKV_BIAS = ((0,) * 8, (0,) * 8, (0, 2, 4, 0, 0, 0, 0, 0), (0,) * 8)
+_EXECUTOR_GPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
+                 (46, 0, 0, 8, 0, 0, 0, 16), (46, 0, 0, 0, 0, 0, 0, 16))
+
+
+def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False,
+                             qkv_bias: bool = False) -> tuple[float, float, float, float]:
+    """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
+    per token that meshplan's executor block moves in its elementwise kernels, unsharded (the table
+    above; exact for K/V heads >= 2, within 4 d backward for a single one)."""
+    d = info.attention_head_dim
+    heads, kv = info.num_heads, info.num_kv_heads or info.num_heads
+    units = (info.hidden, heads * d, kv * d, ffn, d, heads, kv, 1)
+    tables = [_EXECUTOR_GPT] if info.family == "gpt" else (
+        [_EXECUTOR_LLAMA] + [_EXECUTOR_QK_NORM] * qk_norm + [_EXECUTOR_QKV_BIAS] * qkv_bias)
+    return tuple(float(sum(sum(c * u for c, u in zip(table[i], units)) for table in tables)) for i in range(4))
+
+
+def _llama_options(layer: LayerProfile, info: ModelInfo) -> tuple[bool, bool]:
+    """(qk_norm, qkv_bias) of a zoo Llama block, read off its parameter count: Qwen's per-head q and
+    k norms add 2 head_dim weights, biases on q, k and v their widths (the profile counts every
+    parameter; `ModelInfo` names neither)."""
+    if info.family == "gpt":
+        return False, False
+    d, heads, kv = info.attention_head_dim, info.num_heads, info.num_kv_heads or info.num_heads
+    base = (2 * heads * d + 2 * kv * d) * info.hidden + 3 * info.hidden * info.ffn + 2 * info.hidden
+    extra = layer.num_params - base
+    bias = (heads + 2 * kv) * d
+    return extra in (2 * d, 2 * d + bias), extra in (bias, 2 * d + bias)

@@ -131,3 +131,61 @@ def block_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int)
         with backward:
             out.backward(grad)
     return forward.bytes / TOKENS, backward.bytes / TOKENS
+
+
+def _stand_in_sdpa(q, k, v, *args, **kwargs):
+    """`F.scaled_dot_product_attention` as the fused kernel's stand-in (`_Attention`)."""
+    return _Attention.apply(q, k, v)
+
+
+class _RegionTraffic(_Traffic):
+    """`_Traffic` split by where tensor parallelism leaves a kernel: on the residual stream (its
+    largest tensor `hidden` wide: the norms, the residual adds, replicated over TP unless sequence
+    parallelism shards them) or inside the TP region (heads, the MLP's width: split over TP)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden, self.stream = hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket.__name__ not in NOT_COUNTED:
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            moved = sum(_tensor_bytes(t) for t in tensors)
+            self.bytes += moved
+            largest = max(tensors, key=lambda t: t.numel(), default=None)
+            if largest is not None and largest.dim() >= 1 and largest.shape[-1] == self.hidden:
+                self.stream += moved
+        return out
+
+
+def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int = 0,
+                         qk_norm: bool = False, qkv_bias: bool = False,
+                         tokens: int = TOKENS) -> tuple[float, float, float, float]:
+    """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
+    that meshplan's own executor block (`models.transformer.Block`, GPT or Llama, bf16, as `meshplan
+    train` runs it, op by op) moves in its elementwise kernels over `tokens` tokens, traced on the
+    meta device as `block_bytes` traces torchtitan's: its norms (a LayerNorm, or the RMSNorm whose
+    statistics and backward run in fp32), RoPE in the compute dtype, SwiGLU with its fp32 backward
+    or GELU, the residual adds, the norm outputs rebuilt in backward (`transformer.normed_call`) and
+    autograd's gradient sums; the Linears' GEMMs and the attention kernel excluded. The residual
+    stream's share (`_RegionTraffic`) stays whole under TP without sequence parallelism. Two token
+    counts' difference gives the per-token count without the weight-sized terms (a norm's weight
+    and its gradient), which `costing.eager_kernels.executor_bytes_per_token` writes in closed form."""
+    from unittest import mock
+
+    from meshplan.planner.models.config import TransformerConfig
+    from meshplan.planner.models.transformer import Block
+
+    llama = dict(ffn=ffn, attn_head_dim=head_dim, qk_norm=qk_norm, qkv_bias=qkv_bias) if family != "gpt" else {}
+    cfg = TransformerConfig(family, 1, hidden, heads, 128, num_kv_heads=kv_heads, max_positions=tokens, **llama)
+    with torch.device("meta"), mock.patch.object(F, "scaled_dot_product_attention", _stand_in_sdpa):
+        block = Block(cfg).to(torch.bfloat16)
+        x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        forward, backward = _RegionTraffic(hidden), _RegionTraffic(hidden)
+        with forward:
+            out = block(x)
+        grad = torch.empty_like(out)
+        with backward:
+            out.backward(grad)
+    return forward.bytes, forward.stream, backward.bytes, backward.stream

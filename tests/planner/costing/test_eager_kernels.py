@@ -108,3 +108,85 @@ def test_torchtitan_eager_blocks_pay_the_counted_bytes_compiled_ones_the_rule():
     assert eager_bwd - fused_bwd == pytest.approx(memory_time_s(backward * tokens, cluster)
                                                   - memory_time_s(rule * (2 * saved + rebuilt), cluster), rel=1e-9)
     assert eager_fwd > fused_fwd and eager_bwd > fused_bwd
+
+
+# meshplan's own executor block (`models.transformer.Block`): the closed form the cost model prices
+# (`eager_kernels.executor_bytes_per_token`, no torch) against the block's code traced on meta.
+
+def _traced_per_token(family, h, heads, kv, f, d, qk_norm=False, qkv_bias=False):
+    """Per token, without the weight-sized terms: two token counts' difference."""
+    small = eager_traffic.executor_block_bytes(family, h, heads, kv, f, d, qk_norm, qkv_bias, tokens=64)
+    large = eager_traffic.executor_block_bytes(family, h, heads, kv, f, d, qk_norm, qkv_bias, tokens=128)
+    return tuple((b - a) / 64 for a, b in zip(small, large))
+
+
+def _info(family, h, heads, kv, f, d):
+    from meshplan.planner.contracts.graph import ModelInfo
+
+    return ModelInfo(family=family, hidden=h, num_heads=heads, num_kv_heads=kv, ffn=f,
+                     head_dim=d if family != "gpt" else 0)
+
+
+@pytest.mark.parametrize("qk_norm, qkv_bias", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("shape", [(296, 4, 2, 664, 48), (520, 12, 4, 176, 64), (392, 6, 3, 1000, 96),
+                                   (4096, 32, 8, 14336, 128)])
+def test_the_executor_llama_count_is_its_closed_form(shape, qk_norm, qkv_bias):
+    """Exactly, forward and backward, their residual-stream shares too, for the base block, Qwen's
+    q/k norms and biases, at shapes whose widths differ from the hidden size (the tracer tells the
+    stream share by width), and at Llama 3 8B's, whose query width is the hidden size: there the
+    totals (a q bias's gradient sum reads as the stream's to the tracer)."""
+    traced = _traced_per_token("llama", *shape, qk_norm, qkv_bias)
+    closed = eager_kernels.executor_bytes_per_token(_info("llama", *shape), shape[3], qk_norm, qkv_bias)
+    h, heads, _, _, d = shape
+    checked = (0, 2) if heads * d == h else (0, 1, 2, 3)
+    assert [closed[i] for i in checked] == pytest.approx([traced[i] for i in checked], rel=1e-12, abs=1e-9)
+
+
+def test_a_single_kv_head_is_within_four_head_dims():
+    """With one K/V head autograd skips a sum the closed form charges: 4 d bytes a token backward."""
+    h, heads, kv, f, d = 392, 4, 1, 176, 128
+    traced = _traced_per_token("llama", h, heads, kv, f, d)
+    closed = eager_kernels.executor_bytes_per_token(_info("llama", h, heads, kv, f, d), f)
+    assert closed[0] == traced[0] and abs(closed[2] - traced[2]) <= 4 * d
+
+
+@pytest.mark.parametrize("h, heads", [(256, 4), (2048, 16), (1600, 25)])
+def test_the_executor_gpt_count_is_its_closed_form(h, heads):
+    traced = _traced_per_token("gpt", h, heads, heads, 4 * h, 0)
+    closed = eager_kernels.executor_bytes_per_token(_info("gpt", h, heads, heads, 4 * h, 0), 4 * h)
+    assert closed == pytest.approx(traced, rel=1e-12)
+
+
+def test_the_executor_counts_on_gpus_only_and_splits_over_tp():
+    """meshplan's engine on a GPU profile counts its bf16 GPT and Llama blocks; on the CPU profile
+    (its calibrated factor), in fp32 or for routed experts the rule stands. Under TP the region's
+    bytes split tp ways, the residual stream's only with sequence parallelism."""
+    graph = profile("llama3-8b", SEQ)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    gpu, cpu = load_cluster("h100-sxm"), load_cluster("cpu")
+    plain = _config(engine="meshplan", sp=False, zero=1)
+    assert eager_kernels.counts_eager_kernels(block, plain, graph.info, "bf16", gpu)
+    assert not eager_kernels.counts_eager_kernels(block, plain, graph.info, "bf16", cpu)
+    assert not eager_kernels.counts_eager_kernels(block, _config(engine="meshplan", precision="fp32"), graph.info,
+                                                  "bf16", gpu)
+    fwd, fwd_stream, bwd, bwd_stream = eager_kernels.executor_bytes_per_token(graph.info, 14336)
+    tokens = 2 * SEQ
+    expected = (tokens * ((fwd - fwd_stream) / 2 + fwd_stream), tokens * ((bwd - bwd_stream) / 2 + bwd_stream))
+    assert eager_kernels.eager_bytes(block, plain, graph.info, "bf16") == pytest.approx(expected)
+    sharded = _config(engine="meshplan", sp=True, zero=1)
+    assert eager_kernels.eager_bytes(block, sharded, graph.info, "bf16") == pytest.approx((tokens * fwd / 2,
+                                                                                           tokens * bwd / 2))
+    moe = profile("moe:layers=2,hidden=256,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=512,vocab=1024", 256)
+    moe_block = next(layer for layer in moe.layers if layer.expert_params)
+    assert not eager_kernels.counts_eager_kernels(moe_block, plain, moe.info, "bf16", gpu)
+
+
+@pytest.mark.parametrize("spec, options", [
+    ("llama:layers=2,hidden=512,heads=8,kv_heads=2,ffn=1024,vocab=1000", (False, False)),
+    ("llama:layers=2,hidden=512,heads=8,kv_heads=2,ffn=1024,vocab=1000,qk_norm=1", (True, False)),
+    ("llama:layers=2,hidden=512,heads=8,kv_heads=2,ffn=1024,vocab=1000,qkv_bias=1", (False, True)),
+    ("llama:layers=2,hidden=512,heads=8,kv_heads=2,ffn=1024,vocab=1000,qk_norm=1,qkv_bias=1", (True, True))])
+def test_the_llama_options_are_read_off_the_parameter_count(spec, options):
+    graph = profile(spec, 128)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    assert eager_kernels._llama_options(block, graph.info) == options
