@@ -30,15 +30,16 @@ from meshplan.planner.costing.tp_split import is_split
 # Engines whose Llama blocks run eagerly unless the configuration compiles them
 # (`engine_rules.runs_compiled`): torchtitan's `training.compile` / `[compile] enable` is off by default.
 EAGER_ENGINES = ("torchtitan",)
-# meshplan's executor: the zoo's GPT and Llama blocks (`models.transformer.Block`), always eager.
-EXECUTOR_ENGINE, EXECUTOR_FAMILIES = "meshplan", ("gpt", "llama")
+# meshplan's executor: the zoo's GPT and Llama blocks (`models.transformer.Block`), always eager, counted
+# where their elementwise kernels run in bf16 (under fp8 only the Linears change, their casts priced by `fp8`).
+EXECUTOR_ENGINE, EXECUTOR_FAMILIES, BF16_BLOCKS = "meshplan", ("gpt", "llama"), ("bf16-mixed", "fp8")
 
 
 def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str,
                          cluster: ClusterProfile | None = None) -> bool:
     """Whether `layer` is a dense block an eager engine runs op by op: under torchtitan (not
     compiled) a Llama block, under meshplan's executor on a GPU profile (`cluster` with SMs) a GPT
-    or Llama block of the zoo; the block's Linears known by shape, no routed experts, an even head
+    or Llama block of the zoo in bf16-mixed or fp8 (fp32 keeps the rule); the block's Linears known by shape, no routed experts, an even head
     dimension (which the rotary embedding pairs)."""
     if layer.kind != "block" or layer.expert_params or info.attention_head_dim % 2:
         return False
@@ -46,7 +47,7 @@ def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: Mode
         eager = not runs_compiled(config) and info.family == "llama"
     else:
         eager = (config.engine == EXECUTOR_ENGINE and info.family in EXECUTOR_FAMILIES
-                 and cluster is not None and cluster.device.num_sms > 0 and config.precision == "bf16-mixed")
+                 and cluster is not None and cluster.device.num_sms > 0 and config.precision in BF16_BLOCKS)
     return eager and bool(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype)))
 
 

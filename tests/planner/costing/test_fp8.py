@@ -119,11 +119,11 @@ def test_a_worked_linear_under_each_recipe(recipe, activation_bytes, weight_byte
 
 def test_block_compute_is_fp8_linears_by_shape_plus_bf16_attention_plus_casts(h100, graph):
     block, info = _block(graph), graph.info
-    strategy = mesh(precision="fp8", microbatch_size=2)
-    assert strategy.fp8_recipe == "tensorwise"  # meshplan's default
-    # bf16-mixed under `generic`: the same compute, without FSDP2's gradient copies, which
-    # meshplan's executor pays under bf16-mixed alone (`state_memory.grad_copy_bytes_per_param`)
-    bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed", fp8_recipe=None, engine="generic"), h100, info)
+    # under `generic` (fused elementwise kernels: meshplan's executor counts its own eagerly,
+    # `eager_kernels`, and pays FSDP2's gradient copies under bf16-mixed)
+    strategy = mesh(precision="fp8", microbatch_size=2, engine="generic")
+    assert strategy.fp8_recipe == "tensorwise"  # generic's default, and meshplan's
+    bf16 = layer_cost(block, replace(strategy, precision="bf16-mixed", fp8_recipe=None), h100, info)
     got = layer_cost(block, strategy, h100, info)
     delayed = layer_cost(block, replace(strategy, fp8_recipe="delayed"), h100, info)
     mbs, hidden, ffn, tokens = 2, info.hidden, info.ffn, 2 * SEQ
@@ -158,12 +158,12 @@ def test_megatron_casts_each_weight_once_per_step(h100, graph):
     """Megatron-Core passes Transformer Engine `is_first_microbatch`: a weight is quantised on a
     step's first micro-batch and reused, so each micro-batch pays 1 / micro-batches of its cast."""
     block, info = _block(graph), graph.info
-    meshplan = ParallelConfig(gpus=1, global_batch=8, precision="fp8", fp8_recipe="delayed")
-    megatron = replace(meshplan, engine="megatron")
+    generic = ParallelConfig(gpus=1, global_batch=8, precision="fp8", fp8_recipe="delayed", engine="generic")
+    megatron = replace(generic, engine="megatron")  # against `generic`: the same fused elementwise kernels
     assert megatron.num_microbatches == 8 and fp8.weight_cast_share(megatron) == 1 / 8
     weights = block.num_params - 2 * info.hidden
     saved_s = (1 - 1 / 8) * 4 * weights / _bandwidth(h100)
-    difference_s = (layer_cost(block, meshplan, h100, info).fwd_compute_s
+    difference_s = (layer_cost(block, generic, h100, info).fwd_compute_s
                     - layer_cost(block, megatron, h100, info).fwd_compute_s)
     assert difference_s == pytest.approx(saved_s, rel=1e-9)
 
