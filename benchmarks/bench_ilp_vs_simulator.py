@@ -14,17 +14,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshplan.planner.costing.hardware import load_cluster  # noqa: E402
-from meshplan.planner.profiling.profiler import profile  # noqa: E402
-from tests.planner.search.test_ilp_vs_simulator import CASES, PRECISION, _refined, simulate  # noqa: E402
+from tests.planner.search.test_ilp_vs_simulator import CASES, ENGINE, PRECISION, _graph, _refined, simulate  # noqa: E402
 
 
 def main(names: list[str]) -> None:
     print(f"{'case':<26} {'ILP':>7} {'search':>7} {'memory':>7} {'refined':>8}")
     for name in names or CASES:
         spec, seq, cluster_name, *_ = case = CASES[name]
-        graph, cluster = profile(spec, seq), load_cluster(cluster_name)
+        graph, cluster = _graph(spec, seq), load_cluster(cluster_name)  # the test's graph (its MTP depths)
         worst_ilp = worst_time = worst_memory = best_gain = 0.0
-        for candidate, problem, solution, refined, predicted in _refined(*case, PRECISION.get(name, "bf16-mixed")):
+        for candidate, problem, solution, refined, predicted in _refined(*case, PRECISION.get(name, "bf16-mixed"),
+                                                                         ENGINE.get(name, "meshplan")):
             ilp_step = simulate(graph, cluster, candidate, problem, solution).step_time_s
             ilp_error = solution.objective_s / ilp_step - 1
             time_error = refined.objective_s / predicted.step_time_s - 1
