@@ -65,7 +65,8 @@ def eager_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, pr
                                              info.ffn or layer.tp_split.mlp_width)
         return fwd * tokens / shard, bwd * tokens / shard
     fwd, fwd_stream, bwd, bwd_stream = executor_bytes_per_token(info, info.ffn or layer.tp_split.mlp_width,
-                                                                 *_llama_options(layer, info))
+                                                                 *_llama_options(layer, info),
+                                                                 rebuilds_norms=config.recompute != "full")
     stream_shard = shard if config.sp else 1  # the residual stream is whole on every TP rank without SP
     return (tokens * ((fwd - fwd_stream) / shard + fwd_stream / stream_shard),
             tokens * ((bwd - bwd_stream) / shard + bwd_stream / stream_shard))
@@ -88,21 +89,31 @@ _EXECUTOR_LLAMA = ((84, 22, 18, 10, 24, 0, 0, 72), (84, 0, 0, 0, 0, 0, 0, 16),
                    (326, 36, 32, 126, 8, 0, 0, 80), (326, 0, 0, 0, 0, 0, 0, 48))
 _EXECUTOR_QK_NORM = ((0, 36, 36, 0, 0, 24, 24, 0), (0,) * 8, (0, 112, 112, 0, 0, 16, 16, 0), (0,) * 8)
 _EXECUTOR_QKV_BIAS = ((0,) * 8, (0,) * 8, (0, 2, 4, 0, 0, 0, 0, 0), (0,) * 8)
+# The Llama block's two norm outputs rebuilt in backward (`normed_call`; two RMSNorm forwards: 72 h + 16
+# on the residual stream, and their per-token statistics' 32, which the trace tells apart by width):
+# not under full recomputation, whose rerun forward keeps them. (total, residual stream)
+_EXECUTOR_LLAMA_REBUILD = ((72, 0, 0, 0, 0, 0, 0, 48), (72, 0, 0, 0, 0, 0, 0, 16))
 _EXECUTOR_GPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
                  (46, 0, 0, 8, 0, 0, 0, 16), (46, 0, 0, 0, 0, 0, 0, 16))
 
 
-def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False,
-                             qkv_bias: bool = False) -> tuple[float, float, float, float]:
+def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False, qkv_bias: bool = False,
+                             rebuilds_norms: bool = True) -> tuple[float, float, float, float]:
     """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
     per token that meshplan's executor block moves in its elementwise kernels, unsharded (the table
-    above; exact for K/V heads >= 2, within 4 d backward for a single one)."""
+    above; exact for K/V heads >= 2, within 4 d backward for a single one). `rebuilds_norms`: false
+    under full recomputation, which keeps the Llama norms' outputs its rerun forward made."""
     d = info.attention_head_dim
     heads, kv = info.num_heads, info.num_kv_heads or info.num_heads
     units = (info.hidden, heads * d, kv * d, ffn, d, heads, kv, 1)
     tables = [_EXECUTOR_GPT] if info.family == "gpt" else (
         [_EXECUTOR_LLAMA] + [_EXECUTOR_QK_NORM] * qk_norm + [_EXECUTOR_QKV_BIAS] * qkv_bias)
-    return tuple(float(sum(sum(c * u for c, u in zip(table[i], units)) for table in tables)) for i in range(4))
+    out = [float(sum(sum(c * u for c, u in zip(table[i], units)) for table in tables)) for i in range(4)]
+    if info.family != "gpt" and not rebuilds_norms:
+        total, stream = (float(sum(c * u for c, u in zip(row, units))) for row in _EXECUTOR_LLAMA_REBUILD)
+        out[2] -= total
+        out[3] -= stream
+    return tuple(out)
 
 
 def _llama_options(layer: LayerProfile, info: ModelInfo) -> tuple[bool, bool]:

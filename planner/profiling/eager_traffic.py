@@ -160,8 +160,8 @@ class _RegionTraffic(_Traffic):
 
 
 def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int = 0,
-                         qk_norm: bool = False, qkv_bias: bool = False,
-                         tokens: int = TOKENS) -> tuple[float, float, float, float]:
+                         qk_norm: bool = False, qkv_bias: bool = False, tokens: int = TOKENS,
+                         norm_outputs_by_reference: bool = True) -> tuple[float, float, float, float]:
     """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
     that meshplan's own executor block (`models.transformer.Block`, GPT or Llama, bf16, as `meshplan
     train` runs it, op by op) moves in its elementwise kernels over `tokens` tokens, traced on the
@@ -169,7 +169,9 @@ def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ff
     statistics and backward run in fp32), RoPE in the compute dtype, SwiGLU with its fp32 backward
     or GELU, the residual adds, the norm outputs rebuilt in backward (`transformer.normed_call`) and
     autograd's gradient sums; the Linears' GEMMs and the attention kernel excluded. The residual
-    stream's share (`_RegionTraffic`) stays whole under TP without sequence parallelism. Two token
+    stream's share (`_RegionTraffic`) stays whole under TP without sequence parallelism.
+    `norm_outputs_by_reference` false: as under full recomputation (`executor.parallel.recompute`),
+    the norms keep their outputs and nothing is rebuilt in backward. Two token
     counts' difference gives the per-token count without the weight-sized terms (a norm's weight
     and its gradient), which `costing.eager_kernels.executor_bytes_per_token` writes in closed form."""
     from unittest import mock
@@ -181,6 +183,9 @@ def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ff
     cfg = TransformerConfig(family, 1, hidden, heads, 128, num_kv_heads=kv_heads, max_positions=tokens, **llama)
     with torch.device("meta"), mock.patch.object(F, "scaled_dot_product_attention", _stand_in_sdpa):
         block = Block(cfg).to(torch.bfloat16)
+        for module in block.modules():
+            if hasattr(module, "output_by_reference"):
+                module.output_by_reference = norm_outputs_by_reference
         x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         forward, backward = _RegionTraffic(hidden), _RegionTraffic(hidden)
         with forward:

@@ -176,6 +176,10 @@ def test_the_executor_counts_on_gpus_only_and_splits_over_tp():
     sharded = _config(engine="meshplan", sp=True, zero=1)
     assert eager_kernels.eager_bytes(block, sharded, graph.info, "bf16") == pytest.approx((tokens * fwd / 2,
                                                                                            tokens * bwd / 2))
+    full = _config(engine="meshplan", sp=False, zero=1, recompute="full")  # the norms' outputs kept: none rebuilt
+    rebuilt_stream, rebuilt_rest = 72 * 4096 + 16, 32
+    assert eager_kernels.eager_bytes(block, full, graph.info, "bf16")[1] == pytest.approx(
+        expected[1] - tokens * (rebuilt_stream + rebuilt_rest / 2))
     moe = profile("moe:layers=2,hidden=256,heads=4,kv_heads=2,experts=4,top_k=2,expert_ffn=512,vocab=1024", 256)
     moe_block = next(layer for layer in moe.layers if layer.expert_params)
     assert not eager_kernels.counts_eager_kernels(moe_block, plain, moe.info, "bf16", gpu)
@@ -190,3 +194,17 @@ def test_the_llama_options_are_read_off_the_parameter_count(spec, options):
     graph = profile(spec, 128)
     block = next(layer for layer in graph.layers if layer.kind == "block")
     assert eager_kernels._llama_options(block, graph.info) == options
+
+
+@pytest.mark.parametrize("family, shape", [("llama", (296, 4, 2, 664, 48)), ("gpt", (256, 4, 4, 1024, 0))])
+def test_full_recomputation_keeps_the_norm_outputs(family, shape):
+    """Under full recomputation the executor's norms keep their outputs (`executor.parallel.recompute`):
+    the Llama block's backward no longer rebuilds them, 72 h + 48 bytes a token less; GPT's LayerNorm
+    never rebuilt."""
+    small = eager_traffic.executor_block_bytes(family, *shape, tokens=64, norm_outputs_by_reference=False)
+    large = eager_traffic.executor_block_bytes(family, *shape, tokens=128, norm_outputs_by_reference=False)
+    traced = tuple((b - a) / 64 for a, b in zip(small, large))
+    closed = eager_kernels.executor_bytes_per_token(_info(family, *shape), shape[3], rebuilds_norms=False)
+    assert closed == pytest.approx(traced, rel=1e-12)
+    kept = eager_kernels.executor_bytes_per_token(_info(family, *shape), shape[3])
+    assert kept[2] - closed[2] == (72 * shape[0] + 48 if family == "llama" else 0)
