@@ -5,8 +5,8 @@ profiled; h200_gpu_check_lean.json: the three GPT plans after the executor kept 
 parameters gathered across micro-batches). Nothing was fitted to them. The shipped h200
 profile's per-GPU memory must stay within 7% of each run's `torch.cuda.max_memory_allocated`
 (the worst, GPT 1.3B at micro-batch 16, reads +5.8%), and the largest plan, sized by `plan` to
-129.9 of 137.5 usable GiB, within 1%. Step times are reported by the benchmark, not held here
-(see the README's "Checked on a GPU")."""
+129.9 of 137.5 usable GiB, within 1%. Step times of the runs of at most 4 micro-batches within 6%
+(the rest: the README's "Checked on a GPU")."""
 import json
 from pathlib import Path
 
@@ -69,3 +69,23 @@ def test_what_each_micro_batch_adds_on_the_gpu(run_cli):
         busy.append((count, run["step_profile"]["device_busy_ms_per_step"] / 1e3))
     assert _slope(busy) == pytest.approx(6.9e-3, rel=0.02)
     assert _slope(predicted) == pytest.approx(_slope(busy), rel=0.25)
+
+
+@pytest.mark.parametrize("name", sorted(name for name in RUNS if not name.startswith("h200_gpu_check.json")
+                                        and not name.endswith("-mbs2")))
+def test_h200_step_time_up_to_four_micro_batches(name, run_cli):
+    """The stored runs' step time against `estimate` on the shipped h200 profile, for the runs of at
+    most 4 micro-batches: within 6%, meshplan's executor's eager elementwise kernels counted op by
+    op (`eager_kernels`). Measured today: GPT 1.3B +2.3%, -4.2% (re-gathering executor), -4.3%,
+    -2.0% (lean), the Llama-shaped 4.5B +0.8%, where the fused-kernel rule read -16.3%. The
+    8-micro-batch rows, whose GPU waits on the host's eager launches (226 ms of the lean run's
+    profiled step), are left out: no term prices the host. (The first check's runs predate its
+    timers' fix.)"""
+    run = RUNS[name]
+    predicted = run["predictions"]["h200"]
+    code, out, err = run_cli("estimate", "--model", run["model"], "--cluster", "h200", "--gpus", 1, "--gbs", run["gbs"],
+                             "--seq", run["seq"], "--mbs", predicted["microbatch_size"], "--recompute",
+                             predicted["recompute"], "--json")
+    assert code == 0, err
+    step_s = json.loads(out)["step_time_s"]
+    assert step_s == pytest.approx(run["measured"]["step_time_s"], rel=0.06), (step_s, run["measured"]["step_time_s"])
