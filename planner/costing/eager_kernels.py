@@ -39,8 +39,8 @@ def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: Mode
                          cluster: ClusterProfile | None = None) -> bool:
     """Whether `layer` is a dense block an eager engine runs op by op: under torchtitan (not
     compiled) a Llama block, under meshplan's executor on a GPU profile (`cluster` with SMs) a GPT
-    or Llama block of the zoo in bf16-mixed or fp8 (fp32 keeps the rule); the block's Linears known by shape, no routed experts, an even head
-    dimension (which the rotary embedding pairs)."""
+    or Llama block of the zoo in bf16-mixed or fp8 (fp32 keeps the rule); the block's Linears
+    known by shape, no routed experts, an even head dimension (which the rotary embedding pairs)."""
     if layer.kind != "block" or layer.expert_params or info.attention_head_dim % 2:
         return False
     if config.engine in EAGER_ENGINES:
