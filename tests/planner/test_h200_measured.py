@@ -31,15 +31,20 @@ def test_keeping_parameters_gathered_left_the_peak_as_it_was():
         assert abs(after / before - 1) < 1e-3, (name, before, after)
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_h200_memory_matches_the_measured_peak(name, run_cli):
-    run = RUNS[name]
+def _estimate(run_cli, run) -> dict:
+    """`estimate --json` of a stored run's plan on the shipped h200 profile."""
     predicted = run["predictions"]["h200"]
     code, out, err = run_cli("estimate", "--model", run["model"], "--cluster", "h200", "--gpus", 1, "--gbs", run["gbs"],
                              "--seq", run["seq"], "--mbs", predicted["microbatch_size"], "--recompute",
                              predicted["recompute"], "--json")
     assert code == 0, err
-    peak_bytes = json.loads(out)["peak_memory_bytes"]
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_h200_memory_matches_the_measured_peak(name, run_cli):
+    run = RUNS[name]
+    peak_bytes = _estimate(run_cli, run)["peak_memory_bytes"]
     measured = run["measured"]["peak_memory_bytes"]
     assert abs(peak_bytes / measured - 1) <= (0.01 if name.endswith("train llama-4.5b") else 0.07), (peak_bytes, measured)
 
@@ -82,10 +87,5 @@ def test_h200_step_time_up_to_four_micro_batches(name, run_cli):
     profiled step), are left out: no term prices the host. (The first check's runs predate its
     timers' fix.)"""
     run = RUNS[name]
-    predicted = run["predictions"]["h200"]
-    code, out, err = run_cli("estimate", "--model", run["model"], "--cluster", "h200", "--gpus", 1, "--gbs", run["gbs"],
-                             "--seq", run["seq"], "--mbs", predicted["microbatch_size"], "--recompute",
-                             predicted["recompute"], "--json")
-    assert code == 0, err
-    step_s = json.loads(out)["step_time_s"]
+    step_s = _estimate(run_cli, run)["step_time_s"]
     assert step_s == pytest.approx(run["measured"]["step_time_s"], rel=0.06), (step_s, run["measured"]["step_time_s"])
