@@ -5,17 +5,17 @@ every other engine's norms, activations and residual adds from the bytes a block
 engines run their blocks op by op, and their traffic is counted from their code instead,
 forward and backward (`profiling.eager_traffic`):
 
-- torchtitan without torch.compile, its Llama block (`block_bytes`): about 149 and 308 bytes per
-  token and hidden unit for Llama 3 8B's shapes, where the fitted rule charges about 87 and 173;
+- torchtitan without torch.compile, its Llama block (`torchtitan_bytes_per_token`, the closed form
+  of `eager_traffic.block_bytes`'s count): about 149 and 308 bytes per token and hidden unit for
+  Llama 3 8B's shapes, where the fitted rule charges about 87 and 173;
 - meshplan's own executor (`meshplan train`), its GPT and Llama blocks on a GPU profile
-  (`executor_bytes_per_token`, the closed form of `eager_traffic.executor_block_bytes`'s count, so
-  that pricing needs no torch): for Llama 3 8B's shapes 146 and 812 (its RMSNorm's statistics and
+  (`executor_bytes_per_token`, the closed form of `eager_traffic.executor_block_bytes`'s count): for Llama 3 8B's shapes 146 and 812 (its RMSNorm's statistics and
   backward and SwiGLU's backward run in fp32, op by op), for a GPT block 36 and 78. A CPU profile
   keeps its calibrated factor: `meshplan calibrate` fits it on the executor's own GPT block on
   that CPU, whose elementwise ops are not the bandwidth-bound kernels a GPU runs.
 
 `compute_time.compute_times_s` reads it for the blocks `counts_eager_kernels` names. The counts
-are the code's; nothing is fitted.
+are the code's, written in closed form so that pricing imports no torch; nothing is fitted.
 """
 from __future__ import annotations
 
@@ -57,12 +57,8 @@ def eager_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, pr
     norms and residual adds, TP the heads and the MLP's width)."""
     shard = config.tp if is_split(layer, config.tp) else 1
     tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
-    kv_heads = info.num_kv_heads or info.num_heads
     if config.engine != EXECUTOR_ENGINE:  # torchtitan: TP always with sequence parallelism
-        from meshplan.planner.profiling import eager_traffic  # traces with torch: only when priced
-
-        fwd, bwd = eager_traffic.block_bytes(info.hidden, info.num_heads, kv_heads, info.attention_head_dim,
-                                             info.ffn or layer.tp_split.mlp_width)
+        fwd, bwd = torchtitan_bytes_per_token(info, info.ffn or layer.tp_split.mlp_width)
         return fwd * tokens / shard, bwd * tokens / shard
     fwd, fwd_stream, bwd, bwd_stream = executor_bytes_per_token(info, info.ffn or layer.tp_split.mlp_width,
                                                                  *_llama_options(layer, info),
@@ -70,6 +66,27 @@ def eager_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, pr
     stream_shard = shard if config.sp else 1  # the residual stream is whole on every TP rank without SP
     return (tokens * ((fwd - fwd_stream) / shard + fwd_stream / stream_shard),
             tokens * ((bwd - bwd_stream) / shard + bwd_stream / stream_shard))
+
+
+# torchtitan's 2024 Llama block per token, bf16, counted as `eager_traffic.block_bytes` traces it (its
+# tests count it by hand and hold this closed form to the trace): bytes per unit of (h, H d, kv d, f, d, 1);
+# (forward, backward). Forward: two fp32 RMSNorms (36 h + 24 each), the complex rotary embedding of q and
+# k (20 H d + 20 kv d + 8 d), two residual adds (12 h), SwiGLU (10 f). Backward: the norms' (92 h + 40
+# each), five residual-stream gradient sums (30 h), the rotary embedding's (20 H d + 20 kv d + 40 d),
+# SwiGLU's (18 f). Grouped-query attention adds repeat_kv's copies forward and their sums backward,
+# 4 (H d + kv d) each way.
+_TORCHTITAN_LLAMA = ((84, 20, 20, 10, 8, 48), (214, 20, 20, 18, 40, 80))
+_TORCHTITAN_REPEAT_KV = ((0, 4, 4, 0, 0, 0), (0, 4, 4, 0, 0, 0))
+
+
+def torchtitan_bytes_per_token(info: ModelInfo, ffn: int) -> tuple[float, float]:
+    """(forward, backward) bytes per token torchtitan's eager Llama block moves in its elementwise
+    kernels, unsharded (the table above)."""
+    d = info.attention_head_dim
+    heads, kv = info.num_heads, info.num_kv_heads or info.num_heads
+    units = (info.hidden, heads * d, kv * d, ffn, d, 1)
+    tables = [_TORCHTITAN_LLAMA] + [_TORCHTITAN_REPEAT_KV] * (heads != kv)
+    return tuple(float(sum(sum(c * u for c, u in zip(table[i], units)) for table in tables)) for i in range(2))
 
 
 # meshplan's executor block per token, bf16, counted as `eager_traffic.executor_block_bytes` traces it

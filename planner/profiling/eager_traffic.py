@@ -117,20 +117,22 @@ class _Traffic(TorchDispatchMode):
 
 
 @lru_cache(maxsize=None)
-def block_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> tuple[float, float]:
-    """(forward, backward) bytes per token the eager block's elementwise kernels move (bf16
-    activations and weights), traced on the meta device."""
+def block_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+                tokens: int = TOKENS) -> tuple[float, float]:
+    """(forward, backward) bytes per token the eager block's elementwise kernels move over `tokens`
+    tokens (bf16 activations and weights, a norm's weight read once for all of them), traced on the
+    meta device; `costing.eager_kernels.torchtitan_bytes_per_token` writes it in closed form."""
     with torch.device("meta"):
         block = _Block(hidden, heads, kv_heads, head_dim, ffn).to(torch.bfloat16)
-        x = torch.empty(1, TOKENS, hidden, dtype=torch.bfloat16, requires_grad=True)
-        freqs_cis = torch.empty(TOKENS, head_dim // 2, dtype=torch.complex64)
+        x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        freqs_cis = torch.empty(tokens, head_dim // 2, dtype=torch.complex64)
         forward, backward = _Traffic(), _Traffic()
         with forward:
             out = block(x, freqs_cis)
         grad = torch.empty_like(out)
         with backward:
             out.backward(grad)
-    return forward.bytes / TOKENS, backward.bytes / TOKENS
+    return forward.bytes / tokens, backward.bytes / tokens
 
 
 def _stand_in_sdpa(q, k, v, *args, **kwargs):

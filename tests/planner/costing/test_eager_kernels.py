@@ -65,6 +65,19 @@ def test_the_forward_count_is_the_blocks_ops_by_hand(shape):
     assert 1.8 * forward < backward < 3 * forward
 
 
+@pytest.mark.parametrize("shape", [(4096, 32, 8, 128, 14336), (5120, 40, 40, 128, 13824), (1024, 8, 2, 128, 2816),
+                                   (392, 6, 3, 64, 1000)])
+def test_the_torchtitan_count_is_its_closed_form(shape):
+    """What the cost model prices without torch (`eager_kernels.torchtitan_bytes_per_token`) is the
+    trace's per-token count exactly, the norms' weight-sized terms (read once for all tokens) set
+    apart by two token counts' difference."""
+    h, heads, kv, d, f = shape
+    (f64, b64), (f128, b128) = (eager_traffic.block_bytes(*shape, tokens=t) for t in (64, 128))
+    traced = ((128 * f128 - 64 * f64) / 64, (128 * b128 - 64 * b64) / 64)
+    info = _info("llama", h, heads, kv, f, d)
+    assert eager_kernels.torchtitan_bytes_per_token(info, f) == pytest.approx(traced, rel=1e-12)
+
+
 def test_the_count_exceeds_the_fused_rule_for_llama_3_8b():
     """Per token and hidden unit: 149 forward and 308 backward, where the fitted rule charges
     Megatron's fused kernels' 87 and 173 (the README's figures)."""
@@ -92,7 +105,7 @@ def test_torchtitan_eager_blocks_pay_the_counted_bytes_compiled_ones_the_rule():
     assert not eager_kernels.counts_eager_kernels(block, _config(engine="megatron"), graph.info, "bf16")
     head = next(layer for layer in graph.layers if layer.kind == "head")
     assert not eager_kernels.counts_eager_kernels(head, eager, graph.info, "bf16")
-    forward, backward = eager_traffic.block_bytes(4096, 32, 8, 128, 14336)
+    forward, backward = eager_kernels.torchtitan_bytes_per_token(graph.info, 14336)
     tokens = 2 * SEQ / 2
     assert eager_kernels.eager_bytes(block, eager, graph.info, "bf16") == pytest.approx((forward * tokens,
                                                                                          backward * tokens))

@@ -135,10 +135,13 @@ def test_gpt_sequence_beyond_learned_positions_is_refused_alike():
     assert str(analytic.value) == str(traced.value)
 
 
-def test_estimate_on_a_parametric_spec_imports_no_torch(tmp_path):
-    """The whole `meshplan estimate` command, in a fresh interpreter with an empty profile cache."""
+@pytest.mark.parametrize("engine", ["meshplan", "torchtitan"])
+def test_estimate_on_a_parametric_spec_imports_no_torch(tmp_path, engine):
+    """The whole `meshplan estimate` command, in a fresh interpreter with an empty profile cache,
+    under meshplan's executor and torchtitan (both of whose eager blocks are counted op by op, in
+    closed form: `costing.eager_kernels`)."""
     argv = ["estimate", "--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "64", "--gbs", "64",
-            "--seq", "8192", "--tp", "8", "--pp", "2", "--json"]
+            "--seq", "8192", "--tp", "8", "--pp", "2", "--sp", "--engine", engine, "--json"]
     script = ("import sys; from meshplan.cli import main; code = main(sys.argv[1:]); "
               "torch = sorted(name for name in sys.modules if name.split('.')[0] == 'torch'); "
               "print('torch modules:', torch[:5], file=sys.stderr); sys.exit(code or bool(torch))")
