@@ -94,6 +94,7 @@ from meshplan.planner.costing.moe_compute import (expert_gemms, flop_curve_times
 from meshplan.planner.costing.moe_dispatch import dispatch_combine_s
 from meshplan.planner.costing.moe_overlap import compute_slowdown, hidden_a2a_share, paired_share
 from meshplan.planner.costing.state_memory import grad_copy_bytes_per_param, state_bytes
+from meshplan.planner.costing.tp_split import rank_params
 from meshplan.planner.costing.precision import COMPUTE_DTYPE, activation_scale, recipe
 
 
@@ -386,7 +387,7 @@ def with_routed_experts(dense, layer, config, cluster, info, profile_dtype: str 
                                                                          profile_dtype, memo)
     ep_fwd_s, ep_bwd_s = _memo_exchange_times(layer, config, cluster, info, profile_dtype, a2a_overlap, memo)
     # the experts' states: P_e = expert_params / (ep etp) per rank, ZeRO over the expert-data group
-    params = layer.expert_params / config.ep / config.expert_tp
+    params = rank_params(layer, info, config.tp, config.ep, config.expert_tp)[1]
     ranks, zero = config.expert_data_ranks, config.zero
     states = state_bytes(params, ranks, zero, config.precision, state_recipe, config.tp, config.pp)
     grad_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params, config, cluster, state_recipe=state_recipe,
