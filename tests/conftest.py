@@ -40,3 +40,12 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(launch, "launch_jobs", stub)
     return calls
 
+
+
+@pytest.fixture
+def without_eager_count(monkeypatch):
+    """Eager engines' blocks priced by the fused-kernel rule (`costing.eager_kernels` set aside, tested
+    on its own): for tests of another mechanism that compare meshplan's executor with other engines."""
+    from meshplan.planner.costing import eager_kernels
+
+    monkeypatch.setattr(eager_kernels, "counts_eager_kernels", lambda *args, **kwargs: False)

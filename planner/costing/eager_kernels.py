@@ -82,11 +82,9 @@ _TORCHTITAN_REPEAT_KV = ((0, 4, 4, 0, 0, 0), (0, 4, 4, 0, 0, 0))
 def torchtitan_bytes_per_token(info: ModelInfo, ffn: int) -> tuple[float, float]:
     """(forward, backward) bytes per token torchtitan's eager Llama block moves in its elementwise
     kernels, unsharded (the table above)."""
-    d = info.attention_head_dim
     heads, kv = info.num_heads, info.num_kv_heads or info.num_heads
-    units = (info.hidden, heads * d, kv * d, ffn, d, 1)
     tables = [_TORCHTITAN_LLAMA] + [_TORCHTITAN_REPEAT_KV] * (heads != kv)
-    return tuple(float(sum(sum(c * u for c, u in zip(table[i], units)) for table in tables)) for i in range(2))
+    return _per_token(tables, _units(info, ffn)[:5] + (1,))
 
 
 # meshplan's executor block per token, bf16, counted as `eager_traffic.executor_block_bytes` traces it
@@ -120,17 +118,27 @@ def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False, q
     per token that meshplan's executor block moves in its elementwise kernels, unsharded (the table
     above; exact for K/V heads >= 2, within 4 d backward for a single one). `rebuilds_norms`: false
     under full recomputation, which keeps the Llama norms' outputs its rerun forward made."""
-    d = info.attention_head_dim
-    heads, kv = info.num_heads, info.num_kv_heads or info.num_heads
-    units = (info.hidden, heads * d, kv * d, ffn, d, heads, kv, 1)
+    units = _units(info, ffn)
     tables = [_EXECUTOR_GPT] if info.family == "gpt" else (
         [_EXECUTOR_LLAMA] + [_EXECUTOR_QK_NORM] * qk_norm + [_EXECUTOR_QKV_BIAS] * qkv_bias)
-    out = [float(sum(sum(c * u for c, u in zip(table[i], units)) for table in tables)) for i in range(4)]
+    fwd, fwd_stream, bwd, bwd_stream = _per_token(tables, units)
     if info.family != "gpt" and not rebuilds_norms:
-        total, stream = (float(sum(c * u for c, u in zip(row, units))) for row in _EXECUTOR_LLAMA_REBUILD)
-        out[2] -= total
-        out[3] -= stream
-    return tuple(out)
+        total, stream = _per_token([_EXECUTOR_LLAMA_REBUILD], units)
+        bwd, bwd_stream = bwd - total, bwd_stream - stream
+    return fwd, fwd_stream, bwd, bwd_stream
+
+
+def _units(info: ModelInfo, ffn: int) -> tuple[int, ...]:
+    """(h, H d, kv d, f, d, H, kv, 1): what the tables' coefficients multiply."""
+    d = info.attention_head_dim
+    heads, kv = info.num_heads, info.num_kv_heads or info.num_heads
+    return info.hidden, heads * d, kv * d, ffn, d, heads, kv, 1
+
+
+def _per_token(tables, units) -> tuple[float, ...]:
+    """Each row of the tables (summed table by table) dotted with `units`."""
+    return tuple(float(sum(sum(c * u for c, u in zip(table[row], units)) for table in tables))
+                 for row in range(len(tables[0])))
 
 
 def _llama_options(layer: LayerProfile, info: ModelInfo) -> tuple[bool, bool]:

@@ -105,15 +105,36 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 class _Traffic(TorchDispatchMode):
-    def __init__(self):
+    """Bytes the counted kernels read and write; with `hidden`, also the residual stream's share
+    (`stream`): kernels whose largest tensor is `hidden` wide (the norms, the residual adds,
+    replicated over TP unless sequence parallelism shards them), the rest lying inside the TP
+    region (heads, the MLP's width: split over TP)."""
+
+    def __init__(self, hidden: int = 0):
         super().__init__()
-        self.bytes = 0
+        self.hidden, self.bytes, self.stream = hidden, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func._overloadpacket.__name__ not in NOT_COUNTED:
-            self.bytes += sum(_tensor_bytes(t) for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            moved = sum(_tensor_bytes(t) for t in tensors)
+            self.bytes += moved
+            largest = max(tensors, key=lambda t: t.numel(), default=None)
+            if self.hidden and largest is not None and largest.dim() >= 1 and largest.shape[-1] == self.hidden:
+                self.stream += moved
         return out
+
+
+def _trace(block: nn.Module, hidden: int, *inputs) -> tuple[_Traffic, _Traffic]:
+    """(forward, backward) traffic of one pass of `block` on the meta device's `inputs`."""
+    forward, backward = _Traffic(hidden), _Traffic(hidden)
+    with forward:
+        out = block(*inputs)
+    grad = torch.empty_like(out)
+    with backward:
+        out.backward(grad)
+    return forward, backward
 
 
 @lru_cache(maxsize=None)
@@ -126,39 +147,13 @@ def block_bytes(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
         block = _Block(hidden, heads, kv_heads, head_dim, ffn).to(torch.bfloat16)
         x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         freqs_cis = torch.empty(tokens, head_dim // 2, dtype=torch.complex64)
-        forward, backward = _Traffic(), _Traffic()
-        with forward:
-            out = block(x, freqs_cis)
-        grad = torch.empty_like(out)
-        with backward:
-            out.backward(grad)
+        forward, backward = _trace(block, 0, x, freqs_cis)
     return forward.bytes / tokens, backward.bytes / tokens
 
 
 def _stand_in_sdpa(q, k, v, *args, **kwargs):
     """`F.scaled_dot_product_attention` as the fused kernel's stand-in (`_Attention`)."""
     return _Attention.apply(q, k, v)
-
-
-class _RegionTraffic(_Traffic):
-    """`_Traffic` split by where tensor parallelism leaves a kernel: on the residual stream (its
-    largest tensor `hidden` wide: the norms, the residual adds, replicated over TP unless sequence
-    parallelism shards them) or inside the TP region (heads, the MLP's width: split over TP)."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.hidden, self.stream = hidden, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._overloadpacket.__name__ not in NOT_COUNTED:
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            moved = sum(_tensor_bytes(t) for t in tensors)
-            self.bytes += moved
-            largest = max(tensors, key=lambda t: t.numel(), default=None)
-            if largest is not None and largest.dim() >= 1 and largest.shape[-1] == self.hidden:
-                self.stream += moved
-        return out
 
 
 def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int = 0,
@@ -171,7 +166,7 @@ def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ff
     statistics and backward run in fp32), RoPE in the compute dtype, SwiGLU with its fp32 backward
     or GELU, the residual adds, the norm outputs rebuilt in backward (`transformer.normed_call`) and
     autograd's gradient sums; the Linears' GEMMs and the attention kernel excluded. The residual
-    stream's share (`_RegionTraffic`) stays whole under TP without sequence parallelism.
+    stream's share (`_Traffic.stream`) stays whole under TP without sequence parallelism.
     `norm_outputs_by_reference` false: as under full recomputation (`executor.parallel.recompute`),
     the norms keep their outputs and nothing is rebuilt in backward. Two token
     counts' difference gives the per-token count without the weight-sized terms (a norm's weight
@@ -189,10 +184,5 @@ def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ff
             if hasattr(module, "output_by_reference"):
                 module.output_by_reference = norm_outputs_by_reference
         x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
-        forward, backward = _RegionTraffic(hidden), _RegionTraffic(hidden)
-        with forward:
-            out = block(x)
-        grad = torch.empty_like(out)
-        with backward:
-            out.backward(grad)
+        forward, backward = _trace(block, hidden, x)
     return forward.bytes, forward.stream, backward.bytes, backward.stream

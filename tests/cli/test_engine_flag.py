@@ -10,16 +10,13 @@ SPEC = "gpt:layers=4,hidden=256,heads=4,vocab=1024"
 JOB = ("--model", SPEC, "--cluster", "a100-80g", "--gpus", "2", "--gbs", "8", "--seq", "256")
 
 
-def test_estimate_engine_changes_the_memory_only(run_cli, monkeypatch):
+def test_estimate_engine_changes_the_memory_only(run_cli, without_eager_count):
     """Here (one data-parallel pair, no TP, PP or ZeRO gathers) every engine's overlap prices the
     step alike: megatron's time is `generic`'s but for its unfused loss kernels, counted one pass
     at a time (`costing.loss_kernels`: 52 bytes a logit against the saved-bytes rule's 30), and
     meshplan's executor adds FSDP2's gradient copies (`state_memory.grad_copy_bytes_per_param`;
     its eager blocks' count, `eager_kernels`, set aside here: tested on its own); the memory
     follows each engine's recipe, `generic`'s the executor's."""
-    from meshplan.planner.costing import eager_kernels
-
-    monkeypatch.setattr(eager_kernels, "counts_eager_kernels", lambda *args, **kwargs: False)
     code, out, err = run_cli("estimate", *JOB, "--json")
     assert code == 0, err
     own = json.loads(out)

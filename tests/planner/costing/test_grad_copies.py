@@ -51,12 +51,9 @@ def test_a_split_backward_schedule_runs_zero2_as_zero1_and_pays_its_copies():
 
 @pytest.mark.parametrize("spec", ["llama:layers=2,hidden=1024,heads=8,vocab=32000",
                                   "moe:layers=2,hidden=512,heads=8,kv_heads=4,experts=8,top_k=2,expert_ffn=256,vocab=8000"])
-def test_meshplan_backward_is_generic_plus_the_copies(spec, monkeypatch):
+def test_meshplan_backward_is_generic_plus_the_copies(spec, without_eager_count):
     """With its eager kernels' count set aside (`eager_kernels`, tested on its own), meshplan's
     executor on a GPU prices a layer as `generic` does plus FSDP2's gradient copies."""
-    from meshplan.planner.costing import eager_kernels
-
-    monkeypatch.setattr(eager_kernels, "counts_eager_kernels", lambda *args, **kwargs: False)
     graph = profile(spec, 1024, dtype="bf16")
     cluster = load_cluster("h100-sxm")
     config = _config(tp=2, dp=4, ep=2 if spec.startswith("moe") else 1)

@@ -99,13 +99,10 @@ def test_a_megatron_layer_without_tp_overlap_pays_all_of_its_tp_traffic():
     assert (blocking.tp_fwd_comm_s, blocking.tp_bwd_comm_s) == pytest.approx((raw_fwd, raw_bwd))
 
 
-def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic(monkeypatch):
+def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic(without_eager_count):
     """Megatron's userbuffers pipeline each TP collective with its GEMM over tp pieces; meshplan's
     executor blocks on them. Their compute is the same once meshplan's eager kernels' count
     (`eager_kernels`, its own test) is set aside."""
-    from meshplan.planner.costing import eager_kernels
-
-    monkeypatch.setattr(eager_kernels, "counts_eager_kernels", lambda *args, **kwargs: False)
     graph = profile("llama3-70b", 8192)
     cluster = load_cluster("h100-sxm")
     block = next(layer for layer in graph.layers if layer.kind == "block")
