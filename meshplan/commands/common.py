@@ -202,7 +202,7 @@ def add_job_arguments(parser) -> None:
     from meshplan.planner.costing.hardware import profile_listing
 
     parser.add_argument("--model", required=True,
-                        help="model SPEC (built-in name, gpt:/llama: spec, file.py:fn, hf:config.json)")
+                        help="model SPEC (built-in name, gpt:/llama: spec, file.py:fn, hf:config.json or hf:owner/name)")
     parser.add_argument("--cluster", required=True,
                         help=f"cluster profile: a .toml path or a built-in name: {profile_listing()}")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs (cpu profile: local processes)")

@@ -11,7 +11,7 @@ DEFAULT_SEQS = (1024, 2048, 4096, 8192)
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True,
-                        help="model SPEC (built-in name, gpt:/llama: spec, file.py:fn, hf:config.json)")
+                        help="model SPEC (built-in name, gpt:/llama: spec, file.py:fn, hf:config.json or hf:owner/name)")
     parser.add_argument("--seq", type=int, default=None,
                         help=f"sequence length of the activation rows (default: {', '.join(map(str, DEFAULT_SEQS))}, "
                              "up to the model's positions)")

@@ -15,7 +15,7 @@ MIB = 2**20
 def add_arguments(parser):
     parser.add_argument("--model", required=True, metavar="SPEC",
                         help="gpt2 | llama3-8b | ... | gpt:layers=..,hidden=..,heads=..,vocab=.. | "
-                             "llama:... | path/model.py:fn | hf:path/config.json")
+                             "llama:... | path/model.py:fn | hf:path/config.json | hf:owner/name (a hub repository)")
     parser.add_argument("--seq", type=int, default=None, metavar="N",
                         help=f"sequence length (default {DEFAULT_SEQ}, capped at the learned positions of a "
                              "GPT-2 preset or an HF config; file models take shapes from their example inputs)")

@@ -344,18 +344,12 @@ def _carried_graph(item: Any) -> ModelGraph | None:
         raise ValueError(f"plan field 'model_graph': {exc}") from None
 
 
-def hf_config_file(path_text: str) -> str:
-    """The config file an `hf:` spec names: the path itself, or `config.json` inside it when it is
-    a directory (a model repository checked out without weights)."""
-    path = Path(path_text)
-    return str(path / "config.json") if path.is_dir() else path_text
-
-
 def model_file(spec: str) -> str | None:
-    """The file a model spec names when user code or a user config defines the model (`path.py:fn`:
-    the Python file; `hf:config.json`: the config); None for built-in and parametric specs."""
+    """What a model spec names when user code or a user config defines the model (`path.py:fn`:
+    the Python file; `hf:...`: the config's path, directory or hub repository id, as written);
+    None for built-in and parametric specs."""
     if spec.startswith("hf:"):
-        return hf_config_file(spec[3:])
+        return spec[3:]
     if spec.partition(":")[0].endswith(".py"):
         return spec.rpartition(":")[0]
     return None

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.contracts.plan import hf_config_file
+from meshplan.planner.models.hf_hub import config_file
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 # An unknown key this close to a known one (difflib ratio) and this near in length is a misspelling.
@@ -37,10 +37,10 @@ TYPO_MAX_LENGTH_DIFFERENCE = 2
 
 
 def read_config(path_text: str) -> dict:
-    path = Path(hf_config_file(path_text))
+    path = Path(config_file(path_text))
     if not path.is_file():
-        raise MeshplanError(f"HF config {str(path)!r} not found; use hf:path/config.json or hf:dir/ "
-                            "(a directory holding config.json; no weights needed)")
+        raise MeshplanError(f"HF config {str(path)!r} not found; use hf:path/config.json, hf:dir/ (a directory "
+                            "holding config.json) or hf:owner/name (a Hugging Face hub repository; no weights needed)")
     data = _read_json(path_text)
     if not isinstance(data, dict) or "model_type" not in data:
         raise MeshplanError(f"HF config {path_text!r} has no \"model_type\"; it must be a transformers config.json")
@@ -71,7 +71,7 @@ def _read_json(path_text: str):
     """The config's JSON, read as every meshplan input is (a regular file, bounded in size and depth)."""
     from meshplan.planner.contracts.jsonfile import read_json_file
 
-    return read_json_file(hf_config_file(path_text), "HF config", "use hf:path/config.json (a config file, no weights)")
+    return read_json_file(config_file(path_text), "HF config", "use hf:path/config.json (a config file, no weights)")
 
 
 def hf_max_positions(path_text: str) -> int:

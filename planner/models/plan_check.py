@@ -77,5 +77,10 @@ def is_sequence_model(spec: str) -> bool:
 
 
 def spec_file(spec: str) -> str | None:
-    """The file an hf: or file spec names (the config or the Python file); None for other specs."""
+    """The file an hf: or file spec names (the config, a hub repository's from the local cache, or
+    the Python file); None for other specs."""
+    if spec.startswith("hf:"):
+        from meshplan.planner.models.hf_hub import config_file
+
+        return config_file(spec[3:])
     return model_file(spec)

@@ -410,9 +410,9 @@ def _code_hash(root: Path | None = None) -> str:
 def _spec_source_hash(spec: str) -> str:
     """Content hash of the file a file or HF spec names (so edits invalidate the cache)."""
     if _hf_config_path(spec) is not None:
-        from meshplan.planner.contracts.plan import hf_config_file
+        from meshplan.planner.models.hf_hub import config_file
 
-        path = Path(hf_config_file(_hf_config_path(spec)))
+        path = Path(config_file(_hf_config_path(spec)))
     elif spec.partition(":")[0].endswith(".py"):
         path = Path(spec.rpartition(":")[0] if ":" in spec else spec)
     else:

@@ -32,9 +32,12 @@ CAUSES = {
 
 
 def absolute_spec(spec: str) -> str:
-    """File specs (`path/model.py:fn`, `hf:path/config.json`) with their paths made absolute."""
+    """File specs (`path/model.py:fn`, `hf:path/config.json`) with their paths made absolute; a hub
+    repository id (`hf:owner/name`) stays as written (each machine resolves it through its cache)."""
     if spec.startswith("hf:"):
-        return "hf:" + str(Path(spec[3:]).resolve())
+        from meshplan.planner.models.hf_hub import is_local_path
+
+        return "hf:" + str(Path(spec[3:]).resolve()) if is_local_path(spec[3:]) else spec
     path, sep, fn = spec.rpartition(":")
     if sep and path.endswith(".py"):
         return f"{Path(path).resolve()}:{fn}"

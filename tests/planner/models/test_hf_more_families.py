@@ -37,7 +37,7 @@ def test_a_multimodal_config_in_a_directory_profiles_its_text_backbone():
 def test_a_directory_without_config_json_says_what_it_reads(tmp_path):
     from meshplan.planner.contracts.errors import MeshplanError
 
-    with pytest.raises(MeshplanError, match=r"config.json.*not found; use hf:path/config.json or hf:dir/"):
+    with pytest.raises(MeshplanError, match=r"config.json.*not found; use hf:path/config.json, hf:dir/"):
         profile(f"hf:{tmp_path}", 64, cache=False)
 
 
