@@ -88,6 +88,7 @@ def _hf_summary(graph) -> str:
                "are computed and saved as eager saves them, whatever --attention says")
         lines.append(f"attention implementation: {info.attn_implementation} ({why})")
     lines += [f"note: {note}" for note in info.notes]
+    lines += _hub_lines(graph.spec)
     if info.family == "hf" and any(layer.kind in ("embedding", "head") and layer.tp_split.kind == "none"
                                    for layer in graph.layers):
         from meshplan.planner.contracts.engine_rules import VOCAB_PARALLEL_ENGINES
@@ -98,6 +99,15 @@ def _hf_summary(graph) -> str:
                      "every model's")
     lines += _engine_lines(graph.spec)
     return "".join(f"\n{line}" for line in lines)
+
+
+def _hub_lines(spec: str) -> list[str]:
+    """For an `hf:owner/name` spec: which file was read (the cache's copy of which revision)."""
+    from meshplan.planner.models.hf_hub import config_file, is_local_path
+
+    if not spec.startswith("hf:") or is_local_path(spec[3:]):
+        return []
+    return [f"config: {config_file(spec[3:])} (the local Hugging Face cache's copy of {spec[3:]})"]
 
 
 def _engine_lines(spec: str) -> list[str]:

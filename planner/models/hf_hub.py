@@ -18,8 +18,8 @@ import os
 import re
 import socket
 import sys
-from urllib.parse import urlparse
 from pathlib import Path
+from urllib.parse import urlparse
 
 from meshplan.planner.contracts.errors import MeshplanError
 

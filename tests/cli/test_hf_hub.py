@@ -59,6 +59,8 @@ def test_a_cached_repository_profiles_as_its_config_file_does(run_cli, hub_cache
     id_data, path_data = json.loads(by_id[1]), json.loads(by_path[1])
     assert id_data["total_params"] == path_data["total_params"] > 0
     assert [layer["fwd_flops"] for layer in id_data["layers"]] == [layer["fwd_flops"] for layer in path_data["layers"]]
+    code, text, _ = run_cli("profile", "--model", f"hf:{REPO}", "--seq", 16, "--no-cache")
+    assert code == 0 and f"config: {hub_cache} (the local Hugging Face cache's copy of {REPO})" in text
 
 
 def test_a_plan_keeps_the_hub_id_and_resolves_it_when_read(run_cli, hub_cache, tmp_path):
