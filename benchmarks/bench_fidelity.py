@@ -241,6 +241,21 @@ def report_regressions(scored: Sequence[Scored], clusters, brief: bool) -> None:
     print(f"the other {len(rest)}: {summary(rest, clusters)}")
 
 
+def report_by_cluster(title: str, scored: Sequence[Scored], clusters) -> None:
+    """A set's figure on each cluster profile, those marked not validated (published specifications,
+    no fit set: `ClusterProfile.validated`) named so; printed beside the set's figure, which counts
+    every run."""
+    groups: dict[str, list[Scored]] = {}
+    for s in scored:
+        groups.setdefault(s.run.cluster, []).append(s)
+    if len(groups) < 2:
+        return
+    print(f"{title} by cluster profile:")
+    for name, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+        mark = "" if clusters[name].validated else " (profile not validated)"
+        print(f"  {name}{mark}: {summary(members, clusters)}")
+
+
 def report_regimes(scored: Sequence[Scored], clusters) -> None:
     """Every held-out run (BF16, FP8 and MoE together) by regime, beside the constant-MFU rule."""
     print("\n== held out by regime (BF16, FP8 and MoE runs together; a run may be in several) ==")
@@ -445,6 +460,7 @@ def main(argv: list[str]) -> int:
         report("MoE (held out; expert parallelism, balanced routing)", scored_moe, clusters, brief,
                by_cluster=True)
         report_regressions(scored_moe, clusters, brief)
+        report_by_cluster("MoE", scored_moe, clusters)
         a2a_overlap_speedups(scored_moe)
     every_held = score([r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)], clusters)
     if every_held:
