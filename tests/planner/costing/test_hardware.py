@@ -105,3 +105,16 @@ def test_validated_and_num_sms_are_checked(tmp_path):
         load_cluster(_write(tmp_path, text.replace('validated = true', 'validated = "no"')))
     with pytest.raises(MeshplanError, match="num_sms must be an integer >= 0"):
         load_cluster(_write(tmp_path, text.replace("num_sms = 108", "num_sms = -4")))
+
+
+@pytest.mark.parametrize("typed, meant", [("h100", "h100-96g-500w, h100-nvl or h100-sxm"), ("H100-SXM", "h100-sxm"),
+                                          ("a100", "a100-40g or a100-80g")])
+def test_a_mistyped_profile_name_is_answered_with_the_profiles_it_likely_means(typed, meant):
+    with pytest.raises(MeshplanError, match=rf"unknown cluster profile '{typed}' \(did you mean {meant}\?\); "
+                                            "built-in profiles: a100-40g"):
+        load_cluster(typed)
+
+
+def test_a_name_near_no_profile_gets_the_list_alone():
+    with pytest.raises(MeshplanError, match=r"unknown cluster profile 'zzz'; built-in profiles: "):
+        load_cluster("zzz")
