@@ -183,8 +183,32 @@ def build_model(spec: str, seq: int, tp: int = 1, device: str = "meta", dtype=No
     if spec.partition(":")[0].endswith(".py"):
         from meshplan.planner.models.filemodel import build_file_model
         return build_file_model(spec, device=device, dtype=dtype)
-    raise MeshplanError(f"unknown model {spec!r}; known models: {', '.join(known_models())}; or a parametric "
-                        "spec (gpt:layers=..,hidden=..,heads=..,vocab=..), path/model.py:fn, or hf:config.json")
+    raise MeshplanError(f"unknown model {spec!r}{_nearest_models(spec)}; known models: {', '.join(known_models())}; "
+                        "or a parametric spec (gpt:layers=..,hidden=..,heads=..,vocab=..), path/model.py:fn, "
+                        "hf:config.json or hf:owner/name (a Hugging Face hub repository)")
+
+
+def _nearest_models(spec: str) -> str:
+    """" (did you mean ...?)" for a mistyped model name: the known names it spells with other case or
+    separators (`Llama3_8B` -> llama3-8b), else those it begins (`llama3` -> every Llama 3), else the
+    closest spellings; a hub repository id gets its `hf:` form. "" when nothing is close."""
+    import difflib
+    import re
+
+    from meshplan.planner.models.hf_hub import is_hub_id
+
+    if "/" in spec and is_hub_id(spec):
+        return f" (did you mean hf:{spec}, the Hugging Face hub repository?)"
+    names, key = known_models(), spec.lower()
+    def plain(text: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", text.lower())
+    near = ([name for name in names if plain(name) == plain(spec)]
+            or [name for name in names if name.startswith(key) or plain(name).startswith(plain(spec))]
+            or difflib.get_close_matches(key, names, n=3, cutoff=0.75))
+    if not near or not plain(spec):
+        return ""
+    listed = near[0] if len(near) == 1 else f"{', '.join(near[:-1])} or {near[-1]}"
+    return f" (did you mean {listed}?)"
 
 
 def _build_zoo(spec: str, cfg: TransformerConfig, seq: int, tp: int, device: str, dtype) -> BuiltModel:

@@ -1,6 +1,7 @@
 """The model zoo: published parameter counts, Megatron's GPT formula, spec parsing and errors."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -110,6 +111,15 @@ def test_gpt_preset_rejects_seq_beyond_positions():
 ])
 def test_bad_specs_raise_meshplan_error(spec, match):
     with pytest.raises(MeshplanError, match=match):
+        build_model(spec, 64)
+
+
+@pytest.mark.parametrize("spec, meant", [
+    ("Llama3_8B", "llama3-8b"), ("gpt-2", "gpt2"), ("llama3", "llama3-405b, llama3-70b or llama3-8b"),
+    ("mixtral", "mixtral-8x22b or mixtral-8x7b"), ("meta-llama/Llama-3.1-8B", "hf:meta-llama/Llama-3.1-8B"),
+])
+def test_a_mistyped_model_is_answered_with_what_it_likely_means(spec, meant):
+    with pytest.raises(MeshplanError, match=rf"unknown model '{re.escape(spec)}' \(did you mean {re.escape(meant)}[,?]"):
         build_model(spec, 64)
 
 
