@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 
 from meshplan.planner.contracts.cluster import ClusterProfile, cluster_from_dict
-from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError, did_you_mean
 
 try:  # Python 3.11+
     import tomllib
@@ -36,19 +36,6 @@ def profile_listing() -> str:
                      for name in builtin_profiles())
 
 
-def _nearest(text: str) -> str:
-    """" (did you mean ...?)" naming the built-in profiles a mistyped name most likely means: those it
-    begins (`h100` -> every H100 part), else the closest spellings; "" when none is close."""
-    import difflib
-
-    names, key = builtin_profiles(), text.lower()
-    near = [name for name in names if name.startswith(key)] or difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-    if not near or text in names:
-        return ""
-    listed = near[0] if len(near) == 1 else f"{', '.join(near[:-1])} or {near[-1]}"
-    return f" (did you mean {listed}?)"
-
-
 def load_cluster(name_or_path: str | Path) -> ClusterProfile:
     """Load a built-in profile by name (`h100-sxm`) or a TOML file by path."""
     text_name = str(name_or_path)
@@ -56,7 +43,7 @@ def load_cluster(name_or_path: str | Path) -> ClusterProfile:
     if not (text_name.endswith(".toml") or path.exists()):
         path = PROFILES_DIR / f"{text_name}.toml"
         if not path.exists():
-            raise MeshplanError(f"unknown cluster profile {text_name!r}{_nearest(text_name)}; built-in profiles: "
+            raise MeshplanError(f"unknown cluster profile {text_name!r}{did_you_mean(text_name, builtin_profiles())}; built-in profiles: "
                                 f"{profile_listing()}, or pass a path to a .toml file")
     if not path.exists():
         raise MeshplanError(f"cluster profile file not found: {path}")

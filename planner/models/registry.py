@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.errors import MeshplanError, did_you_mean
 from meshplan.planner.contracts.graph import ModelInfo, TPSplit
 from meshplan.planner.models.built import MAX_PARAMETRIC_LAYERS, BuiltModel, LayerGroup, ProfileModel
 from meshplan.planner.models.config import TransformerConfig
@@ -189,26 +189,13 @@ def build_model(spec: str, seq: int, tp: int = 1, device: str = "meta", dtype=No
 
 
 def _nearest_models(spec: str) -> str:
-    """" (did you mean ...?)" for a mistyped model name: the known names it spells with other case or
-    separators (`Llama3_8B` -> llama3-8b), else those it begins (`llama3` -> every Llama 3), else the
-    closest spellings; a hub repository id gets its `hf:` form. "" when nothing is close."""
-    import difflib
-    import re
-
+    """" (did you mean ...?)" for an unknown model name (`errors.did_you_mean` over the known
+    models); an `owner/name` hub repository id gets its `hf:` form."""
     from meshplan.planner.models.hf_hub import is_hub_id
 
     if "/" in spec and is_hub_id(spec):
         return f" (did you mean hf:{spec}, the Hugging Face hub repository?)"
-    names, key = known_models(), spec.lower()
-    def plain(text: str) -> str:
-        return re.sub(r"[^a-z0-9]", "", text.lower())
-    near = ([name for name in names if plain(name) == plain(spec)]
-            or [name for name in names if name.startswith(key) or plain(name).startswith(plain(spec))]
-            or difflib.get_close_matches(key, names, n=3, cutoff=0.75))
-    if not near or not plain(spec):
-        return ""
-    listed = near[0] if len(near) == 1 else f"{', '.join(near[:-1])} or {near[-1]}"
-    return f" (did you mean {listed}?)"
+    return did_you_mean(spec, known_models())
 
 
 def _build_zoo(spec: str, cfg: TransformerConfig, seq: int, tp: int, device: str, dtype) -> BuiltModel:
