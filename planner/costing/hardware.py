@@ -43,8 +43,8 @@ def load_cluster(name_or_path: str | Path) -> ClusterProfile:
     if not (text_name.endswith(".toml") or path.exists()):
         path = PROFILES_DIR / f"{text_name}.toml"
         if not path.exists():
-            raise MeshplanError(f"unknown cluster profile {text_name!r}{did_you_mean(text_name, builtin_profiles())}; built-in profiles: "
-                                f"{profile_listing()}, or pass a path to a .toml file")
+            raise MeshplanError(f"unknown cluster profile {text_name!r}{did_you_mean(text_name, builtin_profiles())}; "
+                                f"built-in profiles: {profile_listing()}, or pass a path to a .toml file")
     if not path.exists():
         raise MeshplanError(f"cluster profile file not found: {path}")
     from meshplan.planner.contracts.jsonfile import read_input_text

@@ -26,6 +26,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 # A hub repository id: `name` or `owner/name` (letters, digits, '-', '_', '.'), optionally `@revision`.
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?)(?:@(?P<revision>[\w./-]+))?")
 CONFIG_NAME = "config.json"
+LOCAL_FALLBACK = "or pass hf:path/config.json (a config file, no weights)"
 
 
 def config_file(path_text: str) -> str:
@@ -65,15 +66,13 @@ def hub_config_file(text: str) -> str:
     except LocalEntryNotFoundError:
         pass  # not cached: download it below
     except Exception as err:  # noqa: BLE001 - an invalid id or a broken cache entry: one line below
-        raise _hub_error(text, err) from err
+        raise _hub_error(text, repo, revision, err) from err
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        raise MeshplanError(f"{CONFIG_NAME} of {text} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
-                            f"set: {_fetch_hint(repo, revision)}")
+        raise _uncached(text, repo, revision, "HF_HUB_OFFLINE is set")
     if not _hub_resolvable(constants.ENDPOINT):
-        raise MeshplanError(f"{CONFIG_NAME} of {text} is not in the local Hugging Face cache and "
-                            f"{constants.ENDPOINT} cannot be resolved (no network): {_fetch_hint(repo, revision)}")
+        raise _uncached(text, repo, revision, f"{constants.ENDPOINT} cannot be resolved (no network)")
     print(f"meshplan: {CONFIG_NAME} of {text} is not in the local Hugging Face cache; downloading it "
           f"(a few KB, no weights; HF_HUB_OFFLINE=1 keeps meshplan offline)", file=sys.stderr)
     quiet = logging.getLogger("huggingface_hub")
@@ -82,40 +81,39 @@ def hub_config_file(text: str) -> str:
     try:
         return hf_hub_download(repo, CONFIG_NAME, revision=revision)
     except Exception as err:  # noqa: BLE001 - every hub failure becomes one line naming the fix
-        raise _hub_error(text, err) from err
+        raise _hub_error(text, repo, revision, err) from err
     finally:
         quiet.setLevel(level)
 
 
-def _hub_error(text: str, err: Exception) -> MeshplanError:
+def _hub_error(text: str, repo: str, revision: str | None, err: Exception) -> MeshplanError:
     """The one-line error for a hub repository whose config.json cannot be had."""
     from huggingface_hub import errors
 
-    local = "or pass hf:path/config.json (a config file, no weights)"
     if isinstance(err, errors.GatedRepoError):
         why = (f"the hub repository {text} is gated: accept its licence on huggingface.co and set HF_TOKEN "
-               f"(or run `hf auth login`), {local}")
+               f"(or run `hf auth login`), {LOCAL_FALLBACK}")
     elif isinstance(err, (errors.RepositoryNotFoundError, errors.HFValidationError)):
-        why = f"no local path or hub repository {text!r}: check the name, {local}"
+        why = f"no local path or hub repository {text!r}: check the name, {LOCAL_FALLBACK}"
     elif isinstance(err, errors.RevisionNotFoundError):
-        why = f"the hub repository {text} has no revision {text.partition('@')[2]!r}: check it, {local}"
+        why = f"the hub repository {text} has no revision {revision!r}: check it, {LOCAL_FALLBACK}"
     elif isinstance(err, errors.RemoteEntryNotFoundError):
-        why = f"the hub repository {text} has no {CONFIG_NAME}: name a transformers model, {local}"
+        why = f"the hub repository {text} has no {CONFIG_NAME}: name a transformers model, {LOCAL_FALLBACK}"
     elif isinstance(err, errors.LocalEntryNotFoundError):
-        match = HUB_ID.fullmatch(text)
-        why = (f"{CONFIG_NAME} of {text} is not in the local Hugging Face cache and the hub cannot be reached: "
-               f"{_fetch_hint(match['repo'], match['revision'])}")
+        return _uncached(text, repo, revision, "the hub cannot be reached")
     else:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        why = f"cannot read {CONFIG_NAME} of the hub repository {text}: {first}; {local}"
+        why = f"cannot read {CONFIG_NAME} of the hub repository {text}: {first}; {LOCAL_FALLBACK}"
     return MeshplanError(why)
 
 
-def _fetch_hint(repo: str, revision: str | None) -> str:
-    """How to put a repository's config.json into this machine's cache, or do without it."""
+def _uncached(text: str, repo: str, revision: str | None, reason: str) -> MeshplanError:
+    """Not in the cache and not downloadable (`reason`): how to put the config.json into this
+    machine's cache, or do without it."""
     pinned = f" --revision {revision}" if revision else ""
-    return (f"fetch it with network access (`hf download {repo} {CONFIG_NAME}{pinned}`, into this machine's "
-            f"HF_HOME), or pass hf:path/config.json (a config file, no weights)")
+    return MeshplanError(f"{CONFIG_NAME} of {text} is not in the local Hugging Face cache and {reason}: fetch it "
+                         f"with network access (`hf download {repo} {CONFIG_NAME}{pinned}`, into this machine's "
+                         f"HF_HOME), {LOCAL_FALLBACK}")
 
 
 def _hub_resolvable(endpoint: str) -> bool:
