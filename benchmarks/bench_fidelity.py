@@ -408,19 +408,28 @@ BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megat
                     "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}
 
 
-def write_bands(scored_by_regime: dict[str, Sequence[Scored]]) -> None:
-    """Each regime's held-out step-time errors as its band, into profiles/error_bands.json."""
+def write_bands(scored_by_regime: dict[str, Sequence[Scored]], clusters) -> None:
+    """Each regime's held-out step-time errors as its band, into profiles/error_bands.json: over the
+    runs on validated profiles, and apart, each unvalidated profile's own runs (`error_bands`)."""
     from meshplan.planner.costing.error_bands import BANDS_FILE, band_from_errors, bands_document
     from meshplan.planner.costing.hardware import PROFILES_DIR
 
-    bands = [band_from_errors(regime, [s.error for s in scored],
-                              f"step-time error (predicted / published - 1) of the {BAND_SETS[regime]}, scored by "
-                              "benchmarks/bench_fidelity.py")
-             for regime, scored in scored_by_regime.items() if scored]
+    bands = []
+    for regime, scored in scored_by_regime.items():
+        how = f"step-time error (predicted / published - 1) of the {BAND_SETS[regime]}"
+        pooled = [s.error for s in scored if clusters[s.run.cluster].validated]
+        if pooled:
+            bands.append(band_from_errors(regime, pooled, f"{how} on validated profiles, scored by "
+                                          "benchmarks/bench_fidelity.py"))
+        for profile in sorted({s.run.cluster for s in scored if not clusters[s.run.cluster].validated}):
+            own = [s.error for s in scored if s.run.cluster == profile]
+            bands.append(band_from_errors(regime, own, f"{how} on profile {profile} (not validated) alone, "
+                                          "scored by benchmarks/bench_fidelity.py", profile))
     path = Path(PROFILES_DIR) / BANDS_FILE
     path.write_text(bands_document(bands, "benchmarks/bench_fidelity.py --write-bands"))
     print("\nbands written to " + str(path) + ": " + "; ".join(
-        f"{b.regime} {b.error_low:+.1%}..{b.error_high:+.1%} ({b.num_runs} runs)" for b in bands))
+        f"{b.regime}{' on ' + b.profile if b.profile else ''} {b.error_low:+.1%}..{b.error_high:+.1%} "
+        f"({b.num_runs} runs)" for b in bands))
 
 
 def main(argv: list[str]) -> int:
@@ -467,7 +476,7 @@ def main(argv: list[str]) -> int:
         report_regimes(every_held, clusters)
     if "--write-bands" in argv and not only:
         write_bands({"dense": scored if held else [], "fp8": score(fp8, clusters) if fp8 else [],
-                     "moe": score(moe, clusters) if moe else []})
+                     "moe": score(moe, clusters) if moe else []}, clusters)
     print_targets(fit_means, every_held, lambda scored: metrics(scored, clusters), fp8_pair_errors)
     if not no_cv and not only:
         cross_validated()

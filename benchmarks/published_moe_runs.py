@@ -31,6 +31,10 @@ MEGATRON_MOE_ASSUMPTIONS = (
 )
 
 
+# The Blackwell rows' "FP8-MX": Transformer Engine's MXFP8BlockScaling, meshplan's mxfp8 recipe.
+MXFP8 = "FP8-MX: Transformer Engine's MXFP8 block scaling (32-value blocks, E8M0 scales; --fp8-recipe mxfp8)"
+
+
 # Transformer Engine's attention backend choice (transformer_engine/pytorch/attention/
 # dot_product_attention/utils.py, get_attention_backend): "Disabling FlashAttention to give
 # FusedAttention preference on Hopper+ for performance reasons" (compute capability 9.0 and up).
@@ -165,8 +169,7 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
         "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
     regressions = {"B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8": QWEN3_235B_B200_REGRESSION,
                    "B200 Qwen3-30B-A3B fp8 ep8": QWEN3_30B_DROPLESS_REGRESSION}
-    mxfp8 = ("FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current "
-             "scaling)",)
+    mxfp8 = (MXFP8,)
     # (name, cluster, spec, gpus, gbs, mbs, pp, vpp, ep, precision, tokens/s/GPU)
     rows = [("GB200 Qwen3-235B-A22B bf16 pp8 vpp3 ep32", "gb200-nvl72", "qwen3-235b-a22b", 256, 8192, 1, 8, 3, 32,
              "bf16-mixed", 4916.0),
@@ -177,7 +180,8 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
     return [Run(f"Megatron-Bridge {name}", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, cluster, spec, gpus, gbs, 4096,
                 pp=pp, mbs=mbs, vpp_options=(vpp,), zero=1, ep=ep, precision=precision,
                 published_tokens_per_s=tps * gpus, grad_reduce_in_bf16=True, engine="megatron", attention="cudnn",
-                regression=regressions.get(name, ""), moe_a2a_overlap=name in overlapped, cross_entropy_fusion="te",
+                fp8_recipe="mxfp8" if precision == "fp8" else None, regression=regressions.get(name, ""),
+                moe_a2a_overlap=name in overlapped, cross_entropy_fusion="te",
                 assumptions=assumptions + (BRIDGE_BF16_GRADS,) + (mxfp8 if precision == "fp8" else ())
                 + ((A2A_OVERLAPPED,) if name in overlapped else ())
                 + ((BRIDGE_235B_SPLIT,) if spec == "qwen3-235b-a22b" else ()),
@@ -494,11 +498,11 @@ def megatron_bridge_blackwell_deepseek_v3_runs() -> list[Run]:
         "recompute_modules mla_up_proj (the B200 preset); one multi-token-prediction layer with the loss on the "
         "last stage (the recipe's layout for PP 16)",
         "the distributed optimizer costed as ZeRO-1, gradients reduced in bf16 (set_deepseek_v3_common_configs)",
-        "FP8-MX (MXFP8, 32-element block scaling) costed as meshplan's fp8 recipe (tensorwise current scaling)",
+        MXFP8,
         "the profile's efficiencies are H100 SXM's (b200 is not validated on Blackwell)",
     )
     return [Run("Megatron-Bridge B200 DeepSeek-V3 fp8 pp16 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, "b200",
                 "deepseek-v3", 256, 2048, 4096, pp=16, zero=1, ep=8, etp=1, recompute_modules=("mla_up_proj",),
-                precision="fp8", fp8_recipe="tensorwise", published_tokens_per_s=2139.0 * 256, engine="megatron",
+                precision="fp8", fp8_recipe="mxfp8", published_tokens_per_s=2139.0 * 256, engine="megatron",
                 attention="cudnn", grad_reduce_in_bf16=True, stage_blocks=(4,) * 15 + (1,), mtp_num_layers=1,
                 cross_entropy_fusion="te", assumptions=assumptions)]

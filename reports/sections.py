@@ -53,17 +53,17 @@ def _schedule_text(config) -> str:
 
 
 def _band_text(plan, prediction: dict[str, Any]) -> str:
-    """", likely A-B ms (...)": the held-out error band of the plan's regime (`costing.error_bands`)."""
-    from meshplan.planner.costing.error_bands import band_for, band_text
-    from meshplan.planner.models.registry import is_moe_spec
+    """", likely A-B ms (...)": the held-out error band of the plan's regime on its cluster profile
+    (`costing.error_bands`), or why an unvalidated profile has none."""
+    from meshplan.planner.costing.error_bands import band_text, missing_band_text, prediction_band
 
     step = prediction.get("step_time_s")
-    try:
-        moe = is_moe_spec(plan.model.spec, plan.model.seq)
-    except (ValueError, OSError):  # an hf: config that cannot be read: judged by its ep
-        moe = False
-    band = band_for(plan.config, moe) if step else None
-    return f", {band_text(band, float(step), 1e3, 'ms')}" if band else ""
+    if not step:
+        return ""
+    band = prediction_band(plan.config, plan.model.spec, plan.model.seq, plan.cluster)
+    text = (band_text(band, float(step), 1e3, "ms") if band is not None else
+            missing_band_text(plan.config, plan.model.spec, plan.model.seq, plan.cluster))
+    return f", band {text}" if text.startswith("none") else f", {text}" if text else ""
 
 
 def summary_section(plan, prediction: dict[str, Any], source_name: str, comparison=None,

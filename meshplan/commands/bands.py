@@ -1,30 +1,34 @@
 """The held-out error band beside a predicted step, as the commands print and write it
-(`planner.costing.error_bands`)."""
+(`planner.costing.error_bands`): the band of the prediction's regime, or, on a profile that is not
+validated and has too few runs of its own, the line saying there is none and why."""
 from __future__ import annotations
 
 
-def step_band(config, spec: str, seq: int | None = None):
-    """The band of this configuration's regime, or None (no bands measured)."""
-    from meshplan.planner.costing.error_bands import band_for
-    from meshplan.planner.models.registry import is_moe_spec
+def step_band(config, spec: str, seq: int | None, cluster):
+    """The band of this configuration's regime on `cluster`, or None."""
+    from meshplan.planner.costing.error_bands import prediction_band
 
-    try:
-        moe = is_moe_spec(spec, seq or 2048)
-    except (ValueError, OSError):  # an hf: config that cannot be read: judged by its ep
-        moe = False
-    return band_for(config, moe)
+    return prediction_band(config, spec, seq, cluster)
 
 
-def with_band(data: dict, step_time_s: float, config, spec: str, seq: int | None = None) -> dict:
-    """A prediction's JSON with its band under `uncertainty` (additive)."""
-    band = step_band(config, spec, seq)
+def with_band(data: dict, step_time_s: float, config, spec: str, seq: int | None, cluster) -> dict:
+    """A prediction's JSON with its band under `uncertainty`, or, on an unvalidated profile without
+    one, what its runs read under `unvalidated_profile` (additive keys)."""
+    from meshplan.planner.costing.error_bands import missing_band_json
+
+    band = step_band(config, spec, seq, cluster)
     if band is not None:
         data["uncertainty"] = band.to_json(step_time_s)
+    missing = missing_band_json(config, spec, seq, cluster)
+    if missing is not None:
+        data["unvalidated_profile"] = missing
     return data
 
 
-def band_line(step_time_s: float, config, spec: str, seq: int | None = None) -> str:
-    from meshplan.planner.costing.error_bands import band_text
+def band_line(step_time_s: float, config, spec: str, seq: int | None, cluster) -> str:
+    from meshplan.planner.costing.error_bands import band_text, missing_band_text
 
-    band = step_band(config, spec, seq)
-    return "" if band is None else f"step time band   {band_text(band, step_time_s, 1e3, 'ms')}"
+    band = step_band(config, spec, seq, cluster)
+    text = band_text(band, step_time_s, 1e3, "ms") if band is not None else missing_band_text(config, spec, seq,
+                                                                                               cluster)
+    return f"step time band   {text}" if text else ""

@@ -101,11 +101,11 @@ def run(args) -> int:
         from meshplan.commands.printed import _default_seq
 
         data = with_band(prediction_json(prediction, args.model, args.seq or _default_seq(args.model)),
-                         prediction.step_time_s, heading.config, args.model, args.seq)
+                         prediction.step_time_s, heading.config, args.model, args.seq, cluster)
         print(json.dumps(with_overlap(data, heading.config)))
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes, cluster))
-    print(band_line(prediction.step_time_s, heading.config, args.model, args.seq))
+    print(band_line(prediction.step_time_s, heading.config, args.model, args.seq, cluster))
     hint = _zero_hint(args, prediction)
     if hint:
         print(hint)

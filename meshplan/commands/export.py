@@ -72,27 +72,27 @@ def estimate_from(args) -> int:
                          attention=args.attention)
     for note in result.notes:
         print(f"meshplan estimate: not mapped: {note}", file=sys.stderr)
+    from meshplan.planner.costing.hardware import load_cluster
+
     from meshplan.commands.bands import band_line, with_band
 
+    cluster = load_cluster(args.cluster)
     if args.json:
         data = with_band(result.prediction.to_json(), result.prediction.step_time_s, result.config, result.spec,
-                         result.seq)
+                         result.seq, cluster)
         from meshplan.commands.printed import with_overlap
 
         print(json.dumps(with_overlap(data, result.config)))
         return 0
-    from meshplan.planner.costing.hardware import load_cluster
-
     from meshplan.commands.common import does_not_fit
     from meshplan.commands.printed import Heading, format_prediction
 
     heading = Heading(spec=result.spec, cluster=args.cluster, config=result.config, recompute=_recompute_text(result),
                       seq=args.seq)
     print(f"{job.engine} config {args.from_file} (memory as {job.engine} allocates it)")
-    cluster = load_cluster(args.cluster)
     usable = cluster.device.usable_memory_bytes
     print(format_prediction(result.prediction, heading, usable, cluster))
-    print(band_line(result.prediction.step_time_s, result.config, result.spec, result.seq))
+    print(band_line(result.prediction.step_time_s, result.config, result.spec, result.seq, cluster))
     return does_not_fit("estimate", result.prediction, usable, config=result.config, cluster=cluster)
 
 
@@ -110,14 +110,14 @@ def _estimate_plan(args) -> int:
 
     if args.json:
         data = with_band(prediction_json(prediction, plan.model.spec, plan.model.seq), prediction.step_time_s,
-                         plan.config, plan.model.spec, plan.model.seq)
+                         plan.config, plan.model.spec, plan.model.seq, plan.cluster)
         print(json.dumps(data))
         return 0
     heading = Heading(spec=plan.model.spec, cluster=plan.cluster.name, config=plan.config,
                       recompute=plan.config.recompute, seq=plan.model.seq)
     print(f"meshplan plan {args.from_file}")
     print(format_prediction(prediction, heading, plan.cluster.device.usable_memory_bytes, plan.cluster))
-    print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
+    print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq, plan.cluster))
     return does_not_fit("estimate", prediction, plan.cluster.device.usable_memory_bytes, config=plan.config,
                         cluster=plan.cluster)
 

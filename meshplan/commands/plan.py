@@ -143,7 +143,8 @@ def run(args) -> int:
     from meshplan.commands.bands import band_line
 
     step = data["prediction"]["step_time_s"]
-    print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq)]
+    print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq,
+                                                       result.cluster)]
                     + sizing_lines + loss_fusion_lines(result, step)))
     return 0
 

@@ -46,11 +46,11 @@ def run(args) -> int:
         from meshplan.commands.common import prediction_json
 
         data = with_band(prediction_json(prediction, plan.model.spec, plan.model.seq), prediction.step_time_s,
-                         plan.config, plan.model.spec, plan.model.seq)
+                         plan.config, plan.model.spec, plan.model.seq, plan.cluster)
         print(json.dumps(data))
     else:
         print(summary(plan, prediction))
-        print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq))
+        print(band_line(prediction.step_time_s, plan.config, plan.model.spec, plan.model.seq, plan.cluster))
         if args.trace:
             print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
     return 0

@@ -75,7 +75,7 @@ def size(args, result, plan_at):
             plans[gpus] = plan_at(gpus)
         found = plans[gpus]
         pred = found.prediction
-        band = step_band(found.config, found.model.spec, found.model.seq)
+        band = step_band(found.config, found.model.spec, found.model.seq, found.cluster)
         return training_cost(gpus, args.train_tokens, pred["tokens_per_s"], pred["step_time_s"],
                              args.usd_per_gpu_hour, found.config.label(),
                              (band.error_low, band.error_high) if band else None)

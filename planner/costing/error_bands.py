@@ -3,12 +3,20 @@
 `benchmarks/bench_fidelity.py --write-bands` scores meshplan against the published runs that never
 tuned a profile (`benchmarks/published_runs.py`'s held-out sets) and writes, per regime, what the
 errors were (`profiles/error_bands.json`, through `bands_document`); nothing in it is typed by
-hand. A regime is the set of runs a prediction resembles: dense BF16, FP8 (the fp8 recipe) or
-mixture of experts (expert parallelism). The band is the 10th to 90th percentile of the regime's
-relative error e = predicted / published - 1 (its extremes when it has fewer than
-`MIN_RUNS_FOR_PERCENTILES` runs), turned around: the measured step is expected in
+hand. A regime is the set of runs a prediction resembles: dense BF16, dense FP8 (the fp8 recipe)
+or mixture of experts (expert parallelism, in either precision). The band is the 10th to 90th
+percentile of the regime's relative error e = predicted / published - 1 (its extremes when it has
+fewer than `MIN_RUNS_FOR_PERCENTILES` runs), turned around: the measured step is expected in
 [predicted / (1 + e_high), predicted / (1 + e_low)]. Times and costs scale with the step, so
 they carry the same band.
+
+Bands are per kind of profile. A validated profile (fitted or measured on its part) takes its
+regime's band over every held-out run on a validated profile. A profile from published
+specifications only (`ClusterProfile.validated` false: borrowed efficiencies, nothing fitted on the
+part) can be off by more than any of them, so it takes only what runs on that very profile
+measured (`unvalidated_profiles` in the file): a band from at least `MIN_RUNS_FOR_BAND` of its own
+held-out runs in the regime, else no band and one line saying so, with what its runs read
+(`missing_band_text`). fp32 predictions have no regime: no published run was fp32 or on CPUs.
 """
 from __future__ import annotations
 
@@ -22,6 +30,9 @@ import numpy as np
 REGIMES = ("dense", "fp8", "moe")
 LOW_PERCENTILE, HIGH_PERCENTILE = 10.0, 90.0
 MIN_RUNS_FOR_PERCENTILES = 10
+# An unvalidated profile's own runs make its band only from this many on (fewer: their extremes
+# are reported, no band claimed).
+MIN_RUNS_FOR_BAND = MIN_RUNS_FOR_PERCENTILES
 BANDS_FILE = "error_bands.json"
 
 
@@ -34,6 +45,7 @@ class Band:
     error_high: float
     num_runs: int
     how: str  # what was measured, on which runs
+    profile: str = ""  # the unvalidated profile whose own runs these are; "" for validated profiles pooled
 
     def __post_init__(self):
         if self.regime not in REGIMES:
@@ -49,10 +61,16 @@ class Band:
     def to_json(self, predicted_step_s: float) -> dict:
         low, high = self.around(predicted_step_s)
         return {"regime": self.regime, "step_time_s": [low, high], "error_low": self.error_low,
-                "error_high": self.error_high, "num_runs": self.num_runs, "how": self.how}
+                "error_high": self.error_high, "num_runs": self.num_runs, "how": self.how,
+                "profile_validated": not self.profile}
+
+    def fields(self) -> dict:
+        """The band as the file keeps it."""
+        return {"error_low": self.error_low, "error_high": self.error_high, "num_runs": self.num_runs,
+                "how": self.how}
 
 
-def band_from_errors(regime: str, errors: list[float], how: str) -> Band:
+def band_from_errors(regime: str, errors: list[float], how: str, profile: str = "") -> Band:
     """The band of a regime's held-out errors (the benchmark's side of the file)."""
     if len(errors) >= MIN_RUNS_FOR_PERCENTILES:
         low, high = np.percentile(errors, [LOW_PERCENTILE, HIGH_PERCENTILE])
@@ -60,22 +78,41 @@ def band_from_errors(regime: str, errors: list[float], how: str) -> Band:
     else:
         low, high = min(errors), max(errors)
         how = f"{how}; the extremes of {len(errors)} runs (too few for percentiles)"
-    return Band(regime, float(low), float(high), len(errors), how)
+    return Band(regime, float(low), float(high), len(errors), how, profile)
 
 
 def bands_document(bands: list[Band], written_by: str) -> str:
-    """The JSON text of `profiles/error_bands.json`."""
-    return json.dumps({"written_by": written_by, "bands": {band.regime: {
-        "error_low": band.error_low, "error_high": band.error_high, "num_runs": band.num_runs, "how": band.how}
-        for band in bands}}, indent=2) + "\n"
+    """The JSON text of `profiles/error_bands.json`: the validated profiles' bands under `bands`,
+    each unvalidated profile's own under `unvalidated_profiles`."""
+    own: dict[str, dict] = {}
+    for band in bands:
+        if band.profile:
+            own.setdefault(band.profile, {})[band.regime] = band.fields()
+    return json.dumps({"written_by": written_by,
+                       "bands": {band.regime: band.fields() for band in bands if not band.profile},
+                       "unvalidated_profiles": own}, indent=2) + "\n"
 
 
 @lru_cache(maxsize=1)
-def load_bands(path: str | None = None) -> dict[str, Band]:
+def load_all_bands(path: str | None = None) -> tuple[Band, ...]:
+    """Every band in the file: the validated profiles' (`profile` "") and each unvalidated one's."""
     from meshplan.planner.costing.hardware import PROFILES_DIR
 
     data = json.loads(Path(path or PROFILES_DIR / BANDS_FILE).read_text())
-    return {name: Band(name, **values) for name, values in data["bands"].items()}
+    return (tuple(Band(regime, **values) for regime, values in data["bands"].items())
+            + tuple(Band(regime, **values, profile=profile)
+                    for profile, regimes in data.get("unvalidated_profiles", {}).items()
+                    for regime, values in regimes.items()))
+
+
+def load_bands(path: str | None = None) -> dict[str, Band]:
+    """The validated profiles' band of each regime."""
+    return {band.regime: band for band in load_all_bands(path) if not band.profile}
+
+
+def profile_runs(profile: str, regime: str) -> Band | None:
+    """What the held-out runs on an unvalidated profile measured in a regime (None: none ran)."""
+    return next((band for band in load_all_bands() if band.profile == profile and band.regime == regime), None)
 
 
 def regime_of(config, moe_model: bool) -> str | None:
@@ -83,23 +120,82 @@ def regime_of(config, moe_model: bool) -> str | None:
     bf16 or fp8, on GPUs: nothing measured the error of an fp32 or CPU prediction)."""
     if config.precision == "fp32":
         return None
+    if moe_model or config.ep > 1:  # the MoE runs, fp8 ones among them, measured expert models apart
+        return "moe"
     if config.precision == "fp8":
         return "fp8"
-    if moe_model or config.ep > 1:
-        return "moe"
     return "dense"
 
 
-def band_for(config, moe_model: bool) -> Band | None:
-    """The held-out band of a configuration's regime (None when none was measured)."""
+def band_for(config, moe_model: bool, cluster) -> Band | None:
+    """The held-out band of a configuration's regime on `cluster` (None when none was measured):
+    the validated profiles' band, or an unvalidated profile's own when it ran enough runs."""
     regime = regime_of(config, moe_model)
-    return load_bands().get(regime) if regime else None
+    if regime is None:
+        return None
+    if cluster.validated:
+        return load_bands().get(regime)
+    own = profile_runs(cluster.name, regime)
+    return own if own is not None and own.num_runs >= MIN_RUNS_FOR_BAND else None
+
+
+def is_moe_model(spec: str, seq: int | None) -> bool:
+    """Whether a model SPEC builds experts (an hf: config that cannot be read: no, judged by its ep)."""
+    from meshplan.planner.models.registry import is_moe_spec
+
+    try:
+        return is_moe_spec(spec, seq or 2048)
+    except (ValueError, OSError):
+        return False
+
+
+def prediction_band(config, spec: str, seq: int | None, cluster) -> Band | None:
+    """`band_for` a prediction of model `spec` at `seq` tokens."""
+    return band_for(config, is_moe_model(spec, seq), cluster)
+
+
+def _unbanded(config, spec: str, seq: int | None, cluster) -> tuple[str, Band | None] | None:
+    """(regime, what the profile's own runs read) of a prediction on an unvalidated profile that has
+    no band; None when it has one, is on a validated profile or is fp32."""
+    regime = regime_of(config, is_moe_model(spec, seq))
+    if regime is None or cluster.validated:
+        return None
+    own = profile_runs(cluster.name, regime)
+    return None if own is not None and own.num_runs >= MIN_RUNS_FOR_BAND else (regime, own)
+
+
+def missing_band_text(config, spec: str, seq: int | None, cluster) -> str:
+    """Why a prediction has no band, in one line ("" when it has one, or is fp32: no published run
+    measured fp32)."""
+    unbanded = _unbanded(config, spec, seq, cluster)
+    if unbanded is None:
+        return ""
+    regime, own = unbanded
+    measured = (f"its {own.num_runs} held-out {regime} run{'s' if own.num_runs > 1 else ''} read "
+                f"{own.error_low:+.0%} to {own.error_high:+.0%}, too few for a band" if own is not None else
+                f"no held-out {regime} run has checked it")
+    return (f"none: profile '{cluster.name}' is not validated (from published specifications; its efficiencies "
+            f"are borrowed, not measured on the part): {measured}")
+
+
+def missing_band_json(config, spec: str, seq: int | None, cluster) -> dict | None:
+    """`missing_band_text` as JSON: the profile, the regime and what its own runs read (None when
+    the prediction has a band or is fp32)."""
+    unbanded = _unbanded(config, spec, seq, cluster)
+    if unbanded is None:
+        return None
+    regime, own = unbanded
+    data = {"profile": cluster.name, "regime": regime, "num_runs": own.num_runs if own else 0}
+    if own is not None:
+        data.update(error_low=own.error_low, error_high=own.error_high, how=own.how)
+    return data
 
 
 def band_text(band: Band, predicted: float, scale: float, unit: str) -> str:
     """`likely 1.2-1.5 s (held-out dense runs: -8% to +12%)`: a band in words, `scale` units per second."""
     low, high = band.around(predicted)
-    return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} (held-out {band.regime} runs err "
+    where = f" on profile {band.profile} (not validated)" if band.profile else ""
+    return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} (held-out {band.regime} runs{where} err "
             f"{band.error_low:+.0%} to {band.error_high:+.0%}, {band.num_runs} runs)")
 
 

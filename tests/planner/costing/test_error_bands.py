@@ -9,15 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.planner.costing.error_bands import Band, band_from_errors, band_text, load_bands
+from meshplan.planner.costing.error_bands import (Band, band_for, band_from_errors, band_text, bands_document,
+                                                  load_all_bands, load_bands, missing_band_text, profile_runs)
 from meshplan.planner.costing.hardware import PROFILES_DIR
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def test_the_bands_file_is_the_benchmarks_measurement():
-    """Each regime's run count is its held-out set's in published_runs.py, and every band says how
-    it was measured: the file is written by bench_fidelity.py --write-bands, not by hand."""
+    """Each regime's band counts its held-out runs on validated profiles in published_runs.py, each
+    unvalidated profile's its own runs, and every band says how it was measured: the file is
+    written by bench_fidelity.py --write-bands, not by hand."""
+    from meshplan.planner.costing.hardware import load_cluster
+
     sys.path.insert(0, str(BENCHMARKS))
     try:
         runs = importlib.import_module("published_runs")
@@ -28,8 +32,12 @@ def test_the_bands_file_is_the_benchmarks_measurement():
     groups = {"dense": runs.HELD_OUT, "fp8": runs.HELD_OUT_FP8, "moe": runs.HELD_OUT_MOE}
     bands = load_bands()
     for regime, group in groups.items():
-        count = sum(run.group == group for run in runs.all_runs())
-        assert bands[regime].num_runs == count and "bench_fidelity.py" in bands[regime].how
+        members = [run for run in runs.all_runs() if run.group == group]
+        validated = sum(load_cluster(run.cluster).validated for run in members)
+        assert bands[regime].num_runs == validated and "bench_fidelity.py" in bands[regime].how
+        for profile in {run.cluster for run in members if not load_cluster(run.cluster).validated}:
+            own = profile_runs(profile, regime)
+            assert own.num_runs == sum(run.cluster == profile for run in members) and profile in own.how
 
 
 def test_band_from_errors_percentiles_and_extremes():
@@ -80,3 +88,55 @@ def test_training_time_and_cost_carry_the_band():
     assert data["days_range"] == pytest.approx([cost.days / 1.25, cost.days / 0.8])
     assert data["usd_range"] == pytest.approx([cost.usd / 1.25, cost.usd / 0.8])
     assert "days_range" not in training_cost(64, 1e12, 2e6, 1.0).to_json()
+
+
+def _bands_file(tmp_path, bands: list[Band]) -> str:
+    path = tmp_path / "bands.json"
+    path.write_text(bands_document(bands, "test"))
+    return str(path)
+
+
+def test_an_unvalidated_profile_takes_only_its_own_runs(tmp_path, monkeypatch):
+    """A validated profile gets its regime's pooled band; a profile from published specifications
+    only gets a band from its own held-out runs when it has at least 10, else none, with one line
+    saying what its runs read (or that none ran)."""
+    from dataclasses import replace
+
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing import error_bands
+    from meshplan.planner.costing.hardware import load_cluster
+
+    pooled = Band("dense", -0.05, 0.12, 200, "pooled")
+    many = band_from_errors("fp8", [-0.25 + i / 100 for i in range(12)], "its own", "h100-96g-500w")
+    few = band_from_errors("moe", [-0.58, -0.24, -0.42], "its own", "b200")
+    path = _bands_file(tmp_path, [pooled, many, few])
+    written = load_all_bands.__wrapped__(path)  # the file read back, uncached
+    monkeypatch.setattr(error_bands, "load_all_bands", lambda path=None: written)
+    assert {(band.regime, band.profile) for band in error_bands.load_all_bands()} == {
+        ("dense", ""), ("fp8", "h100-96g-500w"), ("moe", "b200")}
+    dense = ParallelConfig(gpus=8, dp=8, global_batch=8)
+    fp8 = replace(dense, precision="fp8")
+    h100, capped, b200 = (load_cluster(name) for name in ("h100-sxm", "h100-96g-500w", "b200"))
+    assert band_for(dense, False, h100) == pooled
+    assert band_for(fp8, False, h100) is None  # the file has no pooled fp8 band
+    assert band_for(fp8, False, capped) == many and band_for(dense, False, capped) is None
+    assert band_for(dense, True, b200) is None  # 3 runs: too few for a band
+    text = missing_band_text(dense, "qwen3-30b-a3b", 4096, b200)
+    assert "profile 'b200' is not validated" in text and "3 held-out moe runs read -58% to -24%" in text, text
+    assert "no held-out dense run has checked it" in missing_band_text(dense, "llama3-8b", 4096, b200)
+    assert missing_band_text(dense, "llama3-8b", 4096, h100) == ""
+    assert "on profile h100-96g-500w (not validated)" in band_text(many, 1.0, 1e3, "ms")
+
+
+def test_estimate_on_an_unvalidated_profile_claims_no_band(run_cli):
+    """The shipped file: b200 has no held-out dense run, so its dense prediction carries no band but
+    says why, in the text and under `unvalidated_profile` in the JSON."""
+    args = ("estimate", "--model", "llama3-8b", "--cluster", "b200", "--gpus", "8", "--gbs", "32", "--seq",
+            "2048", "--zero", "1")
+    code, stdout, err = run_cli(*args, "--json")
+    assert code == 0, err
+    data = json.loads(stdout)
+    assert "uncertainty" not in data
+    assert data["unvalidated_profile"] == {"profile": "b200", "regime": "dense", "num_runs": 0}
+    code, stdout, _ = run_cli(*args)
+    assert "step time band   none: profile 'b200' is not validated" in stdout and "likely" not in stdout
