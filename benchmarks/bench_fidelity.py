@@ -48,6 +48,7 @@ from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_o
 from fidelity_targets import WITHIN, print_targets, regime_groups  # noqa: E402
 from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_GROK1, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
                                       DGX_CLOUD_2504_NEMOTRON)
+from published_zoo_script_runs import ZOO_MIXTRAL_SCRIPT, ZOO_QWEN3_H100_SCRIPT  # noqa: E402
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
@@ -169,6 +170,8 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MPT_LARGE_SCALE_SOURCE: "MosaicML MPT at 128-512 GPUs (llm-foundry)",
                  TORCHTITAN_A100: "torchtitan FSDP2, 64 A100", MEGATRON_MOE_QWEN3: "Megatron-MoE-ModelZoo Qwen3",
                  MEGATRON_MOE_QWEN3_GB200: "Megatron-MoE-ModelZoo Qwen3 GB200",
+                 ZOO_QWEN3_H100_SCRIPT: "Megatron-MoE-ModelZoo run_h100_235b.sh",
+                 ZOO_MIXTRAL_SCRIPT: "Megatron-MoE-ModelZoo run_mixtral_8x22B.sh",
                  MEGATRON_BRIDGE_H100: "Megatron-Bridge 25.11 DGX-H100",
                  MEGATRON_BRIDGE_BLACKWELL: "Megatron-Bridge 25.11 DGX-GB200 and DGX-B200",
                  TORCHTITAN_H100: "torchtitan Float8, H100 at 500 W",

@@ -50,13 +50,17 @@ parallelism, costed under balanced routing:
   (TP 4, CP 1-8, PP 8, VPP 4, EP 8, 16K-128K tokens, the MoE layers recomputed), the forced-balance
   TFLOP/s, in the FLOP convention the short rows' step times and TFLOP/s together give; and the
   later readme's (`best_practice/qwen3/readme.md`) GB200 BF16 row (TP 1, PP 8, EP 8, 256 GPUs).
-  (`published_moe_runs` builds them.)
+  (`published_moe_runs` builds them.) Its best-practice scripts' H100 figures
+  (`published_zoo_script_runs`, which lists what it leaves out and why): run_h100_235b.sh's
+  Qwen3-235B-A22B at TP 2 / PP 8 / VP 4 / EP 32 with the combined 1F1B, TP overlap and CUDA graphs of
+  the router (320 TFLOP/s), and run_mixtral_8x22B.sh's Mixtral 8x22B on 128 GPUs at TP 2 / PP 8 / VP 7
+  / EP 8, force-balanced (465) and dropping tokens at capacity 1 with padding (470).
 - Megatron-Bridge's performance summary (`docs/performance-summary.md`), 25.11 container,
   DGX-H100: Qwen3-30B-A3B on 16 GPUs, FP8 current scaling, force-balanced and dropless.
 - The same page's DGX-GB200 and DGX-B200 tables (`MEGATRON_BRIDGE_BLACKWELL`), every Qwen3 row:
   Qwen3-235B-A22B in BF16 on 256 GB200 (EP 32 inside an NVL72 domain) and in MXFP8 on 64 B200,
-  Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 costed as
-  meshplan's fp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
+  Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 under
+  meshplan's mxfp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
   validated on Blackwell.
 - Megatron-Bridge's performance archive (`docs/performance-summary-archive.md`, commit 4ab94df):
   every distinct DGX-H100 MoE layout of its 2026 releases, once, from the latest release that
@@ -111,8 +115,8 @@ gives; the Blackwell rows' printed layouts are not the recipes' at the cited com
 where it runs EP 64) and its 25.09 tables
 (precision not stated), its DGX-GB300 rows (no GB300 profile). Megatron-LM's MoE README
 (`megatron/core/transformer/moe/README.md`) quotes
-468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral run is used; no citable Mixtral
-8x22B layout was found either.
+468 TFLOP/s for Mixtral 8x7B without the layout, so no Mixtral 8x7B run is used (Mixtral 8x22B's
+come from the ModelZoo's script, above).
 
 Left out, DGX Cloud: the Llama 4 Maverick rows (chunked attention and MoE blocks alternating with dense
 ones, which meshplan's `moe:` family does not build; the H100 table also prints VP 12 at PP 1),

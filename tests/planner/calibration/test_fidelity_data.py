@@ -127,11 +127,33 @@ def test_causal_flop_convention_matches_the_modelzoo_table(modules):
         implied = tflops * 1e12 * 256 * step_s / (2048 * 4096)
         assert implied == pytest.approx(causal, rel=0.01) and abs(implied / full - 1) > 0.1
     causal = [run for run in data.all_runs() if run.published_causal_tflops_per_gpu]
-    assert len(causal) == 5 and sum(run.seq > 4096 for run in causal) == 4  # the long-context table and GB200's row
+    # the long-context table, GB200's row and the best-practice scripts' three (published_zoo_script_runs)
+    assert len(causal) == 8 and sum(run.seq > 4096 for run in causal) == 4
     for run in causal:
         step_s = fit.published_step_s(run)
         flops = fit.causal_model_flops(fit.graph_of(run.spec, run.seq, run.attention)) * run.global_batch
         assert step_s * run.gpus * run.published_causal_tflops_per_gpu * 1e12 == pytest.approx(flops)
+
+
+def test_causal_flops_of_mixtral_8x22b_are_megatron_lms():
+    """The ModelZoo's Mixtral 8x22B figures are TFLOP/s in Megatron-LM's convention; its
+    `num_floating_point_operations` (megatron/training/training.py) for a GQA, SwiGLU, top-k MoE
+    model, written out per token: 6 h (3 expert_ffn k) L for the experts, 6 (h (q + 2 kv) + q h) L
+    for the projections, 6 h V for the logits and 6 q L s for causal attention's two products. It
+    counts no router; meshplan's causal count (`causal_model_flops`) does, 6 h x experts per token
+    and layer, 7e-5 of the total: they agree to 1e-4."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        fit = importlib.import_module("fit_efficiency")
+        scripts = importlib.import_module("published_zoo_script_runs")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    seq = 4096
+    graph = fit.graph_of(scripts.MIXTRAL_8X22B, seq, "cudnn")
+    h, layers, vocab, expert_ffn, top_k, q, kv = 6144, 56, 32000, 16384, 2, 6144, 1024
+    megatron = (6 * h * (3 * expert_ffn * top_k) * layers + 6 * (h * (q + 2 * kv) + q * h) * layers + 6 * h * vocab
+                + 6 * q * layers * seq)
+    assert fit.causal_model_flops(graph) / seq == pytest.approx(megatron, rel=1e-4)
 
 
 def test_bridge_2026_qwen3_row_transcription_is_consistent(modules):
