@@ -125,9 +125,7 @@ def moe_runs() -> list[Run]:
                 "FP8-CS: Transformer Engine's per-tensor current scaling (--fp8-recipe tensorwise)",
                 BRIDGE_BF16_GRADS)),
     ]
-    from published_zoo_script_runs import zoo_script_runs  # it builds on this module's constants
-
-    return (runs + [qwen3_next_run()] + moe_long_context_runs() + zoo_script_runs() + moe_gb200_runs()
+    return (runs + [qwen3_next_run()] + moe_long_context_runs() + moe_gb200_runs()
             + megatron_bridge_blackwell_moe_runs()
             + megatron_bridge_2026_h100_moe_runs() + megatron_bridge_docs_qwen3_30b_runs()
             + dgx_cloud_deepseek_v3_runs() + dgx_cloud_grok1_runs() + megatron_bridge_deepseek_v3_card_runs()

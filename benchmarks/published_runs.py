@@ -668,7 +668,7 @@ def all_runs() -> list[Run]:
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
             + torchtitan_h100_runs() + torchtitan_sac_runs() + torchtitan_async_tp_runs() + torchao_float8_runs() + megatron_bridge_dense_runs()
             + dgx_cloud_dense_runs()
-            + moe_runs())
+            + moe_runs() + zoo_script_runs())
 
 
 def fit_runs(fit_set: str) -> list[Run]:
@@ -681,8 +681,10 @@ def held_out_runs() -> list[Run]:
     return [run for run in all_runs() if run.group == HELD_OUT]
 
 
-# The MoE, DGX Cloud and torchtitan runs build on this module's Run and sources, all defined above.
+# The MoE, DGX Cloud, torchtitan and ModelZoo-script runs build on this module's Run and sources, all
+# defined above.
 from published_dgx_cloud_runs import dgx_cloud_dense_runs  # noqa: E402
 from published_moe_runs import moe_runs  # noqa: E402
 from published_torchtitan_runs import (torchao_float8_runs, torchtitan_async_tp_runs,  # noqa: E402
                                        torchtitan_h100_runs, torchtitan_runs, torchtitan_sac_runs)
+from published_zoo_script_runs import zoo_script_runs  # noqa: E402  (after published_moe_runs, which it reads)

@@ -4,19 +4,12 @@ validated and has too few runs of its own, the line saying there is none and why
 from __future__ import annotations
 
 
-def step_band(config, spec: str, seq: int | None, cluster):
-    """The band of this configuration's regime on `cluster`, or None."""
-    from meshplan.planner.costing.error_bands import prediction_band
-
-    return prediction_band(config, spec, seq, cluster)
-
-
 def with_band(data: dict, step_time_s: float, config, spec: str, seq: int | None, cluster) -> dict:
     """A prediction's JSON with its band under `uncertainty`, or, on an unvalidated profile without
     one, what its runs read under `unvalidated_profile` (additive keys)."""
-    from meshplan.planner.costing.error_bands import missing_band_json
+    from meshplan.planner.costing.error_bands import missing_band_json, prediction_band
 
-    band = step_band(config, spec, seq, cluster)
+    band = prediction_band(config, spec, seq, cluster)
     if band is not None:
         data["uncertainty"] = band.to_json(step_time_s)
     missing = missing_band_json(config, spec, seq, cluster)
@@ -26,9 +19,9 @@ def with_band(data: dict, step_time_s: float, config, spec: str, seq: int | None
 
 
 def band_line(step_time_s: float, config, spec: str, seq: int | None, cluster) -> str:
-    from meshplan.planner.costing.error_bands import band_text, missing_band_text
+    from meshplan.planner.costing.error_bands import band_text, missing_band_text, prediction_band
 
-    band = step_band(config, spec, seq, cluster)
+    band = prediction_band(config, spec, seq, cluster)
     text = band_text(band, step_time_s, 1e3, "ms") if band is not None else missing_band_text(config, spec, seq,
                                                                                                cluster)
     return f"step time band   {text}" if text else ""

@@ -64,9 +64,8 @@ def check(args) -> None:
 
 def size(args, result, plan_at):
     """(plan to keep, Sizing or None, lines to print). `plan_at(gpus)` searches at another size."""
+    from meshplan.planner.costing.error_bands import prediction_band
     from meshplan.planner.engines.sizing import Sizing, size_cluster, sweep_counts, training_cost
-
-    from meshplan.commands.bands import step_band
 
     plans = {result.config.gpus: result}
 
@@ -75,7 +74,7 @@ def size(args, result, plan_at):
             plans[gpus] = plan_at(gpus)
         found = plans[gpus]
         pred = found.prediction
-        band = step_band(found.config, found.model.spec, found.model.seq, found.cluster)
+        band = prediction_band(found.config, found.model.spec, found.model.seq, found.cluster)
         return training_cost(gpus, args.train_tokens, pred["tokens_per_s"], pred["step_time_s"],
                              args.usd_per_gpu_hour, found.config.label(),
                              (band.error_low, band.error_high) if band else None)

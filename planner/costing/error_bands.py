@@ -136,7 +136,12 @@ def band_for(config, moe_model: bool, cluster) -> Band | None:
     if cluster.validated:
         return load_bands().get(regime)
     own = profile_runs(cluster.name, regime)
-    return own if own is not None and own.num_runs >= MIN_RUNS_FOR_BAND else None
+    return own if _enough(own) else None
+
+
+def _enough(own: Band | None) -> bool:
+    """Whether an unvalidated profile's own runs make a band."""
+    return own is not None and own.num_runs >= MIN_RUNS_FOR_BAND
 
 
 def is_moe_model(spec: str, seq: int | None) -> bool:
@@ -161,7 +166,7 @@ def _unbanded(config, spec: str, seq: int | None, cluster) -> tuple[str, Band | 
     if regime is None or cluster.validated:
         return None
     own = profile_runs(cluster.name, regime)
-    return None if own is not None and own.num_runs >= MIN_RUNS_FOR_BAND else (regime, own)
+    return None if _enough(own) else (regime, own)
 
 
 def missing_band_text(config, spec: str, seq: int | None, cluster) -> str:
