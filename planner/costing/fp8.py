@@ -26,7 +26,8 @@ Compute, per micro-batch on one rank:
   and reuse it (`is_first_microbatch`, megatron/core/extensions/transformer_engine.py), so under
   `--engine megatron` a weight's cast is paid once per step (`weight_cast_share`). Under
   torch.compile (torchtitan's, `ParallelConfig.torch_compile`) an input's and an output
-  gradient's cast lose their first read to the kernel before them (`cast_times_s`);
+  gradient's cast lose their first read to the kernel before them (`cast_times_s`), unless an
+  all-gather produced the tensor (`collective_cast_values`);
 - torchao's rowwise gradient GEMMs: one more bf16 pass over each output (`gradient_rescale_s`);
 - FSDP2's float8 all-gather: a weight cast on the rank's fp32 shard as it is gathered, then copied
   into its transposed layout (`gathered_weight_cast_bytes`);
@@ -339,8 +340,8 @@ def weight_cast_share(config: ParallelConfig) -> float:
 
 
 def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_share: float,
-                 cluster: ClusterProfile, fused: bool = False,
-                 weight_bytes: float | None = None) -> tuple[float, float]:
+                 cluster: ClusterProfile, fused: bool = False, weight_bytes: float | None = None,
+                 gathered: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """(forward, backward) seconds of a micro-batch's casts: inputs and weights forward, output
     gradients backward, at the recipe's bytes per value (a weight's `weight_bytes` where the
     engine casts it as it gathers, `gathered_weight_cast_bytes`) and the achieved memory bandwidth.
@@ -349,12 +350,29 @@ def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_s
     cast begins inside the kernel that produced the tensor, so its first bf16 read is gone (the
     tensorwise amax pass, the rowwise and MXFP8 first quantisation's read); weights are cast as
     before. torchao's float8 roofline models compilation so (torchao/testing/training/roofline_utils.py,
-    `get_tensor_memory_traffic_ovhd_s(..., fuse_with_prev)` for inputs and output gradients)."""
+    `get_tensor_memory_traffic_ovhd_s(..., fuse_with_prev)` for inputs and output gradients).
+    Except the `gathered` (input, output-gradient) values (`collective_cast_values`): a collective
+    produced them, and Inductor fuses nothing into a collective, so their casts read them whole."""
     inputs, weights, grads = values
-    activation_bytes = recipe.activation_cast_bytes - (BF16_BYTES if fused else 0.0)
+    first_read = BF16_BYTES if fused else 0.0
     per_weight = recipe.weight_cast_bytes if weight_bytes is None else weight_bytes
-    forward = inputs * activation_bytes + weights * weight_share * per_weight
-    return memory_time_s(forward, cluster), memory_time_s(grads * activation_bytes, cluster)
+    forward = (inputs * recipe.activation_cast_bytes - (inputs - gathered[0]) * first_read
+               + weights * weight_share * per_weight)
+    backward = grads * recipe.activation_cast_bytes - (grads - gathered[1]) * first_read
+    return memory_time_s(forward, cluster), memory_time_s(backward, cluster)
+
+
+def collective_cast_values(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, tp: int, mbs: float,
+                           elem_bytes: float, shapes: tuple, tokens: float) -> tuple[float, float]:
+    """(input, output-gradient) values of `cast_values` whose tensor an all-gather produced: under
+    sequence parallelism with bf16 gathers (not `fp8_tp_gather`), each region's gathered input
+    to its column Linears, and the row Linears' output gradients, which the backward of their
+    reduce-scatter gathers. torchao's rowwise recipe casts them so in torchtitan's TP plan."""
+    if tp == 1 or not config.sp or fp8_tp_gather(layer, config):
+        return 0.0, 0.0
+    replicated, _ = linear_input_bytes(layer, info)
+    grads = tokens * sum(out_dim for _, out_dim, column in shapes if not column) if shapes else 0.0
+    return replicated * mbs / elem_bytes, grads
 
 
 def fp8_all_gather(config: ParallelConfig, zero: int, dp: int) -> bool:
@@ -428,10 +446,12 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
         fp8_fwd_s = fp8_gemm_time_s(lin_fwd, num_linears, cluster)
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
-    values = cast_values(layer, info, tp, mbs, DTYPE_BYTES.get(profile_dtype, 2), shapes, tokens,
-                         fp8_tp_gather(layer, config))
+    elem_bytes = DTYPE_BYTES.get(profile_dtype, 2)
+    values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, fp8_tp_gather(layer, config))
     cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, runs_compiled(config),
-                                          gathered_weight_cast_bytes(config))
+                                          gathered_weight_cast_bytes(config),
+                                          collective_cast_values(layer, info, config, tp, mbs, elem_bytes, shapes,
+                                                                 tokens))
     cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
                                                         attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",

@@ -94,6 +94,32 @@ def test_the_float8_tp_plan_casts_on_the_sequence_shard(llama):
     assert sharded[1] == gathered[1]  # weights: their own shards either way
 
 
+def test_a_cast_after_an_all_gather_reads_the_gathered_tensor_whole(llama, h100):
+    """Compiled, a cast loses its first read to the kernel that produced its input; an all-gather
+    is no such kernel. Rowwise under SP gathers bf16 and casts after: both regions' gathered
+    inputs (2 x 4096 a token) and the row Linears' output gradients (o and down, 4096 each, which
+    the backward gathers) keep their first 2-byte read; the rest lose it. Tensorwise under
+    torchtitan casts before its gathers (on the norm's output): nothing is collective-fed, and
+    neither is anything without SP or TP."""
+    block, info = llama
+    shapes = fp8.gemm.block_linear_shapes(block, info, SEQ)
+    tokens, tp = 2 * SEQ, 8
+    rowwise = fp8_config("rowwise", torch_compile=True)
+    gathered = fp8.collective_cast_values(block, info, rowwise, tp, 2, 2.0, shapes, tokens)
+    assert gathered == pytest.approx((tokens * 2 * 4096, tokens * 2 * 4096))
+    assert fp8.collective_cast_values(block, info, fp8_config("tensorwise"), tp, 2, 2.0, shapes, tokens) == (0, 0)
+    assert fp8.collective_cast_values(block, info, rowwise, 1, 2, 2.0, shapes, tokens) == (0, 0)
+    values = fp8.cast_values(block, info, tp, 2, 2.0, shapes, tokens)
+    recipe = fp8.RECIPES["rowwise"]
+    fwd, bwd = fp8.cast_times_s(recipe, values, 1.0, h100, fused=True, gathered=gathered)
+    inputs, weights, grads = values
+    expected_fwd = inputs * recipe.activation_cast_bytes - (inputs - gathered[0]) * 2 + weights * recipe.weight_cast_bytes
+    expected_bwd = grads * recipe.activation_cast_bytes - (grads - gathered[1]) * 2
+    assert (fwd, bwd) == pytest.approx((memory_time_s(expected_fwd, h100), memory_time_s(expected_bwd, h100)))
+    eager = fp8.cast_times_s(recipe, values, 1.0, h100, gathered=gathered)  # eager: no read is fused anyway
+    assert eager == pytest.approx(fp8.cast_times_s(recipe, values, 1.0, h100))
+
+
 def test_rowwise_rescales_each_gradient_gemm_output_once(llama, h100):
     """torchao's rowwise gradient GEMMs run the tensorwise kernel and multiply the scales in after:
     one bf16 read and write of every input gradient (tokens x the Linear's local input) and
