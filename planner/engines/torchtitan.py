@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS, schedule_spec
@@ -315,7 +316,18 @@ def _model(data: dict, notes: list[str]) -> str | None:
     description = str(data.get("job", {}).get("description", ""))
     if description.startswith(DESCRIPTION_PREFIX):
         return description[len(DESCRIPTION_PREFIX):].strip()
-    notes.append(f"model {key[0]} flavour {key[1] or '?'}: no meshplan preset of that shape; pass --model")
+    unknown = f"model {key[0]} flavour {key[1] or '?'}: no meshplan preset of that shape"
+    assets = model.get("hf_assets_path")
+    if isinstance(assets, str) and assets:
+        config = Path(assets) / "config.json"
+        if config.is_file():
+            notes.append(f"{unknown}; priced from {config}, the Hugging Face config in the job's hf_assets_path "
+                         "(pass --model if the flavour is not that checkpoint's shape)")
+            return f"hf:{config}"
+        notes.append(f"{unknown}, and its hf_assets_path {assets} has no config.json here (torchtitan resolves it "
+                     "from where it runs); pass --model")
+        return None
+    notes.append(f"{unknown}; pass --model")
     return None
 
 

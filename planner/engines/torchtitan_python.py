@@ -27,6 +27,7 @@ FLOAT8_RECIPE = "rowwise"
 AC_CLASSES = {"full": "FullAC", "selective": "SelectiveAC"}
 FUNCTION = "meshplan_job"  # the config function the export writes (torchtitan.train --config meshplan_job)
 HEADER = "# meshplan: model="  # the model SPEC, which no torchtitan field holds
+ASSETS_KEY = "hf_assets_path"  # 0.2's [model] key, 0.3's Trainer.Config field: the checkpoint's HF files
 
 
 def is_python_config(text: str) -> bool:
@@ -135,6 +136,10 @@ def _read_call(call: ast.Call, data: dict[str, dict]) -> None:
         data["model"]["converters"] = ["float8"]
     elif name == "model_registry" and call.args and isinstance(call.args[0], ast.Constant):
         data["model"]["flavor"] = str(call.args[0].value)
+    elif name == "Trainer.Config":  # the one field of the job itself meshplan reads: where its HF assets are
+        assets = next((keyword.value for keyword in call.keywords if keyword.arg == ASSETS_KEY), None)
+        if isinstance(assets, ast.Constant) and isinstance(assets.value, str):
+            data["model"][ASSETS_KEY] = assets.value
 
 
 def _builds_config(function: ast.FunctionDef) -> bool:
