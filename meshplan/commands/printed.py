@@ -30,7 +30,8 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
     step = prediction.step_time_s
     moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
     cfg = heading.config
-    lines = [f"{heading.spec} on {cfg.gpus} x {heading.cluster}: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"
+    unvalidated = " (profile not validated)" if cluster is not None and not cluster.validated else ""
+    lines = [f"{heading.spec} on {cfg.gpus} x {heading.cluster}{unvalidated}: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"
              + (f" cp={cfg.cp}" if cfg.cp > 1 else "") + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
              + (f" etp={cfg.etp}" if cfg.etp is not None else "")
              + f" mbs={cfg.microbatch_size} zero={cfg.zero}"

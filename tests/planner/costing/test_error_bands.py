@@ -140,3 +140,4 @@ def test_estimate_on_an_unvalidated_profile_claims_no_band(run_cli):
     assert data["unvalidated_profile"] == {"profile": "b200", "regime": "dense", "num_runs": 0}
     code, stdout, _ = run_cli(*args)
     assert "step time band   none: profile 'b200' is not validated" in stdout and "likely" not in stdout
+    assert stdout.splitlines()[0].startswith("llama3-8b on 8 x b200 (profile not validated): ")
