@@ -85,9 +85,16 @@ def test_quick_calibration_writes_a_profile_estimate_accepts(run_cli, tmp_path, 
     assert profile.name == "here" and profile.gpus_per_node == 2
     assert 0 < profile.device.matmul_efficiency <= 1 and profile.intra_node.bw_bytes_per_s > 0
     # the fixed costs were measured: every tensor the optimizer touches and every pipeline
-    # action costs something, and DTensor dispatch costs more than a plain tensor's
+    # action costs something, and DTensor dispatch costs more than a plain tensor's. The pipeline
+    # action's cost is the residual of a whole step over its modelled compute (clamped at 0):
+    # on a host the calibration itself records as disturbed (busy or noisy rounds, the rule the
+    # report judges runs by) that residual can vanish, so only there it may be 0
+    from meshplan.planner.calibration.host import calibration_problems
+
     device = profile.device
-    assert device.optimizer_per_tensor_s > 0 and device.pipeline_action_overhead_s > 0
+    assert device.optimizer_per_tensor_s > 0
+    undisturbed = not calibration_problems(profile.calibration)
+    assert device.pipeline_action_overhead_s > 0 if undisturbed else device.pipeline_action_overhead_s >= 0
     assert device.dtensor_optimizer_per_tensor_s > device.optimizer_per_tensor_s
     # measured as `meshplan train` runs: its processes at once, its threads each, on its clocks,
     # the rounds' spread and the load recorded; the GEMM curve by width fitted from the sweep
