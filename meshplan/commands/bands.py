@@ -11,7 +11,8 @@ def with_band(data: dict, step_time_s: float, config, spec: str, seq: int | None
 
     band = prediction_band(config, spec, seq, cluster)
     if band is not None:
-        data["uncertainty"] = band.to_json(step_time_s)
+        data["uncertainty"] = {**band.to_json(step_time_s), "profile_validated": cluster.validated,
+                               "runs": "fitted" if band.fitted else "own" if band.profile else "validated profiles"}
     missing = missing_band_json(config, spec, seq, cluster)
     if missing is not None:
         data["unvalidated_profile"] = missing

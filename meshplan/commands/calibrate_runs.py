@@ -46,14 +46,16 @@ def user_run(item: str, base, model: str | None, seq: int | None):
     if not sep or not config or not measured:
         raise MeshplanError(f"--from-runs {item!r}: give each run as CONFIG,MEASURED (an engine config or plan.json, "
                             "then its measured.json or training log)")
-    predict_s, engine, facts = _predictor(config, base, model, seq)
-    return UserRun(Path(config).name, _measured_step_s(measured, engine, facts), predict_s)
+    predict_s, engine, facts, regime = _predictor(config, base, model, seq)
+    return UserRun(Path(config).name, _measured_step_s(measured, engine, facts), predict_s, regime)
 
 
 def _predictor(config: str, base, model: str | None, seq: int | None):
-    """(profile -> predicted step seconds, the engine, the run's facts for reading its log)."""
+    """(profile -> predicted step seconds, the engine, the run's facts for reading its log, the
+    error band's regime of its prediction)."""
     from dataclasses import replace
 
+    from meshplan.planner.costing.error_bands import is_moe_model, regime_of
     from meshplan.planner.engines.bridge import predict_job, read_engine_file
     from meshplan.planner.engines.logs import RunFacts
 
@@ -64,10 +66,13 @@ def _predictor(config: str, base, model: str | None, seq: int | None):
 
         plan = load_plan(config)
         facts = RunFacts(gpus=plan.config.gpus, seq=plan.model.seq, global_batch=plan.config.global_batch)
-        return (lambda cluster: simulate(replace(plan, cluster=cluster), timeline=False).step_time_s), None, facts
+        regime = regime_of(plan.config, is_moe_model(plan.model.spec, plan.model.seq)) or ""
+        return (lambda cluster: simulate(replace(plan, cluster=cluster), timeline=False).step_time_s), None, facts, \
+            regime
     first = predict_job(job, model, base, seq=seq)  # checks the config once, with its errors
     facts = RunFacts(gpus=first.config.gpus, seq=first.seq, global_batch=first.config.global_batch)
-    return (lambda cluster: predict_job(job, model, cluster, seq=seq).prediction.step_time_s), job.engine, facts
+    regime = regime_of(first.config, is_moe_model(first.spec, first.seq)) or ""
+    return (lambda cluster: predict_job(job, model, cluster, seq=seq).prediction.step_time_s), job.engine, facts, regime
 
 
 def _measured_step_s(path: str, engine: str | None, facts) -> float:

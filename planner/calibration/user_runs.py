@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.cluster import ClusterProfile, FittedRuns
 from meshplan.planner.contracts.errors import MeshplanError
 
 
@@ -56,6 +56,7 @@ class UserRun:
     name: str
     measured_step_s: float
     predict_s: Callable[[ClusterProfile], float]
+    regime: str = ""  # the error band's regime its prediction belongs to (`costing.error_bands.regime_of`)
 
     def __post_init__(self):
         if not self.measured_step_s > 0:
@@ -128,9 +129,18 @@ def fit_user_runs(runs: Sequence[UserRun], cluster: ClusterProfile, name: str) -
     source = (f"{cluster.device.source}; {', '.join(f'{k} {v:.4g}' for k, v in values.items())} fitted by meshplan "
               f"calibrate --from-runs to {len(runs)} measured runs ({', '.join(run.name for run in runs)}); "
               f"leave-one-out mean |step error| {fit.mean_abs_error(True):.1%} (from {fit.mean_abs_error(False):.1%})")
-    profile = replace(with_fields(cluster, values), name=name)
+    profile = replace(with_fields(cluster, values), name=name, fitted_runs=fitted_runs(fit.left_out, runs))
     profile = replace(profile, device=replace(profile.device, source=source.lstrip("; ")))
     return replace(fit, profile=profile)
+
+
+def fitted_runs(left_out: Sequence[LeftOut], runs: Sequence[UserRun]) -> FittedRuns:
+    """The profile's record of its fit: the leave-one-out errors as a band, by the held-out bands'
+    rule (`costing.error_bands.error_range`), and the regimes the runs ran in."""
+    from meshplan.planner.costing.error_bands import error_range
+
+    low, high = error_range([r.error_after for r in left_out])
+    return FittedRuns(len(left_out), low, high, " ".join(sorted({run.regime for run in runs if run.regime})))
 
 
 def least_squares(residual_fn: Callable[[np.ndarray], np.ndarray], start: np.ndarray, max_iter: int = 25,

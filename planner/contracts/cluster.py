@@ -299,6 +299,26 @@ class CalibrationConditions:
 
 
 @dataclass(frozen=True)
+class FittedRuns:
+    """The user's measured runs `meshplan calibrate --from-runs` fitted a profile to (its
+    `[fitted_runs]` table): how many, the regimes they ran in (space-separated
+    `costing.error_bands.REGIMES`), and the band of their leave-one-out step errors (each run
+    predicted by a profile fitted to the others, predicted / measured - 1; the 10th to 90th
+    percentile from ten runs on, else the extremes), which predictions on the profile carry."""
+
+    num_runs: int
+    error_low: float
+    error_high: float
+    regimes: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.num_runs, bool) or not isinstance(self.num_runs, int) or self.num_runs <= 0:
+            raise ValueError(f"fitted_runs.num_runs must be a positive integer, got {self.num_runs!r}")
+        if not -1 < self.error_low <= self.error_high:
+            raise ValueError(f"fitted_runs: errors {self.error_low!r}..{self.error_high!r} are no range above -100%")
+
+
+@dataclass(frozen=True)
 class ClusterProfile:
     """A homogeneous cluster: one device type, nodes of `gpus_per_node`, two network levels.
 
@@ -329,6 +349,7 @@ class ClusterProfile:
     # it owns (fp32 master, two moments, grad, param) through memory bandwidth.
     optimizer_bytes_per_param: float = 28.0  # fused AdamW: read master, grad, 2 moments; write 3 (fp32)
     calibration: CalibrationConditions | None = None  # measured by `meshplan calibrate`: how
+    fitted_runs: FittedRuns | None = None  # fitted by `meshplan calibrate --from-runs`: to what
 
     def __post_init__(self):
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node <= 0:
@@ -369,6 +390,7 @@ class ClusterProfile:
                          "intra_node": asdict(self.intra_node), "inter_node": asdict(self.inter_node),
                          "nvls": asdict(self.nvls), "sharp": asdict(self.sharp)},
             **({"calibration": asdict(self.calibration)} if self.calibration is not None else {}),
+            **({"fitted_runs": asdict(self.fitted_runs)} if self.fitted_runs is not None else {}),
         }
 
 
@@ -432,8 +454,10 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterProfile:
         raise ValueError("missing field topology.gpus_per_node")
     if "calibration" in data:
         data["calibration"] = _build(CalibrationConditions, data["calibration"], "calibration")
+    if "fitted_runs" in data:
+        data["fitted_runs"] = _build(FittedRuns, data["fitted_runs"], "fitted_runs")
     top_known = {"schema_version", "name", "description", "source", "validated", "optimizer_bytes_per_param",
-                 "calibration"}
+                 "calibration", "fitted_runs"}
     unknown = sorted(set(data) - top_known)
     if unknown:
         raise ValueError(f"unknown top-level field {unknown[0]}; known: {', '.join(sorted(top_known))}, [device], [topology]")

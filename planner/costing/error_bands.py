@@ -45,7 +45,8 @@ class Band:
     error_high: float
     num_runs: int
     how: str  # what was measured, on which runs
-    profile: str = ""  # the unvalidated profile whose own runs these are; "" for validated profiles pooled
+    profile: str = ""  # the profile whose own runs these are; "" for validated profiles pooled
+    fitted: bool = False  # the runs `calibrate --from-runs` fitted `profile` to (leave-one-out), not published ones
 
     def __post_init__(self):
         if self.regime not in REGIMES:
@@ -61,8 +62,7 @@ class Band:
     def to_json(self, predicted_step_s: float) -> dict:
         low, high = self.around(predicted_step_s)
         return {"regime": self.regime, "step_time_s": [low, high], "error_low": self.error_low,
-                "error_high": self.error_high, "num_runs": self.num_runs, "how": self.how,
-                "profile_validated": not self.profile}
+                "error_high": self.error_high, "num_runs": self.num_runs, "how": self.how}
 
     def fields(self) -> dict:
         """The band as the file keeps it."""
@@ -70,15 +70,21 @@ class Band:
                 "how": self.how}
 
 
-def band_from_errors(regime: str, errors: list[float], how: str, profile: str = "") -> Band:
-    """The band of a regime's held-out errors (the benchmark's side of the file)."""
+def error_range(errors: list[float]) -> tuple[float, float]:
+    """The 10th to 90th percentile of relative errors, or their extremes under
+    `MIN_RUNS_FOR_PERCENTILES` of them."""
     if len(errors) >= MIN_RUNS_FOR_PERCENTILES:
         low, high = np.percentile(errors, [LOW_PERCENTILE, HIGH_PERCENTILE])
-        how = f"{how}; 10th to 90th percentile of {len(errors)} runs"
-    else:
-        low, high = min(errors), max(errors)
-        how = f"{how}; the extremes of {len(errors)} runs (too few for percentiles)"
-    return Band(regime, float(low), float(high), len(errors), how, profile)
+        return float(low), float(high)
+    return float(min(errors)), float(max(errors))
+
+
+def band_from_errors(regime: str, errors: list[float], how: str, profile: str = "") -> Band:
+    """The band of a regime's held-out errors (the benchmark's side of the file)."""
+    low, high = error_range(errors)
+    how += (f"; 10th to 90th percentile of {len(errors)} runs" if len(errors) >= MIN_RUNS_FOR_PERCENTILES else
+            f"; the extremes of {len(errors)} runs (too few for percentiles)")
+    return Band(regime, low, high, len(errors), how, profile)
 
 
 def bands_document(bands: list[Band], written_by: str) -> str:
@@ -133,10 +139,24 @@ def band_for(config, moe_model: bool, cluster) -> Band | None:
     regime = regime_of(config, moe_model)
     if regime is None:
         return None
+    fitted = fitted_band(cluster, regime)
+    if _enough(fitted):
+        return fitted
     if cluster.validated:
         return load_bands().get(regime)
     own = profile_runs(cluster.name, regime)
     return own if _enough(own) else None
+
+
+def fitted_band(cluster, regime: str) -> Band | None:
+    """The band of the measured runs `calibrate --from-runs` fitted the profile to, where they ran in
+    `regime` (their leave-one-out errors, `contracts.cluster.FittedRuns`); None otherwise."""
+    fitted = cluster.fitted_runs
+    if fitted is None or regime not in fitted.regimes.split():
+        return None
+    return Band(regime, fitted.error_low, fitted.error_high, fitted.num_runs,
+                f"leave-one-out step error of the {fitted.num_runs} measured runs profile {cluster.name} was fitted to "
+                "(meshplan calibrate --from-runs)", cluster.name, fitted=True)
 
 
 def _enough(own: Band | None) -> bool:
@@ -162,11 +182,11 @@ def prediction_band(config, spec: str, seq: int | None, cluster) -> Band | None:
 def _unbanded(config, spec: str, seq: int | None, cluster) -> tuple[str, Band | None] | None:
     """(regime, what the profile's own runs read) of a prediction on an unvalidated profile that has
     no band; None when it has one, is on a validated profile or is fp32."""
-    regime = regime_of(config, is_moe_model(spec, seq))
-    if regime is None or cluster.validated:
+    moe = is_moe_model(spec, seq)
+    regime = regime_of(config, moe)
+    if regime is None or cluster.validated or band_for(config, moe, cluster) is not None:
         return None
-    own = profile_runs(cluster.name, regime)
-    return None if _enough(own) else (regime, own)
+    return regime, profile_runs(cluster.name, regime)
 
 
 def missing_band_text(config, spec: str, seq: int | None, cluster) -> str:
@@ -179,6 +199,10 @@ def missing_band_text(config, spec: str, seq: int | None, cluster) -> str:
     measured = (f"its {own.num_runs} held-out {regime} run{'s' if own.num_runs > 1 else ''} read "
                 f"{own.error_low:+.0%} to {own.error_high:+.0%}, too few for a band" if own is not None else
                 f"no held-out {regime} run has checked it")
+    fitted = fitted_band(cluster, regime)
+    if fitted is not None:
+        measured += (f"; the {fitted.num_runs} measured runs it was fitted to read {fitted.error_low:+.0%} to "
+                     f"{fitted.error_high:+.0%} left out in turn, too few for a band")
     return (f"none: profile '{cluster.name}' is not validated (from published specifications; its efficiencies "
             f"are borrowed, not measured on the part): {measured}")
 
@@ -193,14 +217,20 @@ def missing_band_json(config, spec: str, seq: int | None, cluster) -> dict | Non
     data = {"profile": cluster.name, "regime": regime, "num_runs": own.num_runs if own else 0}
     if own is not None:
         data.update(error_low=own.error_low, error_high=own.error_high, how=own.how)
+    fitted = fitted_band(cluster, regime)
+    if fitted is not None:
+        data["fitted_runs"] = {"num_runs": fitted.num_runs, "error_low": fitted.error_low,
+                               "error_high": fitted.error_high}
     return data
 
 
 def band_text(band: Band, predicted: float, scale: float, unit: str) -> str:
     """`likely 1.2-1.5 s (held-out dense runs: -8% to +12%)`: a band in words, `scale` units per second."""
     low, high = band.around(predicted)
-    where = f" on profile {band.profile} (not validated)" if band.profile else ""
-    return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} (held-out {band.regime} runs{where} err "
+    runs = (f"its own {band.regime} runs, leave-one-out," if band.fitted else
+            f"held-out {band.regime} runs on profile {band.profile} (not validated)" if band.profile else
+            f"held-out {band.regime} runs")
+    return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} ({runs} err "
             f"{band.error_low:+.0%} to {band.error_high:+.0%}, {band.num_runs} runs)")
 
 

@@ -52,6 +52,12 @@ def test_calibrate_from_runs_recovers_the_efficiency(run_cli, tmp_path):
     for row in rows:
         before, after = (float(value.rstrip("%")) for value in row.split()[-3::2])
         assert abs(after) < 1.0 and abs(before) > 10.0, row
+    # the profile records its fit for the error band: the runs, their regime, and the extremes of the
+    # leave-one-out errors printed above (to their 0.1% rounding; under ten runs, no percentiles)
+    afters = [float(row.split()[-1].rstrip("%")) / 100 for row in rows]
+    fitted = profile.fitted_runs
+    assert (fitted.num_runs, fitted.regimes) == (3, "dense")
+    assert (fitted.error_low, fitted.error_high) == pytest.approx((min(afters), max(afters)), abs=6e-4)
 
 
 def test_calibrate_from_runs_errors(run_cli, tmp_path):

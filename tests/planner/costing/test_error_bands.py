@@ -141,3 +141,38 @@ def test_estimate_on_an_unvalidated_profile_claims_no_band(run_cli):
     code, stdout, _ = run_cli(*args)
     assert "step time band   none: profile 'b200' is not validated" in stdout and "likely" not in stdout
     assert stdout.splitlines()[0].startswith("llama3-8b on 8 x b200 (profile not validated): ")
+
+
+def test_a_profile_fitted_to_measured_runs_carries_their_band(tmp_path):
+    """`calibrate --from-runs` records the leave-one-out errors of its fit (`FittedRuns`): from ten
+    runs of a regime on, predictions of that regime carry them as the profile's own band, on a
+    validated profile or not; fewer, a validated profile keeps the pooled band and one that is not
+    validated still has none, its line saying what the fitted runs read. The record survives the
+    profile's TOML."""
+    from dataclasses import replace
+
+    from meshplan.planner.contracts.cluster import FittedRuns, cluster_from_dict, dump_cluster_toml
+    from meshplan.planner.contracts.config import ParallelConfig
+    from meshplan.planner.costing.hardware import load_cluster
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # pragma: no cover
+        import tomli as tomllib
+    dense = ParallelConfig(gpus=8, dp=8, global_batch=8)
+    ours = replace(load_cluster("h100-sxm"), name="ours", fitted_runs=FittedRuns(12, -0.04, 0.03, "dense"))
+    band = band_for(dense, False, ours)
+    assert (band.error_low, band.error_high, band.num_runs, band.fitted) == (-0.04, 0.03, 12, True)
+    assert "its own dense runs, leave-one-out, err -4% to +3%, 12 runs" in band_text(band, 1.0, 1e3, "ms")
+    assert band_for(dense, True, ours) == load_bands()["moe"]  # no MoE run was fitted: the pooled band
+    few = replace(ours, fitted_runs=FittedRuns(3, -0.02, 0.05, "dense"))
+    assert band_for(dense, False, few) == load_bands()["dense"]
+    b200 = replace(load_cluster("b200"), fitted_runs=FittedRuns(3, -0.02, 0.05, "dense"))
+    assert band_for(dense, False, b200) is None
+    text = missing_band_text(dense, "llama3-8b", 4096, b200)
+    assert "the 3 measured runs it was fitted to read -2% to +5% left out in turn, too few for a band" in text, text
+    assert band_for(dense, False, replace(b200, fitted_runs=FittedRuns(10, -0.02, 0.05, "dense"))).fitted
+    again = cluster_from_dict(tomllib.loads(dump_cluster_toml(ours)))
+    assert again.fitted_runs == ours.fitted_runs
+    with pytest.raises(ValueError, match="fitted_runs.num_runs must be a positive integer"):
+        FittedRuns(0, -0.1, 0.1)
