@@ -149,8 +149,9 @@ def band_for(config, moe_model: bool, cluster) -> Band | None:
 
 
 def fitted_band(cluster, regime: str) -> Band | None:
-    """The band of the measured runs `calibrate --from-runs` fitted the profile to, where they ran in
-    `regime` (their leave-one-out errors, `contracts.cluster.FittedRuns`); None otherwise."""
+    """The band of the measured runs `calibrate --from-runs` fitted the profile to (their leave-one-out
+    errors, all of them, `contracts.cluster.FittedRuns`) where some of them ran in `regime`; None
+    otherwise."""
     fitted = cluster.fitted_runs
     if fitted is None or regime not in fitted.regimes.split():
         return None
@@ -227,7 +228,7 @@ def missing_band_json(config, spec: str, seq: int | None, cluster) -> dict | Non
 def band_text(band: Band, predicted: float, scale: float, unit: str) -> str:
     """`likely 1.2-1.5 s (held-out dense runs: -8% to +12%)`: a band in words, `scale` units per second."""
     low, high = band.around(predicted)
-    runs = (f"its own {band.regime} runs, leave-one-out," if band.fitted else
+    runs = ("the runs it was fitted to, left out in turn," if band.fitted else
             f"held-out {band.regime} runs on profile {band.profile} (not validated)" if band.profile else
             f"held-out {band.regime} runs")
     return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} ({runs} err "

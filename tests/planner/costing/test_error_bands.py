@@ -145,7 +145,7 @@ def test_estimate_on_an_unvalidated_profile_claims_no_band(run_cli):
 
 def test_a_profile_fitted_to_measured_runs_carries_their_band(tmp_path):
     """`calibrate --from-runs` records the leave-one-out errors of its fit (`FittedRuns`): from ten
-    runs of a regime on, predictions of that regime carry them as the profile's own band, on a
+    runs on, predictions in a regime the runs covered carry them as the profile's own band, on a
     validated profile or not; fewer, a validated profile keeps the pooled band and one that is not
     validated still has none, its line saying what the fitted runs read. The record survives the
     profile's TOML."""
@@ -163,7 +163,7 @@ def test_a_profile_fitted_to_measured_runs_carries_their_band(tmp_path):
     ours = replace(load_cluster("h100-sxm"), name="ours", fitted_runs=FittedRuns(12, -0.04, 0.03, "dense"))
     band = band_for(dense, False, ours)
     assert (band.error_low, band.error_high, band.num_runs, band.fitted) == (-0.04, 0.03, 12, True)
-    assert "its own dense runs, leave-one-out, err -4% to +3%, 12 runs" in band_text(band, 1.0, 1e3, "ms")
+    assert "(the runs it was fitted to, left out in turn, err -4% to +3%, 12 runs)" in band_text(band, 1.0, 1e3, "ms")
     assert band_for(dense, True, ours) == load_bands()["moe"]  # no MoE run was fitted: the pooled band
     few = replace(ours, fitted_runs=FittedRuns(3, -0.02, 0.05, "dense"))
     assert band_for(dense, False, few) == load_bands()["dense"]
