@@ -71,6 +71,7 @@ def test_estimate_json_and_text_carry_the_band(run_cli):
     band = data["uncertainty"]
     assert band["regime"] == "dense" and band["num_runs"] == dense.num_runs
     assert band["step_time_s"] == pytest.approx(list(dense.around(data["step_time_s"])))
+    assert (band["profile_validated"], band["runs"]) == (True, "validated profiles")
     code, stdout, _ = run_cli(*args, "--precision", "fp8", "--json")
     assert json.loads(stdout)["uncertainty"]["regime"] == "fp8"
     code, stdout, _ = run_cli(*args)
@@ -141,6 +142,14 @@ def test_estimate_on_an_unvalidated_profile_claims_no_band(run_cli):
     code, stdout, _ = run_cli(*args)
     assert "step time band   none: profile 'b200' is not validated" in stdout and "likely" not in stdout
     assert stdout.splitlines()[0].startswith("llama3-8b on 8 x b200 (profile not validated): ")
+    # the power-capped H100 ran 18 held-out FP8 runs of its own: its FP8 predictions carry their band
+    capped = ("estimate", "--model", "llama3-8b", "--cluster", "h100-96g-500w", "--gpus", "8", "--gbs", "32",
+              "--seq", "2048", "--zero", "1", "--precision", "fp8", "--json")
+    code, stdout, err = run_cli(*capped)
+    assert code == 0, err
+    band = json.loads(stdout)["uncertainty"]
+    own = profile_runs("h100-96g-500w", "fp8")
+    assert (band["profile_validated"], band["runs"], band["num_runs"]) == (False, "own", own.num_runs)
 
 
 def test_a_profile_fitted_to_measured_runs_carries_their_band(tmp_path):
