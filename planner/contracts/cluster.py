@@ -300,11 +300,9 @@ class CalibrationConditions:
 
 @dataclass(frozen=True)
 class FittedRuns:
-    """The user's measured runs `meshplan calibrate --from-runs` fitted a profile to (its
-    `[fitted_runs]` table): how many, the regimes they ran in (space-separated
-    `costing.error_bands.REGIMES`), and the band of their leave-one-out step errors (each run
-    predicted by a profile fitted to the others, predicted / measured - 1; the 10th to 90th
-    percentile from ten runs on, else the extremes), which predictions on the profile carry."""
+    """The runs `meshplan calibrate --from-runs` fitted a profile to (`[fitted_runs]`): how many, their
+    regimes (`costing.error_bands.REGIMES`, space-separated) and the band of their leave-one-out
+    step errors (`error_bands.error_range`), which predictions on the profile carry."""
 
     num_runs: int
     error_low: float
