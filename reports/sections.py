@@ -55,15 +55,14 @@ def _schedule_text(config) -> str:
 def _band_text(plan, prediction: dict[str, Any]) -> str:
     """", likely A-B ms (...)": the held-out error band of the plan's regime on its cluster profile
     (`costing.error_bands`), or why an unvalidated profile has none."""
-    from meshplan.planner.costing.error_bands import band_text, missing_band_text, prediction_band
+    from meshplan.planner.costing.error_bands import MissingBand, step_uncertainty, uncertainty_text
 
     step = prediction.get("step_time_s")
     if not step:
         return ""
-    band = prediction_band(plan.config, plan.model.spec, plan.model.seq, plan.cluster)
-    text = (band_text(band, float(step), 1e3, "ms") if band is not None else
-            missing_band_text(plan.config, plan.model.spec, plan.model.seq, plan.cluster))
-    return f", band {text}" if text.startswith("none") else f", {text}" if text else ""
+    uncertainty = step_uncertainty(plan.config, plan.model.spec, plan.model.seq, plan.cluster)
+    text = uncertainty_text(uncertainty, float(step), 1e3, "ms")
+    return f", band {text}" if isinstance(uncertainty, MissingBand) else f", {text}" if text else ""
 
 
 def summary_section(plan, prediction: dict[str, Any], source_name: str, comparison=None,

@@ -16,7 +16,7 @@ specifications only (`ClusterProfile.validated` false: borrowed efficiencies, no
 part) can be off by more than any of them, so it takes only what runs on that very profile
 measured (`unvalidated_profiles` in the file): a band from at least `MIN_RUNS_FOR_BAND` of its own
 held-out runs in the regime, else no band and one line saying so, with what its runs read
-(`missing_band_text`). fp32 predictions have no regime: no published run was fp32 or on CPUs.
+(`step_uncertainty`, `MissingBand`). fp32 predictions have no regime: no published run was fp32 or on CPUs.
 """
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ class Band:
         low, high = self.around(predicted_step_s)
         return {"regime": self.regime, "step_time_s": [low, high], "error_low": self.error_low,
                 "error_high": self.error_high, "num_runs": self.num_runs, "how": self.how}
+
+    @property
+    def runs(self) -> str:
+        """Whose errors these are: `fitted` (the runs `calibrate --from-runs` fitted the profile to),
+        `own` (published runs on this profile alone) or `validated profiles` (pooled)."""
+        return "fitted" if self.fitted else "own" if self.profile else "validated profiles"
 
     def fields(self) -> dict:
         """The band as the file keeps it."""
@@ -180,57 +186,62 @@ def prediction_band(config, spec: str, seq: int | None, cluster) -> Band | None:
     return band_for(config, is_moe_model(spec, seq), cluster)
 
 
-def _unbanded(config, spec: str, seq: int | None, cluster) -> tuple[str, Band | None] | None:
-    """(regime, what the profile's own runs read) of a prediction on an unvalidated profile that has
-    no band; None when it has one, is on a validated profile or is fp32."""
+@dataclass(frozen=True)
+class MissingBand:
+    """Why a prediction on a profile that is not validated has no band: what the published runs on
+    that profile (`own`) and the runs it was fitted to (`fitted`) read, both too few, if any."""
+
+    profile: str
+    regime: str
+    own: Band | None
+    fitted: Band | None
+
+    def text(self) -> str:
+        measured = (f"its {self.own.num_runs} held-out {self.regime} run{'s' if self.own.num_runs > 1 else ''} "
+                    f"read {self.own.error_low:+.0%} to {self.own.error_high:+.0%}, too few for a band"
+                    if self.own is not None else f"no held-out {self.regime} run has checked it")
+        if self.fitted is not None:
+            measured += (f"; the {self.fitted.num_runs} measured runs it was fitted to read "
+                         f"{self.fitted.error_low:+.0%} to {self.fitted.error_high:+.0%} left out in turn, too few "
+                         "for a band")
+        return (f"none: profile '{self.profile}' is not validated (from published specifications; its efficiencies "
+                f"are borrowed, not measured on the part): {measured}")
+
+    def to_json(self) -> dict:
+        data = {"profile": self.profile, "regime": self.regime, "num_runs": self.own.num_runs if self.own else 0}
+        if self.own is not None:
+            data.update(error_low=self.own.error_low, error_high=self.own.error_high, how=self.own.how)
+        if self.fitted is not None:
+            data["fitted_runs"] = {"num_runs": self.fitted.num_runs, "error_low": self.fitted.error_low,
+                                   "error_high": self.fitted.error_high}
+        return data
+
+
+def step_uncertainty(config, spec: str, seq: int | None, cluster) -> Band | MissingBand | None:
+    """What a prediction of model `spec` at `seq` tokens on `cluster` is told of its error, decided
+    once: its band; on a profile that is not validated without one, why (`MissingBand`); None for
+    fp32, which no published run measured (or a validated profile the file has no band for)."""
     moe = is_moe_model(spec, seq)
+    band = band_for(config, moe, cluster)
     regime = regime_of(config, moe)
-    if regime is None or cluster.validated or band_for(config, moe, cluster) is not None:
-        return None
-    return regime, profile_runs(cluster.name, regime)
+    if band is not None or regime is None or cluster.validated:
+        return band
+    return MissingBand(cluster.name, regime, profile_runs(cluster.name, regime), fitted_band(cluster, regime))
 
 
-def missing_band_text(config, spec: str, seq: int | None, cluster) -> str:
-    """Why a prediction has no band, in one line ("" when it has one, or is fp32: no published run
-    measured fp32)."""
-    unbanded = _unbanded(config, spec, seq, cluster)
-    if unbanded is None:
-        return ""
-    regime, own = unbanded
-    measured = (f"its {own.num_runs} held-out {regime} run{'s' if own.num_runs > 1 else ''} read "
-                f"{own.error_low:+.0%} to {own.error_high:+.0%}, too few for a band" if own is not None else
-                f"no held-out {regime} run has checked it")
-    fitted = fitted_band(cluster, regime)
-    if fitted is not None:
-        measured += (f"; the {fitted.num_runs} measured runs it was fitted to read {fitted.error_low:+.0%} to "
-                     f"{fitted.error_high:+.0%} left out in turn, too few for a band")
-    return (f"none: profile '{cluster.name}' is not validated (from published specifications; its efficiencies "
-            f"are borrowed, not measured on the part): {measured}")
-
-
-def missing_band_json(config, spec: str, seq: int | None, cluster) -> dict | None:
-    """`missing_band_text` as JSON: the profile, the regime and what its own runs read (None when
-    the prediction has a band or is fp32)."""
-    unbanded = _unbanded(config, spec, seq, cluster)
-    if unbanded is None:
-        return None
-    regime, own = unbanded
-    data = {"profile": cluster.name, "regime": regime, "num_runs": own.num_runs if own else 0}
-    if own is not None:
-        data.update(error_low=own.error_low, error_high=own.error_high, how=own.how)
-    fitted = fitted_band(cluster, regime)
-    if fitted is not None:
-        data["fitted_runs"] = {"num_runs": fitted.num_runs, "error_low": fitted.error_low,
-                               "error_high": fitted.error_high}
-    return data
+def uncertainty_text(uncertainty: Band | MissingBand | None, predicted: float, scale: float, unit: str) -> str:
+    """`step_uncertainty` in words: the band around `predicted`, or why there is none ("" for None)."""
+    if isinstance(uncertainty, Band):
+        return band_text(uncertainty, predicted, scale, unit)
+    return uncertainty.text() if uncertainty is not None else ""
 
 
 def band_text(band: Band, predicted: float, scale: float, unit: str) -> str:
     """`likely 1.2-1.5 s (held-out dense runs: -8% to +12%)`: a band in words, `scale` units per second."""
     low, high = band.around(predicted)
-    runs = ("the runs it was fitted to, left out in turn," if band.fitted else
-            f"held-out {band.regime} runs on profile {band.profile} (not validated)" if band.profile else
-            f"held-out {band.regime} runs")
+    runs = {"fitted": "the runs it was fitted to, left out in turn,",
+            "own": f"held-out {band.regime} runs on profile {band.profile} (not validated)",
+            "validated profiles": f"held-out {band.regime} runs"}[band.runs]
     return (f"likely {_figure(low * scale)}-{_figure(high * scale)} {unit} ({runs} err "
             f"{band.error_low:+.0%} to {band.error_high:+.0%}, {band.num_runs} runs)")
 
