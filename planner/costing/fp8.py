@@ -459,16 +459,27 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     return rest_fwd_s + fp8_fwd_s + cast_fwd_s, rest_bwd_s + fp8_bwd_s + cast_bwd_s
 
 
-def linear_speedup(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str = "tensorwise") -> float:
-    """How many times faster one Linear (input m x k, weight k x n) runs forward and backward in
-    fp8 under `recipe` than in bf16: its three GEMMs by shape each way, plus the fp8 casts of its
-    input, weight and output gradient (what torchao's float8 benchmarks time)."""
-    def linear_s(dtype: str, scale_block: int = 0) -> float:  # forward, input and weight gradients
+def linear_seconds(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str = "tensorwise",
+                   compiled: bool = False) -> tuple[float, float]:
+    """(bf16, fp8) seconds of one Linear (input m x k, weight k x n) forward and backward: its three
+    GEMMs by shape each way, and in fp8 the casts of its input, weight and output gradient under
+    `recipe` (`compiled`: torch.compile fuses the casts' first reads, `cast_times_s`) with
+    rowwise's gradient rescales: what torchao's float8 Linear benchmarks time."""
+    def gemms_s(dtype: str, scale_block: int = 0) -> float:  # forward, input and weight gradients
         return sum(gemm.gemm_time_s(*shape, cluster, dtype, scale_block) for shape in ((m, n, k), (m, k, n), (k, n, m)))
     chosen = RECIPES[recipe]
-    cast_s = sum(cast_times_s(chosen, (m * k, k * n, m * n), 1.0, cluster))
-    cast_s += gradient_rescale_s(chosen, ((k, n, True),), m, 1, (m * k, k * n, m * n), cluster)
-    return linear_s("bf16") / (linear_s("fp8", chosen.scale_block) + cast_s)
+    values = (m * k, k * n, m * n)
+    cast_s = sum(cast_times_s(chosen, values, 1.0, cluster, compiled))
+    cast_s += gradient_rescale_s(chosen, ((k, n, True),), m, 1, values, cluster)
+    return gemms_s("bf16"), gemms_s("fp8", chosen.scale_block) + cast_s
+
+
+def linear_speedup(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str = "tensorwise",
+                   compiled: bool = False) -> float:
+    """How many times faster one Linear runs forward and backward in fp8 under `recipe` than in
+    bf16 (`linear_seconds`)."""
+    bf16_s, fp8_s = linear_seconds(m, k, n, cluster, recipe, compiled)
+    return bf16_s / fp8_s
 
 
 def adjust_memory(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, split: bool, executor: bool,

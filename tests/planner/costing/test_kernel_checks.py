@@ -1,0 +1,85 @@
+"""The cost model's kernel level against published kernel benchmarks (benchmarks/published_kernel_runs.py).
+
+Nothing there is fitted; these tests hold what `benchmarks/bench_kernels.py` prints, so a change to
+a GEMM or FP8 price shows here as a moved check, not only as moved end-to-end figures.
+"""
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshplan.planner.costing import fp8, gemm
+from meshplan.planner.costing.hardware import load_cluster
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("published_kernel_runs")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _tflops(row) -> float:
+    return 2.0 * row.m * row.n * row.k / gemm.gemm_time_s(row.m, row.n, row.k, load_cluster(row.profile),
+                                                         row.dtype) / 1e12
+
+
+def test_bf16_gemms_on_the_500w_part_run_at_the_rate_fbgemm_measured(kernels):
+    """h100-96g-500w's bf16 peak is a datasheet midpoint (its sustained clock under the cap is
+    unpublished); FBGEMM's H100 500 W GEMMs (546-585 TFLOP/s over three shapes) are the kernel
+    figure it answers to. meshplan reads 546, 562 and 561. Tolerance 8%: the three published
+    rates spread 7% among themselves, a shape effect (wave and tile fit) the model prices only in part."""
+    rows = [row for row in kernels.gemm_rows() if row.dtype == "bf16"]
+    assert len(rows) == 3
+    for row in rows:
+        assert _tflops(row) == pytest.approx(row.published_tflops, rel=0.08), (row.m, row.n, row.k)
+
+
+def test_fp8_gemms_read_below_fbgemms_rowwise_kernel(kernels):
+    """`fp8_matmul_efficiency` carries the bf16 fit over by the FP8/BF16 ratio of the largest GEMMs'
+    measured rates (ml-engineering's MAMF, 70.9% / 80.3% of peak): at these three large training
+    shapes FBGEMM's rowwise fp8 kernel does better than that ratio, and meshplan reads 8-15% slower
+    (963-993 against 1083-1141 TFLOP/s). The check holds the size of that cautious side, so a
+    change to the fp8 efficiency is seen here."""
+    rows = [row for row in kernels.gemm_rows() if row.dtype == "fp8"]
+    assert len(rows) == 3
+    for row in rows:
+        assert 0.80 * row.published_tflops < _tflops(row) < row.published_tflops, (row.m, row.n, row.k)
+
+
+def test_rowwise_linears_at_llama3_70b_tp8_shapes(kernels):
+    """torchao's compiled rowwise Float8Linear at the TP 8 shards of Llama 3 70B: meshplan's fp8
+    seconds (GEMMs by shape, casts with their first read fused, the gradient rescales) within 15%
+    of each published time (it reads -11%, -2%, +13%, +11%: the part is named only as H100 and
+    priced as the 700 W SXM). Over the four, meshplan's speed-up (1.40x) is below the published
+    1.60x: it does not overstate what fp8 gains in these Linears. torchtitan's runs of that model
+    at TP 8 under this recipe are predicted faster than published (blocking TP: 1.11x against
+    1.00x over bf16), so that gap lies outside the Linears."""
+    rows = kernels.linear_rows()
+    cluster = load_cluster("h100-sxm")
+    seconds = [fp8.linear_seconds(r.m, r.k, r.n, cluster, r.recipe, r.compiled) for r in rows]
+    for row, (_, fp8_s) in zip(rows, seconds):
+        assert fp8_s == pytest.approx(row.fp8_s, rel=0.15), row.name
+    predicted = sum(b for b, _ in seconds) / sum(f for _, f in seconds)
+    published = sum(r.bf16_s for r in rows) / sum(r.fp8_s for r in rows)
+    assert predicted == pytest.approx(1.40, abs=0.01)
+    assert published == pytest.approx(1.60, abs=0.01)
+    assert predicted < published
+
+
+def test_linear_seconds_compiled_drops_the_first_read_of_input_and_gradient_casts():
+    """`compiled` removes one bf16 read of each input and output-gradient value from the casts
+    (`fp8.cast_times_s`), nothing else: the difference is 2 bytes per value of both at the achieved
+    bandwidth."""
+    cluster = load_cluster("h100-sxm")
+    m, k, n = 16384, 8192, 7168
+    _, eager_s = fp8.linear_seconds(m, k, n, cluster, "rowwise")
+    bf16_s, compiled_s = fp8.linear_seconds(m, k, n, cluster, "rowwise", compiled=True)
+    bandwidth = cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency
+    assert eager_s - compiled_s == pytest.approx(2 * (m * k + m * n) / bandwidth, rel=1e-9)
+    assert fp8.linear_speedup(m, k, n, cluster, "rowwise", compiled=True) == pytest.approx(bf16_s / compiled_s)
