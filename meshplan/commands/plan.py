@@ -73,23 +73,13 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from dataclasses import replace
 
-    from meshplan.planner.contracts.errors import MeshplanError
     from meshplan.planner.contracts.plan import save_plan
     from meshplan.planner.search.driver import search
     from meshplan.planner.search.request import PlanRequest
 
-    if args.train_tokens is not None and args.train_tokens <= 0:
-        raise MeshplanError(f"--train-tokens must be positive, got {args.train_tokens}")
-    if not args.time_limit > 0:
-        raise MeshplanError(f"--time-limit is seconds per candidate ILP and must be positive, got {args.time_limit}")
     from meshplan.commands import sizing
 
-    sizing.check(args)
-    check_seq(args.seq)
-    check_sizes(args)
-    for flag, path in (("--out", args.out), ("--candidates-csv", args.candidates_csv)):
-        refuse_output_over_input(flag, path, [("--cluster", args.cluster), ("--like", args.like),
-                                              ("--model", spec_file(args.model))])
+    _check_args(args)
     announce_model_code("plan", args.model)
     pins = sizing.pins_from(args)  # the pin flags, completed by --like FILE
     from meshplan.planner.costing.hardware import load_cluster
@@ -139,14 +129,36 @@ def run(args) -> int:
         _write_candidates(rows, args.candidates_csv)
     if args.json:  # the plan file's document (its band: simulate --json or estimate --from --json)
         print(json.dumps(data))
-        return 0
+    else:
+        _print_plan(args, result, data, sizing_lines)
+    return 0
+
+
+def _check_args(args) -> None:
+    """The flags' values, before anything is read or searched: each bad one a clear error."""
+    from meshplan.commands import sizing
+    from meshplan.planner.contracts.errors import MeshplanError
+
+    if args.train_tokens is not None and args.train_tokens <= 0:
+        raise MeshplanError(f"--train-tokens must be positive, got {args.train_tokens}")
+    if not args.time_limit > 0:
+        raise MeshplanError(f"--time-limit is seconds per candidate ILP and must be positive, got {args.time_limit}")
+    sizing.check(args)
+    check_seq(args.seq)
+    check_sizes(args)
+    for flag, path in (("--out", args.out), ("--candidates-csv", args.candidates_csv)):
+        refuse_output_over_input(flag, path, [("--cluster", args.cluster), ("--like", args.like),
+                                              ("--model", spec_file(args.model))])
+
+
+def _print_plan(args, result, data: dict, sizing_lines: list[str]) -> None:
+    """The plan as text: the plan, its step time's band, the sizing and the loss-fusion lines."""
     from meshplan.commands.bands import band_line
 
     step = data["prediction"]["step_time_s"]
     print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq,
                                                        result.cluster)]
                     + sizing_lines + loss_fusion_lines(result, step)))
-    return 0
 
 
 def loss_fusion_lines(plan, step_s: float) -> list[str]:

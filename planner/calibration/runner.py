@@ -294,7 +294,25 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
                                 "processes got while all computed")
         for sample in block:
             sample["fwd_bwd_s"] /= share
-    if measured.get("attention"):  # before the elementwise fit, which leaves attention to it
+    device = _fit_kernels(measured, device, block, share, backend)
+    extra = fits.fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
+    device = replace(device, **{k: v for k, v in extra.items() if k != "optimizer_bytes_per_param"})
+    if "optimizer_bytes_per_param" in extra:
+        base_profile = replace(base_profile, optimizer_bytes_per_param=extra["optimizer_bytes_per_param"])
+    inter = link if backend == "gloo" else base_profile.inter_node
+    return replace(base_profile, name=name, device=device, gpus_per_node=nproc, intra_node=link, inter_node=inter,
+                   calibration=calibration_conditions(measured, nproc, backend, COMPUTE_ROUNDS),
+                   max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,
+                   description=f"measured with {nproc} {backend} processes"
+                   + ("" if backend == "gloo" else f"; {'inter-node link' if nproc > 1 else 'links'} from "
+                                                   f"{base_profile.name}"))
+
+
+def _fit_kernels(measured: dict, device, block: list[dict], share: float, backend: str):
+    """The device with its kernels' fitted fields: attention's efficiency (before the elementwise
+    fit, which leaves attention to it), the CPU's narrow-GEMM widths, the elementwise traffic of
+    the timed blocks and the convolutions' efficiency; measured seconds are per core `share`."""
+    if measured.get("attention"):
         timed = fits.fit_attention_efficiency(
             [(flops, seconds / share) for flops, seconds in measured["attention"]], device, measured["dtype"])
         if device.architecture:  # a GPU's kernels are priced by shape: store the 16K, head-dim-128 figure
@@ -314,14 +332,4 @@ def build_profile(measured: dict, nproc: int, backend: str, name: str, base: str
     if measured.get("conv"):
         device = replace(device, conv_efficiency=fit_conv_efficiency(
             [(fwd, bwd, seconds / share) for fwd, bwd, seconds in measured["conv"]], device, measured["dtype"]))
-    extra = fits.fixed_cost_fields(measured, nproc, link, share, device) if "optimizer" in measured else {}
-    device = replace(device, **{k: v for k, v in extra.items() if k != "optimizer_bytes_per_param"})
-    if "optimizer_bytes_per_param" in extra:
-        base_profile = replace(base_profile, optimizer_bytes_per_param=extra["optimizer_bytes_per_param"])
-    inter = link if backend == "gloo" else base_profile.inter_node
-    return replace(base_profile, name=name, device=device, gpus_per_node=nproc, intra_node=link, inter_node=inter,
-                   calibration=calibration_conditions(measured, nproc, backend, COMPUTE_ROUNDS),
-                   max_nodes=1 if backend == "gloo" else base_profile.max_nodes, source=source,
-                   description=f"measured with {nproc} {backend} processes"
-                   + ("" if backend == "gloo" else f"; {'inter-node link' if nproc > 1 else 'links'} from "
-                                                   f"{base_profile.name}"))
+    return device

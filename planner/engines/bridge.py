@@ -199,9 +199,6 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     Command-line values (`model`, `gpus`, `global_batch`, `seq`) fill what the config leaves open
     and override what it says; a cluster must be given (no engine config names its GPUs)."""
     from meshplan.planner.costing.hardware import load_cluster
-    from meshplan.planner.costing.uniform import balanced_layer_chunks
-    from meshplan.planner.engines.deepspeed import uniform_split
-    from meshplan.planner.profiling.profiler import profile
     from meshplan.planner.costing.offload import check_offload
     from meshplan.planner.simulation.estimator import default_precision, make_config, predict
 
@@ -224,18 +221,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
     if seq is None:  # DeepSpeed's config never says; a guess would price another job
         raise MeshplanError(f"the {job.engine} config does not give the sequence length; pass --seq N")
     precision = job.precision or default_precision(cluster)
-    if graph is None:
-        graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention,
-                        mtp_num_layers=job.mtp_num_layers, engine=job.engine)
-    elif graph.info.mtp_num_layers != job.mtp_num_layers:
-        from meshplan.planner.profiling.mtp import with_mtp
-
-        if graph.info.mtp_num_layers:
-            raise MeshplanError(f"the model graph carries {graph.info.mtp_num_layers} multi-token-prediction layers "
-                                f"and the {job.engine} config {job.mtp_num_layers}; profile the model without them")
-        graph = with_mtp(graph, job.mtp_num_layers)
-    if graph.info.is_moe and graph.info.moe_dispatcher != job.moe_dispatcher:  # the engine's token dispatcher
-        graph = replace(graph, info=replace(graph.info, moe_dispatcher=job.moe_dispatcher))
+    graph = _job_graph(job, spec, seq, precision, attention, graph)
     block_modes = resolve_recompute(job, [layer.name for layer in graph.layers], [0] * len(graph.layers))
     recompute = dominant_recompute([m for m in block_modes])
     config = make_config(graph, cluster, gpus=gpus, global_batch=global_batch, tp=job.tp, pp=job.pp, cp=job.cp,
@@ -251,17 +237,45 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          moe_a2a_overlap=job.moe_a2a_overlap, cross_entropy_fusion=job.cross_entropy_fusion,
                          recompute_early_stop=job.recompute_early_stop, torch_compile=job.torch_compile)
     check_offload(config, cluster)
-    if job.layers_per_chunk is not None:  # the engine's MTP depths join its last chunk (`profiling.mtp`)
-        counts = job.layers_per_chunk[:-1] + (job.layers_per_chunk[-1] + graph.info.mtp_num_layers,)
-        chunks = chunks_from_counts(counts, len(graph.layers))
-    elif job.uniform_split:
-        chunks = chunks_from_counts(uniform_split(len(graph.layers), config.num_model_chunks), len(graph.layers))
-    else:
-        chunks = tuple(balanced_layer_chunks(graph, cluster, config))
+    chunks = _job_chunks(job, graph, cluster, config)
     recomputes = resolve_recompute(job, [layer.name for layer in graph.layers], chunks)
     prediction = predict(graph, cluster, config, chunks, recomputes)
     return JobEstimate(job=job, spec=spec, seq=seq, config=config, chunk_of_layer=chunks,
                        recompute_of_layer=recomputes, prediction=prediction, notes=tuple(notes))
+
+
+def _job_graph(job: EngineJob, spec: str, seq: int, precision: str, attention: str, graph):
+    """The layer graph the job runs: the caller's (with the job's multi-token-prediction depths
+    added) or the model profiled; a MoE model takes the engine's token dispatcher."""
+    from meshplan.planner.profiling.profiler import profile
+
+    if graph is None:
+        graph = profile(spec, seq, batch=1, dtype="fp32" if precision == "fp32" else "bf16", attention=attention,
+                        mtp_num_layers=job.mtp_num_layers, engine=job.engine)
+    elif graph.info.mtp_num_layers != job.mtp_num_layers:
+        from meshplan.planner.profiling.mtp import with_mtp
+
+        if graph.info.mtp_num_layers:
+            raise MeshplanError(f"the model graph carries {graph.info.mtp_num_layers} multi-token-prediction layers "
+                                f"and the {job.engine} config {job.mtp_num_layers}; profile the model without them")
+        graph = with_mtp(graph, job.mtp_num_layers)
+    if graph.info.is_moe and graph.info.moe_dispatcher != job.moe_dispatcher:  # the engine's token dispatcher
+        graph = replace(graph, info=replace(graph.info, moe_dispatcher=job.moe_dispatcher))
+    return graph
+
+
+def _job_chunks(job: EngineJob, graph, cluster, config) -> tuple[int, ...]:
+    """Each layer's model chunk: the engine's own split where the config gives one (its MTP depths
+    join the last chunk, `profiling.mtp`), DeepSpeed's uniform split, else meshplan's balanced one."""
+    from meshplan.planner.costing.uniform import balanced_layer_chunks
+    from meshplan.planner.engines.deepspeed import uniform_split
+
+    if job.layers_per_chunk is not None:
+        counts = job.layers_per_chunk[:-1] + (job.layers_per_chunk[-1] + graph.info.mtp_num_layers,)
+        return chunks_from_counts(counts, len(graph.layers))
+    if job.uniform_split:
+        return chunks_from_counts(uniform_split(len(graph.layers), config.num_model_chunks), len(graph.layers))
+    return tuple(balanced_layer_chunks(graph, cluster, config))
 
 
 def _job_size(job: EngineJob, gpus: int | None, global_batch: int | None, notes: list[str]) -> tuple[int, int]:

@@ -134,10 +134,6 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     # layer's chunk (`CostTable.last_chunk_layers`, `costing.uniform`): a pipeline of more chunks
     # than that has no assignment, so none is posed
     num_layers = len(graph.layers) - sum(map(is_mtp_layer, graph.layers))
-    # File models run whole on every rank (data parallelism only): the executor can split neither
-    # their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
-    # their decoder layers and split the layers whose layout is known (`models.hf_tp`).
-    whole_model_only = info.family in WHOLE_MODEL_FAMILIES
     sequence_split = info.family not in NO_SEQUENCE_SPLIT_FAMILIES
     moe = info.num_experts > 0  # the engine may refuse it under TP without SP (`moe_sp_problem`)
     out = []
@@ -145,61 +141,82 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     # (tp, cp, mbs, sp) -> the CP methods not searched there (`dominated_cp_methods`); precision
     # and engine are the call's. A pinned method is searched whatever dominates it.
     dominated: dict[tuple, frozenset[str]] = {}
+    for tp, pp, cp, dp in _mesh_shapes(gpus, global_batch, cluster, pins, facts, info.family, num_layers, engine):
+        sp_splits = sequence_split and (refused_sp or not moe_refuses_sp(facts, tp))
+        for mbs, schedule, vpp in _batch_shapes(global_batch, dp, pp, num_layers, max_mbs, pins, engine):
+            for zero, sp, group in _state_shardings(tp, pp, cp, dp, schedule, cluster, pins, engine, moe, sp_splits):
+                key = (tp, dp * cp)
+                if key not in layouts:
+                    layouts[key] = expert_layouts(info, tp, dp * cp, pins)
+                methods = [method for method in cp_methods(facts, tp, cp, pins.cp_method)
+                           if method in ENGINE_CP_METHODS.get(engine, CP_METHODS)]
+                for (etp, ep), method in ((layout, method) for layout in layouts[key] for method in methods):
+                    if (engine in NO_PIPELINE_ENGINES and ep > 1) or method in dominated.get((tp, cp, mbs, sp), ()):
+                        continue
+                    out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
+                                              microbatch_size=mbs, zero=zero, sp=sp, schedule=schedule,
+                                              virtual_stages=vpp, precision=precision, shard_group=group, ep=ep,
+                                              etp=etp, engine=engine, fp8_recipe=fp8_recipe, cp_method=method))
+                    if len(methods) > 1 and (tp, cp, mbs, sp) not in dominated:
+                        # decided once per (tp, cp, mbs, sp), before the other axes multiply it
+                        dominated[tp, cp, mbs, sp] = dominated_cp_methods(graph, cluster, out[-1])
+                        if out[-1].cp_method in dominated[tp, cp, mbs, sp]:
+                            out.pop()
+    return out
+
+
+def _mesh_shapes(gpus: int, global_batch: int, cluster, pins: Pins, facts, family: str, num_layers: int,
+                 engine: str):
+    """(tp, pp, cp, dp) the search poses: TP groups tile a node (as `estimate` requires) and every
+    layer splits tp ways; a pipeline has no more stages than layers; the data ranks divide the batch.
+    File models run whole on every rank (data parallelism only): the executor can split neither
+    their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
+    their decoder layers and split the layers whose layout is known (`models.hf_tp`)."""
+    whole_model_only = family in WHOLE_MODEL_FAMILIES
+    no_sequence_split = family in NO_SEQUENCE_SPLIT_FAMILIES
     for tp in divisors(gpus):
-        # TP groups tile a node (as `estimate` requires) and every layer must split tp ways.
         if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
             continue
         if tp_split_problem(facts, tp) or (tp > 1 and whole_model_only):
             continue
-        for pp, cp in ((pp, cp) for pp in divisors(gpus // tp) for cp in context_parallel_degrees(
-                facts, gpus // (tp * pp), pins.cp, not sequence_split)):
-            dp = gpus // (tp * pp * cp)
-            if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) or (pins.dp and dp != pins.dp):
-                continue
-            if engine in NO_PIPELINE_ENGINES and pp * cp > 1:  # FSDP engines without pipelines or CP
-                continue
-            if global_batch % dp:
-                continue
-            for mbs in divisors(global_batch // dp):
-                if (max_mbs is not None and mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
+        for pp in divisors(gpus // tp):
+            for cp in context_parallel_degrees(facts, gpus // (tp * pp), pins.cp, no_sequence_split):
+                dp = gpus // (tp * pp * cp)
+                if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) \
+                        or (pins.dp and dp != pins.dp):
                     continue
-                m = global_batch // (dp * mbs)
-                if pp > 1 and m < pp:
+                if engine in NO_PIPELINE_ENGINES and pp * cp > 1:  # FSDP engines without pipelines or CP
                     continue
-                for schedule, vpp in _schedules(pp, m, num_layers, pins, engine):
-                    for zero in (0, 1, 2, 3):
-                        if pins.zero is not None and zero != pins.zero:
-                            continue
-                        if executed_zero(zero, dp * cp, pp, schedule) != zero:  # runs as ZeRO-1: buys nothing
-                            continue
-                        for sp in _sp_options(tp, engine, moe, sequence_split and (
-                                refused_sp or not moe_refuses_sp(facts, tp))):
-                            if pins.sp is not None and sp != pins.sp:
-                                continue
-                            for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
-                                key = (tp, dp * cp)
-                                if key not in layouts:
-                                    layouts[key] = expert_layouts(info, tp, dp * cp, pins)
-                                methods = [method for method in cp_methods(facts, tp, cp, pins.cp_method)
-                                           if method in ENGINE_CP_METHODS.get(engine, CP_METHODS)]
-                                for (etp, ep), method in ((layout, method) for layout in layouts[key]
-                                                          for method in methods):
-                                    if engine in NO_PIPELINE_ENGINES and ep > 1:
-                                        continue
-                                    if method in dominated.get((tp, cp, mbs, sp), ()):
-                                        continue
-                                    out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp,
-                                                              dp=dp, cp=cp, microbatch_size=mbs, zero=zero, sp=sp,
-                                                              schedule=schedule, virtual_stages=vpp,
-                                                              precision=precision, shard_group=group, ep=ep,
-                                                              etp=etp, engine=engine, fp8_recipe=fp8_recipe,
-                                                              cp_method=method))
-                                    if len(methods) > 1 and (tp, cp, mbs, sp) not in dominated:
-                                        # decided once per (tp, cp, mbs, sp), before the other axes multiply it
-                                        dominated[tp, cp, mbs, sp] = dominated_cp_methods(graph, cluster, out[-1])
-                                        if out[-1].cp_method in dominated[tp, cp, mbs, sp]:
-                                            out.pop()
-    return out
+                if global_batch % dp == 0:
+                    yield tp, pp, cp, dp
+
+
+def _batch_shapes(global_batch: int, dp: int, pp: int, num_layers: int, max_mbs: int | None, pins: Pins,
+                  engine: str):
+    """(micro-batch size, schedule, virtual stages) of one data rank's batch: a pipeline needs at
+    least as many micro-batches as stages."""
+    for mbs in divisors(global_batch // dp):
+        if (max_mbs is not None and mbs > max_mbs and pins.mbs is None) or (pins.mbs and mbs != pins.mbs):
+            continue
+        m = global_batch // (dp * mbs)
+        if pp > 1 and m < pp:
+            continue
+        for schedule, vpp in _schedules(pp, m, num_layers, pins, engine):
+            yield mbs, schedule, vpp
+
+
+def _state_shardings(tp: int, pp: int, cp: int, dp: int, schedule: str, cluster, pins: Pins, engine: str,
+                     moe: bool, sp_splits: bool):
+    """(ZeRO stage, SP, shard group): the stages that run as themselves (`executed_zero`: one that
+    runs as ZeRO-1 buys nothing), SP where TP can split the sequence (`sp_splits`)."""
+    for zero in (0, 1, 2, 3):
+        if (pins.zero is not None and zero != pins.zero) or executed_zero(zero, dp * cp, pp, schedule) != zero:
+            continue
+        for sp in _sp_options(tp, engine, moe, sp_splits):
+            if pins.sp is not None and sp != pins.sp:
+                continue
+            for group in shard_groups(dp, tp * cp, zero, cluster.gpus_per_node, pins.shard_group):
+                yield zero, sp, group
 
 
 def _sp_options(tp: int, engine: str, moe: bool, splits: bool) -> tuple[bool, ...]:

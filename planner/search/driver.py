@@ -125,20 +125,7 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
     candidates = offloading.with_offload(enumerate_candidates(
         graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs, request.precision, request.engine,
         request.fp8_recipe, left_out=executor_limited), pins.offload)
-    if request.grad_reduce_in_bf16:  # a setting of the engine, the same on every candidate
-        candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
-    if request.cross_entropy_fusion != "none":  # likewise
-        candidates = [replace(c, cross_entropy_fusion=request.cross_entropy_fusion) for c in candidates]
-    if request.recompute_early_stop is not None:  # likewise (what full recomputation reruns)
-        candidates = [replace(c, recompute_early_stop=request.recompute_early_stop) for c in candidates]
-    if request.torch_compile:  # likewise (torchtitan's training.compile)
-        candidates = [replace(c, torch_compile=True) for c in candidates]
-    if request.tp_comm_overlap is not None:  # likewise, where it applies (tp > 1 with SP)
-        candidates = [replace(c, tp_comm_overlap=request.tp_comm_overlap) if c.tp > 1 and c.sp else c
-                      for c in candidates]
-    if request.moe_a2a_overlap:  # Megatron-Core's combined 1F1B, where the candidate can run it
-        candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and c.a2a_overlap_problem() is None else c
-                      for c in candidates]
+    candidates = _with_engine_settings(candidates, request)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, request))
     # The ILP plans against a hair less than the usable memory, so the simulator's replay of the
@@ -180,6 +167,26 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
              **({"memory_headroom_bytes": request.memory_headroom_bytes} if request.memory_headroom_bytes else {})}
     return build_plan(graph, cluster, ranked[:request.top_k], stats, seed=request.seed, layerwise=request.layerwise,
                       limit_bytes=limit, conventional=conventional)
+
+
+def _with_engine_settings(candidates: list, request: PlanRequest) -> list:
+    """The candidates with the request's engine settings, the same on every candidate where they
+    apply: TP overlap where TP splits the sequence, combined 1F1B where the layout can run it."""
+    if request.grad_reduce_in_bf16:
+        candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
+    if request.cross_entropy_fusion != "none":
+        candidates = [replace(c, cross_entropy_fusion=request.cross_entropy_fusion) for c in candidates]
+    if request.recompute_early_stop is not None:  # what full recomputation reruns
+        candidates = [replace(c, recompute_early_stop=request.recompute_early_stop) for c in candidates]
+    if request.torch_compile:  # torchtitan's training.compile
+        candidates = [replace(c, torch_compile=True) for c in candidates]
+    if request.tp_comm_overlap is not None:
+        candidates = [replace(c, tp_comm_overlap=request.tp_comm_overlap) if c.tp > 1 and c.sp else c
+                      for c in candidates]
+    if request.moe_a2a_overlap:  # Megatron-Core's combined 1F1B
+        candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and c.a2a_overlap_problem() is None else c
+                      for c in candidates]
+    return candidates
 
 
 def _distinct(graph, request: PlanRequest, ranked: list[Ranked], feasible: list[Solved], tables,
