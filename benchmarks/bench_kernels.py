@@ -49,12 +49,11 @@ def report_linears() -> None:
     print(f"\n== FP8 Linears: {rows[0].source} ==")
     print(f"  {'Linear':<10} {'(m, k, n)':<20} {'bf16 ms pub/model':>18} {'fp8 ms pub/model':>18} "
           f"{'speed-up pub/model':>19}")
-    for row in rows:
-        bf16_s, fp8_s = predicted_linear(row)
+    seconds = [predicted_linear(row) for row in rows]
+    for row, (bf16_s, fp8_s) in zip(rows, seconds):
         print(f"  {row.name:<10} {str((row.m, row.k, row.n)):<20} {row.bf16_s * 1e3:>8.3f} / {bf16_s * 1e3:<7.3f} "
               f"{row.fp8_s * 1e3:>8.3f} / {fp8_s * 1e3:<7.3f} {row.published_speedup:>8.2f}x / {bf16_s / fp8_s:.2f}x")
     published = sum(r.bf16_s for r in rows) / sum(r.fp8_s for r in rows)
-    seconds = [predicted_linear(r) for r in rows]
     predicted = sum(b for b, _ in seconds) / sum(f for _, f in seconds)
     print(f"  the four together (one block's Linears, wq/wk/wv and w1/w3 fused): published {published:.2f}x, "
           f"meshplan {predicted:.2f}x")
