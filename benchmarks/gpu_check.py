@@ -1,5 +1,5 @@
 """Predicted against measured on one CUDA GPU: GEMMs by shape, fused attention by kernel and
-sequence length, fp8 GEMMs, the memory bandwidth, `calibrate --nproc 1`, and whole training
+sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), the memory bandwidth, `calibrate --nproc 1`, and whole training
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
@@ -31,6 +31,9 @@ TPS = (1, 4)
 ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384)
 ATTENTION_TOKENS = 32768  # batch x seq per timed call
 FP8_SHAPES = ((8192, 8192, 8192), (8192, 4096, 16384), (16384, 8192, 4096), (4096, 1024, 4096))
+# Llama 3.1 8B and 70B at TP 8 as torchtitan's async-TP table ran them (local batch 12 and 16 of
+# 8,192 tokens, one micro-batch): (name, rows, hidden, KV width, FFN width) for `fp8_tp8_gemms`.
+ROWWISE_MODELS = (("llama3-8b tp8", 12 * 8192, 4096, 1024, 14336), ("llama3-70b tp8", 16 * 8192, 8192, 1024, 28672))
 # (name, model, seq, global batch, extra plan flags): a GPT-2-XL-sized model at the planner's
 # choice and under gradient accumulation (the same 16 samples in 1, 4 and 8 micro-batches: what a
 # micro-batch costs beyond its FLOPs, `per_microbatch`), and a Llama-3-8B-shaped model of 16 layers.
@@ -175,6 +178,64 @@ def check_fp8(torch, clusters: dict) -> dict:
                                                  / gemm_time_s(m, n, k, cluster, "fp8"))
         rows.append(row)
     return {"rows": rows}
+
+
+def fp8_tp8_gemms(models=ROWWISE_MODELS, tp: int = 8) -> list[tuple[str, str, str, int, int, int]]:
+    """(model, Linear, GEMM, m, n, k) of every Linear's three GEMMs on one TP shard (column Linears
+    split on their output, row Linears on their input): the shapes torchao's Float8 recipes run
+    under torchtitan's TP, wk and wv's 128 columns among them."""
+    out = []
+    for model, rows, hidden, kv, ffn in models:
+        linears = (("wq", hidden, hidden // tp), ("wk", hidden, kv // tp), ("wv", hidden, kv // tp),
+                   ("wo", hidden // tp, hidden), ("w1", hidden, ffn // tp), ("w3", hidden, ffn // tp),
+                   ("w2", ffn // tp, hidden))
+        for name, in_dim, out_dim in linears:
+            out += [(model, name, "forward", rows, out_dim, in_dim), (model, name, "input gradient", rows, in_dim, out_dim),
+                    (model, name, "weight gradient", in_dim, out_dim, rows)]
+    return out
+
+
+def check_fp8_rowwise(torch, clusters: dict, device: str = "cuda", gemms=None, timed=None) -> dict:
+    """torch's fp8 GEMM kernels at TP 8 shard shapes: bf16, tensorwise scaling with and without fast
+    accumulation (cuBLAS) and rowwise scaling with it (a CUTLASS kernel), beside meshplan's fp8 and
+    bf16 prices, which give every fp8 kernel one rate. Per model, the GEMM seconds of one
+    micro-batch under each torchao recipe as it runs them (forward with fast accumulation, both
+    gradients without: rowwise's on the tensorwise kernel, `fp8.gradient_rescale_s`), to tell
+    whether rowwise's kernels explain torchtitan's rowwise TP 8 runs being slower than predicted."""
+    from meshplan.planner.costing.gemm import gemm_time_s
+
+    timed = timed or (lambda fn: _timed(torch, fn))
+    rows = []
+    for model, linear, kind, m, n, k in gemms or fp8_tp8_gemms():
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as the kernels want
+        one = torch.ones((), device=device, dtype=torch.float32)
+        row_a, row_b = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+        row = {"model": model, "linear": linear, "gemm": kind, "m": m, "n": n, "k": k,
+               "bf16_s": timed(lambda: torch.mm(a, b.t())),
+               "tensorwise_s": timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
+                                                              use_fast_accum=True)),
+               "tensorwise_slow_accum_s": timed(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)),
+               "rowwise_s": timed(lambda: torch._scaled_mm(a8, b8, row_a, row_b, out_dtype=torch.bfloat16,
+                                                           use_fast_accum=True))}
+        for name, cluster in clusters.items():
+            row[f"predicted_bf16_s[{name}]"] = gemm_time_s(m, n, k, cluster, "bf16")
+            row[f"predicted_fp8_s[{name}]"] = gemm_time_s(m, n, k, cluster, "fp8")
+        rows.append(row)
+        del a, b, a8, b8
+    out: dict = {"rows": rows}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        grads = [r for r in mine if r["gemm"] != "forward"]
+        forward = [r for r in mine if r["gemm"] == "forward"]
+        out[model] = {"bf16_s": sum(r["bf16_s"] for r in mine),
+                      "tensorwise_recipe_s": sum(r["tensorwise_s"] for r in forward)
+                      + sum(r["tensorwise_slow_accum_s"] for r in grads),
+                      "rowwise_recipe_s": sum(r["rowwise_s"] for r in forward)
+                      + sum(r["tensorwise_slow_accum_s"] for r in grads),
+                      **{key: sum(r[key] for r in mine) for key in mine[0] if key.startswith("predicted_")}}
+    return out
 
 
 def check_copy(torch, clusters: dict) -> dict:
@@ -334,6 +395,7 @@ def main(argv=None) -> int:
         record("gemm", check_gemms, torch, clusters)
         record("attention", check_attention, torch, clusters)
         record("fp8", check_fp8, torch, clusters)
+        record("fp8_rowwise", check_fp8_rowwise, torch, clusters)
         torch.cuda.empty_cache()
         record("calibrate", run_calibrate, out_dir)
     profiles = {shipped.name: shipped.name}

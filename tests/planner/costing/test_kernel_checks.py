@@ -83,3 +83,38 @@ def test_linear_seconds_compiled_drops_the_first_read_of_input_and_gradient_cast
     bandwidth = cluster.device.memory_bw_bytes_per_s * cluster.device.memory_efficiency
     assert eager_s - compiled_s == pytest.approx(2 * (m * k + m * n) / bandwidth, rel=1e-9)
     assert fp8.linear_speedup(m, k, n, cluster, "rowwise", compiled=True) == pytest.approx(bf16_s / compiled_s)
+
+
+def test_the_prepared_gpu_rowwise_check_runs_its_kernels_and_sums_each_recipe():
+    """benchmarks/gpu_check.py's rowwise section (for a machine with an fp8 GPU) on CPU at tiny
+    shapes, timed by a counter: every Linear's three GEMMs on its TP shard, four kernels each, and
+    per model the recipes as torchao runs them (forward with fast accumulation, gradients without,
+    rowwise's on the tensorwise kernel) beside meshplan's prices."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        gpu_check = importlib.import_module("gpu_check")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    shapes = gpu_check.fp8_tp8_gemms()
+    assert len(shapes) == 2 * 7 * 3
+    assert ("llama3-70b tp8", "wk", "forward", 16 * 8192, 128, 8192) in shapes
+    assert ("llama3-8b tp8", "w2", "weight gradient", 14336 // 8, 4096, 12 * 8192) in shapes
+    calls = iter(range(1, 10_000))
+    cluster = load_cluster("h100-sxm")
+    tiny = gpu_check.fp8_tp8_gemms(models=(("tiny tp8", 32, 128, 32, 256),))
+    out = gpu_check.check_fp8_rowwise(torch, {"h100-sxm": cluster}, device="cpu", gemms=tiny,
+                                      timed=lambda fn: (fn(), float(next(calls)))[1])
+    rows = out["rows"]
+    assert [(r["linear"], r["gemm"]) for r in rows[:3]] == [("wq", "forward"), ("wq", "input gradient"),
+                                                            ("wq", "weight gradient")]
+    forward = [r for r in rows if r["gemm"] == "forward"]
+    grads = [r for r in rows if r["gemm"] != "forward"]
+    summary = out["tiny tp8"]
+    assert summary["rowwise_recipe_s"] == sum(r["rowwise_s"] for r in forward) + sum(
+        r["tensorwise_slow_accum_s"] for r in grads)
+    assert summary["tensorwise_recipe_s"] == sum(r["tensorwise_s"] for r in forward) + sum(
+        r["tensorwise_slow_accum_s"] for r in grads)
+    assert summary["predicted_fp8_s[h100-sxm]"] == pytest.approx(
+        sum(gemm.gemm_time_s(r["m"], r["n"], r["k"], cluster, "fp8") for r in rows))
