@@ -8,6 +8,10 @@ quantities `--gbs`, `--tp` and so on. Every name comes from the engine's reader 
 """
 from __future__ import annotations
 
+# How alike (difflib's ratio) an unknown flag and one of the command's must be to be suggested:
+# `--torch-compile` and `--compile` read 0.75; unrelated flags of like length stay under 0.6.
+TYPO_CUTOFF = 0.7
+
 
 def engine_names() -> dict[str, tuple[str, str]]:
     """{engine flag: (engine, meshplan flag)} for every name a hint knows: the flags each engine's
@@ -27,17 +31,25 @@ def engine_names() -> dict[str, tuple[str, str]]:
 def hint(extras: list[str], known_flags) -> str:
     """' (...)' naming meshplan's flag for each engine flag in `extras` that the command has
     (`known_flags`: its option strings), and `--from` where the command reads the engine's own file
-    (`estimate`: a config or launch script; `measured`: a training log);
+    (`estimate`: a config or launch script; `measured`: a training log); for any other flag, the
+    command's own flag nearest in spelling (`--torch-compile`: did you mean `--compile`);
     '' when there is nothing to say."""
+    import difflib
+
     names = engine_names()
-    said = []
+    ours = sorted(flag for flag in known_flags if flag.startswith("--"))
+    said, engine_said = [], False
     for arg in extras:
         flag = arg.split("=", 1)[0]
         if flag in names and names[flag][1] in known_flags:
-            engine, ours = names[flag]
-            said.append(f"{engine}'s {flag} is {ours} here")
+            engine, mine = names[flag]
+            said.append(f"{engine}'s {flag} is {mine} here")
+            engine_said = True
+        elif flag.startswith("--"):
+            nearest = difflib.get_close_matches(flag, ours, n=1, cutoff=TYPO_CUTOFF)
+            said.extend(f"{flag}: did you mean {match}?" for match in nearest)
     if not said:
         return ""
-    if "--from" in known_flags:
+    if engine_said and "--from" in known_flags:
         said.append("--from FILE reads the engine's own file whole")
     return f" ({'; '.join(said)})"

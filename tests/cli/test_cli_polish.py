@@ -234,6 +234,22 @@ def test_an_engine_flag_name_is_answered_with_meshplans(run_cli):
     assert "--from" not in err  # plan reads no engine file
     code, out, err = run_cli("estimate", "--no-such-flag", "1")
     assert code == 2 and "here" not in err and "unrecognized arguments: --no-such-flag 1" in err
+    assert "did you mean" not in err
+
+
+def test_a_misspelt_flag_is_answered_with_the_nearest_of_the_commands():
+    """A flag the command does not have, close in spelling to one it has, names that one (difflib's
+    ratio at least `flag_hints.TYPO_CUTOFF`); an engine's flag keeps its own hint."""
+    from meshplan.flag_hints import TYPO_CUTOFF, hint
+
+    flags = {"--compile": None, "--fp8-recipe": None, "--gbs": None, "--from": None, "-h": None}
+    assert hint(["--torch-compile"], flags) == " (--torch-compile: did you mean --compile?)"
+    assert hint(["--fp8recipe=rowwise"], flags) == " (--fp8recipe: did you mean --fp8-recipe?)"
+    assert hint(["--no-such-flag", "1"], flags) == ""
+    assert hint(["--global-batch-size", "--fp8_recipe"], flags) == (
+        " (Megatron-LM's --global-batch-size is --gbs here; --fp8_recipe: did you mean --fp8-recipe?; "
+        "--from FILE reads the engine's own file whole)")
+    assert 0.6 < TYPO_CUTOFF <= 0.75  # --torch-compile / --compile: 2 x 9 / 24 = 0.75
 
 
 def test_virtual_stages_imply_the_interleaved_schedule(run_cli):
