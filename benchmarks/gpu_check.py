@@ -3,7 +3,8 @@ sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), the memo
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
-    python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train | --train-only] [--cases A,B] [--steps 12]
+    python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train | --train-only] [--cases A,B]
+        [--sections copy,gemm,attention,fp8,fp8_rowwise,calibrate] [--steps 12]
 
 Nothing measured here is fitted to: every prediction comes from the shipped profile (`--cluster`,
 default the one whose device name matches this GPU), so each figure is held out. Results are
@@ -248,6 +249,11 @@ def check_copy(torch, clusters: dict) -> dict:
                for name, c in clusters.items()}}
 
 
+# The kernel sections in the order they run (`--sections`); calibrate runs `meshplan calibrate`.
+KERNEL_SECTIONS = {"copy": check_copy, "gemm": check_gemms, "attention": check_attention, "fp8": check_fp8,
+                   "fp8_rowwise": check_fp8_rowwise, "calibrate": None}
+
+
 def _meshplan(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     # Run from outside the checkout: there, the repository's own `meshplan/` folder (the CLI
     # alone) would shadow an installed meshplan and its planner. Every path passed is absolute.
@@ -360,6 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--train-only", action="store_true", help="the training cases only (no kernels, no calibrate)")
     parser.add_argument("--cases", default=",".join(case[0] for case in TRAIN_CASES),
                         help="comma-separated training cases to run (default: all)")
+    parser.add_argument("--sections", default=",".join(KERNEL_SECTIONS),
+                        help=f"comma-separated kernel sections to run, of {', '.join(KERNEL_SECTIONS)} (default: all)")
     args = parser.parse_args(argv)
     import torch
 
@@ -390,19 +398,19 @@ def main(argv=None) -> int:
         (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
 
     cases = [case for case in TRAIN_CASES if case[0] in args.cases.split(",")]
-    if not args.train_only:
-        record("copy", check_copy, torch, clusters)
-        record("gemm", check_gemms, torch, clusters)
-        record("attention", check_attention, torch, clusters)
-        record("fp8", check_fp8, torch, clusters)
-        record("fp8_rowwise", check_fp8_rowwise, torch, clusters)
-        torch.cuda.empty_cache()
-        record("calibrate", run_calibrate, out_dir)
+    sections = [name for name in KERNEL_SECTIONS if name in args.sections.split(",")] if not args.train_only else []
+    for name in sections:
+        if name == "calibrate":
+            torch.cuda.empty_cache()
+            record(name, run_calibrate, out_dir)
+        else:
+            record(name, KERNEL_SECTIONS[name], torch, clusters)
     profiles = {shipped.name: shipped.name}
     if report.get("calibrate", {}).get("profile"):
-        calibrated = load_cluster(report["calibrate"]["profile"])
         profiles["calibrated"] = report["calibrate"]["profile"]
-        record("gemm_calibrated", _rescored, report["gemm"].get("rows", []), calibrated)
+        if "gemm" in report:  # the GEMMs timed above, priced by the calibrated profile
+            record("gemm_calibrated", _rescored, report["gemm"].get("rows", []),
+                   load_cluster(report["calibrate"]["profile"]))
     if not args.skip_train:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:  # plans stay out of DIR
             for case in cases:
