@@ -30,19 +30,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
     step = prediction.step_time_s
     moe = any(getattr(mem, "experts", 0.0) > 0 for mem in prediction.memory)
     cfg = heading.config
-    unvalidated = " (profile not validated)" if cluster is not None and not cluster.validated else ""
-    lines = [f"{heading.spec} on {cfg.gpus} x {heading.cluster}{unvalidated}: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"
-             + (f" cp={cfg.cp}" if cfg.cp > 1 else "") + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
-             + (f" etp={cfg.etp}" if cfg.etp is not None else "")
-             + f" mbs={cfg.microbatch_size} zero={cfg.zero}"
-             + (f" shard_group={cfg.shard_group}" if cfg.shard_group else "")
-             + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"
-             + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
-             + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
-             + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
-             + (" compile=on" if cfg.torch_compile else " compile=on (async TP needs it)" if runs_compiled(cfg) else "")
-             + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""),
-             overlap_line(cfg), "", f"step time        {step * 1e3:10.1f} ms"]
+    lines = [_heading_line(heading, cluster), overlap_line(cfg), "", f"step time        {step * 1e3:10.1f} ms"]
     for kind, seconds in prediction.breakdown.items():
         if seconds > 0:
             lines.append(f"  {kind:<14} {seconds * 1e3:10.1f} ms  {seconds / step:6.1%}"
@@ -63,14 +51,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
                                             if moe else ""),
               f"  {'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8}"
               + (f" {'experts':>8}" if moe else "")]
-    for rank in _ranks_to_show(prediction):
-        if rank is None:
-            lines.append(f"  {'...':>5}")
-            continue
-        mem = prediction.memory[rank]
-        lines.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
-                     f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}"
-                     + (f" {mem.experts / GIB:8.2f}" if moe else ""))
+    lines += _memory_rows(prediction, moe)
     from meshplan.planner.costing.state_memory import executed_zero
 
     if executed_zero(cfg.zero, cfg.data_ranks, cfg.pp, cfg.schedule) != cfg.zero:
@@ -95,6 +76,37 @@ EARLY_STOP_NOTE = "   (torch's early stop: dense blocks do not rerun their MLP d
 # torchtitan's per-op selective checkpointing (`costing.torchtitan_sac`)
 SAC_NOTE = "   (torchtitan's op policy: blocks rerun all but attention and every other matmul)"
 SAC_FP8_NOTE = "   (torchtitan's op policy: blocks rerun all but attention; 0.2 keeps no Float8 matmul)"
+
+
+def _heading_line(heading: Heading, cluster) -> str:
+    """The estimate's first line: model, cluster (and whether its profile is validated), layout."""
+    cfg = heading.config
+    unvalidated = " (profile not validated)" if cluster is not None and not cluster.validated else ""
+    return (f"{heading.spec} on {cfg.gpus} x {heading.cluster}{unvalidated}: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}"
+            + (f" cp={cfg.cp}" if cfg.cp > 1 else "") + (f" ep={cfg.ep}" if cfg.ep > 1 else "")
+            + (f" etp={cfg.etp}" if cfg.etp is not None else "")
+            + f" mbs={cfg.microbatch_size} zero={cfg.zero}"
+            + (f" shard_group={cfg.shard_group}" if cfg.shard_group else "")
+            + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"
+            + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
+            + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
+            + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
+            + (" compile=on" if cfg.torch_compile else " compile=on (async TP needs it)" if runs_compiled(cfg) else "")
+            + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""))
+
+
+def _memory_rows(prediction, moe: bool) -> list[str]:
+    """One row of memory by kind per pipeline rank shown (`_ranks_to_show`: '...' where skipped)."""
+    rows = []
+    for rank in _ranks_to_show(prediction):
+        if rank is None:
+            rows.append(f"  {'...':>5}")
+            continue
+        mem = prediction.memory[rank]
+        rows.append(f"  {rank:>5} {mem.params / GIB:8.2f} {mem.grads / GIB:8.2f} {mem.optimizer / GIB:8.2f} "
+                    f"{mem.activations / GIB:8.2f} {mem.buffers / GIB:8.2f} {mem.total / GIB:8.2f}"
+                    + (f" {mem.experts / GIB:8.2f}" if moe else ""))
+    return rows
 
 
 def _recompute_note(config) -> str:

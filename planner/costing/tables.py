@@ -406,30 +406,10 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
                                                tuple(layer.name for layer in graph.layers), graph)
     keys, layer_type, first_of_type, layer_names = shape[:4]
     meshes = [(config.tp, config.dp)] + [m for m in layerwise_meshes if m != (config.tp, config.dp)]
-    samples_per_stage = config.microbatch_size * config.dp
     types = []
     for type_index, key in enumerate(keys):
         layer = first_of_type[type_index]
-        options = []
-        holds_shared = bool(layer.shared_params) and config.pp > 1
-        for tp, dp in meshes:
-            if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
-                continue
-            if layer.kind == "block" and config.cp_method == ULYSSES and ulysses_head_problem(
-                    graph.info.num_heads, graph.info.num_kv_heads, tp, config.cp, ""):
-                continue  # a layerwise tp whose heads Ulysses cannot split over the cp ranks
-            local = _mesh_config(config, layer, tp, dp, holds_shared, cache)
-            # Recomputation is for blocks; the embedding and head always keep their activations.
-            for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
-                index = (id(layer), local, recompute, holds_shared, tp, dp)
-                option = cache.get(index)
-                if option is None:
-                    run = local if local.recompute == recompute else _variant(local, cache, recompute=recompute)
-                    cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
-                                      attention=graph.attention, holds_shared=holds_shared)
-                    share = weight_grad_share(layer, graph.seq, graph.attention)
-                    option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp, share)
-                options.append(option)
+        options = _layer_options(graph, cluster, config, layer, meshes, recompute_options, layer_cost, cache)
         if not options:
             raise ValueError(f"layer {layer.name!r} cannot run with tp={config.tp}")
         types.append(LayerType(key=key, options=drop_dominated(options)))
@@ -442,3 +422,30 @@ def build_cost_table(graph, cluster, config, recompute_options=RECOMPUTE, *,
                      rank_fixed_s=fixed_costs.grad_norm_all_reduce_s(config.gpus, cluster),  # every rank, cp's too
                      keeps_outputs=keeps_stage_outputs(config.engine))
 
+
+def _layer_options(graph, cluster, config, layer, meshes, recompute_options, layer_cost, cache) -> list:
+    """Every (mesh, recompute) option of one layer type: a mesh whose tp the layer can split and
+    whose dp divides the stage's samples (and, under Ulysses, whose heads split over the cp ranks),
+    each priced once per the shared `cache`."""
+    options = []
+    holds_shared = bool(layer.shared_params) and config.pp > 1
+    samples_per_stage = config.microbatch_size * config.dp
+    for tp, dp in meshes:
+        if not layer.tp_split.max_degree_ok(tp) or samples_per_stage % dp:
+            continue
+        if layer.kind == "block" and config.cp_method == ULYSSES and ulysses_head_problem(
+                graph.info.num_heads, graph.info.num_kv_heads, tp, config.cp, ""):
+            continue  # a layerwise tp whose heads Ulysses cannot split over the cp ranks
+        local = _mesh_config(config, layer, tp, dp, holds_shared, cache)
+        # Recomputation is for blocks; the embedding and head always keep their activations.
+        for recompute in (("none",) if layer.kind in ("embedding", "head") else recompute_options):
+            index = (id(layer), local, recompute, holds_shared, tp, dp)
+            option = cache.get(index)
+            if option is None:
+                run = local if local.recompute == recompute else _variant(local, cache, recompute=recompute)
+                cost = layer_cost(layer, run, cluster, graph.info, profile_dtype=graph.dtype,
+                                  attention=graph.attention, holds_shared=holds_shared)
+                share = weight_grad_share(layer, graph.seq, graph.attention)
+                option = cache[index] = option_from_layer_cost(recompute, cost, tp, dp, share)
+            options.append(option)
+    return options
