@@ -7,8 +7,10 @@ tests/planner/costing/test_kernel_checks.py. Two sources, each a kernel benchmar
 - FBGEMM's fp8 GEMM benchmark (github.com/pytorch/FBGEMM pull request 2546, "Add fp8 row/block-wise
   scaled GEMMs", 2024-04-29), headed "H100 500W": one (M, N, K) GEMM's TFLOP/s in bf16 (torch.mm)
   and with FBGEMM's rowwise-scaled fp8 Triton kernel ("fp8 row gemm only": the GEMM alone, the
-  operands already quantised). A measured GEMM rate on the part that `h100-96g-500w` describes, whose
-  peak is otherwise the midpoint of two datasheets.
+  operands already quantised). Its script reads a shape as (m, n, k), the input m x k and the weight
+  n x k, and times each GEMM replayed in a CUDA graph (triton's `do_bench_cudagraph`, its default).
+  A measured GEMM rate on the part that `h100-96g-500w` describes, whose peak is otherwise the
+  midpoint of two datasheets.
 - torchao's Float8Linear benchmark in github.com/pytorch/ao pull request 2185 ("remove workaround for
   slow rowwise cutlass gemm", 2025-05-08), its table "tensorwise w/ rescale": a compiled Linear's
   forward and backward in bf16 and under torchao's rowwise recipe as it shipped (the gradient GEMMs
@@ -71,7 +73,8 @@ class LinearRow:
 
 
 def gemm_rows() -> list[GemmRow]:
-    """FBGEMM's three shapes (its `shape (M, N, K)`: A is M x K, the output M x N), bf16 and fp8."""
+    """FBGEMM's three shapes as its script reads them (m, n, k: the input m x k, the weight n x k, the
+    output m x n), bf16 and fp8."""
     figures = (((8192, 8192, 8192), 585.23, 1125.51), ((65536, 8192, 7168), 575.12, 1082.75),
                ((65536, 3584, 8192), 546.31, 1141.38))
     rows = []
