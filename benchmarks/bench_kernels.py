@@ -16,22 +16,25 @@ The sources and their conditions are in `published_kernel_runs.py`.
 from __future__ import annotations
 
 import sys
+from functools import lru_cache
 
 from published_kernel_runs import gemm_rows, linear_rows
 
 from meshplan.planner.costing import fp8, gemm
 from meshplan.planner.costing.hardware import load_cluster
 
+cluster_of = lru_cache(maxsize=None)(load_cluster)  # each row names its profile; read each once
+
 
 def predicted_tflops(row) -> float:
     """meshplan's rate for one published GEMM row, TFLOP/s."""
-    seconds = gemm.gemm_time_s(row.m, row.n, row.k, load_cluster(row.profile), row.dtype)
+    seconds = gemm.gemm_time_s(row.m, row.n, row.k, cluster_of(row.profile), row.dtype)
     return 2.0 * row.m * row.n * row.k / seconds / 1e12
 
 
 def predicted_linear(row) -> tuple[float, float]:
     """meshplan's (bf16, fp8) seconds for one published Linear row."""
-    return fp8.linear_seconds(row.m, row.k, row.n, load_cluster(row.profile), row.recipe, row.compiled)
+    return fp8.linear_seconds(row.m, row.k, row.n, cluster_of(row.profile), row.recipe, row.compiled)
 
 
 def report_gemms() -> None:

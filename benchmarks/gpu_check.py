@@ -206,12 +206,12 @@ def check_fp8_rowwise(torch, clusters: dict, device: str = "cuda", gemms=None, t
     from meshplan.planner.costing.gemm import gemm_time_s
 
     timed = timed or (lambda fn: _timed(torch, fn))
+    one = torch.ones((), device=device, dtype=torch.float32)  # a tensorwise scale
     rows = []
     for model, linear, kind, m, n, k in gemms or fp8_tp8_gemms():
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(n, k, device=device, dtype=torch.bfloat16)
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major, as the kernels want
-        one = torch.ones((), device=device, dtype=torch.float32)
         row_a, row_b = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
         row = {"model": model, "linear": linear, "gemm": kind, "m": m, "n": n, "k": k,
                "bf16_s": timed(lambda: torch.mm(a, b.t())),

@@ -137,21 +137,23 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     sequence_split = info.family not in NO_SEQUENCE_SPLIT_FAMILIES
     moe = info.num_experts > 0  # the engine may refuse it under TP without SP (`moe_sp_problem`)
     out = []
-    layouts: dict[tuple[int, int], list] = {}  # (tp, dp * cp) -> expert_layouts, asked in the innermost loop
+    layouts: dict[tuple[int, int], list] = {}  # (tp, dp * cp) -> the engine's expert_layouts there
     # (tp, cp, mbs, sp) -> the CP methods not searched there (`dominated_cp_methods`); precision
     # and engine are the call's. A pinned method is searched whatever dominates it.
     dominated: dict[tuple, frozenset[str]] = {}
-    for tp, pp, cp, dp in _mesh_shapes(gpus, global_batch, cluster, pins, facts, info.family, num_layers, engine):
+    for tp, pp, cp, dp in _mesh_shapes(gpus, global_batch, cluster, pins, facts, info.family, sequence_split,
+                                       num_layers, engine):
         sp_splits = sequence_split and (refused_sp or not moe_refuses_sp(facts, tp))
+        if (tp, dp * cp) not in layouts:
+            layouts[tp, dp * cp] = [(etp, ep) for etp, ep in expert_layouts(info, tp, dp * cp, pins)
+                                    if not (engine in NO_PIPELINE_ENGINES and ep > 1)]
+        methods = [method for method in cp_methods(facts, tp, cp, pins.cp_method)
+                   if method in ENGINE_CP_METHODS.get(engine, CP_METHODS)]
+        pairs = [(layout, method) for layout in layouts[tp, dp * cp] for method in methods]
         for mbs, schedule, vpp in _batch_shapes(global_batch, dp, pp, num_layers, max_mbs, pins, engine):
             for zero, sp, group in _state_shardings(tp, pp, cp, dp, schedule, cluster, pins, engine, moe, sp_splits):
-                key = (tp, dp * cp)
-                if key not in layouts:
-                    layouts[key] = expert_layouts(info, tp, dp * cp, pins)
-                methods = [method for method in cp_methods(facts, tp, cp, pins.cp_method)
-                           if method in ENGINE_CP_METHODS.get(engine, CP_METHODS)]
-                for (etp, ep), method in ((layout, method) for layout in layouts[key] for method in methods):
-                    if (engine in NO_PIPELINE_ENGINES and ep > 1) or method in dominated.get((tp, cp, mbs, sp), ()):
+                for (etp, ep), method in pairs:
+                    if method in dominated.get((tp, cp, mbs, sp), ()):
                         continue
                     out.append(ParallelConfig(gpus=gpus, global_batch=global_batch, tp=tp, pp=pp, dp=dp, cp=cp,
                                               microbatch_size=mbs, zero=zero, sp=sp, schedule=schedule,
@@ -165,22 +167,21 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     return out
 
 
-def _mesh_shapes(gpus: int, global_batch: int, cluster, pins: Pins, facts, family: str, num_layers: int,
-                 engine: str):
+def _mesh_shapes(gpus: int, global_batch: int, cluster, pins: Pins, facts, family: str, sequence_split: bool,
+                 num_layers: int, engine: str):
     """(tp, pp, cp, dp) the search poses: TP groups tile a node (as `estimate` requires) and every
     layer splits tp ways; a pipeline has no more stages than layers; the data ranks divide the batch.
     File models run whole on every rank (data parallelism only): the executor can split neither
     their layers into stages nor their Linears over TP ranks. Hugging Face models pipeline at
     their decoder layers and split the layers whose layout is known (`models.hf_tp`)."""
     whole_model_only = family in WHOLE_MODEL_FAMILIES
-    no_sequence_split = family in NO_SEQUENCE_SPLIT_FAMILIES
     for tp in divisors(gpus):
         if cluster.gpus_per_node % tp or (pins.tp and tp != pins.tp):
             continue
         if tp_split_problem(facts, tp) or (tp > 1 and whole_model_only):
             continue
         for pp in divisors(gpus // tp):
-            for cp in context_parallel_degrees(facts, gpus // (tp * pp), pins.cp, no_sequence_split):
+            for cp in context_parallel_degrees(facts, gpus // (tp * pp), pins.cp, not sequence_split):
                 dp = gpus // (tp * pp * cp)
                 if (whole_model_only and pp > 1) or pp > num_layers or (pins.pp and pp != pins.pp) \
                         or (pins.dp and dp != pins.dp):

@@ -24,9 +24,29 @@ def kernels():
         sys.path.remove(str(BENCHMARKS))
 
 
+@pytest.fixture(scope="module")
+def bench():
+    """bench_kernels.py, whose printed figures these tests hold."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("bench_kernels")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
 def _tflops(row) -> float:
     return 2.0 * row.m * row.n * row.k / gemm.gemm_time_s(row.m, row.n, row.k, load_cluster(row.profile),
                                                          row.dtype) / 1e12
+
+
+def test_the_benchmark_prints_the_rates_and_seconds_held_here(kernels, bench):
+    """bench_kernels.py's figures are the cost model's, computed here apart: a GEMM's rate is its
+    2 m n k FLOPs over `gemm.gemm_time_s`, a Linear's seconds `fp8.linear_seconds`."""
+    for row in kernels.gemm_rows():
+        assert bench.predicted_tflops(row) == pytest.approx(_tflops(row), rel=1e-12)
+    for row in kernels.linear_rows():
+        assert bench.predicted_linear(row) == pytest.approx(
+            fp8.linear_seconds(row.m, row.k, row.n, load_cluster(row.profile), row.recipe, row.compiled), rel=1e-12)
 
 
 def test_bf16_gemms_on_the_500w_part_run_at_the_rate_fbgemm_measured(kernels):
