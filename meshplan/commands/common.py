@@ -184,6 +184,28 @@ def add_fp8_recipe_argument(parser, default_help: str = "the engine's") -> None:
                         help=f"with --precision fp8: tensorwise or delayed (per-tensor scales from the current "
                              f"amax or an amax history), rowwise, or mxfp8 (32-value blocks, Blackwell only); "
                              f"default {default_help} ({defaults})")
+def fp8_filter_names(text: str) -> tuple[str, ...]:
+    """argparse type of --fp8-filter (`contracts.fp8_choice.parse_fp8_filter`)."""
+    import argparse
+
+    from meshplan.planner.contracts.fp8_choice import parse_fp8_filter
+
+    try:
+        return parse_fp8_filter(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_fp8_filter_argument(parser) -> None:
+    """--fp8-filter: the block Linears left in bf16 under fp8 (`costing.fp8_filter`)."""
+    parser.add_argument("--fp8-filter", default=(), type=fp8_filter_names, metavar="NAMES",
+                        help="with --precision fp8 under torchao's Linears (engines meshplan, generic, torchtitan): "
+                             "block Linears kept in bf16, comma-separated from q,k,v,o,gate,up,down (torchtitan's "
+                             "filter_fqns names too: attention.wk or wk), or auto: torchao's auto filter "
+                             "(torchtitan's auto_filter_small_kn), which keeps Linears too small for the recipe; "
+                             "default: every block Linear in fp8")
+
+
 def add_offload_argument(parser, default: str | None) -> None:
     """--offload: model states kept in host memory (`costing.offload`). `default` None: searched
     (plan offers it only when nothing fits without it)."""

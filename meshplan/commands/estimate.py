@@ -6,7 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
 from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
-                                     add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_recipe_argument, add_offload_argument,
+                                     add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_filter_argument,
+                                     add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, add_moe_a2a_overlap_argument, add_compile_argument,
                                      add_recompute_early_stop_argument, add_tp_comm_overlap_argument,
                                      announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
@@ -57,6 +58,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8: FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
+    add_fp8_filter_argument(parser)
     add_attention_argument(parser, default=None)
     add_offload_argument(parser, "none")
     parser.add_argument("--memory-headroom", type=float, default=0.0, metavar="GIB",
@@ -106,7 +108,7 @@ def run(args) -> int:
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes, cluster))
     print(band_line(prediction.step_time_s, heading.config, args.model, args.seq, cluster))
-    hint = _zero_hint(args, prediction)
+    hint = _zero_hint(args, prediction) or _fp8_filter_hint(args, heading.config, cluster, prediction)
     if hint:
         print(hint)
     return does_not_fit("estimate", prediction, cluster.device.usable_memory_bytes, hint, config=heading.config,
@@ -129,14 +131,15 @@ def _heading(args, cluster) -> Heading:
                              cp_method=args.cp_method, microbatch_group_size=args.microbatch_group_size,
                              grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args),
                              moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                             recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile)
+                             recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
+                             fp8_filter=args.fp8_filter)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
                    seq=args.seq)
 
 
-def _estimate_at(args, zero: int):
-    """The command's job at ZeRO stage `zero`."""
+def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None):
+    """The command's job at ZeRO stage `zero` (with `fp8_filter` for its own, where given)."""
     from meshplan.planner.simulation.estimator import estimate
 
     return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
@@ -151,7 +154,34 @@ def _estimate_at(args, zero: int):
                     microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                     tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
                     moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                    recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile)
+                    recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
+                    fp8_filter=args.fp8_filter if fp8_filter is None else fp8_filter)
+
+
+def _fp8_filter_hint(args, config, cluster, prediction) -> str:
+    """Under fp8, the block Linears the cost model finds faster left in bf16
+    (`costing.fp8_advice.slower_in_fp8`), with the step they save, when they save any."""
+    if config.precision != "fp8" or not prediction.fits:
+        return ""
+    from meshplan.planner.contracts.fp8_choice import FP8_AUTO_FILTER, FP8_LINEARS
+    from meshplan.planner.costing.attention_kernels import engine_attention
+    from meshplan.planner.costing.fp8_advice import slower_in_fp8
+    from meshplan.planner.profiling.profiler import profile
+
+    from meshplan.commands.printed import _default_seq
+
+    graph = profile(args.model, args.seq or _default_seq(args.model), dtype="bf16",
+                    attention=engine_attention(config.engine, args.attention)[0], engine=config.engine)
+    slower = [role for role, _ in slower_in_fp8(graph, cluster, config)]
+    if not slower:
+        return ""
+    names = tuple(name for name in (FP8_AUTO_FILTER, *FP8_LINEARS) if name in {*config.fp8_filter, *slower})
+    other = _estimate_at(args, args.zero, names)
+    saved = 1 - other.step_time_s / prediction.step_time_s
+    if not other.fits or saved <= 0:
+        return ""
+    return (f"hint: {', '.join(slower)} run faster in bf16 at these shapes (their casts cost more than fp8 saves): "
+            f"--fp8-filter {','.join(names)} gives {other.step_time_s * 1e3:.1f} ms per step ({saved:.1%} less)")
 
 
 def _zero_hint(args, prediction) -> str:

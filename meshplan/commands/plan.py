@@ -6,7 +6,8 @@ import sys
 
 from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES,
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
-from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_recipe_argument,
+from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
+                                     add_fp8_recipe_argument,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
                                      add_moe_a2a_overlap_argument, add_recompute_early_stop_argument, add_compile_argument,
                                      add_tp_comm_overlap_argument,
@@ -43,6 +44,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default=None, choices=PRECISIONS,
                         help="precision recipe (default bf16-mixed on GPUs, fp32 on the cpu profile; fp8 only when asked (it changes numerics): FP8 Linears on Hopper and newer, planned not executed)")
     add_fp8_recipe_argument(parser)
+    add_fp8_filter_argument(parser)
     add_grad_reduce_argument(parser)
     add_cross_entropy_fusion_argument(parser)
     add_tp_comm_overlap_argument(parser)
@@ -97,7 +99,8 @@ def run(args) -> int:
                              moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
                              moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
                              memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
-                             fp8_recipe=args.fp8_recipe, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                             fp8_recipe=args.fp8_recipe, fp8_filter=args.fp8_filter,
+                             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
                              moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
                              recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,

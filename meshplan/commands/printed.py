@@ -90,6 +90,7 @@ def _heading_line(heading: Heading, cluster) -> str:
             + f" recompute={heading.recompute} sp={'on' if cfg.sp else 'off'} schedule={cfg.schedule}"
             + (f" vpp={cfg.virtual_stages}" if cfg.schedule_spec.free_chunks else "")
             + (f" fp8={cfg.fp8_recipe}" if cfg.fp8_recipe else "")
+            + (f" fp8_filter={','.join(cfg.fp8_filter)}" if cfg.fp8_filter else "")
             + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
             + (" compile=on" if cfg.torch_compile else " compile=on (async TP needs it)" if runs_compiled(cfg) else "")
             + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""))

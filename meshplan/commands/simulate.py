@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from meshplan.planner.contracts.config import ENGINES, EXECUTOR_MEMORY_ENGINES, TP_OVERLAP_ENGINES
+from meshplan.planner.contracts.fp8_choice import FP8_FILTER_ENGINES
 from meshplan.planner.contracts.engine_rules import (A2A_OVERLAP_ENGINES, COMPILE_ENGINES, ce_fusion_under,
                                                      early_stop_under)
 
@@ -70,7 +71,9 @@ def _with_overrides(plan, engine: str | None, fp8_recipe: str | None):
                          moe_a2a_overlap=config.moe_a2a_overlap and engine in A2A_OVERLAP_ENGINES,
                          cross_entropy_fusion=ce_fusion_under(engine, config.cross_entropy_fusion),
                          recompute_early_stop=early_stop_under(engine, config.recompute_early_stop),
-                         torch_compile=config.torch_compile and engine in COMPILE_ENGINES)
+                         torch_compile=config.torch_compile and engine in COMPILE_ENGINES,
+                         # Transformer Engine's engines convert every Linear: the plan's filter does not travel
+                         fp8_filter=config.fp8_filter if engine in FP8_FILTER_ENGINES else ())
     if fp8_recipe:
         check_fp8_supported(plan.cluster, config.precision, fp8_recipe)
         config = replace(config, fp8_recipe=fp8_recipe)
@@ -89,6 +92,7 @@ def summary(plan, prediction) -> str:
         f"{plan.model.spec}{f' (seq {plan.model.seq})' if is_sequence_model(plan.model.spec) else ''} on "
         f"{cfg.gpus} x {plan.cluster.name}: "
         f"pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}, zero {cfg.zero}{f' (HSDP shard {cfg.shard_group})' if cfg.shard_group else ''}{', sp' if cfg.sp else ''}, {cfg.precision}{f' ({cfg.fp8_recipe})' if cfg.fp8_recipe else ''}"
+        + (f", fp8 filter {','.join(cfg.fp8_filter)}" if cfg.fp8_filter else "")
         + (f", memory as {cfg.engine} allocates it" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else "")
         + (f", {cfg.offload} offloaded to host memory" if cfg.offload != "none" else ""),
         f"schedule {schedule}, {cfg.num_microbatches} micro-batches of {cfg.microbatch_size}, "

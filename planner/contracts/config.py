@@ -14,6 +14,8 @@ from typing import Literal
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.engine_rules import (a2a_overlap_engine_problem, bf16_grads_problem, ce_fusion_problem,
                                                      compile_problem, moe_sp_problem, stored_early_stop, tp_sp_problem)
+from meshplan.planner.contracts.fp8_choice import (DEFAULT_FP8_RECIPE, FP8_LINEARS, FP8_RECIPES,  # noqa: F401
+                                                   stored_fp8_filter, stored_fp8_recipe)
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
 
 RECOMPUTE = ("none", "selective", "full")
@@ -39,17 +41,6 @@ NO_PIPELINE_ENGINES = ("llm-foundry",)
 # --mtp-num-layers): the only export of a plan costed with MTP depths (`profiling.mtp`); the
 # search also plans them for meshplan's own engine, priced but not executed (`executable.mtp_problem`).
 MTP_ENGINES = ("megatron",)
-# How fp8 scales each GEMM operand (`planner.costing.fp8.RECIPES` prices each): one scale per tensor
-# from its current amax (tensorwise), one per row (rowwise), per tensor from an amax history
-# (delayed, Transformer Engine's DelayedScaling), one per 32-value block (mxfp8, Blackwell only).
-FP8_RECIPES = ("tensorwise", "rowwise", "delayed", "mxfp8")
-# The recipe each engine runs when none is named: Megatron-LM's `--fp8-recipe` defaults to delayed
-# (megatron/training/arguments.py, core 0.12 to 0.14); torchtitan 0.2's [float8] recipe_name unset is
-# torchao's tensorwise (0.3's Float8LinearConverter runs rowwise only); DeepSpeed leaves FP8 to
-# Transformer Engine in the model code, whose `fp8_autocast` recipe defaults to DelayedScaling, as
-# does llm-foundry's (Composer's `fp8_autocast` with TE's default recipe); meshplan prices torchao's tensorwise.
-DEFAULT_FP8_RECIPE = {"meshplan": "tensorwise", "megatron": "delayed", "torchtitan": "tensorwise",
-                      "deepspeed": "delayed", "llm-foundry": "delayed", "generic": "tensorwise"}
 # Model states moved to host memory (`costing.offload`): none; the optimizer's states and its step
 # (DeepSpeed ZeRO-Offload `offload_optimizer`, Megatron-LM `--optimizer-cpu-offload`); or also the
 # parameters and gradients (ZeRO-Infinity `offload_param`, FSDP2 `CPUOffloadPolicy`), ZeRO-3 only.
@@ -134,6 +125,9 @@ class ParallelConfig:
     engine: str = "meshplan"  # a name in ENGINES: whose memory recipe and overlap (`contracts.overlap`) price the plan
     # Under fp8 a name in FP8_RECIPES (None: the engine's DEFAULT_FP8_RECIPE, stored resolved); else None.
     fp8_recipe: str | None = None
+    # Under fp8, the block Linears left in bf16 (names in FP8_LINEARS, or "auto": torchao's auto
+    # filter; `contracts.fp8_choice`); stored in FP8_LINEARS order. Engines with torchao's Linears only.
+    fp8_filter: tuple[str, ...] = ()
     # The submodules selective recomputation rebuilds (names in RECOMPUTE_MODULES), Megatron-Core's
     # `--recompute-modules`; () is DEFAULT_RECOMPUTE_MODULES. Only the megatron engine has them.
     # Stored sorted, so equal sets compare equal.
@@ -277,14 +271,10 @@ class ParallelConfig:
             axis.check(self)
 
     def _check_fp8_recipe(self) -> None:
-        if self.precision != "fp8":
-            if self.fp8_recipe is not None:
-                raise ValueError(f"fp8_recipe {self.fp8_recipe!r} needs precision fp8, got {self.precision!r}")
-            return
-        if self.fp8_recipe is None and self.engine in DEFAULT_FP8_RECIPE:
-            object.__setattr__(self, "fp8_recipe", DEFAULT_FP8_RECIPE[self.engine])
-        if self.fp8_recipe not in FP8_RECIPES:
-            raise ValueError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
+        object.__setattr__(self, "fp8_recipe", stored_fp8_recipe(self.precision, self.engine, self.fp8_recipe))
+        if self.fp8_filter != ():
+            object.__setattr__(self, "fp8_filter", stored_fp8_filter(self.precision, self.engine, self.fp8_recipe,
+                                                                     self.fp8_filter))
 
     def _check_recompute_modules(self) -> None:
         modules = self.recompute_modules

@@ -212,6 +212,7 @@ class Plan:
             # fp8 plans only: the scaling recipe (older readers ignore the key; plans without it
             # take the engine's default, `contracts.config.DEFAULT_FP8_RECIPE`)
             **({"fp8_recipe": cfg.fp8_recipe} if cfg.fp8_recipe else {}),
+            **({"fp8_filter": list(cfg.fp8_filter)} if cfg.fp8_filter else {}),  # the Linears left in bf16
             "engine": cfg.engine,
             # digest and the MoE routing fields only when set: none in old plans
             "model": {k: v for k, v in asdict(self.model).items()
@@ -302,7 +303,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             recompute=data.get("recompute", "none"), sp=_boolean(data, "sp"), schedule=schedule["name"],
             virtual_stages=_integer(schedule, "virtual_stages", "schedule."), precision=data["precision"],
             engine=data.get("engine", "meshplan"),  # plans written before the key: meshplan's executor
-            fp8_recipe=data.get("fp8_recipe"),
+            fp8_recipe=data.get("fp8_recipe"), fp8_filter=tuple(_names(data, "fp8_filter")),
             offload=data.get("offload", "none"),
             cp_method=_cp_method(data), grad_reduce_in_bf16=_boolean(data, "grad_reduce_in_bf16", default=False),
             tp_comm_overlap=None if data.get("tp_comm_overlap") is None else _boolean(data, "tp_comm_overlap"),
@@ -400,6 +401,14 @@ def _cp_method(data: dict) -> str:
     value = data.get("cp_method", DEFAULT_CP_METHOD)
     if value not in CP_METHODS:
         raise ValueError(f"plan field cp_method must be one of {', '.join(CP_METHODS)}, got {value!r}")
+    return value
+
+
+def _names(data: dict, key: str) -> list[str]:
+    """A list of names (absent: none); ParallelConfig checks the names themselves."""
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ValueError(f"plan field {key} must be a list of names, got {value!r}")
     return value
 
 

@@ -78,7 +78,7 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
     What of a once-per-step gather stays exposed is `overlap.exposed_step_gather_s`.
     Gradient reductions are counted once per step here; the simulator repeats them per
     micro-batch where the executor does (`grad_sync_mode`). Gathers move the compute dtype, or
-    `gather_bytes_per_param` (fp8's float8 all-gather, `fp8.gather_bytes_per_param`).
+    `gather_bytes_per_param` (fp8's float8 all-gather, `fp8_memory.gather_bytes_per_param`).
     `group`: (ranks, stride) of a data group of its own, without HSDP (routed experts': the
     expert-data group); None: all `data_ranks`, `tp` apart, sharded over `shard_degree`.
     """

@@ -41,7 +41,7 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
 # how often an engine casts its weights (`fp8.weight_cast_share`), and whether compilation fuses casts.
 COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split", "engine",
                        "cross_entropy_fusion", "recompute_early_stop")
-FP8_TIME_FIELDS = ("fp8_recipe", "num_microbatches")
+FP8_TIME_FIELDS = ("fp8_recipe", "fp8_filter", "num_microbatches")
 
 
 def compute_time_key(config: ParallelConfig) -> tuple:

@@ -34,19 +34,14 @@ Compute, per micro-batch on one rank:
 - torchtitan's Float8 TP plan (tensorwise): the block's sequence-parallel all-gathers move fp8
   and their casts run on the sequence shard (`fp8_tp_gather`; `communication.tp_comm_parts_s`).
 
-Memory per rank:
-- model states as bf16-mixed (fp32 masters and Adam moments, the bf16 compute copy);
-- saved for backward: the block's Linear inputs in fp8, 1 byte per value instead of 2 (the
-  eager `Float8Linear` keeps its bf16 input and relies on torch.compile to save the fp8 cast,
-  pytorch/ao#1850); everything else stays bf16 (`saved_bytes_saving`);
-- the fp8 weight copy: each Linear's fp8 weight lives while its GEMMs run and is recast in
-  backward, a transient of 1 byte per Linear parameter (`transient_bytes`); with float8
-  all-gather the gathered copy already is that weight. Scale state: one fp32 scale per cast
-  tensor (input, weight, gradient) per Linear, `FP8_SCALE_BYTES_PER_LINEAR`, with the buffers;
-- ZeRO 1-3, where the engine gathers parameters in fp8 (`Fp8Recipe.fp8_gather_engines`:
-  torchtitan's `enable_fsdp_float8_all_gather`, tensorwise only; Megatron-LM's
-  `--fp8-param-gather`): parameter all-gathers move 1 byte per Linear parameter instead of 2 and
-  the unsharded copy is fp8 (`gather_bytes_per_param`).
+Memory per rank (`fp8_memory`): model states as bf16-mixed (fp32 masters and Adam moments, the
+bf16 compute copy); the fp8 Linears' saved inputs in fp8, their fp8 weight copies and scales, and
+ZeRO 1-3's parameter all-gathers in fp8 where the engine gathers them so
+(`Fp8Recipe.fp8_gather_engines`: torchtitan's `enable_fsdp_float8_all_gather`, tensorwise only;
+Megatron-LM's `--fp8-param-gather`).
+
+Which Linears run in fp8: a block's, less those `config.fp8_filter` leaves in bf16 (torchao's
+per-module filter, `fp8_filter`); those run as bf16 Linears by shape and cast nothing.
 
 Not modelled: Transformer Engine's fp8 TP all-gathers (Megatron), fp8 attention, the
 amax history's memory. Not executed: `meshplan train` refuses fp8 plans.
@@ -61,7 +56,7 @@ from meshplan.planner.contracts.engine_rules import runs_compiled
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
-from meshplan.planner.costing.activation_memory import keeps_gathered_input
+from meshplan.planner.costing.fp8_filter import Fp8Linears, fp8_linears
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
 
@@ -209,12 +204,14 @@ def _dense_mlp(layer: LayerProfile) -> bool:
     return layer.expert_params == 0  # an MoE block's MLP is grouped experts, not nn.Linear
 
 
-def linear_params(layer: LayerProfile, info: ModelInfo) -> float:
+def linear_params(layer: LayerProfile, info: ModelInfo, linears: Fp8Linears | None = None) -> float:
     """Parameters of the fp8 Linears of `layer` (whole layer, before TP): a block's parameters
-    less its routed experts and its two norms' weights (biases counted with the Linears)."""
+    less its routed experts and its two norms' weights (biases counted with the Linears), the
+    fp8 ones' share of them where a filter leaves some in bf16 (`linears`; None: every one)."""
     if not converts(layer):
         return 0.0
-    return max(0.0, float(layer.num_params - layer.expert_params - 2 * info.hidden))
+    share = 1.0 if linears is None else linears.param_share
+    return share * max(0.0, float(layer.num_params - layer.expert_params - 2 * info.hidden))
 
 
 def linear_flops(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[float, float]:
@@ -229,12 +226,13 @@ def linear_flops(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[float,
     return max(0.0, fwd), max(0.0, bwd)
 
 
-def linear_input_bytes(layer: LayerProfile, info: ModelInfo) -> tuple[float, float]:
+def linear_input_bytes(layer: LayerProfile, info: ModelInfo, linears: Fp8Linears | None = None) -> tuple[float, float]:
     """(replicated, TP-sharded) bytes per sample, in the profile dtype, that the block's fp8
     Linears save as inputs: each region's norm output (q, k, v; up, gate), and inside the TP
     region o's input (s x h) and, for a dense MLP, down's input (s x ffn). The norm outputs count
     whether the profile keeps them or rebuilds them (`act_rebuilt_bytes`): an fp8 Linear keeps
-    its own fp8 cast of its input either way."""
+    its own fp8 cast of its input either way. `linears`: the regions and row Linears a filter
+    leaves in fp8 (`Fp8Linears` shares; None: every one)."""
     if not converts(layer):
         return 0.0, 0.0
     regions = layer.tp_split.num_allreduce_per_pass if _dense_mlp(layer) else 1
@@ -243,34 +241,26 @@ def linear_input_bytes(layer: LayerProfile, info: ModelInfo) -> tuple[float, flo
     sharded = float(layer.input_bytes)
     if _dense_mlp(layer) and info.hidden and info.ffn:
         sharded += layer.input_bytes * info.ffn / info.hidden
-    return replicated, min(sharded, float(layer.act_tp_sharded_bytes))
-
-
-def saved_bytes_saving(layer: LayerProfile, info: ModelInfo, tp: int, sp: bool, gathered: bool,
-                       mbs: int, scale: float) -> float:
-    """Bytes per micro-batch the fp8 Linears' saved inputs take less than bf16 ones: half of
-    them (sharded ones /tp, replicated ones /tp under SP unless kept gathered), less the fp8
-    casts of norm outputs the bf16 profile rebuilds rather than keeps."""
-    replicated, sharded = linear_input_bytes(layer, info)
-    rebuilt = min(replicated, float(layer.act_rebuilt_bytes))
-    shard = 1 if gathered or not sp else tp
-    saving = (1 - FP8_BYTES / BF16_BYTES) * (replicated / shard + sharded / tp) - rebuilt / shard
-    return saving * mbs * scale
+    sharded = min(sharded, float(layer.act_tp_sharded_bytes))
+    return (replicated, sharded) if linears is None else (replicated * linears.replicated_share,
+                                                          sharded * linears.sharded_share)
 
 
 def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_bytes: float,
-                shapes: tuple = (), tokens: float = 0.0, on_shard: bool = False) -> tuple[float, float, float]:
+                shapes: tuple = (), tokens: float = 0.0, on_shard: bool = False,
+                linears: Fp8Linears | None = None) -> tuple[float, float, float]:
     """(input, weight, output-gradient) values one micro-batch casts to fp8 on one rank: the
     Linears' inputs (one cast per region, shared by q, k, v and by up, gate; the column Linears'
     whole, gathered under SP; the row Linears' /tp), their weights (/tp) and, with the block's
     `shapes`, each Linear's output gradient on `tokens` rows (column Linears' /tp); without
     shapes, as many gradient values as input values. `on_shard` (`fp8_tp_gather`): the column
     Linears' inputs and the row Linears' output gradients are cast before their all-gathers, on
-    the rank's sequence shard (/tp)."""
-    replicated, sharded = linear_input_bytes(layer, info)
+    the rank's sequence shard (/tp). `linears`: the fp8 ones where a filter leaves some in bf16
+    (`shapes` then the fp8 Linears')."""
+    replicated, sharded = linear_input_bytes(layer, info, linears)
     inputs = (replicated / (tp if on_shard else 1) + sharded / tp) * mbs / elem_bytes
     grads = output_gradient_values(shapes, tokens, tp, on_shard) if shapes else inputs
-    return inputs, linear_params(layer, info) / tp, grads
+    return inputs, linear_params(layer, info, linears) / tp, grads
 
 
 def output_gradient_values(shapes, rows: float, tp: int, on_shard: bool = False) -> float:
@@ -363,14 +353,15 @@ def cast_times_s(recipe: Fp8Recipe, values: tuple[float, float, float], weight_s
 
 
 def collective_cast_values(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, tp: int, mbs: float,
-                           elem_bytes: float, shapes: tuple, tokens: float) -> tuple[float, float]:
+                           elem_bytes: float, shapes: tuple, tokens: float,
+                           linears: Fp8Linears | None = None) -> tuple[float, float]:
     """(input, output-gradient) values of `cast_values` whose tensor an all-gather produced: under
     sequence parallelism with bf16 gathers (not `fp8_tp_gather`), each region's gathered input
     to its column Linears, and the row Linears' output gradients, which the backward of their
     reduce-scatter gathers. torchao's rowwise recipe casts them so in torchtitan's TP plan."""
     if tp == 1 or not config.sp or fp8_tp_gather(layer, config):
         return 0.0, 0.0
-    replicated, _ = linear_input_bytes(layer, info)
+    replicated, _ = linear_input_bytes(layer, info, linears)
     grads = tokens * sum(out_dim for _, out_dim, column in shapes if not column) if shapes else 0.0
     return replicated * mbs / elem_bytes, grads
 
@@ -402,26 +393,6 @@ def gathered_weight_cast_bytes(config: ParallelConfig) -> float | None:
     return 2 * FP8_BYTES + gathers * (MASTER_BYTES + FP8_BYTES) / config.shard_degree
 
 
-def gather_bytes_per_param(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, zero: int, dp: int,
-                           compute_bytes: float) -> float:
-    """Bytes per parameter a parameter all-gather moves (and the unsharded copy holds)."""
-    if not fp8_all_gather(config, zero, dp) or not layer.num_params:
-        return compute_bytes
-    share = linear_params(layer, info) / layer.num_params
-    return compute_bytes - share * (compute_bytes - FP8_BYTES)
-
-
-def transient_bytes(layer: LayerProfile, info: ModelInfo, tp: int, config: ParallelConfig, zero: int,
-                    dp: int) -> float:
-    """The fp8 weight copy each Linear casts for its GEMMs (unless float8 all-gather's gathered
-    copy is it) and the scale state, per rank."""
-    if not is_fp8(config.precision) or not converts(layer):
-        return 0.0
-    num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
-    copy = 0.0 if fp8_all_gather(config, zero, dp) else FP8_BYTES * linear_params(layer, info) / tp
-    return copy + FP8_SCALE_BYTES_PER_LINEAR * num_linears
-
-
 def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, config: ParallelConfig,
                  fwd_flops: float, bwd_flops: float, tp: int, profile_dtype: str,
                  attention_fwd_flops: float = 0.0, attention_efficiency: float = 0.0) -> tuple[float, float]:
@@ -435,24 +406,29 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # a plan's recipe on its cluster
     recipe, mbs = recipe_of(config), config.rank_microbatch
     seq = infer_seq(layer, info, profile_dtype)
-    shapes = gemm.block_linear_shapes(layer, info, seq)
+    linears = fp8_linears(layer, info, config, profile_dtype)  # which run in fp8; the rest as bf16 Linears
+    shapes, filtered = linears.fp8_shapes, (None if linears.everything else linears)
     tokens = mbs * seq
-    if shapes:
-        lin_fwd = gemm.linear_flops(shapes, tokens, tp)
+    if linears.shapes:
+        lin_fwd = gemm.linear_flops(linears.shapes, tokens, tp)
         lin_bwd = 2 * lin_fwd
         fp8_fwd_s, fp8_bwd_s = gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8", recipe.scale_block)
+        bf16_fwd_s, bf16_bwd_s = gemm.linear_times_s(linears.bf16_shapes, tokens, tp, cluster, "bf16")
+        fp8_fwd_s, fp8_bwd_s = fp8_fwd_s + bf16_fwd_s, fp8_bwd_s + bf16_bwd_s
     else:
         lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, seq))
         num_linears = len(layer.tp_split.column_linears) + len(layer.tp_split.row_linears)
         fp8_fwd_s = fp8_gemm_time_s(lin_fwd, num_linears, cluster)
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
-    elem_bytes = DTYPE_BYTES.get(profile_dtype, 2)
-    values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, fp8_tp_gather(layer, config))
-    cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster, runs_compiled(config),
-                                          gathered_weight_cast_bytes(config),
-                                          collective_cast_values(layer, info, config, tp, mbs, elem_bytes, shapes,
-                                                                 tokens))
-    cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
+    cast_fwd_s = cast_bwd_s = 0.0
+    if shapes or not linears.shapes:  # some Linear casts (a block left wholly in bf16 casts nothing)
+        elem_bytes = DTYPE_BYTES.get(profile_dtype, 2)
+        values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, fp8_tp_gather(layer, config), filtered)
+        cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster,
+                                              runs_compiled(config), gathered_weight_cast_bytes(config),
+                                              collective_cast_values(layer, info, config, tp, mbs, elem_bytes,
+                                                                     shapes, tokens, filtered))
+        cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
                                                         attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",
                                                         attention_efficiency)
@@ -480,20 +456,3 @@ def linear_speedup(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str 
     bf16 (`linear_seconds`)."""
     bf16_s, fp8_s = linear_seconds(m, k, n, cluster, recipe, compiled)
     return bf16_s / fp8_s
-
-
-def adjust_memory(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, split: bool, executor: bool,
-                  zero: int, scale: float, activation_bytes: float, buffer_bytes: float) -> tuple[float, float]:
-    """(saved, transient) bytes per micro-batch under fp8 from bf16-mixed's: the Linears' saved
-    inputs in fp8 (in the recompute working set under full recomputation, which keeps only the
-    block's input) and the fp8 weight copies and scales. `scale`: compute over profile element size."""
-    if not is_fp8(config.precision) or not converts(layer):
-        return activation_bytes, buffer_bytes
-    tp = config.tp if split else 1
-    gathered = keeps_gathered_input(layer, config, executor)
-    saving = saved_bytes_saving(layer, info, tp, config.sp, gathered, config.rank_microbatch, scale)
-    if config.recompute == "full":
-        buffer_bytes -= saving
-    else:
-        activation_bytes -= saving
-    return activation_bytes, buffer_bytes + transient_bytes(layer, info, tp, config, zero, config.data_ranks)

@@ -15,8 +15,8 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8, module_recompute, offload,
-                                      overlap, torchtitan_sac)
+from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_memory, module_recompute,
+                                      offload, overlap, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
@@ -229,7 +229,7 @@ def dense_layer_cost(layer: LayerProfile, config: ParallelConfig, cluster: Clust
     vocab = vocab_scale(layer, config.tp, info)
     fwd_s, bwd_s, recompute_s, tp_fwd_s, tp_bwd_s = _pass_times_s(layer, config, cluster, info, act_scale, vocab,
                                                                   profile_dtype or dtype, attention, memo)
-    states = _model_states(layer, config, cluster, info, holds_shared, state_recipe)
+    states = _model_states(layer, config, cluster, info, holds_shared, state_recipe, profile_dtype or dtype)
     fwd_s, bwd_s = fwd_s + states.host_fwd_s, bwd_s + states.host_bwd_s
     # FSDP2's fp32 gradient copies of this micro-batch (`state_memory.grad_copy_bytes_per_param`)
     bwd_s += memory_time_s(grad_copy_bytes_per_param(config) * states.params_per_rank, cluster)
@@ -303,7 +303,7 @@ def grad_copy_params(layer: LayerProfile, info: ModelInfo, tp: int, ep: int, exp
 
 
 def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
-                  holds_shared: bool, state_recipe: str) -> _ModelStates:
+                  holds_shared: bool, state_recipe: str, profile_dtype: str) -> _ModelStates:
     """The layer's resident states, gradient reduction, parameter gathers and optimizer step."""
     # gradients and ZeRO span every data rank; zero: the stage the executor runs (`executed_zero`)
     tp, dp, zero, precision, pp = config.tp, config.data_ranks, config.zero, config.precision, config.pp
@@ -313,7 +313,7 @@ def _model_states(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     memory = state_bytes(params_per_rank, dp, zero, precision, state_recipe, tp, pp, shard)
     compute_bytes = recipe(precision)["param"]
     # bytes per parameter a gather moves and an unsharded copy holds (fp8: float8 all-gather)
-    gather_bytes = fp8.gather_bytes_per_param(layer, info, config, zero, dp, compute_bytes)
+    gather_bytes = fp8_memory.gather_bytes_per_param(layer, info, config, zero, dp, compute_bytes, profile_dtype)
     if state_recipe == "executor" and zero in (1, 2) and gather_bytes < compute_bytes:
         memory = {**memory, "params": memory["params"] - params_per_rank * (compute_bytes - gather_bytes)}
     grad_comm_s, gather_s, fwd_gather_s, bwd_gather_s = dp_comm_s(params_per_rank, config, cluster, gather_bytes,
@@ -350,8 +350,8 @@ def _memory_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, 
     split = is_split(layer, config.tp)
     executor = state_recipe == "executor"
     saved_bytes, buffer_bytes = activation_bytes(layer, config, act_scale * vocab, executor=executor)
-    saved_bytes, buffer_bytes = fp8.adjust_memory(layer, info, config, split, executor, zero, act_scale,
-                                                  saved_bytes, buffer_bytes)
+    saved_bytes, buffer_bytes = fp8_memory.adjust_memory(layer, info, config, split, executor, zero, act_scale,
+                                                         saved_bytes, buffer_bytes, profile_dtype)
     gathered_bytes = states.params_per_rank * states.gather_bytes  # one unsharded copy (fp8 Linears: fp8)
     # The zoo's embedding and head belong to the stage's root FSDP unit; a file or HF model's are
     # units of their own (`executor.filemodel._fsdp_units`) unless a tied weight keeps them in the root.

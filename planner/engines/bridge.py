@@ -229,6 +229,7 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          recompute=recompute, sp=job.sp, schedule=job.schedule,
                          vpp=job.vpp, precision=precision, engine=job.engine, etp=job.etp,
                          fp8_recipe=job.fp8_recipe if precision == "fp8" else None,
+                         fp8_filter=job.fp8_filter if precision == "fp8" else (),
                          recompute_modules=job.recompute_modules if recompute == "selective" else (),
                          offload=job.offload, cp_method=job.cp_method,
                          microbatch_group_size=job.microbatch_group_size if job.vpp > 1 else None,

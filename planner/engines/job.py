@@ -61,6 +61,7 @@ class EngineJob(_JobDegrees):
     cross_entropy_fusion: str = "none"  # Megatron-LM's --cross-entropy-loss-fusion (and -impl te): `costing.loss_kernels`
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
+    fp8_filter: tuple[str, ...] = ()  # under fp8, the block Linears left in bf16 (`contracts.fp8_choice`)
     layers_per_chunk: tuple[int, ...] | None = None  # None: balanced by the cost model (or uniform_split)
     uniform_split: bool = False  # equal layer counts per chunk, the remainder on the last (DeepSpeed "uniform")
     offload: str = "none"  # model states in host memory (contracts.config.OFFLOAD; `costing.offload`)

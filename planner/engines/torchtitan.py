@@ -19,6 +19,8 @@ import tomllib
 from pathlib import Path
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.fp8_choice import (FLOAT8_CONVERTER, FP8_AUTO_FILTER, FP8_LINEARS,
+                                                   LEGACY_FLOAT8_CONVERTER, TORCHTITAN_LINEAR_FQNS)
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS, schedule_spec
 from meshplan.planner.costing.overlap import overlap_under
 from meshplan.planner.engines import job as layout
@@ -43,10 +45,7 @@ PARALLELISM_KEYS = (
     "context_parallel_degree", "context_parallel_load_balancer", "context_parallel_rotate_method",
     "expert_parallel_degree", "expert_tensor_parallel_degree", "expert_parallel_comm_backend")
 # keys that change speed or memory in ways meshplan does not price
-# torchtitan's Float8 converter name and its config section (its float8 docs: `--model.converters
-# float8 --float8.enable_fsdp_float8_all_gather`); other converters are not priced.
-FLOAT8_CONVERTER = "float8"
-# The [float8] recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
+# The Float8 recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
 TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
 UNPRICED_KEYS = {("parallelism", "pipeline_parallel_layers_per_stage"),
                  ("parallelism", "pipeline_parallel_schedule_csv")}
@@ -217,6 +216,7 @@ def read_torchtitan(text: str) -> EngineJob:
     recompute, every = _read_checkpointing(data.get("activation_checkpoint", {}), notes)
     precision = "bf16-mixed" if train.get("mixed_precision_param", "bfloat16") == "bfloat16" else "fp32"
     fp8_recipe = _float8(data, notes)
+    fp8_filter = _float8_filter(data, notes) if fp8_recipe else ()
     if fp8_recipe:
         precision = "fp8"
     zero = _zero(replicate, shard, par.get("fsdp_reshard_after_forward", "default"), pp, degrees["cp"])
@@ -234,7 +234,7 @@ def read_torchtitan(text: str) -> EngineJob:
         zero=zero, offload=offload, shard_group=shard if replicate > 1 and shard > 1 else None,
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
-        precision=precision, fp8_recipe=fp8_recipe, layers_per_chunk=_chunks(fqns, pp, notes),
+        precision=precision, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, layers_per_chunk=_chunks(fqns, pp, notes),
         torch_compile=_compiled(data, notes), notes=tuple(notes))
 
 
@@ -258,34 +258,75 @@ def _int(table: dict, key: str, default: int) -> int:
 
 
 def _float8_section(cfg, notes: list[str]) -> dict:
-    """The [float8] table of an fp8 plan. recipe_name unset is torchao's tensorwise, the one recipe
+    """The Float8 table of an fp8 plan. recipe_name unset is torchao's tensorwise, the one recipe
     whose weights FSDP2 gathers in fp8 (torchtitan refuses enable_fsdp_float8_all_gather beside a
     recipe_name); rowwise names itself and gathers bf16, as meshplan prices it. torchtitan has no
     delayed scaling, and MXFP8 is its separate `mx` converter: both are exported as tensorwise."""
     recipe = cfg.fp8_recipe
     if recipe not in TORCHTITAN_FP8_RECIPES:
-        notes.append(f"fp8 recipe {recipe}: torchtitan's [float8] recipe_name has no such choice "
+        notes.append(f"fp8 recipe {recipe}: torchtitan's Float8 recipe_name has no such choice "
                      f"({', '.join(TORCHTITAN_FP8_RECIPES)}); exported as tensorwise")
         recipe = "tensorwise"
     gather = recipe == "tensorwise" and cfg.zero >= 1
-    section = {"enable_fsdp_float8_all_gather": gather, "precompute_float8_dynamic_scale_for_fsdp": gather}
+    section = {"enable_fsdp_float8_all_gather": gather, "precompute_float8_dynamic_scale_for_fsdp": gather,
+               "filter_fqns": [HEAD_FQN] + [TORCHTITAN_FILTERS.get(name, name) for name in cfg.fp8_filter]}
     return section if recipe == "tensorwise" else {**section, "recipe_name": recipe}
 
 
+# torchtitan's Float8 filter_fqns entries: its output head (meshplan keeps the head in bf16, as
+# torchtitan's own job files do; torchtitan 0.2's default list is empty) and its auto filter.
+HEAD_FQN = "output"
+TORCHTITAN_FILTERS = {**TORCHTITAN_LINEAR_FQNS, FP8_AUTO_FILTER: "auto_filter_small_kn"}
+
+
+def _float8_filter(data: dict, notes: list[str]) -> tuple[str, ...]:
+    """The block Linears a job's Float8 filter_fqns leave in bf16 (`ParallelConfig.fp8_filter`):
+    each entry filters every Linear whose module name contains it, as torchtitan's
+    `module_filter_fn` does; a note for what meshplan cannot price so."""
+    entries = float8_table(data).get("filter_fqns", [])
+    entries = [e.strip() for e in entries.split(",")] if isinstance(entries, str) else list(entries)
+    if HEAD_FQN not in entries and "lm_head" not in entries:
+        notes.append("float8 filter_fqns lacks 'output': torchtitan converts the output head to fp8 too; meshplan "
+                     "prices the head in bf16")
+    names: set[str] = set()
+    for entry in entries:
+        if entry in (HEAD_FQN, "lm_head") or not isinstance(entry, str) or not entry:
+            continue
+        if entry == TORCHTITAN_FILTERS[FP8_AUTO_FILTER]:
+            names.add(FP8_AUTO_FILTER)
+        elif entry.startswith("layers."):
+            notes.append(f"float8 filter_fqns {entry!r} names blocks by index: meshplan gives every block one fp8 "
+                         "filter; priced without it")
+        elif matched := {role for role, fqn in TORCHTITAN_LINEAR_FQNS.items() if entry in fqn}:
+            names |= matched
+        else:
+            notes.append(f"float8 filter_fqns {entry!r}: no block Linear meshplan prices is named so; priced without it")
+    return tuple(name for name in (FP8_AUTO_FILTER, *FP8_LINEARS) if name in names)
+
+
+def float8_table(data: dict) -> dict:
+    """A job's Float8 table: [quantize.linear.float8], else the older [float8] ({} without either)."""
+    table = data
+    for key in FLOAT8_CONVERTER.split("."):
+        table = table.get(key, {}) if isinstance(table, dict) else {}
+    return table or data.get(LEGACY_FLOAT8_CONVERTER, {})
+
+
 def _float8(data: dict, notes: list[str] | None = None) -> str | None:
-    """The fp8 recipe of a job's [float8] converter (recipe_name unset: tensorwise), None without it."""
+    """The fp8 recipe of a job's Float8 converter (recipe_name unset: tensorwise), None without it."""
     converters = data.get("model", {}).get("converters", [])
-    if FLOAT8_CONVERTER not in ([converters] if isinstance(converters, str) else converters):
+    converters = [converters] if isinstance(converters, str) else converters
+    if FLOAT8_CONVERTER not in converters and LEGACY_FLOAT8_CONVERTER not in converters:
         return None
-    recipe = data.get(FLOAT8_CONVERTER, {}).get("recipe_name") or "tensorwise"
+    recipe = float8_table(data).get("recipe_name") or "tensorwise"
     if recipe == "rowwise_with_gw_hp":  # rowwise, its weight gradient in bf16
         if notes is not None:
-            notes.append("[float8] recipe_name 'rowwise_with_gw_hp': priced as rowwise (its bf16 weight-gradient "
+            notes.append("float8 recipe_name 'rowwise_with_gw_hp': priced as rowwise (its bf16 weight-gradient "
                          "GEMM priced in fp8)")
         recipe = "rowwise"
     if recipe not in TORCHTITAN_FP8_RECIPES:
         if notes is not None:
-            notes.append(f"[float8] recipe_name {recipe!r}: not a torchtitan recipe; priced as tensorwise")
+            notes.append(f"float8 recipe_name {recipe!r}: not a torchtitan recipe; priced as tensorwise")
         recipe = "tensorwise"
     return recipe
 
@@ -295,7 +336,7 @@ def _unpriced(data: dict) -> list[str]:
     notes = []
     converters = data.get("model", {}).get("converters", [])
     for converter in [converters] if isinstance(converters, str) else converters:
-        if converter != FLOAT8_CONVERTER:
+        if converter not in (FLOAT8_CONVERTER, LEGACY_FLOAT8_CONVERTER):
             notes.append(f"[model] converters {converter!r}: not modelled by meshplan; priced without it")
     for section, key in sorted(UNPRICED_KEYS):
         table = data.get(section)

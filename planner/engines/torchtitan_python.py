@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.fp8_choice import FLOAT8_CONVERTER
 
 # section of the job TOML -> the torchtitan 0.3 dataclass that holds its fields
 SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig"}
@@ -21,6 +22,7 @@ SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConf
 # take dp_shard·cp·tp ranks as ep x efsdp and are not TP-sharded (etp 1); without it they follow tp
 EXPERT_TP_KEY = "expert_tensor_parallel_degree"
 FLOAT8_CLASS = "Float8LinearConverter"  # torchtitan.components.quantization
+HEAD_FQN_03 = "lm_head"  # 0.3's output head (0.2's `output`)
 # Its Config's recipe_name default, and the only scaling it runs (rowwise; rowwise_with_gw_hp).
 FLOAT8_RECIPE = "rowwise"
 # [activation_checkpoint] mode -> 0.3's policy config (None: no checkpointing)
@@ -39,19 +41,19 @@ def python_config(sections: dict[str, dict], spec: str, label: str, notes: list[
     """The config function of `sections` (what `torchtitan.job_sections` gives)."""
     model = sections["model"]
     ac_class = _ac_class(sections["activation_checkpoint"], notes)
-    fp8 = "float8" in sections
+    fp8 = FLOAT8_CONVERTER in sections
     lines = [f"{HEADER}{spec}", f"# torchtitan 0.3 job config written by meshplan export: {label}",
              f"# run: torchrun ... -m torchtitan.train --module <this module> --config {FUNCTION}"]
     if fp8:
         lines.append(f"from torchtitan.components.quantization import {FLOAT8_CLASS}")
-        _note_float8(sections["float8"], notes)
+        _note_float8(sections[FLOAT8_CONVERTER], notes)
     lines.append(f"from torchtitan.config import {', '.join(sorted(SECTION_CLASSES.values()))}")
     if ac_class:
         lines.append(f"from torchtitan.distributed.activation_checkpoint import {ac_class}")
     if "compile" in sections:  # the 0.2 TOML's [compile] section; 0.3's config field is not written here
         notes.append("torch.compile of the model: not written in the 0.3 config; turn on the Trainer's compile "
                      "config for the model (the TOML form writes [compile] enable)")
-    converters = f", converters=[{FLOAT8_CLASS}.Config()]" if fp8 else ""
+    converters = f", converters=[{FLOAT8_CLASS}.Config({_float8_filter(sections[FLOAT8_CONVERTER])})]" if fp8 else ""
     lines += [f"from torchtitan.models.{model['name']} import model_registry",
               "from torchtitan.trainer import Trainer", "", "", f"def {FUNCTION}() -> Trainer.Config:",
               "    return Trainer.Config(", f"        model_spec=model_registry({model['flavor']!r}{converters}),"]
@@ -89,12 +91,19 @@ def _ac_class(section: dict, notes: list[str]) -> str | None:
     return AC_CLASSES.get(mode)
 
 
+def _float8_filter(section: dict) -> str:
+    """The converter's `filter_fqns` keyword: the 0.2 section's list, its output head named as 0.3
+    names it (`lm_head`)."""
+    fqns = [HEAD_FQN_03 if fqn == "output" else fqn for fqn in section.get("filter_fqns", [])]
+    return f"filter_fqns={fqns!r}" if fqns else ""
+
+
 def _note_float8(section: dict, notes: list[str]) -> None:
     recipe = section.get("recipe_name") or "tensorwise"  # the 0.2 section's recipe (unset: tensorwise)
     if recipe != FLOAT8_RECIPE:
         notes.append(f"fp8 recipe {recipe}: torchtitan 0.3's {FLOAT8_CLASS} runs rowwise scaling only; exported as "
                      f"rowwise (the 0.2 TOML, --format toml, keeps {recipe})")
-    flags = sorted(key for key, value in section.items() if value and key != "recipe_name")
+    flags = sorted(key for key, value in section.items() if value and key not in ("recipe_name", "filter_fqns"))
     if flags:
         notes.append(f"[float8] {', '.join(flags)}: torchtitan 0.3's {FLOAT8_CLASS}.Config has no such fields; "
                      "left out")

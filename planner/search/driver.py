@@ -125,7 +125,7 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
     candidates = offloading.with_offload(enumerate_candidates(
         graph, cluster, request.gpus, request.global_batch, pins, request.max_mbs, request.precision, request.engine,
         request.fp8_recipe, left_out=executor_limited), pins.offload)
-    candidates = _with_engine_settings(candidates, request)
+    candidates = _with_engine_settings(candidates, request, graph)
     if not candidates:
         raise MeshplanError(_no_candidate_message(graph, request))
     # The ILP plans against a hair less than the usable memory, so the simulator's replay of the
@@ -169,9 +169,12 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
                       limit_bytes=limit, conventional=conventional)
 
 
-def _with_engine_settings(candidates: list, request: PlanRequest) -> list:
+def _with_engine_settings(candidates: list, request: PlanRequest, graph) -> list:
     """The candidates with the request's engine settings, the same on every candidate where they
-    apply: TP overlap where TP splits the sequence, combined 1F1B where the layout can run it."""
+    apply: TP overlap where TP splits the sequence, combined 1F1B where the layout can run it; an
+    fp8 filter on every one, less those the engine cannot run with it (`fp8_filter.filter_problem`)."""
+    if request.fp8_filter:
+        candidates = _with_fp8_filter(candidates, request, graph)
     if request.grad_reduce_in_bf16:
         candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
     if request.cross_entropy_fusion != "none":
@@ -187,6 +190,18 @@ def _with_engine_settings(candidates: list, request: PlanRequest) -> list:
         candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and c.a2a_overlap_problem() is None else c
                       for c in candidates]
     return candidates
+
+
+def _with_fp8_filter(candidates: list, request: PlanRequest, graph) -> list:
+    """The candidates with the request's fp8 filter, where the engine can run it; MeshplanError
+    with the reason when it can run it on none."""
+    from meshplan.planner.costing.fp8_filter import filter_problem
+
+    filtered = [replace(c, fp8_filter=request.fp8_filter) for c in candidates]
+    kept = [c for c in filtered if filter_problem(graph, c) is None]
+    if filtered and not kept:
+        raise MeshplanError(filter_problem(graph, filtered[0]))
+    return kept
 
 
 def _distinct(graph, request: PlanRequest, ranked: list[Ranked], feasible: list[Solved], tables,

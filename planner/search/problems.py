@@ -170,7 +170,7 @@ def static_key(strategy: ParallelConfig) -> tuple:
     layers' resident bytes (parameters, gradients, optimizer states) depend on."""
     s = strategy
     return (s.tp, s.dp, s.zero, s.recompute, s.sp, s.precision, s.pp, s.shard_group, s.cp, s.ep, s.etp, s.engine,
-            s.offload, s.fp8_recipe, s.recompute_modules, s.cp_method)
+            s.offload, s.fp8_recipe, s.fp8_filter, s.recompute_modules, s.cp_method)
 
 
 def _floor_problem(tables: TableCache, strategy, candidate: ParallelConfig, cluster, limit: float,

@@ -10,6 +10,7 @@ from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_E
                                                 a2a_overlap_engine_problem, bf16_grads_problem,
                                                 ce_fusion_problem)
 from meshplan.planner.contracts.engine_rules import compile_problem, early_stop_problem
+from meshplan.planner.contracts.fp8_choice import stored_fp8_filter, stored_fp8_recipe
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.search.candidates import Pins
@@ -44,6 +45,7 @@ class PlanRequest:
     memory_headroom_bytes: float = 0.0  # kept free on each GPU beyond the profile's reserve
     engine: str = "meshplan"  # whose memory recipe the search plans under (contracts.config.ENGINES)
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default
+    fp8_filter: tuple[str, ...] = ()  # under fp8, the block Linears left in bf16 (`contracts.fp8_choice`)
     grad_reduce_in_bf16: bool = False  # engine megatron: Megatron-LM's bf16 gradient buffer and reduction
     tp_comm_overlap: bool | None = None  # TP collectives pipelined with their GEMMs; None: the engine's record
     moe_a2a_overlap: bool = False  # engine megatron's combined 1F1B, where a candidate can run it (`costing.moe_overlap`)
@@ -68,6 +70,13 @@ class PlanRequest:
         if self.engine not in ENGINES:
             raise MeshplanError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         check_fp8_supported(cluster, self.precision, self.fp8_recipe)
+        if self.fp8_filter:
+            try:
+                stored = stored_fp8_filter(self.precision, self.engine, stored_fp8_recipe(
+                    self.precision, self.engine, self.fp8_recipe), tuple(self.fp8_filter))
+            except ValueError as exc:
+                raise MeshplanError(str(exc).replace("fp8_filter", "--fp8-filter")) from None
+            object.__setattr__(self, "fp8_filter", stored)
         if self.mtp_num_layers and self.engine not in MTP_ENGINES + ("meshplan",):
             raise MeshplanError(f"--mtp-num-layers {self.mtp_num_layers} with --engine {self.engine}: only Megatron-LM "
                                 "builds multi-token-prediction depths (--mtp-num-layers); plan --engine megatron, or "

@@ -61,7 +61,7 @@ def strategies_of(candidates) -> list:
     out = []
     for c in candidates:
         key = (c.tp, c.dp, c.zero, c.recompute, c.sp, c.microbatch_size, c.precision, c.pp, c.shard_group, c.cp, c.ep,
-               c.etp, c.engine, c.offload, c.fp8_recipe, c.recompute_modules, c.cp_method)
+               c.etp, c.engine, c.offload, c.fp8_recipe, c.fp8_filter, c.recompute_modules, c.cp_method)
         strategy = seen.get(key)
         if strategy is None:
             strategy = seen[key] = cost_config(c)

@@ -18,6 +18,7 @@ from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.fp8 import check_fp8_supported
+from meshplan.planner.costing.fp8_filter import filter_problem as fp8_filter_problem
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.offload import check_offload
 from meshplan.planner.simulation.simulator import simulate_config
@@ -53,8 +54,8 @@ def make_config(graph, cluster: ClusterProfile, **degrees) -> ParallelConfig:
 
 
 def check_model_fit(graph, config: ParallelConfig) -> None:
-    """The checks that need the model: CP and EP apply to it, TP splits every layer, and the
-    layers fill every pipeline chunk."""
+    """The checks that need the model: CP and EP apply to it, TP splits every layer, the layers
+    fill every pipeline chunk, and an fp8 filter applies to its blocks (`costing.fp8_filter`)."""
     check_context_parallel(graph, config.cp, config.cp_method, config.tp)
     check_expert_parallel_request(graph, config.ep, config.etp)
     check_tp_splits(graph, config.tp)
@@ -67,6 +68,8 @@ def check_model_fit(graph, config: ParallelConfig) -> None:
     if config.num_model_chunks > len(graph.layers):
         raise MeshplanError(f"pp*vpp = {config.num_model_chunks} pipeline chunks need at least "
                             f"{config.num_model_chunks} layers; the model has {len(graph.layers)}")
+    if problem := fp8_filter_problem(graph, config):
+        raise MeshplanError(problem)
 
 
 def check_tp_splits(graph, tp: int) -> None:
@@ -109,11 +112,12 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False,
                     tp_comm_overlap: bool | None = None, moe_a2a_overlap: bool = False,
                     cross_entropy_fusion: str = "none", recompute_early_stop: bool | None = None,
-                    torch_compile: bool = False) -> ParallelConfig:
+                    torch_compile: bool = False, fp8_filter: tuple[str, ...] = ()) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
-    `recompute_modules`: Megatron-Core's `--recompute-modules` (with recompute "selective")."""
+    `recompute_modules`: Megatron-Core's `--recompute-modules` (with recompute "selective");
+    `fp8_filter`: the block Linears left in bf16 under fp8 (`contracts.fp8_choice`)."""
     check_mesh(cluster, gpus, tp, pp, cp)
     check_fp8_supported(cluster, precision, fp8_recipe)
     if moe_a2a_overlap and ep < 2:
@@ -139,7 +143,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 microbatch_group_size=microbatch_group_size,
                                 grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap,
                                 moe_a2a_overlap=moe_a2a_overlap, cross_entropy_fusion=cross_entropy_fusion,
-                                recompute_early_stop=recompute_early_stop, torch_compile=torch_compile)
+                                recompute_early_stop=recompute_early_stop, torch_compile=torch_compile,
+                                fp8_filter=tuple(fp8_filter))
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
@@ -148,7 +153,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
             "TP communication overlap", "--tp-comm-overlap on").replace(
             "torch's early stop needs", "--recompute-early-stop on needs").replace(
             "expert parallelism ep=", "--ep ").replace(
-            "expert tensor parallelism etp=", "--etp ")) from None
+            "expert tensor parallelism etp=", "--etp ").replace("fp8_filter", "--fp8-filter")) from None
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # the engine's default recipe too
     return config
 
@@ -182,7 +187,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              moe_dispatcher: str = "alltoall", microbatch_group_size: int | None = None,
              grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None,
              mtp_num_layers: int = 0, moe_a2a_overlap: bool = False, cross_entropy_fusion: str = "none",
-             recompute_early_stop: bool | None = None, torch_compile: bool = False) -> Prediction:
+             recompute_early_stop: bool | None = None, torch_compile: bool = False,
+             fp8_filter: tuple[str, ...] = ()) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `attention`: the kernel (`contracts.attention`; None: the one `engine` runs,
     `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp
@@ -205,7 +211,9 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     Megatron-Core's cross-entropy kernels (`costing.loss_kernels`, engine megatron);
     `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
     the engine's rule, `contracts.engine_rules.early_stop_default`); `torch_compile`: the engine
-    compiles the model (torchtitan's training.compile: its Float8 casts fused, `costing.fp8`)."""
+    compiles the model (torchtitan's training.compile: its Float8 casts fused, `costing.fp8`);
+    `fp8_filter`: under fp8, the block Linears left in bf16 (names in `contracts.config.FP8_LINEARS`,
+    or "auto", torchao's auto filter; `costing.fp8_filter`)."""
     from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
@@ -221,7 +229,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap,
                              cross_entropy_fusion=cross_entropy_fusion, recompute_early_stop=recompute_early_stop,
-                             torch_compile=torch_compile)
+                             torch_compile=torch_compile, fp8_filter=fp8_filter)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     attention = engine_attention(engine, attention)[0]
@@ -231,6 +239,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                     mtp_num_layers=mtp_num_layers, engine=engine)
     check_model_fit(graph, config)
     return predict(graph, cluster, config)
+
 
 
 def predict(graph, cluster: ClusterProfile, config: ParallelConfig, chunk_of_layer=None,

@@ -13,7 +13,7 @@ from meshplan.executor.checks import check_plan_runnable, check_precision_runnab
 from meshplan.executor.plans import uniform_plan
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.errors import MeshplanError
-from meshplan.planner.costing import fp8, gemm
+from meshplan.planner.costing import fp8, fp8_memory, gemm
 from meshplan.planner.costing.compute_time import kernel_efficiency
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.hardware import load_cluster
@@ -197,13 +197,13 @@ def test_zero3_float8_all_gather_halves_the_linear_weights_gather(h100, graph):
     got = layer_cost(block, strategy, h100, info)
     linear = block.num_params - 2 * info.hidden
     wire_bytes = 2.0 * block.num_params - linear  # Linear weights 1 byte, norms 2
-    assert fp8.gather_bytes_per_param(block, info, strategy, 3, 8, 2.0) * block.num_params == pytest.approx(wire_bytes)
+    assert fp8_memory.gather_bytes_per_param(block, info, strategy, 3, 8, 2.0) * block.num_params == pytest.approx(wire_bytes)
     # torchao gathers rowwise weights in bf16; Megatron's --fp8-param-gather gathers delayed ones in fp8
     rowwise, delayed = replace(strategy, fp8_recipe="rowwise"), replace(strategy, fp8_recipe="delayed")
-    assert fp8.gather_bytes_per_param(block, info, rowwise, 3, 8, 2.0) == 2.0
-    assert fp8.gather_bytes_per_param(block, info, delayed, 3, 8, 2.0) == 2.0
+    assert fp8_memory.gather_bytes_per_param(block, info, rowwise, 3, 8, 2.0) == 2.0
+    assert fp8_memory.gather_bytes_per_param(block, info, delayed, 3, 8, 2.0) == 2.0
     megatron = replace(delayed, engine="megatron")
-    assert fp8.gather_bytes_per_param(block, info, megatron, 3, 8, 2.0) * block.num_params == pytest.approx(wire_bytes)
+    assert fp8_memory.gather_bytes_per_param(block, info, megatron, 3, 8, 2.0) * block.num_params == pytest.approx(wire_bytes)
     assert got.fwd_gather_s == pytest.approx(collective_time_s("all_gather", wire_bytes, 8, h100, 1))
     assert bf16.fwd_gather_s == pytest.approx(collective_time_s("all_gather", 2.0 * block.num_params, 8, h100, 1))
     # the gathered copy (and FSDP2's next-unit copy) in fp8; no separate cast copy

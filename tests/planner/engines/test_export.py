@@ -77,6 +77,24 @@ def test_torchtitan_export_loads_in_torchtitan(tmp_path):
     assert job.parallelism.pipeline_parallel_microbatch_size == 2
 
 
+def test_torchtitan_fp8_export_with_a_filter_loads_in_torchtitan(tmp_path):
+    """The Float8 table of a filtered rowwise plan is torchtitan 0.2's ([quantize.linear.float8], the
+    converter registered under that name): its filter_fqns keep the head and name the plan's
+    Linears as torchtitan's module_filter_fn matches them."""
+    from meshplan.planner.costing.hardware import load_cluster
+
+    base = make_plan(zero=1, pp=1, dp=4, counts=None)
+    plan = replace(base, config=replace(base.config, precision="fp8", engine="torchtitan", fp8_recipe="rowwise",
+                                        fp8_filter=("auto", "k", "v")), cluster=load_cluster("h100-sxm"))
+    path = tmp_path / "job.toml"
+    path.write_text(export_plan(plan, "torchtitan").text)
+    job = _torchtitan_config_manager()().parse_args(["--job.config_file", str(path)])
+    assert job.model.converters == ["quantize.linear.float8"]
+    float8 = job.quantize.linear.float8
+    assert float8.recipe_name == "rowwise"
+    assert float8.filter_fqns == ["output", "auto_filter_small_kn", "attention.wk", "attention.wv"]
+
+
 def test_megatron_export_uses_megatron_argument_names():
     plan = make_plan(counts=[3, 5], modes=["full", "none", "full", "none", "none", "none"])
     exported = export_plan(plan, "megatron")

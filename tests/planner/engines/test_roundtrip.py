@@ -155,10 +155,28 @@ def test_torchtitan_03_python_config_runs_rowwise_float8(recipe):
     plan = replace(base, config=replace(base.config, precision="fp8", fp8_recipe=recipe),
                    cluster=load_cluster("h100-sxm"))
     exported = export_plan(plan, "torchtitan", form="python")
-    assert "converters=[Float8LinearConverter.Config()]" in exported.text
+    # the head stays bf16 as meshplan prices it: 0.3's converter converts every Linear it is not told to skip
+    assert "converters=[Float8LinearConverter.Config(filter_fqns=['lm_head'])]" in exported.text
     assert any(note.startswith("fp8 recipe tensorwise: torchtitan 0.3's") for note in exported.notes) == (
         recipe == "tensorwise")
     assert read_engine_text(exported.text, "torchtitan").fp8_recipe == "rowwise"
+
+
+@pytest.mark.parametrize("form", ["toml", "python"])
+def test_an_fp8_filter_travels_to_torchtitan_and_back(form):
+    """A plan's fp8 filter is exported as torchtitan's filter_fqns (its module names, the head
+    first, auto as auto_filter_small_kn) and read back as the same filter, the head unnoted."""
+    from meshplan.planner.costing.hardware import load_cluster
+
+    base = make_plan(zero=1, pp=1, dp=4, counts=None)
+    plan = replace(base, config=replace(base.config, precision="fp8", engine="torchtitan", fp8_recipe="rowwise",
+                                        fp8_filter=("auto", "k", "v")), cluster=load_cluster("h100-sxm"))
+    exported = export_plan(plan, "torchtitan", form=form)
+    head = "output" if form == "toml" else "lm_head"
+    assert all(name in exported.text for name in (head, "auto_filter_small_kn", "attention.wk", "attention.wv"))
+    job = read_engine_text(exported.text, "torchtitan")
+    assert job.fp8_filter == ("auto", "k", "v")
+    assert not any("filter_fqns" in note for note in job.notes)
 
 
 @pytest.mark.parametrize("engine,tp_overlap", [("megatron", False), ("torchtitan", True)])

@@ -1,0 +1,200 @@
+"""The fp8 filter (`ParallelConfig.fp8_filter`, `costing.fp8_filter`): which block Linears stay in
+bf16, and what that changes in the prices. Against torchao's auto-filter thresholds, the bf16
+price of the same Linears, hand-written cast traffic, and the engine refusals."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from meshplan.cli import main
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.contracts.fp8_choice import parse_fp8_filter
+from meshplan.planner.costing import compute_time, fp8, fp8_memory
+from meshplan.planner.costing.compute_time import kernel_efficiency
+from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.fp8_advice import slower_in_fp8
+from meshplan.planner.costing.fp8_filter import _choices, filter_problem, fp8_linears, linear_roles
+from meshplan.planner.costing.hardware import load_cluster
+from meshplan.planner.engines.bridge import read_engine_text
+from meshplan.planner.profiling.profiler import profile
+from meshplan.planner.simulation.estimator import estimate
+
+SEQ = 4096
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_cluster("h100-sxm")
+
+
+def _config(engine="torchtitan", recipe="rowwise", names=(), tp=1, **more):
+    return ParallelConfig(gpus=8, global_batch=8, tp=tp, dp=8 // tp, sp=tp > 1, precision="fp8", engine=engine,
+                          fp8_recipe=recipe, fp8_filter=names, **more)
+
+
+def _block(graph):
+    return next(layer for layer in graph.layers if layer.kind == "block")
+
+
+def _filtered(spec, recipe):
+    graph = profile(spec, 1024 if spec == "gpt2" else SEQ)
+    linears = fp8_linears(_block(graph), graph.info, _config(recipe=recipe, names=("auto",)), graph.dtype)
+    return tuple(role for role, fp8_on in zip(linear_roles(linears.shapes), linears.in_fp8) if not fp8_on)
+
+
+def test_auto_filter_follows_torchaos_thresholds():
+    """torchao's `_auto_filter_for_rowwise` keeps N <= 2048, K <= 1024, or N <= 4096 and K <= 2048 in
+    bf16, `_auto_filter_for_tensorwise` K <= 4096 and N <= 1024 (weight N x K before TP): Llama 3
+    8B's k and v (1024 x 4096) under both; 70B's k and v (1024 x 8192) under rowwise only; GPT-2's
+    768-wide Linears: every one under rowwise, all but the up projection (N 3072) under tensorwise."""
+    assert _filtered("llama3-8b", "rowwise") == ("k", "v")
+    assert _filtered("llama3-8b", "tensorwise") == ("k", "v")
+    assert _filtered("llama3-70b", "rowwise") == ("k", "v")
+    assert _filtered("llama3-70b", "tensorwise") == ()
+    assert _filtered("gpt2", "rowwise") == ("q", "k", "v", "o", "up", "down")
+    assert _filtered("gpt2", "tensorwise") == ("q", "k", "v", "o", "down")
+
+
+def test_a_dimension_not_a_multiple_of_16_stays_bf16():
+    """fp8 tensor cores need every dimension a multiple of 16 (torchao's and torchtitan's filters)."""
+    shapes = ((1000, 1024, True), (1024, 1024, True), (1024, 1024, True), (1024, 1000, False))
+    assert _choices(shapes, (), "rowwise") == (False, True, True, False)
+
+
+def test_no_linear_filtered_prices_as_no_filter(h100):
+    """70B's auto filter under tensorwise keeps every Linear in fp8: the step is the unfiltered one."""
+    kwargs = dict(seq=SEQ, mbs=1, zero=3, precision="fp8", engine="torchtitan", fp8_recipe="tensorwise")
+    plain = estimate("llama3-70b", h100, 8, 8, **kwargs)
+    auto = estimate("llama3-70b", h100, 8, 8, fp8_filter=("auto",), **kwargs)
+    assert auto.step_time_s == plain.step_time_s and auto.peak_memory_bytes == plain.peak_memory_bytes
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_linear_filtered_prices_the_block_as_bf16(h100, tp):
+    """With all seven Linears left in bf16 the fp8 block's matmul seconds are bf16's (no casts, no
+    rescales), and its saved and transient bytes are bf16-mixed's."""
+    graph = profile("llama3-8b", SEQ)
+    block, info = _block(graph), graph.info
+    config = _config(recipe="rowwise", names=ALL, tp=tp)
+    mbs, shard = config.rank_microbatch, tp
+    fwd, bwd = block.fwd_flops * mbs / shard, block.bwd_flops * mbs / shard
+    attention = compute_time.flash_attention_flops(block, graph.attention, h100) * mbs / shard
+    kernel = kernel_efficiency(block, info, h100, graph.attention, graph.dtype)
+    skipped = compute_time.causal_skipped_flops(block, graph.attention) * mbs / shard
+    got = fp8.gemm_times_s(block, info, h100, config, fwd - skipped, bwd - 2 * skipped, shard, graph.dtype,
+                           attention, kernel)
+    want = compute_time._bf16_gemm_times_s(block, info, h100, fwd - skipped, bwd - 2 * skipped, mbs, shard,
+                                           graph.dtype, "bf16", attention, kernel)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert fp8_memory.adjust_memory(block, info, config, tp > 1, False, 0, 1.0, 1e9, 1e8, graph.dtype) == (1e9, 1e8)
+
+
+def test_filtering_k_and_v_saves_their_gemms_and_their_own_casts(h100):
+    """Leaving k and v in bf16 (q keeps the region's input cast): the block's matmul time changes by
+    their three GEMMs' bf16 minus fp8 seconds, less their weight and output-gradient casts at
+    tensorwise's bytes per value (weight 2 + 2 x (2 + 1): a bf16 read per layout cast; gradient
+    2 + (2 + 2 x 1): an amax read, then one read writing both layouts), uncompiled."""
+    from meshplan.planner.costing import gemm
+
+    graph = profile("llama3-8b", SEQ)
+    block, info = _block(graph), graph.info
+    times = {}
+    for names in ((), ("k", "v")):
+        config = _config(engine="generic", recipe="tensorwise", names=names)
+        times[names] = sum(fp8.gemm_times_s(block, info, h100, config, block.fwd_flops, block.bwd_flops, 1,
+                                            graph.dtype))
+    kv = ((info.hidden, info.num_kv_heads * info.attention_head_dim, True),) * 2
+    fp8_s, bf16_s = (sum(gemm.linear_times_s(kv, SEQ, 1, h100, dtype)) for dtype in ("fp8", "bf16"))
+    weight_values = 2 * info.hidden * info.num_kv_heads * info.attention_head_dim
+    grad_values = SEQ * 2 * info.num_kv_heads * info.attention_head_dim
+    casts_s = memory_time_s(weight_values * 8.0 + grad_values * 6.0, h100)
+    assert times[("k", "v")] - times[()] == pytest.approx(bf16_s - fp8_s - casts_s, rel=1e-9)
+
+
+def test_float8_all_gather_moves_only_the_fp8_linears_in_fp8(h100):
+    """torchtitan's float8 all-gather (tensorwise, ZeRO-3): with q, k, v, o in bf16 only the MLP's
+    parameters move at 1 byte; the attention's at 2."""
+    graph = profile("llama3-8b", SEQ)
+    block, info = _block(graph), graph.info
+    config = _config(recipe="tensorwise", names=("q", "k", "v", "o"), zero=3)
+    mlp = 3 * info.hidden * info.ffn
+    fp8_params = fp8.linear_params(block, info) * mlp / (mlp + 2 * info.hidden ** 2
+                                                          + 2 * info.hidden * info.num_kv_heads * info.attention_head_dim)
+    got = fp8_memory.gather_bytes_per_param(block, info, config, 3, 8, 2.0, graph.dtype)
+    assert got * block.num_params == pytest.approx(2.0 * block.num_params - fp8_params)
+
+
+def test_refusals_name_the_problem():
+    graph = profile("llama3-8b", SEQ)
+    problem = filter_problem(graph, _config(recipe="tensorwise", names=("auto",), tp=2))
+    assert "Float8ColwiseParallel" in problem and "attention.wk, attention.wv" in problem
+    assert filter_problem(graph, _config(recipe="rowwise", names=("auto",), tp=2)) is None
+    assert filter_problem(graph, _config(recipe="tensorwise", names=(), tp=2)) is None
+    with pytest.raises(ValueError, match="Transformer Engine"):
+        _config(engine="megatron", recipe="delayed", names=("k",))
+    with pytest.raises(ValueError, match="auto filter"):
+        _config(engine="generic", recipe="delayed", names=("auto",))
+    with pytest.raises(ValueError, match="needs precision fp8"):
+        ParallelConfig(gpus=1, global_batch=1, fp8_filter=("k",))
+    assert _config(names=("v", "auto", "k", "k")).fp8_filter == ("auto", "k", "v")
+    assert parse_fp8_filter("attention.wk, wv,auto") == ("k", "v", "auto")
+    with pytest.raises(ValueError, match="unknown fp8 filter"):
+        parse_fp8_filter("w4")
+
+
+def test_torchtitan_filter_fqns_read_as_torchtitan_matches_them():
+    """filter_fqns entries filter every Linear whose module name contains them (torchtitan's
+    `module_filter_fn`): "attention" all four, "w1" the gate; per-block names and unknown ones noted."""
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["float8"]\n'
+            '[float8]\nrecipe_name = "rowwise"\nfilter_fqns = ["output", "attention", "w1", "layers.3.attention.wq", '
+            '"router.gate"]\n')
+    job = read_engine_text(text, "torchtitan")
+    assert job.fp8_filter == ("q", "k", "v", "o", "gate")
+    assert any("names blocks by index" in note for note in job.notes)
+    assert any("'router.gate'" in note for note in job.notes)
+    bare = read_engine_text(text.replace('"output", ', ""), "torchtitan")
+    assert any("lacks 'output'" in note for note in bare.notes)
+
+
+def test_the_advice_names_what_the_cost_model_finds_slower(h100):
+    """`slower_in_fp8` names a Linear exactly when leaving it alone in bf16 lowers the block's time:
+    at Llama 3 8B on TP 8 under rowwise (each rank's k and v 128 columns wide) k and v, never the
+    MLP's wide Linears; each saving is the block's own difference."""
+    graph = profile("llama3-8b", 8192)
+    config = _config(recipe="rowwise", tp=8, torch_compile=True)
+    slower = dict(slower_in_fp8(graph, h100, config))
+    assert {"k", "v"} <= set(slower) and not {"gate", "up", "down"} & set(slower)
+    assert all(saved > 0 for saved in slower.values())
+    assert slower_in_fp8(graph, h100, replace(config, precision="bf16-mixed", fp8_recipe=None)) == ()
+
+
+def test_cli_filter_travels_into_the_plan_and_its_heading(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "16", "--seq", "4096",
+                 "--precision", "fp8", "--engine", "torchtitan", "--fp8-recipe", "tensorwise", "--fp8-filter",
+                 "auto", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["fp8_filter"] == ["auto"] and data["mesh"]["tp"] == 1  # tensorwise TP cannot run a filter
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(out)]) == 0
+    assert "fp8 filter auto" in capsys.readouterr().out
+    assert main(["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "8", "--seq",
+                 "4096", "--zero", "1", "--precision", "fp8", "--fp8-filter", "wk,wv"]) == 0
+    assert "fp8_filter=k,v" in capsys.readouterr().out
+    assert main(["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "8",
+                 "--precision", "fp8", "--fp8-filter", "w9"]) == 2
+    assert "unknown fp8 filter name(s) w9" in capsys.readouterr().err
+
+
+def test_a_filter_the_engine_cannot_run_is_refused_in_one_line(capsys):
+    code = main(["estimate", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "8", "--tp", "8",
+                 "--sp", "--precision", "fp8", "--engine", "torchtitan", "--fp8-recipe", "tensorwise",
+                 "--fp8-filter", "k"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Float8ColwiseParallel" in err and err.count("\n") == 1
+    with pytest.raises(MeshplanError, match="Transformer Engine"):
+        estimate("llama3-8b", "h100-sxm", 8, 8, precision="fp8", engine="megatron", fp8_filter=("k",))
