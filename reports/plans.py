@@ -81,7 +81,7 @@ def plan_facts(plan: Plan) -> dict[str, str]:
         "ZeRO": f"{cfg.zero}" + (f" (HSDP shard {cfg.shard_group})" if cfg.shard_group else ""),
         "sequence parallel": "on" if cfg.sp else "off",
         "recompute": ", ".join(f"{mode} {count}" for mode, count in sorted(counts.items())),
-        "precision": cfg.precision,
+        "precision": cfg.precision_label(),
         "step time": f"{pred['step_time_s'] * 1e3:,.1f} ms",
         "MFU": f"{100 * pred['mfu']:.1f}%",
         "peak memory per GPU": f"{fmt_bytes(pred['peak_memory_bytes'])} of {fmt_bytes(usable)}",

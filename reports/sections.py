@@ -85,7 +85,7 @@ def summary_section(plan, prediction: dict[str, Any], source_name: str, comparis
         ("schedule", _schedule_text(cfg)),
         ("ZeRO stage / sequence parallel / precision",
          f"{cfg.zero}{f' (HSDP: sharded over {cfg.shard_group}, replicated x{cfg.dp // cfg.shard_group})' if cfg.shard_group else ''}"
-         f" / {'on' if cfg.sp else 'off'} / {cfg.precision}"),
+         f" / {'on' if cfg.sp else 'off'} / {cfg.precision_label()}"),
         ("predicted step time", fmt_ms(prediction.get("step_time_s")) + _band_text(plan, prediction)),
         (f"predicted {unit} (whole job)",
          throughput_text(plan.model.spec, float(prediction.get("tokens_per_s", 0.0)), plan.model.seq)),

@@ -163,9 +163,8 @@ def _fp8_filter_hint(args, config, cluster, prediction) -> str:
     (`costing.fp8_advice.slower_in_fp8`), with the step they save, when they save any."""
     if config.precision != "fp8" or not prediction.fits:
         return ""
-    from meshplan.planner.contracts.fp8_choice import FP8_AUTO_FILTER, FP8_LINEARS
     from meshplan.planner.costing.attention_kernels import engine_attention
-    from meshplan.planner.costing.fp8_advice import slower_in_fp8
+    from meshplan.planner.costing.fp8_advice import slower_in_fp8, suggested_filter
     from meshplan.planner.profiling.profiler import profile
 
     from meshplan.commands.printed import _default_seq
@@ -175,7 +174,7 @@ def _fp8_filter_hint(args, config, cluster, prediction) -> str:
     slower = [role for role, _ in slower_in_fp8(graph, cluster, config)]
     if not slower:
         return ""
-    names = tuple(name for name in (FP8_AUTO_FILTER, *FP8_LINEARS) if name in {*config.fp8_filter, *slower})
+    names = suggested_filter(config, slower)
     other = _estimate_at(args, args.zero, names)
     saved = 1 - other.step_time_s / prediction.step_time_s
     if not other.fits or saved <= 0:

@@ -161,7 +161,7 @@ def _print_plan(args, result, data: dict, sizing_lines: list[str]) -> None:
     step = data["prediction"]["step_time_s"]
     print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq,
                                                        result.cluster)]
-                    + sizing_lines + loss_fusion_lines(result, step)))
+                    + sizing_lines + loss_fusion_lines(result, step) + fp8_filter_lines(result, step)))
 
 
 def loss_fusion_lines(plan, step_s: float) -> list[str]:
@@ -182,6 +182,31 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
     return [f"loss: Megatron-LM's unfused fp32 cross-entropy; --cross-entropy-fusion te (Transformer Engine's kernel, "
             f"with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te) takes {saved_s * 1e3:.3g} ms "
             f"({saved_s / step_s:.1%}) off the step"]
+
+
+def fp8_filter_lines(plan, step_s: float) -> list[str]:
+    """Under fp8, the block Linears the cost model finds faster left in bf16 on the winner's shards
+    (`costing.fp8_advice.slower_in_fp8`) and the step the plan takes with them filtered, simulated;
+    none where that saves nothing."""
+    from dataclasses import replace
+
+    from meshplan.planner.costing.fp8_advice import slower_in_fp8, suggested_filter
+    from meshplan.planner.simulation.simulator import plan_graph, simulate
+
+    config = plan.config
+    if config.precision != "fp8":
+        return []
+    graph = plan_graph(plan)
+    slower = [role for role, _ in slower_in_fp8(graph, plan.cluster, config)]
+    if not slower:
+        return []
+    names = suggested_filter(config, slower)
+    other = simulate(replace(plan, config=replace(config, fp8_filter=names)), graph, timeline=False)
+    if not other.fits or other.step_time_s >= step_s:
+        return []
+    return [f"fp8: {', '.join(slower)} run faster in bf16 on these shards (their casts "
+            f"cost more than fp8 saves); re-plan with --fp8-filter {','.join(names)}: this plan then takes "
+            f"{other.step_time_s * 1e3:.1f} ms per step ({1 - other.step_time_s / step_s:.1%} less)"]
 
 
 def _write_candidates(rows: list[dict], path: str) -> None:

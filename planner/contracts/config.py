@@ -468,6 +468,12 @@ class ParallelConfig:
                 + (f", {self.cross_entropy_fusion} fused loss" if self.cross_entropy_fusion != "none" else "")
                 + (", compiled" if self.torch_compile else ""))
 
+    def precision_label(self) -> str:
+        """The precision, under fp8 with its recipe and the Linears a filter keeps in bf16."""
+        if self.precision != "fp8":
+            return self.precision
+        return f"fp8 {self.fp8_recipe}" + (f" ({','.join(self.fp8_filter)} in bf16)" if self.fp8_filter else "")
+
     def to_json(self) -> dict:
         return asdict(self)
 

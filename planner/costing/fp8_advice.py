@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.fp8_choice import FP8_FILTER_ENGINES
+from meshplan.planner.contracts.fp8_choice import FP8_FILTER_ENGINES, stored_fp8_filter
 from meshplan.planner.costing.compute_time import compute_times_s
 from meshplan.planner.costing.fp8_filter import filter_problem, fp8_linears, linear_roles
 from meshplan.planner.costing.precision import activation_scale
@@ -50,3 +50,8 @@ def slower_in_fp8(graph, cluster: ClusterProfile, config: ParallelConfig) -> tup
         if saved_s > 0:
             slower.append((role, saved_s))
     return tuple(slower)
+
+
+def suggested_filter(config: ParallelConfig, slower) -> tuple[str, ...]:
+    """The configuration's fp8 filter with the roles `slower` added, in its stored order."""
+    return stored_fp8_filter(config.precision, config.engine, config.fp8_recipe, (*config.fp8_filter, *slower))

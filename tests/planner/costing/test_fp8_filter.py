@@ -198,3 +198,29 @@ def test_a_filter_the_engine_cannot_run_is_refused_in_one_line(capsys):
     assert code == 2 and "Float8ColwiseParallel" in err and err.count("\n") == 1
     with pytest.raises(MeshplanError, match="Transformer Engine"):
         estimate("llama3-8b", "h100-sxm", 8, 8, precision="fp8", engine="megatron", fp8_filter=("k",))
+
+
+def test_plan_names_the_linears_worth_filtering_and_the_report_shows_the_filter(tmp_path, capsys):
+    """A rowwise plan at TP 8 (Llama 3 8B: k and v 128 columns a rank, o 512 rows) says which
+    Linears run faster in bf16 and what the plan then takes, simulated; the plan's facts name
+    recipe and filter."""
+    from meshplan.commands.plan import fp8_filter_lines
+    from meshplan.planner.contracts.plan import load_plan
+    from meshplan.planner.simulation.simulator import simulate
+    from meshplan.reports.plans import plan_facts
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "8", "--seq", "8192",
+            "--tp", "8", "--precision", "fp8", "--engine", "torchtitan", "--fp8-recipe", "rowwise", "--compile",
+            "--out", str(out)]
+    assert main(args) == 0
+    plan = load_plan(out)
+    step_s = simulate(plan, timeline=False).step_time_s
+    (line,) = fp8_filter_lines(plan, step_s)
+    assert line.startswith("fp8: k, v, o run faster") and "--fp8-filter k,v,o:" in line
+    assert line in capsys.readouterr().out
+    filtered = replace(plan, config=replace(plan.config, fp8_filter=("k", "v", "o")))
+    shown = f"{simulate(filtered, timeline=False).step_time_s * 1e3:.1f} ms per step"
+    assert shown in line
+    assert plan_facts(filtered)["precision"] == "fp8 rowwise (k,v,o in bf16)"
+    assert plan_facts(plan)["precision"] == "fp8 rowwise"
