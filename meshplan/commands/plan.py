@@ -77,7 +77,6 @@ def run(args) -> int:
 
     from meshplan.planner.contracts.plan import save_plan
     from meshplan.planner.search.driver import search
-    from meshplan.planner.search.request import PlanRequest
 
     from meshplan.commands import sizing
 
@@ -91,20 +90,7 @@ def run(args) -> int:
     if notes:
         sys.stderr.write("".join(f"{note}\n" for note in notes))  # one write: a Ctrl-C never splits a line
 
-    request = PlanRequest.of(args.model, cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
-                             precision=args.precision, attention=args.attention, layerwise=args.layerwise,
-                             time_limit_s=args.time_limit, seed=args.seed, max_mbs=args.max_mbs,
-                             moe_imbalance=args.moe_imbalance,
-                             moe_capacity_factor=args.moe_capacity_factor,
-                             moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
-                             moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
-                             memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
-                             fp8_recipe=args.fp8_recipe, fp8_filter=args.fp8_filter,
-                             grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-                             tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
-                             moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                             recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
-                             **pins)
+    request = _request(args, cluster, pins)
 
     # one row per candidate only when asked for: tens of thousands of labels otherwise unread
     rows: list[dict] | None = [] if args.candidates_csv else None
@@ -135,6 +121,26 @@ def run(args) -> int:
     else:
         _print_plan(args, result, data, sizing_lines)
     return 0
+
+
+def _request(args, cluster, pins: dict):
+    """The search's `PlanRequest` of the command's flags."""
+    from meshplan.planner.search.request import PlanRequest
+
+    return PlanRequest.of(args.model, cluster, args.gpus, args.gbs, args.seq, top_k=args.top,
+                          precision=args.precision, attention=args.attention, layerwise=args.layerwise,
+                          time_limit_s=args.time_limit, seed=args.seed, max_mbs=args.max_mbs,
+                          moe_imbalance=args.moe_imbalance,
+                          moe_capacity_factor=args.moe_capacity_factor,
+                          moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+                          moe_dispatcher=args.moe_dispatcher or DEFAULT_MOE_DISPATCHER,
+                          memory_headroom_bytes=args.memory_headroom * GIB, engine=args.engine,
+                          fp8_recipe=args.fp8_recipe, fp8_filter=args.fp8_filter,
+                          grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+                          tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
+                          moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
+                          recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
+                          **pins)
 
 
 def _check_args(args) -> None:

@@ -212,8 +212,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
     the engine's rule, `contracts.engine_rules.early_stop_default`); `torch_compile`: the engine
     compiles the model (torchtitan's training.compile: its Float8 casts fused, `costing.fp8`);
-    `fp8_filter`: under fp8, the block Linears left in bf16 (names in `contracts.config.FP8_LINEARS`,
-    or "auto", torchao's auto filter; `costing.fp8_filter`)."""
+    `fp8_filter`: the block Linears fp8 leaves in bf16 (`contracts.fp8_choice`, `costing.fp8_filter`)."""
     from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
