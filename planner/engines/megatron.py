@@ -298,7 +298,7 @@ def read_megatron(text: str) -> EngineJob:
         if flag not in flags and not header:  # meshplan's own exports name both where they apply
             notes.append(f"no {flag}: priced with it, as meshplan's megatron overlap record has it "
                          "(Megatron-LM's default is off)")
-    for flag in ("--fp4-format", "--cpu-offloading"):
+    for flag in ("--fp4-format", "--cpu-offloading", "--first-last-layers-bf16"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
     return EngineJob(**job, notes=tuple(notes))
