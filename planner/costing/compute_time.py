@@ -8,7 +8,8 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.engine_rules import early_stop_of, runs_compiled
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import attention_kernels, eager_kernels, fp8, gemm, loss_kernels, torchtitan_sac
+from meshplan.planner.costing import (attention_kernels, eager_kernels, fp8, gemm, loss_kernels, overlap,
+                                      torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
                                                   compute_time_s, flash_attention_flops, gemm_and_attention_times_s,
@@ -40,7 +41,7 @@ def selective_recompute_flops(layer: LayerProfile, info: ModelInfo, dtype: str) 
 # `loss_kernels`); under fp8 also the recipe's, and the micro-batch count that with the engine sets
 # how often an engine casts its weights (`fp8.weight_cast_share`), and whether compilation fuses casts.
 COMPUTE_TIME_FIELDS = ("precision", "tp", "sp", "rank_microbatch", "recompute", "attention_query_split", "engine",
-                       "cross_entropy_fusion", "recompute_early_stop")
+                       "cross_entropy_fusion", "recompute_early_stop", "tp_comm_overlap")
 FP8_TIME_FIELDS = ("fp8_recipe", "fp8_filter", "num_microbatches")
 
 
@@ -79,11 +80,11 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     attention_fwd = flash_attention_flops(layer, attention, cluster) * mbs / shard
     kernel = kernel_efficiency(layer, info, cluster, attention, profile_dtype, config.attention_query_split) if attention_fwd else 0.0
     if fp8.is_fp8(config.precision) and fp8.converts(layer):  # the Linears' GEMMs in fp8, plus casts
-        fwd_gemm_s, bwd_gemm_s = fp8.gemm_times_s(layer, info, cluster, config, fwd_flops, bwd_flops, shard,
-                                                  profile_dtype, attention_fwd, kernel)
+        fwd_gemm_s, bwd_gemm_s = _fp8_gemm_times_s(layer, info, cluster, config, fwd_flops, bwd_flops, shard,
+                                                   profile_dtype, attention_fwd, kernel)
     else:
         fwd_gemm_s, bwd_gemm_s = _bf16_gemm_times_s(layer, info, cluster, fwd_flops, bwd_flops, mbs, shard,
-                                                    profile_dtype, dtype, attention_fwd, kernel)
+                                                    profile_dtype, dtype, attention_fwd, kernel, config)
     # Norm outputs rebuilt in backward rather than kept are still written by the forward and read
     # by the backward, as when they were kept (the traffic proxy counts them alike), and the
     # backward writes them once more (`transformer.normed_call`; not under recomputation, which
@@ -181,12 +182,30 @@ def kernel_efficiency(layer: LayerProfile, info: ModelInfo, cluster: ClusterProf
                                                   head_dim)
 
 
+def _fp8_gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, config: ParallelConfig,
+                      fwd_flops: float, bwd_flops: float, shard: int, profile_dtype: str, attention_fwd: float,
+                      kernel: float) -> tuple[float, float]:
+    """`fp8.gemm_times_s`, its Linears in row chunks where torch's micro-pipelined TP fuses them
+    with their collectives, plus the sums after its fused reduce-scatters (`overlap`)."""
+    shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
+    pieces = overlap.micro_pipeline_pieces(layer, config, shapes)
+    fwd_s, bwd_s = fp8.gemm_times_s(layer, info, cluster, config, fwd_flops, bwd_flops, shard, profile_dtype,
+                                    attention_fwd, kernel, pieces)
+    if not pieces:
+        return fwd_s, bwd_s
+    tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
+    reduce_fwd_s, reduce_bwd_s = overlap.micro_pipeline_reduce_s(layer, config, shapes, tokens, cluster)
+    return fwd_s + reduce_fwd_s, bwd_s + reduce_bwd_s
+
+
 def _bf16_gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, fwd_flops: float,
                        bwd_flops: float, mbs: float, shard: int, profile_dtype: str, dtype: str,
-                       attention_fwd: float, kernel: float) -> tuple[float, float]:
+                       attention_fwd: float, kernel: float, config: ParallelConfig | None = None) -> tuple[float, float]:
     """(forward, backward) matmul seconds of one micro-batch: a dense block's Linears one GEMM at
-    a time by shape (`gemm.linear_times_s`), the rest (attention's products, a layer whose shapes
-    are unknown) as `gemms` equal GEMMs on the size curve (`matmul_times_s`)."""
+    a time by shape (`gemm.linear_times_s`; in row chunks where torch's micro-pipelined TP fuses
+    them with their collectives, plus the sums after its fused reduce-scatters,
+    `overlap.micro_pipeline_pieces`), the rest (attention's products, a layer whose shapes are
+    unknown) as `gemms` equal GEMMs on the size curve (`matmul_times_s`)."""
     seq = infer_seq(layer, info, profile_dtype)
     shapes = gemm.block_linear_shapes(layer, info, seq)
     if not shapes:
@@ -194,7 +213,11 @@ def _bf16_gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterPro
                               attention_fwd, kernel)
     tokens = mbs * seq
     linear_fwd = gemm.linear_flops(shapes, tokens, shard)
-    linear_fwd_s, linear_bwd_s = gemm.linear_times_s(shapes, tokens, shard, cluster, dtype)
+    pieces = overlap.micro_pipeline_pieces(layer, config, shapes) if config is not None else None
+    linear_fwd_s, linear_bwd_s = gemm.linear_times_s(shapes, tokens, shard, cluster, dtype, pieces=pieces)
+    if pieces:
+        reduce_fwd_s, reduce_bwd_s = overlap.micro_pipeline_reduce_s(layer, config, shapes, tokens, cluster)
+        linear_fwd_s, linear_bwd_s = linear_fwd_s + reduce_fwd_s, linear_bwd_s + reduce_bwd_s
     rest_fwd_s, rest_bwd_s = matmul_times_s(layer, max(0.0, fwd_flops - linear_fwd),
                                             max(0.0, bwd_flops - 2 * linear_fwd), mbs / shard,
                                             ATTENTION_BMMS_PER_BLOCK, cluster, dtype, attention_fwd, kernel)

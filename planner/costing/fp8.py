@@ -395,14 +395,16 @@ def gathered_weight_cast_bytes(config: ParallelConfig) -> float | None:
 
 def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, config: ParallelConfig,
                  fwd_flops: float, bwd_flops: float, tp: int, profile_dtype: str,
-                 attention_fwd_flops: float = 0.0, attention_efficiency: float = 0.0) -> tuple[float, float]:
+                 attention_fwd_flops: float = 0.0, attention_efficiency: float = 0.0,
+                 pieces=None) -> tuple[float, float]:
     """(forward, backward) GEMM and cast seconds of one micro-batch of a block on one rank under
     the configuration's fp8 recipe. `fwd_flops`/`bwd_flops`: the layer's local FLOPs as bf16
     would run them (causal skip, micro-batch and TP applied); the fp8 Linears' share runs in fp8
     by shape (`gemm.linear_times_s`; on the fp8 size curve when the shapes are unknown), the rest
     (attention's core, routed experts) on the bf16 curve with attention's two products, except
     `attention_fwd_flops` of flash attention (local; twice as many backward), which run at the
-    kernel's `attention_efficiency` (`device_time.attention_time_s`)."""
+    kernel's `attention_efficiency` (`device_time.attention_time_s`). `pieces`: per block Linear,
+    its forward's and input gradient's row chunks (`gemm.linear_times_s`)."""
     check_fp8_supported(cluster, config.precision, config.fp8_recipe)  # a plan's recipe on its cluster
     recipe, mbs = recipe_of(config), config.rank_microbatch
     seq = infer_seq(layer, info, profile_dtype)
@@ -412,8 +414,11 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     if linears.shapes:
         lin_fwd = gemm.linear_flops(linears.shapes, tokens, tp)
         lin_bwd = 2 * lin_fwd
-        fp8_fwd_s, fp8_bwd_s = gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8", recipe.scale_block)
-        bf16_fwd_s, bf16_bwd_s = gemm.linear_times_s(linears.bf16_shapes, tokens, tp, cluster, "bf16")
+        fp8_pieces, bf16_pieces = ((tuple(p for p, fp8_on in zip(pieces, linears.in_fp8) if fp8_on is want)
+                                    for want in (True, False)) if pieces else (None, None))
+        fp8_fwd_s, fp8_bwd_s = gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8", recipe.scale_block, fp8_pieces)
+        bf16_fwd_s, bf16_bwd_s = gemm.linear_times_s(linears.bf16_shapes, tokens, tp, cluster, "bf16",
+                                                     pieces=bf16_pieces)
         fp8_fwd_s, fp8_bwd_s = fp8_fwd_s + bf16_fwd_s, fp8_bwd_s + bf16_bwd_s
     else:
         lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, seq))

@@ -162,14 +162,17 @@ def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple
 
 
 def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str,
-                   scale_block: int = 0) -> tuple[float, float]:
+                   scale_block: int = 0, pieces=None) -> tuple[float, float]:
     """(forward, backward) seconds of the Linears `shapes` on `tokens` rows of one rank, each
-    split `tp` ways (column Linears on their output, row Linears on their input)."""
+    split `tp` ways (column Linears on their output, row Linears on their input). `pieces`: per
+    Linear, how many equal row chunks its forward and its input-gradient GEMM run as (torch's
+    micro-pipelined TP, `overlap.micro_pipeline_pieces`); None: one GEMM each."""
     fwd_s = bwd_s = 0.0
-    for in_dim, out_dim, column in shapes:
+    for index, (in_dim, out_dim, column) in enumerate(shapes):
         in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
-        fwd_s += gemm_time_s(tokens, out_local, in_local, cluster, dtype, scale_block)
-        bwd_s += (gemm_time_s(tokens, in_local, out_local, cluster, dtype, scale_block)      # input gradient
+        fwd_n, dgrad_n = pieces[index] if pieces else (1, 1)
+        fwd_s += fwd_n * gemm_time_s(tokens / fwd_n, out_local, in_local, cluster, dtype, scale_block)
+        bwd_s += (dgrad_n * gemm_time_s(tokens / dgrad_n, in_local, out_local, cluster, dtype, scale_block)
                   + gemm_time_s(in_local, out_local, tokens, cluster, dtype, scale_block))   # weight gradient
     return fwd_s, bwd_s
 

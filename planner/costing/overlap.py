@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from meshplan.planner.contracts.overlap import EngineOverlap, engine_overlap
 from meshplan.planner.costing import fp8
+from meshplan.planner.costing.device_time import memory_time_s
 
 
 def overlap_of(config) -> EngineOverlap:
@@ -85,6 +86,63 @@ def unpipelined_tp_comm_s(layer, config, parts) -> tuple[float, float]:
     if cast_after_gather:
         return fwd_gather, bwd_gather + unfused_scatter
     return 0.0, unfused_scatter
+
+
+def _fused_tp_collectives(layer, config) -> tuple[bool, bool, bool] | None:
+    """Under torch's micro-pipelined TP (`unpipelined_tp_comm_s`'s rules): whether it fuses the
+    all-gathers before the column Linears' forward, those before the row Linears' input
+    gradients, and the reduce-scatters after single-column regions' input gradients (the
+    forward's reduce-scatters after the row Linears always fuse); None where it pipelines nothing."""
+    split = layer.tp_split
+    if split.kind != "block" or not split.num_allreduce_per_pass or config.tp < 2 or not config.sp:
+        return None
+    overlap = overlap_of(config)
+    if not overlap.tp_comm_overlap or overlap.tp_overlap_pattern != "micro_pipeline":
+        return None
+    fp8_linears = fp8.is_fp8(config.precision) and fp8.converts(layer)
+    gathers = not (fp8_linears and not fp8.fp8_tp_gather(layer, config))
+    scatters = not (fp8_linears and fp8.recipe_of(config).rescaled_gradient_gemms)
+    return gathers, gathers, scatters
+
+
+def micro_pipeline_pieces(layer, config, shapes) -> tuple[tuple[int, int], ...] | None:
+    """(forward, input-gradient) row chunks of each of a block's Linears `shapes` under torch's
+    micro-pipelined TP: a GEMM fused with the collective that feeds or drains it runs as tp GEMMs
+    of 1/tp of the rows, one per rank's shard (torch/distributed/_symmetric_memory:
+    `_fused_all_gather_matmul_impl` consumes the gathered shards one at a time,
+    `_fused_matmul_reduce_scatter_impl` produces one chunk per destination rank), each with its own
+    tile and wave quantisation (`gemm.gemm_time_s`); None where nothing is fused."""
+    fused = _fused_tp_collectives(layer, config)
+    if fused is None or not shapes:
+        return None
+    fwd_gather, bwd_gather, bwd_scatter = fused
+    tp = config.tp
+    single_mlp_column = sum(column for _, _, column in shapes[4:]) == 1
+    pieces = []
+    for index, (_, _, column) in enumerate(shapes):
+        if column:
+            dgrad = tp if bwd_scatter and index >= 4 and single_mlp_column else 1
+            pieces.append((tp if fwd_gather else 1, dgrad))
+        else:
+            pieces.append((tp, tp if bwd_gather else 1))
+    return tuple(pieces)
+
+
+def micro_pipeline_reduce_s(layer, config, shapes, tokens: float, cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of the local sums after torch's fused matmul-reduce-scatters: it
+    sends each rank its chunk of every partial product (an all-to-all) and sums the tp partials
+    where they land (`_fused_matmul_reduce_scatter_impl`: reading tp chunks of 1/tp of the rows,
+    writing one), a memory pass NCCL's reduce-scatter does inside the collective. Forward: the row
+    Linears' outputs; backward: the input gradients of single-column regions
+    (`micro_pipeline_pieces`)."""
+    pieces = micro_pipeline_pieces(layer, config, shapes)
+    if pieces is None:
+        return 0.0, 0.0
+    tp, value_bytes = config.tp, 2.0  # the GEMMs' bf16 outputs
+    per_value = value_bytes * (1 + 1 / tp)
+    fwd = sum(tokens * out_dim for _, out_dim, column in shapes if not column)
+    bwd = sum(tokens * in_dim for (in_dim, _, column), (_, dgrad) in zip(shapes, pieces) if column and dgrad > 1)
+    return memory_time_s(fwd * per_value, cluster), memory_time_s(bwd * per_value, cluster)
 
 
 def ep_a2a_hidden_share(config) -> float:
