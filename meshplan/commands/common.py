@@ -203,7 +203,8 @@ def add_fp8_filter_argument(parser) -> None:
                              "block Linears kept in bf16, comma-separated from q,k,v,o,gate,up,down (torchtitan's "
                              "filter_fqns names too: attention.wk or wk), or auto: torchao's auto filter "
                              "(torchtitan's auto_filter_small_kn), which keeps Linears too small for the recipe; "
-                             "default: every block Linear in fp8")
+                             "plan also takes fastest: each candidate keeps in bf16 the Linears meshplan's cost model "
+                             "finds faster so on its shards; default: every block Linear in fp8")
 
 
 def add_offload_argument(parser, default: str | None) -> None:

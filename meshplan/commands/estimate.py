@@ -160,27 +160,27 @@ def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None):
 
 def _fp8_filter_hint(args, config, cluster, prediction) -> str:
     """Under fp8, the block Linears the cost model finds faster left in bf16
-    (`costing.fp8_advice.slower_in_fp8`), with the step they save, when they save any."""
+    (`costing.fp8_advice.filter_path`): the filter on that path whose step is shortest, and that
+    step, when it saves any."""
     if config.precision != "fp8" or not prediction.fits:
         return ""
     from meshplan.planner.costing.attention_kernels import engine_attention
-    from meshplan.planner.costing.fp8_advice import slower_in_fp8, suggested_filter
+    from meshplan.planner.costing.fp8_advice import filter_path
     from meshplan.planner.profiling.profiler import profile
 
     from meshplan.commands.printed import _default_seq
 
     graph = profile(args.model, args.seq or _default_seq(args.model), dtype="bf16",
                     attention=engine_attention(config.engine, args.attention)[0], engine=config.engine)
-    slower = [role for role, _ in slower_in_fp8(graph, cluster, config)]
-    if not slower:
+    tried = [(_estimate_at(args, args.zero, names), names) for names in filter_path(graph, cluster, config)[1:]]
+    fitting = [(other.step_time_s, names) for other, names in tried if other.fits]
+    if not fitting or min(fitting)[0] >= prediction.step_time_s:
         return ""
-    names = suggested_filter(config, slower)
-    other = _estimate_at(args, args.zero, names)
-    saved = 1 - other.step_time_s / prediction.step_time_s
-    if not other.fits or saved <= 0:
-        return ""
-    return (f"hint: {', '.join(slower)} run faster in bf16 at these shapes (their casts cost more than fp8 saves): "
-            f"--fp8-filter {','.join(names)} gives {other.step_time_s * 1e3:.1f} ms per step ({saved:.1%} less)")
+    best_s, names = min(fitting)
+    slower = ", ".join(name for name in names if name not in config.fp8_filter)
+    return (f"hint: {slower} run faster in bf16 at these shapes (their casts cost more than fp8 saves): "
+            f"--fp8-filter {','.join(names)} gives {best_s * 1e3:.1f} ms per step "
+            f"({1 - best_s / prediction.step_time_s:.1%} less)")
 
 
 def _zero_hint(args, prediction) -> str:

@@ -192,27 +192,27 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
 
 def fp8_filter_lines(plan, step_s: float) -> list[str]:
     """Under fp8, the block Linears the cost model finds faster left in bf16 on the winner's shards
-    (`costing.fp8_advice.slower_in_fp8`) and the step the plan takes with them filtered, simulated;
-    none where that saves nothing."""
+    (`costing.fp8_advice.filter_path`), the filter on that path whose simulated step is shortest
+    and that step; none where no filter saves anything."""
     from dataclasses import replace
 
-    from meshplan.planner.costing.fp8_advice import slower_in_fp8, suggested_filter
+    from meshplan.planner.costing.fp8_advice import filter_path
     from meshplan.planner.simulation.simulator import plan_graph, simulate
 
     config = plan.config
     if config.precision != "fp8":
         return []
     graph = plan_graph(plan)
-    slower = [role for role, _ in slower_in_fp8(graph, plan.cluster, config)]
-    if not slower:
+    tried = [(simulate(replace(plan, config=replace(config, fp8_filter=names)), graph, timeline=False), names)
+             for names in filter_path(graph, plan.cluster, config)[1:]]
+    fitting = [(other.step_time_s, names) for other, names in tried if other.fits]
+    if not fitting or min(fitting)[0] >= step_s:
         return []
-    names = suggested_filter(config, slower)
-    other = simulate(replace(plan, config=replace(config, fp8_filter=names)), graph, timeline=False)
-    if not other.fits or other.step_time_s >= step_s:
-        return []
-    return [f"fp8: {', '.join(slower)} run faster in bf16 on these shards (their casts "
-            f"cost more than fp8 saves); re-plan with --fp8-filter {','.join(names)}: this plan then takes "
-            f"{other.step_time_s * 1e3:.1f} ms per step ({1 - other.step_time_s / step_s:.1%} less)"]
+    best_s, names = min(fitting)
+    slower = ", ".join(name for name in names if name not in config.fp8_filter)
+    return [f"fp8: {slower} run faster in bf16 on these shards (their casts cost more than fp8 saves); re-plan with "
+            f"--fp8-filter {','.join(names)}: this plan then takes {best_s * 1e3:.1f} ms per step "
+            f"({1 - best_s / step_s:.1%} less)"]
 
 
 def _write_candidates(rows: list[dict], path: str) -> None:
@@ -294,6 +294,8 @@ def format_plan(data: dict, args) -> str:
     seq = f" (seq {data['model']['seq']})" if is_sequence_model(data["model"]["spec"]) else ""
     head = (f"{data['model']['spec']}{seq} on {data['cluster']['gpus']} x "
             f"{data['cluster']['profile']}, global batch {data['global_batch']}, {data['precision']}"
+            + (f" {data['fp8_recipe']}" if data.get("fp8_recipe") else "")
+            + (f" ({','.join(data['fp8_filter'])} in bf16)" if data.get("fp8_filter") else "")
             + (f", memory as {data['engine']} allocates it" if data.get("engine", "meshplan") not in EXECUTOR_MEMORY_ENGINES else ""))
     lines = [head, "", text, "", explain(data)]
     if not data["executable"]:

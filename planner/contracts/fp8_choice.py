@@ -30,6 +30,10 @@ TORCHTITAN_LINEAR_FQNS = {"q": "attention.wq", "k": "attention.wk", "v": "attent
 # "auto_filter_small_kn"): leaves in bf16 the Linears whose weight shape its H100 benchmarks found
 # too small for the recipe to pay (`costing.fp8_filter.AUTO_FILTER_RULES`).
 FP8_AUTO_FILTER = "auto"
+# `plan --fp8-filter fastest`: each candidate leaves in bf16 the Linears the cost model finds faster
+# so on its shards, each filter on `costing.fp8_advice.filter_path` priced as a candidate of its own;
+# its plan stores the Linears picked.
+FP8_FASTEST_FILTER = "fastest"
 FP8_AUTO_FILTER_RECIPES = ("tensorwise", "rowwise")
 # Engines that convert Linears to fp8 one module at a time, so a filter can leave some in bf16:
 # torchao's `convert_to_float8_training(module_filter_fn=...)`, torchtitan's [float8] filter_fqns
@@ -51,15 +55,20 @@ def stored_fp8_recipe(precision: str, engine: str, recipe: str | None) -> str | 
     return recipe
 
 
-def stored_fp8_filter(precision: str, engine: str, recipe: str | None, names) -> tuple[str, ...]:
-    """The filter a configuration stores, in `FP8_LINEARS` order after "auto"; ValueError where the
-    precision, the engine or the recipe cannot take it."""
+def stored_fp8_filter(precision: str, engine: str, recipe: str | None, names,
+                      searched: bool = False) -> tuple[str, ...]:
+    """The filter a configuration stores (`searched`: a search asks, "fastest" allowed), in
+    `FP8_LINEARS` order after "auto"; ValueError where the precision, the engine or the recipe
+    cannot take it."""
     if names == ():
         return ()
     if isinstance(names, str) or not all(isinstance(name, str) for name in names):
         raise ValueError(f"fp8_filter must be a sequence of names, got {names!r}")
-    known = (FP8_AUTO_FILTER, *FP8_LINEARS)
+    known = (FP8_AUTO_FILTER, *((FP8_FASTEST_FILTER,) if searched else ()), *FP8_LINEARS)
     unknown = [name for name in names if name not in known]
+    if FP8_FASTEST_FILTER in unknown:
+        raise ValueError("fp8_filter fastest asks plan to pick each candidate's Linears; a configuration names "
+                         f"its own ({', '.join(FP8_LINEARS)}, or auto)")
     if unknown:
         raise ValueError(f"unknown fp8 filter name(s) {', '.join(unknown)}; known: {', '.join(known)}")
     if precision != "fp8":
@@ -81,10 +90,11 @@ def parse_fp8_filter(text: str) -> tuple[str, ...]:
     aliases = {fqn: role for role, fqn in TORCHTITAN_LINEAR_FQNS.items()}
     aliases.update({fqn.split(".")[-1]: role for role, fqn in TORCHTITAN_LINEAR_FQNS.items()})
     names = tuple(aliases.get(part.strip(), part.strip()) for part in text.split(",") if part.strip())
-    known = (FP8_AUTO_FILTER, *FP8_LINEARS)
+    known = (FP8_AUTO_FILTER, FP8_FASTEST_FILTER, *FP8_LINEARS)
     unknown = [name for name in names if name not in known]
     if unknown or not names:
-        raise ValueError(f"unknown fp8 filter name(s) {', '.join(unknown) or repr(text)}; use auto or Linears from "
+        raise ValueError(f"unknown fp8 filter name(s) {', '.join(unknown) or repr(text)}; use auto, fastest (plan) "
+                         f"or Linears from "
                          f"{', '.join(FP8_LINEARS)} (torchtitan's attention.wq .. feed_forward.w2 also), "
                          "comma-separated")
     return names

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.fp8_choice import FP8_FILTER_ENGINES, stored_fp8_filter
+from meshplan.planner.contracts.fp8_choice import FP8_FILTER_ENGINES, FP8_LINEARS, stored_fp8_filter
 from meshplan.planner.costing.compute_time import compute_times_s
 from meshplan.planner.costing.fp8_filter import filter_problem, fp8_linears, linear_roles
 from meshplan.planner.costing.precision import activation_scale
@@ -55,3 +55,20 @@ def slower_in_fp8(graph, cluster: ClusterProfile, config: ParallelConfig) -> tup
 def suggested_filter(config: ParallelConfig, slower) -> tuple[str, ...]:
     """The configuration's fp8 filter with the roles `slower` added, in its stored order."""
     return stored_fp8_filter(config.precision, config.engine, config.fp8_recipe, (*config.fp8_filter, *slower))
+
+
+def filter_path(graph, cluster: ClusterProfile, config: ParallelConfig) -> tuple[tuple[str, ...], ...]:
+    """The filters from the configuration's own on, each adding every Linear the cost model finds
+    slower in fp8 under the one before (`slower_in_fp8`), until none is: leaving k and v alone can
+    make q pay its region's input cast by itself, and so be found slower in turn. The block's time
+    falls along the path; a step's need not (a shorter backward hides less of the data-parallel
+    communication), so `plan --fp8-filter fastest` prices each filter on it as its own candidate
+    and the hints simulate each."""
+    path = [config.fp8_filter]
+    for _ in range(len(FP8_LINEARS)):
+        slower = slower_in_fp8(graph, cluster, config)
+        if not slower:
+            break
+        config = replace(config, fp8_filter=suggested_filter(config, [role for role, _ in slower]))
+        path.append(config.fp8_filter)
+    return tuple(path)

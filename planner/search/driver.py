@@ -173,8 +173,6 @@ def _with_engine_settings(candidates: list, request: PlanRequest, graph) -> list
     """The candidates with the request's engine settings, the same on every candidate where they
     apply: TP overlap where TP splits the sequence, combined 1F1B where the layout can run it; an
     fp8 filter on every one, less those the engine cannot run with it (`fp8_filter.filter_problem`)."""
-    if request.fp8_filter:
-        candidates = _with_fp8_filter(candidates, request, graph)
     if request.grad_reduce_in_bf16:
         candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
     if request.cross_entropy_fusion != "none":
@@ -189,19 +187,36 @@ def _with_engine_settings(candidates: list, request: PlanRequest, graph) -> list
     if request.moe_a2a_overlap:  # Megatron-Core's combined 1F1B
         candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and c.a2a_overlap_problem() is None else c
                       for c in candidates]
+    if request.fp8_filter:  # last: "fastest" judges each candidate as it runs, compiled and overlapped
+        candidates = _with_fp8_filter(candidates, request, graph)
     return candidates
 
 
 def _with_fp8_filter(candidates: list, request: PlanRequest, graph) -> list:
-    """The candidates with the request's fp8 filter, where the engine can run it; MeshplanError
-    with the reason when it can run it on none."""
+    """The candidates with the request's fp8 filter, where the engine can run it; under "fastest",
+    one candidate per filter on each one's `fp8_advice.filter_path` (found once per distinct
+    compute-time key), so the search prices them all. MeshplanError with the reason when the
+    filter can run on none."""
+    from meshplan.planner.contracts.fp8_choice import FP8_FASTEST_FILTER
+    from meshplan.planner.costing.compute_time import compute_time_key
+    from meshplan.planner.costing.fp8_advice import filter_path
     from meshplan.planner.costing.fp8_filter import filter_problem
 
-    filtered = [replace(c, fp8_filter=request.fp8_filter) for c in candidates]
+    names = tuple(name for name in request.fp8_filter if name != FP8_FASTEST_FILTER)
+    filtered = [replace(c, fp8_filter=names) for c in candidates]
     kept = [c for c in filtered if filter_problem(graph, c) is None]
     if filtered and not kept:
         raise MeshplanError(filter_problem(graph, filtered[0]))
-    return kept
+    if len(names) == len(request.fp8_filter):
+        return kept
+    paths: dict[tuple, tuple] = {}
+    out = []
+    for c in kept:
+        key = compute_time_key(c)
+        if key not in paths:
+            paths[key] = filter_path(graph, request.planning_cluster, c)
+        out.extend(replace(c, fp8_filter=path) if path != names else c for path in paths[key])
+    return out
 
 
 def _distinct(graph, request: PlanRequest, ranked: list[Ranked], feasible: list[Solved], tables,

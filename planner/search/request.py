@@ -73,7 +73,7 @@ class PlanRequest:
         if self.fp8_filter:
             try:
                 stored = stored_fp8_filter(self.precision, self.engine, stored_fp8_recipe(
-                    self.precision, self.engine, self.fp8_recipe), tuple(self.fp8_filter))
+                    self.precision, self.engine, self.fp8_recipe), tuple(self.fp8_filter), searched=True)
             except ValueError as exc:
                 raise MeshplanError(str(exc).replace("fp8_filter", "--fp8-filter")) from None
             object.__setattr__(self, "fp8_filter", stored)

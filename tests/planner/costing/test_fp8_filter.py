@@ -201,9 +201,9 @@ def test_a_filter_the_engine_cannot_run_is_refused_in_one_line(capsys):
 
 
 def test_plan_names_the_linears_worth_filtering_and_the_report_shows_the_filter(tmp_path, capsys):
-    """A rowwise plan at TP 8 (Llama 3 8B: k and v 128 columns a rank, o 512 rows) says which
-    Linears run faster in bf16 and what the plan then takes, simulated; the plan's facts name
-    recipe and filter."""
+    """A rowwise plan at TP 8 (Llama 3 8B: k and v 128 columns a rank, q and o 512) says which
+    Linears run faster in bf16 and what the plan then takes, simulated (the fastest filter on
+    `filter_path`); the plan's facts name recipe and filter."""
     from meshplan.commands.plan import fp8_filter_lines
     from meshplan.planner.contracts.plan import load_plan
     from meshplan.planner.simulation.simulator import simulate
@@ -217,10 +217,40 @@ def test_plan_names_the_linears_worth_filtering_and_the_report_shows_the_filter(
     plan = load_plan(out)
     step_s = simulate(plan, timeline=False).step_time_s
     (line,) = fp8_filter_lines(plan, step_s)
-    assert line.startswith("fp8: k, v, o run faster") and "--fp8-filter k,v,o:" in line
+    assert line.startswith("fp8: q, k, v, o run faster") and "--fp8-filter q,k,v,o:" in line
     assert line in capsys.readouterr().out
-    filtered = replace(plan, config=replace(plan.config, fp8_filter=("k", "v", "o")))
+    filtered = replace(plan, config=replace(plan.config, fp8_filter=("q", "k", "v", "o")))
     shown = f"{simulate(filtered, timeline=False).step_time_s * 1e3:.1f} ms per step"
     assert shown in line
-    assert plan_facts(filtered)["precision"] == "fp8 rowwise (k,v,o in bf16)"
+    assert plan_facts(filtered)["precision"] == "fp8 rowwise (q,k,v,o in bf16)"
     assert plan_facts(plan)["precision"] == "fp8 rowwise"
+
+
+def test_the_filter_path_ends_at_the_cost_models_fixed_point(h100):
+    """`filter_path` adds the Linears found slower in fp8 until none is: at Llama 3 8B's TP 8
+    shards under rowwise, k, v and o first, then q (alone it then pays its region's input cast);
+    at its end no Linear left in fp8 is slower, and the block is faster than unfiltered."""
+    from meshplan.planner.costing.fp8_advice import filter_path
+
+    graph = profile("llama3-8b", 8192)
+    config = _config(recipe="rowwise", tp=8, torch_compile=True)
+    path = filter_path(graph, h100, config)
+    assert path[0] == () and path[1] == ("k", "v", "o") and path[-1] == ("q", "k", "v", "o")
+    picked = path[-1]
+    assert {"k", "v"} <= set(picked) and not {"gate", "up", "down"} & set(picked)
+    assert slower_in_fp8(graph, h100, replace(config, fp8_filter=picked)) == ()
+    block = _block(graph)
+    times = [sum(compute_time.compute_times_s(block, cfg, h100, graph.info, 1.0, 1.0, graph.dtype, graph.attention)[:2])
+             for cfg in (config, replace(config, fp8_filter=picked))]
+    assert times[1] < times[0]
+    with pytest.raises(ValueError, match="asks plan to pick"):
+        _config(names=("fastest",))
+
+
+def test_plan_fastest_stores_the_linears_it_picked(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "h100-sxm", "--gpus", "8", "--gbs", "8", "--seq", "8192",
+                 "--tp", "8", "--precision", "fp8", "--engine", "torchtitan", "--fp8-recipe", "rowwise", "--compile",
+                 "--fp8-filter", "fastest", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {"k", "v"} <= set(data["fp8_filter"]) and "fastest" not in data["fp8_filter"]
