@@ -192,13 +192,11 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `attention`: the kernel (`contracts.attention`; None: the one `engine` runs,
     `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp
-    ranks, replicated across them);
-    `cp`: context parallelism (each of cp ranks holds 1/cp of every sequence), `cp_method` how
-    its ranks attend (`contracts.config.CP_METHODS`, default all-gather); `engine`: whose
+    ranks, replicated across them); `cp`: context parallelism (each of cp ranks holds 1/cp of
+    every sequence), `cp_method` how they attend (`contracts.config.CP_METHODS`); `engine`: whose
     memory recipe prices it (`costing.engine_memory`; meshplan: its own executor); `offload`: model
-    states kept in host memory (`costing.offload`: none, optimizer, params);
-    `recompute_modules`: what selective recomputation rebuilds under engine megatron
-    (Megatron-Core's `--recompute-modules`, `contracts.config.RECOMPUTE_MODULES`);
+    states kept in host memory (`costing.offload`: none, optimizer, params); `recompute_modules`:
+    Megatron-Core's `--recompute-modules` (engine megatron, `contracts.config.RECOMPUTE_MODULES`);
     `memory_headroom_bytes`: kept free on each GPU beyond the profile's reserve (`fits` judges
     against what is left); `fp8_recipe`: under fp8, a name in `contracts.config.FP8_RECIPES`
     (None: the engine's default); `moe_dispatcher`: how MoE tokens reach the experts
