@@ -14,10 +14,46 @@ from dataclasses import replace
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.fp8_choice import FP8_FILTER_ENGINES, FP8_LINEARS, stored_fp8_filter
+from meshplan.planner.contracts.fp8_choice import (FP8_FILTER_ENGINES, FP8_LINEARS, TORCHTITAN_LINEAR_FQNS,
+                                                   stored_fp8_filter)
 from meshplan.planner.costing.compute_time import compute_times_s
-from meshplan.planner.costing.fp8_filter import filter_problem, fp8_linears, linear_roles
+from meshplan.planner.costing.expert_parallel import dense_part
+from meshplan.planner.costing.fp8_filter import fp8_linears, linear_roles
 from meshplan.planner.costing.precision import activation_scale
+
+
+def filter_problem(graph, config: ParallelConfig) -> str | None:
+    """Why `config`'s fp8 filter cannot be priced or run on `graph`'s blocks, or None: blocks whose
+    Linear shapes are unknown, or torchtitan's tensorwise TP plan, whose Float8ColwiseParallel and
+    Float8RowwiseParallel raise on a block Linear left in bf16 (torchao float8_tensor_parallel.py)."""
+    if config.precision != "fp8":
+        return None
+    block = first_block(graph)
+    if block is None:
+        return None
+    linears = fp8_linears(block, graph.info, config, graph.dtype)
+    if config.fp8_filter and not linears.shapes:
+        return (f"--fp8-filter {','.join(config.fp8_filter)} needs the shapes of {graph.spec}'s block Linears, which "
+                "meshplan knows for GPT, Llama and MoE specs and presets (their attention and dense or shared-expert "
+                "MLP); this model's blocks are priced with every Linear in fp8: drop --fp8-filter")
+    if (config.engine == "torchtitan" and config.fp8_recipe == "tensorwise" and config.tp > 1
+            and not linears.everything):
+        kept = ", ".join(TORCHTITAN_LINEAR_FQNS.get(role, role) for role, fp8 in
+                         zip(linear_roles(linears.shapes), linears.in_fp8) if not fp8)
+        return (f"torchtitan's tensorwise Float8 TP plan wraps every block Linear in Float8ColwiseParallel or "
+                f"Float8RowwiseParallel, which refuse the Linears this filter leaves in bf16 ({kept}); use "
+                f"--fp8-recipe rowwise, --tp 1, or no --fp8-filter")
+    return None
+
+
+def first_block(graph):
+    """The model's first transformer block as the fp8 rules see it: a MoE block's dense part
+    (attention and shared experts: its routed experts' fp8 is the engine's, `fp8.experts_in_fp8`);
+    None without blocks."""
+    for layer in graph.layers:
+        if layer.kind == "block" and layer.tp_split.kind == "block":
+            return dense_part(layer, graph.info) if layer.expert_params else layer
+    return None
 
 
 def _block_s(layer, graph, cluster: ClusterProfile, config: ParallelConfig) -> float:
@@ -33,10 +69,9 @@ def slower_in_fp8(graph, cluster: ClusterProfile, config: ParallelConfig) -> tup
     (`fp8_filter.filter_problem`). The block judged is the first transformer block."""
     if config.precision != "fp8" or config.engine not in FP8_FILTER_ENGINES:
         return ()
-    blocks = [layer for layer in graph.layers if layer.kind == "block" and layer.tp_split.kind == "block"]
-    if not blocks:
+    block = first_block(graph)
+    if block is None:
         return ()
-    block = blocks[0]
     linears = fp8_linears(block, graph.info, config, graph.dtype)
     base_s = _block_s(block, graph, cluster, config)
     slower = []

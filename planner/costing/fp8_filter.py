@@ -10,8 +10,8 @@ from `Fp8Linears`: their GEMMs and casts, their saved fp8 inputs, their fp8 weig
 gathers; the rest run as bf16 Linears.
 
 Where the shapes of a block's Linears are not known (`gemm.block_linear_shapes` is empty: traced
-models, MoE blocks' routed experts), every block Linear is priced in fp8, and `filter_problem`
-refuses a filter rather than ignore it.
+models; a MoE block's are its dense part's, `expert_parallel.dense_part`), every block Linear is
+priced in fp8, and `fp8_advice.filter_problem` refuses a filter rather than ignore it.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.fp8_choice import FP8_AUTO_FILTER, FP8_LINEARS, TORCHTITAN_LINEAR_FQNS
+from meshplan.planner.contracts.fp8_choice import FP8_AUTO_FILTER, FP8_LINEARS
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.device_time import infer_seq
@@ -114,26 +114,3 @@ def fp8_linears(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, pr
     shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
     return Fp8Linears(shapes, _choices(shapes, config.fp8_filter, config.fp8_recipe), layer.expert_params == 0)
 
-
-def filter_problem(graph, config: ParallelConfig) -> str | None:
-    """Why `config`'s fp8 filter cannot be priced or run on `graph`'s blocks, or None: blocks whose
-    Linear shapes are unknown, or torchtitan's tensorwise TP plan, whose Float8ColwiseParallel and
-    Float8RowwiseParallel raise on a block Linear left in bf16 (torchao float8_tensor_parallel.py)."""
-    if config.precision != "fp8":
-        return None
-    blocks = [layer for layer in graph.layers if layer.kind == "block" and layer.tp_split.kind == "block"]
-    if not blocks:
-        return None
-    linears = fp8_linears(blocks[0], graph.info, config, graph.dtype)
-    if config.fp8_filter and not linears.shapes:
-        return (f"--fp8-filter {','.join(config.fp8_filter)} needs the shapes of {graph.spec}'s block Linears, which "
-                "meshplan knows for GPT, Llama and MoE specs and presets (their attention and dense or shared-expert "
-                "MLP); this model's blocks are priced with every Linear in fp8: drop --fp8-filter")
-    if (config.engine == "torchtitan" and config.fp8_recipe == "tensorwise" and config.tp > 1
-            and not linears.everything):
-        kept = ", ".join(TORCHTITAN_LINEAR_FQNS.get(role, role) for role, fp8 in
-                         zip(linear_roles(linears.shapes), linears.in_fp8) if not fp8)
-        return (f"torchtitan's tensorwise Float8 TP plan wraps every block Linear in Float8ColwiseParallel or "
-                f"Float8RowwiseParallel, which refuse the Linears this filter leaves in bf16 ({kept}); use "
-                f"--fp8-recipe rowwise, --tp 1, or no --fp8-filter")
-    return None

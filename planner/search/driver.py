@@ -172,7 +172,7 @@ def _search(request: PlanRequest, progress, graph, candidate_rows: list | None):
 def _with_engine_settings(candidates: list, request: PlanRequest, graph) -> list:
     """The candidates with the request's engine settings, the same on every candidate where they
     apply: TP overlap where TP splits the sequence, combined 1F1B where the layout can run it; an
-    fp8 filter on every one, less those the engine cannot run with it (`fp8_filter.filter_problem`)."""
+    fp8 filter on every one, less those the engine cannot run with it (`fp8_advice.filter_problem`)."""
     if request.grad_reduce_in_bf16:
         candidates = [replace(c, grad_reduce_in_bf16=True) for c in candidates]
     if request.cross_entropy_fusion != "none":
@@ -199,8 +199,7 @@ def _with_fp8_filter(candidates: list, request: PlanRequest, graph) -> list:
     filter can run on none."""
     from meshplan.planner.contracts.fp8_choice import FP8_FASTEST_FILTER
     from meshplan.planner.costing.compute_time import compute_time_key
-    from meshplan.planner.costing.fp8_advice import filter_path
-    from meshplan.planner.costing.fp8_filter import filter_problem
+    from meshplan.planner.costing.fp8_advice import filter_path, filter_problem
 
     names = tuple(name for name in request.fp8_filter if name != FP8_FASTEST_FILTER)
     filtered = [replace(c, fp8_filter=names) for c in candidates]

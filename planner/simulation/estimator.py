@@ -18,7 +18,7 @@ from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.prediction import Prediction
 from meshplan.planner.costing.fp8 import check_fp8_supported
-from meshplan.planner.costing.fp8_filter import filter_problem as fp8_filter_problem
+from meshplan.planner.costing.fp8_advice import filter_problem as fp8_filter_problem
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.offload import check_offload
 from meshplan.planner.simulation.simulator import simulate_config

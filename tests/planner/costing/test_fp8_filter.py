@@ -16,7 +16,8 @@ from meshplan.planner.costing import compute_time, fp8, fp8_memory
 from meshplan.planner.costing.compute_time import kernel_efficiency
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.fp8_advice import slower_in_fp8
-from meshplan.planner.costing.fp8_filter import _choices, filter_problem, fp8_linears, linear_roles
+from meshplan.planner.costing.fp8_advice import filter_problem
+from meshplan.planner.costing.fp8_filter import _choices, fp8_linears, linear_roles
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.engines.bridge import read_engine_text
 from meshplan.planner.profiling.profiler import profile
@@ -254,3 +255,15 @@ def test_plan_fastest_stores_the_linears_it_picked(tmp_path):
                  "--fp8-filter", "fastest", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {"k", "v"} <= set(data["fp8_filter"]) and "fastest" not in data["fp8_filter"]
+
+
+def test_a_moe_models_filter_applies_to_its_dense_part(h100):
+    """A mixture of experts' blocks price their attention (and shared experts) by shape through
+    their dense part, so a filter applies there rather than being refused: Mixtral at TP 8 under
+    rowwise, k and v left in bf16, changes the step."""
+    kwargs = dict(seq=4096, tp=8, sp=True, zero=1, precision="fp8", engine="torchtitan", fp8_recipe="rowwise",
+                  torch_compile=True)
+    graph = profile("mixtral-8x7b", 4096)
+    assert filter_problem(graph, _config(recipe="rowwise", names=("k", "v"), tp=8)) is None
+    filtered = estimate("mixtral-8x7b", h100, 8, 8, fp8_filter=("k", "v"), **kwargs)
+    assert filtered.step_time_s != estimate("mixtral-8x7b", h100, 8, 8, **kwargs).step_time_s
