@@ -66,7 +66,7 @@ def slower_in_fp8(graph, cluster: ClusterProfile, config: ParallelConfig) -> tup
     """(role, seconds a micro-batch's block saves with it in bf16) of each block Linear that the
     configuration runs in fp8 and would run faster in bf16, in `FP8_LINEARS` order; () where the
     configuration is not fp8, its engine cannot filter, or a filter could not run
-    (`fp8_filter.filter_problem`). The block judged is the first transformer block."""
+    (`filter_problem`). The block judged is the first transformer block (`first_block`)."""
     if config.precision != "fp8" or config.engine not in FP8_FILTER_ENGINES:
         return ()
     block = first_block(graph)
