@@ -160,23 +160,22 @@ def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None):
 
 def _fp8_filter_hint(args, config, cluster, prediction) -> str:
     """Under fp8, the block Linears the cost model finds faster left in bf16
-    (`costing.fp8_advice.filter_path`): the filter on that path whose step is shortest, and that
+    (`costing.fp8_advice.best_on_path`): the filter on its path whose step is shortest, and that
     step, when it saves any."""
     if config.precision != "fp8" or not prediction.fits:
         return ""
     from meshplan.planner.costing.attention_kernels import engine_attention
-    from meshplan.planner.costing.fp8_advice import filter_path
+    from meshplan.planner.costing.fp8_advice import best_on_path
     from meshplan.planner.profiling.profiler import profile
 
     from meshplan.commands.printed import _default_seq
 
     graph = profile(args.model, args.seq or _default_seq(args.model), dtype="bf16",
                     attention=engine_attention(config.engine, args.attention)[0], engine=config.engine)
-    tried = [(_estimate_at(args, args.zero, names), names) for names in filter_path(graph, cluster, config)[1:]]
-    fitting = [(other.step_time_s, names) for other, names in tried if other.fits]
-    if not fitting or min(fitting)[0] >= prediction.step_time_s:
+    best = best_on_path(graph, cluster, config, lambda names: _estimate_at(args, args.zero, names))
+    if best is None or best[1] >= prediction.step_time_s:
         return ""
-    best_s, names = min(fitting)
+    names, best_s = best
     slower = ", ".join(name for name in names if name not in config.fp8_filter)
     return (f"hint: {slower} run faster in bf16 at these shapes (their casts cost more than fp8 saves): "
             f"--fp8-filter {','.join(names)} gives {best_s * 1e3:.1f} ms per step "

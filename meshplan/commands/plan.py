@@ -192,23 +192,22 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
 
 def fp8_filter_lines(plan, step_s: float) -> list[str]:
     """Under fp8, the block Linears the cost model finds faster left in bf16 on the winner's shards
-    (`costing.fp8_advice.filter_path`), the filter on that path whose simulated step is shortest
+    (`costing.fp8_advice.best_on_path`: the filter on its path whose simulated step is shortest)
     and that step; none where no filter saves anything."""
     from dataclasses import replace
 
-    from meshplan.planner.costing.fp8_advice import filter_path
+    from meshplan.planner.costing.fp8_advice import best_on_path
     from meshplan.planner.simulation.simulator import plan_graph, simulate
 
     config = plan.config
     if config.precision != "fp8":
         return []
     graph = plan_graph(plan)
-    tried = [(simulate(replace(plan, config=replace(config, fp8_filter=names)), graph, timeline=False), names)
-             for names in filter_path(graph, plan.cluster, config)[1:]]
-    fitting = [(other.step_time_s, names) for other, names in tried if other.fits]
-    if not fitting or min(fitting)[0] >= step_s:
+    best = best_on_path(graph, plan.cluster, config, lambda names: simulate(
+        replace(plan, config=replace(config, fp8_filter=names)), graph, timeline=False))
+    if best is None or best[1] >= step_s:
         return []
-    best_s, names = min(fitting)
+    names, best_s = best
     slower = ", ".join(name for name in names if name not in config.fp8_filter)
     return [f"fp8: {slower} run faster in bf16 on these shards (their casts cost more than fp8 saves); re-plan with "
             f"--fp8-filter {','.join(names)}: this plan then takes {best_s * 1e3:.1f} ms per step "

@@ -187,13 +187,14 @@ def _fp8_gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProf
                       kernel: float) -> tuple[float, float]:
     """`fp8.gemm_times_s`, its Linears in row chunks where torch's micro-pipelined TP fuses them
     with their collectives, plus the sums after its fused reduce-scatters (`overlap`)."""
-    shapes = gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype))
+    seq = infer_seq(layer, info, profile_dtype)
+    shapes = gemm.block_linear_shapes(layer, info, seq)
     pieces = overlap.micro_pipeline_pieces(layer, config, shapes)
     fwd_s, bwd_s = fp8.gemm_times_s(layer, info, cluster, config, fwd_flops, bwd_flops, shard, profile_dtype,
                                     attention_fwd, kernel, pieces)
     if not pieces:
         return fwd_s, bwd_s
-    tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
+    tokens = config.rank_microbatch * seq
     reduce_fwd_s, reduce_bwd_s = overlap.micro_pipeline_reduce_s(layer, config, shapes, tokens, cluster)
     return fwd_s + reduce_fwd_s, bwd_s + reduce_bwd_s
 

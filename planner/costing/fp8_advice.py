@@ -107,3 +107,17 @@ def filter_path(graph, cluster: ClusterProfile, config: ParallelConfig) -> tuple
         config = replace(config, fp8_filter=suggested_filter(config, [role for role, _ in slower]))
         path.append(config.fp8_filter)
     return tuple(path)
+
+
+def best_on_path(graph, cluster: ClusterProfile, config: ParallelConfig, predict) -> tuple[tuple[str, ...], float] | None:
+    """(filter, step seconds) of the filter on `filter_path` past the configuration's own whose
+    step, `predict(filter)` (a `Prediction`), is shortest among those that fit; None without one."""
+    fitting = []
+    for names in filter_path(graph, cluster, config)[1:]:
+        prediction = predict(names)
+        if prediction.fits:
+            fitting.append((prediction.step_time_s, names))
+    if not fitting:
+        return None
+    step_s, names = min(fitting)
+    return names, step_s

@@ -203,9 +203,13 @@ def _with_fp8_filter(candidates: list, request: PlanRequest, graph) -> list:
 
     names = tuple(name for name in request.fp8_filter if name != FP8_FASTEST_FILTER)
     filtered = [replace(c, fp8_filter=names) for c in candidates]
-    kept = [c for c in filtered if filter_problem(graph, c) is None]
+    problems: dict[int, str | None] = {}  # it depends on the TP degree alone among what the candidates vary
+    for c in filtered:
+        if c.tp not in problems:
+            problems[c.tp] = filter_problem(graph, c)
+    kept = [c for c in filtered if problems[c.tp] is None]
     if filtered and not kept:
-        raise MeshplanError(filter_problem(graph, filtered[0]))
+        raise MeshplanError(problems[filtered[0].tp])
     if len(names) == len(request.fp8_filter):
         return kept
     paths: dict[tuple, tuple] = {}

@@ -267,3 +267,22 @@ def test_a_moe_models_filter_applies_to_its_dense_part(h100):
     assert filter_problem(graph, _config(recipe="rowwise", names=("k", "v"), tp=8)) is None
     filtered = estimate("mixtral-8x7b", h100, 8, 8, fp8_filter=("k", "v"), **kwargs)
     assert filtered.step_time_s != estimate("mixtral-8x7b", h100, 8, 8, **kwargs).step_time_s
+
+
+def test_the_best_filter_is_judged_over_the_step_not_the_block(h100):
+    """Llama 3 70B on 256 H100 at TP 8, ZeRO-3, rowwise, compiled: the block's path goes on to q,
+    but over the whole step leaving q in bf16 too is slower than k and v alone (a shorter backward
+    hides less of ZeRO-3's traffic), so `best_on_path` stops at k and v."""
+    from meshplan.planner.costing.fp8_advice import best_on_path, filter_path
+
+    kwargs = dict(seq=8192, tp=8, sp=True, zero=3, precision="fp8", engine="torchtitan", fp8_recipe="rowwise",
+                  torch_compile=True)
+    graph = profile("llama3-70b", 8192)
+    config = ParallelConfig(gpus=256, global_batch=256, tp=8, dp=32, sp=True, zero=3, precision="fp8",
+                            engine="torchtitan", fp8_recipe="rowwise", torch_compile=True)
+    path = filter_path(graph, h100, config)
+    assert path == ((), ("k", "v"), ("q", "k", "v"))
+    steps = {names: estimate("llama3-70b", h100, 256, 256, fp8_filter=names, **kwargs) for names in path}
+    assert steps[("q", "k", "v")].step_time_s > steps[("k", "v")].step_time_s
+    best = best_on_path(graph, h100, config, lambda names: steps[names])
+    assert best == (("k", "v"), steps[("k", "v")].step_time_s)
