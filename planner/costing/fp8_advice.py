@@ -73,18 +73,14 @@ def slower_in_fp8(graph, cluster: ClusterProfile, config: ParallelConfig) -> tup
     if block is None:
         return ()
     linears = fp8_linears(block, graph.info, config, graph.dtype)
+    trials = [(role, replace(config, fp8_filter=(*config.fp8_filter, role)))
+              for role, fp8 in zip(linear_roles(linears.shapes), linears.in_fp8) if fp8]
+    # whether a filter can run depends on filtering something, not on which Linear: asked once
+    if not trials or filter_problem(graph, trials[0][1]):
+        return ()
     base_s = _block_s(block, graph, cluster, config)
-    slower = []
-    for role, fp8 in zip(linear_roles(linears.shapes), linears.in_fp8):
-        if not fp8:
-            continue
-        trial = replace(config, fp8_filter=tuple(sorted({*config.fp8_filter, role})))
-        if filter_problem(graph, trial):
-            return ()
-        saved_s = base_s - _block_s(block, graph, cluster, trial)
-        if saved_s > 0:
-            slower.append((role, saved_s))
-    return tuple(slower)
+    slower = [(role, base_s - _block_s(block, graph, cluster, trial)) for role, trial in trials]
+    return tuple((role, saved_s) for role, saved_s in slower if saved_s > 0)
 
 
 def suggested_filter(config: ParallelConfig, slower) -> tuple[str, ...]:

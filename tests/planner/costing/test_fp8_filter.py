@@ -286,3 +286,16 @@ def test_the_best_filter_is_judged_over_the_step_not_the_block(h100):
     assert steps[("q", "k", "v")].step_time_s > steps[("k", "v")].step_time_s
     best = best_on_path(graph, h100, config, lambda names: steps[names])
     assert best == (("k", "v"), steps[("k", "v")].step_time_s)
+
+
+def test_estimates_hint_prints_the_step_of_the_filter_it_names(h100, capsys):
+    """The hint's step is `estimate`'s own with that filter, computed apart."""
+    flags = ["--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "256", "--gbs", "256", "--seq", "8192",
+             "--tp", "8", "--sp", "--zero", "3", "--precision", "fp8", "--engine", "torchtitan", "--fp8-recipe",
+             "rowwise", "--compile"]
+    assert main(["estimate", *flags]) == 0
+    hint = capsys.readouterr().out.strip().splitlines()[-1]
+    filtered = estimate("llama3-70b", h100, 256, 256, seq=8192, tp=8, sp=True, zero=3, precision="fp8",
+                        engine="torchtitan", fp8_recipe="rowwise", torch_compile=True, fp8_filter=("k", "v"))
+    assert hint.startswith("hint: k, v run faster in bf16")
+    assert f"--fp8-filter k,v gives {filtered.step_time_s * 1e3:.1f} ms per step" in hint

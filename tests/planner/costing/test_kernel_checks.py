@@ -15,23 +15,23 @@ from meshplan.planner.costing.hardware import load_cluster
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def kernels():
+def _benchmark_module(name: str):
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        yield importlib.import_module("published_kernel_runs")
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    yield from _benchmark_module("published_kernel_runs")
 
 
 @pytest.fixture(scope="module")
 def bench():
     """bench_kernels.py, whose printed figures these tests hold."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_kernels")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from _benchmark_module("bench_kernels")
 
 
 def _tflops(row) -> float:
