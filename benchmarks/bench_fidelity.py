@@ -57,8 +57,8 @@ from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_20
                             MEGATRON_MOE_QWEN3,
                             MEGATRON_MOE_QWEN3_GB200, MPT_LARGE_SCALE_SOURCE, MPT_SOURCE, MPT_SWEEP_SOURCE,
                             NARAYANAN_2021, TORCHTITAN_A100,
-                            TORCHAO_FLOAT8, TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200,
-                            Run, all_runs, fit_runs)
+                            TORCHAO_FLOAT8, TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC,
+                            TORCHTITAN_ROWWISE_FILTER, TRAINY_H200, Run, all_runs, fit_runs)
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  TORCHTITAN_H100_SAC: "torchtitan selective op checkpointing, H100 at 500 W",
                  TRAINY_H200: "torchtitan on H200 (Trainy)",
                  TORCHTITAN_ASYNC_TP: "torchtitan async-TP tables, H100 at 500 W",
+                 TORCHTITAN_ROWWISE_FILTER: "torchtitan auto-filter commit (rowwise, wk and wv in bf16), H100 at 500 W",
                  TORCHAO_FLOAT8: "torchao float8 training benchmarks (torchtitan), H100 at 500 W",
                  MEGATRON_BRIDGE_2606_H100: "Megatron-Bridge 26.06 DGX-H100",
                  MEGATRON_BRIDGE_2511_ARCHIVE_H100: "Megatron-Bridge 25.11 DGX-H100 (archive)",
@@ -277,10 +278,11 @@ def report_regimes(scored: Sequence[Scored], clusters) -> None:
 
 def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> list[float]:
     """FP8 over BF16 throughput where the source publishes both for one model, sequence length and
-    GPU count (their batch splits may differ): the fp8 rule's own error, apart from the step's.
+    GPU count (their batch splits may differ), or an FP8 run names the source of its BF16 baseline
+    (`Run.bf16_baseline_source`): the fp8 rule's own error, apart from the step's.
     Returns the speed-up errors of the pairs of one layout."""
-    pairs = [(f, b) for f in fp8 for b in bf16 if b.source == f.source and b.cluster == f.cluster
-             and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
+    pairs = [(f, b) for f in fp8 for b in bf16 if b.source == (f.bf16_baseline_source or f.source)
+             and b.cluster == f.cluster and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
     if not pairs:
         return []
     print("FP8 over BF16 throughput, same model, sequence and GPUs:")

@@ -267,6 +267,11 @@ class Run:
     cross_entropy_fusion: str = "native"
     # unpublished micro-batch sizes, each a candidate (see `layouts`); () when `mbs` is published
     mbs_options: tuple[int, ...] = ()
+    # under fp8, the block Linears the run left in bf16 (torchtitan's filter_fqns; `contracts.fp8_choice`)
+    fp8_filter: tuple[str, ...] = ()
+    # where a source publishes FP8 runs against another source's BF16 runs of the same job (its own
+    # words name that baseline): that source, for bench_fidelity's FP8/BF16 pairs; "" pairs within `source`
+    bf16_baseline_source: str = ""
 
     def __post_init__(self):
         published = [self.published_step_s, self.published_tokens_per_s, self.published_model_tflops_per_gpu,
@@ -594,6 +599,14 @@ TORCHTITAN_H100_SAC = ("torchtitan docs/performance.md, Llama 3.1 8B on Grand Te
 TORCHTITAN_ASYNC_TP = ("torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, Llama 3.1 8B and 70B on "
                        "Grand Teton H100 (96GB HBM2e, 500 W cap), FSDP x TP 8 with and without async TP, "
                        "torch.compile (torch 38410cf9, torchtitan 820504e, June 2025)")
+# The commit message of torchtitan's auto filter (pytorch/torchtitan#1319, commit b0902b2, July 2025):
+# the async-TP table's 70B job, Float8 rowwise with attention.wk and attention.wv left in bf16. It gives
+# "~660" and "~695" TPS where its other figures ("~597", "~600", "~625") are the table's 597.3, 599.6
+# and 624.8 rounded, so its baseline is the table's BF16 runs (`Run.bf16_baseline_source`).
+TORCHTITAN_ROWWISE_FILTER = ("torchtitan commit b0902b2 ([float8] add _auto_filter_for_recipe, #1319), Llama 3 70B "
+                             "on 256 Grand Teton H100, FSDP 32 x TP 8, torch.compile, full AC, local batch 16: "
+                             "Float8 rowwise without attention.wk, attention.wv converted ('~' figures, rounded "
+                             "to the TPS)")
 TORCHAO_FLOAT8 = ("torchao docs/source/workflows/training.md, e2e training benchmarks: Llama3-8b on 8 H100, "
                   "torchtitan 0.0.2 with FSDP2, torch.compile and per-op SAC, local batch 1, 8,192 tokens (torch "
                   "2.7.0a0+gitb98af95, torchao 0.10.0+git890e0ac8)")
@@ -666,7 +679,7 @@ def all_runs() -> list[Run]:
     return (narayanan_runs() + llama3_runs() + megatron_lm_h100_runs() + korthikanti_runs()
             + megatron_lm_strong_scaling_runs() + mpt_runs() + mpt_sweep_runs()
             + mpt_large_scale_runs() + torchtitan_runs() + mpt_fp8_runs()
-            + torchtitan_h100_runs() + torchtitan_sac_runs() + torchtitan_async_tp_runs() + torchao_float8_runs() + megatron_bridge_dense_runs()
+            + torchtitan_h100_runs() + torchtitan_sac_runs() + torchtitan_async_tp_runs() + torchtitan_rowwise_filter_runs() + torchao_float8_runs() + megatron_bridge_dense_runs()
             + dgx_cloud_dense_runs()
             + moe_runs() + zoo_script_runs())
 
@@ -686,5 +699,6 @@ def held_out_runs() -> list[Run]:
 from published_dgx_cloud_runs import dgx_cloud_dense_runs  # noqa: E402
 from published_moe_runs import moe_runs  # noqa: E402
 from published_torchtitan_runs import (torchao_float8_runs, torchtitan_async_tp_runs,  # noqa: E402
-                                       torchtitan_h100_runs, torchtitan_runs, torchtitan_sac_runs)
+                                       torchtitan_h100_runs, torchtitan_rowwise_filter_runs, torchtitan_runs,
+                                       torchtitan_sac_runs)
 from published_zoo_script_runs import zoo_script_runs  # noqa: E402  (after published_moe_runs, which it reads)

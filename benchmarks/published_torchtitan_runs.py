@@ -1,5 +1,6 @@
-"""torchtitan's published runs (held out): its A100 and H100 performance tables and a user's H200
-benchmark in its repository, each under `--engine torchtitan`. Split from `published_runs` (which
+"""torchtitan's published runs (held out): its A100 and H100 performance tables, a user's H200
+benchmark in its repository and the figures of its Float8 auto-filter commit, each under
+`--engine torchtitan`. Split from `published_runs` (which
 defines `Run` and the sources), whose `all_runs` adds these.
 
 "selective op" rows ran torchtitan's per-op selective activation checkpointing, the default of its
@@ -12,7 +13,8 @@ them, torchao's float8 roofline); Inductor's other fusion is not modelled.
 from __future__ import annotations
 
 from published_runs import (HELD_OUT, HELD_OUT_FP8, LLAMA2_13B, LLAMA2_70B, TORCHAO_FLOAT8, TORCHTITAN_A100,
-                            TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TRAINY_H200, Run)
+                            TORCHTITAN_ASYNC_TP, TORCHTITAN_H100, TORCHTITAN_H100_SAC, TORCHTITAN_ROWWISE_FILTER,
+                            TRAINY_H200, Run)
 
 FLOAT8 = ("torchao Float8 tensorwise with float8 all-gather (--fp8-recipe tensorwise); torch.compile (--compile) "
           "priced for its fused casts only")
@@ -138,6 +140,28 @@ def torchtitan_async_tp_runs() -> list[Run]:
                     + ("async TP: torch's micro-pipelined all-gather and reduce-scatter matmuls, priced as TP "
                        "communication overlap (--tp-comm-overlap)" if overlap else "vanilla TP: blocking collectives",
                        H100_PEAK)))
+    return runs
+
+
+def torchtitan_rowwise_filter_runs() -> list[Run]:
+    """The async-TP table's Llama 3.1 70B job (256 GPUs, FSDP 32 x TP 8, local batch 16, full AC,
+    compiled) under Float8 rowwise with attention.wk and attention.wv left in bf16 (`fp8_filter`
+    k, v: what torchao's auto filter leaves for 70B), vanilla and async TP: the figures of
+    torchtitan's auto-filter commit, scored against the table's BF16 runs of the job."""
+    runs = []
+    for overlap, tps in ((False, 660.0), (True, 695.0)):
+        runs.append(Run(
+            f"torchtitan H100 Llama3.1 70B rowwise k,v bf16 fsdp32 tp8{' async-tp' if overlap else ''}", HELD_OUT_FP8,
+            TORCHTITAN_ROWWISE_FILTER, "h100-96g-500w", "llama3-70b", 256, 16 * 256 // 8, 8192, tp=8, sp=True,
+            mbs=16, zero=3, recompute="full", precision="fp8", fp8_recipe="rowwise", fp8_filter=("k", "v"),
+            tp_comm_overlap=overlap, published_tokens_per_s=tps * 256, engine="torchtitan", attention="sdpa-flash",
+            torch_compile=True, bf16_baseline_source=TORCHTITAN_ASYNC_TP,
+            assumptions=(FLOAT8.replace("tensorwise with float8", "rowwise with bfloat16"),
+                         "attention.wk and attention.wv in bf16 (filter_fqns; --fp8-filter k,v)",
+                         "full activation checkpointing",
+                         "async TP: torch's micro-pipelined all-gather and reduce-scatter matmuls, priced as TP "
+                         "communication overlap (--tp-comm-overlap)" if overlap else "vanilla TP: blocking collectives",
+                         H100_PEAK)))
     return runs
 
 

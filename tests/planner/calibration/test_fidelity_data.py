@@ -537,3 +537,27 @@ def test_shipped_profiles_carry_the_h100_fit_by_their_formulas(modules):
     assert load_cluster("mi300x").device.matmul_efficiency == pytest.approx(h100.matmul_efficiency * 60.1 / 80.1,
                                                                              abs=1e-3)
     assert h100.matmul_half_efficiency_flops == pytest.approx(a100.matmul_half_efficiency_flops * 989 / 312, rel=5e-3)
+
+
+def test_rowwise_filter_rows_are_the_async_tp_table_s_70b_job_with_k_and_v_in_bf16(modules):
+    """torchtitan's auto-filter commit measured the async-TP table's 70B job with wk and wv left in
+    bf16: each of its two rows is the table's rowwise row of the same TP mode in every setting but
+    the filter, pairs with the table's BF16 row of that mode, and reaches the prediction: the step
+    is shorter than the unfiltered row's (k and v's 128-column shards run faster in bf16 at this
+    shape, `fp8_advice`), by under 2% (the two Linears are about 2% of the block's FLOPs)."""
+    data, fit = modules
+    runs = data.all_runs()
+    filtered = [r for r in runs if r.source == data.TORCHTITAN_ROWWISE_FILTER]
+    assert len(filtered) == 2 and all(r.fp8_filter == ("k", "v") and r.group == data.HELD_OUT_FP8 for r in filtered)
+    cluster = load_cluster("h100-96g-500w")
+    for run in filtered:
+        table = [r for r in runs if r.source == data.TORCHTITAN_ASYNC_TP and r.spec == run.spec
+                 and r.tp_comm_overlap == run.tp_comm_overlap]
+        unfiltered = next(r for r in table if r.fp8_recipe == "rowwise")
+        assert replace(run, name=unfiltered.name, source=unfiltered.source, fp8_filter=(), bf16_baseline_source="",
+                       published_tokens_per_s=unfiltered.published_tokens_per_s,
+                       assumptions=unfiltered.assumptions) == unfiltered
+        assert run.bf16_baseline_source == data.TORCHTITAN_ASYNC_TP
+        assert any(r.precision == "bf16-mixed" for r in table)
+        mine, theirs = fit.predict(run, cluster, vpp=1), fit.predict(unfiltered, cluster, vpp=1)
+        assert 0.98 * theirs.step_time_s < mine.step_time_s < theirs.step_time_s
