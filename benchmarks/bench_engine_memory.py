@@ -142,7 +142,8 @@ def run_fits(run: Run, engine: str) -> tuple[bool, float]:
                               schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp, precision=run.precision,
                               fp8_recipe=run.fp8_recipe if run.precision == "fp8" else None,
                               attention=run.attention, cp=run.cp, ep=run.ep, etp=run.etp, engine=engine,
-                              recompute_modules=modules, grad_reduce_in_bf16=bf16_grads)
+                              recompute_modules=modules, grad_reduce_in_bf16=bf16_grads,
+                              fp8_filter=run.fp8_filter if run.precision == "fp8" else ())
         peaks.append(prediction.peak_memory_bytes / GIB)
         fits = fits or prediction.fits
     return fits, min(peaks)
