@@ -27,7 +27,10 @@ Compute, per micro-batch on one rank:
   `--engine megatron` a weight's cast is paid once per step (`weight_cast_share`). Under
   torch.compile (torchtitan's, `ParallelConfig.torch_compile`) an input's and an output
   gradient's cast lose their first read to the kernel before them (`cast_times_s`), unless an
-  all-gather produced the tensor (`collective_cast_values`);
+  all-gather produced the tensor (`collective_cast_values`). One cast of a region's input serves
+  its column Linears, as Transformer Engine's fused linear_qkv and linear_fc1 and torch.compile
+  make it; torchtitan's separate Linears run eagerly cast it once each, forward and backward
+  (`fp8_eager`);
 - torchao's rowwise gradient GEMMs: one more bf16 pass over each output (`gradient_rescale_s`);
 - FSDP2's float8 all-gather: a weight cast on the rank's fp32 shard as it is gathered, then copied
   into its transposed layout (`gathered_weight_cast_bytes`);
@@ -56,6 +59,7 @@ from meshplan.planner.contracts.engine_rules import runs_compiled
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
+from meshplan.planner.costing.fp8_eager import activation_cast_times_s, casts_eagerly, column_casts_per_region
 from meshplan.planner.costing.fp8_filter import Fp8Linears, fp8_linears
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
@@ -248,7 +252,7 @@ def linear_input_bytes(layer: LayerProfile, info: ModelInfo, linears: Fp8Linears
 
 def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_bytes: float,
                 shapes: tuple = (), tokens: float = 0.0, on_shard: bool = False,
-                linears: Fp8Linears | None = None) -> tuple[float, float, float]:
+                linears: Fp8Linears | None = None, column_casts: float = 1.0) -> tuple[float, float, float]:
     """(input, weight, output-gradient) values one micro-batch casts to fp8 on one rank: the
     Linears' inputs (one cast per region, shared by q, k, v and by up, gate; the column Linears'
     whole, gathered under SP; the row Linears' /tp), their weights (/tp) and, with the block's
@@ -256,9 +260,10 @@ def cast_values(layer: LayerProfile, info: ModelInfo, tp: int, mbs: float, elem_
     shapes, as many gradient values as input values. `on_shard` (`fp8_tp_gather`): the column
     Linears' inputs and the row Linears' output gradients are cast before their all-gathers, on
     the rank's sequence shard (/tp). `linears`: the fp8 ones where a filter leaves some in bf16
-    (`shapes` then the fp8 Linears')."""
+    (`shapes` then the fp8 Linears'). `column_casts`: how many times each region's input is cast
+    (`fp8_eager.column_casts_per_region`; 1, shared, as a compiled or fused stack casts it)."""
     replicated, sharded = linear_input_bytes(layer, info, linears)
-    inputs = (replicated / (tp if on_shard else 1) + sharded / tp) * mbs / elem_bytes
+    inputs = (replicated * column_casts / (tp if on_shard else 1) + sharded / tp) * mbs / elem_bytes
     grads = output_gradient_values(shapes, tokens, tp, on_shard) if shapes else inputs
     return inputs, linear_params(layer, info, linears) / tp, grads
 
@@ -409,8 +414,7 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
     recipe, mbs = recipe_of(config), config.rank_microbatch
     seq = infer_seq(layer, info, profile_dtype)
     linears = fp8_linears(layer, info, config, profile_dtype)  # which run in fp8; the rest as bf16 Linears
-    shapes, filtered = linears.fp8_shapes, (None if linears.everything else linears)
-    tokens = mbs * seq
+    shapes, tokens = linears.fp8_shapes, mbs * seq
     if linears.shapes:
         lin_fwd = gemm.linear_flops(linears.shapes, tokens, tp)
         lin_bwd = 2 * lin_fwd
@@ -427,17 +431,36 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         fp8_bwd_s = fp8_gemm_time_s(lin_bwd, 2 * num_linears, cluster)
     cast_fwd_s = cast_bwd_s = 0.0
     if shapes or not linears.shapes:  # some Linear casts (a block left wholly in bf16 casts nothing)
-        elem_bytes = DTYPE_BYTES.get(profile_dtype, 2)
-        values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, fp8_tp_gather(layer, config), filtered)
-        cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster,
-                                              runs_compiled(config), gathered_weight_cast_bytes(config),
-                                              collective_cast_values(layer, info, config, tp, mbs, elem_bytes,
-                                                                     shapes, tokens, filtered))
-        cast_bwd_s += gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
+        cast_fwd_s, cast_bwd_s = _block_cast_times_s(layer, info, cluster, config, linears, tp, tokens,
+                                                     DTYPE_BYTES.get(profile_dtype, 2))
     rest_fwd_s, rest_bwd_s = gemm_and_attention_times_s(max(0.0, fwd_flops - lin_fwd), max(0.0, bwd_flops - lin_bwd),
                                                         attention_fwd_flops, ATTENTION_BMMS_PER_BLOCK, cluster, "bf16",
                                                         attention_efficiency)
     return rest_fwd_s + fp8_fwd_s + cast_fwd_s, rest_bwd_s + fp8_bwd_s + cast_bwd_s
+
+
+def _block_cast_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, config: ParallelConfig,
+                        linears: Fp8Linears, tp: int, tokens: float, elem_bytes: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's casts of a block's fp8 Linears: as the
+    recipe casts them (`cast_times_s`), or each Linear's own activation casts where torchao runs
+    eagerly (`fp8_eager`; weights as the recipe casts them), plus rowwise's gradient rescales."""
+    recipe, mbs = recipe_of(config), config.rank_microbatch
+    shapes, filtered = linears.fp8_shapes, (None if linears.everything else linears)
+    on_shard = fp8_tp_gather(layer, config)
+    eager = casts_eagerly(config) and not on_shard
+    values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, on_shard, filtered,
+                         column_casts_per_region(layer, linears) if eager else 1.0)
+    if eager:
+        weight_fwd_s, _ = cast_times_s(recipe, (0.0, values[1], 0.0), weight_cast_share(config), cluster,
+                                       weight_bytes=gathered_weight_cast_bytes(config))
+        input_fwd_s, cast_bwd_s = activation_cast_times_s(values[0], values[2], cluster)
+        cast_fwd_s = weight_fwd_s + input_fwd_s
+    else:
+        cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster,
+                                              runs_compiled(config), gathered_weight_cast_bytes(config),
+                                              collective_cast_values(layer, info, config, tp, mbs, elem_bytes,
+                                                                     shapes, tokens, filtered))
+    return cast_fwd_s, cast_bwd_s + gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
 
 
 def linear_seconds(m: int, k: int, n: int, cluster: ClusterProfile, recipe: str = "tensorwise",

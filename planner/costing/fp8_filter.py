@@ -80,14 +80,26 @@ class Fp8Linears:
         """The fp8 Linears' share of the block's Linear parameters."""
         return self._share(lambda shape: shape[0] * shape[1])
 
+    def _regions(self) -> list[tuple[bool, ...]]:
+        """The fp8 choices of each region's column Linears, which read one input: attention's q, k,
+        v and, in a dense block, the MLP's gate and up (or up)."""
+        return [self.in_fp8[:3]] + ([self.in_fp8[4:-1]] if self.dense_mlp and len(self.shapes) > 4 else [])
+
     @property
     def replicated_share(self) -> float:
         """The share of the regions whose gathered input some fp8 Linear casts: attention's q, k,
         v and, in a dense block, the MLP's column Linears (`fp8.linear_input_bytes`' replicated)."""
         if not self.shapes:
             return 1.0
-        regions = [self.in_fp8[:3]] + ([self.in_fp8[4:-1]] if self.dense_mlp and len(self.shapes) > 4 else [])
+        regions = self._regions()
         return sum(any(region) for region in regions) / len(regions)
+
+    @property
+    def column_linears_per_region(self) -> float:
+        """The fp8 column Linears per region that has one: how many casts of that region's input
+        eager torchao makes (`fp8_eager.column_casts_per_region`)."""
+        counts = [sum(region) for region in self._regions() if any(region)] if self.shapes else []
+        return sum(counts) / len(counts) if counts else 1.0
 
     @property
     def sharded_share(self) -> float:
