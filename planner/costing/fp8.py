@@ -447,13 +447,13 @@ def _block_cast_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterPr
     recipe, mbs = recipe_of(config), config.rank_microbatch
     shapes, filtered = linears.fp8_shapes, (None if linears.everything else linears)
     on_shard = fp8_tp_gather(layer, config)
-    eager = casts_eagerly(config) and not on_shard
-    values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, on_shard, filtered,
-                         column_casts_per_region(layer, linears) if eager else 1.0)
-    if eager:
+    values = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, on_shard, filtered)
+    if casts_eagerly(config) and not on_shard:
         weight_fwd_s, _ = cast_times_s(recipe, (0.0, values[1], 0.0), weight_cast_share(config), cluster,
                                        weight_bytes=gathered_weight_cast_bytes(config))
-        input_fwd_s, cast_bwd_s = activation_cast_times_s(values[0], values[2], cluster)
+        inputs, _, grads = cast_values(layer, info, tp, mbs, elem_bytes, shapes, tokens, on_shard, filtered,
+                                       column_casts_per_region(layer, linears))
+        input_fwd_s, cast_bwd_s = activation_cast_times_s(inputs, grads, cluster)
         cast_fwd_s = weight_fwd_s + input_fwd_s
     else:
         cast_fwd_s, cast_bwd_s = cast_times_s(recipe, values, weight_cast_share(config), cluster,
