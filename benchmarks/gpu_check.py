@@ -1,10 +1,11 @@
 """Predicted against measured on one CUDA GPU: GEMMs by shape, fused attention by kernel and
-sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), the memory bandwidth, `calibrate --nproc 1`, and whole training
+sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), a Llama 3 70B TP 8 shard's
+Linears under torchao's Float8 (`fp8_block_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
     python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train | --train-only] [--cases A,B]
-        [--sections copy,gemm,attention,fp8,fp8_rowwise,calibrate] [--steps 12]
+        [--sections copy,gemm,attention,fp8,fp8_rowwise,fp8_block,calibrate] [--steps 12]
 
 Nothing measured here is fitted to: every prediction comes from the shipped profile (`--cluster`,
 default the one whose device name matches this GPU), so each figure is held out. Results are
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fp8_block_check import check_fp8_block  # a sibling in benchmarks/
 
 # Transformer Linears (column: split on the output under TP), forward and both gradient GEMMs:
 # hidden sizes of small to large models, 2K and 8K tokens a micro-batch, no TP and a 4-way shard.
@@ -251,7 +254,9 @@ def check_copy(torch, clusters: dict) -> dict:
 
 # The kernel sections in the order they run (`--sections`); calibrate runs `meshplan calibrate`.
 KERNEL_SECTIONS = {"copy": check_copy, "gemm": check_gemms, "attention": check_attention, "fp8": check_fp8,
-                   "fp8_rowwise": check_fp8_rowwise, "calibrate": None}
+                   "fp8_rowwise": check_fp8_rowwise,
+                   "fp8_block": lambda torch, clusters: check_fp8_block(torch, clusters, lambda fn: _timed(torch, fn)),
+                   "calibrate": None}
 
 
 def _meshplan(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:

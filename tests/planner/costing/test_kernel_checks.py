@@ -138,3 +138,29 @@ def test_the_prepared_gpu_rowwise_check_runs_its_kernels_and_sums_each_recipe():
         r["tensorwise_slow_accum_s"] for r in grads)
     assert summary["predicted_fp8_s[h100-sxm]"] == pytest.approx(
         sum(gemm.gemm_time_s(r["m"], r["n"], r["k"], cluster, "fp8") for r in rows))
+
+
+def test_the_prepared_gpu_fp8_block_check_times_each_variant_beside_its_price():
+    """benchmarks/fp8_block_check.py (gpu_check's fp8_block section) eagerly on CPU at a tiny shard,
+    timed by a counter: the three variants run through torchao's Float8 (every Linear, or wk and wv
+    left alone), and each row carries meshplan's price of the 70B shard: bf16 its seven Linears'
+    GEMMs by shape; rowwise more where k and v are cast too, eagerly (`fp8_eager`)."""
+    import torch
+
+    pytest.importorskip("torchao.float8")
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        block_check = importlib.import_module("fp8_block_check")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    cluster = load_cluster("h100-sxm")
+    calls = iter(range(1, 10_000))
+    out = block_check.check_fp8_block(torch, {"h100-sxm": cluster}, lambda fn: (fn(), float(next(calls)))[1],
+                                      device="cpu", rows=64, dims=(512, 128, 1024), modes=(False,))
+    assert [(r["variant"], r["measured_s"]) for r in out["rows"]] == [("bf16", 1.0), ("rowwise", 2.0),
+                                                                      ("rowwise k,v bf16", 3.0)]
+    bf16, whole, kept = (r["predicted_s[h100-sxm]"] for r in out["rows"])
+    assert bf16 == pytest.approx(block_check.predicted_s(None, (), False, cluster, 2))
+    assert whole > kept > 0 and bf16 > 0
+    assert out["eager"]["rowwise over k,v bf16, measured"] == 2.0 / 3.0
+    assert out["eager"]["rowwise over k,v bf16, predicted [h100-sxm]"] == whole / kept
