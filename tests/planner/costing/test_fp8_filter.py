@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from meshplan.cli import main
 from meshplan.planner.contracts.config import ParallelConfig
@@ -299,3 +300,30 @@ def test_estimates_hint_prints_the_step_of_the_filter_it_names(h100, capsys):
                         engine="torchtitan", fp8_recipe="rowwise", torch_compile=True, fp8_filter=("k", "v"))
     assert hint.startswith("hint: k, v run faster in bf16")
     assert f"--fp8-filter k,v gives {filtered.step_time_s * 1e3:.1f} ms per step" in hint
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_filter_and_fqn_filter_decide_as_torchao_does(recipe):
+    """meshplan's copy of torchao's auto filter (`AUTO_FILTER_RULES`, dims multiple of 16) and of
+    filter_fqns' substring rule (torchtitan's job reader, `TORCHTITAN_LINEAR_FQNS`) against
+    torchao's own `_auto_filter_for_recipe` on nn.Linears of every (N, K) on a grid around its
+    thresholds (meta device): the same Linears convert."""
+    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    from torchao.float8.config import Float8LinearRecipeName
+
+    from meshplan.planner.contracts.fp8_choice import TORCHTITAN_LINEAR_FQNS
+    from meshplan.planner.costing.fp8_filter import AUTO_FILTER_RULES, FP8_DIM_MULTIPLE
+    from meshplan.planner.engines.torchtitan import _float8_filter
+
+    torchao_filter = utils._auto_filter_for_recipe(Float8LinearRecipeName(recipe), [])
+    dims = (8, 1000, 1024, 1040, 2048, 2064, 4096, 4112, 8192)
+    for n in dims:
+        for k in dims:
+            linear = torch.nn.Linear(k, n, bias=False, device="meta")
+            mine = k % FP8_DIM_MULTIPLE == 0 and n % FP8_DIM_MULTIPLE == 0 and not AUTO_FILTER_RULES[recipe](n, k)
+            assert mine == torchao_filter(linear, "layers.0.feed_forward.w1"), (n, k)
+    linear = torch.nn.Linear(8192, 8192, bias=False, device="meta")  # converted by the auto filter alone
+    for entry in ("attention", "wk", "attention.wv", "feed_forward", "w2"):
+        named = utils._auto_filter_for_recipe(Float8LinearRecipeName(recipe), [entry])
+        torchao_kept = {role for role, fqn in TORCHTITAN_LINEAR_FQNS.items() if not named(linear, f"layers.3.{fqn}")}
+        assert set(_float8_filter({"float8": {"filter_fqns": ["output", entry]}}, [])) == torchao_kept, entry
