@@ -1,6 +1,7 @@
-"""torchao's Float8Linear run eagerly (torchtitan without torch.compile): the casts it makes,
-counted in torchao itself on CPU, eagerly and under AOTAutograd (the graph torch.compile's Inductor
-receives), and meshplan's price of them (`costing.fp8_eager`) against bytes derived by hand."""
+"""torchao's Float8Linear as meshplan prices it, checked in torchao itself on CPU, eagerly and
+under AOTAutograd (the graph torch.compile's Inductor receives): the casts it makes eagerly and
+compiled (`costing.fp8_eager`, priced against bytes derived by hand), and the kernels rowwise's
+gradient GEMMs run (`fp8.Fp8Recipe.rescaled_gradient_gemms`)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -56,6 +57,26 @@ def float8_attention(recipe: str):
     return module
 
 
+def aot_graphs(module, x):
+    """(forward, backward) FX graphs AOTAutograd makes of `module` on `x` with Inductor's partitioner."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = []
+
+    def keep(graph_module, _):
+        graphs.append(graph_module.graph)
+        return make_boxed_func(graph_module.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep,
+                                                          partition_fn=min_cut_rematerialization_partition))
+    compiled(x).float().sum().backward()
+    torch._dynamo.reset()
+    return graphs
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_eager_float8_linears_each_cast_their_input_twice_and_save_it_in_bf16(recipe):
     """Eagerly, q, k and v each cast the shared input forward and again backward (6 casts, where a
@@ -84,25 +105,39 @@ def test_under_aot_autograd_one_cast_of_the_shared_input_feeds_q_k_and_v(recipe)
     """The graph torch.compile hands Inductor (AOTAutograd, Inductor's min-cut partitioner): its
     common-subexpression pass leaves one amax of the input where eager runs three, the casts a
     fused stack shares (`fp8.cast_values`' one cast per region)."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    module, graphs = float8_attention(recipe), []
-
-    def keep(graph_module, _):
-        graphs.append(graph_module)
-        return make_boxed_func(graph_module.forward)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(module, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep,
-                                                          partition_fn=min_cut_rematerialization_partition))
-    compiled(torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
-    forward = graphs[0].graph
+    forward, _ = aot_graphs(float8_attention(recipe),
+                            torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True))
     x = next(node for node in forward.nodes if node.op == "placeholder"
              and tuple(node.meta["val"].shape) == (TOKENS, HIDDEN))
     assert [user.target for user in x.users].count(torch.ops.aten.abs.default) == 1
-    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_rowwise_gradient_gemms_run_unscaled_and_are_rescaled_after(recipe):
+    """The fp8 GEMMs of one Linear: forward with fast accumulation and the recipe's scales (one per
+    tensor; rowwise one per row of the input and per column of the weight); both gradient GEMMs
+    without fast accumulation, tensorwise with its scales in the kernel, rowwise on unit scales
+    (the tensorwise kernel) with a multiply after each: the pass `gradient_rescale_s` prices."""
+    assert fp8.RECIPES[recipe].rescaled_gradient_gemms == (recipe == "rowwise")
+    torchao_float8 = pytest.importorskip("torchao.float8")
+    module = nn.Sequential(nn.Linear(HIDDEN, KV, bias=False)).to(torch.bfloat16)
+    torchao_float8.convert_to_float8_training(module, config=torchao_float8.Float8LinearConfig.from_recipe_name(recipe))
+    forward, backward = aot_graphs(module, torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True))
+
+    def gemms(graph):
+        out = []
+        for node in graph.nodes:
+            if node.target is torch.ops.aten._scaled_mm.default:
+                args = dict(zip(("a", "b", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "fast"), node.args))
+                out.append((tuple(args["scale_a"].meta["val"].shape), tuple(args["scale_b"].meta["val"].shape),
+                            args["scale_a"].target is torch.ops.aten.new_ones.default, bool(args.get("fast", False)),
+                            [user.target for user in node.users] == [torch.ops.aten.mul.Tensor]))
+        return out
+
+    row_scales = ((TOKENS, 1), (1, KV)) if recipe == "rowwise" else ((), ())
+    assert gemms(forward) == [(*row_scales, False, True, False)]
+    unscaled = recipe == "rowwise"
+    assert gemms(backward) == [((), (), unscaled, False, unscaled)] * 2
 
 
 def test_only_torchtitan_without_compile_casts_eagerly():
