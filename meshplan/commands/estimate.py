@@ -108,7 +108,8 @@ def run(args) -> int:
         return 0
     print(format_prediction(prediction, heading, cluster.device.usable_memory_bytes, cluster))
     print(band_line(prediction.step_time_s, heading.config, args.model, args.seq, cluster))
-    hint = _zero_hint(args, prediction) or _fp8_filter_hint(args, heading.config, cluster, prediction)
+    hint = (_zero_hint(args, prediction) or _compile_hint(args, heading.config, prediction)
+            or _fp8_filter_hint(args, heading.config, cluster, prediction))
     if hint:
         print(hint)
     return does_not_fit("estimate", prediction, cluster.device.usable_memory_bytes, hint, config=heading.config,
@@ -138,8 +139,9 @@ def _heading(args, cluster) -> Heading:
                    seq=args.seq)
 
 
-def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None):
-    """The command's job at ZeRO stage `zero` (with `fp8_filter` for its own, where given)."""
+def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None, torch_compile: bool | None = None):
+    """The command's job at ZeRO stage `zero` (with `fp8_filter` and `torch_compile` for its own,
+    where given)."""
     from meshplan.planner.simulation.estimator import estimate
 
     return estimate(args.model, args.cluster, gpus=args.gpus, global_batch=args.gbs, seq=args.seq,
@@ -154,7 +156,8 @@ def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None):
                     microbatch_group_size=args.microbatch_group_size, grad_reduce_in_bf16=args.grad_reduce_in_bf16,
                     tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
                     moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
-                    recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
+                    recompute_early_stop=recompute_early_stop_of(args),
+                    torch_compile=args.torch_compile if torch_compile is None else torch_compile,
                     fp8_filter=args.fp8_filter if fp8_filter is None else fp8_filter)
 
 
@@ -180,6 +183,30 @@ def _fp8_filter_hint(args, config, cluster, prediction) -> str:
     return (f"hint: {slower} run faster in bf16 at these shapes (their casts cost more than fp8 saves): "
             f"--fp8-filter {','.join(names)} gives {best_s * 1e3:.1f} ms per step "
             f"({1 - best_s / prediction.step_time_s:.1%} less)")
+
+
+# A compile hint is printed when it saves at least this share of the step.
+COMPILE_HINT_SAVING = 0.01
+
+
+def _compile_hint(args, config, prediction) -> str:
+    """Under an engine that compiles (torchtitan) run without it: the step with --compile, where it
+    fits and saves at least `COMPILE_HINT_SAVING`; torch.compile fuses the blocks' elementwise
+    kernels (`costing.eager_kernels`) and, under fp8, makes one cast of each shared input
+    (`costing.fp8_eager`)."""
+    from meshplan.planner.contracts.engine_rules import COMPILE_ENGINES, runs_compiled
+    from meshplan.planner.costing.fp8_eager import casts_eagerly
+
+    if not prediction.fits or config.engine not in COMPILE_ENGINES or runs_compiled(config):
+        return ""
+    compiled = _estimate_at(args, args.zero, torch_compile=True)
+    if not compiled.fits or compiled.step_time_s > (1 - COMPILE_HINT_SAVING) * prediction.step_time_s:
+        return ""
+    why = ("it fuses the blocks' elementwise kernels" + (" and casts each shared Float8 Linear input once (eagerly "
+           "each Linear casts its own, forward and again backward)" if casts_eagerly(config) else ""))
+    return (f"hint: --compile (torch.compile, {config.engine}'s training.compile) gives "
+            f"{compiled.step_time_s * 1e3:.1f} ms per step ({1 - compiled.step_time_s / prediction.step_time_s:.1%} "
+            f"less): {why}")
 
 
 def _zero_hint(args, prediction) -> str:

@@ -65,3 +65,26 @@ def test_compile_prices_fp8_casts_fused_and_travels_in_the_plan(run_cli, tmp_pat
     assert code == 0, err
     assert "torch.compile priced as its Float8 casts fused" in err
     assert json.loads(out)["step_time_s"] == pytest.approx(written["prediction"]["step_time_s"], rel=1e-6)
+
+
+def test_estimate_without_compile_under_torchtitan_hints_the_compiled_step(run_cli):
+    """Under torchtitan without --compile, `estimate` names the compiled step, `estimate --compile`'s
+    own (to the printed 0.1 ms), and why: elementwise kernels fused and, under fp8, the Float8
+    Linears' shared casts; no hint once compiled, nor under an engine that does not compile."""
+    def run(*flags):
+        code, out, err = run_cli("estimate", *JOB, *flags)
+        assert code == 0, err
+        return out
+
+    for precision, why in (("bf16-mixed", "it fuses the blocks' elementwise kernels"),
+                           ("fp8", "it fuses the blocks' elementwise kernels and casts each shared Float8 Linear "
+                                   "input once (eagerly each Linear casts its own, forward and again backward)")):
+        flags = ("--engine", "torchtitan", "--precision", precision)
+        code, out, err = run_cli("estimate", *JOB, *flags, "--compile", "--json")
+        compiled_s = json.loads(out)["step_time_s"]
+        hint = run(*flags).strip().splitlines()[-1]
+        assert hint.startswith(f"hint: --compile (torch.compile, torchtitan's training.compile) gives "
+                               f"{compiled_s * 1e3:.1f} ms per step"), hint
+        assert hint.endswith(why), hint
+        assert "hint: --compile" not in run(*flags, "--compile")
+    assert "hint: --compile" not in run("--engine", "megatron")
