@@ -161,13 +161,15 @@ def _check_args(args) -> None:
 
 
 def _print_plan(args, result, data: dict, sizing_lines: list[str]) -> None:
-    """The plan as text: the plan, its step time's band, the sizing and the loss-fusion lines."""
+    """The plan as text: the plan, its step time's band, the sizing, loss-fusion, compile and fp8
+    filter lines."""
     from meshplan.commands.bands import band_line
 
     step = data["prediction"]["step_time_s"]
     print("\n".join([format_plan(data, args), band_line(step, result.config, result.model.spec, result.model.seq,
                                                        result.cluster)]
-                    + sizing_lines + loss_fusion_lines(result, step) + fp8_filter_lines(result, step)))
+                    + sizing_lines + loss_fusion_lines(result, step) + compile_lines(result, step)
+                    + fp8_filter_lines(result, step)))
 
 
 def loss_fusion_lines(plan, step_s: float) -> list[str]:
@@ -187,6 +189,24 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
         return []
     return [f"loss: Megatron-LM's unfused fp32 cross-entropy; --cross-entropy-fusion te (Transformer Engine's kernel, "
             f"with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te) takes {saved_s * 1e3:.3g} ms "
+            f"({saved_s / step_s:.1%}) off the step"]
+
+
+def compile_lines(plan, step_s: float) -> list[str]:
+    """Under an engine that compiles (torchtitan) planned without it, what torch.compile takes off
+    the winner's step, simulated (`estimate`'s compile hint, for a plan); none under 1%."""
+    from dataclasses import replace
+
+    from meshplan.planner.contracts.engine_rules import COMPILE_ENGINES, runs_compiled
+    from meshplan.planner.simulation.simulator import simulate
+
+    config = plan.config
+    if config.engine not in COMPILE_ENGINES or runs_compiled(config):
+        return []
+    saved_s = step_s - simulate(replace(plan, config=replace(config, torch_compile=True)), timeline=False).step_time_s
+    if saved_s < 0.01 * step_s:
+        return []
+    return [f"compile: --compile (torch.compile, {config.engine}'s training.compile) takes {saved_s * 1e3:.3g} ms "
             f"({saved_s / step_s:.1%}) off the step"]
 
 

@@ -88,3 +88,24 @@ def test_estimate_without_compile_under_torchtitan_hints_the_compiled_step(run_c
         assert hint.endswith(why), hint
         assert "hint: --compile" not in run(*flags, "--compile")
     assert "hint: --compile" not in run("--engine", "megatron")
+
+
+def test_plan_without_compile_under_torchtitan_says_what_compile_takes_off(run_cli, tmp_path):
+    """`plan` under torchtitan without --compile: the line's saving is the plan's step less the same
+    plan simulated with `torch_compile` (its plan.json with the key set), to the printed 3 digits;
+    no line once planned compiled."""
+    import re
+
+    plan_path, compiled_path = tmp_path / "plan.json", tmp_path / "compiled.json"
+    code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--out", str(plan_path))
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("compile: "))
+    saved_ms = float(re.search(r"takes ([0-9.]+) ms", line).group(1))
+    written = json.loads(plan_path.read_text())
+    compiled_path.write_text(json.dumps({**written, "torch_compile": True}))
+    code, out_compiled, err = run_cli("simulate", "--plan", str(compiled_path), "--json")
+    assert code == 0, err
+    expected_ms = (written["prediction"]["step_time_s"] - json.loads(out_compiled)["step_time_s"]) * 1e3
+    assert saved_ms == pytest.approx(expected_ms, rel=5e-3)
+    code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--compile")
+    assert code == 0 and "compile: " not in out, err
