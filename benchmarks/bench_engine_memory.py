@@ -7,8 +7,8 @@ own rules, `planner/costing/engine_memory.py`, `megatron_activations.py`):
 
 1. Published per-GPU memory figures (`MEMORY_FIGURES`), each with its source: Korthikanti et al.
    2022 Figure 1 (first-stage activations, Megatron-LM), torchtitan's H100 tables (peak memory
-   reserved by PyTorch's caching allocator, torchtitan's `max_reserved`, for the rows it runs
-   without torch.compile and Float8, which meshplan does not model). An activation figure is
+   reserved by PyTorch's caching allocator, torchtitan's `max_reserved`: its FSDP rows eager, with
+   torch.compile, and with torch.compile and Float8). An activation figure is
    compared with the first pipeline rank's activations; a reserved figure with the predicted
    peak, whose buffers hold the allocator's fragmentation (`engine_memory.allocator_reserve_fraction`).
    Target: every figure within 10%. (Korthikanti et al.'s Figure 7, activation memory per
@@ -48,7 +48,8 @@ KORTHIKANTI_FIGURE_1 = ("Korthikanti et al. 2022 (arXiv:2205.05198), Figure 1: a
                         "pipeline stage with sequence parallelism and selective recomputation; shapes, degrees and "
                         "batches from its Table 3 (seq 2048, vocab 51200)")
 TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 8B on H100 (95 GiB HBM2e, Grand Teton), Tables 1 "
-                   "and 3, 'FSDP' rows (torch 1963fc8, torchtitan 9dec370, 2024-12)")
+                   "and 3, 'FSDP', 'FSDP + torch.compile' and 'FSDP + torch.compile + Float8' rows (torch 1963fc8, "
+                   "torchtitan 9dec370, 2024-12)")
 # torchtitan's H100s hold 95 GiB (its docs/performance.md); the h100-sxm profile's other figures stand
 TORCHTITAN_H100_MEMORY_BYTES = 95 * GIB
 
@@ -87,12 +88,17 @@ def korthikanti_figures() -> list[MemoryFigure]:
 
 
 def torchtitan_figures() -> list[MemoryFigure]:
+    """Each FSDP row of the tables: eager, torch.compile, and torch.compile with Float8 (torchao
+    tensorwise with float8 all-gather, the Float8 rows' settings in `published_runs`)."""
     assumptions = ("FSDP2 fully_shard over all GPUs (ZeRO-3), local batch 2 = one micro-batch, seq 8192 "
                    "(torchtitan's llama3_8b.toml), selective op activation checkpointing",)
-    return [MemoryFigure(f"torchtitan 8B FSDP {gpus} GPUs", TORCHTITAN_H100, "torchtitan", "peak reserved", gib,
-                         "h100-sxm", "llama3-8b", gpus, 2 * gpus, 8192, dict(mbs=2, zero=3, recompute="selective"),
-                         assumptions)
-            for gpus, gib in ((8, 82.4), (128, 67.0))]
+    techniques = (("", {}), (" compile", dict(torch_compile=True)),
+                  (" compile Float8", dict(torch_compile=True, precision="fp8", fp8_recipe="tensorwise")))
+    rows = ((8, (82.4, 77.0, 76.8)), (128, (67.0, 62.0, 61.8)))
+    return [MemoryFigure(f"torchtitan 8B FSDP {gpus} GPUs{label}", TORCHTITAN_H100, "torchtitan", "peak reserved",
+                         gib, "h100-sxm", "llama3-8b", gpus, 2 * gpus, 8192,
+                         dict(mbs=2, zero=3, recompute="selective", **extra), assumptions)
+            for gpus, figures in rows for (label, extra), gib in zip(techniques, figures)]
 
 
 MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()

@@ -24,7 +24,7 @@ H100_PEAK = "h100-96g-500w's peak: midpoint of H100 SXM and NVL (torchtitan: 'be
 LAYER_SAC_EVERY = 2
 LAYER_SAC = "selective layer checkpointing: every second block fully recomputed (torchtitan's default option '2')"
 OP_SAC = ("selective op activation checkpointing: torchtitan's policy (every second mm and everything but the "
-          "attention kernel rerun; under Float8 every Linear: `_scaled_mm` is not on its list)")
+          "attention kernel rerun; Float8 Linears alike: the policy sees their aten.mm on torchao's subclass)")
 
 
 def torchtitan_runs() -> list[Run]:

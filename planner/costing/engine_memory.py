@@ -37,8 +37,8 @@ f the MLP width, a the heads, t the TP degree (sp_t = t under sequence paralleli
   Linears, which keep the gathered (whole) input. Its SAC (`activation_checkpoint.mode =
   "selective"`, op policy: mm, sdpa and reductions saved, every second mm recomputed) keeps the
   block input, attention's output and the outputs of the Linears `torchtitan_sac.saved_linear_shapes`
-  names (wq, wv, w1, w2; none under Float8, whose `aten._scaled_mm` is not on 0.2's list); full
-  AC keeps the block input.
+  names (wq, wv, w1, w2; Float8 Linears alike: the policy sees their `aten.mm` on torchao's
+  subclass); full AC keeps the block input.
   Float8 (torchao `Float8Linear`) saves the Linears' inputs in bf16 (`matmul_with_hp_or_float8_args`
   keeps `input_hp`): fp8 keeps bf16's activations.
 - Context parallelism: Transformer Engine's context-parallel attention (`AttnFuncWithCPAndKVP2P`,
@@ -355,7 +355,7 @@ def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInf
     if recompute == "full":
         return b * h / t, full
     if recompute == "selective":  # op SAC: the input, attention's output and the saved Linears' outputs
-        saved = torchtitan_sac.saved_linear_shapes(gemm.block_linear_shapes(layer, info, seq), config.precision)
+        saved = torchtitan_sac.saved_linear_shapes(gemm.block_linear_shapes(layer, info, seq))
         outputs = sum(out / t if column else out for _, out, column in saved)  # a row Linear's: its partial sum
         kept = b * h / t + (b * hq + 4.0 * heads) / t + b * outputs
         return kept, max(0.0, full - kept)

@@ -17,10 +17,13 @@ add does. The extra seconds of one micro-batch on one rank:
   and the saved Linears' forward GEMMs (by shape, `gemm.linear_times_s`, as the forward prices
   them). A block whose Linears' shapes meshplan does not know (a traced model's) reruns all of
   them: the cautious side.
-- fp8 (torchao's `Float8Linear`): its GEMM is `aten._scaled_mm`, which v0.2's list does not name,
-  so every Linear reruns with its casts: the forward less the attention kernel. (torchtitan's
-  later lists take torch's `compute_intensive_ops`, which name `_scaled_mm`; meshplan prices the
-  0.2 release its torchtitan engine describes.)
+- fp8 (torchao's `Float8Linear`): the policy's dispatch mode sees a Float8 Linear's product as
+  `aten.mm` on torchao's Float8 tensor subclass (its `aten._scaled_mm` runs beneath, in the
+  subclass's own dispatch), so it saves and reruns Float8 Linears as it does bf16 ones, eagerly
+  and under torch.compile (tests/planner/costing/test_torchtitan_sac.py runs torchtitan's policy
+  on a torchao Float8 block; torchtitan's Float8 rows keep bf16's memory: 76.8 GiB against
+  77.0 compiled, docs/performance.md Table 1). A saved Linear's forward GEMM does not rerun (in
+  fp8, or bf16 where a filter leaves it); the casts feeding it do (priced, the cautious side).
 - TP: the sequence-parallel all-gathers before the column Linears are not on the list and run
   again; the reduce-scatters after the row Linears are saved: half the forward's collectives
   (`TP_RERUN_SHARE`, `tp_rerun_s`).
@@ -38,7 +41,8 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.device_time import infer_seq
-from meshplan.planner.costing.fp8 import is_fp8
+from meshplan.planner.costing.fp8 import is_fp8, recipe_of
+from meshplan.planner.costing.fp8_filter import fp8_linears
 from meshplan.planner.costing.tp_split import is_split
 
 ENGINE = "torchtitan"
@@ -51,36 +55,44 @@ def applies(config: ParallelConfig) -> bool:
     return config.engine == ENGINE and config.recompute == "selective"
 
 
-def _saves(index: int, precision: str) -> bool:
+def _saves(index: int) -> bool:
     """Whether the policy saves the output of the block's `index`-th Linear (0-based): every first,
-    third, fifth ... `aten.mm`, and no Linear under fp8 (`_scaled_mm` is not on the list)."""
-    return index % 2 == 0 and not is_fp8(precision)
+    third, fifth ... `aten.mm`, bf16 or Float8 alike."""
+    return index % 2 == 0
 
 
-def saved_linear_shapes(shapes: tuple, precision: str) -> tuple:
+def saved_linear_shapes(shapes: tuple) -> tuple:
     """The Linears whose forward outputs the policy saves."""
-    return tuple(shape for index, shape in enumerate(shapes) if _saves(index, precision))
+    return tuple(shape for index, shape in enumerate(shapes) if _saves(index))
 
 
-def recomputed_linear_shapes(shapes: tuple, precision: str) -> tuple:
+def recomputed_linear_shapes(shapes: tuple) -> tuple:
     """The Linears whose forward GEMMs rerun in backward: the others."""
-    return tuple(shape for index, shape in enumerate(shapes) if not _saves(index, precision))
+    return tuple(shape for index, shape in enumerate(shapes) if not _saves(index))
 
 
 def recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, info: ModelInfo, fwd_s: float,
                 attention_s: float, profile_dtype: str, dtype: str) -> float:
     """Seconds of one micro-batch's rerun on one rank (module docstring): the layer's forward
-    `fwd_s` less its attention kernel `attention_s` and, in bf16, its saved Linears' GEMMs. Layers
+    `fwd_s` less its attention kernel `attention_s` and its saved Linears' forward GEMMs (at
+    `dtype`; under fp8 the fp8 ones at the recipe's rate, `fp8_filter.fp8_linears`). Layers
     torchtitan does not checkpoint (embedding, output) rerun nothing."""
     if layer.kind != "block":
         return 0.0
     seconds = fwd_s - attention_s
     seq = infer_seq(layer, info, profile_dtype)
-    saved = saved_linear_shapes(gemm.block_linear_shapes(layer, info, seq), config.precision)
-    if saved:
-        tokens = config.rank_microbatch * seq
-        shard = config.tp if is_split(layer, config.tp) else 1
-        seconds -= gemm.linear_times_s(saved, tokens, shard, cluster, dtype)[0]
+    shapes = gemm.block_linear_shapes(layer, info, seq)
+    if not shapes:
+        return max(0.0, seconds)
+    tokens = config.rank_microbatch * seq
+    shard = config.tp if is_split(layer, config.tp) else 1
+    in_fp8 = is_fp8(config.precision)
+    fp8 = fp8_linears(layer, info, config, profile_dtype).in_fp8 if in_fp8 else (False,) * len(shapes)
+    saved = [index for index in range(len(shapes)) if _saves(index)]
+    scale_block = recipe_of(config).scale_block if in_fp8 else 0
+    for fp8_on, gemm_dtype, scale_block in ((False, dtype, 0), (True, "fp8", scale_block)):
+        if group := tuple(shapes[index] for index in saved if fp8[index] is fp8_on):
+            seconds -= gemm.linear_times_s(group, tokens, shard, cluster, gemm_dtype, scale_block)[0]
     return max(0.0, seconds)
 
 

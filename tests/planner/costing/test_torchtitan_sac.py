@@ -82,9 +82,12 @@ class _MatmulShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_matmuls(sac: bool) -> tuple[Counter, float]:
+def _backward_matmuls(sac: bool, recipe: str | None = None) -> tuple[Counter, float]:
     torch.manual_seed(0)
     block = LlamaBlock()
+    if recipe:  # torchao's Float8 Linears, as torchtitan's float8 converter swaps them in
+        float8 = pytest.importorskip("torchao.float8")
+        float8.convert_to_float8_training(block, config=float8.Float8LinearConfig.from_recipe_name(recipe))
     x = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
     if sac:
         context = partial(create_selective_checkpoint_contexts, partial(_policy, {"forward": 0, "recompute": 0}))
@@ -97,21 +100,22 @@ def _backward_matmuls(sac: bool) -> tuple[Counter, float]:
     return recorded.shapes, sum(2 * m * k * n * count for (m, k, n), count in recorded.shapes.items())
 
 
-def test_torchs_selective_checkpoint_reruns_the_matmuls_meshplan_prices():
-    plain_shapes, plain_flops = _backward_matmuls(sac=False)
-    sac_shapes, sac_flops = _backward_matmuls(sac=True)
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "rowwise"])
+def test_torchs_selective_checkpoint_reruns_the_matmuls_meshplan_prices(recipe):
+    """bf16, and torchao's Float8 Linears: the policy sees their product as `aten.mm` on torchao's
+    subclass, so Float8 blocks rerun the same Linears (wk, wo, w3) and save the others."""
+    plain_shapes, plain_flops = _backward_matmuls(sac=False, recipe=recipe)
+    sac_shapes, sac_flops = _backward_matmuls(sac=True, recipe=recipe)
     rerun = sac_shapes - plain_shapes
     graph = profile(SPEC, SEQ)
     block = next(layer for layer in graph.layers if layer.kind == "block")
     shapes = gemm.block_linear_shapes(block, graph.info, infer_seq(block, graph.info, graph.dtype))
-    predicted = torchtitan_sac.recomputed_linear_shapes(shapes, "bf16-mixed")
+    predicted = torchtitan_sac.recomputed_linear_shapes(shapes)
     tokens = BATCH * SEQ
     assert rerun == Counter((tokens, i, o) for i, o, _ in predicted)  # wk, wo, w3
     assert sac_flops - plain_flops == gemm.linear_flops(predicted, tokens, 1)
-    saved = torchtitan_sac.saved_linear_shapes(shapes, "bf16-mixed")
+    saved = torchtitan_sac.saved_linear_shapes(shapes)
     assert len(saved) + len(predicted) == len(shapes) == 7 and set(saved) | set(predicted) == set(shapes)
-    assert torchtitan_sac.saved_linear_shapes(shapes, "fp8") == ()
-    assert torchtitan_sac.recomputed_linear_shapes(shapes, "fp8") == shapes
 
 
 def _config(**changes) -> ParallelConfig:
@@ -129,7 +133,7 @@ def test_the_rerun_is_the_forward_less_attention_and_saved_gemms(precision):
     megatron_style = layer_cost(block, _config(precision=precision, engine="meshplan", **fp8), H100, graph.info,
                                 profile_dtype=graph.dtype, attention="sdpa-flash")  # the attention core's rerun
     shapes = gemm.block_linear_shapes(block, graph.info, 8192)
-    saved_s = 0.0 if precision == "fp8" else gemm.linear_times_s(shapes[0::2], 2 * 8192, 1, H100, "bf16")[0]
+    saved_s = gemm.linear_times_s(shapes[0::2], 2 * 8192, 1, H100, "fp8" if precision == "fp8" else "bf16")[0]
     assert megatron_style.recompute_s > 0
     expected = sac.fwd_compute_s - H100.device.dp_unit_overhead_s - megatron_style.recompute_s - saved_s
     assert sac.recompute_s == pytest.approx(expected, rel=1e-9)
@@ -168,12 +172,13 @@ def test_a_moe_block_reruns_and_drops_its_routed_experts():
 def test_the_policy_keeps_the_input_attention_and_the_saved_linears_outputs(precision):
     """Memory from the same rule as time (`saved_linear_shapes`): per token of Llama 3 8B, bf16 2 bytes
     a value, the block input (h), attention's output (hq) and fp32 log-sum-exp (4 bytes a head), and
-    the outputs of wq, wv, w1 and w2 (hq + hkv + f + h) in bf16; under Float8 no Linear's."""
+    the outputs of wq, wv, w1 and w2 (hq + hkv + f + h) in bf16, under Float8 too (their products'
+    outputs are bf16)."""
     graph = profile("llama3-8b", 8192, attention="sdpa-flash")
     block = next(layer for layer in graph.layers if layer.kind == "block")
     fp8 = dict(fp8_recipe="tensorwise") if precision == "fp8" else {}
     cost = layer_cost(block, _config(precision=precision, **fp8), H100, graph.info, profile_dtype=graph.dtype,
                       attention="sdpa-flash")
     h, hq, hkv, f, heads = 4096, 4096, 1024, 14336, 32
-    linears = 0 if precision == "fp8" else hq + hkv + f + h
+    linears = hq + hkv + f + h
     assert cost.activation_bytes / (2 * 8192) == pytest.approx(2 * h + 2 * hq + 4 * heads + 2 * linears, rel=1e-9)
