@@ -8,7 +8,8 @@ own rules, `planner/costing/engine_memory.py`, `megatron_activations.py`):
 1. Published per-GPU memory figures (`MEMORY_FIGURES`), each with its source: Korthikanti et al.
    2022 Figure 1 (first-stage activations, Megatron-LM), torchtitan's H100 tables (peak memory
    reserved by PyTorch's caching allocator, torchtitan's `max_reserved`: its FSDP rows eager, with
-   torch.compile, and with torch.compile and Float8). An activation figure is
+   torch.compile, and with torch.compile and Float8; its FSDP x CP rows at 32K-256K tokens and its
+   70B FSDP x TP rows, compiled with Float8 under full activation checkpointing). An activation figure is
    compared with the first pipeline rank's activations; a reserved figure with the predicted
    peak, whose buffers hold the allocator's fragmentation (`engine_memory.allocator_reserve_fraction`).
    Target: every figure within 10%. (Korthikanti et al.'s Figure 7, activation memory per
@@ -51,6 +52,9 @@ TORCHTITAN_H100 = ("torchtitan docs/performance.md, Llama 3.1 8B on H100 (95 GiB
                    "and 3, 'FSDP', 'FSDP + torch.compile' and 'FSDP + torch.compile + Float8' rows (torch 1963fc8, "
                    "torchtitan 9dec370, 2024-12)")
 # torchtitan's H100s hold 95 GiB (its docs/performance.md); the h100-sxm profile's other figures stand
+TORCHTITAN_H100_TABLES = ("torchtitan docs/performance.md, Llama 3.1 on H100 (95 GiB HBM2e, Grand Teton), Table 2 "
+                          "(8B, FSDP x CP) and Table 4 (70B, FSDP 32 x TP 8) (torch 1963fc8, torchtitan 9dec370, "
+                          "2024-12)")
 TORCHTITAN_H100_MEMORY_BYTES = 95 * GIB
 
 
@@ -101,7 +105,26 @@ def torchtitan_figures() -> list[MemoryFigure]:
             for gpus, figures in rows for (label, extra), gib in zip(techniques, figures)]
 
 
-MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures()
+def torchtitan_float8_figures() -> list[MemoryFigure]:
+    """The same tables' Table 2 (Llama 3.1 8B on 8 GPUs, FSDP x CP at 32K-256K tokens, local batch
+    1) and Table 4 (Llama 3.1 70B on 256 GPUs, FSDP 32 x TP 8, local batch 16, vanilla and async
+    TP): torch.compile, Float8 (tensorwise with float8 all-gather) and full activation
+    checkpointing, as `published_torchtitan_runs.torchtitan_h100_runs` times them."""
+    common = dict(zero=3, recompute="full", precision="fp8", fp8_recipe="tensorwise", torch_compile=True,
+                  attention="sdpa-flash")
+    assumptions = ("torch.compile + Float8 (torchao tensorwise, float8 all-gather), full activation checkpointing",)
+    cp_rows = [MemoryFigure(f"torchtitan 8B FSDP x CP {cp} {seq // 1024}K", TORCHTITAN_H100_TABLES, "torchtitan",
+                            "peak reserved", gib, "h100-sxm", "llama3-8b", 8, 8 // cp, seq, dict(cp=cp, **common),
+                            assumptions)
+               for seq, cp, gib in ((32768, 1, 83.9), (65536, 2, 84.2), (131072, 4, 84.0), (262144, 8, 84.5))]
+    tp_rows = [MemoryFigure(f"torchtitan 70B FSDP 32 x TP 8{' async' if overlap else ''}", TORCHTITAN_H100_TABLES,
+                            "torchtitan", "peak reserved", gib, "h100-sxm", "llama3-70b", 256, 512, 8192,
+                            dict(tp=8, sp=True, mbs=16, tp_comm_overlap=overlap, **common), assumptions)
+               for overlap, gib in ((False, 71.9), (True, 67.6))]
+    return cp_rows + tp_rows
+
+
+MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures() + torchtitan_float8_figures()
 
 def memory_engine(run: Run) -> str:
     """The engine whose memory recipe prices a run: the one it ran (`Run.engine`); the runs priced
@@ -117,7 +140,7 @@ def cluster_for(name: str, source: str):
     from meshplan.planner.costing.hardware import load_cluster
 
     cluster = load_cluster(name)
-    if source == TORCHTITAN_H100:
+    if source in (TORCHTITAN_H100, TORCHTITAN_H100_TABLES):
         cluster = replace(cluster, device=replace(cluster.device, memory_bytes=TORCHTITAN_H100_MEMORY_BYTES))
     return cluster
 
