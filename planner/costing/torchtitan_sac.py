@@ -86,12 +86,12 @@ def recompute_s(layer: LayerProfile, config: ParallelConfig, cluster, info: Mode
         return max(0.0, seconds)
     tokens = config.rank_microbatch * seq
     shard = config.tp if is_split(layer, config.tp) else 1
-    in_fp8 = is_fp8(config.precision)
-    fp8 = fp8_linears(layer, info, config, profile_dtype).in_fp8 if in_fp8 else (False,) * len(shapes)
+    fp8_config = is_fp8(config.precision)
+    in_fp8 = fp8_linears(layer, info, config, profile_dtype).in_fp8 if fp8_config else (False,) * len(shapes)
     saved = [index for index in range(len(shapes)) if _saves(index)]
-    scale_block = recipe_of(config).scale_block if in_fp8 else 0
-    for fp8_on, gemm_dtype, scale_block in ((False, dtype, 0), (True, "fp8", scale_block)):
-        if group := tuple(shapes[index] for index in saved if fp8[index] is fp8_on):
+    fp8_block = recipe_of(config).scale_block if fp8_config else 0
+    for fp8_on, gemm_dtype, scale_block in ((False, dtype, 0), (True, "fp8", fp8_block)):
+        if group := tuple(shapes[index] for index in saved if in_fp8[index] is fp8_on):
             seconds -= gemm.linear_times_s(group, tokens, shard, cluster, gemm_dtype, scale_block)[0]
     return max(0.0, seconds)
 
