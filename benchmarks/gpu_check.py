@@ -1,6 +1,6 @@
 """Predicted against measured on one CUDA GPU: GEMMs by shape, fused attention by kernel and
-sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), a Llama 3 70B TP 8 shard's
-Linears under torchao's Float8 (`fp8_block_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
+sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), Llama 3.1 70B and 8B TP 8
+shards' Linears under torchao's Float8 (`fp8_block_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 

@@ -142,8 +142,9 @@ def test_the_prepared_gpu_rowwise_check_runs_its_kernels_and_sums_each_recipe():
 
 def test_the_prepared_gpu_fp8_block_check_times_each_variant_beside_its_price():
     """benchmarks/fp8_block_check.py (gpu_check's fp8_block section) eagerly on CPU at a tiny shard,
-    timed by a counter: the three variants run through torchao's Float8 (every Linear, or wk and wv
-    left alone), and each row carries meshplan's price of the 70B shard: bf16 its seven Linears'
+    timed by a counter: per model of torchtitan's async-TP table (70B, 8B), the three variants run
+    through torchao's Float8 (every Linear, or wk and wv left alone), and each row carries
+    meshplan's price of that model's shard at the table's micro-batch: bf16 its seven Linears'
     GEMMs by shape; rowwise more where k and v are cast too, eagerly (`fp8_eager`)."""
     import torch
 
@@ -156,11 +157,15 @@ def test_the_prepared_gpu_fp8_block_check_times_each_variant_beside_its_price():
     cluster = load_cluster("h100-sxm")
     calls = iter(range(1, 10_000))
     out = block_check.check_fp8_block(torch, {"h100-sxm": cluster}, lambda fn: (fn(), float(next(calls)))[1],
-                                      device="cpu", rows=64, dims=(512, 128, 1024), modes=(False,))
-    assert [(r["variant"], r["measured_s"]) for r in out["rows"]] == [("bf16", 1.0), ("rowwise", 2.0),
-                                                                      ("rowwise k,v bf16", 3.0)]
-    bf16, whole, kept = (r["predicted_s[h100-sxm]"] for r in out["rows"])
-    assert bf16 == pytest.approx(block_check.predicted_s(None, (), False, cluster, 2))
-    assert whole > kept > 0 and bf16 > 0
-    assert out["eager"]["rowwise over k,v bf16, measured"] == 2.0 / 3.0
-    assert out["eager"]["rowwise over k,v bf16, predicted [h100-sxm]"] == whole / kept
+                                      device="cpu", modes=(False,), rows=64, dims=(512, 128, 1024))
+    assert [(r["model"], r["variant"], r["measured_s"]) for r in out["rows"]] == [
+        (model, variant, float(3 * m + v + 1)) for m, model in enumerate(("llama3-70b", "llama3-8b"))
+        for v, variant in enumerate(("bf16", "rowwise", "rowwise k,v bf16"))]
+    for model, local_batch in (("llama3-70b", 16), ("llama3-8b", 12)):
+        bf16, whole, kept = (r["predicted_s[h100-sxm]"] for r in out["rows"] if r["model"] == model)
+        assert bf16 == pytest.approx(block_check.predicted_s(None, (), False, cluster, local_batch, model))
+        assert whole > kept > 0 and bf16 > 0
+        ratios = out[f"{model} eager"]
+        assert ratios["rowwise over k,v bf16, predicted [h100-sxm]"] == whole / kept
+        assert ratios["bf16 over rowwise, predicted [h100-sxm]"] == bf16 / whole
+    assert out["llama3-70b eager"]["rowwise over k,v bf16, measured"] == 2.0 / 3.0
