@@ -59,7 +59,6 @@ def predicted_s(recipe: str | None, filtered: tuple[str, ...], compiled: bool, c
     fp8, their casts and rescales (`fp8.gemm_times_s` with nothing else in the block)."""
     from meshplan.planner.contracts.config import ParallelConfig
     from meshplan.planner.costing import fp8, gemm
-    from meshplan.planner.costing.fp8_filter import fp8_linears
 
     graph = _graph(model)
     block = next(layer for layer in graph.layers if layer.kind == "block")
@@ -68,8 +67,7 @@ def predicted_s(recipe: str | None, filtered: tuple[str, ...], compiled: bool, c
                             precision="fp8" if recipe else "bf16-mixed", fp8_recipe=recipe, fp8_filter=roles,
                             torch_compile=compiled)
     if recipe is None:
-        shapes = fp8_linears(block, graph.info, config, "bf16").shapes
-        return sum(gemm.linear_times_s(shapes, mbs * SEQ, TP, cluster, "bf16"))
+        return sum(gemm.linear_times_s(gemm.block_linear_shapes(block, graph.info, SEQ), mbs * SEQ, TP, cluster, "bf16"))
     return sum(fp8.gemm_times_s(block, graph.info, cluster, config, 0.0, 0.0, TP, "bf16"))
 
 

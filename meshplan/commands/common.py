@@ -6,6 +6,8 @@ GIB = 2**30
 # usable memory (the table is printed; one line on stderr says so). With --json it exits 0 and
 # the answer is the `fits` key. Bad input stays 2, internal errors 1.
 EXIT_DOES_NOT_FIT = 2  # the contract's code for an impossible request
+# `estimate`'s and `plan`'s advice (--compile, the loss kernel) names a change that saves at least this share of the step
+ADVICE_MIN_SAVING = 0.01
 DOES_NOT_FIT_HELP = ("exit codes: 0 the configuration fits, 2 bad input or a configuration priced that does not "
                      "fit (one line on stderr; with --json: 0, and the answer is the 'fits' key), 1 an internal error")
 

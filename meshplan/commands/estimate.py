@@ -5,7 +5,7 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
-from meshplan.commands.common import (DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
+from meshplan.commands.common import (ADVICE_MIN_SAVING, DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_filter_argument,
                                      add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, add_moe_a2a_overlap_argument, add_compile_argument,
@@ -185,22 +185,18 @@ def _fp8_filter_hint(args, config, cluster, prediction) -> str:
             f"({1 - best_s / prediction.step_time_s:.1%} less)")
 
 
-# A compile hint is printed when it saves at least this share of the step.
-COMPILE_HINT_SAVING = 0.01
-
-
 def _compile_hint(args, config, prediction) -> str:
     """Under an engine that compiles (torchtitan) run without it: the step with --compile, where it
-    fits and saves at least `COMPILE_HINT_SAVING`; torch.compile fuses the blocks' elementwise
+    fits and saves at least `ADVICE_MIN_SAVING`; torch.compile fuses the blocks' elementwise
     kernels (`costing.eager_kernels`) and, under fp8, makes one cast of each shared input
     (`costing.fp8_eager`)."""
-    from meshplan.planner.contracts.engine_rules import COMPILE_ENGINES, runs_compiled
+    from meshplan.planner.contracts.engine_rules import could_compile
     from meshplan.planner.costing.fp8_eager import casts_eagerly
 
-    if not prediction.fits or config.engine not in COMPILE_ENGINES or runs_compiled(config):
+    if not prediction.fits or not could_compile(config):
         return ""
     compiled = _estimate_at(args, args.zero, torch_compile=True)
-    if not compiled.fits or compiled.step_time_s > (1 - COMPILE_HINT_SAVING) * prediction.step_time_s:
+    if not compiled.fits or compiled.step_time_s > (1 - ADVICE_MIN_SAVING) * prediction.step_time_s:
         return ""
     why = ("it fuses the blocks' elementwise kernels" + (" and casts each shared Float8 Linear input once (eagerly "
            "each Linear casts its own, forward and again backward)" if casts_eagerly(config) else ""))

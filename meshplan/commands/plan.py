@@ -6,7 +6,7 @@ import sys
 
 from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES,
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
-from meshplan.commands.common import (GIB, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
+from meshplan.commands.common import (ADVICE_MIN_SAVING, GIB, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
                                      add_fp8_recipe_argument,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
                                      add_moe_a2a_overlap_argument, add_recompute_early_stop_argument, add_compile_argument,
@@ -185,7 +185,7 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
     if config.engine not in CE_FUSION_ENGINES or config.cross_entropy_fusion != "none":
         return []
     saved_s = step_s - simulate(replace(plan, config=replace(config, cross_entropy_fusion="te"))).step_time_s
-    if saved_s < 0.01 * step_s:
+    if saved_s < ADVICE_MIN_SAVING * step_s:
         return []
     return [f"loss: Megatron-LM's unfused fp32 cross-entropy; --cross-entropy-fusion te (Transformer Engine's kernel, "
             f"with --cross-entropy-loss-fusion --cross-entropy-fusion-impl te) takes {saved_s * 1e3:.3g} ms "
@@ -194,17 +194,17 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
 
 def compile_lines(plan, step_s: float) -> list[str]:
     """Under an engine that compiles (torchtitan) planned without it, what torch.compile takes off
-    the winner's step, simulated (`estimate`'s compile hint, for a plan); none under 1%."""
+    the winner's step, simulated (`estimate`'s compile hint, for a plan); none under `ADVICE_MIN_SAVING`."""
     from dataclasses import replace
 
-    from meshplan.planner.contracts.engine_rules import COMPILE_ENGINES, runs_compiled
+    from meshplan.planner.contracts.engine_rules import could_compile
     from meshplan.planner.simulation.simulator import simulate
 
     config = plan.config
-    if config.engine not in COMPILE_ENGINES or runs_compiled(config):
+    if not could_compile(config):
         return []
     saved_s = step_s - simulate(replace(plan, config=replace(config, torch_compile=True)), timeline=False).step_time_s
-    if saved_s < 0.01 * step_s:
+    if saved_s < ADVICE_MIN_SAVING * step_s:
         return []
     return [f"compile: --compile (torch.compile, {config.engine}'s training.compile) takes {saved_s * 1e3:.3g} ms "
             f"({saved_s / step_s:.1%}) off the step"]

@@ -137,6 +137,12 @@ def runs_compiled(config) -> bool:
     return bool(config.torch_compile) or (config.engine == "torchtitan" and bool(config.tp_comm_overlap))
 
 
+def could_compile(config) -> bool:
+    """Whether the configuration runs uncompiled under an engine that compiles (`COMPILE_ENGINES`):
+    where `estimate` and `plan` say what torch.compile would take off the step."""
+    return config.engine in COMPILE_ENGINES and not runs_compiled(config)
+
+
 def compile_problem(engine: str, torch_compile: bool) -> str | None:
     """Why a configuration under `engine` cannot ask for torch.compile, or None."""
     if not isinstance(torch_compile, bool):

@@ -60,7 +60,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.fp8_eager import activation_cast_times_s, casts_eagerly, column_casts_per_region
-from meshplan.planner.costing.fp8_filter import Fp8Linears, fp8_linears
+from meshplan.planner.costing.fp8_filter import Fp8Linears, fp8_linears, input_regions
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
 
@@ -239,8 +239,7 @@ def linear_input_bytes(layer: LayerProfile, info: ModelInfo, linears: Fp8Linears
     leaves in fp8 (`Fp8Linears` shares; None: every one)."""
     if not converts(layer):
         return 0.0, 0.0
-    regions = layer.tp_split.num_allreduce_per_pass if _dense_mlp(layer) else 1
-    replicated = min(float(layer.input_bytes * regions),
+    replicated = min(float(layer.input_bytes * input_regions(layer)),
                      float(layer.act_tp_replicated_bytes + layer.act_rebuilt_bytes))
     sharded = float(layer.input_bytes)
     if _dense_mlp(layer) and info.hidden and info.ffn:

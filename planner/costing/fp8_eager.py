@@ -29,7 +29,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.engine_rules import runs_compiled
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.device_time import memory_time_s
-from meshplan.planner.costing.fp8_filter import Fp8Linears
+from meshplan.planner.costing.fp8_filter import Fp8Linears, input_regions
 
 # The recipes torchtitan runs through torchao's Float8Linear.
 FLOAT8_LINEAR_RECIPES = ("tensorwise", "rowwise")
@@ -52,8 +52,7 @@ def column_casts_per_region(layer: LayerProfile, linears: Fp8Linears) -> float:
     whose Linear shapes are unknown counts its profile's column Linears over its regions."""
     if linears.shapes:
         return linears.column_linears_per_region
-    regions = layer.tp_split.num_allreduce_per_pass if layer.expert_params == 0 else 1
-    return max(1.0, len(layer.tp_split.column_linears) / max(1, regions))
+    return max(1.0, len(layer.tp_split.column_linears) / max(1, input_regions(layer)))
 
 
 def activation_cast_times_s(inputs: float, output_gradients: float, cluster: ClusterProfile) -> tuple[float, float]:

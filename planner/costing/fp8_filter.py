@@ -113,6 +113,12 @@ class Fp8Linears:
         return sum(self.in_fp8)
 
 
+def input_regions(layer: LayerProfile) -> int:
+    """The regions of a block whose column Linears read one input: attention's, and a dense MLP's
+    (its row Linears' count, `num_allreduce_per_pass`); a MoE block's MLP is grouped experts."""
+    return layer.tp_split.num_allreduce_per_pass if layer.expert_params == 0 else 1
+
+
 @lru_cache(maxsize=4096)
 def _choices(shapes: tuple, names: tuple[str, ...], recipe: str | None) -> tuple[bool, ...]:
     auto = AUTO_FILTER_RULES.get(recipe) if FP8_AUTO_FILTER in names else None
