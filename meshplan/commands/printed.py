@@ -75,7 +75,7 @@ def format_prediction(prediction, heading: Heading, usable_memory_bytes: float, 
 EARLY_STOP_NOTE = "   (torch's early stop: dense blocks do not rerun their MLP down projection)"
 # torchtitan's per-op selective checkpointing (`costing.torchtitan_sac`)
 SAC_NOTE = "   (torchtitan's op policy: blocks rerun all but attention and every other matmul)"
-SAC_FP8_NOTE = "   (torchtitan's op policy: blocks rerun all but attention; 0.2 keeps no Float8 matmul)"
+SAC_FP8_NOTE = "   (torchtitan's op policy: blocks rerun all but attention and every other matmul, Float8 alike)"
 
 
 def _heading_line(heading: Heading, cluster) -> str:

@@ -63,6 +63,7 @@ from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing import foundry_memory, gemm, megatron_activations, torchtitan_sac
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.fp8 import fp8_primary_weights
+from meshplan.planner.costing.loss_kernels import ce_backward_fp32_copies
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split, rank_params, vocab_scale
 
@@ -370,9 +371,12 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     `linear_with_grad_accumulation_and_async_allreduce` gathers again in backward) and the fp32
     softmax `vocab_parallel_cross_entropy` saves (`exp_logits`); the bf16 logits live until cast.
     torchtitan: the norm's input, the gathered output-layer input under TP, and log_softmax's fp32
-    output (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel`); in backward its
-    fp32 gradient and the bf16 cast (`del pred` before backward frees the bf16 logits): beside the
-    saved output, log_softmax's backward holds its fp32 output gradient and input gradient (8V)."""
+    output (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel` under TP); `del pred`
+    before backward frees the bf16 logits, and beside the saved output the backward holds fp32
+    copies of the logits (`loss_kernels.ce_backward_fp32_copies`: nll_loss's gradient and
+    log_softmax's, 8V; under `loss_parallel` its fused backward's one-hot mask, exp and sum, 12V).
+    The loss runs eagerly: torchtitan compiled only the blocks until April 2025, and meshplan's
+    export compiles the model alone (`[compile] components = ["model"]`)."""
     split = is_split(layer, config.tp)
     t = config.tp if split else 1
     sp_t = t if config.sp else 1
@@ -381,7 +385,8 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     if config.engine == "megatron":
         return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
     gathered = b * info.hidden if t > 1 else 0.0
-    return 2 * b * info.hidden / t + gathered + 4.0 * vocab, 8.0 * vocab
+    copies = ce_backward_fp32_copies(loss_parallel=t > 1)
+    return 2 * b * info.hidden / t + gathered + 4.0 * vocab, 4.0 * vocab * copies
 
 
 def _embedding_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,

@@ -1,4 +1,5 @@
-"""The loss kernels' memory traffic: bytes moved per logit by the cross-entropy an engine runs.
+"""The loss kernels' memory traffic: bytes moved per logit by the cross-entropy an engine runs, and
+the fp32 copies of the logits torch's eager cross-entropy backward holds (`ce_backward_fp32_copies`).
 
 The output layer's logits are the largest activation a language model makes (tokens x vocab), and
 the kernels that turn them into a loss are memory-bound: their time is the bytes they read and
@@ -39,6 +40,23 @@ from meshplan.planner.costing.tp_split import is_split
 
 # (forward, backward) bytes per logit of each Megatron-Core cross-entropy (`ParallelConfig.cross_entropy_fusion`)
 MEGATRON_CE_BYTES_PER_LOGIT = {"none": (38.0, 14.0), "native": (22.0, 14.0), "te": (6.0, 4.0)}
+
+# torch's eager cross-entropy on fp32 logits (`cross_entropy(logits.float(), labels)`: torchtitan's
+# loss, meshplan's executor): the fp32 tensors of the rank's logits its backward holds at once
+# beside the saved log-probs. Unsharded, nll_loss's dense gradient and log_softmax's backward
+# output. Under TP torch's `loss_parallel` (torchtitan's default, `disable_loss_parallel = false`)
+# fuses both backwards into `_nll_loss_and_log_softmax_backward`
+# (torch/distributed/tensor/parallel/loss.py), which builds the one-hot mask (`zeros_like`),
+# exp(log-probs) and their sum before the product replaces them: one more. Measured with torch's
+# MemTracker on the op sequence itself (tests/planner/costing/test_loss_kernels.py).
+CE_BACKWARD_FP32_COPIES = 2
+LOSS_PARALLEL_BACKWARD_FP32_COPIES = 3
+
+
+def ce_backward_fp32_copies(loss_parallel: bool) -> int:
+    """How many fp32 copies of the rank's logits torch's eager cross-entropy backward holds beside
+    the saved log-probs (module constants above)."""
+    return LOSS_PARALLEL_BACKWARD_FP32_COPIES if loss_parallel else CE_BACKWARD_FP32_COPIES
 
 
 def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig) -> bool:

@@ -48,7 +48,8 @@ PARALLELISM_KEYS = (
 # The Float8 recipe_name choices meshplan prices (torchtitan 0.2's Float8Linear config).
 TORCHTITAN_FP8_RECIPES = ("tensorwise", "rowwise")
 UNPRICED_KEYS = {("parallelism", "pipeline_parallel_layers_per_stage"),
-                 ("parallelism", "pipeline_parallel_schedule_csv")}
+                 ("parallelism", "pipeline_parallel_schedule_csv"),
+                 ("parallelism", "disable_loss_parallel")}  # meshplan prices the loss vocab-parallel under TP
 # torch.compile of the model: torchtitan 0.2's `training.compile`, later `[compile] enable`
 # (`EngineJob.torch_compile`: its Float8 casts priced fused, its Llama blocks' elementwise kernels by the fused rule)
 COMPILE_KEYS = (("training", "compile"), ("compile", "enable"))
@@ -239,14 +240,23 @@ def read_torchtitan(text: str) -> EngineJob:
 
 
 def _compiled(data: dict, notes: list[str]) -> bool:
-    """Whether the config compiles the model (`COMPILE_KEYS`), with a note of what that prices."""
+    """Whether the config compiles the model (`COMPILE_KEYS`; under `[compile]`, "model" among its
+    `components`, torchtitan's default ["model", "loss"] where unset), with a note of what that prices."""
     for section, key in COMPILE_KEYS:
         table = data.get(section)
-        if isinstance(table, dict) and table.get(key) not in (None, False, [], "", 0):
-            notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced as its Float8 casts fused "
-                         "with the ops before them and its Llama blocks' elementwise kernels fused (not counted op "
-                         "by op as eager torchtitan runs them)")
-            return True
+        if not (isinstance(table, dict) and table.get(key) not in (None, False, [], "", 0)):
+            continue
+        components = table.get("components", ["model", "loss"]) if section == "compile" else ["model"]
+        if isinstance(components, list) and "loss" in components:
+            notes.append(f"[compile] components = {components!r}{'' if 'components' in table else ' (the default)'}: "
+                         "the compiled loss's memory priced as the eager loss's (its fp32 log-probs and the fp32 "
+                         "copies its backward holds), more than the compiled loss keeps")
+        if isinstance(components, list) and "model" not in components:
+            return False
+        notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced as its Float8 casts fused "
+                     "with the ops before them and its Llama blocks' elementwise kernels fused (not counted op "
+                     "by op as eager torchtitan runs them)")
+        return True
     return False
 
 

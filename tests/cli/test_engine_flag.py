@@ -366,9 +366,11 @@ def test_the_engine_kernel_note_says_what_it_is_costed_as_off_hopper(run_cli):
 
 def test_estimate_says_what_torchtitans_op_policy_reruns(run_cli):
     """Under --engine torchtitan, --recompute selective is its per-op policy (`costing.torchtitan_sac`):
-    the recompute line says what it reruns, every Float8 Linear under fp8; other engines say nothing."""
+    the recompute line says what it reruns, every other Linear under fp8 as in bf16 (the policy sees a
+    Float8 Linear's product as `aten.mm`); other engines say nothing."""
     for engine, flags, says in (("torchtitan", (), "every other matmul"),
-                                ("torchtitan", ("--cluster", "h100-sxm", "--precision", "fp8"), "no Float8 matmul"),
+                                ("torchtitan", ("--cluster", "h100-sxm", "--precision", "fp8"),
+                                 "every other matmul, Float8 alike"),
                                 ("megatron", (), None)):
         code, out, err = run_cli("estimate", *JOB, "--recompute", "selective", "--engine", engine, *flags)
         assert code == 0, err

@@ -88,3 +88,60 @@ def test_plan_json_and_the_megatron_arguments_carry_it():
         assert read_engine_text(text, "megatron").cross_entropy_fusion == fusion
     text = export_plan(megatron, "megatron").text
     assert "--cross-entropy-loss-fusion" not in text and read_engine_text(text, "megatron").cross_entropy_fusion == "none"
+
+
+# torch's eager cross-entropy as torchtitan runs it (`cross_entropy(pred.float(), labels)`, `del pred`,
+# backward), under `loss_parallel` on a fake process group of `tp` ranks (its collectives are no-ops;
+# the shard shapes and what is allocated are the real ones): torch's MemTracker's peak, less the bf16
+# logits (a leaf kept alive here, freed before backward in torchtitan), over one fp32 copy of the logits.
+_MEASURE_CE = r"""
+import contextlib, json, sys
+import torch, torch.nn.functional as F, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed._tools.mem_tracker import MemTracker
+
+tokens, vocab, tp = (int(a) for a in sys.argv[1:4])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+mesh = init_device_mesh("cpu", (tp,))
+local = torch.randn(tokens, vocab // tp, dtype=torch.bfloat16, requires_grad=True)
+labels = torch.randint(0, vocab, (tokens,))
+tracker = MemTracker()
+with tracker:
+    pred = DTensor.from_local(local, mesh, [Shard(1)]) if tp > 1 else local.view_as(local)
+    with loss_parallel() if tp > 1 else contextlib.nullcontext():
+        loss = F.cross_entropy(pred.float(), labels)
+        del pred
+        loss.backward()
+peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+print(json.dumps((peak - local.numel() * 2) / (local.numel() * 4)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_torchtitan_loss_holds_what_torch_allocates(tp):
+    """torchtitan's output layer under `loss_parallel` (TP) or plain (TP 1): the fp32 log-probs it
+    saves plus the copies its backward holds (`ce_backward_fp32_copies`: 2 plain, 3 under
+    loss_parallel) equal the peak torch's own cross-entropy reaches, in fp32 copies of the rank's
+    logits (exact up to the scalars: 1e-3)."""
+    import json
+    import subprocess
+    import sys
+
+    from meshplan.planner.costing.loss_kernels import ce_backward_fp32_copies
+
+    vocab, seq, mbs = 32768, 256, 2
+    done = subprocess.run([sys.executable, "-c", _MEASURE_CE, str(seq * mbs), str(vocab), str(tp)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured_copies = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured_copies == pytest.approx(1 + ce_backward_fp32_copies(loss_parallel=tp > 1), rel=1e-3)
+    cluster = load_cluster("h100-sxm")
+    graph = profile(f"llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab={vocab}", seq, batch=1, dtype="bf16")
+    config = parallel_config(cluster, gpus=tp, global_batch=mbs, tp=tp, mbs=mbs, sp=tp > 1, engine="torchtitan")
+    head = layer_cost(graph.layers[-1], config, cluster, graph.info, state_recipe="zero-paper")
+    fp32_logits = 4.0 * seq * mbs * vocab / tp
+    assert head.buffer_bytes == pytest.approx((measured_copies - 1) * fp32_logits, rel=1e-3)

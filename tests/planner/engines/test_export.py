@@ -241,3 +241,23 @@ def test_published_config_presets_export_as_torchtitans_own_flavours(preset, fla
     text = export_plan(plan, "torchtitan").text
     assert list(tomllib.loads(text)["model"].values()) == flavour
     assert read_torchtitan(text).model == preset
+
+
+@pytest.mark.parametrize("compile_table, compiled, loss_note", [
+    ("enable = true", True, "(the default)"),                   # torchtitan's components: model and loss
+    ('enable = true\ncomponents = ["model"]', True, None),       # meshplan's export: the model alone
+    ('enable = true\ncomponents = ["loss"]', False, "['loss']"),  # the loss alone: the blocks run eagerly
+    ("enable = false", False, None)])
+def test_torchtitan_compile_components(compile_table, compiled, loss_note):
+    """`[compile] components`: the model is priced compiled only where "model" is among them, and a
+    compiled loss is named as priced eagerly (more memory than it keeps); `disable_loss_parallel =
+    true` is named as not modelled (meshplan prices the loss vocab-parallel under TP)."""
+    from meshplan.planner.engines.torchtitan import read_torchtitan
+
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\n'
+            f'disable_loss_parallel = true\n[compile]\n{compile_table}\n')
+    job = read_torchtitan(text)
+    assert job.torch_compile is compiled
+    notes = [n for n in job.notes if "compiled loss's memory priced as the eager loss's" in n]
+    assert (notes[0].split(": the compiled")[0].endswith(loss_note) if loss_note else not notes), job.notes
+    assert any(n.startswith("[parallelism] disable_loss_parallel = True: not modelled") for n in job.notes)
