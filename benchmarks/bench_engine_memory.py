@@ -56,6 +56,10 @@ TORCHTITAN_H100_TABLES = ("torchtitan docs/performance.md, Llama 3.1 on H100 (95
                           "(8B, FSDP x CP) and Table 4 (70B, FSDP 32 x TP 8) (torch 1963fc8, torchtitan 9dec370, "
                           "2024-12)")
 TORCHTITAN_H100_MEMORY_BYTES = 95 * GIB
+TORCHAO_TRAINING = ("torchao docs/source/workflows/training.md, e2e training benchmarks, Llama3-8b 'Peak Memory' "
+                    "(torchtitan's max reserved, GiB: benchmarks/float8/training/parse_torchtitan_logs.py): 8 H100 "
+                    "(torch 2.7.0a0+gitb98af95, torchtitan 0.0.2) and 8 MI300X (torch 2.9.0.dev20250811+rocm6.4, "
+                    "torchtitan 2c8b594)")
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,10 @@ def torchtitan_figures() -> list[MemoryFigure]:
     tensorwise with float8 all-gather, the Float8 rows' settings in `published_runs`)."""
     assumptions = ("FSDP2 fully_shard over all GPUs (ZeRO-3), local batch 2 = one micro-batch, seq 8192 "
                    "(torchtitan's llama3_8b.toml), selective op activation checkpointing",)
-    techniques = (("", {}), (" compile", dict(torch_compile=True)),
-                  (" compile Float8", dict(torch_compile=True, precision="fp8", fp8_recipe="tensorwise")))
+    # torchtitan compiled the model alone then: the loss ran eagerly (`compile_loss` False)
+    techniques = (("", {}), (" compile", dict(torch_compile=True, compile_loss=False)),
+                  (" compile Float8", dict(torch_compile=True, compile_loss=False, precision="fp8",
+                                           fp8_recipe="tensorwise")))
     rows = ((8, (82.4, 77.0, 76.8)), (128, (67.0, 62.0, 61.8)))
     return [MemoryFigure(f"torchtitan 8B FSDP {gpus} GPUs{label}", TORCHTITAN_H100, "torchtitan", "peak reserved",
                          gib, "h100-sxm", "llama3-8b", gpus, 2 * gpus, 8192,
@@ -111,7 +117,7 @@ def torchtitan_float8_figures() -> list[MemoryFigure]:
     TP): torch.compile, Float8 (tensorwise with float8 all-gather) and full activation
     checkpointing, as `published_torchtitan_runs.torchtitan_h100_runs` times them."""
     common = dict(zero=3, recompute="full", precision="fp8", fp8_recipe="tensorwise", torch_compile=True,
-                  attention="sdpa-flash")
+                  compile_loss=False, attention="sdpa-flash")  # the loss eager, as torchtitan then ran it
     assumptions = ("torch.compile + Float8 (torchao tensorwise, float8 all-gather), full activation checkpointing",)
     cp_rows = [MemoryFigure(f"torchtitan 8B FSDP x CP {cp} {seq // 1024}K", TORCHTITAN_H100_TABLES, "torchtitan",
                             "peak reserved", gib, "h100-sxm", "llama3-8b", 8, 8 // cp, seq, dict(cp=cp, **common),
@@ -124,7 +130,27 @@ def torchtitan_float8_figures() -> list[MemoryFigure]:
     return cp_rows + tp_rows
 
 
-MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures() + torchtitan_float8_figures()
+def torchao_training_figures() -> list[MemoryFigure]:
+    """torchao's float8 training table (Llama 3 8B under torchtitan, FSDP2 over 8 GPUs, per-op SAC,
+    local batch 1, torch.compile): its H100 rows, on a torchtitan of February 2025 that ran the loss
+    eagerly (BF16, Float8 tensorwise and rowwise), and its MI300X BF16 row, on an August 2025
+    torchtitan that compiled the loss with the model (`training.compile`). Its MI300X Float8 rows
+    are left out: the mi300x profile names no fp8 GEMM efficiency."""
+    common = dict(mbs=1, zero=3, recompute="selective", torch_compile=True, attention="sdpa-flash")
+    assumptions = ("torchtitan's llama3_8b.toml at local batch 1 (torchao's benchmarks/float8/training/llama3.sh)",)
+    h100 = [MemoryFigure(f"torchao 8B FSDP 8 H100 compile {label}", TORCHAO_TRAINING, "torchtitan", "peak reserved",
+                         gib, "h100-96g-500w", "llama3-8b", 8, 8, 8192, dict(common, compile_loss=False, **extra),
+                         assumptions + ("the loss eager (torchtitan compiled the model alone before April 2025)",))
+            for label, extra, gib in (("bf16", {}, 47.65),
+                                      ("Float8 tensorwise", dict(precision="fp8", fp8_recipe="tensorwise"), 47.77),
+                                      ("Float8 rowwise", dict(precision="fp8", fp8_recipe="rowwise"), 47.79))]
+    mi300x = MemoryFigure("torchao 8B FSDP 8 MI300X compile bf16", TORCHAO_TRAINING, "torchtitan", "peak reserved",
+                          39.09, "mi300x", "llama3-8b", 8, 8, 8192, common,
+                          assumptions + ("the loss compiled with the model (torchtitan's training.compile)",))
+    return h100 + [mi300x]
+
+
+MEMORY_FIGURES = korthikanti_figures() + torchtitan_figures() + torchtitan_float8_figures() + torchao_training_figures()
 
 def memory_engine(run: Run) -> str:
     """The engine whose memory recipe prices a run: the one it ran (`Run.engine`); the runs priced
@@ -172,7 +198,9 @@ def run_fits(run: Run, engine: str) -> tuple[bool, float]:
                               fp8_recipe=run.fp8_recipe if run.precision == "fp8" else None,
                               attention=run.attention, cp=run.cp, ep=run.ep, etp=run.etp, engine=engine,
                               recompute_modules=modules, grad_reduce_in_bf16=bf16_grads,
-                              fp8_filter=run.fp8_filter if run.precision == "fp8" else ())
+                              fp8_filter=run.fp8_filter if run.precision == "fp8" else (),
+                              torch_compile=run.torch_compile and engine == "torchtitan",
+                              compile_loss=run.compile_loss if engine == "torchtitan" else None)
         peaks.append(prediction.peak_memory_bytes / GIB)
         fits = fits or prediction.fits
     return fits, min(peaks)
@@ -253,13 +281,13 @@ def print_llama3_pipeline_note() -> None:
 
 def main() -> int:
     print(f"published per-GPU memory, each under its engine (target |error| <= {TOLERANCE:.0%})")
-    print(f"{'figure':<32} {'engine':<10} {'measure':<24} {'published':>9} {'predicted':>9} {'error':>7}")
+    print(f"{'figure':<48} {'engine':<10} {'measure':<24} {'published':>9} {'predicted':>9} {'error':>7}")
     within = 0
     for figure in MEMORY_FIGURES:
         predicted, _ = predicted_gib(figure)
         error = predicted / figure.published_gib - 1
         within += abs(error) <= TOLERANCE
-        print(f"{figure.name:<32} {figure.engine:<10} {figure.measure:<24} {figure.published_gib:9.1f} "
+        print(f"{figure.name:<48} {figure.engine:<10} {figure.measure:<24} {figure.published_gib:9.1f} "
               f"{predicted:9.1f} {error:+7.1%}")
     print(f"{within} of {len(MEMORY_FIGURES)} figures within {TOLERANCE:.0%}")
     for source in dict.fromkeys(f.source for f in MEMORY_FIGURES):

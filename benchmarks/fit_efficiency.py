@@ -143,7 +143,8 @@ def predict(run: Run, cluster, vpp: int, mbs: int | None = None):
                          tp_comm_overlap=run.tp_comm_overlap, moe_a2a_overlap=run.moe_a2a_overlap,
                          recompute_early_stop=run.recompute_early_stop if recompute == "full" else None,
                          cross_entropy_fusion=ce_fusion_under(run.engine, run.cross_entropy_fusion),
-                         torch_compile=run.torch_compile, fp8_filter=run.fp8_filter)
+                         torch_compile=run.torch_compile, fp8_filter=run.fp8_filter,
+                         compile_loss=run.compile_loss)
     chunks = stage_chunks(graph, run.stage_blocks) if run.stage_blocks else None
     if run.recompute_every > 1:  # torchtitan's layer SAC: every N-th block recomputed, as `estimate --from` reads it
         from meshplan.planner.engines.job import EngineJob, resolve_recompute

@@ -255,6 +255,9 @@ class Run:
     # casts priced fused, Inductor's other fusion not; an FP8/BF16 pair of one layout shares it
     # (bench_fidelity's `layout_of`)
     torch_compile: bool = False
+    # the loss compiled apart from the model (`ParallelConfig.compile_loss`; None: with it): torchtitan
+    # compiled the model alone before April 2025 (its runs of that time: False)
+    compile_loss: bool | None = None
     # multi-token-prediction depths the recipe trains (Megatron-LM's --mtp-num-layers; `profiling.mtp`)
     mtp_num_layers: int = 0
     # Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm; `costing.moe_overlap`)

@@ -66,14 +66,14 @@ def torchtitan_h100_runs() -> list[Run]:
     runs = [Run(f"torchtitan H100 Llama3.1 8B fp8 cp{cp} s{seq}", HELD_OUT_FP8, TORCHTITAN_H100, "h100-96g-500w",
                 "llama3-8b", 8, 8 // cp, seq, zero=3, recompute="full", cp=cp, precision="fp8",
                 fp8_recipe="tensorwise", published_tokens_per_s=tps * 8, assumptions=assumptions, engine="torchtitan",
-                attention="sdpa-flash", torch_compile=True)
+                attention="sdpa-flash", torch_compile=True, compile_loss=False)
             for seq, cp, tps in rows]
     for overlap, tps in ((False, 829.0), (True, 876.0)):  # Table 4's "2D" and "2D + AsyncTP" rows
         runs.append(Run(f"torchtitan H100 Llama3.1 70B fp8 fsdp32 tp8{' async-tp' if overlap else ''}", HELD_OUT_FP8,
                         TORCHTITAN_H100, "h100-96g-500w", "llama3-70b", 256, 512, 8192, tp=8, mbs=16, zero=3,
                         recompute="full", sp=True, precision="fp8", fp8_recipe="tensorwise", tp_comm_overlap=overlap,
                         published_tokens_per_s=tps * 256, engine="torchtitan", attention="sdpa-flash",
-                        torch_compile=True,
+                        torch_compile=True, compile_loss=False,
                         assumptions=assumptions + (("async TP: torch's micro-pipelined all-gather and reduce-scatter "
                                                     "matmuls, priced as TP communication overlap (--tp-comm-overlap)",)
                                                    if overlap else ())))
@@ -96,7 +96,7 @@ def torchtitan_sac_runs() -> list[Run]:
                         HELD_OUT_FP8 if fp8 else HELD_OUT, TORCHTITAN_H100_SAC, "h100-96g-500w", "llama3-8b",
                         gpus, 2 * gpus, 8192, mbs=2, zero=3, recompute="selective", precision=precision,
                         fp8_recipe="tensorwise" if fp8 else None, published_tokens_per_s=tps * gpus,
-                        engine="torchtitan", attention="sdpa-flash", torch_compile=bool(label),
+                        engine="torchtitan", attention="sdpa-flash", torch_compile=bool(label), compile_loss=False,
                         assumptions=((FLOAT8,) if fp8 else ()) + compiled + (OP_SAC, H100_PEAK)))
     for gpus, tps in ((32, 10938.0), (64, 10753.0)):
         runs.append(Run(f"Trainy H200 Llama3.1 8B compile fp8 fsdp{gpus} selective op", HELD_OUT_FP8, TRAINY_H200,
@@ -176,7 +176,7 @@ def torchao_float8_runs() -> list[Run]:
                         HELD_OUT_FP8 if recipe else HELD_OUT, TORCHAO_FLOAT8, "h100-96g-500w", "llama3-8b", 8, 8,
                         8192, mbs=1, zero=3, recompute="selective", precision="fp8" if recipe else "bf16-mixed",
                         fp8_recipe=recipe, published_tokens_per_s=tps * 8, engine="torchtitan",
-                        attention="sdpa-flash", torch_compile=True,
+                        attention="sdpa-flash", torch_compile=True, compile_loss=False,
                         assumptions=((FLOAT8.replace("tensorwise with float8", f"{recipe} with float8" if recipe ==
                                                      "tensorwise" else f"{recipe} with bfloat16"),) if recipe else
                                      ("torch.compile (--compile): nothing of it priced in BF16",))

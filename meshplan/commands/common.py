@@ -8,6 +8,13 @@ GIB = 2**30
 EXIT_DOES_NOT_FIT = 2  # the contract's code for an impossible request
 # `estimate`'s and `plan`'s advice (--compile, the loss kernel) names a change that saves at least this share of the step
 ADVICE_MIN_SAVING = 0.01
+# ... or of the peak memory, and at least this many bytes of it (less is noise to a user)
+ADVICE_MIN_MEMORY_SAVING_BYTES = 2**30
+
+
+def saves_memory(before_bytes: float, after_bytes: float) -> bool:
+    """Whether a change from a peak of `before_bytes` to `after_bytes` is worth naming in advice."""
+    return before_bytes - after_bytes >= max(ADVICE_MIN_SAVING * before_bytes, ADVICE_MIN_MEMORY_SAVING_BYTES)
 DOES_NOT_FIT_HELP = ("exit codes: 0 the configuration fits, 2 bad input or a configuration priced that does not "
                      "fit (one line on stderr; with --json: 0, and the answer is the 'fits' key), 1 an internal error")
 
@@ -137,11 +144,22 @@ def recompute_early_stop_of(args) -> bool | None:
 
 
 def add_compile_argument(parser) -> None:
-    """--compile: the engine compiles the model (`ParallelConfig.torch_compile`)."""
+    """--compile: the engine compiles the model (`ParallelConfig.torch_compile`); --compile-loss: the
+    loss apart from it (`ParallelConfig.compile_loss`)."""
     parser.add_argument("--compile", dest="torch_compile", action="store_true",
-                        help="with --engine torchtitan: the model runs under torch.compile (its training.compile); "
+                        help="with --engine torchtitan: the model runs under torch.compile (its [compile] enable); "
                              "meshplan prices its Float8 casts fused with the ops before them (torchao's float8 "
                              "roofline), not Inductor's other fusions")
+    parser.add_argument("--compile-loss", choices=("on", "off"), default=None,
+                        help="with --engine torchtitan: whether the loss runs under torch.compile, whose fused "
+                             "cross-entropy keeps the logits in bf16 where the eager one keeps fp32 log-probs and "
+                             "two or three fp32 copies in backward; default: with the model (torchtitan 0.2's "
+                             "[compile] components; before April 2025 torchtitan compiled the model alone)")
+
+
+def compile_loss_of(args) -> bool | None:
+    """`ParallelConfig.compile_loss` of --compile-loss (None: with the model)."""
+    return on_off(getattr(args, "compile_loss", None))
 
 
 def add_moe_a2a_overlap_argument(parser) -> None:

@@ -5,13 +5,13 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
-from meshplan.commands.common import (ADVICE_MIN_SAVING, DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
+from meshplan.commands.common import (ADVICE_MIN_SAVING, DOES_NOT_FIT_HELP, GIB, saves_memory, add_attention_argument, add_axis_arguments,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_filter_argument,
                                      add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, add_moe_a2a_overlap_argument, add_compile_argument,
                                      add_recompute_early_stop_argument, add_tp_comm_overlap_argument,
                                      announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
-                                     job_notes, prediction_json, recompute_early_stop_of,
+                                     job_notes, prediction_json, recompute_early_stop_of, compile_loss_of,
                                      tp_comm_overlap_of)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap
 
@@ -133,6 +133,7 @@ def _heading(args, cluster) -> Heading:
                              grad_reduce_in_bf16=args.grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap_of(args),
                              moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
                              recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
+                             compile_loss=compile_loss_of(args),
                              fp8_filter=args.fp8_filter)
     modules = f"({','.join(config.recompute_modules)})" if config.recompute_modules else ""
     return Heading(spec=args.model, cluster=args.cluster, config=config, recompute=args.recompute + modules,
@@ -158,7 +159,7 @@ def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None, tor
                     moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
                     recompute_early_stop=recompute_early_stop_of(args),
                     torch_compile=args.torch_compile if torch_compile is None else torch_compile,
-                    fp8_filter=args.fp8_filter if fp8_filter is None else fp8_filter)
+                    compile_loss=compile_loss_of(args), fp8_filter=args.fp8_filter if fp8_filter is None else fp8_filter)
 
 
 def _fp8_filter_hint(args, config, cluster, prediction) -> str:
@@ -187,22 +188,37 @@ def _fp8_filter_hint(args, config, cluster, prediction) -> str:
 
 def _compile_hint(args, config, prediction) -> str:
     """Under an engine that compiles (torchtitan) run without it: the step with --compile, where it
-    fits and saves at least `ADVICE_MIN_SAVING`; torch.compile fuses the blocks' elementwise
-    kernels (`costing.eager_kernels`) and, under fp8, makes one cast of each shared input
-    (`costing.fp8_eager`)."""
-    from meshplan.planner.contracts.engine_rules import could_compile
+    fits and saves at least `ADVICE_MIN_SAVING` of the step, or memory at the peak (`saves_memory`:
+    its loss compiled with it, `engine_rules.compiles_loss`), or fits where this does not. torch.compile fuses the blocks' elementwise kernels (`costing.eager_kernels`),
+    under fp8 makes one cast of each shared input (`costing.fp8_eager`), and its compiled loss keeps
+    the logits in bf16 (`costing.engine_memory`)."""
+    from dataclasses import replace
+
+    from meshplan.planner.contracts.engine_rules import compiles_loss, could_compile
     from meshplan.planner.costing.fp8_eager import casts_eagerly
 
-    if not prediction.fits or not could_compile(config):
+    if not could_compile(config):
         return ""
     compiled = _estimate_at(args, args.zero, torch_compile=True)
-    if not compiled.fits or compiled.step_time_s > (1 - ADVICE_MIN_SAVING) * prediction.step_time_s:
+    faster = compiled.step_time_s <= (1 - ADVICE_MIN_SAVING) * prediction.step_time_s
+    saved_bytes = prediction.peak_memory_bytes - compiled.peak_memory_bytes
+    leaner = saves_memory(prediction.peak_memory_bytes, compiled.peak_memory_bytes)
+    if not compiled.fits or not (faster or leaner or not prediction.fits):
         return ""
-    why = ("it fuses the blocks' elementwise kernels" + (" and casts each shared Float8 Linear input once (eagerly "
-           "each Linear casts its own, forward and again backward)" if casts_eagerly(config) else ""))
-    return (f"hint: --compile (torch.compile, {config.engine}'s training.compile) gives "
-            f"{compiled.step_time_s * 1e3:.1f} ms per step ({1 - compiled.step_time_s / prediction.step_time_s:.1%} "
-            f"less): {why}")
+    why = ["it fuses the blocks' elementwise kernels" + (" and casts each shared Float8 Linear input once (eagerly "
+           "each Linear casts its own, forward and again backward)" if casts_eagerly(config) else "")]
+    if leaner and compiles_loss(replace(config, torch_compile=True)):
+        why.append("its compiled loss keeps the logits in bf16 where the eager one keeps fp32 log-probs and fp32 "
+                   "copies in backward")
+    gains = []
+    if faster:
+        gains.append(f"{compiled.step_time_s * 1e3:.1f} ms per step "
+                     f"({1 - compiled.step_time_s / prediction.step_time_s:.1%} less)")
+    if leaner or not prediction.fits:
+        gains.append(f"a {compiled.peak_memory_bytes / GIB:.1f} GiB peak ({saved_bytes / GIB:.1f} GiB less"
+                     f"{', which fits' if not prediction.fits else ''})")
+    return (f"hint: --compile (torch.compile, {config.engine}'s training.compile) gives {' and '.join(gains)}: "
+            f"{'; '.join(why)}")
 
 
 def _zero_hint(args, prediction) -> str:

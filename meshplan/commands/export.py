@@ -62,7 +62,7 @@ def estimate_from(args) -> int:
         overrides["moe_dispatcher"] = args.moe_dispatcher
     if getattr(args, "mtp_num_layers", 0):  # likewise
         overrides["mtp_num_layers"] = args.mtp_num_layers
-    for flag in ("tp_comm_overlap", "recompute_early_stop"):  # likewise
+    for flag in ("tp_comm_overlap", "recompute_early_stop", "compile_loss"):  # likewise
         if getattr(args, flag, None):
             overrides[flag] = on_off(getattr(args, flag))
     if getattr(args, "torch_compile", False):  # likewise

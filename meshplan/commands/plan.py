@@ -6,13 +6,13 @@ import sys
 
 from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES,
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
-from meshplan.commands.common import (ADVICE_MIN_SAVING, GIB, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
+from meshplan.commands.common import (ADVICE_MIN_SAVING, GIB, saves_memory, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
                                      add_fp8_recipe_argument,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
                                      add_moe_a2a_overlap_argument, add_recompute_early_stop_argument, add_compile_argument,
                                      add_tp_comm_overlap_argument,
                                      announce_model_code, check_seq, check_sizes,
-                                     finite_float, job_notes, spec_file, recompute_early_stop_of,
+                                     finite_float, job_notes, spec_file, recompute_early_stop_of, compile_loss_of,
                                      tp_comm_overlap_of)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
@@ -140,7 +140,7 @@ def _request(args, cluster, pins: dict):
                           tp_comm_overlap=tp_comm_overlap_of(args), mtp_num_layers=args.mtp_num_layers,
                           moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
                           recompute_early_stop=recompute_early_stop_of(args), torch_compile=args.torch_compile,
-                          **pins)
+                          compile_loss=compile_loss_of(args), **pins)
 
 
 def _check_args(args) -> None:
@@ -194,7 +194,8 @@ def loss_fusion_lines(plan, step_s: float) -> list[str]:
 
 def compile_lines(plan, step_s: float) -> list[str]:
     """Under an engine that compiles (torchtitan) planned without it, what torch.compile takes off
-    the winner's step, simulated (`estimate`'s compile hint, for a plan); none under `ADVICE_MIN_SAVING`."""
+    the winner's step and peak memory, simulated (`estimate`'s compile hint, for a plan); none under
+    `ADVICE_MIN_SAVING` of the step and `saves_memory`'s share of the peak."""
     from dataclasses import replace
 
     from meshplan.planner.contracts.engine_rules import could_compile
@@ -203,11 +204,15 @@ def compile_lines(plan, step_s: float) -> list[str]:
     config = plan.config
     if not could_compile(config):
         return []
-    saved_s = step_s - simulate(replace(plan, config=replace(config, torch_compile=True)), timeline=False).step_time_s
-    if saved_s < ADVICE_MIN_SAVING * step_s:
+    compiled = simulate(replace(plan, config=replace(config, torch_compile=True)), timeline=False)
+    saved_s, peak_bytes = step_s - compiled.step_time_s, plan.prediction["peak_memory_bytes"]
+    faster, leaner = saved_s >= ADVICE_MIN_SAVING * step_s, saves_memory(peak_bytes, compiled.peak_memory_bytes)
+    if not (faster or leaner):
         return []
-    return [f"compile: --compile (torch.compile, {config.engine}'s training.compile) takes {saved_s * 1e3:.3g} ms "
-            f"({saved_s / step_s:.1%}) off the step"]
+    takes = ([f"{saved_s * 1e3:.3g} ms ({saved_s / step_s:.1%}) off the step"] if faster else []) + (
+        [f"{(peak_bytes - compiled.peak_memory_bytes) / GIB:.1f} GiB off the peak (its compiled loss keeps the "
+         "logits in bf16; plan with --compile to use it)"] if leaner else [])
+    return [f"compile: --compile (torch.compile, {config.engine}'s training.compile) takes {' and '.join(takes)}"]
 
 
 def fp8_filter_lines(plan, step_s: float) -> list[str]:

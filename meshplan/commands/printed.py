@@ -93,6 +93,7 @@ def _heading_line(heading: Heading, cluster) -> str:
             + (f" fp8_filter={','.join(cfg.fp8_filter)}" if cfg.fp8_filter else "")
             + (f" offload={cfg.offload}" if cfg.offload != "none" else "")
             + (" compile=on" if cfg.torch_compile else " compile=on (async TP needs it)" if runs_compiled(cfg) else "")
+            + ("" if cfg.compile_loss is None else " compile_loss=on" if cfg.compile_loss else " compile_loss=off")
             + (f" (memory as {cfg.engine} allocates it)" if cfg.engine not in EXECUTOR_MEMORY_ENGINES else ""))
 
 

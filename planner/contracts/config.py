@@ -13,7 +13,8 @@ from typing import Literal
 
 from meshplan.planner.contracts.axes import AXES, FOLDED_AXES, MESH_AXES, mesh_product_text, mesh_stride
 from meshplan.planner.contracts.engine_rules import (a2a_overlap_engine_problem, bf16_grads_problem, ce_fusion_problem,
-                                                     compile_problem, moe_sp_problem, stored_early_stop, tp_sp_problem)
+                                                     compile_problem, moe_sp_problem, stored_compile_loss,
+                                                     stored_early_stop, tp_sp_problem)
 from meshplan.planner.contracts.fp8_choice import (DEFAULT_FP8_RECIPE, FP8_LINEARS, FP8_RECIPES,  # noqa: F401
                                                    stored_fp8_filter, stored_fp8_recipe)
 from meshplan.planner.contracts.schedule import SCHEDULES, Schedule, default_microbatch_group, schedule_spec
@@ -160,6 +161,8 @@ class ParallelConfig:
     # stored None where it says the same: the engine's rule. Megatron and DeepSpeed cannot stop early.
     recompute_early_stop: bool | None = None
     torch_compile: bool = False  # torch.compile of the model (`engine_rules.COMPILE_ENGINES`: torchtitan's)
+    # torch.compile of the loss (torchtitan's [compile] components); None, stored where it says the same: with the model
+    compile_loss: bool | None = None  # (`engine_rules.compiles_loss`)
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
@@ -198,6 +201,7 @@ class ParallelConfig:
             raise ValueError(problem)
         self._check_tp_comm_overlap()
         self._check_moe_a2a_overlap()
+        object.__setattr__(self, "compile_loss", stored_compile_loss(self))
         samples_per_replica, rest = divmod(self.global_batch, self.dp)
         if rest:
             raise ValueError(f"global batch {self.global_batch} is not divisible by dp={self.dp}; "
@@ -466,7 +470,8 @@ class ParallelConfig:
                 + (f", {self.offload} offloaded" if self.offload != "none" else "")
                 + (", bf16 gradients" if self.grad_reduce_in_bf16 else "")
                 + (f", {self.cross_entropy_fusion} fused loss" if self.cross_entropy_fusion != "none" else "")
-                + (", compiled" if self.torch_compile else ""))
+                + (", compiled" if self.torch_compile else "")
+                + ("" if self.compile_loss is None else ", loss compiled" if self.compile_loss else ", loss eager"))
 
     def precision_label(self) -> str:
         """The precision, under fp8 with its recipe and the Linears a filter keeps in bf16."""

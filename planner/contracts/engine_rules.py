@@ -143,6 +143,37 @@ def could_compile(config) -> bool:
     return config.engine in COMPILE_ENGINES and not runs_compiled(config)
 
 
+def compiles_loss(config) -> bool:
+    """Whether the loss runs under torch.compile: the configuration's `compile_loss`, or, unset, with
+    the model (torchtitan 0.2's `[compile] components` default, ["model", "loss"]: `runs_compiled`).
+    torchtitan compiled only the model's blocks before April 2025 (its loss compile was commented out:
+    "compiling loss function causes CUDA errors"), so its published runs of that time say false."""
+    return runs_compiled(config) if config.compile_loss is None else config.compile_loss
+
+
+def stored_compile_loss(config) -> bool | None:
+    """What `ParallelConfig.compile_loss` keeps of `config.compile_loss`: None where compiling the loss
+    with the model (`runs_compiled`) says the same (equal layouts compare equal); ValueError where it
+    cannot run (`compile_loss_problem`)."""
+    if problem := compile_loss_problem(config.engine, config.compile_loss):
+        raise ValueError(problem)
+    if config.compile_loss is None or config.compile_loss == runs_compiled(config) \
+            or config.engine not in COMPILE_ENGINES:
+        return None
+    return config.compile_loss
+
+
+def compile_loss_problem(engine: str, compile_loss: bool | None) -> str | None:
+    """Why a configuration under `engine` cannot set the loss's compilation to `compile_loss`, or None."""
+    if compile_loss is not None and not isinstance(compile_loss, bool):
+        return f"compile_loss must be true, false or null (with the model), got {compile_loss!r}"
+    if compile_loss and engine not in COMPILE_ENGINES:
+        return (f"torch.compile of the loss (--compile-loss on) is torchtitan's [compile] components; under engine "
+                f"{engine} meshplan does not price it: use --engine {' or '.join(COMPILE_ENGINES)}, or leave "
+                "--compile-loss out")
+    return None
+
+
 def compile_problem(engine: str, torch_compile: bool) -> str | None:
     """Why a configuration under `engine` cannot ask for torch.compile, or None."""
     if not isinstance(torch_compile, bool):

@@ -38,6 +38,7 @@ from meshplan.planner.contracts.graph import ModelGraph, graph_from_json, graph_
 # `cross_entropy_fusion` likewise, written only when not "none" (Megatron-Core's loss kernels), absent: "none".
 # `recompute_early_stop` likewise, written only when set apart from the engine's rule, absent: the engine's.
 # `torch_compile` likewise, written only when true (torchtitan's training.compile), absent: false.
+# `compile_loss` likewise, written only when set apart from the model's compilation, absent: with the model.
 # `model_graph` is optional within version 2: written for file and hf: models only.
 PLAN_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -197,7 +198,8 @@ class Plan:
         core = {k: v for k, v in self.to_json().items()
                 if k in ("schema_version", "seed", "precision", "model", "mesh", "zero", "shard_group", "sp",
                          "schedule", "global_batch", "offload", "grad_reduce_in_bf16", "tp_comm_overlap",
-                         "moe_a2a_overlap", "cross_entropy_fusion", "recompute_early_stop", "torch_compile")
+                         "moe_a2a_overlap", "cross_entropy_fusion", "recompute_early_stop", "torch_compile",
+                         "compile_loss")
                 or (k == "cp_method" and v != DEFAULT_CP_METHOD)}  # all-gather plans keep their digest
         core["layers"] = [{k: layer[k] for k in ("name", "stage", "virtual_stage", "tp", "dp", "recompute")}
                           for layer in self.to_json()["layers"]]
@@ -252,6 +254,8 @@ class Plan:
             **({"recompute_early_stop": cfg.recompute_early_stop} if cfg.recompute_early_stop is not None else {}),
             # torch.compile only (torchtitan's training.compile): plans without the key run eager
             **({"torch_compile": True} if cfg.torch_compile else {}),
+            # the loss compiled apart from the model only (torchtitan's [compile] components)
+            **({"compile_loss": cfg.compile_loss} if cfg.compile_loss is not None else {}),
             # offloading only: plans without the key keep every state on the device
             **({"offload": cfg.offload} if cfg.offload != "none" else {}),
             # user-code models only: their layer graph, so reading the plan never runs the file
@@ -312,6 +316,7 @@ def plan_from_json(data: dict[str, Any]) -> Plan:
             recompute_early_stop=(None if data.get("recompute_early_stop") is None
                                   else _boolean(data, "recompute_early_stop")),
             torch_compile=_boolean(data, "torch_compile", default=False),
+            compile_loss=None if data.get("compile_loss") is None else _boolean(data, "compile_loss"),
             microbatch_group_size=(None if schedule.get("microbatch_group_size") is None
                                    else _integer(schedule, "microbatch_group_size", "schedule.")),
             shard_group=None if data.get("shard_group") is None else _integer(data, "shard_group"))

@@ -57,6 +57,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
+from meshplan.planner.contracts.engine_rules import compiles_loss
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
@@ -370,13 +371,17 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     megatron: the norm's input and the output layer's (sequence-sharded under SP,
     `linear_with_grad_accumulation_and_async_allreduce` gathers again in backward) and the fp32
     softmax `vocab_parallel_cross_entropy` saves (`exp_logits`); the bf16 logits live until cast.
-    torchtitan: the norm's input, the gathered output-layer input under TP, and log_softmax's fp32
-    output (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel` under TP); `del pred`
-    before backward frees the bf16 logits, and beside the saved output the backward holds fp32
-    copies of the logits (`loss_kernels.ce_backward_fp32_copies`: nll_loss's gradient and
-    log_softmax's, 8V; under `loss_parallel` its fused backward's one-hot mask, exp and sum, 12V).
-    The loss runs eagerly: torchtitan compiled only the blocks until April 2025, and meshplan's
-    export compiles the model alone (`[compile] components = ["model"]`)."""
+    torchtitan: the norm's input, the gathered output-layer input under TP, then the loss
+    (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel` under TP). Eager
+    (`engine_rules.compiles_loss` false: torchtitan before April 2025, or `[compile] components`
+    without "loss"): log_softmax's fp32 output is saved, `del pred` before backward frees the bf16
+    logits, and beside the saved output the backward holds fp32 copies of the logits
+    (`loss_kernels.ce_backward_fp32_copies`: nll_loss's gradient and log_softmax's, 8V; under
+    `loss_parallel` its fused backward's one-hot mask, exp and sum, 12V). Compiled (torchtitan 0.2's
+    default with the model): Inductor's partitioner saves the logits in the compute dtype (bV) and two
+    fp32 values per token (the max and the log-sum-exp) and recomputes the log-probs; the forward
+    and the backward fuse into reductions and one pointwise kernel whose one output is the logits'
+    gradient (bV): tests/planner/costing/test_loss_kernels.py reads both graphs."""
     split = is_split(layer, config.tp)
     t = config.tp if split else 1
     sp_t = t if config.sp else 1
@@ -385,8 +390,10 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     if config.engine == "megatron":
         return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
     gathered = b * info.hidden if t > 1 else 0.0
-    copies = ce_backward_fp32_copies(loss_parallel=t > 1)
-    return 2 * b * info.hidden / t + gathered + 4.0 * vocab, 4.0 * vocab * copies
+    kept = 2 * b * info.hidden / t + gathered
+    if compiles_loss(config):
+        return kept + b * vocab + 2 * 4.0, b * vocab
+    return kept + 4.0 * vocab, 4.0 * vocab * ce_backward_fp32_copies(loss_parallel=t > 1)
 
 
 def _embedding_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,

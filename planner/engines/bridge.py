@@ -236,7 +236,8 @@ def predict_job(job: EngineJob, model: str | None, cluster, *, gpus: int | None 
                          grad_reduce_in_bf16=job.grad_reduce_in_bf16 and precision != "fp32",
                          tp_comm_overlap=job.tp_comm_overlap if job.tp > 1 and job.sp else None,
                          moe_a2a_overlap=job.moe_a2a_overlap, cross_entropy_fusion=job.cross_entropy_fusion,
-                         recompute_early_stop=job.recompute_early_stop, torch_compile=job.torch_compile)
+                         recompute_early_stop=job.recompute_early_stop, torch_compile=job.torch_compile,
+                         compile_loss=job.compile_loss)
     check_offload(config, cluster)
     chunks = _job_chunks(job, graph, cluster, config)
     recomputes = resolve_recompute(job, [layer.name for layer in graph.layers], chunks)

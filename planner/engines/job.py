@@ -58,6 +58,7 @@ class EngineJob(_JobDegrees):
     # (`ParallelConfig.recompute_early_stop`; no engine config says it, the command line may)
     recompute_early_stop: bool | None = None
     torch_compile: bool = False  # torch.compile of the model (torchtitan's training.compile)
+    compile_loss: bool | None = None  # torch.compile of the loss; None: with the model (`ParallelConfig.compile_loss`)
     cross_entropy_fusion: str = "none"  # Megatron-LM's --cross-entropy-loss-fusion (and -impl te): `costing.loss_kernels`
     precision: str | None = None  # None: the cluster's default
     fp8_recipe: str | None = None  # under fp8 (contracts.config.FP8_RECIPES); None: the engine's default

@@ -18,6 +18,7 @@ import json
 import tomllib
 from pathlib import Path
 
+from meshplan.planner.contracts.engine_rules import compiles_loss
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.fp8_choice import (FLOAT8_CONVERTER, FP8_AUTO_FILTER, FP8_LINEARS,
                                                    LEGACY_FLOAT8_CONVERTER, TORCHTITAN_LINEAR_FQNS)
@@ -99,8 +100,10 @@ def job_sections(plan, notes: list[str]) -> dict[str, dict]:
     if cfg.precision == "fp8":
         sections[FLOAT8_CONVERTER] = _float8_section(cfg, notes)
     async_tp = bool(sections["parallelism"].get("enable_async_tensor_parallel"))
-    if cfg.torch_compile or async_tp:  # torchtitan's maybe_enable_async_tp refuses async TP uncompiled
-        sections["compile"] = {"enable": True, "components": ["model"]}
+    # torchtitan's maybe_enable_async_tp refuses async TP uncompiled; the loss compiled as the plan says
+    components = (["model"] if cfg.torch_compile or async_tp else []) + (["loss"] if compiles_loss(cfg) else [])
+    if components:
+        sections["compile"] = {"enable": True, "components": components}
     if async_tp and not cfg.torch_compile:
         notes.append("async TP (the plan's TP overlap): torchtitan runs it through torch.compile of the model, so "
                      "[compile] is enabled; meshplan prices the overlap, not compile's other effects "
@@ -236,28 +239,30 @@ def read_torchtitan(text: str) -> EngineJob:
         recompute=recompute, recompute_every=every, schedule=schedule,
         vpp=max(vpp, schedule_spec(schedule).least_chunks) if schedule_spec(schedule).multi_chunk else 1,
         precision=precision, fp8_recipe=fp8_recipe, fp8_filter=fp8_filter, layers_per_chunk=_chunks(fqns, pp, notes),
-        torch_compile=_compiled(data, notes), notes=tuple(notes))
+        **_compiled(data, notes), notes=tuple(notes))
 
 
-def _compiled(data: dict, notes: list[str]) -> bool:
-    """Whether the config compiles the model (`COMPILE_KEYS`; under `[compile]`, "model" among its
-    `components`, torchtitan's default ["model", "loss"] where unset), with a note of what that prices."""
+def _compiled(data: dict, notes: list[str]) -> dict:
+    """`torch_compile` and `compile_loss` of the config: `[compile] enable` with "model" and "loss"
+    among its `components` (torchtitan 0.2's default, both, where unset); `[training] compile`, the
+    key's last versions (April to August 2025), both. With a note of what compiling the model prices."""
     for section, key in COMPILE_KEYS:
         table = data.get(section)
         if not (isinstance(table, dict) and table.get(key) not in (None, False, [], "", 0)):
             continue
-        components = table.get("components", ["model", "loss"]) if section == "compile" else ["model"]
-        if isinstance(components, list) and "loss" in components:
-            notes.append(f"[compile] components = {components!r}{'' if 'components' in table else ' (the default)'}: "
-                         "the compiled loss's memory priced as the eager loss's (its fp32 log-probs and the fp32 "
-                         "copies its backward holds), more than the compiled loss keeps")
-        if isinstance(components, list) and "model" not in components:
-            return False
-        notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced as its Float8 casts fused "
-                     "with the ops before them and its Llama blocks' elementwise kernels fused (not counted op "
-                     "by op as eager torchtitan runs them)")
-        return True
-    return False
+        components = table.get("components", ["model", "loss"]) if section == "compile" else ["model", "loss"]
+        if not isinstance(components, list) or not all(name in ("model", "loss") for name in components):
+            raise MeshplanError(f"[compile] components must list \"model\", \"loss\" or both (torchtitan's "
+                                f"compilable parts), got {components!r}")
+        if section == "training":
+            notes.append("[training] compile = true: the model and the loss priced compiled, as torchtitan ran them "
+                         "from April 2025; before, it compiled the model alone (--compile-loss off)")
+        if "model" in components:
+            notes.append(f"[{section}] {key} = {table.get(key)!r}: torch.compile priced as its Float8 casts fused "
+                         "with the ops before them and its Llama blocks' elementwise kernels fused (not counted op "
+                         "by op as eager torchtitan runs them)")
+        return {"torch_compile": "model" in components, "compile_loss": "loss" in components}
+    return {"torch_compile": False, "compile_loss": None}
 
 
 def _int(table: dict, key: str, default: int) -> int:

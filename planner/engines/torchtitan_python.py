@@ -51,8 +51,8 @@ def python_config(sections: dict[str, dict], spec: str, label: str, notes: list[
     if ac_class:
         lines.append(f"from torchtitan.distributed.activation_checkpoint import {ac_class}")
     if "compile" in sections:  # the 0.2 TOML's [compile] section; 0.3's config field is not written here
-        notes.append("torch.compile of the model: not written in the 0.3 config; turn on the Trainer's compile "
-                     "config for the model (the TOML form writes [compile] enable)")
+        notes.append(f"torch.compile of the {' and the '.join(sections['compile']['components'])}: not written in "
+                     "the 0.3 config; turn on the Trainer's compile config for them (the TOML form writes [compile])")
     converters = f", converters=[{FLOAT8_CLASS}.Config({_float8_filter(sections[FLOAT8_CONVERTER])})]" if fp8 else ""
     lines += [f"from torchtitan.models.{model['name']} import model_registry",
               "from torchtitan.trainer import Trainer", "", "", f"def {FUNCTION}() -> Trainer.Config:",

@@ -184,6 +184,8 @@ def _with_engine_settings(candidates: list, request: PlanRequest, graph) -> list
     if request.tp_comm_overlap is not None:
         candidates = [replace(c, tp_comm_overlap=request.tp_comm_overlap) if c.tp > 1 and c.sp else c
                       for c in candidates]
+    if request.compile_loss is not None:  # after what compiles the model, whose default it sets apart from
+        candidates = [replace(c, compile_loss=request.compile_loss) for c in candidates]
     if request.moe_a2a_overlap:  # Megatron-Core's combined 1F1B
         candidates = [replace(c, moe_a2a_overlap=True) if c.ep > 1 and c.a2a_overlap_problem() is None else c
                       for c in candidates]

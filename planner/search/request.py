@@ -9,7 +9,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import (ENGINE_CP_METHODS, ENGINES, MTP_ENGINES, TP_OVERLAP_ENGINES,
                                                 a2a_overlap_engine_problem, bf16_grads_problem,
                                                 ce_fusion_problem)
-from meshplan.planner.contracts.engine_rules import compile_problem, early_stop_problem
+from meshplan.planner.contracts.engine_rules import compile_loss_problem, compile_problem, early_stop_problem
 from meshplan.planner.contracts.fp8_choice import stored_fp8_filter, stored_fp8_recipe
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
@@ -52,6 +52,7 @@ class PlanRequest:
     cross_entropy_fusion: str = "none"  # engine megatron's cross-entropy kernels (`costing.loss_kernels`)
     recompute_early_stop: bool | None = None  # torch's checkpoint early stop; None: the engine's rule
     torch_compile: bool = False  # the engine compiles the model (torchtitan's training.compile)
+    compile_loss: bool | None = None  # the engine compiles the loss; None: with the model
 
     def __post_init__(self):
         from meshplan.planner.costing.fp8 import check_fp8_supported
@@ -103,7 +104,8 @@ class PlanRequest:
                 "use engine", "use --engine"))
         if problem := early_stop_problem(self.engine, self.recompute_early_stop):
             raise MeshplanError(f"--recompute-early-stop on: {problem}")
-        if problem := compile_problem(self.engine, self.torch_compile):
+        if problem := (compile_problem(self.engine, self.torch_compile)
+                       or compile_loss_problem(self.engine, self.compile_loss)):
             raise MeshplanError(problem.replace("under engine", "under --engine"))
 
     @classmethod

@@ -112,7 +112,8 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                     microbatch_group_size: int | None = None, grad_reduce_in_bf16: bool = False,
                     tp_comm_overlap: bool | None = None, moe_a2a_overlap: bool = False,
                     cross_entropy_fusion: str = "none", recompute_early_stop: bool | None = None,
-                    torch_compile: bool = False, fp8_filter: tuple[str, ...] = ()) -> ParallelConfig:
+                    torch_compile: bool = False, fp8_filter: tuple[str, ...] = (),
+                    compile_loss: bool | None = None) -> ParallelConfig:
     """The ParallelConfig of command-line degrees, DP = gpus / (tp * pp * cp), checked against the
     cluster (`check_mesh`, `check_fp8_supported` with the recipe the engine runs) and by
     ParallelConfig itself; its errors become MeshplanError.
@@ -144,7 +145,7 @@ def parallel_config(cluster: ClusterProfile, *, gpus: int, global_batch: int, tp
                                 grad_reduce_in_bf16=grad_reduce_in_bf16, tp_comm_overlap=tp_comm_overlap,
                                 moe_a2a_overlap=moe_a2a_overlap, cross_entropy_fusion=cross_entropy_fusion,
                                 recompute_early_stop=recompute_early_stop, torch_compile=torch_compile,
-                                fp8_filter=tuple(fp8_filter))
+                                fp8_filter=tuple(fp8_filter), compile_loss=compile_loss)
     except ValueError as exc:
         raise MeshplanError(str(exc).replace("shard_group", "--shard-group").replace(
             "cp_method", "--cp-method").replace("microbatch_group_size", "--microbatch-group-size").replace(
@@ -188,7 +189,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
              grad_reduce_in_bf16: bool = False, tp_comm_overlap: bool | None = None,
              mtp_num_layers: int = 0, moe_a2a_overlap: bool = False, cross_entropy_fusion: str = "none",
              recompute_early_stop: bool | None = None, torch_compile: bool = False,
-             fp8_filter: tuple[str, ...] = ()) -> Prediction:
+             fp8_filter: tuple[str, ...] = (), compile_loss: bool | None = None) -> Prediction:
     """Predict step time, memory per pipeline rank, throughput and MFU of one configuration.
     `attention`: the kernel (`contracts.attention`; None: the one `engine` runs,
     `attention_kernels.engine_attention`); `shard_group`: HSDP (ZeRO over groups of that many dp
@@ -210,7 +211,8 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
     the engine's rule, `contracts.engine_rules.early_stop_default`); `torch_compile`: the engine
     compiles the model (torchtitan's training.compile: its Float8 casts fused, `costing.fp8`);
-    `fp8_filter`: the block Linears fp8 leaves in bf16 (`contracts.fp8_choice`, `costing.fp8_filter`)."""
+    `fp8_filter`: the block Linears fp8 leaves in bf16 (`contracts.fp8_choice`, `costing.fp8_filter`);
+    `compile_loss`: the engine compiles the loss (None: with the model, `engine_rules.compiles_loss`)."""
     from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
@@ -226,7 +228,7 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
                              microbatch_group_size=microbatch_group_size, grad_reduce_in_bf16=grad_reduce_in_bf16,
                              tp_comm_overlap=tp_comm_overlap, moe_a2a_overlap=moe_a2a_overlap,
                              cross_entropy_fusion=cross_entropy_fusion, recompute_early_stop=recompute_early_stop,
-                             torch_compile=torch_compile, fp8_filter=fp8_filter)
+                             torch_compile=torch_compile, fp8_filter=fp8_filter, compile_loss=compile_loss)
     check_offload(config, cluster)
     dtype = dtype or ("fp32" if precision == "fp32" else "bf16")
     attention = engine_attention(engine, attention)[0]

@@ -92,8 +92,9 @@ def test_estimate_without_compile_under_torchtitan_hints_the_compiled_step(run_c
 
 def test_plan_without_compile_under_torchtitan_says_what_compile_takes_off(run_cli, tmp_path):
     """`plan` under torchtitan without --compile: the line's saving is the plan's step less the same
-    plan simulated with `torch_compile` (its plan.json with the key set), to the printed 3 digits;
-    no line once planned compiled."""
+    plan simulated with `torch_compile` (its plan.json with the key set), to the printed 3 digits,
+    and its peak memory likewise where `saves_memory` names it (to the printed 0.1 GiB); no line
+    once planned compiled."""
     import re
 
     plan_path, compiled_path = tmp_path / "plan.json", tmp_path / "compiled.json"
@@ -107,5 +108,69 @@ def test_plan_without_compile_under_torchtitan_says_what_compile_takes_off(run_c
     assert code == 0, err
     expected_ms = (written["prediction"]["step_time_s"] - json.loads(out_compiled)["step_time_s"]) * 1e3
     assert saved_ms == pytest.approx(expected_ms, rel=5e-3)
+    peak_saved = written["prediction"]["peak_memory_bytes"] - json.loads(out_compiled)["peak_memory_bytes"]
+    said = re.search(r"and ([0-9.]+) GiB off the peak", line)
+    assert (said is not None) == (peak_saved >= max(0.01 * written["prediction"]["peak_memory_bytes"], 2**30)), line
+    if said:
+        assert float(said.group(1)) == pytest.approx(peak_saved / 2**30, abs=0.05)
     code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--compile")
     assert code == 0 and "compile: " not in out, err
+
+
+def test_compile_loss_prices_the_loss_and_travels_in_the_plan(run_cli, tmp_path):
+    """`--compile` compiles the loss with the model (torchtitan 0.2's `[compile] components`);
+    `--compile-loss off` keeps it eager: the head keeps fp32 log-probs and two fp32 copies in backward
+    where the compiled loss keeps bf16 logits and two fp32 values per token and works on bf16 logits:
+    4 - 2 bytes per logit kept (less the 8 per token) and 8 - 2 worked on more, both times the
+    allocator's reserve (`engine_memory.transient_scale`, 5% plain: the head never recomputes).
+    plan.json carries `compile_loss` only where set apart, and `simulate` reprices it alike."""
+    from meshplan.planner.costing.engine_memory import transient_scale
+
+    vocab = 65536  # the logits, not a block, make the peak in both
+
+    def estimate(*flags):
+        code, out, err = run_cli("estimate", "--model", SPEC.replace("vocab=4096", f"vocab={vocab}"), *JOB[2:],
+                                 "--engine", "torchtitan", "--mbs", "2", *flags, "--json")
+        assert code == 0, err
+        return json.loads(out)
+
+    compiled, eager = estimate("--compile"), estimate("--compile", "--compile-loss", "off")
+    logits = 2 * 2048 * vocab  # micro-batch 2 x seq x vocab on the one rank of dp 8
+    assert eager["peak_memory_bytes"] - compiled["peak_memory_bytes"] == pytest.approx(
+        ((4 - 2) * logits - 8 * 2 * 2048 + (8 - 2) * logits) * transient_scale("torchtitan", 0.0), rel=1e-9)
+    assert compiled["step_time_s"] == eager["step_time_s"]  # its time is not priced apart
+    code, out, err = run_cli("estimate", *JOB, "--engine", "megatron", "--compile-loss", "on")
+    assert code == 2 and "torchtitan" in err and "Traceback" not in err, err
+    plan_path = tmp_path / "plan.json"
+    code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--compile", "--compile-loss", "off",
+                             "--out", str(plan_path))
+    assert code == 0, err
+    written = json.loads(plan_path.read_text())
+    assert written["torch_compile"] is True and written["compile_loss"] is False
+    code, out, err = run_cli("simulate", "--plan", str(plan_path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_memory_bytes"] == pytest.approx(written["prediction"]["peak_memory_bytes"], rel=1e-9)
+
+
+def test_compile_hint_names_the_memory_its_loss_saves(run_cli):
+    """Under torchtitan without --compile, where the eager loss's peak does not fit and the compiled
+    one does (a large vocabulary, the usable memory cut between the two by --memory-headroom), the
+    does-not-fit line names --compile's peak (`estimate --compile`'s, to the printed 0.1 GiB) and why."""
+    model = SPEC.replace("vocab=4096", "vocab=65536")
+
+    def peak_gib(*flags):
+        code, out, err = run_cli("estimate", "--model", model, *JOB[2:], "--engine", "torchtitan", "--mbs", "2",
+                                 *flags, "--json")
+        assert code == 0, err
+        return json.loads(out)["peak_memory_bytes"] / 2**30
+
+    eager_gib, compiled_gib = peak_gib(), peak_gib("--compile")
+    assert eager_gib - compiled_gib > 1.0
+    usable_gib = load_cluster("h100-sxm").device.usable_memory_bytes / 2**30
+    headroom = f"{usable_gib - (eager_gib + compiled_gib) / 2:.3f}"
+    code, out, err = run_cli("estimate", "--model", model, *JOB[2:], "--engine", "torchtitan", "--mbs", "2",
+                             "--memory-headroom", headroom)
+    assert code != 0 and "Traceback" not in err, err
+    assert (f"--compile (torch.compile, torchtitan's training.compile) gives" in err
+            and f"a {compiled_gib:.1f} GiB peak ({eager_gib - compiled_gib:.1f} GiB less, which fits)" in err
+            and "its compiled loss keeps the logits in bf16" in err), err

@@ -145,3 +145,69 @@ def test_torchtitan_loss_holds_what_torch_allocates(tp):
     head = layer_cost(graph.layers[-1], config, cluster, graph.info, state_recipe="zero-paper")
     fp32_logits = 4.0 * seq * mbs * vocab / tp
     assert head.buffer_bytes == pytest.approx((measured_copies - 1) * fp32_logits, rel=1e-3)
+
+
+def _ce(pred, labels):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def test_compiled_loss_keeps_the_logits_in_bf16():
+    """torchtitan's loss under torch.compile (`compile_loss`): the graph Inductor receives
+    (AOTAutograd with Inductor's decompositions and min-cut partitioner) saves the bf16 logits and
+    two fp32 values per token (the max and the log-sum-exp), not fp32 log-probs, and its backward's
+    one logits-sized output is their bf16 gradient; where a C++ compiler is at hand, Inductor's CPU
+    code allocates no other logits-sized buffer. meshplan's head keeps bV + 8 bytes per token and
+    works on bV (exact)."""
+    import shutil
+
+    import torch
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    tokens, vocab = 256, 1024
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return make_boxed_func(gm)
+        return compiler
+
+    compiled = aot_function(_ce, fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                            partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+    pred = torch.randn(2, tokens // 2, vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (2, tokens // 2))
+    compiled(pred, labels).backward()
+    outputs = [n.meta["val"] for n in graphs["fw"].graph.output_node().args[0][1:]]  # after the loss: saved
+    assert sorted((tuple(v.shape), v.dtype) for v in outputs if v.numel() > 1) == sorted(
+        [((2, tokens // 2, vocab), torch.bfloat16), ((2, tokens // 2), torch.int64),
+         ((tokens, 1), torch.float32), ((tokens, 1), torch.float32)])
+    grads = [n.meta["val"] for n in graphs["bw"].graph.output_node().args[0] if n is not None]
+    assert [(tuple(g.shape), g.dtype) for g in grads] == [((2, tokens // 2, vocab), torch.bfloat16)]
+    if shutil.which("g++") or shutil.which("c++"):
+        from torch._inductor.utils import run_and_get_code
+
+        torch._dynamo.reset()
+        _, codes = run_and_get_code(lambda: torch.compile(_ce)(pred, labels).backward())
+        sizes = [line for code in codes for line in code.splitlines() if "empty_strided_cpu((" in line]
+        assert [line for line in sizes if f"{vocab}" in line] == [line for line in sizes if "bfloat16" in line
+                                                                   and f"{vocab}" in line], sizes
+        assert len([line for line in sizes if f"{vocab}" in line]) == 1, sizes
+
+    cluster = load_cluster("h100-sxm")
+    seq, mbs = 256, 2
+    graph = profile(f"llama:layers=2,hidden=256,heads=4,kv_heads=2,ffn=512,vocab={vocab * 32}", seq, batch=1,
+                    dtype="bf16")
+    head = graph.layers[-1]
+
+    def cost(**kw):
+        config = parallel_config(cluster, gpus=1, global_batch=mbs, mbs=mbs, engine="torchtitan", **kw)
+        return layer_cost(head, config, cluster, graph.info, state_recipe="zero-paper")
+
+    eager, compiled_loss = cost(torch_compile=True, compile_loss=False), cost(torch_compile=True)
+    logits = seq * mbs * vocab * 32
+    assert compiled_loss.buffer_bytes == pytest.approx(2 * logits)
+    assert eager.activation_bytes - compiled_loss.activation_bytes == pytest.approx(4 * logits - 2 * logits - 8 * seq * mbs)
+    assert cost(compile_loss=True).buffer_bytes == compiled_loss.buffer_bytes  # the loss alone compiled

@@ -243,21 +243,35 @@ def test_published_config_presets_export_as_torchtitans_own_flavours(preset, fla
     assert read_torchtitan(text).model == preset
 
 
-@pytest.mark.parametrize("compile_table, compiled, loss_note", [
-    ("enable = true", True, "(the default)"),                   # torchtitan's components: model and loss
-    ('enable = true\ncomponents = ["model"]', True, None),       # meshplan's export: the model alone
-    ('enable = true\ncomponents = ["loss"]', False, "['loss']"),  # the loss alone: the blocks run eagerly
+@pytest.mark.parametrize("compile_table, model, loss", [
+    ("enable = true", True, True),                             # torchtitan 0.2's components: model and loss
+    ('enable = true\ncomponents = ["model"]', True, False),     # the model alone
+    ('enable = true\ncomponents = ["loss"]', False, True),      # the loss alone: the blocks run eagerly
     ("enable = false", False, None)])
-def test_torchtitan_compile_components(compile_table, compiled, loss_note):
-    """`[compile] components`: the model is priced compiled only where "model" is among them, and a
-    compiled loss is named as priced eagerly (more memory than it keeps); `disable_loss_parallel =
-    true` is named as not modelled (meshplan prices the loss vocab-parallel under TP)."""
+def test_torchtitan_compile_components(compile_table, model, loss):
+    """`[compile] components`: the model is priced compiled where "model" is among them, the loss
+    where "loss" is (`compile_loss`), and the plan's export writes them back; `disable_loss_parallel
+    = true` is named as not modelled (meshplan prices the loss vocab-parallel under TP)."""
+    from meshplan.planner.engines.bridge import predict_job
     from meshplan.planner.engines.torchtitan import read_torchtitan
 
-    text = ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ntensor_parallel_degree = 2\n'
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 1\nseq_len = 2048\n'
+            '[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n'
             f'disable_loss_parallel = true\n[compile]\n{compile_table}\n')
     job = read_torchtitan(text)
-    assert job.torch_compile is compiled
-    notes = [n for n in job.notes if "compiled loss's memory priced as the eager loss's" in n]
-    assert (notes[0].split(": the compiled")[0].endswith(loss_note) if loss_note else not notes), job.notes
+    assert (job.torch_compile, job.compile_loss) == (model, loss)
     assert any(n.startswith("[parallelism] disable_loss_parallel = True: not modelled") for n in job.notes)
+    result = predict_job(job, None, "h100-sxm", gpus=8)
+    assert result.config.compile_loss == (None if loss == model or loss is None else loss)
+    plan = make_plan(tp=2, pp=1, dp=2, gbs=8)
+    plan = replace(plan, config=replace(plan.config, engine="torchtitan", torch_compile=model, compile_loss=loss))
+    components = tomllib.loads(export_plan(plan, "torchtitan").text).get("compile", {}).get("components")
+    assert components == ([name for name, on in (("model", model), ("loss", loss)) if on] or None)
+
+
+def test_torchtitan_compile_components_refused():
+    from meshplan.planner.contracts.errors import MeshplanError
+    from meshplan.planner.engines.torchtitan import read_torchtitan
+
+    with pytest.raises(MeshplanError, match="components must list"):
+        read_torchtitan('[model]\nname = "llama3"\nflavor = "8B"\n[compile]\nenable = true\ncomponents = ["loss", "optimizer"]\n')
