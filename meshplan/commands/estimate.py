@@ -5,14 +5,14 @@ import json
 import sys
 
 from meshplan.planner.contracts.config import DEFAULT_MOE_DISPATCHER, ENGINES, PRECISIONS, RECOMPUTE_MODULES, SCHEDULES
-from meshplan.commands.common import (ADVICE_MIN_SAVING, DOES_NOT_FIT_HELP, GIB, saves_memory, add_attention_argument, add_axis_arguments,
+from meshplan.commands.common import (ADVICE_MIN_SAVING, DOES_NOT_FIT_HELP, GIB, add_attention_argument, add_axis_arguments,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_fp8_filter_argument,
                                      add_fp8_recipe_argument, add_offload_argument,
                                      add_job_arguments, add_moe_a2a_overlap_argument, add_compile_argument,
                                      add_recompute_early_stop_argument, add_tp_comm_overlap_argument,
                                      announce_model_code, axis_arguments, check_seq, check_sizes, does_not_fit,
                                      job_notes, prediction_json, recompute_early_stop_of, compile_loss_of,
-                                     tp_comm_overlap_of)
+                                     saves_memory, tp_comm_overlap_of)
 from meshplan.commands.printed import Heading, format_prediction, with_overlap
 
 
@@ -159,7 +159,8 @@ def _estimate_at(args, zero: int, fp8_filter: tuple[str, ...] | None = None, tor
                     moe_a2a_overlap=args.moe_a2a_overlap, cross_entropy_fusion=args.cross_entropy_fusion,
                     recompute_early_stop=recompute_early_stop_of(args),
                     torch_compile=args.torch_compile if torch_compile is None else torch_compile,
-                    compile_loss=compile_loss_of(args), fp8_filter=args.fp8_filter if fp8_filter is None else fp8_filter)
+                    compile_loss=compile_loss_of(args),
+                    fp8_filter=args.fp8_filter if fp8_filter is None else fp8_filter)
 
 
 def _fp8_filter_hint(args, config, cluster, prediction) -> str:
@@ -189,9 +190,10 @@ def _fp8_filter_hint(args, config, cluster, prediction) -> str:
 def _compile_hint(args, config, prediction) -> str:
     """Under an engine that compiles (torchtitan) run without it: the step with --compile, where it
     fits and saves at least `ADVICE_MIN_SAVING` of the step, or memory at the peak (`saves_memory`:
-    its loss compiled with it, `engine_rules.compiles_loss`), or fits where this does not. torch.compile fuses the blocks' elementwise kernels (`costing.eager_kernels`),
-    under fp8 makes one cast of each shared input (`costing.fp8_eager`), and its compiled loss keeps
-    the logits in bf16 (`costing.engine_memory`)."""
+    its loss compiled with it, `engine_rules.compiles_loss`), or fits where this does not.
+    torch.compile fuses the blocks' elementwise kernels (`costing.eager_kernels`), under fp8 makes
+    one cast of each shared input (`costing.fp8_eager`), and its compiled loss keeps the logits in
+    bf16 (`costing.engine_memory`)."""
     from dataclasses import replace
 
     from meshplan.planner.contracts.engine_rules import compiles_loss, could_compile

@@ -6,14 +6,14 @@ import sys
 
 from meshplan.planner.contracts.config import (DEFAULT_MOE_DISPATCHER, ENGINES, EXECUTOR_MEMORY_ENGINES,
                                                EXTERNAL_ENGINES, PRECISIONS, SCHEDULES)
-from meshplan.commands.common import (ADVICE_MIN_SAVING, GIB, saves_memory, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
+from meshplan.commands.common import (ADVICE_MIN_SAVING, GIB, add_attention_argument, add_axis_arguments, add_fp8_filter_argument,
                                      add_fp8_recipe_argument,
                                      add_cross_entropy_fusion_argument, add_grad_reduce_argument, add_job_arguments, add_offload_argument,
                                      add_moe_a2a_overlap_argument, add_recompute_early_stop_argument, add_compile_argument,
                                      add_tp_comm_overlap_argument,
                                      announce_model_code, check_seq, check_sizes,
                                      finite_float, job_notes, spec_file, recompute_early_stop_of, compile_loss_of,
-                                     tp_comm_overlap_of)
+                                     saves_memory, tp_comm_overlap_of)
 from meshplan.planner.contracts.atomicfile import refuse_output_over_input
 
 

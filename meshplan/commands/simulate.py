@@ -72,6 +72,7 @@ def _with_overrides(plan, engine: str | None, fp8_recipe: str | None):
                          cross_entropy_fusion=ce_fusion_under(engine, config.cross_entropy_fusion),
                          recompute_early_stop=early_stop_under(engine, config.recompute_early_stop),
                          torch_compile=config.torch_compile and engine in COMPILE_ENGINES,
+                         compile_loss=config.compile_loss if engine in COMPILE_ENGINES else None,
                          # Transformer Engine's engines convert every Linear: the plan's filter does not travel
                          fp8_filter=config.fp8_filter if engine in FP8_FILTER_ENGINES else ())
     if fp8_recipe:

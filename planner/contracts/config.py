@@ -161,8 +161,8 @@ class ParallelConfig:
     # stored None where it says the same: the engine's rule. Megatron and DeepSpeed cannot stop early.
     recompute_early_stop: bool | None = None
     torch_compile: bool = False  # torch.compile of the model (`engine_rules.COMPILE_ENGINES`: torchtitan's)
-    # torch.compile of the loss (torchtitan's [compile] components); None, stored where it says the same: with the model
-    compile_loss: bool | None = None  # (`engine_rules.compiles_loss`)
+    # torch.compile of the loss (torchtitan's [compile] components); None (also stored where equal): with the model
+    compile_loss: bool | None = None  # `engine_rules.compiles_loss`
 
     def __post_init__(self):
         if self.etp is not None and self.etp == self.tp:
