@@ -1,11 +1,12 @@
 """Predicted against measured on one CUDA GPU: GEMMs by shape, fused attention by kernel and
 sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), Llama 3.1 70B and 8B TP 8
-shards' Linears under torchao's Float8 (`fp8_block_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
+shards' Linears under torchao's Float8 (`fp8_block_check.py`), torchtitan's loss's peak memory eager,
+under loss_parallel and compiled (`loss_memory_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
     python benchmarks/gpu_check.py [--cluster h200] [--out DIR] [--skip-train | --train-only] [--cases A,B]
-        [--sections copy,gemm,attention,fp8,fp8_rowwise,fp8_block,calibrate] [--steps 12]
+        [--sections copy,gemm,attention,fp8,fp8_rowwise,fp8_block,loss_memory,calibrate] [--steps 12]
 
 Nothing measured here is fitted to: every prediction comes from the shipped profile (`--cluster`,
 default the one whose device name matches this GPU), so each figure is held out. Results are
@@ -25,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fp8_block_check import check_fp8_block  # a sibling in benchmarks/
+from fp8_block_check import check_fp8_block  # siblings in benchmarks/
+from loss_memory_check import check_loss_memory
 
 # Transformer Linears (column: split on the output under TP), forward and both gradient GEMMs:
 # hidden sizes of small to large models, 2K and 8K tokens a micro-batch, no TP and a 4-way shard.
@@ -256,7 +258,7 @@ def check_copy(torch, clusters: dict) -> dict:
 KERNEL_SECTIONS = {"copy": check_copy, "gemm": check_gemms, "attention": check_attention, "fp8": check_fp8,
                    "fp8_rowwise": check_fp8_rowwise,
                    "fp8_block": lambda torch, clusters: check_fp8_block(torch, clusters, lambda fn: _timed(torch, fn)),
-                   "calibrate": None}
+                   "loss_memory": check_loss_memory, "calibrate": None}
 
 
 def _meshplan(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:

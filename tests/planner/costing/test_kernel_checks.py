@@ -169,3 +169,22 @@ def test_the_prepared_gpu_fp8_block_check_times_each_variant_beside_its_price():
         assert ratios["rowwise over k,v bf16, predicted [h100-sxm]"] == whole / kept
         assert ratios["bf16 over rowwise, predicted [h100-sxm]"] == bf16 / whole
     assert out["llama3-70b eager"]["rowwise over k,v bf16, measured"] == 2.0 / 3.0
+
+
+def test_the_prepared_gpu_loss_memory_check_runs_every_mode():
+    """benchmarks/loss_memory_check.py (gpu_check's loss_memory section) on CPU at a tiny vocabulary,
+    in a process of its own (loss_parallel's one-rank group): every mode runs torchtitan's loss
+    (eager, under loss_parallel, compiled) and carries meshplan's peak in fp32 copies of the logits
+    (3, 4 and 1: `loss_kernels.ce_backward_fp32_copies` and the compiled loss's bf16 halves); the
+    CPU has no memory statistics, so nothing is measured."""
+    import json
+    import subprocess
+
+    script = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); import loss_memory_check as c; "
+              "print(json.dumps(c.check_loss_memory(torch, device='cpu', tokens=64, hidden=32, vocab=256)))")
+    done = subprocess.run([sys.executable, "-c", script, str(BENCHMARKS)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["mode"], r["predicted_copies"], r["measured_allocated_copies"]) for r in rows] == [
+        ("eager", 3.0, None), ("loss_parallel", 4.0, None), ("compiled", 1.0, None)]
