@@ -209,10 +209,9 @@ def estimate(spec: str, cluster: str | ClusterProfile, gpus: int, global_batch: 
     Megatron-Core's combined 1F1B (`costing.moe_overlap`, engine megatron); `cross_entropy_fusion`:
     Megatron-Core's cross-entropy kernels (`costing.loss_kernels`, engine megatron);
     `recompute_early_stop`: torch's checkpoint early stop on or off under full recomputation (None:
-    the engine's rule, `contracts.engine_rules.early_stop_default`); `torch_compile`: the engine
-    compiles the model (torchtitan's training.compile: its Float8 casts fused, `costing.fp8`);
-    `fp8_filter`: the block Linears fp8 leaves in bf16 (`contracts.fp8_choice`, `costing.fp8_filter`);
-    `compile_loss`: the engine compiles the loss (None: with the model, `engine_rules.compiles_loss`)."""
+    the engine's rule, `contracts.engine_rules.early_stop_default`); `torch_compile`, `compile_loss`:
+    the engine compiles the model, the loss (None: with the model; `engine_rules.compiles_loss`);
+    `fp8_filter`: the block Linears fp8 leaves in bf16 (`contracts.fp8_choice`, `costing.fp8_filter`)."""
     from meshplan.planner.costing.attention_kernels import engine_attention
     from meshplan.planner.models.registry import default_seq
     from meshplan.planner.profiling.profiler import profile
