@@ -188,3 +188,69 @@ def test_a_filter_changes_how_many_linears_cast_each_region(llama_block):
     for names, casts in ((("k", "v"), 1.5), (("q", "k", "v"), 2.0), (("gate",), 2.0), (("q", "k", "v", "up"), 1.0)):
         linears = fp8_linears(block, info, replace(config, fp8_filter=names), "bf16")
         assert column_casts_per_region(block, linears) == casts, names
+
+
+# q, k and v as torchtitan's TP plan shards them (ColwiseParallel behind PrepareModuleInput, which
+# all-gathers the sequence-sharded input), compiled, on a fake process group of two ranks (its
+# collectives are no-ops; the graphs are the ones a TP group compiles): the forward graph's amax
+# passes of the gathered input, printed.
+_TP_COMPILED_CASTS = r"""
+import sys, torch, torch.nn as nn, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, parallelize_module
+from torchao import float8
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+recipe, tokens, hidden, kv = sys.argv[1], 64, 128, 32
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+mesh = init_device_mesh("cpu", (2,))
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(hidden, n, bias=False) for n in (hidden, kv, kv))
+    def forward(self, x):
+        return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = Attention()
+    def forward(self, x):
+        return self.attention(x)
+
+block = Block().to(torch.bfloat16)
+float8.convert_to_float8_training(block, config=float8.Float8LinearConfig.from_recipe_name(recipe))
+parallelize_module(block, mesh, {
+    "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel()})
+graphs = []
+def keep(gm, _):
+    graphs.append(gm.graph)
+    return make_boxed_func(gm.forward)
+compiled = torch.compile(block, fullgraph=True, backend=aot_autograd(
+    fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition))
+compiled(torch.randn(2, tokens // 2, hidden, dtype=torch.bfloat16, requires_grad=True)).float().sum().backward()
+print(sum(1 for n in graphs[0].nodes if n.target is torch.ops.aten.abs.default
+          and tuple(n.args[0].meta["val"].shape) == (2, tokens, hidden)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_under_tensor_parallelism_compiled_q_k_and_v_still_share_one_cast(recipe):
+    """torchtitan's TP plan (q, k, v column-parallel on the gathered input), compiled: one amax
+    pass of the gathered input feeds all three (AOTAutograd's common-subexpression pass sees
+    through DTensor), as without TP, so `fp8.cast_values`' one cast per region holds under TP too."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao.float8")
+    done = subprocess.run([sys.executable, "-c", _TP_COMPILED_CASTS, recipe], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "1"
