@@ -370,7 +370,11 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
 
     megatron: the norm's input and the output layer's (sequence-sharded under SP,
     `linear_with_grad_accumulation_and_async_allreduce` gathers again in backward) and the fp32
-    softmax `vocab_parallel_cross_entropy` saves (`exp_logits`); the bf16 logits live until cast.
+    softmax `vocab_parallel_cross_entropy` saves (`exp_logits`; its fused variant,
+    `--cross-entropy-loss-fusion`, alike); the bf16 logits live until cast. Transformer Engine's
+    loss (`cross_entropy_fusion` "te") writes the gradient into the logits in place and saves them
+    (transformer_engine/pytorch/cross_entropy.py, `CrossEntropyFunction`), its backward scaling
+    them in place: bV kept, nothing beside it.
     torchtitan: the norm's input, the gathered output-layer input under TP, then the loss
     (`cross_entropy(pred.float())`, vocab-sharded by `loss_parallel` under TP). Eager
     (`engine_rules.compiles_loss` false: torchtitan before April 2025, or `[compile] components`
@@ -388,6 +392,8 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
     vocab = (info.padded_vocab or info.vocab) * vocab_scale(layer, config.tp, info) / t
     if config.engine == "megatron":
+        if config.cross_entropy_fusion == "te":
+            return 2 * b * info.hidden / sp_t + b * vocab, 0.0
         return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
     gathered = b * info.hidden if t > 1 else 0.0
     kept = 2 * b * info.hidden / t + gathered

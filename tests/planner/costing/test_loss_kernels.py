@@ -211,3 +211,23 @@ def test_compiled_loss_keeps_the_logits_in_bf16():
     assert compiled_loss.buffer_bytes == pytest.approx(2 * logits)
     assert eager.activation_bytes - compiled_loss.activation_bytes == pytest.approx(4 * logits - 2 * logits - 8 * seq * mbs)
     assert cost(compile_loss=True).buffer_bytes == compiled_loss.buffer_bytes  # the loss alone compiled
+
+
+def test_megatron_head_under_te_loss_keeps_the_bf16_logits_alone():
+    """Megatron's output layer (TP 2, SP): its own and the fused (`native`) loss keep the fp32
+    softmax (4V) beside the bf16 logits until cast (bV working); Transformer Engine's (`te`) writes
+    the gradient into the bf16 logits in place and saves them: bV kept, nothing working (exact)."""
+    cluster = load_cluster("h100-sxm")
+    graph = profile(SPEC, SEQ, batch=1, dtype="bf16")
+
+    def head(fusion):
+        config = parallel_config(cluster, gpus=TP, global_batch=MBS, tp=TP, mbs=MBS, sp=True, engine="megatron",
+                                 cross_entropy_fusion=fusion)
+        return layer_cost(graph.layers[-1], config, cluster, graph.info, state_recipe="zero-paper")
+
+    logits = SEQ * MBS * VOCAB / TP
+    none, native, te = head("none"), head("native"), head("te")
+    assert (native.activation_bytes, native.buffer_bytes) == (none.activation_bytes, none.buffer_bytes)
+    assert none.buffer_bytes == pytest.approx(2 * logits)
+    assert none.activation_bytes - te.activation_bytes == pytest.approx((4 - 2) * logits)
+    assert te.buffer_bytes == 0
