@@ -157,10 +157,8 @@ def stored_compile_loss(config) -> bool | None:
     cannot run (`compile_loss_problem`)."""
     if problem := compile_loss_problem(config.engine, config.compile_loss):
         raise ValueError(problem)
-    if config.compile_loss is None or config.compile_loss == runs_compiled(config) \
-            or config.engine not in COMPILE_ENGINES:
-        return None
-    return config.compile_loss
+    # an engine that does not compile runs nothing compiled: false is its default, true is refused above
+    return None if config.compile_loss == runs_compiled(config) else config.compile_loss
 
 
 def compile_loss_problem(engine: str, compile_loss: bool | None) -> str | None:

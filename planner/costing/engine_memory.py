@@ -64,7 +64,7 @@ from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing import foundry_memory, gemm, megatron_activations, torchtitan_sac
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.fp8 import fp8_primary_weights
-from meshplan.planner.costing.loss_kernels import ce_backward_fp32_copies
+from meshplan.planner.costing.loss_kernels import torch_ce_bytes_per_logit
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split, rank_params, vocab_scale
 
@@ -385,7 +385,8 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     default with the model): Inductor's partitioner saves the logits in the compute dtype (bV) and two
     fp32 values per token (the max and the log-sum-exp) and recomputes the log-probs; the forward
     and the backward fuse into reductions and one pointwise kernel whose one output is the logits'
-    gradient (bV): tests/planner/costing/test_loss_kernels.py reads both graphs."""
+    gradient (bV): tests/planner/costing/test_loss_kernels.py reads both graphs. Both per logit:
+    `loss_kernels.torch_ce_bytes_per_logit`."""
     split = is_split(layer, config.tp)
     t = config.tp if split else 1
     sp_t = t if config.sp else 1
@@ -396,10 +397,10 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
             return 2 * b * info.hidden / sp_t + b * vocab, 0.0
         return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
     gathered = b * info.hidden if t > 1 else 0.0
-    kept = 2 * b * info.hidden / t + gathered
-    if compiles_loss(config):
-        return kept + b * vocab + 2 * 4.0, b * vocab
-    return kept + 4.0 * vocab, 4.0 * vocab * ce_backward_fp32_copies(loss_parallel=t > 1)
+    compiled = compiles_loss(config)
+    kept, working = torch_ce_bytes_per_logit(compiled, loss_parallel=t > 1, compute_bytes=b)
+    stats = 2 * 4.0 if compiled else 0.0  # the compiled loss's max and log-sum-exp per token
+    return 2 * b * info.hidden / t + gathered + kept * vocab + stats, working * vocab
 
 
 def _embedding_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,

@@ -59,6 +59,18 @@ def ce_backward_fp32_copies(loss_parallel: bool) -> int:
     return LOSS_PARALLEL_BACKWARD_FP32_COPIES if loss_parallel else CE_BACKWARD_FP32_COPIES
 
 
+def torch_ce_bytes_per_logit(compiled: bool, loss_parallel: bool, compute_bytes: float) -> tuple[float, float]:
+    """(kept for backward, held beside it in backward) bytes per logit of torch's cross-entropy on
+    `compute_bytes` logits, as torchtitan runs it (`engine_memory`'s head; `gpu_check`'s loss_memory
+    section prices it the same). Eager: the fp32 log-probs, and `ce_backward_fp32_copies` fp32 copies.
+    Compiled (Inductor's partitioner and fusion, read in tests/planner/costing/test_loss_kernels.py):
+    the logits themselves, and their gradient in their dtype; the partitioner's two fp32 values
+    per token (max, log-sum-exp) are per token, not per logit."""
+    if compiled:
+        return compute_bytes, compute_bytes
+    return 4.0, 4.0 * ce_backward_fp32_copies(loss_parallel)
+
+
 def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig) -> bool:
     """Whether the layer's loss kernels are counted (`loss_times_s`) rather than priced by the
     bytes it saves: a language model's output layer under an engine whose loss code is counted

@@ -90,15 +90,17 @@ def test_estimate_without_compile_under_torchtitan_hints_the_compiled_step(run_c
     assert "hint: --compile" not in run("--engine", "megatron")
 
 
-def test_plan_without_compile_under_torchtitan_says_what_compile_takes_off(run_cli, tmp_path):
+@pytest.mark.parametrize("vocab", [4096, 65536])  # the larger: the compiled loss's memory named too
+def test_plan_without_compile_under_torchtitan_says_what_compile_takes_off(run_cli, tmp_path, vocab):
     """`plan` under torchtitan without --compile: the line's saving is the plan's step less the same
     plan simulated with `torch_compile` (its plan.json with the key set), to the printed 3 digits,
     and its peak memory likewise where `saves_memory` names it (to the printed 0.1 GiB); no line
     once planned compiled."""
     import re
 
+    job = ("--model", SPEC.replace("vocab=4096", f"vocab={vocab}"), *JOB[2:])
     plan_path, compiled_path = tmp_path / "plan.json", tmp_path / "compiled.json"
-    code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--out", str(plan_path))
+    code, out, err = run_cli("plan", *job, "--engine", "torchtitan", "--out", str(plan_path))
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("compile: "))
     saved_ms = float(re.search(r"takes ([0-9.]+) ms", line).group(1))
@@ -111,9 +113,10 @@ def test_plan_without_compile_under_torchtitan_says_what_compile_takes_off(run_c
     peak_saved = written["prediction"]["peak_memory_bytes"] - json.loads(out_compiled)["peak_memory_bytes"]
     said = re.search(r"and ([0-9.]+) GiB off the peak", line)
     assert (said is not None) == (peak_saved >= max(0.01 * written["prediction"]["peak_memory_bytes"], 2**30)), line
+    assert (said is not None) == (vocab == 65536), line
     if said:
         assert float(said.group(1)) == pytest.approx(peak_saved / 2**30, abs=0.05)
-    code, out, err = run_cli("plan", *JOB, "--engine", "torchtitan", "--compile")
+    code, out, err = run_cli("plan", *job, "--engine", "torchtitan", "--compile")
     assert code == 0 and "compile: " not in out, err
 
 
