@@ -74,40 +74,74 @@ class _Played:
     busy_s: tuple[float, ...] = ()  # per rank: the sum of its actions' durations, in order
 
 
+class _PlayInputs(NamedTuple):
+    """What the play reads, per chunk and per rank: each rank's action order, the boundary
+    transfer after each chunk, each action kind's seconds per chunk, each chunk's rank and
+    gradient-reduction seconds."""
+
+    orders: list
+    transfer_s: list[float]
+    seconds: dict[str, list[float]]
+    chunk_rank: list[int]
+    reduce_s: list[float]
+
+
+def _play_inputs(costs: StepCosts, chunks: list[Chunk]) -> _PlayInputs:
+    cfg = costs.config
+    # Without pipelining the executor accumulates gradients forward, backward, forward, ...
+    # (1F1B's order for one stage) whatever schedule the plan names.
+    schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
+    orders = schedule_actions(schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages,
+                              cfg.microbatch_group_size if cfg.pp > 1 else None)
+    seconds = {kind: [action_part(chunk, kind).fwd_s if kind == "F" else action_part(chunk, kind).bwd_s
+                      for chunk in chunks] for kind in "FBIW"}
+    return _PlayInputs(orders, list(costs.p2p_time_s) or [0.0] * (cfg.num_model_chunks - 1), seconds,
+                       [chunk.rank for chunk in chunks], [chunk.grad_reduce_s for chunk in chunks])
+
+
+def _reduce_after_chunk(intervals: list[tuple[float, float]], end: float, reduce_s: float) -> float:
+    """Launch a chunk's whole gradient reduction after its last backward (`grad_sync="after_chunk"`)
+    on the rank's dp stream; returns when it ends, which the rank's next compute waits for."""
+    reduce_start = max(end, intervals[-1][1] if intervals else 0.0)
+    intervals.append((reduce_start, reduce_start + reduce_s))
+    return reduce_start + reduce_s
+
+
+def _publish(done: list[Action], end: float, fwd_end, bwd_end, waiting_for: dict, ready_ranks: deque) -> None:
+    """Mark `done` actions' outputs sent at `end` and wake the ranks parked on them (the rare path:
+    a DualPipeV "F;B" pair, whose forward's output leaves when the pair ends)."""
+    for action in done:
+        ends, key = (fwd_end, "F") if action.kind == "F" else (bwd_end, "B")
+        ends[action.chunk][action.microbatch] = end
+        woken = waiting_for.pop((key, action.chunk, action.microbatch), None)
+        if woken is not None:
+            ready_ranks.append(woken)
+
+
 def _play(costs: StepCosts, chunks: list[Chunk], record: bool = True) -> _Played:
     """Run every rank's action list; an action starts when its rank is free and its input is in.
 
     Split backwards: I publishes the input gradient (as B does), W depends on nothing remote. A
     DualPipeV "F;B" pair runs its two actions back to back and its forward's output is only sent
     when the pair ends (torch posts both sends after the pair). This loop runs once per action
-    of the step, so it is written out flat. `record` False keeps only each rank's last action in
-    `runs` (what a step time needs)."""
+    of the step, so its common path is written out flat. `record` False keeps only each rank's
+    last action in `runs` (what a step time needs). Worklist: a rank runs until its next
+    action's input is missing, then parks on the action that produces it and is woken when that
+    action is published: O(actions) in all."""
     cfg = costs.config
-    num_mb, num_chunks = cfg.num_microbatches, cfg.num_model_chunks
-    # Without pipelining the executor accumulates gradients forward, backward, forward, ...
-    # (1F1B's order for one stage) whatever schedule the plan names.
-    schedule = "1f1b" if cfg.pp == 1 else cfg.schedule
-    orders = schedule_actions(schedule, cfg.pp, num_mb, cfg.virtual_stages,
-                              cfg.microbatch_group_size if cfg.pp > 1 else None)
-    transfer = list(costs.p2p_time_s) or [0.0] * (num_chunks - 1)
-    seconds = {kind: [action_part(chunk, kind).fwd_s if kind == "F" else action_part(chunk, kind).bwd_s
-                      for chunk in chunks] for kind in "FBIW"}
-    chunk_rank = [chunk.rank for chunk in chunks]
-    reduce_s = [chunk.grad_reduce_s for chunk in chunks]
+    num_mb, pp = cfg.num_microbatches, cfg.pp
+    orders, transfer, seconds, chunk_rank, reduce_s = _play_inputs(costs, chunks)
     last_chunk, last_mb = len(chunks) - 1, num_mb - 1
     after_chunk = costs.grad_sync == "after_chunk"
-    fwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
-    bwd_end = [[-1.0] * num_mb for _ in range(num_chunks)]
-    runs: list[list[_Run]] = [[] for _ in range(cfg.pp)]
-    dp_intervals: list[list[tuple[float, float]]] = [[] for _ in range(cfg.pp)]
-    position, free_at, blocked_until = [0] * cfg.pp, [0.0] * cfg.pp, [0.0] * cfg.pp
-    held: list[Action | None] = [None] * cfg.pp  # the forward of an "F;B" pair, not yet sent
-    # Worklist: a rank runs until its next action's input is missing, then parks on the action
-    # that produces it and is woken when that action is published: O(actions) in all.
+    fwd_end = [[-1.0] * num_mb for _ in range(cfg.num_model_chunks)]
+    bwd_end = [[-1.0] * num_mb for _ in range(cfg.num_model_chunks)]
+    runs: list[list[_Run]] = [[] for _ in range(pp)]
+    dp_intervals: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    position, free_at, blocked_until, busy = [0] * pp, [0.0] * pp, [0.0] * pp, [0.0] * pp
+    held: list[Action | None] = [None] * pp  # the forward of an "F;B" pair, not yet sent
     waiting_for: dict[tuple[str, int, int], int] = {}
-    ready_ranks = deque(range(cfg.pp))
+    ready_ranks = deque(range(pp))
     new, run = tuple.__new__, _Run  # what _Run(...) does, without its Python-level __new__
-    busy = [0] * cfg.pp
     while ready_ranks:
         rank = ready_ranks.popleft()
         order = orders[rank]
@@ -138,46 +172,28 @@ def _play(costs: StepCosts, chunks: list[Chunk], record: bool = True) -> _Played
             arrival = dep_end + link_s
             start = arrival if arrival > free else free
             end = start + seconds[kind][chunk]
-            bubble = dep_end - free
-            link_wait = start - (dep_end if dep_end > free else free)
             if record or pos == count - 1:
+                bubble, link_wait = dep_end - free, start - (dep_end if dep_end > free else free)
                 rank_runs.append(new(run, (action, start, end, bubble if bubble > 0.0 else 0.0,
                                            link_wait if link_wait > 0.0 else 0.0, free - rank_free)))
             rank_busy += end - start
             rank_free = end
             if after_chunk and (kind == "B" or kind == "W") and mb == last_mb:
-                intervals = dp_intervals[rank]
-                reduce_start = max(end, intervals[-1][1] if intervals else 0.0)
-                intervals.append((reduce_start, reduce_start + reduce_s[chunk]))
-                rank_blocked = reduce_start + reduce_s[chunk]
+                rank_blocked = _reduce_after_chunk(dp_intervals[rank], end, reduce_s[chunk])
             pos += 1
             if rank_held is None and not overlap:  # the common case: the action publishes itself
-                if kind == "F":
-                    fwd_end[chunk][mb] = end
-                    woken = waiting_for.pop(("F", chunk, mb), None)
-                elif kind == "W":
+                if kind == "W":
                     continue
-                else:
-                    bwd_end[chunk][mb] = end
-                    woken = waiting_for.pop(("B", chunk, mb), None)
+                ends, key = (fwd_end, "F") if kind == "F" else (bwd_end, "B")
+                ends[chunk][mb] = end
+                woken = waiting_for.pop((key, chunk, mb), None)
                 if woken is not None:
                     ready_ranks.append(woken)
                 continue
-            published = [action] if kind != "W" else []
-            if rank_held is not None:  # the pair ends here: its forward's output leaves now
-                published.append(rank_held)
-                rank_held = None
-            if overlap:
-                rank_held, published = action, []
-            for done in published:
-                if done.kind == "F":
-                    fwd_end[done.chunk][done.microbatch] = end
-                    woken = waiting_for.pop(("F", done.chunk, done.microbatch), None)
-                else:
-                    bwd_end[done.chunk][done.microbatch] = end
-                    woken = waiting_for.pop(("B", done.chunk, done.microbatch), None)
-                if woken is not None:
-                    ready_ranks.append(woken)
+            # a pair: its forward is held until the pair ends, then both leave together
+            published = ([action] if kind != "W" else []) + ([rank_held] if rank_held is not None else [])
+            rank_held = action if overlap else None
+            _publish([] if overlap else published, end, fwd_end, bwd_end, waiting_for, ready_ranks)
         position[rank], free_at[rank], blocked_until[rank], held[rank] = pos, rank_free, rank_blocked, rank_held
         busy[rank] = rank_busy
     if any(position[rank] < len(order) for rank, order in enumerate(orders)):  # a schedule bug
