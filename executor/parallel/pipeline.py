@@ -37,21 +37,29 @@ from functools import lru_cache
 from meshplan.planner.costing.state_memory import executed_zero
 
 
+def _release(infos) -> None:
+    """Swap each received tensor of a stage's receive infos for a meta placeholder of its shape:
+    nothing allocated."""
+    import torch
+
+    for info in infos:
+        if not info.is_root_arg and info.buffer is not None and info.buffer.device.type != "meta":
+            info.buffer = torch.empty_like(info.buffer, device="meta")
+
+
+def _allocate(infos, device) -> None:
+    """Give each meta placeholder `_release` left its storage back, on `device`, before a receive."""
+    import torch
+
+    for info in infos:
+        if not info.is_root_arg and info.buffer is not None and info.buffer.device.type == "meta":
+            info.buffer = torch.empty_like(info.buffer, device=device)
+
+
 @lru_cache(maxsize=None)
 def _lean_stage_class():
     import torch
     from torch.distributed.pipelining import PipelineStage
-
-    def release(infos) -> None:
-        """Swap each received tensor for a meta placeholder of its shape: nothing allocated."""
-        for info in infos:
-            if not info.is_root_arg and info.buffer is not None and info.buffer.device.type != "meta":
-                info.buffer = torch.empty_like(info.buffer, device="meta")
-
-    def allocate(infos, device) -> None:
-        for info in infos:
-            if not info.is_root_arg and info.buffer is not None and info.buffer.device.type == "meta":
-                info.buffer = torch.empty_like(info.buffer, device=device)
 
     class LeanBuffersStage(PipelineStage):
         """A stage whose receive buffers exist from their receive to their micro-batch's backward."""
@@ -63,21 +71,21 @@ def _lean_stage_class():
         def _prepare_forward_infra(self, *args, **kwargs):
             meta = super()._prepare_forward_infra(*args, **kwargs)
             for infos in self.args_recv_info.values():
-                release(infos)
+                _release(infos)
             return meta
 
         def _setup_backward_recv_info(self, num_microbatches: int):
             super()._setup_backward_recv_info(num_microbatches)
             for infos in self.grad_recv_info.values():
-                release(infos)
+                _release(infos)
 
         def get_fwd_recv_ops(self, fwd_chunk_id: int):
-            allocate(self.args_recv_info[fwd_chunk_id], self.device)
+            _allocate(self.args_recv_info[fwd_chunk_id], self.device)
             return super().get_fwd_recv_ops(fwd_chunk_id)
 
         def get_bwd_recv_ops(self, bwd_chunk_id: int):
             if self.has_backward and not self.is_last:
-                allocate(self.grad_recv_info[bwd_chunk_id], self.device)
+                _allocate(self.grad_recv_info[bwd_chunk_id], self.device)
             return super().get_bwd_recv_ops(bwd_chunk_id)
 
         def get_fwd_send_ops(self, fwd_chunk_id: int):
@@ -89,8 +97,8 @@ def _lean_stage_class():
             super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, **kwargs)
             # autograd, the send of the input's gradient and a split backward's pending weight
             # half hold what they still need by reference; the stage lets go of its own.
-            release(self.args_recv_info.get(bwd_chunk_id, ()))
-            release(self.grad_recv_info.get(bwd_chunk_id, ()))
+            _release(self.args_recv_info.get(bwd_chunk_id, ()))
+            _release(self.grad_recv_info.get(bwd_chunk_id, ()))
             if not full_backward:  # a split backward: its weight half frees the rest
                 return
             self._free_sent_output(bwd_chunk_id)
