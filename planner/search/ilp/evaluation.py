@@ -336,16 +336,27 @@ def heuristic_start(problem: StageProblem, structure: tuple[int, int, int]):
     pinned_options = {layer: min(range(len(table.types[table.layer_type[layer]].options)),
                                  key=lambda o: table.types[table.layer_type[layer]].options[o].act_bytes)
                       for layer in range(table.num_layers) if not first <= layer < first + count}
-    limit = problem.mem_limit_bytes
-    if limit is None:
+    if problem.mem_limit_bytes is None:
         return counts, pinned_options
+    return _fit_memory(problem, structure, counts, times, weight, chunk_s, pinned_options, peaks, (fast, lean))
+
+
+def _fit_memory(problem: StageProblem, structure: tuple[int, int, int], counts, times, weight, chunk_s,
+                pinned_options, peaks, fast_lean: tuple[int, int]):
+    """`heuristic_start`'s repair: while a rank is over the memory limit, switch one layer of its
+    chunk with the most live micro-batches (preferring chunks with room below the slowest) from
+    its option to the leanest; `counts` and `times` are updated in place. The assignment, or
+    None when a rank cannot be brought under the limit."""
+    table, shape, limit = problem.table, problem.shape, problem.mem_limit_bytes
+    first, count, type_index = structure
+    options, (fast, lean) = table.types[type_index].options, fast_lean
     state = _CountMemory(problem, counts, first, pinned_options, peaks)
     for _ in range(count + 1):
         memory = state.memory
         if any(abs(m - limit) <= 1e-9 * limit for m in memory):  # too close to call in another summation order
-            chunks, chosen = expand_counts(counts, first, table.num_layers, num_chunks, pinned_options)
+            chunks, chosen = expand_counts(counts, first, table.num_layers, shape.num_chunks, pinned_options)
             memory = memory_of_assignment(problem, chunks, chosen, peaks)
-        over = [r for r in range(pp) if memory[r] > limit]
+        over = [r for r in range(shape.num_stages) if memory[r] > limit]
         if not over:
             return counts, pinned_options
         movable = [c for c in shape.chunks_on(over[0]) if any(counts[c][o] for o in range(len(options)) if o != lean)]
