@@ -146,15 +146,19 @@ def recompute_early_stop_of(args) -> bool | None:
 def add_compile_argument(parser) -> None:
     """--compile: the engine compiles the model (`ParallelConfig.torch_compile`); --compile-loss: the
     loss apart from it (`ParallelConfig.compile_loss`)."""
+    from meshplan.planner.costing.loss_kernels import TORCH_CE_BYTES_PER_LOGIT
+
     parser.add_argument("--compile", dest="torch_compile", action="store_true",
                         help="with --engine torchtitan: the model runs under torch.compile (its [compile] enable); "
                              "meshplan prices its Float8 casts fused with the ops before them (torchao's float8 "
-                             "roofline), not Inductor's other fusions")
+                             "roofline) and its Llama blocks' elementwise kernels fused")
+    moved = {kind: f"{sum(TORCH_CE_BYTES_PER_LOGIT[kind]):.0f}" for kind in TORCH_CE_BYTES_PER_LOGIT}
     parser.add_argument("--compile-loss", choices=("on", "off"), default=None,
                         help="with --engine torchtitan: whether the loss runs under torch.compile, whose fused "
-                             "cross-entropy keeps the logits in bf16 where the eager one keeps fp32 log-probs and "
-                             "two or three fp32 copies in backward; default: with the model (torchtitan 0.2's "
-                             "[compile] components; before April 2025 torchtitan compiled the model alone)")
+                             f"cross-entropy keeps the logits in bf16 and moves {moved['compiled']} bytes a logit, "
+                             "where the eager one keeps fp32 log-probs and two or three fp32 copies in backward and "
+                             f"moves {moved['eager']} or {moved['loss_parallel']}; default: with the model (torchtitan "
+                             "0.2's [compile] components; before April 2025 torchtitan compiled the model alone)")
 
 
 def compile_loss_of(args) -> bool | None:

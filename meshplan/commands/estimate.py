@@ -209,9 +209,8 @@ def _compile_hint(args, config, prediction) -> str:
         return ""
     why = ["it fuses the blocks' elementwise kernels" + (" and casts each shared Float8 Linear input once (eagerly "
            "each Linear casts its own, forward and again backward)" if casts_eagerly(config) else "")]
-    if leaner and compiles_loss(replace(config, torch_compile=True)):
-        why.append("its compiled loss keeps the logits in bf16 where the eager one keeps fp32 log-probs and fp32 "
-                   "copies in backward")
+    if compiles_loss(replace(config, torch_compile=True)) and not compiles_loss(config):
+        why.append(_compiled_loss_why(leaner))
     gains = []
     if faster:
         gains.append(f"{compiled.step_time_s * 1e3:.1f} ms per step "
@@ -222,6 +221,19 @@ def _compile_hint(args, config, prediction) -> str:
     return (f"hint: --compile (torch.compile, {config.engine}'s training.compile) gives {' and '.join(gains)}: "
             f"{'; '.join(why)}")
 
+
+def _compiled_loss_why(leaner: bool) -> str:
+    """What compiling the loss changes (`loss_kernels.TORCH_CE_BYTES_PER_LOGIT`): the bytes a logit
+    its kernels move, and where the memory drops, what it keeps."""
+    from meshplan.planner.costing.loss_kernels import TORCH_CE_BYTES_PER_LOGIT
+
+    eager = sorted(sum(TORCH_CE_BYTES_PER_LOGIT[kind]) for kind in ("eager", "loss_parallel"))
+    moved = f"moves {sum(TORCH_CE_BYTES_PER_LOGIT['compiled']):.0f} bytes a logit"
+    eager_moved = f"moves {eager[0]:.0f} to {eager[1]:.0f}"
+    if leaner:
+        return (f"its compiled loss keeps the logits in bf16 and {moved}, where the eager one keeps fp32 log-probs "
+                f"and fp32 copies in backward and {eager_moved}")
+    return f"its compiled loss {moved}, where the eager one {eager_moved}"
 
 def _zero_hint(args, prediction) -> str:
     """When the configuration does not fit, the first higher ZeRO stage that does (same job)."""

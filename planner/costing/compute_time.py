@@ -93,7 +93,7 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     saved_bytes += rebuilt
     bwd_extra = rebuilt if config.recompute == "none" else 0.0
     loss_fwd_s = loss_bwd_s = 0.0
-    if loss_kernels.counts_loss_kernels(layer, config):  # the logits' traffic counted kernel by kernel
+    if loss_kernels.counts_loss_kernels(layer, config, cluster):  # the logits' traffic counted kernel by kernel
         saved_bytes -= loss_kernels.logits_saved_bytes(layer, config, act_scale, vocab_scale)
         loss_fwd_s, loss_bwd_s = loss_kernels.loss_times_s(layer, config, cluster, vocab_scale, profile_dtype)
     fwd_bytes, bwd_bytes = traffic_per_act_byte * saved_bytes, traffic_per_act_byte * (2 * saved_bytes + bwd_extra)

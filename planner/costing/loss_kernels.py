@@ -25,6 +25,25 @@ Linear; fp32 elements are 4 bytes, bf16 2:
   gradient in their place (read 2, write 2): 6. Backward: that gradient scaled in place by the
   loss gradient (read 2, write 2): 4.
 
+torch's cross-entropy as torchtitan and meshplan's executor run it on a GPU,
+`cross_entropy(logits.float(), labels)` on the bf16 logits (`TORCH_LOSS_ENGINES`):
+
+- "eager", unsharded: the cast to fp32 (read 2, write 4); log_softmax's CUDA kernel, whose fp32
+  row (a vocabulary of 128K is 512 KB) does not fit shared memory, reads it for the max, again for
+  the sum of exponentials and once more to write the log-probs (4 + 4 + 4 + 4): 22. Backward:
+  nll_loss's zeroed gradient (write 4; its scatter is per token), log_softmax's backward reads the
+  gradient for its sum, then it and the log-probs to write its output (4 + 4 + 4 + 4), the cast's
+  backward to bf16 (read 4, write 2): 26.
+- "loss_parallel", the logits split over TP (torch/distributed/tensor/parallel/loss.py, one op at a
+  time): the cast (2 + 4), amax (4), the shift (4 + 4), exp (4 + 4) and its sum (4), the log-probs
+  (4 + 4): 38. Backward, `_nll_loss_and_log_softmax_backward`: the zeroed mask (4), exp of the
+  log-probs (4 + 4), their sum with the mask (4 + 4 + 4), the product with the per-token gradient
+  (4 + 4), the cast back (4 + 2): 38.
+- "compiled" (`engine_rules.compiles_loss`; Inductor, whose graphs tests/planner/costing/
+  test_loss_kernels.py reads): the forward's reduction reads the bf16 logits for the max and again
+  for the sum of exponentials (2 + 2), the backward's one pointwise kernel reads them and writes
+  their bf16 gradient (2 + 2): 4 and 4.
+
 The per-token reductions (max, sum and target logit all-reduced over the TP group) are vocab
 times smaller and left out.
 """
@@ -32,7 +51,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES
+from meshplan.planner.contracts.engine_rules import CE_FUSION_ENGINES, compiles_loss
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing.activation_memory import sharded_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES, memory_time_s
@@ -40,6 +59,10 @@ from meshplan.planner.costing.tp_split import is_split
 
 # (forward, backward) bytes per logit of each Megatron-Core cross-entropy (`ParallelConfig.cross_entropy_fusion`)
 MEGATRON_CE_BYTES_PER_LOGIT = {"none": (38.0, 14.0), "native": (22.0, 14.0), "te": (6.0, 4.0)}
+# Engines whose loss is torch's cross-entropy on the fp32 cast of bf16 logits, and its (forward,
+# backward) bytes per logit as each runs it (`torch_ce_kind`); counted on a GPU, in bf16 or fp8 runs.
+TORCH_LOSS_ENGINES, TORCH_LOSS_PRECISIONS = ("torchtitan", "meshplan"), ("bf16-mixed", "fp8")
+TORCH_CE_BYTES_PER_LOGIT = {"eager": (22.0, 26.0), "loss_parallel": (38.0, 38.0), "compiled": (4.0, 4.0)}
 
 # torch's eager cross-entropy on fp32 logits (`cross_entropy(logits.float(), labels)`: torchtitan's
 # loss, meshplan's executor): the fp32 tensors of the rank's logits its backward holds at once
@@ -71,11 +94,34 @@ def torch_ce_bytes_per_logit(compiled: bool, loss_parallel: bool, compute_bytes:
     return 4.0, 4.0 * ce_backward_fp32_copies(loss_parallel)
 
 
-def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig) -> bool:
+def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile | None = None) -> bool:
     """Whether the layer's loss kernels are counted (`loss_times_s`) rather than priced by the
     bytes it saves: a language model's output layer under an engine whose loss code is counted
-    (`engine_rules.CE_FUSION_ENGINES`)."""
-    return layer.kind == "head" and config.engine in CE_FUSION_ENGINES
+    (`engine_rules.CE_FUSION_ENGINES`), or whose loss is torch's (`TORCH_LOSS_ENGINES`) on a GPU
+    profile (`cluster` with SMs: a CPU's kernels are another library's, which calibration measures)
+    with bf16 logits."""
+    if layer.kind != "head":
+        return False
+    if config.engine in CE_FUSION_ENGINES:
+        return True
+    return (config.engine in TORCH_LOSS_ENGINES and config.precision in TORCH_LOSS_PRECISIONS
+            and cluster is not None and cluster.device.num_sms > 0)
+
+
+def torch_ce_kind(layer: LayerProfile, config: ParallelConfig) -> str:
+    """How torch's cross-entropy runs on the output layer's logits (`TORCH_CE_BYTES_PER_LOGIT`):
+    compiled, under `loss_parallel` where TP splits the vocabulary (torchtitan's default and
+    meshplan's executor), or eager."""
+    if compiles_loss(config):
+        return "compiled"
+    return "loss_parallel" if is_split(layer, config.tp) else "eager"
+
+
+def loss_bytes_per_logit(layer: LayerProfile, config: ParallelConfig) -> tuple[float, float]:
+    """(forward, backward) bytes per logit of the engine's cross-entropy kernels."""
+    if config.engine in CE_FUSION_ENGINES:
+        return MEGATRON_CE_BYTES_PER_LOGIT[config.cross_entropy_fusion]
+    return TORCH_CE_BYTES_PER_LOGIT[torch_ce_kind(layer, config)]
 
 
 def num_logits(layer: LayerProfile, config: ParallelConfig, vocab_scale: float, profile_dtype: str) -> float:
@@ -95,6 +141,6 @@ def logits_saved_bytes(layer: LayerProfile, config: ParallelConfig, act_scale: f
 def loss_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, vocab_scale: float,
                  profile_dtype: str) -> tuple[float, float]:
     """(forward, backward) seconds of the engine's cross-entropy kernels on one micro-batch."""
-    fwd_bytes, bwd_bytes = MEGATRON_CE_BYTES_PER_LOGIT[config.cross_entropy_fusion]
+    fwd_bytes, bwd_bytes = loss_bytes_per_logit(layer, config)
     logits = num_logits(layer, config, vocab_scale, profile_dtype)
     return memory_time_s(fwd_bytes * logits, cluster), memory_time_s(bwd_bytes * logits, cluster)

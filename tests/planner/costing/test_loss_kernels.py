@@ -59,8 +59,9 @@ def test_the_kernel_counts_are_the_passes_megatron_core_makes():
 
 
 def test_other_engines_price_the_logits_by_the_bytes_they_save():
-    """Outside megatron the output layer keeps the fitted traffic-per-saved-byte rule, which differs
-    from every counted loss, so the engine is part of what the time depends on."""
+    """Under the generic engine (no loss code on record) the output layer keeps the fitted
+    traffic-per-saved-byte rule, which differs from every counted loss, so the engine is part of
+    what the time depends on."""
     generic = _head_times("none", engine="generic")
     assert all(generic != _head_times(fusion) for fusion in ("none", "native", "te"))
 
