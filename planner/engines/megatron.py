@@ -114,7 +114,6 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     args += [(BATCH_FLAGS["mbs"], cfg.microbatch_size), (BATCH_FLAGS["gbs"], cfg.global_batch),
              (BATCH_FLAGS["seq"], plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
     args += _state_args(cfg, notes)
-    args += _precision_args(cfg, notes)
     head = f"{HEADER} gpus={cfg.gpus} model={plan.model.spec}"
     lines = [head, "# pretrain_gpt.py arguments written by meshplan export; pass them after the script name"]
     lines += [flag if value is None else f"{flag} {value}" for flag, value in args]
@@ -122,7 +121,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
 
 
 def _state_args(cfg, notes: list[str]) -> list[tuple[str, object]]:
-    """The model state's flags: distributed optimizer or Megatron FSDP by ZeRO stage, overlaps, offload."""
+    """The model state's flags (distributed optimizer or Megatron FSDP by ZeRO stage, overlaps,
+    offload) and the precision's (bf16 and its gradient reduction, the priced loss kernels, fp8)."""
     args: list[tuple[str, object]] = []
     if cfg.zero >= 1:
         args.append(("--use-distributed-optimizer", None))
@@ -141,12 +141,6 @@ def _state_args(cfg, notes: list[str]) -> list[tuple[str, object]]:
         if cfg.offload == "params":
             notes.append("offload params: Megatron-LM offloads the optimizer's states and step only; exported as "
                          "--optimizer-cpu-offload, which keeps parameters and gradients on the GPUs")
-    return args
-
-
-def _precision_args(cfg, notes: list[str]) -> list[tuple[str, object]]:
-    """The precision's flags: bf16 (and its gradient reduction), the priced loss kernels, TE's fp8 recipe."""
-    args: list[tuple[str, object]] = []
     if cfg.precision in ("bf16-mixed", "fp8"):
         args += [("--bf16", None)] + ([(BF16_GRADS_FLAG, None)] if cfg.grad_reduce_in_bf16 else [])
     if cfg.cross_entropy_fusion != "none":  # the loss kernels the plan was priced with
