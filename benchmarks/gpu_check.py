@@ -1,7 +1,7 @@
 """Predicted against measured on one CUDA GPU: GEMMs by shape, fused attention by kernel and
 sequence length, fp8 GEMMs (rowwise scaling too, at TP 8 shard shapes), Llama 3.1 70B and 8B TP 8
-shards' Linears under torchao's Float8 (`fp8_block_check.py`), torchtitan's loss's peak memory eager,
-under loss_parallel and compiled (`loss_memory_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
+shards' Linears under torchao's Float8 (`fp8_block_check.py`), torchtitan's loss's peak memory and time
+eager, under loss_parallel and compiled (`loss_memory_check.py`), the memory bandwidth, `calibrate --nproc 1`, and whole training
 steps (time and peak memory) planned by `meshplan plan` and run by `meshplan train`, each step
 then profiled (`gpu_step_profile.py`: device busy time, kernels, host operators, FSDP2 hooks).
 
@@ -258,7 +258,9 @@ def check_copy(torch, clusters: dict) -> dict:
 KERNEL_SECTIONS = {"copy": check_copy, "gemm": check_gemms, "attention": check_attention, "fp8": check_fp8,
                    "fp8_rowwise": check_fp8_rowwise,
                    "fp8_block": lambda torch, clusters: check_fp8_block(torch, clusters, lambda fn: _timed(torch, fn)),
-                   "loss_memory": check_loss_memory, "calibrate": None}
+                   "loss_memory": lambda torch, clusters: check_loss_memory(torch, clusters,
+                                                                            timer=lambda fn: _timed(torch, fn)),
+                   "calibrate": None}
 
 
 def _meshplan(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:

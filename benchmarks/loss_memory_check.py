@@ -15,8 +15,10 @@ allocated: a lead not priced is that the freed bf16 logits' block cannot hold th
 backward asks for next, so an eager loss reserves half a copy more than it allocates.
 
 The output layer's weight takes no gradient here and its input's gradient is counted apart, so
-the figures are the loss's alone. On a device without memory statistics (the CPU) the measured
-fields are None: a dry run of the code path.
+the figures are the loss's alone. Given a timer (CUDA events), each mode's loss forward and
+backward on the logits is also timed beside meshplan's seconds for it: the bytes a logit its
+kernels move (`loss_kernels.TORCH_CE_BYTES_PER_LOGIT`) at each profile's achieved bandwidth. On a
+device without memory statistics (the CPU) the measured fields are None: a dry run of the code path.
 """
 from __future__ import annotations
 
@@ -88,12 +90,51 @@ def run_loss(torch, device: str, mode: str, tokens: int, hidden: int, vocab: int
     return out
 
 
+def predicted_s(mode: str, tokens: int, vocab: int, cluster) -> float:
+    """meshplan's seconds for the loss's forward and backward kernels on `tokens` x `vocab` bf16
+    logits in `mode` (`loss_kernels.TORCH_CE_BYTES_PER_LOGIT` at the profile's achieved bandwidth)."""
+    from meshplan.planner.costing.device_time import memory_time_s
+    from meshplan.planner.costing.loss_kernels import TORCH_CE_BYTES_PER_LOGIT
+
+    return sum(memory_time_s(passes * tokens * vocab, cluster) for passes in TORCH_CE_BYTES_PER_LOGIT[mode])
+
+
+def time_loss(torch, device: str, mode: str, tokens: int, vocab: int, timer) -> float:
+    """Seconds of the loss's forward and backward on bf16 logits (a leaf, its gradient dropped each
+    call so nothing accumulates), as `timer(fn)` measures `fn`."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def ce(pred, labels):
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    loss_fn = torch.compile(ce) if mode == "compiled" else ce
+    local = torch.randn(2, tokens // 2, vocab, device=device, dtype=torch.bfloat16)
+    pred = (DTensor.from_local(local, _mesh(torch, device), [Shard(2)]) if mode == "loss_parallel" else local)
+    pred.requires_grad_(True)
+    labels = torch.randint(0, vocab, (2, tokens // 2), device=device)
+
+    def step():
+        pred.grad = None
+        with loss_parallel() if mode == "loss_parallel" else contextlib.nullcontext():
+            loss_fn(pred, labels).backward()
+
+    return timer(step)
+
+
 def check_loss_memory(torch, clusters: dict | None = None, device: str = "cuda", tokens: int = TOKENS,
-                      hidden: int = HIDDEN, vocab: int = VOCAB, modes=MODES) -> dict:
-    """Every mode's row (`run_loss`) with its measured over predicted copies where measured."""
+                      hidden: int = HIDDEN, vocab: int = VOCAB, modes=MODES, timer=None) -> dict:
+    """Every mode's row (`run_loss`) with its measured over predicted copies where measured, and with
+    a `timer`, its seconds beside each profile's (`predicted_s`)."""
     rows = []
     for mode in modes:
         row = run_loss(torch, device, mode, tokens, hidden, vocab)
+        row["measured_s"] = time_loss(torch, device, mode, tokens, vocab, timer) if timer else None
+        for name, cluster in (clusters or {}).items():
+            row[f"predicted_s[{name}]"] = predicted_s(mode, tokens, vocab, cluster)
         if row["measured_allocated_copies"] is not None:
             row["allocated_over_predicted"] = row["measured_allocated_copies"] / row["predicted_copies"]
             row["reserved_beyond_allocated_copies"] = (row["measured_reserved_copies"]

@@ -44,8 +44,10 @@ def no_launch(monkeypatch):
 
 @pytest.fixture
 def without_eager_count(monkeypatch):
-    """Eager engines' blocks priced by the fused-kernel rule (`costing.eager_kernels` set aside, tested
-    on its own): for tests of another mechanism that compare meshplan's executor with other engines."""
-    from meshplan.planner.costing import eager_kernels
+    """Eager engines' blocks and torch's loss priced by the fused-kernel rule (`costing.eager_kernels`
+    and `loss_kernels.TORCH_LOSS_ENGINES` set aside, each tested on its own): for tests of another
+    mechanism that compare meshplan's executor with other engines."""
+    from meshplan.planner.costing import eager_kernels, loss_kernels
 
     monkeypatch.setattr(eager_kernels, "counts_eager_kernels", lambda *args, **kwargs: False)
+    monkeypatch.setattr(loss_kernels, "TORCH_LOSS_ENGINES", ())

@@ -52,7 +52,7 @@ def test_a_split_backward_schedule_runs_zero2_as_zero1_and_pays_its_copies():
 @pytest.mark.parametrize("spec", ["llama:layers=2,hidden=1024,heads=8,vocab=32000",
                                   "moe:layers=2,hidden=512,heads=8,kv_heads=4,experts=8,top_k=2,expert_ffn=256,vocab=8000"])
 def test_meshplan_backward_is_generic_plus_the_copies(spec, without_eager_count):
-    """With its eager kernels' count set aside (`eager_kernels`, tested on its own), meshplan's
+    """With its eager kernels' and loss's counts set aside (each tested on its own), meshplan's
     executor on a GPU prices a layer as `generic` does plus FSDP2's gradient copies."""
     graph = profile(spec, 1024, dtype="bf16")
     cluster = load_cluster("h100-sxm")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshplan.planner.costing import fp8, gemm
+from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
 
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
@@ -175,16 +176,24 @@ def test_the_prepared_gpu_loss_memory_check_runs_every_mode():
     """benchmarks/loss_memory_check.py (gpu_check's loss_memory section) on CPU at a tiny vocabulary,
     in a process of its own (loss_parallel's one-rank group): every mode runs torchtitan's loss
     (eager, under loss_parallel, compiled) and carries meshplan's peak in fp32 copies of the logits
-    (3, 4 and 1: `loss_kernels.ce_backward_fp32_copies` and the compiled loss's bf16 halves); the
-    CPU has no memory statistics, so nothing is measured."""
+    (3, 4 and 1: `loss_kernels.ce_backward_fp32_copies` and the compiled loss's bf16 halves), and
+    its loss's seconds as a timer gives them beside each profile's (its kernels' bytes a logit at
+    the achieved bandwidth, exact); the CPU has no memory statistics, so no memory is measured."""
     import json
     import subprocess
 
     script = ("import json, sys, torch; sys.path.insert(0, sys.argv[1]); import loss_memory_check as c; "
-              "print(json.dumps(c.check_loss_memory(torch, device='cpu', tokens=64, hidden=32, vocab=256)))")
+              "from meshplan.planner.costing.hardware import load_cluster; "
+              "print(json.dumps(c.check_loss_memory(torch, {'h100-sxm': load_cluster('h100-sxm')}, device='cpu', "
+              "tokens=64, hidden=32, vocab=256, timer=lambda fn: (fn(), 1.0)[1])))")
     done = subprocess.run([sys.executable, "-c", script, str(BENCHMARKS)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
     assert [(r["mode"], r["predicted_copies"], r["measured_allocated_copies"]) for r in rows] == [
         ("eager", 3.0, None), ("loss_parallel", 4.0, None), ("compiled", 1.0, None)]
+    cluster = load_cluster("h100-sxm")  # each mode's loss timed (here a stand-in timer), beside its kernels' bytes
+    for row, (fwd, bwd) in zip(rows, ((22, 26), (38, 38), (4, 4))):
+        assert row["measured_s"] == 1.0
+        assert row["predicted_s[h100-sxm]"] == pytest.approx(
+            memory_time_s(fwd * 64 * 256, cluster) + memory_time_s(bwd * 64 * 256, cluster), rel=1e-12)
