@@ -8,7 +8,7 @@ backward, as torchtitan's training step runs them, in three modes:
 - "compiled": the loss under torch.compile (torchtitan 0.2's `[compile] components` default).
 
 Each mode's peak allocated bytes beyond what was live before (`torch.cuda.max_memory_allocated`),
-in fp32 copies of the logits, beside meshplan's head rule (`loss_kernels.torch_ce_bytes_per_logit`:
+in fp32 copies of the logits, beside meshplan's head rule (`loss_kernels.torch_ce_held_bytes_per_logit`:
 eager, the saved log-probs and the fp32 copies its backward holds; compiled, the saved bf16 logits
 and their bf16 gradient, half a copy each), and what the caching allocator reserved beyond what it
 allocated: a lead not priced is that the freed bf16 logits' block cannot hold the fp32 copies the
@@ -31,11 +31,11 @@ MODES = ("eager", "loss_parallel", "compiled")
 
 
 def predicted_copies(mode: str) -> float:
-    """meshplan's peak of the loss in fp32 copies of the bf16 logits (`loss_kernels.torch_ce_bytes_per_logit`,
-    what it keeps and what its backward holds beside it)."""
-    from meshplan.planner.costing.loss_kernels import torch_ce_bytes_per_logit
+    """meshplan's peak of the loss in fp32 copies of the bf16 logits (`loss_kernels.torch_ce_held_bytes_per_logit`,
+    what it keeps and what its backward holds beside it; the modes are its kinds)."""
+    from meshplan.planner.costing.loss_kernels import torch_ce_held_bytes_per_logit
 
-    kept, working = torch_ce_bytes_per_logit(mode == "compiled", mode == "loss_parallel", compute_bytes=2.0)
+    kept, working = torch_ce_held_bytes_per_logit(mode, compute_bytes=2.0)
     return (kept + working) / 4.0
 
 

@@ -57,14 +57,13 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
-from meshplan.planner.contracts.engine_rules import compiles_loss
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
 from meshplan.planner.costing import foundry_memory, gemm, megatron_activations, torchtitan_sac
 from meshplan.planner.costing.expert_parallel import dense_part, load_factor
 from meshplan.planner.costing.fp8 import fp8_primary_weights
-from meshplan.planner.costing.loss_kernels import torch_ce_bytes_per_logit
+from meshplan.planner.costing.loss_kernels import torch_ce_held_bytes_per_logit, torch_ce_kind
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split, rank_params, vocab_scale
 
@@ -386,7 +385,7 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
     fp32 values per token (the max and the log-sum-exp) and recomputes the log-probs; the forward
     and the backward fuse into reductions and one pointwise kernel whose one output is the logits'
     gradient (bV): tests/planner/costing/test_loss_kernels.py reads both graphs. Both per logit:
-    `loss_kernels.torch_ce_bytes_per_logit`."""
+    `loss_kernels.torch_ce_held_bytes_per_logit` of `torch_ce_kind`."""
     split = is_split(layer, config.tp)
     t = config.tp if split else 1
     sp_t = t if config.sp else 1
@@ -397,9 +396,9 @@ def _head_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInfo
             return 2 * b * info.hidden / sp_t + b * vocab, 0.0
         return 2 * b * info.hidden / sp_t + 4.0 * vocab, b * vocab
     gathered = b * info.hidden if t > 1 else 0.0
-    compiled = compiles_loss(config)
-    kept, working = torch_ce_bytes_per_logit(compiled, loss_parallel=t > 1, compute_bytes=b)
-    stats = 2 * 4.0 if compiled else 0.0  # the compiled loss's max and log-sum-exp per token
+    kind = torch_ce_kind(layer, config)
+    kept, working = torch_ce_held_bytes_per_logit(kind, compute_bytes=b)
+    stats = 2 * 4.0 if kind == "compiled" else 0.0  # the compiled loss's max and log-sum-exp per token
     return 2 * b * info.hidden / t + gathered + kept * vocab + stats, working * vocab
 
 

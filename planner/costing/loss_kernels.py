@@ -82,16 +82,16 @@ def ce_backward_fp32_copies(loss_parallel: bool) -> int:
     return LOSS_PARALLEL_BACKWARD_FP32_COPIES if loss_parallel else CE_BACKWARD_FP32_COPIES
 
 
-def torch_ce_bytes_per_logit(compiled: bool, loss_parallel: bool, compute_bytes: float) -> tuple[float, float]:
+def torch_ce_held_bytes_per_logit(kind: str, compute_bytes: float) -> tuple[float, float]:
     """(kept for backward, held beside it in backward) bytes per logit of torch's cross-entropy on
-    `compute_bytes` logits, as torchtitan runs it (`engine_memory`'s head; `gpu_check`'s loss_memory
-    section prices it the same). Eager: the fp32 log-probs, and `ce_backward_fp32_copies` fp32 copies.
-    Compiled (Inductor's partitioner and fusion, read in tests/planner/costing/test_loss_kernels.py):
-    the logits themselves, and their gradient in their dtype; the partitioner's two fp32 values
-    per token (max, log-sum-exp) are per token, not per logit."""
-    if compiled:
+    `compute_bytes` logits run as `kind` (`torch_ce_kind`: torchtitan's head in `engine_memory`;
+    `gpu_check`'s loss_memory section names its modes alike). Eager: the fp32 log-probs, and
+    `ce_backward_fp32_copies` fp32 copies. Compiled (Inductor's partitioner and fusion, read in
+    tests/planner/costing/test_loss_kernels.py): the logits themselves, and their gradient in their
+    dtype; the partitioner's two fp32 values per token (max, log-sum-exp) are per token, not per logit."""
+    if kind == "compiled":
         return compute_bytes, compute_bytes
-    return 4.0, 4.0 * ce_backward_fp32_copies(loss_parallel)
+    return 4.0, 4.0 * ce_backward_fp32_copies(kind == "loss_parallel")
 
 
 def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile | None = None) -> bool:
@@ -109,9 +109,10 @@ def counts_loss_kernels(layer: LayerProfile, config: ParallelConfig, cluster: Cl
 
 
 def torch_ce_kind(layer: LayerProfile, config: ParallelConfig) -> str:
-    """How torch's cross-entropy runs on the output layer's logits (`TORCH_CE_BYTES_PER_LOGIT`):
-    compiled, under `loss_parallel` where TP splits the vocabulary (torchtitan's default and
-    meshplan's executor), or eager."""
+    """How torch's cross-entropy runs on the output layer's logits, for its time
+    (`TORCH_CE_BYTES_PER_LOGIT`) and its memory (`torch_ce_held_bytes_per_logit`): compiled, under
+    `loss_parallel` where TP splits the vocabulary (torchtitan's default and meshplan's executor),
+    or eager."""
     if compiles_loss(config):
         return "compiled"
     return "loss_parallel" if is_split(layer, config.tp) else "eager"
