@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.device_time import DTYPE_BYTES
-from meshplan.planner.costing.loss_kernels import ce_backward_fp32_copies
+from meshplan.planner.costing.loss_kernels import torch_ce_held_bytes_per_logit, torch_ce_kind
 
 REDUCE_SCATTER_INPUT_BYTES = 4.0  # FSDP2's reduce-scatter input per parameter (fp32 reduce dtype)
 
@@ -22,8 +22,8 @@ def executor_memory_extras(layer: LayerProfile, config: ParallelConfig, info: Mo
     - the loss (head): its backward materialises fp32 tensors of the micro-batch's (local)
       logits at once: nll_loss's dense gradient and log_softmax's backward output; under TP,
       `loss_parallel`'s backward builds the one-hot mask, exp(log-probs) and their sum
-      (`loss_kernels.ce_backward_fp32_copies`, torchtitan's rule too). A transient of the backward's
-      first step, while every activation of the micro-batch is still live;
+      (`loss_kernels.torch_ce_held_bytes_per_logit` of `torch_ce_kind`, torchtitan's rule too). A
+      transient of the backward's first step, while every activation of the micro-batch is live;
     - (a vocab-parallel embedding's gradient stays sharded, 1/t of the table, as Megatron-LM
       keeps it: `executor.parallel.tensor.vocab_parallel_lookup`; nothing to add);
     - FSDP2 (ZeRO 1-3, dp > 1) without pipelining: each unit's all-gather output stays alive
@@ -51,7 +51,7 @@ def executor_memory_extras(layer: LayerProfile, config: ParallelConfig, info: Mo
     tp, dp, mbs = config.tp, config.data_ranks, config.rank_microbatch
     if layer.kind == "head" and layer.tp_split.kind == "vocab":
         logits = layer.output_bytes / DTYPE_BYTES.get(profile_dtype, 2) * mbs * vocab_scale / (tp if split else 1)
-        extra_buffer += 4.0 * logits * ce_backward_fp32_copies(loss_parallel=split)
+        extra_buffer += logits * torch_ce_held_bytes_per_logit(torch_ce_kind(layer, config), compute_bytes)[1]
     if dp > 1 and zero >= 1:
         # under pipelining a ZeRO-1/2 unit is gathered once per step, in the first micro-batch's
         # forward, far from the peak: not added; ZeRO-3 gathers in every micro-batch's forward
