@@ -103,6 +103,24 @@ class Runtime:
                     yield param
 
 
+def _shard_stages(stages, mesh, plan: Plan, recompute: dict, has_experts: bool):
+    """TP, CP and the experts' own layout on the meta stages, before materialising (each rank then
+    writes only its shards): whether the experts are laid out on their own, and their data mesh."""
+    cfg = plan.config
+    if cfg.tp > 1:
+        for stage in stages:
+            apply_tp(stage, mesh["tp"], cfg.sp, recompute)
+    if cfg.cp > 1:
+        for stage in stages:
+            apply_cp(stage, mesh["cp"], plan.model.seq, cfg.cp_method)
+    if not (has_experts and cfg.ep * cfg.tp * cfg.expert_tp > 1):
+        return False, None
+    meshes = expert_meshes(mesh, cfg)
+    for stage in stages:
+        apply_ep(stage, meshes)
+    return True, meshes.edp
+
+
 def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: int) -> Runtime:
     """Build this rank's part of `plan` from the meta device up, weights from `seed`; collective."""
     from meshplan.planner.models.registry import build_model
@@ -124,19 +142,7 @@ def build_runtime(plan: Plan, device: torch.device, hp: Hyperparameters, seed: i
     chunk_ids = cfg.chunks_of_rank(pp_rank)  # V-shaped schedules: (rank, 2 pp - 1 - rank)
     stages = split_stages(built.module, [layer.name for layer in plan.layers], plan.chunks(), list(chunk_ids))
     recompute = {layer.name: layer.recompute for layer in plan.layers}
-    if cfg.tp > 1:
-        for stage in stages:
-            apply_tp(stage, mesh["tp"], cfg.sp, recompute)
-    if cfg.cp > 1:
-        for stage in stages:
-            apply_cp(stage, mesh["cp"], plan.model.seq, cfg.cp_method)
-    edp_mesh = None
-    folded = bool(built.info.num_experts) and cfg.ep * cfg.tp * cfg.expert_tp > 1  # experts laid out on their own
-    if folded:  # on meta, before materialising: each rank then writes only its expert shards
-        meshes = expert_meshes(mesh, cfg)
-        edp_mesh = meshes.edp
-        for stage in stages:
-            apply_ep(stage, meshes)
+    folded, edp_mesh = _shard_stages(stages, mesh, plan, recompute, bool(built.info.num_experts))
     template = build_model(plan.model.spec, plan.model.seq, tp=cfg.tp, device="meta").module
     materialize(stages, template, seed, device, tied)
     for stage in stages:

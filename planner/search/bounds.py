@@ -163,6 +163,19 @@ def _segments(frontier: list[tuple[float, float]], budget: float) -> list[tuple[
     return out
 
 
+def _rank_live(shape, rank: int, replay: bool) -> tuple[int, ...]:
+    """Live micro-batches per chunk of `rank` at the peak its memory budget is for: the replayed
+    order's fullest, or (not replayed, or a schedule with a textbook bubble factor) the peak at its
+    first backward, from the order's warm-up rule: 1F1B's and GPipe's one peak exactly (min(m, p - r)
+    and m, which a test holds to their replayed orders)."""
+    from meshplan.planner.search.ilp.evaluation import live_vectors
+    from meshplan.planner.simulation.schedules import warmup_live
+
+    if replay and not schedule_spec(shape.schedule).textbook_factor:
+        return max(live_vectors(shape, rank), key=lambda vec: (min(vec), sum(vec)))
+    return tuple(warmup_live(shape.schedule, shape.num_stages, shape.num_microbatches, shape.virtual_stages, rank))
+
+
 def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True):
     """Per rank: (fixed seconds k_r, frontier of the run's options, the run's undominated options,
     byte budget B_r, live micro-batches per chunk at the peak the budget is for), options as
@@ -170,8 +183,7 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     rank's pinned layers alone cannot fit. `replay` False: no schedule is replayed for its live
     micro-batches; each rank holds those of its peak at its first backward
     (`simulation.schedules.warmup_live`, a peak the replay also finds, if not always its fullest)."""
-    from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, live_vectors, receive_bytes
-    from meshplan.planner.simulation.schedules import warmup_live
+    from meshplan.planner.search.ilp.evaluation import chunk_fixed_bytes, chunk_fixed_s, receive_bytes
 
     first, count, type_index = structure
     num_chunks, pp = shape.num_chunks, shape.num_stages
@@ -196,11 +208,7 @@ def _rank_setup(table, shape, structure, limit_bytes: float, replay: bool = True
     received = receive_bytes(table, shape, kept_sends=replay)
     for rank in range(pp):
         chunks = shape.chunks_on(rank)
-        if replay and not schedule_spec(shape.schedule).textbook_factor:
-            live = max(live_vectors(shape, rank), key=lambda vec: (min(vec), sum(vec)))
-        else:  # the peak at its first backward, from the order's warm-up rule: 1F1B's and GPipe's
-            # one peak exactly (min(m, p - r) and m, which a test holds to their replayed orders)
-            live = warmup_live(shape.schedule, pp, shape.num_microbatches, shape.virtual_stages, rank)
+        live = _rank_live(shape, rank, replay)
         weight = min(live)
         fixed_s = sum(chunk_s[c] for c in chunks)
         fixed_bytes = sum(n * boundary[c] for n, c in zip(live, chunks)) + received[rank]
