@@ -146,13 +146,13 @@ def recompute_early_stop_of(args) -> bool | None:
 def add_compile_argument(parser) -> None:
     """--compile: the engine compiles the model (`ParallelConfig.torch_compile`); --compile-loss: the
     loss apart from it (`ParallelConfig.compile_loss`)."""
-    from meshplan.planner.costing.loss_kernels import TORCH_CE_BYTES_PER_LOGIT
+    from meshplan.planner.costing.loss_kernels import TORCH_CE_BYTES_PER_LOGIT, torch_ce_moved_bytes_per_logit
 
     parser.add_argument("--compile", dest="torch_compile", action="store_true",
                         help="with --engine torchtitan: the model runs under torch.compile (its [compile] enable); "
                              "meshplan prices its Float8 casts fused with the ops before them (torchao's float8 "
                              "roofline) and its Llama blocks' elementwise kernels fused")
-    moved = {kind: f"{sum(TORCH_CE_BYTES_PER_LOGIT[kind]):.0f}" for kind in TORCH_CE_BYTES_PER_LOGIT}
+    moved = {kind: f"{torch_ce_moved_bytes_per_logit(kind):.0f}" for kind in TORCH_CE_BYTES_PER_LOGIT}
     parser.add_argument("--compile-loss", choices=("on", "off"), default=None,
                         help="with --engine torchtitan: whether the loss runs under torch.compile, whose fused "
                              f"cross-entropy keeps the logits in bf16 and moves {moved['compiled']} bytes a logit, "

@@ -223,12 +223,12 @@ def _compile_hint(args, config, prediction) -> str:
 
 
 def _compiled_loss_why(leaner: bool) -> str:
-    """What compiling the loss changes (`loss_kernels.TORCH_CE_BYTES_PER_LOGIT`): the bytes a logit
-    its kernels move, and where the memory drops, what it keeps."""
-    from meshplan.planner.costing.loss_kernels import TORCH_CE_BYTES_PER_LOGIT
+    """What compiling the loss changes (`loss_kernels.torch_ce_moved_bytes_per_logit`): the bytes a
+    logit its kernels move, and where the memory drops, what it keeps."""
+    from meshplan.planner.costing.loss_kernels import torch_ce_moved_bytes_per_logit
 
-    eager = sorted(sum(TORCH_CE_BYTES_PER_LOGIT[kind]) for kind in ("eager", "loss_parallel"))
-    moved = f"moves {sum(TORCH_CE_BYTES_PER_LOGIT['compiled']):.0f} bytes a logit"
+    eager = sorted(torch_ce_moved_bytes_per_logit(kind) for kind in ("eager", "loss_parallel"))
+    moved = f"moves {torch_ce_moved_bytes_per_logit('compiled'):.0f} bytes a logit"
     eager_moved = f"moves {eager[0]:.0f} to {eager[1]:.0f}"
     if leaner:
         return (f"its compiled loss keeps the logits in bf16 and {moved}, where the eager one keeps fp32 log-probs "

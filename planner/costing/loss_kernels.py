@@ -82,6 +82,12 @@ def ce_backward_fp32_copies(loss_parallel: bool) -> int:
     return LOSS_PARALLEL_BACKWARD_FP32_COPIES if loss_parallel else CE_BACKWARD_FP32_COPIES
 
 
+def torch_ce_moved_bytes_per_logit(kind: str) -> float:
+    """Bytes per logit torch's cross-entropy run as `kind` moves, forward and backward together
+    (`TORCH_CE_BYTES_PER_LOGIT`): what `estimate`'s compile hint and `--compile-loss`'s help name."""
+    return sum(TORCH_CE_BYTES_PER_LOGIT[kind])
+
+
 def torch_ce_held_bytes_per_logit(kind: str, compute_bytes: float) -> tuple[float, float]:
     """(kept for backward, held beside it in backward) bytes per logit of torch's cross-entropy on
     `compute_bytes` logits run as `kind` (`torch_ce_kind`: torchtitan's head in `engine_memory`;
