@@ -1,5 +1,6 @@
-"""`meshplan memory --model SPEC [--seq N] [--json]`: model states across precisions, ZeRO stages
-and GPU counts, and one sample's activations per sequence length; no cluster or batch needed."""
+"""`meshplan memory --model SPEC [--seq N] [--gpus N,...] [--json]`: model states across precisions,
+ZeRO stages and GPU counts, and one sample's activations per sequence length; no cluster or batch
+needed."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,23 @@ import json
 from meshplan.commands.common import GIB, announce_model_code, check_seq
 
 DEFAULT_SEQS = (1024, 2048, 4096, 8192)
+# More GPU counts than this make a table nobody reads; the states scale as 1/N past the first few.
+MAX_GPU_COUNTS = 16
+
+
+def gpu_counts(text: str) -> tuple[int, ...]:
+    """`--gpus 8,64,512`: the data-parallel GPU counts the states table shards over, ascending."""
+    import argparse
+
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU counts such as 8,64,512, got {text!r}")
+    if any(count <= 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"GPU counts must be positive, got {text!r}")
+    if len(set(counts)) > MAX_GPU_COUNTS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_GPU_COUNTS} GPU counts, got {len(set(counts))}")
+    return tuple(sorted(set(counts)))
 
 
 def add_arguments(parser) -> None:
@@ -15,6 +33,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq", type=int, default=None,
                         help=f"sequence length of the activation rows (default: {', '.join(map(str, DEFAULT_SEQS))}, "
                              "up to the model's positions)")
+    parser.add_argument("--gpus", type=gpu_counts, default=None, metavar="N[,N...]",
+                        help="data-parallel GPU counts of the model-states rows (default: 1,8,64)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys: docs/architecture.md)")
 
 
@@ -35,7 +55,7 @@ def run(args) -> int:
         seqs = [default_seq(args.model)]
     graphs = [(seq, profile(args.model, seq)) for seq in seqs]
     num_params = graphs[0][1].total_params
-    states = mt.state_rows(num_params)
+    states = mt.state_rows(num_params, args.gpus or mt.GPU_COUNTS)
     activations = [mt.activation_row(graph, precision, seq if sequences else None)
                    for seq, graph in graphs for precision in mt.MEMORY_PRECISIONS]
     if args.json:

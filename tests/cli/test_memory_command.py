@@ -45,3 +45,21 @@ def test_the_printed_table_and_a_models_own_position_limit(run_cli):
     assert set(seq_rows) == {"1024"}  # GPT-2's 1024 learned positions cap the default lengths
     code, _, err = run_cli("memory", "--model", "gpt2", "--seq", 4096)
     assert code == 2 and "exceeds the 1024 learned positions" in err
+
+
+def test_gpus_picks_the_state_rows_gpu_counts(run_cli):
+    code, out, err = run_cli("memory", "--model", "llama3-8b", "--gpus", "512,16,16", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    params = data["total_params"]
+    assert sorted({r["gpus"] for r in data["states"]}) == [16, 512]  # deduplicated, ascending
+    rows = {(r["precision"], r["zero"], r["gpus"]): r for r in data["states"]}
+    assert rows[("bf16-mixed", 3, 512)]["total"] == pytest.approx(16 * params / 512)
+    assert rows[("bf16-mixed", 1, 16)]["optimizer"] == pytest.approx(12 * params / 16)
+
+
+@pytest.mark.parametrize("gpus, says", [("8,x", "comma-separated GPU counts"), ("0,8", "must be positive"),
+                                        (",".join(map(str, range(1, 18))), "at most 16 GPU counts")])
+def test_a_bad_gpus_list_is_a_usage_error(run_cli, gpus, says):
+    code, _, err = run_cli("memory", "--model", "gpt2", "--gpus", gpus)
+    assert code == 2 and says in err and "Traceback" not in err
