@@ -12,7 +12,11 @@ forward and backward (`profiling.eager_traffic`):
   (`executor_bytes_per_token`, the closed form of `eager_traffic.executor_block_bytes`'s count): for Llama 3 8B's shapes 146 and 812 (its RMSNorm's statistics and
   backward and SwiGLU's backward run in fp32, op by op), for a GPT block 36 and 78. A CPU profile
   keeps its calibrated factor: `meshplan calibrate` fits it on the executor's own GPT block on
-  that CPU, whose elementwise ops are not the bandwidth-bound kernels a GPU runs.
+  that CPU, whose elementwise ops are not the bandwidth-bound kernels a GPU runs;
+- llm-foundry (Composer, no torch.compile), its MPT block (`gpt` family) on a GPU profile
+  (`foundry_bytes_per_token`, the closed form of `eager_traffic.foundry_block_bytes`'s count): two
+  bf16 LayerNorms, exact GELU, two residual adds and the bias gradients, 36 and 78 bytes per token
+  and hidden unit, where the fitted rule charges about 81 and 162.
 
 `compute_time.compute_times_s` reads it for the blocks `counts_eager_kernels` names. The counts
 are the code's, written in closed form so that pricing imports no torch; nothing is fitted.
@@ -30,6 +34,8 @@ from meshplan.planner.costing.tp_split import is_split
 # Engines whose Llama blocks run eagerly unless the configuration compiles them
 # (`engine_rules.runs_compiled`): torchtitan's `training.compile` / `[compile] enable` is off by default.
 EAGER_ENGINES = ("torchtitan",)
+# llm-foundry's MPT blocks (the zoo's `gpt` family: LayerNorm, biases, GELU), always eager.
+FOUNDRY_ENGINE, FOUNDRY_FAMILY = "llm-foundry", "gpt"
 # meshplan's executor: the zoo's GPT and Llama blocks (`models.transformer.Block`), always eager, counted
 # where their elementwise kernels run in bf16 (under fp8 only the Linears change, their casts priced by `fp8`).
 EXECUTOR_ENGINE, EXECUTOR_FAMILIES, BF16_BLOCKS = "meshplan", ("gpt", "llama"), ("bf16-mixed", "fp8")
@@ -43,11 +49,13 @@ def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: Mode
     known by shape, no routed experts, an even head dimension (which the rotary embedding pairs)."""
     if layer.kind != "block" or layer.expert_params or info.attention_head_dim % 2:
         return False
+    on_gpu = cluster is not None and cluster.device.num_sms > 0 and config.precision in BF16_BLOCKS
     if config.engine in EAGER_ENGINES:
         eager = not runs_compiled(config) and info.family == "llama"
+    elif config.engine == FOUNDRY_ENGINE:
+        eager = on_gpu and info.family == FOUNDRY_FAMILY
     else:
-        eager = (config.engine == EXECUTOR_ENGINE and info.family in EXECUTOR_FAMILIES
-                 and cluster is not None and cluster.device.num_sms > 0 and config.precision in BF16_BLOCKS)
+        eager = config.engine == EXECUTOR_ENGINE and info.family in EXECUTOR_FAMILIES and on_gpu
     return eager and bool(gemm.block_linear_shapes(layer, info, infer_seq(layer, info, profile_dtype)))
 
 
@@ -57,12 +65,15 @@ def eager_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, pr
     norms and residual adds, TP the heads and the MLP's width)."""
     shard = config.tp if is_split(layer, config.tp) else 1
     tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
-    if config.engine != EXECUTOR_ENGINE:  # torchtitan: TP always with sequence parallelism
-        fwd, bwd = torchtitan_bytes_per_token(info, info.ffn or layer.tp_split.mlp_width)
+    ffn = info.ffn or layer.tp_split.mlp_width
+    if config.engine in EAGER_ENGINES:  # torchtitan: TP always with sequence parallelism
+        fwd, bwd = torchtitan_bytes_per_token(info, ffn)
         return fwd * tokens / shard, bwd * tokens / shard
-    fwd, fwd_stream, bwd, bwd_stream = executor_bytes_per_token(info, info.ffn or layer.tp_split.mlp_width,
-                                                                 *_llama_options(layer, info),
-                                                                 rebuilds_norms=config.recompute != "full")
+    if config.engine == FOUNDRY_ENGINE:
+        fwd, fwd_stream, bwd, bwd_stream = foundry_bytes_per_token(info, ffn)
+    else:
+        fwd, fwd_stream, bwd, bwd_stream = executor_bytes_per_token(info, ffn, *_llama_options(layer, info),
+                                                                     rebuilds_norms=config.recompute != "full")
     stream_shard = shard if config.sp else 1  # the residual stream is whole on every TP rank without SP
     return (tokens * ((fwd - fwd_stream) / shard + fwd_stream / stream_shard),
             tokens * ((bwd - bwd_stream) / shard + bwd_stream / stream_shard))
@@ -110,6 +121,22 @@ _EXECUTOR_QKV_BIAS = ((0,) * 8, (0,) * 8, (0, 2, 4, 0, 0, 0, 0, 0), (0,) * 8)
 _EXECUTOR_LLAMA_REBUILD = ((72, 0, 0, 0, 0, 0, 0, 48), (72, 0, 0, 0, 0, 0, 0, 16))
 _EXECUTOR_GPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
                  (46, 0, 0, 8, 0, 0, 0, 16), (46, 0, 0, 0, 0, 0, 0, 16))
+
+
+# llm-foundry's MPT block per token, bf16, counted as `eager_traffic.foundry_block_bytes` traces it (its
+# test holds this closed form to the trace), in `_EXECUTOR_GPT`'s units and rows. Forward: two bf16
+# LayerNorms (4 h + 8 each), two residual adds (6 h each), GELU (4 f). Backward: the LayerNorms' (their
+# input gradients, and the weight and bias gradients' partial sums), the residual stream's gradient sums,
+# q, k and v's gradients joined for Wqkv (the split's backward), GELU's and the four bias gradients.
+_FOUNDRY_MPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
+                (46, 0, 0, 8, 0, 0, 0, 16), (28, 0, 0, 0, 0, 0, 0, 16))
+
+
+def foundry_bytes_per_token(info: ModelInfo, ffn: int) -> tuple[float, float, float, float]:
+    """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
+    per token llm-foundry's eager MPT block moves in its elementwise kernels, unsharded (the table
+    above)."""
+    return _per_token([_FOUNDRY_MPT], _units(info, ffn))
 
 
 def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False, qkv_bias: bool = False,

@@ -1,4 +1,4 @@
-"""The memory traffic of a Llama block's elementwise kernels run eagerly, counted op by op.
+"""The memory traffic of a block's elementwise kernels run eagerly, counted op by op.
 
 Fused engines (Megatron-Core with Transformer Engine, torch.compile) run a block's norms, rotary
 embedding, SwiGLU and residual adds as a few fused kernels, whose traffic the profile's fitted
@@ -11,7 +11,9 @@ SwiGLU as `silu(w1 x) * w3 x`, two residual adds; and autograd runs each op's ba
 of its own. `block_bytes` traces that block on the meta device under a dispatch mode and sums,
 per kernel, the bytes it reads and writes (each tensor's storage once; views, matmuls and the
 attention kernel excluded: the GEMMs and attention are priced by shape), forward and backward.
-Nothing is fitted: the count is the code's.
+`foundry_block_bytes` counts llm-foundry's MPT block the same way (`MPTBlock` as its benchmarks
+ran it, `_MPTBlock`), and `executor_block_bytes` meshplan's own executor block. Nothing is
+fitted: the count is the code's.
 """
 from __future__ import annotations
 
@@ -183,6 +185,49 @@ def executor_block_bytes(family: str, hidden: int, heads: int, kv_heads: int, ff
         for module in block.modules():
             if hasattr(module, "output_by_reference"):
                 module.output_by_reference = norm_outputs_by_reference
+        x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        forward, backward = _trace(block, hidden, x)
+    return forward.bytes, forward.stream, backward.bytes, backward.stream
+
+
+class _MPTBlock(nn.Module):
+    """llm-foundry's MPTBlock as its training benchmarks ran it (llmfoundry/models/layers/blocks.py,
+    attention.py, ffn.py and norm.py of October 2023; scripts/train/benchmarking/submit_benchmarks.py):
+    `low_precision_layernorm` (LPLayerNorm: the input and affine parameters in the autocast dtype, one
+    `layer_norm` kernel in bf16), the fused Wqkv Linear with its bias, its output split into q, k and v
+    and viewed per head for the Triton flash-attention kernel (`attn_impl: triton`, which takes the
+    views as they are: their last dimension is contiguous), out_proj, the residual add (its dropout at
+    `resid_pdrop: 0` returns its input: no kernel), then LayerNorm, up_proj, exact GELU, down_proj and
+    the second residual add; every Linear with a bias (`no_bias` defaults to false), one cuBLAS GEMM
+    with its bias in the epilogue forward, and a bias gradient (a sum over the tokens) backward."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.norm_1, self.norm_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.Wqkv, self.out_proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.up_proj, self.down_proj = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.act = nn.GELU(approximate="none")
+        self.resid_attn_dropout, self.resid_ffn_dropout = nn.Dropout(0.0), nn.Dropout(0.0)
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        query, key, value = self.Wqkv(self.norm_1(x)).split([hidden] * 3, dim=2)
+        query, key, value = (t.view(batch, seq, self.heads, hidden // self.heads) for t in (query, key, value))
+        context = _Attention.apply(query, key, value).reshape(batch, seq, hidden)
+        x = x + self.resid_attn_dropout(self.out_proj(context))
+        return x + self.resid_ffn_dropout(self.down_proj(self.act(self.up_proj(self.norm_2(x)))))
+
+
+@lru_cache(maxsize=None)
+def foundry_block_bytes(hidden: int, heads: int, ffn: int, tokens: int = TOKENS) -> tuple[float, float, float, float]:
+    """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
+    llm-foundry's eager MPT block (`_MPTBlock`, bf16) moves in its elementwise kernels over `tokens`
+    tokens, traced on the meta device as `block_bytes` traces torchtitan's; the Linears' GEMMs and the
+    attention kernel excluded. `costing.eager_kernels.foundry_bytes_per_token` writes it per token in
+    closed form (two token counts' difference drops the weight-sized terms)."""
+    with torch.device("meta"):
+        block = _MPTBlock(hidden, heads, ffn).to(torch.bfloat16)
         x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         forward, backward = _trace(block, hidden, x)
     return forward.bytes, forward.stream, backward.bytes, backward.stream

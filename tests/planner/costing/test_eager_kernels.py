@@ -1,4 +1,4 @@
-"""torchtitan's eager Llama block: its elementwise kernels' bytes, counted op by op
+"""Eager blocks (torchtitan's Llama, meshplan's executor, llm-foundry's MPT): their elementwise kernels' bytes, counted op by op
 (`profiling.eager_traffic`), against a count by hand, and what `compute_times_s` charges for them."""
 from __future__ import annotations
 
@@ -221,3 +221,61 @@ def test_full_recomputation_keeps_the_norm_outputs(family, shape):
     assert closed == pytest.approx(traced, rel=1e-12)
     kept = eager_kernels.executor_bytes_per_token(_info(family, *shape), shape[3])
     assert kept[2] - closed[2] == (72 * shape[0] + 48 if family == "llama" else 0)
+
+
+# llm-foundry's MPT block (`eager_traffic._MPTBlock`, its code as the benchmarks ran it): the closed
+# form the cost model prices (`eager_kernels.foundry_bytes_per_token`) against the trace and a count by hand.
+
+def _mpt_by_hand(h: int, f: int) -> tuple[float, float, float, float]:
+    """Per token (forward, its residual-stream share, backward, its share). Forward: two bf16
+    LayerNorms (read 2h, write 2h, the per-token mean and rstd in fp32: 4h + 8 each), two residual
+    adds (6h each), GELU (4f). Backward: the LayerNorms' (read the gradient and the input, the mean
+    and rstd, write the input gradient: 6h + 8 each), two gradient sums where the residual stream
+    forks (6h each), the split's backward joining q, k and v's gradients for Wqkv (read 6h, write
+    6h), GELU's (read its gradient and input, write: 6f), and the bias gradients' sums over the
+    tokens (read Wqkv's 6h, out_proj's 2h, up_proj's 2f, down_proj's 2h). The residual stream's
+    share: the kernels h wide (the norms, the adds, the two h-wide bias gradients)."""
+    forward_stream = 2 * (4 * h + 8) + 2 * 6 * h
+    backward_stream = 2 * (6 * h + 8) + 2 * 6 * h + 2 * h + 2 * h
+    return (forward_stream + 4 * f, forward_stream,
+            backward_stream + 12 * h + 6 * f + 6 * h + 2 * f, backward_stream)
+
+
+@pytest.mark.parametrize("h, heads, f", [(768, 12, 3072), (1024, 16, 4096), (2048, 16, 8192), (1024, 8, 2816)])
+def test_the_foundry_mpt_count_is_its_closed_form_and_by_hand(h, heads, f):
+    small = eager_traffic.foundry_block_bytes(h, heads, f, tokens=64)
+    large = eager_traffic.foundry_block_bytes(h, heads, f, tokens=128)
+    traced = tuple((b - a) / 64 for a, b in zip(small, large))
+    closed = eager_kernels.foundry_bytes_per_token(_info("gpt", h, heads, heads, f, 0), f)
+    assert closed == pytest.approx(traced, rel=1e-12)
+    assert closed == pytest.approx(_mpt_by_hand(h, f), rel=1e-12)
+
+
+def test_foundry_mpt_blocks_pay_the_counted_bytes_on_gpus():
+    """An MPT-1B block (gpt family) at micro-batch 2 under llm-foundry on 8 GPUs with FSDP: on a GPU
+    profile its counted bytes per token times the rank's 2 x 2048 tokens replace the fitted rule's
+    (which charges over twice as much); on the CPU profile, for a Llama block or under another engine,
+    the rule stands; the GEMMs are the same either way."""
+    graph = profile("gpt:layers=2,hidden=2048,heads=16,vocab=50368", SEQ)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    gpu, cpu = load_cluster("a100-80g"), load_cluster("cpu")
+    foundry = ParallelConfig(gpus=8, global_batch=16, dp=8, microbatch_size=2, zero=3, engine="llm-foundry")
+    generic = ParallelConfig(gpus=8, global_batch=16, dp=8, microbatch_size=2, zero=3, engine="generic")
+    assert eager_kernels.counts_eager_kernels(block, foundry, graph.info, "bf16", gpu)
+    assert not eager_kernels.counts_eager_kernels(block, foundry, graph.info, "bf16", cpu)
+    assert not eager_kernels.counts_eager_kernels(block, generic, graph.info, "bf16", gpu)
+    llama = profile("llama:layers=2,hidden=512,heads=8,kv_heads=2,ffn=1024,vocab=1000", SEQ)
+    llama_block = next(layer for layer in llama.layers if layer.kind == "block")
+    assert not eager_kernels.counts_eager_kernels(llama_block, foundry, llama.info, "bf16", gpu)
+    fwd, _, bwd, _ = eager_kernels.foundry_bytes_per_token(graph.info, 4 * 2048)
+    tokens = 2 * SEQ
+    assert eager_kernels.eager_bytes(block, foundry, graph.info, "bf16") == pytest.approx((fwd * tokens, bwd * tokens))
+    counted_fwd, counted_bwd, _ = compute_times_s(block, foundry, gpu, graph.info, 1.0, 1.0, "bf16", graph.attention)
+    rule_fwd, rule_bwd, _ = compute_times_s(block, generic, gpu, graph.info, 1.0, 1.0, "bf16", graph.attention)
+    saved = activation_bytes(block, generic, 1.0, recompute="none")[0] + rebuilt_bytes(block, generic, 1.0)
+    rule = gpu.device.elementwise_bytes_per_activation_byte
+    assert rule * saved > 2 * fwd * tokens
+    assert counted_fwd - rule_fwd == pytest.approx(memory_time_s(fwd * tokens, gpu) - memory_time_s(rule * saved, gpu),
+                                                   rel=1e-9)
+    assert counted_bwd - rule_bwd == pytest.approx(
+        memory_time_s(bwd * tokens, gpu) - memory_time_s(rule * 2 * saved, gpu), rel=1e-9)
