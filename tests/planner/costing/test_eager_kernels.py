@@ -1,5 +1,5 @@
-"""Eager blocks (torchtitan's Llama, meshplan's executor, llm-foundry's MPT): their elementwise kernels' bytes, counted op by op
-(`profiling.eager_traffic`), against a count by hand, and what `compute_times_s` charges for them."""
+"""Eager blocks (torchtitan's Llama, meshplan's executor, llm-foundry's MPT): their elementwise kernels' bytes,
+counted op by op (`profiling.eager_traffic`), against a count by hand, and what `compute_times_s` charges for them."""
 from __future__ import annotations
 
 import pytest
