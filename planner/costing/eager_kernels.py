@@ -16,7 +16,8 @@ forward and backward (`profiling.eager_traffic`):
 - llm-foundry (Composer, no torch.compile), its MPT block (`gpt` family) on a GPU profile
   (`foundry_bytes_per_token`, the closed form of `eager_traffic.foundry_block_bytes`'s count): two
   bf16 LayerNorms, exact GELU, two residual adds and the bias gradients, 36 and 78 bytes per token
-  and hidden unit, where the fitted rule charges about 81 and 162.
+  and hidden unit, where the fitted rule charges about 81 and 162 (under fp8 its Linears are
+  Transformer Engine's, which take the bias gradients inside their casts: 78 less 10 h + 2 f).
 
 `compute_time.compute_times_s` reads it for the blocks `counts_eager_kernels` names. The counts
 are the code's, written in closed form so that pricing imports no torch; nothing is fitted.
@@ -70,7 +71,7 @@ def eager_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, pr
         fwd, bwd = torchtitan_bytes_per_token(info, ffn)
         return fwd * tokens / shard, bwd * tokens / shard
     if config.engine == FOUNDRY_ENGINE:
-        fwd, fwd_stream, bwd, bwd_stream = foundry_bytes_per_token(info, ffn)
+        fwd, fwd_stream, bwd, bwd_stream = foundry_bytes_per_token(info, ffn, config.precision == "fp8")
     else:
         fwd, fwd_stream, bwd, bwd_stream = executor_bytes_per_token(info, ffn, *_llama_options(layer, info),
                                                                      rebuilds_norms=config.recompute != "full")
@@ -130,13 +131,20 @@ _EXECUTOR_GPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
 # q, k and v's gradients joined for Wqkv (the split's backward), GELU's and the four bias gradients.
 _FOUNDRY_MPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
                 (46, 0, 0, 8, 0, 0, 0, 16), (28, 0, 0, 0, 0, 0, 0, 16))
+# Its four bias gradients' sums (Wqkv 6 h, out_proj 2 h, up_proj 2 f, down_proj 2 h; out_proj's and
+# down_proj's h wide): under fp8 the Linears are Transformer Engine's (`fc_type: te`), whose backward
+# takes each bias gradient inside the output gradient's fp8 cast (`fp8.cast_times_s` prices that read).
+_FOUNDRY_MPT_BIAS_GRADS = ((0,) * 8, (0,) * 8, (10, 0, 0, 2, 0, 0, 0, 0), (4, 0, 0, 0, 0, 0, 0, 0))
 
 
-def foundry_bytes_per_token(info: ModelInfo, ffn: int) -> tuple[float, float, float, float]:
+def foundry_bytes_per_token(info: ModelInfo, ffn: int, te_linears: bool = False) -> tuple[float, float, float, float]:
     """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
     per token llm-foundry's eager MPT block moves in its elementwise kernels, unsharded (the table
-    above)."""
-    return _per_token([_FOUNDRY_MPT], _units(info, ffn))
+    above); `te_linears` (its fp8 runs) without the bias gradients' sums."""
+    counted = _per_token([_FOUNDRY_MPT], _units(info, ffn))
+    if not te_linears:
+        return counted
+    return tuple(a - b for a, b in zip(counted, _per_token([_FOUNDRY_MPT_BIAS_GRADS], _units(info, ffn))))
 
 
 def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False, qkv_bias: bool = False,

@@ -279,3 +279,20 @@ def test_foundry_mpt_blocks_pay_the_counted_bytes_on_gpus():
                                                    rel=1e-9)
     assert counted_bwd - rule_bwd == pytest.approx(
         memory_time_s(bwd * tokens, gpu) - memory_time_s(rule * 2 * saved, gpu), rel=1e-9)
+
+
+def test_foundry_fp8_blocks_leave_the_bias_gradients_to_the_casts():
+    """Under fp8 llm-foundry's Linears are Transformer Engine's, which take a bias gradient inside the
+    output gradient's cast: the backward loses the four sums (Wqkv 6h, out_proj 2h, up_proj 2f,
+    down_proj 2h), the h-wide ones from the residual stream's share; the forward is unchanged."""
+    h, heads, f = 2048, 16, 8192
+    info = _info("gpt", h, heads, heads, f, 0)
+    bf16, fp8 = eager_kernels.foundry_bytes_per_token(info, f), eager_kernels.foundry_bytes_per_token(info, f, True)
+    assert (bf16[0] - fp8[0], bf16[1] - fp8[1], bf16[2] - fp8[2], bf16[3] - fp8[3]) == (0, 0, 10 * h + 2 * f, 4 * h)
+    graph = profile("gpt:layers=2,hidden=2048,heads=16,vocab=50368", SEQ)
+    block = next(layer for layer in graph.layers if layer.kind == "block")
+    config = ParallelConfig(gpus=8, global_batch=16, dp=8, microbatch_size=2, zero=3, engine="llm-foundry",
+                            precision="fp8", fp8_recipe="delayed")
+    assert eager_kernels.counts_eager_kernels(block, config, graph.info, "bf16", load_cluster("h100-sxm"))
+    assert eager_kernels.eager_bytes(block, config, graph.info, "bf16") == pytest.approx(
+        (fp8[0] * 2 * SEQ, fp8[2] * 2 * SEQ))
