@@ -524,7 +524,8 @@ def megatron_lm_strong_scaling_runs() -> list[Run]:
 
 
 # MPT shapes from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (layers, d_model, heads);
-# GPT-style blocks (no biases, ALiBi instead of learned positions, tied embedding, vocab 50368).
+# GPT-style blocks as MPTConfig's defaults at the benchmarks' commit build them (biases, learned
+# positions, no ALiBi: `no_bias`, `learned_pos_emb` and `alibi` unset by the yamls), tied embedding, vocab 50368.
 # The `gpt:` spec keeps biases and a learned position table: its parameter count is within 0.1%
 # of the NumParams the tables print.
 MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
@@ -551,7 +552,10 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs (SHARD_GRAD_OP, where a row names it, = ZeRO-2); "
         "activation checkpointing = full recomputation",
-        "llm-foundry's Triton flash attention with ALiBi (attn_impl triton, submit_benchmarks.py's default), causal",
+        "llm-foundry's Triton flash attention (attn_impl triton, submit_benchmarks.py's default; no ALiBi bias: MPTConfig's "
+        "default), causal",
+        "the MPT block run eagerly (Composer, no torch.compile): its elementwise kernels counted from llm-foundry's "
+        "code (`eager_kernels.foundry_bytes_per_token`)",
         "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",
     ) + (MPT_FP8_ASSUMPTIONS if precision == "fp8" else ())
     runs = []
