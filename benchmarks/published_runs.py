@@ -552,8 +552,8 @@ def mpt_runs(path: Path = DATA_DIR / "mpt_llm_foundry.csv", group: str = HELD_OU
     assumptions = (
         "Composer FSDP FULL_SHARD = ZeRO-3 over all GPUs (SHARD_GRAD_OP, where a row names it, = ZeRO-2); "
         "activation checkpointing = full recomputation",
-        "llm-foundry's Triton flash attention (attn_impl triton, submit_benchmarks.py's default; no ALiBi bias: MPTConfig's "
-        "default), causal",
+        "llm-foundry's Triton flash attention (attn_impl triton, submit_benchmarks.py's default; no ALiBi bias: "
+        "MPTConfig's default), causal",
         "the MPT block run eagerly (Composer, no torch.compile): its elementwise kernels counted from llm-foundry's "
         "code (`eager_kernels.foundry_bytes_per_token`)",
         "MosaicML's RoCE fabric (8 x 200 Gb/s per node) costed as the profile's InfiniBand rails",

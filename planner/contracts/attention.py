@@ -16,7 +16,8 @@ ATTENTION_KERNELS = {
     "cudnn": "cuDNN fused attention (Transformer Engine's default on Hopper)",
     "sdpa-flash": "torch scaled_dot_product_attention, flash backend (FlashAttention-2 inside torch)",
     "sdpa-mem-efficient": "torch scaled_dot_product_attention, memory-efficient backend (xformers' cutlass kernel)",
-    "triton-alibi": "llm-foundry's Triton flash attention, which takes an ALiBi bias (flash_attn_triton, FlashAttention-1's algorithm)",
+    "triton-alibi": ("llm-foundry's Triton flash attention, which takes an ALiBi bias (flash_attn_triton, "
+                     "FlashAttention-1's algorithm)"),
     "math": "unfused attention: batched GEMMs and a softmax, the s x s scores kept for backward",
 }
 ATTENTION_ALIASES = {"flash": "sdpa-flash"}
