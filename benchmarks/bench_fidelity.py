@@ -28,7 +28,8 @@ the Spearman rank correlation of predicted against published throughput, per GPU
 model TFLOP/s and as MFU (the MFU ranking is the harder one: model size does not order it), and
 beside them the mean |error| of a rule of thumb on the same runs: every run at 50% of the BF16
 peak. Then every held-out run by regime (dense, FSDP, long sequence, long-sequence FSDP, CP,
-FP8, MoE, small model), each with how many of its runs are within 15%. Last, unless
+FP8, MoE, small model), each with how many of its runs are within 15%, and by the engine that
+prices it (`--engine`: llm-foundry, megatron, torchtitan, generic). Last, unless
 `--no-cv`, a cross-validated figure: each fit set split in two halves (alternate rows), fitted
 on one, scored on the other, both ways, averaged. `--brief` prints the summaries only.
 """
@@ -274,6 +275,18 @@ def report_regimes(scored: Sequence[Scored], clusters) -> None:
                  f"{np.mean([abs(s.error) for s in others]):.1%} over {len(others)}" if len(others) < len(members) else "")
         print(f"{regime}: {summary(members, clusters)}; within {WITHIN:.0%}: {within} of {len(members)}{apart}")
     print(f"every held-out run: {summary(scored, clusters)}")
+    report_engines(scored, clusters)
+
+
+def report_engines(scored: Sequence[Scored], clusters) -> None:
+    """Every held-out run by the engine whose memory, overlap and kernels price it (`Run.engine`,
+    `--engine`): what a prediction under each engine has read on published runs."""
+    print("\n== held out by engine (--engine; BF16, FP8 and MoE runs together) ==")
+    engines: dict[str, list[Scored]] = {}
+    for s in scored:
+        engines.setdefault(s.run.engine, []).append(s)
+    for engine, members in sorted(engines.items(), key=lambda item: -len(item[1])):
+        print(f"{engine}: {summary(members, clusters)}")
 
 
 def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> list[float]:
