@@ -3,6 +3,7 @@ ZeRO stages and GPU counts, and one sample's activations per sequence length; no
 needed."""
 from __future__ import annotations
 
+import argparse
 import json
 
 from meshplan.commands.common import GIB, announce_model_code, check_seq
@@ -14,8 +15,6 @@ MAX_GPU_COUNTS = 16
 
 def gpu_counts(text: str) -> tuple[int, ...]:
     """`--gpus 8,64,512`: the data-parallel GPU counts the states table shards over, ascending."""
-    import argparse
-
     try:
         counts = tuple(int(part) for part in text.split(","))
     except ValueError:

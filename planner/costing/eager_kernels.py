@@ -46,7 +46,8 @@ def counts_eager_kernels(layer: LayerProfile, config: ParallelConfig, info: Mode
                          cluster: ClusterProfile | None = None) -> bool:
     """Whether `layer` is a dense block an eager engine runs op by op: under torchtitan (not
     compiled) a Llama block, under meshplan's executor on a GPU profile (`cluster` with SMs) a GPT
-    or Llama block of the zoo in bf16-mixed or fp8 (fp32 keeps the rule); the block's Linears
+    or Llama block of the zoo, under llm-foundry on a GPU profile a GPT (MPT) block, each in
+    bf16-mixed or fp8 (fp32 keeps the rule); the block's Linears
     known by shape, no routed experts, an even head dimension (which the rotary embedding pairs)."""
     if layer.kind != "block" or layer.expert_params or info.attention_head_dim % 2:
         return False
@@ -131,20 +132,17 @@ _EXECUTOR_GPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
 # q, k and v's gradients joined for Wqkv (the split's backward), GELU's and the four bias gradients.
 _FOUNDRY_MPT = ((20, 0, 0, 4, 0, 0, 0, 16), (20, 0, 0, 0, 0, 0, 0, 16),
                 (46, 0, 0, 8, 0, 0, 0, 16), (28, 0, 0, 0, 0, 0, 0, 16))
-# Its four bias gradients' sums (Wqkv 6 h, out_proj 2 h, up_proj 2 f, down_proj 2 h; out_proj's and
-# down_proj's h wide): under fp8 the Linears are Transformer Engine's (`fc_type: te`), whose backward
-# takes each bias gradient inside the output gradient's fp8 cast (`fp8.cast_times_s` prices that read).
-_FOUNDRY_MPT_BIAS_GRADS = ((0,) * 8, (0,) * 8, (10, 0, 0, 2, 0, 0, 0, 0), (4, 0, 0, 0, 0, 0, 0, 0))
+# Under fp8 its Linears are Transformer Engine's (`fc_type: te`), whose backward takes each bias
+# gradient inside the output gradient's fp8 cast (`fp8.cast_times_s` prices that read): the four sums
+# come off (Wqkv 6 h, out_proj 2 h, up_proj 2 f, down_proj 2 h; out_proj's and down_proj's h wide).
+_FOUNDRY_TE_BIAS_GRADS = ((0,) * 8, (0,) * 8, (-10, 0, 0, -2, 0, 0, 0, 0), (-4, 0, 0, 0, 0, 0, 0, 0))
 
 
 def foundry_bytes_per_token(info: ModelInfo, ffn: int, te_linears: bool = False) -> tuple[float, float, float, float]:
     """(forward, forward on the residual stream, backward, backward on the residual stream) bytes
-    per token llm-foundry's eager MPT block moves in its elementwise kernels, unsharded (the table
+    per token llm-foundry's eager MPT block moves in its elementwise kernels, unsharded (the tables
     above); `te_linears` (its fp8 runs) without the bias gradients' sums."""
-    counted = _per_token([_FOUNDRY_MPT], _units(info, ffn))
-    if not te_linears:
-        return counted
-    return tuple(a - b for a, b in zip(counted, _per_token([_FOUNDRY_MPT_BIAS_GRADS], _units(info, ffn))))
+    return _per_token([_FOUNDRY_MPT] + [_FOUNDRY_TE_BIAS_GRADS] * te_linears, _units(info, ffn))
 
 
 def executor_bytes_per_token(info: ModelInfo, ffn: int, qk_norm: bool = False, qkv_bias: bool = False,
