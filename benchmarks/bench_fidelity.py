@@ -289,16 +289,18 @@ def report_engines(scored: Sequence[Scored], clusters) -> None:
         print(f"{engine}: {summary(members, clusters)}")
 
 
-def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters) -> list[float]:
+def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters,
+                 title: str = "FP8 over BF16 throughput, same model, sequence and GPUs:") -> list[float]:
     """FP8 over BF16 throughput where the source publishes both for one model, sequence length and
     GPU count (their batch splits may differ), or an FP8 run names the source of its BF16 baseline
-    (`Run.bf16_baseline_source`): the fp8 rule's own error, apart from the step's.
+    (`Run.bf16_baseline_source`): the fp8 rule's own error, apart from the step's. Dense and MoE
+    runs are paired apart (each among its own held-out group), under `title`.
     Returns the speed-up errors of the pairs of one layout."""
     pairs = [(f, b) for f in fp8 for b in bf16 if b.source == (f.bf16_baseline_source or f.source)
              and b.cluster == f.cluster and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
     if not pairs:
         return []
-    print("FP8 over BF16 throughput, same model, sequence and GPUs:")
+    print(title)
     errors, same, recipes = [], [], []
     for f, b in pairs:
         (sf, sb) = score([f, b], clusters)
@@ -489,6 +491,10 @@ def main(argv: list[str]) -> int:
         report_regressions(scored_moe, clusters, brief)
         report_by_cluster("MoE", scored_moe, clusters)
         a2a_overlap_speedups(scored_moe)
+        # a source's FP8 and BF16 runs of one MoE layout are pairs like the dense ones: the target counts them
+        fp8_pair_errors = fp8_pair_errors + fp8_speedups(
+            [r for r in moe if r.precision == "fp8"], [r for r in moe if r.precision != "fp8"], clusters,
+            "MoE FP8 over BF16 throughput, same model, sequence and GPUs:")
     every_held = score([r for r in runs if r.group in (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE)], clusters)
     if every_held:
         report_regimes(every_held, clusters)
