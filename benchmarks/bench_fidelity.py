@@ -289,6 +289,13 @@ def report_engines(scored: Sequence[Scored], clusters) -> None:
         print(f"{engine}: {summary(members, clusters)}")
 
 
+def fp8_pairs(fp8: Sequence[Run], bf16: Sequence[Run]) -> list[tuple[Run, Run]]:
+    """(FP8, BF16) runs one source publishes for one model, sequence length, GPU count and profile,
+    or an FP8 run and the BF16 runs of the source it names as its baseline (`Run.bf16_baseline_source`)."""
+    return [(f, b) for f in fp8 for b in bf16 if b.source == (f.bf16_baseline_source or f.source)
+            and b.cluster == f.cluster and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
+
+
 def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters,
                  title: str = "FP8 over BF16 throughput, same model, sequence and GPUs:") -> list[float]:
     """FP8 over BF16 throughput where the source publishes both for one model, sequence length and
@@ -296,8 +303,7 @@ def fp8_speedups(fp8: Sequence[Run], bf16: Sequence[Run], clusters,
     (`Run.bf16_baseline_source`): the fp8 rule's own error, apart from the step's. Dense and MoE
     runs are paired apart (each among its own held-out group), under `title`.
     Returns the speed-up errors of the pairs of one layout."""
-    pairs = [(f, b) for f in fp8 for b in bf16 if b.source == (f.bf16_baseline_source or f.source)
-             and b.cluster == f.cluster and b.seq == f.seq and b.gpus == f.gpus and b.spec == f.spec]
+    pairs = fp8_pairs(fp8, bf16)
     if not pairs:
         return []
     print(title)

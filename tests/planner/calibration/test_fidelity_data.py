@@ -211,6 +211,22 @@ def test_dgx_cloud_grok1_rows_transcription_is_consistent(modules):
     assert runs[1].fp8_recipe == "delayed" and runs[0].fp8_recipe is None
 
 
+def test_moe_fp8_and_bf16_runs_of_one_layout_pair_as_the_dense_ones_do(modules):
+    """The FP8/BF16 target counts every published pair of one layout, MoE sources' too: among the
+    held-out MoE runs, DGX Cloud's Grok-1 BF16 and FP8 rows are the one pair (one source, model,
+    sequence, GPU count and layout), and the dense pairing finds none of them."""
+    data, _ = modules
+    bench = importlib.import_module("bench_fidelity")
+    moe = [r for r in data.all_runs() if r.group == data.HELD_OUT_MOE]
+    pairs = bench.fp8_pairs([r for r in moe if r.precision == "fp8"], [r for r in moe if r.precision != "fp8"])
+    assert [(f.name, b.name) for f, b in pairs] == [("DGX Cloud Grok-1 314B fp8 tp4 pp8 vpp8 cp2 ep8",
+                                                     "DGX Cloud Grok-1 314B bf16 tp4 pp8 vpp8 cp2 ep8")]
+    assert all(bench.layout_of(f) == bench.layout_of(b) for f, b in pairs)
+    dense = bench.fp8_pairs([r for r in data.all_runs() if r.group == data.HELD_OUT_FP8],
+                            [r for r in data.all_runs() if r.group == data.HELD_OUT])
+    assert len(dense) == 66 and not any(f.group == data.HELD_OUT_MOE for f, _ in dense)
+
+
 def test_nemotron_3_nano_row_is_the_recipe_s_and_its_flops_are_the_traced_count(modules):
     """Megatron-Bridge 26.06's DGX-H100 Nemotron 3 Nano row (16 GPUs, FP8, GBS 1024, 8K tokens, EP 8,
     14,719 tokens/s and 328 TFLOP/s a GPU): the FLOPs a token those imply (22.28 G) are meshplan's
