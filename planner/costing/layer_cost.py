@@ -16,7 +16,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_memory, module_recompute,
-                                      offload, overlap, torchtitan_sac)
+                                      offload, overlap, sp_layout, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
@@ -258,6 +258,9 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
            *compute_time_key(config))
     fwd_s, bwd_s, recompute_s = through(memo, key, compute_times_s, layer, config, cluster, info, act_scale, vocab,
                                         profile_dtype, attention)
+    # DTensor's copies around batch-first sequence-parallel collectives, on the compute stream (`sp_layout`)
+    copy_fwd_s, copy_bwd_s, copy_rerun_s = sp_layout.copy_times_s(layer, config, cluster, act_scale)
+    fwd_s, bwd_s, recompute_s = fwd_s + copy_fwd_s, bwd_s + copy_bwd_s, recompute_s + copy_rerun_s
     parts = tp_comm_parts_s(layer, config, cluster, act_scale)
     # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
     unpipelined_fwd_s, unpipelined_bwd_s = overlap.unpipelined_tp_comm_s(layer, config, parts)

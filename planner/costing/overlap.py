@@ -78,17 +78,23 @@ def unpipelined_tp_comm_s(layer, config, parts) -> tuple[float, float]:
     fp8_linears = fp8.is_fp8(config.precision) and fp8.converts(layer)
     cast_after_gather = fp8_linears and not fp8.fp8_tp_gather(layer, config)
     regions = split.num_allreduce_per_pass
-    # regions with a single column Linear: at least this many, the columns spread as evenly as they go
-    single = max(0, 2 * regions - len(split.column_linears))
-    if fp8_linears and fp8.recipe_of(config).rescaled_gradient_gemms:
-        single = 0
-    unfused_scatter = bwd_scatter * (1 - single / regions)
+    unfused_scatter = bwd_scatter * (1 - fused_scatter_regions(layer, config) / regions)
     if cast_after_gather:
         return fwd_gather, bwd_gather + unfused_scatter
     return 0.0, unfused_scatter
 
 
-def _fused_tp_collectives(layer, config) -> tuple[bool, bool, bool] | None:
+def fused_scatter_regions(layer, config) -> int:
+    """How many of a block's regions torch's micro-pipeline fuses the backward reduce-scatter of:
+    those with a single column Linear (at least 2 x regions less the column Linears, the columns
+    spread as evenly as they go), none where a recipe rescales its gradient GEMMs' outputs."""
+    split = layer.tp_split
+    if fp8.is_fp8(config.precision) and fp8.converts(layer) and fp8.recipe_of(config).rescaled_gradient_gemms:
+        return 0
+    return max(0, 2 * split.num_allreduce_per_pass - len(split.column_linears))
+
+
+def fused_tp_collectives(layer, config) -> tuple[bool, bool, bool] | None:
     """Under torch's micro-pipelined TP (`unpipelined_tp_comm_s`'s rules): whether it fuses the
     all-gathers before the column Linears' forward, those before the row Linears' input
     gradients, and the reduce-scatters after single-column regions' input gradients (the
@@ -112,7 +118,7 @@ def micro_pipeline_pieces(layer, config, shapes) -> tuple[tuple[int, int], ...] 
     `_fused_all_gather_matmul_impl` consumes the gathered shards one at a time,
     `_fused_matmul_reduce_scatter_impl` produces one chunk per destination rank), each with its own
     tile and wave quantisation (`gemm.gemm_time_s`); None where nothing is fused."""
-    fused = _fused_tp_collectives(layer, config)
+    fused = fused_tp_collectives(layer, config)
     if fused is None or not shapes:
         return None
     fwd_gather, bwd_gather, bwd_scatter = fused

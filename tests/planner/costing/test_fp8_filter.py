@@ -271,19 +271,19 @@ def test_a_moe_models_filter_applies_to_its_dense_part(h100):
 
 
 def test_the_best_filter_is_judged_over_the_step_not_the_block(h100):
-    """Llama 3 70B on 256 H100 at TP 8, ZeRO-3, rowwise, compiled: the block's path goes on to q,
-    but over the whole step leaving q in bf16 too is slower than k and v alone (a shorter backward
-    hides less of ZeRO-3's traffic), so `best_on_path` stops at k and v."""
+    """Llama 3 70B on 512 H100 at TP 8, ZeRO-3 over 64 data ranks, rowwise, compiled: the block's
+    path goes on to q, but over the whole step leaving q in bf16 too is slower than k and v alone
+    (a shorter backward hides less of ZeRO-3's traffic), so `best_on_path` stops at k and v."""
     from meshplan.planner.costing.fp8_advice import best_on_path, filter_path
 
     kwargs = dict(seq=8192, tp=8, sp=True, zero=3, precision="fp8", engine="torchtitan", fp8_recipe="rowwise",
                   torch_compile=True)
     graph = profile("llama3-70b", 8192)
-    config = ParallelConfig(gpus=256, global_batch=256, tp=8, dp=32, sp=True, zero=3, precision="fp8",
+    config = ParallelConfig(gpus=512, global_batch=512, tp=8, dp=64, sp=True, zero=3, precision="fp8",
                             engine="torchtitan", fp8_recipe="rowwise", torch_compile=True)
     path = filter_path(graph, h100, config)
     assert path == ((), ("k", "v"), ("q", "k", "v"))
-    steps = {names: estimate("llama3-70b", h100, 256, 256, fp8_filter=names, **kwargs) for names in path}
+    steps = {names: estimate("llama3-70b", h100, 512, 512, fp8_filter=names, **kwargs) for names in path}
     assert steps[("q", "k", "v")].step_time_s > steps[("k", "v")].step_time_s
     best = best_on_path(graph, h100, config, lambda names: steps[names])
     assert best == (("k", "v"), steps[("k", "v")].step_time_s)
@@ -291,12 +291,12 @@ def test_the_best_filter_is_judged_over_the_step_not_the_block(h100):
 
 def test_estimates_hint_prints_the_step_of_the_filter_it_names(h100, capsys):
     """The hint's step is `estimate`'s own with that filter, computed apart."""
-    flags = ["--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "256", "--gbs", "256", "--seq", "8192",
+    flags = ["--model", "llama3-70b", "--cluster", "h100-sxm", "--gpus", "512", "--gbs", "512", "--seq", "8192",
              "--tp", "8", "--sp", "--zero", "3", "--precision", "fp8", "--engine", "torchtitan", "--fp8-recipe",
              "rowwise", "--compile"]
     assert main(["estimate", *flags]) == 0
     hint = capsys.readouterr().out.strip().splitlines()[-1]
-    filtered = estimate("llama3-70b", h100, 256, 256, seq=8192, tp=8, sp=True, zero=3, precision="fp8",
+    filtered = estimate("llama3-70b", h100, 512, 512, seq=8192, tp=8, sp=True, zero=3, precision="fp8",
                         engine="torchtitan", fp8_recipe="rowwise", torch_compile=True, fp8_filter=("k", "v"))
     assert hint.startswith("hint: k, v run faster in bf16")
     assert f"--fp8-filter k,v gives {filtered.step_time_s * 1e3:.1f} ms per step" in hint

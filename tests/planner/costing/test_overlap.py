@@ -10,7 +10,7 @@ import pytest
 from meshplan.planner.contracts.config import ENGINES, ParallelConfig
 from meshplan.planner.contracts.config import NO_PIPELINE_ENGINES
 from meshplan.planner.contracts.overlap import ENGINE_OVERLAPS, EngineOverlap, engine_overlap
-from meshplan.planner.costing import context_parallel
+from meshplan.planner.costing import context_parallel, sp_layout
 from meshplan.planner.costing.collectives import collective_time_s, send_recv_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
 from meshplan.planner.costing.device_time import memory_time_s
@@ -102,7 +102,9 @@ def test_a_megatron_layer_without_tp_overlap_pays_all_of_its_tp_traffic():
 def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic(without_eager_count):
     """Megatron's userbuffers pipeline each TP collective with its GEMM over tp pieces; meshplan's
     executor blocks on them. Their compute is the same once meshplan's eager kernels' count
-    (`eager_kernels`, its own test) is set aside."""
+    (`eager_kernels`, its own test) is set aside, but for the copies the executor's batch-first
+    sequence parallelism makes around its collectives (`sp_layout`, its own test; Megatron-LM's
+    sequence-first layout makes none): at micro-batch 1 its reduce-scatters' regrouping."""
     graph = profile("llama3-70b", 8192)
     cluster = load_cluster("h100-sxm")
     block = next(layer for layer in graph.layers if layer.kind == "block")
@@ -112,7 +114,9 @@ def test_a_block_under_megatron_pays_one_eighth_of_its_tp_traffic(without_eager_
     assert raw_fwd > 0 and own.fwd_compute_s > raw_fwd  # the GEMMs cover all but the first piece
     assert own.tp_fwd_comm_s - megatron.tp_fwd_comm_s == pytest.approx(raw_fwd * 7 / 8)
     assert own.tp_bwd_comm_s - megatron.tp_bwd_comm_s == pytest.approx(raw_bwd * 7 / 8)
-    assert megatron.fwd_compute_s == own.fwd_compute_s
+    copies_fwd_s = sp_layout.copy_times_s(block, config(), cluster, 1.0)[0]
+    assert copies_fwd_s > 0 and sp_layout.copy_times_s(block, config(engine="megatron"), cluster, 1.0)[0] == 0
+    assert own.fwd_compute_s == pytest.approx(megatron.fwd_compute_s + copies_fwd_s, rel=1e-12)
 
 
 def test_a_ring_step_exposes_what_its_transfer_takes_beyond_its_attention():
