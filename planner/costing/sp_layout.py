@@ -88,7 +88,7 @@ def copy_bytes(layer: LayerProfile, config: ParallelConfig, act_scale: float) ->
     fwd_fused, bwd_fused, scatters_fuse = fused or (False, False, False)
     # the forward's reduce-scatters (each a row Linear's product) fuse wherever the micro-pipeline runs
     fwd = count * (copied * (not fwd_fused) + tensor * (fused is None))
-    unfused_scatters = count - (fused_scatter_regions(layer, config) if scatters_fuse else 0)
+    unfused_scatters = count - (min(count, fused_scatter_regions(layer, config)) if scatters_fuse else 0)
     regather = copied if config.recompute == "none" else 0.0
     bwd = count * (copied + regather) * (not bwd_fused) + unfused_scatters * tensor
     # a fused all-gather returns its gathered tensor sequence-major (`unflatten`'s movedim); the
