@@ -21,7 +21,8 @@ Per rank and micro-batch, against the same layer without CP:
   kv_heads/tp * head_dim * bytes, the whole sequence's K/V on one TP rank; t: one ring step's
   attention, the rank's attention over cp, at the kernel's speed on the rank's s/cp queries):
   - "all_gather" (meshplan's executor): all-gather of F in forward, reduce-scatter of dK/dV in
-    backward, both blocking;
+    backward, both blocking; on the compute stream, the copies its batch-first K/V make around them
+    (`gather_copy_bytes`, as `costing.sp_layout` explains for sequence parallelism);
   - "ring_p2p" (Megatron-Core with Transformer Engine, cp_comm_type "p2p"): cp steps, the
     rank's F/cp sent to the next rank during each step's attention: (cp-1) max(0, p2p(F/cp) - t)
     in forward; K/V and dK/dV (2F/cp) during each backward step of 2t;
@@ -44,6 +45,7 @@ from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYP
                                                   memory_time_s)
 from meshplan.planner.costing.overlap import exposed_ring_s, overlap_of
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
+from meshplan.planner.costing.sp_layout import COPY_PASSES
 from meshplan.planner.costing.tp_split import is_split
 
 # torch's ring attention (convert_to_f32), memory traffic per element of the rank's attention
@@ -93,6 +95,20 @@ def cp_comm_s(gather_bytes: float, config, cluster) -> tuple[float, float]:
     if config.recompute == "full":
         bwd += fwd  # the recomputed forward gathers K/V again
     return fwd, bwd
+
+
+def gather_copy_bytes(gathered: float, config, info) -> tuple[float, float, float]:
+    """(forward, backward, rerun) bytes meshplan's executor copies around its K/V all-gather, one
+    micro-batch (`executor.parallel.context.SequenceShard.exchange`, batch-first (b, heads, s, d)
+    K and V gathered on the sequence, dim 2; `costing.sp_layout` for why): the local K and V made
+    contiguous (F/cp), the gathered result re-concatenated (F; a view only where one sequence and
+    one K/V head a rank put nothing before dim 2), and in backward the reduce-scatter's input
+    regrouped (F); the recomputed forward copies again. Each copy reads and writes its tensor."""
+    local_kv_heads = info.num_kv_heads or info.num_heads
+    local_kv_heads = local_kv_heads / config.tp if local_kv_heads % config.tp == 0 else local_kv_heads
+    view = config.microbatch_size == 1 and local_kv_heads == 1
+    fwd = COPY_PASSES * (gathered / config.cp + gathered * (not view))
+    return fwd, COPY_PASSES * gathered, fwd if config.recompute == "full" else 0.0
 
 
 def ring_p2p_comm_s(gather_bytes: float, step_s: float, config, cluster) -> tuple[float, float]:
@@ -149,6 +165,11 @@ def with_context_parallel(local, layer, config, cluster, info, profile_dtype: st
     gathered = kv_gather_bytes(layer, config, info, source_dtype, dtype)
     if exchange == "all_gather":
         fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)
+        if config.engine == "meshplan" and gathered > 0 and config.cp > 1:  # its gathers' copies, compute stream
+            fwd_copy, bwd_copy, rerun_copy = gather_copy_bytes(gathered, config, info)
+            local = local.replaced(fwd_compute_s=local.fwd_compute_s + memory_time_s(fwd_copy, cluster),
+                                   bwd_compute_s=local.bwd_compute_s + memory_time_s(bwd_copy, cluster),
+                                   recompute_s=local.recompute_s + memory_time_s(rerun_copy, cluster))
     elif exchange == "ring_p2p":
         fwd_s, bwd_s = ring_p2p_comm_s(gathered, ring_step_s(layer, config, cluster, attention, kernel), config,
                                        cluster)

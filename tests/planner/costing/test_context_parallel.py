@@ -18,7 +18,7 @@ from meshplan.planner.contracts.plan import plan_from_json
 from meshplan.planner.costing import context_parallel as cpm
 from meshplan.planner.costing.collectives import collective_time_s
 from meshplan.planner.costing.compute_time import kernel_efficiency
-from meshplan.planner.costing.device_time import attention_time_s, flash_attention_flops
+from meshplan.planner.costing.device_time import attention_time_s, flash_attention_flops, memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from tests.planner.costing.meshes import mesh
@@ -69,8 +69,13 @@ def test_cp_layer_cost_is_the_local_share_plus_the_kv_exchange(graph):
     attention = flash_attention_flops(block, "flash", H100) * (mbs // cp) / tp
     at = [attention_time_s(attention, H100, "bf16", kernel_efficiency(block, graph.info, H100, "flash", "bf16", c))
           for c in (cp, 1)]
-    assert with_cp.fwd_compute_s - local.fwd_compute_s == pytest.approx(at[0] - at[1])
-    assert with_cp.bwd_compute_s - local.bwd_compute_s == pytest.approx(2 * (at[0] - at[1]))
+    # and meshplan's executor copies around its gathers (`gather_copy_bytes`): its local K and V made
+    # contiguous and the gathered ones re-concatenated forward, the reduce-scatter's input regrouped backward
+    copies_fwd, copies_bwd = memory_time_s(2 * (gathered / cp + gathered), H100), memory_time_s(2 * gathered, H100)
+    assert cpm.gather_copy_bytes(gathered, mesh(tp=tp, cp=cp, microbatch_size=mbs), graph.info) == \
+        (2 * (gathered / cp + gathered), 2 * gathered, 0.0)
+    assert with_cp.fwd_compute_s - local.fwd_compute_s == pytest.approx(at[0] - at[1] + copies_fwd)
+    assert with_cp.bwd_compute_s - local.bwd_compute_s == pytest.approx(2 * (at[0] - at[1]) + copies_bwd)
     assert at[0] > at[1]  # 1024 queries per call run slower than 4096
     for field in ("tp_fwd_comm_s", "dp_grad_comm_s", "param_bytes", "grad_bytes", "optimizer_bytes", "output_bytes"):
         assert getattr(with_cp, field) == getattr(local, field), field
@@ -129,3 +134,21 @@ def test_the_search_uses_cp_for_long_sequences():
     assert all(layer.recompute == "none" for layer in plan.layers)
     assert plan.prediction["fits"]
     assert plan.solver["ilp_objective_s"] == pytest.approx(plan.prediction["step_time_s"], rel=0.02)
+
+
+@pytest.mark.parametrize("batch, heads, view", [(1, 1, True), (1, 2, False), (2, 1, False)])
+def test_the_executors_kv_gather_copies_as_torch_re_concatenates(graph, batch, heads, view):
+    """torch re-concatenates K/V gathered on the sequence, dim 2 of (b, heads, s, d), by copy unless
+    one sequence and one head put nothing before it; `gather_copy_bytes` follows it, and a full
+    recomputation's forward copies again."""
+    import torch
+    from torch._utils import _maybe_view_chunk_cat
+
+    gathered_shards = torch.randn(4 * batch, heads, 8, 16)
+    out = _maybe_view_chunk_cat(gathered_shards, 4, 2)
+    assert torch.equal(out, torch.cat(torch.chunk(gathered_shards, 4, dim=0), dim=2))
+    assert (out.untyped_storage().data_ptr() == gathered_shards.untyped_storage().data_ptr()) is view
+    tp = 4 // heads  # the spec's 4 K/V heads over tp ranks: `heads` a rank
+    config = mesh(tp=tp, cp=4, microbatch_size=batch, recompute="full")
+    fwd, bwd, rerun = cpm.gather_copy_bytes(1000.0, config, graph.info)
+    assert fwd == 2 * (1000.0 / 4 + 1000.0 * (not view)) and bwd == 2 * 1000.0 and rerun == fwd
