@@ -45,7 +45,7 @@ from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYP
                                                   memory_time_s)
 from meshplan.planner.costing.overlap import exposed_ring_s, overlap_of
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
-from meshplan.planner.costing.sp_layout import COPY_PASSES
+from meshplan.planner.costing.sp_layout import BATCH_FIRST_SP_ENGINES, COPY_PASSES
 from meshplan.planner.costing.tp_split import is_split
 
 # torch's ring attention (convert_to_f32), memory traffic per element of the rank's attention
@@ -80,9 +80,13 @@ def kv_gather_bytes(layer, config, info, profile_dtype: str, compute_dtype: str,
         return 0.0
     tokens = layer.input_bytes / (info.hidden * DTYPE_BYTES.get(profile_dtype, 2))  # per sample
     heads = info.num_heads if query_heads else (info.num_kv_heads or info.num_heads)
-    local_heads = heads / config.tp if heads % config.tp == 0 else heads
     head_dim = info.attention_head_dim
-    return 2 * config.microbatch_size * tokens * local_heads * head_dim * DTYPE_BYTES[compute_dtype]
+    return 2 * config.microbatch_size * tokens * _rank_heads(heads, config.tp) * head_dim * DTYPE_BYTES[compute_dtype]
+
+
+def _rank_heads(heads: int, tp: int) -> float:
+    """The heads one TP rank holds: split where tp divides them, else replicated on every rank."""
+    return heads / tp if heads % tp == 0 else heads
 
 
 def cp_comm_s(gather_bytes: float, config, cluster) -> tuple[float, float]:
@@ -104,9 +108,7 @@ def gather_copy_bytes(gathered: float, config, info) -> tuple[float, float, floa
     contiguous (F/cp), the gathered result re-concatenated (F; a view only where one sequence and
     one K/V head a rank put nothing before dim 2), and in backward the reduce-scatter's input
     regrouped (F); the recomputed forward copies again. Each copy reads and writes its tensor."""
-    local_kv_heads = info.num_kv_heads or info.num_heads
-    local_kv_heads = local_kv_heads / config.tp if local_kv_heads % config.tp == 0 else local_kv_heads
-    view = config.microbatch_size == 1 and local_kv_heads == 1
+    view = config.microbatch_size == 1 and _rank_heads(info.num_kv_heads or info.num_heads, config.tp) == 1
     fwd = COPY_PASSES * (gathered / config.cp + gathered * (not view))
     return fwd, COPY_PASSES * gathered, fwd if config.recompute == "full" else 0.0
 
@@ -165,7 +167,8 @@ def with_context_parallel(local, layer, config, cluster, info, profile_dtype: st
     gathered = kv_gather_bytes(layer, config, info, source_dtype, dtype)
     if exchange == "all_gather":
         fwd_s, bwd_s = cp_comm_s(gathered, config, cluster)
-        if config.engine == "meshplan" and gathered > 0 and config.cp > 1:  # its gathers' copies, compute stream
+        # the batch-first engine's gathers copy (meshplan's executor: the one that runs this exchange)
+        if config.engine in BATCH_FIRST_SP_ENGINES and gathered > 0 and config.cp > 1:
             fwd_copy, bwd_copy, rerun_copy = gather_copy_bytes(gathered, config, info)
             local = local.replaced(fwd_compute_s=local.fwd_compute_s + memory_time_s(fwd_copy, cluster),
                                    bwd_compute_s=local.bwd_compute_s + memory_time_s(bwd_copy, cluster),
