@@ -35,7 +35,8 @@ Compute, per micro-batch on one rank:
 - FSDP2's float8 all-gather: a weight cast on the rank's fp32 shard as it is gathered, then copied
   into its transposed layout (`gathered_weight_cast_bytes`);
 - torchtitan's Float8 TP plan (tensorwise): the block's sequence-parallel all-gathers move fp8
-  and their casts run on the sequence shard (`fp8_tp_gather`; `communication.tp_comm_parts_s`).
+  and their casts run on the sequence shard (`fp8_tp_gather`; `communication.tp_comm_parts_s`),
+  writing one layout; the weight gradients copy the gathered tensors into the other (`fp8_layouts`).
 
 Memory per rank (`fp8_memory`): model states as bf16-mixed (fp32 masters and Adam moments, the
 bf16 compute copy); the fp8 Linears' saved inputs in fp8, their fp8 weight copies and scales, and
@@ -61,6 +62,7 @@ from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.fp8_eager import activation_cast_times_s, casts_eagerly, column_casts_per_region
 from meshplan.planner.costing.fp8_filter import Fp8Linears, fp8_linears, input_regions
+from meshplan.planner.costing.fp8_layouts import gathered_transpose_times_s
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, DTYPE_BYTES, gemm_and_attention_times_s,
                                                   infer_seq, memory_time_s)
 
@@ -365,6 +367,13 @@ def collective_cast_values(layer: LayerProfile, info: ModelInfo, config: Paralle
     reduce-scatter gathers. torchao's rowwise recipe casts them so in torchtitan's TP plan."""
     if tp == 1 or not config.sp or fp8_tp_gather(layer, config):
         return 0.0, 0.0
+    return gathered_values(layer, info, mbs, elem_bytes, shapes, tokens, linears)
+
+
+def gathered_values(layer: LayerProfile, info: ModelInfo, mbs: float, elem_bytes: float, shapes: tuple,
+                    tokens: float, linears: Fp8Linears | None = None) -> tuple[float, float]:
+    """(input, output-gradient) values a block's sequence-parallel all-gathers hand its fp8 Linears
+    whole: each region's input to its column Linears, and the row Linears' output gradients."""
     replicated, _ = linear_input_bytes(layer, info, linears)
     grads = tokens * sum(out_dim for _, out_dim, column in shapes if not column) if shapes else 0.0
     return replicated * mbs / elem_bytes, grads
@@ -459,6 +468,10 @@ def _block_cast_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterPr
                                               runs_compiled(config), gathered_weight_cast_bytes(config),
                                               collective_cast_values(layer, info, config, tp, mbs, elem_bytes,
                                                                      shapes, tokens, filtered))
+    if on_shard:  # the gathered fp8 tensors' transposed copies (`fp8_layouts`)
+        layout_fwd_s, layout_bwd_s = gathered_transpose_times_s(
+            *gathered_values(layer, info, mbs, elem_bytes, shapes, tokens, filtered), tp, cluster)
+        cast_fwd_s, cast_bwd_s = cast_fwd_s + layout_fwd_s, cast_bwd_s + layout_bwd_s
     return cast_fwd_s, cast_bwd_s + gradient_rescale_s(recipe, shapes, tokens, tp, values, cluster)
 
 

@@ -13,6 +13,7 @@ from meshplan.planner.costing import fp8
 from meshplan.planner.costing.collectives import all_gather_time_s, reduce_scatter_time_s
 from meshplan.planner.costing.communication import tp_comm_parts_s
 from meshplan.planner.costing.device_time import memory_time_s
+from meshplan.planner.costing.fp8_layouts import gathered_transpose_times_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.overlap import exposed_tp_comm_s, unpipelined_tp_comm_s
 from meshplan.planner.profiling.profiler import profile
@@ -203,3 +204,34 @@ def test_float8_all_gather_casts_the_fp32_shard_and_transposes_the_gathered_weig
     fwd_s, _ = fp8.cast_times_s(recipe, (0.0, 1e9, 0.0), 1.0, h100, weight_bytes=3.25)
     assert fwd_s == pytest.approx(memory_time_s(3.25e9, h100))
     assert fp8.cast_times_s(recipe, (0.0, 1e9, 0.0), 1.0, h100)[0] == pytest.approx(memory_time_s(8e9, h100))
+
+
+def test_the_float8_tp_plan_copies_each_gathered_fp8_tensor_into_its_transposed_layout(llama, h100):
+    """torchtitan's Float8 TP plan casts on the shard (one layout) and gathers fp8; each weight
+    gradient then copies the gathered tensor into the other layout (torchao's `preprocess_addmm`),
+    a byte read and a byte written per value. Llama 3 8B at TP 8, micro-batch 2 (16,384 tokens):
+    gathered inputs 2 regions x 4096 a token, gathered output gradients o's and down's 4096 each.
+    Backward: 2 x (2 + 2) x 4096 x 16,384 bytes less the gradients' unwritten shard layout
+    (1/8 of theirs); forward: less the inputs' (1/8). Rowwise gathers bf16 and casts after: no copy."""
+    block, info = llama
+    shapes = fp8.gemm.block_linear_shapes(block, info, SEQ)
+    tokens, tp = 2 * SEQ, 8
+    inputs, grads = fp8.gathered_values(block, info, 2, 2.0, shapes, tokens)
+    assert (inputs, grads) == pytest.approx((tokens * 2 * 4096, tokens * 2 * 4096))
+    expected = (memory_time_s(-tokens * 2 * 4096 / 8, h100),
+                memory_time_s(2 * tokens * 4 * 4096 - tokens * 2 * 4096 / 8, h100))
+    assert gathered_transpose_times_s(inputs, grads, tp, h100) == pytest.approx(expected)
+    tensorwise = fp8_config("tensorwise", torch_compile=True)
+    linears = fp8.fp8_linears(block, info, tensorwise, "bf16")
+    values = fp8.cast_values(block, info, tp, 2, 2.0, shapes, tokens, on_shard=True)
+    recipe = fp8.RECIPES["tensorwise"]
+    casts = fp8.cast_times_s(recipe, values, 1.0, h100, True, fp8.gathered_weight_cast_bytes(tensorwise))
+    priced = fp8._block_cast_times_s(block, info, h100, tensorwise, linears, tp, tokens, 2.0)
+    assert priced == pytest.approx((casts[0] + expected[0], casts[1] + expected[1]))
+    rowwise = fp8_config("rowwise", torch_compile=True)
+    rowwise_values = fp8.cast_values(block, info, tp, 2, 2.0, shapes, tokens)
+    gathered = fp8.collective_cast_values(block, info, rowwise, tp, 2, 2.0, shapes, tokens)
+    rowwise_casts = fp8.cast_times_s(fp8.RECIPES["rowwise"], rowwise_values, 1.0, h100, True, None, gathered)
+    rescale = fp8.gradient_rescale_s(fp8.RECIPES["rowwise"], shapes, tokens, tp, rowwise_values, h100)
+    assert fp8._block_cast_times_s(block, info, h100, rowwise, linears, tp, tokens, 2.0) == pytest.approx(
+        (rowwise_casts[0], rowwise_casts[1] + rescale))
