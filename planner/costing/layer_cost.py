@@ -15,7 +15,7 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_memory, module_recompute,
+from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_amax, fp8_memory, module_recompute,
                                       offload, overlap, sp_layout, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
@@ -261,6 +261,9 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     # DTensor's copies around batch-first sequence-parallel collectives, on the compute stream (`sp_layout`)
     copy_fwd_s, copy_bwd_s, copy_rerun_s = sp_layout.copy_times_s(layer, config, cluster, act_scale)
     fwd_s, bwd_s, recompute_s = fwd_s + copy_fwd_s, bwd_s + copy_bwd_s, recompute_s + copy_rerun_s
+    # torchao's fp8 casts on DTensor shards wait on their amax all-reduces (`fp8_amax`)
+    amax_fwd_s, amax_bwd_s, amax_rerun_s = fp8_amax.reduce_times_s(layer, info, config, cluster, profile_dtype)
+    fwd_s, bwd_s, recompute_s = fwd_s + amax_fwd_s, bwd_s + amax_bwd_s, recompute_s + amax_rerun_s
     parts = tp_comm_parts_s(layer, config, cluster, act_scale)
     # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
     unpipelined_fwd_s, unpipelined_bwd_s = overlap.unpipelined_tp_comm_s(layer, config, parts)
