@@ -15,7 +15,7 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_amax, fp8_memory, module_recompute,
+from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_amax, fp8_memory, fused_tp, module_recompute,
                                       offload, overlap, sp_layout, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
@@ -267,8 +267,12 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     parts = tp_comm_parts_s(layer, config, cluster, act_scale)
     # what the engine's TP overlap leaves exposed beside each pass's compute (`overlap.exposed_tp_comm_s`)
     unpipelined_fwd_s, unpipelined_bwd_s = overlap.unpipelined_tp_comm_s(layer, config, parts)
-    tp_fwd_s = overlap.exposed_tp_comm_s(sum(parts[0]), fwd_s, layer.kind, config, unpipelined_fwd_s)
-    tp_bwd_s = overlap.exposed_tp_comm_s(sum(parts[1]), bwd_s, layer.kind, config, unpipelined_bwd_s)
+    fused = fused_tp.exposed_fused_s(layer, config, cluster, info, parts, profile_dtype)
+    if fused is None:
+        tp_fwd_s = overlap.exposed_tp_comm_s(sum(parts[0]), fwd_s, layer.kind, config, unpipelined_fwd_s)
+        tp_bwd_s = overlap.exposed_tp_comm_s(sum(parts[1]), bwd_s, layer.kind, config, unpipelined_bwd_s)
+    else:  # torch's fused collective-matmuls, each beside its own matmuls (`fused_tp`)
+        tp_fwd_s, tp_bwd_s = unpipelined_fwd_s + fused[0], unpipelined_bwd_s + fused[1]
     if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (planner.costing.fixed_costs)
         # the (mbs, seq, hidden) residual stream: an embedding's output, any other layer's input
         stream_bytes = mbs * act_scale * (layer.output_bytes if layer.kind == "embedding" else layer.input_bytes)

@@ -48,7 +48,8 @@ def exposed_tp_comm_s(comm_s: float, compute_s: float, layer_kind: str, config, 
     reduce-scatter and its GEMM into tp pieces and sends piece i+1 while piece i multiplies: the
     first piece (1/tp of the collective) stays exposed, and so does whatever the pass's compute is
     too short to cover. `unpipelined_s` of `comm_s` the engine cannot pipeline
-    (`unpipelined_tp_comm_s`) stays exposed whole.
+    (`unpipelined_tp_comm_s`) stays exposed whole. Under torch's micro-pipeline a block whose
+    Linears' shapes are known is priced collective by collective instead (`fused_tp`).
     """
     tp = config.tp
     if comm_s <= 0 or tp < 2 or not config.sp or layer_kind != "block" or not overlap_of(config).tp_comm_overlap:

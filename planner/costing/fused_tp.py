@@ -1,0 +1,97 @@
+"""What torch's fused collective-matmuls leave exposed: each fused collective against its own matmuls.
+
+torch's micro-pipelined TP (torchtitan's async TP) replaces an all-gather and the matmuls that
+consume it by one op, `fused_all_gather_matmul`, and a matmul and the reduce-scatter of its
+product by `fused_matmul_reduce_scatter` (torch/distributed/_symmetric_memory). Inside the op the
+shards move on a side stream while the matmul runs chunk by chunk, and the op returns when both
+are done: the collective hides behind its own matmuls and nothing else. Attention's kernel, the
+norms and the other region's GEMMs run before or after it, not beside it. So a region whose
+matmuls are short exposes what its collective takes beyond them: attention's all-gather beside q,
+k and v (the k and v projections are narrow under grouped-query attention), o's reduce-scatter
+beside o's one GEMM.
+
+Per fused collective of `c` seconds beside its matmuls' `g` (row chunks, `overlap.micro_pipeline_pieces`,
+each Linear in its dtype), the exposed time is max(c / tp, c - g): the first piece, as
+`overlap.exposed_tp_comm_s` counts it for a whole pass, or what the matmuls are too short to cover.
+The fused collectives of a Llama block (`overlap.fused_tp_collectives`):
+
+- forward: each region's all-gather beside its column Linears' GEMMs (q, k, v; up, gate), each
+  region's reduce-scatter beside its row Linear's GEMM (o; down);
+- backward: each region's all-gather of the row Linear's output gradient beside that Linear's
+  input-gradient GEMM, and the reduce-scatter of a single-column region's input gradient beside
+  that column Linear's input-gradient GEMM.
+
+The rest is blocking, as `overlap.unpipelined_tp_comm_s` says, and so is a kept shard's regather
+for the weight gradients (no recomputation): its consumer contracts over the gathered rows, which
+is not a pattern the pass fuses. Blocks whose Linears' shapes meshplan does not know keep the
+whole-pass rule (`overlap.exposed_tp_comm_s`).
+"""
+from __future__ import annotations
+
+from meshplan.planner.contracts.cluster import ClusterProfile
+from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
+from meshplan.planner.costing import fp8, gemm
+from meshplan.planner.costing.device_time import infer_seq
+from meshplan.planner.costing.fp8_filter import fp8_linears
+from meshplan.planner.costing.overlap import fused_scatter_regions, fused_tp_collectives, micro_pipeline_pieces
+
+# A Llama or GPT block: attention's region, then the MLP's (`gemm.block_linear_shapes`' order).
+REGIONS = 2
+ATTENTION_LINEARS = 4
+
+
+def _gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, cluster: ClusterProfile,
+                  shapes: tuple, tokens: float, profile_dtype: str) -> list[tuple[float, float]]:
+    """(forward, input-gradient) seconds of each Linear's GEMMs on one rank, in the row chunks the
+    micro-pipeline runs them as and in the dtype each runs in."""
+    pieces = micro_pipeline_pieces(layer, config, shapes)
+    in_fp8 = (fp8_linears(layer, info, config, profile_dtype).in_fp8
+              if fp8.is_fp8(config.precision) and fp8.converts(layer) else (False,) * len(shapes))
+    scale_block = fp8.recipe_of(config).scale_block if fp8.is_fp8(config.precision) else 0
+    times, tp = [], config.tp
+    for (in_dim, out_dim, column), (fwd_n, dgrad_n), on in zip(shapes, pieces, in_fp8):
+        in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
+        dtype, block = ("fp8", scale_block) if on else ("bf16", 0)
+        times.append((fwd_n * gemm.gemm_time_s(tokens / fwd_n, out_local, in_local, cluster, dtype, block),
+                      dgrad_n * gemm.gemm_time_s(tokens / dgrad_n, in_local, out_local, cluster, dtype, block)))
+    return times
+
+
+def _exposed(comm_s: float, matmul_s: float, tp: int) -> float:
+    return max(comm_s / tp, comm_s - matmul_s)
+
+
+def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
+                    parts, profile_dtype: str) -> tuple[float, float] | None:
+    """(forward, backward) seconds the fused collectives of `parts` (`communication.tp_comm_parts_s`)
+    expose, each beside its own matmuls (module docstring), the caller adding the unfused ones;
+    None where torch's micro-pipeline fuses nothing here or the block's shapes are unknown."""
+    fused = fused_tp_collectives(layer, config)
+    if fused is None or layer.tp_split.num_allreduce_per_pass != REGIONS:
+        return None
+    seq = infer_seq(layer, info, profile_dtype)
+    shapes = gemm.block_linear_shapes(layer, info, seq)
+    if len(shapes) <= ATTENTION_LINEARS:
+        return None
+    fwd_gather, bwd_gather, bwd_scatter = fused
+    tp = config.tp
+    times = _gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
+    regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))
+    (gathers, scatters), (bwd_gathers, bwd_scatters) = parts
+    gather, scatter = gathers / REGIONS, scatters / REGIONS
+    regather = bwd_gathers - gathers if config.recompute == "none" else 0.0  # blocking, whole
+    bwd_gather, bwd_scatter_one = (bwd_gathers - regather) / REGIONS, bwd_scatters / REGIONS
+    single = fused_scatter_regions(layer, config) if bwd_scatter else 0
+    forward = backward = 0.0
+    for region in regions:
+        columns = [times[i] for i in region if shapes[i][2]]
+        rows = [times[i] for i in region if not shapes[i][2]]
+        if fwd_gather:
+            forward += _exposed(gather, sum(t[0] for t in columns), tp)
+        forward += _exposed(scatter, sum(t[0] for t in rows), tp)
+        if bwd_gather:
+            backward += _exposed(bwd_gather, sum(t[1] for t in rows), tp)
+        if single and len(columns) == 1:
+            backward += _exposed(bwd_scatter_one, columns[0][1], tp)
+    return forward, backward + (regather if bwd_gather else 0.0)  # unfused gathers: the caller's, whole
