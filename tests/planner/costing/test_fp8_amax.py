@@ -2,28 +2,15 @@
 Llama 3 8B block at TP 8 (q, k, v, up, gate column Linears; o, down row Linears; two regions)."""
 from __future__ import annotations
 
-
 import pytest
 
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import fp8_amax
 from meshplan.planner.costing.collectives import all_reduce_time_s
-from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.profiling.profiler import profile
 
 SEQ = 8192
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
-
-
-@pytest.fixture(scope="module")
-def llama():
-    graph = profile("llama3-8b", SEQ)
-    return next(layer for layer in graph.layers if layer.kind == "block"), graph.info
 
 
 def fp8_config(recipe: str, **kw) -> ParallelConfig:

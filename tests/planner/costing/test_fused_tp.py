@@ -10,24 +10,11 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import fused_tp
 from meshplan.planner.costing.communication import tp_comm_parts_s
 from meshplan.planner.costing.gemm import gemm_time_s
-from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.costing.overlap import unpipelined_tp_comm_s
-from meshplan.planner.profiling.profiler import profile
 
 SEQ, MBS, TP = 8192, 2, 8
 TOKENS = MBS * SEQ
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
-
-
-@pytest.fixture(scope="module")
-def llama():
-    graph = profile("llama3-8b", SEQ)
-    return next(layer for layer in graph.layers if layer.kind == "block"), graph.info
 
 
 def config(**kw) -> ParallelConfig:

@@ -16,20 +16,8 @@ from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.fp8_layouts import gathered_transpose_times_s
 from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.overlap import exposed_tp_comm_s, unpipelined_tp_comm_s
-from meshplan.planner.profiling.profiler import profile
 
 SEQ = 8192
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
-
-
-@pytest.fixture(scope="module")
-def llama():
-    graph = profile("llama3-8b", SEQ)
-    return next(layer for layer in graph.layers if layer.kind == "block"), graph.info
 
 
 def config(**kw) -> ParallelConfig:
