@@ -19,7 +19,8 @@ sharded by output; row: o, down, sharded by input):
   each Linear's output gradient (`NoopFwToFloat8BwDynamic` in both styles' `_prepare_output_fn`).
   One scalar each. The weights: FSDP2's float8 all-gather casts them at the scales
   `precompute_float8_dynamic_scale_for_fsdp` computes once a step for the whole model (one
-  reduction a step, not priced).
+  reduction a step, not priced); without it (`fp8.fp8_all_gather`) each Linear casts its TP-sharded
+  weight in the forward, one scalar more each.
 - rowwise (plain `ColwiseParallel` / `RowwiseParallel`, bf16 all-gathers). Forward: a row Linear's
   input (a token's maximum over the sharded features: one value a token) and its weight (an output
   row's maximum over the sharded input features). Backward: a column Linear's output gradient (a
@@ -67,7 +68,8 @@ def reduction_bytes(layer: LayerProfile, info: ModelInfo, config: ParallelConfig
         return (), ()
     if config.fp8_recipe == "tensorwise":
         rows = sum(1 for _, _, column in chosen if not column)
-        return (AMAX_VALUE_BYTES,) * (input_regions(layer) + rows), (AMAX_VALUE_BYTES,) * len(chosen)
+        weights = 0 if fp8.fp8_all_gather(config, config.zero, config.data_ranks) else len(chosen)
+        return (AMAX_VALUE_BYTES,) * (input_regions(layer) + rows + weights), (AMAX_VALUE_BYTES,) * len(chosen)
     tokens = config.rank_microbatch * infer_seq(layer, info, profile_dtype)
     forward = tuple(AMAX_VALUE_BYTES * values for _, out_dim, column in chosen if not column
                     for values in (tokens, out_dim))

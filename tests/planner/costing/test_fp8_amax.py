@@ -19,21 +19,35 @@ def fp8_config(recipe: str, **kw) -> ParallelConfig:
     return ParallelConfig(**{**base, **kw})
 
 
+def fsdp_config(recipe: str, **kw) -> ParallelConfig:
+    """The same under FSDP2 (ZeRO-3 over 2 data ranks), which gathers tensorwise weights in fp8."""
+    return fp8_config(recipe, gpus=16, dp=2, zero=3, global_batch=4, **kw)
+
+
 def test_tensorwise_reduces_one_scalar_per_sharded_cast(llama, h100):
     """Forward: the two regions' inputs on their sequence shards and o's and down's inputs, 4
     scalars; backward: each of the 7 Linears' output gradients; the per-op policy reruns the
     forward's 4, full recomputation too, none without recomputation."""
     block, info = llama
-    forward, backward = fp8_amax.reduction_bytes(block, info, fp8_config("tensorwise"), "bf16")
+    forward, backward = fp8_amax.reduction_bytes(block, info, fsdp_config("tensorwise"), "bf16")
     assert (forward, backward) == ((4.0,) * 4, (4.0,) * 7)
     one = all_reduce_time_s(4.0, 8, h100.link_for_group(8, 1))
     assert one > 0
     expected = (4 * one, 7 * one, 4 * one)
-    assert fp8_amax.reduce_times_s(block, info, fp8_config("tensorwise"), h100, "bf16") == pytest.approx(expected)
-    full = fp8_amax.reduce_times_s(block, info, fp8_config("tensorwise", recompute="full"), h100, "bf16")
+    assert fp8_amax.reduce_times_s(block, info, fsdp_config("tensorwise"), h100, "bf16") == pytest.approx(expected)
+    full = fp8_amax.reduce_times_s(block, info, fsdp_config("tensorwise", recompute="full"), h100, "bf16")
     assert full == pytest.approx(expected)
-    kept = fp8_amax.reduce_times_s(block, info, fp8_config("tensorwise", recompute="none"), h100, "bf16")
+    kept = fp8_amax.reduce_times_s(block, info, fsdp_config("tensorwise", recompute="none"), h100, "bf16")
     assert kept == pytest.approx((4 * one, 7 * one, 0.0))
+
+
+def test_tensorwise_weights_reduce_where_fsdp_does_not_cast_them(llama):
+    """TP alone (no float8 all-gather): each of the 7 Linears casts its TP-sharded weight in the
+    forward, 7 scalars more; under FSDP2's float8 all-gather (ZeRO-3 over 2 data ranks) none."""
+    block, info = llama
+    alone, _ = fp8_amax.reduction_bytes(block, info, fp8_config("tensorwise"), "bf16")
+    fsdp, _ = fp8_amax.reduction_bytes(block, info, fsdp_config("tensorwise"), "bf16")
+    assert (len(alone), len(fsdp)) == (11, 4)
 
 
 def test_rowwise_reduces_a_maximum_per_row_over_sharded_features(llama, h100):
@@ -69,7 +83,7 @@ def test_the_reductions_sit_on_the_compute_path(llama, h100, monkeypatch):
     """`layer_cost` adds them to the forward, backward and rerun it prices, so the ILP and the
     simulator wait on them alike."""
     block, info = llama
-    config = fp8_config("tensorwise")
+    config = fsdp_config("tensorwise")
     priced = layer_cost(block, config, h100, info)
     monkeypatch.setattr(fp8_amax, "reduce_times_s", lambda *args: (0.0, 0.0, 0.0))
     without = layer_cost(block, config, h100, info)
