@@ -18,8 +18,8 @@ The fused collectives of a Llama block (`overlap.fused_tp_collectives`):
 - forward: each region's all-gather beside its column Linears' GEMMs (q, k, v; up, gate), each
   region's reduce-scatter beside its row Linear's GEMM (o; down);
 - backward: each region's all-gather of the row Linear's output gradient beside that Linear's
-  input-gradient GEMM, and the reduce-scatter of a single-column region's input gradient beside
-  that column Linear's input-gradient GEMM.
+  input-gradient GEMM, and the reduce-scatter of a single-column region's input gradient (GPT-2's
+  fused c_attn, c_fc) beside that Linear's input-gradient GEMMs.
 
 The rest is blocking, as `overlap.unpipelined_tp_comm_s` says, and so is a kept shard's regather
 for the weight gradients (no recomputation): its consumer contracts over the gathered rows, which
@@ -82,16 +82,21 @@ def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     gather, scatter = gathers / REGIONS, scatters / REGIONS
     regather = bwd_gathers - gathers if config.recompute == "none" else 0.0  # blocking, whole
     bwd_gather, bwd_scatter_one = (bwd_gathers - regather) / REGIONS, bwd_scatters / REGIONS
-    single = fused_scatter_regions(layer, config) if bwd_scatter else 0
     forward = backward = 0.0
+    columns_of = []
     for region in regions:
         columns = [times[i] for i in region if shapes[i][2]]
         rows = [times[i] for i in region if not shapes[i][2]]
+        columns_of.append(columns)
         if fwd_gather:
             forward += _exposed(gather, sum(t[0] for t in columns), tp)
         forward += _exposed(scatter, sum(t[0] for t in rows), tp)
         if bwd_gather:
             backward += _exposed(bwd_gather, sum(t[1] for t in rows), tp)
-        if single and len(columns) == 1:
-            backward += _exposed(bwd_scatter_one, columns[0][1], tp)
+    # the backward scatters it fuses, beside their regions' input gradients: the regions of fewest
+    # column Linears first (`overlap.fused_scatter_regions` counts them; a fused q, k, v projection
+    # is one Linear there and three shapes here)
+    fused_scatters = fused_scatter_regions(layer, config) if bwd_scatter else 0
+    for columns in sorted(columns_of, key=len)[:fused_scatters]:
+        backward += _exposed(bwd_scatter_one, sum(t[1] for t in columns), tp)
     return forward, backward + (regather if bwd_gather else 0.0)  # unfused gathers: the caller's, whole

@@ -77,3 +77,22 @@ def test_nothing_fused_without_async_tp_or_known_shapes(llama, h100):
     unknown = replace(info, num_heads=0)
     cfg = config()
     assert fused_tp.exposed_fused_s(block, cfg, h100, unknown, tp_comm_parts_s(block, cfg, h100, 1.0), "bf16") is None
+
+
+def test_fused_backward_scatters_pair_with_their_regions_input_gradients(llama, h100):
+    """A block with one column Linear a region (GPT-2's fused c_attn and c_fc): the micro-pipeline
+    fuses both backward reduce-scatters too, each beside its region's input-gradient GEMMs (here
+    unchunked: `overlap.micro_pipeline_pieces` chunks a single MLP column only), and nothing of the
+    backward stays blocking."""
+    block, info = llama
+    fused = replace(block, tp_split=replace(block.tp_split, column_linears=("attn.c_attn", "mlp.c_fc")))
+    cfg = config()
+    parts = tp_comm_parts_s(fused, cfg, h100, 1.0)
+    (_, _), (bwd_gathers, bwd_scatters) = parts
+    qkv_dgrad = gemm_time_s(TOKENS, 4096, 512, h100, "bf16") + 2 * gemm_time_s(TOKENS, 4096, 128, h100, "bf16")
+    up_gate_dgrad = 2 * gemm_time_s(TOKENS, 4096, 1792, h100, "bf16")
+    o_dgrad, down_dgrad = chunked(TOKENS, 512, 4096, h100), chunked(TOKENS, 1792, 4096, h100)
+    backward = (exposed(bwd_gathers / 2, o_dgrad) + exposed(bwd_gathers / 2, down_dgrad)
+                + exposed(bwd_scatters / 2, qkv_dgrad) + exposed(bwd_scatters / 2, up_gate_dgrad))
+    assert unpipelined_tp_comm_s(fused, cfg, parts) == (0.0, 0.0)
+    assert fused_tp.exposed_fused_s(fused, cfg, h100, info, parts, "bf16")[1] == pytest.approx(backward)
