@@ -33,7 +33,9 @@ nor `aten.amax` (rowwise's), so it reruns them too (`torchtitan_sac`).
 
 Only under torchtitan: Megatron's Transformer Engine reduces its amaxes otherwise (delayed
 scaling: one reduction of the whole amax history a step), and meshplan's executor runs no fp8.
-Blocks whose Linears' shapes are unknown (MoE blocks, traced models) are not priced.
+Blocks whose Linears' shapes are unknown (MoE blocks, traced models) are not priced. The count
+follows `gemm.block_linear_shapes`, which lists q, k and v apart: where one fused projection runs
+them (GPT-2's c_attn) it is high by two reductions a pass.
 """
 from __future__ import annotations
 
