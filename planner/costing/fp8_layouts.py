@@ -14,8 +14,10 @@ its input and reuses it in backward without a fresh cast (`float8_linear.py`,
 dW = dY^T X takes X as the second operand, column-major, so the gathered row-major input is
 copied whole. Likewise the row Linears' output gradients, cast on the shard before the backward's
 all-gather: dY^T as the first operand, row-major. A byte read and a byte written per gathered
-value, in the backward, on the compute stream. A collective produced the tensor, so no kernel
-before it takes the copy in, as `fp8.collective_cast_values` says of casts. Against what the
+value, in the backward, on the compute stream. A collective produced the tensor, so no cast
+kernel takes the copy in, as `fp8.collective_cast_values` says of casts; it is priced apart from
+DTensor's re-concatenation of the same gather (`sp_layout`), which, where Inductor writes both
+layouts from one read in one graph, would save a byte a value (not priced). Against what the
 recipe's bytes count, the shard's casts write one layout fewer.
 """
 from __future__ import annotations
