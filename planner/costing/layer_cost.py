@@ -15,8 +15,8 @@ from typing import NamedTuple
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_amax, fp8_memory, fused_tp, module_recompute,
-                                      offload, overlap, sp_layout, torchtitan_sac)
+from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_amax, fp8_memory, fused_tp,
+                                      module_recompute, offload, overlap, sp_layout, torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
