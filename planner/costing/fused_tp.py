@@ -49,12 +49,11 @@ def _gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, 
     in_fp8 = (fp8_linears(layer, info, config, profile_dtype).in_fp8
               if fp8.is_fp8(config.precision) and fp8.converts(layer) else (False,) * len(shapes))
     scale_block = fp8.recipe_of(config).scale_block if fp8.is_fp8(config.precision) else 0
-    times, tp = [], config.tp
-    for (in_dim, out_dim, column), (fwd_n, dgrad_n), on in zip(shapes, pieces, in_fp8):
-        in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
+    times = []
+    for shape, chunks, on in zip(shapes, pieces, in_fp8):
         dtype, block = ("fp8", scale_block) if on else ("bf16", 0)
-        times.append((fwd_n * gemm.gemm_time_s(tokens / fwd_n, out_local, in_local, cluster, dtype, block),
-                      dgrad_n * gemm.gemm_time_s(tokens / dgrad_n, in_local, out_local, cluster, dtype, block)))
+        fwd_s, dgrad_s, _ = gemm.linear_gemms_s(shape, tokens, config.tp, cluster, dtype, block, chunks)
+        times.append((fwd_s, dgrad_s))
     return times
 
 

@@ -161,19 +161,29 @@ def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple
     return ()
 
 
+def linear_gemms_s(shape: tuple[int, int, bool], tokens: float, tp: int, cluster: ClusterProfile, dtype: str,
+                   scale_block: int = 0, pieces: tuple[int, int] = (1, 1)) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of one Linear `shape` (in, out, column)
+    on `tokens` rows of one rank, split `tp` ways (a column Linear on its output, a row Linear on
+    its input); `pieces`: how many equal row chunks its forward and its input-gradient GEMM run as
+    (torch's micro-pipelined TP, `overlap.micro_pipeline_pieces`)."""
+    in_dim, out_dim, column = shape
+    in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
+    fwd_n, dgrad_n = pieces
+    return (fwd_n * gemm_time_s(tokens / fwd_n, out_local, in_local, cluster, dtype, scale_block),
+            dgrad_n * gemm_time_s(tokens / dgrad_n, in_local, out_local, cluster, dtype, scale_block),
+            gemm_time_s(in_local, out_local, tokens, cluster, dtype, scale_block))
+
+
 def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str,
                    scale_block: int = 0, pieces=None) -> tuple[float, float]:
-    """(forward, backward) seconds of the Linears `shapes` on `tokens` rows of one rank, each
-    split `tp` ways (column Linears on their output, row Linears on their input). `pieces`: per
-    Linear, how many equal row chunks its forward and its input-gradient GEMM run as (torch's
-    micro-pipelined TP, `overlap.micro_pipeline_pieces`); None: one GEMM each."""
+    """(forward, backward) seconds of the Linears `shapes` on `tokens` rows of one rank
+    (`linear_gemms_s` each; `pieces`, per Linear, or None: one GEMM each)."""
     fwd_s = bwd_s = 0.0
-    for index, (in_dim, out_dim, column) in enumerate(shapes):
-        in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
-        fwd_n, dgrad_n = pieces[index] if pieces else (1, 1)
-        fwd_s += fwd_n * gemm_time_s(tokens / fwd_n, out_local, in_local, cluster, dtype, scale_block)
-        bwd_s += (dgrad_n * gemm_time_s(tokens / dgrad_n, in_local, out_local, cluster, dtype, scale_block)
-                  + gemm_time_s(in_local, out_local, tokens, cluster, dtype, scale_block))   # weight gradient
+    for index, shape in enumerate(shapes):
+        fwd, dgrad, wgrad = linear_gemms_s(shape, tokens, tp, cluster, dtype, scale_block,
+                                           pieces[index] if pieces else (1, 1))
+        fwd_s, bwd_s = fwd_s + fwd, bwd_s + dgrad + wgrad
     return fwd_s, bwd_s
 
 
