@@ -18,6 +18,12 @@ from meshplan.planner.costing.tp_split import is_split
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
+def regathers(config: ParallelConfig) -> bool:
+    """Whether a sequence-parallel block's backward all-gathers each region's input once more: it
+    kept only its shard for the weight gradients, with no recomputation to gather it again."""
+    return config.recompute == "none"
+
+
 def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
                     act_scale: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """((forward gathers, forward scatters), (backward gathers, backward scatters)) seconds of one
@@ -47,7 +53,7 @@ def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
             return (0.0, one), (0.0, one)
         gather = count * all_gather_time_s(size * fp8.tp_gather_bytes_share(layer, config), tp, link)
         scatter = count * reduce_scatter_time_s(size, tp, link)
-        regather = gather if config.recompute == "none" else 0.0  # the kept shard, for the weight gradients
+        regather = gather if regathers(config) else 0.0  # the kept shard, for the weight gradients
         return (gather, scatter), (gather + regather, scatter)
     if layer.kind == "embedding":
         size = layer.output_bytes * mbs * act_scale

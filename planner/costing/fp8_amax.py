@@ -42,7 +42,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import fp8
+from meshplan.planner.costing import fp8, torchtitan_sac
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.device_time import infer_seq
 from meshplan.planner.costing.fp8_filter import fp8_linears, input_regions
@@ -89,4 +89,5 @@ def reduce_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelConfig,
     link = cluster.link_for_group(config.tp, 1)
     forward, backward = (sum(all_reduce_time_s(size, config.tp, link) for size in sizes)
                          for sizes in reduction_bytes(layer, info, config, profile_dtype))
-    return forward, backward, forward if config.recompute in ("full", "selective") else 0.0
+    reruns = config.recompute == "full" or torchtitan_sac.applies(config)  # as `sp_layout` reruns its copies
+    return forward, backward, forward if reruns else 0.0

@@ -32,6 +32,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import fp8, gemm
+from meshplan.planner.costing.communication import regathers
 from meshplan.planner.costing.device_time import infer_seq
 from meshplan.planner.costing.fp8_filter import fp8_linears
 from meshplan.planner.costing.overlap import fused_scatter_regions, fused_tp_collectives, micro_pipeline_pieces
@@ -79,7 +80,7 @@ def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))
     (gathers, scatters), (bwd_gathers, bwd_scatters) = parts
     gather, scatter = gathers / REGIONS, scatters / REGIONS
-    regather = bwd_gathers - gathers if config.recompute == "none" else 0.0  # blocking, whole
+    regather = gathers if regathers(config) else 0.0  # blocking, whole (`tp_comm_parts_s` counts it in)
     bwd_gather, bwd_scatter_one = (bwd_gathers - regather) / REGIONS, bwd_scatters / REGIONS
     forward = backward = 0.0
     columns_of = []

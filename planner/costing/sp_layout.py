@@ -48,6 +48,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing import fp8, torchtitan_sac
+from meshplan.planner.costing.communication import regathers
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.overlap import fused_scatter_regions, fused_tp_collectives
 from meshplan.planner.costing.tp_split import is_split
@@ -89,7 +90,7 @@ def copy_bytes(layer: LayerProfile, config: ParallelConfig, act_scale: float) ->
     # the forward's reduce-scatters (each a row Linear's product) fuse wherever the micro-pipeline runs
     fwd = count * (copied * (not fwd_fused) + tensor * (fused is None))
     unfused_scatters = count - (min(count, fused_scatter_regions(layer, config)) if scatters_fuse else 0)
-    regather = copied if config.recompute == "none" else 0.0
+    regather = copied if regathers(config) else 0.0
     bwd = count * (copied + regather) * (not bwd_fused) + unfused_scatters * tensor
     # a fused all-gather returns its gathered tensor sequence-major (`unflatten`'s movedim); the
     # weight gradient it feeds reshapes it into batch-first (tokens, features) rows, a copy in

@@ -11,16 +11,10 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.compute_time import compute_times_s
 from meshplan.planner.costing.device_time import memory_time_s
-from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.costing.overlap import micro_pipeline_pieces, micro_pipeline_reduce_s
 from meshplan.planner.profiling.profiler import profile
 
 SEQ = 8192
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
 
 
 def _block(spec, seq=SEQ):

@@ -27,11 +27,6 @@ SEQ = 4096
 
 
 @pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
-
-
-@pytest.fixture(scope="module")
 def graph():
     return profile("llama3-8b", SEQ)
 

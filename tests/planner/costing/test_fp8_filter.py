@@ -19,18 +19,12 @@ from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.fp8_advice import slower_in_fp8
 from meshplan.planner.costing.fp8_advice import filter_problem
 from meshplan.planner.costing.fp8_filter import _choices, fp8_linears, linear_roles
-from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.engines.bridge import read_engine_text
 from meshplan.planner.profiling.profiler import profile
 from meshplan.planner.simulation.estimator import estimate
 
 SEQ = 4096
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-@pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
 
 
 def _config(engine="torchtitan", recipe="rowwise", names=(), tp=1, **more):

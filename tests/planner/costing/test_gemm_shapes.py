@@ -13,11 +13,6 @@ from meshplan.planner.costing.hardware import load_cluster
 from meshplan.planner.profiling.profiler import profile
 
 
-@pytest.fixture(scope="module")
-def h100():
-    return load_cluster("h100-sxm")
-
-
 def test_wave_quantisation_counts_the_partly_filled_last_wave():
     # 132 SMs: 264 tiles of 128x256 fill two waves exactly
     assert gemm.wave_efficiency(128 * 12, 256 * 22, 132) == pytest.approx(1.0)
