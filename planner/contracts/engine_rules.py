@@ -8,6 +8,13 @@ MOE_SP_ENGINES = ("megatron",)
 # Engines whose tensor parallelism always shards the sequence around the norms (torchtitan's TP plans:
 # SequenceParallel on the norms, the embedding's output Shard(1); no option turns it off).
 TP_SP_ENGINES = ("torchtitan",)
+# Engines whose column-parallel Linears keep their sequence-parallel input all-gathered whole for the
+# weight gradients: DTensor's ColwiseParallel matmul saves the tensor its input redistribution (or torch's
+# fused all-gather matmul under async TP) gathered, so a block without recomputation gathers nothing again
+# in backward (torchtitan's TP plans; its memory rule keeps that input, `costing.engine_memory`).
+# Megatron-LM keeps the sequence shard and all-gathers it again beside the input-gradient GEMM
+# (`LinearWithGradAccumulationAndAsyncCommunication.backward`), and so does meshplan's executor.
+GATHERED_INPUT_ENGINES = ("torchtitan",)
 # Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
 A2A_OVERLAP_ENGINES = ("megatron",)
 # Megatron-Core's cross-entropy kernels (`ParallelConfig.cross_entropy_fusion`): "none", its unfused

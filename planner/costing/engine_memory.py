@@ -57,6 +57,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
+from meshplan.planner.contracts.engine_rules import GATHERED_INPUT_ENGINES
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
@@ -347,8 +348,9 @@ def _block_per_token(layer: LayerProfile, config: ParallelConfig, info: ModelInf
     h, hq, hkv, heads = _shape(info)
     f, gated = _mlp_width(layer, info)
     router = 4.0 * info.num_experts if layer.expert_params else 0.0  # fp32 router logits, replicated
-    # torchtitan: norms sequence-sharded, their outputs gathered whole for the column Linears
-    gathered = 2 * b * h if t > 1 else 0.0
+    # torchtitan: norms sequence-sharded, their outputs gathered whole for the column Linears, which keep
+    # them so (`GATHERED_INPUT_ENGINES`: the rule by which its backward gathers nothing again)
+    gathered = 2 * b * h if t > 1 and config.engine in GATHERED_INPUT_ENGINES else 0.0
     norms = 2 * b * h / t + (0.0 if t > 1 else 2 * b * h) + router
     attention_bytes = (5 * b * hq + 4.0 * heads) / t
     mlp = (4 if gated else 2) * b * f / t  # w1, w3 outputs, silu output, w2 input (GELU: fc1 output, fc2 input)

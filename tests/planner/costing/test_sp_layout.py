@@ -49,9 +49,11 @@ def test_torch_re_concatenates_a_sequence_gather_by_copy_unless_one_sequence(bat
 
 
 def test_a_blocking_tp_block_copies_every_gather_and_scatter_both_ways():
-    """Two regions a pass: forward 2 gathers + 2 scatters; backward 2 + 2 and the kept shards'
-    2 regathers; each copy reads and writes its tensor."""
-    assert sp_layout.copy_bytes(BLOCK, _config(), 1.0) == (8 * TENSOR, 12 * TENSOR, 0.0)
+    """Two regions a pass: forward 2 gathers + 2 scatters; backward 2 + 2, and under meshplan's
+    executor, which keeps the sequence shards, their 2 regathers (torchtitan's Linears keep the
+    gathered input: none); each copy reads and writes its tensor."""
+    assert sp_layout.copy_bytes(BLOCK, _config(), 1.0) == (8 * TENSOR, 8 * TENSOR, 0.0)
+    assert sp_layout.copy_bytes(BLOCK, _config(engine="meshplan"), 1.0) == (8 * TENSOR, 12 * TENSOR, 0.0)
     full = sp_layout.copy_bytes(BLOCK, _config(recompute="full"), 1.0)
     assert full == (8 * TENSOR, 8 * TENSOR, 8 * TENSOR)  # the rerun forward copies again
     sac = sp_layout.copy_bytes(BLOCK, _config(recompute="selective"), 1.0)
@@ -60,12 +62,12 @@ def test_a_blocking_tp_block_copies_every_gather_and_scatter_both_ways():
 
 def test_float8_tp_gathers_copy_fp8_and_one_sequence_skips_the_gathers_cat_where_torch_views_it():
     fp8 = _config(precision="fp8", fp8_recipe="tensorwise")
-    assert sp_layout.copy_bytes(BLOCK, fp8, 1.0) == (6 * TENSOR, 8 * TENSOR, 0.0)  # gathers at 1 byte a value
+    assert sp_layout.copy_bytes(BLOCK, fp8, 1.0) == (6 * TENSOR, 6 * TENSOR, 0.0)  # gathers at 1 byte a value
     one = TENSOR / 2
     assert sp_layout.copy_bytes(BLOCK, _config(engine="meshplan", microbatch_size=1, global_batch=2), 1.0) == \
         (4 * one, 4 * one, 0.0)  # the scatters' copies only
     assert sp_layout.copy_bytes(BLOCK, _config(microbatch_size=1, global_batch=2), 1.0) == \
-        (8 * one, 12 * one, 0.0)  # torchtitan's torch 2.6-2.9 cats at every micro-batch
+        (8 * one, 8 * one, 0.0)  # torchtitan's torch 2.6-2.9 cats at every micro-batch
 
 
 def test_async_tp_fuses_the_cats_away_but_its_gathered_tensors_are_copied_for_the_weight_gradients():
@@ -97,3 +99,32 @@ def test_layer_cost_charges_the_copies_to_the_compute_stream(recompute):
     assert cost.fwd_compute_s - without.fwd_compute_s == pytest.approx(fwd, rel=1e-9)
     assert cost.bwd_compute_s - without.bwd_compute_s == pytest.approx(bwd, rel=1e-9)
     assert cost.recompute_s - without.recompute_s == pytest.approx(rerun, abs=1e-15)
+
+
+def test_what_the_backward_gathers_again_is_what_the_memory_no_longer_keeps(monkeypatch):
+    """One rule (`engine_rules.GATHERED_INPUT_ENGINES`) for time and memory. torchtitan's Linears keep
+    their gathered inputs, so without recomputation its backward gathers nothing again (backward
+    gathers: the row Linears' output gradients, as many as forward's); were it to keep the sequence
+    shards, as Megatron-LM and meshplan's executor do, it would save exactly the two gathered
+    (2, 4096, 4096) bf16 inputs less and gather each again in backward (4 gathers). Exact: the same
+    terms; 1e-12 relative for the sums of seconds."""
+    from meshplan.planner.costing import communication, engine_memory
+    from meshplan.planner.costing.communication import regathers, tp_comm_parts_s
+
+    config = _config()
+    assert not regathers(config) and not regathers(_config(recompute="full"))
+    assert regathers(_config(engine="meshplan")) and regathers(_config(engine="megatron"))
+    (gathers, _), (bwd_gathers, _) = tp_comm_parts_s(BLOCK, config, H100, 1.0)
+    assert bwd_gathers == pytest.approx(gathers, rel=1e-12)
+
+    def cost():
+        return layer_cost(BLOCK, config, H100, GRAPH.info, profile_dtype=GRAPH.dtype, attention="sdpa-flash")
+
+    kept = cost()
+    monkeypatch.setattr(communication, "GATHERED_INPUT_ENGINES", ())
+    monkeypatch.setattr(engine_memory, "GATHERED_INPUT_ENGINES", ())
+    sharded = cost()
+    assert kept.activation_bytes - sharded.activation_bytes == 2 * TENSOR
+    (gathers, _), (bwd_gathers, _) = tp_comm_parts_s(BLOCK, config, H100, 1.0)
+    assert bwd_gathers == pytest.approx(2 * gathers, rel=1e-12)
+    assert sharded.tp_bwd_comm_s - kept.tp_bwd_comm_s == pytest.approx(gathers, rel=1e-12)

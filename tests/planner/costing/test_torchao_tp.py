@@ -42,8 +42,11 @@ def test_tensorwise_under_torchtitan_gathers_fp8_and_scatters_bf16(llama, h100):
     assert gather == pytest.approx(2 * all_gather_time_s(size / 2, 8, link))
     assert scatter == bwd_scatter == pytest.approx(2 * reduce_scatter_time_s(size, 8, link))
     assert bwd_gather == pytest.approx(gather)  # the row Linears' output gradients, cast before the gather
-    kept = tp_comm_parts_s(block, fp8_config("tensorwise"), h100, 1.0)  # no recomputation: the inputs regathered
-    assert kept[1][0] == pytest.approx(2 * gather)
+    # no recomputation: torchtitan's Linears keep the gathered inputs, Megatron-LM gathers its shards again
+    assert tp_comm_parts_s(block, fp8_config("tensorwise"), h100, 1.0)[1][0] == pytest.approx(gather)
+    (megatron_gather, _), (megatron_bwd_gather, _) = tp_comm_parts_s(
+        block, fp8_config("tensorwise", engine="megatron"), h100, 1.0)
+    assert megatron_bwd_gather == pytest.approx(2 * megatron_gather)
     for bf16_gathers in (fp8_config("rowwise"), fp8_config("tensorwise", engine="megatron"), config()):
         (gather, _), _ = tp_comm_parts_s(block, bf16_gathers, h100, 1.0)
         assert gather == pytest.approx(2 * all_gather_time_s(size, 8, link))
