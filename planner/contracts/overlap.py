@@ -62,6 +62,9 @@ class EngineOverlap:
     the GEMM is cut into tp pieces, each piece's transfer hidden behind the previous piece's
     product, so one piece (1/tp of the collective), or whatever the GEMMs cannot cover, stays exposed.
     `tp_overlap_pattern`: which of them it can pipeline, one of `TP_OVERLAP_PATTERNS`.
+    `tp_backward_beside_gemms`: without that overlap, a column Linear's backward still runs its two
+    collectives beside its own GEMMs: the kept shard's all-gather beside the input gradient, the input
+    gradient's reduce-scatter (all-reduce without SP) beside the weight gradient (`costing.tp_backward`).
     `grad_overlap_min_zero`: the lowest ZeRO stage whose gradient reduction runs in buckets during
     the backward (0: always; 3: only ZeRO-3); below it the reduction waits for the backward to end.
     `param_gather_prefetch`: ZeRO/FSDP parameter all-gathers issued one unit ahead of the compute
@@ -85,6 +88,7 @@ class EngineOverlap:
     sources: tuple[str, ...]
     ep_a2a_paired: bool = False
     tp_overlap_pattern: str = "userbuffers"
+    tp_backward_beside_gemms: bool = False
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -127,7 +131,8 @@ class EngineOverlap:
 
     def _tp_words(self) -> str:
         if not self.tp_comm_overlap:
-            return "blocking"
+            return ("blocking, but for each column Linear's backward all-gather and reduce-scatter, beside its own "
+                    "GEMMs" if self.tp_backward_beside_gemms else "blocking")
         if self.tp_overlap_pattern == "micro_pipeline":
             return "micro-pipelined with the GEMMs next to it (async TP)"
         return "pipelined with its GEMMs"
@@ -165,6 +170,7 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
         engine="megatron", version="Megatron-Core 0.14 with Transformer Engine, as Megatron-Bridge 25.11's "
                                    "performance recipes configure it",
         tp_comm_overlap=True,            # CommOverlapConfig(tp_comm_overlap=True): needs tp >= 2, SP and TE
+        tp_backward_beside_gemms=True,   # without it: TE's and Megatron-Core's Linear backwards, async_op=True
         grad_overlap_min_zero=0,         # ddp.overlap_grad_reduce=True: one layer's chunk exposed
         param_gather_prefetch=True,      # ddp.overlap_param_gather=True (distributed optimizer)
         pp_p2p_async=True,               # overlap_p2p_comm with virtual stages, batch_p2p_comm without
@@ -177,6 +183,10 @@ ENGINE_OVERLAPS = {overlap.engine: overlap for overlap in (
                  "Megatron-Bridge docs/performance-guide.md; Megatron-Core DistributedDataParallelConfig "
                  "(overlap_grad_reduce, overlap_param_gather)",
                  "Transformer Engine attention.py AttnFuncWithCPAndKVP2P (cp_comm_type='p2p')",
+                 "Transformer Engine pytorch/module/layernorm_linear.py, layernorm_mlp.py, linear.py (backward: "
+                 "'Tensor-parallel communication is overlapped with dgrad GEMM', the input gradient's "
+                 "reduce_scatter_along_first_dim / allreduce with async_op=True before the wgrad GEMM) and "
+                 "Megatron-Core tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication.backward",
                  "Megatron-LM megatron/core/optimizer/distrib_optimizer.py (overlap_param_gather: the first "
                  "bucket's all-gather dispatched after step(), each next one from the forward pre-hook that "
                  "waits on its predecessor) and megatron/core/pipeline_parallel/schedules.py (no_sync for all "

@@ -42,19 +42,19 @@ REGIONS = 2
 ATTENTION_LINEARS = 4
 
 
-def _gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, cluster: ClusterProfile,
-                  shapes: tuple, tokens: float, profile_dtype: str) -> list[tuple[float, float]]:
-    """(forward, input-gradient) seconds of each Linear's GEMMs on one rank, in the row chunks the
-    micro-pipeline runs them as and in the dtype each runs in."""
-    pieces = micro_pipeline_pieces(layer, config, shapes)
+def block_gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, cluster: ClusterProfile,
+                       shapes: tuple, tokens: float, profile_dtype: str) -> list[tuple[float, float, float]]:
+    """(forward, input-gradient, weight-gradient) seconds of each of a block's Linears `shapes` on one
+    rank (`gemm.linear_gemms_s`), in the dtype each runs in and, under torch's micro-pipeline, in the
+    row chunks it runs them as (`overlap.micro_pipeline_pieces`)."""
+    pieces = micro_pipeline_pieces(layer, config, shapes) or ((1, 1),) * len(shapes)
     in_fp8 = (fp8_linears(layer, info, config, profile_dtype).in_fp8
               if fp8.is_fp8(config.precision) and fp8.converts(layer) else (False,) * len(shapes))
     scale_block = fp8.recipe_of(config).scale_block if fp8.is_fp8(config.precision) else 0
     times = []
     for shape, chunks, on in zip(shapes, pieces, in_fp8):
         dtype, block = ("fp8", scale_block) if on else ("bf16", 0)
-        fwd_s, dgrad_s, _ = gemm.linear_gemms_s(shape, tokens, config.tp, cluster, dtype, block, chunks)
-        times.append((fwd_s, dgrad_s))
+        times.append(gemm.linear_gemms_s(shape, tokens, config.tp, cluster, dtype, block, chunks))
     return times
 
 
@@ -76,7 +76,7 @@ def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
         return None
     fwd_gather, bwd_gather, bwd_scatter = fused
     tp = config.tp
-    times = _gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
+    times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
     regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))
     (gathers, scatters), (bwd_gathers, bwd_scatters) = parts
     gather, scatter = gathers / REGIONS, scatters / REGIONS

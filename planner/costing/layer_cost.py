@@ -16,7 +16,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import CONFIG_FIELDS, EXECUTOR_MEMORY_ENGINES, ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import (context_parallel, expert_parallel, fixed_costs, fp8_amax, fp8_memory, fused_tp,
-                                      module_recompute, offload, overlap, sp_layout, torchtitan_sac)
+                                      module_recompute, offload, overlap, sp_layout, torchtitan_sac, tp_backward)
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.collectives import all_reduce_time_s
 from meshplan.planner.costing.communication import dp_comm_s, tp_comm_parts_s
@@ -270,7 +270,10 @@ def _pass_times_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterP
     fused = fused_tp.exposed_fused_s(layer, config, cluster, info, parts, profile_dtype)
     if fused is None:
         tp_fwd_s = overlap.exposed_tp_comm_s(sum(parts[0]), fwd_s, layer.kind, config, unpipelined_fwd_s)
-        tp_bwd_s = overlap.exposed_tp_comm_s(sum(parts[1]), bwd_s, layer.kind, config, unpipelined_bwd_s)
+        # Megatron-Core without a TP overlap: the column Linears' backward collectives beside their GEMMs
+        beside = tp_backward.exposed_backward_s(layer, config, cluster, info, parts, profile_dtype)
+        tp_bwd_s = (overlap.exposed_tp_comm_s(sum(parts[1]), bwd_s, layer.kind, config, unpipelined_bwd_s)
+                    if beside is None else beside)
     else:  # torch's fused collective-matmuls, each beside its own matmuls (`fused_tp`)
         tp_fwd_s, tp_bwd_s = unpipelined_fwd_s + fused[0], unpipelined_bwd_s + fused[1]
     if is_split(layer, tp):  # DTensor dispatch around the parallel Linears, every pass (planner.costing.fixed_costs)
