@@ -15,6 +15,12 @@ TP_SP_ENGINES = ("torchtitan",)
 # Megatron-LM keeps the sequence shard and all-gathers it again beside the input-gradient GEMM
 # (`LinearWithGradAccumulationAndAsyncCommunication.backward`), and so does meshplan's executor.
 GATHERED_INPUT_ENGINES = ("torchtitan",)
+# Engines whose column Linears keep the sequence shard and gather it again for the weight gradients in
+# every backward, a recomputed block's too: Transformer Engine's Linears save the shard whenever SP is on
+# (`ln_out_needs_gather`), in a recomputation's rerun forward as in the first, and so do Megatron-Core's own
+# (`LinearWithGradAccumulationAndAsyncCommunication`). Elsewhere a recomputed block gathers its input in the
+# rerun and keeps it.
+SHARD_REGATHER_ENGINES = ("megatron",)
 # Engines with an expert all-to-all overlap schedule (Megatron-Core's combined 1F1B).
 A2A_OVERLAP_ENGINES = ("megatron",)
 # Megatron-Core's cross-entropy kernels (`ParallelConfig.cross_entropy_fusion`): "none", its unfused

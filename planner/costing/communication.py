@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.engine_rules import GATHERED_INPUT_ENGINES
+from meshplan.planner.contracts.engine_rules import GATHERED_INPUT_ENGINES, SHARD_REGATHER_ENGINES
 from meshplan.planner.contracts.graph import LayerProfile
 from meshplan.planner.costing import fp8
 from meshplan.planner.costing.collectives import (all_gather_time_s, all_reduce_time_s, collective_time_s,
@@ -21,9 +21,12 @@ DDP_BUCKET_BYTES = 25 * 2**20
 
 def regathers(config: ParallelConfig) -> bool:
     """Whether a sequence-parallel block's backward all-gathers each region's input once more: it
-    kept only its shard for the weight gradients, with no recomputation to gather it again. Not
-    under an engine whose Linears keep the gathered input itself (`GATHERED_INPUT_ENGINES`)."""
-    return config.recompute == "none" and config.engine not in GATHERED_INPUT_ENGINES
+    kept only its shard for the weight gradients, with no recomputation to gather it again, or under
+    an engine whose Linears keep the shard whatever reran (`SHARD_REGATHER_ENGINES`). Never under an
+    engine whose Linears keep the gathered input itself (`GATHERED_INPUT_ENGINES`)."""
+    if config.engine in GATHERED_INPUT_ENGINES:
+        return False
+    return config.recompute == "none" or config.engine in SHARD_REGATHER_ENGINES
 
 
 def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,

@@ -7,9 +7,9 @@ stream, except the two of each column Linear's backward. Transformer Engine's Li
 communication is overlapped with dgrad GEMM") and Megatron-Core's own
 `LinearWithGradAccumulationAndAsyncCommunication.backward` launch them with `async_op=True`:
 
-- the all-gather of the kept sequence shard, the weight gradient's input (a block without
-  recomputation, `communication.regathers`), runs beside the input-gradient GEMM and is waited on
-  before the weight-gradient GEMM;
+- the all-gather of the kept sequence shard, the weight gradient's input (in every backward, a
+  recomputed block's too: `communication.regathers`), runs beside the input-gradient GEMM and is
+  waited on before the weight-gradient GEMM;
 - the input gradient's reduce-scatter (all-reduce without sequence parallelism) runs beside the
   weight-gradient GEMM.
 

@@ -54,23 +54,35 @@ def test_each_column_collective_exposes_what_its_gemm_does_not_cover(llama, h100
     assert cost.tp_bwd_comm_s < sum(tp_comm_parts_s(block, megatron(), h100, 1.0)[1])
 
 
-def test_recomputation_drops_the_regather_and_sequence_parallelism_off_overlaps_the_all_reduces(llama, h100):
-    """Full recomputation gathers nothing again (only the scatters sit beside the weight gradients,
-    and the rerun forward blocks once more); without SP each region's input-gradient all-reduce runs
-    beside its weight gradients (Transformer Engine's `allreduce(..., async_op=True)`)."""
+def test_a_recomputed_block_still_regathers_and_sequence_parallelism_off_overlaps_the_all_reduces(llama, h100):
+    """Under full recomputation Transformer Engine's rerun forward saves the sequence shard again, so
+    the backward regathers as without it (beside the input gradients), and the rerun forward's
+    collectives block once more; without SP each region's input-gradient all-reduce runs beside its
+    weight gradients (Transformer Engine's `allreduce(..., async_op=True)`)."""
     block, info = llama
     tokens, size = 8192, block.output_bytes
     link = h100.link_for_group(TP, 1)
     gather, scatter = all_gather_time_s(size, TP, link), reduce_scatter_time_s(size, TP, link)
-    wgrads = [_column_gemms_s(region, tokens, h100)[1] for region in COLUMNS]
+    gemms = [_column_gemms_s(region, tokens, h100) for region in COLUMNS]
     full = layer_cost(block, megatron(recompute="full"), h100, info)
     rerun = 2 * gather + 2 * scatter
-    assert full.tp_bwd_comm_s == pytest.approx(2 * gather + sum(max(0.0, scatter - w) for w in wgrads) + rerun,
-                                               rel=1e-12)
+    beside = sum(max(0.0, gather - dgrad) + max(0.0, scatter - wgrad) for dgrad, wgrad in gemms)
+    assert full.tp_bwd_comm_s == pytest.approx(2 * gather + beside + rerun, rel=1e-12)
     reduce = all_reduce_time_s(size, TP, link)
     no_sp = layer_cost(block, megatron(sp=False), h100, info)
-    assert no_sp.tp_bwd_comm_s == pytest.approx(sum(max(0.0, reduce - w) for w in wgrads), rel=1e-12)
+    assert no_sp.tp_bwd_comm_s == pytest.approx(sum(max(0.0, reduce - wgrad) for _, wgrad in gemms), rel=1e-12)
     assert no_sp.tp_fwd_comm_s == pytest.approx(2 * reduce, rel=1e-12)
+
+
+def test_which_engines_gather_a_kept_shard_again():
+    """Megatron's Linears keep the shard in every forward, a recomputed one's too; torchtitan's keep
+    the gathered input; meshplan's executor keeps the shard, and a recomputed block its rerun's gather."""
+    from meshplan.planner.costing.communication import regathers
+
+    for recompute in ("none", "selective", "full"):
+        assert regathers(megatron(recompute=recompute))
+        assert not regathers(megatron(engine="torchtitan", tp_comm_overlap=None, recompute=recompute))
+        assert regathers(megatron(engine="meshplan", tp_comm_overlap=None, recompute=recompute)) == (recompute == "none")
 
 
 def test_only_megatron_without_its_overlap(llama, h100):
