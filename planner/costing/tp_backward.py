@@ -20,9 +20,9 @@ gradient and blocks, as do the forward's collectives. Megatron-Core fuses a regi
 (linear_qkv, linear_fc1), so a region's GEMM is its column shapes' together
 (`gemm.block_linear_shapes`, each in its dtype: `fused_tp.block_gemm_times_s`). A MoE block's regions
 are its dense part's (`expert_parallel.moe_tp_regions`: attention, and its shared experts if it has
-them; the routed experts take no TP collective). Blocks whose shapes meshplan does not know (traced
-layers) keep the blocking rule. The compute beside the collectives is not slowed, as under the other
-TP and data-parallel overlaps.
+them; the routed experts take no TP collective). Blocks whose shapes meshplan does not know
+(multi-head latent attention, traced layers) keep the blocking rule. The compute beside the
+collectives is not slowed, as under the other TP and data-parallel overlaps.
 """
 from __future__ import annotations
 
