@@ -42,6 +42,16 @@ REGIONS = 2
 ATTENTION_LINEARS = 4
 
 
+def block_regions(shapes: tuple, num_regions: int) -> tuple[range, ...] | None:
+    """A block's `num_regions` TP regions over its Linear `shapes` (`gemm.block_linear_shapes`):
+    attention's, then the MLP's (a MoE block's dense part: its shared experts'); None where the shapes
+    do not make that many, each with a column Linear."""
+    if len(shapes) < ATTENTION_LINEARS or not 0 < num_regions <= REGIONS:
+        return None
+    regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))[:num_regions]
+    return regions if all(any(shapes[i][2] for i in region) for region in regions) else None
+
+
 def block_gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, cluster: ClusterProfile,
                        shapes: tuple, tokens: float, profile_dtype: str) -> list[tuple[float, float, float]]:
     """(forward, input-gradient, weight-gradient) seconds of each of a block's Linears `shapes` on one
@@ -72,12 +82,12 @@ def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
         return None
     seq = infer_seq(layer, info, profile_dtype)
     shapes = gemm.block_linear_shapes(layer, info, seq)
-    if len(shapes) <= ATTENTION_LINEARS:
+    regions = block_regions(shapes, REGIONS)
+    if regions is None:
         return None
     fwd_gather, bwd_gather, bwd_scatter = fused
     tp = config.tp
     times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
-    regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))
     (gathers, scatters), (bwd_gathers, bwd_scatters) = parts
     gather, scatter = gathers / REGIONS, scatters / REGIONS
     regather = gathers if regathers(config) else 0.0  # blocking, whole (`tp_comm_parts_s` counts it in)

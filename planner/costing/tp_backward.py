@@ -32,25 +32,17 @@ from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
 from meshplan.planner.costing.communication import regathers
 from meshplan.planner.costing.device_time import infer_seq
-from meshplan.planner.costing.fused_tp import ATTENTION_LINEARS, REGIONS, block_gemm_times_s
+from meshplan.planner.costing.fused_tp import block_gemm_times_s, block_regions
 from meshplan.planner.costing.overlap import overlap_of
 
 
 def applies(layer: LayerProfile, config: ParallelConfig) -> bool:
     """Whether the engine runs this block's backward column collectives beside their GEMMs: its
     record says so (`EngineOverlap.tp_backward_beside_gemms`) and no TP overlap pipelines them."""
+    if config.tp < 2 or layer.tp_split.kind != "block" or not layer.tp_split.num_allreduce_per_pass:
+        return False  # the cheap tests first: this runs for every layer a cost table prices
     overlap = overlap_of(config)
-    return (overlap.tp_backward_beside_gemms and not overlap.tp_comm_overlap and config.tp > 1
-            and layer.tp_split.kind == "block" and layer.tp_split.num_allreduce_per_pass > 0)
-
-
-def _regions(shapes: tuple, num_regions: int) -> tuple[range, ...] | None:
-    """The block's TP regions over its Linear `shapes`: attention's, then the MLP's (a MoE block's
-    dense part: its shared experts', if any); None where the shapes do not make that many."""
-    if len(shapes) < ATTENTION_LINEARS or num_regions > REGIONS:
-        return None
-    regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))[:num_regions]
-    return regions if all(any(shapes[i][2] for i in region) for region in regions) else None
+    return overlap.tp_backward_beside_gemms and not overlap.tp_comm_overlap
 
 
 def exposed_backward_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile, info: ModelInfo,
@@ -64,7 +56,7 @@ def exposed_backward_s(layer: LayerProfile, config: ParallelConfig, cluster: Clu
     seq = infer_seq(layer, info, profile_dtype)
     shapes = gemm.block_linear_shapes(layer, info, seq)
     count = layer.tp_split.num_allreduce_per_pass
-    regions = _regions(shapes, count)
+    regions = block_regions(shapes, count)
     if regions is None:
         return None
     times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)

@@ -10,6 +10,7 @@ from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.costing import tp_backward
 from meshplan.planner.costing.collectives import all_gather_time_s, all_reduce_time_s, reduce_scatter_time_s
 from meshplan.planner.costing.communication import tp_comm_parts_s
+from meshplan.planner.costing.fused_tp import block_regions
 from meshplan.planner.costing.gemm import gemm_time_s
 from meshplan.planner.costing.layer_cost import layer_cost
 from meshplan.planner.profiling.profiler import profile
@@ -116,5 +117,5 @@ def test_a_moe_block_s_attention_region_alone_and_unknown_shapes_block(h100):
     expected = gather + max(0.0, gather - dgrad) + max(0.0, scatter - wgrad)
     assert layer_cost(block, config, h100, graph.info).tp_bwd_comm_s == pytest.approx(expected, rel=1e-12)
     assert expected < sum(tp_comm_parts_s(dense, config, h100, 1.0)[1])
-    assert tp_backward._regions((), 2) is None
-    assert tp_backward._regions(((512, 512, True),) * 3 + ((512, 512, False),), 2) is None  # no MLP region
+    assert block_regions((), 2) is None
+    assert block_regions(((512, 512, True),) * 3 + ((512, 512, False),), 2) is None  # no MLP region
