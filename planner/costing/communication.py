@@ -29,6 +29,13 @@ def regathers(config: ParallelConfig) -> bool:
     return config.recompute == "none" or config.engine in SHARD_REGATHER_ENGINES
 
 
+def regather_s(gathers_s: float, config: ParallelConfig) -> float:
+    """Seconds of a block's backward regathers (`regathers`): each moves what its region's forward
+    all-gather moved, so `gathers_s`, the forward's, or nothing. The one rule `tp_comm_parts_s` adds
+    into the backward gathers and `fused_tp` and `tp_backward` take back out of them."""
+    return gathers_s if regathers(config) else 0.0
+
+
 def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: ClusterProfile,
                     act_scale: float) -> tuple[tuple[float, float], tuple[float, float]]:
     """((forward gathers, forward scatters), (backward gathers, backward scatters)) seconds of one
@@ -58,7 +65,7 @@ def tp_comm_parts_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
             return (0.0, one), (0.0, one)
         gather = count * all_gather_time_s(size * fp8.tp_gather_bytes_share(layer, config), tp, link)
         scatter = count * reduce_scatter_time_s(size, tp, link)
-        regather = gather if regathers(config) else 0.0  # the kept shard, for the weight gradients
+        regather = regather_s(gather, config)  # the kept shard, for the weight gradients
         return (gather, scatter), (gather + regather, scatter)
     if layer.kind == "embedding":
         size = layer.output_bytes * mbs * act_scale

@@ -32,7 +32,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import fp8, gemm
-from meshplan.planner.costing.communication import regathers
+from meshplan.planner.costing.communication import regather_s
 from meshplan.planner.costing.device_time import infer_seq
 from meshplan.planner.costing.fp8_filter import fp8_linears
 from meshplan.planner.costing.overlap import fused_scatter_regions, fused_tp_collectives, micro_pipeline_pieces
@@ -90,7 +90,7 @@ def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
     (gathers, scatters), (bwd_gathers, bwd_scatters) = parts
     gather, scatter = gathers / REGIONS, scatters / REGIONS
-    regather = gathers if regathers(config) else 0.0  # blocking, whole (`tp_comm_parts_s` counts it in)
+    regather = regather_s(gathers, config)  # blocking, whole (`tp_comm_parts_s` counts it in)
     bwd_gather, bwd_scatter_one = (bwd_gathers - regather) / REGIONS, bwd_scatters / REGIONS
     forward = backward = 0.0
     columns_of = []

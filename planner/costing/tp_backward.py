@@ -30,7 +30,7 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
-from meshplan.planner.costing.communication import regathers
+from meshplan.planner.costing.communication import regather_s
 from meshplan.planner.costing.device_time import infer_seq
 from meshplan.planner.costing.fused_tp import block_gemm_times_s, block_regions
 from meshplan.planner.costing.overlap import overlap_of
@@ -61,7 +61,7 @@ def exposed_backward_s(layer: LayerProfile, config: ParallelConfig, cluster: Clu
         return None
     times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
     (gathers, _), (bwd_gathers, bwd_scatters) = parts
-    regather = gathers / count if regathers(config) else 0.0
+    regather = regather_s(gathers, config) / count  # a region's
     scatter = bwd_scatters / count
     exposed = bwd_gathers - count * regather  # the row Linears' output-gradient gathers
     for region in regions:
