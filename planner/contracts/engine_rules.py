@@ -55,6 +55,14 @@ VOCAB_PARALLEL_ENGINES = ("megatron", "torchtitan")
 # fused with the ops before them (`costing.fp8.cast_times_s`), and a Llama block's elementwise kernels by
 # the fused rule, not counted op by op as eagerly (`costing.eager_kernels`).
 COMPILE_ENGINES = ("torchtitan",)
+# Engines whose weight-gradient GEMMs accumulate into the gradient buffer in place: Megatron-Core's
+# `gradient_accumulation_fusion` (on unless --no-gradient-accumulation-fusion) hands each Linear's
+# `main_grad` to the GEMM as its output with beta = 1 (`wgrad_gemm_accum_fp32` / `_fp16` in
+# `LinearWithGradAccumulationAndAsyncCommunication.backward`; Transformer Engine's Linear and
+# GroupedLinear under `fuse_wgrad_accumulation`, Megatron-FSDP's `_wgrad_gemm`), so every micro-batch's
+# weight-gradient GEMM reads and writes the buffer in its dtype (`grad_buffer_bytes`). Elsewhere autograd
+# writes the weight gradient once as a new tensor in the compute dtype.
+WGRAD_ACCUMULATING_ENGINES = ("megatron",)
 
 
 def early_stop_default(engine: str) -> bool:
@@ -193,3 +201,20 @@ def compile_problem(engine: str, torch_compile: bool) -> str | None:
         return (f"torch.compile (--compile) is torchtitan's training.compile; under engine {engine} meshplan "
                 f"does not price it: use --engine {' or '.join(COMPILE_ENGINES)}, or leave --compile out")
     return None
+
+
+def grad_buffer_bytes(precision: str, grad_reduce_in_bf16: bool) -> float:
+    """Bytes per element of Megatron-Core's gradient buffer (`main_grad`): fp32, because Megatron-LM
+    accumulates and reduces bf16 training's gradients in fp32 (arguments.py sets
+    accumulate_allreduce_grads_in_fp32 for fp32 main grads), unless `--grad-reduce-in-bf16` makes it the
+    parameters' bf16 (`grad_reduce_in_bf16`); fp32 training keeps fp32."""
+    return 2.0 if grad_reduce_in_bf16 and precision != "fp32" else 4.0
+
+
+def wgrad_accumulator_bytes(config) -> float:
+    """Bytes per element of the buffer a weight-gradient GEMM reads and writes under `config`'s engine
+    (`WGRAD_ACCUMULATING_ENGINES`: the gradient buffer, `grad_buffer_bytes`); 0 where the GEMM writes a
+    new gradient once in its output dtype."""
+    if config is None or config.engine not in WGRAD_ACCUMULATING_ENGINES:
+        return 0.0
+    return grad_buffer_bytes(config.precision, config.grad_reduce_in_bf16)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from meshplan.planner.contracts.attention import is_fused
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
-from meshplan.planner.contracts.engine_rules import early_stop_of, runs_compiled
+from meshplan.planner.contracts.engine_rules import early_stop_of, runs_compiled, wgrad_accumulator_bytes
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import (attention_kernels, eager_kernels, fp8, gemm, loss_kernels, overlap,
                                       torchtitan_sac)
@@ -215,7 +215,8 @@ def _bf16_gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterPro
     tokens = mbs * seq
     linear_fwd = gemm.linear_flops(shapes, tokens, shard)
     pieces = overlap.micro_pipeline_pieces(layer, config, shapes) if config is not None else None
-    linear_fwd_s, linear_bwd_s = gemm.linear_times_s(shapes, tokens, shard, cluster, dtype, pieces=pieces)
+    linear_fwd_s, linear_bwd_s = gemm.linear_times_s(shapes, tokens, shard, cluster, dtype, pieces=pieces,
+                                                      wgrad_accumulate_bytes=wgrad_accumulator_bytes(config))
     if pieces:
         reduce_fwd_s, reduce_bwd_s = overlap.micro_pipeline_reduce_s(layer, config, shapes, tokens, cluster)
         linear_fwd_s, linear_bwd_s = linear_fwd_s + reduce_fwd_s, linear_bwd_s + reduce_bwd_s

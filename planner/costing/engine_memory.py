@@ -57,7 +57,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from meshplan.planner.contracts.config import EXECUTOR_MEMORY_ENGINES, ParallelConfig
-from meshplan.planner.contracts.engine_rules import GATHERED_INPUT_ENGINES
+from meshplan.planner.contracts.engine_rules import GATHERED_INPUT_ENGINES, grad_buffer_bytes
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing.activation_memory import activation_bytes
 from meshplan.planner.costing.device_time import DTYPE_BYTES
@@ -181,7 +181,8 @@ def engine_state_bytes(engine: str, num_params: float, ranks: int, zero: int, pr
 
     wide = precision == "fp32"
     if engine == "megatron":
-        param, grad, optimizer = (4.0, 4.0, 8.0) if wide else (2.0, 2.0 if grad_reduce_in_bf16 else 4.0, 12.0)
+        grad = grad_buffer_bytes(precision, grad_reduce_in_bf16)
+        param, optimizer = (4.0, 8.0) if wide else (2.0, 12.0)
         return {"params": num_params * param / (ranks if zero >= 3 else 1),
                 "grads": num_params * grad / (ranks if zero >= 2 else 1),
                 "optimizer": num_params * optimizer / (ranks if zero >= 1 else 1)}

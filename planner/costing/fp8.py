@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import FP8_RECIPES, ParallelConfig
-from meshplan.planner.contracts.engine_rules import runs_compiled
+from meshplan.planner.contracts.engine_rules import runs_compiled, wgrad_accumulator_bytes
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import gemm
@@ -428,9 +428,11 @@ def gemm_times_s(layer: LayerProfile, info: ModelInfo, cluster: ClusterProfile, 
         lin_bwd = 2 * lin_fwd
         fp8_pieces, bf16_pieces = ((tuple(p for p, fp8_on in zip(pieces, linears.in_fp8) if fp8_on is want)
                                     for want in (True, False)) if pieces else (None, None))
-        fp8_fwd_s, fp8_bwd_s = gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8", recipe.scale_block, fp8_pieces)
+        accumulate = wgrad_accumulator_bytes(config)  # the engine's gradient buffer, read and written
+        fp8_fwd_s, fp8_bwd_s = gemm.linear_times_s(shapes, tokens, tp, cluster, "fp8", recipe.scale_block, fp8_pieces,
+                                                   accumulate)
         bf16_fwd_s, bf16_bwd_s = gemm.linear_times_s(linears.bf16_shapes, tokens, tp, cluster, "bf16",
-                                                     pieces=bf16_pieces)
+                                                     pieces=bf16_pieces, wgrad_accumulate_bytes=accumulate)
         fp8_fwd_s, fp8_bwd_s = fp8_fwd_s + bf16_fwd_s, fp8_bwd_s + bf16_bwd_s
     else:
         lin_fwd, lin_bwd = (flops * mbs / tp for flops in linear_flops(layer, info, seq))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
+from meshplan.planner.contracts.engine_rules import wgrad_accumulator_bytes
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
 from meshplan.planner.costing import fp8, gemm
 from meshplan.planner.costing.communication import regather_s
@@ -61,10 +62,10 @@ def block_gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelCon
     in_fp8 = (fp8_linears(layer, info, config, profile_dtype).in_fp8
               if fp8.is_fp8(config.precision) and fp8.converts(layer) else (False,) * len(shapes))
     scale_block = fp8.recipe_of(config).scale_block if fp8.is_fp8(config.precision) else 0
-    times = []
+    accumulate, times = wgrad_accumulator_bytes(config), []
     for shape, chunks, on in zip(shapes, pieces, in_fp8):
         dtype, block = ("fp8", scale_block) if on else ("bf16", 0)
-        times.append(gemm.linear_gemms_s(shape, tokens, config.tp, cluster, dtype, block, chunks))
+        times.append(gemm.linear_gemms_s(shape, tokens, config.tp, cluster, dtype, block, chunks, accumulate))
     return times
 
 

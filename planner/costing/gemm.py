@@ -36,7 +36,11 @@ the fitted BF16 efficiency over to `fp8_matmul_efficiency` (`benchmarks/fit_effi
 
 A transformer block's Linears are priced one GEMM at a time from the model's shapes
 (`block_linear_shapes`): forward (tokens x in -> out), the input gradient (tokens x out -> in) and
-the weight gradient (in x tokens -> out) per Linear, each on the rank's tokens and TP shard.
+the weight gradient (in x tokens -> out) per Linear, each on the rank's tokens and TP shard. Where
+the engine fuses gradient accumulation into the weight-gradient GEMM (Megatron-Core's `main_grad`,
+`engine_rules.WGRAD_ACCUMULATING_ENGINES`), that GEMM reads and writes the fp32 (or bf16) buffer, 8
+(or 4) bytes per weight each micro-batch instead of writing 2: on few rows (a routed expert's
+tokens, a small micro-batch) it becomes memory-bound, 2 x rows / 8 FLOPs per byte.
 Times are cached per shape and device: the search prices the same shapes many times.
 """
 from __future__ import annotations
@@ -122,14 +126,19 @@ def _gemm_time_s(m: int, n: int, k: int, in_bytes: float, out_bytes: float, key:
     return max(compute_s, ((m * k + k * n) * in_bytes + m * n * out_bytes) / bandwidth)
 
 
-def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: str, scale_block: int = 0) -> float:
+def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: str, scale_block: int = 0,
+                accumulate_bytes: float = 0.0) -> float:
     """Seconds of one (m x k) @ (k x n) GEMM in `dtype` on the cluster's device (no launch
     overhead: the layer's kernel sequence pays that once). fp8 GEMMs write a bf16 output and
     take `fp8_matmul_efficiency`; `scale_block`: values per 1-byte scale read beside each fp8
-    operand (MXFP8's 32; 0: one scale per tensor or row, nothing to read)."""
+    operand (MXFP8's 32; 0: one scale per tensor or row, nothing to read); `accumulate_bytes`:
+    the GEMM adds its product into an existing C of that many bytes per element (beta = 1), which
+    it reads and writes, instead of writing C once in its output dtype (0)."""
     dims = tuple(max(1, round(d)) for d in (m, n, k))
     in_bytes = DTYPE_BYTES.get(dtype, 2) * (1 + 1 / scale_block if scale_block else 1)
     out_bytes = DTYPE_BYTES["bf16"] if dtype == "fp8" else DTYPE_BYTES.get(dtype, 2)
+    if accumulate_bytes:
+        out_bytes = 2.0 * accumulate_bytes
     return _gemm_time_s(*dims, in_bytes, out_bytes, _device_key(cluster.device, dtype))
 
 
@@ -162,27 +171,30 @@ def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple
 
 
 def linear_gemms_s(shape: tuple[int, int, bool], tokens: float, tp: int, cluster: ClusterProfile, dtype: str,
-                   scale_block: int = 0, pieces: tuple[int, int] = (1, 1)) -> tuple[float, float, float]:
+                   scale_block: int = 0, pieces: tuple[int, int] = (1, 1),
+                   wgrad_accumulate_bytes: float = 0.0) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one Linear `shape` (in, out, column)
     on `tokens` rows of one rank, split `tp` ways (a column Linear on its output, a row Linear on
     its input); `pieces`: how many equal row chunks its forward and its input-gradient GEMM run as
-    (torch's micro-pipelined TP, `overlap.micro_pipeline_pieces`)."""
+    (torch's micro-pipelined TP, `overlap.micro_pipeline_pieces`); `wgrad_accumulate_bytes`: the
+    weight gradient accumulates into a buffer of that many bytes per element
+    (`engine_rules.wgrad_accumulator_bytes`: Megatron-Core's `main_grad`), 0: written once."""
     in_dim, out_dim, column = shape
     in_local, out_local = (in_dim, out_dim / tp) if column else (in_dim / tp, out_dim)
     fwd_n, dgrad_n = pieces
     return (fwd_n * gemm_time_s(tokens / fwd_n, out_local, in_local, cluster, dtype, scale_block),
             dgrad_n * gemm_time_s(tokens / dgrad_n, in_local, out_local, cluster, dtype, scale_block),
-            gemm_time_s(in_local, out_local, tokens, cluster, dtype, scale_block))
+            gemm_time_s(in_local, out_local, tokens, cluster, dtype, scale_block, wgrad_accumulate_bytes))
 
 
 def linear_times_s(shapes, tokens: float, tp: int, cluster: ClusterProfile, dtype: str,
-                   scale_block: int = 0, pieces=None) -> tuple[float, float]:
+                   scale_block: int = 0, pieces=None, wgrad_accumulate_bytes: float = 0.0) -> tuple[float, float]:
     """(forward, backward) seconds of the Linears `shapes` on `tokens` rows of one rank
     (`linear_gemms_s` each; `pieces`, per Linear, or None: one GEMM each)."""
     fwd_s = bwd_s = 0.0
     for index, shape in enumerate(shapes):
         fwd, dgrad, wgrad = linear_gemms_s(shape, tokens, tp, cluster, dtype, scale_block,
-                                           pieces[index] if pieces else (1, 1))
+                                           pieces[index] if pieces else (1, 1), wgrad_accumulate_bytes)
         fwd_s, bwd_s = fwd_s + fwd, bwd_s + dgrad + wgrad
     return fwd_s, bwd_s
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from meshplan.planner.contracts.engine_rules import wgrad_accumulator_bytes
 from meshplan.planner.costing import fp8, gemm
 from meshplan.planner.costing.device_time import compute_time_s, memory_time_s
 
@@ -154,7 +155,8 @@ def grouped_gemm_times_s(layer, config, cluster, info, dtype: str, load: float,
     if rows <= 0:
         return None
     groups = local_experts(config, info)
-    fwd_s, bwd_s = gemm.linear_times_s(shapes, rows, config.expert_tp, cluster, dtype, scale_block)
+    fwd_s, bwd_s = gemm.linear_times_s(shapes, rows, config.expert_tp, cluster, dtype, scale_block,
+                                       wgrad_accumulate_bytes=wgrad_accumulator_bytes(config))
     tail_s = grouped_gemm_tail_s() * (groups - 1) * len(shapes) if cluster.device.num_sms > 0 else 0.0
     overhead_s = cluster.device.kernel_overhead_s
     return groups * fwd_s + tail_s + overhead_s, groups * bwd_s + 2 * tail_s + 2 * overhead_s

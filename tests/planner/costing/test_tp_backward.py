@@ -27,10 +27,12 @@ def megatron(**changes) -> ParallelConfig:
 
 
 def _column_gemms_s(region: str, tokens: int, h100) -> tuple[float, float]:
-    """(input-gradient, weight-gradient) seconds of a region's column Linears at TP 8, by hand."""
+    """(input-gradient, weight-gradient) seconds of a region's column Linears at TP 8, by hand; the
+    weight gradients accumulate into Megatron's fp32 `main_grad` (4 bytes, read and written)."""
     shapes = COLUMNS[region]
     dgrad = sum(gemm_time_s(tokens, in_dim, out_dim / TP, h100, "bf16") for in_dim, out_dim in shapes)
-    wgrad = sum(gemm_time_s(in_dim, out_dim / TP, tokens, h100, "bf16") for in_dim, out_dim in shapes)
+    wgrad = sum(gemm_time_s(in_dim, out_dim / TP, tokens, h100, "bf16", accumulate_bytes=4)
+                for in_dim, out_dim in shapes)
     return dgrad, wgrad
 
 
