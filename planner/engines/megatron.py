@@ -309,6 +309,8 @@ def read_megatron(text: str) -> EngineJob:
     for flag in ("--fp4-format", "--cpu-offloading", "--first-last-layers-bf16"):
         if flag in flags:
             notes.append(f"{flag} {flags[flag] or ''}".rstrip() + ": not modelled by meshplan; priced without it")
+    if "--no-gradient-accumulation-fusion" in flags:  # engine_rules.WGRAD_ACCUMULATING_ENGINES: main_grad in the GEMM
+        notes.append("--no-gradient-accumulation-fusion: not modelled by meshplan; priced with Megatron-LM's fusion")
     return EngineJob(**job, notes=tuple(notes))
 
 

@@ -106,3 +106,13 @@ def test_megatrons_routed_experts_pay_the_fp32_buffer_on_few_rows():
     assert bwd32 - bwd16 == pytest.approx(32 * extra_s, rel=1e-9)
     torchtitan = moe_compute.grouped_gemm_times_s(block, mesh(dp=4, ep=4), H100, graph.info, "bf16", 1.0)
     assert torchtitan == pytest.approx((fwd16, bwd16), rel=1e-12)
+
+
+def test_a_megatron_command_without_the_fusion_is_named_as_priced_with_it():
+    from meshplan.planner.engines.megatron import read_megatron
+
+    args = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 32000 "
+            "--micro-batch-size 1 --global-batch-size 8 --bf16")
+    assert not any("gradient-accumulation" in note for note in read_megatron(args).notes)
+    notes = read_megatron(args + " --no-gradient-accumulation-fusion").notes
+    assert any(note.startswith("--no-gradient-accumulation-fusion: not modelled by meshplan; priced with") for note in notes)
