@@ -40,7 +40,7 @@ the weight gradient (in x tokens -> out) per Linear, each on the rank's tokens a
 the engine fuses gradient accumulation into the weight-gradient GEMM (Megatron-Core's `main_grad`,
 `engine_rules.WGRAD_ACCUMULATING_ENGINES`), that GEMM reads and writes the fp32 (or bf16) buffer, 8
 (or 4) bytes per weight each micro-batch instead of writing 2: on few rows (a routed expert's
-tokens, a small micro-batch) it becomes memory-bound, 2 x rows / 8 FLOPs per byte.
+tokens, a small micro-batch) it becomes memory-bound: about rows / 4 FLOPs a byte in fp32.
 Times are cached per shape and device: the search prices the same shapes many times.
 """
 from __future__ import annotations

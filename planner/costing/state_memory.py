@@ -40,6 +40,7 @@ or not (`communication.dp_comm_s`).
 """
 from __future__ import annotations
 
+from meshplan.planner.contracts.engine_rules import grad_buffer_bytes
 from meshplan.planner.contracts.schedule import schedule_spec
 from meshplan.planner.costing.overlap import grad_reduce_overlaps, pipelined_grad_reduce_blocks
 
@@ -204,7 +205,7 @@ def grad_wire_bytes_per_param(precision: str, recipe: str, bf16_grads: bool = Fa
     DDP buffer, and so the reduce-scatter or all-reduce over it, is in the parameters' bf16)."""
     if recipe == "zero-paper":
         return _paper(precision)[1]
-    return 2.0 if bf16_grads else 4.0
+    return grad_buffer_bytes(precision, bf16_grads)  # fp32 unless Megatron-LM's buffer is bf16
 
 
 def _paper(precision: str) -> tuple[float, float, float]:
