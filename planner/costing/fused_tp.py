@@ -69,6 +69,20 @@ def block_gemm_times_s(layer: LayerProfile, info: ModelInfo, config: ParallelCon
     return times
 
 
+def block_region_gemms(layer: LayerProfile, info: ModelInfo, config: ParallelConfig, cluster: ClusterProfile,
+                       profile_dtype: str, num_regions: int):
+    """(shapes, regions, GEMM times) of a block's Linears on one rank (`gemm.block_linear_shapes`,
+    `block_regions`, `block_gemm_times_s` on the rank's micro-batch tokens): what `exposed_fused_s` and
+    `tp_backward` set their collectives beside; None where the shapes are unknown or make no such regions."""
+    seq = infer_seq(layer, info, profile_dtype)
+    shapes = gemm.block_linear_shapes(layer, info, seq)
+    regions = block_regions(shapes, num_regions)
+    if regions is None:
+        return None
+    return shapes, regions, block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq,
+                                               profile_dtype)
+
+
 def _exposed(comm_s: float, matmul_s: float, tp: int) -> float:
     return max(comm_s / tp, comm_s - matmul_s)
 
@@ -81,14 +95,12 @@ def exposed_fused_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     fused = fused_tp_collectives(layer, config)
     if fused is None or layer.tp_split.num_allreduce_per_pass != REGIONS:
         return None
-    seq = infer_seq(layer, info, profile_dtype)
-    shapes = gemm.block_linear_shapes(layer, info, seq)
-    regions = block_regions(shapes, REGIONS)
-    if regions is None:
+    block = block_region_gemms(layer, info, config, cluster, profile_dtype, REGIONS)
+    if block is None:
         return None
+    shapes, regions, times = block
     fwd_gather, bwd_gather, bwd_scatter = fused
     tp = config.tp
-    times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
     (gathers, scatters), (bwd_gathers, bwd_scatters) = parts
     gather, scatter = gathers / REGIONS, scatters / REGIONS
     regather = regather_s(gathers, config)  # blocking, whole (`tp_comm_parts_s` counts it in)

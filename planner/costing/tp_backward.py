@@ -18,7 +18,7 @@ max(dgrad, gather) + max(wgrad, scatter) where its compute alone takes dgrad + w
 exposes what its GEMM does not cover. A row Linear's output-gradient all-gather feeds its input
 gradient and blocks, as do the forward's collectives. Megatron-Core fuses a region's column Linears
 (linear_qkv, linear_fc1), so a region's GEMM is its column shapes' together
-(`gemm.block_linear_shapes`, each in its dtype: `fused_tp.block_gemm_times_s`). A MoE block's regions
+(`gemm.block_linear_shapes`, each in its dtype: `fused_tp.block_region_gemms`). A MoE block's regions
 are its dense part's (`expert_parallel.moe_tp_regions`: attention, and its shared experts if it has
 them; the routed experts take no TP collective). Blocks whose shapes meshplan does not know
 (multi-head latent attention, traced layers) keep the blocking rule. The compute beside the
@@ -29,10 +29,8 @@ from __future__ import annotations
 from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import gemm
 from meshplan.planner.costing.communication import regather_s
-from meshplan.planner.costing.device_time import infer_seq
-from meshplan.planner.costing.fused_tp import block_gemm_times_s, block_regions
+from meshplan.planner.costing.fused_tp import block_region_gemms
 from meshplan.planner.costing.overlap import overlap_of
 
 
@@ -53,13 +51,11 @@ def exposed_backward_s(layer: LayerProfile, config: ParallelConfig, cluster: Clu
     apply or the block's shapes are unknown."""
     if not applies(layer, config):
         return None
-    seq = infer_seq(layer, info, profile_dtype)
-    shapes = gemm.block_linear_shapes(layer, info, seq)
     count = layer.tp_split.num_allreduce_per_pass
-    regions = block_regions(shapes, count)
-    if regions is None:
+    block = block_region_gemms(layer, info, config, cluster, profile_dtype, count)
+    if block is None:
         return None
-    times = block_gemm_times_s(layer, info, config, cluster, shapes, config.rank_microbatch * seq, profile_dtype)
+    shapes, regions, times = block
     (gathers, _), (bwd_gathers, bwd_scatters) = parts
     regather = regather_s(gathers, config) / count  # a region's
     scatter = bwd_scatters / count
