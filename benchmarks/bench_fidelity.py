@@ -47,7 +47,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
 from fidelity_targets import WITHIN, print_targets, regime_groups  # noqa: E402
-from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_GROK1, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
+from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_GROK1, DGX_CLOUD_GROK1_GB200, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
                                       DGX_CLOUD_2504_NEMOTRON)
 from published_zoo_script_runs import ZOO_MIXTRAL_SCRIPT, ZOO_QWEN3_H100_SCRIPT  # noqa: E402
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
@@ -186,6 +186,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",
                  DGX_CLOUD_DEEPSEEK_V3: "DGX Cloud benchmarking DeepSeek-V3",
                  DGX_CLOUD_GROK1: "DGX Cloud benchmarking Grok-1 314B",
+                 DGX_CLOUD_GROK1_GB200: "DGX Cloud benchmarking Grok-1 314B, GB200",
                  MEGATRON_BRIDGE_EP_OVERLAP_SMOKE: "Megatron-Bridge EP-overlap guide, alltoall, 16 H100",
                  MEGATRON_BRIDGE_EP_OVERLAP_SKILL: "Megatron-Bridge EP-overlap guide, HybridEP, 16 H100",
                  MEGATRON_BRIDGE_DEEPSEEK_V3_CARD: "Megatron-Bridge DeepSeek-V3 verification card, 1,024 H100",
@@ -431,7 +432,7 @@ BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megat
              "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8 on H100 and H200, Megatron-Bridge's DGX-H100 Llama, "
                     "DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
              "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
-                    "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3)"}
+                    "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3, and Grok-1 on H100 and GB200)"}
 
 
 def write_bands(scored_by_regime: dict[str, Sequence[Scored]], clusters) -> None:

@@ -207,9 +207,34 @@ GROK1_ASSUMPTIONS = (
 )
 
 
+# The same README's GB200 table (weak scaling, 128-512 GPUs): launch.sh's GB200 layout, CUDA graphs on.
+DGX_CLOUD_GROK1_GB200 = DGX_CLOUD_GROK1.replace("H100 Performance", "GB200 Performance")
+GROK1_GB200_ASSUMPTIONS = GROK1_ASSUMPTIONS[:1] + (
+    "launch.sh's GB200 layout: TP 4 with sequence parallelism, expert TP 4, EP 8, no pipeline, no CP, MBS 1, "
+    "GBS 2 x GPUs (8 micro-batches a data rank)",) + GROK1_ASSUMPTIONS[2:5] + (
+    "cuDNN fused attention (Transformer Engine's choice on Blackwell); no recomputation",
+    GROK1_ASSUMPTIONS[6],
+    "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell); launch.sh's CUDA graphs "
+    "(enable_cuda_graph: Megatron-Core's per-layer graphs) not priced: meshplan prices no host time")
+
+
 def dgx_cloud_grok1_runs() -> list[Run]:
-    """DGX Cloud's Grok-1 314B rows on 512 H100 (HELD_OUT_MOE): BF16 15.933 s and FP8 13.433 s a step,
-    8,192 tokens, GBS 1,024, each under the recipe (`GROK1_ASSUMPTIONS`; FP8 as `NEMO_FP8`)."""
+    """DGX Cloud's Grok-1 314B rows (HELD_OUT_MOE), 8,192 tokens, GBS 2 x GPUs, each under the recipe
+    (`GROK1_ASSUMPTIONS`; FP8 as `NEMO_FP8`): on 512 H100, BF16 15.933 s and FP8 13.433 s a step; on
+    128, 256 and 512 GB200 (`GROK1_GB200_ASSUMPTIONS`), BF16 7.325, 7.39 and 7.324 s, FP8 5.298, 5.224
+    and 5.193 s."""
+    return _grok1_h100_runs() + [
+        Run(f"DGX Cloud GB200 Grok-1 314B {'fp8' if precision == 'fp8' else 'bf16'} tp4 etp4 ep8 x{gpus}",
+            HELD_OUT_MOE, DGX_CLOUD_GROK1_GB200, "gb200-nvl72", GROK1_SPEC, gpus, 2 * gpus, 8192, tp=4, sp=True,
+            zero=1, ep=8, etp=4, precision=precision, fp8_recipe="delayed" if precision == "fp8" else None,
+            published_step_s=step_s, engine="megatron", attention="cudnn", tp_comm_overlap=True,
+            grad_reduce_in_bf16=True, moe_capacity_factor=1.0, moe_pad_to_capacity=True, cross_entropy_fusion="te",
+            assumptions=GROK1_GB200_ASSUMPTIONS + ((NEMO_FP8,) if precision == "fp8" else ()))
+        for precision, steps in (("bf16-mixed", (7.325, 7.39, 7.324)), ("fp8", (5.298, 5.224, 5.193)))
+        for gpus, step_s in zip((128, 256, 512), steps)]
+
+
+def _grok1_h100_runs() -> list[Run]:
     return [Run(f"DGX Cloud Grok-1 314B {'fp8' if precision == 'fp8' else 'bf16'} tp4 pp8 vpp8 cp2 ep8",
                 HELD_OUT_MOE, DGX_CLOUD_GROK1, "h100-sxm", GROK1_SPEC, 512, 1024, 8192, tp=4, pp=8, cp=2,
                 vpp_options=(8,), sp=True, zero=1, ep=8, etp=1, precision=precision,

@@ -93,8 +93,9 @@ parallelism, costed under balanced routing:
   (`published_moe_runs.dgx_cloud_deepseek_v3_runs`); and Grok-1 314B on 512 H100 in BF16 and FP8 (TP 4,
   PP 8, VP 8, CP 2, EP 8, 8,192 tokens, 15.933 and 13.433 s a step), under NeMo's
   pretrain_grok1_314b.py at the commit its setup.sh pins (Mixtral's config at Grok-1's shape, token
-  dropping at capacity factor 1 with padding, userbuffers TP overlap) (`published_dgx_cloud_runs.
-  dgx_cloud_grok1_runs`).
+  dropping at capacity factor 1 with padding, userbuffers TP overlap), and the same README's GB200 table
+  (128, 256 and 512 GPUs, BF16 and FP8: TP 4, expert TP 4, EP 8, no pipeline, launch.sh's GB200 layout
+  with its CUDA graphs, which meshplan does not price) (`published_dgx_cloud_runs.dgx_cloud_grok1_runs`).
 Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
 ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
 overlap and memory describe: its PP rows fit under that recipe, not under meshplan's executor's). Where the

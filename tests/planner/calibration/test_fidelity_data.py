@@ -213,18 +213,35 @@ def test_dgx_cloud_grok1_rows_transcription_is_consistent(modules):
 
 def test_moe_fp8_and_bf16_runs_of_one_layout_pair_as_the_dense_ones_do(modules):
     """The FP8/BF16 target counts every published pair of one layout, MoE sources' too: among the
-    held-out MoE runs, DGX Cloud's Grok-1 BF16 and FP8 rows are the one pair (one source, model,
-    sequence, GPU count and layout), and the dense pairing finds none of them."""
+    held-out MoE runs, DGX Cloud's Grok-1 BF16 and FP8 rows pair on H100 (512 GPUs) and on GB200
+    (128, 256 and 512 GPUs, each with its own GPU count only: one source, model, sequence, GPU
+    count, profile and layout), and the dense pairing finds none of them."""
     data, _ = modules
     bench = importlib.import_module("bench_fidelity")
     moe = [r for r in data.all_runs() if r.group == data.HELD_OUT_MOE]
     pairs = bench.fp8_pairs([r for r in moe if r.precision == "fp8"], [r for r in moe if r.precision != "fp8"])
+    gb200 = [(f"DGX Cloud GB200 Grok-1 314B fp8 tp4 etp4 ep8 x{gpus}", f"DGX Cloud GB200 Grok-1 314B bf16 tp4 etp4 ep8 x{gpus}")
+             for gpus in (128, 256, 512)]
     assert [(f.name, b.name) for f, b in pairs] == [("DGX Cloud Grok-1 314B fp8 tp4 pp8 vpp8 cp2 ep8",
-                                                     "DGX Cloud Grok-1 314B bf16 tp4 pp8 vpp8 cp2 ep8")]
-    assert all(bench.layout_of(f) == bench.layout_of(b) for f, b in pairs)
+                                                     "DGX Cloud Grok-1 314B bf16 tp4 pp8 vpp8 cp2 ep8")] + gb200
+    assert all(bench.layout_of(f) == bench.layout_of(b) and f.cluster == b.cluster for f, b in pairs)
     dense = bench.fp8_pairs([r for r in data.all_runs() if r.group == data.HELD_OUT_FP8],
                             [r for r in data.all_runs() if r.group == data.HELD_OUT])
     assert len(dense) == 66 and not any(f.group == data.HELD_OUT_MOE for f, _ in dense)
+
+
+def test_grok1_gb200_rows_are_launch_sh_s_layout(modules):
+    """DGX Cloud's Grok-1 GB200 table as launch.sh runs it: TP 4, expert TP 4, EP 8, no pipeline or
+    CP, GBS 2 x GPUs, so 8 micro-batches a data rank; the tokens/s the README prints beside each step
+    (286,300.61 at 128 GPUs, 7.325 s) are 8,192 x GBS over the step, to the README's rounding."""
+    data, _ = modules
+    rows = [r for r in data.all_runs() if r.name.startswith("DGX Cloud GB200 Grok-1")]
+    assert len(rows) == 6 and {r.cluster for r in rows} == {"gb200-nvl72"}
+    for r in rows:
+        assert (r.tp, r.etp, r.ep, r.pp, r.cp, r.mbs, r.global_batch) == (4, 4, 8, 1, 1, 1, 2 * r.gpus)
+        assert r.global_batch // (r.gpus // r.tp) == 8
+    (first,) = [r for r in rows if r.gpus == 128 and r.precision != "fp8"]
+    assert abs(first.tokens_per_step / first.published_step_s - 286300.61) < 1.0
 
 
 def test_nemotron_3_nano_row_is_the_recipe_s_and_its_flops_are_the_traced_count(modules):
