@@ -3,7 +3,8 @@ as a user's own measured runs, and that cluster's other runs scored before and a
 
     python benchmarks/bench_calibrate_runs.py [--runs N] [CLUSTER ...]
 
-For each cluster (default: h100-sxm, a100-40g, the held-out BF16 runs of `published_runs.py`,
+For each cluster (default: h100-sxm, a100-40g and gb200-nvl72, whose profile borrows H100's
+efficiencies; the held-out BF16 runs of `published_runs.py`,
 which never tuned the shipped profiles), N runs (default 5) spread over the cluster's list are
 taken as the user's runs and the profile's efficiency fields are fitted to them with
 `planner.calibration.user_runs.fit_user_runs`, the code behind the command. Printed: the fit's
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import predictions, published_step_s  # noqa: E402
 from published_runs import HELD_OUT, Run, all_runs  # noqa: E402
 
-DEFAULT_CLUSTERS = ("h100-sxm", "a100-40g")
+DEFAULT_CLUSTERS = ("h100-sxm", "a100-40g", "gb200-nvl72")
 
 
 def predicted_s(run: Run, cluster) -> float:

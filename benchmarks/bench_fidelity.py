@@ -47,10 +47,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_of, layouts, predictions, published_step_s  # noqa: E402
 from fidelity_targets import WITHIN, print_targets, regime_groups  # noqa: E402
-from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_GROK1, DGX_CLOUD_GROK1_GB200, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,  # noqa: E402
-                                      DGX_CLOUD_2504_NEMOTRON)
+from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_250504_LLAMA_GB200, DGX_CLOUD_GROK1,  # noqa: E402
+                                      DGX_CLOUD_GROK1_GB200, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,
+                                      DGX_CLOUD_2504_NEMOTRON, NEMOTRON_GB200_STRONG, NEMOTRON_GB200_WEAK)
 from published_zoo_script_runs import ZOO_MIXTRAL_SCRIPT, ZOO_QWEN3_H100_SCRIPT  # noqa: E402
-from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
+from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, DGX_CLOUD_DEEPSEEK_V3_GB200_SOURCE, MEGATRON_BRIDGE_2511_ARCHIVE_H100,  # noqa: E402
                                 MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100, MEGATRON_BRIDGE_DEEPSEEK_V3_CARD,
                                 MEGATRON_BRIDGE_EP_OVERLAP_SKILL, MEGATRON_BRIDGE_EP_OVERLAP_SMOKE)
 from published_runs import (HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, KORTHIKANTI_2022, LLAMA3_2024,  # noqa: E402
@@ -185,6 +186,7 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  MEGATRON_BRIDGE_2511_ARCHIVE_H100: "Megatron-Bridge 25.11 DGX-H100 (archive)",
                  MEGATRON_BRIDGE_260401_H100: "Megatron-Bridge 26.04.01 DGX-H100",
                  DGX_CLOUD_DEEPSEEK_V3: "DGX Cloud benchmarking DeepSeek-V3",
+                 DGX_CLOUD_DEEPSEEK_V3_GB200_SOURCE: "DGX Cloud benchmarking DeepSeek-V3, GB200",
                  DGX_CLOUD_GROK1: "DGX Cloud benchmarking Grok-1 314B",
                  DGX_CLOUD_GROK1_GB200: "DGX Cloud benchmarking Grok-1 314B, GB200",
                  MEGATRON_BRIDGE_EP_OVERLAP_SMOKE: "Megatron-Bridge EP-overlap guide, alltoall, 16 H100",
@@ -193,7 +195,10 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  DGX_CLOUD_2504_LLAMA: "DGX Cloud benchmarking v25.04 Llama 3.1",
                  DGX_CLOUD_250504_LLAMA: "DGX Cloud benchmarking v25.05.04 Llama 3.1 405B",
                  DGX_CLOUD_2504_GPT3: "DGX Cloud benchmarking v25.04 GPT-3 175B",
-                 DGX_CLOUD_2504_NEMOTRON: "DGX Cloud benchmarking v25.04 Nemotron-4"}
+                 DGX_CLOUD_2504_NEMOTRON: "DGX Cloud benchmarking v25.04 Nemotron-4",
+                 DGX_CLOUD_250504_LLAMA_GB200: "DGX Cloud benchmarking v25.05.04 Llama 3.1 405B, GB200",
+                 NEMOTRON_GB200_WEAK: "DGX Cloud benchmarking v25.05.04 Nemotron-4 340B, GB200",
+                 NEMOTRON_GB200_STRONG: "DGX Cloud benchmarking v25.05.04 Nemotron-4 340B, GB200, GBS 512"}
 
 
 def layout_band(scored: Sequence[Scored]) -> str | None:
@@ -277,6 +282,7 @@ def report_regimes(scored: Sequence[Scored], clusters) -> None:
         print(f"{regime}: {summary(members, clusters)}; within {WITHIN:.0%}: {within} of {len(members)}{apart}")
     print(f"every held-out run: {summary(scored, clusters)}")
     report_engines(scored, clusters)
+    report_profiles(scored, clusters)
 
 
 def report_engines(scored: Sequence[Scored], clusters) -> None:
@@ -288,6 +294,19 @@ def report_engines(scored: Sequence[Scored], clusters) -> None:
         engines.setdefault(s.run.engine, []).append(s)
     for engine, members in sorted(engines.items(), key=lambda item: -len(item[1])):
         print(f"{engine}: {summary(members, clusters)}")
+
+
+def report_profiles(scored: Sequence[Scored], clusters) -> None:
+    """Every held-out run by the cluster profile that priced it: a profile marked not validated
+    borrows its efficiencies (`ClusterProfile.validated`), so its runs say how far they carry. The
+    regimes above count them all."""
+    print("\n== held out by cluster profile (BF16, FP8 and MoE runs together) ==")
+    profiles: dict[str, list[Scored]] = {}
+    for s in scored:
+        profiles.setdefault(s.run.cluster, []).append(s)
+    for profile, members in sorted(profiles.items(), key=lambda item: -len(item[1])):
+        mark = "" if clusters[profile].validated else " (profile not validated)"
+        print(f"{profile}{mark}: {summary(members, clusters)}")
 
 
 def fp8_pairs(fp8: Sequence[Run], bf16: Sequence[Run]) -> list[tuple[Run, Run]]:
@@ -480,7 +499,7 @@ def main(argv: list[str]) -> int:
         report("held out (never tuned on)", scored, clusters, brief, by_cluster=True)
         recompute_ratios(scored)
         tp_overlap_speedups(scored)
-        for family in ("a100", "h100"):
+        for family in ("a100", "h100", "gb200"):
             members = [s for s in scored if s.run.cluster.startswith(family)]
             if members:
                 print(f"held out on {family.upper()}: {summary(members, clusters)}")

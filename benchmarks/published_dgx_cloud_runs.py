@@ -50,13 +50,13 @@ PROXY = ("a 405B proxy: Llama 3.1 405B's shape with the layer count llama31_util
 
 
 def nemo_run(name: str, source: str, spec: str, gpus: int, global_batch: int, seq: int, precision: str,
-             step_s: float, assumptions: tuple[str, ...], **layout) -> Run:
-    """One DGX Cloud row as every NeMo recipe here runs it: on h100-sxm under `--engine megatron`, the
+             step_s: float, assumptions: tuple[str, ...], cluster: str = "h100-sxm", **layout) -> Run:
+    """One DGX Cloud row as every NeMo recipe here runs it: on `cluster` under `--engine megatron`, the
     distributed optimizer (ZeRO-1), cuDNN attention, FP8 as delayed scaling (`NEMO_FP8`), held out
     with the BF16 or the FP8 runs; `layout` holds the row's degrees and its recipe's switches."""
     fp8 = precision == "fp8"
     return Run(f"DGX Cloud {name} {'fp8' if fp8 else 'bf16'} {_degrees(layout)} x{gpus}",
-               HELD_OUT_FP8 if fp8 else HELD_OUT, source, "h100-sxm", spec, gpus, global_batch, seq, zero=1,
+               HELD_OUT_FP8 if fp8 else HELD_OUT, source, cluster, spec, gpus, global_batch, seq, zero=1,
                precision=precision, fp8_recipe="delayed" if fp8 else None, engine="megatron", attention="cudnn",
                published_step_s=step_s, assumptions=assumptions + ((NEMO_FP8,) if fp8 else ()), **layout)
 
@@ -102,10 +102,40 @@ def dgx_cloud_llama_runs() -> list[Run]:
     PP 8; 5 virtual stages), 405B (TP 8, PP 8, CP 2, 8 virtual stages) and its proxies, MBS 1, 8K
     tokens, at every GPU count the tables print."""
     return [nemo_run(f"Llama3.1 {label}", source, spec, gpus, gbs, 8192, precision, step,
-                     NEMO_LLAMA_ASSUMPTIONS + ((PROXY,) if "proxy" in label else ()), tp=tp, pp=pp, cp=cp, sp=tp > 1,
-                     vpp_options=(vpp,), grad_reduce_in_bf16=True, cross_entropy_fusion="native",
+                     _llama_assumptions(source) + ((PROXY,) if "proxy" in label else ()), tp=tp, pp=pp, cp=cp,
+                     sp=tp > 1, vpp_options=(vpp,), grad_reduce_in_bf16=True,
+                     cross_entropy_fusion="te" if source == DGX_CLOUD_250504_LLAMA else "native",
                      stage_blocks=_proxy_blocks(label, pp * vpp))
             for label, spec, gpus, gbs, tp, pp, cp, vpp, precision, step, source in LLAMA_ROWS]
+
+
+# v25.05.04's performance scripts (NeMo 6f2c6fd and b4148d2) pick Transformer Engine's loss kernel:
+# set_primary_perf_configs sets cross_entropy_fusion_impl = "te"; v25.04's (d2b2155) leave the native one.
+TE_LOSS = "Transformer Engine's fused cross-entropy (set_primary_perf_configs: cross_entropy_fusion_impl = 'te')"
+
+
+def _llama_assumptions(source: str) -> tuple[str, ...]:
+    return NEMO_LLAMA_ASSUMPTIONS[:-2] + (TE_LOSS,) + NEMO_LLAMA_ASSUMPTIONS[-1:] if source != DGX_CLOUD_2504_LLAMA \
+        else NEMO_LLAMA_ASSUMPTIONS
+
+
+# The same README's GB200 table (v25.05.04: 128-512 GPUs, weak scaling): launch.sh's GB200 layout, TP 4,
+# PP 8, CP 2, 8 virtual stages, GBS GPUs / 2; the recommended configs' GB200 row sets no CUDA graphs;
+# userbuffers under the b200 h16384 tp4 cp2 configs.
+DGX_CLOUD_250504_LLAMA_GB200 = DGX_CLOUD_250504_LLAMA.replace("H100 Performance", "GB200 Performance")
+GB200_UNVALIDATED = "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell)"
+
+
+def dgx_cloud_gb200_llama_runs() -> list[Run]:
+    """DGX Cloud's Llama 3.1 405B GB200 rows (v25.05.04), BF16 and FP8, 128, 256 and 512 GPUs."""
+    steps = {"bf16-mixed": (9.347, 9.484, 9.508), "fp8": (6.131, 6.183, 6.244)}
+    assumptions = tuple(a.replace("on Hopper", "on Blackwell") for a in _llama_assumptions(DGX_CLOUD_250504_LLAMA_GB200)[:-1]) + (
+        "TP communication overlapped with userbuffers (the b200 h16384 tp4 cp2 configs the script picks for GB200)",
+        "no CUDA graphs (the recommended configs' GB200 row)", GB200_UNVALIDATED)
+    return [nemo_run("GB200 Llama3.1 405B", DGX_CLOUD_250504_LLAMA_GB200, "llama3-405b", gpus, gpus // 2, 8192,
+                     precision, step, assumptions, cluster="gb200-nvl72", tp=4, pp=8, cp=2, sp=True, vpp_options=(8,),
+                     grad_reduce_in_bf16=True, cross_entropy_fusion="te")
+            for precision, row in steps.items() for gpus, step in zip((128, 256, 512), row)]
 
 
 def _proxy_blocks(label: str, chunks: int) -> tuple[int, ...] | None:
@@ -178,8 +208,40 @@ def dgx_cloud_nemotron_runs() -> list[Run]:
     return runs
 
 
+# The v25.05.04 README's GB200 tables of Nemotron-4 340B (NeMo b4148d2, the commit its setup.sh pins):
+# launch.sh's GB200 layout, TP 8, PP 4, 12 virtual stages, MBS 1, CUDA graphs on, weak-scaled (GBS
+# GPUs / 4) in one table and strong-scaled (GBS 512) in another, each its own source so that an FP8
+# row pairs with the BF16 row of its own batch.
+DGX_CLOUD_250504_NEMOTRON_GB200 = (
+    "NVIDIA dgxc-benchmarking v25.05.04 nemotron/README.md, GB200 Performance{table} (github.com/NVIDIA/"
+    "dgxc-benchmarking, commit 1f6d9f40e4117d7c71b726f86074ac01c29f87f5); recipe: its launch.sh and NeMo's "
+    "scripts/performance/llm/pretrain_nemotron4_340b.py at commit b4148d21695de467d50ebf050566555429c26919 "
+    "(github.com/NVIDIA/NeMo), the commit its setup.sh pins")
+NEMOTRON_GB200_WEAK = DGX_CLOUD_250504_NEMOTRON_GB200.format(table="")
+NEMOTRON_GB200_STRONG = DGX_CLOUD_250504_NEMOTRON_GB200.format(table=", Strong Scaling")
+
+
+def dgx_cloud_gb200_nemotron_runs() -> list[Run]:
+    """DGX Cloud's Nemotron-4 340B GB200 rows (v25.05.04): BF16 and FP8 on 128, 256 and 512 GPUs, at
+    GBS GPUs / 4 and at GBS 512."""
+    steps = {(NEMOTRON_GB200_WEAK, "bf16-mixed"): (2.189, 2.19, 2.229), (NEMOTRON_GB200_WEAK, "fp8"): (1.483, 1.517, 1.549),
+             (NEMOTRON_GB200_STRONG, "bf16-mixed"): (32.66, 16.58, 8.468),
+             (NEMOTRON_GB200_STRONG, "fp8"): (21.83, 11.21, 5.668)}
+    assumptions = NEMOTRON_ASSUMPTIONS[:3] + (
+        "cuDNN fused attention (Transformer Engine's choice on Blackwell); no recomputation; " + TE_LOSS,
+        "TP 8, PP 4, 12 virtual stages (launch.sh's GB200 layout), one layer a chunk; userbuffers under the b200 "
+        "h18432 tp8 configs the script picks for GB200",
+        "launch.sh's CUDA graphs (--cuda_graphs true) not priced: meshplan prices no host time", GB200_UNVALIDATED)
+    return [nemo_run(f"GB200 Nemotron-4 340B{' gbs512' if source == NEMOTRON_GB200_STRONG else ''}", source,
+                     NEMOTRON4["340B"], gpus, 512 if source == NEMOTRON_GB200_STRONG else gpus // 4, 4096, precision,
+                     step, assumptions, cluster="gb200-nvl72", tp=8, pp=4, mbs=1, sp=True, vpp_options=(12,),
+                     grad_reduce_in_bf16=True, cross_entropy_fusion="te")
+            for (source, precision), row in steps.items() for gpus, step in zip((128, 256, 512), row)]
+
+
 def dgx_cloud_dense_runs() -> list[Run]:
-    return dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs() + dgx_cloud_nemotron_runs()
+    return (dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs() + dgx_cloud_nemotron_runs() + dgx_cloud_gb200_llama_runs()
+            + dgx_cloud_gb200_nemotron_runs())
 
 
 # Grok-1 (314B, 8 experts, top 2): NeMo's scripts/performance/llm/pretrain_grok1_314b.py builds it as
@@ -203,7 +265,7 @@ GROK1_ASSUMPTIONS = (
     "and the FP8 branch set grad_reduce_in_fp32 = False)",
     "cuDNN fused attention (Transformer Engine's choice on Hopper); context parallelism as Transformer Engine's "
     "p2p ring; no recomputation (no recommended H100 row for grok1)",
-    "Transformer Engine's fused cross-entropy (set_primary_perf_configs: cross_entropy_fusion_impl = 'te')",
+    TE_LOSS,
 )
 
 

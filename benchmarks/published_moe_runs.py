@@ -407,10 +407,15 @@ DGX_CLOUD_DEEPSEEK_V3 = ("NVIDIA dgxc-benchmarking deepseek_v3/pretraining/READM
                          "7a8f1cc7bc40a84447c0681a9e4e956a135ae8a2 (github.com/NVIDIA/NeMo)")
 # (GPUs, pipeline stages, step seconds): GBS 8 per GPU, TP 2, EP 64, expert TP 1, MBS 1 (launch.sh)
 DGX_CLOUD_DEEPSEEK_V3_H100 = ((512, 8, 48.948), (1024, 16, 52.04))
+# The same README's GB200 table: launch.sh's GB200 layout, TP 2, PP 4, EP 32 on 128 GPUs and 64 above,
+# expert TP 1, MBS 1, GBS 8 per GPU, the attention core recomputed (RM='core_attn'); the recommended
+# configs' GB200 rows set no CUDA graphs. (GPUs, EP, step seconds)
+DGX_CLOUD_DEEPSEEK_V3_GB200_SOURCE = DGX_CLOUD_DEEPSEEK_V3.replace("H100 Performance", "GB200 Performance")
+DGX_CLOUD_DEEPSEEK_V3_GB200 = ((128, 32, 34.168), (256, 64, 34.194), (512, 64, 34.274))
 
 
 def dgx_cloud_deepseek_v3_runs() -> list[Run]:
-    """DGX Cloud's DeepSeek-V3 H100 rows (HELD_OUT_MOE), each under its recipe.
+    """DGX Cloud's DeepSeek-V3 rows on H100 and on GB200 (HELD_OUT_MOE), each under its recipe.
 
     pretrain_deepseek_v3.py: token dropping at capacity factor 1 with the experts' inputs padded to
     capacity (MegatronTokenDropCallback), so every expert computes its balanced share whatever the
@@ -438,13 +443,21 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
         middle = 64 // pp
         return (middle - 1,) + (middle,) * (pp - 2) + (middle - 2,)
 
-    return [Run(f"DGX Cloud DeepSeek-V3 bf16 tp2 pp{pp} ep64", HELD_OUT_MOE, DGX_CLOUD_DEEPSEEK_V3, "h100-sxm",
-                "deepseek-v3", gpus, 8 * gpus, 4096, tp=2, pp=pp, sp=True, zero=1, ep=64, etp=1,
-                recompute_modules=("mla_up_proj",), published_step_s=step_s, engine="megatron", attention="cudnn",
+    h100 = [(DGX_CLOUD_DEEPSEEK_V3, "h100-sxm", gpus, pp, 64, ("mla_up_proj",), step_s)
+            for gpus, pp, step_s in DGX_CLOUD_DEEPSEEK_V3_H100]
+    gb200 = [(DGX_CLOUD_DEEPSEEK_V3_GB200_SOURCE, "gb200-nvl72", gpus, 4, ep, ("core_attn",), step_s)
+             for gpus, ep, step_s in DGX_CLOUD_DEEPSEEK_V3_GB200]
+    on_gb200 = ("launch.sh's GB200 layout (TP 2, PP 4, EP 32 or 64, the attention core recomputed); no CUDA graphs "
+                "(the recommended configs' GB200 rows)",
+                "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell)")
+    return [Run(f"DGX Cloud {'GB200 ' if cluster != 'h100-sxm' else ''}DeepSeek-V3 bf16 tp2 pp{pp} ep{ep}"
+                + (f" x{gpus}" if cluster != "h100-sxm" else ""), HELD_OUT_MOE, source, cluster,
+                "deepseek-v3", gpus, 8 * gpus, 4096, tp=2, pp=pp, sp=True, zero=1, ep=ep, etp=1,
+                recompute_modules=modules, published_step_s=step_s, engine="megatron", attention="cudnn",
                 tp_comm_overlap=False, moe_capacity_factor=1.0, moe_pad_to_capacity=True, stage_blocks=cut(pp),
                 mtp_num_layers=1, cross_entropy_fusion="te",
-                assumptions=assumptions)
-            for gpus, pp, step_s in DGX_CLOUD_DEEPSEEK_V3_H100]
+                assumptions=assumptions + (on_gb200 if cluster != "h100-sxm" else ()))
+            for source, cluster, gpus, pp, ep, modules, step_s in h100 + gb200]
 
 
 # Megatron-Bridge's model verification card for DeepSeek-V3: its canonical H100 performance run.

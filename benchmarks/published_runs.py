@@ -26,7 +26,10 @@ Held out:
   pre-training tables, every GPU count: Llama 3.1 8B, 70B, 405B and its proxies (v25.04; 405B on
   512 GPUs from v25.05.04, the later release printing that layout), GPT-3 175B and Nemotron-4 15B
   and 340B (v25.04), BF16 here and FP8 below, each under its release's NeMo recipe
-  (`published_dgx_cloud_runs`).
+  (`published_dgx_cloud_runs`); and v25.05.04's GB200 tables of the dense models meshplan builds
+  (Llama 3.1 405B, Nemotron-4 340B weak- and strong-scaled; 128, 256 and 512 GPUs) under the
+  launch.sh GB200 layouts, on the `gb200-nvl72` profile, which is not validated (H100's
+  efficiencies at Blackwell's peaks: these runs say how far that carries).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
 FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, under delayed scaling (Composer's amp_fp8);
@@ -95,7 +98,9 @@ parallelism, costed under balanced routing:
   pretrain_grok1_314b.py at the commit its setup.sh pins (Mixtral's config at Grok-1's shape, token
   dropping at capacity factor 1 with padding, userbuffers TP overlap), and the same README's GB200 table
   (128, 256 and 512 GPUs, BF16 and FP8: TP 4, expert TP 4, EP 8, no pipeline, launch.sh's GB200 layout
-  with its CUDA graphs, which meshplan does not price) (`published_dgx_cloud_runs.dgx_cloud_grok1_runs`).
+  with its CUDA graphs, which meshplan does not price) (`published_dgx_cloud_runs.dgx_cloud_grok1_runs`);
+  and the DeepSeek-V3 README's GB200 table (128, 256 and 512 GPUs, BF16: TP 2, PP 4, EP 32 or 64, the
+  attention core recomputed, no CUDA graphs) (`published_moe_runs.dgx_cloud_deepseek_v3_runs`).
 Megatron-Bridge's rows are priced as `--engine megatron`, as its dense rows are, and so are the
 ModelZoo's (Megatron-Core's main and MoE development branches of 2025, which the megatron recipe's
 overlap and memory describe: its PP rows fit under that recipe, not under meshplan's executor's). Where the

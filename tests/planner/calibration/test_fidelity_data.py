@@ -227,7 +227,7 @@ def test_moe_fp8_and_bf16_runs_of_one_layout_pair_as_the_dense_ones_do(modules):
     assert all(bench.layout_of(f) == bench.layout_of(b) and f.cluster == b.cluster for f, b in pairs)
     dense = bench.fp8_pairs([r for r in data.all_runs() if r.group == data.HELD_OUT_FP8],
                             [r for r in data.all_runs() if r.group == data.HELD_OUT])
-    assert len(dense) == 66 and not any(f.group == data.HELD_OUT_MOE for f, _ in dense)
+    assert len(dense) == 75 and not any(f.group == data.HELD_OUT_MOE for f, _ in dense)
 
 
 def test_grok1_gb200_rows_are_launch_sh_s_layout(modules):
@@ -290,7 +290,8 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
     """DGX Cloud's dense tables print each row's tokens/s beside its step time: every transcribed
     row's global batch x sequence over its step gives that figure (0.1%: the steps' printed
     digits), which pins the global batches the recipes set (16 per GPU for 8B, 2 for 70B and GPT-3,
-    one per two GPUs for 405B, the proxies' own, 4 for Nemotron-4 15B, one per four GPUs for 340B); the layouts fill the GPUs; each proxy's blocks
+    one per two GPUs for 405B, the proxies' own, 4 for Nemotron-4 15B, one per four GPUs for 340B, and
+    512 in the GB200 strong-scaling table); the layouts fill the GPUs; each proxy's blocks
     with the embedding and the loss fill its chunks evenly (the recipe's account_for_* split); and the model
     FLOPs per sample the READMEs print (4.74E+14, 2.17E+16, 2.20E+15) are meshplan's count with
     attention in full (1%)."""
@@ -307,7 +308,12 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
         ("GPT-3 175B", "fp8"): (93190, 183157, 363206, 720671, 1407485),
         ("Nemotron-4 15B", "bf16"): (98550, 197101, 392725, 785450, 1565039, 3095427, 6123072, 12069940),
         ("Nemotron-4 15B", "fp8"): (132396, 264792, 529584, 1053845, 2097152, 4152776, 8264638, 16054752),
-        ("Nemotron-4 340B", "bf16"): (60125, 119428, 237772, 473398), ("Nemotron-4 340B", "fp8"): (89469, 176528, 349525, 687591)}
+        ("Nemotron-4 340B", "bf16"): (60125, 119428, 237772, 473398), ("Nemotron-4 340B", "fp8"): (89469, 176528, 349525, 687591),
+        # v25.05.04's GB200 tables (128, 256 and 512 GPUs)
+        ("GB200 Llama3.1 405B", "bf16"): (56092, 110563, 220567), ("GB200 Llama3.1 405B", "fp8"): (85514, 169590, 335867),
+        ("GB200 Nemotron-4 340B", "bf16"): (59877, 119700, 235212), ("GB200 Nemotron-4 340B", "fp8"): (88383, 172804, 338468),
+        ("GB200 Nemotron-4 340B gbs512", "bf16"): (64211, 126486, 247656),
+        ("GB200 Nemotron-4 340B gbs512", "fp8"): (96067, 187078, 369998)}
     def table(run) -> tuple[str, str]:  # the printed table a run's row is in: (model, precision)
         model, precision = re.match(r"DGX Cloud (?:Llama3\.1 )?(.+?) (bf16|fp8) ", run.name).groups()
         return re.sub(r" \d+ layers$", "", model), precision
@@ -320,7 +326,9 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
             assert run.global_batch * run.seq / run.published_step_s == pytest.approx(figure, rel=1e-3), run.name
             assert run.gpus % (run.tp * run.pp * run.cp) == 0 and run.vpp_options[0] >= 1
             checked += 1
-    assert checked == len(runs) == 68
+    assert checked == len(runs) == 86
+    assert {r.cluster for r in runs if "GB200" in r.name} == {"gb200-nvl72"}
+    assert all(r.cluster == "h100-sxm" for r in runs if "GB200" not in r.name)
     # every release's recipes reduce gradients in bf16 (Llama 3.1's and Nemotron-4's performance
     # optimizations set grad_reduce_in_fp32 = False; GPT-3's hydra config syncs them in bf16, grad_sync_dtype)
     assert all(run.grad_reduce_in_bf16 for run in runs)
