@@ -279,10 +279,21 @@ def report_regimes(scored: Sequence[Scored], clusters) -> None:
         others = [s for s in members if not s.run.regression]
         apart = (f"; without the {len(members) - len(others)} published regressions: "
                  f"{np.mean([abs(s.error) for s in others]):.1%} over {len(others)}" if len(others) < len(members) else "")
-        print(f"{regime}: {summary(members, clusters)}; within {WITHIN:.0%}: {within} of {len(members)}{apart}")
-    print(f"every held-out run: {summary(scored, clusters)}")
+        print(f"{regime}: {summary(members, clusters)}; within {WITHIN:.0%}: {within} of {len(members)}{apart}"
+              f"{on_validated(members, clusters)}")
+    print(f"every held-out run: {summary(scored, clusters)}{on_validated(scored, clusters)}")
     report_engines(scored, clusters)
     report_profiles(scored, clusters)
+
+
+def on_validated(members: Sequence[Scored], clusters) -> str:
+    """Where a set holds runs on profiles that are not validated (`report_profiles`), the mean
+    |error| of the rest beside it: what the validated profiles read on their own."""
+    validated = [s for s in members if clusters[s.run.cluster].validated]
+    if len(validated) == len(members) or not validated:
+        return ""
+    m = metrics(validated, clusters)
+    return f"; on validated profiles: {m['mean']:.1%} over {m['runs']} (the rule {m['rule']:.1%})"
 
 
 def report_engines(scored: Sequence[Scored], clusters) -> None:
