@@ -148,6 +148,7 @@ def test_estimate_on_an_unvalidated_profile_claims_no_band(run_cli):
     assert data["unvalidated_profile"] == {"profile": "b200", "regime": "dense", "num_runs": 0}
     code, stdout, _ = run_cli(*args)
     assert "step time band   none: profile 'b200' is not validated" in stdout and "likely" not in stdout
+    assert "`meshplan calibrate --from-runs` fits it to steps you measured" in stdout  # the way to a band
     assert stdout.splitlines()[0].startswith("llama3-8b on 8 x b200 (profile not validated): ")
     # the power-capped H100 ran 18 held-out FP8 runs of its own: its FP8 predictions carry their band
     capped = ("estimate", "--model", "llama3-8b", "--cluster", "h100-96g-500w", "--gpus", "8", "--gbs", "32",
@@ -187,6 +188,7 @@ def test_a_profile_fitted_to_measured_runs_carries_their_band(tmp_path):
     assert band_for(dense, False, b200) is None
     text = missing_band_text(dense, "llama3-8b", 4096, b200)
     assert "the 3 measured runs it was fitted to read -2% to +5% left out in turn, too few for a band" in text, text
+    assert "calibrate --from-runs" not in text  # already fitted: no hint to do it again
     assert band_for(dense, False, replace(b200, fitted_runs=FittedRuns(10, -0.02, 0.05, "dense"))).fitted
     again = cluster_from_dict(tomllib.loads(dump_cluster_toml(ours)))
     assert again.fitted_runs == ours.fitted_runs
