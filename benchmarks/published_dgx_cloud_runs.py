@@ -44,6 +44,9 @@ NEMO_LLAMA_ASSUMPTIONS = (
 )
 NEMO_FP8 = ("FP8: bf16_with_fp8_mixed, Transformer Engine's delayed scaling (hybrid E4M3/E5M2, amax history 1024) "
             "with fp8 parameters (--fp8-recipe delayed, gathered in fp8)")
+# What every GB200 row here assumes of the part (`gb200-nvl72`).
+GB200_UNVALIDATED = "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell)"
+CUDNN_BLACKWELL = "cuDNN fused attention (Transformer Engine's choice on Blackwell)"
 PROXY = ("a 405B proxy: Llama 3.1 405B's shape with the layer count llama31_utils.py sets for this GPU count; the "
          "embedding and the loss counted as a layer each in the pipeline split (the recipe's "
          "account_for_embedding/loss_in_pipeline_split)")
@@ -123,13 +126,14 @@ def _llama_assumptions(source: str) -> tuple[str, ...]:
 # PP 8, CP 2, 8 virtual stages, GBS GPUs / 2; the recommended configs' GB200 row sets no CUDA graphs;
 # userbuffers under the b200 h16384 tp4 cp2 configs.
 DGX_CLOUD_250504_LLAMA_GB200 = DGX_CLOUD_250504_LLAMA.replace("H100 Performance", "GB200 Performance")
-GB200_UNVALIDATED = "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell)"
 
 
 def dgx_cloud_gb200_llama_runs() -> list[Run]:
     """DGX Cloud's Llama 3.1 405B GB200 rows (v25.05.04), BF16 and FP8, 128, 256 and 512 GPUs."""
     steps = {"bf16-mixed": (9.347, 9.484, 9.508), "fp8": (6.131, 6.183, 6.244)}
-    assumptions = tuple(a.replace("on Hopper", "on Blackwell") for a in _llama_assumptions(DGX_CLOUD_250504_LLAMA_GB200)[:-1]) + (
+    hopper = _llama_assumptions(DGX_CLOUD_250504_LLAMA_GB200)[:-1]
+    assumptions = tuple(a.replace("cuDNN fused attention (Transformer Engine's choice on Hopper)", CUDNN_BLACKWELL)
+                        for a in hopper) + (
         "TP communication overlapped with userbuffers (the b200 h16384 tp4 cp2 configs the script picks for GB200)",
         "no CUDA graphs (the recommended configs' GB200 row)", GB200_UNVALIDATED)
     return [nemo_run("GB200 Llama3.1 405B", DGX_CLOUD_250504_LLAMA_GB200, "llama3-405b", gpus, gpus // 2, 8192,
@@ -224,11 +228,12 @@ NEMOTRON_GB200_STRONG = DGX_CLOUD_250504_NEMOTRON_GB200.format(table=", Strong S
 def dgx_cloud_gb200_nemotron_runs() -> list[Run]:
     """DGX Cloud's Nemotron-4 340B GB200 rows (v25.05.04): BF16 and FP8 on 128, 256 and 512 GPUs, at
     GBS GPUs / 4 and at GBS 512."""
-    steps = {(NEMOTRON_GB200_WEAK, "bf16-mixed"): (2.189, 2.19, 2.229), (NEMOTRON_GB200_WEAK, "fp8"): (1.483, 1.517, 1.549),
+    steps = {(NEMOTRON_GB200_WEAK, "bf16-mixed"): (2.189, 2.19, 2.229),
+             (NEMOTRON_GB200_WEAK, "fp8"): (1.483, 1.517, 1.549),
              (NEMOTRON_GB200_STRONG, "bf16-mixed"): (32.66, 16.58, 8.468),
              (NEMOTRON_GB200_STRONG, "fp8"): (21.83, 11.21, 5.668)}
     assumptions = NEMOTRON_ASSUMPTIONS[:3] + (
-        "cuDNN fused attention (Transformer Engine's choice on Blackwell); no recomputation; " + TE_LOSS,
+        f"{CUDNN_BLACKWELL}; no recomputation; {TE_LOSS}",
         "TP 8, PP 4, 12 virtual stages (launch.sh's GB200 layout), one layer a chunk; userbuffers under the b200 "
         "h18432 tp8 configs the script picks for GB200",
         "launch.sh's CUDA graphs (--cuda_graphs true) not priced: meshplan prices no host time", GB200_UNVALIDATED)
@@ -274,10 +279,9 @@ DGX_CLOUD_GROK1_GB200 = DGX_CLOUD_GROK1.replace("H100 Performance", "GB200 Perfo
 GROK1_GB200_ASSUMPTIONS = GROK1_ASSUMPTIONS[:1] + (
     "launch.sh's GB200 layout: TP 4 with sequence parallelism, expert TP 4, EP 8, no pipeline, no CP, MBS 1, "
     "GBS 2 x GPUs (8 micro-batches a data rank)",) + GROK1_ASSUMPTIONS[2:5] + (
-    "cuDNN fused attention (Transformer Engine's choice on Blackwell); no recomputation",
-    GROK1_ASSUMPTIONS[6],
-    "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell); launch.sh's CUDA graphs "
-    "(enable_cuda_graph: Megatron-Core's per-layer graphs) not priced: meshplan prices no host time")
+    f"{CUDNN_BLACKWELL}; no recomputation", GROK1_ASSUMPTIONS[6], GB200_UNVALIDATED,
+    "launch.sh's CUDA graphs (enable_cuda_graph: Megatron-Core's per-layer graphs) not priced: meshplan prices no "
+    "host time")
 
 
 def dgx_cloud_grok1_runs() -> list[Run]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from published_dgx_cloud_runs import dgx_cloud_grok1_runs
+from published_dgx_cloud_runs import GB200_UNVALIDATED, dgx_cloud_grok1_runs
 from published_runs import (BRIDGE_BF16_GRADS, BRIDGE_TE_LOSS, HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, MEGATRON_BRIDGE_H100,
                             MEGATRON_MOE_QWEN3, MEGATRON_MOE_QWEN3_GB200, Run, account_for_split)
 
@@ -448,8 +448,7 @@ def dgx_cloud_deepseek_v3_runs() -> list[Run]:
     gb200 = [(DGX_CLOUD_DEEPSEEK_V3_GB200_SOURCE, "gb200-nvl72", gpus, 4, ep, ("core_attn",), step_s)
              for gpus, ep, step_s in DGX_CLOUD_DEEPSEEK_V3_GB200]
     on_gb200 = ("launch.sh's GB200 layout (TP 2, PP 4, EP 32 or 64, the attention core recomputed); no CUDA graphs "
-                "(the recommended configs' GB200 rows)",
-                "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell)")
+                "(the recommended configs' GB200 rows)", GB200_UNVALIDATED)
     return [Run(f"DGX Cloud {'GB200 ' if cluster != 'h100-sxm' else ''}DeepSeek-V3 bf16 tp2 pp{pp} ep{ep}"
                 + (f" x{gpus}" if cluster != "h100-sxm" else ""), HELD_OUT_MOE, source, cluster,
                 "deepseek-v3", gpus, 8 * gpus, 4096, tp=2, pp=pp, sp=True, zero=1, ep=ep, etp=1,
