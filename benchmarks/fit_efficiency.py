@@ -305,10 +305,19 @@ def fp8_efficiency_from_mamf(matmul_efficiency: float) -> float:
     the BF16 fit absorbs (norms, launches, the layer's smaller GEMMs) are taken to cost FP8 GEMMs
     the same share, and what FP8 adds outside its GEMMs (casts, scales) is priced by
     `planner.costing.fp8` itself."""
+    return mamf_efficiencies(matmul_efficiency, "H100 SXM")[1]
+
+
+def mamf_efficiencies(h100_matmul_efficiency: float, part: str) -> tuple[float, float]:
+    """(matmul_efficiency, fp8_matmul_efficiency) on `part` (a `gemm.MAMF_BF16_FP8` device): h100-sxm's
+    fitted BF16 efficiency times the share of peak the largest GEMMs reach on the part in each dtype
+    over H100 SXM's BF16 share, all from one table edition. Nothing fitted on the part: the
+    whole-layer losses the H100 fit absorbs are taken to cost its GEMMs the same share."""
     from meshplan.planner.costing.gemm import MAMF_BF16_FP8
 
-    bf16, fp8 = MAMF_BF16_FP8["H100 SXM"]
-    return matmul_efficiency * fp8 / bf16
+    h100_bf16 = MAMF_BF16_FP8["H100 SXM"][0]
+    bf16, fp8 = MAMF_BF16_FP8[part]
+    return h100_matmul_efficiency * bf16 / h100_bf16, h100_matmul_efficiency * fp8 / h100_bf16
 
 
 # torchao's float8 README (H100, torch.compile, tensorwise scaling): a Float8Linear of M, K, N =
@@ -345,10 +354,19 @@ def rounded(result: FitResult) -> FitResult:
 # Writing the profiles
 
 # Profiles that take h100-sxm's fitted fields (the same Hopper kernels, or from published
-# specifications only); mi300x takes them with its matmul ceiling scaled (`mi300x_values`).
-H100_COPIES = ("h100-sxm", "h200", "h100-96g-500w", "h100-nvl", "b200", "gb200-nvl72")
+# specifications only); mi300x takes them with its matmul ceiling scaled (`mi300x_values`), and the
+# Blackwell parts with their matmul and fp8 efficiencies scaled by their own MAMF (`blackwell_values`).
+H100_COPIES = ("h100-sxm", "h200", "h100-96g-500w", "h100-nvl")
+BLACKWELL_MAMF = {"b200": "B200 SXM", "gb200-nvl72": "GB200 SXM"}
 # ml-engineering's Maximum Achievable Matmul FLOPS table: MI300X 60.1%, H100 SXM 80.1% of peak.
 MI300X_OVER_H100_MAMF = 0.601 / 0.801
+
+
+def blackwell_values(h100: dict[str, float], part: str) -> dict[str, float]:
+    """h100-sxm's fields for a Blackwell profile: its matmul and fp8 efficiencies scaled by the part's
+    measured BF16 and FP8 ceilings over H100's (`mamf_efficiencies`), to the profiles' 3 digits."""
+    matmul, fp8 = mamf_efficiencies(h100["matmul_efficiency"], part)
+    return {**h100, "matmul_efficiency": float(f"{matmul:.3g}"), "fp8_matmul_efficiency": float(f"{fp8:.3g}")}
 
 
 def mi300x_values(h100: dict[str, float]) -> dict[str, float]:
@@ -385,11 +403,17 @@ def set_field(text: str, section: str, key: str, value: float, comment: str) -> 
 
 def fit_comment(name: str, source: str, key: str) -> str:
     """What a written field was fitted on; a part that takes another's fit says whose it is."""
-    if key == "fp8_matmul_efficiency":
-        from meshplan.planner.costing.gemm import MAMF_BF16_FP8
+    from meshplan.planner.costing.gemm import MAMF_BF16_FP8
 
-        bf16, fp8 = MAMF_BF16_FP8["H100 SXM"]
-        return f"h100-sxm's matmul_efficiency x FP8/BF16 MAMF {fp8:.1%}/{bf16:.1%} (ml-engineering; no run)"
+    h100_bf16, h100_fp8 = MAMF_BF16_FP8["H100 SXM"]
+    if name in BLACKWELL_MAMF and key in ("matmul_efficiency", "fp8_matmul_efficiency"):
+        part = BLACKWELL_MAMF[name]
+        share = MAMF_BF16_FP8[part][key == "fp8_matmul_efficiency"]
+        dtype = "FP8" if key == "fp8_matmul_efficiency" else "BF16"
+        return (f"h100-sxm's {H100_NOTE} fit x {part} {dtype} MAMF / H100 SXM BF16 MAMF {share:.1%}/{h100_bf16:.1%} "
+                "(ml-engineering 744d01e; no run on this part)")
+    if key == "fp8_matmul_efficiency":
+        return f"h100-sxm's matmul_efficiency x FP8/BF16 MAMF {h100_fp8:.1%}/{h100_bf16:.1%} (ml-engineering; no run)"
     if name == "mi300x" and key == "matmul_efficiency":
         return f"h100-sxm's {H100_NOTE} fit x MAMF 60.1% / 80.1% (ml-engineering)"
     if source == "h100-sxm" and key == "matmul_half_efficiency_flops":
@@ -406,6 +430,7 @@ def write_profiles(result: FitResult, profiles_dir: Path = PROFILES_DIR) -> None
     plans = {"a100-80g": ("a100-80g", result.a100), "a100-40g": ("a100-80g", result.a100)}
     plans.update({name: ("h100-sxm", result.h100) for name in H100_COPIES})
     plans["mi300x"] = ("h100-sxm", mi300x_values(result.h100))
+    plans.update({name: ("h100-sxm", blackwell_values(result.h100, part)) for name, part in BLACKWELL_MAMF.items()})
     for name, (source, device) in plans.items():
         path = profiles_dir / f"{name}.toml"
         text = path.read_text()
@@ -438,7 +463,8 @@ def main(argv: list[str]) -> int:
     print(f"({time.perf_counter() - start:.0f} s)")
     if "--write" in argv:
         write_profiles(rounded(result))
-        print(f"written to {', '.join(f'{n}.toml' for n in ('a100-80g', 'a100-40g') + H100_COPIES + ('mi300x',))}")
+        names = ('a100-80g', 'a100-40g') + H100_COPIES + ('mi300x',) + tuple(BLACKWELL_MAMF)
+        print(f"written to {', '.join(f'{n}.toml' for n in names)}")
     return 0
 
 

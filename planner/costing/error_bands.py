@@ -205,7 +205,7 @@ class MissingBand:
                          f"{self.fitted.error_low:+.0%} to {self.fitted.error_high:+.0%} left out in turn, too few "
                          "for a band")
         # a few steps measured on the part are what such a profile lacks (on gb200-nvl72, five of its
-        # published runs take the other four from 20% to 3%: benchmarks/bench_calibrate_runs.py)
+        # published runs take the other four from 13% to 3%: benchmarks/bench_calibrate_runs.py)
         hint = "" if self.fitted is not None else "; `meshplan calibrate --from-runs` fits it to steps you measured"
         return (f"none: profile '{self.profile}' is not validated (from published specifications; its efficiencies "
                 f"are borrowed, not measured on the part): {measured}{hint}")

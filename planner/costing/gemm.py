@@ -32,7 +32,8 @@ shapes, CUDA 12.1); `MAX_ACHIEVABLE_MATMUL_FRACTION` keeps those figures, and a 
 `matmul_efficiency` (whole layers, with their norms' and launches' losses) must stay below them
 (a test holds it). The same table's later edition measures BF16 and FP8 on one torch build per
 device (`MAMF_BF16_FP8`): FP8 reaches a smaller share of its doubled peak, and that ratio carries
-the fitted BF16 efficiency over to `fp8_matmul_efficiency` (`benchmarks/fit_efficiency.py`).
+the fitted BF16 efficiency over to `fp8_matmul_efficiency` (`benchmarks/fit_efficiency.py`); B200's and
+GB200's rows carry H100's fit over to those parts, each dtype by its own ceiling over H100's BF16 one.
 
 A transformer block's Linears are priced one GEMM at a time from the model's shapes
 (`block_linear_shapes`): forward (tokens x in -> out), the input gradient (tokens x out -> in) and
@@ -57,8 +58,9 @@ TILE_SHAPES = ((128, 256), (256, 128), (128, 128))
 MAX_ACHIEVABLE_MATMUL_FRACTION = {"A100 SXM": 0.859, "GH200": 0.830, "H100 SXM": 0.801, "MI300X": 0.601}
 # The table at ml-engineering commit 744d01e (2026-08-22), whose BF16 and FP8 (float8_e4m3fn) rows
 # for a device were measured with one torch build: (BF16, FP8) MAMF over the dense peak. H100 SXM:
-# 794.5 of 989 and 1402.6 of 1979 TFLOP/s, torch 2.7.0+cu126.
-MAMF_BF16_FP8 = {"H100 SXM": (0.803, 0.709)}
+# 794.5 of 989 and 1402.6 of 1979 TFLOP/s, torch 2.7.0+cu126; B200 SXM: 1745.0 of 2250 and 3432.5
+# of 4500, torch 2.7.1+cu128; GB200: 1822.0 of 2500 and 3615.6 of 5000, torch 2.10.0.dev20250916+cu130.
+MAMF_BF16_FP8 = {"H100 SXM": (0.803, 0.709), "B200 SXM": (0.776, 0.763), "GB200 SXM": (0.729, 0.723)}
 
 
 def wave_efficiency(m: int, n: int, num_sms: int) -> float:

@@ -220,7 +220,7 @@ def test_moe_fp8_and_bf16_runs_of_one_layout_pair_as_the_dense_ones_do(modules):
     bench = importlib.import_module("bench_fidelity")
     moe = [r for r in data.all_runs() if r.group == data.HELD_OUT_MOE]
     pairs = bench.fp8_pairs([r for r in moe if r.precision == "fp8"], [r for r in moe if r.precision != "fp8"])
-    gb200 = [(f"DGX Cloud GB200 Grok-1 314B fp8 tp4 etp4 ep8 x{gpus}", f"DGX Cloud GB200 Grok-1 314B bf16 tp4 etp4 ep8 x{gpus}")
+    gb200 = [tuple(f"DGX Cloud GB200 Grok-1 314B {precision} tp4 etp4 ep8 x{gpus}" for precision in ("fp8", "bf16"))
              for gpus in (128, 256, 512)]
     assert [(f.name, b.name) for f, b in pairs] == [("DGX Cloud Grok-1 314B fp8 tp4 pp8 vpp8 cp2 ep8",
                                                      "DGX Cloud Grok-1 314B bf16 tp4 pp8 vpp8 cp2 ep8")] + gb200
@@ -310,8 +310,10 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
         ("Nemotron-4 15B", "fp8"): (132396, 264792, 529584, 1053845, 2097152, 4152776, 8264638, 16054752),
         ("Nemotron-4 340B", "bf16"): (60125, 119428, 237772, 473398), ("Nemotron-4 340B", "fp8"): (89469, 176528, 349525, 687591),
         # v25.05.04's GB200 tables (128, 256 and 512 GPUs)
-        ("GB200 Llama3.1 405B", "bf16"): (56092, 110563, 220567), ("GB200 Llama3.1 405B", "fp8"): (85514, 169590, 335867),
-        ("GB200 Nemotron-4 340B", "bf16"): (59877, 119700, 235212), ("GB200 Nemotron-4 340B", "fp8"): (88383, 172804, 338468),
+        ("GB200 Llama3.1 405B", "bf16"): (56092, 110563, 220567),
+        ("GB200 Llama3.1 405B", "fp8"): (85514, 169590, 335867),
+        ("GB200 Nemotron-4 340B", "bf16"): (59877, 119700, 235212),
+        ("GB200 Nemotron-4 340B", "fp8"): (88383, 172804, 338468),
         ("GB200 Nemotron-4 340B gbs512", "bf16"): (64211, 126486, 247656),
         ("GB200 Nemotron-4 340B gbs512", "fp8"): (96067, 187078, 369998)}
     def table(run) -> tuple[str, str]:  # the printed table a run's row is in: (model, precision)
@@ -567,7 +569,8 @@ def test_shipped_profiles_carry_the_h100_fit_by_their_formulas(modules):
     """What the fit writes beside h100-sxm's fitted `matmul_efficiency` follows from it and from
     published ceilings, not from a run: every part that takes it carries it; fp8 is it times the
     FP8 / BF16 shares of peak of one mamf-finder sweep (70.9% / 80.3%, ml-engineering), mi300x's
-    it times MI300X's / H100's measured BF16 ceilings (60.1% / 80.1%), the size curve's half-way
+    it times MI300X's / H100's measured BF16 ceilings (60.1% / 80.1%), B200's and GB200's it times
+    their own BF16 and FP8 ceilings over H100's BF16 one (the same sweep's edition), the size curve's half-way
     FLOPs a100-80g's times the BF16 peak ratio 989 / 312; each to the 3 digits the profiles hold."""
     _, fit = modules
     h100, a100 = load_cluster("h100-sxm").device, load_cluster("a100-80g").device
@@ -577,6 +580,14 @@ def test_shipped_profiles_carry_the_h100_fit_by_their_formulas(modules):
         assert device.fp8_matmul_efficiency == pytest.approx(h100.matmul_efficiency * 70.9 / 80.3, abs=1e-3), name
     assert load_cluster("mi300x").device.matmul_efficiency == pytest.approx(h100.matmul_efficiency * 60.1 / 80.1,
                                                                              abs=1e-3)
+    # the Blackwell parts: each dtype's efficiency scaled by the part's own measured ceiling in it over
+    # H100's BF16 one, the same table edition (B200 77.6% / 76.3%, GB200 72.9% / 72.3%, H100 80.3%)
+    for name, bf16, fp8 in (("b200", 77.6, 76.3), ("gb200-nvl72", 72.9, 72.3)):
+        device = load_cluster(name).device
+        assert device.matmul_efficiency == pytest.approx(h100.matmul_efficiency * bf16 / 80.3, abs=1e-3), name
+        assert device.fp8_matmul_efficiency == pytest.approx(h100.matmul_efficiency * fp8 / 80.3, abs=1e-3), name
+        assert (device.attention_efficiency, device.matmul_half_efficiency_flops) == (
+            h100.attention_efficiency, h100.matmul_half_efficiency_flops), name
     assert h100.matmul_half_efficiency_flops == pytest.approx(a100.matmul_half_efficiency_flops * 989 / 312, rel=5e-3)
 
 
