@@ -45,7 +45,8 @@ NEMO_LLAMA_ASSUMPTIONS = (
 NEMO_FP8 = ("FP8: bf16_with_fp8_mixed, Transformer Engine's delayed scaling (hybrid E4M3/E5M2, amax history 1024) "
             "with fp8 parameters (--fp8-recipe delayed, gathered in fp8)")
 # What every GB200 row here assumes of the part (`gb200-nvl72`).
-GB200_UNVALIDATED = "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell)"
+GB200_UNVALIDATED = ("the profile's efficiencies are H100 SXM's fit at GB200's measured matmul ceilings "
+                     "(gb200-nvl72 is not validated on Blackwell)")
 CUDNN_BLACKWELL = "cuDNN fused attention (Transformer Engine's choice on Blackwell)"
 PROXY = ("a 405B proxy: Llama 3.1 405B's shape with the layer count llama31_utils.py sets for this GPU count; the "
          "embedding and the loss counted as a layer each in the pipeline split (the recipe's "

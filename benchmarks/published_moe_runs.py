@@ -167,7 +167,8 @@ def megatron_bridge_blackwell_moe_runs() -> list[Run]:
     assumptions = MEGATRON_MOE_ASSUMPTIONS[:2] + (CUDNN_ATTENTION, BRIDGE_TE_LOSS,
         "no recomputation (the recipe's set_qwen3_common_configs clears it); the distributed optimizer costed as "
         "ZeRO-1",
-        "the profile's efficiencies are H100 SXM's (gb200-nvl72 and b200 are not validated on Blackwell)")
+        "the profile's efficiencies are H100 SXM's fit at each part's measured matmul ceilings (gb200-nvl72 and b200 "
+        "are not validated on Blackwell)")
     regressions = {"B200 Qwen3-235B-A22B fp8 pp8 vpp2 ep8": QWEN3_235B_B200_REGRESSION,
                    "B200 Qwen3-30B-A3B fp8 ep8": QWEN3_30B_DROPLESS_REGRESSION}
     mxfp8 = (MXFP8,)
@@ -233,7 +234,7 @@ def moe_gb200_runs() -> list[Run]:
         "GB200 rows), not overlapped with compute (A2A_OVERLAP=0)",
         "no recomputation (the command names none); the distributed optimizer costed as ZeRO-1", ZOO_SPLIT, ZOO_LOSS,
         "TFLOP/s in Megatron-LM's convention (causal attention, no recomputation)",
-        "the profile's efficiencies are H100 SXM's (gb200-nvl72 is not validated on Blackwell); CUDA graphs not priced")
+        GB200_UNVALIDATED + "; CUDA graphs not priced")
     return [Run("Megatron-MoE GB200 Qwen3-235B bf16 pp8 ep8", HELD_OUT_MOE, MEGATRON_MOE_QWEN3_GB200, "gb200-nvl72",
                 "qwen3-235b-a22b", 256, 8192, 4096, pp=8, zero=1, ep=8, etp=1, published_causal_tflops_per_gpu=750.0,
                 stage_blocks=qwen3_235b_stage_blocks(8), cross_entropy_fusion="te",
@@ -512,7 +513,8 @@ def megatron_bridge_blackwell_deepseek_v3_runs() -> list[Run]:
         "last stage (the recipe's layout for PP 16)",
         "the distributed optimizer costed as ZeRO-1, gradients reduced in bf16 (set_deepseek_v3_common_configs)",
         MXFP8,
-        "the profile's efficiencies are H100 SXM's (b200 is not validated on Blackwell)",
+        "the profile's efficiencies are H100 SXM's fit at B200's measured matmul ceilings (b200 is not validated on "
+        "Blackwell)",
     )
     return [Run("Megatron-Bridge B200 DeepSeek-V3 fp8 pp16 ep8", HELD_OUT_MOE, MEGATRON_BRIDGE_BLACKWELL, "b200",
                 "deepseek-v3", 256, 2048, 4096, pp=16, zero=1, ep=8, etp=1, recompute_modules=("mla_up_proj",),

@@ -28,8 +28,8 @@ Held out:
   and 340B (v25.04), BF16 here and FP8 below, each under its release's NeMo recipe
   (`published_dgx_cloud_runs`); and v25.05.04's GB200 tables of the dense models meshplan builds
   (Llama 3.1 405B, Nemotron-4 340B weak- and strong-scaled; 128, 256 and 512 GPUs) under the
-  launch.sh GB200 layouts, on the `gb200-nvl72` profile, which is not validated (H100's
-  efficiencies at Blackwell's peaks: these runs say how far that carries).
+  launch.sh GB200 layouts, on the `gb200-nvl72` profile, which is not validated (H100's fit at
+  GB200's measured matmul ceilings: these runs say how far that carries).
 
 Held out, FP8 (`HELD_OUT_FP8`, reported apart from the BF16 held-out set): MosaicML's "H100 80GB
 FP8" table (`data/mpt_llm_foundry_fp8.csv`), every row, under delayed scaling (Composer's amp_fp8);
@@ -63,8 +63,8 @@ parallelism, costed under balanced routing:
 - The same page's DGX-GB200 and DGX-B200 tables (`MEGATRON_BRIDGE_BLACKWELL`), every Qwen3 row:
   Qwen3-235B-A22B in BF16 on 256 GB200 (EP 32 inside an NVL72 domain) and in MXFP8 on 64 B200,
   Qwen3-30B-A3B in MXFP8 on 8 GB200 (micro-batch 4) and 8 B200 (micro-batch 1); MXFP8 under
-  meshplan's mxfp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's efficiencies, not
-  validated on Blackwell.
+  meshplan's mxfp8 recipe. Their profiles (`gb200-nvl72`, `b200`) carry H100's fit at each part's
+  measured matmul ceilings, not validated on Blackwell.
 - Megatron-Bridge's performance archive (`docs/performance-summary-archive.md`, commit 4ab94df):
   every distinct DGX-H100 MoE layout of its 2026 releases, once, from the latest release that
   prints it, with that release's recipes (the tag's `scripts/performance/configs`): Qwen3-30B-A3B
