@@ -126,7 +126,9 @@ come from the ModelZoo's script, above).
 
 Left out, DGX Cloud: the Llama 4 Maverick rows (chunked attention and MoE blocks alternating with dense
 ones, which meshplan's `moe:` family does not build; the H100 table also prints VP 12 at PP 1),
-the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure.
+the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure;
+the Nemotron-H 56B FP8 table (32-2,048 H100, TP 8): meshplan builds the model (56.3 B parameters, 343
+GFLOP a token against the README's implied 344) but splits no Mamba-2 mixer over TP ranks.
 
 Held out, torchtitan's selective op checkpointing (priced as its per-op policy reruns,
 `planner/costing/torchtitan_sac.py`; `published_torchtitan_runs` builds them): its A100 table's
