@@ -548,6 +548,29 @@ def test_regressions_are_the_engine_maintainers_words_on_held_out_moe_runs(modul
                if run.group == data.HELD_OUT_MOE and run.source.startswith("Megatron-Bridge"))
 
 
+def test_on_validated_reads_the_runs_of_validated_profiles_alone(modules):
+    """Beside a regime that holds runs on profiles that are not validated, bench_fidelity prints
+    what the rest read: one H100 SXM run published at 10 s and predicted 11 s (+10%) with one GB200
+    run predicted 30% too fast read 10% on the validated profile alone, and its rule figure is
+    the rule's own on that run; a set of validated runs only, or of unvalidated only, adds nothing."""
+    data, _ = modules
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("bench_fidelity")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    runs = data.all_runs()
+    h100 = next(r for r in runs if r.cluster == "h100-sxm" and r.published_step_s)
+    gb200 = next(r for r in runs if r.cluster == "gb200-nvl72" and r.published_step_s)
+    clusters = {name: load_cluster(name) for name in ("h100-sxm", "gb200-nvl72")}
+    validated = bench.Scored(h100, 10.0, (11.0,), True, ((1, 1),))
+    unvalidated = bench.Scored(gb200, 10.0, (7.0,), True, ((1, 1),))
+    rule = bench.metrics([validated], clusters)["rule"]
+    expected = f"; on validated profiles: 10.0% over 1 (the rule {rule:.1%})"
+    assert bench.on_validated([validated, unvalidated], clusters) == expected
+    assert bench.on_validated([validated], clusters) == bench.on_validated([unvalidated], clusters) == ""
+
+
 def test_layout_band_reads_what_unpublished_layouts_leave_open(modules):
     """Two runs published at 1 s: one scored over options predicting 0.9 and 1.2 s (inside, a
     range 1.2 / 0.9 - 1 = 33.3% wide, nearest option 10% off), one at a single 1.05 s layout (5%
