@@ -5,9 +5,7 @@ from the held-out runs; `benchmarks/fit_efficiency.py` fits the profiles on them
 check the data's bookkeeping and that the fit's objective and solver recover an efficiency that
 a synthetic case was generated with; the full fit and `bench_fidelity.py` are benchmarks.
 """
-import importlib
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,8 +13,8 @@ import numpy as np
 import pytest
 
 from meshplan.planner.costing.hardware import builtin_profiles, load_cluster
+from tests.benchmark_modules import benchmark_module
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def configuration(run):
@@ -88,11 +86,7 @@ def test_qwen3_235b_rows_take_their_recipes_pipeline_split(modules):
     Every ModelZoo H100 row with a pipeline runs that split, blocking TP communication and
     Transformer Engine's loss, as its scripts set."""
     data, _ = modules
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        moe = importlib.import_module("published_moe_runs")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    moe = benchmark_module("published_moe_runs")
     assert moe.qwen3_235b_stage_blocks(32) == (2,) + (3,) * 30 + (2,)
     assert moe.qwen3_235b_stage_blocks(96) == (0,) + (1,) * 94 + (0,)
     assert moe.qwen3_235b_stage_blocks(8) == (11,) + (12,) * 6 + (11,)
@@ -142,12 +136,7 @@ def test_causal_flops_of_mixtral_8x22b_are_megatron_lms():
     for the projections, 6 h V for the logits and 6 q L s for causal attention's two products. It
     counts no router; meshplan's causal count (`causal_model_flops`) does, 6 h x experts per token
     and layer, 7e-5 of the total: they agree to 1e-4."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        fit = importlib.import_module("fit_efficiency")
-        scripts = importlib.import_module("published_zoo_script_runs")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    fit, scripts = benchmark_module("fit_efficiency"), benchmark_module("published_zoo_script_runs")
     seq = 4096
     graph = fit.graph_of(scripts.MIXTRAL_8X22B, seq, "cudnn")
     h, layers, vocab, expert_ffn, top_k, q, kv = 6144, 56, 32000, 16384, 2, 6144, 1024
@@ -217,7 +206,7 @@ def test_moe_fp8_and_bf16_runs_of_one_layout_pair_as_the_dense_ones_do(modules):
     (128, 256 and 512 GPUs, each with its own GPU count only: one source, model, sequence, GPU
     count, profile and layout), and the dense pairing finds none of them."""
     data, _ = modules
-    bench = importlib.import_module("bench_fidelity")
+    bench = benchmark_module("bench_fidelity")
     moe = [r for r in data.all_runs() if r.group == data.HELD_OUT_MOE]
     pairs = bench.fp8_pairs([r for r in moe if r.precision == "fp8"], [r for r in moe if r.precision != "fp8"])
     gb200 = [tuple(f"DGX Cloud GB200 Grok-1 314B {precision} tp4 etp4 ep8 x{gpus}" for precision in ("fp8", "bf16"))
@@ -296,7 +285,7 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
     FLOPs per sample the READMEs print (4.74E+14, 2.17E+16, 2.20E+15) are meshplan's count with
     attention in full (1%)."""
     data, fit = modules
-    dgx = importlib.import_module("published_dgx_cloud_runs")
+    dgx = benchmark_module("published_dgx_cloud_runs")
     runs = dgx.dgx_cloud_dense_runs()
     tokens_per_s = {  # (name prefix, precision): the tables' throughput row, in GPU order
         ("8B", "bf16"): (85459, 170500, 340447, 680341, 1360683), ("8B", "fp8"): (112388, 224055, 444783, 884874, 1758618),
@@ -554,11 +543,7 @@ def test_on_validated_reads_the_runs_of_validated_profiles_alone(modules):
     run predicted 30% too fast read 10% on the validated profile alone, and its rule figure is
     the rule's own on that run; a set of validated runs only, or of unvalidated only, adds nothing."""
     data, _ = modules
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("bench_fidelity")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark_module("bench_fidelity")
     runs = data.all_runs()
     h100 = next(r for r in runs if r.cluster == "h100-sxm" and r.published_step_s)
     gb200 = next(r for r in runs if r.cluster == "gb200-nvl72" and r.published_step_s)
@@ -575,11 +560,7 @@ def test_layout_band_reads_what_unpublished_layouts_leave_open(modules):
     """Two runs published at 1 s: one scored over options predicting 0.9 and 1.2 s (inside, a
     range 1.2 / 0.9 - 1 = 33.3% wide, nearest option 10% off), one at a single 1.05 s layout (5%
     off): 1 of 2 scored over several, inside in 1, nearest-option mean (10% + 5%) / 2 = 7.5%."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("bench_fidelity")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark_module("bench_fidelity")
     several = bench.Scored(None, 1.0, (0.9, 1.2), True, ((1, 1), (1, 2)))
     single = bench.Scored(None, 1.0, (1.05,), True, ((1, 1),))
     line = bench.layout_band([several, single])

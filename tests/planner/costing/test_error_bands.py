@@ -2,9 +2,7 @@
 every predicted step in the CLI and its JSON, and beside training time and cost."""
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +11,8 @@ from meshplan.planner.costing.error_bands import (Band, band_for, band_from_erro
                                                   load_all_bands, load_bands, MissingBand, profile_runs,
                                                   step_uncertainty)
 from meshplan.planner.costing.hardware import PROFILES_DIR
+from tests.benchmark_modules import benchmark_module
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def missing_band_text(config, spec: str, seq: int, cluster) -> str:
@@ -29,11 +27,7 @@ def test_the_bands_file_is_the_benchmarks_measurement():
     written by bench_fidelity.py --write-bands, not by hand."""
     from meshplan.planner.costing.hardware import load_cluster
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        runs = importlib.import_module("published_runs")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    runs = benchmark_module("published_runs")
     data = json.loads((Path(PROFILES_DIR) / "error_bands.json").read_text())
     assert data["written_by"] == "benchmarks/bench_fidelity.py --write-bands"
     groups = {"dense": runs.HELD_OUT, "fp8": runs.HELD_OUT_FP8, "moe": runs.HELD_OUT_MOE}

@@ -3,36 +3,26 @@
 Nothing there is fitted; these tests hold what `benchmarks/bench_kernels.py` prints, so a change to
 a GEMM or FP8 price shows here as a moved check, not only as moved end-to-end figures.
 """
-import importlib
 import sys
-from pathlib import Path
 
 import pytest
 
 from meshplan.planner.costing import fp8, gemm
 from meshplan.planner.costing.device_time import memory_time_s
 from meshplan.planner.costing.hardware import load_cluster
+from tests.benchmark_modules import BENCHMARKS, benchmark_module
 
-BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
-
-
-def _benchmark_module(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    yield from _benchmark_module("published_kernel_runs")
+    return benchmark_module("published_kernel_runs")
 
 
 @pytest.fixture(scope="module")
 def bench():
     """bench_kernels.py, whose printed figures these tests hold."""
-    yield from _benchmark_module("bench_kernels")
+    return benchmark_module("bench_kernels")
 
 
 def _tflops(row) -> float:
@@ -113,11 +103,7 @@ def test_the_prepared_gpu_rowwise_check_runs_its_kernels_and_sums_each_recipe():
     rowwise's on the tensorwise kernel) beside meshplan's prices."""
     import torch
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        gpu_check = importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    gpu_check = benchmark_module("gpu_check")
     shapes = gpu_check.fp8_tp8_gemms()
     assert len(shapes) == 2 * 7 * 3
     assert ("llama3-70b tp8", "wk", "forward", 16 * 8192, 128, 8192) in shapes
@@ -150,11 +136,7 @@ def test_the_prepared_gpu_fp8_block_check_times_each_variant_beside_its_price():
     import torch
 
     pytest.importorskip("torchao.float8")
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        block_check = importlib.import_module("fp8_block_check")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    block_check = benchmark_module("fp8_block_check")
     cluster = load_cluster("h100-sxm")
     calls = iter(range(1, 10_000))
     out = block_check.check_fp8_block(torch, {"h100-sxm": cluster}, lambda fn: (fn(), float(next(calls)))[1],
