@@ -49,7 +49,8 @@ from fit_efficiency import base_clusters, fit_a100, fit_h100, fit_links, graph_o
 from fidelity_targets import WITHIN, print_targets, regime_groups  # noqa: E402
 from published_dgx_cloud_runs import (DGX_CLOUD_250504_LLAMA, DGX_CLOUD_250504_LLAMA_GB200, DGX_CLOUD_GROK1,  # noqa: E402
                                       DGX_CLOUD_GROK1_GB200, DGX_CLOUD_2504_GPT3, DGX_CLOUD_2504_LLAMA,
-                                      DGX_CLOUD_2504_NEMOTRON, NEMOTRON_GB200_STRONG, NEMOTRON_GB200_WEAK)
+                                      DGX_CLOUD_2504_NEMOTRON, DGX_CLOUD_NEMOTRON_H, NEMOTRON_GB200_STRONG,
+                                      NEMOTRON_GB200_WEAK)
 from published_zoo_script_runs import ZOO_MIXTRAL_SCRIPT, ZOO_QWEN3_H100_SCRIPT  # noqa: E402
 from published_moe_runs import (DGX_CLOUD_DEEPSEEK_V3, DGX_CLOUD_DEEPSEEK_V3_GB200_SOURCE,  # noqa: E402
                                 MEGATRON_BRIDGE_2511_ARCHIVE_H100, MEGATRON_BRIDGE_260401_H100, MEGATRON_BRIDGE_2606_H100,
@@ -199,7 +200,8 @@ SOURCE_LABELS = {NARAYANAN_2021: "Narayanan et al. 2021 Table 1", LLAMA3_2024: "
                  DGX_CLOUD_2504_NEMOTRON: "DGX Cloud benchmarking v25.04 Nemotron-4",
                  DGX_CLOUD_250504_LLAMA_GB200: "DGX Cloud benchmarking v25.05.04 Llama 3.1 405B, GB200",
                  NEMOTRON_GB200_WEAK: "DGX Cloud benchmarking v25.05.04 Nemotron-4 340B, GB200",
-                 NEMOTRON_GB200_STRONG: "DGX Cloud benchmarking v25.05.04 Nemotron-4 340B, GB200, GBS 512"}
+                 NEMOTRON_GB200_STRONG: "DGX Cloud benchmarking v25.05.04 Nemotron-4 340B, GB200, GBS 512",
+                 DGX_CLOUD_NEMOTRON_H: "DGX Cloud benchmarking v25.05.04 Nemotron-H 56B"}
 
 
 def layout_band(scored: Sequence[Scored]) -> str | None:
@@ -461,7 +463,7 @@ def cross_validated() -> None:
 BAND_SETS = {"dense": "held-out BF16 runs (Korthikanti et al. 2022 T5, the Megatron-LM README's H100 strong-scaling "
                       "ends, MosaicML MPT, torchtitan FSDP2 on A100 and H100, DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
              "fp8": "held-out FP8 runs (MosaicML MPT H100 FP8, torchtitan Float8 on H100 and H200, Megatron-Bridge's DGX-H100 Llama, "
-                    "DGX Cloud's Llama 3.1, GPT-3 and Nemotron-4)",
+                    "DGX Cloud's Llama 3.1, GPT-3, Nemotron-4 and Nemotron-H)",
              "moe": "held-out MoE runs (Megatron-MoE-ModelZoo Qwen3; Megatron-Bridge Qwen3 and GPT-OSS on DGX-H100, "
                     "DGX-GB200 and DGX-B200; DGX Cloud's DeepSeek-V3, and Grok-1 on H100 and GB200)"}
 

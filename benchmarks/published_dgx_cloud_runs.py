@@ -14,6 +14,7 @@ Split from `published_runs` (which defines `Run` and the groups), whose `all_run
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from published_runs import HELD_OUT, HELD_OUT_FP8, HELD_OUT_MOE, Run, account_for_split, gpt_spec
 
@@ -56,12 +57,14 @@ PROXY = ("a 405B proxy: Llama 3.1 405B's shape with the layer count llama31_util
 def nemo_run(name: str, source: str, spec: str, gpus: int, global_batch: int, seq: int, precision: str,
              step_s: float, assumptions: tuple[str, ...], cluster: str = "h100-sxm", **layout) -> Run:
     """One DGX Cloud row as every NeMo recipe here runs it: on `cluster` under `--engine megatron`, the
-    distributed optimizer (ZeRO-1), cuDNN attention, FP8 as delayed scaling (`NEMO_FP8`), held out
-    with the BF16 or the FP8 runs; `layout` holds the row's degrees and its recipe's switches."""
+    distributed optimizer (ZeRO-1), cuDNN attention unless `layout` names another, FP8 as delayed
+    scaling (`NEMO_FP8`), held out with the BF16 or the FP8 runs; `layout` holds the row's degrees
+    and its recipe's switches."""
     fp8 = precision == "fp8"
+    attention = layout.pop("attention", "cudnn")
     return Run(f"DGX Cloud {name} {'fp8' if fp8 else 'bf16'} {_degrees(layout)} x{gpus}",
                HELD_OUT_FP8 if fp8 else HELD_OUT, source, cluster, spec, gpus, global_batch, seq, zero=1,
-               precision=precision, fp8_recipe="delayed" if fp8 else None, engine="megatron", attention="cudnn",
+               precision=precision, fp8_recipe="delayed" if fp8 else None, engine="megatron", attention=attention,
                published_step_s=step_s, assumptions=assumptions + ((NEMO_FP8,) if fp8 else ()), **layout)
 
 
@@ -245,9 +248,43 @@ def dgx_cloud_gb200_nemotron_runs() -> list[Run]:
             for (source, precision), row in steps.items() for gpus, step in zip((128, 256, 512), row)]
 
 
+# The v25.05.04 README's Nemotron-H 56B table (FP8 only, 32-2,048 H100, weak-scaled: GBS 3 x GPUs) run by
+# its launch.sh through NeMo's scripts/performance/llm/pretrain_nemotronh_56b.py at the commit its setup.sh pins.
+DGX_CLOUD_NEMOTRON_H = (
+    "NVIDIA dgxc-benchmarking v25.05.04 nemotronh/README.md, Expected Performance (github.com/NVIDIA/"
+    "dgxc-benchmarking, commit 1f6d9f40e4117d7c71b726f86074ac01c29f87f5; iterations 11-44); recipe: its launch.sh "
+    "and NeMo's scripts/performance/llm/pretrain_nemotronh_56b.py at commit 7a8f1cc7bc40a84447c0681a9e4e956a135ae8a2 "
+    "(github.com/NVIDIA/NeMo)")
+# Nemotron-H 56B as Megatron-LM's examples/post_training/modelopt/conf/nvidia/Nemotron-H-56B-Base-8K.sh
+# builds it (hidden 8,192, 118 layers: 54 Mamba-2, 10 attention, 54 squared-ReLU MLP layers; 64 heads, 8
+# query groups of 128; FFN 32,768; Mamba-2 state 256, its defaults' 8 groups and heads of 64, expand 2;
+# untied embeddings, vocabulary 131,072), written as the Hugging Face config transformers' NemotronH takes.
+NEMOTRON_H_56B = Path(__file__).parent / "models" / "nemotron_h_56b_base_8k.json"
+NEMOTRON_H_ASSUMPTIONS = (
+    "launch.sh's layout: TP 8 with sequence parallelism (the recipe's default), PP 1, CP 1, MBS 1, GBS 3 x GPUs "
+    "(24 micro-batches a data rank), no recomputation, no CUDA graphs",
+    "TP communication not overlapped (the recipe adds no MegatronCommOverlapCallback outside performance mode)",
+    "the distributed optimizer costed as ZeRO-1; gradients reduced in bf16 (the FP8 branch of "
+    "set_primary_perf_configs: grad_reduce_in_fp32 = False)",
+    "flash attention through Transformer Engine (the script sets NVTE_FUSED_ATTN=0): FlashAttention-2",
+    "the Mamba-2 mixers as Megatron-Core's MambaMixer runs them (mamba_ssm's fused conv + chunked scan, "
+    "`megatron_activations.mamba2_terms`), split over TP by heads and groups",
+    TE_LOSS,
+)
+
+
+def dgx_cloud_nemotron_h_runs() -> list[Run]:
+    """DGX Cloud's Nemotron-H 56B rows (FP8, `HELD_OUT_FP8`): 32 to 2,048 H100, 8K tokens."""
+    steps = zip((32, 64, 128, 256, 512, 1024, 2048), (15.119, 15.058, 15.496, 15.892, 15.586, 15.678, 15.723))
+    return [nemo_run("Nemotron-H 56B", DGX_CLOUD_NEMOTRON_H, f"hf:{NEMOTRON_H_56B}", gpus, 3 * gpus, 8192, "fp8",
+                     step, NEMOTRON_H_ASSUMPTIONS, tp=8, sp=True, attention="flash2", tp_comm_overlap=False,
+                     grad_reduce_in_bf16=True, cross_entropy_fusion="te")
+            for gpus, step in steps]
+
+
 def dgx_cloud_dense_runs() -> list[Run]:
     return (dgx_cloud_llama_runs() + dgx_cloud_gpt3_runs() + dgx_cloud_nemotron_runs() + dgx_cloud_gb200_llama_runs()
-            + dgx_cloud_gb200_nemotron_runs())
+            + dgx_cloud_gb200_nemotron_runs() + dgx_cloud_nemotron_h_runs())
 
 
 # Grok-1 (314B, 8 experts, top 2): NeMo's scripts/performance/llm/pretrain_grok1_314b.py builds it as

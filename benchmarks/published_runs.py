@@ -37,7 +37,9 @@ torchtitan's Float8 tables on Meta's H100 96GB at a 500 W cap (`h100-96g-500w`, 
 torchtitan places between H100 SXM's and NVL's), the rows meshplan expresses: Table 2 (Llama 3.1
 8B, FSDP x CP, 32K-256K tokens) and Table 4's "2D" row (Llama 3.1 70B, FSDP 32 x TP 8);
 Megatron-Bridge's 25.11 DGX-H100 dense Llama rows (FP8 current scaling: 8B, 70B, 405B); the DGX
-Cloud tables' FP8 rows (delayed scaling with fp8 parameters: NeMo's bf16_with_fp8_mixed).
+Cloud tables' FP8 rows (delayed scaling with fp8 parameters: NeMo's bf16_with_fp8_mixed), among
+them v25.05.04's Nemotron-H 56B table (hybrid Mamba-2 / attention / MLP layers, TP 8, 32-2,048 H100;
+`published_dgx_cloud_runs.dgx_cloud_nemotron_h_runs`), FP8 only, so in no FP8/BF16 pair.
 
 Held out, MoE (`HELD_OUT_MOE`, reported apart, "MoE (held out)"), every run with expert
 parallelism, costed under balanced routing:
@@ -126,9 +128,7 @@ come from the ModelZoo's script, above).
 
 Left out, DGX Cloud: the Llama 4 Maverick rows (chunked attention and MoE blocks alternating with dense
 ones, which meshplan's `moe:` family does not build; the H100 table also prints VP 12 at PP 1),
-the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure;
-the Nemotron-H 56B FP8 table (32-2,048 H100, TP 8): meshplan builds the model (56.3 B parameters, 343
-GFLOP a token against the README's implied 344) but splits no Mamba-2 mixer over TP ranks.
+the fine-tuning tables and MaxText's (JAX); the Llama 3.1 READMEs after v25.05.04 print no H100 figure.
 
 Held out, torchtitan's selective op checkpointing (priced as its per-op policy reruns,
 `planner/costing/torchtitan_sac.py`; `published_torchtitan_runs` builds them): its A100 table's

@@ -64,10 +64,10 @@ def apply_layer_tp(layer, tp_mesh, name: str) -> None:
 
     layout = tp_layout(layer, expert_modules(layer))
     tp = tp_mesh.size()
-    if isinstance(layout, str) or layout.experts or not layout.split().max_degree_ok(tp):
+    if isinstance(layout, str) or layout.experts or layout.executor_refusal or not layout.split().max_degree_ok(tp):
         why = layout if isinstance(layout, str) else (
             f"the executor does not split its routed experts ({layout.experts[0]})" if layout.experts
-            else f"{layout.num_heads} heads, {layout.num_kv_heads} K/V heads")
+            else layout.executor_refusal or layout.split().divisors_text())
         raise MeshplanError(f"layer {name!r} cannot be split tp={tp} ways: {why}")
     with torch.no_grad():
         if layout.qkv == "blocks":

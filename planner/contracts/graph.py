@@ -45,6 +45,10 @@ LAYER_KINDS = ("embedding", "block", "head", "other")
 # decoder's, sharing the output layer's pipeline chunk.
 MTP_LAYER_PREFIX = "mtp."
 TP_SPLIT_KINDS = ("block", "vocab", "none")
+# a block's token mixer and dense MLP (`TPSplit.mixer`, `TPSplit.mlp`); mixer "none": an MLP-only
+# layer (Nemotron-H's "-" layers); mlp "": as the model family's blocks (the zoo's)
+TOKEN_MIXERS = ("attention", "mamba2", "ssm", "none")
+BLOCK_MLPS = ("", "gated", "plain", "none")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,14 @@ class TPSplit:
     kind "none": not splittable; replicated on every TP rank. `reason` says why (Hugging Face
     decoder layers whose modules match no known layout: `estimate` and `plan` refuse tp > 1).
     `mlp_width` (when known): the MLP's inner width, which the TP degree must divide too.
+    `mixer` and `mlp`: what a block holds, recorded whether or not it splits (the engines' memory
+    and kernel rules read them, `costing.megatron_activations`). `mixer`: "attention", "mamba2" (a
+    Mamba-2 mixer, split as Megatron-Core splits it: `num_heads` its heads, `num_kv_heads` its
+    B/C groups), "ssm" (another state-space or linear-attention mixer) or "none" (an MLP-only
+    layer); `mlp`: "gated" (SwiGLU-style), "plain" (one activation), "none" (no dense MLP) or ""
+    (as the model family's blocks: the zoo's).
+    `executor_refusal`: why meshplan's executor does not run this split ("" when it does): the
+    cost model prices it, `train` refuses the plan in one line (`costing.executable`).
     """
 
     kind: TPSplitKind = "none"
@@ -71,10 +83,17 @@ class TPSplit:
     num_allreduce_per_pass: int = 0
     mlp_width: int = 0
     reason: str = ""
+    mixer: str = "attention"
+    mlp: str = ""
+    executor_refusal: str = ""
 
     def __post_init__(self):
         if self.kind not in TP_SPLIT_KINDS:
             raise ValueError(f"TPSplit.kind must be one of {TP_SPLIT_KINDS}, got {self.kind!r}")
+        if self.mixer not in TOKEN_MIXERS:
+            raise ValueError(f"TPSplit.mixer must be one of {TOKEN_MIXERS}, got {self.mixer!r}")
+        if self.mlp not in BLOCK_MLPS:
+            raise ValueError(f"TPSplit.mlp must be one of {BLOCK_MLPS}, got {self.mlp!r}")
         for name in ("num_heads", "num_kv_heads", "vocab_size", "num_allreduce_per_pass", "mlp_width"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TPSplit.{name} must be >= 0, got {getattr(self, name)}")
@@ -87,6 +106,15 @@ class TPSplit:
             return (self.num_heads % tp == 0 and (self.num_kv_heads or self.num_heads) % tp == 0
                     and self.mlp_width % tp == 0)
         return self.vocab_size % tp == 0
+
+    def divisors_text(self) -> str:
+        """What a TP degree must divide, in words (for messages)."""
+        if self.kind == "vocab":
+            return f"vocab {self.vocab_size}"
+        heads = (f"{self.num_heads} Mamba heads, {self.num_kv_heads} groups" if self.mixer == "mamba2" else
+                 f"{self.num_heads} heads, {self.num_kv_heads or self.num_heads} KV heads" if self.num_heads else "")
+        width = f"MLP width {self.mlp_width}" if self.mlp_width else ""
+        return ", ".join(part for part in (heads, width) if part)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
@@ -224,6 +252,14 @@ class ModelInfo:
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Mamba-2 mixers (hybrid Hugging Face models, Nemotron-H; 0 without): heads, head width, B/C
+    # groups, state width and the chunked scan's chunk, as the engines' memory and kernel rules
+    # read them (`TPSplit.mixer`).
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_chunk: int = 0
     # Traced Hugging Face models: the attention implementation transformers ran ("sdpa" or
     # "eager"; "" for meshplan's own models), and what the profile should say about the input
     # (config keys transformers ignores, ...), one line each.
@@ -249,6 +285,23 @@ class ModelInfo:
             raise ValueError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+
+    @property
+    def mamba_in_proj_width(self) -> int:
+        """A Mamba-2 mixer's in_proj outputs: [z | x | B | C | dt] (0 without Mamba-2 mixers)."""
+        inner = self.mamba_heads * self.mamba_head_dim
+        return 2 * inner + 2 * self.mamba_groups * self.mamba_state + self.mamba_heads if inner else 0
+
+    def mamba_scan_fwd_flops(self, seq: int) -> float:
+        """One sample's forward FLOPs of a Mamba-2 chunked scan (`models.hf_ssm.ssd_products`: per
+        chunk C B^T per group, the masked scores times x, the chunk states and their read-out per head)."""
+        if not self.mamba_heads:
+            return 0.0
+        chunk = self.mamba_chunk or seq
+        chunks = -(-seq // chunk)
+        per_chunk = (self.mamba_groups * chunk * self.mamba_state * chunk
+                     + self.mamba_heads * self.mamba_head_dim * chunk * (chunk + 2 * self.mamba_state))
+        return 2.0 * chunks * per_chunk
 
     @property
     def is_moe(self) -> bool:

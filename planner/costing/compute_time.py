@@ -8,7 +8,8 @@ from meshplan.planner.contracts.cluster import ClusterProfile
 from meshplan.planner.contracts.config import ParallelConfig
 from meshplan.planner.contracts.engine_rules import early_stop_of, runs_compiled, wgrad_accumulator_bytes
 from meshplan.planner.contracts.graph import LayerProfile, ModelInfo
-from meshplan.planner.costing import (attention_kernels, eager_kernels, fp8, gemm, loss_kernels, overlap,
+from meshplan.planner.costing import (attention_kernels, eager_kernels, fp8, gemm, loss_kernels, megatron_activations,
+                                      overlap,
                                       torchtitan_sac)
 from meshplan.planner.costing.activation_memory import activation_bytes, rebuilt_bytes
 from meshplan.planner.costing.device_time import (ATTENTION_BMMS_PER_BLOCK, attention_time_s, causal_skipped_flops,
@@ -74,6 +75,8 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
     mbs = config.rank_microbatch
     traffic_per_act_byte = cluster.device.elementwise_bytes_per_activation_byte
     saved_bytes, _ = activation_bytes(layer, config, act_scale * vocab_scale, recompute="none")
+    if runs_fused_mamba2(layer, config, info):
+        saved_bytes = fused_mamba2_saved_bytes(layer, config, info, profile_dtype, attention)
     skipped = causal_skipped_flops(layer, attention)
     fwd_flops = (layer.fwd_flops - skipped) * mbs * vocab_scale / shard
     bwd_flops = (layer.bwd_flops - 2 * skipped) * mbs * vocab_scale / shard
@@ -110,6 +113,23 @@ def compute_times_s(layer: LayerProfile, config: ParallelConfig, cluster: Cluste
                                                             profile_dtype, dtype)
         return fwd_s, bwd_s, core_s
     return fwd_s, bwd_s, 0.0
+
+
+def runs_fused_mamba2(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> bool:
+    """Whether the engine runs the layer's Mamba-2 mixer as mamba_ssm's fused kernels (Megatron-Core's
+    `MambaMixer`), where the profile traced transformers' torch path (which keeps several more
+    tensors per token: unfused conv, gate and fp32 norm intermediates)."""
+    return config.engine == "megatron" and layer.tp_split.mixer == "mamba2" and bool(info.mamba_heads)
+
+
+def fused_mamba2_saved_bytes(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, profile_dtype: str,
+                             attention: str) -> float:
+    """Bytes a micro-batch of the layer keeps on one rank as Megatron-Core's Mamba-2 layer keeps them
+    (`megatron_activations.block_terms`): the memory-bound kernels' traffic follows them."""
+    seq = infer_seq(layer, info, profile_dtype)
+    per_token = sum(term.bytes_per_token for term in megatron_activations.block_terms(layer, config, info, attention,
+                                                                                       seq))
+    return per_token * seq * config.rank_microbatch
 
 
 def early_stops(config: ParallelConfig, recompute: str | None = None) -> bool:

@@ -300,15 +300,18 @@ def _activations(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, a
 def formulas_describe(info: ModelInfo, engine: str) -> bool:
     """Whether the formulas describe the model's blocks under `engine`: the GPT, Llama and MoE
     families; under megatron also a traced mixture of experts whose widths the config names
-    (GPT-OSS, DeepSeek-V2/V3 with multi-head latent attention): Megatron-Core runs it as its own
-    GPT model, with its own modules, not the traced transformers ones (whose eager experts keep
-    several more tensors per routed copy)."""
+    (GPT-OSS, DeepSeek-V2/V3 with multi-head latent attention) or a hybrid with Mamba-2 mixers
+    (Nemotron-H): Megatron-Core runs it as its own GPT or Mamba model, with its own modules and
+    fused kernels, not the traced transformers ones (whose eager experts keep several more
+    tensors per routed copy, and whose Mamba-2 torch path several more per token)."""
     if not (info.hidden and info.num_heads):
         return False
     if engine == foundry_memory.ENGINE:  # its MPT-style dense blocks (MoE blocks: the profile's accounting)
         return info.family in ("gpt", "llama")
     traced_moe = info.family == "hf" and bool(info.num_experts and info.expert_ffn)
-    return info.family in _FORMULA_FAMILIES or (engine == "megatron" and (bool(info.kv_lora_rank) or traced_moe))
+    hybrid = bool(info.mamba_heads)  # Megatron-Core's hybrid Mamba model (`megatron_activations.mamba2_terms`)
+    return info.family in _FORMULA_FAMILIES or (engine == "megatron" and (bool(info.kv_lora_rank) or traced_moe
+                                                                           or hybrid))
 
 
 def _with_routed_experts(saved: float, working: float, layer: LayerProfile, config: ParallelConfig,
@@ -332,7 +335,7 @@ def _shape(info: ModelInfo) -> tuple[int, int, int, int]:
 def _mlp_width(layer: LayerProfile, info: ModelInfo) -> tuple[float, bool]:
     """(f, gated) of the layer's dense MLP: a MoE block's shared experts (its routed experts are
     counted apart), else the model's FFN; Llama-style MLPs are gated (SwiGLU)."""
-    gated = info.family != "gpt"
+    gated = megatron_activations.is_gated(layer, info)
     if layer.expert_params:
         return float(info.shared_experts_width), gated
     return float(info.mlp_width), gated

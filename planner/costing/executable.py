@@ -105,10 +105,19 @@ def tp_split_problem(model: ModelFacts, tp: int, label: str | None = None) -> st
             return (f"{label}: layer {name!r} cannot be split over tensor-parallel ranks: "
                     f"{split.reason or 'no known layout'}; use --tp 1")
         if not split.max_degree_ok(tp):
-            what = (f"vocab {split.vocab_size}" if split.kind == "vocab" else
-                    f"{split.num_heads} heads, {split.num_kv_heads or split.num_heads} KV heads"
-                    + (f", MLP width {split.mlp_width}" if split.mlp_width else ""))
-            return f"{label} does not divide layer {name!r}: {what}; pick a tp that divides them"
+            return f"{label} does not divide layer {name!r}: {split.divisors_text()}; pick a tp that divides them"
+    return None
+
+
+def _split_refusal(config, model: ModelFacts) -> str | None:
+    """A split the cost model prices and the executor does not run (`TPSplit.executor_refusal`:
+    Mamba-2 mixers, attention-only and MLP-only decoder layers of Hugging Face hybrids)."""
+    if config.tp == 1:
+        return None
+    for name, _, split in model.distinct_layers:
+        if split.executor_refusal:
+            return (f"tp={config.tp}: {split.executor_refusal} (layer {name!r}); re-plan with --tp 1 to train, "
+                    "or export the plan to Megatron-LM")
     return None
 
 
@@ -164,7 +173,7 @@ def why_not_executable(config, model: ModelFacts, layer_degrees=()) -> str | Non
                 f"or use a schedule without a split backward ({_whole_backward_schedules()})")
     if model.family in WHOLE_MODEL_FAMILIES and whole_model_problem(config):
         return whole_model_problem(config)
-    return (_sequence_problem(config, model) or tp_split_problem(model, config.tp)
+    return (_sequence_problem(config, model) or tp_split_problem(model, config.tp) or _split_refusal(config, model)
             or _expert_problem(config, model) or _pipeline_problem(config, model))
 
 

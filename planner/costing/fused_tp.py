@@ -40,16 +40,19 @@ from meshplan.planner.costing.overlap import fused_scatter_regions, fused_tp_col
 
 # A Llama or GPT block: attention's region, then the MLP's (`gemm.block_linear_shapes`' order).
 REGIONS = 2
-ATTENTION_LINEARS = 4
 
 
 def block_regions(shapes: tuple, num_regions: int) -> tuple[range, ...] | None:
-    """A block's `num_regions` TP regions over its Linear `shapes` (`gemm.block_linear_shapes`):
-    attention's, then the MLP's (a MoE block's dense part: its shared experts'); None where the shapes
-    do not make that many, each with a column Linear."""
-    if len(shapes) < ATTENTION_LINEARS or not 0 < num_regions <= REGIONS:
+    """A block's `num_regions` TP regions over its Linear `shapes` (`gemm.block_linear_shapes`), each
+    ending at its row Linear: the token mixer's (attention's, a Mamba-2 mixer's), then the MLP's (a
+    MoE block's dense part: its shared experts'); None where the shapes do not make that many, each
+    with a column Linear."""
+    if not 0 < num_regions <= REGIONS:
         return None
-    regions = (range(ATTENTION_LINEARS), range(ATTENTION_LINEARS, len(shapes)))[:num_regions]
+    ends = [i + 1 for i, shape in enumerate(shapes) if not shape[2]]
+    regions = tuple(range(start, end) for start, end in zip([0] + ends, ends))
+    if len(regions) != num_regions or (ends and ends[-1] != len(shapes)):
+        return None
     return regions if all(any(shapes[i][2] for i in region) for region in regions) else None
 
 

@@ -146,30 +146,45 @@ def gemm_time_s(m: float, n: float, k: float, cluster: ClusterProfile, dtype: st
 
 def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple[tuple[int, int, bool], ...]:
     """(in, out, column) of a transformer block's Linears, before TP (column: split on its
-    output, else on its input), from the model's shapes: attention's, then a dense block's MLP or,
-    for a MoE block's dense part (`expert_parallel.dense_part`), its shared experts' SwiGLU (none
-    without shared experts); () when the shapes do not reproduce the layer's Linear FLOPs (traced
-    layers, a MoE block with its routed experts: those stay on the FLOP-only curve)."""
+    output, else on its input), from the model's shapes: its token mixer's (attention's, or a
+    Mamba-2 mixer's in_proj and out_proj, or none), then its dense MLP (a hybrid's layer may have
+    none) or, for a MoE block's dense part (`expert_parallel.dense_part`), its shared experts'
+    SwiGLU (none without shared experts); () when the shapes do not reproduce the layer's Linear
+    FLOPs (traced layers, a MoE block with its routed experts: those stay on the FLOP-only curve).
+    A Mamba-2 mixer's chunked scan (`ModelInfo.mamba_scan_fwd_flops`) is no Linear."""
     if layer.kind != "block" or layer.tp_split.kind != "block" or layer.expert_params or not info.hidden \
             or not info.num_heads or not seq:
         return ()
-    head_dim = info.attention_head_dim
-    q_dim, kv_dim = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
-    attention = ((info.hidden, q_dim, True), (info.hidden, kv_dim, True), (info.hidden, kv_dim, True),
-                 (q_dim, info.hidden, False))
-    ffn = info.ffn or layer.tp_split.mlp_width
-    column_mlp = 1 if info.family == "gpt" else 2
-    mlps = [((info.hidden, ffn, True),) * column_mlp + ((ffn, info.hidden, False),)]
+    split, h = layer.tp_split, info.hidden
+    mixer = _mixer_shapes(info, split.mixer)
+    ffn = info.ffn or split.mlp_width
+    column_mlp = 1 if split.mlp == "plain" or (not split.mlp and info.family == "gpt") else 2
+    mlps = [() if split.mlp == "none" else ((h, ffn, True),) * column_mlp + ((ffn, h, False),)]
     if info.num_experts:  # a MoE block's dense part: the shared experts' SwiGLU, if any
         shared = info.shared_ffn
-        mlps.append(((info.hidden, shared, True),) * 2 + ((shared, info.hidden, False),) if shared else ())
-    linear_fwd = layer.fwd_flops - layer.attn_fwd_flops
+        mlps.append(((h, shared, True),) * 2 + ((shared, h, False),) if shared else ())
+    linear_fwd = layer.fwd_flops - layer.attn_fwd_flops - layer.conv_fwd_flops  # a Mamba mixer's depthwise conv
+    if split.mixer == "mamba2":
+        linear_fwd -= info.mamba_scan_fwd_flops(seq)
     for mlp in mlps:
-        shapes = attention + mlp
+        shapes = mixer + mlp
         counted = 2 * seq * sum(i * o for i, o, _ in shapes)
         if linear_fwd and abs(counted - linear_fwd) <= 0.01 * linear_fwd:
             return shapes
     return ()
+
+
+def _mixer_shapes(info: ModelInfo, mixer: str) -> tuple[tuple[int, int, bool], ...]:
+    """The token mixer's Linears: attention's q, k, v and o; a Mamba-2 mixer's in_proj and out_proj."""
+    if mixer == "none":
+        return ()
+    if mixer == "mamba2":
+        return (info.hidden, info.mamba_in_proj_width, True), (info.mamba_heads * info.mamba_head_dim, info.hidden,
+                                                                False)
+    head_dim = info.attention_head_dim
+    q_dim, kv_dim = info.num_heads * head_dim, (info.num_kv_heads or info.num_heads) * head_dim
+    return ((info.hidden, q_dim, True), (info.hidden, kv_dim, True), (info.hidden, kv_dim, True),
+            (q_dim, info.hidden, False))
 
 
 def linear_gemms_s(shape: tuple[int, int, bool], tokens: float, tp: int, cluster: ClusterProfile, dtype: str,

@@ -74,25 +74,25 @@ class Term:
 def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, attention: str,
                 seq: float, with_routed: bool = True) -> tuple[Term, ...]:
     """The block's saved tensors per token on one rank under Megatron-Core (module docstring);
-    `with_routed` False: without the routed experts' (`routed_expert_terms`)."""
+    `with_routed` False: without the routed experts' (`routed_expert_terms`). A hybrid's block
+    holds what its `TPSplit` records: attention, a Mamba-2 mixer or neither, a dense MLP or not."""
     t = config.tp if is_split(layer, config.tp) else 1
     sp_t = t if config.sp else 1
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
-    fp8 = config.precision == "fp8"
-    linear_in = FP8_BYTES if fp8 else b
-    h, heads = info.hidden, info.num_heads
+    linear_in = FP8_BYTES if config.precision == "fp8" else b
     moe = bool(layer.expert_params)
-    dropout = 1.0 * h if info.family in DROPOUT_FAMILIES else 0.0
-    terms = [Term("attention norm input", b * h / sp_t),
-             Term("attention dropout mask", dropout / sp_t), Term("MLP dropout mask", dropout / sp_t)]
-    terms += _mla_terms(info, b, linear_in, t, sp_t) if info.kv_lora_rank else _gqa_terms(info, b, linear_in, t, sp_t)
-    terms.append(Term("attention output and log-sum-exp", (b * heads * info.value_head_dim + 4.0 * heads
-                                                           + (linear_in * heads * info.value_head_dim if fp8 else 0.0)) / t))
-    if attention == "math":  # unfused softmax (and dropout): Korthikanti's 5as
-        terms.append(Term("attention scores", heads * seq * ((2 * b + 1) if dropout else b) / t, ("core_attn",)))
-    terms.append(Term("MLP norm input", b * h / sp_t))
-    terms.append(Term("MLP norm output", linear_in * h / sp_t, ("layernorm",) if moe else ("mlp",)))
-    gated = info.family != "gpt"
+    mixer = layer.tp_split.mixer
+    terms: list[Term] = []
+    if mixer == "mamba2":
+        terms += mamba2_terms(info, b, linear_in, t, sp_t)
+    elif mixer != "none":  # attention (another state-space mixer has no terms of its own: priced as attention)
+        terms += _attention_terms(info, config, attention, seq, b, linear_in, t, sp_t)
+    if not moe and layer.tp_split.mlp == "none":
+        return tuple(terms)
+    terms.append(Term("MLP dropout mask", (1.0 * info.hidden if info.family in DROPOUT_FAMILIES else 0.0) / sp_t))
+    terms.append(Term("MLP norm input", b * info.hidden / sp_t))
+    terms.append(Term("MLP norm output", linear_in * info.hidden / sp_t, ("layernorm",) if moe else ("mlp",)))
+    gated = is_gated(layer, info)
     if not moe:
         return tuple(terms) + _mlp_terms("MLP", float(info.mlp_width), gated, b, linear_in, t, ("mlp",))
     shared = float(info.shared_experts_width)
@@ -101,12 +101,47 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
     return tuple(terms) + (routed_expert_terms(layer, config, info) if with_routed else ())
 
 
+def is_gated(layer: LayerProfile, info: ModelInfo) -> bool:
+    """Whether the block's MLPs (and experts) are gated: as its split records, else Llama-style
+    families are (SwiGLU) and GPT is not."""
+    return layer.tp_split.mlp == "gated" if layer.tp_split.mlp in ("gated", "plain") else info.family != "gpt"
+
+
+def _attention_terms(info: ModelInfo, config: ParallelConfig, attention: str, seq: float, b: float,
+                     linear_in: float, t: int, sp_t: int) -> list[Term]:
+    h, heads = info.hidden, info.num_heads
+    dropout = 1.0 * h if info.family in DROPOUT_FAMILIES else 0.0
+    terms = [Term("attention norm input", b * h / sp_t), Term("attention dropout mask", dropout / sp_t)]
+    terms += _mla_terms(info, b, linear_in, t, sp_t) if info.kv_lora_rank else _gqa_terms(info, b, linear_in, t, sp_t)
+    fp8_copy = linear_in * heads * info.value_head_dim if config.precision == "fp8" else 0.0
+    terms.append(Term("attention output and log-sum-exp", (b * heads * info.value_head_dim + 4.0 * heads + fp8_copy) / t))
+    if attention == "math":  # unfused softmax (and dropout): Korthikanti's 5as
+        terms.append(Term("attention scores", heads * seq * ((2 * b + 1) if dropout else b) / t, ("core_attn",)))
+    return terms
+
+
+def mamba2_terms(info: ModelInfo, b: float, linear_in: float, t: int, sp_t: int) -> list[Term]:
+    """Megatron-Core's Mamba-2 layer (`MambaMixer` on its memory-efficient path): the norm fused into
+    `in_proj` (TE `LayerNormColumnParallelLinear`) keeps its input and output; mamba_ssm's
+    `mamba_split_conv1d_scan_combined` keeps `in_proj`'s output [z | x | B | C | dt] and the scan's
+    output before the gate, and rebuilds the conv and the chunk states in backward; the gated
+    RMSNorm after it keeps its input and an fp32 rstd per group; `out_proj` keeps its input."""
+    inner = info.mamba_heads * info.mamba_head_dim
+    in_proj = 2 * inner + 2 * info.mamba_groups * info.mamba_state + info.mamba_heads
+    return [Term("Mamba norm input", b * info.hidden / sp_t),
+            Term("Mamba norm output", linear_in * info.hidden / sp_t),
+            Term("in_proj output (z, x, B, C, dt)", b * in_proj / t),
+            Term("scan output before the gate", b * inner / t),
+            Term("gated norm input and rstd (fp32)", (b * inner + 4.0 * info.mamba_groups) / t),
+            Term("out_proj input", linear_in * inner / t)]
+
+
 def routed_expert_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> tuple[Term, ...]:
     """The routed experts' saved tensors per token of the tp group's micro-batch on the busiest rank."""
     b = DTYPE_BYTES[COMPUTE_DTYPE[config.precision]]
     linear_in = FP8_BYTES if config.precision == "fp8" else b
     etp, f, h = config.expert_tp, float(info.expert_ffn), info.hidden
-    gated = info.family != "gpt"
+    gated = is_gated(layer, info)
     copies = info.top_k * load_factor(info) / (config.tp if is_split(layer, config.tp) else 1)
     return (Term("routed experts' fc1 input", copies * etp * linear_in * h, ("moe",)),
             Term("routed experts' routing probs (fp32)", copies * etp * ROUTING_PROB_BYTES, ("moe",)),

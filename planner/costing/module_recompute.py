@@ -36,7 +36,7 @@ from meshplan.planner.costing.compute_time import attention_core_recompute_s
 from meshplan.planner.costing.device_time import infer_seq, memory_time_s
 from meshplan.planner.costing.engine_memory import formulas_describe
 from meshplan.planner.costing.fp8 import is_fp8
-from meshplan.planner.costing.megatron_activations import block_terms
+from meshplan.planner.costing.megatron_activations import block_terms, is_gated
 from meshplan.planner.costing.moe_compute import router_times_s
 from meshplan.planner.costing.precision import COMPUTE_DTYPE
 from meshplan.planner.costing.tp_split import is_split
@@ -53,14 +53,14 @@ def applies(layer: LayerProfile, config: ParallelConfig, info: ModelInfo) -> boo
 def module_linear_shapes(layer: LayerProfile, info: ModelInfo, modules: set[str]) -> tuple:
     """(in, out, column) of the Linears the named modules rerun (module docstring)."""
     h = info.hidden
-    gated = info.family != "gpt"
+    columns = 2 if is_gated(layer, info) else 1
     shapes: list[tuple[int, int, bool]] = []
-    if "mlp" in modules and not layer.expert_params:
+    if "mlp" in modules and not layer.expert_params and layer.tp_split.mlp != "none":
         ffn = info.mlp_width
-        shapes += [(h, ffn, True)] * (2 if gated else 1) + [(ffn, h, False)]
+        shapes += [(h, ffn, True)] * columns + [(ffn, h, False)]
     shared = info.shared_experts_width
     if layer.expert_params and shared and modules & {"shared_experts", "moe"}:
-        shapes += [(h, shared, True)] * 2 + [(shared, h, False)]
+        shapes += [(h, shared, True)] * columns + [(shared, h, False)]
     if "mla_up_proj" in modules and info.kv_lora_rank:
         head_dim, value_dim = info.attention_head_dim, info.value_head_dim
         if info.q_lora_rank:

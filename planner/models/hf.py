@@ -384,8 +384,22 @@ def _info(config, attn: str, notes: tuple[str, ...], kept_layers: list, all_laye
                      ffn=getattr(config, "intermediate_size", 0) or 0, vocab=config.vocab_size,
                      padded_vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
                      attn_implementation=attn, notes=notes + fused_note(attn) + window_notes(attn, kept_layers),
-                     **moe,
+                     **moe, **_mamba2_shape(kept_layers),
                      **(_latent_attention(config) or _head_dim(config)))
+
+
+def _mamba2_shape(layers) -> dict:
+    """The first Mamba-2 mixer's heads, head width, groups and state width, as ModelInfo names
+    them (read off the module: each family's config names them its own way); {} without one."""
+    from meshplan.planner.models.hf_tp import mamba2_mixer, ssm_mixer_path
+
+    for layer in layers:
+        path = ssm_mixer_path(layer)
+        if path is not None and not isinstance(mamba2_mixer(layer, path), str):
+            mixer = layer.get_submodule(path) if path else layer
+            return dict(mamba_heads=mixer.num_heads, mamba_head_dim=mixer.head_dim, mamba_groups=mixer.n_groups,
+                        mamba_state=mixer.ssm_state_size, mamba_chunk=positive_int(getattr(mixer, "chunk_size", 0)))
+    return {}
 
 
 def _router_groups(config) -> dict:

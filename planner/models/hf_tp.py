@@ -62,8 +62,11 @@ MLA_REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layer
 _MLP_NAMES = (("gated", ("gate_proj", "up_proj"), "down_proj"), ("fused_gated", ("gate_up_proj",), "down_proj"),
               ("plain", ("up_proj",), "down_proj"), ("plain", ("dense_h_to_4h",), "dense_4h_to_h"),
               ("plain", ("fc1",), "fc2"), ("plain", ("c_fc",), "c_proj"))
+_MLP_GATING = {"gated": "gated", "fused_gated": "gated", "plain": "plain", "none": "none"}
 # attributes of an attention module (or its config) that count heads: divided by tp when split
 HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads")
+_NO_ATTENTION = ("no attention of q/k/v/o_proj, qkv_proj/o_proj, query_key_value/dense or "
+                 "q(_b)_proj/kv_b_proj/o_proj Linears")
 KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
 
 
@@ -71,8 +74,8 @@ KV_HEAD_ATTRIBUTES = ("num_key_value_heads", "num_kv_heads")
 class HFLayout:
     """One decoder layer's TP layout (module paths relative to the layer)."""
 
-    attention: str  # the attention module's path
-    qkv: str  # separate | blocks | per_head | grouped | multi_query | mla
+    attention: str  # the attention module's (or Mamba-2 mixer's) path; "" in an MLP-only layer
+    qkv: str  # separate | blocks | per_head | grouped | multi_query | mla | mamba2 | none (no token mixer)
     mlp: str  # the MLP module's path
     mlp_kind: str  # gated | fused_gated | plain
     column_linears: tuple[str, ...]
@@ -88,7 +91,17 @@ class HFLayout:
     @property
     def fused_qkv(self) -> str | None:
         """The fused q/k/v Linear's path (None for separate q/k/v)."""
-        return None if self.qkv in ("separate", "mla") else self.column_linears[0]
+        return None if self.qkv in ("separate", "mla", "mamba2", "none") else self.column_linears[0]
+
+    @property
+    def executor_refusal(self) -> str:
+        """Why meshplan's executor does not run this layout ("" when it does)."""
+        if self.qkv == "mamba2":
+            return ("meshplan's executor does not split Mamba-2 mixers (in_proj's z/x/B/C/dt rows by heads and "
+                    "groups, the conv and the gated norm by channel)")
+        if self.qkv == "none" or not (self.mlp or self.experts):
+            return "meshplan's executor splits decoder layers of attention and an MLP, not attention or an MLP alone"
+        return ""
 
     @property
     def fused_gate_up(self) -> str | None:
@@ -99,38 +112,58 @@ class HFLayout:
         return TPSplit(kind="block", column_linears=self.column_linears, row_linears=self.row_linears,
                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                        num_allreduce_per_pass=2 if self.experts else len(self.row_linears),
-                       mlp_width=self.mlp_width)
+                       mlp_width=self.mlp_width, mixer={"mamba2": "mamba2", "none": "none"}.get(self.qkv, "attention"),
+                       mlp=_MLP_GATING[self.mlp_kind], executor_refusal=self.executor_refusal)
 
 
 def block_split(layer, experts: list[str] = ()) -> TPSplit:
-    """The layer's `TPSplit`: kind "block" with its Linears and head counts, or "none" with why.
-    `experts`: the layer's routed experts (`hf.expert_modules`), which have no layout."""
+    """The layer's `TPSplit`: kind "block" with its Linears and head counts, or "none" with why;
+    either way with what the block holds (`block_contents`). `experts`: the layer's routed
+    experts (`hf.expert_modules`), which have no layout."""
     layout = tp_layout(layer, experts)
-    return layout.split() if isinstance(layout, HFLayout) else TPSplit(reason=layout)
+    if isinstance(layout, HFLayout):
+        return layout.split()
+    mixer, mlp = block_contents(layer)
+    return TPSplit(reason=layout, mixer=mixer, mlp=mlp)
+
+
+def block_contents(layer) -> tuple[str, str]:
+    """(token mixer, dense MLP) of a decoder layer, as `TPSplit.mixer` and `TPSplit.mlp` name them:
+    a Mamba-2 mixer, another state-space or linear-attention mixer (a parameter `A_log`), attention
+    Linears of a known layout or else "none"; a dense MLP of known Linears, gated or plain, or none."""
+    import torch
+
+    linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    ssm = ssm_mixer_path(layer)
+    if ssm is not None:
+        mixer = "ssm" if isinstance(mamba2_mixer(layer, ssm), str) else "mamba2"
+    else:
+        mixer = "none" if isinstance(_find_attention(layer, linears), str) else "attention"
+    mlp = _find_mlp(linears)
+    return mixer, "none" if mlp is None else _MLP_GATING[mlp[1]]
 
 
 def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
     """The layer's layout, or a one-phrase reason why it has none (`experts` as in `block_split`)."""
     import torch
 
-    mixer = next((name for name, p in layer.named_parameters() if name.rpartition(".")[2] == "A_log"), "")
-    if mixer:  # Mamba's state decay: a state-space mixer, not attention
-        return (f"a state-space mixer ({mixer.rpartition('.')[0] or 'the layer'}) has no tensor-parallel split in "
-                "meshplan's executor")
     linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-    attention = _find_attention(layer, linears)
-    if isinstance(attention, str):
-        return attention
-    attn_path, qkv, qkv_names, out_name, heads, kv_heads, head_dim = attention
+    mixer = _find_token_mixer(layer, linears)
     expert_width = _expert_width(layer, experts)
     if isinstance(expert_width, str):
         return expert_width
     mlp = _find_mlp(linears)
-    if mlp is None and not experts:
+    # a hybrid's single-purpose layers (Nemotron-H): an MLP alone, or attention or a Mamba-2 mixer
+    # alone, when nothing but norms sits outside it
+    if isinstance(mixer, str) and not (mlp and _only_norms_outside(layer, mlp[0])):
+        return mixer
+    if mlp is None and not experts and not _only_norms_outside(layer, mixer[0]):
         return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h, fc1/fc2 or c_fc/c_proj Linears"
+    attn_path, qkv, qkv_names, out_name, heads, kv_heads, head_dim = (
+        mixer if not isinstance(mixer, str) else ("", "none", (), "", 0, 0, 0))
     mlp_path, mlp_kind, mlp_columns, mlp_row, width = mlp or ("", "none", (), "", 0)
     columns = tuple(_join(attn_path, n) for n in qkv_names) + tuple(_join(mlp_path, n) for n in mlp_columns)
-    rows = (_join(attn_path, out_name),) + ((_join(mlp_path, mlp_row),) if mlp else ())
+    rows = ((_join(attn_path, out_name),) if out_name else ()) + ((_join(mlp_path, mlp_row),) if mlp else ())
     width = math.gcd(width, expert_width)
     attention_module = layer.get_submodule(attn_path) if attn_path else layer
     replicated = tuple(_join(attn_path, n) for n in MLA_REPLICATED
@@ -138,14 +171,65 @@ def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
     others = sorted(set(linears) - set(columns) - set(rows) - set(replicated))
     if others:
         return f"Linears outside a known attention/MLP layout ({', '.join(others[:3])})"
-    widths = {heads * head_dim, kv_heads * head_dim}
-    sized, width_norms = _head_sized_parameters(layer, attn_path, columns + rows + replicated, widths, heads,
-                                                 head_dim)
-    if sized:
-        return f"parameter {sized} is sized by the heads and meshplan does not shard it"
+    width_norms: tuple[str, ...] = ()
+    if qkv not in ("mamba2", "none"):
+        widths = {heads * head_dim, kv_heads * head_dim}
+        sized, width_norms = _head_sized_parameters(layer, attn_path, columns + rows + replicated, widths, heads,
+                                                     head_dim)
+        if sized:
+            return f"parameter {sized} is sized by the heads and meshplan does not shard it"
     return HFLayout(attention=attn_path, qkv=qkv, mlp=mlp_path, mlp_kind=mlp_kind, column_linears=columns,
                     row_linears=rows, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, mlp_width=width,
                     replicated=replicated, width_norms=width_norms, experts=tuple(experts))
+
+
+def _find_token_mixer(layer, linears: dict):
+    """The attention's or Mamba-2 mixer's (path, layout, input names, output name, heads, kv heads
+    or groups, head_dim), or the reason the layer has none that splits."""
+    ssm = ssm_mixer_path(layer)
+    if ssm is not None:
+        return mamba2_mixer(layer, ssm)
+    return _find_attention(layer, linears)
+
+
+def ssm_mixer_path(layer) -> str | None:
+    """The path of the layer's state-space mixer (the module holding a state decay `A_log`: Mamba,
+    Mamba-2, gated DeltaNet), or None."""
+    return next((name.rpartition(".")[0] for name, _ in layer.named_parameters()
+                 if name.rpartition(".")[2] == "A_log"), None)
+
+
+def mamba2_mixer(layer, path: str):
+    """A Mamba-2 mixer's split (Megatron-Core's MambaMixer under TP): `in_proj` column-parallel, its
+    [z | x | B | C | dt] rows each cut by heads or groups; the depthwise conv, A_log, D, dt_bias and
+    the gated norm by channel, head or group; `out_proj` row-parallel, one all-reduce. The TP degree
+    divides the heads and the groups. A reason for any other state-space mixer (Mamba-1's
+    x_proj/dt_proj: Megatron-Core splits Mamba-2 only)."""
+    mixer = layer.get_submodule(path) if path else layer
+    heads, groups, head_dim, state = (_first_int(mixer, (n,)) for n in ("num_heads", "n_groups", "head_dim",
+                                                                         "ssm_state_size"))
+    where = path or "the layer"
+    if not (heads and groups and head_dim and state) or not all(
+            hasattr(mixer, n) for n in ("in_proj", "out_proj", "conv1d")):
+        return (f"a state-space mixer ({where}) has no tensor-parallel split unless it is a Mamba-2 mixer (in_proj, "
+                "conv1d, out_proj, num_heads, n_groups, head_dim, ssm_state_size)")
+    inner = heads * head_dim
+    rows = 2 * inner + 2 * groups * state + heads
+    if mixer.in_proj.out_features != rows or mixer.out_proj.in_features != inner:
+        return (f"Mamba-2 mixer {where}: in_proj rows {mixer.in_proj.out_features} / out_proj width "
+                f"{mixer.out_proj.in_features} do not match {heads} heads of {head_dim}, {groups} groups of {state}")
+    split = {heads, inner, inner + 2 * groups * state}
+    for name, param in mixer.named_parameters():
+        if not name.startswith(("in_proj.", "out_proj.")) and param.shape[0] not in split:
+            return f"parameter {_join(path, name)} of the Mamba-2 mixer is not sized by its heads or channels"
+    return path, "mamba2", ("in_proj",), "out_proj", heads, groups, head_dim
+
+
+def _only_norms_outside(layer, path: str) -> bool:
+    """Whether every parameter outside the module at `path` is a norm's weight or bias."""
+    prefix = f"{path}." if path else ""
+    return all(name.startswith(prefix) or (param.dim() == 1 and "norm" in name)
+               for name, param in layer.named_parameters())
 
 
 def _expert_width(layer, experts) -> int | str:
@@ -177,8 +261,7 @@ def _find_attention(layer, linears: dict):
             return path, qkv, inputs, output, heads, kv_heads, head_dim
     attention = sorted(name for name in linears if "att" in name.rpartition(".")[0])
     found = f" (its attention Linears: {', '.join(attention[:4])})" if attention else ""
-    return (f"no attention of q/k/v/o_proj, qkv_proj/o_proj, query_key_value/dense or q(_b)_proj/kv_b_proj/o_proj "
-            f"Linears{found}")
+    return _NO_ATTENTION + found
 
 
 def _join(path: str, name: str) -> str:

@@ -279,11 +279,11 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
     """DGX Cloud's dense tables print each row's tokens/s beside its step time: every transcribed
     row's global batch x sequence over its step gives that figure (0.1%: the steps' printed
     digits), which pins the global batches the recipes set (16 per GPU for 8B, 2 for 70B and GPT-3,
-    one per two GPUs for 405B, the proxies' own, 4 for Nemotron-4 15B, one per four GPUs for 340B, and
-    512 in the GB200 strong-scaling table); the layouts fill the GPUs; each proxy's blocks
+    one per two GPUs for 405B, the proxies' own, 4 for Nemotron-4 15B, one per four GPUs for 340B,
+    512 in the GB200 strong-scaling table, 3 per GPU for Nemotron-H 56B); the layouts fill the GPUs; each proxy's blocks
     with the embedding and the loss fill its chunks evenly (the recipe's account_for_* split); and the model
     FLOPs per sample the READMEs print (4.74E+14, 2.17E+16, 2.20E+15) are meshplan's count with
-    attention in full (1%)."""
+    attention in full (1%), Nemotron-H 56B's (2.816E+15) meshplan's trace of its hybrid layers."""
     data, fit = modules
     dgx = benchmark_module("published_dgx_cloud_runs")
     runs = dgx.dgx_cloud_dense_runs()
@@ -304,7 +304,9 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
         ("GB200 Nemotron-4 340B", "bf16"): (59877, 119700, 235212),
         ("GB200 Nemotron-4 340B", "fp8"): (88383, 172804, 338468),
         ("GB200 Nemotron-4 340B gbs512", "bf16"): (64211, 126486, 247656),
-        ("GB200 Nemotron-4 340B gbs512", "fp8"): (96067, 187078, 369998)}
+        ("GB200 Nemotron-4 340B gbs512", "fp8"): (96067, 187078, 369998),
+        # v25.05.04's Nemotron-H 56B table (FP8 only, 32 to 2,048 GPUs, GBS 3 per GPU)
+        ("Nemotron-H 56B", "fp8"): (52016, 104454, 203003, 395888, 807321, 1605168, 3201148)}
     def table(run) -> tuple[str, str]:  # the printed table a run's row is in: (model, precision)
         model, precision = re.match(r"DGX Cloud (?:Llama3\.1 )?(.+?) (bf16|fp8) ", run.name).groups()
         return re.sub(r" \d+ layers$", "", model), precision
@@ -317,7 +319,7 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
             assert run.global_batch * run.seq / run.published_step_s == pytest.approx(figure, rel=1e-3), run.name
             assert run.gpus % (run.tp * run.pp * run.cp) == 0 and run.vpp_options[0] >= 1
             checked += 1
-    assert checked == len(runs) == 86
+    assert checked == len(runs) == 93
     assert {r.cluster for r in runs if "GB200" in r.name} == {"gb200-nvl72"}
     assert all(r.cluster == "h100-sxm" for r in runs if "GB200" not in r.name)
     # every release's recipes reduce gradients in bf16 (Llama 3.1's and Nemotron-4's performance
@@ -329,7 +331,8 @@ def test_dgx_cloud_dense_rows_transcription_is_consistent(modules):
             assert (blocks + 2) % (run.pp * run.vpp_options[0]) == 0  # 30 + 2 = 32 chunks of 1, 62 + 2 of 2
             assert run.stage_blocks == data.account_for_split(blocks, run.pp * run.vpp_options[0]), run.name
     for spec, seq, per_sample in (("llama3-8b", 8192, 4.74e14), ("llama3-405b", 8192, 2.17e16),
-                                  (data.gpt_spec(96, 12288, 96), 2048, 2.20e15)):
+                                  (data.gpt_spec(96, 12288, 96), 2048, 2.20e15),
+                                  (f"hf:{dgx.NEMOTRON_H_56B}", 8192, 2.816e15)):
         graph = fit.graph_of(spec, seq, "cudnn")
         assert float(graph.fwd_flops + graph.bwd_flops) == pytest.approx(per_sample, rel=0.01)
 

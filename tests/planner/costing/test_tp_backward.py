@@ -121,3 +121,17 @@ def test_a_moe_block_s_attention_region_alone_and_unknown_shapes_block(h100):
     assert expected < sum(tp_comm_parts_s(dense, config, h100, 1.0)[1])
     assert block_regions((), 2) is None
     assert block_regions(((512, 512, True),) * 3 + ((512, 512, False),), 2) is None  # no MLP region
+
+
+def test_a_region_ends_at_each_row_linear():
+    """A Llama block's two regions (q, k, v, o | gate, up, down), a Mamba-2 mixer's one (in_proj |
+    out_proj ends it), an MLP-only layer's one; shapes ending on a column Linear, or a region without
+    one, make none."""
+    attention = ((512, 512, True),) * 3 + ((512, 512, False),)
+    mlp = ((512, 1024, True),) * 2 + ((1024, 512, False),)
+    mamba = ((512, 2176, True), (1024, 512, False))
+    assert block_regions(attention + mlp, 2) == (range(0, 4), range(4, 7))
+    assert block_regions(mamba, 1) == (range(0, 2),) and block_regions(mlp[1:], 1) == (range(0, 2),)
+    assert block_regions(mamba, 2) is None and block_regions(attention + mlp, 1) is None
+    assert block_regions(attention + mlp[:1], 2) is None  # ends on a column Linear
+    assert block_regions(((512, 512, False),) * 2, 2) is None  # a region without a column Linear
