@@ -17,6 +17,22 @@ from meshplan.planner.costing.tp_split import is_split
 
 # PyTorch DDP's default gradient bucket (bucket_cap_mb=25): a software default, not hardware.
 DDP_BUCKET_BYTES = 25 * 2**20
+# Megatron-Core's DistributedDataParallel default bucket, in parameters: max(40M, 1M x the data-parallel
+# size), "to ensure that chunks used in NCCL ring-reduce implementations are large enough to remain
+# bandwidth-bound rather than latency-bound" (megatron/core/distributed/distributed_data_parallel.py).
+MEGATRON_BUCKET_MIN_PARAMS = 40_000_000
+MEGATRON_BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+
+
+def megatron_bucket_scale(params_per_rank: float, config: ParallelConfig) -> float:
+    """How many times a layer's parameters its Megatron-Core bucket holds (1 where the layer fills
+    one or more): its gradient reduction and its parameter gather run as part of the bucket's
+    collectives, so the layer pays its share of the bucket's, whose ring latency is paid once a
+    bucket, not once a layer. 1 outside Megatron's distributed data parallelism (ZeRO 0-2)."""
+    if config.engine != "megatron" or config.zero == 3 or params_per_rank <= 0:
+        return 1.0
+    bucket = max(MEGATRON_BUCKET_MIN_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP_RANK * config.dp)
+    return max(1.0, bucket / params_per_rank)
 
 
 def regathers(config: ParallelConfig) -> bool:
@@ -106,19 +122,24 @@ def dp_comm_s(params_per_rank: float, config: ParallelConfig, cluster: ClusterPr
         return 0.0, 0.0, 0.0, 0.0
     zero = config.zero
     per_param = recipe(config.precision)
+    scale = megatron_bucket_scale(params_per_rank, config)  # the layer's bucket, priced whole, then its share
+
+    def share_s(kind: str, size: float, ranks: int, ranks_stride: int) -> float:
+        return collective_time_s(kind, size * scale, ranks, cluster, ranks_stride) / scale
+
     grad_bytes = params_per_rank * grad_wire_bytes_per_param(config.precision, state_recipe, config.grad_reduce_in_bf16)
     param_bytes = params_per_rank * (per_param["param"] if gather_bytes_per_param is None else gather_bytes_per_param)
     if zero == 0:
-        return collective_time_s("all_reduce", grad_bytes, dp, cluster, stride), 0.0, 0.0, 0.0
+        return share_s("all_reduce", grad_bytes, dp, stride), 0.0, 0.0, 0.0
     # ZeRO shards over `shard` ranks spaced tp apart (all of dp, or HSDP's shard group); HSDP then
     # all-reduces each rank's 1/shard of the reduced gradient across the dp/shard replicas, whose
     # ranks are shard*tp apart (FSDP2's HSDP: reduce-scatter, then all-reduce of the shard).
-    gather_s = collective_time_s("all_gather", param_bytes, shard, cluster, stride)
+    gather_s = share_s("all_gather", param_bytes, shard, stride)
     paper = state_recipe == "zero-paper"
     reduce = "all_reduce" if zero == 1 and paper else "reduce_scatter"
-    grad_s = collective_time_s(reduce, grad_bytes, shard, cluster, stride)
+    grad_s = share_s(reduce, grad_bytes, shard, stride)
     if shard < dp:
-        grad_s += collective_time_s("all_reduce", grad_bytes / shard, dp // shard, cluster, stride * shard)
+        grad_s += share_s("all_reduce", grad_bytes / shard, dp // shard, stride * shard)
     if zero == 3:
         return grad_s, 0.0, gather_s, gather_s
     if paper or config.pp > 1 or gathers_in_a_forward(config):  # once per step

@@ -133,6 +133,10 @@ def cp_split_problem(model: ModelFacts, cp: int, label: str | None = None, metho
     if not model.num_heads:
         return (f"{label}: context parallelism splits attention over the sequence, and {model.spec!r} has no "
                 "attention meshplan can split; use --cp 1")
+    recurrent = next((name for name, _, split in model.distinct_layers if split.mixer in ("mamba2", "ssm")), None)
+    if recurrent is not None:  # Megatron-Core's Mamba CP swaps sequence for heads by all-to-alls around the scan
+        return (f"{label}: layer {recurrent!r} is a state-space mixer, whose context parallelism (all-to-alls of its "
+                "heads around the scan) meshplan does not price; use --cp 1")
     if model.seq % (2 * cp):
         return (f"{label} cuts each sequence into 2*cp = {2 * cp} equal chunks; seq {model.seq} is not divisible "
                 f"by {2 * cp}: use a sequence length that is")

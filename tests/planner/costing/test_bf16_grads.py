@@ -75,3 +75,26 @@ def test_the_estimate_reduces_faster_with_bf16_gradients():
     kwargs = dict(gpus=16, global_batch=16, seq=256, zero=1, engine="megatron")
     fp32, bf16 = (estimate(SPEC, "h100-sxm", grad_reduce_in_bf16=flag, **kwargs) for flag in (False, True))
     assert bf16.step_time_s < fp32.step_time_s
+
+
+def test_megatron_reduces_and_gathers_a_layer_as_its_share_of_a_bucket():
+    """Megatron-Core's DDP buckets hold max(40M, 1M x dp) parameters: a layer of 30M parameters a rank
+    at dp 256 pays 30/256 of the 256M-parameter bucket's collectives (one ring latency a bucket, not
+    one a layer); at dp 16 its share of a 40M bucket; a layer larger than a bucket pays its own; other
+    engines, and Megatron FSDP (ZeRO-3), price the layer's own collective."""
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.costing.collectives import collective_time_s
+    from meshplan.planner.costing.communication import dp_comm_s, megatron_bucket_scale
+
+    cluster = load_cluster("h100-sxm")
+    params = 30e6
+    for dp, bucket in ((256, 256e6), (16, 40e6)):
+        config = ParallelConfig(gpus=dp, global_batch=dp, dp=dp, zero=1, engine="megatron", grad_reduce_in_bf16=True)
+        assert megatron_bucket_scale(params, config) == pytest.approx(bucket / params)
+        expected = collective_time_s("reduce_scatter", bucket * 2, dp, cluster, 1) * params / bucket
+        assert dp_comm_s(params, config, cluster)[0] == pytest.approx(expected, rel=1e-12)
+        assert expected < collective_time_s("reduce_scatter", params * 2, dp, cluster, 1)
+        assert megatron_bucket_scale(bucket * 2, config) == 1.0
+    for other in (ParallelConfig(gpus=256, global_batch=256, dp=256, zero=1, engine="torchtitan"),
+                  ParallelConfig(gpus=256, global_batch=256, dp=256, zero=3, engine="megatron")):
+        assert megatron_bucket_scale(params, other) == 1.0

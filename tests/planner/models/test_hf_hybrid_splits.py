@@ -114,6 +114,9 @@ def test_estimate_prices_tp_over_mamba2_and_train_refuses_it(graph, tiny_spec):
         estimate(tiny_spec, "h100-sxm", 4, 4, seq=SEQ, tp=4, sp=True, engine="megatron")
     facts = model_facts(graph)
     assert tp_split_problem(facts, 2) is None
+    with pytest.raises(MeshplanError, match=r"--cp 2: layer 'blocks.0' is a state-space mixer, whose context "
+                                            r"parallelism .* meshplan does not price; use --cp 1"):
+        estimate(tiny_spec, "h100-sxm", 2, 4, seq=SEQ, cp=2, engine="megatron")
     config = parallel_config(load_cluster("h100-sxm"), gpus=2, global_batch=4, tp=2)
     why = why_not_executable(config, facts)
     assert why.startswith("tp=2: meshplan's executor does not split Mamba-2 mixers") and "--tp 1" in why
