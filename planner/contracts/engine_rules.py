@@ -54,6 +54,10 @@ VOCAB_PARALLEL_ENGINES = ("megatron", "torchtitan")
 # torchtitan's `training.compile` (0.2; `[compile] enable` later). What it prices: torchao's Float8 casts
 # fused with the ops before them (`costing.fp8.cast_times_s`), and a Llama block's elementwise kernels by
 # the fused rule, not counted op by op as eagerly (`costing.eager_kernels`).
+# The engines whose own TP code splits any model's sequence between the TP regions (Megatron-Core's
+# --sequence-parallel, torchtitan's SequenceParallel norms), a Hugging Face one too: the search offers
+# SP for such a model under them, where meshplan's executor keeps its norms and residual whole.
+SEQUENCE_SPLIT_ENGINES = ("megatron", "torchtitan")
 COMPILE_ENGINES = ("torchtitan",)
 # Engines whose weight-gradient GEMMs accumulate into the gradient buffer in place: Megatron-Core's
 # `gradient_accumulation_fusion` (on unless --no-gradient-accumulation-fusion) hands each Linear's

@@ -22,6 +22,7 @@ from meshplan.planner.contracts.axes import AXIS_NAMES, degrees_base
 from meshplan.planner.contracts.config import (CP_METHODS, DEFAULT_CP_METHOD, ENGINE_CP_METHODS, NO_PIPELINE_ENGINES,
                                                OFFLOAD, RECOMPUTE, SCHEDULES, ParallelConfig, moe_sp_problem,
                                                tp_sp_problem)
+from meshplan.planner.contracts.engine_rules import SEQUENCE_SPLIT_ENGINES
 from meshplan.planner.contracts.schedule import SCHEDULE_SPECS
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import is_mtp_layer
@@ -143,7 +144,8 @@ def _enumerate(graph, cluster, gpus: int, global_batch: int, pins: Pins, max_mbs
     dominated: dict[tuple, frozenset[str]] = {}
     for tp, pp, cp, dp in _mesh_shapes(gpus, global_batch, cluster, pins, facts, info.family, sequence_split,
                                        num_layers, engine):
-        sp_splits = sequence_split and (refused_sp or not moe_refuses_sp(facts, tp))
+        sp_splits = ((sequence_split or engine in SEQUENCE_SPLIT_ENGINES)
+                     and (refused_sp or not moe_refuses_sp(facts, tp)))
         if (tp, dp * cp) not in layouts:
             layouts[tp, dp * cp] = [(etp, ep) for etp, ep in expert_layouts(info, tp, dp * cp, pins)
                                     if not (engine in NO_PIPELINE_ENGINES and ep > 1)]

@@ -123,9 +123,13 @@ def test_estimate_prices_tp_over_mamba2_and_train_refuses_it(graph, tiny_spec):
 
 
 def test_the_search_keeps_tp_for_an_engine_and_drops_it_for_the_executor(graph):
+    """meshplan's executor splits neither the mixers nor the sequence of a Hugging Face model; Megatron-Core
+    splits both (`engine_rules.SEQUENCE_SPLIT_ENGINES`), so under it TP comes with and without SP."""
     from meshplan.planner.costing.hardware import load_cluster
     from meshplan.planner.search.candidates import Pins, enumerate_candidates
 
     cluster = load_cluster("h100-sxm")
-    assert {c.tp for c in enumerate_candidates(graph, cluster, 4, 8, Pins(zero=1, mbs=1))} == {1}
-    assert {c.tp for c in enumerate_candidates(graph, cluster, 4, 8, Pins(zero=1, mbs=1), engine="megatron")} == {1, 2}
+    assert {(c.tp, c.sp) for c in enumerate_candidates(graph, cluster, 4, 8, Pins(zero=1, mbs=1))} == {(1, False)}
+    megatron = enumerate_candidates(graph, cluster, 4, 8, Pins(zero=1, mbs=1), engine="megatron")
+    assert {(c.tp, c.sp) for c in megatron} == {(1, False), (2, False), (2, True)}
+    assert all(c.cp == 1 for c in megatron)  # no CP over state-space mixers
