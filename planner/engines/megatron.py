@@ -19,9 +19,9 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.launch_script import parse_arguments
-from meshplan.planner.engines.megatron_hf import hf_megatron_args, published_spec
-from meshplan.planner.engines.megatron_split import (LAYOUT_FLAG, expand_layout, mtp_args, read_split,
-                                                     split_args)
+from meshplan.planner.engines.megatron_hf import HYBRID_FLAG, hf_megatron_args, hybrid_pattern, published_spec
+from meshplan.planner.engines.megatron_split import (LAYOUT_FLAG, expand_layout, hybrid_layout_args, mtp_args,
+                                                     read_hybrid_split, read_split, split_args)
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import hf_config_path
@@ -95,10 +95,11 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     if megatron_schedule is None and cfg.pp > 1:
         raise MeshplanError(f"Megatron-LM has no {cfg.schedule} pipeline schedule (it runs 1f1b and interleaved); "
                             "re-plan with --schedule interleaved or 1f1b")
-    if megatron_schedule == "interleaved":
-        args.append((VPP_FLAG, cfg.virtual_stages))
+    pattern = _hybrid_pattern(plan)
+    if megatron_schedule == "interleaved":  # a hybrid pattern's segments say its virtual stages
+        args += [] if pattern else [(VPP_FLAG, cfg.virtual_stages)]
         args += [(GROUP_FLAG, cfg.microbatch_group_size)] if cfg.microbatch_group_size else []
-    args += split_args(plan, notes)
+    args += hybrid_layout_args(plan, pattern, notes) if pattern else split_args(plan, notes)
     if cfg.sp:
         args.append((SP_FLAG, None))
     args += [(AXIS_FLAGS[name], getattr(cfg, name)) for name in ("cp", "ep") if getattr(cfg, name) > 1]
@@ -115,7 +116,8 @@ def export_megatron(plan) -> tuple[str, list[str]]:
              (BATCH_FLAGS["seq"], plan.model.seq), ("--max-position-embeddings", plan.model.seq)]
     args += _state_args(cfg, notes)
     head = f"{HEADER} gpus={cfg.gpus} model={plan.model.spec}"
-    lines = [head, "# pretrain_gpt.py arguments written by meshplan export; pass them after the script name"]
+    script = "pretrain_hybrid.py (pretrain_mamba.py before core_v0.18)" if pattern else "pretrain_gpt.py"
+    lines = [head, f"# {script} arguments written by meshplan export; pass them after the script name"]
     lines += [flag if value is None else f"{flag} {value}" for flag, value in args]
     return "\n".join(lines) + "\n", notes
 
@@ -155,6 +157,14 @@ def _state_args(cfg, notes: list[str]) -> list[tuple[str, object]]:
         if cfg.zero >= 1:
             args.append(("--fp8-param-gather", None))
     return args
+
+
+def _hybrid_pattern(plan) -> str | None:
+    """The plan's model's hybrid layer pattern (`megatron_hf.hybrid_pattern`), None for any other model."""
+    if zoo_shape(plan.model.spec, plan.model.seq) is not None:
+        return None
+    config_path = hf_config_path(plan.model.spec)
+    return hybrid_pattern(config_path) if config_path is not None else None
 
 
 def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:
@@ -276,7 +286,11 @@ def read_megatron(text: str) -> EngineJob:
     degrees = {name: get(flag, None if name == "etp" else 1) for name, flag in AXIS_FLAGS.items()}  # etp: tp
     tp, pp = degrees["tp"], degrees["pp"]
     num_layers = get("--num-layers", None)
-    vpp = _virtual_stages(get, pp, num_layers)
+    hybrid_split = None
+    if flags.get(HYBRID_FLAG):  # Megatron-LM derives the depth, and any cut, from the pattern
+        hybrid_split, num_layers, vpp = read_hybrid_split(flags[HYBRID_FLAG], pp)
+    else:
+        vpp = _virtual_stages(get, pp, num_layers)
     sp = SP_FLAG in flags
     if sp and tp == 1:
         notes.append("--sequence-parallel with tensor parallelism 1 has no effect; ignored")
@@ -298,7 +312,7 @@ def read_megatron(text: str) -> EngineJob:
         grad_reduce_in_bf16=BF16_GRADS_FLAG in flags, tp_comm_overlap=TP_OVERLAP_FLAG in flags,
         moe_a2a_overlap=A2A_OVERLAP_FLAG in flags and degrees["ep"] > 1,
         cross_entropy_fusion=_read_ce_fusion(flags, notes),
-        layers_per_chunk=read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
+        layers_per_chunk=hybrid_split or read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
         cp_method=cp_method, mtp_num_layers=get("--mtp-num-layers", 0),
         moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
         if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")

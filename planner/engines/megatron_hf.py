@@ -16,6 +16,11 @@ from meshplan.planner.models.registry import PUBLISHED_CONFIGS, hf_config_path
 
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 GPT_OSS_TYPES = ("gpt_oss",)
+HYBRID_TYPES = ("nemotron_h",)
+# transformers' NemotronH `layers_block_type` names, in Megatron-Core's hybrid pattern letters
+HYBRID_LETTERS = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+# Megatron-LM's hybrid layer pattern, `|` at each pipeline chunk's end (its flexible pipeline layout)
+HYBRID_FLAG = "--hybrid-layer-pattern"
 # The arguments that tell the published presets apart from each other and from zoo shapes.
 SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--num-query-groups", "--kv-channels",
                "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--num-experts", "--moe-router-topk",
@@ -34,7 +39,53 @@ def hf_megatron_args(config_path: str, notes: list[str]) -> list[tuple[str, obje
         return _common(data) + _mla(data) + _deepseek_moe(data, notes)
     if model_type in GPT_OSS_TYPES:
         return _common(data) + _gpt_oss(data, notes)
+    if model_type in HYBRID_TYPES and hybrid_pattern(config_path):
+        return _hybrid(data, notes)
     return None
+
+
+def hybrid_pattern(config_path: str) -> str | None:
+    """A hybrid config's layer pattern in Megatron-Core's letters (M a Mamba-2 mixer, * attention, - an
+    MLP, E a MoE layer), one per decoder layer: Nemotron-H's `hybrid_override_pattern`, or its
+    `layers_block_type` list; None for any other config."""
+    try:
+        data = read_config(config_path)
+    except MeshplanError:
+        return None
+    if data["model_type"] not in HYBRID_TYPES:
+        return None
+    pattern = data.get("hybrid_override_pattern")
+    if not pattern and isinstance(data.get("layers_block_type"), list):
+        pattern = "".join(HYBRID_LETTERS.get(kind, "?") for kind in data["layers_block_type"])
+    return pattern if pattern and set(pattern) <= set(HYBRID_LETTERS.values()) else None
+
+
+def _hybrid(data: dict, notes: list[str]) -> list[tuple[str, object]]:
+    """Megatron-Core's hybrid model (pretrain_hybrid.py, formerly pretrain_mamba.py): attention's
+    query groups and head width, the Mamba-2 mixers' state width, head width, groups and heads,
+    squared-ReLU MLPs, no position embedding. `--num-layers` is not written: Megatron-LM derives it
+    from `--hybrid-layer-pattern`, which `megatron.export_megatron` writes with the plan's cut."""
+    args: list[tuple[str, object]] = [
+        ("--hidden-size", data["hidden_size"]), ("--ffn-hidden-size", data["intermediate_size"]),
+        ("--num-attention-heads", data["num_attention_heads"]), ("--vocab-size", data["vocab_size"]),
+        ("--group-query-attention", None), ("--num-query-groups", data["num_key_value_heads"]),
+        ("--kv-channels", data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]),
+        ("--mamba-state-dim", data["ssm_state_size"]), ("--mamba-head-dim", data["mamba_head_dim"]),
+        ("--mamba-num-groups", data["n_groups"]), ("--mamba-num-heads", data["mamba_num_heads"]),
+        ("--normalization", "RMSNorm"), ("--norm-epsilon", data.get("layer_norm_epsilon", 1e-5)),
+        ("--position-embedding-type", "none")]
+    if data.get("mlp_hidden_act", "relu2") == "relu2":
+        args.append(("--squared-relu", None))
+    else:
+        notes.append(f"MLP activation {data['mlp_hidden_act']}: not written (Megatron-LM's hybrid models here run "
+                     "squared ReLU); set it by hand")
+    if not (data.get("use_bias") or data.get("mlp_bias") or data.get("attention_bias")):
+        args.append(("--disable-bias-linear", None))
+    if not data.get("tie_word_embeddings", False):
+        args.append(("--untie-embeddings-and-output-weights", None))
+    if "E" in (data.get("hybrid_override_pattern") or "") or "moe" in (data.get("layers_block_type") or ()):
+        notes.append("the pattern's MoE layers (E): their expert arguments are not written; set them by hand")
+    return args
 
 
 def published_spec(flags: dict[str, str | None]) -> str | None:

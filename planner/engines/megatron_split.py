@@ -10,6 +10,7 @@ import re
 from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.contracts.graph import MTP_LAYER_PREFIX, is_mtp_layer
 from meshplan.planner.engines import job as layout
+from meshplan.planner.engines.megatron_hf import HYBRID_FLAG
 from meshplan.planner.profiling.mtp import config_mtp_layers
 
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
@@ -51,6 +52,39 @@ def split_args(plan, notes: list[str]) -> list[tuple[str, object]]:
     if cfg.virtual_stages == 1 and first and last and counts == even_counts(sum(blocks), len(blocks), first, last):
         return [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
     return [(LAYOUT_FLAG, f"'{layout_text(plan)}'")]  # quoted: | is a pipe in a launch script
+
+
+def hybrid_layout_args(plan, pattern: str, notes: list[str]) -> list[tuple[str, object]]:
+    """A hybrid model's `--hybrid-layer-pattern`: its layer letters (`megatron_hf.hybrid_pattern`) with
+    `|` after each pipeline chunk's last decoder layer, Megatron-Core's flexible layout, which also
+    says the virtual stages (segments / pp); the pattern alone where the plan has one chunk."""
+    if plan.config.pp * plan.config.virtual_stages == 1:
+        return [(HYBRID_FLAG, f"'{pattern}'")]
+    notes.append("the pipeline cut is written as | in --hybrid-layer-pattern (Megatron-LM's flexible hybrid layout, "
+                 "2026 on); older releases take --hybrid-override-pattern, cut by count evenly and run no "
+                 "virtual stages")
+    segments = []
+    for chunk in plan.chunks():
+        blocks = [int(plan.layers[i].name.rpartition(".")[2]) for i in chunk
+                  if plan.layers[i].name.startswith("blocks.")]
+        segments.append("".join(pattern[b] for b in blocks))
+    return [(HYBRID_FLAG, f"'{'|'.join(segments)}'")]  # quoted: | is a pipe in a launch script
+
+
+def read_hybrid_split(pattern_text: str, pp: int) -> tuple[tuple[int, ...] | None, int, int]:
+    """(layers per chunk, embedding on the first and head on the last; None for one chunk or an
+    even split by count), the decoder's layer count and the virtual stages of a `--hybrid-layer-pattern`."""
+    segments = pattern_text.strip("'\" ").split("/")[0].split("|")
+    num_layers = sum(map(len, segments))
+    if len(segments) == 1:
+        return None, num_layers, 1
+    if len(segments) % pp:
+        raise MeshplanError(f"--hybrid-layer-pattern has {len(segments)} pipeline segments, not a multiple of "
+                            f"--pipeline-model-parallel-size {pp}")
+    counts = [len(segment) for segment in segments]
+    counts[0] += 1  # the embedding
+    counts[-1] += 1  # the output layer
+    return tuple(counts), num_layers, len(segments) // pp
 
 
 def layout_text(plan) -> str:

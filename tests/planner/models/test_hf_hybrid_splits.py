@@ -133,3 +133,30 @@ def test_the_search_keeps_tp_for_an_engine_and_drops_it_for_the_executor(graph):
     megatron = enumerate_candidates(graph, cluster, 4, 8, Pins(zero=1, mbs=1), engine="megatron")
     assert {(c.tp, c.sp) for c in megatron} == {(1, False), (2, False), (2, True)}
     assert all(c.cp == 1 for c in megatron)  # no CP over state-space mixers
+
+
+def test_megatron_export_writes_the_hybrid_pattern_with_the_plan_s_cut_and_reads_it_back(tiny_spec):
+    """`export --to megatron` of a Nemotron-H plan: Megatron-Core's hybrid arguments (no --num-layers: the
+    pattern says it) and `--hybrid-layer-pattern` with `|` after each chunk's last decoder layer; read back,
+    the same depth, chunks and virtual stages; a pattern without `|` is Megatron's even split."""
+    from dataclasses import replace
+
+    from meshplan.executor.plans import uniform_plan
+    from meshplan.planner.costing.hardware import load_cluster
+    from meshplan.planner.engines.megatron import export_megatron, read_megatron
+
+    plan = uniform_plan(tiny_spec, SEQ, 8, load_cluster("h100-sxm"), tp=2, pp=2, dp=1, microbatch_size=1, zero=1,
+                        schedule="1f1b", virtual_stages=1, recompute="none", sp=True, precision="bf16-mixed")
+    plan = replace(plan, config=replace(plan.config, engine="megatron"))
+    # re-cut: the embedding and blocks 0-2 on the first stage, block 3 and the head on the second
+    chunk_of = (0, 0, 0, 0, 1, 1)
+    plan = replace(plan, layers=tuple(replace(layer, stage=chunk) for layer, chunk in zip(plan.layers, chunk_of)))
+    text, notes = export_megatron(plan)
+    lines = text.splitlines()
+    assert "pretrain_hybrid.py" in lines[1] and "--num-layers" not in text
+    assert "--hybrid-layer-pattern 'M-*|-'" in lines and "--mamba-num-groups 2" in lines and "--squared-relu" in lines
+    assert any("--hybrid-layer-pattern" in note for note in notes)
+    job = read_megatron(text)
+    assert (job.pp, job.vpp, job.layers_per_chunk) == (2, 1, (4, 2))
+    even = read_megatron(text.replace("'M-*|-'", "'M-*-'"))
+    assert even.layers_per_chunk == (3, 3)  # 4 layers over 2 stages, the embedding and the head added
