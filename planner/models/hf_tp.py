@@ -111,7 +111,7 @@ class HFLayout:
     def split(self) -> TPSplit:
         return TPSplit(kind="block", column_linears=self.column_linears, row_linears=self.row_linears,
                        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                       num_allreduce_per_pass=2 if self.experts else len(self.row_linears),
+                       num_allreduce_per_pass=(self.qkv != "none") + bool(self.mlp or self.experts),
                        mlp_width=self.mlp_width, mixer={"mamba2": "mamba2", "none": "none"}.get(self.qkv, "attention"),
                        mlp=_MLP_GATING[self.mlp_kind], executor_refusal=self.executor_refusal)
 
@@ -153,9 +153,10 @@ def tp_layout(layer, experts: list[str] = ()) -> HFLayout | str:
     if isinstance(expert_width, str):
         return expert_width
     mlp = _find_mlp(linears)
-    # a hybrid's single-purpose layers (Nemotron-H): an MLP alone, or attention or a Mamba-2 mixer
-    # alone, when nothing but norms sits outside it
-    if isinstance(mixer, str) and not (mlp and _only_norms_outside(layer, mlp[0])):
+    # a hybrid's single-purpose layers (Nemotron-H): an MLP or a MoE alone, or attention or a Mamba-2
+    # mixer alone, when nothing but norms sits outside it
+    body = _common_path(([mlp[0]] if mlp else []) + [name.rpartition(".")[0] for name in experts])
+    if isinstance(mixer, str) and not ((mlp or experts) and _only_norms_outside(layer, body)):
         return mixer
     if mlp is None and not experts and not _only_norms_outside(layer, mixer[0]):
         return "no MLP of gate/up/down, gate_up/down, dense_h_to_4h/dense_4h_to_h, fc1/fc2 or c_fc/c_proj Linears"
@@ -225,6 +226,17 @@ def mamba2_mixer(layer, path: str):
     return path, "mamba2", ("in_proj",), "out_proj", heads, groups, head_dim
 
 
+def _common_path(paths: list[str]) -> str:
+    """The deepest module path holding every one of `paths` ("" for the layer itself)."""
+    parts = [path.split(".") if path else [] for path in paths]
+    common = []
+    for names in zip(*parts) if parts else ():
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
 def _only_norms_outside(layer, path: str) -> bool:
     """Whether every parameter outside the module at `path` is a norm's weight or bias."""
     prefix = f"{path}." if path else ""
@@ -241,7 +253,10 @@ def _expert_width(layer, experts) -> int | str:
     dims = {d for p in params if p.dim() == 3 for d in p.shape[1:]}
     if len(params) < 2 or len(dims) < 2:
         return f"routed experts ({experts[0]}) that are not transformers' stacked expert weights"
-    hidden = max(dims, key=lambda d: sum(d in p.shape[1:] for p in params))  # in every weight
+    # the hidden size: a norm's width where the layer has one, else the dimension in every weight (a
+    # plain MLP's experts hold both of theirs in both weights)
+    norms = {p.shape[0] for name, p in layer.named_parameters() if p.dim() == 1 and "norm" in name} & dims
+    hidden = next(iter(norms)) if len(norms) == 1 else max(dims, key=lambda d: sum(d in p.shape[1:] for p in params))
     return math.gcd(*(d for d in dims if d != hidden))
 
 

@@ -160,3 +160,23 @@ def test_megatron_export_writes_the_hybrid_pattern_with_the_plan_s_cut_and_reads
     assert (job.pp, job.vpp, job.layers_per_chunk) == (2, 1, (4, 2))
     even = read_megatron(text.replace("'M-*|-'", "'M-*-'"))
     assert even.layers_per_chunk == (3, 3)  # 4 layers over 2 stages, the embedding and the head added
+
+
+def test_a_moe_only_layer_splits_its_shared_experts_and_routed_experts_widths(tmp_path):
+    """Nemotron 3's E layers (a MoE alone: router, routed experts of squared ReLU, shared experts): the
+    shared experts' Linears column- and row-parallel, one all-reduce a pass, the experts' width and
+    the shared experts' (256 and 128 here; gcd 128) for a tp to divide; the hidden size read off the
+    layer's norm, since a plain expert's two weights both hold it and the expert width."""
+    from meshplan.planner.profiling.profiler import profile
+
+    config = {**TINY, "hybrid_override_pattern": "M*E-", "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 256, "n_shared_experts": 1,
+              "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0}
+    path = tmp_path / "nemotron_h_moe.json"
+    path.write_text(json.dumps(config))
+    graph = profile(f"hf:{path}", SEQ, cache=False)
+    moe = next(layer for layer in graph.layers if layer.expert_params)
+    split = moe.tp_split
+    assert (split.kind, split.mixer, split.mlp, split.num_allreduce_per_pass, split.mlp_width) == (
+        "block", "none", "plain", 1, 128)
+    assert split.row_linears == ("mixer.shared_experts.down_proj",) and split.executor_refusal
