@@ -84,7 +84,26 @@ def _hybrid(data: dict, notes: list[str]) -> list[tuple[str, object]]:
     if not data.get("tie_word_embeddings", False):
         args.append(("--untie-embeddings-and-output-weights", None))
     if "E" in (data.get("hybrid_override_pattern") or "") or "moe" in (data.get("layers_block_type") or ()):
-        notes.append("the pattern's MoE layers (E): their expert arguments are not written; set them by hand")
+        args += _hybrid_moe(data)
+    return args
+
+
+def _hybrid_moe(data: dict) -> list[tuple[str, object]]:
+    """Nemotron 3's MoE layers (E): routed experts of the pattern's MLP activation, shared experts
+    of their own width, and transformers' NemotronHTopkRouter as Megatron-Core's: sigmoid scores, an
+    expert bias for choosing (`e_score_correction_bias`), group-limited top-k, the routed scaling
+    factor."""
+    args: list[tuple[str, object]] = [
+        ("--num-experts", data["n_routed_experts"]), ("--moe-router-topk", data["num_experts_per_tok"]),
+        ("--moe-ffn-hidden-size", data["moe_intermediate_size"]), ("--moe-grouped-gemm", None),
+        ("--moe-router-score-function", "sigmoid"), ("--moe-router-enable-expert-bias", None)]
+    shared = data.get("moe_shared_expert_intermediate_size") or 0
+    if shared and data.get("n_shared_experts", 1):
+        args.append(("--moe-shared-expert-intermediate-size", shared))
+    if data.get("n_group", 1) > 1:
+        args += [("--moe-router-num-groups", data["n_group"]), ("--moe-router-group-topk", data["topk_group"])]
+    if data.get("routed_scaling_factor", 1.0) != 1.0:
+        args.append(("--moe-router-topk-scaling-factor", data["routed_scaling_factor"]))
     return args
 
 

@@ -180,3 +180,20 @@ def test_a_moe_only_layer_splits_its_shared_experts_and_routed_experts_widths(tm
     assert (split.kind, split.mixer, split.mlp, split.num_allreduce_per_pass, split.mlp_width) == (
         "block", "none", "plain", 1, 128)
     assert split.row_linears == ("mixer.shared_experts.down_proj",) and split.executor_refusal
+
+
+def test_megatron_export_writes_a_hybrid_s_moe_layers(tmp_path):
+    """Nemotron 3's E layers exported as Megatron-Core's MoE: experts, top-k, widths (the shared
+    experts' their own), the sigmoid router with its expert bias and scaling factor."""
+    from meshplan.planner.engines.megatron_hf import hf_megatron_args
+
+    config = {**TINY, "hybrid_override_pattern": "M*E-", "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 128, "moe_shared_expert_intermediate_size": 256, "n_shared_experts": 1,
+              "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5}
+    path = tmp_path / "nemotron_h_moe.json"
+    path.write_text(json.dumps(config))
+    args = dict(hf_megatron_args(str(path), []))
+    assert (args["--num-experts"], args["--moe-router-topk"], args["--moe-ffn-hidden-size"]) == (4, 2, 128)
+    assert args["--moe-shared-expert-intermediate-size"] == 256 and args["--moe-router-score-function"] == "sigmoid"
+    assert args["--moe-router-topk-scaling-factor"] == 2.5 and "--moe-router-enable-expert-bias" in args
+    assert "--moe-router-num-groups" not in args and args["--squared-relu"] is None
