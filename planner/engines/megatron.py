@@ -19,7 +19,7 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.launch_script import parse_arguments
-from meshplan.planner.engines.megatron_hf import HYBRID_FLAG, hf_megatron_args, hybrid_pattern, published_spec
+from meshplan.planner.engines.megatron_hf import HYBRID_FLAG, hf_megatron_args, plan_hybrid_pattern, published_spec
 from meshplan.planner.engines.megatron_split import (LAYOUT_FLAG, expand_layout, hybrid_layout_args, mtp_args,
                                                      read_hybrid_split, read_split, split_args)
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
@@ -95,7 +95,7 @@ def export_megatron(plan) -> tuple[str, list[str]]:
     if megatron_schedule is None and cfg.pp > 1:
         raise MeshplanError(f"Megatron-LM has no {cfg.schedule} pipeline schedule (it runs 1f1b and interleaved); "
                             "re-plan with --schedule interleaved or 1f1b")
-    pattern = _hybrid_pattern(plan)
+    pattern = plan_hybrid_pattern(plan)
     if megatron_schedule == "interleaved":  # a hybrid pattern's segments say its virtual stages
         args += [] if pattern else [(VPP_FLAG, cfg.virtual_stages)]
         args += [(GROUP_FLAG, cfg.microbatch_group_size)] if cfg.microbatch_group_size else []
@@ -157,14 +157,6 @@ def _state_args(cfg, notes: list[str]) -> list[tuple[str, object]]:
         if cfg.zero >= 1:
             args.append(("--fp8-param-gather", None))
     return args
-
-
-def _hybrid_pattern(plan) -> str | None:
-    """The plan's model's hybrid layer pattern (`megatron_hf.hybrid_pattern`), None for any other model."""
-    if zoo_shape(plan.model.spec, plan.model.seq) is not None:
-        return None
-    config_path = hf_config_path(plan.model.spec)
-    return hybrid_pattern(config_path) if config_path is not None else None
 
 
 def _model_args(plan, notes: list[str]) -> list[tuple[str, object]]:

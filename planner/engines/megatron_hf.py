@@ -11,6 +11,7 @@ attention sinks and clamped SwiGLU. Multi-token prediction is the plan's (`--mtp
 from __future__ import annotations
 
 from meshplan.planner.contracts.errors import MeshplanError
+from meshplan.planner.engines.shapes import zoo_shape
 from meshplan.planner.models.hf_config import read_config
 from meshplan.planner.models.registry import PUBLISHED_CONFIGS, hf_config_path
 
@@ -42,6 +43,14 @@ def hf_megatron_args(config_path: str, notes: list[str]) -> list[tuple[str, obje
     if model_type in HYBRID_TYPES and hybrid_pattern(config_path):
         return _hybrid(data, notes)
     return None
+
+
+def plan_hybrid_pattern(plan) -> str | None:
+    """The plan's model's hybrid layer pattern (`hybrid_pattern`), None for any other model."""
+    if zoo_shape(plan.model.spec, plan.model.seq) is not None:
+        return None
+    config_path = hf_config_path(plan.model.spec)
+    return hybrid_pattern(config_path) if config_path is not None else None
 
 
 def hybrid_pattern(config_path: str) -> str | None:
