@@ -19,9 +19,9 @@ from meshplan.planner.contracts.errors import MeshplanError
 from meshplan.planner.engines import job as layout
 from meshplan.planner.engines.job import EngineJob
 from meshplan.planner.engines.launch_script import parse_arguments
-from meshplan.planner.engines.megatron_hf import HYBRID_FLAG, hf_megatron_args, plan_hybrid_pattern, published_spec
-from meshplan.planner.engines.megatron_split import (LAYOUT_FLAG, expand_layout, hybrid_layout_args, mtp_args,
-                                                     read_hybrid_split, read_split, split_args)
+from meshplan.planner.engines.megatron_hf import hf_megatron_args, plan_hybrid_pattern, published_spec
+from meshplan.planner.engines.megatron_split import (LAYOUT_FLAG, VPP_FLAG, hybrid_layout_args, mtp_args, read_cut,
+                                                     split_args)
 from meshplan.planner.engines.shapes import spec_for_shape, zoo_shape
 from meshplan.planner.models.config import TransformerConfig
 from meshplan.planner.models.registry import hf_config_path
@@ -37,7 +37,6 @@ AXIS_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-para
 # meshplan's flag for each).
 BATCH_FLAGS = {"gbs": "--global-batch-size", "mbs": "--micro-batch-size", "seq": "--seq-length"}
 SP_FLAG, RECOMPUTE_FLAG = "--sequence-parallel", "--recompute-granularity"
-VPP_FLAG = "--num-virtual-stages-per-pipeline-rank"
 # Megatron-Core's context-parallel communication type: meshplan's Ulysses is its "a2a". Its
 # default "p2p" (ring attention), "allgather" and the hierarchical "a2a+p2p" are priced as the
 # all-gather method (`contracts.config.CP_METHODS`), which moves the same K/V bytes per rank.
@@ -277,12 +276,7 @@ def read_megatron(text: str) -> EngineJob:
     get = _IntReader(flags)
     degrees = {name: get(flag, None if name == "etp" else 1) for name, flag in AXIS_FLAGS.items()}  # etp: tp
     tp, pp = degrees["tp"], degrees["pp"]
-    num_layers = get("--num-layers", None)
-    hybrid_split = None
-    if flags.get(HYBRID_FLAG):  # Megatron-LM derives the depth, and any cut, from the pattern
-        hybrid_split, num_layers, vpp = read_hybrid_split(flags[HYBRID_FLAG], pp)
-    else:
-        vpp = _virtual_stages(get, pp, num_layers)
+    vpp, layers_per_chunk = read_cut(flags, get, pp)
     sp = SP_FLAG in flags
     if sp and tp == 1:
         notes.append("--sequence-parallel with tensor parallelism 1 has no effect; ignored")
@@ -304,7 +298,7 @@ def read_megatron(text: str) -> EngineJob:
         grad_reduce_in_bf16=BF16_GRADS_FLAG in flags, tp_comm_overlap=TP_OVERLAP_FLAG in flags,
         moe_a2a_overlap=A2A_OVERLAP_FLAG in flags and degrees["ep"] > 1,
         cross_entropy_fusion=_read_ce_fusion(flags, notes),
-        layers_per_chunk=hybrid_split or read_split(flags, get, pp, vpp, num_layers), offload=_read_offload(flags, notes),
+        layers_per_chunk=layers_per_chunk, offload=_read_offload(flags, notes),
         cp_method=cp_method, mtp_num_layers=get("--mtp-num-layers", 0),
         moe_dispatcher=_read_dispatcher(flags, degrees["ep"], notes)
         if degrees["ep"] > 1 or "--num-experts" in flags or DISPATCHER_FLAG in flags else "alltoall")
@@ -372,20 +366,6 @@ def _shard_group(get, degrees: dict, gpus: int | None, notes: list[str]) -> int 
     if dp % instances:
         raise MeshplanError(f"{INSTANCES_FLAG} {instances} does not divide the {dp} data-parallel ranks")
     return dp // instances
-
-
-def _virtual_stages(get, pp: int, num_layers: int | None) -> int:
-    vpp = get(VPP_FLAG, None)
-    per_chunk = get("--num-layers-per-virtual-pipeline-stage", None)
-    layout_text = get.flags.get(LAYOUT_FLAG)
-    if vpp is None and layout_text:  # the layout's stages are pp x virtual stages
-        vpp = max(1, len(expand_layout(layout_text).split("|")) // pp)
-    if vpp is None and per_chunk is not None:
-        if num_layers is None or num_layers % (pp * per_chunk):
-            raise MeshplanError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} needs --num-layers divisible "
-                                f"by pp * {per_chunk}; got --num-layers {num_layers}")
-        vpp = num_layers // (pp * per_chunk)
-    return vpp or 1
 
 
 def _launcher_world_size(get) -> int | None:

@@ -15,6 +15,7 @@ from meshplan.planner.profiling.mtp import config_mtp_layers
 
 # Megatron-Core's exact pipeline cut: the layers of every (virtual) stage, in model order.
 LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+VPP_FLAG = "--num-virtual-stages-per-pipeline-rank"
 
 
 def mtp_args(plan, notes: list[str]) -> list[tuple[str, object]]:
@@ -69,6 +70,31 @@ def hybrid_layout_args(plan, pattern: str, notes: list[str]) -> list[tuple[str, 
                   if plan.layers[i].name.startswith("blocks.")]
         segments.append("".join(pattern[b] for b in blocks))
     return [(HYBRID_FLAG, f"'{'|'.join(segments)}'")]  # quoted: | is a pipe in a launch script
+
+
+def read_cut(flags, get, pp: int) -> tuple[int, tuple[int, ...] | None]:
+    """(virtual stages, layers per chunk) of Megatron-LM arguments: a hybrid pattern's (Megatron-LM
+    derives the depth, and a `|` cut, from it), else `--num-layers` with the split arguments."""
+    if flags.get(HYBRID_FLAG):
+        counts, num_layers, vpp = read_hybrid_split(flags[HYBRID_FLAG], pp)
+        return vpp, counts or read_split(flags, get, pp, vpp, num_layers)
+    num_layers = get("--num-layers", None)
+    vpp = _virtual_stages(get, pp, num_layers)
+    return vpp, read_split(flags, get, pp, vpp, num_layers)
+
+
+def _virtual_stages(get, pp: int, num_layers: int | None) -> int:
+    vpp = get(VPP_FLAG, None)
+    per_chunk = get("--num-layers-per-virtual-pipeline-stage", None)
+    layout_text = get.flags.get(LAYOUT_FLAG)
+    if vpp is None and layout_text:  # the layout's stages are pp x virtual stages
+        vpp = max(1, len(expand_layout(layout_text).split("|")) // pp)
+    if vpp is None and per_chunk is not None:
+        if num_layers is None or num_layers % (pp * per_chunk):
+            raise MeshplanError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} needs --num-layers divisible "
+                                f"by pp * {per_chunk}; got --num-layers {num_layers}")
+        vpp = num_layers // (pp * per_chunk)
+    return vpp or 1
 
 
 def read_hybrid_split(pattern_text: str, pp: int) -> tuple[tuple[int, ...] | None, int, int]:
