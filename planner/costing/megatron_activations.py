@@ -114,7 +114,8 @@ def _attention_terms(info: ModelInfo, config: ParallelConfig, attention: str, se
     terms = [Term("attention norm input", b * h / sp_t), Term("attention dropout mask", dropout / sp_t)]
     terms += _mla_terms(info, b, linear_in, t, sp_t) if info.kv_lora_rank else _gqa_terms(info, b, linear_in, t, sp_t)
     fp8_copy = linear_in * heads * info.value_head_dim if config.precision == "fp8" else 0.0
-    terms.append(Term("attention output and log-sum-exp", (b * heads * info.value_head_dim + 4.0 * heads + fp8_copy) / t))
+    output = b * heads * info.value_head_dim + 4.0 * heads + fp8_copy
+    terms.append(Term("attention output and log-sum-exp", output / t))
     if attention == "math":  # unfused softmax (and dropout): Korthikanti's 5as
         terms.append(Term("attention scores", heads * seq * ((2 * b + 1) if dropout else b) / t, ("core_attn",)))
     return terms
