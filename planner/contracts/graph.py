@@ -107,6 +107,11 @@ class TPSplit:
                     and self.mlp_width % tp == 0)
         return self.vocab_size % tp == 0
 
+    def gated_mlp(self, family: str) -> bool:
+        """Whether the block's MLPs (and experts) are gated: as `mlp` records, else the model
+        family's rule (Llama-style SwiGLU; GPT's is not)."""
+        return self.mlp == "gated" if self.mlp in ("gated", "plain") else family != "gpt"
+
     def divisors_text(self) -> str:
         """What a TP degree must divide, in words (for messages)."""
         if self.kind == "vocab":

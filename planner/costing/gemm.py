@@ -158,7 +158,7 @@ def block_linear_shapes(layer: LayerProfile, info: ModelInfo, seq: int) -> tuple
     split, h = layer.tp_split, info.hidden
     mixer = _mixer_shapes(info, split.mixer)
     ffn = info.ffn or split.mlp_width
-    column_mlp = 1 if split.mlp == "plain" or (not split.mlp and info.family == "gpt") else 2
+    column_mlp = 2 if split.gated_mlp(info.family) else 1
     mlps = [() if split.mlp == "none" else ((h, ffn, True),) * column_mlp + ((ffn, h, False),)]
     if info.num_experts:  # a MoE block's dense part: the shared experts' SwiGLU, if any
         shared = info.shared_ffn

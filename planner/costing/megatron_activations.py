@@ -102,9 +102,8 @@ def block_terms(layer: LayerProfile, config: ParallelConfig, info: ModelInfo, at
 
 
 def is_gated(layer: LayerProfile, info: ModelInfo) -> bool:
-    """Whether the block's MLPs (and experts) are gated: as its split records, else Llama-style
-    families are (SwiGLU) and GPT is not."""
-    return layer.tp_split.mlp == "gated" if layer.tp_split.mlp in ("gated", "plain") else info.family != "gpt"
+    """Whether the block's MLPs (and experts) are gated (`TPSplit.gated_mlp`)."""
+    return layer.tp_split.gated_mlp(info.family)
 
 
 def _attention_terms(info: ModelInfo, config: ParallelConfig, attention: str, seq: float, b: float,
